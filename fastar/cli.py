@@ -1,0 +1,188 @@
+"""The `fastar` command line: argparse subcommands that map flags 1:1 onto library calls.
+
+Owns: argument parsing, `FASTAR_*` environment mirrors of flags, and turning errors into one clear line and a
+non-zero exit. Does not own: any tensor code (commands import their implementation lazily, so `fastar --help`
+and `fastar inspect` start fast and never import torch).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from . import __version__
+from .errors import FastarError
+
+
+def _env_default(dest: str, default):
+    """Flags can be set by FASTAR_<FLAG> environment variables (the flag on the command line wins)."""
+    v = os.environ.get("FASTAR_" + dest.upper())
+    if v is None:
+        return default
+    if isinstance(default, bool):
+        return v.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(v)
+    if isinstance(default, float):
+        return float(v)
+    return v
+
+
+class _Parser(argparse.ArgumentParser):
+    def add_argument(self, *args, **kw):
+        act = super().add_argument(*args, **kw)
+        if act.dest not in ("help", "version") and act.option_strings:
+            act.default = _env_default(act.dest, act.default)
+            if act.required and os.environ.get("FASTAR_" + act.dest.upper()):
+                act.required = False
+        return act
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+# --- commands ----------------------------------------------------------------------------------------------
+
+def cmd_convert(a) -> int:
+    from .convert.hf import convert
+    t = time.perf_counter()
+    out = convert(a.src, a.output, progress=None if a.progress is None else a.progress)
+    dt = time.perf_counter() - t
+    size = os.path.getsize(out)
+    print(f"wrote {out} ({_human(size)}) in {dt:.1f} s ({size / dt / 1e6:.0f} MB/s)")
+    return 0
+
+
+def cmd_verify(a) -> int:
+    from .format.reader import FstFile
+    t = time.perf_counter()
+    with FstFile(a.file) as f:
+        n_t = len(f.header["tensors"])
+        n_e = 0 if f.bank is None else f.bank["slots"] * f.bank["experts"]
+        if a.quick:
+            print(f"{a.file}: structure OK ({n_t} tensors, {n_e} expert records; checksums not checked)")
+            return 0
+        bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            bar = tqdm(total=f.file_size, unit="B", unit_scale=True, unit_divisor=1024, desc="verifying",
+                       file=sys.stderr, mininterval=0.5)
+        bad = f.verify(progress=bar.update if bar else None)
+        if bar:
+            bar.close()
+    dt = time.perf_counter() - t
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        print(f"fastar: error: {a.file}: checksum mismatch in {bad[0]}{more}", file=sys.stderr)
+        return 1
+    size = os.path.getsize(a.file)
+    print(f"{a.file}: OK ({n_t} tensors, {n_e} expert records, {_human(size)} checked in {dt:.1f} s, "
+          f"{size / max(dt, 1e-9) / 1e6:.0f} MB/s)")
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    from .format.reader import FstFile
+    with FstFile(a.file) as f:
+        h = f.header
+        by_type: dict[str, int] = {}
+        for t in h["tensors"]:
+            by_type[t["dtype"]] = by_type.get(t["dtype"], 0) + t["nbytes"]
+        bank = f.bank
+        if a.json:
+            info = {"file": str(a.file), "file_size": f.file_size, "config": h["config"], "source": h["source"],
+                    "converter": h["converter"], "bytes_by_dtype": by_type,
+                    "tensors": [{k: t[k] for k in ("name", "dtype", "shape", "offset", "nbytes")} for t in h["tensors"]],
+                    "experts": None if bank is None else {k: bank[k] for k in ("offset", "stride", "slots", "experts", "sections")}}
+            print(json.dumps(info, indent=1))
+            return 0
+        print(f"{a.file}: fastar .fst v3, {_human(f.file_size)}, written by fastar {h['converter'].get('version')}")
+        print("\nconfig:")
+        for k, v in h["config"].items():
+            print(f"  {k:34} {v}")
+        if h["source"]:
+            print("\nsource:", json.dumps(h["source"])[:400])
+        print(f"\ntensors ({len(h['tensors'])}):")
+        rows = h["tensors"] if a.all else h["tensors"][:40]
+        for t in rows:
+            print(f"  {t['name']:56} {t['dtype']:8} {str(t['shape']):20} {_human(t['nbytes']):>10} @ {t['offset']}")
+        if len(rows) < len(h["tensors"]):
+            print(f"  ... {len(h['tensors']) - len(rows)} more (--all to list them)")
+        print("\nbytes by storage type:")
+        for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:8} {_human(v):>12}")
+        for b in h["blobs"]:
+            print(f"  blob {b['name']} {_human(b['nbytes'])}")
+        if bank is not None:
+            n = bank["slots"] * bank["experts"]
+            print(f"\nexpert bank: {bank['slots']} layers x {bank['experts']} experts = {n} records, stride "
+                  f"{bank['stride']} B ({bank['stride'] // 4096} pages) at offset {bank['offset']}, "
+                  f"{_human(n * bank['stride'])} in all")
+            for s in bank["sections"]:
+                print(f"  +{s['offset']:<10} {s['field']:9} {s['dtype']:8} {s['shape']}")
+    return 0
+
+
+def cmd_fixture(a) -> int:
+    from .fixtures import write_checkpoint
+    p = write_checkpoint(a.output, preset=a.preset, seed=a.seed)
+    print(f"wrote an official-format {a.preset} checkpoint to {p}")
+    return 0
+
+
+# --- parser ------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fastar", description="DeepSeek-V4-Flash on one machine, experts paged from SSD.")
+    p.add_argument("--version", action="version", version=f"fastar {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    c = sub.add_parser("convert", help="convert an official checkpoint (directory or hub id) to .fst")
+    c.add_argument("src", help="checkpoint directory (config.json, safetensors shards, tokenizer.json) or hub id")
+    c.add_argument("-o", "--output", required=True, help="output .fst path")
+    c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: on a terminal)")
+    c.set_defaults(fn=cmd_convert)
+
+    v = sub.add_parser("verify", help="check a .fst file's structure and every checksum")
+    v.add_argument("file")
+    v.add_argument("--quick", action="store_true", help="structure only, no checksums")
+    v.set_defaults(fn=cmd_verify)
+
+    i = sub.add_parser("inspect", help="print a .fst file's config, tensors and expert-bank geometry")
+    i.add_argument("file")
+    i.add_argument("--all", action="store_true", help="list every tensor")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(fn=cmd_inspect)
+
+    f = sub.add_parser("fixture", help="write a small random checkpoint in the official on-disk format")
+    f.add_argument("-o", "--output", required=True)
+    f.add_argument("--preset", default="tiny", choices=["tiny", "tiny-dspark", "vocab"])
+    f.add_argument("--seed", type=int, default=0)
+    f.set_defaults(fn=cmd_fixture)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if not getattr(a, "fn", None):
+        parser.print_help()
+        return 2
+    try:
+        return a.fn(a)
+    except FastarError as e:
+        print(f"fastar: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fastar: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0

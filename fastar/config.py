@@ -1,0 +1,205 @@
+"""Model configuration: the one frozen description of a DeepSeek-V4 model that every part of fastar reads.
+
+Owns: `ModelConfig` (built from an official `config.json` or from a `.fst` header, validated once) and the
+derived per-layer facts (compress ratio, hash routing, which rope). Does not own: engine options (memory
+budgets, threads), which belong to the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+ALLOWED_RATIOS = (0, 4, 128)
+
+# Fields an official config.json must carry; everything else has the Flash default.
+REQUIRED = (
+    "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts", "num_experts_per_tok",
+    "compress_ratios",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1024
+    o_lora_rank: int = 1024
+    o_groups: int = 8
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    num_hash_layers: int = 3
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_max_position_embeddings: int = 65536
+    max_position_embeddings: int = 1048576
+    # one entry per main layer, then one per MTP layer (the official file carries 44 entries)
+    compress_ratios: tuple[int, ...] = field(default_factory=tuple)
+    num_nextn_predict_layers: int = 1
+    # MTP/DSpark blocks actually present in the weights (mtp.0 .. mtp.{n-1}); may exceed the config's count
+    num_mtp_layers: int = 1
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    expert_dtype: str = "fp4"
+    # DSpark (DeepSeek-V4-Flash-0731): empty when absent
+    dspark_block_size: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    dspark_noise_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ConfigError(f"invalid model config: {msg}")
+
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
+                bad(f"{f.name} must be an integer, got {v!r}")
+            if f.type == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                bad(f"{f.name} must be a number, got {v!r}")
+            if f.type == "bool" and not isinstance(v, bool):
+                bad(f"{f.name} must be true or false, got {v!r}")
+            if f.type == "str" and not isinstance(v, str):
+                bad(f"{f.name} must be a string, got {v!r}")
+            if f.type == "tuple[int, ...]" and not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                bad(f"{f.name} must be a list of integers, got {v!r}")
+        for name in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
+                     "n_routed_experts", "num_experts_per_tok", "sliding_window", "hc_mult"):
+            if getattr(self, name) <= 0:
+                bad(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_key_value_heads != 1:
+            bad(f"num_key_value_heads must be 1 (one shared KV latent), got {self.num_key_value_heads}")
+        if self.n_shared_experts != 1:
+            bad(f"n_shared_experts must be 1, got {self.n_shared_experts}")
+        if self.scoring_func != "sqrtsoftplus":
+            bad(f"scoring_func {self.scoring_func!r} is not supported (only 'sqrtsoftplus')")
+        if self.expert_dtype != "fp4":
+            bad(f"expert_dtype {self.expert_dtype!r} is not supported (only 'fp4')")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            bad("num_experts_per_tok exceeds n_routed_experts")
+        if self.num_attention_heads % self.o_groups:
+            bad(f"num_attention_heads {self.num_attention_heads} is not divisible by o_groups {self.o_groups}")
+        if self.qk_rope_head_dim % 2 or not 0 < self.qk_rope_head_dim <= self.head_dim:
+            bad(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and at most head_dim")
+        for name in ("hidden_size", "moe_intermediate_size"):
+            if getattr(self, name) % 32:
+                bad(f"{name} must be a multiple of 32 (FP4 scale groups), got {getattr(self, name)}")
+        n = self.num_hidden_layers
+        if len(self.compress_ratios) < n + self.num_mtp_layers:
+            bad(f"compress_ratios has {len(self.compress_ratios)} entries, need {n} layers + "
+                f"{self.num_mtp_layers} MTP")
+        odd = [r for r in self.compress_ratios if r not in ALLOWED_RATIOS]
+        if odd:
+            bad(f"compress_ratios may only hold {ALLOWED_RATIOS}, got {odd}")
+        if 4 in self.compress_ratios and (self.index_n_heads <= 0 or self.index_topk <= 0):
+            bad("ratio-4 layers need index_n_heads > 0 and index_topk > 0")
+        if not 0 <= self.num_hash_layers <= n:
+            bad(f"num_hash_layers {self.num_hash_layers} out of range")
+        if self.num_mtp_layers < 0:
+            bad("num_mtp_layers must be >= 0")
+        if self.dspark_block_size and len(self.dspark_target_layer_ids) == 0:
+            bad("dspark_block_size set without dspark_target_layer_ids")
+
+    # --- derived facts -------------------------------------------------------------------------------------
+
+    @property
+    def num_layer_slots(self) -> int:
+        """Main layers plus MTP layers: the number of (layer) rows of routed experts."""
+        return self.num_hidden_layers + self.num_mtp_layers
+
+    def ratio(self, layer: int) -> int:
+        """Compression ratio of layer `layer` (MTP layers are num_hidden_layers, +1, ...)."""
+        return self.compress_ratios[layer]
+
+    def is_hash_layer(self, layer: int) -> bool:
+        return layer < self.num_hash_layers
+
+    @property
+    def has_dspark(self) -> bool:
+        return self.dspark_block_size > 0
+
+    # --- (de)serialisation ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["compress_ratios"] = list(self.compress_ratios)
+        d["dspark_target_layer_ids"] = list(self.dspark_target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """From our own header dict (exact field names). Unknown keys are an error: the file is newer."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"invalid model config: unknown fields {sorted(unknown)}")
+        d = dict(d)
+        for k in ("compress_ratios", "dspark_target_layer_ids"):
+            if k in d:
+                if not isinstance(d[k], (list, tuple)):
+                    raise ConfigError(f"invalid model config: {k} must be a list")
+                d[k] = tuple(d[k])
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ConfigError(f"invalid model config: {e}") from None
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], num_mtp_layers: int | None = None) -> "ModelConfig":
+        """From an official HF `config.json` dict (either upstream revision, with or without `expert_dtype`)."""
+        missing = [k for k in REQUIRED if k not in d]
+        if missing:
+            raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {k: v for k, v in d.items() if k in names}
+        if "qk_rope_head_dim" not in d and "partial_rotary_factor" in d:
+            kw["qk_rope_head_dim"] = int(d["head_dim"] * d["partial_rotary_factor"])
+        rs = d.get("rope_scaling") or {}
+        if rs:
+            kw.update(rope_factor=float(rs.get("factor", 16.0)), beta_fast=float(rs.get("beta_fast", 32.0)),
+                      beta_slow=float(rs.get("beta_slow", 1.0)),
+                      original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 65536)))
+        q = d.get("quantization_config") or {}
+        kw["expert_dtype"] = d.get("expert_dtype", q.get("expert_dtype", "fp4"))
+        eos = d.get("eos_token_id", 1)
+        kw["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
+        n_cfg = int(d.get("num_nextn_predict_layers", 1))
+        kw["num_mtp_layers"] = n_cfg if num_mtp_layers is None else num_mtp_layers
+        ratios = list(d["compress_ratios"])
+        # DSpark stages are ratio-0 blocks that the config's single MTP entry does not list
+        while len(ratios) < kw["num_hidden_layers"] + kw["num_mtp_layers"]:
+            ratios.append(0)
+        kw["compress_ratios"] = tuple(ratios)
+        if "dspark_target_layer_ids" in kw:
+            kw["dspark_target_layer_ids"] = tuple(kw["dspark_target_layer_ids"])
+        for k in ("rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit", "hc_eps",
+                  "rms_norm_eps"):
+            if k in kw:
+                kw[k] = float(kw[k])
+        return cls(**kw)

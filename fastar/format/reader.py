@@ -1,0 +1,301 @@
+"""`.fst` v3 reader: validates the preamble and header, memory-maps the file, hands out zero-copy views.
+
+Owns: parsing and structural validation (header size cap, checksum of the header, no duplicate names, no holes
+or overlaps, every extent inside the file), `WeightSource` over the file, `pread` of one expert record into a
+caller's buffer (optionally through O_DIRECT), and full checksum verification. Imports no torch.
+Does not own: caching experts (`fastar.weights.expert_cache`).
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import xxhash
+
+from ..config import ModelConfig
+from ..errors import ConfigError, FormatError
+from ..weights.source import ExpertWeights
+from . import spec
+
+
+def _fail(path, msg: str) -> FormatError:
+    return FormatError(f"{path}: {msg}")
+
+
+def read_preamble(path: str | os.PathLike, f) -> tuple[int, int, int, int, int]:
+    raw = f.read(spec.PREAMBLE_SIZE)
+    if len(raw) < spec.PREAMBLE_SIZE:
+        raise _fail(path, f"file is {len(raw)} bytes, too short for a .fst preamble")
+    magic, version, hlen, hsum, data_offset, file_size = struct.unpack(spec.PREAMBLE_FMT, raw)
+    if magic != spec.MAGIC:
+        raise _fail(path, "not a .fst file (bad magic)")
+    return version, hlen, hsum, data_offset, file_size
+
+
+def _check_int(path, v, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise _fail(path, f"header: {what} must be a non-negative integer, got {v!r}")
+    return v
+
+
+def parse_header(path, hb: bytes, data_offset: int, file_size: int) -> dict:
+    """Validate the JSON header against the layout rules; raise FormatError on anything ambiguous."""
+    try:
+        h = json.loads(hb.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(path, f"header is not valid JSON ({e})") from None
+    if not isinstance(h, dict) or h.get("format") != spec.FORMAT_NAME or h.get("version") != spec.VERSION:
+        raise _fail(path, "header does not describe a fastar.fst v3 file")
+    for key, typ in (("config", dict), ("tensors", list), ("blobs", list), ("source", dict)):
+        if not isinstance(h.get(key), typ):
+            raise _fail(path, f"header field {key!r} missing or not a {typ.__name__}")
+    names: set[str] = set()
+    expect = data_offset
+    for kind in ("tensors", "blobs"):
+        for t in h[kind]:
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+                raise _fail(path, f"header: malformed {kind} entry {t!r}"[:200])
+            name = t["name"]
+            if name in names:
+                raise _fail(path, f"duplicate tensor name {name!r}")
+            names.add(name)
+            off = _check_int(path, t.get("offset"), f"{name} offset")
+            n = _check_int(path, t.get("nbytes"), f"{name} nbytes")
+            if kind == "tensors":
+                dt, shape = t.get("dtype"), t.get("shape")
+                if not isinstance(dt, str) or dt not in spec.DTYPE_SIZES:
+                    raise _fail(path, f"tensor {name}: unknown dtype {dt!r}")
+                if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+                    raise _fail(path, f"tensor {name}: malformed shape {shape!r}")
+                if spec.nbytes_of(dt, shape) != n:
+                    raise _fail(path, f"tensor {name}: {n} bytes do not match {dt}{shape}")
+            if not isinstance(t.get("xxh64"), str) or len(t["xxh64"]) != 16:
+                raise _fail(path, f"tensor {name}: malformed checksum")
+            if off != expect:
+                what = "overlaps the previous region" if off < expect else "leaves a hole before it"
+                raise _fail(path, f"tensor {name} at offset {off} {what} (expected {expect})")
+            if off + n > file_size:
+                raise _fail(path, f"tensor {name} extends past the end of the file")
+            expect = spec.align(off + n)
+    bank = h.get("experts")
+    if bank is not None:
+        if not isinstance(bank, dict):
+            raise _fail(path, "header: malformed expert bank")
+        for k in ("offset", "stride", "slots", "experts"):
+            _check_int(path, bank.get(k), f"experts.{k}")
+        if bank["offset"] != expect:
+            raise _fail(path, f"expert bank at {bank['offset']} does not follow the resident region ({expect})")
+        secs = bank.get("sections")
+        if not isinstance(secs, list) or [s.get("field") if isinstance(s, dict) else None for s in secs] != list(spec.EXPERT_FIELDS):
+            raise _fail(path, "header: expert sections malformed")
+        end = 0
+        for s in secs:
+            if not isinstance(s.get("dtype"), str) or s["dtype"] not in spec.DTYPE_SIZES or not isinstance(s.get("shape"), list) \
+                    or not all(isinstance(d, int) and d >= 0 for d in s["shape"]):
+                raise _fail(path, f"expert section {s.get('field')}: malformed")
+            if _check_int(path, s.get("offset"), "section offset") < end or \
+                    spec.nbytes_of(s["dtype"], s["shape"]) != _check_int(path, s.get("nbytes"), "section nbytes"):
+                raise _fail(path, f"expert section {s['field']}: bad offset or size")
+            end = s["offset"] + s["nbytes"]
+        if end > bank["stride"] or bank["stride"] % spec.ALIGN:
+            raise _fail(path, "expert stride smaller than a record or not page-aligned")
+        n_rec = bank["slots"] * bank["experts"]
+        if not isinstance(bank.get("xxh64"), list) or len(bank["xxh64"]) != n_rec or \
+                not all(isinstance(d, str) and len(d) == 16 for d in bank["xxh64"]):
+            raise _fail(path, "expert checksums missing")
+        expect = bank["offset"] + n_rec * bank["stride"]
+    if expect != file_size:
+        raise _fail(path, f"regions end at {expect} but the preamble says the file is {file_size} bytes")
+    return h
+
+
+class FstFile:
+    """A `.fst` v3 file opened for reading. Implements `fastar.weights.source.WeightSource`."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._fd = -1
+        if self.path.is_dir():
+            raise FormatError(f"{self.path}: is a directory, not a .fst file")
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise FormatError(f"{self.path}: no such file") from None
+        except OSError as e:
+            raise FormatError(f"{self.path}: cannot open ({e.strerror})") from None
+        try:
+            self._open()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _open(self) -> None:
+        path = self.path
+        actual = os.fstat(self._fd).st_size
+        with open(self._fd, "rb", closefd=False) as f:
+            version, hlen, hsum, data_offset, file_size = read_preamble(path, f)
+            if version != spec.VERSION:
+                raise _fail(path, f"unsupported .fst version {version} (this reader handles {spec.VERSION})")
+            if hlen > spec.MAX_HEADER_SIZE:
+                raise _fail(path, f"header length {hlen} exceeds the {spec.MAX_HEADER_SIZE}-byte cap")
+            if data_offset != spec.align(spec.PREAMBLE_SIZE + hlen):
+                raise _fail(path, f"data offset {data_offset} does not follow the header")
+            if actual < file_size:
+                raise _fail(path, f"file is truncated: {actual} bytes, expected {file_size}")
+            if actual > file_size:
+                raise _fail(path, f"file has {actual - file_size} trailing bytes past its declared end")
+            hb = f.read(hlen)
+        if len(hb) != hlen:
+            raise _fail(path, "file is truncated inside the header")
+        if xxhash.xxh64_intdigest(hb) != hsum:
+            raise _fail(path, "header checksum mismatch (the header is corrupt)")
+        try:
+            self.header = parse_header(path, hb, data_offset, file_size)
+        except (TypeError, KeyError, AttributeError, ValueError) as e:
+            if isinstance(e, FormatError):
+                raise
+            raise _fail(path, f"malformed header ({type(e).__name__}: {e})") from None
+        self.file_size = file_size
+        try:
+            self.config = ModelConfig.from_dict(self.header["config"])
+        except ConfigError as e:
+            raise _fail(path, str(e)) from None
+        self._tensors = {t["name"]: t for t in self.header["tensors"]}
+        self._blobs = {b["name"]: b for b in self.header["blobs"]}
+        self.bank = self.header["experts"]
+        self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) if file_size else None
+        if self.bank is not None:
+            c = self.config
+            if self.bank["slots"] != c.num_layer_slots or self.bank["experts"] != c.n_routed_experts:
+                raise _fail(path, "expert bank geometry does not match the config")
+            want = spec.expert_sections(c.hidden_size, c.moe_intermediate_size)
+            if self.bank["sections"] != want:
+                raise _fail(path, "expert sections do not match the config's widths")
+
+    # --- WeightSource --------------------------------------------------------------------------------------
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def dtype(self, name: str) -> str:
+        return self._entry(name)["dtype"]
+
+    def _entry(self, name: str) -> dict:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise FormatError(f"{self.path}: no tensor named {name!r}") from None
+
+    def tensor(self, name: str) -> np.ndarray:
+        t = self._entry(name)
+        a = np.frombuffer(self._mm, dtype=spec.NUMPY_DTYPES[t["dtype"]],
+                          count=t["nbytes"] // spec.DTYPE_SIZES[t["dtype"]], offset=t["offset"])
+        return a.reshape(t["shape"])
+
+    def blob(self, name: str) -> bytes | None:
+        b = self._blobs.get(name)
+        return None if b is None else bytes(self._mm[b["offset"]:b["offset"] + b["nbytes"]])
+
+    def tokenizer_json(self) -> bytes | None:
+        return self.blob("tokenizer.json")
+
+    def expert_offset(self, slot: int, e: int) -> int:
+        b = self.bank
+        if b is None or not (0 <= slot < b["slots"] and 0 <= e < b["experts"]):
+            raise FormatError(f"{self.path}: no expert (layer {slot}, id {e})")
+        return spec.expert_offset(b["offset"], b["stride"], b["experts"], slot, e)
+
+    @property
+    def expert_stride(self) -> int:
+        return self.bank["stride"]
+
+    def expert_views(self, buf, base: int = 0) -> ExpertWeights:
+        """Split one record's bytes (any buffer) into the six arrays of `ExpertWeights`, without copying."""
+        parts = []
+        for s in self.bank["sections"]:
+            a = np.frombuffer(buf, dtype=np.uint8, count=s["nbytes"], offset=base + s["offset"])
+            parts.append(a.reshape(s["shape"]))
+        return ExpertWeights(*parts)
+
+    def expert(self, slot: int, e: int) -> ExpertWeights:
+        return self.expert_views(self._mm, self.expert_offset(slot, e))
+
+    def read_expert_into(self, slot: int, e: int, buf, fd: int | None = None) -> ExpertWeights:
+        """`pread` one record into `buf` (writable, >= stride bytes; page-aligned when `fd` is O_DIRECT)."""
+        off = self.expert_offset(slot, e)
+        mv = memoryview(buf).cast("B")[: self.bank["stride"]]
+        got = os.preadv(self._fd if fd is None else fd, [mv], off)
+        if got != len(mv):
+            raise FormatError(f"{self.path}: short read of expert (layer {slot}, id {e}): "
+                              f"{got} of {len(mv)} bytes (file truncated?)")
+        return self.expert_views(mv)
+
+    def open_direct(self) -> int | None:
+        """A second descriptor with O_DIRECT (bypasses the page cache), or None where unsupported."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None
+        try:
+            return os.open(self.path, os.O_RDONLY | flag)
+        except OSError:
+            return None
+
+    # --- verification --------------------------------------------------------------------------------------
+
+    def regions(self) -> Iterator[tuple[str, int, int, str]]:
+        """(label, offset, nbytes, expected xxh64) for every checksummed region, in file order."""
+        for t in self.header["tensors"] + self.header["blobs"]:
+            yield t["name"], t["offset"], t["nbytes"], t["xxh64"]
+        b = self.bank
+        if b is not None:
+            for i, digest in enumerate(b["xxh64"]):
+                slot, e = divmod(i, b["experts"])
+                yield f"expert (layer {slot}, id {e})", spec.expert_offset(b["offset"], b["stride"], b["experts"], slot, e), b["stride"], digest
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
+        """Check every checksum. Returns the labels of bad regions (empty when the file is intact)."""
+        bad = []
+        for label, off, n, digest in self.regions():
+            h = xxhash.xxh64()
+            pos = off
+            while pos < off + n:  # chunked so a 13 MB record or a 1 GB embedding never sits in a second copy
+                step = min(64 << 20, off + n - pos)
+                h.update(self._mm[pos:pos + step])
+                pos += step
+            if h.hexdigest() != digest:
+                bad.append(label)
+            if progress:
+                progress(n)
+        return bad
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # views still alive; the mapping goes when they do
+                pass
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "FstFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_fd", -1) >= 0:
+                self.close()
+        except Exception:
+            pass

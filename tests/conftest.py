@@ -1,0 +1,30 @@
+"""Shared pytest fixtures. Keep this small: one fixture per shared resource, built lazily, once per session.
+
+The checkpoint fixtures return directories written by `fastar.fixtures.write_checkpoint` (official on-disk
+format). They are shared by every test in the session: treat them as read-only and copy before corrupting.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastar.fixtures import write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny` preset, seed 0: 5 layers + 1 MTP block, vocab 1024, 3 shards (~20 MB)."""
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt-tiny"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def dspark_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny-dspark` preset, seed 0: `tiny` with DSpark stages mtp.0..mtp.2."""
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt-dspark"), "tiny-dspark", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vocab_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`vocab` preset, seed 0: `tiny` widths with the real 129,280-token vocabulary (~160 MB, ~4 s to write)."""
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt-vocab"), "vocab", seed=0)

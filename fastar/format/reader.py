@@ -261,19 +261,45 @@ class FstFile:
                 yield f"expert (layer {slot}, id {e})", spec.expert_offset(b["offset"], b["stride"], b["experts"], slot, e), b["stride"], digest
 
     def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
-        """Check every checksum. Returns the labels of bad regions (empty when the file is intact)."""
-        bad = []
-        for label, off, n, digest in self.regions():
-            h = xxhash.xxh64()
-            pos = off
-            while pos < off + n:  # chunked so a 13 MB record or a 1 GB embedding never sits in a second copy
-                step = min(64 << 20, off + n - pos)
-                h.update(self._mm[pos:pos + step])
-                pos += step
-            if h.hexdigest() != digest:
-                bad.append(label)
-            if progress:
-                progress(n)
+        """Check every checksum. Returns the labels of bad regions (empty when the file is intact).
+
+        Reads with `pread` into two reusable 64 MiB buffers, the next chunk read on a helper thread while
+        this one hashes (both release the GIL), so verification runs near the disk's sequential speed.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        chunk = 64 << 20
+        bufs = [bytearray(chunk), bytearray(chunk)]
+        jobs = [(label, digest, pos, min(chunk, off + n - pos))
+                for label, off, n, digest in self.regions() for pos in range(off, off + max(n, 1), chunk)]
+        bad: list[str] = []
+        hashers: dict[str, xxhash.xxh64] = {}
+        ends = {}
+        for i, (label, *_rest) in enumerate(jobs):
+            ends[label] = i
+
+        def read(i: int) -> memoryview:
+            _, _, pos, size = jobs[i]
+            mv = memoryview(bufs[i % 2])[:size]
+            got = os.preadv(self._fd, [mv], pos) if size else 0
+            if got != size:
+                raise FormatError(f"{self.path}: short read at offset {pos} (file truncated?)")
+            return mv
+
+        if hasattr(os, "posix_fadvise"):  # doubles kernel readahead on a cold file
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        with ThreadPoolExecutor(1) as pool:
+            nxt = pool.submit(read, 0) if jobs else None
+            for i, (label, digest, pos, size) in enumerate(jobs):
+                mv = nxt.result()
+                nxt = pool.submit(read, i + 1) if i + 1 < len(jobs) else None
+                h = hashers.setdefault(label, xxhash.xxh64())
+                h.update(mv)
+                if progress:
+                    progress(size)
+                if ends[label] == i:
+                    if hashers.pop(label).hexdigest() != digest:
+                        bad.append(label)
         return bad
 
     def close(self) -> None:

@@ -1,0 +1,429 @@
+/* AVX-512 (F, BW, VL) kernels (Zen 4/5, Ice Lake and later servers), chosen at run time by kernels.c.
+ *
+ * Owns: the FP4 / FP8 / BF16 products for this ISA, same two shapes as kern_avx2.c:
+ * - dot path (T <= DOT_MAX): vpermps with a 16-entry table maps each 4-bit code straight to its signed float
+ *   (the index is the low 4 bits of a 32-bit lane, so the 8 nibbles of a lane are reached by shifting); one
+ *   64-byte load gives 128 columns = 4 scale groups, one per 128-bit lane. Masked loads handle ragged ends.
+ * - tile path: 32 rows x 128 columns dequantized once (16-row gathers) into L1, then an outer-product
+ *   microkernel of up to 12 tokens x 32 rows (24 zmm accumulators).
+ * Does not own: argument checks, threading (kernels.c / pool.c).
+ */
+#if defined(__x86_64__) || defined(__i386__)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#endif
+#include <immintrin.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define DOT_MAX 4
+#define NR 32 /* tile rows (2 vectors) */
+#define MR 12 /* tokens per microkernel call */
+#define KC 128
+#define INLINE static inline __attribute__((always_inline))
+#if defined(__clang__)
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL _Pragma("GCC unroll 16") /* token loops: keep every accumulator in a register */
+#endif
+
+static uint8_t fp4_map[XP_CHUNK], bf16_map[XP_CHUNK];
+
+static void init_avx512(void) {
+    /* FP4: vector p (p = 0..7, the nibble index within a dword), lane i (dword i = columns 8i..8i+7) */
+    for (int p = 0; p < 8; p++)
+        for (int i = 0; i < 16; i++) fp4_map[p * 16 + i] = (uint8_t)(8 * i + p);
+    /* BF16: per 32 columns, even columns then odd columns */
+    for (int i = 0; i < XP_CHUNK; i++) bf16_map[i] = (uint8_t)((i & ~31) + ((i & 31) < 16 ? 2 * (i & 15) : 2 * (i & 15) + 1));
+}
+
+INLINE void put(const mm_job *j, int64_t t, int64_t n, float v) {
+    float *o = j->out + t * j->ldo + n;
+    *o = j->accumulate ? *o + v : v;
+}
+
+/* ---------------------------------------------------------------- dot path (decode) */
+
+/* True when no scale byte is 0 (denormal 2^-127) or 255 (NaN): then b << 23 is the float 2^(b-127). */
+INLINE int scales_normal(const uint8_t *s, int64_t n) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (s[i] == 0) | (s[i] == 255);
+    return !bad;
+}
+
+INLINE void fp4_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc) {
+    const int64_t K = j->K;
+    const uint8_t *wr = (const uint8_t *)j->w + n * (K / 2);
+    const uint8_t *sr = j->s + n * (K / FP4_GROUP);
+    const __m512 tab = _mm512_loadu_ps(fp4_f32);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    /* per 128-bit lane L: every dword = byte L of a broadcast dword (the scale of group L) */
+    const __m512i spread_b = _mm512_add_epi32(_mm512_set1_epi32((int)0x80808000),
+                                              _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+    const int normal = scales_normal(sr + cb / FP4_GROUP, (ce - cb) / FP4_GROUP);
+    __m512 tot[DOT_MAX];
+    for (int t = 0; t < nt; t++) tot[t] = _mm512_setzero_ps();
+    const int64_t full = ce / 128, rem = (ce % 128) / FP4_GROUP, chunks = full + (rem != 0);
+    for (int64_t c = cb / 128; c < chunks; c++) {
+        __m512i b;
+        __m512 sv;
+        const uint8_t *sc = sr + 4 * c;
+        if (c < full && normal) { /* 2^(b-127) is the float with exponent field b: no table needed */
+            b = _mm512_loadu_si512((const void *)(wr + 64 * c));
+            int32_t s32;
+            memcpy(&s32, sc, 4);
+            sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(s32), spread_b), 23));
+        } else if (c < full) {
+            b = _mm512_loadu_si512((const void *)(wr + 64 * c));
+            const __m128 s4 = _mm_setr_ps(ue8m0_f32[sc[0]], ue8m0_f32[sc[1]], ue8m0_f32[sc[2]], ue8m0_f32[sc[3]]);
+            sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4)); /* lane i: group i/4 */
+        } else { /* 1-3 trailing groups of 16 bytes */
+            b = _mm512_maskz_loadu_epi32((__mmask16)((1u << (4 * rem)) - 1), wr + 64 * c);
+            const __m128 s4 = _mm_setr_ps(ue8m0_f32[sc[0]], rem > 1 ? ue8m0_f32[sc[1]] : 0.0f, rem > 2 ? ue8m0_f32[sc[2]] : 0.0f, 0.0f);
+            sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+        }
+        _mm_prefetch((const char *)(wr + 64 * c + 2048), _MM_HINT_T0);
+        __m512 w[8];
+        for (int p = 0; p < 8; p++) w[p] = _mm512_permutexvar_ps(p ? _mm512_srli_epi32(b, 4 * p) : b, tab);
+        for (int t = 0; t < nt; t++) {
+            const float *xt = j->xp + t * j->kp + 128 * c;
+            __m512 pa = _mm512_mul_ps(_mm512_loadu_ps(xt), w[0]);
+            __m512 pb = _mm512_mul_ps(_mm512_loadu_ps(xt + 16), w[1]);
+            pa = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 32), w[2], pa);
+            pb = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 48), w[3], pb);
+            pa = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 64), w[4], pa);
+            pb = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 80), w[5], pb);
+            pa = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 96), w[6], pa);
+            pb = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 112), w[7], pb);
+            tot[t] = _mm512_fmadd_ps(_mm512_add_ps(pa, pb), sv, tot[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) acc[t] += _mm512_reduce_add_ps(tot[t]);
+}
+
+/* 32 e4m3 bytes -> fp16 bits (value / 256) in 32 words; see kern_avx2.c fp8_to_h16. */
+INLINE __m512i fp8_to_h16(__m256i v) {
+    return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(v), 7), _mm512_set1_epi16((short)0xbf80));
+}
+
+INLINE void fp8_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc) {
+    const int64_t K = j->K, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    const uint8_t *wr = (const uint8_t *)j->w + n * K;
+    const uint8_t *srow = j->s + (n / FP8_BLOCK) * kb;
+    const __m256i m7f = _mm256_set1_epi8(0x7f);
+    __m256i nanmax = _mm256_setzero_si256();
+    __m512 tot[DOT_MAX];
+    for (int t = 0; t < nt; t++) tot[t] = _mm512_setzero_ps();
+    for (int64_t b = cb / FP8_BLOCK; b < (ce + FP8_BLOCK - 1) / FP8_BLOCK; b++) {
+        const int64_t c0 = b * FP8_BLOCK, c1 = c0 + FP8_BLOCK < ce ? c0 + FP8_BLOCK : ce;
+        __m512 pa[DOT_MAX], pb[DOT_MAX];
+        for (int t = 0; t < nt; t++) pa[t] = pb[t] = _mm512_setzero_ps();
+        for (int64_t c = c0; c < c1; c += 32) {
+            const int64_t left = c1 - c;
+            const __mmask32 m = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
+            const __m256i v = _mm256_maskz_loadu_epi8(m, wr + c);
+            _mm_prefetch((const char *)(wr + c + 2048), _MM_HINT_T0);
+            nanmax = _mm256_max_epu8(nanmax, _mm256_and_si256(v, m7f));
+            const __m512i h = fp8_to_h16(v);
+            const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            for (int t = 0; t < nt; t++) {
+                const float *xt = j->x + t * K + c;
+                pa[t] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps((__mmask16)m, xt), f0, pa[t]);
+                pb[t] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps((__mmask16)(m >> 16), xt + 16), f1, pb[t]);
+            }
+        }
+        const uint8_t sb = srow[b];
+        const float sf = ue8m0_f32[sb];
+        for (int t = 0; t < nt; t++) {
+            const __m512 p = _mm512_add_ps(pa[t], pb[t]);
+            if (sb <= 246) /* fold the fp16 trick's x256 into the scale unless that overflows */
+                tot[t] = _mm512_fmadd_ps(p, _mm512_set1_ps(sf * 256.0f), tot[t]);
+            else
+                tot[t] = _mm512_fmadd_ps(_mm512_mul_ps(p, _mm512_set1_ps(256.0f)), _mm512_set1_ps(sf), tot[t]);
+        }
+    }
+    const int nan = _mm256_movemask_epi8(_mm256_cmpeq_epi8(nanmax, m7f)) != 0; /* a NaN code in the row */
+    for (int t = 0; t < nt; t++) acc[t] += nan ? __builtin_nanf("") : _mm512_reduce_add_ps(tot[t]);
+}
+
+INLINE void bf16_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc) {
+    const int64_t K = j->K;
+    const uint16_t *wr = (const uint16_t *)j->w + n * K;
+    const __m512i mhi = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 pa[DOT_MAX], pb[DOT_MAX];
+    for (int t = 0; t < nt; t++) pa[t] = pb[t] = _mm512_setzero_ps();
+    for (int64_t c = cb; c < ce; c += 32) {
+        const int64_t left = ce - c;
+        const __m512i v = left >= 32 ? _mm512_loadu_si512((const void *)(wr + c))
+                                     : _mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1), wr + c);
+        _mm_prefetch((const char *)(wr + c + 1024), _MM_HINT_T0);
+        const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), o = _mm512_castsi512_ps(_mm512_and_si512(v, mhi));
+        for (int t = 0; t < nt; t++) {
+            const float *xt = j->xp + t * j->kp + c;
+            pa[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), e, pa[t]);
+            pb[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 16), o, pb[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) acc[t] += _mm512_reduce_add_ps(_mm512_add_ps(pa[t], pb[t]));
+}
+
+/* Rows in blocks of DOT_RB; columns in slices short enough that every token's slice of x stays in L1
+ * (T x 16 KB of activations would not), partial sums added per slice. */
+#define DOT_RB 8
+INLINE int64_t dot_slice(int64_t K, int64_t T) {
+    int64_t ks = (4096 / T) & ~(int64_t)(XP_CHUNK - 1);
+    return K <= ks ? K : ks;
+}
+#define DOT_DISPATCH(ROW)                                                                     \
+    {                                                                                         \
+        const int64_t ks = dot_slice(j->K, j->T);                                             \
+        for (int64_t nb = n0; nb < n1; nb += DOT_RB) {                                        \
+            const int64_t ne = nb + DOT_RB < n1 ? nb + DOT_RB : n1;                           \
+            float acc[DOT_RB][DOT_MAX] = {{0}};                                               \
+            for (int64_t cb = 0; cb < j->K; cb += ks) {                                       \
+                const int64_t ce = cb + ks < j->K ? cb + ks : j->K;                           \
+                for (int64_t n = nb; n < ne; n++) switch (j->T) {                             \
+                    case 1: ROW(j, n, 1, cb, ce, acc[n - nb]); break;                         \
+                    case 2: ROW(j, n, 2, cb, ce, acc[n - nb]); break;                         \
+                    case 3: ROW(j, n, 3, cb, ce, acc[n - nb]); break;                         \
+                    default: ROW(j, n, 4, cb, ce, acc[n - nb]); break;                        \
+                    }                                                                         \
+            }                                                                                 \
+            for (int64_t n = nb; n < ne; n++)                                                 \
+                for (int64_t t = 0; t < j->T; t++) put(j, t, n, acc[n - nb][t]);              \
+        }                                                                                     \
+    }
+
+/* ---------------------------------------------------------------- tile path (prefill) */
+
+typedef void (*tile_fn)(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t kc, float *wt, uint32_t *nanrows);
+
+INLINE __mmask16 row_mask(int rows) { return rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1); }
+
+/* Loads nbytes (<= 64) of 16 rows (rows >= `rows` read as zero) and transposes them as 16x16 dwords:
+ * c[q] lane i = dword q of row i. Gathers did the same but are slow on AMD; this is 16 loads + 64 shuffles. */
+INLINE void load_t16(const uint8_t *base, int64_t stride, int rows, int64_t nbytes, __m512i c[16]) {
+    const __mmask64 bm = nbytes >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << nbytes) - 1);
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = i < rows ? _mm512_maskz_loadu_epi8(bm, base + i * stride) : _mm512_setzero_si512();
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 4; g++) { /* u[g][m] lane L = dword 4L+m of rows 4g..4g+3 */
+        __m512i *q = t + 4 * g;
+        r[4 * g + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
+        r[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
+        r[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
+        r[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44), w0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xee);
+        __m512i v1 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44), w1 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xee);
+        c[m] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+        c[4 + m] = _mm512_shuffle_i32x4(v0, v1, 0xdd);
+        c[8 + m] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+        c[12 + m] = _mm512_shuffle_i32x4(w0, w1, 0xdd);
+    }
+}
+
+static void fp4_tile(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t kc, float *wt, uint32_t *nanrows) {
+    (void)nanrows;
+    const int64_t half = j->K / 2, groups = j->K / FP4_GROUP;
+    const __m512 tab = _mm512_loadu_ps(fp4_f32);
+    for (int h = 0; h < NR / 16; h++) {
+        const int rows = nr - 16 * h;
+        if (rows <= 0) {
+            for (int64_t k = 0; k < kc; k++) _mm512_store_ps(wt + k * NR + 16 * h, _mm512_setzero_ps());
+            continue;
+        }
+        const uint8_t *sb = j->s + (n + 16 * h) * groups + k0 / FP4_GROUP;
+        __m512 sv[4];
+        for (int64_t g = 0; g < kc / FP4_GROUP; g++) {
+            float sc[16];
+            for (int r = 0; r < 16; r++) sc[r] = r < rows ? ue8m0_f32[sb[r * groups + g]] : 0.0f;
+            sv[g] = _mm512_loadu_ps(sc);
+        }
+        __m512i c[16];
+        load_t16((const uint8_t *)j->w + (n + 16 * h) * half + k0 / 2, half, rows, kc / 2, c);
+        for (int64_t q = 0; q < kc / 8; q++) /* dword q = columns 8q..8q+7 */
+            for (int p = 0; p < 8; p++)
+                _mm512_store_ps(wt + (8 * q + p) * NR + 16 * h,
+                                _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c[q], 4 * p), tab), sv[q / 4]));
+    }
+}
+
+static void fp8_tile(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t kc, float *wt, uint32_t *nanrows) {
+    const int64_t K = j->K, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    const uint8_t sbyte = j->s[(n / FP8_BLOCK) * kb + k0 / FP8_BLOCK]; /* a tile sits inside one scale block */
+    const float sf = ue8m0_f32[sbyte];
+    const __m512 fac = _mm512_set1_ps(sf * 256.0f);
+    /* per 128-bit lane (4 rows): words 0-3 = column a of rows 0-3, words 4-7 = column b; byte in the high half */
+    const __m512i ctrl01 = _mm512_broadcast_i32x4(_mm_setr_epi8(-128, 0, -128, 4, -128, 8, -128, 12, -128, 1, -128, 5, -128, 9, -128, 13));
+    const __m512i ctrl23 = _mm512_broadcast_i32x4(_mm_setr_epi8(-128, 2, -128, 6, -128, 10, -128, 14, -128, 3, -128, 7, -128, 11, -128, 15));
+    const __m512i quads = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m512i keep = _mm512_set1_epi16((short)0xbfff), top = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(-1);
+    for (int h = 0; h < NR / 16; h++) {
+        const int rows = nr - 16 * h;
+        const uint8_t *base = (const uint8_t *)j->w + (n + 16 * h) * K + k0;
+        if (sbyte > 246 || rows <= 0) { /* huge scales (x256 would overflow) and absent rows: exact scalar */
+            for (int64_t k = 0; k < kc; k++)
+                for (int r = 0; r < 16; r++) wt[k * NR + 16 * h + r] = r < rows ? fp8_f32[base[r * K + k]] * sf : 0.0f;
+            continue;
+        }
+        __mmask64 nan = 0;
+        for (int64_t b0 = 0; b0 < kc; b0 += 64) {
+            __m512i c[16];
+            load_t16(base + b0, K, rows, kc - b0, c); /* bytes past the row end read as zero */
+            for (int64_t q = 0; q < 16 && b0 + 4 * q < kc; q++) {
+                nan |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(c[q], top), ones);
+                for (int pair = 0; pair < 2; pair++) {
+                    __m512i y = _mm512_shuffle_epi8(c[q], pair ? ctrl23 : ctrl01);
+                    y = _mm512_permutexvar_epi64(quads, _mm512_and_si512(_mm512_srai_epi16(y, 1), keep));
+                    float *dst = wt + (b0 + 4 * q + 2 * pair) * NR + 16 * h;
+                    _mm512_store_ps(dst, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(y)), fac));
+                    _mm512_store_ps(dst + NR, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(y, 1)), fac));
+                }
+            }
+        }
+        for (int r = 0; r < 16; r++)
+            if (nan >> (4 * r) & 0xf) *nanrows |= 1u << (16 * h + r);
+    }
+}
+
+static void bf16_tile(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t kc, float *wt, uint32_t *nanrows) {
+    (void)nanrows;
+    const int64_t K = j->K;
+    const __m512i mhi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int h = 0; h < NR / 16; h++) {
+        const int rows = nr - 16 * h;
+        const uint16_t *base = (const uint16_t *)j->w + (n + 16 * h) * K + k0;
+        for (int64_t b0 = 0; b0 < kc; b0 += 32) { /* 32 columns = 64 bytes per row */
+            __m512i c[16];
+            load_t16((const uint8_t *)(base + b0), 2 * K, rows > 0 ? rows : 0, 2 * (kc - b0), c);
+            for (int64_t q = 0; q < 16 && b0 + 2 * q < kc; q++) {
+                _mm512_store_ps(wt + (b0 + 2 * q) * NR + 16 * h, _mm512_castsi512_ps(_mm512_slli_epi32(c[q], 16)));
+                _mm512_store_ps(wt + (b0 + 2 * q + 1) * NR + 16 * h, _mm512_castsi512_ps(_mm512_and_si512(c[q], mhi)));
+            }
+        }
+    }
+}
+
+INLINE void micro(const int mr, int64_t kc, const float *wt, const float *x, int64_t ldx, float *out, int64_t ldo, int nr, int store) {
+    __m512 acc[MR][2];
+    UNROLL
+    for (int t = 0; t < mr; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
+        const __m512 w0 = _mm512_load_ps(wt + k * NR), w1 = _mm512_load_ps(wt + k * NR + 16);
+        UNROLL
+        for (int t = 0; t < mr; t++) {
+            const __m512 b = _mm512_set1_ps(x[t * ldx + k]);
+            acc[t][0] = _mm512_fmadd_ps(b, w0, acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(b, w1, acc[t][1]);
+        }
+    }
+    const __mmask16 m0 = row_mask(nr), m1 = row_mask(nr - 16 > 0 ? nr - 16 : 0);
+    UNROLL
+    for (int t = 0; t < mr; t++) {
+        float *o = out + t * ldo;
+        if (!store) {
+            acc[t][0] = _mm512_add_ps(acc[t][0], _mm512_maskz_loadu_ps(m0, o));
+            acc[t][1] = _mm512_add_ps(acc[t][1], _mm512_maskz_loadu_ps(m1, o + 16));
+        }
+        _mm512_mask_storeu_ps(o, m0, acc[t][0]);
+        _mm512_mask_storeu_ps(o + 16, m1, acc[t][1]);
+    }
+}
+
+static void tile_rows(const mm_job *j, int64_t n0, int64_t n1, tile_fn deq) {
+    float wt[KC * NR] __attribute__((aligned(64)));
+    const int64_t T = j->T, K = j->K;
+    const int64_t nblk = (T + MR - 1) / MR; /* balanced token blocks: 16 -> 8,8 */
+    for (int64_t n = n0; n < n1; n += NR) {
+        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+        uint32_t nanrows = 0;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kc = K - k0 < KC ? K - k0 : KC;
+            deq(j, n, nr, k0, kc, wt, &nanrows);
+            const int store = k0 == 0 && !j->accumulate;
+            for (int64_t b = 0, t0 = 0; b < nblk; b++) {
+                const int mr = (int)(T / nblk + (b < T % nblk));
+                const float *x = j->x + t0 * K + k0;
+                float *o = j->out + t0 * j->ldo + n;
+                switch (mr) {
+#define MCASE(M) case M: micro(M, kc, wt, x, K, o, j->ldo, nr, store); break;
+                    MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5) MCASE(6)
+                    MCASE(7) MCASE(8) MCASE(9) MCASE(10) MCASE(11)
+                    default: micro(12, kc, wt, x, K, o, j->ldo, nr, store); break;
+#undef MCASE
+                }
+                t0 += mr;
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            if (nanrows >> r & 1)
+                for (int64_t t = 0; t < T; t++) j->out[t * j->ldo + n + r] = __builtin_nanf("");
+    }
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+static void fp4_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    if (j->dot) { DOT_DISPATCH(fp4_dot_row) } else tile_rows(j, n0, n1, fp4_tile);
+}
+static void fp8_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    if (j->dot) { DOT_DISPATCH(fp8_dot_row) } else tile_rows(j, n0, n1, fp8_tile);
+}
+static void bf16_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    if (j->dot) { DOT_DISPATCH(bf16_dot_row) } else tile_rows(j, n0, n1, bf16_tile);
+}
+
+static double fma_loop(int64_t iters) {
+    __m512 a[12];
+    const __m512 m = _mm512_set1_ps(0.9999f), c = _mm512_set1_ps(0.0001f);
+    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)i);
+    for (int64_t it = 0; it < iters; it++)
+        for (int i = 0; i < 12; i++) a[i] = _mm512_fmadd_ps(a[i], m, c);
+    __m512 s = a[0];
+    for (int i = 1; i < 12; i++) s = _mm512_add_ps(s, a[i]);
+    volatile float sink = _mm512_reduce_add_ps(s);
+    (void)sink;
+    return (double)iters * 12 * 16 * 2;
+}
+
+static double read_sum(const uint8_t *p, size_t n) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+    for (size_t i = 0; i + 256 <= n; i += 256) {
+        s0 = _mm512_add_epi64(s0, _mm512_loadu_si512((const void *)(p + i)));
+        s1 = _mm512_add_epi64(s1, _mm512_loadu_si512((const void *)(p + i + 64)));
+        s2 = _mm512_add_epi64(s2, _mm512_loadu_si512((const void *)(p + i + 128)));
+        s3 = _mm512_add_epi64(s3, _mm512_loadu_si512((const void *)(p + i + 192)));
+    }
+    return (double)_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3)));
+}
+
+const isa_ops isa_avx512_ops = {
+    .name = "avx512",
+    .init = init_avx512,
+    .dot_max = DOT_MAX,
+    .fp4 = fp4_rows,
+    .fp8 = fp8_rows,
+    .bf16 = bf16_rows,
+    .fp4_map = fp4_map,
+    .fp8_map = NULL,
+    .bf16_map = bf16_map,
+    .fma_loop = fma_loop,
+    .read_sum = read_sum,
+};
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#else
+#include "kernels.h"
+const isa_ops isa_avx512_ops = {.name = "avx512"};
+#endif

@@ -1,0 +1,559 @@
+/* fastar.quant._kernels: the CPython entry points of fastar's CPU kernels.
+ *
+ * Owns: argument checking (buffer protocol; dtype, contiguity, shape, writability, aliasing -> TypeError /
+ * ValueError, never a crash), run-time ISA choice (AVX-512 > AVX2+FMA+F16C > scalar, overridable with
+ * set_isa), splitting rows across the thread pool with the GIL released, the fused routed-expert op, and the
+ * two machine probes the benchmark needs (streaming read bandwidth, FMA peak).
+ * Does not own: the arithmetic (kern_*.c), the pool (pool.c), friendly Python wrappers (kernels.py).
+ *
+ * Every product writes out[t, n] = sum_k x[t, k] W[n, k] (or adds it when accumulate is true). Each output
+ * element is computed by exactly one thread with code that does not depend on the thread count, so results
+ * are bit-identical for any number of threads.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels.h"
+
+static const isa_ops *ISA = &isa_scalar_ops;
+
+/* ---------------------------------------------------------------- CPU features and ISA choice */
+
+static int cpu_has(const char *feat) {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (!strcmp(feat, "avx2")) return __builtin_cpu_supports("avx2");
+    if (!strcmp(feat, "fma")) return __builtin_cpu_supports("fma");
+    if (!strcmp(feat, "f16c")) {
+        unsigned a, b, c, d; /* no __builtin_cpu_supports("f16c") in older compilers: CPUID.1:ECX bit 29 */
+        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+        return (c >> 29) & 1;
+    }
+    if (!strcmp(feat, "avx512f")) return __builtin_cpu_supports("avx512f");
+    if (!strcmp(feat, "avx512bw")) return __builtin_cpu_supports("avx512bw");
+    if (!strcmp(feat, "avx512vl")) return __builtin_cpu_supports("avx512vl");
+#endif
+    (void)feat;
+    return 0;
+}
+
+/* The compiler's cpu_supports checks the OS saves the wide registers (XCR0), so these are safe to use. */
+static int isa_usable(const isa_ops *isa) {
+    if (isa == &isa_scalar_ops) return 1;
+    if (!isa->fp4) return 0; /* not built for this architecture */
+    int avx2 = cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c");
+    if (isa == &isa_avx2_ops) return avx2;
+    if (isa == &isa_avx512_ops) return avx2 && cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl");
+    return 0;
+}
+
+static const isa_ops *const ALL_ISAS[] = {&isa_avx512_ops, &isa_avx2_ops, &isa_scalar_ops};
+
+static const isa_ops *best_isa(void) {
+    const char *env = getenv("FASTAR_ISA"); /* e.g. FASTAR_ISA=avx2 to test a narrower path */
+    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
+        if (env && *env && !strcmp(env, ALL_ISAS[i]->name) && isa_usable(ALL_ISAS[i])) return ALL_ISAS[i];
+    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
+        if (isa_usable(ALL_ISAS[i])) return ALL_ISAS[i];
+    return &isa_scalar_ops;
+}
+
+/* ---------------------------------------------------------------- argument checking */
+
+typedef struct {
+    Py_buffer b;
+    int held;
+} view_t;
+
+static void release(view_t *v, int n) {
+    for (int i = 0; i < n; i++)
+        if (v[i].held) {
+            PyBuffer_Release(&v[i].b);
+            v[i].held = 0;
+        }
+}
+
+static const char *dtype_name(char code) {
+    switch (code) {
+        case 'f': return "float32";
+        case 'B': return "uint8";
+        case 'H': return "uint16";
+        default: return "?";
+    }
+}
+
+/* Get a C-contiguous view of `obj` with numpy dtype `code` and `ndim` dimensions. */
+static int get_view(PyObject *obj, view_t *v, const char *name, char code, int ndim, int writable) {
+    if (PyObject_GetBuffer(obj, &v->b, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be a numpy array (buffer protocol), got %.200s", name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    v->held = 1;
+    const char *f = v->b.format ? v->b.format : "B";
+    if (*f == '@' || *f == '=' || *f == '<') f++; /* native / little-endian prefixes (x86 and ARM are LE) */
+    Py_ssize_t want = code == 'f' ? 4 : code == 'H' ? 2 : 1;
+    if (f[0] != code || f[1] != '\0' || v->b.itemsize != want) {
+        PyErr_Format(PyExc_TypeError, "%s must be %s, got buffer format '%s' (itemsize %zd)", name, dtype_name(code),
+                     v->b.format ? v->b.format : "B", v->b.itemsize);
+        return -1;
+    }
+    if (v->b.ndim != ndim) {
+        PyErr_Format(PyExc_ValueError, "%s must be %d-D, got %d-D", name, ndim, v->b.ndim);
+        return -1;
+    }
+    if (!PyBuffer_IsContiguous(&v->b, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous (row-major, no strides); use np.ascontiguousarray", name);
+        return -1;
+    }
+    if (writable && v->b.readonly) {
+        PyErr_Format(PyExc_ValueError, "%s must be writable", name);
+        return -1;
+    }
+    return 0;
+}
+
+static int64_t dim(const view_t *v, int i) { return (int64_t)v->b.shape[i]; }
+
+static int shape_is(const view_t *v, const char *name, int64_t a, int64_t b, const char *what) {
+    if (dim(v, 0) != a || dim(v, 1) != b) {
+        PyErr_Format(PyExc_ValueError, "%s has shape (%lld, %lld), expected (%lld, %lld) %s", name, (long long)dim(v, 0),
+                     (long long)dim(v, 1), (long long)a, (long long)b, what);
+        return -1;
+    }
+    return 0;
+}
+
+/* out is written while the inputs are read by other threads: refuse any overlap instead of racing. */
+static int no_overlap(const view_t *out, const view_t *in, int n_in) {
+    const char *o0 = out->b.buf, *o1 = o0 + out->b.len;
+    for (int i = 0; i < n_in; i++) {
+        const char *a0 = in[i].b.buf, *a1 = a0 + in[i].b.len;
+        if (out->b.len && in[i].b.len && a0 < o1 && o0 < a1) {
+            PyErr_SetString(PyExc_ValueError, "out must not overlap any input array");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- running a product over the pool */
+
+typedef struct {
+    rows_fn fn;
+    const mm_job *job;
+    int64_t rows_per_chunk;
+} mm_ctx;
+
+static void mm_chunk(void *p, int64_t i) {
+    const mm_ctx *c = p;
+    int64_t n0 = i * c->rows_per_chunk, n1 = n0 + c->rows_per_chunk;
+    if (n1 > c->job->N) n1 = c->job->N;
+    c->fn(c->job, n0, n1);
+}
+
+/* ~8 chunks per thread so a descheduled thread (the machine is shared) delays only a small piece. */
+static int64_t chunk_rows(int64_t N) {
+    int64_t target = 8 * (int64_t)pool_get_threads();
+    int64_t r = (N + target - 1) / target;
+    r = (r + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    return r < ROW_ALIGN ? ROW_ALIGN : r;
+}
+
+static void run_rows(rows_fn fn, const mm_job *job) {
+    if (job->N <= 0 || job->T <= 0) return;
+    mm_ctx c = {fn, job, chunk_rows(job->N)};
+    pool_run((job->N + c.rows_per_chunk - 1) / c.rows_per_chunk, mm_chunk, &c);
+}
+
+/* The dot path wants activations permuted per XP_CHUNK columns and zero padded: returns NULL if not needed,
+ * (float *)-1 on allocation failure. */
+static int dot_max(const isa_ops *isa) {
+    const char *env = getenv("FASTAR_DOT_MAX"); /* tuning knob: largest T that takes the dot path */
+    int d = env && *env ? atoi(env) : isa->dot_max;
+    return d < 0 ? 0 : (d > isa->dot_max ? isa->dot_max : d);
+}
+
+static float *permute_x(const isa_ops *isa, const uint8_t *map, const float *x, int64_t T, int64_t K, int64_t *kp) {
+    if (T > dot_max(isa) || !map) return NULL;
+    *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK;
+    float *xp = malloc((size_t)(T * *kp) * sizeof(float) + 64);
+    if (!xp) return (float *)-1;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t c0 = 0; c0 < *kp; c0 += XP_CHUNK)
+            for (int i = 0; i < XP_CHUNK; i++) {
+                int64_t col = c0 + map[i];
+                xp[t * *kp + c0 + i] = col < K ? x[t * K + col] : 0.0f;
+            }
+    return xp;
+}
+
+/* Runs one product with the GIL released. Returns 0, or -1 for out of memory (GIL not held: caller raises). */
+static int product(const isa_ops *isa, char fmt, mm_job *job) {
+    if (job->K == 0) { /* an empty sum */
+        if (!job->accumulate)
+            for (int64_t t = 0; t < job->T; t++) memset(job->out + t * job->ldo, 0, (size_t)job->N * sizeof(float));
+        return 0;
+    }
+    const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
+    float *xp = permute_x(isa, map, job->x, job->T, job->K, &job->kp);
+    if (xp == (float *)-1) return -1;
+    job->xp = xp;
+    job->dot = job->T <= dot_max(isa);
+    run_rows(fmt == '4' ? isa->fp4 : fmt == '8' ? isa->fp8 : isa->bf16, job);
+    free(xp);
+    job->xp = NULL;
+    return 0;
+}
+
+/* fp4_matmul / fp8_matmul / bf16_matmul(x, w, [s,] out, accumulate) -> None */
+static PyObject *matmul(PyObject *args, PyObject *kw, char fmt) {
+    static char *kw4[] = {"x", "w", "s", "out", "accumulate", NULL};
+    static char *kw16[] = {"x", "w", "out", "accumulate", NULL};
+    PyObject *ox, *ow, *os = NULL, *oo;
+    int accumulate = 0;
+    if (fmt == 'b') {
+        if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|p", kw16, &ox, &ow, &oo, &accumulate)) return NULL;
+    } else if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|p", kw4, &ox, &ow, &os, &oo, &accumulate)) {
+        return NULL;
+    }
+    view_t v[4];
+    memset(v, 0, sizeof v);
+    const int nv = fmt == 'b' ? 3 : 4;
+    view_t *vx = &v[0], *vw = &v[1], *vo = &v[2], *vs = &v[3];
+    if (get_view(ox, vx, "x", 'f', 2, 0) || get_view(ow, vw, "w", fmt == 'b' ? 'H' : 'B', 2, 0) ||
+        get_view(oo, vo, "out", 'f', 2, 1) || (fmt != 'b' && get_view(os, vs, "s", 'B', 2, 0)))
+        goto fail;
+    const int64_t T = dim(vx, 0), K = dim(vx, 1), N = dim(vw, 0);
+    if (fmt == '4') {
+        if (K % FP4_GROUP) {
+            PyErr_Format(PyExc_ValueError, "FP4 needs K (x.shape[1] = %lld) to be a multiple of %d", (long long)K, FP4_GROUP);
+            goto fail;
+        }
+        if (shape_is(vw, "w", N, K / 2, "= (N, K/2) for packed FP4") || shape_is(vs, "s", N, K / FP4_GROUP, "= (N, K/32)"))
+            goto fail;
+    } else if (fmt == '8') {
+        if (shape_is(vw, "w", N, K, "= (N, K) for FP8") ||
+            shape_is(vs, "s", (N + FP8_BLOCK - 1) / FP8_BLOCK, (K + FP8_BLOCK - 1) / FP8_BLOCK, "= (ceil(N/128), ceil(K/128))"))
+            goto fail;
+    } else if (shape_is(vw, "w", N, K, "= (N, K) for BF16")) {
+        goto fail;
+    }
+    if (shape_is(vo, "out", T, N, "= (T, N)") || no_overlap(vo, vx, 1) || no_overlap(vo, vw, 1) ||
+        (fmt != 'b' && no_overlap(vo, vs, 1)))
+        goto fail;
+
+    mm_job job = {.x = vx->b.buf, .w = vw->b.buf, .s = fmt == 'b' ? NULL : vs->b.buf, .T = T, .N = N, .K = K,
+                  .out = vo->b.buf, .ldo = N, .accumulate = accumulate};
+    const isa_ops *isa = ISA;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = product(isa, fmt, &job);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, nv);
+    Py_RETURN_NONE;
+fail:
+    release(v, nv);
+    return NULL;
+}
+
+static PyObject *py_fp4_matmul(PyObject *self, PyObject *args, PyObject *kw) { (void)self; return matmul(args, kw, '4'); }
+static PyObject *py_fp8_matmul(PyObject *self, PyObject *args, PyObject *kw) { (void)self; return matmul(args, kw, '8'); }
+static PyObject *py_bf16_matmul(PyObject *self, PyObject *args, PyObject *kw) { (void)self; return matmul(args, kw, 'b'); }
+
+/* ---------------------------------------------------------------- the routed expert */
+
+typedef struct {
+    const isa_ops *isa;
+    mm_job gate, up; /* both write [T, I] buffers with ldo = I */
+    const float *route_w;
+    float limit;
+    int64_t rows_per_chunk;
+} ffn_ctx;
+
+/* Rows [n0, n1) of gate and up, then h = silu(min(gate, l)) * clamp(up, -l, l) * route_w[t] into gate's buffer.
+ * NaN passes through the clamps as in numpy (comparisons, not fminf). limit <= 0 means no clamp, as DeepSeek's
+ * swiglu_limit = 0 does. */
+static void ffn_phase1(void *p, int64_t i) {
+    const ffn_ctx *c = p;
+    const int64_t I = c->gate.N;
+    int64_t n0 = i * c->rows_per_chunk, n1 = n0 + c->rows_per_chunk;
+    if (n1 > I) n1 = I;
+    c->isa->fp4(&c->gate, n0, n1);
+    c->isa->fp4(&c->up, n0, n1);
+    const float l = c->limit;
+    for (int64_t t = 0; t < c->gate.T; t++) {
+        float *g = c->gate.out + t * I, *u = c->up.out + t * I;
+        const float rw = c->route_w[t];
+        for (int64_t n = n0; n < n1; n++) {
+            float gv = g[n], uv = u[n];
+            if (l > 0) {
+                gv = gv > l ? l : gv;
+                uv = uv > l ? l : (uv < -l ? -l : uv);
+            }
+            g[n] = gv / (1.0f + expf(-gv)) * uv * rw;
+        }
+    }
+}
+
+/* expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit, out) -> None; out [T, D] is accumulated into. */
+static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kws[] = {"x", "w1", "s1", "w3", "s3", "w2", "s2", "route_w", "limit", "out", NULL};
+    PyObject *o[10];
+    double limit;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOdO", kws, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+                                     &limit, &o[9]))
+        return NULL;
+    view_t v[9];
+    memset(v, 0, sizeof v);
+    const char *names[9] = {"x", "w1", "s1", "w3", "s3", "w2", "s2", "route_w", "out"};
+    PyObject *objs[9] = {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[9]};
+    for (int i = 0; i < 9; i++) {
+        char code = (i == 0 || i >= 7) ? 'f' : 'B';
+        if (get_view(objs[i], &v[i], names[i], code, i == 7 ? 1 : 2, i == 8)) goto fail;
+    }
+    const int64_t T = dim(&v[0], 0), D = dim(&v[0], 1), I = dim(&v[1], 0);
+    if (D % FP4_GROUP || I % FP4_GROUP) {
+        PyErr_Format(PyExc_ValueError, "expert_ffn needs D (%lld) and I (%lld) to be multiples of %d", (long long)D,
+                     (long long)I, FP4_GROUP);
+        goto fail;
+    }
+    if (shape_is(&v[1], "w1", I, D / 2, "= (I, D/2)") || shape_is(&v[2], "s1", I, D / 32, "= (I, D/32)") ||
+        shape_is(&v[3], "w3", I, D / 2, "= (I, D/2), like w1") || shape_is(&v[4], "s3", I, D / 32, "= (I, D/32)") ||
+        shape_is(&v[5], "w2", D, I / 2, "= (D, I/2)") || shape_is(&v[6], "s2", D, I / 32, "= (D, I/32)") ||
+        shape_is(&v[8], "out", T, D, "= x.shape"))
+        goto fail;
+    if (dim(&v[7], 0) != T) {
+        PyErr_Format(PyExc_ValueError, "route_w has %lld entries, expected T = %lld", (long long)dim(&v[7], 0), (long long)T);
+        goto fail;
+    }
+    if (no_overlap(&v[8], v, 8)) goto fail;
+
+    const isa_ops *isa = ISA;
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (T > 0 && D > 0 && I > 0) {
+        float *gu = malloc((size_t)(2 * T * I) * sizeof(float));
+        float *xp = NULL, *hp = NULL;
+        int64_t kp1 = 0, kp2 = 0;
+        if (!gu) rc = -1;
+        if (!rc) {
+            xp = permute_x(isa, isa->fp4_map, v[0].b.buf, T, D, &kp1);
+            if (xp == (float *)-1) rc = -1, xp = NULL;
+        }
+        if (!rc) {
+            ffn_ctx c = {.isa = isa, .route_w = v[7].b.buf, .limit = (float)limit};
+            c.gate = (mm_job){.x = v[0].b.buf, .xp = xp, .kp = kp1, .w = v[1].b.buf, .s = v[2].b.buf, .T = T, .N = I,
+                              .K = D, .out = gu, .ldo = I, .accumulate = 0, .dot = T <= dot_max(isa)};
+            c.up = c.gate;
+            c.up.w = v[3].b.buf;
+            c.up.s = v[4].b.buf;
+            c.up.out = gu + T * I;
+            c.rows_per_chunk = chunk_rows(I);
+            pool_run((I + c.rows_per_chunk - 1) / c.rows_per_chunk, ffn_phase1, &c);
+            hp = permute_x(isa, isa->fp4_map, gu, T, I, &kp2);
+            if (hp == (float *)-1) rc = -1, hp = NULL;
+        }
+        if (!rc) {
+            mm_job down = {.x = gu, .xp = hp, .kp = kp2, .w = v[5].b.buf, .s = v[6].b.buf, .T = T, .N = D, .K = I,
+                           .out = v[8].b.buf, .ldo = D, .accumulate = 1, .dot = T <= dot_max(isa)};
+            run_rows(isa->fp4, &down);
+        }
+        free(hp);
+        free(xp);
+        free(gu);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 9);
+    Py_RETURN_NONE;
+fail:
+    release(v, 9);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- threads, ISA, features */
+
+static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1 || n > 256) return PyErr_Format(PyExc_ValueError, "thread count must be in [1, 256], got %ld", n);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pool_set_threads((int)n);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_Format(PyExc_RuntimeError, "could only start %d of %ld threads", pool_get_threads(), n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyLong_FromLong(pool_get_threads());
+}
+
+static PyObject *py_default_num_threads(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyLong_FromLong(pool_default_threads());
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    if (!strcmp(name, "auto")) {
+        ISA = best_isa();
+        Py_RETURN_NONE;
+    }
+    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
+        if (!strcmp(name, ALL_ISAS[i]->name)) {
+            if (!isa_usable(ALL_ISAS[i])) return PyErr_Format(PyExc_ValueError, "this CPU cannot run the %s kernels", name);
+            ISA = ALL_ISAS[i];
+            Py_RETURN_NONE;
+        }
+    return PyErr_Format(PyExc_ValueError, "unknown ISA '%s' (avx512, avx2, scalar or auto)", name);
+}
+
+static PyObject *py_get_isa(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyUnicode_FromString(ISA->name);
+}
+
+static PyObject *py_cpu_features(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    PyObject *d = PyDict_New(), *isas = PyList_New(0);
+    if (!d || !isas) goto fail;
+    const char *feats[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"};
+    for (size_t i = 0; i < sizeof feats / sizeof *feats; i++)
+        if (PyDict_SetItemString(d, feats[i], cpu_has(feats[i]) ? Py_True : Py_False)) goto fail;
+    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
+        if (isa_usable(ALL_ISAS[i])) {
+            PyObject *s = PyUnicode_FromString(ALL_ISAS[i]->name);
+            if (!s || PyList_Append(isas, s)) { Py_XDECREF(s); goto fail; }
+            Py_DECREF(s);
+        }
+    PyObject *cur = PyUnicode_FromString(ISA->name);
+    if (!cur || PyDict_SetItemString(d, "isa", cur)) { Py_XDECREF(cur); goto fail; }
+    Py_DECREF(cur);
+    if (PyDict_SetItemString(d, "usable_isas", isas)) goto fail;
+    Py_DECREF(isas);
+    return d;
+fail:
+    Py_XDECREF(d);
+    Py_XDECREF(isas);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- machine probes for the benchmark */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+typedef struct {
+    const isa_ops *isa;
+    const uint8_t *p;
+    size_t chunk, n;
+    double *sums;
+    int64_t iters;
+} probe_ctx;
+
+static void read_chunk(void *p, int64_t i) {
+    probe_ctx *c = p;
+    size_t off = (size_t)i * c->chunk, len = c->n - off < c->chunk ? c->n - off : c->chunk;
+    c->sums[i] = c->isa->read_sum(c->p + off, len);
+}
+
+/* read_bandwidth(buf) -> seconds to stream every byte of buf once over the pool (buf.nbytes % 256 == 0). */
+static PyObject *py_read_bandwidth(PyObject *self, PyObject *arg) {
+    (void)self;
+    view_t v = {0};
+    if (get_view(arg, &v, "buf", 'B', 1, 0)) { release(&v, 1); return NULL; }
+    probe_ctx c = {.isa = ISA, .p = v.b.buf, .chunk = 1 << 20, .n = (size_t)v.b.len & ~(size_t)255};
+    int64_t nchunks = (int64_t)((c.n + c.chunk - 1) / c.chunk);
+    c.sums = calloc((size_t)nchunks + 1, sizeof(double));
+    if (!c.sums) { release(&v, 1); return PyErr_NoMemory(); }
+    double t0, t1;
+    Py_BEGIN_ALLOW_THREADS
+    t0 = now_s();
+    pool_run(nchunks, read_chunk, &c);
+    t1 = now_s();
+    Py_END_ALLOW_THREADS
+    free(c.sums);
+    release(&v, 1);
+    return PyFloat_FromDouble(t1 - t0);
+}
+
+static void fma_chunk(void *p, int64_t i) {
+    probe_ctx *c = p;
+    c->sums[i] = c->isa->fma_loop(c->iters);
+}
+
+/* fma_peak(iters) -> (seconds, flops): every thread runs 8 slices of an FMA loop on independent registers. */
+static PyObject *py_fma_peak(PyObject *self, PyObject *arg) {
+    (void)self;
+    long long iters = PyLong_AsLongLong(arg);
+    if (iters == -1 && PyErr_Occurred()) return NULL;
+    if (iters < 1) return PyErr_Format(PyExc_ValueError, "iters must be positive");
+    int64_t nchunks = 8 * (int64_t)pool_get_threads();
+    probe_ctx c = {.isa = ISA, .iters = iters};
+    c.sums = calloc((size_t)nchunks, sizeof(double));
+    if (!c.sums) return PyErr_NoMemory();
+    double t0, t1;
+    Py_BEGIN_ALLOW_THREADS
+    t0 = now_s();
+    pool_run(nchunks, fma_chunk, &c);
+    t1 = now_s();
+    Py_END_ALLOW_THREADS
+    double flops = 0;
+    for (int64_t i = 0; i < nchunks; i++) flops += c.sums[i];
+    free(c.sums);
+    return Py_BuildValue("(dd)", t1 - t0, flops);
+}
+
+/* ---------------------------------------------------------------- module */
+
+static PyMethodDef methods[] = {
+    {"fp4_matmul", (PyCFunction)(void (*)(void))py_fp4_matmul, METH_VARARGS | METH_KEYWORDS,
+     "fp4_matmul(x f32[T,K], w u8[N,K/2], s u8[N,K/32], out f32[T,N], accumulate=False): out (+)= x @ W.T"},
+    {"fp8_matmul", (PyCFunction)(void (*)(void))py_fp8_matmul, METH_VARARGS | METH_KEYWORDS,
+     "fp8_matmul(x f32[T,K], w u8[N,K], s u8[ceil(N/128),ceil(K/128)], out f32[T,N], accumulate=False)"},
+    {"bf16_matmul", (PyCFunction)(void (*)(void))py_bf16_matmul, METH_VARARGS | METH_KEYWORDS,
+     "bf16_matmul(x f32[T,K], w u16[N,K], out f32[T,N], accumulate=False)"},
+    {"expert_ffn", (PyCFunction)(void (*)(void))py_expert_ffn, METH_VARARGS | METH_KEYWORDS,
+     "expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit, out): out += route_w * swiglu(x) @ W2.T"},
+    {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
+    {"default_num_threads", py_default_num_threads, METH_NOARGS, "CPUs this process may run on (or FASTAR_THREADS)"},
+    {"set_isa", py_set_isa, METH_O, "set_isa('avx512'|'avx2'|'scalar'|'auto')"},
+    {"get_isa", py_get_isa, METH_NOARGS, "get_isa() -> str"},
+    {"cpu_features", py_cpu_features, METH_NOARGS, "cpu_features() -> dict"},
+    {"read_bandwidth", py_read_bandwidth, METH_O, "read_bandwidth(buf u8[n]) -> seconds for one streaming pass"},
+    {"fma_peak", py_fma_peak, METH_O, "fma_peak(iters) -> (seconds, flops)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "fastar's fused dequantize-and-multiply CPU kernels",
+                                    -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    tables_init();
+    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
+        if (ALL_ISAS[i]->init) ALL_ISAS[i]->init();
+    ISA = best_isa();
+    return PyModule_Create(&module);
+}

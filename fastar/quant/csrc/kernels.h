@@ -1,0 +1,72 @@
+/* Shared declarations of fastar's CPU kernels (extension fastar.quant._kernels).
+ *
+ * Owns: the job description every product kernel takes (mm_job), the per-ISA kernel table (isa_ops), the
+ * lookup tables shared by all ISAs, and the thread-pool interface.
+ * Layout of the sources:
+ *   kernels.c      Python module: argument checks, dispatch, row partitioning, expert_ffn, bench helpers
+ *   pool.c         persistent pthread pool (callers run one job at a time; the caller works too)
+ *   kern_scalar.c  portable C kernels: the always-correct fallback, and the tables
+ *   kern_avx2.c    AVX2+FMA+F16C kernels (compiled with a target pragma, picked at run time)
+ *   kern_avx512.c  AVX-512 F/BW/VL kernels (same)
+ * Weight layouts are the checkpoint's (see fastar/quant/reference.py): FP4 [N, K/2] + UE8M0 [N, K/32];
+ * FP8 e4m3 [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]; BF16 bit patterns [N, K]. Outputs are float32.
+ */
+#ifndef FASTAR_KERNELS_H
+#define FASTAR_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define FP4_GROUP 32  /* columns per FP4 scale */
+#define FP8_BLOCK 128 /* rows and columns per FP8 scale */
+#define XP_CHUNK 128  /* the dot path permutes activations in chunks of this many columns */
+#define ROW_ALIGN 32  /* row chunks handed to threads start at multiples of this (>= every tile height) */
+
+/* One product out[t, n] (+)= sum_k x[t, k] * W[n, k] over rows n in [n0, n1) (the rows a thread owns). */
+typedef struct {
+    const float *x;     /* [T, K] activations, row-major */
+    const float *xp;    /* [T, kp] x with columns permuted per XP_CHUNK for the dot path (NULL: use x) */
+    int64_t kp;         /* row stride of xp (K rounded up to XP_CHUNK, zero padded) */
+    const void *w;      /* FP4 bytes [N, K/2] | FP8 bytes [N, K] | BF16 uint16 [N, K] */
+    const uint8_t *s;   /* FP4 [N, K/32] | FP8 [ceil(N/128), ceil(K/128)] | NULL */
+    int64_t T, N, K;
+    float *out;         /* out[t * ldo + n] */
+    int64_t ldo;
+    int accumulate;     /* 1: out += x W^T; 0: out = x W^T */
+    int dot;            /* 1: use the dot path (T <= the ISA's dot_max); 0: the tile path */
+} mm_job;
+
+typedef void (*rows_fn)(const mm_job *j, int64_t n0, int64_t n1);
+
+/* Everything one instruction set provides. The dot path (T <= dot_max) streams weights once per row with
+ * all tokens in registers; larger T dequantizes a tile into L1 and reuses it across tokens. */
+typedef struct {
+    const char *name;
+    void (*init)(void); /* fills the column maps below; called once */
+    int dot_max;
+    rows_fn fp4, fp8, bf16;
+    /* Column order the dot path wants per XP_CHUNK columns: xp[c0 + i] = x[c0 + map[i]] (NULL: natural). */
+    const uint8_t *fp4_map, *fp8_map, *bf16_map;
+    double (*fma_loop)(int64_t iters); /* returns the flops it executed (FP32 peak benchmark) */
+    double (*read_sum)(const uint8_t *p, size_t n); /* streams n bytes (n % 64 == 0), returns a checksum */
+} isa_ops;
+
+extern const isa_ops isa_scalar_ops;
+extern const isa_ops isa_avx2_ops;
+extern const isa_ops isa_avx512_ops;
+
+/* Tables, filled once by tables_init(). */
+extern float ue8m0_f32[256]; /* 2^(b-127); b=0 is the denormal 2^-127, b=255 is NaN */
+extern float fp8_f32[256];   /* e4m3fn value of each byte (0x7f, 0xff are NaN) */
+extern const float fp4_f32[16];
+void tables_init(void);
+
+/* Thread pool. pool_run calls fn(ctx, i) once for every i in [0, nchunks), spread over the pool's threads
+ * (the caller included); chunks are handed out dynamically so a descheduled thread delays only its own. */
+typedef void (*chunk_fn)(void *ctx, int64_t i);
+int pool_set_threads(int n);  /* 0 on success */
+int pool_get_threads(void);
+int pool_default_threads(void);
+void pool_run(int64_t nchunks, chunk_fn fn, void *ctx);
+
+#endif

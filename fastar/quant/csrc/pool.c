@@ -1,0 +1,201 @@
+/* Persistent pthread pool for fastar's kernels.
+ *
+ * Owns: the worker threads, job hand-off and completion. One job runs at a time (a mutex serializes callers
+ * from different Python threads); the calling thread works on the job too, so 1 thread means no hand-off.
+ * Workers spin briefly after a job (back-to-back kernel calls are the common case: an expert is 2 calls) and
+ * then sleep on a condition variable, so an idle pool costs no CPU.
+ * Does not own: how work is split (callers pass chunk counts) or anything about the kernels.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#define HAVE_MXCSR 1
+#else
+#define CPU_RELAX() ((void)0)
+#define HAVE_MXCSR 0
+#endif
+
+#include "kernels.h"
+
+#define MAX_THREADS 256
+#define SPIN_NS 50000 /* how long an idle worker polls for the next job before sleeping */
+
+typedef struct {
+    pthread_mutex_t run_mu;   /* held by the caller for a whole job: one job at a time */
+    pthread_mutex_t mu;       /* protects the sleep/wake hand-off below */
+    pthread_cond_t cv_work, cv_done;
+    int nthreads;             /* including the caller */
+    int nworkers;             /* started background threads = nthreads - 1 */
+    pthread_t tids[MAX_THREADS];
+    atomic_uint_fast64_t generation; /* bumped once per job */
+    atomic_int shutdown;
+    /* the current job */
+    chunk_fn fn;
+    void *ctx;
+    int64_t nchunks;
+    atomic_int_fast64_t next;  /* next chunk index to hand out */
+    atomic_int pending;        /* workers that have not finished the current job */
+    unsigned mxcsr;            /* the caller's float environment, so results match whoever calls */
+} pool_t;
+
+static pool_t P = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
+                   .cv_work = PTHREAD_COND_INITIALIZER, .cv_done = PTHREAD_COND_INITIALIZER,
+                   .nthreads = 0};
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void run_chunks(void) {
+    for (;;) {
+        int64_t i = atomic_fetch_add(&P.next, 1);
+        if (i >= P.nchunks) break;
+        P.fn(P.ctx, i);
+    }
+}
+
+static void *worker_main(void *arg) {
+    uint64_t seen = (uint64_t)(uintptr_t)arg; /* the generation at creation: a job posted before this
+                                                 thread first runs must still be seen as new */
+    for (;;) {
+        /* spin a little, then sleep until the generation moves */
+        int64_t t0 = now_ns();
+        int spins = 0;
+        while (atomic_load_explicit(&P.generation, memory_order_acquire) == seen && !atomic_load(&P.shutdown)) {
+            CPU_RELAX();
+            if (++spins % 64 == 0 && now_ns() - t0 > SPIN_NS) {
+                pthread_mutex_lock(&P.mu);
+                while (atomic_load(&P.generation) == seen && !atomic_load(&P.shutdown))
+                    pthread_cond_wait(&P.cv_work, &P.mu);
+                pthread_mutex_unlock(&P.mu);
+            }
+        }
+        if (atomic_load(&P.shutdown)) return NULL;
+        seen = atomic_load(&P.generation);
+#if HAVE_MXCSR
+        _mm_setcsr(P.mxcsr);
+#endif
+        run_chunks();
+        if (atomic_fetch_sub(&P.pending, 1) == 1) {
+            pthread_mutex_lock(&P.mu);
+            pthread_cond_signal(&P.cv_done);
+            pthread_mutex_unlock(&P.mu);
+        }
+    }
+}
+
+static void stop_workers(void) {
+    if (P.nworkers == 0) return;
+    pthread_mutex_lock(&P.mu);
+    atomic_store(&P.shutdown, 1);
+    pthread_cond_broadcast(&P.cv_work);
+    pthread_mutex_unlock(&P.mu);
+    for (int i = 0; i < P.nworkers; i++) pthread_join(P.tids[i], NULL);
+    P.nworkers = 0;
+    atomic_store(&P.shutdown, 0);
+}
+
+/* A forked child has none of the parent's workers: start again from one thread (re-grown on demand). */
+static void atfork_child(void) {
+    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+    P.run_mu = m;
+    P.mu = m;
+    P.cv_work = c;
+    P.cv_done = c;
+    P.nworkers = 0;
+    atomic_store(&P.shutdown, 0);
+}
+static void register_atfork(void) { pthread_atfork(NULL, NULL, atfork_child); }
+
+int pool_default_threads(void) {
+    const char *env = getenv("FASTAR_THREADS");
+    if (env && *env) {
+        int n = atoi(env);
+        if (n >= 1) return n > MAX_THREADS ? MAX_THREADS : n;
+    }
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n >= 1) return n > MAX_THREADS ? MAX_THREADS : n;
+    }
+#endif
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (n > MAX_THREADS ? MAX_THREADS : (int)n);
+}
+
+/* Caller holds run_mu. Starts exactly n-1 workers. */
+static int start_locked(int n) {
+    pthread_once(&atfork_once, register_atfork);
+    stop_workers();
+    P.nthreads = 1;
+    uintptr_t gen0 = (uintptr_t)atomic_load(&P.generation);
+    for (int i = 0; i < n - 1; i++) {
+        if (pthread_create(&P.tids[i], NULL, worker_main, (void *)gen0) != 0) break;
+        P.nworkers++;
+    }
+    P.nthreads = P.nworkers + 1;
+    return P.nthreads == n ? 0 : -1;
+}
+
+int pool_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    pthread_mutex_lock(&P.run_mu);
+    int rc = start_locked(n);
+    pthread_mutex_unlock(&P.run_mu);
+    return rc;
+}
+
+int pool_get_threads(void) {
+    return P.nthreads > 0 ? P.nthreads : pool_default_threads();
+}
+
+void pool_run(int64_t nchunks, chunk_fn fn, void *ctx) {
+    if (nchunks <= 0) return;
+    pthread_mutex_lock(&P.run_mu);
+    if (P.nthreads == 0 || (P.nworkers == 0 && P.nthreads > 1)) start_locked(pool_default_threads());
+    if (P.nworkers == 0 || nchunks == 1) {
+        pthread_mutex_unlock(&P.run_mu); /* nothing shared: let other callers run concurrently */
+        for (int64_t i = 0; i < nchunks; i++) fn(ctx, i);
+        return;
+    }
+    P.fn = fn;
+    P.ctx = ctx;
+    P.nchunks = nchunks;
+    atomic_store(&P.next, 0);
+    atomic_store(&P.pending, P.nworkers);
+#if HAVE_MXCSR
+    P.mxcsr = _mm_getcsr();
+#endif
+    pthread_mutex_lock(&P.mu);
+    atomic_fetch_add_explicit(&P.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&P.cv_work);
+    pthread_mutex_unlock(&P.mu);
+
+    run_chunks();
+
+    int64_t t0 = now_ns();
+    int spins = 0;
+    while (atomic_load_explicit(&P.pending, memory_order_acquire) > 0) {
+        CPU_RELAX();
+        if (++spins % 64 == 0 && now_ns() - t0 > SPIN_NS) {
+            pthread_mutex_lock(&P.mu);
+            while (atomic_load(&P.pending) > 0) pthread_cond_wait(&P.cv_done, &P.mu);
+            pthread_mutex_unlock(&P.mu);
+        }
+    }
+    pthread_mutex_unlock(&P.run_mu);
+}

@@ -1,0 +1,222 @@
+"""Fast fused dequantize-and-multiply CPU kernels, exact to `fastar.quant.reference` up to float32 summation order.
+
+Owns: the Python face of the C extension `fastar.quant._kernels` (built by setup.py from `quant/csrc/`):
+`fp4_matmul`, `fp8_matmul`, `bf16_matmul`, the fused routed expert `expert_ffn`, thread-count and
+instruction-set controls, and a numpy fallback with identical semantics for when the extension is missing
+(`available()` is then False; results stay correct, only slow).
+Does not own: activation quantization for the `official` numerics (the model applies it) nor weight paging.
+
+Every product takes the checkpoint's own layouts, never a widened copy (see reference.py):
+- FP4 weight [N, K/2] uint8 (low nibble = even column) + UE8M0 scale [N, K/32] uint8;
+- FP8 e4m3 weight [N, K] uint8 + UE8M0 scale [ceil(N/128), ceil(K/128)] uint8;
+- BF16 weight [N, K] as uint16 bit patterns.
+Activations x are float32 [T, K] (or [K], giving [N]); the result is float32 [T, N] = x @ W.T, computed with
+fp32 activations and fp32 accumulation. Inputs may be numpy arrays or CPU torch tensors (viewed, not copied;
+torch bfloat16 is read as its uint16 bits). Bad dtypes raise TypeError; bad shapes, strides or aliasing raise
+ValueError. Nothing is converted silently: a non-contiguous or float64 input is an error, not a copy.
+The C kernels release the GIL and run on a persistent thread pool (default: the CPUs this process may use,
+or FASTAR_THREADS); results are bit-identical for any thread count.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference as ref
+
+try:  # the compiled extension is optional: without it every function below still works, slowly
+    from . import _kernels as _C
+except ImportError:  # pragma: no cover - exercised only on machines without a C build
+    _C = None
+
+__all__ = [
+    "available", "cpu_features", "set_num_threads", "get_num_threads", "set_isa", "get_isa",
+    "fp4_matmul", "fp8_matmul", "bf16_matmul", "expert_ffn",
+]
+
+
+def available() -> bool:
+    """True when the compiled kernels are in use (False: the numpy fallback answers every call)."""
+    return _C is not None
+
+
+def cpu_features() -> dict:
+    """What this CPU offers the kernels: {'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl': bool,
+    'isa': the instruction set in use, 'usable_isas': list}. Without the extension, isa is 'numpy'."""
+    if _C is None:
+        return {"avx2": False, "fma": False, "f16c": False, "avx512f": False, "avx512bw": False,
+                "avx512vl": False, "isa": "numpy", "usable_isas": []}
+    return _C.cpu_features()
+
+
+def set_num_threads(n: int) -> None:
+    """Resize the kernels' thread pool (the calling thread counts as one)."""
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"thread count must be >= 1, got {n}")
+    if _C is not None:
+        _C.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """Threads the kernels use: default = CPUs in this process's affinity mask (or FASTAR_THREADS)."""
+    if _C is None:
+        return 1
+    return _C.get_num_threads()
+
+
+def set_isa(name: str) -> None:
+    """Force 'avx512', 'avx2' or 'scalar' (tests, benchmarks), or 'auto' for the best this CPU runs."""
+    if _C is not None:
+        _C.set_isa(name)
+
+
+def get_isa() -> str:
+    """The instruction set the kernels run ('numpy' for the fallback)."""
+    return _C.get_isa() if _C is not None else "numpy"
+
+
+# --- argument plumbing ----------------------------------------------------------------------------------
+
+def _array(a, name: str) -> np.ndarray:
+    """numpy view of a numpy array or CPU torch tensor (bfloat16 -> its uint16 bits); never copies."""
+    if isinstance(a, np.ndarray):
+        return a
+    mod = type(a).__module__
+    if mod.startswith("torch"):
+        if a.device.type != "cpu":
+            raise TypeError(f"{name} must be on the CPU, got a tensor on {a.device}")
+        a = a.detach()
+        if str(a.dtype) == "torch.bfloat16":
+            import torch  # noqa: PLC0415 (only reached when the caller already uses torch)
+            return a.view(torch.int16).numpy().view(np.uint16)
+        return a.numpy()
+    raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(a).__name__}")
+
+
+def _check(a: np.ndarray, name: str, dtype, ndim: int) -> None:
+    """The fallback's version of the C checks (same exception types)."""
+    if a.dtype != dtype:
+        raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {a.ndim}-D")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (row-major, no strides); use np.ascontiguousarray")
+
+
+def _shape(a: np.ndarray, name: str, want: tuple[int, int]) -> None:
+    if a.shape != want:
+        raise ValueError(f"{name} has shape {a.shape}, expected {want}")
+
+
+def _product(kind: str, x, w, s, out, numpy_dequant):
+    x, w = _array(x, "x"), _array(w, "w")
+    s = None if s is None else _array(s, "s")
+    vector = isinstance(x, np.ndarray) and x.ndim == 1
+    x2 = x.reshape(1, -1) if vector else x
+    t, n = (x2.shape[0] if x2.ndim == 2 else 0), (w.shape[0] if w.ndim == 2 else 0)
+    accumulate = out is not None
+    if out is None:
+        out2 = np.empty((t, n), np.float32)
+    else:
+        out = _array(out, "out")
+        out2 = out.reshape(1, -1) if (vector and out.ndim == 1) else out
+    if _C is not None:
+        args = (x2, w, out2) if s is None else (x2, w, s, out2)
+        getattr(_C, kind)(*args, accumulate=accumulate)
+    else:
+        _check(x2, "x", np.float32, 2)
+        _check(w, "w", np.uint16 if s is None else np.uint8, 2)
+        _check(out2, "out", np.float32, 2)
+        if s is not None:
+            _check(s, "s", np.uint8, 2)
+        _shape(out2, "out", (t, n))
+        y = (x2 @ numpy_dequant(x2.shape[1]).T).astype(np.float32)
+        if accumulate:
+            out2 += y
+        else:
+            out2[...] = y
+    res = out if out is not None else out2
+    return res.reshape(-1) if (vector and res.ndim == 2) else res
+
+
+# --- products ---------------------------------------------------------------------------------------------
+
+def fp4_matmul(x, w, s, out=None) -> np.ndarray:
+    """x [T, K] float32 @ FP4 weight [N, K/2] with UE8M0 scales [N, K/32] -> [T, N] float32.
+
+    Twin of `reference.fp4_decode`: equals x @ fp4_decode(w, s).T up to float32 summation order. K must be a
+    multiple of 32. With `out` ([T, N] float32) the product is ADDED into it (out += x @ W.T) and out returned.
+    """
+    def dequant(k: int) -> np.ndarray:
+        if k % ref.FP4_GROUP:
+            raise ValueError(f"FP4 needs K (x.shape[1] = {k}) to be a multiple of {ref.FP4_GROUP}")
+        _shape(w, "w", (w.shape[0], k // 2))
+        return ref.fp4_decode(w, s)
+    w = _array(w, "w")
+    return _product("fp4_matmul", x, w, s, out, dequant)
+
+
+def fp8_matmul(x, w, s, out=None) -> np.ndarray:
+    """x [T, K] float32 @ FP8 e4m3 weight [N, K] with 128x128 UE8M0 block scales -> [T, N] float32.
+
+    Twin of `reference.fp8_block_dequant`: equals x @ fp8_block_dequant(w, s).T up to summation order (NaN
+    codes make their row NaN, as there). With `out` the product is ADDED into it and out returned.
+    """
+    def dequant(k: int) -> np.ndarray:
+        _shape(w, "w", (w.shape[0], k))
+        return ref.fp8_block_dequant(w, s)
+    w = _array(w, "w")
+    return _product("fp8_matmul", x, w, s, out, dequant)
+
+
+def bf16_matmul(x, w, out=None) -> np.ndarray:
+    """x [T, K] float32 @ BF16 weight [N, K] (uint16 bits or torch bfloat16) -> [T, N] float32.
+
+    Twin of `reference.bf16_decode`: equals x @ bf16_decode(w).T up to summation order. With `out` the
+    product is ADDED into it and out returned.
+    """
+    def dequant(k: int) -> np.ndarray:
+        _shape(w, "w", (w.shape[0], k))
+        return ref.bf16_decode(w)
+    w = _array(w, "w")
+    return _product("bf16_matmul", x, w, None, out, dequant)
+
+
+def swiglu_limited(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
+    """silu(min(gate, l)) * clamp(up, -l, l) in float32; limit <= 0 means no clamp (DeepSeek's swiglu_limit=0)."""
+    gate = np.asarray(gate, np.float32)
+    up = np.asarray(up, np.float32)
+    if limit > 0:
+        lim = np.float32(limit)
+        gate = np.minimum(gate, lim)
+        up = np.clip(up, -lim, lim)
+    with np.errstate(over="ignore"):
+        return (gate / (np.float32(1) + np.exp(-gate)) * up).astype(np.float32)
+
+
+def expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit: float, out) -> np.ndarray:
+    """One routed FP4 expert, fused: out[t] += route_w[t] * swiglu(x[t]) @ W2.T, accumulated into `out`.
+
+    x [T, D] float32; w1/w3 (gate/up) FP4 [I, D/2] + scales [I, D/32]; w2 (down) FP4 [D, I/2] + [D, I/32];
+    route_w [T] float32; out [T, D] float32 (added to, so start from zeros or from other experts' sum).
+    gate = x W1^T, up = x W3^T, h = silu(min(gate, limit)) * clamp(up, -limit, limit) * route_w[t]
+    (limit <= 0: no clamp), out += h W2^T. Twin: `reference.fp4_decode` of each weight composed with
+    `swiglu_limited`; the routing weight is applied before the down projection (DeepSeek's order).
+    """
+    arrs = [_array(a, nm) for a, nm in ((x, "x"), (w1, "w1"), (s1, "s1"), (w3, "w3"), (s3, "s3"),
+                                         (w2, "w2"), (s2, "s2"), (route_w, "route_w"), (out, "out"))]
+    if _C is not None:
+        _C.expert_ffn(*arrs[:8], float(limit), arrs[8])
+        return arrs[8]
+    x, w1, s1, w3, s3, w2, s2, route_w, out = arrs
+    for a, nm, dt, nd in ((x, "x", np.float32, 2), (route_w, "route_w", np.float32, 1), (out, "out", np.float32, 2)):
+        _check(a, nm, dt, nd)
+    _shape(out, "out", x.shape)
+    if route_w.shape != (x.shape[0],):
+        raise ValueError(f"route_w has shape {route_w.shape}, expected ({x.shape[0]},)")
+    gate = fp4_matmul(x, w1, s1)
+    up = fp4_matmul(x, w3, s3)
+    h = swiglu_limited(gate, up, limit) * route_w[:, None]
+    out += fp4_matmul(h.astype(np.float32), w2, s2)
+    return out
+

@@ -1,0 +1,11 @@
+"""The OpenAI-compatible HTTP server and the built-in web chat UI.
+
+`server` (HTTP, routes, static UI files, CLI glue), `worker` (the one thread that owns the engine, the session
+pool for prefix reuse, metrics), `protocol` (request validation, response shapes, SSE). Never imports torch:
+the engine arrives through the `engine_factory` the caller passes in.
+"""
+from __future__ import annotations
+
+from fastar.serve.server import Server, add_arguments, run_from_args, serve
+
+__all__ = ["Server", "serve", "add_arguments", "run_from_args"]

@@ -1,0 +1,415 @@
+// fastar web chat: streams /v1/chat/completions with fetch + a body reader (EventSource cannot POST),
+// keeps conversations and settings in localStorage, renders answers with the safe markdown renderer.
+// Model text only ever reaches the page through textContent or renderMarkdown (which escapes first).
+
+import { renderMarkdown } from "/static/markdown.js";
+
+const STORE = "fastar.conversations.v1";
+const SETTINGS = "fastar.settings.v1";
+const CURRENT = "fastar.current.v1";
+const DEFAULTS = { temperature: 1.0, top_p: 1.0, max_tokens: 0, thinking: true, system: "" };
+
+const $ = (id) => document.getElementById(id);
+const el = (tag, cls, text) => {
+  const node = document.createElement(tag);
+  if (cls) node.className = cls;
+  if (text !== undefined) node.textContent = text;
+  return node;
+};
+
+function load(key, fallback) {
+  try {
+    return JSON.parse(localStorage.getItem(key)) ?? fallback;
+  } catch {
+    return fallback;
+  }
+}
+
+let conversations = load(STORE, []).filter((c) => c && Array.isArray(c.messages));
+let settings = { ...DEFAULTS, ...load(SETTINGS, {}) };
+let currentId = localStorage.getItem(CURRENT) || null;
+let controller = null; // the AbortController of the running request; Stop aborts it
+let modelId = "deepseek-v4-flash";
+let emptyState = null;
+
+for (const c of conversations) for (const m of c.messages) delete m.pending; // a reload cut them short
+
+function save() {
+  try {
+    localStorage.setItem(STORE, JSON.stringify(conversations));
+    localStorage.setItem(CURRENT, currentId || "");
+  } catch {
+    setStatus("Could not save the conversation: browser storage is full.", "error");
+  }
+}
+
+const current = () => conversations.find((c) => c.id === currentId) || null;
+const newId = () => Date.now().toString(36) + Math.random().toString(36).slice(2, 8);
+
+function setStatus(text, kind = "") {
+  const s = $("status");
+  s.textContent = text || "";
+  s.className = kind;
+}
+
+// ---- sidebar ---------------------------------------------------------------------------------------------
+
+function renderList() {
+  const ul = $("conversations");
+  ul.replaceChildren();
+  for (const c of [...conversations].sort((a, b) => b.updated - a.updated)) {
+    const li = el("li", c.id === currentId ? "active" : "");
+    li.dataset.id = c.id;
+    const del = el("button", "delete icon", "×");
+    del.type = "button";
+    del.title = "Delete conversation";
+    li.append(el("span", "title", c.title || "New chat"), del);
+    ul.append(li);
+  }
+}
+
+$("conversations").addEventListener("click", (ev) => {
+  const li = ev.target.closest("li");
+  if (!li || controller) return;
+  if (ev.target.closest(".delete")) {
+    conversations = conversations.filter((c) => c.id !== li.dataset.id);
+    if (currentId === li.dataset.id) currentId = null;
+  } else {
+    currentId = li.dataset.id;
+  }
+  save();
+  renderAll();
+  document.body.classList.remove("show-sidebar");
+});
+
+function newChat() {
+  if (controller) controller.abort();
+  currentId = null;
+  save();
+  renderAll();
+  setStatus("");
+  $("input").focus();
+}
+
+// ---- messages --------------------------------------------------------------------------------------------
+
+function nearBottom() {
+  const box = $("messages");
+  return box.scrollHeight - box.scrollTop - box.clientHeight < 80;
+}
+
+function scrollToBottom() {
+  const box = $("messages");
+  box.scrollTop = box.scrollHeight;
+}
+
+function messageView(m) {
+  const view = el("div", `msg ${m.role}`);
+  if (m.role === "user") {
+    view.append(el("div", "bubble", m.content));
+    return view;
+  }
+  const think = el("details", "thinking");
+  think.append(el("summary", "", "Thinking"), el("div", "thinking-body"));
+  view.append(think, el("div", "content markdown"), el("div", "meta"));
+  updateAssistant(view, m);
+  return view;
+}
+
+function updateAssistant(view, m) {
+  const think = view.querySelector(".thinking");
+  think.hidden = !m.reasoning;
+  if (m.reasoning) {
+    view.querySelector(".thinking-body").textContent = m.reasoning;
+    const thinkingNow = m.pending && !m.content;
+    think.querySelector("summary").textContent = thinkingNow ? "Thinking…" : "Thoughts";
+    // Open while the model thinks, folded once the answer starts (the reader can reopen it).
+    if (thinkingNow && !m.folded) think.open = true;
+    if (m.content && !m.folded) {
+      think.open = false;
+      m.folded = true;
+    }
+  }
+  const content = view.querySelector(".content");
+  content.innerHTML = renderMarkdown(m.content || "");
+  if (m.pending && (m.content || !m.reasoning)) {
+    // The cursor goes at the end of the text, inside the last paragraph or list item, not below it.
+    let host = content;
+    while (host.lastElementChild && /^(P|UL|OL|LI|BLOCKQUOTE|H\d)$/.test(host.lastElementChild.tagName)) {
+      host = host.lastElementChild;
+    }
+    host.append(el("span", "cursor"));
+  }
+  view.classList.toggle("pending", !!m.pending);
+  const meta = view.querySelector(".meta");
+  const parts = [];
+  if (m.error) parts.push(m.error);
+  if (m.usage) parts.push(`${m.usage.completion_tokens} tokens`);
+  if (m.tps) parts.push(`${m.tps.toFixed(1)} tok/s`);
+  if (m.finish === "length") parts.push("stopped at the token limit");
+  if (m.finish === "stopped") parts.push("stopped");
+  meta.textContent = parts.join(" · ");
+  meta.classList.toggle("error", !!m.error);
+}
+
+function renderMessages() {
+  const box = $("messages");
+  const conv = current();
+  $("chat-title").textContent = conv?.title || "New chat";
+  box.replaceChildren();
+  if (!conv || !conv.messages.length) {
+    box.append(emptyState);
+    return;
+  }
+  for (const m of conv.messages) box.append(messageView(m));
+  scrollToBottom();
+}
+
+function renderAll() {
+  renderList();
+  renderMessages();
+}
+
+$("messages").addEventListener("click", async (ev) => {
+  const button = ev.target.closest("button.copy");
+  if (!button) return;
+  const code = button.closest(".codeblock").querySelector("code").textContent;
+  try {
+    await navigator.clipboard.writeText(code);
+    button.textContent = "Copied";
+  } catch {
+    button.textContent = "Copy failed";
+  }
+  setTimeout(() => (button.textContent = "Copy"), 1500);
+});
+
+// ---- streaming -------------------------------------------------------------------------------------------
+
+// Server-sent events from a fetch body: events end at a blank line; `data:` lines carry JSON or [DONE];
+// `:` lines are comments (the server's keep-alives, which also carry prefill progress).
+async function* sseEvents(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer = (buffer + decoder.decode(value, { stream: true })).replace(/\r\n?/g, "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = [];
+      let comment = null;
+      for (const line of block.split("\n")) {
+        if (line.startsWith(":")) comment = line.slice(1).trim();
+        else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+      }
+      if (data.length) yield { data: data.join("\n") };
+      else if (comment !== null) yield { comment };
+    }
+  }
+}
+
+async function errorText(response) {
+  if (response.status === 401) return "The server needs an API key: reload the page and enter it as the password.";
+  try {
+    const body = await response.json();
+    return body.error?.message || `HTTP ${response.status}`;
+  } catch {
+    return `HTTP ${response.status} ${response.statusText}`;
+  }
+}
+
+function requestBody(conv) {
+  const messages = [];
+  if (settings.system.trim()) messages.push({ role: "system", content: settings.system });
+  for (const m of conv.messages) {
+    if (m.pending) continue;
+    if (m.role === "assistant" && !m.content) continue; // failed or empty turns carry nothing to resend
+    messages.push({ role: m.role, content: m.content });
+  }
+  const body = {
+    model: modelId, messages, stream: true, stream_options: { include_usage: true },
+    temperature: Number(settings.temperature), top_p: Number(settings.top_p),
+    thinking: { type: settings.thinking ? "enabled" : "disabled" },
+  };
+  if (Number(settings.max_tokens) > 0) body.max_tokens = Number(settings.max_tokens);
+  return body;
+}
+
+function setBusy(busy) {
+  $("send").hidden = busy;
+  $("stop").hidden = !busy;
+  document.body.classList.toggle("busy", busy);
+}
+
+async function send(text) {
+  let conv = current();
+  if (!conv) {
+    conv = { id: newId(), title: "", created: Date.now(), updated: Date.now(), messages: [] };
+    conversations.push(conv);
+    currentId = conv.id;
+  }
+  conv.messages.push({ role: "user", content: text });
+  if (!conv.title) conv.title = text.replace(/\s+/g, " ").trim().slice(0, 48);
+  const reply = { role: "assistant", content: "", reasoning: "", pending: true };
+  conv.messages.push(reply);
+  conv.updated = Date.now();
+  save();
+  renderAll();
+  const view = $("messages").lastElementChild;
+  controller = new AbortController();
+  setBusy(true);
+  setStatus("Waiting for the model…");
+  let firstToken = null;
+  let frame = 0;
+  const redraw = () => {
+    frame = 0;
+    const stick = nearBottom();
+    updateAssistant(view, reply);
+    if (stick) scrollToBottom();
+  };
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(requestBody(conv)), signal: controller.signal,
+    });
+    if (!response.ok) throw new Error(await errorText(response));
+    for await (const ev of sseEvents(response)) {
+      if (ev.comment !== undefined) {
+        const m = ev.comment.match(/prefill (\d+)\/(\d+)/);
+        if (m && !firstToken) setStatus(`Processing the prompt: ${m[1]} / ${m[2]} tokens`);
+        continue;
+      }
+      if (ev.data === "[DONE]") break;
+      const obj = JSON.parse(ev.data);
+      if (obj.error) throw new Error(obj.error.message);
+      if (obj.usage) reply.usage = obj.usage;
+      const choice = obj.choices && obj.choices[0];
+      if (!choice) continue;
+      const delta = choice.delta || {};
+      const thought = delta.reasoning_content ?? delta.reasoning;
+      if (thought) reply.reasoning += thought;
+      if (delta.content) reply.content += delta.content;
+      if (choice.finish_reason) reply.finish = choice.finish_reason;
+      if ((thought || delta.content) && firstToken === null) {
+        firstToken = performance.now();
+        setStatus("");
+      }
+      if (!frame) frame = requestAnimationFrame(redraw);
+    }
+  } catch (err) {
+    if (err.name === "AbortError") reply.finish = "stopped";
+    else reply.error = err.message || String(err);
+  } finally {
+    if (frame) cancelAnimationFrame(frame);
+    const seconds = firstToken === null ? 0 : (performance.now() - firstToken) / 1000;
+    if (reply.usage && seconds > 0.05) reply.tps = Math.max(reply.usage.completion_tokens - 1, 0) / seconds;
+    delete reply.pending;
+    controller = null;
+    conv.updated = Date.now();
+    save();
+    updateAssistant(view, reply);
+    setBusy(false);
+    setStatus("");
+    renderList();
+    $("input").focus();
+  }
+}
+
+// ---- composer and settings -------------------------------------------------------------------------------
+
+function autosize() {
+  const input = $("input");
+  input.style.height = "auto";
+  input.style.height = Math.min(input.scrollHeight, 240) + "px";
+}
+
+$("composer").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const text = $("input").value;
+  if (!text.trim() || controller) return;
+  $("input").value = "";
+  autosize();
+  send(text);
+});
+
+$("input").addEventListener("keydown", (ev) => {
+  if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
+    ev.preventDefault();
+    $("composer").requestSubmit();
+  }
+});
+$("input").addEventListener("input", autosize);
+$("stop").addEventListener("click", () => controller && controller.abort());
+$("new-chat").addEventListener("click", newChat);
+$("sidebar-toggle").addEventListener("click", () => document.body.classList.toggle("show-sidebar"));
+$("settings-toggle").addEventListener("click", () => {
+  const panel = $("settings");
+  panel.hidden = !panel.hidden;
+  $("settings-toggle").setAttribute("aria-expanded", String(!panel.hidden));
+});
+
+function bindSettings() {
+  const fields = [["temperature", "temperature"], ["top-p", "top_p"], ["max-tokens", "max_tokens"],
+                  ["system-prompt", "system"]];
+  const show = () => {
+    $("temperature-value").textContent = Number(settings.temperature).toFixed(2);
+    $("top-p-value").textContent = Number(settings.top_p).toFixed(2);
+  };
+  for (const [id, key] of fields) {
+    $(id).value = settings[key] === 0 && key === "max_tokens" ? "" : settings[key];
+    $(id).addEventListener("input", () => {
+      settings[key] = key === "system" ? $(id).value : Number($(id).value) || 0;
+      localStorage.setItem(SETTINGS, JSON.stringify(settings));
+      show();
+    });
+  }
+  $("thinking").checked = !!settings.thinking;
+  $("thinking").addEventListener("change", () => {
+    settings.thinking = $("thinking").checked;
+    localStorage.setItem(SETTINGS, JSON.stringify(settings));
+  });
+  show();
+}
+
+// ---- server status ---------------------------------------------------------------------------------------
+
+async function pollHealth() {
+  const dot = $("health-dot");
+  try {
+    const response = await fetch("/health");
+    const body = await response.json().catch(() => ({}));
+    if (response.ok) {
+      const models = await fetch("/v1/models").then((r) => (r.ok ? r.json() : null)).catch(() => null);
+      const model = models && models.data && models.data[0];
+      if (model) {
+        modelId = model.id;
+        $("model-name").textContent = `${model.id} · ${Number(model.max_model_len).toLocaleString()} ctx`;
+      } else {
+        $("model-name").textContent = modelId;
+      }
+      dot.className = "dot ok";
+      return;
+    }
+    if (response.status === 503) {
+      dot.className = "dot loading";
+      $("model-name").textContent = `loading the model… ${Math.round((body.progress || 0) * 100)}%`;
+      setTimeout(pollHealth, 2000);
+      return;
+    }
+    dot.className = "dot error";
+    $("model-name").textContent = body.error?.message || `server error ${response.status}`;
+  } catch {
+    dot.className = "dot error";
+    $("model-name").textContent = "server unreachable";
+    setTimeout(pollHealth, 5000);
+  }
+}
+
+emptyState = $("empty");
+bindSettings();
+renderAll();
+pollHealth();
+$("input").focus();

@@ -1,0 +1,334 @@
+"""fastar.quant.kernels against fastar.quant.reference: every kernel, every instruction set this CPU runs, the
+numpy fallback, awkward shapes, extreme and special scales, bad inputs, threading and the GIL.
+
+Tolerance: |kernel - exact| <= 1e-5 * (|x| @ |W|.T) (+ a denormal floor), where `exact` is the float64 product
+of the reference's dequantized weights: the kernels differ from the reference only in float32 summation order.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fastar.quant import kernels as K
+from fastar.quant import reference as R
+
+RTOL = 1e-5
+ISAS = K.cpu_features()["usable_isas"] if K.available() else []
+BACKENDS = ISAS + ["numpy"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    """Each usable ISA of the C kernels, and the numpy fallback (the extension hidden)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(K, "_C", None)
+    else:
+        K.set_isa(request.param)
+    yield request.param
+    if K.available():
+        K.set_isa("auto")
+
+
+def assert_close(got: np.ndarray, x: np.ndarray, w_deq: np.ndarray, base: np.ndarray | None = None) -> None:
+    x64, w64 = x.astype(np.float64), w_deq.astype(np.float64)
+    exact = x64 @ w64.T + (0 if base is None else base)
+    with np.errstate(invalid="ignore"):
+        bound = RTOL * (np.abs(x64) @ np.abs(w64).T) + x.shape[1] * 2.0 ** -148
+    nan = np.isnan(exact)
+    assert np.array_equal(np.isnan(got), nan), "NaN pattern differs from the reference"
+    err = np.abs(got[~nan] - exact[~nan])
+    assert np.all(err <= bound[~nan]), f"max error / bound = {np.max(err / np.maximum(bound[~nan], 1e-300)):.3g}"
+
+
+def fp4_weights(rng, n: int, k: int, scales=(118, 131)) -> tuple[np.ndarray, np.ndarray]:
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)  # includes +-0 and the +-6 extremes
+    s = rng.integers(scales[0], scales[1], (n, k // 32), dtype=np.uint8)
+    return R.fp4_pack(codes), s
+
+
+def fp8_weights(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    w = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    w[(w & 0x7F) == 0x7F] = 0x7E  # no NaN codes (tested separately); keeps +-448 and denormals
+    s = rng.integers(118, 131, (-(-n // 128), -(-k // 128)), dtype=np.uint8)
+    return w, s
+
+
+# --- products vs reference ------------------------------------------------------------------------------
+
+# (T, N, K): odd T, N off every tile size, K a multiple of 32 but not of 128/256, slices with ragged ends
+FP4_SHAPES = [(1, 37, 96), (3, 130, 160), (17, 61, 288), (5, 33, 32), (4, 45, 1056), (2, 19, 4128), (1, 64, 4096)]
+
+
+@pytest.mark.parametrize("t,n,k", FP4_SHAPES)
+def test_fp4_matches_reference(backend, t, n, k):
+    rng = np.random.default_rng(t * 1000 + n + k)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    w, s = fp4_weights(rng, n, k)
+    assert_close(K.fp4_matmul(x, w, s), x, R.fp4_decode(w, s))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_fp4_special_scales(backend):
+    """UE8M0 byte 0 (2^-127, denormal) and other tiny scales, huge ones, and 255 (NaN) in some groups."""
+    rng = np.random.default_rng(7)
+    for t in (1, 3, 17):
+        n, k = 70, 192
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        w, s = fp4_weights(rng, n, k)
+        s[:10] = rng.choice(np.array([0, 1, 2, 3, 9], np.uint8), s[:10].shape)  # denormal-range weights
+        s[10:20] = rng.integers(140, 160, s[10:20].shape, dtype=np.uint8)  # large but finite products
+        s[20, 3] = 255  # NaN scale: the reference's whole row is NaN
+        s[33, 0] = 0
+        w[40:45] = 0x77  # +6 +6: the extremes everywhere
+        w[45:50] = 0xFF  # -6 -6
+        got = K.fp4_matmul(x, w, s)
+        assert_close(got, x, R.fp4_decode(w, s))
+        assert np.isnan(got[:, 20]).all()
+        # the denormal rows are not flushed to zero
+        assert np.all(np.abs(got[:, :10]) > 0) or np.any(R.fp4_decode(w[:10], s[:10]) == 0)
+
+
+@pytest.mark.parametrize("t,n,k", [(1, 1, 1), (1, 129, 7), (3, 200, 130), (17, 131, 257), (4, 77, 1000),
+                                   (2, 40, 4200), (5, 128, 128)])
+def test_fp8_matches_reference(backend, t, n, k):
+    rng = np.random.default_rng(t * 1000 + n + k)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    w, s = fp8_weights(rng, n, k)
+    assert_close(K.fp8_matmul(x, w, s), x, R.fp8_block_dequant(w, s))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_fp8_special_values(backend):
+    """NaN codes (0x7f, 0xff) poison their row; tiny, zero and huge block scales stay exact."""
+    rng = np.random.default_rng(3)
+    for t in (1, 17):
+        n, k = 260, 300
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        w, s = fp8_weights(rng, n, k)
+        s[0, 0], s[0, 1], s[1, 2], s[2, 0] = 0, 1, 247, 255  # denormal, tiny, x256-overflowing, NaN scale
+        w[5, 17] = 0x7F
+        w[131, :] = rng.choice(np.array([0x00, 0x01, 0x07, 0x80, 0x81, 0x7E, 0xFE], np.uint8), k)  # denormals, +-448
+        w[128:256, 256:] &= 0x8F  # |v| <= 2^-6 under the 2^120 scale keeps the reference finite
+        w[130, 299] = 0xFF
+        got = K.fp8_matmul(x, w, s)
+        assert_close(got, x, R.fp8_block_dequant(w, s))
+        assert np.isnan(got[:, 5]).all() and np.isnan(got[:, 130]).all()
+
+
+@pytest.mark.parametrize("t,n,k", [(1, 3, 1), (3, 37, 33), (17, 50, 301), (4, 33, 1030), (2, 20, 4097)])
+def test_bf16_matches_reference(backend, t, n, k):
+    rng = np.random.default_rng(t * 1000 + n + k)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    w = R.bf16_encode(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
+    assert_close(K.bf16_matmul(x, w), x, R.bf16_decode(w))
+
+
+def test_accumulate_and_vector_forms(backend):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    w, s = fp4_weights(rng, 40, 64)
+    base = rng.standard_normal((3, 40)).astype(np.float32)
+    out = base.copy()
+    assert K.fp4_matmul(x, w, s, out=out) is out
+    assert_close(out, x, R.fp4_decode(w, s), base=base.astype(np.float64))
+    y1 = K.fp4_matmul(x[1], w, s)
+    assert y1.shape == (40,)
+    assert_close(y1[None], x[1:2], R.fp4_decode(w, s))
+
+
+def test_empty_shapes(backend):
+    rng = np.random.default_rng(0)
+    w, s = fp4_weights(rng, 5, 64)
+    assert K.fp4_matmul(np.zeros((0, 64), np.float32), w, s).shape == (0, 5)
+    w8, s8 = fp8_weights(rng, 0, 10)
+    assert K.fp8_matmul(np.ones((2, 10), np.float32), w8, s8).shape == (2, 0)
+    y = K.bf16_matmul(np.ones((2, 0), np.float32), np.zeros((3, 0), np.uint16))
+    assert y.shape == (2, 3) and not y.any()
+
+
+def test_torch_tensors_are_viewed_not_copied(backend):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    w = rng.standard_normal((20, 96)).astype(np.float32)
+    wb = torch.from_numpy(w).bfloat16()  # torch bfloat16 is read as its uint16 bits
+    out = torch.zeros(3, 20)
+    K.bf16_matmul(torch.from_numpy(x), wb, out=out)  # accumulates into the tensor's memory
+    assert_close(out.numpy(), x, wb.float().numpy())
+    w4, s4 = fp4_weights(rng, 20, 96)
+    y = K.fp4_matmul(torch.from_numpy(x), torch.from_numpy(w4), torch.from_numpy(s4))
+    assert_close(y, x, R.fp4_decode(w4, s4))
+
+
+# --- the fused expert -----------------------------------------------------------------------------------
+
+def expert_exact(x, w1, s1, w3, s3, w2, s2, rw, limit, base):
+    """float64 result and an error bound that propagates each product's float32 tolerance through the SwiGLU."""
+    x64 = x.astype(np.float64)
+    W1, W3, W2 = (R.fp4_decode(a, b).astype(np.float64) for a, b in ((w1, s1), (w3, s3), (w2, s2)))
+    g, u = x64 @ W1.T, x64 @ W3.T
+    eg, eu = RTOL * (np.abs(x64) @ np.abs(W1).T), RTOL * (np.abs(x64) @ np.abs(W3).T)
+    if limit > 0:
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    sg = g / (1 + np.exp(-g))
+    h = sg * u * rw[:, None]
+    eh = (1.1 * np.abs(u) * eg + np.abs(sg) * eu + 1e-6 * np.abs(sg * u)) * np.abs(rw)[:, None]
+    out = base + h @ W2.T
+    bound = (eh + RTOL * np.abs(h)) @ np.abs(W2).T + 1e-6 * np.abs(base) + 1e-30
+    return out, bound
+
+
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_expert_ffn_matches_reference(backend, t, limit):
+    rng = np.random.default_rng(t + int(limit))
+    d, i = 160, 96
+    x = (rng.standard_normal((t, d)) * 2).astype(np.float32)
+    w1, s1 = fp4_weights(rng, i, d, (124, 128))
+    w3, s3 = fp4_weights(rng, i, d, (124, 128))
+    w2, s2 = fp4_weights(rng, d, i, (120, 126))
+    rw = rng.random(t).astype(np.float32)
+    base = rng.standard_normal((t, d)).astype(np.float32)
+    out = base.copy()
+    K.expert_ffn(x, w1, s1, w3, s3, w2, s2, rw, limit, out)
+    exact, bound = expert_exact(x, w1, s1, w3, s3, w2, s2, rw, limit, base.astype(np.float64))
+    assert np.all(np.abs(out - exact) <= bound)
+
+
+def test_expert_ffn_bad_inputs():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    w1, s1 = fp4_weights(rng, 32, 64)
+    w2, s2 = fp4_weights(rng, 64, 32)
+    rw, out = np.ones(2, np.float32), np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="w3"):
+        K.expert_ffn(x, w1, s1, w1[:16], s1[:16], w2, s2, rw, 10.0, out)
+    with pytest.raises(ValueError, match="route_w"):
+        K.expert_ffn(x, w1, s1, w1, s1, w2, s2, np.ones(3, np.float32), 10.0, out)
+    with pytest.raises(TypeError, match="out"):
+        K.expert_ffn(x, w1, s1, w1, s1, w2, s2, rw, 10.0, out.astype(np.float64))
+    ro = out.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        K.expert_ffn(x, w1, s1, w1, s1, w2, s2, rw, 10.0, ro)
+
+
+# --- bad inputs -----------------------------------------------------------------------------------------
+
+def test_bad_inputs_raise(backend):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    w, s = fp4_weights(rng, 40, 64)
+    with pytest.raises(TypeError, match="float32"):
+        K.fp4_matmul(x.astype(np.float64), w, s)
+    with pytest.raises(TypeError, match="uint8"):
+        K.fp4_matmul(x, w.astype(np.int16), s)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.fp4_matmul(np.asfortranarray(x), w, s)
+    with pytest.raises(ValueError):
+        K.fp4_matmul(x, w[:, :16], s)  # K/2 mismatch
+    with pytest.raises(ValueError):
+        K.fp4_matmul(x, w, s[:, :1])  # scale shape
+    with pytest.raises(ValueError, match="multiple of 32"):
+        K.fp4_matmul(x[:, :48].copy(), w[:, :24].copy(), s[:, :1].copy())
+    with pytest.raises(ValueError):
+        K.fp4_matmul(x, w, s, out=np.zeros((3, 41), np.float32))
+    with pytest.raises(TypeError):
+        K.fp4_matmul([[1.0]], w, s)
+    w8, s8 = fp8_weights(rng, 40, 64)
+    with pytest.raises(ValueError):
+        K.fp8_matmul(x, w8, s8[:, :0])
+    with pytest.raises(TypeError, match="uint16"):
+        K.bf16_matmul(x, w8)
+
+
+@pytest.mark.skipif(not K.available(), reason="C extension not built")
+def test_c_only_checks():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 40)).astype(np.float32)
+    w, s = fp8_weights(rng, 40, 40)
+    with pytest.raises(ValueError, match="overlap"):
+        K.fp8_matmul(x, w, s, out=x)
+    with pytest.raises(ValueError, match="unknown ISA"):
+        K.set_isa("sse9")
+    with pytest.raises(ValueError):
+        K.set_num_threads(0)
+
+
+# --- threads and the GIL --------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not K.available(), reason="C extension not built")
+@pytest.mark.parametrize("isa", ISAS)
+def test_thread_count_does_not_change_results(isa):
+    rng = np.random.default_rng(5)
+    K.set_isa(isa)
+    before = K.get_num_threads()
+    try:
+        for t in (1, 3, 17):
+            x = rng.standard_normal((t, 512)).astype(np.float32)
+            w, s = fp4_weights(rng, 300, 512)
+            w8, s8 = fp8_weights(rng, 300, 512)
+            results = []
+            for n in (1, 2, 3):
+                K.set_num_threads(n)
+                results.append((K.fp4_matmul(x, w, s), K.fp8_matmul(x, w8, s8)))
+            for r in results[1:]:
+                assert np.array_equal(r[0], results[0][0]) and np.array_equal(r[1], results[0][1])
+    finally:
+        K.set_num_threads(before)
+        K.set_isa("auto")
+
+
+@pytest.mark.skipif(not K.available(), reason="C extension not built")
+def test_concurrent_callers_get_correct_results():
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((5, 1024)).astype(np.float32)
+    w, s = fp8_weights(rng, 700, 1024)
+    want = K.fp8_matmul(x, w, s)
+    errors = []
+
+    def call():
+        for _ in range(20):
+            if not np.array_equal(K.fp8_matmul(x, w, s), want):
+                errors.append(1)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+
+
+@pytest.mark.skipif(not K.available(), reason="C extension not built")
+def test_gil_is_released_during_compute():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 4096)).astype(np.float32)
+    w, s = fp8_weights(rng, 1024, 4096)
+    before = K.get_num_threads()
+    K.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        K.fp8_matmul(x, w, s)
+        one = time.perf_counter() - t0
+        reps = max(1, int(0.3 / max(one, 1e-4)))  # keep the kernel busy for ~0.3 s
+        done = threading.Event()
+
+        def work():
+            for _ in range(reps):
+                K.fp8_matmul(x, w, s)
+            done.set()
+
+        th = threading.Thread(target=work)
+        ticks = 0
+        th.start()
+        while not done.is_set():
+            ticks += 1  # only advances while the kernel thread does not hold the GIL
+        th.join()
+        # a held GIL lets this loop run only between calls (a handful of ticks); released, it runs throughout
+        assert ticks > 10000, f"main thread advanced only {ticks} times during {reps} kernel calls"
+    finally:
+        K.set_num_threads(before)

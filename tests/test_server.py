@@ -1,0 +1,788 @@
+"""The HTTP server against a deterministic FakeEngine: the official `openai` client on a live server, raw HTTP
+for what a well-behaved client never sends (bad JSON, traversal paths, missing keys, preflights).
+
+FakeEngine implements the Engine contract the server programs against (tokenizer, open_session, stream with
+session/cancel/on_prefill_progress, stats, load_progress) with a character-level tokenizer and scripted replies:
+  * "Echo: <last user text>" at temperature 0; seeded random words at temperature > 0;
+  * "count..." -> "1 2 3 ... 1999" (long: stop strings, max_tokens, disconnects);
+  * "weather" with tools -> a DSML get_weather call;  "explode" -> the engine raises mid-stream;
+  * thinking mode (prompt ends with <think>) -> "Thinking about <text>.</think>" before the reply; then EOS.
+"""
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fastar.encoding import (ASSISTANT, BOS, EOS, LATEST_REMINDER, THINK_END, THINK_START, USER, encode_messages,
+                             render_tool_calls)
+from fastar.engine.generate import GenerationChunk
+from fastar.serve import protocol as P
+from fastar.serve import server as S
+from fastar.serve.server import Server
+
+try:
+    import openai
+except ImportError:  # FakeEngine stays importable (test_webui uses it) without the client
+    openai = None
+pytestmark = pytest.mark.skipif(openai is None, reason="the openai client is a test dependency: pip install openai")
+
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo")
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}
+MARKDOWN_REPLY = ("# Title\n\nSome **bold** and *italic* text with `code` and <b>raw html</b>.\n\n"
+                  "```python\ndef f(x):\n    return x < 3 and '<script>alert(1)</script>'\n```\n\n"
+                  "- item one\n- item [link](https://example.com)\n\n1. first\n2. second\n\n> quoted")
+
+
+class FakeTokenizer:
+    """One token per character (id = code point); DeepSeek's special strings are single ids above Unicode."""
+
+    SPECIALS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, LATEST_REMINDER)
+    BASE = 0x110000
+    _split = re.compile("(" + "|".join(map(re.escape, SPECIALS)) + ")")
+
+    def __init__(self) -> None:
+        self.vocab_size = self.BASE + len(self.SPECIALS)
+        self.eos_id = self.BASE + self.SPECIALS.index(EOS)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for part in self._split.split(text):
+            if part in self.SPECIALS:
+                ids.append(self.BASE + self.SPECIALS.index(part))
+            else:
+                ids.extend(map(ord, part))
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.SPECIALS[i - self.BASE] if i >= self.BASE else chr(i) for i in ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.decode([token]).encode("utf-8", errors="replace")
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        return self.encode(encode_messages(messages, **kwargs))
+
+
+class FakeSession:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+
+class FakeEngine:
+    model_name_default = "fake-v4"
+
+    def __init__(self, context_length: int = 4096, token_delay: float = 0.0, prefill_delay: float = 0.0) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.context_length = context_length
+        self.token_delay = token_delay
+        self.prefill_delay = prefill_delay
+        self.gate = threading.Event()   # clear it to hold generations at the start (queue tests)
+        self.gate.set()
+        self.started = threading.Semaphore(0)
+        self.sessions_opened = 0
+        self._lock = threading.Lock()
+        self._stats = dict(prompt_tokens=0, generated_tokens=0, prefill_tokens_computed=0, expert_cache_hits=0,
+                           expert_cache_misses=0, expert_cache_bytes_read=0, requests=0, tokens_after_cancel=0)
+
+    def _bump(self, **kw: int) -> None:
+        with self._lock:
+            for key, value in kw.items():
+                self._stats[key] += value
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._stats)
+
+    def load_progress(self) -> float:
+        return 1.0
+
+    def open_session(self) -> FakeSession:
+        self.sessions_opened += 1
+        return FakeSession()
+
+    def reply(self, prompt: str, params) -> str:
+        user = prompt.rsplit(USER, 1)[-1].split(ASSISTANT, 1)[0]
+        if user.startswith("count"):
+            body = " ".join(str(i) for i in range(1, 2000))
+        elif "weather" in user and "## Tools" in prompt:
+            body = render_tool_calls([{"name": "get_weather", "arguments": {"location": "Paris"}, "raw": ""}])
+        elif "markdown" in user:
+            body = MARKDOWN_REPLY
+        elif params.temperature > 0:
+            rng = random.Random(params.seed)
+            body = " ".join(rng.choice(WORDS) for _ in range(12))
+        else:
+            body = f"Echo: {user}"
+        if prompt.endswith(THINK_START):
+            body = f"Thinking about {user[:30]}.{THINK_END}{body}"
+        return body
+
+    def stream(self, prompt_ids, params, session=None, cancel=None, on_prefill_progress=None):
+        self._bump(requests=1, prompt_tokens=len(prompt_ids))
+        self.started.release()
+        while not self.gate.wait(0.01):
+            if cancel is not None and cancel.is_set():
+                yield GenerationChunk("", finish_reason="cancelled")
+                return
+        common = 0
+        if session is not None:
+            while common < min(len(session.tokens), len(prompt_ids)) and session.tokens[common] == prompt_ids[common]:
+                common += 1
+        todo = len(prompt_ids) - common
+        for done in range(0, todo, 64):
+            if on_prefill_progress:
+                on_prefill_progress(common + done, len(prompt_ids))
+            time.sleep(self.prefill_delay * 64 / max(todo, 1))
+        self._bump(prefill_tokens_computed=todo)
+        if session is not None:
+            session.tokens = list(prompt_ids)
+        prompt = self.tokenizer.decode(prompt_ids)
+        if "refuse" in prompt.rsplit(USER, 1)[-1]:
+            raise ValueError("the fake engine refuses this prompt")
+        if "explode" in prompt.rsplit(USER, 1)[-1]:
+            yield GenerationChunk("Boo", ord("B"))
+            raise RuntimeError("the fake engine exploded")
+        ids = self.tokenizer.encode(self.reply(prompt, params)) + [self.tokenizer.eos_id]
+        for i, tid in enumerate(ids):
+            if cancel is not None and cancel.is_set():
+                yield GenerationChunk("", finish_reason="cancelled")
+                return
+            if i >= params.max_tokens:
+                yield GenerationChunk("", finish_reason="length")
+                return
+            time.sleep(self.token_delay)
+            self._bump(generated_tokens=1, expert_cache_hits=5, expert_cache_misses=1, expert_cache_bytes_read=4096,
+                       tokens_after_cancel=int(cancel is not None and cancel.is_set()))
+            if session is not None:
+                session.tokens.append(tid)
+            top = [(tid, -0.25), (ord("?"), -1.5), (ord("!"), -3.0)][: params.logprobs or 0]
+            yield GenerationChunk(self.tokenizer.decode([tid]), tid, -0.25, top,
+                                  "stop" if tid == self.tokenizer.eos_id else None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fixtures and helpers
+# ---------------------------------------------------------------------------------------------------------
+
+def start_server(engine: FakeEngine | None = None, **kw) -> Server:
+    engine = engine or FakeEngine()
+    kw.setdefault("port", 0)
+    server = Server(lambda: engine, **kw).start()
+    assert server.wait_ready(10)
+    server.engine = engine  # type: ignore[attr-defined]
+    return server
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server()
+    yield srv
+    srv.shutdown()
+
+
+def client(server: Server, **kw) -> openai.OpenAI:
+    kw.setdefault("api_key", "unused")
+    return openai.OpenAI(base_url=server.url + "/v1", max_retries=0, timeout=30, **kw)
+
+
+def raw(server: Server, method: str, path: str, body: bytes | str | dict | None = None,
+        headers: dict | None = None) -> tuple[int, dict, bytes]:
+    """One request with the path sent exactly as given (no client-side normalisation of '..')."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    if isinstance(body, dict):
+        body = json.dumps(body)
+    conn.request(method, path, body=body, headers=headers or {})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+
+
+def chat(cl, text: str, **kw):
+    kw.setdefault("temperature", 0)  # the API's default is 1.0 (sampled); the scripted echo wants greedy
+    return cl.chat.completions.create(model="deepseek-v4-flash", messages=[{"role": "user", "content": text}], **kw)
+
+
+NO_THINK = {"thinking": {"type": "disabled"}}
+
+
+def stream_text(cl, text: str, **kw) -> tuple[str, str, str | None, list]:
+    """(content, reasoning, finish_reason, chunks) of a streamed chat completion."""
+    chunks = list(chat(cl, text, stream=True, **kw))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return content, reasoning, finish[-1] if finish else None, chunks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The API through the official client
+# ---------------------------------------------------------------------------------------------------------
+
+def test_health_models_and_tokenize(server):
+    status, _, body = raw(server, "GET", "/health")
+    assert (status, json.loads(body)) == (200, {"status": "ok"})
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["deepseek-v4-flash"]
+    assert models.data[0].max_model_len == 4096
+    status, _, body = raw(server, "POST", "/tokenize", {"prompt": "hi" + EOS})
+    assert status == 200 and json.loads(body)["tokens"] == [ord("h"), ord("i"), FakeTokenizer().eos_id]
+    status, _, body = raw(server, "POST", "/detokenize", {"tokens": [ord("o"), ord("k")]})
+    assert status == 200 and json.loads(body)["prompt"] == "ok"
+    msgs = [{"role": "user", "content": "hello"}]
+    status, _, body = raw(server, "POST", "/tokenize", {"messages": msgs})
+    assert json.loads(body)["tokens"] == FakeTokenizer().encode_chat(msgs, thinking_mode="thinking")
+
+
+def test_chat_non_streaming_with_usage(server):
+    r = chat(client(server), "hello there", extra_body=NO_THINK)
+    msg = r.choices[0].message
+    assert msg.content == "Echo: hello there" and msg.role == "assistant"
+    assert r.choices[0].finish_reason == "stop"
+    prompt = FakeTokenizer().encode_chat([{"role": "user", "content": "hello there"}], thinking_mode="chat")
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.usage.completion_tokens == len("Echo: hello there") + 1  # + EOS
+    assert getattr(msg, "reasoning_content", None) is None
+
+
+def test_chat_streaming_matches_non_streaming(server):
+    cl = client(server)
+    content, reasoning, finish, chunks = stream_text(cl, "stream me", extra_body=NO_THINK,
+                                                     stream_options={"include_usage": True})
+    assert content == "Echo: stream me" and reasoning == "" and finish == "stop"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(content) + 1
+    assert EOS not in content
+
+
+def test_thinking_default_and_reasoning_content(server):
+    cl = client(server)
+    r = chat(cl, "why?")
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "Thinking about why?." and msg.content == "Echo: why?"
+    content, reasoning, _, _ = stream_text(cl, "why?")
+    assert (content, reasoning) == ("Echo: why?", "Thinking about why?.")
+    for extra in ({"chat_template_kwargs": {"thinking": False}}, {"reasoning_effort": "none"}, NO_THINK):
+        msg = chat(cl, "why?", extra_body=extra).choices[0].message
+        assert msg.content == "Echo: why?" and getattr(msg, "reasoning_content", None) is None, extra
+    msg = chat(cl, "why?", extra_body={"reasoning_effort": "max", "chat_template_kwargs": {"thinking": True}})
+    assert msg.choices[0].message.reasoning_content == "Thinking about why?."
+
+
+def test_reasoning_field_flag():
+    srv = start_server(reasoning_field="reasoning")
+    try:
+        msg = chat(client(srv), "q").choices[0].message
+        assert msg.reasoning == "Thinking about q." and getattr(msg, "reasoning_content", None) is None
+    finally:
+        srv.shutdown()
+
+
+def test_reasoning_sent_back_is_accepted(server):
+    messages = [{"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b", "reasoning": "r1"},
+                {"role": "user", "content": "c"}]
+    r = client(server).chat.completions.create(model="deepseek-v4-flash", messages=messages, temperature=0)
+    assert r.choices[0].message.content == "Echo: c"
+
+
+def test_completions(server):
+    cl = client(server)
+    r = cl.completions.create(model="deepseek-v4-flash", prompt="Hello", max_tokens=50, temperature=0)
+    assert r.choices[0].text == "Echo: Hello" and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == 5
+    text = "".join(c.choices[0].text for c in cl.completions.create(model="deepseek-v4-flash", prompt="Hello",
+                                                                     stream=True, temperature=0) if c.choices)
+    assert text == "Echo: Hello"
+    r = cl.completions.create(model="deepseek-v4-flash", prompt="Hi", echo=True, logprobs=1, temperature=0)
+    assert r.choices[0].text == "HiEcho: Hi"
+    assert r.choices[0].logprobs.tokens[:2] == ["E", "c"]
+
+
+def test_stop_strings_never_leak(server):
+    cl = client(server)
+    r = chat(cl, "count", stop=["5 6"], extra_body=NO_THINK)
+    assert r.choices[0].message.content == "1 2 3 4 " and r.choices[0].finish_reason == "stop"
+    content, _, finish, chunks = stream_text(cl, "count", stop=["7 8", "12"], extra_body=NO_THINK)
+    assert content == "1 2 3 4 5 6 " and finish == "stop"
+    assert all("7" not in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+    r = cl.completions.create(model="deepseek-v4-flash", prompt="count", stop="3 4", temperature=0)
+    assert r.choices[0].text == "1 2 "
+
+
+def test_max_tokens_and_alias(server):
+    cl = client(server)
+    r = chat(cl, "count", max_tokens=5, extra_body=NO_THINK)
+    assert r.choices[0].message.content == "1 2 3" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+    content, _, finish, _ = stream_text(cl, "count", max_completion_tokens=3, extra_body=NO_THINK)
+    assert (content, finish) == ("1 2", "length")
+
+
+def test_seed_reproducibility(server):
+    cl = client(server)
+    a = chat(cl, "story", temperature=1.0, seed=42, extra_body=NO_THINK).choices[0].message.content
+    b = chat(cl, "story", temperature=1.0, seed=42, extra_body=NO_THINK).choices[0].message.content
+    c, _, _, _ = stream_text(cl, "story", temperature=1.0, seed=42, extra_body=NO_THINK)
+    d = chat(cl, "story", temperature=1.0, seed=7, extra_body=NO_THINK).choices[0].message.content
+    assert a == b == c and a != d
+
+
+def test_logprobs(server):
+    r = chat(client(server), "lp", logprobs=True, top_logprobs=2, extra_body=NO_THINK)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    assert entries[0].token == "E" and entries[0].logprob == -0.25
+    assert [t.token for t in entries[0].top_logprobs] == ["E", "?"]
+
+
+def test_tool_calls(server):
+    cl = client(server)
+    r = chat(cl, "weather in Paris?", tools=[WEATHER_TOOL], extra_body=NO_THINK)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"location": "Paris"}
+    assert call.id and not choice.message.content
+    chunks = list(chat(cl, "weather in Paris?", tools=[WEATHER_TOOL], stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].function.name == "get_weather" and calls[0].index == 0
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "DSML" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # tool_choice "none": the model is not told of the tools, so it answers in text
+    r = chat(cl, "weather in Paris?", tools=[WEATHER_TOOL], tool_choice="none", extra_body=NO_THINK)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+
+
+def test_errors_through_the_client(server):
+    cl = client(server)
+    with pytest.raises(openai.NotFoundError) as e:
+        cl.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["code"] == "model_not_found"
+    long_text = "x" * 5000
+    n = len(FakeTokenizer().encode_chat([{"role": "user", "content": long_text}], thinking_mode="thinking"))
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(cl, long_text)
+    assert str(n) in e.value.message and "4096" in e.value.message
+    assert e.value.body["code"] == "context_length_exceeded"
+    n = len(FakeTokenizer().encode_chat([{"role": "user", "content": "y" * 3000}], thinking_mode="thinking"))
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(cl, "y" * 3000, max_tokens=2000)
+    assert all(str(v) in e.value.message for v in (n, 2000, 4096))
+    for bad in ({"temperature": "hot"}, {"max_tokens": 0}, {"top_p": 3}, {"n": 2}, {"stop": 5},
+                {"messages": "hi"}, {"thinking": {"type": "maybe"}}, {"reasoning_effort": "huge"},
+                {"logprobs": "yes"}, {"seed": 1.5}, {"messages": [{"role": "wizard", "content": "x"}]}):
+        body = {"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "x"}], **bad}
+        status, _, data = raw(server, "POST", "/v1/chat/completions", body)
+        err = json.loads(data)["error"]
+        assert status == 400 and set(err) == {"message", "type", "param", "code"}, (bad, data)
+        assert err["type"] == "invalid_request_error"
+
+
+def test_engine_error_mid_stream(server):
+    cl = client(server)
+    with pytest.raises(openai.InternalServerError):
+        chat(cl, "explode", extra_body=NO_THINK)
+    with pytest.raises(openai.APIError, match="exploded"):
+        list(chat(cl, "explode", stream=True, extra_body=NO_THINK))
+    with pytest.raises(openai.BadRequestError, match="refuses"):   # the engine's own PromptError is a 400
+        chat(cl, "refuse", extra_body=NO_THINK)
+    assert chat(cl, "fine", extra_body=NO_THINK).choices[0].message.content == "Echo: fine"
+
+
+def test_malformed_requests(server):
+    cases = [("POST", "/v1/chat/completions", b"{not json", 400),
+             ("POST", "/v1/chat/completions", b"[1, 2]", 400),
+             ("POST", "/v1/chat/completions", b"\xff\xfe", 400),
+             ("POST", "/v1/completions", {"prompt": 5}, 400),
+             ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400),
+             ("POST", "/v1/completions", {"prompt": [1, 10**9]}, 400),
+             ("POST", "/detokenize", {"tokens": ["a"]}, 400),
+             ("GET", "/v1/nothing", None, 404),
+             ("GET", "/v1/chat/completions", None, 405)]
+    for method, path, body, want in cases:
+        status, headers, data = raw(server, method, path, body)
+        assert status == want, (path, body, data)
+        assert headers["content-type"] == "application/json" and "error" in json.loads(data)
+
+
+def test_body_size_limit():
+    srv = start_server(max_body_bytes=1000)
+    try:
+        big = {"messages": [{"role": "user", "content": "x" * 2000}]}
+        status, _, data = raw(srv, "POST", "/v1/chat/completions", big)
+        assert status == 413 and json.loads(data)["error"]["code"] == "request_too_large"
+        assert chat(client(srv), "small", extra_body=NO_THINK).choices[0].message.content == "Echo: small"
+    finally:
+        srv.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Concurrency, cancellation, queueing, prefix reuse, keep-alive
+# ---------------------------------------------------------------------------------------------------------
+
+def test_concurrent_clients_get_what_they_get_alone():
+    srv = start_server(FakeEngine(token_delay=0.001))
+    try:
+        cl = client(srv)
+        jobs = [(f"alone {i}", i % 2 == 0, {"temperature": 1.0, "seed": i} if i % 3 == 0 else {}) for i in range(8)]
+
+        def run(text, streamed, kw):
+            if streamed:
+                return stream_text(cl, text, extra_body=NO_THINK, **kw)[0]
+            return chat(cl, text, extra_body=NO_THINK, **kw).choices[0].message.content
+
+        alone = [run(*job) for job in jobs]
+        results: dict[int, str] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(*jobs[i])))
+                   for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [results[i] for i in range(len(jobs))] == alone
+    finally:
+        srv.shutdown()
+
+
+def test_disconnect_cancels_generation():
+    engine = FakeEngine(token_delay=0.02)
+    srv = start_server(engine)
+    try:
+        stream = chat(client(srv), "count", stream=True, extra_body=NO_THINK)
+        for received, _ in enumerate(stream, 1):
+            if received == 10:
+                break
+        at_close = engine.stats()["generated_tokens"]
+        stream.close()  # drops the connection mid-stream
+        deadline = time.monotonic() + 5
+        while srv.host.current is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.host.current is None, "generation still running after the client left"
+        stats = engine.stats()
+        generated = stats["generated_tokens"]
+        # The server notices the closed socket on its next write or two; the worker then stops within a token.
+        assert generated - at_close <= 3, (at_close, generated)   # not the 2000 the client asked for
+        assert stats["tokens_after_cancel"] <= 1
+        status, _, text = raw(srv, "GET", "/metrics")
+        assert f"fastar:engine_generated_tokens {generated}" in text.decode()
+        # the worker is free again
+        assert chat(client(srv), "after", extra_body=NO_THINK).choices[0].message.content == "Echo: after"
+    finally:
+        srv.shutdown()
+
+
+def test_full_queue_is_503_and_waiting_client_that_leaves_is_skipped():
+    engine = FakeEngine()
+    engine.gate.clear()
+    srv = start_server(engine, max_queue=2)
+    try:
+        cl = client(srv)
+        results = {}
+
+        def wait_queued(n: int) -> None:
+            deadline = time.monotonic() + 5
+            while srv.host.num_waiting() < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert srv.host.num_waiting() == n
+
+        first = threading.Thread(target=lambda: results.setdefault("a", chat(cl, "first", extra_body=NO_THINK)))
+        first.start()
+        assert engine.started.acquire(timeout=5)          # the worker holds the first request
+        leaver = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        leaver.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "I leave"}]}))
+        wait_queued(1)
+        third = threading.Thread(target=lambda: results.setdefault("c", chat(cl, "third", extra_body=NO_THINK)))
+        third.start()
+        wait_queued(2)
+        with pytest.raises(openai.InternalServerError) as e:  # the client's class for every 5xx
+            chat(cl, "fourth", extra_body=NO_THINK)
+        assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+        leaver.close()                                     # gone while it waits: it must never be generated
+        time.sleep(0.5)
+        engine.gate.set()
+        first.join(10)
+        third.join(10)
+        assert results["a"].choices[0].message.content == "Echo: first"
+        assert results["c"].choices[0].message.content == "Echo: third"
+        assert engine.stats()["requests"] == 2
+    finally:
+        engine.gate.set()
+        srv.shutdown()
+
+
+def test_resent_conversation_reuses_the_common_prefix():
+    engine = FakeEngine()
+    srv = start_server(engine)
+    try:
+        cl = client(srv)
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first question"}]
+        r1 = cl.chat.completions.create(model="deepseek-v4-flash", messages=msgs, extra_body=NO_THINK, temperature=0)
+        other = [{"role": "user", "content": "an unrelated conversation"}]
+        cl.chat.completions.create(model="deepseek-v4-flash", messages=other, extra_body=NO_THINK, temperature=0)
+        msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+                 {"role": "user", "content": "second question"}]
+        before = engine.stats()["prefill_tokens_computed"]
+        r2 = cl.chat.completions.create(model="deepseek-v4-flash", messages=msgs, extra_body=NO_THINK, temperature=0)
+        computed = engine.stats()["prefill_tokens_computed"] - before
+        turn1 = r1.usage.prompt_tokens + r1.usage.completion_tokens  # prompt + reply + EOS, all in the session
+        assert r2.usage.prompt_tokens_details.cached_tokens == turn1
+        assert computed == r2.usage.prompt_tokens - turn1
+        assert engine.sessions_opened == 2
+    finally:
+        srv.shutdown()
+
+
+def test_keepalive_comments_during_long_prefill():
+    srv = start_server(FakeEngine(prefill_delay=1.0), keepalive_interval=0.2)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "model": "deepseek-v4-flash", "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "x" * 500}]}))
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+        body = resp.read().decode()
+        assert ": keep-alive" in body and body.endswith("data: [DONE]\n\n")
+        events = [json.loads(line[6:]) for line in body.split("\n") if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events).startswith("Echo: xxx")
+    finally:
+        srv.shutdown()
+
+
+def test_health_while_loading_and_load_failure():
+    release = threading.Event()
+
+    def slow_factory(progress):
+        progress(0.5)
+        release.wait(10)
+        return FakeEngine()
+
+    srv = Server(slow_factory, port=0).start()
+    try:
+        status, _, data = raw(srv, "GET", "/health")
+        body = json.loads(data)
+        assert status == 503 and body["progress"] == 0.5 and body["error"]["code"] == "model_loading"
+        status, _, data = raw(srv, "GET", "/v1/models")
+        assert status == 503 and "50%" in json.loads(data)["error"]["message"]
+        release.set()
+        assert srv.wait_ready(10)
+        assert raw(srv, "GET", "/health")[0] == 200
+    finally:
+        release.set()
+        srv.shutdown()
+
+    def broken_factory():
+        raise OSError("model.fst: no such file")
+
+    srv = Server(broken_factory, port=0).start()
+    try:
+        with pytest.raises(S.FastarError, match="no such file"):
+            srv.wait_ready(10)
+        status, _, data = raw(srv, "GET", "/health")
+        assert status == 500 and "no such file" in json.loads(data)["error"]["message"]
+    finally:
+        srv.shutdown()
+
+
+def test_metrics(server):
+    chat(client(server), "measure me", extra_body=NO_THINK)
+    status, headers, data = raw(server, "GET", "/metrics")
+    text = data.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for name in ("fastar:prompt_tokens_total", "fastar:generation_tokens_total", "fastar:generation_tokens_per_second",
+                 'fastar:time_to_first_token_seconds_bucket{le="+Inf"}', "fastar:engine_expert_cache_hits",
+                 "fastar:engine_expert_cache_misses", "fastar:engine_expert_cache_bytes_read",
+                 "fastar:num_requests_waiting", 'fastar:request_success_total{finished_reason="stop"}'):
+        assert name in text, name
+    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-z_]+="[^"]*"\})? -?[0-9.e+]+$')
+    for line in text.strip().split("\n"):
+        assert line.startswith("# ") or sample.match(line), line
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Static files, auth, CORS
+# ---------------------------------------------------------------------------------------------------------
+
+def test_static_files_and_traversal(tmp_path, monkeypatch):
+    static = tmp_path / "static"
+    static.mkdir()
+    (static / "index.html").write_text("<h1>ui</h1>")
+    (static / "app.js").write_text("let x = 1;")
+    (tmp_path / "secret.txt").write_text("SECRET")
+    (static / "link-out").symlink_to(tmp_path / "secret.txt")
+    (static / "dir-out").symlink_to(tmp_path)
+    monkeypatch.setattr(S, "STATIC_DIR", static)
+    srv = start_server()
+    try:
+        status, headers, body = raw(srv, "GET", "/")
+        assert status == 200 and body == b"<h1>ui</h1>" and headers["content-type"].startswith("text/html")
+        assert "default-src 'self'" in headers["content-security-policy"]
+        status, headers, body = raw(srv, "GET", "/static/app.js")
+        assert status == 200 and "javascript" in headers["content-type"]
+        for path in ("/static/../secret.txt", "/static/%2e%2e/secret.txt", "/static/%2E%2E%2Fsecret.txt",
+                     "/static/%252e%252e%252fsecret.txt", "/static/..%2fsecret.txt", "/static/..%5csecret.txt",
+                     "/../secret.txt", "/static//etc/passwd", "/static/%2fetc%2fpasswd", "/static/link-out",
+                     "/static/dir-out/secret.txt", "/static/", "/static/./app.js", "/static/app.js%00.html",
+                     "/etc/passwd", "/static/C:%5cwindows", "/secret.txt", "/static/nope.js"):
+            status, _, body = raw(srv, "GET", path)
+            assert status == 404 and b"SECRET" not in body, path
+    finally:
+        srv.shutdown()
+
+
+def test_shipped_ui_is_served(server):
+    status, _, body = raw(server, "GET", "/")
+    assert status == 200 and b"<script" in body
+    for name in re.findall(rb'(?:src|href)="(/static/[^"]+)"', body):
+        assert raw(server, "GET", name.decode())[0] == 200, name
+
+
+def test_api_key():
+    srv = start_server(api_key="sekrit")
+    try:
+        assert raw(srv, "GET", "/health")[0] == 200
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/tokenize"),
+                             ("POST", "/v1/chat/completions"), ("GET", "/")):
+            status, headers, data = raw(srv, method, path, {"prompt": "x"} if method == "POST" else None)
+            assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key", path
+            assert raw(srv, method, path, None, {"Authorization": "Bearer wrong"})[0] == 401
+        assert headers["www-authenticate"].startswith("Basic")  # the UI: the browser asks for the key
+        with pytest.raises(openai.AuthenticationError):
+            client(srv, api_key="wrong").models.list()
+        assert client(srv, api_key="sekrit").models.list().data[0].id == "deepseek-v4-flash"
+        basic = base64.b64encode(b"user:sekrit").decode()
+        assert raw(srv, "GET", "/", None, {"Authorization": f"Basic {basic}"})[0] == 200
+        assert raw(srv, "GET", "/v1/models", None, {"Authorization": f"Basic {basic}"})[0] == 200
+    finally:
+        srv.shutdown()
+
+
+def test_cors():
+    srv = start_server(cors_origin="http://ui.example")
+    try:
+        _, headers, _ = raw(srv, "GET", "/v1/models", None, {"Origin": "http://ui.example"})
+        assert headers["access-control-allow-origin"] == "http://ui.example"
+        _, headers, _ = raw(srv, "GET", "/v1/models", None, {"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in headers
+        preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        status, headers, _ = raw(srv, "OPTIONS", "/v1/chat/completions", None, preflight)
+        assert status == 204 and headers["access-control-allow-origin"] == "http://ui.example"
+        assert "POST" in headers["access-control-allow-methods"]
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        status, headers, _ = raw(srv, "OPTIONS", "/v1/chat/completions", None,
+                                 {**preflight, "Origin": "http://evil.example"})
+        assert status == 403 and "access-control-allow-origin" not in headers
+    finally:
+        srv.shutdown()
+    srv = start_server()
+    try:
+        _, headers, _ = raw(srv, "GET", "/v1/models", None, {"Origin": "http://ui.example"})
+        assert "access-control-allow-origin" not in headers
+    finally:
+        srv.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Units: stop filter, request parsing, CLI glue, no torch
+# ---------------------------------------------------------------------------------------------------------
+
+def test_stop_filter_holds_back_partial_stops():
+    rng = random.Random(0)
+    text = "the cat sat on the mat; the end"
+    for stops, want in ((["sat on"], "the cat "), (["the end", "mat"], "the cat sat on the "), (["zzz"], text),
+                        (["t;", "at;"], "the cat sat on the m")):
+        for _ in range(50):
+            cuts = sorted(rng.sample(range(1, len(text)), 6))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+            f = P.StopFilter(stops)
+            out = []
+            for p in pieces:
+                got = f.feed(p)
+                out.append(got)
+                assert not any(s in "".join(out) for s in stops)
+            assert "".join(out) + f.flush() == want
+
+
+def test_parse_thinking_precedence():
+    names = ("deepseek-v4-flash",)
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    assert P.parse_chat_request(base, names).thinking is True
+    assert P.parse_chat_request(base, names, default_thinking=False).thinking is False
+    r = P.parse_chat_request({**base, "reasoning_effort": "max"}, names)
+    assert (r.thinking, r.reasoning_effort) == (True, "max")
+    r = P.parse_chat_request({**base, "reasoning_effort": "none", "thinking": {"type": "enabled"}}, names)
+    assert r.thinking is True
+    r = P.parse_chat_request({**base, "chat_template_kwargs": {"thinking": True, "drop_thinking": False},
+                              "thinking": {"type": "disabled"}}, names)
+    assert (r.thinking, r.drop_thinking, r.reasoning_effort) == (False, False, None)
+    r = P.parse_chat_request({**base, "tools": [WEATHER_TOOL]}, names)
+    assert r.messages[0] == {"role": "system", "content": "", "tools": [WEATHER_TOOL]} and r.has_tools
+
+
+def test_session_pool_policy():
+    from fastar.serve.worker import SessionPool
+
+    class Opaque(FakeEngine):  # sessions that keep no token record of their own: the pool's record is used
+        def open_session(self):
+            return object()
+
+    pool = SessionPool(Opaque(), size=2)
+    sys_a, sys_b = [1, 2, 3, 10, 11], [1, 2, 3, 20, 21]     # two conversations sharing a system prompt
+    a = pool.acquire(sys_a)
+    pool.release(a, sys_a + [12])
+    b = pool.acquire(sys_b)
+    assert b is not a                                      # a free slot: A's tail is not thrown away
+    pool.release(b, sys_b + [22])
+    assert pool.acquire(sys_a + [12, 13]) is a             # A continues in its own session
+    pool.release(a, sys_a + [12, 13])
+    assert pool.acquire(sys_b + [22, 23]) is b
+    pool.release(b, sys_b + [22, 23])
+    assert pool.acquire([1, 2, 3, 30]) is b                # full: the most recent partial match is rewound
+    pool.release(b, [1, 2, 3, 30])
+    assert pool.acquire([99]) is a                         # no match at all: the least recently used goes
+
+    class NoRoom(FakeEngine):
+        def open_session(self):
+            raise MemoryError("no room for another KV cache")
+
+    pool = SessionPool(NoRoom(), size=4)
+    assert pool.acquire([1, 2]) is None and pool.size == 0   # generation still runs, without a session
+
+
+def test_cli_arguments_delegate_to_serve(monkeypatch):
+    import argparse
+    parser = argparse.ArgumentParser()
+    S.add_arguments(parser)
+    args = parser.parse_args(["--port", "9000", "--api-key", "k", "--reasoning-field", "reasoning",
+                              "--max-queue", "3", "--cors-origin", "http://a"])
+    seen = {}
+    monkeypatch.setattr(S, "serve", lambda factory, **kw: seen.update(kw) or 0)
+    assert S.run_from_args(args, lambda: None) == 0
+    assert seen == {"host": "127.0.0.1", "port": 9000, "api_key": "k", "cors_origin": "http://a",
+                    "served_model_name": "deepseek-v4-flash", "max_queue": 3, "reasoning_field": "reasoning",
+                    "max_sessions": 4}
+
+
+def test_server_modules_do_not_import_torch():
+    code = ("import sys, fastar; pre = 'torch' in sys.modules; import fastar.serve.server; "
+            "print(pre, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    if out[0] == "True":
+        pytest.skip("the fastar package itself imports torch")
+    assert out[1] == "False", "importing fastar.serve.server pulled in torch"

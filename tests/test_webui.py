@@ -1,0 +1,206 @@
+"""The web chat UI in a real browser: headless Chromium (Debian's `chromium`) driven by Python Playwright,
+against a live server over the FakeEngine of test_server.py.
+
+It loads the UI, sends a message and watches the reply stream in (thinking block included), stops a long
+answer mid-stream (the server's generation stops too), checks that model markdown is rendered and model HTML is
+escaped, starts a new chat, and checks the conversation list survives a reload. No console error or CSP
+violation is allowed. A screenshot is saved under the test's tmp dir.
+
+Skips only when Chromium or Playwright is missing; `.ci/install-browser` installs both.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from test_server import FakeEngine, start_server
+
+CHROMIUM = os.environ.get("FASTAR_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+try:
+    from playwright.sync_api import expect, sync_playwright
+except ImportError:
+    sync_playwright = None
+
+pytestmark = [
+    pytest.mark.skipif(sync_playwright is None, reason="Python playwright is not installed (run .ci/install-browser)"),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is missing (run .ci/install-browser)"),
+]
+
+
+@pytest.fixture
+def browser_page():
+    engine = FakeEngine(token_delay=0.02)
+    server = start_server(engine)
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1200, "height": 800})
+        page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.set_default_timeout(15_000)
+        try:
+            yield page, server, engine, errors
+        finally:
+            browser.close()
+            server.shutdown()
+
+
+def send(page, text: str) -> None:
+    expect(page.locator("#send")).to_be_visible()  # the previous answer is complete
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+
+
+def test_chat_streams_stops_and_starts_new_chats(browser_page, tmp_path):
+    page, server, engine, errors = browser_page
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    expect(page.locator("#model-name")).to_contain_text("deepseek-v4-flash")
+    # Greedy decoding, so the fake's reply is the scripted echo (the UI's default is the model card's 1.0).
+    page.click("#settings-toggle")
+    page.fill("#temperature", "0")
+    expect(page.locator("#temperature-value")).to_have_text("0.00")
+    page.click("#settings-toggle")
+
+    # A reply streams in; thinking is on by default and shows in its own collapsible block.
+    send(page, "hello browser")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".content")).to_have_text("Echo: hello browser")
+    expect(reply.locator(".thinking-body")).to_have_text("Thinking about hello browser.")
+    assert reply.locator("details.thinking").get_attribute("open") is None  # folded once the answer began
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator("#conversations li")).to_have_count(1)
+    expect(page.locator("#conversations li .title")).to_have_text("hello browser")
+
+    # A long answer: text grows while streaming; Stop ends it in the page and on the server.
+    send(page, "count to a lot")
+    reply = page.locator(".msg.assistant").last
+    expect(page.locator("#stop")).to_be_visible()
+    expect(reply.locator(".content")).to_contain_text("1 2 3 4 5")
+    seen = len(reply.locator(".content").inner_text())
+    page.wait_for_timeout(300)
+    assert len(reply.locator(".content").inner_text()) > seen, "text did not stream in"
+    page.click("#stop")
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator("#stop")).to_be_hidden()
+    expect(reply.locator(".meta")).to_contain_text("stopped")
+    deadline = time.monotonic() + 5
+    while server.host.current is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.host.current is None, "the server kept generating after Stop"
+    generated = engine.stats()["generated_tokens"]
+    stopped_text = reply.locator(".content").inner_text()
+    page.wait_for_timeout(300)
+    assert reply.locator(".content").inner_text() == stopped_text
+    assert engine.stats()["generated_tokens"] == generated
+
+    # Markdown is rendered; HTML in model output is shown as text, never run.
+    send(page, "some markdown please")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".content h1")).to_have_text("Title")
+    expect(reply.locator(".content pre code")).to_contain_text("<script>alert(1)</script>")
+    expect(reply.locator(".content strong")).to_have_text("bold")
+    expect(reply.locator(".content a")).to_have_attribute("href", "https://example.com")
+    assert reply.locator(".content b").count() == 0 and "<b>raw html</b>" in reply.locator(".content").inner_text()
+    expect(reply.locator(".content ol li")).to_have_count(2)
+    page.screenshot(path=str(tmp_path / "webui-chat.png"), full_page=True)
+
+    # Settings: thinking off -> no thinking block.
+    page.click("#settings-toggle")
+    page.uncheck("#thinking")
+    page.click("#settings-toggle")
+    send(page, "no thoughts")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".content")).to_have_text("Echo: no thoughts")
+    expect(reply.locator("details.thinking")).to_be_hidden()
+
+    # New chat: an empty page, a second entry in the list once it is used.
+    page.click("#new-chat")
+    expect(page.locator("#empty")).to_be_visible()
+    expect(page.locator(".msg")).to_have_count(0)
+    send(page, "second conversation")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: second conversation")
+    expect(page.locator("#conversations li")).to_have_count(2)
+
+    # Conversations live in localStorage: a reload keeps both, and the first can be reopened.
+    page.reload()
+    expect(page.locator("#conversations li")).to_have_count(2)
+    page.locator("#conversations li", has_text="hello browser").click()
+    expect(page.locator(".msg.user .bubble").first).to_have_text("hello browser")
+    expect(page.locator(".msg")).to_have_count(8)
+    page.screenshot(path=str(tmp_path / "webui.png"), full_page=False)
+    print(f"screenshots: {tmp_path / 'webui.png'}, {tmp_path / 'webui-chat.png'}")
+    assert not errors, errors
+
+
+def test_ui_reports_a_loading_model_and_server_errors(browser_page):
+    page, server, engine, errors = browser_page
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    send(page, "x" * 5000)  # longer than the fake's 4096-token context: the server's 400 is shown
+    expect(page.locator(".msg.assistant .meta").last).to_contain_text("4096")
+    expect(page.locator("#send")).to_be_visible()
+    assert not [e for e in errors if "400" not in e], errors  # the browser logs the failed fetch itself
+
+
+def test_ui_behind_an_api_key():
+    """With --api-key the page itself needs the key: the browser asks (Basic auth, key as the password) and then
+    sends the same credentials on the UI's own API calls."""
+    server = start_server(FakeEngine(), api_key="sekrit")
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            try:
+                context = browser.new_context(http_credentials={"username": "me", "password": "sekrit"})
+                page = context.new_page()
+                page.set_default_timeout(15_000)
+                assert page.goto(server.url + "/").status == 200
+                expect(page.locator("#health-dot")).to_have_class("dot ok")
+                expect(page.locator("#model-name")).to_contain_text("deepseek-v4-flash")
+                send(page, "count with a key")
+                expect(page.locator(".msg.assistant .content").last).to_contain_text("1 2 3")
+            finally:
+                browser.close()
+    finally:
+        server.shutdown()
+
+
+XSS_PAYLOADS = [
+    "<img src=x onerror=alert(1)>", "[click](javascript:alert(1))", "[x](https://a.example\" onmouseover=\"alert(1))",
+    "`<script>alert(1)</script>`", "**<svg onload=alert(1)>**", '<a href="javascript:alert(1)">x</a>',
+    "| a | b |\n|---|---|\n| <iframe src=x> | [y](data:text/html,hi) |", "see https://x.example/\"><script>alert(1)</script>",
+    "```\n</code></pre><img src=x onerror=alert(1)>\n```", "> <style>body{display:none}</style>\n- <b onclick=x>i</b>",
+    "[a](mailto:me@example.com) _x_ ~~y~~ ***z***", "&lt;script&gt; &amp; &#x3C;img&#x3E;",
+]
+ALLOWED_TAGS = {"P", "BR", "STRONG", "EM", "DEL", "CODE", "PRE", "A", "H1", "H2", "H3", "H4", "H5", "H6", "UL", "OL",
+                "LI", "BLOCKQUOTE", "HR", "TABLE", "THEAD", "TBODY", "TR", "TH", "TD", "DIV", "SPAN", "BUTTON"}
+ALLOWED_ATTRS = {"class", "href", "target", "rel", "start", "type"}
+
+
+def test_markdown_renderer_never_emits_unsafe_html(browser_page):
+    page, server, _, errors = browser_page
+    page.goto(server.url + "/")
+    found = page.evaluate("""async (payloads) => {
+        const { renderMarkdown } = await import("/static/markdown.js");
+        return payloads.map((src) => {
+            const box = document.createElement("div");
+            box.innerHTML = renderMarkdown(src);
+            return { text: box.textContent, nodes: [...box.querySelectorAll("*")].map((n) => ({
+                tag: n.tagName, attrs: [...n.attributes].map((a) => [a.name, a.value]) })) };
+        });
+    }""", XSS_PAYLOADS)
+    for src, result in zip(XSS_PAYLOADS, found, strict=True):
+        for node in result["nodes"]:
+            assert node["tag"] in ALLOWED_TAGS, (src, node)
+            for name, value in node["attrs"]:
+                assert name in ALLOWED_ATTRS, (src, node)
+                if name == "href":
+                    assert value.startswith(("https://", "http://", "mailto:")), (src, value)
+    assert "<img src=x onerror=alert(1)>" in found[0]["text"]   # shown as text, not dropped
+    assert not errors, errors

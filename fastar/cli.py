@@ -130,11 +130,42 @@ def cmd_inspect(a) -> int:
     return 0
 
 
+def cmd_audit(a) -> int:
+    from .audit import run
+    tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else None
+    report = run(a.file, a.reference, tokens=tokens)
+    print(report.table())
+    if not report.ok:
+        print(f"fastar: error: logits differ from transformers by {report.logits.max_abs:.3g} "
+              f"(tolerance {report.tolerance:g})", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_fixture(a) -> int:
     from .fixtures import write_checkpoint
     p = write_checkpoint(a.output, preset=a.preset, seed=a.seed)
     print(f"wrote an official-format {a.preset} checkpoint to {p}")
     return 0
+
+
+def cmd_serve(a) -> int:
+    def factory(progress=None):
+        from .engine.engine import load
+        kw = {"ctx_size": a.ctx_size} if a.ctx_size else {}
+        return load(a.model, numerics=a.numerics, **kw)
+    return a.serve_mod.run_from_args(a, factory)
+
+
+def cmd_bench(a) -> int:
+    if a.what == "kernels":
+        from . import bench_kernels
+        bench_kernels.run(json_out=a.json, threads=[int(t) for t in a.threads.split(",")] if a.threads else None)
+        return 0
+    if not a.model:
+        raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
+    from . import bench
+    return bench.main(a)
 
 
 # --- parser ------------------------------------------------------------------------------------------------
@@ -162,11 +193,40 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(fn=cmd_inspect)
 
+    au = sub.add_parser("audit", help="per-layer comparison against transformers on the same weights")
+    au.add_argument("file", help=".fst file (or checkpoint directory) to audit")
+    au.add_argument("--reference", required=True, help="official checkpoint directory transformers loads")
+    au.add_argument("--tokens", default=None, help="comma-separated token ids (default: a fixed random prompt)")
+    au.set_defaults(fn=cmd_audit)
+
     f = sub.add_parser("fixture", help="write a small random checkpoint in the official on-disk format")
     f.add_argument("-o", "--output", required=True)
     f.add_argument("--preset", default="tiny", choices=["tiny", "tiny-dspark", "vocab"])
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(fn=cmd_fixture)
+
+    from . import console  # light: torch is imported only when run/chat actually run
+    r = sub.add_parser("run", help="one-shot generation, streamed to stdout (timings on stderr)")
+    console.add_run_arguments(r)
+    r.set_defaults(fn=console.cmd_run)
+    ch = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
+    console.add_chat_arguments(ch)
+    ch.set_defaults(fn=console.cmd_chat)
+
+    from .serve import server as serve_mod  # imports no torch
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP API and the web chat UI")
+    sv.add_argument("-m", "--model", required=True, help=".fst file or official checkpoint directory")
+    sv.add_argument("--numerics", default="official", choices=["official", "reference"])
+    sv.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (0: the model's default)")
+    serve_mod.add_arguments(sv)
+    sv.set_defaults(fn=cmd_serve, serve_mod=serve_mod)
+
+    b = sub.add_parser("bench", help="benchmarks: `bench kernels` (quantized products) or `bench -m FILE`")
+    b.add_argument("what", nargs="?", default="model", choices=["model", "kernels"])
+    b.add_argument("-m", "--model", default=None, help=".fst file to benchmark end to end")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--threads", default=None, help="kernels: comma-separated thread counts")
+    b.set_defaults(fn=cmd_bench)
     return p
 
 

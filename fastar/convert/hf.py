@@ -47,7 +47,13 @@ def resolve_source(src: str | os.PathLike) -> Path:
 
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None) -> Path:
-    """Convert `src` into `out` and return the path. Raises CheckpointError/FormatError with a clear message."""
+    """Convert `src` into `out` and return the path. Raises CheckpointError/FormatError with a clear message.
+
+    `src` may also be a FaStar v2 `.fst` (with its sidecars next to it): see `convert_v2`."""
+    from ..format.v2 import read_version
+
+    if Path(src).is_file() and read_version(src) == 2:
+        return convert_v2(src, out, progress)
     ck = Checkpoint(resolve_source(src))
     ck.validate()
     cfg = ck.config
@@ -78,6 +84,40 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, progress: bool | Non
         finally:
             bar.close()
         return w.finish()
+
+
+def convert_v2(src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None) -> Path:
+    """A FaStar v2 model (`src` + `.hc`, `.norm`, `.tid2eid` sidecars) -> one `.fst` v3 file.
+
+    Every tensor is copied as `FstV2File` presents it (dense weights BF16 as v2 stored them, sidecar norms, HC,
+    the hash table as I64), the 17-byte MXFP4 expert blocks repacked losslessly, and the V4 tokenizer embedded.
+    """
+    from ..format.v2 import FstV2File
+
+    with FstV2File(src) as v2:
+        cfg, names, tok = v2.config, v2.names(), v2.tokenizer_json()
+        w = FstWriter(out, cfg.to_dict(), source=v2.identity(), converter_version=__version__)
+        with w:
+            for name in names:
+                w.add_tensor(name, v2.dtype(name), v2.shape(name))
+            if tok is not None:
+                w.add_blob("tokenizer.json", len(tok))
+            w.set_expert_bank(cfg.num_layer_slots, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+            w.begin()
+            bar = _progress(w.file_size, f"converting to {Path(out).name}", progress)
+            try:
+                for name in names:
+                    w.write_tensor(name, v2.tensor(name))
+                    bar.update(w.bytes_written - bar.n)
+                if tok is not None:
+                    w.write_tensor("tokenizer.json", tok)
+                for slot in range(cfg.num_layer_slots):
+                    for e in range(cfg.n_routed_experts):
+                        w.write_expert(slot, e, v2.expert(slot, e))
+                        bar.update(w.bytes_written - bar.n)
+            finally:
+                bar.close()
+            return w.finish()
 
 
 class _NoBar:

@@ -325,3 +325,12 @@ class FstFile:
                 self.close()
         except Exception:
             pass
+
+
+def open_model_file(path: str | os.PathLike):
+    """A `.fst` file by its preamble: version 3 -> `FstFile`; FaStar version 2 (+ sidecars) -> `FstV2File`."""
+    from .v2 import FstV2File, read_version
+
+    if read_version(path) == 2:
+        return FstV2File(path)
+    return FstFile(path)

@@ -1,0 +1,358 @@
+"""`fastar run` and `fastar chat`: the terminal front-ends, thin layers over `Engine.stream`.
+
+Owns: their flags (`add_run_arguments`, `add_chat_arguments`; `fastar.cli` mirrors each in a `FASTAR_*`
+variable), opening the model (the built-in demo when no `-m` is given, with its banner), progress bars for load
+and long prefills (on a terminal only), streaming output (answer to stdout; reasoning dimmed, and for `run` on
+stderr so a pipe gets the answer alone), the timings line, and the chat REPL (`ChatREPL`: history, `/reset`,
+`/thinking`, `/save`, `/load`, Ctrl-C stops a reply and keeps the chat). Does not own: any tensor code
+(everything goes through `Engine` and `Session`), the chat format (`fastar.encoding`), argument parsing
+mechanics and the one-line error convention (`fastar.cli`).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from .encoding import StreamParser
+from .errors import FastarError
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+CHAT_HELP = """commands:
+  /reset              forget the conversation (the system prompt stays)
+  /thinking on|off    think before answering (reasoning is shown dimmed)
+  /save FILE          save the conversation and its model state
+  /load FILE          load a saved conversation (continues without recomputing it)
+  /stats              token counts and speeds so far
+  /help               this text
+  /exit               quit (also Ctrl-D); Ctrl-C stops the current reply"""
+
+
+# --- flags -------------------------------------------------------------------------------------------------
+
+def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("-m", "--model", default=None,
+                   help="model .fst file (default: the built-in demo model, random weights, built once)")
+    p.add_argument("-n", "--max-tokens", type=int, default=max_tokens, help="most tokens to generate per reply")
+    p.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
+    p.add_argument("-c", "--ctx-size", "--max-model-len", dest="ctx_size", type=int, default=0,
+                   help="context length in tokens (default: the model's, capped)")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
+                   help="let the model think before answering (DeepSeek-V4 thinking mode)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--verbose", action="store_true", help="more detail on stderr (model, token counts, stats)")
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    _add_common(p, max_tokens=256)
+    p.add_argument("-p", "--prompt", default=None, help="the prompt ('-' or omitted with a pipe: read stdin)")
+    p.add_argument("--raw", action="store_true", help="use the prompt as-is, without the chat encoding")
+    p.add_argument("--stop", default=None, help="stop string (not included in the output)")
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    _add_common(p, max_tokens=1024)
+
+
+# --- shared plumbing ---------------------------------------------------------------------------------------
+
+def _bar(total: int | None, desc: str, err: TextIO, unit: str = "tok"):
+    """A tqdm bar on a terminal that only appears for work lasting over a second; None elsewhere."""
+    if not err.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, file=err, delay=1.0, leave=False, mininterval=0.25)
+
+
+def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
+    """Load `args.model` (or the demo) with a progress bar, and apply `--ctx-size`."""
+    from .engine.engine import load, open_source
+
+    path = args.model
+    if not path:
+        from .demo import BANNER, ensure_demo_model
+        print(BANNER, file=err, flush=True)
+        path = ensure_demo_model(log=lambda msg: print(msg, file=err, flush=True))
+    elif not Path(path).exists():
+        raise FastarError(f"{path}: no such file")
+    t = time.perf_counter()
+    source = open_source(path)
+    names = getattr(source, "names", None)
+    bar = _bar(len(names()) if callable(names) else None, "loading", err, unit="tensor")
+    if bar is not None:  # count resident tensors as the model reads them (an instance attribute shadows the method)
+        read = source.tensor
+        source.tensor = lambda name: (bar.update(1), read(name))[1]
+    try:
+        engine = load(source, threads=args.threads or None)
+    finally:
+        if bar is not None:
+            del source.tensor
+            bar.close()
+    if args.ctx_size:
+        engine.context_length = args.ctx_size
+    if args.verbose:
+        cfg = engine.config
+        print(f"fastar: loaded {path} in {time.perf_counter() - t:.1f} s: {cfg.num_hidden_layers} layers, hidden "
+              f"{cfg.hidden_size}, {cfg.n_routed_experts} experts, vocab {cfg.vocab_size}, context "
+              f"{engine.context_length}", file=err)
+    return engine
+
+
+def sampling_params(args: argparse.Namespace, stop: list[str] | None = None):
+    from .engine.sampling import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, seed=args.seed, stop=stop or [])
+
+
+def timings_line(before: dict, after: dict) -> str:
+    """One line: this request's prefill and decode speeds, and the expert cache hit rate when there is one."""
+    d = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
+    pre_n, pre_s = d.get("prefill_tokens_computed", 0), d.get("prefill_seconds", 0.0)
+    dec_n, dec_s = d.get("decode_tokens_computed", 0), d.get("decode_seconds", 0.0)
+    parts = [f"prompt {d.get('prompt_tokens', 0)} tokens ({d.get('cached_tokens', 0)} reused)",
+             f"prefill {pre_n} tokens in {pre_s:.2f} s ({pre_n / pre_s if pre_s else 0:.1f} tok/s)",
+             f"decode {dec_n} tokens in {dec_s:.2f} s ({dec_n / dec_s if dec_s else 0:.1f} tok/s)"]
+    hits, misses = d.get("expert_cache_hits"), d.get("expert_cache_misses")
+    if hits is not None and misses is not None and hits + misses:
+        parts.append(f"expert cache hit rate {100 * hits / (hits + misses):.1f}%")
+    else:
+        parts.append("expert cache: n/a")
+    return "timings: " + "; ".join(parts)
+
+
+class _Writer:
+    """Routes reasoning and content to their streams, dimming reasoning on a terminal."""
+
+    def __init__(self, out: TextIO, reasoning_out: TextIO) -> None:
+        self.out, self.rout = out, reasoning_out
+        self.dim = reasoning_out.isatty()
+        self.last = {id(out): "\n", id(reasoning_out): "\n"}
+        self.kind = "content"
+
+    def write(self, kind: str, text: str) -> None:
+        if not text:
+            return
+        if self.kind == "reasoning" and kind == "content":  # the answer starts on its own line
+            self.end_line(self.rout)
+        self.kind = kind
+        f = self.rout if kind == "reasoning" else self.out
+        f.write(f"{DIM}{text}{RESET}" if kind == "reasoning" and self.dim else text)
+        f.flush()
+        self.last[id(f)] = text[-1]
+
+    def end_line(self, f: TextIO) -> None:
+        if self.last.get(id(f), "\n") != "\n":
+            f.write("\n")
+            f.flush()
+            self.last[id(f)] = "\n"
+
+
+def _stream_reply(engine, prompt: str, params, thinking: bool | None, writer: _Writer, err: TextIO,
+                  session=None, cancel: threading.Event | None = None):
+    """Stream one reply; `thinking` None = raw text (no parsing). Returns (parsed completion | None, last chunk)."""
+    parser = StreamParser(thinking) if thinking is not None else None
+    bar = _bar(None, "prefill", err)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    last = None
+    try:
+        for chunk in engine.stream(prompt, params, session=session, cancel=cancel, on_prefill_progress=progress):
+            if bar is not None and chunk.token is not None:
+                bar.close()
+                bar = None
+            last = chunk
+            for kind, text in (parser.feed(chunk.text) if parser else [("content", chunk.text)]):
+                writer.write(kind, text)
+    finally:
+        if bar is not None:
+            bar.close()
+    if parser is None:
+        return None, last
+    for kind, text in parser.flush():
+        writer.write(kind, text)
+    return parser.finish(), last
+
+
+# --- fastar run --------------------------------------------------------------------------------------------
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    prompt = args.prompt
+    if prompt is None and not sys.stdin.isatty():
+        prompt = "-"
+    if prompt is None:
+        raise FastarError("no prompt: pass -p/--prompt TEXT (or pipe it on stdin)")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise FastarError("the prompt is empty")
+    return prompt
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .engine.generate import chat_prompt
+
+    out, err = sys.stdout, sys.stderr
+    prompt = _read_prompt(args)
+    params = sampling_params(args, [args.stop] if args.stop else None)  # bad values fail before the load
+    engine = open_engine(args, err)
+    if args.raw:
+        text, thinking = prompt, None
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        text, thinking = chat_prompt(messages + [{"role": "user", "content": prompt}], args.thinking), args.thinking
+    writer = _Writer(out, err)
+    before = engine.stats()
+    _, last = _stream_reply(engine, text, params, thinking, writer, err)
+    writer.end_line(err)
+    writer.end_line(out)
+    after = engine.stats()
+    if args.verbose and last is not None:
+        print(f"finish_reason: {last.finish_reason}; usage: {last.usage}", file=err)
+    print(timings_line(before, after), file=err)
+    return 0
+
+
+# --- fastar chat -------------------------------------------------------------------------------------------
+
+class ChatREPL:
+    """The interactive chat over one session. Front-end only: `handle(line)` runs one input line."""
+
+    def __init__(self, engine, params, thinking: bool = False, system: str | None = None,
+                 out: TextIO = sys.stdout, err: TextIO = sys.stderr, verbose: bool = False) -> None:
+        self.engine, self.params, self.thinking = engine, params, thinking
+        self.system = system
+        self.out, self.err, self.verbose = out, err, verbose
+        self.session = engine.open_session()
+        self.messages: list[dict] = self._start()
+        self.cancel = threading.Event()
+        self.writer = _Writer(out, out)
+
+    def _start(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def handle(self, line: str) -> bool:
+        """Run one input line (a message or a /command). Returns False when the chat should end."""
+        line = line.strip()
+        if not line:
+            return True
+        if not line.startswith("/"):
+            self.reply(line)
+            return True
+        cmd, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if cmd in ("/exit", "/quit", "/bye"):
+            return False
+        if cmd == "/help":
+            self.say(CHAT_HELP)
+        elif cmd in ("/reset", "/clear"):
+            self.session.reset()
+            self.messages = self._start()
+            self.say("(conversation reset)")
+        elif cmd == "/thinking":
+            if arg not in ("on", "off"):
+                self.say(f"(thinking is {'on' if self.thinking else 'off'}; use /thinking on|off)")
+            else:
+                self.thinking = arg == "on"
+                self.say(f"(thinking {arg})")
+        elif cmd == "/save":
+            if not arg:
+                self.say("(usage: /save FILE)")
+            else:
+                self.session.meta = {"messages": self.messages, "thinking": self.thinking}
+                path = self.session.save(arg)
+                self.say(f"(saved {len(self.messages)} messages, {self.session.num_tokens} tokens to {path})")
+        elif cmd == "/load":
+            if not arg:
+                self.say("(usage: /load FILE)")
+            else:
+                try:
+                    self.session.load(arg)
+                except FastarError as e:
+                    self.say(f"(cannot load: {e})")
+                    return True
+                self.messages = list(self.session.meta.get("messages", []))
+                self.thinking = bool(self.session.meta.get("thinking", self.thinking))
+                self.say(f"(loaded {len(self.messages)} messages, {self.session.num_tokens} tokens)")
+        elif cmd == "/stats":
+            self.say(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                              for k, v in self.engine.stats().items() if isinstance(v, (int, float))))
+        else:
+            self.say(f"(unknown command {cmd}; /help lists them)")
+        return True
+
+    def reply(self, text: str) -> None:
+        """Send one user message and stream the reply. A cancelled reply is kept as far as it went."""
+        from .engine.generate import chat_prompt
+
+        self.messages.append({"role": "user", "content": text})
+        self.cancel.clear()
+        before = self.engine.stats()
+        try:
+            prompt = chat_prompt(self.messages, self.thinking)
+            parsed, last = _stream_reply(self.engine, prompt, self.params, self.thinking, self.writer, self.err,
+                                         session=self.session, cancel=self.cancel)
+        except FastarError as e:  # e.g. the conversation outgrew the context: say so and keep the chat
+            self.messages.pop()
+            self.writer.end_line(self.out)
+            self.say(f"(error: {e})")
+            return
+        self.writer.end_line(self.out)
+        cancelled = last is not None and last.finish_reason == "cancelled"
+        if cancelled:
+            self.say("(stopped)")
+        if cancelled and not parsed.content and not parsed.reasoning:
+            self.messages.pop()  # nothing came back: as if the message was never sent
+        else:
+            self.messages.append(parsed.to_message())
+        if self.verbose:
+            print(timings_line(before, self.engine.stats()), file=self.err, flush=True)
+
+    def run(self, read: Callable[[str], str] = input) -> int:
+        """The loop: Ctrl-C while a reply streams stops it; at the prompt it only reminds how to quit."""
+        prompt = ">>> " if sys.stdin.isatty() else ""
+        self.say("fastar chat: /help for commands, Ctrl-C stops a reply, Ctrl-D or /exit quits.")
+        while True:
+            try:
+                line = read(prompt)
+            except EOFError:
+                self.say("")
+                return 0
+            except KeyboardInterrupt:
+                self.say("\n(Ctrl-D or /exit to quit)")
+                continue
+            previous = signal.signal(signal.SIGINT, lambda *_: self.cancel.set())
+            try:
+                if not self.handle(line):
+                    return 0
+            finally:
+                signal.signal(signal.SIGINT, previous)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    engine = open_engine(args, sys.stderr)
+    try:
+        import readline  # noqa: F401  line editing and up-arrow history for input()
+    except ImportError:
+        pass
+    repl = ChatREPL(engine, params, thinking=args.thinking, system=args.system, verbose=args.verbose)
+    code = repl.run()
+    print(timings_line({}, engine.stats()).replace("timings:", "session totals:"), file=sys.stderr)
+    return code

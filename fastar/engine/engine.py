@@ -1,0 +1,236 @@
+"""The engine: owns the weights and the model, and is the only object front-ends hold.
+
+Owns (for now): `load(path, numerics=..., **options) -> Engine`, `Engine.logits`, `Engine.generate_tokens`,
+and the state-level primitives sessions will build on (`new_state`, `prefill`, `step`). Does not own:
+tokenization, chat templates, sessions with prefix reuse, streaming (later modules build on these primitives).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, FastarError
+from ..model.deepseek_v4 import DeepseekV4, Numerics
+from ..model.state import ModelState
+from ..quant.linear import ExpertProvider
+from ..weights.source import WeightSource
+from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
+from .sampling import SamplingParams
+from .session import Session, Stats
+from .tokenizer import Tokenizer
+
+# Positions a state can be truncated back by (prefix reuse, speculative rollback). Each retained position
+# keeps its raw KV/compressor rows: ~384 KB for the full model in float32, so 2048 positions ~ 0.8 GB.
+# Beyond it `truncate` raises StateError and the caller prefills again. None keeps everything.
+DEFAULT_MAX_ROLLBACK = 2048
+
+
+def open_source(path: str | os.PathLike) -> WeightSource:
+    """A `.fst` file -> FstFile (v3) or FstV2File (FaStar v2 + sidecars); a checkpoint directory -> Checkpoint."""
+    p = Path(path)
+    if p.is_dir():
+        from ..convert.checkpoint import Checkpoint
+        return Checkpoint(p)
+    from ..format.reader import open_model_file
+    return open_model_file(p)
+
+
+def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "official",
+         **options) -> Engine:
+    """Open a model (`.fst` file, official checkpoint directory, or a `WeightSource`) as an `Engine`.
+
+    Options: kernels (bool, default True), experts (expert provider), max_rollback (int | None, default
+    DEFAULT_MAX_ROLLBACK),
+    prefill_chunk (int, default 256), threads (int | None: when given, sets torch's intra-op threads and
+    the kernels' pool, process-wide).
+    """
+    source = path if hasattr(path, "tensor") else open_source(path)
+    return Engine(source, numerics=numerics, **options)
+
+
+class Engine:
+    """A loaded model plus the decode loop."""
+
+    def __init__(self, source: WeightSource, numerics: str | Numerics = "official", kernels: bool = True,
+                 experts: ExpertProvider | None = None, max_rollback: int | None = DEFAULT_MAX_ROLLBACK,
+                 prefill_chunk: int = 256, threads: int | None = None) -> None:
+        if prefill_chunk <= 0:
+            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        if threads is not None:  # the one place fastar touches process-wide thread settings, on request
+            torch.set_num_threads(threads)
+            from ..quant import kernels
+            kernels.set_num_threads(threads)
+        self.source = source
+        self.config = source.config
+        self.model = DeepseekV4(source, numerics=numerics, kernels=kernels, experts=experts,
+                                max_rollback=max_rollback)
+        self.prefill_chunk = prefill_chunk
+
+    # --- state-level primitives ---------------------------------------------------------------------------
+
+    def new_state(self) -> ModelState:
+        return self.model.new_state()
+
+    def prefill(self, token_ids: list[int], state: ModelState, all_logits: bool = False) -> torch.Tensor:
+        """Run `token_ids` in chunks of `prefill_chunk`; returns logits [T, V] (or [1, V] for the last)."""
+        if not token_ids:
+            raise ValueError("prefill needs at least one token")
+        self._check_ids(token_ids)
+        out = []
+        for a in range(0, len(token_ids), self.prefill_chunk):
+            chunk = token_ids[a:a + self.prefill_chunk]
+            last = a + self.prefill_chunk >= len(token_ids)
+            logits, _ = self.model.forward(chunk, state, all_logits=all_logits or not last)
+            if all_logits or last:
+                out.append(logits)
+        return torch.cat(out) if all_logits else out[-1]
+
+    def _check_ids(self, token_ids: list[int]) -> None:
+        v = self.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= int(t) < v]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {v})")
+
+    # --- public API ---------------------------------------------------------------------------------------
+
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        """Logits at every position of `token_ids` from a fresh state: float32 [len, vocab]."""
+        return self.prefill(list(token_ids), self.new_state(), all_logits=True).float().numpy()
+
+    def generate_tokens(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
+                        seed: int | None = None, ignore_eos: bool = False) -> list[int]:
+        """Greedy (temperature 0) or sampled continuation of `prompt_ids`; stops after `max_tokens` or at EOS
+        (included in the output) unless `ignore_eos`."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        state = self.new_state()
+        out: list[int] = []
+        if max_tokens <= 0:
+            return out
+        logits = self.prefill(list(prompt_ids), state)[-1]  # [V]
+        while True:
+            tok = self._sample(logits, temperature, gen)
+            out.append(tok)
+            if len(out) >= max_tokens or (tok == self.config.eos_token_id and not ignore_eos):
+                return out
+            logits = self.model.forward([tok], state, all_logits=False)[0][-1]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+        if temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    # --- sessions and generation: the API the front-ends use (fastar.engine.session / generate) -------------
+    # The CLI and the server hold only these and never touch tensors. Not thread-safe: one worker owns the
+    # engine and its sessions. State lives in `_gen_*` attributes, created on first use.
+
+    model_name_default = "deepseek-v4-flash"
+    # The model allows 1M positions, whose compressed KV alone would take many GB: a default that fits a
+    # workstation; -c/--ctx-size (the `context_length` setter) raises it up to max_position_embeddings.
+    MAX_DEFAULT_CONTEXT = 32768
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer embedded in the model file, else the installed DeepSeek-V4 tokenizer.json."""
+        if getattr(self, "_gen_tokenizer", None) is None:
+            raw = self.source.tokenizer_json() if hasattr(self.source, "tokenizer_json") else None
+            try:
+                self._gen_tokenizer = Tokenizer.from_bytes(raw) if raw else Tokenizer.default()
+            except (FileNotFoundError, ValueError) as e:
+                raise FastarError(f"no usable tokenizer: {e}") from None
+        return self._gen_tokenizer
+
+    @property
+    def context_length(self) -> int:
+        """Positions a session may hold: `max_position_embeddings` capped to `MAX_DEFAULT_CONTEXT` unless set."""
+        n = getattr(self, "_gen_context_length", None)
+        return n if n else min(self.config.max_position_embeddings, self.MAX_DEFAULT_CONTEXT)
+
+    @context_length.setter
+    def context_length(self, n: int) -> None:
+        limit = self.config.max_position_embeddings
+        if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= limit:
+            raise ConfigError(f"context length must be between 2 and the model's {limit} positions, got {n}")
+        self._gen_context_length = n
+        if getattr(self, "_gen_session", None) is not None:  # sessions opened earlier keep their own limit
+            self._gen_session.context_length = n
+
+    def _gen_counters(self) -> Stats:
+        if getattr(self, "_gen_stats", None) is None:
+            self._gen_stats = Stats()
+        return self._gen_stats
+
+    def _fingerprint(self) -> str:
+        """Identifies the model in saved sessions: the .fst header (tensors, checksums), else the config."""
+        if getattr(self, "_gen_fingerprint", None) is None:
+            ident = getattr(self.source, "header", None) or self.config.to_dict()
+            self._gen_fingerprint = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+        return self._gen_fingerprint
+
+    def open_session(self, anchor: bool = True) -> Session:
+        """A new, empty `Session` (one conversation's tokens + model state; `anchor`: see `session.py`)."""
+        return Session(self, context_length=self.context_length, vocab_size=self.config.vocab_size,
+                       tokenizer=self.tokenizer, stats=self._gen_counters(), fingerprint=self._fingerprint(),
+                       anchor=anchor)
+
+    def stream(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, session: Session | None = None,
+               cancel: threading.Event | None = None,
+               on_prefill_progress: Callable[[int, int], None] | None = None, **sampling) -> Iterator[GenerationChunk]:
+        """Stream the continuation of `prompt_ids` (token ids, or raw text) as `GenerationChunk`s.
+
+        Args:
+            params: a `SamplingParams`, or keyword arguments (`max_tokens`, `temperature`, ...) instead.
+            session: the conversation to continue; its longest common token prefix with the prompt is reused.
+                None uses the engine's own session (so consecutive calls reuse their common prefix too).
+            cancel: set it to stop at the next token (the last chunk then has finish_reason "cancelled").
+            on_prefill_progress: called as (done, total) with the prompt tokens computed so far.
+        Raises:
+            PromptError (a ValueError), from this call itself: empty prompt, longer than the context, bad ids.
+            SamplingError (a ValueError): a bad sampling value.
+        """
+        if params is None:
+            params = SamplingParams.from_kwargs(**sampling)
+        elif sampling:
+            raise TypeError("pass either params or sampling keyword arguments, not both")
+        if session is None:
+            if getattr(self, "_gen_session", None) is None:
+                self._gen_session = self.open_session()
+            session = self._gen_session
+        return stream_generate(session, prompt_ids, params, eos_token_id=self.config.eos_token_id, cancel=cancel,
+                               on_prefill_progress=on_prefill_progress)
+
+    def generate(self, prompt: str | list[int], session: Session | None = None, **sampling) -> str:
+        """The continuation of `prompt` (raw text or ids, no chat encoding) as one string."""
+        return generate_text(self.stream(prompt, session=session, **sampling))
+
+    def chat(self, messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None,
+             drop_thinking: bool = True, session: Session | None = None, **sampling) -> ChatResult:
+        """Reply to an OpenAI-style conversation with the DeepSeek-V4 chat encoding. Returns a `ChatResult`:
+        a str (the content) that also has `.reasoning`, `.tool_calls`, `.finish_reason` and `.usage`."""
+        return chat(lambda text: self.stream(text, session=session, **sampling), messages, thinking,
+                    reasoning_effort, drop_thinking)
+
+    def stats(self) -> dict:
+        """Counters since load: prompt/generated tokens, `prefill_tokens_computed` (what prefix reuse did not
+        save), prefill/decode seconds and tok/s, plus the expert cache's numbers as `expert_cache_*`."""
+        d = self._gen_counters().as_dict()
+        experts = getattr(self.model, "experts", None)
+        if hasattr(experts, "stats"):
+            for k, v in experts.stats().items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    d[f"expert_cache_{k}"] = v
+        return d
+
+    def load_progress(self) -> float:
+        """Fraction of the model loaded: an `Engine` exists only once `load()` has returned, so 1.0."""
+        return 1.0

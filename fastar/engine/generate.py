@@ -1,0 +1,193 @@
+"""Generation as a stack of generators: step -> stream -> text. CLI, library and server all consume `stream`.
+
+Owns:
+  * `GenerationChunk`, the one yield contract of streaming generation;
+  * `generate_step(session, ids, params)` -> `(token, logprob, top_logprobs)`: prefill (with prefix reuse),
+    then sample/decode forever; the consumer decides when to stop, so the last token is never run needlessly;
+  * `stream_generate(...)` -> `GenerationChunk`: detokenizes (UTF-8 split across tokens is held until whole),
+    applies stop tokens, stop strings (held back until decided, never leaked), max tokens, the context limit and
+    cancellation, and reports usage on the last chunk;
+  * `generate_text` -> str, and `chat` -> `ChatResult` (the DeepSeek-V4 chat encoding in, reasoning / content /
+    tool calls out).
+Does not own: logits -> token (`sampling`), the timeline and prefix reuse (`session`), the chat format
+(`fastar.encoding`), the forward pass.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Self
+
+from ..encoding import StreamParser, encode_messages
+from .sampling import Sampler, SamplingParams
+from .session import Session
+
+
+@dataclass(slots=True)
+class GenerationChunk:
+    text: str                          # newly completed text (may be "" while a UTF-8 sequence or stop string is pending)
+    token: int | None = None           # the token that produced it (None on the final flush)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None   # None while running; "stop" | "length" | "cancelled" on the last chunk
+    # last chunk only: {"prompt_tokens", "completion_tokens", "cached_tokens"} (OpenAI usage names)
+    usage: dict[str, int] | None = None
+
+
+class StopStrings:
+    """Finds stop strings in streamed text. `feed(text)` returns `(releasable, hit)`: text that can no longer
+    be part of a stop string, and whether one was found (then `releasable` ends right before it). A tail that
+    could still grow into a stop string is held back until decided; `flush()` releases it at the end."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[:min(hits)], True
+        keep = 0
+        for k in range(min(len(buf), max(map(len, self.stops)) - 1), 0, -1):
+            if any(s.startswith(buf[-k:]) for s in self.stops):
+                keep = k
+                break
+        self._held = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def generate_step(session: Session, prompt_ids: list[int], params: SamplingParams,
+                  cancel: threading.Event | None = None,
+                  on_prefill_progress: Callable[[int, int], None] | None = None,
+                  ) -> Iterator[tuple[int, float, list[tuple[int, float]]]]:
+    """Yields `(token, logprob, top_logprobs)` forever (the caller stops). Each sampled token is appended to
+    the session before it is yielded and only run through the model when the next one is asked for. Yields
+    nothing when `cancel` is set during prefill."""
+    logits = session.prefill(prompt_ids, cancel, on_prefill_progress)
+    if logits is None:
+        return
+    sampler = Sampler(params)
+    while True:
+        token, logprob, top = sampler(logits)
+        session.append(token)
+        yield token, logprob, top
+        logits = session.decode()
+
+
+def stream_generate(session: Session, prompt: str | list[int], params: SamplingParams, *, eos_token_id: int,
+                    cancel: threading.Event | None = None,
+                    on_prefill_progress: Callable[[int, int], None] | None = None) -> Iterator[GenerationChunk]:
+    """Stream the continuation of `prompt` (text or ids) as chunks; the last chunk has `finish_reason` and
+    `usage`. The prompt is checked when this is called, not at the first chunk: `PromptError` (empty, longer
+    than the context, ids outside the vocabulary) comes before anything is sent."""
+    ids = session.encode_prompt(prompt)
+    session.check_prompt(ids)
+    return _stream(session, ids, params, eos_token_id, cancel, on_prefill_progress)
+
+
+def _stream(session: Session, ids: list[int], params: SamplingParams, eos_token_id: int,
+            cancel: threading.Event | None, on_prefill_progress: Callable[[int, int], None] | None,
+            ) -> Iterator[GenerationChunk]:
+    tok = session.tokenizer
+    stats = session.stats
+    stats.requests += 1
+    stats.prompt_tokens += len(ids)
+    n = 0
+
+    def usage() -> dict[str, int]:
+        return {"prompt_tokens": len(ids), "completion_tokens": n, "cached_tokens": session.last_cached_tokens}
+
+    if params.max_tokens == 0:
+        yield GenerationChunk("", finish_reason="length", usage={"prompt_tokens": len(ids), "completion_tokens": 0,
+                                                                  "cached_tokens": 0})
+        return
+    decoder = tok.stream_decoder() if tok is not None else None
+    stops = StopStrings(params.stop)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {eos_token_id})
+    steps = generate_step(session, ids, params, cancel, on_prefill_progress)
+    try:
+        for token, logprob, top in steps:
+            n += 1
+            stats.generated_tokens += 1
+            reason = None
+            if token in stop_ids:  # the stop token's own text is not part of the output
+                text, reason = "", "stop"
+            else:
+                text, hit = stops.feed(decoder.push(token) if decoder else "")
+                if hit:
+                    yield GenerationChunk(text, token, logprob, top, "stop", usage())
+                    return
+                if n >= params.max_tokens or session.num_tokens >= session.context_length:
+                    reason = "length"
+                elif cancel is not None and cancel.is_set():
+                    reason = "cancelled"
+            if reason is None:
+                yield GenerationChunk(text, token, logprob, top)
+                continue
+            # the end: release what is held (an unfinished character, a tail that did not become a stop string)
+            more, hit = stops.feed(decoder.flush() if decoder else "")
+            text += more + ("" if hit else stops.flush())
+            yield GenerationChunk(text, token, logprob, top, "stop" if hit else reason, usage())
+            return
+        # generate_step ended without a token: cancelled during prefill
+        yield GenerationChunk("", None, finish_reason="cancelled", usage=usage())
+    finally:
+        steps.close()
+
+
+def generate_text(chunks: Iterator[GenerationChunk]) -> str:
+    return "".join(c.text for c in chunks)
+
+
+class ChatResult(str):
+    """The assistant's reply: a `str` (the content) that also carries `.content`, `.reasoning` (None in chat
+    mode), `.tool_calls`, `.finish_reason` and `.usage`; `to_message()` gives the OpenAI-style message."""
+    content: str
+    reasoning: str | None
+    tool_calls: list[dict]
+    finish_reason: str | None
+    usage: dict[str, int] | None
+
+    def __new__(cls, content: str, reasoning: str | None = None, tool_calls: list[dict] | None = None,
+                finish_reason: str | None = None, usage: dict[str, int] | None = None) -> Self:
+        self = super().__new__(cls, content)
+        self.content, self.reasoning, self.tool_calls = content, reasoning, list(tool_calls or [])
+        self.finish_reason, self.usage = finish_reason, usage
+        return self
+
+    def to_message(self) -> dict:
+        msg: dict = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+def chat_prompt(messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None,
+                drop_thinking: bool = True) -> str:
+    """The DeepSeek-V4 prompt text of a conversation (BOS included, ending with the generation prompt)."""
+    return encode_messages(messages, thinking_mode="thinking" if thinking else "chat",
+                           drop_thinking=drop_thinking, reasoning_effort=reasoning_effort)
+
+
+def chat(stream: Callable[[str], Iterator[GenerationChunk]], messages: list[dict], thinking: bool = False,
+         reasoning_effort: str | None = None, drop_thinking: bool = True) -> ChatResult:
+    """Encode `messages`, run them through `stream(prompt_text)` and parse the reply."""
+    parser = StreamParser(thinking)
+    last = None
+    for chunk in stream(chat_prompt(messages, thinking, reasoning_effort, drop_thinking)):
+        parser.feed(chunk.text)
+        last = chunk
+    parsed = parser.finish()
+    return ChatResult(parsed.content, parsed.reasoning, parsed.tool_calls,
+                      last.finish_reason if last else None, last.usage if last else None)

@@ -1,0 +1,157 @@
+"""Sampling: the parameters of one generation and the pure functions that turn logits into a token.
+
+Owns: `SamplingParams` (validated once, at the boundary), the logits processors (temperature, top-k, top-p,
+min-p) and `Sampler`, which turns one position's logits into `(token, logprob, top_logprobs)`. Does not touch
+the model, the tokenizer or text: stop strings and stop tokens are decided by `fastar.engine.generate`.
+
+Logprobs are those of the model's own distribution (log-softmax of the raw logits, before temperature and
+truncation), as vLLM and the OpenAI API report them, so they do not change when sampling settings do.
+Sampling draws on the CPU from a `torch.Generator` seeded by `seed`: the same seed gives the same tokens on
+any device, and two generations never share random state.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from ..errors import FastarError
+
+MAX_TOP_LOGPROBS = 20  # the OpenAI API's own cap on top_logprobs
+
+
+class SamplingError(FastarError, ValueError):
+    """A sampling parameter has a value no generation can run with (names the field and the value)."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None       # None = off; k >= 0 = chosen token's logprob plus k alternatives
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # OpenAI's `stop` is a string or a list
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+        def bad(name: str, want: str) -> None:
+            raise SamplingError(f"{name} must be {want}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
+            bad("max_tokens", "an integer >= 0")
+        if not is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "a number >= 0")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "an integer >= 0 (0 = off)")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "a number in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "an integer or None")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "a non-empty string or a list of non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "a list of token ids")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            bad("logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "true or false")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> SamplingParams:
+        """Build from keyword arguments (the `Engine.generate(text, **sampling)` style). Accepts the common
+        aliases `temp`, `max_new_tokens` and `max_completion_tokens`; an unknown name is an error, not ignored,
+        because a typo in a library call should not silently sample differently."""
+        aliases = {"temp": "temperature", "max_new_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}
+        names = {f.name for f in fields(cls)}
+        args = {}
+        for k, v in kw.items():
+            k = aliases.get(k, k)
+            if k not in names:
+                raise SamplingError(f"unknown sampling parameter {k!r} (known: {', '.join(sorted(names))})")
+            args[k] = v
+        return cls(**args)
+
+
+# --- logits processors: [V] float32 -> [V] float32 with -inf where a token may not be drawn ---------------
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k).values[-1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (the top token always stays)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # drop a token when the tokens before it already reach p, so the one that crosses p is kept
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= p
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's probability."""
+    if min_p <= 0.0:
+        return logits
+    logp = torch.log_softmax(logits, dim=-1)
+    threshold = logp.max() + torch.log(torch.tensor(min_p))
+    return logits.masked_fill(logp < threshold, float("-inf"))
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution actually sampled from (temperature, then top-k, top-p, min-p; vLLM's order)."""
+    x = logits.float() / params.temperature
+    x = apply_top_k(x, params.top_k)
+    x = apply_top_p(x, params.top_p)
+    return apply_min_p(x, params.min_p)
+
+
+class Sampler:
+    """Turns one position's logits [V] into (token, logprob, top_logprobs), with its own random stream."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self._gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
+        logits = logits.reshape(-1).float().cpu()  # [V]; one host copy per token, needed for the text anyway
+        p = self.params
+        if p.is_greedy:
+            token = int(torch.argmax(logits))
+        else:
+            probs = torch.softmax(processed_logits(logits, p), dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=self._gen))
+        logp = torch.log_softmax(logits, dim=-1)
+        top: list[tuple[int, float]] = []
+        if p.logprobs:
+            vals, ids = torch.topk(logp, p.logprobs)
+            top = [(int(i), float(v)) for i, v in zip(ids, vals)]
+        return token, float(logp[token]), top

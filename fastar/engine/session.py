@@ -1,0 +1,329 @@
+"""Session: one conversation's timeline — its tokens and the model state that has processed them.
+
+Owns: `Session` (prefix reuse: given a new full prompt it keeps the longest common token prefix, rolls the state
+back to it and prefills only the rest; pending tokens; save/restore to disk), `Stats` (the counters behind
+`Engine.stats()`), and the prompt checks every front-end relies on (`PromptError`: empty, longer than the
+context, ids outside the vocabulary). Does not own: sampling, stop strings or text streaming
+(`fastar.engine.generate`), the forward pass or the state layout (`fastar.model`).
+
+Invariant: `tokens[:num_processed]` have been run through the model (the state's length); the tokens after
+that are pending: sampled but not yet run (after a generation, its last token). Pending tokens cost nothing
+until the timeline continues, and a prompt that shares them reuses them like any other prefix.
+
+Anchor: a state keeps only `max_rollback` positions of history, so rolling back over a long reply fails. Yet
+that is the common case: in thinking mode the next turn's prompt drops the reply's reasoning (so it diverges
+right after the previous prompt), and "regenerate" discards the whole reply. So after each prefill the session
+keeps a snapshot of the state at the end of the prompt (the anchor) and rolls back from it when truncating the
+live state fails. It costs one state copy per request in time and memory; `anchor=False` turns it off.
+
+The session talks to its runner (the `Engine`) through three names only: `new_state()`,
+`prefill(ids, state) -> logits [1, V]` and `prefill_chunk`; and to the state (`ModelState`) through `length`,
+`max_rollback`, `truncate`, `snapshot`, `to_bytes`/`from_bytes`. Tests drive it with fakes on those names.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import FastarError
+
+MAGIC = b"FSTSESS\0"
+VERSION = 1
+
+
+class PromptError(FastarError, ValueError):
+    """A prompt that cannot run: empty, longer than the context, or holding ids outside the vocabulary."""
+
+
+class SessionError(FastarError):
+    """A saved session cannot be restored (missing, corrupt, or saved from another model)."""
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters since the engine was loaded. `prefill_tokens_computed` counts tokens actually run through
+    prefill; the gap to `prompt_tokens` is what prefix reuse saved."""
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    prefill_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_tokens_computed: int = 0
+    decode_seconds: float = 0.0
+
+    def copy(self) -> Stats:
+        return Stats(*(getattr(self, f.name) for f in fields(self)))
+
+    def since(self, earlier: Stats) -> Stats:
+        """The counts between `earlier` (a copy taken before) and now: one request's numbers."""
+        return Stats(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["prefill_tokens_per_s"] = self.prefill_tokens_computed / self.prefill_seconds if self.prefill_seconds else 0.0
+        d["decode_tokens_per_s"] = self.decode_tokens_computed / self.decode_seconds if self.decode_seconds else 0.0
+        return d
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Session:
+    """One conversation's tokens and model state. Not thread-safe: one worker owns the engine and its sessions.
+
+    Args:
+        runner: the engine (see the module docstring for the four names it must offer).
+        context_length: positions this session may hold; a longer prompt is a `PromptError`.
+        vocab_size: token ids must lie in [0, vocab_size).
+        tokenizer: for text prompts (`encode_prompt`); optional for id-only use.
+        stats: counters to add to (the engine's); a private `Stats` by default.
+        fingerprint: identifies the model in saved sessions, so a session never loads into another model.
+        anchor: keep a snapshot of the state at the end of the last prompt (see the module docstring).
+    """
+
+    def __init__(self, runner, *, context_length: int, vocab_size: int, tokenizer=None, stats: Stats | None = None,
+                 fingerprint: str = "", anchor: bool = True) -> None:
+        self._runner = runner
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.stats = stats if stats is not None else Stats()
+        self.fingerprint = fingerprint
+        self.meta: dict[str, Any] = {}  # front-end data saved with the session (the chat REPL keeps its history here)
+        self.last_cached_tokens = 0     # prompt tokens the last prefill reused
+        self._tokens: list[int] = []
+        self._state = None
+        self._dirty = False             # a forward pass was interrupted: the state may be half-updated
+        self._boundary_ids: frozenset[int] | None = None
+        self._keep_anchor = anchor
+        self._anchor: tuple[list[int], Any] | None = None  # (prompt ids, state snapshot after them)
+
+    # --- the timeline -------------------------------------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def num_processed(self) -> int:
+        return 0 if self._state is None else self._state.length
+
+    def reset(self) -> None:
+        """Forget everything (tokens, state and meta)."""
+        self._tokens, self._state, self._dirty, self.meta, self._anchor = [], None, False, {}, None
+
+    def rewind(self, n: int) -> None:
+        """Keep only the first `n` tokens (the state rolls back with them; if it cannot, it is dropped and the
+        next prefill starts over)."""
+        if not 0 <= n <= len(self._tokens):
+            raise ValueError(f"cannot rewind a session of {len(self._tokens)} tokens to {n}")
+        del self._tokens[n:]
+        if self._state is not None and self._state.length > n:
+            self._truncate(n)
+
+    def _truncate(self, n: int) -> None:
+        try:
+            self._state.truncate(n)
+        except FastarError:  # StateError: the rows needed were dropped (max_rollback); start over
+            self._state = None
+
+    # --- prompts ------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (ids pass through).
+
+        For text that starts with the decoded text of this session's tokens, the session's own tokens are
+        kept and only the rest is encoded, provided the split falls next to an added token (EOS, a role
+        marker: the session ends on one, or the rest starts with one). Why: the tokens a model generates often
+        differ from a re-encoding of their text, so re-encoding a conversation would end prefix reuse at the
+        first reply. Added tokens are split out before BPE runs, so at such a split the rest encodes exactly
+        as it would inside the whole text.
+        """
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise PromptError("this session has no tokenizer: pass token ids")
+        if self._tokens:
+            known = self.tokenizer.decode(self._tokens)
+            if prompt.startswith(known):
+                rest = self.tokenizer.encode(prompt[len(known):])
+                added = self._added_ids()
+                if self._tokens[-1] in added or not rest or rest[0] in added:
+                    return self._tokens + rest
+        return self.tokenizer.encode(prompt)
+
+    def _added_ids(self) -> frozenset[int]:
+        if self._boundary_ids is None:
+            self._boundary_ids = frozenset(self.tokenizer.hf.get_added_tokens_decoder())
+        return self._boundary_ids
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """Raise `PromptError` for a prompt no generation can start from. Never truncates."""
+        if not ids:
+            raise PromptError("the prompt is empty")
+        if len(ids) >= self.context_length:
+            raise PromptError(f"the prompt is {len(ids)} tokens, but the context length is {self.context_length} "
+                              f"tokens (it must be shorter, to leave room for the reply)")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    # --- running the model --------------------------------------------------------------------------------
+
+    def prefill(self, prompt_ids: list[int], cancel: threading.Event | None = None,
+                on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor | None:
+        """Make the timeline equal `prompt_ids` and return the logits [V] after its last token.
+
+        Reuses the longest common prefix with the current tokens; the last prompt token is always run (its
+        logits are the output). Returns None when `cancel` is set between chunks; the session then holds the
+        part of the prompt already processed. `on_progress(done, total)` follows the tokens to compute.
+        """
+        self.check_prompt(prompt_ids)
+        if self._dirty:
+            self._state, self._dirty = None, False
+        keep = min(common_prefix(self._tokens, prompt_ids), len(prompt_ids) - 1, self.num_processed)
+        if self._state is not None and self._state.length > keep:
+            self._truncate(keep)
+            if self._state is None:
+                keep = self._from_anchor(prompt_ids)
+        if self._state is None:
+            self._state, keep = self._runner.new_state(), 0
+        self.last_cached_tokens = keep
+        self.stats.cached_tokens += keep
+        self._tokens = list(prompt_ids[:keep])
+        todo = prompt_ids[keep:]
+        chunk = max(1, int(getattr(self._runner, "prefill_chunk", 256)))
+        logits = None
+        done = 0
+        if on_progress is not None:
+            on_progress(0, len(todo))
+        for a in range(0, len(todo), chunk):
+            if cancel is not None and cancel.is_set():
+                return None
+            part = todo[a:a + chunk]
+            t = time.perf_counter()
+            logits = self._forward(part)
+            self.stats.prefill_seconds += time.perf_counter() - t
+            self.stats.prefill_tokens_computed += len(part)
+            done += len(part)
+            if on_progress is not None:
+                on_progress(done, len(todo))
+        if self._keep_anchor and getattr(self._state, "max_rollback", None) is not None:
+            self._anchor = (list(prompt_ids), self._state.snapshot())
+        return logits
+
+    def _from_anchor(self, prompt_ids: list[int]) -> int:
+        """Continue from the anchor when it shares a prefix with `prompt_ids`; returns the positions kept."""
+        if self._anchor is None:
+            return 0
+        tokens, snap = self._anchor
+        keep = min(common_prefix(tokens, prompt_ids), len(prompt_ids) - 1, snap.length)
+        if keep <= 0:
+            return 0
+        state = snap.snapshot()  # the anchor stays intact for the next rollback
+        try:
+            state.truncate(keep)
+        except FastarError:
+            return 0
+        self._state = state
+        return keep
+
+    def append(self, token: int) -> None:
+        """Add a sampled token to the timeline (pending: `decode` runs it)."""
+        self._tokens.append(int(token))
+
+    def decode(self) -> torch.Tensor:
+        """Run the pending tokens (normally the one just sampled); returns the logits [V] after the last."""
+        n = self.num_processed
+        if self._state is None or self._dirty or n >= len(self._tokens):
+            raise RuntimeError("decode() needs a prefilled session with a pending token")
+        part = self._tokens[n:]
+        t = time.perf_counter()
+        logits = self._forward(part)
+        self.stats.decode_seconds += time.perf_counter() - t
+        self.stats.decode_tokens_computed += len(part)
+        return logits
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        """Run `ids` at the state's position. An exception or Ctrl-C inside may leave the layers at different
+        lengths, so the state is marked dirty until the pass completes (and dropped by the next prefill)."""
+        self._dirty = True
+        logits = self._runner.prefill(ids, self._state)
+        self._dirty = False
+        start = self._state.length - len(ids)
+        self._tokens[start:] = ids
+        return logits.reshape(-1, logits.shape[-1])[-1]
+
+    # --- disk ---------------------------------------------------------------------------------------------
+    # MAGIC, u32 version, u64 header length, JSON header (fingerprint, tokens, meta), then the state's bytes.
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write tokens, meta and model state to `path` (atomically: a temp file renamed into place)."""
+        path = Path(path)
+        state = b"" if self._state is None or self._dirty else self._state.to_bytes()
+        tokens = self._tokens if state else []  # without a state, pending tokens would be recomputed anyway
+        header = json.dumps({"fingerprint": self.fingerprint, "tokens": tokens, "meta": self.meta,
+                             "has_state": bool(state)}, ensure_ascii=False).encode()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + struct.pack("<IQ", VERSION, len(header)) + header)
+                f.write(state)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Replace this session's contents with a saved one. Raises `SessionError` with the reason."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise SessionError(f"{path}: no such file") from None
+        except OSError as e:
+            raise SessionError(f"{path}: cannot read ({e.strerror})") from None
+        if raw[:8] != MAGIC:
+            raise SessionError(f"{path}: not a fastar session file")
+        try:
+            version, hlen = struct.unpack_from("<IQ", raw, 8)
+            if version != VERSION:
+                raise SessionError(f"{path}: session version {version} is not supported (expected {VERSION})")
+            header = json.loads(raw[20:20 + hlen].decode())
+            tokens = [int(t) for t in header["tokens"]]
+        except (struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise SessionError(f"{path}: session file is corrupt ({e})") from None
+        if header.get("fingerprint") != self.fingerprint:
+            raise SessionError(f"{path}: this session was saved with a different model")
+        state = None
+        if header.get("has_state"):
+            try:
+                state = type(self._runner.new_state()).from_bytes(raw[20 + hlen:])
+            except FastarError as e:
+                raise SessionError(f"{path}: {e}") from None
+            if state.length > len(tokens):
+                raise SessionError(f"{path}: session file is corrupt (state longer than its tokens)")
+        self._tokens, self._state, self._dirty, self._anchor = tokens, state, False, None
+        self.meta = dict(header.get("meta") or {})

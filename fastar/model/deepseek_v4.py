@@ -1,0 +1,471 @@
+"""DeepSeek-V4 (Flash) forward pass: the whole model in one file, in forward order.
+
+Owns: embedding -> 43 x [mHC pre -> attention (Q-LoRA, shared KV latent, partial interleaved RoPE, sliding
+window, ratio-4 compressor + lightning indexer or ratio-128 compressor, per-head sinks, inverse RoPE, grouped
+O-LoRA) -> mHC post -> mHC pre -> MoE (hash or sqrtsoftplus router, FP4 routed experts, shared expert) -> mHC
+post] -> HC head -> final norm -> LM head, and the MTP block (logits for position t+2).
+Does not own: weight storage and products (`fastar.quant.linear`: resident weights stay FP8/BF16 as stored,
+routed experts come from an `experts.get(layer, e)` provider), decode state layout (`fastar.model.state`),
+sessions and sampling (`fastar.engine`).
+
+Every call processes a chunk of T new tokens at positions p0..p0+T-1 against a `ModelState`; one full
+prefill, any chunking and token-by-token decode compute the same thing (state.py says how) - to float32
+rounding in `reference` numerics; in `official` numerics see the last paragraph below.
+
+Numerics. Activations are float32 in both modes. `Numerics` has one switch per difference:
+  `reference` (all off) = transformers 5.24 `DeepseekV4ForCausalLM`, up to float32 summation order;
+  `official` (all on, the default) = DeepSeek's `inference/model.py` + `kernel.py` (current HF revision):
+  - fp8_kv:          window KV and compressed KV: FP8 e4m3 quant-dequant of the non-RoPE dims, blocks of 64,
+                     power-of-two scales (transformers keeps them exact).
+  - fp4_indexer:     indexer queries and keys: Hadamard transform then FP4 e2m1 quant-dequant, blocks of 32
+                     (transformers omits both; the Hadamard alone would not change q.k).
+  - fp8_activations: FP8 e4m3 quant-dequant of the input of every FP8/FP4 weight product, blocks of 128 along
+                     K, power-of-two scales: wq_a, wq_b, wkv, wo_b, indexer wq_b, shared and routed experts (the
+                     mid activation too), MTP e_proj/h_proj. Not wo_a (DeepSeek's convert.py widens it to BF16)
+                     nor BF16/F32 weights (router, compressors, indexer weights_proj, head).
+  - official_routing: routing weight multiplies the expert's mid activation before w2 (transformers: after
+                     w2), and router weights are normalised by their sum without transformers' +1e-20.
+Not simulated in either mode: DeepSeek's BF16 activations between ops, BF16 GEMM outputs, and the order of
+float32 sums (HC mixes are computed norm-then-linear, as transformers does). The shared expert is clamped by
+swiglu_limit in both modes (current HF revision; the initial one did not clamp it).
+Chunking under `official`: FP8/FP4 rounding follows float32 sums whose order depends on the chunk shape
+(BLAS picks other kernels for 1 row than for 64; the C kernels sum in another order than torch), so a value at a rounding boundary can round the other way;
+a block whose amax crosses a power of two then changes its scale, and the change travels through attention to
+later tokens. Results are deterministic for a given chunking, but prefill vs decode differ by about the size
+of the quantization noise itself (as in DeepSeek's own prefill and decode kernels). Tests pin this bound.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..config import ModelConfig
+from ..quant.linear import ExpertProvider, Linear, SourceExperts, Weights, expert_ffn
+from ..weights.source import WeightSource
+from . import ops
+from .state import LayerState, ModelState
+
+SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
+
+
+# --- numerics ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Numerics:
+    """One switch per documented difference between DeepSeek's inference math and transformers'."""
+    fp8_kv: bool = True
+    fp4_indexer: bool = True
+    fp8_activations: bool = True
+    official_routing: bool = True
+
+    @classmethod
+    def named(cls, name: str | Numerics) -> Numerics:
+        if isinstance(name, Numerics):
+            return name
+        if name == "official":
+            return cls()
+        if name == "reference":
+            return cls(**{f.name: False for f in fields(cls)})
+        raise ValueError(f"numerics must be 'official' or 'reference', got {name!r}")
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """Input of an FP8/FP4 weight product."""
+        return ops.fp8_quant_sim(x, 128) if self.fp8_activations else x
+
+
+def layer_inv_freq(cfg: ModelConfig, ratio: int) -> torch.Tensor:
+    """RoPE frequencies of a layer: plain theta on ratio-0 layers, compress theta + YaRN on compressed ones
+    (their compressor and indexer use the same)."""
+    r = cfg.qk_rope_head_dim
+    if ratio == 0:
+        return ops.rope_inv_freq(r, cfg.rope_theta)
+    if cfg.rope_factor <= 1:
+        return ops.rope_inv_freq(r, cfg.compress_rope_theta)
+    return ops.yarn_inv_freq(r, cfg.compress_rope_theta, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow,
+                             cfg.original_max_position_embeddings)
+
+
+# --- hyper-connections (mHC) ---------------------------------------------------------------------------------
+
+class HyperConnection:
+    """mHC at one site: collapses the n residual streams into a sub-layer input and mixes them back."""
+
+    def __init__(self, w: Weights, prefix: str, cfg: ModelConfig) -> None:
+        self.fn = w.vector(prefix + "_fn")  # [(2+n)*n, n*d]
+        self.base = w.vector(prefix + "_base")  # [(2+n)*n]
+        self.scale = w.vector(prefix + "_scale")  # [3]
+        self.n, self.iters, self.hc_eps, self.eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+
+    def pre(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n])."""
+        T, n, _ = X.shape
+        m = ops.rms_norm(X.reshape(T, -1), None, self.eps) @ self.fn.T  # [T, (2+n)*n]
+        pre = torch.sigmoid(m[:, :n] * self.scale[0] + self.base[:n]) + self.hc_eps  # [T, n]
+        post = 2 * torch.sigmoid(m[:, n:2 * n] * self.scale[1] + self.base[n:2 * n])  # [T, n]
+        comb = (m[:, 2 * n:] * self.scale[2] + self.base[2 * n:]).view(T, n, n)  # [T, n, n]
+        comb = ops.sinkhorn(comb, self.iters, self.hc_eps)
+        u = (pre[:, :, None] * X).sum(1)  # [T, d]
+        return u, post, comb
+
+    @staticmethod
+    def post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """New streams X'_k = post_k f + sum_j comb[j, k] X_j (comb is not symmetric: the first index sums)."""
+        return post[:, :, None] * f[:, None, :] + comb.transpose(1, 2) @ X  # [T, n, d]
+
+
+class HyperHead:
+    """Final collapse of the n streams (no Sinkhorn, no post)."""
+
+    def __init__(self, w: Weights, prefix: str, cfg: ModelConfig) -> None:
+        self.fn = w.vector(prefix + "hc_head_fn")  # [n, n*d]
+        self.base = w.vector(prefix + "hc_head_base")  # [n]
+        self.scale = w.vector(prefix + "hc_head_scale")  # [1]
+        self.hc_eps, self.eps = cfg.hc_eps, cfg.rms_norm_eps
+
+    def __call__(self, X: torch.Tensor) -> torch.Tensor:
+        T = X.shape[0]
+        m = ops.rms_norm(X.reshape(T, -1), None, self.eps) @ self.fn.T  # [T, n]
+        pre = torch.sigmoid(m * self.scale + self.base) + self.hc_eps  # [T, n]
+        return (pre[:, :, None] * X).sum(1)  # [T, d]
+
+
+# --- compressor (ratio 4 overlapping, ratio 128) -------------------------------------------------------------
+
+class Compressor:
+    """Pools every `ratio` tokens into one KV entry: per feature, a softmax over the window's gate rows.
+
+    Ratio 4 overlaps windows: projections are [Ca | Cb] halves and entry w mixes the Ca half of window w-1 with
+    the Cb half of window w (8 rows). Entry w exists once token w*ratio + ratio - 1 has been processed; it is
+    normed, RoPE'd at position w*ratio and passed through `quant` (official numerics) before it is stored.
+    """
+
+    def __init__(self, w: Weights, prefix: str, ratio: int, head_dim: int, inv_freq: torch.Tensor,
+                 eps: float, quant=None) -> None:
+        self.wkv = w.linear(prefix + "wkv")  # BF16 [c*hd, d]
+        self.wgate = w.linear(prefix + "wgate")  # BF16 [c*hd, d]
+        self.ape = w.vector(prefix + "ape")  # [ratio, c*hd]
+        self.norm = w.vector(prefix + "norm.weight")  # [hd]
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
+        self.inv_freq, self.eps, self.quant = inv_freq, eps, quant
+
+    def __call__(self, x: torch.Tensor, p0: int, kv_buf, gate_buf, out_buf) -> None:
+        T, m, hd = x.shape[0], self.ratio, self.head_dim
+        pos = torch.arange(p0, p0 + T)
+        kv_buf.append(self.wkv(x))  # [T, c*hd]
+        gate_buf.append(self.wgate(x) + self.ape[pos % m])  # [T, c*hd]
+        win = torch.arange(p0 // m, (p0 + T) // m)  # windows closed by this chunk [n]
+        if len(win) == 0:
+            return
+        rows = win[:, None] * m + torch.arange(m)[None, :]  # absolute positions [n, m]
+        kv, gate = kv_buf.take(rows), gate_buf.take(rows)  # [n, m, c*hd]
+        if self.overlap:
+            has_prev = (win >= 1)[:, None, None]  # window 0 has no Ca rows: kv 0, gate -inf
+            prev = (rows - m).clamp(min=0)
+            prev_kv = torch.where(has_prev, kv_buf.take(prev)[..., :hd], 0.0)  # [n, m, hd]
+            prev_gate = torch.where(has_prev, gate_buf.take(prev)[..., :hd], float("-inf"))
+            kv = torch.cat([prev_kv, kv[..., hd:]], dim=1)  # [n, 2m, hd]
+            gate = torch.cat([prev_gate, gate[..., hd:]], dim=1)  # [n, 2m, hd]
+        c = (kv * gate.softmax(dim=1)).sum(dim=1)  # [n, hd]
+        c = ops.rms_norm(c, self.norm, self.eps)
+        cos, sin = ops.rope_cos_sin(self.inv_freq, win * m)
+        c = ops.apply_rope(c, cos, sin)
+        if self.quant is not None:
+            c = self.quant(c)
+        out_buf.append(c)
+
+
+# --- lightning indexer (ratio-4 layers) ----------------------------------------------------------------------
+
+class Indexer:
+    """Scores compressed entries for each query, `I(t,s) = sum_h w_h relu(q_h . k_s)`, keeps the top k visible."""
+
+    def __init__(self, w: Weights, prefix: str, cfg: ModelConfig, inv_freq: torch.Tensor,
+                 numerics: Numerics) -> None:
+        self.wq_b = w.linear(prefix + "wq_b")  # FP8 [Hi*Di, q_lora]
+        self.weights_proj = w.linear(prefix + "weights_proj")  # BF16 [Hi, d]
+        self.heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.inv_freq, self.numerics = inv_freq, numerics
+        rot = self._rotate if numerics.fp4_indexer else None
+        self.compressor = Compressor(w, prefix + "compressor.", 4, cfg.index_head_dim, inv_freq,
+                                     cfg.rms_norm_eps, quant=rot)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor) -> torch.Tensor:
+        return ops.fp4_quant_sim(ops.hadamard(x), 32)
+
+    def __call__(self, x: torch.Tensor, qr: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
+        """-> selected entry ids [T, k] (k = min(topk, #entries)); -1 marks a pick that is not visible yet."""
+        T, Hi, Di = x.shape[0], self.heads, self.head_dim
+        self.compressor(x, p0, state.idx_kv, state.idx_gate, state.idx_entries)
+        keys = state.idx_entries.all()  # [E, Di]
+        E = keys.shape[0]
+        pos = torch.arange(p0, p0 + T)
+        q = self.wq_b(self.numerics.act(qr)).view(T, Hi, Di)  # [T, Hi, Di]
+        cos, sin = ops.rope_cos_sin(self.inv_freq, pos)
+        q = ops.apply_rope(q, cos, sin)
+        if self.numerics.fp4_indexer:
+            q = self._rotate(q)
+        weights = self.weights_proj(x) * Hi ** -0.5  # [T, Hi]
+        score = torch.empty(T, E)
+        step = max(1, SCORE_BLOCK // max(1, Hi * E))  # queries per block: bounds the [t, Hi, E] temporary
+        for a in range(0, T, step):
+            s = torch.einsum("thd,ed->the", q[a:a + step], keys).relu() * Di ** -0.5  # [t, Hi, E]
+            score[a:a + step] = (s * weights[a:a + step, :, None]).sum(dim=1)  # [t, E]
+        visible = (pos + 1)[:, None] // 4  # entries w < (t+1)//4 are closed for query t  [T, 1]
+        score = score.masked_fill(torch.arange(E)[None, :] >= visible, float("-inf"))
+        idx = score.topk(min(self.topk, E), dim=-1).indices  # [T, k]
+        return torch.where(idx < visible, idx, -1)
+
+
+# --- attention -----------------------------------------------------------------------------------------------
+
+def attend(q: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor, comp: torch.Tensor | None,
+           comp_mask: torch.Tensor | None, comp_idx: torch.Tensor | None, sinks: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Softmax attention of q [T, H, D] over window keys [K, D] (K = V) plus compressed entries, with a per-head
+    sink logit in the denominator only. `comp_mask` [T, E] selects all visible entries (ratio 128); `comp_idx`
+    [T, k] gathers per-query entries (ratio 4, -1 = none)."""
+    T, H, _ = q.shape
+    logits = [torch.einsum("thd,kd->htk", q, keys).mul(scale).masked_fill(~key_mask, float("-inf"))]  # [H,T,K]
+    picked = None
+    if comp is not None and comp_idx is not None:
+        picked = comp[comp_idx.clamp(min=0)]  # [T, k, D]
+        s = torch.einsum("thd,tkd->htk", q, picked).mul(scale)  # [H, T, k]
+        logits.append(s.masked_fill(comp_idx[None] < 0, float("-inf")))
+    elif comp is not None:
+        logits.append(torch.einsum("thd,ed->hte", q, comp).mul(scale).masked_fill(~comp_mask, float("-inf")))
+    logits.append(sinks[:, None, None].expand(H, T, 1))
+    z = torch.cat(logits, dim=-1)  # [H, T, K + E|k + 1]
+    p = torch.softmax(z - z.max(dim=-1, keepdim=True).values, dim=-1)
+    K = keys.shape[0]
+    o = torch.einsum("htk,kd->thd", p[..., :K], keys)  # [T, H, D]
+    if picked is not None:
+        o = o + torch.einsum("htk,tkd->thd", p[..., K:-1], picked)
+    elif comp is not None:
+        o = o + torch.einsum("hte,ed->thd", p[..., K:-1], comp)
+    return o
+
+
+class Attention:
+    """MQA with one shared KV latent (K = V), Q-LoRA, partial RoPE, sliding window + compressed entries."""
+
+    def __init__(self, w: Weights, prefix: str, cfg: ModelConfig, ratio: int, numerics: Numerics) -> None:
+        self.wq_a = w.linear(prefix + "wq_a")  # FP8 [q_lora, d]
+        self.q_norm = w.vector(prefix + "q_norm.weight")  # [q_lora]
+        self.wq_b = w.linear(prefix + "wq_b")  # FP8 [H*D, q_lora]
+        self.wkv = w.linear(prefix + "wkv")  # FP8 [D, d]
+        self.kv_norm = w.vector(prefix + "kv_norm.weight")  # [D]
+        self.wo_a = w.linear(prefix + "wo_a")  # FP8 [G*R, H*D/G]
+        self.wo_b = w.linear(prefix + "wo_b")  # FP8 [d, G*R]
+        self.sinks = w.vector(prefix + "attn_sink")  # [H]
+        self.H, self.D, self.rope = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
+        self.groups, self.window, self.ratio, self.eps = cfg.o_groups, cfg.sliding_window, ratio, cfg.rms_norm_eps
+        self.numerics = numerics
+        self.inv_freq = layer_inv_freq(cfg, ratio)
+        self.compressor = self.indexer = None
+        if ratio:
+            fp8 = self._fp8_nope if numerics.fp8_kv else None
+            self.compressor = Compressor(w, prefix + "compressor.", ratio, cfg.head_dim, self.inv_freq, self.eps, fp8)
+        if ratio == 4:
+            self.indexer = Indexer(w, prefix + "indexer.", cfg, self.inv_freq, numerics)
+
+    def _fp8_nope(self, kv: torch.Tensor) -> torch.Tensor:
+        """QAT simulation of DeepSeek's FP8 KV cache: the non-RoPE dims, blocks of 64."""
+        return torch.cat([ops.fp8_quant_sim(kv[..., :-self.rope], 64), kv[..., -self.rope:]], dim=-1)
+
+    def __call__(self, x: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
+        T, H, D, W = x.shape[0], self.H, self.D, self.window
+        act = self.numerics.act
+        pos = torch.arange(p0, p0 + T)
+        cos, sin = ops.rope_cos_sin(self.inv_freq, pos)  # [T, r/2]
+        xq = act(x)
+        qr = ops.rms_norm(self.wq_a(xq), self.q_norm, self.eps)  # [T, q_lora]
+        q = self.wq_b(act(qr)).view(T, H, D)  # [T, H, D]
+        q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)  # weightless per-head norm, then RoPE
+        kv = ops.rms_norm(self.wkv(xq), self.kv_norm, self.eps)  # [T, D]
+        kv = ops.apply_rope(kv, cos, sin)
+        if self.numerics.fp8_kv:
+            kv = self._fp8_nope(kv)
+        state.kv.append(kv)
+
+        k0 = max(0, p0 - W + 1)
+        keys = state.kv.rows(k0, p0 + T)  # window keys of this chunk [K, D]
+        kpos = torch.arange(k0, p0 + T)
+        key_mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - W)  # [T, K]
+        comp = comp_mask = comp_idx = None
+        if self.ratio:
+            self.compressor(x, p0, state.comp_kv, state.comp_gate, state.entries)
+            comp = state.entries.all()  # [E, D]
+            if self.indexer is not None:
+                comp_idx = self.indexer(x, qr, p0, state)  # [T, k]
+            else:
+                comp_mask = torch.arange(comp.shape[0])[None, :] < (pos + 1)[:, None] // self.ratio  # [T, E]
+        o = attend(q, keys, key_mask, comp, comp_mask, comp_idx, self.sinks, D ** -0.5)  # [T, H, D]
+        o = ops.apply_rope(o, cos, sin, inverse=True)  # V carried RoPE: undo it at the query position
+        z = self.wo_a.grouped(o.reshape(T, self.groups, H * D // self.groups))  # [T, G, R]
+        return self.wo_b(act(z.reshape(T, -1)))  # [T, d]
+
+
+# --- mixture of experts --------------------------------------------------------------------------------------
+
+class MoE:
+    """Router (hash table or sqrtsoftplus top-k with selection-only bias), routed FP4 experts, shared expert."""
+
+    def __init__(self, w: Weights, prefix: str, cfg: ModelConfig, layer: int, numerics: Numerics,
+                 experts: ExpertProvider, kernels: bool) -> None:
+        self.gate = w.linear(prefix + "gate")  # BF16 [E, d]
+        self.is_hash = cfg.is_hash_layer(layer)
+        self.tid2eid = w.table(prefix + "gate.tid2eid") if self.is_hash else None  # [V, k]
+        self.bias = None if self.is_hash else w.vector(prefix + "gate.bias")  # [E]
+        self.shared = [w.linear(prefix + f"shared_experts.{n}") for n in ("w1", "w3", "w2")]  # FP8
+        self.layer, self.topk, self.scale = layer, cfg.num_experts_per_tok, cfg.routed_scaling_factor
+        self.limit, self.numerics, self.experts, self.kernels = cfg.swiglu_limit, numerics, experts, kernels
+
+    def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (expert ids [T, k], weights [T, k])."""
+        scores = ops.sqrtsoftplus(self.gate(x))  # [T, E]
+        if self.is_hash:
+            idx = self.tid2eid[ids]  # [T, k]
+        else:
+            idx = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices  # bias: selection only
+        wts = scores.gather(1, idx)  # [T, k]
+        wts = wts / (wts.sum(dim=-1, keepdim=True) + (0.0 if self.numerics.official_routing else 1e-20))
+        return idx, wts * self.scale
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        idx, wts = self.route(x, ids)
+        out = torch.zeros_like(x)  # [T, d]
+        act = self.numerics.act if self.numerics.fp8_activations else None
+        for e in idx.unique().tolist():  # one fetch per expert per chunk
+            tok, slot = torch.where(idx == e)
+            y = expert_ffn(x[tok], self.experts.get(self.layer, e), wts[tok, slot], self.limit,
+                           weight_before_down=self.numerics.official_routing, act_quant=act, kernels=self.kernels)
+            out.index_add_(0, tok, y)
+        w1, w3, w2 = self.shared
+        xq = self.numerics.act(x)
+        mid = ops.limited_swiglu(w1(xq), w3(xq), self.limit)  # [T, I]
+        return out + w2(self.numerics.act(mid))
+
+
+# --- block, MTP block, model ---------------------------------------------------------------------------------
+
+class Block:
+    """One V4 layer: X -> mHC(attention) -> mHC(MoE), on [T, n, d] residual streams."""
+
+    def __init__(self, w: Weights, cfg: ModelConfig, layer: int, numerics: Numerics, experts: ExpertProvider,
+                 kernels: bool) -> None:
+        p = f"layers.{layer}." if layer < cfg.num_hidden_layers else f"mtp.{layer - cfg.num_hidden_layers}."
+        self.prefix, self.layer, self.ratio, self.eps = p, layer, cfg.ratio(layer), cfg.rms_norm_eps
+        self.hc_attn = HyperConnection(w, p + "hc_attn", cfg)
+        self.hc_ffn = HyperConnection(w, p + "hc_ffn", cfg)
+        self.attn_norm = w.vector(p + "attn_norm.weight")  # [d]
+        self.ffn_norm = w.vector(p + "ffn_norm.weight")  # [d]
+        self.attn = Attention(w, p + "attn.", cfg, self.ratio, numerics)
+        self.ffn = MoE(w, p + "ffn.", cfg, layer, numerics, experts, kernels)
+
+    def __call__(self, X: torch.Tensor, ids: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
+        u, post, comb = self.hc_attn.pre(X)  # [T, d], [T, n], [T, n, n]
+        X = HyperConnection.post(self.attn(ops.rms_norm(u, self.attn_norm, self.eps), p0, state), X, post, comb)
+        u, post, comb = self.hc_ffn.pre(X)
+        return HyperConnection.post(self.ffn(ops.rms_norm(u, self.ffn_norm, self.eps), ids), X, post, comb)
+
+
+class MTPBlock:
+    """Multi-token prediction: from the main model's final streams at position i and the embedding of token
+    i+1, one more V4 block (ratio 0) and its own HC head + norm, with the shared LM head -> logits for i+2."""
+
+    def __init__(self, w: Weights, cfg: ModelConfig, k: int, numerics: Numerics, experts: ExpertProvider,
+                 kernels: bool) -> None:
+        p = f"mtp.{k}."
+        self.e_proj, self.h_proj = w.linear(p + "e_proj"), w.linear(p + "h_proj")  # FP8 [d, d]
+        self.enorm, self.hnorm = w.vector(p + "enorm.weight"), w.vector(p + "hnorm.weight")  # [d]
+        self.norm = w.vector(p + "norm.weight")  # [d]
+        self.hc_head = HyperHead(w, p, cfg)
+        self.block = Block(w, cfg, cfg.num_hidden_layers + k, numerics, experts, kernels)
+        self.eps, self.numerics = cfg.rms_norm_eps, numerics
+
+    def __call__(self, X: torch.Tensor, emb_next: torch.Tensor, ids_next: torch.Tensor, p0: int,
+                 state: LayerState) -> torch.Tensor:
+        """X [T, n, d] main streams, emb_next [T, d] -> normed output [T, d] (before the LM head)."""
+        T, n, d = X.shape
+        act = self.numerics.act
+        e = self.e_proj(act(ops.rms_norm(emb_next, self.enorm, self.eps)))  # [T, d]
+        h = self.h_proj(act(ops.rms_norm(X, self.hnorm, self.eps).reshape(T * n, d))).view(T, n, d)
+        Y = self.block(e[:, None, :] + h, ids_next, p0, state)  # [T, n, d]
+        return ops.rms_norm(self.hc_head(Y), self.norm, self.eps)
+
+
+class DeepseekV4:
+    """The model over a `WeightSource`. Weights stay in the source's storage precision; see module docstring.
+
+    Args:
+        source: any `WeightSource` (a `.fst` file, an official checkpoint directory).
+        numerics: "official" (default), "reference" or a `Numerics`.
+        kernels: use `fastar.quant.kernels` for weight products where available.
+        experts: routed-expert provider with `get(layer, e)`; default reads the source directly.
+        max_rollback: positions a state keeps for `truncate` (None = all).
+    """
+
+    def __init__(self, source: WeightSource, numerics: str | Numerics = "official", kernels: bool = True,
+                 experts: ExpertProvider | None = None, max_rollback: int | None = None) -> None:
+        cfg = source.config
+        self.config, self.numerics, self.max_rollback = cfg, Numerics.named(numerics), max_rollback
+        self.experts = experts if experts is not None else SourceExperts(source)
+        w = Weights(source, kernels)
+        self.embed = w.linear("embed")  # BF16 [V, d]
+        self.layers = [Block(w, cfg, i, self.numerics, self.experts, kernels) for i in range(cfg.num_hidden_layers)]
+        self.hc_head = HyperHead(w, "", cfg)
+        self.norm = w.vector("norm.weight")  # [d]
+        self.head: Linear = w.linear("head")  # BF16 [V, d]
+        has_mtp = cfg.num_mtp_layers > 0 and not cfg.has_dspark and w.has("mtp.0.e_proj.weight")
+        self.mtp = [MTPBlock(w, cfg, k, self.numerics, self.experts, kernels)
+                    for k in range(cfg.num_mtp_layers)] if has_mtp else []
+
+    def new_state(self) -> ModelState:
+        cfg = self.config
+
+        def layer(i: int) -> LayerState:
+            return LayerState.new(cfg.ratio(i), cfg.sliding_window, cfg.head_dim, cfg.index_head_dim)
+
+        L = cfg.num_hidden_layers
+        return ModelState([layer(i) for i in range(L)], [layer(L + k) for k in range(len(self.mtp))],
+                          self.max_rollback)
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int] | torch.Tensor, state: ModelState, all_logits: bool = True,
+                collect: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Process tokens `ids` [T] at positions state.length.. and advance `state`.
+
+        Returns (logits [T, V] float32, or [1, V] for the last position when `all_logits` is False; final
+        residual streams [T, n, d], the MTP input). `collect`, when a list, receives the streams after every
+        block (for `fastar audit`).
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        p0, T = state.length, ids.shape[0]
+        if T == 0:
+            raise ValueError("forward needs at least one token")
+        X = self.embed.rows(ids)[:, None, :].expand(T, self.config.hc_mult, -1)  # [T, n, d]
+        for block, s in zip(self.layers, state.layers):
+            X = block(X, ids, p0, s)
+            s.length = p0 + T
+            s.trim(state.max_rollback)
+            if collect is not None:
+                collect.append(X)
+        h = X if all_logits else X[-1:]
+        return self.head(ops.rms_norm(self.hc_head(h), self.norm, self.config.rms_norm_eps)), X
+
+    @torch.inference_mode()
+    def mtp_logits(self, X: torch.Tensor, next_ids: list[int] | torch.Tensor, state: ModelState,
+                   k: int = 0) -> torch.Tensor:
+        """MTP block k on main streams X [T, n, d] at MTP positions state.mtp[k].length.. with the tokens that
+        follow them (`next_ids` [T] = t_{i+1}); returns logits [T, V] predicting t_{i+2}."""
+        if not self.mtp:
+            raise ValueError("this model has no MTP block")
+        ids = torch.as_tensor(next_ids, dtype=torch.long).reshape(-1)
+        s = state.mtp[k]
+        p0 = s.length
+        y = self.mtp[k](X, self.embed.rows(ids), ids, p0, s)  # [T, d]
+        s.length = p0 + ids.shape[0]
+        s.trim(state.max_rollback)
+        return self.head(y)

@@ -1,0 +1,153 @@
+"""Small pure tensor functions shared by the DeepSeek-V4 model and its tests.
+
+Owns: RMSNorm, the router score, RoPE/YaRN frequencies and (inverse) interleaved RoPE, the mHC Sinkhorn
+projection, the Walsh-Hadamard transform, the activation quantization simulations of DeepSeek's inference code
+(FP8 e4m3 and FP4 e2m1 with power-of-two scales) and the clamped SwiGLU. Every function is stateless and works on
+float32 torch tensors; each one has a closed-form test in tests/test_model_ops.py.
+Does not own: weights or weight formats (`fastar.quant`), model structure (`fastar.model.deepseek_v4`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+
+# --- norms and activations ----------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim, in float32; `weight=None` is the weightless norm."""
+    x = x.float()
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else weight * y
+
+
+def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's router score `sqrt(softplus(x))`."""
+    return F.softplus(x).sqrt()
+
+
+def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """`silu(min(gate, limit)) * clamp(up, -limit, limit)`; limit <= 0 disables the clamp."""
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+# --- rotary embeddings ----------------------------------------------------------------------------------------
+
+def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    """Plain RoPE frequencies `theta^(-2i/dim)`, i = 0..dim/2-1 (float32, as transformers computes them)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
+def yarn_inv_freq(dim: int, theta: float, factor: float, beta_fast: float, beta_slow: float,
+                  original_max: int) -> torch.Tensor:
+    """YaRN frequencies: `f/factor` below the `beta_slow` correction dim, `f` above `beta_fast`, linear ramp
+    between (no mscale: DeepSeek-V4 leaves cos/sin and the softmax scale unscaled)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # 1 = interpolate
+    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return (1.0 / (factor * pos)) * ramp + (1.0 / pos) * (1 - ramp)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of `position * f_i`: [T, r/2] each (one angle per interleaved pair)."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, r/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing `2*cos.shape[-1]` dims of x as interleaved pairs (2i, 2i+1); the leading dims pass.
+
+    x: [T, ..., D] with T matching cos/sin [T, r/2]. `inverse=True` rotates by the negated angle.
+    """
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.reshape(shape), sin.reshape(shape)
+    if inverse:
+        s = -s
+    nope, rope = x[..., : -2 * half], x[..., -2 * half:]
+    even, odd = rope[..., 0::2], rope[..., 1::2]  # [T, ..., r/2]
+    rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+# --- hyper-connections ----------------------------------------------------------------------------------------
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """mHC residual mixing matrix: row softmax + eps, then alternate column/row normalisation (`iters` column
+    steps in all), ending on a column step. logits [..., n, n] -> doubly-stochastic [..., n, n]."""
+    m = torch.softmax(logits, dim=-1) + eps
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    return m
+
+
+# --- DeepSeek's activation-quantization simulation ------------------------------------------------------------
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform (Sylvester order, scale n^-1/2) over the last dim (a power of 2)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"hadamard needs a power-of-two size, got {n}")
+    y = x.float().reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * n ** -0.5)
+
+
+def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= v (v > 0), exactly (no log2 rounding)."""
+    mant, exp = torch.frexp(v)  # v = mant * 2^exp, mant in [0.5, 1)
+    return torch.ldexp(torch.ones_like(v), torch.where(mant == 0.5, exp - 1, exp))
+
+
+def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """x [..., K] -> [..., ceil(K/block), block] zero-padded (zeros never raise a block's amax)."""
+    k = x.shape[-1]
+    pad = -k % block
+    xf = x.float()
+    if pad:
+        xf = F.pad(xf, (0, pad))
+    return xf.unflatten(-1, (-1, block)), k
+
+
+def fp8_quant_sim(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Quantize-dequantize to FP8 e4m3 per `block` values of the last dim with UE8M0 (power-of-two) scales:
+    `s = 2^ceil(log2(max(amax, 1e-4) / 448))`, `e4m3(clamp(x/s)) * s` (DeepSeek's `act_quant`)."""
+    g, k = _blocks(x, block)
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(1e-4) / FP8_MAX)
+    q = (g / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * s).flatten(-2)[..., :k]
+
+
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """Nearest FP4 e2m1 value (grid 0, .5, 1, 1.5, 2, 3, 4, 6), ties to the even code, saturating at 6."""
+    a = v.abs().clamp(max=FP4_MAX)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, v)
+
+
+def fp4_quant_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Quantize-dequantize to FP4 e2m1 per `block` values with power-of-two scales
+    `s = 2^ceil(log2(max(amax, 6*2^-126) / 6))` (DeepSeek's `fp4_act_quant`)."""
+    g, k = _blocks(x, block)
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0 ** -126) / FP4_MAX)
+    return (e2m1_round((g / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2)[..., :k]

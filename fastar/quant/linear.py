@@ -1,0 +1,234 @@
+"""The one weight-product interface the model calls: resident weights kept in checkpoint precision, and routed
+experts fetched by (layer slot, expert id).
+
+Owns:
+- `Linear`: one resident weight exactly as stored (FP8 e4m3 bits + 128x128 UE8M0 scales, BF16, or F32) and its
+  product `y = x @ W^T` in float32. Nothing is widened in memory: the torch reference path dequantizes a bounded
+  block of rows per call (no cache), the fast path hands the stored bytes to `fastar.quant.kernels`.
+- `Weights`: typed access to a `WeightSource` by official tensor name (`linear`, `vector`, `table`).
+- `SourceExperts`: the default expert provider (`get(layer, e) -> ExpertWeights`, straight from the source);
+  the expert pager replaces it with any object that has the same `get`.
+- `expert_ffn`: one routed expert (FP4 weights) applied to the tokens routed to it.
+Does not own: activation quantization for the `official` numerics (the model applies `fastar.model.ops`
+simulations to the inputs; `expert_ffn` takes the mid-activation hook as an argument) nor the choice of
+which weights exist (the model asks by name).
+
+Kernel path: used when `kernels=True` and `fastar.quant.kernels.available()` (the fused expert kernel only
+without an activation hook; with one, three FP4 products with the hook between them); results agree with the
+torch reference within float32 accumulation-order error.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ..weights.source import ExpertWeights, WeightSource
+
+FP8_BLOCK = 128
+FP4_GROUP = 32
+ROW_BLOCK = 4096  # rows dequantized at once by the reference path (bounds its temporaries)
+
+_FP4_LUT = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32)
+
+
+def _kernels():
+    """The C kernels module when it is built and usable, else None."""
+    try:
+        from . import kernels
+    except (ImportError, OSError):  # pragma: no cover - a broken build: the torch path still answers
+        return None
+    return kernels if kernels.available() else None
+
+
+def _as_torch(a: np.ndarray) -> torch.Tensor:
+    """Zero-copy view of a (possibly read-only, memory-mapped) numpy array; uint16 becomes bfloat16."""
+    a = np.ascontiguousarray(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only mmap views: we never write through them
+        if a.dtype == np.uint16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+
+def ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes -> float32 powers of two 2^(b-127), built from the bit pattern (exact, b=0 -> 2^-127)."""
+    b = scale.to(torch.int32)
+    bits = torch.where(b > 0, b << 23, torch.full_like(b, 0x00400000))
+    return bits.view(torch.float32)
+
+
+def fp8_dequant(w: torch.Tensor, scale: torch.Tensor, row0: int = 0) -> torch.Tensor:
+    """FP8 bits [R, C] (rows starting at absolute row `row0`, a multiple of 128) + block scales -> float32."""
+    rows, cols = w.shape
+    s = ue8m0(scale[row0 // FP8_BLOCK: (row0 + rows - 1) // FP8_BLOCK + 1])
+    s = s.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    return w.view(torch.float8_e4m3fn).float() * s
+
+
+def fp4_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP4 packed [R, C/2] (low nibble = even column) + per-32 scales [R, C/32] -> float32 [R, C]."""
+    codes = torch.stack((w & 0x0F, w >> 4), dim=-1).flatten(-2).long()  # [R, C]
+    return _FP4_LUT[codes] * ue8m0(scale).repeat_interleave(FP4_GROUP, 1)
+
+
+class Linear:
+    """A resident weight [out, in] in checkpoint precision with its float32 product `x @ W^T`."""
+
+    def __init__(self, name: str, weight: np.ndarray, dtype: str, scale: np.ndarray | None = None,
+                 kernels: bool = True) -> None:
+        if dtype not in ("F8_E4M3", "BF16", "F32"):
+            raise ValueError(f"{name}: unsupported weight dtype {dtype}")
+        if (dtype == "F8_E4M3") != (scale is not None):
+            raise ValueError(f"{name}: FP8 weights need a scale, other dtypes must not have one")
+        self.name, self.dtype = name, dtype
+        self.weight = _as_torch(weight)  # uint8 FP8 bits / bfloat16 / float32, as stored
+        self.scale = None if scale is None else _as_torch(scale)
+        self.out_features, self.in_features = self.weight.shape
+        self._kernels = _kernels() if kernels else None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == "F8_E4M3"
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + (0 if self.scale is None else self.scale.numel())
+
+    def dequant(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """Rows [r0, r1) as float32 (a temporary: the reference product widens one block at a time)."""
+        w = self.weight[r0:r1]
+        if self.is_fp8:
+            return fp8_dequant(w, self.scale, r0)
+        return w.float()
+
+    def _kernel_product(self, x: torch.Tensor, r0: int = 0, r1: int | None = None) -> torch.Tensor | None:
+        k = self._kernels
+        if k is None:
+            return None
+        r1 = self.out_features if r1 is None else r1
+        x = x.contiguous().float()
+        if self.is_fp8:
+            if r0 % FP8_BLOCK or (r1 % FP8_BLOCK and r1 != self.out_features):
+                return None
+            s = self.scale[r0 // FP8_BLOCK: -(-r1 // FP8_BLOCK)]
+            out = k.fp8_matmul(x, self.weight[r0:r1], s)
+        elif self.dtype == "BF16":
+            out = k.bf16_matmul(x, self.weight[r0:r1])
+        else:
+            return None
+        return torch.as_tensor(out)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] float32 -> [T, out] float32."""
+        x = x.float()
+        y = self._kernel_product(x)
+        if y is not None:
+            return y
+        if self.dtype == "F32":
+            return x @ self.weight.T
+        out = x.new_empty(x.shape[0], self.out_features)
+        for r0 in range(0, self.out_features, ROW_BLOCK):
+            r1 = min(r0 + ROW_BLOCK, self.out_features)
+            out[:, r0:r1] = x @ self.dequant(r0, r1).T
+        return out
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal product: x [T, G, in] with group g using rows [g*out/G, (g+1)*out/G) -> [T, G, out/G]."""
+        t, groups, _ = x.shape
+        rank = self.out_features // groups
+        out = x.new_empty(t, groups, rank)
+        for g in range(groups):
+            r0, r1 = g * rank, (g + 1) * rank
+            y = self._kernel_product(x[:, g], r0, r1)
+            out[:, g] = y if y is not None else x[:, g].float() @ self.dequant(r0, r1).T
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as float32 (embedding lookup)."""
+        if self.is_fp8:
+            raise ValueError(f"{self.name}: row lookup of an FP8 weight is not supported")
+        return self.weight[ids].float()
+
+
+class Weights:
+    """Typed, name-based access to a `WeightSource` (official checkpoint names, storage precision)."""
+
+    def __init__(self, source: WeightSource, kernels: bool = True) -> None:
+        self.source = source
+        self.kernels = kernels
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name)
+
+    def linear(self, prefix: str) -> Linear:
+        """`prefix.weight` (+ `prefix.scale` when FP8) as a `Linear`."""
+        name = prefix + ".weight"
+        dtype = self.source.dtype(name)
+        scale = self.source.tensor(prefix + ".scale") if dtype == "F8_E4M3" else None
+        return Linear(prefix, self.source.tensor(name), dtype, scale, kernels=self.kernels)
+
+    def vector(self, name: str) -> torch.Tensor:
+        """A small BF16/F32 tensor (norm weights, HC parameters, sinks, biases) widened to float32."""
+        dtype = self.source.dtype(name)
+        if dtype not in ("BF16", "F32"):
+            raise ValueError(f"{name}: expected BF16 or F32, got {dtype}")
+        return _as_torch(self.source.tensor(name)).float()
+
+    def table(self, name: str) -> torch.Tensor:
+        """An integer table (tid2eid) as int64."""
+        return _as_torch(self.source.tensor(name)).long()
+
+
+class ExpertProvider(Protocol):
+    def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+
+class SourceExperts:
+    """Default expert provider: every request goes straight to the weight source (no cache)."""
+
+    def __init__(self, source: WeightSource) -> None:
+        self.source = source
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.source.expert(layer, expert)
+
+
+def expert_ffn(x: torch.Tensor, ew: ExpertWeights, route_w: torch.Tensor, limit: float,
+               weight_before_down: bool = False,
+               act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               kernels: bool = True) -> torch.Tensor:
+    """One routed FP4 expert on the tokens routed to it.
+
+    x [T, D] float32, route_w [T]. `w2(silu(min(w1 x, l)) * clamp(w3 x, -l, l)) * route_w` (transformers'
+    order) or, with `weight_before_down`, `w2(route_w * swiglu)` (DeepSeek's order). `act_quant`, when given,
+    is applied to the inputs of each product (x before w1/w3, the mid activation before w2).
+    """
+    x = x.float()
+    route_w = route_w.float()
+    k = _kernels() if kernels else None
+    if k is not None and act_quant is None:  # fused; it weights before w2, the same math without act_quant
+        out = torch.zeros_like(x)  # the kernel accumulates into out
+        k.expert_ffn(x.contiguous(), *(np.ascontiguousarray(a) for a in ew), route_w.contiguous(),
+                     float(limit), out)
+        return out
+
+    def product(a: torch.Tensor, w: np.ndarray, s: np.ndarray) -> torch.Tensor:
+        if k is not None:  # unfused kernels: the mid activation must be quantized between the products
+            return torch.as_tensor(k.fp4_matmul(a.contiguous(), np.ascontiguousarray(w), np.ascontiguousarray(s)))
+        return a @ fp4_dequant(_as_torch(w), _as_torch(s)).T
+
+    q = act_quant or (lambda a: a)
+    xq = q(x)
+    gate = product(xq, ew.w1, ew.w1_scale)  # [T, I]
+    up = product(xq, ew.w3, ew.w3_scale)  # [T, I]
+    if limit > 0:  # same clamp as fastar.model.ops.limited_swiglu (kept here: quant never imports model)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    mid = torch.nn.functional.silu(gate) * up  # [T, I]
+    if weight_before_down:
+        mid = mid * route_w[:, None]
+    down = product(q(mid), ew.w2, ew.w2_scale)  # [T, D]
+    return down if weight_before_down else down * route_w[:, None]

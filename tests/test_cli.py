@@ -1,0 +1,45 @@
+"""The `fastar` command line: audit end to end, FASTAR_* environment mirrors, one-line errors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from fastar.cli import build_parser
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "fastar", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_audit_against_transformers(tiny_ckpt, tmp_path):
+    out = tmp_path / "t.fst"
+    assert _cli("convert", tiny_ckpt, "-o", out).returncode == 0
+    r = _cli("audit", out, "--reference", tiny_ckpt, "--tokens", ",".join(str(i) for i in range(3, 60)))
+    assert r.returncode == 0, r.stderr
+    rows = [l.split() for l in r.stdout.splitlines()
+            if l.startswith(("layer ", "logits ")) and not l.startswith("logits OK")]
+    assert [" ".join(x[:2]) for x in rows[:-1]] == [f"layer {i}" for i in range(5)] and rows[-1][0] == "logits"
+    assert all(float(x[-3]) > 0.99999 and float(x[-2]) < 1e-4 for x in rows)  # cosine, max |diff|
+    assert "logits OK" in r.stdout
+
+
+def test_env_mirror_and_flag_precedence(monkeypatch):
+    monkeypatch.setenv("FASTAR_PORT", "9123")
+    a = build_parser().parse_args(["serve", "-m", "x.fst"])
+    assert a.port == 9123
+    a = build_parser().parse_args(["serve", "-m", "x.fst", "--port", "7000"])
+    assert a.port == 7000
+    monkeypatch.setenv("FASTAR_MODEL", "from-env.fst")
+    a = build_parser().parse_args(["serve"])
+    assert a.model == "from-env.fst"
+
+
+def test_errors_are_one_line(tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello")
+    for args in (["verify", bad], ["inspect", tmp_path / "missing.fst"], ["verify", tmp_path]):
+        r = _cli(*args)
+        assert r.returncode == 1
+        assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1 and r.stderr.startswith("fastar: error:")

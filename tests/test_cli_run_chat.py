@@ -1,0 +1,400 @@
+"""`fastar run` and `fastar chat`: the demo model's atomic build, `run` end to end in a subprocess, bad input as
+one-line errors, the chat REPL against a fake engine, and `chat` driven through a pseudo-terminal for three turns
+with a Ctrl-C mid-reply, /save and /load."""
+from __future__ import annotations
+
+import io
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fastar import cli, demo
+from fastar.console import DIM, ChatREPL, timings_line
+from fastar.engine.generate import GenerationChunk
+from fastar.engine.sampling import SamplingParams
+from fastar.errors import FastarError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- the demo model ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_cache(vocab_ckpt: Path, tmp_path_factory) -> Path:
+    """A cache dir holding the demo model, built by the real build path (the fixture checkpoint is the session's
+    shared `vocab` one, which is exactly what the demo writes: preset "vocab", seed 0)."""
+    cache = tmp_path_factory.mktemp("fastar-cache")
+    calls = []
+
+    def write_checkpoint(out, preset, seed):
+        calls.append((preset, seed))
+        return Path(shutil.copytree(vocab_ckpt, out))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FASTAR_CACHE_DIR", str(cache))
+        mp.setattr("fastar.fixtures.write_checkpoint", write_checkpoint)
+        path = demo.ensure_demo_model()
+    assert calls == [("vocab", demo.DEMO_SEED)]
+    assert path == cache / demo.DEMO_NAME and path.is_file()
+    assert not [p for p in cache.iterdir() if p.name.startswith(".demo-build-")]  # temporaries cleaned up
+    return cache
+
+
+def test_demo_cache_dir_honours_the_env(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FASTAR_CACHE_DIR", str(tmp_path / "c"))
+    assert demo.demo_path() == tmp_path / "c" / demo.DEMO_NAME
+    monkeypatch.delenv("FASTAR_CACHE_DIR")
+    assert "fastar" in str(demo.cache_dir())
+
+
+def test_concurrent_builds_build_once(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FASTAR_CACHE_DIR", str(tmp_path))
+    builds = []
+
+    def slow_build(tmp: Path, final: Path) -> None:
+        builds.append(tmp)
+        (tmp / "x.partial").write_bytes(b"half")
+        time.sleep(0.3)  # the others must wait on the lock, not start their own build or read a half file
+        (tmp / final.name).write_bytes(b"whole")
+        os.replace(tmp / final.name, final)
+
+    monkeypatch.setattr(demo, "_build", slow_build)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(demo.ensure_demo_model())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and len(results) == 3 and len(set(results)) == 1
+    assert results[0].read_bytes() == b"whole"
+
+
+def test_an_interrupted_build_leaves_no_file(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FASTAR_CACHE_DIR", str(tmp_path))
+    stale = tmp_path / ".demo-build-dead"  # what a killed process leaves behind
+    stale.mkdir()
+
+    def dies(tmp: Path, final: Path) -> None:
+        (tmp / final.name).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_build", dies)
+    with pytest.raises(KeyboardInterrupt):
+        demo.ensure_demo_model()
+    assert not demo.demo_path().exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".demo-build-")]
+
+
+# --- fastar run ------------------------------------------------------------------------------------------------
+
+def _pythonpath() -> str:
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
+def fastar(*args: str, env: dict | None = None, timeout: float = 180, stdin: str | None = None):
+    e = {**os.environ, "PYTHONPATH": _pythonpath(), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "fastar", *args], capture_output=True, text=True, env=e,
+                          timeout=timeout, cwd=ROOT, input=stdin if stdin is not None else "", check=False)
+
+
+def test_run_end_to_end_with_the_demo_model(demo_cache: Path) -> None:
+    r = fastar("run", "-p", "Hello, who are you?", "-n", "6", "--verbose", env={"FASTAR_CACHE_DIR": str(demo_cache)})
+    assert r.returncode == 0, r.stderr
+    assert "DEMO model" in r.stderr and "meaningless" in r.stderr
+    assert r.stdout.strip() and r.stdout.endswith("\n")
+    assert re.search(r"timings: prompt \d+ tokens .*prefill \d+ tokens in .* tok/s.*decode 5 tokens", r.stderr)
+    assert "'completion_tokens': 6" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_flags_env_mirrors_and_stdin(demo_cache: Path) -> None:
+    model = str(demo_cache / demo.DEMO_NAME)
+    env = {"FASTAR_MODEL": model, "FASTAR_MAX_TOKENS": "3", "FASTAR_TEMP": "0.8", "FASTAR_SEED": "5"}
+    a = fastar("run", "--raw", "--verbose", "--top-k", "50", env=env, stdin="Once upon a time")
+    assert a.returncode == 0, a.stderr
+    assert "'completion_tokens': 3" in a.stderr and "DEMO" not in a.stderr
+    b = fastar("run", "--raw", "-p", "Once upon a time", "--top-k", "50", env=env)
+    assert b.stdout == a.stdout  # same seed, same text; stdin and -p give the same prompt
+
+
+def run_main(capsys, *args: str) -> tuple[int, str]:
+    code = cli.main(list(args))
+    return code, capsys.readouterr().err
+
+
+def one_line_error(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fastar: error: "), err
+    return lines[0]
+
+
+def test_bad_input_is_one_line_and_exit_1(capsys, tmp_path: Path, demo_cache: Path) -> None:
+    model = str(demo_cache / demo.DEMO_NAME)
+    code, err = run_main(capsys, "run", "-m", str(tmp_path / "nope.fst"), "-p", "hi")
+    assert code == 1 and "no such file" in one_line_error(err)
+    (tmp_path / "notes.txt").write_text("not a model at all, just some text that is long enough " * 4)
+    code, err = run_main(capsys, "run", "-m", str(tmp_path / "notes.txt"), "-p", "hi")
+    assert code == 1 and "not a .fst file" in one_line_error(err)
+    code, err = run_main(capsys, "run", "-m", model, "-p", "   ")
+    assert code == 1 and "empty" in one_line_error(err)
+    code, err = run_main(capsys, "run", "-m", model, "-c", "16", "-p", "many words " * 20)
+    line = one_line_error(err)
+    assert code == 1 and re.search(r"prompt is \d\d+ tokens.*context length is 16", line)
+    code, err = run_main(capsys, "run", "-m", model, "--top-p", "0", "-p", "hi")
+    assert code == 1 and "top_p" in one_line_error(err)
+    code, err = run_main(capsys, "chat", "-m", model, "-c", "999999999")
+    assert code == 1 and "context length" in one_line_error(err)
+
+
+def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
+    r = fastar("run", "-m", str(tmp_path / "missing.fst"), "-p", "hi")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("fastar: error: ") and r.stdout == ""
+
+
+def test_timings_line() -> None:
+    before = {"prompt_tokens": 0, "prefill_tokens_computed": 0, "prefill_seconds": 0.0}
+    after = {"prompt_tokens": 10, "cached_tokens": 4, "prefill_tokens_computed": 6, "prefill_seconds": 0.5,
+             "decode_tokens_computed": 9, "decode_seconds": 3.0, "expert_cache_hits": 3, "expert_cache_misses": 1}
+    line = timings_line(before, after)
+    assert "prompt 10 tokens (4 reused)" in line and "12.0 tok/s" in line and "3.0 tok/s" in line
+    assert "hit rate 75.0%" in line
+
+
+# --- the chat REPL against a fake engine ------------------------------------------------------------------
+
+class TTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class FakeSession:
+    def __init__(self) -> None:
+        self.meta: dict = {}
+        self.num_tokens = 0
+
+    def reset(self) -> None:
+        self.meta, self.num_tokens = {}, 0
+
+    def save(self, path) -> Path:
+        import json
+        Path(path).write_text(json.dumps(self.meta))
+        return Path(path)
+
+    def load(self, path) -> None:
+        import json
+        if not Path(path).exists():
+            raise FastarError(f"{path}: no such file")
+        self.meta = json.loads(Path(path).read_text())
+
+
+class FakeEngine:
+    """Replies with `replies[i]` in 3-character pieces; `on_chunk(i)` (-1 = before the first) may interrupt."""
+
+    def __init__(self, replies: list[str]) -> None:
+        self.replies, self.prompts = list(replies), []
+        self.on_chunk = None
+        self.raise_error: Exception | None = None
+
+    def open_session(self) -> FakeSession:
+        return FakeSession()
+
+    def stats(self) -> dict:
+        return {"prompt_tokens": 1, "cached_tokens": 0}
+
+    def stream(self, prompt, params, session=None, cancel=None, on_prefill_progress=None):
+        if self.raise_error:
+            raise self.raise_error
+        self.prompts.append(prompt)
+        text = self.replies.pop(0)
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        if self.on_chunk:
+            self.on_chunk(-1)  # "prefill"
+        if cancel is not None and cancel.is_set():
+            yield GenerationChunk("", None, finish_reason="cancelled")
+            return
+        for i, piece in enumerate(pieces):
+            if self.on_chunk:
+                self.on_chunk(i)
+            if cancel is not None and cancel.is_set():
+                yield GenerationChunk(piece, i, finish_reason="cancelled")
+                return
+            yield GenerationChunk(piece, i, finish_reason="stop" if i == len(pieces) - 1 else None)
+
+
+def make_repl(replies: list[str], **kw) -> tuple[ChatREPL, FakeEngine, TTY]:
+    eng = FakeEngine(replies)
+    out = TTY()
+    return ChatREPL(eng, SamplingParams(max_tokens=5), out=out, err=io.StringIO(), **kw), eng, out
+
+
+def test_history_and_chat_encoding() -> None:
+    repl, eng, out = make_repl(["Hi! I am here.", "Sure thing."], system="Be brief.")
+    repl.handle("Hello")
+    repl.handle("Again")
+    assert eng.prompts[0] == "<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hello<｜Assistant｜></think>"
+    assert eng.prompts[1] == (eng.prompts[0] + "Hi! I am here.<｜end▁of▁sentence｜><｜User｜>Again"
+                              "<｜Assistant｜></think>")
+    assert "Hi! I am here.\n" in out.getvalue() and [m["role"] for m in repl.messages] == [
+        "system", "user", "assistant", "user", "assistant"]
+
+
+def test_thinking_is_dimmed_and_kept_in_history() -> None:
+    repl, eng, out = make_repl(["Let me see.</think>Yes."])
+    repl.handle("/thinking on")
+    repl.handle("Well?")
+    assert eng.prompts[0].endswith("<｜Assistant｜><think>")
+    text = out.getvalue()
+    assert f"{DIM}Let" in text and "Yes." in text
+    assert repl.messages[-1] == {"role": "assistant", "content": "Yes.", "reasoning_content": "Let me see."}
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_chat() -> None:
+    repl, eng, out = make_repl(["one two three four five", "ok"])
+    eng.on_chunk = lambda i: i == 2 and repl.cancel.set()  # what the SIGINT handler does
+    repl.handle("Count")
+    assert "(stopped)" in out.getvalue()
+    assert repl.messages[-1] == {"role": "assistant", "content": "one two t"}  # kept as far as it went
+    eng.on_chunk = None
+    repl.handle("Go on")
+    assert repl.messages[-1]["content"] == "ok"
+
+
+def test_a_reply_stopped_before_any_text_drops_the_message() -> None:
+    repl, eng, out = make_repl(["abc"])
+    eng.on_chunk = lambda i: i == -1 and repl.cancel.set()
+    repl.handle("Hi")
+    assert repl.messages == [] and "(stopped)" in out.getvalue()
+
+
+def test_errors_keep_the_chat() -> None:
+    repl, eng, out = make_repl([])
+    eng.raise_error = FastarError("the prompt is 99 tokens, but the context length is 16 tokens")
+    assert repl.handle("Hi")
+    assert "(error: the prompt is 99 tokens" in out.getvalue() and repl.messages == []
+
+
+def test_commands(tmp_path: Path) -> None:
+    repl, _, out = make_repl(["Hi."], system="S")
+    repl.handle("Hello")
+    repl.handle(f"/save {tmp_path / 'c.json'}")
+    repl.handle("/reset")
+    assert repl.messages == [{"role": "system", "content": "S"}]
+    repl.handle("/thinking on")
+    repl.handle(f"/load {tmp_path / 'c.json'}")
+    assert len(repl.messages) == 3 and repl.thinking is False
+    repl.handle("/load /no/such/file")
+    assert "(cannot load: /no/such/file: no such file)" in out.getvalue() and len(repl.messages) == 3
+    repl.handle("/frobnicate")
+    assert "unknown command /frobnicate" in out.getvalue()
+    repl.handle("/help")
+    assert "/thinking on|off" in out.getvalue()
+    assert repl.handle("/exit") is False
+
+
+# --- fastar chat through a pseudo-terminal ----------------------------------------------------------------
+
+class Term:
+    """A child process on a pseudo-terminal, with expect-style reads."""
+
+    def __init__(self, argv: list[str], env: dict) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # child: the pty is its controlling terminal, so Ctrl-C is a real SIGINT
+            os.chdir(ROOT)
+            os.execve(sys.executable, [sys.executable, "-m", "fastar", *argv], env)
+        self.buf = b""
+        self.pos = 0
+
+    def read(self, timeout: float) -> bool:
+        r, _, _ = select.select([self.fd], [], [], timeout)
+        if not r:
+            return False
+        try:
+            data = os.read(self.fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            data = b""
+        self.buf += data
+        return bool(data)
+
+    def expect(self, needle: str, timeout: float = 240) -> str:
+        """Wait for `needle` after the last match; returns the text between."""
+        end = time.monotonic() + timeout
+        want = needle.encode()
+        while want not in self.buf[self.pos:]:
+            left = end - time.monotonic()
+            if left <= 0 or (not self.read(min(left, 1.0)) and self.exited()):
+                raise AssertionError(f"did not see {needle!r}; got:\n{self.buf[self.pos:].decode(errors='replace')}")
+        i = self.buf.index(want, self.pos)
+        seg = self.buf[self.pos:i].decode(errors="replace")
+        self.pos = i + len(want)
+        return seg
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def exited(self) -> bool:
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+        if pid:
+            self.status = os.waitstatus_to_exitcode(status)
+        return bool(pid)
+
+    def close(self) -> int:
+        end = time.monotonic() + 60
+        while not hasattr(self, "status") and time.monotonic() < end:
+            self.read(0.2)
+            self.exited()
+        if not hasattr(self, "status"):
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.status = -9
+        os.close(self.fd)
+        return self.status
+
+
+def test_chat_in_a_terminal(demo_cache: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "TERM": "dumb", "FASTAR_CACHE_DIR": str(demo_cache)}
+    env.pop("FASTAR_MODEL", None)
+    t = Term(["chat", "-n", "30", "--seed", "1"], env)
+    try:
+        t.expect("DEMO model")
+        t.expect(">>> ")
+        t.send("Hello there!\n")
+        first = t.expect(">>> ")
+        assert "Hello there!" in first and len(first.strip()) > len("Hello there!")
+        # turn 2: interrupt the reply as soon as it starts
+        t.send("Tell me a long story.\n")
+        t.expect("Tell me a long story.")
+        while not t.buf[t.pos:].strip():
+            assert t.read(120), "no reply started"
+        t.send("\x03")  # Ctrl-C: the terminal sends SIGINT to the chat
+        stopped = t.expect(">>> ")
+        assert "(stopped)" in stopped and "Traceback" not in stopped
+        # save, forget, restore: the restored session continues without recomputing the conversation
+        t.send(f"/save {tmp_path / 'conv.session'}\n")
+        assert "saved" in t.expect(">>> ")
+        t.send("/reset\n")
+        assert "reset" in t.expect(">>> ")
+        t.send(f"/load {tmp_path / 'conv.session'}\n")
+        assert re.search(r"loaded [45] messages", t.expect(">>> "))
+        # turn 3
+        t.send("And then?\n")
+        third = t.expect(">>> ")
+        assert len(third.strip()) > len("And then?")
+        t.send("/stats\n")
+        stats = t.expect(">>> ")
+        assert int(re.search(r"cached_tokens=(\d+)", stats).group(1)) > 10  # turn 3 reused the loaded prefix
+        t.send("/exit\n")
+        t.expect("session totals:")
+    finally:
+        code = t.close()
+    assert code == 0, t.buf.decode(errors="replace")
+    assert b"Traceback" not in t.buf

@@ -1,0 +1,275 @@
+"""Streaming generation: stop strings (held back, across token boundaries), stop tokens, UTF-8 split across tokens,
+max tokens, context limit, cancellation, usage; then greedy determinism and seed reproducibility on the tiny model."""
+from __future__ import annotations
+
+import itertools
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastar.engine.generate import (
+    ChatResult,
+    GenerationChunk,
+    StopStrings,
+    generate_text,
+    stream_generate,
+)
+from fastar.engine.sampling import SamplingParams
+from fastar.engine.session import PromptError, Session
+
+EOS = 1
+
+
+# --- StopStrings --------------------------------------------------------------------------------------------
+
+def run_stops(pieces: list[str], stops: list[str]) -> tuple[list[str], bool]:
+    s = StopStrings(stops)
+    out = []
+    for p in pieces:
+        text, hit = s.feed(p)
+        out.append(text)
+        if hit:
+            return out, True
+    out.append(s.flush())
+    return out, False
+
+
+def test_stop_string_across_pieces_is_never_leaked() -> None:
+    out, hit = run_stops(["Hel", "lo w", "orld"], ["o wo"])
+    assert hit and "".join(out) == "Hell"
+    assert out == ["Hel", "l", ""]  # "o w" was held back until decided
+
+
+def test_held_text_is_released_when_it_does_not_become_a_stop() -> None:
+    out, hit = run_stops(["ab", "c#", "#x"], ["###"])
+    assert not hit and "".join(out) == "abc##x" and out[1] == "c"
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    out, hit = run_stops(["one two three"], ["three", "two"])
+    assert hit and "".join(out) == "one "
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text("ab#", max_size=30), st.lists(st.text("ab#", min_size=1, max_size=4), min_size=1, max_size=3),
+       st.lists(st.integers(0, 30), max_size=6))
+def test_stops_match_the_one_shot_answer(text: str, stops: list[str], cuts: list[int]) -> None:
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    out, hit = run_stops(pieces, stops)
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    expect = text if first is None else text[:first]
+    assert "".join(out) == expect and hit == (first is not None)
+    acc = ""
+    for piece in out:  # every released piece is final: never a part of a stop string taken back later
+        acc += piece
+        assert expect.startswith(acc)
+
+
+# --- stream_generate with a scripted model and the real tokenizer -------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from fastar.engine.tokenizer import Tokenizer
+    return Tokenizer.default()
+
+
+class ScriptState:
+    def __init__(self) -> None:
+        self.length = 0
+
+    def truncate(self, p: int) -> None:
+        self.length = p
+
+
+class ScriptRunner:
+    """Emits `script` after a prompt of `prompt_len` tokens (then `filler` forever), as one-hot logits."""
+
+    prefill_chunk = 8
+
+    def __init__(self, vocab: int, prompt_len: int, script: list[int], filler: int = 13) -> None:
+        self.vocab, self.prompt_len, self.script, self.filler = vocab, prompt_len, script, filler
+        self.runs = 0
+
+    def new_state(self) -> ScriptState:
+        return ScriptState()
+
+    def prefill(self, ids: list[int], state: ScriptState) -> torch.Tensor:
+        self.runs += len(ids)
+        state.length += len(ids)
+        i = state.length - self.prompt_len
+        tok = self.script[i] if 0 <= i < len(self.script) else self.filler
+        logits = torch.full((1, self.vocab), -30.0)
+        logits[0, tok] = 10.0
+        return logits
+
+
+def scripted(tokenizer, script: list[int], prompt: list[int] | None = None, context_length: int = 200):
+    prompt = prompt or [100, 101, 102]
+    runner = ScriptRunner(tokenizer.vocab_size, len(prompt), script)
+    s = Session(runner, context_length=context_length, vocab_size=tokenizer.vocab_size, tokenizer=tokenizer)
+    return s, prompt, runner
+
+
+def chunks_of(s: Session, prompt, **kw) -> list[GenerationChunk]:
+    cancel = kw.pop("cancel", None)
+    progress = kw.pop("progress", None)
+    return list(stream_generate(s, prompt, SamplingParams(**kw), eos_token_id=EOS, cancel=cancel,
+                                on_prefill_progress=progress))
+
+
+def test_utf8_split_across_tokens_is_held_until_whole(tokenizer) -> None:
+    parrot = tokenizer.encode("🦜")
+    assert len(parrot) == 3  # four UTF-8 bytes in three tokens
+    s, prompt, _ = scripted(tokenizer, tokenizer.encode("A") + parrot + tokenizer.encode("B") + [EOS])
+    out = chunks_of(s, prompt, max_tokens=20)
+    assert [c.text for c in out] == ["A", "", "", "🦜", "B", ""]
+    assert out[-1].finish_reason == "stop" and out[-1].token == EOS
+
+
+def test_utf8_cut_by_max_tokens_ends_in_a_replacement_char(tokenizer) -> None:
+    s, prompt, _ = scripted(tokenizer, tokenizer.encode("A🦜"))
+    out = chunks_of(s, prompt, max_tokens=2)
+    assert "".join(c.text for c in out) == "A\ufffd" and out[-1].finish_reason == "length"
+
+
+def test_stop_string_across_token_boundaries(tokenizer) -> None:
+    script = tokenizer.encode("Hello world, stop here")  # Hello| world|,| stop| here
+    s, prompt, _ = scripted(tokenizer, script)
+    out = chunks_of(s, prompt, max_tokens=20, stop=["lo wor"])
+    acc = ""
+    for c in out:
+        acc += c.text
+        assert "Hel".startswith(acc)  # nothing of "lo wor" is ever shown
+    assert acc == "Hel" and out[-1].finish_reason == "stop" and out[-1].token == script[1]
+    assert len(out) == 2
+
+
+def test_stop_string_released_when_generation_ends_undecided(tokenizer) -> None:
+    s, prompt, _ = scripted(tokenizer, tokenizer.encode("Hello wor") + [EOS])
+    out = chunks_of(s, prompt, max_tokens=20, stop=["world"])
+    assert generate_text(iter(out)) == "Hello wor" and out[-1].finish_reason == "stop"
+
+
+def test_stop_tokens_and_eos(tokenizer) -> None:
+    script = tokenizer.encode("Hello world") + [EOS]
+    s, prompt, _ = scripted(tokenizer, script)
+    out = chunks_of(s, prompt, max_tokens=20, stop_token_ids=[script[1]])
+    assert "".join(c.text for c in out) == "Hello" and out[-1].finish_reason == "stop"
+    s, prompt, _ = scripted(tokenizer, script + [5, 6])
+    out = chunks_of(s, prompt, max_tokens=4, ignore_eos=True)
+    assert [c.token for c in out] == script + [5] and out[-1].finish_reason == "length"
+
+
+def test_max_tokens_usage_and_logprobs(tokenizer) -> None:
+    s, prompt, runner = scripted(tokenizer, tokenizer.encode("one two three four five"))
+    out = chunks_of(s, prompt, max_tokens=3, logprobs=2)
+    assert len(out) == 3 and [c.finish_reason for c in out] == [None, None, "length"]
+    assert out[-1].usage == {"prompt_tokens": 3, "completion_tokens": 3, "cached_tokens": 0}
+    assert all(c.logprob == pytest.approx(0.0, abs=1e-6) and len(c.top_logprobs) == 2 for c in out)
+    assert runner.runs == 3 + 2  # the prompt, then only the tokens that were needed: the last one never runs
+    assert s.num_tokens == 6 and s.num_processed == 5
+    zero = chunks_of(s, prompt, max_tokens=0)
+    assert len(zero) == 1 and zero[0].finish_reason == "length" and zero[0].text == ""
+
+
+def test_generation_stops_at_the_context_length(tokenizer) -> None:
+    s, prompt, _ = scripted(tokenizer, [], context_length=6)
+    out = chunks_of(s, prompt, max_tokens=50)
+    assert len(out) == 3 and out[-1].finish_reason == "length" and s.num_tokens == 6
+
+
+def test_prompt_errors_come_before_any_chunk(tokenizer) -> None:
+    s, _, runner = scripted(tokenizer, [], context_length=10)
+
+    def start(prompt):  # raised by the call itself, so a server can still answer 400 instead of a stream
+        return stream_generate(s, prompt, SamplingParams(), eos_token_id=EOS)
+
+    with pytest.raises(PromptError, match="empty"):
+        start([])
+    with pytest.raises(PromptError, match="12 tokens.*10"):
+        start(list(range(12)))
+    with pytest.raises(PromptError, match="empty"):
+        start("")
+    assert runner.runs == 0
+
+
+def test_cancel_stops_at_the_next_token(tokenizer) -> None:
+    s, prompt, runner = scripted(tokenizer, tokenizer.encode("a b c d e f g h"))
+    cancel = threading.Event()
+    out = []
+    for c in stream_generate(s, prompt, SamplingParams(max_tokens=50), eos_token_id=EOS, cancel=cancel):
+        out.append(c)
+        if len(out) == 2:
+            cancel.set()
+    assert len(out) == 3 and out[-1].finish_reason == "cancelled" and out[-1].usage["completion_tokens"] == 3
+    assert runner.runs == 3 + 2
+
+
+def test_cancel_during_prefill(tokenizer) -> None:
+    s, _, _ = scripted(tokenizer, [], prompt=list(range(100, 120)))
+    cancel = threading.Event()
+    out = chunks_of(s, list(range(100, 120)), max_tokens=5, cancel=cancel,
+                    progress=lambda done, total: done and cancel.set())
+    assert len(out) == 1 and out[0].token is None and out[0].finish_reason == "cancelled"
+    assert s.num_processed == 8  # one prefill chunk, kept for the next request
+
+
+def test_text_prompt_and_chat_result(tokenizer) -> None:
+    s, _, _ = scripted(tokenizer, tokenizer.encode("Sure</think>Fine") + [EOS], prompt=tokenizer.encode("Hi"))
+    assert generate_text(stream_generate(s, "Hi", SamplingParams(), eos_token_id=EOS)) == "Sure</think>Fine"
+    r = ChatResult("Fine", reasoning="Sure", finish_reason="stop")
+    assert r == "Fine" and r.reasoning == "Sure"
+    assert r.to_message() == {"role": "assistant", "content": "Fine", "reasoning_content": "Sure"}
+
+
+# --- the tiny model ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt: Path, tmp_path_factory):
+    from fastar.convert.hf import convert
+    from fastar.engine.engine import load
+    return load(convert(tiny_ckpt, tmp_path_factory.mktemp("tiny-fst") / "tiny.fst"))
+
+
+PROMPT = [5, 17, 99, 3, 250, 7, 8, 300, 12]
+
+
+def test_greedy_is_deterministic_and_matches_the_reference_loop(engine) -> None:
+    a = [c.token for c in engine.stream(PROMPT, max_tokens=4, ignore_eos=True, session=engine.open_session())]
+    s = engine.open_session()
+    b = [c.token for c in engine.stream(PROMPT, max_tokens=4, ignore_eos=True, session=s)]
+    assert a == b == engine.generate_tokens(PROMPT, 4, ignore_eos=True)
+    # and again in the same session: the prompt is reused (one token re-run for its logits)
+    before = engine.stats()["prefill_tokens_computed"]
+    c = [c.token for c in engine.stream(PROMPT, max_tokens=4, ignore_eos=True, session=s)]
+    assert c == a and engine.stats()["prefill_tokens_computed"] - before == 1
+
+
+def test_seed_reproduces_sampled_text(engine) -> None:
+    def run(seed: int) -> list[int]:
+        return [c.token for c in engine.stream(PROMPT, temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True,
+                                               session=engine.open_session())]
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+
+
+def test_engine_surface(engine) -> None:
+    assert engine.context_length == 4096  # tiny: max_position_embeddings, under the cap
+    engine.context_length = 64
+    try:
+        with pytest.raises(PromptError, match="64"):
+            list(engine.stream(list(range(70)), max_tokens=1))
+    finally:
+        engine.context_length = 4096
+    with pytest.raises(ValueError):
+        engine.context_length = 10**9
+    assert engine.model_name_default == "deepseek-v4-flash" and engine.load_progress() == 1.0
+    stats = engine.stats()
+    for key in ("prompt_tokens", "generated_tokens", "prefill_tokens_computed", "prefill_tokens_per_s",
+                "decode_tokens_per_s"):
+        assert key in stats

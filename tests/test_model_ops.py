@@ -1,0 +1,318 @@
+"""Closed-form tests of the model's leaf math: fastar.model.ops, the compressor and the indexer visibility rule."""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from fastar.model import ops
+from fastar.model.deepseek_v4 import Compressor, Indexer, Numerics
+from fastar.model.state import LayerState
+from fastar.quant.linear import Weights
+from fastar.quant.reference import FP4_VALUES, fp4_round
+
+torch.manual_seed(0)
+
+
+# --- norms, router score, SwiGLU -------------------------------------------------------------------------
+
+def test_rms_norm_closed_form():
+    x = torch.randn(3, 16)
+    w = torch.rand(16) + 0.5
+    expect = w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(ops.rms_norm(x, w, 1e-6), expect, atol=1e-6)
+    assert torch.allclose(ops.rms_norm(x, None, 1e-6), expect / w, atol=1e-6)
+
+
+def test_sqrtsoftplus_and_limited_swiglu():
+    z = torch.tensor([-30.0, -1.0, 0.0, 2.0, 50.0])
+    assert torch.allclose(ops.sqrtsoftplus(z), torch.log1p(torch.exp(z.double())).sqrt().float(), atol=1e-6)
+    gate = torch.tensor([-20.0, 0.5, 12.0])
+    up = torch.tensor([-15.0, 3.0, 11.0])
+    g, u = torch.tensor([-20.0, 0.5, 10.0]), torch.tensor([-10.0, 3.0, 10.0])  # gate: max only; up: both
+    assert torch.equal(ops.limited_swiglu(gate, up, 10.0), g * torch.sigmoid(g) * u)
+    assert torch.equal(ops.limited_swiglu(gate, up, 0.0), gate * torch.sigmoid(gate) * up)
+
+
+# --- RoPE / YaRN -------------------------------------------------------------------------------------------
+
+def test_rope_frequencies_plain():
+    f = ops.rope_inv_freq(64, 10000.0)
+    i = np.arange(32)
+    assert np.allclose(f.numpy(), 10000.0 ** (-2 * i / 64), rtol=1e-6)
+
+
+@pytest.mark.parametrize("orig", [65536, 256])
+def test_yarn_frequencies_closed_form(orig):
+    dim, theta, factor = 64, 160000.0, 16.0
+    f = ops.yarn_inv_freq(dim, theta, factor, 32, 1, orig).double().numpy()
+    base = theta ** (-np.arange(0, dim, 2) / dim)
+
+    def corr(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(corr(32)), 0), min(math.ceil(corr(1)), dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    assert np.allclose(f, base / factor * ramp + base * (1 - ramp), rtol=1e-6)
+    assert np.allclose(f[:low], base[:low], rtol=1e-6)  # fast-rotating pairs keep their frequency
+    if high < dim // 2:
+        assert np.allclose(f[high:], base[high:] / factor, rtol=1e-6)  # slow pairs are interpolated by 16
+
+
+def test_yarn_matches_transformers_flash_config():
+    from transformers import DeepseekV4Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = DeepseekV4Config(compress_ratios=[0] * 43 + [0], rope_scaling={
+        "type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 65536})
+    hf, scale = ROPE_INIT_FUNCTIONS["yarn"](cfg, layer_type="compress")
+    ours = ops.yarn_inv_freq(64, 160000.0, 16.0, 32.0, 1.0, 65536)
+    assert scale == 1.0
+    assert torch.allclose(ours, hf, rtol=1e-6, atol=0)
+
+
+def test_apply_rope_rotates_interleaved_pairs_and_inverts():
+    x = torch.randn(5, 3, 24)  # [T, H, D] with 8 RoPE dims at the end
+    pos = torch.arange(5) * 7
+    f = ops.rope_inv_freq(8, 10000.0)
+    cos, sin = ops.rope_cos_sin(f, pos)
+    y = ops.apply_rope(x, cos, sin)
+    assert torch.equal(y[..., :16], x[..., :16])  # the leading (non-RoPE) dims pass untouched
+    for i in range(4):
+        a = pos.float()[:, None] * f[i]
+        xe, xo = x[..., 16 + 2 * i], x[..., 17 + 2 * i]
+        assert torch.allclose(y[..., 16 + 2 * i], xe * a.cos() - xo * a.sin(), atol=1e-6)
+        assert torch.allclose(y[..., 17 + 2 * i], xo * a.cos() + xe * a.sin(), atol=1e-6)
+    assert torch.allclose(ops.apply_rope(y, cos, sin, inverse=True), x, atol=1e-6)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    f = ops.rope_inv_freq(16, 10000.0)
+    q, k = torch.randn(1, 16), torch.randn(1, 16)
+
+    def score(m, n):
+        cq, sq = ops.rope_cos_sin(f, torch.tensor([m]))
+        ck, sk = ops.rope_cos_sin(f, torch.tensor([n]))
+        return (ops.apply_rope(q, cq, sq) * ops.apply_rope(k, ck, sk)).sum()
+
+    assert torch.allclose(score(10, 3), score(107, 100), atol=1e-5)
+
+
+# --- mHC Sinkhorn ------------------------------------------------------------------------------------------
+
+def test_sinkhorn_rows_and_columns_sum_to_one():
+    logits = torch.randn(6, 4, 4) * 2
+    m = ops.sinkhorn(logits, 20, 1e-6)
+    assert (m > 0).all()
+    assert torch.allclose(m.sum(-2), torch.ones(6, 4), atol=1e-5)  # last step normalises columns
+    assert torch.allclose(m.sum(-1), torch.ones(6, 4), atol=1e-2)  # rows: 20 iterations get close
+    m = ops.sinkhorn(logits, 500, 1e-6)  # and converge to doubly stochastic
+    assert torch.allclose(m.sum(-1), torch.ones(6, 4), atol=1e-5)
+
+
+def test_sinkhorn_closed_form_first_step():
+    logits = torch.randn(4, 4)
+    one = ops.sinkhorn(logits, 1, 1e-6)  # softmax rows + eps, then a single column normalisation
+    s = torch.softmax(logits, -1) + 1e-6
+    assert torch.allclose(one, s / (s.sum(0, keepdim=True) + 1e-6), atol=1e-7)
+
+
+# --- Hadamard and activation quantization ------------------------------------------------------------------
+
+def test_hadamard_is_sylvester_and_orthonormal():
+    n = 16
+    h = np.array([[1.0]])
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    x = torch.randn(3, n)
+    assert np.allclose(ops.hadamard(x).numpy(), x.numpy() @ h.T / math.sqrt(n), atol=1e-5)
+    assert torch.allclose(ops.hadamard(ops.hadamard(x)), x, atol=1e-5)
+    with pytest.raises(ValueError):
+        ops.hadamard(torch.randn(12))
+
+
+def test_pow2_ceil_exact():
+    v = torch.tensor([1.0, 0.75, 2.0 ** -20, 3.0, 448.0, 2.0 ** -126])
+    assert torch.equal(ops.pow2_ceil(v), torch.tensor([1.0, 1.0, 2.0 ** -20, 4.0, 512.0, 2.0 ** -126]))
+
+
+def test_fp8_quant_sim_matches_e4m3_with_pow2_block_scales():
+    x = torch.randn(4, 200) * torch.logspace(-3, 2, 200)  # K not a multiple of the block: last block is short
+    y = ops.fp8_quant_sim(x, 64)
+    for b in range(0, 200, 64):
+        blk = x[:, b:b + 64].double()
+        s = 2.0 ** torch.ceil(torch.log2(blk.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448))
+        q = (blk / s).numpy().astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        assert np.array_equal(y[:, b:b + 64].double().numpy(), q * s.numpy())
+    assert torch.equal(ops.fp8_quant_sim(y, 64), y)  # idempotent
+
+
+def test_fp4_quant_sim_ties_to_even_and_matches_reference_rounding():
+    grid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.25, -2.5])
+    assert torch.equal(ops.e2m1_round(grid), torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.0, -2.0]))
+    v = torch.randn(1000) * 3
+    ref = FP4_VALUES[fp4_round(v.numpy())]
+    assert np.array_equal(ops.e2m1_round(v).numpy(), ref)
+    x = torch.randn(2, 64)
+    y = ops.fp4_quant_sim(x, 32)
+    s = ops.pow2_ceil(x.view(2, 2, 32).abs().amax(-1, keepdim=True) / 6)
+    assert set((y.view(2, 2, 32) / s).abs().unique().tolist()) <= set(FP4_VALUES[:8].tolist())
+
+
+# --- compressor pooling and indexer visibility (tiny in-memory weights) ----------------------------------
+
+class DictSource:
+    """A minimal in-memory WeightSource of F32 tensors (enough for Compressor and Indexer)."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]) -> None:
+        self.t = tensors
+
+    def has(self, name):
+        return name in self.t
+
+    def dtype(self, name):
+        return "F32" if self.t[name].dtype == np.float32 else "I64"
+
+    def tensor(self, name):
+        return self.t[name]
+
+
+def _compressor(ratio: int, hd: int = 8, d: int = 6, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    c = 2 if ratio == 4 else 1
+    t = {"c.wkv.weight": rng.standard_normal((c * hd, d)).astype(np.float32),
+         "c.wgate.weight": rng.standard_normal((c * hd, d)).astype(np.float32),
+         "c.ape": rng.standard_normal((ratio, c * hd)).astype(np.float32),
+         "c.norm.weight": (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)}
+    inv = ops.rope_inv_freq(4, 160000.0)
+    return Compressor(Weights(DictSource(t), kernels=False), "c.", ratio, hd, inv, 1e-6), t, inv
+
+
+def _expected_entry(t, ratio, hd, x, w, inv):
+    """Closed form of entry w from token inputs x [P, d]."""
+    kv = x @ torch.from_numpy(t["c.wkv.weight"]).T
+    g = x @ torch.from_numpy(t["c.wgate.weight"]).T + torch.from_numpy(t["c.ape"])[torch.arange(len(x)) % ratio]
+    cur = slice(w * ratio, (w + 1) * ratio)
+    if ratio == 4:
+        kvs, gs = [kv[cur, hd:]], [g[cur, hd:]]
+        if w > 0:  # Ca half of the previous window joins
+            prev = slice((w - 1) * ratio, w * ratio)
+            kvs.insert(0, kv[prev, :hd])
+            gs.insert(0, g[prev, :hd])
+        kvw, gw = torch.cat(kvs), torch.cat(gs)
+    else:
+        kvw, gw = kv[cur], g[cur]
+    c = (kvw * torch.softmax(gw, 0)).sum(0, keepdim=True)
+    c = ops.rms_norm(c, torch.from_numpy(t["c.norm.weight"]), 1e-6)
+    cos, sin = ops.rope_cos_sin(inv, torch.tensor([w * ratio]))
+    return ops.apply_rope(c, cos, sin)[0]
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_compressor_pools_at_window_boundaries(ratio):
+    hd = 8
+    comp, t, inv = _compressor(ratio, hd)
+    P = 3 * ratio + ratio // 2
+    x = torch.randn(P, 6)
+    s = LayerState.new(ratio, 8, hd, 4)
+    for p in range(P):  # token by token: an entry appears exactly when a window closes
+        comp(x[p:p + 1], p, s.comp_kv, s.comp_gate, s.entries)
+        assert s.entries.stop == (p + 1) // ratio
+    for w in range(s.entries.stop):
+        assert torch.allclose(s.entries.all()[w], _expected_entry(t, ratio, hd, x, w, inv), atol=1e-5)
+    # any chunking gives the same entries
+    s2 = LayerState.new(ratio, 8, hd, 4)
+    a = 0
+    for n in [ratio - 1, 2, ratio + 3, P]:
+        comp(x[a:min(P, a + n)], a, s2.comp_kv, s2.comp_gate, s2.entries)
+        a = min(P, a + n)
+    assert torch.allclose(s2.entries.all(), s.entries.all(), atol=1e-5)
+
+
+def test_indexer_visibility_rule():
+    rng = np.random.default_rng(1)
+    d, qr, Hi, Di = 6, 5, 8, 8
+    t = {"i.wq_b.weight": rng.standard_normal((Hi * Di, qr)).astype(np.float32),
+         "i.weights_proj.weight": rng.standard_normal((Hi, d)).astype(np.float32),
+         "i.compressor.wkv.weight": rng.standard_normal((2 * Di, d)).astype(np.float32),
+         "i.compressor.wgate.weight": rng.standard_normal((2 * Di, d)).astype(np.float32),
+         "i.compressor.ape": rng.standard_normal((4, 2 * Di)).astype(np.float32),
+         "i.compressor.norm.weight": np.ones(Di, np.float32)}
+
+    class Cfg:
+        index_n_heads, index_head_dim, index_topk, rms_norm_eps = Hi, Di, 3, 1e-6
+
+    idx = Indexer(Weights(DictSource(t), kernels=False), "i.", Cfg, ops.rope_inv_freq(4, 160000.0),
+                  Numerics.named("reference"))
+    T = 40
+    s = LayerState.new(4, 8, 16, Di)
+    sel = idx(torch.randn(T, d), torch.randn(T, qr), 0, s)  # [T, k], k = min(3, 10 entries)
+    assert sel.shape == (T, 3)
+    for q in range(T):
+        visible = (q + 1) // 4
+        picks = set(sel[q].tolist()) - {-1}
+        assert all(0 <= w < visible for w in picks)  # never a window that is still open for this query
+        assert len(picks) == min(3, visible)  # all visible entries while there are at most top-k of them
+
+
+# --- weight products (fastar.quant.linear) against the numpy reference codecs -------------------------------
+
+def _fp8_linear(rows: int, cols: int, kernels: bool, seed: int = 0):
+    from fastar.quant.linear import Linear
+    from fastar.quant.reference import fp8_block_quant
+
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    q, s = fp8_block_quant(w)
+    return Linear("w", q, "F8_E4M3", s, kernels=kernels), q, s
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_linear_fp8_bf16_and_grouped_products(kernels):
+    from fastar.quant.linear import Linear
+    from fastar.quant.reference import bf16_decode, bf16_encode, fp8_block_dequant
+
+    lin, q, s = _fp8_linear(384, 256, kernels)
+    x = torch.randn(5, 256)
+    ref = x.double() @ torch.from_numpy(fp8_block_dequant(q, s)).double().T
+    assert torch.allclose(lin(x).double(), ref, atol=1e-4)
+    w = torch.from_numpy(fp8_block_dequant(q, s))
+    bf = bf16_encode(np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32))
+    lb = Linear("b", bf, "BF16", kernels=kernels)
+    assert torch.allclose(lb(x), x @ torch.from_numpy(bf16_decode(bf)).T, atol=1e-4)
+    assert torch.equal(lb.rows(torch.tensor([3, 0])), torch.from_numpy(bf16_decode(bf))[[3, 0]])
+    xs = torch.randn(5, 3, 256)
+    g = lin.grouped(xs)  # 3 groups of 128 output rows each
+    assert g.shape == (5, 3, 128)
+    for k in range(3):
+        assert torch.allclose(g[:, k], xs[:, k] @ w[128 * k:128 * (k + 1)].T, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_expert_ffn_orders_and_activation_hook(kernels):
+    from fastar.quant.linear import expert_ffn
+    from fastar.quant.reference import fp4_decode, fp4_encode
+    from fastar.weights.source import ExpertWeights
+
+    rng = np.random.default_rng(2)
+    D, inter = 64, 96
+    parts = {}
+    for nm, shape in (("w1", (inter, D)), ("w3", (inter, D)), ("w2", (D, inter))):
+        parts[nm], parts[nm + "_scale"] = fp4_encode(rng.standard_normal(shape).astype(np.float32) / 4)
+    ew = ExpertWeights(**parts)
+    x = torch.from_numpy(rng.standard_normal((7, D)).astype(np.float32) * 4)
+    rw = torch.from_numpy(rng.uniform(0.1, 1, 7).astype(np.float32))
+    W = {nm: torch.from_numpy(fp4_decode(parts[nm], parts[nm + "_scale"])) for nm in ("w1", "w3", "w2")}
+    expect = ops.limited_swiglu(x @ W["w1"].T, x @ W["w3"].T, 1.0) @ W["w2"].T * rw[:, None]
+    after = expert_ffn(x, ew, rw, 1.0, kernels=kernels)
+    before = expert_ffn(x, ew, rw, 1.0, weight_before_down=True, kernels=kernels)
+    assert torch.allclose(after, expect, atol=1e-4) and torch.allclose(before, expect, atol=1e-4)
+    q = lambda a: ops.fp8_quant_sim(a, 32)
+    hooked = expert_ffn(x, ew, rw, 1.0, weight_before_down=True, act_quant=q, kernels=kernels)
+    mid = ops.limited_swiglu(q(x) @ W["w1"].T, q(x) @ W["w3"].T, 1.0) * rw[:, None]
+    ref = q(mid) @ W["w2"].T
+    # the kernels sum in another order: an FP8 rounding of the mid activation may flip (one e4m3 step)
+    tol = 0.05 * ref.abs().max().item() if kernels else 1e-5
+    assert (hooked - ref).abs().max().item() <= tol

@@ -1,0 +1,143 @@
+"""Sampling: parameter validation, each logits processor against a hand-computed case, greedy, seeds, logprobs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastar.engine.sampling import (
+    Sampler,
+    SamplingError,
+    SamplingParams,
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    processed_logits,
+)
+
+
+def kept(logits: torch.Tensor) -> list[int]:
+    return [i for i, v in enumerate(logits.tolist()) if v != float("-inf")]
+
+
+LOGP = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+# --- SamplingParams ----------------------------------------------------------------------------------------
+
+def test_defaults_are_greedy() -> None:
+    p = SamplingParams()
+    assert p.is_greedy and p.max_tokens == 256 and p.stop == [] and p.logprobs is None
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", -1), ("max_tokens", 1.5), ("temperature", -0.1), ("temperature", float("nan")),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 1.5), ("seed", "x"), ("stop", [""]),
+    ("stop", [3]), ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", -1), ("ignore_eos", 1),
+])
+def test_bad_values_name_the_field(field: str, value) -> None:
+    with pytest.raises(SamplingError, match=field):
+        SamplingParams(**{field: value})
+    assert issubclass(SamplingError, ValueError)  # the server maps ValueError to a 400
+
+
+def test_stop_accepts_a_single_string() -> None:
+    assert SamplingParams(stop="###").stop == ["###"]
+
+
+def test_from_kwargs_aliases_and_unknown_names() -> None:
+    p = SamplingParams.from_kwargs(temp=0.7, max_new_tokens=5)
+    assert (p.temperature, p.max_tokens) == (0.7, 5)
+    assert SamplingParams.from_kwargs(max_completion_tokens=9).max_tokens == 9
+    with pytest.raises(SamplingError, match="tempurature"):
+        SamplingParams.from_kwargs(tempurature=1.0)
+
+
+# --- processors against hand-computed cases ----------------------------------------------------------------
+
+def test_top_k() -> None:
+    assert kept(apply_top_k(LOGP, 2)) == [0, 1]
+    assert kept(apply_top_k(LOGP, 0)) == [0, 1, 2, 3]
+    assert kept(apply_top_k(LOGP, 10)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("p,expect", [(0.4, [0]), (0.5, [0]), (0.7, [0, 1]), (0.8, [0, 1]), (0.81, [0, 1, 2]),
+                                      (1.0, [0, 1, 2, 3])])
+def test_top_p_keeps_the_smallest_set_reaching_p(p: float, expect: list[int]) -> None:
+    assert kept(apply_top_p(LOGP, p)) == expect
+
+
+def test_top_p_works_on_unsorted_logits() -> None:
+    perm = torch.tensor([2, 0, 3, 1])
+    assert kept(apply_top_p(LOGP[perm], 0.7)) == [1, 3]
+
+
+@pytest.mark.parametrize("min_p,expect", [(0.0, [0, 1, 2, 3]), (0.2, [0, 1, 2]), (0.5, [0, 1]), (1.0, [0])])
+def test_min_p_is_relative_to_the_top_token(min_p: float, expect: list[int]) -> None:
+    assert kept(apply_min_p(LOGP, min_p)) == expect
+
+
+def test_temperature_sharpens_before_truncation() -> None:
+    # at temperature 0.5 the probabilities become 25:9:2.25:0.25 (/36.5); top-p 0.9 then keeps two tokens
+    x = processed_logits(LOGP, SamplingParams(temperature=0.5, top_p=0.9))
+    assert kept(x) == [0, 1]
+    probs = torch.softmax(x, -1)
+    assert probs[0].item() == pytest.approx(25 / 34, abs=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-20, 20), min_size=2, max_size=40), st.floats(0.05, 2.0), st.integers(0, 5),
+       st.floats(0.05, 1.0), st.floats(0.0, 1.0))
+def test_processors_never_remove_the_most_likely_token(vals, temp, k, p, mp) -> None:
+    logits = torch.tensor(vals)
+    x = processed_logits(logits, SamplingParams(temperature=temp, top_k=k, top_p=p, min_p=mp))
+    assert x[int(torch.argmax(logits))] != float("-inf")
+
+
+# --- Sampler ------------------------------------------------------------------------------------------------
+
+def test_greedy_is_argmax_and_reports_raw_logprobs() -> None:
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    tok, lp, top = Sampler(SamplingParams(logprobs=2))(logits)
+    assert tok == 1
+    assert lp == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
+    assert [t for t, _ in top] == [1, 3] and top[0][1] >= top[1][1]
+    assert Sampler(SamplingParams(temperature=5.0, top_k=1))(logits)[0] == 1  # top_k 1 is greedy too
+
+
+def test_logprobs_ignore_temperature() -> None:
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    _, lp, _ = Sampler(SamplingParams(temperature=0.3, seed=0, top_k=1))(logits)
+    assert lp == pytest.approx(float(torch.log_softmax(logits, -1)[2]))
+
+
+def test_seed_reproduces_and_different_seeds_differ() -> None:
+    logits = torch.zeros(1000)
+
+    def draw(seed: int | None) -> list[int]:
+        s = Sampler(SamplingParams(temperature=1.0, seed=seed))
+        return [s(logits)[0] for _ in range(20)]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+    assert draw(None) != draw(None)  # unseeded generations do not share a stream
+
+
+def test_sampled_frequencies_follow_the_distribution() -> None:
+    s = Sampler(SamplingParams(temperature=1.0, seed=1))
+    logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
+    n = 3000
+    counts = [0, 0, 0]
+    for _ in range(n):
+        counts[s(logits)[0]] += 1
+    for c, p in zip(counts, (0.7, 0.2, 0.1)):
+        assert abs(c / n - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_truncated_tokens_are_never_drawn() -> None:
+    s = Sampler(SamplingParams(temperature=1.5, top_k=2, seed=3))
+    logits = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6])
+    assert {s(logits)[0] for _ in range(300)} == {0, 1}

@@ -1,0 +1,129 @@
+"""Decode state: row buffers, retention, truncation, snapshot/restore and the byte format."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastar.model.state import LayerState, ModelState, RowBuffer, StateError
+
+
+def test_row_buffer_append_rows_take_truncate_drop():
+    b = RowBuffer(3)
+    for i in range(40):
+        b.append(torch.full((1, 3), float(i)))
+    b.append(torch.arange(6.0).view(2, 3) + 100)
+    assert (b.start, b.stop) == (0, 42)
+    assert torch.equal(b.rows(5, 7)[:, 0], torch.tensor([5.0, 6.0]))
+    assert torch.equal(b.take(torch.tensor([[1, 39]]))[..., 0], torch.tensor([[1.0, 39.0]]))
+    b.drop_before(30)
+    assert (b.start, b.stop) == (30, 42)
+    assert b.rows(30, 31)[0, 0] == 30
+    with pytest.raises(StateError):
+        b.rows(29, 31)
+    b.truncate(35)
+    assert b.stop == 35
+    b.append(torch.zeros(1, 3))
+    assert b.rows(35, 36)[0, 0] == 0
+    with pytest.raises(StateError):
+        b.truncate(10)
+
+
+def _fill(s: LayerState, n: int) -> None:
+    """Pretend the model processed n positions: one row per position, one entry per closed window."""
+    for p in range(s.length, n):
+        row = torch.full((1, s.kv.width), float(p))
+        s.kv.append(row)
+        if s.ratio:
+            s.comp_kv.append(torch.full((1, s.comp_kv.width), float(p)))
+            s.comp_gate.append(torch.full((1, s.comp_gate.width), float(p)))
+            if (p + 1) % s.ratio == 0:
+                s.entries.append(torch.full((1, s.entries.width), float(p)))
+        if s.ratio == 4:
+            s.idx_kv.append(torch.full((1, s.idx_kv.width), float(p)))
+            s.idx_gate.append(torch.full((1, s.idx_gate.width), float(p)))
+            if (p + 1) % 4 == 0:
+                s.idx_entries.append(torch.full((1, s.idx_entries.width), float(p)))
+    s.length = n
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_trim_keeps_what_the_next_token_needs(ratio):
+    s = LayerState.new(ratio, 8, 4, 2)
+    _fill(s, 300)
+    s.trim(0)
+    first_kv, first_comp = s.first_needed(300)
+    assert s.kv.start == first_kv == 293  # window rows 293..299 for the next query (W - 1 of them)
+    if ratio:
+        assert s.comp_kv.start == first_comp == {4: 296, 128: 256}[ratio]  # open window (+ previous Ca for 4)
+        assert s.entries.stop == 300 // ratio  # entries are never trimmed
+    s.copy().truncate(300)  # a no-op truncation is always fine
+    with pytest.raises(StateError):
+        s.copy().truncate(299)  # needs window row 292, dropped with max_rollback 0
+    s2 = LayerState.new(ratio, 8, 4, 2)
+    _fill(s2, 300)
+    s2.trim(1)
+    s2.truncate(299)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_truncate_cuts_rows_and_entries(ratio):
+    s = LayerState.new(ratio, 8, 4, 2)
+    _fill(s, 300)
+    s.truncate(131)
+    assert s.length == 131 and s.kv.stop == 131 and s.comp_kv.stop == 131
+    assert s.entries.stop == 131 // ratio
+    if ratio == 4:
+        assert s.idx_entries.stop == 32 and s.idx_kv.stop == 131
+    with pytest.raises(StateError):
+        s.truncate(200)  # cannot grow by truncation
+
+
+def test_max_rollback_bounds_retention():
+    s = LayerState.new(4, 8, 4, 2)
+    _fill(s, 300)
+    s.trim(50)
+    s.copy().truncate(250)  # exactly max_rollback back: allowed
+    with pytest.raises(StateError):
+        s.copy().truncate(200)
+
+
+def _model_state() -> ModelState:
+    layers = [LayerState.new(r, 8, 4, 2) for r in (0, 4, 128)]
+    mtp = [LayerState.new(0, 8, 4, 2)]
+    for s in layers:
+        _fill(s, 140)
+    _fill(mtp[0], 139)
+    return ModelState(layers, mtp, max_rollback=None)
+
+
+def test_snapshot_is_independent_and_restore_round_trips():
+    st = _model_state()
+    snap = st.snapshot()
+    for s in st.layers:
+        _fill(s, 150)
+    st.truncate(100)
+    assert st.length == 100 and st.mtp[0].length == 99
+    assert snap.length == 140 and snap.layers[2].entries.stop == 1
+    st.restore(snap)
+    assert st.length == 140 and st.layers[1].entries.stop == 35
+    assert torch.equal(st.layers[1].kv.all(), snap.layers[1].kv.all())
+    st.layers[1].kv.truncate(0)  # restoring copied: the snapshot is untouched
+    assert snap.layers[1].kv.stop == 140
+
+
+def test_bytes_round_trip_and_rejects_garbage():
+    st = _model_state()
+    st.layers[0].trim(5)
+    raw = st.to_bytes()
+    back = ModelState.from_bytes(raw)
+    assert back.length == 140 and back.max_rollback is None
+    for a, b in zip(st.layers + st.mtp, back.layers + back.mtp):
+        assert a.ratio == b.ratio and a.length == b.length
+        for name, buf in a.buffers().items():
+            other = b.buffers()[name]
+            assert (buf.start, buf.stop) == (other.start, other.stop)
+            assert torch.equal(buf.all(), other.all())
+    with pytest.raises(StateError):
+        ModelState.from_bytes(b"NOTSTATE" + raw[8:])
+    with pytest.raises(StateError):
+        ModelState.from_bytes(raw[:-4])

@@ -150,11 +150,8 @@ def cmd_fixture(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    def factory(progress=None):
-        from .engine.engine import load
-        kw = {"ctx_size": a.ctx_size} if a.ctx_size else {}
-        return load(a.model, numerics=a.numerics, **kw)
-    return a.serve_mod.run_from_args(a, factory)
+    from .console import open_engine
+    return a.serve_mod.run_from_args(a, lambda: open_engine(a))
 
 
 def cmd_bench(a) -> int:
@@ -215,9 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .serve import server as serve_mod  # imports no torch
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP API and the web chat UI")
-    sv.add_argument("-m", "--model", required=True, help=".fst file or official checkpoint directory")
+    sv.add_argument("-m", "--model", default=None,
+                    help=".fst file or official checkpoint directory (default: the built-in demo model)")
     sv.add_argument("--numerics", default="official", choices=["official", "reference"])
-    sv.add_argument("-c", "--ctx-size", type=int, default=0, help="context length (0: the model's default)")
+    sv.add_argument("-c", "--ctx-size", "--max-model-len", dest="ctx_size", type=int, default=0,
+                    help="context length in tokens (default: the model's, capped)")
+    sv.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    sv.add_argument("--verbose", action="store_true")
     serve_mod.add_arguments(sv)
     sv.set_defaults(fn=cmd_serve, serve_mod=serve_mod)
 

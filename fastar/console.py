@@ -93,7 +93,7 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
         read = source.tensor
         source.tensor = lambda name: (bar.update(1), read(name))[1]
     try:
-        engine = load(source, threads=args.threads or None)
+        engine = load(source, numerics=getattr(args, "numerics", "official"), threads=args.threads or None)
     finally:
         if bar is not None:
             del source.tensor

@@ -64,6 +64,7 @@ class _Slot:
     session: Any
     tokens: list[int]
     last_used: float = 0.0
+    prompt_len: int = 0  # length of the last prompt run in this session
 
 
 class SessionPool:
@@ -83,8 +84,10 @@ class SessionPool:
             n = common_prefix(slot.tokens, prompt)
             if n > best_len or (n == best_len and n > 0 and slot.last_used > best.last_used):
                 best, best_len = slot, n
-        if best is not None and best_len == len(best.tokens):
-            chosen = best                       # the same conversation, grown: nothing of it is lost
+        if best is not None and (best_len == len(best.tokens) or best_len >= best.prompt_len > 0):
+            # The same conversation: grown, or resent with its last reply changed or dropped (regenerate, or
+            # thinking mode dropping earlier reasoning). Rolling back only loses that reply's tail.
+            chosen = best
         elif len(self.slots) < self.size and (fresh := self._open()) is not None:
             # A new session rather than rewinding `best`, which would throw away another conversation's tail.
             chosen = _Slot(fresh, [])
@@ -96,6 +99,7 @@ class SessionPool:
         else:
             chosen = min(self.slots, key=lambda s: s.last_used)
         chosen.last_used = time.monotonic()
+        chosen.prompt_len = len(prompt)
         return chosen.session
 
     def _open(self) -> Any:

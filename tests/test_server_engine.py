@@ -1,0 +1,84 @@
+"""The server over the real engine (vocab-size random model): what the fake-engine tests assume holds for real."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from fastar.convert.hf import convert
+from fastar.engine.engine import load
+from fastar.serve.server import Server
+
+
+@pytest.fixture(scope="module")
+def server(vocab_ckpt, tmp_path_factory):
+    fst = convert(vocab_ckpt, tmp_path_factory.mktemp("srv") / "m.fst", progress=False)
+    engines = []
+
+    def factory():
+        e = load(fst)
+        e.context_length = 512
+        engines.append(e)
+        return e
+    s = Server(factory, port=0).start()
+    assert s.wait_ready(120)
+    yield s, engines
+    s.shutdown()
+
+
+def _client(s):
+    return openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+
+
+def test_chat_stream_equals_non_stream_and_generate(server):
+    s, engines = server
+    c = _client(s)
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    kw = dict(model="deepseek-v4-flash", messages=msgs, max_tokens=12, temperature=0,
+              extra_body={"thinking": {"type": "disabled"}})
+    full = c.chat.completions.create(**kw)
+    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw) if ch.choices]
+    assert full.choices[0].message.content == "".join(parts)
+    assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
+    # the same text the engine gives directly, outside the server
+    direct = engines[0].chat(msgs, thinking=False, max_tokens=12, temperature=0)
+    assert str(direct) == full.choices[0].message.content
+
+
+def test_seed_reproducible_and_prefix_reused(server):
+    s, _ = server
+    c = _client(s)
+    msgs = [{"role": "user", "content": "Tell me a story about a fox."}]
+    kw = dict(model="deepseek-v4-flash", messages=msgs, max_tokens=10, temperature=1.0, seed=7)
+    a = c.chat.completions.create(**kw)
+    b = c.chat.completions.create(**kw)
+    assert a.choices[0].message == b.choices[0].message
+    assert b.usage.prompt_tokens_details.cached_tokens > 0  # the resent conversation reused its prefix
+
+
+def test_concurrent_clients_get_their_solo_answers(server):
+    s, _ = server
+    prompts = [f"Question number {i}?" for i in range(4)]
+
+    def ask(p):
+        return _client(s).completions.create(model="deepseek-v4-flash", prompt=p, max_tokens=6,
+                                             temperature=0).choices[0].text
+    solo = [ask(p) for p in prompts]
+    out = [None] * len(prompts)
+    ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, ask(prompts[i]))) for i in range(len(prompts))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert out == solo
+
+
+def test_oversize_prompt_is_400_with_both_numbers(server):
+    s, _ = server
+    with pytest.raises(openai.BadRequestError) as ei:
+        _client(s).chat.completions.create(model="deepseek-v4-flash", max_tokens=4,
+                                           messages=[{"role": "user", "content": "word " * 700}])
+    msg = str(ei.value)
+    assert "512" in msg and "70" in msg

@@ -155,6 +155,14 @@ def cmd_serve(a) -> int:
 
 
 def cmd_bench(a) -> int:
+    if a.what == "draft":
+        if not a.model:
+            raise FastarError("bench draft: give -m CHECKPOINT (a .fst file or checkpoint directory)")
+        from .engine import speculative_bench
+        modes = ("none", a.draft if a.draft != "none" else "auto", "replay:0.5", "replay:0.8")
+        rows = speculative_bench.bench(a.model, drafts=modes)
+        print(json.dumps(rows) if a.json else speculative_bench.format_bench(rows))
+        return 0
     if a.what == "kernels":
         from . import bench_kernels
         bench_kernels.run(json_out=a.json, threads=[int(t) for t in a.threads.split(",")] if a.threads else None)
@@ -218,15 +226,24 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("-c", "--ctx-size", "--max-model-len", dest="ctx_size", type=int, default=0,
                     help="context length in tokens (default: the model's, capped)")
     sv.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    console.add_draft_argument(sv)
+    console.add_memory_arguments(sv)
     sv.add_argument("--verbose", action="store_true")
     serve_mod.add_arguments(sv)
     sv.set_defaults(fn=cmd_serve, serve_mod=serve_mod)
 
     b = sub.add_parser("bench", help="benchmarks: `bench kernels` (quantized products) or `bench -m FILE`")
-    b.add_argument("what", nargs="?", default="model", choices=["model", "kernels"])
+    b.add_argument("what", nargs="?", default="model", choices=["model", "kernels", "draft"],
+                   help="draft: decode speed with and without speculative decoding against expert-cache size")
     b.add_argument("-m", "--model", default=None, help=".fst file to benchmark end to end")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--threads", default=None, help="kernels: comma-separated thread counts")
+    console.add_draft_argument(b)
+    console.add_memory_arguments(b)
+    b.add_argument("--prompt-tokens", type=int, default=64, help="model: prompt length to prefill")
+    b.add_argument("--decode-tokens", type=int, default=16, help="model: tokens to decode")
+    b.add_argument("--reference", default=None, help="model: checkpoint dir to time transformers on too")
+    b.add_argument("--plot", default=None, help="model: PNG of tokens/s and hit rate against --ram-budget A,B,C")
     b.set_defaults(fn=cmd_bench)
     return p
 

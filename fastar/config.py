@@ -203,3 +203,20 @@ class ModelConfig:
             if k in kw:
                 kw[k] = float(kw[k])
         return cls(**kw)
+
+
+def parse_size(v: int | str | None) -> int | None:
+    """Byte counts as users write them: 24G, 512M, 1.5GiB, 1000000 (None and "auto" stay None)."""
+    if v is None or isinstance(v, int):
+        return v
+    s = str(v).strip().upper().removesuffix("B").removesuffix("I")
+    if s in ("", "AUTO"):
+        return None
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(s[-1], 1)
+    try:
+        n = float(s[:-1] if mult > 1 else s)
+    except ValueError:
+        raise ConfigError(f"cannot read {v!r} as a size (examples: 24G, 512M, 1000000)") from None
+    if n < 0:
+        raise ConfigError(f"size {v!r} is negative")
+    return int(n * mult)

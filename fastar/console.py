@@ -50,7 +50,34 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="let the model think before answering (DeepSeek-V4 thinking mode)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    add_draft_argument(p)
+    add_memory_arguments(p)
     p.add_argument("--verbose", action="store_true", help="more detail on stderr (model, token counts, stats)")
+
+
+def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ram-budget", default="auto",
+                   help="RAM for routed experts paged from the .fst, e.g. 24G (auto: available memory less the "
+                        "resident weights and a margin; 'none': map the whole file)")
+    p.add_argument("--cache-policy", default="lrfu", choices=["lrfu", "lru"], help="expert eviction policy")
+    p.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None,
+                   help="read experts with O_DIRECT, no second copy in the OS page cache (default: on when the "
+                        "budget cannot hold every expert)")
+    p.add_argument("--lookahead", action="store_true",
+                   help="prefetch each next layer's experts guessed by its router")
+
+
+def memory_options(args: argparse.Namespace) -> dict:
+    budget = getattr(args, "ram_budget", "auto")
+    return {"ram_budget": None if str(budget).lower() == "none" else budget,
+            "cache_policy": getattr(args, "cache_policy", "lrfu"), "direct_io": getattr(args, "direct_io", None),
+            "lookahead": getattr(args, "lookahead", False)}
+
+
+def add_draft_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default="none", choices=["none", "mtp", "dspark", "auto"],
+                   help="speculative decoding: the checkpoint's MTP block, its DSpark stages (-0731), auto (the one "
+                        "it has, used only while it pays), or none (default)")
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,7 +120,8 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
         read = source.tensor
         source.tensor = lambda name: (bar.update(1), read(name))[1]
     try:
-        engine = load(source, numerics=getattr(args, "numerics", "official"), threads=args.threads or None)
+        engine = load(source, numerics=getattr(args, "numerics", "official"), threads=args.threads or None,
+                      draft=getattr(args, "draft", "none"), **memory_options(args))
     finally:
         if bar is not None:
             del source.tensor
@@ -128,6 +156,23 @@ def timings_line(before: dict, after: dict) -> str:
     else:
         parts.append("expert cache: n/a")
     return "timings: " + "; ".join(parts)
+
+
+def draft_line(before: dict, after: dict) -> str | None:
+    """One line on speculative decoding since `before` (None without a draft): acceptance, tokens per verify
+    pass, and the speedup estimated against one plain pass per token."""
+    mode = after.get("draft_mode", "none")
+    if mode == "none":
+        return None
+    d = {k: after[k] - before.get(k, 0) for k in after if k.startswith("draft_") and isinstance(after[k], (int, float))}
+    drafted, accepted, passes = d.get("draft_tokens_verified", 0), d.get("draft_tokens_accepted", 0), \
+        d.get("draft_verify_passes", 0)
+    parts = [f"{100 * accepted / drafted if drafted else 0:.1f}% of {drafted} drafts accepted",
+             f"{(accepted + passes) / passes if passes else 0:.2f} tokens per verify pass",
+             f"{d.get('draft_plain_steps', 0)} plain steps"]
+    if "draft_est_speedup" in after:  # a ratio: the running value, not a difference
+        parts.append(f"est. speedup {after['draft_est_speedup']:.2f}x")
+    return f"draft {mode}: " + "; ".join(parts)
 
 
 class _Writer:
@@ -223,6 +268,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.verbose and last is not None:
         print(f"finish_reason: {last.finish_reason}; usage: {last.usage}", file=err)
     print(timings_line(before, after), file=err)
+    if args.verbose and (line := draft_line(before, after)):
+        print(line, file=err)
     return 0
 
 
@@ -322,7 +369,10 @@ class ChatREPL:
         else:
             self.messages.append(parsed.to_message())
         if self.verbose:
-            print(timings_line(before, self.engine.stats()), file=self.err, flush=True)
+            after = self.engine.stats()
+            print(timings_line(before, after), file=self.err, flush=True)
+            if line := draft_line(before, after):
+                print(line, file=self.err, flush=True)
 
     def run(self, read: Callable[[str], str] = input) -> int:
         """The loop: Ctrl-C while a reply streams stops it; at the prompt it only reminds how to quit."""

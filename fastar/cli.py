@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: `bench kernels` (quantized products) or `bench -m FILE`")
     b.add_argument("what", nargs="?", default="model", choices=["model", "kernels", "draft"],
                    help="draft: decode speed with and without speculative decoding against expert-cache size")
-    b.add_argument("-m", "--model", default=None, help=".fst file to benchmark end to end")
+    b.add_argument("-m", "--model", default=None, help=".fst file or checkpoint directory to benchmark end to end")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.add_argument("--threads", default=None, help="kernels: comma-separated thread counts")
     console.add_draft_argument(b)
@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-tokens", type=int, default=64, help="model: prompt length to prefill")
     b.add_argument("--decode-tokens", type=int, default=16, help="model: tokens to decode")
     b.add_argument("--reference", default=None, help="model: checkpoint dir to time transformers on too")
+    b.add_argument("--compare", default=None, help="model: another source of the same model (a checkpoint "
+                   "directory or .fst) to benchmark the same way, side by side")
     b.add_argument("--plot", default=None, help="model: PNG of tokens/s and hit rate against --ram-budget A,B,C")
     b.set_defaults(fn=cmd_bench)
     return p

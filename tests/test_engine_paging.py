@@ -44,3 +44,24 @@ def test_hash_layers_prefetched_exactly(tiny_fst):
     s = e.expert_cache.stats()
     h = s["sources"]["hash"]
     assert h["issued"] > 0 and h["used"] == h["issued"] and h["wasted_bytes"] == 0, s  # exact: nothing wasted
+
+
+def test_checkpoint_directory_paged_through_the_same_cache(tiny_ckpt, tiny_fst):
+    """Straight from the HF snapshot: experts read from the shards by byte range into the same budgeted cache."""
+    d = load(tiny_ckpt, ram_budget="400K")
+    assert d.expert_cache is not None and not d.expert_cache.direct
+    assert d.expert_cache.budget_bytes <= 400 * 1024
+    np.testing.assert_array_equal(d.logits(TOKENS[:60]), load(tiny_fst, ram_budget=None).logits(TOKENS[:60]))
+    assert d.stats()["expert_cache_misses"] > 0
+
+
+def test_bench_compares_sources(tiny_ckpt, tiny_fst):
+    import json
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(tiny_fst), "--compare", str(tiny_ckpt),
+                        "--json", "--ram-budget", "400K", "--prompt-tokens", "4", "--decode-tokens", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["compare"]["decode_tok_s"] > 0 and out["decode_ratio_vs_compare"] > 0

@@ -24,8 +24,10 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
+from ..format import spec
+from ..format.reader import expert_views
 from ..weights.source import ExpertWeights
-from .names import DTYPE_SIZES, expected_tensors, expert_tensor_names, mtp_blocks_in, tensor_nbytes
+from .names import DTYPE_SIZES, expected_tensors, expert_tensor_names, is_routed_expert, mtp_blocks_in, tensor_nbytes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -277,6 +279,46 @@ class Checkpoint:
         """Routed expert `expert` of layer slot `layer` (mtp.k is slot num_hidden_layers + k)."""
         names = expert_tensor_names(layer, expert, self.config)
         return ExpertWeights(**{f: self.read(n) for f, n in names.items()})
+
+    # --- paging: the same record interface as FstFile, so the expert cache pages straight from the shards ---
+
+    @cached_property
+    def bank(self) -> dict:
+        """Expert-record geometry in the `.fst` layout (records assembled from six byte ranges on read)."""
+        cfg = self.config
+        sections = spec.expert_sections(cfg.hidden_size, cfg.moe_intermediate_size)
+        return {"slots": cfg.num_layer_slots, "experts": cfg.n_routed_experts,
+                "stride": spec.expert_stride(sections), "sections": sections}
+
+    @property
+    def expert_stride(self) -> int:
+        return self.bank["stride"]
+
+    @cached_property
+    def resident_bytes(self) -> int:
+        return sum(self.tensor_info(n).nbytes for n in self.names() if not is_routed_expert(n))
+
+    def expert_views(self, buf, base: int = 0) -> ExpertWeights:
+        return expert_views(self.bank["sections"], buf, base)
+
+    def read_expert_into(self, slot: int, e: int, buf, fd: int | None = None) -> ExpertWeights:
+        """Read expert (slot, e) into `buf` (>= stride bytes) in `.fst` record layout: one pread per tensor."""
+        names = expert_tensor_names(slot, e, self.config)
+        mv = memoryview(buf).cast("B")
+        for sec in self.bank["sections"]:
+            ti = self.tensor_info(names[sec["field"]])
+            dst, done = mv[sec["offset"]:sec["offset"] + sec["nbytes"]], 0
+            fdesc = self._fd(ti.shard)
+            while done < ti.nbytes:
+                n = _pread_into(fdesc, dst[done:], ti.offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"expert (layer {slot}, id {e}): shard {ti.shard.name} is truncated "
+                                          f"(short read of {names[sec['field']]})")
+                done += n
+        return self.expert_views(mv)
+
+    def open_direct(self) -> None:
+        return None  # records are gathered from six tensors per expert: no single aligned extent to bypass with
 
     # --- validation ------------------------------------------------------------------------------------------
 

@@ -91,7 +91,8 @@ class Engine:
                 # Paging for real: O_DIRECT keeps the page cache from holding a second copy of what the slab
                 # holds, and measured faster per reader (docs/EXPERT_MEMORY.md); where the filesystem does not
                 # support it, the cache falls back to buffered reads by itself.
-                direct_io = budget < source.bank["slots"] * source.bank["experts"] * source.expert_stride
+                direct_io = budget < source.bank["slots"] * source.bank["experts"] * source.expert_stride \
+                    and getattr(source, "supports_direct_io", False)
             cache = ExpertCache(source, budget, direct=direct_io, policy=cache_policy)
             self.expert_cache = experts = cache
         self.model = DeepseekV4(source, numerics=numerics, kernels=kernels, experts=experts,

@@ -114,6 +114,15 @@ def parse_header(path, hb: bytes, data_offset: int, file_size: int) -> dict:
     return h
 
 
+def expert_views(sections: list[dict], buf, base: int = 0) -> ExpertWeights:
+    """Split one expert record's bytes (any buffer) into the six arrays of `ExpertWeights`, without copying."""
+    parts = []
+    for s in sections:
+        a = np.frombuffer(buf, dtype=np.uint8, count=s["nbytes"], offset=base + s["offset"])
+        parts.append(a.reshape(s["shape"]))
+    return ExpertWeights(*parts)
+
+
 class FstFile:
     """A `.fst` v3 file opened for reading. Implements `fastar.weights.source.WeightSource`."""
 
@@ -217,13 +226,14 @@ class FstFile:
     def expert_stride(self) -> int:
         return self.bank["stride"]
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of everything but the routed experts (read every token)."""
+        return self.bank["offset"] if self.bank is not None else self.file_size
+
     def expert_views(self, buf, base: int = 0) -> ExpertWeights:
         """Split one record's bytes (any buffer) into the six arrays of `ExpertWeights`, without copying."""
-        parts = []
-        for s in self.bank["sections"]:
-            a = np.frombuffer(buf, dtype=np.uint8, count=s["nbytes"], offset=base + s["offset"])
-            parts.append(a.reshape(s["shape"]))
-        return ExpertWeights(*parts)
+        return expert_views(self.bank["sections"], buf, base)
 
     def expert(self, slot: int, e: int) -> ExpertWeights:
         return self.expert_views(self._mm, self.expert_offset(slot, e))
@@ -237,6 +247,8 @@ class FstFile:
             raise FormatError(f"{self.path}: short read of expert (layer {slot}, id {e}): "
                               f"{got} of {len(mv)} bytes (file truncated?)")
         return self.expert_views(mv)
+
+    supports_direct_io = hasattr(os, "O_DIRECT")  # one record is one aligned extent of the file
 
     def open_direct(self) -> int | None:
         """A second descriptor with O_DIRECT (bypasses the page cache), or None where unsupported."""

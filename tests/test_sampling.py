@@ -94,7 +94,8 @@ def test_temperature_sharpens_before_truncation() -> None:
 def test_processors_never_remove_the_most_likely_token(vals, temp, k, p, mp) -> None:
     logits = torch.tensor(vals)
     x = processed_logits(logits, SamplingParams(temperature=temp, top_k=k, top_p=p, min_p=mp))
-    assert x[int(torch.argmax(logits))] != float("-inf")
+    best = logits == logits.max()  # under ties any of the maximal tokens may be the one kept
+    assert bool((x[best] != float("-inf")).any())
 
 
 # --- Sampler ------------------------------------------------------------------------------------------------

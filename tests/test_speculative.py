@@ -456,8 +456,23 @@ def test_auto_stops_drafting_when_passes_cost_too_much():
     assert r == pytest.approx(1.0) and q == pytest.approx(0.2)
     decisions = [s.want_draft(1) for _ in range(32)]
     assert decisions.count(True) == 4  # probes only
-    s.retire_after = 40
-    assert not any(s.want_draft(1) for _ in range(40)) and s.retired  # a long losing streak: drafting is off
+
+    # epochs: drafting measured at 10 tok/s, plain at 20 (say, wide passes thrash the expert cache): auto settles
+    # on plain, probing drafting briefly, and after 4 verdicts switches it off
+    e = sp.Schedule(adaptive=True, epoch_tokens=64, probe_tokens=16, settle=0)
+    modes = []
+    while not e.retired and len(modes) < 1000:
+        modes.append(e.mode)
+        e.observe_step(1, 0.1 if e.mode == "draft" else 0.05)
+    assert e.retired and modes.count("draft") < modes.count("plain") / 2 and not e.want_draft(1)
+    e = sp.Schedule(adaptive=True, epoch_tokens=64, probe_tokens=16, settle=0)
+    for _ in range(500):  # the other way round: drafting wins, plain is only probed
+        e.observe_step(1, 0.05 if e.mode == "draft" else 0.1, verified=e.mode == "draft")
+    assert not e.retired and e.speed["draft"] > e.speed["plain"] and e.mode in ("draft", "plain")
+    e = sp.Schedule(adaptive=True, epoch_tokens=64, probe_tokens=16, settle=0)
+    for _ in range(2000):  # as fast either way, but draft epochs hardly verify anything: the draft is useless
+        e.observe_step(1, 0.05, verified=False)
+    assert e.retired
 
     cheap = sp.Schedule(adaptive=True)
     for width, t in ((1, 1.0), (2, 1.1), (6, 1.5)):

@@ -26,10 +26,12 @@ requests, a restored session) it is filled from zeros: only draft quality suffer
 Cost model (relative to one plain decode pass): verifying L drafts costs 1 + r*L, drafting costs q. On CPU with
 experts in RAM, r ~ 0.3 for DeepSeek-V4-Flash (each extra token adds its 6 experts x 43 layers to ~7.3 GB of
 resident reads); when experts come from SSD each extra token adds its misses and r -> 1, so drafting loses. The
-schedule verifies L* = argmax_L (1 + sum_{k<=L} a_k) / (1 + r*L), a_k = survival of draft k; `auto` measures r and q
-from the engine's own passes, skips drafting while max_L (1 + sum a_k) / (1 + r*L + q) < 1 (probing every 16
-steps), and after 256 such steps in a row switches the draft off, context upkeep included (it then decodes as
-`none` does: keeping MTP's rows costs one more block per token, ~2% of V4-Flash but 1/6 of the 5-layer fixture).
+schedule verifies L* = argmax_L (1 + sum_{k<=L} a_k) / (1 + r*L), a_k = survival of draft k. `auto` measures r and
+q from the engine's own passes and skips drafting while max_L (1 + sum a_k) / (1 + r*L + q) < 1 (probing every 16
+steps); it also times whole epochs with and without drafting (256 tokens in the faster mode, then 32 in the
+other), because wide passes can evict experts that narrow ones would hit, which no per-pass cost shows; after 3
+drafting epochs in a row that lost it switches the draft off, context upkeep included (keeping MTP's rows costs
+one more block per token: ~2% of V4-Flash, but 1/6 of the 5-layer fixture).
 """
 from __future__ import annotations
 
@@ -331,9 +333,20 @@ class Schedule:
     adaptive: bool = False
     probe_every: int = 16
     warmup: int = 8
-    retire_after: int = 256  # auto: steps in a row where drafting does not pay before it is switched off
+    # auto: epochs of `epoch_tokens` in the faster mode, each followed by `probe_tokens` in the other; the first
+    # `settle` tokens of an epoch are not timed (the expert cache adapts to the switch); after `retire_after`
+    # drafting epochs in a row that lost (slower than plain, or verifying in under 10% of steps), drafting is
+    # switched off for good
+    epoch_tokens: int = 256
+    probe_tokens: int = 32
+    settle: int = 8
+    retire_after: int = 3
     retired: bool = False
-    unprofitable: int = 0
+    mode: str = "draft"
+    speed: dict[str, float] = field(default_factory=dict)  # measured tokens/s of each mode (EMA over epochs)
+    epoch: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 32.0, 0.0, 0.0])  # tokens, timed tokens,
+    # seconds, length, steps, steps that verified drafts
+    plain_wins: int = 0
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     conf_sum: list[float] = field(default_factory=list)
@@ -377,23 +390,50 @@ class Schedule:
         """Under `auto`: draft while the best expected gain beats plain decoding, after `warmup` tries of the first
         slot (so the estimates start from evidence), and probe every `probe_every` skipped steps after that."""
         self._slot(0)
-        if not self.adaptive or self.fixed is not None or self.tried[0] < self.warmup:
+        if not self.adaptive or self.fixed is not None:
             return True
-        if self.retired:
+        if self.retired or self.mode == "plain":
             return False
+        if self.tried[0] < self.warmup:
+            return True
         r, q = self.costs()
         expect, best = 1.0, 0.0
         for L, a in enumerate(self.survival([None] * max_drafts), start=1):
             expect += a
             best = max(best, expect / (1 + r * L + q))
         if best >= 1.0:
-            self.unprofitable = 0
             return True
         self.skipped += 1
-        self.unprofitable += 1
-        # keeping a draft ready costs its context upkeep on every pass: after a long losing streak, stop for good
-        self.retired = self.unprofitable >= self.retire_after
-        return not self.retired and self.skipped % self.probe_every == 0
+        return self.skipped % self.probe_every == 0
+
+    def observe_step(self, tokens: int, seconds: float, verified: bool = False) -> None:
+        """Under `auto`: tokens emitted by one step and its seconds. The per-pass cost model cannot see that wide
+        passes evict experts narrow ones would hit (an expert cache between one token's and one pass's working set),
+        so `auto` also times whole epochs of each mode and runs the faster one."""
+        if not self.adaptive or self.fixed is not None or self.retired:
+            return
+        e = self.epoch
+        e[0], e[4], e[5] = e[0] + tokens, e[4] + 1, e[5] + verified
+        if e[0] > self.settle:
+            e[1], e[2] = e[1] + tokens, e[2] + seconds
+        if e[0] < e[3]:
+            return
+        if e[2] > 0:
+            old = self.speed.get(self.mode)
+            self.speed[self.mode] = e[1] / e[2] if old is None else 0.5 * old + 0.5 * e[1] / e[2]
+        other = "plain" if self.mode == "draft" else "draft"
+        if other not in self.speed:  # the first epoch of each mode is a probe
+            self.mode, length = other, self.probe_tokens
+        else:
+            if self.mode == "draft":  # a verdict on drafting: slower, or hardly ever found worth a verify pass
+                lost = self.speed["plain"] >= self.speed["draft"] or e[5] < 0.1 * e[4]
+                self.plain_wins = self.plain_wins + 1 if lost else 0
+                self.retired = self.plain_wins >= self.retire_after
+            best = max(self.speed, key=self.speed.get)
+            probing = self.mode == best and e[3] == self.epoch_tokens  # a long epoch ends: probe the other
+            self.mode = other if probing else best
+            length = self.probe_tokens if probing else self.epoch_tokens
+        self.epoch = [0.0, 0.0, 0.0, float(length), 0.0, 0.0]
 
     def observe(self, k: int, p_accept: float, confidence: float | None) -> None:
         self._slot(k)
@@ -533,7 +573,7 @@ def speculative_generate_step(session, prompt_ids: list[int], params: SamplingPa
             rec, tokens = drafter.last, session.tokens
             m, anchor = len(tokens) - 1, tokens[-1]
             # the drafter drafts from the state its last pass ran on: make sure that was this session's
-            ours = (rec is not None and rec.state.length == m == session.num_processed
+            ours = (rec is not None and rec.state is not None and rec.state.length == m == session.num_processed
                     and tokens[rec.p0:m] == rec.ids[:m - rec.p0])
             # room: keep the tokens of a pass within max_tokens, and below the context length (so the stream's
             # length check fires exactly where it would in plain generation)
@@ -570,6 +610,7 @@ def speculative_generate_step(session, prompt_ids: list[int], params: SamplingPa
             else:
                 p = torch.softmax(torch.stack([processed_logits(r, params) for r in out]), dim=-1)
                 n, nxt = accept_sampled(p, prop.probs[:L] if drafts else None, drafts, gen)
+            schedule.observe_step(n + 1, t2 - t0, verified=bool(drafts))
             if drafts:
                 stats.passes += 1
                 stats.verify_seconds += t2 - t1

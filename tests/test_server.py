@@ -786,3 +786,12 @@ def test_server_modules_do_not_import_torch():
     if out[0] == "True":
         pytest.skip("the fastar package itself imports torch")
     assert out[1] == "False", "importing fastar.serve.server pulled in torch"
+
+
+def test_over_context_error_says_why_the_context_is_short():
+    from fastar.serve import protocol as P
+    note = "m.fst has no lightning-indexer weights: write m.fst.indexer with fastar convert"
+    with pytest.raises(P.APIError) as e:
+        P.resolve_max_tokens(3000, None, 2051, note)
+    assert "2051" in str(e.value.message) and note in str(e.value.message)
+    assert P.resolve_max_tokens(100, None, 2051, note) == 1951

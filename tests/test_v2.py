@@ -1,6 +1,8 @@
 """FaStar `.fst` v2 (+ `.hc`, `.norm`, `.tid2eid` sidecars): read directly as a `WeightSource`, run by the
 engine with the same outputs as its v3 conversion, converted by `fastar convert`, and every malformed or
-incomplete input rejected with an error naming the file.
+incomplete input rejected with an error naming the file. Without the lightning indexer (as FaStar wrote them):
+exact up to a capped context, refused past it; with the `.fst.indexer` sidecar `fastar convert --indexer-sidecar`
+writes from the checkpoint's indexer shards: the full model, carried into v3 by `fastar convert`.
 
 The v2 files come from `tests/fst_v2_writer.py` (an independent, test-side reading of the spec) applied to the
 `tiny` official-format fixture, so every value can be checked against the checkpoint it came from.
@@ -8,22 +10,30 @@ The v2 files come from `tests/fst_v2_writer.py` (an independent, test-side readi
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import json
 import os
 import shutil
 import struct
 
 import numpy as np
 import pytest
+import torch
 from fst_v2_writer import ENTRY_FMT, HEADER_FMT, q8_0_encode, write_v2  # tests/ helper
 
 from fastar.cli import main as cli_main
 from fastar.convert.checkpoint import Checkpoint
-from fastar.convert.hf import convert
+from fastar.convert.hf import convert, convert_indexer
+from fastar.convert.names import expected_tensors
 from fastar.engine.engine import Engine, load, open_source
-from fastar.errors import FormatError
+from fastar.engine.session import PromptError
+from fastar.errors import FastarError, FormatError
 from fastar.fixtures import write_checkpoint
+from fastar.format import spec
 from fastar.format.reader import FstFile, open_model_file
 from fastar.format.v2 import FstV2File, read_version
+from fastar.model.deepseek_v4 import Indexer
+from fastar.model.state import LayerState
 from fastar.quant import reference as ref
 
 IDS = [3, 17, 250, 999, 4, 4, 4, 61, 700, 12, 0, 1, 512, 300, 301, 302, 9, 88, 1023, 5, 6, 7, 8, 900]
@@ -166,32 +176,39 @@ def test_v2_logits_equal_its_v3_conversion(v2_path, v3_from_v2, v2_logits):
     assert np.array_equal(v2_logits, load(v3_from_v2).logits(IDS))
 
 
+class TruncatedHC:
+    """A weight source with its HC mixes truncated to BF16, as v2 stores them."""
+
+    def __init__(self, src):
+        self.src, self.config = src, src.config
+
+    def has(self, n):
+        return self.src.has(n)
+
+    def dtype(self, n):
+        return self.src.dtype(n)
+
+    def tensor(self, n):
+        return bf16_trunc(self.src.tensor(n)) if n.endswith("_fn") else self.src.tensor(n)
+
+    def expert(self, slot, e):
+        return self.src.expert(slot, e)
+
+    def tokenizer_json(self):
+        return None
+
+
+def reference_logits(source, ids):
+    """The torch path in reference numerics, where FP8 x scale and its BF16 copy widen to the same weights."""
+    return load(source, numerics="reference", kernels=False).logits(ids)
+
+
 def test_v2_logits_equal_the_checkpoint_up_to_bf16_hc(ck, v2_path):
     """The whole mapping at once: with the fixture's window/top-k (so the indexer selects) and the checkpoint's
     HC mixes truncated to BF16 as v2 stores them, the torch path gives bit-identical logits (FP8 x scale and its
     BF16 copy widen to the same float32 weights)."""
-
-    class TruncatedHC:
-        config = ck.config
-
-        def has(self, n):
-            return ck.has(n)
-
-        def dtype(self, n):
-            return ck.dtype(n)
-
-        def tensor(self, n):
-            return bf16_trunc(ck.tensor(n)) if n.endswith("_fn") else ck.tensor(n)
-
-        def expert(self, slot, e):
-            return ck.expert(slot, e)
-
-        def tokenizer_json(self):
-            return None
-
     v2 = FstV2File(v2_path, overrides=fixture_overrides(ck.config))
-    a = load(v2, numerics="reference", kernels=False).logits(IDS)
-    assert np.array_equal(a, load(TruncatedHC(), numerics="reference", kernels=False).logits(IDS))
+    assert np.array_equal(reference_logits(v2, IDS), reference_logits(TruncatedHC(ck), IDS))
 
 
 def test_v2_through_the_expert_pager(v2_path, v2_logits):
@@ -240,12 +257,6 @@ def test_truncated_main_file(v2_path, tmp_path, where):
     cut = {"header": 100, "directory": 4096, "data": 40960, "bank": size - 4096, "ragged": size - 10}[where]
     os.truncate(p, cut)
     with pytest.raises(FormatError, match=rf"{p.name}: .*(truncated|too short)"):
-        FstV2File(p)
-
-
-def test_missing_indexer_is_listed_not_guessed(ck, tmp_path):
-    p = write_v2(ck, tmp_path / "noidx.fst", indexer=False)
-    with pytest.raises(FormatError, match=r"lacks 12 tensor\(s\).*layers\.\{1,3\}\.attn\.indexer\.wq_b\.weight.*never wrote"):
         FstV2File(p)
 
 
@@ -327,3 +338,209 @@ def test_fastar_run_on_a_v2_file_equals_its_conversion(vocab_ckpt, tmp_path, cap
         assert cli_main(["run", "-m", str(model), "-p", "Hello", "-n", "4", "--temp", "0"]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and outs[0].strip()
+
+
+# --- the lightning indexer: absent (as in the real release), and its `.fst.indexer` sidecar ----------------------
+# The fixture has index_topk 4: without the indexer a v2 model with the fixture's values runs 4 * 4 + 3 = 19
+# positions (query t sees (t+1)//4 compressed entries: all of them are picked up to t = 18).
+
+CAP = 19
+
+
+def indexer_names(cfg):
+    return [n for n in expected_tensors(cfg) if ".attn.indexer." in n]
+
+
+@pytest.fixture(scope="module")
+def noidx_path(ck, tmp_path_factory):
+    return write_v2(ck, tmp_path_factory.mktemp("noidx") / "noidx.fst", indexer=False)
+
+
+@pytest.fixture(scope="module")
+def ck_v3(tiny_ckpt, tmp_path_factory):
+    return FstFile(convert(tiny_ckpt, tmp_path_factory.mktemp("ckv3") / "ck.fst", progress=False))
+
+
+@pytest.fixture(scope="module")
+def indexer_shards_only(tiny_ckpt, tmp_path_factory):
+    """The checkpoint as a user who downloads only what the sidecar needs has it: config, index, indexer shards."""
+    d = tmp_path_factory.mktemp("partial")
+    wm = json.loads((tiny_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted({s for n, s in wm.items() if ".attn.indexer." in n})
+    assert len(shards) < len(set(wm.values()))  # the fixture has a shard without any
+    for name in ["config.json", "model.safetensors.index.json"] + shards:
+        shutil.copyfile(tiny_ckpt / name, d / name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def with_sidecar(noidx_path, indexer_shards_only, tmp_path_factory):
+    """The indexer-less v2 model plus `X.fst.indexer` written by the CLI from the partial checkpoint."""
+    p = copy_model(noidx_path, tmp_path_factory.mktemp("sidecar"))
+    assert cli_main(["convert", str(indexer_shards_only), "--indexer-sidecar", "-o", f"{p}.indexer",
+                     "--no-progress"]) == 0
+    return p
+
+
+def test_without_the_indexer_the_model_opens_with_a_capped_context(ck, noidx_path):
+    with FstV2File(noidx_path) as f:
+        assert not any(".attn.indexer." in n for n in f.names()) and f.ignored == []
+        assert f"{noidx_path} has no lightning-indexer weights" in f.context_note
+        assert f"--indexer-sidecar -o {noidx_path}.indexer" in f.context_note
+    e = load(noidx_path)
+    assert e.model.max_positions == e.context_length == 4 * 512 + 3  # Flash's index_topk: 2051
+    assert all(b.attn.indexer is None for b in e.model.layers)
+    e = load(FstV2File(noidx_path, overrides=fixture_overrides(ck.config)))
+    assert e.context_length == CAP
+    e.context_length = 100  # asking for more does not lift it
+    assert e.context_length == CAP and "capped at 19 tokens" in e.context_note
+
+
+def test_a_partial_indexer_is_still_an_error(ck, tmp_path):
+    p = write_v2(ck, tmp_path / "part.fst", drop={"layers.3.attn.indexer.weights_proj.weight"})
+    with pytest.raises(FormatError, match=r"lacks 1 tensor\(s\).*layers\.\{3\}\.attn\.indexer\.weights_proj\.weight"):
+        FstV2File(p)
+
+
+def test_within_the_cap_the_logits_equal_the_v3_conversion_bit_for_bit(ck, noidx_path, v2_logits, ck_v3):
+    # default numerics and config (index_topk 512): equal to the same v2 model with the indexer
+    assert np.array_equal(load(noidx_path).logits(IDS), v2_logits)
+    # the fixture's top-k, so 19 positions are the most: equal to the full v3 conversion of the checkpoint
+    v2 = FstV2File(noidx_path, overrides=fixture_overrides(ck.config))
+    assert np.array_equal(reference_logits(v2, IDS[:CAP]), reference_logits(TruncatedHC(ck_v3), IDS[:CAP]))
+
+
+def test_within_the_cap_every_visible_entry_is_what_the_indexer_selects(ck_v3, monkeypatch):
+    model = load(ck_v3, numerics="reference", kernels=False).model
+    cfg, attn = model.config, model.layers[1].attn  # a ratio-4 layer with its indexer
+    g = torch.Generator().manual_seed(0)
+    x, qr = torch.randn(CAP + 1, cfg.hidden_size, generator=g), torch.randn(CAP + 1, cfg.q_lora_rank, generator=g)
+    state = LayerState.new(4, cfg.sliding_window, cfg.head_dim, cfg.index_head_dim)
+    for p0, p1 in ((0, 7), (7, 8), (8, CAP)):  # chunked prefill, one decode step: never more than top-k visible
+        assert attn.indexer(x[p0:p1], qr[p0:p1], p0, state) is None
+    keys = state.idx_entries.all()  # [E, Di], E = 4 = index_topk
+    sel = attn.indexer.select(x[:CAP], qr[:CAP], 0, keys)  # what the scores pick, -1 = a pick not visible yet
+    k = sel.shape[1]
+    for t in range(CAP):
+        visible = (t + 1) // 4
+        picks = sel[t][sel[t] >= 0].tolist()
+        assert sorted(picks) == list(range(visible)) and (sel[t] == -1).sum() == k - visible
+        # the mask Attention uses instead: the same entries, and every masked one is one the indexer drops
+        assert (torch.arange(keys.shape[0]) < visible).tolist() == [w in picks for w in range(keys.shape[0])]
+    assert attn.indexer(x[CAP:], qr[CAP:], CAP, state) is not None  # position 19 sees 5 entries: it must score
+    # the whole model with scores computed anyway: the same logits up to float32 summation order (leaving one
+    # entry out changes them by ~1)
+    short = model.forward(IDS[:CAP], model.new_state())[0]
+    monkeypatch.setattr(Indexer, "scores", lambda self, stop: True)  # score every chunk, whatever it sees
+    scored = model.forward(IDS[:CAP], model.new_state())[0]
+    assert not torch.equal(scored, short)  # the scoring path did run
+    assert torch.allclose(scored, short, rtol=0, atol=1e-4)
+
+
+def test_past_the_cap_a_clear_error(ck, noidx_path):
+    e = load(FstV2File(noidx_path, overrides=fixture_overrides(ck.config)))
+    why = rf"{noidx_path.name} has no lightning-indexer weights.*--indexer-sidecar -o \S*{noidx_path.name}\.indexer"
+    with pytest.raises(PromptError, match=rf"the context length is 19 tokens.*capped at 19 tokens: \S*{why}"):
+        list(e.stream(IDS[:CAP + 1], max_tokens=1))
+    with pytest.raises(PromptError, match=rf"24 positions asked, but the context is capped at 19 tokens: \S*{why}"):
+        e.logits(IDS)
+    with pytest.raises(PromptError, match="20 positions asked"):  # a generation reaching position 19
+        e.generate_tokens(IDS[:CAP - 4], max_tokens=10, ignore_eos=True)
+    *_, last = e.stream(IDS[:CAP - 4], max_tokens=10, ignore_eos=True)  # the session path stops at the context
+    assert last.finish_reason == "length" and last.usage["completion_tokens"] == 4
+    with pytest.raises(FastarError, match=r"position 23 needs layers\.1\.attn\.indexer"):  # the model itself
+        e.model.forward(IDS, e.model.new_state())
+
+
+def test_indexer_sidecar_holds_only_the_indexer_in_checkpoint_precision(ck, with_sidecar):
+    with FstFile(f"{with_sidecar}.indexer") as f:
+        assert f.bank is None and f.verify() == []
+        assert f.names() == indexer_names(ck.config)
+        for n in f.names():
+            assert f.dtype(n) == spec.FROM_SAFETENSORS[ck.dtype(n)] and np.array_equal(f.tensor(n), ck.read(n)), n
+    with FstV2File(with_sidecar) as v2:
+        assert v2.context_note is None and v2.dtype("layers.1.attn.indexer.wq_b.weight") == "F8_E4M3"
+        assert (v2.config.index_n_heads, v2.config.index_head_dim, v2.config.index_topk) == \
+            (ck.config.index_n_heads, ck.config.index_head_dim, 4)  # from the sidecar: v2 has no index_topk
+        assert set(indexer_names(ck.config)) <= set(v2.names())
+        assert f"{with_sidecar.name}.indexer" in [x["name"] for x in v2.identity()["files"]]
+
+
+def test_with_the_sidecar_the_logits_equal_the_v3_conversion_past_the_cap(ck, with_sidecar, ck_v3):
+    e = load(with_sidecar)
+    assert e.model.max_positions is None and e.context_note is None and e.context_length == Engine.MAX_DEFAULT_CONTEXT
+    v2 = FstV2File(with_sidecar, overrides=fixture_overrides(ck.config))
+    assert np.array_equal(reference_logits(v2, IDS), reference_logits(TruncatedHC(ck_v3), IDS))  # 24 > 19
+
+
+def test_convert_carries_the_sidecar(ck, with_sidecar, noidx_path, tmp_path):
+    out = convert(with_sidecar, tmp_path / "carried.fst", progress=False)
+    with FstFile(out) as f, FstV2File(with_sidecar) as v2:
+        assert f.verify() == [] and f.names() == v2.names()
+        for n in indexer_names(ck.config):
+            assert f.dtype(n) == spec.FROM_SAFETENSORS[ck.dtype(n)] and np.array_equal(f.tensor(n), ck.read(n)), n
+    assert np.array_equal(load(out).logits(IDS), load(with_sidecar).logits(IDS))
+    with pytest.raises(FormatError, match=rf"cannot convert: {noidx_path} has no lightning-indexer weights"):
+        convert(noidx_path, tmp_path / "no.fst", progress=False)
+
+
+def test_indexer_sidecar_needs_its_shards(indexer_shards_only, tmp_path, capsys):
+    d = tmp_path / "ck"
+    shutil.copytree(indexer_shards_only, d)
+    gone = max(d.glob("*.safetensors"))
+    gone.unlink()
+    assert cli_main(["convert", str(d), "--indexer-sidecar", "-o", str(tmp_path / "x.fst.indexer")]) == 1
+    assert f"lacks shard(s) {gone.name}: the indexer tensors are in" in capsys.readouterr().err
+    assert not (tmp_path / "x.fst.indexer").exists()
+    assert cli_main(["convert", str(indexer_shards_only), "--indexer-sidecar", "-o", str(tmp_path / "x.fst")]) == 1
+    assert "name the output MODEL.fst.indexer" in capsys.readouterr().err and not (tmp_path / "x.fst").exists()
+
+
+def test_indexer_sidecar_from_the_hub_downloads_only_its_shards(tiny_ckpt, indexer_shards_only, tmp_path,
+                                                                monkeypatch):
+    import huggingface_hub
+
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked.append(allow_patterns)
+        d = tmp_path / "hub"
+        d.mkdir(exist_ok=True)
+        for f in tiny_ckpt.iterdir():
+            if any(fnmatch.fnmatch(f.name, pat) for pat in allow_patterns):
+                shutil.copyfile(f, d / f.name)
+        return str(d)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    convert_indexer("someone/tiny", tmp_path / "x.fst.indexer", progress=False)
+    assert asked[-1] == ["*.json"] + sorted(p.name for p in indexer_shards_only.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupt", "another model", "a whole model", "not a .fst"])
+def test_bad_indexer_sidecar_names_it(ck, tiny_ckpt, with_sidecar, ck_v3, tmp_path, how):
+    p = copy_model(with_sidecar, tmp_path)
+    side = f"{p}.indexer"
+    shutil.copyfile(f"{with_sidecar}.indexer", side)
+    if how == "truncated":
+        os.truncate(side, os.path.getsize(side) - 4096)
+    elif how == "corrupt":
+        with FstFile(side) as f:
+            off = f.header["tensors"][0]["offset"]
+        with open(side, "r+b") as fh:
+            fh.seek(off)
+            b = fh.read(1)
+            fh.seek(off)
+            fh.write(bytes([b[0] ^ 1]))
+    elif how == "another model":
+        other = write_checkpoint(tmp_path / "other", "tiny", seed=0, tokenizer=False,
+                                 compress_ratios=[0, 0, 4, 128, 4, 0])
+        convert_indexer(other, side, progress=False)
+    elif how == "a whole model":
+        shutil.copyfile(ck_v3.path, side)
+    else:
+        with open(side, "wb") as fh:
+            fh.write(b"\0" * 8192)
+    msg = {"truncated": "truncated", "corrupt": "checksum mismatch", "another model": r"lacks layers\.\{1,3\}",
+           "a whole model": r"also holds", "not a .fst": "not a .fst file"}[how]
+    with pytest.raises(FormatError, match=rf"{p.name}\.indexer.*{msg}.*--indexer-sidecar"):
+        FstV2File(p)

@@ -243,6 +243,10 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._weight_map
 
+    def shard_of(self, name: str) -> str | None:
+        """The shard file the index places `name` in (its header is not read: the shard may be absent)."""
+        return self._weight_map.get(name)
+
     def tensor_info(self, name: str) -> TensorInfo:
         shard = self._weight_map.get(name)
         if shard is None:

@@ -2,7 +2,8 @@
 
 Owns: the conversion order and its progress report. Lossless: every tensor is copied in checkpoint precision
 (FP8 + UE8M0 scales, BF16, F32, I64; packed FP4 experts byte for byte into the expert bank), so dequantizing
-any tensor of the `.fst` gives exactly the checkpoint's values.
+any tensor of the `.fst` gives exactly the checkpoint's values. Also FaStar v2 -> v3 (`convert_v2`) and the
+`.fst.indexer` sidecar (`convert_indexer`: only the lightning-indexer tensors, which v2 files lack).
 Does not own: checkpoint parsing and validation (`checkpoint.py`), the name manifest (`names.py`), the
 container layout (`fastar.format`).
 
@@ -11,24 +12,31 @@ record (13 MB) at a time. The output is written to `OUT.partial` and renamed onl
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from .. import __version__
-from ..errors import CheckpointError
+from ..config import ModelConfig
+from ..errors import CheckpointError, FormatError
 from ..format import spec
 from ..format.writer import FstWriter
-from .checkpoint import Checkpoint
+from ..weights.source import ExpertWeights
+from .checkpoint import INDEX_FILE, Checkpoint
 from .names import expected_tensors, is_routed_expert
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve_source(src: str | os.PathLike) -> Path:
-    """A local checkpoint directory, or a hub id fetched through huggingface_hub (honours HF_HOME)."""
+def resolve_source(src: str | os.PathLike, only: Callable[[str], bool] | None = None) -> Path:
+    """A local checkpoint directory, or a hub id fetched through huggingface_hub (honours HF_HOME): the json
+    files and every shard, or with `only` just the shards holding a tensor name it accepts."""
     p = Path(src)
     if p.exists():
         if not p.is_dir():
@@ -41,7 +49,13 @@ def resolve_source(src: str | os.PathLike) -> Path:
     except ImportError:
         raise CheckpointError(f"{src} is not a local directory and huggingface_hub is not installed") from None
     try:
-        return Path(snapshot_download(str(src), allow_patterns=["*.json", "*.safetensors"]))
+        patterns = ["*.json"]
+        if only is None:
+            patterns.append("*.safetensors")
+        else:
+            index = Path(snapshot_download(str(src), allow_patterns=patterns)) / INDEX_FILE
+            patterns += sorted({s for n, s in json.loads(index.read_text())["weight_map"].items() if only(n)})
+        return Path(snapshot_download(str(src), allow_patterns=patterns))
     except Exception as e:  # network, auth, missing repo: all end the same way for the user
         raise CheckpointError(f"could not fetch {src} from the hub: {e}") from None
 
@@ -57,67 +71,94 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, progress: bool | Non
     ck = Checkpoint(resolve_source(src))
     ck.validate()
     cfg = ck.config
-    resident = [n for n in expected_tensors(cfg) if not is_routed_expert(n)]
-    tok = ck.tokenizer_json()
 
-    w = FstWriter(out, cfg.to_dict(), source=ck.identity(), converter_version=__version__)
-    with w:
-        for name in resident:
-            dtype, shape, _ = ck.info(name)
-            w.add_tensor(name, spec.FROM_SAFETENSORS[dtype], shape)
-        if tok is not None:
-            w.add_blob("tokenizer.json", len(tok))
-        w.set_expert_bank(cfg.num_layer_slots, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        w.begin()
-        total = w.file_size
-        bar = _progress(total, f"converting to {Path(out).name}", progress)
-        try:
-            for name in resident:
-                w.write_tensor(name, ck.read(name))
-                bar.update(w.bytes_written - bar.n)
-            if tok is not None:
-                w.write_tensor("tokenizer.json", tok)
-            for slot in range(cfg.num_layer_slots):
-                for e in range(cfg.n_routed_experts):
-                    w.write_expert(slot, e, ck.expert(slot, e))
-                    bar.update(w.bytes_written - bar.n)
-        finally:
-            bar.close()
-        return w.finish()
+    def planned(name: str) -> tuple[str, str, tuple[int, ...]]:
+        dtype, shape, _ = ck.info(name)
+        return name, spec.FROM_SAFETENSORS[dtype], shape
+
+    resident = [planned(n) for n in expected_tensors(cfg) if not is_routed_expert(n)]
+    return _write(out, cfg, ck.identity(), resident, ck.read, ck.tokenizer_json(), ck.expert, progress)
 
 
 def convert_v2(src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None) -> Path:
-    """A FaStar v2 model (`src` + `.hc`, `.norm`, `.tid2eid` sidecars) -> one `.fst` v3 file.
+    """A FaStar v2 model (`src` + `.hc`, `.norm`, `.tid2eid` sidecars, and `.indexer` when present) -> one `.fst`
+    v3 file.
 
     Every tensor is copied as `FstV2File` presents it (dense weights BF16 as v2 stored them, sidecar norms, HC,
-    the hash table as I64), the 17-byte MXFP4 expert blocks repacked losslessly, and the V4 tokenizer embedded.
+    the hash table as I64, the indexer sidecar's FP8 + scales), the 17-byte MXFP4 expert blocks repacked
+    losslessly, and the V4 tokenizer embedded. A v2 model without the indexer is refused: a v3 file is complete.
     """
     from ..format.v2 import FstV2File
 
     with FstV2File(src) as v2:
-        cfg, names, tok = v2.config, v2.names(), v2.tokenizer_json()
-        w = FstWriter(out, cfg.to_dict(), source=v2.identity(), converter_version=__version__)
-        with w:
-            for name in names:
-                w.add_tensor(name, v2.dtype(name), v2.shape(name))
-            if tok is not None:
-                w.add_blob("tokenizer.json", len(tok))
+        if v2.context_note is not None:
+            raise FormatError(f"cannot convert: {v2.context_note}; then convert again (or run {src} as it is)")
+        tensors = [(n, v2.dtype(n), v2.shape(n)) for n in v2.names()]
+        return _write(out, v2.config, v2.identity(), tensors, v2.tensor, v2.tokenizer_json(), v2.expert, progress)
+
+
+def _is_indexer(name: str) -> bool:
+    return ".attn.indexer." in name
+
+
+def convert_indexer(src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None) -> Path:
+    """The lightning-indexer tensors (`layers.*.attn.indexer.*`, FP8 + scales as stored) of an official checkpoint
+    -> a small `.fst` v3 file without experts: the `X.fst.indexer` sidecar that FaStar v2 models lack.
+
+    Reads config.json, the index and only the shards that hold those tensors (other shards may be absent; a
+    hub id downloads just those). Raises CheckpointError naming the missing shards or the wrong tensor.
+    """
+    ck = Checkpoint(resolve_source(src, only=_is_indexer))
+    cfg = ck.config
+    want = {n: v for n, v in expected_tensors(cfg).items() if _is_indexer(n)}
+    if not want:
+        raise CheckpointError(f"{ck.path}: the model has no ratio-4 layers, hence no lightning indexer")
+    absent = [n for n in want if not ck.has(n)]
+    if absent:
+        raise CheckpointError(f"missing tensor {absent[0]} (the index of {ck.path} places it in no shard)")
+    shards = sorted({ck.shard_of(n) for n in want})
+    lost = [s for s in shards if not (ck.path / s).is_file()]
+    if lost:
+        raise CheckpointError(f"{ck.path} lacks shard(s) {', '.join(lost)}: the indexer tensors are in "
+                              f"{', '.join(shards)} (only those shards are needed)")
+    for n, (dtype, shape) in want.items():  # `Checkpoint.validate` for these tensors only
+        got, got_shape, shard = ck.info(n)
+        if (got, got_shape) != (dtype, shape):
+            raise CheckpointError(f"tensor {n} in shard {shard.name}: {got} {list(got_shape)}, expected {dtype} "
+                                  f"{list(shape)}")
+    source = dict(ck.identity(), contents="layers.*.attn.indexer.* only (a FaStar v2 model's .fst.indexer sidecar)")
+    tensors = [(n, spec.FROM_SAFETENSORS[dtype], shape) for n, (dtype, shape) in want.items()]
+    return _write(out, cfg, source, tensors, ck.read, progress=progress)
+
+
+def _write(out: str | os.PathLike, cfg: ModelConfig, source: dict, tensors: list[tuple[str, str, tuple[int, ...]]],
+           read: Callable[[str], np.ndarray], tok: bytes | None = None,
+           expert: Callable[[int, int], ExpertWeights] | None = None, progress: bool | None = None) -> Path:
+    """One `.fst` v3 file: `tensors` [(name, storage dtype, shape)] as `read(name)` gives them, the tokenizer
+    blob, and with `expert` ((slot, e) -> ExpertWeights) the whole expert bank (without it, no bank)."""
+    w = FstWriter(out, cfg.to_dict(), source=source, converter_version=__version__)
+    with w:
+        for name, dtype, shape in tensors:
+            w.add_tensor(name, dtype, shape)
+        if tok is not None:
+            w.add_blob("tokenizer.json", len(tok))
+        if expert is not None:
             w.set_expert_bank(cfg.num_layer_slots, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-            w.begin()
-            bar = _progress(w.file_size, f"converting to {Path(out).name}", progress)
-            try:
-                for name in names:
-                    w.write_tensor(name, v2.tensor(name))
+        w.begin()
+        bar = _progress(w.file_size, f"converting to {Path(out).name}", progress)
+        try:
+            for name, _, _ in tensors:
+                w.write_tensor(name, read(name))
+                bar.update(w.bytes_written - bar.n)
+            if tok is not None:
+                w.write_tensor("tokenizer.json", tok)
+            for slot in range(cfg.num_layer_slots if expert is not None else 0):
+                for e in range(cfg.n_routed_experts):
+                    w.write_expert(slot, e, expert(slot, e))
                     bar.update(w.bytes_written - bar.n)
-                if tok is not None:
-                    w.write_tensor("tokenizer.json", tok)
-                for slot in range(cfg.num_layer_slots):
-                    for e in range(cfg.n_routed_experts):
-                        w.write_expert(slot, e, v2.expert(slot, e))
-                        bar.update(w.bytes_written - bar.n)
-            finally:
-                bar.close()
-            return w.finish()
+        finally:
+            bar.close()
+        return w.finish()
 
 
 class _NoBar:

@@ -90,6 +90,7 @@ class Session:
     Args:
         runner: the engine (see the module docstring for the four names it must offer).
         context_length: positions this session may hold; a longer prompt is a `PromptError`.
+        context_note: why the context is shorter than usual, if it is (added to that error).
         vocab_size: token ids must lie in [0, vocab_size).
         tokenizer: for text prompts (`encode_prompt`); optional for id-only use.
         stats: counters to add to (the engine's); a private `Stats` by default.
@@ -98,9 +99,9 @@ class Session:
     """
 
     def __init__(self, runner, *, context_length: int, vocab_size: int, tokenizer=None, stats: Stats | None = None,
-                 fingerprint: str = "", anchor: bool = True) -> None:
+                 fingerprint: str = "", anchor: bool = True, context_note: str | None = None) -> None:
         self._runner = runner
-        self.context_length = context_length
+        self.context_length, self.context_note = context_length, context_note
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.stats = stats if stats is not None else Stats()
@@ -183,7 +184,8 @@ class Session:
             raise PromptError("the prompt is empty")
         if len(ids) >= self.context_length:
             raise PromptError(f"the prompt is {len(ids)} tokens, but the context length is {self.context_length} "
-                              f"tokens (it must be shorter, to leave room for the reply)")
+                              f"tokens (it must be shorter, to leave room for the reply)"
+                              + (f"; {self.context_note}" if self.context_note else ""))
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")

@@ -2,9 +2,10 @@
 
 Owns: the v2 byte layout as constants (128-byte `FSTH` header, 64-byte TID directory entries, qtypes, 17-byte
 MXFP4 expert blocks), the TID -> official-name table, `FstV2File` (a `WeightSource` over `X.fst` plus the
-sidecars `X.fst.hc`, `X.fst.norm`, `X.fst.tid2eid`), the `ModelConfig` a v2 file implies, and the lossless
-repack of v2 expert blocks into checkpoint layout. Imports no torch. Does not own: writing v2 (only the
-test-side `tests/fst_v2_writer.py` does) or converting to v3 (`fastar.convert.hf.convert_v2`).
+sidecars `X.fst.hc`, `X.fst.norm`, `X.fst.tid2eid` and, when present, `X.fst.indexer`), the `ModelConfig` a v2
+file implies, and the lossless repack of v2 expert blocks into checkpoint layout. Imports no torch. Does not
+own: writing v2 (only the test-side `tests/fst_v2_writer.py` does), converting to v3
+(`fastar.convert.hf.convert_v2`) or writing the indexer sidecar (`fastar.convert.hf.convert_indexer`).
 
 Layout (docs: fastar-seed-system.md §2; constants checked against FaStar's `scripts/fst_converter.py`):
   header  "<4sIIIIIIIIIIIQffQQQQQQQQ" at 0: magic "FST\\0", version 2, hidden, layers, experts, top_k, q_heads,
@@ -16,7 +17,8 @@ Layout (docs: fastar-seed-system.md §2; constants checked against FaStar's `scr
           3 F32, 4 MXFP4 dense ([rows][cols/32][17]: UE8M0 byte + 16 bytes of e2m1, low nibble first)
   bank    block (L, e) at bank_offset + (L * experts + e) * block_stride: w1, w3, w2 as MXFP4 dense blocks
 Sidecars: `.fst.hc` and `.fst.norm` are v2 containers with no expert bank (their header fields are not
-meaningful and not read); `.fst.tid2eid` is raw int32 [hash_layers][vocab][top_k].
+meaningful and not read); `.fst.tid2eid` is raw int32 [hash_layers][vocab][top_k]. `.fst.indexer` (optional,
+fastar's own) is a v3 `.fst` with no expert bank holding exactly `layers.*.attn.indexer.*` (docs/FORMAT.md).
 
 How v2 maps onto the official names, and what it cannot give back:
 - FP8 weights (wq_a, wq_b, wkv, wo_a, wo_b, shared experts) were dequantized to BF16 by truncation; FP8 x a
@@ -26,8 +28,14 @@ How v2 maps onto the official names, and what it cannot give back:
 - `hc_*_fn` (F32 in the checkpoint) are BF16-truncated in v2: presented as BF16, not bit-equal.
 - The norm sidecar's TIDs 1, 3, 4, 14, 15, 22 replace the main file's (an early converter baked in norms
   ~40x too small); the hc sidecar provides TIDs 23-31; the tid2eid table becomes `ffn.gate.tid2eid` (I64).
-- FaStar never wrote the lightning indexer (ratio-4 layers). fastar extension TIDs 41-46 (below) carry it;
-  a file without them raises FormatError listing what is missing rather than running different math.
+- FaStar never wrote the lightning indexer (ratio-4 layers), and the real release lacks it. A query at position
+  t sees (t+1)//4 compressed entries and the indexer keeps index_topk of them: all of them up to position
+  4 * index_topk + 2, where the indexer weights do not matter. So a file without any indexer tensor runs exactly
+  up to 4 * index_topk + 3 positions (2051 on Flash; the model refuses more, the engine caps its context) and
+  `context_note` says why and how to lift it: the `.fst.indexer` sidecar from `fastar convert CHECKPOINT_DIR
+  --indexer-sidecar`, in checkpoint precision (FP8 + scales), checked against this model's manifest and its
+  checksums; it also gives index_n_heads, index_head_dim and index_topk, and wins over the fastar extension
+  TIDs 41-46 (below), which can carry the indexer in the main file. A partial indexer is a FormatError.
 - Q8_0 and dense MXFP4 tensors are decoded to F32 (exact). No MTP block: the config has num_mtp_layers 0.
 Config: widths and head counts come from tensor shapes (checked against the header), ratios from TID 40
 (absent: FaStar's fallback, Flash's pattern 0, 0, then 4/128 alternating, which the manifest check confirms),
@@ -53,6 +61,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError, FormatError
 from ..weights.source import ExpertWeights
 from . import spec
+from .reader import FstFile
 
 MAGIC = b"FST\x00"
 VERSION = 2
@@ -67,7 +76,9 @@ Q8_0, BF16, F32, MXFP4 = 1, 2, 3, 4
 QTYPE_NAMES = {Q8_0: "Q8_0", BF16: "BF16", F32: "F32", MXFP4: "MXFP4"}
 BLOCK = 32  # elements per Q8_0 / MXFP4 block
 MXFP4_BLOCK_BYTES = 17
-SIDECARS = ("hc", "norm", "tid2eid")
+SIDECARS = ("hc", "norm", "tid2eid")  # required
+SIDECAR_KINDS = SIDECARS + ("indexer",)  # `.fst.indexer` is optional
+INDEXER = ".attn.indexer."  # in every name the optional `.fst.indexer` sidecar holds
 
 # (tid, sub) -> official name, global tensors (layer 0xFFFF); TID 40 (compress ratios) goes to the config
 GLOBAL_TIDS: dict[tuple[int, int], str] = {
@@ -320,8 +331,8 @@ class _Tensor:
     name: str
     dtype: str  # storage dtype presented: BF16 / F32 / I64
     shape: tuple[int, ...]
-    where: V2Container | None  # None: the tid2eid sidecar
-    entry: V2Entry | None
+    where: V2Container | FstFile | None  # None: the tid2eid sidecar; an FstFile: the indexer sidecar
+    entry: V2Entry | None  # None outside V2Containers
 
 
 def _clean(x: float) -> float:
@@ -356,7 +367,8 @@ class FstV2File:
 
     Args:
         path: the main `.fst`.
-        sidecars: paths overriding `{path}.hc`, `{path}.norm`, `{path}.tid2eid` (keys "hc", "norm", "tid2eid").
+        sidecars: paths overriding `{path}.hc`, `{path}.norm`, `{path}.tid2eid`, `{path}.indexer` (keys "hc",
+            "norm", "tid2eid", "indexer"; the indexer sidecar is optional).
         overrides: `ModelConfig` fields replacing the derived/default values (e.g. `sliding_window`).
         tokenizer: a `tokenizer.json` path to serve instead of the packaged V4 one.
 
@@ -370,12 +382,13 @@ class FstV2File:
         if self.path.is_dir():
             raise FormatError(f"{self.path}: is a directory, not a .fst file")
         given = {k: Path(v) for k, v in (sidecars or {}).items()}
-        unknown = set(given) - set(SIDECARS)
+        unknown = set(given) - set(SIDECAR_KINDS)
         if unknown:
-            raise ValueError(f"unknown sidecar kind(s) {sorted(unknown)}; expected {SIDECARS}")
-        self.sidecar_paths = {k: given.get(k, Path(f"{self.path}.{k}")) for k in SIDECARS}
+            raise ValueError(f"unknown sidecar kind(s) {sorted(unknown)}; expected {SIDECAR_KINDS}")
+        self.sidecar_paths = {k: given.get(k, Path(f"{self.path}.{k}")) for k in SIDECAR_KINDS}
         self._tokenizer_path = None if tokenizer is None else Path(tokenizer)
-        self._files: list[V2Container] = []
+        self._files: list[V2Container | FstFile] = []
+        self.context_note: str | None = None  # why only a short context runs, and the fix (no indexer weights)
         self._tl = threading.local()
         try:
             self.main = self._open(self.path, "model")
@@ -387,8 +400,11 @@ class FstV2File:
             self._collect(self.main, exclude=NORM_TIDS | HC_TIDS)
             self._collect(self._open(self.sidecar_paths["hc"], "hc"), only=HC_TIDS)
             self._collect(self._open(self.sidecar_paths["norm"], "norm"), only=NORM_TIDS)
-            self.config = self._derive_config(overrides or {})
+            indexer = self._open_indexer()
+            self.config = self._derive_config(overrides or {}, indexer)
             self._add_tid2eid()
+            if indexer is not None:
+                self._add_indexer(indexer)
             self._check_complete()
         except BaseException:
             self.close()
@@ -457,7 +473,7 @@ class FstV2File:
             raise FormatError(f"{self.path}: cannot derive the model config: {what} ({name}) is missing")
         return t.shape
 
-    def _derive_config(self, overrides: dict) -> ModelConfig:
+    def _derive_config(self, overrides: dict, indexer: FstFile | None) -> ModelConfig:
         h, fail = self.header, self.main._fail
         if self._ratios is None:  # FaStar's own fallback (Flash's pattern); the manifest check below verifies it
             ratios = [0 if L < 2 else 4 if L % 2 == 0 else 128 for L in range(h.num_layers)]
@@ -492,6 +508,8 @@ class FstV2File:
             L = int(wp.name.split(".")[1])
             kw.update(index_n_heads=wp.shape[0],
                       index_head_dim=self._shape(f"layers.{L}.attn.indexer.compressor.norm.weight", "indexer")[0])
+        if indexer is not None:  # the checkpoint's own values (v2 has no index_topk)
+            kw.update({k: getattr(indexer.config, k) for k in ("index_n_heads", "index_head_dim", "index_topk")})
         kw.update(overrides)
         try:
             return ModelConfig(**kw)
@@ -520,19 +538,63 @@ class FstV2File:
                 raise FormatError(f"{path}: expert ids outside [0, {c.n_routed_experts})")
             self._tid2eid = t.astype(np.int64)
 
+    def _open_indexer(self) -> FstFile | None:
+        """The `.fst.indexer` sidecar when present: a v3 `.fst` (no experts) of the checkpoint's indexer tensors."""
+        path = self.sidecar_paths["indexer"]
+        if not path.exists():
+            return None
+        fix = f"write it again with `fastar convert CHECKPOINT_DIR --indexer-sidecar -o {path}`"
+        try:
+            f = FstFile(path)
+        except FormatError as e:
+            raise FormatError(f"{e} (the .fst.indexer sidecar of {self.path.name}: {fix})") from None
+        self._files.append(f)
+        bad = f.verify()  # small (~0.3 GB on Flash), and a flipped bit would only show as worse picks
+        if bad:
+            raise FormatError(f"{path}: checksum mismatch in {bad[0]} (the .fst.indexer sidecar is corrupt: {fix})")
+        return f
+
+    def _add_indexer(self, f: FstFile) -> None:
+        """Check the sidecar against this model's manifest; its tensors replace any in the main file."""
+        from ..convert.names import expected_tensors
+
+        want = {n: v for n, v in expected_tensors(self.config).items() if INDEXER in n}
+        have = set(f.names())
+        missing, extra = [n for n in want if n not in have], sorted(have - set(want))
+        problems = [f"{n} is {f.dtype(n)} {list(f.tensor(n).shape)}, expected {dt} {list(shape)}"
+                    for n, (dt, shape) in want.items()
+                    if n in have and (f.dtype(n), f.tensor(n).shape) != (spec.FROM_SAFETENSORS[dt], tuple(shape))][:1]
+        problems += [f"lacks {_group(missing)}"] if missing else []
+        problems += [f"also holds {_group(extra)}"] if extra else []
+        if problems:
+            raise FormatError(f"{f.path}: not the lightning indexer of this model ({'; '.join(problems)}); write it "
+                              f"again from this model's checkpoint with `fastar convert CHECKPOINT_DIR "
+                              f"--indexer-sidecar -o {f.path}`")
+        self._tensors = {n: t for n, t in self._tensors.items() if INDEXER not in n}
+        for n in want:
+            self._tensors[n] = _Tensor(n, f.dtype(n), tuple(f.tensor(n).shape), f, None)
+
     def _check_complete(self) -> None:
         # the one manifest; names.py depends on nothing but the config, so no import cycle
         from ..convert.names import expected_tensors, is_routed_expert
 
-        want = {n: s for n, (dt, s) in expected_tensors(self.config).items()
-                if not is_routed_expert(n) and not (dt == "F8_E8M0" and n.endswith(".scale"))}
+        want = {n: s for n, (dt, s) in expected_tensors(self.config).items() if not is_routed_expert(n)
+                and (n in self._tensors or not (dt == "F8_E8M0" and n.endswith(".scale")))}  # v2 has no FP8 scales
         missing = [n for n in want if n not in self._tensors]
+        if missing and all(INDEXER in n for n in missing) and not any(INDEXER in n for n in self._tensors):
+            # FaStar never wrote the indexer: the model runs without it, exactly, up to a context limit
+            want = {n: s for n, s in want.items() if INDEXER not in n}
+            missing = []
+            self.context_note = (
+                f"{self.path} has no lightning-indexer weights (FaStar's converter never wrote them), and without "
+                f"them ratio-4 layers are exact only while a query sees at most index_topk = {self.config.index_topk} "
+                f"compressed entries; to run longer contexts, write them next to it with `fastar convert "
+                f"CHECKPOINT_DIR --indexer-sidecar -o {self.sidecar_paths['indexer']}` (this reads only the "
+                f"checkpoint shards that hold layers.*.attn.indexer.*)")
         if missing:
             files = ", ".join(str(p) for p in [self.path, self.sidecar_paths["hc"], self.sidecar_paths["norm"]])
-            hint = ("; FaStar's converter never wrote the lightning indexer of ratio-4 layers: run or convert "
-                    "the official checkpoint directory instead" if all(".attn.indexer." in n for n in missing) else "")
             raise FormatError(f"{self.path}: the FaStar v2 model lacks {len(missing)} tensor(s) DeepSeek-V4 needs: "
-                              f"{_group(missing)} (looked in {files}){hint}")
+                              f"{_group(missing)} (looked in {files})")
         for n, t in self._tensors.items():
             if n not in want:
                 self.ignored.append(f"{n} (not in the manifest)")
@@ -568,6 +630,8 @@ class FstV2File:
         t = self._get(name)
         if t.where is None:
             return self._tid2eid[int(name.split(".")[1])]
+        if t.entry is None:  # the .fst.indexer sidecar
+            return t.where.tensor(name)
         return t.where.array(t.entry)
 
     def tokenizer_json(self) -> bytes | None:
@@ -578,6 +642,7 @@ class FstV2File:
     def identity(self) -> dict:
         """What identifies the source cheaply (for a converted file's header)."""
         files = [self.path] + [self.sidecar_paths[k] for k in SIDECARS]
+        files += [f.path for f in self._files if isinstance(f, FstFile)]  # the .fst.indexer sidecar, if loaded
         return {"format": "FaStar .fst v2", "files": [{"name": p.name, "size": p.stat().st_size} for p in files]}
 
     # --- experts -------------------------------------------------------------------------------------------

@@ -279,17 +279,20 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
     )
 
 
-def resolve_max_tokens(prompt_tokens: int, max_tokens: int | None, context_length: int) -> int:
-    """Never truncate silently: a prompt that does not fit, or a budget that overflows the context, is a 400."""
+def resolve_max_tokens(prompt_tokens: int, max_tokens: int | None, context_length: int,
+                       note: str | None = None) -> int:
+    """Never truncate silently: a prompt that does not fit, or a budget that overflows the context, is a 400.
+    `note` says why the context is shorter than asked (e.g. a model file without lightning-indexer weights)."""
+    why = f" ({note})" if note else ""
     if prompt_tokens >= context_length:
         raise bad_request(
-            f"This model's maximum context length is {context_length} tokens, but the prompt is "
+            f"This model's maximum context length is {context_length} tokens{why}, but the prompt is "
             f"{prompt_tokens} tokens. Please shorten the prompt.", "messages", "context_length_exceeded")
     if max_tokens is None:
         return context_length - prompt_tokens
     if prompt_tokens + max_tokens > context_length:
         raise bad_request(
-            f"This model's maximum context length is {context_length} tokens. However, you requested "
+            f"This model's maximum context length is {context_length} tokens{why}. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
             f"completion). Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
     return max_tokens

@@ -324,7 +324,8 @@ class Handler(BaseHTTPRequestHandler):
             raise P.bad_request(str(err), "messages") from None
 
     def _submit(self, engine: Any, prompt_ids: list[int], sampling: dict, max_tokens: int | None) -> tuple[Job, int]:
-        limit = P.resolve_max_tokens(len(prompt_ids), max_tokens, engine.context_length)
+        limit = P.resolve_max_tokens(len(prompt_ids), max_tokens, engine.context_length,
+                                      getattr(engine, "context_note", None))
         job = Job(prompt_ids, P.make_sampling_params(sampling, limit))
         self.app.host.submit(job)
         return job, limit

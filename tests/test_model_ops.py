@@ -150,6 +150,31 @@ def test_fp8_quant_sim_matches_e4m3_with_pow2_block_scales():
     assert torch.equal(ops.fp8_quant_sim(y, 64), y)  # idempotent
 
 
+def test_fp8_quant_sim_kernel_is_bit_identical_to_torch():
+    """The C activation quantizer against the torch formula: every e4m3 rounding boundary and tie, subnormals,
+    saturation, signed zeros, tiny blocks (the 1e-4 floor), huge ones, NaN and infinity, ragged last blocks."""
+    if ops._C_kernels() is None:
+        pytest.skip("C extension not built")
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = codes[torch.isfinite(codes)]
+    mids = (codes[:, None] + codes[None, :]).flatten() / 2  # every tie and far more
+    steps = torch.tensor([1 - 2 ** -20, 1 + 2 ** -20, 1 - 2 ** -9, 1 + 2 ** -9])
+    vals = torch.cat([codes, mids, (codes[:, None] * steps).flatten(), torch.tensor([448.0, -449.0, 1e6, -0.0])])
+    g = torch.Generator().manual_seed(0)
+    vals = vals[torch.randperm(len(vals), generator=g)][:len(vals) // 128 * 128].view(-1, 128)
+    cases = [vals * 2.0 ** e for e in (-30, -9, 0, 7)]
+    cases += [torch.randn(7, 1000, generator=g) * torch.logspace(-8, 6, 1000), torch.randn(3, 4096, generator=g),
+              torch.full((2, 64), 3e-7), torch.zeros(1, 5)]
+    special = torch.randn(4, 256, generator=g)
+    special[0, 3], special[1, 200], special[2, 0] = float("nan"), float("inf"), -float("inf")
+    cases.append(special)
+    for x in cases:
+        for block in (128, 64, 32):
+            got, want = ops.fp8_quant_sim(x, block), ops.fp8_quant_sim_torch(x, block)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or \
+                (torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()))
+
+
 def test_fp4_quant_sim_ties_to_even_and_matches_reference_rounding():
     grid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.25, -2.5])
     assert torch.equal(ops.e2m1_round(grid), torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.0, -2.0]))

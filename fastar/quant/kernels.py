@@ -1,10 +1,11 @@
 """Fast fused dequantize-and-multiply CPU kernels, exact to `fastar.quant.reference` up to float32 summation order.
 
 Owns: the Python face of the C extension `fastar.quant._kernels` (built by setup.py from `quant/csrc/`):
-`fp4_matmul`, `fp8_matmul`, `bf16_matmul`, the fused routed expert `expert_ffn`, thread-count and
+`fp4_matmul`, `fp8_matmul`, `bf16_matmul`, the fused routed expert `expert_ffn` (optionally with the
+official numerics' FP8 activation quantization inside), `fp8_act_quant`, thread-count and
 instruction-set controls, and a numpy fallback with identical semantics for when the extension is missing
 (`available()` is then False; results stay correct, only slow).
-Does not own: activation quantization for the `official` numerics (the model applies it) nor weight paging.
+Does not own: the choice of numerics (the model's) nor weight paging.
 
 Every product takes the checkpoint's own layouts, never a widened copy (see reference.py):
 - FP4 weight [N, K/2] uint8 (low nibble = even column) + UE8M0 scale [N, K/32] uint8;
@@ -30,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised only on machines without a C
 
 __all__ = [
     "available", "cpu_features", "set_num_threads", "get_num_threads", "set_isa", "get_isa",
-    "fp4_matmul", "fp8_matmul", "bf16_matmul", "expert_ffn",
+    "fp4_matmul", "fp8_matmul", "bf16_matmul", "expert_ffn", "fp8_act_quant",
 ]
 
 
@@ -194,7 +195,24 @@ def swiglu_limited(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray
         return (gate / (np.float32(1) + np.exp(-gate)) * up).astype(np.float32)
 
 
-def expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit: float, out) -> np.ndarray:
+def fp8_act_quant(x, block: int = 128, out=None) -> np.ndarray:
+    """DeepSeek's FP8 activation quant-dequant of float32 x [R, K] per `block` values (`reference.fp8_act_quant`,
+    bit-identical); `out` may be x itself."""
+    x = _array(x, "x")
+    if _C is not None:
+        out = np.empty_like(x) if out is None else _array(out, "out")
+        _C.fp8_act_quant(x, int(block), out)
+        return out
+    _check(x, "x", np.float32, 2)
+    r = ref.fp8_act_quant(x, block)
+    if out is None:
+        return r
+    out = _array(out, "out")
+    out[...] = r
+    return out
+
+
+def expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit: float, out, act_block: int = 0) -> np.ndarray:
     """One routed FP4 expert, fused: out[t] += route_w[t] * swiglu(x[t]) @ W2.T, accumulated into `out`.
 
     x [T, D] float32; w1/w3 (gate/up) FP4 [I, D/2] + scales [I, D/32]; w2 (down) FP4 [D, I/2] + [D, I/32];
@@ -202,11 +220,12 @@ def expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit: float, out) -> np.ndar
     gate = x W1^T, up = x W3^T, h = silu(min(gate, limit)) * clamp(up, -limit, limit) * route_w[t]
     (limit <= 0: no clamp), out += h W2^T. Twin: `reference.fp4_decode` of each weight composed with
     `swiglu_limited`; the routing weight is applied before the down projection (DeepSeek's order).
+    act_block > 0: the official numerics' FP8 activation quantization (`fp8_act_quant`) of x and of h.
     """
     arrs = [_array(a, nm) for a, nm in ((x, "x"), (w1, "w1"), (s1, "s1"), (w3, "w3"), (s3, "s3"),
                                          (w2, "w2"), (s2, "s2"), (route_w, "route_w"), (out, "out"))]
     if _C is not None:
-        _C.expert_ffn(*arrs[:8], float(limit), arrs[8])
+        _C.expert_ffn(*arrs[:8], float(limit), arrs[8], int(act_block))
         return arrs[8]
     x, w1, s1, w3, s3, w2, s2, route_w, out = arrs
     for a, nm, dt, nd in ((x, "x", np.float32, 2), (route_w, "route_w", np.float32, 1), (out, "out", np.float32, 2)):
@@ -214,9 +233,10 @@ def expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit: float, out) -> np.ndar
     _shape(out, "out", x.shape)
     if route_w.shape != (x.shape[0],):
         raise ValueError(f"route_w has shape {route_w.shape}, expected ({x.shape[0]},)")
-    gate = fp4_matmul(x, w1, s1)
-    up = fp4_matmul(x, w3, s3)
+    q = (lambda a: ref.fp8_act_quant(a, act_block)) if act_block else (lambda a: a)
+    gate = fp4_matmul(q(x), w1, s1)
+    up = fp4_matmul(q(x), w3, s3)
     h = swiglu_limited(gate, up, limit) * route_w[:, None]
-    out += fp4_matmul(h.astype(np.float32), w2, s2)
+    out += fp4_matmul(q(h.astype(np.float32)), w2, s2)
     return out
 

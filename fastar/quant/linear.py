@@ -200,20 +200,22 @@ class SourceExperts:
 def expert_ffn(x: torch.Tensor, ew: ExpertWeights, route_w: torch.Tensor, limit: float,
                weight_before_down: bool = False,
                act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               kernels: bool = True) -> torch.Tensor:
+               kernels: bool = True, act_block: int = 0) -> torch.Tensor:
     """One routed FP4 expert on the tokens routed to it.
 
     x [T, D] float32, route_w [T]. `w2(silu(min(w1 x, l)) * clamp(w3 x, -l, l)) * route_w` (transformers'
     order) or, with `weight_before_down`, `w2(route_w * swiglu)` (DeepSeek's order). `act_quant`, when given,
-    is applied to the inputs of each product (x before w1/w3, the mid activation before w2).
+    is applied to the inputs of each product (x before w1/w3, the mid activation before w2); when it is the
+    FP8 block quantizer, `act_block` (its block) lets the fused kernel apply it inside, in one call.
     """
     x = x.float()
     route_w = route_w.float()
     k = _kernels() if kernels else None
-    if k is not None and act_quant is None:  # fused; it weights before w2, the same math without act_quant
+    fused = act_quant is None or (act_block > 0 and weight_before_down)
+    if k is not None and fused:  # it weights before w2: the same math when there is no act_quant
         out = torch.zeros_like(x)  # the kernel accumulates into out
         k.expert_ffn(x.contiguous(), *(np.ascontiguousarray(a) for a in ew), route_w.contiguous(),
-                     float(limit), out)
+                     float(limit), out, act_block=act_block if act_quant is not None else 0)
         return out
 
     def product(a: torch.Tensor, w: np.ndarray, s: np.ndarray) -> torch.Tensor:

@@ -80,6 +80,22 @@ def fp8_encode(x: np.ndarray) -> np.ndarray:
     return x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
+def fp8_act_quant(x: np.ndarray, block: int = 128) -> np.ndarray:
+    """DeepSeek's activation quant-dequant, float32 [..., K]: per `block` values s = 2^ceil(log2(max(amax, 1e-4)
+    / 448)) and x -> e4m3(x / s) * s (a block holding NaN or inf gets s = 1, as torch's frexp gives)."""
+    x = np.asarray(x, dtype=np.float32)
+    k = x.shape[-1]
+    pad = -k % block
+    g = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], -1, block)
+    with np.errstate(invalid="ignore", over="ignore"):
+        amax = np.abs(g).max(-1, keepdims=True)
+        mant, exp = np.frexp(np.maximum(amax, np.float32(1e-4)) / np.float32(FP8_MAX))
+        s = np.ldexp(np.float32(1), np.where(mant == 0.5, exp - 1, exp)).astype(np.float32)
+        s = np.where(np.isfinite(amax), s, np.float32(1))
+        q = fp8_decode(fp8_encode(g / s))
+    return (q * s).reshape(*x.shape[:-1], -1)[..., :k]
+
+
 def _expand_blocks(scale: np.ndarray, rows: int, cols: int, br: int, bc: int) -> np.ndarray:
     return np.repeat(np.repeat(scale, br, axis=0), bc, axis=1)[:rows, :cols]
 

@@ -1,8 +1,9 @@
 /* AVX2 + FMA + F16C kernels (Haswell / Zen 1 and later), chosen at run time by kernels.c.
  *
  * Owns: the FP4 / FP8 / BF16 products for this ISA, in two shapes:
- * - dot path (T <= DOT_MAX, decode): each weight row is streamed once and dequantized in registers, all tokens
- *   accumulate against it. Activations are pre-permuted (xp, see the maps) so the cheapest in-lane unpacking
+ * - dot path (T <= DOT_MAX, decode and verify passes): each weight row is streamed once per DOT_GROUP tokens
+ *   and dequantized in registers, the group's tokens accumulate against it, each in an order that does not
+ *   depend on T (DOT_DISPATCH in kernels.h: batch-invariant). Activations are pre-permuted (xp, see the maps) so the cheapest in-lane unpacking
  *   order of the weights lines up with them; scales are applied once per group to a partial sum (exact: a
  *   power of two), so the inner loop is shuffles + FMAs.
  * - tile path (larger T, prefill): a 16-row x 128-column tile is dequantized once into an L1 buffer, already
@@ -21,7 +22,7 @@
 
 #include "kernels.h"
 
-#define DOT_MAX 4
+#define DOT_MAX 8 /* T up to this takes the dot path, DOT_GROUP tokens at a time */
 #define NR 16 /* tile rows (2 vectors) */
 #define MR 6  /* tokens per microkernel call */
 #define KC 128
@@ -81,7 +82,7 @@ INLINE void fp4_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, in
     const __m256i spread_b = _mm256_add_epi32(_mm256_set1_epi32((int)0x80808000), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
     int normal = 1;
     for (int64_t g = cb / FP4_GROUP; g < ce / FP4_GROUP; g++) normal &= (sr[g] != 0) & (sr[g] != 255);
-    __m256 tot[DOT_MAX];
+    __m256 tot[DOT_GROUP];
     for (int t = 0; t < nt; t++) tot[t] = _mm256_setzero_ps();
     const int64_t full = ce / 64, chunks = full + (ce % 64 != 0);
     for (int64_t c = cb / 64; c < chunks; c++) {
@@ -143,16 +144,16 @@ INLINE void fp8_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, in
     const uint8_t *srow = j->s + (n / FP8_BLOCK) * kb;
     const __m128i m7f = _mm_set1_epi8(0x7f);
     __m128i nanmax = _mm_setzero_si128();
-    __m256 tot[DOT_MAX];
+    __m256 tot[DOT_GROUP];
     for (int t = 0; t < nt; t++) tot[t] = _mm256_setzero_ps();
     for (int64_t b = cb / FP8_BLOCK; b < (ce + FP8_BLOCK - 1) / FP8_BLOCK; b++) {
         const int64_t c0 = b * FP8_BLOCK, c1 = c0 + FP8_BLOCK < ce ? c0 + FP8_BLOCK : ce;
-        __m256 pa[DOT_MAX], pb[DOT_MAX];
+        __m256 pa[DOT_GROUP], pb[DOT_GROUP];
         for (int t = 0; t < nt; t++) pa[t] = pb[t] = _mm256_setzero_ps();
         for (int64_t c = c0; c < c1; c += 16) {
             __m128i v;
-            const float *xs[DOT_MAX];
-            float xtail[DOT_MAX][16];
+            const float *xs[DOT_GROUP];
+            float xtail[DOT_GROUP][16];
             if (c + 16 <= c1) {
                 v = _mm_loadu_si128((const __m128i *)(wr + c));
                 for (int t = 0; t < nt; t++) xs[t] = j->x + t * K + c;
@@ -193,7 +194,7 @@ INLINE void bf16_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, i
     const int64_t K = j->K;
     const uint16_t *wr = (const uint16_t *)j->w + n * K;
     const __m256i mhi = _mm256_set1_epi32((int)0xffff0000u);
-    __m256 pa[DOT_MAX], pb[DOT_MAX];
+    __m256 pa[DOT_GROUP], pb[DOT_GROUP];
     for (int t = 0; t < nt; t++) pa[t] = pb[t] = _mm256_setzero_ps();
     for (int64_t c = cb; c < ce; c += 16) {
         __m256i v;
@@ -214,33 +215,6 @@ INLINE void bf16_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, i
     }
     for (int t = 0; t < nt; t++) acc[t] += hsum(_mm256_add_ps(pa[t], pb[t]));
 }
-
-/* Rows in blocks of DOT_RB; columns in slices short enough that every token's slice of x stays in L1
- * (T x 16 KB of activations would not), partial sums added per slice. */
-#define DOT_RB 8
-INLINE int64_t dot_slice(int64_t K, int64_t T) {
-    int64_t ks = (4096 / T) & ~(int64_t)(XP_CHUNK - 1);
-    return K <= ks ? K : ks;
-}
-#define DOT_DISPATCH(ROW)                                                                     \
-    {                                                                                         \
-        const int64_t ks = dot_slice(j->K, j->T);                                             \
-        for (int64_t nb = n0; nb < n1; nb += DOT_RB) {                                        \
-            const int64_t ne = nb + DOT_RB < n1 ? nb + DOT_RB : n1;                           \
-            float acc[DOT_RB][DOT_MAX] = {{0}};                                               \
-            for (int64_t cb = 0; cb < j->K; cb += ks) {                                       \
-                const int64_t ce = cb + ks < j->K ? cb + ks : j->K;                           \
-                for (int64_t n = nb; n < ne; n++) switch (j->T) {                             \
-                    case 1: ROW(j, n, 1, cb, ce, acc[n - nb]); break;                         \
-                    case 2: ROW(j, n, 2, cb, ce, acc[n - nb]); break;                         \
-                    case 3: ROW(j, n, 3, cb, ce, acc[n - nb]); break;                         \
-                    default: ROW(j, n, 4, cb, ce, acc[n - nb]); break;                        \
-                    }                                                                         \
-            }                                                                                 \
-            for (int64_t n = nb; n < ne; n++)                                                 \
-                for (int64_t t = 0; t < j->T; t++) put(j, t, n, acc[n - nb][t]);              \
-        }                                                                                     \
-    }
 
 /* ---------------------------------------------------------------- tile path (prefill) */
 

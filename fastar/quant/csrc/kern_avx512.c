@@ -19,7 +19,7 @@
 
 #include "kernels.h"
 
-#define DOT_MAX 4
+#define DOT_MAX 8 /* T up to this takes the dot path, DOT_GROUP tokens at a time */
 #define NR 32 /* tile rows (2 vectors) */
 #define MR 12 /* tokens per microkernel call */
 #define KC 128
@@ -64,7 +64,7 @@ INLINE void fp4_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, in
     const __m512i spread_b = _mm512_add_epi32(_mm512_set1_epi32((int)0x80808000),
                                               _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
     const int normal = scales_normal(sr + cb / FP4_GROUP, (ce - cb) / FP4_GROUP);
-    __m512 tot[DOT_MAX];
+    __m512 tot[DOT_GROUP];
     for (int t = 0; t < nt; t++) tot[t] = _mm512_setzero_ps();
     const int64_t full = ce / 128, rem = (ce % 128) / FP4_GROUP, chunks = full + (rem != 0);
     for (int64_t c = cb / 128; c < chunks; c++) {
@@ -115,11 +115,11 @@ INLINE void fp8_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, in
     const uint8_t *srow = j->s + (n / FP8_BLOCK) * kb;
     const __m256i m7f = _mm256_set1_epi8(0x7f);
     __m256i nanmax = _mm256_setzero_si256();
-    __m512 tot[DOT_MAX];
+    __m512 tot[DOT_GROUP];
     for (int t = 0; t < nt; t++) tot[t] = _mm512_setzero_ps();
     for (int64_t b = cb / FP8_BLOCK; b < (ce + FP8_BLOCK - 1) / FP8_BLOCK; b++) {
         const int64_t c0 = b * FP8_BLOCK, c1 = c0 + FP8_BLOCK < ce ? c0 + FP8_BLOCK : ce;
-        __m512 pa[DOT_MAX], pb[DOT_MAX];
+        __m512 pa[DOT_GROUP], pb[DOT_GROUP];
         for (int t = 0; t < nt; t++) pa[t] = pb[t] = _mm512_setzero_ps();
         for (int64_t c = c0; c < c1; c += 32) {
             const int64_t left = c1 - c;
@@ -153,7 +153,7 @@ INLINE void bf16_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, i
     const int64_t K = j->K;
     const uint16_t *wr = (const uint16_t *)j->w + n * K;
     const __m512i mhi = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 pa[DOT_MAX], pb[DOT_MAX];
+    __m512 pa[DOT_GROUP], pb[DOT_GROUP];
     for (int t = 0; t < nt; t++) pa[t] = pb[t] = _mm512_setzero_ps();
     for (int64_t c = cb; c < ce; c += 32) {
         const int64_t left = ce - c;
@@ -169,33 +169,6 @@ INLINE void bf16_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, i
     }
     for (int t = 0; t < nt; t++) acc[t] += _mm512_reduce_add_ps(_mm512_add_ps(pa[t], pb[t]));
 }
-
-/* Rows in blocks of DOT_RB; columns in slices short enough that every token's slice of x stays in L1
- * (T x 16 KB of activations would not), partial sums added per slice. */
-#define DOT_RB 8
-INLINE int64_t dot_slice(int64_t K, int64_t T) {
-    int64_t ks = (4096 / T) & ~(int64_t)(XP_CHUNK - 1);
-    return K <= ks ? K : ks;
-}
-#define DOT_DISPATCH(ROW)                                                                     \
-    {                                                                                         \
-        const int64_t ks = dot_slice(j->K, j->T);                                             \
-        for (int64_t nb = n0; nb < n1; nb += DOT_RB) {                                        \
-            const int64_t ne = nb + DOT_RB < n1 ? nb + DOT_RB : n1;                           \
-            float acc[DOT_RB][DOT_MAX] = {{0}};                                               \
-            for (int64_t cb = 0; cb < j->K; cb += ks) {                                       \
-                const int64_t ce = cb + ks < j->K ? cb + ks : j->K;                           \
-                for (int64_t n = nb; n < ne; n++) switch (j->T) {                             \
-                    case 1: ROW(j, n, 1, cb, ce, acc[n - nb]); break;                         \
-                    case 2: ROW(j, n, 2, cb, ce, acc[n - nb]); break;                         \
-                    case 3: ROW(j, n, 3, cb, ce, acc[n - nb]); break;                         \
-                    default: ROW(j, n, 4, cb, ce, acc[n - nb]); break;                        \
-                    }                                                                         \
-            }                                                                                 \
-            for (int64_t n = nb; n < ne; n++)                                                 \
-                for (int64_t t = 0; t < j->T; t++) put(j, t, n, acc[n - nb][t]);              \
-        }                                                                                     \
-    }
 
 /* ---------------------------------------------------------------- tile path (prefill) */
 

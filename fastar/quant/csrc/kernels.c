@@ -21,6 +21,8 @@
 
 static const isa_ops *ISA = &isa_scalar_ops;
 
+static void fp8_act_quant_rows(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
+
 /* ---------------------------------------------------------------- CPU features and ISA choice */
 
 static int cpu_has(const char *feat) {
@@ -304,15 +306,19 @@ static void ffn_phase1(void *p, int64_t i) {
     }
 }
 
-/* expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit, out) -> None; out [T, D] is accumulated into. */
+/* expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit, out, act_block=0) -> None; out [T, D] is accumulated
+ * into. act_block > 0 applies DeepSeek's FP8 activation quantization (fp8_act_quant_rows) per act_block values to
+ * x before w1/w3 and to the routed mid activation before w2, as the official numerics do. */
 static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kws[] = {"x", "w1", "s1", "w3", "s3", "w2", "s2", "route_w", "limit", "out", NULL};
+    static char *kws[] = {"x", "w1", "s1", "w3", "s3", "w2", "s2", "route_w", "limit", "out", "act_block", NULL};
     PyObject *o[10];
     double limit;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOdO", kws, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
-                                     &limit, &o[9]))
+    Py_ssize_t act_block = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOdO|n", kws, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6],
+                                     &o[7], &limit, &o[9], &act_block))
         return NULL;
+    if (act_block < 0) return PyErr_Format(PyExc_ValueError, "act_block must be >= 0, got %zd", act_block);
     view_t v[9];
     memset(v, 0, sizeof v);
     const char *names[9] = {"x", "w1", "s1", "w3", "s3", "w2", "s2", "route_w", "out"};
@@ -343,16 +349,22 @@ static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
     Py_BEGIN_ALLOW_THREADS
     if (T > 0 && D > 0 && I > 0) {
         float *gu = malloc((size_t)(2 * T * I) * sizeof(float));
+        float *xq = act_block ? malloc((size_t)(T * D) * sizeof(float)) : NULL;
+        const float *x = v[0].b.buf;
         float *xp = NULL, *hp = NULL;
         int64_t kp1 = 0, kp2 = 0;
-        if (!gu) rc = -1;
+        if (!gu || (act_block && !xq)) rc = -1;
+        if (!rc && act_block) {
+            fp8_act_quant_rows(x, xq, T, D, act_block);
+            x = xq;
+        }
         if (!rc) {
-            xp = permute_x(isa, isa->fp4_map, v[0].b.buf, T, D, &kp1);
+            xp = permute_x(isa, isa->fp4_map, x, T, D, &kp1);
             if (xp == (float *)-1) rc = -1, xp = NULL;
         }
         if (!rc) {
             ffn_ctx c = {.isa = isa, .route_w = v[7].b.buf, .limit = (float)limit};
-            c.gate = (mm_job){.x = v[0].b.buf, .xp = xp, .kp = kp1, .w = v[1].b.buf, .s = v[2].b.buf, .T = T, .N = I,
+            c.gate = (mm_job){.x = x, .xp = xp, .kp = kp1, .w = v[1].b.buf, .s = v[2].b.buf, .T = T, .N = I,
                               .K = D, .out = gu, .ldo = I, .accumulate = 0, .dot = T <= dot_max(isa)};
             c.up = c.gate;
             c.up.w = v[3].b.buf;
@@ -360,6 +372,7 @@ static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
             c.up.out = gu + T * I;
             c.rows_per_chunk = chunk_rows(I);
             pool_run((I + c.rows_per_chunk - 1) / c.rows_per_chunk, ffn_phase1, &c);
+            if (act_block) fp8_act_quant_rows(gu, gu, T, I, act_block);
             hp = permute_x(isa, isa->fp4_map, gu, T, I, &kp2);
             if (hp == (float *)-1) rc = -1, hp = NULL;
         }
@@ -370,6 +383,7 @@ static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
         }
         free(hp);
         free(xp);
+        free(xq);
         free(gu);
     }
     Py_END_ALLOW_THREADS
@@ -381,6 +395,75 @@ static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 fail:
     release(v, 9);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- activation quantization */
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* Nearest e4m3fn value of a (|a| <= 448, finite), ties to even: the quantum is 2^(max(e, -6) - 3) for a's
+ * binade e (2^-9 below 2^-6, the subnormals); (y + 2^23) - 2^23 rounds y < 2^22 to an integer, ties to even. */
+static inline float e4m3_round(float a) {
+    const int e = (int)((f2u(a) >> 23) & 0xff) - 127;
+    const int q = (e < -6 ? -6 : e) - 3;
+    const float y = a * u2f((uint32_t)(127 - q) << 23);
+    return ((y + 8388608.0f) - 8388608.0f) * u2f((uint32_t)(127 + q) << 23);
+}
+
+/* DeepSeek's act_quant simulated: per `block` values of a row, s = 2^ceil(log2(max(amax, 1e-4) / 448)) and
+ * x -> e4m3(x / s) * s. Bit-identical to fastar.model.ops.fp8_quant_sim_torch (tested), quirks included: a
+ * block holding a NaN or an infinity gets s = 1 (NaN stays NaN, infinities saturate to +-448). */
+static void fp8_act_quant_rows(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b0 = 0; b0 < K; b0 += block) {
+            const float *xb = x + r * K + b0;
+            float *ob = out + r * K + b0;
+            const int64_t n = K - b0 < block ? K - b0 : block;
+            float amax = 0.0f;
+            int bad = 0;
+            for (int64_t i = 0; i < n; i++) {
+                const float a = fabsf(xb[i]);
+                bad |= !(a <= 3.4028235e38f); /* NaN or inf */
+                amax = a > amax ? a : amax;
+            }
+            int ex = 0, sexp = 0; /* a NaN or infinite amax gives s = 1, as torch's frexp does */
+            if (!bad) {
+                const float m = frexpf((amax > 1e-4f ? amax : 1e-4f) / 448.0f, &ex); /* v = m 2^ex, m in [.5, 1) */
+                sexp = m == 0.5f ? ex - 1 : ex;                                       /* s = 2^sexp >= v */
+            }
+            const float s = ldexpf(1.0f, sexp), inv = ldexpf(1.0f, -sexp);
+            for (int64_t i = 0; i < n; i++) {
+                float v = xb[i] * inv;
+                v = v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v);
+                ob[i] = copysignf(e4m3_round(fabsf(v)), v) * s;
+            }
+        }
+}
+
+/* fp8_act_quant(x, block, out) -> None; x, out float32 [R, K] (out may be x) */
+static PyObject *py_fp8_act_quant(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oo;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "OnO", &ox, &block, &oo)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_view(ox, &v[0], "x", 'f', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) goto fail;
+    if (block < 1) {
+        PyErr_Format(PyExc_ValueError, "block must be positive, got %zd", block);
+        goto fail;
+    }
+    if (shape_is(&v[1], "out", dim(&v[0], 0), dim(&v[0], 1), "= x.shape")) goto fail;
+    if (v[0].b.buf != v[1].b.buf && no_overlap(&v[1], &v[0], 1)) goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    fp8_act_quant_rows(v[0].b.buf, v[1].b.buf, dim(&v[0], 0), dim(&v[0], 1), block);
+    Py_END_ALLOW_THREADS
+    release(v, 2);
+    Py_RETURN_NONE;
+fail:
+    release(v, 2);
     return NULL;
 }
 
@@ -536,6 +619,8 @@ static PyMethodDef methods[] = {
      "bf16_matmul(x f32[T,K], w u16[N,K], out f32[T,N], accumulate=False)"},
     {"expert_ffn", (PyCFunction)(void (*)(void))py_expert_ffn, METH_VARARGS | METH_KEYWORDS,
      "expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit, out): out += route_w * swiglu(x) @ W2.T"},
+    {"fp8_act_quant", py_fp8_act_quant, METH_VARARGS,
+     "fp8_act_quant(x f32[R,K], block, out f32[R,K]): DeepSeek's FP8 activation quant-dequant per block"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"default_num_threads", py_default_num_threads, METH_NOARGS, "CPUs this process may run on (or FASTAR_THREADS)"},

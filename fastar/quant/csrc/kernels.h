@@ -51,6 +51,33 @@ typedef struct {
     double (*read_sum)(const uint8_t *p, size_t n); /* streams n bytes (n % 64 == 0), returns a checksum */
 } isa_ops;
 
+/* The dot-path driver of the SIMD files (each defines put() and its ROW kernels): rows in blocks of DOT_RB,
+ * tokens in groups of DOT_GROUP, every (row, token) summed over all K columns by ROW in one order that depends
+ * on neither T nor the token's place in the batch. So for T <= dot_max a token's outputs are bit-identical
+ * whether it runs alone (decode) or with others (a speculative verify pass, a short prefill chunk). */
+#define DOT_RB 8
+#define DOT_GROUP 4
+#define DOT_DISPATCH(ROW)                                                                            \
+    {                                                                                                \
+        for (int64_t nb = n0; nb < n1; nb += DOT_RB) {                                               \
+            const int64_t ne = nb + DOT_RB < n1 ? nb + DOT_RB : n1;                                  \
+            for (int64_t t0 = 0; t0 < j->T; t0 += DOT_GROUP) {                                       \
+                mm_job g = *j;                                                                       \
+                g.x = j->x + t0 * j->K;                                                              \
+                g.xp = j->xp ? j->xp + t0 * j->kp : NULL;                                            \
+                float acc[DOT_RB][DOT_GROUP] = {{0}};                                                \
+                for (int64_t n = nb; n < ne; n++) switch (j->T - t0 < DOT_GROUP ? j->T - t0 : DOT_GROUP) { \
+                    case 1: ROW(&g, n, 1, 0, j->K, acc[n - nb]); break;                              \
+                    case 2: ROW(&g, n, 2, 0, j->K, acc[n - nb]); break;                              \
+                    case 3: ROW(&g, n, 3, 0, j->K, acc[n - nb]); break;                              \
+                    default: ROW(&g, n, 4, 0, j->K, acc[n - nb]); break;                             \
+                    }                                                                                \
+                for (int64_t n = nb; n < ne; n++)                                                    \
+                    for (int64_t t = t0; t < j->T && t < t0 + DOT_GROUP; t++) put(j, t, n, acc[n - nb][t - t0]); \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
 extern const isa_ops isa_scalar_ops;
 extern const isa_ops isa_avx2_ops;
 extern const isa_ops isa_avx512_ops;

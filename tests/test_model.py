@@ -373,6 +373,53 @@ def test_official_numerics_are_deterministic_and_chunking_moves_only_rounding(va
     assert chunk_noise <= quant_noise
 
 
+def test_small_chunks_are_bit_identical_to_decode(ckpt):
+    """Batch invariance (model docstring): under official numerics with the C kernels, a chunk of T = 2..8 tokens
+    (a speculative verify pass) gives logits and every state buffer bit-identical to T one-token steps. Starts:
+    4*topk - 3, where the chunk runs from queries that attend to every visible entry into ones the indexer
+    scores, and 125, where it closes the first ratio-128 entry (window 127) and more ratio-4 ones, all scored;
+    both past the sliding window, so each query's window starts at its own offset. Then the MTP block."""
+    from fastar.model import ops
+    from fastar.quant import kernels, linear
+
+    if linear._kernels() is None or kernels.get_isa() == "scalar":
+        pytest.skip("batch invariance is a promise of the C kernels' SIMD dot path")
+    model = engine(ckpt, numerics="official").model
+    cfg = model.config
+    ids = tokens(140, 13)
+    starts = (4 * cfg.index_topk - 3, 125)
+    assert ops.SMALL_CHUNK == 8 and starts[0] > cfg.sliding_window
+    for p0 in starts:
+        state = model.new_state()
+        model.forward(ids[:p0], state)
+        steps, logits, after = state.snapshot(), [], [None]  # after[t]: the state after t steps
+        for t in range(8):
+            logits.append(model.forward(ids[p0 + t:p0 + t + 1], steps)[0])
+            after.append(steps.snapshot())
+        for T in range(2, 9):
+            chunk = state.snapshot()
+            out = model.forward(ids[p0:p0 + T], chunk)[0]
+            assert torch.equal(out, torch.cat(logits[:T])), (p0, T)
+            for i, (a, b) in enumerate(zip(chunk.layers, after[T].layers)):
+                assert a.length == b.length == p0 + T
+                for name, buf in a.buffers().items():
+                    other = b.buffers()[name]
+                    assert buf.start == other.start and torch.equal(buf.all(), other.all()), (p0, T, i, name)
+    # the MTP block, on its own positions past its window: T rows at once as T single rows
+    state = model.new_state()
+    _, X = model.forward(ids[:40], state)
+    model.mtp_logits(X[:30], ids[1:31], state)
+    for T in range(2, 9):
+        a, b = state.snapshot(), state.snapshot()
+        chunk = model.mtp_logits(X[30:30 + T], ids[31:31 + T], a)
+        steps = torch.cat([model.mtp_logits(X[30 + t:31 + t], ids[31 + t:32 + t], b) for t in range(T)])
+        assert torch.equal(chunk, steps) and torch.equal(a.mtp[0].kv.all(), b.mtp[0].kv.all()), T
+    ratios = cfg.compress_ratios[:cfg.num_hidden_layers]
+    assert 128 in ratios and 4 in ratios and all(b.attn.indexer is not None for b, r in zip(model.layers, ratios)
+                                                 if r == 4)
+    assert (125 + 8) // 128 > 125 // 128 and (starts[0] + 8) // 4 > cfg.index_topk >= (starts[0] + 1) // 4
+
+
 # --- engine API ----------------------------------------------------------------------------------------------
 
 def test_generate_tokens_sampling_is_seeded(tiny_ckpt):

@@ -1,8 +1,9 @@
 """Speculative decoding: a cheap draft proposes tokens, one target pass checks them all, and the tokens kept are
-distributed exactly as plain generation's (greedy: the same tokens). Exactly, that is, for the logits the verify
-pass computes: under `official` numerics a pass of k+1 tokens rounds FP8/FP4 activations slightly differently from
-one-token decode (see `fastar.model.deepseek_v4`), so greedy text can part from plain decoding at a near-tie;
-under `reference` numerics the two agree to float32 rounding.
+distributed exactly as plain generation's (greedy: the same tokens). A verify pass holds at most `VERIFY_MAX`
+tokens: up to that many, the model with its C kernels computes each token's logits and state bit-identically to
+one-token decode, in both numerics (batch invariance, see `fastar.model.deepseek_v4`). A longer pass, or torch's
+products (`kernels=False`), would round FP8/FP4 activations slightly differently under `official` numerics, so
+greedy text could part from plain decoding at a near-tie.
 
 Owns:
 - the acceptance rule (`accept_greedy`, `accept_sampled`), written out beside the loop that uses it;
@@ -44,10 +45,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model import ops
 from ..model.state import LayerState, ModelState, RowBuffer, StateError
 from .sampling import SamplingParams, processed_logits
 
 DRAFT_KINDS = ("none", "mtp", "dspark", "auto")
+VERIFY_MAX = ops.SMALL_CHUNK  # tokens of one verify pass (anchor + drafts): batch-invariant up to this many
 
 Pick = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]
 
@@ -576,8 +579,9 @@ def speculative_generate_step(session, prompt_ids: list[int], params: SamplingPa
             ours = (rec is not None and rec.state is not None and rec.state.length == m == session.num_processed
                     and tokens[rec.p0:m] == rec.ids[:m - rec.p0])
             # room: keep the tokens of a pass within max_tokens, and below the context length (so the stream's
-            # length check fires exactly where it would in plain generation)
-            room = min(drafter.max_drafts, params.max_tokens - yielded - 1, session.context_length - m - 3)
+            # length check fires exactly where it would in plain generation), and the pass within VERIFY_MAX
+            room = min(drafter.max_drafts, VERIFY_MAX - 1, params.max_tokens - yielded - 1,
+                       session.context_length - m - 3)
             prop, L, t0 = None, 0, time.perf_counter()
             if schedule.retired and not drafter.paused:
                 drafter.paused, stats.mode = True, stats.mode + " (off: drafting did not pay)"

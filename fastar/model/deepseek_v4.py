@@ -12,6 +12,10 @@ Every call processes a chunk of T new tokens at positions p0..p0+T-1 against a `
 prefill, any chunking and token-by-token decode compute the same thing (state.py says how) - to float32
 rounding in `reference` numerics; in `official` numerics see the last paragraph below.
 
+Lightning indexer: while a query sees at most index_topk compressed entries, its top-k is all of them, so the
+chunk attends to every visible entry without scoring. A model without indexer weights (FaStar v2 files) runs
+only that way: `DeepseekV4.max_positions` = 4 * index_topk + 3 (2051 on Flash), later positions are refused.
+
 Numerics. Activations are float32 in both modes. `Numerics` has one switch per difference:
   `reference` (all off) = transformers 5.24 `DeepseekV4ForCausalLM`, up to float32 summation order;
   `official` (all on, the default) = DeepSeek's `inference/model.py` + `kernel.py` (current HF revision):
@@ -28,11 +32,21 @@ Numerics. Activations are float32 in both modes. `Numerics` has one switch per d
 Not simulated in either mode: DeepSeek's BF16 activations between ops, BF16 GEMM outputs, and the order of
 float32 sums (HC mixes are computed norm-then-linear, as transformers does). The shared expert is clamped by
 swiglu_limit in both modes (current HF revision; the initial one did not clamp it).
-Chunking under `official`: FP8/FP4 rounding follows float32 sums whose order depends on the chunk shape
-(BLAS picks other kernels for 1 row than for 64; the C kernels sum in another order than torch), so a value at a rounding boundary can round the other way;
-a block whose amax crosses a power of two then changes its scale, and the change travels through attention to
-later tokens. Results are deterministic for a given chunking, but prefill vs decode differ by about the size
-of the quantization noise itself (as in DeepSeek's own prefill and decode kernels). Tests pin this bound.
+Chunking under `official`: FP8/FP4 rounding follows float32 sums whose order depends on the chunk shape (BLAS
+picks other kernels for 1 row than for 64; the C kernels sum in another order than torch), so a value at a rounding
+boundary can round the other way; a block whose amax crosses a power of two then changes its scale, and the change
+travels through attention to later tokens. Results are deterministic for a given chunking, but prefill vs decode
+differ by about the size of the quantization noise itself (as in DeepSeek's own prefill and decode kernels). Tests
+pin this bound.
+Small chunks are batch-invariant: with the C kernels (their SIMD dot path: AVX2 or AVX-512), a chunk of at most
+`ops.SMALL_CHUNK` (8) tokens gives every token's logits and state bit-identical to decoding them one at a time, in
+both numerics (a speculative verify pass is such a chunk). The kernels sum each (row, token) in one fixed order
+up to 8 tokens (torch's products, `kernels=False`, do not promise that), and the torch ops whose sums could follow
+the chunk's shape run token by token there (`ops.token_slices`, `ops.per_token`): the mHC mixes and head (an F32
+product, sigmoids of n values), the router score, the MTP block's stream projection (n kernel rows per token), and
+attention (each query over its own window rows, visible entries and indexer scores: the very tensors decode hands
+to torch). The rest already is per token: row-wise norms and quantization, elementwise ops on widths that are
+multiples of 32, the compressor's per-window softmax.
 """
 from __future__ import annotations
 
@@ -41,6 +55,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..config import ModelConfig
+from ..errors import FastarError
 from ..quant.linear import ExpertProvider, Linear, SourceExperts, Weights, expert_ffn
 from ..weights.source import WeightSource
 from . import ops
@@ -99,14 +114,21 @@ class HyperConnection:
 
     def pre(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n])."""
-        T, n, _ = X.shape
-        m = ops.rms_norm(X.reshape(T, -1), None, self.eps) @ self.fn.T  # [T, (2+n)*n]
-        pre = torch.sigmoid(m[:, :n] * self.scale[0] + self.base[:n]) + self.hc_eps  # [T, n]
-        post = 2 * torch.sigmoid(m[:, n:2 * n] * self.scale[1] + self.base[n:2 * n])  # [T, n]
-        comb = (m[:, 2 * n:] * self.scale[2] + self.base[2 * n:]).view(T, n, n)  # [T, n, n]
+        T = X.shape[0]
+        pre, post, comb = ops.per_token(self._mix, X.reshape(T, -1))  # [T, n], [T, n], [T, n, n]
         comb = ops.sinkhorn(comb, self.iters, self.hc_eps)
         u = (pre[:, :, None] * X).sum(1)  # [T, d]
         return u, post, comb
+
+    def _mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flattened streams x [T, n*d] -> pre and post weights [T, n], comb logits [T, n, n]. A torch product
+        and sigmoids of n values per token: token by token in small chunks (`ops.per_token`)."""
+        n = self.n
+        m = ops.rms_norm(x, None, self.eps) @ self.fn.T  # [T, (2+n)*n]
+        pre = torch.sigmoid(m[:, :n] * self.scale[0] + self.base[:n]) + self.hc_eps  # [T, n]
+        post = 2 * torch.sigmoid(m[:, n:2 * n] * self.scale[1] + self.base[n:2 * n])  # [T, n]
+        comb = (m[:, 2 * n:] * self.scale[2] + self.base[2 * n:]).view(-1, n, n)  # [T, n, n]
+        return pre, post, comb
 
     @staticmethod
     def post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -124,10 +146,12 @@ class HyperHead:
         self.hc_eps, self.eps = cfg.hc_eps, cfg.rms_norm_eps
 
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
-        T = X.shape[0]
-        m = ops.rms_norm(X.reshape(T, -1), None, self.eps) @ self.fn.T  # [T, n]
-        pre = torch.sigmoid(m * self.scale + self.base) + self.hc_eps  # [T, n]
+        pre = ops.per_token(self._pre, X.reshape(X.shape[0], -1))  # [T, n] (as `HyperConnection._mix`)
         return (pre[:, :, None] * X).sum(1)  # [T, d]
+
+    def _pre(self, x: torch.Tensor) -> torch.Tensor:
+        m = ops.rms_norm(x, None, self.eps) @ self.fn.T  # [T, n]
+        return torch.sigmoid(m * self.scale + self.base) + self.hc_eps
 
 
 # --- compressor (ratio 4 overlapping, ratio 128) -------------------------------------------------------------
@@ -194,25 +218,50 @@ class Indexer:
     def _rotate(x: torch.Tensor) -> torch.Tensor:
         return ops.fp4_quant_sim(ops.hadamard(x), 32)
 
-    def __call__(self, x: torch.Tensor, qr: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
-        """-> selected entry ids [T, k] (k = min(topk, #entries)); -1 marks a pick that is not visible yet."""
-        T, Hi, Di = x.shape[0], self.heads, self.head_dim
+    def __call__(self, x: torch.Tensor, qr: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor | None:
+        """The indexer on a whole chunk: `prepare`, then `pick` over every stored key -> entry ids [T, k], or None
+        (`scores`). (`Attention` picks per query in small chunks: `Attention._attend`.)"""
+        scoring = self.prepare(x, qr, p0, state)
+        return None if scoring is None else self.pick(*scoring, p0, state.idx_entries.all())
+
+    def prepare(self, x: torch.Tensor, qr: torch.Tensor, p0: int,
+                state: LayerState) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Adds the chunk's index keys. -> the chunk's scoring queries (`queries`), or None when no query of the
+        chunk sees more than topk entries (`scores`)."""
         self.compressor(x, p0, state.idx_kv, state.idx_gate, state.idx_entries)
-        keys = state.idx_entries.all()  # [E, Di]
-        E = keys.shape[0]
-        pos = torch.arange(p0, p0 + T)
+        return self.queries(x, qr, p0) if self.scores(p0 + x.shape[0]) else None
+
+    def scores(self, stop: int) -> bool:
+        """Whether the query at position stop-1 needs scoring: it sees stop//4 entries; with at most topk, top-k
+        keeps every visible entry (and only -1 beside them) whatever the scores, so the caller attends to all
+        visible entries instead - the same set, without scoring."""
+        return stop // 4 > self.topk
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, p0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries [T, Hi, Di] (RoPE'd, rotated under fp4_indexer) and head weights [T, Hi]."""
+        T, Hi, Di = x.shape[0], self.heads, self.head_dim
         q = self.wq_b(self.numerics.act(qr)).view(T, Hi, Di)  # [T, Hi, Di]
-        cos, sin = ops.rope_cos_sin(self.inv_freq, pos)
+        cos, sin = ops.rope_cos_sin(self.inv_freq, torch.arange(p0, p0 + T))
         q = ops.apply_rope(q, cos, sin)
         if self.numerics.fp4_indexer:
             q = self._rotate(q)
-        weights = self.weights_proj(x) * Hi ** -0.5  # [T, Hi]
+        return q, self.weights_proj(x) * Hi ** -0.5
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, p0: int, keys: torch.Tensor) -> torch.Tensor:
+        """`pick` for the chunk's inputs x [T, d], qr [T, q_lora]."""
+        return self.pick(*self.queries(x, qr, p0), p0, keys)
+
+    def pick(self, q: torch.Tensor, weights: torch.Tensor, p0: int, keys: torch.Tensor) -> torch.Tensor:
+        """Entry ids [T, k] with the top scores among keys [E, Di] (k = min(topk, E)) for the queries q [T, Hi, Di]
+        (head weights [T, Hi]) at positions p0..; -1 marks a pick that is not visible yet."""
+        T, Hi, Di = q.shape
+        E = keys.shape[0]
         score = torch.empty(T, E)
         step = max(1, SCORE_BLOCK // max(1, Hi * E))  # queries per block: bounds the [t, Hi, E] temporary
         for a in range(0, T, step):
             s = torch.einsum("thd,ed->the", q[a:a + step], keys).relu() * Di ** -0.5  # [t, Hi, E]
             score[a:a + step] = (s * weights[a:a + step, :, None]).sum(dim=1)  # [t, E]
-        visible = (pos + 1)[:, None] // 4  # entries w < (t+1)//4 are closed for query t  [T, 1]
+        visible = torch.arange(p0 + 1, p0 + T + 1)[:, None] // 4  # entries w < (t+1)//4 are closed for query t
         score = score.masked_fill(torch.arange(E)[None, :] >= visible, float("-inf"))
         idx = score.topk(min(self.topk, E), dim=-1).indices  # [T, k]
         return torch.where(idx < visible, idx, -1)
@@ -261,21 +310,50 @@ class Attention:
         self.sinks = w.vector(prefix + "attn_sink")  # [H]
         self.H, self.D, self.rope = cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim
         self.groups, self.window, self.ratio, self.eps = cfg.o_groups, cfg.sliding_window, ratio, cfg.rms_norm_eps
-        self.numerics = numerics
+        self.numerics, self.prefix = numerics, prefix
         self.inv_freq = layer_inv_freq(cfg, ratio)
-        self.compressor = self.indexer = None
+        self.compressor = self.indexer = self.max_positions = None  # max_positions: computed exactly (None: all)
         if ratio:
             fp8 = self._fp8_nope if numerics.fp8_kv else None
             self.compressor = Compressor(w, prefix + "compressor.", ratio, cfg.head_dim, self.inv_freq, self.eps, fp8)
-        if ratio == 4:
+        if ratio == 4 and w.has(prefix + "indexer.wq_b.weight"):
             self.indexer = Indexer(w, prefix + "indexer.", cfg, self.inv_freq, numerics)
+        elif ratio == 4:
+            # No indexer weights (FaStar v2 files lack them): attend to every visible entry. Query t sees (t+1)//4
+            # entries and the indexer keeps index_topk of them, so all while t <= 4*index_topk + 2: exact for the
+            # first 4*index_topk + 3 positions (2051 on Flash); later ones are refused.
+            self.max_positions = 4 * cfg.index_topk + 3
 
     def _fp8_nope(self, kv: torch.Tensor) -> torch.Tensor:
         """QAT simulation of DeepSeek's FP8 KV cache: the non-RoPE dims, blocks of 64."""
         return torch.cat([ops.fp8_quant_sim(kv[..., :-self.rope], 64), kv[..., -self.rope:]], dim=-1)
 
+    def _attend(self, q: torch.Tensor, s: slice, p0: int, state: LayerState,
+                scoring: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Attention of the queries q[s] of a chunk at p0 (q [T, H, D]; positions [a, b)) over what they see,
+        stored already: window keys [max(0, a-W+1), b) and the compressed entries closed by position b-1, picked
+        with the indexer's `scoring` queries of the chunk when position b-1 needs it, else all visible ones.
+        -> [b-a, H, D]"""
+        q, a, b, W = q[s], p0 + s.start, p0 + s.stop, self.window
+        pos = torch.arange(a, b)
+        k0 = max(0, a - W + 1)
+        keys = state.kv.rows(k0, b)  # [K, D]
+        kpos = torch.arange(k0, b)
+        key_mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - W)  # [b-a, K]
+        comp = comp_mask = comp_idx = None
+        if self.ratio:
+            comp = state.entries.rows(0, b // self.ratio)  # [E, D]
+            if scoring is not None and self.indexer.scores(b):
+                comp_idx = self.indexer.pick(scoring[0][s], scoring[1][s], a, state.idx_entries.rows(0, b // 4))
+            else:
+                comp_mask = torch.arange(comp.shape[0])[None, :] < (pos + 1)[:, None] // self.ratio  # [b-a, E]
+        return attend(q, keys, key_mask, comp, comp_mask, comp_idx, self.sinks, self.D ** -0.5)
+
     def __call__(self, x: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
-        T, H, D, W = x.shape[0], self.H, self.D, self.window
+        T, H, D = x.shape[0], self.H, self.D
+        if self.max_positions is not None and p0 + T > self.max_positions:
+            raise FastarError(f"position {p0 + T - 1} needs {self.prefix}indexer (the lightning indexer), which the "
+                              f"model lacks: without it only the first {self.max_positions} positions are exact")
         act = self.numerics.act
         pos = torch.arange(p0, p0 + T)
         cos, sin = ops.rope_cos_sin(self.inv_freq, pos)  # [T, r/2]
@@ -289,19 +367,13 @@ class Attention:
             kv = self._fp8_nope(kv)
         state.kv.append(kv)
 
-        k0 = max(0, p0 - W + 1)
-        keys = state.kv.rows(k0, p0 + T)  # window keys of this chunk [K, D]
-        kpos = torch.arange(k0, p0 + T)
-        key_mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - W)  # [T, K]
-        comp = comp_mask = comp_idx = None
+        scoring = None  # the indexer's queries, when some query of the chunk needs scoring
         if self.ratio:
             self.compressor(x, p0, state.comp_kv, state.comp_gate, state.entries)
-            comp = state.entries.all()  # [E, D]
             if self.indexer is not None:
-                comp_idx = self.indexer(x, qr, p0, state)  # [T, k]
-            else:
-                comp_mask = torch.arange(comp.shape[0])[None, :] < (pos + 1)[:, None] // self.ratio  # [T, E]
-        o = attend(q, keys, key_mask, comp, comp_mask, comp_idx, self.sinks, D ** -0.5)  # [T, H, D]
+                scoring = self.indexer.prepare(x, qr, p0, state)
+        # queries one by one in small chunks (`ops.token_slices`): a verify pass attends exactly as decode does
+        o = torch.cat([self._attend(q, s, p0, state, scoring) for s in ops.token_slices(T)])  # [T, H, D]
         o = ops.apply_rope(o, cos, sin, inverse=True)  # V carried RoPE: undo it at the query position
         z = self.wo_a.grouped(o.reshape(T, self.groups, H * D // self.groups))  # [T, G, R]
         return self.wo_b(act(z.reshape(T, -1)))  # [T, d]
@@ -332,7 +404,7 @@ class MoE:
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (expert ids [T, k], weights [T, k])."""
-        scores = ops.sqrtsoftplus(self.gate(x))  # [T, E]
+        scores = ops.per_token(ops.sqrtsoftplus, self.gate(x))  # [T, E] (softplus of E values per token)
         if self.is_hash:
             idx = self.tid2eid[ids]  # [T, k]
         else:
@@ -354,7 +426,7 @@ class MoE:
             tok, slot = torch.where(idx == e)
             ys[e] = tok, expert_ffn(x[tok], ew, wts[tok, slot], self.limit,
                                     weight_before_down=self.numerics.official_routing, act_quant=act,
-                                    kernels=self.kernels)
+                                    kernels=self.kernels, act_block=128 if act else 0)
         for e in wanted:  # summed in a fixed order, so arrival order never changes the result
             out.index_add_(0, *ys[e])
         w1, w3, w2 = self.shared
@@ -403,12 +475,16 @@ class MTPBlock:
     def __call__(self, X: torch.Tensor, emb_next: torch.Tensor, ids_next: torch.Tensor, p0: int,
                  state: LayerState) -> torch.Tensor:
         """X [T, n, d] main streams, emb_next [T, d] -> normed output [T, d] (before the LM head)."""
-        T, n, d = X.shape
         act = self.numerics.act
         e = self.e_proj(act(ops.rms_norm(emb_next, self.enorm, self.eps)))  # [T, d]
-        h = self.h_proj(act(ops.rms_norm(X, self.hnorm, self.eps).reshape(T * n, d))).view(T, n, d)
+        # n product rows per token: token by token in small chunks, where the kernels' invariance holds (<= 8 rows)
+        h = ops.per_token(self._streams, X)  # [T, n, d]
         Y = self.block(e[:, None, :] + h, ids_next, p0, state)  # [T, n, d]
         return ops.rms_norm(self.hc_head(Y), self.norm, self.eps)
+
+    def _streams(self, X: torch.Tensor) -> torch.Tensor:
+        T, n, d = X.shape
+        return self.h_proj(self.numerics.act(ops.rms_norm(X, self.hnorm, self.eps).reshape(T * n, d))).view(T, n, d)
 
 
 class DeepseekV4:
@@ -433,6 +509,8 @@ class DeepseekV4:
         w = Weights(source, kernels)
         self.embed = w.linear("embed")  # BF16 [V, d]
         self.layers = [Block(w, cfg, i, self.numerics, self.experts, kernels) for i in range(cfg.num_hidden_layers)]
+        # positions computed exactly: all (None) unless a ratio-4 layer lacks its indexer (see Attention)
+        self.max_positions = min((b.attn.max_positions for b in self.layers if b.attn.max_positions), default=None)
         self.hc_head = HyperHead(w, "", cfg)
         self.norm = w.vector("norm.weight")  # [d]
         self.head: Linear = w.linear("head")  # BF16 [V, d]

@@ -13,6 +13,7 @@ the cache's trace replay (`weights.expert_store.bench_cache`).
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -66,6 +67,26 @@ def token_bytes(src) -> tuple[int, int, int]:
     return touched, experts, sum(sizes.values())
 
 
+def prefill_macs(src) -> int:
+    """Multiply-adds one prompt token costs in the weight products (every resident matrix but the embedding,
+    the LM head (applied to a chunk's last token only) and the draft block, plus its k routed experts)."""
+    cfg = src.config
+    macs = 0
+    for name in src.names():
+        if name.startswith("mtp.") or name in ("embed.weight", "head.weight") or not name.endswith(".weight"):
+            continue
+        if hasattr(src, "tensor_info"):  # checkpoint directory: from the safetensors header
+            shape = tuple(src.tensor_info(name).shape)
+        elif hasattr(src, "shape"):  # FaStar v2: without decoding
+            shape = tuple(src.shape(name))
+        else:  # .fst: a view of the mapped file
+            shape = tuple(src.tensor(name).shape)
+        if len(shape) == 2:
+            macs += shape[0] * shape[1]
+    experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return macs + experts
+
+
 def _disk_bw(path: str, nbytes: int = 256 << 20) -> float:
     """Sequential O_DIRECT read rate of one file (GB/s), page cache dropped first; a fallback probe for sources
     that are not one .fst (a checkpoint directory's largest shard)."""
@@ -90,47 +111,82 @@ def _disk_bw(path: str, nbytes: int = 256 << 20) -> float:
     return done / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
-def run_one(path: str, budget, prompt: list[int], decode: int, options: dict) -> dict:
+def _preload(cache) -> float:
+    """Reads every expert into the slab (the budget holds them all): the "experts all in RAM" case, timed warm."""
+    t0 = time.perf_counter()
+    slots, experts = cache.fst.bank["slots"], cache.fst.bank["experts"]
+    for layer in range(slots):
+        cache.prefetch(layer, range(experts))
+    cache.wait_idle()
+    return time.perf_counter() - t0
+
+
+def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, warmup: int = 8) -> dict:
+    """One budget: load, preload every expert when the budget holds them all, prefill, `warmup` untimed decode
+    steps (the cache settles), then `decode` timed greedy steps: one token per forward, or the engine's
+    speculative loop when `options["draft"]` is set (its draft_* statistics are added)."""
     from .engine.engine import load
 
+    gc.collect()  # the previous budget's slab goes with its last array view, before this one's RSS is sampled
     with _PeakRSS() as rss:
         t0 = time.perf_counter()
         engine = load(path, ram_budget=budget, **options)
         load_s = time.perf_counter() - t0
+        cache = engine.expert_cache
+        src = engine.source
+        all_fit = bool(cache) and cache.n_slots >= src.bank["slots"] * src.bank["experts"]
+        preload_s = _preload(cache) if all_fit else 0.0
         state = engine.new_state()
         t0 = time.perf_counter()
         logits = engine.prefill(prompt, state)
         prefill_s = time.perf_counter() - t0
-        cache = engine.expert_cache
-        before = cache.stats() if cache else {}
         tok = int(logits[-1].argmax())
-        t0 = time.perf_counter()
-        for _ in range(decode):  # plain greedy decode, one token per forward: what the ceiling describes
+        for _ in range(warmup):
             logits = engine.prefill([tok], state)
             tok = int(logits[-1].argmax())
-        decode_s = time.perf_counter() - t0
+        before = cache.stats() if cache else {}
+        drafted = engine.drafter is not None
+        if drafted:  # the speculative loop, greedy, continuing the same context
+            seq = prompt + [tok]
+            gen_before = engine.stats()
+            t0 = time.perf_counter()
+            n = sum(c.token is not None for c in engine.stream(seq, max_tokens=decode, ignore_eos=True))
+            gen = engine.stats()
+            decode_s = gen["decode_seconds"] - gen_before["decode_seconds"]
+            decode = n
+        else:
+            t0 = time.perf_counter()
+            for _ in range(decode):  # plain greedy decode, one token per forward: what the ceiling describes
+                logits = engine.prefill([tok], state)
+                tok = int(logits[-1].argmax())
+            decode_s = time.perf_counter() - t0
         after = cache.stats() if cache else {}
     hits = after.get("hits", 0) - before.get("hits", 0)
     misses = after.get("misses", 0) - before.get("misses", 0)
     read = after.get("bytes_read", 0) - before.get("bytes_read", 0)
     out = {
         "ram_budget_bytes": cache.budget_bytes if cache else 0,
-        "load_s": load_s,
+        "cache_policy": options.get("cache_policy", "lrfu"),
+        "load_s": load_s, "preloaded": all_fit, "preload_s": preload_s,
         "prefill_tokens": len(prompt), "prefill_tok_s": len(prompt) / prefill_s,
-        "decode_tokens": decode, "decode_tok_s": decode / decode_s,
+        "warmup_tokens": warmup, "decode_tokens": decode, "decode_tok_s": decode / decode_s,
         "hit_rate": hits / max(hits + misses, 1) if cache else 1.0,
         "bytes_read_per_token": read / decode,
         "stall_s_per_token": (after.get("stall_s", 0) - before.get("stall_s", 0)) / decode,
         "peak_rss_bytes": rss.peak,
         "prefetch": {k: v for k, v in after.get("sources", {}).items()},
     }
+    if drafted:
+        out.update({k: v for k, v in gen.items() if k.startswith("draft_")})
     if cache:
         cache.close()
+    del engine, cache, state, logits
+    gc.collect()
     return out
 
 
 def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 16, reference: str | None = None,
-        options: dict | None = None, seed: int = 0) -> dict:
+        options: dict | None = None, seed: int = 0, policies: list[str] | None = None, warmup: int = 8) -> dict:
     from .bench_kernels import machine_limits
     from .format.reader import FstFile
     from .quant import kernels
@@ -150,20 +206,26 @@ def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 
         disk = {"sequential_GBps": _disk_bw(str(shard))}
         disk_bw = disk["sequential_GBps"] * 1e9
     n = kernels.get_num_threads()
-    membw = machine_limits([n])["membw"][n] * 1e9
+    limits = machine_limits([n])
+    membw, peak_flops = limits["membw"][n] * 1e9, limits["peak"][n] * 1e9
+    macs = prefill_macs(src)
     prompt = [int(t) for t in np.random.default_rng(seed).integers(3, min(vocab, 100_000), prompt_tokens)]
     runs = []
     for b in budgets:
-        r = run_one(path, b, prompt, decode_tokens, options)
-        h = r["hit_rate"]
-        t_tok = resident_tok / membw + h * expert_tok / membw + (1 - h) * expert_tok / disk_bw
-        r["ceiling_tok_s"] = 1 / t_tok
-        r["fraction_of_ceiling"] = r["decode_tok_s"] / r["ceiling_tok_s"]
-        r["achieved_gbps"] = (resident_tok + expert_tok) * r["decode_tok_s"] / 1e9
-        runs.append(r)
+        for policy in policies or [options.get("cache_policy", "lrfu")]:
+            r = run_one(path, b, prompt, decode_tokens, {**options, "cache_policy": policy}, warmup=warmup)
+            h = r["hit_rate"]
+            t_tok = resident_tok / membw + h * expert_tok / membw + (1 - h) * expert_tok / disk_bw
+            r["ceiling_tok_s"] = 1 / t_tok
+            r["fraction_of_ceiling"] = r["decode_tok_s"] / r["ceiling_tok_s"]
+            r["achieved_gbps"] = (resident_tok + expert_tok) * r["decode_tok_s"] / 1e9
+            r["prefill_ceiling_tok_s"] = peak_flops / (2 * macs)  # FP32 FMA peak over the products' FLOPs
+            r["prefill_fraction_of_flops"] = r["prefill_tok_s"] / r["prefill_ceiling_tok_s"]
+            runs.append(r)
     result = {**runs[0], "resident_bytes": resident, "resident_bytes_per_token": resident_tok,
               "expert_bytes_per_token": expert_tok, "membw_gbps": membw / 1e9, "disk_gbps": disk_bw / 1e9,
-              "disk": disk, "threads": n, "runs": runs}
+              "disk": disk, "threads": n, "peak_gflops": peak_flops / 1e9, "prefill_macs_per_token": macs,
+              "runs": runs}
     if reference:
         result["transformers"] = _transformers(reference, prompt, decode_tokens)
         result["speedup_vs_transformers"] = result["decode_tok_s"] / result["transformers"]["decode_tok_s"]
@@ -194,16 +256,22 @@ def _gb(n: float) -> str:
 
 
 def print_table(r: dict, out=sys.stdout) -> None:
-    print(f"machine: memory {r['membw_gbps']:.1f} GB/s, disk {r['disk_gbps']:.2f} GB/s (O_DIRECT), "
-          f"{r['threads']} threads; per token: resident {_gb(r['resident_bytes_per_token'])}, experts "
-          f"{_gb(r['expert_bytes_per_token'])}", file=out)
-    print(f"{'budget':>10} {'prefill t/s':>11} {'decode t/s':>10} {'ceiling':>8} {'%ceil':>6} {'hit':>6} "
-          f"{'read/tok':>10} {'GB/s':>6} {'peak RSS':>10}", file=out)
+    print(f"machine: memory {r['membw_gbps']:.1f} GB/s, disk {r['disk_gbps']:.2f} GB/s (O_DIRECT), FP32 FMA "
+          f"{r['peak_gflops']:.0f} GFLOP/s, {r['threads']} threads; per token: resident "
+          f"{_gb(r['resident_bytes_per_token'])}, experts {_gb(r['expert_bytes_per_token'])}, prefill "
+          f"{2 * r['prefill_macs_per_token'] / 1e9:.2f} GFLOP", file=out)
+    print(f"{'budget':>10} {'policy':>6} {'prefill t/s':>11} {'decode t/s':>10} {'ceiling':>8} {'%ceil':>6} "
+          f"{'hit':>6} {'read/tok':>10} {'GB/s':>6} {'peak RSS':>10}", file=out)
     for x in r["runs"]:
-        print(f"{_gb(x['ram_budget_bytes']):>10} {x['prefill_tok_s']:11.1f} {x['decode_tok_s']:10.2f} "
-              f"{x['ceiling_tok_s']:8.2f} {100 * x['fraction_of_ceiling']:5.0f}% {100 * x['hit_rate']:5.1f}% "
-              f"{_gb(x['bytes_read_per_token']):>10} {x['achieved_gbps']:6.1f} {_gb(x['peak_rss_bytes']):>10}",
-              file=out)
+        print(f"{_gb(x['ram_budget_bytes']):>10} {x['cache_policy']:>6} {x['prefill_tok_s']:11.1f} "
+              f"{x['decode_tok_s']:10.2f} {x['ceiling_tok_s']:8.2f} {100 * x['fraction_of_ceiling']:5.0f}% "
+              f"{100 * x['hit_rate']:5.1f}% {_gb(x['bytes_read_per_token']):>10} {x['achieved_gbps']:6.1f} "
+              f"{_gb(x['peak_rss_bytes']):>10}" + ("  (all experts preloaded)" if x["preloaded"] else ""), file=out)
+        print(f"{'':>10} prefill {x['prefill_tok_s']:.1f} t/s = {100 * x['prefill_fraction_of_flops']:.0f}% of the "
+              f"FLOP ceiling {x['prefill_ceiling_tok_s']:.1f} t/s", file=out)
+        if "draft_mode" in x:
+            print(f"{'':>10} draft {x['draft_mode']}: acceptance {100 * x['draft_acceptance_rate']:.0f}%, "
+                  f"{x['draft_tokens_per_pass']:.2f} tokens per verify pass", file=out)
     if "transformers" in r:
         t = r["transformers"]
         print(f"transformers (same weights, float32): prefill {t['prefill_tok_s']:.1f} t/s, decode "
@@ -217,16 +285,17 @@ def plot(r: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise FastarError("--plot needs matplotlib (pip install matplotlib)") from None
-    runs = sorted(r["runs"], key=lambda x: x["ram_budget_bytes"])
-    xs = [x["ram_budget_bytes"] / 1e9 for x in runs]
+        raise FastarError("--plot needs matplotlib: pip install 'fastar[plot]' (or matplotlib)") from None
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, [x["decode_tok_s"] for x in runs], "o-", label="decode tok/s")
-    ax.plot(xs, [x["ceiling_tok_s"] for x in runs], "--", label="ceiling tok/s")
+    ax2 = ax.twinx()
+    for policy in dict.fromkeys(x["cache_policy"] for x in r["runs"]):
+        runs = sorted((x for x in r["runs"] if x["cache_policy"] == policy), key=lambda x: x["ram_budget_bytes"])
+        xs = [x["ram_budget_bytes"] / 1e9 for x in runs]
+        ax.plot(xs, [x["decode_tok_s"] for x in runs], "o-", label=f"decode tok/s ({policy})")
+        ax.plot(xs, [x["ceiling_tok_s"] for x in runs], "--", label=f"ceiling tok/s ({policy})")
+        ax2.plot(xs, [100 * x["hit_rate"] for x in runs], "s:", label=f"hit rate % ({policy})")
     ax.set_xlabel("expert RAM budget (GB)")
     ax.set_ylabel("tokens/s")
-    ax2 = ax.twinx()
-    ax2.plot(xs, [100 * x["hit_rate"] for x in runs], "s:", color="gray", label="hit rate %")
     ax2.set_ylabel("hit rate (%)")
     fig.legend(loc="upper left")
     fig.tight_layout()
@@ -242,11 +311,15 @@ def main(a) -> int:
     budgets = [None if s.strip().lower() == "none" else s.strip() for s in str(opts.pop("ram_budget") or "none").split(",")]
     budgets = [b if b in (None, "auto") else parse_size(b) for b in budgets]
     opts["draft"] = getattr(a, "draft", "none")
+    policies = [p.strip() for p in a.policies.split(",")] if getattr(a, "policies", None) else None
+    bad = [p for p in policies or [] if p not in ("lrfu", "lru")]
+    if bad:
+        raise FastarError(f"--policies: unknown policy {bad[0]!r} (choose from lrfu, lru)")
     r = run(a.model, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens, reference=a.reference,
-            options=opts)
+            options=opts, policies=policies, warmup=a.warmup_tokens)
     if a.compare:  # the same benchmark on another source of the same model (e.g. .fst vs checkpoint dir)
         r["compare"] = run(a.compare, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens,
-                           options=opts)
+                           options=opts, policies=policies, warmup=a.warmup_tokens)
         r["compare"]["model"] = a.compare
         r["decode_ratio_vs_compare"] = r["decode_tok_s"] / r["compare"]["decode_tok_s"]
     if a.plot:

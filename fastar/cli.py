@@ -51,9 +51,12 @@ def _human(n: float) -> str:
 # --- commands ----------------------------------------------------------------------------------------------
 
 def cmd_convert(a) -> int:
-    from .convert.hf import convert
+    from .convert.hf import convert, convert_indexer
+    if a.indexer_sidecar and not a.output.endswith(".fst.indexer"):  # where FstV2File looks; never over a model
+        raise FastarError(f"--indexer-sidecar: name the output MODEL.fst.indexer, next to the FaStar v2 MODEL.fst "
+                          f"it completes (got {a.output})")
     t = time.perf_counter()
-    out = convert(a.src, a.output, progress=None if a.progress is None else a.progress)
+    out = (convert_indexer if a.indexer_sidecar else convert)(a.src, a.output, progress=a.progress)
     dt = time.perf_counter() - t
     size = os.path.getsize(out)
     print(f"wrote {out} ({_human(size)}) in {dt:.1f} s ({size / dt / 1e6:.0f} MB/s)")
@@ -180,9 +183,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fastar {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    c = sub.add_parser("convert", help="convert an official checkpoint (directory or hub id) to .fst")
-    c.add_argument("src", help="checkpoint directory (config.json, safetensors shards, tokenizer.json) or hub id")
+    c = sub.add_parser("convert", help="convert an official checkpoint (directory or hub id) or a FaStar v2 .fst to "
+                       ".fst (--indexer-sidecar: the indexer weights v2 lacks)",
+                       description="Convert an official DeepSeek-V4 checkpoint, or a FaStar v2 .fst with its "
+                       "sidecars, to one .fst v3 file; or, with --indexer-sidecar, write the lightning-indexer "
+                       "weights a FaStar v2 model lacks.")
+    c.add_argument("src", help="checkpoint directory (config.json, safetensors shards, tokenizer.json) or hub id, "
+                   "or a FaStar v2 .fst")
     c.add_argument("-o", "--output", required=True, help="output .fst path")
+    c.add_argument("--indexer-sidecar", action="store_true",
+                   help="write only the lightning-indexer tensors (layers.*.attn.indexer.*) of the checkpoint SRC "
+                   "as -o MODEL.fst.indexer, next to a FaStar v2 MODEL.fst: v2 files lack them and run at most "
+                   "4*index_topk+3 (2051) tokens without them. Needs only config.json, "
+                   "model.safetensors.index.json and the shards holding those tensors (a hub id downloads just "
+                   "those)")
     c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on a terminal)")
     c.set_defaults(fn=cmd_convert)
@@ -241,7 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     console.add_draft_argument(b)
     console.add_memory_arguments(b)
     b.add_argument("--prompt-tokens", type=int, default=64, help="model: prompt length to prefill")
-    b.add_argument("--decode-tokens", type=int, default=16, help="model: tokens to decode")
+    b.add_argument("--decode-tokens", type=int, default=16, help="model: tokens to decode (timed)")
+    b.add_argument("--warmup-tokens", type=int, default=8,
+                   help="model: untimed decode steps after the prompt, so the expert cache settles first")
+    b.add_argument("--policies", default=None,
+                   help="model: run every budget with each of these eviction policies, e.g. lrfu,lru")
     b.add_argument("--reference", default=None, help="model: checkpoint dir to time transformers on too")
     b.add_argument("--compare", default=None, help="model: another source of the same model (a checkpoint "
                    "directory or .fst) to benchmark the same way, side by side")

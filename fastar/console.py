@@ -49,7 +49,8 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                    help="let the model think before answering (DeepSeek-V4 thinking mode)")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads of the kernels (default: every CPU "
+                   "this process may use)")
     add_draft_argument(p)
     add_memory_arguments(p)
     p.add_argument("--verbose", action="store_true", help="more detail on stderr (model, token counts, stats)")
@@ -61,8 +62,8 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                         "resident weights and a margin; 'none': map the whole file)")
     p.add_argument("--cache-policy", default="lrfu", choices=["lrfu", "lru"], help="expert eviction policy")
     p.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None,
-                   help="read experts with O_DIRECT, no second copy in the OS page cache (default: on when the "
-                        "budget cannot hold every expert)")
+                   help="read experts with O_DIRECT, no second copy in the OS page cache (default: on where "
+                        "the file system supports it)")
     p.add_argument("--lookahead", action="store_true",
                    help="prefetch each next layer's experts guessed by its router")
 

@@ -10,13 +10,27 @@ from fastar.convert.hf import convert
 
 def test_bench_json(tiny_ckpt, tmp_path):
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    png = tmp_path / "curve.png"
     r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--json", "--ram-budget", "400K,auto",
-                        "--prompt-tokens", "6", "--decode-tokens", "3"], capture_output=True, text=True, timeout=600)
+                        "--prompt-tokens", "6", "--decode-tokens", "3", "--policies", "lrfu,lru", "--plot", str(png)],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for k in ("decode_tok_s", "ceiling_tok_s", "hit_rate", "peak_rss_bytes", "ram_budget_bytes", "resident_bytes"):
         assert k in out
-    small, auto = out["runs"]
+    small, small_lru, auto, auto_lru = out["runs"]
+    assert [x["cache_policy"] for x in out["runs"]] == ["lrfu", "lru", "lrfu", "lru"]
     assert 0 < small["ram_budget_bytes"] <= 400 * 1024 < auto["ram_budget_bytes"]
-    assert auto["hit_rate"] >= small["hit_rate"]
+    assert not small["preloaded"] and auto["preloaded"] and auto["hit_rate"] == 1.0  # every expert in RAM, warm
+    assert auto["hit_rate"] >= small["hit_rate"] and auto["bytes_read_per_token"] == 0
     assert small["bytes_read_per_token"] > 0 and out["decode_tok_s"] > 0 and out["ceiling_tok_s"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_reports_speculative_statistics(tiny_ckpt, tmp_path):
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--ram-budget", "auto", "--draft",
+                        "mtp", "--prompt-tokens", "6", "--decode-tokens", "6"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "draft mtp: acceptance" in r.stdout and "tokens per verify pass" in r.stdout

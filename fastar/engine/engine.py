@@ -25,7 +25,7 @@ from ..weights.source import WeightSource
 from . import speculative
 from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
 from .sampling import SamplingParams
-from .session import Session, Stats
+from .session import PromptError, Session, Stats
 from .tokenizer import Tokenizer
 
 # Positions a state can be truncated back by (prefix reuse, speculative rollback). Each retained position
@@ -50,11 +50,11 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
 
     Options: kernels (bool, default True), experts (expert provider), max_rollback (int | None, default
     DEFAULT_MAX_ROLLBACK),
-    prefill_chunk (int, default 256), threads (int | None: when given, sets torch's intra-op threads and
-    the kernels' pool, process-wide), ram_budget (bytes or "24G" of RAM for routed experts paged from a
+    prefill_chunk (int, default 256), threads (int | None: the kernels' pool size, process-wide; with the
+    kernels in use torch runs single-threaded, without them `threads` sets torch's), ram_budget (bytes or "24G" of RAM for routed experts paged from a
     `.fst`; "auto" (default) derives it from available memory; None maps the whole file instead), cache_policy
     ("lrfu" or "lru"), direct_io (O_DIRECT reads: no second copy in the page cache; None (default):
-    on when the budget cannot hold every expert), lookahead (prefetch the
+    on where the file system supports it), lookahead (prefetch the
     next layer's experts guessed by its router), draft ("none" (default), "mtp", "dspark" or "auto": speculative decoding
     for `stream`, see `fastar.engine.speculative`).
     """
@@ -72,10 +72,16 @@ class Engine:
                  lookahead: bool = False) -> None:
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
-        if threads is not None:  # the one place fastar touches process-wide thread settings, on request
+        from ..quant.linear import _kernels
+        if kernels and _kernels() is not None:
+            # The one place fastar touches process-wide thread settings. The C kernels' pool does the heavy work;
+            # torch's OpenMP workers spin after each small op and steal the cores from it (decode 8.3 -> 12.2
+            # tok/s, prefill 38 -> 51 tok/s with one torch thread on a 4-layer Flash-width model, 2 cores).
+            torch.set_num_threads(1)
+            if threads is not None:
+                _kernels().set_num_threads(threads)
+        elif threads is not None:
             torch.set_num_threads(threads)
-            from ..quant import kernels
-            kernels.set_num_threads(threads)
         self.source = source
         self.config = source.config
         self.expert_cache = None
@@ -88,11 +94,10 @@ class Engine:
             budget = parse_size(ram_budget)
             budget = default_budget(source) if budget is None else budget
             if direct_io is None:
-                # Paging for real: O_DIRECT keeps the page cache from holding a second copy of what the slab
-                # holds, and measured faster per reader (docs/EXPERT_MEMORY.md); where the filesystem does not
-                # support it, the cache falls back to buffered reads by itself.
-                direct_io = budget < source.bank["slots"] * source.bank["experts"] * source.expert_stride \
-                    and getattr(source, "supports_direct_io", False)
+                # O_DIRECT keeps the page cache from holding a second copy of what the slab holds (which would
+                # also push the memory-mapped resident weights out of RAM), and measured faster per reader
+                # (docs/EXPERT_MEMORY.md); where the filesystem does not support it, buffered reads.
+                direct_io = getattr(source, "supports_direct_io", False)
             cache = ExpertCache(source, budget, direct=direct_io, policy=cache_policy)
             self.expert_cache = experts = cache
         self.model = DeepseekV4(source, numerics=numerics, kernels=kernels, experts=experts,
@@ -118,6 +123,7 @@ class Engine:
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         self._check_ids(token_ids)
+        self._check_positions(state.length + len(token_ids))
         out = []
         for a in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[a:a + self.prefill_chunk]
@@ -127,6 +133,15 @@ class Engine:
             if all_logits or last:
                 out.append(logits)
         return torch.cat(out) if all_logits else out[-1]
+
+    def _check_positions(self, n: int) -> None:
+        """Refuse to run past the positions the model computes exactly (`model.max_positions`)."""
+        if self.model.max_positions is not None and n > self.model.max_positions:
+            raise PromptError(f"{n} positions asked, but {self._cap_note()}")
+
+    def _cap_note(self) -> str:
+        why = getattr(self.source, "context_note", None) or "the model has no lightning-indexer weights"
+        return f"the context is capped at {self.model.max_positions} tokens: {why}"
 
     def _check_ids(self, token_ids: list[int]) -> None:
         v = self.config.vocab_size
@@ -157,6 +172,7 @@ class Engine:
             out.append(tok)
             if len(out) >= max_tokens or (tok == self.config.eos_token_id and not ignore_eos):
                 return out
+            self._check_positions(state.length + 1)
             logits = self.model.forward([tok], state, all_logits=False)[0][-1]
 
     @staticmethod
@@ -188,9 +204,18 @@ class Engine:
 
     @property
     def context_length(self) -> int:
-        """Positions a session may hold: `max_position_embeddings` capped to `MAX_DEFAULT_CONTEXT` unless set."""
+        """Positions a session may hold: `max_position_embeddings` capped to `MAX_DEFAULT_CONTEXT` unless set, and
+        always to the positions the model computes exactly (`context_note` says why when that is lower)."""
         n = getattr(self, "_gen_context_length", None)
-        return n if n else min(self.config.max_position_embeddings, self.MAX_DEFAULT_CONTEXT)
+        n = n if n else min(self.config.max_position_embeddings, self.MAX_DEFAULT_CONTEXT)
+        return n if self.model.max_positions is None else min(n, self.model.max_positions)
+
+    @property
+    def context_note(self) -> str | None:
+        """Why `context_length` is capped below what was asked (a model file without the lightning indexer,
+        which names the file and the fix), or None."""
+        cap = self.model.max_positions
+        return self._cap_note() if cap is not None and self.context_length >= cap else None
 
     @context_length.setter
     def context_length(self, n: int) -> None:
@@ -199,7 +224,7 @@ class Engine:
             raise ConfigError(f"context length must be between 2 and the model's {limit} positions, got {n}")
         self._gen_context_length = n
         if getattr(self, "_gen_session", None) is not None:  # sessions opened earlier keep their own limit
-            self._gen_session.context_length = n
+            self._gen_session.context_length, self._gen_session.context_note = self.context_length, self.context_note
 
     def _gen_counters(self) -> Stats:
         if getattr(self, "_gen_stats", None) is None:
@@ -210,6 +235,8 @@ class Engine:
         """Identifies the model in saved sessions: the .fst header (tensors, checksums), else the config."""
         if getattr(self, "_gen_fingerprint", None) is None:
             ident = getattr(self.source, "header", None) or self.config.to_dict()
+            if self.model.max_positions is not None:  # its states lack index keys: never resumed with an indexer
+                ident = [ident, self.model.max_positions]
             self._gen_fingerprint = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
         return self._gen_fingerprint
 
@@ -217,7 +244,7 @@ class Engine:
         """A new, empty `Session` (one conversation's tokens + model state; `anchor`: see `session.py`)."""
         return Session(self, context_length=self.context_length, vocab_size=self.config.vocab_size,
                        tokenizer=self.tokenizer, stats=self._gen_counters(), fingerprint=self._fingerprint(),
-                       anchor=anchor)
+                       anchor=anchor, context_note=self.context_note)
 
     def stream(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, session: Session | None = None,
                cancel: threading.Event | None = None,

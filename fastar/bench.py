@@ -121,54 +121,83 @@ def _preload(cache) -> float:
     return time.perf_counter() - t0
 
 
-def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, warmup: int = 8) -> dict:
-    """One budget: load, preload every expert when the budget holds them all, prefill, `warmup` untimed decode
-    steps (the cache settles), then `decode` timed greedy steps: one token per forward, or the engine's
-    speculative loop when `options["draft"]` is set (its draft_* statistics are added)."""
+def _start(path: str, budget, options: dict, prompt: list[int], warmup: int, draft: str):
+    """Load, preload every expert when the budget holds them all, prefill `prompt` and decode `warmup` greedy
+    steps (untimed: the cache settles). -> (engine, state, tokens so far, info)."""
     from .engine.engine import load
 
+    t0 = time.perf_counter()
+    engine = load(path, ram_budget=budget, **{**options, "draft": draft})
+    info = {"load_s": time.perf_counter() - t0}
+    cache, src = engine.expert_cache, engine.source
+    info["preloaded"] = bool(cache) and cache.n_slots >= src.bank["slots"] * src.bank["experts"]
+    info["preload_s"] = _preload(cache) if info["preloaded"] else 0.0
+    state = engine.new_state()
+    t0 = time.perf_counter()
+    logits = engine.prefill(prompt, state)
+    info["prefill_s"] = time.perf_counter() - t0
+    seq = list(prompt) + [int(logits[-1].argmax())]
+    for _ in range(warmup):
+        logits = engine.prefill(seq[-1:], state)
+        seq.append(int(logits[-1].argmax()))
+    return engine, state, seq, info
+
+
+def _close(engine) -> None:
+    if engine.expert_cache:
+        engine.expert_cache.close()  # its slab goes with the last array view of it (gc at the caller's del)
+
+
+def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, warmup: int = 8,
+            replay: float | None = None) -> dict:
+    """One budget: `_start`, then `decode` timed greedy steps, one token per forward. With a draft
+    (`options["draft"]`, or `replay`: drafts read from that plain run, each right with probability `replay`),
+    a second engine goes through the same start (so its cache is in the same condition) and decodes the same
+    `decode` tokens through the speculative loop; its draft_* stats are added."""
+    draft = options.get("draft") or "none"
     gc.collect()  # the previous budget's slab goes with its last array view, before this one's RSS is sampled
     with _PeakRSS() as rss:
-        t0 = time.perf_counter()
-        engine = load(path, ram_budget=budget, **options)
-        load_s = time.perf_counter() - t0
-        cache = engine.expert_cache
-        src = engine.source
-        all_fit = bool(cache) and cache.n_slots >= src.bank["slots"] * src.bank["experts"]
-        preload_s = _preload(cache) if all_fit else 0.0
-        state = engine.new_state()
-        t0 = time.perf_counter()
-        logits = engine.prefill(prompt, state)
-        prefill_s = time.perf_counter() - t0
-        tok = int(logits[-1].argmax())
-        for _ in range(warmup):
-            logits = engine.prefill([tok], state)
-            tok = int(logits[-1].argmax())
+        engine, state, seq, info = _start(path, budget, options, prompt, warmup, "none")
+        cache, start = engine.expert_cache, len(seq)
         before = cache.stats() if cache else {}
-        drafted = engine.drafter is not None
-        if drafted:  # the speculative loop, greedy, continuing the same context
-            seq = prompt + [tok]
-            gen_before = engine.stats()
-            t0 = time.perf_counter()
-            n = sum(c.token is not None for c in engine.stream(seq, max_tokens=decode, ignore_eos=True))
-            gen = engine.stats()
-            decode_s = gen["decode_seconds"] - gen_before["decode_seconds"]
-            decode = n
-        else:
-            t0 = time.perf_counter()
-            for _ in range(decode):  # plain greedy decode, one token per forward: what the ceiling describes
-                logits = engine.prefill([tok], state)
-                tok = int(logits[-1].argmax())
-            decode_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(decode):  # plain greedy decode, one token per forward: what the ceiling describes
+            logits = engine.prefill(seq[-1:], state)
+            seq.append(int(logits[-1].argmax()))
+        decode_s = time.perf_counter() - t0
         after = cache.stats() if cache else {}
+        budget_bytes = cache.budget_bytes if cache else 0
+        del state, logits
+        _close(engine)
+        del engine
+        gc.collect()
+        if replay is not None or draft != "none":
+            engine, state, head, _ = _start(path, budget, options, prompt, warmup, "none" if replay else draft)
+            if replay is not None:
+                from .engine.speculative import Schedule
+                from .engine.speculative_bench import ReplayDrafter
+                engine.use_draft(ReplayDrafter(engine.model, replay), Schedule(fixed=4), f"replay:{replay:g}")
+                engine.drafter.transcript = seq
+            session = engine.open_session()
+            session.resume(head, state)  # the last token pending, as in the plain run
+            gen_before = engine.stats()
+            out_ids = [c.token for c in engine.stream(head, session=session, max_tokens=decode, ignore_eos=True)
+                       if c.token is not None]
+            gen = engine.stats()
+            spec_s = gen["decode_seconds"] - gen_before["decode_seconds"]
+            same = head == seq[:start] and out_ids == seq[start:start + decode]
+            del state, session
+            _close(engine)
+            del engine
+            gc.collect()
     hits = after.get("hits", 0) - before.get("hits", 0)
     misses = after.get("misses", 0) - before.get("misses", 0)
     read = after.get("bytes_read", 0) - before.get("bytes_read", 0)
     out = {
-        "ram_budget_bytes": cache.budget_bytes if cache else 0,
+        "ram_budget_bytes": budget_bytes,
         "cache_policy": options.get("cache_policy", "lrfu"),
-        "load_s": load_s, "preloaded": all_fit, "preload_s": preload_s,
-        "prefill_tokens": len(prompt), "prefill_tok_s": len(prompt) / prefill_s,
+        "load_s": info["load_s"], "preloaded": info["preloaded"], "preload_s": info["preload_s"],
+        "prefill_tokens": len(prompt), "prefill_tok_s": len(prompt) / info["prefill_s"],
         "warmup_tokens": warmup, "decode_tokens": decode, "decode_tok_s": decode / decode_s,
         "hit_rate": hits / max(hits + misses, 1) if cache else 1.0,
         "bytes_read_per_token": read / decode,
@@ -176,17 +205,18 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
         "peak_rss_bytes": rss.peak,
         "prefetch": {k: v for k, v in after.get("sources", {}).items()},
     }
-    if drafted:
+    if replay is not None or draft != "none":
         out.update({k: v for k, v in gen.items() if k.startswith("draft_")})
-    if cache:
-        cache.close()
-    del engine, cache, state, logits
-    gc.collect()
+        # decode_seconds counts the first token's sampling too: one token fewer was decoded in them
+        out["draft_decode_tok_s"] = (len(out_ids) - 1) / spec_s if spec_s > 0 else 0.0
+        out["draft_speedup"] = out["draft_decode_tok_s"] / out["decode_tok_s"]
+        out["draft_same_tokens"] = same
     return out
 
 
 def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 16, reference: str | None = None,
-        options: dict | None = None, seed: int = 0, policies: list[str] | None = None, warmup: int = 8) -> dict:
+        options: dict | None = None, seed: int = 0, policies: list[str] | None = None, warmup: int = 8,
+        replay: float | None = None) -> dict:
     from .bench_kernels import machine_limits
     from .format.reader import FstFile
     from .quant import kernels
@@ -213,7 +243,8 @@ def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 
     runs = []
     for b in budgets:
         for policy in policies or [options.get("cache_policy", "lrfu")]:
-            r = run_one(path, b, prompt, decode_tokens, {**options, "cache_policy": policy}, warmup=warmup)
+            r = run_one(path, b, prompt, decode_tokens, {**options, "cache_policy": policy}, warmup=warmup,
+                        replay=replay)
             h = r["hit_rate"]
             t_tok = resident_tok / membw + h * expert_tok / membw + (1 - h) * expert_tok / disk_bw
             r["ceiling_tok_s"] = 1 / t_tok
@@ -270,8 +301,10 @@ def print_table(r: dict, out=sys.stdout) -> None:
         print(f"{'':>10} prefill {x['prefill_tok_s']:.1f} t/s = {100 * x['prefill_fraction_of_flops']:.0f}% of the "
               f"FLOP ceiling {x['prefill_ceiling_tok_s']:.1f} t/s", file=out)
         if "draft_mode" in x:
-            print(f"{'':>10} draft {x['draft_mode']}: acceptance {100 * x['draft_acceptance_rate']:.0f}%, "
-                  f"{x['draft_tokens_per_pass']:.2f} tokens per verify pass", file=out)
+            print(f"{'':>10} draft {x['draft_mode']}: {x['draft_decode_tok_s']:.2f} t/s = "
+                  f"{x['draft_speedup']:.2f}x plain decode; acceptance {100 * x['draft_acceptance_rate']:.0f}%, "
+                  f"{x['draft_tokens_per_pass']:.2f} tokens per verify pass; same tokens as plain: "
+                  f"{'yes' if x['draft_same_tokens'] else 'NO'}", file=out)
     if "transformers" in r:
         t = r["transformers"]
         print(f"transformers (same weights, float32): prefill {t['prefill_tok_s']:.1f} t/s, decode "
@@ -315,11 +348,16 @@ def main(a) -> int:
     bad = [p for p in policies or [] if p not in ("lrfu", "lru")]
     if bad:
         raise FastarError(f"--policies: unknown policy {bad[0]!r} (choose from lrfu, lru)")
+    replay = getattr(a, "replay", None)
+    if replay is not None and not 0 <= replay <= 1:
+        raise FastarError(f"--replay: a probability in [0, 1], got {replay}")
+    if replay is not None and opts["draft"] != "none":
+        raise FastarError("--replay replaces the model's own draft: drop --draft")
     r = run(a.model, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens, reference=a.reference,
-            options=opts, policies=policies, warmup=a.warmup_tokens)
+            options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay)
     if a.compare:  # the same benchmark on another source of the same model (e.g. .fst vs checkpoint dir)
         r["compare"] = run(a.compare, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens,
-                           options=opts, policies=policies, warmup=a.warmup_tokens)
+                           options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay)
         r["compare"]["model"] = a.compare
         r["decode_ratio_vs_compare"] = r["decode_tok_s"] / r["compare"]["decode_tok_s"]
     if a.plot:

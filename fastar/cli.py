@@ -258,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode-tokens", type=int, default=16, help="model: tokens to decode (timed)")
     b.add_argument("--warmup-tokens", type=int, default=8,
                    help="model: untimed decode steps after the prompt, so the expert cache settles first")
+    b.add_argument("--replay", type=float, default=None, metavar="A",
+                   help="model: also decode speculatively with drafts replayed from the plain run, each right with "
+                        "probability A (what a trained draft gives; synthetic models' own drafts are random)")
     b.add_argument("--policies", default=None,
                    help="model: run every budget with each of these eviction policies, e.g. lrfu,lru")
     b.add_argument("--reference", default=None, help="model: checkpoint dir to time transformers on too")

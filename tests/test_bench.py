@@ -33,4 +33,12 @@ def test_bench_reports_speculative_statistics(tiny_ckpt, tmp_path):
                         "mtp", "--prompt-tokens", "6", "--decode-tokens", "6"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "draft mtp: acceptance" in r.stdout and "tokens per verify pass" in r.stdout
+    assert "draft mtp:" in r.stdout and "tokens per verify pass" in r.stdout
+    assert "same tokens as plain: yes" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--ram-budget", "auto", "--replay",
+                        "1", "--prompt-tokens", "6", "--decode-tokens", "9", "--json"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["draft_mode"] == "replay:1" and out["draft_same_tokens"]
+    assert out["draft_acceptance_rate"] == 1.0 and out["draft_tokens_per_pass"] >= 4.0  # 4 drafts, all right

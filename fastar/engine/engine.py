@@ -48,15 +48,22 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
          **options) -> Engine:
     """Open a model (`.fst` file, official checkpoint directory, or a `WeightSource`) as an `Engine`.
 
-    Options: kernels (bool, default True), experts (expert provider), max_rollback (int | None, default
-    DEFAULT_MAX_ROLLBACK),
-    prefill_chunk (int, default 256), threads (int | None: the kernels' pool size, process-wide; with the
-    kernels in use torch runs single-threaded, without them `threads` sets torch's), ram_budget (bytes or "24G" of RAM for routed experts paged from a
-    `.fst`; "auto" (default) derives it from available memory; None maps the whole file instead), cache_policy
-    ("lrfu" or "lru"), direct_io (O_DIRECT reads: no second copy in the page cache; None (default):
-    on where the file system supports it), lookahead (prefetch the
-    next layer's experts guessed by its router), draft ("none" (default), "mtp", "dspark" or "auto": speculative decoding
-    for `stream`, see `fastar.engine.speculative`).
+    Options:
+      kernels: use the C kernels (default True).
+      experts: an expert provider (default: the budgeted pager below).
+      max_rollback: positions a state can be truncated back by (default DEFAULT_MAX_ROLLBACK; None: all).
+      prefill_chunk: prompt tokens per forward (default 512: more tokens per expert per read; ~0.3 GB of
+        temporaries at Flash widths).
+      threads: the kernels' pool size, process-wide. With the kernels in use torch runs single-threaded;
+        without them `threads` sets torch's.
+      ram_budget: bytes (or "24G") of RAM for routed experts paged from the source; "auto" (default) derives
+        it from available memory; None maps the whole file instead.
+      cache_policy: "lrfu" (default) or "lru".
+      direct_io: O_DIRECT expert reads, so the page cache holds no second copy (None, the default: wherever
+        the file system supports it).
+      lookahead: prefetch each next layer's experts guessed by its router.
+      draft: "none" (default), "mtp", "dspark" or "auto": speculative decoding for `stream`
+        (see `fastar.engine.speculative`).
     """
     source = path if hasattr(path, "tensor") else open_source(path)
     return Engine(source, numerics=numerics, **options)
@@ -67,7 +74,7 @@ class Engine:
 
     def __init__(self, source: WeightSource, numerics: str | Numerics = "official", kernels: bool = True,
                  experts: ExpertProvider | None = None, max_rollback: int | None = DEFAULT_MAX_ROLLBACK,
-                 prefill_chunk: int = 256, threads: int | None = None, draft: str | None = "none",
+                 prefill_chunk: int = 512, threads: int | None = None, draft: str | None = "none",
                  ram_budget: int | str | None = "auto", cache_policy: str = "lrfu", direct_io: bool | None = None,
                  lookahead: bool = False) -> None:
         if prefill_chunk <= 0:

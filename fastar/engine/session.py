@@ -129,6 +129,14 @@ class Session:
     def num_processed(self) -> int:
         return 0 if self._state is None else self._state.length
 
+    def resume(self, tokens: list[int], state) -> None:
+        """Take over a model state that has processed tokens[:state.length] (the rest are pending), e.g. to
+        continue from the exact state a benchmark or another loop reached."""
+        if not 0 <= state.length <= len(tokens):
+            raise ValueError(f"a state of {state.length} positions cannot hold a timeline of {len(tokens)} tokens")
+        self.reset()
+        self._tokens, self._state = [int(t) for t in tokens], state
+
     def reset(self) -> None:
         """Forget everything (tokens, state and meta)."""
         self._tokens, self._state, self._dirty, self.meta, self._anchor = [], None, False, {}, None

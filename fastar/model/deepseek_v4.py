@@ -372,8 +372,9 @@ class Attention:
             self.compressor(x, p0, state.comp_kv, state.comp_gate, state.entries)
             if self.indexer is not None:
                 scoring = self.indexer.prepare(x, qr, p0, state)
-        # queries one by one in small chunks (`ops.token_slices`): a verify pass attends exactly as decode does
-        o = torch.cat([self._attend(q, s, p0, state, scoring) for s in ops.token_slices(T)])  # [T, H, D]
+        # queries one by one in small chunks (`ops.token_slices`): a verify pass attends exactly as decode does;
+        # long chunks in pieces of a window's length, each against only the keys its queries can see
+        o = torch.cat([self._attend(q, s, p0, state, scoring) for s in ops.token_slices(T, self.window)])
         o = ops.apply_rope(o, cos, sin, inverse=True)  # V carried RoPE: undo it at the query position
         z = self.wo_a.grouped(o.reshape(T, self.groups, H * D // self.groups))  # [T, G, R]
         return self.wo_b(act(z.reshape(T, -1)))  # [T, d]

@@ -180,15 +180,19 @@ def fp4_quant_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 SMALL_CHUNK = 8  # = the C kernels' dot path (DOT_MAX): up to this many tokens a product sums as for one token
 
 
-def token_slices(T: int) -> list[slice]:
+def token_slices(T: int, block: int | None = None) -> list[slice]:
     """The pieces in which a chunk of T tokens runs an op whose per-token result could follow the chunk's shape:
     one token each while T <= SMALL_CHUNK, so each token sees exactly the shapes of a one-token decode step and
     gets bit-identical results (a speculative verify pass then reproduces plain decoding); beyond, the whole chunk
     at once (prefill). Such ops: torch products (BLAS picks kernels and summation orders by shape), reductions
     over masked rows whose length follows the chunk, and transcendental functions (sigmoid, softplus, SiLU) on a
     few values per token (their SIMD and scalar paths round differently, and which one a token's values take
-    depends on where they fall in the flattened chunk; widths that are multiples of 32 always take the SIMD one)."""
-    return [slice(t, t + 1) for t in range(T)] if T <= SMALL_CHUNK else [slice(0, T)]
+    depends on where they fall in the flattened chunk; widths that are multiples of 32 always take the SIMD one).
+    `block`: longer chunks in pieces of that many tokens instead (attention: a piece's queries see only the
+    window behind it, so the work grows with T, not T^2)."""
+    if T <= SMALL_CHUNK:
+        return [slice(t, t + 1) for t in range(T)]
+    return [slice(a, min(a + block, T)) for a in range(0, T, block)] if block else [slice(0, T)]
 
 
 def per_token(f, *xs: torch.Tensor):

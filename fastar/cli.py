@@ -152,6 +152,19 @@ def cmd_fixture(a) -> int:
     return 0
 
 
+def cmd_synth(a) -> int:
+    from .synth import synth
+    for name in ("layers", "experts", "vocab", "hidden", "inter"):
+        if getattr(a, name) < 1:
+            raise FastarError(f"synth: --{name} must be at least 1, got {getattr(a, name)}")
+    if a.hidden % 128 or a.inter % 128:
+        raise FastarError("synth: --hidden and --inter must be multiples of 128 (the FP8 and FP4 block sizes)")
+    p = synth(a.output, a.layers, a.experts, a.vocab, a.hidden, a.inter, a.seed, mtp=a.mtp, progress=True)
+    print(f"wrote a random-weight model ({a.layers} layers x {a.experts} experts, hidden {a.hidden}, expert width "
+          f"{a.inter}) to {p}")
+    return 0
+
+
 def cmd_serve(a) -> int:
     from .console import open_engine
     return a.serve_mod.run_from_args(a, lambda: open_engine(a))
@@ -223,6 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--preset", default="tiny", choices=["tiny", "tiny-dspark", "vocab"])
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(fn=cmd_fixture)
+
+    sy = sub.add_parser("synth", help="write a random-weight .fst at the real Flash widths (any number of layers), "
+                        "for benchmarks larger than RAM")
+    sy.add_argument("-o", "--output", required=True)
+    sy.add_argument("--layers", type=int, default=4)
+    sy.add_argument("--experts", type=int, default=256, help="routed experts per layer")
+    sy.add_argument("--vocab", type=int, default=129280)
+    sy.add_argument("--hidden", type=int, default=4096)
+    sy.add_argument("--inter", type=int, default=2048, help="routed expert width")
+    sy.add_argument("--mtp", type=int, default=1, help="MTP blocks")
+    sy.add_argument("--seed", type=int, default=0)
+    sy.set_defaults(fn=cmd_synth)
 
     from . import console  # light: torch is imported only when run/chat actually run
     r = sub.add_parser("run", help="one-shot generation, streamed to stdout (timings on stderr)")

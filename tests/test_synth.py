@@ -145,3 +145,19 @@ def test_lookahead_trace():
             wrong += len(p - set(tr[t, layer]))
     cov = right / (200 * 5 * 6)
     assert 0.4 < cov < 0.6 and 0.2 < wrong / right < 0.6
+
+
+def test_cli_writes_a_file_that_verifies(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "s.fst"
+    args = ["--layers", "1", "--experts", "8", "--vocab", "1000", "--hidden", "256", "--inter", "256"]
+    r = subprocess.run([sys.executable, "-m", "fastar", "synth", "-o", str(out), *args], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "1 layers x 8 experts" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "fastar", "verify", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "fastar", "synth", "-o", str(tmp_path / "bad.fst"), "--hidden", "100"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "multiples of 128" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "bad.fst").exists()

@@ -181,16 +181,20 @@ def expert_exact(x, w1, s1, w3, s3, w2, s2, rw, limit, base):
     return out, bound
 
 
+def expert_case(seed: int, t: int, d: int, i: int, x_scale: float):
+    """x [t, d], (w1, s1, w3, s3, w2, s2) of an expert of width i, routing weights [t]."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((t, d)) * x_scale).astype(np.float32)
+    weights = (*fp4_weights(rng, i, d, (124, 128)), *fp4_weights(rng, i, d, (124, 128)),
+               *fp4_weights(rng, d, i, (120, 126)))
+    return rng, x, weights, rng.random(t).astype(np.float32)
+
+
 @pytest.mark.parametrize("t", [1, 3, 17])
 @pytest.mark.parametrize("limit", [10.0, 0.0])
 def test_expert_ffn_matches_reference(backend, t, limit):
-    rng = np.random.default_rng(t + int(limit))
-    d, i = 160, 96
-    x = (rng.standard_normal((t, d)) * 2).astype(np.float32)
-    w1, s1 = fp4_weights(rng, i, d, (124, 128))
-    w3, s3 = fp4_weights(rng, i, d, (124, 128))
-    w2, s2 = fp4_weights(rng, d, i, (120, 126))
-    rw = rng.random(t).astype(np.float32)
+    d = 160
+    rng, x, (w1, s1, w3, s3, w2, s2), rw = expert_case(t + int(limit), t, d, 96, 2.0)
     base = rng.standard_normal((t, d)).astype(np.float32)
     out = base.copy()
     K.expert_ffn(x, w1, s1, w3, s3, w2, s2, rw, limit, out)
@@ -201,13 +205,8 @@ def test_expert_ffn_matches_reference(backend, t, limit):
 @pytest.mark.parametrize("t", [1, 5, 17])
 def test_expert_ffn_with_activation_quant_is_the_composition(backend, t):
     """act_block=128 (official numerics) = quantize x, gate/up, SwiGLU times the routing weight, quantize, down."""
-    rng = np.random.default_rng(40 + t)
-    d, i = 256, 384
-    x = (rng.standard_normal((t, d)) * 3).astype(np.float32)
-    w1, s1 = fp4_weights(rng, i, d, (124, 128))
-    w3, s3 = fp4_weights(rng, i, d, (124, 128))
-    w2, s2 = fp4_weights(rng, d, i, (120, 126))
-    rw = rng.random(t).astype(np.float32)
+    d = 256
+    _, x, (w1, s1, w3, s3, w2, s2), rw = expert_case(40 + t, t, d, 384, 3.0)
     out = np.zeros((t, d), np.float32)
     K.expert_ffn(x, w1, s1, w3, s3, w2, s2, rw, 10.0, out, act_block=128)
     xq = K.fp8_act_quant(x, 128)

@@ -120,6 +120,20 @@ def test_sinkhorn_closed_form_first_step():
     assert torch.allclose(one, s / (s.sum(0, keepdim=True) + 1e-6), atol=1e-7)
 
 
+def test_sinkhorn_kernel_matches_torch():
+    if ops._C_kernels() is None:
+        pytest.skip("C extension not built")
+    g = torch.Generator().manual_seed(2)
+    for shape, scale in (((50, 4, 4), 3.0), ((7, 8, 8), 10.0), ((3, 2, 4, 4), 0.1)):
+        logits = torch.randn(*shape, generator=g) * scale
+        for iters in (1, 2, 20):
+            got, want = ops.sinkhorn(logits, iters, 1e-6), ops.sinkhorn_torch(logits, iters, 1e-6)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    one = torch.randn(1, 4, 4, generator=g)  # per matrix, whatever shares the batch
+    assert torch.equal(ops.sinkhorn(torch.cat([one, torch.randn(5, 4, 4)]), 20, 1e-6)[:1], ops.sinkhorn(one, 20, 1e-6))
+
+
 # --- Hadamard and activation quantization ------------------------------------------------------------------
 
 def test_hadamard_is_sylvester_and_orthonormal():

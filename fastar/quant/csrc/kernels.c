@@ -467,6 +467,65 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------- mHC Sinkhorn */
+
+/* The mHC mixing matrix of each of B logits [n, n]: row softmax + eps, a column normalisation, then iters - 1
+ * rounds of row and column normalisation (x / (sum + eps)), as fastar.model.ops.sinkhorn_torch; per matrix, in
+ * one fixed order, so a token's result never depends on the batch. n <= 16. */
+static void sinkhorn_rows(const float *in, float *out, int64_t B, int n, int iters, float eps) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *x = in + b * n * n;
+        float *m = out + b * n * n;
+        for (int i = 0; i < n; i++) {
+            float mx = x[i * n];
+            for (int j = 1; j < n; j++) mx = x[i * n + j] > mx ? x[i * n + j] : mx;
+            float sum = 0.0f;
+            for (int j = 0; j < n; j++) sum += (m[i * n + j] = expf(x[i * n + j] - mx));
+            for (int j = 0; j < n; j++) m[i * n + j] = m[i * n + j] / sum + eps;
+        }
+        for (int it = 0; it < iters; it++) {
+            if (it) /* rows */
+                for (int i = 0; i < n; i++) {
+                    float sum = 0.0f;
+                    for (int j = 0; j < n; j++) sum += m[i * n + j];
+                    for (int j = 0; j < n; j++) m[i * n + j] /= sum + eps;
+                }
+            for (int j = 0; j < n; j++) { /* columns */
+                float sum = 0.0f;
+                for (int i = 0; i < n; i++) sum += m[i * n + j];
+                for (int i = 0; i < n; i++) m[i * n + j] /= sum + eps;
+            }
+        }
+    }
+}
+
+/* sinkhorn(logits f32 [B, n*n], n, iters, eps, out f32 [B, n*n]) -> None */
+static PyObject *py_sinkhorn(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oo;
+    int n, iters;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OiidO", &ox, &n, &iters, &eps, &oo)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_view(ox, &v[0], "logits", 'f', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) goto fail;
+    if (n < 1 || n > 16 || iters < 1 || dim(&v[0], 1) != (int64_t)n * n) {
+        PyErr_Format(PyExc_ValueError, "sinkhorn needs 1 <= n <= 16, iters >= 1 and logits [B, n*n]; got n=%d, "
+                     "iters=%d, logits [%lld, %lld]", n, iters, (long long)dim(&v[0], 0), (long long)dim(&v[0], 1));
+        goto fail;
+    }
+    if (shape_is(&v[1], "out", dim(&v[0], 0), dim(&v[0], 1), "= logits.shape") || no_overlap(&v[1], &v[0], 1))
+        goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    sinkhorn_rows(v[0].b.buf, v[1].b.buf, dim(&v[0], 0), n, iters, (float)eps);
+    Py_END_ALLOW_THREADS
+    release(v, 2);
+    Py_RETURN_NONE;
+fail:
+    release(v, 2);
+    return NULL;
+}
+
 /* ---------------------------------------------------------------- threads, ISA, features */
 
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
@@ -621,6 +680,7 @@ static PyMethodDef methods[] = {
      "expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit, out): out += route_w * swiglu(x) @ W2.T"},
     {"fp8_act_quant", py_fp8_act_quant, METH_VARARGS,
      "fp8_act_quant(x f32[R,K], block, out f32[R,K]): DeepSeek's FP8 activation quant-dequant per block"},
+    {"sinkhorn", py_sinkhorn, METH_VARARGS, "sinkhorn(logits f32[B, n*n], n, iters, eps, out): mHC mixing matrices"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"default_num_threads", py_default_num_threads, METH_NOARGS, "CPUs this process may run on (or FASTAR_THREADS)"},

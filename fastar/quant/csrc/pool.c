@@ -2,7 +2,8 @@
  *
  * Owns: the worker threads, job hand-off and completion. One job runs at a time (a mutex serializes callers
  * from different Python threads); the calling thread works on the job too, so 1 thread means no hand-off.
- * Workers spin briefly after a job (back-to-back kernel calls are the common case: an expert is 2 calls) and
+ * Workers spin briefly after a job (back-to-back kernel calls are the common case: a decode step is a product,
+ * some Python, the next product), yielding the core to any other runnable thread (an expert read) as they go,
  * then sleep on a condition variable, so an idle pool costs no CPU.
  * Does not own: how work is split (callers pass chunk counts) or anything about the kernels.
  */
@@ -26,7 +27,8 @@
 #include "kernels.h"
 
 #define MAX_THREADS 256
-#define SPIN_NS 50000 /* how long an idle worker polls for the next job before sleeping */
+#define SPIN_NS 300000 /* how long an idle worker polls for the next job before sleeping: longer than the
+                             Python between two products of a decode step, so the next product starts at once */
 
 typedef struct {
     pthread_mutex_t run_mu;   /* held by the caller for a whole job: one job at a time */
@@ -74,7 +76,8 @@ static void *worker_main(void *arg) {
         int spins = 0;
         while (atomic_load_explicit(&P.generation, memory_order_acquire) == seen && !atomic_load(&P.shutdown)) {
             CPU_RELAX();
-            if (++spins % 64 == 0 && now_ns() - t0 > SPIN_NS) {
+            if (++spins % 64 == 0) sched_yield(); /* a runnable thread (an expert read's) gets the core at once */
+            if (spins % 64 == 0 && now_ns() - t0 > SPIN_NS) {
                 pthread_mutex_lock(&P.mu);
                 while (atomic_load(&P.generation) == seen && !atomic_load(&P.shutdown))
                     pthread_cond_wait(&P.cv_work, &P.mu);

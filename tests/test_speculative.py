@@ -516,6 +516,27 @@ def test_auto_stops_drafting_when_passes_cost_too_much():
     assert cheap.costs()[0] < 0.15 and all(cheap.want_draft(1) for _ in range(8))
 
 
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "dspark_ckpt"])
+def test_auto_skips_draft_upkeep_in_plain_epochs(ckpt, request):
+    """In a plain epoch `auto` runs plain target passes (no draft context); back in a draft epoch the draft's
+    context starts over where it has a gap, and the output is plain greedy throughout."""
+    path = request.getfixturevalue(ckpt)
+    plain = load(path)
+    ids = list(range(3, 23))
+    want = plain.generate_tokens(ids, 24, ignore_eos=True)
+    eng = load(path, draft="auto")
+    eng.draft_schedule.mode = "plain"
+    eng.draft_schedule.epoch[3] = 12.0  # 12 plain tokens, then a draft epoch
+    eng.draft_schedule.speed["draft"] = 1e9  # as if drafting had been measured fast: the next epoch drafts
+    got, paused = [], []
+    for chunk in eng.stream(ids, max_tokens=24, ignore_eos=True):
+        if chunk.token is not None:
+            got.append(chunk.token)
+            paused.append(eng.drafter.paused)
+    assert got == want
+    assert paused[1] and not paused[-1] and eng.draft_schedule.mode == "draft"
+
+
 def test_resolve_draft_names(tiny_ckpt, dspark_ckpt):
     assert load(tiny_ckpt, draft="auto").draft_stats.mode == "auto:mtp"
     eng = load(dspark_ckpt, draft="auto")

@@ -100,7 +100,8 @@ class Pass:
     p0: int
     ids: list[int]
     logits: torch.Tensor  # [T, V] (all positions when T <= verify width), else [1, V]
-    hidden: torch.Tensor  # the draft's input per position: MTP [T, n, d] final streams, DSpark [T, d] main_x
+    hidden: torch.Tensor | None  # the draft's input per position: MTP [T, n, d] final streams, DSpark [T, d]
+    # main_x; None for a pass made while the drafter was paused
 
     @property
     def state(self) -> ModelState | None:
@@ -109,7 +110,8 @@ class Pass:
     def row(self, state: ModelState, pos: int) -> torch.Tensor | None:
         """The hidden of position `pos` if this pass covered it and it still holds for `state` (a later pass on
         the same state replaces the record, so rows below the state's length are still the ones computed)."""
-        if self.state is state and self.p0 <= pos < min(self.p0 + len(self.ids), state.length):
+        if self.hidden is not None and self.state is state and self.p0 <= pos < min(self.p0 + len(self.ids),
+                                                                                      state.length):
             return self.hidden[pos - self.p0]
         return None
 
@@ -155,9 +157,9 @@ class Drafter:
         ids = [int(t) for t in ids]
         p0, prev = state.length, self.pass_of(state)
         keep_all = all_logits or len(ids) <= self.max_drafts + 1
-        if self.paused:
+        if self.paused:  # a plain pass: no draft inputs kept (the draft's context gets a gap here)
             logits, X = self.model.forward(ids, state, all_logits=keep_all)
-            hidden = X
+            hidden = None
         else:
             logits, X, hidden = self._target(ids, state, keep_all)
         rec = Pass(weakref.ref(state), p0, ids, logits if keep_all and len(ids) <= self.max_drafts + 1
@@ -585,6 +587,10 @@ def speculative_generate_step(session, prompt_ids: list[int], params: SamplingPa
             prop, L, t0 = None, 0, time.perf_counter()
             if schedule.retired and not drafter.paused:
                 drafter.paused, stats.mode = True, stats.mode + " (off: drafting did not pay)"
+            elif schedule.adaptive and not schedule.retired:
+                # `auto` in a plain epoch: no draft context upkeep either (the drafters restart their context
+                # where it has a gap, so a later draft epoch starts over from a short window)
+                drafter.paused = schedule.mode == "plain"
             if ours and room > 0 and schedule.want_draft(drafter.max_drafts):
                 state = rec.state
                 prop = drafter.propose(state, anchor, room, pick)

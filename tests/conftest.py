@@ -12,6 +12,17 @@ import pytest
 from fastar.fixtures import write_checkpoint
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny-model tests (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): torch's
+    intra-op threads only add overhead on tiny tensors (10x on a busy 2-core box). Restored after the module."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny` preset, seed 0: 5 layers + 1 MTP block, vocab 1024, 3 shards (~20 MB)."""

@@ -378,3 +378,24 @@ def test_gil_is_released_during_compute():
         assert ticks > 10000, f"main thread advanced only {ticks} times during {reps} kernel calls"
     finally:
         K.set_num_threads(before)
+
+
+@pytest.mark.skipif(not K.available(), reason="C extension not built")
+def test_small_kernels_check_their_arguments():
+    from fastar.quant import _kernels as C
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(ValueError, match="shape"):
+        C.fp8_act_quant(x, 32, np.empty((2, 32), np.float32))
+    with pytest.raises(TypeError, match="float32"):
+        C.fp8_act_quant(x.astype(np.float64), 32, np.empty((2, 64), np.float32))
+    with pytest.raises(ValueError, match="positive"):
+        C.fp8_act_quant(x, 0, np.empty_like(x))
+    C.fp8_act_quant(x, 32, x)  # in place is allowed
+    m = np.zeros((3, 16), np.float32)
+    with pytest.raises(ValueError, match="overlap"):
+        C.sinkhorn(m, 4, 20, 1e-6, m)
+    with pytest.raises(ValueError, match="n <= 16"):
+        C.sinkhorn(np.zeros((3, 15), np.float32), 4, 20, 1e-6, np.zeros((3, 15), np.float32))
+    out = np.empty_like(m)
+    C.sinkhorn(m, 4, 20, 1e-6, out)
+    assert np.allclose(out.reshape(3, 4, 4).sum(1), 1, atol=1e-5)

@@ -40,13 +40,7 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny tensors: torch's intra-op threads only add overhead (10x on a busy 2-core box). Restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

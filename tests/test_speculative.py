@@ -28,12 +28,7 @@ from fastar.model.state import LayerState, ModelState
 TOKENS = 200
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def prompt(seed: int, n: int = 24) -> list[int]:

@@ -26,7 +26,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError
 from ..format import spec
 from ..format.reader import expert_views
-from ..weights.source import ExpertWeights
+from ..weights.source import Closing, ExpertWeights
 from .names import DTYPE_SIZES, expected_tensors, expert_tensor_names, is_routed_expert, mtp_blocks_in, tensor_nbytes
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -135,7 +135,7 @@ def parse_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-class Checkpoint:
+class Checkpoint(Closing):
     """An official DeepSeek-V4 checkpoint directory, read tensor by tensor. Also a `WeightSource`."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -200,17 +200,6 @@ class Checkpoint:
                 os.close(fd)
             self._fds.clear()
 
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     # --- config ----------------------------------------------------------------------------------------------
 

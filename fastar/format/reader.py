@@ -19,7 +19,7 @@ import xxhash
 
 from ..config import ModelConfig
 from ..errors import ConfigError, FormatError
-from ..weights.source import ExpertWeights
+from ..weights.source import Closing, ExpertWeights
 from . import spec
 
 
@@ -123,7 +123,24 @@ def expert_views(sections: list[dict], buf, base: int = 0) -> ExpertWeights:
     return ExpertWeights(*parts)
 
 
-class FstFile:
+class MappedFile(Closing):
+    """A file held open as a descriptor (`_fd`) and a read-only mapping (`_mm`, None for an empty file)."""
+    _fd: int = -1
+    _mm: mmap.mmap | None = None
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # views still alive; the mapping goes when they do
+                pass
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class FstFile(MappedFile):
     """A `.fst` v3 file opened for reading. Implements `fastar.weights.source.WeightSource`."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -140,7 +157,7 @@ class FstFile:
         try:
             self._open()
         except BaseException:
-            os.close(self._fd)
+            self.close()  # resets _fd: nothing is closed twice
             raise
 
     def _open(self) -> None:
@@ -313,30 +330,6 @@ class FstFile:
                     if hashers.pop(label).hexdigest() != digest:
                         bad.append(label)
         return bad
-
-    def close(self) -> None:
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # views still alive; the mapping goes when they do
-                pass
-            self._mm = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> "FstFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            if getattr(self, "_fd", -1) >= 0:
-                self.close()
-        except Exception:
-            pass
 
 
 def open_model_file(path: str | os.PathLike):

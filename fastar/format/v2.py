@@ -59,9 +59,9 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ConfigError, FormatError
-from ..weights.source import ExpertWeights
+from ..weights.source import Closing, ExpertWeights
 from . import spec
-from .reader import FstFile
+from .reader import FstFile, MappedFile
 
 MAGIC = b"FST\x00"
 VERSION = 2
@@ -225,7 +225,7 @@ def decode_mxfp4(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 # --- one container (main file or an .hc/.norm sidecar) ---------------------------------------------------------
 
-class V2Container:
+class V2Container(MappedFile):
     """A v2 file's header and directory, validated, and its data mapped read-only."""
 
     def __init__(self, path: Path, role: str = "model") -> None:
@@ -238,21 +238,21 @@ class V2Container:
                               f" (the .fst.{role} sidecar is required next to a FaStar v2 model)")) from None
         except OSError as e:
             raise FormatError(f"{path}: cannot open ({e.strerror})") from None
-        self.fd = fd
+        self._fd = fd
         try:
             self.size = os.fstat(fd).st_size
             self.header = self._read_header()
             self.entries = self._read_directory()
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if self.size else None
         except BaseException:
-            os.close(fd)
+            self.close()  # resets _fd: nothing is closed twice
             raise
 
     def _fail(self, msg: str) -> FormatError:
         return FormatError(f"{self.path}: {msg}")
 
     def _read_header(self) -> V2Header:
-        raw = os.pread(self.fd, HEADER_SIZE, 0)
+        raw = os.pread(self._fd, HEADER_SIZE, 0)
         if len(raw) < HEADER_SIZE:
             raise self._fail(f"file is {self.size} bytes, too short for a FaStar v2 header (truncated?)")
         h = V2Header(*struct.unpack(HEADER_FMT, raw))
@@ -271,7 +271,7 @@ class V2Container:
         dir_end = h.shared_dir_offset + h.shared_dir_count * ENTRY_SIZE
         if dir_end > self.size:
             raise self._fail(f"file is truncated: the tensor directory ends at byte {dir_end}, file has {self.size}")
-        raw = os.pread(self.fd, dir_end - h.shared_dir_offset, h.shared_dir_offset)
+        raw = os.pread(self._fd, dir_end - h.shared_dir_offset, h.shared_dir_offset)
         out, spans = [], []
         for i in range(h.shared_dir_count):
             tid, layer, sub, qtype, ndim, _pad, s0, s1, s2, off, n, _res = struct.unpack_from(ENTRY_FMT, raw, i * ENTRY_SIZE)
@@ -312,17 +312,6 @@ class V2Container:
             return decode_q8_0(self.raw(e), e.shape)
         return decode_mxfp4(self.raw(e), e.shape)
 
-    def close(self) -> None:
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # views still alive; the mapping goes when they do
-                pass
-            self._mm = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
 
 # --- the model -------------------------------------------------------------------------------------------------
 
@@ -362,7 +351,7 @@ def default_tokenizer_json() -> bytes | None:
     return p.read_bytes() if p.is_file() else None
 
 
-class FstV2File:
+class FstV2File(Closing):
     """A FaStar v2 model (`X.fst` + `X.fst.hc` + `X.fst.norm` + `X.fst.tid2eid`) as a `WeightSource`.
 
     Args:
@@ -691,7 +680,7 @@ class FstV2File:
         if scratch is None or len(scratch) < n:
             scratch = self._tl.buf = bytearray(n)
         mv = memoryview(scratch)[:n]
-        got = os.preadv(self.main.fd if fd is None else fd, [mv], off)
+        got = os.preadv(self.main._fd if fd is None else fd, [mv], off)
         if got != n:
             raise FormatError(f"{self.path}: short read of expert (layer {slot}, id {e}): {got} of {n} bytes "
                               "(file truncated?)")
@@ -711,17 +700,6 @@ class FstV2File:
             c.close()
         self._files = []
 
-    def __enter__(self) -> "FstV2File":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 __all__ = ["GLOBAL_TIDS", "HC_TIDS", "LAYER_TIDS", "NORM_TIDS", "FstV2File", "V2Container", "V2Entry", "V2Header",

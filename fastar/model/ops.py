@@ -15,6 +15,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+try:  # the C extension's fast twins of `sinkhorn_torch` and `fp8_quant_sim_torch`
+    from ..quant import _kernels as _C
+except ImportError:  # pragma: no cover - a build without the C extension
+    _C = None
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 
@@ -93,7 +98,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     steps in all), ending on a column step. logits [..., n, n] -> doubly-stochastic [..., n, n]. In the C
     extension when built (one call instead of ~80 small torch ops; equal to `sinkhorn_torch` within float32
     rounding, tested)."""
-    k = _C_kernels()
+    k = _C
     n = logits.shape[-1]
     if k is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.numel() \
             and n <= 16 and iters >= 1:
@@ -150,21 +155,13 @@ def fp8_quant_sim(x: torch.Tensor, block: int) -> torch.Tensor:
     """Quantize-dequantize to FP8 e4m3 per `block` values of the last dim with UE8M0 (power-of-two) scales:
     `s = 2^ceil(log2(max(amax, 1e-4) / 448))`, `e4m3(clamp(x/s)) * s` (DeepSeek's `act_quant`). Runs in the C
     extension when it is built (bit-identical to `fp8_quant_sim_torch`, tested; ~50x faster on one token)."""
-    k = _C_kernels()
+    k = _C
     if k is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() and x.shape[-1]:
         xc = x.detach().contiguous()
         out = torch.empty_like(xc)
         k.fp8_act_quant(xc.view(-1, x.shape[-1]).numpy(), block, out.view(-1, x.shape[-1]).numpy())
         return out
     return fp8_quant_sim_torch(x, block)
-
-
-def _C_kernels():
-    try:
-        from ..quant import _kernels
-    except ImportError:  # pragma: no cover - a build without the C extension
-        return None
-    return _kernels
 
 
 def fp8_quant_sim_torch(x: torch.Tensor, block: int) -> torch.Tensor:

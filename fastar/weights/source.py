@@ -1,7 +1,7 @@
 """The weight-source contract: what the model asks of wherever weights live (a `.fst` file, an official
 checkpoint directory, a synthetic model).
 
-Owns: the `WeightSource` protocol and the `ExpertWeights` record. Does not own: caching or paging of experts
+Owns: the `WeightSource` protocol, the `ExpertWeights` record and `Closing` (the file-holding sources' lifetime). Does not own: caching or paging of experts
 (`fastar.weights.expert_cache`) nor the arithmetic on weights (`fastar.quant`).
 
 Tensor names are the official checkpoint names, verbatim (`layers.3.attn.wq_a.weight`, `.scale`, `embed.weight`,
@@ -27,6 +27,25 @@ class ExpertWeights(NamedTuple):
     w3_scale: np.ndarray  # [I, D/32]
     w2: np.ndarray        # down  [D, I/2]
     w2_scale: np.ndarray  # [D, I/32]
+
+
+class Closing:
+    """`with source:` and close-on-collect for sources that hold files; subclasses define an idempotent `close`."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # half-constructed, or at interpreter exit
+            pass
 
 
 class WeightSource(Protocol):

@@ -442,6 +442,15 @@ static void fp8_act_quant_rows(const float *x, float *out, int64_t rows, int64_t
         }
 }
 
+/* A float32 input and a writable float32 output of the same 2-D shape that do not overlap (unless in_place
+ * allows out to be the input itself). */
+static int get_in_out(PyObject *ox, PyObject *oo, view_t v[2], const char *in_name, int in_place) {
+    if (get_view(ox, &v[0], in_name, 'f', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) return -1;
+    if (shape_is(&v[1], "out", dim(&v[0], 0), dim(&v[0], 1), "= the input's shape")) return -1;
+    if (in_place && v[0].b.buf == v[1].b.buf) return 0;
+    return no_overlap(&v[1], &v[0], 1);
+}
+
 /* fp8_act_quant(x, block, out) -> None; x, out float32 [R, K] (out may be x) */
 static PyObject *py_fp8_act_quant(PyObject *self, PyObject *args) {
     (void)self;
@@ -450,13 +459,11 @@ static PyObject *py_fp8_act_quant(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OnO", &ox, &block, &oo)) return NULL;
     view_t v[2];
     memset(v, 0, sizeof v);
-    if (get_view(ox, &v[0], "x", 'f', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) goto fail;
+    if (get_in_out(ox, oo, v, "x", 1)) goto fail;
     if (block < 1) {
         PyErr_Format(PyExc_ValueError, "block must be positive, got %zd", block);
         goto fail;
     }
-    if (shape_is(&v[1], "out", dim(&v[0], 0), dim(&v[0], 1), "= x.shape")) goto fail;
-    if (v[0].b.buf != v[1].b.buf && no_overlap(&v[1], &v[0], 1)) goto fail;
     Py_BEGIN_ALLOW_THREADS
     fp8_act_quant_rows(v[0].b.buf, v[1].b.buf, dim(&v[0], 0), dim(&v[0], 1), block);
     Py_END_ALLOW_THREADS
@@ -508,14 +515,12 @@ static PyObject *py_sinkhorn(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OiidO", &ox, &n, &iters, &eps, &oo)) return NULL;
     view_t v[2];
     memset(v, 0, sizeof v);
-    if (get_view(ox, &v[0], "logits", 'f', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) goto fail;
+    if (get_in_out(ox, oo, v, "logits", 0)) goto fail;
     if (n < 1 || n > 16 || iters < 1 || dim(&v[0], 1) != (int64_t)n * n) {
         PyErr_Format(PyExc_ValueError, "sinkhorn needs 1 <= n <= 16, iters >= 1 and logits [B, n*n]; got n=%d, "
                      "iters=%d, logits [%lld, %lld]", n, iters, (long long)dim(&v[0], 0), (long long)dim(&v[0], 1));
         goto fail;
     }
-    if (shape_is(&v[1], "out", dim(&v[0], 0), dim(&v[0], 1), "= logits.shape") || no_overlap(&v[1], &v[0], 1))
-        goto fail;
     Py_BEGIN_ALLOW_THREADS
     sinkhorn_rows(v[0].b.buf, v[1].b.buf, dim(&v[0], 0), n, iters, (float)eps);
     Py_END_ALLOW_THREADS

@@ -7,6 +7,9 @@ prompt, decodes greedily, and reports tokens/s beside the ceiling that this mach
     t_token >= resident_bytes_per_token / membw + hit * expert_bytes_per_token / membw
                                                 + (1 - hit) * expert_bytes_per_token / disk_bw
 
+membw is measured twice per run, streaming the model's LM head just before and just after the timed decode (the
+shared machine's bandwidth moves between minutes); the mean sets that run's ceiling (`membw_gbps` per run; the
+header's start-of-run probe for models too small to leave the caches).
 Also: hit rate, bytes read per token, achieved GB/s, peak RSS (sampled), and with `--reference HF_DIR` the same
 prompt through transformers on the same weights. Does not own: the kernels benchmark (`bench_kernels`) or
 the cache's trace replay (`weights.expert_store.bench_cache`).
@@ -111,6 +114,25 @@ def _disk_bw(path: str, nbytes: int = 256 << 20) -> float:
     return done / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
+PROBE_MIN_BYTES = 256 << 20  # a resident weight at least this big is streamed for the bandwidth beside each run
+
+
+def _stream_gbps(engine) -> float | None:
+    """Memory read bandwidth (GB/s) right now, streaming the model's own LM head (the largest weight a decode step
+    reads, already resident: nothing is allocated), best of 3 over the kernels' threads. The machine is shared
+    and its bandwidth moves by tens of percent between minutes, so each run's ceiling uses the bandwidth measured
+    just before and just after its timed decode. None when the head is too small to leave the caches (tiny test
+    models: the start-of-run probe is used instead) or the C kernels are not built."""
+    import torch
+
+    from .quant import kernels
+    w = engine.model.head.weight
+    if kernels._C is None or w.numel() * w.element_size() < PROBE_MIN_BYTES:
+        return None
+    buf = w.reshape(-1).view(torch.uint8).numpy()
+    return max(buf.nbytes / kernels._C.read_bandwidth(buf) for _ in range(3)) / 1e9
+
+
 def _preload(cache) -> float:
     """Reads every expert into the slab (the budget holds them all): the "experts all in RAM" case, timed warm."""
     t0 = time.perf_counter()
@@ -159,12 +181,14 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
     with _PeakRSS() as rss:
         engine, state, seq, info = _start(path, budget, options, prompt, warmup, "none")
         cache, start = engine.expert_cache, len(seq)
+        bw = [_stream_gbps(engine)]
         before = cache.stats() if cache else {}
         t0 = time.perf_counter()
         for _ in range(decode):  # plain greedy decode, one token per forward: what the ceiling describes
             logits = engine.prefill(seq[-1:], state)
             seq.append(int(logits[-1].argmax()))
         decode_s = time.perf_counter() - t0
+        bw.append(_stream_gbps(engine))
         after = cache.stats() if cache else {}
         budget_bytes = cache.budget_bytes if cache else 0
         del state, logits
@@ -203,6 +227,7 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
         "bytes_read_per_token": read / decode,
         "stall_s_per_token": (after.get("stall_s", 0) - before.get("stall_s", 0)) / decode,
         "peak_rss_bytes": rss.peak,
+        "membw_before_after_gbps": bw if None not in bw else None,
         "prefetch": {k: v for k, v in after.get("sources", {}).items()},
     }
     if replay is not None or draft != "none":
@@ -245,8 +270,10 @@ def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 
         for policy in policies or [options.get("cache_policy", "lrfu")]:
             r = run_one(path, b, prompt, decode_tokens, {**options, "cache_policy": policy}, warmup=warmup,
                         replay=replay)
-            h = r["hit_rate"]
-            t_tok = resident_tok / membw + h * expert_tok / membw + (1 - h) * expert_tok / disk_bw
+            h, around = r["hit_rate"], r["membw_before_after_gbps"]
+            r["membw_gbps"] = sum(around) / 2 if around else membw / 1e9  # this run's bandwidth, else the machine's
+            bw = r["membw_gbps"] * 1e9
+            t_tok = resident_tok / bw + h * expert_tok / bw + (1 - h) * expert_tok / disk_bw
             r["ceiling_tok_s"] = 1 / t_tok
             r["fraction_of_ceiling"] = r["decode_tok_s"] / r["ceiling_tok_s"]
             r["achieved_gbps"] = (resident_tok + expert_tok) * r["decode_tok_s"] / 1e9
@@ -292,12 +319,12 @@ def print_table(r: dict, out=sys.stdout) -> None:
           f"{_gb(r['resident_bytes_per_token'])}, experts {_gb(r['expert_bytes_per_token'])}, prefill "
           f"{2 * r['prefill_macs_per_token'] / 1e9:.2f} GFLOP", file=out)
     print(f"{'budget':>10} {'policy':>6} {'prefill t/s':>11} {'decode t/s':>10} {'ceiling':>8} {'%ceil':>6} "
-          f"{'hit':>6} {'read/tok':>10} {'GB/s':>6} {'peak RSS':>10}", file=out)
+          f"{'hit':>6} {'read/tok':>10} {'GB/s':>6} {'mem GB/s':>8} {'peak RSS':>10}", file=out)
     for x in r["runs"]:
         print(f"{_gb(x['ram_budget_bytes']):>10} {x['cache_policy']:>6} {x['prefill_tok_s']:11.1f} "
               f"{x['decode_tok_s']:10.2f} {x['ceiling_tok_s']:8.2f} {100 * x['fraction_of_ceiling']:5.0f}% "
               f"{100 * x['hit_rate']:5.1f}% {_gb(x['bytes_read_per_token']):>10} {x['achieved_gbps']:6.1f} "
-              f"{_gb(x['peak_rss_bytes']):>10}" + ("  (all experts preloaded)" if x["preloaded"] else ""), file=out)
+              f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}" + ("  (all experts preloaded)" if x["preloaded"] else ""), file=out)
         print(f"{'':>10} prefill {x['prefill_tok_s']:.1f} t/s = {100 * x['prefill_fraction_of_flops']:.0f}% of the "
               f"FLOP ceiling {x['prefill_ceiling_tok_s']:.1f} t/s", file=out)
         if "draft_mode" in x:

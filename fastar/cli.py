@@ -159,7 +159,10 @@ def cmd_synth(a) -> int:
             raise FastarError(f"synth: --{name} must be at least 1, got {getattr(a, name)}")
     if a.hidden % 128 or a.inter % 128:
         raise FastarError("synth: --hidden and --inter must be multiples of 128 (the FP8 and FP4 block sizes)")
-    p = synth(a.output, a.layers, a.experts, a.vocab, a.hidden, a.inter, a.seed, mtp=a.mtp, progress=True)
+    if a.router_bias < 0:
+        raise FastarError(f"synth: --router-bias is a standard deviation, got {a.router_bias}")
+    p = synth(a.output, a.layers, a.experts, a.vocab, a.hidden, a.inter, a.seed, mtp=a.mtp, progress=True,
+              router_bias=a.router_bias)
     print(f"wrote a random-weight model ({a.layers} layers x {a.experts} experts, hidden {a.hidden}, expert width "
           f"{a.inter}) to {p}")
     return 0
@@ -247,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--inter", type=int, default=2048, help="routed expert width")
     sy.add_argument("--mtp", type=int, default=1, help="MTP blocks")
     sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--router-bias", type=float, default=0.05,
+                    help="spread of the routers' selection bias: 0.05 uses the experts almost evenly, 0.2 unevenly "
+                    "(the most used fifth of the experts then gets ~70%% of the traffic, as real routing is skewed)")
     sy.set_defaults(fn=cmd_synth)
 
     from . import console  # light: torch is imported only when run/chat actually run

@@ -111,6 +111,23 @@ def test_forward_is_finite(small):
         assert torch.isfinite(logits).all() and logits.std() > 0
 
 
+def test_router_bias_sets_how_unevenly_experts_are_used(tmp_path):
+    torch = pytest.importorskip("torch")
+    model_mod = pytest.importorskip("fastar.model.deepseek_v4")
+    x = torch.randn(2000, 256, generator=torch.Generator().manual_seed(0))  # unit-RMS MoE inputs
+    share = {}
+    for bias in (0.05, 0.5):
+        path = synth(tmp_path / f"b{bias}.fst", layers=4, experts=32, vocab=1000, hidden=256, inter=128, seed=3,
+                     router_bias=bias, **SMALL)
+        with FstFile(path) as f:
+            m = model_mod.DeepseekV4(f, kernels=False)
+            ffn = next(b.ffn for b in m.layers if not b.ffn.is_hash)
+            idx, _ = ffn.route(x, torch.zeros(len(x), dtype=torch.long))
+            counts = np.sort(np.bincount(idx.reshape(-1).numpy(), minlength=32))[::-1]
+            share[bias] = counts[:32 // 5].sum() / counts.sum()  # traffic of the most used fifth of the experts
+    assert share[0.05] < 0.4 < 0.6 < share[0.5], share
+
+
 def test_routing_trace_shape_skew_and_hash():
     tr = routing_trace(400, 6, 64, 6, hash_layers=2, zipf=1.0, locality=0.3, vocab=5000, seed=0)
     assert tr.shape == (400, 6, 6) and tr.min() >= 0 and tr.max() < 64

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
@@ -420,11 +421,12 @@ class MoE:
             self.lookahead(x)
         out = torch.zeros_like(x)  # [T, d]
         act = self.numerics.act if self.numerics.fp8_activations else None
-        wanted = idx.unique().tolist()  # one fetch per expert per chunk
+        routed = idx.numpy()  # [T, k]: the bookkeeping in numpy (a few small arrays per expert)
+        wanted = np.unique(routed).tolist()  # one fetch per expert per chunk
         each = getattr(self.experts, "each", None)  # a pager yields experts as they arrive, in any order
         ys = {}
         for e, ew in (each(self.layer, wanted) if each else ((e, self.experts.get(self.layer, e)) for e in wanted)):
-            tok, slot = torch.where(idx == e)
+            tok, slot = (torch.from_numpy(a) for a in np.nonzero(routed == e))
             ys[e] = tok, expert_ffn(x[tok], ew, wts[tok, slot], self.limit,
                                     weight_before_down=self.numerics.official_routing, act_quant=act,
                                     kernels=self.kernels, act_block=128 if act else 0)

@@ -89,6 +89,9 @@ class Linear:
         self.scale = None if scale is None else _as_torch(scale)
         self.out_features, self.in_features = self.weight.shape
         self._kernels = _kernels() if kernels else None
+        # numpy views of the stored bytes, made once: the kernels take them without per-call conversion
+        w = self.weight.view(torch.int16).numpy().view(np.uint16) if dtype == "BF16" else self.weight.numpy()
+        self._w_np, self._s_np = w, None if self.scale is None else self.scale.numpy()
 
     @property
     def is_fp8(self) -> bool:
@@ -110,17 +113,16 @@ class Linear:
         if k is None:
             return None
         r1 = self.out_features if r1 is None else r1
-        x = x.contiguous().float()
+        x = x.detach().contiguous().float().numpy()
         if self.is_fp8:
             if r0 % FP8_BLOCK or (r1 % FP8_BLOCK and r1 != self.out_features):
                 return None
-            s = self.scale[r0 // FP8_BLOCK: -(-r1 // FP8_BLOCK)]
-            out = k.fp8_matmul(x, self.weight[r0:r1], s)
+            out = k.fp8_matmul(x, self._w_np[r0:r1], self._s_np[r0 // FP8_BLOCK: -(-r1 // FP8_BLOCK)])
         elif self.dtype == "BF16":
-            out = k.bf16_matmul(x, self.weight[r0:r1])
+            out = k.bf16_matmul(x, self._w_np[r0:r1])
         else:
             return None
-        return torch.as_tensor(out)
+        return torch.from_numpy(out)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] float32 -> [T, out] float32."""
@@ -214,8 +216,9 @@ def expert_ffn(x: torch.Tensor, ew: ExpertWeights, route_w: torch.Tensor, limit:
     fused = act_quant is None or (act_block > 0 and weight_before_down)
     if k is not None and fused:  # it weights before w2: the same math when there is no act_quant
         out = torch.zeros_like(x)  # the kernel accumulates into out
-        k.expert_ffn(x.contiguous(), *(np.ascontiguousarray(a) for a in ew), route_w.contiguous(),
-                     float(limit), out, act_block=act_block if act_quant is not None else 0)
+        k.expert_ffn(x.detach().contiguous().numpy(), *(np.ascontiguousarray(a) for a in ew),
+                     route_w.detach().contiguous().numpy(), float(limit), out.numpy(),
+                     act_block=act_block if act_quant is not None else 0)
         return out
 
     def product(a: torch.Tensor, w: np.ndarray, s: np.ndarray) -> torch.Tensor:

@@ -19,7 +19,7 @@ setup(
         Extension(
             "fastar.quant._kernels",
             sources=sources,
-            depends=[CSRC + "kernels.h"],
+            depends=[CSRC + "kernels.h", CSRC + "kern_avx512.h"],
             extra_compile_args=extra,
             extra_link_args=link,
         )

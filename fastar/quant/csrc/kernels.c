@@ -183,7 +183,7 @@ static int dot_max(const isa_ops *isa) {
 static float *permute_x(const isa_ops *isa, const uint8_t *map, const float *x, int64_t T, int64_t K, int64_t *kp) {
     if (T > dot_max(isa) || !map) return NULL;
     *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK;
-    float *xp = malloc((size_t)(T * *kp) * sizeof(float) + 64);
+    float *xp = aligned_alloc(64, (size_t)(T * *kp) * sizeof(float) + 64); /* no vector load of it straddles two lines */
     if (!xp) return (float *)-1;
     for (int64_t t = 0; t < T; t++)
         for (int64_t c0 = 0; c0 < *kp; c0 += XP_CHUNK)

@@ -7,7 +7,7 @@
  *   pool.c         persistent pthread pool (callers run one job at a time; the caller works too)
  *   kern_scalar.c  portable C kernels: the always-correct fallback, and the tables
  *   kern_avx2.c    AVX2+FMA+F16C kernels (compiled with a target pragma, picked at run time)
- *   kern_avx512.c  AVX-512 F/BW/VL kernels (same)
+ *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers the AVX-512 files share
  * Weight layouts are the checkpoint's (see fastar/quant/reference.py): FP4 [N, K/2] + UE8M0 [N, K/32];
  * FP8 e4m3 [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]; BF16 bit patterns [N, K]. Outputs are float32.
  */

@@ -1,4 +1,4 @@
-/* Helpers shared by the AVX-512 kernel files.
+/* Helpers shared by the AVX-512 kernel files (kern_avx512.c, kern_avx512bf16.c).
  *
  * Include it after the file's target pragma and <immintrin.h>: the helpers are always-inline AVX-512 F/BW code,
  * compiled for each including file's target.

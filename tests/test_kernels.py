@@ -328,6 +328,180 @@ def test_small_batches_are_batch_invariant(isa, k):
     K.set_isa("auto")
 
 
+# --- the AVX512_BF16 dot path ------------------------------------------------------------------------------
+# For T <= 8, a product whose every x is an exact bfloat16 (as FP8-quantized activations are) multiplies with
+# vdpbf16ps; any other x takes the FP32 dot path. Both are exact products summed in float32, so they differ only
+# in summation order; a call that does not qualify gives exactly the "avx512" ISA's result.
+
+@pytest.fixture
+def bf16_isa():
+    """The avx512bf16 ISA for the test; skipped where this CPU (or build) lacks it."""
+    if "avx512bf16" not in ISAS:
+        pytest.skip("no AVX512_BF16 + AVX512_VBMI on this CPU (or the C extension is not built)")
+    K.set_isa("avx512bf16")
+    yield
+    K.set_isa("auto")
+
+
+def exact_x(rng, t: int, k: int, scale: float = 1.0) -> np.ndarray:
+    """x as the official numerics hand it to a product: FP8-quantized per 128 values (exact bfloat16s)."""
+    return np.ascontiguousarray(R.fp8_act_quant((rng.standard_normal((t, k)) * scale).astype(np.float32), 128))
+
+
+def on_both_paths(product):
+    """(product() on the bf16 dot path ISA, product() on the FP32 one); the test's ISA is restored after."""
+    K.set_isa("avx512bf16")
+    a = product()
+    K.set_isa("avx512")
+    b = product()
+    K.set_isa("avx512bf16")
+    return a, b
+
+
+def test_cpu_features_report_the_bf16_path():
+    f = K.cpu_features()
+    assert {"avx512bf16", "avx512vbmi"} <= f.keys()
+    if K.available() and f["avx512bf16"] and f["avx512vbmi"] and f["avx512bw"]:
+        assert f["usable_isas"][0] == "avx512bf16" and K.get_isa() == "avx512bf16"
+
+
+@pytest.mark.parametrize("t,n,k", [(1, 1, 1), (1, 129, 7), (2, 70, 4096), (3, 200, 130), (4, 77, 1000), (5, 40, 4200),
+                                   (6, 128, 128), (7, 33, 257), (8, 64, 1024)])
+def test_bf16_path_fp8_matches_reference(bf16_isa, t, n, k):
+    rng = np.random.default_rng(t * 1000 + n + k)
+    x = exact_x(rng, t, k)
+    w, s = fp8_weights(rng, n, k)
+    got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w, s))
+    assert_close(got, x, R.fp8_block_dequant(w, s))
+    assert_close(fp32, x, R.fp8_block_dequant(w, s))
+    if k >= 1000:  # long sums: the other summation order shows in the last bits, so the bf16 path was taken
+        assert not np.array_equal(got, fp32)
+
+
+@pytest.mark.parametrize("t,n,k", [(1, 37, 96), (3, 130, 160), (8, 61, 288), (5, 33, 32), (4, 45, 1056),
+                                   (2, 19, 4128), (1, 64, 4096), (6, 50, 2048), (7, 21, 224)])
+def test_bf16_path_fp4_matches_reference(bf16_isa, t, n, k):
+    rng = np.random.default_rng(t * 1000 + n + k)
+    x = exact_x(rng, t, k, 3.0)
+    w, s = fp4_weights(rng, n, k)
+    got, fp32 = on_both_paths(lambda: K.fp4_matmul(x, w, s))
+    assert_close(got, x, R.fp4_decode(w, s))
+    if k >= 1000:
+        assert not np.array_equal(got, fp32)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_bf16_path_fp8_special_values(bf16_isa):
+    """NaN codes (0x7f, 0xff) and NaN scales poison exactly the outputs the FP32 path poisons; scale bytes 0 (a
+    denormal 2^-127), 1, 247 (x256 overflows on the FP32 path), 254 (2^127) stay exact; e4m3 denormals and +-448."""
+    rng = np.random.default_rng(4)
+    for t in (1, 3, 8):
+        n, k = 260, 300
+        x = exact_x(rng, t, k)
+        w, s = fp8_weights(rng, n, k)
+        s[0, 0], s[0, 1], s[1, 2], s[2, 0], s[1, 0] = 0, 1, 247, 255, 254
+        w[5, 17] = 0x7F
+        w[131, :] = rng.choice(np.array([0x00, 0x01, 0x07, 0x80, 0x81, 0x7E, 0xFE], np.uint8), k)
+        w[128:256, 256:] &= 0x8F  # |v| <= 2^-6 under the 2^120 scale keeps the reference finite
+        w[128:256, :128] &= 0x87  # and denormals only under 2^127
+        w[130, 299] = 0xFF
+        got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w, s))
+        assert_close(got, x, R.fp8_block_dequant(w, s))
+        assert np.array_equal(np.isnan(got), np.isnan(fp32)) and np.array_equal(np.isinf(got), np.isinf(fp32))
+        assert np.isnan(got[:, 5]).all() and np.isnan(got[:, 130]).all() and np.isnan(got[:, 256:]).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_bf16_path_fp4_special_scales(bf16_isa):
+    rng = np.random.default_rng(8)
+    for t in (1, 4, 8):
+        n, k = 70, 192
+        x = exact_x(rng, t, k)
+        w, s = fp4_weights(rng, n, k)
+        s[:10] = rng.choice(np.array([0, 1, 2, 3, 9], np.uint8), s[:10].shape)
+        s[10:20] = rng.integers(140, 160, s[10:20].shape, dtype=np.uint8)
+        s[20, 3], s[33, 0] = 255, 0  # NaN, the denormal 2^-127
+        w[40:45], w[45:50] = 0x77, 0xFF
+        got, fp32 = on_both_paths(lambda: K.fp4_matmul(x, w, s))
+        assert_close(got, x, R.fp4_decode(w, s))
+        assert np.array_equal(np.isnan(got), np.isnan(fp32)) and np.isnan(got[:, 20]).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:overflow encountered")
+@pytest.mark.parametrize("bad", ["not_bf16", "tiny", "denormal", "huge", "inf", "nan"])
+def test_bf16_path_is_chosen_per_call(bf16_isa, bad):
+    """One token that is not an exact bfloat16 in [2^-110, 2^65) (or zero) sends the whole call to the FP32 path:
+    the result equals the avx512 ISA's bit for bit."""
+    rng = np.random.default_rng(6)
+    x = exact_x(rng, 5, 1024)
+    x[3, 100] = {"not_bf16": 1.0 + 2.0 ** -10, "tiny": 2.0 ** -120, "denormal": 1e-40, "huge": 2.0 ** 70,
+                 "inf": np.inf, "nan": np.nan}[bad]
+    w8, s8 = fp8_weights(rng, 90, 1024)
+    w4, s4 = fp4_weights(rng, 90, 1024)
+    for product in (lambda a: K.fp8_matmul(a, w8, s8), lambda a: K.fp4_matmul(a, w4, s4)):
+        got, fp32 = on_both_paths(lambda: product(x))  # noqa: B023 (called at once)
+        assert np.array_equal(got, fp32, equal_nan=True)
+        others = np.ascontiguousarray(x[:3])  # without that token the call takes the bf16 path
+        got, fp32 = on_both_paths(lambda: product(others))  # noqa: B023
+        assert not np.array_equal(got, fp32)
+        x0 = x.copy()
+        x0[3, 100] = 0.0  # zeros qualify
+        got, fp32 = on_both_paths(lambda: product(x0))  # noqa: B023
+        assert not np.array_equal(got, fp32)
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 8])
+def test_bf16_path_expert_ffn(bf16_isa, t):
+    """act_block=128: gate/up see the quantized x and down the quantized mid activation, both exact bfloat16s, so all
+    three products take the bf16 path (the result is the composition of bf16-path products); without the
+    activation quantization x is arbitrary and the expert equals the FP32 path's bit for bit."""
+    d = 256
+    _, x, (w1, s1, w3, s3, w2, s2), rw = expert_case(70 + t, t, d, 384, 3.0)
+    run = lambda ab: K.expert_ffn(x, w1, s1, w3, s3, w2, s2, rw, 10.0, np.zeros((t, d), np.float32), act_block=ab)  # noqa: E731
+    out, fp32 = on_both_paths(lambda: run(128))
+    xq = K.fp8_act_quant(x, 128)
+    h = (K.swiglu_limited(K.fp4_matmul(xq, w1, s1), K.fp4_matmul(xq, w3, s3), 10.0) * rw[:, None]).astype(np.float32)
+    want = K.fp4_matmul(K.fp8_act_quant(h, 128), w2, s2)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    np.testing.assert_allclose(out, fp32, rtol=0, atol=0.05 * float(np.abs(fp32).max()))  # mid quantization may flip
+    assert not np.array_equal(out, fp32)
+    plain, fp32_plain = on_both_paths(lambda: run(0))
+    assert np.array_equal(plain, fp32_plain)
+
+
+@pytest.mark.parametrize("k", [512, 992, 4096, 8192])
+def test_bf16_path_is_batch_invariant(bf16_isa, k):
+    """test_small_batches_are_batch_invariant for exact-bfloat16 x: a token's outputs on the bf16 path do not
+    depend on how many tokens share the call (up to 8) nor on its place."""
+    rng = np.random.default_rng(k + 1)
+    x = exact_x(rng, 8, k)
+    w4, s4 = fp4_weights(rng, 70, k)
+    w8, s8 = fp8_weights(rng, 70, k)
+    for product in (lambda a: K.fp4_matmul(a, w4, s4), lambda a: K.fp8_matmul(a, w8, s8)):
+        alone = np.concatenate([product(x[t:t + 1]) for t in range(8)])
+        for T in range(2, 9):
+            assert np.array_equal(product(x[:T]), alone[:T]), T
+            assert np.array_equal(product(x[8 - T:]), alone[8 - T:]), T
+
+
+def test_bf16_path_thread_count_does_not_change_results(bf16_isa):
+    rng = np.random.default_rng(12)
+    before = K.get_num_threads()
+    try:
+        for t in (1, 3, 8):
+            x = exact_x(rng, t, 512)
+            w, s = fp4_weights(rng, 300, 512)
+            w8, s8 = fp8_weights(rng, 300, 512)
+            results = []
+            for n in (1, 2, 3):
+                K.set_num_threads(n)
+                results.append((K.fp4_matmul(x, w, s), K.fp8_matmul(x, w8, s8)))
+            for r in results[1:]:
+                assert np.array_equal(r[0], results[0][0]) and np.array_equal(r[1], results[0][1])
+    finally:
+        K.set_num_threads(before)
+
+
 @pytest.mark.skipif(not K.available(), reason="C extension not built")
 def test_concurrent_callers_get_correct_results():
     rng = np.random.default_rng(9)

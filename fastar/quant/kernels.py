@@ -16,7 +16,10 @@ fp32 activations and fp32 accumulation. Inputs may be numpy arrays or CPU torch 
 torch bfloat16 is read as its uint16 bits). Bad dtypes raise TypeError; bad shapes, strides or aliasing raise
 ValueError. Nothing is converted silently: a non-contiguous or float64 input is an error, not a copy.
 The C kernels release the GIL and run on a persistent thread pool (default: the CPUs this process may use,
-or FASTAR_THREADS); results are bit-identical for any thread count.
+or FASTAR_THREADS); results are bit-identical for any thread count. On CPUs with AVX512_BF16 (isa 'avx512bf16'),
+FP8/FP4 products of up to 8 tokens whose x values are all exact bfloat16s (as the official numerics' FP8-quantized
+activations are) multiply with vdpbf16ps: still exact products, only the float32 summation order differs; the
+choice is made per call, so every token of a call takes the same path.
 """
 from __future__ import annotations
 
@@ -41,11 +44,12 @@ def available() -> bool:
 
 
 def cpu_features() -> dict:
-    """What this CPU offers the kernels: {'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl': bool,
-    'isa': the instruction set in use, 'usable_isas': list}. Without the extension, isa is 'numpy'."""
+    """What this CPU offers the kernels: {'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl', 'avx512vbmi',
+    'avx512bf16': bool, 'isa': the instruction set in use, 'usable_isas': list}. Without the extension, isa is
+    'numpy'."""
     if _C is None:
         return {"avx2": False, "fma": False, "f16c": False, "avx512f": False, "avx512bw": False,
-                "avx512vl": False, "isa": "numpy", "usable_isas": []}
+                "avx512vl": False, "avx512vbmi": False, "avx512bf16": False, "isa": "numpy", "usable_isas": []}
     return _C.cpu_features()
 
 
@@ -66,7 +70,8 @@ def get_num_threads() -> int:
 
 
 def set_isa(name: str) -> None:
-    """Force 'avx512', 'avx2' or 'scalar' (tests, benchmarks), or 'auto' for the best this CPU runs."""
+    """Force 'avx512bf16', 'avx512' (the same without the bf16 dot path), 'avx2' or 'scalar' (tests, benchmarks), or
+    'auto' for the best this CPU runs."""
     if _C is not None:
         _C.set_isa(name)
 

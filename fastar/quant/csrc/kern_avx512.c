@@ -17,13 +17,12 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "kern_avx512.h"
 #include "kernels.h"
 
-#define DOT_MAX 8 /* T up to this takes the dot path, DOT_GROUP tokens at a time */
 #define NR 32 /* tile rows (2 vectors) */
 #define MR 12 /* tokens per microkernel call */
 #define KC 128
-#define INLINE static inline __attribute__((always_inline))
 #if defined(__clang__)
 #define UNROLL _Pragma("unroll")
 #else
@@ -40,51 +39,20 @@ static void init_avx512(void) {
     for (int i = 0; i < XP_CHUNK; i++) bf16_map[i] = (uint8_t)((i & ~31) + ((i & 31) < 16 ? 2 * (i & 15) : 2 * (i & 15) + 1));
 }
 
-INLINE void put(const mm_job *j, int64_t t, int64_t n, float v) {
-    float *o = j->out + t * j->ldo + n;
-    *o = j->accumulate ? *o + v : v;
-}
-
 /* ---------------------------------------------------------------- dot path (decode) */
-
-/* True when no scale byte is 0 (denormal 2^-127) or 255 (NaN): then b << 23 is the float 2^(b-127). */
-INLINE int scales_normal(const uint8_t *s, int64_t n) {
-    int bad = 0;
-    for (int64_t i = 0; i < n; i++) bad |= (s[i] == 0) | (s[i] == 255);
-    return !bad;
-}
 
 INLINE void fp4_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc) {
     const int64_t K = j->K;
     const uint8_t *wr = (const uint8_t *)j->w + n * (K / 2);
     const uint8_t *sr = j->s + n * (K / FP4_GROUP);
     const __m512 tab = _mm512_loadu_ps(fp4_f32);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    /* per 128-bit lane L: every dword = byte L of a broadcast dword (the scale of group L) */
-    const __m512i spread_b = _mm512_add_epi32(_mm512_set1_epi32((int)0x80808000),
-                                              _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
     const int normal = scales_normal(sr + cb / FP4_GROUP, (ce - cb) / FP4_GROUP);
     __m512 tot[DOT_GROUP];
     for (int t = 0; t < nt; t++) tot[t] = _mm512_setzero_ps();
     const int64_t full = ce / 128, rem = (ce % 128) / FP4_GROUP, chunks = full + (rem != 0);
     for (int64_t c = cb / 128; c < chunks; c++) {
-        __m512i b;
         __m512 sv;
-        const uint8_t *sc = sr + 4 * c;
-        if (c < full && normal) { /* 2^(b-127) is the float with exponent field b: no table needed */
-            b = _mm512_loadu_si512((const void *)(wr + 64 * c));
-            int32_t s32;
-            memcpy(&s32, sc, 4);
-            sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(s32), spread_b), 23));
-        } else if (c < full) {
-            b = _mm512_loadu_si512((const void *)(wr + 64 * c));
-            const __m128 s4 = _mm_setr_ps(ue8m0_f32[sc[0]], ue8m0_f32[sc[1]], ue8m0_f32[sc[2]], ue8m0_f32[sc[3]]);
-            sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4)); /* lane i: group i/4 */
-        } else { /* 1-3 trailing groups of 16 bytes */
-            b = _mm512_maskz_loadu_epi32((__mmask16)((1u << (4 * rem)) - 1), wr + 64 * c);
-            const __m128 s4 = _mm_setr_ps(ue8m0_f32[sc[0]], rem > 1 ? ue8m0_f32[sc[1]] : 0.0f, rem > 2 ? ue8m0_f32[sc[2]] : 0.0f, 0.0f);
-            sv = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
-        }
+        const __m512i b = fp4_chunk(wr, sr, c, full, rem, normal, &sv);
         _mm_prefetch((const char *)(wr + 64 * c + 2048), _MM_HINT_T0);
         __m512 w[8];
         for (int p = 0; p < 8; p++) w[p] = _mm512_permutexvar_ps(p ? _mm512_srli_epi32(b, 4 * p) : b, tab);

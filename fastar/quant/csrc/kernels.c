@@ -1,9 +1,10 @@
 /* fastar.quant._kernels: the CPython entry points of fastar's CPU kernels.
  *
  * Owns: argument checking (buffer protocol; dtype, contiguity, shape, writability, aliasing -> TypeError /
- * ValueError, never a crash), run-time ISA choice (AVX-512 > AVX2+FMA+F16C > scalar, overridable with
- * set_isa), splitting rows across the thread pool with the GIL released, the fused routed-expert op, and the
- * two machine probes the benchmark needs (streaming read bandwidth, FMA peak).
+ * ValueError, never a crash), run-time ISA choice (AVX-512 with BF16 > AVX-512 > AVX2+FMA+F16C > scalar,
+ * overridable with set_isa), the per-call choice of the bf16 dot path (bf16_exact), splitting rows across the
+ * thread pool with the GIL released, the fused routed-expert op, and the two machine probes the benchmark
+ * needs (streaming read bandwidth, FMA peak).
  * Does not own: the arithmetic (kern_*.c), the pool (pool.c), friendly Python wrappers (kernels.py).
  *
  * Every product writes out[t, n] = sum_k x[t, k] W[n, k] (or adds it when accumulate is true). Each output
@@ -25,19 +26,30 @@ static void fp8_act_quant_rows(const float *x, float *out, int64_t rows, int64_t
 
 /* ---------------------------------------------------------------- CPU features and ISA choice */
 
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+/* Register r (0-3: EAX, EBX, ECX, EDX) of CPUID leaf / subleaf, 0 where the leaf does not exist. */
+static unsigned cpuid_reg(unsigned leaf, unsigned sub, int r) {
+    unsigned v[4];
+    __asm__ volatile("cpuid" : "=a"(v[0]), "=b"(v[1]), "=c"(v[2]), "=d"(v[3]) : "a"(leaf & 0x80000000u), "c"(0));
+    if (v[0] < leaf) return 0;
+    __asm__ volatile("cpuid" : "=a"(v[0]), "=b"(v[1]), "=c"(v[2]), "=d"(v[3]) : "a"(leaf), "c"(sub));
+    return v[r];
+}
+#endif
+
 static int cpu_has(const char *feat) {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
     if (!strcmp(feat, "avx2")) return __builtin_cpu_supports("avx2");
     if (!strcmp(feat, "fma")) return __builtin_cpu_supports("fma");
-    if (!strcmp(feat, "f16c")) {
-        unsigned a, b, c, d; /* no __builtin_cpu_supports("f16c") in older compilers: CPUID.1:ECX bit 29 */
-        __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
-        return (c >> 29) & 1;
-    }
+    /* no __builtin_cpu_supports for these in older compilers: the CPUID bits (the OS's saving of the vector
+     * registers is what the avx2 / avx512f checks above and below establish) */
+    if (!strcmp(feat, "f16c")) return (cpuid_reg(1, 0, 2) >> 29) & 1;
     if (!strcmp(feat, "avx512f")) return __builtin_cpu_supports("avx512f");
     if (!strcmp(feat, "avx512bw")) return __builtin_cpu_supports("avx512bw");
     if (!strcmp(feat, "avx512vl")) return __builtin_cpu_supports("avx512vl");
+    if (!strcmp(feat, "avx512vbmi")) return (cpuid_reg(7, 0, 2) >> 1) & 1;
+    if (!strcmp(feat, "avx512bf16")) return (cpuid_reg(7, 1, 0) >> 5) & 1;
 #endif
     (void)feat;
     return 0;
@@ -49,11 +61,13 @@ static int isa_usable(const isa_ops *isa) {
     if (!isa->fp4) return 0; /* not built for this architecture */
     int avx2 = cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c");
     if (isa == &isa_avx2_ops) return avx2;
-    if (isa == &isa_avx512_ops) return avx2 && cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl");
+    const int avx512 = avx2 && cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl");
+    if (isa == &isa_avx512_ops) return avx512;
+    if (isa == &isa_avx512bf16_ops) return avx512 && cpu_has("avx512bf16") && cpu_has("avx512vbmi");
     return 0;
 }
 
-static const isa_ops *const ALL_ISAS[] = {&isa_avx512_ops, &isa_avx2_ops, &isa_scalar_ops};
+static const isa_ops *const ALL_ISAS[] = {&isa_avx512bf16_ops, &isa_avx512_ops, &isa_avx2_ops, &isa_scalar_ops};
 
 static const isa_ops *best_isa(void) {
     const char *env = getenv("FASTAR_ISA"); /* e.g. FASTAR_ISA=avx2 to test a narrower path */
@@ -172,26 +186,72 @@ static void run_rows(rows_fn fn, const mm_job *job) {
     pool_run((job->N + c.rows_per_chunk - 1) / c.rows_per_chunk, mm_chunk, &c);
 }
 
-/* The dot path wants activations permuted per XP_CHUNK columns and zero padded: returns NULL if not needed,
- * (float *)-1 on allocation failure. */
 static int dot_max(const isa_ops *isa) {
     const char *env = getenv("FASTAR_DOT_MAX"); /* tuning knob: largest T that takes the dot path */
     int d = env && *env ? atoi(env) : isa->dot_max;
     return d < 0 ? 0 : (d > isa->dot_max ? isa->dot_max : d);
 }
 
-static float *permute_x(const isa_ops *isa, const uint8_t *map, const float *x, int64_t T, int64_t K, int64_t *kp) {
-    if (T > dot_max(isa) || !map) return NULL;
+/* True when the bf16 dot path computes x W^T exactly as the FP32 one does up to summation order: every x is an
+ * exact bfloat16 (low 16 bits zero: FP8-quantized activations have 4 significant bits) and is zero or has a
+ * float32 exponent field in [17, 191], i.e. 2^-110 <= |x| < 2^65. Then every product with an e4m3 / e2m1 weight
+ * is exact in float32 and a multiple of 2^-126 (x's quantum >= 2^-117, the weights' >= 2^-9), so no partial sum
+ * is a float32 denormal (vdpbf16ps flushes those), and a sum of K < 2^53 products below 2^65 * 448 < 2^74 cannot
+ * overflow before the float32 scale is applied; infinities and NaN in x are not eligible. */
+static int bf16_exact(const float *x, int64_t n) {
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        const uint32_t a = u & 0x7fffffffu;
+        bad |= (u & 0xffffu) | ((a != 0) & ((a >> 23) - 17u > 174u));
+    }
+    return !bad;
+}
+
+/* The dot path's copy of x [T, K]: columns permuted per XP_CHUNK, dst[t, c0 + i] = x[t, c0 + map[i]], each row
+ * zero padded to *kp = K rounded up to XP_CHUNK; float32, or (bf16) the high halves of the floats. 64-byte aligned
+ * (so are its rows), so no vector load of it straddles two cache lines. NULL when out of memory. */
+static void *permute_x(const uint8_t *map, const float *x, int64_t T, int64_t K, int64_t *kp, int bf16) {
     *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK;
-    float *xp = malloc((size_t)(T * *kp) * sizeof(float) + 64);
-    if (!xp) return (float *)-1;
+    void *dst = aligned_alloc(64, (size_t)(T * *kp) * (bf16 ? sizeof(uint16_t) : sizeof(float)) + 64);
+    if (!dst) return NULL;
     for (int64_t t = 0; t < T; t++)
         for (int64_t c0 = 0; c0 < *kp; c0 += XP_CHUNK)
             for (int i = 0; i < XP_CHUNK; i++) {
-                int64_t col = c0 + map[i];
-                xp[t * *kp + c0 + i] = col < K ? x[t * K + col] : 0.0f;
+                const int64_t col = c0 + map[i];
+                const float v = col < K ? x[t * K + col] : 0.0f;
+                if (bf16) {
+                    uint32_t u;
+                    memcpy(&u, &v, 4);
+                    ((uint16_t *)dst)[t * *kp + c0 + i] = (uint16_t)(u >> 16);
+                } else {
+                    ((float *)dst)[t * *kp + c0 + i] = v;
+                }
             }
-    return xp;
+    return dst;
+}
+
+/* Sets job->dot and the activations the chosen path wants: for T <= dot_max, the bf16 dot path's xb when the ISA
+ * has one for this format and bf16_exact(x) holds (decided per call, so all tokens of a call take the same path),
+ * else the permuted xp where the ISA wants one. *buf: the allocation to free after the product. Returns 0, or -1
+ * when out of memory. */
+static int dot_inputs(const isa_ops *isa, char fmt, mm_job *job, void **buf) {
+    job->dot = job->T <= dot_max(isa);
+    job->xp = NULL;
+    job->xb = NULL;
+    *buf = NULL;
+    if (!job->dot) return 0;
+    const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : fmt == '8' ? isa->fp8_bmap : NULL;
+    const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
+    if (bmap && bf16_exact(job->x, job->T * job->K)) {
+        job->xb = *buf = permute_x(bmap, job->x, job->T, job->K, &job->kp, 1);
+    } else if (map) {
+        job->xp = *buf = permute_x(map, job->x, job->T, job->K, &job->kp, 0);
+    } else {
+        return 0;
+    }
+    return *buf ? 0 : -1;
 }
 
 /* Runs one product with the GIL released. Returns 0, or -1 for out of memory (GIL not held: caller raises). */
@@ -201,14 +261,12 @@ static int product(const isa_ops *isa, char fmt, mm_job *job) {
             for (int64_t t = 0; t < job->T; t++) memset(job->out + t * job->ldo, 0, (size_t)job->N * sizeof(float));
         return 0;
     }
-    const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
-    float *xp = permute_x(isa, map, job->x, job->T, job->K, &job->kp);
-    if (xp == (float *)-1) return -1;
-    job->xp = xp;
-    job->dot = job->T <= dot_max(isa);
+    void *buf;
+    if (dot_inputs(isa, fmt, job, &buf)) return -1;
     run_rows(fmt == '4' ? isa->fp4 : fmt == '8' ? isa->fp8 : isa->bf16, job);
-    free(xp);
+    free(buf);
     job->xp = NULL;
+    job->xb = NULL;
     return 0;
 }
 
@@ -351,21 +409,16 @@ static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
         float *gu = malloc((size_t)(2 * T * I) * sizeof(float));
         float *xq = act_block ? malloc((size_t)(T * D) * sizeof(float)) : NULL;
         const float *x = v[0].b.buf;
-        float *xp = NULL, *hp = NULL;
-        int64_t kp1 = 0, kp2 = 0;
+        void *xbuf = NULL, *hbuf = NULL; /* the dot path's copies of x and of the mid activation */
         if (!gu || (act_block && !xq)) rc = -1;
         if (!rc && act_block) {
             fp8_act_quant_rows(x, xq, T, D, act_block);
             x = xq;
         }
+        ffn_ctx c = {.isa = isa, .route_w = v[7].b.buf, .limit = (float)limit};
+        c.gate = (mm_job){.x = x, .w = v[1].b.buf, .s = v[2].b.buf, .T = T, .N = I, .K = D, .out = gu, .ldo = I};
+        if (!rc) rc = dot_inputs(isa, '4', &c.gate, &xbuf);
         if (!rc) {
-            xp = permute_x(isa, isa->fp4_map, x, T, D, &kp1);
-            if (xp == (float *)-1) rc = -1, xp = NULL;
-        }
-        if (!rc) {
-            ffn_ctx c = {.isa = isa, .route_w = v[7].b.buf, .limit = (float)limit};
-            c.gate = (mm_job){.x = x, .xp = xp, .kp = kp1, .w = v[1].b.buf, .s = v[2].b.buf, .T = T, .N = I,
-                              .K = D, .out = gu, .ldo = I, .accumulate = 0, .dot = T <= dot_max(isa)};
             c.up = c.gate;
             c.up.w = v[3].b.buf;
             c.up.s = v[4].b.buf;
@@ -373,16 +426,13 @@ static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
             c.rows_per_chunk = chunk_rows(I);
             pool_run((I + c.rows_per_chunk - 1) / c.rows_per_chunk, ffn_phase1, &c);
             if (act_block) fp8_act_quant_rows(gu, gu, T, I, act_block);
-            hp = permute_x(isa, isa->fp4_map, gu, T, I, &kp2);
-            if (hp == (float *)-1) rc = -1, hp = NULL;
         }
-        if (!rc) {
-            mm_job down = {.x = gu, .xp = hp, .kp = kp2, .w = v[5].b.buf, .s = v[6].b.buf, .T = T, .N = D, .K = I,
-                           .out = v[8].b.buf, .ldo = D, .accumulate = 1, .dot = T <= dot_max(isa)};
-            run_rows(isa->fp4, &down);
-        }
-        free(hp);
-        free(xp);
+        mm_job down = {.x = gu, .w = v[5].b.buf, .s = v[6].b.buf, .T = T, .N = D, .K = I, .out = v[8].b.buf,
+                       .ldo = D, .accumulate = 1};
+        if (!rc) rc = dot_inputs(isa, '4', &down, &hbuf); /* its own choice: the mid activation decides */
+        if (!rc) run_rows(isa->fp4, &down);
+        free(hbuf);
+        free(xbuf);
         free(xq);
         free(gu);
     }
@@ -570,7 +620,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
             ISA = ALL_ISAS[i];
             Py_RETURN_NONE;
         }
-    return PyErr_Format(PyExc_ValueError, "unknown ISA '%s' (avx512, avx2, scalar or auto)", name);
+    return PyErr_Format(PyExc_ValueError, "unknown ISA '%s' (avx512bf16, avx512, avx2, scalar or auto)", name);
 }
 
 static PyObject *py_get_isa(PyObject *self, PyObject *unused) {
@@ -582,7 +632,7 @@ static PyObject *py_cpu_features(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     PyObject *d = PyDict_New(), *isas = PyList_New(0);
     if (!d || !isas) goto fail;
-    const char *feats[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"};
+    const char *feats[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512bf16"};
     for (size_t i = 0; i < sizeof feats / sizeof *feats; i++)
         if (PyDict_SetItemString(d, feats[i], cpu_has(feats[i]) ? Py_True : Py_False)) goto fail;
     for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
@@ -689,7 +739,7 @@ static PyMethodDef methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"default_num_threads", py_default_num_threads, METH_NOARGS, "CPUs this process may run on (or FASTAR_THREADS)"},
-    {"set_isa", py_set_isa, METH_O, "set_isa('avx512'|'avx2'|'scalar'|'auto')"},
+    {"set_isa", py_set_isa, METH_O, "set_isa('avx512bf16'|'avx512'|'avx2'|'scalar'|'auto')"},
     {"get_isa", py_get_isa, METH_NOARGS, "get_isa() -> str"},
     {"cpu_features", py_cpu_features, METH_NOARGS, "cpu_features() -> dict"},
     {"read_bandwidth", py_read_bandwidth, METH_O, "read_bandwidth(buf u8[n]) -> seconds for one streaming pass"},

@@ -7,7 +7,8 @@
  *   pool.c         persistent pthread pool (callers run one job at a time; the caller works too)
  *   kern_scalar.c  portable C kernels: the always-correct fallback, and the tables
  *   kern_avx2.c    AVX2+FMA+F16C kernels (compiled with a target pragma, picked at run time)
- *   kern_avx512.c  AVX-512 F/BW/VL kernels (same)
+ *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers both AVX-512 files share
+ *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)
  * Weight layouts are the checkpoint's (see fastar/quant/reference.py): FP4 [N, K/2] + UE8M0 [N, K/32];
  * FP8 e4m3 [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]; BF16 bit patterns [N, K]. Outputs are float32.
  */
@@ -25,8 +26,9 @@
 /* One product out[t, n] (+)= sum_k x[t, k] * W[n, k] over rows n in [n0, n1) (the rows a thread owns). */
 typedef struct {
     const float *x;     /* [T, K] activations, row-major */
-    const float *xp;    /* [T, kp] x with columns permuted per XP_CHUNK for the dot path (NULL: use x) */
-    int64_t kp;         /* row stride of xp (K rounded up to XP_CHUNK, zero padded) */
+    const float *xp;    /* [T, kp] x with columns permuted per XP_CHUNK for the dot path (NULL: use x or xb) */
+    const uint16_t *xb; /* [T, kp] x as bfloat16 bits, permuted per XP_CHUNK for the bf16 dot path (NULL: use xp) */
+    int64_t kp;         /* row stride of xp / xb (K rounded up to XP_CHUNK, zero padded) */
     const void *w;      /* FP4 bytes [N, K/2] | FP8 bytes [N, K] | BF16 uint16 [N, K] */
     const uint8_t *s;   /* FP4 [N, K/32] | FP8 [ceil(N/128), ceil(K/128)] | NULL */
     int64_t T, N, K;
@@ -47,6 +49,9 @@ typedef struct {
     rows_fn fp4, fp8, bf16;
     /* Column order the dot path wants per XP_CHUNK columns: xp[c0 + i] = x[c0 + map[i]] (NULL: natural). */
     const uint8_t *fp4_map, *fp8_map, *bf16_map;
+    /* The bf16 dot path's column order, xb[c0 + i] = x[c0 + bmap[i]] as bfloat16 (NULL: no such path). kernels.c
+     * hands a product x this way (xb set, xp NULL) only when every x is an exact bfloat16 (see bf16_exact). */
+    const uint8_t *fp4_bmap, *fp8_bmap;
     double (*fma_loop)(int64_t iters); /* returns the flops it executed (FP32 peak benchmark) */
     double (*read_sum)(const uint8_t *p, size_t n); /* streams n bytes (n % 64 == 0), returns a checksum */
 } isa_ops;
@@ -65,6 +70,7 @@ typedef struct {
                 mm_job g = *j;                                                                       \
                 g.x = j->x + t0 * j->K;                                                              \
                 g.xp = j->xp ? j->xp + t0 * j->kp : NULL;                                            \
+                g.xb = j->xb ? j->xb + t0 * j->kp : NULL;                                            \
                 float acc[DOT_RB][DOT_GROUP] = {{0}};                                                \
                 for (int64_t n = nb; n < ne; n++) switch (j->T - t0 < DOT_GROUP ? j->T - t0 : DOT_GROUP) { \
                     case 1: ROW(&g, n, 1, 0, j->K, acc[n - nb]); break;                              \
@@ -81,6 +87,7 @@ typedef struct {
 extern const isa_ops isa_scalar_ops;
 extern const isa_ops isa_avx2_ops;
 extern const isa_ops isa_avx512_ops;
+extern const isa_ops isa_avx512bf16_ops;
 
 /* Tables, filled once by tables_init(). */
 extern float ue8m0_f32[256]; /* 2^(b-127); b=0 is the denormal 2^-127, b=255 is NaN */

@@ -1,0 +1,193 @@
+/* AVX-512 + AVX512_BF16 + AVX512_VBMI kernels (Zen 4/5, Sapphire Rapids and later), chosen at run time by
+ * kernels.c ("avx512bf16"; set_isa("avx512") turns them off).
+ *
+ * Owns: the bfloat16 dot path of the FP4 and FP8 products. When every x of a call is a bfloat16 (kernels.c
+ * checks, see bf16_exact there; true of the official numerics' FP8-quantized activations), x arrives as
+ * bfloat16 pairs (mm_job.xb, columns in this file's order) and vdpbf16ps multiplies it by the weights widened
+ * to bfloat16: e4m3 and e2m1 values are all bfloat16 normals (or zero, or NaN), every product is exact in
+ * float32, so the result differs from the FP32 dot path only in float32 summation order. Scales are applied in
+ * float32 to each scale group's partial sum, as in kern_avx512.c. Everything else (arbitrary x, BF16 weights,
+ * T > DOT_MAX) runs the AVX-512 kernels of kern_avx512.c.
+ * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (kernels.c / pool.c).
+ */
+#if defined(__x86_64__) || defined(__i386__)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c")
+#endif
+#include <immintrin.h>
+#include <string.h>
+
+#include "kern_avx512.h"
+#include "kernels.h"
+
+#define BH(v) ((__m512bh)(v)) /* bfloat16 pairs: the same 512 bits */
+/* Software prefetch distance in weight bytes. These kernels consume a row several times faster than the FP32 ones,
+ * so they prefetch further ahead (measured: 2 KB loses a third of the DRAM-fed T=4 speed to 8 KB). */
+#define PF_DIST 8192
+
+static uint8_t fp4_map[XP_CHUNK], bf16_map[XP_CHUNK]; /* kern_avx512.c's, for its FP32 dot path */
+static uint8_t fp4_bmap[XP_CHUNK], fp8_bmap[XP_CHUNK];
+static uint16_t fp4_bf16[32];                     /* bfloat16 bits of the e2m1 value of (i & 15) */
+static uint8_t fp8_bf16_hi[128], fp8_bf16_lo[128]; /* high and low byte of the bfloat16 bits of e4m3 magnitude i */
+
+static void init_avx512bf16(void) {
+    isa_avx512_ops.init();
+    memcpy(fp4_map, isa_avx512_ops.fp4_map, XP_CHUNK);
+    memcpy(bf16_map, isa_avx512_ops.bf16_map, XP_CHUNK);
+    /* FP4: vector p (0..3, the nibble within a 16-bit word), word w (columns 4w..4w+3) */
+    for (int p = 0; p < 4; p++)
+        for (int w = 0; w < 32; w++) fp4_bmap[32 * p + w] = (uint8_t)(4 * w + p);
+    /* FP8: per 64 columns, unpacklo then unpackhi; 128-bit lane L, word e of either: column 16L + 8 * hi + e */
+    for (int i = 0; i < XP_CHUNK; i++) {
+        const int h = i / 64, hi = (i % 64) / 32, lane = (i % 32) / 8, e = i % 8;
+        fp8_bmap[i] = (uint8_t)(64 * h + 16 * lane + 8 * hi + e);
+    }
+    for (int i = 0; i < 32; i++) { /* e2m1 and e4m3 values have at most 4 significant bits: exact bfloat16s */
+        uint32_t u;
+        memcpy(&u, &fp4_f32[i & 15], 4);
+        fp4_bf16[i] = (uint16_t)(u >> 16);
+    }
+    for (int i = 0; i < 128; i++) { /* e4m3 denormals become bfloat16 normals; code 0x7f (NaN) a bfloat16 NaN */
+        uint32_t u;
+        memcpy(&u, &fp8_f32[i], 4);
+        fp8_bf16_hi[i] = (uint8_t)(u >> 24);
+        fp8_bf16_lo[i] = (uint8_t)(u >> 16);
+    }
+}
+
+/* FP4 chunk c of a row (64 bytes = 128 columns, one scale group per 128-bit lane) against nt tokens: tot[t] += the
+ * scaled products. vpermw with a 32-word table (the index is the low 5 bits of a word; entries i and i + 16 are
+ * equal) maps nibble p of every word to its bfloat16, so w[p] (word w = column 4w + p) keeps group L in lane L.
+ * Per token two chains of two vdpbf16ps (w[0], w[2] and w[1], w[3]), then one FMA with the scales. */
+INLINE void fp4_bdot_chunk(const mm_job *j, const uint8_t *wr, const uint8_t *sr, int64_t c, int64_t full, int64_t rem,
+                           int normal, const int nt, __m512i tab, __m512 *tot) {
+    __m512 sv;
+    __m512i b = fp4_chunk(wr, sr, c, full, rem, normal, &sv);
+    __asm__("" : "+v"(b)); /* one load (see fp8_bdot_block) */
+    _mm_prefetch((const char *)(wr + 64 * c + PF_DIST), _MM_HINT_T0);
+    __m512i w[4];
+    for (int p = 0; p < 4; p++) w[p] = _mm512_permutexvar_epi16(p ? _mm512_srli_epi16(b, 4 * p) : b, tab);
+    for (int t = 0; t < nt; t++) {
+        const uint16_t *xt = j->xb + t * j->kp + 128 * c;
+        __m512 pa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(_mm512_loadu_si512((const void *)xt)), BH(w[0]));
+        __m512 pb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(_mm512_loadu_si512((const void *)(xt + 32))), BH(w[1]));
+        pa = _mm512_dpbf16_ps(pa, BH(_mm512_loadu_si512((const void *)(xt + 64))), BH(w[2]));
+        pb = _mm512_dpbf16_ps(pb, BH(_mm512_loadu_si512((const void *)(xt + 96))), BH(w[3]));
+        tot[t] = _mm512_fmadd_ps(_mm512_add_ps(pa, pb), sv, tot[t]);
+    }
+}
+
+/* FP4 row n against nt tokens; pairs of chunks add into separate totals, so a chunk does not wait on the previous
+ * one's FMA. */
+INLINE void fp4_bdot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc) {
+    const int64_t K = j->K;
+    const uint8_t *wr = (const uint8_t *)j->w + n * (K / 2);
+    const uint8_t *sr = j->s + n * (K / FP4_GROUP);
+    const __m512i tab = _mm512_loadu_si512((const void *)fp4_bf16);
+    const int normal = scales_normal(sr + cb / FP4_GROUP, (ce - cb) / FP4_GROUP);
+    __m512 tot0[DOT_GROUP], tot1[DOT_GROUP];
+    for (int t = 0; t < nt; t++) tot0[t] = tot1[t] = _mm512_setzero_ps();
+    const int64_t full = ce / 128, rem = (ce % 128) / FP4_GROUP, chunks = full + (rem != 0);
+    int64_t c = cb / 128;
+    for (; c + 2 <= full; c += 2) {
+        fp4_bdot_chunk(j, wr, sr, c, full, rem, normal, nt, tab, tot0);
+        fp4_bdot_chunk(j, wr, sr, c + 1, full, rem, normal, nt, tab, tot1);
+    }
+    for (; c < chunks; c++) fp4_bdot_chunk(j, wr, sr, c, full, rem, normal, nt, tab, tot0); /* the last whole one, the ragged one */
+    for (int t = 0; t < nt; t++) acc[t] += _mm512_reduce_add_ps(_mm512_add_ps(tot0[t], tot1[t]));
+}
+
+/* 64 e4m3 bytes -> 64 bfloat16 words: vpermi2b looks up the low and the high byte of each magnitude's bfloat16
+ * (the index is the low 7 bits, so the sign bit is ignored), the sign is ORed into the high byte, and unpacklo /
+ * unpackhi interleave them: w[0] = bytes 0-7 of each 128-bit lane, w[1] = bytes 8-15. */
+INLINE void fp8_bf16(__m512i v, const __m512i tab[4], __m512i w[2]) {
+    const __m512i lo = _mm512_permutex2var_epi8(tab[0], v, tab[1]);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(tab[2], v, tab[3]), v, _mm512_set1_epi8((char)0x80), 0xf8); /* a | (b & c) */
+    w[0] = _mm512_unpacklo_epi8(lo, hi);
+    w[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* Scale block b of the row, its first `cols` (<= 128) columns, against nt tokens: tot[t] += scale * its sum.
+ * Per token two chains of two vdpbf16ps (w[0], w[2] and w[1], w[3]), then one FMA with the scale. */
+INLINE void fp8_bdot_block(const mm_job *j, const uint8_t *wr, const uint8_t *srow, int64_t b, int64_t cols, const int nt,
+                           const __m512i tab[4], __m512 *tot) {
+    const int64_t c0 = FP8_BLOCK * b;
+    __m512i w[4]; /* columns 0-63 of the block in w[0], w[1], columns 64-127 in w[2], w[3] */
+    for (int h = 0; h < 2; h++) {
+        const int64_t left = cols - 64 * h;
+        __m512i v = left >= 64 ? _mm512_loadu_si512((const void *)(wr + c0 + 64 * h))
+                  : _mm512_maskz_loadu_epi8(left > 0 ? ((__mmask64)1 << left) - 1 : 0, wr + c0 + 64 * h);
+        __asm__("" : "+v"(v)); /* one load: compilers reload v for each vpermi2b that overwrites it, and rows that are
+                                * not 64-byte aligned (numpy's) make every load two */
+        fp8_bf16(v, tab, w + 2 * h);
+    }
+    _mm_prefetch((const char *)(wr + c0 + PF_DIST), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wr + c0 + PF_DIST + 64), _MM_HINT_T0);
+    const __m512 sf = _mm512_set1_ps(ue8m0_f32[srow[b]]);
+    for (int t = 0; t < nt; t++) {
+        const uint16_t *xt = j->xb + t * j->kp + c0;
+        __m512 pa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(_mm512_loadu_si512((const void *)xt)), BH(w[0]));
+        __m512 pb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(_mm512_loadu_si512((const void *)(xt + 32))), BH(w[1]));
+        pa = _mm512_dpbf16_ps(pa, BH(_mm512_loadu_si512((const void *)(xt + 64))), BH(w[2]));
+        pb = _mm512_dpbf16_ps(pb, BH(_mm512_loadu_si512((const void *)(xt + 96))), BH(w[3]));
+        tot[t] = _mm512_fmadd_ps(_mm512_add_ps(pa, pb), sf, tot[t]);
+    }
+}
+
+/* FP8 row n against nt tokens, per 128-column scale block; pairs of blocks add into separate totals, so a block
+ * does not wait on the previous one's FMA. */
+INLINE void fp8_bdot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc) {
+    const int64_t K = j->K, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    const uint8_t *wr = (const uint8_t *)j->w + n * K;
+    const uint8_t *srow = j->s + (n / FP8_BLOCK) * kb;
+    const __m512i tab[4] = {_mm512_loadu_si512((const void *)fp8_bf16_lo), _mm512_loadu_si512((const void *)(fp8_bf16_lo + 64)),
+                            _mm512_loadu_si512((const void *)fp8_bf16_hi), _mm512_loadu_si512((const void *)(fp8_bf16_hi + 64))};
+    __m512 tot0[DOT_GROUP], tot1[DOT_GROUP];
+    for (int t = 0; t < nt; t++) tot0[t] = tot1[t] = _mm512_setzero_ps();
+    int64_t b = cb / FP8_BLOCK;
+    for (; FP8_BLOCK * (b + 2) <= ce; b += 2) {
+        fp8_bdot_block(j, wr, srow, b, FP8_BLOCK, nt, tab, tot0);
+        fp8_bdot_block(j, wr, srow, b + 1, FP8_BLOCK, nt, tab, tot1);
+    }
+    for (; FP8_BLOCK * b < ce; b++) /* the last whole block, the ragged one */
+        fp8_bdot_block(j, wr, srow, b, ce - FP8_BLOCK * b < FP8_BLOCK ? ce - FP8_BLOCK * b : FP8_BLOCK, nt, tab, tot0);
+    for (int t = 0; t < nt; t++) acc[t] += _mm512_reduce_add_ps(_mm512_add_ps(tot0[t], tot1[t]));
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+static void fp4_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    if (j->dot && j->xb) { DOT_DISPATCH(fp4_bdot_row) } else isa_avx512_ops.fp4(j, n0, n1);
+}
+static void fp8_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    if (j->dot && j->xb) { DOT_DISPATCH(fp8_bdot_row) } else isa_avx512_ops.fp8(j, n0, n1);
+}
+static void bf16_rows(const mm_job *j, int64_t n0, int64_t n1) { isa_avx512_ops.bf16(j, n0, n1); }
+static double fma_loop(int64_t iters) { return isa_avx512_ops.fma_loop(iters); }
+static double read_sum(const uint8_t *p, size_t n) { return isa_avx512_ops.read_sum(p, n); }
+
+const isa_ops isa_avx512bf16_ops = {
+    .name = "avx512bf16",
+    .init = init_avx512bf16,
+    .dot_max = DOT_MAX, /* kern_avx512.c's: its FP32 dot path takes the calls whose x does not allow the bf16 one */
+    .fp4 = fp4_rows,
+    .fp8 = fp8_rows,
+    .bf16 = bf16_rows,
+    .fp4_map = fp4_map,
+    .fp8_map = NULL,
+    .bf16_map = bf16_map,
+    .fp4_bmap = fp4_bmap,
+    .fp8_bmap = fp8_bmap,
+    .fma_loop = fma_loop,
+    .read_sum = read_sum,
+};
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#else
+#include "kernels.h"
+const isa_ops isa_avx512bf16_ops = {.name = "avx512bf16"};
+#endif

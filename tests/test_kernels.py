@@ -598,3 +598,30 @@ def test_small_kernels_check_their_arguments():
     out = np.empty_like(m)
     C.sinkhorn(m, 4, 20, 1e-6, out)
     assert np.allclose(out.reshape(3, 4, 4).sum(1), 1, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 3, 12])
+@pytest.mark.parametrize("exact", [True, False])
+def test_grouped_products_equal_their_groups(backend, t, exact):
+    """groups=G: one call computes G block-diagonal products (wo_a's); each group equals its own product (the same
+    path is chosen for the whole call, here the one each group would take alone), and the accumulating form adds."""
+    rng = np.random.default_rng(t + 10 * exact)
+    g, r, k = 4, 128, 96
+    x = (rng.standard_normal((t, g * k)) * 2).astype(np.float32)
+    if exact:
+        x = np.ascontiguousarray(R.fp8_act_quant(x, 32))
+    w8, s8 = fp8_weights(rng, g * r, k)
+    w4, s4 = fp4_weights(rng, g * r, k)
+    wb = R.bf16_encode((rng.standard_normal((g * r, k)) * 0.1).astype(np.float32))
+    cases = [(lambda a, **kw: K.fp8_matmul(a, w8, s8, **kw), lambda a, i: K.fp8_matmul(a, w8[i * r:(i + 1) * r], s8[i:i + 1])),
+             (lambda a, **kw: K.fp4_matmul(a, w4, s4, **kw), lambda a, i: K.fp4_matmul(a, w4[i * r:(i + 1) * r], s4[i * r:(i + 1) * r])),
+             (lambda a, **kw: K.bf16_matmul(a, wb, **kw), lambda a, i: K.bf16_matmul(a, wb[i * r:(i + 1) * r]))]
+    for grouped, one in cases:
+        got = grouped(x, groups=g)
+        assert got.shape == (t, g * r)
+        for i in range(g):
+            np.testing.assert_array_equal(got[:, i * r:(i + 1) * r], one(np.ascontiguousarray(x[:, i * k:(i + 1) * k]), i))
+        base = rng.standard_normal((t, g * r)).astype(np.float32)
+        np.testing.assert_array_equal(grouped(x, out=base.copy(), groups=g), base + got)
+    with pytest.raises(ValueError, match="groups"):
+        K.fp8_matmul(x, w8, s8, groups=3)  # 384 rows: not 3 groups of whole scale blocks

@@ -114,7 +114,7 @@ def _shape(a: np.ndarray, name: str, want: tuple[int, int]) -> None:
         raise ValueError(f"{name} has shape {a.shape}, expected {want}")
 
 
-def _product(kind: str, x, w, s, out, numpy_dequant):
+def _product(kind: str, x, w, s, out, numpy_dequant, groups: int = 1):
     x, w = _array(x, "x"), _array(w, "w")
     s = None if s is None else _array(s, "s")
     vector = isinstance(x, np.ndarray) and x.ndim == 1
@@ -128,7 +128,28 @@ def _product(kind: str, x, w, s, out, numpy_dequant):
         out2 = out.reshape(1, -1) if (vector and out.ndim == 1) else out
     if _C is not None:
         args = (x2, w, out2) if s is None else (x2, w, s, out2)
-        getattr(_C, kind)(*args, accumulate=accumulate)
+        getattr(_C, kind)(*args, accumulate=accumulate, groups=groups)
+    elif groups != 1:  # block-diagonal: each group's slice of x against its rows, through the plain fallback
+        if groups < 1 or x2.shape[1] % groups or n % groups or (kind == "fp8_matmul" and (n // groups) % 128):
+            raise ValueError(f"groups={groups} needs x.shape[1] and w.shape[0] to be multiples of it"
+                             + (", and 128 to divide w.shape[0] / groups" if kind == "fp8_matmul" else ""))
+        k, r = x2.shape[1] // groups, n // groups
+        sub = {"fp4_matmul": fp4_matmul, "fp8_matmul": fp8_matmul}.get(kind)
+        parts = []
+        for g in range(groups):
+            xg = np.ascontiguousarray(x2[:, g * k:(g + 1) * k])
+            if sub is fp8_matmul:
+                parts.append(sub(xg, w[g * r:(g + 1) * r], s[g * r // 128:(g + 1) * r // 128]))
+            elif sub is fp4_matmul:
+                parts.append(sub(xg, w[g * r:(g + 1) * r], s[g * r:(g + 1) * r]))
+            else:
+                parts.append(bf16_matmul(xg, w[g * r:(g + 1) * r]))
+        y = np.concatenate(parts, axis=1)
+        _shape(out2, "out", y.shape)
+        if accumulate:
+            out2 += y
+        else:
+            out2[...] = y
     else:
         _check(x2, "x", np.float32, 2)
         _check(w, "w", np.uint16 if s is None else np.uint8, 2)
@@ -147,7 +168,7 @@ def _product(kind: str, x, w, s, out, numpy_dequant):
 
 # --- products ---------------------------------------------------------------------------------------------
 
-def fp4_matmul(x, w, s, out=None) -> np.ndarray:
+def fp4_matmul(x, w, s, out=None, groups: int = 1) -> np.ndarray:
     """x [T, K] float32 @ FP4 weight [N, K/2] with UE8M0 scales [N, K/32] -> [T, N] float32.
 
     Twin of `reference.fp4_decode`: equals x @ fp4_decode(w, s).T up to float32 summation order. K must be a
@@ -159,23 +180,25 @@ def fp4_matmul(x, w, s, out=None) -> np.ndarray:
         _shape(w, "w", (w.shape[0], k // 2))
         return ref.fp4_decode(w, s)
     w = _array(w, "w")
-    return _product("fp4_matmul", x, w, s, out, dequant)
+    return _product("fp4_matmul", x, w, s, out, dequant, groups)
 
 
-def fp8_matmul(x, w, s, out=None) -> np.ndarray:
+def fp8_matmul(x, w, s, out=None, groups: int = 1) -> np.ndarray:
     """x [T, K] float32 @ FP8 e4m3 weight [N, K] with 128x128 UE8M0 block scales -> [T, N] float32.
 
     Twin of `reference.fp8_block_dequant`: equals x @ fp8_block_dequant(w, s).T up to summation order (NaN
     codes make their row NaN, as there). With `out` the product is ADDED into it and out returned.
+    `groups` = G > 1: block-diagonal, x [T, G*K], w [G*R, K] (R a multiple of 128), out [T, G*R] with group g's
+    columns = x[:, g*K:(g+1)*K] @ w[g*R:(g+1)*R].T; one call, one pool job (the same for fp4/bf16_matmul).
     """
     def dequant(k: int) -> np.ndarray:
         _shape(w, "w", (w.shape[0], k))
         return ref.fp8_block_dequant(w, s)
     w = _array(w, "w")
-    return _product("fp8_matmul", x, w, s, out, dequant)
+    return _product("fp8_matmul", x, w, s, out, dequant, groups)
 
 
-def bf16_matmul(x, w, out=None) -> np.ndarray:
+def bf16_matmul(x, w, out=None, groups: int = 1) -> np.ndarray:
     """x [T, K] float32 @ BF16 weight [N, K] (uint16 bits or torch bfloat16) -> [T, N] float32.
 
     Twin of `reference.bf16_decode`: equals x @ bf16_decode(w).T up to summation order. With `out` the
@@ -185,7 +208,7 @@ def bf16_matmul(x, w, out=None) -> np.ndarray:
         _shape(w, "w", (w.shape[0], k))
         return ref.bf16_decode(w)
     w = _array(w, "w")
-    return _product("bf16_matmul", x, w, None, out, dequant)
+    return _product("bf16_matmul", x, w, None, out, dequant, groups)
 
 
 def swiglu_limited(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:

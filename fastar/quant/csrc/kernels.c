@@ -161,15 +161,16 @@ static int no_overlap(const view_t *out, const view_t *in, int n_in) {
 
 typedef struct {
     rows_fn fn;
-    const mm_job *job;
-    int64_t rows_per_chunk;
+    const mm_job *jobs; /* products with the same N, run as one pool job */
+    int64_t rows_per_chunk, chunks_per_job;
 } mm_ctx;
 
 static void mm_chunk(void *p, int64_t i) {
     const mm_ctx *c = p;
-    int64_t n0 = i * c->rows_per_chunk, n1 = n0 + c->rows_per_chunk;
-    if (n1 > c->job->N) n1 = c->job->N;
-    c->fn(c->job, n0, n1);
+    const mm_job *job = c->jobs + i / c->chunks_per_job;
+    int64_t n0 = i % c->chunks_per_job * c->rows_per_chunk, n1 = n0 + c->rows_per_chunk;
+    if (n1 > job->N) n1 = job->N;
+    c->fn(job, n0, n1);
 }
 
 /* ~8 chunks per thread so a descheduled thread (the machine is shared) delays only a small piece. */
@@ -180,11 +181,17 @@ static int64_t chunk_rows(int64_t N) {
     return r < ROW_ALIGN ? ROW_ALIGN : r;
 }
 
-static void run_rows(rows_fn fn, const mm_job *job) {
-    if (job->N <= 0 || job->T <= 0) return;
-    mm_ctx c = {fn, job, chunk_rows(job->N)};
-    pool_run((job->N + c.rows_per_chunk - 1) / c.rows_per_chunk, mm_chunk, &c);
+/* n products with the same N (the groups of a grouped product) over the pool at once: one hand-off, and the
+ * threads balance across all their rows. */
+static void run_jobs(rows_fn fn, const mm_job *jobs, int64_t n) {
+    if (n <= 0 || jobs->N <= 0 || jobs->T <= 0) return;
+    mm_ctx c = {fn, jobs, chunk_rows(n * jobs->N)};
+    if (c.rows_per_chunk > jobs->N) c.rows_per_chunk = (jobs->N + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+    c.chunks_per_job = (jobs->N + c.rows_per_chunk - 1) / c.rows_per_chunk;
+    pool_run(n * c.chunks_per_job, mm_chunk, &c);
 }
+
+static void run_rows(rows_fn fn, const mm_job *job) { run_jobs(fn, job, 1); }
 
 static int dot_max(const isa_ops *isa) {
     const char *env = getenv("FASTAR_DOT_MAX"); /* tuning knob: largest T that takes the dot path */
@@ -268,27 +275,58 @@ static int bf16_splittable(const float *x, int64_t n) {
     return !bad;
 }
 
-/* A dot-path product on the bf16 path for x that is not bf16-exact (the unquantized attention output into wo_a,
- * the reference numerics): every float x = x1 + x2 + x3 exactly, x1 = x with its low 16 bits cleared, x2 = the
- * rest likewise, x3 = what remains (at most 8 significant bits), each a bfloat16. The product runs on 3T
- * pseudo-tokens (3t, 3t+1, 3t+2) = (x1, x2, x3) of token t and out[t] (+)= (o[3t] + o[3t+1]) + o[3t+2]: the same
- * sum as the FP32 path's up to float32 summation order, about 1.8x its speed at T = 1 (the weights are decoded
- * once for the three). A bf16-exact token splits into (x, 0, 0) and gets exactly its one-part result, so a
- * token's outputs do not depend on its batch-mates here either. Returns 0, or -1 for out of memory. */
-static int split_product(const isa_ops *isa, char fmt, mm_job *job) {
-    const int64_t T = job->T, K = job->K, N = job->N, T3 = 3 * T;
-    float *xs = malloc((size_t)(T3 * K) * sizeof(float)), *o = malloc((size_t)(T3 * N) * sizeof(float));
-    uint16_t *xb = NULL;
-    mm_job j3 = *job;
-    if (xs && o) {
+/* The path of a dot-path product: the FP32 kernels, the bf16 ones on exact x, or the bf16 ones on x split in three
+ * (split_job). Decided once per call from all of its x, so every token (and group) of a call takes the same. */
+enum { PATH_FP32, PATH_BF16, PATH_SPLIT };
+
+static int choose_path(const isa_ops *isa, char fmt, const float *x, int64_t T, int64_t K) {
+    const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : fmt == '8' ? isa->fp8_bmap : NULL;
+    if (!bmap || T > dot_max(isa)) return PATH_FP32;
+    if (bf16_exact(x, T * K)) return PATH_BF16;
+    return bf16_splittable(x, T * K) ? PATH_SPLIT : PATH_FP32;
+}
+
+/* What prep_job allocated and changed in a job, for finish_job. */
+typedef struct {
+    mm_job *job;
+    void *buf, *xs;
+    float *out; /* the caller's out under PATH_SPLIT (the job writes 3T pseudo-token rows to a buffer) */
+    int64_t T, ldo;
+    int accumulate;
+} prep_t;
+
+/* Makes job ready to run on `path`. PATH_SPLIT, for x that is not bf16-exact (the unquantized attention output
+ * into wo_a, the reference numerics): every float x = x1 + x2 + x3 exactly, x1 = x with its low 16 bits cleared,
+ * x2 = the rest likewise, x3 = what remains (at most 8 significant bits), each a bfloat16. The product runs on 3T
+ * pseudo-tokens (3t, 3t+1, 3t+2) = (x1, x2, x3) of token t, and finish_job adds out[t] (+)= (o[3t] + o[3t+1]) +
+ * o[3t+2]: the same sum as the FP32 path's up to float32 summation order, at about 1.4-1.8x its speed at T = 1
+ * (the weights are decoded once for the three). A bf16-exact token splits into (x, 0, 0) and gets exactly its
+ * one-part result, so a token's outputs do not depend on its batch-mates here either. Returns 0, or -1 for out of
+ * memory (then finish_job frees what was allocated). */
+static int prep_job(const isa_ops *isa, char fmt, int path, mm_job *job, prep_t *p) {
+    *p = (prep_t){.job = job, .out = job->out, .T = job->T, .ldo = job->ldo, .accumulate = job->accumulate};
+    job->dot = job->T <= dot_max(isa);
+    job->xp = NULL;
+    job->xb = NULL;
+    if (!job->dot) return 0;
+    const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : isa->fp8_bmap;
+    const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
+    if (path == PATH_BF16) {
+        job->xb = p->buf = permute_x(bmap, job->x, job->T, job->K, &job->kp, 1);
+    } else if (path == PATH_SPLIT) {
+        const int64_t T = job->T, K = job->K;
+        float *xs = p->xs = malloc((size_t)(3 * T * K) * sizeof(float));
+        float *o = p->buf = malloc((size_t)(3 * T * job->N) * sizeof(float));
+        if (!xs || !o) return -1;
         for (int64_t t = 0; t < T; t++)
             for (int64_t k = 0; k < K; k++) {
+                const float v = job->x[t * K + k];
                 uint32_t u;
-                memcpy(&u, &job->x[t * K + k], 4);
-                const uint32_t u1 = u & 0xffff0000u;
-                float x1, r, x2;
-                memcpy(&x1, &u1, 4);
-                r = job->x[t * K + k] - x1; /* exact: the low 16 bits of x's significand */
+                memcpy(&u, &v, 4);
+                u &= 0xffff0000u;
+                float x1, x2;
+                memcpy(&x1, &u, 4);
+                const float r = v - x1; /* exact: the low 16 bits of x's significand */
                 memcpy(&u, &r, 4);
                 u &= 0xffff0000u;
                 memcpy(&x2, &u, 4);
@@ -296,60 +334,109 @@ static int split_product(const isa_ops *isa, char fmt, mm_job *job) {
                 xs[(3 * t + 1) * K + k] = x2;
                 xs[(3 * t + 2) * K + k] = r - x2; /* exact, at most 8 significant bits */
             }
-        xb = permute_x(fmt == '4' ? isa->fp4_bmap : isa->fp8_bmap, xs, T3, K, &j3.kp, 1);
-    }
-    if (!xb) {
+        job->xb = permute_x(bmap, xs, 3 * T, K, &job->kp, 1);
         free(xs);
-        free(o);
-        return -1;
+        p->xs = (void *)job->xb;
+        job->x = NULL, job->T = 3 * T, job->out = o, job->ldo = job->N, job->accumulate = 0;
+        return job->xb ? 0 : -1;
+    } else if (map) {
+        job->xp = p->buf = permute_x(map, job->x, job->T, job->K, &job->kp, 0);
+    } else {
+        return 0;
     }
-    j3.x = xs, j3.xb = xb, j3.xp = NULL, j3.T = T3, j3.out = o, j3.ldo = N, j3.accumulate = 0, j3.dot = 1;
-    run_rows(fmt == '4' ? isa->fp4 : isa->fp8, &j3);
-    for (int64_t t = 0; t < T; t++) {
-        float *dst = job->out + t * job->ldo;
-        const float *a = o + 3 * t * N, *b = a + N, *c = b + N;
-        for (int64_t n = 0; n < N; n++) {
-            const float v = (a[n] + b[n]) + c[n];
-            dst[n] = job->accumulate ? dst[n] + v : v;
+    return p->buf ? 0 : -1;
+}
+
+/* Completes a job prep_job made ready (after it ran, or after prep failed) and frees its buffers. */
+static void finish_job(prep_t *p, int ran) {
+    mm_job *job = p->job;
+    if (p->xs && ran) { /* PATH_SPLIT: sum the three parts of each token into the caller's out */
+        const int64_t N = job->N;
+        const float *o = p->buf;
+        for (int64_t t = 0; t < p->T; t++) {
+            float *dst = p->out + t * p->ldo;
+            const float *a = o + 3 * t * N, *b = a + N, *c = b + N;
+            for (int64_t n = 0; n < N; n++) {
+                const float v = (a[n] + b[n]) + c[n];
+                dst[n] = p->accumulate ? dst[n] + v : v;
+            }
         }
     }
-    free(xb);
-    free(o);
-    free(xs);
-    return 0;
+    free(p->buf);
+    free(p->xs);
+    job->out = p->out, job->T = p->T, job->ldo = p->ldo, job->accumulate = p->accumulate;
+    job->xp = NULL, job->xb = NULL;
+    p->buf = p->xs = NULL;
+}
+
+static rows_fn rows_of(const isa_ops *isa, char fmt) { return fmt == '4' ? isa->fp4 : fmt == '8' ? isa->fp8 : isa->bf16; }
+
+static void empty_sum(mm_job *job) {
+    if (!job->accumulate)
+        for (int64_t t = 0; t < job->T; t++) memset(job->out + t * job->ldo, 0, (size_t)job->N * sizeof(float));
 }
 
 /* Runs one product with the GIL released. Returns 0, or -1 for out of memory (GIL not held: caller raises). */
 static int product(const isa_ops *isa, char fmt, mm_job *job) {
-    if (job->K == 0) { /* an empty sum */
-        if (!job->accumulate)
-            for (int64_t t = 0; t < job->T; t++) memset(job->out + t * job->ldo, 0, (size_t)job->N * sizeof(float));
+    if (job->K == 0) {
+        empty_sum(job);
         return 0;
     }
-    const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : fmt == '8' ? isa->fp8_bmap : NULL;
-    if (bmap && job->T <= dot_max(isa) && !bf16_exact(job->x, job->T * job->K) &&
-        bf16_splittable(job->x, job->T * job->K))
-        return split_product(isa, fmt, job);
-    void *buf;
-    if (dot_inputs(isa, fmt, job, &buf)) return -1;
-    run_rows(fmt == '4' ? isa->fp4 : fmt == '8' ? isa->fp8 : isa->bf16, job);
-    free(buf);
-    job->xp = NULL;
-    job->xb = NULL;
-    return 0;
+    prep_t p;
+    const float *x = job->x;
+    int rc = prep_job(isa, fmt, choose_path(isa, fmt, job->x, job->T, job->K), job, &p);
+    if (!rc) run_rows(rows_of(isa, fmt), job);
+    finish_job(&p, !rc);
+    job->x = x;
+    return rc;
 }
 
-/* fp4_matmul / fp8_matmul / bf16_matmul(x, w, [s,] out, accumulate) -> None */
+/* Runs a grouped product (groups > 1: out[t, g*R + r] = sum_k x[t, g*K + k] W[g*R + r, k]) as one pool job, with
+ * one path for the whole call. Returns 0, or -1 for out of memory. */
+static int grouped_product(const isa_ops *isa, char fmt, const mm_job *whole, int64_t G) {
+    const int64_t T = whole->T, K = whole->K / G, R = whole->N / G;
+    const size_t wrow = fmt == '4' ? (size_t)K / 2 : fmt == '8' ? (size_t)K : 2 * (size_t)K; /* bytes per row */
+    mm_job *jobs = calloc((size_t)G, sizeof(mm_job));
+    prep_t *preps = calloc((size_t)G, sizeof(prep_t));
+    float *xg = malloc((size_t)(T * G * K) * sizeof(float)); /* x regrouped [G][T][K]: each group's rows contiguous */
+    int rc = !jobs || !preps || !xg ? -1 : 0;
+    int64_t prepared = 0;
+    if (!rc) {
+        const int path = choose_path(isa, fmt, whole->x, T, G * K);
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t t = 0; t < T; t++) memcpy(xg + (g * T + t) * K, whole->x + t * G * K + g * K, (size_t)K * sizeof(float));
+        for (int64_t g = 0; g < G && !rc; g++, prepared++) {
+            jobs[g] = *whole;
+            jobs[g].x = xg + g * T * K, jobs[g].K = K, jobs[g].N = R, jobs[g].out = whole->out + g * R;
+            jobs[g].w = (const uint8_t *)whole->w + (size_t)(g * R) * wrow;
+            if (fmt == '4') jobs[g].s = whole->s + g * R * (K / FP4_GROUP);
+            if (fmt == '8') jobs[g].s = whole->s + (g * R / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK);
+            rc = prep_job(isa, fmt, path, &jobs[g], &preps[g]);
+        }
+    }
+    if (!rc) run_jobs(rows_of(isa, fmt), jobs, G);
+    for (int64_t g = 0; g < prepared; g++) finish_job(&preps[g], !rc);
+    free(xg);
+    free(preps);
+    free(jobs);
+    return rc;
+}
+
+/* fp4_matmul / fp8_matmul / bf16_matmul(x, w, [s,] out, accumulate, groups=1) -> None. groups = G > 1: a
+ * block-diagonal product, x [T, G*K] (group g's input in columns g*K..), w [G*R, K] (group g's rows g*R..),
+ * out [T, G*R]; for FP8, R must be a multiple of 128 (each group owns whole scale blocks). */
 static PyObject *matmul(PyObject *args, PyObject *kw, char fmt) {
-    static char *kw4[] = {"x", "w", "s", "out", "accumulate", NULL};
-    static char *kw16[] = {"x", "w", "out", "accumulate", NULL};
+    static char *kw4[] = {"x", "w", "s", "out", "accumulate", "groups", NULL};
+    static char *kw16[] = {"x", "w", "out", "accumulate", "groups", NULL};
     PyObject *ox, *ow, *os = NULL, *oo;
     int accumulate = 0;
+    Py_ssize_t G = 1;
     if (fmt == 'b') {
-        if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|p", kw16, &ox, &ow, &oo, &accumulate)) return NULL;
-    } else if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|p", kw4, &ox, &ow, &os, &oo, &accumulate)) {
+        if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|pn", kw16, &ox, &ow, &oo, &accumulate, &G)) return NULL;
+    } else if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|pn", kw4, &ox, &ow, &os, &oo, &accumulate, &G)) {
         return NULL;
     }
+    if (G < 1) return PyErr_Format(PyExc_ValueError, "groups must be >= 1, got %zd", G);
     view_t v[4];
     memset(v, 0, sizeof v);
     const int nv = fmt == 'b' ? 3 : 4;
@@ -357,7 +444,13 @@ static PyObject *matmul(PyObject *args, PyObject *kw, char fmt) {
     if (get_view(ox, vx, "x", 'f', 2, 0) || get_view(ow, vw, "w", fmt == 'b' ? 'H' : 'B', 2, 0) ||
         get_view(oo, vo, "out", 'f', 2, 1) || (fmt != 'b' && get_view(os, vs, "s", 'B', 2, 0)))
         goto fail;
-    const int64_t T = dim(vx, 0), K = dim(vx, 1), N = dim(vw, 0);
+    const int64_t T = dim(vx, 0), N = dim(vw, 0);
+    if (dim(vx, 1) % G || N % G || (fmt == '8' && G > 1 && (N / G) % FP8_BLOCK)) {
+        PyErr_Format(PyExc_ValueError, "groups=%zd needs x.shape[1] (%lld) and w.shape[0] (%lld) to be multiples of it%s",
+                     G, (long long)dim(vx, 1), (long long)N, fmt == '8' ? ", and 128 to divide w.shape[0] / groups" : "");
+        goto fail;
+    }
+    const int64_t K = dim(vx, 1) / G; /* per group */
     if (fmt == '4') {
         if (K % FP4_GROUP) {
             PyErr_Format(PyExc_ValueError, "FP4 needs K (x.shape[1] = %lld) to be a multiple of %d", (long long)K, FP4_GROUP);
@@ -376,12 +469,19 @@ static PyObject *matmul(PyObject *args, PyObject *kw, char fmt) {
         (fmt != 'b' && no_overlap(vo, vs, 1)))
         goto fail;
 
-    mm_job job = {.x = vx->b.buf, .w = vw->b.buf, .s = fmt == 'b' ? NULL : vs->b.buf, .T = T, .N = N, .K = K,
+    mm_job job = {.x = vx->b.buf, .w = vw->b.buf, .s = fmt == 'b' ? NULL : vs->b.buf, .T = T, .N = N, .K = K * G,
                   .out = vo->b.buf, .ldo = N, .accumulate = accumulate};
     const isa_ops *isa = ISA;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = product(isa, fmt, &job);
+    if (G == 1) {
+        rc = product(isa, fmt, &job);
+    } else if (K == 0 || T == 0 || N == 0) {
+        empty_sum(&job);
+        rc = 0;
+    } else {
+        rc = grouped_product(isa, fmt, &job, G);
+    }
     Py_END_ALLOW_THREADS
     if (rc) {
         PyErr_NoMemory();

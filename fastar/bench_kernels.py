@@ -14,6 +14,7 @@ Usage: python -m fastar.bench_kernels [--json] [--threads 1,2]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -86,7 +87,8 @@ def _kernel_cases(rng) -> list[tuple[str, int, int, int, object, list]]:
         ("fp4 gate/up 2048x4096", I, D, nb(gate), lambda x, c, o: K.fp4_matmul(x, c[0], c[1], out=o), gate),
         ("fp4 down 4096x2048", D, I, nb(down), lambda x, c, o: K.fp4_matmul(x, c[0], c[1], out=o), down),
         ("expert_ffn (gate+up+down)", D, D, nb(expert),
-         lambda x, c, o: K.expert_ffn(x, *c, np.ones(x.shape[0], np.float32), 10.0, o), expert),
+         lambda x, c, o, q=False: K.expert_ffn(x, *c, np.ones(x.shape[0], np.float32), 10.0, o,
+                                               act_block=128 if q else 0), expert),
         ("fp8 4096x4096", D, D, nb(fp8), lambda x, c, o: K.fp8_matmul(x, c[0], c[1], out=o), fp8),
         ("bf16 4096x4096", D, D, nb(bf16), lambda x, c, o: K.bf16_matmul(x, c[0], out=o), bf16),
     ]
@@ -144,14 +146,20 @@ def run(json_out: bool = False, threads: list[int] | None = None) -> dict:
         cases = _kernel_cases(rng)
         for T in (1, 16):
             x = rng.standard_normal((T, D)).astype(np.float32) * 0.5
+            # decode also with the official numerics' inputs: FP8-quantized x (exact bfloat16s: the bf16 dot path)
+            variants = [("", x, False)] + ([(" [x FP8-quantized]", K.fp8_act_quant(x, 128), True)] if T == 1 else [])
             for n in threads:
                 K.set_num_threads(n)
-                for name, N, Kd, nbytes, call, copies in cases:
-                    xs = x if Kd == D else np.ascontiguousarray(x[:, :Kd])
+                for (name, N, Kd, nbytes, call, copies), (tag, xv, q) in itertools.product(cases, variants):
+                    if q and "bf16" in name:
+                        continue  # BF16 weights take unquantized inputs (the LM head, the routers)
+                    xs = xv if Kd == D else np.ascontiguousarray(xv[:, :Kd])
                     o = np.zeros((T, N), np.float32)
-                    med, lo, hi = _timeit(lambda i: call(xs, copies[i], o), len(copies))
+                    run_one = (lambda i: call(xs, copies[i], o, True)) if "expert" in name and q else \
+                        (lambda i: call(xs, copies[i], o))
+                    med, lo, hi = _timeit(run_one, len(copies))
                     flops = 2 * T * (3 * I * D if "expert" in name else N * Kd)
-                    rows.append({"name": name, "T": T, "threads": n, "gbps": nbytes / med / 1e9,
+                    rows.append({"name": name + tag, "T": T, "threads": n, "gbps": nbytes / med / 1e9,
                                  "gflops": flops / med / 1e9, "ms": med * 1e3, "spread_ms": [lo * 1e3, hi * 1e3]})
             try:  # the comparison libraries, with their own default threading
                 for name, sec, nbytes, flops in _baselines(rng, T):
@@ -187,9 +195,9 @@ def _print_table(result: dict, lim: dict) -> None:
           "limits = best of start and end of the run")
     for n in lim["membw"]:
         print(f"threads {n}: memory read {lim['membw'][n]:6.1f} GB/s   FP32 FMA peak {lim['peak'][n]:7.1f} GFLOP/s")
-    print(f"{'kernel':30s} {'T':>3s} {'thr':>3s} {'ms':>8s} {'GB/s':>7s} {'GFLOP/s':>8s} {'%bw':>5s} {'%peak':>6s}")
+    print(f"{'kernel':48s} {'T':>3s} {'thr':>3s} {'ms':>8s} {'GB/s':>7s} {'GFLOP/s':>8s} {'%bw':>5s} {'%peak':>6s}")
     for r in result["kernels"]:
-        print(f"{r['name']:30s} {r['T']:3d} {r['threads']:3d} {r['ms']:8.3f} {r['gbps']:7.2f} {r['gflops']:8.1f} "
+        print(f"{r['name']:48s} {r['T']:3d} {r['threads']:3d} {r['ms']:8.3f} {r['gbps']:7.2f} {r['gflops']:8.1f} "
               f"{100 * r['bw_frac']:5.0f} {100 * r['peak_frac']:6.0f}")
 
 

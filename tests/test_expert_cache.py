@@ -201,6 +201,29 @@ def test_iter_ready_closed_early_releases_everything(fst):
         c.acquire(2, [0, 1, 2]).release()  # the whole budget is usable again
 
 
+@pytest.mark.parametrize("slots", [2, 5, 12])
+def test_iter_ready_batches(fst, slots):
+    """batch=True: what is resident comes in one list (pinned together), the rest in lists as it lands; every
+    expert once, correct bytes, nothing left pinned; an abandoned iteration releases its batch."""
+    with ExpertCache(fst, slots * fst.expert_stride, io_threads=2) as c:
+        c.acquire(3, [0, 1]).release()  # resident now
+        slow_reads(c, 0.002)
+        batches = []
+        for hs in c.iter_ready(3, [1, 0, 4, 5, 6, 1], batch=True):
+            assert all(h._live and same(h.weights, fst.expert(3, h.expert)) for h in hs)
+            assert c.stats()["pinned"] >= len(hs)  # and the claims of reads in flight
+            batches.append([h.expert for h in hs])
+        assert sorted(batches[0][:2]) == [0, 1] and sorted(sum(batches, [])) == [0, 1, 4, 5, 6]
+        assert c.wait_idle(TIMEOUT) and c.stats()["pinned"] == 0
+        c.acquire(3, [4, 5]).release()
+        it = c.iter_ready(3, [4, 5], batch=True)
+        assert sorted(h.expert for h in next(it)) == [4, 5]  # all resident: one batch
+        it.close()
+        assert c.stats()["pinned"] == 0
+        got = [[e for e, _ in b] for b in c.each_batch(3, [5, 4])]
+        assert got == [[5, 4]] and c.stats()["pinned"] == 0
+
+
 def test_thread_exit_releases_implicit_pins(fst):
     with ExpertCache(fst, 3 * fst.expert_stride) as c:
         t = threading.Thread(target=lambda: c.get(1, 1))

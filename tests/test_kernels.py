@@ -216,6 +216,46 @@ def test_expert_ffn_with_activation_quant_is_the_composition(backend, t):
     assert not np.allclose(out, K.expert_ffn(x, w1, s1, w3, s3, w2, s2, rw, 10.0, np.zeros_like(out)), rtol=1e-4)
 
 
+@pytest.mark.parametrize("act_block", [0, 128])
+def test_experts_ffn_equals_expert_ffn_then_index_add(backend, act_block):
+    """A layer's experts in one call: bit-identical to expert_ffn per expert with the outputs added in the given
+    order (single tokens, shared tokens, a tile-path expert with more than 8 tokens)."""
+    rng = np.random.default_rng(31 + act_block)
+    t, d, i = 12, 160, 96
+    x = (rng.standard_normal((t, d)) * 2).astype(np.float32)
+    experts = [expert_case(40 + e, 1, d, i, 1.0)[2] for e in range(4)]
+    token_sets = [np.array([3]), np.array([0, 3, 7]), np.arange(t), np.array([5, 11])]
+    rows = np.concatenate(token_sets)
+    offsets = np.cumsum([0] + [len(s_) for s_ in token_sets])
+    route_w = rng.random(len(rows)).astype(np.float32)
+    base = rng.standard_normal((t, d)).astype(np.float32)
+    want = base.copy()
+    for e, tok in enumerate(token_sets):
+        y = K.expert_ffn(np.ascontiguousarray(x[tok]), *experts[e], route_w[offsets[e]:offsets[e + 1]], 10.0,
+                         np.zeros((len(tok), d), np.float32), act_block=act_block)
+        want[tok] += y
+    got = K.experts_ffn(x, experts, rows, offsets, route_w, 10.0, base.copy(), act_block=act_block)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_experts_ffn_bad_inputs():
+    x = np.zeros((2, 64), np.float32)
+    ex = expert_case(1, 1, 64, 32, 1.0)[2]
+    ok = dict(rows=np.array([0, 1]), offsets=np.array([0, 2]), route_w=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="offsets"):
+        K.experts_ffn(x, [ex], np.array([0, 1]), np.array([0, 1]), np.ones(2, np.float32), 1.0, np.zeros_like(x))
+    with pytest.raises(ValueError, match="no tokens"):
+        K.experts_ffn(x, [ex, ex], np.array([0, 1]), np.array([0, 2, 2]), np.ones(2, np.float32), 1.0,
+                      np.zeros_like(x))
+    if K.available():
+        with pytest.raises(ValueError, match="not a token"):
+            K.experts_ffn(x, [ex], np.array([0, 2]), ok["offsets"], ok["route_w"], 1.0, np.zeros_like(x))
+        with pytest.raises(ValueError, match="w2"):
+            K.experts_ffn(x, [ex[:4] + (ex[4][:10], ex[5])], **ok, limit=1.0, out=np.zeros_like(x))
+        with pytest.raises(ValueError, match="6"):
+            K.experts_ffn(x, [ex[:5]], **ok, limit=1.0, out=np.zeros_like(x))
+
+
 def test_fp8_act_quant_backends_agree():
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((5, 1000)) * np.logspace(-6, 4, 1000)).astype(np.float32)

@@ -2,9 +2,9 @@
 
 Owns: the Python face of the C extension `fastar.quant._kernels` (built by setup.py from `quant/csrc/`):
 `fp4_matmul`, `fp8_matmul`, `bf16_matmul`, the fused routed expert `expert_ffn` (optionally with the
-official numerics' FP8 activation quantization inside), `fp8_act_quant`, thread-count and
-instruction-set controls, and a numpy fallback with identical semantics for when the extension is missing
-(`available()` is then False; results stay correct, only slow).
+official numerics' FP8 activation quantization inside), a layer's experts at once (`experts_ffn`),
+`fp8_act_quant`, thread-count and instruction-set controls, and a numpy fallback with identical semantics
+for when the extension is missing (`available()` is then False; results stay correct, only slow).
 Does not own: the choice of numerics (the model's) nor weight paging.
 
 Every product takes the checkpoint's own layouts, never a widened copy (see reference.py):
@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - exercised only on machines without a C
 
 __all__ = [
     "available", "cpu_features", "set_num_threads", "get_num_threads", "set_isa", "get_isa",
-    "fp4_matmul", "fp8_matmul", "bf16_matmul", "expert_ffn", "fp8_act_quant",
+    "fp4_matmul", "fp8_matmul", "bf16_matmul", "expert_ffn", "experts_ffn", "fp8_act_quant",
 ]
 
 
@@ -223,6 +223,31 @@ def swiglu_limited(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray
         return (gate / (np.float32(1) + np.exp(-gate)) * up).astype(np.float32)
 
 
+def experts_ffn(x, experts, rows, offsets, route_w, limit: float, out, act_block: int = 0) -> np.ndarray:
+    """A layer's routed experts in one call: `expert_ffn` for each, outputs added into `out` expert after expert.
+
+    experts: E tuples (w1, s1, w3, s3, w2, s2); expert e takes the tokens rows[offsets[e]:offsets[e+1]] of x [T, D]
+    (int64, at least one each) with routing weights route_w[offsets[e]:offsets[e+1]]. Bit-identical to E
+    `expert_ffn` calls whose outputs are added to out[rows] in the given order; with the C kernels, two pool jobs
+    (every expert's gate/up rows, then every down row) instead of 2E. Returns out.
+    """
+    x, out = _array(x, "x"), _array(out, "out")
+    rows, offsets = np.ascontiguousarray(rows, np.int64), np.ascontiguousarray(offsets, np.int64)
+    route_w = np.ascontiguousarray(_array(route_w, "route_w"), np.float32)
+    if _C is not None:
+        _C.experts_ffn(x, [tuple(_array(a, "expert weight") for a in ew) for ew in experts], rows, offsets, route_w,
+                       float(limit), out, int(act_block))
+        return out
+    if len(offsets) != len(experts) + 1 or offsets[0] != 0 or offsets[-1] != len(rows) or (np.diff(offsets) <= 0).any():
+        raise ValueError("offsets must have E+1 increasing entries from 0 to len(rows) (every expert has a token)")
+    for e, ew in enumerate(experts):
+        tok = rows[offsets[e]:offsets[e + 1]]
+        y = expert_ffn(np.ascontiguousarray(x[tok]), *ew, route_w[offsets[e]:offsets[e + 1]], limit,
+                       np.zeros((len(tok), x.shape[1]), np.float32), act_block)
+        out[tok] += y  # the tokens of one expert are distinct
+    return out
+
+
 def fp8_act_quant(x, block: int = 128, out=None) -> np.ndarray:
     """DeepSeek's FP8 activation quant-dequant of float32 x [R, K] per `block` values (`reference.fp8_act_quant`,
     bit-identical); `out` may be x itself."""
@@ -261,7 +286,7 @@ def expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit: float, out, act_block:
     _shape(out, "out", x.shape)
     if route_w.shape != (x.shape[0],):
         raise ValueError(f"route_w has shape {route_w.shape}, expected ({x.shape[0]},)")
-    q = (lambda a: ref.fp8_act_quant(a, act_block)) if act_block else (lambda a: a)
+    q = (lambda a: np.ascontiguousarray(ref.fp8_act_quant(a, act_block))) if act_block else (lambda a: a)
     gate = fp4_matmul(q(x), w1, s1)
     up = fp4_matmul(q(x), w3, s3)
     h = swiglu_limited(gate, up, limit) * route_w[:, None]

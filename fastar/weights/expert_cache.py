@@ -241,16 +241,18 @@ class ExpertCache:
         tok = np.asarray(list(token_ids), np.int64)
         return sum(self.prefetch(layer, np.unique(np.asarray(t)[tok]), source="hash") for layer, t in tid2eid.items())
 
-    def iter_ready(self, layer: int, ids: Iterable[int]) -> Iterator[ExpertHandle]:
+    def iter_ready(self, layer: int, ids: Iterable[int], batch: bool = False) -> Iterator:
         """Yield handles of `layer`'s experts `ids` as each becomes present (resident ones first).
 
         Each yielded handle stays pinned until the next step of the iteration, so compute on the first experts
         starts before the rest arrive and any number of experts streams through a budget of one free slot.
+        `batch=True` yields lists instead: every expert present at that moment at once (all resident ones first,
+        then what has landed since), pinned together until the next step.
         """
         uniq = list(dict.fromkeys(int(e) for e in ids))
         keys = {e: self._key(layer, e) for e in uniq}
         self._implicit(layer)
-        held: ExpertHandle | None = None
+        held: list[ExpertHandle] = []
         outstanding: dict[int, _Load] = {}
         with self._cond:
             self._check_open()
@@ -268,30 +270,36 @@ class ExpertCache:
         try:
             while ready or todo or outstanding:
                 with self._cond:
-                    if held is not None:
-                        self._unpin_locked(held._slot)
-                        held._live, held = False, None
+                    for h in held:
+                        self._unpin_locked(h._slot)
+                        h._live = False
+                    held = []
                     while todo and self._committed() < self.n_slots:
                         e = todo.popleft()
                         r = self._claim(keys[e], layer, e)
                         if isinstance(r, _Load):
                             outstanding[e] = r
                         else:  # arrived meanwhile (someone else's read): already pinned by the claim
-                            held = self._handle(layer, e, r)
+                            held.append(self._handle(layer, e, r))
+                            if not batch:
+                                break
+                    while batch or not held:
+                        h = self._next_ready(layer, ready, outstanding, todo, keys)
+                        if h is None:
                             break
-                    if held is None:
-                        held = self._next_ready(layer, ready, outstanding, todo, keys)
-                    if held is None:
+                        held.append(h)
+                    if not held:
                         if not outstanding:
                             raise CacheFullError(self._full_msg(layer, 1))
                         self._wait(outstanding.values(), every=False)
                         continue
-                yield held
+                yield list(held) if batch else held[0]
         finally:
             with self._cond:
-                if held is not None and held._live:
-                    self._unpin_locked(held._slot)
-                    held._live = False
+                for h in held:
+                    if h._live:
+                        self._unpin_locked(h._slot)
+                        h._live = False
                 for load in outstanding.values():
                     self._drop_claim(load)
                 self._cond.notify_all()
@@ -300,6 +308,12 @@ class ExpertCache:
         """(expert id, weights) as each arrives: the model's MoE computes on one while the rest load."""
         for h in self.iter_ready(layer, ids):
             yield h.expert, h.weights
+
+    def each_batch(self, layer: int, ids: Iterable[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Lists of (expert id, weights): all that are present at once, then what arrives (`iter_ready(batch=True)`);
+        with every expert resident, one list: the MoE then runs the layer's experts in one kernel call."""
+        for hs in self.iter_ready(layer, ids, batch=True):
+            yield [(h.expert, h.weights) for h in hs]
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no read is queued or in flight (prefetches landed); False on timeout."""

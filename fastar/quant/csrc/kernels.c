@@ -98,6 +98,7 @@ static const char *dtype_name(char code) {
         case 'f': return "float32";
         case 'B': return "uint8";
         case 'H': return "uint16";
+        case 'q': return "int64";
         default: return "?";
     }
 }
@@ -112,8 +113,9 @@ static int get_view(PyObject *obj, view_t *v, const char *name, char code, int n
     v->held = 1;
     const char *f = v->b.format ? v->b.format : "B";
     if (*f == '@' || *f == '=' || *f == '<') f++; /* native / little-endian prefixes (x86 and ARM are LE) */
-    Py_ssize_t want = code == 'f' ? 4 : code == 'H' ? 2 : 1;
-    if (f[0] != code || f[1] != '\0' || v->b.itemsize != want) {
+    Py_ssize_t want = code == 'f' ? 4 : code == 'H' ? 2 : code == 'q' ? 8 : 1;
+    const int same = f[0] == code || (code == 'q' && f[0] == 'l'); /* int64 is 'l' where long has 64 bits */
+    if (!same || f[1] != '\0' || v->b.itemsize != want) {
         PyErr_Format(PyExc_TypeError, "%s must be %s, got buffer format '%s' (itemsize %zd)", name, dtype_name(code),
                      v->b.format ? v->b.format : "B", v->b.itemsize);
         return -1;
@@ -617,6 +619,185 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------- a layer's routed experts at once */
+
+typedef struct {
+    ffn_ctx *c;              /* one per expert, all with the same I and rows_per_chunk */
+    int64_t chunks_per_expert;
+} ffn_multi;
+
+static void ffn_multi_phase1(void *p, int64_t i) {
+    const ffn_multi *m = p;
+    ffn_phase1(&m->c[i / m->chunks_per_expert], i % m->chunks_per_expert);
+}
+
+/* E routed experts of one layer (ew: 6 arrays each, as expert_ffn's w1, s1, w3, s3, w2, s2) as two pool jobs, all
+ * gate/up rows then all down rows, instead of 2E. Expert e takes the tokens rows[off[e]] .. rows[off[e+1] - 1]
+ * of x [*, D] with routing weights rw[off[e] ..]; its outputs are added into out[rows[j]] expert after expert, in
+ * the given order: bit for bit what E expert_ffn calls and index_add_s in that order give (each expert's
+ * products, paths and summation orders are expert_ffn's). Returns 0, or -1 for out of memory. */
+static int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const float *x, int64_t D,
+                       int64_t I, const int64_t *rows, const int64_t *off, const float *rw, float limit,
+                       int64_t act_block, float *out) {
+    const int64_t M = off[E];
+    float *xs = malloc((size_t)(M * D) * sizeof(float)), *gu = malloc((size_t)(2 * M * I) * sizeof(float));
+    float *y = malloc((size_t)(M * D) * sizeof(float));
+    ffn_ctx *c = calloc((size_t)E, sizeof(ffn_ctx));
+    mm_job *down = calloc((size_t)E, sizeof(mm_job));
+    void **bufs = calloc((size_t)(2 * E), sizeof(void *)); /* per expert: the dot path's copies of x and of h */
+    int rc = !xs || !gu || !y || !c || !down || !bufs ? -1 : 0;
+    if (!rc) {
+        for (int64_t j = 0; j < M; j++) memcpy(xs + j * D, x + rows[j] * D, (size_t)D * sizeof(float));
+        if (act_block) fp8_act_quant_rows(xs, xs, M, D, act_block); /* per row: as each expert quantizes its x */
+        const int64_t rpc = chunk_rows(E * I) < I ? chunk_rows(E * I) : (I + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+        for (int64_t e = 0; e < E && !rc; e++) {
+            const int64_t T = off[e + 1] - off[e];
+            const uint8_t *const *w = ew + 6 * e;
+            c[e] = (ffn_ctx){.isa = isa, .route_w = rw + off[e], .limit = limit, .rows_per_chunk = rpc};
+            c[e].gate = (mm_job){.x = xs + off[e] * D, .w = w[0], .s = w[1], .T = T, .N = I, .K = D,
+                                 .out = gu + off[e] * I, .ldo = I};
+            rc = dot_inputs(isa, '4', &c[e].gate, &bufs[2 * e]);
+            c[e].up = c[e].gate;
+            c[e].up.w = w[2], c[e].up.s = w[3], c[e].up.out = gu + (M + off[e]) * I;
+        }
+        if (!rc) {
+            ffn_multi m = {c, (I + rpc - 1) / rpc};
+            pool_run(E * m.chunks_per_expert, ffn_multi_phase1, &m);
+            if (act_block) fp8_act_quant_rows(gu, gu, M, I, act_block);
+        }
+        for (int64_t e = 0; e < E && !rc; e++) {
+            const uint8_t *const *w = ew + 6 * e;
+            down[e] = (mm_job){.x = gu + off[e] * I, .w = w[4], .s = w[5], .T = off[e + 1] - off[e], .N = D, .K = I,
+                               .out = y + off[e] * D, .ldo = D, .accumulate = 0};
+            rc = dot_inputs(isa, '4', &down[e], &bufs[2 * e + 1]); /* its own choice: the mid activation decides */
+        }
+        if (!rc) {
+            run_jobs(isa->fp4, down, E);
+            for (int64_t j = 0; j < M; j++) { /* expert after expert: the fixed order of the sum */
+                float *o = out + rows[j] * D;
+                const float *v = y + j * D;
+                for (int64_t d = 0; d < D; d++) o[d] += v[d];
+            }
+        }
+    }
+    if (bufs)
+        for (int64_t i = 0; i < 2 * E; i++) free(bufs[i]);
+    free(bufs);
+    free(down);
+    free(c);
+    free(y);
+    free(gu);
+    free(xs);
+    return rc;
+}
+
+/* experts_ffn(x, experts, rows, offsets, route_w, limit, out, act_block=0) -> None: expert_ffn for a layer's
+ * experts at once. experts: a sequence of E (w1, s1, w3, s3, w2, s2) tuples shaped as expert_ffn's; rows int64
+ * [M]: token indices into x [T, D], expert e's being rows[offsets[e]:offsets[e+1]] (at least one each);
+ * offsets int64 [E+1] from 0 to M; route_w float32 [M]; out [T, D] is added to, expert after expert. */
+static PyObject *py_experts_ffn(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kws[] = {"x", "experts", "rows", "offsets", "route_w", "limit", "out", "act_block", NULL};
+    PyObject *ox, *oexp, *orows, *ooff, *orw, *oout, *seq = NULL;
+    double limit;
+    Py_ssize_t act_block = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOdO|n", kws, &ox, &oexp, &orows, &ooff, &orw, &limit, &oout,
+                                     &act_block))
+        return NULL;
+    if (act_block < 0) return PyErr_Format(PyExc_ValueError, "act_block must be >= 0, got %zd", act_block);
+    seq = PySequence_Fast(oexp, "experts must be a sequence of (w1, s1, w3, s3, w2, s2) tuples");
+    if (!seq) return NULL;
+    const Py_ssize_t E = PySequence_Fast_GET_SIZE(seq);
+    view_t v[5];
+    memset(v, 0, sizeof v);
+    view_t *ev = calloc((size_t)(6 * E) + 1, sizeof(view_t));
+    const uint8_t **ew = calloc((size_t)(6 * E) + 1, sizeof(uint8_t *));
+    Py_ssize_t got = 0; /* expert views acquired */
+    if (!ev || !ew) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (get_view(ox, &v[0], "x", 'f', 2, 0) || get_view(orows, &v[1], "rows", 'q', 1, 0) ||
+        get_view(ooff, &v[2], "offsets", 'q', 1, 0) || get_view(orw, &v[3], "route_w", 'f', 1, 0) ||
+        get_view(oout, &v[4], "out", 'f', 2, 1))
+        goto fail;
+    const int64_t T = dim(&v[0], 0), D = dim(&v[0], 1), M = dim(&v[1], 0);
+    const int64_t *rows = v[1].b.buf, *off = v[2].b.buf;
+    if (shape_is(&v[4], "out", T, D, "= x.shape") || no_overlap(&v[4], v, 4)) goto fail;
+    if (dim(&v[2], 0) != E + 1 || dim(&v[3], 0) != M || (E && (off[0] != 0 || off[E] != M))) {
+        PyErr_Format(PyExc_ValueError, "offsets must have E+1 = %zd entries from 0 to len(rows) = %lld, and route_w "
+                     "len(rows) entries", E + 1, (long long)M);
+        goto fail;
+    }
+    for (Py_ssize_t e = 0; e < E; e++)
+        if (off[e + 1] <= off[e]) {
+            PyErr_Format(PyExc_ValueError, "offsets must increase: expert %zd has no tokens", e);
+            goto fail;
+        }
+    for (int64_t j = 0; j < M; j++)
+        if (rows[j] < 0 || rows[j] >= T) {
+            PyErr_Format(PyExc_ValueError, "rows[%lld] = %lld is not a token of x (T = %lld)", (long long)j,
+                         (long long)rows[j], (long long)T);
+            goto fail;
+        }
+    int64_t I = -1;
+    static const char *names[6] = {"w1", "s1", "w3", "s3", "w2", "s2"};
+    for (Py_ssize_t e = 0; e < E; e++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, e);
+        if (!PyTuple_Check(t) && !PyList_Check(t)) {
+            PyErr_Format(PyExc_TypeError, "experts[%zd] must be a (w1, s1, w3, s3, w2, s2) tuple", e);
+            goto fail;
+        }
+        if (PySequence_Size(t) != 6) {
+            PyErr_Format(PyExc_ValueError, "experts[%zd] has %zd arrays, expected 6", e, PySequence_Size(t));
+            goto fail;
+        }
+        for (int i = 0; i < 6; i++) {
+            PyObject *a = PySequence_GetItem(t, i);
+            int bad = !a || get_view(a, &ev[6 * e + i], names[i], 'B', 2, 0);
+            Py_XDECREF(a);
+            got = 6 * e + i + 1;
+            if (bad) goto fail;
+            ew[6 * e + i] = ev[6 * e + i].b.buf;
+        }
+        const view_t *w = ev + 6 * e;
+        if (I < 0) I = dim(&w[0], 0);
+        if (D % FP4_GROUP || I % FP4_GROUP) {
+            PyErr_Format(PyExc_ValueError, "experts_ffn needs D (%lld) and I (%lld) to be multiples of %d",
+                         (long long)D, (long long)I, FP4_GROUP);
+            goto fail;
+        }
+        if (shape_is(&w[0], "w1", I, D / 2, "= (I, D/2), I as experts[0]") ||
+            shape_is(&w[1], "s1", I, D / 32, "= (I, D/32)") || shape_is(&w[2], "w3", I, D / 2, "= (I, D/2)") ||
+            shape_is(&w[3], "s3", I, D / 32, "= (I, D/32)") || shape_is(&w[4], "w2", D, I / 2, "= (D, I/2)") ||
+            shape_is(&w[5], "s2", D, I / 32, "= (D, I/32)") || no_overlap(&v[4], w, 6))
+            goto fail;
+    }
+    const isa_ops *isa = ISA;
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (E > 0 && D > 0 && I > 0)
+        rc = experts_run(isa, E, ew, v[0].b.buf, D, I, rows, off, v[3].b.buf, (float)limit, act_block, v[4].b.buf);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(ev, (int)got);
+    release(v, 5);
+    free(ev);
+    free(ew);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    if (ev) release(ev, (int)got);
+    release(v, 5);
+    free(ev);
+    free(ew);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 /* ---------------------------------------------------------------- activation quantization */
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -900,6 +1081,8 @@ static PyMethodDef methods[] = {
      "fp8_matmul(x f32[T,K], w u8[N,K], s u8[ceil(N/128),ceil(K/128)], out f32[T,N], accumulate=False)"},
     {"bf16_matmul", (PyCFunction)(void (*)(void))py_bf16_matmul, METH_VARARGS | METH_KEYWORDS,
      "bf16_matmul(x f32[T,K], w u16[N,K], out f32[T,N], accumulate=False)"},
+    {"experts_ffn", (PyCFunction)(void (*)(void))py_experts_ffn, METH_VARARGS | METH_KEYWORDS,
+     "experts_ffn(x, experts, rows, offsets, route_w, limit, out, act_block=0): a layer's experts in one call"},
     {"expert_ffn", (PyCFunction)(void (*)(void))py_expert_ffn, METH_VARARGS | METH_KEYWORDS,
      "expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit, out): out += route_w * swiglu(x) @ W2.T"},
     {"fp8_act_quant", py_fp8_act_quant, METH_VARARGS,

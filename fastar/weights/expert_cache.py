@@ -144,6 +144,7 @@ class ExpertCache:
         self.policy = store.make_policy(policy, self.num_layers * self.num_experts, self.policy_half_life,
                                         self.policy_window)
         self._slab = store.ExpertSlab(n_slots, self.stride)
+        self._slot_views: dict[int, tuple] = {}  # slot -> (read-only buffer, ExpertWeights views): made once a slot
         self._reader = store.ExpertReader(fst, direct)
         self.direct, self._verify = self._reader.direct, verify
         self._digests = fst.bank["xxh64"] if verify else None
@@ -359,6 +360,7 @@ class ExpertCache:
             t.join()
         self._threads = []
         self._reader.close()
+        self._slot_views.clear()
         self._slab.close()
 
     def __enter__(self) -> "ExpertCache":
@@ -471,8 +473,11 @@ class ExpertCache:
             return [self._handle(layer, e, c.slot if isinstance(c, _Load) else c) for e, c in zip(uniq, claims)]
 
     def _handle(self, layer: int, e: int, slot: int) -> ExpertHandle:
-        buf = self._slab.view(slot).toreadonly()
-        return ExpertHandle(layer, e, self.fst.expert_views(buf), buf, self, slot)
+        views = self._slot_views.get(slot)  # a slot's arrays view the same bytes whichever expert it holds
+        if views is None:
+            buf = self._slab.view(slot).toreadonly()
+            views = self._slot_views[slot] = (buf, self.fst.expert_views(buf))
+        return ExpertHandle(layer, e, views[1], views[0], self, slot)
 
     def _next_ready(self, layer, ready, outstanding, todo, keys) -> ExpertHandle | None:
         """A pinned handle for iter_ready: a resident expert, else a finished load; None when none is ready."""

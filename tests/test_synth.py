@@ -2,6 +2,7 @@
 manifest at sane value scales, records all differ; traces have the shape, skew and hash structure promised."""
 from __future__ import annotations
 
+import os
 import numpy as np
 import pytest
 
@@ -178,3 +179,29 @@ def test_cli_writes_a_file_that_verifies(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 1 and "multiples of 128" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "bad.fst").exists()
+
+
+def test_read_tensor_reads_what_the_mapping_shows(small, tmp_path, monkeypatch):
+    """Big product weights get memory of their own (`read_tensor`): the same bytes as the mapped view, the same
+    logits; a file cut short under it is an error naming the tensor."""
+    torch = pytest.importorskip("torch")
+    model_mod = pytest.importorskip("fastar.model.deepseek_v4")
+    from fastar.errors import FormatError
+    from fastar.quant.linear import Weights
+    with FstFile(small) as f:
+        for name in ("head.weight", "layers.1.attn.wq_b.weight", "layers.0.ffn.gate.tid2eid"):
+            own = f.read_tensor(name)
+            assert own.dtype == f.tensor(name).dtype and np.array_equal(own, f.tensor(name))
+        m = model_mod.DeepseekV4(f, kernels=False)
+        want = m.forward(list(range(3, 20)), m.new_state())[0]
+        monkeypatch.setattr(Weights, "OWN_MEMORY_BYTES", 0)  # every product weight read into its own memory
+        m2 = model_mod.DeepseekV4(f, kernels=False)
+        assert not np.shares_memory(m2.head._w_np, np.frombuffer(f._mm, np.uint8))
+        assert np.shares_memory(m2.embed._w_np, np.frombuffer(f._mm, np.uint8))  # looked up: left mapped
+        assert torch.equal(m2.forward(list(range(3, 20)), m2.new_state())[0], want)
+    cut = tmp_path / "cut.fst"
+    cut.write_bytes(small.read_bytes())
+    with FstFile(cut) as f:
+        os.truncate(cut, f._entry("head.weight")["offset"] + 10)  # cut short under the open file
+        with pytest.raises(FormatError, match="head.weight"):
+            f.read_tensor("head.weight")

@@ -546,7 +546,7 @@ class DeepseekV4:
         self.config, self.numerics, self.max_rollback = cfg, Numerics.named(numerics), max_rollback
         self.experts = experts if experts is not None else SourceExperts(source)
         w = Weights(source, kernels)
-        self.embed = w.linear("embed")  # BF16 [V, d]
+        self.embed = w.linear("embed", streamed=False)  # BF16 [V, d]: rows looked up, left in the file's mapping
         self.layers = [Block(w, cfg, i, self.numerics, self.experts, kernels) for i in range(cfg.num_hidden_layers)]
         # positions computed exactly: all (None) unless a ratio-4 layer lacks its indexer (see Attention)
         self.max_positions = min((b.attn.max_positions for b in self.layers if b.attn.max_positions), default=None)

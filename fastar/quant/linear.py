@@ -165,6 +165,8 @@ class Linear:
 class Weights:
     """Typed, name-based access to a `WeightSource` (official checkpoint names, storage precision)."""
 
+    OWN_MEMORY_BYTES = 16 << 20  # product weights this big are read into memory of their own (`read_tensor`)
+
     def __init__(self, source: WeightSource, kernels: bool = True) -> None:
         self.source = source
         self.kernels = kernels
@@ -172,12 +174,16 @@ class Weights:
     def has(self, name: str) -> bool:
         return self.source.has(name)
 
-    def linear(self, prefix: str) -> Linear:
-        """`prefix.weight` (+ `prefix.scale` when FP8) as a `Linear`."""
+    def linear(self, prefix: str, streamed: bool = True) -> Linear:
+        """`prefix.weight` (+ `prefix.scale` when FP8) as a `Linear`. `streamed`: every row is read by each product
+        (not a lookup table like the embedding), so a big one from a source that can `read_tensor` (a `.fst`) gets
+        its own huge-page memory rather than a view of the file's mapping; the same bytes either way."""
         name = prefix + ".weight"
         dtype = self.source.dtype(name)
         scale = self.source.tensor(prefix + ".scale") if dtype == "F8_E4M3" else None
-        return Linear(prefix, self.source.tensor(name), dtype, scale, kernels=self.kernels)
+        read = getattr(self.source, "read_tensor", None)
+        own = streamed and read is not None and self.source.tensor(name).nbytes >= self.OWN_MEMORY_BYTES
+        return Linear(prefix, read(name) if own else self.source.tensor(name), dtype, scale, kernels=self.kernels)
 
     def vector(self, name: str) -> torch.Tensor:
         """A small BF16/F32 tensor (norm weights, HC parameters, sinks, biases) widened to float32."""

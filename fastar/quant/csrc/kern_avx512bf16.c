@@ -2,7 +2,7 @@
  * kernels.c ("avx512bf16"; set_isa("avx512") turns them off).
  *
  * Owns: the bfloat16 dot path of the FP4 and FP8 products. When every x of a call is a bfloat16 (kernels.c
- * checks, see bf16_exact there; true of the official numerics' FP8-quantized activations), x arrives as
+ * checks, see x_kind there; true of the official numerics' FP8-quantized activations), x arrives as
  * bfloat16 pairs (mm_job.xb, columns in this file's order) and vdpbf16ps multiplies it by the weights widened
  * to bfloat16: e4m3 and e2m1 values are all bfloat16 normals (or zero, or NaN), every product is exact in
  * float32, so the result differs from the FP32 dot path only in float32 summation order. Scales are applied in

@@ -2,7 +2,7 @@
  *
  * Owns: argument checking (buffer protocol; dtype, contiguity, shape, writability, aliasing -> TypeError /
  * ValueError, never a crash), run-time ISA choice (AVX-512 with BF16 > AVX-512 > AVX2+FMA+F16C > scalar,
- * overridable with set_isa), the per-call choice of the bf16 dot path (bf16_exact), splitting rows across the
+ * overridable with set_isa), the per-call choice of the bf16 dot path (x_kind), splitting rows across the
  * thread pool with the GIL released, the fused routed-expert op, and the two machine probes the benchmark
  * needs (streaming read bandwidth, FMA peak).
  * Does not own: the arithmetic (kern_*.c), the pool (pool.c), friendly Python wrappers (kernels.py).
@@ -201,21 +201,29 @@ static int dot_max(const isa_ops *isa) {
     return d < 0 ? 0 : (d > isa->dot_max ? isa->dot_max : d);
 }
 
-/* True when the bf16 dot path computes x W^T exactly as the FP32 one does up to summation order: every x is an
- * exact bfloat16 (low 16 bits zero: FP8-quantized activations have 4 significant bits) and is zero or has a
- * float32 exponent field in [17, 191], i.e. 2^-110 <= |x| < 2^65. Then every product with an e4m3 / e2m1 weight
- * is exact in float32 and a multiple of 2^-126 (x's quantum >= 2^-117, the weights' >= 2^-9), so no partial sum
- * is a float32 denormal (vdpbf16ps flushes those), and a sum of K < 2^53 products below 2^65 * 448 < 2^74 cannot
- * overflow before the float32 scale is applied; infinities and NaN in x are not eligible. */
-static int bf16_exact(const float *x, int64_t n) {
-    uint32_t bad = 0;
+/* How x can take the bf16 dot path, in one scan.
+ * X_EXACT: every x is an exact bfloat16 (low 16 bits zero: FP8-quantized activations have 4 significant bits) and
+ * is zero or has a float32 exponent field in [17, 191], i.e. 2^-110 <= |x| < 2^65. Then every product with an
+ * e4m3 / e2m1 weight is exact in float32 and a multiple of 2^-126 (x's quantum >= 2^-117, the weights' >= 2^-9),
+ * so no partial sum is a float32 denormal (vdpbf16ps flushes those), and a sum of K < 2^53 products below
+ * 2^65 * 448 < 2^74 cannot overflow before the float32 scale is applied. The product is then the FP32 path's up
+ * to summation order.
+ * X_SPLIT: not all exact, but every x is zero or has an exponent field in [33, 191] (2^-94 <= |x| < 2^65): each
+ * splits into three bfloat16s (prep_job) whose smallest quantum 2^(e-23) is >= 2^-117, as above.
+ * X_NONE otherwise (infinities, NaN, tiny or huge values). */
+enum { X_EXACT, X_SPLIT, X_NONE };
+
+static int x_kind(const float *x, int64_t n) {
+    uint32_t inexact = 0, out_exact = 0, out_split = 0;
     for (int64_t i = 0; i < n; i++) {
         uint32_t u;
         memcpy(&u, &x[i], 4);
-        const uint32_t a = u & 0x7fffffffu;
-        bad |= (u & 0xffffu) | ((a != 0) & ((a >> 23) - 17u > 174u));
+        const uint32_t a = u & 0x7fffffffu, e = a >> 23;
+        inexact |= u & 0xffffu;
+        out_exact |= (a != 0) & (e - 17u > 174u);
+        out_split |= (a != 0) & (e - 33u > 158u);
     }
-    return !bad;
+    return !inexact && !out_exact ? X_EXACT : out_split ? X_NONE : X_SPLIT;
 }
 
 /* The dot path's copy of x [T, K]: columns permuted per XP_CHUNK, dst[t, c0 + i] = x[t, c0 + map[i]], each row
@@ -242,7 +250,7 @@ static void *permute_x(const uint8_t *map, const float *x, int64_t T, int64_t K,
 }
 
 /* Sets job->dot and the activations the chosen path wants: for T <= dot_max, the bf16 dot path's xb when the ISA
- * has one for this format and bf16_exact(x) holds (decided per call, so all tokens of a call take the same path),
+ * has one for this format and x is X_EXACT (decided per call, so all tokens of a call take the same path),
  * else the permuted xp where the ISA wants one. *buf: the allocation to free after the product. Returns 0, or -1
  * when out of memory. */
 static int dot_inputs(const isa_ops *isa, char fmt, mm_job *job, void **buf) {
@@ -253,7 +261,7 @@ static int dot_inputs(const isa_ops *isa, char fmt, mm_job *job, void **buf) {
     if (!job->dot) return 0;
     const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : fmt == '8' ? isa->fp8_bmap : NULL;
     const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
-    if (bmap && bf16_exact(job->x, job->T * job->K)) {
+    if (bmap && x_kind(job->x, job->T * job->K) == X_EXACT) {
         job->xb = *buf = permute_x(bmap, job->x, job->T, job->K, &job->kp, 1);
     } else if (map) {
         job->xp = *buf = permute_x(map, job->x, job->T, job->K, &job->kp, 0);
@@ -263,20 +271,6 @@ static int dot_inputs(const isa_ops *isa, char fmt, mm_job *job, void **buf) {
     return *buf ? 0 : -1;
 }
 
-/* True when every x, though not a bfloat16, splits exactly into three (see split_product) whose products stay in
- * bf16_exact's safe range: zero, or a float32 exponent field in [33, 191] (2^-94 <= |x| < 2^65), so the smallest
- * part's quantum 2^(e-23) is >= 2^-117 as there. */
-static int bf16_splittable(const float *x, int64_t n) {
-    uint32_t bad = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i], 4);
-        const uint32_t a = u & 0x7fffffffu;
-        bad |= (a != 0) & ((a >> 23) - 33u > 158u);
-    }
-    return !bad;
-}
-
 /* The path of a dot-path product: the FP32 kernels, the bf16 ones on exact x, or the bf16 ones on x split in three
  * (split_job). Decided once per call from all of its x, so every token (and group) of a call takes the same. */
 enum { PATH_FP32, PATH_BF16, PATH_SPLIT };
@@ -284,8 +278,8 @@ enum { PATH_FP32, PATH_BF16, PATH_SPLIT };
 static int choose_path(const isa_ops *isa, char fmt, const float *x, int64_t T, int64_t K) {
     const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : fmt == '8' ? isa->fp8_bmap : NULL;
     if (!bmap || T > dot_max(isa)) return PATH_FP32;
-    if (bf16_exact(x, T * K)) return PATH_BF16;
-    return bf16_splittable(x, T * K) ? PATH_SPLIT : PATH_FP32;
+    const int kind = x_kind(x, T * K);
+    return kind == X_EXACT ? PATH_BF16 : kind == X_SPLIT ? PATH_SPLIT : PATH_FP32;
 }
 
 /* What prep_job allocated and changed in a job, for finish_job. */

@@ -50,7 +50,7 @@ typedef struct {
     /* Column order the dot path wants per XP_CHUNK columns: xp[c0 + i] = x[c0 + map[i]] (NULL: natural). */
     const uint8_t *fp4_map, *fp8_map, *bf16_map;
     /* The bf16 dot path's column order, xb[c0 + i] = x[c0 + bmap[i]] as bfloat16 (NULL: no such path). kernels.c
-     * hands a product x this way (xb set, xp NULL) only when every x is an exact bfloat16 (see bf16_exact). */
+     * hands a product x this way (xb set, xp NULL) only when every x is an exact bfloat16 (see x_kind). */
     const uint8_t *fp4_bmap, *fp8_bmap;
     double (*fma_loop)(int64_t iters); /* returns the flops it executed (FP32 peak benchmark) */
     double (*read_sum)(const uint8_t *p, size_t n); /* streams n bytes (n % 64 == 0), returns a checksum */

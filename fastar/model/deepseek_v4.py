@@ -57,7 +57,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import FastarError
-from ..quant.linear import ExpertProvider, Linear, SourceExperts, Weights, _kernels, expert_ffn
+from ..quant.linear import ExpertProvider, Linear, SourceExperts, Weights, expert_ffn, experts_ffn
 from ..weights.source import WeightSource
 from . import ops
 from .state import LayerState, ModelState
@@ -425,7 +425,9 @@ class MoE:
         wanted = np.unique(routed).tolist()  # one fetch per expert per chunk
         ys = {}
         for batch in self._arrivals(wanted):
-            if len(batch) == len(wanted) and self._all_at_once(x, routed, wts, dict(batch), wanted, out, act):
+            if len(batch) == len(wanted) and experts_ffn(
+                    x, routed, wts, dict(batch), wanted, self.limit, out, act_quant=act, kernels=self.kernels,
+                    weight_before_down=self.numerics.official_routing, act_block=128 if act else 0):
                 break  # every expert was present at once: computed and summed in one call
             for e, ew in batch:
                 tok, slot = (torch.from_numpy(a) for a in np.nonzero(routed == e))
@@ -446,26 +448,6 @@ class MoE:
         if each is not None:
             return ([item] for item in each(self.layer, wanted))
         return iter([[(e, self.experts.get(self.layer, e)) for e in wanted]])
-
-    def _all_at_once(self, x, routed, wts, weights, wanted, out, act) -> bool:
-        """Every expert of the chunk in one kernel call (`kernels.experts_ffn`: two pool jobs instead of two per
-        expert), summed into out in `wanted` order: bit-identical to the per-expert path. False when the fused
-        kernel does not apply (no kernels, or the activation hook with transformers' routing order)."""
-        k = _kernels() if self.kernels else None
-        if k is None or (act is not None and not self.numerics.official_routing):
-            return False
-        rows, slots = [], []
-        for e in wanted:
-            tok, slot = np.nonzero(routed == e)
-            rows.append(tok)
-            slots.append(slot)
-        rows_, slots_ = np.concatenate(rows), np.concatenate(slots)
-        offsets = np.cumsum([0] + [len(r) for r in rows])
-        route_w = wts.numpy()[rows_, slots_]
-        k.experts_ffn(x.detach().contiguous().numpy(), [tuple(np.ascontiguousarray(a) for a in weights[e])
-                                                        for e in wanted],
-                      rows_, offsets, route_w, float(self.limit), out.numpy(), act_block=128 if act else 0)
-        return True
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self.shared

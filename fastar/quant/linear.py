@@ -8,7 +8,8 @@ Owns:
 - `Weights`: typed access to a `WeightSource` by official tensor name (`linear`, `vector`, `table`).
 - `SourceExperts`: the default expert provider (`get(layer, e) -> ExpertWeights`, straight from the source);
   the expert pager replaces it with any object that has the same `get`.
-- `expert_ffn`: one routed expert (FP4 weights) applied to the tokens routed to it.
+- `expert_ffn`: one routed expert (FP4 weights) applied to the tokens routed to it; `experts_ffn`: all of a chunk's
+  experts in one fused call.
 Does not own: activation quantization for the `official` numerics (the model applies `fastar.model.ops`
 simulations to the inputs; `expert_ffn` takes the mid-activation hook as an argument) nor the choice of
 which weights exist (the model asks by name).
@@ -249,3 +250,25 @@ def expert_ffn(x: torch.Tensor, ew: ExpertWeights, route_w: torch.Tensor, limit:
         mid = mid * route_w[:, None]
     down = product(q(mid), ew.w2, ew.w2_scale)  # [T, D]
     return down if weight_before_down else down * route_w[:, None]
+
+
+def experts_ffn(x: torch.Tensor, routed: np.ndarray, wts: torch.Tensor, weights: dict[int, ExpertWeights],
+                order: list[int], limit: float, out: torch.Tensor, *, weight_before_down: bool = False,
+                act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: bool = True,
+                act_block: int = 0) -> bool:
+    """Every routed expert of a chunk in one fused kernel call (`kernels.experts_ffn`: two pool jobs instead of two
+    per expert), added into out [T, D] expert after expert in `order`: bit-identical to `expert_ffn` per expert
+    followed by `index_add_` in that order. routed [T, k] expert ids, wts [T, k] routing weights, weights: id ->
+    ExpertWeights. Returns False, having done nothing, where the fused kernel does not apply (no kernels, or an
+    activation hook with transformers' routing order): the caller then runs `expert_ffn` per expert."""
+    k = _kernels() if kernels else None
+    if k is None or (act_quant is not None and not (act_block > 0 and weight_before_down)):
+        return False
+    rows, slots = zip(*(np.nonzero(routed == e) for e in order))
+    offsets = np.cumsum([0] + [len(r) for r in rows])
+    rows, slots = np.concatenate(rows), np.concatenate(slots)
+    k.experts_ffn(x.detach().contiguous().float().numpy(), [tuple(np.ascontiguousarray(a) for a in weights[e])
+                                                            for e in order],
+                  rows, offsets, wts.detach().float().numpy()[rows, slots], float(limit), out.numpy(),
+                  act_block=act_block if act_quant is not None else 0)
+    return True

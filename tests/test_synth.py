@@ -205,3 +205,31 @@ def test_read_tensor_reads_what_the_mapping_shows(small, tmp_path, monkeypatch):
         os.truncate(cut, f._entry("head.weight")["offset"] + 10)  # cut short under the open file
         with pytest.raises(FormatError, match="head.weight"):
             f.read_tensor("head.weight")
+
+
+def test_stacked_products_give_the_same_logits(tmp_path, monkeypatch):
+    """wq_a with wkv, and the shared expert's w1 with w3, run as one product each where their rows stack (FP8 row
+    counts that are multiples of 128): the logits are bit-identical to separate products, prefill and decode."""
+    torch = pytest.importorskip("torch")
+    model_mod = pytest.importorskip("fastar.model.deepseek_v4")
+    from fastar.quant import kernels
+    from fastar.quant.linear import Weights
+    if not kernels.available():
+        pytest.skip("stacking only serves the C kernels")
+    wide = dict(SMALL, q_lora_rank=128, head_dim=128)
+    path = synth(tmp_path / "w.fst", layers=3, experts=8, vocab=1000, hidden=256, inter=128, seed=5, **wide)
+    tokens = list(range(3, 30))
+
+    def run(m):  # a prefill's logits, and the last of 6 one-token decode steps'
+        state = m.new_state()
+        return m.forward(tokens, m.new_state())[0], [m.forward([t], state)[0] for t in tokens[:6]][-1]
+
+    with FstFile(path) as f:
+        m = model_mod.DeepseekV4(f)
+        assert all(b.attn.wq_a_kv is not None and b.ffn.shared_up is not None for b in m.layers)
+        got = run(m)
+        monkeypatch.setattr(Weights, "stacked", lambda self, prefixes: None)
+        plain = model_mod.DeepseekV4(f)
+        assert plain.layers[0].attn.wq_a_kv is None
+        want = run(plain)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

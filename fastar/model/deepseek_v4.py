@@ -305,6 +305,7 @@ class Attention:
         self.q_norm = w.vector(prefix + "q_norm.weight")  # [q_lora]
         self.wq_b = w.linear(prefix + "wq_b")  # FP8 [H*D, q_lora]
         self.wkv = w.linear(prefix + "wkv")  # FP8 [D, d]
+        self.wq_a_kv = w.stacked([prefix + "wq_a", prefix + "wkv"])  # both on one input: one product (or None)
         self.kv_norm = w.vector(prefix + "kv_norm.weight")  # [D]
         self.wo_a = w.linear(prefix + "wo_a")  # FP8 [G*R, H*D/G]
         self.wo_b = w.linear(prefix + "wo_b")  # FP8 [d, G*R]
@@ -359,10 +360,14 @@ class Attention:
         pos = torch.arange(p0, p0 + T)
         cos, sin = ops.rope_cos_sin(self.inv_freq, pos)  # [T, r/2]
         xq = act(x)
-        qr = ops.rms_norm(self.wq_a(xq), self.q_norm, self.eps)  # [T, q_lora]
+        if self.wq_a_kv is not None:
+            q_lin, kv_lin = self.wq_a_kv(xq).split([self.wq_a.out_features, D], dim=1)
+        else:
+            q_lin, kv_lin = self.wq_a(xq), self.wkv(xq)
+        qr = ops.rms_norm(q_lin, self.q_norm, self.eps)  # [T, q_lora]
         q = self.wq_b(act(qr)).view(T, H, D)  # [T, H, D]
         q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)  # weightless per-head norm, then RoPE
-        kv = ops.rms_norm(self.wkv(xq), self.kv_norm, self.eps)  # [T, D]
+        kv = ops.rms_norm(kv_lin, self.kv_norm, self.eps)  # [T, D]
         kv = ops.apply_rope(kv, cos, sin)
         if self.numerics.fp8_kv:
             kv = self._fp8_nope(kv)
@@ -393,6 +398,7 @@ class MoE:
         self.tid2eid = w.table(prefix + "gate.tid2eid") if self.is_hash else None  # [V, k]
         self.bias = None if self.is_hash else w.vector(prefix + "gate.bias")  # [E]
         self.shared = [w.linear(prefix + f"shared_experts.{n}") for n in ("w1", "w3", "w2")]  # FP8
+        self.shared_up = w.stacked([prefix + "shared_experts.w1", prefix + "shared_experts.w3"])  # one product
         self.layer, self.topk, self.scale = layer, cfg.num_experts_per_tok, cfg.routed_scaling_factor
         self.limit, self.numerics, self.experts, self.kernels = cfg.swiglu_limit, numerics, experts, kernels
         self.lookahead = None  # set by DeepseekV4 when the expert provider can prefetch
@@ -452,7 +458,8 @@ class MoE:
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self.shared
         xq = self.numerics.act(x)
-        mid = ops.limited_swiglu(w1(xq), w3(xq), self.limit)  # [T, I]
+        gate, up = self.shared_up(xq).chunk(2, dim=1) if self.shared_up is not None else (w1(xq), w3(xq))
+        mid = ops.limited_swiglu(gate, up, self.limit)  # [T, I]
         return w2(self.numerics.act(mid))
 
 

@@ -7,9 +7,10 @@ prompt, decodes greedily, and reports tokens/s beside the ceiling that this mach
     t_token >= resident_bytes_per_token / membw + hit * expert_bytes_per_token / membw
                                                 + (1 - hit) * expert_bytes_per_token / disk_bw
 
-membw is measured twice per run, streaming the model's LM head just before and just after the timed decode (the
-shared machine's bandwidth moves between minutes); the mean sets that run's ceiling (`membw_gbps` per run; the
-header's start-of-run probe for models too small to leave the caches).
+membw is measured twice per timed decode, streaming the model's LM head just before and just after it (the shared
+machine's bandwidth moves between minutes); the mean sets that decode's ceiling (`membw_gbps`; the header's
+start-of-run probe for models too small to leave the caches). `--repeats N` times N decodes in a row, each
+against its own probes (`repeats` in --json, median and range printed), to see both of the host's memory phases.
 Also: hit rate, bytes read per token, achieved GB/s, peak RSS (sampled), and with `--reference HF_DIR` the same
 prompt through transformers on the same weights. Does not own: the kernels benchmark (`bench_kernels`) or
 the cache's trace replay (`weights.expert_store.bench_cache`).
@@ -171,8 +172,9 @@ def _close(engine) -> None:
 
 
 def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, warmup: int = 8,
-            replay: float | None = None) -> dict:
-    """One budget: `_start`, then `decode` timed greedy steps, one token per forward. With a draft
+            replay: float | None = None, repeats: int = 1) -> dict:
+    """One budget: `_start`, then `decode` timed greedy steps, one token per forward (`repeats` times, each between
+    two bandwidth probes: the host's memory speed moves between runs of a few seconds). With a draft
     (`options["draft"]`, or `replay`: drafts read from that plain run, each right with probability `replay`),
     a second engine goes through the same start (so its cache is in the same condition) and decodes the same
     `decode` tokens through the speculative loop; its draft_* stats are added."""
@@ -181,14 +183,15 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
     with _PeakRSS() as rss:
         engine, state, seq, info = _start(path, budget, options, prompt, warmup, "none")
         cache, start = engine.expert_cache, len(seq)
-        bw = [_stream_gbps(engine)]
         before = cache.stats() if cache else {}
-        t0 = time.perf_counter()
-        for _ in range(decode):  # plain greedy decode, one token per forward: what the ceiling describes
-            logits = engine.prefill(seq[-1:], state)
-            seq.append(int(logits[-1].argmax()))
-        decode_s = time.perf_counter() - t0
-        bw.append(_stream_gbps(engine))
+        each = []  # per repeat: (seconds, bandwidth before, after)
+        for _ in range(repeats):
+            bw0, t0 = _stream_gbps(engine), time.perf_counter()
+            for _ in range(decode):  # plain greedy decode, one token per forward: what the ceiling describes
+                logits = engine.prefill(seq[-1:], state)
+                seq.append(int(logits[-1].argmax()))
+            each.append((time.perf_counter() - t0, bw0, _stream_gbps(engine)))
+        decode_s = sum(e[0] for e in each)
         after = cache.stats() if cache else {}
         budget_bytes = cache.budget_bytes if cache else 0
         del state, logits
@@ -222,12 +225,14 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
         "cache_policy": options.get("cache_policy", "lrfu"),
         "load_s": info["load_s"], "preloaded": info["preloaded"], "preload_s": info["preload_s"],
         "prefill_tokens": len(prompt), "prefill_tok_s": len(prompt) / info["prefill_s"],
-        "warmup_tokens": warmup, "decode_tokens": decode, "decode_tok_s": decode / decode_s,
+        "warmup_tokens": warmup, "decode_tokens": decode * repeats, "decode_tok_s": decode * repeats / decode_s,
         "hit_rate": hits / max(hits + misses, 1) if cache else 1.0,
-        "bytes_read_per_token": read / decode,
-        "stall_s_per_token": (after.get("stall_s", 0) - before.get("stall_s", 0)) / decode,
+        "bytes_read_per_token": read / (decode * repeats),
+        "stall_s_per_token": (after.get("stall_s", 0) - before.get("stall_s", 0)) / (decode * repeats),
         "peak_rss_bytes": rss.peak,
-        "membw_before_after_gbps": bw if None not in bw else None,
+        "membw_before_after_gbps": list(each[0][1:]) if None not in each[0] else None,  # the first repeat's
+        "repeats": [{"decode_tok_s": decode / e[0], "membw_gbps": (e[1] + e[2]) / 2 if None not in e else None}
+                    for e in each],
         "prefetch": {k: v for k, v in after.get("sources", {}).items()},
     }
     if replay is not None or draft != "none":
@@ -241,7 +246,7 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
 
 def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 16, reference: str | None = None,
         options: dict | None = None, seed: int = 0, policies: list[str] | None = None, warmup: int = 8,
-        replay: float | None = None) -> dict:
+        replay: float | None = None, repeats: int = 1) -> dict:
     from .bench_kernels import machine_limits
     from .format.reader import FstFile
     from .quant import kernels
@@ -269,12 +274,19 @@ def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 
     for b in budgets:
         for policy in policies or [options.get("cache_policy", "lrfu")]:
             r = run_one(path, b, prompt, decode_tokens, {**options, "cache_policy": policy}, warmup=warmup,
-                        replay=replay)
-            h, around = r["hit_rate"], r["membw_before_after_gbps"]
-            r["membw_gbps"] = sum(around) / 2 if around else membw / 1e9  # this run's bandwidth, else the machine's
-            bw = r["membw_gbps"] * 1e9
-            t_tok = resident_tok / bw + h * expert_tok / bw + (1 - h) * expert_tok / disk_bw
-            r["ceiling_tok_s"] = 1 / t_tok
+                        replay=replay, repeats=repeats)
+            h = r["hit_rate"]
+
+            def ceiling(gbps: float) -> float:
+                bw = gbps * 1e9
+                return 1 / (resident_tok / bw + h * expert_tok / bw + (1 - h) * expert_tok / disk_bw)
+
+            for x in r["repeats"]:  # each repeat against the bandwidth measured around it, else the machine's
+                x["membw_gbps"] = x["membw_gbps"] or membw / 1e9
+                x["ceiling_tok_s"] = ceiling(x["membw_gbps"])
+                x["fraction_of_ceiling"] = x["decode_tok_s"] / x["ceiling_tok_s"]
+            r["membw_gbps"] = sum(x["membw_gbps"] for x in r["repeats"]) / repeats
+            r["ceiling_tok_s"] = ceiling(r["membw_gbps"])
             r["fraction_of_ceiling"] = r["decode_tok_s"] / r["ceiling_tok_s"]
             r["achieved_gbps"] = (resident_tok + expert_tok) * r["decode_tok_s"] / 1e9
             r["prefill_ceiling_tok_s"] = peak_flops / (2 * macs)  # FP32 FMA peak over the products' FLOPs
@@ -327,6 +339,11 @@ def print_table(r: dict, out=sys.stdout) -> None:
               f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}" + ("  (all experts preloaded)" if x["preloaded"] else ""), file=out)
         print(f"{'':>10} prefill {x['prefill_tok_s']:.1f} t/s = {100 * x['prefill_fraction_of_flops']:.0f}% of the "
               f"FLOP ceiling {x['prefill_ceiling_tok_s']:.1f} t/s", file=out)
+        if len(x["repeats"]) > 1:
+            fr = sorted(100 * y["fraction_of_ceiling"] for y in x["repeats"])
+            print(f"{'':>10} {len(fr)} repeats: % of ceiling median {fr[len(fr) // 2]:.0f}, range {fr[0]:.0f}-{fr[-1]:.0f}; "
+                  + ", ".join(f"{y['decode_tok_s']:.1f} t/s @ {y['membw_gbps']:.0f} GB/s" for y in x["repeats"]),
+                  file=out)
         if "draft_mode" in x:
             print(f"{'':>10} draft {x['draft_mode']}: {x['draft_decode_tok_s']:.2f} t/s = "
                   f"{x['draft_speedup']:.2f}x plain decode; acceptance {100 * x['draft_acceptance_rate']:.0f}%, "
@@ -380,11 +397,14 @@ def main(a) -> int:
         raise FastarError(f"--replay: a probability in [0, 1], got {replay}")
     if replay is not None and opts["draft"] != "none":
         raise FastarError("--replay replaces the model's own draft: drop --draft")
+    if getattr(a, "repeats", 1) < 1:
+        raise FastarError(f"--repeats: at least 1, got {a.repeats}")
     r = run(a.model, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens, reference=a.reference,
-            options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay)
+            options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay, repeats=getattr(a, "repeats", 1))
     if a.compare:  # the same benchmark on another source of the same model (e.g. .fst vs checkpoint dir)
         r["compare"] = run(a.compare, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens,
-                           options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay)
+                           options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay,
+                           repeats=getattr(a, "repeats", 1))
         r["compare"]["model"] = a.compare
         r["decode_ratio_vs_compare"] = r["decode_tok_s"] / r["compare"]["decode_tok_s"]
     if a.plot:

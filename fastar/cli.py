@@ -287,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     console.add_memory_arguments(b)
     b.add_argument("--prompt-tokens", type=int, default=64, help="model: prompt length to prefill")
     b.add_argument("--decode-tokens", type=int, default=16, help="model: tokens to decode (timed)")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="model: time the decode this many times in a row, each against the memory bandwidth "
+                        "measured around it (the host's memory speed moves)")
     b.add_argument("--warmup-tokens", type=int, default=8,
                    help="model: untimed decode steps after the prompt, so the expert cache settles first")
     b.add_argument("--replay", type=float, default=None, metavar="A",

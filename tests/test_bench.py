@@ -57,3 +57,24 @@ def test_each_run_uses_the_bandwidth_measured_around_it(tiny_ckpt, tmp_path, mon
     assert before > 0 and after > 0 and run["membw_gbps"] == (before + after) / 2
     per_token = r["resident_bytes_per_token"] + r["expert_bytes_per_token"]
     assert abs(run["ceiling_tok_s"] - run["membw_gbps"] * 1e9 / per_token) < 1e-6 * run["ceiling_tok_s"]
+
+
+def test_repeats_each_against_their_own_bandwidth(tiny_ckpt, tmp_path, monkeypatch):
+    from fastar import bench
+
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    monkeypatch.setattr(bench, "PROBE_MIN_BYTES", 0)
+    run = bench.run(str(fst), ["auto"], prompt_tokens=4, decode_tokens=2, warmup=1, repeats=3)["runs"][0]
+    assert run["decode_tokens"] == 6 and len(run["repeats"]) == 3
+    for x in run["repeats"]:
+        assert x["membw_gbps"] > 0 and x["decode_tok_s"] > 0
+        assert abs(x["fraction_of_ceiling"] - x["decode_tok_s"] / x["ceiling_tok_s"]) < 1e-9
+    assert abs(run["membw_gbps"] - sum(x["membw_gbps"] for x in run["repeats"]) / 3) < 1e-9
+    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--ram-budget", "auto",
+                        "--prompt-tokens", "4", "--decode-tokens", "2", "--repeats", "2"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "2 repeats: % of ceiling median" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--repeats", "0"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "--repeats" in r.stderr

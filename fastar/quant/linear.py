@@ -190,16 +190,18 @@ class Weights:
         """The weights `prefixes` (same input width and dtype) stacked by rows as one `Linear`, so products of one
         input with all of them are one kernel call (row r of the result is row r of its own weight's: the same
         numbers). None where they cannot stack: other dtypes or widths, FP8 row counts that split a 128-row scale
-        block, or no kernels (nothing to gain)."""
+        block, no kernels (nothing to gain), or a source that cannot `read_tensor` (copying from a mapping would
+        keep both copies in RAM)."""
         names = [p + ".weight" for p in prefixes]
         dtypes = {self.source.dtype(n) for n in names}
         parts = [self.source.tensor(n) for n in names]
-        if not self.kernels or _kernels() is None or len(dtypes) != 1 or len({a.shape[1] for a in parts}) != 1:
+        read = getattr(self.source, "read_tensor", None)
+        if read is None or not self.kernels or _kernels() is None or len(dtypes) != 1 or \
+                len({a.shape[1] for a in parts}) != 1:
             return None
         dtype = dtypes.pop()
         if dtype not in ("F8_E4M3", "BF16") or (dtype == "F8_E4M3" and any(a.shape[0] % FP8_BLOCK for a in parts)):
             return None
-        read = getattr(self.source, "read_tensor", None) or self.source.tensor  # own memory where the source can
         weight = np.concatenate([read(n) for n in names])
         scale = np.concatenate([self.source.tensor(p + ".scale") for p in prefixes]) if dtype == "F8_E4M3" else None
         return Linear("+".join(prefixes), weight, dtype, scale, kernels=self.kernels)

@@ -230,9 +230,8 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
         "bytes_read_per_token": read / (decode * repeats),
         "stall_s_per_token": (after.get("stall_s", 0) - before.get("stall_s", 0)) / (decode * repeats),
         "peak_rss_bytes": rss.peak,
-        "membw_before_after_gbps": list(each[0][1:]) if None not in each[0] else None,  # the first repeat's
-        "repeats": [{"decode_tok_s": decode / e[0], "membw_gbps": (e[1] + e[2]) / 2 if None not in e else None}
-                    for e in each],
+        "repeats": [{"decode_tok_s": decode / e[0],
+                     "membw_before_after_gbps": list(e[1:]) if None not in e else None} for e in each],
         "prefetch": {k: v for k, v in after.get("sources", {}).items()},
     }
     if replay is not None or draft != "none":
@@ -282,7 +281,8 @@ def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 
                 return 1 / (resident_tok / bw + h * expert_tok / bw + (1 - h) * expert_tok / disk_bw)
 
             for x in r["repeats"]:  # each repeat against the bandwidth measured around it, else the machine's
-                x["membw_gbps"] = x["membw_gbps"] or membw / 1e9
+                around = x["membw_before_after_gbps"]
+                x["membw_gbps"] = sum(around) / 2 if around else membw / 1e9
                 x["ceiling_tok_s"] = ceiling(x["membw_gbps"])
                 x["fraction_of_ceiling"] = x["decode_tok_s"] / x["ceiling_tok_s"]
             r["membw_gbps"] = sum(x["membw_gbps"] for x in r["repeats"]) / repeats

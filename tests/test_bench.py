@@ -49,11 +49,11 @@ def test_each_run_uses_the_bandwidth_measured_around_it(tiny_ckpt, tmp_path, mon
 
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
     r = bench.run(str(fst), ["auto"], prompt_tokens=4, decode_tokens=2, warmup=1)
-    assert r["runs"][0]["membw_before_after_gbps"] is None  # a tiny head stays in cache: the start probe is used
+    assert r["runs"][0]["repeats"][0]["membw_before_after_gbps"] is None  # a tiny head stays in cache: start probe
     assert r["runs"][0]["membw_gbps"] == r["membw_gbps"]
     monkeypatch.setattr(bench, "PROBE_MIN_BYTES", 0)  # stream the tiny head anyway
     run = bench.run(str(fst), ["auto"], prompt_tokens=4, decode_tokens=2, warmup=1)["runs"][0]
-    before, after = run["membw_before_after_gbps"]
+    before, after = run["repeats"][0]["membw_before_after_gbps"]
     assert before > 0 and after > 0 and run["membw_gbps"] == (before + after) / 2
     per_token = r["resident_bytes_per_token"] + r["expert_bytes_per_token"]
     assert abs(run["ceiling_tok_s"] - run["membw_gbps"] * 1e9 / per_token) < 1e-6 * run["ceiling_tok_s"]

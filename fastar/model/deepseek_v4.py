@@ -450,9 +450,6 @@ class MoE:
         each_batch = getattr(self.experts, "each_batch", None)
         if each_batch is not None:
             return each_batch(self.layer, wanted)
-        each = getattr(self.experts, "each", None)
-        if each is not None:
-            return ([item] for item in each(self.layer, wanted))
         return iter([[(e, self.experts.get(self.layer, e)) for e in wanted]])
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:

@@ -305,11 +305,6 @@ class ExpertCache:
                     self._drop_claim(load)
                 self._cond.notify_all()
 
-    def each(self, layer: int, ids: Iterable[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """(expert id, weights) as each arrives: the model's MoE computes on one while the rest load."""
-        for h in self.iter_ready(layer, ids):
-            yield h.expert, h.weights
-
     def each_batch(self, layer: int, ids: Iterable[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Lists of (expert id, weights): all that are present at once, then what arrives (`iter_ready(batch=True)`);
         with every expert resident, one list: the MoE then runs the layer's experts in one kernel call."""

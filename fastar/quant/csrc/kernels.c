@@ -249,30 +249,8 @@ static void *permute_x(const uint8_t *map, const float *x, int64_t T, int64_t K,
     return dst;
 }
 
-/* Sets job->dot and the activations the chosen path wants: for T <= dot_max, the bf16 dot path's xb when the ISA
- * has one for this format and x is X_EXACT (decided per call, so all tokens of a call take the same path),
- * else the permuted xp where the ISA wants one. *buf: the allocation to free after the product. Returns 0, or -1
- * when out of memory. */
-static int dot_inputs(const isa_ops *isa, char fmt, mm_job *job, void **buf) {
-    job->dot = job->T <= dot_max(isa);
-    job->xp = NULL;
-    job->xb = NULL;
-    *buf = NULL;
-    if (!job->dot) return 0;
-    const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : fmt == '8' ? isa->fp8_bmap : NULL;
-    const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
-    if (bmap && x_kind(job->x, job->T * job->K) == X_EXACT) {
-        job->xb = *buf = permute_x(bmap, job->x, job->T, job->K, &job->kp, 1);
-    } else if (map) {
-        job->xp = *buf = permute_x(map, job->x, job->T, job->K, &job->kp, 0);
-    } else {
-        return 0;
-    }
-    return *buf ? 0 : -1;
-}
-
 /* The path of a dot-path product: the FP32 kernels, the bf16 ones on exact x, or the bf16 ones on x split in three
- * (split_job). Decided once per call from all of its x, so every token (and group) of a call takes the same. */
+ * (prep_job). Decided once per call from all of its x, so every token (and group) of a call takes the same. */
 enum { PATH_FP32, PATH_BF16, PATH_SPLIT };
 
 static int choose_path(const isa_ops *isa, char fmt, const float *x, int64_t T, int64_t K) {
@@ -529,6 +507,86 @@ static void ffn_phase1(void *p, int64_t i) {
     }
 }
 
+/* ---------------------------------------------------------------- a layer's routed experts at once */
+
+typedef struct {
+    ffn_ctx *c;              /* one per expert, all with the same I and rows_per_chunk */
+    int64_t chunks_per_expert;
+} ffn_multi;
+
+static void ffn_multi_phase1(void *p, int64_t i) {
+    const ffn_multi *m = p;
+    ffn_phase1(&m->c[i / m->chunks_per_expert], i % m->chunks_per_expert);
+}
+
+/* An expert product's path: choose_path's, but never PATH_SPLIT (phase 1 writes gate and up straight into the
+ * SwiGLU, so their rows cannot be three pseudo-tokens' partial sums). */
+static int expert_path(const isa_ops *isa, const mm_job *job) {
+    const int path = choose_path(isa, '4', job->x, job->T, job->K);
+    return path == PATH_SPLIT ? PATH_FP32 : path;
+}
+
+/* E routed experts of one layer (ew: 6 arrays each, as expert_ffn's w1, s1, w3, s3, w2, s2) as two pool jobs, all
+ * gate/up rows then all down rows, instead of 2E. Expert e takes the tokens rows[off[e]] .. rows[off[e+1] - 1]
+ * of x [*, D] with routing weights rw[off[e] ..]; its outputs are added into out[rows[j]] expert after expert, in
+ * the given order: bit for bit what E expert_ffn calls (which are this with E = 1) and index_add_s in that order
+ * give, since each expert's products choose their paths and sum as they do alone. Returns 0, or -1 for out of
+ * memory. */
+static int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const float *x, int64_t D,
+                       int64_t I, const int64_t *rows, const int64_t *off, const float *rw, float limit,
+                       int64_t act_block, float *out) {
+    const int64_t M = off[E];
+    float *xs = malloc((size_t)(M * D) * sizeof(float)), *gu = malloc((size_t)(2 * M * I) * sizeof(float));
+    float *y = malloc((size_t)(M * D) * sizeof(float));
+    ffn_ctx *c = calloc((size_t)E, sizeof(ffn_ctx));
+    mm_job *down = calloc((size_t)E, sizeof(mm_job));
+    prep_t *preps = calloc((size_t)(2 * E), sizeof(prep_t)); /* per expert: its gate/up inputs, its down inputs */
+    int64_t prepared = 0;
+    int rc = !xs || !gu || !y || !c || !down || !preps ? -1 : 0;
+    if (!rc) {
+        for (int64_t j = 0; j < M; j++) memcpy(xs + j * D, x + rows[j] * D, (size_t)D * sizeof(float));
+        if (act_block) fp8_act_quant_rows(xs, xs, M, D, act_block); /* per row: as each expert quantizes its x */
+        const int64_t rpc = chunk_rows(E * I) < I ? chunk_rows(E * I) : (I + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+        for (int64_t e = 0; e < E && !rc; e++) {
+            const int64_t T = off[e + 1] - off[e];
+            const uint8_t *const *w = ew + 6 * e;
+            c[e] = (ffn_ctx){.isa = isa, .route_w = rw + off[e], .limit = limit, .rows_per_chunk = rpc};
+            c[e].gate = (mm_job){.x = xs + off[e] * D, .w = w[0], .s = w[1], .T = T, .N = I, .K = D,
+                                 .out = gu + off[e] * I, .ldo = I};
+            rc = prep_job(isa, '4', expert_path(isa, &c[e].gate), &c[e].gate, &preps[prepared++]);
+            c[e].up = c[e].gate;
+            c[e].up.w = w[2], c[e].up.s = w[3], c[e].up.out = gu + (M + off[e]) * I;
+        }
+        if (!rc) {
+            ffn_multi m = {c, (I + rpc - 1) / rpc};
+            pool_run(E * m.chunks_per_expert, ffn_multi_phase1, &m);
+            if (act_block) fp8_act_quant_rows(gu, gu, M, I, act_block);
+        }
+        for (int64_t e = 0; e < E && !rc; e++) {
+            const uint8_t *const *w = ew + 6 * e;
+            down[e] = (mm_job){.x = gu + off[e] * I, .w = w[4], .s = w[5], .T = off[e + 1] - off[e], .N = D, .K = I,
+                               .out = y + off[e] * D, .ldo = D, .accumulate = 0};
+            rc = prep_job(isa, '4', expert_path(isa, &down[e]), &down[e], &preps[prepared++]); /* h decides */
+        }
+        if (!rc) {
+            run_jobs(isa->fp4, down, E);
+            for (int64_t j = 0; j < M; j++) { /* expert after expert: the fixed order of the sum */
+                float *o = out + rows[j] * D;
+                const float *v = y + j * D;
+                for (int64_t d = 0; d < D; d++) o[d] += v[d];
+            }
+        }
+    }
+    for (int64_t i = 0; i < prepared; i++) finish_job(&preps[i], !rc);
+    free(preps);
+    free(down);
+    free(c);
+    free(y);
+    free(gu);
+    free(xs);
+    return rc;
+}
+
 /* expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit, out, act_block=0) -> None; out [T, D] is accumulated
  * into. act_block > 0 applies DeepSeek's FP8 activation quantization (fp8_act_quant_rows) per act_block values to
  * x before w1/w3 and to the routed mid activation before w2, as the official numerics do. */
@@ -570,36 +628,15 @@ static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
     const isa_ops *isa = ISA;
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS
-    if (T > 0 && D > 0 && I > 0) {
-        float *gu = malloc((size_t)(2 * T * I) * sizeof(float));
-        float *xq = act_block ? malloc((size_t)(T * D) * sizeof(float)) : NULL;
-        const float *x = v[0].b.buf;
-        void *xbuf = NULL, *hbuf = NULL; /* the dot path's copies of x and of the mid activation */
-        if (!gu || (act_block && !xq)) rc = -1;
-        if (!rc && act_block) {
-            fp8_act_quant_rows(x, xq, T, D, act_block);
-            x = xq;
-        }
-        ffn_ctx c = {.isa = isa, .route_w = v[7].b.buf, .limit = (float)limit};
-        c.gate = (mm_job){.x = x, .w = v[1].b.buf, .s = v[2].b.buf, .T = T, .N = I, .K = D, .out = gu, .ldo = I};
-        if (!rc) rc = dot_inputs(isa, '4', &c.gate, &xbuf);
-        if (!rc) {
-            c.up = c.gate;
-            c.up.w = v[3].b.buf;
-            c.up.s = v[4].b.buf;
-            c.up.out = gu + T * I;
-            c.rows_per_chunk = chunk_rows(I);
-            pool_run((I + c.rows_per_chunk - 1) / c.rows_per_chunk, ffn_phase1, &c);
-            if (act_block) fp8_act_quant_rows(gu, gu, T, I, act_block);
-        }
-        mm_job down = {.x = gu, .w = v[5].b.buf, .s = v[6].b.buf, .T = T, .N = D, .K = I, .out = v[8].b.buf,
-                       .ldo = D, .accumulate = 1};
-        if (!rc) rc = dot_inputs(isa, '4', &down, &hbuf); /* its own choice: the mid activation decides */
-        if (!rc) run_rows(isa->fp4, &down);
-        free(hbuf);
-        free(xbuf);
-        free(xq);
-        free(gu);
+    if (T > 0 && D > 0 && I > 0) { /* one expert on all T tokens: experts_run with E = 1 */
+        int64_t *rows = malloc((size_t)T * sizeof(int64_t)), off[2] = {0, T};
+        const uint8_t *ew[6];
+        for (int i = 0; i < 6; i++) ew[i] = v[1 + i].b.buf;
+        if (!rows) rc = -1;
+        for (int64_t t = 0; !rc && t < T; t++) rows[t] = t;
+        if (!rc) rc = experts_run(isa, 1, ew, v[0].b.buf, D, I, rows, off, v[7].b.buf, (float)limit, act_block,
+                                  v[8].b.buf);
+        free(rows);
     }
     Py_END_ALLOW_THREADS
     if (rc) {
@@ -611,78 +648,6 @@ static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
 fail:
     release(v, 9);
     return NULL;
-}
-
-/* ---------------------------------------------------------------- a layer's routed experts at once */
-
-typedef struct {
-    ffn_ctx *c;              /* one per expert, all with the same I and rows_per_chunk */
-    int64_t chunks_per_expert;
-} ffn_multi;
-
-static void ffn_multi_phase1(void *p, int64_t i) {
-    const ffn_multi *m = p;
-    ffn_phase1(&m->c[i / m->chunks_per_expert], i % m->chunks_per_expert);
-}
-
-/* E routed experts of one layer (ew: 6 arrays each, as expert_ffn's w1, s1, w3, s3, w2, s2) as two pool jobs, all
- * gate/up rows then all down rows, instead of 2E. Expert e takes the tokens rows[off[e]] .. rows[off[e+1] - 1]
- * of x [*, D] with routing weights rw[off[e] ..]; its outputs are added into out[rows[j]] expert after expert, in
- * the given order: bit for bit what E expert_ffn calls and index_add_s in that order give (each expert's
- * products, paths and summation orders are expert_ffn's). Returns 0, or -1 for out of memory. */
-static int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const float *x, int64_t D,
-                       int64_t I, const int64_t *rows, const int64_t *off, const float *rw, float limit,
-                       int64_t act_block, float *out) {
-    const int64_t M = off[E];
-    float *xs = malloc((size_t)(M * D) * sizeof(float)), *gu = malloc((size_t)(2 * M * I) * sizeof(float));
-    float *y = malloc((size_t)(M * D) * sizeof(float));
-    ffn_ctx *c = calloc((size_t)E, sizeof(ffn_ctx));
-    mm_job *down = calloc((size_t)E, sizeof(mm_job));
-    void **bufs = calloc((size_t)(2 * E), sizeof(void *)); /* per expert: the dot path's copies of x and of h */
-    int rc = !xs || !gu || !y || !c || !down || !bufs ? -1 : 0;
-    if (!rc) {
-        for (int64_t j = 0; j < M; j++) memcpy(xs + j * D, x + rows[j] * D, (size_t)D * sizeof(float));
-        if (act_block) fp8_act_quant_rows(xs, xs, M, D, act_block); /* per row: as each expert quantizes its x */
-        const int64_t rpc = chunk_rows(E * I) < I ? chunk_rows(E * I) : (I + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
-        for (int64_t e = 0; e < E && !rc; e++) {
-            const int64_t T = off[e + 1] - off[e];
-            const uint8_t *const *w = ew + 6 * e;
-            c[e] = (ffn_ctx){.isa = isa, .route_w = rw + off[e], .limit = limit, .rows_per_chunk = rpc};
-            c[e].gate = (mm_job){.x = xs + off[e] * D, .w = w[0], .s = w[1], .T = T, .N = I, .K = D,
-                                 .out = gu + off[e] * I, .ldo = I};
-            rc = dot_inputs(isa, '4', &c[e].gate, &bufs[2 * e]);
-            c[e].up = c[e].gate;
-            c[e].up.w = w[2], c[e].up.s = w[3], c[e].up.out = gu + (M + off[e]) * I;
-        }
-        if (!rc) {
-            ffn_multi m = {c, (I + rpc - 1) / rpc};
-            pool_run(E * m.chunks_per_expert, ffn_multi_phase1, &m);
-            if (act_block) fp8_act_quant_rows(gu, gu, M, I, act_block);
-        }
-        for (int64_t e = 0; e < E && !rc; e++) {
-            const uint8_t *const *w = ew + 6 * e;
-            down[e] = (mm_job){.x = gu + off[e] * I, .w = w[4], .s = w[5], .T = off[e + 1] - off[e], .N = D, .K = I,
-                               .out = y + off[e] * D, .ldo = D, .accumulate = 0};
-            rc = dot_inputs(isa, '4', &down[e], &bufs[2 * e + 1]); /* its own choice: the mid activation decides */
-        }
-        if (!rc) {
-            run_jobs(isa->fp4, down, E);
-            for (int64_t j = 0; j < M; j++) { /* expert after expert: the fixed order of the sum */
-                float *o = out + rows[j] * D;
-                const float *v = y + j * D;
-                for (int64_t d = 0; d < D; d++) o[d] += v[d];
-            }
-        }
-    }
-    if (bufs)
-        for (int64_t i = 0; i < 2 * E; i++) free(bufs[i]);
-    free(bufs);
-    free(down);
-    free(c);
-    free(y);
-    free(gu);
-    free(xs);
-    return rc;
 }
 
 /* experts_ffn(x, experts, rows, offsets, route_w, limit, out, act_block=0) -> None: expert_ffn for a layer's

@@ -11,11 +11,14 @@ import torch
 from fastar.model import ops
 from fastar.model.deepseek_v4 import Compressor, Indexer, Numerics
 from fastar.model.state import LayerState
+from fastar.quant import kernels
 from fastar.quant.linear import Weights
 from fastar.quant.reference import FP4_VALUES, fp4_round
 
 torch.manual_seed(0)
 
+
+ISAS = kernels.cpu_features()["usable_isas"] if kernels.available() else []  # the C extension's
 
 # --- norms, router score, SwiGLU -------------------------------------------------------------------------
 
@@ -33,8 +36,8 @@ def test_sqrtsoftplus_and_limited_swiglu():
     gate = torch.tensor([-20.0, 0.5, 12.0])
     up = torch.tensor([-15.0, 3.0, 11.0])
     g, u = torch.tensor([-20.0, 0.5, 10.0]), torch.tensor([-10.0, 3.0, 10.0])  # gate: max only; up: both
-    assert torch.equal(ops.limited_swiglu(gate, up, 10.0), g * torch.sigmoid(g) * u)
-    assert torch.equal(ops.limited_swiglu(gate, up, 0.0), gate * torch.sigmoid(gate) * up)
+    assert torch.allclose(ops.limited_swiglu(gate, up, 10.0), g * torch.sigmoid(g) * u, rtol=1e-6)
+    assert torch.allclose(ops.limited_swiglu(gate, up, 0.0), gate * torch.sigmoid(gate) * up, rtol=1e-6)
 
 
 # --- RoPE / YaRN -------------------------------------------------------------------------------------------
@@ -164,11 +167,18 @@ def test_fp8_quant_sim_matches_e4m3_with_pow2_block_scales():
     assert torch.equal(ops.fp8_quant_sim(y, 64), y)  # idempotent
 
 
-def test_fp8_quant_sim_kernel_is_bit_identical_to_torch():
-    """The C activation quantizer against the torch formula: every e4m3 rounding boundary and tie, subnormals,
-    saturation, signed zeros, tiny blocks (the 1e-4 floor), huge ones, NaN and infinity, ragged last blocks."""
-    if ops._C is None:
-        pytest.skip("C extension not built")
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each instruction set of the C extension this CPU runs (their activation ops differ: AVX-512 has its own)."""
+    kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa("auto")
+
+
+def test_fp8_quant_sim_kernel_is_bit_identical_to_torch(isa):
+    """The C activation quantizer (each ISA's) against the torch formula: every e4m3 rounding boundary and tie,
+    subnormals, saturation, signed zeros, tiny blocks (the 1e-4 floor), huge ones, NaN and infinity, ragged last
+    blocks."""
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     codes = codes[torch.isfinite(codes)]
     mids = (codes[:, None] + codes[None, :]).flatten() / 2  # every tie and far more
@@ -187,6 +197,33 @@ def test_fp8_quant_sim_kernel_is_bit_identical_to_torch():
             got, want = ops.fp8_quant_sim(x, block), ops.fp8_quant_sim_torch(x, block)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or \
                 (torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()))
+
+
+def test_row_ops_in_c_match_torch(isa):
+    """The C RMS norm, RoPE and SwiGLU against their torch references: RoPE bit for bit (same rounded products),
+    the norm and SwiGLU within float32 rounding (sum order; exp's last bits); any row count, 2-D and 3-D inputs,
+    non-contiguous ones, no weight, inverse RoPE, clamps off, NaN and infinities through SwiGLU."""
+    g = torch.Generator().manual_seed(1)
+    for shape in [(1, 4096), (5, 4096), (3, 64, 512), (9, 4, 96), (2, 7)]:
+        x = torch.randn(shape, generator=g) * 3
+        w = torch.rand(shape[-1], generator=g) + 0.5
+        for wt in (w, None):
+            got, want = ops.rms_norm(x, wt, 1e-6), ops.rms_norm_torch(x, wt, 1e-6)
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=2e-6, atol=1e-7)
+        if shape[-1] >= 8:
+            cos, sin = ops.rope_cos_sin(ops.rope_inv_freq(8 if shape[-1] < 64 else 64, 1e4), torch.arange(shape[0]) + 90)
+            for inverse in (False, True):
+                assert torch.equal(ops.apply_rope(x, cos, sin, inverse), ops.apply_rope_torch(x, cos, sin, inverse))
+    xt = torch.randn(6, 2, 64, generator=g).transpose(0, 1)  # not contiguous
+    assert torch.equal(ops.rms_norm(xt, None, 1e-6), ops.rms_norm(xt.contiguous(), None, 1e-6))
+    gate, up = torch.randn(4, 2048, generator=g) * 6, torch.randn(4, 2048, generator=g) * 6
+    gate[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -200.0])
+    up[1, :2] = torch.tensor([float("nan"), -float("inf")])
+    for limit in (7.0, 0.0):
+        got, want = ops.limited_swiglu(gate, up, limit), ops.limited_swiglu_torch(gate, up, limit)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.allclose(got.nan_to_num(), want.nan_to_num(), rtol=1e-6, atol=1e-30)
+    assert torch.equal(ops.rms_norm(x.double(), None, 1e-6), ops.rms_norm_torch(x.double(), None, 1e-6))  # torch's
 
 
 def test_fp4_quant_sim_ties_to_even_and_matches_reference_rounding():

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-try:  # the C extension's fast twins of `sinkhorn_torch` and `fp8_quant_sim_torch`
+try:  # the C extension's fast twins of the `..._torch` functions below
     from ..quant import _kernels as _C
 except ImportError:  # pragma: no cover - a build without the C extension
     _C = None
@@ -26,8 +27,41 @@ FP4_MAX = 6.0
 
 # --- norms and activations ----------------------------------------------------------------------------------
 
+def _c_args(*ts: torch.Tensor) -> list | None:
+    """numpy views [rows, last dim] of the tensors for the C extension (a copy only where one is not contiguous), or
+    None when it cannot take them (not built; not float32 on the CPU; autograd; empty). Numpy-side reshapes: a few
+    microseconds less per call than torch views, which is most of these ops' cost at decode."""
+    if _C is None:
+        return None
+    out = []
+    for t in ts:
+        if t.dtype != torch.float32 or not t.is_cpu or t.requires_grad or not t.numel() or not t.dim():
+            return None
+        a = t.contiguous().numpy()
+        out.append(a.reshape(-1, a.shape[-1]))
+    return out
+
+
+def _like(a, shape) -> tuple:
+    """A new float32 array shaped as the numpy view `a` and the torch tensor over it shaped `shape`."""
+    o = np.empty(a.shape, np.float32)
+    return o, torch.from_numpy(o.reshape(shape))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim, in float32; `weight=None` is the weightless norm."""
+    """`weight * x / sqrt(mean(x^2) + eps)` over the last dim, in float32; `weight=None` is the weightless norm.
+    In the C extension when built (one call; per row in a fixed order; equal to `rms_norm_torch` within float32
+    rounding, tested)."""
+    args = _c_args(x) if weight is None else _c_args(x, weight)
+    if args is not None and (weight is None or weight.shape == x.shape[-1:]):
+        o, out = _like(args[0], x.shape)
+        _C.rms_norm(args[0], None if weight is None else args[1][0], float(eps), o)
+        return out
+    return rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`rms_norm` in torch: the reference the C version is tested against."""
     x = x.float()
     y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
     return y if weight is None else weight * y
@@ -39,7 +73,18 @@ def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
 
 
 def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """`silu(min(gate, limit)) * clamp(up, -limit, limit)`; limit <= 0 disables the clamp."""
+    """`silu(min(gate, limit)) * clamp(up, -limit, limit)`; limit <= 0 disables the clamp. In the C extension when
+    built (its exp is within 2 ulp of torch's; tested against `limited_swiglu_torch`)."""
+    args = _c_args(gate, up)
+    if args is not None and gate.shape == up.shape:
+        o, out = _like(args[0], gate.shape)
+        _C.swiglu(*args, float(limit), o)
+        return out
+    return limited_swiglu_torch(gate, up, limit)
+
+
+def limited_swiglu_torch(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """`limited_swiglu` in torch: the reference the C version is tested against."""
     if limit > 0:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
@@ -78,8 +123,20 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing `2*cos.shape[-1]` dims of x as interleaved pairs (2i, 2i+1); the leading dims pass.
 
-    x: [T, ..., D] with T matching cos/sin [T, r/2]. `inverse=True` rotates by the negated angle.
+    x: [T, ..., D] with T matching cos/sin [T, r/2]. `inverse=True` rotates by the negated angle. In the C
+    extension when built (the same rounded products and sums: bit-identical to `apply_rope_torch`, tested).
     """
+    args = _c_args(x, cos, sin)
+    if args is not None and x.dim() >= 2 and x.shape[0] == cos.shape[0] and cos.shape == sin.shape \
+            and cos.dim() == 2 and 2 * cos.shape[1] <= x.shape[-1]:
+        o, out = _like(args[0], x.shape)
+        _C.rope(*args, inverse, o)
+        return out
+    return apply_rope_torch(x, cos, sin, inverse)
+
+
+def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`apply_rope` in torch: the reference the C version is tested against."""
     half = cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     c, s = cos.reshape(shape), sin.reshape(shape)
@@ -154,12 +211,11 @@ def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
 def fp8_quant_sim(x: torch.Tensor, block: int) -> torch.Tensor:
     """Quantize-dequantize to FP8 e4m3 per `block` values of the last dim with UE8M0 (power-of-two) scales:
     `s = 2^ceil(log2(max(amax, 1e-4) / 448))`, `e4m3(clamp(x/s)) * s` (DeepSeek's `act_quant`). Runs in the C
-    extension when it is built (bit-identical to `fp8_quant_sim_torch`, tested; ~50x faster on one token)."""
-    k = _C
-    if k is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() and x.shape[-1]:
-        xc = x.detach().contiguous()
-        out = torch.empty_like(xc)
-        k.fp8_act_quant(xc.view(-1, x.shape[-1]).numpy(), block, out.view(-1, x.shape[-1]).numpy())
+    extension when it is built (bit-identical to `fp8_quant_sim_torch`, tested; ~10x faster on one token)."""
+    args = _c_args(x)
+    if args is not None:
+        o, out = _like(args[0], x.shape)
+        _C.fp8_act_quant(args[0], block, o)
         return out
     return fp8_quant_sim_torch(x, block)
 

@@ -15,6 +15,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 #endif
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #include "kern_avx512.h"
@@ -311,6 +312,94 @@ static void tile_rows(const mm_job *j, int64_t n0, int64_t n1, tile_fn deq) {
     }
 }
 
+/* ---------------------------------------------------------------- activation ops */
+
+/* fp8_act_quant_scalar (kernels.c) on 16 lanes, bit for bit: per block the same amax (a max is exact in any
+ * order) and scale, then per value the same exact steps; e4m3 rounding by roundscale, which rounds to nearest
+ * even like the scalar (y + 2^23) - 2^23 for the 0 <= y < 16 it sees. A block holding a NaN or an infinity is
+ * left to the scalar code (its s = 1 quirk). */
+static void act_quant(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
+    const __m512 lim = _mm512_set1_ps(448.0f), nlim = _mm512_set1_ps(-448.0f), big = _mm512_set1_ps(3.4028235e38f);
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff), m6 = _mm512_set1_epi32(-6);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b0 = 0; b0 < K; b0 += block) {
+            const float *xb = x + r * K + b0;
+            float *ob = out + r * K + b0;
+            const int64_t n = K - b0 < block ? K - b0 : block;
+            __m512 amax = _mm512_setzero_ps();
+            int bad = 0;
+            for (int64_t i = 0; i < n; i += 16) {
+                const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+                const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_maskz_loadu_ps(m, xb + i)), absm));
+                bad |= _mm512_mask_cmp_ps_mask(m, a, big, _CMP_LE_OQ) != m;
+                amax = _mm512_max_ps(amax, a);
+            }
+            if (bad) {
+                fp8_act_quant_scalar(xb, ob, 1, n, n);
+                continue;
+            }
+            const float am = _mm512_reduce_max_ps(amax);
+            int ex = 0;
+            const float mant = frexpf((am > 1e-4f ? am : 1e-4f) / 448.0f, &ex);
+            const int sexp = mant == 0.5f ? ex - 1 : ex;
+            const __m512 sv = _mm512_set1_ps(ldexpf(1.0f, sexp)), inv = _mm512_set1_ps(ldexpf(1.0f, -sexp));
+            for (int64_t i = 0; i < n; i += 16) {
+                const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+                __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xb + i), inv);
+                v = _mm512_max_ps(_mm512_min_ps(v, lim), nlim);
+                const __m512i vb = _mm512_castps_si512(v), ab = _mm512_and_si512(vb, absm);
+                const __m512i q = _mm512_sub_epi32(_mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(ab, 23),
+                                                                                      _mm512_set1_epi32(127)), m6),
+                                                   _mm512_set1_epi32(3));
+                const __m512 down = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), q), 23));
+                const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_set1_epi32(127), q), 23));
+                const __m512 y = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_castsi512_ps(ab), down),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m512i signed_r = _mm512_or_si512(_mm512_castps_si512(_mm512_mul_ps(y, up)),
+                                                         _mm512_andnot_si512(absm, vb));
+                _mm512_mask_storeu_ps(ob + i, m, _mm512_mul_ps(_mm512_castsi512_ps(signed_r), sv));
+            }
+        }
+}
+
+/* e^x for the SwiGLU: 2^n p(r), x = n ln2 + r (two-part ln2), p the degree-7 Taylor polynomial (|r| <= ln2/2:
+ * within 1-2 ulp of expf); scalef gives inf / 0 past the float range. */
+INLINE __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-110.0f)), _mm512_set1_ps(100.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out = silu(min(g, l)) * clamp(u, -l, l) * scale (limit <= 0: no clamp); NaN passes through (comparisons keep
+ * it, as the scalar code does). out may be g. */
+static void swiglu(const float *g, const float *u, float *out, int64_t n, float limit, float scale) {
+    const __m512 l = _mm512_set1_ps(limit), nl = _mm512_set1_ps(-limit), one = _mm512_set1_ps(1.0f),
+                 sc = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
+        if (limit > 0) { /* where gv > l (false for NaN): l */
+            gv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(gv, l, _CMP_GT_OQ), gv, l);
+            uv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(uv, l, _CMP_GT_OQ), uv, l);
+            uv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(uv, nl, _CMP_LT_OQ), uv, nl);
+        }
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv), sc);
+        _mm512_mask_storeu_ps(out + i, m, y);
+    }
+}
+
 /* ---------------------------------------------------------------- entry points */
 
 static void fp4_rows(const mm_job *j, int64_t n0, int64_t n1) {
@@ -359,6 +448,8 @@ const isa_ops isa_avx512_ops = {
     .bf16_map = bf16_map,
     .fma_loop = fma_loop,
     .read_sum = read_sum,
+    .act_quant = act_quant,
+    .swiglu = swiglu,
 };
 
 #if defined(__clang__)

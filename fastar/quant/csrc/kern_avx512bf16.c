@@ -167,6 +167,12 @@ static void fp8_rows(const mm_job *j, int64_t n0, int64_t n1) {
 static void bf16_rows(const mm_job *j, int64_t n0, int64_t n1) { isa_avx512_ops.bf16(j, n0, n1); }
 static double fma_loop(int64_t iters) { return isa_avx512_ops.fma_loop(iters); }
 static double read_sum(const uint8_t *p, size_t n) { return isa_avx512_ops.read_sum(p, n); }
+static void act_quant(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
+    isa_avx512_ops.act_quant(x, out, rows, K, block);
+}
+static void swiglu(const float *g, const float *u, float *out, int64_t n, float limit, float scale) {
+    isa_avx512_ops.swiglu(g, u, out, n, limit, scale);
+}
 
 const isa_ops isa_avx512bf16_ops = {
     .name = "avx512bf16",
@@ -182,6 +188,8 @@ const isa_ops isa_avx512bf16_ops = {
     .fp8_bmap = fp8_bmap,
     .fma_loop = fma_loop,
     .read_sum = read_sum,
+    .act_quant = act_quant,
+    .swiglu = swiglu,
 };
 
 #if defined(__clang__)

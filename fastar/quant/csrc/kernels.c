@@ -22,7 +22,13 @@
 
 static const isa_ops *ISA = &isa_scalar_ops;
 
-static void fp8_act_quant_rows(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
+/* The ISA's activation ops, else the portable ones. */
+static void fp8_act_quant_rows(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
+    (ISA->act_quant ? ISA->act_quant : fp8_act_quant_scalar)(x, out, rows, K, block);
+}
+static void swiglu_any(const float *g, const float *u, float *out, int64_t n, float limit, float scale) {
+    (ISA->swiglu ? ISA->swiglu : swiglu_rows)(g, u, out, n, limit, scale);
+}
 
 /* ---------------------------------------------------------------- CPU features and ISA choice */
 
@@ -492,19 +498,9 @@ static void ffn_phase1(void *p, int64_t i) {
     if (n1 > I) n1 = I;
     c->isa->fp4(&c->gate, n0, n1);
     c->isa->fp4(&c->up, n0, n1);
-    const float l = c->limit;
-    for (int64_t t = 0; t < c->gate.T; t++) {
-        float *g = c->gate.out + t * I, *u = c->up.out + t * I;
-        const float rw = c->route_w[t];
-        for (int64_t n = n0; n < n1; n++) {
-            float gv = g[n], uv = u[n];
-            if (l > 0) {
-                gv = gv > l ? l : gv;
-                uv = uv > l ? l : (uv < -l ? -l : uv);
-            }
-            g[n] = gv / (1.0f + expf(-gv)) * uv * rw;
-        }
-    }
+    for (int64_t t = 0; t < c->gate.T; t++)
+        (c->isa->swiglu ? c->isa->swiglu : swiglu_rows)(c->gate.out + t * I + n0, c->up.out + t * I + n0,
+                                                         c->gate.out + t * I + n0, n1 - n0, c->limit, c->route_w[t]);
 }
 
 /* ---------------------------------------------------------------- a layer's routed experts at once */
@@ -774,7 +770,7 @@ static inline float e4m3_round(float a) {
 /* DeepSeek's act_quant simulated: per `block` values of a row, s = 2^ceil(log2(max(amax, 1e-4) / 448)) and
  * x -> e4m3(x / s) * s. Bit-identical to fastar.model.ops.fp8_quant_sim_torch (tested), quirks included: a
  * block holding a NaN or an infinity gets s = 1 (NaN stays NaN, infinities saturate to +-448). */
-static void fp8_act_quant_rows(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
+void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b0 = 0; b0 < K; b0 += block) {
             const float *xb = x + r * K + b0;
@@ -887,6 +883,85 @@ static PyObject *py_sinkhorn(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 fail:
     release(v, 2);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- row-wise ops (rowops.c) */
+
+/* rms_norm(x f32 [R, K], weight f32 [K] | None, eps, out f32 [R, K]) -> None; out may be x */
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *ow, *oo;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OOdO", &ox, &ow, &eps, &oo)) return NULL;
+    view_t v[3];
+    memset(v, 0, sizeof v);
+    if (get_in_out(ox, oo, v, "x", 1)) goto fail;
+    if (ow != Py_None) {
+        if (get_view(ow, &v[2], "weight", 'f', 1, 0)) goto fail;
+        if (v[2].b.shape[0] != dim(&v[0], 1)) {
+            PyErr_Format(PyExc_ValueError, "weight has %zd values, expected %lld (x's last dim)", v[2].b.shape[0],
+                         (long long)dim(&v[0], 1));
+            goto fail;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rms_norm_rows(v[0].b.buf, ow != Py_None ? v[2].b.buf : NULL, v[1].b.buf, dim(&v[0], 0), dim(&v[0], 1), (float)eps);
+    Py_END_ALLOW_THREADS
+    release(v, 3);
+    Py_RETURN_NONE;
+fail:
+    release(v, 3);
+    return NULL;
+}
+
+/* rope(x f32 [R, D], cos f32 [T, h], sin f32 [T, h], inverse, out f32 [R, D]) -> None: the last 2h dims of each row
+ * rotated as interleaved pairs by its token's angles (R = T * rows per token); out may be x */
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oc, *os, *oo;
+    int inverse;
+    if (!PyArg_ParseTuple(args, "OOOpO", &ox, &oc, &os, &inverse, &oo)) return NULL;
+    view_t v[4];
+    memset(v, 0, sizeof v);
+    if (get_in_out(ox, oo, v, "x", 1) || get_view(oc, &v[2], "cos", 'f', 2, 0) || get_view(os, &v[3], "sin", 'f', 2, 0))
+        goto fail;
+    const int64_t R = dim(&v[0], 0), D = dim(&v[0], 1), T = dim(&v[2], 0), h = dim(&v[2], 1);
+    if (shape_is(&v[3], "sin", T, h, "(= cos's shape)")) goto fail;
+    if (T < 1 || R % T || 2 * h > D) {
+        PyErr_Format(PyExc_ValueError, "rope needs x [T * m, D] with cos/sin [T, h] and 2h <= D; got x [%lld, %lld], "
+                     "cos [%lld, %lld]", (long long)R, (long long)D, (long long)T, (long long)h);
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rope_rows(v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, R, D, h, R / T, inverse);
+    Py_END_ALLOW_THREADS
+    release(v, 4);
+    Py_RETURN_NONE;
+fail:
+    release(v, 4);
+    return NULL;
+}
+
+/* swiglu(gate f32 [T, I], up f32 [T, I], limit, out f32 [T, I]) -> None: silu(min(gate, l)) * clamp(up, -l, l)
+ * (limit <= 0: no clamp) */
+static PyObject *py_swiglu(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *og, *ou, *oo;
+    double limit;
+    if (!PyArg_ParseTuple(args, "OOdO", &og, &ou, &limit, &oo)) return NULL;
+    view_t v[3];
+    memset(v, 0, sizeof v);
+    if (get_in_out(og, oo, v, "gate", 0) || get_view(ou, &v[2], "up", 'f', 2, 0) ||
+        shape_is(&v[2], "up", dim(&v[0], 0), dim(&v[0], 1), "(= gate's shape)") || no_overlap(&v[1], &v[2], 1))
+        goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    swiglu_any(v[0].b.buf, v[2].b.buf, v[1].b.buf, dim(&v[0], 0) * dim(&v[0], 1), (float)limit, 1.0f);
+    Py_END_ALLOW_THREADS
+    release(v, 3);
+    Py_RETURN_NONE;
+fail:
+    release(v, 3);
     return NULL;
 }
 
@@ -1047,6 +1122,9 @@ static PyMethodDef methods[] = {
     {"fp8_act_quant", py_fp8_act_quant, METH_VARARGS,
      "fp8_act_quant(x f32[R,K], block, out f32[R,K]): DeepSeek's FP8 activation quant-dequant per block"},
     {"sinkhorn", py_sinkhorn, METH_VARARGS, "sinkhorn(logits f32[B, n*n], n, iters, eps, out): mHC mixing matrices"},
+    {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x f32[R, K], weight f32[K] | None, eps, out): RMS norm of each row"},
+    {"rope", py_rope, METH_VARARGS, "rope(x f32[R, D], cos f32[T, h], sin, inverse, out): interleaved RoPE per row"},
+    {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gate f32[T, I], up, limit, out): silu(min(g, l)) * clamp(u, -l, l)"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"default_num_threads", py_default_num_threads, METH_NOARGS, "CPUs this process may run on (or FASTAR_THREADS)"},

@@ -54,6 +54,10 @@ typedef struct {
     const uint8_t *fp4_bmap, *fp8_bmap;
     double (*fma_loop)(int64_t iters); /* returns the flops it executed (FP32 peak benchmark) */
     double (*read_sum)(const uint8_t *p, size_t n); /* streams n bytes (n % 64 == 0), returns a checksum */
+    /* Activation ops (NULL: kernels.c's scalar code): fp8_act_quant_scalar's twin, bit for bit; and
+     * out = silu(min(g, l)) * clamp(u, -l, l) * scale (out may be g). */
+    void (*act_quant)(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
+    void (*swiglu)(const float *g, const float *u, float *out, int64_t n, float limit, float scale);
 } isa_ops;
 
 /* The dot-path driver of the SIMD files (each defines put() and its ROW kernels): rows in blocks of DOT_RB,
@@ -102,5 +106,14 @@ int pool_set_threads(int n);  /* 0 on success */
 int pool_get_threads(void);
 int pool_default_threads(void);
 void pool_run(int64_t nchunks, chunk_fn fn, void *ctx);
+
+/* DeepSeek's FP8 activation quant-dequant per `block` values of each row (kernels.c; out may be x). */
+void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
+
+/* Row-wise ops of the forward pass (rowops.c); see fastar/model/ops.py for the math. */
+void rms_norm_rows(const float *x, const float *w, float *y, int64_t R, int64_t K, float eps);
+void rope_rows(const float *x, float *y, const float *cos, const float *sin, int64_t R, int64_t D, int64_t half,
+               int64_t rows_per_token, int inverse);
+void swiglu_rows(const float *gate, const float *up, float *y, int64_t n, float limit, float scale);
 
 #endif

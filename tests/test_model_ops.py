@@ -392,3 +392,38 @@ def test_expert_ffn_orders_and_activation_hook(kernels):
     # the kernels sum in another order: an FP8 rounding of the mid activation may flip (one e4m3 step)
     tol = 0.05 * ref.abs().max().item() if kernels else 1e-5
     assert (hooked - ref).abs().max().item() <= tol
+
+
+def test_layer_experts_in_one_call_equal_expert_by_expert():
+    """`linear.experts_ffn` (the MoE's one-call path, with its own bookkeeping for a single token) against
+    `expert_ffn` per expert summed in the same order: bit-identical, for one token and for a chunk where experts
+    share tokens."""
+    from fastar.quant.linear import _kernels, expert_ffn, experts_ffn
+    from fastar.quant.reference import fp4_encode
+    from fastar.weights.source import ExpertWeights
+
+    if _kernels() is None:
+        pytest.skip("the one-call path needs the C kernels")
+    rng = np.random.default_rng(3)
+    D, inter, E = 128, 64, 9
+    experts = {}
+    for e in range(E):
+        parts = {}
+        for nm, shape in (("w1", (inter, D)), ("w3", (inter, D)), ("w2", (D, inter))):
+            parts[nm], parts[nm + "_scale"] = fp4_encode(rng.standard_normal(shape).astype(np.float32) / 4)
+        experts[e] = ExpertWeights(**parts)
+    q = lambda a: ops.fp8_quant_sim(a, 128)
+    for routed in (np.array([[7, 2, 5]]), np.array([[1, 4, 2], [4, 2, 8], [0, 2, 1]])):
+        T = routed.shape[0]
+        x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32) * 3)
+        wts = torch.from_numpy(rng.uniform(0.1, 1, routed.shape).astype(np.float32))
+        order = np.unique(routed).tolist()
+        got = torch.zeros(T, D)
+        assert experts_ffn(x, routed, wts, experts, order, 1.0, got, weight_before_down=True, act_quant=q,
+                           act_block=128)
+        want = torch.zeros(T, D)
+        for e in order:
+            tok, slot = (torch.from_numpy(a) for a in np.nonzero(routed == e))
+            want.index_add_(0, tok, expert_ffn(x[tok], experts[e], wts[tok, slot], 1.0, weight_before_down=True,
+                                               act_quant=q, act_block=128))
+        assert torch.equal(got, want)

@@ -235,8 +235,8 @@ def experts_ffn(x, experts, rows, offsets, route_w, limit: float, out, act_block
     rows, offsets = np.ascontiguousarray(rows, np.int64), np.ascontiguousarray(offsets, np.int64)
     route_w = np.ascontiguousarray(_array(route_w, "route_w"), np.float32)
     if _C is not None:
-        _C.experts_ffn(x, [tuple(_array(a, "expert weight") for a in ew) for ew in experts], rows, offsets, route_w,
-                       float(limit), out, int(act_block))
+        _C.experts_ffn(x, [ew if all(type(a) is np.ndarray for a in ew) else tuple(_array(a, "expert weight") for a in ew)
+                           for ew in experts], rows, offsets, route_w, float(limit), out, int(act_block))
         return out
     if len(offsets) != len(experts) + 1 or offsets[0] != 0 or offsets[-1] != len(rows) or (np.diff(offsets) <= 0).any():
         raise ValueError("offsets must have E+1 increasing entries from 0 to len(rows) (every expert has a token)")

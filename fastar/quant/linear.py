@@ -284,11 +284,16 @@ def experts_ffn(x: torch.Tensor, routed: np.ndarray, wts: torch.Tensor, weights:
     k = _kernels() if kernels else None
     if k is None or (act_quant is not None and not (act_block > 0 and weight_before_down)):
         return False
-    rows, slots = zip(*(np.nonzero(routed == e) for e in order))
-    offsets = np.cumsum([0] + [len(r) for r in rows])
-    rows, slots = np.concatenate(rows), np.concatenate(slots)
-    k.experts_ffn(x.detach().contiguous().float().numpy(), [tuple(np.ascontiguousarray(a) for a in weights[e])
-                                                            for e in order],
-                  rows, offsets, wts.detach().float().numpy()[rows, slots], float(limit), out.numpy(),
+    flat = routed.reshape(-1)
+    if len(order) == len(flat) and len(set(order)) == len(order):  # one token, distinct experts: slot j is row 0
+        slot_of = {e: j for j, e in enumerate(flat.tolist())}
+        slots = np.array([slot_of[e] for e in order], np.int64)
+        rows, offsets = np.zeros(len(order), np.int64), np.arange(len(order) + 1, dtype=np.int64)
+    else:
+        rows, slots = zip(*(np.nonzero(routed == e) for e in order))
+        offsets = np.cumsum([0] + [len(r) for r in rows])
+        rows, slots = np.concatenate(rows), np.concatenate(slots)
+    k.experts_ffn(x.detach().contiguous().float().numpy(), [weights[e] for e in order], rows, offsets,
+                  wts.detach().float().numpy()[rows, slots], float(limit), out.numpy(),
                   act_block=act_block if act_quant is not None else 0)
     return True

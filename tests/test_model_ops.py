@@ -396,8 +396,9 @@ def test_expert_ffn_orders_and_activation_hook(kernels):
 
 def test_layer_experts_in_one_call_equal_expert_by_expert():
     """`linear.experts_ffn` (the MoE's one-call path, with its own bookkeeping for a single token) against
-    `expert_ffn` per expert summed in the same order: bit-identical, for one token and for a chunk where experts
-    share tokens."""
+    `expert_ffn` per expert summed in the same order: bit-identical, for one token, two tokens with distinct
+    experts, a token routed twice to one expert (a hash table may repeat one), and a chunk where experts share
+    tokens."""
     from fastar.quant.linear import _kernels, expert_ffn, experts_ffn
     from fastar.quant.reference import fp4_encode
     from fastar.weights.source import ExpertWeights
@@ -413,7 +414,8 @@ def test_layer_experts_in_one_call_equal_expert_by_expert():
             parts[nm], parts[nm + "_scale"] = fp4_encode(rng.standard_normal(shape).astype(np.float32) / 4)
         experts[e] = ExpertWeights(**parts)
     q = lambda a: ops.fp8_quant_sim(a, 128)
-    for routed in (np.array([[7, 2, 5]]), np.array([[1, 4, 2], [4, 2, 8], [0, 2, 1]])):
+    for routed in (np.array([[7, 2, 5]]), np.array([[1, 4], [6, 2]]), np.array([[3, 3, 5]]),
+                   np.array([[1, 4, 2], [4, 2, 8], [0, 2, 1]])):
         T = routed.shape[0]
         x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32) * 3)
         wts = torch.from_numpy(rng.uniform(0.1, 1, routed.shape).astype(np.float32))

@@ -285,7 +285,7 @@ def experts_ffn(x: torch.Tensor, routed: np.ndarray, wts: torch.Tensor, weights:
     if k is None or (act_quant is not None and not (act_block > 0 and weight_before_down)):
         return False
     flat = routed.reshape(-1)
-    if len(order) == len(flat) and len(set(order)) == len(order):  # one token, distinct experts: slot j is row 0
+    if routed.shape[0] == 1 and len(order) == len(flat):  # one token, distinct experts: expert e is its slot
         slot_of = {e: j for j, e in enumerate(flat.tolist())}
         slots = np.array([slot_of[e] for e in order], np.int64)
         rows, offsets = np.zeros(len(order), np.int64), np.arange(len(order) + 1, dtype=np.int64)

@@ -148,6 +148,7 @@ def _start(path: str, budget, options: dict, prompt: list[int], warmup: int, dra
     """Load, preload every expert when the budget holds them all, prefill `prompt` and decode `warmup` greedy
     steps (untimed: the cache settles). -> (engine, state, tokens so far, info)."""
     from .engine.engine import load
+    from .engine.sampling import argmax
 
     t0 = time.perf_counter()
     engine = load(path, ram_budget=budget, **{**options, "draft": draft})
@@ -159,10 +160,10 @@ def _start(path: str, budget, options: dict, prompt: list[int], warmup: int, dra
     t0 = time.perf_counter()
     logits = engine.prefill(prompt, state)
     info["prefill_s"] = time.perf_counter() - t0
-    seq = list(prompt) + [int(logits[-1].argmax())]
+    seq = list(prompt) + [argmax(logits[-1])]
     for _ in range(warmup):
         logits = engine.prefill(seq[-1:], state)
-        seq.append(int(logits[-1].argmax()))
+        seq.append(argmax(logits[-1]))
     return engine, state, seq, info
 
 
@@ -178,6 +179,8 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
     (`options["draft"]`, or `replay`: drafts read from that plain run, each right with probability `replay`),
     a second engine goes through the same start (so its cache is in the same condition) and decodes the same
     `decode` tokens through the speculative loop; its draft_* stats are added."""
+    from .engine.sampling import argmax
+
     draft = options.get("draft") or "none"
     gc.collect()  # the previous budget's slab goes with its last array view, before this one's RSS is sampled
     with _PeakRSS() as rss:
@@ -189,7 +192,7 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
             bw0, t0 = _stream_gbps(engine), time.perf_counter()
             for _ in range(decode):  # plain greedy decode, one token per forward: what the ceiling describes
                 logits = engine.prefill(seq[-1:], state)
-                seq.append(int(logits[-1].argmax()))
+                seq.append(argmax(logits[-1]))
             each.append((time.perf_counter() - t0, bw0, _stream_gbps(engine)))
         decode_s = sum(e[0] for e in each)
         after = cache.stats() if cache else {}

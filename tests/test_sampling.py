@@ -142,3 +142,19 @@ def test_truncated_tokens_are_never_drawn() -> None:
     s = Sampler(SamplingParams(temperature=1.5, top_k=2, seed=3))
     logits = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6])
     assert {s(logits)[0] for _ in range(300)} == {0, 1}
+
+
+def test_argmax_is_torchs_first_largest_value():
+    """The greedy pick (numpy's argmax on CPU float32) equals torch.argmax: first of equal maxima, NaN counts as
+    largest, other dtypes and shapes of one position."""
+    from fastar.engine.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(129280, generator=g), torch.randn(1, 3000, generator=g), torch.zeros(7),
+             torch.tensor([1.0, 5.0, 5.0, 2.0]), torch.tensor([1.0, float("nan"), 9.0, float("nan")]),
+             torch.tensor([-float("inf"), float("inf"), 3.0]), torch.randn(50, generator=g).to(torch.bfloat16),
+             torch.randn(10, generator=g).double()]
+    for x in cases:
+        assert argmax(x) == int(torch.argmax(x))
+    x = torch.randn(4, 6, generator=g)[:, 2]  # a strided view
+    assert argmax(x) == int(torch.argmax(x))

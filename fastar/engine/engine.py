@@ -24,7 +24,7 @@ from ..quant.linear import ExpertProvider
 from ..weights.source import WeightSource
 from . import speculative
 from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
-from .sampling import SamplingParams
+from .sampling import SamplingParams, argmax
 from .session import PromptError, Session, Stats
 from .tokenizer import Tokenizer
 
@@ -185,7 +185,7 @@ class Engine:
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
         if temperature == 0:
-            return int(torch.argmax(logits))
+            return argmax(logits)
         probs = torch.softmax(logits.float() / temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=gen))
 

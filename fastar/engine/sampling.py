@@ -22,6 +22,15 @@ from ..errors import FastarError
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's own cap on top_logprobs
 
 
+def argmax(logits: torch.Tensor) -> int:
+    """`int(torch.argmax(logits))` (one position's logits: the first largest value; NaN counts as largest). CPU
+    float32 goes through numpy, whose SIMD argmax takes ~7 us over the 129k-entry vocabulary where torch's takes
+    ~140 us (the greedy token of every decode step)."""
+    if logits.dtype == torch.float32 and logits.is_cpu and not logits.requires_grad and logits.numel():
+        return int(logits.detach().contiguous().numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 class SamplingError(FastarError, ValueError):
     """A sampling parameter has a value no generation can run with (names the field and the value)."""
 
@@ -145,7 +154,7 @@ class Sampler:
         logits = logits.reshape(-1).float().cpu()  # [V]; one host copy per token, needed for the text anyway
         p = self.params
         if p.is_greedy:
-            token = int(torch.argmax(logits))
+            token = argmax(logits)
         else:
             probs = torch.softmax(processed_logits(logits, p), dim=-1)
             token = int(torch.multinomial(probs, 1, generator=self._gen))

@@ -47,7 +47,7 @@ import torch
 
 from ..model import ops
 from ..model.state import LayerState, ModelState, RowBuffer, StateError
-from .sampling import SamplingParams, processed_logits
+from .sampling import SamplingParams, argmax, processed_logits
 
 DRAFT_KINDS = ("none", "mtp", "dspark", "auto")
 VERIFY_MAX = ops.SMALL_CHUNK  # tokens of one verify pass (anchor + drafts): batch-invariant up to this many
@@ -60,7 +60,7 @@ Pick = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]
 def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
     """target_logits [L+1, V] of the verify pass. Accept drafts while each equals the target's argmax; the next
     token is the argmax after the last accepted one (a correction, or the bonus when all L were accepted)."""
-    best = target_logits.argmax(dim=-1).tolist()
+    best = [argmax(row) for row in target_logits]
     n = 0
     while n < len(drafts) and drafts[n] == best[n]:
         n += 1
@@ -87,7 +87,7 @@ def expected_acceptance(p: torch.Tensor, q: torch.Tensor | None, draft: int) -> 
     """Probability that `draft` is accepted: sum_v min(p, q) when sampling, [draft == argmax] when greedy
     (q None; p are then raw logits)."""
     if q is None:
-        return float(int(p.argmax()) == draft)
+        return float(argmax(p) == draft)
     return float(torch.minimum(p, q).sum())
 
 
@@ -513,7 +513,7 @@ class SpeculativeStats:
 def _picker(params: SamplingParams, gen: torch.Generator) -> Pick:
     """The sampler shared by target and drafts: greedy argmax, or a draw from the processed distribution."""
     if params.is_greedy:
-        return lambda logits: (int(torch.argmax(logits)), None)
+        return lambda logits: (argmax(logits), None)
 
     def pick(logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         q = torch.softmax(processed_logits(logits, params), dim=-1)

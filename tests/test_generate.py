@@ -35,7 +35,7 @@ def run_stops(pieces: list[str], stops: list[str]) -> tuple[list[str], bool]:
         if hit:
             return out, True
     out.append(s.flush())
-    return out, False
+    return out, s.hit  # the end of the text can settle a held stop string
 
 
 def test_stop_string_across_pieces_is_never_leaked() -> None:
@@ -52,6 +52,15 @@ def test_held_text_is_released_when_it_does_not_become_a_stop() -> None:
 def test_earliest_of_several_stops_wins() -> None:
     out, hit = run_stops(["one two three"], ["three", "two"])
     assert hit and "".join(out) == "one "
+
+
+def test_a_stop_starting_earlier_wins_though_it_completes_later() -> None:
+    """'b' completes first, but 'aba' starts before it: the cut waits for 'aba' and is where the whole text would be
+    cut; at the end of the text the held 'b' still counts."""
+    assert run_stops(["aab", "a"], ["b", "aba"]) == (["a", ""], True)
+    assert run_stops(["aab", "c"], ["b", "aba"]) == (["a", "a"], True)
+    s = StopStrings(["b", "aba"])
+    assert s.feed("aab") == ("a", False) and s.flush() == "a" and s.hit  # text ended: the held 'b' is the stop
 
 
 @settings(max_examples=200, deadline=None)

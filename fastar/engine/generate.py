@@ -5,8 +5,8 @@ Owns:
   * `generate_step(session, ids, params)` -> `(token, logprob, top_logprobs)`: prefill (with prefix reuse),
     then sample/decode forever; the consumer decides when to stop, so the last token is never run needlessly;
   * `stream_generate(...)` -> `GenerationChunk`: detokenizes (UTF-8 split across tokens is held until whole),
-    applies stop tokens, stop strings (held back until decided, never leaked), max tokens, the context limit and
-    cancellation, and reports usage on the last chunk;
+    applies stop tokens, stop strings (`StopStrings`: held back until decided, never leaked), max tokens, the
+    context limit and cancellation, and reports usage on the last chunk;
   * `generate_text` -> str, and `chat` -> `ChatResult` (the DeepSeek-V4 chat encoding in, reasoning / content /
     tool calls out).
 Does not own: logits -> token (`sampling`), the timeline and prefix reuse (`session`), the chat format
@@ -22,6 +22,7 @@ from typing import Self
 from ..encoding import StreamParser, encode_messages
 from .sampling import Sampler, SamplingParams
 from .session import Session
+from .stops import StopStrings
 
 
 @dataclass(slots=True)
@@ -33,36 +34,6 @@ class GenerationChunk:
     finish_reason: str | None = None   # None while running; "stop" | "length" | "cancelled" on the last chunk
     # last chunk only: {"prompt_tokens", "completion_tokens", "cached_tokens"} (OpenAI usage names)
     usage: dict[str, int] | None = None
-
-
-class StopStrings:
-    """Finds stop strings in streamed text. `feed(text)` returns `(releasable, hit)`: text that can no longer
-    be part of a stop string, and whether one was found (then `releasable` ends right before it). A tail that
-    could still grow into a stop string is held back until decided; `flush()` releases it at the end."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self._held = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
-        buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self._held = ""
-            return buf[:min(hits)], True
-        keep = 0
-        for k in range(min(len(buf), max(map(len, self.stops)) - 1), 0, -1):
-            if any(s.startswith(buf[-k:]) for s in self.stops):
-                keep = k
-                break
-        self._held = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep], False
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
 
 
 def generate_step(session: Session, prompt_ids: list[int], params: SamplingParams,
@@ -138,7 +109,7 @@ def _stream(session: Session, ids: list[int], params: SamplingParams, eos_token_
             # the end: release what is held (an unfinished character, a tail that did not become a stop string)
             more, hit = stops.feed(decoder.flush() if decoder else "")
             text += more + ("" if hit else stops.flush())
-            yield GenerationChunk(text, token, logprob, top, "stop" if hit else reason, usage())
+            yield GenerationChunk(text, token, logprob, top, "stop" if stops.hit else reason, usage())
             return
         # generate_step ended without a token: cancelled during prefill
         yield GenerationChunk("", None, finish_reason="cancelled", usage=usage())

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastar.encoding import EOS, StreamParser
+from fastar.engine.stops import StopStrings
 
 # DeepSeek's API folds the OpenAI effort names onto its levels; "none" turns thinking off (Responses API habit).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "max", "xhigh")
@@ -318,39 +319,12 @@ def make_sampling_params(sampling: dict[str, Any], max_tokens: int) -> Any:
 # Stop strings
 # ---------------------------------------------------------------------------------------------------------
 
-class StopFilter:
-    """Cuts streamed text at the first stop string; holds back any tail that could still become one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.hit = False
-        self._pending = ""
+class StopFilter(StopStrings):
+    """`StopStrings` for the response builders: `feed` returns just the text now safe to emit (the stop string is
+    never shown, and after a hit everything is swallowed); `hit` says whether one was found."""
 
     def feed(self, text: str) -> str:
-        """Text now safe to emit. After a hit, everything is swallowed (the stop string is never shown)."""
-        if self.hit:
-            return ""
-        if not self.stops:
-            return text
-        self._pending += text
-        found = [p for s in self.stops if (p := self._pending.find(s)) >= 0]
-        if found:
-            self.hit = True
-            out, self._pending = self._pending[: min(found)], ""
-            return out
-        keep = 0
-        for k in range(min(len(self._pending), max(map(len, self.stops)) - 1), 0, -1):
-            if any(s.startswith(self._pending[-k:]) for s in self.stops):
-                keep = k
-                break
-        cut = len(self._pending) - keep
-        out, self._pending = self._pending[:cut], self._pending[cut:]
-        return out
-
-    def flush(self) -> str:
-        """What was held back, released when generation ends without completing a stop string."""
-        out, self._pending = ("" if self.hit else self._pending), ""
-        return out
+        return super().feed(text)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
  * overridable with set_isa), the per-call choice of the bf16 dot path (x_kind), splitting rows across the
  * thread pool with the GIL released, the fused routed-expert op, and the two machine probes the benchmark
  * needs (streaming read bandwidth, FMA peak).
- * Does not own: the arithmetic (kern_*.c), the pool (pool.c), friendly Python wrappers (kernels.py).
+ * Does not own: the arithmetic (kern_*.c, mhc.c), the pool (pool.c), friendly Python wrappers (kernels.py).
  *
  * Every product writes out[t, n] = sum_k x[t, k] W[n, k] (or adds it when accumulate is true). Each output
  * element is computed by exactly one thread with code that does not depend on the thread count, so results
@@ -833,37 +833,7 @@ fail:
     return NULL;
 }
 
-/* ---------------------------------------------------------------- mHC Sinkhorn */
-
-/* The mHC mixing matrix of each of B logits [n, n]: row softmax + eps, a column normalisation, then iters - 1
- * rounds of row and column normalisation (x / (sum + eps)), as fastar.model.ops.sinkhorn_torch; per matrix, in
- * one fixed order, so a token's result never depends on the batch. n <= 16. */
-static void sinkhorn_rows(const float *in, float *out, int64_t B, int n, int iters, float eps) {
-    for (int64_t b = 0; b < B; b++) {
-        const float *x = in + b * n * n;
-        float *m = out + b * n * n;
-        for (int i = 0; i < n; i++) {
-            float mx = x[i * n];
-            for (int j = 1; j < n; j++) mx = x[i * n + j] > mx ? x[i * n + j] : mx;
-            float sum = 0.0f;
-            for (int j = 0; j < n; j++) sum += (m[i * n + j] = expf(x[i * n + j] - mx));
-            for (int j = 0; j < n; j++) m[i * n + j] = m[i * n + j] / sum + eps;
-        }
-        for (int it = 0; it < iters; it++) {
-            if (it) /* rows */
-                for (int i = 0; i < n; i++) {
-                    float sum = 0.0f;
-                    for (int j = 0; j < n; j++) sum += m[i * n + j];
-                    for (int j = 0; j < n; j++) m[i * n + j] /= sum + eps;
-                }
-            for (int j = 0; j < n; j++) { /* columns */
-                float sum = 0.0f;
-                for (int i = 0; i < n; i++) sum += m[i * n + j];
-                for (int i = 0; i < n; i++) m[i * n + j] /= sum + eps;
-            }
-        }
-    }
-}
+/* ---------------------------------------------------------------- mHC Sinkhorn (mhc.c) */
 
 /* sinkhorn(logits f32 [B, n*n], n, iters, eps, out f32 [B, n*n]) -> None */
 static PyObject *py_sinkhorn(PyObject *self, PyObject *args) {

@@ -9,6 +9,7 @@
  *   kern_avx2.c    AVX2+FMA+F16C kernels (compiled with a target pragma, picked at run time)
  *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers both AVX-512 files share
  *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)
+ *   mhc.c          the hyper-connections (mHC): their Sinkhorn projection
  * Weight layouts are the checkpoint's (see fastar/quant/reference.py): FP4 [N, K/2] + UE8M0 [N, K/32];
  * FP8 e4m3 [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]; BF16 bit patterns [N, K]. Outputs are float32.
  */
@@ -102,5 +103,8 @@ int pool_set_threads(int n);  /* 0 on success */
 int pool_get_threads(void);
 int pool_default_threads(void);
 void pool_run(int64_t nchunks, chunk_fn fn, void *ctx);
+
+/* mHC (mhc.c) */
+void sinkhorn_rows(const float *in, float *out, int64_t B, int n, int iters, float eps); /* B matrices [n, n] */
 
 #endif

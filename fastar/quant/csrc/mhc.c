@@ -36,7 +36,14 @@
 #define HC_TOKENS 8 /* tokens per pool chunk */
 #define HC_TILE 4   /* largest tile side (tokens or rows) of any variant */
 
+/* The lanes of a dot product, as the variant's registers hold them (vectors wider than the registers compile
+ * poorly), and the same types for loads from any float address. */
+typedef float v4 __attribute__((vector_size(16)));
+typedef float v8 __attribute__((vector_size(32)));
 typedef float v16 __attribute__((vector_size(64)));
+typedef float v4u __attribute__((vector_size(16), aligned(4)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
 /* ---------------------------------------------------------------- Sinkhorn */
 
@@ -79,49 +86,66 @@ typedef struct {
     int64_t row_blocks, token_groups;
 } dots_ctx;
 
-/* The lanes of v in a fixed tree. */
-INLINE float lanes_sum(v16 v) {
+/* 16 lanes in a fixed tree. */
+INLINE float lanes_sum(const void *lanes) {
     float a[16];
-    memcpy(a, &v, sizeof a);
+    memcpy(a, lanes, sizeof a);
     for (int h = 8; h; h >>= 1)
         for (int l = 0; l < h; l++) a[l] += a[l + h];
     return a[0];
 }
 
 /* out[t * ldo + r] = x_t . w_r for nt tokens x [nt, K] (row stride K) and rows w[0 .. nr); rows from nvalid on are
- * padding (they repeat a real row) and are not stored. nt and nr are constants where this is inlined, so the
- * nt * nr accumulators stay in registers; each sums its own (token, row) in the order the header describes. */
-INLINE void dot_tile(const float *x, int64_t K, const int nt, const float *const *w, const int nr, int nvalid,
-                     float *out, int64_t ldo) {
-    v16 acc[HC_TILE][HC_TILE];
-    for (int t = 0; t < nt; t++)
-        for (int r = 0; r < nr; r++) acc[t][r] = (v16){0};
-    const int64_t K16 = K & ~(int64_t)15;
-    for (int64_t c = 0; c < K16; c += 16) {
-        v16 wv[HC_TILE];
-        for (int r = 0; r < nr; r++) memcpy(&wv[r], w[r] + c, sizeof(v16));
-        for (int t = 0; t < nt; t++) {
-            v16 xv;
-            memcpy(&xv, x + t * K + c, sizeof xv);
-            for (int r = 0; r < nr; r++) acc[t][r] += xv * wv[r];
-        }
+ * padding (they repeat a real row) and are not stored. Each (token, row) sums in 16 lanes, NV vectors of VEC
+ * (lane l takes columns l, l + 16, ...), then as the header says. nt and nr are constants where this is inlined,
+ * so the accumulators stay in registers. One definition per vector type. */
+#define DOT_TILE(NAME, VEC)                                                                                        \
+    INLINE void NAME(const float *x, int64_t K, const int nt, const float *const *w, const int nr, int nvalid,     \
+                     float *out, int64_t ldo) {                                                                    \
+        enum { NV = 64 / sizeof(VEC) };                                                                            \
+        VEC acc[HC_TILE][HC_TILE][NV];                                                                             \
+        for (int t = 0; t < nt; t++)                                                                               \
+            for (int r = 0; r < nr; r++)                                                                           \
+                for (int v = 0; v < NV; v++) acc[t][r][v] = (VEC){0};                                              \
+        const int64_t K16 = K & ~(int64_t)15;                                                                      \
+        for (int64_t c = 0; c < K16; c += 16) {                                                                    \
+            VEC wv[HC_TILE][NV], xv[NV];                                                                           \
+            for (int r = 0; r < nr; r++)                                                                           \
+                for (int v = 0; v < NV; v++) wv[r][v] = *(const VEC##u *)(w[r] + c + v * (16 / NV));              \
+            for (int t = 0; t < nt; t++) {                                                                         \
+                for (int v = 0; v < NV; v++) xv[v] = *(const VEC##u *)(x + t * K + c + v * (16 / NV));            \
+                for (int r = 0; r < nr; r++)                                                                       \
+                    for (int v = 0; v < NV; v++) acc[t][r][v] += xv[v] * wv[r][v];                                 \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int t = 0; t < nt; t++)                                                                               \
+            for (int r = 0; r < nvalid; r++) {                                                                     \
+                float s = lanes_sum(acc[t][r]);                                                                    \
+                for (int64_t c = K16; c < K; c++) s += x[t * K + c] * w[r][c];                                     \
+                out[t * ldo + r] = s;                                                                              \
+            }                                                                                                      \
     }
-    for (int t = 0; t < nt; t++)
-        for (int r = 0; r < nvalid; r++) {
-            float s = lanes_sum(acc[t][r]);
-            for (int64_t c = K16; c < K; c++) s += x[t * K + c] * w[r][c];
-            out[t * ldo + r] = s;
-        }
+
+DOT_TILE(dot_tile_v4, v4)
+DOT_TILE(dot_tile_v8, v8)
+DOT_TILE(dot_tile_v16, v16)
+
+/* dot_tile with vectors of vb bytes (a constant where inlined). */
+INLINE void dot_tile(const int vb, const float *x, int64_t K, const int nt, const float *const *w, const int nr,
+                     int nvalid, float *out, int64_t ldo) {
+    if (vb == 64) dot_tile_v16(x, K, nt, w, nr, nvalid, out, ldo);
+    else if (vb == 32) dot_tile_v8(x, K, nt, w, nr, nvalid, out, ldo);
+    else dot_tile_v4(x, K, nt, w, nr, nvalid, out, ldo);
 }
 
-/* Pool chunk i of the product, tiles of TT tokens x RT rows (RT divides HC_ROWS): chunks [0, groups * blocks) are
- * (token group, row block) pairs, the T after them the squared norm of one token each. */
-INLINE void dots_chunk(void *p, int64_t i, const int TT, const int RT) {
+/* Pool chunk i of the product, in tiles of TT tokens x RT rows (RT divides HC_ROWS) with VB-byte vectors: chunks
+ * [0, groups * blocks) are (token group, row block) pairs, the T after them the squared norm of one token each. */
+INLINE void dots_chunk(void *p, int64_t i, const int VB, const int TT, const int RT) {
     const dots_ctx *c = p;
     const int64_t K = c->K, ld = c->R + 1, pairs = c->token_groups * c->row_blocks;
     if (i >= pairs) {
         const float *xt = c->x + (i - pairs) * K;
-        dot_tile(xt, K, 1, &xt, 1, 1, c->dots + (i - pairs) * ld + c->R, ld);
+        dot_tile(VB, xt, K, 1, &xt, 1, 1, c->dots + (i - pairs) * ld + c->R, ld);
         return;
     }
     const int64_t t0 = i / c->row_blocks * HC_TOKENS, t1 = t0 + HC_TOKENS < c->T ? t0 + HC_TOKENS : c->T;
@@ -134,10 +158,10 @@ INLINE void dots_chunk(void *p, int64_t i, const int TT, const int RT) {
             const float *xt = c->x + t * K;
             float *o = c->dots + t * ld + rb;
             switch (t1 - t < TT ? t1 - t : TT) {
-                case 1: dot_tile(xt, K, 1, w, RT, nvalid, o, ld); break;
-                case 2: dot_tile(xt, K, 2, w, RT, nvalid, o, ld); break;
-                case 3: dot_tile(xt, K, 3, w, RT, nvalid, o, ld); break;
-                default: dot_tile(xt, K, TT, w, RT, nvalid, o, ld); break;
+                case 1: dot_tile(VB, xt, K, 1, w, RT, nvalid, o, ld); break;
+                case 2: dot_tile(VB, xt, K, 2, w, RT, nvalid, o, ld); break;
+                case 3: dot_tile(VB, xt, K, 3, w, RT, nvalid, o, ld); break;
+                default: dot_tile(VB, xt, K, TT, w, RT, nvalid, o, ld); break;
             }
         }
     }
@@ -201,17 +225,18 @@ INLINE void post_stream(void *p, int64_t i) {
 
 /* ---------------------------------------------------------------- the variants */
 
-/* One set of pool-chunk functions per instruction set; tiles sized to the registers (16 / 16 / 32). */
-static void dots_base(void *p, int64_t i) { dots_chunk(p, i, 1, 2); }
+/* One set of pool-chunk functions per instruction set, with its register width and the tile shape (tokens x rows)
+ * measured fastest for it: the 4 x 4 tile's accumulators fill half of AVX-512's 32 registers. */
+static void dots_base(void *p, int64_t i) { dots_chunk(p, i, 16, 1, 2); }
 static void mix_base(void *p, int64_t t) { mix_token(p, t); }
 static void post_base(void *p, int64_t i) { post_stream(p, i); }
 #if HC_X86
 #define AVX2 __attribute__((target("avx2,fma")))
 #define AVX512 __attribute__((target("avx512f,avx2,fma")))
-AVX2 static void dots_avx2(void *p, int64_t i) { dots_chunk(p, i, 2, 2); }
+AVX2 static void dots_avx2(void *p, int64_t i) { dots_chunk(p, i, 32, 2, 2); }
 AVX2 static void mix_avx2(void *p, int64_t t) { mix_token(p, t); }
 AVX2 static void post_avx2(void *p, int64_t i) { post_stream(p, i); }
-AVX512 static void dots_avx512(void *p, int64_t i) { dots_chunk(p, i, 4, 4); }
+AVX512 static void dots_avx512(void *p, int64_t i) { dots_chunk(p, i, 64, 4, 4); }
 AVX512 static void mix_avx512(void *p, int64_t t) { mix_token(p, t); }
 AVX512 static void post_avx512(void *p, int64_t i) { post_stream(p, i); }
 #endif

@@ -113,7 +113,7 @@ class HyperConnection:
         self.fn = w.vector(prefix + "_fn")  # [(2+n)*n, n*d]
         self.base = w.vector(prefix + "_base")  # [(2+n)*n]
         self.scale = w.vector(prefix + "_scale")  # [3]
-        self.n, self.iters, self.hc_eps, self.eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.iters, self.hc_eps, self.eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
 
     def pre(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n])."""

@@ -42,10 +42,11 @@ Small chunks are batch-invariant: with the C kernels (their SIMD dot path: AVX2 
 `ops.SMALL_CHUNK` (8) tokens gives every token's logits and state bit-identical to decoding them one at a time, in
 both numerics (a speculative verify pass is such a chunk). The kernels sum each (row, token) in one fixed order
 up to 8 tokens (torch's products, `kernels=False`, do not promise that), and the torch ops whose sums could follow
-the chunk's shape run token by token there (`ops.token_slices`, `ops.per_token`): the mHC mixes and head (an F32
-product, sigmoids of n values), the router score, the MTP block's stream projection (n kernel rows per token), and
-attention (each query over its own window rows, visible entries and indexer scores: the very tensors decode hands
-to torch). The rest already is per token: row-wise norms and quantization, elementwise ops on widths that are
+the chunk's shape run token by token there (`ops.token_slices`, `ops.per_token`): the router score, the MTP
+block's stream projection (n kernel rows per token), attention (each query over its own window rows, visible
+entries and indexer scores: the very tensors decode hands to torch), and the mHC mixes and head (an F32 product,
+sigmoids of n values) where the C extension is missing; its mHC calls sum every token in one fixed order for any
+chunk. The rest already is per token: row-wise norms and quantization, elementwise ops on widths that are
 multiples of 32, the compressor's per-window softmax.
 """
 from __future__ import annotations
@@ -105,40 +106,27 @@ def layer_inv_freq(cfg: ModelConfig, ratio: int) -> torch.Tensor:
 # --- hyper-connections (mHC) ---------------------------------------------------------------------------------
 
 class HyperConnection:
-    """mHC at one site: collapses the n residual streams into a sub-layer input and mixes them back."""
+    """mHC at one site: collapses the n residual streams into a sub-layer input and mixes them back (the math:
+    `ops.hc_pre_torch`, `ops.hc_post_torch`; one C call each when the extension is built)."""
 
     def __init__(self, w: Weights, prefix: str, cfg: ModelConfig) -> None:
         self.fn = w.vector(prefix + "_fn")  # [(2+n)*n, n*d]
         self.base = w.vector(prefix + "_base")  # [(2+n)*n]
         self.scale = w.vector(prefix + "_scale")  # [3]
-        self.n, self.iters, self.hc_eps, self.eps = cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.iters, self.hc_eps, self.eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
 
     def pre(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n])."""
-        T = X.shape[0]
-        pre, post, comb = ops.per_token(self._mix, X.reshape(T, -1))  # [T, n], [T, n], [T, n, n]
-        comb = ops.sinkhorn(comb, self.iters, self.hc_eps)
-        u = (pre[:, :, None] * X).sum(1)  # [T, d]
-        return u, post, comb
-
-    def _mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flattened streams x [T, n*d] -> pre and post weights [T, n], comb logits [T, n, n]. A torch product
-        and sigmoids of n values per token: token by token in small chunks (`ops.per_token`)."""
-        n = self.n
-        m = ops.rms_norm(x, None, self.eps) @ self.fn.T  # [T, (2+n)*n]
-        pre = torch.sigmoid(m[:, :n] * self.scale[0] + self.base[:n]) + self.hc_eps  # [T, n]
-        post = 2 * torch.sigmoid(m[:, n:2 * n] * self.scale[1] + self.base[n:2 * n])  # [T, n]
-        comb = (m[:, 2 * n:] * self.scale[2] + self.base[2 * n:]).view(-1, n, n)  # [T, n, n]
-        return pre, post, comb
+        return ops.hc_pre(X, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.eps)
 
     @staticmethod
     def post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """New streams X'_k = post_k f + sum_j comb[j, k] X_j (comb is not symmetric: the first index sums)."""
-        return post[:, :, None] * f[:, None, :] + comb.transpose(1, 2) @ X  # [T, n, d]
+        return ops.hc_post(f, X, post, comb)  # [T, n, d]
 
 
 class HyperHead:
-    """Final collapse of the n streams (no Sinkhorn, no post)."""
+    """Final collapse of the n streams (no Sinkhorn, no post; `ops.hc_head_torch`)."""
 
     def __init__(self, w: Weights, prefix: str, cfg: ModelConfig) -> None:
         self.fn = w.vector(prefix + "hc_head_fn")  # [n, n*d]
@@ -147,12 +135,7 @@ class HyperHead:
         self.hc_eps, self.eps = cfg.hc_eps, cfg.rms_norm_eps
 
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
-        pre = ops.per_token(self._pre, X.reshape(X.shape[0], -1))  # [T, n] (as `HyperConnection._mix`)
-        return (pre[:, :, None] * X).sum(1)  # [T, d]
-
-    def _pre(self, x: torch.Tensor) -> torch.Tensor:
-        m = ops.rms_norm(x, None, self.eps) @ self.fn.T  # [T, n]
-        return torch.sigmoid(m * self.scale + self.base) + self.hc_eps
+        return ops.hc_head(X, self.fn, self.base, self.scale, self.hc_eps, self.eps)  # [T, d]
 
 
 # --- compressor (ratio 4 overlapping, ratio 128) -------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Small pure tensor functions shared by the DeepSeek-V4 model and its tests.
 
-Owns: RMSNorm, the router score, RoPE/YaRN frequencies and (inverse) interleaved RoPE, the mHC Sinkhorn
-projection, the Walsh-Hadamard transform, the activation quantization simulations of DeepSeek's inference code
-(FP8 e4m3 and FP4 e2m1 with power-of-two scales), the clamped SwiGLU, and how small chunks are split for batch
-invariance (`SMALL_CHUNK`, `token_slices`, `per_token`). Every function is stateless and works on float32 torch
-tensors; each math function has a closed-form test in tests/test_model_ops.py (the batch-invariance helpers are
-tested through the model, tests/test_model.py).
+Owns: RMSNorm, the router score, RoPE/YaRN frequencies and (inverse) interleaved RoPE, the mHC collapse, mix
+back and Sinkhorn projection, the Walsh-Hadamard transform, the activation quantization simulations of DeepSeek's
+inference code (FP8 e4m3 and FP4 e2m1 with power-of-two scales), the clamped SwiGLU, and how small chunks are split
+for batch invariance (`SMALL_CHUNK`, `token_slices`, `per_token`). Every function is stateless and works on float32
+torch tensors; each math function has a closed-form test in tests/test_model_ops.py (the batch-invariance helpers
+are tested through the model, tests/test_model.py; the mHC's C twins against their torch references in
+tests/test_mhc.py).
 Does not own: weights or weight formats (`fastar.quant`), model structure (`fastar.model.deepseek_v4`).
 """
 from __future__ import annotations
@@ -149,6 +150,92 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inve
 
 
 # --- hyper-connections ----------------------------------------------------------------------------------------
+
+def _c_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The C extension is built and takes activations x and weights w as they are (float32 on the CPU, x not
+    empty); what else the caller passes derives from them (the kernels check every array's dtype and shape)."""
+    return _C is not None and x.dtype == w.dtype == torch.float32 and x.is_cpu and w.is_cpu and x.numel() > 0
+
+
+def _np(t: torch.Tensor):
+    """A row-major float32 numpy view of t (a copy only where t is not contiguous)."""
+    return t.contiguous().numpy()
+
+
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC collapse at a layer site: streams X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n]). fn
+    [(2+n)*n, n*d], base [(2+n)*n], scale [3]; see `hc_pre_torch`. In the C extension when built: one call instead
+    of dozens of small torch ops, equal to `hc_pre_torch` within float32 rounding, and batch-invariant by
+    construction (each token's sums in one fixed order), so it needs no `per_token` (tested)."""
+    T, n, d = X.shape
+    if _c_ready(X, fn) and n <= 16 and iters >= 1:
+        u, post, comb = torch.empty(T, d), torch.empty(T, n), torch.empty(T, n, n)
+        _C.hc_pre(_np(X).reshape(T, n * d), _np(fn), _np(base), _np(scale), n, iters, float(hc_eps), float(eps),
+                  u.numpy(), post.numpy(), comb.numpy().reshape(T, n * n))
+        return u, post, comb
+    return hc_pre_torch(X, fn, base, scale, iters, hc_eps, eps)
+
+
+def hc_pre_torch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                 hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_pre` in torch, the reference: m = rms_norm(flattened X) @ fn.T (norm then product, as transformers),
+    pre = sigmoid(m[:n] s0 + b) + hc_eps, post = 2 sigmoid(m[n:2n] s1 + b), comb = sinkhorn(m[2n:] s2 + b as n x n),
+    u = sum_k pre_k X_k. The product and the sigmoids of n values per token run token by token in small chunks
+    (`per_token`)."""
+    T, n, _ = X.shape
+
+    def mix(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m = rms_norm(x, None, eps) @ fn.T  # [t, (2+n)*n]
+        pre = torch.sigmoid(m[:, :n] * scale[0] + base[:n]) + hc_eps  # [t, n]
+        post = 2 * torch.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n])  # [t, n]
+        comb = (m[:, 2 * n:] * scale[2] + base[2 * n:]).view(-1, n, n)  # [t, n, n]
+        return pre, post, comb
+
+    pre, post, comb = per_token(mix, X.reshape(T, -1))
+    return (pre[:, :, None] * X).sum(1), post, sinkhorn_torch(comb, iters, hc_eps)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            eps: float) -> torch.Tensor:
+    """The final mHC collapse (no post, no Sinkhorn): streams X [T, n, d] -> [T, d] with fn [n, n*d], base [n],
+    scale [1]; see `hc_head_torch`. In the C extension when built, as `hc_pre`."""
+    T, n, d = X.shape
+    if _c_ready(X, fn) and n <= 16:
+        u = torch.empty(T, d)
+        _C.hc_pre(_np(X).reshape(T, n * d), _np(fn), _np(base), _np(scale), n, 1, float(hc_eps), float(eps),
+                  u.numpy())
+        return u
+    return hc_head_torch(X, fn, base, scale, hc_eps, eps)
+
+
+def hc_head_torch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+                  eps: float) -> torch.Tensor:
+    """`hc_head` in torch, the reference: pre = sigmoid((rms_norm(flattened X) @ fn.T) s + b) + hc_eps (per token in
+    small chunks, as `hc_pre_torch`), u = sum_k pre_k X_k."""
+    T = X.shape[0]
+    pre = per_token(lambda x: torch.sigmoid((rms_norm(x, None, eps) @ fn.T) * scale + base) + hc_eps,
+                    X.reshape(T, -1))  # [T, n]
+    return (pre[:, :, None] * X).sum(1)
+
+
+def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC mix back: new streams X'_k = post_k f + sum_j comb[j, k] X_j (the first index of comb sums) from the
+    sub-layer output f [T, d], streams X [T, n, d], post [T, n], comb [T, n, n] -> [T, n, d]. In the C extension
+    when built (equal to `hc_post_torch` within float32 rounding, tested)."""
+    T, n, d = X.shape
+    if _c_ready(X, f):
+        out = torch.empty(T, n, d)
+        _C.hc_post(_np(f), _np(X).reshape(T, n * d), _np(post), _np(comb).reshape(T, n * n),
+                   out.numpy().reshape(T, n * d))
+        return out
+    return hc_post_torch(f, X, post, comb)
+
+
+def hc_post_torch(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`hc_post` in torch, the reference."""
+    return post[:, :, None] * f[:, None, :] + comb.transpose(1, 2) @ X  # [T, n, d]
+
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """mHC residual mixing matrix: row softmax + eps, then alternate column/row normalisation (`iters` column

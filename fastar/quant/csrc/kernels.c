@@ -4,8 +4,8 @@
  * ValueError, never a crash), run-time ISA choice (AVX-512 with BF16 > AVX-512 > AVX2+FMA+F16C > scalar,
  * overridable with set_isa), the per-call choice of the bf16 dot path (x_kind), splitting rows across the
  * thread pool with the GIL released, the fused routed-expert op, and the two machine probes the benchmark
- * needs (streaming read bandwidth, FMA peak).
- * Does not own: the arithmetic (kern_*.c), the pool (pool.c), friendly Python wrappers (kernels.py).
+ * needs (streaming read bandwidth, FMA peak); the entry points of mhc.c.
+ * Does not own: the arithmetic (kern_*.c, mhc.c), the pool (pool.c), friendly Python wrappers (kernels.py).
  *
  * Every product writes out[t, n] = sum_k x[t, k] W[n, k] (or adds it when accumulate is true). Each output
  * element is computed by exactly one thread with code that does not depend on the thread count, so results
@@ -152,18 +152,20 @@ static int shape_is(const view_t *v, const char *name, int64_t a, int64_t b, con
     return 0;
 }
 
-/* out is written while the inputs are read by other threads: refuse any overlap instead of racing. */
-static int no_overlap(const view_t *out, const view_t *in, int n_in) {
+/* An output is written while the inputs are read by other threads: refuse any overlap instead of racing. */
+static int no_overlap_named(const view_t *out, const char *name, const view_t *in, int n_in) {
     const char *o0 = out->b.buf, *o1 = o0 + out->b.len;
     for (int i = 0; i < n_in; i++) {
         const char *a0 = in[i].b.buf, *a1 = a0 + in[i].b.len;
         if (out->b.len && in[i].b.len && a0 < o1 && o0 < a1) {
-            PyErr_SetString(PyExc_ValueError, "out must not overlap any input array");
+            PyErr_Format(PyExc_ValueError, "%s must not overlap another array argument", name);
             return -1;
         }
     }
     return 0;
 }
+
+static int no_overlap(const view_t *out, const view_t *in, int n_in) { return no_overlap_named(out, "out", in, n_in); }
 
 /* ---------------------------------------------------------------- running a product over the pool */
 
@@ -829,37 +831,7 @@ fail:
     return NULL;
 }
 
-/* ---------------------------------------------------------------- mHC Sinkhorn */
-
-/* The mHC mixing matrix of each of B logits [n, n]: row softmax + eps, a column normalisation, then iters - 1
- * rounds of row and column normalisation (x / (sum + eps)), as fastar.model.ops.sinkhorn_torch; per matrix, in
- * one fixed order, so a token's result never depends on the batch. n <= 16. */
-static void sinkhorn_rows(const float *in, float *out, int64_t B, int n, int iters, float eps) {
-    for (int64_t b = 0; b < B; b++) {
-        const float *x = in + b * n * n;
-        float *m = out + b * n * n;
-        for (int i = 0; i < n; i++) {
-            float mx = x[i * n];
-            for (int j = 1; j < n; j++) mx = x[i * n + j] > mx ? x[i * n + j] : mx;
-            float sum = 0.0f;
-            for (int j = 0; j < n; j++) sum += (m[i * n + j] = expf(x[i * n + j] - mx));
-            for (int j = 0; j < n; j++) m[i * n + j] = m[i * n + j] / sum + eps;
-        }
-        for (int it = 0; it < iters; it++) {
-            if (it) /* rows */
-                for (int i = 0; i < n; i++) {
-                    float sum = 0.0f;
-                    for (int j = 0; j < n; j++) sum += m[i * n + j];
-                    for (int j = 0; j < n; j++) m[i * n + j] /= sum + eps;
-                }
-            for (int j = 0; j < n; j++) { /* columns */
-                float sum = 0.0f;
-                for (int i = 0; i < n; i++) sum += m[i * n + j];
-                for (int i = 0; i < n; i++) m[i * n + j] /= sum + eps;
-            }
-        }
-    }
-}
+/* ---------------------------------------------------------------- mHC (mhc.c) */
 
 /* sinkhorn(logits f32 [B, n*n], n, iters, eps, out f32 [B, n*n]) -> None */
 static PyObject *py_sinkhorn(PyObject *self, PyObject *args) {
@@ -962,6 +934,94 @@ static PyObject *py_swiglu(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 fail:
     release(v, 3);
+    return NULL;
+}
+
+/* hc_pre(x, fn, base, scale, n, iters, hc_eps, eps, u, post=None, comb=None) -> None: a layer site's mHC collapse,
+ * x f32 [T, n*d] (the flattened streams), fn f32 [R, n*d], base f32 [R], scale f32 [3] -> u f32 [T, d], post f32
+ * [T, n], comb f32 [T, n*n], with R = (2+n)*n; with post and comb None, the final head: R = n, scale [1], u only. */
+static PyObject *py_hc_pre(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kws[] = {"x", "fn", "base", "scale", "n", "iters", "hc_eps", "eps", "u", "post", "comb", NULL};
+    PyObject *o[7] = {NULL, NULL, NULL, NULL, NULL, Py_None, Py_None}; /* x, fn, base, scale, u, post, comb */
+    int n, iters;
+    double hc_eps, eps;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOiiddO|OO", kws, &o[0], &o[1], &o[2], &o[3], &n, &iters, &hc_eps,
+                                     &eps, &o[4], &o[5], &o[6]))
+        return NULL;
+    const int head = o[5] == Py_None;
+    if (head != (o[6] == Py_None))
+        return PyErr_Format(PyExc_ValueError, "post and comb must both be arrays (a layer's mHC) or both None (the head)");
+    if (n < 1 || n > 16) return PyErr_Format(PyExc_ValueError, "n must be in [1, 16], got %d", n);
+    if (!head && iters < 1) return PyErr_Format(PyExc_ValueError, "iters must be >= 1, got %d", iters);
+    view_t v[7];
+    memset(v, 0, sizeof v);
+    static const char *names[7] = {"x", "fn", "base", "scale", "u", "post", "comb"};
+    const int nv = head ? 5 : 7;
+    for (int i = 0; i < nv; i++)
+        if (get_view(o[i], &v[i], names[i], 'f', i == 2 || i == 3 ? 1 : 2, i >= 4)) goto fail;
+    const int64_t T = dim(&v[0], 0), K = dim(&v[0], 1), d = K / n, R = head ? n : (int64_t)(2 + n) * n;
+    if (K % n) {
+        PyErr_Format(PyExc_ValueError, "x has shape (%lld, %lld), expected (T, n*d) with n = %d", (long long)T,
+                     (long long)K, n);
+        goto fail;
+    }
+    if (shape_is(&v[1], "fn", R, K, head ? "= (n, n*d) for the head" : "= ((2+n)*n, n*d)")) goto fail;
+    if (dim(&v[2], 0) != R || dim(&v[3], 0) != (head ? 1 : 3)) {
+        PyErr_Format(PyExc_ValueError, "base has %lld entries and scale %lld, expected %lld (fn's rows) and %d",
+                     (long long)dim(&v[2], 0), (long long)dim(&v[3], 0), (long long)R, head ? 1 : 3);
+        goto fail;
+    }
+    if (shape_is(&v[4], "u", T, d, "= (T, d)") || no_overlap_named(&v[4], "u", v, 4)) goto fail;
+    if (!head && (shape_is(&v[5], "post", T, n, "= (T, n)") || shape_is(&v[6], "comb", T, (int64_t)n * n, "= (T, n*n)") ||
+                  no_overlap_named(&v[5], "post", v, 5) || no_overlap_named(&v[6], "comb", v, 6)))
+        goto fail;
+    const isa_ops *isa = ISA;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hc_pre_run(isa, v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, T, n, d, head, iters, (float)hc_eps,
+                    (float)eps, v[4].b.buf, head ? NULL : v[5].b.buf, head ? NULL : v[6].b.buf);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, nv);
+    Py_RETURN_NONE;
+fail:
+    release(v, nv);
+    return NULL;
+}
+
+/* hc_post(f, x, post, comb, out) -> None: the mix back, out f32 [T, n*d] from the sub-layer output f f32 [T, d],
+ * the streams x f32 [T, n*d], post f32 [T, n] and comb f32 [T, n*n] (n from post). */
+static PyObject *py_hc_post(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kws[] = {"f", "x", "post", "comb", "out", NULL};
+    PyObject *o[5];
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO", kws, &o[0], &o[1], &o[2], &o[3], &o[4])) return NULL;
+    view_t v[5];
+    memset(v, 0, sizeof v);
+    static const char *names[5] = {"f", "x", "post", "comb", "out"};
+    for (int i = 0; i < 5; i++)
+        if (get_view(o[i], &v[i], names[i], 'f', 2, i == 4)) goto fail;
+    const int64_t T = dim(&v[0], 0), d = dim(&v[0], 1), n = dim(&v[2], 1);
+    if (n < 1) {
+        PyErr_Format(PyExc_ValueError, "post has shape (%lld, 0), expected (T, n) with n >= 1", (long long)dim(&v[2], 0));
+        goto fail;
+    }
+    if (shape_is(&v[1], "x", T, n * d, "= (T, n*d), n = post.shape[1], d = f.shape[1]") ||
+        shape_is(&v[2], "post", T, n, "= (T, n), T = f.shape[0]") || shape_is(&v[3], "comb", T, n * n, "= (T, n*n)") ||
+        shape_is(&v[4], "out", T, n * d, "= x.shape") || no_overlap(&v[4], v, 4))
+        goto fail;
+    const isa_ops *isa = ISA;
+    Py_BEGIN_ALLOW_THREADS
+    hc_post_run(isa, v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, T, (int)n, d, v[4].b.buf);
+    Py_END_ALLOW_THREADS
+    release(v, 5);
+    Py_RETURN_NONE;
+fail:
+    release(v, 5);
     return NULL;
 }
 
@@ -1125,6 +1185,12 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x f32[R, K], weight f32[K] | None, eps, out): RMS norm of each row"},
     {"rope", py_rope, METH_VARARGS, "rope(x f32[R, D], cos f32[T, h], sin, inverse, out): interleaved RoPE per row"},
     {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gate f32[T, I], up, limit, out): silu(min(g, l)) * clamp(u, -l, l)"},
+
+    {"hc_pre", (PyCFunction)(void (*)(void))py_hc_pre, METH_VARARGS | METH_KEYWORDS,
+     "hc_pre(x f32[T,n*d], fn f32[R,n*d], base f32[R], scale f32[3], n, iters, hc_eps, eps, u f32[T,d], post f32[T,n]"
+     "=None, comb f32[T,n*n]=None): mHC collapse (R = (2+n)*n); post = comb = None: the head (R = n, scale [1])"},
+    {"hc_post", (PyCFunction)(void (*)(void))py_hc_post, METH_VARARGS | METH_KEYWORDS,
+     "hc_post(f f32[T,d], x f32[T,n*d], post f32[T,n], comb f32[T,n*n], out f32[T,n*d]): mHC mix back"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"default_num_threads", py_default_num_threads, METH_NOARGS, "CPUs this process may run on (or FASTAR_THREADS)"},

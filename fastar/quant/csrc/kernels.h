@@ -9,6 +9,7 @@
  *   kern_avx2.c    AVX2+FMA+F16C kernels (compiled with a target pragma, picked at run time)
  *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers both AVX-512 files share
  *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)
+ *   mhc.c          the hyper-connections (mHC) of a layer site and the final head, and their Sinkhorn
  * Weight layouts are the checkpoint's (see fastar/quant/reference.py): FP4 [N, K/2] + UE8M0 [N, K/32];
  * FP8 e4m3 [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]; BF16 bit patterns [N, K]. Outputs are float32.
  */
@@ -115,5 +116,15 @@ void rms_norm_rows(const float *x, const float *w, float *y, int64_t R, int64_t 
 void rope_rows(const float *x, float *y, const float *cos, const float *sin, int64_t R, int64_t D, int64_t half,
                int64_t rows_per_token, int inverse);
 void swiglu_rows(const float *gate, const float *up, float *y, int64_t n, float limit, float scale);
+
+/* mHC (mhc.c); arrays float32, row-major, checked by the caller; the SIMD variant follows isa.
+ * hc_pre_run: streams x [T, n*d] and fn [R, n*d] (R = (2+n)*n, or n for the head) -> u [T, d], post [T, n] and
+ * comb [T, n*n] (these two not for the head); base [R], scale [3] ([1] for the head). Returns 0, -1 for out of
+ * memory. hc_post_run: out [T, n*d] from f [T, d], x [T, n*d], post [T, n], comb [T, n*n]. */
+int hc_pre_run(const isa_ops *isa, const float *x, const float *fn, const float *base, const float *scale, int64_t T,
+               int n, int64_t d, int head, int iters, float hc_eps, float eps, float *u, float *post, float *comb);
+void hc_post_run(const isa_ops *isa, const float *f, const float *x, const float *post, const float *comb, int64_t T,
+                 int n, int64_t d, float *out);
+void sinkhorn_rows(const float *in, float *out, int64_t B, int n, int iters, float eps); /* B matrices [n, n] */
 
 #endif

@@ -44,10 +44,11 @@ both numerics (a speculative verify pass is such a chunk). The kernels sum each 
 up to 8 tokens (torch's products, `kernels=False`, do not promise that), and the torch ops whose sums could follow
 the chunk's shape run token by token there (`ops.token_slices`, `ops.per_token`): the router score, the MTP
 block's stream projection (n kernel rows per token), attention (each query over its own window rows, visible
-entries and indexer scores: the very tensors decode hands to torch), and the mHC mixes and head (an F32 product,
-sigmoids of n values) where the C extension is missing; its mHC calls sum every token in one fixed order for any
-chunk. The rest already is per token: row-wise norms and quantization, elementwise ops on widths that are
-multiples of 32, the compressor's per-window softmax.
+entries and indexer scores: the very tensors decode hands to `attend`, whose torch fallback needs that; its C
+kernel sums each query in one order of its own anyway), and the mHC mixes and head (an F32 product, sigmoids of n
+values) where the C extension is missing; its mHC calls sum every token in one fixed order for any chunk. The rest
+already is per token: row-wise norms and quantization, elementwise ops on widths that are multiples of 32, the
+compressor's per-window softmax.
 """
 from __future__ import annotations
 
@@ -62,6 +63,11 @@ from ..quant.linear import ExpertProvider, Linear, SourceExperts, Weights, exper
 from ..weights.source import WeightSource
 from . import ops
 from .state import LayerState, ModelState
+
+try:  # the C extension's attention (`attend`); without it `attend_torch` answers
+    from ..quant import _kernels as _C
+except ImportError:  # pragma: no cover - a build without the C extension
+    _C = None
 
 SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
 
@@ -253,12 +259,38 @@ class Indexer:
 
 # --- attention -----------------------------------------------------------------------------------------------
 
-def attend(q: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor, comp: torch.Tensor | None,
+def attend(q: torch.Tensor, keys: torch.Tensor, k0: int, p0: int, window: int, comp: torch.Tensor | None,
+           comp_idx: torch.Tensor | None, ratio: int, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of the queries q [T, H, D] at positions p0.. over the window keys [K, D] (K = V; row i at
+    position k0 + i; query p sees positions (p - window, p]) plus compressed entries comp [E, D]: those comp_idx
+    [T, k] picks (-1 = none), else every one closed by p (e < (p+1) // ratio); a per-head sink logit sinks [H]
+    sits in the softmax denominator only. -> [T, H, D]. One C call over the kernels' thread pool when the
+    extension is built (each query and head in one fixed order: batch-invariant; equal to `attend_torch` within
+    float32 rounding, tested), else `attend_torch` on the masks."""
+    floats = (q, keys, sinks) if comp is None else (q, keys, sinks, comp)
+    if _C is not None and all(t.dtype is torch.float32 and t.is_cpu for t in floats) and \
+            (comp_idx is None or comp_idx.dtype is torch.int64):
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        _C.attend(q.numpy(), keys.contiguous().numpy(), k0, p0, window,
+                  None if comp is None else comp.contiguous().numpy(),
+                  None if comp_idx is None else comp_idx.contiguous().numpy(), ratio, sinks.contiguous().numpy(),
+                  scale, out.numpy())
+        return out
+    pos = torch.arange(p0, p0 + q.shape[0])[:, None]  # [T, 1]
+    kpos = torch.arange(k0, k0 + keys.shape[0])[None, :]  # [1, K]
+    comp_mask = None
+    if comp is not None and comp_idx is None:
+        comp_mask = torch.arange(comp.shape[0])[None, :] < (pos + 1) // ratio  # [T, E]
+    return attend_torch(q, keys, (kpos <= pos) & (kpos > pos - window), comp, comp_mask, comp_idx, sinks, scale)
+
+
+def attend_torch(q: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor, comp: torch.Tensor | None,
            comp_mask: torch.Tensor | None, comp_idx: torch.Tensor | None, sinks: torch.Tensor,
            scale: float) -> torch.Tensor:
-    """Softmax attention of q [T, H, D] over window keys [K, D] (K = V) plus compressed entries, with a per-head
-    sink logit in the denominator only. `comp_mask` [T, E] selects all visible entries (ratio 128); `comp_idx`
-    [T, k] gathers per-query entries (ratio 4, -1 = none)."""
+    """`attend` in torch, on any masks: the reference the C kernel is tested against (and DSpark's block attention,
+    whose mask is no window). `key_mask` [T, K] and `comp_mask` [T, E] mark what each query sees; `comp_idx` [T, k]
+    gathers per-query entries instead (-1 = none)."""
     T, H, _ = q.shape
     logits = [torch.einsum("thd,kd->htk", q, keys).mul(scale).masked_fill(~key_mask, float("-inf"))]  # [H,T,K]
     picked = None
@@ -319,20 +351,15 @@ class Attention:
         stored already: window keys [max(0, a-W+1), b) and the compressed entries closed by position b-1, picked
         with the indexer's `scoring` queries of the chunk when position b-1 needs it, else all visible ones.
         -> [b-a, H, D]"""
-        q, a, b, W = q[s], p0 + s.start, p0 + s.stop, self.window
-        pos = torch.arange(a, b)
-        k0 = max(0, a - W + 1)
-        keys = state.kv.rows(k0, b)  # [K, D]
-        kpos = torch.arange(k0, b)
-        key_mask = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - W)  # [b-a, K]
-        comp = comp_mask = comp_idx = None
+        q, a, b = q[s], p0 + s.start, p0 + s.stop
+        k0 = max(0, a - self.window + 1)
+        comp = comp_idx = None
         if self.ratio:
             comp = state.entries.rows(0, b // self.ratio)  # [E, D]
             if scoring is not None and self.indexer.scores(b):
                 comp_idx = self.indexer.pick(scoring[0][s], scoring[1][s], a, state.idx_entries.rows(0, b // 4))
-            else:
-                comp_mask = torch.arange(comp.shape[0])[None, :] < (pos + 1)[:, None] // self.ratio  # [b-a, E]
-        return attend(q, keys, key_mask, comp, comp_mask, comp_idx, self.sinks, self.D ** -0.5)
+        return attend(q, state.kv.rows(k0, b), k0, a, self.window, comp, comp_idx, self.ratio, self.sinks,
+                      self.D ** -0.5)
 
     def __call__(self, x: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
         T, H, D = x.shape[0], self.H, self.D

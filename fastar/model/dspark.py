@@ -34,7 +34,7 @@ import torch
 from ..config import ModelConfig
 from ..quant.linear import ExpertProvider, Linear, Weights
 from . import ops
-from .deepseek_v4 import Block, HyperConnection, HyperHead, Numerics, attend
+from .deepseek_v4 import Block, HyperConnection, HyperHead, Numerics, attend_torch
 from .state import LayerState, RowBuffer
 
 
@@ -78,7 +78,7 @@ class DSparkStage:
         q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)  # [B, H, D]
         keys = torch.cat([ctx, self._kv(x, pos)])  # [K + B, D]
         mask = (keys.abs().amax(-1) > 0)[None, :].expand(B, -1)  # all-zero context rows are missing ones
-        o = attend(q, keys, mask, None, None, None, a.sinks, D ** -0.5)  # [B, H, D]
+        o = attend_torch(q, keys, mask, None, None, None, a.sinks, D ** -0.5)  # [B, H, D] (any mask: torch)
         o = ops.apply_rope(o, cos, sin, inverse=True)
         z = a.wo_a.grouped(o.reshape(B, a.groups, H * D // a.groups))  # [B, G, R]
         return a.wo_b(act(z.reshape(B, -1)))  # [B, d]

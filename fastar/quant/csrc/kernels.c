@@ -1025,6 +1025,85 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------- attention */
+
+/* attend(q, keys, k0, p0, window, comp, comp_idx, ratio, sinks, scale, out) -> None: DeepSeek-V4's attention of
+ * the queries q f32 [T, H, D] at positions p0.. over the window keys f32 [K, D] (row i at position k0 + i; query
+ * p sees positions (p - window, p]) and the compressed entries comp f32 [E, D] (or None): those comp_idx i64
+ * [T, k] picks (< 0: none), or with comp_idx None every e < (p + 1) // ratio; sinks f32 [H]; out f32 [T, H, D]. */
+static PyObject *py_attend(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kws[] = {"q", "keys", "k0", "p0", "window", "comp", "comp_idx", "ratio", "sinks", "scale", "out",
+                          NULL};
+    PyObject *oq, *ok, *oc, *oi, *os, *oo;
+    Py_ssize_t k0, p0, window, ratio;
+    double scale;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOnnnOOnOdO", kws, &oq, &ok, &k0, &p0, &window, &oc, &oi, &ratio, &os,
+                                     &scale, &oo))
+        return NULL;
+    view_t v[6]; /* q, keys, sinks, comp, comp_idx, out */
+    memset(v, 0, sizeof v);
+    const int has_comp = oc != Py_None, has_idx = oi != Py_None;
+    if (get_view(oq, &v[0], "q", 'f', 3, 0) || get_view(ok, &v[1], "keys", 'f', 2, 0) ||
+        get_view(os, &v[2], "sinks", 'f', 1, 0) || (has_comp && get_view(oc, &v[3], "comp", 'f', 2, 0)) ||
+        (has_idx && get_view(oi, &v[4], "comp_idx", 'q', 2, 0)) || get_view(oo, &v[5], "out", 'f', 3, 1))
+        goto fail;
+    const int64_t T = dim(&v[0], 0), H = dim(&v[0], 1), D = dim(&v[0], 2), E = has_comp ? dim(&v[3], 0) : 0;
+    if (dim(&v[5], 0) != T || dim(&v[5], 1) != H || dim(&v[5], 2) != D) {
+        PyErr_Format(PyExc_ValueError, "out has shape (%lld, %lld, %lld), expected q's (%lld, %lld, %lld)",
+                     (long long)dim(&v[5], 0), (long long)dim(&v[5], 1), (long long)dim(&v[5], 2), (long long)T,
+                     (long long)H, (long long)D);
+        goto fail;
+    }
+    if (dim(&v[2], 0) != H) {
+        PyErr_Format(PyExc_ValueError, "sinks has %lld entries, expected H = %lld (q.shape[1])",
+                     (long long)dim(&v[2], 0), (long long)H);
+        goto fail;
+    }
+    if (has_idx && !has_comp) {
+        PyErr_SetString(PyExc_ValueError, "comp_idx needs comp (the entries it picks from)");
+        goto fail;
+    }
+    if (shape_is(&v[1], "keys", dim(&v[1], 0), D, "= (K, D), D as q's") ||
+        (has_comp && shape_is(&v[3], "comp", E, D, "= (E, D), D as q's")) ||
+        (has_idx && shape_is(&v[4], "comp_idx", T, dim(&v[4], 1), "= (T, k), T as q's")))
+        goto fail;
+    if (k0 < 0 || p0 < 0 || window < 1 || ratio < 0 || (has_comp && !has_idx && ratio < 1)) {
+        PyErr_Format(PyExc_ValueError, "attend needs k0 >= 0, p0 >= 0, window >= 1 and ratio >= 0 (>= 1 with comp and "
+                     "no comp_idx); got k0=%zd, p0=%zd, window=%zd, ratio=%zd", k0, p0, window, ratio);
+        goto fail;
+    }
+    if (has_idx) {
+        const int64_t *idx = v[4].b.buf, n = T * dim(&v[4], 1);
+        for (int64_t i = 0; i < n; i++)
+            if (idx[i] >= E) {
+                PyErr_Format(PyExc_ValueError, "comp_idx[%lld, %lld] = %lld is not an entry of comp (E = %lld)",
+                             (long long)(i / dim(&v[4], 1)), (long long)(i % dim(&v[4], 1)), (long long)idx[i],
+                             (long long)E);
+                goto fail;
+            }
+    }
+    if (no_overlap(&v[5], v, 5)) goto fail;
+    const attn_job job = {.q = v[0].b.buf, .keys = v[1].b.buf, .comp = has_comp ? v[3].b.buf : NULL,
+                          .idx = has_idx ? v[4].b.buf : NULL, .sinks = v[2].b.buf, .out = v[5].b.buf, .T = T, .H = H,
+                          .D = D, .K = dim(&v[1], 0), .E = E, .k = has_idx ? dim(&v[4], 1) : 0, .k0 = k0, .p0 = p0,
+                          .window = window, .ratio = ratio, .scale = (float)scale};
+    const char *isa = ISA->name;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = attn_run(&job, isa);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 6);
+    Py_RETURN_NONE;
+fail:
+    release(v, 6);
+    return NULL;
+}
+
 /* ---------------------------------------------------------------- threads, ISA, features */
 
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
@@ -1191,6 +1270,9 @@ static PyMethodDef methods[] = {
      "=None, comb f32[T,n*n]=None): mHC collapse (R = (2+n)*n); post = comb = None: the head (R = n, scale [1])"},
     {"hc_post", (PyCFunction)(void (*)(void))py_hc_post, METH_VARARGS | METH_KEYWORDS,
      "hc_post(f f32[T,d], x f32[T,n*d], post f32[T,n], comb f32[T,n*n], out f32[T,n*d]): mHC mix back"},
+    {"attend", (PyCFunction)(void (*)(void))py_attend, METH_VARARGS | METH_KEYWORDS,
+     "attend(q f32[T,H,D], keys f32[K,D], k0, p0, window, comp f32[E,D]|None, comp_idx i64[T,k]|None, ratio, "
+     "sinks f32[H], scale, out f32[T,H,D]): attention with sinks over window keys and compressed entries"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"default_num_threads", py_default_num_threads, METH_NOARGS, "CPUs this process may run on (or FASTAR_THREADS)"},

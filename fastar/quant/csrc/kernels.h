@@ -10,6 +10,8 @@
  *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers both AVX-512 files share
  *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)
  *   mhc.c          the hyper-connections (mHC) of a layer site and the final head, and their Sinkhorn
+ *   attn.c         DeepSeek-V4 attention with sinks: plain C, AVX2 and AVX-512 kernels in one file (attn_run)
+ *   rowops.c       row-wise ops of the forward pass: RMS norm, interleaved RoPE, the portable SwiGLU
  * Weight layouts are the checkpoint's (see fastar/quant/reference.py): FP4 [N, K/2] + UE8M0 [N, K/32];
  * FP8 e4m3 [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]; BF16 bit patterns [N, K]. Outputs are float32.
  */
@@ -99,6 +101,23 @@ extern float ue8m0_f32[256]; /* 2^(b-127); b=0 is the denormal 2^-127, b=255 is 
 extern float fp8_f32[256];   /* e4m3fn value of each byte (0x7f, 0xff are NaN) */
 extern const float fp4_f32[16];
 void tables_init(void);
+
+/* Softmax attention with per-head sinks over a query's window keys and compressed entries (attn.c says what it
+ * computes). Each (query, head) sums in one order that depends only on what that query sees. */
+typedef struct {
+    const float *q;      /* [T, H, D] */
+    const float *keys;   /* [K, D]: window rows, keys[i] at position k0 + i */
+    const float *comp;   /* [E, D] compressed entries, or NULL */
+    const int64_t *idx;  /* [T, k] entries picked per query (< 0: none; each < E), or NULL: all closed ones */
+    const float *sinks;  /* [H] */
+    float *out;          /* [T, H, D] */
+    int64_t T, H, D, K, E, k;
+    int64_t k0, p0, window, ratio; /* query t is at position p0 + t; ratio >= 1 when comp is set and idx is not */
+    float scale;
+} attn_job;
+/* Runs a job over the pool with the kernel for `isa` (an isa_ops name: avx512*, avx2, else portable C). Returns
+ * 0, or -1 for out of memory. */
+int attn_run(const attn_job *j, const char *isa);
 
 /* Thread pool. pool_run calls fn(ctx, i) once for every i in [0, nchunks), spread over the pool's threads
  * (the caller included); chunks are handed out dynamically so a descheduled thread delays only its own. */

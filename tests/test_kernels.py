@@ -572,6 +572,36 @@ def test_concurrent_callers_get_correct_results():
 
 
 @pytest.mark.skipif(not K.available(), reason="C extension not built")
+def test_back_to_back_jobs_with_late_workers_stay_exact():
+    """A thousand small pool jobs in a row, of different sizes, while two busy processes compete for the cores: a
+    job completes when its chunks are done, so workers often wake after their job is over; they must never run a
+    chunk twice, skip one, or take one of a later job for an earlier one (every result is checked)."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(10)
+    cases = []
+    for n in (64, 200, 700):
+        x = rng.standard_normal((1, 512)).astype(np.float32)
+        w, s = fp8_weights(rng, n, 512)
+        cases.append((x, w, s, K.fp8_matmul(x, w, s)))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    threads = K.get_num_threads()
+    bad = 0
+    try:
+        K.set_num_threads(max(2, threads))
+        for i in range(1000):
+            x, w, s, want = cases[i % 3]
+            bad += not np.array_equal(K.fp8_matmul(x, w, s), want)
+    finally:
+        for p in hogs:
+            p.kill()
+            p.wait()
+        K.set_num_threads(threads)
+    assert bad == 0
+
+
+@pytest.mark.skipif(not K.available(), reason="C extension not built")
 def test_gil_is_released_during_compute():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((64, 4096)).astype(np.float32)

@@ -44,9 +44,9 @@ typedef struct {
     /* the current job */
     chunk_fn fn;
     void *ctx;
-    int64_t nchunks;
+    atomic_int_fast64_t nchunks; /* relaxed: a worker reads it only after claiming by `next`, or to see none left */
     atomic_int_fast64_t next;  /* next chunk index to hand out */
-    atomic_int pending;        /* workers that have not finished the current job */
+    atomic_int_fast64_t done;  /* chunks of the current job finished */
     unsigned mxcsr;            /* the caller's float environment, so results match whoever calls */
 } pool_t;
 
@@ -61,11 +61,30 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static void run_chunks(void) {
+/* `next` packs the job's generation (high bits) with the next chunk index (low IDX_BITS), so a chunk is only ever
+ * claimed for the job it belongs to. */
+#define IDX_BITS 40
+#define IDX_MASK ((1ll << IDX_BITS) - 1)
+
+/* Claims and runs chunks of job `gen` until none is left. The job is complete when every chunk is done, whoever
+ * ran it: the caller never waits for a worker that took no chunk (one still waking up, or descheduled by another
+ * process); a worker that comes late finds its job gone (another generation in `next`) and claims nothing. A
+ * claim is a compare-and-swap, so a late worker never moves a newer job's counter. */
+static void run_chunks(uint64_t gen) {
+    const int_fast64_t tag = (int_fast64_t)((gen & ((1ull << (63 - IDX_BITS)) - 1)) << IDX_BITS);
+    int_fast64_t v = atomic_load(&P.next);
     for (;;) {
-        int64_t i = atomic_fetch_add(&P.next, 1);
-        if (i >= P.nchunks) break;
-        P.fn(P.ctx, i);
+        if ((v & ~IDX_MASK) != tag || (v & IDX_MASK) >= atomic_load_explicit(&P.nchunks, memory_order_relaxed))
+            break; /* another job's, or none left */
+        if (!atomic_compare_exchange_weak(&P.next, &v, v + 1)) continue;  /* v reloaded */
+        const int64_t n = atomic_load_explicit(&P.nchunks, memory_order_relaxed); /* fixed while this chunk is out */
+        P.fn(P.ctx, v & IDX_MASK);
+        if (atomic_fetch_add(&P.done, 1) + 1 == n) { /* the last chunk: wake the caller if it sleeps */
+            pthread_mutex_lock(&P.mu);
+            pthread_cond_signal(&P.cv_done);
+            pthread_mutex_unlock(&P.mu);
+        }
+        v = atomic_load(&P.next);
     }
 }
 
@@ -91,12 +110,7 @@ static void *worker_main(void *arg) {
 #if HAVE_MXCSR
         _mm_setcsr(P.mxcsr);
 #endif
-        run_chunks();
-        if (atomic_fetch_sub(&P.pending, 1) == 1) {
-            pthread_mutex_lock(&P.mu);
-            pthread_cond_signal(&P.cv_done);
-            pthread_mutex_unlock(&P.mu);
-        }
+        run_chunks(seen);
     }
 }
 
@@ -179,26 +193,29 @@ void pool_run(int64_t nchunks, chunk_fn fn, void *ctx) {
     }
     P.fn = fn;
     P.ctx = ctx;
-    P.nchunks = nchunks;
-    atomic_store(&P.next, 0);
-    atomic_store(&P.pending, P.nworkers);
+    atomic_store_explicit(&P.nchunks, nchunks, memory_order_relaxed);
+    atomic_store(&P.done, 0);
 #if HAVE_MXCSR
     P.mxcsr = _mm_getcsr();
 #endif
+    const uint64_t gen = atomic_load(&P.generation) + 1;
+    /* after fn, ctx, nchunks and done: whoever claims a chunk of this generation sees them all */
+    atomic_store(&P.next, (int_fast64_t)((gen & ((1ull << (63 - IDX_BITS)) - 1)) << IDX_BITS));
     pthread_mutex_lock(&P.mu);
-    atomic_fetch_add_explicit(&P.generation, 1, memory_order_release);
+    atomic_store_explicit(&P.generation, gen, memory_order_release);
     pthread_cond_broadcast(&P.cv_work);
     pthread_mutex_unlock(&P.mu);
 
-    run_chunks();
+    run_chunks(gen);
 
     int64_t t0 = now_ns();
     int spins = 0;
-    while (atomic_load_explicit(&P.pending, memory_order_acquire) > 0) {
+    while (atomic_load_explicit(&P.done, memory_order_acquire) < nchunks) { /* chunks still running elsewhere */
         CPU_RELAX();
-        if (++spins % 64 == 0 && now_ns() - t0 > SPIN_NS) {
+        if (++spins % 64 == 0) sched_yield(); /* a worker waiting for a core gets this one */
+        if (spins % 64 == 0 && now_ns() - t0 > SPIN_NS) {
             pthread_mutex_lock(&P.mu);
-            while (atomic_load(&P.pending) > 0) pthread_cond_wait(&P.cv_done, &P.mu);
+            while (atomic_load(&P.done) < nchunks) pthread_cond_wait(&P.cv_done, &P.mu);
             pthread_mutex_unlock(&P.mu);
         }
     }

@@ -28,23 +28,27 @@ FP4_MAX = 6.0
 
 # --- norms and activations ----------------------------------------------------------------------------------
 
-def _c_args(*ts: torch.Tensor) -> list | None:
-    """numpy views [rows, last dim] of the tensors for the C extension (a copy only where one is not contiguous), or
-    None when it cannot take them (not built; not float32 on the CPU; autograd; empty). Numpy-side reshapes: a few
-    microseconds less per call than torch views, which is most of these ops' cost at decode."""
+def _c_arrays(*ts: torch.Tensor) -> list | None:
+    """Row-major numpy views of the tensors for the C extension (a copy only where one is not contiguous), or None
+    when it cannot take them (not built; not float32 on the CPU; autograd; empty). The C calls reshape on the numpy
+    side: a few microseconds less per call than torch views, which is most of a small op's cost at decode."""
     if _C is None:
         return None
     out = []
     for t in ts:
         if t.dtype != torch.float32 or not t.is_cpu or t.requires_grad or not t.numel() or not t.dim():
             return None
-        a = t.contiguous().numpy()
-        out.append(a.reshape(-1, a.shape[-1]))
+        out.append(t.contiguous().numpy())
     return out
 
 
+def _rows(a):
+    """A numpy array as [rows, last dim]."""
+    return a.reshape(-1, a.shape[-1])
+
+
 def _like(a, shape) -> tuple:
-    """A new float32 array shaped as the numpy view `a` and the torch tensor over it shaped `shape`."""
+    """A new float32 array shaped as the numpy array `a`, and the torch tensor over it shaped `shape`."""
     o = np.empty(a.shape, np.float32)
     return o, torch.from_numpy(o.reshape(shape))
 
@@ -53,10 +57,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """`weight * x / sqrt(mean(x^2) + eps)` over the last dim, in float32; `weight=None` is the weightless norm.
     In the C extension when built (one call; per row in a fixed order; equal to `rms_norm_torch` within float32
     rounding, tested)."""
-    args = _c_args(x) if weight is None else _c_args(x, weight)
+    args = _c_arrays(x) if weight is None else _c_arrays(x, weight)
     if args is not None and (weight is None or weight.shape == x.shape[-1:]):
-        o, out = _like(args[0], x.shape)
-        _C.rms_norm(args[0], None if weight is None else args[1][0], float(eps), o)
+        o, out = _like(_rows(args[0]), x.shape)
+        _C.rms_norm(_rows(args[0]), None if weight is None else args[1], float(eps), o)
         return out
     return rms_norm_torch(x, weight, eps)
 
@@ -76,10 +80,11 @@ def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
 def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """`silu(min(gate, limit)) * clamp(up, -limit, limit)`; limit <= 0 disables the clamp. In the C extension when
     built (its exp is within 2 ulp of torch's; tested against `limited_swiglu_torch`)."""
-    args = _c_args(gate, up)
+    args = _c_arrays(gate, up)
     if args is not None and gate.shape == up.shape:
-        o, out = _like(args[0], gate.shape)
-        _C.swiglu(*args, float(limit), o)
+        g, u = map(_rows, args)
+        o, out = _like(g, gate.shape)
+        _C.swiglu(g, u, float(limit), o)
         return out
     return limited_swiglu_torch(gate, up, limit)
 
@@ -127,11 +132,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     x: [T, ..., D] with T matching cos/sin [T, r/2]. `inverse=True` rotates by the negated angle. In the C
     extension when built (the same rounded products and sums: bit-identical to `apply_rope_torch`, tested).
     """
-    args = _c_args(x, cos, sin)
+    args = _c_arrays(x, cos, sin)
     if args is not None and x.dim() >= 2 and x.shape[0] == cos.shape[0] and cos.shape == sin.shape \
             and cos.dim() == 2 and 2 * cos.shape[1] <= x.shape[-1]:
-        o, out = _like(args[0], x.shape)
-        _C.rope(*args, inverse, o)
+        o, out = _like(_rows(args[0]), x.shape)
+        _C.rope(_rows(args[0]), args[1], args[2], inverse, o)
         return out
     return apply_rope_torch(x, cos, sin, inverse)
 
@@ -151,17 +156,6 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inve
 
 # --- hyper-connections ----------------------------------------------------------------------------------------
 
-def _c_ready(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The C extension is built and takes activations x and weights w as they are (float32 on the CPU, x not
-    empty); what else the caller passes derives from them (the kernels check every array's dtype and shape)."""
-    return _C is not None and x.dtype == w.dtype == torch.float32 and x.is_cpu and w.is_cpu and x.numel() > 0
-
-
-def _np(t: torch.Tensor):
-    """A row-major float32 numpy view of t (a copy only where t is not contiguous)."""
-    return t.contiguous().numpy()
-
-
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC collapse at a layer site: streams X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n]). fn
@@ -169,10 +163,11 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     of dozens of small torch ops, equal to `hc_pre_torch` within float32 rounding, and batch-invariant by
     construction (each token's sums in one fixed order), so it needs no `per_token` (tested)."""
     T, n, d = X.shape
-    if _c_ready(X, fn) and n <= 16 and iters >= 1:
+    args = _c_arrays(X, fn, base, scale)
+    if args is not None and n <= 16 and iters >= 1:
         u, post, comb = torch.empty(T, d), torch.empty(T, n), torch.empty(T, n, n)
-        _C.hc_pre(_np(X).reshape(T, n * d), _np(fn), _np(base), _np(scale), n, iters, float(hc_eps), float(eps),
-                  u.numpy(), post.numpy(), comb.numpy().reshape(T, n * n))
+        _C.hc_pre(args[0].reshape(T, n * d), *args[1:], n, iters, float(hc_eps), float(eps), u.numpy(), post.numpy(),
+                  comb.numpy().reshape(T, n * n))
         return u, post, comb
     return hc_pre_torch(X, fn, base, scale, iters, hc_eps, eps)
 
@@ -201,10 +196,10 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     """The final mHC collapse (no post, no Sinkhorn): streams X [T, n, d] -> [T, d] with fn [n, n*d], base [n],
     scale [1]; see `hc_head_torch`. In the C extension when built, as `hc_pre`."""
     T, n, d = X.shape
-    if _c_ready(X, fn) and n <= 16:
+    args = _c_arrays(X, fn, base, scale)
+    if args is not None and n <= 16:
         u = torch.empty(T, d)
-        _C.hc_pre(_np(X).reshape(T, n * d), _np(fn), _np(base), _np(scale), n, 1, float(hc_eps), float(eps),
-                  u.numpy())
+        _C.hc_pre(args[0].reshape(T, n * d), *args[1:], n, 1, float(hc_eps), float(eps), u.numpy())
         return u
     return hc_head_torch(X, fn, base, scale, hc_eps, eps)
 
@@ -224,10 +219,10 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     sub-layer output f [T, d], streams X [T, n, d], post [T, n], comb [T, n, n] -> [T, n, d]. In the C extension
     when built (equal to `hc_post_torch` within float32 rounding, tested)."""
     T, n, d = X.shape
-    if _c_ready(X, f):
+    args = _c_arrays(f, X, post, comb)
+    if args is not None:
         out = torch.empty(T, n, d)
-        _C.hc_post(_np(f), _np(X).reshape(T, n * d), _np(post), _np(comb).reshape(T, n * n),
-                   out.numpy().reshape(T, n * d))
+        _C.hc_post(args[0], args[1].reshape(T, n * d), args[2], args[3].reshape(T, n * n), out.numpy().reshape(T, n * d))
         return out
     return hc_post_torch(f, X, post, comb)
 
@@ -242,14 +237,13 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     steps in all), ending on a column step. logits [..., n, n] -> doubly-stochastic [..., n, n]. In the C
     extension when built (one call instead of ~80 small torch ops; equal to `sinkhorn_torch` within float32
     rounding, tested)."""
-    k = _C
     n = logits.shape[-1]
-    if k is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.numel() \
-            and n <= 16 and iters >= 1:
-        flat = logits.detach().reshape(-1, n * n).contiguous()
-        out = torch.empty_like(flat)
-        k.sinkhorn(flat.numpy(), n, iters, float(eps), out.numpy())
-        return out.view(logits.shape)
+    args = _c_arrays(logits)
+    if args is not None and n <= 16 and iters >= 1:
+        flat = args[0].reshape(-1, n * n)
+        o, out = _like(flat, logits.shape)
+        _C.sinkhorn(flat, n, iters, float(eps), o)
+        return out
     return sinkhorn_torch(logits, iters, eps)
 
 
@@ -299,10 +293,10 @@ def fp8_quant_sim(x: torch.Tensor, block: int) -> torch.Tensor:
     """Quantize-dequantize to FP8 e4m3 per `block` values of the last dim with UE8M0 (power-of-two) scales:
     `s = 2^ceil(log2(max(amax, 1e-4) / 448))`, `e4m3(clamp(x/s)) * s` (DeepSeek's `act_quant`). Runs in the C
     extension when it is built (bit-identical to `fp8_quant_sim_torch`, tested; ~10x faster on one token)."""
-    args = _c_args(x)
+    args = _c_arrays(x)
     if args is not None:
-        o, out = _like(args[0], x.shape)
-        _C.fp8_act_quant(args[0], block, o)
+        o, out = _like(_rows(args[0]), x.shape)
+        _C.fp8_act_quant(_rows(args[0]), block, o)
         return out
     return fp8_quant_sim_torch(x, block)
 

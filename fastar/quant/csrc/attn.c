@@ -23,6 +23,8 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+
+#include "exp512.h"
 #define ATTN_X86 1
 #define AVX512 __attribute__((target("avx512f,avx2,fma")))
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -189,26 +191,6 @@ AVX512_INLINE void qk_tile(const float *q, const float *const *v, int64_t D, flo
         for (int b = 0; b < NK; b++) s[a * ld + b] = _mm512_reduce_add_ps(acc[a][b]) * scale;
 }
 
-/* e^x for x <= 0: x = k ln2 + r (|r| <= ln2/2, two-part ln2), e^r by its degree-7 Taylor polynomial (truncation
- * below 1e-8 relative), times 2^k by vscalefps. x < -104 (e^x below the smallest float) gives 0 or 2^-149; NaN
- * stays NaN (vmaxps returns its second operand then). */
-AVX512_INLINE __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-}
-
 /* Logits s[0..n) of one head -> softmax probabilities, the sink in the denominator only. */
 AVX512_INLINE void softmax_row(float *s, int64_t n, float sink) {
     __m512 mv = _mm512_set1_ps(sink);
@@ -220,11 +202,11 @@ AVX512_INLINE void softmax_row(float *s, int64_t n, float sink) {
     __m512 sv = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 m = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx)));
+        const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx)));
         _mm512_mask_storeu_ps(s + j, m, e);
         sv = _mm512_add_ps(sv, e);
     }
-    const float sum = _mm512_reduce_add_ps(sv) + _mm512_cvtss_f32(exp_neg(_mm512_sub_ps(_mm512_set1_ps(sink), mx)));
+    const float sum = _mm512_reduce_add_ps(sv) + _mm512_cvtss_f32(exp512(_mm512_sub_ps(_mm512_set1_ps(sink), mx)));
     const __m512 den = _mm512_set1_ps(sum);
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 m = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);

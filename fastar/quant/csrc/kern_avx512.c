@@ -18,6 +18,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "exp512.h"
 #include "kern_avx512.h"
 #include "kernels.h"
 
@@ -360,25 +361,6 @@ static void act_quant(const float *x, float *out, int64_t rows, int64_t K, int64
                 _mm512_mask_storeu_ps(ob + i, m, _mm512_mul_ps(_mm512_castsi512_ps(signed_r), sv));
             }
         }
-}
-
-/* e^x for the SwiGLU: 2^n p(r), x = n ln2 + r (two-part ln2), p the degree-7 Taylor polynomial (|r| <= ln2/2:
- * within 1-2 ulp of expf); scalef gives inf / 0 past the float range. */
-INLINE __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-110.0f)), _mm512_set1_ps(100.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* out = silu(min(g, l)) * clamp(u, -l, l) * scale (limit <= 0: no clamp); NaN passes through (comparisons keep

@@ -12,6 +12,7 @@
  *   mhc.c          the hyper-connections (mHC) of a layer site and the final head, and their Sinkhorn
  *   attn.c         DeepSeek-V4 attention with sinks: plain C, AVX2 and AVX-512 kernels in one file (attn_run)
  *   rowops.c       row-wise ops of the forward pass: RMS norm, interleaved RoPE, the portable SwiGLU
+ *   exp512.h       the one AVX-512 exp (attention softmax, SwiGLU)
  * Weight layouts are the checkpoint's (see fastar/quant/reference.py): FP4 [N, K/2] + UE8M0 [N, K/32];
  * FP8 e4m3 [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]; BF16 bit patterns [N, K]. Outputs are float32.
  */

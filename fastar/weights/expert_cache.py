@@ -161,6 +161,8 @@ class ExpertCache:
         self._demand: collections.deque[_Load] = collections.deque()
         self._prefetch: collections.deque[_Load] = collections.deque()
         self._cur_layer, self._epoch = -1, 0
+        self._starved = False  # a loader waits for a slot to lose its last pin: only then does an unpin wake
+                               # the loaders (waking them for nothing costs the decode thread GIL hand-offs)
         self._cond = threading.Condition(threading.RLock())  # RLock: a thread-exit release may nest
         self._tls = threading.local()
         self._closed, self._fatal = False, None
@@ -303,7 +305,8 @@ class ExpertCache:
                         h._live = False
                 for load in outstanding.values():
                     self._drop_claim(load)
-                self._cond.notify_all()
+                if outstanding:
+                    self._cond.notify_all()
 
     def each_batch(self, layer: int, ids: Iterable[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Lists of (expert id, weights): all that are present at once, then what arrives (`iter_ready(batch=True)`);
@@ -383,6 +386,8 @@ class ExpertCache:
             return
         prev, self._cur_layer = self._cur_layer, layer
         self._epoch += 1
+        if not self._shield.any():  # nothing shielded (the common case: every wanted record was claimed)
+            return
         stale = (self._slot_key // self.num_experts == prev) | (self._shield_epoch < self._epoch - self.num_layers)
         self._shield &= ~stale
 
@@ -508,8 +513,9 @@ class ExpertCache:
     def _unpin_locked(self, slot: int) -> None:
         assert self._pins[slot] > 0, f"unbalanced release of expert slot {slot}"
         self._pins[slot] -= 1
-        if self._pins[slot] == 0:
-            self._cond.notify_all()  # a loader may be waiting for an evictable slot
+        if self._pins[slot] == 0 and self._starved:  # a loader waits for a slot to become evictable
+            self._starved = False
+            self._cond.notify_all()
 
     def _transient(self, layer: int, e: int) -> ExpertHandle:
         """Budget fully pinned under `get`: read into a fresh buffer outside the slab (unlocked)."""
@@ -551,6 +557,7 @@ class ExpertCache:
         if self._demand:
             s = self._alloc(True)
             if s is None:  # wait for a load to finish or a pin to go; prefetches must not overtake
+                self._starved = True
                 return None
             load = self._demand.popleft()
         else:

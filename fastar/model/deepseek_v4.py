@@ -64,11 +64,6 @@ from ..weights.source import WeightSource
 from . import ops
 from .state import LayerState, ModelState
 
-try:  # the C extension's attention (`attend`); without it `attend_torch` answers
-    from ..quant import _kernels as _C
-except ImportError:  # pragma: no cover - a build without the C extension
-    _C = None
-
 SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
 
 
@@ -267,15 +262,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, k0: int, p0: int, window: int, c
     sits in the softmax denominator only. -> [T, H, D]. One C call over the kernels' thread pool when the
     extension is built (each query and head in one fixed order: batch-invariant; equal to `attend_torch` within
     float32 rounding, tested), else `attend_torch` on the masks."""
-    floats = (q, keys, sinks) if comp is None else (q, keys, sinks, comp)
-    if _C is not None and all(t.dtype is torch.float32 and t.is_cpu for t in floats) and \
-            (comp_idx is None or comp_idx.dtype is torch.int64):
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        _C.attend(q.numpy(), keys.contiguous().numpy(), k0, p0, window,
-                  None if comp is None else comp.contiguous().numpy(),
-                  None if comp_idx is None else comp_idx.contiguous().numpy(), ratio, sinks.contiguous().numpy(),
-                  scale, out.numpy())
+    out = ops.attend_c(q, keys, k0, p0, window, comp, comp_idx, ratio, sinks, scale)
+    if out is not None:
         return out
     pos = torch.arange(p0, p0 + q.shape[0])[:, None]  # [T, 1]
     kpos = torch.arange(k0, k0 + keys.shape[0])[None, :]  # [1, K]

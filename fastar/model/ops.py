@@ -1,7 +1,7 @@
 """Small pure tensor functions shared by the DeepSeek-V4 model and its tests.
 
-Owns: RMSNorm, the router score, RoPE/YaRN frequencies and (inverse) interleaved RoPE, the mHC collapse, mix
-back and Sinkhorn projection, the Walsh-Hadamard transform, the activation quantization simulations of DeepSeek's
+Owns: RMSNorm, the router score, RoPE/YaRN frequencies and (inverse) interleaved RoPE, attention's C call, the mHC
+collapse, mix back and Sinkhorn projection, the Walsh-Hadamard transform, the activation quantization simulations of DeepSeek's
 inference code (FP8 e4m3 and FP4 e2m1 with power-of-two scales), the clamped SwiGLU, and how small chunks are split
 for batch invariance (`SMALL_CHUNK`, `token_slices`, `per_token`). Every function is stateless and works on float32
 torch tensors; each math function has a closed-form test in tests/test_model_ops.py (the batch-invariance helpers
@@ -152,6 +152,21 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inve
     even, odd = rope[..., 0::2], rope[..., 1::2]  # [T, ..., r/2]
     rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
     return torch.cat([nope, rotated], dim=-1)
+
+
+# --- attention ----------------------------------------------------------------------------------------------
+
+def attend_c(q: torch.Tensor, keys: torch.Tensor, k0: int, p0: int, window: int, comp: torch.Tensor | None,
+             comp_idx: torch.Tensor | None, ratio: int, sinks: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """`fastar.model.deepseek_v4.attend` as one C call over the kernels' pool (the arguments and math are its), or
+    None when the C extension cannot take these tensors (the caller then runs `attend_torch`)."""
+    args = _c_arrays(q, keys, sinks) if comp is None else _c_arrays(q, keys, sinks, comp)
+    if args is None or (comp_idx is not None and comp_idx.dtype != torch.int64):
+        return None
+    o, out = _like(args[0], q.shape)
+    _C.attend(args[0], args[1], k0, p0, window, None if comp is None else args[3],
+              None if comp_idx is None else comp_idx.contiguous().numpy(), ratio, args[2], scale, o)
+    return out
 
 
 # --- hyper-connections ----------------------------------------------------------------------------------------

@@ -47,7 +47,9 @@ typedef struct {
     atomic_int_fast64_t nchunks; /* relaxed: a worker reads it only after claiming by `next`, or to see none left */
     atomic_int_fast64_t next;  /* next chunk index to hand out */
     atomic_int_fast64_t done;  /* chunks of the current job finished */
-    unsigned mxcsr;            /* the caller's float environment, so results match whoever calls */
+    atomic_uint mxcsr;         /* the caller's float environment, so results match whoever calls; a worker
+                                  applies it per claimed chunk (a late worker must not read it while the
+                                  next job's caller writes it) */
 } pool_t;
 
 static pool_t P = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
@@ -97,6 +99,12 @@ static void run_chunks(uint64_t gen, int worker) {
             break; /* another job's, or none left */
         if (!atomic_compare_exchange_weak(&P.next, &v, v + 1)) continue;  /* v reloaded */
         const int64_t n = atomic_load_explicit(&P.nchunks, memory_order_relaxed); /* fixed while this chunk is out */
+#if HAVE_MXCSR
+        if (worker) {
+            const unsigned csr = atomic_load_explicit(&P.mxcsr, memory_order_relaxed); /* this job's: set before open */
+            if (csr != _mm_getcsr()) _mm_setcsr(csr);
+        }
+#endif
         P.fn(P.ctx, v & IDX_MASK);
         if (atomic_fetch_add(&P.done, 1) + 1 == n) { /* the last chunk: wake the caller if it sleeps */
             pthread_mutex_lock(&P.mu);
@@ -127,9 +135,6 @@ static void *worker_main(void *arg) {
         }
         if (atomic_load(&P.shutdown)) return NULL;
         seen = atomic_load(&P.generation);
-#if HAVE_MXCSR
-        _mm_setcsr(P.mxcsr);
-#endif
         run_chunks(seen, 1);
     }
 }
@@ -225,7 +230,7 @@ void pool_run(int64_t nchunks, chunk_fn fn, void *ctx) {
     atomic_store_explicit(&P.nchunks, nchunks, memory_order_relaxed);
     atomic_store(&P.done, 0);
 #if HAVE_MXCSR
-    P.mxcsr = _mm_getcsr();
+    atomic_store_explicit(&P.mxcsr, _mm_getcsr(), memory_order_relaxed);
 #endif
     test_delay(&test_caller_us);
     /* open, after fn, ctx, nchunks and done: whoever claims a chunk of this generation sees them all */

@@ -144,8 +144,7 @@ def test_pinned_experts_are_never_evicted(fst):
             with pytest.raises(CacheFullError, match=r"budget of .* MB \(3 slots"):
                 c.acquire(2, [0, 1])
         c.acquire(2, [0, 1, 3]).release()  # released: all three slots usable again
-        st = c.stats()
-        assert st["pinned"] == 0 and st["reads"] > 100 and full[0] < 60, (st, full)
+        assert c.stats()["pinned"] == 0
 
 
 def test_get_overflows_to_transient_buffer(fst):
@@ -374,7 +373,8 @@ def test_loader_stress_many_threads_jittered_reads(fst):
         assert not any(t.is_alive() for t in threads), "a request hung"
         assert not errors, repr(errors[0])
         assert c.wait_idle(TIMEOUT)
-        assert c.stats()["pinned"] == 0
+        st = c.stats()
+        assert st["pinned"] == 0 and st["reads"] > 100 and full[0] < 60, (st, full)
 
 
 def test_outputs_do_not_depend_on_budget(fst):

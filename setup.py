@@ -20,7 +20,7 @@ setup(
         Extension(
             "fastar.quant._kernels",
             sources=sources,
-            depends=[CSRC + "kernels.h", CSRC + "kern_avx512.h", CSRC + "exp512.h"],
+            depends=[CSRC + h for h in ("kernels.h", "simd.h", "kern_avx512.h", "exp512.h")],
             extra_compile_args=extra,
             extra_link_args=link,
         )

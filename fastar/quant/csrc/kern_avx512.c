@@ -8,7 +8,9 @@
  *   microkernel of up to 12 tokens x 32 rows (24 zmm accumulators).
  * Does not own: argument checks, threading (kernels.c / pool.c).
  */
-#if defined(__x86_64__) || defined(__i386__)
+#include "kernels.h"
+
+#if FASTAR_X86
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), apply_to = function)
 #elif defined(__GNUC__)
@@ -20,16 +22,10 @@
 
 #include "exp512.h"
 #include "kern_avx512.h"
-#include "kernels.h"
 
 #define NR 32 /* tile rows (2 vectors) */
 #define MR 12 /* tokens per microkernel call */
 #define KC 128
-#if defined(__clang__)
-#define UNROLL _Pragma("unroll")
-#else
-#define UNROLL _Pragma("GCC unroll 16") /* token loops: keep every accumulator in a register */
-#endif
 
 static uint8_t fp4_map[XP_CHUNK], bf16_map[XP_CHUNK];
 
@@ -420,6 +416,8 @@ static double read_sum(const uint8_t *p, size_t n) {
 
 const isa_ops isa_avx512_ops = {
     .name = "avx512",
+    .needs = "avx2 fma f16c avx512f avx512bw avx512vl",
+    .vec = VEC_AVX512,
     .init = init_avx512,
     .dot_max = DOT_MAX,
     .fp4 = fp4_rows,
@@ -437,7 +435,4 @@ const isa_ops isa_avx512_ops = {
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
-#else
-#include "kernels.h"
-const isa_ops isa_avx512_ops = {.name = "avx512"};
-#endif
+#endif /* FASTAR_X86 */

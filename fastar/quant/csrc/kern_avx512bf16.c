@@ -10,7 +10,9 @@
  * T > DOT_MAX) runs the AVX-512 kernels of kern_avx512.c.
  * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (kernels.c / pool.c).
  */
-#if defined(__x86_64__) || defined(__i386__)
+#include "kernels.h"
+
+#if FASTAR_X86
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c"))), apply_to = function)
 #elif defined(__GNUC__)
@@ -20,7 +22,6 @@
 #include <string.h>
 
 #include "kern_avx512.h"
-#include "kernels.h"
 
 #define BH(v) ((__m512bh)(v)) /* bfloat16 pairs: the same 512 bits */
 /* Software prefetch distance in weight bytes. These kernels consume a row several times faster than the FP32 ones,
@@ -176,6 +177,8 @@ static void swiglu(const float *g, const float *u, float *out, int64_t n, float 
 
 const isa_ops isa_avx512bf16_ops = {
     .name = "avx512bf16",
+    .needs = "avx2 fma f16c avx512f avx512bw avx512vl avx512bf16 avx512vbmi",
+    .vec = VEC_AVX512,
     .init = init_avx512bf16,
     .dot_max = DOT_MAX, /* kern_avx512.c's: its FP32 dot path takes the calls whose x does not allow the bf16 one */
     .fp4 = fp4_rows,
@@ -195,7 +198,4 @@ const isa_ops isa_avx512bf16_ops = {
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
-#else
-#include "kernels.h"
-const isa_ops isa_avx512bf16_ops = {.name = "avx512bf16"};
-#endif
+#endif /* FASTAR_X86 */

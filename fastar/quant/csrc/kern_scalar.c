@@ -117,6 +117,8 @@ static double read_sum_scalar(const uint8_t *p, size_t n) {
 
 const isa_ops isa_scalar_ops = {
     .name = "scalar",
+    .needs = "",
+    .vec = VEC_PORTABLE,
     .dot_max = 0,
     .fp4 = fp4_rows_scalar,
     .fp8 = fp8_rows_scalar,

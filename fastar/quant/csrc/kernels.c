@@ -32,7 +32,7 @@ static void swiglu_any(const float *g, const float *u, float *out, int64_t n, fl
 
 /* ---------------------------------------------------------------- CPU features and ISA choice */
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if FASTAR_X86
 /* Register r (0-3: EAX, EBX, ECX, EDX) of CPUID leaf / subleaf, 0 where the leaf does not exist. */
 static unsigned cpuid_reg(unsigned leaf, unsigned sub, int r) {
     unsigned v[4];
@@ -44,7 +44,7 @@ static unsigned cpuid_reg(unsigned leaf, unsigned sub, int r) {
 #endif
 
 static int cpu_has(const char *feat) {
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if FASTAR_X86
     __builtin_cpu_init();
     if (!strcmp(feat, "avx2")) return __builtin_cpu_supports("avx2");
     if (!strcmp(feat, "fma")) return __builtin_cpu_supports("fma");
@@ -61,19 +61,27 @@ static int cpu_has(const char *feat) {
     return 0;
 }
 
-/* The compiler's cpu_supports checks the OS saves the wide registers (XCR0), so these are safe to use. */
-static int isa_usable(const isa_ops *isa) {
-    if (isa == &isa_scalar_ops) return 1;
-    if (!isa->fp4) return 0; /* not built for this architecture */
-    int avx2 = cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c");
-    if (isa == &isa_avx2_ops) return avx2;
-    const int avx512 = avx2 && cpu_has("avx512f") && cpu_has("avx512bw") && cpu_has("avx512vl");
-    if (isa == &isa_avx512_ops) return avx512;
-    if (isa == &isa_avx512bf16_ops) return avx512 && cpu_has("avx512bf16") && cpu_has("avx512vbmi");
-    return 0;
-}
+/* The ISA tables, best first: the one list of them. */
+static const isa_ops *const ALL_ISAS[] = {
+#if FASTAR_X86
+    &isa_avx512bf16_ops, &isa_avx512_ops, &isa_avx2_ops,
+#endif
+    &isa_scalar_ops};
 
-static const isa_ops *const ALL_ISAS[] = {&isa_avx512bf16_ops, &isa_avx512_ops, &isa_avx2_ops, &isa_scalar_ops};
+/* Every feature in isa->needs. The compiler's cpu_supports checks the OS saves the wide registers (XCR0), so these
+ * are safe to use. */
+static int isa_usable(const isa_ops *isa) {
+    char feat[32];
+    for (const char *p = isa->needs; *p;) {
+        size_t n = strcspn(p, " ");
+        if (n >= sizeof feat) return 0;
+        memcpy(feat, p, n);
+        feat[n] = '\0';
+        if (n && !cpu_has(feat)) return 0;
+        p += n + (p[n] == ' ');
+    }
+    return 1;
+}
 
 static const isa_ops *best_isa(void) {
     const char *env = getenv("FASTAR_ISA"); /* e.g. FASTAR_ISA=avx2 to test a narrower path */
@@ -1088,10 +1096,10 @@ static PyObject *py_attend(PyObject *self, PyObject *args, PyObject *kw) {
                           .idx = has_idx ? v[4].b.buf : NULL, .sinks = v[2].b.buf, .out = v[5].b.buf, .T = T, .H = H,
                           .D = D, .K = dim(&v[1], 0), .E = E, .k = has_idx ? dim(&v[4], 1) : 0, .k0 = k0, .p0 = p0,
                           .window = window, .ratio = ratio, .scale = (float)scale};
-    const char *isa = ISA->name;
+    const isa_ops *isa = ISA;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = attn_run(&job, isa);
+    rc = attn_run(isa, &job);
     Py_END_ALLOW_THREADS
     if (rc) {
         PyErr_NoMemory();
@@ -1143,7 +1151,13 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
             ISA = ALL_ISAS[i];
             Py_RETURN_NONE;
         }
-    return PyErr_Format(PyExc_ValueError, "unknown ISA '%s' (avx512bf16, avx512, avx2, scalar or auto)", name);
+    char names[256] = "";
+    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++) {
+        strncat(names, ALL_ISAS[i]->name, sizeof names - strlen(names) - 1);
+        strncat(names, ", ", sizeof names - strlen(names) - 1);
+    }
+    names[strlen(names) - 2] = '\0'; /* the last ", " */
+    return PyErr_Format(PyExc_ValueError, "unknown ISA '%s' (%s or auto)", name, names);
 }
 
 static PyObject *py_get_isa(PyObject *self, PyObject *unused) {

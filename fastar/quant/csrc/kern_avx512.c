@@ -311,7 +311,7 @@ static void tile_rows(const mm_job *j, int64_t n0, int64_t n1, tile_fn deq) {
 
 /* ---------------------------------------------------------------- activation ops */
 
-/* fp8_act_quant_scalar (kernels.c) on 16 lanes, bit for bit: per block the same amax (a max is exact in any
+/* fp8_act_quant_scalar (kern_scalar.c) on 16 lanes, bit for bit: per block the same amax (a max is exact in any
  * order) and scale, then per value the same exact steps; e4m3 rounding by roundscale, which rounds to nearest
  * even like the scalar (y + 2^23) - 2^23 for the 0 <= y < 16 it sees. A block holding a NaN or an infinity is
  * left to the scalar code (its s = 1 quirk). */

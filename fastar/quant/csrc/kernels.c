@@ -765,48 +765,6 @@ fail:
 
 /* ---------------------------------------------------------------- activation quantization */
 
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-/* Nearest e4m3fn value of a (|a| <= 448, finite), ties to even: the quantum is 2^(max(e, -6) - 3) for a's
- * binade e (2^-9 below 2^-6, the subnormals); (y + 2^23) - 2^23 rounds y < 2^22 to an integer, ties to even. */
-static inline float e4m3_round(float a) {
-    const int e = (int)((f2u(a) >> 23) & 0xff) - 127;
-    const int q = (e < -6 ? -6 : e) - 3;
-    const float y = a * u2f((uint32_t)(127 - q) << 23);
-    return ((y + 8388608.0f) - 8388608.0f) * u2f((uint32_t)(127 + q) << 23);
-}
-
-/* DeepSeek's act_quant simulated: per `block` values of a row, s = 2^ceil(log2(max(amax, 1e-4) / 448)) and
- * x -> e4m3(x / s) * s. Bit-identical to fastar.model.ops.fp8_quant_sim_torch (tested), quirks included: a
- * block holding a NaN or an infinity gets s = 1 (NaN stays NaN, infinities saturate to +-448). */
-void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b0 = 0; b0 < K; b0 += block) {
-            const float *xb = x + r * K + b0;
-            float *ob = out + r * K + b0;
-            const int64_t n = K - b0 < block ? K - b0 : block;
-            float amax = 0.0f;
-            int bad = 0;
-            for (int64_t i = 0; i < n; i++) {
-                const float a = fabsf(xb[i]);
-                bad |= !(a <= 3.4028235e38f); /* NaN or inf */
-                amax = a > amax ? a : amax;
-            }
-            int ex = 0, sexp = 0; /* a NaN or infinite amax gives s = 1, as torch's frexp does */
-            if (!bad) {
-                const float m = frexpf((amax > 1e-4f ? amax : 1e-4f) / 448.0f, &ex); /* v = m 2^ex, m in [.5, 1) */
-                sexp = m == 0.5f ? ex - 1 : ex;                                       /* s = 2^sexp >= v */
-            }
-            const float s = ldexpf(1.0f, sexp), inv = ldexpf(1.0f, -sexp);
-            for (int64_t i = 0; i < n; i++) {
-                float v = xb[i] * inv;
-                v = v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v);
-                ob[i] = copysignf(e4m3_round(fabsf(v)), v) * s;
-            }
-        }
-}
-
 /* A float32 input and a writable float32 output of the same 2-D shape that do not overlap (unless in_place
  * allows out to be the input itself). */
 static int get_in_out(PyObject *ox, PyObject *oo, view_t v[2], const char *in_name, int in_place) {

@@ -5,7 +5,7 @@
  * Layout of the sources:
  *   kernels.c      Python module: argument checks, dispatch, row partitioning, expert_ffn, bench helpers
  *   pool.c         persistent pthread pool (callers run one job at a time; the caller works too)
- *   kern_scalar.c  portable C kernels: the always-correct fallback, and the tables
+ *   kern_scalar.c  portable C kernels: the always-correct fallback, the tables, the FP8 activation quantization
  *   kern_avx2.c    AVX2+FMA+F16C kernels (compiled with a target pragma, picked at run time)
  *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers both AVX-512 files share
  *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)
@@ -117,7 +117,7 @@ int pool_get_threads(void);
 int pool_default_threads(void);
 void pool_run(int64_t nchunks, chunk_fn fn, void *ctx);
 
-/* DeepSeek's FP8 activation quant-dequant per `block` values of each row (kernels.c; out may be x). */
+/* DeepSeek's FP8 activation quant-dequant per `block` values of each row (kern_scalar.c; out may be x). */
 void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
 
 /* Row-wise ops of the forward pass (rowops.c); see fastar/model/ops.py for the math. */

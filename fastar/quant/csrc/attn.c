@@ -12,7 +12,7 @@
  * Three kernels of the same math, picked by the kernels' ISA (its vec): plain C (the fallback), AVX2+FMA (GCC/clang
  * vector types) and AVX-512 intrinsics, the last two register-tiled so each row is loaded once for several heads.
  * They round differently (FMA, exp), each within float32 rounding of the torch reference (tests/test_attend.py).
- * Does not own: argument checks (kernels.c), the pool (pool.c).
+ * Does not own: argument checks (bind_ops.c), the pool (pool.c).
  */
 #include <math.h>
 #include <stdatomic.h>

@@ -1,105 +1,26 @@
-/* fastar.quant._kernels: the CPython entry points of fastar's CPU kernels.
+/* fastar.quant._kernels: the CPython module of fastar's CPU kernels, and the bindings of its products.
  *
- * Owns: argument checking (buffer protocol; dtype, contiguity, shape, writability, aliasing -> TypeError /
- * ValueError, never a crash), run-time ISA choice (AVX-512 with BF16 > AVX-512 > AVX2+FMA+F16C > scalar,
- * overridable with set_isa), the per-call choice of the bf16 dot path (x_kind), splitting rows across the
- * thread pool with the GIL released, the fused routed-expert op, and the two machine probes the benchmark
- * needs (streaming read bandwidth, FMA peak); the entry points of mhc.c.
- * Does not own: the arithmetic (kern_*.c, mhc.c), the pool (pool.c), friendly Python wrappers (kernels.py).
- *
- * Every product writes out[t, n] = sum_k x[t, k] W[n, k] (or adds it when accumulate is true). Each output
- * element is computed by exactly one thread with code that does not depend on the thread count, so results
- * are bit-identical for any number of threads.
+ * Owns: the method table and module init; the argument checks every binding uses (buffer protocol; dtype,
+ * contiguity, shape, writability, aliasing -> TypeError / ValueError, never a crash); the bindings of the weight
+ * products and the fused routed experts; threads, ISA and CPU-feature controls; the two machine probes the
+ * benchmark needs (streaming read bandwidth, FMA peak). Each binding checks its arguments with the GIL held, then
+ * runs with it released.
+ * Does not own: the ISA choice and how products run (dispatch.c, experts.c), the bindings of the activation, row,
+ * mHC and attention ops (bind_ops.c), the arithmetic (kern_*.c, mhc.c, attn.c, rowops.c), the pool (pool.c),
+ * friendly Python wrappers (kernels.py).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "bindings.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "kernels.h"
+#include "dispatch.h"
 
-static const isa_ops *ISA = &isa_scalar_ops;
+/* ---------------------------------------------------------------- argument checking (bindings.h) */
 
-/* The ISA's activation ops, else the portable ones. */
-static void fp8_act_quant_rows(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
-    (ISA->act_quant ? ISA->act_quant : fp8_act_quant_scalar)(x, out, rows, K, block);
-}
-static void swiglu_any(const float *g, const float *u, float *out, int64_t n, float limit, float scale) {
-    (ISA->swiglu ? ISA->swiglu : swiglu_rows)(g, u, out, n, limit, scale);
-}
-
-/* ---------------------------------------------------------------- CPU features and ISA choice */
-
-#if FASTAR_X86
-/* Register r (0-3: EAX, EBX, ECX, EDX) of CPUID leaf / subleaf, 0 where the leaf does not exist. */
-static unsigned cpuid_reg(unsigned leaf, unsigned sub, int r) {
-    unsigned v[4];
-    __asm__ volatile("cpuid" : "=a"(v[0]), "=b"(v[1]), "=c"(v[2]), "=d"(v[3]) : "a"(leaf & 0x80000000u), "c"(0));
-    if (v[0] < leaf) return 0;
-    __asm__ volatile("cpuid" : "=a"(v[0]), "=b"(v[1]), "=c"(v[2]), "=d"(v[3]) : "a"(leaf), "c"(sub));
-    return v[r];
-}
-#endif
-
-static int cpu_has(const char *feat) {
-#if FASTAR_X86
-    __builtin_cpu_init();
-    if (!strcmp(feat, "avx2")) return __builtin_cpu_supports("avx2");
-    if (!strcmp(feat, "fma")) return __builtin_cpu_supports("fma");
-    /* no __builtin_cpu_supports for these in older compilers: the CPUID bits (the OS's saving of the vector
-     * registers is what the avx2 / avx512f checks above and below establish) */
-    if (!strcmp(feat, "f16c")) return (cpuid_reg(1, 0, 2) >> 29) & 1;
-    if (!strcmp(feat, "avx512f")) return __builtin_cpu_supports("avx512f");
-    if (!strcmp(feat, "avx512bw")) return __builtin_cpu_supports("avx512bw");
-    if (!strcmp(feat, "avx512vl")) return __builtin_cpu_supports("avx512vl");
-    if (!strcmp(feat, "avx512vbmi")) return (cpuid_reg(7, 0, 2) >> 1) & 1;
-    if (!strcmp(feat, "avx512bf16")) return (cpuid_reg(7, 1, 0) >> 5) & 1;
-#endif
-    (void)feat;
-    return 0;
-}
-
-/* The ISA tables, best first: the one list of them. */
-static const isa_ops *const ALL_ISAS[] = {
-#if FASTAR_X86
-    &isa_avx512bf16_ops, &isa_avx512_ops, &isa_avx2_ops,
-#endif
-    &isa_scalar_ops};
-
-/* Every feature in isa->needs. The compiler's cpu_supports checks the OS saves the wide registers (XCR0), so these
- * are safe to use. */
-static int isa_usable(const isa_ops *isa) {
-    char feat[32];
-    for (const char *p = isa->needs; *p;) {
-        size_t n = strcspn(p, " ");
-        if (n >= sizeof feat) return 0;
-        memcpy(feat, p, n);
-        feat[n] = '\0';
-        if (n && !cpu_has(feat)) return 0;
-        p += n + (p[n] == ' ');
-    }
-    return 1;
-}
-
-static const isa_ops *best_isa(void) {
-    const char *env = getenv("FASTAR_ISA"); /* e.g. FASTAR_ISA=avx2 to test a narrower path */
-    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
-        if (env && *env && !strcmp(env, ALL_ISAS[i]->name) && isa_usable(ALL_ISAS[i])) return ALL_ISAS[i];
-    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
-        if (isa_usable(ALL_ISAS[i])) return ALL_ISAS[i];
-    return &isa_scalar_ops;
-}
-
-/* ---------------------------------------------------------------- argument checking */
-
-typedef struct {
-    Py_buffer b;
-    int held;
-} view_t;
-
-static void release(view_t *v, int n) {
+void release(view_t *v, int n) {
     for (int i = 0; i < n; i++)
         if (v[i].held) {
             PyBuffer_Release(&v[i].b);
@@ -118,7 +39,7 @@ static const char *dtype_name(char code) {
 }
 
 /* Get a C-contiguous view of `obj` with numpy dtype `code` and `ndim` dimensions. */
-static int get_view(PyObject *obj, view_t *v, const char *name, char code, int ndim, int writable) {
+int get_view(PyObject *obj, view_t *v, const char *name, char code, int ndim, int writable) {
     if (PyObject_GetBuffer(obj, &v->b, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "%s must be a numpy array (buffer protocol), got %.200s", name, Py_TYPE(obj)->tp_name);
@@ -149,9 +70,7 @@ static int get_view(PyObject *obj, view_t *v, const char *name, char code, int n
     return 0;
 }
 
-static int64_t dim(const view_t *v, int i) { return (int64_t)v->b.shape[i]; }
-
-static int shape_is(const view_t *v, const char *name, int64_t a, int64_t b, const char *what) {
+int shape_is(const view_t *v, const char *name, int64_t a, int64_t b, const char *what) {
     if (dim(v, 0) != a || dim(v, 1) != b) {
         PyErr_Format(PyExc_ValueError, "%s has shape (%lld, %lld), expected (%lld, %lld) %s", name, (long long)dim(v, 0),
                      (long long)dim(v, 1), (long long)a, (long long)b, what);
@@ -161,7 +80,7 @@ static int shape_is(const view_t *v, const char *name, int64_t a, int64_t b, con
 }
 
 /* An output is written while the inputs are read by other threads: refuse any overlap instead of racing. */
-static int no_overlap_named(const view_t *out, const char *name, const view_t *in, int n_in) {
+int no_overlap_named(const view_t *out, const char *name, const view_t *in, int n_in) {
     const char *o0 = out->b.buf, *o1 = o0 + out->b.len;
     for (int i = 0; i < n_in; i++) {
         const char *a0 = in[i].b.buf, *a1 = a0 + in[i].b.len;
@@ -173,244 +92,18 @@ static int no_overlap_named(const view_t *out, const char *name, const view_t *i
     return 0;
 }
 
-static int no_overlap(const view_t *out, const view_t *in, int n_in) { return no_overlap_named(out, "out", in, n_in); }
+int no_overlap(const view_t *out, const view_t *in, int n_in) { return no_overlap_named(out, "out", in, n_in); }
 
-/* ---------------------------------------------------------------- running a product over the pool */
-
-typedef struct {
-    rows_fn fn;
-    const mm_job *jobs; /* products with the same N, run as one pool job */
-    int64_t rows_per_chunk, chunks_per_job;
-} mm_ctx;
-
-static void mm_chunk(void *p, int64_t i) {
-    const mm_ctx *c = p;
-    const mm_job *job = c->jobs + i / c->chunks_per_job;
-    int64_t n0 = i % c->chunks_per_job * c->rows_per_chunk, n1 = n0 + c->rows_per_chunk;
-    if (n1 > job->N) n1 = job->N;
-    c->fn(job, n0, n1);
+/* A float32 input and a writable float32 output of the same 2-D shape that do not overlap (unless in_place
+ * allows out to be the input itself). */
+int get_in_out(PyObject *ox, PyObject *oo, view_t v[2], const char *in_name, int in_place) {
+    if (get_view(ox, &v[0], in_name, 'f', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) return -1;
+    if (shape_is(&v[1], "out", dim(&v[0], 0), dim(&v[0], 1), "= the input's shape")) return -1;
+    if (in_place && v[0].b.buf == v[1].b.buf) return 0;
+    return no_overlap(&v[1], &v[0], 1);
 }
 
-/* ~8 chunks per thread so a descheduled thread (the machine is shared) delays only a small piece. */
-static int64_t chunk_rows(int64_t N) {
-    int64_t target = 8 * (int64_t)pool_get_threads();
-    int64_t r = (N + target - 1) / target;
-    r = (r + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
-    return r < ROW_ALIGN ? ROW_ALIGN : r;
-}
-
-/* n products with the same N (the groups of a grouped product) over the pool at once: one hand-off, and the
- * threads balance across all their rows. */
-static void run_jobs(rows_fn fn, const mm_job *jobs, int64_t n) {
-    if (n <= 0 || jobs->N <= 0 || jobs->T <= 0) return;
-    mm_ctx c = {fn, jobs, chunk_rows(n * jobs->N)};
-    if (c.rows_per_chunk > jobs->N) c.rows_per_chunk = (jobs->N + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
-    c.chunks_per_job = (jobs->N + c.rows_per_chunk - 1) / c.rows_per_chunk;
-    pool_run(n * c.chunks_per_job, mm_chunk, &c);
-}
-
-static void run_rows(rows_fn fn, const mm_job *job) { run_jobs(fn, job, 1); }
-
-static int dot_max(const isa_ops *isa) {
-    const char *env = getenv("FASTAR_DOT_MAX"); /* tuning knob: largest T that takes the dot path */
-    int d = env && *env ? atoi(env) : isa->dot_max;
-    return d < 0 ? 0 : (d > isa->dot_max ? isa->dot_max : d);
-}
-
-/* How x can take the bf16 dot path, in one scan.
- * X_EXACT: every x is an exact bfloat16 (low 16 bits zero: FP8-quantized activations have 4 significant bits) and
- * is zero or has a float32 exponent field in [17, 191], i.e. 2^-110 <= |x| < 2^65. Then every product with an
- * e4m3 / e2m1 weight is exact in float32 and a multiple of 2^-126 (x's quantum >= 2^-117, the weights' >= 2^-9),
- * so no partial sum is a float32 denormal (vdpbf16ps flushes those), and a sum of K < 2^53 products below
- * 2^65 * 448 < 2^74 cannot overflow before the float32 scale is applied. The product is then the FP32 path's up
- * to summation order.
- * X_SPLIT: not all exact, but every x is zero or has an exponent field in [33, 191] (2^-94 <= |x| < 2^65): each
- * splits into three bfloat16s (prep_job) whose smallest quantum 2^(e-23) is >= 2^-117, as above.
- * X_NONE otherwise (infinities, NaN, tiny or huge values). */
-enum { X_EXACT, X_SPLIT, X_NONE };
-
-static int x_kind(const float *x, int64_t n) {
-    uint32_t inexact = 0, out_exact = 0, out_split = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i], 4);
-        const uint32_t a = u & 0x7fffffffu, e = a >> 23;
-        inexact |= u & 0xffffu;
-        out_exact |= (a != 0) & (e - 17u > 174u);
-        out_split |= (a != 0) & (e - 33u > 158u);
-    }
-    return !inexact && !out_exact ? X_EXACT : out_split ? X_NONE : X_SPLIT;
-}
-
-/* The dot path's copy of x [T, K]: columns permuted per XP_CHUNK, dst[t, c0 + i] = x[t, c0 + map[i]], each row
- * zero padded to *kp = K rounded up to XP_CHUNK; float32, or (bf16) the high halves of the floats. 64-byte aligned
- * (so are its rows), so no vector load of it straddles two cache lines. NULL when out of memory. */
-static void *permute_x(const uint8_t *map, const float *x, int64_t T, int64_t K, int64_t *kp, int bf16) {
-    *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK;
-    void *dst = aligned_alloc(64, (size_t)(T * *kp) * (bf16 ? sizeof(uint16_t) : sizeof(float)) + 64);
-    if (!dst) return NULL;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t c0 = 0; c0 < *kp; c0 += XP_CHUNK)
-            for (int i = 0; i < XP_CHUNK; i++) {
-                const int64_t col = c0 + map[i];
-                const float v = col < K ? x[t * K + col] : 0.0f;
-                if (bf16) {
-                    uint32_t u;
-                    memcpy(&u, &v, 4);
-                    ((uint16_t *)dst)[t * *kp + c0 + i] = (uint16_t)(u >> 16);
-                } else {
-                    ((float *)dst)[t * *kp + c0 + i] = v;
-                }
-            }
-    return dst;
-}
-
-/* The path of a dot-path product: the FP32 kernels, the bf16 ones on exact x, or the bf16 ones on x split in three
- * (prep_job). Decided once per call from all of its x, so every token (and group) of a call takes the same. */
-enum { PATH_FP32, PATH_BF16, PATH_SPLIT };
-
-static int choose_path(const isa_ops *isa, char fmt, const float *x, int64_t T, int64_t K) {
-    const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : fmt == '8' ? isa->fp8_bmap : NULL;
-    if (!bmap || T > dot_max(isa)) return PATH_FP32;
-    const int kind = x_kind(x, T * K);
-    return kind == X_EXACT ? PATH_BF16 : kind == X_SPLIT ? PATH_SPLIT : PATH_FP32;
-}
-
-/* What prep_job allocated and changed in a job, for finish_job. */
-typedef struct {
-    mm_job *job;
-    void *buf, *xs;
-    float *out; /* the caller's out under PATH_SPLIT (the job writes 3T pseudo-token rows to a buffer) */
-    int64_t T, ldo;
-    int accumulate;
-} prep_t;
-
-/* Makes job ready to run on `path`. PATH_SPLIT, for x that is not bf16-exact (the unquantized attention output
- * into wo_a, the reference numerics): every float x = x1 + x2 + x3 exactly, x1 = x with its low 16 bits cleared,
- * x2 = the rest likewise, x3 = what remains (at most 8 significant bits), each a bfloat16. The product runs on 3T
- * pseudo-tokens (3t, 3t+1, 3t+2) = (x1, x2, x3) of token t, and finish_job adds out[t] (+)= (o[3t] + o[3t+1]) +
- * o[3t+2]: the same sum as the FP32 path's up to float32 summation order, at about 1.4-1.8x its speed at T = 1
- * (the weights are decoded once for the three). A bf16-exact token splits into (x, 0, 0) and gets exactly its
- * one-part result, so a token's outputs do not depend on its batch-mates here either. Returns 0, or -1 for out of
- * memory (then finish_job frees what was allocated). */
-static int prep_job(const isa_ops *isa, char fmt, int path, mm_job *job, prep_t *p) {
-    *p = (prep_t){.job = job, .out = job->out, .T = job->T, .ldo = job->ldo, .accumulate = job->accumulate};
-    job->dot = job->T <= dot_max(isa);
-    job->xp = NULL;
-    job->xb = NULL;
-    if (!job->dot) return 0;
-    const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : isa->fp8_bmap;
-    const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
-    if (path == PATH_BF16) {
-        job->xb = p->buf = permute_x(bmap, job->x, job->T, job->K, &job->kp, 1);
-    } else if (path == PATH_SPLIT) {
-        const int64_t T = job->T, K = job->K;
-        float *xs = p->xs = malloc((size_t)(3 * T * K) * sizeof(float));
-        float *o = p->buf = malloc((size_t)(3 * T * job->N) * sizeof(float));
-        if (!xs || !o) return -1;
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t k = 0; k < K; k++) {
-                const float v = job->x[t * K + k];
-                uint32_t u;
-                memcpy(&u, &v, 4);
-                u &= 0xffff0000u;
-                float x1, x2;
-                memcpy(&x1, &u, 4);
-                const float r = v - x1; /* exact: the low 16 bits of x's significand */
-                memcpy(&u, &r, 4);
-                u &= 0xffff0000u;
-                memcpy(&x2, &u, 4);
-                xs[(3 * t) * K + k] = x1;
-                xs[(3 * t + 1) * K + k] = x2;
-                xs[(3 * t + 2) * K + k] = r - x2; /* exact, at most 8 significant bits */
-            }
-        job->xb = permute_x(bmap, xs, 3 * T, K, &job->kp, 1);
-        free(xs);
-        p->xs = (void *)job->xb;
-        job->x = NULL, job->T = 3 * T, job->out = o, job->ldo = job->N, job->accumulate = 0;
-        return job->xb ? 0 : -1;
-    } else if (map) {
-        job->xp = p->buf = permute_x(map, job->x, job->T, job->K, &job->kp, 0);
-    } else {
-        return 0;
-    }
-    return p->buf ? 0 : -1;
-}
-
-/* Completes a job prep_job made ready (after it ran, or after prep failed) and frees its buffers. */
-static void finish_job(prep_t *p, int ran) {
-    mm_job *job = p->job;
-    if (p->xs && ran) { /* PATH_SPLIT: sum the three parts of each token into the caller's out */
-        const int64_t N = job->N;
-        const float *o = p->buf;
-        for (int64_t t = 0; t < p->T; t++) {
-            float *dst = p->out + t * p->ldo;
-            const float *a = o + 3 * t * N, *b = a + N, *c = b + N;
-            for (int64_t n = 0; n < N; n++) {
-                const float v = (a[n] + b[n]) + c[n];
-                dst[n] = p->accumulate ? dst[n] + v : v;
-            }
-        }
-    }
-    free(p->buf);
-    free(p->xs);
-    job->out = p->out, job->T = p->T, job->ldo = p->ldo, job->accumulate = p->accumulate;
-    job->xp = NULL, job->xb = NULL;
-    p->buf = p->xs = NULL;
-}
-
-static rows_fn rows_of(const isa_ops *isa, char fmt) { return fmt == '4' ? isa->fp4 : fmt == '8' ? isa->fp8 : isa->bf16; }
-
-static void empty_sum(mm_job *job) {
-    if (!job->accumulate)
-        for (int64_t t = 0; t < job->T; t++) memset(job->out + t * job->ldo, 0, (size_t)job->N * sizeof(float));
-}
-
-/* Runs one product with the GIL released. Returns 0, or -1 for out of memory (GIL not held: caller raises). */
-static int product(const isa_ops *isa, char fmt, mm_job *job) {
-    if (job->K == 0) {
-        empty_sum(job);
-        return 0;
-    }
-    prep_t p;
-    const float *x = job->x;
-    int rc = prep_job(isa, fmt, choose_path(isa, fmt, job->x, job->T, job->K), job, &p);
-    if (!rc) run_rows(rows_of(isa, fmt), job);
-    finish_job(&p, !rc);
-    job->x = x;
-    return rc;
-}
-
-/* Runs a grouped product (groups > 1: out[t, g*R + r] = sum_k x[t, g*K + k] W[g*R + r, k]) as one pool job, with
- * one path for the whole call. Returns 0, or -1 for out of memory. */
-static int grouped_product(const isa_ops *isa, char fmt, const mm_job *whole, int64_t G) {
-    const int64_t T = whole->T, K = whole->K / G, R = whole->N / G;
-    const size_t wrow = fmt == '4' ? (size_t)K / 2 : fmt == '8' ? (size_t)K : 2 * (size_t)K; /* bytes per row */
-    mm_job *jobs = calloc((size_t)G, sizeof(mm_job));
-    prep_t *preps = calloc((size_t)G, sizeof(prep_t));
-    float *xg = malloc((size_t)(T * G * K) * sizeof(float)); /* x regrouped [G][T][K]: each group's rows contiguous */
-    int rc = !jobs || !preps || !xg ? -1 : 0;
-    int64_t prepared = 0;
-    if (!rc) {
-        const int path = choose_path(isa, fmt, whole->x, T, G * K);
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t t = 0; t < T; t++) memcpy(xg + (g * T + t) * K, whole->x + t * G * K + g * K, (size_t)K * sizeof(float));
-        for (int64_t g = 0; g < G && !rc; g++, prepared++) {
-            jobs[g] = *whole;
-            jobs[g].x = xg + g * T * K, jobs[g].K = K, jobs[g].N = R, jobs[g].out = whole->out + g * R;
-            jobs[g].w = (const uint8_t *)whole->w + (size_t)(g * R) * wrow;
-            if (fmt == '4') jobs[g].s = whole->s + g * R * (K / FP4_GROUP);
-            if (fmt == '8') jobs[g].s = whole->s + (g * R / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK);
-            rc = prep_job(isa, fmt, path, &jobs[g], &preps[g]);
-        }
-    }
-    if (!rc) run_jobs(rows_of(isa, fmt), jobs, G);
-    for (int64_t g = 0; g < prepared; g++) finish_job(&preps[g], !rc);
-    free(xg);
-    free(preps);
-    free(jobs);
-    return rc;
-}
+/* ---------------------------------------------------------------- weight products */
 
 /* fp4_matmul / fp8_matmul / bf16_matmul(x, w, [s,] out, accumulate, groups=1) -> None. groups = G > 1: a
  * block-diagonal product, x [T, G*K] (group g's input in columns g*K..), w [G*R, K] (group g's rows g*R..),
@@ -461,7 +154,7 @@ static PyObject *matmul(PyObject *args, PyObject *kw, char fmt) {
 
     mm_job job = {.x = vx->b.buf, .w = vw->b.buf, .s = fmt == 'b' ? NULL : vs->b.buf, .T = T, .N = N, .K = K * G,
                   .out = vo->b.buf, .ldo = N, .accumulate = accumulate};
-    const isa_ops *isa = ISA;
+    const isa_ops *isa = cur_isa;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     if (G == 1) {
@@ -488,114 +181,12 @@ static PyObject *py_fp4_matmul(PyObject *self, PyObject *args, PyObject *kw) { (
 static PyObject *py_fp8_matmul(PyObject *self, PyObject *args, PyObject *kw) { (void)self; return matmul(args, kw, '8'); }
 static PyObject *py_bf16_matmul(PyObject *self, PyObject *args, PyObject *kw) { (void)self; return matmul(args, kw, 'b'); }
 
-/* ---------------------------------------------------------------- the routed expert */
 
-typedef struct {
-    const isa_ops *isa;
-    mm_job gate, up; /* both write [T, I] buffers with ldo = I */
-    const float *route_w;
-    float limit;
-    int64_t rows_per_chunk;
-} ffn_ctx;
-
-/* Rows [n0, n1) of gate and up, then h = silu(min(gate, l)) * clamp(up, -l, l) * route_w[t] into gate's buffer.
- * NaN passes through the clamps as in numpy (comparisons, not fminf). limit <= 0 means no clamp, as DeepSeek's
- * swiglu_limit = 0 does. */
-static void ffn_phase1(void *p, int64_t i) {
-    const ffn_ctx *c = p;
-    const int64_t I = c->gate.N;
-    int64_t n0 = i * c->rows_per_chunk, n1 = n0 + c->rows_per_chunk;
-    if (n1 > I) n1 = I;
-    c->isa->fp4(&c->gate, n0, n1);
-    c->isa->fp4(&c->up, n0, n1);
-    for (int64_t t = 0; t < c->gate.T; t++)
-        (c->isa->swiglu ? c->isa->swiglu : swiglu_rows)(c->gate.out + t * I + n0, c->up.out + t * I + n0,
-                                                         c->gate.out + t * I + n0, n1 - n0, c->limit, c->route_w[t]);
-}
-
-/* ---------------------------------------------------------------- a layer's routed experts at once */
-
-typedef struct {
-    ffn_ctx *c;              /* one per expert, all with the same I and rows_per_chunk */
-    int64_t chunks_per_expert;
-} ffn_multi;
-
-static void ffn_multi_phase1(void *p, int64_t i) {
-    const ffn_multi *m = p;
-    ffn_phase1(&m->c[i / m->chunks_per_expert], i % m->chunks_per_expert);
-}
-
-/* An expert product's path: choose_path's, but never PATH_SPLIT (phase 1 writes gate and up straight into the
- * SwiGLU, so their rows cannot be three pseudo-tokens' partial sums). */
-static int expert_path(const isa_ops *isa, const mm_job *job) {
-    const int path = choose_path(isa, '4', job->x, job->T, job->K);
-    return path == PATH_SPLIT ? PATH_FP32 : path;
-}
-
-/* E routed experts of one layer (ew: 6 arrays each, as expert_ffn's w1, s1, w3, s3, w2, s2) as two pool jobs, all
- * gate/up rows then all down rows, instead of 2E. Expert e takes the tokens rows[off[e]] .. rows[off[e+1] - 1]
- * of x [*, D] with routing weights rw[off[e] ..]; its outputs are added into out[rows[j]] expert after expert, in
- * the given order: bit for bit what E expert_ffn calls (which are this with E = 1) and index_add_s in that order
- * give, since each expert's products choose their paths and sum as they do alone. Returns 0, or -1 for out of
- * memory. */
-static int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const float *x, int64_t D,
-                       int64_t I, const int64_t *rows, const int64_t *off, const float *rw, float limit,
-                       int64_t act_block, float *out) {
-    const int64_t M = off[E];
-    float *xs = malloc((size_t)(M * D) * sizeof(float)), *gu = malloc((size_t)(2 * M * I) * sizeof(float));
-    float *y = malloc((size_t)(M * D) * sizeof(float));
-    ffn_ctx *c = calloc((size_t)E, sizeof(ffn_ctx));
-    mm_job *down = calloc((size_t)E, sizeof(mm_job));
-    prep_t *preps = calloc((size_t)(2 * E), sizeof(prep_t)); /* per expert: its gate/up inputs, its down inputs */
-    int64_t prepared = 0;
-    int rc = !xs || !gu || !y || !c || !down || !preps ? -1 : 0;
-    if (!rc) {
-        for (int64_t j = 0; j < M; j++) memcpy(xs + j * D, x + rows[j] * D, (size_t)D * sizeof(float));
-        if (act_block) fp8_act_quant_rows(xs, xs, M, D, act_block); /* per row: as each expert quantizes its x */
-        const int64_t rpc = chunk_rows(E * I) < I ? chunk_rows(E * I) : (I + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
-        for (int64_t e = 0; e < E && !rc; e++) {
-            const int64_t T = off[e + 1] - off[e];
-            const uint8_t *const *w = ew + 6 * e;
-            c[e] = (ffn_ctx){.isa = isa, .route_w = rw + off[e], .limit = limit, .rows_per_chunk = rpc};
-            c[e].gate = (mm_job){.x = xs + off[e] * D, .w = w[0], .s = w[1], .T = T, .N = I, .K = D,
-                                 .out = gu + off[e] * I, .ldo = I};
-            rc = prep_job(isa, '4', expert_path(isa, &c[e].gate), &c[e].gate, &preps[prepared++]);
-            c[e].up = c[e].gate;
-            c[e].up.w = w[2], c[e].up.s = w[3], c[e].up.out = gu + (M + off[e]) * I;
-        }
-        if (!rc) {
-            ffn_multi m = {c, (I + rpc - 1) / rpc};
-            pool_run(E * m.chunks_per_expert, ffn_multi_phase1, &m);
-            if (act_block) fp8_act_quant_rows(gu, gu, M, I, act_block);
-        }
-        for (int64_t e = 0; e < E && !rc; e++) {
-            const uint8_t *const *w = ew + 6 * e;
-            down[e] = (mm_job){.x = gu + off[e] * I, .w = w[4], .s = w[5], .T = off[e + 1] - off[e], .N = D, .K = I,
-                               .out = y + off[e] * D, .ldo = D, .accumulate = 0};
-            rc = prep_job(isa, '4', expert_path(isa, &down[e]), &down[e], &preps[prepared++]); /* h decides */
-        }
-        if (!rc) {
-            run_jobs(isa->fp4, down, E);
-            for (int64_t j = 0; j < M; j++) { /* expert after expert: the fixed order of the sum */
-                float *o = out + rows[j] * D;
-                const float *v = y + j * D;
-                for (int64_t d = 0; d < D; d++) o[d] += v[d];
-            }
-        }
-    }
-    for (int64_t i = 0; i < prepared; i++) finish_job(&preps[i], !rc);
-    free(preps);
-    free(down);
-    free(c);
-    free(y);
-    free(gu);
-    free(xs);
-    return rc;
-}
+/* ---------------------------------------------------------------- the fused routed experts */
 
 /* expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit, out, act_block=0) -> None; out [T, D] is accumulated
- * into. act_block > 0 applies DeepSeek's FP8 activation quantization (fp8_act_quant_rows) per act_block values to
- * x before w1/w3 and to the routed mid activation before w2, as the official numerics do. */
+ * into. act_block > 0 applies DeepSeek's FP8 activation quantization (act_quant_rows) per act_block values to x
+ * before w1/w3 and to the routed mid activation before w2, as the official numerics do. */
 static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *kws[] = {"x", "w1", "s1", "w3", "s3", "w2", "s2", "route_w", "limit", "out", "act_block", NULL};
@@ -631,7 +222,7 @@ static PyObject *py_expert_ffn(PyObject *self, PyObject *args, PyObject *kw) {
     }
     if (no_overlap(&v[8], v, 8)) goto fail;
 
-    const isa_ops *isa = ISA;
+    const isa_ops *isa = cur_isa;
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS
     if (T > 0 && D > 0 && I > 0) { /* one expert on all T tokens: experts_run with E = 1 */
@@ -738,7 +329,7 @@ static PyObject *py_experts_ffn(PyObject *self, PyObject *args, PyObject *kw) {
             shape_is(&w[5], "s2", D, I / 32, "= (D, I/32)") || no_overlap(&v[4], w, 6))
             goto fail;
     }
-    const isa_ops *isa = ISA;
+    const isa_ops *isa = cur_isa;
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS
     if (E > 0 && D > 0 && I > 0)
@@ -760,313 +351,6 @@ fail:
     free(ev);
     free(ew);
     Py_DECREF(seq);
-    return NULL;
-}
-
-/* ---------------------------------------------------------------- activation quantization */
-
-/* A float32 input and a writable float32 output of the same 2-D shape that do not overlap (unless in_place
- * allows out to be the input itself). */
-static int get_in_out(PyObject *ox, PyObject *oo, view_t v[2], const char *in_name, int in_place) {
-    if (get_view(ox, &v[0], in_name, 'f', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) return -1;
-    if (shape_is(&v[1], "out", dim(&v[0], 0), dim(&v[0], 1), "= the input's shape")) return -1;
-    if (in_place && v[0].b.buf == v[1].b.buf) return 0;
-    return no_overlap(&v[1], &v[0], 1);
-}
-
-/* fp8_act_quant(x, block, out) -> None; x, out float32 [R, K] (out may be x) */
-static PyObject *py_fp8_act_quant(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *ox, *oo;
-    Py_ssize_t block;
-    if (!PyArg_ParseTuple(args, "OnO", &ox, &block, &oo)) return NULL;
-    view_t v[2];
-    memset(v, 0, sizeof v);
-    if (get_in_out(ox, oo, v, "x", 1)) goto fail;
-    if (block < 1) {
-        PyErr_Format(PyExc_ValueError, "block must be positive, got %zd", block);
-        goto fail;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    fp8_act_quant_rows(v[0].b.buf, v[1].b.buf, dim(&v[0], 0), dim(&v[0], 1), block);
-    Py_END_ALLOW_THREADS
-    release(v, 2);
-    Py_RETURN_NONE;
-fail:
-    release(v, 2);
-    return NULL;
-}
-
-/* ---------------------------------------------------------------- mHC (mhc.c) */
-
-/* sinkhorn(logits f32 [B, n*n], n, iters, eps, out f32 [B, n*n]) -> None */
-static PyObject *py_sinkhorn(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *ox, *oo;
-    int n, iters;
-    double eps;
-    if (!PyArg_ParseTuple(args, "OiidO", &ox, &n, &iters, &eps, &oo)) return NULL;
-    view_t v[2];
-    memset(v, 0, sizeof v);
-    if (get_in_out(ox, oo, v, "logits", 0)) goto fail;
-    if (n < 1 || n > 16 || iters < 1 || dim(&v[0], 1) != (int64_t)n * n) {
-        PyErr_Format(PyExc_ValueError, "sinkhorn needs 1 <= n <= 16, iters >= 1 and logits [B, n*n]; got n=%d, "
-                     "iters=%d, logits [%lld, %lld]", n, iters, (long long)dim(&v[0], 0), (long long)dim(&v[0], 1));
-        goto fail;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    sinkhorn_rows(v[0].b.buf, v[1].b.buf, dim(&v[0], 0), n, iters, (float)eps);
-    Py_END_ALLOW_THREADS
-    release(v, 2);
-    Py_RETURN_NONE;
-fail:
-    release(v, 2);
-    return NULL;
-}
-
-/* ---------------------------------------------------------------- row-wise ops (rowops.c) */
-
-/* rms_norm(x f32 [R, K], weight f32 [K] | None, eps, out f32 [R, K]) -> None; out may be x */
-static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *ox, *ow, *oo;
-    double eps;
-    if (!PyArg_ParseTuple(args, "OOdO", &ox, &ow, &eps, &oo)) return NULL;
-    view_t v[3];
-    memset(v, 0, sizeof v);
-    if (get_in_out(ox, oo, v, "x", 1)) goto fail;
-    if (ow != Py_None) {
-        if (get_view(ow, &v[2], "weight", 'f', 1, 0)) goto fail;
-        if (v[2].b.shape[0] != dim(&v[0], 1)) {
-            PyErr_Format(PyExc_ValueError, "weight has %zd values, expected %lld (x's last dim)", v[2].b.shape[0],
-                         (long long)dim(&v[0], 1));
-            goto fail;
-        }
-    }
-    Py_BEGIN_ALLOW_THREADS
-    rms_norm_rows(v[0].b.buf, ow != Py_None ? v[2].b.buf : NULL, v[1].b.buf, dim(&v[0], 0), dim(&v[0], 1), (float)eps);
-    Py_END_ALLOW_THREADS
-    release(v, 3);
-    Py_RETURN_NONE;
-fail:
-    release(v, 3);
-    return NULL;
-}
-
-/* rope(x f32 [R, D], cos f32 [T, h], sin f32 [T, h], inverse, out f32 [R, D]) -> None: the last 2h dims of each row
- * rotated as interleaved pairs by its token's angles (R = T * rows per token); out may be x */
-static PyObject *py_rope(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *ox, *oc, *os, *oo;
-    int inverse;
-    if (!PyArg_ParseTuple(args, "OOOpO", &ox, &oc, &os, &inverse, &oo)) return NULL;
-    view_t v[4];
-    memset(v, 0, sizeof v);
-    if (get_in_out(ox, oo, v, "x", 1) || get_view(oc, &v[2], "cos", 'f', 2, 0) || get_view(os, &v[3], "sin", 'f', 2, 0))
-        goto fail;
-    const int64_t R = dim(&v[0], 0), D = dim(&v[0], 1), T = dim(&v[2], 0), h = dim(&v[2], 1);
-    if (shape_is(&v[3], "sin", T, h, "(= cos's shape)")) goto fail;
-    if (T < 1 || R % T || 2 * h > D) {
-        PyErr_Format(PyExc_ValueError, "rope needs x [T * m, D] with cos/sin [T, h] and 2h <= D; got x [%lld, %lld], "
-                     "cos [%lld, %lld]", (long long)R, (long long)D, (long long)T, (long long)h);
-        goto fail;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    rope_rows(v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, R, D, h, R / T, inverse);
-    Py_END_ALLOW_THREADS
-    release(v, 4);
-    Py_RETURN_NONE;
-fail:
-    release(v, 4);
-    return NULL;
-}
-
-/* swiglu(gate f32 [T, I], up f32 [T, I], limit, out f32 [T, I]) -> None: silu(min(gate, l)) * clamp(up, -l, l)
- * (limit <= 0: no clamp) */
-static PyObject *py_swiglu(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *og, *ou, *oo;
-    double limit;
-    if (!PyArg_ParseTuple(args, "OOdO", &og, &ou, &limit, &oo)) return NULL;
-    view_t v[3];
-    memset(v, 0, sizeof v);
-    if (get_in_out(og, oo, v, "gate", 0) || get_view(ou, &v[2], "up", 'f', 2, 0) ||
-        shape_is(&v[2], "up", dim(&v[0], 0), dim(&v[0], 1), "(= gate's shape)") || no_overlap(&v[1], &v[2], 1))
-        goto fail;
-    Py_BEGIN_ALLOW_THREADS
-    swiglu_any(v[0].b.buf, v[2].b.buf, v[1].b.buf, dim(&v[0], 0) * dim(&v[0], 1), (float)limit, 1.0f);
-    Py_END_ALLOW_THREADS
-    release(v, 3);
-    Py_RETURN_NONE;
-fail:
-    release(v, 3);
-    return NULL;
-}
-
-/* hc_pre(x, fn, base, scale, n, iters, hc_eps, eps, u, post=None, comb=None) -> None: a layer site's mHC collapse,
- * x f32 [T, n*d] (the flattened streams), fn f32 [R, n*d], base f32 [R], scale f32 [3] -> u f32 [T, d], post f32
- * [T, n], comb f32 [T, n*n], with R = (2+n)*n; with post and comb None, the final head: R = n, scale [1], u only. */
-static PyObject *py_hc_pre(PyObject *self, PyObject *args, PyObject *kw) {
-    (void)self;
-    static char *kws[] = {"x", "fn", "base", "scale", "n", "iters", "hc_eps", "eps", "u", "post", "comb", NULL};
-    PyObject *o[7] = {NULL, NULL, NULL, NULL, NULL, Py_None, Py_None}; /* x, fn, base, scale, u, post, comb */
-    int n, iters;
-    double hc_eps, eps;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOiiddO|OO", kws, &o[0], &o[1], &o[2], &o[3], &n, &iters, &hc_eps,
-                                     &eps, &o[4], &o[5], &o[6]))
-        return NULL;
-    const int head = o[5] == Py_None;
-    if (head != (o[6] == Py_None))
-        return PyErr_Format(PyExc_ValueError, "post and comb must both be arrays (a layer's mHC) or both None (the head)");
-    if (n < 1 || n > 16) return PyErr_Format(PyExc_ValueError, "n must be in [1, 16], got %d", n);
-    if (!head && iters < 1) return PyErr_Format(PyExc_ValueError, "iters must be >= 1, got %d", iters);
-    view_t v[7];
-    memset(v, 0, sizeof v);
-    static const char *names[7] = {"x", "fn", "base", "scale", "u", "post", "comb"};
-    const int nv = head ? 5 : 7;
-    for (int i = 0; i < nv; i++)
-        if (get_view(o[i], &v[i], names[i], 'f', i == 2 || i == 3 ? 1 : 2, i >= 4)) goto fail;
-    const int64_t T = dim(&v[0], 0), K = dim(&v[0], 1), d = K / n, R = head ? n : (int64_t)(2 + n) * n;
-    if (K % n) {
-        PyErr_Format(PyExc_ValueError, "x has shape (%lld, %lld), expected (T, n*d) with n = %d", (long long)T,
-                     (long long)K, n);
-        goto fail;
-    }
-    if (shape_is(&v[1], "fn", R, K, head ? "= (n, n*d) for the head" : "= ((2+n)*n, n*d)")) goto fail;
-    if (dim(&v[2], 0) != R || dim(&v[3], 0) != (head ? 1 : 3)) {
-        PyErr_Format(PyExc_ValueError, "base has %lld entries and scale %lld, expected %lld (fn's rows) and %d",
-                     (long long)dim(&v[2], 0), (long long)dim(&v[3], 0), (long long)R, head ? 1 : 3);
-        goto fail;
-    }
-    if (shape_is(&v[4], "u", T, d, "= (T, d)") || no_overlap_named(&v[4], "u", v, 4)) goto fail;
-    if (!head && (shape_is(&v[5], "post", T, n, "= (T, n)") || shape_is(&v[6], "comb", T, (int64_t)n * n, "= (T, n*n)") ||
-                  no_overlap_named(&v[5], "post", v, 5) || no_overlap_named(&v[6], "comb", v, 6)))
-        goto fail;
-    const isa_ops *isa = ISA;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = hc_pre_run(isa, v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, T, n, d, head, iters, (float)hc_eps,
-                    (float)eps, v[4].b.buf, head ? NULL : v[5].b.buf, head ? NULL : v[6].b.buf);
-    Py_END_ALLOW_THREADS
-    if (rc) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    release(v, nv);
-    Py_RETURN_NONE;
-fail:
-    release(v, nv);
-    return NULL;
-}
-
-/* hc_post(f, x, post, comb, out) -> None: the mix back, out f32 [T, n*d] from the sub-layer output f f32 [T, d],
- * the streams x f32 [T, n*d], post f32 [T, n] and comb f32 [T, n*n] (n from post). */
-static PyObject *py_hc_post(PyObject *self, PyObject *args, PyObject *kw) {
-    (void)self;
-    static char *kws[] = {"f", "x", "post", "comb", "out", NULL};
-    PyObject *o[5];
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO", kws, &o[0], &o[1], &o[2], &o[3], &o[4])) return NULL;
-    view_t v[5];
-    memset(v, 0, sizeof v);
-    static const char *names[5] = {"f", "x", "post", "comb", "out"};
-    for (int i = 0; i < 5; i++)
-        if (get_view(o[i], &v[i], names[i], 'f', 2, i == 4)) goto fail;
-    const int64_t T = dim(&v[0], 0), d = dim(&v[0], 1), n = dim(&v[2], 1);
-    if (n < 1) {
-        PyErr_Format(PyExc_ValueError, "post has shape (%lld, 0), expected (T, n) with n >= 1", (long long)dim(&v[2], 0));
-        goto fail;
-    }
-    if (shape_is(&v[1], "x", T, n * d, "= (T, n*d), n = post.shape[1], d = f.shape[1]") ||
-        shape_is(&v[2], "post", T, n, "= (T, n), T = f.shape[0]") || shape_is(&v[3], "comb", T, n * n, "= (T, n*n)") ||
-        shape_is(&v[4], "out", T, n * d, "= x.shape") || no_overlap(&v[4], v, 4))
-        goto fail;
-    const isa_ops *isa = ISA;
-    Py_BEGIN_ALLOW_THREADS
-    hc_post_run(isa, v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, T, (int)n, d, v[4].b.buf);
-    Py_END_ALLOW_THREADS
-    release(v, 5);
-    Py_RETURN_NONE;
-fail:
-    release(v, 5);
-    return NULL;
-}
-
-/* ---------------------------------------------------------------- attention */
-
-/* attend(q, keys, k0, p0, window, comp, comp_idx, ratio, sinks, scale, out) -> None: DeepSeek-V4's attention of
- * the queries q f32 [T, H, D] at positions p0.. over the window keys f32 [K, D] (row i at position k0 + i; query
- * p sees positions (p - window, p]) and the compressed entries comp f32 [E, D] (or None): those comp_idx i64
- * [T, k] picks (< 0: none), or with comp_idx None every e < (p + 1) // ratio; sinks f32 [H]; out f32 [T, H, D]. */
-static PyObject *py_attend(PyObject *self, PyObject *args, PyObject *kw) {
-    (void)self;
-    static char *kws[] = {"q", "keys", "k0", "p0", "window", "comp", "comp_idx", "ratio", "sinks", "scale", "out",
-                          NULL};
-    PyObject *oq, *ok, *oc, *oi, *os, *oo;
-    Py_ssize_t k0, p0, window, ratio;
-    double scale;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOnnnOOnOdO", kws, &oq, &ok, &k0, &p0, &window, &oc, &oi, &ratio, &os,
-                                     &scale, &oo))
-        return NULL;
-    view_t v[6]; /* q, keys, sinks, comp, comp_idx, out */
-    memset(v, 0, sizeof v);
-    const int has_comp = oc != Py_None, has_idx = oi != Py_None;
-    if (get_view(oq, &v[0], "q", 'f', 3, 0) || get_view(ok, &v[1], "keys", 'f', 2, 0) ||
-        get_view(os, &v[2], "sinks", 'f', 1, 0) || (has_comp && get_view(oc, &v[3], "comp", 'f', 2, 0)) ||
-        (has_idx && get_view(oi, &v[4], "comp_idx", 'q', 2, 0)) || get_view(oo, &v[5], "out", 'f', 3, 1))
-        goto fail;
-    const int64_t T = dim(&v[0], 0), H = dim(&v[0], 1), D = dim(&v[0], 2), E = has_comp ? dim(&v[3], 0) : 0;
-    if (dim(&v[5], 0) != T || dim(&v[5], 1) != H || dim(&v[5], 2) != D) {
-        PyErr_Format(PyExc_ValueError, "out has shape (%lld, %lld, %lld), expected q's (%lld, %lld, %lld)",
-                     (long long)dim(&v[5], 0), (long long)dim(&v[5], 1), (long long)dim(&v[5], 2), (long long)T,
-                     (long long)H, (long long)D);
-        goto fail;
-    }
-    if (dim(&v[2], 0) != H) {
-        PyErr_Format(PyExc_ValueError, "sinks has %lld entries, expected H = %lld (q.shape[1])",
-                     (long long)dim(&v[2], 0), (long long)H);
-        goto fail;
-    }
-    if (has_idx && !has_comp) {
-        PyErr_SetString(PyExc_ValueError, "comp_idx needs comp (the entries it picks from)");
-        goto fail;
-    }
-    if (shape_is(&v[1], "keys", dim(&v[1], 0), D, "= (K, D), D as q's") ||
-        (has_comp && shape_is(&v[3], "comp", E, D, "= (E, D), D as q's")) ||
-        (has_idx && shape_is(&v[4], "comp_idx", T, dim(&v[4], 1), "= (T, k), T as q's")))
-        goto fail;
-    if (k0 < 0 || p0 < 0 || window < 1 || ratio < 0 || (has_comp && !has_idx && ratio < 1)) {
-        PyErr_Format(PyExc_ValueError, "attend needs k0 >= 0, p0 >= 0, window >= 1 and ratio >= 0 (>= 1 with comp and "
-                     "no comp_idx); got k0=%zd, p0=%zd, window=%zd, ratio=%zd", k0, p0, window, ratio);
-        goto fail;
-    }
-    if (has_idx) {
-        const int64_t *idx = v[4].b.buf, n = T * dim(&v[4], 1);
-        for (int64_t i = 0; i < n; i++)
-            if (idx[i] >= E) {
-                PyErr_Format(PyExc_ValueError, "comp_idx[%lld, %lld] = %lld is not an entry of comp (E = %lld)",
-                             (long long)(i / dim(&v[4], 1)), (long long)(i % dim(&v[4], 1)), (long long)idx[i],
-                             (long long)E);
-                goto fail;
-            }
-    }
-    if (no_overlap(&v[5], v, 5)) goto fail;
-    const attn_job job = {.q = v[0].b.buf, .keys = v[1].b.buf, .comp = has_comp ? v[3].b.buf : NULL,
-                          .idx = has_idx ? v[4].b.buf : NULL, .sinks = v[2].b.buf, .out = v[5].b.buf, .T = T, .H = H,
-                          .D = D, .K = dim(&v[1], 0), .E = E, .k = has_idx ? dim(&v[4], 1) : 0, .k0 = k0, .p0 = p0,
-                          .window = window, .ratio = ratio, .scale = (float)scale};
-    const isa_ops *isa = ISA;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = attn_run(isa, &job);
-    Py_END_ALLOW_THREADS
-    if (rc) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    release(v, 6);
-    Py_RETURN_NONE;
-fail:
-    release(v, 6);
     return NULL;
 }
 
@@ -1100,18 +384,18 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
     if (!strcmp(name, "auto")) {
-        ISA = best_isa();
+        cur_isa = best_isa();
         Py_RETURN_NONE;
     }
-    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
-        if (!strcmp(name, ALL_ISAS[i]->name)) {
-            if (!isa_usable(ALL_ISAS[i])) return PyErr_Format(PyExc_ValueError, "this CPU cannot run the %s kernels", name);
-            ISA = ALL_ISAS[i];
+    for (size_t i = 0; i < n_isas; i++)
+        if (!strcmp(name, all_isas[i]->name)) {
+            if (!isa_usable(all_isas[i])) return PyErr_Format(PyExc_ValueError, "this CPU cannot run the %s kernels", name);
+            cur_isa = all_isas[i];
             Py_RETURN_NONE;
         }
     char names[256] = "";
-    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++) {
-        strncat(names, ALL_ISAS[i]->name, sizeof names - strlen(names) - 1);
+    for (size_t i = 0; i < n_isas; i++) {
+        strncat(names, all_isas[i]->name, sizeof names - strlen(names) - 1);
         strncat(names, ", ", sizeof names - strlen(names) - 1);
     }
     names[strlen(names) - 2] = '\0'; /* the last ", " */
@@ -1120,23 +404,23 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 
 static PyObject *py_get_isa(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    return PyUnicode_FromString(ISA->name);
+    return PyUnicode_FromString(cur_isa->name);
 }
 
 static PyObject *py_cpu_features(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     PyObject *d = PyDict_New(), *isas = PyList_New(0);
     if (!d || !isas) goto fail;
-    const char *feats[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512bf16"};
-    for (size_t i = 0; i < sizeof feats / sizeof *feats; i++)
-        if (PyDict_SetItemString(d, feats[i], cpu_has(feats[i]) ? Py_True : Py_False)) goto fail;
-    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
-        if (isa_usable(ALL_ISAS[i])) {
-            PyObject *s = PyUnicode_FromString(ALL_ISAS[i]->name);
+    for (size_t i = 0; i < n_cpu_features; i++)
+        if (PyDict_SetItemString(d, cpu_feature_names[i], cpu_has(cpu_feature_names[i]) ? Py_True : Py_False))
+            goto fail;
+    for (size_t i = 0; i < n_isas; i++)
+        if (isa_usable(all_isas[i])) {
+            PyObject *s = PyUnicode_FromString(all_isas[i]->name);
             if (!s || PyList_Append(isas, s)) { Py_XDECREF(s); goto fail; }
             Py_DECREF(s);
         }
-    PyObject *cur = PyUnicode_FromString(ISA->name);
+    PyObject *cur = PyUnicode_FromString(cur_isa->name);
     if (!cur || PyDict_SetItemString(d, "isa", cur)) { Py_XDECREF(cur); goto fail; }
     Py_DECREF(cur);
     if (PyDict_SetItemString(d, "usable_isas", isas)) goto fail;
@@ -1175,7 +459,7 @@ static PyObject *py_read_bandwidth(PyObject *self, PyObject *arg) {
     (void)self;
     view_t v = {0};
     if (get_view(arg, &v, "buf", 'B', 1, 0)) { release(&v, 1); return NULL; }
-    probe_ctx c = {.isa = ISA, .p = v.b.buf, .chunk = 1 << 20, .n = (size_t)v.b.len & ~(size_t)255};
+    probe_ctx c = {.isa = cur_isa, .p = v.b.buf, .chunk = 1 << 20, .n = (size_t)v.b.len & ~(size_t)255};
     int64_t nchunks = (int64_t)((c.n + c.chunk - 1) / c.chunk);
     c.sums = calloc((size_t)nchunks + 1, sizeof(double));
     if (!c.sums) { release(&v, 1); return PyErr_NoMemory(); }
@@ -1202,7 +486,7 @@ static PyObject *py_fma_peak(PyObject *self, PyObject *arg) {
     if (iters == -1 && PyErr_Occurred()) return NULL;
     if (iters < 1) return PyErr_Format(PyExc_ValueError, "iters must be positive");
     int64_t nchunks = 8 * (int64_t)pool_get_threads();
-    probe_ctx c = {.isa = ISA, .iters = iters};
+    probe_ctx c = {.isa = cur_isa, .iters = iters};
     c.sums = calloc((size_t)nchunks, sizeof(double));
     if (!c.sums) return PyErr_NoMemory();
     double t0, t1;
@@ -1260,9 +544,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "fastar's
                                     -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__kernels(void) {
-    tables_init();
-    for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
-        if (ALL_ISAS[i]->init) ALL_ISAS[i]->init();
-    ISA = best_isa();
+    isas_init();
     return PyModule_Create(&module);
 }

@@ -1,4 +1,4 @@
-/* AVX2 + FMA + F16C kernels (Haswell / Zen 1 and later), chosen at run time by kernels.c.
+/* AVX2 + FMA + F16C kernels (Haswell / Zen 1 and later), chosen at run time by dispatch.c.
  *
  * Owns: the FP4 / FP8 / BF16 products for this ISA, in two shapes:
  * - dot path (T <= DOT_MAX, decode and verify passes): each weight row is streamed once per DOT_GROUP tokens
@@ -9,7 +9,7 @@
  * - tile path (larger T, prefill): a 16-row x 128-column tile is dequantized once into an L1 buffer, already
  *   transposed (row gathers), and an outer-product microkernel (6 tokens x 16 rows = 12 accumulators)
  *   reuses it for every token. Tile values are exact (value * scale), so products round like the reference.
- * Does not own: argument checks, threading (kernels.c / pool.c).
+ * Does not own: argument checks, threading (bindings, dispatch.c, pool.c).
  */
 #include "kernels.h"
 

@@ -1,4 +1,4 @@
-/* AVX-512 (F, BW, VL) kernels (Zen 4/5, Ice Lake and later servers), chosen at run time by kernels.c.
+/* AVX-512 (F, BW, VL) kernels (Zen 4/5, Ice Lake and later servers), chosen at run time by dispatch.c.
  *
  * Owns: the FP4 / FP8 / BF16 products for this ISA, same two shapes as kern_avx2.c:
  * - dot path (T <= DOT_MAX): vpermps with a 16-entry table maps each 4-bit code straight to its signed float
@@ -6,7 +6,7 @@
  *   64-byte load gives 128 columns = 4 scale groups, one per 128-bit lane. Masked loads handle ragged ends.
  * - tile path: 32 rows x 128 columns dequantized once (16-row gathers) into L1, then an outer-product
  *   microkernel of up to 12 tokens x 32 rows (24 zmm accumulators).
- * Does not own: argument checks, threading (kernels.c / pool.c).
+ * Does not own: argument checks, threading (bindings, dispatch.c, pool.c).
  */
 #include "kernels.h"
 

@@ -1,14 +1,15 @@
 /* AVX-512 + AVX512_BF16 + AVX512_VBMI kernels (Zen 4/5, Sapphire Rapids and later), chosen at run time by
- * kernels.c ("avx512bf16"; set_isa("avx512") turns them off).
+ * dispatch.c ("avx512bf16"; set_isa("avx512") turns them off).
  *
- * Owns: the bfloat16 dot path of the FP4 and FP8 products. When every x of a call is a bfloat16 (kernels.c
+ * Owns: the bfloat16 dot path of the FP4 and FP8 products. When every x of a call is a bfloat16 (dispatch.c
  * checks, see x_kind there; true of the official numerics' FP8-quantized activations), x arrives as
  * bfloat16 pairs (mm_job.xb, columns in this file's order) and vdpbf16ps multiplies it by the weights widened
  * to bfloat16: e4m3 and e2m1 values are all bfloat16 normals (or zero, or NaN), every product is exact in
  * float32, so the result differs from the FP32 dot path only in float32 summation order. Scales are applied in
  * float32 to each scale group's partial sum, as in kern_avx512.c. Everything else (arbitrary x, BF16 weights,
  * T > DOT_MAX) runs the AVX-512 kernels of kern_avx512.c.
- * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (kernels.c / pool.c).
+ * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (bindings, dispatch.c,
+ * pool.c).
  */
 #include "kernels.h"
 

@@ -3,7 +3,13 @@
  * Owns: the job description every product kernel takes (mm_job), the per-ISA kernel table (isa_ops), the
  * lookup tables shared by all ISAs, and the thread-pool interface.
  * Layout of the sources:
- *   kernels.c      Python module: argument checks, dispatch, row partitioning, expert_ffn, bench helpers
+ *   bindings.c     the Python module: method table, init, the argument checks every binding uses (bindings.h),
+ *                  the bindings of the weight products and the fused routed experts, threads / ISA / features, the
+ *                  benchmark's machine probes
+ *   bind_ops.c     bindings of the activation, row, mHC and attention ops
+ *   dispatch.c     CPU features, the list of ISA tables and the choice among them, the per-call path of a product
+ *                  (x_kind), job preparation, splitting rows across the pool (dispatch.h: its interface)
+ *   experts.c      the fused routed experts of a layer (experts_run)
  *   pool.c         persistent pthread pool (callers run one job at a time; the caller works too)
  *   kern_scalar.c  portable C kernels: the always-correct fallback, the tables, the FP8 activation quantization
  *   kern_avx2.c    AVX2+FMA+F16C kernels (compiled with a target pragma, picked at run time)
@@ -15,7 +21,7 @@
  *   simd.h         what the SIMD code shares: INLINE, UNROLL, function targets, the dot-path driver
  *   exp512.h       the one AVX-512 exp (attention softmax, SwiGLU)
  * An architecture's kernel files compile to nothing elsewhere (FASTAR_X86 below); its tables are listed once, in
- * kernels.c.
+ * dispatch.c.
  * Weight layouts are the checkpoint's (see fastar/quant/reference.py): FP4 [N, K/2] + UE8M0 [N, K/32];
  * FP8 e4m3 [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]; BF16 bit patterns [N, K]. Outputs are float32.
  */
@@ -61,14 +67,14 @@ typedef enum { VEC_PORTABLE, VEC_AVX2, VEC_AVX512 } isa_vec;
  * all tokens in registers; larger T dequantizes a tile into L1 and reuses it across tokens. */
 typedef struct {
     const char *name;
-    const char *needs;  /* the CPU features it runs on, space-separated names of kernels.c's cpu_has ("": any) */
+    const char *needs;  /* the CPU features it runs on, space-separated names of dispatch.c's cpu_has ("": any) */
     isa_vec vec;
     void (*init)(void); /* fills the column maps below; called once */
     int dot_max;
     rows_fn fp4, fp8, bf16;
     /* Column order the dot path wants per XP_CHUNK columns: xp[c0 + i] = x[c0 + map[i]] (NULL: natural). */
     const uint8_t *fp4_map, *fp8_map, *bf16_map;
-    /* The bf16 dot path's column order, xb[c0 + i] = x[c0 + bmap[i]] as bfloat16 (NULL: no such path). kernels.c
+    /* The bf16 dot path's column order, xb[c0 + i] = x[c0 + bmap[i]] as bfloat16 (NULL: no such path). dispatch.c
      * hands a product x this way (xb set, xp NULL) only when every x is an exact bfloat16 (see x_kind). */
     const uint8_t *fp4_bmap, *fp8_bmap;
     double (*fma_loop)(int64_t iters); /* returns the flops it executed (FP32 peak benchmark) */
@@ -79,7 +85,7 @@ typedef struct {
     void (*swiglu)(const float *g, const float *u, float *out, int64_t n, float limit, float scale);
 } isa_ops;
 
-/* The ISA tables built on this architecture (kernels.c lists them, best first). */
+/* The ISA tables built on this architecture (dispatch.c lists them, best first). */
 extern const isa_ops isa_scalar_ops;
 #if FASTAR_X86
 extern const isa_ops isa_avx2_ops;

@@ -2,7 +2,7 @@
  *
  * Owns: the arithmetic of fastar.model.ops.hc_pre_torch / hc_head_torch / hc_post_torch and the Sinkhorn
  * projection (sinkhorn_torch) they use; splitting it over the pool.
- * Does not own: argument checks and the GIL (kernels.c), the pool (pool.c).
+ * Does not own: argument checks and the GIL (bind_ops.c), the pool (pool.c).
  *
  * hc_pre_run, per token t with streams X_t [n, d] (K = n*d values):
  *   m = (X_t . fn_r for every row r of fn) / sqrt(|X_t|^2 / K + eps)   (the weightless RMS norm, then fn)

@@ -31,11 +31,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The architecture whose SIMD kernels this build compiles in (GCC / clang: they need its target attributes). */
+/* The architecture whose SIMD kernels this build compiles in (GCC / clang: they need its target attributes).
+ * -DFASTAR_X86=0 builds the portable kernels alone, as on an architecture with no SIMD files. */
+#ifndef FASTAR_X86
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define FASTAR_X86 1
 #else
 #define FASTAR_X86 0
+#endif
 #endif
 
 #define FP4_GROUP 32  /* columns per FP4 scale */

@@ -615,6 +615,31 @@ def test_back_to_back_jobs_with_late_workers_stay_exact():
 
 
 @pytest.mark.skipif(not K.available(), reason="C extension not built")
+def test_a_late_worker_never_claims_a_chunk_of_the_next_job():
+    """The interleaving behind a rare wrong forward pass, forced with the pool's test hooks: a worker that has just
+    finished a job's last chunk reads the (exhausted) claim counter, then is held up while the caller posts the next,
+    larger job. Before the fix its check saw the new job's chunk count beside the old counter, its claim succeeded,
+    and it ran a chunk of the new job twice and counted it into the new job's completion (so the job could end with
+    a chunk still running). Every chunk must run exactly once, and all before the job returns."""
+    threads = K.get_num_threads()
+    bad = []
+    try:
+        K.set_num_threads(2)
+        K.pool_test_delays(2000, 5000)
+        for i in range(30):
+            for n in (2, 64):
+                counts = np.zeros(n, np.int64)
+                K.pool_probe(counts, 20.0)
+                if not (counts == 1).all():
+                    bad.append((i, n, np.bincount(counts).tolist()))
+    finally:
+        K.pool_test_delays(0, 0)
+        K.set_num_threads(threads)
+    assert not bad, f"{len(bad)} of 60 jobs ran a chunk twice or returned early; (job, chunks, count histogram): " \
+                    f"{bad[:3]}"
+
+
+@pytest.mark.skipif(not K.available(), reason="C extension not built")
 def test_gil_is_released_during_compute():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((64, 4096)).astype(np.float32)

@@ -69,6 +69,23 @@ def get_num_threads() -> int:
     return _C.get_num_threads()
 
 
+def pool_test_delays(worker_us: int, caller_us: int) -> None:
+    """Test hooks of the thread pool (0, 0 = off, the default): a worker sleeps `worker_us` after reading the claim
+    counter and a caller sleeps `caller_us` before publishing a job, widening the windows in which a late worker
+    meets the next job (tests/test_kernels.py and scripts/exactness_stress.py use them; never set in production)."""
+    if _C is not None:
+        _C._pool_test_delays(int(worker_us), int(caller_us))
+
+
+def pool_probe(counts: np.ndarray, spin_us: float = 0.0) -> None:
+    """One pool job of len(counts) chunks, chunk i spinning `spin_us` then adding 1 to counts[i] (int64): after it
+    returns every count is exactly 1 if each chunk ran once and before the job ended (a test of the pool)."""
+    if _C is None:
+        counts += 1
+        return
+    _C._pool_probe(counts, float(spin_us))
+
+
 def set_isa(name: str) -> None:
     """Force 'avx512bf16', 'avx512' (the same without the bf16 dot path), 'avx2' or 'scalar' (tests, benchmarks), or
     'auto' for the best this CPU runs."""

@@ -501,6 +501,46 @@ static PyObject *py_fma_peak(PyObject *self, PyObject *arg) {
     return Py_BuildValue("(dd)", t1 - t0, flops);
 }
 
+/* ---------------------------------------------------------------- pool tests */
+
+typedef struct {
+    int64_t *counts;
+    double spin_s;
+} pool_probe_ctx;
+
+static void pool_probe_chunk(void *p, int64_t i) {
+    const pool_probe_ctx *c = p;
+    const double t0 = now_s();
+    while (now_s() - t0 < c->spin_s) {}
+    __atomic_fetch_add(&c->counts[i], 1, __ATOMIC_SEQ_CST); /* at the end: a chunk still running counts 0 */
+}
+
+/* _pool_probe(counts i64[n], spin_us): one pool job of n chunks, chunk i spinning spin_us then adding 1 to
+ * counts[i]; when it returns every count must be exactly 1 (each chunk ran once, all before the job ended). */
+static PyObject *py_pool_probe(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o;
+    double spin_us;
+    if (!PyArg_ParseTuple(args, "Od", &o, &spin_us)) return NULL;
+    view_t v = {0};
+    if (get_view(o, &v, "counts", 'q', 1, 1)) { release(&v, 1); return NULL; }
+    pool_probe_ctx c = {.counts = v.b.buf, .spin_s = spin_us * 1e-6};
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(dim(&v, 0), pool_probe_chunk, &c);
+    Py_END_ALLOW_THREADS
+    release(&v, 1);
+    Py_RETURN_NONE;
+}
+
+/* _pool_test_delays(worker_us, caller_us): the pool's race-widening test hooks (pool.c); 0, 0 turns them off. */
+static PyObject *py_pool_test_delays(PyObject *self, PyObject *args) {
+    (void)self;
+    int w, c;
+    if (!PyArg_ParseTuple(args, "ii", &w, &c)) return NULL;
+    pool_test_delays(w, c);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyMethodDef methods[] = {
@@ -537,6 +577,8 @@ static PyMethodDef methods[] = {
     {"cpu_features", py_cpu_features, METH_NOARGS, "cpu_features() -> dict"},
     {"read_bandwidth", py_read_bandwidth, METH_O, "read_bandwidth(buf u8[n]) -> seconds for one streaming pass"},
     {"fma_peak", py_fma_peak, METH_O, "fma_peak(iters) -> (seconds, flops)"},
+    {"_pool_probe", py_pool_probe, METH_VARARGS, "_pool_probe(counts i64[n], spin_us): count each chunk's runs"},
+    {"_pool_test_delays", py_pool_test_delays, METH_VARARGS, "_pool_test_delays(worker_us, caller_us): test hooks"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -125,6 +125,7 @@ int pool_set_threads(int n);  /* 0 on success */
 int pool_get_threads(void);
 int pool_default_threads(void);
 void pool_run(int64_t nchunks, chunk_fn fn, void *ctx);
+void pool_test_delays(int worker_us, int caller_us); /* test hooks: see pool.c */
 
 /* DeepSeek's FP8 activation quant-dequant per `block` values of each row (kern_scalar.c; out may be x). */
 void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, int64_t block);

@@ -47,13 +47,30 @@ typedef struct {
     atomic_int_fast64_t nchunks; /* relaxed: a worker reads it only after claiming by `next`, or to see none left */
     atomic_int_fast64_t next;  /* next chunk index to hand out */
     atomic_int_fast64_t done;  /* chunks of the current job finished */
-    unsigned mxcsr;            /* the caller's float environment, so results match whoever calls */
+    atomic_uint mxcsr;         /* the caller's float environment, so results match whoever calls; a worker
+                                  applies it per claimed chunk (a late worker must not read it while the
+                                  next job's caller writes it) */
 } pool_t;
 
 static pool_t P = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
                    .cv_work = PTHREAD_COND_INITIALIZER, .cv_done = PTHREAD_COND_INITIALIZER,
                    .nthreads = 0};
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+/* Test hooks (`pool_test_delays`, zero in production): a background worker sleeps after each load of `next` in
+ * run_chunks, and the caller sleeps after writing a job's fields and before publishing it, so a test can hold a
+ * late worker inside the window where the previous job's claim counter meets the next job's fields. */
+static atomic_int test_worker_us, test_caller_us;
+
+void pool_test_delays(int worker_us, int caller_us) {
+    atomic_store(&test_worker_us, worker_us > 0 ? worker_us : 0);
+    atomic_store(&test_caller_us, caller_us > 0 ? caller_us : 0);
+}
+
+static void test_delay(atomic_int *us) {
+    const int d = atomic_load_explicit(us, memory_order_relaxed);
+    if (d) usleep((useconds_t)d);
+}
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -66,18 +83,28 @@ static int64_t now_ns(void) {
 #define IDX_BITS 40
 #define IDX_MASK ((1ll << IDX_BITS) - 1)
 
+static int_fast64_t gen_tag(uint64_t gen) {
+    return (int_fast64_t)((gen & ((1ull << (63 - IDX_BITS)) - 1)) << IDX_BITS);
+}
+
 /* Claims and runs chunks of job `gen` until none is left. The job is complete when every chunk is done, whoever
  * ran it: the caller never waits for a worker that took no chunk (one still waking up, or descheduled by another
  * process); a worker that comes late finds its job gone (another generation in `next`) and claims nothing. A
  * claim is a compare-and-swap, so a late worker never moves a newer job's counter. */
-static void run_chunks(uint64_t gen) {
-    const int_fast64_t tag = (int_fast64_t)((gen & ((1ull << (63 - IDX_BITS)) - 1)) << IDX_BITS);
+static void run_chunks(uint64_t gen, int worker) {
+    const int_fast64_t tag = gen_tag(gen);
     int_fast64_t v = atomic_load(&P.next);
     for (;;) {
         if ((v & ~IDX_MASK) != tag || (v & IDX_MASK) >= atomic_load_explicit(&P.nchunks, memory_order_relaxed))
             break; /* another job's, or none left */
         if (!atomic_compare_exchange_weak(&P.next, &v, v + 1)) continue;  /* v reloaded */
         const int64_t n = atomic_load_explicit(&P.nchunks, memory_order_relaxed); /* fixed while this chunk is out */
+#if HAVE_MXCSR
+        if (worker) {
+            const unsigned csr = atomic_load_explicit(&P.mxcsr, memory_order_relaxed); /* this job's: set before open */
+            if (csr != _mm_getcsr()) _mm_setcsr(csr);
+        }
+#endif
         P.fn(P.ctx, v & IDX_MASK);
         if (atomic_fetch_add(&P.done, 1) + 1 == n) { /* the last chunk: wake the caller if it sleeps */
             pthread_mutex_lock(&P.mu);
@@ -85,6 +112,7 @@ static void run_chunks(uint64_t gen) {
             pthread_mutex_unlock(&P.mu);
         }
         v = atomic_load(&P.next);
+        if (worker) test_delay(&test_worker_us); /* a late worker: it read `next` and now waits to check it */
     }
 }
 
@@ -107,10 +135,7 @@ static void *worker_main(void *arg) {
         }
         if (atomic_load(&P.shutdown)) return NULL;
         seen = atomic_load(&P.generation);
-#if HAVE_MXCSR
-        _mm_setcsr(P.mxcsr);
-#endif
-        run_chunks(seen);
+        run_chunks(seen, 1);
     }
 }
 
@@ -191,22 +216,31 @@ void pool_run(int64_t nchunks, chunk_fn fn, void *ctx) {
         for (int64_t i = 0; i < nchunks; i++) fn(ctx, i);
         return;
     }
+    const uint64_t gen = atomic_load(&P.generation) + 1;
+    /* Close the claim counter before touching the job's fields. A worker can still be inside run_chunks for the
+     * previous job, holding a `next` value it loaded when that job was exhausted (index = its chunk count); if it
+     * then read this job's larger nchunks, its check would pass and, with `next` unchanged, its compare-and-swap
+     * would claim a chunk of the OLD generation and run it with THIS job's fn and ctx: a chunk run twice and
+     * counted into this job's `done`, so the job could end while one of its chunks was still running (wrong
+     * numbers in a few rows, now and then, under load). With `next` moved to this generation's closed value
+     * first, every claim made with a value loaded before fails. */
+    atomic_store(&P.next, gen_tag(gen) | IDX_MASK);
     P.fn = fn;
     P.ctx = ctx;
     atomic_store_explicit(&P.nchunks, nchunks, memory_order_relaxed);
     atomic_store(&P.done, 0);
 #if HAVE_MXCSR
-    P.mxcsr = _mm_getcsr();
+    atomic_store_explicit(&P.mxcsr, _mm_getcsr(), memory_order_relaxed);
 #endif
-    const uint64_t gen = atomic_load(&P.generation) + 1;
-    /* after fn, ctx, nchunks and done: whoever claims a chunk of this generation sees them all */
-    atomic_store(&P.next, (int_fast64_t)((gen & ((1ull << (63 - IDX_BITS)) - 1)) << IDX_BITS));
+    test_delay(&test_caller_us);
+    /* open, after fn, ctx, nchunks and done: whoever claims a chunk of this generation sees them all */
+    atomic_store(&P.next, gen_tag(gen));
     pthread_mutex_lock(&P.mu);
     atomic_store_explicit(&P.generation, gen, memory_order_release);
     pthread_cond_broadcast(&P.cv_work);
     pthread_mutex_unlock(&P.mu);
 
-    run_chunks(gen);
+    run_chunks(gen, 0);
 
     int64_t t0 = now_ns();
     int spins = 0;

@@ -9,30 +9,24 @@
  * Work goes to the thread pool by (query, block of ATTN_HB heads). Each (query, head) is computed by one thread,
  * over its own visible rows only, in an order that depends on nothing else (not T, not the query's place in the
  * chunk, not the thread count): a chunk of queries gives bit-identical results to one query at a time.
- * Three kernels of the same math, picked by kernels.c's ISA: plain C (the fallback), AVX2+FMA (GCC/clang vector
- * types) and AVX-512 intrinsics, the last two register-tiled so each row is loaded once for several heads. They
- * round differently (FMA, exp), each within float32 rounding of the torch reference (tests/test_attend.py).
- * Does not own: argument checks (kernels.c), the pool (pool.c).
+ * Three kernels of the same math, picked by the kernels' ISA (its vec): plain C (the fallback), AVX2+FMA (GCC/clang
+ * vector types) and AVX-512 intrinsics, the last two register-tiled so each row is loaded once for several heads.
+ * They round differently (FMA, exp), each within float32 rounding of the torch reference (tests/test_attend.py).
+ * Does not own: argument checks (bind_ops.c), the pool (pool.c).
  */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels.h"
+#include "simd.h"
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if FASTAR_X86
 #include <immintrin.h>
 
 #include "exp512.h"
-#define ATTN_X86 1
-#define AVX512 __attribute__((target("avx512f,avx2,fma")))
-#define AVX2 __attribute__((target("avx2,fma")))
-#else
-#define ATTN_X86 0
 #endif
 
-#define INLINE static inline __attribute__((always_inline))
 #define ATTN_HB 8 /* heads per pool chunk: 8 chunks per query on Flash (64 heads) */
 
 /* ---------------------------------------------------------------- portable */
@@ -74,14 +68,14 @@ static void heads_plain(const float *const *rows, int64_t n, const float *q, int
         }
 }
 
-#if ATTN_X86
+#if FASTAR_X86
 /* ---------------------------------------------------------------- AVX2 */
 
 /* Written with GCC/clang vector types of 8 floats (one ymm register here), register-tiled like the AVX-512 kernel
  * below. Each (head, row) logit: 8 lanes over D in order, added pairwise, plus the D % 8 leftover columns, times
  * scale; each out element: rows in order j = 0.. from zero. */
 typedef float vec8 __attribute__((vector_size(32)));
-#define AVX2_INLINE AVX2 static inline __attribute__((always_inline))
+#define AVX2_INLINE TARGET_AVX2 static inline __attribute__((always_inline))
 AVX2_INLINE vec8 load8(const float *p) { vec8 v; memcpy(&v, p, sizeof v); return v; }
 AVX2_INLINE void store8(float *p, vec8 v) { memcpy(p, &v, sizeof v); }
 AVX2_INLINE float sum8(vec8 a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
@@ -137,7 +131,7 @@ AVX2_INLINE void pv8(const float *const *v, int64_t n, const float *p, int64_t D
     }
 }
 
-AVX2 static void heads_avx2(const float *const *rows, int64_t n, const float *q, int hb, int64_t D, float scale,
+TARGET_AVX2 static void heads_avx2(const float *const *rows, int64_t n, const float *q, int hb, int64_t D, float scale,
                             const float *sinks, float *s, float *out) {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) { /* 4 rows at a time against every head: each row comes from L2 once */
@@ -159,7 +153,7 @@ AVX2 static void heads_avx2(const float *const *rows, int64_t n, const float *q,
 
 /* Every (head, row) logit is one 16-lane accumulator fma'd over D in order (a masked last vector when D % 16),
  * then _mm512_reduce_add_ps, then * scale: the same arithmetic whatever tile it is computed in. */
-#define AVX512_INLINE AVX512 static inline __attribute__((always_inline))
+#define AVX512_INLINE TARGET_AVX512 static inline __attribute__((always_inline))
 
 AVX512_INLINE __mmask16 tail_mask(int64_t D) { return D % 16 ? (__mmask16)((1u << (D % 16)) - 1) : 0; }
 
@@ -236,7 +230,7 @@ AVX512_INLINE void pv_tile(const float *const *v, int64_t n, const float *p, int
         for (int c = 0; c < NC; c++) _mm512_mask_storeu_ps(out + a * D + (c0 + c) * 16, m[c], acc[a][c]);
 }
 
-AVX512 static void heads_avx512(const float *const *rows, int64_t n, const float *q, int hb, int64_t D, float scale,
+TARGET_AVX512 static void heads_avx512(const float *const *rows, int64_t n, const float *q, int hb, int64_t D, float scale,
                                 const float *sinks, float *s, float *out) {
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) { /* 4 rows at a time against every head: each row comes from L2 once */
@@ -310,11 +304,11 @@ static void attn_chunk(void *p, int64_t i) {
     free(rows);
 }
 
-int attn_run(const attn_job *j, const char *isa) {
+int attn_run(const isa_ops *isa, const attn_job *j) {
     attn_ctx c = {.j = j, .fn = heads_plain};
-#if ATTN_X86
-    if (!strncmp(isa, "avx512", 6)) c.fn = heads_avx512;
-    else if (!strcmp(isa, "avx2")) c.fn = heads_avx2;
+#if FASTAR_X86
+    if (isa->vec == VEC_AVX512) c.fn = heads_avx512;
+    else if (isa->vec == VEC_AVX2) c.fn = heads_avx2;
 #endif
     (void)isa;
     atomic_init(&c.failed, 0);

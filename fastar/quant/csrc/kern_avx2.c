@@ -1,17 +1,19 @@
-/* AVX2 + FMA + F16C kernels (Haswell / Zen 1 and later), chosen at run time by kernels.c.
+/* AVX2 + FMA + F16C kernels (Haswell / Zen 1 and later), chosen at run time by dispatch.c.
  *
  * Owns: the FP4 / FP8 / BF16 products for this ISA, in two shapes:
  * - dot path (T <= DOT_MAX, decode and verify passes): each weight row is streamed once per DOT_GROUP tokens
  *   and dequantized in registers, the group's tokens accumulate against it, each in an order that does not
- *   depend on T (DOT_DISPATCH in kernels.h: batch-invariant). Activations are pre-permuted (xp, see the maps) so the cheapest in-lane unpacking
+ *   depend on T (DOT_DISPATCH in simd.h: batch-invariant). Activations are pre-permuted (xp, see the maps) so the cheapest in-lane unpacking
  *   order of the weights lines up with them; scales are applied once per group to a partial sum (exact: a
  *   power of two), so the inner loop is shuffles + FMAs.
  * - tile path (larger T, prefill): a 16-row x 128-column tile is dequantized once into an L1 buffer, already
  *   transposed (row gathers), and an outer-product microkernel (6 tokens x 16 rows = 12 accumulators)
  *   reuses it for every token. Tile values are exact (value * scale), so products round like the reference.
- * Does not own: argument checks, threading (kernels.c / pool.c).
+ * Does not own: argument checks, threading (bindings, dispatch.c, pool.c).
  */
-#if defined(__x86_64__) || defined(__i386__)
+#include "kernels.h"
+
+#if FASTAR_X86
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #elif defined(__GNUC__)
@@ -20,18 +22,12 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "kernels.h"
+#include "simd.h"
 
 #define DOT_MAX 8 /* T up to this takes the dot path, DOT_GROUP tokens at a time */
 #define NR 16 /* tile rows (2 vectors) */
 #define MR 6  /* tokens per microkernel call */
 #define KC 128
-#define INLINE static inline __attribute__((always_inline))
-#if defined(__clang__)
-#define UNROLL _Pragma("unroll")
-#else
-#define UNROLL _Pragma("GCC unroll 16") /* token loops: keep every accumulator in a register */
-#endif
 
 static uint8_t fp4_map[XP_CHUNK], bf16_map[XP_CHUNK];
 static uint8_t fp4_hi[16], fp4_lo[16]; /* bytes 3 and 2 of each FP4 value as float32 (bytes 1, 0 are zero) */
@@ -61,11 +57,6 @@ INLINE float hsum(__m256 v) {
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
     a = _mm_add_ss(a, _mm_movehdup_ps(a));
     return _mm_cvtss_f32(a);
-}
-
-INLINE void put(const mm_job *j, int64_t t, int64_t n, float v) {
-    float *o = j->out + t * j->ldo + n;
-    *o = j->accumulate ? *o + v : v;
 }
 
 /* ---------------------------------------------------------------- dot path (decode) */
@@ -450,6 +441,8 @@ static double read_sum(const uint8_t *p, size_t n) {
 
 const isa_ops isa_avx2_ops = {
     .name = "avx2",
+    .needs = "avx2 fma f16c",
+    .vec = VEC_AVX2,
     .init = init_avx2,
     .dot_max = DOT_MAX,
     .fp4 = fp4_rows,
@@ -465,7 +458,4 @@ const isa_ops isa_avx2_ops = {
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
-#else /* not x86: no AVX2 */
-#include "kernels.h"
-const isa_ops isa_avx2_ops = {.name = "avx2"};
-#endif
+#endif /* FASTAR_X86 */

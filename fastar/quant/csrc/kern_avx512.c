@@ -1,4 +1,4 @@
-/* AVX-512 (F, BW, VL) kernels (Zen 4/5, Ice Lake and later servers), chosen at run time by kernels.c.
+/* AVX-512 (F, BW, VL) kernels (Zen 4/5, Ice Lake and later servers), chosen at run time by dispatch.c.
  *
  * Owns: the FP4 / FP8 / BF16 products for this ISA, same two shapes as kern_avx2.c:
  * - dot path (T <= DOT_MAX): vpermps with a 16-entry table maps each 4-bit code straight to its signed float
@@ -6,9 +6,11 @@
  *   64-byte load gives 128 columns = 4 scale groups, one per 128-bit lane. Masked loads handle ragged ends.
  * - tile path: 32 rows x 128 columns dequantized once (16-row gathers) into L1, then an outer-product
  *   microkernel of up to 12 tokens x 32 rows (24 zmm accumulators).
- * Does not own: argument checks, threading (kernels.c / pool.c).
+ * Does not own: argument checks, threading (bindings, dispatch.c, pool.c).
  */
-#if defined(__x86_64__) || defined(__i386__)
+#include "kernels.h"
+
+#if FASTAR_X86
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), apply_to = function)
 #elif defined(__GNUC__)
@@ -20,16 +22,10 @@
 
 #include "exp512.h"
 #include "kern_avx512.h"
-#include "kernels.h"
 
 #define NR 32 /* tile rows (2 vectors) */
 #define MR 12 /* tokens per microkernel call */
 #define KC 128
-#if defined(__clang__)
-#define UNROLL _Pragma("unroll")
-#else
-#define UNROLL _Pragma("GCC unroll 16") /* token loops: keep every accumulator in a register */
-#endif
 
 static uint8_t fp4_map[XP_CHUNK], bf16_map[XP_CHUNK];
 
@@ -315,7 +311,7 @@ static void tile_rows(const mm_job *j, int64_t n0, int64_t n1, tile_fn deq) {
 
 /* ---------------------------------------------------------------- activation ops */
 
-/* fp8_act_quant_scalar (kernels.c) on 16 lanes, bit for bit: per block the same amax (a max is exact in any
+/* fp8_act_quant_scalar (kern_scalar.c) on 16 lanes, bit for bit: per block the same amax (a max is exact in any
  * order) and scale, then per value the same exact steps; e4m3 rounding by roundscale, which rounds to nearest
  * even like the scalar (y + 2^23) - 2^23 for the 0 <= y < 16 it sees. A block holding a NaN or an infinity is
  * left to the scalar code (its s = 1 quirk). */
@@ -420,6 +416,8 @@ static double read_sum(const uint8_t *p, size_t n) {
 
 const isa_ops isa_avx512_ops = {
     .name = "avx512",
+    .needs = "avx2 fma f16c avx512f avx512bw avx512vl",
+    .vec = VEC_AVX512,
     .init = init_avx512,
     .dot_max = DOT_MAX,
     .fp4 = fp4_rows,
@@ -437,7 +435,4 @@ const isa_ops isa_avx512_ops = {
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
-#else
-#include "kernels.h"
-const isa_ops isa_avx512_ops = {.name = "avx512"};
-#endif
+#endif /* FASTAR_X86 */

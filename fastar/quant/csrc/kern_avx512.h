@@ -8,16 +8,9 @@
 
 #include <string.h>
 
-#include "kernels.h"
+#include "simd.h"
 
-#define INLINE static inline __attribute__((always_inline))
 #define DOT_MAX 8 /* T up to this takes the dot path, DOT_GROUP tokens at a time */
-
-/* The dot path's store of one (row, token) sum: DOT_DISPATCH calls it. */
-INLINE void put(const mm_job *j, int64_t t, int64_t n, float v) {
-    float *o = j->out + t * j->ldo + n;
-    *o = j->accumulate ? *o + v : v;
-}
 
 /* True when no scale byte is 0 (denormal 2^-127) or 255 (NaN): then b << 23 is the float 2^(b-127). */
 INLINE int scales_normal(const uint8_t *s, int64_t n) {

@@ -1,16 +1,19 @@
 /* AVX-512 + AVX512_BF16 + AVX512_VBMI kernels (Zen 4/5, Sapphire Rapids and later), chosen at run time by
- * kernels.c ("avx512bf16"; set_isa("avx512") turns them off).
+ * dispatch.c ("avx512bf16"; set_isa("avx512") turns them off).
  *
- * Owns: the bfloat16 dot path of the FP4 and FP8 products. When every x of a call is a bfloat16 (kernels.c
+ * Owns: the bfloat16 dot path of the FP4 and FP8 products. When every x of a call is a bfloat16 (dispatch.c
  * checks, see x_kind there; true of the official numerics' FP8-quantized activations), x arrives as
  * bfloat16 pairs (mm_job.xb, columns in this file's order) and vdpbf16ps multiplies it by the weights widened
  * to bfloat16: e4m3 and e2m1 values are all bfloat16 normals (or zero, or NaN), every product is exact in
  * float32, so the result differs from the FP32 dot path only in float32 summation order. Scales are applied in
  * float32 to each scale group's partial sum, as in kern_avx512.c. Everything else (arbitrary x, BF16 weights,
  * T > DOT_MAX) runs the AVX-512 kernels of kern_avx512.c.
- * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (kernels.c / pool.c).
+ * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (bindings, dispatch.c,
+ * pool.c).
  */
-#if defined(__x86_64__) || defined(__i386__)
+#include "kernels.h"
+
+#if FASTAR_X86
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c"))), apply_to = function)
 #elif defined(__GNUC__)
@@ -20,7 +23,6 @@
 #include <string.h>
 
 #include "kern_avx512.h"
-#include "kernels.h"
 
 #define BH(v) ((__m512bh)(v)) /* bfloat16 pairs: the same 512 bits */
 /* Software prefetch distance in weight bytes. These kernels consume a row several times faster than the FP32 ones,
@@ -176,6 +178,8 @@ static void swiglu(const float *g, const float *u, float *out, int64_t n, float 
 
 const isa_ops isa_avx512bf16_ops = {
     .name = "avx512bf16",
+    .needs = "avx2 fma f16c avx512f avx512bw avx512vl avx512bf16 avx512vbmi",
+    .vec = VEC_AVX512,
     .init = init_avx512bf16,
     .dot_max = DOT_MAX, /* kern_avx512.c's: its FP32 dot path takes the calls whose x does not allow the bf16 one */
     .fp4 = fp4_rows,
@@ -195,7 +199,4 @@ const isa_ops isa_avx512bf16_ops = {
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
-#else
-#include "kernels.h"
-const isa_ops isa_avx512bf16_ops = {.name = "avx512bf16"};
-#endif
+#endif /* FASTAR_X86 */

@@ -1,9 +1,11 @@
 /* Portable C kernels and the shared lookup tables.
  *
- * Owns: ue8m0_f32 / fp8_f32 / fp4_f32 (built from the bit definitions in fastar/quant/reference.py) and
- * the scalar products, which are the always-correct fallback on any CPU. They favour plain code over speed:
- * each row is dequantized once into a small buffer (exact: value * 2^k) and reused for every token.
- * Does not own: SIMD paths (kern_avx2.c, kern_avx512.c) or argument checks (kernels.c).
+ * Owns: ue8m0_f32 / fp8_f32 / fp4_f32 (built from the bit definitions in fastar/quant/reference.py; the C side's
+ * only copy of each: the SIMD files derive their tables from these in their init), the scalar products, which are
+ * the always-correct fallback on any CPU, and DeepSeek's FP8 activation quantization (fp8_act_quant_scalar, which
+ * the ISAs' act_quant match bit for bit). The products favour plain code over speed: each row is dequantized once
+ * into a small buffer (exact: value * 2^k) and reused for every token.
+ * Does not own: SIMD paths (kern_avx2.c, kern_avx512*.c) or argument checks (the bindings).
  */
 #include <math.h>
 #include <string.h>
@@ -99,6 +101,50 @@ TOKEN_BLOCKS(fp4_rows)
 TOKEN_BLOCKS(fp8_rows)
 TOKEN_BLOCKS(bf16_rows)
 
+/* ---------------------------------------------------------------- FP8 activation quantization */
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* Nearest e4m3fn value of a (|a| <= 448, finite), ties to even: the quantum is 2^(max(e, -6) - 3) for a's
+ * binade e (2^-9 below 2^-6, the subnormals); (y + 2^23) - 2^23 rounds y < 2^22 to an integer, ties to even. */
+static inline float e4m3_round(float a) {
+    const int e = (int)((f2u(a) >> 23) & 0xff) - 127;
+    const int q = (e < -6 ? -6 : e) - 3;
+    const float y = a * u2f((uint32_t)(127 - q) << 23);
+    return ((y + 8388608.0f) - 8388608.0f) * u2f((uint32_t)(127 + q) << 23);
+}
+
+/* DeepSeek's act_quant simulated: per `block` values of a row, s = 2^ceil(log2(max(amax, 1e-4) / 448)) and
+ * x -> e4m3(x / s) * s. Bit-identical to fastar.model.ops.fp8_quant_sim_torch (tested), quirks included: a
+ * block holding a NaN or an infinity gets s = 1 (NaN stays NaN, infinities saturate to +-448). */
+void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b0 = 0; b0 < K; b0 += block) {
+            const float *xb = x + r * K + b0;
+            float *ob = out + r * K + b0;
+            const int64_t n = K - b0 < block ? K - b0 : block;
+            float amax = 0.0f;
+            int bad = 0;
+            for (int64_t i = 0; i < n; i++) {
+                const float a = fabsf(xb[i]);
+                bad |= !(a <= 3.4028235e38f); /* NaN or inf */
+                amax = a > amax ? a : amax;
+            }
+            int ex = 0, sexp = 0; /* a NaN or infinite amax gives s = 1, as torch's frexp does */
+            if (!bad) {
+                const float m = frexpf((amax > 1e-4f ? amax : 1e-4f) / 448.0f, &ex); /* v = m 2^ex, m in [.5, 1) */
+                sexp = m == 0.5f ? ex - 1 : ex;                                       /* s = 2^sexp >= v */
+            }
+            const float s = ldexpf(1.0f, sexp), inv = ldexpf(1.0f, -sexp);
+            for (int64_t i = 0; i < n; i++) {
+                float v = xb[i] * inv;
+                v = v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v);
+                ob[i] = copysignf(e4m3_round(fabsf(v)), v) * s;
+            }
+        }
+}
+
 static double fma_loop_scalar(int64_t iters) {
     float a[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     for (int64_t i = 0; i < iters; i++)
@@ -117,6 +163,8 @@ static double read_sum_scalar(const uint8_t *p, size_t n) {
 
 const isa_ops isa_scalar_ops = {
     .name = "scalar",
+    .needs = "",
+    .vec = VEC_PORTABLE,
     .dot_max = 0,
     .fp4 = fp4_rows_scalar,
     .fp8 = fp8_rows_scalar,

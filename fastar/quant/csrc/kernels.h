@@ -3,16 +3,25 @@
  * Owns: the job description every product kernel takes (mm_job), the per-ISA kernel table (isa_ops), the
  * lookup tables shared by all ISAs, and the thread-pool interface.
  * Layout of the sources:
- *   kernels.c      Python module: argument checks, dispatch, row partitioning, expert_ffn, bench helpers
+ *   bindings.c     the Python module: method table, init, the argument checks every binding uses (bindings.h),
+ *                  the bindings of the weight products and the fused routed experts, threads / ISA / features, the
+ *                  benchmark's machine probes
+ *   bind_ops.c     bindings of the activation, row, mHC and attention ops
+ *   dispatch.c     CPU features, the list of ISA tables and the choice among them, the per-call path of a product
+ *                  (x_kind), job preparation, splitting rows across the pool (dispatch.h: its interface)
+ *   experts.c      the fused routed experts of a layer (experts_run)
  *   pool.c         persistent pthread pool (callers run one job at a time; the caller works too)
- *   kern_scalar.c  portable C kernels: the always-correct fallback, and the tables
+ *   kern_scalar.c  portable C kernels: the always-correct fallback, the tables, the FP8 activation quantization
  *   kern_avx2.c    AVX2+FMA+F16C kernels (compiled with a target pragma, picked at run time)
  *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers both AVX-512 files share
  *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)
  *   mhc.c          the hyper-connections (mHC) of a layer site and the final head, and their Sinkhorn
  *   attn.c         DeepSeek-V4 attention with sinks: plain C, AVX2 and AVX-512 kernels in one file (attn_run)
  *   rowops.c       row-wise ops of the forward pass: RMS norm, interleaved RoPE, the portable SwiGLU
+ *   simd.h         what the SIMD code shares: INLINE, UNROLL, function targets, the dot-path driver
  *   exp512.h       the one AVX-512 exp (attention softmax, SwiGLU)
+ * An architecture's kernel files compile to nothing elsewhere (FASTAR_X86 below); its tables are listed once, in
+ * dispatch.c.
  * Weight layouts are the checkpoint's (see fastar/quant/reference.py): FP4 [N, K/2] + UE8M0 [N, K/32];
  * FP8 e4m3 [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]; BF16 bit patterns [N, K]. Outputs are float32.
  */
@@ -21,6 +30,16 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* The architecture whose SIMD kernels this build compiles in (GCC / clang: they need its target attributes).
+ * -DFASTAR_X86=0 builds the portable kernels alone, as on an architecture with no SIMD files. */
+#ifndef FASTAR_X86
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define FASTAR_X86 1
+#else
+#define FASTAR_X86 0
+#endif
+#endif
 
 #define FP4_GROUP 32  /* columns per FP4 scale */
 #define FP8_BLOCK 128 /* rows and columns per FP8 scale */
@@ -44,58 +63,38 @@ typedef struct {
 
 typedef void (*rows_fn)(const mm_job *j, int64_t n0, int64_t n1);
 
+/* The register family of an ISA: which variant attn.c and mhc.c run for it. */
+typedef enum { VEC_PORTABLE, VEC_AVX2, VEC_AVX512 } isa_vec;
+
 /* Everything one instruction set provides. The dot path (T <= dot_max) streams weights once per row with
  * all tokens in registers; larger T dequantizes a tile into L1 and reuses it across tokens. */
 typedef struct {
     const char *name;
+    const char *needs;  /* the CPU features it runs on, space-separated names of dispatch.c's cpu_has ("": any) */
+    isa_vec vec;
     void (*init)(void); /* fills the column maps below; called once */
     int dot_max;
     rows_fn fp4, fp8, bf16;
     /* Column order the dot path wants per XP_CHUNK columns: xp[c0 + i] = x[c0 + map[i]] (NULL: natural). */
     const uint8_t *fp4_map, *fp8_map, *bf16_map;
-    /* The bf16 dot path's column order, xb[c0 + i] = x[c0 + bmap[i]] as bfloat16 (NULL: no such path). kernels.c
+    /* The bf16 dot path's column order, xb[c0 + i] = x[c0 + bmap[i]] as bfloat16 (NULL: no such path). dispatch.c
      * hands a product x this way (xb set, xp NULL) only when every x is an exact bfloat16 (see x_kind). */
     const uint8_t *fp4_bmap, *fp8_bmap;
     double (*fma_loop)(int64_t iters); /* returns the flops it executed (FP32 peak benchmark) */
     double (*read_sum)(const uint8_t *p, size_t n); /* streams n bytes (n % 64 == 0), returns a checksum */
-    /* Activation ops (NULL: kernels.c's scalar code): fp8_act_quant_scalar's twin, bit for bit; and
+    /* Activation ops (NULL: the portable ones): fp8_act_quant_scalar's twin, bit for bit; and
      * out = silu(min(g, l)) * clamp(u, -l, l) * scale (out may be g). */
     void (*act_quant)(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
     void (*swiglu)(const float *g, const float *u, float *out, int64_t n, float limit, float scale);
 } isa_ops;
 
-/* The dot-path driver of the SIMD files (each defines put() and its ROW kernels): rows in blocks of DOT_RB,
- * tokens in groups of DOT_GROUP, every (row, token) summed over all K columns by ROW in one order that depends
- * on neither T nor the token's place in the batch. So for T <= dot_max a token's outputs are bit-identical
- * whether it runs alone (decode) or with others (a speculative verify pass, a short prefill chunk). */
-#define DOT_RB 8
-#define DOT_GROUP 4
-#define DOT_DISPATCH(ROW)                                                                            \
-    {                                                                                                \
-        for (int64_t nb = n0; nb < n1; nb += DOT_RB) {                                               \
-            const int64_t ne = nb + DOT_RB < n1 ? nb + DOT_RB : n1;                                  \
-            for (int64_t t0 = 0; t0 < j->T; t0 += DOT_GROUP) {                                       \
-                mm_job g = *j;                                                                       \
-                g.x = j->x + t0 * j->K;                                                              \
-                g.xp = j->xp ? j->xp + t0 * j->kp : NULL;                                            \
-                g.xb = j->xb ? j->xb + t0 * j->kp : NULL;                                            \
-                float acc[DOT_RB][DOT_GROUP] = {{0}};                                                \
-                for (int64_t n = nb; n < ne; n++) switch (j->T - t0 < DOT_GROUP ? j->T - t0 : DOT_GROUP) { \
-                    case 1: ROW(&g, n, 1, 0, j->K, acc[n - nb]); break;                              \
-                    case 2: ROW(&g, n, 2, 0, j->K, acc[n - nb]); break;                              \
-                    case 3: ROW(&g, n, 3, 0, j->K, acc[n - nb]); break;                              \
-                    default: ROW(&g, n, 4, 0, j->K, acc[n - nb]); break;                             \
-                    }                                                                                \
-                for (int64_t n = nb; n < ne; n++)                                                    \
-                    for (int64_t t = t0; t < j->T && t < t0 + DOT_GROUP; t++) put(j, t, n, acc[n - nb][t - t0]); \
-            }                                                                                        \
-        }                                                                                            \
-    }
-
+/* The ISA tables built on this architecture (dispatch.c lists them, best first). */
 extern const isa_ops isa_scalar_ops;
+#if FASTAR_X86
 extern const isa_ops isa_avx2_ops;
 extern const isa_ops isa_avx512_ops;
 extern const isa_ops isa_avx512bf16_ops;
+#endif
 
 /* Tables, filled once by tables_init(). */
 extern float ue8m0_f32[256]; /* 2^(b-127); b=0 is the denormal 2^-127, b=255 is NaN */
@@ -116,9 +115,8 @@ typedef struct {
     int64_t k0, p0, window, ratio; /* query t is at position p0 + t; ratio >= 1 when comp is set and idx is not */
     float scale;
 } attn_job;
-/* Runs a job over the pool with the kernel for `isa` (an isa_ops name: avx512*, avx2, else portable C). Returns
- * 0, or -1 for out of memory. */
-int attn_run(const attn_job *j, const char *isa);
+/* Runs a job over the pool with the kernel of isa->vec. Returns 0, or -1 for out of memory. */
+int attn_run(const isa_ops *isa, const attn_job *j);
 
 /* Thread pool. pool_run calls fn(ctx, i) once for every i in [0, nchunks), spread over the pool's threads
  * (the caller included); chunks are handed out dynamically so a descheduled thread delays only its own. */
@@ -129,7 +127,7 @@ int pool_default_threads(void);
 void pool_run(int64_t nchunks, chunk_fn fn, void *ctx);
 void pool_test_delays(int worker_us, int caller_us); /* test hooks: see pool.c */
 
-/* DeepSeek's FP8 activation quant-dequant per `block` values of each row (kernels.c; out may be x). */
+/* DeepSeek's FP8 activation quant-dequant per `block` values of each row (kern_scalar.c; out may be x). */
 void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
 
 /* Row-wise ops of the forward pass (rowops.c); see fastar/model/ops.py for the math. */

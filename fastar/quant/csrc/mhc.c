@@ -2,7 +2,7 @@
  *
  * Owns: the arithmetic of fastar.model.ops.hc_pre_torch / hc_head_torch / hc_post_torch and the Sinkhorn
  * projection (sinkhorn_torch) they use; splitting it over the pool.
- * Does not own: argument checks and the GIL (kernels.c), the pool (pool.c).
+ * Does not own: argument checks and the GIL (bind_ops.c), the pool (pool.c).
  *
  * hc_pre_run, per token t with streams X_t [n, d] (K = n*d values):
  *   m = (X_t . fn_r for every row r of fn) / sqrt(|X_t|^2 / K + eps)   (the weightless RMS norm, then fn)
@@ -23,15 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels.h"
+#include "simd.h"
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define HC_X86 1
-#else
-#define HC_X86 0
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
 #define HC_ROWS 4   /* fn rows per pool chunk */
 #define HC_TOKENS 8 /* tokens per pool chunk */
 #define HC_TILE 4   /* largest tile side (tokens or rows) of any variant */
@@ -230,15 +223,13 @@ INLINE void post_stream(void *p, int64_t i) {
 static void dots_base(void *p, int64_t i) { dots_chunk(p, i, 16, 1, 2); }
 static void mix_base(void *p, int64_t t) { mix_token(p, t); }
 static void post_base(void *p, int64_t i) { post_stream(p, i); }
-#if HC_X86
-#define AVX2 __attribute__((target("avx2,fma")))
-#define AVX512 __attribute__((target("avx512f,avx2,fma")))
-AVX2 static void dots_avx2(void *p, int64_t i) { dots_chunk(p, i, 32, 2, 2); }
-AVX2 static void mix_avx2(void *p, int64_t t) { mix_token(p, t); }
-AVX2 static void post_avx2(void *p, int64_t i) { post_stream(p, i); }
-AVX512 static void dots_avx512(void *p, int64_t i) { dots_chunk(p, i, 64, 4, 4); }
-AVX512 static void mix_avx512(void *p, int64_t t) { mix_token(p, t); }
-AVX512 static void post_avx512(void *p, int64_t i) { post_stream(p, i); }
+#if FASTAR_X86
+TARGET_AVX2 static void dots_avx2(void *p, int64_t i) { dots_chunk(p, i, 32, 2, 2); }
+TARGET_AVX2 static void mix_avx2(void *p, int64_t t) { mix_token(p, t); }
+TARGET_AVX2 static void post_avx2(void *p, int64_t i) { post_stream(p, i); }
+TARGET_AVX512 static void dots_avx512(void *p, int64_t i) { dots_chunk(p, i, 64, 4, 4); }
+TARGET_AVX512 static void mix_avx512(void *p, int64_t t) { mix_token(p, t); }
+TARGET_AVX512 static void post_avx512(void *p, int64_t i) { post_stream(p, i); }
 #endif
 
 typedef struct {
@@ -246,9 +237,9 @@ typedef struct {
 } hc_variant;
 
 static hc_variant variant(const isa_ops *isa) {
-#if HC_X86
-    if (isa == &isa_avx512_ops || isa == &isa_avx512bf16_ops) return (hc_variant){dots_avx512, mix_avx512, post_avx512};
-    if (isa == &isa_avx2_ops) return (hc_variant){dots_avx2, mix_avx2, post_avx2};
+#if FASTAR_X86
+    if (isa->vec == VEC_AVX512) return (hc_variant){dots_avx512, mix_avx512, post_avx512};
+    if (isa->vec == VEC_AVX2) return (hc_variant){dots_avx2, mix_avx2, post_avx2};
 #endif
     (void)isa;
     return (hc_variant){dots_base, mix_base, post_base};

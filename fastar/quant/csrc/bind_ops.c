@@ -1,0 +1,309 @@
+/* Bindings of the activation, row, mHC and attention ops: argument checks with the GIL held, then one call into
+ * kern_scalar.c / the ISA's act_quant, rowops.c, mhc.c or attn.c with it released.
+ * Does not own: the module and the argument helpers (bindings.c), the arithmetic.
+ */
+#include "bindings.h"
+
+#include <string.h>
+
+#include "dispatch.h"
+
+/* ---------------------------------------------------------------- activation quantization */
+
+/* fp8_act_quant(x, block, out) -> None; x, out float32 [R, K] (out may be x) */
+PyObject *py_fp8_act_quant(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oo;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "OnO", &ox, &block, &oo)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_in_out(ox, oo, v, "x", 1)) goto fail;
+    if (block < 1) {
+        PyErr_Format(PyExc_ValueError, "block must be positive, got %zd", block);
+        goto fail;
+    }
+    const isa_ops *isa = cur_isa;
+    Py_BEGIN_ALLOW_THREADS
+    act_quant_rows(isa, v[0].b.buf, v[1].b.buf, dim(&v[0], 0), dim(&v[0], 1), block);
+    Py_END_ALLOW_THREADS
+    release(v, 2);
+    Py_RETURN_NONE;
+fail:
+    release(v, 2);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- mHC (mhc.c) */
+
+/* sinkhorn(logits f32 [B, n*n], n, iters, eps, out f32 [B, n*n]) -> None */
+PyObject *py_sinkhorn(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oo;
+    int n, iters;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OiidO", &ox, &n, &iters, &eps, &oo)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_in_out(ox, oo, v, "logits", 0)) goto fail;
+    if (n < 1 || n > 16 || iters < 1 || dim(&v[0], 1) != (int64_t)n * n) {
+        PyErr_Format(PyExc_ValueError, "sinkhorn needs 1 <= n <= 16, iters >= 1 and logits [B, n*n]; got n=%d, "
+                     "iters=%d, logits [%lld, %lld]", n, iters, (long long)dim(&v[0], 0), (long long)dim(&v[0], 1));
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    sinkhorn_rows(v[0].b.buf, v[1].b.buf, dim(&v[0], 0), n, iters, (float)eps);
+    Py_END_ALLOW_THREADS
+    release(v, 2);
+    Py_RETURN_NONE;
+fail:
+    release(v, 2);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- row-wise ops (rowops.c) */
+
+/* rms_norm(x f32 [R, K], weight f32 [K] | None, eps, out f32 [R, K]) -> None; out may be x */
+PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *ow, *oo;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OOdO", &ox, &ow, &eps, &oo)) return NULL;
+    view_t v[3];
+    memset(v, 0, sizeof v);
+    if (get_in_out(ox, oo, v, "x", 1)) goto fail;
+    if (ow != Py_None) {
+        if (get_view(ow, &v[2], "weight", 'f', 1, 0)) goto fail;
+        if (v[2].b.shape[0] != dim(&v[0], 1)) {
+            PyErr_Format(PyExc_ValueError, "weight has %zd values, expected %lld (x's last dim)", v[2].b.shape[0],
+                         (long long)dim(&v[0], 1));
+            goto fail;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rms_norm_rows(v[0].b.buf, ow != Py_None ? v[2].b.buf : NULL, v[1].b.buf, dim(&v[0], 0), dim(&v[0], 1), (float)eps);
+    Py_END_ALLOW_THREADS
+    release(v, 3);
+    Py_RETURN_NONE;
+fail:
+    release(v, 3);
+    return NULL;
+}
+
+/* rope(x f32 [R, D], cos f32 [T, h], sin f32 [T, h], inverse, out f32 [R, D]) -> None: the last 2h dims of each row
+ * rotated as interleaved pairs by its token's angles (R = T * rows per token); out may be x */
+PyObject *py_rope(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oc, *os, *oo;
+    int inverse;
+    if (!PyArg_ParseTuple(args, "OOOpO", &ox, &oc, &os, &inverse, &oo)) return NULL;
+    view_t v[4];
+    memset(v, 0, sizeof v);
+    if (get_in_out(ox, oo, v, "x", 1) || get_view(oc, &v[2], "cos", 'f', 2, 0) || get_view(os, &v[3], "sin", 'f', 2, 0))
+        goto fail;
+    const int64_t R = dim(&v[0], 0), D = dim(&v[0], 1), T = dim(&v[2], 0), h = dim(&v[2], 1);
+    if (shape_is(&v[3], "sin", T, h, "(= cos's shape)")) goto fail;
+    if (T < 1 || R % T || 2 * h > D) {
+        PyErr_Format(PyExc_ValueError, "rope needs x [T * m, D] with cos/sin [T, h] and 2h <= D; got x [%lld, %lld], "
+                     "cos [%lld, %lld]", (long long)R, (long long)D, (long long)T, (long long)h);
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rope_rows(v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, R, D, h, R / T, inverse);
+    Py_END_ALLOW_THREADS
+    release(v, 4);
+    Py_RETURN_NONE;
+fail:
+    release(v, 4);
+    return NULL;
+}
+
+/* swiglu(gate f32 [T, I], up f32 [T, I], limit, out f32 [T, I]) -> None: silu(min(gate, l)) * clamp(up, -l, l)
+ * (limit <= 0: no clamp) */
+PyObject *py_swiglu(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *og, *ou, *oo;
+    double limit;
+    if (!PyArg_ParseTuple(args, "OOdO", &og, &ou, &limit, &oo)) return NULL;
+    view_t v[3];
+    memset(v, 0, sizeof v);
+    if (get_in_out(og, oo, v, "gate", 0) || get_view(ou, &v[2], "up", 'f', 2, 0) ||
+        shape_is(&v[2], "up", dim(&v[0], 0), dim(&v[0], 1), "(= gate's shape)") || no_overlap(&v[1], &v[2], 1))
+        goto fail;
+    const isa_ops *isa = cur_isa;
+    Py_BEGIN_ALLOW_THREADS
+    swiglu_isa(isa, v[0].b.buf, v[2].b.buf, v[1].b.buf, dim(&v[0], 0) * dim(&v[0], 1), (float)limit, 1.0f);
+    Py_END_ALLOW_THREADS
+    release(v, 3);
+    Py_RETURN_NONE;
+fail:
+    release(v, 3);
+    return NULL;
+}
+
+/* hc_pre(x, fn, base, scale, n, iters, hc_eps, eps, u, post=None, comb=None) -> None: a layer site's mHC collapse,
+ * x f32 [T, n*d] (the flattened streams), fn f32 [R, n*d], base f32 [R], scale f32 [3] -> u f32 [T, d], post f32
+ * [T, n], comb f32 [T, n*n], with R = (2+n)*n; with post and comb None, the final head: R = n, scale [1], u only. */
+PyObject *py_hc_pre(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kws[] = {"x", "fn", "base", "scale", "n", "iters", "hc_eps", "eps", "u", "post", "comb", NULL};
+    PyObject *o[7] = {NULL, NULL, NULL, NULL, NULL, Py_None, Py_None}; /* x, fn, base, scale, u, post, comb */
+    int n, iters;
+    double hc_eps, eps;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOiiddO|OO", kws, &o[0], &o[1], &o[2], &o[3], &n, &iters, &hc_eps,
+                                     &eps, &o[4], &o[5], &o[6]))
+        return NULL;
+    const int head = o[5] == Py_None;
+    if (head != (o[6] == Py_None))
+        return PyErr_Format(PyExc_ValueError, "post and comb must both be arrays (a layer's mHC) or both None (the head)");
+    if (n < 1 || n > 16) return PyErr_Format(PyExc_ValueError, "n must be in [1, 16], got %d", n);
+    if (!head && iters < 1) return PyErr_Format(PyExc_ValueError, "iters must be >= 1, got %d", iters);
+    view_t v[7];
+    memset(v, 0, sizeof v);
+    static const char *names[7] = {"x", "fn", "base", "scale", "u", "post", "comb"};
+    const int nv = head ? 5 : 7;
+    for (int i = 0; i < nv; i++)
+        if (get_view(o[i], &v[i], names[i], 'f', i == 2 || i == 3 ? 1 : 2, i >= 4)) goto fail;
+    const int64_t T = dim(&v[0], 0), K = dim(&v[0], 1), d = K / n, R = head ? n : (int64_t)(2 + n) * n;
+    if (K % n) {
+        PyErr_Format(PyExc_ValueError, "x has shape (%lld, %lld), expected (T, n*d) with n = %d", (long long)T,
+                     (long long)K, n);
+        goto fail;
+    }
+    if (shape_is(&v[1], "fn", R, K, head ? "= (n, n*d) for the head" : "= ((2+n)*n, n*d)")) goto fail;
+    if (dim(&v[2], 0) != R || dim(&v[3], 0) != (head ? 1 : 3)) {
+        PyErr_Format(PyExc_ValueError, "base has %lld entries and scale %lld, expected %lld (fn's rows) and %d",
+                     (long long)dim(&v[2], 0), (long long)dim(&v[3], 0), (long long)R, head ? 1 : 3);
+        goto fail;
+    }
+    if (shape_is(&v[4], "u", T, d, "= (T, d)") || no_overlap_named(&v[4], "u", v, 4)) goto fail;
+    if (!head && (shape_is(&v[5], "post", T, n, "= (T, n)") || shape_is(&v[6], "comb", T, (int64_t)n * n, "= (T, n*n)") ||
+                  no_overlap_named(&v[5], "post", v, 5) || no_overlap_named(&v[6], "comb", v, 6)))
+        goto fail;
+    const isa_ops *isa = cur_isa;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hc_pre_run(isa, v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, T, n, d, head, iters, (float)hc_eps,
+                    (float)eps, v[4].b.buf, head ? NULL : v[5].b.buf, head ? NULL : v[6].b.buf);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, nv);
+    Py_RETURN_NONE;
+fail:
+    release(v, nv);
+    return NULL;
+}
+
+/* hc_post(f, x, post, comb, out) -> None: the mix back, out f32 [T, n*d] from the sub-layer output f f32 [T, d],
+ * the streams x f32 [T, n*d], post f32 [T, n] and comb f32 [T, n*n] (n from post). */
+PyObject *py_hc_post(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kws[] = {"f", "x", "post", "comb", "out", NULL};
+    PyObject *o[5];
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO", kws, &o[0], &o[1], &o[2], &o[3], &o[4])) return NULL;
+    view_t v[5];
+    memset(v, 0, sizeof v);
+    static const char *names[5] = {"f", "x", "post", "comb", "out"};
+    for (int i = 0; i < 5; i++)
+        if (get_view(o[i], &v[i], names[i], 'f', 2, i == 4)) goto fail;
+    const int64_t T = dim(&v[0], 0), d = dim(&v[0], 1), n = dim(&v[2], 1);
+    if (n < 1) {
+        PyErr_Format(PyExc_ValueError, "post has shape (%lld, 0), expected (T, n) with n >= 1", (long long)dim(&v[2], 0));
+        goto fail;
+    }
+    if (shape_is(&v[1], "x", T, n * d, "= (T, n*d), n = post.shape[1], d = f.shape[1]") ||
+        shape_is(&v[2], "post", T, n, "= (T, n), T = f.shape[0]") || shape_is(&v[3], "comb", T, n * n, "= (T, n*n)") ||
+        shape_is(&v[4], "out", T, n * d, "= x.shape") || no_overlap(&v[4], v, 4))
+        goto fail;
+    const isa_ops *isa = cur_isa;
+    Py_BEGIN_ALLOW_THREADS
+    hc_post_run(isa, v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, T, (int)n, d, v[4].b.buf);
+    Py_END_ALLOW_THREADS
+    release(v, 5);
+    Py_RETURN_NONE;
+fail:
+    release(v, 5);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- attention */
+
+/* attend(q, keys, k0, p0, window, comp, comp_idx, ratio, sinks, scale, out) -> None: DeepSeek-V4's attention of
+ * the queries q f32 [T, H, D] at positions p0.. over the window keys f32 [K, D] (row i at position k0 + i; query
+ * p sees positions (p - window, p]) and the compressed entries comp f32 [E, D] (or None): those comp_idx i64
+ * [T, k] picks (< 0: none), or with comp_idx None every e < (p + 1) // ratio; sinks f32 [H]; out f32 [T, H, D]. */
+PyObject *py_attend(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *kws[] = {"q", "keys", "k0", "p0", "window", "comp", "comp_idx", "ratio", "sinks", "scale", "out",
+                          NULL};
+    PyObject *oq, *ok, *oc, *oi, *os, *oo;
+    Py_ssize_t k0, p0, window, ratio;
+    double scale;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOnnnOOnOdO", kws, &oq, &ok, &k0, &p0, &window, &oc, &oi, &ratio, &os,
+                                     &scale, &oo))
+        return NULL;
+    view_t v[6]; /* q, keys, sinks, comp, comp_idx, out */
+    memset(v, 0, sizeof v);
+    const int has_comp = oc != Py_None, has_idx = oi != Py_None;
+    if (get_view(oq, &v[0], "q", 'f', 3, 0) || get_view(ok, &v[1], "keys", 'f', 2, 0) ||
+        get_view(os, &v[2], "sinks", 'f', 1, 0) || (has_comp && get_view(oc, &v[3], "comp", 'f', 2, 0)) ||
+        (has_idx && get_view(oi, &v[4], "comp_idx", 'q', 2, 0)) || get_view(oo, &v[5], "out", 'f', 3, 1))
+        goto fail;
+    const int64_t T = dim(&v[0], 0), H = dim(&v[0], 1), D = dim(&v[0], 2), E = has_comp ? dim(&v[3], 0) : 0;
+    if (dim(&v[5], 0) != T || dim(&v[5], 1) != H || dim(&v[5], 2) != D) {
+        PyErr_Format(PyExc_ValueError, "out has shape (%lld, %lld, %lld), expected q's (%lld, %lld, %lld)",
+                     (long long)dim(&v[5], 0), (long long)dim(&v[5], 1), (long long)dim(&v[5], 2), (long long)T,
+                     (long long)H, (long long)D);
+        goto fail;
+    }
+    if (dim(&v[2], 0) != H) {
+        PyErr_Format(PyExc_ValueError, "sinks has %lld entries, expected H = %lld (q.shape[1])",
+                     (long long)dim(&v[2], 0), (long long)H);
+        goto fail;
+    }
+    if (has_idx && !has_comp) {
+        PyErr_SetString(PyExc_ValueError, "comp_idx needs comp (the entries it picks from)");
+        goto fail;
+    }
+    if (shape_is(&v[1], "keys", dim(&v[1], 0), D, "= (K, D), D as q's") ||
+        (has_comp && shape_is(&v[3], "comp", E, D, "= (E, D), D as q's")) ||
+        (has_idx && shape_is(&v[4], "comp_idx", T, dim(&v[4], 1), "= (T, k), T as q's")))
+        goto fail;
+    if (k0 < 0 || p0 < 0 || window < 1 || ratio < 0 || (has_comp && !has_idx && ratio < 1)) {
+        PyErr_Format(PyExc_ValueError, "attend needs k0 >= 0, p0 >= 0, window >= 1 and ratio >= 0 (>= 1 with comp and "
+                     "no comp_idx); got k0=%zd, p0=%zd, window=%zd, ratio=%zd", k0, p0, window, ratio);
+        goto fail;
+    }
+    if (has_idx) {
+        const int64_t *idx = v[4].b.buf, n = T * dim(&v[4], 1);
+        for (int64_t i = 0; i < n; i++)
+            if (idx[i] >= E) {
+                PyErr_Format(PyExc_ValueError, "comp_idx[%lld, %lld] = %lld is not an entry of comp (E = %lld)",
+                             (long long)(i / dim(&v[4], 1)), (long long)(i % dim(&v[4], 1)), (long long)idx[i],
+                             (long long)E);
+                goto fail;
+            }
+    }
+    if (no_overlap(&v[5], v, 5)) goto fail;
+    const attn_job job = {.q = v[0].b.buf, .keys = v[1].b.buf, .comp = has_comp ? v[3].b.buf : NULL,
+                          .idx = has_idx ? v[4].b.buf : NULL, .sinks = v[2].b.buf, .out = v[5].b.buf, .T = T, .H = H,
+                          .D = D, .K = dim(&v[1], 0), .E = E, .k = has_idx ? dim(&v[4], 1) : 0, .k0 = k0, .p0 = p0,
+                          .window = window, .ratio = ratio, .scale = (float)scale};
+    const isa_ops *isa = cur_isa;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = attn_run(isa, &job);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 6);
+    Py_RETURN_NONE;
+fail:
+    release(v, 6);
+    return NULL;
+}

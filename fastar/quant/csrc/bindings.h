@@ -1,0 +1,39 @@
+/* What the binding files (bindings.c, bind_ops.c) share: a held buffer view and the argument checks on it, each of
+ * which sets a clear Python error (TypeError for a wrong type or dtype, ValueError for a wrong shape, stride,
+ * writability or overlap) and returns -1 on failure; and bind_ops.c's entry points for the method table.
+ */
+#ifndef FASTAR_BINDINGS_H
+#define FASTAR_BINDINGS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+typedef struct {
+    Py_buffer b;
+    int held;
+} view_t;
+
+void release(view_t *v, int n); /* the held views of v[0 .. n) */
+/* A C-contiguous view of obj with numpy dtype code ('f' float32, 'B' uint8, 'H' uint16, 'q' int64), ndim dims. */
+int get_view(PyObject *obj, view_t *v, const char *name, char code, int ndim, int writable);
+static inline int64_t dim(const view_t *v, int i) { return (int64_t)v->b.shape[i]; }
+int shape_is(const view_t *v, const char *name, int64_t a, int64_t b, const char *what); /* 2-D shape (a, b) */
+/* An output is written while the inputs are read by other threads: refuse any overlap instead of racing. */
+int no_overlap_named(const view_t *out, const char *name, const view_t *in, int n_in);
+int no_overlap(const view_t *out, const view_t *in, int n_in); /* out named "out" */
+/* A float32 input and a writable float32 output of the same 2-D shape that do not overlap (unless in_place allows
+ * out to be the input itself). */
+int get_in_out(PyObject *ox, PyObject *oo, view_t v[2], const char *in_name, int in_place);
+
+/* bind_ops.c */
+PyObject *py_fp8_act_quant(PyObject *self, PyObject *args);
+PyObject *py_sinkhorn(PyObject *self, PyObject *args);
+PyObject *py_rms_norm(PyObject *self, PyObject *args);
+PyObject *py_rope(PyObject *self, PyObject *args);
+PyObject *py_swiglu(PyObject *self, PyObject *args);
+PyObject *py_hc_pre(PyObject *self, PyObject *args, PyObject *kw);
+PyObject *py_hc_post(PyObject *self, PyObject *args, PyObject *kw);
+PyObject *py_attend(PyObject *self, PyObject *args, PyObject *kw);
+
+#endif

@@ -1,0 +1,112 @@
+/* The fused routed experts of a layer: gate and up products, the clamped SwiGLU times the routing weight, and the
+ * down product, for E experts in two pool jobs (experts_run).
+ * Does not own: argument checks (bindings.c), the product kernels (kern_*.c), job preparation (dispatch.c).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "dispatch.h"
+
+/* ---------------------------------------------------------------- one expert's gate, up and SwiGLU */
+
+typedef struct {
+    const isa_ops *isa;
+    mm_job gate, up; /* both write [T, I] buffers with ldo = I */
+    const float *route_w;
+    float limit;
+    int64_t rows_per_chunk;
+} ffn_ctx;
+
+/* Rows [n0, n1) of gate and up, then h = silu(min(gate, l)) * clamp(up, -l, l) * route_w[t] into gate's buffer.
+ * NaN passes through the clamps as in numpy (comparisons, not fminf). limit <= 0 means no clamp, as DeepSeek's
+ * swiglu_limit = 0 does. */
+static void ffn_phase1(void *p, int64_t i) {
+    const ffn_ctx *c = p;
+    const int64_t I = c->gate.N;
+    int64_t n0 = i * c->rows_per_chunk, n1 = n0 + c->rows_per_chunk;
+    if (n1 > I) n1 = I;
+    c->isa->fp4(&c->gate, n0, n1);
+    c->isa->fp4(&c->up, n0, n1);
+    for (int64_t t = 0; t < c->gate.T; t++)
+        swiglu_isa(c->isa, c->gate.out + t * I + n0, c->up.out + t * I + n0, c->gate.out + t * I + n0, n1 - n0,
+                   c->limit, c->route_w[t]);
+}
+
+/* ---------------------------------------------------------------- a layer's experts in two pool jobs */
+
+typedef struct {
+    ffn_ctx *c;              /* one per expert, all with the same I and rows_per_chunk */
+    int64_t chunks_per_expert;
+} ffn_multi;
+
+static void ffn_multi_phase1(void *p, int64_t i) {
+    const ffn_multi *m = p;
+    ffn_phase1(&m->c[i / m->chunks_per_expert], i % m->chunks_per_expert);
+}
+
+/* An expert product's path: choose_path's, but never PATH_SPLIT (phase 1 writes gate and up straight into the
+ * SwiGLU, so their rows cannot be three pseudo-tokens' partial sums). */
+static int expert_path(const isa_ops *isa, const mm_job *job) {
+    const int path = choose_path(isa, '4', job->x, job->T, job->K);
+    return path == PATH_SPLIT ? PATH_FP32 : path;
+}
+
+/* E routed experts of one layer (ew: 6 arrays each, as expert_ffn's w1, s1, w3, s3, w2, s2) as two pool jobs, all
+ * gate/up rows then all down rows, instead of 2E. Expert e takes the tokens rows[off[e]] .. rows[off[e+1] - 1]
+ * of x [*, D] with routing weights rw[off[e] ..]; its outputs are added into out[rows[j]] expert after expert, in
+ * the given order: bit for bit what E expert_ffn calls (which are this with E = 1) and index_add_s in that order
+ * give, since each expert's products choose their paths and sum as they do alone. Returns 0, or -1 for out of
+ * memory. */
+int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const float *x, int64_t D, int64_t I,
+                const int64_t *rows, const int64_t *off, const float *rw, float limit, int64_t act_block, float *out) {
+    const int64_t M = off[E];
+    float *xs = malloc((size_t)(M * D) * sizeof(float)), *gu = malloc((size_t)(2 * M * I) * sizeof(float));
+    float *y = malloc((size_t)(M * D) * sizeof(float));
+    ffn_ctx *c = calloc((size_t)E, sizeof(ffn_ctx));
+    mm_job *down = calloc((size_t)E, sizeof(mm_job));
+    prep_t *preps = calloc((size_t)(2 * E), sizeof(prep_t)); /* per expert: its gate/up inputs, its down inputs */
+    int64_t prepared = 0;
+    int rc = !xs || !gu || !y || !c || !down || !preps ? -1 : 0;
+    if (!rc) {
+        for (int64_t j = 0; j < M; j++) memcpy(xs + j * D, x + rows[j] * D, (size_t)D * sizeof(float));
+        if (act_block) act_quant_rows(isa, xs, xs, M, D, act_block); /* per row: as each expert quantizes its x */
+        const int64_t rpc = chunk_rows(E * I) < I ? chunk_rows(E * I) : (I + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
+        for (int64_t e = 0; e < E && !rc; e++) {
+            const int64_t T = off[e + 1] - off[e];
+            const uint8_t *const *w = ew + 6 * e;
+            c[e] = (ffn_ctx){.isa = isa, .route_w = rw + off[e], .limit = limit, .rows_per_chunk = rpc};
+            c[e].gate = (mm_job){.x = xs + off[e] * D, .w = w[0], .s = w[1], .T = T, .N = I, .K = D,
+                                 .out = gu + off[e] * I, .ldo = I};
+            rc = prep_job(isa, '4', expert_path(isa, &c[e].gate), &c[e].gate, &preps[prepared++]);
+            c[e].up = c[e].gate;
+            c[e].up.w = w[2], c[e].up.s = w[3], c[e].up.out = gu + (M + off[e]) * I;
+        }
+        if (!rc) {
+            ffn_multi m = {c, (I + rpc - 1) / rpc};
+            pool_run(E * m.chunks_per_expert, ffn_multi_phase1, &m);
+            if (act_block) act_quant_rows(isa, gu, gu, M, I, act_block);
+        }
+        for (int64_t e = 0; e < E && !rc; e++) {
+            const uint8_t *const *w = ew + 6 * e;
+            down[e] = (mm_job){.x = gu + off[e] * I, .w = w[4], .s = w[5], .T = off[e + 1] - off[e], .N = D, .K = I,
+                               .out = y + off[e] * D, .ldo = D, .accumulate = 0};
+            rc = prep_job(isa, '4', expert_path(isa, &down[e]), &down[e], &preps[prepared++]); /* h decides */
+        }
+        if (!rc) {
+            run_jobs(isa->fp4, down, E);
+            for (int64_t j = 0; j < M; j++) { /* expert after expert: the fixed order of the sum */
+                float *o = out + rows[j] * D;
+                const float *v = y + j * D;
+                for (int64_t d = 0; d < D; d++) o[d] += v[d];
+            }
+        }
+    }
+    for (int64_t i = 0; i < prepared; i++) finish_job(&preps[i], !rc);
+    free(preps);
+    free(down);
+    free(c);
+    free(y);
+    free(gu);
+    free(xs);
+    return rc;
+}

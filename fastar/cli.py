@@ -177,18 +177,18 @@ def cmd_bench(a) -> int:
     if a.what == "draft":
         if not a.model:
             raise FastarError("bench draft: give -m CHECKPOINT (a .fst file or checkpoint directory)")
-        from .engine import speculative_bench
+        from .bench import speculative as speculative_bench
         modes = ("none", a.draft if a.draft != "none" else "auto", "replay:0.5", "replay:0.8")
         rows = speculative_bench.bench(a.model, drafts=modes)
         print(json.dumps(rows) if a.json else speculative_bench.format_bench(rows))
         return 0
     if a.what == "kernels":
-        from . import bench_kernels
+        from .bench import kernels as bench_kernels
         bench_kernels.run(json_out=a.json, threads=[int(t) for t in a.threads.split(",")] if a.threads else None)
         return 0
     if not a.model:
         raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
-    from . import bench
+    from .bench import model as bench
     return bench.main(a)
 
 

@@ -16,7 +16,8 @@ from fastar.errors import FastarError, FormatError
 from fastar.format.reader import FstFile
 from fastar.synth import routing_trace, synth
 from fastar.weights.expert_cache import CacheFullError, ExpertCache
-from fastar.weights.expert_store import POLICIES, LRFUPolicy, LRUPolicy, simulate
+from fastar.bench.cache import simulate
+from fastar.weights.expert_store import POLICIES, LRFUPolicy, LRUPolicy
 
 SMALL = dict(num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=64, o_groups=2,
              index_n_heads=4, index_head_dim=32, index_topk=4, sliding_window=8)
@@ -403,7 +404,7 @@ def test_default_budget_from_available_memory(fst):
 
 def test_bench_cache_smoke(tiny):
     from fastar.synth import lookahead_trace
-    from fastar.weights.expert_cache import bench_cache
+    from fastar.bench.cache import bench_cache
 
     trace = routing_trace(12, 5, 8, 3, hash_layers=3, vocab=512, seed=2)
     stride = FstFile(tiny).expert_stride
@@ -502,7 +503,7 @@ def _cuda() -> bool:
 def test_device_tier_bytes_and_eviction(fst):
     import torch
 
-    from fastar.weights.expert_cache import DeviceExpertCache
+    from fastar.weights.device_cache import DeviceExpertCache
 
     with ExpertCache(fst, 6 * fst.expert_stride) as ram:
         dev = DeviceExpertCache(ram, 3 * fst.expert_stride)

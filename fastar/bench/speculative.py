@@ -17,11 +17,12 @@ from collections import OrderedDict
 
 import torch
 
+from ..contracts import Unpaged
+from ..engine.speculative import Drafter, Pick, Proposal, Schedule
 from ..model.state import ModelState
-from .speculative import Drafter, Pick, Proposal, Schedule
 
 
-class SlowExperts:
+class SlowExperts(Unpaged):
     """An expert provider with an LRU cache of `capacity` experts in front of the real one; every miss also
     sleeps `miss_s` (a simulated SSD read, synchronous: no prefetch), which `io_s` adds up."""
 
@@ -61,7 +62,7 @@ def bench(path, drafts: tuple[str, ...] = ("none", "auto"), capacities: tuple[fl
     Time is this process's CPU time plus the simulated read time (`wall=True`: wall-clock), so other load on a
     shared machine does not enter; everything runs on one thread. (`auto` itself still decides from wall time.) One row per (mode, capacity)."""
     from ..quant.linear import SourceExperts
-    from .engine import load, open_source
+    from ..engine.engine import load, open_source
 
     source = open_source(path)
     cfg = source.config

@@ -8,8 +8,9 @@ Owns:
   read errors delivered to the requesting thread as `FormatError`s naming the expert, statistics.
 - Prefetch helpers: exact for hash-routed layers (`prefetch_tokens`), router lookahead (`prefetch(...,
   source="lookahead")`), each with its own used/wasted accounting.
-Does not own: the slab, I/O primitives, policies, the device tier and the benchmark (`expert_store`; the last two
-are re-exported here), routing math (the model computes ids). Design and measurements: docs/EXPERT_MEMORY.md.
+Does not own: the slab, I/O primitives and policies (`expert_store`), the device tier (`device_cache`), the
+benchmark (`fastar.bench.cache`), routing math (the model computes ids). Design and measurements:
+docs/EXPERT_MEMORY.md.
 
 Threading: one lock and condition guard all state; loader threads `pread` with the lock (and the GIL) released,
 so reads overlap compute. Loads someone waits for ("demand") go before prefetches; a prefetch that finds no
@@ -33,11 +34,11 @@ from typing import Iterable, Iterator, Mapping
 import numpy as np
 import xxhash
 
+from ..contracts import ExpertWeights
 from ..errors import FastarError, FormatError
 from ..format.reader import FstFile
 from . import expert_store as store
-from .expert_store import CacheFullError, DeviceExpertCache, bench_cache  # noqa: F401 (re-exported)
-from .source import ExpertWeights
+from .expert_store import CacheFullError
 
 _FREE, _LOADING, _READY = 0, 1, 2
 SOURCES = ("manual", "hash", "lookahead")
@@ -114,7 +115,7 @@ class _Implicit:
 
 
 class ExpertCache:
-    """RAM tier of routed experts over an open `.fst`. A drop-in expert provider (`get`) plus the richer API.
+    """RAM tier of routed experts over an open `.fst`: an `ExpertProvider` (`fastar.contracts`) plus the richer API.
 
     Args:
         fst: the open file.
@@ -126,6 +127,8 @@ class ExpertCache:
         half_life: LRFU half-life in accesses (default 8 x the number of slots).
         verify: check each record's xxh64 after reading (~1 ms per 13 MB record).
     """
+
+    pages = True
 
     def __init__(self, fst: FstFile, ram_budget_bytes: int | None = None, io_threads: int = 2,
                  direct: bool = False, policy: str = store.DEFAULT_POLICY, *, half_life: float | None = None,

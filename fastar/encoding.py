@@ -5,7 +5,7 @@ Owns:
     (`encoding/encoding_dsv4.py` of the V4 release) does: BOS as text, system / developer / user / assistant /
     latest_reminder turns, tool schemas, assistant tool calls in DSML, `tool` messages folded into user turns
     as `<tool_result>` blocks, `<think>`/`</think>` placement, dropping of earlier reasoning, and the
-    `reasoning_effort="max"` paragraph. The rules are written out in `shared/data/dsv4-encoding/README.md`.
+    `reasoning_effort="max"` paragraph. DeepSeek's golden cases are in `tests/data/dsv4-encoding/`.
   * `parse_completion()` and `StreamParser`: the reverse for what the model generates after the prompt
     (reasoning, content, DSML tool calls), whole or incrementally while streaming. `parse_completion` is the
     stream parser fed in one piece, so the two cannot disagree.

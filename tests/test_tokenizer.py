@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -14,28 +13,9 @@ from fastar.encoding import encode_messages
 from fastar.engine.tokenizer import StreamDecoder, Tokenizer, default_tokenizer_path
 
 
-def _find_shared() -> Path | None:
-    """The project's shared data dir: $FASTAR_SHARED, else a `shared/` beside some parent (CI: `<repo>/../shared`)."""
-    env = os.environ.get("FASTAR_SHARED")
-    if env:
-        return Path(env)
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "shared" / "data").is_dir():
-            return parent / "shared"
-    return None
-
-
-SHARED = _find_shared()
-VECTORS = SHARED / "data" / "ds4-api-vectors" if SHARED else None
-GOLDEN = SHARED / "data" / "dsv4-encoding" if SHARED else None
-needs_vectors = pytest.mark.skipif(
-    VECTORS is None or not VECTORS.is_dir(),
-    reason="shared/data/ds4-api-vectors not found (set FASTAR_SHARED or place shared/ beside the repo)",
-)
-needs_golden = pytest.mark.skipif(
-    GOLDEN is None or not GOLDEN.is_dir(),
-    reason="shared/data/dsv4-encoding not found (set FASTAR_SHARED or place shared/ beside the repo)",
-)
+DATA = Path(__file__).resolve().parent / "data"  # DeepSeek's published data (tests/data/README.md)
+VECTORS = DATA / "ds4-api-vectors"
+GOLDEN = DATA / "dsv4-encoding"
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +24,6 @@ def tok() -> Tokenizer:
 
 
 def _vector_cases() -> list[str]:
-    if VECTORS is None or not VECTORS.is_dir():
-        return []
     manifest = json.loads((VECTORS / "manifest.json").read_text(encoding="utf-8"))
     return [entry["id"] for entry in manifest["prompts"]]
 
@@ -126,10 +104,9 @@ def test_encode_chat(tok: Tokenizer) -> None:
 
 # ------------------------------------------------------------------------------------ reference data counts
 
-@needs_golden
 @pytest.mark.parametrize("n, count", [(1, 541), (2, 53), (3, 820), (4, 582)])
 def test_golden_outputs_token_counts(tok: Tokenizer, n: int, count: int) -> None:
-    # counts from shared/data/dsv4-encoding/README.md (the golden files themselves carry no count)
+    # the token counts of the golden outputs under the V4 tokenizer (the golden files themselves carry no count)
     text = (GOLDEN / f"test_output_{n}.txt").read_bytes().decode("utf-8")
     ids = tok.encode(text)
     assert len(ids) == count
@@ -137,13 +114,11 @@ def test_golden_outputs_token_counts(tok: Tokenizer, n: int, count: int) -> None
     assert tok.decode(ids) == text
 
 
-@needs_vectors
 def test_all_api_vector_cases_present() -> None:
     counts = sorted(_official(c)["usage"]["prompt_tokens"] for c in _vector_cases())
     assert counts == [18, 21, 27, 3353, 3844]
 
 
-@needs_vectors
 @pytest.mark.parametrize("case_id", _vector_cases())
 def test_api_prompt_token_counts(tok: Tokenizer, case_id: str) -> None:
     official = _official(case_id)
@@ -156,7 +131,6 @@ def test_api_prompt_token_counts(tok: Tokenizer, case_id: str) -> None:
     assert ids[:2] == [0, 128803] and ids[-2:] == [128804, 128822]
 
 
-@needs_vectors
 @pytest.mark.parametrize("case_id", _vector_cases())
 def test_api_continuation_tokens_round_trip(tok: Tokenizer, case_id: str) -> None:
     official = _official(case_id)

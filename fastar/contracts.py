@@ -1,8 +1,14 @@
-"""The weight-source contract: what the model asks of wherever weights live (a `.fst` file, an official
-checkpoint directory, a synthetic model).
+"""The contracts every layer shares, at the bottom of the package: imports no torch and nothing of fastar's but
+`config`, so `format/`, `quant/` and `convert/` can implement them without importing upward.
 
-Owns: the `WeightSource` protocol, the `ExpertWeights` record and `Closing` (the file-holding sources' lifetime). Does not own: caching or paging of experts
-(`fastar.weights.expert_cache`) nor the arithmetic on weights (`fastar.quant`).
+Owns:
+- `WeightSource`: what the model asks of wherever weights live (a `.fst` file, an official checkpoint directory,
+  a FaStar v2 file, a synthetic model), and `ExpertWeights`, the record one routed expert comes back as.
+- `Closing`: the file-holding sources' lifetime (`with source:` and close-on-collect).
+- `ExpertProvider`: where the model gets routed experts during a forward (`get`, `each_batch`, `prefetch`,
+  `prefetch_tokens`), and `Unpaged`, the base of providers that do not page (prefetches are no-ops).
+Does not own: any implementation: the sources (`fastar.format.reader`, `fastar.convert`), the expert pager
+(`fastar.weights`), the arithmetic on weights (`fastar.quant`).
 
 Tensor names are the official checkpoint names, verbatim (`layers.3.attn.wq_a.weight`, `.scale`, `embed.weight`,
 `mtp.0.e_proj.weight`, ...). Arrays come back in storage precision, never widened:
@@ -12,11 +18,12 @@ blocks (mtp.0 is slot L).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Iterable, Iterator, Mapping
+from typing import ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
-from ..config import ModelConfig
+from .config import ModelConfig
 
 
 class ExpertWeights(NamedTuple):
@@ -64,3 +71,47 @@ class WeightSource(Protocol):
     def expert(self, layer: int, expert: int) -> ExpertWeights: ...
 
     def tokenizer_json(self) -> bytes | None: ...
+
+
+class ExpertProvider(Protocol):
+    """Where the model gets routed experts. Every provider implements all four calls; one that does not page
+    (`pages` False) answers `each_batch` with one list and treats the prefetches as no-ops."""
+
+    pages: ClassVar[bool]  # True when prefetches can make later requests faster (the model then computes guesses)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        """One expert's arrays, valid at least until this thread asks for another layer."""
+        ...
+
+    def each_batch(self, layer: int, ids: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """The experts `ids` of `layer` as lists of (id, weights), each list as it becomes available (every id
+        exactly once over all lists; a list's arrays are valid until the next one is asked for)."""
+        ...
+
+    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual") -> int:
+        """Start reading the experts `ids` of `layer` and return at once; returns how many reads were queued.
+        `source` ("manual", "hash", "lookahead") keys the provider's accounting."""
+        ...
+
+    def prefetch_tokens(self, token_ids: Iterable[int], tid2eid: Mapping[int, np.ndarray]) -> int:
+        """Prefetch the hash-routed layers' experts of `token_ids` (`tid2eid[layer]` [vocab, k]); returns the count
+        queued."""
+        ...
+
+
+class Unpaged:
+    """Base of expert providers that do not page: subclasses define `get`; everything is present on request."""
+
+    pages: ClassVar[bool] = False
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        raise NotImplementedError
+
+    def each_batch(self, layer: int, ids: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        yield [(e, self.get(layer, e)) for e in ids]
+
+    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual") -> int:
+        return 0
+
+    def prefetch_tokens(self, token_ids: Iterable[int], tid2eid: Mapping[int, np.ndarray]) -> int:
+        return 0

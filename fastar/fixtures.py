@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .convert.names import FP8_BLOCK, FP4_GROUP, expected_tensors, tensor_nbytes
-from .quant.reference import FP4_VALUES, bf16_encode, fp8_block_quant, ue8m0_encode
+from .convert.names import expected_tensors, tensor_nbytes
+from .quant.reference import FP4_GROUP, FP4_VALUES, FP8_BLOCK, bf16_encode, fp8_block_quant, ue8m0_encode
 
 PRESETS = ("tiny", "tiny-dspark", "vocab")
 

@@ -1,8 +1,8 @@
 """Test-side writer of FaStar `.fst` version 2 files and sidecars, from an official-format checkpoint.
 
-Follows docs/fastar-seed-system.md §2 (and FaStar's `scripts/fst_converter.py` `convert_full_model_v4`,
+Follows the layout in `fastar/convert/v2.py`'s docstring (and FaStar's `scripts/fst_converter.py` `convert_full_model_v4`,
 `convert_hc_only`, `convert_norm_only`) on its own: its constants are spelled out here, not imported from
-`fastar.format.v2`, so the reader is tested against an independent reading of the spec. Used only by tests.
+`fastar.convert.v2`, so the reader is tested against an independent reading of the spec. Used only by tests.
 
 What it writes, like the original converter:
 - main `X.fst`: globals (TID 0 embed, 1 final norm, 2 head, 40 compress ratios), per layer the norms (TIDs 3, 4,

@@ -19,7 +19,7 @@ from fastar.convert.names import (
 )
 from fastar.errors import CheckpointError, ConfigError
 from fastar.fixtures import write_checkpoint
-from fastar.weights.source import ExpertWeights
+from fastar.contracts import ExpertWeights
 
 FLASH_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0]
 

@@ -371,7 +371,7 @@ def test_linear_fp8_bf16_and_grouped_products(kernels):
 def test_expert_ffn_orders_and_activation_hook(kernels):
     from fastar.quant.linear import expert_ffn
     from fastar.quant.reference import fp4_decode, fp4_encode
-    from fastar.weights.source import ExpertWeights
+    from fastar.contracts import ExpertWeights
 
     rng = np.random.default_rng(2)
     D, inter = 64, 96
@@ -402,7 +402,7 @@ def test_layer_experts_in_one_call_equal_expert_by_expert():
     tokens."""
     from fastar.quant.linear import _kernels, expert_ffn, experts_ffn
     from fastar.quant.reference import fp4_encode
-    from fastar.weights.source import ExpertWeights
+    from fastar.contracts import ExpertWeights
 
     if _kernels() is None:
         pytest.skip("the one-call path needs the C kernels")

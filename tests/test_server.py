@@ -96,6 +96,9 @@ class FakeEngine:
         self._stats = dict(prompt_tokens=0, generated_tokens=0, prefill_tokens_computed=0, expert_cache_hits=0,
                            expert_cache_misses=0, expert_cache_bytes_read=0, requests=0, tokens_after_cancel=0)
 
+    def close(self) -> None:  # `Engine.close`: the host calls it at shutdown
+        self.closed = True
+
     def _bump(self, **kw: int) -> None:
         with self._lock:
             for key, value in kw.items():

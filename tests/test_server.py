@@ -23,8 +23,17 @@ from pathlib import Path
 
 import pytest
 
-from fastar.encoding import (ASSISTANT, BOS, EOS, LATEST_REMINDER, THINK_END, THINK_START, USER, encode_messages,
-                             render_tool_calls)
+from fastar.encoding import (
+    ASSISTANT,
+    BOS,
+    EOS,
+    LATEST_REMINDER,
+    THINK_END,
+    THINK_START,
+    USER,
+    encode_messages,
+    render_tool_calls,
+)
 from fastar.engine.generate import GenerationChunk
 from fastar.serve import protocol as P
 from fastar.serve import server as S

@@ -9,9 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastar.encoding import encode_messages
 from fastar.engine.tokenizer import StreamDecoder, Tokenizer, default_tokenizer_path
-
 
 DATA = Path(__file__).resolve().parent / "data"  # DeepSeek's published data (tests/data/README.md)
 VECTORS = DATA / "ds4-api-vectors"
@@ -164,7 +162,8 @@ def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "text", ["😀🎉 emoji 👩‍👩‍👧", "中文分词测试，深度求索。日本語のテキスト", "café naïve Ångström œuvre", "mixed: a😀b中c é"]
+    "text",
+    ["😀🎉 emoji 👩‍👩‍👧", "中文分词测试，深度求索。日本語のテキスト", "café naïve Ångström œuvre", "mixed: a😀b中c é"],
 )
 def test_stream_decoder_multibyte(tok: Tokenizer, text: str) -> None:
     ids = tok.encode(text)

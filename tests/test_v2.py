@@ -264,7 +264,8 @@ def test_without_compress_ratios_the_flash_pattern_is_assumed_and_checked(ck, tm
     p = write_v2(ck, tmp_path / "noratio.fst", drop={"compress_ratios"})  # fixture ratios are 0, 4, 128, 4, 0
     with pytest.raises(FormatError, match=r"layers\.\{4\}\.attn\.compressor"):
         FstV2File(p)
-    flash_like = write_checkpoint(tmp_path / "ck", "tiny", seed=2, tokenizer=False, compress_ratios=[0, 0, 4, 128, 4, 0])
+    flash_like = write_checkpoint(tmp_path / "ck", "tiny", seed=2, tokenizer=False,
+                                  compress_ratios=[0, 0, 4, 128, 4, 0])
     q = write_v2(flash_like, tmp_path / "flashlike.fst", drop={"compress_ratios"})
     with FstV2File(q) as f:
         assert f.config.compress_ratios == (0, 0, 4, 128, 4)
@@ -329,7 +330,6 @@ def test_not_v2(tmp_path, tiny_ckpt):
         FstV2File(tiny_ckpt)
 
 
-@pytest.mark.skipif(not hasattr(Engine, "stats"), reason="Engine.stats (used by `fastar run`) is not written yet")
 def test_fastar_run_on_a_v2_file_equals_its_conversion(vocab_ckpt, tmp_path, capsys):
     v2 = write_v2(vocab_ckpt, tmp_path / "vocab.fst")
     v3 = convert(v2, tmp_path / "vocab3.fst", progress=False)

@@ -8,6 +8,7 @@ Owns:
 Does not own: the cache itself (`fastar.weights.expert_cache`, `fastar.weights.expert_store`). Design and
 measurements: docs/EXPERT_MEMORY.md.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -20,7 +21,7 @@ import numpy as np
 from ..contracts import ExpertWeights
 from ..format.reader import FstFile
 from ..weights.expert_cache import ExpertCache
-from ..weights.expert_store import DEFAULT_POLICY, GiB, POLICIES, anonymous_buffer, lrfu_params, make_policy
+from ..weights.expert_store import DEFAULT_POLICY, POLICIES, GiB, anonymous_buffer, lrfu_params, make_policy
 
 
 def drop_page_cache(path: str | os.PathLike) -> None:
@@ -32,8 +33,15 @@ def drop_page_cache(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def simulate(trace: np.ndarray, experts: int, n_slots: int, policy: str = DEFAULT_POLICY,
-             half_life: float | None = None, prefetch: np.ndarray | None = None, window: int = 0) -> dict:
+def simulate(
+    trace: np.ndarray,
+    experts: int,
+    n_slots: int,
+    policy: str = DEFAULT_POLICY,
+    half_life: float | None = None,
+    prefetch: np.ndarray | None = None,
+    window: int = 0,
+) -> dict:
     """Replay `trace` [tokens, layers, k] against a cache of `n_slots` without I/O; the cache's own rules.
 
     Each (token, layer) step requests its unique experts together (they are pinned for the layer, so never
@@ -95,8 +103,16 @@ def simulate(trace: np.ndarray, experts: int, n_slots: int, policy: str = DEFAUL
                     continue
                 pinned[s], unused[s] = True, False
     n = hits + misses
-    return {"policy": policy, "n_slots": n_slots, "hits": hits, "misses": misses, "evictions": evictions,
-            "hit_rate": hits / n if n else 0.0, "prefetch_loads": pf_loads, "prefetch_used": pf_used}
+    return {
+        "policy": policy,
+        "n_slots": n_slots,
+        "hits": hits,
+        "misses": misses,
+        "evictions": evictions,
+        "hit_rate": hits / n if n else 0.0,
+        "prefetch_loads": pf_loads,
+        "prefetch_used": pf_used,
+    }
 
 
 class MmapExperts:
@@ -138,8 +154,10 @@ def measure_disk(fst: FstFile, records: int = 48, seed: int = 0) -> dict:
     b = fst.bank
     stride = fst.expert_stride
     n_rec = b["slots"] * b["experts"]
-    picks = [divmod(int(i), b["experts"]) for i in
-             np.random.default_rng(seed).choice(n_rec, min(4 * records, n_rec), replace=False)]
+    picks = [
+        divmod(int(i), b["experts"])
+        for i in np.random.default_rng(seed).choice(n_rec, min(4 * records, n_rec), replace=False)
+    ]
     sets = [picks[k::4] for k in range(4)]  # disjoint records per method
     buf = anonymous_buffer(stride)
     out: dict = {}
@@ -177,7 +195,7 @@ def measure_disk(fst: FstFile, records: int = 48, seed: int = 0) -> dict:
     mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     os.close(fd)
     try:
-        timed("mmap_cold", sets[2], lambda s, e: _touch(memoryview(mm)[fst.expert_offset(s, e):][:stride]))
+        timed("mmap_cold", sets[2], lambda s, e: _touch(memoryview(mm)[fst.expert_offset(s, e) :][:stride]))
     finally:
         mm.close()
     slot, e = picks[0]
@@ -198,8 +216,15 @@ def _cached_kb() -> int:
         return next((int(line.split()[1]) for line in f if line.startswith("Cached:")), 0)
 
 
-def _replay(cache, trace: np.ndarray, prefetch: np.ndarray | None, hash_layers: int, touch: bool,
-            dense_s: float, cold: str | os.PathLike | None) -> float:
+def _replay(
+    cache,
+    trace: np.ndarray,
+    prefetch: np.ndarray | None,
+    hash_layers: int,
+    touch: bool,
+    dense_s: float,
+    cold: str | os.PathLike | None,
+) -> float:
     """The decode loop's shape. Per token: the hash layers' experts are prefetched exactly at its start; before
     each layer's dense part runs (`dense_s` of sleep: attention etc., in kernels that release the GIL) the next
     layer's predicted experts are prefetched (lookahead); then the layer streams its experts, each touched once
@@ -235,11 +260,24 @@ def _replay(cache, trace: np.ndarray, prefetch: np.ndarray | None, hash_layers: 
     return overhead
 
 
-def bench_cache(fst_path: str | os.PathLike, budgets: list[int], trace: np.ndarray, *,
-                policies: tuple[str, ...] = POLICIES, modes: tuple[str, ...] = ("direct", "pread", "mmap"),
-                prefetch: np.ndarray | None = None, hash_layers: int = 3, warmup_tokens: int = 0,
-                timed_tokens: int | None = None, dense_s: float = 0.0, cold: bool = False, io_threads: int = 2,
-                touch: bool = True, disk_records: int = 48, log=None) -> dict:
+def bench_cache(
+    fst_path: str | os.PathLike,
+    budgets: list[int],
+    trace: np.ndarray,
+    *,
+    policies: tuple[str, ...] = POLICIES,
+    modes: tuple[str, ...] = ("direct", "pread", "mmap"),
+    prefetch: np.ndarray | None = None,
+    hash_layers: int = 3,
+    warmup_tokens: int = 0,
+    timed_tokens: int | None = None,
+    dense_s: float = 0.0,
+    cold: bool = False,
+    io_threads: int = 2,
+    touch: bool = True,
+    disk_records: int = 48,
+    log=None,
+) -> dict:
     """Measure the expert cache on `fst_path` with routing `trace` [tokens, layers, k].
 
     Returns a dict:
@@ -257,8 +295,13 @@ def bench_cache(fst_path: str | os.PathLike, budgets: list[int], trace: np.ndarr
     say = log or (lambda *_: None)
     fst = FstFile(fst_path)
     experts = fst.bank["experts"]
-    res: dict = {"file": str(fst_path), "stride": fst.expert_stride, "trace_shape": list(trace.shape),
-                 "dense_s": dense_s, "cold": cold}
+    res: dict = {
+        "file": str(fst_path),
+        "stride": fst.expert_stride,
+        "trace_shape": list(trace.shape),
+        "dense_s": dense_s,
+        "cold": cold,
+    }
     res["disk"] = disk = measure_disk(fst, disk_records)
     say(f"disk: {disk}")
     pfs = [None, prefetch] if prefetch is not None else [None]
@@ -305,10 +348,19 @@ def bench_cache(fst_path: str | os.PathLike, budgets: list[int], trace: np.ndarr
             st = {"major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt - maj0}
         else:
             st = cache.stats()
-        run = {"mode": mode, "policy": pol, "budget_bytes": budget, "prefetch": pf is not None,
-               "tokens": end - warmup_tokens, "wall_s": wall, "tokens_per_s": (end - warmup_tokens) / wall,
-               "rss_bytes": proc.memory_info().rss, "rss_growth_bytes": proc.memory_info().rss - rss0,
-               "pagecache_growth_bytes": (_cached_kb() - cached0) * 1024, **st}
+        run = {
+            "mode": mode,
+            "policy": pol,
+            "budget_bytes": budget,
+            "prefetch": pf is not None,
+            "tokens": end - warmup_tokens,
+            "wall_s": wall,
+            "tokens_per_s": (end - warmup_tokens) / wall,
+            "rss_bytes": proc.memory_info().rss,
+            "rss_growth_bytes": proc.memory_info().rss - rss0,
+            "pagecache_growth_bytes": (_cached_kb() - cached0) * 1024,
+            **st,
+        }
         cache.fst.close() if mode == "mmap" else cache.close()
         if "bytes_read" in st:
             run["stall_fraction"] = st["stall_s"] / wall
@@ -316,11 +368,25 @@ def bench_cache(fst_path: str | os.PathLike, budgets: list[int], trace: np.ndarr
             if "direct_GBps" in disk:
                 run["vs_disk"] = run["effective_GBps"] / max(disk["direct_GBps"], disk["direct_2threads_GBps"])
         runs.append(run)
-        say(f"run {mode} {pol} {None if budget is None else round(budget / GiB, 2)} GiB prefetch={pf is not None}: "
-            + ", ".join(f"{k}={run[k]:.3g}" for k in ("wall_s", "tokens_per_s", "hit_rate", "stall_fraction",
-                                                       "effective_GBps", "vs_disk", "prefetch_used",
-                                                       "prefetch_wasted_bytes", "major_faults",
-                                                       "pagecache_growth_bytes") if k in run))
+        say(
+            f"run {mode} {pol} {None if budget is None else round(budget / GiB, 2)} GiB prefetch={pf is not None}: "
+            + ", ".join(
+                f"{k}={run[k]:.3g}"
+                for k in (
+                    "wall_s",
+                    "tokens_per_s",
+                    "hit_rate",
+                    "stall_fraction",
+                    "effective_GBps",
+                    "vs_disk",
+                    "prefetch_used",
+                    "prefetch_wasted_bytes",
+                    "major_faults",
+                    "pagecache_growth_bytes",
+                )
+                if k in run
+            )
+        )
     res["runs"] = runs
     res["disk_end"] = measure_disk(fst, disk_records, seed=1)  # the disk drifts: bracket the runs
     say(f"disk at the end: {res['disk_end']}")

@@ -44,7 +44,7 @@ class _PeakRSS:
             self.peak = max(self.peak, self._proc.memory_info().rss)
             self._stop.wait(0.02)
 
-    def __enter__(self) -> "_PeakRSS":
+    def __enter__(self) -> _PeakRSS:
         self.peak = self._proc.memory_info().rss
         self._t.start()
         return self
@@ -95,6 +95,7 @@ def _disk_bw(path: str, nbytes: int = 256 << 20) -> float:
     """Sequential O_DIRECT read rate of one file (GB/s), page cache dropped first; a fallback probe for sources
     that are not one .fst (a checkpoint directory's largest shard)."""
     import mmap
+
     from .cache import drop_page_cache
     drop_page_cache(path)
     flag = getattr(os, "O_DIRECT", 0)
@@ -248,12 +249,11 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
 def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 16, reference: str | None = None,
         options: dict | None = None, seed: int = 0, policies: list[str] | None = None, warmup: int = 8,
         replay: float | None = None, repeats: int = 1) -> dict:
-    from .kernels import machine_limits
+    from ..engine.engine import open_source
     from ..format.reader import FstFile
     from ..quant import kernels
     from .cache import measure_disk
-
-    from ..engine.engine import open_source
+    from .kernels import machine_limits
 
     options = options or {}
     src = open_source(path)
@@ -338,12 +338,14 @@ def print_table(r: dict, out=sys.stdout) -> None:
         print(f"{_gb(x['ram_budget_bytes']):>10} {x['cache_policy']:>6} {x['prefill_tok_s']:11.1f} "
               f"{x['decode_tok_s']:10.2f} {x['ceiling_tok_s']:8.2f} {100 * x['fraction_of_ceiling']:5.0f}% "
               f"{100 * x['hit_rate']:5.1f}% {_gb(x['bytes_read_per_token']):>10} {x['achieved_gbps']:6.1f} "
-              f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}" + ("  (all experts preloaded)" if x["preloaded"] else ""), file=out)
+              f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}"
+              + ("  (all experts preloaded)" if x["preloaded"] else ""), file=out)
         print(f"{'':>10} prefill {x['prefill_tok_s']:.1f} t/s = {100 * x['prefill_fraction_of_flops']:.0f}% of the "
               f"FLOP ceiling {x['prefill_ceiling_tok_s']:.1f} t/s", file=out)
         if len(x["repeats"]) > 1:
             fr = sorted(100 * y["fraction_of_ceiling"] for y in x["repeats"])
-            print(f"{'':>10} {len(fr)} repeats: % of ceiling median {fr[len(fr) // 2]:.0f}, range {fr[0]:.0f}-{fr[-1]:.0f}; "
+            print(f"{'':>10} {len(fr)} repeats: % of ceiling median {fr[len(fr) // 2]:.0f}, "
+                  f"range {fr[0]:.0f}-{fr[-1]:.0f}; "
                   + ", ".join(f"{y['decode_tok_s']:.1f} t/s @ {y['membw_gbps']:.0f} GB/s" for y in x["repeats"]),
                   file=out)
         if "draft_mode" in x:
@@ -387,7 +389,8 @@ def main(a) -> int:
     if not os.path.exists(a.model):
         raise FastarError(f"{a.model}: no such file or directory")
     opts = memory_options(a)
-    budgets = [None if s.strip().lower() == "none" else s.strip() for s in str(opts.pop("ram_budget") or "none").split(",")]
+    budgets = [None if s.strip().lower() == "none" else s.strip()
+               for s in str(opts.pop("ram_budget") or "none").split(",")]
     budgets = [b if b in (None, "auto") else parse_size(b) for b in budgets]
     opts["draft"] = getattr(a, "draft", "none")
     policies = [p.strip() for p in a.policies.split(",")] if getattr(a, "policies", None) else None

@@ -24,10 +24,10 @@ import numpy as np
 
 from .. import __version__
 from ..config import ModelConfig
+from ..contracts import ExpertWeights
 from ..errors import CheckpointError, FormatError
 from ..format import spec
 from ..format.writer import FstWriter
-from ..contracts import ExpertWeights
 from .checkpoint import INDEX_FILE, Checkpoint
 from .names import expected_tensors, is_routed_expert
 

@@ -59,8 +59,8 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import ConfigError, FormatError
 from ..contracts import Closing, ExpertWeights
+from ..errors import ConfigError, FormatError
 from ..format import spec
 from ..format.reader import FstFile, MappedFile
 from ..quant.reference import FP4_VALUES
@@ -273,7 +273,8 @@ class V2Container(MappedFile):
         raw = os.pread(self._fd, dir_end - h.shared_dir_offset, h.shared_dir_offset)
         out, spans = [], []
         for i in range(h.shared_dir_count):
-            tid, layer, sub, qtype, ndim, _pad, s0, s1, s2, off, n, _res = struct.unpack_from(ENTRY_FMT, raw, i * ENTRY_SIZE)
+            tid, layer, sub, qtype, ndim, _pad, s0, s1, s2, off, n, _res = struct.unpack_from(ENTRY_FMT, raw,
+                                                                                             i * ENTRY_SIZE)
             shape = (s0, s1, s2)[:ndim]
             e = V2Entry(tid, layer, sub, qtype, shape, off, n)
             if qtype not in QTYPE_NAMES:
@@ -669,7 +670,8 @@ class FstV2File(Closing):
     def expert_views(self, buf, base: int = 0) -> ExpertWeights:
         parts = []
         for s in self.bank["sections"]:
-            parts.append(np.frombuffer(buf, dtype=np.uint8, count=s["nbytes"], offset=base + s["offset"]).reshape(s["shape"]))
+            part = np.frombuffer(buf, dtype=np.uint8, count=s["nbytes"], offset=base + s["offset"])
+            parts.append(part.reshape(s["shape"]))
         return ExpertWeights(*parts)
 
     def read_expert_into(self, slot: int, e: int, buf, fd: int | None = None) -> ExpertWeights:

@@ -112,8 +112,9 @@ class Session:
         anchor: keep a snapshot of the state at the end of the last prompt (see the module docstring).
     """
 
-    def __init__(self, runner: Runner, *, context_length: int, vocab_size: int, tokenizer=None, stats: Stats | None = None,
-                 fingerprint: str = "", anchor: bool = True, context_note: str | None = None) -> None:
+    def __init__(self, runner: Runner, *, context_length: int, vocab_size: int, tokenizer=None,
+                 stats: Stats | None = None, fingerprint: str = "", anchor: bool = True,
+                 context_note: str | None = None) -> None:
         self._runner = runner
         self.context_length, self.context_note = context_length, context_note
         self.vocab_size = vocab_size

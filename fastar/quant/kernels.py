@@ -97,7 +97,7 @@ def _array(a, name: str) -> np.ndarray:
             raise TypeError(f"{name} must be on the CPU, got a tensor on {a.device}")
         a = a.detach()
         if str(a.dtype) == "torch.bfloat16":
-            import torch  # noqa: PLC0415 (only reached when the caller already uses torch)
+            import torch
             return a.view(torch.int16).numpy().view(np.uint16)
         return a.numpy()
     raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(a).__name__}")
@@ -239,8 +239,9 @@ def experts_ffn(x, experts, rows, offsets, route_w, limit: float, out, act_block
     rows, offsets = np.ascontiguousarray(rows, np.int64), np.ascontiguousarray(offsets, np.int64)
     route_w = np.ascontiguousarray(_array(route_w, "route_w"), np.float32)
     if _C is not None:
-        _C.experts_ffn(x, [ew if all(type(a) is np.ndarray for a in ew) else tuple(_array(a, "expert weight") for a in ew)
-                           for ew in experts], rows, offsets, route_w, float(limit), out, int(act_block))
+        arrays = [ew if all(type(a) is np.ndarray for a in ew) else tuple(_array(a, "expert weight") for a in ew)
+                  for ew in experts]
+        _C.experts_ffn(x, arrays, rows, offsets, route_w, float(limit), out, int(act_block))
         return out
     if len(offsets) != len(experts) + 1 or offsets[0] != 0 or offsets[-1] != len(rows) or (np.diff(offsets) <= 0).any():
         raise ValueError("offsets must have E+1 increasing entries from 0 to len(rows) (every expert has a token)")

@@ -3,6 +3,7 @@
 Owns: `DeviceExpertCache`. Does not own: the RAM tier it reads through (`expert_cache.py`) nor its eviction
 policies and slab (`expert_store.py`). Used by tests on CUDA machines only; the engine does not build it yet.
 """
+
 from __future__ import annotations
 
 import collections
@@ -65,7 +66,7 @@ class DeviceExpertCache:
                 self.misses += 1
             self._in_use[e] = slot
         row = self.pool[slot]
-        return ExpertWeights(*(row[s["offset"]:s["offset"] + s["nbytes"]].view(*s["shape"]) for s in self.sections))
+        return ExpertWeights(*(row[s["offset"] : s["offset"] + s["nbytes"]].view(*s["shape"]) for s in self.sections))
 
     def prefetch(self, layer: int, ids, source: str = "manual") -> int:
         """Reads into the RAM tier; the host-to-device copy happens at `get` (it is ~50x faster than the disk)."""
@@ -95,8 +96,10 @@ class DeviceExpertCache:
             if s not in used:
                 del self._lru[k]
                 return s
-        raise CacheFullError(f"device expert budget ({self.n_slots} slots of {self.stride} B) is full with layer "
-                             f"{self._layer}'s experts; raise it")
+        raise CacheFullError(
+            f"device expert budget ({self.n_slots} slots of {self.stride} B) is full with layer "
+            f"{self._layer}'s experts; raise it"
+        )
 
     def _load(self, layer: int, e: int, k: int) -> int:
         torch = self.torch
@@ -120,5 +123,11 @@ class DeviceExpertCache:
 
     def stats(self) -> dict:
         n = self.hits + self.misses
-        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hits / n if n else 0.0,
-                "bytes_copied": self.bytes_copied, "n_slots": self.n_slots, "budget_bytes": self.n_slots * self.stride}
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hits / n if n else 0.0,
+            "bytes_copied": self.bytes_copied,
+            "n_slots": self.n_slots,
+            "budget_bytes": self.n_slots * self.stride,
+        }

@@ -28,8 +28,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 import xxhash
@@ -63,7 +63,7 @@ class ExpertHandle:
     __slots__ = ("layer", "expert", "weights", "buffer", "_cache", "_slot", "_live")
 
     def __init__(self, layer: int, expert: int, weights: ExpertWeights, buffer: memoryview,
-                 cache: "ExpertCache | None", slot: int) -> None:
+                 cache: ExpertCache | None, slot: int) -> None:
         self.layer, self.expert, self.weights, self.buffer = layer, expert, weights, buffer
         self._cache, self._slot, self._live = cache, slot, True
 
@@ -73,7 +73,7 @@ class ExpertHandle:
             if self._cache is not None:
                 self._cache._unpin(self._slot)
 
-    def __enter__(self) -> "ExpertHandle":
+    def __enter__(self) -> ExpertHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -87,7 +87,7 @@ class ExpertHandles(list):
         for h in self:
             h.release()
 
-    def __enter__(self) -> "ExpertHandles":
+    def __enter__(self) -> ExpertHandles:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -364,7 +364,7 @@ class ExpertCache:
         self._slot_views.clear()
         self._slab.close()
 
-    def __enter__(self) -> "ExpertCache":
+    def __enter__(self) -> ExpertCache:
         return self
 
     def __exit__(self, *exc) -> None:

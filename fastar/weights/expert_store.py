@@ -82,7 +82,8 @@ class ExpertReader:
         if direct:
             self.fd = fst.open_direct()
             if self.fd is None:
-                warnings.warn(f"{fst.path}: O_DIRECT is not supported here; reading through the page cache")
+                warnings.warn(f"{fst.path}: O_DIRECT is not supported here; reading through the page cache",
+                              stacklevel=2)
         self.direct = self.fd is not None
 
     def read(self, layer: int, e: int, buf: memoryview) -> None:

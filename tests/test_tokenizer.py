@@ -147,13 +147,10 @@ def test_api_continuation_tokens_round_trip(tok: Tokenizer, case_id: str) -> Non
 
 # ------------------------------------------------------------------------------------------- streaming
 
-_SINGLE_BYTE: list[int] = []
-
-
-def _single_byte_ids(tok: Tokenizer) -> list[int]:
-    if not _SINGLE_BYTE:
-        _SINGLE_BYTE.extend(i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) == 1)
-    return _SINGLE_BYTE
+@pytest.fixture(scope="module")
+def single_byte_ids(tok: Tokenizer) -> list[int]:
+    """Ids of the tokens that are one byte long (pieces of UTF-8 sequences among them)."""
+    return [i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) == 1]
 
 
 def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
@@ -199,7 +196,8 @@ def test_stream_decoder_matches_decode_on_random_text(tok: Tokenizer, text: str)
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 129279), max_size=20), st.randoms(use_true_random=False))
-def test_stream_decoder_matches_decode_on_random_ids(tok: Tokenizer, ids: list[int], rnd: random.Random) -> None:
+def test_stream_decoder_matches_decode_on_random_ids(tok: Tokenizer, single_byte_ids: list[int], ids: list[int],
+                                                     rnd: random.Random) -> None:
     # mostly single-byte tokens, so invalid and split UTF-8 sequences are common
-    ids = [rnd.choice(_single_byte_ids(tok)) if rnd.random() < 0.6 else i for i in ids]
+    ids = [rnd.choice(single_byte_ids) if rnd.random() < 0.6 else i for i in ids]
     assert "".join(_stream(tok, ids)) == tok.decode(ids)

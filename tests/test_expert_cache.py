@@ -56,7 +56,7 @@ def run_with_timeout(fn, timeout: float = TIMEOUT):
     def target():
         try:
             out["r"] = fn()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
             out["e"] = e
     t = threading.Thread(target=target, daemon=True)
     t.start()
@@ -492,7 +492,7 @@ def _cuda() -> bool:
     try:
         import torch
         return torch.cuda.is_available()
-    except Exception:
+    except Exception:  # noqa: BLE001
         return False
 
 

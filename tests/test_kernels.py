@@ -479,14 +479,14 @@ def test_bf16_path_is_chosen_per_call(bf16_isa, bad):
     w8, s8 = fp8_weights(rng, 90, 1024)
     w4, s4 = fp4_weights(rng, 90, 1024)
     for product in (lambda a: K.fp8_matmul(a, w8, s8), lambda a: K.fp4_matmul(a, w4, s4)):
-        got, fp32 = on_both_paths(lambda: product(x))
+        got, fp32 = on_both_paths(lambda: product(x))  # noqa: B023 (called at once)
         assert np.array_equal(got, fp32, equal_nan=True)
         others = np.ascontiguousarray(x[:3])  # without that token the call takes the bf16 path
-        got, fp32 = on_both_paths(lambda: product(others))
+        got, fp32 = on_both_paths(lambda: product(others))  # noqa: B023
         assert not np.array_equal(got, fp32)
         x0 = x.copy()
         x0[3, 100] = 0.0  # zeros qualify
-        got, fp32 = on_both_paths(lambda: product(x0))
+        got, fp32 = on_both_paths(lambda: product(x0))  # noqa: B023
         assert not np.array_equal(got, fp32)
 
 
@@ -505,11 +505,11 @@ def test_bf16_path_splits_x_that_is_not_bf16(bf16_isa, t):
     w4, s4 = fp4_weights(rng, 70, k)
     for product, deq in ((lambda a: K.fp8_matmul(a, w8, s8), R.fp8_block_dequant(w8, s8)),
                          (lambda a: K.fp4_matmul(a, w4, s4), R.fp4_decode(w4, s4))):
-        got, fp32 = on_both_paths(lambda: product(x))
+        got, fp32 = on_both_paths(lambda: product(x))  # noqa: B023 (called at once)
         assert_close(got, x, deq)
         assert not np.array_equal(got, fp32)
         for i in range(t):
-            alone = product(np.ascontiguousarray(x[i:i + 1]))
+            alone = product(np.ascontiguousarray(x[i:i + 1]))  # noqa: B023
             assert np.array_equal(alone[0], got[i])
     base = rng.standard_normal((t, 70)).astype(np.float32)
     acc = K.fp8_matmul(x, w8, s8, out=base.copy())  # the accumulating form adds the same sum

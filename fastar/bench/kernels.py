@@ -106,7 +106,7 @@ def _baselines(rng, T: int) -> list[tuple[str, float, int, int]]:
     out.append(("numpy fp4 dequant+matmul", med(lambda: x @ R.fp4_decode(w, s).T), w.nbytes + s.nbytes, f4))
     out.append(("numpy fp8 dequant+matmul", med(lambda: x @ R.fp8_block_dequant(w8, s8).T), w8.nbytes + s8.nbytes, f8))
     try:
-        import torch
+        import torch  # noqa: PLC0415 (optional comparison)
     except ImportError:
         return out
     lut = torch.tensor(R.FP4_VALUES)

@@ -97,7 +97,7 @@ def _array(a, name: str) -> np.ndarray:
             raise TypeError(f"{name} must be on the CPU, got a tensor on {a.device}")
         a = a.detach()
         if str(a.dtype) == "torch.bfloat16":
-            import torch
+            import torch  # noqa: PLC0415 (only reached when the caller already uses torch)
             return a.view(torch.int16).numpy().view(np.uint16)
         return a.numpy()
     raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(a).__name__}")

@@ -167,7 +167,7 @@ class EngineHost:
             self.engine = engine
             self.pool = SessionPool(engine, self.max_sessions)
             on_ready(engine)
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 - reported through /health, and by serve() as the exit reason
             log.exception("loading the model failed")
             self.error = f"{type(err).__name__}: {err}"
             self._settled.set()

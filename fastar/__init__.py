@@ -2,7 +2,7 @@
 
 The public API (torch is imported only when one of these is first used):
   load(path, numerics="official"|"reference", **options) -> Engine
-  Engine.generate / stream / chat / logits / generate_tokens / open_session
+  Engine.generate / stream / chat / logits / generate_tokens / open_session / stats / close (also `with`)
   SamplingParams, GenerationChunk
 """
 from __future__ import annotations

@@ -102,8 +102,10 @@ def cmd_inspect(a) -> int:
         if a.json:
             info = {"file": str(a.file), "file_size": f.file_size, "config": h["config"], "source": h["source"],
                     "converter": h["converter"], "bytes_by_dtype": by_type,
-                    "tensors": [{k: t[k] for k in ("name", "dtype", "shape", "offset", "nbytes")} for t in h["tensors"]],
-                    "experts": None if bank is None else {k: bank[k] for k in ("offset", "stride", "slots", "experts", "sections")}}
+                    "tensors": [{k: t[k] for k in ("name", "dtype", "shape", "offset", "nbytes")}
+                                for t in h["tensors"]],
+                    "experts": None if bank is None else {k: bank[k] for k in ("offset", "stride", "slots", "experts",
+                                                                                "sections")}}
             print(json.dumps(info, indent=1))
             return 0
         print(f"{a.file}: fastar .fst v3, {_human(f.file_size)}, written by fastar {h['converter'].get('version')}")
@@ -115,7 +117,7 @@ def cmd_inspect(a) -> int:
         print(f"\ntensors ({len(h['tensors'])}):")
         rows = h["tensors"] if a.all else h["tensors"][:40]
         for t in rows:
-            print(f"  {t['name']:56} {t['dtype']:8} {str(t['shape']):20} {_human(t['nbytes']):>10} @ {t['offset']}")
+            print(f"  {t['name']:56} {t['dtype']:8} {t['shape']!s:20} {_human(t['nbytes']):>10} @ {t['offset']}")
         if len(rows) < len(h["tensors"]):
             print(f"  ... {len(h['tensors']) - len(rows)} more (--all to list them)")
         print("\nbytes by storage type:")
@@ -171,25 +173,6 @@ def cmd_synth(a) -> int:
 def cmd_serve(a) -> int:
     from .console import open_engine
     return a.serve_mod.run_from_args(a, lambda: open_engine(a))
-
-
-def cmd_bench(a) -> int:
-    if a.what == "draft":
-        if not a.model:
-            raise FastarError("bench draft: give -m CHECKPOINT (a .fst file or checkpoint directory)")
-        from .engine import speculative_bench
-        modes = ("none", a.draft if a.draft != "none" else "auto", "replay:0.5", "replay:0.8")
-        rows = speculative_bench.bench(a.model, drafts=modes)
-        print(json.dumps(rows) if a.json else speculative_bench.format_bench(rows))
-        return 0
-    if a.what == "kernels":
-        from . import bench_kernels
-        bench_kernels.run(json_out=a.json, threads=[int(t) for t in a.threads.split(",")] if a.threads else None)
-        return 0
-    if not a.model:
-        raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
-    from . import bench
-    return bench.main(a)
 
 
 # --- parser ------------------------------------------------------------------------------------------------
@@ -277,31 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve_mod.add_arguments(sv)
     sv.set_defaults(fn=cmd_serve, serve_mod=serve_mod)
 
+    from . import bench  # light: each benchmark is imported when it runs
     b = sub.add_parser("bench", help="benchmarks: `bench kernels` (quantized products) or `bench -m FILE`")
-    b.add_argument("what", nargs="?", default="model", choices=["model", "kernels", "draft"],
-                   help="draft: decode speed with and without speculative decoding against expert-cache size")
-    b.add_argument("-m", "--model", default=None, help=".fst file or checkpoint directory to benchmark end to end")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--threads", default=None, help="kernels: comma-separated thread counts")
-    console.add_draft_argument(b)
-    console.add_memory_arguments(b)
-    b.add_argument("--prompt-tokens", type=int, default=64, help="model: prompt length to prefill")
-    b.add_argument("--decode-tokens", type=int, default=16, help="model: tokens to decode (timed)")
-    b.add_argument("--repeats", type=int, default=1,
-                   help="model: time the decode this many times in a row, each against the memory bandwidth "
-                        "measured around it (the host's memory speed moves)")
-    b.add_argument("--warmup-tokens", type=int, default=8,
-                   help="model: untimed decode steps after the prompt, so the expert cache settles first")
-    b.add_argument("--replay", type=float, default=None, metavar="A",
-                   help="model: also decode speculatively with drafts replayed from the plain run, each right with "
-                        "probability A (what a trained draft gives; synthetic models' own drafts are random)")
-    b.add_argument("--policies", default=None,
-                   help="model: run every budget with each of these eviction policies, e.g. lrfu,lru")
-    b.add_argument("--reference", default=None, help="model: checkpoint dir to time transformers on too")
-    b.add_argument("--compare", default=None, help="model: another source of the same model (a checkpoint "
-                   "directory or .fst) to benchmark the same way, side by side")
-    b.add_argument("--plot", default=None, help="model: PNG of tokens/s and hit rate against --ram-budget A,B,C")
-    b.set_defaults(fn=cmd_bench)
+    bench.add_arguments(b)
+    b.set_defaults(fn=bench.main)
     return p
 
 

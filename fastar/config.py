@@ -153,7 +153,7 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """From our own header dict (exact field names). Unknown keys are an error: the file is newer."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
@@ -171,7 +171,7 @@ class ModelConfig:
             raise ConfigError(f"invalid model config: {e}") from None
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any], num_mtp_layers: int | None = None) -> "ModelConfig":
+    def from_hf(cls, d: dict[str, Any], num_mtp_layers: int | None = None) -> ModelConfig:
         """From an official HF `config.json` dict (either upstream revision, with or without `expert_dtype`)."""
         missing = [k for k in REQUIRED if k not in d]
         if missing:

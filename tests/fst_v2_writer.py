@@ -1,8 +1,9 @@
 """Test-side writer of FaStar `.fst` version 2 files and sidecars, from an official-format checkpoint.
 
-Follows docs/fastar-seed-system.md §2 (and FaStar's `scripts/fst_converter.py` `convert_full_model_v4`,
-`convert_hc_only`, `convert_norm_only`) on its own: its constants are spelled out here, not imported from
-`fastar.format.v2`, so the reader is tested against an independent reading of the spec. Used only by tests.
+Follows the layout in `fastar/convert/v2.py`'s docstring (and FaStar's `scripts/fst_converter.py`
+`convert_full_model_v4`, `convert_hc_only`, `convert_norm_only`) on its own: its constants are spelled out here,
+not imported from `fastar.convert.v2`, so the reader is tested against an independent reading of the spec. Used only
+by tests.
 
 What it writes, like the original converter:
 - main `X.fst`: globals (TID 0 embed, 1 final norm, 2 head, 40 compress ratios), per layer the norms (TIDs 3, 4,
@@ -158,7 +159,8 @@ def _default_qtype(name: str) -> str:
     return "F32" if f32 else "BF16"
 
 
-def write_v2(src: str | Path | Checkpoint, out: str | Path, *, indexer: bool = True, norms_in_main: str | None = "stale",
+def write_v2(src: str | Path | Checkpoint, out: str | Path, *, indexer: bool = True,
+             norms_in_main: str | None = "stale",
              hc_in_main: bool = False, qtypes: dict[str, str] | None = None, drop: set[str] | frozenset = frozenset(),
              header: dict | None = None, sidecars: tuple[str, ...] = ("hc", "norm", "tid2eid")) -> Path:
     """Write `out` (+ sidecars `out.hc`, `out.norm`, `out.tid2eid`) from checkpoint `src`; returns `out`.

@@ -45,7 +45,7 @@ def test_bench_reports_speculative_statistics(tiny_ckpt, tmp_path):
 
 
 def test_each_run_uses_the_bandwidth_measured_around_it(tiny_ckpt, tmp_path, monkeypatch):
-    from fastar import bench
+    from fastar.bench import model as bench
 
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
     r = bench.run(str(fst), ["auto"], prompt_tokens=4, decode_tokens=2, warmup=1)
@@ -60,7 +60,7 @@ def test_each_run_uses_the_bandwidth_measured_around_it(tiny_ckpt, tmp_path, mon
 
 
 def test_repeats_each_against_their_own_bandwidth(tiny_ckpt, tmp_path, monkeypatch):
-    from fastar import bench
+    from fastar.bench import model as bench
 
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
     monkeypatch.setattr(bench, "PROBE_MIN_BYTES", 0)

@@ -12,14 +12,18 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fastar.config import ModelConfig
+from fastar.contracts import ExpertWeights
 from fastar.convert import checkpoint as ckmod
 from fastar.convert.checkpoint import Checkpoint
 from fastar.convert.names import (
-    expected_tensors, expert_tensor_names, is_routed_expert, layer_prefix, tensor_nbytes,
+    expected_tensors,
+    expert_tensor_names,
+    is_routed_expert,
+    layer_prefix,
+    tensor_nbytes,
 )
 from fastar.errors import CheckpointError, ConfigError
 from fastar.fixtures import write_checkpoint
-from fastar.weights.source import ExpertWeights
 
 FLASH_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0]
 
@@ -149,7 +153,7 @@ def test_read_equals_safetensors_loader(tiny_ckpt):
     seen = 0
     for shard in ck.shard_names:
         with safe_open(str(tiny_ckpt / shard), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 ref = f.get_tensor(name)
                 got = ck.read(name)
                 dtype, shape, path = ck.info(name)
@@ -343,8 +347,8 @@ def test_missing_directory_and_files(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         Checkpoint(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match=r"config\.json"):
         Checkpoint(tmp_path / "empty")
     (tmp_path / "empty" / "config.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         Checkpoint(tmp_path / "empty")

@@ -13,7 +13,7 @@ import pytest
 from fastar.convert.checkpoint import Checkpoint
 from fastar.convert.hf import convert
 from fastar.convert.names import expected_tensors, is_routed_expert
-from fastar.errors import CheckpointError, ConfigError, FastarError, FormatError
+from fastar.errors import CheckpointError, ConfigError
 from fastar.fixtures import write_checkpoint
 from fastar.format.reader import FstFile
 from fastar.quant import reference as ref

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -26,24 +25,7 @@ from fastar.encoding import (
     parse_completion,
 )
 
-
-def _find_shared() -> Path | None:
-    """The project's shared data dir: $FASTAR_SHARED, else a `shared/` beside some parent (CI: `<repo>/../shared`)."""
-    env = os.environ.get("FASTAR_SHARED")
-    if env:
-        return Path(env)
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "shared" / "data").is_dir():
-            return parent / "shared"
-    return None
-
-
-SHARED = _find_shared()
-GOLDEN = SHARED / "data" / "dsv4-encoding" if SHARED else None
-needs_golden = pytest.mark.skipif(
-    GOLDEN is None or not GOLDEN.is_dir(),
-    reason="shared/data/dsv4-encoding not found (set FASTAR_SHARED or place shared/ beside the repo)",
-)
+GOLDEN = Path(__file__).resolve().parent / "data" / "dsv4-encoding"  # DeepSeek's golden cases (tests/data/README.md)
 GOLDEN_MODES = {1: "thinking", 2: "thinking", 3: "thinking", 4: "chat"}
 
 
@@ -65,21 +47,18 @@ def generated_part(prompt: str, mode: str) -> str:
 
 # --------------------------------------------------------------------------------------------- golden cases
 
-@needs_golden
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_golden_renderings_are_byte_identical(n: int) -> None:
     messages, expected = golden_case(n)
     assert encode_messages(messages, thinking_mode=GOLDEN_MODES[n]) == expected
 
 
-@needs_golden
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_golden_drop_thinking_off_is_same_where_tools_or_chat(n: int) -> None:
     messages, expected = golden_case(n)
     assert encode_messages(messages, thinking_mode=GOLDEN_MODES[n], drop_thinking=False) == expected
 
 
-@needs_golden
 def test_golden_case2_drop_thinking_off_keeps_first_reasoning() -> None:
     messages, expected = golden_case(2)
     assert "The user said hello" not in expected
@@ -89,7 +68,6 @@ def test_golden_case2_drop_thinking_off_keeps_first_reasoning() -> None:
     assert kept.endswith(expected.split(EOS, 1)[1])
 
 
-@needs_golden
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_golden_reasoning_effort_max(n: int) -> None:
     messages, expected = golden_case(n)
@@ -107,7 +85,6 @@ def test_reasoning_effort_max_text_is_the_official_one() -> None:
     assert hashlib.sha256(data).hexdigest() == "f7a24f3b3050d4a83781e9b755b316aae2ec1d9dc87562541d90bcb04d7350f7"
 
 
-@needs_golden
 def test_golden_case1_with_context_renders_only_the_new_turn() -> None:
     messages, expected = golden_case(1)
     head = encode_messages(messages[:4])
@@ -116,7 +93,6 @@ def test_golden_case1_with_context_renders_only_the_new_turn() -> None:
     assert not tail.startswith(BOS)
 
 
-@needs_golden
 def test_golden_parse_cases_from_readme() -> None:
     prompt1 = golden_case(1)[1]
     first = prompt1.split(ASSISTANT + THINK_START, 1)[1].split(USER, 1)[0]
@@ -138,7 +114,6 @@ def test_golden_parse_cases_from_readme() -> None:
     )
 
 
-@needs_golden
 def test_golden_tools_block_header_and_footer() -> None:
     rendered = golden_case(1)[1].encode("utf-8")
     header, footer = rendered[59:949], rendered[1551:1650]
@@ -404,9 +379,8 @@ def _sample_generations() -> list[tuple[str, bool]]:
             msgs = [{"role": "system", "content": "", "tools": [{"name": "f"}]}, {"role": "user", "content": "q"},
                     _assistant(reasoning, content, calls)]
             samples.append((generated_part(encode_messages(msgs, mode), mode), mode == "thinking"))
-    if GOLDEN is not None and GOLDEN.is_dir():
-        for n in (1, 2, 3, 4):
-            samples.append((generated_part(golden_case(n)[1], GOLDEN_MODES[n]), GOLDEN_MODES[n] == "thinking"))
+    for n in (1, 2, 3, 4):
+        samples.append((generated_part(golden_case(n)[1], GOLDEN_MODES[n]), GOLDEN_MODES[n] == "thinking"))
     return samples
 
 
@@ -424,7 +398,7 @@ def test_stream_parser_never_emits_partial_marker() -> None:
     assert parser.feed("nk>World") == [("content", "World")]
     assert parser.feed("\n") == []  # could be the start of the DSML tool-call opener
     assert parser.feed("\n<｜DS") == []
-    assert parser.feed(f"ML｜tool_calls>") == []
+    assert parser.feed("ML｜tool_calls>") == []
     assert parser.in_tool_calls
     p = parser.finish()
     assert p.content == "World\n\n<｜DSML｜tool_calls>" and p.tool_calls == []  # never completed: given back

@@ -6,6 +6,7 @@ import pytest
 
 from fastar.convert.hf import convert
 from fastar.engine.engine import load
+from fastar.errors import FastarError
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,8 @@ def test_logits_independent_of_budget_and_prefetch(tiny_fst):
     for kw in ({"ram_budget": 2 * stride}, {"ram_budget": "auto"}, {"ram_budget": 2 * stride, "lookahead": True},
                {"ram_budget": 5 * stride, "cache_policy": "lru", "direct_io": True}):
         e = load(tiny_fst, **kw)
-        assert e.expert_cache is not None and e.expert_cache.budget_bytes <= max(2 * stride, e.expert_cache.budget_bytes)
+        cache = e.expert_cache
+        assert cache is not None and cache.budget_bytes <= max(2 * stride, cache.budget_bytes)
         np.testing.assert_array_equal(e.logits(TOKENS), want, err_msg=str(kw))
         s = e.stats()
         assert s["expert_cache_misses"] > 0
@@ -44,6 +46,23 @@ def test_hash_layers_prefetched_exactly(tiny_fst):
     s = e.expert_cache.stats()
     h = s["sources"]["hash"]
     assert h["issued"] > 0 and h["used"] == h["issued"] and h["wasted_bytes"] == 0, s  # exact: nothing wasted
+
+
+def test_engine_close_stops_the_pager(tiny_fst):
+    """`with load(...)` closes the pager (its loader threads and slab); closing again is a no-op; a closed pager
+    refuses requests with a clear error instead of serving freed memory."""
+    with load(tiny_fst, ram_budget="300K") as e:
+        cache = e.expert_cache
+        want = e.logits(TOKENS[:10])
+        assert any(t.is_alive() for t in cache._threads)
+    threads = list(cache._threads)
+    assert not threads and cache._closed
+    e.close()
+    with pytest.raises(FastarError, match=r"expert cache of .* is closed"):
+        e.logits(TOKENS[:10])
+    mapped = load(tiny_fst, ram_budget=None)  # no pager: close() has nothing to stop, and the engine still runs
+    mapped.close()
+    np.testing.assert_array_equal(mapped.logits(TOKENS[:10]), want)
 
 
 def test_checkpoint_directory_paged_through_the_same_cache(tiny_ckpt, tiny_fst):

@@ -12,11 +12,12 @@ import numpy as np
 import psutil
 import pytest
 
+from fastar.bench.cache import simulate
 from fastar.errors import FastarError, FormatError
 from fastar.format.reader import FstFile
 from fastar.synth import routing_trace, synth
 from fastar.weights.expert_cache import CacheFullError, ExpertCache
-from fastar.weights.expert_store import POLICIES, LRFUPolicy, LRUPolicy, simulate
+from fastar.weights.expert_store import POLICIES, LRFUPolicy, LRUPolicy
 
 SMALL = dict(num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=64, o_groups=2,
              index_n_heads=4, index_head_dim=32, index_topk=4, sliding_window=8)
@@ -213,7 +214,7 @@ def test_iter_ready_batches(fst, slots):
             assert all(h._live and same(h.weights, fst.expert(3, h.expert)) for h in hs)
             assert c.stats()["pinned"] >= len(hs)  # and the claims of reads in flight
             batches.append([h.expert for h in hs])
-        assert sorted(batches[0][:2]) == [0, 1] and sorted(sum(batches, [])) == [0, 1, 4, 5, 6]
+        assert sorted(batches[0][:2]) == [0, 1] and sorted(e for b in batches for e in b) == [0, 1, 4, 5, 6]
         assert c.wait_idle(TIMEOUT) and c.stats()["pinned"] == 0
         c.acquire(3, [4, 5]).release()
         it = c.iter_ready(3, [4, 5], batch=True)
@@ -260,16 +261,15 @@ def test_budget_never_exceeded(fst):
 def test_rss_growth_bounded(medium, direct):
     budget = 24 << 20
     proc = psutil.Process()
-    with FstFile(medium) as f:
-        with ExpertCache(f, budget, direct=direct) as c:
-            rss0 = proc.memory_info().rss
-            rng = np.random.default_rng(0)
-            for _ in range(150):  # ~5x the budget in distinct experts
-                layer = int(rng.integers(0, 3))
-                for h in c.iter_ready(layer, rng.choice(64, 6, replace=False)):
-                    h.weights.w1.sum()
-            growth = proc.memory_info().rss - rss0
-            assert c.stats()["bytes_read"] > 4 * budget
+    with FstFile(medium) as f, ExpertCache(f, budget, direct=direct) as c:
+        rss0 = proc.memory_info().rss
+        rng = np.random.default_rng(0)
+        for _ in range(150):  # ~5x the budget in distinct experts
+            layer = int(rng.integers(0, 3))
+            for h in c.iter_ready(layer, rng.choice(64, 6, replace=False)):
+                h.weights.w1.sum()
+        growth = proc.memory_info().rss - rss0
+        assert c.stats()["bytes_read"] > 4 * budget
     assert growth < budget + (16 << 20), f"RSS grew {growth / 1e6:.1f} MB for a {budget / 1e6:.0f} MB budget"
 
 
@@ -457,8 +457,8 @@ def test_default_budget_from_available_memory(fst):
 
 
 def test_bench_cache_smoke(tiny):
+    from fastar.bench.cache import bench_cache
     from fastar.synth import lookahead_trace
-    from fastar.weights.expert_cache import bench_cache
 
     trace = routing_trace(12, 5, 8, 3, hash_layers=3, vocab=512, seed=2)
     stride = FstFile(tiny).expert_stride
@@ -537,9 +537,8 @@ def test_bad_arguments(fst):
         ExpertCache(fst, 100)
     with pytest.raises(ValueError, match="unknown expert cache policy"):
         ExpertCache(fst, 4 * fst.expert_stride, policy="fifo")
-    with ExpertCache(fst, 4 * fst.expert_stride) as c:
-        with pytest.raises(ValueError, match=r"no expert \(layer 9, id 0\)"):
-            c.get(9, 0)
+    with ExpertCache(fst, 4 * fst.expert_stride) as c, pytest.raises(ValueError, match=r"no expert \(layer 9, id 0\)"):
+        c.get(9, 0)
 
 
 # --- device tier -------------------------------------------------------------------------------------------
@@ -557,7 +556,7 @@ def _cuda() -> bool:
 def test_device_tier_bytes_and_eviction(fst):
     import torch
 
-    from fastar.weights.expert_cache import DeviceExpertCache
+    from fastar.weights.device_cache import DeviceExpertCache
 
     with ExpertCache(fst, 6 * fst.expert_stride) as ram:
         dev = DeviceExpertCache(ram, 3 * fst.expert_stride)

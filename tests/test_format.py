@@ -8,7 +8,8 @@ import struct
 import numpy as np
 import pytest
 import xxhash
-from hypothesis import given, settings, strategies as st, HealthCheck
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fastar.config import ModelConfig
 from fastar.errors import FastarError, FormatError
@@ -118,11 +119,10 @@ def test_writer_state_machine(tmp_path):
 
 def test_interrupted_write_leaves_nothing_complete(tmp_path):
     p = tmp_path / "x.fst"
-    with pytest.raises(RuntimeError):
-        with FstWriter(p, CFG.to_dict()) as w:
-            w.add_tensor("a", "F32", [2])
-            w.begin()
-            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError), FstWriter(p, CFG.to_dict()) as w:
+        w.add_tensor("a", "F32", [2])
+        w.begin()
+        raise RuntimeError("killed")
     assert not p.exists() and not (tmp_path / "x.fst.partial").exists()
 
 
@@ -177,14 +177,14 @@ def test_truncation(tmp_path, cut):
     write_sample(p)
     size = os.path.getsize(p)
     os.truncate(p, size - 1 if cut == -1 else cut)
-    with pytest.raises(FormatError, match="too short|truncated"):
+    with pytest.raises(FormatError, match=r"too short|truncated"):
         FstFile(p)
 
 
 def test_not_fst(tmp_path):
     p = tmp_path / "x.fst"
     p.write_bytes(b"PK\x03\x04" + b"\0" * 100)
-    with pytest.raises(FormatError, match="not a .fst"):
+    with pytest.raises(FormatError, match=r"not a \.fst"):
         FstFile(p)
     with pytest.raises(FormatError, match="directory"):
         FstFile(tmp_path)
@@ -260,7 +260,8 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(key=st.sampled_from(["tensors", "blobs", "experts", "config", "source", "format"]), value=json_values,
-       idx=st.integers(0, 4), field=st.sampled_from(["name", "dtype", "shape", "offset", "nbytes", "xxh64", "sections", "stride", "slots"]))
+       idx=st.integers(0, 4),
+       field=st.sampled_from(["name", "dtype", "shape", "offset", "nbytes", "xxh64", "sections", "stride", "slots"]))
 def test_header_semantic_fuzz(tmp_path_factory, key, value, idx, field):
     """Valid JSON with wrong types or values anywhere is a FormatError, never a crash."""
     p = tmp_path_factory.mktemp("fz") / "m.fst"

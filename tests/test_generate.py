@@ -200,7 +200,7 @@ def test_prompt_errors_come_before_any_chunk(tokenizer) -> None:
 
     with pytest.raises(PromptError, match="empty"):
         start([])
-    with pytest.raises(PromptError, match="12 tokens.*10"):
+    with pytest.raises(PromptError, match=r"12 tokens.*10"):
         start(list(range(12)))
     with pytest.raises(PromptError, match="empty"):
         start("")

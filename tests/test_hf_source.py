@@ -11,7 +11,7 @@ from fastar.convert import checkpoint as ckmod
 from fastar.convert.checkpoint import Checkpoint
 from fastar.convert.hf import convert
 from fastar.convert.names import expert_tensor_names
-from fastar.engine.engine import Engine, load, open_source
+from fastar.engine.engine import load, open_source
 from fastar.format.reader import FstFile
 
 IDS = [3, 17, 250, 999, 4, 4, 4, 61, 700, 12, 0, 1, 512, 300, 301, 302, 9, 88, 1023, 5, 6, 7, 8, 900]
@@ -52,7 +52,6 @@ def test_experts_are_read_by_byte_range(tiny_ckpt, monkeypatch):
         assert np.array_equal(getattr(ew, field), np.asarray(ck.read(name)))
 
 
-@pytest.mark.skipif(not hasattr(Engine, "stats"), reason="Engine.stats (used by `fastar run`) is not written yet")
 def test_fastar_run_from_the_directory_equals_the_fst(vocab_ckpt, tmp_path, capsys):
     fst = convert(vocab_ckpt, tmp_path / "vocab.fst", progress=False)
     outs = []

@@ -704,14 +704,17 @@ def test_grouped_products_equal_their_groups(backend, t, exact):
     w8, s8 = fp8_weights(rng, g * r, k)
     w4, s4 = fp4_weights(rng, g * r, k)
     wb = R.bf16_encode((rng.standard_normal((g * r, k)) * 0.1).astype(np.float32))
-    cases = [(lambda a, **kw: K.fp8_matmul(a, w8, s8, **kw), lambda a, i: K.fp8_matmul(a, w8[i * r:(i + 1) * r], s8[i:i + 1])),
-             (lambda a, **kw: K.fp4_matmul(a, w4, s4, **kw), lambda a, i: K.fp4_matmul(a, w4[i * r:(i + 1) * r], s4[i * r:(i + 1) * r])),
+    cases = [(lambda a, **kw: K.fp8_matmul(a, w8, s8, **kw),
+              lambda a, i: K.fp8_matmul(a, w8[i * r:(i + 1) * r], s8[i:i + 1])),
+             (lambda a, **kw: K.fp4_matmul(a, w4, s4, **kw),
+              lambda a, i: K.fp4_matmul(a, w4[i * r:(i + 1) * r], s4[i * r:(i + 1) * r])),
              (lambda a, **kw: K.bf16_matmul(a, wb, **kw), lambda a, i: K.bf16_matmul(a, wb[i * r:(i + 1) * r]))]
     for grouped, one in cases:
         got = grouped(x, groups=g)
         assert got.shape == (t, g * r)
         for i in range(g):
-            np.testing.assert_array_equal(got[:, i * r:(i + 1) * r], one(np.ascontiguousarray(x[:, i * k:(i + 1) * k]), i))
+            want = one(np.ascontiguousarray(x[:, i * k:(i + 1) * k]), i)
+            np.testing.assert_array_equal(got[:, i * r:(i + 1) * r], want)
         base = rng.standard_normal((t, g * r)).astype(np.float32)
         np.testing.assert_array_equal(grouped(x, out=base.copy(), groups=g), base + got)
     with pytest.raises(ValueError, match="groups"):

@@ -20,16 +20,22 @@ from fastar.model.state import StateError
 
 SEQ = 400
 TOL = 1e-4
-_HF: dict = {}
 
 
-def hf_model(path):
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' model of a checkpoint directory, loaded once per directory for this module's tests."""
     from transformers import DeepseekV4ForCausalLM
 
-    key = str(path)
-    if key not in _HF:
-        _HF[key] = DeepseekV4ForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
-    return _HF[key]
+    loaded: dict[str, DeepseekV4ForCausalLM] = {}
+
+    def get(path):
+        key = str(path)
+        if key not in loaded:
+            loaded[key] = DeepseekV4ForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+        return loaded[key]
+
+    return get
 
 
 def engine(path, numerics="reference", **kw):
@@ -73,7 +79,7 @@ def tiny_full(tiny_ckpt):
 
 @pytest.mark.parametrize("which,kernels", [("tiny", True), ("tiny", False), ("variant", True), ("seed2", True),
                                             ("dspark", True)])
-def test_logits_match_transformers(request, which, kernels):
+def test_logits_match_transformers(request, hf_model, which, kernels):
     """Every position of a 400-token sequence within 1e-4 of transformers (both product paths on `tiny`;
     `dspark` checks that a checkpoint with DSpark stages still runs the main model exactly)."""
     path = request.getfixturevalue({"tiny": "tiny_ckpt", "variant": "variant_ckpt", "seed2": "seed2_ckpt",
@@ -93,7 +99,7 @@ def test_logits_match_transformers(request, which, kernels):
     assert eng.config.num_hash_layers >= 2
 
 
-def test_greedy_generation_matches_transformers(ckpt):
+def test_greedy_generation_matches_transformers(ckpt, hf_model):
     prompt = tokens(330, 12)  # 64 more tokens close a ratio-128 window during decode
     with torch.no_grad():
         ref = hf_model(ckpt).generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, 330:]
@@ -176,7 +182,7 @@ def _dequant(ck, name):
     return torch.from_numpy(bf16_decode(w) if dt == "BF16" else w)
 
 
-def test_mtp_logits_match_independent_computation(tiny_ckpt):
+def test_mtp_logits_match_independent_computation(tiny_ckpt, hf_model):
     """MTP logits vs transformers' own decoder layer + hyper head built from the mtp.0 weights."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
         DeepseekV4DecoderLayer,

@@ -212,7 +212,8 @@ def test_row_ops_in_c_match_torch(isa):
             got, want = ops.rms_norm(x, wt, 1e-6), ops.rms_norm_torch(x, wt, 1e-6)
             assert got.shape == want.shape and torch.allclose(got, want, rtol=2e-6, atol=1e-7)
         if shape[-1] >= 8:
-            cos, sin = ops.rope_cos_sin(ops.rope_inv_freq(8 if shape[-1] < 64 else 64, 1e4), torch.arange(shape[0]) + 90)
+            inv_freq = ops.rope_inv_freq(8 if shape[-1] < 64 else 64, 1e4)
+            cos, sin = ops.rope_cos_sin(inv_freq, torch.arange(shape[0]) + 90)
             for inverse in (False, True):
                 assert torch.equal(ops.apply_rope(x, cos, sin, inverse), ops.apply_rope_torch(x, cos, sin, inverse))
     xt = torch.randn(6, 2, 64, generator=g).transpose(0, 1)  # not contiguous
@@ -369,9 +370,9 @@ def test_linear_fp8_bf16_and_grouped_products(kernels):
 
 @pytest.mark.parametrize("kernels", [False, True])
 def test_expert_ffn_orders_and_activation_hook(kernels):
+    from fastar.contracts import ExpertWeights
     from fastar.quant.linear import expert_ffn
     from fastar.quant.reference import fp4_decode, fp4_encode
-    from fastar.weights.source import ExpertWeights
 
     rng = np.random.default_rng(2)
     D, inter = 64, 96
@@ -386,7 +387,9 @@ def test_expert_ffn_orders_and_activation_hook(kernels):
     after = expert_ffn(x, ew, rw, 1.0, kernels=kernels)
     before = expert_ffn(x, ew, rw, 1.0, weight_before_down=True, kernels=kernels)
     assert torch.allclose(after, expect, atol=1e-4) and torch.allclose(before, expect, atol=1e-4)
-    q = lambda a: ops.fp8_quant_sim(a, 32)
+    def q(a):
+        return ops.fp8_quant_sim(a, 32)
+
     hooked = expert_ffn(x, ew, rw, 1.0, weight_before_down=True, act_quant=q, kernels=kernels)
     mid = ops.limited_swiglu(q(x) @ W["w1"].T, q(x) @ W["w3"].T, 1.0) * rw[:, None]
     ref = q(mid) @ W["w2"].T
@@ -400,9 +403,9 @@ def test_layer_experts_in_one_call_equal_expert_by_expert():
     `expert_ffn` per expert summed in the same order: bit-identical, for one token, two tokens with distinct
     experts, a token routed twice to one expert (a hash table may repeat one), and a chunk where experts share
     tokens."""
+    from fastar.contracts import ExpertWeights
     from fastar.quant.linear import _kernels, expert_ffn, experts_ffn
     from fastar.quant.reference import fp4_encode
-    from fastar.weights.source import ExpertWeights
 
     if _kernels() is None:
         pytest.skip("the one-call path needs the C kernels")
@@ -414,7 +417,9 @@ def test_layer_experts_in_one_call_equal_expert_by_expert():
         for nm, shape in (("w1", (inter, D)), ("w3", (inter, D)), ("w2", (D, inter))):
             parts[nm], parts[nm + "_scale"] = fp4_encode(rng.standard_normal(shape).astype(np.float32) / 4)
         experts[e] = ExpertWeights(**parts)
-    q = lambda a: ops.fp8_quant_sim(a, 128)
+    def q(a):
+        return ops.fp8_quant_sim(a, 128)
+
     for routed in (np.array([[7, 2, 5]]), np.array([[1, 4], [6, 2]]), np.array([[3, 3, 5]]),
                    np.array([[1, 4, 2], [4, 2, 8], [0, 2, 1]])):
         T = routed.shape[0]

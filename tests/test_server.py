@@ -23,8 +23,17 @@ from pathlib import Path
 
 import pytest
 
-from fastar.encoding import (ASSISTANT, BOS, EOS, LATEST_REMINDER, THINK_END, THINK_START, USER, encode_messages,
-                             render_tool_calls)
+from fastar.encoding import (
+    ASSISTANT,
+    BOS,
+    EOS,
+    LATEST_REMINDER,
+    THINK_END,
+    THINK_START,
+    USER,
+    encode_messages,
+    render_tool_calls,
+)
 from fastar.engine.generate import GenerationChunk
 from fastar.serve import protocol as P
 from fastar.serve import server as S
@@ -95,6 +104,9 @@ class FakeEngine:
         self._lock = threading.Lock()
         self._stats = dict(prompt_tokens=0, generated_tokens=0, prefill_tokens_computed=0, expert_cache_hits=0,
                            expert_cache_misses=0, expert_cache_bytes_read=0, requests=0, tokens_after_cancel=0)
+
+    def close(self) -> None:  # `Engine.close`: the host calls it at shutdown
+        self.closed = True
 
     def _bump(self, **kw: int) -> None:
         with self._lock:

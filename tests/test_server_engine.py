@@ -7,9 +7,9 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from fastar.convert.hf import convert
-from fastar.engine.engine import load
-from fastar.serve.server import Server
+from fastar.convert.hf import convert  # noqa: E402 (after the importorskip)
+from fastar.engine.engine import load  # noqa: E402
+from fastar.serve.server import Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

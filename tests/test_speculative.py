@@ -19,6 +19,7 @@ import types
 import pytest
 import torch
 
+from fastar.contracts import Unpaged
 from fastar.engine import speculative as sp
 from fastar.engine.engine import load
 from fastar.engine.sampling import SamplingParams, processed_logits
@@ -109,7 +110,7 @@ class FakeTarget:
     positions (truncation and snapshots work as for the real model)."""
 
     def __init__(self, A: torch.Tensor) -> None:
-        self.A, self.experts, self.layers = A, object(), []
+        self.A, self.experts, self.layers = A, Unpaged(), []
         self.config = types.SimpleNamespace(vocab_size=A.shape[0])
 
     def new_state(self) -> ModelState:
@@ -428,12 +429,14 @@ def test_prefix_reuse_and_seeded_sampling(tiny_ckpt):
 
 
 def test_draft_aware_prefetch_asks_for_hash_layer_experts(tiny_ckpt, plain_runs):
-    """With a provider that has `prefetch`, each verify pass's hash-routed experts (tid2eid of the anchor and
+    """With a provider that pages, each verify pass's hash-routed experts (tid2eid of the anchor and
     the drafts) are requested before the pass runs."""
     eng = speculative_engine(tiny_ckpt, "mtp", 1, replay=True)
     inner, log = eng.model.experts, []
 
-    class Prefetching:
+    class Prefetching(Unpaged):
+        pages = True
+
         def get(self, layer, e):
             log.append(("get", layer, e))
             return inner.get(layer, e)
@@ -573,7 +576,7 @@ def test_verbose_line_reports_the_draft():
 
 
 def test_bench_runs(tiny_ckpt):
-    from fastar.engine import speculative_bench as sb
+    from fastar.bench import speculative as sb
     rows = sb.bench(tiny_ckpt, drafts=("none", "mtp", "replay:0.9"), capacities=(1.0, 0.1), tokens=10, miss_ms=0.5,
                     prompts=1, reps=1)
     assert len(rows) == 6 and all(r["tok_per_s"] > 0 for r in rows)

@@ -3,6 +3,7 @@ manifest at sane value scales, records all differ; traces have the shape, skew a
 from __future__ import annotations
 
 import os
+
 import numpy as np
 import pytest
 
@@ -203,7 +204,7 @@ def test_read_tensor_reads_what_the_mapping_shows(small, tmp_path, monkeypatch):
     cut.write_bytes(small.read_bytes())
     with FstFile(cut) as f:
         os.truncate(cut, f._entry("head.weight")["offset"] + 10)  # cut short under the open file
-        with pytest.raises(FormatError, match="head.weight"):
+        with pytest.raises(FormatError, match=r"head\.weight"):
             f.read_tensor("head.weight")
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -10,32 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastar.encoding import encode_messages
 from fastar.engine.tokenizer import StreamDecoder, Tokenizer, default_tokenizer_path
 
-
-def _find_shared() -> Path | None:
-    """The project's shared data dir: $FASTAR_SHARED, else a `shared/` beside some parent (CI: `<repo>/../shared`)."""
-    env = os.environ.get("FASTAR_SHARED")
-    if env:
-        return Path(env)
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "shared" / "data").is_dir():
-            return parent / "shared"
-    return None
-
-
-SHARED = _find_shared()
-VECTORS = SHARED / "data" / "ds4-api-vectors" if SHARED else None
-GOLDEN = SHARED / "data" / "dsv4-encoding" if SHARED else None
-needs_vectors = pytest.mark.skipif(
-    VECTORS is None or not VECTORS.is_dir(),
-    reason="shared/data/ds4-api-vectors not found (set FASTAR_SHARED or place shared/ beside the repo)",
-)
-needs_golden = pytest.mark.skipif(
-    GOLDEN is None or not GOLDEN.is_dir(),
-    reason="shared/data/dsv4-encoding not found (set FASTAR_SHARED or place shared/ beside the repo)",
-)
+DATA = Path(__file__).resolve().parent / "data"  # DeepSeek's published data (tests/data/README.md)
+VECTORS = DATA / "ds4-api-vectors"
+GOLDEN = DATA / "dsv4-encoding"
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +22,6 @@ def tok() -> Tokenizer:
 
 
 def _vector_cases() -> list[str]:
-    if VECTORS is None or not VECTORS.is_dir():
-        return []
     manifest = json.loads((VECTORS / "manifest.json").read_text(encoding="utf-8"))
     return [entry["id"] for entry in manifest["prompts"]]
 
@@ -126,10 +102,9 @@ def test_encode_chat(tok: Tokenizer) -> None:
 
 # ------------------------------------------------------------------------------------ reference data counts
 
-@needs_golden
 @pytest.mark.parametrize("n, count", [(1, 541), (2, 53), (3, 820), (4, 582)])
 def test_golden_outputs_token_counts(tok: Tokenizer, n: int, count: int) -> None:
-    # counts from shared/data/dsv4-encoding/README.md (the golden files themselves carry no count)
+    # the token counts of the golden outputs under the V4 tokenizer (the golden files themselves carry no count)
     text = (GOLDEN / f"test_output_{n}.txt").read_bytes().decode("utf-8")
     ids = tok.encode(text)
     assert len(ids) == count
@@ -137,13 +112,11 @@ def test_golden_outputs_token_counts(tok: Tokenizer, n: int, count: int) -> None
     assert tok.decode(ids) == text
 
 
-@needs_vectors
 def test_all_api_vector_cases_present() -> None:
     counts = sorted(_official(c)["usage"]["prompt_tokens"] for c in _vector_cases())
     assert counts == [18, 21, 27, 3353, 3844]
 
 
-@needs_vectors
 @pytest.mark.parametrize("case_id", _vector_cases())
 def test_api_prompt_token_counts(tok: Tokenizer, case_id: str) -> None:
     official = _official(case_id)
@@ -156,7 +129,6 @@ def test_api_prompt_token_counts(tok: Tokenizer, case_id: str) -> None:
     assert ids[:2] == [0, 128803] and ids[-2:] == [128804, 128822]
 
 
-@needs_vectors
 @pytest.mark.parametrize("case_id", _vector_cases())
 def test_api_continuation_tokens_round_trip(tok: Tokenizer, case_id: str) -> None:
     official = _official(case_id)
@@ -175,13 +147,10 @@ def test_api_continuation_tokens_round_trip(tok: Tokenizer, case_id: str) -> Non
 
 # ------------------------------------------------------------------------------------------- streaming
 
-_SINGLE_BYTE: list[int] = []
-
-
-def _single_byte_ids(tok: Tokenizer) -> list[int]:
-    if not _SINGLE_BYTE:
-        _SINGLE_BYTE.extend(i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) == 1)
-    return _SINGLE_BYTE
+@pytest.fixture(scope="module")
+def single_byte_ids(tok: Tokenizer) -> list[int]:
+    """Ids of the tokens that are one byte long (pieces of UTF-8 sequences among them)."""
+    return [i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) == 1]
 
 
 def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
@@ -190,7 +159,8 @@ def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "text", ["😀🎉 emoji 👩‍👩‍👧", "中文分词测试，深度求索。日本語のテキスト", "café naïve Ångström œuvre", "mixed: a😀b中c é"]
+    "text",
+    ["😀🎉 emoji 👩‍👩‍👧", "中文分词测试，深度求索。日本語のテキスト", "café naïve Ångström œuvre", "mixed: a😀b中c é"],
 )
 def test_stream_decoder_multibyte(tok: Tokenizer, text: str) -> None:
     ids = tok.encode(text)
@@ -226,7 +196,8 @@ def test_stream_decoder_matches_decode_on_random_text(tok: Tokenizer, text: str)
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 129279), max_size=20), st.randoms(use_true_random=False))
-def test_stream_decoder_matches_decode_on_random_ids(tok: Tokenizer, ids: list[int], rnd: random.Random) -> None:
+def test_stream_decoder_matches_decode_on_random_ids(tok: Tokenizer, single_byte_ids: list[int], ids: list[int],
+                                                     rnd: random.Random) -> None:
     # mostly single-byte tokens, so invalid and split UTF-8 sequences are common
-    ids = [rnd.choice(_single_byte_ids(tok)) if rnd.random() < 0.6 else i for i in ids]
+    ids = [rnd.choice(single_byte_ids) if rnd.random() < 0.6 else i for i in ids]
     assert "".join(_stream(tok, ids)) == tok.decode(ids)

@@ -25,13 +25,13 @@ from fastar.cli import main as cli_main
 from fastar.convert.checkpoint import Checkpoint
 from fastar.convert.hf import convert, convert_indexer
 from fastar.convert.names import expected_tensors
+from fastar.convert.v2 import FstV2File, open_model_file, read_version
 from fastar.engine.engine import Engine, load, open_source
 from fastar.engine.session import PromptError
 from fastar.errors import FastarError, FormatError
 from fastar.fixtures import write_checkpoint
 from fastar.format import spec
-from fastar.format.reader import FstFile, open_model_file
-from fastar.format.v2 import FstV2File, read_version
+from fastar.format.reader import FstFile
 from fastar.model.deepseek_v4 import Indexer
 from fastar.model.state import LayerState
 from fastar.quant import reference as ref
@@ -264,7 +264,8 @@ def test_without_compress_ratios_the_flash_pattern_is_assumed_and_checked(ck, tm
     p = write_v2(ck, tmp_path / "noratio.fst", drop={"compress_ratios"})  # fixture ratios are 0, 4, 128, 4, 0
     with pytest.raises(FormatError, match=r"layers\.\{4\}\.attn\.compressor"):
         FstV2File(p)
-    flash_like = write_checkpoint(tmp_path / "ck", "tiny", seed=2, tokenizer=False, compress_ratios=[0, 0, 4, 128, 4, 0])
+    flash_like = write_checkpoint(tmp_path / "ck", "tiny", seed=2, tokenizer=False,
+                                  compress_ratios=[0, 0, 4, 128, 4, 0])
     q = write_v2(flash_like, tmp_path / "flashlike.fst", drop={"compress_ratios"})
     with FstV2File(q) as f:
         assert f.config.compress_ratios == (0, 0, 4, 128, 4)
@@ -329,7 +330,6 @@ def test_not_v2(tmp_path, tiny_ckpt):
         FstV2File(tiny_ckpt)
 
 
-@pytest.mark.skipif(not hasattr(Engine, "stats"), reason="Engine.stats (used by `fastar run`) is not written yet")
 def test_fastar_run_on_a_v2_file_equals_its_conversion(vocab_ckpt, tmp_path, capsys):
     v2 = write_v2(vocab_ckpt, tmp_path / "vocab.fst")
     v3 = convert(v2, tmp_path / "vocab3.fst", progress=False)
@@ -419,7 +419,7 @@ def test_within_the_cap_every_visible_entry_is_what_the_indexer_selects(ck_v3, m
     for p0, p1 in ((0, 7), (7, 8), (8, CAP)):  # chunked prefill, one decode step: never more than top-k visible
         assert attn.indexer(x[p0:p1], qr[p0:p1], p0, state) is None
     keys = state.idx_entries.all()  # [E, Di], E = 4 = index_topk
-    sel = attn.indexer.select(x[:CAP], qr[:CAP], 0, keys)  # what the scores pick, -1 = a pick not visible yet
+    sel = attn.indexer.pick(*attn.indexer.queries(x[:CAP], qr[:CAP], 0), 0, keys)  # -1: a pick not visible yet
     k = sel.shape[1]
     for t in range(CAP):
         visible = (t + 1) // 4

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_server import FakeEngine, start_server
 
 CHROMIUM = os.environ.get("FASTAR_CHROMIUM", "/usr/bin/chromium")

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from ..config import ModelConfig
+from ..contracts import Closing, ExpertWeights
 from ..errors import CheckpointError
 from ..format import spec
 from ..format.reader import expert_views
-from ..weights.source import Closing, ExpertWeights
 from .names import DTYPE_SIZES, expected_tensors, expert_tensor_names, is_routed_expert, mtp_blocks_in, tensor_nbytes
 
 INDEX_FILE = "model.safetensors.index.json"

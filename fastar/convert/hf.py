@@ -24,10 +24,10 @@ import numpy as np
 
 from .. import __version__
 from ..config import ModelConfig
+from ..contracts import ExpertWeights
 from ..errors import CheckpointError, FormatError
 from ..format import spec
 from ..format.writer import FstWriter
-from ..weights.source import ExpertWeights
 from .checkpoint import INDEX_FILE, Checkpoint
 from .names import expected_tensors, is_routed_expert
 
@@ -64,7 +64,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, progress: bool | Non
     """Convert `src` into `out` and return the path. Raises CheckpointError/FormatError with a clear message.
 
     `src` may also be a FaStar v2 `.fst` (with its sidecars next to it): see `convert_v2`."""
-    from ..format.v2 import read_version
+    from .v2 import read_version
 
     if Path(src).is_file() and read_version(src) == 2:
         return convert_v2(src, out, progress)
@@ -88,7 +88,7 @@ def convert_v2(src: str | os.PathLike, out: str | os.PathLike, progress: bool | 
     the hash table as I64, the indexer sidecar's FP8 + scales), the 17-byte MXFP4 expert blocks repacked
     losslessly, and the V4 tokenizer embedded. A v2 model without the indexer is refused: a v3 file is complete.
     """
-    from ..format.v2 import FstV2File
+    from .v2 import FstV2File
 
     with FstV2File(src) as v2:
         if v2.context_note is not None:

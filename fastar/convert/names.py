@@ -5,7 +5,7 @@ DeepSeek-V4-Flash and of the DSpark revision (DeepSeek-V4-Flash-0731), the route
 `layer_prefix`. Does not own: reading files (`fastar.convert.checkpoint`), the meaning of the values
 (`fastar.quant.reference`) or any renaming to other frameworks' names.
 
-Layout facts (docs/dsv4-architecture.md §3.2, §4.2):
+Layout facts (docs/MODEL.md, "The checkpoint"):
 - FP8 linear: `<p>.weight` F8_E4M3 [out, in] + `<p>.scale` F8_E8M0 [ceil(out/128), ceil(in/128)].
 - Routed expert (FP4): `.weight` I8 [rows, cols/2] + `.scale` F8_E8M0 [rows, cols/32].
 - Layer slots: 0..L-1 are `layers.{i}`, L+k is `mtp.{k}` (a classic MTP block, or DSpark stage k).
@@ -16,9 +16,7 @@ import re
 from collections.abc import Iterable
 
 from ..config import ModelConfig
-
-FP8_BLOCK = 128
-FP4_GROUP = 32
+from ..quant.reference import FP4_GROUP, FP8_BLOCK
 
 Manifest = dict[str, tuple[str, tuple[int, ...]]]
 

@@ -1,8 +1,10 @@
-"""The engine: owns the weights and the model, and is the only object front-ends hold.
+"""The engine: owns the weights, the model and the expert pager, and is the only object front-ends hold.
 
-Owns (for now): `load(path, numerics=..., **options) -> Engine`, `Engine.logits`, `Engine.generate_tokens`,
-and the state-level primitives sessions will build on (`new_state`, `prefill`, `step`). Does not own:
-tokenization, chat templates, sessions with prefix reuse, streaming (later modules build on these primitives).
+Owns: `open_source`, `load(path, numerics=..., **options) -> Engine`, and `Engine`: the public calls (`logits`,
+`generate_tokens`, `generate`, `stream`, `chat`, `open_session`, `stats`, `close`), the state-level primitives
+sessions and drafters run on (`new_state`, `prefill`), the tokenizer, the context length and the engine's own
+session. Does not own: the session's timeline and prefix reuse (`session.py`), the generation loop and chat
+encoding (`generate.py`), speculative decoding (`speculative.py`), the forward pass (`fastar.model`).
 """
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..contracts import ExpertProvider, WeightSource
 from ..errors import ConfigError, FastarError
 from ..model.deepseek_v4 import DeepseekV4, Numerics
 from ..model.state import ModelState
-from ..quant.linear import ExpertProvider
-from ..weights.source import WeightSource
+from ..quant import kernels as K
 from . import speculative
 from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
 from .sampling import SamplingParams, argmax
@@ -40,7 +42,7 @@ def open_source(path: str | os.PathLike) -> WeightSource:
     if p.is_dir():
         from ..convert.checkpoint import Checkpoint
         return Checkpoint(p)
-    from ..format.reader import open_model_file
+    from ..convert.v2 import open_model_file
     return open_model_file(p)
 
 
@@ -79,19 +81,25 @@ class Engine:
                  lookahead: bool = False) -> None:
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
-        from ..quant.linear import _kernels
-        if kernels and _kernels() is not None:
+        if kernels and K.available():
             # The one place fastar touches process-wide thread settings. The C kernels' pool does the heavy work;
             # torch's OpenMP workers spin after each small op and steal the cores from it (decode 8.3 -> 12.2
             # tok/s, prefill 38 -> 51 tok/s with one torch thread on a 4-layer Flash-width model, 2 cores).
             torch.set_num_threads(1)
             if threads is not None:
-                _kernels().set_num_threads(threads)
+                K.set_num_threads(threads)
         elif threads is not None:
             torch.set_num_threads(threads)
         self.source = source
         self.config = source.config
         self.expert_cache = None
+        self._closed = False
+        # generation-side state, made on first use: the tokenizer, the engine's own session, its counters
+        self._tokenizer: Tokenizer | None = None
+        self._session: Session | None = None
+        self._context_length: int | None = None  # None: the default (see `context_length`)
+        self._stats = Stats()
+        self._fingerprint_hex: str | None = None
         if experts is None and ram_budget is not None and hasattr(source, "read_expert_into"):
             # Expert virtual memory: routed experts paged from the file into a RAM slab of `ram_budget` bytes
             # ("auto": available memory less the resident weights and a margin).
@@ -191,7 +199,7 @@ class Engine:
 
     # --- sessions and generation: the API the front-ends use (fastar.engine.session / generate) -------------
     # The CLI and the server hold only these and never touch tensors. Not thread-safe: one worker owns the
-    # engine and its sessions. State lives in `_gen_*` attributes, created on first use.
+    # engine and its sessions.
 
     model_name_default = "deepseek-v4-flash"
     # The model allows 1M positions, whose compressed KV alone would take many GB: a default that fits a
@@ -201,19 +209,19 @@ class Engine:
     @property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer embedded in the model file, else the installed DeepSeek-V4 tokenizer.json."""
-        if getattr(self, "_gen_tokenizer", None) is None:
-            raw = self.source.tokenizer_json() if hasattr(self.source, "tokenizer_json") else None
+        if self._tokenizer is None:
+            raw = self.source.tokenizer_json()
             try:
-                self._gen_tokenizer = Tokenizer.from_bytes(raw) if raw else Tokenizer.default()
+                self._tokenizer = Tokenizer.from_bytes(raw) if raw else Tokenizer.default()
             except (FileNotFoundError, ValueError) as e:
                 raise FastarError(f"no usable tokenizer: {e}") from None
-        return self._gen_tokenizer
+        return self._tokenizer
 
     @property
     def context_length(self) -> int:
         """Positions a session may hold: `max_position_embeddings` capped to `MAX_DEFAULT_CONTEXT` unless set, and
         always to the positions the model computes exactly (`context_note` says why when that is lower)."""
-        n = getattr(self, "_gen_context_length", None)
+        n = self._context_length
         n = n if n else min(self.config.max_position_embeddings, self.MAX_DEFAULT_CONTEXT)
         return n if self.model.max_positions is None else min(n, self.model.max_positions)
 
@@ -229,28 +237,23 @@ class Engine:
         limit = self.config.max_position_embeddings
         if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= limit:
             raise ConfigError(f"context length must be between 2 and the model's {limit} positions, got {n}")
-        self._gen_context_length = n
-        if getattr(self, "_gen_session", None) is not None:  # sessions opened earlier keep their own limit
-            self._gen_session.context_length, self._gen_session.context_note = self.context_length, self.context_note
-
-    def _gen_counters(self) -> Stats:
-        if getattr(self, "_gen_stats", None) is None:
-            self._gen_stats = Stats()
-        return self._gen_stats
+        self._context_length = n
+        if self._session is not None:  # sessions opened earlier keep their own limit
+            self._session.context_length, self._session.context_note = self.context_length, self.context_note
 
     def _fingerprint(self) -> str:
         """Identifies the model in saved sessions: the .fst header (tensors, checksums), else the config."""
-        if getattr(self, "_gen_fingerprint", None) is None:
+        if self._fingerprint_hex is None:
             ident = getattr(self.source, "header", None) or self.config.to_dict()
             if self.model.max_positions is not None:  # its states lack index keys: never resumed with an indexer
                 ident = [ident, self.model.max_positions]
-            self._gen_fingerprint = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
-        return self._gen_fingerprint
+            self._fingerprint_hex = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+        return self._fingerprint_hex
 
     def open_session(self, anchor: bool = True) -> Session:
         """A new, empty `Session` (one conversation's tokens + model state; `anchor`: see `session.py`)."""
         return Session(self, context_length=self.context_length, vocab_size=self.config.vocab_size,
-                       tokenizer=self.tokenizer, stats=self._gen_counters(), fingerprint=self._fingerprint(),
+                       tokenizer=self.tokenizer, stats=self._stats, fingerprint=self._fingerprint(),
                        anchor=anchor, context_note=self.context_note)
 
     def stream(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, session: Session | None = None,
@@ -273,9 +276,9 @@ class Engine:
         elif sampling:
             raise TypeError("pass either params or sampling keyword arguments, not both")
         if session is None:
-            if getattr(self, "_gen_session", None) is None:
-                self._gen_session = self.open_session()
-            session = self._gen_session
+            if self._session is None:
+                self._session = self.open_session()
+            session = self._session
         steps = None
         if self.drafter is not None:
             steps = functools.partial(speculative.speculative_generate_step, drafter=self.drafter,
@@ -298,7 +301,7 @@ class Engine:
         """Counters since load: prompt/generated tokens, `prefill_tokens_computed` (what prefix reuse did not
         save), prefill/decode seconds and tok/s, speculative decoding's as `draft_*` (mode, verify passes,
         acceptance rate, tokens per verify pass, estimated speedup), plus the expert cache's as `expert_cache_*`."""
-        d = self._gen_counters().as_dict()
+        d = self._stats.as_dict()
         d.update(self.draft_stats.as_dict(self.draft_schedule.pass_time()))
         experts = getattr(self.model, "experts", None)
         if hasattr(experts, "stats"):
@@ -310,3 +313,18 @@ class Engine:
     def load_progress(self) -> float:
         """Fraction of the model loaded: an `Engine` exists only once `load()` has returned, so 1.0."""
         return 1.0
+
+    def close(self) -> None:
+        """Stop the expert pager's loader threads and free its RAM slab. Idempotent. The weight source stays open
+        (the caller opened it, or `load` did and it closes when collected); arrays handed out stay valid."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.expert_cache is not None:
+            self.expert_cache.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -27,7 +27,7 @@ from .stops import StopStrings
 
 @dataclass(slots=True)
 class GenerationChunk:
-    text: str                          # newly completed text (may be "" while a UTF-8 sequence or stop string is pending)
+    text: str                          # newly completed text ("" while a UTF-8 sequence or stop string is pending)
     token: int | None = None           # the token that produced it (None on the final flush)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)

@@ -16,7 +16,7 @@ right after the previous prompt), and "regenerate" discards the whole reply. So 
 keeps a snapshot of the state at the end of the prompt (the anchor) and rolls back from it when truncating the
 live state fails. It costs one state copy per request in time and memory; `anchor=False` turns it off.
 
-The session talks to its runner (the `Engine`) through three names only: `new_state()`,
+The session talks to its runner (the `Engine`) through the `Runner` protocol: `new_state()`,
 `prefill(ids, state) -> logits [1, V]` and `prefill_chunk`; and to the state (`ModelState`) through `length`,
 `max_rollback`, `truncate`, `snapshot`, `to_bytes`/`from_bytes`. Tests drive it with fakes on those names.
 """
@@ -31,11 +31,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..errors import FastarError
+
+if TYPE_CHECKING:
+    from ..model.state import ModelState
 
 MAGIC = b"FSTSESS\0"
 VERSION = 1
@@ -84,11 +87,22 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+class Runner(Protocol):
+    """What a session needs of its engine: a fresh state, and a prefill of `token_ids` that advances a state and
+    returns the last position's logits [1, V], run in chunks of at most `prefill_chunk` tokens."""
+
+    prefill_chunk: int
+
+    def new_state(self) -> ModelState: ...
+
+    def prefill(self, token_ids: list[int], state: ModelState) -> torch.Tensor: ...
+
+
 class Session:
     """One conversation's tokens and model state. Not thread-safe: one worker owns the engine and its sessions.
 
     Args:
-        runner: the engine (see the module docstring for the four names it must offer).
+        runner: the engine (a `Runner`).
         context_length: positions this session may hold; a longer prompt is a `PromptError`.
         context_note: why the context is shorter than usual, if it is (added to that error).
         vocab_size: token ids must lie in [0, vocab_size).
@@ -98,8 +112,9 @@ class Session:
         anchor: keep a snapshot of the state at the end of the last prompt (see the module docstring).
     """
 
-    def __init__(self, runner, *, context_length: int, vocab_size: int, tokenizer=None, stats: Stats | None = None,
-                 fingerprint: str = "", anchor: bool = True, context_note: str | None = None) -> None:
+    def __init__(self, runner: Runner, *, context_length: int, vocab_size: int, tokenizer=None,
+                 stats: Stats | None = None, fingerprint: str = "", anchor: bool = True,
+                 context_note: str | None = None) -> None:
         self._runner = runner
         self.context_length, self.context_note = context_length, context_note
         self.vocab_size = vocab_size
@@ -222,7 +237,7 @@ class Session:
         self.stats.cached_tokens += keep
         self._tokens = list(prompt_ids[:keep])
         todo = prompt_ids[keep:]
-        chunk = max(1, int(getattr(self._runner, "prefill_chunk", 256)))
+        chunk = max(1, int(self._runner.prefill_chunk))
         logits = None
         done = 0
         if on_progress is not None:

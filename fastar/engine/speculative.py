@@ -14,7 +14,7 @@ Owns:
   `DSparkDrafter` (`fastar.model.dspark`, up to 5 drafts per pass);
 - `Schedule`: how many drafts to verify (acceptance estimates, DSpark confidences and a cost model) and, under
   `auto`, whether to draft at all; `resolve` (the `--draft` names). The benchmark against expert-cache pressure
-  is `fastar.engine.speculative_bench`.
+  is `fastar.bench.speculative`.
 Does not own: logits processing (`sampling.processed_logits`, used for target and draft alike, so verification is
 exact for the distribution actually sampled), the timeline (`Session`), the models.
 
@@ -533,17 +533,13 @@ def _report(logits: torch.Tensor, token: int, params: SamplingParams) -> tuple[i
 
 def _prefetch(model, tokens: list[int]) -> int:
     """Ask the expert provider for the hash-routed layers' experts of the verify pass (known from token ids)."""
-    fn = getattr(model.experts, "prefetch", None)
-    if fn is None:
+    if not model.experts.pages:  # nothing to gain: every expert is present on request
         return 0
     ids, n = torch.tensor(tokens), 0
     for block in model.layers:
         if block.ffn.is_hash:
             experts = block.ffn.tid2eid[ids].unique().tolist()
-            try:
-                fn(block.layer, experts, source="hash")
-            except TypeError:  # a provider with the plain `prefetch(layer, ids)`
-                fn(block.layer, experts)
+            model.experts.prefetch(block.layer, experts, source="hash")
             n += len(experts)
     return n
 

@@ -11,15 +11,15 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import xxhash
 
 from ..config import ModelConfig
+from ..contracts import Closing, ExpertWeights
 from ..errors import ConfigError, FormatError
-from ..weights.source import Closing, ExpertWeights
 from . import spec
 
 
@@ -91,11 +91,13 @@ def parse_header(path, hb: bytes, data_offset: int, file_size: int) -> dict:
         if bank["offset"] != expect:
             raise _fail(path, f"expert bank at {bank['offset']} does not follow the resident region ({expect})")
         secs = bank.get("sections")
-        if not isinstance(secs, list) or [s.get("field") if isinstance(s, dict) else None for s in secs] != list(spec.EXPERT_FIELDS):
+        fields = [s.get("field") if isinstance(s, dict) else None for s in secs] if isinstance(secs, list) else None
+        if fields != list(spec.EXPERT_FIELDS):
             raise _fail(path, "header: expert sections malformed")
         end = 0
         for s in secs:
-            if not isinstance(s.get("dtype"), str) or s["dtype"] not in spec.DTYPE_SIZES or not isinstance(s.get("shape"), list) \
+            if not isinstance(s.get("dtype"), str) or s["dtype"] not in spec.DTYPE_SIZES \
+                    or not isinstance(s.get("shape"), list) \
                     or not all(isinstance(d, int) and d >= 0 for d in s["shape"]):
                 raise _fail(path, f"expert section {s.get('field')}: malformed")
             if _check_int(path, s.get("offset"), "section offset") < end or \
@@ -303,7 +305,8 @@ class FstFile(MappedFile):
         if b is not None:
             for i, digest in enumerate(b["xxh64"]):
                 slot, e = divmod(i, b["experts"])
-                yield f"expert (layer {slot}, id {e})", spec.expert_offset(b["offset"], b["stride"], b["experts"], slot, e), b["stride"], digest
+                offset = spec.expert_offset(b["offset"], b["stride"], b["experts"], slot, e)
+                yield f"expert (layer {slot}, id {e})", offset, b["stride"], digest
 
     def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
         """Check every checksum. Returns the labels of bad regions (empty when the file is intact).
@@ -335,23 +338,13 @@ class FstFile(MappedFile):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         with ThreadPoolExecutor(1) as pool:
             nxt = pool.submit(read, 0) if jobs else None
-            for i, (label, digest, pos, size) in enumerate(jobs):
+            for i, (label, digest, _pos, size) in enumerate(jobs):
                 mv = nxt.result()
                 nxt = pool.submit(read, i + 1) if i + 1 < len(jobs) else None
                 h = hashers.setdefault(label, xxhash.xxh64())
                 h.update(mv)
                 if progress:
                     progress(size)
-                if ends[label] == i:
-                    if hashers.pop(label).hexdigest() != digest:
-                        bad.append(label)
+                if ends[label] == i and hashers.pop(label).hexdigest() != digest:
+                    bad.append(label)
         return bad
-
-
-def open_model_file(path: str | os.PathLike):
-    """A `.fst` file by its preamble: version 3 -> `FstFile`; FaStar version 2 (+ sidecars) -> `FstV2File`."""
-    from .v2 import FstV2File, read_version
-
-    if read_version(path) == 2:
-        return FstV2File(path)
-    return FstFile(path)

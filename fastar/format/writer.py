@@ -137,7 +137,7 @@ class FstWriter:
         self._expect(WriterState.PLAN)
         self._layout()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.tmp_path, "wb")
+        self._f = open(self.tmp_path, "wb")  # noqa: SIM115 (the writer state machine owns it until close)
         self.state = WriterState.DATA
         self._guard(self._write_header)
 
@@ -229,7 +229,7 @@ class FstWriter:
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "FstWriter":
+    def __enter__(self) -> FstWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -5,7 +5,7 @@ window, ratio-4 compressor + lightning indexer or ratio-128 compressor, per-head
 O-LoRA) -> mHC post -> mHC pre -> MoE (hash or sqrtsoftplus router, FP4 routed experts, shared expert) -> mHC
 post] -> HC head -> final norm -> LM head, and the MTP block (logits for position t+2).
 Does not own: weight storage and products (`fastar.quant.linear`: resident weights stay FP8/BF16 as stored,
-routed experts come from an `experts.get(layer, e)` provider), decode state layout (`fastar.model.state`),
+routed experts come from an `ExpertProvider`, `fastar.contracts`), decode state layout (`fastar.model.state`),
 sessions and sampling (`fastar.engine`).
 
 Every call processes a chunk of T new tokens at positions p0..p0+T-1 against a `ModelState`; one full
@@ -16,39 +16,10 @@ Lightning indexer: while a query sees at most index_topk compressed entries, its
 chunk attends to every visible entry without scoring. A model without indexer weights (FaStar v2 files) runs
 only that way: `DeepseekV4.max_positions` = 4 * index_topk + 3 (2051 on Flash), later positions are refused.
 
-Numerics. Activations are float32 in both modes. `Numerics` has one switch per difference:
-  `reference` (all off) = transformers 5.24 `DeepseekV4ForCausalLM`, up to float32 summation order;
-  `official` (all on, the default) = DeepSeek's `inference/model.py` + `kernel.py` (current HF revision):
-  - fp8_kv:          window KV and compressed KV: FP8 e4m3 quant-dequant of the non-RoPE dims, blocks of 64,
-                     power-of-two scales (transformers keeps them exact).
-  - fp4_indexer:     indexer queries and keys: Hadamard transform then FP4 e2m1 quant-dequant, blocks of 32
-                     (transformers omits both; the Hadamard alone would not change q.k).
-  - fp8_activations: FP8 e4m3 quant-dequant of the input of every FP8/FP4 weight product, blocks of 128 along
-                     K, power-of-two scales: wq_a, wq_b, wkv, wo_b, indexer wq_b, shared and routed experts (the
-                     mid activation too), MTP e_proj/h_proj. Not wo_a (DeepSeek's convert.py widens it to BF16)
-                     nor BF16/F32 weights (router, compressors, indexer weights_proj, head).
-  - official_routing: routing weight multiplies the expert's mid activation before w2 (transformers: after
-                     w2), and router weights are normalised by their sum without transformers' +1e-20.
-Not simulated in either mode: DeepSeek's BF16 activations between ops, BF16 GEMM outputs, and the order of
-float32 sums (HC mixes are computed norm-then-linear, as transformers does). The shared expert is clamped by
-swiglu_limit in both modes (current HF revision; the initial one did not clamp it).
-Chunking under `official`: FP8/FP4 rounding follows float32 sums whose order depends on the chunk shape (BLAS
-picks other kernels for 1 row than for 64; the C kernels sum in another order than torch), so a value at a rounding
-boundary can round the other way; a block whose amax crosses a power of two then changes its scale, and the change
-travels through attention to later tokens. Results are deterministic for a given chunking, but prefill vs decode
-differ by about the size of the quantization noise itself (as in DeepSeek's own prefill and decode kernels). Tests
-pin this bound.
-Small chunks are batch-invariant: with the C kernels (their SIMD dot path: AVX2 or AVX-512), a chunk of at most
-`ops.SMALL_CHUNK` (8) tokens gives every token's logits and state bit-identical to decoding them one at a time, in
-both numerics (a speculative verify pass is such a chunk). The kernels sum each (row, token) in one fixed order
-up to 8 tokens (torch's products, `kernels=False`, do not promise that), and the torch ops whose sums could follow
-the chunk's shape run token by token there (`ops.token_slices`, `ops.per_token`): the router score, the MTP
-block's stream projection (n kernel rows per token), attention (each query over its own window rows, visible
-entries and indexer scores: the very tensors decode hands to `attend`, whose torch fallback needs that; its C
-kernel sums each query in one order of its own anyway), and the mHC mixes and head (an F32 product, sigmoids of n
-values) where the C extension is missing; its mHC calls sum every token in one fixed order for any chunk. The rest
-already is per token: row-wise norms and quantization, elementwise ops on widths that are multiples of 32, the
-compressor's per-window softmax.
+Numerics: `Numerics` has one switch per difference between DeepSeek's inference code (`official`, the default)
+and transformers (`reference`); what each switch does, what neither mode simulates, and how chunking interacts
+with the FP8/FP4 rounding (prefill vs decode differ by quantization noise under `official`; chunks of at most
+`ops.SMALL_CHUNK` tokens are bit-identical to decoding one at a time) are in docs/MODEL.md, "Numerics".
 """
 from __future__ import annotations
 
@@ -58,9 +29,9 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from ..contracts import ExpertProvider, WeightSource
 from ..errors import FastarError
-from ..quant.linear import ExpertProvider, Linear, SourceExperts, Weights, expert_ffn, experts_ffn
-from ..weights.source import WeightSource
+from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_ffn
 from . import ops
 from .state import LayerState, ModelState
 
@@ -231,10 +202,6 @@ class Indexer:
         if self.numerics.fp4_indexer:
             q = self._rotate(q)
         return q, self.weights_proj(x) * Hi ** -0.5
-
-    def select(self, x: torch.Tensor, qr: torch.Tensor, p0: int, keys: torch.Tensor) -> torch.Tensor:
-        """`pick` for the chunk's inputs x [T, d], qr [T, q_lora]."""
-        return self.pick(*self.queries(x, qr, p0), p0, keys)
 
     def pick(self, q: torch.Tensor, weights: torch.Tensor, p0: int, keys: torch.Tensor) -> torch.Tensor:
         """Entry ids [T, k] with the top scores among keys [E, Di] (k = min(topk, E)) for the queries q [T, Hi, Di]
@@ -428,7 +395,7 @@ class MoE:
         routed = idx.numpy()  # [T, k]: the bookkeeping in numpy (a few small arrays per expert)
         wanted = np.unique(routed).tolist()  # one fetch per expert per chunk
         ys = {}
-        for batch in self._arrivals(wanted):
+        for batch in self.experts.each_batch(self.layer, wanted):
             if len(batch) == len(wanted) and experts_ffn(
                     x, routed, wts, dict(batch), wanted, self.limit, out, act_quant=act, kernels=self.kernels,
                     weight_before_down=self.numerics.official_routing, act_block=128 if act else 0):
@@ -441,14 +408,6 @@ class MoE:
         for e in wanted if ys else ():  # summed in a fixed order, so arrival order never changes the result
             out.index_add_(0, *ys[e])
         return out + self._shared(x)
-
-    def _arrivals(self, wanted: list[int]):
-        """The experts `wanted` in lists as they become available: a pager yields what is resident at once, then
-        each read as it lands (in any order); a plain provider, all at once."""
-        each_batch = getattr(self.experts, "each_batch", None)
-        if each_batch is not None:
-            return each_batch(self.layer, wanted)
-        return iter([[(e, self.experts.get(self.layer, e)) for e in wanted]])
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self.shared
@@ -537,8 +496,8 @@ class DeepseekV4:
         self.hc_head = HyperHead(w, "", cfg)
         self.norm = w.vector("norm.weight")  # [d]
         self.head: Linear = w.linear("head")  # BF16 [V, d]
-        prefetch = getattr(self.experts, "prefetch", None)
-        if lookahead and prefetch is not None:
+        if lookahead and self.experts.pages:  # a provider that does not page gains nothing from the guesses
+            prefetch = self.experts.prefetch
             for cur, nxt in zip(self.layers, self.layers[1:]):
                 cur.ffn.lookahead = lambda x, m=nxt.ffn: prefetch(m.layer, m.guess(x), source="lookahead")
         self.hash_tables = {b.layer: b.ffn.tid2eid.numpy() for b in self.layers if b.ffn.is_hash}
@@ -570,9 +529,7 @@ class DeepseekV4:
         p0, T = state.length, ids.shape[0]
         if T == 0:
             raise ValueError("forward needs at least one token")
-        prefetch_tokens = getattr(self.experts, "prefetch_tokens", None)
-        if prefetch_tokens is not None:  # hash-routed layers: their experts are known from the ids alone
-            prefetch_tokens(ids.tolist(), self.hash_tables)
+        self.experts.prefetch_tokens(ids.tolist(), self.hash_tables)  # hash-routed layers: known from the ids alone
         X = self.embed.rows(ids)[:, None, :].expand(T, self.config.hc_mult, -1)  # [T, n, d]
         for i, (block, s) in enumerate(zip(self.layers, state.layers)):
             if capture is not None and i in capture:

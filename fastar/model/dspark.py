@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..quant.linear import ExpertProvider, Linear, Weights
+from ..contracts import ExpertProvider
+from ..quant.linear import Linear, Weights
 from . import ops
 from .deepseek_v4 import Block, HyperConnection, HyperHead, Numerics, attend_torch
 from .state import LayerState, RowBuffer

@@ -1,11 +1,11 @@
 """Small pure tensor functions shared by the DeepSeek-V4 model and its tests.
 
 Owns: RMSNorm, the router score, RoPE/YaRN frequencies and (inverse) interleaved RoPE, attention's C call, the mHC
-collapse, mix back and Sinkhorn projection, the Walsh-Hadamard transform, the activation quantization simulations of DeepSeek's
-inference code (FP8 e4m3 and FP4 e2m1 with power-of-two scales), the clamped SwiGLU, and how small chunks are split
-for batch invariance (`SMALL_CHUNK`, `token_slices`, `per_token`). Every function is stateless and works on float32
-torch tensors; each math function has a closed-form test in tests/test_model_ops.py (the batch-invariance helpers
-are tested through the model, tests/test_model.py; the mHC's C twins against their torch references in
+collapse, mix back and Sinkhorn projection, the Walsh-Hadamard transform, the activation quantization simulations of
+DeepSeek's inference code (FP8 e4m3 and FP4 e2m1 with power-of-two scales), the clamped SwiGLU, and how small chunks
+are split for batch invariance (`SMALL_CHUNK`, `token_slices`, `per_token`). Every function is stateless and works
+on float32 torch tensors; each math function has a closed-form test in tests/test_model_ops.py (the batch-invariance
+helpers are tested through the model, tests/test_model.py; the mHC's C twins against their torch references in
 tests/test_mhc.py).
 Does not own: weights or weight formats (`fastar.quant`), model structure (`fastar.model.deepseek_v4`).
 """
@@ -17,10 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-try:  # the C extension's fast twins of the `..._torch` functions below
-    from ..quant import _kernels as _C
-except ImportError:  # pragma: no cover - a build without the C extension
-    _C = None
+from ..quant.kernels import extension as _C  # fast twins of the `..._torch` functions below (None: not built)
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -237,7 +234,8 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     args = _c_arrays(f, X, post, comb)
     if args is not None:
         out = torch.empty(T, n, d)
-        _C.hc_post(args[0], args[1].reshape(T, n * d), args[2], args[3].reshape(T, n * n), out.numpy().reshape(T, n * d))
+        _C.hc_post(args[0], args[1].reshape(T, n * d), args[2], args[3].reshape(T, n * n),
+                   out.numpy().reshape(T, n * d))
         return out
     return hc_post_torch(f, X, post, comb)
 

@@ -32,8 +32,12 @@ try:  # the compiled extension is optional: without it every function below stil
 except ImportError:  # pragma: no cover - exercised only on machines without a C build
     _C = None
 
+# The extension module itself, for the model's row ops (`fastar.model.ops`): at decode a call there costs a few
+# microseconds, so ops validates its tensors once and calls these entry points directly. None without a build.
+extension = _C
+
 __all__ = [
-    "available", "cpu_features", "set_num_threads", "get_num_threads", "set_isa", "get_isa",
+    "available", "extension", "cpu_features", "set_num_threads", "get_num_threads", "set_isa", "get_isa",
     "fp4_matmul", "fp8_matmul", "bf16_matmul", "expert_ffn", "experts_ffn", "fp8_act_quant",
 ]
 
@@ -252,8 +256,9 @@ def experts_ffn(x, experts, rows, offsets, route_w, limit: float, out, act_block
     rows, offsets = np.ascontiguousarray(rows, np.int64), np.ascontiguousarray(offsets, np.int64)
     route_w = np.ascontiguousarray(_array(route_w, "route_w"), np.float32)
     if _C is not None:
-        _C.experts_ffn(x, [ew if all(type(a) is np.ndarray for a in ew) else tuple(_array(a, "expert weight") for a in ew)
-                           for ew in experts], rows, offsets, route_w, float(limit), out, int(act_block))
+        arrays = [ew if all(type(a) is np.ndarray for a in ew) else tuple(_array(a, "expert weight") for a in ew)
+                  for ew in experts]
+        _C.experts_ffn(x, arrays, rows, offsets, route_w, float(limit), out, int(act_block))
         return out
     if len(offsets) != len(experts) + 1 or offsets[0] != 0 or offsets[-1] != len(rows) or (np.diff(offsets) <= 0).any():
         raise ValueError("offsets must have E+1 increasing entries from 0 to len(rows) (every expert has a token)")

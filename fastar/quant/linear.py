@@ -6,8 +6,8 @@ Owns:
   product `y = x @ W^T` in float32. Nothing is widened in memory: the torch reference path dequantizes a bounded
   block of rows per call (no cache), the fast path hands the stored bytes to `fastar.quant.kernels`.
 - `Weights`: typed access to a `WeightSource` by official tensor name (`linear`, `vector`, `table`).
-- `SourceExperts`: the default expert provider (`get(layer, e) -> ExpertWeights`, straight from the source);
-  the expert pager replaces it with any object that has the same `get`.
+- `SourceExperts`: the default expert provider (`get(layer, e) -> ExpertWeights`, straight from the source, no
+  paging); the expert pager replaces it (both implement `fastar.contracts.ExpertProvider`).
 - `expert_ffn`: one routed expert (FP4 weights) applied to the tokens routed to it; `experts_ffn`: all of a chunk's
   experts in one fused call.
 Does not own: activation quantization for the `official` numerics (the model applies `fastar.model.ops`
@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from ..weights.source import ExpertWeights, WeightSource
+from ..contracts import ExpertWeights, Unpaged, WeightSource
+from .reference import FP4_GROUP, FP4_VALUES, FP8_BLOCK
 
-FP8_BLOCK = 128
-FP4_GROUP = 32
 ROW_BLOCK = 4096  # rows dequantized at once by the reference path (bounds its temporaries)
 
-_FP4_LUT = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32)
+_FP4_LUT = torch.from_numpy(FP4_VALUES)  # float32 [16], by code
 
 
 def _kernels():
@@ -218,11 +216,7 @@ class Weights:
         return _as_torch(self.source.tensor(name)).long()
 
 
-class ExpertProvider(Protocol):
-    def get(self, layer: int, expert: int) -> ExpertWeights: ...
-
-
-class SourceExperts:
+class SourceExperts(Unpaged):
     """Default expert provider: every request goes straight to the weight source (no cache)."""
 
     def __init__(self, source: WeightSource) -> None:

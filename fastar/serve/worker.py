@@ -304,7 +304,7 @@ class EngineHost:
             pass
         if self._worker is not None:
             self._worker.join(timeout=10)
-            if not self._worker.is_alive() and hasattr(self.engine, "close"):
+            if not self._worker.is_alive() and self.engine is not None:
                 self.engine.close()
 
 

@@ -8,8 +8,9 @@ Owns:
   read errors delivered to the requesting thread as `FormatError`s naming the expert, statistics.
 - Prefetch helpers: exact for hash-routed layers (`prefetch_tokens`), router lookahead (`prefetch(...,
   source="lookahead")`), each with its own used/wasted accounting.
-Does not own: the slab, I/O primitives, policies, the device tier and the benchmark (`expert_store`; the last two
-are re-exported here), routing math (the model computes ids). Design and measurements: docs/EXPERT_MEMORY.md.
+Does not own: the slab, I/O primitives and policies (`expert_store`), the device tier (`device_cache`), the
+benchmark (`fastar.bench.cache`), routing math (the model computes ids). Design and measurements:
+docs/EXPERT_MEMORY.md.
 
 Threading: one lock and condition guard all state; loader threads `pread` with the lock (and the GIL) released,
 so reads overlap compute. Loads someone waits for ("demand") go before prefetches; a prefetch that finds no
@@ -27,17 +28,17 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 import xxhash
 
+from ..contracts import ExpertWeights
 from ..errors import FastarError, FormatError
 from ..format.reader import FstFile
 from . import expert_store as store
-from .expert_store import CacheFullError, DeviceExpertCache, bench_cache  # noqa: F401 (re-exported)
-from .source import ExpertWeights
+from .expert_store import CacheFullError
 
 _FREE, _LOADING, _READY = 0, 1, 2
 SOURCES = ("manual", "hash", "lookahead")
@@ -62,7 +63,7 @@ class ExpertHandle:
     __slots__ = ("layer", "expert", "weights", "buffer", "_cache", "_slot", "_live")
 
     def __init__(self, layer: int, expert: int, weights: ExpertWeights, buffer: memoryview,
-                 cache: "ExpertCache | None", slot: int) -> None:
+                 cache: ExpertCache | None, slot: int) -> None:
         self.layer, self.expert, self.weights, self.buffer = layer, expert, weights, buffer
         self._cache, self._slot, self._live = cache, slot, True
 
@@ -72,7 +73,7 @@ class ExpertHandle:
             if self._cache is not None:
                 self._cache._unpin(self._slot)
 
-    def __enter__(self) -> "ExpertHandle":
+    def __enter__(self) -> ExpertHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -86,7 +87,7 @@ class ExpertHandles(list):
         for h in self:
             h.release()
 
-    def __enter__(self) -> "ExpertHandles":
+    def __enter__(self) -> ExpertHandles:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -114,7 +115,7 @@ class _Implicit:
 
 
 class ExpertCache:
-    """RAM tier of routed experts over an open `.fst`. A drop-in expert provider (`get`) plus the richer API.
+    """RAM tier of routed experts over an open `.fst`: an `ExpertProvider` (`fastar.contracts`) plus the richer API.
 
     Args:
         fst: the open file.
@@ -126,6 +127,8 @@ class ExpertCache:
         half_life: LRFU half-life in accesses (default 8 x the number of slots).
         verify: check each record's xxh64 after reading (~1 ms per 13 MB record).
     """
+
+    pages = True
 
     def __init__(self, fst: FstFile, ram_budget_bytes: int | None = None, io_threads: int = 2,
                  direct: bool = False, policy: str = store.DEFAULT_POLICY, *, half_life: float | None = None,
@@ -361,7 +364,7 @@ class ExpertCache:
         self._slot_views.clear()
         self._slab.close()
 
-    def __enter__(self) -> "ExpertCache":
+    def __enter__(self) -> ExpertCache:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -7,7 +7,8 @@ file implies, and the lossless repack of v2 expert blocks into checkpoint layout
 own: writing v2 (only the test-side `tests/fst_v2_writer.py` does), converting to v3
 (`fastar.convert.hf.convert_v2`) or writing the indexer sidecar (`fastar.convert.hf.convert_indexer`).
 
-Layout (docs: fastar-seed-system.md §2; constants checked against FaStar's `scripts/fst_converter.py`):
+Layout (this docstring is the spec the reader and tests/fst_v2_writer.py follow; checked against FaStar's
+`scripts/fst_converter.py`):
   header  "<4sIIIIIIIIIIIQffQQQQQQQQ" at 0: magic "FST\\0", version 2, hidden, layers, experts, top_k, q_heads,
           kv_heads, head_dim, expert_inter, shared_experts, 0, vocab (u64), rms_eps, rope_base (f32),
           dir_offset, dir_count, bank_offset, block_bytes, block_stride, block_count, r1, r2 (u64)
@@ -58,10 +59,11 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
+from ..contracts import Closing, ExpertWeights
 from ..errors import ConfigError, FormatError
-from ..weights.source import Closing, ExpertWeights
-from . import spec
-from .reader import FstFile, MappedFile
+from ..format import spec
+from ..format.reader import FstFile, MappedFile
+from ..quant.reference import FP4_VALUES
 
 MAGIC = b"FST\x00"
 VERSION = 2
@@ -197,9 +199,6 @@ def _ue8m0(b: np.ndarray) -> np.ndarray:
     return np.where(b == 255, np.float32(np.nan), out)
 
 
-_FP4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
-
-
 def decode_q8_0(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Planar Q8_0 bytes -> float32 of `shape` (fp16 x int8 is exact in float32)."""
     n = int(np.prod(shape))
@@ -220,7 +219,7 @@ def decode_mxfp4(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     packed, scale = split_mxfp4(raw, rows, cols)
     codes = np.empty((rows, cols), np.uint8)
     codes[:, 0::2], codes[:, 1::2] = packed & 0x0F, packed >> 4
-    return _FP4[codes] * np.repeat(_ue8m0(scale), BLOCK, axis=1)
+    return FP4_VALUES[codes] * np.repeat(_ue8m0(scale), BLOCK, axis=1)
 
 
 # --- one container (main file or an .hc/.norm sidecar) ---------------------------------------------------------
@@ -274,7 +273,8 @@ class V2Container(MappedFile):
         raw = os.pread(self._fd, dir_end - h.shared_dir_offset, h.shared_dir_offset)
         out, spans = [], []
         for i in range(h.shared_dir_count):
-            tid, layer, sub, qtype, ndim, _pad, s0, s1, s2, off, n, _res = struct.unpack_from(ENTRY_FMT, raw, i * ENTRY_SIZE)
+            tid, layer, sub, qtype, ndim, _pad, s0, s1, s2, off, n, _res = struct.unpack_from(ENTRY_FMT, raw,
+                                                                                             i * ENTRY_SIZE)
             shape = (s0, s1, s2)[:ndim]
             e = V2Entry(tid, layer, sub, qtype, shape, off, n)
             if qtype not in QTYPE_NAMES:
@@ -545,7 +545,7 @@ class FstV2File(Closing):
 
     def _add_indexer(self, f: FstFile) -> None:
         """Check the sidecar against this model's manifest; its tensors replace any in the main file."""
-        from ..convert.names import expected_tensors
+        from .names import expected_tensors
 
         want = {n: v for n, v in expected_tensors(self.config).items() if INDEXER in n}
         have = set(f.names())
@@ -565,7 +565,7 @@ class FstV2File(Closing):
 
     def _check_complete(self) -> None:
         # the one manifest; names.py depends on nothing but the config, so no import cycle
-        from ..convert.names import expected_tensors, is_routed_expert
+        from .names import expected_tensors, is_routed_expert
 
         want = {n: s for n, (dt, s) in expected_tensors(self.config).items() if not is_routed_expert(n)
                 and (n in self._tensors or not (dt == "F8_E8M0" and n.endswith(".scale")))}  # v2 has no FP8 scales
@@ -670,7 +670,8 @@ class FstV2File(Closing):
     def expert_views(self, buf, base: int = 0) -> ExpertWeights:
         parts = []
         for s in self.bank["sections"]:
-            parts.append(np.frombuffer(buf, dtype=np.uint8, count=s["nbytes"], offset=base + s["offset"]).reshape(s["shape"]))
+            part = np.frombuffer(buf, dtype=np.uint8, count=s["nbytes"], offset=base + s["offset"])
+            parts.append(part.reshape(s["shape"]))
         return ExpertWeights(*parts)
 
     def read_expert_into(self, slot: int, e: int, buf, fd: int | None = None) -> ExpertWeights:
@@ -701,6 +702,12 @@ class FstV2File(Closing):
         self._files = []
 
 
+def open_model_file(path: str | os.PathLike) -> FstFile | FstV2File:
+    """A `.fst` file by its preamble: version 3 -> `FstFile`; FaStar version 2 (+ sidecars) -> `FstV2File`."""
+    if read_version(path) == 2:
+        return FstV2File(path)
+    return FstFile(path)
+
 
 __all__ = ["GLOBAL_TIDS", "HC_TIDS", "LAYER_TIDS", "NORM_TIDS", "FstV2File", "V2Container", "V2Entry", "V2Header",
-           "expert_block_bytes", "read_version"]
+           "expert_block_bytes", "open_model_file", "read_version"]

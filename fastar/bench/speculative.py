@@ -17,11 +17,12 @@ from collections import OrderedDict
 
 import torch
 
+from ..contracts import Unpaged
+from ..engine.speculative import Drafter, Pick, Proposal, Schedule
 from ..model.state import ModelState
-from .speculative import Drafter, Pick, Proposal, Schedule
 
 
-class SlowExperts:
+class SlowExperts(Unpaged):
     """An expert provider with an LRU cache of `capacity` experts in front of the real one; every miss also
     sleeps `miss_s` (a simulated SSD read, synchronous: no prefetch), which `io_s` adds up."""
 
@@ -59,9 +60,10 @@ def bench(path, drafts: tuple[str, ...] = ("none", "auto"), capacities: tuple[fl
     `auto-replay:<a>` (the same drafts under `auto`'s schedule). `none` must come first: it writes the transcripts
     and is the baseline. Modes run interleaved, `reps` times, each from a cold cache; tok/s is the median.
     Time is this process's CPU time plus the simulated read time (`wall=True`: wall-clock), so other load on a
-    shared machine does not enter; everything runs on one thread. (`auto` itself still decides from wall time.) One row per (mode, capacity)."""
+    shared machine does not enter; everything runs on one thread. (`auto` itself still decides from wall time.) One
+    row per (mode, capacity)."""
+    from ..engine.engine import load, open_source
     from ..quant.linear import SourceExperts
-    from .engine import load, open_source
 
     source = open_source(path)
     cfg = source.config
@@ -141,7 +143,7 @@ def format_bench(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m fastar.engine.speculative_bench CHECKPOINT [modes...]
+if __name__ == "__main__":  # python -m fastar.bench.speculative CHECKPOINT [modes...]
     import sys
     torch.set_num_threads(1)
     modes = tuple(sys.argv[2:]) or ("none", "auto", "replay:0.5", "replay:0.8")

@@ -4,12 +4,12 @@ Owns: measuring this machine's limits (streaming read bandwidth over a 1 GiB buf
 1 and N threads, with the kernels' own instruction set and thread pool), then every kernel's weight GB/s and
 GFLOP/s at T=1 (decode: bandwidth-bound) and T=16 (prefill/speculation: compute-bound) on Flash-sized
 matrices, plus numpy and torch dequantize-then-matmul on the same matrices for comparison.
-Honesty rules (shared/docs/performance.md): random weights with realistic scales, never zeros; each timed
+Honesty rules (docs/PERFORMANCE.md): random weights with realistic scales, never zeros; each timed
 call reads a different copy of the weights, cycling through more than the last-level cache, so weights
 come from DRAM as in real decoding; warm-up, then the median of the repeats (spread reported).
-Does not own: end-to-end tokens/s (fastar.bench) or the kernels themselves (fastar.quant.kernels).
+Does not own: end-to-end tokens/s (`fastar.bench.model`) or the kernels themselves (fastar.quant.kernels).
 
-Usage: python -m fastar.bench_kernels [--json] [--threads 1,2]
+Usage: python -m fastar.bench.kernels [--json] [--threads 1,2] (or `fastar bench kernels`)
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from .quant import kernels as K
-from .quant import reference as R
+from ..quant import kernels as K
+from ..quant import reference as R
 
 GIB = 1 << 30
 CYCLE_BYTES = 256 << 20  # weight copies per matrix: > 8x a 32 MB L3

@@ -13,7 +13,7 @@ start-of-run probe for models too small to leave the caches). `--repeats N` time
 against its own probes (`repeats` in --json, median and range printed), to see both of the host's memory phases.
 Also: hit rate, bytes read per token, achieved GB/s, peak RSS (sampled), and with `--reference HF_DIR` the same
 prompt through transformers on the same weights. Does not own: the kernels benchmark (`bench_kernels`) or
-the cache's trace replay (`weights.expert_store.bench_cache`).
+the cache's trace replay (`bench.cache`).
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import parse_size
-from .errors import FastarError
+from ..config import parse_size
+from ..errors import FastarError
 
 
 class _PeakRSS:
@@ -44,7 +44,7 @@ class _PeakRSS:
             self.peak = max(self.peak, self._proc.memory_info().rss)
             self._stop.wait(0.02)
 
-    def __enter__(self) -> "_PeakRSS":
+    def __enter__(self) -> _PeakRSS:
         self.peak = self._proc.memory_info().rss
         self._t.start()
         return self
@@ -60,7 +60,7 @@ def token_bytes(src) -> tuple[int, int, int]:
     if hasattr(src, "header"):  # .fst
         sizes = {t["name"]: t["nbytes"] for t in src.header["tensors"]}
     else:  # checkpoint directory
-        from .convert.names import is_routed_expert
+        from ..convert.names import is_routed_expert
         sizes = {n: src.tensor_info(n).nbytes for n in src.names() if not is_routed_expert(n)}
     touched = 0
     for name, n in sizes.items():
@@ -95,7 +95,8 @@ def _disk_bw(path: str, nbytes: int = 256 << 20) -> float:
     """Sequential O_DIRECT read rate of one file (GB/s), page cache dropped first; a fallback probe for sources
     that are not one .fst (a checkpoint directory's largest shard)."""
     import mmap
-    from .weights.expert_store import drop_page_cache
+
+    from .cache import drop_page_cache
     drop_page_cache(path)
     flag = getattr(os, "O_DIRECT", 0)
     try:
@@ -126,7 +127,7 @@ def _stream_gbps(engine) -> float | None:
     models: the start-of-run probe is used instead) or the C kernels are not built."""
     import torch
 
-    from .quant import kernels
+    from ..quant import kernels
     w = engine.model.head.weight
     if kernels._C is None or w.numel() * w.element_size() < PROBE_MIN_BYTES:
         return None
@@ -147,8 +148,8 @@ def _preload(cache) -> float:
 def _start(path: str, budget, options: dict, prompt: list[int], warmup: int, draft: str):
     """Load, preload every expert when the budget holds them all, prefill `prompt` and decode `warmup` greedy
     steps (untimed: the cache settles). -> (engine, state, tokens so far, info)."""
-    from .engine.engine import load
-    from .engine.sampling import argmax
+    from ..engine.engine import load
+    from ..engine.sampling import argmax
 
     t0 = time.perf_counter()
     engine = load(path, ram_budget=budget, **{**options, "draft": draft})
@@ -168,8 +169,7 @@ def _start(path: str, budget, options: dict, prompt: list[int], warmup: int, dra
 
 
 def _close(engine) -> None:
-    if engine.expert_cache:
-        engine.expert_cache.close()  # its slab goes with the last array view of it (gc at the caller's del)
+    engine.close()  # the pager's slab goes with the last array view of it (gc at the caller's del)
 
 
 def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, warmup: int = 8,
@@ -179,7 +179,7 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
     (`options["draft"]`, or `replay`: drafts read from that plain run, each right with probability `replay`),
     a second engine goes through the same start (so its cache is in the same condition) and decodes the same
     `decode` tokens through the speculative loop; its draft_* stats are added."""
-    from .engine.sampling import argmax
+    from ..engine.sampling import argmax
 
     draft = options.get("draft") or "none"
     gc.collect()  # the previous budget's slab goes with its last array view, before this one's RSS is sampled
@@ -204,8 +204,8 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
         if replay is not None or draft != "none":
             engine, state, head, _ = _start(path, budget, options, prompt, warmup, "none" if replay else draft)
             if replay is not None:
-                from .engine.speculative import Schedule
-                from .engine.speculative_bench import ReplayDrafter
+                from ..engine.speculative import Schedule
+                from .speculative import ReplayDrafter
                 engine.use_draft(ReplayDrafter(engine.model, replay), Schedule(fixed=4), f"replay:{replay:g}")
                 engine.drafter.transcript = seq
             session = engine.open_session()
@@ -249,12 +249,11 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
 def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 16, reference: str | None = None,
         options: dict | None = None, seed: int = 0, policies: list[str] | None = None, warmup: int = 8,
         replay: float | None = None, repeats: int = 1) -> dict:
-    from .bench_kernels import machine_limits
-    from .format.reader import FstFile
-    from .quant import kernels
-    from .weights.expert_store import measure_disk
-
-    from .engine.engine import open_source
+    from ..engine.engine import open_source
+    from ..format.reader import FstFile
+    from ..quant import kernels
+    from .cache import measure_disk
+    from .kernels import machine_limits
 
     options = options or {}
     src = open_source(path)
@@ -339,12 +338,14 @@ def print_table(r: dict, out=sys.stdout) -> None:
         print(f"{_gb(x['ram_budget_bytes']):>10} {x['cache_policy']:>6} {x['prefill_tok_s']:11.1f} "
               f"{x['decode_tok_s']:10.2f} {x['ceiling_tok_s']:8.2f} {100 * x['fraction_of_ceiling']:5.0f}% "
               f"{100 * x['hit_rate']:5.1f}% {_gb(x['bytes_read_per_token']):>10} {x['achieved_gbps']:6.1f} "
-              f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}" + ("  (all experts preloaded)" if x["preloaded"] else ""), file=out)
+              f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}"
+              + ("  (all experts preloaded)" if x["preloaded"] else ""), file=out)
         print(f"{'':>10} prefill {x['prefill_tok_s']:.1f} t/s = {100 * x['prefill_fraction_of_flops']:.0f}% of the "
               f"FLOP ceiling {x['prefill_ceiling_tok_s']:.1f} t/s", file=out)
         if len(x["repeats"]) > 1:
             fr = sorted(100 * y["fraction_of_ceiling"] for y in x["repeats"])
-            print(f"{'':>10} {len(fr)} repeats: % of ceiling median {fr[len(fr) // 2]:.0f}, range {fr[0]:.0f}-{fr[-1]:.0f}; "
+            print(f"{'':>10} {len(fr)} repeats: % of ceiling median {fr[len(fr) // 2]:.0f}, "
+                  f"range {fr[0]:.0f}-{fr[-1]:.0f}; "
                   + ", ".join(f"{y['decode_tok_s']:.1f} t/s @ {y['membw_gbps']:.0f} GB/s" for y in x["repeats"]),
                   file=out)
         if "draft_mode" in x:
@@ -383,12 +384,13 @@ def plot(r: dict, path: str) -> None:
 
 
 def main(a) -> int:
-    from .console import memory_options
+    from ..console import memory_options
 
     if not os.path.exists(a.model):
         raise FastarError(f"{a.model}: no such file or directory")
     opts = memory_options(a)
-    budgets = [None if s.strip().lower() == "none" else s.strip() for s in str(opts.pop("ram_budget") or "none").split(",")]
+    budgets = [None if s.strip().lower() == "none" else s.strip()
+               for s in str(opts.pop("ram_budget") or "none").split(",")]
     budgets = [b if b in (None, "auto") else parse_size(b) for b in budgets]
     opts["draft"] = getattr(a, "draft", "none")
     policies = [p.strip() for p in a.policies.split(",")] if getattr(a, "policies", None) else None

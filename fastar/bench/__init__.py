@@ -1,0 +1,113 @@
+"""Every benchmark, and the `fastar bench ...` command that runs them.
+
+Owns: the `bench` subcommand's arguments (`add_arguments`) and its dispatch (`main`) to
+- `model.py`: end-to-end prefill/decode tokens/s against the ceiling measured in the same run (`bench -m FILE`);
+- `kernels.py`: the quantized products' GB/s against this machine's memory bandwidth (`bench kernels`);
+- `speculative.py`: decode with and without speculative decoding under expert-cache pressure (`bench draft`);
+- `cache.py`: the expert cache against the disk over routing traces, the policy simulator, disk probes (Python).
+Does not own anything that runs in production: the engine, the pager and the kernels only get measured here.
+How to measure honestly: docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .. import console
+from ..errors import FastarError
+
+
+def add_arguments(b: argparse.ArgumentParser) -> None:
+    b.add_argument(
+        "what",
+        nargs="?",
+        default="model",
+        choices=["model", "kernels", "draft"],
+        help="draft: decode speed with and without speculative decoding against expert-cache size",
+    )
+    b.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help=".fst file or checkpoint directory to benchmark end to end",
+    )
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--threads", default=None, help="kernels: comma-separated thread counts")
+    console.add_draft_argument(b)
+    console.add_memory_arguments(b)
+    b.add_argument("--prompt-tokens", type=int, default=64, help="model: prompt length to prefill")
+    b.add_argument("--decode-tokens", type=int, default=16, help="model: tokens to decode (timed)")
+    b.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="model: time the decode this many times in a row, each against the memory bandwidth "
+        "measured around it (the host's memory speed moves)",
+    )
+    b.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=8,
+        help="model: untimed decode steps after the prompt, so the expert cache settles first",
+    )
+    b.add_argument(
+        "--replay",
+        type=float,
+        default=None,
+        metavar="A",
+        help="model: also decode speculatively with drafts replayed from the plain run, each right with "
+        "probability A (what a trained draft gives; synthetic models' own drafts are random)",
+    )
+    b.add_argument(
+        "--policies",
+        default=None,
+        help="model: run every budget with each of these eviction policies, e.g. lrfu,lru",
+    )
+    b.add_argument(
+        "--reference",
+        default=None,
+        help="model: checkpoint dir to time transformers on too",
+    )
+    b.add_argument(
+        "--compare",
+        default=None,
+        help="model: another source of the same model (a checkpoint "
+        "directory or .fst) to benchmark the same way, side by side",
+    )
+    b.add_argument(
+        "--plot",
+        default=None,
+        help="model: PNG of tokens/s and hit rate against --ram-budget A,B,C",
+    )
+
+
+def main(a: argparse.Namespace) -> int:
+    """Run the benchmark `a.what` names with the parsed arguments."""
+    if a.what == "draft":
+        if not a.model:
+            raise FastarError("bench draft: give -m CHECKPOINT (a .fst file or checkpoint directory)")
+        from . import speculative
+
+        modes = (
+            "none",
+            a.draft if a.draft != "none" else "auto",
+            "replay:0.5",
+            "replay:0.8",
+        )
+        rows = speculative.bench(a.model, drafts=modes)
+        print(json.dumps(rows) if a.json else speculative.format_bench(rows))
+        return 0
+    if a.what == "kernels":
+        from . import kernels
+
+        kernels.run(
+            json_out=a.json,
+            threads=[int(t) for t in a.threads.split(",")] if a.threads else None,
+        )
+        return 0
+    if not a.model:
+        raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
+    from . import model
+
+    return model.main(a)

@@ -1,0 +1,117 @@
+"""The contracts every layer shares, at the bottom of the package: imports no torch and nothing of fastar's but
+`config`, so `format/`, `quant/` and `convert/` can implement them without importing upward.
+
+Owns:
+- `WeightSource`: what the model asks of wherever weights live (a `.fst` file, an official checkpoint directory,
+  a FaStar v2 file, a synthetic model), and `ExpertWeights`, the record one routed expert comes back as.
+- `Closing`: the file-holding sources' lifetime (`with source:` and close-on-collect).
+- `ExpertProvider`: where the model gets routed experts during a forward (`get`, `each_batch`, `prefetch`,
+  `prefetch_tokens`), and `Unpaged`, the base of providers that do not page (prefetches are no-ops).
+Does not own: any implementation: the sources (`fastar.format.reader`, `fastar.convert`), the expert pager
+(`fastar.weights`), the arithmetic on weights (`fastar.quant`).
+
+Tensor names are the official checkpoint names, verbatim (`layers.3.attn.wq_a.weight`, `.scale`, `embed.weight`,
+`mtp.0.e_proj.weight`, ...). Arrays come back in storage precision, never widened:
+  F8_E4M3, F8_E8M0, I8 (packed FP4) -> uint8;  BF16 -> uint16 (bit patterns);  F32 -> float32;  I64 -> int64.
+Routed experts are addressed by (layer slot, expert id); slots 0..L-1 are the main layers and L.. the MTP
+blocks (mtp.0 is slot L).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import ClassVar, NamedTuple, Protocol
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+class ExpertWeights(NamedTuple):
+    """One routed expert in checkpoint layout: FP4 packed [rows, cols/2] + UE8M0 scales [rows, cols/32]."""
+    w1: np.ndarray        # gate  [I, D/2]  uint8
+    w1_scale: np.ndarray  # [I, D/32] uint8
+    w3: np.ndarray        # up    [I, D/2]
+    w3_scale: np.ndarray  # [I, D/32]
+    w2: np.ndarray        # down  [D, I/2]
+    w2_scale: np.ndarray  # [D, I/32]
+
+
+class Closing:
+    """`with source:` and close-on-collect for sources that hold files; subclasses define an idempotent `close`."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # half-constructed, or at interpreter exit
+            pass
+
+
+class WeightSource(Protocol):
+    config: ModelConfig
+
+    def has(self, name: str) -> bool: ...
+
+    def dtype(self, name: str) -> str:
+        """Checkpoint dtype string of a resident tensor: F8_E4M3, F8_E8M0, BF16, F32, I64."""
+        ...
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A resident (non-routed-expert) tensor in storage precision, as described above."""
+        ...
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights: ...
+
+    def tokenizer_json(self) -> bytes | None: ...
+
+
+class ExpertProvider(Protocol):
+    """Where the model gets routed experts. Every provider implements all four calls; one that does not page
+    (`pages` False) answers `each_batch` with one list and treats the prefetches as no-ops."""
+
+    pages: ClassVar[bool]  # True when prefetches can make later requests faster (the model then computes guesses)
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        """One expert's arrays, valid at least until this thread asks for another layer."""
+        ...
+
+    def each_batch(self, layer: int, ids: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """The experts `ids` of `layer` as lists of (id, weights), each list as it becomes available (every id
+        exactly once over all lists; a list's arrays are valid until the next one is asked for)."""
+        ...
+
+    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual") -> int:
+        """Start reading the experts `ids` of `layer` and return at once; returns how many reads were queued.
+        `source` ("manual", "hash", "lookahead") keys the provider's accounting."""
+        ...
+
+    def prefetch_tokens(self, token_ids: Iterable[int], tid2eid: Mapping[int, np.ndarray]) -> int:
+        """Prefetch the hash-routed layers' experts of `token_ids` (`tid2eid[layer]` [vocab, k]); returns the count
+        queued."""
+        ...
+
+
+class Unpaged:
+    """Base of expert providers that do not page: subclasses define `get`; everything is present on request."""
+
+    pages: ClassVar[bool] = False
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        raise NotImplementedError
+
+    def each_batch(self, layer: int, ids: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        yield [(e, self.get(layer, e)) for e in ids]
+
+    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual") -> int:
+        return 0
+
+    def prefetch_tokens(self, token_ids: Iterable[int], tid2eid: Mapping[int, np.ndarray]) -> int:
+        return 0

@@ -1,0 +1,57 @@
+"""The declared contracts of fastar/contracts.py: every expert provider implements the whole `ExpertProvider`
+protocol, so the model calls it without probing, and the providers that do not page behave as documented."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+from fastar.bench.cache import MmapExperts
+from fastar.bench.speculative import SlowExperts
+from fastar.contracts import ExpertProvider, ExpertWeights, Unpaged
+from fastar.quant.linear import SourceExperts
+from fastar.weights.device_cache import DeviceExpertCache
+from fastar.weights.expert_cache import ExpertCache
+
+PROVIDERS = [SourceExperts, ExpertCache, DeviceExpertCache, MmapExperts, SlowExperts]
+METHODS = ["get", "each_batch", "prefetch", "prefetch_tokens"]
+
+
+def _positional(f) -> list[inspect.Parameter]:
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p for p in inspect.signature(f).parameters.values() if p.kind in kinds]
+
+
+@pytest.mark.parametrize("cls", PROVIDERS, ids=lambda c: c.__name__)
+def test_every_provider_implements_the_protocol(cls):
+    """Each call takes the protocol's positional arguments (no more required), and `prefetch` takes `source=`,
+    which the model and the speculative loop pass by keyword."""
+    assert isinstance(cls.pages, bool)
+    for name in METHODS:
+        want, got = _positional(getattr(ExpertProvider, name)), _positional(getattr(cls, name))
+        required = [p for p in got if p.default is inspect.Parameter.empty]
+        assert len(got) >= len(want) >= len(required), f"{cls.__name__}.{name} does not match the protocol"
+    assert "source" in inspect.signature(cls.prefetch).parameters
+
+
+class _Fake(Unpaged):
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, int]] = []
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        self.asked.append((layer, expert))
+        a = np.full((1, 1), expert, np.uint8)
+        return ExpertWeights(a, a, a, a, a, a)
+
+
+def test_unpaged_provider_yields_one_batch_and_ignores_prefetches():
+    p = _Fake()
+    assert not p.pages
+    assert p.prefetch(3, [1, 2], source="hash") == 0
+    assert p.prefetch_tokens([5, 6], {0: np.zeros((8, 2), np.int64)}) == 0
+    assert p.asked == []  # a prefetch reads nothing
+    batches = list(p.each_batch(3, [4, 1, 7]))
+    assert len(batches) == 1 and [e for e, _ in batches[0]] == [4, 1, 7]
+    assert [int(w.w1[0, 0]) for _, w in batches[0]] == [4, 1, 7] and p.asked == [(3, 4), (3, 1), (3, 7)]

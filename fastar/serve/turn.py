@@ -1,0 +1,259 @@
+"""One assistant turn run through the worker, in API-neutral events, and the replay cache that keeps the
+session prefix valid across tool calls. Shared by the Anthropic Messages and OpenAI Responses front-ends.
+
+Owns:
+  * `Backend`: what a front-end needs from the server, as plain values and callables (no HTTP framework):
+    the engine getter, the worker's `submit`, the served model names, the thinking default, the keep-alive
+    interval, the `ReplayCache`, and optionally the server's `Metrics`.
+  * `ReplayCache`: exact replay. When a turn ends with EOS, the conversation text as the encoder would
+    render it on the next request (prompt + the parsed assistant turn) is stored with the token ids the model
+    really holds (prompt ids + the generated ids). A later prompt whose rendered text starts with a stored text
+    is tokenized as those stored ids + the new tail. So a tool call the model wrote as `[1,2]` (re-rendered
+    `[1, 2]`), or text it sampled in a non-canonical tokenization, still reuses the whole session prefix. The
+    cut always falls right after EOS, a special token, so the tail tokenizes on its own.
+  * `AssistantTurn`: encodes the conversation (through the replay cache), enqueues a `Job`, and turns the
+    worker's events into `("reasoning", text)`, `("content", text)`, `("tool_call", call)` and
+    `("keepalive", progress)` events; afterwards it holds the finish reason, the stop sequence hit, the usage
+    numbers and the parsed reasoning/content/tool calls, and it records the turn in the replay cache.
+
+Does not own: the API shapes (`fastar.serve.anthropic`, `fastar.serve.responses`, `fastar.serve.protocol`),
+the chat encoding (`fastar.encoding`), the engine or its thread (`fastar.serve.worker`). Never imports torch.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastar.encoding import EOS, THINK_END, StreamParser, encode_messages
+from fastar.serve import protocol as P
+from fastar.serve.worker import Job, Metrics
+
+MAX_REPLAY_ENTRIES = 32
+
+
+@dataclass(slots=True)
+class Backend:
+    """The server as the API front-ends see it.
+
+    Args:
+        engine: returns the loaded engine (`tokenizer`, `context_length`, optional `context_note`) or raises
+            `APIError` 503 while it loads (the server's `EngineHost.require_engine`).
+        submit: enqueues a `Job` on the one worker, or raises `APIError` 503 when the queue is full
+            (`EngineHost.submit`).
+        model_names: the served model name first; requests may name any of them.
+    """
+
+    engine: Callable[[], Any]
+    submit: Callable[[Job], None]
+    model_names: tuple[str, ...] = ("deepseek-v4-flash",)
+    default_thinking: bool = True
+    keepalive_interval: float = 5.0
+    replay: ReplayCache = field(default_factory=lambda: ReplayCache())
+    metrics: Metrics | None = None
+
+
+class ReplayCache:
+    """Rendered conversation text -> the token ids the model holds for it; the last `size` turns, thread-safe."""
+
+    def __init__(self, size: int = MAX_REPLAY_ENTRIES) -> None:
+        self.size = size
+        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def encode(self, tokenizer: Any, text: str) -> list[int]:
+        """Token ids of a rendered prompt: the longest stored prefix's real ids, then the tail tokenized."""
+        with self._lock:
+            best = max((t for t in self._entries if text.startswith(t)), key=len, default="")
+            if best:
+                self._entries.move_to_end(best)
+                ids = list(self._entries[best])
+        if not best:
+            return list(tokenizer.encode(text))
+        return ids + (list(tokenizer.encode(text[len(best):])) if len(text) > len(best) else [])
+
+    def record(self, text: str, ids: list[int]) -> None:
+        if not text.endswith(EOS):  # the cut must fall after a special token, or the tail could merge across it
+            return
+        with self._lock:
+            self._entries[text] = list(ids)
+            self._entries.move_to_end(text)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A request in the encoder's terms: OpenAI-style messages (tools on the system message) and the mode."""
+
+    messages: list[dict]
+    thinking: bool
+    reasoning_effort: str | None = None
+    drop_thinking: bool = True
+
+    def render(self, extra: list[dict] | None = None) -> str:
+        try:
+            return encode_messages(self.messages + (extra or []), "thinking" if self.thinking else "chat",
+                                   self.drop_thinking, self.reasoning_effort)
+        except (ValueError, TypeError) as err:  # EncodingError is a ValueError
+            raise P.bad_request(str(err), "messages") from None
+
+
+class GenerationFailed(Exception):
+    """The worker reported an error for this turn (status 400: the engine refused the prompt)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    def api_error(self) -> P.APIError:
+        if self.status == 400:
+            return P.bad_request(self.message)
+        return P.APIError(self.status, self.message, "server_error", code="generation_failed")
+
+
+def prompt_ids(backend: Backend, conv: Conversation) -> tuple[str, list[int]]:
+    """The rendered prompt and its ids through the replay cache (`count_tokens` uses this too)."""
+    text = conv.render()
+    return text, backend.replay.encode(backend.engine().tokenizer, text)
+
+
+class AssistantTurn:
+    """One generation: `events()` streams it; afterwards the fields below describe the finished turn."""
+
+    def __init__(self, backend: Backend, conv: Conversation, sampling: dict[str, Any],
+                 max_tokens: int | None) -> None:
+        engine = backend.engine()
+        self.backend, self.conv, self.tokenizer = backend, conv, engine.tokenizer
+        self.prompt_text, self.prompt_ids = prompt_ids(backend, conv)
+        self.limit = P.resolve_max_tokens(len(self.prompt_ids), max_tokens, engine.context_length,
+                                          getattr(engine, "context_note", None))
+        self.stop_strings = list(sampling.get("stop") or [])
+        self.stops = P.StopFilter(self.stop_strings)
+        self.parser = StreamParser(conv.thinking)
+        self.generated: list[int] = []
+        self.raw = ""                    # the text as generated, stop strings included
+        self.released = 0                # characters of `raw` passed by the stop filter
+        self.reasoning_tokens = 0
+        self._in_reasoning = conv.thinking
+        self.engine_finish: str | None = None
+        self.cached_tokens: int | None = None
+        self.finish_reason = "stop"      # "stop" | "length" | "tool_calls" | "stop_sequence"
+        self.stop_sequence: str | None = None
+        self.content, self.reasoning, self.tool_calls = "", None, []
+        self.job = Job(self.prompt_ids, P.make_sampling_params(sampling, self.limit))
+        backend.submit(self.job)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated)
+
+    def cancel(self) -> None:
+        self.job.cancel.set()
+
+    def events(self) -> Iterator[tuple[str, Any]]:
+        """`("reasoning" | "content", text)`, `("tool_call", {"id", "type", "function"})` at the end, and
+        `("keepalive", (done, total) | None)` after each silent `keepalive_interval`. Raises `GenerationFailed`
+        when the worker reports an error. Closing the iterator early cancels the generation."""
+        try:
+            while True:
+                try:
+                    kind, payload = self.job.events.get(timeout=self.backend.keepalive_interval)
+                except queue.Empty:
+                    yield "keepalive", self.job.progress
+                    continue
+                if kind == "chunk":
+                    yield from self._feed(payload)
+                elif kind == "error":
+                    if self.backend.metrics is not None:
+                        self.backend.metrics.error(payload[0])
+                    raise GenerationFailed(*payload)
+                elif kind == "end":
+                    self.cached_tokens = payload
+                    break
+            yield from self._finish()
+        finally:
+            self.job.cancel.set()  # done, failed or abandoned: nobody reads this job any more
+
+    def run(self) -> AssistantTurn:
+        """Drain `events()` (the non-streaming replies)."""
+        for _ in self.events():
+            pass
+        return self
+
+    def _feed(self, chunk: Any) -> Iterator[tuple[str, str]]:
+        if self.stops.hit:
+            return  # the engine may run a token past the stop string before it sees the cancel
+        if chunk.token is not None:
+            self.generated.append(chunk.token)
+            self.reasoning_tokens += self._in_reasoning
+        if chunk.finish_reason:
+            self.engine_finish = chunk.finish_reason
+        self.raw += chunk.text
+        if self._in_reasoning and THINK_END in self.raw[-len(chunk.text) - len(THINK_END):]:
+            self._in_reasoning = False
+        text = self.stops.feed(chunk.text)
+        self.released += len(text)
+        if self.stops.hit:
+            self.job.cancel.set()  # our stop string: the engine need not go on
+        yield from self.parser.feed(text)
+
+    def _finish(self) -> Iterator[tuple[str, Any]]:
+        tail = self.stops.flush()
+        self.released += len(tail)
+        yield from self.parser.feed(tail)
+        yield from self.parser.flush()
+        result = self.parser.finish()
+        self.content, self.reasoning, self.tool_calls = result.content, result.reasoning, result.tool_calls
+        for call in self.tool_calls:
+            yield "tool_call", call
+        if self.stops.hit:
+            rest = self.raw[self.released:]
+            self.stop_sequence = next((s for s in self.stop_strings if rest.startswith(s)), None)
+        if self.tool_calls:
+            self.finish_reason = "tool_calls"
+        elif self.stops.hit:
+            self.finish_reason = "stop_sequence"
+        elif self.engine_finish == "length" or (self.engine_finish != "stop" and self.completion_tokens >= self.limit):
+            self.finish_reason = "length"
+        else:
+            self.finish_reason = "stop"
+        if self.backend.metrics is not None:
+            self.backend.metrics.finished("stop" if self.finish_reason == "stop_sequence" else self.finish_reason)
+        self._record()
+
+    def message(self) -> dict:
+        """The assistant message in the encoder's (OpenAI) shape, as a client would send it back."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+    def _record(self) -> None:
+        """Remember the real ids of this conversation under the text its next request will render."""
+        eos = getattr(self.tokenizer, "eos_id", None)
+        if self.stops.hit or not self.generated or self.generated[-1] != eos:
+            return  # cut short: the resent turn renders an EOS the model never saw
+        try:
+            text = self.conv.render([self.message()])
+        except P.APIError:
+            return
+        if text.startswith(self.prompt_text):
+            self.backend.replay.record(text, self.prompt_ids + self.generated)
+
+
+def usage_numbers(turn: AssistantTurn) -> tuple[int, int, int]:
+    """(prompt, completion, cached) token counts of a finished turn."""
+    return turn.prompt_tokens, turn.completion_tokens, turn.cached_tokens or 0

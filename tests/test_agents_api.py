@@ -105,9 +105,10 @@ def test_anthropic_stream_event_sequence_for_a_tool_call(backend):
     deltas = [d for n, d in events if n == "content_block_delta"]
     thinking = "".join(d["delta"].get("thinking", "") for d in deltas if d["index"] == 0)
     assert thinking == "Thinking about weather in Paris?."
-    assert deltas[-2]["delta"]["type"] == "signature_delta"
-    assert deltas[-1] == {"type": "content_block_delta", "index": 1,
-                          "delta": {"type": "input_json_delta", "partial_json": '{"location": "Paris"}'}}
+    assert [d["delta"]["type"] for d in deltas if d["index"] == 0][-1] == "signature_delta"
+    pieces = [d["delta"]["partial_json"] for d in deltas if d["index"] == 1]
+    assert all(d["delta"]["type"] == "input_json_delta" for d in deltas if d["index"] == 1)
+    assert "".join(pieces) == '{"location": "Paris"}' and len(pieces) > 3  # streamed as the model writes it
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert delta["usage"]["output_tokens"] > 0 and delta["usage"]["cache_read_input_tokens"] == 0
@@ -434,3 +435,25 @@ def test_openai_responses_create_stream_function_calls_and_previous_response(app
         cl.responses.create(model="deepseek-v4-flash", input="x", previous_response_id="resp_missing")
     with pytest.raises(openai.BadRequestError):
         cl.responses.create(model="deepseek-v4-flash", input="x", max_output_tokens=0)
+
+
+def test_a_tool_block_cut_off_by_max_tokens(backend):
+    """The streamed call is closed where it stopped and the unparsed block comes back as text, as the block
+    parser (the authority) sees it; the non-streaming reply has only the text."""
+    body = {"max_tokens": 60, "tools": [WEATHER], "thinking": {"type": "disabled"},
+            "messages": [{"role": "user", "content": "weather in Paris?"}]}
+    msg = A.messages(body, backend)
+    assert msg["stop_reason"] == "max_tokens" and [b["type"] for b in msg["content"]] == ["text"]
+    assert msg["content"][0]["text"].startswith("\n\n<｜DSML｜tool_calls>")
+    events = sse_events(A.messages({**body, "stream": True}, backend))
+    starts = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
+    assert starts == ["tool_use", "text"]
+    assert [n for n, _ in events].count("content_block_stop") == 2
+    text = "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
+    assert text == msg["content"][0]["text"]
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+    final = sse_events(R.create({"input": "weather in Paris?", "max_output_tokens": 60, "stream": True,
+                                 "reasoning": {"effort": "none"},
+                                 "tools": [{"type": "function", "name": "get_weather"}]},
+                                backend, R.ResponseStore()))[-1][1]["response"]
+    assert final["status"] == "incomplete" and [o["type"] for o in final["output"]] == ["function_call", "message"]

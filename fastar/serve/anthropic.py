@@ -29,8 +29,8 @@ background tasks); replies name the served model.
 Thinking: `thinking: {"type": "enabled" | "adaptive" | "between_tools"}` turns V4's thinking mode on, `"disabled"` off; absent,
 the server's default applies (as on chat completions). `output_config.effort` "max" selects V4's maximum
 reasoning effort. `budget_tokens` is accepted and not enforced. `tool_choice` "none" hides the tools; "any" and
-"tool" are accepted but not enforced (the model decides). Tool input arrives in one `input_json_delta` per call,
-because a DSML tool block is only known to be well formed when it is complete.
+"tool" are accepted but not enforced (the model decides). Tool input streams as `input_json_delta` pieces while
+the model writes the call (`fastar.serve.toolstream`); their concatenation is the final input's JSON.
 
 Does not own: HTTP, the worker, the encoding (`fastar.serve.turn`, `fastar.encoding`). Never imports torch.
 """
@@ -287,6 +287,7 @@ def _stream(turn: AssistantTurn, mid: str, model: str) -> Iterator[bytes]:
     open_kind: str | None = None
     index = -1
     reasoning = ""
+    tool_blocks: dict[str, int] = {}   # tool call id -> its block index
     events = turn.events()
     try:
         yield event("message_start", {"type": "message_start", "message": {
@@ -298,39 +299,51 @@ def _stream(turn: AssistantTurn, mid: str, model: str) -> Iterator[bytes]:
                 if kind == "keepalive":
                     yield event("ping", {"type": "ping"})
                     continue
-                want = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}[kind]
+                if kind == "tool_done":   # its block closes (it is the open one unless content broke in)
+                    if open_kind == "tool_use" and tool_blocks.get(payload["id"]) == index:
+                        yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+                        open_kind = None
+                    continue
+                if kind == "tool_args":
+                    delta = {"type": "input_json_delta", "partial_json": payload[1]}
+                    yield event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                        "delta": delta})
+                    continue
+                want = {"reasoning": "thinking", "content": "text", "tool_start": "tool_use"}[kind]
                 if open_kind != want or want == "tool_use":
+                    if open_kind == "thinking":
+                        yield _signature_delta(index, reasoning)
                     if open_kind is not None:
-                        if open_kind == "thinking":
-                            yield _signature_delta(index, reasoning)
                         yield event("content_block_stop", {"type": "content_block_stop", "index": index})
                     index += 1
                     open_kind = want
                     start = {"thinking": {"type": "thinking", "thinking": "", "signature": ""},
                              "text": {"type": "text", "text": ""}}.get(want)
                     if want == "tool_use":
-                        start = {**_tool_use(payload), "input": {}}
+                        tool_blocks[payload["id"]] = index
+                        start = {"type": "tool_use", "id": payload["id"], "name": payload["name"], "input": {}}
                     yield event("content_block_start", {"type": "content_block_start", "index": index,
                                                         "content_block": start})
+                    if want == "tool_use":
+                        continue
                 if want == "thinking":
                     reasoning += payload
                     delta = {"type": "thinking_delta", "thinking": payload}
-                elif want == "text":
-                    delta = {"type": "text_delta", "text": payload}
                 else:
-                    delta = {"type": "input_json_delta", "partial_json": payload["function"]["arguments"]}
+                    delta = {"type": "text_delta", "text": payload}
                 yield event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
         except (GenerationFailed, P.APIError) as err:
             api = err.api_error() if isinstance(err, GenerationFailed) else err
             yield event("error", error_body(api))
             return
-        if open_kind is None:  # an empty reply still has its text block, as Anthropic sends it
+        if index < 0:  # an empty reply still has its text block, as Anthropic sends it
             index, open_kind = 0, "text"
             yield event("content_block_start", {"type": "content_block_start", "index": 0,
                                                 "content_block": {"type": "text", "text": ""}})
         if open_kind == "thinking":
             yield _signature_delta(index, reasoning)
-        yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+        if open_kind is not None:
+            yield event("content_block_stop", {"type": "content_block_stop", "index": index})
         yield event("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": STOP_REASONS[turn.finish_reason],
                                                 "stop_sequence": turn.stop_sequence},

@@ -323,6 +323,7 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
     output: list[dict] = []
     open_item: dict | None = None
     text = ""
+    calls: dict[str, int] = {}   # tool call id -> its output index
     events = turn.events()
     suffix = reply.id[5:]
 
@@ -358,22 +359,30 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
                 if kind == "keepalive":
                     yield b": keep-alive\n\n"
                     continue
-                want = {"reasoning": "reasoning", "content": "message", "tool_call": "function_call"}[kind]
+                if kind == "tool_start":
+                    yield from close_item()
+                    at = len(output)
+                    calls[payload["id"]] = at
+                    output.append(_call_item({"id": payload["id"], "function": {"name": payload["name"]}}, "",
+                                             "in_progress"))
+                    yield ev("response.output_item.added", output_index=at, item=output[at])
+                    continue
+                if kind == "tool_args":
+                    item = output[-1]
+                    yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=len(output) - 1,
+                             delta=payload[1])
+                    continue
+                if kind == "tool_done":
+                    at = calls[payload["id"]]
+                    output[at] = _call_item(payload)
+                    yield ev("response.function_call_arguments.done", item_id=output[at]["id"], output_index=at,
+                             name=output[at]["name"], arguments=output[at]["arguments"])
+                    yield ev("response.output_item.done", output_index=at, item=output[at])
+                    continue
+                want = {"reasoning": "reasoning", "content": "message"}[kind]
                 if open_item is not None and open_item["type"] != want:
                     yield from close_item()
                 at = len(output)
-                if want == "function_call":
-                    args = payload["function"]["arguments"]
-                    item = _call_item(payload, "", "in_progress")
-                    output.append(item)
-                    yield ev("response.output_item.added", output_index=at, item=item)
-                    yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
-                             delta=args)
-                    yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=at,
-                             name=item["name"], arguments=args)
-                    output[at] = _call_item(payload)
-                    yield ev("response.output_item.done", output_index=at, item=output[at])
-                    continue
                 if open_item is None:
                     if want == "reasoning":
                         open_item = {"type": "reasoning", "id": "rs_" + suffix, "summary": [], "content": []}

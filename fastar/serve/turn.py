@@ -12,8 +12,9 @@ Owns:
     `[1, 2]`), or text it sampled in a non-canonical tokenization, still reuses the whole session prefix. The
     cut always falls right after EOS, a special token, so the tail tokenizes on its own.
   * `AssistantTurn`: encodes the conversation (through the replay cache), enqueues a `Job`, and turns the
-    worker's events into `("reasoning", text)`, `("content", text)`, `("tool_call", call)` and
-    `("keepalive", progress)` events; afterwards it holds the finish reason, the stop sequence hit, the usage
+    worker's events into `("reasoning", text)`, `("content", text)`, the tool-call events
+    `("tool_start", {"index", "id", "name"})`, `("tool_args", (index, json_piece))`, `("tool_done", call)`
+    (arguments streamed as the model writes them, `fastar.serve.toolstream`) and `("keepalive", progress)`; afterwards it holds the finish reason, the stop sequence hit, the usage
     numbers and the parsed reasoning/content/tool calls, and it records the turn in the replay cache.
 
 Does not own: the API shapes (`fastar.serve.anthropic`, `fastar.serve.responses`, `fastar.serve.protocol`),
@@ -21,16 +22,21 @@ the chat encoding (`fastar.encoding`), the engine or its thread (`fastar.serve.w
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastar.encoding import EOS, THINK_END, StreamParser, encode_messages
+from fastar.encoding import EOS, THINK_END, TOOL_CALLS_START, StreamParser, encode_messages
 from fastar.serve import protocol as P
+from fastar.serve.toolstream import ToolCallStream
 from fastar.serve.worker import Job, Metrics
+
+log = logging.getLogger("fastar.serve")
 
 MAX_REPLAY_ENTRIES = 32
 
@@ -137,6 +143,11 @@ class AssistantTurn:
         self.stop_strings = list(sampling.get("stop") or [])
         self.stops = P.StopFilter(self.stop_strings)
         self.parser = StreamParser(conv.thinking)
+        self.tools = ToolCallStream()
+        self._text = ""                  # released text, for the tool-call body
+        self._tool_from = -1             # where the body starts in `_text` (after the opener)
+        self._tool_fed = 0
+        self._tool_ids: list[str] = []
         self.generated: list[int] = []
         self.raw = ""                    # the text as generated, stop strings included
         self.released = 0                # characters of `raw` passed by the stop filter
@@ -162,8 +173,11 @@ class AssistantTurn:
         self.job.cancel.set()
 
     def events(self) -> Iterator[tuple[str, Any]]:
-        """`("reasoning" | "content", text)`, `("tool_call", {"id", "type", "function"})` at the end, and
-        `("keepalive", (done, total) | None)` after each silent `keepalive_interval`. Raises `GenerationFailed`
+        """`("reasoning" | "content", text)`; per tool call `("tool_start", {"index", "id", "name"})`, then
+        `("tool_args", (index, piece))` as the model writes it, then `("tool_done", call)` at the end (`call` as
+        in `tool_calls`; after a malformed or cut-off block, the partial call streamed so far, with the raw
+        block then released as content); and `("keepalive", (done, total) | None)` after each silent
+        `keepalive_interval`. Raises `GenerationFailed`
         when the worker reports an error. Closing the iterator early cancels the generation."""
         try:
             while True:
@@ -207,16 +221,33 @@ class AssistantTurn:
         if self.stops.hit:
             self.job.cancel.set()  # our stop string: the engine need not go on
         yield from self.parser.feed(text)
+        yield from self._stream_tools(text)
+
+    def _stream_tools(self, text: str) -> Iterator[tuple[str, Any]]:
+        self._text += text
+        if not self.parser.in_tool_calls:
+            return
+        if self._tool_from < 0:  # the parser switches to tool state at the first opener, wherever it is
+            self._tool_from = self._text.find(TOOL_CALLS_START) + len(TOOL_CALLS_START)
+        body = self._text[self._tool_from + self._tool_fed:].split(EOS, 1)[0]
+        self._tool_fed += len(body)
+        for kind, index, value in self.tools.feed(body):
+            if kind == "start":
+                self._tool_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                yield "tool_start", {"index": index, "id": self._tool_ids[index], "name": value}
+            else:
+                yield "tool_args", (index, value)
 
     def _finish(self) -> Iterator[tuple[str, Any]]:
         tail = self.stops.flush()
         self.released += len(tail)
         yield from self.parser.feed(tail)
-        yield from self.parser.flush()
+        yield from self._stream_tools(tail)
+        released = self.parser.flush()   # a malformed or cut-off tool block comes back as content
         result = self.parser.finish()
         self.content, self.reasoning, self.tool_calls = result.content, result.reasoning, result.tool_calls
-        for call in self.tool_calls:
-            yield "tool_call", call
+        yield from self._finish_tools()
+        yield from released
         if self.stops.hit:
             rest = self.raw[self.released:]
             self.stop_sequence = next((s for s in self.stop_strings if rest.startswith(s)), None)
@@ -231,6 +262,27 @@ class AssistantTurn:
         if self.backend.metrics is not None:
             self.backend.metrics.finished("stop" if self.finish_reason == "stop_sequence" else self.finish_reason)
         self._record()
+
+    def _finish_tools(self) -> Iterator[tuple[str, Any]]:
+        """Close the streamed calls against the block parser's result, which is the authority."""
+        streamed = len(self._tool_ids)
+        for i, call in enumerate(self.tool_calls):
+            args = call["function"]["arguments"]
+            if i >= streamed:  # (the stream lost track; the parser did not)
+                self._tool_ids.append(call["id"])
+                yield "tool_start", {"index": i, "id": call["id"], "name": call["function"]["name"]}
+                sent = ""
+            else:
+                call["id"] = self._tool_ids[i]
+                sent = self.tools.arguments[i]
+            if args.startswith(sent) and len(args) > len(sent):
+                yield "tool_args", (i, args[len(sent):])
+            elif not args.startswith(sent):
+                log.warning("streamed tool-call arguments %r disagree with the parsed block %r", sent, args)
+            yield "tool_done", call
+        for i in range(len(self.tool_calls), streamed):  # a malformed or cut-off block: close what was opened
+            yield "tool_done", {"id": self._tool_ids[i], "type": "function",
+                                "function": {"name": self.tools.names[i], "arguments": self.tools.arguments[i]}}
 
     def message(self) -> dict:
         """The assistant message in the encoder's (OpenAI) shape, as a client would send it back."""

@@ -254,15 +254,16 @@ def test_replay_renders_the_tokens_the_model_produced_in_every_api_shape(backend
     assert canonical[:len(prefix)] != prefix
 
 
-def test_replay_cache_is_bounded_and_only_cuts_after_eos():
+def test_replay_cache_is_bounded_and_only_cuts_at_eos():
     cache = ReplayCache(size=2)
 
     class Tok:
         def encode(self, text):
             return [ord(c) for c in text]
 
-    cache.record("abc", [1])   # no EOS at the end: not a safe cut, not recorded
-    assert len(cache) == 0
+    cache.record("abc", [1])   # no EOS at the cut: usable only where the new text continues with EOS
+    assert cache.encode(Tok(), "abcd") == [ord(c) for c in "abcd"]
+    assert cache.encode(Tok(), f"abc{EOS}d") == [1] + Tok().encode(f"{EOS}d")
     for i in range(3):
         cache.record(f"x{i}{EOS}", [100 + i])
     assert len(cache) == 2

@@ -5,12 +5,12 @@ Owns:
   * `Backend`: what a front-end needs from the server, as plain values and callables (no HTTP framework):
     the engine getter, the worker's `submit`, the served model names, the thinking default, the keep-alive
     interval, the `ReplayCache`, and optionally the server's `Metrics`.
-  * `ReplayCache`: exact replay. When a turn ends with EOS, the conversation text as the encoder would
-    render it on the next request (prompt + the parsed assistant turn) is stored with the token ids the model
-    really holds (prompt ids + the generated ids). A later prompt whose rendered text starts with a stored text
-    is tokenized as those stored ids + the new tail. So a tool call the model wrote as `[1,2]` (re-rendered
+  * `ReplayCache`: exact replay. After a turn, the conversation text as the encoder would render it on the
+    next request (prompt + the parsed assistant turn) is stored with the token ids the model really holds
+    (prompt ids + the generated ids). A later prompt whose rendered text starts with a stored text is
+    tokenized as those stored ids + the new tail. So a tool call the model wrote as `[1,2]` (re-rendered
     `[1, 2]`), or text it sampled in a non-canonical tokenization, still reuses the whole session prefix. The
-    cut always falls right after EOS, a special token, so the tail tokenizes on its own.
+    cut always falls at EOS, a special token, so the tail tokenizes on its own.
   * `AssistantTurn`: encodes the conversation (through the replay cache), enqueues a `Job`, and turns the
     worker's events into `("reasoning", text)`, `("content", text)`, the tool-call events
     `("tool_start", {"index", "id", "name"})`, `("tool_args", (index, json_piece))`, `("tool_done", call)`
@@ -71,9 +71,12 @@ class ReplayCache:
         self._lock = threading.Lock()
 
     def encode(self, tokenizer: Any, text: str) -> list[int]:
-        """Token ids of a rendered prompt: the longest stored prefix's real ids, then the tail tokenized."""
+        """Token ids of a rendered prompt: the longest stored prefix's real ids, then the tail tokenized. A
+        prefix is used only where the cut falls at EOS (a special token), so the tail tokenizes on its own."""
         with self._lock:
-            best = max((t for t in self._entries if text.startswith(t)), key=len, default="")
+            usable = [t for t in self._entries
+                      if text.startswith(t) and (t.endswith(EOS) or text.startswith(EOS, len(t)))]
+            best = max(usable, key=len, default="")
             if best:
                 self._entries.move_to_end(best)
                 ids = list(self._entries[best])
@@ -82,8 +85,6 @@ class ReplayCache:
         return ids + (list(tokenizer.encode(text[len(best):])) if len(text) > len(best) else [])
 
     def record(self, text: str, ids: list[int]) -> None:
-        if not text.endswith(EOS):  # the cut must fall after a special token, or the tail could merge across it
-            return
         with self._lock:
             self._entries[text] = list(ids)
             self._entries.move_to_end(text)
@@ -294,16 +295,25 @@ class AssistantTurn:
         return msg
 
     def _record(self) -> None:
-        """Remember the real ids of this conversation under the text its next request will render."""
-        eos = getattr(self.tokenizer, "eos_id", None)
-        if self.stops.hit or not self.generated or self.generated[-1] != eos:
-            return  # cut short: the resent turn renders an EOS the model never saw
+        """Remember the real ids of this conversation under the text its next request will render.
+
+        A turn that ended with EOS is stored under its canonical rendering even where that differs from what
+        was generated (DSML spacing): the parsed turn means the same. A turn cut short (max_tokens) is stored
+        without the EOS the rendering adds, and only when the rendering is the generated text itself (a cut
+        thinking block or tool call renders differently from what the model holds)."""
+        if self.stops.hit or not self.generated:
+            return  # a stop string cut the text: the model holds tokens the client never saw
         try:
             text = self.conv.render([self.message()])
         except P.APIError:
             return
-        if text.startswith(self.prompt_text):
-            self.backend.replay.record(text, self.prompt_ids + self.generated)
+        if not text.startswith(self.prompt_text) or not text.endswith(EOS):
+            return
+        ids = self.prompt_ids + self.generated
+        if self.generated[-1] == getattr(self.tokenizer, "eos_id", None):
+            self.backend.replay.record(text, ids)
+        elif self.tokenizer.decode(self.generated) == text[len(self.prompt_text):-len(EOS)]:
+            self.backend.replay.record(text[:-len(EOS)], ids)
 
 
 def usage_numbers(turn: AssistantTurn) -> tuple[int, int, int]:

@@ -163,6 +163,20 @@ def test_errors_in_each_api_shape(backend):
     assert events[-1][1]["response"]["status"] == "failed"
 
 
+def test_responses_text_format_renders_as_chat_completions_response_format(backend):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = R.parse_request({"input": "hi", "instructions": "be brief", "text": {"format": {
+        "type": "json_schema", "name": "out", "schema": schema, "strict": True}}}, backend, R.ResponseStore())
+    chat = P.parse_chat_request({"messages": [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": "hi"}],
+                                 "response_format": {"type": "json_schema", "json_schema": {
+                                     "name": "out", "schema": schema, "strict": True}}}, ("deepseek-v4-flash",))
+    assert req.conv.render() == Conversation(chat.messages, chat.thinking).render()
+    assert '"schema": {"type": "object"' in req.conv.render()
+    with pytest.raises(P.APIError, match="text.format"):
+        R.parse_request({"input": "hi", "text": {"format": "json"}}, backend, R.ResponseStore())
+
+
 def test_closing_a_stream_cancels_the_generation():
     engine = AgentEngine(token_delay=0.01)
     backend, host = make_backend(engine)

@@ -16,7 +16,7 @@ Mounting (the server's routes call these; any HTTP framework will do):
 
 Owns: request validation and translation (`input` as a string or items: messages, `function_call`,
 `function_call_output`, `reasoning`; `instructions`; function `tools`; `tool_choice`; `reasoning.effort`;
-`max_output_tokens`; sampling; DeepSeek's `thinking` and `chat_template_kwargs` as on chat completions), the
+`max_output_tokens`; `text.format` (rendered as chat completions' `response_format`); sampling; DeepSeek's `thinking` and `chat_template_kwargs` as on chat completions), the
 `response` object, and the SSE events (`response.created`, `response.in_progress`, `response.output_item.added`
 / `.done`, `response.reasoning_text.delta` / `.done`, `response.content_part.added` / `.done`,
 `response.output_text.delta` / `.done`, `response.function_call_arguments.delta` / `.done`,
@@ -189,6 +189,21 @@ class ResponsesRequest:
     encrypted: bool              # include the reasoning as `encrypted_content`
 
 
+def _response_format(body: dict) -> dict | None:
+    """`text.format` in the chat-completions `response_format` shape (so both APIs render it alike)."""
+    text = body.get("text") or {}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise P.bad_request("'text.format' must be an object with a 'type'", "text")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return dict(fmt)
+
+
 def parse_request(body: Any, backend: Backend, store: ResponseStore) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise P.bad_request("the request body must be a JSON object")
@@ -211,11 +226,12 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         if not isinstance(instructions, str):
             raise P.bad_request("'instructions' must be a string", "instructions")
         messages.insert(0, {"role": "system", "content": instructions})
-    tools = _tools(body)
-    if tools:
+    tools, response_format = _tools(body), _response_format(body)
+    if tools or response_format:  # the encoder reads both from the system message, as on chat completions
         if not messages or messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": ""})
-        messages[0] = {**messages[0], "tools": tools}
+        messages[0] = {**messages[0], **({"tools": tools} if tools else {}),
+                       **({"response_format": response_format} if response_format else {})}
     reasoning = body.get("reasoning") or {}
     if not isinstance(reasoning, dict):
         raise P.bad_request("'reasoning' must be an object", "reasoning")
@@ -266,7 +282,7 @@ class _Reply:
             "max_output_tokens": req.max_tokens, "model": req.model, "output": [],
             "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
             "reasoning": {"effort": req.effort, "summary": None}, "store": req.store,
-            "temperature": req.sampling["temperature"], "text": {"format": {"type": "text"}},
+            "temperature": req.sampling["temperature"], "text": body.get("text") or {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "top_p": req.sampling["top_p"], "truncation": "disabled", "usage": None,
             "metadata": body.get("metadata") or {},

@@ -23,7 +23,7 @@ from fastar.encoding import EOS
 from fastar.serve import anthropic as A
 from fastar.serve import protocol as P
 from fastar.serve import responses as R
-from fastar.serve.turn import Backend, Conversation, ReplayCache, prompt_ids
+from fastar.serve.turn import Backend, ClientDisconnected, Conversation, ReplayCache, prompt_ids
 from fastar.serve.worker import EngineHost, Metrics
 
 anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a test dependency")
@@ -191,6 +191,22 @@ def test_closing_a_stream_cancels_the_generation():
             time.sleep(0.01)
         assert host.current is None
         assert engine.stats()["generated_tokens"] < 200  # "count" would run to ~8000 tokens
+    finally:
+        host.shutdown()
+
+
+def test_a_non_streaming_client_that_leaves_cancels_its_generation():
+    engine = AgentEngine(token_delay=0.01)
+    backend, host = make_backend(engine)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ClientDisconnected):
+            R.create({"input": "count", "reasoning": {"effort": "none"}}, backend, R.ResponseStore(),
+                     disconnected=lambda: time.monotonic() - start > 0.5)
+        deadline = time.monotonic() + 5
+        while host.current is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.current is None and engine.stats()["generated_tokens"] < 200
     finally:
         host.shutdown()
 

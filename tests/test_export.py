@@ -89,7 +89,8 @@ def test_v2_model_exports_to_the_same_values(tiny_ckpt, tmp_path):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name)
         for slot in range(f.config.num_layer_slots):
             for e in range(f.config.n_routed_experts):
-                assert all(np.array_equal(u, v) for u, v in zip(ck.expert(slot, e), f.expert(slot, e)))
+                pairs = zip(ck.expert(slot, e), f.expert(slot, e), strict=True)
+                assert all(np.array_equal(u, v) for u, v in pairs)
 
 
 def test_bad_input_fails_in_one_line_and_leaves_nothing(exported, tmp_path, monkeypatch, capsys):

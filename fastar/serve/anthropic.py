@@ -4,9 +4,11 @@ Mounting (the server's routes call these; any HTTP framework will do):
 
     backend = Backend(engine=host.require_engine, submit=host.submit, model_names=..., ...)
     try:
-        out = anthropic.messages(body, backend)           # body: the parsed JSON request body
-    except APIError as err:
+        out = anthropic.messages(body, backend, disconnected)   # body: the parsed JSON request body
+    except APIError as err:                                     # disconnected(): optional, see messages()
         return JSON(anthropic.error_body(err), status=err.status)
+    except ClientDisconnected:
+        return                                                 # nobody to answer; the generation was cancelled
     if isinstance(out, dict):
         return JSON(out)                                   # 200, application/json
     return SSE(out, media_type="text/event-stream")       # 200, an Iterator[bytes]; close() it if the client leaves
@@ -26,10 +28,10 @@ and the reply: the `message` object, or the SSE event sequence (`message_start`,
 Model: any `model` name is accepted and answered by the served model (Claude Code sends its own model ids for
 background tasks); replies name the served model.
 
-Thinking: `thinking: {"type": "enabled" | "adaptive" | "between_tools"}` turns V4's thinking mode on, `"disabled"` off; absent,
-the server's default applies (as on chat completions). `output_config.effort` "max" selects V4's maximum
-reasoning effort. `budget_tokens` is accepted and not enforced. `tool_choice` "none" hides the tools; "any" and
-"tool" are accepted but not enforced (the model decides). Tool input streams as `input_json_delta` pieces while
+Thinking: `thinking: {"type": "enabled" | "adaptive" | "between_tools"}` turns V4's thinking mode on, `"disabled"`
+off; absent, the server's default applies (as on chat completions). `output_config.effort` "max" selects V4's
+maximum reasoning effort. `budget_tokens` is accepted and not enforced. `tool_choice` "none" hides the tools; "any"
+and "tool" are accepted but not enforced (the model decides). Tool input streams as `input_json_delta` pieces while
 the model writes the call (`fastar.serve.toolstream`); their concatenation is the final input's JSON.
 
 Does not own: HTTP, the worker, the encoding (`fastar.serve.turn`, `fastar.encoding`). Never imports torch.
@@ -38,8 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from fastar.serve import protocol as P
@@ -233,15 +234,18 @@ def count_tokens(body: Any, backend: Backend) -> dict:
     return {"input_tokens": len(prompt_ids(backend, conv)[1])}
 
 
-def messages(body: Any, backend: Backend) -> dict | Iterator[bytes]:
-    """`POST /v1/messages`: a `message` object, or (with `"stream": true`) the SSE byte stream."""
+def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | None = None) -> dict | Iterator[bytes]:
+    """`POST /v1/messages`: a `message` object, or (with `"stream": true`) the SSE byte stream.
+
+    `disconnected` (optional, non-streaming only): says the client has gone; the generation is then cancelled
+    and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
     model, conv, sampling, max_tokens, stream = parse_request(body, backend)
     turn = AssistantTurn(backend, conv, sampling, max_tokens)
     mid = "msg_" + P.new_id("")[1:]
     if stream:
         return _stream(turn, mid, model)
     try:
-        turn.run()
+        turn.run(disconnected)
     except GenerationFailed as err:
         raise err.api_error() from None
     content: list[dict] = []
@@ -292,7 +296,7 @@ def _stream(turn: AssistantTurn, mid: str, model: str) -> Iterator[bytes]:
     try:
         yield event("message_start", {"type": "message_start", "message": {
             "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": usage0, "created": int(time.time())}})
+            "stop_reason": None, "stop_sequence": None, "usage": usage0}})
         yield event("ping", {"type": "ping"})
         try:
             for kind, payload in events:

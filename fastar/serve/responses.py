@@ -5,9 +5,11 @@ Mounting (the server's routes call these; any HTTP framework will do):
     backend = Backend(engine=host.require_engine, submit=host.submit, model_names=..., ...)
     store = ResponseStore()                               # one per server: the responses it produced
     try:
-        out = responses.create(body, backend, store)      # body: the parsed JSON request body
+        out = responses.create(body, backend, store, disconnected)  # disconnected(): optional, as for Messages
     except APIError as err:
         return JSON(err.to_dict(), status=err.status)     # errors in the OpenAI shape, as chat completions
+    except ClientDisconnected:
+        return                                            # nobody to answer; the generation was cancelled
     if isinstance(out, dict):
         return JSON(out)                                  # 200, application/json
     return SSE(out, media_type="text/event-stream")      # 200, an Iterator[bytes]; close() it if the client leaves
@@ -16,12 +18,13 @@ Mounting (the server's routes call these; any HTTP framework will do):
 
 Owns: request validation and translation (`input` as a string or items: messages, `function_call`,
 `function_call_output`, `reasoning`; `instructions`; function `tools`; `tool_choice`; `reasoning.effort`;
-`max_output_tokens`; `text.format` (rendered as chat completions' `response_format`); sampling; DeepSeek's `thinking` and `chat_template_kwargs` as on chat completions), the
-`response` object, and the SSE events (`response.created`, `response.in_progress`, `response.output_item.added`
-/ `.done`, `response.reasoning_text.delta` / `.done`, `response.content_part.added` / `.done`,
-`response.output_text.delta` / `.done`, `response.function_call_arguments.delta` / `.done`,
-`response.completed`; `error` then `response.failed` if generation fails mid-stream). Each event is
-`event: <type>` plus one `data:` line with a `sequence_number`; there is no `[DONE]`, as OpenAI sends none.
+`max_output_tokens`; `text.format` (rendered as chat completions' `response_format`); sampling; DeepSeek's
+`thinking` and `chat_template_kwargs` as on chat completions), the `response` object, and the SSE events
+(`response.created`, `response.in_progress`, `response.output_item.added` / `.done`, `response.reasoning_text.delta`
+/ `.done`, `response.content_part.added` / `.done`, `response.output_text.delta` / `.done`,
+`response.function_call_arguments.delta` / `.done`, `response.completed`; `error` then `response.failed` if
+generation fails mid-stream). Each event is `event: <type>` plus one `data:` line with a `sequence_number`; there is
+no `[DONE]`, as OpenAI sends none.
 
 `previous_response_id` continues a conversation this server produced: `ResponseStore` keeps the last
 `MAX_STORED` responses (input conversation and output) in memory; `store: false` keeps one out of it.
@@ -37,7 +40,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,8 +149,9 @@ def input_messages(items: Any) -> list[dict]:
             name, args = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not name or not isinstance(args, str):
                 raise P.bad_request(f"{where}: a function_call needs a 'name' and string 'arguments'", "input")
-            assistant().setdefault("tool_calls", []).append(
-                {"id": str(item.get("call_id") or ""), "type": "function", "function": {"name": name, "arguments": args}})
+            call = {"id": str(item.get("call_id") or ""), "type": "function",
+                    "function": {"name": name, "arguments": args}}
+            assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output", "")
             text = output if isinstance(output, str) else _content_text(output, where)
@@ -311,15 +315,19 @@ def public(obj: dict) -> dict:
     return {k: v for k, v in obj.items() if not k.startswith("_")}
 
 
-def create(body: Any, backend: Backend, store: ResponseStore) -> dict | Iterator[bytes]:
-    """`POST /v1/responses`: a `response` object, or (with `"stream": true`) the SSE byte stream."""
+def create(body: Any, backend: Backend, store: ResponseStore,
+           disconnected: Callable[[], bool] | None = None) -> dict | Iterator[bytes]:
+    """`POST /v1/responses`: a `response` object, or (with `"stream": true`) the SSE byte stream.
+
+    `disconnected` (optional, non-streaming only): says the client has gone; the generation is then cancelled
+    and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
     req = parse_request(body, backend, store)
     turn = AssistantTurn(backend, req.conv, req.sampling, req.max_tokens)
     reply = _Reply(body, req)
     if req.stream:
         return _stream(turn, reply, req, store)
     try:
-        turn.run()
+        turn.run(disconnected)
     except GenerationFailed as err:
         raise err.api_error() from None
     output = []

@@ -12,10 +12,11 @@ Owns:
     `[1, 2]`), or text it sampled in a non-canonical tokenization, still reuses the whole session prefix. The
     cut always falls at EOS, a special token, so the tail tokenizes on its own.
   * `AssistantTurn`: encodes the conversation (through the replay cache), enqueues a `Job`, and turns the
-    worker's events into `("reasoning", text)`, `("content", text)`, the tool-call events
-    `("tool_start", {"index", "id", "name"})`, `("tool_args", (index, json_piece))`, `("tool_done", call)`
-    (arguments streamed as the model writes them, `fastar.serve.toolstream`) and `("keepalive", progress)`; afterwards it holds the finish reason, the stop sequence hit, the usage
-    numbers and the parsed reasoning/content/tool calls, and it records the turn in the replay cache.
+    worker's events into `("reasoning", text)`, `("content", text)`, the tool-call events `("tool_start",
+    {"index", "id", "name"})`, `("tool_args", (index, json_piece))`, `("tool_done", call)` (arguments streamed
+    as the model writes them, `fastar.serve.toolstream`) and `("keepalive", progress)`; afterwards it holds the
+    finish reason, the stop sequence hit, the usage numbers and the parsed reasoning/content/tool calls, and it
+    records the turn in the replay cache.
 
 Does not own: the API shapes (`fastar.serve.anthropic`, `fastar.serve.responses`, `fastar.serve.protocol`),
 the chat encoding (`fastar.encoding`), the engine or its thread (`fastar.serve.worker`). Never imports torch.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -110,6 +112,10 @@ class Conversation:
                                    self.drop_thinking, self.reasoning_effort)
         except (ValueError, TypeError) as err:  # EncodingError is a ValueError
             raise P.bad_request(str(err), "messages") from None
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streaming request went away; its generation was cancelled."""
 
 
 class GenerationFailed(Exception):
@@ -200,10 +206,16 @@ class AssistantTurn:
         finally:
             self.job.cancel.set()  # done, failed or abandoned: nobody reads this job any more
 
-    def run(self) -> AssistantTurn:
-        """Drain `events()` (the non-streaming replies)."""
+    def run(self, disconnected: Callable[[], bool] | None = None) -> AssistantTurn:
+        """Drain `events()` (the non-streaming replies). `disconnected`, asked at most every 0.25 s, says the
+        client has gone: the generation is cancelled and `ClientDisconnected` raised."""
+        last = time.monotonic()
         for _ in self.events():
-            pass
+            if disconnected is not None and time.monotonic() - last >= 0.25:
+                last = time.monotonic()
+                if disconnected():
+                    self.cancel()
+                    raise ClientDisconnected
         return self
 
     def _feed(self, chunk: Any) -> Iterator[tuple[str, str]]:

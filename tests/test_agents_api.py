@@ -23,7 +23,7 @@ from fastar.encoding import EOS
 from fastar.serve import anthropic as A
 from fastar.serve import protocol as P
 from fastar.serve import responses as R
-from fastar.serve.turn import Backend, ClientDisconnected, Conversation, ReplayCache, prompt_ids
+from fastar.serve.turn import Backend, ClientDisconnected, Conversation, ReplayCache, prompt_ids, record_reply
 from fastar.serve.worker import EngineHost, Metrics
 
 anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a test dependency")
@@ -282,6 +282,27 @@ def test_replay_renders_the_tokens_the_model_produced_in_every_api_shape(backend
     fresh = Backend(engine=backend.engine, submit=backend.submit, replay=ReplayCache())
     canonical = prompt_ids(fresh, A.parse_request(follow, fresh)[1])[1]
     assert canonical[:len(prefix)] != prefix
+
+
+def test_a_chat_completions_route_takes_part_through_prompt_ids_and_record_reply(backend):
+    """The wiring the chat route needs: tokenize through `prompt_ids`, then `record_reply` with the sampled ids."""
+    from fastar.encoding import parse_completion
+    from fastar.engine.sampling import SamplingParams
+
+    body = {"messages": [{"role": "user", "content": "please add 1 and 2"}], "thinking": {"type": "disabled"},
+            "tools": [{"type": "function", "function": {"name": "sum", "parameters": SUM["input_schema"]}}]}
+    req = P.parse_chat_request(body, ("deepseek-v4-flash",))
+    conv = Conversation(req.messages, req.thinking, req.reasoning_effort, req.drop_thinking)
+    text, ids = prompt_ids(backend, conv)
+    engine = backend.engine()
+    generated = [c.token for c in engine.stream(ids, SamplingParams(max_tokens=500)) if c.token is not None]
+    message = parse_completion(engine.tokenizer.decode(generated), thinking=False).to_message()
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"xs": [1, 2]}'  # the model wrote [1,2]
+    record_reply(backend, conv, text, ids, generated, message)
+    follow = {**body, "messages": body["messages"] + [message, {"role": "tool", "tool_call_id": "x", "content": "3"}]}
+    req2 = P.parse_chat_request(follow, ("deepseek-v4-flash",))
+    ids2 = prompt_ids(backend, Conversation(req2.messages, req2.thinking, req2.reasoning_effort, req2.drop_thinking))[1]
+    assert ids2[:len(ids) + len(generated)] == ids + generated
 
 
 def test_replay_cache_is_bounded_and_only_cuts_at_eos():

@@ -11,6 +11,8 @@ Owns:
     tokenized as those stored ids + the new tail. So a tool call the model wrote as `[1,2]` (re-rendered
     `[1, 2]`), or text it sampled in a non-canonical tokenization, still reuses the whole session prefix. The
     cut always falls at EOS, a special token, so the tail tokenizes on its own.
+  * `prompt_ids()` / `record_reply()`: the two calls any route (chat completions too) makes to take part in
+    exact replay: tokenize the rendered prompt through the cache, and record the finished reply.
   * `AssistantTurn`: encodes the conversation (through the replay cache), enqueues a `Job`, and turns the
     worker's events into `("reasoning", text)`, `("content", text)`, the tool-call events `("tool_start",
     {"index", "id", "name"})`, `("tool_args", (index, json_piece))`, `("tool_done", call)` (arguments streamed
@@ -307,27 +309,32 @@ class AssistantTurn:
         return msg
 
     def _record(self) -> None:
-        """Remember the real ids of this conversation under the text its next request will render.
-
-        A turn that ended with EOS is stored under its canonical rendering even where that differs from what
-        was generated (DSML spacing): the parsed turn means the same. A turn cut short (max_tokens) is stored
-        without the EOS the rendering adds, and only when the rendering is the generated text itself (a cut
-        thinking block or tool call renders differently from what the model holds)."""
-        if self.stops.hit or not self.generated:
-            return  # a stop string cut the text: the model holds tokens the client never saw
-        try:
-            text = self.conv.render([self.message()])
-        except P.APIError:
-            return
-        if not text.startswith(self.prompt_text) or not text.endswith(EOS):
-            return
-        ids = self.prompt_ids + self.generated
-        if self.generated[-1] == getattr(self.tokenizer, "eos_id", None):
-            self.backend.replay.record(text, ids)
-        elif self.tokenizer.decode(self.generated) == text[len(self.prompt_text):-len(EOS)]:
-            self.backend.replay.record(text[:-len(EOS)], ids)
+        record_reply(self.backend, self.conv, self.prompt_text, self.prompt_ids, self.generated, self.message(),
+                     stopped=self.stops.hit)
 
 
-def usage_numbers(turn: AssistantTurn) -> tuple[int, int, int]:
-    """(prompt, completion, cached) token counts of a finished turn."""
-    return turn.prompt_tokens, turn.completion_tokens, turn.cached_tokens or 0
+def record_reply(backend: Backend, conv: Conversation, prompt_text: str, prompt_ids: list[int],
+                 generated: list[int], message: dict, stopped: bool = False) -> None:
+    """Remember the real ids of a finished reply under the text its conversation's next request will render.
+
+    For any route that tokenizes through `prompt_ids(backend, conv)` (chat completions included): `message`
+    is the assistant message as returned to the client (encoder shape), `generated` the sampled token ids,
+    `stopped` whether a stop string cut the text. A turn that ended with EOS is stored under its canonical
+    rendering even where that differs from what was generated (DSML spacing): the parsed turn means the same.
+    A turn cut short (max_tokens) is stored without the EOS the rendering adds, and only when the rendering is
+    the generated text itself (a cut thinking block or tool call renders differently from what the model
+    holds). A stop-string cut is not stored: the model holds tokens the client never saw."""
+    if stopped or not generated:
+        return
+    try:
+        text = conv.render([message])
+    except P.APIError:
+        return
+    if not text.startswith(prompt_text) or not text.endswith(EOS):
+        return
+    tokenizer = backend.engine().tokenizer
+    ids = prompt_ids + generated
+    if generated[-1] == getattr(tokenizer, "eos_id", None):
+        backend.replay.record(text, ids)
+    elif tokenizer.decode(generated) == text[len(prompt_text):-len(EOS)]:
+        backend.replay.record(text[:-len(EOS)], ids)

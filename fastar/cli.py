@@ -63,6 +63,18 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def cmd_export(a) -> int:
+    from .config import parse_size
+    from .convert.export import export
+    t = time.perf_counter()
+    shard = parse_size(a.shard_size)
+    if not shard:
+        raise FastarError(f"--shard-size: give a positive size such as 4G, got {a.shard_size!r}")
+    out = export(a.file, a.output, progress=a.progress, shard_size=shard)
+    print(f"wrote {out} in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
 def cmd_verify(a) -> int:
     from .format.reader import FstFile
     t = time.perf_counter()
@@ -199,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on a terminal)")
     c.set_defaults(fn=cmd_convert)
+
+    ex = sub.add_parser("export", help="write a .fst (or FaStar v2 .fst + sidecars) back as an official checkpoint "
+                        "directory (safetensors shards, index, config.json, tokenizer) for vLLM / SGLang")
+    ex.add_argument("file", help=".fst v3 file, or a FaStar v2 .fst with its sidecars next to it")
+    ex.add_argument("-o", "--output", required=True, help="new checkpoint directory")
+    ex.add_argument("--shard-size", default="4G", help="largest shard, e.g. 4G (default)")
+    ex.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="progress bar (default: on a terminal)")
+    ex.set_defaults(fn=cmd_export)
 
     v = sub.add_parser("verify", help="check a .fst file's structure and every checksum")
     v.add_argument("file")

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from test_server import FakeEngine, start_server
 
+from fastar.encoding import THINK_END, THINK_START, USER, render_tool_calls
+
 CHROMIUM = os.environ.get("FASTAR_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -176,9 +178,14 @@ XSS_PAYLOADS = [
     "| a | b |\n|---|---|\n| <iframe src=x> | [y](data:text/html,hi) |", "see https://x.example/\"><script>alert(1)</script>",
     "```\n</code></pre><img src=x onerror=alert(1)>\n```", "> <style>body{display:none}</style>\n- <b onclick=x>i</b>",
     "[a](mailto:me@example.com) _x_ ~~y~~ ***z***", "&lt;script&gt; &amp; &#x3C;img&#x3E;",
+    "<details open ontoggle=window.__xss=1>", "[x](JaVaScRiPt:window.__xss=1)", "[x](  javascript:alert(1))",
+    "![pixel](https://evil.example/track.png)", "[x](data:text/html;base64,PHNjcmlwdD4=)", "<a href='x'>x</a>",
+    "```html\n<script>window.__xss=1</script>\n```", "[x](vbscript:msgbox(1)) [y](file:///etc/passwd)",
+    "<math><mtext><table><mglyph><style><img src=x onerror=window.__xss=1>", "<<img src=x onerror=window.__xss=1>>",
+    "| a |\n|--:|\n| <img src=x onerror=window.__xss=1> |", "`` ` `` <svg><script>window.__xss=1</script></svg>",
 ]
-ALLOWED_TAGS = {"P", "BR", "STRONG", "EM", "DEL", "CODE", "PRE", "A", "H1", "H2", "H3", "H4", "H5", "H6", "UL", "OL",
-                "LI", "BLOCKQUOTE", "HR", "TABLE", "THEAD", "TBODY", "TR", "TH", "TD", "DIV", "SPAN", "BUTTON"}
+ALLOWED_TAGS = {"P", "BR", "STRONG", "EM", "DEL", "S", "CODE", "PRE", "A", "H1", "H2", "H3", "H4", "H5", "H6", "UL",
+                "OL", "LI", "BLOCKQUOTE", "HR", "TABLE", "THEAD", "TBODY", "TR", "TH", "TD", "DIV", "SPAN", "BUTTON"}
 ALLOWED_ATTRS = {"class", "href", "target", "rel", "start", "type"}
 
 
@@ -189,6 +196,7 @@ def test_markdown_renderer_never_emits_unsafe_html(browser_page):
         const { renderMarkdown } = await import("/static/markdown.js");
         return payloads.map((src) => {
             const box = document.createElement("div");
+            document.body.append(box);  // in the live document, where handlers would fire
             box.innerHTML = renderMarkdown(src);
             return { text: box.textContent, nodes: [...box.querySelectorAll("*")].map((n) => ({
                 tag: n.tagName, attrs: [...n.attributes].map((a) => [a.name, a.value]) })) };
@@ -202,4 +210,120 @@ def test_markdown_renderer_never_emits_unsafe_html(browser_page):
                 if name == "href":
                     assert value.startswith(("https://", "http://", "mailto:")), (src, value)
     assert "<img src=x onerror=alert(1)>" in found[0]["text"]   # shown as text, not dropped
+    page.wait_for_timeout(200)
+    assert page.evaluate("window.__xss") is None
+    assert not errors, errors
+
+
+RENDER_CASES = {
+    "nested": "- a\n  - b\n    - c\n- d\n\n1. one\n   - sub one\n2. two",
+    "underscores": "[my_link_name](https://example.com/a_b_c) and https://example.com/some_path_here_x, "
+                   "snake_case_word",
+    "python": "```python\ndef f(x):\n    return x < 3\n```",
+    "unknown": "```nosuchlang\n<b>x</b>\n```",
+    "streaming": "text\n\n```js\nlet a = 1",
+    "table": "| left | right |\n|:--|--:|\n| 1 | 2 |",
+}
+
+
+def test_markdown_rendering_nested_lists_links_and_highlighting(browser_page):
+    page, server, _, errors = browser_page
+    page.goto(server.url + "/")
+    got = page.evaluate("""async (cases) => {
+        const { renderMarkdown } = await import("/static/markdown.js");
+        const out = {};
+        for (const [name, src] of Object.entries(cases)) {
+            const box = document.createElement("div");
+            box.innerHTML = renderMarkdown(src);
+            const q = (sel) => [...box.querySelectorAll(sel)];
+            out[name] = {
+                html: box.innerHTML,
+                deepest: q("ul > li > ul > li > ul > li").map((n) => n.textContent),
+                topItems: q(":scope > ul > li").length,
+                olNested: q("ol > li > ul > li").map((n) => n.textContent),
+                links: q("a").map((a) => [a.getAttribute("href"), a.textContent, a.target, a.rel]),
+                ems: q("em").length,
+                keywords: q("code.hljs.language-python .hljs-keyword").map((n) => n.textContent),
+                codeText: q("pre code").map((n) => n.textContent),
+                spans: q("pre code span").length,
+                bars: q(".codeblock .codebar button.copy").length,
+                langs: q(".codebar .lang").map((n) => n.textContent),
+                styled: q("[style]").length,
+                cells: q("td").map((n) => n.textContent),
+            };
+        }
+        return out;
+    }""", RENDER_CASES)
+    nested = got["nested"]
+    assert nested["deepest"] == ["c"] and nested["topItems"] == 2 and nested["olNested"] == ["sub one"]
+    links = got["underscores"]["links"]
+    assert links[0] == ["https://example.com/a_b_c", "my_link_name", "_blank", "noopener noreferrer"]
+    assert links[1][0] == "https://example.com/some_path_here_x" and got["underscores"]["ems"] == 0
+    assert "snake_case_word" in got["underscores"]["html"]
+    py = got["python"]
+    assert py["keywords"][:2] == ["def", "return"] and py["bars"] == 1 and py["langs"] == ["python"]
+    assert py["codeText"] == ["def f(x):\n    return x < 3\n"]
+    unknown = got["unknown"]
+    assert unknown["codeText"] == ["<b>x</b>\n"] and unknown["spans"] == 0
+    assert got["streaming"]["codeText"] == ["let a = 1"]  # an open fence renders as the block it will be
+    assert got["table"]["cells"] == ["1", "2"] and got["table"]["styled"] == 0  # no inline styles (CSP)
+    assert not errors, errors
+
+
+class ToolEngine(FakeEngine):
+    """FakeEngine that also answers "use a tool" with a DSML tool call (no tools need to be declared)."""
+
+    def reply(self, prompt, params):
+        user = prompt.rsplit(USER, 1)[-1]
+        if "use a tool" in user:
+            call = render_tool_calls([{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}, "raw": ""}])
+            return f"Thinking about tools.{THINK_END}Let me check.{call}" if prompt.endswith(THINK_START) else call
+        return super().reply(prompt, params)
+
+
+def test_ui_shows_tool_calls_speed_prefill_progress_and_copies_code(tmp_path):
+    engine = ToolEngine(token_delay=0.005, prefill_delay=1.5)
+    server = start_server(engine, keepalive_interval=0.1)
+    errors: list[str] = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            try:
+                context = browser.new_context(viewport={"width": 1200, "height": 800})
+                context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+                page = context.new_page()
+                page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                page.set_default_timeout(15_000)
+                page.goto(server.url + "/")
+                expect(page.locator("#health-dot")).to_have_class("dot ok")
+
+                # A long prompt: the prefill progress bar and count show until the first token.
+                send(page, "please use a tool " + "x" * 400)
+                expect(page.locator("#prefill")).to_be_visible()
+                expect(page.locator("#status")).to_contain_text("Processing the prompt")
+                reply = page.locator(".msg.assistant").last
+                # (a generous wait: the ~150-token DSML block comes in one piece at the end, and a loaded
+                # machine stretches the fake's per-token sleeps)
+                expect(reply.locator(".toolcall summary")).to_have_text("Tool call: get_weather", timeout=60_000)
+                expect(reply.locator(".toolcall-args")).to_have_text('{\n  "city": "Paris",\n  "days": 2\n}')
+                expect(reply.locator(".content")).to_have_text("Let me check.")
+                expect(page.locator("#send")).to_be_visible()
+                expect(page.locator("#prefill")).to_be_hidden()
+                expect(reply.locator(".meta")).to_contain_text("tok/s")
+                expect(reply.locator(".meta")).to_contain_text("tokens")
+
+                # The next turn resends the call as it was made; the server accepts the history.
+                send(page, "some markdown please")
+                reply = page.locator(".msg.assistant").last
+                expect(reply.locator(".content pre code.hljs .hljs-keyword").first).to_have_text("def")
+                reply.locator("button.copy").click()
+                expect(reply.locator("button.copy")).to_have_text("Copied")
+                copied = page.evaluate("navigator.clipboard.readText()")
+                assert copied.startswith("def f(x):\n    return x < 3") and "<script>" in copied
+                page.screenshot(path=str(tmp_path / "webui-tools.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        server.shutdown()
     assert not errors, errors

@@ -1,6 +1,7 @@
 // fastar web chat: streams /v1/chat/completions with fetch + a body reader (EventSource cannot POST),
-// keeps conversations and settings in localStorage, renders answers with the safe markdown renderer.
-// Model text only ever reaches the page through textContent or renderMarkdown (which escapes first).
+// keeps conversations and settings in localStorage, renders answers with markdown.js (markdown-it +
+// highlight.js, sanitised by DOMPurify). Model text only ever reaches the page through textContent or
+// renderMarkdown. Shows thinking in a collapsible block, tool calls, tokens/s and the prompt's progress.
 
 import { renderMarkdown } from "/static/markdown.js";
 
@@ -46,10 +47,12 @@ function save() {
 const current = () => conversations.find((c) => c.id === currentId) || null;
 const newId = () => Date.now().toString(36) + Math.random().toString(36).slice(2, 8);
 
-function setStatus(text, kind = "") {
-  const s = $("status");
-  s.textContent = text || "";
-  s.className = kind;
+function setStatus(text, kind = "", progress = null) {
+  $("status-text").textContent = text || "";
+  $("status").className = kind;
+  const bar = $("prefill");
+  bar.hidden = progress === null;
+  if (progress !== null) bar.value = progress;
 }
 
 // ---- sidebar ---------------------------------------------------------------------------------------------
@@ -111,7 +114,7 @@ function messageView(m) {
   }
   const think = el("details", "thinking");
   think.append(el("summary", "", "Thinking"), el("div", "thinking-body"));
-  view.append(think, el("div", "content markdown"), el("div", "meta"));
+  view.append(think, el("div", "content markdown"), el("div", "toolcalls"), el("div", "meta"));
   updateAssistant(view, m);
   return view;
 }
@@ -140,16 +143,35 @@ function updateAssistant(view, m) {
     }
     host.append(el("span", "cursor"));
   }
+  renderToolCalls(view.querySelector(".toolcalls"), m.tool_calls || []);
   view.classList.toggle("pending", !!m.pending);
   const meta = view.querySelector(".meta");
   const parts = [];
   if (m.error) parts.push(m.error);
   if (m.usage) parts.push(`${m.usage.completion_tokens} tokens`);
+  else if (m.tokens) parts.push(`${m.tokens} tokens`);
   if (m.tps) parts.push(`${m.tps.toFixed(1)} tok/s`);
   if (m.finish === "length") parts.push("stopped at the token limit");
   if (m.finish === "stopped") parts.push("stopped");
   meta.textContent = parts.join(" · ");
   meta.classList.toggle("error", !!m.error);
+}
+
+// A tool call the model made: its name and arguments (pretty-printed when they are JSON), as text.
+function renderToolCalls(box, calls) {
+  box.replaceChildren();
+  for (const call of calls) {
+    const item = el("details", "toolcall");
+    item.open = true;
+    let args = call.arguments || "";
+    try {
+      args = JSON.stringify(JSON.parse(args), null, 2);
+    } catch {
+      // still streaming, or not JSON: shown as it is
+    }
+    item.append(el("summary", "", `Tool call: ${call.name || "?"}`), el("pre", "toolcall-args", args));
+    box.append(item);
+  }
 }
 
 function renderMessages() {
@@ -226,8 +248,13 @@ function requestBody(conv) {
   if (settings.system.trim()) messages.push({ role: "system", content: settings.system });
   for (const m of conv.messages) {
     if (m.pending) continue;
-    if (m.role === "assistant" && !m.content) continue; // failed or empty turns carry nothing to resend
-    messages.push({ role: m.role, content: m.content });
+    if (m.role === "assistant" && !m.content && !m.tool_calls?.length) continue; // nothing to resend
+    const msg = { role: m.role, content: m.content };
+    if (m.tool_calls?.length) {  // resent as generated, so the server reuses the conversation's state
+      msg.tool_calls = m.tool_calls.map((c) => ({ id: c.id, type: "function",
+        function: { name: c.name, arguments: c.arguments } }));
+    }
+    messages.push(msg);
   }
   const body = {
     model: modelId, messages, stream: true, stream_options: { include_usage: true },
@@ -279,7 +306,11 @@ async function send(text) {
     for await (const ev of sseEvents(response)) {
       if (ev.comment !== undefined) {
         const m = ev.comment.match(/prefill (\d+)\/(\d+)/);
-        if (m && !firstToken) setStatus(`Processing the prompt: ${m[1]} / ${m[2]} tokens`);
+        if (m && firstToken === null) {
+          const [done, total] = [Number(m[1]), Number(m[2])];
+          setStatus(`Processing the prompt: ${done.toLocaleString()} / ${total.toLocaleString()} tokens`, "",
+            total > 0 ? done / total : 0);
+        }
         continue;
       }
       if (ev.data === "[DONE]") break;
@@ -292,10 +323,23 @@ async function send(text) {
       const thought = delta.reasoning_content ?? delta.reasoning;
       if (thought) reply.reasoning += thought;
       if (delta.content) reply.content += delta.content;
+      for (const tc of delta.tool_calls || []) {
+        reply.tool_calls = reply.tool_calls || [];
+        const call = (reply.tool_calls[tc.index ?? 0] ??= { id: "", name: "", arguments: "" });
+        if (tc.id) call.id = tc.id;
+        if (tc.function?.name) call.name += tc.function.name;
+        if (tc.function?.arguments) call.arguments += tc.function.arguments;
+      }
       if (choice.finish_reason) reply.finish = choice.finish_reason;
-      if ((thought || delta.content) && firstToken === null) {
-        firstToken = performance.now();
-        setStatus("");
+      if (thought || delta.content) {
+        reply.tokens = (reply.tokens || 0) + 1; // about one chunk per token: the live count and rate
+        if (firstToken === null) {
+          firstToken = performance.now();
+          setStatus("");
+        } else {
+          const seconds = (performance.now() - firstToken) / 1000;
+          if (seconds > 0.5) reply.tps = (reply.tokens - 1) / seconds;
+        }
       }
       if (!frame) frame = requestAnimationFrame(redraw);
     }
@@ -307,6 +351,7 @@ async function send(text) {
     const seconds = firstToken === null ? 0 : (performance.now() - firstToken) / 1000;
     if (reply.usage && seconds > 0.05) reply.tps = Math.max(reply.usage.completion_tokens - 1, 0) / seconds;
     delete reply.pending;
+    if (reply.usage) delete reply.tokens; // the server's count wins; a stopped reply keeps the live one
     controller = null;
     conv.updated = Date.now();
     save();

@@ -1,119 +1,73 @@
-// A small, safe Markdown renderer for model output.
+// Model output as HTML: markdown-it parses, highlight.js colours code, DOMPurify sanitises the result.
 //
-// Safety first: every piece of source text is HTML-escaped before any markup is added, and the only
-// markup added is a fixed set of tags built here. Link targets must be http(s) or mailto. The page's
-// Content-Security-Policy (no inline scripts) is the second wall. Covers what chat answers use: fenced
-// code blocks, inline code, headings, bold/italic/strike, links, lists, block quotes, tables, rules.
-// Unfinished constructs (an open ``` fence while streaming) render as what they will become.
+// Two walls. markdown-it runs with `html: false` (HTML in model text stays text) and accepts only http(s)
+// and mailto link targets; DOMPurify then keeps only the tags and attributes listed below. The page's
+// Content-Security-Policy (no inline scripts or styles) is a third. Unfinished constructs while streaming
+// (an open ``` fence) render as what they will become. The libraries are vendored (see vendor/README.md).
+
+import MarkdownIt from "/static/vendor/markdown-it.esm.min.js";
+import DOMPurify from "/static/vendor/purify.es.js";
+import hljs from "/static/vendor/highlight.es.min.js";
+
+const SAFE_URL = /^(https?:|mailto:)/i;
+const ALLOWED_TAGS = ["p", "br", "strong", "em", "s", "del", "code", "pre", "a", "h1", "h2", "h3", "h4", "h5", "h6",
+  "ul", "ol", "li", "blockquote", "hr", "table", "thead", "tbody", "tr", "th", "td", "div", "span", "button"];
+// No `style`: the CSP forbids inline styles (table alignment becomes a class below).
+const ALLOWED_ATTR = ["class", "href", "target", "rel", "start", "type"];
 
 const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
-
 export function escapeHtml(text) {
   return String(text).replace(/[&<>"']/g, (c) => ESCAPES[c]);
 }
 
-// Inline markup on one escaped line. Code spans are cut out first so nothing inside them is touched.
-function inline(text) {
-  const codes = [];
-  let s = escapeHtml(text).replace(/`([^`]+)`/g, (_, code) => {
-    codes.push(`<code>${code}</code>`);
-    return `\u0000${codes.length - 1}\u0000`;
-  });
-  s = s.replace(/\[([^\]]+)\]\(([^)\s]+)\)/g, (whole, label, url) => {
-    if (!/^(https?:\/\/|mailto:)/i.test(url)) return whole;
-    return `<a href="${url}" target="_blank" rel="noopener noreferrer">${label}</a>`;
-  });
-  s = s.replace(/(^|[\s(])(https?:\/\/[^\s<]+[^\s<.,;:!?)'"&])/g,
-    (_, pre, url) => `${pre}<a href="${url}" target="_blank" rel="noopener noreferrer">${url}</a>`);
-  s = s.replace(/\*\*(?=\S)(.+?)\*\*/g, "<strong>$1</strong>");
-  s = s.replace(/__(?=\S)(.+?)__/g, "<strong>$1</strong>");
-  s = s.replace(/(^|[^*\w])\*(?=\S)([^*]+?)\*(?!\w)/g, "$1<em>$2</em>");
-  s = s.replace(/(^|[^_\w])_(?=\S)([^_]+?)_(?!\w)/g, "$1<em>$2</em>");
-  s = s.replace(/~~(?=\S)(.+?)~~/g, "<del>$1</del>");
-  return s.replace(/\u0000(\d+)\u0000/g, (_, i) => codes[Number(i)]);
+const md = new MarkdownIt({ html: false, linkify: true, typographer: false });
+md.disable("image"); // remote images would leak the reader's address (and the CSP blocks them anyway)
+md.validateLink = (url) => SAFE_URL.test(url.trim());
+
+function highlighted(code, lang) {
+  if (lang && hljs.getLanguage(lang)) {
+    try {
+      return hljs.highlight(code, { language: lang, ignoreIllegals: true }).value;
+    } catch {
+      // fall through to plain text
+    }
+  }
+  return escapeHtml(code);
 }
 
-function tableCells(line) {
-  let s = line.trim();
-  if (s.startsWith("|")) s = s.slice(1);
-  if (s.endsWith("|")) s = s.slice(0, -1);
-  return s.split("|").map((c) => c.trim());
+// Fenced and indented code: a bar with the language and a copy button above the highlighted block.
+function codeBlock(code, info) {
+  const lang = (info || "").trim().split(/\s+/)[0].toLowerCase();
+  const cls = lang && hljs.getLanguage(lang) ? ` language-${escapeHtml(lang)}` : "";
+  return `<div class="codeblock"><div class="codebar"><span class="lang">${escapeHtml(lang)}</span>` +
+    `<button type="button" class="copy">Copy</button></div>` +
+    `<pre><code class="hljs${cls}">${highlighted(code, lang)}</code></pre></div>\n`;
+}
+md.renderer.rules.fence = (tokens, i) => codeBlock(tokens[i].content, tokens[i].info);
+md.renderer.rules.code_block = (tokens, i) => codeBlock(tokens[i].content, "");
+
+// Table alignment as a class: markdown-it writes it as an inline style, which the CSP refuses (a console error
+// even when the sanitiser drops it afterwards).
+for (const rule of ["th_open", "td_open"]) {
+  md.renderer.rules[rule] = (tokens, i, opts, env, self) => {
+    const align = /text-align:\s*(left|center|right)/.exec(tokens[i].attrGet("style") || "");
+    tokens[i].attrs = (tokens[i].attrs || []).filter(([name]) => name !== "style");
+    if (align) tokens[i].attrJoin("class", `align-${align[1]}`);
+    return self.renderToken(tokens, i, opts);
+  };
 }
 
-const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([\w+#.-]*)/;
-const LIST_ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
-const TABLE_RULE = /^\s*\|?\s*:?-{2,}:?\s*(\|\s*:?-{2,}:?\s*)*\|?\s*$/;
+const defaultLinkOpen = md.renderer.rules.link_open || ((tokens, i, opts, env, self) => self.renderToken(tokens, i, opts));
+md.renderer.rules.link_open = (tokens, i, opts, env, self) => {
+  tokens[i].attrSet("target", "_blank");
+  tokens[i].attrSet("rel", "noopener noreferrer");
+  return defaultLinkOpen(tokens, i, opts, env, self);
+};
+
+// ALLOWED_URI_REGEXP is checked on every attribute value not marked URI-safe: mark the ones that are no URIs.
+const PURIFY = { ALLOWED_TAGS, ALLOWED_ATTR, ALLOWED_URI_REGEXP: SAFE_URL, ADD_URI_SAFE_ATTR: ["target", "rel",
+  "start", "type"], ALLOW_DATA_ATTR: false, ALLOW_ARIA_ATTR: false };
 
 export function renderMarkdown(source) {
-  const lines = String(source).replace(/\r\n?/g, "\n").split("\n");
-  const out = [];
-  let i = 0;
-  while (i < lines.length) {
-    const line = lines[i];
-    const fence = line.match(FENCE);
-    if (fence) {
-      const marker = fence[1];
-      const lang = fence[2];
-      const body = [];
-      i++;
-      while (i < lines.length && !lines[i].trimStart().startsWith(marker)) body.push(lines[i++]);
-      i++; // the closing fence (or past the end while it is still streaming)
-      const label = lang ? `<span class="lang">${escapeHtml(lang)}</span>` : "<span class=\"lang\"></span>";
-      out.push(`<div class="codeblock"><div class="codebar">${label}<button type="button" class="copy">Copy</button></div>` +
-        `<pre><code>${escapeHtml(body.join("\n"))}</code></pre></div>`);
-      continue;
-    }
-    if (!line.trim()) { i++; continue; }
-    const heading = line.match(/^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/);
-    if (heading) {
-      const n = heading[1].length;
-      out.push(`<h${n}>${inline(heading[2])}</h${n}>`);
-      i++;
-      continue;
-    }
-    if (/^ {0,3}([-*_])(\s*\1){2,}\s*$/.test(line)) { out.push("<hr>"); i++; continue; }
-    if (/^ {0,3}>/.test(line)) {
-      const quoted = [];
-      while (i < lines.length && /^ {0,3}>/.test(lines[i])) quoted.push(lines[i++].replace(/^ {0,3}> ?/, ""));
-      out.push(`<blockquote>${renderMarkdown(quoted.join("\n"))}</blockquote>`);
-      continue;
-    }
-    if (line.includes("|") && i + 1 < lines.length && TABLE_RULE.test(lines[i + 1])) {
-      const head = tableCells(line);
-      i += 2;
-      const rows = [];
-      while (i < lines.length && lines[i].includes("|") && lines[i].trim()) rows.push(tableCells(lines[i++]));
-      out.push("<div class=\"tablewrap\"><table><thead><tr>" + head.map((c) => `<th>${inline(c)}</th>`).join("") +
-        "</tr></thead><tbody>" + rows.map((r) => "<tr>" + r.map((c) => `<td>${inline(c)}</td>`).join("") + "</tr>").join("") +
-        "</tbody></table></div>");
-      continue;
-    }
-    const item = line.match(LIST_ITEM);
-    if (item) {
-      const ordered = /\d/.test(item[2]);
-      const items = [];
-      while (i < lines.length) {
-        const m = lines[i].match(LIST_ITEM);
-        if (m && (/\d/.test(m[2]) === ordered || m[1].length > item[1].length)) {
-          if (m[1].length > item[1].length && items.length) items[items.length - 1].push(lines[i].trim());
-          else items.push([m[3]]);
-          i++;
-        } else if (lines[i].trim() && /^\s+/.test(lines[i]) && items.length) {
-          items[items.length - 1].push(lines[i].trim()); // a continuation line of the item
-          i++;
-        } else break;
-      }
-      const tag = ordered ? "ol" : "ul";
-      const start = ordered && parseInt(item[2], 10) !== 1 ? ` start="${parseInt(item[2], 10)}"` : "";
-      out.push(`<${tag}${start}>` + items.map((parts) => `<li>${parts.map(inline).join("<br>")}</li>`).join("") + `</${tag}>`);
-      continue;
-    }
-    const para = [];
-    while (i < lines.length && lines[i].trim() && !FENCE.test(lines[i]) && !/^ {0,3}(#{1,6}\s|>)/.test(lines[i]) &&
-           !(para.length && LIST_ITEM.test(lines[i]))) {
-      para.push(lines[i++]);
-    }
-    out.push(`<p>${para.map(inline).join("<br>")}</p>`);
-  }
-  return out.join("\n");
+  return DOMPurify.sanitize(md.render(String(source ?? "")), PURIFY);
 }

@@ -1,0 +1,363 @@
+"""The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), framework-independent.
+
+Mounting (the server's routes call these; any HTTP framework will do):
+
+    backend = Backend(engine=host.require_engine, submit=host.submit, model_names=..., ...)
+    try:
+        out = anthropic.messages(body, backend, disconnected)   # body: the parsed JSON request body
+    except APIError as err:                                     # disconnected(): optional, see messages()
+        return JSON(anthropic.error_body(err), status=err.status)
+    except ClientDisconnected:
+        return                                                 # nobody to answer; the generation was cancelled
+    if isinstance(out, dict):
+        return JSON(out)                                   # 200, application/json
+    return SSE(out, media_type="text/event-stream")       # 200, an Iterator[bytes]; close() it if the client leaves
+
+    anthropic.count_tokens(body, backend) -> {"input_tokens": N}    (same error handling)
+
+Auth: Anthropic clients send the key as `x-api-key`; `api_key_from_headers()` reads it (or a Bearer token).
+
+Owns: request validation and translation into the encoder's conversation (system, text, `tool_use` /
+`tool_result`, `thinking` blocks, tools, `tool_choice`, `stop_sequences`, sampling, the V4 thinking modes),
+and the reply: the `message` object, or the SSE event sequence (`message_start`, `ping`,
+`content_block_start` / `content_block_delta` (`thinking_delta`, `signature_delta`, `text_delta`,
+`input_json_delta`) / `content_block_stop`, `message_delta` with `stop_reason` and usage, `message_stop`;
+`event: error` if generation fails mid-stream; `ping` fills a long prefill). Errors use Anthropic's shape
+`{"type": "error", "error": {"type", "message"}}`.
+
+Model: any `model` name is accepted and answered by the served model (Claude Code sends its own model ids for
+background tasks); replies name the served model.
+
+Thinking: `thinking: {"type": "enabled" | "adaptive" | "between_tools"}` turns V4's thinking mode on, `"disabled"`
+off; absent, the server's default applies (as on chat completions). `output_config.effort` "max" selects V4's
+maximum reasoning effort. `budget_tokens` is accepted and not enforced. `tool_choice` "none" hides the tools; "any"
+and "tool" are accepted but not enforced (the model decides). Tool input streams as `input_json_delta` pieces while
+the model writes the call (`fastar.serve.toolstream`); their concatenation is the final input's JSON.
+
+Does not own: HTTP, the worker, the encoding (`fastar.serve.turn`, `fastar.encoding`). Never imports torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from fastar.serve import protocol as P
+from fastar.serve.turn import AssistantTurn, Backend, Conversation, GenerationFailed, prompt_ids
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+EFFORTS = ("low", "medium", "high", "max")
+
+
+def error_body(err: P.APIError) -> dict:
+    """An `APIError` in Anthropic's shape (the HTTP status stays `err.status`)."""
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
+
+
+def api_key_from_headers(headers: Mapping[str, str]) -> str | None:
+    """The key an Anthropic client sends (`x-api-key`), else a Bearer token; None when neither is there."""
+    lowered = {k.lower(): v for k, v in headers.items()}
+    if "x-api-key" in lowered:
+        return lowered["x-api-key"]
+    scheme, _, token = lowered.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Request -> conversation
+# ---------------------------------------------------------------------------------------------------------
+
+def _blocks(content: Any, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
+        raise P.bad_request(f"{where}.content must be a string or a list of content blocks", "messages")
+    return content
+
+
+def _text_of(content: Any, where: str) -> str:
+    parts = []
+    for block in _blocks(content, where):
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise P.bad_request(f"{where}: only text blocks are supported here, got {block.get('type')!r} "
+                                "(the model reads text only)", "messages")
+        parts.append(block["text"])
+    return "\n".join(parts)
+
+
+def _user_messages(content: Any, where: str) -> list[dict]:
+    """A user turn: runs of text blocks become user messages, `tool_result` blocks become tool messages."""
+    out: list[dict] = []
+    texts: list[str] = []
+    for j, block in enumerate(_blocks(content, where)):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            result = block.get("content", "")
+            text = result if isinstance(result, str) else _text_of(result, f"{where}.content[{j}]")
+            if block.get("is_error"):
+                text = f"Error: {text}"
+            out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""), "content": text})
+        else:
+            raise P.bad_request(f"{where}.content[{j}]: unsupported block type {kind!r} in a user turn "
+                                "(text and tool_result are supported)", "messages")
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant_message(content: Any, where: str) -> dict:
+    msg: dict[str, Any] = {"role": "assistant", "content": ""}
+    reasoning, calls = None, []
+    for j, block in enumerate(_blocks(content, where)):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            msg["content"] += block["text"]   # our replies carry one text block: joined as generated
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            reasoning = (reasoning or "") + block["thinking"]
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "tool_use":
+            name, args = block.get("name"), block.get("input", {})
+            if not isinstance(name, str) or not name or not isinstance(args, dict):
+                raise P.bad_request(f"{where}.content[{j}]: a tool_use block needs a 'name' and an object "
+                                    "'input'", "messages")
+            calls.append({"id": str(block.get("id") or ""), "type": "function",
+                          "function": {"name": name, "arguments": args}})
+        else:
+            raise P.bad_request(f"{where}.content[{j}]: unsupported block type {kind!r} in an assistant turn",
+                                "messages")
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise P.bad_request("'tools' must be a list of tool objects", "tools")
+    out = []
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise P.bad_request(f"tools[{j}] must be an object with a 'name'", "tools")
+        fn: dict[str, Any] = {"name": tool["name"]}
+        if tool.get("description"):
+            fn["description"] = tool["description"]
+        fn["parameters"] = tool.get("input_schema") or {"type": "object", "properties": {}}
+        out.append(fn)
+    choice = body.get("tool_choice")
+    if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):
+        raise P.bad_request("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}",
+                            "tool_choice")
+    return None if choice is not None and choice["type"] == "none" else out
+
+
+def _thinking(body: dict, default: bool) -> tuple[bool, str | None]:
+    thinking = default
+    obj = body.get("thinking")
+    if obj is not None:
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        if kind not in ("enabled", "adaptive", "between_tools", "disabled"):
+            raise P.bad_request('\'thinking\' must be {"type": "enabled" | "adaptive" | "between_tools" | '
+                                '"disabled"}', "thinking")
+        thinking = kind != "disabled"
+        budget = obj.get("budget_tokens")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise P.bad_request("'thinking.budget_tokens' must be a non-negative integer", "thinking")
+    config = body.get("output_config") or {}
+    effort = config.get("effort") if isinstance(config, dict) else None
+    if effort is not None and effort not in EFFORTS:
+        raise P.bad_request(f"'output_config.effort' must be one of {', '.join(EFFORTS)}, got {json.dumps(effort)}",
+                            "output_config")
+    return thinking, effort if thinking else None
+
+
+def parse_request(body: Any, backend: Backend) -> tuple[str, Conversation, dict, int | None, bool]:
+    """(model, conversation, sampling kwargs, max_tokens, stream) of a Messages request."""
+    if not isinstance(body, dict):
+        raise P.bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise P.bad_request(f"'model' must be a string, got {json.dumps(model)}", "model")
+    model = backend.model_names[0]  # any name is served: agents send their own ids for side tasks
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+        raise P.bad_request("'messages' must be a non-empty list of message objects", "messages")
+    messages: list[dict] = []
+    system = body.get("system")
+    if system is not None:
+        messages.append({"role": "system", "content": _text_of(system, "system")})
+    for i, msg in enumerate(msgs):
+        where = f"messages[{i}]"
+        if msg.get("role") == "user":
+            messages.extend(_user_messages(msg.get("content"), where))
+        elif msg.get("role") == "assistant":
+            messages.append(_assistant_message(msg.get("content"), where))
+        else:
+            raise P.bad_request(f"{where}.role must be 'user' or 'assistant', got {json.dumps(msg.get('role'))}",
+                                "messages")
+    tools = _tools(body)
+    if tools:
+        if not messages or messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": ""})
+        messages[0]["tools"] = tools
+    stops = body.get("stop_sequences")
+    if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
+        raise P.bad_request("'stop_sequences' must be a list of strings", "stop_sequences")
+    sampling, max_tokens = P._sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")}
+                                       | {"stop": stops})
+    thinking, effort = _thinking(body, backend.default_thinking)
+    # With tools the encoder keeps earlier reasoning anyway; without, an agent's multi-turn history drops it.
+    conv = Conversation(messages, thinking, effort)
+    return model, conv, sampling, max_tokens, P._boolean(body, "stream", False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Routes
+# ---------------------------------------------------------------------------------------------------------
+
+def count_tokens(body: Any, backend: Backend) -> dict:
+    """`POST /v1/messages/count_tokens`: the prompt's token count, as the generation would see it."""
+    _, conv, _, _, _ = parse_request({**body, "max_tokens": None} if isinstance(body, dict) else body, backend)
+    return {"input_tokens": len(prompt_ids(backend, conv)[1])}
+
+
+def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | None = None) -> dict | Iterator[bytes]:
+    """`POST /v1/messages`: a `message` object, or (with `"stream": true`) the SSE byte stream.
+
+    `disconnected` (optional, non-streaming only): says the client has gone; the generation is then cancelled
+    and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
+    model, conv, sampling, max_tokens, stream = parse_request(body, backend)
+    turn = AssistantTurn(backend, conv, sampling, max_tokens)
+    mid = "msg_" + P.new_id("")[1:]
+    if stream:
+        return _stream(turn, mid, model)
+    try:
+        turn.run(disconnected)
+    except GenerationFailed as err:
+        raise err.api_error() from None
+    content: list[dict] = []
+    if turn.reasoning is not None:
+        content.append(_thinking_block(turn.reasoning))
+    if turn.content or not turn.tool_calls:
+        content.append({"type": "text", "text": turn.content})
+    content.extend(_tool_use(call) for call in turn.tool_calls)
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": STOP_REASONS[turn.finish_reason], "stop_sequence": turn.stop_sequence,
+            "usage": _usage(turn)}
+
+
+def _signature(thinking: str) -> str:
+    # Clients send thinking blocks back with their signature; ours only marks the text as this server's.
+    return "fastar-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
+
+
+def _thinking_block(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": _signature(text)}
+
+
+def _tool_use(call: dict) -> dict:
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"])}
+
+
+def _usage(turn: AssistantTurn) -> dict:
+    cached = turn.cached_tokens or 0
+    # Anthropic counts input_tokens without the cache reads: the three add up to the prompt.
+    return {"input_tokens": turn.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": turn.completion_tokens}
+
+
+def event(name: str, data: dict) -> bytes:
+    return f"event: {name}\ndata: ".encode() + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _stream(turn: AssistantTurn, mid: str, model: str) -> Iterator[bytes]:
+    """The SSE events of one message. Blocks open lazily: thinking, then text, then one per tool call."""
+    usage0 = {"input_tokens": turn.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+              "output_tokens": 0}
+    open_kind: str | None = None
+    index = -1
+    reasoning = ""
+    tool_blocks: dict[str, int] = {}   # tool call id -> its block index
+    events = turn.events()
+    try:
+        yield event("message_start", {"type": "message_start", "message": {
+            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": usage0}})
+        yield event("ping", {"type": "ping"})
+        try:
+            for kind, payload in events:
+                if kind == "keepalive":
+                    yield event("ping", {"type": "ping"})
+                    continue
+                if kind == "tool_done":   # its block closes (it is the open one unless content broke in)
+                    if open_kind == "tool_use" and tool_blocks.get(payload["id"]) == index:
+                        yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+                        open_kind = None
+                    continue
+                if kind == "tool_args":
+                    delta = {"type": "input_json_delta", "partial_json": payload[1]}
+                    yield event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                        "delta": delta})
+                    continue
+                want = {"reasoning": "thinking", "content": "text", "tool_start": "tool_use"}[kind]
+                if open_kind != want or want == "tool_use":
+                    if open_kind == "thinking":
+                        yield _signature_delta(index, reasoning)
+                    if open_kind is not None:
+                        yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+                    index += 1
+                    open_kind = want
+                    start = {"thinking": {"type": "thinking", "thinking": "", "signature": ""},
+                             "text": {"type": "text", "text": ""}}.get(want)
+                    if want == "tool_use":
+                        tool_blocks[payload["id"]] = index
+                        start = {"type": "tool_use", "id": payload["id"], "name": payload["name"], "input": {}}
+                    yield event("content_block_start", {"type": "content_block_start", "index": index,
+                                                        "content_block": start})
+                    if want == "tool_use":
+                        continue
+                if want == "thinking":
+                    reasoning += payload
+                    delta = {"type": "thinking_delta", "thinking": payload}
+                else:
+                    delta = {"type": "text_delta", "text": payload}
+                yield event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+        except (GenerationFailed, P.APIError) as err:
+            api = err.api_error() if isinstance(err, GenerationFailed) else err
+            yield event("error", error_body(api))
+            return
+        if index < 0:  # an empty reply still has its text block, as Anthropic sends it
+            index, open_kind = 0, "text"
+            yield event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}})
+        if open_kind == "thinking":
+            yield _signature_delta(index, reasoning)
+        if open_kind is not None:
+            yield event("content_block_stop", {"type": "content_block_stop", "index": index})
+        yield event("message_delta", {"type": "message_delta",
+                                      "delta": {"stop_reason": STOP_REASONS[turn.finish_reason],
+                                                "stop_sequence": turn.stop_sequence},
+                                      "usage": _usage(turn)})
+        yield event("message_stop", {"type": "message_stop"})
+    finally:
+        events.close()   # a client that left cancels its generation
+        turn.cancel()
+
+
+def _signature_delta(index: int, reasoning: str) -> bytes:
+    return event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                         "delta": {"type": "signature_delta", "signature": _signature(reasoning)}})

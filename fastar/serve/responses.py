@@ -1,0 +1,449 @@
+"""The OpenAI Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), framework-independent.
+
+Mounting (the server's routes call these; any HTTP framework will do):
+
+    backend = Backend(engine=host.require_engine, submit=host.submit, model_names=..., ...)
+    store = ResponseStore()                               # one per server: the responses it produced
+    try:
+        out = responses.create(body, backend, store, disconnected)  # disconnected(): optional, as for Messages
+    except APIError as err:
+        return JSON(err.to_dict(), status=err.status)     # errors in the OpenAI shape, as chat completions
+    except ClientDisconnected:
+        return                                            # nobody to answer; the generation was cancelled
+    if isinstance(out, dict):
+        return JSON(out)                                  # 200, application/json
+    return SSE(out, media_type="text/event-stream")      # 200, an Iterator[bytes]; close() it if the client leaves
+
+    responses.retrieve(response_id, store) -> dict       (404 APIError when unknown or evicted)
+
+Owns: request validation and translation (`input` as a string or items: messages, `function_call`,
+`function_call_output`, `reasoning`; `instructions`; function `tools`; `tool_choice`; `reasoning.effort`;
+`max_output_tokens`; `text.format` (rendered as chat completions' `response_format`); sampling; DeepSeek's
+`thinking` and `chat_template_kwargs` as on chat completions), the `response` object, and the SSE events
+(`response.created`, `response.in_progress`, `response.output_item.added` / `.done`, `response.reasoning_text.delta`
+/ `.done`, `response.content_part.added` / `.done`, `response.output_text.delta` / `.done`,
+`response.function_call_arguments.delta` / `.done`, `response.completed`; `error` then `response.failed` if
+generation fails mid-stream). Each event is `event: <type>` plus one `data:` line with a `sequence_number`; there is
+no `[DONE]`, as OpenAI sends none.
+
+`previous_response_id` continues a conversation this server produced: `ResponseStore` keeps the last
+`MAX_STORED` responses (input conversation and output) in memory; `store: false` keeps one out of it.
+Reasoning items carry the thinking text in `content` (`reasoning_text`); with `include:
+["reasoning.encrypted_content"]` it is also put, unencrypted, in `encrypted_content`, and any of the three is
+read back when a client resends the item, so the replayed turn renders as the model wrote it.
+
+Does not own: HTTP, the worker, the encoding (`fastar.serve.turn`, `fastar.encoding`). Never imports torch.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastar.serve import protocol as P
+from fastar.serve.turn import AssistantTurn, Backend, Conversation, GenerationFailed
+
+MAX_STORED = 256
+
+
+class ResponseStore:
+    """The server's own responses by id: the conversation each continued (encoder messages) and the reply."""
+
+    def __init__(self, size: int = MAX_STORED) -> None:
+        self.size = size
+        self._items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, rid: str, conversation: list[dict], response: dict) -> None:
+        with self._lock:
+            self._items[rid] = (conversation, response)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[list[dict], dict] | None:
+        with self._lock:
+            return self._items.get(rid)
+
+
+def retrieve(response_id: str, store: ResponseStore) -> dict:
+    """`GET /v1/responses/{id}`."""
+    found = store.get(response_id)
+    if found is None:
+        raise P.APIError(404, f"No response with id '{response_id}' is stored on this server", param="response_id",
+                         code="response_not_found")
+    return public(found[1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Request -> conversation
+# ---------------------------------------------------------------------------------------------------------
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise P.bad_request(f"{where}.content must be a string or a list of content parts", "input")
+    parts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
+                and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise P.bad_request(f"{where}.content[{j}]: unsupported part {kind!r} (the model reads text only)",
+                                "input")
+        parts.append(part["text"])
+    return "".join(parts) if content and all(p.get("type") == "output_text" for p in content) else "\n".join(parts)
+
+
+def _reasoning_text(item: dict) -> str:
+    for key, kinds in (("content", ("reasoning_text",)), ("summary", ("summary_text",))):
+        parts = item.get(key)
+        if isinstance(parts, list) and parts:
+            return "".join(p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") in kinds)
+    enc = item.get("encrypted_content")
+    return enc if isinstance(enc, str) else ""
+
+
+def input_messages(items: Any) -> list[dict]:
+    """Responses `input` -> encoder messages. Consecutive assistant items (reasoning, message, function calls)
+    form one assistant turn, as the model produced them."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise P.bad_request("'input' must be a string or a list of input items", "input")
+    out: list[dict] = []
+
+    def assistant() -> dict:
+        if out and out[-1]["role"] == "assistant" and not out[-1].get("_closed"):
+            return out[-1]
+        out.append({"role": "assistant", "content": ""})
+        return out[-1]
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise P.bad_request(f"{where}.role must be user, assistant, system or developer, got "
+                                    f"{json.dumps(role)}", "input")
+            text = _content_text(item.get("content"), where)
+            if role == "assistant":
+                msg = assistant()
+                if msg.get("tool_calls"):  # text after a call starts a new turn
+                    msg = {"role": "assistant", "content": ""}
+                    out.append(msg)
+                msg["content"] += text
+            else:  # the encoder's "developer" role is a user-side turn; OpenAI's developer is the system's
+                out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "reasoning":
+            msg = assistant()
+            if msg["content"] or msg.get("tool_calls"):
+                msg = {"role": "assistant", "content": ""}
+                out.append(msg)
+            msg["reasoning_content"] = msg.get("reasoning_content", "") + _reasoning_text(item)
+        elif kind == "function_call":
+            name, args = item.get("name"), item.get("arguments", "{}")
+            if not isinstance(name, str) or not name or not isinstance(args, str):
+                raise P.bad_request(f"{where}: a function_call needs a 'name' and string 'arguments'", "input")
+            call = {"id": str(item.get("call_id") or ""), "type": "function",
+                    "function": {"name": name, "arguments": args}}
+            assistant().setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            text = output if isinstance(output, str) else _content_text(output, where)
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""), "content": text})
+        else:
+            raise P.bad_request(f"{where}: unsupported input item type {kind!r}", "input")
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise P.bad_request("'tools' must be a list of tool objects", "tools")
+    out = []
+    for j, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise P.bad_request(f"tools[{j}]: only function tools with a 'name' are supported", "tools")
+        fn: dict[str, Any] = {"name": tool["name"]}
+        if tool.get("description"):
+            fn["description"] = tool["description"]
+        fn["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
+        out.append(fn)
+    return None if body.get("tool_choice") == "none" else out
+
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    model: str
+    conversation: list[dict]     # encoder messages without the instructions: what a continuation builds on
+    conv: Conversation           # what is rendered: instructions and tools on the system message
+    sampling: dict[str, Any]
+    max_tokens: int | None
+    stream: bool
+    store: bool
+    effort: str | None
+    encrypted: bool              # include the reasoning as `encrypted_content`
+
+
+def _response_format(body: dict) -> dict | None:
+    """`text.format` in the chat-completions `response_format` shape (so both APIs render it alike)."""
+    text = body.get("text") or {}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise P.bad_request("'text.format' must be an object with a 'type'", "text")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return dict(fmt)
+
+
+def parse_request(body: Any, backend: Backend, store: ResponseStore) -> ResponsesRequest:
+    if not isinstance(body, dict):
+        raise P.bad_request("the request body must be a JSON object")
+    model = P.check_model(body, backend.model_names)
+    history: list[dict] = []
+    prev = body.get("previous_response_id")
+    if prev is not None:
+        found = store.get(prev) if isinstance(prev, str) else None
+        if found is None:
+            raise P.APIError(404, f"Previous response with id '{prev}' not found (this server keeps its last "
+                                  f"{store.size} stored responses)", param="previous_response_id",
+                             code="previous_response_not_found")
+        history = found[0] + [found[1]["_message"]]
+    if "input" not in body:
+        raise P.bad_request("'input' is required", "input")
+    conversation = history + input_messages(body["input"])
+    messages = list(conversation)
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise P.bad_request("'instructions' must be a string", "instructions")
+        messages.insert(0, {"role": "system", "content": instructions})
+    tools, response_format = _tools(body), _response_format(body)
+    if tools or response_format:  # the encoder reads both from the system message, as on chat completions
+        if not messages or messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": ""})
+        messages[0] = {**messages[0], **({"tools": tools} if tools else {}),
+                       **({"response_format": response_format} if response_format else {})}
+    reasoning = body.get("reasoning") or {}
+    if not isinstance(reasoning, dict):
+        raise P.bad_request("'reasoning' must be an object", "reasoning")
+    thinking, effort, drop = P._thinking({"reasoning_effort": reasoning.get("effort"),
+                                          **{k: body[k] for k in ("thinking", "chat_template_kwargs") if k in body}},
+                                         backend.default_thinking)
+    sampling, max_tokens = P._sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")}
+                                       | {"max_tokens": body.get("max_output_tokens")})
+    include = body.get("include") or []
+    return ResponsesRequest(
+        model=model, conversation=conversation, conv=Conversation(messages, thinking, effort, drop),
+        sampling=sampling, max_tokens=max_tokens, stream=P._boolean(body, "stream", False),
+        store=P._boolean(body, "store", True), effort=reasoning.get("effort"),
+        encrypted=isinstance(include, list) and "reasoning.encrypted_content" in include)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Response objects
+# ---------------------------------------------------------------------------------------------------------
+
+def _reasoning_item(rid: str, text: str, encrypted: bool) -> dict:
+    item = {"type": "reasoning", "id": rid, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": "completed"}
+    if encrypted:
+        item["encrypted_content"] = text
+    return item
+
+
+def _message_item(mid: str, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": mid, "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call: dict, arguments: str | None = None, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"] if arguments is None else arguments, "status": status}
+
+
+class _Reply:
+    """The response object as it grows."""
+
+    def __init__(self, body: dict, req: ResponsesRequest) -> None:
+        self.id = "resp_" + P.new_id("")[1:]
+        self.obj: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
+            "max_output_tokens": req.max_tokens, "model": req.model, "output": [],
+            "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
+            "reasoning": {"effort": req.effort, "summary": None}, "store": req.store,
+            "temperature": req.sampling["temperature"], "text": body.get("text") or {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "top_p": req.sampling["top_p"], "truncation": "disabled", "usage": None,
+            "metadata": body.get("metadata") or {},
+        }
+
+    def finish(self, turn: AssistantTurn) -> dict:
+        prompt, completion, cached = turn.prompt_tokens, turn.completion_tokens, turn.cached_tokens or 0
+        self.obj["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                             "output_tokens": completion,
+                             "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
+                             "total_tokens": prompt + completion}
+        if turn.finish_reason == "length":
+            self.obj["status"] = "incomplete"
+            self.obj["incomplete_details"] = {"reason": "max_output_tokens"}
+        else:
+            self.obj["status"] = "completed"
+        return self.obj
+
+
+def _store(store: ResponseStore, req: ResponsesRequest, obj: dict, turn: AssistantTurn) -> None:
+    if req.store:
+        store.put(obj["id"], req.conversation, {**obj, "_message": turn.message()})
+
+
+def public(obj: dict) -> dict:
+    return {k: v for k, v in obj.items() if not k.startswith("_")}
+
+
+def create(body: Any, backend: Backend, store: ResponseStore,
+           disconnected: Callable[[], bool] | None = None) -> dict | Iterator[bytes]:
+    """`POST /v1/responses`: a `response` object, or (with `"stream": true`) the SSE byte stream.
+
+    `disconnected` (optional, non-streaming only): says the client has gone; the generation is then cancelled
+    and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
+    req = parse_request(body, backend, store)
+    turn = AssistantTurn(backend, req.conv, req.sampling, req.max_tokens)
+    reply = _Reply(body, req)
+    if req.stream:
+        return _stream(turn, reply, req, store)
+    try:
+        turn.run(disconnected)
+    except GenerationFailed as err:
+        raise err.api_error() from None
+    output = []
+    if turn.reasoning is not None:
+        output.append(_reasoning_item("rs_" + reply.id[5:], turn.reasoning, req.encrypted))
+    if turn.content or not turn.tool_calls:
+        output.append(_message_item("msg_" + reply.id[5:], turn.content))
+    output.extend(_call_item(c) for c in turn.tool_calls)
+    reply.obj["output"] = output
+    obj = reply.finish(turn)
+    _store(store, req, obj, turn)
+    return public(obj)
+
+
+def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: ResponseStore) -> Iterator[bytes]:
+    seq = 0
+    output: list[dict] = []
+    open_item: dict | None = None
+    text = ""
+    calls: dict[str, int] = {}   # tool call id -> its output index
+    events = turn.events()
+    suffix = reply.id[5:]
+
+    def ev(kind: str, **data: Any) -> bytes:
+        nonlocal seq
+        seq += 1
+        payload = {"type": kind, "sequence_number": seq - 1, **data}
+        return f"event: {kind}\ndata: ".encode() + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    def close_item() -> Iterator[bytes]:
+        nonlocal open_item, text
+        if open_item is None:
+            return
+        at = len(output) - 1
+        if open_item["type"] == "reasoning":
+            yield ev("response.reasoning_text.done", item_id=open_item["id"], output_index=at, content_index=0,
+                     text=text)
+            output[at] = _reasoning_item(open_item["id"], text, req.encrypted)
+        else:
+            yield ev("response.output_text.done", item_id=open_item["id"], output_index=at, content_index=0,
+                     text=text, logprobs=[])
+            output[at] = _message_item(open_item["id"], text)
+            yield ev("response.content_part.done", item_id=open_item["id"], output_index=at, content_index=0,
+                     part=output[at]["content"][0])
+        yield ev("response.output_item.done", output_index=at, item=output[at])
+        open_item, text = None, ""
+
+    try:
+        yield ev("response.created", response=public(reply.obj))
+        yield ev("response.in_progress", response=public(reply.obj))
+        try:
+            for kind, payload in events:
+                if kind == "keepalive":
+                    yield b": keep-alive\n\n"
+                    continue
+                if kind == "tool_start":
+                    yield from close_item()
+                    at = len(output)
+                    calls[payload["id"]] = at
+                    output.append(_call_item({"id": payload["id"], "function": {"name": payload["name"]}}, "",
+                                             "in_progress"))
+                    yield ev("response.output_item.added", output_index=at, item=output[at])
+                    continue
+                if kind == "tool_args":
+                    item = output[-1]
+                    yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=len(output) - 1,
+                             delta=payload[1])
+                    continue
+                if kind == "tool_done":
+                    at = calls[payload["id"]]
+                    output[at] = _call_item(payload)
+                    yield ev("response.function_call_arguments.done", item_id=output[at]["id"], output_index=at,
+                             name=output[at]["name"], arguments=output[at]["arguments"])
+                    yield ev("response.output_item.done", output_index=at, item=output[at])
+                    continue
+                want = {"reasoning": "reasoning", "content": "message"}[kind]
+                if open_item is not None and open_item["type"] != want:
+                    yield from close_item()
+                at = len(output)
+                if open_item is None:
+                    if want == "reasoning":
+                        open_item = {"type": "reasoning", "id": "rs_" + suffix, "summary": [], "content": []}
+                        output.append(open_item)
+                        yield ev("response.output_item.added", output_index=at, item=open_item)
+                    else:
+                        open_item = {"type": "message", "id": "msg_" + suffix, "role": "assistant",
+                                     "status": "in_progress", "content": []}
+                        output.append(open_item)
+                        yield ev("response.output_item.added", output_index=at, item=open_item)
+                        yield ev("response.content_part.added", item_id=open_item["id"], output_index=at,
+                                 content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                at = len(output) - 1
+                text += payload
+                if want == "reasoning":
+                    yield ev("response.reasoning_text.delta", item_id=open_item["id"], output_index=at,
+                             content_index=0, delta=payload)
+                else:
+                    yield ev("response.output_text.delta", item_id=open_item["id"], output_index=at,
+                             content_index=0, delta=payload, logprobs=[])
+        except (GenerationFailed, P.APIError) as err:
+            api = err.api_error() if isinstance(err, GenerationFailed) else err
+            yield ev("error", code=api.code, message=api.message, param=api.param)
+            reply.obj.update(status="failed", error={"code": api.code or "server_error", "message": api.message})
+            yield ev("response.failed", response=public(reply.obj))
+            return
+        yield from close_item()
+        if not output:  # an empty reply still has its message
+            yield ev("response.output_item.added", output_index=0,
+                     item={"type": "message", "id": "msg_" + suffix, "role": "assistant", "status": "in_progress",
+                           "content": []})
+            output.append(_message_item("msg_" + suffix, ""))
+            yield ev("response.output_item.done", output_index=0, item=output[0])
+        reply.obj["output"] = output
+        obj = reply.finish(turn)
+        _store(store, req, obj, turn)
+        yield ev("response.completed", response=public(obj))
+    finally:
+        events.close()   # a client that left cancels its generation
+        turn.cancel()

@@ -1,0 +1,340 @@
+"""One assistant turn run through the worker, in API-neutral events, and the replay cache that keeps the
+session prefix valid across tool calls. Shared by the Anthropic Messages and OpenAI Responses front-ends.
+
+Owns:
+  * `Backend`: what a front-end needs from the server, as plain values and callables (no HTTP framework):
+    the engine getter, the worker's `submit`, the served model names, the thinking default, the keep-alive
+    interval, the `ReplayCache`, and optionally the server's `Metrics`.
+  * `ReplayCache`: exact replay. After a turn, the conversation text as the encoder would render it on the
+    next request (prompt + the parsed assistant turn) is stored with the token ids the model really holds
+    (prompt ids + the generated ids). A later prompt whose rendered text starts with a stored text is
+    tokenized as those stored ids + the new tail. So a tool call the model wrote as `[1,2]` (re-rendered
+    `[1, 2]`), or text it sampled in a non-canonical tokenization, still reuses the whole session prefix. The
+    cut always falls at EOS, a special token, so the tail tokenizes on its own.
+  * `prompt_ids()` / `record_reply()`: the two calls any route (chat completions too) makes to take part in
+    exact replay: tokenize the rendered prompt through the cache, and record the finished reply.
+  * `AssistantTurn`: encodes the conversation (through the replay cache), enqueues a `Job`, and turns the
+    worker's events into `("reasoning", text)`, `("content", text)`, the tool-call events `("tool_start",
+    {"index", "id", "name"})`, `("tool_args", (index, json_piece))`, `("tool_done", call)` (arguments streamed
+    as the model writes them, `fastar.serve.toolstream`) and `("keepalive", progress)`; afterwards it holds the
+    finish reason, the stop sequence hit, the usage numbers and the parsed reasoning/content/tool calls, and it
+    records the turn in the replay cache.
+
+Does not own: the API shapes (`fastar.serve.anthropic`, `fastar.serve.responses`, `fastar.serve.protocol`),
+the chat encoding (`fastar.encoding`), the engine or its thread (`fastar.serve.worker`). Never imports torch.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastar.encoding import EOS, THINK_END, TOOL_CALLS_START, StreamParser, encode_messages
+from fastar.serve import protocol as P
+from fastar.serve.toolstream import ToolCallStream
+from fastar.serve.worker import Job, Metrics
+
+log = logging.getLogger("fastar.serve")
+
+MAX_REPLAY_ENTRIES = 32
+
+
+@dataclass(slots=True)
+class Backend:
+    """The server as the API front-ends see it.
+
+    Args:
+        engine: returns the loaded engine (`tokenizer`, `context_length`, optional `context_note`) or raises
+            `APIError` 503 while it loads (the server's `EngineHost.require_engine`).
+        submit: enqueues a `Job` on the one worker, or raises `APIError` 503 when the queue is full
+            (`EngineHost.submit`).
+        model_names: the served model name first; requests may name any of them.
+    """
+
+    engine: Callable[[], Any]
+    submit: Callable[[Job], None]
+    model_names: tuple[str, ...] = ("deepseek-v4-flash",)
+    default_thinking: bool = True
+    keepalive_interval: float = 5.0
+    replay: ReplayCache = field(default_factory=lambda: ReplayCache())
+    metrics: Metrics | None = None
+
+
+class ReplayCache:
+    """Rendered conversation text -> the token ids the model holds for it; the last `size` turns, thread-safe."""
+
+    def __init__(self, size: int = MAX_REPLAY_ENTRIES) -> None:
+        self.size = size
+        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def encode(self, tokenizer: Any, text: str) -> list[int]:
+        """Token ids of a rendered prompt: the longest stored prefix's real ids, then the tail tokenized. A
+        prefix is used only where the cut falls at EOS (a special token), so the tail tokenizes on its own."""
+        with self._lock:
+            usable = [t for t in self._entries
+                      if text.startswith(t) and (t.endswith(EOS) or text.startswith(EOS, len(t)))]
+            best = max(usable, key=len, default="")
+            if best:
+                self._entries.move_to_end(best)
+                ids = list(self._entries[best])
+        if not best:
+            return list(tokenizer.encode(text))
+        return ids + (list(tokenizer.encode(text[len(best):])) if len(text) > len(best) else [])
+
+    def record(self, text: str, ids: list[int]) -> None:
+        with self._lock:
+            self._entries[text] = list(ids)
+            self._entries.move_to_end(text)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A request in the encoder's terms: OpenAI-style messages (tools on the system message) and the mode."""
+
+    messages: list[dict]
+    thinking: bool
+    reasoning_effort: str | None = None
+    drop_thinking: bool = True
+
+    def render(self, extra: list[dict] | None = None) -> str:
+        try:
+            return encode_messages(self.messages + (extra or []), "thinking" if self.thinking else "chat",
+                                   self.drop_thinking, self.reasoning_effort)
+        except (ValueError, TypeError) as err:  # EncodingError is a ValueError
+            raise P.bad_request(str(err), "messages") from None
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streaming request went away; its generation was cancelled."""
+
+
+class GenerationFailed(Exception):
+    """The worker reported an error for this turn (status 400: the engine refused the prompt)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    def api_error(self) -> P.APIError:
+        if self.status == 400:
+            return P.bad_request(self.message)
+        return P.APIError(self.status, self.message, "server_error", code="generation_failed")
+
+
+def prompt_ids(backend: Backend, conv: Conversation) -> tuple[str, list[int]]:
+    """The rendered prompt and its ids through the replay cache (`count_tokens` uses this too)."""
+    text = conv.render()
+    return text, backend.replay.encode(backend.engine().tokenizer, text)
+
+
+class AssistantTurn:
+    """One generation: `events()` streams it; afterwards the fields below describe the finished turn."""
+
+    def __init__(self, backend: Backend, conv: Conversation, sampling: dict[str, Any],
+                 max_tokens: int | None) -> None:
+        engine = backend.engine()
+        self.backend, self.conv, self.tokenizer = backend, conv, engine.tokenizer
+        self.prompt_text, self.prompt_ids = prompt_ids(backend, conv)
+        self.limit = P.resolve_max_tokens(len(self.prompt_ids), max_tokens, engine.context_length,
+                                          getattr(engine, "context_note", None))
+        self.stop_strings = list(sampling.get("stop") or [])
+        self.stops = P.StopFilter(self.stop_strings)
+        self.parser = StreamParser(conv.thinking)
+        self.tools = ToolCallStream()
+        self._text = ""                  # released text, for the tool-call body
+        self._tool_from = -1             # where the body starts in `_text` (after the opener)
+        self._tool_fed = 0
+        self._tool_ids: list[str] = []
+        self.generated: list[int] = []
+        self.raw = ""                    # the text as generated, stop strings included
+        self.released = 0                # characters of `raw` passed by the stop filter
+        self.reasoning_tokens = 0
+        self._in_reasoning = conv.thinking
+        self.engine_finish: str | None = None
+        self.cached_tokens: int | None = None
+        self.finish_reason = "stop"      # "stop" | "length" | "tool_calls" | "stop_sequence"
+        self.stop_sequence: str | None = None
+        self.content, self.reasoning, self.tool_calls = "", None, []
+        self.job = Job(self.prompt_ids, P.make_sampling_params(sampling, self.limit))
+        backend.submit(self.job)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated)
+
+    def cancel(self) -> None:
+        self.job.cancel.set()
+
+    def events(self) -> Iterator[tuple[str, Any]]:
+        """`("reasoning" | "content", text)`; per tool call `("tool_start", {"index", "id", "name"})`, then
+        `("tool_args", (index, piece))` as the model writes it, then `("tool_done", call)` at the end (`call` as
+        in `tool_calls`; after a malformed or cut-off block, the partial call streamed so far, with the raw
+        block then released as content); and `("keepalive", (done, total) | None)` after each silent
+        `keepalive_interval`. Raises `GenerationFailed`
+        when the worker reports an error. Closing the iterator early cancels the generation."""
+        try:
+            while True:
+                try:
+                    kind, payload = self.job.events.get(timeout=self.backend.keepalive_interval)
+                except queue.Empty:
+                    yield "keepalive", self.job.progress
+                    continue
+                if kind == "chunk":
+                    yield from self._feed(payload)
+                elif kind == "error":
+                    if self.backend.metrics is not None:
+                        self.backend.metrics.error(payload[0])
+                    raise GenerationFailed(*payload)
+                elif kind == "end":
+                    self.cached_tokens = payload
+                    break
+            yield from self._finish()
+        finally:
+            self.job.cancel.set()  # done, failed or abandoned: nobody reads this job any more
+
+    def run(self, disconnected: Callable[[], bool] | None = None) -> AssistantTurn:
+        """Drain `events()` (the non-streaming replies). `disconnected`, asked at most every 0.25 s, says the
+        client has gone: the generation is cancelled and `ClientDisconnected` raised."""
+        last = time.monotonic()
+        for _ in self.events():
+            if disconnected is not None and time.monotonic() - last >= 0.25:
+                last = time.monotonic()
+                if disconnected():
+                    self.cancel()
+                    raise ClientDisconnected
+        return self
+
+    def _feed(self, chunk: Any) -> Iterator[tuple[str, str]]:
+        if self.stops.hit:
+            return  # the engine may run a token past the stop string before it sees the cancel
+        if chunk.token is not None:
+            self.generated.append(chunk.token)
+            self.reasoning_tokens += self._in_reasoning
+        if chunk.finish_reason:
+            self.engine_finish = chunk.finish_reason
+        self.raw += chunk.text
+        if self._in_reasoning and THINK_END in self.raw[-len(chunk.text) - len(THINK_END):]:
+            self._in_reasoning = False
+        text = self.stops.feed(chunk.text)
+        self.released += len(text)
+        if self.stops.hit:
+            self.job.cancel.set()  # our stop string: the engine need not go on
+        yield from self.parser.feed(text)
+        yield from self._stream_tools(text)
+
+    def _stream_tools(self, text: str) -> Iterator[tuple[str, Any]]:
+        self._text += text
+        if not self.parser.in_tool_calls:
+            return
+        if self._tool_from < 0:  # the parser switches to tool state at the first opener, wherever it is
+            self._tool_from = self._text.find(TOOL_CALLS_START) + len(TOOL_CALLS_START)
+        body = self._text[self._tool_from + self._tool_fed:].split(EOS, 1)[0]
+        self._tool_fed += len(body)
+        for kind, index, value in self.tools.feed(body):
+            if kind == "start":
+                self._tool_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                yield "tool_start", {"index": index, "id": self._tool_ids[index], "name": value}
+            else:
+                yield "tool_args", (index, value)
+
+    def _finish(self) -> Iterator[tuple[str, Any]]:
+        tail = self.stops.flush()
+        self.released += len(tail)
+        yield from self.parser.feed(tail)
+        yield from self._stream_tools(tail)
+        released = self.parser.flush()   # a malformed or cut-off tool block comes back as content
+        result = self.parser.finish()
+        self.content, self.reasoning, self.tool_calls = result.content, result.reasoning, result.tool_calls
+        yield from self._finish_tools()
+        yield from released
+        if self.stops.hit:
+            rest = self.raw[self.released:]
+            self.stop_sequence = next((s for s in self.stop_strings if rest.startswith(s)), None)
+        if self.tool_calls:
+            self.finish_reason = "tool_calls"
+        elif self.stops.hit:
+            self.finish_reason = "stop_sequence"
+        elif self.engine_finish == "length" or (self.engine_finish != "stop" and self.completion_tokens >= self.limit):
+            self.finish_reason = "length"
+        else:
+            self.finish_reason = "stop"
+        if self.backend.metrics is not None:
+            self.backend.metrics.finished("stop" if self.finish_reason == "stop_sequence" else self.finish_reason)
+        self._record()
+
+    def _finish_tools(self) -> Iterator[tuple[str, Any]]:
+        """Close the streamed calls against the block parser's result, which is the authority."""
+        streamed = len(self._tool_ids)
+        for i, call in enumerate(self.tool_calls):
+            args = call["function"]["arguments"]
+            if i >= streamed:  # (the stream lost track; the parser did not)
+                self._tool_ids.append(call["id"])
+                yield "tool_start", {"index": i, "id": call["id"], "name": call["function"]["name"]}
+                sent = ""
+            else:
+                call["id"] = self._tool_ids[i]
+                sent = self.tools.arguments[i]
+            if args.startswith(sent) and len(args) > len(sent):
+                yield "tool_args", (i, args[len(sent):])
+            elif not args.startswith(sent):
+                log.warning("streamed tool-call arguments %r disagree with the parsed block %r", sent, args)
+            yield "tool_done", call
+        for i in range(len(self.tool_calls), streamed):  # a malformed or cut-off block: close what was opened
+            yield "tool_done", {"id": self._tool_ids[i], "type": "function",
+                                "function": {"name": self.tools.names[i], "arguments": self.tools.arguments[i]}}
+
+    def message(self) -> dict:
+        """The assistant message in the encoder's (OpenAI) shape, as a client would send it back."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+    def _record(self) -> None:
+        record_reply(self.backend, self.conv, self.prompt_text, self.prompt_ids, self.generated, self.message(),
+                     stopped=self.stops.hit)
+
+
+def record_reply(backend: Backend, conv: Conversation, prompt_text: str, prompt_ids: list[int],
+                 generated: list[int], message: dict, stopped: bool = False) -> None:
+    """Remember the real ids of a finished reply under the text its conversation's next request will render.
+
+    For any route that tokenizes through `prompt_ids(backend, conv)` (chat completions included): `message`
+    is the assistant message as returned to the client (encoder shape), `generated` the sampled token ids,
+    `stopped` whether a stop string cut the text. A turn that ended with EOS is stored under its canonical
+    rendering even where that differs from what was generated (DSML spacing): the parsed turn means the same.
+    A turn cut short (max_tokens) is stored without the EOS the rendering adds, and only when the rendering is
+    the generated text itself (a cut thinking block or tool call renders differently from what the model
+    holds). A stop-string cut is not stored: the model holds tokens the client never saw."""
+    if stopped or not generated:
+        return
+    try:
+        text = conv.render([message])
+    except P.APIError:
+        return
+    if not text.startswith(prompt_text) or not text.endswith(EOS):
+        return
+    tokenizer = backend.engine().tokenizer
+    ids = prompt_ids + generated
+    if generated[-1] == getattr(tokenizer, "eos_id", None):
+        backend.replay.record(text, ids)
+    elif tokenizer.decode(generated) == text[len(prompt_text):-len(EOS)]:
+        backend.replay.record(text[:-len(EOS)], ids)

@@ -1,0 +1,511 @@
+"""The Anthropic Messages and OpenAI Responses front-ends (fastar.serve.anthropic / .responses) over the
+FakeEngine of test_server.py, through the real worker (EngineHost).
+
+* Event sequences and shapes checked on the raw SSE bytes, for a scripted tool call with thinking.
+* The official `anthropic` client (create, stream, tools, count_tokens, errors, x-api-key) and the `openai`
+  client's `responses` API (create, stream, function calls, previous_response_id, retrieve) against a throw-away
+  Starlette app that mounts the module functions as the server will.
+* Exact replay: a conversation carried through a tool call, in each of the three API shapes, tokenizes to the
+  previous prompt ids + the generated ids, even when the model wrote its tool call in a form the encoder
+  renders differently (`[1,2]` vs `[1, 2]`); and the follow-up's reported cached tokens equal that whole prefix.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+from test_server import USER, WEATHER_TOOL, FakeEngine
+
+from fastar.encoding import EOS
+from fastar.serve import anthropic as A
+from fastar.serve import protocol as P
+from fastar.serve import responses as R
+from fastar.serve.turn import Backend, ClientDisconnected, Conversation, ReplayCache, prompt_ids, record_reply
+from fastar.serve.worker import EngineHost, Metrics
+
+anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a test dependency")
+openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
+starlette = pytest.importorskip("starlette", reason="starlette is a test dependency")
+uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is a test dependency")
+
+API_KEY = "sk-test"
+WEATHER = {"name": "get_weather", "description": "Weather for a city",
+           "input_schema": WEATHER_TOOL["function"]["parameters"]}
+SUM = {"name": "sum", "description": "Add numbers",
+       "input_schema": {"type": "object", "properties": {"xs": {"type": "array"}}}}
+# The model writes its JSON compactly; the encoder re-renders a resent call with ", " separators.
+RAW_SUM_CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="sum">\n'
+                '<｜DSML｜parameter name="xs" string="false">[1,2]</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+                '</｜DSML｜tool_calls>')
+
+
+class AgentEngine(FakeEngine):
+    """FakeEngine plus a tool call whose DSML differs from the encoder's canonical rendering."""
+
+    def reply(self, prompt: str, params) -> str:
+        user = prompt.rsplit(USER, 1)[-1]
+        if "add" in user and "## Tools" in prompt:
+            body = RAW_SUM_CALL
+            return f"Thinking about sums.</think>{body}" if prompt.endswith("<think>") else body
+        return super().reply(prompt, params)
+
+
+def make_backend(engine: FakeEngine | None = None, **kw) -> tuple[Backend, EngineHost]:
+    engine = engine or AgentEngine()
+    metrics = Metrics()
+    host = EngineHost(lambda: engine, max_queue=8, max_sessions=4, metrics=metrics)
+    host.start(on_ready=lambda e: None)
+    assert host.wait_ready(10)
+    backend = Backend(engine=host.require_engine, submit=host.submit, metrics=metrics, **kw)
+    return backend, host
+
+
+@pytest.fixture
+def backend():
+    backend, host = make_backend()
+    yield backend
+    host.shutdown()
+
+
+def sse_events(chunks) -> list[tuple[str, dict]]:
+    """(event name, data) of an SSE byte stream; comments skipped."""
+    out = []
+    for block in b"".join(chunks).decode().split("\n\n"):
+        lines = [ln for ln in block.split("\n") if ln and not ln.startswith(":")]
+        if not lines:
+            continue
+        name = next(ln[7:] for ln in lines if ln.startswith("event: "))
+        data = json.loads(next(ln[6:] for ln in lines if ln.startswith("data: ")))
+        out.append((name, data))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Raw event sequences
+# ---------------------------------------------------------------------------------------------------------
+
+def test_anthropic_stream_event_sequence_for_a_tool_call(backend):
+    body = {"model": "anything", "max_tokens": 200, "stream": True, "tools": [WEATHER],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": [{"role": "user", "content": "weather in Paris?"}]}
+    events = sse_events(A.messages(body, backend))
+    names = [n for n, _ in events]
+    assert all(n == d["type"] for n, d in events)
+    # thinking block, then the tool_use block; deltas collapsed for the comparison
+    collapsed = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
+    assert collapsed == ["message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+                         "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+                         "message_stop"]
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert starts[0] == {"type": "thinking", "thinking": "", "signature": ""}
+    assert starts[1]["type"] == "tool_use" and starts[1]["name"] == "get_weather" and starts[1]["input"] == {}
+    deltas = [d for n, d in events if n == "content_block_delta"]
+    thinking = "".join(d["delta"].get("thinking", "") for d in deltas if d["index"] == 0)
+    assert thinking == "Thinking about weather in Paris?."
+    assert [d["delta"]["type"] for d in deltas if d["index"] == 0][-1] == "signature_delta"
+    pieces = [d["delta"]["partial_json"] for d in deltas if d["index"] == 1]
+    assert all(d["delta"]["type"] == "input_json_delta" for d in deltas if d["index"] == 1)
+    assert "".join(pieces) == '{"location": "Paris"}' and len(pieces) > 3  # streamed as the model writes it
+    delta = events[-2][1]
+    assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] > 0 and delta["usage"]["cache_read_input_tokens"] == 0
+    assert events[0][1]["message"]["model"] == "deepseek-v4-flash"
+
+
+def test_responses_stream_event_sequence_for_a_tool_call(backend):
+    store = R.ResponseStore()
+    body = {"model": "deepseek-v4-flash", "input": "weather in Paris?", "stream": True,
+            "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["input_schema"]}]}
+    events = sse_events(R.create(body, backend, store))
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    names = [n for n, _ in events]
+    collapsed = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
+    assert collapsed == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.reasoning_text.delta",
+                         "response.reasoning_text.done", "response.output_item.done",
+                         "response.output_item.added", "response.function_call_arguments.delta",
+                         "response.function_call_arguments.done", "response.output_item.done",
+                         "response.completed"]
+    final = events[-1][1]["response"]
+    assert final["status"] == "completed"
+    assert [o["type"] for o in final["output"]] == ["reasoning", "function_call"]
+    call = final["output"][1]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"location": "Paris"}
+    thought = backend.engine().tokenizer.encode("Thinking about weather in Paris?.</think>")
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == len(thought)
+    assert R.retrieve(final["id"], store) == final
+
+
+def test_errors_in_each_api_shape(backend):
+    with pytest.raises(P.APIError) as err:
+        A.messages({"messages": []}, backend)
+    assert err.value.status == 400
+    assert A.error_body(err.value) == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "'messages' must be a non-empty list of message objects"}}
+    with pytest.raises(P.APIError) as err:
+        A.messages({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, backend)
+    assert "unsupported block type 'image'" in err.value.message
+    with pytest.raises(P.APIError) as err:
+        R.create({"input": "hi", "previous_response_id": "resp_nope"}, backend, R.ResponseStore())
+    assert err.value.status == 404 and err.value.to_dict()["error"]["code"] == "previous_response_not_found"
+    with pytest.raises(P.APIError) as err:
+        R.create({"input": [{"type": "computer_call"}]}, backend, R.ResponseStore())
+    assert err.value.status == 400 and "computer_call" in err.value.message
+    # the engine failing mid-stream: Anthropic's error event, Responses' error + response.failed
+    events = sse_events(A.messages({"messages": [{"role": "user", "content": "explode"}], "stream": True}, backend))
+    assert events[-1] == ("error", {"type": "error", "error": {
+        "type": "api_error", "message": "generation failed: the fake engine exploded"}})
+    events = sse_events(R.create({"input": "explode", "stream": True}, backend, R.ResponseStore()))
+    assert [n for n, _ in events[-2:]] == ["error", "response.failed"]
+    assert events[-1][1]["response"]["status"] == "failed"
+
+
+def test_responses_text_format_renders_as_chat_completions_response_format(backend):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = R.parse_request({"input": "hi", "instructions": "be brief", "text": {"format": {
+        "type": "json_schema", "name": "out", "schema": schema, "strict": True}}}, backend, R.ResponseStore())
+    chat = P.parse_chat_request({"messages": [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": "hi"}],
+                                 "response_format": {"type": "json_schema", "json_schema": {
+                                     "name": "out", "schema": schema, "strict": True}}}, ("deepseek-v4-flash",))
+    assert req.conv.render() == Conversation(chat.messages, chat.thinking).render()
+    assert '"schema": {"type": "object"' in req.conv.render()
+    with pytest.raises(P.APIError, match="text.format"):
+        R.parse_request({"input": "hi", "text": {"format": "json"}}, backend, R.ResponseStore())
+
+
+def test_closing_a_stream_cancels_the_generation():
+    engine = AgentEngine(token_delay=0.01)
+    backend, host = make_backend(engine)
+    try:
+        stream = A.messages({"messages": [{"role": "user", "content": "count"}], "stream": True,
+                             "thinking": {"type": "disabled"}}, backend)
+        got = [next(stream) for _ in range(6)]
+        assert b"text_delta" in got[-1]
+        stream.close()
+        deadline = time.monotonic() + 5
+        while host.current is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.current is None
+        assert engine.stats()["generated_tokens"] < 200  # "count" would run to ~8000 tokens
+    finally:
+        host.shutdown()
+
+
+def test_a_non_streaming_client_that_leaves_cancels_its_generation():
+    engine = AgentEngine(token_delay=0.01)
+    backend, host = make_backend(engine)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ClientDisconnected):
+            R.create({"input": "count", "reasoning": {"effort": "none"}}, backend, R.ResponseStore(),
+                     disconnected=lambda: time.monotonic() - start > 0.5)
+        deadline = time.monotonic() + 5
+        while host.current is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.current is None and engine.stats()["generated_tokens"] < 200
+    finally:
+        host.shutdown()
+
+
+def test_keepalive_pings_during_a_long_prefill():
+    engine = AgentEngine(prefill_delay=0.3)
+    backend, host = make_backend(engine, keepalive_interval=0.05)
+    try:
+        events = sse_events(A.messages({"messages": [{"role": "user", "content": "hi"}], "stream": True}, backend))
+        assert [n for n, _ in events].count("ping") >= 3
+        chunks = list(R.create({"input": "a different prompt", "stream": True}, backend, R.ResponseStore()))
+        assert b": keep-alive\n\n" in chunks
+    finally:
+        host.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exact replay at the rendering level, in all three API shapes
+# ---------------------------------------------------------------------------------------------------------
+
+def _run_first_turn(backend: Backend, thinking: bool) -> tuple[list[int], list[int], dict]:
+    """Anthropic request whose reply is RAW_SUM_CALL; returns (prompt ids, generated ids, the message)."""
+    body = {"messages": [{"role": "user", "content": "please add 1 and 2"}], "tools": [SUM],
+            "thinking": {"type": "enabled" if thinking else "disabled"}}
+    ids = prompt_ids(backend, A.parse_request(body, backend)[1])[1]
+    msg = A.messages(body, backend)
+    engine = backend.engine()
+    generated = engine.tokenizer.encode(("Thinking about sums.</think>" if thinking else "") + RAW_SUM_CALL + EOS)
+    return ids, generated, msg
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_replay_renders_the_tokens_the_model_produced_in_every_api_shape(backend, thinking):
+    prompt, generated, msg = _run_first_turn(backend, thinking)
+    assert msg["stop_reason"] == "tool_use"
+    use = next(b for b in msg["content"] if b["type"] == "tool_use")
+    assert use["input"] == {"xs": [1, 2]}
+    prefix = prompt + generated
+    tool_fn = {"name": "sum", "description": "Add numbers", "parameters": SUM["input_schema"]}
+
+    # Anthropic: the assistant turn resent as blocks, then the tool result
+    follow = {"tools": [SUM], "thinking": {"type": "enabled" if thinking else "disabled"}, "messages": [
+        {"role": "user", "content": "please add 1 and 2"},
+        {"role": "assistant", "content": msg["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "3"}]}]}
+    anth_ids = prompt_ids(backend, A.parse_request(follow, backend)[1])[1]
+
+    # OpenAI chat completions: the message the server returns, resent
+    call = {"id": use["id"], "type": "function", "function": {"name": "sum", "arguments": '{"xs": [1, 2]}'}}
+    assistant = {"role": "assistant", "content": "", "tool_calls": [call]}
+    if thinking:
+        assistant["reasoning_content"] = "Thinking about sums."
+    chat = [{"role": "system", "content": "", "tools": [tool_fn]}, {"role": "user", "content": "please add 1 and 2"},
+            assistant, {"role": "tool", "tool_call_id": use["id"], "content": "3"}]
+    chat_ids = prompt_ids(backend, Conversation(chat, thinking))[1]
+
+    # OpenAI Responses: items resent without previous_response_id
+    items = [{"role": "user", "content": "please add 1 and 2"}]
+    if thinking:
+        items.append({"type": "reasoning", "id": "rs_1", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": "Thinking about sums."}]})
+    items += [{"type": "function_call", "call_id": use["id"], "name": "sum", "arguments": '{"xs": [1, 2]}'},
+              {"type": "function_call_output", "call_id": use["id"], "output": "3"}]
+    resp = {"input": items, "tools": [{"type": "function", "name": "sum", "description": "Add numbers",
+                                       "parameters": SUM["input_schema"]}],
+            "reasoning": {"effort": "high" if thinking else "none"}}
+    resp_ids = prompt_ids(backend, R.parse_request(resp, backend, R.ResponseStore()).conv)[1]
+
+    for ids in (anth_ids, chat_ids, resp_ids):
+        assert ids[:len(prefix)] == prefix
+        assert len(ids) > len(prefix)
+    # Without the replay cache the canonical rendering ("[1, 2]") parts from what the model holds.
+    fresh = Backend(engine=backend.engine, submit=backend.submit, replay=ReplayCache())
+    canonical = prompt_ids(fresh, A.parse_request(follow, fresh)[1])[1]
+    assert canonical[:len(prefix)] != prefix
+
+
+def test_a_chat_completions_route_takes_part_through_prompt_ids_and_record_reply(backend):
+    """The wiring the chat route needs: tokenize through `prompt_ids`, then `record_reply` with the sampled ids."""
+    from fastar.encoding import parse_completion
+    from fastar.engine.sampling import SamplingParams
+
+    body = {"messages": [{"role": "user", "content": "please add 1 and 2"}], "thinking": {"type": "disabled"},
+            "tools": [{"type": "function", "function": {"name": "sum", "parameters": SUM["input_schema"]}}]}
+    req = P.parse_chat_request(body, ("deepseek-v4-flash",))
+    conv = Conversation(req.messages, req.thinking, req.reasoning_effort, req.drop_thinking)
+    text, ids = prompt_ids(backend, conv)
+    engine = backend.engine()
+    generated = [c.token for c in engine.stream(ids, SamplingParams(max_tokens=500)) if c.token is not None]
+    message = parse_completion(engine.tokenizer.decode(generated), thinking=False).to_message()
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"xs": [1, 2]}'  # the model wrote [1,2]
+    record_reply(backend, conv, text, ids, generated, message)
+    follow = {**body, "messages": body["messages"] + [message, {"role": "tool", "tool_call_id": "x", "content": "3"}]}
+    req2 = P.parse_chat_request(follow, ("deepseek-v4-flash",))
+    ids2 = prompt_ids(backend, Conversation(req2.messages, req2.thinking, req2.reasoning_effort, req2.drop_thinking))[1]
+    assert ids2[:len(ids) + len(generated)] == ids + generated
+
+
+def test_replay_cache_is_bounded_and_only_cuts_at_eos():
+    cache = ReplayCache(size=2)
+
+    class Tok:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    cache.record("abc", [1])   # no EOS at the cut: usable only where the new text continues with EOS
+    assert cache.encode(Tok(), "abcd") == [ord(c) for c in "abcd"]
+    assert cache.encode(Tok(), f"abc{EOS}d") == [1] + Tok().encode(f"{EOS}d")
+    for i in range(3):
+        cache.record(f"x{i}{EOS}", [100 + i])
+    assert len(cache) == 2
+    assert cache.encode(Tok(), f"x0{EOS}y") == [ord(c) for c in f"x0{EOS}y"]  # evicted
+    assert cache.encode(Tok(), f"x2{EOS}y") == [102, ord("y")]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The official clients against a throw-away Starlette app that mounts the module functions
+# ---------------------------------------------------------------------------------------------------------
+
+class App:
+    def __init__(self, backend: Backend) -> None:
+        from starlette.applications import Starlette
+        from starlette.concurrency import run_in_threadpool
+        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.routing import Route
+
+        self.backend, self.store = backend, R.ResponseStore()
+
+        def reply(out, err_shape):
+            if isinstance(out, P.APIError):
+                return JSONResponse(err_shape(out), status_code=out.status)
+            if isinstance(out, dict):
+                return JSONResponse(out)
+            return StreamingResponse(out, media_type="text/event-stream")
+
+        async def call(request, fn, err_shape):
+            if A.api_key_from_headers(request.headers) != API_KEY:
+                return reply(P.APIError(401, "invalid x-api-key"), err_shape)
+            try:
+                body = await request.json()
+                return reply(await run_in_threadpool(fn, body), err_shape)
+            except P.APIError as err:
+                return reply(err, err_shape)
+
+        async def messages(request):
+            return await call(request, lambda b: A.messages(b, backend), A.error_body)
+
+        async def count(request):
+            return await call(request, lambda b: A.count_tokens(b, backend), A.error_body)
+
+        async def create(request):
+            return await call(request, lambda b: R.create(b, backend, self.store), P.APIError.to_dict)
+
+        async def get(request):
+            try:
+                return JSONResponse(R.retrieve(request.path_params["rid"], self.store))
+            except P.APIError as err:
+                return reply(err, P.APIError.to_dict)
+
+        app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"]),
+                                Route("/v1/messages/count_tokens", count, methods=["POST"]),
+                                Route("/v1/responses", create, methods=["POST"]),
+                                Route("/v1/responses/{rid}", get, methods=["GET"])])
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.server.started
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def app():
+    backend, host = make_backend()
+    app = App(backend)
+    yield app
+    app.close()
+    host.shutdown()
+
+
+def test_anthropic_client_create_stream_tools_and_count_tokens(app):
+    cl = anthropic.Anthropic(base_url=app.url, api_key=API_KEY, max_retries=0)
+    msg = cl.messages.create(model="deepseek-v4-flash", max_tokens=100, extra_body={"temperature": 0},
+                             thinking={"type": "disabled"}, messages=[{"role": "user", "content": "hello"}])
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "Echo: hello"
+    assert msg.stop_reason == "end_turn" and msg.usage.output_tokens == len("Echo: hello") + 1
+
+    with cl.messages.stream(model="claude-sonnet-4-5", max_tokens=100, system="be brief",
+                            thinking={"type": "enabled", "budget_tokens": 2048}, extra_body={"temperature": 0},
+                            messages=[{"role": "user", "content": "hi there"}]) as stream:
+        texts = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(texts) == "Echo: hi there"
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == "Thinking about hi there." and final.content[0].signature
+
+    # stop_sequences: cut before the stop string, and the hit one reported
+    msg = cl.messages.create(model="x", max_tokens=100, stop_sequences=["3 4"], thinking={"type": "disabled"},
+                             messages=[{"role": "user", "content": "count"}])
+    assert msg.content[0].text == "1 2 " and msg.stop_reason == "stop_sequence" and msg.stop_sequence == "3 4"
+    msg = cl.messages.create(model="x", max_tokens=5, thinking={"type": "disabled"},
+                             messages=[{"role": "user", "content": "count"}])
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 5
+
+    # tools: stream a tool call, answer it, and the follow-up reuses the whole previous conversation
+    first_messages = [{"role": "user", "content": "weather in Paris?"}]
+    with cl.messages.stream(model="x", max_tokens=300, tools=[WEATHER], messages=first_messages) as stream:
+        first = stream.get_final_message()
+    assert first.stop_reason == "tool_use"
+    use = first.content[-1]
+    assert use.type == "tool_use" and use.name == "get_weather" and use.input == {"location": "Paris"}
+    prior = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens
+    follow = first_messages + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}]
+    count = cl.messages.count_tokens(model="x", tools=[WEATHER], messages=follow)
+    second = cl.messages.create(model="x", max_tokens=300, tools=[WEATHER], messages=follow,
+                                extra_body={"temperature": 0})
+    assert second.usage.cache_read_input_tokens == prior
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == count.input_tokens
+    assert second.content[-1].text.startswith("Echo: <tool_result>sunny, 21 C")
+
+    with pytest.raises(anthropic.BadRequestError) as err:
+        cl.messages.create(model="x", max_tokens=10, messages=[{"role": "user", "content": "hi"}],
+                           extra_body={"temperature": "hot"})
+    assert err.value.body["error"]["type"] == "invalid_request_error" and "temperature" in err.value.message
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=app.url, api_key="wrong", max_retries=0).messages.create(
+            model="x", max_tokens=10, messages=[{"role": "user", "content": "hi"}])
+    stream = cl.messages.stream(model="x", max_tokens=10, messages=[{"role": "user", "content": "explode"}])
+    with pytest.raises(anthropic.APIStatusError) as err, stream as s:   # an error event mid-stream
+        s.get_final_message()
+    assert "exploded" in str(err.value)
+
+
+def test_openai_responses_create_stream_function_calls_and_previous_response(app):
+    cl = openai.OpenAI(base_url=app.url + "/v1", api_key=API_KEY, max_retries=0)
+    r = cl.responses.create(model="deepseek-v4-flash", input="hello", temperature=0, reasoning={"effort": "none"})
+    assert r.output_text == "Echo: hello" and r.status == "completed"
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens == len("Echo: hello") + 1
+
+    with cl.responses.stream(model="deepseek-v4-flash", input="hi there", instructions="be brief",
+                             temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == "Echo: hi there" == final.output_text
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == "Thinking about hi there."
+
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
+              "parameters": WEATHER["input_schema"]}]
+    with cl.responses.stream(model="deepseek-v4-flash", input="weather in Paris?", tools=tools) as stream:
+        args = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        first = stream.get_final_response()
+    call = first.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads("".join(args)) == json.loads(call.arguments) == {"location": "Paris"}
+    prior = first.usage.input_tokens + first.usage.output_tokens
+    second = cl.responses.create(model="deepseek-v4-flash", previous_response_id=first.id, tools=tools,
+                                 input=[{"type": "function_call_output", "call_id": call.call_id,
+                                         "output": "sunny"}], temperature=0)
+    assert second.usage.input_tokens_details.cached_tokens == prior
+    assert second.output_text.startswith("Echo: <tool_result>sunny</tool_result>")
+    assert cl.responses.retrieve(second.id).output_text == second.output_text
+
+    with pytest.raises(openai.NotFoundError):
+        cl.responses.create(model="deepseek-v4-flash", input="x", previous_response_id="resp_missing")
+    with pytest.raises(openai.BadRequestError):
+        cl.responses.create(model="deepseek-v4-flash", input="x", max_output_tokens=0)
+
+
+def test_a_tool_block_cut_off_by_max_tokens(backend):
+    """The streamed call is closed where it stopped and the unparsed block comes back as text, as the block
+    parser (the authority) sees it; the non-streaming reply has only the text."""
+    body = {"max_tokens": 60, "tools": [WEATHER], "thinking": {"type": "disabled"},
+            "messages": [{"role": "user", "content": "weather in Paris?"}]}
+    msg = A.messages(body, backend)
+    assert msg["stop_reason"] == "max_tokens" and [b["type"] for b in msg["content"]] == ["text"]
+    assert msg["content"][0]["text"].startswith("\n\n<｜DSML｜tool_calls>")
+    events = sse_events(A.messages({**body, "stream": True}, backend))
+    starts = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
+    assert starts == ["tool_use", "text"]
+    assert [n for n, _ in events].count("content_block_stop") == 2
+    text = "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
+    assert text == msg["content"][0]["text"]
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+    final = sse_events(R.create({"input": "weather in Paris?", "max_output_tokens": 60, "stream": True,
+                                 "reasoning": {"effort": "none"},
+                                 "tools": [{"type": "function", "name": "get_weather"}]},
+                                backend, R.ResponseStore()))[-1][1]["response"]
+    assert final["status"] == "incomplete" and [o["type"] for o in final["output"]] == ["function_call", "message"]

@@ -173,7 +173,7 @@ def test_responses_text_format_renders_as_chat_completions_response_format(backe
                                      "name": "out", "schema": schema, "strict": True}}}, ("deepseek-v4-flash",))
     assert req.conv.render() == Conversation(chat.messages, chat.thinking).render()
     assert '"schema": {"type": "object"' in req.conv.render()
-    with pytest.raises(P.APIError, match="text.format"):
+    with pytest.raises(P.APIError, match=r"text\.format"):
         R.parse_request({"input": "hi", "text": {"format": "json"}}, backend, R.ResponseStore())
 
 

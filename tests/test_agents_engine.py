@@ -15,16 +15,16 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-import types
+import types  # noqa: E402 (after the importorskip guards)
 
-from test_agents_api import API_KEY, App
+from test_agents_api import API_KEY, App  # noqa: E402 (after the importorskip guards)
 
-from fastar.convert.hf import convert
-from fastar.engine.engine import load
-from fastar.engine.generate import GenerationChunk
-from fastar.engine.tokenizer import Tokenizer
-from fastar.serve.turn import Backend, Conversation, prompt_ids
-from fastar.serve.worker import EngineHost, Metrics
+from fastar.convert.hf import convert  # noqa: E402 (after the importorskip guards)
+from fastar.engine.engine import load  # noqa: E402 (after the importorskip guards)
+from fastar.engine.generate import GenerationChunk  # noqa: E402 (after the importorskip guards)
+from fastar.engine.tokenizer import Tokenizer  # noqa: E402 (after the importorskip guards)
+from fastar.serve.turn import Backend, Conversation, prompt_ids  # noqa: E402 (after the importorskip guards)
+from fastar.serve.worker import EngineHost, Metrics  # noqa: E402 (after the importorskip guards)
 
 NO_THINK = {"thinking": {"type": "disabled"}}
 

@@ -66,7 +66,7 @@ class ToolCallStream:
     def _skip_ws(self) -> None:
         self._pos = _WS.match(self._buf, self._pos).end()
 
-    def _tag(self, pattern: re.Pattern, head: str, closer: str) -> re.Match | None | bool:
+    def _tag(self, pattern: re.Pattern, head: str, closer: str) -> re.Match | bool | None:
         """A complete opening tag at the cursor; None while it (or `closer`) may still come; False if neither can."""
         rest = self._buf[self._pos:]
         m = pattern.match(self._buf, self._pos)

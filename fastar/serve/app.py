@@ -90,7 +90,7 @@ class Settings:
         elif host.count(":") == 1:
             host = host.split(":", 1)[0]
         if not host:
-            return False
+            return True    # HTTP/1.0 tools send none; browsers, the rebinding threat, always do
         try:
             ipaddress.ip_address(host)
             return True
@@ -204,6 +204,10 @@ class Guard:
         def refuse(err: APIError, extra: dict[str, str] | None = None) -> Response:
             return error_response(err, shape, extra)
 
+        if scope.get("http_version") not in ("1.0", "1.1"):   # h11 parses any HTTP/x.y request line
+            resp = refuse(APIError(505, f"HTTP/{scope.get('http_version')} is not supported; send HTTP/1.1",
+                                   code="http_version_not_supported"), {"Connection": "close"})
+            return await resp(scope, receive, send_with_headers)
         if not s.host_allowed(headers.get("host", "")):
             resp = refuse(APIError(400, f"Host '{headers.get('host', '')[:100]}' is not allowed; start the server "
                                         "with --allowed-hosts to serve other names", code="host_not_allowed"),

@@ -31,7 +31,8 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse as StarletteJSONResponse
+from starlette.responses import Response
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -54,6 +55,14 @@ API_HEADERS = {   # on everything that is not the UI's own pages, which set thei
     "cache-control": "no-store",
 }
 _TOKEN_LIST = re.compile(r"^[A-Za-z0-9_\-, ]*$")
+
+
+class JSONResponse(StarletteJSONResponse):
+    """ASCII-escaped JSON: text the model or a tokenizer produced that is not valid Unicode (a lone surrogate
+    from decoding a partial character) still encodes, as the SSE events already do."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
 
 
 def openai_error(err: APIError) -> dict:

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from fastar.encoding import encode_messages
 from fastar.serve import protocol as P
-from fastar.serve.app import read_json
+from fastar.serve.app import JSONResponse, read_json
 from fastar.serve.worker import Job
 
 if TYPE_CHECKING:

@@ -222,6 +222,11 @@ class Server:
         if not self._uvicorn.started:
             sock.close()
             raise FastarError("the HTTP server did not start")
+        self.start_engine()
+        return self
+
+    def start_engine(self) -> Server:
+        """Load the engine and start its worker, without the HTTP server: for driving `self.app` in-process."""
         self.host.start(on_ready=self._on_ready)
         return self
 

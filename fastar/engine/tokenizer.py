@@ -27,6 +27,9 @@ from tokenizers import decoders
 from fastar.encoding import BOS, EOS, encode_messages
 
 
+_GIL_FREE_FROM = 1 << 16   # characters
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """Inverse of the GPT-2 byte-level map: vocab character -> the byte it stands for."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -75,6 +78,10 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in the text become their single ids. No BOS added."""
+        if len(text) > _GIL_FREE_FROM:
+            # `encode` holds the GIL for the whole text (seconds for megabytes, stalling every other thread);
+            # `encode_batch` releases it and gives the same ids.
+            return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         return self._hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

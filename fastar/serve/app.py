@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -42,6 +43,7 @@ ErrorShape = Callable[[APIError], dict]
 # Lone UTF-16 surrogates are legal JSON escapes but not Unicode text; a pair (an emoji) is fine.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 MAX_JSON_DEPTH = 64
+PARSE_OFF_LOOP_FROM = 1 << 20   # bytes
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 PUBLIC_PATHS = ("/health", "/v1/health")   # load balancers and the UI's status dot probe these without a key
 SECURITY_HEADERS = {
@@ -180,7 +182,10 @@ def check_json(body: Any, surrogates: bool = True) -> None:
 
 
 async def read_json(request: Request, settings: Settings) -> Any:
-    return parse_json(await read_body(request, settings))
+    raw = await read_body(request, settings)
+    if len(raw) > PARSE_OFF_LOOP_FROM:   # megabytes of JSON take a noticeable while: keep the loop free
+        return await anyio.to_thread.run_sync(parse_json, raw)
+    return parse_json(raw)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -169,7 +169,8 @@ class EngineHost:
             self.pool = SessionPool(engine, self.max_sessions)
             on_ready(engine)
         except BaseException as err:  # noqa: BLE001 - reported through /health, and by serve() as the exit reason
-            log.exception("loading the model failed")
+            if not isinstance(err, (FastarError, OSError)):   # those are the user's to fix, in one line
+                log.exception("loading the model failed")
             self.error = f"{type(err).__name__}: {err}"
             self._settled.set()
             return

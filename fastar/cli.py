@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -180,7 +181,13 @@ def cmd_fixture(a) -> int:
     from .fixtures import write_checkpoint
     if os.path.lexists(a.output) and not (os.path.isdir(a.output) and not os.listdir(a.output)):
         raise FastarError(f"{a.output}: already exists; give a new directory")
-    p = write_checkpoint(a.output, preset=a.preset, seed=a.seed)
+    created = not os.path.lexists(a.output)
+    try:
+        p = write_checkpoint(a.output, preset=a.preset, seed=a.seed)
+    except BaseException:   # a full disk, Ctrl-C: leave no half-written checkpoint that looks complete
+        if created:
+            shutil.rmtree(a.output, ignore_errors=True)
+        raise
     print(f"wrote an official-format {a.preset} checkpoint to {p}")
     return 0
 

@@ -295,7 +295,8 @@ _API_GET_PATHS = ("/v1/models", "/models", "/metrics", "/health", "/v1/health")
 # The app
 # ---------------------------------------------------------------------------------------------------------
 
-def build_app(settings: Settings, routes: Sequence[BaseRoute], on_error: Callable[[int], None] | None = None) -> ASGIApp:
+def build_app(settings: Settings, routes: Sequence[BaseRoute],
+              on_error: Callable[[int], None] | None = None) -> ASGIApp:
     """Starlette over `routes`, behind `Guard`. Every APIError and every Starlette HTTP error (404, 405 with
     its `Allow` header) is answered in the error shape registered for the path; `on_error(status)` counts it."""
 

@@ -212,7 +212,7 @@ class OpenAIRoutes:
 
         async def events() -> AsyncIterator[bytes]:
             yield chunk({"role": "assistant", "content": ""})
-            async for kind, payload in self._pump(job, turn, streaming=True):
+            async for kind, payload in self._pump(job, turn):
                 if kind == "deltas":
                     for delta, lp in payload:
                         yield chunk(delta, None, lp)
@@ -265,7 +265,7 @@ class OpenAIRoutes:
         async def events() -> AsyncIterator[bytes]:
             if prefix:
                 yield chunk(prefix)
-            async for kind, payload in self._pump(job, turn, streaming=True):
+            async for kind, payload in self._pump(job, turn):
                 if kind == "deltas":
                     for text, lp in payload:
                         yield chunk(text, None, lp)
@@ -304,7 +304,7 @@ class OpenAIRoutes:
             elif kind == "end":
                 return payload
 
-    async def _pump(self, job: Job, turn: Any, streaming: bool) -> AsyncIterator[tuple[str, Any]]:
+    async def _pump(self, job: Job, turn: Any) -> AsyncIterator[tuple[str, Any]]:
         """The worker's events for a streamed reply: ("deltas", [...]), ("keepalive", comment bytes) during
         long silences (a prefill of minutes), ("error", SSE error event bytes) and then the stream's end, or
         ("end", cached prompt tokens)."""

@@ -330,7 +330,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cors-origin", default=None,
                         help="allow browser pages from this origin (comma-separated list, or '*')")
     parser.add_argument("--served-model-name", default="deepseek-v4-flash", help="model id the API reports and accepts")
-    parser.add_argument("--max-queue", type=_int_flag(1, None, "--max-queue"), default=16, help="requests that may wait; more get 503 (default 16)")
+    parser.add_argument("--max-queue", type=_int_flag(1, None, "--max-queue"), default=16,
+                        help="requests that may wait; more get 503 (default 16)")
     parser.add_argument("--max-sessions", type=_int_flag(0, None, "--max-sessions"), default=4,
                         help="conversations whose model state is kept for prefix reuse (default 4)")
     parser.add_argument("--reasoning-field", default="reasoning_content", choices=REASONING_FIELDS,

@@ -381,3 +381,21 @@ def test_s12_waiting_requests_get_503_on_shutdown():
     t.join(30)
     status, _, data = results[0]
     assert_openai_error(status, data, 503, "shutting_down")
+
+
+def test_s3_broken_body_framing_logs_no_traceback(server, caplog):
+    caplog.set_level(logging.DEBUG)
+    for data in (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
+                 b"Content-Type: application/json\r\n\r\nzz\r\n",
+                 b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n"
+                 b"Content-Type: application/json\r\n\r\n{\"pro"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(data)
+            if b"Content-Length" in data:
+                s.shutdown(socket.SHUT_WR)   # the body ends early
+            try:
+                s.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                pass
+    time.sleep(0.3)
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]

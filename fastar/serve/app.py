@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse as StarletteJSONResponse
 from starlette.responses import Response
 from starlette.routing import BaseRoute
@@ -138,6 +138,8 @@ async def read_body(request: Request, settings: Settings) -> bytes:
                 if size > limit:
                     raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
                 chunks.append(chunk)
+    except ClientDisconnect:   # the client left or broke the framing mid-body: nobody reads the answer
+        raise APIError(400, "the request body ended before its declared length", code="incomplete_body") from None
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {settings.body_timeout:g} s",
                        code="request_timeout") from None

@@ -9,32 +9,49 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import sys
+import threading
 import time
 
 from . import __version__
 from .errors import FastarError
 
 
-def _env_default(dest: str, default):
+class UsageError(Exception):
+    """A bad flag value found outside argparse (an environment mirror): one line, exit 2 like argparse's own."""
+
+
+def _env_default(dest: str, default, convert=None):
     """Flags can be set by FASTAR_<FLAG> environment variables (the flag on the command line wins)."""
-    v = os.environ.get("FASTAR_" + dest.upper())
+    name = "FASTAR_" + dest.upper()
+    v = os.environ.get(name)
     if v is None:
         return default
     if isinstance(default, bool):
         return v.lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(v)
-    if isinstance(default, float):
-        return float(v)
+    try:
+        if convert is not None:
+            return convert(v)
+        if isinstance(default, int):
+            return int(v)
+        if isinstance(default, float):
+            return float(v)
+    except (ValueError, argparse.ArgumentTypeError) as err:
+        raise UsageError(f"{name}={v!r}: {err}") from None
     return v
 
 
 class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A usage error in one line (argparse's own prints the whole usage first), exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
     def add_argument(self, *args, **kw):
         act = super().add_argument(*args, **kw)
         if act.dest not in ("help", "version") and act.option_strings:
-            act.default = _env_default(act.dest, act.default)
+            act.default = _env_default(act.dest, act.default, act.type if callable(act.type) else None)
             if act.required and os.environ.get("FASTAR_" + act.dest.upper()):
                 act.required = False
         return act
@@ -75,8 +92,15 @@ def cmd_export(a) -> int:
     return 0
 
 
+def _not_special(path: str) -> None:
+    """A FIFO or device would block or stream forever where a file is read."""
+    if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):
+        raise FastarError(f"{path}: not a regular file")
+
+
 def cmd_verify(a) -> int:
     from .format.reader import FstFile
+    _not_special(a.file)
     t = time.perf_counter()
     with FstFile(a.file) as f:
         n_t = len(f.header["tensors"])
@@ -105,6 +129,7 @@ def cmd_verify(a) -> int:
 
 def cmd_inspect(a) -> int:
     from .format.reader import FstFile
+    _not_special(a.file)
     with FstFile(a.file) as f:
         h = f.header
         by_type: dict[str, int] = {}
@@ -161,7 +186,15 @@ def cmd_audit(a) -> int:
 
 def cmd_fixture(a) -> int:
     from .fixtures import write_checkpoint
-    p = write_checkpoint(a.output, preset=a.preset, seed=a.seed)
+    if os.path.lexists(a.output) and not (os.path.isdir(a.output) and not os.listdir(a.output)):
+        raise FastarError(f"{a.output}: already exists; give a new directory")
+    created = not os.path.lexists(a.output)
+    try:
+        p = write_checkpoint(a.output, preset=a.preset, seed=a.seed)
+    except BaseException:   # a full disk, Ctrl-C: leave no half-written checkpoint that looks complete
+        if created:
+            shutil.rmtree(a.output, ignore_errors=True)
+        raise
     print(f"wrote an official-format {a.preset} checkpoint to {p}")
     return 0
 
@@ -183,7 +216,8 @@ def cmd_synth(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from .console import open_engine
+    from .console import check_model_path, open_engine
+    check_model_path(a.model)   # before binding the port: a wrong path is one line, not a failed load later
     return a.serve_mod.run_from_args(a, lambda: open_engine(a))
 
 
@@ -272,9 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("-m", "--model", default=None,
                     help=".fst file or official checkpoint directory (default: the built-in demo model)")
     sv.add_argument("--numerics", default="official", choices=["official", "reference"])
-    sv.add_argument("-c", "--ctx-size", "--max-model-len", dest="ctx_size", type=int, default=0,
-                    help="context length in tokens (default: the model's, capped)")
-    sv.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    sv.add_argument("-c", "--ctx-size", "--max-model-len", dest="ctx_size", type=console.non_negative_int,
+                    default=0, help="context length in tokens (default: the model's, capped)")
+    sv.add_argument("--threads", type=console.thread_count, default=0, help="CPU threads (default: torch's choice)")
     console.add_draft_argument(sv)
     console.add_memory_arguments(sv)
     sv.add_argument("--verbose", action="store_true")
@@ -288,16 +322,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does (convert removes its .partial file, serve stops)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    if sys.stderr is None:   # nowhere to report anything: say it in the exit status only
+        return 1
+    try:
+        parser = build_parser()
+    except UsageError as e:
+        print(f"fastar: error: {e}", file=sys.stderr)
+        return 2
     a = parser.parse_args(argv)
     if not getattr(a, "fn", None):
         parser.print_help()
         return 2
+    if sys.stdout is None:
+        print("fastar: error: standard output is closed", file=sys.stderr)
+        return 1
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return a.fn(a)
     except FastarError as e:
         print(f"fastar: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the file system's answer to a path the user gave: one line, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"fastar: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("fastar: interrupted", file=sys.stderr)

@@ -35,21 +35,56 @@ CHAT_HELP = """commands:
 
 # --- flags -------------------------------------------------------------------------------------------------
 
+def _int_in(lo: int, hi: int | None, what: str):
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {v!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(f"{what} must be {f'at least {lo}' if hi is None else f'{lo}..{hi}'}, "
+                                             f"got {n}")
+        return n
+    parse.__name__ = what   # argparse names the type in its messages
+    return parse
+
+
+def _float_in(lo: float, hi: float, what: str):
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number, got {v!r}") from None
+        if not lo <= x <= hi:
+            raise argparse.ArgumentTypeError(f"{what} must be between {lo:g} and {hi:g}, got {v}")
+        return x
+    parse.__name__ = what
+    return parse
+
+
+non_negative_int = _int_in(0, None, "a count")
+positive_int = _int_in(1, None, "a positive count")
+thread_count = _int_in(0, 1024, "a thread count")
+seed_value = _int_in(-(2**63), 2**64 - 1, "a seed")
+
+
 def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="model .fst file (default: the built-in demo model, random weights, built once)")
-    p.add_argument("-n", "--max-tokens", type=int, default=max_tokens, help="most tokens to generate per reply")
-    p.add_argument("--temp", "--temperature", dest="temp", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
-    p.add_argument("-c", "--ctx-size", "--max-model-len", dest="ctx_size", type=int, default=0,
+    p.add_argument("-n", "--max-tokens", type=positive_int, default=max_tokens,
+                   help="most tokens to generate per reply")
+    p.add_argument("--temp", "--temperature", dest="temp", type=_float_in(0, 100, "a temperature"), default=0.0,
+                   help="0 = greedy")
+    p.add_argument("--top-p", type=_float_in(0, 1, "top-p"), default=1.0)
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=_float_in(0, 1, "min-p"), default=0.0)
+    p.add_argument("--seed", type=seed_value, default=None, help="random seed (same seed, same text)")
+    p.add_argument("-c", "--ctx-size", "--max-model-len", dest="ctx_size", type=non_negative_int, default=0,
                    help="context length in tokens (default: the model's, capped)")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
                    help="let the model think before answering (DeepSeek-V4 thinking mode)")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads of the kernels (default: every CPU "
+    p.add_argument("--threads", type=thread_count, default=0, help="CPU threads of the kernels (default: every CPU "
                    "this process may use)")
     add_draft_argument(p)
     add_memory_arguments(p)
@@ -66,13 +101,15 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                         "the file system supports it)")
     p.add_argument("--lookahead", action="store_true",
                    help="prefetch each next layer's experts guessed by its router")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the checksums: of the resident tensors at load, of each expert at its first read")
 
 
 def memory_options(args: argparse.Namespace) -> dict:
     budget = getattr(args, "ram_budget", "auto")
     return {"ram_budget": None if str(budget).lower() == "none" else budget,
             "cache_policy": getattr(args, "cache_policy", "lrfu"), "direct_io": getattr(args, "direct_io", None),
-            "lookahead": getattr(args, "lookahead", False)}
+            "lookahead": getattr(args, "lookahead", False), "verify": getattr(args, "verify", True)}
 
 
 def add_draft_argument(p: argparse.ArgumentParser) -> None:
@@ -102,17 +139,29 @@ def _bar(total: int | None, desc: str, err: TextIO, unit: str = "tok"):
     return tqdm(total=total, desc=desc, unit=unit, file=err, delay=1.0, leave=False, mininterval=0.25)
 
 
+def check_model_path(path: str | None) -> None:
+    """None means the demo model; anything else must be a regular file or a checkpoint directory."""
+    if path is None:
+        return
+    if not str(path).strip():
+        raise FastarError("-m/--model is empty: give a .fst file or checkpoint directory (omit -m for the demo)")
+    p = Path(path)
+    if not p.exists():
+        raise FastarError(f"{path}: no such file")
+    if not (p.is_file() or p.is_dir()):   # a FIFO or device would block or stream forever
+        raise FastarError(f"{path}: not a regular file or checkpoint directory")
+
+
 def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
     """Load `args.model` (or the demo) with a progress bar, and apply `--ctx-size`."""
     from .engine.engine import load, open_source
 
     path = args.model
-    if not path:
+    check_model_path(path)
+    if path is None:
         from .demo import BANNER, ensure_demo_model
         print(BANNER, file=err, flush=True)
         path = ensure_demo_model(log=lambda msg: print(msg, file=err, flush=True))
-    elif not Path(path).exists():
-        raise FastarError(f"{path}: no such file")
     t = time.perf_counter()
     source = open_source(path)
     names = getattr(source, "names", None)
@@ -129,6 +178,11 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
             bar.close()
     if args.ctx_size:
         engine.context_length = args.ctx_size
+    tok_vocab, model_vocab = engine.tokenizer.vocab_size, engine.config.vocab_size
+    if tok_vocab > model_vocab:
+        raise FastarError(f"{path}: the model's vocabulary has {model_vocab} tokens but the tokenizer's has "
+                          f"{tok_vocab}, so text cannot be fed to it (a test fixture? `fastar fixture --preset "
+                          f"vocab` writes one that runs text)")
     if args.verbose:
         cfg = engine.config
         print(f"fastar: loaded {path} in {time.perf_counter() - t:.1f} s: {cfg.num_hidden_layers} layers, hidden "
@@ -237,6 +291,8 @@ def _stream_reply(engine, prompt: str, params, thinking: bool | None, writer: _W
 
 def _read_prompt(args: argparse.Namespace) -> str:
     prompt = args.prompt
+    if (prompt is None or prompt == "-") and sys.stdin is None:
+        raise FastarError("no prompt: standard input is closed; pass -p/--prompt TEXT")
     if prompt is None and not sys.stdin.isatty():
         prompt = "-"
     if prompt is None:

@@ -83,6 +83,9 @@ class FakeTokenizer:
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         return self.encode(encode_messages(messages, **kwargs))
 
+    def max_token_bytes(self) -> int:
+        return max(4, *(len(s.encode()) for s in self.SPECIALS))
+
 
 class FakeSession:
     def __init__(self) -> None:
@@ -215,7 +218,10 @@ def raw(server: Server, method: str, path: str, body: bytes | str | dict | None 
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     if isinstance(body, dict):
         body = json.dumps(body)
-    conn.request(method, path, body=body, headers=headers or {})
+    headers = dict(headers or {})
+    if method == "POST":  # the server refuses POST bodies of any other type (cross-site forms, text/plain)
+        headers.setdefault("Content-Type", "application/json")
+    conn.request(method, path, body=body, headers=headers)
     resp = conn.getresponse()
     data = resp.read()
     conn.close()
@@ -515,7 +521,8 @@ def test_full_queue_is_503_and_waiting_client_that_leaves_is_skipped():
         assert engine.started.acquire(timeout=5)          # the worker holds the first request
         leaver = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
         leaver.request("POST", "/v1/chat/completions", json.dumps(
-            {"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "I leave"}]}))
+            {"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "I leave"}]}),
+            {"Content-Type": "application/json"})
         wait_queued(1)
         third = threading.Thread(target=lambda: results.setdefault("c", chat(cl, "third", extra_body=NO_THINK)))
         third.start()
@@ -564,7 +571,7 @@ def test_keepalive_comments_during_long_prefill():
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
         conn.request("POST", "/v1/chat/completions", json.dumps({
             "model": "deepseek-v4-flash", "stream": True, "temperature": 0,
-            "messages": [{"role": "user", "content": "x" * 500}]}))
+            "messages": [{"role": "user", "content": "x" * 500}]}), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
         body = resp.read().decode()
@@ -787,7 +794,7 @@ def test_cli_arguments_delegate_to_serve(monkeypatch):
     assert S.run_from_args(args, lambda: None) == 0
     assert seen == {"host": "127.0.0.1", "port": 9000, "api_key": "k", "cors_origin": "http://a",
                     "served_model_name": "deepseek-v4-flash", "max_queue": 3, "reasoning_field": "reasoning",
-                    "max_sessions": 4}
+                    "max_sessions": 4, "allowed_hosts": None, "max_connections": 128}
 
 
 def test_server_modules_do_not_import_torch():

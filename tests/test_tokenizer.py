@@ -201,3 +201,13 @@ def test_stream_decoder_matches_decode_on_random_ids(tok: Tokenizer, single_byte
     # mostly single-byte tokens, so invalid and split UTF-8 sequences are common
     ids = [rnd.choice(single_byte_ids) if rnd.random() < 0.6 else i for i in ids]
     assert "".join(_stream(tok, ids)) == tok.decode(ids)
+
+
+def test_long_text_path_gives_the_same_ids_and_max_token_bytes(tok: Tokenizer) -> None:
+    # Over the length where encode() switches to the GIL-releasing encode_batch: the ids of the plain call.
+    rng = random.Random(0)
+    words = ["hello", " world", "\n\n", "  ", "<｜User｜>", "日本語", "😀", "x" * 40, "\t", "def f(x):"]
+    text = "".join(rng.choice(words) for _ in range(20_000))
+    assert len(text) > 1 << 16
+    assert tok.encode(text) == tok.hf.encode(text, add_special_tokens=False).ids
+    assert tok.max_token_bytes() == max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))

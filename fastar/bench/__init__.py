@@ -18,6 +18,12 @@ from .. import console
 from ..errors import FastarError
 
 
+def _thread_list(v: str) -> str:
+    parts = v.split(",")
+    if not all(p.strip().isdigit() and 1 <= int(p) <= 1024 for p in parts):
+        raise argparse.ArgumentTypeError(f"--threads takes comma-separated counts 1..1024, got {v!r}")
+    return v
+
 def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "what",
@@ -33,7 +39,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help=".fst file or checkpoint directory to benchmark end to end",
     )
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--threads", default=None, help="kernels: comma-separated thread counts")
+    b.add_argument("--threads", default=None, type=_thread_list, help="kernels: comma-separated thread counts")
     console.add_draft_argument(b)
     console.add_memory_arguments(b)
     b.add_argument("--prompt-tokens", type=int, default=64, help="model: prompt length to prefill")

@@ -131,11 +131,23 @@ def convert_indexer(src: str | os.PathLike, out: str | os.PathLike, progress: bo
     return _write(out, cfg, source, tensors, ck.read, progress=progress)
 
 
+def _check_tokenizer(tok: bytes) -> None:
+    """The tokenizer.json to embed must load as the V4 tokenizer, or `run` would fail only after conversion."""
+    from ..engine.tokenizer import Tokenizer
+    try:
+        Tokenizer.from_bytes(tok)
+    except Exception as err:  # the tokenizers library raises its own Exception types for a malformed file
+        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise FormatError(f"tokenizer.json: not a usable DeepSeek-V4 tokenizer ({reason})") from None
+
+
 def _write(out: str | os.PathLike, cfg: ModelConfig, source: dict, tensors: list[tuple[str, str, tuple[int, ...]]],
            read: Callable[[str], np.ndarray], tok: bytes | None = None,
            expert: Callable[[int, int], ExpertWeights] | None = None, progress: bool | None = None) -> Path:
     """One `.fst` v3 file: `tensors` [(name, storage dtype, shape)] as `read(name)` gives them, the tokenizer
     blob, and with `expert` ((slot, e) -> ExpertWeights) the whole expert bank (without it, no bank)."""
+    if tok is not None:
+        _check_tokenizer(tok)
     w = FstWriter(out, cfg.to_dict(), source=source, converter_version=__version__)
     with w:
         for name, dtype, shape in tensors:

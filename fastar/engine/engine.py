@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..contracts import ExpertProvider, WeightSource
-from ..errors import ConfigError, FastarError
+from ..errors import ConfigError, FastarError, FormatError
 from ..model.deepseek_v4 import DeepseekV4, Numerics
 from ..model.state import ModelState
 from ..quant import kernels as K
@@ -66,9 +66,23 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
       lookahead: prefetch each next layer's experts guessed by its router.
       draft: "none" (default), "mtp", "dspark" or "auto": speculative decoding for `stream`
         (see `fastar.engine.speculative`).
+      verify: check a `.fst`'s resident tensors against their xxh64 before use, and each expert record the
+        first time it is read (default True); a mismatch is a FormatError naming the tensor or expert.
     """
     source = path if hasattr(path, "tensor") else open_source(path)
     return Engine(source, numerics=numerics, **options)
+
+
+def _verify_resident(source: WeightSource) -> None:
+    """A `.fst` v3's resident tensors and blobs against their checksums (the expert bank is checked record by
+    record as the cache first reads it). Other sources carry no checksums to check."""
+    from ..format.reader import FstFile
+    if isinstance(source, FstFile):
+        bad = source.verify(experts=False)
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise FormatError(f"{source.path}: tensor {bad[0]!r}{more} fails its checksum: the file is corrupt "
+                              f"(run `fastar verify {source.path}`; load with --no-verify to skip this check)")
 
 
 class Engine:
@@ -78,9 +92,11 @@ class Engine:
                  experts: ExpertProvider | None = None, max_rollback: int | None = DEFAULT_MAX_ROLLBACK,
                  prefill_chunk: int = 512, threads: int | None = None, draft: str | None = "none",
                  ram_budget: int | str | None = "auto", cache_policy: str = "lrfu", direct_io: bool | None = None,
-                 lookahead: bool = False) -> None:
+                 lookahead: bool = False, verify: bool = True) -> None:
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        if verify:
+            _verify_resident(source)
         if kernels and K.available():
             # The one place fastar touches process-wide thread settings. The C kernels' pool does the heavy work;
             # torch's OpenMP workers spin after each small op and steal the cores from it (decode 8.3 -> 12.2
@@ -113,7 +129,7 @@ class Engine:
                 # also push the memory-mapped resident weights out of RAM), and measured faster per reader
                 # (docs/EXPERT_MEMORY.md); where the filesystem does not support it, buffered reads.
                 direct_io = getattr(source, "supports_direct_io", False)
-            cache = ExpertCache(source, budget, direct=direct_io, policy=cache_policy)
+            cache = ExpertCache(source, budget, direct=direct_io, policy=cache_policy, verify=verify)
             self.expert_cache = experts = cache
         self.model = DeepseekV4(source, numerics=numerics, kernels=kernels, experts=experts,
                                 max_rollback=max_rollback, lookahead=lookahead)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ConfigError
 from ..model import ops
 from ..model.state import LayerState, ModelState, RowBuffer, StateError
 from .sampling import SamplingParams, argmax, processed_logits
@@ -671,7 +672,7 @@ def resolve(kind: str | None, model, source, kernels: bool = True) -> tuple[Draf
         return None, Schedule(), "none"
     use = have[0] if kind == "auto" else kind
     if use not in have:
-        raise ValueError(f"--draft {use}: this checkpoint has no {use} weights "
+        raise ConfigError(f"--draft {use}: this checkpoint has no {use} weights "
                          f"(it has: {', '.join(have) or 'no draft weights'})")
     drafter = MTPDrafter(model) if use == "mtp" else DSparkDrafter(model, source, kernels)
     r, q = PRIOR_COST[use]

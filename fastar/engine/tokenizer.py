@@ -26,6 +26,8 @@ from tokenizers import decoders
 
 from fastar.encoding import BOS, EOS, encode_messages
 
+_GIL_FREE_FROM = 1 << 16   # characters
+
 
 def _byte_level_alphabet() -> dict[str, int]:
     """Inverse of the GPT-2 byte-level map: vocab character -> the byte it stands for."""
@@ -52,6 +54,7 @@ class Tokenizer:
         self.eos_id: int = eos
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
         self._token_bytes: list[bytes] | None = None
+        self._max_token_bytes: int | None = None
         self._special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
@@ -74,6 +77,10 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in the text become their single ids. No BOS added."""
+        if len(text) > _GIL_FREE_FROM:
+            # `encode` holds the GIL for the whole text (seconds for megabytes, stalling every other thread);
+            # `encode_batch` releases it and gives the same ids.
+            return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         return self._hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -113,6 +120,16 @@ class Tokenizer:
             else:
                 table[i] = bytes(alphabet[c] for c in token)
         return table
+
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (128 for V4). A text of more than n * this many bytes
+        (or characters) cannot fit in n tokens, which lets a server refuse a huge prompt without tokenizing it."""
+        if self._max_token_bytes is None:
+            added = [t.content for t in self._hf.get_added_tokens_decoder().values()]
+            # Byte-level vocabulary entries spell one byte per character; added tokens are plain text.
+            plain = max((len(t) for t in self._hf.get_vocab(with_added_tokens=False)), default=1)
+            self._max_token_bytes = max([plain, *(len(a.encode("utf-8")) for a in added)])
+        return self._max_token_bytes
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         """`encode(encode_messages(messages, **kwargs))`: the prompt ids, BOS included."""

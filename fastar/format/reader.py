@@ -297,19 +297,21 @@ class FstFile(MappedFile):
 
     # --- verification --------------------------------------------------------------------------------------
 
-    def regions(self) -> Iterator[tuple[str, int, int, str]]:
-        """(label, offset, nbytes, expected xxh64) for every checksummed region, in file order."""
+    def regions(self, experts: bool = True) -> Iterator[tuple[str, int, int, str]]:
+        """(label, offset, nbytes, expected xxh64) for every checksummed region, in file order; `experts=False`:
+        the resident tensors and blobs only."""
         for t in self.header["tensors"] + self.header["blobs"]:
             yield t["name"], t["offset"], t["nbytes"], t["xxh64"]
         b = self.bank
-        if b is not None:
+        if b is not None and experts:
             for i, digest in enumerate(b["xxh64"]):
                 slot, e = divmod(i, b["experts"])
                 offset = spec.expert_offset(b["offset"], b["stride"], b["experts"], slot, e)
                 yield f"expert (layer {slot}, id {e})", offset, b["stride"], digest
 
-    def verify(self, progress: Callable[[int], None] | None = None) -> list[str]:
-        """Check every checksum. Returns the labels of bad regions (empty when the file is intact).
+    def verify(self, progress: Callable[[int], None] | None = None, experts: bool = True) -> list[str]:
+        """Check every checksum (`experts=False`: all but the expert bank's). Returns the labels of bad regions
+        (empty when the file is intact).
 
         Reads with `pread` into two reusable 64 MiB buffers, the next chunk read on a helper thread while
         this one hashes (both release the GIL), so verification runs near the disk's sequential speed.
@@ -319,7 +321,7 @@ class FstFile(MappedFile):
         chunk = 64 << 20
         bufs = [bytearray(chunk), bytearray(chunk)]
         jobs = [(label, digest, pos, min(chunk, off + n - pos))
-                for label, off, n, digest in self.regions() for pos in range(off, off + max(n, 1), chunk)]
+                for label, off, n, digest in self.regions(experts) for pos in range(off, off + max(n, 1), chunk)]
         bad: list[str] = []
         hashers: dict[str, xxhash.xxh64] = {}
         ends = {}

@@ -216,6 +216,68 @@ def _with_system_extras(messages: list, tools: list | None, response_format: dic
     return messages
 
 
+TOOL_CHOICES = ("none", "auto", "required")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _check_messages(messages: list[dict]) -> None:
+    """What the encoder would take silently but the OpenAI API refuses: a tool result must say which call it
+    answers."""
+    for i, msg in enumerate(messages):
+        if msg.get("role") == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad_request(f"messages[{i}]: a 'tool' message needs a non-empty string 'tool_call_id'",
+                                  f"messages[{i}].tool_call_id")
+
+
+def _tools(tools: Any) -> list | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list of tool objects", "tools")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise bad_request(f"'{where}' must be an object with type 'function'", where)
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"'{where}.function' must be an object with a non-empty string 'name'",
+                              f"{where}.function")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"'{where}.function.parameters' must be a JSON Schema object, got "
+                              f"{json.dumps(fn['parameters'])[:80]}", f"{where}.function.parameters")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise bad_request(f"'{where}.function.description' must be a string", f"{where}.function.description")
+    return tools
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None or choice in TOOL_CHOICES:
+        return choice
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            return choice
+    raise bad_request(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
+                      f'{{"type": "function", "function": {{"name": ...}}}}, got {json.dumps(choice)[:80]}',
+                      "tool_choice")
+
+
+def _response_format(fmt: Any) -> dict | None:
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
+        raise bad_request(f"'response_format' must be an object whose 'type' is one of "
+                          f"{', '.join(RESPONSE_FORMATS)}", "response_format")
+    if fmt["type"] == "json_schema":
+        schema = fmt.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), dict):
+            raise bad_request("'response_format.json_schema' must be an object (with 'name' and a 'schema' "
+                              "object)", "response_format.json_schema")
+    return None if fmt["type"] == "text" else fmt
+
+
 def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking: bool = True) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -231,20 +293,12 @@ def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking
     params["logprobs"] = top_logprobs if logprobs else None
     thinking, effort, drop = _thinking(body, default_thinking)
 
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad_request("'tools' must be a list of tool objects", "tools")
-    tool_choice = body.get("tool_choice")
-    if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
-        raise bad_request("'tool_choice' must be a string or an object", "tool_choice")
+    _check_messages(messages)
+    tools = _tools(body.get("tools"))
+    tool_choice = _tool_choice(body.get("tool_choice"))
     if tool_choice == "none":
         tools = None  # the model is told of no tools, so it cannot call one
-    response_format = body.get("response_format")
-    if response_format is not None:
-        if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
-            raise bad_request("'response_format' must be an object with a 'type'", "response_format")
-        if response_format["type"] == "text":
-            response_format = None
+    response_format = _response_format(body.get("response_format"))
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
@@ -268,6 +322,10 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
     if not (isinstance(prompt, str) or is_ids) or not prompt:
         raise bad_request("'prompt' must be a non-empty string or list of token ids (one prompt per request)",
                           "prompt")
+    if _integer(body, "best_of", 1, None, 1) != 1:
+        raise bad_request("only best_of=1 is supported (one sequence per request)", "best_of")
+    if body.get("suffix") not in (None, ""):
+        raise bad_request("'suffix' (fill-in-the-middle) is not supported by this model", "suffix")
     params, max_tokens = _sampling(body)
     params["logprobs"] = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
     stream_options = body.get("stream_options") or {}
@@ -281,14 +339,14 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
 
 
 def resolve_max_tokens(prompt_tokens: int, max_tokens: int | None, context_length: int,
-                       note: str | None = None) -> int:
+                       note: str | None = None, param: str = "messages") -> int:
     """Never truncate silently: a prompt that does not fit, or a budget that overflows the context, is a 400.
     `note` says why the context is shorter than asked (e.g. a model file without lightning-indexer weights)."""
     why = f" ({note})" if note else ""
     if prompt_tokens >= context_length:
         raise bad_request(
             f"This model's maximum context length is {context_length} tokens{why}, but the prompt is "
-            f"{prompt_tokens} tokens. Please shorten the prompt.", "messages", "context_length_exceeded")
+            f"{prompt_tokens} tokens. Please shorten the prompt.", param, "context_length_exceeded")
     if max_tokens is None:
         return context_length - prompt_tokens
     if prompt_tokens + max_tokens > context_length:

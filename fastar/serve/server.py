@@ -1,41 +1,50 @@
-"""The HTTP front-end: OpenAI-compatible API, metrics and the web UI over one engine.
+"""The HTTP server: uvicorn (h11) serving the Starlette app of `fastar.serve.app` over one engine worker.
 
 Owns:
-  * `Server`: binds a `ThreadingHTTPServer`, loads the engine in the background (`/health` answers 503 with the
-    load progress meanwhile) and runs the one worker thread that owns the engine. Handler threads only parse,
-    validate, tokenize and enqueue; they never call the model. Usable from tests: port 0, `.port`, `.shutdown()`.
-  * `serve()`, `add_arguments()`, `run_from_args()`: what `fastar serve` delegates to.
-  * Client disconnects: a failed write (or a closed socket seen while waiting) sets the job's cancel event; the
-    worker stops at the next token.
-  * Static files of the web UI, served only from `static/`: traversal, encoded traversal and symlinks that leave
+  * `Server`: binds the socket itself (so a taken port is an error at `start()` and port 0 works for tests),
+    runs uvicorn on its own thread and event loop, loads the engine in the background (`/health` answers 503
+    with the load progress meanwhile) and starts the one worker thread that owns the engine. Request handlers
+    only parse, validate, tokenize (off the event loop) and enqueue; they never call the model. Usable from
+    tests: port 0, `.port`, `.shutdown()`. `extra_routes` and `error_shapes` mount other APIs on the same app.
+  * `Limits`: the HTTP limits (listen backlog, concurrent connections, header/keep-alive/body timeouts, header
+    and body sizes), documented in docs/serving.md.
+  * The web UI's static files, served only from `static/`: traversal, encoded traversal and symlinks that leave
     the folder all answer 404.
+  * `serve()`, `add_arguments()`, `run_from_args()`: what `fastar serve` delegates to.
 
-Does not own: request/response shapes and stop strings (`fastar.serve.protocol`), the prefix cache pool and
-metrics (`fastar.serve.worker`), or anything with tensors. Never imports torch.
+Why uvicorn + Starlette: uvicorn is the well-kept ASGI server (h11 parsing of request lines and headers,
+keep-alive timeouts, a real listen backlog, a connection limit, graceful shutdown); Starlette is the small
+router/response layer under FastAPI, with streaming responses that notice a client leaving. FastAPI adds
+pydantic models and OpenAPI pages we do not need (the OpenAI shapes are validated by hand in `protocol`).
+
+Does not own: routes (`fastar.serve.routes`), guards and errors (`fastar.serve.app`), request shapes
+(`fastar.serve.protocol`), the worker, session pool and metrics (`fastar.serve.worker`). Never imports torch.
 """
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
-import hmac
-import json
+import asyncio
 import logging
-import queue
-import re
-import select
 import socket
 import threading
 import time
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
+
+import uvicorn
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from fastar.errors import FastarError
 from fastar.serve import protocol as P
-from fastar.serve.worker import EngineHost, Job, Metrics
+from fastar.serve.app import ErrorShape, Settings, build_app
+from fastar.serve.routes import OpenAIRoutes
+from fastar.serve.worker import EngineHost, Metrics
 
 log = logging.getLogger("fastar.serve")
 
@@ -47,434 +56,67 @@ _UI_HEADERS = {
     # Model output is rendered as HTML by the UI; the CSP is the second wall behind its escaping.
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
                                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
 }
 # Fixed, not mimetypes: the system's table may lack or mislabel .js, and module scripts need a JS type.
 _CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                   ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png",
                   ".ico": "image/x-icon", ".json": "application/json", ".txt": "text/plain; charset=utf-8"}
-_TOKEN_LIST = re.compile(r"^[A-Za-z0-9_\-, ]*$")
 
 
-class ClientGone(Exception):
-    """The client closed its connection; its generation has been cancelled."""
+@dataclass(frozen=True)
+class Limits:
+    """HTTP limits. A connection costs a socket and a little memory on the event loop, never a thread."""
+
+    backlog: int = 2048               # connections the kernel queues before accept(); 5 dropped clients at 16
+    max_connections: int = 128        # open connections (and requests in flight); more get a plain 503
+    header_timeout: float = 10.0      # seconds for a request line and headers to arrive (slowloris)
+    keep_alive_timeout: int = 5       # seconds an idle keep-alive connection is kept
+    body_timeout: float = 60.0        # seconds for a whole request body to arrive
+    max_header_bytes: int = 64 * 1024  # request line plus headers
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    graceful_shutdown: int = 5        # seconds open responses get to finish on shutdown
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True   # a stuck client never blocks shutdown
-    app: Server
+class _H11(H11Protocol):
+    """uvicorn's h11 protocol plus a header timeout: a connection whose request line and headers have not all
+    arrived within `Limits.header_timeout` (after connecting, or after its previous response) is closed.
+    uvicorn's own keep-alive timer only covers a connection that sends nothing at all."""
 
+    header_timeout: float = Limits.header_timeout
+    _timer: asyncio.TimerHandle | None = None
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"   # keep-alive: the openai client reuses connections
-    server_version = "fastar"
-    timeout = 600                   # idle keep-alive connections and stalled readers are dropped after this
-    server: _HTTPServer
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
 
-    # ---- plumbing ---------------------------------------------------------------------------------------
+    def _arm(self) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(self.header_timeout, self._expired)
 
-    @property
-    def app(self) -> Server:
-        return self.server.app
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.info("%s %s", self.address_string(), format % args)
+    def _expired(self) -> None:
+        self._timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
-    def _cors_headers(self) -> dict[str, str]:
-        headers = getattr(self, "headers", None)  # absent when the request line itself was malformed
-        origin = headers.get("Origin") if headers is not None else None
-        allowed = self.app.cors_origins
-        if not origin or not allowed:
-            return {}
-        if "*" in allowed:
-            return {"Access-Control-Allow-Origin": "*"}
-        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"} if origin in allowed else {}
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:   # a request's headers are complete
+            self._disarm()
 
-    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in {**self._cors_headers(), **(headers or {})}.items():
-            self.send_header(key, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+    def on_response_complete(self) -> None:
+        self._arm()                   # before: a pipelined request handled inside disarms it again
+        super().on_response_complete()
 
-    def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json", headers)
-
-    def _send_error(self, err: P.APIError, headers: dict[str, str] | None = None) -> None:
-        self.app.metrics.error(err.status)
-        self._send_json(err.status, err.to_dict(), headers)
-
-    def _write(self, data: bytes, job: Job | None = None) -> None:
-        """One chunk of a chunked response; a dead client cancels its job."""
-        try:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        except (OSError, ValueError):  # BrokenPipe, ConnectionReset, timeouts, a closed wfile
-            if job is not None:
-                job.cancel.set()
-            raise ClientGone from None
-
-    def _start_sse(self, job: Job) -> None:
-        self.send_response(200)
-        for key, value in {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-                           "Transfer-Encoding": "chunked", "X-Accel-Buffering": "no",
-                           **self._cors_headers()}.items():
-            self.send_header(key, value)
-        self._streaming = True
-        try:
-            self.end_headers()
-        except OSError:
-            job.cancel.set()
-            raise ClientGone from None
-
-    def _end_sse(self, job: Job) -> None:
-        self._write(P.SSE_DONE, job)
-        self._write(b"", job)  # the zero-length chunk ends the chunked body
-
-    def _client_gone(self) -> bool:
-        """True when the peer has closed: the socket reads as EOF (pipelined bytes do not count)."""
-        try:
-            poller = select.poll()  # not select(): no FD_SETSIZE limit on busy servers
-            poller.register(self.connection, select.POLLIN | select.POLLERR | select.POLLHUP)
-            return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    # ---- dispatch ---------------------------------------------------------------------------------------
-
-    def _authorized(self) -> bool:
-        key = self.app.api_key
-        if not key:
-            return True
-        header = self.headers.get("Authorization", "")
-        scheme, _, value = header.partition(" ")
-        token = value.strip()
-        if scheme.lower() == "basic":
-            # Browsers cannot attach a Bearer header to page loads; the UI is reached with Basic auth, the
-            # key as the password, and the browser then sends the same credentials on the UI's API calls.
-            try:
-                token = base64.b64decode(token, validate=True).decode().partition(":")[2]
-            except (binascii.Error, UnicodeDecodeError):
-                return False
-        elif scheme.lower() != "bearer":
-            token = self.headers.get("X-Api-Key", "")
-        return hmac.compare_digest(token.encode(), key.encode())
-
-    def _route(self, method: str) -> None:
-        path = urlsplit(self.path).path
-        api_path = path.rstrip("/") or "/"
-        is_ui = method == "GET" and not (api_path.startswith("/v1/") or api_path in _API_GET)
-        if api_path not in _PUBLIC and not self._authorized():
-            scheme = 'Basic realm="fastar", charset="UTF-8"' if is_ui else "Bearer"
-            # "Connection: close": the body stays unread, so it must not be taken for the next request.
-            return self._send_error(P.APIError(401, "Invalid or missing API key (send 'Authorization: Bearer "
-                                                    "<key>')", "invalid_request_error", None, "invalid_api_key"),
-                                    {"WWW-Authenticate": scheme, "Connection": "close"})
-        if method == "POST":
-            self._raw = self._read_body()  # read before routing, so no answer leaves a body unread
-        routes = _API_POST if method == "POST" else _API_GET
-        name = routes.get(api_path)
-        if name is not None:
-            return getattr(self, name)()
-        other = _API_GET if method == "POST" else _API_POST
-        if api_path in other:
-            err = P.APIError(405, f"{method} is not allowed on {api_path}", code="method_not_allowed")
-            return self._send_error(err, {"Allow": "GET" if method == "POST" else "POST"})
-        if method == "GET":
-            return self._static(path)
-        self._send_error(P.APIError(404, f"no route {method} {api_path}", code="not_found"))
-
-    def do_GET(self) -> None:
-        self._handle("GET")
-
-    def do_HEAD(self) -> None:
-        self._handle("GET")
-
-    def do_POST(self) -> None:
-        self._handle("POST")
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """http.server's own errors (malformed request line, oversized headers) in the OpenAI JSON shape."""
-        self.close_connection = True
-        err = P.APIError(code, message or explain or "bad request", code="bad_http_request")
-        try:
-            self._send_json(code, err.to_dict(), {"Connection": "close"})
-        except OSError:
-            pass
-
-    def _handle(self, method: str) -> None:
-        self._streaming = False
-        try:
-            self._route(method)
-        except ClientGone:
-            self.close_connection = True
-        except P.APIError as err:
-            self._send_error(err, {"Connection": "close"} if self.close_connection else None)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-        except Exception:
-            log.exception("unhandled error in %s %s", method, self.path)
-            if self._streaming:  # headers are out: an error body would corrupt the stream; just hang up
-                self.close_connection = True
-                return
-            try:
-                self._send_error(P.APIError(500, "internal server error", "server_error"), {"Connection": "close"})
-            except OSError:
-                self.close_connection = True
-
-    def do_OPTIONS(self) -> None:
-        """CORS preflight: answered without auth (browsers never send credentials on it)."""
-        origin = self.headers.get("Origin")
-        if origin and self.headers.get("Access-Control-Request-Method"):
-            cors = self._cors_headers()
-            if not cors:
-                return self._send_error(P.APIError(403, f"origin {origin} is not allowed", code="cors_forbidden"))
-            requested = self.headers.get("Access-Control-Request-Headers", "")
-            allow_headers = requested if _TOKEN_LIST.match(requested) and requested else "Authorization, Content-Type"
-            return self._send(204, b"", "text/plain", {
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                "Access-Control-Allow-Headers": allow_headers, "Access-Control-Max-Age": "600"})
-        self._send(204, b"", "text/plain", {"Allow": "GET, POST, OPTIONS"})
-
-    def _read_body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self.close_connection = True
-            raise P.APIError(411, "chunked request bodies are not supported; send Content-Length",
-                             code="length_required")
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            self.close_connection = True
-            raise P.bad_request("invalid Content-Length header") from None
-        if length > self.app.max_body_bytes:
-            self.close_connection = True  # the body stays unread
-            raise P.APIError(413, f"request body of {length} bytes exceeds the limit of {self.app.max_body_bytes}",
-                             code="request_too_large")
-        return self.rfile.read(length) if length > 0 else b""
-
-    def _body(self) -> Any:
-        try:
-            return json.loads(self._raw)
-        except (UnicodeDecodeError, ValueError) as err:
-            raise P.bad_request(f"the request body is not valid JSON: {err}", code="invalid_json") from None
-
-    # ---- routes -----------------------------------------------------------------------------------------
-
-    def _health(self) -> None:
-        host = self.app.host
-        if host.error is not None:
-            return self._send_json(500, {**P.APIError(500, f"model failed to load: {host.error}", "server_error",
-                                                      code="model_load_failed").to_dict(), "status": "error"})
-        if not host.ready.is_set():
-            progress = host.progress()
-            err = P.APIError(503, f"model is loading ({progress:.0%})", "unavailable_error", code="model_loading")
-            return self._send_json(503, {**err.to_dict(), "status": "loading", "progress": round(progress, 4)})
-        self._send_json(200, {"status": "ok"})
-
-    def _engine(self) -> Any:
-        return self.app.host.require_engine()
-
-    def _models(self) -> None:
-        engine = self._engine()
-        ctx = engine.context_length
-        self._send_json(200, {"object": "list", "data": [{
-            "id": self.app.model_names[0], "object": "model", "created": self.app.started, "owned_by": "fastar",
-            "root": getattr(engine, "model_name_default", self.app.model_names[0]),
-            "max_model_len": ctx, "context_length": ctx}]})
-
-    def _metrics(self) -> None:
-        text = self.app.metrics.render(self.app.host)
-        self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
-
-    def _tokenize(self) -> None:
-        body = self._body()
-        engine = self._engine()
-        if not isinstance(body, dict):
-            raise P.bad_request("the request body must be a JSON object")
-        if "messages" in body:
-            req = P.parse_chat_request({**body, "model": None}, self.app.model_names, self.app.default_thinking)
-            ids = self._encode_chat(engine, req)
-        else:
-            text = body.get("prompt", body.get("content"))
-            if not isinstance(text, str):
-                raise P.bad_request("'prompt' (or 'content') must be a string, or send 'messages'", "prompt")
-            ids = engine.tokenizer.encode(text)
-        self._send_json(200, {"tokens": ids, "count": len(ids), "max_model_len": engine.context_length})
-
-    def _detokenize(self) -> None:
-        body = self._body()
-        engine = self._engine()
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise P.bad_request("'tokens' must be a list of integers", "tokens")
-        P.check_token_ids(tokens, getattr(engine.tokenizer, "vocab_size", None), "tokens")
-        text = engine.tokenizer.decode(tokens)
-        self._send_json(200, {"prompt": text, "content": text})
-
-    def _encode_chat(self, engine: Any, req: P.ChatRequest) -> list[int]:
-        try:
-            return list(engine.tokenizer.encode_chat(
-                req.messages, thinking_mode="thinking" if req.thinking else "chat",
-                drop_thinking=req.drop_thinking, reasoning_effort=req.reasoning_effort))
-        except (ValueError, TypeError) as err:  # EncodingError is a ValueError
-            raise P.bad_request(str(err), "messages") from None
-
-    def _submit(self, engine: Any, prompt_ids: list[int], sampling: dict, max_tokens: int | None) -> tuple[Job, int]:
-        limit = P.resolve_max_tokens(len(prompt_ids), max_tokens, engine.context_length,
-                                      getattr(engine, "context_note", None))
-        job = Job(prompt_ids, P.make_sampling_params(sampling, limit))
-        self.app.host.submit(job)
-        return job, limit
-
-    def _chat(self) -> None:
-        body = self._body()
-        req = P.parse_chat_request(body, self.app.model_names, self.app.default_thinking)
-        engine = self._engine()
-        prompt_ids = self._encode_chat(engine, req)
-        job, limit = self._submit(engine, prompt_ids, req.sampling, req.max_tokens)
-        try:
-            self._chat_reply(req, engine, job, limit, len(prompt_ids))
-        finally:
-            job.cancel.set()  # whatever ended this reply (done, client gone, a bug), nobody reads the job now
-
-    def _chat_reply(self, req: P.ChatRequest, engine: Any, job: Job, limit: int, n_prompt: int) -> None:
-        turn = P.ChatTurn(req, engine.tokenizer, self.app.reasoning_field)
-        rid, created = P.new_id("chatcmpl"), int(time.time())
-        if not req.stream:
-            cached = self._drive(job, turn, None)
-            _, finish = turn.finish(limit)
-            self.app.metrics.finished(finish)
-            use = P.usage(n_prompt, turn.completion_tokens, cached)
-            return self._send_json(200, P.chat_response(rid, req.model, turn.message(), finish, use,
-                                                        turn.logprobs if req.logprobs else None))
-
-        def emit(deltas: list) -> None:
-            for delta, lp in deltas:
-                self._write(P.sse(P.chat_chunk(rid, created, req.model, delta, None, lp)), job)
-
-        self._start_sse(job)
-        self._write(P.sse(P.chat_chunk(rid, created, req.model, {"role": "assistant", "content": ""})), job)
-        cached = self._drive(job, turn, emit)
-        if cached is _FAILED:
-            return
-        deltas, finish = turn.finish(limit)
-        emit(deltas)
-        self.app.metrics.finished(finish)
-        self._write(P.sse(P.chat_chunk(rid, created, req.model, {}, finish, turn.pending.take())), job)
-        if req.include_usage:
-            use = P.usage(n_prompt, turn.completion_tokens, cached)
-            self._write(P.sse(P.usage_chunk(rid, created, req.model, "chat.completion.chunk", use)), job)
-        self._end_sse(job)
-
-    def _completions(self) -> None:
-        body = self._body()
-        req = P.parse_completion_request(body, self.app.model_names)
-        engine = self._engine()
-        if isinstance(req.prompt, str):
-            prompt_text, prompt_ids = req.prompt, list(engine.tokenizer.encode(req.prompt))
-        else:
-            P.check_token_ids(req.prompt, getattr(engine.tokenizer, "vocab_size", None), "prompt")
-            prompt_text, prompt_ids = engine.tokenizer.decode(req.prompt), list(req.prompt)
-        job, limit = self._submit(engine, prompt_ids, req.sampling, req.max_tokens)
-        try:
-            self._completion_reply(req, engine, job, limit, len(prompt_ids), prompt_text if req.echo else "")
-        finally:
-            job.cancel.set()
-
-    def _completion_reply(self, req: P.CompletionRequest, engine: Any, job: Job, limit: int, n_prompt: int,
-                          prefix: str) -> None:
-        turn = P.CompletionTurn(req, engine.tokenizer, len(prefix))
-        rid, created = P.new_id("cmpl"), int(time.time())
-        if not req.stream:
-            cached = self._drive(job, turn, None)
-            _, finish = turn.finish(limit)
-            self.app.metrics.finished(finish)
-            use = P.usage(n_prompt, turn.completion_tokens, cached)
-            return self._send_json(200, P.completion_response(rid, req.model, prefix + turn.text, finish, use,
-                                                              turn.logprobs))
-
-        def emit(pieces: list) -> None:
-            for text, lp in pieces:
-                self._write(P.sse(P.completion_chunk(rid, created, req.model, text, None, lp)), job)
-
-        self._start_sse(job)
-        if prefix:
-            emit([(prefix, None)])
-        cached = self._drive(job, turn, emit)
-        if cached is _FAILED:
-            return
-        pieces, finish = turn.finish(limit)
-        emit(pieces)
-        self.app.metrics.finished(finish)
-        self._write(P.sse(P.completion_chunk(rid, created, req.model, "", finish)), job)
-        if req.include_usage:
-            use = P.usage(n_prompt, turn.completion_tokens, cached)
-            self._write(P.sse(P.usage_chunk(rid, created, req.model, "text_completion", use)), job)
-        self._end_sse(job)
-
-    def _static(self, path: str) -> None:
-        full = _static_path(path)
-        if full is None:
-            return self._send_error(P.APIError(404, "not found", code="not_found"))
-        ctype = _CONTENT_TYPES.get(full.suffix.lower(), "application/octet-stream")
-        self._send(200, full.read_bytes(), ctype, _UI_HEADERS)
-
-    def _drive(self, job: Job, turn: Any, emit: Callable[[list], None] | None) -> Any:
-        """Pump the worker's events through `turn` until the job ends; returns the cached-prompt token count.
-
-        Streaming (`emit` set): deltas go out as they come, `: keep-alive` comments fill long silences (a
-        prefill of minutes), and an engine error becomes an SSE error event (then `_FAILED`). Not streaming:
-        an engine error is raised as a 500. Either way a closed client cancels the job."""
-        interval = self.app.keepalive_interval
-        last_write = time.monotonic()
-        while True:
-            try:
-                kind, payload = job.events.get(timeout=min(0.25, interval))
-            except queue.Empty:
-                if self._client_gone():
-                    job.cancel.set()
-                    raise ClientGone from None
-                if emit is not None and time.monotonic() - last_write >= interval:
-                    progress = job.progress
-                    note = f"keep-alive prefill {progress[0]}/{progress[1]}" if progress else "keep-alive"
-                    self._write(P.sse_comment(note), job)
-                    last_write = time.monotonic()
-                continue
-            if kind == "chunk":
-                if self._client_gone():  # a FIN is seen at once; a failed write would take a token or two more
-                    job.cancel.set()
-                    raise ClientGone
-                deltas = turn.feed(payload)
-                if turn.stopped:
-                    job.cancel.set()  # our stop string: the engine need not go on
-                if deltas and emit is not None:
-                    emit(deltas)
-                    last_write = time.monotonic()
-            elif kind == "error":
-                status, message = payload
-                err = (P.bad_request(message) if status == 400 else
-                       P.APIError(status, message, "server_error", code="generation_failed"))
-                if emit is None:
-                    raise err
-                self.app.metrics.error(status)
-                self._write(P.sse(err.to_dict()), job)
-                self._end_sse(job)
-                return _FAILED
-            elif kind == "end":
-                return payload
-
-
-_FAILED = object()
-_PUBLIC = ("/health", "/v1/health")   # load balancers and the UI's status dot probe these without a key
-_API_GET = {"/v1/models": "_models", "/models": "_models", "/metrics": "_metrics",
-            "/health": "_health", "/v1/health": "_health"}
-_API_POST = {"/v1/chat/completions": "_chat", "/chat/completions": "_chat",
-             "/v1/completions": "_completions", "/completions": "_completions",
-             "/tokenize": "_tokenize", "/detokenize": "_detokenize"}
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
 
 
 def _static_path(path: str) -> Path | None:
@@ -504,6 +146,18 @@ def _static_path(path: str) -> Path | None:
     return full
 
 
+async def _ui(request: Request) -> Response:
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    full = _static_path(raw.decode("latin-1").split("?", 1)[0])
+    if full is None:
+        raise P.APIError(404, "not found", code="not_found")
+    ctype = _CONTENT_TYPES.get(full.suffix.lower(), "application/octet-stream")
+    return Response(full.read_bytes(), media_type=ctype, headers=_UI_HEADERS)
+
+
+UI_ROUTES: list[BaseRoute] = [Route("/", _ui), Route("/index.html", _ui), Route("/static/{rest:path}", _ui)]
+
+
 class Server:
     """The API server. `start()` binds and returns at once; the model loads in the background."""
 
@@ -512,32 +166,67 @@ class Server:
                  served_model_name: str = "deepseek-v4-flash", max_queue: int = 16,
                  reasoning_field: str = "reasoning_content", max_sessions: int = 4,
                  default_thinking: bool = True, keepalive_interval: float = 5.0,
-                 max_body_bytes: int = DEFAULT_MAX_BODY) -> None:
+                 max_body_bytes: int | None = None, allowed_hosts: str | Sequence[str] | None = None,
+                 limits: Limits | None = None, extra_routes: Sequence[BaseRoute] = (),
+                 error_shapes: dict[str, ErrorShape] | None = None) -> None:
         if reasoning_field not in REASONING_FIELDS:
             raise ValueError(f"reasoning_field must be one of {REASONING_FIELDS}, got {reasoning_field!r}")
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+        limits = limits or Limits()
+        if max_body_bytes is not None:
+            limits = Limits(**{**limits.__dict__, "max_body_bytes": max_body_bytes})
+        self.limits = limits
         self.bind = (host, port)
-        self.api_key = api_key or None
-        self.cors_origins = tuple(o.strip().rstrip("/") for o in (cors_origin or "").split(",") if o.strip())
+        if isinstance(allowed_hosts, str):
+            allowed_hosts = allowed_hosts.split(",")
+        self.settings = Settings(
+            api_key=api_key or None,
+            cors_origins=tuple(o.strip().rstrip("/") for o in (cors_origin or "").split(",") if o.strip()),
+            allowed_hosts=tuple(h.strip() for h in allowed_hosts or () if h.strip()),
+            bound_host=host, max_body_bytes=limits.max_body_bytes, body_timeout=limits.body_timeout,
+            error_shapes=dict(error_shapes or {}))
         self.reasoning_field = reasoning_field
         self.default_thinking = default_thinking
         self.keepalive_interval = keepalive_interval
-        self.max_body_bytes = max_body_bytes
         self.metrics = Metrics()
         self.host = EngineHost(engine_factory, max_queue, max_sessions, self.metrics)
         self.model_names: tuple[str, ...] = (served_model_name,)
+        self.max_token_bytes: int | None = None   # the tokenizer's longest token, for the cheap prompt bound
         self.started = int(time.time())
-        self._httpd: _HTTPServer | None = None
+        self.app = build_app(self.settings, [*OpenAIRoutes(self).routes(), *extra_routes, *UI_ROUTES],
+                             on_error=self.metrics.error)
+        self._uvicorn: uvicorn.Server | None = None
+        self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> Server:
-        httpd = _HTTPServer(self.bind, Handler)
-        httpd.app = self
-        self._httpd = httpd
-        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
+        host, port = self.bind
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
+        config = uvicorn.Config(
+            self.app, http=type("_H11Limited", (_H11,), {"header_timeout": self.limits.header_timeout}),
+            lifespan="off", log_config=None, server_header=False, date_header=True,
+            backlog=self.limits.backlog, limit_concurrency=self.limits.max_connections,
+            timeout_keep_alive=self.limits.keep_alive_timeout,
+            timeout_graceful_shutdown=self.limits.graceful_shutdown,
+            h11_max_incomplete_event_size=self.limits.max_header_bytes)
+        self._uvicorn = uvicorn.Server(config)
+        self._sock = sock
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._uvicorn.serve(sockets=[sock])),
                                         name="fastar-http", daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._uvicorn.started:
+            sock.close()
+            raise FastarError("the HTTP server did not start")
+        self.start_engine()
+        return self
+
+    def start_engine(self) -> Server:
+        """Load the engine and start its worker, without the HTTP server: for driving `self.app` in-process."""
         self.host.start(on_ready=self._on_ready)
         return self
 
@@ -545,11 +234,13 @@ class Server:
         default = getattr(engine, "model_name_default", None)
         if isinstance(default, str) and default not in self.model_names:
             self.model_names = (*self.model_names, default)  # accepted in requests, never listed
+        longest = getattr(engine.tokenizer, "max_token_bytes", None)
+        self.max_token_bytes = int(longest()) if callable(longest) else None
 
     @property
     def port(self) -> int:
-        assert self._httpd is not None, "start() first"
-        return self._httpd.server_address[1]
+        assert self._sock is not None, "start() first"
+        return self._sock.getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -562,11 +253,16 @@ class Server:
         return self.host.wait_ready(timeout)
 
     def shutdown(self) -> None:
+        """Stop the worker first (a stream in flight gets a `shutting_down` error event, not a clean stop),
+        then uvicorn, which lets open responses finish for `Limits.graceful_shutdown` seconds."""
         self.host.shutdown()
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            if self._thread is not None:
+                self._thread.join(self.limits.graceful_shutdown + 5)
+            self._uvicorn = None
+        if self._sock is not None:
+            self._sock.close()
 
     def __enter__(self) -> Server:
         return self.start()
@@ -583,13 +279,15 @@ def serve(engine_factory: Callable[..., Any], host: str = "127.0.0.1", port: int
           api_key: str | None = None, cors_origin: str | None = None,
           served_model_name: str = "deepseek-v4-flash", max_queue: int = 16,
           reasoning_field: str = "reasoning_content", max_sessions: int = 4,
-          default_thinking: bool = True) -> int:
+          default_thinking: bool = True, allowed_hosts: str | None = None,
+          max_connections: int = Limits.max_connections) -> int:
     """Run the server until Ctrl-C. Returns 0; raises FastarError if the port is taken or the model fails to load."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     server = Server(engine_factory, host=host, port=port, api_key=api_key, cors_origin=cors_origin,
                     served_model_name=served_model_name, max_queue=max_queue, reasoning_field=reasoning_field,
-                    max_sessions=max_sessions, default_thinking=default_thinking)
+                    max_sessions=max_sessions, default_thinking=default_thinking, allowed_hosts=allowed_hosts,
+                    limits=Limits(max_connections=max_connections))
     try:
         server.start()
     except OSError as err:
@@ -609,23 +307,45 @@ def serve(engine_factory: Callable[..., Any], host: str = "127.0.0.1", port: int
     return 0
 
 
+def _int_flag(lo: int, hi: int | None, what: str) -> Callable[[str], int]:
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {v!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(f"{what} must be {f'at least {lo}' if hi is None else f'{lo}..{hi}'}, "
+                                             f"got {n}")
+        return n
+    parse.__name__ = what
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags, for `fastar serve` (the caller adds -m/--model and the engine's own flags)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
-    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    parser.add_argument("--port", type=_int_flag(0, 65535, "a port"), default=8080, help="port (default 8080)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every route but /health")
     parser.add_argument("--cors-origin", default=None,
                         help="allow browser pages from this origin (comma-separated list, or '*')")
     parser.add_argument("--served-model-name", default="deepseek-v4-flash", help="model id the API reports and accepts")
-    parser.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get 503 (default 16)")
-    parser.add_argument("--max-sessions", type=int, default=4,
+    parser.add_argument("--max-queue", type=_int_flag(1, None, "--max-queue"), default=16,
+                        help="requests that may wait; more get 503 (default 16)")
+    parser.add_argument("--max-sessions", type=_int_flag(0, None, "--max-sessions"), default=4,
                         help="conversations whose model state is kept for prefix reuse (default 4)")
     parser.add_argument("--reasoning-field", default="reasoning_content", choices=REASONING_FIELDS,
                         help="response field for the thinking text (default reasoning_content, as DeepSeek's API)")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="extra host names the server answers to (comma-separated; '*' for any). The bound "
+                             "address, localhost names and IP addresses are always allowed")
+    parser.add_argument("--max-connections", type=_int_flag(1, None, "--max-connections"),
+                        default=Limits.max_connections,
+                        help=f"open connections at once; more get 503 (default {Limits.max_connections})")
 
 
 def run_from_args(args: argparse.Namespace, engine_factory: Callable[..., Any]) -> int:
     return serve(engine_factory, host=args.host, port=args.port, api_key=args.api_key, cors_origin=args.cors_origin,
                  served_model_name=args.served_model_name, max_queue=args.max_queue,
-                 reasoning_field=args.reasoning_field, max_sessions=args.max_sessions)
+                 reasoning_field=args.reasoning_field, max_sessions=args.max_sessions,
+                 allowed_hosts=args.allowed_hosts, max_connections=args.max_connections)

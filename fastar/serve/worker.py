@@ -44,7 +44,8 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     cancel: threading.Event = field(default_factory=threading.Event)
-    events: queue.Queue = field(default_factory=queue.Queue)
+    # Anything with a thread-safe put(); the HTTP handlers pass one that lands on their event loop.
+    events: Any = field(default_factory=queue.Queue)
     created: float = field(default_factory=time.monotonic)
     progress: tuple[int, int] | None = None   # (prefilled, total) while the prompt is being processed
 
@@ -168,7 +169,8 @@ class EngineHost:
             self.pool = SessionPool(engine, self.max_sessions)
             on_ready(engine)
         except BaseException as err:  # noqa: BLE001 - reported through /health, and by serve() as the exit reason
-            log.exception("loading the model failed")
+            if not isinstance(err, (FastarError, OSError)):   # those are the user's to fix, in one line
+                log.exception("loading the model failed")
             self.error = f"{type(err).__name__}: {err}"
             self._settled.set()
             return
@@ -246,6 +248,7 @@ class EngineHost:
         first = last = None
         ok = False
         reported: int | None = None   # cached prompt tokens, when the engine's last chunk carries `usage`
+        last_finish: str | None = None
 
         def on_progress(done: int, total: int) -> None:
             job.progress = (done, total)
@@ -263,6 +266,7 @@ class EngineHost:
                     if isinstance(usage, dict) and isinstance(usage.get("cached_tokens"), int):
                         reported = usage["cached_tokens"]
                     job.events.put(("chunk", chunk))
+                    last_finish = chunk.finish_reason or last_finish
                     if job.cancel.is_set():
                         break   # don't wait for the engine to notice: close the generator now
             finally:
@@ -270,6 +274,9 @@ class EngineHost:
                 if close is not None:
                     close()
             ok = True
+            if self._stopping.is_set() and last_finish in (None, "cancelled"):
+                # Cut short by shutdown: say so, so a client never takes the truncated text for a full reply.
+                job.events.put(("error", (503, SHUTDOWN_MESSAGE)))
         except Exception as err:
             # A ValueError before any token is the engine refusing the request (its PromptError): the client's 400.
             status = 400 if isinstance(err, ValueError) and not generated else 500

@@ -35,7 +35,7 @@ import numpy as np
 import xxhash
 
 from ..contracts import ExpertWeights
-from ..errors import FastarError, FormatError
+from ..errors import ConfigError, FastarError, FormatError
 from ..format.reader import FstFile
 from . import expert_store as store
 from .expert_store import CacheFullError
@@ -125,14 +125,16 @@ class ExpertCache:
             do not fit in RAM; see docs/EXPERT_MEMORY.md).
         policy: "lrfu" (recency window + frequency with decay, default) or "lru".
         half_life: LRFU half-life in accesses (default 8 x the number of slots).
-        verify: check each record's xxh64 after reading (~1 ms per 13 MB record).
+        verify: check each record's xxh64 the first time it is read (~1 ms per 13 MB record; later reads of the
+            same record are not checked again). On by default: a corrupt record is an error naming it, not
+            garbage text.
     """
 
     pages = True
 
     def __init__(self, fst: FstFile, ram_budget_bytes: int | None = None, io_threads: int = 2,
                  direct: bool = False, policy: str = store.DEFAULT_POLICY, *, half_life: float | None = None,
-                 verify: bool = False) -> None:
+                 verify: bool = True) -> None:
         if fst.bank is None:
             raise FormatError(f"{fst.path}: has no expert bank")
         self.fst, self.stride = fst, fst.expert_stride
@@ -140,7 +142,8 @@ class ExpertCache:
         budget = store.default_budget(fst) if ram_budget_bytes is None else int(ram_budget_bytes)
         n_slots = min(budget // self.stride, self.num_layers * self.num_experts)
         if n_slots < 1:
-            raise ValueError(f"expert RAM budget {budget} B is smaller than one expert ({self.stride} B)")
+            raise ConfigError(f"--ram-budget {budget} B is smaller than one expert ({self.stride} B); give at least "
+                              f"{(fst.config.num_experts_per_tok + 2) * self.stride} bytes, or 'none'")
         self.n_slots, self.budget_bytes = n_slots, n_slots * self.stride
         hl, self.policy_window = store.lrfu_params(n_slots, self.num_layers, fst.config.num_experts_per_tok)
         self.policy_half_life = hl if half_life is None else float(half_life)
@@ -150,7 +153,8 @@ class ExpertCache:
         self._slot_views: dict[int, tuple] = {}  # slot -> (read-only buffer, ExpertWeights views): made once a slot
         self._reader = store.ExpertReader(fst, direct)
         self.direct, self._verify = self._reader.direct, verify
-        self._digests = fst.bank["xxh64"] if verify else None
+        self._digests = fst.bank.get("xxh64") if verify else None
+        self._verified = np.zeros(self.num_layers * self.num_experts, bool)   # records checked once already
         # per-slot state (numpy so victim search is one vectorized pass)
         self._slot_key = np.full(n_slots, -1, np.int64)
         self._state = np.zeros(n_slots, np.int8)
@@ -525,6 +529,7 @@ class ExpertCache:
         buf = store.anonymous_buffer(self.stride)
         t0 = time.perf_counter()
         self._reader.read(layer, e, buf)
+        self._verify_record(layer * self.num_experts + e, layer, e, buf)
         dt = time.perf_counter() - t0
         with self._cond:
             st = self._stats
@@ -594,8 +599,7 @@ class ExpertCache:
                 err: BaseException | None = None
                 try:  # lock released: this is the part that overlaps compute
                     self._reader.read(load.layer, load.expert, self._slab.view(load.slot))
-                    if self._digests is not None:
-                        self._check_digest(load)
+                    self._verify_record(load.key, load.layer, load.expert, self._slab.view(load.slot))
                 except Exception as ex:
                     err = ex if isinstance(ex, FastarError) else FormatError(
                         f"{self.fst.path}: reading expert (layer {load.layer}, id {load.expert}) failed: {ex!r}")
@@ -607,11 +611,14 @@ class ExpertCache:
                 self._cond.notify_all()
             raise
 
-    def _check_digest(self, load: _Load) -> None:
-        got = xxhash.xxh64_hexdigest(self._slab.view(load.slot))
-        if got != self._digests[load.key]:
-            raise FormatError(f"{self.fst.path}: expert (layer {load.layer}, id {load.expert}) fails its checksum "
-                              f"(file corrupt or changed under the engine)")
+    def _verify_record(self, key: int, layer: int, e: int, data) -> None:
+        """The record's xxh64 on its first read (when verifying); later reads of it are trusted."""
+        if self._digests is None or self._verified[key]:
+            return
+        if xxhash.xxh64_hexdigest(data) != self._digests[key]:
+            raise FormatError(f"{self.fst.path}: expert (layer {layer}, id {e}) fails its checksum "
+                              f"(file corrupt or changed under the engine; --no-verify skips this check)")
+        self._verified[key] = True
 
     def _finish(self, load: _Load, err: BaseException | None, dt: float) -> None:
         s = load.slot

@@ -1,0 +1,201 @@
+"""The command line and model files against bad input (rows C1-C7): every subcommand with a table of bad
+arguments answers one line on stderr, no traceback, exit 1 (2 for usage); corrupt files are caught."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fastar
+from fastar.errors import FormatError
+from fastar.format.reader import FstFile
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _cli(*args, env=None, cwd=None, **kw):
+    return subprocess.run([sys.executable, "-m", "fastar", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120, cwd=cwd, **kw)
+
+
+def one_line_error(r, code: int) -> str:
+    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr[-2000:]
+    assert "error" in lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_fst(tiny_ckpt, tmp_path_factory) -> Path:
+    from fastar.convert.hf import convert
+    return convert(tiny_ckpt, tmp_path_factory.mktemp("cli") / "tiny.fst", progress=False)
+
+
+# ---- the table: every subcommand, bad arguments --------------------------------------------------------------
+
+def test_bad_arguments_table(tiny_fst, tiny_ckpt, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "x").write_text("x")
+    m = str(tiny_fst)
+    usage, fail = 2, 1
+    table = [
+        # (args, env, exit code, a word the message must contain)
+        (["nonsense"], {}, usage, "invalid choice"),
+        (["run", "-m", m, "-p", "hi", "--seed", "1208925819614629174706176"], {}, usage, "seed"),
+        (["run", "-m", m, "-p", "hi", "--threads", "-2"], {}, usage, "thread"),
+        (["run", "-m", m, "-p", "hi", "--threads", "10000"], {}, usage, "thread"),
+        (["run", "-m", m, "-p", "hi", "-n", "0"], {}, usage, "max-tokens"),
+        (["run", "-m", m, "-p", "hi", "--temp", "x"], {}, usage, "temp"),
+        (["run", "-m", m, "-p", "hi", "--top-p", "7"], {}, usage, "top-p"),
+        (["run", "-m", m, "-p", "hi", "-c", "-5"], {}, usage, "ctx-size"),
+        (["run", "-m", m, "-p", "hi", "--ram-budget", "0"], {}, fail, "ram-budget"),
+        (["run", "-m", m, "-p", "hi", "--ram-budget", "1"], {}, fail, "ram-budget"),
+        (["run", "-m", m, "-p", "hi", "--ram-budget", "lots"], {}, fail, "size"),
+        (["run", "-m", m, "-p", "hi", "--draft", "dspark"], {}, fail, "dspark"),
+        (["run", "-m", m, "-p", "hi", "--draft", "sometimes"], {}, usage, "draft"),
+        (["run", "-m", str(fifo), "-p", "hi"], {}, fail, "regular file"),
+        (["run", "-m", "", "-p", "hi"], {}, fail, "empty"),
+        (["run", "-m", str(tmp_path / "missing.fst"), "-p", "hi"], {}, fail, "no such file"),
+        (["run", "-p", "hi"], {"FASTAR_MAX_TOKENS": "abc"}, usage, "FASTAR_MAX_TOKENS"),
+        (["run", "-p", "hi"], {"FASTAR_TEMP": "x"}, usage, "FASTAR_TEMP"),
+        (["chat", "-m", m, "--top-k", "-1"], {}, usage, "top-k"),
+        (["chat", "-m", str(fifo)], {}, fail, "regular file"),
+        (["serve"], {"FASTAR_PORT": "x"}, usage, "FASTAR_PORT"),
+        (["serve", "--port", "99999"], {}, usage, "port"),
+        (["serve", "--port", "-1"], {}, usage, "port"),
+        (["serve", "--max-queue", "0"], {}, usage, "max-queue"),
+        (["serve", "-m", "/nonexistent.fst"], {}, fail, "no such file"),
+        (["serve", "-m", m, "-c", "-5"], {}, usage, "ctx-size"),
+        (["serve", "-m", str(fifo)], {}, fail, "regular file"),
+        (["convert", str(tiny_ckpt), "-o", "/proc/o.fst"], {}, fail, "/proc/o.fst"),
+        (["convert", str(tmp_path / "nowhere"), "-o", str(tmp_path / "o.fst")], {}, fail, "nowhere"),
+        (["convert", str(tiny_ckpt)], {}, usage, "output"),
+        (["verify", str(tmp_path / "missing.fst")], {}, fail, "missing.fst"),
+        (["verify", str(fifo)], {}, fail, "fifo"),
+        (["inspect", str(tmp_path)], {}, fail, ""),
+        (["fixture", "-o", str(existing)], {}, fail, "exists"),
+        (["fixture", "-o", str(tmp_path / "f"), "--preset", "huge"], {}, usage, "preset"),
+        (["synth", "-o", str(tmp_path / "s.fst"), "--layers", "0"], {}, fail, "layers"),
+        (["synth", "-o", str(tmp_path / "s.fst"), "--hidden", "100"], {}, fail, "hidden"),
+        (["bench", "kernels", "--threads", "x"], {}, usage, "threads"),
+        (["bench"], {}, fail, "-m"),
+        (["audit", m], {}, usage, "reference"),
+    ]
+    seen = []
+    for args, env, code, word in table:
+        r = _cli(*args, env=env, stdin=subprocess.DEVNULL)
+        try:
+            line = one_line_error(r, code)
+            assert word.lower() in line.lower(), line
+        except AssertionError as err:
+            seen.append(f"{args} {env}: {err}")
+    assert not seen, "\n".join(seen)
+
+
+def test_closed_stdout_and_stdin(tiny_fst):
+    run = f"{sys.executable} -m fastar run -m {tiny_fst}"
+    r = subprocess.run(["bash", "-c", f"{run} -p hi >&-"], capture_output=True, text=True, timeout=120)
+    assert "standard output" in one_line_error(r, 1)
+    r = subprocess.run(["bash", "-c", f"{run} <&-"], capture_output=True, text=True, timeout=120)
+    assert "standard input" in one_line_error(r, 1)
+
+
+# ---- C1: corrupt files ---------------------------------------------------------------------------------------
+
+def _corrupt(src: Path, dst: Path, offset: int, data: bytes) -> Path:
+    shutil.copyfile(src, dst)
+    with open(dst, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(data)
+    return dst
+
+
+def test_c1_corrupt_resident_tensor_fails_the_load(tiny_fst, tmp_path):
+    with FstFile(tiny_fst) as f:
+        emb = next(t for t in f.header["tensors"] if t["name"] == "embed.weight")
+        head = next(t for t in f.header["tensors"] if t["name"] == "head.weight")
+    flipped = _corrupt(tiny_fst, tmp_path / "flip.fst", head["offset"] + 1000, b"\x5a")
+    nan = np.full(16, np.nan, np.float32).view(np.uint8).tobytes()   # NaNs over part of the embedding
+    nan_emb = _corrupt(tiny_fst, tmp_path / "nan.fst", emb["offset"], nan[: min(len(nan), emb["nbytes"])])
+    for path, name in ((flipped, "head.weight"), (nan_emb, "embed.weight")):
+        with pytest.raises(FormatError, match=f"{name}.*checksum"):
+            fastar.load(path)
+        line = one_line_error(_cli("run", "-m", path, "-p", "hi"), 1)
+        assert name in line and "checksum" in line
+        fastar.load(path, verify=False)   # the flag to skip it
+
+
+def test_c1_corrupt_expert_fails_at_its_first_read(tiny_fst, tmp_path):
+    with FstFile(tiny_fst) as f:
+        bank = f.bank
+        layer0 = f.expert_offset(0, 0)
+    # every expert of layer 0 all 0xFF: whichever the router picks first is caught
+    ff = _corrupt(tiny_fst, tmp_path / "ff.fst", layer0, b"\xff" * (bank["stride"] * bank["experts"]))
+    engine = fastar.load(ff)   # resident tensors are fine: the load passes
+    with pytest.raises(FormatError, match=r"expert \(layer 0, id \d+\) fails its checksum"):
+        engine.generate_tokens([5, 6, 7, 8], max_tokens=2)
+    fastar.load(ff, verify=False).generate_tokens([5, 6, 7, 8], max_tokens=2)   # skipped: garbage, no error
+
+
+def test_c1_each_expert_is_checked_once(tiny_fst):
+    from fastar.weights.expert_cache import ExpertCache
+    with FstFile(tiny_fst) as f, ExpertCache(f, 2 * f.expert_stride) as c:
+        calls = []
+        check = ExpertCache._verify_record.__get__(c)
+        c._verify_record = lambda key, layer, e, data: (calls.append((key, bool(c._verified[key]))),
+                                                       check(key, layer, e, data))
+        for _ in range(3):   # two slots, experts of two layers in turn: each is read again after eviction
+            for layer, e in ((0, 1), (1, 2), (0, 3), (1, 1)):
+                [a.copy() for a in c.get(layer, e)]
+        n = c.num_experts
+        assert {k for k, _ in calls} == {1, n + 2, 3, n + 1} and c.stats()["bytes_read"] > 4 * c.stride
+        assert [k for k, done in calls if not done] == [1, n + 2, 3, n + 1]   # hashed once each, on first read
+        assert all(c._verified[[1, n + 2, 3, n + 1]])
+
+
+# ---- C2: a garbage tokenizer.json ------------------------------------------------------------------------------
+
+def test_c2_convert_refuses_a_garbage_tokenizer(tiny_ckpt, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    (ckpt / "tokenizer.json").write_text("{ this is not a tokenizer")
+    line = one_line_error(_cli("convert", ckpt, "-o", tmp_path / "o.fst"), 1)
+    assert "tokenizer.json" in line
+    assert not list(tmp_path.glob("o.fst*"))
+
+
+# ---- C6: a fixture that cannot run text -----------------------------------------------------------------------
+
+def test_c6_tiny_fixture_run_gives_a_hint(tiny_ckpt):
+    line = one_line_error(_cli("run", "-m", tiny_ckpt, "-p", "hi"), 1)
+    assert "--preset vocab" in line
+
+
+# ---- C7: SIGTERM during convert --------------------------------------------------------------------------------
+
+def test_c7_sigterm_during_convert_removes_the_partial_file(vocab_ckpt, tmp_path):
+    out = tmp_path / "v.fst"
+    proc = subprocess.Popen([sys.executable, "-m", "fastar", "convert", str(vocab_ckpt), "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = Path(str(out) + ".partial")
+    deadline = time.monotonic() + 60
+    while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if proc.poll() is not None:
+        pytest.fail(f"convert ended before it could be interrupted: {proc.returncode} {proc.stderr.read()}")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in err
+    assert not partial.exists() and not out.exists()

@@ -1,0 +1,401 @@
+"""The server against hostile clients: each test is one row (S1-S12) of what the old http.server front-end got
+wrong, plus the browser-facing guards. Loopback only; every concurrency test is bounded in count and time."""
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+from test_server import NO_THINK, FakeEngine, FakeTokenizer, chat, client, openai, raw, start_server
+
+from fastar.serve.server import Limits
+
+pytestmark = pytest.mark.skipif(openai is None, reason="the openai client is a test dependency")
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server()
+    yield srv
+    srv.shutdown()
+
+
+def body_of(messages_text: str, **kw) -> dict:
+    return {"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": messages_text}], **kw}
+
+
+def exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send raw bytes, read until the server closes or `timeout`."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return out
+
+
+def assert_openai_error(status: int, data: bytes, want_status: int, code: str | None = None,
+                        param: str | None = None) -> dict:
+    assert status == want_status, data
+    err = json.loads(data)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# ---- S1: deep nesting -------------------------------------------------------------------------------------
+
+def test_s1_deeply_nested_json_is_a_400(server):
+    for body in (b"[" * 100_000, b'{"a":' * 100_000, b"[" * 70 + b"]" * 70,
+                 json.dumps(body_of("x", tools=[{"type": "function", "function": {
+                     "name": "f", "parameters": json.loads("[" * 200 + "]" * 200)}}])).encode()):
+        status, _, data = raw(server, "POST", CHAT, body)
+        assert_openai_error(status, data, 400, "invalid_json")
+    assert chat(client(server), "still fine", extra_body=NO_THINK).choices[0].message.content == "Echo: still fine"
+
+
+# ---- S2: many clients at once -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_clients", [40, 100])
+def test_s2_many_simultaneous_clients_get_200_or_503_never_a_reset(n_clients):
+    srv = start_server(FakeEngine(token_delay=0.002), max_queue=16)
+    statuses: list[int | str] = []
+    codes: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(n_clients)
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait(10)
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+            conn.request("POST", CHAT, json.dumps(body_of(f"client {i}", **NO_THINK, temperature=0)),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = json.loads(resp.read())
+            conn.close()
+            with lock:
+                statuses.append(resp.status)
+                if resp.status != 200:
+                    codes.append(data["error"]["code"])
+                else:
+                    assert data["choices"][0]["message"]["content"] == f"Echo: client {i}"
+        except Exception as err:  # a reset, a timeout, a bad body: all recorded as failures
+            with lock:
+                statuses.append(f"{type(err).__name__}: {err}")
+
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n_clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert len(statuses) == n_clients
+        assert all(s in (200, 503) for s in statuses), [s for s in statuses if s not in (200, 503)]
+        assert set(codes) <= {"queue_full"}, codes
+        assert statuses.count(200) >= 17   # the one running and the 16 queued at least
+    finally:
+        srv.shutdown()
+
+
+# ---- S3: a client that leaves before its error reply --------------------------------------------------------
+
+def test_s3_client_gone_before_error_reply_logs_no_traceback(capfd, caplog):
+    srv = start_server(max_body_bytes=1000)
+    try:
+        caplog.set_level(logging.DEBUG)
+        for _ in range(10):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 5000000\r\n\r\n" + b"x" * 1000)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+            s.close()
+        time.sleep(0.5)
+        assert raw(srv, "GET", "/health")[0] == 200
+    finally:
+        srv.shutdown()
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) <= 10
+
+
+# ---- S4: slow or incomplete requests ------------------------------------------------------------------------
+
+def test_s4_incomplete_requests_are_dropped_after_the_header_timeout():
+    srv = start_server(limits=Limits(header_timeout=1.0, max_connections=400))
+    socks = []
+    try:
+        threads_before = threading.active_count()
+        for i in range(300):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n" if i % 2 else b"GET /hea")
+            socks.append(s)
+        assert threading.active_count() - threads_before < 10   # no thread per connection
+        # the server still answers while they hang
+        assert chat(client(srv), "served", extra_body=NO_THINK).choices[0].message.content == "Echo: served"
+        deadline = time.monotonic() + 10
+        closed = 0
+        for s in socks:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                closed += s.recv(1024) == b""
+            except ConnectionResetError:
+                closed += 1
+            except TimeoutError:
+                pass
+        assert closed == 300
+    finally:
+        for s in socks:
+            s.close()
+        srv.shutdown()
+
+
+def test_s4_a_body_that_never_arrives_is_a_408():
+    srv = start_server(limits=Limits(body_timeout=0.5))
+    try:
+        out = exchange(srv.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                                 b"application/json\r\nContent-Length: 100\r\n\r\n{\"mess", timeout=5)
+        assert out.startswith(b"HTTP/1.1 408") and b"request_timeout" in out
+    finally:
+        srv.shutdown()
+
+
+def test_s4_connections_beyond_the_limit_get_503_not_a_reset():
+    srv = start_server(limits=Limits(max_connections=20))
+    socks = []
+    try:
+        for _ in range(30):
+            socks.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
+        out = exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 503")
+        for s in socks:
+            s.close()
+        deadline = time.monotonic() + 5
+        while raw(srv, "GET", "/health")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert raw(srv, "GET", "/health")[0] == 200
+    finally:
+        for s in socks:
+            s.close()
+        srv.shutdown()
+
+
+# ---- S5: a huge prompt under the body cap -------------------------------------------------------------------
+
+class CountingTokenizer(FakeTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.longest_encoded = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.longest_encoded = max(self.longest_encoded, len(text))
+        return super().encode(text)
+
+
+def test_s5_oversized_prompt_is_refused_before_tokenizing():
+    engine = FakeEngine(context_length=4096)
+    engine.tokenizer = CountingTokenizer()
+    srv = start_server(engine)
+    try:
+        bound = 4096 * engine.tokenizer.max_token_bytes()
+        for path, body, param in ((CHAT, body_of("x" * 2_000_000), "messages"),
+                                  ("/v1/completions", {"prompt": "y" * 2_000_000}, "prompt"),
+                                  ("/tokenize", {"prompt": "z" * 2_000_000}, "prompt")):
+            t0 = time.monotonic()
+            status, _, data = raw(srv, "POST", path, body)
+            err = assert_openai_error(status, data, 400, "context_length_exceeded", param)
+            assert "4096" in err["message"] and "2000" in err["message"]
+            assert time.monotonic() - t0 < 5
+        assert engine.tokenizer.longest_encoded <= bound      # the tokenizer never saw the big ones
+        # just under the bound is still tokenized, and then refused with the exact token count
+        status, _, data = raw(srv, "POST", "/v1/completions", {"prompt": "w" * (bound - 10)})
+        err = assert_openai_error(status, data, 400, "context_length_exceeded", "prompt")
+        assert str(bound - 10) in err["message"]
+    finally:
+        srv.shutdown()
+
+
+# ---- S6: browsers on other sites ----------------------------------------------------------------------------
+
+def test_s6_json_content_type_is_required_on_post(server):
+    body = json.dumps(body_of("hi", **NO_THINK))
+    before = server.engine.stats()["requests"]
+    for ctype in (None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        if ctype is None:  # raw() adds application/json when none is given; send without through a socket
+            out = exchange(server.port, f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}"
+                                        f"\r\n\r\n{body}".encode())
+            assert out.startswith(b"HTTP/1.1 415")
+            continue
+        status, _, data = raw(server, "POST", CHAT, body, {"Content-Type": ctype})
+        assert_openai_error(status, data, 415, "unsupported_media_type")
+    assert server.engine.stats()["requests"] == before   # nothing reached the model
+    status, _, _ = raw(server, "POST", CHAT, body, {"Content-Type": "application/json; charset=utf-8"})
+    assert status == 200
+
+
+def test_s6_host_header_is_checked():
+    srv = start_server(allowed_hosts="my-box.lan")
+    try:
+        for host in ("evil.example", "127.0.0.1.evil.example", "localhost.evil.example:80"):
+            status, _, data = raw(srv, "GET", "/v1/models", None, {"Host": host})
+            assert_openai_error(status, data, 400, "host_not_allowed")
+            status, _, data = raw(srv, "POST", CHAT, body_of("x"), {"Host": host})
+            assert_openai_error(status, data, 400, "host_not_allowed")
+            assert raw(srv, "GET", "/", None, {"Host": host})[0] == 400
+        for host in (f"127.0.0.1:{srv.port}", f"localhost:{srv.port}", "LOCALHOST", "[::1]:8080", "my-box.lan",
+                     "my-box.lan:8080", "app.localhost", "192.168.1.20:8080"):
+            assert raw(srv, "GET", "/v1/models", None, {"Host": host})[0] == 200, host
+    finally:
+        srv.shutdown()
+    srv = start_server(allowed_hosts="*")
+    try:
+        assert raw(srv, "GET", "/v1/models", None, {"Host": "evil.example"})[0] == 200
+    finally:
+        srv.shutdown()
+
+
+def test_security_headers_and_no_banner(server):
+    for method, path, body in (("GET", "/v1/models", None), ("GET", "/health", None), ("GET", "/nothing", None),
+                               ("POST", CHAT, b"{bad"), ("GET", "/", None)):
+        status, headers, _ = raw(server, method, path, body)
+        assert headers["x-content-type-options"] == "nosniff", path
+        assert headers["x-frame-options"] == "DENY" and headers["referrer-policy"] == "no-referrer", path
+        assert "frame-ancestors 'none'" in headers["content-security-policy"], path
+        assert "server" not in headers, headers
+        if path != "/":
+            assert headers["cache-control"] == "no-store"
+
+
+# ---- S7, S8: malformed request lines, other methods ---------------------------------------------------------
+
+def test_s7_malformed_request_lines_get_a_status_line(server):
+    for line in (b"GARBAGE\r\n\r\n", b"GET\r\n\r\n", b"GET / HTTP/2.0\r\nHost: localhost\r\n\r\n",
+                 b"GET / HTTP/9.9\r\n\r\n", b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 40,
+                 b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+                 b"GET / HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n"):
+        out = exchange(server.port, line)
+        assert out.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 431 ", b"HTTP/1.1 505 ")), (line[:40], out[:200])
+
+
+def test_s8_other_methods_are_405_with_allow(server):
+    for method in ("PUT", "DELETE", "PATCH"):
+        for path, allow in ((CHAT, "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET, HEAD")):
+            status, headers, data = raw(server, method, path, b"{}", {"Content-Type": "application/json"})
+            assert_openai_error(status, data, 405, "method_not_allowed")
+            assert set(headers["allow"].split(", ")) == set(allow.split(", "))
+
+
+# ---- S9, S10, S11: fields -----------------------------------------------------------------------------------
+
+def test_s9_malformed_fields_are_400_naming_the_field(server):
+    tool_msgs = [{"role": "user", "content": "x"},
+                 {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                     "name": "f", "arguments": "{}"}}]},
+                 {"role": "tool", "content": "42"}]
+    fn = {"type": "function", "function": {"name": "f", "parameters": [1, 2]}}
+    cases = [(CHAT, {"messages": tool_msgs}, "messages[2].tool_call_id"),
+             (CHAT, {**body_of("x"), "tools": [fn]}, "tools[0].function.parameters"),
+             (CHAT, {**body_of("x"), "tools": [{"type": "function"}]}, "tools[0].function"),
+             (CHAT, {**body_of("x"), "tools": [5]}, "tools[0]"),
+             (CHAT, {**body_of("x"), "tool_choice": "sometimes"}, "tool_choice"),
+             (CHAT, {**body_of("x"), "tool_choice": {"type": "function"}}, "tool_choice"),
+             (CHAT, {**body_of("x"), "response_format": {"type": "json_schema", "json_schema": 5}},
+              "response_format.json_schema"),
+             (CHAT, {**body_of("x"), "response_format": {"type": "yaml"}}, "response_format"),
+             ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+             ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix")]
+    for path, body, param in cases:
+        status, _, data = raw(server, "POST", path, body)
+        assert_openai_error(status, data, 400, None, param)
+    for ok in ({"tool_choice": "auto"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+               {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}}):
+        status, _, data = raw(server, "POST", CHAT, {**body_of("x", **NO_THINK), **ok})
+        assert status == 200, (ok, data)
+    assert raw(server, "POST", "/v1/completions", {"prompt": "x", "best_of": 1, "suffix": None})[0] == 200
+
+
+def test_s10_lone_surrogate_is_a_clear_400(server):
+    for text, param in (('"\\ud800"', "messages[0].content"), ('"ab\\udfff"', "messages[0].content")):
+        data = f'{{"messages": [{{"role": "user", "content": {text}}}]}}'.encode()
+        status, _, out = raw(server, "POST", CHAT, data)
+        err = assert_openai_error(status, out, 400, "invalid_unicode", param)
+        assert "surrogate" in err["message"] and "TextInputSequence" not in err["message"]
+    status, _, out = raw(server, "POST", "/v1/completions", b'{"prompt": "x\\ud83d"}')
+    assert_openai_error(status, out, 400, "invalid_unicode", "prompt")
+    # a proper pair (an emoji) is fine
+    status, _, out = raw(server, "POST", "/v1/completions", b'{"prompt": "x\\ud83d\\ude00", "temperature": 0}')
+    assert status == 200 and json.loads(out)["choices"][0]["text"] == "Echo: x\U0001F600"
+
+
+def test_s11_completions_over_context_names_prompt(server):
+    status, _, data = raw(server, "POST", "/v1/completions", {"prompt": "p" * 5000})
+    assert_openai_error(status, data, 400, "context_length_exceeded", "prompt")
+    status, _, data = raw(server, "POST", "/v1/completions", {"prompt": [65] * 5000})
+    assert_openai_error(status, data, 400, "context_length_exceeded", "prompt")
+
+
+# ---- S12: shutdown during a stream --------------------------------------------------------------------------
+
+def test_s12_shutdown_mid_stream_ends_with_an_error_event():
+    srv = start_server(FakeEngine(token_delay=0.02))
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn.request("POST", CHAT, json.dumps(body_of("count", stream=True, **NO_THINK, temperature=0)),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = []
+    stopper = None
+    while line := resp.fp.readline():
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[6:]))
+            if len(events) == 5:
+                stopper = threading.Thread(target=srv.shutdown)
+                stopper.start()
+    stopper.join(30)
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
+    assert "stop" not in finishes
+    assert events[-1]["error"]["code"] == "shutting_down"
+    assert 5 <= len(events) < 1000
+
+
+def test_s12_waiting_requests_get_503_on_shutdown():
+    engine = FakeEngine()
+    engine.gate.clear()
+    srv = start_server(engine)
+    results = []
+    t = threading.Thread(target=lambda: results.append(raw(srv, "POST", CHAT, body_of("held", **NO_THINK))))
+    t.start()
+    assert engine.started.acquire(timeout=5)
+    threading.Thread(target=srv.shutdown).start()
+    t.join(30)
+    status, _, data = results[0]
+    assert_openai_error(status, data, 503, "shutting_down")
+
+
+def test_s3_broken_body_framing_logs_no_traceback(server, caplog):
+    caplog.set_level(logging.DEBUG)
+    for data in (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
+                 b"Content-Type: application/json\r\n\r\nzz\r\n",
+                 b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n"
+                 b"Content-Type: application/json\r\n\r\n{\"pro"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(data)
+            if b"Content-Length" in data:
+                s.shutdown(socket.SHUT_WR)   # the body ends early
+            try:
+                s.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                pass
+    time.sleep(0.3)
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]

@@ -133,9 +133,13 @@ def convert_indexer(src: str | os.PathLike, out: str | os.PathLike, progress: bo
 
 def _check_tokenizer(tok: bytes) -> None:
     """The tokenizer.json to embed must load as the V4 tokenizer, or `run` would fail only after conversion."""
-    from ..engine.tokenizer import Tokenizer
+    import tokenizers  # the library, not fastar.engine's wrapper: convert sits below the engine
+
+    from ..encoding import BOS, EOS
     try:
-        Tokenizer.from_bytes(tok)
+        hf = tokenizers.Tokenizer.from_buffer(tok)
+        if hf.token_to_id(BOS) is None or hf.token_to_id(EOS) is None:
+            raise ValueError("no DeepSeek BOS/EOS tokens")
     except Exception as err:  # the tokenizers library raises its own Exception types for a malformed file
         reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise FormatError(f"tokenizer.json: not a usable DeepSeek-V4 tokenizer ({reason})") from None

@@ -20,7 +20,7 @@ import ctypes.util
 import time
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from starlette.requests import Request
@@ -32,9 +32,6 @@ from fastar.encoding import encode_messages
 from fastar.serve import protocol as P
 from fastar.serve.app import JSONResponse, read_json
 from fastar.serve.worker import Job
-
-if TYPE_CHECKING:
-    from fastar.serve.server import Server
 
 TRIM_AFTER_CHARS = 1 << 20   # give the heap back after tokenizing a prompt this long
 
@@ -85,7 +82,7 @@ def _trim_heap() -> None:
 
 
 class OpenAIRoutes:
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Any) -> None:  # fastar.serve.server.Server, which builds these routes
         self.server = server
         self._limiter: anyio.CapacityLimiter | None = None
 

@@ -14,7 +14,7 @@ CSRC = "fastar/quant/csrc/"
 COMMON = ["bindings.c", "bind_ops.c", "dispatch.c", "experts.c", "pool.c", "kern_scalar.c", "rowops.c", "mhc.c",
           "attn.c"]
 X86 = ["kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c"]
-ARM64 = ["kern_neon.c"]
+ARM64 = ["kern_neon.c", "kern_neonbf16.c"]
 
 machine = platform.machine().lower()
 arch_files = X86 if machine in ("x86_64", "amd64", "i386", "i686") else ARM64 if machine in ("arm64", "aarch64") else []

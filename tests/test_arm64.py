@@ -63,5 +63,5 @@ def test_aarch64_kernels_match_the_portable_ones_under_qemu(tmp_path):
     r = subprocess.run([QEMU, "-cpu", QEMU_CPU, str(exe)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     checked = _isas_checked(r.stdout)
-    assert {"neon", "scalar"} <= checked, f"ISAs checked under qemu: {sorted(checked)}\n{r.stdout}"
+    assert {"neon", "neon-bf16", "scalar"} <= checked, f"ISAs checked under qemu: {sorted(checked)}\n{r.stdout}"
     assert " 0 failed" in r.stdout

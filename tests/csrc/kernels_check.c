@@ -217,7 +217,7 @@ static float *make_x(int64_t T, int64_t K, int bf16, int special) {
 
 static void check_act_quant(size_t ii, const isa_ops *isa) {
     if (!isa->act_quant) return;
-    const int64_t rows = 5, K = 1000;
+    const int64_t rows = 5, K = 1003; /* ragged ends of every block size */
     float *x = malloc(rows * K * 4), *a = malloc(rows * K * 4), *b = malloc(rows * K * 4);
     for (int64_t i = 0; i < rows * K; i++) x[i] = gauss() * (float)(1 << (rnd() % 12)) / 64.0f;
     x[7] = NAN, x[300] = INFINITY, x[1001] = -INFINITY, x[2000] = 0x1p-130f, x[2100] = 1e30f;

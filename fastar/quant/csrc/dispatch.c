@@ -1,7 +1,7 @@
 /* Running the kernels: CPU features and the choice of ISA, and how a product is prepared and spread over the pool.
  *
  * Owns: the list of ISA tables (all_isas, best first) and the current one (cur_isa: AVX-512 with BF16 > AVX-512 >
- * AVX2+FMA+F16C > scalar on x86-64, NEON > scalar on AArch64, FASTAR_ISA or set_isa to force one), cpuid, the per-call choice of the bf16 dot path
+ * AVX2+FMA+F16C > scalar on x86-64, NEON with BF16 > NEON > scalar on AArch64, FASTAR_ISA or set_isa to force one), cpuid, the per-call choice of the bf16 dot path
  * (x_kind), the dot path's permuted copies of x, splitting rows across the thread pool, and the portable-or-ISA
  * choice of the activation ops.
  * Does not own: argument checks and the GIL (bindings.c, bind_ops.c), the arithmetic (kern_*.c), the pool (pool.c),
@@ -99,7 +99,7 @@ const isa_ops *const all_isas[] = {
     &isa_avx512bf16_ops, &isa_avx512_ops, &isa_avx2_ops,
 #endif
 #if FASTAR_ARM64
-    &isa_neon_ops,
+    &isa_neonbf16_ops, &isa_neon_ops,
 #endif
     &isa_scalar_ops};
 const size_t n_isas = sizeof all_isas / sizeof *all_isas;

@@ -11,13 +11,15 @@
  * - tile path (larger T): an NR-row x KC-column tile is dequantized once (exact: value * scale) into an L1 buffer,
  *   transposed, and an outer-product microkernel (MR tokens x NR rows) reuses it for every token.
  * FP8 NaN codes poison their row as in the reference (the dot path tracks them; in the tile they are NaN values).
- * Also the FP32 peak loop and the streaming read of `fastar bench kernels`.
+ * Also the FP8 activation quantization (bit for bit the portable one), the FP32 peak loop and the streaming read
+ * of `fastar bench kernels`.
  * Does not own: argument checks, threading, the bf16 dot path (kern_neonbf16.c), the ISA choice (dispatch.c).
  */
 #include "kernels.h"
 
 #if FASTAR_ARM64
 #include <arm_neon.h>
+#include <math.h>
 #include <string.h>
 
 #include "simd.h"
@@ -293,6 +295,61 @@ static void bf16_rows(const mm_job *j, int64_t n0, int64_t n1) {
     if (j->dot) { DOT_DISPATCH(bf16_dot_row) } else tile_rows(j, n0, n1, bf16_tile);
 }
 
+/* ---------------------------------------------------------------- FP8 activation quantization */
+
+/* fp8_act_quant_scalar (kern_scalar.c) four values at a time, bit for bit: the same scale per block (computed the
+ * same way, in scalar code), the same clamp and the same e4m3 rounding ((y + 2^23) - 2^23 on y = |v| 2^-q, with q
+ * from v's exponent field), NaN kept. */
+static void act_quant(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b0 = 0; b0 < K; b0 += block) {
+            const float *xb = x + r * K + b0;
+            float *ob = out + r * K + b0;
+            const int64_t n = K - b0 < block ? K - b0 : block;
+            float32x4_t vmax = vdupq_n_f32(0.0f);
+            uint32x4_t vbad = vdupq_n_u32(0);
+            const float32x4_t fmax = vdupq_n_f32(3.4028235e38f);
+            int64_t i = 0;
+            for (; i + 4 <= n; i += 4) {
+                const float32x4_t a = vabsq_f32(vld1q_f32(xb + i));
+                vbad = vorrq_u32(vbad, vmvnq_u32(vcleq_f32(a, fmax))); /* NaN or inf */
+                vmax = vmaxnmq_f32(vmax, a);
+            }
+            float amax = vmaxvq_f32(vmax);
+            int bad = vmaxvq_u32(vbad) != 0;
+            for (; i < n; i++) {
+                const float a = fabsf(xb[i]);
+                bad |= !(a <= 3.4028235e38f);
+                amax = a > amax ? a : amax;
+            }
+            int ex = 0, sexp = 0;
+            if (!bad) {
+                const float m = frexpf((amax > 1e-4f ? amax : 1e-4f) / 448.0f, &ex);
+                sexp = m == 0.5f ? ex - 1 : ex;
+            }
+            const float s = ldexpf(1.0f, sexp), inv = ldexpf(1.0f, -sexp);
+            const float32x4_t vs = vdupq_n_f32(s), vinv = vdupq_n_f32(inv), lim = vdupq_n_f32(448.0f);
+            const float32x4_t big = vdupq_n_f32(8388608.0f);
+            const int32x4_t lo = vdupq_n_s32(-6), b127 = vdupq_n_s32(127);
+            const uint32x4_t sign = vdupq_n_u32(0x80000000u);
+            for (i = 0; i + 4 <= n; i += 4) {
+                float32x4_t v = vmulq_f32(vld1q_f32(xb + i), vinv);
+                v = vbslq_f32(vcgtq_f32(v, lim), lim, v); /* v > 448 -> 448, v < -448 -> -448, NaN stays */
+                v = vbslq_f32(vcltq_f32(v, vnegq_f32(lim)), vnegq_f32(lim), v);
+                const float32x4_t a = vabsq_f32(v);
+                const int32x4_t e = vsubq_s32(vreinterpretq_s32_u32(vandq_u32(vshrq_n_u32(vreinterpretq_u32_f32(a), 23), vdupq_n_u32(0xff))), b127);
+                const int32x4_t q = vsubq_s32(vmaxq_s32(e, lo), vdupq_n_s32(3));
+                const float32x4_t down = vreinterpretq_f32_s32(vshlq_n_s32(vsubq_s32(b127, q), 23));
+                const float32x4_t up = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(b127, q), 23));
+                const float32x4_t y = vmulq_f32(a, down);
+                const float32x4_t rnd = vmulq_f32(vsubq_f32(vaddq_f32(y, big), big), up);
+                const uint32x4_t sg = vandq_u32(vreinterpretq_u32_f32(v), sign);
+                vst1q_f32(ob + i, vmulq_f32(vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(rnd), sg)), vs));
+            }
+            if (i < n) fp8_act_quant_tail(xb + i, ob + i, n - i, s, inv);
+        }
+}
+
 static double fma_loop(int64_t iters) {
     float32x4_t a[16];
     const float32x4_t m = vdupq_n_f32(0.9999f), c = vdupq_n_f32(0.0001f);
@@ -329,5 +386,6 @@ const isa_ops isa_neon_ops = {
     .bf16 = bf16_rows,
     .fma_loop = fma_loop,
     .read_sum = read_sum,
+    .act_quant = act_quant,
 };
 #endif /* FASTAR_ARM64 */

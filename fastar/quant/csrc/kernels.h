@@ -16,6 +16,7 @@
  *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers both AVX-512 files share
  *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)
  *   kern_neon.c    AArch64 ASIMD + FMA kernels (no target needed: ASIMD is baseline there)
+ *   kern_neonbf16.c  AArch64 FEAT_BF16 dot path for FP4 when x is bfloat16-exact (falls back to kern_neon.c)
  *   mhc.c          the hyper-connections (mHC) of a layer site and the final head, and their Sinkhorn
  *   attn.c         DeepSeek-V4 attention with sinks: plain C, AVX2 and AVX-512 kernels in one file (attn_run)
  *   rowops.c       row-wise ops of the forward pass: RMS norm, interleaved RoPE, the portable SwiGLU
@@ -106,6 +107,7 @@ extern const isa_ops isa_avx512bf16_ops;
 #endif
 #if FASTAR_ARM64
 extern const isa_ops isa_neon_ops;
+extern const isa_ops isa_neonbf16_ops;
 #endif
 
 /* Tables, filled once by tables_init(). */
@@ -141,6 +143,8 @@ void pool_test_delays(int worker_us, int caller_us); /* test hooks: see pool.c *
 
 /* DeepSeek's FP8 activation quant-dequant per `block` values of each row (kern_scalar.c; out may be x). */
 void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
+/* Its second half: n values quantized with the block's scale s = 2^e and inv = 2^-e (a SIMD twin's ragged end). */
+void fp8_act_quant_tail(const float *xb, float *ob, int64_t n, float s, float inv);
 
 /* Row-wise ops of the forward pass (rowops.c); see fastar/model/ops.py for the math. */
 void rms_norm_rows(const float *x, const float *w, float *y, int64_t R, int64_t K, float eps);

@@ -18,7 +18,8 @@ HARNESS = ROOT / "tests" / "csrc" / "kernels_check.c"
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 QEMU_CPU = "max"  # qemu's model with every feature it emulates, FEAT_BF16 included
-FLAGS = ["-O2", "-std=gnu11", "-pthread", "-Wall", "-Werror", "-Wno-unknown-pragmas"]
+FLAGS = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-pthread",  # setup.py's
+         "-Wall", "-Werror", "-Wno-unknown-pragmas"]
 
 
 def kernel_sources() -> list[str]:

@@ -1,17 +1,29 @@
 """Builds the C kernels (fastar.quant._kernels) with the machine's C compiler; no downloads.
 
-Baseline flags only (no -march=native): the SIMD files carry their own target pragmas and dispatch.c picks
-AVX-512 (+BF16), AVX2+FMA+F16C or the scalar code at run time, so one build runs on any x86-64 (or other) CPU.
+Baseline flags only (no -march=native, no global -march): each SIMD file carries its own target pragmas or needs none
+(AArch64's ASIMD is baseline), and dispatch.c picks the ISA at run time, so one build runs on any CPU of its
+architecture. The x86-64 kernel files are compiled only on x86-64 and the AArch64 ones only on AArch64 (each also
+compiles to nothing elsewhere, see kernels.h). The flags are ones gcc and clang (macOS) both take.
 """
+import platform
 import sys
 
 from setuptools import Extension, setup
 
 CSRC = "fastar/quant/csrc/"
-sources = [CSRC + f for f in ("bindings.c", "bind_ops.c", "dispatch.c", "experts.c", "pool.c", "kern_scalar.c",
-                                 "kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c", "rowops.c", "mhc.c", "attn.c")]
-extra = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-pthread", "-Wall", "-Wno-unknown-pragmas"]
-link = ["-pthread", "-lm"]
+COMMON = ["bindings.c", "bind_ops.c", "dispatch.c", "experts.c", "pool.c", "kern_scalar.c", "rowops.c", "mhc.c",
+          "attn.c"]
+X86 = ["kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c"]
+ARM64 = ["kern_neon.c", "kern_neonbf16.c"]
+
+machine = platform.machine().lower()
+arch_files = X86 if machine in ("x86_64", "amd64", "i386", "i686") else ARM64 if machine in ("arm64", "aarch64") else []
+sources = [CSRC + f for f in COMMON + arch_files]
+extra = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas"]
+link = ["-lm"]
+if sys.platform != "darwin":  # macOS: pthreads are part of libSystem, and clang warns about an unused -pthread
+    extra.append("-pthread")
+    link.append("-pthread")
 if sys.platform == "win32":
     extra, link = ["/O2"], []
 

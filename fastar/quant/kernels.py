@@ -49,11 +49,12 @@ def available() -> bool:
 
 def cpu_features() -> dict:
     """What this CPU offers the kernels: {'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl', 'avx512vbmi',
-    'avx512bf16': bool, 'isa': the instruction set in use, 'usable_isas': list}. Without the extension, isa is
-    'numpy'."""
+    'avx512bf16' (x86-64), 'asimd', 'bf16' (AArch64): bool, 'isa': the instruction set in use, 'usable_isas': list}.
+    Without the extension, isa is 'numpy'."""
     if _C is None:
         return {"avx2": False, "fma": False, "f16c": False, "avx512f": False, "avx512bw": False,
-                "avx512vl": False, "avx512vbmi": False, "avx512bf16": False, "isa": "numpy", "usable_isas": []}
+                "avx512vl": False, "avx512vbmi": False, "avx512bf16": False, "asimd": False, "bf16": False, "isa": "numpy",
+                "usable_isas": []}
     return _C.cpu_features()
 
 
@@ -91,8 +92,8 @@ def pool_probe(counts: np.ndarray, spin_us: float = 0.0) -> None:
 
 
 def set_isa(name: str) -> None:
-    """Force 'avx512bf16', 'avx512' (the same without the bf16 dot path), 'avx2' or 'scalar' (tests, benchmarks), or
-    'auto' for the best this CPU runs."""
+    """Force 'avx512bf16', 'avx512' (the same without the bf16 dot path), 'avx2' (x86-64), 'neon-bf16', 'neon'
+    (AArch64) or 'scalar' (tests, benchmarks), or 'auto' for the best this CPU runs."""
     if _C is not None:
         _C.set_isa(name)
 

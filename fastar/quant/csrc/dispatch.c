@@ -1,7 +1,7 @@
 /* Running the kernels: CPU features and the choice of ISA, and how a product is prepared and spread over the pool.
  *
  * Owns: the list of ISA tables (all_isas, best first) and the current one (cur_isa: AVX-512 with BF16 > AVX-512 >
- * AVX2+FMA+F16C > scalar, FASTAR_ISA or set_isa to force one), cpuid, the per-call choice of the bf16 dot path
+ * AVX2+FMA+F16C > scalar on x86-64, NEON with BF16 > NEON > scalar on AArch64, FASTAR_ISA or set_isa to force one), cpuid, the per-call choice of the bf16 dot path
  * (x_kind), the dot path's permuted copies of x, splitting rows across the thread pool, and the portable-or-ISA
  * choice of the activation ops.
  * Does not own: argument checks and the GIL (bindings.c, bind_ops.c), the arithmetic (kern_*.c), the pool (pool.c),
@@ -41,8 +41,26 @@ static unsigned cpuid_reg(unsigned leaf, unsigned sub, int r) {
 }
 #endif
 
+#if FASTAR_ARM64
+#if defined(__APPLE__)
+#include <sys/sysctl.h>
+/* macOS names each optional feature in sysctl hw.optional.arm.FEAT_*; absent means no. */
+static int apple_feature(const char *name) {
+    int v = 0;
+    size_t n = sizeof v;
+    return sysctlbyname(name, &v, &n, NULL, 0) == 0 && v;
+}
+#elif defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP2_BF16
+#define HWCAP2_BF16 (1 << 14)
+#endif
+#endif
+#endif
+
+/* Every architecture's names (false on the others), so cpu_features() has the same keys everywhere. */
 const char *const cpu_feature_names[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vbmi",
-                                        "avx512bf16"};
+                                        "avx512bf16", "asimd", "bf16"};
 const size_t n_cpu_features = sizeof cpu_feature_names / sizeof *cpu_feature_names;
 
 int cpu_has(const char *feat) {
@@ -59,6 +77,18 @@ int cpu_has(const char *feat) {
     if (!strcmp(feat, "avx512vbmi")) return (cpuid_reg(7, 0, 2) >> 1) & 1;
     if (!strcmp(feat, "avx512bf16")) return (cpuid_reg(7, 1, 0) >> 5) & 1;
 #endif
+#if FASTAR_ARM64
+    if (!strcmp(feat, "asimd")) return 1; /* ASIMD (with FMA) is part of the base AArch64 architecture */
+    if (!strcmp(feat, "bf16")) { /* FEAT_BF16: BFDOT, BFMMLA, BFMLALB/T */
+#if defined(__APPLE__)
+        return apple_feature("hw.optional.arm.FEAT_BF16");
+#elif defined(__linux__)
+        return (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0;
+#else
+        return 0;
+#endif
+    }
+#endif
     (void)feat;
     return 0;
 }
@@ -67,6 +97,9 @@ int cpu_has(const char *feat) {
 const isa_ops *const all_isas[] = {
 #if FASTAR_X86
     &isa_avx512bf16_ops, &isa_avx512_ops, &isa_avx2_ops,
+#endif
+#if FASTAR_ARM64
+    &isa_neonbf16_ops, &isa_neon_ops,
 #endif
     &isa_scalar_ops};
 const size_t n_isas = sizeof all_isas / sizeof *all_isas;

@@ -136,13 +136,16 @@ void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, i
                 const float m = frexpf((amax > 1e-4f ? amax : 1e-4f) / 448.0f, &ex); /* v = m 2^ex, m in [.5, 1) */
                 sexp = m == 0.5f ? ex - 1 : ex;                                       /* s = 2^sexp >= v */
             }
-            const float s = ldexpf(1.0f, sexp), inv = ldexpf(1.0f, -sexp);
-            for (int64_t i = 0; i < n; i++) {
-                float v = xb[i] * inv;
-                v = v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v);
-                ob[i] = copysignf(e4m3_round(fabsf(v)), v) * s;
-            }
+            fp8_act_quant_tail(xb, ob, n, ldexpf(1.0f, sexp), ldexpf(1.0f, -sexp));
         }
+}
+
+void fp8_act_quant_tail(const float *xb, float *ob, int64_t n, float s, float inv) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = xb[i] * inv;
+        v = v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v);
+        ob[i] = copysignf(e4m3_round(fabsf(v)), v) * s;
+    }
 }
 
 static double fma_loop_scalar(int64_t iters) {

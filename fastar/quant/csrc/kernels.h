@@ -15,12 +15,14 @@
  *   kern_avx2.c    AVX2+FMA+F16C kernels (compiled with a target pragma, picked at run time)
  *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers both AVX-512 files share
  *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)
+ *   kern_neon.c    AArch64 ASIMD + FMA kernels (no target needed: ASIMD is baseline there)
+ *   kern_neonbf16.c  AArch64 FEAT_BF16 dot path for FP4 when x is bfloat16-exact (falls back to kern_neon.c)
  *   mhc.c          the hyper-connections (mHC) of a layer site and the final head, and their Sinkhorn
  *   attn.c         DeepSeek-V4 attention with sinks: plain C, AVX2 and AVX-512 kernels in one file (attn_run)
  *   rowops.c       row-wise ops of the forward pass: RMS norm, interleaved RoPE, the portable SwiGLU
  *   simd.h         what the SIMD code shares: INLINE, UNROLL, function targets, the dot-path driver
  *   exp512.h       the one AVX-512 exp (attention softmax, SwiGLU)
- * An architecture's kernel files compile to nothing elsewhere (FASTAR_X86 below); its tables are listed once, in
+ * An architecture's kernel files compile to nothing elsewhere (FASTAR_X86, FASTAR_ARM64 below); its tables are listed once, in
  * dispatch.c.
  * Weight layouts are the checkpoint's (see fastar/quant/reference.py): FP4 [N, K/2] + UE8M0 [N, K/32];
  * FP8 e4m3 [N, K] + UE8M0 [ceil(N/128), ceil(K/128)]; BF16 bit patterns [N, K]. Outputs are float32.
@@ -38,6 +40,14 @@
 #define FASTAR_X86 1
 #else
 #define FASTAR_X86 0
+#endif
+#endif
+/* Likewise for AArch64 (ASIMD is part of the base architecture; -DFASTAR_ARM64=0 builds the portable kernels alone). */
+#ifndef FASTAR_ARM64
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define FASTAR_ARM64 1
+#else
+#define FASTAR_ARM64 0
 #endif
 #endif
 
@@ -64,7 +74,7 @@ typedef struct {
 typedef void (*rows_fn)(const mm_job *j, int64_t n0, int64_t n1);
 
 /* The register family of an ISA: which variant attn.c and mhc.c run for it. */
-typedef enum { VEC_PORTABLE, VEC_AVX2, VEC_AVX512 } isa_vec;
+typedef enum { VEC_PORTABLE, VEC_AVX2, VEC_AVX512, VEC_NEON } isa_vec;
 
 /* Everything one instruction set provides. The dot path (T <= dot_max) streams weights once per row with
  * all tokens in registers; larger T dequantizes a tile into L1 and reuses it across tokens. */
@@ -94,6 +104,10 @@ extern const isa_ops isa_scalar_ops;
 extern const isa_ops isa_avx2_ops;
 extern const isa_ops isa_avx512_ops;
 extern const isa_ops isa_avx512bf16_ops;
+#endif
+#if FASTAR_ARM64
+extern const isa_ops isa_neon_ops;
+extern const isa_ops isa_neonbf16_ops;
 #endif
 
 /* Tables, filled once by tables_init(). */
@@ -129,6 +143,8 @@ void pool_test_delays(int worker_us, int caller_us); /* test hooks: see pool.c *
 
 /* DeepSeek's FP8 activation quant-dequant per `block` values of each row (kern_scalar.c; out may be x). */
 void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
+/* Its second half: n values quantized with the block's scale s = 2^e and inv = 2^-e (a SIMD twin's ragged end). */
+void fp8_act_quant_tail(const float *xb, float *ob, int64_t n, float s, float inv);
 
 /* Row-wise ops of the forward pass (rowops.c); see fastar/model/ops.py for the math. */
 void rms_norm_rows(const float *x, const float *w, float *y, int64_t R, int64_t K, float eps);

@@ -188,6 +188,9 @@ def cmd_bench(a) -> int:
         return 0
     if not a.model:
         raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
+    if a.streams:
+        from . import bench_streams
+        return bench_streams.main(a)
     from . import bench
     return bench.main(a)
 
@@ -300,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reference", default=None, help="model: checkpoint dir to time transformers on too")
     b.add_argument("--compare", default=None, help="model: another source of the same model (a checkpoint "
                    "directory or .fst) to benchmark the same way, side by side")
+    b.add_argument("--streams", default=None, metavar="N,N",
+                   help="model: N concurrent greedy streams through the batch scheduler, e.g. 1,2,4,8 (aggregate "
+                        "and per-stream tok/s, inter-token latency, identical_to_solo, the batched ceiling)")
     b.add_argument("--plot", default=None, help="model: PNG of tokens/s and hit rate against --ram-budget A,B,C")
     b.set_defaults(fn=cmd_bench)
     return p

@@ -49,7 +49,7 @@ class PrefixCache:
                  state_type=ModelState) -> None:
         if max_bytes <= 0:
             raise ValueError(f"the prefix cache size must be positive, got {max_bytes}")
-        self.folder = Path(folder)
+        self.folder = Path(folder).expanduser()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.fingerprint, self.max_bytes, self.state_type = fingerprint, max_bytes, state_type
         self._skipped: set[str] = set()  # files already reported as unusable

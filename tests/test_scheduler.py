@@ -245,3 +245,26 @@ def test_worker_thread_and_callers_on_other_threads(eng):
         worker.join(60)
     for (ids, p), chunks in zip(reqs, out):
         same_chunks(chunks, solo(eng, ids, p))
+
+
+def test_bench_streams_cli(tiny_ckpt, tmp_path):
+    """`fastar bench --streams` on a paged .fst with a small expert budget (misses): every N reports its rows,
+    every stream equal to its solo run, one decode call per step carrying all N rows."""
+    import json
+    import subprocess
+    import sys
+
+    from fastar.convert.hf import convert
+
+    needs_invariant_kernels()
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--streams", "1,3", "--json",
+                        "--decode-tokens", "6", "--prompt-tokens", "8", "--ram-budget", "400K"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [row["streams"] for row in out["rows"]] == [1, 3]
+    for row in out["rows"]:
+        assert row["identical_to_solo"] is True and len(row["per_stream_tok_s"]) == row["streams"]
+        assert row["aggregate_decode_tok_s"] > 0 and row["itl_p95_ms"] >= row["itl_p50_ms"] > 0
+    assert out["rows"][1]["expert_reads_per_call"] >= out["rows"][0]["expert_reads_per_call"]

@@ -82,6 +82,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "directory or .fst) to benchmark the same way, side by side",
     )
     b.add_argument(
+        "--streams",
+        default=None,
+        metavar="N,N",
+        help="model: N concurrent greedy streams through the batch scheduler, e.g. 1,2,4,8 (aggregate "
+        "and per-stream tok/s, inter-token latency, identical_to_solo, the batched ceiling)",
+    )
+    b.add_argument(
         "--plot",
         default=None,
         help="model: PNG of tokens/s and hit rate against --ram-budget A,B,C",
@@ -114,6 +121,10 @@ def main(a: argparse.Namespace) -> int:
         return 0
     if not a.model:
         raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
+    if a.streams:
+        from . import streams
+
+        return streams.main(a)
     from . import model
 
     return model.main(a)

@@ -26,7 +26,9 @@ from ..model.state import ModelState
 from ..quant import kernels as K
 from . import speculative
 from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, argmax
+from .scheduler import Scheduler
 from .session import PromptError, Session, Stats
 from .tokenizer import Tokenizer
 
@@ -344,3 +346,31 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # --- many callers: continuous batching (fastar.engine.scheduler) and the prefix cache on disk ------------
+
+    def scheduler(self, max_batch: int = 8, max_queue: int = 64, token_budget: int | None = None,
+                  prefix_cache: str | os.PathLike | None = None,
+                  prefix_cache_size: int | str = "20G") -> Scheduler:
+        """A `Scheduler` serving many requests at once on this engine, each bit-identical to `stream` alone:
+        `submit(prompt, params)` from any thread -> a `Handle` (iterate its chunks, `cancel()`); the one worker
+        thread calls `step()` or `run(stop_event)`. `prefix_cache`: a folder of prefix states on disk (see
+        `open_prefix_cache`)."""
+        cache = self.open_prefix_cache(prefix_cache, prefix_cache_size) if prefix_cache is not None else None
+        return Scheduler(self, max_batch=max_batch, max_queue=max_queue, token_budget=token_budget,
+                         prefix_cache=cache)
+
+    def serve_batch(self, requests: list[tuple[str | list[int], SamplingParams | dict]],
+                    **options) -> list[list[GenerationChunk]]:
+        """Run `requests` ((prompt, params or a dict of sampling keywords) pairs) together on this thread;
+        returns each one's chunks, in order. `options`: as `scheduler`."""
+        sched = self.scheduler(**{"max_queue": max(64, len(requests)), **options})
+        handles = [sched.submit(p, SamplingParams(**kw) if isinstance(kw, dict) else kw) for p, kw in requests]
+        sched.run_until_idle()
+        return [list(h) for h in handles]
+
+    def open_prefix_cache(self, folder: str | os.PathLike, size: int | str = "20G") -> PrefixCache:
+        """A `PrefixCache` in `folder` capped at `size` bytes (or "20G"), keyed to this model and numerics."""
+        from ..config import parse_size
+        fingerprint = f"{self._fingerprint()}/{self.model.numerics}/{self.model.max_rollback}"
+        return PrefixCache(folder, fingerprint, parse_size(size))

@@ -70,51 +70,83 @@ def stream_generate(session: Session, prompt: str | list[int], params: SamplingP
 def _stream(session: Session, ids: list[int], params: SamplingParams, eos_token_id: int,
             cancel: threading.Event | None, on_prefill_progress: Callable[[int, int], None] | None,
             step_fn: Callable = generate_step) -> Iterator[GenerationChunk]:
-    tok = session.tokenizer
     stats = session.stats
     stats.requests += 1
     stats.prompt_tokens += len(ids)
-    n = 0
-
-    def usage() -> dict[str, int]:
-        return {"prompt_tokens": len(ids), "completion_tokens": n, "cached_tokens": session.last_cached_tokens}
-
+    chunks = ChunkMaker(session.tokenizer, params, eos_token_id, len(ids), session.context_length)
     if params.max_tokens == 0:
-        yield GenerationChunk("", finish_reason="length", usage={"prompt_tokens": len(ids), "completion_tokens": 0,
-                                                                  "cached_tokens": 0})
+        yield chunks.empty()
         return
-    decoder = tok.stream_decoder() if tok is not None else None
-    stops = StopStrings(params.stop)
-    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {eos_token_id})
     steps = step_fn(session, ids, params, cancel, on_prefill_progress)
     try:
         for token, logprob, top in steps:
-            n += 1
             stats.generated_tokens += 1
-            reason = None
-            if token in stop_ids:  # the stop token's own text is not part of the output
-                text, reason = "", "stop"
-            else:
-                text, hit = stops.feed(decoder.push(token) if decoder else "")
-                if hit:
-                    yield GenerationChunk(text, token, logprob, top, "stop", usage())
-                    return
-                if n >= params.max_tokens or session.num_tokens >= session.context_length:
-                    reason = "length"
-                elif cancel is not None and cancel.is_set():
-                    reason = "cancelled"
-            if reason is None:
-                yield GenerationChunk(text, token, logprob, top)
-                continue
-            # the end: release what is held (an unfinished character, a tail that did not become a stop string)
-            more, hit = stops.feed(decoder.flush() if decoder else "")
-            text += more + ("" if hit else stops.flush())
-            yield GenerationChunk(text, token, logprob, top, "stop" if stops.hit else reason, usage())
-            return
+            chunk = chunks.feed(token, logprob, top, session.num_tokens, cancel is not None and cancel.is_set(),
+                                session.last_cached_tokens)
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
         # generate_step ended without a token: cancelled during prefill
-        yield GenerationChunk("", None, finish_reason="cancelled", usage=usage())
+        yield chunks.cancelled(session.last_cached_tokens)
     finally:
         steps.close()
+
+
+class ChunkMaker:
+    """One request's sampled tokens -> `GenerationChunk`s: detokenizes (holding an unfinished UTF-8 character),
+    applies stop tokens, stop strings, max tokens, the context limit and cancellation, and puts `usage` on the
+    last chunk. Shared by `stream_generate` (one caller) and the step scheduler (`fastar.engine.scheduler`), so a
+    request's chunks are the same whichever ran it."""
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_token_id: int, prompt_tokens: int,
+                 context_length: int) -> None:
+        self.params, self.prompt_tokens, self.context_length = params, prompt_tokens, context_length
+        self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        self.stops = StopStrings(params.stop)
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {eos_token_id})
+        self.n = 0  # tokens fed
+
+    def usage(self, cached_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.n, "cached_tokens": cached_tokens}
+
+    def empty(self) -> GenerationChunk:
+        """The only chunk of a request with max_tokens 0."""
+        return GenerationChunk("", finish_reason="length", usage=self.usage(0))
+
+    def cancelled(self, cached_tokens: int) -> GenerationChunk:
+        """The last chunk of a request cancelled before its first token."""
+        return GenerationChunk("", None, finish_reason="cancelled", usage=self.usage(cached_tokens))
+
+    def feed(self, token: int, logprob: float, top: list[tuple[int, float]], num_tokens: int, cancel: bool,
+             cached_tokens: int) -> GenerationChunk:
+        """The chunk of a new token; `finish_reason` is set when it ends the request. `num_tokens`: the timeline's
+        length with this token; `cancel`: whether cancellation was asked for."""
+        self.n += 1
+        reason = None
+        if token in self.stop_ids:  # the stop token's own text is not part of the output
+            text, reason = "", "stop"
+        else:
+            text, hit = self.stops.feed(self.decoder.push(token) if self.decoder else "")
+            if hit:
+                return GenerationChunk(text, token, logprob, top, "stop", self.usage(cached_tokens))
+            if self.n >= self.params.max_tokens or num_tokens >= self.context_length:
+                reason = "length"
+            elif cancel:
+                reason = "cancelled"
+        if reason is None:
+            return GenerationChunk(text, token, logprob, top)
+        # the end: release what is held (an unfinished character, a tail that did not become a stop string)
+        more, hit = self.stops.feed(self.decoder.flush() if self.decoder else "")
+        text += more + ("" if hit else self.stops.flush())
+        return GenerationChunk(text, token, logprob, top, "stop" if self.stops.hit else reason,
+                               self.usage(cached_tokens))
+
+    def finish_cancelled(self, cached_tokens: int) -> GenerationChunk:
+        """The last chunk of a request cancelled between tokens (after at least one): what was held back."""
+        more, hit = self.stops.feed(self.decoder.flush() if self.decoder else "")
+        text = more + ("" if hit else self.stops.flush())
+        return GenerationChunk(text, None, finish_reason="stop" if self.stops.hit else "cancelled",
+                               usage=self.usage(cached_tokens))
 
 
 def generate_text(chunks: Iterator[GenerationChunk]) -> str:

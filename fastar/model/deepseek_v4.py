@@ -317,13 +317,52 @@ class Attention:
                       self.D ** -0.5)
 
     def __call__(self, x: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
-        T, H, D = x.shape[0], self.H, self.D
+        T = x.shape[0]
         if self.max_positions is not None and p0 + T > self.max_positions:
             raise FastarError(f"position {p0 + T - 1} needs {self.prefix}indexer (the lightning indexer), which the "
                               f"model lacks: without it only the first {self.max_positions} positions are exact")
-        act = self.numerics.act
-        pos = torch.arange(p0, p0 + T)
-        cos, sin = ops.rope_cos_sin(self.inv_freq, pos)  # [T, r/2]
+        cos, sin = ops.rope_cos_sin(self.inv_freq, torch.arange(p0, p0 + T))  # [T, r/2]
+        q, qr, kv = self._project(x, cos, sin)
+        state.kv.append(kv)
+
+        scoring = None  # the indexer's queries, when some query of the chunk needs scoring
+        if self.ratio:
+            self.compressor(x, p0, state.comp_kv, state.comp_gate, state.entries)
+            if self.indexer is not None:
+                scoring = self.indexer.prepare(x, qr, p0, state)
+        # queries one by one in small chunks (`ops.token_slices`): a verify pass attends exactly as decode does;
+        # long chunks in pieces of a window's length, each against only the keys its queries can see
+        o = torch.cat([self._attend(q, s, p0, state, scoring) for s in ops.token_slices(T, self.window)])
+        return self._output(o, cos, sin)
+
+    def rows(self, x: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
+        """One new token for each of B sequences (B <= `ops.SMALL_CHUNK`): row b of x [B, d] continues states[b]
+        at its own position. The weight products run on all B rows at once (batch-invariant: each row as if
+        alone); everything that reads or writes a state (window KV, compressor, indexer, attention) runs row by
+        row exactly as a one-token `__call__` does. So every row's output and state are bit-identical to decoding
+        that sequence alone. -> [B, d]"""
+        pos = [s.length for s in states]
+        if self.max_positions is not None and max(pos) + 1 > self.max_positions:
+            raise FastarError(f"position {max(pos)} needs {self.prefix}indexer (the lightning indexer), which the "
+                              f"model lacks: without it only the first {self.max_positions} positions are exact")
+        cos, sin = ops.rope_cos_sin(self.inv_freq, torch.tensor(pos))  # [B, r/2]
+        q, qr, kv = self._project(x, cos, sin)
+        out = []
+        for b, (p0, state) in enumerate(zip(pos, states)):
+            state.kv.append(kv[b:b + 1])
+            scoring = None
+            if self.ratio:
+                self.compressor(x[b:b + 1], p0, state.comp_kv, state.comp_gate, state.entries)
+                if self.indexer is not None:
+                    scoring = self.indexer.prepare(x[b:b + 1], qr[b:b + 1], p0, state)
+            out.append(self._attend(q[b:b + 1], slice(0, 1), p0, state, scoring))
+        return self._output(torch.cat(out), cos, sin)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d] -> queries [T, H, D] (normed, RoPE'd), the Q-LoRA latent qr [T, q_lora] and the KV rows [T, D]
+        to store (RoPE'd; FP8 non-RoPE dims under fp8_kv); cos/sin [T, r/2] at each row's position."""
+        T, H, D, act = x.shape[0], self.H, self.D, self.numerics.act
         xq = act(x)
         if self.wq_a_kv is not None:
             q_lin, kv_lin = self.wq_a_kv(xq).split([self.wq_a.out_features, D], dim=1)
@@ -336,19 +375,14 @@ class Attention:
         kv = ops.apply_rope(kv, cos, sin)
         if self.numerics.fp8_kv:
             kv = self._fp8_nope(kv)
-        state.kv.append(kv)
+        return q, qr, kv
 
-        scoring = None  # the indexer's queries, when some query of the chunk needs scoring
-        if self.ratio:
-            self.compressor(x, p0, state.comp_kv, state.comp_gate, state.entries)
-            if self.indexer is not None:
-                scoring = self.indexer.prepare(x, qr, p0, state)
-        # queries one by one in small chunks (`ops.token_slices`): a verify pass attends exactly as decode does;
-        # long chunks in pieces of a window's length, each against only the keys its queries can see
-        o = torch.cat([self._attend(q, s, p0, state, scoring) for s in ops.token_slices(T, self.window)])
+    def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention outputs o [T, H, D] -> [T, d]: inverse RoPE, grouped O-LoRA."""
+        T, H, D = o.shape
         o = ops.apply_rope(o, cos, sin, inverse=True)  # V carried RoPE: undo it at the query position
         z = self.wo_a.grouped(o.reshape(T, self.groups, H * D // self.groups))  # [T, G, R]
-        return self.wo_b(act(z.reshape(T, -1)))  # [T, d]
+        return self.wo_b(self.numerics.act(z.reshape(T, -1)))  # [T, d]
 
 
 # --- mixture of experts --------------------------------------------------------------------------------------
@@ -436,6 +470,14 @@ class Block:
     def __call__(self, X: torch.Tensor, ids: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
         u, post, comb = self.hc_attn.pre(X)  # [T, d], [T, n], [T, n, n]
         X = HyperConnection.post(self.attn(ops.rms_norm(u, self.attn_norm, self.eps), p0, state), X, post, comb)
+        u, post, comb = self.hc_ffn.pre(X)
+        return HyperConnection.post(self.ffn(ops.rms_norm(u, self.ffn_norm, self.eps), ids), X, post, comb)
+
+
+    def rows(self, X: torch.Tensor, ids: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
+        """`__call__` for one new token of each of B sequences (`Attention.rows`): X [B, n, d], ids [B]."""
+        u, post, comb = self.hc_attn.pre(X)
+        X = HyperConnection.post(self.attn.rows(ops.rms_norm(u, self.attn_norm, self.eps), states), X, post, comb)
         u, post, comb = self.hc_ffn.pre(X)
         return HyperConnection.post(self.ffn(ops.rms_norm(u, self.ffn_norm, self.eps), ids), X, post, comb)
 
@@ -541,6 +583,29 @@ class DeepseekV4:
                 collect.append(X)
         h = X if all_logits else X[-1:]
         return self.head(ops.rms_norm(self.hc_head(h), self.norm, self.config.rms_norm_eps)), X
+
+    @torch.inference_mode()
+    def forward_rows(self, ids: list[int], states: list[ModelState]) -> torch.Tensor:
+        """One decode step of B sequences at once: token ids[b] at position states[b].length, advancing each
+        state. -> logits [B, V] float32, row b bit-identical to `forward([ids[b]], states[b], all_logits=False)`
+        (with the C kernels' SIMD dot path, B <= `ops.SMALL_CHUNK`): the weights are read once for the B rows
+        and the MoE fetches the union of the rows' experts once per layer; attention and the compressors run
+        per row on each sequence's own state (`Attention.rows`). The states must be distinct objects."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        B = ids.shape[0]
+        if B == 0 or len(states) != B or B > ops.SMALL_CHUNK:
+            raise ValueError(f"forward_rows takes 1 to {ops.SMALL_CHUNK} tokens, one per state "
+                             f"(got {B} tokens, {len(states)} states)")
+        if len({id(s) for s in states}) != B:
+            raise ValueError("forward_rows needs a distinct state per token")
+        self.experts.prefetch_tokens(ids.tolist(), self.hash_tables)  # hash-routed layers: known from the ids
+        X = self.embed.rows(ids)[:, None, :].expand(B, self.config.hc_mult, -1)  # [B, n, d]
+        for i, block in enumerate(self.layers):
+            X = block.rows(X, ids, [s.layers[i] for s in states])
+            for s in states:
+                s.layers[i].length += 1
+                s.layers[i].trim(s.max_rollback)
+        return self.head(ops.rms_norm(self.hc_head(X), self.norm, self.config.rms_norm_eps))
 
     @torch.inference_mode()
     def mtp_logits(self, X: torch.Tensor, next_ids: list[int] | torch.Tensor, state: ModelState,

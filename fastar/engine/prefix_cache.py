@@ -1,0 +1,179 @@
+"""Prefix cache on disk: decode states of token prefixes, so a resent conversation (or a restarted server)
+prefills only its new tail.
+
+Owns: `PrefixCache` (store a state under a hash of the token ids it has processed, find the longest stored
+prefix of a prompt, LRU eviction under a size cap) and its file format. Does not own: the state's bytes
+(`ModelState.to_bytes`/`from_bytes`), when to store (the scheduler: at the end of a prompt and of a reply).
+
+File `<n>-<sha256 of the n ids>.fpc`: MAGIC, u32 version, u64 header length, a JSON header (model fingerprint,
+the token ids, the state's length in bytes and its SHA-256), then the state's bytes. Written to a temp file and
+renamed into place, so a reader never sees half a file. A file is used only if every check passes (magic,
+version, fingerprint, the ids equal the prompt's, checksum, the state's length); anything else is skipped and
+logged once, never trusted. Recency is the file's mtime (touched on every hit), so it survives restarts.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+from ..errors import FastarError
+from ..model.state import ModelState
+
+MAGIC = b"FSTPFX\0\0"
+VERSION = 1
+SUFFIX = ".fpc"
+
+log = logging.getLogger("fastar.prefix_cache")
+
+
+def prefix_key(ids: list[int]) -> str:
+    return hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
+
+
+class PrefixCache:
+    """States of token prefixes under `folder`, at most `max_bytes` in all (least recently used evicted first).
+
+    Args:
+        folder: created if missing.
+        fingerprint: identifies the model and numerics; files with another are skipped.
+        max_bytes: size cap of the folder's cache files.
+        state_type: the state class whose `from_bytes` reads a stored state (`ModelState`).
+    """
+
+    def __init__(self, folder: str | os.PathLike, fingerprint: str, max_bytes: int,
+                 state_type=ModelState) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"the prefix cache size must be positive, got {max_bytes}")
+        self.folder = Path(folder).expanduser()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.fingerprint, self.max_bytes, self.state_type = fingerprint, max_bytes, state_type
+        self._skipped: set[str] = set()  # files already reported as unusable
+        self.hits = self.misses = self.stores = self.evictions = 0
+
+    # --- lookup ---------------------------------------------------------------------------------------------
+
+    def lookup(self, ids: list[int], limit: int) -> tuple[ModelState, int] | None:
+        """The state of the longest stored prefix of `ids`, rolled back to at most `limit` positions (a prompt's
+        last token must run: limit = len(ids) - 1) -> (state, positions), or None."""
+        for n in sorted(self._lengths(), reverse=True):
+            if n > len(ids) or min(n, limit) <= 0:
+                continue
+            path = self.folder / f"{n}-{prefix_key(ids[:n])}{SUFFIX}"
+            if not path.exists():
+                continue
+            state = self._read(path, ids[:n])
+            if state is None:
+                continue
+            keep = min(n, limit)
+            if state.length > keep:
+                try:
+                    state.truncate(keep)
+                except FastarError:
+                    continue
+            os.utime(path)  # recency for LRU
+            self.hits += 1
+            return state, keep
+        self.misses += 1
+        return None
+
+    def _lengths(self) -> set[int]:
+        out = set()
+        for p in self.folder.glob(f"*{SUFFIX}"):
+            head = p.name.split("-", 1)[0]
+            if head.isdigit():
+                out.add(int(head))
+        return out
+
+    def _read(self, path: Path, ids: list[int]) -> ModelState | None:
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            return self._skip(path, f"cannot read ({e.strerror})")
+        if raw[:8] != MAGIC or len(raw) < 20:
+            return self._skip(path, "not a prefix cache file")
+        version, hlen = struct.unpack_from("<IQ", raw, 8)
+        if version != VERSION:
+            return self._skip(path, f"version {version}, expected {VERSION}")
+        try:
+            header = json.loads(raw[20:20 + hlen].decode())
+            tokens, size, digest = header["tokens"], int(header["state_bytes"]), header["state_sha256"]
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            return self._skip(path, f"corrupt header ({e})")
+        if header.get("fingerprint") != self.fingerprint:
+            return self._skip(path, "saved with another model or numerics")
+        body = raw[20 + hlen:]
+        if tokens != ids or len(body) != size or hashlib.sha256(body).hexdigest() != digest:
+            return self._skip(path, "its tokens or checksum do not match")
+        try:
+            state = self.state_type.from_bytes(body)
+        except FastarError as e:
+            return self._skip(path, str(e))
+        if state.length != len(ids):
+            return self._skip(path, "its state does not hold its tokens")
+        return state
+
+    def _skip(self, path: Path, why: str) -> None:
+        if path.name not in self._skipped:
+            self._skipped.add(path.name)
+            log.warning("prefix cache: skipping %s: %s", path, why)
+        return None
+
+    # --- store ----------------------------------------------------------------------------------------------
+
+    def store(self, ids: list[int], state: ModelState) -> Path | None:
+        """Save `state`, which has processed exactly `ids`; then evict least recently used files beyond the cap.
+        A state bigger than the whole cap is not stored (None)."""
+        if state.length != len(ids) or not ids:
+            raise ValueError(f"a state of {state.length} positions does not hold {len(ids)} tokens")
+        path = self.folder / f"{len(ids)}-{prefix_key(ids)}{SUFFIX}"
+        if path.exists():
+            os.utime(path)
+            return path
+        body = state.to_bytes()
+        header = json.dumps({"fingerprint": self.fingerprint, "tokens": [int(t) for t in ids],
+                             "state_bytes": len(body), "state_sha256": hashlib.sha256(body).hexdigest()}).encode()
+        blob_size = 20 + len(header) + len(body)
+        if blob_size > self.max_bytes:
+            return None
+        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".partial", dir=self.folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + struct.pack("<IQ", VERSION, len(header)) + header)
+                f.write(body)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.stores += 1
+        self._evict(keep=path)
+        return path
+
+    def _evict(self, keep: Path) -> None:
+        files = []
+        for p in self.folder.glob(f"*{SUFFIX}"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            files.append((st.st_mtime_ns, st.st_size, p))
+        total = sum(size for _, size, _ in files)
+        for _, size, p in sorted(files, key=lambda f: f[0]):
+            if total <= self.max_bytes:
+                break
+            if p == keep:
+                continue
+            p.unlink(missing_ok=True)
+            total -= size
+            self.evictions += 1
+
+    def size(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.glob(f"*{SUFFIX}"))
+
+    def stats(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "stores": self.stores, "evictions": self.evictions,
+                "bytes": self.size()}

@@ -1,0 +1,330 @@
+"""Continuous batching: a step scheduler that serves many requests at once, each bit-identical to serving it alone.
+
+Owns: `Scheduler` (admission, the bounded wait queue, one step = one decode token of every active sequence plus
+one prefill chunk of a waiting prompt, cancellation, counters), `Handle` (a submitted request: its chunks and
+its cancel switch) and `QueueFull`. Does not own: the forward pass (`DeepseekV4.forward` for prefill chunks,
+`DeepseekV4.forward_rows` for the batched decode step), sampling (`Sampler`), turning tokens into chunks
+(`generate.ChunkMaker`, the same code `Engine.stream` uses), the disk cache of prefixes (`prefix_cache`).
+
+Threads: `submit` and `Handle.cancel` may be called from any thread; `step` (and `run`, which loops over it)
+only from the one worker thread that owns the engine.
+
+Exactness. A request's tokens do not depend on what else runs:
+  * its prompt is prefilled alone, in chunks of the engine's `prefill_chunk` tokens from its first uncached
+    position, one `forward` call per chunk: the calls `Session.prefill` makes for it alone;
+  * each decode step runs the next token of up to `ops.SMALL_CHUNK` (8) sequences in one `forward_rows` call
+    (more in groups of 8), which gives every row the logits a one-token `forward` on its own state gives
+    (batch-invariant kernels; tests/test_scheduler.py compares whole generations);
+  * each request samples from its own `Sampler` (its own seeded generator) and applies its own stops.
+So with the C kernels' SIMD path, in either numerics, a request gets the tokens `Engine.stream` gives it on a fresh
+session (with a drafter too: speculative decoding is bit-identical to plain decoding).
+
+Speculative decoding: the scheduler does not draft (its passes are plain target passes, even with one active
+sequence); `Engine.stream` keeps drafting for a single caller.
+
+Admission: a request waits in a FIFO queue of at most `max_queue` (beyond: `QueueFull`, which a server answers
+with 503 and Retry-After); it becomes active when fewer than `max_batch` are active and, with `token_budget`, when
+its prompt plus max_tokens fits beside the active ones' (a request alone is always admitted, so none starves).
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import FastarError
+from ..model import ops
+from .generate import ChunkMaker, GenerationChunk
+from .sampling import Sampler, SamplingParams
+
+
+class QueueFull(FastarError):
+    """The wait queue is full: try again after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Handle:
+    """A submitted request. Iterate it (from any thread) for its `GenerationChunk`s, the last with a
+    `finish_reason`; `cancel()` ends it at the next step. With `on_chunk` given to `submit`, chunks go there
+    instead (called on the worker thread) and iterating yields nothing."""
+
+    def __init__(self, cancel: threading.Event) -> None:
+        self._cancel = cancel
+        self._chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self._taken_all = False
+        self.done = threading.Event()  # set once the last chunk is out
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def __iter__(self) -> Iterator[GenerationChunk]:
+        """The chunks not yet taken, blocking until the last (an exhausted handle yields nothing)."""
+        while not self._taken_all:
+            chunk = self._chunks.get()
+            if chunk.finish_reason is not None:
+                self._taken_all = True
+            yield chunk
+
+
+@dataclass(eq=False)
+class _Request:
+    ids: list[int]
+    params: SamplingParams
+    handle: Handle
+    emit: Callable[[GenerationChunk], None]
+    chunks: ChunkMaker
+    sampler: Sampler
+    submitted: float
+    state: object = None
+    done: int = 0  # prompt tokens processed (cached ones included)
+    cached: int = 0  # prompt tokens taken from the prefix cache
+    pending: int | None = None  # the sampled token decode runs next
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def cost(self) -> int:
+        return len(self.ids) + self.params.max_tokens
+
+
+class Scheduler:
+    """Serves requests in steps on one engine (see the module docstring).
+
+    Args:
+        engine: the `Engine` (its model, prefill_chunk, tokenizer, context length and counters).
+        max_batch: sequences active at once (prefilling or decoding).
+        max_queue: requests waiting beyond those; one more raises `QueueFull`.
+        token_budget: bound on the sum of prompt + max_tokens over the active requests (None: no bound).
+        prefix_cache: a `PrefixCache`: prompts that extend a cached prefix load its state and prefill only the
+            rest; states are saved at the end of each prompt and of each reply.
+    """
+
+    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64, token_budget: int | None = None,
+                 prefix_cache=None) -> None:
+        if max_batch < 1 or max_queue < 0 or (token_budget is not None and token_budget < 1):
+            raise ValueError(f"max_batch must be >= 1, max_queue >= 0 and token_budget >= 1 or None "
+                             f"(got {max_batch}, {max_queue}, {token_budget})")
+        self.engine, self.model = engine, engine.model
+        self.max_batch, self.max_queue, self.token_budget = max_batch, max_queue, token_budget
+        self.prefix_cache = prefix_cache
+        self._lock = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._active: list[_Request] = []  # admission order: prefilling ones, then decoding
+        self._counts: Counter = Counter()
+        self._batch_sizes: Counter = Counter()
+        self._step_seconds = 0.0
+        self._last_step_seconds = 0.0
+        self._rates: deque[float] = deque(maxlen=256)  # decode tok/s of recently finished requests
+
+    # --- any thread ---------------------------------------------------------------------------------------
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
+               on_chunk: Callable[[GenerationChunk], None] | None = None, **sampling) -> Handle:
+        """Queue a request (token ids or raw text). Raises `PromptError`/`SamplingError` for a bad request and
+        `QueueFull` when the queue is full, here, before anything runs."""
+        if params is None:
+            params = SamplingParams.from_kwargs(**sampling)
+        elif sampling:
+            raise TypeError("pass either params or sampling keyword arguments, not both")
+        eng = self.engine
+        ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        session_check(eng, ids)
+        handle = Handle(threading.Event())
+        emit = on_chunk or handle._chunks.put
+        req = _Request(ids, params, handle, emit,
+                       ChunkMaker(eng.tokenizer, params, eng.config.eos_token_id, len(ids), eng.context_length),
+                       Sampler(params), time.perf_counter())
+        with self._lock:
+            free = max(0, self.max_batch - len(self._active))  # waiting requests the next step admits
+            if len(self._waiting) >= self.max_queue + free:
+                self._counts["rejected"] += 1
+                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting (max_queue "
+                                f"{self.max_queue})", retry_after=self._retry_after())
+            self._waiting.append(req)
+            self._counts["submitted"] += 1
+            self._lock.notify_all()
+        return handle
+
+    def _retry_after(self) -> int:
+        steps = self._counts["steps"]
+        mean = self._step_seconds / steps if steps else 1.0
+        return max(1, math.ceil(mean * 16))
+
+    def metrics(self) -> dict:
+        """Counters for /metrics: active sequences, queued requests, the batch-size histogram (decode rows per
+        model call -> calls), step time, decode tokens/s per sequence (active ones and recently finished)."""
+        with self._lock:
+            active = list(self._active)
+            queued = len(self._waiting)
+        now = time.perf_counter()
+        live = [len(r.generated) / (now - r.first_token_at) for r in active
+                if r.first_token_at is not None and now > r.first_token_at and len(r.generated) > 1]
+        steps = self._counts["steps"]
+        return {"active_sequences": len(active), "queued_requests": queued,
+                "decoding_sequences": sum(r.pending is not None for r in active),
+                "batch_size_histogram": dict(sorted(self._batch_sizes.items())),
+                "steps": steps, "step_seconds_total": self._step_seconds,
+                "step_seconds_mean": self._step_seconds / steps if steps else 0.0,
+                "step_seconds_last": self._last_step_seconds,
+                "tokens_per_s_per_sequence": live,
+                "tokens_per_s_per_sequence_finished_mean": sum(self._rates) / len(self._rates) if self._rates else 0.0,
+                "requests_submitted": self._counts["submitted"], "requests_finished": self._counts["finished"],
+                "requests_cancelled": self._counts["cancelled"], "requests_rejected": self._counts["rejected"],
+                "prefix_cache_hits": self._counts["cache_hits"], "prefix_cache_tokens": self._counts["cache_tokens"]}
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._waiting and not self._active
+
+    # --- the worker thread --------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, idle_wait: float = 0.5) -> None:
+        """Step while there is work, sleep on new submissions otherwise, until `stop` is set."""
+        while not stop.is_set():
+            if not self.step():
+                with self._lock:
+                    if not self._waiting and not self._active:
+                        self._lock.wait(idle_wait)
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """One step: drop cancelled requests, admit waiting ones, decode one token of every decoding sequence
+        (groups of 8 per model call), then one prefill chunk of the oldest prefilling one. Returns whether work
+        remains."""
+        t0 = time.perf_counter()
+        self._drop_cancelled()
+        self._admit()
+        decoding = [r for r in self._active if r.pending is not None]
+        for a in range(0, len(decoding), ops.SMALL_CHUNK):
+            self._decode(decoding[a:a + ops.SMALL_CHUNK])
+        prefilling = next((r for r in self._active if r.pending is None), None)
+        if prefilling is not None:
+            self._prefill_chunk(prefilling)
+        if decoding or prefilling is not None:
+            dt = time.perf_counter() - t0
+            self._counts["steps"] += 1
+            self._step_seconds += dt
+            self._last_step_seconds = dt
+        with self._lock:
+            return bool(self._waiting or self._active)
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            gone = [r for r in self._waiting if r.handle.cancelled]
+            for r in gone:
+                self._waiting.remove(r)
+        for r in gone:
+            self._finish(r, r.chunks.cancelled(0), count="cancelled", active=False)
+        for r in [r for r in self._active if r.handle.cancelled]:
+            last = r.chunks.cancelled(r.cached) if not r.generated else r.chunks.finish_cancelled(r.cached)
+            self._finish(r, last, count="cancelled")
+
+    def _admit(self) -> None:
+        admitted = []
+        with self._lock:
+            while self._waiting and len(self._active) < self.max_batch:
+                req = self._waiting[0]
+                in_flight = sum(r.cost for r in self._active)
+                if self._active and self.token_budget is not None and in_flight + req.cost > self.token_budget:
+                    break
+                self._waiting.popleft()
+                self._active.append(req)
+                admitted.append(req)
+        for req in admitted:
+            self._start(req)
+
+    def _start(self, req: _Request) -> None:
+        stats = self.engine._gen_counters()
+        stats.requests += 1
+        stats.prompt_tokens += len(req.ids)
+        if req.params.max_tokens == 0:
+            self._finish(req, req.chunks.empty())
+            return
+        req.state, req.done = self.model.new_state(), 0
+        if self.prefix_cache is not None:
+            hit = self.prefix_cache.lookup(req.ids, len(req.ids) - 1)
+            if hit is not None:
+                req.state, req.done = hit
+                req.cached = req.done
+                self._counts["cache_hits"] += 1
+                self._counts["cache_tokens"] += req.done
+                stats.cached_tokens += req.done
+
+    def _prefill_chunk(self, req: _Request) -> None:
+        """The next `prefill_chunk` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
+        first token is sampled."""
+        part = req.ids[req.done:req.done + self.engine.prefill_chunk]
+        stats = self.engine._gen_counters()
+        t = time.perf_counter()
+        logits, _ = self.model.forward(part, req.state, all_logits=False)
+        stats.prefill_seconds += time.perf_counter() - t
+        stats.prefill_tokens_computed += len(part)
+        req.done += len(part)
+        if req.done < len(req.ids):
+            return
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(req.ids, req.state)
+        self._sampled(req, logits[-1])
+
+    def _decode(self, group: list[_Request]) -> None:
+        stats = self.engine._gen_counters()
+        t = time.perf_counter()
+        logits = self.model.forward_rows([r.pending for r in group], [r.state for r in group])
+        stats.decode_seconds += time.perf_counter() - t
+        stats.decode_tokens_computed += len(group)
+        self._batch_sizes[len(group)] += 1
+        for r, row in zip(group, logits):
+            self._sampled(r, row)
+
+    def _sampled(self, req: _Request, logits: torch.Tensor) -> None:
+        token, logprob, top = req.sampler(logits)
+        req.pending = token
+        req.generated.append(token)
+        now = time.perf_counter()
+        req.first_token_at = req.first_token_at or now
+        req.last_token_at = now
+        self.engine._gen_counters().generated_tokens += 1
+        chunk = req.chunks.feed(token, logprob, top, len(req.ids) + len(req.generated), req.handle.cancelled,
+                                req.cached)
+        if chunk.finish_reason is None:
+            req.emit(chunk)
+            return
+        if self.prefix_cache is not None and req.state.length > len(req.ids):
+            self.prefix_cache.store(req.ids + req.generated[:req.state.length - len(req.ids)], req.state)
+        self._finish(req, chunk, count="cancelled" if chunk.finish_reason == "cancelled" else "finished")
+
+    def _finish(self, req: _Request, last: GenerationChunk, count: str = "finished", active: bool = True) -> None:
+        if active:
+            with self._lock:
+                self._active.remove(req)
+        self._counts[count] += 1
+        n = len(req.generated)
+        if n > 1 and req.last_token_at > req.first_token_at:
+            self._rates.append((n - 1) / (req.last_token_at - req.first_token_at))
+        req.state = None
+        req.emit(last)
+        req.handle.done.set()
+
+
+def session_check(engine, ids: list[int]) -> None:
+    """The prompt checks every front-end relies on (`Session.check_prompt`: empty, too long, bad ids)."""
+    engine.open_session(anchor=False).check_prompt(ids)
+

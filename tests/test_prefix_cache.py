@@ -1,0 +1,127 @@
+"""The prefix cache on disk: lookup of the longest stored prefix, the scheduler prefilling only the tail after a
+restart, corrupt and foreign files skipped (logged once), LRU eviction under the size cap, atomic writes."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from fastar.engine.engine import load
+from fastar.engine.prefix_cache import PrefixCache
+from fastar.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(2, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_ckpt):
+    return load(tiny_ckpt)
+
+
+def prefilled(eng, ids):
+    s = eng.model.new_state()
+    eng.model.forward(ids, s, all_logits=False)
+    return s
+
+
+def test_lookup_finds_the_longest_stored_prefix(eng, tmp_path):
+    cache = eng.open_prefix_cache(tmp_path, "1G")
+    ids = prompt(0, 40)
+    for n in (10, 25):
+        cache.store(ids[:n], prefilled(eng, ids[:n]))
+    state, n = cache.lookup(ids + [7], limit=40)
+    assert n == 25 and state.to_bytes() == prefilled(eng, ids[:25]).to_bytes()
+    state, n = cache.lookup(ids[:25], limit=24)  # the same prompt again: its last token must run
+    assert n == 24 and state.length == 24
+    assert cache.lookup(ids[:12] + [1, 2, 3], limit=14)[1] == 10
+    assert cache.lookup(prompt(1, 40), limit=39) is None
+    assert cache.stats()["hits"] == 3 and cache.stats()["misses"] == 1
+
+
+def test_restarted_scheduler_prefills_only_the_tail(eng, tmp_path):
+    """A conversation's first turn through one scheduler, its second (prompt + reply + new message) through a
+    new scheduler on the same folder (a restart): it loads the state saved at the end of the reply and runs only
+    the new tokens; its tokens equal `Engine.stream` continuing one session (the same reuse, the same chunks)."""
+    first, p = prompt(2, 30), SamplingParams(max_tokens=12, ignore_eos=True)
+    sched = eng.scheduler(prefix_cache=tmp_path)
+    h = sched.submit(first, p)
+    sched.run_until_idle()
+    reply = [c.token for c in h]
+    second = first + reply + prompt(3, 9)
+
+    restarted = eng.scheduler(prefix_cache=tmp_path)
+    before = eng.stats()["prefill_tokens_computed"]
+    h = restarted.submit(second, p)
+    restarted.run_until_idle()
+    got = list(h)
+    computed = eng.stats()["prefill_tokens_computed"] - before
+    assert got[-1].usage["cached_tokens"] == len(first) + len(reply) - 1
+    assert computed == len(second) - got[-1].usage["cached_tokens"] == 10
+    assert restarted.metrics()["prefix_cache_hits"] == 1
+
+    s = eng.open_session()
+    assert [c.token for c in eng.stream(first, p, session=s)] == reply
+    ref = list(eng.stream(second, p, session=s))
+    assert [c.token for c in got] == [c.token for c in ref] and got[-1].usage == ref[-1].usage
+
+
+def test_corrupt_and_foreign_files_are_skipped_and_logged_once(eng, tmp_path, caplog):
+    ids = prompt(4, 20)
+    cache = eng.open_prefix_cache(tmp_path, "1G")
+    good = cache.store(ids[:8], prefilled(eng, ids[:8]))
+    bad = cache.store(ids[:16], prefilled(eng, ids[:16]))
+    raw = bytearray(bad.read_bytes())
+    raw[-5] ^= 0x40  # one flipped bit in the state
+    bad.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="fastar.prefix_cache"):
+        for _ in range(2):
+            state, n = cache.lookup(ids, limit=19)
+            assert n == 8  # the corrupt longer prefix is not trusted: the shorter good one is used
+    assert [r.getMessage() for r in caplog.records].count(f"prefix cache: skipping {bad}: its tokens or checksum "
+                                                          f"do not match") == 1
+    foreign = PrefixCache(tmp_path, "another model", 1 << 30)
+    assert foreign.lookup(ids, limit=19) is None
+    (tmp_path / f"8-{'0' * 64}.fpc").write_bytes(b"garbage")
+    truncated = tmp_path / good.name
+    truncated.write_bytes(good.read_bytes()[:100])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastar.prefix_cache"):
+        assert cache.lookup(ids, limit=19) is None
+    assert any("skipping" in r.getMessage() for r in caplog.records)
+
+
+def test_lru_eviction_under_the_size_cap(eng, tmp_path):
+    ids = [prompt(10 + i, 12) for i in range(3)]
+    states = [prefilled(eng, x) for x in ids]
+    probe = PrefixCache(tmp_path / "probe", "f", 1 << 30)
+    one = probe.store(ids[0], states[0]).stat().st_size
+    cache = PrefixCache(tmp_path / "c", "f", int(2.5 * one))
+    paths = [cache.store(ids[0], states[0]), cache.store(ids[1], states[1])]
+    old = paths[0].stat().st_mtime_ns
+    os.utime(paths[1], ns=(old - 10**9, old - 10**9))  # make the second older ...
+    assert cache.lookup(ids[0] + [5], limit=12) is not None  # ... and touch the first
+    cache.store(ids[2], states[2])
+    assert paths[0].exists() and not paths[1].exists() and cache.stats()["evictions"] == 1
+    assert cache.size() <= int(2.5 * one)
+    tiny = PrefixCache(tmp_path / "t", "f", 100)
+    assert tiny.store(ids[0], states[0]) is None and tiny.size() == 0  # bigger than the whole cap: not stored
+
+
+def test_writes_are_atomic(eng, tmp_path, monkeypatch):
+    cache = PrefixCache(tmp_path, "f", 1 << 30)
+    ids = prompt(20, 6)
+
+    def fail(*a):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        cache.store(ids, prefilled(eng, ids))
+    assert list(tmp_path.iterdir()) == []  # no half-written file, no temp left behind
+    with pytest.raises(ValueError, match="does not hold"):
+        cache.store(ids + [1], prefilled(eng, ids))

@@ -1,0 +1,270 @@
+"""The step scheduler: batched decoding is bit-identical to serving each request alone; admission, the bounded
+queue, cancellation and counters; chunked prefill interleaved with decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastar.engine.engine import load
+from fastar.engine.sampling import SamplingParams
+from fastar.engine.scheduler import QueueFull, Scheduler
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def needs_invariant_kernels():
+    from fastar.quant import kernels, linear
+
+    if linear._kernels() is None or kernels.get_isa() == "scalar":
+        pytest.skip("batch invariance is a promise of the C kernels' SIMD dot path")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(2, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_ckpt):
+    return load(tiny_ckpt)  # official numerics
+
+
+# (prompt length, sampling): prompts across the indexer's scoring start (17 positions) and the ratio-128
+# compressor's first entry (128), greedy and seeded sampling, logprobs, a stop token, EOS honoured
+REQUESTS = [
+    (5, dict(max_tokens=40, ignore_eos=True)),
+    (23, dict(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True, logprobs=3)),
+    (120, dict(max_tokens=24, ignore_eos=True)),
+    (9, dict(max_tokens=35, temperature=1.0, top_k=50, seed=9, ignore_eos=True)),
+    (64, dict(max_tokens=12, ignore_eos=True, logprobs=0)),
+    (31, dict(max_tokens=40, temperature=0.7, top_p=0.9, seed=1)),
+    (2, dict(max_tokens=20, ignore_eos=True)),
+    (77, dict(max_tokens=28, temperature=0.9, min_p=0.05, seed=4, ignore_eos=True)),
+    (15, dict(max_tokens=33, ignore_eos=True)),
+    (40, dict(max_tokens=18, temperature=0.6, seed=12, ignore_eos=True)),
+]
+
+
+def requests(n: int = len(REQUESTS)) -> list[tuple[list[int], SamplingParams]]:
+    return [(prompt(100 + i, length), SamplingParams(**kw)) for i, (length, kw) in enumerate(REQUESTS[:n])]
+
+
+def solo(eng, ids, params):
+    return list(eng.stream(ids, params, session=eng.open_session()))
+
+
+def same_chunks(a, b):
+    assert [c.token for c in a] == [c.token for c in b]
+    assert [c.text for c in a] == [c.text for c in b]
+    assert [c.logprob for c in a] == [c.logprob for c in b]
+    assert [c.top_logprobs for c in a] == [c.top_logprobs for c in b]
+    assert a[-1].finish_reason == b[-1].finish_reason and a[-1].usage == b[-1].usage
+
+
+def test_forward_rows_is_bit_identical_to_one_token_forward(eng):
+    """Five sequences at different positions: a batched decode step gives every row the logits and the state
+    (all buffers, byte for byte) that decoding it alone gives, step after step across compression boundaries."""
+    needs_invariant_kernels()
+    model = eng.model
+    states, tokens = [], []
+    for i, n in enumerate((3, 16, 61, 126, 7)):
+        s = model.new_state()
+        logits, _ = model.forward(prompt(i, n), s, all_logits=False)
+        states.append(s)
+        tokens.append(int(logits[-1].argmax()))
+    alone = [s.snapshot() for s in states]
+    for _ in range(12):
+        batched = model.forward_rows(tokens, states)
+        for b, (tok, s) in enumerate(zip(tokens, alone)):
+            ref, _ = model.forward([tok], s, all_logits=False)
+            assert torch.equal(batched[b], ref[-1]), b
+        assert [s.to_bytes() for s in states] == [s.to_bytes() for s in alone]
+        tokens = [int(row.argmax()) for row in batched]
+
+
+def test_forward_rows_refuses_bad_batches(eng):
+    s = eng.model.new_state()
+    eng.model.forward([1, 2], s)
+    with pytest.raises(ValueError, match="distinct state"):
+        eng.model.forward_rows([1, 2], [s, s])
+    with pytest.raises(ValueError, match="one per state"):
+        eng.model.forward_rows([1] * 9, [eng.model.new_state() for _ in range(9)])
+
+
+@pytest.mark.parametrize("max_batch", [8, 3])
+def test_batched_generation_equals_each_request_alone(eng, max_batch):
+    """Ten requests (greedy and seeded sampling, logprobs, EOS, different lengths) at once: with max_batch 8 the
+    decode steps run 8 rows then the rest; with 3, requests wait and join as others finish. Each request's
+    chunks (tokens, text, logprobs, finish, usage) equal `Engine.stream` on a fresh session."""
+    needs_invariant_kernels()
+    reqs = requests()
+    sched = Scheduler(eng, max_batch=max_batch, max_queue=16)
+    handles = [sched.submit(ids, params) for ids, params in reqs]
+    sched.run_until_idle()
+    for (ids, params), h in zip(reqs, handles):
+        same_chunks(list(h), solo(eng, ids, params))
+    hist = sched.metrics()["batch_size_histogram"]
+    assert max(hist) == min(8, max_batch) and sum(hist.values()) > 0
+
+
+def test_stop_strings_and_stop_tokens_batched(eng):
+    """Stop strings (held back, never leaked) and stop tokens cut each request where its solo run cuts it."""
+    needs_invariant_kernels()
+    base = requests(4)
+    texts = [solo(eng, ids, p) for ids, p in base]
+    reqs = []
+    for (ids, p), chunks in zip(base, texts):
+        text = "".join(c.text for c in chunks)
+        kw = {f: getattr(p, f) for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+                                          "ignore_eos", "logprobs")}
+        reqs.append((ids, SamplingParams(**kw, stop=[text[len(text) // 2: len(text) // 2 + 3]])))
+        reqs.append((ids, SamplingParams(**kw, stop_token_ids=[chunks[len(chunks) // 3].token])))
+    out = eng.serve_batch(reqs)
+    for (ids, p), chunks in zip(reqs, out):
+        ref = solo(eng, ids, p)
+        same_chunks(chunks, ref)
+        assert chunks[-1].finish_reason == "stop"
+
+
+def test_chunked_prefill_interleaves_with_decoding(eng):
+    """A 200-token prompt prefilled 16 tokens a step while another request decodes: the decoding one gets a
+    token every step meanwhile, and both still equal their solo runs at that chunk size."""
+    needs_invariant_kernels()
+    before = eng.prefill_chunk
+    eng.prefill_chunk = 16
+    try:
+        short, long_ = (prompt(1, 6), SamplingParams(max_tokens=40, ignore_eos=True)), \
+            (prompt(2, 200), SamplingParams(max_tokens=8, ignore_eos=True))
+        sched = Scheduler(eng)
+        got = {"short": 0}
+        log = []
+        a = sched.submit(*short, on_chunk=lambda c: log.append(("short", c)))
+        sched.step()  # the short prompt: one chunk, first token
+        b = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
+        for _ in range(13):  # 200 tokens = 13 chunks of 16
+            n = len(log)
+            sched.step()
+            got["short"] += sum(1 for who, _ in log[n:] if who == "short")
+        assert got["short"] == 13  # one token per step while the long prompt prefilled
+        assert not any(who == "long" for who, _ in log[:-1])  # its first token comes with its last chunk
+        sched.run_until_idle()
+        assert a.done.is_set() and b.done.is_set()
+        same_chunks([c for who, c in log if who == "short"], solo(eng, *short))
+        same_chunks([c for who, c in log if who == "long"], solo(eng, *long_))
+    finally:
+        eng.prefill_chunk = before
+
+
+def test_queue_is_bounded(eng):
+    sched = Scheduler(eng, max_batch=1, max_queue=1)
+    p = SamplingParams(max_tokens=3)
+    sched.submit(prompt(0, 4), p)  # admitted at the next step
+    sched.submit(prompt(1, 4), p)  # waits
+    with pytest.raises(QueueFull, match="busy") as e:
+        sched.submit(prompt(2, 4), p)
+    assert e.value.retry_after >= 1
+    assert sched.metrics()["requests_rejected"] == 1 and sched.metrics()["queued_requests"] == 2
+    sched.run_until_idle()
+    assert sched.idle and sched.metrics()["requests_finished"] == 2
+
+
+def test_cancel_frees_the_slot_within_one_step(eng):
+    """max_batch 1: cancelling the active request ends it at the next step, whose admission lets the waiting
+    one in; a waiting request cancelled before admission ends without running."""
+    sched = Scheduler(eng, max_batch=1)
+    a = sched.submit(prompt(0, 5), max_tokens=100, ignore_eos=True)
+    b = sched.submit(prompt(1, 5), max_tokens=4, ignore_eos=True)
+    c = sched.submit(prompt(2, 5), max_tokens=4, ignore_eos=True)
+    for _ in range(3):
+        sched.step()
+    c.cancel()
+    a.cancel()
+    sched.step()
+    chunks = list(a)
+    assert chunks[-1].finish_reason == "cancelled" and 1 <= len(chunks) - 1 <= 3
+    assert chunks[-1].usage["completion_tokens"] == len(chunks) - 1
+    assert [(x.finish_reason, x.usage["completion_tokens"]) for x in c] == [("cancelled", 0)]
+    assert list(c) == []  # an exhausted handle yields nothing more
+    m = sched.metrics()
+    assert m["active_sequences"] == 1 and m["queued_requests"] == 0 and m["requests_cancelled"] == 2
+    sched.run_until_idle()
+    assert [x.finish_reason for x in b][-1] == "length"
+
+
+def test_token_budget_admits_what_fits(eng):
+    """Two requests whose prompt + max_tokens exceed the budget together run one after the other (each alone
+    is always admitted); the metrics show batches of one only."""
+    sched = Scheduler(eng, token_budget=30)
+    p = SamplingParams(max_tokens=10, ignore_eos=True)
+    h = [sched.submit(prompt(i, 12), p) for i in range(2)]
+    sched.step()
+    assert sched.metrics()["active_sequences"] == 1 and sched.metrics()["queued_requests"] == 1
+    sched.run_until_idle()
+    assert all(list(x)[-1].finish_reason == "length" for x in h)
+    m = sched.metrics()
+    assert set(m["batch_size_histogram"]) == {1} and m["requests_finished"] == 2
+    assert m["step_seconds_mean"] > 0 and m["tokens_per_s_per_sequence_finished_mean"] > 0
+
+
+def test_bad_requests_fail_at_submit(eng):
+    sched = Scheduler(eng)
+    with pytest.raises(ValueError, match="empty"):
+        sched.submit([], max_tokens=3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sched.submit([5, 5000], max_tokens=3)
+    with pytest.raises(ValueError, match="temperature"):
+        sched.submit([5], temperature=-1)
+    assert sched.idle
+    h = sched.submit([5, 6], max_tokens=0)
+    sched.run_until_idle()
+    assert [(c.finish_reason, c.usage["completion_tokens"]) for c in h] == [("length", 0)]
+
+
+def test_worker_thread_and_callers_on_other_threads(eng):
+    """The worker loop (`run`) on one thread, requests from four others at once: each gets its solo chunks."""
+    import threading
+
+    needs_invariant_kernels()
+    sched = Scheduler(eng)
+    stop = threading.Event()
+    worker = threading.Thread(target=sched.run, args=(stop, 0.01))
+    worker.start()
+    reqs = requests(4)
+    out = [None] * 4
+
+    def client(i):
+        out[i] = list(sched.submit(*reqs[i]))
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    try:
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(60)
+    finally:
+        stop.set()
+        worker.join(60)
+    for (ids, p), chunks in zip(reqs, out):
+        same_chunks(chunks, solo(eng, ids, p))
+
+
+def test_bench_streams_cli(tiny_ckpt, tmp_path):
+    """`fastar bench --streams` on a paged .fst with a small expert budget (misses): every N reports its rows,
+    every stream equal to its solo run, one decode call per step carrying all N rows."""
+    import json
+    import subprocess
+    import sys
+
+    from fastar.convert.hf import convert
+
+    needs_invariant_kernels()
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--streams", "1,3", "--json",
+                        "--decode-tokens", "6", "--prompt-tokens", "8", "--ram-budget", "400K"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [row["streams"] for row in out["rows"]] == [1, 3]
+    for row in out["rows"]:
+        assert row["identical_to_solo"] is True and len(row["per_stream_tok_s"]) == row["streams"]
+        assert row["aggregate_decode_tok_s"] > 0 and row["itl_p95_ms"] >= row["itl_p50_ms"] > 0
+    assert out["rows"][1]["expert_reads_per_call"] >= out["rows"][0]["expert_reads_per_call"]

@@ -8,6 +8,7 @@ model of `fastar.bench`'s decode ceiling. Owns only the measuring; the scheduler
 """
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -108,7 +109,7 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
         start = max(t[0] for t in times)  # every stream decoding from here
         end = max(t[-1] for t in times)
         in_window = sum(sum(1 for x in t if start < x <= end) for t in times)
-        gaps = sorted(b - a for t in times for a, b in zip(t, t[1:]))
+        gaps = sorted(b - a for t in times for a, b in itertools.pairwise(t))
         pct = (lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3) if gaps else (lambda q: 0.0)
         decode_tokens = sum(len(t) - 1 for t in times)
         bytes_read = r["calls"] * resident_tok + r["experts"] * stride

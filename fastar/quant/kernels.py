@@ -53,8 +53,8 @@ def cpu_features() -> dict:
     Without the extension, isa is 'numpy'."""
     if _C is None:
         return {"avx2": False, "fma": False, "f16c": False, "avx512f": False, "avx512bw": False,
-                "avx512vl": False, "avx512vbmi": False, "avx512bf16": False, "asimd": False, "bf16": False, "isa": "numpy",
-                "usable_isas": []}
+                "avx512vl": False, "avx512vbmi": False, "avx512bf16": False, "asimd": False, "bf16": False,
+                "isa": "numpy", "usable_isas": []}
     return _C.cpu_features()
 
 

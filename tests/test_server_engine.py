@@ -82,3 +82,40 @@ def test_oversize_prompt_is_400_with_both_numbers(server):
                                            messages=[{"role": "user", "content": "word " * 700}])
     msg = str(ei.value)
     assert "512" in msg and "70" in msg
+
+
+# --- the agent APIs on the real server --------------------------------------------------------------------------
+
+def test_anthropic_client_on_the_real_server(server):
+    anthropic = pytest.importorskip("anthropic")
+    s, _ = server
+    c = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
+    kw = dict(model="deepseek-v4-flash", max_tokens=8, thinking={"type": "disabled"}, extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "Name three colours."}])
+    msg = c.messages.create(**kw)
+    assert msg.type == "message" and msg.role == "assistant" and msg.stop_reason == "max_tokens"
+    assert msg.usage.output_tokens == 8 and msg.content and msg.content[0].type == "text"
+    with c.messages.stream(**kw) as st:
+        streamed = "".join(st.text_stream)
+        final = st.get_final_message()
+    assert streamed == msg.content[0].text == final.content[0].text  # greedy: the stream says the same
+    n = c.messages.count_tokens(model="deepseek-v4-flash", messages=kw["messages"], thinking={"type": "disabled"})
+    assert n.input_tokens == msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        c.messages.create(model="deepseek-v4-flash", max_tokens=8, messages=[])
+    assert err.value.body["type"] == "error"  # Anthropic's error shape, not OpenAI's
+
+
+def test_openai_responses_on_the_real_server(server):
+    s, _ = server
+    c = _client(s)
+    r = c.responses.create(model="deepseek-v4-flash", input="Name three colours.", max_output_tokens=8,
+                           temperature=0)
+    assert r.status in ("completed", "incomplete") and r.usage.output_tokens == 8
+    text = r.output_text
+    events = [e.type for e in c.responses.create(model="deepseek-v4-flash", input="Name three colours.",
+                                                  max_output_tokens=8, temperature=0, stream=True)]
+    assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
+    assert {"response.output_text.delta", "response.reasoning_text.delta"} & set(events)  # thinking is on by default
+    again = c.responses.retrieve(r.id)
+    assert again.id == r.id and again.output_text == text

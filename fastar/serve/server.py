@@ -42,6 +42,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from fastar.errors import FastarError
 from fastar.serve import protocol as P
+from fastar.serve.agent_routes import ERROR_SHAPES, AgentRoutes
 from fastar.serve.app import ErrorShape, Settings, build_app
 from fastar.serve.routes import OpenAIRoutes
 from fastar.serve.worker import EngineHost, Metrics
@@ -185,7 +186,7 @@ class Server:
             cors_origins=tuple(o.strip().rstrip("/") for o in (cors_origin or "").split(",") if o.strip()),
             allowed_hosts=tuple(h.strip() for h in allowed_hosts or () if h.strip()),
             bound_host=host, max_body_bytes=limits.max_body_bytes, body_timeout=limits.body_timeout,
-            error_shapes=dict(error_shapes or {}))
+            error_shapes={**ERROR_SHAPES, **(error_shapes or {})})
         self.reasoning_field = reasoning_field
         self.default_thinking = default_thinking
         self.keepalive_interval = keepalive_interval
@@ -194,7 +195,8 @@ class Server:
         self.model_names: tuple[str, ...] = (served_model_name,)
         self.max_token_bytes: int | None = None   # the tokenizer's longest token, for the cheap prompt bound
         self.started = int(time.time())
-        self.app = build_app(self.settings, [*OpenAIRoutes(self).routes(), *extra_routes, *UI_ROUTES],
+        self.app = build_app(self.settings, [*OpenAIRoutes(self).routes(), *AgentRoutes(self).routes(), *extra_routes,
+                                             *UI_ROUTES],
                              on_error=self.metrics.error)
         self._uvicorn: uvicorn.Server | None = None
         self._sock: socket.socket | None = None

@@ -1,0 +1,82 @@
+"""The agent APIs on the server's app: Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) and OpenAI
+Responses (`/v1/responses`, `GET /v1/responses/{id}`), mounted beside the OpenAI routes behind the same guard
+(Host allowlist, JSON content type, API key: `Authorization: Bearer` or Anthropic's `x-api-key`).
+
+Owns: the Starlette glue only. The translation, validation, streaming event sequences and the response store
+live in `fastar.serve.anthropic`, `fastar.serve.responses` and `fastar.serve.turn`; both submit jobs to the one
+engine worker through `EngineHost.submit`, like every other route. Their calls block (they wait on the worker), so
+they run in the thread pool; a stream's iterator is closed when the client goes, which cancels its generation.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from fastar.serve import anthropic as A
+from fastar.serve import responses as R
+from fastar.serve.app import ErrorShape, JSONResponse, read_json
+from fastar.serve.turn import Backend
+
+ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": A.error_body}   # Responses errors are OpenAI-shaped
+
+
+class _ClosingStream(StreamingResponse):
+    """SSE from a blocking iterator run in the thread pool; closing it (done or client gone) cancels the job."""
+
+    def __init__(self, it: Iterator[bytes]) -> None:
+        super().__init__(iterate_in_threadpool(it), media_type="text/event-stream; charset=utf-8",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._it = it
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self._it, "close", None)   # a generator; a plain iterator has nothing to cancel
+            if close is not None:
+                await run_in_threadpool(close)
+
+
+class AgentRoutes:
+    """`AgentRoutes(server).routes()`: the Messages and Responses routes for `Server(extra_routes=...)`."""
+
+    def __init__(self, server: Any) -> None:   # fastar.serve.server.Server
+        self.server = server
+        self.store = R.ResponseStore(size=256)
+        self._backend: Backend | None = None
+
+    def backend(self) -> Backend:
+        if self._backend is None:   # after Server.__init__ set host, metrics and model names
+            s = self.server
+            self._backend = Backend(engine=s.host.require_engine, submit=s.host.submit, model_names=s.model_names,
+                                    default_thinking=s.default_thinking, keepalive_interval=s.keepalive_interval,
+                                    metrics=s.metrics)
+        return self._backend
+
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+                Route("/v1/responses", self.create, methods=["POST"]),
+                Route("/v1/responses/{rid}", self.retrieve, methods=["GET"])]
+
+    async def _run(self, request: Request, fn) -> Response:
+        body = await read_json(request, self.server.settings)
+        out = await run_in_threadpool(fn, body)
+        return JSONResponse(out) if isinstance(out, dict) else _ClosingStream(out)
+
+    async def messages(self, request: Request) -> Response:
+        return await self._run(request, lambda b: A.messages(b, self.backend()))
+
+    async def count_tokens(self, request: Request) -> Response:
+        return await self._run(request, lambda b: A.count_tokens(b, self.backend()))
+
+    async def create(self, request: Request) -> Response:
+        return await self._run(request, lambda b: R.create(b, self.backend(), self.store))
+
+    async def retrieve(self, request: Request) -> Response:
+        return JSONResponse(R.retrieve(request.path_params["rid"], self.store))

@@ -110,10 +110,13 @@ def main() -> None:
                     bad += 1
                     continue
                 res = json.loads(r.stdout.strip().splitlines()[-1])
+                print(f"run {i}: max |diff| {res['max']:.3g}", flush=True)
                 if res["bad"]:
                     bad += 1
                     print(f"run {i} (threads {arg['threads']}): {len(res['bad'])} positions differ, first "
                           f"{res['bad'][0]}, max |diff| {res['max']:.3g}", flush=True)
+        except KeyboardInterrupt:
+            a.runs = i  # stopped early: report the runs that finished
         finally:
             for p in load:
                 p.kill()

@@ -8,7 +8,7 @@ import sys
 from setuptools import Extension, setup
 
 CSRC = "fastar/quant/csrc/"
-sources = [CSRC + f for f in ("kernels.c", "pool.c", "kern_scalar.c", "kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c",
+sources = [CSRC + f for f in ("kernels.c", "pool.c", "kern_scalar.c", "kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c", "gemm_avx512bf16.c",
                                  "rowops.c", "mhc.c", "attn.c")]
 extra = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-pthread", "-Wall", "-Wno-unknown-pragmas"]
 link = ["-pthread", "-lm"]

@@ -257,13 +257,28 @@ static void *permute_x(const uint8_t *map, const float *x, int64_t T, int64_t K,
     return dst;
 }
 
-/* The path of a dot-path product: the FP32 kernels, the bf16 ones on exact x, or the bf16 ones on x split in three
- * (prep_job). Decided once per call from all of its x, so every token (and group) of a call takes the same. */
+static uint8_t IDENTITY_MAP[XP_CHUNK]; /* filled at module init */
+
+/* The path of a product: the FP32 kernels, the bf16 ones on exact x, or (dot path only) the bf16 ones on x split in
+ * three (prep_job). For T > dot_max, PATH_BF16 is the ISA's bf16 tile path (isa_ops.tile_bf16). Decided once per
+ * call from all of its x, so every token (and group) of a call takes the same. */
 enum { PATH_FP32, PATH_BF16, PATH_SPLIT };
+
+/* FASTAR_TILE_BF16=0 keeps the FP32 tile path (an A/B knob, read once). */
+static int tile_bf16_off(void) {
+    static int off = -1;
+    if (off < 0) {
+        const char *env = getenv("FASTAR_TILE_BF16");
+        off = env && !strcmp(env, "0");
+    }
+    return off;
+}
 
 static int choose_path(const isa_ops *isa, char fmt, const float *x, int64_t T, int64_t K) {
     const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : fmt == '8' ? isa->fp8_bmap : NULL;
-    if (!bmap || T > dot_max(isa)) return PATH_FP32;
+    if (!bmap) return PATH_FP32;
+    if (T > dot_max(isa)) /* the tile path: bf16 on exact x where the ISA has it (split x would cost 3x) */
+        return isa->tile_bf16 && !tile_bf16_off() && x_kind(x, T * K) == X_EXACT ? PATH_BF16 : PATH_FP32;
     const int kind = x_kind(x, T * K);
     return kind == X_EXACT ? PATH_BF16 : kind == X_SPLIT ? PATH_SPLIT : PATH_FP32;
 }
@@ -290,7 +305,11 @@ static int prep_job(const isa_ops *isa, char fmt, int path, mm_job *job, prep_t 
     job->dot = job->T <= dot_max(isa);
     job->xp = NULL;
     job->xb = NULL;
-    if (!job->dot) return 0;
+    if (!job->dot) { /* the tile path: bfloat16 x in natural column order for PATH_BF16 */
+        if (path != PATH_BF16) return 0;
+        job->xb = p->buf = permute_x(IDENTITY_MAP, job->x, job->T, job->K, &job->kp, 1);
+        return p->buf ? 0 : -1;
+    }
     const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : isa->fp8_bmap;
     const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
     if (path == PATH_BF16) {
@@ -1190,6 +1209,7 @@ typedef struct {
     size_t chunk, n;
     double *sums;
     int64_t iters;
+    int dot; /* fma_chunk: 1 runs the bf16 dot loop */
 } probe_ctx;
 
 static void read_chunk(void *p, int64_t i) {
@@ -1220,17 +1240,17 @@ static PyObject *py_read_bandwidth(PyObject *self, PyObject *arg) {
 
 static void fma_chunk(void *p, int64_t i) {
     probe_ctx *c = p;
-    c->sums[i] = c->isa->fma_loop(c->iters);
+    c->sums[i] = c->dot ? bf16_dot_loop(c->iters) : c->isa->fma_loop(c->iters);
 }
 
 /* fma_peak(iters) -> (seconds, flops): every thread runs 8 slices of an FMA loop on independent registers. */
-static PyObject *py_fma_peak(PyObject *self, PyObject *arg) {
-    (void)self;
+static PyObject *fma_probe(PyObject *arg, int dot) {
     long long iters = PyLong_AsLongLong(arg);
     if (iters == -1 && PyErr_Occurred()) return NULL;
     if (iters < 1) return PyErr_Format(PyExc_ValueError, "iters must be positive");
+    if (dot && !ISA->tile_bf16) return PyErr_Format(PyExc_ValueError, "ISA %s has no bf16 tile path", ISA->name);
     int64_t nchunks = 8 * (int64_t)pool_get_threads();
-    probe_ctx c = {.isa = ISA, .iters = iters};
+    probe_ctx c = {.isa = ISA, .iters = iters, .dot = dot};
     c.sums = calloc((size_t)nchunks, sizeof(double));
     if (!c.sums) return PyErr_NoMemory();
     double t0, t1;
@@ -1244,6 +1264,10 @@ static PyObject *py_fma_peak(PyObject *self, PyObject *arg) {
     free(c.sums);
     return Py_BuildValue("(dd)", t1 - t0, flops);
 }
+
+static PyObject *py_fma_peak(PyObject *self, PyObject *arg) { (void)self; return fma_probe(arg, 0); }
+/* bf16_dot_peak(iters) -> (seconds, flops): the same with vdpbf16ps (the bf16 tile path's instruction). */
+static PyObject *py_bf16_dot_peak(PyObject *self, PyObject *arg) { (void)self; return fma_probe(arg, 1); }
 
 /* ---------------------------------------------------------------- module */
 
@@ -1281,6 +1305,7 @@ static PyMethodDef methods[] = {
     {"cpu_features", py_cpu_features, METH_NOARGS, "cpu_features() -> dict"},
     {"read_bandwidth", py_read_bandwidth, METH_O, "read_bandwidth(buf u8[n]) -> seconds for one streaming pass"},
     {"fma_peak", py_fma_peak, METH_O, "fma_peak(iters) -> (seconds, flops)"},
+    {"bf16_dot_peak", py_bf16_dot_peak, METH_O, "bf16_dot_peak(iters) -> (seconds, flops) of vdpbf16ps"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1289,6 +1314,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "fastar's
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     tables_init();
+    for (int i = 0; i < XP_CHUNK; i++) IDENTITY_MAP[i] = (uint8_t)i;
     for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
         if (ALL_ISAS[i]->init) ALL_ISAS[i]->init();
     ISA = best_isa();

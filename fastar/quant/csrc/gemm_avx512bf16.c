@@ -12,8 +12,8 @@
  * bounds), and a power-of-two scale multiplies exactly, so a result differs from the FP32 tile path
  * (kern_avx512.c) only in float32 summation order. A token's sums do not depend on T, on its place in the batch or
  * on the rows a thread owns (tiles start at multiples of 32 rows).
- * Input: mm_job.xb = x as bfloat16 bits in natural column order, rows of kp (K rounded up to XP_CHUNK, zero
- * padded) words, 64-byte aligned.
+ * Input: mm_job.xb = x as bfloat16 bits in natural column order, rows of kp words (at least K rounded up to
+ * KC, zero padded; kernels.c pads further so the rows of a token block do not share L1 sets), 64-byte aligned.
  *
  * AMX seam: an AMX-BF16 variant (tdpbf16ps on 16 x 32 bfloat16 tiles) would take the same inputs (pair-
  * interleaved weight tiles are AMX's B layout, x rows its A layout) as another isa_ops with its own

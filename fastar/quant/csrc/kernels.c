@@ -257,7 +257,21 @@ static void *permute_x(const uint8_t *map, const float *x, int64_t T, int64_t K,
     return dst;
 }
 
-static uint8_t IDENTITY_MAP[XP_CHUNK]; /* filled at module init */
+/* The bf16 tile path's copy of x [T, K]: the high halves of the floats in natural column order, rows of *kp =
+ * K rounded up to XP_CHUNK plus 32 words, zero padded. The extra 64 bytes keep the rows of a token block off one
+ * L1 set (power-of-two K otherwise puts every row's columns k at the same 4 KB offset). NULL when out of memory. */
+static uint16_t *tile_x_bf16(const float *x, int64_t T, int64_t K, int64_t *kp) {
+    *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK + 32;
+    uint16_t *dst = aligned_alloc(64, (size_t)(T * *kp) * sizeof(uint16_t));
+    if (!dst) return NULL;
+    for (int64_t t = 0; t < T; t++) {
+        const uint32_t *src = (const uint32_t *)(x + t * K);
+        uint16_t *d = dst + t * *kp;
+        for (int64_t k = 0; k < K; k++) d[k] = (uint16_t)(src[k] >> 16);
+        memset(d + K, 0, (size_t)(*kp - K) * sizeof(uint16_t));
+    }
+    return dst;
+}
 
 /* The path of a product: the FP32 kernels, the bf16 ones on exact x, or (dot path only) the bf16 ones on x split in
  * three (prep_job). For T > dot_max, PATH_BF16 is the ISA's bf16 tile path (isa_ops.tile_bf16). Decided once per
@@ -307,7 +321,7 @@ static int prep_job(const isa_ops *isa, char fmt, int path, mm_job *job, prep_t 
     job->xb = NULL;
     if (!job->dot) { /* the tile path: bfloat16 x in natural column order for PATH_BF16 */
         if (path != PATH_BF16) return 0;
-        job->xb = p->buf = permute_x(IDENTITY_MAP, job->x, job->T, job->K, &job->kp, 1);
+        job->xb = p->buf = tile_x_bf16(job->x, job->T, job->K, &job->kp);
         return p->buf ? 0 : -1;
     }
     const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : isa->fp8_bmap;
@@ -880,6 +894,44 @@ fail:
 /* ---------------------------------------------------------------- row-wise ops (rowops.c) */
 
 /* rms_norm(x f32 [R, K], weight f32 [K] | None, eps, out f32 [R, K]) -> None; out may be x */
+/* Row ops over the pool: rows are independent and each is computed by one thread in its own fixed order, so the
+ * result is bit-identical to one call over all rows (small inputs run on the calling thread alone). */
+typedef struct {
+    const float *x, *w, *cos, *sin;
+    float *y;
+    int64_t R, K, half, rows_per_token, rows_per_chunk;
+    float eps;
+    int inverse;
+} rowop_ctx;
+
+static void norm_chunk(void *p, int64_t i) {
+    const rowop_ctx *c = p;
+    const int64_t r0 = i * c->rows_per_chunk, n = c->R - r0 < c->rows_per_chunk ? c->R - r0 : c->rows_per_chunk;
+    rms_norm_rows(c->x + r0 * c->K, c->w, c->y + r0 * c->K, n, c->K, c->eps);
+}
+
+static void rope_chunk(void *p, int64_t i) {
+    const rowop_ctx *c = p;
+    int64_t r0 = i * c->rows_per_chunk, n = c->R - r0 < c->rows_per_chunk ? c->R - r0 : c->rows_per_chunk;
+    /* rope_rows indexes cos / sin by row / rows_per_token: hand it whole tokens (chunks are multiples of them) */
+    rope_rows(c->x + r0 * c->K, c->y + r0 * c->K, c->cos + r0 / c->rows_per_token * c->half,
+              c->sin + r0 / c->rows_per_token * c->half, n, c->K, c->half, c->rows_per_token, c->inverse);
+}
+
+static void rowops_run(chunk_fn fn, rowop_ctx *c, int64_t unit) {
+    const int64_t target = 4 * (int64_t)pool_get_threads();
+    int64_t rows = (c->R + target - 1) / target;
+    rows = (rows + unit - 1) / unit * unit;
+    c->rows_per_chunk = rows < unit ? unit : rows;
+    const int64_t chunks = (c->R + c->rows_per_chunk - 1) / c->rows_per_chunk;
+    if (c->R * c->K < (1 << 16) || chunks < 2) {
+        c->rows_per_chunk = c->R;
+        fn(c, 0);
+    } else {
+        pool_run(chunks, fn, c);
+    }
+}
+
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *ox, *ow, *oo;
@@ -897,7 +949,9 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    rms_norm_rows(v[0].b.buf, ow != Py_None ? v[2].b.buf : NULL, v[1].b.buf, dim(&v[0], 0), dim(&v[0], 1), (float)eps);
+    rowop_ctx c = {.x = v[0].b.buf, .w = ow != Py_None ? v[2].b.buf : NULL, .y = v[1].b.buf, .R = dim(&v[0], 0),
+                   .K = dim(&v[0], 1), .eps = (float)eps};
+    if (c.R > 0) rowops_run(norm_chunk, &c, 1);
     Py_END_ALLOW_THREADS
     release(v, 3);
     Py_RETURN_NONE;
@@ -925,7 +979,9 @@ static PyObject *py_rope(PyObject *self, PyObject *args) {
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
-    rope_rows(v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, R, D, h, R / T, inverse);
+    rowop_ctx c = {.x = v[0].b.buf, .y = v[1].b.buf, .cos = v[2].b.buf, .sin = v[3].b.buf, .R = R, .K = D, .half = h,
+                   .rows_per_token = R / T, .inverse = inverse};
+    rowops_run(rope_chunk, &c, R / T);
     Py_END_ALLOW_THREADS
     release(v, 4);
     Py_RETURN_NONE;
@@ -1314,7 +1370,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "fastar's
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     tables_init();
-    for (int i = 0; i < XP_CHUNK; i++) IDENTITY_MAP[i] = (uint8_t)i;
     for (size_t i = 0; i < sizeof ALL_ISAS / sizeof *ALL_ISAS; i++)
         if (ALL_ISAS[i]->init) ALL_ISAS[i]->init();
     ISA = best_isa();

@@ -298,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--policies", default=None,
                    help="model: run every budget with each of these eviction policies, e.g. lrfu,lru")
     b.add_argument("--reference", default=None, help="model: checkpoint dir to time transformers on too")
+    b.add_argument("--compare-transformers", metavar="DIR", default=None,
+                   help="model: load this checkpoint dir (the same weights) into transformers in bfloat16 and print "
+                        "both engines' prefill and decode from one run")
     b.add_argument("--compare", default=None, help="model: another source of the same model (a checkpoint "
                    "directory or .fst) to benchmark the same way, side by side")
     b.add_argument("--plot", default=None, help="model: PNG of tokens/s and hit rate against --ram-budget A,B,C")

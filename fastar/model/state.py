@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,6 +162,9 @@ class ModelState:
     layers: list[LayerState]
     mtp: list[LayerState] = field(default_factory=list)
     max_rollback: int | None = None
+    # Called as on_layer(blocks done, blocks) after each main block of a forward pass (prefill progress within
+    # a chunk); not part of the state's contents (snapshots do not copy it).
+    on_layer: Callable[[int, int], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def length(self) -> int:

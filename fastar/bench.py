@@ -172,6 +172,18 @@ def _close(engine) -> None:
         engine.expert_cache.close()  # its slab goes with the last array view of it (gc at the caller's del)
 
 
+def _state_measure(engine, state) -> dict:
+    """The main blocks' decode-state bytes after the run (rows held, as ModelState.nbytes counts them) beside what
+    fastar.model.state.state_bytes accounts for that many positions, and the accounting's growth per token."""
+    from .model.state import state_accounting, state_bytes
+
+    held = sum(b.all().numel() * 4 for s in state.layers for b in s.buffers().values())
+    acct = state_accounting(engine.config, state.max_rollback, mtp_layers=0)
+    return {"state_positions": state.length, "state_bytes": held,
+            "state_bytes_accounted": state_bytes(engine.config, state.length, state.max_rollback, mtp_layers=0),
+            "state_bytes_per_token": acct["per_token"], "state_official_bytes_per_token": acct["official_per_token"]}
+
+
 def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, warmup: int = 8,
             replay: float | None = None, repeats: int = 1) -> dict:
     """One budget: `_start`, then `decode` timed greedy steps, one token per forward (`repeats` times, each between
@@ -195,6 +207,7 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
                 seq.append(argmax(logits[-1]))
             each.append((time.perf_counter() - t0, bw0, _stream_gbps(engine)))
         decode_s = sum(e[0] for e in each)
+        state_info = _state_measure(engine, state)
         after = cache.stats() if cache else {}
         budget_bytes = cache.budget_bytes if cache else 0
         del state, logits
@@ -236,6 +249,7 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
         "repeats": [{"decode_tok_s": decode / e[0],
                      "membw_before_after_gbps": list(e[1:]) if None not in e else None} for e in each],
         "prefetch": {k: v for k, v in after.get("sources", {}).items()},
+        **state_info,
     }
     if replay is not None or draft != "none":
         out.update({k: v for k, v in gen.items() if k.startswith("draft_")})
@@ -371,6 +385,9 @@ def print_table(r: dict, out=sys.stdout) -> None:
               + (f"; {100 * x['prefill_fraction_of_bf16_peak']:.0f}% of the bf16 dot peak's "
                  f"({r['bf16_peak_gflops']:.0f} GFLOP/s) {x['prefill_bf16_ceiling_tok_s']:.1f} t/s"
                  if "prefill_fraction_of_bf16_peak" in x else ""), file=out)
+        print(f"{'':>10} decode state after {x['state_positions']} positions: {_gb(x['state_bytes'])} held, "
+              f"{_gb(x['state_bytes_accounted'])} accounted; grows {x['state_bytes_per_token']:,.0f} B per token "
+              f"(official layout {x['state_official_bytes_per_token']:,.0f})", file=out)
         if len(x["repeats"]) > 1:
             fr = sorted(100 * y["fraction_of_ceiling"] for y in x["repeats"])
             print(f"{'':>10} {len(fr)} repeats: % of ceiling median {fr[len(fr) // 2]:.0f}, range {fr[0]:.0f}-{fr[-1]:.0f}; "

@@ -24,6 +24,7 @@ def test_bench_json(tiny_ckpt, tmp_path):
     assert not small["preloaded"] and auto["preloaded"] and auto["hit_rate"] == 1.0  # every expert in RAM, warm
     assert auto["hit_rate"] >= small["hit_rate"] and auto["bytes_read_per_token"] == 0
     assert small["bytes_read_per_token"] > 0 and out["decode_tok_s"] > 0 and out["ceiling_tok_s"] > 0
+    assert small["state_positions"] == 6 + 8 + 3 and small["state_bytes"] == small["state_bytes_accounted"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -160,3 +160,15 @@ def test_tile_bf16_expert_ffn(bf16_isa, t):
 def test_bf16_dot_peak_probe(bf16_isa):
     s, flops = K._C.bf16_dot_peak(10_000)
     assert s > 0 and flops == 8 * K.get_num_threads() * 10_000 * 12 * 64
+
+
+def test_prefill_products_benchmark_reports_both_paths(bf16_isa):
+    from fastar.bench_kernels import prefill_products
+
+    rows = prefill_products(tokens=16, rounds=1)
+    assert {(r["product"], r["path"]) for r in rows} == {(p, i) for p in ("fp8 4096x4096", "fp8 4096x8192",
+                                                                          "fp4 2048x4096", "fp4 4096x2048")
+                                                         for i in ("avx512bf16", "avx512")}
+    assert all(r["gflops_per_cpu_s"] > 0 and r["fraction"] == r["gflops_per_cpu_s"] / r["peak_gflops_per_cpu_s"]
+               for r in rows)
+    assert K.get_isa() == "avx512bf16"  # restored ("auto" picks it on this CPU)

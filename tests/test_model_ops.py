@@ -454,3 +454,6 @@ def test_row_ops_over_the_pool_do_not_depend_on_threads(isa):
     one = torch.cat([ops.rms_norm(x[i:i + 1], w, 1e-6) for i in range(0, 300, 37)])
     assert torch.equal(one, res[0][0][::37])
     assert torch.equal(res[0][1], ops.apply_rope_torch(x, cos, sin, False))
+    empty = np.zeros((0, 8), np.float32)  # no rows: nothing to do, no chunking arithmetic on zero rows per token
+    K._C.rope(empty, np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32), False, empty)
+    K._C.rms_norm(empty, None, 1e-6, empty)

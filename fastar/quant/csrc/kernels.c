@@ -893,7 +893,6 @@ fail:
 
 /* ---------------------------------------------------------------- row-wise ops (rowops.c) */
 
-/* rms_norm(x f32 [R, K], weight f32 [K] | None, eps, out f32 [R, K]) -> None; out may be x */
 /* Row ops over the pool: rows are independent and each is computed by one thread in its own fixed order, so the
  * result is bit-identical to one call over all rows (small inputs run on the calling thread alone). */
 typedef struct {
@@ -932,6 +931,7 @@ static void rowops_run(chunk_fn fn, rowop_ctx *c, int64_t unit) {
     }
 }
 
+/* rms_norm(x f32 [R, K], weight f32 [K] | None, eps, out f32 [R, K]) -> None; out may be x */
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *ox, *ow, *oo;
@@ -981,7 +981,7 @@ static PyObject *py_rope(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     rowop_ctx c = {.x = v[0].b.buf, .y = v[1].b.buf, .cos = v[2].b.buf, .sin = v[3].b.buf, .R = R, .K = D, .half = h,
                    .rows_per_token = R / T, .inverse = inverse};
-    rowops_run(rope_chunk, &c, R / T);
+    if (R > 0) rowops_run(rope_chunk, &c, R / T);
     Py_END_ALLOW_THREADS
     release(v, 4);
     Py_RETURN_NONE;

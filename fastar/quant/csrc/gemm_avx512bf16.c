@@ -67,32 +67,6 @@ void gemm_bf16_init(void) {
             for (int b = 0; b < 4; b++) pair_idx[j][4 * i + b] = (uint8_t)(4 * i + 2 * j + (b >> 1) + (b & 1 ? 64 : 0));
 }
 
-/* 16 rows (rows >= `rows` read as zero) x nbytes (<= 64) bytes, transposed: c[q] lane i = dword q of row i. */
-INLINE void load_t16(const uint8_t *base, int64_t stride, int rows, int64_t nbytes, __m512i c[16]) {
-    const __mmask64 bm = nbytes >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << nbytes) - 1);
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = i < rows ? _mm512_maskz_loadu_epi8(bm, base + i * stride) : _mm512_setzero_si512();
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int g = 0; g < 4; g++) {
-        __m512i *q = t + 4 * g;
-        r[4 * g + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
-        r[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
-        r[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
-        r[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
-    }
-    for (int m = 0; m < 4; m++) {
-        __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44), w0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xee);
-        __m512i v1 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44), w1 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xee);
-        c[m] = _mm512_shuffle_i32x4(v0, v1, 0x88);
-        c[4 + m] = _mm512_shuffle_i32x4(v0, v1, 0xdd);
-        c[8 + m] = _mm512_shuffle_i32x4(w0, w1, 0x88);
-        c[12 + m] = _mm512_shuffle_i32x4(w0, w1, 0xdd);
-    }
-}
-
 /* FP8 tile: rows n..n+nr-1, columns k0..k0+kc-1 -> wt[p * NR + r] for p < ceil(kc / 2); columns past kc are zero.
  * Per 16 rows and 4 columns (one transposed dword per row): vpermi2b looks up the low and the high byte of each
  * byte's bfloat16 (index: the low 7 bits), the sign goes into the high byte, vpermt2b pairs them up. */

@@ -9,7 +9,8 @@ from setuptools import Extension, setup
 
 CSRC = "fastar/quant/csrc/"
 sources = [CSRC + f for f in ("bindings.c", "bind_ops.c", "dispatch.c", "experts.c", "pool.c", "kern_scalar.c",
-                                 "kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c", "rowops.c", "mhc.c", "attn.c")]
+                                 "kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c", "gemm_avx512bf16.c", "rowops.c",
+                                 "mhc.c", "attn.c")]
 extra = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-pthread", "-Wall", "-Wno-unknown-pragmas"]
 link = ["-pthread", "-lm"]
 if sys.platform == "win32":

@@ -386,8 +386,8 @@ def print_table(r: dict, out=sys.stdout) -> None:
                  f"({r['bf16_peak_gflops']:.0f} GFLOP/s) {x['prefill_bf16_ceiling_tok_s']:.1f} t/s"
                  if "prefill_fraction_of_bf16_peak" in x else ""), file=out)
         print(f"{'':>10} decode state after {x['state_positions']} positions: {x['state_bytes'] / 1e6:.1f} MB held, "
-              f"{x['state_bytes_accounted'] / 1e6:.1f} MB accounted; grows {x['state_bytes_per_token']:,.0f} B per token"
-              f" (official layout {x['state_official_bytes_per_token']:,.0f})", file=out)
+              f"{x['state_bytes_accounted'] / 1e6:.1f} MB accounted; grows {x['state_bytes_per_token']:,.0f} B per "
+              f"token (official layout {x['state_official_bytes_per_token']:,.0f})", file=out)
         if len(x["repeats"]) > 1:
             fr = sorted(100 * y["fraction_of_ceiling"] for y in x["repeats"])
             print(f"{'':>10} {len(fr)} repeats: % of ceiling median {fr[len(fr) // 2]:.0f}, "

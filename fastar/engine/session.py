@@ -248,7 +248,8 @@ class Session:
             part = todo[a:a + chunk]
             t = time.perf_counter()
             if on_progress is not None:  # progress inside a chunk, block by block (a chunk can take minutes)
-                self._state.on_layer = lambda i, n, base=done, m=len(part): on_progress(base + m * i // n, len(todo))
+                m = len(part)
+                self._state.on_layer = lambda i, n, base=done, m=m: on_progress(base + m * i // n, len(todo))
             try:
                 logits = self._forward(part)
             finally:

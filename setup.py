@@ -12,7 +12,7 @@ from setuptools import Extension, setup
 
 CSRC = "fastar/quant/csrc/"
 COMMON = ["bindings.c", "bind_ops.c", "dispatch.c", "experts.c", "pool.c", "kern_scalar.c", "rowops.c", "mhc.c",
-          "attn.c"]
+          "attn.c", "gemm_avx512bf16.c"]  # the GEMM file defines portable stubs where it has no x86 body
 X86 = ["kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c"]
 ARM64 = ["kern_neon.c", "kern_neonbf16.c"]
 

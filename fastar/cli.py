@@ -138,6 +138,7 @@ def cmd_inspect(a) -> int:
         bank = f.bank
         if a.json:
             info = {"file": str(a.file), "file_size": f.file_size, "config": h["config"], "source": h["source"],
+                    "decode_state": _state_accounting(f),
                     "converter": h["converter"], "bytes_by_dtype": by_type,
                     "tensors": [{k: t[k] for k in ("name", "dtype", "shape", "offset", "nbytes")}
                                 for t in h["tensors"]],
@@ -169,7 +170,20 @@ def cmd_inspect(a) -> int:
                   f"{_human(n * bank['stride'])} in all")
             for s in bank["sections"]:
                 print(f"  +{s['offset']:<10} {s['field']:9} {s['dtype']:8} {s['shape']}")
+        st = _state_accounting(f)
+        print(f"\ndecode state (float32 rows as stored, max_rollback {st['max_rollback']}): "
+                  f"{st['per_token']:,.0f} B per token = {_human(st['per_1k'])} per 1k tokens, "
+                  f"{_human(st['at_1m'])} at a 1M-token context ({_human(st['fixed'])} of it fixed: window rows, open "
+                  f"compressor windows, the rollback margin); the official inference's layout (bf16 caches): "
+                  f"{st['official_per_token']:,.0f} B per token, {_human(st['official_at_1m'])} at 1M")
     return 0
+
+
+def _state_accounting(f) -> dict:
+    """fastar.model.state.state_accounting for the file's model at the engine's default max_rollback."""
+    from .engine.engine import DEFAULT_MAX_ROLLBACK
+    from .model.state import state_accounting
+    return state_accounting(f.config, DEFAULT_MAX_ROLLBACK)
 
 
 def cmd_audit(a) -> int:

@@ -96,6 +96,9 @@ class ScriptedEngine:
         tok = self.tokenizer
         self.reply = tok.encode("Hel") + tok.encode("lo") + tok.encode(" world") + [tok.eos_id]
 
+    def close(self) -> None:  # the Engine contract the server's worker calls on shutdown
+        pass
+
     def open_session(self):
         return types.SimpleNamespace(tokens=[])
 

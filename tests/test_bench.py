@@ -24,6 +24,7 @@ def test_bench_json(tiny_ckpt, tmp_path):
     assert not small["preloaded"] and auto["preloaded"] and auto["hit_rate"] == 1.0  # every expert in RAM, warm
     assert auto["hit_rate"] >= small["hit_rate"] and auto["bytes_read_per_token"] == 0
     assert small["bytes_read_per_token"] > 0 and out["decode_tok_s"] > 0 and out["ceiling_tok_s"] > 0
+    assert small["state_positions"] == 6 + 8 + 3 and small["state_bytes"] == small["state_bytes_accounted"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -78,3 +79,26 @@ def test_repeats_each_against_their_own_bandwidth(tiny_ckpt, tmp_path, monkeypat
     r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--repeats", "0"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "--repeats" in r.stderr
+
+
+def test_bench_compares_with_transformers_in_bfloat16(tiny_ckpt, tmp_path):
+    """--compare-transformers DIR: the same weights in transformers (bfloat16) and fastar, prefill and decode of
+    both printed from one run; the prefill's fraction of the bf16 dot peak where the CPU has that path."""
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    args = [sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--ram-budget", "auto", "--prompt-tokens", "20",
+            "--decode-tokens", "3", "--compare-transformers", str(tiny_ckpt)]
+    r = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    t = out["transformers"]
+    assert t["dtype"] == "bfloat16" and t["prefill_tok_s"] > 0 and t["decode_tok_s"] > 0
+    assert abs(out["prefill_speedup_vs_transformers"] - out["prefill_tok_s"] / t["prefill_tok_s"]) < 1e-9
+    from fastar.quant import kernels as K
+
+    if "avx512bf16" in (K.cpu_features()["usable_isas"] if K.available() else []):
+        assert out["bf16_peak_gflops"] > 0 and out["runs"][0]["prefill_fraction_of_bf16_peak"] > 0
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "transformers bfloat16" in r.stdout and "fastar / transformers" in r.stdout
+    r = subprocess.run(args[:-1] + [str(tmp_path / "nope")], capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "not a checkpoint directory" in r.stderr and "Traceback" not in r.stderr

@@ -15,8 +15,8 @@ from fastar.convert import export as X
 from fastar.convert.checkpoint import Checkpoint
 from fastar.convert.hf import convert
 from fastar.convert.names import expected_tensors
+from fastar.convert.v2 import FstV2File
 from fastar.errors import FastarError
-from fastar.format.v2 import FstV2File
 
 
 @pytest.fixture(scope="module")

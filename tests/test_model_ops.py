@@ -435,3 +435,30 @@ def test_layer_experts_in_one_call_equal_expert_by_expert():
             want.index_add_(0, tok, expert_ffn(x[tok], experts[e], wts[tok, slot], 1.0, weight_before_down=True,
                                                act_quant=q, act_block=128))
         assert torch.equal(got, want)
+
+
+def test_row_ops_over_the_pool_do_not_depend_on_threads(isa):
+    """The RMS norm and RoPE of a prefill chunk run over the kernel pool: bit-identical for 1, 2 and 3 threads and
+    to the same rows one at a time, and RoPE still bit-identical to torch's."""
+    from fastar.quant import kernels as K
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 4, 512, generator=g) * 3  # large enough for the pool, rows per token = 4 for RoPE
+    w = torch.rand(512, generator=g) + 0.5
+    cos, sin = ops.rope_cos_sin(ops.rope_inv_freq(64, 1e4), torch.arange(300) + 7)
+    before = K.get_num_threads()
+    try:
+        res = []
+        for n in (1, 2, 3):
+            K.set_num_threads(n)
+            res.append((ops.rms_norm(x, w, 1e-6), ops.apply_rope(x, cos, sin), ops.apply_rope(x, cos, sin, True)))
+    finally:
+        K.set_num_threads(before)
+    for r in res[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r, res[0]))
+    one = torch.cat([ops.rms_norm(x[i:i + 1], w, 1e-6) for i in range(0, 300, 37)])
+    assert torch.equal(one, res[0][0][::37])
+    assert torch.equal(res[0][1], ops.apply_rope_torch(x, cos, sin, False))
+    empty = np.zeros((0, 8), np.float32)  # no rows: nothing to do, no chunking arithmetic on zero rows per token
+    K._C.rope(empty, np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32), False, empty)
+    K._C.rms_norm(empty, None, 1e-6, empty)

@@ -370,3 +370,23 @@ def test_thinking_turns_roll_back_from_the_anchor(vocab_engine) -> None:
     assert computed == second.usage["prompt_tokens"] - (p1 - 1)
     fresh = e.chat(messages, thinking=True, session=e.open_session(), max_tokens=2)
     assert fresh.reasoning == second.reasoning
+
+
+def test_prefill_progress_moves_inside_a_chunk(tiny_engine) -> None:
+    """on_progress follows a chunk block by block (a long prompt's one chunk can take minutes): non-decreasing,
+    values between chunk ends, ending at (total, total); the logits are those of a prefill without it."""
+    e = tiny_engine
+    prompt = [int(t) for t in torch.randint(3, 1000, (11,), generator=torch.Generator().manual_seed(5))]
+    seen: list[tuple[int, int]] = []
+    s = e.open_session()
+    chunk, e.prefill_chunk = e.prefill_chunk, 8
+    try:
+        got = s.prefill(prompt, None, lambda d, t: seen.append((d, t)))
+        want = e.open_session().prefill(prompt)
+    finally:
+        e.prefill_chunk = chunk
+    assert torch.equal(got, want)
+    dones = [d for d, _ in seen]
+    assert all(t == len(prompt) for _, t in seen) and dones == sorted(dones) and seen[-1] == (11, 11)
+    assert any(0 < d < 8 for d in dones) and any(8 < d < 11 for d in dones)  # within the first and second chunk
+    assert s._state.on_layer is None

@@ -76,6 +76,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help="model: checkpoint dir to time transformers on too",
     )
     b.add_argument(
+        "--compare-transformers",
+        metavar="DIR",
+        default=None,
+        help="model: load this checkpoint dir (the same weights) into transformers in bfloat16 and print "
+        "both engines' prefill and decode from one run",
+    )
+    b.add_argument(
         "--compare",
         default=None,
         help="model: another source of the same model (a checkpoint "

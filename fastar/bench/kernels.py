@@ -201,11 +201,62 @@ def _print_table(result: dict, lim: dict) -> None:
               f"{100 * r['bw_frac']:5.0f} {100 * r['peak_frac']:6.0f}")
 
 
+def prefill_products(tokens: int = 512, rounds: int = 3, threads: int = 1) -> list[dict]:
+    """The prefill's products on the bf16 tile path and the FP32 tile path, alternating in one process: per round
+    and path, GFLOP per CPU-second (time.process_time, so other processes on the cores matter less) against the
+    path's own instruction peak measured the same way just before (bf16_dot_peak / fma_peak). x is FP8-quantized
+    (bf16-exact), as the official numerics hand it over. Needs the avx512bf16 ISA."""
+    if "avx512bf16" not in K.cpu_features()["usable_isas"]:
+        raise RuntimeError("the bf16 tile path needs AVX512_BF16 + AVX512_VBMI (this CPU or build lacks them)")
+    rng = np.random.default_rng(0)
+    K.set_num_threads(threads)
+    cases = []
+    for fmt, n, k in (("fp8", D, D), ("fp8", D, 2 * D), ("fp4", I, D), ("fp4", D, I)):
+        x = R.fp8_act_quant(rng.standard_normal((tokens, k)).astype(np.float32), 128)
+        if fmt == "fp8":
+            w = rng.integers(0, 256, (n, k), dtype=np.uint8)
+            w[(w & 0x7F) == 0x7F] = 0x7E  # no NaN codes
+            s = rng.integers(118, 124, (n // 128, k // 128), dtype=np.uint8)
+        else:
+            w, s = _fp4(rng, n, k)
+        cases.append((f"{fmt} {n}x{k}", x, w, s, K.fp8_matmul if fmt == "fp8" else K.fp4_matmul))
+
+    def cpu_rate(fn) -> float:
+        t = time.process_time()
+        flops = fn()
+        return flops / max(time.process_time() - t, 1e-9) / 1e9
+
+    rows = []
+    try:
+        for rnd in range(rounds):
+            for name, x, w, s, f in cases:
+                for isa, probe in (("avx512bf16", K._C.bf16_dot_peak), ("avx512", K._C.fma_peak)):
+                    K.set_isa(isa)
+                    peak = cpu_rate(lambda: probe(1_000_000)[1])  # noqa: B023 (called at once)
+                    f(x, w, s)  # warm
+                    got = cpu_rate(lambda: (f(x, w, s), 2.0 * x.shape[0] * w.shape[0] * x.shape[1])[1])  # noqa: B023
+                    rows.append({"round": rnd, "product": name, "path": isa, "tokens": tokens, "threads": threads,
+                                 "gflops_per_cpu_s": got, "peak_gflops_per_cpu_s": peak, "fraction": got / peak})
+    finally:
+        K.set_isa("auto")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fastar bench kernels", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all CPUs)")
+    p.add_argument("--prefill", type=int, default=None, metavar="T",
+                   help="instead: the prefill products at T tokens, bf16 vs FP32 tile path, against each peak")
     a = p.parse_args(argv)
+    if a.prefill:
+        rows = prefill_products(a.prefill, threads=int(a.threads or 1))
+        if a.json:
+            print(json.dumps(rows))
+        for r in rows if not a.json else []:
+            print(f"{r['product']:16s} {r['path']:10s} {r['gflops_per_cpu_s']:6.0f} GFLOP per CPU-s = "
+                  f"{100 * r['fraction']:3.0f} % of {r['peak_gflops_per_cpu_s']:.0f}")
+        return 0
     run(json_out=a.json, threads=[int(t) for t in a.threads.split(",")] if a.threads else None)
     return 0
 

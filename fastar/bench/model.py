@@ -172,6 +172,18 @@ def _close(engine) -> None:
     engine.close()  # the pager's slab goes with the last array view of it (gc at the caller's del)
 
 
+def _state_measure(engine, state) -> dict:
+    """The main blocks' decode-state bytes after the run (rows held, as ModelState.nbytes counts them) beside what
+    fastar.model.state.state_bytes accounts for that many positions, and the accounting's growth per token."""
+    from ..model.state import state_accounting, state_bytes
+
+    held = sum(b.all().numel() * 4 for s in state.layers for b in s.buffers().values())
+    acct = state_accounting(engine.config, state.max_rollback, mtp_layers=0)
+    return {"state_positions": state.length, "state_bytes": held,
+            "state_bytes_accounted": state_bytes(engine.config, state.length, state.max_rollback, mtp_layers=0),
+            "state_bytes_per_token": acct["per_token"], "state_official_bytes_per_token": acct["official_per_token"]}
+
+
 def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, warmup: int = 8,
             replay: float | None = None, repeats: int = 1) -> dict:
     """One budget: `_start`, then `decode` timed greedy steps, one token per forward (`repeats` times, each between
@@ -195,6 +207,7 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
                 seq.append(argmax(logits[-1]))
             each.append((time.perf_counter() - t0, bw0, _stream_gbps(engine)))
         decode_s = sum(e[0] for e in each)
+        state_info = _state_measure(engine, state)
         after = cache.stats() if cache else {}
         budget_bytes = cache.budget_bytes if cache else 0
         del state, logits
@@ -236,6 +249,7 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
         "repeats": [{"decode_tok_s": decode / e[0],
                      "membw_before_after_gbps": list(e[1:]) if None not in e else None} for e in each],
         "prefetch": {k: v for k, v in after.get("sources", {}).items()},
+        **state_info,
     }
     if replay is not None or draft != "none":
         out.update({k: v for k, v in gen.items() if k.startswith("draft_")})
@@ -246,9 +260,25 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
     return out
 
 
+def bf16_dot_peak_gflops(threads: int) -> float | None:
+    """The bf16 tile path's instruction peak (vdpbf16ps, 2 multiply-adds per lane), measured like the FP32 FMA
+    peak (best of 3, ~0.15 s each); None where the ISA in use has no such path."""
+    from ..quant import kernels as K
+
+    if not K.available():
+        return None
+    K.set_num_threads(threads)
+    try:
+        s, _ = K._C.bf16_dot_peak(100_000)
+    except ValueError:  # this ISA has no bf16 tile path
+        return None
+    iters = max(100_000, int(100_000 * 0.15 / max(s, 1e-6)))
+    return max(f / s for s, f in (K._C.bf16_dot_peak(iters) for _ in range(3))) / 1e9
+
+
 def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 16, reference: str | None = None,
         options: dict | None = None, seed: int = 0, policies: list[str] | None = None, warmup: int = 8,
-        replay: float | None = None, repeats: int = 1) -> dict:
+        replay: float | None = None, repeats: int = 1, reference_dtype: str = "float32") -> dict:
     from ..engine.engine import open_source
     from ..format.reader import FstFile
     from ..quant import kernels
@@ -270,6 +300,7 @@ def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 
     limits = machine_limits([n])
     membw, peak_flops = limits["membw"][n] * 1e9, limits["peak"][n] * 1e9
     macs = prefill_macs(src)
+    dot_peak = bf16_dot_peak_gflops(n)  # the prefill's products run at this rate where x is bfloat16-exact
     prompt = [int(t) for t in np.random.default_rng(seed).integers(3, min(vocab, 100_000), prompt_tokens)]
     runs = []
     for b in budgets:
@@ -293,24 +324,32 @@ def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 
             r["achieved_gbps"] = (resident_tok + expert_tok) * r["decode_tok_s"] / 1e9
             r["prefill_ceiling_tok_s"] = peak_flops / (2 * macs)  # FP32 FMA peak over the products' FLOPs
             r["prefill_fraction_of_flops"] = r["prefill_tok_s"] / r["prefill_ceiling_tok_s"]
+            if dot_peak:  # against the bf16 instruction's peak: the ceiling of the path the products take
+                r["prefill_bf16_ceiling_tok_s"] = dot_peak * 1e9 / (2 * macs)
+                r["prefill_fraction_of_bf16_peak"] = r["prefill_tok_s"] / r["prefill_bf16_ceiling_tok_s"]
             runs.append(r)
     result = {**runs[0], "resident_bytes": resident, "resident_bytes_per_token": resident_tok,
               "expert_bytes_per_token": expert_tok, "membw_gbps": membw / 1e9, "disk_gbps": disk_bw / 1e9,
               "disk": disk, "threads": n, "peak_gflops": peak_flops / 1e9, "prefill_macs_per_token": macs,
+              "bf16_peak_gflops": dot_peak,
               "runs": runs}
     if reference:
-        result["transformers"] = _transformers(reference, prompt, decode_tokens)
+        result["transformers"] = _transformers(reference, prompt, decode_tokens, reference_dtype)
         result["speedup_vs_transformers"] = result["decode_tok_s"] / result["transformers"]["decode_tok_s"]
+        result["prefill_speedup_vs_transformers"] = result["prefill_tok_s"] / result["transformers"]["prefill_tok_s"]
     return result
 
 
-def _transformers(hf_dir: str, prompt: list[int], decode: int) -> dict:
+def _transformers(hf_dir: str, prompt: list[int], decode: int, dtype: str = "float32") -> dict:
+    """transformers' DeepseekV4ForCausalLM on the checkpoint directory in `dtype`: prefill `prompt` and decode
+    `decode` greedy tokens, after an untimed 8-token forward (one-time set-up costs out of the timing)."""
     import torch
     from transformers import DeepseekV4ForCausalLM
 
-    m = DeepseekV4ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    m = DeepseekV4ForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor([prompt])
     with torch.inference_mode():
+        m(ids[:, :8], use_cache=True)
         t0 = time.perf_counter()
         out = m(ids, use_cache=True)
         prefill_s = time.perf_counter() - t0
@@ -320,7 +359,8 @@ def _transformers(hf_dir: str, prompt: list[int], decode: int) -> dict:
             out = m(tok, past_key_values=past, use_cache=True)
             past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         decode_s = time.perf_counter() - t0
-    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": decode / decode_s}
+    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": decode / decode_s, "dtype": dtype,
+            "threads": torch.get_num_threads()}
 
 
 def _gb(n: float) -> str:
@@ -341,7 +381,13 @@ def print_table(r: dict, out=sys.stdout) -> None:
               f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}"
               + ("  (all experts preloaded)" if x["preloaded"] else ""), file=out)
         print(f"{'':>10} prefill {x['prefill_tok_s']:.1f} t/s = {100 * x['prefill_fraction_of_flops']:.0f}% of the "
-              f"FLOP ceiling {x['prefill_ceiling_tok_s']:.1f} t/s", file=out)
+              f"FLOP ceiling {x['prefill_ceiling_tok_s']:.1f} t/s"
+              + (f"; {100 * x['prefill_fraction_of_bf16_peak']:.0f}% of the bf16 dot peak's "
+                 f"({r['bf16_peak_gflops']:.0f} GFLOP/s) {x['prefill_bf16_ceiling_tok_s']:.1f} t/s"
+                 if "prefill_fraction_of_bf16_peak" in x else ""), file=out)
+        print(f"{'':>10} decode state after {x['state_positions']} positions: {x['state_bytes'] / 1e6:.1f} MB held, "
+              f"{x['state_bytes_accounted'] / 1e6:.1f} MB accounted; grows {x['state_bytes_per_token']:,.0f} B per "
+              f"token (official layout {x['state_official_bytes_per_token']:,.0f})", file=out)
         if len(x["repeats"]) > 1:
             fr = sorted(100 * y["fraction_of_ceiling"] for y in x["repeats"])
             print(f"{'':>10} {len(fr)} repeats: % of ceiling median {fr[len(fr) // 2]:.0f}, "
@@ -355,9 +401,13 @@ def print_table(r: dict, out=sys.stdout) -> None:
                   f"{'yes' if x['draft_same_tokens'] else 'NO'}", file=out)
     if "transformers" in r:
         t = r["transformers"]
-        print(f"transformers (same weights, float32): prefill {t['prefill_tok_s']:.1f} t/s, decode "
-              f"{t['decode_tok_s']:.2f} t/s; fastar/transformers decode = {r['speedup_vs_transformers']:.1f}x",
+        print(f"{'engine':>24} {'prefill t/s':>11} {'decode t/s':>10}   (same weights, {len(r['runs'])} budget(s); "
+              f"fastar's first)", file=out)
+        print(f"{'fastar':>24} {r['prefill_tok_s']:11.1f} {r['decode_tok_s']:10.2f}", file=out)
+        print(f"{'transformers ' + t.get('dtype', 'float32'):>24} {t['prefill_tok_s']:11.1f} {t['decode_tok_s']:10.2f}",
               file=out)
+        print(f"{'fastar / transformers':>24} {r['prefill_speedup_vs_transformers']:10.2f}x "
+              f"{r['speedup_vs_transformers']:9.2f}x", file=out)
 
 
 def plot(r: dict, path: str) -> None:
@@ -404,8 +454,16 @@ def main(a) -> int:
         raise FastarError("--replay replaces the model's own draft: drop --draft")
     if getattr(a, "repeats", 1) < 1:
         raise FastarError(f"--repeats: at least 1, got {a.repeats}")
-    r = run(a.model, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens, reference=a.reference,
-            options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay, repeats=getattr(a, "repeats", 1))
+    reference, ref_dtype = a.reference, "float32"
+    if getattr(a, "compare_transformers", None):
+        if a.reference:
+            raise FastarError("--compare-transformers and --reference both name a transformers run: pick one")
+        reference, ref_dtype = a.compare_transformers, "bfloat16"
+    if reference and not os.path.isdir(reference):
+        raise FastarError(f"{reference}: not a checkpoint directory (transformers loads a directory)")
+    r = run(a.model, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens, reference=reference,
+            options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay, repeats=getattr(a, "repeats", 1),
+            reference_dtype=ref_dtype)
     if a.compare:  # the same benchmark on another source of the same model (e.g. .fst vs checkpoint dir)
         r["compare"] = run(a.compare, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens,
                            options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay,

@@ -189,7 +189,7 @@ def _tokenizer_config() -> bytes | None:
 
 
 def _open(src: Path) -> Any:
-    from ..format.reader import open_model_file
+    from .v2 import open_model_file
 
     if not src.exists():
         raise FormatError(f"{src}: no such file")

@@ -247,7 +247,13 @@ class Session:
                 return None
             part = todo[a:a + chunk]
             t = time.perf_counter()
-            logits = self._forward(part)
+            if on_progress is not None:  # progress inside a chunk, block by block (a chunk can take minutes)
+                m = len(part)
+                self._state.on_layer = lambda i, n, base=done, m=m: on_progress(base + m * i // n, len(todo))
+            try:
+                logits = self._forward(part)
+            finally:
+                self._state.on_layer = None
             self.stats.prefill_seconds += time.perf_counter() - t
             self.stats.prefill_tokens_computed += len(part)
             done += len(part)

@@ -581,6 +581,8 @@ class DeepseekV4:
             s.trim(state.max_rollback)
             if collect is not None:
                 collect.append(X)
+            if state.on_layer is not None:
+                state.on_layer(i + 1, len(self.layers))
         h = X if all_logits else X[-1:]
         return self.head(ops.rms_norm(self.hc_head(h), self.norm, self.config.rms_norm_eps)), X
 

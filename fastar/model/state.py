@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,6 +162,9 @@ class ModelState:
     layers: list[LayerState]
     mtp: list[LayerState] = field(default_factory=list)
     max_rollback: int | None = None
+    # Called as on_layer(blocks done, blocks) after each main block of a forward pass (prefill progress within
+    # a chunk); not part of the state's contents (snapshots do not copy it).
+    on_layer: Callable[[int, int], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -238,3 +242,39 @@ class ModelState:
             raise StateError("decode state is truncated")
         rows = np.frombuffer(raw[a:b], dtype="<f4").reshape(m["rows"], m["width"])
         return RowBuffer(m["width"], m["start"], torch.from_numpy(rows.copy()))
+
+
+# --- accounting ------------------------------------------------------------------------------------------------
+
+def state_bytes(cfg, n: int, max_rollback: int | None, mtp_layers: int | None = None) -> int:
+    """Bytes of the rows a `ModelState` of `cfg` holds after `n` positions (what `ModelState.nbytes()` reports:
+    live rows, float32 as stored; a buffer's capacity may be up to twice its rows). Follows `LayerState.trim`:
+    window rows back to `max_rollback` positions before the end (all of them when None), the raw compressor rows
+    of the windows still needed, every compressed entry and index key. MTP blocks (`mtp_layers`, default the
+    config's) are counted at the same length; they hold one position less in a real run."""
+    L = cfg.num_hidden_layers
+    mtp = cfg.num_nextn_predict_layers if mtp_layers is None else mtp_layers
+    total = 0
+    for i in range(L + mtp):
+        s = LayerState.new(cfg.ratio(i), cfg.sliding_window, cfg.head_dim, cfg.index_head_dim)
+        first_kv, first_comp = s.first_needed(max(0, n - max_rollback)) if max_rollback is not None else (0, 0)
+        for name, b in s.buffers().items():
+            rows = n // s.ratio if name.endswith("entries") else n - (first_kv if name == "kv" else first_comp)
+            total += 4 * b.width * rows
+    return total
+
+
+def state_accounting(cfg, max_rollback: int | None, mtp_layers: int | None = None) -> dict:
+    """One accounting of decode-state bytes: `per_token` (what each further position adds, float32 rows as
+    stored), `fixed` (the bounded rest at a long context: window rows, open compressor windows and the
+    `max_rollback` margin), `per_1k` and `at_1m` (a 1,048,576-token context), and the same growth in the official
+    inference's layout (`official_per_token`: bf16 compressed KV and index keys; its window ring and compressor
+    states are fixed) for comparison. With max_rollback None every window row is kept and the growth includes them."""
+    ratios = [cfg.ratio(i) for i in range(cfg.num_hidden_layers)]
+    big = 1 << 20
+    step = 128 * 1024  # a multiple of every ratio
+    a, b = state_bytes(cfg, big, max_rollback, mtp_layers), state_bytes(cfg, big + step, max_rollback, mtp_layers)
+    per_token = (b - a) / step
+    official = sum(2 * (cfg.head_dim + (cfg.index_head_dim if r == 4 else 0)) / r for r in ratios if r)
+    return {"per_token": per_token, "fixed": a - per_token * big, "per_1k": 1000 * per_token, "at_1m": a,
+            "official_per_token": official, "official_at_1m": official * big, "max_rollback": max_rollback}

@@ -63,6 +63,44 @@ fail:
 
 /* ---------------------------------------------------------------- row-wise ops (rowops.c) */
 
+/* Row ops over the pool: rows are independent and each is computed by one thread in its own fixed order, so the
+ * result is bit-identical to one call over all rows (small inputs run on the calling thread alone). */
+typedef struct {
+    const float *x, *w, *cos, *sin;
+    float *y;
+    int64_t R, K, half, rows_per_token, rows_per_chunk;
+    float eps;
+    int inverse;
+} rowop_ctx;
+
+static void norm_chunk(void *p, int64_t i) {
+    const rowop_ctx *c = p;
+    const int64_t r0 = i * c->rows_per_chunk, n = c->R - r0 < c->rows_per_chunk ? c->R - r0 : c->rows_per_chunk;
+    rms_norm_rows(c->x + r0 * c->K, c->w, c->y + r0 * c->K, n, c->K, c->eps);
+}
+
+static void rope_chunk(void *p, int64_t i) {
+    const rowop_ctx *c = p;
+    int64_t r0 = i * c->rows_per_chunk, n = c->R - r0 < c->rows_per_chunk ? c->R - r0 : c->rows_per_chunk;
+    /* rope_rows indexes cos / sin by row / rows_per_token: hand it whole tokens (chunks are multiples of them) */
+    rope_rows(c->x + r0 * c->K, c->y + r0 * c->K, c->cos + r0 / c->rows_per_token * c->half,
+              c->sin + r0 / c->rows_per_token * c->half, n, c->K, c->half, c->rows_per_token, c->inverse);
+}
+
+static void rowops_run(chunk_fn fn, rowop_ctx *c, int64_t unit) {
+    const int64_t target = 4 * (int64_t)pool_get_threads();
+    int64_t rows = (c->R + target - 1) / target;
+    rows = (rows + unit - 1) / unit * unit;
+    c->rows_per_chunk = rows < unit ? unit : rows;
+    const int64_t chunks = (c->R + c->rows_per_chunk - 1) / c->rows_per_chunk;
+    if (c->R * c->K < (1 << 16) || chunks < 2) {
+        c->rows_per_chunk = c->R;
+        fn(c, 0);
+    } else {
+        pool_run(chunks, fn, c);
+    }
+}
+
 /* rms_norm(x f32 [R, K], weight f32 [K] | None, eps, out f32 [R, K]) -> None; out may be x */
 PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     (void)self;
@@ -81,7 +119,9 @@ PyObject *py_rms_norm(PyObject *self, PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    rms_norm_rows(v[0].b.buf, ow != Py_None ? v[2].b.buf : NULL, v[1].b.buf, dim(&v[0], 0), dim(&v[0], 1), (float)eps);
+    rowop_ctx c = {.x = v[0].b.buf, .w = ow != Py_None ? v[2].b.buf : NULL, .y = v[1].b.buf, .R = dim(&v[0], 0),
+                   .K = dim(&v[0], 1), .eps = (float)eps};
+    if (c.R > 0) rowops_run(norm_chunk, &c, 1);
     Py_END_ALLOW_THREADS
     release(v, 3);
     Py_RETURN_NONE;
@@ -109,7 +149,9 @@ PyObject *py_rope(PyObject *self, PyObject *args) {
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
-    rope_rows(v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, R, D, h, R / T, inverse);
+    rowop_ctx c = {.x = v[0].b.buf, .y = v[1].b.buf, .cos = v[2].b.buf, .sin = v[3].b.buf, .R = R, .K = D, .half = h,
+                   .rows_per_token = R / T, .inverse = inverse};
+    if (R > 0) rowops_run(rope_chunk, &c, R / T);
     Py_END_ALLOW_THREADS
     release(v, 4);
     Py_RETURN_NONE;

@@ -446,6 +446,7 @@ typedef struct {
     size_t chunk, n;
     double *sums;
     int64_t iters;
+    int dot; /* fma_chunk: 1 runs the bf16 dot loop */
 } probe_ctx;
 
 static void read_chunk(void *p, int64_t i) {
@@ -476,17 +477,17 @@ static PyObject *py_read_bandwidth(PyObject *self, PyObject *arg) {
 
 static void fma_chunk(void *p, int64_t i) {
     probe_ctx *c = p;
-    c->sums[i] = c->isa->fma_loop(c->iters);
+    c->sums[i] = c->dot ? bf16_dot_loop(c->iters) : c->isa->fma_loop(c->iters);
 }
 
 /* fma_peak(iters) -> (seconds, flops): every thread runs 8 slices of an FMA loop on independent registers. */
-static PyObject *py_fma_peak(PyObject *self, PyObject *arg) {
-    (void)self;
+static PyObject *fma_probe(PyObject *arg, int dot) {
     long long iters = PyLong_AsLongLong(arg);
     if (iters == -1 && PyErr_Occurred()) return NULL;
     if (iters < 1) return PyErr_Format(PyExc_ValueError, "iters must be positive");
+    if (dot && !cur_isa->tile_bf16) return PyErr_Format(PyExc_ValueError, "ISA %s has no bf16 tile path", cur_isa->name);
     int64_t nchunks = 8 * (int64_t)pool_get_threads();
-    probe_ctx c = {.isa = cur_isa, .iters = iters};
+    probe_ctx c = {.isa = cur_isa, .iters = iters, .dot = dot};
     c.sums = calloc((size_t)nchunks, sizeof(double));
     if (!c.sums) return PyErr_NoMemory();
     double t0, t1;
@@ -500,6 +501,10 @@ static PyObject *py_fma_peak(PyObject *self, PyObject *arg) {
     free(c.sums);
     return Py_BuildValue("(dd)", t1 - t0, flops);
 }
+
+static PyObject *py_fma_peak(PyObject *self, PyObject *arg) { (void)self; return fma_probe(arg, 0); }
+/* bf16_dot_peak(iters) -> (seconds, flops): the same with vdpbf16ps (the bf16 tile path's instruction). */
+static PyObject *py_bf16_dot_peak(PyObject *self, PyObject *arg) { (void)self; return fma_probe(arg, 1); }
 
 /* ---------------------------------------------------------------- pool tests */
 
@@ -577,6 +582,7 @@ static PyMethodDef methods[] = {
     {"cpu_features", py_cpu_features, METH_NOARGS, "cpu_features() -> dict"},
     {"read_bandwidth", py_read_bandwidth, METH_O, "read_bandwidth(buf u8[n]) -> seconds for one streaming pass"},
     {"fma_peak", py_fma_peak, METH_O, "fma_peak(iters) -> (seconds, flops)"},
+    {"bf16_dot_peak", py_bf16_dot_peak, METH_O, "bf16_dot_peak(iters) -> (seconds, flops) of vdpbf16ps"},
     {"_pool_probe", py_pool_probe, METH_VARARGS, "_pool_probe(counts i64[n], spin_us): count each chunk's runs"},
     {"_pool_test_delays", py_pool_test_delays, METH_VARARGS, "_pool_test_delays(worker_us, caller_us): test hooks"},
     {NULL, NULL, 0, NULL},

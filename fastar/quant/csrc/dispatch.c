@@ -225,9 +225,37 @@ static void *permute_x(const uint8_t *map, const float *x, int64_t T, int64_t K,
     return dst;
 }
 
+/* The bf16 tile path's copy of x [T, K]: the high halves of the floats in natural column order, rows of *kp =
+ * K rounded up to XP_CHUNK plus 32 words, zero padded. The extra 64 bytes keep the rows of a token block off one
+ * L1 set (power-of-two K otherwise puts every row's columns k at the same 4 KB offset). NULL when out of memory. */
+static uint16_t *tile_x_bf16(const float *x, int64_t T, int64_t K, int64_t *kp) {
+    *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK + 32;
+    uint16_t *dst = aligned_alloc(64, (size_t)(T * *kp) * sizeof(uint16_t));
+    if (!dst) return NULL;
+    for (int64_t t = 0; t < T; t++) {
+        const uint32_t *src = (const uint32_t *)(x + t * K);
+        uint16_t *d = dst + t * *kp;
+        for (int64_t k = 0; k < K; k++) d[k] = (uint16_t)(src[k] >> 16);
+        memset(d + K, 0, (size_t)(*kp - K) * sizeof(uint16_t));
+    }
+    return dst;
+}
+
+/* FASTAR_TILE_BF16=0 keeps the FP32 tile path (an A/B knob, read once). */
+static int tile_bf16_off(void) {
+    static int off = -1;
+    if (off < 0) {
+        const char *env = getenv("FASTAR_TILE_BF16");
+        off = env && !strcmp(env, "0");
+    }
+    return off;
+}
+
 int choose_path(const isa_ops *isa, char fmt, const float *x, int64_t T, int64_t K) {
     const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : fmt == '8' ? isa->fp8_bmap : NULL;
-    if (!bmap || T > dot_max(isa)) return PATH_FP32;
+    if (!bmap) return PATH_FP32;
+    if (T > dot_max(isa)) /* the tile path: bf16 on exact x where the ISA has it (split x would cost 3x) */
+        return isa->tile_bf16 && !tile_bf16_off() && x_kind(x, T * K) == X_EXACT ? PATH_BF16 : PATH_FP32;
     const int kind = x_kind(x, T * K);
     return kind == X_EXACT ? PATH_BF16 : kind == X_SPLIT ? PATH_SPLIT : PATH_FP32;
 }
@@ -245,7 +273,11 @@ int prep_job(const isa_ops *isa, char fmt, int path, mm_job *job, prep_t *p) {
     job->dot = job->T <= dot_max(isa);
     job->xp = NULL;
     job->xb = NULL;
-    if (!job->dot) return 0;
+    if (!job->dot) { /* the tile path: bfloat16 x in natural column order for PATH_BF16 */
+        if (path != PATH_BF16) return 0;
+        job->xb = p->buf = tile_x_bf16(job->x, job->T, job->K, &job->kp);
+        return p->buf ? 0 : -1;
+    }
     const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : isa->fp8_bmap;
     const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
     if (path == PATH_BF16) {

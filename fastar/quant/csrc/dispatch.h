@@ -26,8 +26,9 @@ void swiglu_isa(const isa_ops *isa, const float *g, const float *u, float *out, 
 
 /* ---------------------------------------------------------------- products */
 
-/* The path of a dot-path product: the FP32 kernels, the bf16 ones on exact x, or the bf16 ones on x split in three
- * (prep_job). Decided once per call from all of its x, so every token (and group) of a call takes the same. */
+/* The path of a product: the FP32 kernels, the bf16 ones on exact x, or (dot path only) the bf16 ones on x split in
+ * three (prep_job). For T > dot_max, PATH_BF16 is the ISA's bf16 tile path (isa_ops.tile_bf16). Decided once per
+ * call from all of its x, so every token (and group) of a call takes the same. */
 enum { PATH_FP32, PATH_BF16, PATH_SPLIT };
 
 /* What prep_job allocated and changed in a job, for finish_job. */

@@ -142,34 +142,6 @@ typedef void (*tile_fn)(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t 
 
 INLINE __mmask16 row_mask(int rows) { return rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1); }
 
-/* Loads nbytes (<= 64) of 16 rows (rows >= `rows` read as zero) and transposes them as 16x16 dwords:
- * c[q] lane i = dword q of row i. Gathers did the same but are slow on AMD; this is 16 loads + 64 shuffles. */
-INLINE void load_t16(const uint8_t *base, int64_t stride, int rows, int64_t nbytes, __m512i c[16]) {
-    const __mmask64 bm = nbytes >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << nbytes) - 1);
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++)
-        r[i] = i < rows ? _mm512_maskz_loadu_epi8(bm, base + i * stride) : _mm512_setzero_si512();
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int g = 0; g < 4; g++) { /* u[g][m] lane L = dword 4L+m of rows 4g..4g+3 */
-        __m512i *q = t + 4 * g;
-        r[4 * g + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
-        r[4 * g + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
-        r[4 * g + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
-        r[4 * g + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
-    }
-    for (int m = 0; m < 4; m++) {
-        __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44), w0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xee);
-        __m512i v1 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44), w1 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xee);
-        c[m] = _mm512_shuffle_i32x4(v0, v1, 0x88);
-        c[4 + m] = _mm512_shuffle_i32x4(v0, v1, 0xdd);
-        c[8 + m] = _mm512_shuffle_i32x4(w0, w1, 0x88);
-        c[12 + m] = _mm512_shuffle_i32x4(w0, w1, 0xdd);
-    }
-}
-
 static void fp4_tile(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t kc, float *wt, uint32_t *nanrows) {
     (void)nanrows;
     const int64_t half = j->K / 2, groups = j->K / FP4_GROUP;

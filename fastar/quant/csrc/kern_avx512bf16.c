@@ -57,6 +57,7 @@ static void init_avx512bf16(void) {
         fp8_bf16_hi[i] = (uint8_t)(u >> 24);
         fp8_bf16_lo[i] = (uint8_t)(u >> 16);
     }
+    gemm_bf16_init();
 }
 
 /* FP4 chunk c of a row (64 bytes = 128 columns, one scale group per 128-bit lane) against nt tokens: tot[t] += the
@@ -160,11 +161,12 @@ INLINE void fp8_bdot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, i
 
 /* ---------------------------------------------------------------- entry points */
 
+/* xb with dot unset: the bf16 tile path (gemm_avx512bf16.c), x in natural column order. */
 static void fp4_rows(const mm_job *j, int64_t n0, int64_t n1) {
-    if (j->dot && j->xb) { DOT_DISPATCH(fp4_bdot_row) } else isa_avx512_ops.fp4(j, n0, n1);
+    if (j->dot && j->xb) { DOT_DISPATCH(fp4_bdot_row) } else if (j->xb) fp4_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp4(j, n0, n1);
 }
 static void fp8_rows(const mm_job *j, int64_t n0, int64_t n1) {
-    if (j->dot && j->xb) { DOT_DISPATCH(fp8_bdot_row) } else isa_avx512_ops.fp8(j, n0, n1);
+    if (j->dot && j->xb) { DOT_DISPATCH(fp8_bdot_row) } else if (j->xb) fp8_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp8(j, n0, n1);
 }
 static void bf16_rows(const mm_job *j, int64_t n0, int64_t n1) { isa_avx512_ops.bf16(j, n0, n1); }
 static double fma_loop(int64_t iters) { return isa_avx512_ops.fma_loop(iters); }
@@ -190,6 +192,7 @@ const isa_ops isa_avx512bf16_ops = {
     .bf16_map = bf16_map,
     .fp4_bmap = fp4_bmap,
     .fp8_bmap = fp8_bmap,
+    .tile_bf16 = 1,
     .fma_loop = fma_loop,
     .read_sum = read_sum,
     .act_quant = act_quant,

@@ -17,6 +17,7 @@
  *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)
  *   kern_neon.c    AArch64 ASIMD + FMA kernels (no target needed: ASIMD is baseline there)
  *   kern_neonbf16.c  AArch64 FEAT_BF16 dot path for FP4 when x is bfloat16-exact (falls back to kern_neon.c)
+ *   gemm_avx512bf16.c  AVX512_BF16 tile path (prefill GEMM) for FP4 / FP8 when x is bfloat16-exact
  *   mhc.c          the hyper-connections (mHC) of a layer site and the final head, and their Sinkhorn
  *   attn.c         DeepSeek-V4 attention with sinks: plain C, AVX2 and AVX-512 kernels in one file (attn_run)
  *   rowops.c       row-wise ops of the forward pass: RMS norm, interleaved RoPE, the portable SwiGLU
@@ -90,6 +91,10 @@ typedef struct {
     /* The bf16 dot path's column order, xb[c0 + i] = x[c0 + bmap[i]] as bfloat16 (NULL: no such path). dispatch.c
      * hands a product x this way (xb set, xp NULL) only when every x is an exact bfloat16 (see x_kind). */
     const uint8_t *fp4_bmap, *fp8_bmap;
+    /* 1: the FP4 / FP8 kernels also take bfloat16 x for T > dot_max (the tile path on vdpbf16ps): dispatch.c then
+     * hands a call whose x is all bfloat16-exact as mm_job.xb in natural column order with dot = 0. An AMX-BF16
+     * ISA would set this too, with its own tile kernels behind fp4 / fp8. */
+    int tile_bf16;
     double (*fma_loop)(int64_t iters); /* returns the flops it executed (FP32 peak benchmark) */
     double (*read_sum)(const uint8_t *p, size_t n); /* streams n bytes (n % 64 == 0), returns a checksum */
     /* Activation ops (NULL: the portable ones): fp8_act_quant_scalar's twin, bit for bit; and
@@ -97,6 +102,13 @@ typedef struct {
     void (*act_quant)(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
     void (*swiglu)(const float *g, const float *u, float *out, int64_t n, float limit, float scale);
 } isa_ops;
+
+/* gemm_avx512bf16.c: the bf16 tile path's tables and row kernels (x: mm_job.xb in natural column order; stubs
+ * where FASTAR_X86 is 0, never called there since no ISA table sets tile_bf16). */
+void gemm_bf16_init(void);
+void fp4_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1);
+void fp8_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1);
+double bf16_dot_loop(int64_t iters); /* vdpbf16ps peak probe: returns the flops it executed */
 
 /* The ISA tables built on this architecture (dispatch.c lists them, best first). */
 extern const isa_ops isa_scalar_ops;

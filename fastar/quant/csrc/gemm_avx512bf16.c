@@ -1,0 +1,311 @@
+/* The bfloat16 tile path (prefill GEMM) of the FP4 and FP8 products on AVX512_BF16 (Zen 4/5, Sapphire Rapids and
+ * later), called by kern_avx512bf16.c for T > DOT_MAX when every x of the call is an exact bfloat16 (dispatch.c
+ * decides, see x_kind there: true of the official numerics' FP8-quantized activations).
+ *
+ * Owns: the cache-blocked GEMM out[t, n] (+)= sum_k x[t, k] W[n, k] with vdpbf16ps, two multiply-adds per lane
+ * per instruction (twice the FP32 FMA rate). A tile of NR = 32 rows x KC = 128 columns is decoded once into L1
+ * as bfloat16 pairs, wt[p][r] = (W[r, 2p], W[r, 2p+1]), without its scales (e4m3 and e2m1 values are exact
+ * bfloat16s, scales are applied in float32 below), and every token of the call runs over it: MR tokens x 32 rows
+ * per microkernel call, x[t, 2p..2p+1] broadcast as one dword. Scales: FP8 has one per tile (a tile sits in one
+ * 128 x 128 scale block), applied as out += sum * s; FP4 one per row and 32 columns, applied per 16 pairs as
+ * tot += partial * s, then out += tot. Every product is exact in float32 and no partial sum is a denormal (x_kind's
+ * bounds), and a power-of-two scale multiplies exactly, so a result differs from the FP32 tile path
+ * (kern_avx512.c) only in float32 summation order. A token's sums do not depend on T, on its place in the batch or
+ * on the rows a thread owns (tiles start at multiples of 32 rows).
+ * Input: mm_job.xb = x as bfloat16 bits in natural column order, rows of kp words (at least K rounded up to
+ * KC, zero padded; dispatch.c pads further so the rows of a token block do not share L1 sets), 64-byte aligned.
+ *
+ * AMX seam: an AMX-BF16 variant (tdpbf16ps on 16 x 32 bfloat16 tiles) would take the same inputs (pair-
+ * interleaved weight tiles are AMX's B layout, x rows its A layout) as another isa_ops with its own
+ * fp4_tile_bf16 / fp8_tile_bf16; none of the machines this is tested on has AMX, so none is written.
+ * Does not own: argument checks, the choice of path, the bfloat16 copy of x, threading (bindings, dispatch.c, pool.c).
+ */
+#include "kernels.h"
+
+#if FASTAR_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c"))), apply_to = function)
+#elif defined(__GNUC__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c")
+#endif
+#include <immintrin.h>
+#include <string.h>
+
+#include "kern_avx512.h"
+
+#define NR 32 /* tile rows (2 vectors of 16) */
+#define KC 128
+#define KP (KC / 2) /* bfloat16 pairs per tile row */
+#define MR8 12      /* tokens per FP8 microkernel call: 24 accumulators */
+#define MR4 6       /* tokens per FP4 microkernel call: 12 partial sums + 12 totals */
+#define BH(v) ((__m512bh)(v))
+
+static uint16_t fp4_bf16[32];                      /* bfloat16 of the e2m1 value of (i & 15) */
+static uint8_t fp8_bf16_hi[128], fp8_bf16_lo[128]; /* high / low byte of the bfloat16 of e4m3 magnitude i */
+static uint8_t pair_idx[2][64];                    /* vpermt2b indices, see fp8_tile_bf16 */
+
+void gemm_bf16_init(void) {
+    for (int i = 0; i < 32; i++) {
+        uint32_t u;
+        memcpy(&u, &fp4_f32[i & 15], 4);
+        fp4_bf16[i] = (uint16_t)(u >> 16);
+    }
+    for (int i = 0; i < 128; i++) {
+        uint32_t u;
+        memcpy(&u, &fp8_f32[i], 4);
+        fp8_bf16_hi[i] = (uint8_t)(u >> 24);
+        fp8_bf16_lo[i] = (uint8_t)(u >> 16);
+    }
+    /* dword i of output j (j = 0: columns 0, 1 of the dword's 4; j = 1: columns 2, 3) = lo[4i+2j], hi[4i+2j],
+     * lo[4i+2j+1], hi[4i+2j+1]; index bit 6 picks the second table (hi) */
+    for (int j = 0; j < 2; j++)
+        for (int i = 0; i < 16; i++)
+            for (int b = 0; b < 4; b++) pair_idx[j][4 * i + b] = (uint8_t)(4 * i + 2 * j + (b >> 1) + (b & 1 ? 64 : 0));
+}
+
+/* FP8 tile: rows n..n+nr-1, columns k0..k0+kc-1 -> wt[p * NR + r] for p < ceil(kc / 2); columns past kc are zero.
+ * Per 16 rows and 4 columns (one transposed dword per row): vpermi2b looks up the low and the high byte of each
+ * byte's bfloat16 (index: the low 7 bits), the sign goes into the high byte, vpermt2b pairs them up. */
+static void fp8_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t kc, uint32_t *wt) {
+    const int64_t K = j->K;
+    const __m512i tl0 = _mm512_loadu_si512((const void *)fp8_bf16_lo), tl1 = _mm512_loadu_si512((const void *)(fp8_bf16_lo + 64));
+    const __m512i th0 = _mm512_loadu_si512((const void *)fp8_bf16_hi), th1 = _mm512_loadu_si512((const void *)(fp8_bf16_hi + 64));
+    const __m512i i0 = _mm512_loadu_si512((const void *)pair_idx[0]), i1 = _mm512_loadu_si512((const void *)pair_idx[1]);
+    const __m512i top = _mm512_set1_epi8((char)0x80);
+    for (int h = 0; h < NR / 16; h++) {
+        const int rows = nr - 16 * h > 16 ? 16 : nr - 16 * h;
+        const uint8_t *base = (const uint8_t *)j->w + (n + 16 * h) * K + k0;
+        for (int64_t b0 = 0; b0 < KC; b0 += 64) {
+            __m512i c[16];
+            if (rows <= 0 || b0 >= kc) {
+                for (int q = 0; q < 16; q++) c[q] = _mm512_setzero_si512();
+            } else {
+                load_t16(base + b0, K, rows, kc - b0, c); /* bytes past kc read as zero: e4m3 +0 */
+            }
+            for (int q = 0; q < 16; q++) {
+                const __m512i lo = _mm512_permutex2var_epi8(tl0, c[q], tl1);
+                const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th0, c[q], th1), c[q], top, 0xf8);
+                const int64_t p = (b0 + 4 * q) / 2;
+                _mm512_store_si512((void *)(wt + p * NR + 16 * h), _mm512_permutex2var_epi8(lo, i0, hi));
+                _mm512_store_si512((void *)(wt + (p + 1) * NR + 16 * h), _mm512_permutex2var_epi8(lo, i1, hi));
+            }
+        }
+    }
+}
+
+/* FP4 tile (kc a multiple of 32): as fp8_tile_bf16; a transposed dword holds columns 8q..8q+7 as its nibbles 0..7,
+ * and pair m takes nibbles 2m, 2m+1 into the low 5 bits of its two words (vpermw's index; the table repeats every
+ * 16, so the fifth bit does not matter). Scales: sv[g][h] lane i = the scale of row n + 16h + i, group g. */
+static void fp4_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t kc, uint32_t *wt, __m512 sv[4][2]) {
+    const int64_t half = j->K / 2, groups = j->K / FP4_GROUP;
+    const __m512i tab = _mm512_loadu_si512((const void *)fp4_bf16), lowbyte = _mm512_set1_epi32(0xff);
+    for (int h = 0; h < NR / 16; h++) {
+        const int rows = nr - 16 * h > 16 ? 16 : nr - 16 * h;
+        const uint8_t *sb = j->s + (n + 16 * h) * groups + k0 / FP4_GROUP;
+        for (int64_t g = 0; g < kc / FP4_GROUP; g++) {
+            float sc[16];
+            for (int r = 0; r < 16; r++) sc[r] = r < rows ? ue8m0_f32[sb[r * groups + g]] : 0.0f;
+            sv[g][h] = _mm512_loadu_ps(sc);
+        }
+        __m512i c[16];
+        if (rows <= 0) {
+            for (int q = 0; q < 16; q++) c[q] = _mm512_setzero_si512();
+        } else {
+            load_t16((const uint8_t *)j->w + (n + 16 * h) * half + k0 / 2, half, rows, kc / 2, c);
+        }
+        for (int q = 0; q < kc / 8; q++)
+            for (int m = 0; m < 4; m++) {
+                const __m512i x = _mm512_and_si512(m ? _mm512_srli_epi32(c[q], 8 * m) : c[q], lowbyte);
+                const __m512i v = _mm512_or_si512(x, _mm512_slli_epi32(x, 12));
+                _mm512_store_si512((void *)(wt + (4 * q + m) * NR + 16 * h), _mm512_permutexvar_epi16(v, tab));
+            }
+    }
+}
+
+INLINE __mmask16 row_mask(int rows) { return rows >= 16 ? (__mmask16)0xffff : rows <= 0 ? 0 : (__mmask16)((1u << rows) - 1); }
+
+/* out[t, r] (+)= s * sum over np pairs, for mr tokens (x: bfloat16 pairs of the tile's columns, ldx dwords). */
+INLINE void micro8(const int mr, int np, const uint32_t *wt, const uint32_t *x, int64_t ldx, float s, float *out,
+                   int64_t ldo, int nr, int store) {
+    __m512 acc[MR8][2];
+    UNROLL
+    for (int t = 0; t < mr; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int p = 0; p < np; p++) {
+        const __m512i w0 = _mm512_load_si512((const void *)(wt + p * NR)), w1 = _mm512_load_si512((const void *)(wt + p * NR + 16));
+        UNROLL
+        for (int t = 0; t < mr; t++) {
+            const __m512i b = _mm512_set1_epi32((int)x[t * ldx + p]);
+            acc[t][0] = _mm512_dpbf16_ps(acc[t][0], BH(b), BH(w0));
+            acc[t][1] = _mm512_dpbf16_ps(acc[t][1], BH(b), BH(w1));
+        }
+    }
+    const __mmask16 m0 = row_mask(nr), m1 = row_mask(nr - 16);
+    const __m512 sv = _mm512_set1_ps(s);
+    UNROLL
+    for (int t = 0; t < mr; t++) {
+        float *o = out + t * ldo;
+        if (store) {
+            _mm512_mask_storeu_ps(o, m0, _mm512_mul_ps(acc[t][0], sv));
+            _mm512_mask_storeu_ps(o + 16, m1, _mm512_mul_ps(acc[t][1], sv));
+        } else {
+            _mm512_mask_storeu_ps(o, m0, _mm512_fmadd_ps(acc[t][0], sv, _mm512_maskz_loadu_ps(m0, o)));
+            _mm512_mask_storeu_ps(o + 16, m1, _mm512_fmadd_ps(acc[t][1], sv, _mm512_maskz_loadu_ps(m1, o + 16)));
+        }
+    }
+}
+
+/* FP4: per scale group (16 pairs) a partial sum, then tot += partial * scale; out (+)= tot. */
+INLINE void micro4(const int mr, int ng, const uint32_t *wt, const uint32_t *x, int64_t ldx, __m512 sv[4][2],
+                   float *out, int64_t ldo, int nr, int store) {
+    __m512 tot[MR4][2];
+    UNROLL
+    for (int t = 0; t < mr; t++) tot[t][0] = tot[t][1] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        __m512 part[MR4][2];
+        UNROLL
+        for (int t = 0; t < mr; t++) part[t][0] = part[t][1] = _mm512_setzero_ps();
+        for (int p = 16 * g; p < 16 * g + 16; p++) {
+            const __m512i w0 = _mm512_load_si512((const void *)(wt + p * NR)), w1 = _mm512_load_si512((const void *)(wt + p * NR + 16));
+            UNROLL
+            for (int t = 0; t < mr; t++) {
+                const __m512i b = _mm512_set1_epi32((int)x[t * ldx + p]);
+                part[t][0] = _mm512_dpbf16_ps(part[t][0], BH(b), BH(w0));
+                part[t][1] = _mm512_dpbf16_ps(part[t][1], BH(b), BH(w1));
+            }
+        }
+        UNROLL
+        for (int t = 0; t < mr; t++) {
+            tot[t][0] = _mm512_fmadd_ps(part[t][0], sv[g][0], tot[t][0]);
+            tot[t][1] = _mm512_fmadd_ps(part[t][1], sv[g][1], tot[t][1]);
+        }
+    }
+    const __mmask16 m0 = row_mask(nr), m1 = row_mask(nr - 16);
+    UNROLL
+    for (int t = 0; t < mr; t++) {
+        float *o = out + t * ldo;
+        if (!store) {
+            tot[t][0] = _mm512_add_ps(tot[t][0], _mm512_maskz_loadu_ps(m0, o));
+            tot[t][1] = _mm512_add_ps(tot[t][1], _mm512_maskz_loadu_ps(m1, o + 16));
+        }
+        _mm512_mask_storeu_ps(o, m0, tot[t][0]);
+        _mm512_mask_storeu_ps(o + 16, m1, tot[t][1]);
+    }
+}
+
+/* Token blocks are balanced to at most MR8 / MR4 tokens each (a token's sums do not depend on its block). */
+/* Token super-blocks: the rows of x one pass over the weights of a thread's rows serves, sized so that the x panel
+ * (tb rows of kp bfloat16s, <= 1 MB: an L2) stays close while every tile of those rows runs over it: for K = 8192
+ * and 512 tokens the whole x is 8 MB, streamed again from L3 for every 32 rows otherwise (fp8 4096 x 8192 at 512
+ * tokens, one thread: 36-47 % -> 51-54 % of the bf16 peak per CPU-second; a 384 KB panel was worse, 34-37 %: the
+ * weights are then decoded and read too often). A token's sums do not depend on its super-block. */
+#define X_PANEL_BYTES (1 << 20)
+
+static int64_t super_blocks(int64_t T, int64_t kp) {
+    int64_t tb = X_PANEL_BYTES / (2 * kp) / MR8 * MR8;
+    if (tb < MR8) tb = MR8;
+    return (T + tb - 1) / tb;
+}
+
+static void fp8_rows_tokens(const mm_job *j, int64_t n0, int64_t n1, int64_t ts, int64_t T, uint32_t *wt) {
+    const int64_t K = j->K, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK, ldx = j->kp / 2;
+    const uint32_t *xb = (const uint32_t *)j->xb + ts * ldx;
+    float *out = j->out + ts * j->ldo;
+    for (int64_t n = n0; n < n1; n += NR) {
+        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kc = K - k0 < KC ? K - k0 : KC;
+            const int np = (int)((kc + 1) / 2);
+            fp8_tile_bf16(j, n, nr, k0, kc, wt);
+            const float s = ue8m0_f32[j->s[(n / FP8_BLOCK) * kb + k0 / FP8_BLOCK]];
+            const int store = k0 == 0 && !j->accumulate;
+            const int64_t nblk = (T + MR8 - 1) / MR8;
+            for (int64_t b = 0, t0 = 0; b < nblk; b++) {
+                const int mr = (int)(T / nblk + (b < T % nblk));
+                const uint32_t *x = xb + t0 * ldx + k0 / 2;
+                float *o = out + t0 * j->ldo + n;
+                switch (mr) {
+#define MCASE(M) case M: micro8(M, np, wt, x, ldx, s, o, j->ldo, nr, store); break;
+                    MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5) MCASE(6)
+                    MCASE(7) MCASE(8) MCASE(9) MCASE(10) MCASE(11)
+                    default: micro8(MR8, np, wt, x, ldx, s, o, j->ldo, nr, store); break;
+#undef MCASE
+                }
+                t0 += mr;
+            }
+        }
+    }
+}
+
+static void fp4_rows_tokens(const mm_job *j, int64_t n0, int64_t n1, int64_t ts, int64_t T, uint32_t *wt) {
+    const int64_t K = j->K, ldx = j->kp / 2;
+    const uint32_t *xb = (const uint32_t *)j->xb + ts * ldx;
+    float *out = j->out + ts * j->ldo;
+    for (int64_t n = n0; n < n1; n += NR) {
+        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kc = K - k0 < KC ? K - k0 : KC; /* a multiple of 32 */
+            const int ng = (int)(kc / FP4_GROUP);
+            __m512 sv[4][2];
+            fp4_tile_bf16(j, n, nr, k0, kc, wt, sv);
+            const int store = k0 == 0 && !j->accumulate;
+            const int64_t nblk = (T + MR4 - 1) / MR4;
+            for (int64_t b = 0, t0 = 0; b < nblk; b++) {
+                const int mr = (int)(T / nblk + (b < T % nblk));
+                const uint32_t *x = xb + t0 * ldx + k0 / 2;
+                float *o = out + t0 * j->ldo + n;
+                switch (mr) {
+#define MCASE(M) case M: micro4(M, ng, wt, x, ldx, sv, o, j->ldo, nr, store); break;
+                    MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5)
+                    default: micro4(MR4, ng, wt, x, ldx, sv, o, j->ldo, nr, store); break;
+#undef MCASE
+                }
+                t0 += mr;
+            }
+        }
+    }
+}
+
+void fp8_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    uint32_t wt[KP * NR] __attribute__((aligned(64)));
+    const int64_t nsb = super_blocks(j->T, j->kp);
+    for (int64_t b = 0, ts = 0; b < nsb; b++) {
+        const int64_t tb = j->T / nsb + (b < j->T % nsb);
+        fp8_rows_tokens(j, n0, n1, ts, tb, wt);
+        ts += tb;
+    }
+}
+
+void fp4_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    uint32_t wt[KP * NR] __attribute__((aligned(64)));
+    const int64_t nsb = super_blocks(j->T, j->kp);
+    for (int64_t b = 0, ts = 0; b < nsb; b++) {
+        const int64_t tb = j->T / nsb + (b < j->T % nsb);
+        fp4_rows_tokens(j, n0, n1, ts, tb, wt);
+        ts += tb;
+    }
+}
+
+/* The bf16 tile path's instruction peak, measured like the FP32 FMA peak (isa_ops.fma_loop): 12 independent
+ * vdpbf16ps chains; returns the flops executed (2 per multiply-add, 64 per instruction). */
+double bf16_dot_loop(int64_t iters) {
+    __m512 a[12];
+    const __m512i m = _mm512_set1_epi32(0x3f803f80), c = _mm512_set1_epi32(0x38003800); /* bf16 pairs (1, 1), tiny */
+    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)i);
+    for (int64_t it = 0; it < iters; it++)
+        for (int i = 0; i < 12; i++) a[i] = _mm512_dpbf16_ps(a[i], BH(m), BH(c));
+    __m512 s = a[0];
+    for (int i = 1; i < 12; i++) s = _mm512_add_ps(s, a[i]);
+    volatile float sink = _mm512_reduce_add_ps(s);
+    (void)sink;
+    return (double)iters * 12 * 16 * 4;
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#else /* no SIMD files: stubs for the declarations (no ISA table sets tile_bf16 here) */
+double bf16_dot_loop(int64_t iters) { (void)iters; return 0.0; }
+void gemm_bf16_init(void) {}
+void fp8_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1) { (void)j, (void)n0, (void)n1; }
+void fp4_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1) { (void)j, (void)n0, (void)n1; }
+#endif /* FASTAR_X86 */

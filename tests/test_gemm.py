@@ -1,0 +1,174 @@
+"""The bfloat16 tile path (prefill GEMM, gemm_avx512bf16.c) against the reference and the FP32 tile path it sits
+beside: for T > 8 tokens whose every x is an exact bfloat16 (FP8-quantized activations), FP4 and FP8 products run
+on vdpbf16ps. Both paths sum exact products in float32, so they differ only in summation order; a token's outputs
+do not depend on T, on its place in the batch, or on the thread count; a call whose x does not qualify gives the
+FP32 tile path's result bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_kernels import ISAS, assert_close, exact_x, expert_case, fp4_weights, fp8_weights, on_both_paths
+
+from fastar.quant import kernels as K
+from fastar.quant import reference as R
+
+
+@pytest.fixture
+def bf16_isa():
+    if "avx512bf16" not in ISAS:
+        pytest.skip("no AVX512_BF16 + AVX512_VBMI on this CPU (or the C extension is not built)")
+    K.set_isa("avx512bf16")
+    yield
+    K.set_isa("auto")
+
+
+# (T, N, K): T past the dot path, N off the 32-row tile, K ragged against the 128-column tile (FP8: odd K too)
+FP8_SHAPES = [(9, 37, 96), (16, 33, 32), (17, 130, 160), (40, 61, 288), (13, 200, 130), (33, 131, 257),
+              (20, 77, 1000), (12, 40, 4200), (64, 64, 4096), (100, 45, 1056), (9, 1, 1)]
+FP4_SHAPES = [(9, 37, 96), (16, 33, 32), (17, 130, 160), (40, 61, 288), (100, 45, 1056), (23, 19, 4128),
+              (64, 64, 4096), (11, 300, 224)]
+
+
+@pytest.mark.parametrize("t,n,k", FP8_SHAPES)
+def test_tile_bf16_fp8_matches_reference(bf16_isa, t, n, k):
+    rng = np.random.default_rng(t * 1000 + n + k)
+    x = exact_x(rng, t, k)
+    w, s = fp8_weights(rng, n, k)
+    got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w, s))
+    assert_close(got, x, R.fp8_block_dequant(w, s))
+    assert_close(fp32, x, R.fp8_block_dequant(w, s))
+    if k >= 1000:  # long sums: the other summation order shows, so the bf16 tile path was taken
+        assert not np.array_equal(got, fp32)
+
+
+@pytest.mark.parametrize("t,n,k", FP4_SHAPES)
+def test_tile_bf16_fp4_matches_reference(bf16_isa, t, n, k):
+    rng = np.random.default_rng(t * 1000 + n + k)
+    x = exact_x(rng, t, k, 3.0)
+    w, s = fp4_weights(rng, n, k)
+    got, fp32 = on_both_paths(lambda: K.fp4_matmul(x, w, s))
+    assert_close(got, x, R.fp4_decode(w, s))
+    if k >= 1000:
+        assert not np.array_equal(got, fp32)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_tile_bf16_fp8_special_values(bf16_isa):
+    """NaN codes and NaN scales poison what the FP32 tile path poisons; denormal, tiny and huge scales stay exact;
+    e4m3 denormals and +-448 decode exactly."""
+    rng = np.random.default_rng(4)
+    for t in (9, 17, 30):
+        n, k = 260, 300
+        x = exact_x(rng, t, k)
+        w, s = fp8_weights(rng, n, k)
+        s[0, 0], s[0, 1], s[1, 2], s[2, 0], s[1, 0] = 0, 1, 247, 255, 254
+        w[5, 17] = 0x7F
+        w[131, :] = rng.choice(np.array([0x00, 0x01, 0x07, 0x80, 0x81, 0x7E, 0xFE], np.uint8), k)
+        w[128:256, 256:] &= 0x8F
+        w[128:256, :128] &= 0x87
+        w[130, 299] = 0xFF
+        got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w, s))  # noqa: B023 (called at once)
+        assert_close(got, x, R.fp8_block_dequant(w, s))
+        assert np.array_equal(np.isnan(got), np.isnan(fp32)) and np.array_equal(np.isinf(got), np.isinf(fp32))
+        assert np.isnan(got[:, 5]).all() and np.isnan(got[:, 130]).all() and np.isnan(got[:, 256:]).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_tile_bf16_fp4_special_scales(bf16_isa):
+    rng = np.random.default_rng(8)
+    for t in (9, 20):
+        n, k = 70, 192
+        x = exact_x(rng, t, k)
+        w, s = fp4_weights(rng, n, k)
+        s[:10] = rng.choice(np.array([0, 1, 2, 3, 9], np.uint8), s[:10].shape)  # denormal-range weights
+        s[10:20] = rng.integers(140, 160, s[10:20].shape, dtype=np.uint8)
+        s[20, 3], s[33, 0] = 255, 0
+        w[40:45], w[45:50] = 0x77, 0xFF
+        got, fp32 = on_both_paths(lambda: K.fp4_matmul(x, w, s))  # noqa: B023
+        assert_close(got, x, R.fp4_decode(w, s))
+        assert np.array_equal(np.isnan(got), np.isnan(fp32)) and np.isnan(got[:, 20]).all()
+        assert np.all(np.abs(got[:, :10]) > 0) or np.any(R.fp4_decode(w[:10], s[:10]) == 0)  # not flushed
+
+
+@pytest.mark.parametrize("k", [512, 4096])
+def test_tile_bf16_is_batch_invariant(bf16_isa, k):
+    """A token's outputs on the tile path are the same in every chunk of more than 8 tokens and at every place."""
+    rng = np.random.default_rng(k + 3)
+    x = exact_x(rng, 40, k)
+    w4, s4 = fp4_weights(rng, 70, k)
+    w8, s8 = fp8_weights(rng, 70, k)
+    for product in (lambda a: K.fp4_matmul(a, w4, s4), lambda a: K.fp8_matmul(a, w8, s8)):
+        full = product(x)
+        for t0, t1 in ((0, 9), (0, 13), (5, 40), (17, 35), (3, 29)):
+            assert np.array_equal(product(np.ascontiguousarray(x[t0:t1])), full[t0:t1]), (t0, t1)
+
+
+def test_tile_bf16_thread_count_does_not_change_results(bf16_isa):
+    rng = np.random.default_rng(11)
+    x = exact_x(rng, 37, 1024)
+    w4, s4 = fp4_weights(rng, 300, 1024)
+    w8, s8 = fp8_weights(rng, 300, 1024)
+    before = K.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            K.set_num_threads(n)
+            results.append((K.fp4_matmul(x, w4, s4), K.fp8_matmul(x, w8, s8)))
+        for r in results[1:]:
+            assert np.array_equal(r[0], results[0][0]) and np.array_equal(r[1], results[0][1])
+    finally:
+        K.set_num_threads(before)
+
+
+def test_tile_bf16_only_for_exact_x(bf16_isa):
+    """x that is not all bfloat16 (the reference numerics, wo_a's input) keeps the FP32 tile path bit for bit."""
+    rng = np.random.default_rng(12)
+    x = exact_x(rng, 20, 1024)
+    x[7, 3] += 2.0 ** -20 * abs(x[7, 3]) + 2.0 ** -30  # one inexact value
+    w8, s8 = fp8_weights(rng, 90, 1024)
+    got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w8, s8))
+    assert np.array_equal(got, fp32)
+
+
+def test_tile_bf16_accumulates(bf16_isa):
+    rng = np.random.default_rng(13)
+    x = exact_x(rng, 19, 640)
+    w8, s8 = fp8_weights(rng, 100, 640)
+    w4, s4 = fp4_weights(rng, 100, 640)
+    base = rng.standard_normal((19, 100)).astype(np.float32)
+    for product in (lambda a, **kw: K.fp8_matmul(a, w8, s8, **kw), lambda a, **kw: K.fp4_matmul(a, w4, s4, **kw)):
+        plain = product(x)
+        acc = product(x, out=base.copy())
+        # out += the tile sums: one rounding per 128-column tile, so compare within float32 rounding
+        np.testing.assert_allclose(acc, base + plain, rtol=1e-5, atol=1e-5 * float(np.abs(plain).max()))
+
+
+@pytest.mark.parametrize("t", [12, 40])
+def test_tile_bf16_expert_ffn(bf16_isa, t):
+    """A routed expert with more than 8 tokens and act_block=128: its three products take the tile path on bf16 and
+    the result is their composition."""
+    d = 256
+    _, x, (w1, s1, w3, s3, w2, s2), rw = expert_case(90 + t, t, d, 384, 3.0)
+    out = K.expert_ffn(x, w1, s1, w3, s3, w2, s2, rw, 10.0, np.zeros((t, d), np.float32), act_block=128)
+    xq = K.fp8_act_quant(x, 128)
+    h = (K.swiglu_limited(K.fp4_matmul(xq, w1, s1), K.fp4_matmul(xq, w3, s3), 10.0) * rw[:, None]).astype(np.float32)
+    want = K.fp4_matmul(K.fp8_act_quant(h, 128), w2, s2)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_bf16_dot_peak_probe(bf16_isa):
+    s, flops = K._C.bf16_dot_peak(10_000)
+    assert s > 0 and flops == 8 * K.get_num_threads() * 10_000 * 12 * 64
+
+
+def test_prefill_products_benchmark_reports_both_paths(bf16_isa):
+    from fastar.bench.kernels import prefill_products
+
+    rows = prefill_products(tokens=16, rounds=1)
+    assert {(r["product"], r["path"]) for r in rows} == {(p, i) for p in ("fp8 4096x4096", "fp8 4096x8192",
+                                                                          "fp4 2048x4096", "fp4 4096x2048")
+                                                         for i in ("avx512bf16", "avx512")}
+    assert all(r["gflops_per_cpu_s"] > 0 and r["fraction"] == r["gflops_per_cpu_s"] / r["peak_gflops_per_cpu_s"]
+               for r in rows)
+    assert K.get_isa() == "avx512bf16"  # restored ("auto" picks it on this CPU)

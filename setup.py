@@ -5,14 +5,25 @@ Baseline flags only (no -march=native, no global -march): each SIMD file carries
 architecture. The x86-64 kernel files are compiled only on x86-64 and the AArch64 ones only on AArch64 (each also
 compiles to nothing elsewhere, see kernels.h). The flags are ones gcc and clang (macOS) both take.
 """
+
 import platform
 import sys
 
 from setuptools import Extension, setup
 
 CSRC = "fastar/quant/csrc/"
-COMMON = ["bindings.c", "bind_ops.c", "dispatch.c", "experts.c", "pool.c", "kern_scalar.c", "rowops.c", "mhc.c",
-          "attn.c", "gemm_avx512bf16.c"]  # the GEMM file defines portable stubs where it has no x86 body
+COMMON = [
+    "bindings.c",
+    "bind_ops.c",
+    "dispatch.c",
+    "experts.c",
+    "pool.c",
+    "kern_scalar.c",
+    "rowops.c",
+    "mhc.c",
+    "attn.c",
+    "gemm_avx512bf16.c",
+]  # the GEMM file defines portable stubs where it has no x86 body
 X86 = ["kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c"]
 ARM64 = ["kern_neon.c", "kern_neonbf16.c"]
 
@@ -32,8 +43,9 @@ setup(
         Extension(
             "fastar.quant._kernels",
             sources=sources,
-            depends=[CSRC + h for h in ("kernels.h", "simd.h", "dispatch.h", "bindings.h", "kern_avx512.h",
-                                        "exp512.h")],
+            depends=[
+                CSRC + h for h in ("kernels.h", "simd.h", "dispatch.h", "bindings.h", "kern_avx512.h", "exp512.h")
+            ],
             extra_compile_args=extra,
             extra_link_args=link,
         )

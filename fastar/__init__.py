@@ -5,6 +5,7 @@ The public API (torch is imported only when one of these is first used):
   Engine.generate / stream / chat / logits / generate_tokens / open_session / stats / close (also `with`)
   SamplingParams, GenerationChunk
 """
+
 from __future__ import annotations
 
 __version__ = "0.1.0"
@@ -23,6 +24,7 @@ __all__ = ["__version__", *_LAZY]
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
+
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(mod), attr)
     raise AttributeError(f"module 'fastar' has no attribute {name!r}")

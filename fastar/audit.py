@@ -6,6 +6,7 @@ residual streams after every block and of the logits, fastar in `reference` nume
 Does not own: argument parsing (the CLI calls `run` and prints `table()`), any tolerance policy beyond `ok`.
 transformers is imported only here, only when an audit runs.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,10 @@ class AuditReport:
         return self.logits.max_abs <= self.tolerance
 
     def table(self) -> str:
-        lines = [f"audit over {len(self.tokens)} tokens (fastar reference numerics vs transformers, float32)",
-                 f"{'stage':<12} {'cosine':>12} {'max |diff|':>12} {'max |ref|':>12}"]
+        lines = [
+            f"audit over {len(self.tokens)} tokens (fastar reference numerics vs transformers, float32)",
+            f"{'stage':<12} {'cosine':>12} {'max |diff|':>12} {'max |ref|':>12}",
+        ]
         for r in self.rows:
             lines.append(f"{r.name:<12} {r.cosine:>12.9f} {r.max_abs:>12.3e} {r.ref_max_abs:>12.3e}")
         lines.append(f"logits {'OK' if self.ok else 'MISMATCH'} (tolerance {self.tolerance:g} max-abs)")
@@ -55,8 +58,13 @@ def _compare(name: str, ours: torch.Tensor, ref: torch.Tensor) -> AuditRow:
     return AuditRow(name, cos, float((a - b).abs().max()), float(b.abs().max()))
 
 
-def run(model_path: str | os.PathLike, hf_dir: str | os.PathLike, tokens: list[int] | None = None,
-        seed: int = 0, tolerance: float = 1e-4) -> AuditReport:
+def run(
+    model_path: str | os.PathLike,
+    hf_dir: str | os.PathLike,
+    tokens: list[int] | None = None,
+    seed: int = 0,
+    tolerance: float = 1e-4,
+) -> AuditReport:
     """Compare fastar (`model_path`: `.fst` file or checkpoint directory) with transformers loading `hf_dir`.
 
     `tokens` defaults to DEFAULT_TOKENS random ids drawn with `seed`.
@@ -74,8 +82,9 @@ def run(model_path: str | os.PathLike, hf_dir: str | os.PathLike, tokens: list[i
 
     hf = DeepseekV4ForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     streams: list[torch.Tensor] = []  # each decoder layer's output streams [T, n, d], via forward hooks
-    hooks = [layer.register_forward_hook(lambda _m, _i, out: streams.append(out[0].detach()))
-             for layer in hf.model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda _m, _i, out: streams.append(out[0].detach())) for layer in hf.model.layers
+    ]
     try:
         with torch.no_grad():
             ref_logits = hf(torch.tensor([tokens])).logits[0]

@@ -4,6 +4,7 @@ Owns: argument parsing, `FASTAR_*` environment mirrors of flags, and turning err
 non-zero exit. Does not own: any tensor code (commands import their implementation lazily, so `fastar --help`
 and `fastar inspect` start fast and never import torch).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,11 +68,15 @@ def _human(n: float) -> str:
 
 # --- commands ----------------------------------------------------------------------------------------------
 
+
 def cmd_convert(a) -> int:
     from .convert.hf import convert, convert_indexer
+
     if a.indexer_sidecar and not a.output.endswith(".fst.indexer"):  # where FstV2File looks; never over a model
-        raise FastarError(f"--indexer-sidecar: name the output MODEL.fst.indexer, next to the FaStar v2 MODEL.fst "
-                          f"it completes (got {a.output})")
+        raise FastarError(
+            f"--indexer-sidecar: name the output MODEL.fst.indexer, next to the FaStar v2 MODEL.fst "
+            f"it completes (got {a.output})"
+        )
     t = time.perf_counter()
     out = (convert_indexer if a.indexer_sidecar else convert)(a.src, a.output, progress=a.progress)
     dt = time.perf_counter() - t
@@ -83,6 +88,7 @@ def cmd_convert(a) -> int:
 def cmd_export(a) -> int:
     from .config import parse_size
     from .convert.export import export
+
     t = time.perf_counter()
     shard = parse_size(a.shard_size)
     if not shard:
@@ -100,6 +106,7 @@ def _not_special(path: str) -> None:
 
 def cmd_verify(a) -> int:
     from .format.reader import FstFile
+
     _not_special(a.file)
     t = time.perf_counter()
     with FstFile(a.file) as f:
@@ -111,8 +118,16 @@ def cmd_verify(a) -> int:
         bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
-            bar = tqdm(total=f.file_size, unit="B", unit_scale=True, unit_divisor=1024, desc="verifying",
-                       file=sys.stderr, mininterval=0.5)
+
+            bar = tqdm(
+                total=f.file_size,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="verifying",
+                file=sys.stderr,
+                mininterval=0.5,
+            )
         bad = f.verify(progress=bar.update if bar else None)
         if bar:
             bar.close()
@@ -122,13 +137,16 @@ def cmd_verify(a) -> int:
         print(f"fastar: error: {a.file}: checksum mismatch in {bad[0]}{more}", file=sys.stderr)
         return 1
     size = os.path.getsize(a.file)
-    print(f"{a.file}: OK ({n_t} tensors, {n_e} expert records, {_human(size)} checked in {dt:.1f} s, "
-          f"{size / max(dt, 1e-9) / 1e6:.0f} MB/s)")
+    print(
+        f"{a.file}: OK ({n_t} tensors, {n_e} expert records, {_human(size)} checked in {dt:.1f} s, "
+        f"{size / max(dt, 1e-9) / 1e6:.0f} MB/s)"
+    )
     return 0
 
 
 def cmd_inspect(a) -> int:
     from .format.reader import FstFile
+
     _not_special(a.file)
     with FstFile(a.file) as f:
         h = f.header
@@ -137,13 +155,19 @@ def cmd_inspect(a) -> int:
             by_type[t["dtype"]] = by_type.get(t["dtype"], 0) + t["nbytes"]
         bank = f.bank
         if a.json:
-            info = {"file": str(a.file), "file_size": f.file_size, "config": h["config"], "source": h["source"],
-                    "decode_state": _state_accounting(f),
-                    "converter": h["converter"], "bytes_by_dtype": by_type,
-                    "tensors": [{k: t[k] for k in ("name", "dtype", "shape", "offset", "nbytes")}
-                                for t in h["tensors"]],
-                    "experts": None if bank is None else {k: bank[k] for k in ("offset", "stride", "slots", "experts",
-                                                                                "sections")}}
+            info = {
+                "file": str(a.file),
+                "file_size": f.file_size,
+                "config": h["config"],
+                "source": h["source"],
+                "decode_state": _state_accounting(f),
+                "converter": h["converter"],
+                "bytes_by_dtype": by_type,
+                "tensors": [{k: t[k] for k in ("name", "dtype", "shape", "offset", "nbytes")} for t in h["tensors"]],
+                "experts": None
+                if bank is None
+                else {k: bank[k] for k in ("offset", "stride", "slots", "experts", "sections")},
+            }
             print(json.dumps(info, indent=1))
             return 0
         print(f"{a.file}: fastar .fst v3, {_human(f.file_size)}, written by fastar {h['converter'].get('version')}")
@@ -165,17 +189,21 @@ def cmd_inspect(a) -> int:
             print(f"  blob {b['name']} {_human(b['nbytes'])}")
         if bank is not None:
             n = bank["slots"] * bank["experts"]
-            print(f"\nexpert bank: {bank['slots']} layers x {bank['experts']} experts = {n} records, stride "
-                  f"{bank['stride']} B ({bank['stride'] // 4096} pages) at offset {bank['offset']}, "
-                  f"{_human(n * bank['stride'])} in all")
+            print(
+                f"\nexpert bank: {bank['slots']} layers x {bank['experts']} experts = {n} records, stride "
+                f"{bank['stride']} B ({bank['stride'] // 4096} pages) at offset {bank['offset']}, "
+                f"{_human(n * bank['stride'])} in all"
+            )
             for s in bank["sections"]:
                 print(f"  +{s['offset']:<10} {s['field']:9} {s['dtype']:8} {s['shape']}")
         st = _state_accounting(f)
-        print(f"\ndecode state (float32 rows as stored, max_rollback {st['max_rollback']}): "
-                  f"{st['per_token']:,.0f} B per token = {_human(st['per_1k'])} per 1k tokens, "
-                  f"{_human(st['at_1m'])} at a 1M-token context ({_human(st['fixed'])} of it fixed: window rows, open "
-                  f"compressor windows, the rollback margin); the official inference's layout (bf16 caches): "
-                  f"{st['official_per_token']:,.0f} B per token, {_human(st['official_at_1m'])} at 1M")
+        print(
+            f"\ndecode state (float32 rows as stored, max_rollback {st['max_rollback']}): "
+            f"{st['per_token']:,.0f} B per token = {_human(st['per_1k'])} per 1k tokens, "
+            f"{_human(st['at_1m'])} at a 1M-token context ({_human(st['fixed'])} of it fixed: window rows, open "
+            f"compressor windows, the rollback margin); the official inference's layout (bf16 caches): "
+            f"{st['official_per_token']:,.0f} B per token, {_human(st['official_at_1m'])} at 1M"
+        )
     return 0
 
 
@@ -183,29 +211,35 @@ def _state_accounting(f) -> dict:
     """fastar.model.state.state_accounting for the file's model at the engine's default max_rollback."""
     from .engine.engine import DEFAULT_MAX_ROLLBACK
     from .model.state import state_accounting
+
     return state_accounting(f.config, DEFAULT_MAX_ROLLBACK)
 
 
 def cmd_audit(a) -> int:
     from .audit import run
+
     tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else None
     report = run(a.file, a.reference, tokens=tokens)
     print(report.table())
     if not report.ok:
-        print(f"fastar: error: logits differ from transformers by {report.logits.max_abs:.3g} "
-              f"(tolerance {report.tolerance:g})", file=sys.stderr)
+        print(
+            f"fastar: error: logits differ from transformers by {report.logits.max_abs:.3g} "
+            f"(tolerance {report.tolerance:g})",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def cmd_fixture(a) -> int:
     from .fixtures import write_checkpoint
+
     if os.path.lexists(a.output) and not (os.path.isdir(a.output) and not os.listdir(a.output)):
         raise FastarError(f"{a.output}: already exists; give a new directory")
     created = not os.path.lexists(a.output)
     try:
         p = write_checkpoint(a.output, preset=a.preset, seed=a.seed)
-    except BaseException:   # a full disk, Ctrl-C: leave no half-written checkpoint that looks complete
+    except BaseException:  # a full disk, Ctrl-C: leave no half-written checkpoint that looks complete
         if created:
             shutil.rmtree(a.output, ignore_errors=True)
         raise
@@ -215,6 +249,7 @@ def cmd_fixture(a) -> int:
 
 def cmd_synth(a) -> int:
     from .synth import synth
+
     for name in ("layers", "experts", "vocab", "hidden", "inter"):
         if getattr(a, name) < 1:
             raise FastarError(f"synth: --{name} must be at least 1, got {getattr(a, name)}")
@@ -222,51 +257,78 @@ def cmd_synth(a) -> int:
         raise FastarError("synth: --hidden and --inter must be multiples of 128 (the FP8 and FP4 block sizes)")
     if a.router_bias < 0:
         raise FastarError(f"synth: --router-bias is a standard deviation, got {a.router_bias}")
-    p = synth(a.output, a.layers, a.experts, a.vocab, a.hidden, a.inter, a.seed, mtp=a.mtp, progress=True,
-              router_bias=a.router_bias)
-    print(f"wrote a random-weight model ({a.layers} layers x {a.experts} experts, hidden {a.hidden}, expert width "
-          f"{a.inter}) to {p}")
+    p = synth(
+        a.output,
+        a.layers,
+        a.experts,
+        a.vocab,
+        a.hidden,
+        a.inter,
+        a.seed,
+        mtp=a.mtp,
+        progress=True,
+        router_bias=a.router_bias,
+    )
+    print(
+        f"wrote a random-weight model ({a.layers} layers x {a.experts} experts, hidden {a.hidden}, expert width "
+        f"{a.inter}) to {p}"
+    )
     return 0
 
 
 def cmd_serve(a) -> int:
     from .console import check_model_path, open_engine
-    check_model_path(a.model)   # before binding the port: a wrong path is one line, not a failed load later
+
+    check_model_path(a.model)  # before binding the port: a wrong path is one line, not a failed load later
     return a.serve_mod.run_from_args(a, lambda: open_engine(a))
 
 
 # --- parser ------------------------------------------------------------------------------------------------
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fastar", description="DeepSeek-V4-Flash on one machine, experts paged from SSD.")
     p.add_argument("--version", action="version", version=f"fastar {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    c = sub.add_parser("convert", help="convert an official checkpoint (directory or hub id) or a FaStar v2 .fst to "
-                       ".fst (--indexer-sidecar: the indexer weights v2 lacks)",
-                       description="Convert an official DeepSeek-V4 checkpoint, or a FaStar v2 .fst with its "
-                       "sidecars, to one .fst v3 file; or, with --indexer-sidecar, write the lightning-indexer "
-                       "weights a FaStar v2 model lacks.")
-    c.add_argument("src", help="checkpoint directory (config.json, safetensors shards, tokenizer.json) or hub id, "
-                   "or a FaStar v2 .fst")
+    c = sub.add_parser(
+        "convert",
+        help="convert an official checkpoint (directory or hub id) or a FaStar v2 .fst to "
+        ".fst (--indexer-sidecar: the indexer weights v2 lacks)",
+        description="Convert an official DeepSeek-V4 checkpoint, or a FaStar v2 .fst with its "
+        "sidecars, to one .fst v3 file; or, with --indexer-sidecar, write the lightning-indexer "
+        "weights a FaStar v2 model lacks.",
+    )
+    c.add_argument(
+        "src",
+        help="checkpoint directory (config.json, safetensors shards, tokenizer.json) or hub id, or a FaStar v2 .fst",
+    )
     c.add_argument("-o", "--output", required=True, help="output .fst path")
-    c.add_argument("--indexer-sidecar", action="store_true",
-                   help="write only the lightning-indexer tensors (layers.*.attn.indexer.*) of the checkpoint SRC "
-                   "as -o MODEL.fst.indexer, next to a FaStar v2 MODEL.fst: v2 files lack them and run at most "
-                   "4*index_topk+3 (2051) tokens without them. Needs only config.json, "
-                   "model.safetensors.index.json and the shards holding those tensors (a hub id downloads just "
-                   "those)")
-    c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: on a terminal)")
+    c.add_argument(
+        "--indexer-sidecar",
+        action="store_true",
+        help="write only the lightning-indexer tensors (layers.*.attn.indexer.*) of the checkpoint SRC "
+        "as -o MODEL.fst.indexer, next to a FaStar v2 MODEL.fst: v2 files lack them and run at most "
+        "4*index_topk+3 (2051) tokens without them. Needs only config.json, "
+        "model.safetensors.index.json and the shards holding those tensors (a hub id downloads just "
+        "those)",
+    )
+    c.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)"
+    )
     c.set_defaults(fn=cmd_convert)
 
-    ex = sub.add_parser("export", help="write a .fst (or FaStar v2 .fst + sidecars) back as an official checkpoint "
-                        "directory (safetensors shards, index, config.json, tokenizer) for vLLM / SGLang")
+    ex = sub.add_parser(
+        "export",
+        help="write a .fst (or FaStar v2 .fst + sidecars) back as an official checkpoint "
+        "directory (safetensors shards, index, config.json, tokenizer) for vLLM / SGLang",
+    )
     ex.add_argument("file", help=".fst v3 file, or a FaStar v2 .fst with its sidecars next to it")
     ex.add_argument("-o", "--output", required=True, help="new checkpoint directory")
     ex.add_argument("--shard-size", default="4G", help="largest shard, e.g. 4G (default)")
-    ex.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                    help="progress bar (default: on a terminal)")
+    ex.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)"
+    )
     ex.set_defaults(fn=cmd_export)
 
     v = sub.add_parser("verify", help="check a .fst file's structure and every checksum")
@@ -292,8 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(fn=cmd_fixture)
 
-    sy = sub.add_parser("synth", help="write a random-weight .fst at the real Flash widths (any number of layers), "
-                        "for benchmarks larger than RAM")
+    sy = sub.add_parser(
+        "synth",
+        help="write a random-weight .fst at the real Flash widths (any number of layers), "
+        "for benchmarks larger than RAM",
+    )
     sy.add_argument("-o", "--output", required=True)
     sy.add_argument("--layers", type=int, default=4)
     sy.add_argument("--experts", type=int, default=256, help="routed experts per layer")
@@ -302,12 +367,17 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--inter", type=int, default=2048, help="routed expert width")
     sy.add_argument("--mtp", type=int, default=1, help="MTP blocks")
     sy.add_argument("--seed", type=int, default=0)
-    sy.add_argument("--router-bias", type=float, default=0.05,
-                    help="spread of the routers' selection bias: 0.05 uses the experts almost evenly, 0.2 unevenly "
-                    "(the most used fifth of the experts then gets ~70%% of the traffic, as real routing is skewed)")
+    sy.add_argument(
+        "--router-bias",
+        type=float,
+        default=0.05,
+        help="spread of the routers' selection bias: 0.05 uses the experts almost evenly, 0.2 unevenly "
+        "(the most used fifth of the experts then gets ~70%% of the traffic, as real routing is skewed)",
+    )
     sy.set_defaults(fn=cmd_synth)
 
     from . import console  # light: torch is imported only when run/chat actually run
+
     r = sub.add_parser("run", help="one-shot generation, streamed to stdout (timings on stderr)")
     console.add_run_arguments(r)
     r.set_defaults(fn=console.cmd_run)
@@ -316,12 +386,24 @@ def build_parser() -> argparse.ArgumentParser:
     ch.set_defaults(fn=console.cmd_chat)
 
     from .serve import server as serve_mod  # imports no torch
+
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP API and the web chat UI")
-    sv.add_argument("-m", "--model", default=None,
-                    help=".fst file or official checkpoint directory (default: the built-in demo model)")
+    sv.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help=".fst file or official checkpoint directory (default: the built-in demo model)",
+    )
     sv.add_argument("--numerics", default="official", choices=["official", "reference"])
-    sv.add_argument("-c", "--ctx-size", "--max-model-len", dest="ctx_size", type=console.non_negative_int,
-                    default=0, help="context length in tokens (default: the model's, capped)")
+    sv.add_argument(
+        "-c",
+        "--ctx-size",
+        "--max-model-len",
+        dest="ctx_size",
+        type=console.non_negative_int,
+        default=0,
+        help="context length in tokens (default: the model's, capped)",
+    )
     sv.add_argument("--threads", type=console.thread_count, default=0, help="CPU threads (default: torch's choice)")
     console.add_draft_argument(sv)
     console.add_memory_arguments(sv)
@@ -330,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(fn=cmd_serve, serve_mod=serve_mod)
 
     from . import bench  # light: each benchmark is imported when it runs
+
     b = sub.add_parser("bench", help="benchmarks: `bench kernels` (quantized products) or `bench -m FILE`")
     bench.add_arguments(b)
     b.set_defaults(fn=bench.main)
@@ -341,7 +424,7 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if sys.stderr is None:   # nowhere to report anything: say it in the exit status only
+    if sys.stderr is None:  # nowhere to report anything: say it in the exit status only
         return 1
     try:
         parser = build_parser()

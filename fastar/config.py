@@ -4,6 +4,7 @@ Owns: `ModelConfig` (built from an official `config.json` or from a `.fst` heade
 derived per-layer facts (compress ratio, hash routing, which rope). Does not own: engine options (memory
 budgets, threads), which belong to the engine.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,17 @@ ALLOWED_RATIOS = (0, 4, 128)
 
 # Fields an official config.json must carry; everything else has the Flash default.
 REQUIRED = (
-    "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "head_dim", "q_lora_rank", "o_lora_rank", "o_groups", "n_routed_experts", "num_experts_per_tok",
+    "vocab_size",
+    "hidden_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "q_lora_rank",
+    "o_lora_rank",
+    "o_groups",
+    "n_routed_experts",
+    "num_experts_per_tok",
     "compress_ratios",
 )
 
@@ -88,9 +98,21 @@ class ModelConfig:
                 bad(f"{f.name} must be a string, got {v!r}")
             if f.type == "tuple[int, ...]" and not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
                 bad(f"{f.name} must be a list of integers, got {v!r}")
-        for name in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
-                     "n_routed_experts", "num_experts_per_tok", "sliding_window", "hc_mult"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "moe_intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "head_dim",
+            "q_lora_rank",
+            "o_lora_rank",
+            "o_groups",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "sliding_window",
+            "hc_mult",
+        ):
             if getattr(self, name) <= 0:
                 bad(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_key_value_heads != 1:
@@ -112,8 +134,7 @@ class ModelConfig:
                 bad(f"{name} must be a multiple of 32 (FP4 scale groups), got {getattr(self, name)}")
         n = self.num_hidden_layers
         if len(self.compress_ratios) < n + self.num_mtp_layers:
-            bad(f"compress_ratios has {len(self.compress_ratios)} entries, need {n} layers + "
-                f"{self.num_mtp_layers} MTP")
+            bad(f"compress_ratios has {len(self.compress_ratios)} entries, need {n} layers + {self.num_mtp_layers} MTP")
         odd = [r for r in self.compress_ratios if r not in ALLOWED_RATIOS]
         if odd:
             bad(f"compress_ratios may only hold {ALLOWED_RATIOS}, got {odd}")
@@ -182,9 +203,12 @@ class ModelConfig:
             kw["qk_rope_head_dim"] = int(d["head_dim"] * d["partial_rotary_factor"])
         rs = d.get("rope_scaling") or {}
         if rs:
-            kw.update(rope_factor=float(rs.get("factor", 16.0)), beta_fast=float(rs.get("beta_fast", 32.0)),
-                      beta_slow=float(rs.get("beta_slow", 1.0)),
-                      original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 65536)))
+            kw.update(
+                rope_factor=float(rs.get("factor", 16.0)),
+                beta_fast=float(rs.get("beta_fast", 32.0)),
+                beta_slow=float(rs.get("beta_slow", 1.0)),
+                original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 65536)),
+            )
         q = d.get("quantization_config") or {}
         kw["expert_dtype"] = d.get("expert_dtype", q.get("expert_dtype", "fp4"))
         eos = d.get("eos_token_id", 1)
@@ -198,8 +222,14 @@ class ModelConfig:
         kw["compress_ratios"] = tuple(ratios)
         if "dspark_target_layer_ids" in kw:
             kw["dspark_target_layer_ids"] = tuple(kw["dspark_target_layer_ids"])
-        for k in ("rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit", "hc_eps",
-                  "rms_norm_eps"):
+        for k in (
+            "rope_theta",
+            "compress_rope_theta",
+            "routed_scaling_factor",
+            "swiglu_limit",
+            "hc_eps",
+            "rms_norm_eps",
+        ):
             if k in kw:
                 kw[k] = float(kw[k])
         return cls(**kw)

@@ -8,6 +8,7 @@ stderr so a pipe gets the answer alone), the timings line, and the chat REPL (`C
 (everything goes through `Engine` and `Session`), the chat format (`fastar.encoding`), argument parsing
 mechanics and the one-line error convention (`fastar.cli`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ CHAT_HELP = """commands:
 
 # --- flags -------------------------------------------------------------------------------------------------
 
+
 def _int_in(lo: int, hi: int | None, what: str):
     def parse(v: str) -> int:
         try:
@@ -42,10 +44,12 @@ def _int_in(lo: int, hi: int | None, what: str):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what} must be an integer, got {v!r}") from None
         if n < lo or (hi is not None and n > hi):
-            raise argparse.ArgumentTypeError(f"{what} must be {f'at least {lo}' if hi is None else f'{lo}..{hi}'}, "
-                                             f"got {n}")
+            raise argparse.ArgumentTypeError(
+                f"{what} must be {f'at least {lo}' if hi is None else f'{lo}..{hi}'}, got {n}"
+            )
         return n
-    parse.__name__ = what   # argparse names the type in its messages
+
+    parse.__name__ = what  # argparse names the type in its messages
     return parse
 
 
@@ -58,6 +62,7 @@ def _float_in(lo: float, hi: float, what: str):
         if not lo <= x <= hi:
             raise argparse.ArgumentTypeError(f"{what} must be between {lo:g} and {hi:g}, got {v}")
         return x
+
     parse.__name__ = what
     return parse
 
@@ -69,53 +74,92 @@ seed_value = _int_in(-(2**63), 2**64 - 1, "a seed")
 
 
 def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("-m", "--model", default=None,
-                   help="model .fst file (default: the built-in demo model, random weights, built once)")
-    p.add_argument("-n", "--max-tokens", type=positive_int, default=max_tokens,
-                   help="most tokens to generate per reply")
-    p.add_argument("--temp", "--temperature", dest="temp", type=_float_in(0, 100, "a temperature"), default=0.0,
-                   help="0 = greedy")
+    p.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        help="model .fst file (default: the built-in demo model, random weights, built once)",
+    )
+    p.add_argument(
+        "-n", "--max-tokens", type=positive_int, default=max_tokens, help="most tokens to generate per reply"
+    )
+    p.add_argument(
+        "--temp", "--temperature", dest="temp", type=_float_in(0, 100, "a temperature"), default=0.0, help="0 = greedy"
+    )
     p.add_argument("--top-p", type=_float_in(0, 1, "top-p"), default=1.0)
     p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
     p.add_argument("--min-p", type=_float_in(0, 1, "min-p"), default=0.0)
     p.add_argument("--seed", type=seed_value, default=None, help="random seed (same seed, same text)")
-    p.add_argument("-c", "--ctx-size", "--max-model-len", dest="ctx_size", type=non_negative_int, default=0,
-                   help="context length in tokens (default: the model's, capped)")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
-                   help="let the model think before answering (DeepSeek-V4 thinking mode)")
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        "--max-model-len",
+        dest="ctx_size",
+        type=non_negative_int,
+        default=0,
+        help="context length in tokens (default: the model's, capped)",
+    )
+    p.add_argument(
+        "--thinking",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="let the model think before answering (DeepSeek-V4 thinking mode)",
+    )
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--threads", type=thread_count, default=0, help="CPU threads of the kernels (default: every CPU "
-                   "this process may use)")
+    p.add_argument(
+        "--threads",
+        type=thread_count,
+        default=0,
+        help="CPU threads of the kernels (default: every CPU this process may use)",
+    )
     add_draft_argument(p)
     add_memory_arguments(p)
     p.add_argument("--verbose", action="store_true", help="more detail on stderr (model, token counts, stats)")
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ram-budget", default="auto",
-                   help="RAM for routed experts paged from the .fst, e.g. 24G (auto: available memory less the "
-                        "resident weights and a margin; 'none': map the whole file)")
+    p.add_argument(
+        "--ram-budget",
+        default="auto",
+        help="RAM for routed experts paged from the .fst, e.g. 24G (auto: available memory less the "
+        "resident weights and a margin; 'none': map the whole file)",
+    )
     p.add_argument("--cache-policy", default="lrfu", choices=["lrfu", "lru"], help="expert eviction policy")
-    p.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None,
-                   help="read experts with O_DIRECT, no second copy in the OS page cache (default: on where "
-                        "the file system supports it)")
-    p.add_argument("--lookahead", action="store_true",
-                   help="prefetch each next layer's experts guessed by its router")
-    p.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="skip the checksums: of the resident tensors at load, of each expert at its first read")
+    p.add_argument(
+        "--direct-io",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read experts with O_DIRECT, no second copy in the OS page cache (default: on where "
+        "the file system supports it)",
+    )
+    p.add_argument("--lookahead", action="store_true", help="prefetch each next layer's experts guessed by its router")
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the checksums: of the resident tensors at load, of each expert at its first read",
+    )
 
 
 def memory_options(args: argparse.Namespace) -> dict:
     budget = getattr(args, "ram_budget", "auto")
-    return {"ram_budget": None if str(budget).lower() == "none" else budget,
-            "cache_policy": getattr(args, "cache_policy", "lrfu"), "direct_io": getattr(args, "direct_io", None),
-            "lookahead": getattr(args, "lookahead", False), "verify": getattr(args, "verify", True)}
+    return {
+        "ram_budget": None if str(budget).lower() == "none" else budget,
+        "cache_policy": getattr(args, "cache_policy", "lrfu"),
+        "direct_io": getattr(args, "direct_io", None),
+        "lookahead": getattr(args, "lookahead", False),
+        "verify": getattr(args, "verify", True),
+    }
 
 
 def add_draft_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", default="none", choices=["none", "mtp", "dspark", "auto"],
-                   help="speculative decoding: the checkpoint's MTP block, its DSpark stages (-0731), auto (the one "
-                        "it has, used only while it pays), or none (default)")
+    p.add_argument(
+        "--draft",
+        default="none",
+        choices=["none", "mtp", "dspark", "auto"],
+        help="speculative decoding: the checkpoint's MTP block, its DSpark stages (-0731), auto (the one "
+        "it has, used only while it pays), or none (default)",
+    )
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,11 +175,13 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 # --- shared plumbing ---------------------------------------------------------------------------------------
 
+
 def _bar(total: int | None, desc: str, err: TextIO, unit: str = "tok"):
     """A tqdm bar on a terminal that only appears for work lasting over a second; None elsewhere."""
     if not err.isatty():
         return None
     from tqdm import tqdm
+
     return tqdm(total=total, desc=desc, unit=unit, file=err, delay=1.0, leave=False, mininterval=0.25)
 
 
@@ -148,7 +194,7 @@ def check_model_path(path: str | None) -> None:
     p = Path(path)
     if not p.exists():
         raise FastarError(f"{path}: no such file")
-    if not (p.is_file() or p.is_dir()):   # a FIFO or device would block or stream forever
+    if not (p.is_file() or p.is_dir()):  # a FIFO or device would block or stream forever
         raise FastarError(f"{path}: not a regular file or checkpoint directory")
 
 
@@ -160,6 +206,7 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
     check_model_path(path)
     if path is None:
         from .demo import BANNER, ensure_demo_model
+
         print(BANNER, file=err, flush=True)
         path = ensure_demo_model(log=lambda msg: print(msg, file=err, flush=True))
     t = time.perf_counter()
@@ -170,8 +217,13 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
         read = source.tensor
         source.tensor = lambda name: (bar.update(1), read(name))[1]
     try:
-        engine = load(source, numerics=getattr(args, "numerics", "official"), threads=args.threads or None,
-                      draft=getattr(args, "draft", "none"), **memory_options(args))
+        engine = load(
+            source,
+            numerics=getattr(args, "numerics", "official"),
+            threads=args.threads or None,
+            draft=getattr(args, "draft", "none"),
+            **memory_options(args),
+        )
     finally:
         if bar is not None:
             del source.tensor
@@ -180,21 +232,34 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
         engine.context_length = args.ctx_size
     tok_vocab, model_vocab = engine.tokenizer.vocab_size, engine.config.vocab_size
     if tok_vocab > model_vocab:
-        raise FastarError(f"{path}: the model's vocabulary has {model_vocab} tokens but the tokenizer's has "
-                          f"{tok_vocab}, so text cannot be fed to it (a test fixture? `fastar fixture --preset "
-                          f"vocab` writes one that runs text)")
+        raise FastarError(
+            f"{path}: the model's vocabulary has {model_vocab} tokens but the tokenizer's has "
+            f"{tok_vocab}, so text cannot be fed to it (a test fixture? `fastar fixture --preset "
+            f"vocab` writes one that runs text)"
+        )
     if args.verbose:
         cfg = engine.config
-        print(f"fastar: loaded {path} in {time.perf_counter() - t:.1f} s: {cfg.num_hidden_layers} layers, hidden "
-              f"{cfg.hidden_size}, {cfg.n_routed_experts} experts, vocab {cfg.vocab_size}, context "
-              f"{engine.context_length}", file=err)
+        print(
+            f"fastar: loaded {path} in {time.perf_counter() - t:.1f} s: {cfg.num_hidden_layers} layers, hidden "
+            f"{cfg.hidden_size}, {cfg.n_routed_experts} experts, vocab {cfg.vocab_size}, context "
+            f"{engine.context_length}",
+            file=err,
+        )
     return engine
 
 
 def sampling_params(args: argparse.Namespace, stop: list[str] | None = None):
     from .engine.sampling import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-                          min_p=args.min_p, seed=args.seed, stop=stop or [])
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=stop or [],
+    )
 
 
 def timings_line(before: dict, after: dict) -> str:
@@ -202,9 +267,11 @@ def timings_line(before: dict, after: dict) -> str:
     d = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
     pre_n, pre_s = d.get("prefill_tokens_computed", 0), d.get("prefill_seconds", 0.0)
     dec_n, dec_s = d.get("decode_tokens_computed", 0), d.get("decode_seconds", 0.0)
-    parts = [f"prompt {d.get('prompt_tokens', 0)} tokens ({d.get('cached_tokens', 0)} reused)",
-             f"prefill {pre_n} tokens in {pre_s:.2f} s ({pre_n / pre_s if pre_s else 0:.1f} tok/s)",
-             f"decode {dec_n} tokens in {dec_s:.2f} s ({dec_n / dec_s if dec_s else 0:.1f} tok/s)"]
+    parts = [
+        f"prompt {d.get('prompt_tokens', 0)} tokens ({d.get('cached_tokens', 0)} reused)",
+        f"prefill {pre_n} tokens in {pre_s:.2f} s ({pre_n / pre_s if pre_s else 0:.1f} tok/s)",
+        f"decode {dec_n} tokens in {dec_s:.2f} s ({dec_n / dec_s if dec_s else 0:.1f} tok/s)",
+    ]
     hits, misses = d.get("expert_cache_hits"), d.get("expert_cache_misses")
     if hits is not None and misses is not None and hits + misses:
         parts.append(f"expert cache hit rate {100 * hits / (hits + misses):.1f}%")
@@ -220,11 +287,16 @@ def draft_line(before: dict, after: dict) -> str | None:
     if mode == "none":
         return None
     d = {k: after[k] - before.get(k, 0) for k in after if k.startswith("draft_") and isinstance(after[k], (int, float))}
-    drafted, accepted, passes = d.get("draft_tokens_verified", 0), d.get("draft_tokens_accepted", 0), \
-        d.get("draft_verify_passes", 0)
-    parts = [f"{100 * accepted / drafted if drafted else 0:.1f}% of {drafted} drafts accepted",
-             f"{(accepted + passes) / passes if passes else 0:.2f} tokens per verify pass",
-             f"{d.get('draft_plain_steps', 0)} plain steps"]
+    drafted, accepted, passes = (
+        d.get("draft_tokens_verified", 0),
+        d.get("draft_tokens_accepted", 0),
+        d.get("draft_verify_passes", 0),
+    )
+    parts = [
+        f"{100 * accepted / drafted if drafted else 0:.1f}% of {drafted} drafts accepted",
+        f"{(accepted + passes) / passes if passes else 0:.2f} tokens per verify pass",
+        f"{d.get('draft_plain_steps', 0)} plain steps",
+    ]
     if "draft_est_speedup" in after:  # a ratio: the running value, not a difference
         parts.append(f"est. speedup {after['draft_est_speedup']:.2f}x")
     return f"draft {mode}: " + "; ".join(parts)
@@ -257,8 +329,16 @@ class _Writer:
             self.last[id(f)] = "\n"
 
 
-def _stream_reply(engine, prompt: str, params, thinking: bool | None, writer: _Writer, err: TextIO,
-                  session=None, cancel: threading.Event | None = None):
+def _stream_reply(
+    engine,
+    prompt: str,
+    params,
+    thinking: bool | None,
+    writer: _Writer,
+    err: TextIO,
+    session=None,
+    cancel: threading.Event | None = None,
+):
     """Stream one reply; `thinking` None = raw text (no parsing). Returns (parsed completion | None, last chunk)."""
     parser = StreamParser(thinking) if thinking is not None else None
     bar = _bar(None, "prefill", err)
@@ -275,7 +355,7 @@ def _stream_reply(engine, prompt: str, params, thinking: bool | None, writer: _W
                 bar.close()
                 bar = None
             last = chunk
-            for kind, text in (parser.feed(chunk.text) if parser else [("content", chunk.text)]):
+            for kind, text in parser.feed(chunk.text) if parser else [("content", chunk.text)]:
                 writer.write(kind, text)
     finally:
         if bar is not None:
@@ -288,6 +368,7 @@ def _stream_reply(engine, prompt: str, params, thinking: bool | None, writer: _W
 
 
 # --- fastar run --------------------------------------------------------------------------------------------
+
 
 def _read_prompt(args: argparse.Namespace) -> str:
     prompt = args.prompt
@@ -314,7 +395,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.raw:
         text, thinking = prompt, None
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = [{"role": "system", "content": args.system}] if args.system else []
         text, thinking = chat_prompt(messages + [{"role": "user", "content": prompt}], args.thinking), args.thinking
     writer = _Writer(out, err)
     before = engine.stats()
@@ -332,11 +413,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 # --- fastar chat -------------------------------------------------------------------------------------------
 
+
 class ChatREPL:
     """The interactive chat over one session. Front-end only: `handle(line)` runs one input line."""
 
-    def __init__(self, engine, params, thinking: bool = False, system: str | None = None,
-                 out: TextIO = sys.stdout, err: TextIO = sys.stderr, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        engine,
+        params,
+        thinking: bool = False,
+        system: str | None = None,
+        out: TextIO = sys.stdout,
+        err: TextIO = sys.stderr,
+        verbose: bool = False,
+    ) -> None:
         self.engine, self.params, self.thinking = engine, params, thinking
         self.system = system
         self.out, self.err, self.verbose = out, err, verbose
@@ -395,8 +485,13 @@ class ChatREPL:
                 self.thinking = bool(self.session.meta.get("thinking", self.thinking))
                 self.say(f"(loaded {len(self.messages)} messages, {self.session.num_tokens} tokens)")
         elif cmd == "/stats":
-            self.say(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                              for k, v in self.engine.stats().items() if isinstance(v, (int, float))))
+            self.say(
+                " ".join(
+                    f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in self.engine.stats().items()
+                    if isinstance(v, (int, float))
+                )
+            )
         else:
             self.say(f"(unknown command {cmd}; /help lists them)")
         return True
@@ -410,8 +505,16 @@ class ChatREPL:
         before = self.engine.stats()
         try:
             prompt = chat_prompt(self.messages, self.thinking)
-            parsed, last = _stream_reply(self.engine, prompt, self.params, self.thinking, self.writer, self.err,
-                                         session=self.session, cancel=self.cancel)
+            parsed, last = _stream_reply(
+                self.engine,
+                prompt,
+                self.params,
+                self.thinking,
+                self.writer,
+                self.err,
+                session=self.session,
+                cancel=self.cancel,
+            )
         except FastarError as e:  # e.g. the conversation outgrew the context: say so and keep the chat
             self.messages.pop()
             self.writer.end_line(self.out)

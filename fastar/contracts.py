@@ -16,6 +16,7 @@ Tensor names are the official checkpoint names, verbatim (`layers.3.attn.wq_a.we
 Routed experts are addressed by (layer slot, expert id); slots 0..L-1 are the main layers and L.. the MTP
 blocks (mtp.0 is slot L).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,11 +29,12 @@ from .config import ModelConfig
 
 class ExpertWeights(NamedTuple):
     """One routed expert in checkpoint layout: FP4 packed [rows, cols/2] + UE8M0 scales [rows, cols/32]."""
-    w1: np.ndarray        # gate  [I, D/2]  uint8
+
+    w1: np.ndarray  # gate  [I, D/2]  uint8
     w1_scale: np.ndarray  # [I, D/32] uint8
-    w3: np.ndarray        # up    [I, D/2]
+    w3: np.ndarray  # up    [I, D/2]
     w3_scale: np.ndarray  # [I, D/32]
-    w2: np.ndarray        # down  [D, I/2]
+    w2: np.ndarray  # down  [D, I/2]
     w2_scale: np.ndarray  # [D, I/32]
 
 

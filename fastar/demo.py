@@ -14,6 +14,7 @@ Atomicity: the build runs in a private temporary directory inside the cache dire
 then finds the file; an interrupted build leaves only a temporary directory, never a file at the final name
 (stale temporaries are removed by the next build).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -28,8 +29,10 @@ DEMO_VERSION = 1
 DEMO_SEED = 0
 DEMO_NAME = f"demo-v{DEMO_VERSION}-seed{DEMO_SEED}.fst"
 
-BANNER = ("fastar: no -m/--model given: using the built-in DEMO model (random weights, real DeepSeek-V4 "
-          "tokenizer). Its text is meaningless; it shows the pipeline works. Pass -m model.fst for a real model.")
+BANNER = (
+    "fastar: no -m/--model given: using the built-in DEMO model (random weights, real DeepSeek-V4 "
+    "tokenizer). Its text is meaningless; it shows the pipeline works. Pass -m model.fst for a real model."
+)
 
 
 def cache_dir() -> Path:
@@ -38,6 +41,7 @@ def cache_dir() -> Path:
     if env:
         return Path(env).expanduser()
     import platformdirs
+
     return Path(platformdirs.user_cache_dir("fastar"))
 
 

@@ -13,6 +13,7 @@ Owns:
 Does not own: token ids (`fastar.engine.tokenizer`), HTTP request/response shapes (`fastar.serve`).
 Pure Python; no torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,6 +102,7 @@ def _json(value: Any) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Validation: OpenAI-style message dicts -> internal dicts with checked fields
 # ---------------------------------------------------------------------------------------------------------
+
 
 def _text(value: Any, where: str, required: bool) -> str | None:
     """Plain string content; OpenAI content-part lists of text parts are joined with newlines (as vLLM does)."""
@@ -213,6 +215,7 @@ def _check(where: str, msg: Any) -> dict:
 # Preprocessing: fold tool messages into user turns, order tool results, drop earlier reasoning
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _fold_tool_messages(messages: list[dict]) -> list[dict]:
     """Every user message becomes a turn made of blocks; tool results join the user turn before them."""
     folded: list[dict] = []
@@ -272,6 +275,7 @@ def _drop_thinking(messages: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------
 # Rendering
 # ---------------------------------------------------------------------------------------------------------
+
 
 def render_tools(functions: list[dict]) -> str:
     """The system-prompt "## Tools" section for a list of function schemas (the inner `function` objects)."""
@@ -381,7 +385,7 @@ def encode_messages(
     checked = [_check(f"context[{i}]", m) for i, m in enumerate(context)]
     checked += [_check(f"messages[{i}]", m) for i, m in enumerate(messages)]
     ctx = _fold_tool_messages(checked[: len(context)])
-    full = ctx + _fold_tool_messages(checked[len(context):])
+    full = ctx + _fold_tool_messages(checked[len(context) :])
     _order_tool_results(full)
 
     thinking = thinking_mode == "thinking"
@@ -400,6 +404,7 @@ def encode_messages(
 # ---------------------------------------------------------------------------------------------------------
 # Parsing what the model generated
 # ---------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class ParsedCompletion:
@@ -455,11 +460,13 @@ def parse_tool_block(body: str) -> list[dict] | None:
         args = _parse_params(m.group(2)) if m else None
         if args is None:
             return None
-        calls.append({
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": m.group(1), "arguments": json.dumps(args, ensure_ascii=False)},
-        })
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": m.group(1), "arguments": json.dumps(args, ensure_ascii=False)},
+            }
+        )
         pos = _WS.match(inner, m.end()).end()
     return calls
 
@@ -521,7 +528,7 @@ class StreamParser:
                 return events
             pos, stop = min(hits)
             self._emit(events, self._state, self._pending[:pos])
-            self._pending = self._pending[pos + len(stop):]
+            self._pending = self._pending[pos + len(stop) :]
             self._state = {THINK_END: "content", EOS: "done", TOOL_CALLS_START: "tool"}[stop]
         if self._state == "tool":
             self._tool_body += self._pending

@@ -1,5 +1,6 @@
 """The project's exception types: every failure a user can cause ends in one of these, with a message that
 names the file, tensor or expert at fault. Front-ends print `str(err)` on one line and exit non-zero."""
+
 from __future__ import annotations
 
 

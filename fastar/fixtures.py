@@ -15,6 +15,7 @@ Presets (all deterministic given `seed`; every tensor is drawn from its own gene
   rank 32, noise token 1000) instead of the classic MTP block; config keeps one MTP ratio entry, like 0731.
 - `vocab`: `tiny` widths with the real vocabulary (129,280) and special-token ids, for tokenizer use.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,7 +38,10 @@ from .quant.reference import FP4_GROUP, FP4_VALUES, FP8_BLOCK, bf16_encode, fp8_
 PRESETS = ("tiny", "tiny-dspark", "vocab")
 
 FLASH_QUANTIZATION = {
-    "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "scale_fmt": "ue8m0",
     "weight_block_size": [128, 128],
 }
 
@@ -79,8 +83,13 @@ _TINY: dict[str, Any] = {
     "rope_theta": 10000,
     "compress_rope_theta": 160000,
     # original length 256 (Flash: 65536) so YaRN visibly changes angles within a few hundred tokens
-    "rope_scaling": {"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-                     "original_max_position_embeddings": 256},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 16,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 256,
+    },
     "max_position_embeddings": 4096,
     "num_nextn_predict_layers": 1,
     "tie_word_embeddings": False,
@@ -101,8 +110,14 @@ _DSPARK: dict[str, Any] = {
 }
 DSPARK_STAGES = 3
 
-GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0,
-                     "top_p": 1.0, "transformers_version": "4.57.1"}
+GENERATION_CONFIG = {
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "do_sample": True,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "transformers_version": "4.57.1",
+}
 
 
 def preset_config(preset: str = "tiny", *, revision: str = "current", **overrides: Any) -> dict[str, Any]:
@@ -132,6 +147,7 @@ def _mtp_blocks(d: dict[str, Any]) -> int:
 
 
 # --- value generation --------------------------------------------------------------------------------------
+
 
 def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
@@ -265,8 +281,16 @@ def _tokenizer_dir() -> Path | None:
     return d if (d / "tokenizer.json").is_file() else None
 
 
-def write_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, *, revision: str = "current",
-                     num_shards: int = 3, tokenizer: bool = True, **overrides: Any) -> Path:
+def write_checkpoint(
+    out_dir: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    *,
+    revision: str = "current",
+    num_shards: int = 3,
+    tokenizer: bool = True,
+    **overrides: Any,
+) -> Path:
     """Write a random checkpoint of `preset` in the official format into `out_dir`; returns the directory.
 
     `revision` selects the config.json revision (see `preset_config`); `num_shards` >= 2 exercises multi-shard

@@ -18,6 +18,7 @@ Value scales (as `fastar.fixtures`, so a forward pass stays finite): FP8 matrice
 power-of-two 128x128 block scales jittered by 2^{-1,0,1}; FP4 experts uniform codes with per-32 scales around
 1/sqrt(fan_in); BF16 matrices N(0, 1/fan_in), norms 1 + N(0, 0.1^2), the embedding N(0, 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,19 +48,34 @@ def flash_ratios(layers: int) -> list[int]:
     return [0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(layers)]
 
 
-def synth_config(layers: int, experts: int = 256, vocab: int = 129280, hidden: int = 4096, inter: int = 2048,
-                 mtp: int = 1, **overrides: Any) -> ModelConfig:
+def synth_config(
+    layers: int,
+    experts: int = 256,
+    vocab: int = 129280,
+    hidden: int = 4096,
+    inter: int = 2048,
+    mtp: int = 1,
+    **overrides: Any,
+) -> ModelConfig:
     """The config of a synthetic model; `overrides` set any other `ModelConfig` field (e.g. small head counts)."""
     kw: dict[str, Any] = dict(
-        vocab_size=vocab, hidden_size=hidden, moe_intermediate_size=inter, num_hidden_layers=layers,
-        n_routed_experts=experts, num_experts_per_tok=min(6, experts), num_hash_layers=min(3, layers),
-        compress_ratios=tuple(flash_ratios(layers) + [0] * mtp), num_mtp_layers=mtp,
-        num_nextn_predict_layers=max(1, mtp))
+        vocab_size=vocab,
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        num_hidden_layers=layers,
+        n_routed_experts=experts,
+        num_experts_per_tok=min(6, experts),
+        num_hash_layers=min(3, layers),
+        compress_ratios=tuple(flash_ratios(layers) + [0] * mtp),
+        num_mtp_layers=mtp,
+        num_nextn_predict_layers=max(1, mtp),
+    )
     kw.update(overrides)
     return ModelConfig(**kw)
 
 
 # --- random values ---------------------------------------------------------------------------------------------
+
 
 def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
@@ -90,7 +106,7 @@ def _fill_lut(out: np.ndarray, lut: np.ndarray, rng: np.random.Generator) -> np.
     step = CHUNK // out.itemsize
     for a in range(0, flat.size, step):
         n = min(step, flat.size - a)
-        flat[a:a + n] = lut[_raw(rng, n * np.dtype(idx_t).itemsize).view(idx_t)]
+        flat[a : a + n] = lut[_raw(rng, n * np.dtype(idx_t).itemsize).view(idx_t)]
     return out
 
 
@@ -166,10 +182,10 @@ class _ExpertPool:
         for a, o, sec in zip(src, self.out, self.sections):
             r = shift % a.shape[0]
             if sec["dtype"] == "FP4X2":
-                np.bitwise_xor(a[r:], mask, out=o[:a.shape[0] - r])
-                np.bitwise_xor(a[:r], mask, out=o[a.shape[0] - r:])
+                np.bitwise_xor(a[r:], mask, out=o[: a.shape[0] - r])
+                np.bitwise_xor(a[:r], mask, out=o[a.shape[0] - r :])
             else:
-                o[:a.shape[0] - r], o[a.shape[0] - r:] = a[r:], a[:r]
+                o[: a.shape[0] - r], o[a.shape[0] - r :] = a[r:], a[:r]
         stamp = np.frombuffer(int(i).to_bytes(8, "little"), np.uint8)
         self.out[0].reshape(-1)[:8] ^= stamp  # any byte is a valid FP4 pair: unique and still finite
         return self.out
@@ -203,7 +219,7 @@ class _DirectWriter(FstWriter):
         src = memoryview(data).cast("B")
         for a in range(0, n, CHUNK):  # through a bounded bounce buffer: the embedding alone is 1 GB
             m = min(CHUNK, n - a)
-            self._abuf[:m] = src[a:a + m]
+            self._abuf[:m] = src[a : a + m]
             done = 0
             while done < m:
                 done += os.pwrite(self._dfd, self._abuf[done:m], offset + a + done)
@@ -231,9 +247,22 @@ def _tokenizer_json() -> bytes | None:
     return p.read_bytes() if p.is_file() else None
 
 
-def synth(out_path: str | os.PathLike, layers: int, experts: int = 256, vocab: int = 129280, hidden: int = 4096,
-          inter: int = 2048, seed: int = 0, *, mtp: int = 1, pool: int = 4, tokenizer: bool = True,
-          progress: bool = False, router_bias: float = 0.05, **config: Any) -> Path:
+def synth(
+    out_path: str | os.PathLike,
+    layers: int,
+    experts: int = 256,
+    vocab: int = 129280,
+    hidden: int = 4096,
+    inter: int = 2048,
+    seed: int = 0,
+    *,
+    mtp: int = 1,
+    pool: int = 4,
+    tokenizer: bool = True,
+    progress: bool = False,
+    router_bias: float = 0.05,
+    **config: Any,
+) -> Path:
     """Write a random-weight `.fst` with the given geometry and return its path.
 
     Args:
@@ -282,8 +311,11 @@ def synth(out_path: str | os.PathLike, layers: int, experts: int = 256, vocab: i
             w.write_expert(*divmod(i, experts), gen.record(i))
             if progress and (i + 1) % 256 == 0:
                 dt = time.perf_counter() - t0
-                print(f"\r{w.bytes_written / 1e9:.1f} GB written, {w.bytes_written / dt / 1e6:.0f} MB/s", end="",
-                      flush=True)
+                print(
+                    f"\r{w.bytes_written / 1e9:.1f} GB written, {w.bytes_written / dt / 1e6:.0f} MB/s",
+                    end="",
+                    flush=True,
+                )
         path = w.finish()
     if progress:
         dt = time.perf_counter() - t0
@@ -293,9 +325,20 @@ def synth(out_path: str | os.PathLike, layers: int, experts: int = 256, vocab: i
 
 # --- routing traces --------------------------------------------------------------------------------------------
 
-def routing_trace(tokens: int, layers: int, experts: int = 256, topk: int = 6, *, hash_layers: int = 3,
-                  zipf: float = 0.9, locality: float = 0.3, shift_every: int = 0, vocab: int = 129280,
-                  seed: int = 0) -> np.ndarray:
+
+def routing_trace(
+    tokens: int,
+    layers: int,
+    experts: int = 256,
+    topk: int = 6,
+    *,
+    hash_layers: int = 3,
+    zipf: float = 0.9,
+    locality: float = 0.3,
+    shift_every: int = 0,
+    vocab: int = 129280,
+    seed: int = 0,
+) -> np.ndarray:
     """Expert ids [tokens, layers, topk] of a synthetic decode.
 
     Score-routed layers: each layer has its own popularity p(rank) ~ rank^-zipf over a random permutation of the
@@ -308,6 +351,7 @@ def routing_trace(tokens: int, layers: int, experts: int = 256, topk: int = 6, *
     rng = np.random.default_rng(seed)
     out = np.empty((tokens, layers, topk), np.int64)
     w = np.arange(1, experts + 1, dtype=np.float64) ** -zipf
+
     def popularity() -> list[np.ndarray]:  # per layer: CDF over expert ids of a random rank order
         return [np.cumsum(w[np.argsort(rng.permutation(experts))]) / w.sum() for _ in range(layers)]
 
@@ -340,8 +384,9 @@ def routing_trace(tokens: int, layers: int, experts: int = 256, topk: int = 6, *
     return out
 
 
-def lookahead_trace(trace: np.ndarray, experts: int, *, hash_layers: int = 3, coverage: float = 0.46,
-                    waste: float = 0.4, seed: int = 0) -> np.ndarray:
+def lookahead_trace(
+    trace: np.ndarray, experts: int, *, hash_layers: int = 3, coverage: float = 0.46, waste: float = 0.4, seed: int = 0
+) -> np.ndarray:
     """Predicted ids [tokens, layers, 2*topk] (-1 = none) as router lookahead would make them: exact on hash
     layers; elsewhere each true expert predicted with probability `coverage`, plus wrong guesses at `waste` per
     right one (one peer measured 46% coverage at 0.4 wasted reads per useful one)."""
@@ -356,7 +401,7 @@ def lookahead_trace(trace: np.ndarray, experts: int, *, hash_layers: int = 3, co
             pool = rng.choice(experts, min(experts, n_wrong + k), replace=False)
             wrong = [int(e) for e in pool if e not in trace[t, layer]]
             ids = right + wrong[:n_wrong]
-            pred[t, layer, :len(ids)] = ids
+            pred[t, layer, : len(ids)] = ids
     return pred
 
 

@@ -13,6 +13,7 @@ posting caller sleeps C us before publishing a job; see fastar/quant/csrc/pool.c
 running a short forward, and a process writing and deleting a large file), the kind of mixed work the bad runs
 were first seen beside.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,11 @@ def start_load(kind: str, model: str, tmp: Path) -> list[subprocess.Popen]:
     if kind == "cpu":
         return [subprocess.Popen(py + [BUSY], **quiet) for _ in range(2)]
     if kind == "mixed":
-        return [subprocess.Popen(py + [BUSY], **quiet), subprocess.Popen(py + [RELOAD, model], **quiet),
-                subprocess.Popen(py + [WRITER, str(tmp / "scratch.bin")], **quiet)]
+        return [
+            subprocess.Popen(py + [BUSY], **quiet),
+            subprocess.Popen(py + [RELOAD, model], **quiet),
+            subprocess.Popen(py + [WRITER, str(tmp / "scratch.bin")], **quiet),
+        ]
     raise SystemExit(f"--load must be none, cpu or mixed, got {kind!r}")
 
 
@@ -102,8 +106,14 @@ def main() -> None:
         bad, t0 = 0, time.time()
         try:
             for i in range(a.runs):
-                arg = dict(model=a.model, ids=ids, ref=str(tmp / "ref.npy"), threads=threads[i % len(threads)],
-                           pool_delays=delays, tol=a.tol)
+                arg = dict(
+                    model=a.model,
+                    ids=ids,
+                    ref=str(tmp / "ref.npy"),
+                    threads=threads[i % len(threads)],
+                    pool_delays=delays,
+                    tol=a.tol,
+                )
                 r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(arg)], capture_output=True, text=True)
                 if r.returncode:
                     print(f"run {i}: exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}", flush=True)
@@ -113,16 +123,21 @@ def main() -> None:
                 print(f"run {i}: max |diff| {res['max']:.3g}", flush=True)
                 if res["bad"]:
                     bad += 1
-                    print(f"run {i} (threads {arg['threads']}): {len(res['bad'])} positions differ, first "
-                          f"{res['bad'][0]}, max |diff| {res['max']:.3g}", flush=True)
+                    print(
+                        f"run {i} (threads {arg['threads']}): {len(res['bad'])} positions differ, first "
+                        f"{res['bad'][0]}, max |diff| {res['max']:.3g}",
+                        flush=True,
+                    )
         except KeyboardInterrupt:
             a.runs = i  # stopped early: report the runs that finished
         finally:
             for p in load:
                 p.kill()
                 p.wait()
-    print(f"bad runs: {bad} of {a.runs} ({a.model}; threads {a.threads}; load {a.load}; "
-          f"pool delays {a.pool_delays or 'off'}; {time.time() - t0:.0f} s)")
+    print(
+        f"bad runs: {bad} of {a.runs} ({a.model}; threads {a.threads}; load {a.load}; "
+        f"pool delays {a.pool_delays or 'off'}; {time.time() - t0:.0f} s)"
+    )
 
 
 if __name__ == "__main__":

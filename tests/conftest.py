@@ -3,6 +3,7 @@
 The checkpoint fixtures return directories written by `fastar.fixtures.write_checkpoint` (official on-disk
 format). They are shared by every test in the session: treat them as read-only and copy before corrupting.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,6 +18,7 @@ def one_torch_thread():
     """For modules of tiny-model tests (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): torch's
     intra-op threads only add overhead on tiny tensors (10x on a busy 2-core box). Restored after the module."""
     import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

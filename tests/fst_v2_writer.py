@@ -18,6 +18,7 @@ What it writes, like the original converter:
 - `X.fst.tid2eid`: raw int32 [hash layers][vocab][top_k].
 Sidecar headers carry placeholder fields (q_heads = hidden/128, kv_heads 4, head_dim 128, no bank), as FaStar's.
 """
+
 from __future__ import annotations
 
 import struct
@@ -35,21 +36,46 @@ GLOBAL = 0xFFFF
 QTYPES = {"Q8_0": 1, "BF16": 2, "F32": 3, "MXFP4": 4}
 FLASH_BLOCK_BYTES = 13_369_344  # what FaStar's sidecar headers carry whatever the model
 
-GLOBALS = {"embed.weight": (0, 0), "norm.weight": (1, 0), "head.weight": (2, 0),
-           "hc_head_fn": (29, 0), "hc_head_scale": (30, 0), "hc_head_base": (31, 0)}
+GLOBALS = {
+    "embed.weight": (0, 0),
+    "norm.weight": (1, 0),
+    "head.weight": (2, 0),
+    "hc_head_fn": (29, 0),
+    "hc_head_scale": (30, 0),
+    "hc_head_base": (31, 0),
+}
 LAYER = {
-    "attn_norm.weight": (3, 0), "ffn_norm.weight": (4, 0), "attn.wq_a.weight": (5, 0), "attn.wq_b.weight": (5, 1),
-    "attn.wkv.weight": (6, 0), "attn.wo_a.weight": (8, 0), "attn.wo_b.weight": (8, 1),
-    "ffn.gate.weight": (9, 0), "ffn.gate.bias": (10, 0), "ffn.shared_experts.w1.weight": (11, 0),
-    "ffn.shared_experts.w3.weight": (12, 0), "ffn.shared_experts.w2.weight": (13, 0),
-    "attn.q_norm.weight": (14, 0), "attn.kv_norm.weight": (15, 0), "attn.attn_sink": (22, 0),
-    "hc_attn_fn": (23, 0), "hc_attn_scale": (24, 0), "hc_attn_base": (25, 0),
-    "hc_ffn_fn": (26, 0), "hc_ffn_scale": (27, 0), "hc_ffn_base": (28, 0),
-    "attn.compressor.ape": (32, 0), "attn.compressor.wkv.weight": (33, 0),
-    "attn.compressor.wgate.weight": (34, 0), "attn.compressor.norm.weight": (35, 0),
-    "attn.indexer.wq_b.weight": (41, 0), "attn.indexer.weights_proj.weight": (42, 0),
-    "attn.indexer.compressor.ape": (43, 0), "attn.indexer.compressor.wkv.weight": (44, 0),
-    "attn.indexer.compressor.wgate.weight": (45, 0), "attn.indexer.compressor.norm.weight": (46, 0),
+    "attn_norm.weight": (3, 0),
+    "ffn_norm.weight": (4, 0),
+    "attn.wq_a.weight": (5, 0),
+    "attn.wq_b.weight": (5, 1),
+    "attn.wkv.weight": (6, 0),
+    "attn.wo_a.weight": (8, 0),
+    "attn.wo_b.weight": (8, 1),
+    "ffn.gate.weight": (9, 0),
+    "ffn.gate.bias": (10, 0),
+    "ffn.shared_experts.w1.weight": (11, 0),
+    "ffn.shared_experts.w3.weight": (12, 0),
+    "ffn.shared_experts.w2.weight": (13, 0),
+    "attn.q_norm.weight": (14, 0),
+    "attn.kv_norm.weight": (15, 0),
+    "attn.attn_sink": (22, 0),
+    "hc_attn_fn": (23, 0),
+    "hc_attn_scale": (24, 0),
+    "hc_attn_base": (25, 0),
+    "hc_ffn_fn": (26, 0),
+    "hc_ffn_scale": (27, 0),
+    "hc_ffn_base": (28, 0),
+    "attn.compressor.ape": (32, 0),
+    "attn.compressor.wkv.weight": (33, 0),
+    "attn.compressor.wgate.weight": (34, 0),
+    "attn.compressor.norm.weight": (35, 0),
+    "attn.indexer.wq_b.weight": (41, 0),
+    "attn.indexer.weights_proj.weight": (42, 0),
+    "attn.indexer.compressor.ape": (43, 0),
+    "attn.indexer.compressor.wkv.weight": (44, 0),
+    "attn.indexer.compressor.wgate.weight": (45, 0),
+    "attn.indexer.compressor.norm.weight": (46, 0),
 }
 NORMS = {"attn_norm.weight", "ffn_norm.weight", "attn.q_norm.weight", "attn.kv_norm.weight"}
 HC = {"hc_attn_fn", "hc_attn_scale", "hc_attn_base", "hc_ffn_fn", "hc_ffn_scale", "hc_ffn_base"}
@@ -69,7 +95,7 @@ def q8_0_encode(x: np.ndarray) -> bytes:
     a = np.ascontiguousarray(x, np.float32).ravel()
     nb = -(-a.size // 32)
     pad = np.zeros(nb * 32, np.float32)
-    pad[:a.size] = a
+    pad[: a.size] = a
     blocks = pad.reshape(nb, 32)
     scale = np.abs(blocks).max(axis=1) / 127.0
     scale[scale < 1e-12] = 0.0
@@ -127,9 +153,34 @@ class _Container:
             f.truncate(align_up(f.tell()))
             h = dict(header, sdo=dir_off, sdc=len(self.entries), eo=bank_off, et=count)
             f.seek(0)
-            f.write(struct.pack(HEADER_FMT, b"FST\x00", 2, h["hd"], h["nl"], h["ne"], h["tk"], h["qh"], h["kh"],
-                                h["hd2"], h["id"], h["ns"], 0, h["vs"], h["re"], h["rf"], h["sdo"], h["sdc"],
-                                h["eo"], h["eb"], h["es"], h["et"], h.get("r1", 0), h.get("r2", 0)))
+            f.write(
+                struct.pack(
+                    HEADER_FMT,
+                    b"FST\x00",
+                    2,
+                    h["hd"],
+                    h["nl"],
+                    h["ne"],
+                    h["tk"],
+                    h["qh"],
+                    h["kh"],
+                    h["hd2"],
+                    h["id"],
+                    h["ns"],
+                    0,
+                    h["vs"],
+                    h["re"],
+                    h["rf"],
+                    h["sdo"],
+                    h["sdc"],
+                    h["eo"],
+                    h["eb"],
+                    h["es"],
+                    h["et"],
+                    h.get("r1", 0),
+                    h.get("r2", 0),
+                )
+            )
 
 
 def _stored(ck: Checkpoint, name: str, qtype: str, stale: bool = False) -> tuple[tuple[int, ...], bytes, str]:
@@ -159,10 +210,18 @@ def _default_qtype(name: str) -> str:
     return "F32" if f32 else "BF16"
 
 
-def write_v2(src: str | Path | Checkpoint, out: str | Path, *, indexer: bool = True,
-             norms_in_main: str | None = "stale",
-             hc_in_main: bool = False, qtypes: dict[str, str] | None = None, drop: set[str] | frozenset = frozenset(),
-             header: dict | None = None, sidecars: tuple[str, ...] = ("hc", "norm", "tid2eid")) -> Path:
+def write_v2(
+    src: str | Path | Checkpoint,
+    out: str | Path,
+    *,
+    indexer: bool = True,
+    norms_in_main: str | None = "stale",
+    hc_in_main: bool = False,
+    qtypes: dict[str, str] | None = None,
+    drop: set[str] | frozenset = frozenset(),
+    header: dict | None = None,
+    sidecars: tuple[str, ...] = ("hc", "norm", "tid2eid"),
+) -> Path:
     """Write `out` (+ sidecars `out.hc`, `out.norm`, `out.tid2eid`) from checkpoint `src`; returns `out`.
 
     norms_in_main: "stale" (norms / 40, the early converter's bug), "exact", or None (not in the main file).
@@ -217,16 +276,43 @@ def write_v2(src: str | Path | Checkpoint, out: str | Path, *, indexer: bool = T
     for L in range(n):
         for e in range(cfg.n_routed_experts):
             x = ck.expert(L, e)
-            blocks.append(mxfp4_blocks(x.w1, x.w1_scale) + mxfp4_blocks(x.w3, x.w3_scale)
-                          + mxfp4_blocks(x.w2, x.w2_scale))
-    h = {"hd": d, "nl": n, "ne": cfg.n_routed_experts, "tk": cfg.num_experts_per_tok, "qh": cfg.num_attention_heads,
-         "kh": cfg.num_key_value_heads, "hd2": cfg.head_dim, "id": inter, "ns": cfg.n_shared_experts,
-         "vs": cfg.vocab_size, "re": cfg.rms_norm_eps, "rf": cfg.rope_theta, "eb": block, "es": stride}
+            blocks.append(
+                mxfp4_blocks(x.w1, x.w1_scale) + mxfp4_blocks(x.w3, x.w3_scale) + mxfp4_blocks(x.w2, x.w2_scale)
+            )
+    h = {
+        "hd": d,
+        "nl": n,
+        "ne": cfg.n_routed_experts,
+        "tk": cfg.num_experts_per_tok,
+        "qh": cfg.num_attention_heads,
+        "kh": cfg.num_key_value_heads,
+        "hd2": cfg.head_dim,
+        "id": inter,
+        "ns": cfg.n_shared_experts,
+        "vs": cfg.vocab_size,
+        "re": cfg.rms_norm_eps,
+        "rf": cfg.rope_theta,
+        "eb": block,
+        "es": stride,
+    }
     h.update(header or {})
     main.write(out, h, bank=(h["es"], blocks))
-    side = {"hd": d, "nl": n, "ne": cfg.n_routed_experts, "tk": cfg.num_experts_per_tok, "qh": d // 128, "kh": 4,
-            "hd2": 128, "id": 0, "ns": 1, "vs": cfg.vocab_size, "re": 1e-6, "rf": 10000.0,
-            "eb": FLASH_BLOCK_BYTES, "es": FLASH_BLOCK_BYTES}
+    side = {
+        "hd": d,
+        "nl": n,
+        "ne": cfg.n_routed_experts,
+        "tk": cfg.num_experts_per_tok,
+        "qh": d // 128,
+        "kh": 4,
+        "hd2": 128,
+        "id": 0,
+        "ns": 1,
+        "vs": cfg.vocab_size,
+        "re": 1e-6,
+        "rf": 10000.0,
+        "eb": FLASH_BLOCK_BYTES,
+        "es": FLASH_BLOCK_BYTES,
+    }
     if "hc" in sidecars:
         hc.write(Path(f"{out}.hc"), side)
     if "norm" in sidecars:

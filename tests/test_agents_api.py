@@ -9,6 +9,7 @@ FakeEngine of test_server.py, through the real worker (EngineHost).
   previous prompt ids + the generated ids, even when the model wrote its tool call in a form the encoder
   renders differently (`[1,2]` vs `[1, 2]`); and the follow-up's reported cached tokens equal that whole prefix.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,14 +33,22 @@ starlette = pytest.importorskip("starlette", reason="starlette is a test depende
 uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is a test dependency")
 
 API_KEY = "sk-test"
-WEATHER = {"name": "get_weather", "description": "Weather for a city",
-           "input_schema": WEATHER_TOOL["function"]["parameters"]}
-SUM = {"name": "sum", "description": "Add numbers",
-       "input_schema": {"type": "object", "properties": {"xs": {"type": "array"}}}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
+}
+SUM = {
+    "name": "sum",
+    "description": "Add numbers",
+    "input_schema": {"type": "object", "properties": {"xs": {"type": "array"}}},
+}
 # The model writes its JSON compactly; the encoder re-renders a resent call with ", " separators.
-RAW_SUM_CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="sum">\n'
-                '<｜DSML｜parameter name="xs" string="false">[1,2]</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-                '</｜DSML｜tool_calls>')
+RAW_SUM_CALL = (
+    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="sum">\n'
+    '<｜DSML｜parameter name="xs" string="false">[1,2]</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+    "</｜DSML｜tool_calls>"
+)
 
 
 class AgentEngine(FakeEngine):
@@ -87,18 +96,33 @@ def sse_events(chunks) -> list[tuple[str, dict]]:
 # Raw event sequences
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_anthropic_stream_event_sequence_for_a_tool_call(backend):
-    body = {"model": "anything", "max_tokens": 200, "stream": True, "tools": [WEATHER],
-            "thinking": {"type": "enabled", "budget_tokens": 1024},
-            "messages": [{"role": "user", "content": "weather in Paris?"}]}
+    body = {
+        "model": "anything",
+        "max_tokens": 200,
+        "stream": True,
+        "tools": [WEATHER],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": "weather in Paris?"}],
+    }
     events = sse_events(A.messages(body, backend))
     names = [n for n, _ in events]
     assert all(n == d["type"] for n, d in events)
     # thinking block, then the tool_use block; deltas collapsed for the comparison
     collapsed = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
-    assert collapsed == ["message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
-                         "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
-                         "message_stop"]
+    assert collapsed == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     starts = [d["content_block"] for n, d in events if n == "content_block_start"]
     assert starts[0] == {"type": "thinking", "thinking": "", "signature": ""}
     assert starts[1]["type"] == "tool_use" and starts[1]["name"] == "get_weather" and starts[1]["input"] == {}
@@ -117,18 +141,29 @@ def test_anthropic_stream_event_sequence_for_a_tool_call(backend):
 
 def test_responses_stream_event_sequence_for_a_tool_call(backend):
     store = R.ResponseStore()
-    body = {"model": "deepseek-v4-flash", "input": "weather in Paris?", "stream": True,
-            "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["input_schema"]}]}
+    body = {
+        "model": "deepseek-v4-flash",
+        "input": "weather in Paris?",
+        "stream": True,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER["input_schema"]}],
+    }
     events = sse_events(R.create(body, backend, store))
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
     names = [n for n, _ in events]
     collapsed = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
-    assert collapsed == ["response.created", "response.in_progress",
-                         "response.output_item.added", "response.reasoning_text.delta",
-                         "response.reasoning_text.done", "response.output_item.done",
-                         "response.output_item.added", "response.function_call_arguments.delta",
-                         "response.function_call_arguments.done", "response.output_item.done",
-                         "response.completed"]
+    assert collapsed == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     final = events[-1][1]["response"]
     assert final["status"] == "completed"
     assert [o["type"] for o in final["output"]] == ["reasoning", "function_call"]
@@ -143,8 +178,10 @@ def test_errors_in_each_api_shape(backend):
     with pytest.raises(P.APIError) as err:
         A.messages({"messages": []}, backend)
     assert err.value.status == 400
-    assert A.error_body(err.value) == {"type": "error", "error": {
-        "type": "invalid_request_error", "message": "'messages' must be a non-empty list of message objects"}}
+    assert A.error_body(err.value) == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "'messages' must be a non-empty list of message objects"},
+    }
     with pytest.raises(P.APIError) as err:
         A.messages({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, backend)
     assert "unsupported block type 'image'" in err.value.message
@@ -156,8 +193,10 @@ def test_errors_in_each_api_shape(backend):
     assert err.value.status == 400 and "computer_call" in err.value.message
     # the engine failing mid-stream: Anthropic's error event, Responses' error + response.failed
     events = sse_events(A.messages({"messages": [{"role": "user", "content": "explode"}], "stream": True}, backend))
-    assert events[-1] == ("error", {"type": "error", "error": {
-        "type": "api_error", "message": "generation failed: the fake engine exploded"}})
+    assert events[-1] == (
+        "error",
+        {"type": "error", "error": {"type": "api_error", "message": "generation failed: the fake engine exploded"}},
+    )
     events = sse_events(R.create({"input": "explode", "stream": True}, backend, R.ResponseStore()))
     assert [n for n, _ in events[-2:]] == ["error", "response.failed"]
     assert events[-1][1]["response"]["status"] == "failed"
@@ -165,12 +204,25 @@ def test_errors_in_each_api_shape(backend):
 
 def test_responses_text_format_renders_as_chat_completions_response_format(backend):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    req = R.parse_request({"input": "hi", "instructions": "be brief", "text": {"format": {
-        "type": "json_schema", "name": "out", "schema": schema, "strict": True}}}, backend, R.ResponseStore())
-    chat = P.parse_chat_request({"messages": [{"role": "system", "content": "be brief"},
-                                              {"role": "user", "content": "hi"}],
-                                 "response_format": {"type": "json_schema", "json_schema": {
-                                     "name": "out", "schema": schema, "strict": True}}}, ("deepseek-v4-flash",))
+    req = R.parse_request(
+        {
+            "input": "hi",
+            "instructions": "be brief",
+            "text": {"format": {"type": "json_schema", "name": "out", "schema": schema, "strict": True}},
+        },
+        backend,
+        R.ResponseStore(),
+    )
+    chat = P.parse_chat_request(
+        {
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "out", "schema": schema, "strict": True},
+            },
+        },
+        ("deepseek-v4-flash",),
+    )
     assert req.conv.render() == Conversation(chat.messages, chat.thinking).render()
     assert '"schema": {"type": "object"' in req.conv.render()
     with pytest.raises(P.APIError, match=r"text\.format"):
@@ -181,8 +233,10 @@ def test_closing_a_stream_cancels_the_generation():
     engine = AgentEngine(token_delay=0.01)
     backend, host = make_backend(engine)
     try:
-        stream = A.messages({"messages": [{"role": "user", "content": "count"}], "stream": True,
-                             "thinking": {"type": "disabled"}}, backend)
+        stream = A.messages(
+            {"messages": [{"role": "user", "content": "count"}], "stream": True, "thinking": {"type": "disabled"}},
+            backend,
+        )
         got = [next(stream) for _ in range(6)]
         assert b"text_delta" in got[-1]
         stream.close()
@@ -201,8 +255,12 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation():
     try:
         start = time.monotonic()
         with pytest.raises(ClientDisconnected):
-            R.create({"input": "count", "reasoning": {"effort": "none"}}, backend, R.ResponseStore(),
-                     disconnected=lambda: time.monotonic() - start > 0.5)
+            R.create(
+                {"input": "count", "reasoning": {"effort": "none"}},
+                backend,
+                R.ResponseStore(),
+                disconnected=lambda: time.monotonic() - start > 0.5,
+            )
         deadline = time.monotonic() + 5
         while host.current is not None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -227,10 +285,14 @@ def test_keepalive_pings_during_a_long_prefill():
 # Exact replay at the rendering level, in all three API shapes
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _run_first_turn(backend: Backend, thinking: bool) -> tuple[list[int], list[int], dict]:
     """Anthropic request whose reply is RAW_SUM_CALL; returns (prompt ids, generated ids, the message)."""
-    body = {"messages": [{"role": "user", "content": "please add 1 and 2"}], "tools": [SUM],
-            "thinking": {"type": "enabled" if thinking else "disabled"}}
+    body = {
+        "messages": [{"role": "user", "content": "please add 1 and 2"}],
+        "tools": [SUM],
+        "thinking": {"type": "enabled" if thinking else "disabled"},
+    }
     ids = prompt_ids(backend, A.parse_request(body, backend)[1])[1]
     msg = A.messages(body, backend)
     engine = backend.engine()
@@ -248,10 +310,15 @@ def test_replay_renders_the_tokens_the_model_produced_in_every_api_shape(backend
     tool_fn = {"name": "sum", "description": "Add numbers", "parameters": SUM["input_schema"]}
 
     # Anthropic: the assistant turn resent as blocks, then the tool result
-    follow = {"tools": [SUM], "thinking": {"type": "enabled" if thinking else "disabled"}, "messages": [
-        {"role": "user", "content": "please add 1 and 2"},
-        {"role": "assistant", "content": msg["content"]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "3"}]}]}
+    follow = {
+        "tools": [SUM],
+        "thinking": {"type": "enabled" if thinking else "disabled"},
+        "messages": [
+            {"role": "user", "content": "please add 1 and 2"},
+            {"role": "assistant", "content": msg["content"]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "3"}]},
+        ],
+    }
     anth_ids = prompt_ids(backend, A.parse_request(follow, backend)[1])[1]
 
     # OpenAI chat completions: the message the server returns, resent
@@ -259,29 +326,43 @@ def test_replay_renders_the_tokens_the_model_produced_in_every_api_shape(backend
     assistant = {"role": "assistant", "content": "", "tool_calls": [call]}
     if thinking:
         assistant["reasoning_content"] = "Thinking about sums."
-    chat = [{"role": "system", "content": "", "tools": [tool_fn]}, {"role": "user", "content": "please add 1 and 2"},
-            assistant, {"role": "tool", "tool_call_id": use["id"], "content": "3"}]
+    chat = [
+        {"role": "system", "content": "", "tools": [tool_fn]},
+        {"role": "user", "content": "please add 1 and 2"},
+        assistant,
+        {"role": "tool", "tool_call_id": use["id"], "content": "3"},
+    ]
     chat_ids = prompt_ids(backend, Conversation(chat, thinking))[1]
 
     # OpenAI Responses: items resent without previous_response_id
     items = [{"role": "user", "content": "please add 1 and 2"}]
     if thinking:
-        items.append({"type": "reasoning", "id": "rs_1", "summary": [],
-                      "content": [{"type": "reasoning_text", "text": "Thinking about sums."}]})
-    items += [{"type": "function_call", "call_id": use["id"], "name": "sum", "arguments": '{"xs": [1, 2]}'},
-              {"type": "function_call_output", "call_id": use["id"], "output": "3"}]
-    resp = {"input": items, "tools": [{"type": "function", "name": "sum", "description": "Add numbers",
-                                       "parameters": SUM["input_schema"]}],
-            "reasoning": {"effort": "high" if thinking else "none"}}
+        items.append(
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "Thinking about sums."}],
+            }
+        )
+    items += [
+        {"type": "function_call", "call_id": use["id"], "name": "sum", "arguments": '{"xs": [1, 2]}'},
+        {"type": "function_call_output", "call_id": use["id"], "output": "3"},
+    ]
+    resp = {
+        "input": items,
+        "tools": [{"type": "function", "name": "sum", "description": "Add numbers", "parameters": SUM["input_schema"]}],
+        "reasoning": {"effort": "high" if thinking else "none"},
+    }
     resp_ids = prompt_ids(backend, R.parse_request(resp, backend, R.ResponseStore()).conv)[1]
 
     for ids in (anth_ids, chat_ids, resp_ids):
-        assert ids[:len(prefix)] == prefix
+        assert ids[: len(prefix)] == prefix
         assert len(ids) > len(prefix)
     # Without the replay cache the canonical rendering ("[1, 2]") parts from what the model holds.
     fresh = Backend(engine=backend.engine, submit=backend.submit, replay=ReplayCache())
     canonical = prompt_ids(fresh, A.parse_request(follow, fresh)[1])[1]
-    assert canonical[:len(prefix)] != prefix
+    assert canonical[: len(prefix)] != prefix
 
 
 def test_a_chat_completions_route_takes_part_through_prompt_ids_and_record_reply(backend):
@@ -289,8 +370,11 @@ def test_a_chat_completions_route_takes_part_through_prompt_ids_and_record_reply
     from fastar.encoding import parse_completion
     from fastar.engine.sampling import SamplingParams
 
-    body = {"messages": [{"role": "user", "content": "please add 1 and 2"}], "thinking": {"type": "disabled"},
-            "tools": [{"type": "function", "function": {"name": "sum", "parameters": SUM["input_schema"]}}]}
+    body = {
+        "messages": [{"role": "user", "content": "please add 1 and 2"}],
+        "thinking": {"type": "disabled"},
+        "tools": [{"type": "function", "function": {"name": "sum", "parameters": SUM["input_schema"]}}],
+    }
     req = P.parse_chat_request(body, ("deepseek-v4-flash",))
     conv = Conversation(req.messages, req.thinking, req.reasoning_effort, req.drop_thinking)
     text, ids = prompt_ids(backend, conv)
@@ -302,7 +386,7 @@ def test_a_chat_completions_route_takes_part_through_prompt_ids_and_record_reply
     follow = {**body, "messages": body["messages"] + [message, {"role": "tool", "tool_call_id": "x", "content": "3"}]}
     req2 = P.parse_chat_request(follow, ("deepseek-v4-flash",))
     ids2 = prompt_ids(backend, Conversation(req2.messages, req2.thinking, req2.reasoning_effort, req2.drop_thinking))[1]
-    assert ids2[:len(ids) + len(generated)] == ids + generated
+    assert ids2[: len(ids) + len(generated)] == ids + generated
 
 
 def test_replay_cache_is_bounded_and_only_cuts_at_eos():
@@ -312,7 +396,7 @@ def test_replay_cache_is_bounded_and_only_cuts_at_eos():
         def encode(self, text):
             return [ord(c) for c in text]
 
-    cache.record("abc", [1])   # no EOS at the cut: usable only where the new text continues with EOS
+    cache.record("abc", [1])  # no EOS at the cut: usable only where the new text continues with EOS
     assert cache.encode(Tok(), "abcd") == [ord(c) for c in "abcd"]
     assert cache.encode(Tok(), f"abc{EOS}d") == [1] + Tok().encode(f"{EOS}d")
     for i in range(3):
@@ -325,6 +409,7 @@ def test_replay_cache_is_bounded_and_only_cuts_at_eos():
 # ---------------------------------------------------------------------------------------------------------
 # The official clients against a throw-away Starlette app that mounts the module functions
 # ---------------------------------------------------------------------------------------------------------
+
 
 class App:
     def __init__(self, backend: Backend) -> None:
@@ -366,10 +451,14 @@ class App:
             except P.APIError as err:
                 return reply(err, P.APIError.to_dict)
 
-        app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"]),
-                                Route("/v1/messages/count_tokens", count, methods=["POST"]),
-                                Route("/v1/responses", create, methods=["POST"]),
-                                Route("/v1/responses/{rid}", get, methods=["GET"])])
+        app = Starlette(
+            routes=[
+                Route("/v1/messages", messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", count, methods=["POST"]),
+                Route("/v1/responses", create, methods=["POST"]),
+                Route("/v1/responses/{rid}", get, methods=["GET"]),
+            ]
+        )
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -401,14 +490,24 @@ def app():
 
 def test_anthropic_client_create_stream_tools_and_count_tokens(app):
     cl = anthropic.Anthropic(base_url=app.url, api_key=API_KEY, max_retries=0)
-    msg = cl.messages.create(model="deepseek-v4-flash", max_tokens=100, extra_body={"temperature": 0},
-                             thinking={"type": "disabled"}, messages=[{"role": "user", "content": "hello"}])
+    msg = cl.messages.create(
+        model="deepseek-v4-flash",
+        max_tokens=100,
+        extra_body={"temperature": 0},
+        thinking={"type": "disabled"},
+        messages=[{"role": "user", "content": "hello"}],
+    )
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == "Echo: hello"
     assert msg.stop_reason == "end_turn" and msg.usage.output_tokens == len("Echo: hello") + 1
 
-    with cl.messages.stream(model="claude-sonnet-4-5", max_tokens=100, system="be brief",
-                            thinking={"type": "enabled", "budget_tokens": 2048}, extra_body={"temperature": 0},
-                            messages=[{"role": "user", "content": "hi there"}]) as stream:
+    with cl.messages.stream(
+        model="claude-sonnet-4-5",
+        max_tokens=100,
+        system="be brief",
+        thinking={"type": "enabled", "budget_tokens": 2048},
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "hi there"}],
+    ) as stream:
         texts = list(stream.text_stream)
         final = stream.get_final_message()
     assert "".join(texts) == "Echo: hi there"
@@ -416,11 +515,17 @@ def test_anthropic_client_create_stream_tools_and_count_tokens(app):
     assert final.content[0].thinking == "Thinking about hi there." and final.content[0].signature
 
     # stop_sequences: cut before the stop string, and the hit one reported
-    msg = cl.messages.create(model="x", max_tokens=100, stop_sequences=["3 4"], thinking={"type": "disabled"},
-                             messages=[{"role": "user", "content": "count"}])
+    msg = cl.messages.create(
+        model="x",
+        max_tokens=100,
+        stop_sequences=["3 4"],
+        thinking={"type": "disabled"},
+        messages=[{"role": "user", "content": "count"}],
+    )
     assert msg.content[0].text == "1 2 " and msg.stop_reason == "stop_sequence" and msg.stop_sequence == "3 4"
-    msg = cl.messages.create(model="x", max_tokens=5, thinking={"type": "disabled"},
-                             messages=[{"role": "user", "content": "count"}])
+    msg = cl.messages.create(
+        model="x", max_tokens=5, thinking={"type": "disabled"}, messages=[{"role": "user", "content": "count"}]
+    )
     assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 5
 
     # tools: stream a tool call, answer it, and the follow-up reuses the whole previous conversation
@@ -433,23 +538,27 @@ def test_anthropic_client_create_stream_tools_and_count_tokens(app):
     prior = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens
     follow = first_messages + [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}]
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]},
+    ]
     count = cl.messages.count_tokens(model="x", tools=[WEATHER], messages=follow)
-    second = cl.messages.create(model="x", max_tokens=300, tools=[WEATHER], messages=follow,
-                                extra_body={"temperature": 0})
+    second = cl.messages.create(
+        model="x", max_tokens=300, tools=[WEATHER], messages=follow, extra_body={"temperature": 0}
+    )
     assert second.usage.cache_read_input_tokens == prior
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == count.input_tokens
     assert second.content[-1].text.startswith("Echo: <tool_result>sunny, 21 C")
 
     with pytest.raises(anthropic.BadRequestError) as err:
-        cl.messages.create(model="x", max_tokens=10, messages=[{"role": "user", "content": "hi"}],
-                           extra_body={"temperature": "hot"})
+        cl.messages.create(
+            model="x", max_tokens=10, messages=[{"role": "user", "content": "hi"}], extra_body={"temperature": "hot"}
+        )
     assert err.value.body["error"]["type"] == "invalid_request_error" and "temperature" in err.value.message
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=app.url, api_key="wrong", max_retries=0).messages.create(
-            model="x", max_tokens=10, messages=[{"role": "user", "content": "hi"}])
+            model="x", max_tokens=10, messages=[{"role": "user", "content": "hi"}]
+        )
     stream = cl.messages.stream(model="x", max_tokens=10, messages=[{"role": "user", "content": "explode"}])
-    with pytest.raises(anthropic.APIStatusError) as err, stream as s:   # an error event mid-stream
+    with pytest.raises(anthropic.APIStatusError) as err, stream as s:  # an error event mid-stream
         s.get_final_message()
     assert "exploded" in str(err.value)
 
@@ -460,15 +569,22 @@ def test_openai_responses_create_stream_function_calls_and_previous_response(app
     assert r.output_text == "Echo: hello" and r.status == "completed"
     assert r.usage.input_tokens > 0 and r.usage.output_tokens == len("Echo: hello") + 1
 
-    with cl.responses.stream(model="deepseek-v4-flash", input="hi there", instructions="be brief",
-                             temperature=0) as stream:
+    with cl.responses.stream(
+        model="deepseek-v4-flash", input="hi there", instructions="be brief", temperature=0
+    ) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert "".join(deltas) == "Echo: hi there" == final.output_text
     assert final.output[0].type == "reasoning" and final.output[0].content[0].text == "Thinking about hi there."
 
-    tools = [{"type": "function", "name": "get_weather", "description": "Weather for a city",
-              "parameters": WEATHER["input_schema"]}]
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": WEATHER["input_schema"],
+        }
+    ]
     with cl.responses.stream(model="deepseek-v4-flash", input="weather in Paris?", tools=tools) as stream:
         args = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
         first = stream.get_final_response()
@@ -476,9 +592,13 @@ def test_openai_responses_create_stream_function_calls_and_previous_response(app
     assert call.type == "function_call" and call.name == "get_weather"
     assert json.loads("".join(args)) == json.loads(call.arguments) == {"location": "Paris"}
     prior = first.usage.input_tokens + first.usage.output_tokens
-    second = cl.responses.create(model="deepseek-v4-flash", previous_response_id=first.id, tools=tools,
-                                 input=[{"type": "function_call_output", "call_id": call.call_id,
-                                         "output": "sunny"}], temperature=0)
+    second = cl.responses.create(
+        model="deepseek-v4-flash",
+        previous_response_id=first.id,
+        tools=tools,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        temperature=0,
+    )
     assert second.usage.input_tokens_details.cached_tokens == prior
     assert second.output_text.startswith("Echo: <tool_result>sunny</tool_result>")
     assert cl.responses.retrieve(second.id).output_text == second.output_text
@@ -492,8 +612,12 @@ def test_openai_responses_create_stream_function_calls_and_previous_response(app
 def test_a_tool_block_cut_off_by_max_tokens(backend):
     """The streamed call is closed where it stopped and the unparsed block comes back as text, as the block
     parser (the authority) sees it; the non-streaming reply has only the text."""
-    body = {"max_tokens": 60, "tools": [WEATHER], "thinking": {"type": "disabled"},
-            "messages": [{"role": "user", "content": "weather in Paris?"}]}
+    body = {
+        "max_tokens": 60,
+        "tools": [WEATHER],
+        "thinking": {"type": "disabled"},
+        "messages": [{"role": "user", "content": "weather in Paris?"}],
+    }
     msg = A.messages(body, backend)
     assert msg["stop_reason"] == "max_tokens" and [b["type"] for b in msg["content"]] == ["text"]
     assert msg["content"][0]["text"].startswith("\n\n<｜DSML｜tool_calls>")
@@ -504,8 +628,17 @@ def test_a_tool_block_cut_off_by_max_tokens(backend):
     text = "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
     assert text == msg["content"][0]["text"]
     assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
-    final = sse_events(R.create({"input": "weather in Paris?", "max_output_tokens": 60, "stream": True,
-                                 "reasoning": {"effort": "none"},
-                                 "tools": [{"type": "function", "name": "get_weather"}]},
-                                backend, R.ResponseStore()))[-1][1]["response"]
+    final = sse_events(
+        R.create(
+            {
+                "input": "weather in Paris?",
+                "max_output_tokens": 60,
+                "stream": True,
+                "reasoning": {"effort": "none"},
+                "tools": [{"type": "function", "name": "get_weather"}],
+            },
+            backend,
+            R.ResponseStore(),
+        )
+    )[-1][1]["response"]
     assert final["status"] == "incomplete" and [o["type"] for o in final["output"]] == ["function_call", "message"]

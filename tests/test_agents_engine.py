@@ -6,6 +6,7 @@ re-tokenizes it differently; the replay cache must still give the follow-up the 
 cached tokens, in each API shape: all of it but the last sampled token, which was appended to the session and
 never run through the model (the follow-up's prefill starts with it).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -63,11 +64,13 @@ def test_messages_on_the_real_engine_reuse_the_whole_conversation(app):
     assert str(direct) == first.content[0].text
     prior = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens
 
-    follow = first_msgs + [{"role": "assistant", "content": first.content[0].text},
-                           {"role": "user", "content": "And two more?"}]
+    follow = first_msgs + [
+        {"role": "assistant", "content": first.content[0].text},
+        {"role": "user", "content": "And two more?"},
+    ]
     count = cl.messages.count_tokens(model="deepseek-v4-flash", messages=follow, **NO_THINK)
     second = cl.messages.create(messages=follow, **kw)
-    assert second.usage.cache_read_input_tokens == prior - 1   # the last sampled token has no KV yet
+    assert second.usage.cache_read_input_tokens == prior - 1  # the last sampled token has no KV yet
     assert second.usage.input_tokens + second.usage.cache_read_input_tokens == count.input_tokens
 
 
@@ -110,8 +113,12 @@ class ScriptedEngine:
         for i, tid in enumerate(self.reply):
             session.tokens.append(tid)
             last = i == len(self.reply) - 1
-            yield GenerationChunk(self.tokenizer.decode([tid]), tid, finish_reason="stop" if last else None,
-                                  usage={"cached_tokens": common} if last else None)
+            yield GenerationChunk(
+                self.tokenizer.decode([tid]),
+                tid,
+                finish_reason="stop" if last else None,
+                usage={"cached_tokens": common} if last else None,
+            )
 
 
 def test_non_canonical_replies_replay_exactly_in_every_api_shape():
@@ -134,8 +141,8 @@ def test_non_canonical_replies_replay_exactly_in_every_api_shape():
         # OpenAI chat completions shape, tokenized through the same Backend (as the chat route will be)
         chat = msgs + [{"role": "assistant", "content": "Hello world"}, {"role": "user", "content": "Again"}]
         ids = prompt_ids(backend, Conversation(chat, thinking=False))[1]
-        assert ids[:len(prefix)] == prefix
-        assert tok.encode(Conversation(chat, thinking=False).render())[:len(prefix)] != prefix  # without replay
+        assert ids[: len(prefix)] == prefix
+        assert tok.encode(Conversation(chat, thinking=False).render())[: len(prefix)] != prefix  # without replay
 
         # Anthropic: the follow-up reports the whole previous conversation as cached
         follow = msgs + [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "Again"}]
@@ -146,12 +153,15 @@ def test_non_canonical_replies_replay_exactly_in_every_api_shape():
         oc = openai.OpenAI(base_url=served.url + "/v1", api_key=API_KEY, max_retries=0)
         r1 = oc.responses.create(model="deepseek-v4-flash", input="Say hi.", reasoning={"effort": "none"})
         prefix = prompt_ids(backend, Conversation([{"role": "user", "content": "Say hi."}], False))[1] + engine.reply
-        r2 = oc.responses.create(model="deepseek-v4-flash", input="Again", previous_response_id=r1.id,
-                                 reasoning={"effort": "none"})
+        r2 = oc.responses.create(
+            model="deepseek-v4-flash", input="Again", previous_response_id=r1.id, reasoning={"effort": "none"}
+        )
         assert r2.usage.input_tokens_details.cached_tokens == len(prefix)
-        items = [{"role": "user", "content": "Say hi."},
-                 {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": r1.output_text}]},
-                 {"role": "user", "content": "Once more"}]
+        items = [
+            {"role": "user", "content": "Say hi."},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": r1.output_text}]},
+            {"role": "user", "content": "Once more"},
+        ]
         r3 = oc.responses.create(model="deepseek-v4-flash", input=items, reasoning={"effort": "none"})
         # (the session that continued r1 also holds the next "<｜User｜>" token: at least the prefix)
         assert r3.usage.input_tokens_details.cached_tokens >= len(prefix)

@@ -5,6 +5,7 @@ The harness compares every ISA the build has with the portable kernels and a flo
 special values, 1/2/3 threads, batch invariance; its comment says what exactly). The AArch64 run is how these
 x86-64 machines prove the NEON and BF16 kernels: `bash .ci/install-arm` installs the cross compiler and qemu.
 """
+
 import os
 import shutil
 import subprocess
@@ -18,8 +19,15 @@ HARNESS = ROOT / "tests" / "csrc" / "kernels_check.c"
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 QEMU_CPU = "max"  # qemu's model with every feature it emulates, FEAT_BF16 included
-FLAGS = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-pthread",  # setup.py's
-         "-Wall", "-Werror", "-Wno-unknown-pragmas"]
+FLAGS = [
+    "-O3",
+    "-std=gnu11",
+    "-fno-strict-aliasing",
+    "-pthread",  # setup.py's
+    "-Wall",
+    "-Werror",
+    "-Wno-unknown-pragmas",
+]
 
 
 def kernel_sources() -> list[str]:
@@ -32,8 +40,11 @@ def _cc() -> str | None:
 
 
 def _build(cc: str, exe: Path, extra: list[str]) -> None:
-    r = subprocess.run([cc, *FLAGS, *extra, f"-I{CSRC}", str(HARNESS), *kernel_sources(), "-lm", "-o", str(exe)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [cc, *FLAGS, *extra, f"-I{CSRC}", str(HARNESS), *kernel_sources(), "-lm", "-o", str(exe)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, f"{cc} failed:\n{r.stderr}"
 
 
@@ -56,8 +67,10 @@ def test_native_kernels_match_the_portable_ones(tmp_path):
     assert " 0 failed" in r.stdout
 
 
-@pytest.mark.skipif(shutil.which(CROSS_CC) is None or shutil.which(QEMU) is None,
-                    reason=f"{CROSS_CC} or {QEMU} not on PATH (bash .ci/install-arm installs them)")
+@pytest.mark.skipif(
+    shutil.which(CROSS_CC) is None or shutil.which(QEMU) is None,
+    reason=f"{CROSS_CC} or {QEMU} not on PATH (bash .ci/install-arm installs them)",
+)
 def test_aarch64_kernels_match_the_portable_ones_under_qemu(tmp_path):
     exe = tmp_path / "kernels_check_aarch64"
     _build(CROSS_CC, exe, ["-static"])

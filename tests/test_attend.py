@@ -3,6 +3,7 @@ as the model built them before the kernel), on every instruction set this CPU ru
 queries gives each query bit-identical rows to a call of its own, for any thread count); the torch fallback
 (no extension, other dtypes), also through the whole tiny model; and the kernel's argument checks.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -58,7 +59,7 @@ def inputs(T, H, D, window, p0, ratio, k=0, seed=0, wide=3.0):
     comp = torch.randn((p0 + T) // ratio, D, generator=g) if ratio else None
     comp_idx = picks(T, p0, k, ratio, g) if k else None
     sinks = torch.randn(H, generator=g)
-    return q, keys, k0, p0, window, comp, comp_idx, ratio, sinks, D ** -0.5
+    return q, keys, k0, p0, window, comp, comp_idx, ratio, sinks, D**-0.5
 
 
 CASES = {  # T, H, D, window, p0, ratio, k
@@ -104,8 +105,8 @@ def test_chunk_is_bit_identical_to_one_query_at_a_time(isa, D, k):
     for t in range(40):
         p = p0 + t
         a = max(0, p - W + 1)
-        idx = None if comp_idx is None else comp_idx[t:t + 1]
-        alone.append(M.attend(q[t:t + 1], kv[a:p + 1], a, p, W, comp[:(p + 1) // ratio], idx, ratio, sinks, scale))
+        idx = None if comp_idx is None else comp_idx[t : t + 1]
+        alone.append(M.attend(q[t : t + 1], kv[a : p + 1], a, p, W, comp[: (p + 1) // ratio], idx, ratio, sinks, scale))
     alone = torch.cat(alone)
     threads = K.get_num_threads()
     try:
@@ -113,7 +114,7 @@ def test_chunk_is_bit_identical_to_one_query_at_a_time(isa, D, k):
             K.set_num_threads(n)
             for T in (2, 8, 40):
                 idx = None if comp_idx is None else comp_idx[:T]
-                kT, cT = kv[k0:p0 + T], comp[:(p0 + T) // ratio]
+                kT, cT = kv[k0 : p0 + T], comp[: (p0 + T) // ratio]
                 assert torch.equal(M.attend(q[:T], kT, k0, p0, W, cT, idx, ratio, sinks, scale), alone[:T]), (n, T)
     finally:
         K.set_num_threads(threads)
@@ -152,9 +153,19 @@ def test_model_logits_with_and_without_the_kernel(tiny_ckpt, monkeypatch):
 def test_kernel_rejects_bad_arguments():
     T, H, D, E = 2, 4, 32, 3
     f32 = np.float32
-    ok = dict(q=np.zeros((T, H, D), f32), keys=np.zeros((5, D), f32), k0=0, p0=3, window=4,
-              comp=np.zeros((E, D), f32), comp_idx=np.array([[0, -1], [2, 1]], np.int64), ratio=4,
-              sinks=np.zeros(H, f32), scale=0.1, out=np.zeros((T, H, D), f32))
+    ok = dict(
+        q=np.zeros((T, H, D), f32),
+        keys=np.zeros((5, D), f32),
+        k0=0,
+        p0=3,
+        window=4,
+        comp=np.zeros((E, D), f32),
+        comp_idx=np.array([[0, -1], [2, 1]], np.int64),
+        ratio=4,
+        sinks=np.zeros(H, f32),
+        scale=0.1,
+        out=np.zeros((T, H, D), f32),
+    )
     C.attend(**ok)
     C.attend(**{**ok, "comp_idx": None})
     C.attend(**{**ok, "comp_idx": None, "comp": None, "ratio": 0})

@@ -1,4 +1,5 @@
 """`fastar bench -m FILE --json`: the end-to-end benchmark runs and reports what the closing notes quote."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,30 @@ from fastar.convert.hf import convert
 def test_bench_json(tiny_ckpt, tmp_path):
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
     png = tmp_path / "curve.png"
-    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--json", "--ram-budget", "400K,auto",
-                        "--prompt-tokens", "6", "--decode-tokens", "3", "--policies", "lrfu,lru", "--plot", str(png)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastar",
+            "bench",
+            "-m",
+            str(fst),
+            "--json",
+            "--ram-budget",
+            "400K,auto",
+            "--prompt-tokens",
+            "6",
+            "--decode-tokens",
+            "3",
+            "--policies",
+            "lrfu,lru",
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for k in ("decode_tok_s", "ceiling_tok_s", "hit_rate", "peak_rss_bytes", "ram_budget_bytes", "resident_bytes"):
@@ -30,15 +52,52 @@ def test_bench_json(tiny_ckpt, tmp_path):
 
 def test_bench_reports_speculative_statistics(tiny_ckpt, tmp_path):
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
-    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--ram-budget", "auto", "--draft",
-                        "mtp", "--prompt-tokens", "6", "--decode-tokens", "6"], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastar",
+            "bench",
+            "-m",
+            str(fst),
+            "--ram-budget",
+            "auto",
+            "--draft",
+            "mtp",
+            "--prompt-tokens",
+            "6",
+            "--decode-tokens",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "draft mtp:" in r.stdout and "tokens per verify pass" in r.stdout
     assert "same tokens as plain: yes" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--ram-budget", "auto", "--replay",
-                        "1", "--prompt-tokens", "6", "--decode-tokens", "9", "--json"], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastar",
+            "bench",
+            "-m",
+            str(fst),
+            "--ram-budget",
+            "auto",
+            "--replay",
+            "1",
+            "--prompt-tokens",
+            "6",
+            "--decode-tokens",
+            "9",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["draft_mode"] == "replay:1" and out["draft_same_tokens"]
@@ -71,13 +130,35 @@ def test_repeats_each_against_their_own_bandwidth(tiny_ckpt, tmp_path, monkeypat
         assert x["membw_gbps"] > 0 and x["decode_tok_s"] > 0
         assert abs(x["fraction_of_ceiling"] - x["decode_tok_s"] / x["ceiling_tok_s"]) < 1e-9
     assert abs(run["membw_gbps"] - sum(x["membw_gbps"] for x in run["repeats"]) / 3) < 1e-9
-    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--ram-budget", "auto",
-                        "--prompt-tokens", "4", "--decode-tokens", "2", "--repeats", "2"], capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastar",
+            "bench",
+            "-m",
+            str(fst),
+            "--ram-budget",
+            "auto",
+            "--prompt-tokens",
+            "4",
+            "--decode-tokens",
+            "2",
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "2 repeats: % of ceiling median" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--repeats", "0"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--repeats", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode != 0 and "--repeats" in r.stderr
 
 
@@ -85,8 +166,22 @@ def test_bench_compares_with_transformers_in_bfloat16(tiny_ckpt, tmp_path):
     """--compare-transformers DIR: the same weights in transformers (bfloat16) and fastar, prefill and decode of
     both printed from one run; the prefill's fraction of the bf16 dot peak where the CPU has that path."""
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
-    args = [sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--ram-budget", "auto", "--prompt-tokens", "20",
-            "--decode-tokens", "3", "--compare-transformers", str(tiny_ckpt)]
+    args = [
+        sys.executable,
+        "-m",
+        "fastar",
+        "bench",
+        "-m",
+        str(fst),
+        "--ram-budget",
+        "auto",
+        "--prompt-tokens",
+        "20",
+        "--decode-tokens",
+        "3",
+        "--compare-transformers",
+        str(tiny_ckpt),
+    ]
     r = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

@@ -1,4 +1,5 @@
 """Tests for the official-checkpoint reader (`fastar.convert.checkpoint`) and manifest (`fastar.convert.names`)."""
+
 from __future__ import annotations
 
 import json
@@ -29,14 +30,26 @@ FLASH_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0]
 
 
 def flash_config(**kw: object) -> ModelConfig:
-    d = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
-             num_attention_heads=64, head_dim=512, q_lora_rank=1024, o_lora_rank=1024, o_groups=8,
-             n_routed_experts=256, num_experts_per_tok=6, compress_ratios=FLASH_RATIOS)
+    d = dict(
+        vocab_size=129280,
+        hidden_size=4096,
+        moe_intermediate_size=2048,
+        num_hidden_layers=43,
+        num_attention_heads=64,
+        head_dim=512,
+        q_lora_rank=1024,
+        o_lora_rank=1024,
+        o_groups=8,
+        n_routed_experts=256,
+        num_experts_per_tok=6,
+        compress_ratios=FLASH_RATIOS,
+    )
     d.update(kw)
     return ModelConfig.from_hf(d)
 
 
 # --- helpers to damage a private copy -------------------------------------------------------------------
+
 
 def clone(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("tokenizer*.json"))
@@ -58,7 +71,7 @@ def shard_of(d: Path, name: str) -> Path:
 def read_header(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def rewrite_header(path: Path, edit) -> None:
@@ -70,6 +83,7 @@ def rewrite_header(path: Path, edit) -> None:
 
 
 # --- the manifest --------------------------------------------------------------------------------------
+
 
 def test_flash_manifest_matches_the_published_totals():
     m = expected_tensors(flash_config())
@@ -91,8 +105,9 @@ def test_flash_manifest_matches_the_published_totals():
 
 
 def test_dspark_manifest():
-    cfg = flash_config(dspark_block_size=5, dspark_target_layer_ids=[40, 41, 42], dspark_markov_rank=256,
-                       dspark_noise_token_id=128799)
+    cfg = flash_config(
+        dspark_block_size=5, dspark_target_layer_ids=[40, 41, 42], dspark_markov_rank=256, dspark_noise_token_id=128799
+    )
     cfg = ModelConfig.from_hf({**cfg.to_dict(), "rope_scaling": None}, num_mtp_layers=3)
     m = expected_tensors(cfg)
     assert m["mtp.0.main_proj.weight"] == ("F8_E4M3", (4096, 12288))
@@ -112,9 +127,12 @@ def test_name_helpers():
         layer_prefix(44, cfg)
     names = expert_tensor_names(43, 7, cfg)
     assert names == {
-        "w1": "mtp.0.ffn.experts.7.w1.weight", "w1_scale": "mtp.0.ffn.experts.7.w1.scale",
-        "w3": "mtp.0.ffn.experts.7.w3.weight", "w3_scale": "mtp.0.ffn.experts.7.w3.scale",
-        "w2": "mtp.0.ffn.experts.7.w2.weight", "w2_scale": "mtp.0.ffn.experts.7.w2.scale",
+        "w1": "mtp.0.ffn.experts.7.w1.weight",
+        "w1_scale": "mtp.0.ffn.experts.7.w1.scale",
+        "w3": "mtp.0.ffn.experts.7.w3.weight",
+        "w3_scale": "mtp.0.ffn.experts.7.w3.scale",
+        "w2": "mtp.0.ffn.experts.7.w2.weight",
+        "w2_scale": "mtp.0.ffn.experts.7.w2.scale",
     }
     assert set(names) == set(ExpertWeights._fields)
     with pytest.raises(IndexError):
@@ -126,6 +144,7 @@ def test_name_helpers():
 
 
 # --- reading good checkpoints --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("which", ["tiny_ckpt", "dspark_ckpt", "vocab_ckpt"])
 def test_validate_passes_on_fixtures(which, request):
@@ -148,8 +167,14 @@ def test_config_and_mtp_detection(tiny_ckpt, dspark_ckpt):
 
 def test_read_equals_safetensors_loader(tiny_ckpt):
     ck = Checkpoint(tiny_ckpt)
-    want_np = {"F8_E4M3": np.uint8, "F8_E8M0": np.uint8, "I8": np.uint8, "BF16": np.uint16,
-               "F32": np.float32, "I64": np.int64}
+    want_np = {
+        "F8_E4M3": np.uint8,
+        "F8_E8M0": np.uint8,
+        "I8": np.uint8,
+        "BF16": np.uint16,
+        "F32": np.float32,
+        "I64": np.int64,
+    }
     seen = 0
     for shard in ck.shard_names:
         with safe_open(str(tiny_ckpt / shard), framework="pt") as f:
@@ -217,12 +242,14 @@ def test_single_file_checkpoint(tmp_path):
 def test_validate_reads_headers_only(tiny_ckpt, monkeypatch):
     def no_reads(*a, **k):
         raise AssertionError("validate() must not read tensor data")
+
     monkeypatch.setattr(ckmod.os, "preadv", no_reads)
     monkeypatch.setattr(ckmod.os, "pread", no_reads)
     Checkpoint(tiny_ckpt).validate()
 
 
 # --- damaged checkpoints: each error names the tensor and/or shard -------------------------------------
+
 
 def test_missing_shard_file(tiny_ckpt, tmp_path):
     d = clone(tiny_ckpt, tmp_path / "c")
@@ -253,8 +280,11 @@ def test_wrong_shape(tiny_ckpt, tmp_path):
     name = "layers.2.ffn.shared_experts.w1.weight"  # [384, 256] relabelled [256, 384]: same byte count
     shard = shard_of(d, name)
     rewrite_header(shard, lambda h: h[name].update(shape=h[name]["shape"][::-1]))
-    with pytest.raises(CheckpointError, match=rf"tensor {name} in shard {shard.name}: shape \[256, 384\], "
-                                              r"expected \[384, 256\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"tensor {name} in shard {shard.name}: shape \[256, 384\], "
+        r"expected \[384, 256\]",
+    ):
         Checkpoint(d).validate()
 
 
@@ -289,8 +319,11 @@ def test_extra_tensor(tiny_ckpt, tmp_path):
     extra = "layers.0.ffn.experts.8.w1.weight"  # one expert more than n_routed_experts
     tensors[extra] = torch.zeros(384, 128, dtype=torch.int8)
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=rf"unexpected tensor {extra} in shard {shard.name} \(present in "
-                                              r"the shard but not in the index\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"unexpected tensor {extra} in shard {shard.name} \(present in "
+        r"the shard but not in the index\)",
+    ):
         Checkpoint(d).validate()
     index = index_of(d)
     index["weight_map"][extra] = shard.name
@@ -308,13 +341,16 @@ def test_missing_config_field(tiny_ckpt, tmp_path):
         Checkpoint(d).validate()
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("garbage", "corrupt safetensors header"),
-    ("huge", "corrupt safetensors header"),
-    ("offsets", "do not match"),
-    ("overlap", "overlap"),
-    ("dtype", "unknown dtype"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("garbage", "corrupt safetensors header"),
+        ("huge", "corrupt safetensors header"),
+        ("offsets", "do not match"),
+        ("overlap", "overlap"),
+        ("dtype", "unknown dtype"),
+    ],
+)
 def test_corrupted_header(tiny_ckpt, tmp_path, damage, message):
     d = clone(tiny_ckpt, tmp_path / "c")
     shard = shard_of(d, "norm.weight")
@@ -328,6 +364,7 @@ def test_corrupted_header(tiny_ckpt, tmp_path, damage, message):
     elif damage == "offsets":
         rewrite_header(shard, lambda h: h["norm.weight"].update(data_offsets=[0, 7]))
     elif damage == "overlap":
+
         def overlap(h: dict) -> None:
             names = sorted((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])
             a, b = names[0], names[1]
@@ -336,6 +373,7 @@ def test_corrupted_header(tiny_ckpt, tmp_path, damage, message):
             size = h[a]["data_offsets"][1] - h[a]["data_offsets"][0]
             start = h[b]["data_offsets"][0]
             h[a]["data_offsets"] = [start, start + size]
+
         rewrite_header(shard, overlap)
     elif damage == "dtype":
         rewrite_header(shard, lambda h: h["norm.weight"].update(dtype="Q4_K"))

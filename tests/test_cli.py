@@ -1,4 +1,5 @@
 """The `fastar` command line: audit end to end, FASTAR_* environment mirrors, one-line errors."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,13 @@ from fastar.cli import build_parser
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "fastar", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "fastar", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
 
 
 def test_audit_against_transformers(tiny_ckpt, tmp_path):
@@ -18,8 +24,11 @@ def test_audit_against_transformers(tiny_ckpt, tmp_path):
     assert _cli("convert", tiny_ckpt, "-o", out).returncode == 0
     r = _cli("audit", out, "--reference", tiny_ckpt, "--tokens", ",".join(str(i) for i in range(3, 60)))
     assert r.returncode == 0, r.stderr
-    rows = [l.split() for l in r.stdout.splitlines()
-            if l.startswith(("layer ", "logits ")) and not l.startswith("logits OK")]
+    rows = [
+        l.split()
+        for l in r.stdout.splitlines()
+        if l.startswith(("layer ", "logits ")) and not l.startswith("logits OK")
+    ]
     assert [" ".join(x[:2]) for x in rows[:-1]] == [f"layer {i}" for i in range(5)] and rows[-1][0] == "logits"
     assert all(float(x[-3]) > 0.99999 and float(x[-2]) < 1e-4 for x in rows)  # cosine, max |diff|
     assert "logits OK" in r.stdout

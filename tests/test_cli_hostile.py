@@ -1,5 +1,6 @@
 """The command line and model files against bad input (rows C1-C7): every subcommand with a table of bad
 arguments answers one line on stderr, no traceback, exit 1 (2 for usage); corrupt files are caught."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _cli(*args, env=None, cwd=None, **kw):
-    return subprocess.run([sys.executable, "-m", "fastar", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=120, cwd=cwd, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "fastar", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+        cwd=cwd,
+        **kw,
+    )
 
 
 def one_line_error(r, code: int) -> str:
@@ -37,10 +45,12 @@ def one_line_error(r, code: int) -> str:
 @pytest.fixture(scope="module")
 def tiny_fst(tiny_ckpt, tmp_path_factory) -> Path:
     from fastar.convert.hf import convert
+
     return convert(tiny_ckpt, tmp_path_factory.mktemp("cli") / "tiny.fst", progress=False)
 
 
 # ---- the table: every subcommand, bad arguments --------------------------------------------------------------
+
 
 def test_bad_arguments_table(tiny_fst, tiny_ckpt, tmp_path):
     fifo = tmp_path / "fifo"
@@ -114,6 +124,7 @@ def test_closed_stdout_and_stdin(tiny_fst):
 
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
+
 def _corrupt(src: Path, dst: Path, offset: int, data: bytes) -> Path:
     shutil.copyfile(src, dst)
     with open(dst, "r+b") as fh:
@@ -127,14 +138,14 @@ def test_c1_corrupt_resident_tensor_fails_the_load(tiny_fst, tmp_path):
         emb = next(t for t in f.header["tensors"] if t["name"] == "embed.weight")
         head = next(t for t in f.header["tensors"] if t["name"] == "head.weight")
     flipped = _corrupt(tiny_fst, tmp_path / "flip.fst", head["offset"] + 1000, b"\x5a")
-    nan = np.full(16, np.nan, np.float32).view(np.uint8).tobytes()   # NaNs over part of the embedding
+    nan = np.full(16, np.nan, np.float32).view(np.uint8).tobytes()  # NaNs over part of the embedding
     nan_emb = _corrupt(tiny_fst, tmp_path / "nan.fst", emb["offset"], nan[: min(len(nan), emb["nbytes"])])
     for path, name in ((flipped, "head.weight"), (nan_emb, "embed.weight")):
         with pytest.raises(FormatError, match=f"{name}.*checksum"):
             fastar.load(path)
         line = one_line_error(_cli("run", "-m", path, "-p", "hi"), 1)
         assert name in line and "checksum" in line
-        fastar.load(path, verify=False)   # the flag to skip it
+        fastar.load(path, verify=False)  # the flag to skip it
 
 
 def test_c1_corrupt_expert_fails_at_its_first_read(tiny_fst, tmp_path):
@@ -143,29 +154,33 @@ def test_c1_corrupt_expert_fails_at_its_first_read(tiny_fst, tmp_path):
         layer0 = f.expert_offset(0, 0)
     # every expert of layer 0 all 0xFF: whichever the router picks first is caught
     ff = _corrupt(tiny_fst, tmp_path / "ff.fst", layer0, b"\xff" * (bank["stride"] * bank["experts"]))
-    engine = fastar.load(ff)   # resident tensors are fine: the load passes
+    engine = fastar.load(ff)  # resident tensors are fine: the load passes
     with pytest.raises(FormatError, match=r"expert \(layer 0, id \d+\) fails its checksum"):
         engine.generate_tokens([5, 6, 7, 8], max_tokens=2)
-    fastar.load(ff, verify=False).generate_tokens([5, 6, 7, 8], max_tokens=2)   # skipped: garbage, no error
+    fastar.load(ff, verify=False).generate_tokens([5, 6, 7, 8], max_tokens=2)  # skipped: garbage, no error
 
 
 def test_c1_each_expert_is_checked_once(tiny_fst):
     from fastar.weights.expert_cache import ExpertCache
+
     with FstFile(tiny_fst) as f, ExpertCache(f, 2 * f.expert_stride) as c:
         calls = []
         check = ExpertCache._verify_record.__get__(c)
-        c._verify_record = lambda key, layer, e, data: (calls.append((key, bool(c._verified[key]))),
-                                                       check(key, layer, e, data))
-        for _ in range(3):   # two slots, experts of two layers in turn: each is read again after eviction
+        c._verify_record = lambda key, layer, e, data: (
+            calls.append((key, bool(c._verified[key]))),
+            check(key, layer, e, data),
+        )
+        for _ in range(3):  # two slots, experts of two layers in turn: each is read again after eviction
             for layer, e in ((0, 1), (1, 2), (0, 3), (1, 1)):
                 [a.copy() for a in c.get(layer, e)]
         n = c.num_experts
         assert {k for k, _ in calls} == {1, n + 2, 3, n + 1} and c.stats()["bytes_read"] > 4 * c.stride
-        assert [k for k, done in calls if not done] == [1, n + 2, 3, n + 1]   # hashed once each, on first read
+        assert [k for k, done in calls if not done] == [1, n + 2, 3, n + 1]  # hashed once each, on first read
         assert all(c._verified[[1, n + 2, 3, n + 1]])
 
 
 # ---- C2: a garbage tokenizer.json ------------------------------------------------------------------------------
+
 
 def test_c2_convert_refuses_a_garbage_tokenizer(tiny_ckpt, tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -178,6 +193,7 @@ def test_c2_convert_refuses_a_garbage_tokenizer(tiny_ckpt, tmp_path):
 
 # ---- C6: a fixture that cannot run text -----------------------------------------------------------------------
 
+
 def test_c6_tiny_fixture_run_gives_a_hint(tiny_ckpt):
     line = one_line_error(_cli("run", "-m", tiny_ckpt, "-p", "hi"), 1)
     assert "--preset vocab" in line
@@ -185,10 +201,15 @@ def test_c6_tiny_fixture_run_gives_a_hint(tiny_ckpt):
 
 # ---- C7: SIGTERM during convert --------------------------------------------------------------------------------
 
+
 def test_c7_sigterm_during_convert_removes_the_partial_file(vocab_ckpt, tmp_path):
     out = tmp_path / "v.fst"
-    proc = subprocess.Popen([sys.executable, "-m", "fastar", "convert", str(vocab_ckpt), "-o", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastar", "convert", str(vocab_ckpt), "-o", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     partial = Path(str(out) + ".partial")
     deadline = time.monotonic() + 60
     while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -1,6 +1,7 @@
 """`fastar run` and `fastar chat`: the demo model's atomic build, `run` end to end in a subprocess, bad input as
 one-line errors, the chat REPL against a fake engine, and `chat` driven through a pseudo-terminal for three turns
 with a Ctrl-C mid-reply, /save and /load."""
+
 from __future__ import annotations
 
 import io
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- the demo model ------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def demo_cache(vocab_ckpt: Path, tmp_path_factory) -> Path:
@@ -97,14 +99,23 @@ def test_an_interrupted_build_leaves_no_file(monkeypatch, tmp_path: Path) -> Non
 
 # --- fastar run ------------------------------------------------------------------------------------------------
 
+
 def _pythonpath() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
 def fastar(*args: str, env: dict | None = None, timeout: float = 180, stdin: str | None = None):
     e = {**os.environ, "PYTHONPATH": _pythonpath(), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "fastar", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, cwd=ROOT, input=stdin if stdin is not None else "", check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "fastar", *args],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=timeout,
+        cwd=ROOT,
+        input=stdin if stdin is not None else "",
+        check=False,
+    )
 
 
 def test_run_end_to_end_with_the_demo_model(demo_cache: Path) -> None:
@@ -163,14 +174,23 @@ def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
 
 def test_timings_line() -> None:
     before = {"prompt_tokens": 0, "prefill_tokens_computed": 0, "prefill_seconds": 0.0}
-    after = {"prompt_tokens": 10, "cached_tokens": 4, "prefill_tokens_computed": 6, "prefill_seconds": 0.5,
-             "decode_tokens_computed": 9, "decode_seconds": 3.0, "expert_cache_hits": 3, "expert_cache_misses": 1}
+    after = {
+        "prompt_tokens": 10,
+        "cached_tokens": 4,
+        "prefill_tokens_computed": 6,
+        "prefill_seconds": 0.5,
+        "decode_tokens_computed": 9,
+        "decode_seconds": 3.0,
+        "expert_cache_hits": 3,
+        "expert_cache_misses": 1,
+    }
     line = timings_line(before, after)
     assert "prompt 10 tokens (4 reused)" in line and "12.0 tok/s" in line and "3.0 tok/s" in line
     assert "hit rate 75.0%" in line
 
 
 # --- the chat REPL against a fake engine ------------------------------------------------------------------
+
 
 class TTY(io.StringIO):
     def isatty(self) -> bool:
@@ -187,11 +207,13 @@ class FakeSession:
 
     def save(self, path) -> Path:
         import json
+
         Path(path).write_text(json.dumps(self.meta))
         return Path(path)
 
     def load(self, path) -> None:
         import json
+
         if not Path(path).exists():
             raise FastarError(f"{path}: no such file")
         self.meta = json.loads(Path(path).read_text())
@@ -216,7 +238,7 @@ class FakeEngine:
             raise self.raise_error
         self.prompts.append(prompt)
         text = self.replies.pop(0)
-        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
         if self.on_chunk:
             self.on_chunk(-1)  # "prefill"
         if cancel is not None and cancel.is_set():
@@ -242,10 +264,16 @@ def test_history_and_chat_encoding() -> None:
     repl.handle("Hello")
     repl.handle("Again")
     assert eng.prompts[0] == "<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hello<｜Assistant｜></think>"
-    assert eng.prompts[1] == (eng.prompts[0] + "Hi! I am here.<｜end▁of▁sentence｜><｜User｜>Again"
-                              "<｜Assistant｜></think>")
+    assert eng.prompts[1] == (
+        eng.prompts[0] + "Hi! I am here.<｜end▁of▁sentence｜><｜User｜>Again<｜Assistant｜></think>"
+    )
     assert "Hi! I am here.\n" in out.getvalue() and [m["role"] for m in repl.messages] == [
-        "system", "user", "assistant", "user", "assistant"]
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
 
 
 def test_thinking_is_dimmed_and_kept_in_history() -> None:
@@ -303,6 +331,7 @@ def test_commands(tmp_path: Path) -> None:
 
 # --- fastar chat through a pseudo-terminal ----------------------------------------------------------------
 
+
 class Term:
     """A child process on a pseudo-terminal, with expect-style reads."""
 
@@ -329,12 +358,12 @@ class Term:
         """Wait for `needle` after the last match; returns the text between."""
         end = time.monotonic() + timeout
         want = needle.encode()
-        while want not in self.buf[self.pos:]:
+        while want not in self.buf[self.pos :]:
             left = end - time.monotonic()
             if left <= 0 or (not self.read(min(left, 1.0)) and self.exited()):
-                raise AssertionError(f"did not see {needle!r}; got:\n{self.buf[self.pos:].decode(errors='replace')}")
+                raise AssertionError(f"did not see {needle!r}; got:\n{self.buf[self.pos :].decode(errors='replace')}")
         i = self.buf.index(want, self.pos)
-        seg = self.buf[self.pos:i].decode(errors="replace")
+        seg = self.buf[self.pos : i].decode(errors="replace")
         self.pos = i + len(want)
         return seg
 
@@ -373,7 +402,7 @@ def test_chat_in_a_terminal(demo_cache: Path, tmp_path: Path) -> None:
         # turn 2: interrupt the reply as soon as it starts
         t.send("Tell me a long story.\n")
         t.expect("Tell me a long story.")
-        while not t.buf[t.pos:].strip():
+        while not t.buf[t.pos :].strip():
             assert t.read(120), "no reply started"
         t.send("\x03")  # Ctrl-C: the terminal sends SIGINT to the chat
         stopped = t.expect(">>> ")

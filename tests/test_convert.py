@@ -1,4 +1,5 @@
 """`fastar convert` on official-format fixtures: lossless, validated, atomic; `verify` names what is broken."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,7 @@ def test_lossless_every_tensor_and_expert(converted):
             assert a.tobytes() == b.tobytes(), name  # bit-for-bit, hence equal after any dequantization
             if ck.dtype(name) == "F8_E4M3":
                 s = name[: -len("weight")] + "scale"
-                np.testing.assert_array_equal(_dequant("F8_E4M3", b, f.tensor(s)),
-                                              _dequant("F8_E4M3", a, ck.read(s)))
+                np.testing.assert_array_equal(_dequant("F8_E4M3", b, f.tensor(s)), _dequant("F8_E4M3", a, ck.read(s)))
         for slot in range(cfg.num_layer_slots):
             for e in range(cfg.n_routed_experts):
                 x, y = ck.expert(slot, e), f.expert(slot, e)
@@ -102,17 +102,20 @@ def _find(d, name):
     return d / idx["weight_map"][name]
 
 
-@pytest.mark.parametrize("change,msg", [
-    ({"shape": [7, 7]}, "shape"),
-    ({"dtype": "F8_E5M2"}, "dtype"),
-])
+@pytest.mark.parametrize(
+    "change,msg",
+    [
+        ({"shape": [7, 7]}, "shape"),
+        ({"dtype": "F8_E5M2"}, "dtype"),
+    ],
+)
 def test_wrong_shape_or_dtype(converted, tmp_path, change, msg):
     d = _copy(converted[0], tmp_path / "c")
     name = "layers.1.attn.wkv.weight"
     shard = _find(d, name)
     raw = shard.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    h = json.loads(raw[8:8 + n])
+    h = json.loads(raw[8 : 8 + n])
     if "shape" in change:  # keep the byte extent consistent, so only the shape is wrong
         h[name]["shape"] = [int(np.prod(h[name]["shape"]))]
     else:
@@ -120,7 +123,7 @@ def test_wrong_shape_or_dtype(converted, tmp_path, change, msg):
         h[name]["dtype"] = "F8_E5M2"  # same size, wrong encoding
     hb = json.dumps(h).encode()
     hb += b" " * (-len(hb) % 8)
-    shard.write_bytes(len(hb).to_bytes(8, "little") + hb + raw[8 + n:])
+    shard.write_bytes(len(hb).to_bytes(8, "little") + hb + raw[8 + n :])
     with pytest.raises(CheckpointError) as ei:
         convert(d, tmp_path / "o.fst", progress=False)
     assert name in str(ei.value) and shard.name in str(ei.value) and msg in str(ei.value)
@@ -147,6 +150,7 @@ def test_interrupted_conversion_leaves_no_valid_file(converted, tmp_path, monkey
         if calls["n"] == 5:
             raise OSError(5, "Input/output error")
         return orig(self, slot, e)
+
     monkeypatch.setattr(Checkpoint, "expert", flaky)
     with pytest.raises(OSError):
         convert(d, tmp_path / "o.fst", progress=False)
@@ -180,7 +184,7 @@ def test_verify_cli_names_bad_tensor_and_expert(converted, tmp_path):
         fh.seek(t["offset"] + 10)
         fh.write(b)
         fh.seek(e_off)
-        fh.write(b"\xAA")
+        fh.write(b"\xaa")
     r = _cli("verify", out)
     assert r.returncode == 1 and "expert (layer 3, id 5)" in r.stderr
     assert _cli("verify", "--quick", out).returncode == 0

@@ -2,6 +2,7 @@
 context projection, the stage attention (context window + bidirectional block) and the Markov and confidence
 heads against direct formulas from the checkpoint tensors, incremental context against a fresh one, and the
 `.fst` path. Reference numerics throughout (exact to float32 rounding)."""
+
 from __future__ import annotations
 
 import pytest
@@ -70,8 +71,9 @@ def test_context_rows_follow_the_formula(eng, dspark_ckpt):
     for k, s in enumerate(state.mtp):
         a = eng.drafter.draft.stages[k].attn
         kv = ops.rms_norm(main_x @ a.wkv.dequant().T, bf16(ck, f"mtp.{k}.attn.kv_norm.weight"), cfg.rms_norm_eps)
-        kv = ops.apply_rope(kv, *ops.rope_cos_sin(ops.rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta),
-                                                  torch.arange(20)))
+        kv = ops.apply_rope(
+            kv, *ops.rope_cos_sin(ops.rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), torch.arange(20))
+        )
         assert s.length == 20 and (s.kv.rows(0, 20) - kv).abs().max() <= TOL
 
 
@@ -129,7 +131,7 @@ def test_incremental_context_equals_fresh_after_rollbacks(eng, dspark_ckpt):
     eng.prefill(ids[:10], state)
     pos = 10
     while pos < 40:  # verify passes of 4 (anchor + 3 drafts), keeping 1 or 2 of them: roll back the rest
-        chunk = ids[pos:pos + 4]
+        chunk = ids[pos : pos + 4]
         eng.prefill(chunk + [3] * (4 - len(chunk)), state)
         keep = min(1 + pos % 2, len(chunk))
         state.truncate(pos + keep)
@@ -168,11 +170,23 @@ def test_fst_carries_dspark(dspark_ckpt, tmp_path, eng):
 def test_sampled_generation_with_dspark(dspark_ckpt):
     """The sampling path with DSpark drafts (temperature, top-k/top-p/min-p on both sides, logprobs): runs, and a
     seed pins the tokens for the same history."""
+
     def run():
         eng = load(dspark_ckpt, draft="dspark")
         eng.draft_schedule.fixed = 5
-        chunks = list(eng.stream(tokens(20, 7), max_tokens=16, ignore_eos=True, temperature=1.0, top_k=50,
-                                 top_p=0.9, min_p=0.02, seed=3, logprobs=2))
+        chunks = list(
+            eng.stream(
+                tokens(20, 7),
+                max_tokens=16,
+                ignore_eos=True,
+                temperature=1.0,
+                top_k=50,
+                top_p=0.9,
+                min_p=0.02,
+                seed=3,
+                logprobs=2,
+            )
+        )
         assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in chunks)
         return [c.token for c in chunks], eng.stats()
 

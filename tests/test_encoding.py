@@ -1,4 +1,5 @@
 """fastar.encoding: golden DeepSeek-V4 renderings, the rendering rules, completion parsing and streaming."""
+
 from __future__ import annotations
 
 import hashlib
@@ -47,6 +48,7 @@ def generated_part(prompt: str, mode: str) -> str:
 
 # --------------------------------------------------------------------------------------------- golden cases
 
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_golden_renderings_are_byte_identical(n: int) -> None:
     messages, expected = golden_case(n)
@@ -75,7 +77,7 @@ def test_golden_reasoning_effort_max(n: int) -> None:
     if GOLDEN_MODES[n] == "chat":
         assert got == expected
     else:
-        assert got == BOS + REASONING_EFFORT_MAX + expected[len(BOS):]
+        assert got == BOS + REASONING_EFFORT_MAX + expected[len(BOS) :]
     assert encode_messages(messages, thinking_mode=GOLDEN_MODES[n], reasoning_effort="high") == expected
 
 
@@ -123,6 +125,7 @@ def test_golden_tools_block_header_and_footer() -> None:
 
 
 # ------------------------------------------------------------------------------------------ rendering rules
+
 
 def test_generation_prompts() -> None:
     msgs = [{"role": "user", "content": "Hi"}]
@@ -176,8 +179,10 @@ def test_tool_results_sorted_by_call_order_and_list_content() -> None:
     ]
     out = encode_messages(msgs, "thinking")
     assert out.endswith(
-        USER + "<tool_result>A1\n\n[Unsupported image]</tool_result>\n\n<tool_result>B</tool_result>"
-        + ASSISTANT + THINK_START
+        USER
+        + "<tool_result>A1\n\n[Unsupported image]</tool_result>\n\n<tool_result>B</tool_result>"
+        + ASSISTANT
+        + THINK_START
     )
     # an empty parameter list still renders an invoke with an empty body line
     assert f'<{DSML}invoke name="f">\n\n</{DSML}invoke>' in out
@@ -187,8 +192,10 @@ def test_tool_call_rendering_string_and_json_params() -> None:
     args = {"path": "a/b.txt", "text": 'line1\nline2 "q" 中文', "n": 3, "flags": [True, None], "o": {"k": 1.5}}
     msgs = [
         {"role": "user", "content": "x"},
-        {"role": "assistant",
-         "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": json.dumps(args)}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": json.dumps(args)}}],
+        },
     ]
     out = encode_messages(msgs, "chat")
     assert out.endswith(
@@ -229,6 +236,7 @@ def test_developer_dropped_before_last_user_in_thinking_mode() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- malformed
+
 
 @pytest.mark.parametrize(
     "messages, match",
@@ -272,8 +280,16 @@ def test_bad_options_raise() -> None:
 
 ROUND_TRIP_CALLS = [
     {"name": "get_weather", "arguments": {"location": "São Paulo", "unit": "celsius"}},
-    {"name": "write", "arguments": {"path": "x.py", "body": "def f():\n    return '</x>'\n", "n": -2.5,
-                                    "opts": {"a": [1, "b", None], "ok": False}, "empty": ""}},
+    {
+        "name": "write",
+        "arguments": {
+            "path": "x.py",
+            "body": "def f():\n    return '</x>'\n",
+            "n": -2.5,
+            "opts": {"a": [1, "b", None], "ok": False},
+            "empty": "",
+        },
+    },
     {"name": "noargs", "arguments": {}},
 ]
 
@@ -282,8 +298,11 @@ def _assistant(reasoning: str | None, content: str, calls: list[dict]) -> dict:
     msg = {"role": "assistant", "content": content, "reasoning_content": reasoning}
     if calls:
         msg["tool_calls"] = [
-            {"id": f"call_{i}", "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+            }
             for i, c in enumerate(calls)
         ]
     return msg
@@ -291,8 +310,7 @@ def _assistant(reasoning: str | None, content: str, calls: list[dict]) -> dict:
 
 def _calls(parsed: ParsedCompletion) -> list[dict]:
     return [
-        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
-        for c in parsed.tool_calls
+        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in parsed.tool_calls
     ]
 
 
@@ -308,8 +326,11 @@ def _calls(parsed: ParsedCompletion) -> list[dict]:
 )
 def test_render_then_parse_round_trip(mode: str, reasoning: str, content: str, calls: list[dict]) -> None:
     tools = [{"type": "function", "function": {"name": c["name"]}} for c in ROUND_TRIP_CALLS]
-    msgs = [{"role": "system", "content": "", "tools": tools}, {"role": "user", "content": "go"},
-            _assistant(reasoning, content, calls)]
+    msgs = [
+        {"role": "system", "content": "", "tools": tools},
+        {"role": "user", "content": "go"},
+        _assistant(reasoning, content, calls),
+    ]
     prompt = encode_messages(msgs, mode)
     parsed = parse_completion(generated_part(prompt, mode), thinking=mode == "thinking")
     assert parsed.content == content
@@ -324,7 +345,7 @@ def test_parse_unfinished_generations() -> None:
     assert parse_completion("thought</think>half an ans", True) == ParsedCompletion("half an ans", "thought", [])
     assert parse_completion("cut at </thi", True).reasoning == "cut at </thi"
     assert parse_completion("answer", False) == ParsedCompletion("answer", None, [])
-    cut = f"Calling.\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"f\">\n<{DSML}parameter name=\"a\" string=\"true\">x"
+    cut = f'Calling.\n\n<{DSML}tool_calls>\n<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="true">x'
     p = parse_completion(cut, False)
     assert p.tool_calls == [] and p.content == cut  # an unfinished tool call is handed back as text
     assert parse_completion(f"done{EOS}ignored trailing", False).content == "done"
@@ -332,10 +353,10 @@ def test_parse_unfinished_generations() -> None:
 
 def test_parse_tool_calls_leniency() -> None:
     block = (
-        f"\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"f\">\n"
-        f"<{DSML}parameter name=\"n\" string=\"false\">12</{DSML}parameter>\n"
-        f"<{DSML}parameter name=\"bad\" string=\"false\">not json</{DSML}parameter>\n"
-        f"<{DSML}parameter name=\"s\" string=\"true\">12</{DSML}parameter>\n"
+        f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="f">\n'
+        f'<{DSML}parameter name="n" string="false">12</{DSML}parameter>\n'
+        f'<{DSML}parameter name="bad" string="false">not json</{DSML}parameter>\n'
+        f'<{DSML}parameter name="s" string="true">12</{DSML}parameter>\n'
         f"</{DSML}invoke>\n</{DSML}tool_calls>"
     )
     p = parse_completion("r" + THINK_END + "c" + block + EOS, True)
@@ -351,13 +372,14 @@ def test_parse_tool_calls_leniency() -> None:
 
 # --------------------------------------------------------------------------------------------- streaming
 
+
 def _stream(
     text: str, thinking: bool, sizes: list[int] | None = None
 ) -> tuple[list[tuple[str, str]], ParsedCompletion]:
     parser, events, pos, k = StreamParser(thinking), [], 0, 0
     while pos < len(text):
         step = sizes[k % len(sizes)] if sizes else 1
-        events += parser.feed(text[pos:pos + step])
+        events += parser.feed(text[pos : pos + step])
         pos, k = pos + step, k + 1
     events += parser.flush()
     return events, parser.finish()
@@ -374,10 +396,15 @@ def _check_stream(text: str, thinking: bool, sizes: list[int] | None = None) -> 
 def _sample_generations() -> list[tuple[str, bool]]:
     samples = []
     for mode in ("thinking", "chat"):
-        for reasoning, content, calls in [("Plan </th it.", "Answer\n\nwith <b> and \n\n<", ROUND_TRIP_CALLS),
-                                          ("x", "y", [])]:
-            msgs = [{"role": "system", "content": "", "tools": [{"name": "f"}]}, {"role": "user", "content": "q"},
-                    _assistant(reasoning, content, calls)]
+        for reasoning, content, calls in [
+            ("Plan </th it.", "Answer\n\nwith <b> and \n\n<", ROUND_TRIP_CALLS),
+            ("x", "y", []),
+        ]:
+            msgs = [
+                {"role": "system", "content": "", "tools": [{"name": "f"}]},
+                {"role": "user", "content": "q"},
+                _assistant(reasoning, content, calls),
+            ]
             samples.append((generated_part(encode_messages(msgs, mode), mode), mode == "thinking"))
     for n in (1, 2, 3, 4):
         samples.append((generated_part(golden_case(n)[1], GOLDEN_MODES[n]), GOLDEN_MODES[n] == "thinking"))
@@ -408,10 +435,28 @@ def test_stream_parser_never_emits_partial_marker() -> None:
     assert chat.flush() == [] and chat.finish().content == "a"
 
 
-_pieces = st.sampled_from(["a", "b c", "\n", "\n\n", "<", "/", "</think>", "</thi", "nk>", EOS, "<｜", "中", "😀",
-                           f"\n\n<{DSML}tool_calls>\n", f"<{DSML}invoke name=\"f\">\n",
-                           f"<{DSML}parameter name=\"p\" string=\"true\">v</{DSML}parameter>\n",
-                           f"</{DSML}invoke>\n", f"</{DSML}tool_calls>"])
+_pieces = st.sampled_from(
+    [
+        "a",
+        "b c",
+        "\n",
+        "\n\n",
+        "<",
+        "/",
+        "</think>",
+        "</thi",
+        "nk>",
+        EOS,
+        "<｜",
+        "中",
+        "😀",
+        f"\n\n<{DSML}tool_calls>\n",
+        f'<{DSML}invoke name="f">\n',
+        f'<{DSML}parameter name="p" string="true">v</{DSML}parameter>\n',
+        f"</{DSML}invoke>\n",
+        f"</{DSML}tool_calls>",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)

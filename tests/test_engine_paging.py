@@ -1,4 +1,5 @@
 """The engine over the expert pager: outputs never depend on the RAM budget, the policy or prefetching."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,8 +23,12 @@ def test_logits_independent_of_budget_and_prefetch(tiny_fst):
     assert mapped.expert_cache is None
     want = mapped.logits(TOKENS)
     stride = mapped.source.expert_stride
-    for kw in ({"ram_budget": 2 * stride}, {"ram_budget": "auto"}, {"ram_budget": 2 * stride, "lookahead": True},
-               {"ram_budget": 5 * stride, "cache_policy": "lru", "direct_io": True}):
+    for kw in (
+        {"ram_budget": 2 * stride},
+        {"ram_budget": "auto"},
+        {"ram_budget": 2 * stride, "lookahead": True},
+        {"ram_budget": 5 * stride, "cache_policy": "lru", "direct_io": True},
+    ):
         e = load(tiny_fst, **kw)
         cache = e.expert_cache
         assert cache is not None and cache.budget_bytes <= max(2 * stride, cache.budget_bytes)
@@ -78,9 +83,29 @@ def test_bench_compares_sources(tiny_ckpt, tiny_fst):
     import json
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(tiny_fst), "--compare", str(tiny_ckpt),
-                        "--json", "--ram-budget", "400K", "--prompt-tokens", "4", "--decode-tokens", "2"],
-                       capture_output=True, text=True, timeout=600)
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastar",
+            "bench",
+            "-m",
+            str(tiny_fst),
+            "--compare",
+            str(tiny_ckpt),
+            "--json",
+            "--ram-budget",
+            "400K",
+            "--prompt-tokens",
+            "4",
+            "--decode-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["compare"]["decode_tok_s"] > 0 and out["decode_ratio_vs_compare"] > 0

@@ -1,5 +1,6 @@
 """Expert cache: eviction order, pinning, budget, read-once, byte equality, prefetch accounting, errors under
 a file truncated while the cache runs, and the device tier (GPU only). CPU, small synthetic files."""
+
 from __future__ import annotations
 
 import collections
@@ -19,23 +20,35 @@ from fastar.synth import routing_trace, synth
 from fastar.weights.expert_cache import CacheFullError, ExpertCache
 from fastar.weights.expert_store import POLICIES, LRFUPolicy, LRUPolicy
 
-SMALL = dict(num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=64, o_groups=2,
-             index_n_heads=4, index_head_dim=32, index_topk=4, sliding_window=8)
+SMALL = dict(
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=64,
+    o_lora_rank=64,
+    o_groups=2,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=4,
+    sliding_window=8,
+)
 TIMEOUT = 20.0
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """4 layers + MTP, 8 experts of 16 KiB (hidden 128, inter 64)."""
-    return synth(tmp_path_factory.mktemp("fst") / "tiny.fst", layers=4, experts=8, vocab=512, hidden=128,
-                 inter=64, **SMALL)
+    return synth(
+        tmp_path_factory.mktemp("fst") / "tiny.fst", layers=4, experts=8, vocab=512, hidden=128, inter=64, **SMALL
+    )
 
 
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory):
     """2 layers + MTP, 64 experts of ~0.8 MB (hidden 1024, inter 512): big enough for RSS measurements."""
-    return synth(tmp_path_factory.mktemp("fst") / "medium.fst", layers=2, experts=64, vocab=512, hidden=1024,
-                 inter=512, **SMALL)
+    return synth(
+        tmp_path_factory.mktemp("fst") / "medium.fst", layers=2, experts=64, vocab=512, hidden=1024, inter=512, **SMALL
+    )
 
 
 @pytest.fixture
@@ -58,6 +71,7 @@ def run_with_timeout(fn, timeout: float = TIMEOUT):
             out["r"] = fn()
         except BaseException as e:  # noqa: BLE001 - handed back to the test
             out["e"] = e
+
     t = threading.Thread(target=target, daemon=True)
     t.start()
     t.join(timeout)
@@ -74,11 +88,13 @@ def slow_reads(cache: ExpertCache, delay: float) -> collections.Counter:
         counts[(layer, e)] += 1
         time.sleep(delay)
         real(layer, e, buf)
+
     cache._reader.read = read
     return counts
 
 
 # --- eviction and pinning ----------------------------------------------------------------------------------
+
 
 def test_lru_exact_eviction_order(fst):
     rng = np.random.default_rng(0)
@@ -275,6 +291,7 @@ def test_rss_growth_bounded(medium, direct):
 
 # --- concurrency -------------------------------------------------------------------------------------------
 
+
 def test_concurrent_requests_read_once(fst):
     with ExpertCache(fst, 4 * fst.expert_stride, io_threads=2) as c:
         counts = slow_reads(c, 0.2)
@@ -284,6 +301,7 @@ def test_concurrent_requests_read_once(fst):
         def worker(i):
             barrier.wait()
             results[i] = [a.copy() for a in c.get(2, 5)]
+
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
@@ -337,6 +355,7 @@ def test_loader_stress_many_threads_jittered_reads(fst):
         def jittered(layer, e, buf):
             time.sleep(next(delays))
             read(layer, e, buf)
+
         c._reader.read = jittered
 
         def worker(seed):
@@ -395,6 +414,7 @@ def test_outputs_do_not_depend_on_budget(fst):
                         h = (x @ fp4_decode(w.w1, w.w1_scale).T) * (x @ fp4_decode(w.w3, w.w3_scale).T)
                         out.append(h @ fp4_decode(w.w2, w.w2_scale).T)
         return np.stack(out)
+
     small, full = run(2), run(40)
     assert np.isfinite(full).all() and np.array_equal(small, full)
 
@@ -412,6 +432,7 @@ def test_model_logits_do_not_depend_on_budget(tiny):
 
 
 # --- prefetch accounting -----------------------------------------------------------------------------------
+
 
 def test_prefetch_used_and_wasted(fst):
     stride = fst.expert_stride
@@ -462,8 +483,15 @@ def test_bench_cache_smoke(tiny):
 
     trace = routing_trace(12, 5, 8, 3, hash_layers=3, vocab=512, seed=2)
     stride = FstFile(tiny).expert_stride
-    r = bench_cache(tiny, [6 * stride], trace, prefetch=lookahead_trace(trace, 8, hash_layers=3),
-                    warmup_tokens=4, timed_tokens=8, disk_records=2)
+    r = bench_cache(
+        tiny,
+        [6 * stride],
+        trace,
+        prefetch=lookahead_trace(trace, 8, hash_layers=3),
+        warmup_tokens=4,
+        timed_tokens=8,
+        disk_records=2,
+    )
     assert r["disk"]["pagecache_GBps"] > 0 and len(r["simulated"]) == 4
     modes = {(x["mode"], x["policy"], x["prefetch"]) for x in r["runs"]}
     assert ("mmap", None, False) in modes and ("direct", "lrfu", True) in modes and ("pread", "lru", False) in modes
@@ -473,6 +501,7 @@ def test_bench_cache_smoke(tiny):
 
 
 # --- errors ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("direct", [False, True])
 def test_truncated_file_under_running_cache(tiny, tmp_path, direct):
@@ -512,7 +541,7 @@ def test_corrupt_record_detected_with_verify(tiny, tmp_path):
         off = f.expert_offset(2, 3)
     with open(path, "r+b") as fh:
         fh.seek(off + 10)
-        fh.write(b"\xAA\x55")
+        fh.write(b"\xaa\x55")
     with FstFile(path) as f, ExpertCache(f, 4 * f.expert_stride, verify=True) as c:
         _, err = run_with_timeout(lambda: c.get(2, 3))
         assert isinstance(err, FormatError) and "(layer 2, id 3)" in str(err) and "checksum" in str(err)
@@ -543,9 +572,11 @@ def test_bad_arguments(fst):
 
 # --- device tier -------------------------------------------------------------------------------------------
 
+
 def _cuda() -> bool:
     try:
         import torch
+
         return torch.cuda.is_available()
     except Exception:  # noqa: BLE001
         return False

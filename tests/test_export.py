@@ -2,6 +2,7 @@
 every tensor byte for byte (and the same config.json and tokenizer); transformers loads the export and gives the
 same logits as on the source; a FaStar v2 model exports to the same values; bad input fails in one line and
 leaves nothing behind."""
+
 from __future__ import annotations
 
 import json
@@ -81,7 +82,7 @@ def test_v2_model_exports_to_the_same_values(tiny_ckpt, tmp_path):
                 continue
             got = ck.read(name)
             if dtype == "F8_E4M3":
-                got = ref.fp8_block_dequant(got, ck.read(name[:-len("weight")] + "scale"))
+                got = ref.fp8_block_dequant(got, ck.read(name[: -len("weight")] + "scale"))
             elif dtype == "BF16":
                 got = ref.bf16_decode(got)
             want = f.tensor(name)

@@ -1,5 +1,6 @@
 """Tests for the random-checkpoint generator (`fastar.fixtures`): official format, loadable by HF transformers
 5.24 with its own key renames and FP8/FP4 dequantizer, bit-exact against our reference codecs."""
+
 from __future__ import annotations
 
 import json
@@ -57,6 +58,7 @@ def reference_value(ck: Checkpoint, name: str) -> np.ndarray:
 
 # --- format ----------------------------------------------------------------------------------------------
 
+
 def test_on_disk_format(tiny_ckpt):
     files = {p.name for p in tiny_ckpt.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json"} <= files
@@ -72,8 +74,13 @@ def test_on_disk_format(tiny_ckpt):
     assert set(seen) == set(index["weight_map"])
     assert set(seen.values()) == OFFICIAL_DTYPES  # the header strings safetensors wrote are the official ones
     cfg = json.loads((tiny_ckpt / "config.json").read_text())
-    assert cfg["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                          "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    assert cfg["quantization_config"] == {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    }
     assert len(cfg["compress_ratios"]) == cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]
     assert cfg["rope_scaling"]["type"] == "yarn" and cfg["expert_dtype"] == "fp4"
     assert index["metadata"]["total_size"] == sum(Checkpoint(tiny_ckpt).tensor_info(n).nbytes for n in seen)
@@ -99,8 +106,14 @@ def test_deterministic_and_seeded(tiny_ckpt, tmp_path):
     again = write_checkpoint(tmp_path / "again", "tiny", seed=0, num_shards=2, tokenizer=False)
     other = write_checkpoint(tmp_path / "other", "tiny", seed=1, num_shards=2, tokenizer=False)
     a, b, c = Checkpoint(tiny_ckpt), Checkpoint(again), Checkpoint(other)
-    for name in ("embed.weight", "layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale",
-                 "layers.4.ffn.experts.3.w2.weight", "layers.0.ffn.gate.tid2eid", "mtp.0.hc_head_fn"):
+    for name in (
+        "embed.weight",
+        "layers.1.attn.wq_b.weight",
+        "layers.1.attn.wq_b.scale",
+        "layers.4.ffn.experts.3.w2.weight",
+        "layers.0.ffn.gate.tid2eid",
+        "mtp.0.hc_head_fn",
+    ):
         assert np.array_equal(a.read(name), b.read(name)), name  # same values whatever the sharding
         assert not np.array_equal(a.read(name), c.read(name)), name
 
@@ -140,6 +153,7 @@ def test_dspark_fixture(dspark_ckpt):
 
 def test_vocab_fixture_uses_the_real_tokenizer(vocab_ckpt):
     from tokenizers import Tokenizer
+
     ck = Checkpoint(vocab_ckpt)
     assert ck.config.vocab_size == 129280 and ck.info("embed.weight")[1] == (129280, 256)
     tok = Tokenizer.from_str(ck.tokenizer_json().decode())
@@ -151,6 +165,7 @@ def test_vocab_fixture_uses_the_real_tokenizer(vocab_ckpt):
 
 
 # --- HF transformers 5.24 loads it as the official checkpoint -------------------------------------------
+
 
 def test_hf_loads_with_no_missing_or_unexpected_keys(hf_tiny):
     _, info = hf_tiny

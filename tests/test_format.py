@@ -1,4 +1,5 @@
 """The .fst v3 container: write -> read round trip, structural rejection, corruption, header fuzzing."""
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,25 @@ from fastar.format import spec
 from fastar.format.reader import FstFile
 from fastar.format.writer import FstWriter, WriterState
 
-CFG = ModelConfig(vocab_size=100, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-                  num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=16, o_lora_rank=16,
-                  o_groups=2, n_routed_experts=3, num_experts_per_tok=2, compress_ratios=(0, 4, 0),
-                  num_hash_layers=1, index_n_heads=4, index_head_dim=16, index_topk=2)
+CFG = ModelConfig(
+    vocab_size=100,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=32,
+    qk_rope_head_dim=8,
+    q_lora_rank=16,
+    o_lora_rank=16,
+    o_groups=2,
+    n_routed_experts=3,
+    num_experts_per_tok=2,
+    compress_ratios=(0, 4, 0),
+    num_hash_layers=1,
+    index_n_heads=4,
+    index_head_dim=16,
+    index_topk=2,
+)
 SHAPES = [(32, 32), (32, 2), (32, 32), (32, 2), (64, 16), (64, 1)]
 
 
@@ -79,6 +95,7 @@ def test_round_trip(tmp_path):
 
 def test_o_direct_read(tmp_path):
     import mmap
+
     p = tmp_path / "m.fst"
     _, experts = write_sample(p)
     with FstFile(p) as f:
@@ -204,17 +221,20 @@ def _rewrite_header(p, mutate):
         f.write(hb)
 
 
-@pytest.mark.parametrize("mutate,msg", [
-    (lambda h: h["tensors"][1].update(offset=h["tensors"][1]["offset"] + 4096), "hole"),
-    (lambda h: h["tensors"][1].update(offset=h["tensors"][0]["offset"]), "overlaps"),
-    (lambda h: h["tensors"][1].update(name=h["tensors"][0]["name"]), "duplicate"),
-    (lambda h: h["tensors"][0].update(shape=[100, 65]), "do not match"),
-    (lambda h: h["tensors"][0].update(dtype="F16"), "unknown dtype"),
-    (lambda h: h["experts"].update(slots=99), "checksums missing"),
-    (lambda h: h["experts"].update(stride=h["experts"]["stride"] * 2), "end at"),
-    (lambda h: h["config"].update(hidden_size=-1), "hidden_size"),
-    (lambda h: h.update(version=4), "v3"),
-])
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda h: h["tensors"][1].update(offset=h["tensors"][1]["offset"] + 4096), "hole"),
+        (lambda h: h["tensors"][1].update(offset=h["tensors"][0]["offset"]), "overlaps"),
+        (lambda h: h["tensors"][1].update(name=h["tensors"][0]["name"]), "duplicate"),
+        (lambda h: h["tensors"][0].update(shape=[100, 65]), "do not match"),
+        (lambda h: h["tensors"][0].update(dtype="F16"), "unknown dtype"),
+        (lambda h: h["experts"].update(slots=99), "checksums missing"),
+        (lambda h: h["experts"].update(stride=h["experts"]["stride"] * 2), "end at"),
+        (lambda h: h["config"].update(hidden_size=-1), "hidden_size"),
+        (lambda h: h.update(version=4), "v3"),
+    ],
+)
 def test_structural_rules(tmp_path, mutate, msg):
     p = tmp_path / "m.fst"
     write_sample(p)
@@ -230,14 +250,21 @@ def test_extent_past_eof(tmp_path):
 
     def grow(h):
         h["experts"]["offset"] = size + 4096
+
     _rewrite_header(p, grow)
     with pytest.raises(FormatError):
         FstFile(p)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.binary(max_size=300), hlen=st.integers(0, 2**64 - 1), data_off=st.integers(0, 2**64 - 1),
-       fsize=st.integers(0, 2**64 - 1), use_json=st.booleans(), ver=st.sampled_from([3, 2, 0, 2**32 - 1]))
+@given(
+    data=st.binary(max_size=300),
+    hlen=st.integers(0, 2**64 - 1),
+    data_off=st.integers(0, 2**64 - 1),
+    fsize=st.integers(0, 2**64 - 1),
+    use_json=st.booleans(),
+    ver=st.sampled_from([3, 2, 0, 2**32 - 1]),
+)
 def test_header_parser_fuzz(tmp_path_factory, data, hlen, data_off, fsize, use_json, ver):
     """Whatever the preamble and header hold, the reader raises FormatError and nothing else."""
     p = tmp_path_factory.mktemp("fz") / "f.fst"
@@ -253,15 +280,20 @@ def test_header_parser_fuzz(tmp_path_factory, data, hlen, data_off, fsize, use_j
         pass
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.text(max_size=5),
-                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
-                           max_leaves=10)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 10**6) | st.text(max_size=5),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    max_leaves=10,
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(key=st.sampled_from(["tensors", "blobs", "experts", "config", "source", "format"]), value=json_values,
-       idx=st.integers(0, 4),
-       field=st.sampled_from(["name", "dtype", "shape", "offset", "nbytes", "xxh64", "sections", "stride", "slots"]))
+@given(
+    key=st.sampled_from(["tensors", "blobs", "experts", "config", "source", "format"]),
+    value=json_values,
+    idx=st.integers(0, 4),
+    field=st.sampled_from(["name", "dtype", "shape", "offset", "nbytes", "xxh64", "sections", "stride", "slots"]),
+)
 def test_header_semantic_fuzz(tmp_path_factory, key, value, idx, field):
     """Valid JSON with wrong types or values anywhere is a FormatError, never a crash."""
     p = tmp_path_factory.mktemp("fz") / "m.fst"
@@ -279,6 +311,7 @@ def test_header_semantic_fuzz(tmp_path_factory, key, value, idx, field):
             tgt[field] = value
         else:
             h[key] = value
+
     try:
         _rewrite_header(p, mutate)
     except AssertionError:

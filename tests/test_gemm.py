@@ -4,6 +4,7 @@ on vdpbf16ps. Both paths sum exact products in float32, so they differ only in s
 do not depend on T, on its place in the batch, or on the thread count; a call whose x does not qualify gives the
 FP32 tile path's result bit for bit.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,10 +25,29 @@ def bf16_isa():
 
 
 # (T, N, K): T past the dot path, N off the 32-row tile, K ragged against the 128-column tile (FP8: odd K too)
-FP8_SHAPES = [(9, 37, 96), (16, 33, 32), (17, 130, 160), (40, 61, 288), (13, 200, 130), (33, 131, 257),
-              (20, 77, 1000), (12, 40, 4200), (64, 64, 4096), (100, 45, 1056), (9, 1, 1)]
-FP4_SHAPES = [(9, 37, 96), (16, 33, 32), (17, 130, 160), (40, 61, 288), (100, 45, 1056), (23, 19, 4128),
-              (64, 64, 4096), (11, 300, 224)]
+FP8_SHAPES = [
+    (9, 37, 96),
+    (16, 33, 32),
+    (17, 130, 160),
+    (40, 61, 288),
+    (13, 200, 130),
+    (33, 131, 257),
+    (20, 77, 1000),
+    (12, 40, 4200),
+    (64, 64, 4096),
+    (100, 45, 1056),
+    (9, 1, 1),
+]
+FP4_SHAPES = [
+    (9, 37, 96),
+    (16, 33, 32),
+    (17, 130, 160),
+    (40, 61, 288),
+    (100, 45, 1056),
+    (23, 19, 4128),
+    (64, 64, 4096),
+    (11, 300, 224),
+]
 
 
 @pytest.mark.parametrize("t,n,k", FP8_SHAPES)
@@ -125,7 +145,7 @@ def test_tile_bf16_only_for_exact_x(bf16_isa):
     """x that is not all bfloat16 (the reference numerics, wo_a's input) keeps the FP32 tile path bit for bit."""
     rng = np.random.default_rng(12)
     x = exact_x(rng, 20, 1024)
-    x[7, 3] += 2.0 ** -20 * abs(x[7, 3]) + 2.0 ** -30  # one inexact value
+    x[7, 3] += 2.0**-20 * abs(x[7, 3]) + 2.0**-30  # one inexact value
     w8, s8 = fp8_weights(rng, 90, 1024)
     got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w8, s8))
     assert np.array_equal(got, fp32)
@@ -166,9 +186,12 @@ def test_prefill_products_benchmark_reports_both_paths(bf16_isa):
     from fastar.bench.kernels import prefill_products
 
     rows = prefill_products(tokens=16, rounds=1)
-    assert {(r["product"], r["path"]) for r in rows} == {(p, i) for p in ("fp8 4096x4096", "fp8 4096x8192",
-                                                                          "fp4 2048x4096", "fp4 4096x2048")
-                                                         for i in ("avx512bf16", "avx512")}
-    assert all(r["gflops_per_cpu_s"] > 0 and r["fraction"] == r["gflops_per_cpu_s"] / r["peak_gflops_per_cpu_s"]
-               for r in rows)
+    assert {(r["product"], r["path"]) for r in rows} == {
+        (p, i)
+        for p in ("fp8 4096x4096", "fp8 4096x8192", "fp4 2048x4096", "fp4 4096x2048")
+        for i in ("avx512bf16", "avx512")
+    }
+    assert all(
+        r["gflops_per_cpu_s"] > 0 and r["fraction"] == r["gflops_per_cpu_s"] / r["peak_gflops_per_cpu_s"] for r in rows
+    )
     assert K.get_isa() == "avx512bf16"  # restored ("auto" picks it on this CPU)

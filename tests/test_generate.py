@@ -1,5 +1,6 @@
 """Streaming generation: stop strings (held back, across token boundaries), stop tokens, UTF-8 split across tokens,
 max tokens, context limit, cancellation, usage; then greedy determinism and seed reproducibility on the tiny model."""
+
 from __future__ import annotations
 
 import itertools
@@ -25,6 +26,7 @@ EOS = 1
 
 
 # --- StopStrings --------------------------------------------------------------------------------------------
+
 
 def run_stops(pieces: list[str], stops: list[str]) -> tuple[list[str], bool]:
     s = StopStrings(stops)
@@ -64,8 +66,11 @@ def test_a_stop_starting_earlier_wins_though_it_completes_later() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text("ab#", max_size=30), st.lists(st.text("ab#", min_size=1, max_size=4), min_size=1, max_size=3),
-       st.lists(st.integers(0, 30), max_size=6))
+@given(
+    st.text("ab#", max_size=30),
+    st.lists(st.text("ab#", min_size=1, max_size=4), min_size=1, max_size=3),
+    st.lists(st.integers(0, 30), max_size=6),
+)
 def test_stops_match_the_one_shot_answer(text: str, stops: list[str], cuts: list[int]) -> None:
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
@@ -81,9 +86,11 @@ def test_stops_match_the_one_shot_answer(text: str, stops: list[str], cuts: list
 
 # --- stream_generate with a scripted model and the real tokenizer -------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from fastar.engine.tokenizer import Tokenizer
+
     return Tokenizer.default()
 
 
@@ -127,8 +134,9 @@ def scripted(tokenizer, script: list[int], prompt: list[int] | None = None, cont
 def chunks_of(s: Session, prompt, **kw) -> list[GenerationChunk]:
     cancel = kw.pop("cancel", None)
     progress = kw.pop("progress", None)
-    return list(stream_generate(s, prompt, SamplingParams(**kw), eos_token_id=EOS, cancel=cancel,
-                                on_prefill_progress=progress))
+    return list(
+        stream_generate(s, prompt, SamplingParams(**kw), eos_token_id=EOS, cancel=cancel, on_prefill_progress=progress)
+    )
 
 
 def test_utf8_split_across_tokens_is_held_until_whole(tokenizer) -> None:
@@ -222,8 +230,9 @@ def test_cancel_stops_at_the_next_token(tokenizer) -> None:
 def test_cancel_during_prefill(tokenizer) -> None:
     s, _, _ = scripted(tokenizer, [], prompt=list(range(100, 120)))
     cancel = threading.Event()
-    out = chunks_of(s, list(range(100, 120)), max_tokens=5, cancel=cancel,
-                    progress=lambda done, total: done and cancel.set())
+    out = chunks_of(
+        s, list(range(100, 120)), max_tokens=5, cancel=cancel, progress=lambda done, total: done and cancel.set()
+    )
     assert len(out) == 1 and out[0].token is None and out[0].finish_reason == "cancelled"
     assert s.num_processed == 8  # one prefill chunk, kept for the next request
 
@@ -238,10 +247,12 @@ def test_text_prompt_and_chat_result(tokenizer) -> None:
 
 # --- the tiny model ------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt: Path, tmp_path_factory):
     from fastar.convert.hf import convert
     from fastar.engine.engine import load
+
     return load(convert(tiny_ckpt, tmp_path_factory.mktemp("tiny-fst") / "tiny.fst"))
 
 
@@ -261,8 +272,13 @@ def test_greedy_is_deterministic_and_matches_the_reference_loop(engine) -> None:
 
 def test_seed_reproduces_sampled_text(engine) -> None:
     def run(seed: int) -> list[int]:
-        return [c.token for c in engine.stream(PROMPT, temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True,
-                                               session=engine.open_session())]
+        return [
+            c.token
+            for c in engine.stream(
+                PROMPT, temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True, session=engine.open_session()
+            )
+        ]
+
     assert run(11) == run(11)
     assert run(11) != run(12)
 
@@ -279,6 +295,11 @@ def test_engine_surface(engine) -> None:
         engine.context_length = 10**9
     assert engine.model_name_default == "deepseek-v4-flash" and engine.load_progress() == 1.0
     stats = engine.stats()
-    for key in ("prompt_tokens", "generated_tokens", "prefill_tokens_computed", "prefill_tokens_per_s",
-                "decode_tokens_per_s"):
+    for key in (
+        "prompt_tokens",
+        "generated_tokens",
+        "prefill_tokens_computed",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+    ):
         assert key in stats

@@ -1,6 +1,7 @@
 """Running straight from the official checkpoint directory: the `Checkpoint` weight source gives exactly the
 outputs of the `.fst` converted from it (default engine: `official` numerics, kernels when built), reads
 experts by byte range (six tensors, nothing else), and `fastar run -m DIR` works like `fastar run -m FILE`."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,6 +4,7 @@ numpy fallback, awkward shapes, extreme and special scales, bad inputs, threadin
 Tolerance: |kernel - exact| <= 1e-5 * (|x| @ |W|.T) (+ a denormal floor), where `exact` is the float64 product
 of the reference's dequantized weights: the kernels differ from the reference only in float32 summation order.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,7 @@ def assert_close(got: np.ndarray, x: np.ndarray, w_deq: np.ndarray, base: np.nda
     x64, w64 = x.astype(np.float64), w_deq.astype(np.float64)
     exact = x64 @ w64.T + (0 if base is None else base)
     with np.errstate(invalid="ignore"):
-        bound = RTOL * (np.abs(x64) @ np.abs(w64).T) + x.shape[1] * 2.0 ** -148
+        bound = RTOL * (np.abs(x64) @ np.abs(w64).T) + x.shape[1] * 2.0**-148
     nan = np.isnan(exact)
     assert np.array_equal(np.isnan(got), nan), "NaN pattern differs from the reference"
     err = np.abs(got[~nan] - exact[~nan])
@@ -92,8 +93,9 @@ def test_fp4_special_scales(backend):
         assert np.all(np.abs(got[:, :10]) > 0) or np.any(R.fp4_decode(w[:10], s[:10]) == 0)
 
 
-@pytest.mark.parametrize("t,n,k", [(1, 1, 1), (1, 129, 7), (3, 200, 130), (17, 131, 257), (4, 77, 1000),
-                                   (2, 40, 4200), (5, 128, 128)])
+@pytest.mark.parametrize(
+    "t,n,k", [(1, 1, 1), (1, 129, 7), (3, 200, 130), (17, 131, 257), (4, 77, 1000), (2, 40, 4200), (5, 128, 128)]
+)
 def test_fp8_matches_reference(backend, t, n, k):
     rng = np.random.default_rng(t * 1000 + n + k)
     x = rng.standard_normal((t, k)).astype(np.float32)
@@ -166,6 +168,7 @@ def test_torch_tensors_are_viewed_not_copied(backend):
 
 # --- the fused expert -----------------------------------------------------------------------------------
 
+
 def expert_exact(x, w1, s1, w3, s3, w2, s2, rw, limit, base):
     """float64 result and an error bound that propagates each product's float32 tolerance through the SwiGLU."""
     x64 = x.astype(np.float64)
@@ -186,8 +189,11 @@ def expert_case(seed: int, t: int, d: int, i: int, x_scale: float):
     """x [t, d], (w1, s1, w3, s3, w2, s2) of an expert of width i, routing weights [t]."""
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((t, d)) * x_scale).astype(np.float32)
-    weights = (*fp4_weights(rng, i, d, (124, 128)), *fp4_weights(rng, i, d, (124, 128)),
-               *fp4_weights(rng, d, i, (120, 126)))
+    weights = (
+        *fp4_weights(rng, i, d, (124, 128)),
+        *fp4_weights(rng, i, d, (124, 128)),
+        *fp4_weights(rng, d, i, (120, 126)),
+    )
     return rng, x, weights, rng.random(t).astype(np.float32)
 
 
@@ -232,8 +238,14 @@ def test_experts_ffn_equals_expert_ffn_then_index_add(backend, act_block):
     base = rng.standard_normal((t, d)).astype(np.float32)
     want = base.copy()
     for e, tok in enumerate(token_sets):
-        y = K.expert_ffn(np.ascontiguousarray(x[tok]), *experts[e], route_w[offsets[e]:offsets[e + 1]], 10.0,
-                         np.zeros((len(tok), d), np.float32), act_block=act_block)
+        y = K.expert_ffn(
+            np.ascontiguousarray(x[tok]),
+            *experts[e],
+            route_w[offsets[e] : offsets[e + 1]],
+            10.0,
+            np.zeros((len(tok), d), np.float32),
+            act_block=act_block,
+        )
         want[tok] += y
     got = K.experts_ffn(x, experts, rows, offsets, route_w, 10.0, base.copy(), act_block=act_block)
     np.testing.assert_array_equal(got, want)
@@ -246,8 +258,7 @@ def test_experts_ffn_bad_inputs():
     with pytest.raises(ValueError, match="offsets"):
         K.experts_ffn(x, [ex], np.array([0, 1]), np.array([0, 1]), np.ones(2, np.float32), 1.0, np.zeros_like(x))
     with pytest.raises(ValueError, match="no tokens"):
-        K.experts_ffn(x, [ex, ex], np.array([0, 1]), np.array([0, 2, 2]), np.ones(2, np.float32), 1.0,
-                      np.zeros_like(x))
+        K.experts_ffn(x, [ex, ex], np.array([0, 1]), np.array([0, 2, 2]), np.ones(2, np.float32), 1.0, np.zeros_like(x))
     if K.available():
         with pytest.raises(ValueError, match="not a token"):
             K.experts_ffn(x, [ex], np.array([0, 2]), ok["offsets"], ok["route_w"], 1.0, np.zeros_like(x))
@@ -285,6 +296,7 @@ def test_expert_ffn_bad_inputs():
 
 
 # --- bad inputs -----------------------------------------------------------------------------------------
+
 
 def test_bad_inputs_raise(backend):
     rng = np.random.default_rng(0)
@@ -328,6 +340,7 @@ def test_c_only_checks():
 
 # --- threads and the GIL --------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(not K.available(), reason="C extension not built")
 @pytest.mark.parametrize("quantized", [False, True])  # True: FP8-quantized x (the bf16 dot path where there is one)
 @pytest.mark.parametrize("isa", ISAS)
@@ -362,9 +375,12 @@ def test_small_batches_are_batch_invariant(isa, k):
     w4, s4 = fp4_weights(rng, 70, k)
     w8, s8 = fp8_weights(rng, 70, k)
     wb = (rng.standard_normal((70, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    for product in (lambda a: K.fp4_matmul(a, w4, s4), lambda a: K.fp8_matmul(a, w8, s8),
-                    lambda a: K.bf16_matmul(a, wb)):
-        alone = np.concatenate([product(x[t:t + 1]) for t in range(8)])
+    for product in (
+        lambda a: K.fp4_matmul(a, w4, s4),
+        lambda a: K.fp8_matmul(a, w8, s8),
+        lambda a: K.bf16_matmul(a, wb),
+    ):
+        alone = np.concatenate([product(x[t : t + 1]) for t in range(8)])
         for T in range(2, 9):
             assert np.array_equal(product(x[:T]), alone[:T]), T
     K.set_isa("auto")
@@ -374,6 +390,7 @@ def test_small_batches_are_batch_invariant(isa, k):
 # For T <= 8, a product whose every x is an exact bfloat16 (as FP8-quantized activations are) multiplies with
 # vdpbf16ps; any other x takes the FP32 dot path. Both are exact products summed in float32, so they differ only
 # in summation order; a call that does not qualify gives exactly the "avx512" ISA's result.
+
 
 @pytest.fixture
 def bf16_isa():
@@ -419,8 +436,20 @@ def test_set_isa_names_every_isa_of_this_build():
         assert isa in str(e.value)
 
 
-@pytest.mark.parametrize("t,n,k", [(1, 1, 1), (1, 129, 7), (2, 70, 4096), (3, 200, 130), (4, 77, 1000), (5, 40, 4200),
-                                   (6, 128, 128), (7, 33, 257), (8, 64, 1024)])
+@pytest.mark.parametrize(
+    "t,n,k",
+    [
+        (1, 1, 1),
+        (1, 129, 7),
+        (2, 70, 4096),
+        (3, 200, 130),
+        (4, 77, 1000),
+        (5, 40, 4200),
+        (6, 128, 128),
+        (7, 33, 257),
+        (8, 64, 1024),
+    ],
+)
 def test_bf16_path_fp8_matches_reference(bf16_isa, t, n, k):
     rng = np.random.default_rng(t * 1000 + n + k)
     x = exact_x(rng, t, k)
@@ -432,8 +461,20 @@ def test_bf16_path_fp8_matches_reference(bf16_isa, t, n, k):
         assert not np.array_equal(got, fp32)
 
 
-@pytest.mark.parametrize("t,n,k", [(1, 37, 96), (3, 130, 160), (8, 61, 288), (5, 33, 32), (4, 45, 1056),
-                                   (2, 19, 4128), (1, 64, 4096), (6, 50, 2048), (7, 21, 224)])
+@pytest.mark.parametrize(
+    "t,n,k",
+    [
+        (1, 37, 96),
+        (3, 130, 160),
+        (8, 61, 288),
+        (5, 33, 32),
+        (4, 45, 1056),
+        (2, 19, 4128),
+        (1, 64, 4096),
+        (6, 50, 2048),
+        (7, 21, 224),
+    ],
+)
 def test_bf16_path_fp4_matches_reference(bf16_isa, t, n, k):
     rng = np.random.default_rng(t * 1000 + n + k)
     x = exact_x(rng, t, k, 3.0)
@@ -488,7 +529,7 @@ def test_bf16_path_is_chosen_per_call(bf16_isa, bad):
     avx512 ISA's bit for bit."""
     rng = np.random.default_rng(6)
     x = exact_x(rng, 5, 1024)
-    x[3, 100] = {"tiny": 2.0 ** -120, "denormal": 1e-40, "huge": 2.0 ** 70, "inf": np.inf, "nan": np.nan}[bad]
+    x[3, 100] = {"tiny": 2.0**-120, "denormal": 1e-40, "huge": 2.0**70, "inf": np.inf, "nan": np.nan}[bad]
     w8, s8 = fp8_weights(rng, 90, 1024)
     w4, s4 = fp4_weights(rng, 90, 1024)
     for product in (lambda a: K.fp8_matmul(a, w8, s8), lambda a: K.fp4_matmul(a, w4, s4)):
@@ -511,18 +552,20 @@ def test_bf16_path_splits_x_that_is_not_bf16(bf16_isa, t):
     rng = np.random.default_rng(20 + t)
     k = 1056
     x = (rng.standard_normal((t, k)) * 3).astype(np.float32)
-    x[0, :5] = [0.0, 2.0 ** -93, -(2.0 ** 64), 1.0 + 2.0 ** -23, -(1.0 + 2.0 ** -9)]  # range ends, every bit used
+    x[0, :5] = [0.0, 2.0**-93, -(2.0**64), 1.0 + 2.0**-23, -(1.0 + 2.0**-9)]  # range ends, every bit used
     if t > 1:
         x[1] = exact_x(rng, 1, k)[0]
     w8, s8 = fp8_weights(rng, 70, k)
     w4, s4 = fp4_weights(rng, 70, k)
-    for product, deq in ((lambda a: K.fp8_matmul(a, w8, s8), R.fp8_block_dequant(w8, s8)),
-                         (lambda a: K.fp4_matmul(a, w4, s4), R.fp4_decode(w4, s4))):
+    for product, deq in (
+        (lambda a: K.fp8_matmul(a, w8, s8), R.fp8_block_dequant(w8, s8)),
+        (lambda a: K.fp4_matmul(a, w4, s4), R.fp4_decode(w4, s4)),
+    ):
         got, fp32 = on_both_paths(lambda: product(x))  # noqa: B023 (called at once)
         assert_close(got, x, deq)
         assert not np.array_equal(got, fp32)
         for i in range(t):
-            alone = product(np.ascontiguousarray(x[i:i + 1]))  # noqa: B023
+            alone = product(np.ascontiguousarray(x[i : i + 1]))  # noqa: B023
             assert np.array_equal(alone[0], got[i])
     base = rng.standard_normal((t, 70)).astype(np.float32)
     acc = K.fp8_matmul(x, w8, s8, out=base.copy())  # the accumulating form adds the same sum
@@ -557,10 +600,10 @@ def test_bf16_path_is_batch_invariant(bf16_isa, k):
     w4, s4 = fp4_weights(rng, 70, k)
     w8, s8 = fp8_weights(rng, 70, k)
     for product in (lambda a: K.fp4_matmul(a, w4, s4), lambda a: K.fp8_matmul(a, w8, s8)):
-        alone = np.concatenate([product(x[t:t + 1]) for t in range(8)])
+        alone = np.concatenate([product(x[t : t + 1]) for t in range(8)])
         for T in range(2, 9):
             assert np.array_equal(product(x[:T]), alone[:T]), T
-            assert np.array_equal(product(x[8 - T:]), alone[8 - T:]), T
+            assert np.array_equal(product(x[8 - T :]), alone[8 - T :]), T
 
 
 @pytest.mark.skipif(not K.available(), reason="C extension not built")
@@ -635,8 +678,9 @@ def test_a_late_worker_never_claims_a_chunk_of_the_next_job():
     finally:
         K.pool_test_delays(0, 0)
         K.set_num_threads(threads)
-    assert not bad, f"{len(bad)} of 60 jobs ran a chunk twice or returned early; (job, chunks, count histogram): " \
-                    f"{bad[:3]}"
+    assert not bad, (
+        f"{len(bad)} of 60 jobs ran a chunk twice or returned early; (job, chunks, count histogram): {bad[:3]}"
+    )
 
 
 @pytest.mark.skipif(not K.available(), reason="C extension not built")
@@ -673,6 +717,7 @@ def test_gil_is_released_during_compute():
 @pytest.mark.skipif(not K.available(), reason="C extension not built")
 def test_small_kernels_check_their_arguments():
     from fastar.quant import _kernels as C
+
     x = np.ones((2, 64), np.float32)
     with pytest.raises(ValueError, match="shape"):
         C.fp8_act_quant(x, 32, np.empty((2, 32), np.float32))
@@ -704,17 +749,23 @@ def test_grouped_products_equal_their_groups(backend, t, exact):
     w8, s8 = fp8_weights(rng, g * r, k)
     w4, s4 = fp4_weights(rng, g * r, k)
     wb = R.bf16_encode((rng.standard_normal((g * r, k)) * 0.1).astype(np.float32))
-    cases = [(lambda a, **kw: K.fp8_matmul(a, w8, s8, **kw),
-              lambda a, i: K.fp8_matmul(a, w8[i * r:(i + 1) * r], s8[i:i + 1])),
-             (lambda a, **kw: K.fp4_matmul(a, w4, s4, **kw),
-              lambda a, i: K.fp4_matmul(a, w4[i * r:(i + 1) * r], s4[i * r:(i + 1) * r])),
-             (lambda a, **kw: K.bf16_matmul(a, wb, **kw), lambda a, i: K.bf16_matmul(a, wb[i * r:(i + 1) * r]))]
+    cases = [
+        (
+            lambda a, **kw: K.fp8_matmul(a, w8, s8, **kw),
+            lambda a, i: K.fp8_matmul(a, w8[i * r : (i + 1) * r], s8[i : i + 1]),
+        ),
+        (
+            lambda a, **kw: K.fp4_matmul(a, w4, s4, **kw),
+            lambda a, i: K.fp4_matmul(a, w4[i * r : (i + 1) * r], s4[i * r : (i + 1) * r]),
+        ),
+        (lambda a, **kw: K.bf16_matmul(a, wb, **kw), lambda a, i: K.bf16_matmul(a, wb[i * r : (i + 1) * r])),
+    ]
     for grouped, one in cases:
         got = grouped(x, groups=g)
         assert got.shape == (t, g * r)
         for i in range(g):
-            want = one(np.ascontiguousarray(x[:, i * k:(i + 1) * k]), i)
-            np.testing.assert_array_equal(got[:, i * r:(i + 1) * r], want)
+            want = one(np.ascontiguousarray(x[:, i * k : (i + 1) * k]), i)
+            np.testing.assert_array_equal(got[:, i * r : (i + 1) * r], want)
         base = rng.standard_normal((t, g * r)).astype(np.float32)
         np.testing.assert_array_equal(grouped(x, out=base.copy(), groups=g), base + got)
     with pytest.raises(ValueError, match="groups"):

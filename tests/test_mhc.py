@@ -1,6 +1,7 @@
 """The mHC's C calls (fastar.quant._kernels.hc_pre / hc_post, through fastar.model.ops) against their torch
 references, on every instruction set this CPU runs: equal within float32 rounding, batch-invariant bit for bit
 (a token alone, inside a chunk, at any place in it, on any thread count), and strict about their arguments."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -54,8 +55,9 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> N
 def test_hc_pre_and_head_match_torch(isa, T, n, d):
     X = streams(T, n, d, T)
     fn, base, scale = params(n, d, 1)
-    for got, want in zip(ops.hc_pre(X, fn, base, scale, ITERS, HC_EPS, EPS),
-                         ops.hc_pre_torch(X, fn, base, scale, ITERS, HC_EPS, EPS)):
+    for got, want in zip(
+        ops.hc_pre(X, fn, base, scale, ITERS, HC_EPS, EPS), ops.hc_pre_torch(X, fn, base, scale, ITERS, HC_EPS, EPS)
+    ):
         assert got.shape == want.shape
         assert_close(got, want)
     fn, base, scale = params(n, d, 2, head=True)
@@ -95,7 +97,7 @@ def test_c_calls_are_batch_invariant(isa, n, d):
     T = 40
     X, f = streams(T, n, d, 7), torch.randn(T, d)
     pp, hp = params(n, d, 4), params(n, d, 5, head=True)
-    alone = [run_all(X[t:t + 1], f[t:t + 1], pp, hp) for t in range(T)]
+    alone = [run_all(X[t : t + 1], f[t : t + 1], pp, hp) for t in range(T)]
     chunks = [(0, 40)] + [(a, a + c) for c in range(2, 9) for a in (0, 5, 31)]
     before = K.get_num_threads()
     try:
@@ -135,6 +137,7 @@ def test_strided_streams_are_taken_as_their_values():
 
 def test_hc_calls_check_their_arguments():
     from fastar.quant import _kernels as C
+
     n, d, T = 4, 32, 2
     R = (2 + n) * n
     z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
@@ -155,8 +158,8 @@ def test_hc_calls_check_their_arguments():
         (dict(x=x.astype(np.float64)), TypeError, "x must be float32"),
         (dict(fn=np.zeros((n * d, R), np.float32).T), ValueError, "fn must be C-contiguous"),
         (dict(u=x[:, :d]), ValueError, "C-contiguous"),
-        (dict(u=x.reshape(-1)[:T * d].reshape(T, d)), ValueError, "u must not overlap"),
-        (dict(post=u.reshape(-1)[:T * n].reshape(T, n)), ValueError, "post must not overlap"),
+        (dict(u=x.reshape(-1)[: T * d].reshape(T, d)), ValueError, "u must not overlap"),
+        (dict(post=u.reshape(-1)[: T * n].reshape(T, n)), ValueError, "post must not overlap"),
     ]
     args = dict(x=x, fn=fn, base=base, scale=scale, n=n, iters=ITERS, hc_eps=HC_EPS, eps=EPS, u=u, post=post, comb=comb)
     for change, exc, msg in bad:
@@ -166,8 +169,13 @@ def test_hc_calls_check_their_arguments():
         C.hc_pre(x, fn, base, scale, n, 1, HC_EPS, EPS, u)
     f, out = z(T, d), z(T, n * d)
     C.hc_post(f, x, post, comb, out)
-    for change, msg in [(dict(x=z(T, n * d + 1)), "x has shape"), (dict(comb=z(T, n * n - 1)), "comb has shape"),
-                        (dict(post=z(T + 1, n)), "post has shape"), (dict(out=z(T, d)), "out has shape"),
-                        (dict(out=x), "out must not overlap"), (dict(post=z(T, 0)), "n >= 1")]:
+    for change, msg in [
+        (dict(x=z(T, n * d + 1)), "x has shape"),
+        (dict(comb=z(T, n * n - 1)), "comb has shape"),
+        (dict(post=z(T + 1, n)), "post has shape"),
+        (dict(out=z(T, d)), "out has shape"),
+        (dict(out=x), "out must not overlap"),
+        (dict(post=z(T, 0)), "n >= 1"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             C.hc_post(**{**dict(f=f, x=x, post=post, comb=comb, out=out), **change})

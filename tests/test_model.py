@@ -5,6 +5,7 @@ numerics switches.
 Sequences are 400 tokens: they cross the sliding window many times, close 100 ratio-4 windows and 3 ratio-128
 windows, and run through the hash-routed layers on every token. The fixtures have 16 indexer heads.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,9 +53,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def variant_ckpt(tmp_path_factory):
     """A second config (seed 1): a compressed first layer, 3 hash layers, window 16, top-k 8, 3 experts/token."""
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt-variant"), "tiny", seed=1, tokenizer=False,
-                            compress_ratios=[4, 128, 0, 4, 128, 0], sliding_window=16, index_topk=8,
-                            num_hash_layers=3, num_experts_per_tok=3)
+    return write_checkpoint(
+        tmp_path_factory.mktemp("ckpt-variant"),
+        "tiny",
+        seed=1,
+        tokenizer=False,
+        compress_ratios=[4, 128, 0, 4, 128, 0],
+        sliding_window=16,
+        index_topk=8,
+        num_hash_layers=3,
+        num_experts_per_tok=3,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +86,16 @@ def tiny_full(tiny_ckpt):
 
 # --- against transformers ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("which,kernels", [("tiny", True), ("tiny", False), ("variant", True), ("seed2", True),
-                                            ("dspark", True)])
+
+@pytest.mark.parametrize(
+    "which,kernels", [("tiny", True), ("tiny", False), ("variant", True), ("seed2", True), ("dspark", True)]
+)
 def test_logits_match_transformers(request, hf_model, which, kernels):
     """Every position of a 400-token sequence within 1e-4 of transformers (both product paths on `tiny`;
     `dspark` checks that a checkpoint with DSpark stages still runs the main model exactly)."""
-    path = request.getfixturevalue({"tiny": "tiny_ckpt", "variant": "variant_ckpt", "seed2": "seed2_ckpt",
-                                    "dspark": "dspark_ckpt"}[which])
+    path = request.getfixturevalue(
+        {"tiny": "tiny_ckpt", "variant": "variant_ckpt", "seed2": "seed2_ckpt", "dspark": "dspark_ckpt"}[which]
+    )
     ids = tokens(SEQ, 11)
     eng = engine(path, kernels=kernels)
     state = eng.new_state()
@@ -118,23 +130,24 @@ def test_audit_reports_every_layer(tiny_ckpt):
 
 # --- decode state --------------------------------------------------------------------------------------------
 
+
 def test_chunked_prefill_and_token_by_token_decode_match_full_prefill(tiny_ckpt, tiny_full):
     ids, full = tiny_full
     model = engine(tiny_ckpt).model
     for chunk in (7, 64, 133):
         state, outs = model.new_state(), []
         for a in range(0, SEQ, chunk):
-            outs.append(model.forward(ids[a:a + chunk], state)[0])
+            outs.append(model.forward(ids[a : a + chunk], state)[0])
         diff = (torch.cat(outs) - full).abs().max().item()
         assert diff <= TOL, f"chunk {chunk}: max |diff| {diff:.3e}"
     # token by token from the first token to the last ...
     state = model.new_state()
-    steps = torch.cat([model.forward(ids[t:t + 1], state)[0] for t in range(SEQ)])
+    steps = torch.cat([model.forward(ids[t : t + 1], state)[0] for t in range(SEQ)])
     assert (steps - full).abs().max().item() <= TOL
     # ... and decode after a prefill, across the ratio-128 boundary at 384
     state = model.new_state()
     model.forward(ids[:300], state)
-    steps = torch.cat([model.forward(ids[t:t + 1], state)[0] for t in range(300, SEQ)])
+    steps = torch.cat([model.forward(ids[t : t + 1], state)[0] for t in range(300, SEQ)])
     assert (steps - full[300:]).abs().max().item() <= TOL
 
 
@@ -152,8 +165,8 @@ def test_truncate_then_continue_equals_fresh_run(tiny_ckpt, tiny_full, p):
     state = model.new_state()
     model.forward(ids, state)
     state.truncate(p)
-    cont = model.forward(ids[p:p + 17], state)[0]
-    assert (cont - full[p:p + 17]).abs().max().item() <= TOL
+    cont = model.forward(ids[p : p + 17], state)[0]
+    assert (cont - full[p : p + 17]).abs().max().item() <= TOL
 
 
 def test_bounded_rollback_and_snapshot_restore(tiny_ckpt, tiny_full):
@@ -171,6 +184,7 @@ def test_bounded_rollback_and_snapshot_restore(tiny_ckpt, tiny_full):
 
 
 # --- MTP -----------------------------------------------------------------------------------------------------
+
 
 def _dequant(ck, name):
     from fastar.quant.reference import bf16_decode, fp8_block_dequant
@@ -206,8 +220,11 @@ def test_mtp_logits_match_independent_computation(tiny_ckpt, hf_model):
     X = streams[0][: T - 1]  # [T-1, n, d]
 
     # the MTP block as a transformers decoder layer: sliding attention, score-routed MoE
-    hcfg = dataclasses.replace(hf.config) if dataclasses.is_dataclass(hf.config) else hf.config.__class__(
-        **hf.config.to_dict())
+    hcfg = (
+        dataclasses.replace(hf.config)
+        if dataclasses.is_dataclass(hf.config)
+        else hf.config.__class__(**hf.config.to_dict())
+    )
     hcfg.layer_types = ["sliding_attention"] + list(hcfg.layer_types[1:])
     hcfg.mlp_layer_types = ["moe"] + list(hcfg.mlp_layer_types[1:])
     layer = DeepseekV4DecoderLayer(hcfg, 0).float().eval()
@@ -242,8 +259,12 @@ def test_mtp_logits_match_independent_computation(tiny_ckpt, hf_model):
             sd[f"{site}_hc.{part}"] = torch.from_numpy(ck.tensor(f"{p}hc_{site}_{part}"))
     layer.load_state_dict(sd)
     head = DeepseekV4HyperHead(hcfg).float()
-    head.load_state_dict({k: torch.from_numpy(ck.tensor(p + "hc_head_" + k.removeprefix("hc_")))
-                          for k in ("hc_fn", "hc_base", "hc_scale")})
+    head.load_state_dict(
+        {
+            k: torch.from_numpy(ck.tensor(p + "hc_head_" + k.removeprefix("hc_")))
+            for k in ("hc_fn", "hc_base", "hc_scale")
+        }
+    )
 
     def norm(name, x):
         n = DeepseekV4RMSNorm(x.shape[-1], eps=cfg.rms_norm_eps)
@@ -258,8 +279,9 @@ def test_mtp_logits_match_independent_computation(tiny_ckpt, hf_model):
         rope = {k: hf.model.rotary_emb(x, position_ids=pos, layer_type=k) for k in ("main", "compress")}
         q, k = pos[0][:, None], pos[0][None, :]
         mask = torch.where((k <= q) & (k > q - cfg.sliding_window), 0.0, float("-inf"))[None, None]
-        y = layer(x[None], input_ids=nxt[None], position_embeddings=rope, position_ids=pos,
-                  attention_mask=mask, cache=None)[0]
+        y = layer(
+            x[None], input_ids=nxt[None], position_embeddings=rope, position_ids=pos, attention_mask=mask, cache=None
+        )[0]
         ref = norm(p + "norm", head(y[None])[0]) @ _dequant(ck, "head").T  # [T-1, V]
 
     model = engine(tiny_ckpt).model
@@ -270,7 +292,7 @@ def test_mtp_logits_match_independent_computation(tiny_ckpt, hf_model):
     # incremental MTP (one position at a time, own state) equals the batched call
     state2 = model.new_state()
     _, X2 = model.forward(ids, state2)
-    step = torch.cat([model.mtp_logits(X2[i:i + 1], ids[i + 1:i + 2], state2) for i in range(T - 1)])
+    step = torch.cat([model.mtp_logits(X2[i : i + 1], ids[i + 1 : i + 2], state2) for i in range(T - 1)])
     assert (step - ours).abs().max().item() <= TOL
 
 
@@ -365,7 +387,7 @@ def test_official_numerics_are_deterministic_and_chunking_moves_only_rounding(va
     full = model.forward(ids, model.new_state())[0]
     assert torch.equal(full, model.forward(ids, model.new_state())[0])
     state = model.new_state()
-    steps = torch.cat([model.forward(ids[t:t + 1], state)[0] for t in range(120)])
+    steps = torch.cat([model.forward(ids[t : t + 1], state)[0] for t in range(120)])
     ref = engine(variant_ckpt).model
     reference = ref.forward(ids, ref.new_state())[0]
     chunk_noise = (steps - full).abs().max(-1).values.median()
@@ -394,11 +416,11 @@ def test_small_chunks_are_bit_identical_to_decode(ckpt):
         model.forward(ids[:p0], state)
         steps, logits, after = state.snapshot(), [], [None]  # after[t]: the state after t steps
         for t in range(8):
-            logits.append(model.forward(ids[p0 + t:p0 + t + 1], steps)[0])
+            logits.append(model.forward(ids[p0 + t : p0 + t + 1], steps)[0])
             after.append(steps.snapshot())
         for T in range(2, 9):
             chunk = state.snapshot()
-            out = model.forward(ids[p0:p0 + T], chunk)[0]
+            out = model.forward(ids[p0 : p0 + T], chunk)[0]
             assert torch.equal(out, torch.cat(logits[:T])), (p0, T)
             for i, (a, b) in enumerate(zip(chunk.layers, after[T].layers)):
                 assert a.length == b.length == p0 + T
@@ -411,16 +433,20 @@ def test_small_chunks_are_bit_identical_to_decode(ckpt):
     model.mtp_logits(X[:30], ids[1:31], state)
     for T in range(2, 9):
         a, b = state.snapshot(), state.snapshot()
-        chunk = model.mtp_logits(X[30:30 + T], ids[31:31 + T], a)
-        steps = torch.cat([model.mtp_logits(X[30 + t:31 + t], ids[31 + t:32 + t], b) for t in range(T)])
+        chunk = model.mtp_logits(X[30 : 30 + T], ids[31 : 31 + T], a)
+        steps = torch.cat([model.mtp_logits(X[30 + t : 31 + t], ids[31 + t : 32 + t], b) for t in range(T)])
         assert torch.equal(chunk, steps) and torch.equal(a.mtp[0].kv.all(), b.mtp[0].kv.all()), T
-    ratios = cfg.compress_ratios[:cfg.num_hidden_layers]
-    assert 128 in ratios and 4 in ratios and all(b.attn.indexer is not None for b, r in zip(model.layers, ratios)
-                                                 if r == 4)
+    ratios = cfg.compress_ratios[: cfg.num_hidden_layers]
+    assert (
+        128 in ratios
+        and 4 in ratios
+        and all(b.attn.indexer is not None for b, r in zip(model.layers, ratios) if r == 4)
+    )
     assert (125 + 8) // 128 > 125 // 128 and (starts[0] + 8) // 4 > cfg.index_topk >= (starts[0] + 1) // 4
 
 
 # --- engine API ----------------------------------------------------------------------------------------------
+
 
 def test_generate_tokens_sampling_is_seeded(tiny_ckpt):
     eng = engine(tiny_ckpt)

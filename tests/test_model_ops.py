@@ -1,4 +1,5 @@
 """Closed-form tests of the model's leaf math: fastar.model.ops, the compressor and the indexer visibility rule."""
+
 from __future__ import annotations
 
 import math
@@ -22,6 +23,7 @@ ISAS = kernels.cpu_features()["usable_isas"] if kernels.available() else []  # t
 
 # --- norms, router score, SwiGLU -------------------------------------------------------------------------
 
+
 def test_rms_norm_closed_form():
     x = torch.randn(3, 16)
     w = torch.rand(16) + 0.5
@@ -41,6 +43,7 @@ def test_sqrtsoftplus_and_limited_swiglu():
 
 
 # --- RoPE / YaRN -------------------------------------------------------------------------------------------
+
 
 def test_rope_frequencies_plain():
     f = ops.rope_inv_freq(64, 10000.0)
@@ -69,8 +72,16 @@ def test_yarn_matches_transformers_flash_config():
     from transformers import DeepseekV4Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = DeepseekV4Config(compress_ratios=[0] * 43 + [0], rope_scaling={
-        "type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 65536})
+    cfg = DeepseekV4Config(
+        compress_ratios=[0] * 43 + [0],
+        rope_scaling={
+            "type": "yarn",
+            "factor": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 65536,
+        },
+    )
     hf, scale = ROPE_INIT_FUNCTIONS["yarn"](cfg, layer_type="compress")
     ours = ops.yarn_inv_freq(64, 160000.0, 16.0, 32.0, 1.0, 65536)
     assert scale == 1.0
@@ -106,6 +117,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 # --- mHC Sinkhorn ------------------------------------------------------------------------------------------
 
+
 def test_sinkhorn_rows_and_columns_sum_to_one():
     # its own generator: 20 iterations leave rows within 1e-2 of 1 for most logits, not all (~8% of draws miss)
     logits = torch.randn(6, 4, 4, generator=torch.Generator().manual_seed(0)) * 2
@@ -140,6 +152,7 @@ def test_sinkhorn_kernel_matches_torch():
 
 # --- Hadamard and activation quantization ------------------------------------------------------------------
 
+
 def test_hadamard_is_sylvester_and_orthonormal():
     n = 16
     h = np.array([[1.0]])
@@ -153,18 +166,18 @@ def test_hadamard_is_sylvester_and_orthonormal():
 
 
 def test_pow2_ceil_exact():
-    v = torch.tensor([1.0, 0.75, 2.0 ** -20, 3.0, 448.0, 2.0 ** -126])
-    assert torch.equal(ops.pow2_ceil(v), torch.tensor([1.0, 1.0, 2.0 ** -20, 4.0, 512.0, 2.0 ** -126]))
+    v = torch.tensor([1.0, 0.75, 2.0**-20, 3.0, 448.0, 2.0**-126])
+    assert torch.equal(ops.pow2_ceil(v), torch.tensor([1.0, 1.0, 2.0**-20, 4.0, 512.0, 2.0**-126]))
 
 
 def test_fp8_quant_sim_matches_e4m3_with_pow2_block_scales():
     x = torch.randn(4, 200) * torch.logspace(-3, 2, 200)  # K not a multiple of the block: last block is short
     y = ops.fp8_quant_sim(x, 64)
     for b in range(0, 200, 64):
-        blk = x[:, b:b + 64].double()
+        blk = x[:, b : b + 64].double()
         s = 2.0 ** torch.ceil(torch.log2(blk.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448))
         q = (blk / s).numpy().astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        assert np.array_equal(y[:, b:b + 64].double().numpy(), q * s.numpy())
+        assert np.array_equal(y[:, b : b + 64].double().numpy(), q * s.numpy())
     assert torch.equal(ops.fp8_quant_sim(y, 64), y)  # idempotent
 
 
@@ -183,21 +196,26 @@ def test_fp8_quant_sim_kernel_is_bit_identical_to_torch(isa):
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     codes = codes[torch.isfinite(codes)]
     mids = (codes[:, None] + codes[None, :]).flatten() / 2  # every tie and far more
-    steps = torch.tensor([1 - 2 ** -20, 1 + 2 ** -20, 1 - 2 ** -9, 1 + 2 ** -9])
+    steps = torch.tensor([1 - 2**-20, 1 + 2**-20, 1 - 2**-9, 1 + 2**-9])
     vals = torch.cat([codes, mids, (codes[:, None] * steps).flatten(), torch.tensor([448.0, -449.0, 1e6, -0.0])])
     g = torch.Generator().manual_seed(0)
-    vals = vals[torch.randperm(len(vals), generator=g)][:len(vals) // 128 * 128].view(-1, 128)
-    cases = [vals * 2.0 ** e for e in (-30, -9, 0, 7)]
-    cases += [torch.randn(7, 1000, generator=g) * torch.logspace(-8, 6, 1000), torch.randn(3, 4096, generator=g),
-              torch.full((2, 64), 3e-7), torch.zeros(1, 5)]
+    vals = vals[torch.randperm(len(vals), generator=g)][: len(vals) // 128 * 128].view(-1, 128)
+    cases = [vals * 2.0**e for e in (-30, -9, 0, 7)]
+    cases += [
+        torch.randn(7, 1000, generator=g) * torch.logspace(-8, 6, 1000),
+        torch.randn(3, 4096, generator=g),
+        torch.full((2, 64), 3e-7),
+        torch.zeros(1, 5),
+    ]
     special = torch.randn(4, 256, generator=g)
     special[0, 3], special[1, 200], special[2, 0] = float("nan"), float("inf"), -float("inf")
     cases.append(special)
     for x in cases:
         for block in (128, 64, 32):
             got, want = ops.fp8_quant_sim(x, block), ops.fp8_quant_sim_torch(x, block)
-            assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or \
-                (torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()))
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or (
+                torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+            )
 
 
 def test_row_ops_in_c_match_torch(isa):
@@ -242,6 +260,7 @@ def test_fp4_quant_sim_ties_to_even_and_matches_reference_rounding():
 
 # --- compressor pooling and indexer visibility (tiny in-memory weights) ----------------------------------
 
+
 class DictSource:
     """A minimal in-memory WeightSource of F32 tensors (enough for Compressor and Indexer)."""
 
@@ -261,10 +280,12 @@ class DictSource:
 def _compressor(ratio: int, hd: int = 8, d: int = 6, seed: int = 0):
     rng = np.random.default_rng(seed)
     c = 2 if ratio == 4 else 1
-    t = {"c.wkv.weight": rng.standard_normal((c * hd, d)).astype(np.float32),
-         "c.wgate.weight": rng.standard_normal((c * hd, d)).astype(np.float32),
-         "c.ape": rng.standard_normal((ratio, c * hd)).astype(np.float32),
-         "c.norm.weight": (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)}
+    t = {
+        "c.wkv.weight": rng.standard_normal((c * hd, d)).astype(np.float32),
+        "c.wgate.weight": rng.standard_normal((c * hd, d)).astype(np.float32),
+        "c.ape": rng.standard_normal((ratio, c * hd)).astype(np.float32),
+        "c.norm.weight": (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32),
+    }
     inv = ops.rope_inv_freq(4, 160000.0)
     return Compressor(Weights(DictSource(t), kernels=False), "c.", ratio, hd, inv, 1e-6), t, inv
 
@@ -297,7 +318,7 @@ def test_compressor_pools_at_window_boundaries(ratio):
     x = torch.randn(P, 6)
     s = LayerState.new(ratio, 8, hd, 4)
     for p in range(P):  # token by token: an entry appears exactly when a window closes
-        comp(x[p:p + 1], p, s.comp_kv, s.comp_gate, s.entries)
+        comp(x[p : p + 1], p, s.comp_kv, s.comp_gate, s.entries)
         assert s.entries.stop == (p + 1) // ratio
     for w in range(s.entries.stop):
         assert torch.allclose(s.entries.all()[w], _expected_entry(t, ratio, hd, x, w, inv), atol=1e-5)
@@ -305,7 +326,7 @@ def test_compressor_pools_at_window_boundaries(ratio):
     s2 = LayerState.new(ratio, 8, hd, 4)
     a = 0
     for n in [ratio - 1, 2, ratio + 3, P]:
-        comp(x[a:min(P, a + n)], a, s2.comp_kv, s2.comp_gate, s2.entries)
+        comp(x[a : min(P, a + n)], a, s2.comp_kv, s2.comp_gate, s2.entries)
         a = min(P, a + n)
     assert torch.allclose(s2.entries.all(), s.entries.all(), atol=1e-5)
 
@@ -313,18 +334,21 @@ def test_compressor_pools_at_window_boundaries(ratio):
 def test_indexer_visibility_rule():
     rng = np.random.default_rng(1)
     d, qr, Hi, Di = 6, 5, 8, 8
-    t = {"i.wq_b.weight": rng.standard_normal((Hi * Di, qr)).astype(np.float32),
-         "i.weights_proj.weight": rng.standard_normal((Hi, d)).astype(np.float32),
-         "i.compressor.wkv.weight": rng.standard_normal((2 * Di, d)).astype(np.float32),
-         "i.compressor.wgate.weight": rng.standard_normal((2 * Di, d)).astype(np.float32),
-         "i.compressor.ape": rng.standard_normal((4, 2 * Di)).astype(np.float32),
-         "i.compressor.norm.weight": np.ones(Di, np.float32)}
+    t = {
+        "i.wq_b.weight": rng.standard_normal((Hi * Di, qr)).astype(np.float32),
+        "i.weights_proj.weight": rng.standard_normal((Hi, d)).astype(np.float32),
+        "i.compressor.wkv.weight": rng.standard_normal((2 * Di, d)).astype(np.float32),
+        "i.compressor.wgate.weight": rng.standard_normal((2 * Di, d)).astype(np.float32),
+        "i.compressor.ape": rng.standard_normal((4, 2 * Di)).astype(np.float32),
+        "i.compressor.norm.weight": np.ones(Di, np.float32),
+    }
 
     class Cfg:
         index_n_heads, index_head_dim, index_topk, rms_norm_eps = Hi, Di, 3, 1e-6
 
-    idx = Indexer(Weights(DictSource(t), kernels=False), "i.", Cfg, ops.rope_inv_freq(4, 160000.0),
-                  Numerics.named("reference"))
+    idx = Indexer(
+        Weights(DictSource(t), kernels=False), "i.", Cfg, ops.rope_inv_freq(4, 160000.0), Numerics.named("reference")
+    )
     T = 40
     s = LayerState.new(4, 8, 16, Di)
     sel = idx(torch.randn(T, d), torch.randn(T, qr), 0, s)  # [T, k], k = min(3, 10 entries)
@@ -337,6 +361,7 @@ def test_indexer_visibility_rule():
 
 
 # --- weight products (fastar.quant.linear) against the numpy reference codecs -------------------------------
+
 
 def _fp8_linear(rows: int, cols: int, kernels: bool, seed: int = 0):
     from fastar.quant.linear import Linear
@@ -365,7 +390,7 @@ def test_linear_fp8_bf16_and_grouped_products(kernels):
     g = lin.grouped(xs)  # 3 groups of 128 output rows each
     assert g.shape == (5, 3, 128)
     for k in range(3):
-        assert torch.allclose(g[:, k], xs[:, k] @ w[128 * k:128 * (k + 1)].T, atol=1e-4)
+        assert torch.allclose(g[:, k], xs[:, k] @ w[128 * k : 128 * (k + 1)].T, atol=1e-4)
 
 
 @pytest.mark.parametrize("kernels", [False, True])
@@ -387,6 +412,7 @@ def test_expert_ffn_orders_and_activation_hook(kernels):
     after = expert_ffn(x, ew, rw, 1.0, kernels=kernels)
     before = expert_ffn(x, ew, rw, 1.0, weight_before_down=True, kernels=kernels)
     assert torch.allclose(after, expect, atol=1e-4) and torch.allclose(before, expect, atol=1e-4)
+
     def q(a):
         return ops.fp8_quant_sim(a, 32)
 
@@ -417,23 +443,34 @@ def test_layer_experts_in_one_call_equal_expert_by_expert():
         for nm, shape in (("w1", (inter, D)), ("w3", (inter, D)), ("w2", (D, inter))):
             parts[nm], parts[nm + "_scale"] = fp4_encode(rng.standard_normal(shape).astype(np.float32) / 4)
         experts[e] = ExpertWeights(**parts)
+
     def q(a):
         return ops.fp8_quant_sim(a, 128)
 
-    for routed in (np.array([[7, 2, 5]]), np.array([[1, 4], [6, 2]]), np.array([[3, 3, 5]]),
-                   np.array([[1, 4, 2], [4, 2, 8], [0, 2, 1]])):
+    for routed in (
+        np.array([[7, 2, 5]]),
+        np.array([[1, 4], [6, 2]]),
+        np.array([[3, 3, 5]]),
+        np.array([[1, 4, 2], [4, 2, 8], [0, 2, 1]]),
+    ):
         T = routed.shape[0]
         x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32) * 3)
         wts = torch.from_numpy(rng.uniform(0.1, 1, routed.shape).astype(np.float32))
         order = np.unique(routed).tolist()
         got = torch.zeros(T, D)
-        assert experts_ffn(x, routed, wts, experts, order, 1.0, got, weight_before_down=True, act_quant=q,
-                           act_block=128)
+        assert experts_ffn(
+            x, routed, wts, experts, order, 1.0, got, weight_before_down=True, act_quant=q, act_block=128
+        )
         want = torch.zeros(T, D)
         for e in order:
             tok, slot = (torch.from_numpy(a) for a in np.nonzero(routed == e))
-            want.index_add_(0, tok, expert_ffn(x[tok], experts[e], wts[tok, slot], 1.0, weight_before_down=True,
-                                               act_quant=q, act_block=128))
+            want.index_add_(
+                0,
+                tok,
+                expert_ffn(
+                    x[tok], experts[e], wts[tok, slot], 1.0, weight_before_down=True, act_quant=q, act_block=128
+                ),
+            )
         assert torch.equal(got, want)
 
 
@@ -456,7 +493,7 @@ def test_row_ops_over_the_pool_do_not_depend_on_threads(isa):
         K.set_num_threads(before)
     for r in res[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r, res[0]))
-    one = torch.cat([ops.rms_norm(x[i:i + 1], w, 1e-6) for i in range(0, 300, 37)])
+    one = torch.cat([ops.rms_norm(x[i : i + 1], w, 1e-6) for i in range(0, 300, 37)])
     assert torch.equal(one, res[0][0][::37])
     assert torch.equal(res[0][1], ops.apply_rope_torch(x, cos, sin, False))
     empty = np.zeros((0, 8), np.float32)  # no rows: nothing to do, no chunking arithmetic on zero rows per token

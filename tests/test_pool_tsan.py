@@ -2,6 +2,7 @@
 `-fsanitize=thread` (many small jobs of changing sizes, jobs posted while workers start, the race-widening test
 hooks on, jobs in a forked child), each job checking that every chunk ran exactly once before pool_run returned.
 Any data race ThreadSanitizer sees fails the test with its report."""
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,23 @@ def _cc() -> str | None:
 
 def _build(tmp_path: Path, flags: list[str]) -> tuple[Path | None, str]:
     exe = tmp_path / "pool_stress"
-    r = subprocess.run([_cc(), "-O1", "-g", "-std=gnu11", "-pthread", *flags, f"-I{CSRC}",
-                        str(ROOT / "tests" / "csrc" / "pool_stress.c"), str(CSRC / "pool.c"), "-o", str(exe)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            _cc(),
+            "-O1",
+            "-g",
+            "-std=gnu11",
+            "-pthread",
+            *flags,
+            f"-I{CSRC}",
+            str(ROOT / "tests" / "csrc" / "pool_stress.c"),
+            str(CSRC / "pool.c"),
+            "-o",
+            str(exe),
+        ],
+        capture_output=True,
+        text=True,
+    )
     return (exe if r.returncode == 0 else None), r.stderr
 
 

@@ -1,5 +1,6 @@
 """The prefix cache on disk: lookup of the longest stored prefix, the scheduler prefilling only the tail after a
 restart, corrupt and foreign files skipped (logged once), LRU eviction under the size cap, atomic writes."""
+
 from __future__ import annotations
 
 import logging
@@ -83,8 +84,9 @@ def test_corrupt_and_foreign_files_are_skipped_and_logged_once(eng, tmp_path, ca
         for _ in range(2):
             state, n = cache.lookup(ids, limit=19)
             assert n == 8  # the corrupt longer prefix is not trusted: the shorter good one is used
-    assert [r.getMessage() for r in caplog.records].count(f"prefix cache: skipping {bad}: its tokens or checksum "
-                                                          f"do not match") == 1
+    assert [r.getMessage() for r in caplog.records].count(
+        f"prefix cache: skipping {bad}: its tokens or checksum do not match"
+    ) == 1
     foreign = PrefixCache(tmp_path, "another model", 1 << 30)
     assert foreign.lookup(ids, limit=19) is None
     (tmp_path / f"8-{'0' * 64}.fpc").write_bytes(b"garbage")
@@ -119,6 +121,7 @@ def test_writes_are_atomic(eng, tmp_path, monkeypatch):
 
     def fail(*a):
         raise OSError("disk full")
+
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError):
         cache.store(ids, prefilled(eng, ids))

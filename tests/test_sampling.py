@@ -1,4 +1,5 @@
 """Sampling: parameter validation, each logits processor against a hand-computed case, greedy, seeds, logprobs."""
+
 from __future__ import annotations
 
 import math
@@ -28,16 +29,32 @@ LOGP = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
 
 # --- SamplingParams ----------------------------------------------------------------------------------------
 
+
 def test_defaults_are_greedy() -> None:
     p = SamplingParams()
     assert p.is_greedy and p.max_tokens == 256 and p.stop == [] and p.logprobs is None
 
 
-@pytest.mark.parametrize("field,value", [
-    ("max_tokens", -1), ("max_tokens", 1.5), ("temperature", -0.1), ("temperature", float("nan")),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 1.5), ("seed", "x"), ("stop", [""]),
-    ("stop", [3]), ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", -1), ("ignore_eos", 1),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", -1),
+        ("max_tokens", 1.5),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("seed", "x"),
+        ("stop", [""]),
+        ("stop", [3]),
+        ("stop_token_ids", [-1]),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("ignore_eos", 1),
+    ],
+)
 def test_bad_values_name_the_field(field: str, value) -> None:
     with pytest.raises(SamplingError, match=field):
         SamplingParams(**{field: value})
@@ -58,14 +75,16 @@ def test_from_kwargs_aliases_and_unknown_names() -> None:
 
 # --- processors against hand-computed cases ----------------------------------------------------------------
 
+
 def test_top_k() -> None:
     assert kept(apply_top_k(LOGP, 2)) == [0, 1]
     assert kept(apply_top_k(LOGP, 0)) == [0, 1, 2, 3]
     assert kept(apply_top_k(LOGP, 10)) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("p,expect", [(0.4, [0]), (0.5, [0]), (0.7, [0, 1]), (0.8, [0, 1]), (0.81, [0, 1, 2]),
-                                      (1.0, [0, 1, 2, 3])])
+@pytest.mark.parametrize(
+    "p,expect", [(0.4, [0]), (0.5, [0]), (0.7, [0, 1]), (0.8, [0, 1]), (0.81, [0, 1, 2]), (1.0, [0, 1, 2, 3])]
+)
 def test_top_p_keeps_the_smallest_set_reaching_p(p: float, expect: list[int]) -> None:
     assert kept(apply_top_p(LOGP, p)) == expect
 
@@ -89,8 +108,13 @@ def test_temperature_sharpens_before_truncation() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(-20, 20), min_size=2, max_size=40), st.floats(0.05, 2.0), st.integers(0, 5),
-       st.floats(0.05, 1.0), st.floats(0.0, 1.0))
+@given(
+    st.lists(st.floats(-20, 20), min_size=2, max_size=40),
+    st.floats(0.05, 2.0),
+    st.integers(0, 5),
+    st.floats(0.05, 1.0),
+    st.floats(0.0, 1.0),
+)
 def test_processors_never_remove_the_most_likely_token(vals, temp, k, p, mp) -> None:
     logits = torch.tensor(vals)
     x = processed_logits(logits, SamplingParams(temperature=temp, top_k=k, top_p=p, min_p=mp))
@@ -99,6 +123,7 @@ def test_processors_never_remove_the_most_likely_token(vals, temp, k, p, mp) -> 
 
 
 # --- Sampler ------------------------------------------------------------------------------------------------
+
 
 def test_greedy_is_argmax_and_reports_raw_logprobs() -> None:
     logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
@@ -150,10 +175,16 @@ def test_argmax_is_torchs_first_largest_value():
     from fastar.engine.sampling import argmax
 
     g = torch.Generator().manual_seed(0)
-    cases = [torch.randn(129280, generator=g), torch.randn(1, 3000, generator=g), torch.zeros(7),
-             torch.tensor([1.0, 5.0, 5.0, 2.0]), torch.tensor([1.0, float("nan"), 9.0, float("nan")]),
-             torch.tensor([-float("inf"), float("inf"), 3.0]), torch.randn(50, generator=g).to(torch.bfloat16),
-             torch.randn(10, generator=g).double()]
+    cases = [
+        torch.randn(129280, generator=g),
+        torch.randn(1, 3000, generator=g),
+        torch.zeros(7),
+        torch.tensor([1.0, 5.0, 5.0, 2.0]),
+        torch.tensor([1.0, float("nan"), 9.0, float("nan")]),
+        torch.tensor([-float("inf"), float("inf"), 3.0]),
+        torch.randn(50, generator=g).to(torch.bfloat16),
+        torch.randn(10, generator=g).double(),
+    ]
     for x in cases:
         assert argmax(x) == int(torch.argmax(x))
     x = torch.randn(4, 6, generator=g)[:, 2]  # a strided view

@@ -1,5 +1,6 @@
 """The step scheduler: batched decoding is bit-identical to serving each request alone; admission, the bounded
 queue, cancellation and counters; chunked prefill interleaved with decoding."""
+
 from __future__ import annotations
 
 import pytest
@@ -114,9 +115,11 @@ def test_stop_strings_and_stop_tokens_batched(eng):
     reqs = []
     for (ids, p), chunks in zip(base, texts):
         text = "".join(c.text for c in chunks)
-        kw = {f: getattr(p, f) for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                                          "ignore_eos", "logprobs")}
-        reqs.append((ids, SamplingParams(**kw, stop=[text[len(text) // 2: len(text) // 2 + 3]])))
+        kw = {
+            f: getattr(p, f)
+            for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs")
+        }
+        reqs.append((ids, SamplingParams(**kw, stop=[text[len(text) // 2 : len(text) // 2 + 3]])))
         reqs.append((ids, SamplingParams(**kw, stop_token_ids=[chunks[len(chunks) // 3].token])))
     out = eng.serve_batch(reqs)
     for (ids, p), chunks in zip(reqs, out):
@@ -132,8 +135,10 @@ def test_chunked_prefill_interleaves_with_decoding(eng):
     before = eng.prefill_chunk
     eng.prefill_chunk = 16
     try:
-        short, long_ = (prompt(1, 6), SamplingParams(max_tokens=40, ignore_eos=True)), \
-            (prompt(2, 200), SamplingParams(max_tokens=8, ignore_eos=True))
+        short, long_ = (
+            (prompt(1, 6), SamplingParams(max_tokens=40, ignore_eos=True)),
+            (prompt(2, 200), SamplingParams(max_tokens=8, ignore_eos=True)),
+        )
         sched = Scheduler(eng)
         got = {"short": 0}
         log = []
@@ -258,9 +263,28 @@ def test_bench_streams_cli(tiny_ckpt, tmp_path):
 
     needs_invariant_kernels()
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
-    r = subprocess.run([sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--streams", "1,3", "--json",
-                        "--decode-tokens", "6", "--prompt-tokens", "8", "--ram-budget", "400K"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastar",
+            "bench",
+            "-m",
+            str(fst),
+            "--streams",
+            "1,3",
+            "--json",
+            "--decode-tokens",
+            "6",
+            "--prompt-tokens",
+            "8",
+            "--ram-budget",
+            "400K",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [row["streams"] for row in out["rows"]] == [1, 3]

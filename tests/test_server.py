@@ -8,6 +8,7 @@ session/cancel/on_prefill_progress, stats, load_progress) with a character-level
   * "weather" with tools -> a DSML get_weather call;  "explode" -> the engine raises mid-stream;
   * thinking mode (prompt ends with <think>) -> "Thinking about <text>.</think>" before the reply; then EOS.
 """
+
 from __future__ import annotations
 
 import base64
@@ -46,12 +47,19 @@ except ImportError:  # FakeEngine stays importable (test_webui uses it) without 
 pytestmark = pytest.mark.skipif(openai is None, reason="the openai client is a test dependency: pip install openai")
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo")
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}
-MARKDOWN_REPLY = ("# Title\n\nSome **bold** and *italic* text with `code` and <b>raw html</b>.\n\n"
-                  "```python\ndef f(x):\n    return x < 3 and '<script>alert(1)</script>'\n```\n\n"
-                  "- item one\n- item [link](https://example.com)\n\n1. first\n2. second\n\n> quoted")
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]},
+    },
+}
+MARKDOWN_REPLY = (
+    "# Title\n\nSome **bold** and *italic* text with `code` and <b>raw html</b>.\n\n"
+    "```python\ndef f(x):\n    return x < 3 and '<script>alert(1)</script>'\n```\n\n"
+    "- item one\n- item [link](https://example.com)\n\n1. first\n2. second\n\n> quoted"
+)
 
 
 class FakeTokenizer:
@@ -100,13 +108,21 @@ class FakeEngine:
         self.context_length = context_length
         self.token_delay = token_delay
         self.prefill_delay = prefill_delay
-        self.gate = threading.Event()   # clear it to hold generations at the start (queue tests)
+        self.gate = threading.Event()  # clear it to hold generations at the start (queue tests)
         self.gate.set()
         self.started = threading.Semaphore(0)
         self.sessions_opened = 0
         self._lock = threading.Lock()
-        self._stats = dict(prompt_tokens=0, generated_tokens=0, prefill_tokens_computed=0, expert_cache_hits=0,
-                           expert_cache_misses=0, expert_cache_bytes_read=0, requests=0, tokens_after_cancel=0)
+        self._stats = dict(
+            prompt_tokens=0,
+            generated_tokens=0,
+            prefill_tokens_computed=0,
+            expert_cache_hits=0,
+            expert_cache_misses=0,
+            expert_cache_bytes_read=0,
+            requests=0,
+            tokens_after_cancel=0,
+        )
 
     def close(self) -> None:  # `Engine.close`: the host calls it at shutdown
         self.closed = True
@@ -178,18 +194,25 @@ class FakeEngine:
                 yield GenerationChunk("", finish_reason="length")
                 return
             time.sleep(self.token_delay)
-            self._bump(generated_tokens=1, expert_cache_hits=5, expert_cache_misses=1, expert_cache_bytes_read=4096,
-                       tokens_after_cancel=int(cancel is not None and cancel.is_set()))
+            self._bump(
+                generated_tokens=1,
+                expert_cache_hits=5,
+                expert_cache_misses=1,
+                expert_cache_bytes_read=4096,
+                tokens_after_cancel=int(cancel is not None and cancel.is_set()),
+            )
             if session is not None:
                 session.tokens.append(tid)
             top = [(tid, -0.25), (ord("?"), -1.5), (ord("!"), -3.0)][: params.logprobs or 0]
-            yield GenerationChunk(self.tokenizer.decode([tid]), tid, -0.25, top,
-                                  "stop" if tid == self.tokenizer.eos_id else None)
+            yield GenerationChunk(
+                self.tokenizer.decode([tid]), tid, -0.25, top, "stop" if tid == self.tokenizer.eos_id else None
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Fixtures and helpers
 # ---------------------------------------------------------------------------------------------------------
+
 
 def start_server(engine: FakeEngine | None = None, **kw) -> Server:
     engine = engine or FakeEngine()
@@ -212,8 +235,9 @@ def client(server: Server, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", max_retries=0, timeout=30, **kw)
 
 
-def raw(server: Server, method: str, path: str, body: bytes | str | dict | None = None,
-        headers: dict | None = None) -> tuple[int, dict, bytes]:
+def raw(
+    server: Server, method: str, path: str, body: bytes | str | dict | None = None, headers: dict | None = None
+) -> tuple[int, dict, bytes]:
     """One request with the path sent exactly as given (no client-side normalisation of '..')."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     if isinstance(body, dict):
@@ -249,6 +273,7 @@ def stream_text(cl, text: str, **kw) -> tuple[str, str, str | None, list]:
 # The API through the official client
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_health_models_and_tokenize(server):
     status, _, body = raw(server, "GET", "/health")
     assert (status, json.loads(body)) == (200, {"status": "ok"})
@@ -277,8 +302,9 @@ def test_chat_non_streaming_with_usage(server):
 
 def test_chat_streaming_matches_non_streaming(server):
     cl = client(server)
-    content, reasoning, finish, chunks = stream_text(cl, "stream me", extra_body=NO_THINK,
-                                                     stream_options={"include_usage": True})
+    content, reasoning, finish, chunks = stream_text(
+        cl, "stream me", extra_body=NO_THINK, stream_options={"include_usage": True}
+    )
     assert content == "Echo: stream me" and reasoning == "" and finish == "stop"
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(content) + 1
@@ -309,9 +335,11 @@ def test_reasoning_field_flag():
 
 
 def test_reasoning_sent_back_is_accepted(server):
-    messages = [{"role": "user", "content": "a"},
-                {"role": "assistant", "content": "b", "reasoning": "r1"},
-                {"role": "user", "content": "c"}]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "reasoning": "r1"},
+        {"role": "user", "content": "c"},
+    ]
     r = client(server).chat.completions.create(model="deepseek-v4-flash", messages=messages, temperature=0)
     assert r.choices[0].message.content == "Echo: c"
 
@@ -321,8 +349,11 @@ def test_completions(server):
     r = cl.completions.create(model="deepseek-v4-flash", prompt="Hello", max_tokens=50, temperature=0)
     assert r.choices[0].text == "Echo: Hello" and r.choices[0].finish_reason == "stop"
     assert r.usage.prompt_tokens == 5
-    text = "".join(c.choices[0].text for c in cl.completions.create(model="deepseek-v4-flash", prompt="Hello",
-                                                                     stream=True, temperature=0) if c.choices)
+    text = "".join(
+        c.choices[0].text
+        for c in cl.completions.create(model="deepseek-v4-flash", prompt="Hello", stream=True, temperature=0)
+        if c.choices
+    )
     assert text == "Echo: Hello"
     r = cl.completions.create(model="deepseek-v4-flash", prompt="Hi", echo=True, logprobs=1, temperature=0)
     assert r.choices[0].text == "HiEcho: Hi"
@@ -399,9 +430,19 @@ def test_errors_through_the_client(server):
     with pytest.raises(openai.BadRequestError) as e:
         chat(cl, "y" * 3000, max_tokens=2000)
     assert all(str(v) in e.value.message for v in (n, 2000, 4096))
-    for bad in ({"temperature": "hot"}, {"max_tokens": 0}, {"top_p": 3}, {"n": 2}, {"stop": 5},
-                {"messages": "hi"}, {"thinking": {"type": "maybe"}}, {"reasoning_effort": "huge"},
-                {"logprobs": "yes"}, {"seed": 1.5}, {"messages": [{"role": "wizard", "content": "x"}]}):
+    for bad in (
+        {"temperature": "hot"},
+        {"max_tokens": 0},
+        {"top_p": 3},
+        {"n": 2},
+        {"stop": 5},
+        {"messages": "hi"},
+        {"thinking": {"type": "maybe"}},
+        {"reasoning_effort": "huge"},
+        {"logprobs": "yes"},
+        {"seed": 1.5},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+    ):
         body = {"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "x"}], **bad}
         status, _, data = raw(server, "POST", "/v1/chat/completions", body)
         err = json.loads(data)["error"]
@@ -415,21 +456,23 @@ def test_engine_error_mid_stream(server):
         chat(cl, "explode", extra_body=NO_THINK)
     with pytest.raises(openai.APIError, match="exploded"):
         list(chat(cl, "explode", stream=True, extra_body=NO_THINK))
-    with pytest.raises(openai.BadRequestError, match="refuses"):   # the engine's own PromptError is a 400
+    with pytest.raises(openai.BadRequestError, match="refuses"):  # the engine's own PromptError is a 400
         chat(cl, "refuse", extra_body=NO_THINK)
     assert chat(cl, "fine", extra_body=NO_THINK).choices[0].message.content == "Echo: fine"
 
 
 def test_malformed_requests(server):
-    cases = [("POST", "/v1/chat/completions", b"{not json", 400),
-             ("POST", "/v1/chat/completions", b"[1, 2]", 400),
-             ("POST", "/v1/chat/completions", b"\xff\xfe", 400),
-             ("POST", "/v1/completions", {"prompt": 5}, 400),
-             ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400),
-             ("POST", "/v1/completions", {"prompt": [1, 10**9]}, 400),
-             ("POST", "/detokenize", {"tokens": ["a"]}, 400),
-             ("GET", "/v1/nothing", None, 404),
-             ("GET", "/v1/chat/completions", None, 405)]
+    cases = [
+        ("POST", "/v1/chat/completions", b"{not json", 400),
+        ("POST", "/v1/chat/completions", b"[1, 2]", 400),
+        ("POST", "/v1/chat/completions", b"\xff\xfe", 400),
+        ("POST", "/v1/completions", {"prompt": 5}, 400),
+        ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400),
+        ("POST", "/v1/completions", {"prompt": [1, 10**9]}, 400),
+        ("POST", "/detokenize", {"tokens": ["a"]}, 400),
+        ("GET", "/v1/nothing", None, 404),
+        ("GET", "/v1/chat/completions", None, 405),
+    ]
     for method, path, body, want in cases:
         status, headers, data = raw(server, method, path, body)
         assert status == want, (path, body, data)
@@ -451,6 +494,7 @@ def test_body_size_limit():
 # Concurrency, cancellation, queueing, prefix reuse, keep-alive
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_concurrent_clients_get_what_they_get_alone():
     srv = start_server(FakeEngine(token_delay=0.001))
     try:
@@ -464,8 +508,7 @@ def test_concurrent_clients_get_what_they_get_alone():
 
         alone = [run(*job) for job in jobs]
         results: dict[int, str] = {}
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(*jobs[i])))
-                   for i in range(len(jobs))]
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(*jobs[i]))) for i in range(len(jobs))]
         for t in threads:
             t.start()
         for t in threads:
@@ -492,7 +535,7 @@ def test_disconnect_cancels_generation():
         stats = engine.stats()
         generated = stats["generated_tokens"]
         # The server notices the closed socket on its next write or two; the worker then stops within a token.
-        assert generated - at_close <= 3, (at_close, generated)   # not the 2000 the client asked for
+        assert generated - at_close <= 3, (at_close, generated)  # not the 2000 the client asked for
         assert stats["tokens_after_cancel"] <= 1
         status, _, text = raw(srv, "GET", "/metrics")
         assert f"fastar:engine_generated_tokens {generated}" in text.decode()
@@ -518,11 +561,14 @@ def test_full_queue_is_503_and_waiting_client_that_leaves_is_skipped():
 
         first = threading.Thread(target=lambda: results.setdefault("a", chat(cl, "first", extra_body=NO_THINK)))
         first.start()
-        assert engine.started.acquire(timeout=5)          # the worker holds the first request
+        assert engine.started.acquire(timeout=5)  # the worker holds the first request
         leaver = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
-        leaver.request("POST", "/v1/chat/completions", json.dumps(
-            {"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "I leave"}]}),
-            {"Content-Type": "application/json"})
+        leaver.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "I leave"}]}),
+            {"Content-Type": "application/json"},
+        )
         wait_queued(1)
         third = threading.Thread(target=lambda: results.setdefault("c", chat(cl, "third", extra_body=NO_THINK)))
         third.start()
@@ -530,7 +576,7 @@ def test_full_queue_is_503_and_waiting_client_that_leaves_is_skipped():
         with pytest.raises(openai.InternalServerError) as e:  # the client's class for every 5xx
             chat(cl, "fourth", extra_body=NO_THINK)
         assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
-        leaver.close()                                     # gone while it waits: it must never be generated
+        leaver.close()  # gone while it waits: it must never be generated
         time.sleep(0.5)
         engine.gate.set()
         first.join(10)
@@ -552,8 +598,10 @@ def test_resent_conversation_reuses_the_common_prefix():
         r1 = cl.chat.completions.create(model="deepseek-v4-flash", messages=msgs, extra_body=NO_THINK, temperature=0)
         other = [{"role": "user", "content": "an unrelated conversation"}]
         cl.chat.completions.create(model="deepseek-v4-flash", messages=other, extra_body=NO_THINK, temperature=0)
-        msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
-                 {"role": "user", "content": "second question"}]
+        msgs += [
+            {"role": "assistant", "content": r1.choices[0].message.content},
+            {"role": "user", "content": "second question"},
+        ]
         before = engine.stats()["prefill_tokens_computed"]
         r2 = cl.chat.completions.create(model="deepseek-v4-flash", messages=msgs, extra_body=NO_THINK, temperature=0)
         computed = engine.stats()["prefill_tokens_computed"] - before
@@ -569,9 +617,19 @@ def test_keepalive_comments_during_long_prefill():
     srv = start_server(FakeEngine(prefill_delay=1.0), keepalive_interval=0.2)
     try:
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
-        conn.request("POST", "/v1/chat/completions", json.dumps({
-            "model": "deepseek-v4-flash", "stream": True, "temperature": 0,
-            "messages": [{"role": "user", "content": "x" * 500}]}), {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(
+                {
+                    "model": "deepseek-v4-flash",
+                    "stream": True,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": "x" * 500}],
+                }
+            ),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
         body = resp.read().decode()
@@ -622,10 +680,17 @@ def test_metrics(server):
     status, headers, data = raw(server, "GET", "/metrics")
     text = data.decode()
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    for name in ("fastar:prompt_tokens_total", "fastar:generation_tokens_total", "fastar:generation_tokens_per_second",
-                 'fastar:time_to_first_token_seconds_bucket{le="+Inf"}', "fastar:engine_expert_cache_hits",
-                 "fastar:engine_expert_cache_misses", "fastar:engine_expert_cache_bytes_read",
-                 "fastar:num_requests_waiting", 'fastar:request_success_total{finished_reason="stop"}'):
+    for name in (
+        "fastar:prompt_tokens_total",
+        "fastar:generation_tokens_total",
+        "fastar:generation_tokens_per_second",
+        'fastar:time_to_first_token_seconds_bucket{le="+Inf"}',
+        "fastar:engine_expert_cache_hits",
+        "fastar:engine_expert_cache_misses",
+        "fastar:engine_expert_cache_bytes_read",
+        "fastar:num_requests_waiting",
+        'fastar:request_success_total{finished_reason="stop"}',
+    ):
         assert name in text, name
     sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-z_]+="[^"]*"\})? -?[0-9.e+]+$')
     for line in text.strip().split("\n"):
@@ -635,6 +700,7 @@ def test_metrics(server):
 # ---------------------------------------------------------------------------------------------------------
 # Static files, auth, CORS
 # ---------------------------------------------------------------------------------------------------------
+
 
 def test_static_files_and_traversal(tmp_path, monkeypatch):
     static = tmp_path / "static"
@@ -652,11 +718,26 @@ def test_static_files_and_traversal(tmp_path, monkeypatch):
         assert "default-src 'self'" in headers["content-security-policy"]
         status, headers, body = raw(srv, "GET", "/static/app.js")
         assert status == 200 and "javascript" in headers["content-type"]
-        for path in ("/static/../secret.txt", "/static/%2e%2e/secret.txt", "/static/%2E%2E%2Fsecret.txt",
-                     "/static/%252e%252e%252fsecret.txt", "/static/..%2fsecret.txt", "/static/..%5csecret.txt",
-                     "/../secret.txt", "/static//etc/passwd", "/static/%2fetc%2fpasswd", "/static/link-out",
-                     "/static/dir-out/secret.txt", "/static/", "/static/./app.js", "/static/app.js%00.html",
-                     "/etc/passwd", "/static/C:%5cwindows", "/secret.txt", "/static/nope.js"):
+        for path in (
+            "/static/../secret.txt",
+            "/static/%2e%2e/secret.txt",
+            "/static/%2E%2E%2Fsecret.txt",
+            "/static/%252e%252e%252fsecret.txt",
+            "/static/..%2fsecret.txt",
+            "/static/..%5csecret.txt",
+            "/../secret.txt",
+            "/static//etc/passwd",
+            "/static/%2fetc%2fpasswd",
+            "/static/link-out",
+            "/static/dir-out/secret.txt",
+            "/static/",
+            "/static/./app.js",
+            "/static/app.js%00.html",
+            "/etc/passwd",
+            "/static/C:%5cwindows",
+            "/secret.txt",
+            "/static/nope.js",
+        ):
             status, _, body = raw(srv, "GET", path)
             assert status == 404 and b"SECRET" not in body, path
     finally:
@@ -674,8 +755,13 @@ def test_api_key():
     srv = start_server(api_key="sekrit")
     try:
         assert raw(srv, "GET", "/health")[0] == 200
-        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/tokenize"),
-                             ("POST", "/v1/chat/completions"), ("GET", "/")):
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("GET", "/metrics"),
+            ("POST", "/tokenize"),
+            ("POST", "/v1/chat/completions"),
+            ("GET", "/"),
+        ):
             status, headers, data = raw(srv, method, path, {"prompt": "x"} if method == "POST" else None)
             assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key", path
             assert raw(srv, method, path, None, {"Authorization": "Bearer wrong"})[0] == 401
@@ -697,14 +783,18 @@ def test_cors():
         assert headers["access-control-allow-origin"] == "http://ui.example"
         _, headers, _ = raw(srv, "GET", "/v1/models", None, {"Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in headers
-        preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
-                     "Access-Control-Request-Headers": "authorization, content-type"}
+        preflight = {
+            "Origin": "http://ui.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
         status, headers, _ = raw(srv, "OPTIONS", "/v1/chat/completions", None, preflight)
         assert status == 204 and headers["access-control-allow-origin"] == "http://ui.example"
         assert "POST" in headers["access-control-allow-methods"]
         assert "authorization" in headers["access-control-allow-headers"].lower()
-        status, headers, _ = raw(srv, "OPTIONS", "/v1/chat/completions", None,
-                                 {**preflight, "Origin": "http://evil.example"})
+        status, headers, _ = raw(
+            srv, "OPTIONS", "/v1/chat/completions", None, {**preflight, "Origin": "http://evil.example"}
+        )
         assert status == 403 and "access-control-allow-origin" not in headers
     finally:
         srv.shutdown()
@@ -720,11 +810,16 @@ def test_cors():
 # Units: stop filter, request parsing, CLI glue, no torch
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_stop_filter_holds_back_partial_stops():
     rng = random.Random(0)
     text = "the cat sat on the mat; the end"
-    for stops, want in ((["sat on"], "the cat "), (["the end", "mat"], "the cat sat on the "), (["zzz"], text),
-                        (["t;", "at;"], "the cat sat on the m")):
+    for stops, want in (
+        (["sat on"], "the cat "),
+        (["the end", "mat"], "the cat sat on the "),
+        (["zzz"], text),
+        (["t;", "at;"], "the cat sat on the m"),
+    ):
         for _ in range(50):
             cuts = sorted(rng.sample(range(1, len(text)), 6))
             pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
@@ -746,8 +841,10 @@ def test_parse_thinking_precedence():
     assert (r.thinking, r.reasoning_effort) == (True, "max")
     r = P.parse_chat_request({**base, "reasoning_effort": "none", "thinking": {"type": "enabled"}}, names)
     assert r.thinking is True
-    r = P.parse_chat_request({**base, "chat_template_kwargs": {"thinking": True, "drop_thinking": False},
-                              "thinking": {"type": "disabled"}}, names)
+    r = P.parse_chat_request(
+        {**base, "chat_template_kwargs": {"thinking": True, "drop_thinking": False}, "thinking": {"type": "disabled"}},
+        names,
+    )
     assert (r.thinking, r.drop_thinking, r.reasoning_effort) == (False, False, None)
     r = P.parse_chat_request({**base, "tools": [WEATHER_TOOL]}, names)
     assert r.messages[0] == {"role": "system", "content": "", "tools": [WEATHER_TOOL]} and r.has_tools
@@ -761,47 +858,76 @@ def test_session_pool_policy():
             return object()
 
     pool = SessionPool(Opaque(), size=2)
-    sys_a, sys_b = [1, 2, 3, 10, 11], [1, 2, 3, 20, 21]     # two conversations sharing a system prompt
+    sys_a, sys_b = [1, 2, 3, 10, 11], [1, 2, 3, 20, 21]  # two conversations sharing a system prompt
     a = pool.acquire(sys_a)
     pool.release(a, sys_a + [12])
     b = pool.acquire(sys_b)
-    assert b is not a                                      # a free slot: A's tail is not thrown away
+    assert b is not a  # a free slot: A's tail is not thrown away
     pool.release(b, sys_b + [22])
-    assert pool.acquire(sys_a + [12, 13]) is a             # A continues in its own session
+    assert pool.acquire(sys_a + [12, 13]) is a  # A continues in its own session
     pool.release(a, sys_a + [12, 13])
     assert pool.acquire(sys_b + [22, 23]) is b
     pool.release(b, sys_b + [22, 23])
-    assert pool.acquire([1, 2, 3, 30]) is b                # full: the most recent partial match is rewound
+    assert pool.acquire([1, 2, 3, 30]) is b  # full: the most recent partial match is rewound
     pool.release(b, [1, 2, 3, 30])
-    assert pool.acquire([99]) is a                         # no match at all: the least recently used goes
+    assert pool.acquire([99]) is a  # no match at all: the least recently used goes
 
     class NoRoom(FakeEngine):
         def open_session(self):
             raise MemoryError("no room for another KV cache")
 
     pool = SessionPool(NoRoom(), size=4)
-    assert pool.acquire([1, 2]) is None and pool.size == 0   # generation still runs, without a session
+    assert pool.acquire([1, 2]) is None and pool.size == 0  # generation still runs, without a session
 
 
 def test_cli_arguments_delegate_to_serve(monkeypatch):
     import argparse
+
     parser = argparse.ArgumentParser()
     S.add_arguments(parser)
-    args = parser.parse_args(["--port", "9000", "--api-key", "k", "--reasoning-field", "reasoning",
-                              "--max-queue", "3", "--cors-origin", "http://a"])
+    args = parser.parse_args(
+        [
+            "--port",
+            "9000",
+            "--api-key",
+            "k",
+            "--reasoning-field",
+            "reasoning",
+            "--max-queue",
+            "3",
+            "--cors-origin",
+            "http://a",
+        ]
+    )
     seen = {}
     monkeypatch.setattr(S, "serve", lambda factory, **kw: seen.update(kw) or 0)
     assert S.run_from_args(args, lambda: None) == 0
-    assert seen == {"host": "127.0.0.1", "port": 9000, "api_key": "k", "cors_origin": "http://a",
-                    "served_model_name": "deepseek-v4-flash", "max_queue": 3, "reasoning_field": "reasoning",
-                    "max_sessions": 4, "allowed_hosts": None, "max_connections": 128}
+    assert seen == {
+        "host": "127.0.0.1",
+        "port": 9000,
+        "api_key": "k",
+        "cors_origin": "http://a",
+        "served_model_name": "deepseek-v4-flash",
+        "max_queue": 3,
+        "reasoning_field": "reasoning",
+        "max_sessions": 4,
+        "allowed_hosts": None,
+        "max_connections": 128,
+    }
 
 
 def test_server_modules_do_not_import_torch():
-    code = ("import sys, fastar; pre = 'torch' in sys.modules; import fastar.serve.server; "
-            "print(pre, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1]).stdout.split()
+    code = (
+        "import sys, fastar; pre = 'torch' in sys.modules; import fastar.serve.server; "
+        "print(pre, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    ).stdout.split()
     if out[0] == "True":
         pytest.skip("the fastar package itself imports torch")
     assert out[1] == "False", "importing fastar.serve.server pulled in torch"
@@ -809,6 +935,7 @@ def test_server_modules_do_not_import_torch():
 
 def test_over_context_error_says_why_the_context_is_short():
     from fastar.serve import protocol as P
+
     note = "m.fst has no lightning-indexer weights: write m.fst.indexer with fastar convert"
     with pytest.raises(P.APIError) as e:
         P.resolve_max_tokens(3000, None, 2051, note)

@@ -1,4 +1,5 @@
 """The server over the real engine (vocab-size random model): what the fake-engine tests assume holds for real."""
+
 from __future__ import annotations
 
 import threading
@@ -22,6 +23,7 @@ def server(vocab_ckpt, tmp_path_factory):
         e.context_length = 512
         engines.append(e)
         return e
+
     s = Server(factory, port=0).start()
     assert s.wait_ready(120)
     yield s, engines
@@ -36,8 +38,13 @@ def test_chat_stream_equals_non_stream_and_generate(server):
     s, engines = server
     c = _client(s)
     msgs = [{"role": "user", "content": "Name three colours."}]
-    kw = dict(model="deepseek-v4-flash", messages=msgs, max_tokens=12, temperature=0,
-              extra_body={"thinking": {"type": "disabled"}})
+    kw = dict(
+        model="deepseek-v4-flash",
+        messages=msgs,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"thinking": {"type": "disabled"}},
+    )
     full = c.chat.completions.create(**kw)
     parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw) if ch.choices]
     assert full.choices[0].message.content == "".join(parts)
@@ -63,8 +70,13 @@ def test_concurrent_clients_get_their_solo_answers(server):
     prompts = [f"Question number {i}?" for i in range(4)]
 
     def ask(p):
-        return _client(s).completions.create(model="deepseek-v4-flash", prompt=p, max_tokens=6,
-                                             temperature=0).choices[0].text
+        return (
+            _client(s)
+            .completions.create(model="deepseek-v4-flash", prompt=p, max_tokens=6, temperature=0)
+            .choices[0]
+            .text
+        )
+
     solo = [ask(p) for p in prompts]
     out = [None] * len(prompts)
     ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, ask(prompts[i]))) for i in range(len(prompts))]
@@ -78,20 +90,27 @@ def test_concurrent_clients_get_their_solo_answers(server):
 def test_oversize_prompt_is_400_with_both_numbers(server):
     s, _ = server
     with pytest.raises(openai.BadRequestError) as ei:
-        _client(s).chat.completions.create(model="deepseek-v4-flash", max_tokens=4,
-                                           messages=[{"role": "user", "content": "word " * 700}])
+        _client(s).chat.completions.create(
+            model="deepseek-v4-flash", max_tokens=4, messages=[{"role": "user", "content": "word " * 700}]
+        )
     msg = str(ei.value)
     assert "512" in msg and "70" in msg
 
 
 # --- the agent APIs on the real server --------------------------------------------------------------------------
 
+
 def test_anthropic_client_on_the_real_server(server):
     anthropic = pytest.importorskip("anthropic")
     s, _ = server
     c = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
-    kw = dict(model="deepseek-v4-flash", max_tokens=8, thinking={"type": "disabled"}, extra_body={"temperature": 0},
-              messages=[{"role": "user", "content": "Name three colours."}])
+    kw = dict(
+        model="deepseek-v4-flash",
+        max_tokens=8,
+        thinking={"type": "disabled"},
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Name three colours."}],
+    )
     msg = c.messages.create(**kw)
     assert msg.type == "message" and msg.role == "assistant" and msg.stop_reason == "max_tokens"
     assert msg.usage.output_tokens == 8 and msg.content and msg.content[0].type == "text"
@@ -109,12 +128,15 @@ def test_anthropic_client_on_the_real_server(server):
 def test_openai_responses_on_the_real_server(server):
     s, _ = server
     c = _client(s)
-    r = c.responses.create(model="deepseek-v4-flash", input="Name three colours.", max_output_tokens=8,
-                           temperature=0)
+    r = c.responses.create(model="deepseek-v4-flash", input="Name three colours.", max_output_tokens=8, temperature=0)
     assert r.status in ("completed", "incomplete") and r.usage.output_tokens == 8
     text = r.output_text
-    events = [e.type for e in c.responses.create(model="deepseek-v4-flash", input="Name three colours.",
-                                                  max_output_tokens=8, temperature=0, stream=True)]
+    events = [
+        e.type
+        for e in c.responses.create(
+            model="deepseek-v4-flash", input="Name three colours.", max_output_tokens=8, temperature=0, stream=True
+        )
+    ]
     assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
     assert {"response.output_text.delta", "response.reasoning_text.delta"} & set(events)  # thinking is on by default
     again = c.responses.retrieve(r.id)

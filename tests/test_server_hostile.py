@@ -1,5 +1,6 @@
 """The server against hostile clients: each test is one row (S1-S12) of what the old http.server front-end got
 wrong, plus the browser-facing guards. Loopback only; every concurrency test is bounded in count and time."""
+
 from __future__ import annotations
 
 import http.client
@@ -42,8 +43,9 @@ def exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:
     return out
 
 
-def assert_openai_error(status: int, data: bytes, want_status: int, code: str | None = None,
-                        param: str | None = None) -> dict:
+def assert_openai_error(
+    status: int, data: bytes, want_status: int, code: str | None = None, param: str | None = None
+) -> dict:
     assert status == want_status, data
     err = json.loads(data)["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err
@@ -56,16 +58,28 @@ def assert_openai_error(status: int, data: bytes, want_status: int, code: str | 
 
 # ---- S1: deep nesting -------------------------------------------------------------------------------------
 
+
 def test_s1_deeply_nested_json_is_a_400(server):
-    for body in (b"[" * 100_000, b'{"a":' * 100_000, b"[" * 70 + b"]" * 70,
-                 json.dumps(body_of("x", tools=[{"type": "function", "function": {
-                     "name": "f", "parameters": json.loads("[" * 200 + "]" * 200)}}])).encode()):
+    for body in (
+        b"[" * 100_000,
+        b'{"a":' * 100_000,
+        b"[" * 70 + b"]" * 70,
+        json.dumps(
+            body_of(
+                "x",
+                tools=[
+                    {"type": "function", "function": {"name": "f", "parameters": json.loads("[" * 200 + "]" * 200)}}
+                ],
+            )
+        ).encode(),
+    ):
         status, _, data = raw(server, "POST", CHAT, body)
         assert_openai_error(status, data, 400, "invalid_json")
     assert chat(client(server), "still fine", extra_body=NO_THINK).choices[0].message.content == "Echo: still fine"
 
 
 # ---- S2: many clients at once -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n_clients", [40, 100])
 def test_s2_many_simultaneous_clients_get_200_or_503_never_a_reset(n_clients):
@@ -79,8 +93,12 @@ def test_s2_many_simultaneous_clients_get_200_or_503_never_a_reset(n_clients):
         try:
             barrier.wait(10)
             conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-            conn.request("POST", CHAT, json.dumps(body_of(f"client {i}", **NO_THINK, temperature=0)),
-                         {"Content-Type": "application/json"})
+            conn.request(
+                "POST",
+                CHAT,
+                json.dumps(body_of(f"client {i}", **NO_THINK, temperature=0)),
+                {"Content-Type": "application/json"},
+            )
             resp = conn.getresponse()
             data = json.loads(resp.read())
             conn.close()
@@ -103,12 +121,13 @@ def test_s2_many_simultaneous_clients_get_200_or_503_never_a_reset(n_clients):
         assert len(statuses) == n_clients
         assert all(s in (200, 503) for s in statuses), [s for s in statuses if s not in (200, 503)]
         assert set(codes) <= {"queue_full"}, codes
-        assert statuses.count(200) >= 17   # the one running and the 16 queued at least
+        assert statuses.count(200) >= 17  # the one running and the 16 queued at least
     finally:
         srv.shutdown()
 
 
 # ---- S3: a client that leaves before its error reply --------------------------------------------------------
+
 
 def test_s3_client_gone_before_error_reply_logs_no_traceback(capfd, caplog):
     srv = start_server(max_body_bytes=1000)
@@ -116,8 +135,10 @@ def test_s3_client_gone_before_error_reply_logs_no_traceback(capfd, caplog):
         caplog.set_level(logging.DEBUG)
         for _ in range(10):
             s = socket.create_connection(("127.0.0.1", srv.port))
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 5000000\r\n\r\n" + b"x" * 1000)
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 5000000\r\n\r\n" + b"x" * 1000
+            )
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
             s.close()
         time.sleep(0.5)
@@ -132,6 +153,7 @@ def test_s3_client_gone_before_error_reply_logs_no_traceback(capfd, caplog):
 
 # ---- S4: slow or incomplete requests ------------------------------------------------------------------------
 
+
 def test_s4_incomplete_requests_are_dropped_after_the_header_timeout():
     srv = start_server(limits=Limits(header_timeout=1.0, max_connections=400))
     socks = []
@@ -141,7 +163,7 @@ def test_s4_incomplete_requests_are_dropped_after_the_header_timeout():
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n" if i % 2 else b"GET /hea")
             socks.append(s)
-        assert threading.active_count() - threads_before < 10   # no thread per connection
+        assert threading.active_count() - threads_before < 10  # no thread per connection
         # the server still answers while they hang
         assert chat(client(srv), "served", extra_body=NO_THINK).choices[0].message.content == "Echo: served"
         deadline = time.monotonic() + 10
@@ -164,8 +186,12 @@ def test_s4_incomplete_requests_are_dropped_after_the_header_timeout():
 def test_s4_a_body_that_never_arrives_is_a_408():
     srv = start_server(limits=Limits(body_timeout=0.5))
     try:
-        out = exchange(srv.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
-                                 b"application/json\r\nContent-Length: 100\r\n\r\n{\"mess", timeout=5)
+        out = exchange(
+            srv.port,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+            b'application/json\r\nContent-Length: 100\r\n\r\n{"mess',
+            timeout=5,
+        )
         assert out.startswith(b"HTTP/1.1 408") and b"request_timeout" in out
     finally:
         srv.shutdown()
@@ -193,6 +219,7 @@ def test_s4_connections_beyond_the_limit_get_503_not_a_reset():
 
 # ---- S5: a huge prompt under the body cap -------------------------------------------------------------------
 
+
 class CountingTokenizer(FakeTokenizer):
     def __init__(self) -> None:
         super().__init__()
@@ -209,15 +236,17 @@ def test_s5_oversized_prompt_is_refused_before_tokenizing():
     srv = start_server(engine)
     try:
         bound = 4096 * engine.tokenizer.max_token_bytes()
-        for path, body, param in ((CHAT, body_of("x" * 2_000_000), "messages"),
-                                  ("/v1/completions", {"prompt": "y" * 2_000_000}, "prompt"),
-                                  ("/tokenize", {"prompt": "z" * 2_000_000}, "prompt")):
+        for path, body, param in (
+            (CHAT, body_of("x" * 2_000_000), "messages"),
+            ("/v1/completions", {"prompt": "y" * 2_000_000}, "prompt"),
+            ("/tokenize", {"prompt": "z" * 2_000_000}, "prompt"),
+        ):
             t0 = time.monotonic()
             status, _, data = raw(srv, "POST", path, body)
             err = assert_openai_error(status, data, 400, "context_length_exceeded", param)
             assert "4096" in err["message"] and "2000" in err["message"]
             assert time.monotonic() - t0 < 5
-        assert engine.tokenizer.longest_encoded <= bound      # the tokenizer never saw the big ones
+        assert engine.tokenizer.longest_encoded <= bound  # the tokenizer never saw the big ones
         # just under the bound is still tokenized, and then refused with the exact token count
         status, _, data = raw(srv, "POST", "/v1/completions", {"prompt": "w" * (bound - 10)})
         err = assert_openai_error(status, data, 400, "context_length_exceeded", "prompt")
@@ -228,18 +257,21 @@ def test_s5_oversized_prompt_is_refused_before_tokenizing():
 
 # ---- S6: browsers on other sites ----------------------------------------------------------------------------
 
+
 def test_s6_json_content_type_is_required_on_post(server):
     body = json.dumps(body_of("hi", **NO_THINK))
     before = server.engine.stats()["requests"]
     for ctype in (None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
         if ctype is None:  # raw() adds application/json when none is given; send without through a socket
-            out = exchange(server.port, f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}"
-                                        f"\r\n\r\n{body}".encode())
+            out = exchange(
+                server.port,
+                f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode(),
+            )
             assert out.startswith(b"HTTP/1.1 415")
             continue
         status, _, data = raw(server, "POST", CHAT, body, {"Content-Type": ctype})
         assert_openai_error(status, data, 415, "unsupported_media_type")
-    assert server.engine.stats()["requests"] == before   # nothing reached the model
+    assert server.engine.stats()["requests"] == before  # nothing reached the model
     status, _, _ = raw(server, "POST", CHAT, body, {"Content-Type": "application/json; charset=utf-8"})
     assert status == 200
 
@@ -253,8 +285,16 @@ def test_s6_host_header_is_checked():
             status, _, data = raw(srv, "POST", CHAT, body_of("x"), {"Host": host})
             assert_openai_error(status, data, 400, "host_not_allowed")
             assert raw(srv, "GET", "/", None, {"Host": host})[0] == 400
-        for host in (f"127.0.0.1:{srv.port}", f"localhost:{srv.port}", "LOCALHOST", "[::1]:8080", "my-box.lan",
-                     "my-box.lan:8080", "app.localhost", "192.168.1.20:8080"):
+        for host in (
+            f"127.0.0.1:{srv.port}",
+            f"localhost:{srv.port}",
+            "LOCALHOST",
+            "[::1]:8080",
+            "my-box.lan",
+            "my-box.lan:8080",
+            "app.localhost",
+            "192.168.1.20:8080",
+        ):
             assert raw(srv, "GET", "/v1/models", None, {"Host": host})[0] == 200, host
     finally:
         srv.shutdown()
@@ -266,8 +306,13 @@ def test_s6_host_header_is_checked():
 
 
 def test_security_headers_and_no_banner(server):
-    for method, path, body in (("GET", "/v1/models", None), ("GET", "/health", None), ("GET", "/nothing", None),
-                               ("POST", CHAT, b"{bad"), ("GET", "/", None)):
+    for method, path, body in (
+        ("GET", "/v1/models", None),
+        ("GET", "/health", None),
+        ("GET", "/nothing", None),
+        ("POST", CHAT, b"{bad"),
+        ("GET", "/", None),
+    ):
         status, headers, _ = raw(server, method, path, body)
         assert headers["x-content-type-options"] == "nosniff", path
         assert headers["x-frame-options"] == "DENY" and headers["referrer-policy"] == "no-referrer", path
@@ -279,11 +324,17 @@ def test_security_headers_and_no_banner(server):
 
 # ---- S7, S8: malformed request lines, other methods ---------------------------------------------------------
 
+
 def test_s7_malformed_request_lines_get_a_status_line(server):
-    for line in (b"GARBAGE\r\n\r\n", b"GET\r\n\r\n", b"GET / HTTP/2.0\r\nHost: localhost\r\n\r\n",
-                 b"GET / HTTP/9.9\r\n\r\n", b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 40,
-                 b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
-                 b"GET / HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n"):
+    for line in (
+        b"GARBAGE\r\n\r\n",
+        b"GET\r\n\r\n",
+        b"GET / HTTP/2.0\r\nHost: localhost\r\n\r\n",
+        b"GET / HTTP/9.9\r\n\r\n",
+        b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 40,
+        b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+        b"GET / HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n",
+    ):
         out = exchange(server.port, line)
         assert out.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 431 ", b"HTTP/1.1 505 ")), (line[:40], out[:200])
 
@@ -298,28 +349,42 @@ def test_s8_other_methods_are_405_with_allow(server):
 
 # ---- S9, S10, S11: fields -----------------------------------------------------------------------------------
 
+
 def test_s9_malformed_fields_are_400_naming_the_field(server):
-    tool_msgs = [{"role": "user", "content": "x"},
-                 {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
-                     "name": "f", "arguments": "{}"}}]},
-                 {"role": "tool", "content": "42"}]
+    tool_msgs = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "42"},
+    ]
     fn = {"type": "function", "function": {"name": "f", "parameters": [1, 2]}}
-    cases = [(CHAT, {"messages": tool_msgs}, "messages[2].tool_call_id"),
-             (CHAT, {**body_of("x"), "tools": [fn]}, "tools[0].function.parameters"),
-             (CHAT, {**body_of("x"), "tools": [{"type": "function"}]}, "tools[0].function"),
-             (CHAT, {**body_of("x"), "tools": [5]}, "tools[0]"),
-             (CHAT, {**body_of("x"), "tool_choice": "sometimes"}, "tool_choice"),
-             (CHAT, {**body_of("x"), "tool_choice": {"type": "function"}}, "tool_choice"),
-             (CHAT, {**body_of("x"), "response_format": {"type": "json_schema", "json_schema": 5}},
-              "response_format.json_schema"),
-             (CHAT, {**body_of("x"), "response_format": {"type": "yaml"}}, "response_format"),
-             ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
-             ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix")]
+    cases = [
+        (CHAT, {"messages": tool_msgs}, "messages[2].tool_call_id"),
+        (CHAT, {**body_of("x"), "tools": [fn]}, "tools[0].function.parameters"),
+        (CHAT, {**body_of("x"), "tools": [{"type": "function"}]}, "tools[0].function"),
+        (CHAT, {**body_of("x"), "tools": [5]}, "tools[0]"),
+        (CHAT, {**body_of("x"), "tool_choice": "sometimes"}, "tool_choice"),
+        (CHAT, {**body_of("x"), "tool_choice": {"type": "function"}}, "tool_choice"),
+        (
+            CHAT,
+            {**body_of("x"), "response_format": {"type": "json_schema", "json_schema": 5}},
+            "response_format.json_schema",
+        ),
+        (CHAT, {**body_of("x"), "response_format": {"type": "yaml"}}, "response_format"),
+        ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
+    ]
     for path, body, param in cases:
         status, _, data = raw(server, "POST", path, body)
         assert_openai_error(status, data, 400, None, param)
-    for ok in ({"tool_choice": "auto"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}},
-               {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}}):
+    for ok in (
+        {"tool_choice": "auto"},
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}},
+    ):
         status, _, data = raw(server, "POST", CHAT, {**body_of("x", **NO_THINK), **ok})
         assert status == 200, (ok, data)
     assert raw(server, "POST", "/v1/completions", {"prompt": "x", "best_of": 1, "suffix": None})[0] == 200
@@ -335,7 +400,7 @@ def test_s10_lone_surrogate_is_a_clear_400(server):
     assert_openai_error(status, out, 400, "invalid_unicode", "prompt")
     # a proper pair (an emoji) is fine
     status, _, out = raw(server, "POST", "/v1/completions", b'{"prompt": "x\\ud83d\\ude00", "temperature": 0}')
-    assert status == 200 and json.loads(out)["choices"][0]["text"] == "Echo: x\U0001F600"
+    assert status == 200 and json.loads(out)["choices"][0]["text"] == "Echo: x\U0001f600"
 
 
 def test_s11_completions_over_context_names_prompt(server):
@@ -347,11 +412,16 @@ def test_s11_completions_over_context_names_prompt(server):
 
 # ---- S12: shutdown during a stream --------------------------------------------------------------------------
 
+
 def test_s12_shutdown_mid_stream_ends_with_an_error_event():
     srv = start_server(FakeEngine(token_delay=0.02))
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
-    conn.request("POST", CHAT, json.dumps(body_of("count", stream=True, **NO_THINK, temperature=0)),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        CHAT,
+        json.dumps(body_of("count", stream=True, **NO_THINK, temperature=0)),
+        {"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     events = []
@@ -385,14 +455,16 @@ def test_s12_waiting_requests_get_503_on_shutdown():
 
 def test_s3_broken_body_framing_logs_no_traceback(server, caplog):
     caplog.set_level(logging.DEBUG)
-    for data in (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
-                 b"Content-Type: application/json\r\n\r\nzz\r\n",
-                 b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n"
-                 b"Content-Type: application/json\r\n\r\n{\"pro"):
+    for data in (
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: application/json\r\n\r\nzz\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n"
+        b'Content-Type: application/json\r\n\r\n{"pro',
+    ):
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
             s.sendall(data)
             if b"Content-Length" in data:
-                s.shutdown(socket.SHUT_WR)   # the body ends early
+                s.shutdown(socket.SHUT_WR)  # the body ends early
             try:
                 s.recv(65536)
             except (TimeoutError, ConnectionResetError):

@@ -1,6 +1,7 @@
 """Session: prefix reuse (counted through the stats), rollback, pending tokens, prompt checks, interrupted passes,
 save/load; a fake runner for the logic, the tiny model for exactness, the real-vocabulary model for multi-turn
 chat through the public API."""
+
 from __future__ import annotations
 
 import json
@@ -269,9 +270,11 @@ def test_load_errors(tmp_path: Path) -> None:
 
 # --- text prompts with the real tokenizer -------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from fastar.engine.tokenizer import Tokenizer
+
     return Tokenizer.default()
 
 
@@ -288,7 +291,7 @@ def test_text_prompt_keeps_generated_tokens_at_an_added_token_boundary(tokenizer
         s.append(t)
     follow = first + "Hello<｜end▁of▁sentence｜><｜User｜>More<｜Assistant｜></think>"
     got = s.encode_prompt(follow)
-    assert got[:len(ids) + 5] == ids + odd
+    assert got[: len(ids) + 5] == ids + odd
     assert tokenizer.decode(got) == follow
     # not at an added-token boundary: encode afresh
     assert s.encode_prompt(first + "Hello world") == tokenizer.encode(first + "Hello world")
@@ -297,10 +300,12 @@ def test_text_prompt_keeps_generated_tokens_at_an_added_token_boundary(tokenizer
 
 # --- the real engine ------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_ckpt: Path, tmp_path_factory):
     from fastar.convert.hf import convert
     from fastar.engine.engine import load
+
     return load(convert(tiny_ckpt, tmp_path_factory.mktemp("tiny-fst") / "tiny.fst"))
 
 
@@ -308,6 +313,7 @@ def tiny_engine(tiny_ckpt: Path, tmp_path_factory):
 def vocab_engine(vocab_ckpt: Path, tmp_path_factory):
     from fastar.convert.hf import convert
     from fastar.engine.engine import load
+
     return load(convert(vocab_ckpt, tmp_path_factory.mktemp("vocab-fst") / "vocab.fst"))
 
 
@@ -357,6 +363,7 @@ def test_thinking_turns_roll_back_from_the_anchor(vocab_engine) -> None:
     that far; the anchor can, so only the new tokens are computed, and they match a fresh run (in reference
     numerics: official ones round a short chunk differently from a long one, see fastar.model.deepseek_v4)."""
     from fastar.engine.engine import load
+
     e = load(vocab_engine.source, max_rollback=2, numerics="reference")
     s = e.open_session()
     messages = [{"role": "user", "content": "Think first."}]

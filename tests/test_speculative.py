@@ -11,6 +11,7 @@ replay drafts; the loop never verifies more than VERIFY_MAX tokens at once.
 Statistical tests use fixed seeds, so they are deterministic; each states the false-alarm rate it would have
 with fresh seeds.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,6 +51,7 @@ def chi2(counts: dict, probs: dict, n: int) -> tuple[float, int]:
 
 
 # --- the acceptance rule on synthetic distributions ----------------------------------------------------------
+
 
 def random_dist(V: int, g: torch.Generator, zeros: int = 0) -> torch.Tensor:
     p = torch.rand(V, generator=g) ** 3
@@ -105,6 +107,7 @@ def test_accept_greedy():
 
 # --- the whole loop on a fake model with a tiny vocabulary: output distribution = target's ---------------------
 
+
 class FakeTarget:
     """A 'model' whose next-token logits depend on the current token only: table A[V, V]. The state records
     positions (truncation and snapshots work as for the real model)."""
@@ -126,6 +129,7 @@ class FakeTarget:
 
 class FakeDraft(sp.Drafter):
     """Drafts up to 3 tokens from another table B (also chained on the previous token)."""
+
     kind, max_drafts = "fake", 3
 
     def __init__(self, model, B: torch.Tensor) -> None:
@@ -147,6 +151,7 @@ class FakeDraft(sp.Drafter):
 
 class Runner:
     """What a `Session` needs of its engine, with the passes routed through the drafter (as `Engine` does)."""
+
     prefill_chunk = 256
 
     def __init__(self, drafter: sp.Drafter) -> None:
@@ -161,8 +166,9 @@ class Runner:
 
 def run_fake(drafter, params: SamplingParams, schedule: sp.Schedule, prompt_ids: list[int], n: int) -> list[int]:
     session = Session(Runner(drafter), context_length=10_000, vocab_size=drafter.model.A.shape[0])
-    steps = sp.speculative_generate_step(session, prompt_ids, params, drafter=drafter, schedule=schedule,
-                                         stats=sp.SpeculativeStats())
+    steps = sp.speculative_generate_step(
+        session, prompt_ids, params, drafter=drafter, schedule=schedule, stats=sp.SpeculativeStats()
+    )
     out = [next(steps)[0] for _ in range(n)]
     steps.close()
     assert session.tokens == prompt_ids + out  # the finally: rewinds tokens computed but not yielded
@@ -204,24 +210,29 @@ def test_loop_greedy_on_fake_model_and_seed_reproducibility():
         expect.append(t)
     assert out == expect
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=12)
-    assert run_fake(drafter, params, sp.Schedule(fixed=3), [1], 12) == run_fake(drafter, params,
-                                                                                  sp.Schedule(fixed=3), [1], 12)
+    assert run_fake(drafter, params, sp.Schedule(fixed=3), [1], 12) == run_fake(
+        drafter, params, sp.Schedule(fixed=3), [1], 12
+    )
 
 
 # --- the real tiny models ------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def plain_runs(tiny_ckpt):
     """Plain greedy continuations (reference numerics) of 3 prompts; `tiny` and `tiny-dspark` share every
     main-model tensor (same seed, same names), so these are the targets of both drafts."""
     eng = load(tiny_ckpt, numerics="reference")
-    return {s: [c.token for c in eng.stream(prompt(s), max_tokens=TOKENS, ignore_eos=True,
-                                            session=eng.open_session())] for s in (11, 12, 13)}
+    return {
+        s: [c.token for c in eng.stream(prompt(s), max_tokens=TOKENS, ignore_eos=True, session=eng.open_session())]
+        for s in (11, 12, 13)
+    }
 
 
 class ReplayMixin:
     """Replaces a real drafter's tokens by the plain transcript's (each kept right with probability 0.7), while
     the real drafter still runs, so its context rows go through every accept/reject/rollback."""
+
     transcript: list[int]  # set per generation (`generate`)
 
     def propose(self, state, anchor, k, pick):
@@ -282,8 +293,10 @@ def test_greedy_is_token_identical_to_plain(request, plain_runs, draft, fixed, r
 def plain_official(tiny_ckpt):
     """`plain_runs` under the default `official` numerics."""
     eng = load(tiny_ckpt)
-    return {s: [c.token for c in eng.stream(prompt(s), max_tokens=TOKENS, ignore_eos=True,
-                                            session=eng.open_session())] for s in (11, 12, 13)}
+    return {
+        s: [c.token for c in eng.stream(prompt(s), max_tokens=TOKENS, ignore_eos=True, session=eng.open_session())]
+        for s in (11, 12, 13)
+    }
 
 
 @pytest.mark.parametrize("draft,fixed", [("mtp", 1), ("dspark", 5)])
@@ -318,6 +331,7 @@ def test_verify_passes_stay_within_the_batch_invariant_width():
     def spy(ids, state, all_logits=True):
         widths.append(len(ids))
         return forward(ids, state, all_logits)
+
     drafter.forward = spy
     out = run_fake(drafter, SamplingParams(max_tokens=40), sp.Schedule(fixed=12), [1], 40)
     assert sp.VERIFY_MAX == 8 and max(widths[1:]) == sp.VERIFY_MAX  # widths[0]: the prompt
@@ -337,6 +351,7 @@ def passes_of(eng) -> list:
         rec = eng.drafter.last
         seen.append((rec.p0, list(rec.ids), rec.logits.clone()))
         return out
+
     eng.drafter.forward = spy
     return seen
 
@@ -363,9 +378,9 @@ def test_after_rejection_state_and_logits_equal_a_fresh_run(request, plain_runs,
     ref = fresh.prefill(tokens[:-1], fstate, all_logits=True)  # [len-1, V], position i predicts i+1
     for p0, ids, logits in seen[1:]:  # verify passes (the first record is the prompt)
         keep = [j for j in range(len(ids)) if p0 + j < len(tokens) - 1 and tokens[p0 + j] == ids[j]]
-        keep = keep[:next((j for j, k in enumerate(keep) if k != j), len(keep))]  # the prefix still kept
+        keep = keep[: next((j for j, k in enumerate(keep) if k != j), len(keep))]  # the prefix still kept
         assert keep, "the anchor of a pass is always kept"
-        assert (logits[keep] - ref[p0 + keep[0]:p0 + keep[-1] + 1]).abs().max() <= 1e-4
+        assert (logits[keep] - ref[p0 + keep[0] : p0 + keep[-1] + 1]).abs().max() <= 1e-4
 
     state = eng.drafter.last.state  # the session's state (the drafter saw its last pass)
     assert session.num_processed == state.length
@@ -399,8 +414,9 @@ def test_stream_contract_with_a_draft(tiny_ckpt, plain_runs):
     plain = load(tiny_ckpt, numerics="reference")
     for n, kw in ((TOKENS, {"stop_token_ids": [expect[37]]}), (23, {})):
         out, session = generate(eng, 11, n=n, transcript=expect, **kw)
-        ref = [c.token for c in plain.stream(prompt(11), max_tokens=n, ignore_eos=True, session=plain.open_session(),
-                                             **kw)]
+        ref = [
+            c.token for c in plain.stream(prompt(11), max_tokens=n, ignore_eos=True, session=plain.open_session(), **kw)
+        ]
         assert out == ref and len(out) <= 38
         assert session.tokens == prompt(11) + out and session.num_processed <= session.num_tokens
     eng.context_length = plain.context_length = len(prompt(11)) + 30
@@ -414,6 +430,7 @@ def test_prefix_reuse_and_seeded_sampling(tiny_ckpt):
     """Two sampled requests on one session with a draft, the second reusing the first's prefix; the same two
     requests on a fresh session give the same tokens (a seed pins the text for the same history: prefix reuse
     changes the chunking and the draft's context, hence which drafts are drawn, though not the distribution)."""
+
     def two_requests(eng):
         s = eng.open_session()
         a = [c.token for c in eng.stream(prompt(1), max_tokens=12, temperature=0.8, seed=5, session=s)]
@@ -459,6 +476,7 @@ def test_draft_aware_prefetch_asks_for_hash_layer_experts(tiny_ckpt, plain_runs)
 
 
 # --- schedule, auto and the front-ends -----------------------------------------------------------------------
+
 
 def test_schedule_verifies_more_when_it_pays():
     s = sp.Schedule(r=0.1, q=0.1)
@@ -550,6 +568,7 @@ def test_resolve_draft_names(tiny_ckpt, dspark_ckpt):
 
 def test_draft_flag_on_run_chat_serve():
     from fastar.cli import build_parser
+
     p = build_parser()
     for cmd in (["run", "-p", "x"], ["chat"], ["serve"]):
         assert p.parse_args(cmd + ["--draft", "mtp"]).draft == "mtp"
@@ -561,14 +580,20 @@ def test_draft_flag_on_run_chat_serve():
 def test_run_with_a_draft_end_to_end(vocab_ckpt, capsys):
     """`fastar run --draft mtp --verbose` on the real-vocabulary fixture streams text and reports the draft line."""
     from fastar import cli
-    assert cli.main(["run", "-m", str(vocab_ckpt), "-p", "Hello there", "-n", "12", "--raw", "--draft", "mtp",
-                     "--verbose"]) == 0
+
+    assert (
+        cli.main(
+            ["run", "-m", str(vocab_ckpt), "-p", "Hello there", "-n", "12", "--raw", "--draft", "mtp", "--verbose"]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "draft mtp:" in err and "tokens per verify pass" in err
 
 
 def test_verbose_line_reports_the_draft():
     from fastar.console import draft_line
+
     st = sp.SpeculativeStats(mode="mtp", passes=10, drafted=10, accepted=4, accept_counts=[6, 4])
     line = draft_line({}, {**st.as_dict(0.01), "generated_tokens": 20})
     assert "mtp" in line and "40.0%" in line and "1.40 tokens per verify pass" in line
@@ -577,8 +602,16 @@ def test_verbose_line_reports_the_draft():
 
 def test_bench_runs(tiny_ckpt):
     from fastar.bench import speculative as sb
-    rows = sb.bench(tiny_ckpt, drafts=("none", "mtp", "replay:0.9"), capacities=(1.0, 0.1), tokens=10, miss_ms=0.5,
-                    prompts=1, reps=1)
+
+    rows = sb.bench(
+        tiny_ckpt,
+        drafts=("none", "mtp", "replay:0.9"),
+        capacities=(1.0, 0.1),
+        tokens=10,
+        miss_ms=0.5,
+        prompts=1,
+        reps=1,
+    )
     assert len(rows) == 6 and all(r["tok_per_s"] > 0 for r in rows)
     replay = [r for r in rows if r["mode"] == "replay:0.9"]
     assert all(r["acceptance"] > 0.5 for r in replay)

@@ -1,4 +1,5 @@
 """Decode state: row buffers, retention, truncation, snapshot/restore and the byte format."""
+
 from __future__ import annotations
 
 import pytest
@@ -147,7 +148,10 @@ def test_state_bytes_accounts_for_what_a_state_holds(tmp_path) -> None:
             assert st.nbytes() == state_bytes(e.config, n, mr, mtp_layers=0), (mr, n)
     cfg = e.config
     acct = state_accounting(cfg, 20)
-    grow = sum(4 * (cfg.head_dim + (cfg.index_head_dim if r == 4 else 0)) / r
-               for r in (cfg.ratio(i) for i in range(cfg.num_hidden_layers)) if r)
+    grow = sum(
+        4 * (cfg.head_dim + (cfg.index_head_dim if r == 4 else 0)) / r
+        for r in (cfg.ratio(i) for i in range(cfg.num_hidden_layers))
+        if r
+    )
     assert acct["per_token"] == grow == 2 * acct["official_per_token"]
     assert acct["at_1m"] == state_bytes(cfg, 1 << 20, 20) and acct["fixed"] > 0

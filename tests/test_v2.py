@@ -7,6 +7,7 @@ writes from the checkpoint's indexer shards: the full model, carried into v3 by 
 The v2 files come from `tests/fst_v2_writer.py` (an independent, test-side reading of the spec) applied to the
 `tiny` official-format fixture, so every value can be checked against the checkpoint it came from.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,10 @@ def v2_path(tiny_ckpt, tmp_path_factory):
 
 def fixture_overrides(cfg):
     """The fields a v2 file cannot carry, set to the fixture's values (v2 derives the rest)."""
-    return {k: getattr(cfg, k) for k in ("sliding_window", "index_topk", "original_max_position_embeddings",
-                                         "max_position_embeddings")}
+    return {
+        k: getattr(cfg, k)
+        for k in ("sliding_window", "index_topk", "original_max_position_embeddings", "max_position_embeddings")
+    }
 
 
 def copy_model(src, dst_dir):
@@ -77,6 +80,7 @@ def bf16_trunc(x):
 
 # --- values ----------------------------------------------------------------------------------------------------
 
+
 def test_tensors_and_experts_equal_the_checkpoint(ck, v2_path):
     with FstV2File(v2_path) as f:
         assert f.ignored == []
@@ -96,8 +100,9 @@ def test_tensors_and_experts_equal_the_checkpoint(ck, v2_path):
             value = ref.bf16_decode(got) if f.dtype(name) == "BF16" else got
             assert value.shape == want.shape and np.array_equal(value, want), name
         # the main file holds norms 40x too small (like the early converter): the norm sidecar wins
-        assert np.array_equal(ref.bf16_decode(f.tensor("layers.3.ffn_norm.weight")),
-                              ckpt_value(ck, "layers.3.ffn_norm.weight"))
+        assert np.array_equal(
+            ref.bf16_decode(f.tensor("layers.3.ffn_norm.weight")), ckpt_value(ck, "layers.3.ffn_norm.weight")
+        )
         for slot in range(f.config.num_hidden_layers):
             for e in range(f.config.n_routed_experts):
                 for u, v in zip(ck.expert(slot, e), f.expert(slot, e)):
@@ -109,7 +114,7 @@ def test_tensors_and_experts_equal_the_checkpoint(ck, v2_path):
 def test_config_from_header_ratios_and_shapes(ck, v2_path):
     with FstV2File(v2_path) as f:
         c = f.config
-        assert c.num_mtp_layers == 0 and c.compress_ratios == ck.config.compress_ratios[:c.num_hidden_layers]
+        assert c.num_mtp_layers == 0 and c.compress_ratios == ck.config.compress_ratios[: c.num_hidden_layers]
         assert c.num_hash_layers == ck.config.num_hash_layers == 2  # leading layers without a router bias
         assert (c.sliding_window, c.index_topk) == (128, 512)  # not in v2: the Flash values
         with FstV2File(v2_path, overrides=fixture_overrides(ck.config)) as g:
@@ -125,7 +130,7 @@ def test_q8_0_and_dense_mxfp4_storage_decode_exactly(ck, tmp_path):
         x = ckpt_value(ck, "layers.0.attn.wq_a.weight")
         raw = np.frombuffer(q8_0_encode(x), np.uint8)
         nb = x.size // 32
-        want = (raw[2 * nb:].view(np.int8).reshape(nb, 32) * raw[:2 * nb].view(np.float16)[:, None].astype(np.float32))
+        want = raw[2 * nb :].view(np.int8).reshape(nb, 32) * raw[: 2 * nb].view(np.float16)[:, None].astype(np.float32)
         assert f.dtype("layers.0.attn.wq_a.weight") == "F32"
         assert np.array_equal(f.tensor("layers.0.attn.wq_a.weight"), want.reshape(x.shape))
         packed, scale = ref.fp4_encode(ckpt_value(ck, "head.weight"))
@@ -134,6 +139,7 @@ def test_q8_0_and_dense_mxfp4_storage_decode_exactly(ck, tmp_path):
 
 
 # --- engine ----------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def v3_from_v2(v2_path, tmp_path_factory):
@@ -224,6 +230,7 @@ def test_v2_through_the_expert_pager(v2_path, v2_logits):
 
 # --- errors ----------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["hc", "norm", "tid2eid"])
 def test_missing_sidecar_names_the_file(v2_path, tmp_path, kind):
     p = copy_model(v2_path, tmp_path)
@@ -264,8 +271,9 @@ def test_without_compress_ratios_the_flash_pattern_is_assumed_and_checked(ck, tm
     p = write_v2(ck, tmp_path / "noratio.fst", drop={"compress_ratios"})  # fixture ratios are 0, 4, 128, 4, 0
     with pytest.raises(FormatError, match=r"layers\.\{4\}\.attn\.compressor"):
         FstV2File(p)
-    flash_like = write_checkpoint(tmp_path / "ck", "tiny", seed=2, tokenizer=False,
-                                  compress_ratios=[0, 0, 4, 128, 4, 0])
+    flash_like = write_checkpoint(
+        tmp_path / "ck", "tiny", seed=2, tokenizer=False, compress_ratios=[0, 0, 4, 128, 4, 0]
+    )
     q = write_v2(flash_like, tmp_path / "flashlike.fst", drop={"compress_ratios"})
     with FstV2File(q) as f:
         assert f.config.compress_ratios == (0, 0, 4, 128, 4)
@@ -308,12 +316,15 @@ def test_entry_size_and_shape_checked(v2_path, tmp_path):
         FstV2File(p)
 
 
-@pytest.mark.parametrize("header,msg", [
-    ({"qh": 64, "kh": 8, "hd2": 128}, "Hunyuan-3.0"),
-    ({"qh": 24, "kh": 4, "hd2": 256}, "Qwen3.5"),
-    ({"eb": 1000}, "expert block of 1000 B"),
-    ({"qh": 16}, "header says 16 heads"),
-])
+@pytest.mark.parametrize(
+    "header,msg",
+    [
+        ({"qh": 64, "kh": 8, "hd2": 128}, "Hunyuan-3.0"),
+        ({"qh": 24, "kh": 4, "hd2": 256}, "Qwen3.5"),
+        ({"eb": 1000}, "expert block of 1000 B"),
+        ({"qh": 16}, "header says 16 heads"),
+    ],
+)
 def test_header_checks(ck, tmp_path, header, msg):
     p = write_v2(ck, tmp_path / "h.fst", header=header)
     with pytest.raises(FormatError, match=msg):
@@ -377,8 +388,9 @@ def indexer_shards_only(tiny_ckpt, tmp_path_factory):
 def with_sidecar(noidx_path, indexer_shards_only, tmp_path_factory):
     """The indexer-less v2 model plus `X.fst.indexer` written by the CLI from the partial checkpoint."""
     p = copy_model(noidx_path, tmp_path_factory.mktemp("sidecar"))
-    assert cli_main(["convert", str(indexer_shards_only), "--indexer-sidecar", "-o", f"{p}.indexer",
-                     "--no-progress"]) == 0
+    assert (
+        cli_main(["convert", str(indexer_shards_only), "--indexer-sidecar", "-o", f"{p}.indexer", "--no-progress"]) == 0
+    )
     return p
 
 
@@ -441,12 +453,12 @@ def test_past_the_cap_a_clear_error(ck, noidx_path):
     e = load(FstV2File(noidx_path, overrides=fixture_overrides(ck.config)))
     why = rf"{noidx_path.name} has no lightning-indexer weights.*--indexer-sidecar -o \S*{noidx_path.name}\.indexer"
     with pytest.raises(PromptError, match=rf"the context length is 19 tokens.*capped at 19 tokens: \S*{why}"):
-        list(e.stream(IDS[:CAP + 1], max_tokens=1))
+        list(e.stream(IDS[: CAP + 1], max_tokens=1))
     with pytest.raises(PromptError, match=rf"24 positions asked, but the context is capped at 19 tokens: \S*{why}"):
         e.logits(IDS)
     with pytest.raises(PromptError, match="20 positions asked"):  # a generation reaching position 19
-        e.generate_tokens(IDS[:CAP - 4], max_tokens=10, ignore_eos=True)
-    *_, last = e.stream(IDS[:CAP - 4], max_tokens=10, ignore_eos=True)  # the session path stops at the context
+        e.generate_tokens(IDS[: CAP - 4], max_tokens=10, ignore_eos=True)
+    *_, last = e.stream(IDS[: CAP - 4], max_tokens=10, ignore_eos=True)  # the session path stops at the context
     assert last.finish_reason == "length" and last.usage["completion_tokens"] == 4
     with pytest.raises(FastarError, match=r"position 23 needs layers\.1\.attn\.indexer"):  # the model itself
         e.model.forward(IDS, e.model.new_state())
@@ -460,8 +472,11 @@ def test_indexer_sidecar_holds_only_the_indexer_in_checkpoint_precision(ck, with
             assert f.dtype(n) == spec.FROM_SAFETENSORS[ck.dtype(n)] and np.array_equal(f.tensor(n), ck.read(n)), n
     with FstV2File(with_sidecar) as v2:
         assert v2.context_note is None and v2.dtype("layers.1.attn.indexer.wq_b.weight") == "F8_E4M3"
-        assert (v2.config.index_n_heads, v2.config.index_head_dim, v2.config.index_topk) == \
-            (ck.config.index_n_heads, ck.config.index_head_dim, 4)  # from the sidecar: v2 has no index_topk
+        assert (v2.config.index_n_heads, v2.config.index_head_dim, v2.config.index_topk) == (
+            ck.config.index_n_heads,
+            ck.config.index_head_dim,
+            4,
+        )  # from the sidecar: v2 has no index_topk
         assert set(indexer_names(ck.config)) <= set(v2.names())
         assert f"{with_sidecar.name}.indexer" in [x["name"] for x in v2.identity()["files"]]
 
@@ -496,8 +511,7 @@ def test_indexer_sidecar_needs_its_shards(indexer_shards_only, tmp_path, capsys)
     assert "name the output MODEL.fst.indexer" in capsys.readouterr().err and not (tmp_path / "x.fst").exists()
 
 
-def test_indexer_sidecar_from_the_hub_downloads_only_its_shards(tiny_ckpt, indexer_shards_only, tmp_path,
-                                                                monkeypatch):
+def test_indexer_sidecar_from_the_hub_downloads_only_its_shards(tiny_ckpt, indexer_shards_only, tmp_path, monkeypatch):
     import huggingface_hub
 
     asked = []
@@ -532,15 +546,21 @@ def test_bad_indexer_sidecar_names_it(ck, tiny_ckpt, with_sidecar, ck_v3, tmp_pa
             fh.seek(off)
             fh.write(bytes([b[0] ^ 1]))
     elif how == "another model":
-        other = write_checkpoint(tmp_path / "other", "tiny", seed=0, tokenizer=False,
-                                 compress_ratios=[0, 0, 4, 128, 4, 0])
+        other = write_checkpoint(
+            tmp_path / "other", "tiny", seed=0, tokenizer=False, compress_ratios=[0, 0, 4, 128, 4, 0]
+        )
         convert_indexer(other, side, progress=False)
     elif how == "a whole model":
         shutil.copyfile(ck_v3.path, side)
     else:
         with open(side, "wb") as fh:
             fh.write(b"\0" * 8192)
-    msg = {"truncated": "truncated", "corrupt": "checksum mismatch", "another model": r"lacks layers\.\{1,3\}",
-           "a whole model": r"also holds", "not a .fst": "not a .fst file"}[how]
+    msg = {
+        "truncated": "truncated",
+        "corrupt": "checksum mismatch",
+        "another model": r"lacks layers\.\{1,3\}",
+        "a whole model": r"also holds",
+        "not a .fst": "not a .fst file",
+    }[how]
     with pytest.raises(FormatError, match=rf"{p.name}\.indexer.*{msg}.*--indexer-sidecar"):
         FstV2File(p)

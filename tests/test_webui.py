@@ -8,6 +8,7 @@ violation is allowed. A screenshot is saved under the test's tmp dir.
 
 Skips only when Chromium or Playwright is missing; `.ci/install-browser` installs both.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,16 @@ from test_server import FakeEngine, start_server
 from fastar.encoding import THINK_END, THINK_START, USER, render_tool_calls
 
 CHROMIUM = os.environ.get("FASTAR_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 try:
     from playwright.sync_api import expect, sync_playwright
@@ -173,26 +182,70 @@ def test_ui_behind_an_api_key():
 
 
 XSS_PAYLOADS = [
-    "<img src=x onerror=alert(1)>", "[click](javascript:alert(1))", "[x](https://a.example\" onmouseover=\"alert(1))",
-    "`<script>alert(1)</script>`", "**<svg onload=alert(1)>**", '<a href="javascript:alert(1)">x</a>',
-    "| a | b |\n|---|---|\n| <iframe src=x> | [y](data:text/html,hi) |", "see https://x.example/\"><script>alert(1)</script>",
-    "```\n</code></pre><img src=x onerror=alert(1)>\n```", "> <style>body{display:none}</style>\n- <b onclick=x>i</b>",
-    "[a](mailto:me@example.com) _x_ ~~y~~ ***z***", "&lt;script&gt; &amp; &#x3C;img&#x3E;",
-    "<details open ontoggle=window.__xss=1>", "[x](JaVaScRiPt:window.__xss=1)", "[x](  javascript:alert(1))",
-    "![pixel](https://evil.example/track.png)", "[x](data:text/html;base64,PHNjcmlwdD4=)", "<a href='x'>x</a>",
-    "```html\n<script>window.__xss=1</script>\n```", "[x](vbscript:msgbox(1)) [y](file:///etc/passwd)",
-    "<math><mtext><table><mglyph><style><img src=x onerror=window.__xss=1>", "<<img src=x onerror=window.__xss=1>>",
-    "| a |\n|--:|\n| <img src=x onerror=window.__xss=1> |", "`` ` `` <svg><script>window.__xss=1</script></svg>",
+    "<img src=x onerror=alert(1)>",
+    "[click](javascript:alert(1))",
+    '[x](https://a.example" onmouseover="alert(1))',
+    "`<script>alert(1)</script>`",
+    "**<svg onload=alert(1)>**",
+    '<a href="javascript:alert(1)">x</a>',
+    "| a | b |\n|---|---|\n| <iframe src=x> | [y](data:text/html,hi) |",
+    'see https://x.example/"><script>alert(1)</script>',
+    "```\n</code></pre><img src=x onerror=alert(1)>\n```",
+    "> <style>body{display:none}</style>\n- <b onclick=x>i</b>",
+    "[a](mailto:me@example.com) _x_ ~~y~~ ***z***",
+    "&lt;script&gt; &amp; &#x3C;img&#x3E;",
+    "<details open ontoggle=window.__xss=1>",
+    "[x](JaVaScRiPt:window.__xss=1)",
+    "[x](  javascript:alert(1))",
+    "![pixel](https://evil.example/track.png)",
+    "[x](data:text/html;base64,PHNjcmlwdD4=)",
+    "<a href='x'>x</a>",
+    "```html\n<script>window.__xss=1</script>\n```",
+    "[x](vbscript:msgbox(1)) [y](file:///etc/passwd)",
+    "<math><mtext><table><mglyph><style><img src=x onerror=window.__xss=1>",
+    "<<img src=x onerror=window.__xss=1>>",
+    "| a |\n|--:|\n| <img src=x onerror=window.__xss=1> |",
+    "`` ` `` <svg><script>window.__xss=1</script></svg>",
 ]
-ALLOWED_TAGS = {"P", "BR", "STRONG", "EM", "DEL", "S", "CODE", "PRE", "A", "H1", "H2", "H3", "H4", "H5", "H6", "UL",
-                "OL", "LI", "BLOCKQUOTE", "HR", "TABLE", "THEAD", "TBODY", "TR", "TH", "TD", "DIV", "SPAN", "BUTTON"}
+ALLOWED_TAGS = {
+    "P",
+    "BR",
+    "STRONG",
+    "EM",
+    "DEL",
+    "S",
+    "CODE",
+    "PRE",
+    "A",
+    "H1",
+    "H2",
+    "H3",
+    "H4",
+    "H5",
+    "H6",
+    "UL",
+    "OL",
+    "LI",
+    "BLOCKQUOTE",
+    "HR",
+    "TABLE",
+    "THEAD",
+    "TBODY",
+    "TR",
+    "TH",
+    "TD",
+    "DIV",
+    "SPAN",
+    "BUTTON",
+}
 ALLOWED_ATTRS = {"class", "href", "target", "rel", "start", "type"}
 
 
 def test_markdown_renderer_never_emits_unsafe_html(browser_page):
     page, server, _, errors = browser_page
     page.goto(server.url + "/")
-    found = page.evaluate("""async (payloads) => {
+    found = page.evaluate(
+        """async (payloads) => {
         const { renderMarkdown } = await import("/static/markdown.js");
         return payloads.map((src) => {
             const box = document.createElement("div");
@@ -201,7 +254,9 @@ def test_markdown_renderer_never_emits_unsafe_html(browser_page):
             return { text: box.textContent, nodes: [...box.querySelectorAll("*")].map((n) => ({
                 tag: n.tagName, attrs: [...n.attributes].map((a) => [a.name, a.value]) })) };
         });
-    }""", XSS_PAYLOADS)
+    }""",
+        XSS_PAYLOADS,
+    )
     for src, result in zip(XSS_PAYLOADS, found, strict=True):
         for node in result["nodes"]:
             assert node["tag"] in ALLOWED_TAGS, (src, node)
@@ -209,7 +264,7 @@ def test_markdown_renderer_never_emits_unsafe_html(browser_page):
                 assert name in ALLOWED_ATTRS, (src, node)
                 if name == "href":
                     assert value.startswith(("https://", "http://", "mailto:")), (src, value)
-    assert "<img src=x onerror=alert(1)>" in found[0]["text"]   # shown as text, not dropped
+    assert "<img src=x onerror=alert(1)>" in found[0]["text"]  # shown as text, not dropped
     page.wait_for_timeout(200)
     assert page.evaluate("window.__xss") is None
     assert not errors, errors
@@ -218,7 +273,7 @@ def test_markdown_renderer_never_emits_unsafe_html(browser_page):
 RENDER_CASES = {
     "nested": "- a\n  - b\n    - c\n- d\n\n1. one\n   - sub one\n2. two",
     "underscores": "[my_link_name](https://example.com/a_b_c) and https://example.com/some_path_here_x, "
-                   "snake_case_word",
+    "snake_case_word",
     "python": "```python\ndef f(x):\n    return x < 3\n```",
     "unknown": "```nosuchlang\n<b>x</b>\n```",
     "streaming": "text\n\n```js\nlet a = 1",
@@ -229,7 +284,8 @@ RENDER_CASES = {
 def test_markdown_rendering_nested_lists_links_and_highlighting(browser_page):
     page, server, _, errors = browser_page
     page.goto(server.url + "/")
-    got = page.evaluate("""async (cases) => {
+    got = page.evaluate(
+        """async (cases) => {
         const { renderMarkdown } = await import("/static/markdown.js");
         const out = {};
         for (const [name, src] of Object.entries(cases)) {
@@ -253,7 +309,9 @@ def test_markdown_rendering_nested_lists_links_and_highlighting(browser_page):
             };
         }
         return out;
-    }""", RENDER_CASES)
+    }""",
+        RENDER_CASES,
+    )
     nested = got["nested"]
     assert nested["deepest"] == ["c"] and nested["topItems"] == 2 and nested["olNested"] == ["sub one"]
     links = got["underscores"]["links"]

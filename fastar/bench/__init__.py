@@ -24,6 +24,7 @@ def _thread_list(v: str) -> str:
         raise argparse.ArgumentTypeError(f"--threads takes comma-separated counts 1..1024, got {v!r}")
     return v
 
+
 def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "what",

@@ -11,6 +11,7 @@ Does not own: end-to-end tokens/s (`fastar.bench.model`) or the kernels themselv
 
 Usage: python -m fastar.bench.kernels [--json] [--threads 1,2] (or `fastar bench kernels`)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,9 +87,16 @@ def _kernel_cases(rng) -> list[tuple[str, int, int, int, object, list]]:
     return [
         ("fp4 gate/up 2048x4096", I, D, nb(gate), lambda x, c, o: K.fp4_matmul(x, c[0], c[1], out=o), gate),
         ("fp4 down 4096x2048", D, I, nb(down), lambda x, c, o: K.fp4_matmul(x, c[0], c[1], out=o), down),
-        ("expert_ffn (gate+up+down)", D, D, nb(expert),
-         lambda x, c, o, q=False: K.expert_ffn(x, *c, np.ones(x.shape[0], np.float32), 10.0, o,
-                                               act_block=128 if q else 0), expert),
+        (
+            "expert_ffn (gate+up+down)",
+            D,
+            D,
+            nb(expert),
+            lambda x, c, o, q=False: K.expert_ffn(
+                x, *c, np.ones(x.shape[0], np.float32), 10.0, o, act_block=128 if q else 0
+            ),
+            expert,
+        ),
         ("fp8 4096x4096", D, D, nb(fp8), lambda x, c, o: K.fp8_matmul(x, c[0], c[1], out=o), fp8),
         ("bf16 4096x4096", D, D, nb(bf16), lambda x, c, o: K.bf16_matmul(x, c[0], out=o), bf16),
     ]
@@ -155,17 +163,38 @@ def run(json_out: bool = False, threads: list[int] | None = None) -> dict:
                         continue  # BF16 weights take unquantized inputs (the LM head, the routers)
                     xs = xv if Kd == D else np.ascontiguousarray(xv[:, :Kd])
                     o = np.zeros((T, N), np.float32)
-                    run_one = (lambda i: call(xs, copies[i], o, True)) if "expert" in name and q else \
-                        (lambda i: call(xs, copies[i], o))
+                    run_one = (
+                        (lambda i: call(xs, copies[i], o, True))
+                        if "expert" in name and q
+                        else (lambda i: call(xs, copies[i], o))
+                    )
                     med, lo, hi = _timeit(run_one, len(copies))
                     flops = 2 * T * (3 * I * D if "expert" in name else N * Kd)
-                    rows.append({"name": name + tag, "T": T, "threads": n, "gbps": nbytes / med / 1e9,
-                                 "gflops": flops / med / 1e9, "ms": med * 1e3, "spread_ms": [lo * 1e3, hi * 1e3]})
+                    rows.append(
+                        {
+                            "name": name + tag,
+                            "T": T,
+                            "threads": n,
+                            "gbps": nbytes / med / 1e9,
+                            "gflops": flops / med / 1e9,
+                            "ms": med * 1e3,
+                            "spread_ms": [lo * 1e3, hi * 1e3],
+                        }
+                    )
             try:  # the comparison libraries, with their own default threading
                 for name, sec, nbytes, flops in _baselines(rng, T):
                     n = default
-                    rows.append({"name": name, "T": T, "threads": n, "gbps": nbytes / sec / 1e9,
-                                 "gflops": flops / sec / 1e9, "ms": sec * 1e3, "spread_ms": None})
+                    rows.append(
+                        {
+                            "name": name,
+                            "T": T,
+                            "threads": n,
+                            "gbps": nbytes / sec / 1e9,
+                            "gflops": flops / sec / 1e9,
+                            "ms": sec * 1e3,
+                            "spread_ms": None,
+                        }
+                    )
             except Exception as e:  # pragma: no cover - a broken optional library must not sink the bench
                 print(f"(baselines skipped: {e})", file=sys.stderr)
         again = machine_limits(threads)
@@ -179,10 +208,15 @@ def run(json_out: bool = False, threads: list[int] | None = None) -> dict:
     finally:
         K.set_num_threads(before)
     top = max(threads)
-    result = {"membw_gbps": lim["membw"][top], "fp32_gflops": lim["peak"][top],
-              "membw_by_threads": {str(k): v for k, v in lim["membw"].items()},
-              "fp32_gflops_by_threads": {str(k): v for k, v in lim["peak"].items()},
-              "isa": K.get_isa(), "cpu": K.cpu_features(), "kernels": rows}
+    result = {
+        "membw_gbps": lim["membw"][top],
+        "fp32_gflops": lim["peak"][top],
+        "membw_by_threads": {str(k): v for k, v in lim["membw"].items()},
+        "fp32_gflops_by_threads": {str(k): v for k, v in lim["peak"].items()},
+        "isa": K.get_isa(),
+        "cpu": K.cpu_features(),
+        "kernels": rows,
+    }
     if json_out:
         print(json.dumps(result))
     else:
@@ -191,14 +225,18 @@ def run(json_out: bool = False, threads: list[int] | None = None) -> dict:
 
 
 def _print_table(result: dict, lim: dict) -> None:
-    print(f"isa {result['isa']}; weights cycle through >= {CYCLE_BYTES >> 20} MB of copies (DRAM, not cache); "
-          "limits = best of start and end of the run")
+    print(
+        f"isa {result['isa']}; weights cycle through >= {CYCLE_BYTES >> 20} MB of copies (DRAM, not cache); "
+        "limits = best of start and end of the run"
+    )
     for n in lim["membw"]:
         print(f"threads {n}: memory read {lim['membw'][n]:6.1f} GB/s   FP32 FMA peak {lim['peak'][n]:7.1f} GFLOP/s")
     print(f"{'kernel':48s} {'T':>3s} {'thr':>3s} {'ms':>8s} {'GB/s':>7s} {'GFLOP/s':>8s} {'%bw':>5s} {'%peak':>6s}")
     for r in result["kernels"]:
-        print(f"{r['name']:48s} {r['T']:3d} {r['threads']:3d} {r['ms']:8.3f} {r['gbps']:7.2f} {r['gflops']:8.1f} "
-              f"{100 * r['bw_frac']:5.0f} {100 * r['peak_frac']:6.0f}")
+        print(
+            f"{r['name']:48s} {r['T']:3d} {r['threads']:3d} {r['ms']:8.3f} {r['gbps']:7.2f} {r['gflops']:8.1f} "
+            f"{100 * r['bw_frac']:5.0f} {100 * r['peak_frac']:6.0f}"
+        )
 
 
 def prefill_products(tokens: int = 512, rounds: int = 3, threads: int = 1) -> list[dict]:
@@ -235,8 +273,18 @@ def prefill_products(tokens: int = 512, rounds: int = 3, threads: int = 1) -> li
                     peak = cpu_rate(lambda: probe(1_000_000)[1])  # noqa: B023 (called at once)
                     f(x, w, s)  # warm
                     got = cpu_rate(lambda: (f(x, w, s), 2.0 * x.shape[0] * w.shape[0] * x.shape[1])[1])  # noqa: B023
-                    rows.append({"round": rnd, "product": name, "path": isa, "tokens": tokens, "threads": threads,
-                                 "gflops_per_cpu_s": got, "peak_gflops_per_cpu_s": peak, "fraction": got / peak})
+                    rows.append(
+                        {
+                            "round": rnd,
+                            "product": name,
+                            "path": isa,
+                            "tokens": tokens,
+                            "threads": threads,
+                            "gflops_per_cpu_s": got,
+                            "peak_gflops_per_cpu_s": peak,
+                            "fraction": got / peak,
+                        }
+                    )
     finally:
         K.set_isa("auto")
     return rows
@@ -246,16 +294,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fastar bench kernels", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all CPUs)")
-    p.add_argument("--prefill", type=int, default=None, metavar="T",
-                   help="instead: the prefill products at T tokens, bf16 vs FP32 tile path, against each peak")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=None,
+        metavar="T",
+        help="instead: the prefill products at T tokens, bf16 vs FP32 tile path, against each peak",
+    )
     a = p.parse_args(argv)
     if a.prefill:
         rows = prefill_products(a.prefill, threads=int(a.threads or 1))
         if a.json:
             print(json.dumps(rows))
         for r in rows if not a.json else []:
-            print(f"{r['product']:16s} {r['path']:10s} {r['gflops_per_cpu_s']:6.0f} GFLOP per CPU-s = "
-                  f"{100 * r['fraction']:3.0f} % of {r['peak_gflops_per_cpu_s']:.0f}")
+            print(
+                f"{r['product']:16s} {r['path']:10s} {r['gflops_per_cpu_s']:6.0f} GFLOP per CPU-s = "
+                f"{100 * r['fraction']:3.0f} % of {r['peak_gflops_per_cpu_s']:.0f}"
+            )
         return 0
     run(json_out=a.json, threads=[int(t) for t in a.threads.split(",")] if a.threads else None)
     return 0

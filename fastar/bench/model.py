@@ -15,6 +15,7 @@ Also: hit rate, bytes read per token, achieved GB/s, peak RSS (sampled), and wit
 prompt through transformers on the same weights. Does not own: the kernels benchmark (`bench_kernels`) or
 the cache's trace replay (`bench.cache`).
 """
+
 from __future__ import annotations
 
 import gc
@@ -36,6 +37,7 @@ class _PeakRSS:
 
     def __init__(self) -> None:
         import psutil
+
         self._proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -61,6 +63,7 @@ def token_bytes(src) -> tuple[int, int, int]:
         sizes = {t["name"]: t["nbytes"] for t in src.header["tensors"]}
     else:  # checkpoint directory
         from ..convert.names import is_routed_expert
+
         sizes = {n: src.tensor_info(n).nbytes for n in src.names() if not is_routed_expert(n)}
     touched = 0
     for name, n in sizes.items():
@@ -97,6 +100,7 @@ def _disk_bw(path: str, nbytes: int = 256 << 20) -> float:
     import mmap
 
     from .cache import drop_page_cache
+
     drop_page_cache(path)
     flag = getattr(os, "O_DIRECT", 0)
     try:
@@ -128,6 +132,7 @@ def _stream_gbps(engine) -> float | None:
     import torch
 
     from ..quant import kernels
+
     w = engine.model.head.weight
     if kernels._C is None or w.numel() * w.element_size() < PROBE_MIN_BYTES:
         return None
@@ -179,13 +184,25 @@ def _state_measure(engine, state) -> dict:
 
     held = sum(b.all().numel() * 4 for s in state.layers for b in s.buffers().values())
     acct = state_accounting(engine.config, state.max_rollback, mtp_layers=0)
-    return {"state_positions": state.length, "state_bytes": held,
-            "state_bytes_accounted": state_bytes(engine.config, state.length, state.max_rollback, mtp_layers=0),
-            "state_bytes_per_token": acct["per_token"], "state_official_bytes_per_token": acct["official_per_token"]}
+    return {
+        "state_positions": state.length,
+        "state_bytes": held,
+        "state_bytes_accounted": state_bytes(engine.config, state.length, state.max_rollback, mtp_layers=0),
+        "state_bytes_per_token": acct["per_token"],
+        "state_official_bytes_per_token": acct["official_per_token"],
+    }
 
 
-def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, warmup: int = 8,
-            replay: float | None = None, repeats: int = 1) -> dict:
+def run_one(
+    path: str,
+    budget,
+    prompt: list[int],
+    decode: int,
+    options: dict,
+    warmup: int = 8,
+    replay: float | None = None,
+    repeats: int = 1,
+) -> dict:
     """One budget: `_start`, then `decode` timed greedy steps, one token per forward (`repeats` times, each between
     two bandwidth probes: the host's memory speed moves between runs of a few seconds). With a draft
     (`options["draft"]`, or `replay`: drafts read from that plain run, each right with probability `replay`),
@@ -219,16 +236,20 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
             if replay is not None:
                 from ..engine.speculative import Schedule
                 from .speculative import ReplayDrafter
+
                 engine.use_draft(ReplayDrafter(engine.model, replay), Schedule(fixed=4), f"replay:{replay:g}")
                 engine.drafter.transcript = seq
             session = engine.open_session()
             session.resume(head, state)  # the last token pending, as in the plain run
             gen_before = engine.stats()
-            out_ids = [c.token for c in engine.stream(head, session=session, max_tokens=decode, ignore_eos=True)
-                       if c.token is not None]
+            out_ids = [
+                c.token
+                for c in engine.stream(head, session=session, max_tokens=decode, ignore_eos=True)
+                if c.token is not None
+            ]
             gen = engine.stats()
             spec_s = gen["decode_seconds"] - gen_before["decode_seconds"]
-            same = head == seq[:start] and out_ids == seq[start:start + decode]
+            same = head == seq[:start] and out_ids == seq[start : start + decode]
             del state, session
             _close(engine)
             del engine
@@ -239,15 +260,22 @@ def run_one(path: str, budget, prompt: list[int], decode: int, options: dict, wa
     out = {
         "ram_budget_bytes": budget_bytes,
         "cache_policy": options.get("cache_policy", "lrfu"),
-        "load_s": info["load_s"], "preloaded": info["preloaded"], "preload_s": info["preload_s"],
-        "prefill_tokens": len(prompt), "prefill_tok_s": len(prompt) / info["prefill_s"],
-        "warmup_tokens": warmup, "decode_tokens": decode * repeats, "decode_tok_s": decode * repeats / decode_s,
+        "load_s": info["load_s"],
+        "preloaded": info["preloaded"],
+        "preload_s": info["preload_s"],
+        "prefill_tokens": len(prompt),
+        "prefill_tok_s": len(prompt) / info["prefill_s"],
+        "warmup_tokens": warmup,
+        "decode_tokens": decode * repeats,
+        "decode_tok_s": decode * repeats / decode_s,
         "hit_rate": hits / max(hits + misses, 1) if cache else 1.0,
         "bytes_read_per_token": read / (decode * repeats),
         "stall_s_per_token": (after.get("stall_s", 0) - before.get("stall_s", 0)) / (decode * repeats),
         "peak_rss_bytes": rss.peak,
-        "repeats": [{"decode_tok_s": decode / e[0],
-                     "membw_before_after_gbps": list(e[1:]) if None not in e else None} for e in each],
+        "repeats": [
+            {"decode_tok_s": decode / e[0], "membw_before_after_gbps": list(e[1:]) if None not in e else None}
+            for e in each
+        ],
         "prefetch": {k: v for k, v in after.get("sources", {}).items()},
         **state_info,
     }
@@ -276,9 +304,20 @@ def bf16_dot_peak_gflops(threads: int) -> float | None:
     return max(f / s for s, f in (K._C.bf16_dot_peak(iters) for _ in range(3))) / 1e9
 
 
-def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 16, reference: str | None = None,
-        options: dict | None = None, seed: int = 0, policies: list[str] | None = None, warmup: int = 8,
-        replay: float | None = None, repeats: int = 1, reference_dtype: str = "float32") -> dict:
+def run(
+    path: str,
+    budgets: list,
+    prompt_tokens: int = 64,
+    decode_tokens: int = 16,
+    reference: str | None = None,
+    options: dict | None = None,
+    seed: int = 0,
+    policies: list[str] | None = None,
+    warmup: int = 8,
+    replay: float | None = None,
+    repeats: int = 1,
+    reference_dtype: str = "float32",
+) -> dict:
     from ..engine.engine import open_source
     from ..format.reader import FstFile
     from ..quant import kernels
@@ -305,8 +344,16 @@ def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 
     runs = []
     for b in budgets:
         for policy in policies or [options.get("cache_policy", "lrfu")]:
-            r = run_one(path, b, prompt, decode_tokens, {**options, "cache_policy": policy}, warmup=warmup,
-                        replay=replay, repeats=repeats)
+            r = run_one(
+                path,
+                b,
+                prompt,
+                decode_tokens,
+                {**options, "cache_policy": policy},
+                warmup=warmup,
+                replay=replay,
+                repeats=repeats,
+            )
             h = r["hit_rate"]
 
             def ceiling(gbps: float) -> float:
@@ -328,11 +375,20 @@ def run(path: str, budgets: list, prompt_tokens: int = 64, decode_tokens: int = 
                 r["prefill_bf16_ceiling_tok_s"] = dot_peak * 1e9 / (2 * macs)
                 r["prefill_fraction_of_bf16_peak"] = r["prefill_tok_s"] / r["prefill_bf16_ceiling_tok_s"]
             runs.append(r)
-    result = {**runs[0], "resident_bytes": resident, "resident_bytes_per_token": resident_tok,
-              "expert_bytes_per_token": expert_tok, "membw_gbps": membw / 1e9, "disk_gbps": disk_bw / 1e9,
-              "disk": disk, "threads": n, "peak_gflops": peak_flops / 1e9, "prefill_macs_per_token": macs,
-              "bf16_peak_gflops": dot_peak,
-              "runs": runs}
+    result = {
+        **runs[0],
+        "resident_bytes": resident,
+        "resident_bytes_per_token": resident_tok,
+        "expert_bytes_per_token": expert_tok,
+        "membw_gbps": membw / 1e9,
+        "disk_gbps": disk_bw / 1e9,
+        "disk": disk,
+        "threads": n,
+        "peak_gflops": peak_flops / 1e9,
+        "prefill_macs_per_token": macs,
+        "bf16_peak_gflops": dot_peak,
+        "runs": runs,
+    }
     if reference:
         result["transformers"] = _transformers(reference, prompt, decode_tokens, reference_dtype)
         result["speedup_vs_transformers"] = result["decode_tok_s"] / result["transformers"]["decode_tok_s"]
@@ -359,8 +415,12 @@ def _transformers(hf_dir: str, prompt: list[int], decode: int, dtype: str = "flo
             out = m(tok, past_key_values=past, use_cache=True)
             past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         decode_s = time.perf_counter() - t0
-    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": decode / decode_s, "dtype": dtype,
-            "threads": torch.get_num_threads()}
+    return {
+        "prefill_tok_s": len(prompt) / prefill_s,
+        "decode_tok_s": decode / decode_s,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _gb(n: float) -> str:
@@ -368,51 +428,83 @@ def _gb(n: float) -> str:
 
 
 def print_table(r: dict, out=sys.stdout) -> None:
-    print(f"machine: memory {r['membw_gbps']:.1f} GB/s, disk {r['disk_gbps']:.2f} GB/s (O_DIRECT), FP32 FMA "
-          f"{r['peak_gflops']:.0f} GFLOP/s, {r['threads']} threads; per token: resident "
-          f"{_gb(r['resident_bytes_per_token'])}, experts {_gb(r['expert_bytes_per_token'])}, prefill "
-          f"{2 * r['prefill_macs_per_token'] / 1e9:.2f} GFLOP", file=out)
-    print(f"{'budget':>10} {'policy':>6} {'prefill t/s':>11} {'decode t/s':>10} {'ceiling':>8} {'%ceil':>6} "
-          f"{'hit':>6} {'read/tok':>10} {'GB/s':>6} {'mem GB/s':>8} {'peak RSS':>10}", file=out)
+    print(
+        f"machine: memory {r['membw_gbps']:.1f} GB/s, disk {r['disk_gbps']:.2f} GB/s (O_DIRECT), FP32 FMA "
+        f"{r['peak_gflops']:.0f} GFLOP/s, {r['threads']} threads; per token: resident "
+        f"{_gb(r['resident_bytes_per_token'])}, experts {_gb(r['expert_bytes_per_token'])}, prefill "
+        f"{2 * r['prefill_macs_per_token'] / 1e9:.2f} GFLOP",
+        file=out,
+    )
+    print(
+        f"{'budget':>10} {'policy':>6} {'prefill t/s':>11} {'decode t/s':>10} {'ceiling':>8} {'%ceil':>6} "
+        f"{'hit':>6} {'read/tok':>10} {'GB/s':>6} {'mem GB/s':>8} {'peak RSS':>10}",
+        file=out,
+    )
     for x in r["runs"]:
-        print(f"{_gb(x['ram_budget_bytes']):>10} {x['cache_policy']:>6} {x['prefill_tok_s']:11.1f} "
-              f"{x['decode_tok_s']:10.2f} {x['ceiling_tok_s']:8.2f} {100 * x['fraction_of_ceiling']:5.0f}% "
-              f"{100 * x['hit_rate']:5.1f}% {_gb(x['bytes_read_per_token']):>10} {x['achieved_gbps']:6.1f} "
-              f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}"
-              + ("  (all experts preloaded)" if x["preloaded"] else ""), file=out)
-        print(f"{'':>10} prefill {x['prefill_tok_s']:.1f} t/s = {100 * x['prefill_fraction_of_flops']:.0f}% of the "
-              f"FLOP ceiling {x['prefill_ceiling_tok_s']:.1f} t/s"
-              + (f"; {100 * x['prefill_fraction_of_bf16_peak']:.0f}% of the bf16 dot peak's "
-                 f"({r['bf16_peak_gflops']:.0f} GFLOP/s) {x['prefill_bf16_ceiling_tok_s']:.1f} t/s"
-                 if "prefill_fraction_of_bf16_peak" in x else ""), file=out)
-        print(f"{'':>10} decode state after {x['state_positions']} positions: {x['state_bytes'] / 1e6:.1f} MB held, "
-              f"{x['state_bytes_accounted'] / 1e6:.1f} MB accounted; grows {x['state_bytes_per_token']:,.0f} B per "
-              f"token (official layout {x['state_official_bytes_per_token']:,.0f})", file=out)
+        print(
+            f"{_gb(x['ram_budget_bytes']):>10} {x['cache_policy']:>6} {x['prefill_tok_s']:11.1f} "
+            f"{x['decode_tok_s']:10.2f} {x['ceiling_tok_s']:8.2f} {100 * x['fraction_of_ceiling']:5.0f}% "
+            f"{100 * x['hit_rate']:5.1f}% {_gb(x['bytes_read_per_token']):>10} {x['achieved_gbps']:6.1f} "
+            f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}"
+            + ("  (all experts preloaded)" if x["preloaded"] else ""),
+            file=out,
+        )
+        print(
+            f"{'':>10} prefill {x['prefill_tok_s']:.1f} t/s = {100 * x['prefill_fraction_of_flops']:.0f}% of the "
+            f"FLOP ceiling {x['prefill_ceiling_tok_s']:.1f} t/s"
+            + (
+                f"; {100 * x['prefill_fraction_of_bf16_peak']:.0f}% of the bf16 dot peak's "
+                f"({r['bf16_peak_gflops']:.0f} GFLOP/s) {x['prefill_bf16_ceiling_tok_s']:.1f} t/s"
+                if "prefill_fraction_of_bf16_peak" in x
+                else ""
+            ),
+            file=out,
+        )
+        print(
+            f"{'':>10} decode state after {x['state_positions']} positions: {x['state_bytes'] / 1e6:.1f} MB held, "
+            f"{x['state_bytes_accounted'] / 1e6:.1f} MB accounted; grows {x['state_bytes_per_token']:,.0f} B per "
+            f"token (official layout {x['state_official_bytes_per_token']:,.0f})",
+            file=out,
+        )
         if len(x["repeats"]) > 1:
             fr = sorted(100 * y["fraction_of_ceiling"] for y in x["repeats"])
-            print(f"{'':>10} {len(fr)} repeats: % of ceiling median {fr[len(fr) // 2]:.0f}, "
-                  f"range {fr[0]:.0f}-{fr[-1]:.0f}; "
-                  + ", ".join(f"{y['decode_tok_s']:.1f} t/s @ {y['membw_gbps']:.0f} GB/s" for y in x["repeats"]),
-                  file=out)
+            print(
+                f"{'':>10} {len(fr)} repeats: % of ceiling median {fr[len(fr) // 2]:.0f}, "
+                f"range {fr[0]:.0f}-{fr[-1]:.0f}; "
+                + ", ".join(f"{y['decode_tok_s']:.1f} t/s @ {y['membw_gbps']:.0f} GB/s" for y in x["repeats"]),
+                file=out,
+            )
         if "draft_mode" in x:
-            print(f"{'':>10} draft {x['draft_mode']}: {x['draft_decode_tok_s']:.2f} t/s = "
-                  f"{x['draft_speedup']:.2f}x plain decode; acceptance {100 * x['draft_acceptance_rate']:.0f}%, "
-                  f"{x['draft_tokens_per_pass']:.2f} tokens per verify pass; same tokens as plain: "
-                  f"{'yes' if x['draft_same_tokens'] else 'NO'}", file=out)
+            print(
+                f"{'':>10} draft {x['draft_mode']}: {x['draft_decode_tok_s']:.2f} t/s = "
+                f"{x['draft_speedup']:.2f}x plain decode; acceptance {100 * x['draft_acceptance_rate']:.0f}%, "
+                f"{x['draft_tokens_per_pass']:.2f} tokens per verify pass; same tokens as plain: "
+                f"{'yes' if x['draft_same_tokens'] else 'NO'}",
+                file=out,
+            )
     if "transformers" in r:
         t = r["transformers"]
-        print(f"{'engine':>24} {'prefill t/s':>11} {'decode t/s':>10}   (same weights, {len(r['runs'])} budget(s); "
-              f"fastar's first)", file=out)
+        print(
+            f"{'engine':>24} {'prefill t/s':>11} {'decode t/s':>10}   (same weights, {len(r['runs'])} budget(s); "
+            f"fastar's first)",
+            file=out,
+        )
         print(f"{'fastar':>24} {r['prefill_tok_s']:11.1f} {r['decode_tok_s']:10.2f}", file=out)
-        print(f"{'transformers ' + t.get('dtype', 'float32'):>24} {t['prefill_tok_s']:11.1f} {t['decode_tok_s']:10.2f}",
-              file=out)
-        print(f"{'fastar / transformers':>24} {r['prefill_speedup_vs_transformers']:10.2f}x "
-              f"{r['speedup_vs_transformers']:9.2f}x", file=out)
+        print(
+            f"{'transformers ' + t.get('dtype', 'float32'):>24} {t['prefill_tok_s']:11.1f} {t['decode_tok_s']:10.2f}",
+            file=out,
+        )
+        print(
+            f"{'fastar / transformers':>24} {r['prefill_speedup_vs_transformers']:10.2f}x "
+            f"{r['speedup_vs_transformers']:9.2f}x",
+            file=out,
+        )
 
 
 def plot(r: dict, path: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -439,8 +531,9 @@ def main(a) -> int:
     if not os.path.exists(a.model):
         raise FastarError(f"{a.model}: no such file or directory")
     opts = memory_options(a)
-    budgets = [None if s.strip().lower() == "none" else s.strip()
-               for s in str(opts.pop("ram_budget") or "none").split(",")]
+    budgets = [
+        None if s.strip().lower() == "none" else s.strip() for s in str(opts.pop("ram_budget") or "none").split(",")
+    ]
     budgets = [b if b in (None, "auto") else parse_size(b) for b in budgets]
     opts["draft"] = getattr(a, "draft", "none")
     policies = [p.strip() for p in a.policies.split(",")] if getattr(a, "policies", None) else None
@@ -461,13 +554,31 @@ def main(a) -> int:
         reference, ref_dtype = a.compare_transformers, "bfloat16"
     if reference and not os.path.isdir(reference):
         raise FastarError(f"{reference}: not a checkpoint directory (transformers loads a directory)")
-    r = run(a.model, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens, reference=reference,
-            options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay, repeats=getattr(a, "repeats", 1),
-            reference_dtype=ref_dtype)
+    r = run(
+        a.model,
+        budgets,
+        prompt_tokens=a.prompt_tokens,
+        decode_tokens=a.decode_tokens,
+        reference=reference,
+        options=opts,
+        policies=policies,
+        warmup=a.warmup_tokens,
+        replay=replay,
+        repeats=getattr(a, "repeats", 1),
+        reference_dtype=ref_dtype,
+    )
     if a.compare:  # the same benchmark on another source of the same model (e.g. .fst vs checkpoint dir)
-        r["compare"] = run(a.compare, budgets, prompt_tokens=a.prompt_tokens, decode_tokens=a.decode_tokens,
-                           options=opts, policies=policies, warmup=a.warmup_tokens, replay=replay,
-                           repeats=getattr(a, "repeats", 1))
+        r["compare"] = run(
+            a.compare,
+            budgets,
+            prompt_tokens=a.prompt_tokens,
+            decode_tokens=a.decode_tokens,
+            options=opts,
+            policies=policies,
+            warmup=a.warmup_tokens,
+            replay=replay,
+            repeats=getattr(a, "repeats", 1),
+        )
         r["compare"]["model"] = a.compare
         r["decode_ratio_vs_compare"] = r["decode_tok_s"] / r["compare"]["decode_tok_s"]
     if a.plot:

@@ -9,6 +9,7 @@ Why replay: the fixtures' MTP/DSpark weights are random, so their drafts are alm
 cost side. Replay rows show the other side: at a given acceptance, how much a verify pass saves, and how that
 saving shrinks as expert misses make every extra verified token cost nearly a full pass.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -50,9 +51,17 @@ class SlowExperts(Unpaged):
         return {"hits": self.hits, "misses": self.misses}
 
 
-def bench(path, drafts: tuple[str, ...] = ("none", "auto"), capacities: tuple[float, ...] = (1.0, 0.5, 0.25),
-          miss_ms: float = 2.0, tokens: int = 64, prompts: int = 2, reps: int = 3,
-          numerics: str = "reference", wall: bool = False) -> list[dict]:
+def bench(
+    path,
+    drafts: tuple[str, ...] = ("none", "auto"),
+    capacities: tuple[float, ...] = (1.0, 0.5, 0.25),
+    miss_ms: float = 2.0,
+    tokens: int = 64,
+    prompts: int = 2,
+    reps: int = 3,
+    numerics: str = "reference",
+    wall: bool = False,
+) -> list[dict]:
     """Greedy decode tok/s for each draft mode and expert-cache size (a fraction of all experts, LRU), each miss
     costing `miss_ms` more. Modes: `none`, `mtp`, `dspark`, `auto`, `replay:<a>` (4 drafts per pass read from
     the plain greedy transcript, each right with probability a, at no draft cost: what a well-trained draft could
@@ -103,18 +112,25 @@ def bench(path, drafts: tuple[str, ...] = ("none", "auto"), capacities: tuple[fl
         for mode, (eng, slow, speeds) in engines.items():
             st = eng.stats()
             plain, passes = st.get("draft_plain_steps", 0), st.get("draft_verify_passes", 0)
-            rows.append({"mode": mode, "capacity": frac, "tok_per_s": statistics.median(speeds),
-                         "speedup": statistics.median(speeds) / base,
-                         "acceptance": st.get("draft_acceptance_rate", 0.0),
-                         "tokens_per_pass": st.get("draft_tokens_per_pass", 0.0),
-                         "plain_share": plain / max(1, plain + passes),
-                         "hit_rate": slow.hits / max(1, slow.hits + slow.misses)})
+            rows.append(
+                {
+                    "mode": mode,
+                    "capacity": frac,
+                    "tok_per_s": statistics.median(speeds),
+                    "speedup": statistics.median(speeds) / base,
+                    "acceptance": st.get("draft_acceptance_rate", 0.0),
+                    "tokens_per_pass": st.get("draft_tokens_per_pass", 0.0),
+                    "plain_share": plain / max(1, plain + passes),
+                    "hit_rate": slow.hits / max(1, slow.hits + slow.misses),
+                }
+            )
     return rows
 
 
 class ReplayDrafter(Drafter):
     """Benchmark-only draft: the next tokens of `transcript` (a plain greedy run), each right with probability
     `accuracy` and otherwise another token; no model cost, no context rows."""
+
     kind = "replay"
     max_drafts = 4
 
@@ -128,7 +144,7 @@ class ReplayDrafter(Drafter):
 
     def propose(self, state: ModelState, anchor: int, k: int, pick: Pick) -> Proposal:
         m, seq, V = state.length, self.transcript, self.model.config.vocab_size
-        nxt = seq[m + 1:m + 1 + k] if m < len(seq) and seq[m] == anchor else []
+        nxt = seq[m + 1 : m + 1 + k] if m < len(seq) and seq[m] == anchor else []
         nxt += [anchor] * (k - len(nxt))
         out = [t if float(torch.rand(1, generator=self.rng)) < self.accuracy else (t + 1) % V for t in nxt]
         return Proposal(out, None, [None] * k)
@@ -145,6 +161,7 @@ def format_bench(rows: list[dict]) -> str:
 
 if __name__ == "__main__":  # python -m fastar.bench.speculative CHECKPOINT [modes...]
     import sys
+
     torch.set_num_threads(1)
     modes = tuple(sys.argv[2:]) or ("none", "auto", "replay:0.5", "replay:0.8")
     print(format_bench(bench(sys.argv[1], drafts=modes)))

@@ -6,6 +6,7 @@ and the batched ceiling: each decode step reads the resident bytes once plus the
 rows' experts (hits at the memory bandwidth measured in the run, misses at the disk bandwidth), the additive
 model of `fastar.bench`'s decode ceiling. Owns only the measuring; the scheduler is `fastar.engine.scheduler`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,6 +45,7 @@ class _UnionProbe:
             if self._in_rows:
                 self.experts += len(set(idx.reshape(-1).tolist()))
             return idx, wts
+
         return wrapped
 
     def _rows(self, ids, states):
@@ -72,6 +74,7 @@ def _run(engine, prompts: list[list[int]], tokens: int) -> dict:
         if c.token is not None:
             times[i].append(time.perf_counter())
             out[i].append(c.token)
+
     for i, p in enumerate(prompts):
         sched.submit(p, params, on_chunk=lambda c, i=i: on_chunk(c, i))
     probe = _UnionProbe(engine.model)
@@ -81,8 +84,13 @@ def _run(engine, prompts: list[list[int]], tokens: int) -> dict:
         sched.run_until_idle()
     finally:
         probe.close()
-    return {"times": times, "tokens": out, "calls": probe.calls, "experts": probe.experts,
-            "misses": (cache.stats().get("misses", 0) - misses0) if cache else 0}
+    return {
+        "times": times,
+        "tokens": out,
+        "calls": probe.calls,
+        "experts": probe.experts,
+        "misses": (cache.stats().get("misses", 0) - misses0) if cache else 0,
+    }
 
 
 def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 16, ram_budget="auto") -> dict:
@@ -115,27 +123,44 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
         bytes_read = r["calls"] * resident_tok + r["experts"] * stride
         miss_bytes = r["misses"] * stride
         ceil_s = ((bytes_read - miss_bytes) / (membw * 1e9) if membw else 0.0) + (
-            miss_bytes / (disk * 1e9) if disk and miss_bytes else 0.0)
-        rows.append({
-            "streams": n,
-            "aggregate_decode_tok_s": in_window / (end - start) if end > start else 0.0,
-            "per_stream_tok_s": [(len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0
-                                 for t in times],
-            "itl_p50_ms": pct(0.5), "itl_p95_ms": pct(0.95),
-            "identical_to_solo": all(o == s[:len(o)] and len(o) == len(s) for o, s in zip(out, solo)),
-            "decode_calls": r["calls"], "expert_reads_per_call": r["experts"] / max(1, r["calls"]),
-            "batched_ceiling_tok_s": decode_tokens / ceil_s if ceil_s else None,
-        })
+            miss_bytes / (disk * 1e9) if disk and miss_bytes else 0.0
+        )
+        rows.append(
+            {
+                "streams": n,
+                "aggregate_decode_tok_s": in_window / (end - start) if end > start else 0.0,
+                "per_stream_tok_s": [
+                    (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0 for t in times
+                ],
+                "itl_p50_ms": pct(0.5),
+                "itl_p95_ms": pct(0.95),
+                "identical_to_solo": all(o == s[: len(o)] and len(o) == len(s) for o, s in zip(out, solo)),
+                "decode_calls": r["calls"],
+                "expert_reads_per_call": r["experts"] / max(1, r["calls"]),
+                "batched_ceiling_tok_s": decode_tokens / ceil_s if ceil_s else None,
+            }
+        )
         c = rows[-1]["batched_ceiling_tok_s"]
         rows[-1]["fraction_of_ceiling"] = rows[-1]["aggregate_decode_tok_s"] / c if c else None
-    return {"model": str(path), "membw_gbps": membw, "disk_gbps": disk, "resident_bytes_per_step": resident_tok,
-            "expert_bytes": stride, "tokens": tokens, "prompt_tokens": prompt_tokens, "rows": rows}
+    return {
+        "model": str(path),
+        "membw_gbps": membw,
+        "disk_gbps": disk,
+        "resident_bytes_per_step": resident_tok,
+        "expert_bytes": stride,
+        "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
+        "rows": rows,
+    }
 
 
 def main(a) -> int:
     streams = [int(s) for s in a.streams.split(",")]
-    budget = (a.ram_budget.split(",")[0] if isinstance(a.ram_budget, str) else a.ram_budget) \
-        if getattr(a, "ram_budget", None) is not None else "auto"
+    budget = (
+        (a.ram_budget.split(",")[0] if isinstance(a.ram_budget, str) else a.ram_budget)
+        if getattr(a, "ram_budget", None) is not None
+        else "auto"
+    )
     r = bench(a.model, streams, tokens=a.decode_tokens, prompt_tokens=a.prompt_tokens, ram_budget=budget)
     if a.json:
         print(json.dumps(r))
@@ -143,9 +168,14 @@ def main(a) -> int:
     print(f"{r['model']}: memory {r['membw_gbps']:.1f} GB/s, {r['tokens']} tokens per stream", file=sys.stdout)
     for row in r["rows"]:
         ceil = row["batched_ceiling_tok_s"]
-        print(f"  {row['streams']} streams: {row['aggregate_decode_tok_s']:.1f} tok/s aggregate"
-              + (f" (ceiling {ceil:.1f})" if ceil else ""), end="")
-        print(f", per stream {min(row['per_stream_tok_s']):.1f}-{max(row['per_stream_tok_s']):.1f} tok/s, "
-              f"ITL p50 {row['itl_p50_ms']:.1f} ms p95 {row['itl_p95_ms']:.1f} ms, "
-              f"identical_to_solo {row['identical_to_solo']}")
+        print(
+            f"  {row['streams']} streams: {row['aggregate_decode_tok_s']:.1f} tok/s aggregate"
+            + (f" (ceiling {ceil:.1f})" if ceil else ""),
+            end="",
+        )
+        print(
+            f", per stream {min(row['per_stream_tok_s']):.1f}-{max(row['per_stream_tok_s']):.1f} tok/s, "
+            f"ITL p50 {row['itl_p50_ms']:.1f} ms p95 {row['itl_p95_ms']:.1f} ms, "
+            f"identical_to_solo {row['identical_to_solo']}"
+        )
     return 0

@@ -9,6 +9,7 @@ and every shard's safetensors header ourselves; `read()` of one tensor with `os.
 Arrays come back in storage precision (see `fastar.weights.source`): F8_*/I8/U8 -> uint8, BF16 -> uint16,
 F32 -> float32, I64 -> int64, shaped as stored.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,17 +39,29 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 _READ_CHUNK = 1 << 30
 
 _NP_DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.uint8), "U8": np.dtype(np.uint8), "I8": np.dtype(np.uint8),
-    "F8_E4M3": np.dtype(np.uint8), "F8_E5M2": np.dtype(np.uint8), "F8_E8M0": np.dtype(np.uint8),
-    "I16": np.dtype("<i2"), "U16": np.dtype("<u2"), "F16": np.dtype("<u2"), "BF16": np.dtype("<u2"),
-    "I32": np.dtype("<i4"), "U32": np.dtype("<u4"), "F32": np.dtype("<f4"),
-    "I64": np.dtype("<i8"), "U64": np.dtype("<u8"), "F64": np.dtype("<f8"),
+    "BOOL": np.dtype(np.uint8),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.uint8),
+    "F8_E4M3": np.dtype(np.uint8),
+    "F8_E5M2": np.dtype(np.uint8),
+    "F8_E8M0": np.dtype(np.uint8),
+    "I16": np.dtype("<i2"),
+    "U16": np.dtype("<u2"),
+    "F16": np.dtype("<u2"),
+    "BF16": np.dtype("<u2"),
+    "I32": np.dtype("<i4"),
+    "U32": np.dtype("<u4"),
+    "F32": np.dtype("<f4"),
+    "I64": np.dtype("<i8"),
+    "U64": np.dtype("<u8"),
+    "F64": np.dtype("<f8"),
 }
 
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
     """Where one tensor lives: dtype string, shape, shard file and absolute byte range in that file."""
+
     dtype: str
     shape: tuple[int, ...]
     shard: Path
@@ -61,7 +74,7 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
     if hasattr(os, "preadv"):
         return os.preadv(fd, [buf], offset)
     data = os.pread(fd, len(buf), offset)  # platforms without preadv: one extra copy
-    buf[:len(data)] = data
+    buf[: len(data)] = data
     return len(data)
 
 
@@ -109,19 +122,24 @@ def parse_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if dtype not in DTYPE_SIZES:
             raise CheckpointError(f"{where}: unknown dtype {dtype!r}")
-        if (not isinstance(shape, list)
-                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
             raise CheckpointError(f"{where}: corrupt shape {shape!r}")
-        if (not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        ):
             raise CheckpointError(f"{where}: corrupt data_offsets {offs!r}")
         begin, end = offs
         nbytes = tensor_nbytes(dtype, tuple(shape))
         if not 0 <= begin <= end or end - begin != nbytes:
             raise CheckpointError(f"{where}: data_offsets {offs} do not match {dtype} {shape} ({nbytes} bytes)")
         if end > data_len:
-            raise CheckpointError(f"{where}: shard is truncated (tensor ends at byte {data_start + end}, "
-                                  f"file has {size})")
+            raise CheckpointError(
+                f"{where}: shard is truncated (tensor ends at byte {data_start + end}, file has {size})"
+            )
         spans.append((begin, end, name))
         out[name] = TensorInfo(dtype, tuple(shape), path, data_start + begin, nbytes)
     # sorted by start, any overlap shows up against the furthest-reaching earlier span; empty tensors never overlap
@@ -200,7 +218,6 @@ class Checkpoint(Closing):
                 os.close(fd)
             self._fds.clear()
 
-
     # --- config ----------------------------------------------------------------------------------------------
 
     @cached_property
@@ -259,10 +276,12 @@ class Checkpoint(Closing):
         buf = memoryview(out.reshape(-1).view(np.uint8))
         fd, done = self._fd(ti.shard), 0
         while done < ti.nbytes:
-            n = _pread_into(fd, buf[done:done + _READ_CHUNK], ti.offset + done)
+            n = _pread_into(fd, buf[done : done + _READ_CHUNK], ti.offset + done)
             if n <= 0:
-                raise CheckpointError(f"tensor {name} in shard {ti.shard.name}: shard is truncated "
-                                      f"(short read at byte {ti.offset + done})")
+                raise CheckpointError(
+                    f"tensor {name} in shard {ti.shard.name}: shard is truncated "
+                    f"(short read at byte {ti.offset + done})"
+                )
             done += n
         return out
 
@@ -280,8 +299,12 @@ class Checkpoint(Closing):
         """Expert-record geometry in the `.fst` layout (records assembled from six byte ranges on read)."""
         cfg = self.config
         sections = spec.expert_sections(cfg.hidden_size, cfg.moe_intermediate_size)
-        return {"slots": cfg.num_layer_slots, "experts": cfg.n_routed_experts,
-                "stride": spec.expert_stride(sections), "sections": sections}
+        return {
+            "slots": cfg.num_layer_slots,
+            "experts": cfg.n_routed_experts,
+            "stride": spec.expert_stride(sections),
+            "sections": sections,
+        }
 
     @property
     def expert_stride(self) -> int:
@@ -300,13 +323,15 @@ class Checkpoint(Closing):
         mv = memoryview(buf).cast("B")
         for sec in self.bank["sections"]:
             ti = self.tensor_info(names[sec["field"]])
-            dst, done = mv[sec["offset"]:sec["offset"] + sec["nbytes"]], 0
+            dst, done = mv[sec["offset"] : sec["offset"] + sec["nbytes"]], 0
             fdesc = self._fd(ti.shard)
             while done < ti.nbytes:
                 n = _pread_into(fdesc, dst[done:], ti.offset + done)
                 if n <= 0:
-                    raise CheckpointError(f"expert (layer {slot}, id {e}): shard {ti.shard.name} is truncated "
-                                          f"(short read of {names[sec['field']]})")
+                    raise CheckpointError(
+                        f"expert (layer {slot}, id {e}): shard {ti.shard.name} is truncated "
+                        f"(short read of {names[sec['field']]})"
+                    )
                 done += n
         return self.expert_views(mv)
 
@@ -331,31 +356,34 @@ class Checkpoint(Closing):
             header = self._header(shard)
             for name in by_shard[shard]:
                 if name not in header:
-                    raise CheckpointError(f"tensor {name}: the index places it in shard {shard}, "
-                                          "whose header lacks it")
+                    raise CheckpointError(f"tensor {name}: the index places it in shard {shard}, whose header lacks it")
                 found[name] = header[name]
             stray = sorted(set(header) - set(by_shard[shard]))
             if stray:
-                raise CheckpointError(f"unexpected tensor {stray[0]} in shard {shard} "
-                                      "(present in the shard but not in the index)")
+                raise CheckpointError(
+                    f"unexpected tensor {stray[0]} in shard {shard} (present in the shard but not in the index)"
+                )
         total = 0
         for name, (dtype, shape) in expected.items():
             ti = found.get(name)
             if ti is None:
-                raise CheckpointError(f"missing tensor {name} (expected {dtype} {list(shape)}; "
-                                      f"not in any shard of {self.path})")
+                raise CheckpointError(
+                    f"missing tensor {name} (expected {dtype} {list(shape)}; not in any shard of {self.path})"
+                )
             if ti.dtype != dtype:
-                raise CheckpointError(f"tensor {name} in shard {ti.shard.name}: dtype {ti.dtype}, "
-                                      f"expected {dtype}")
+                raise CheckpointError(f"tensor {name} in shard {ti.shard.name}: dtype {ti.dtype}, expected {dtype}")
             if ti.shape != shape:
-                raise CheckpointError(f"tensor {name} in shard {ti.shard.name}: shape {list(ti.shape)}, "
-                                      f"expected {list(shape)}")
+                raise CheckpointError(
+                    f"tensor {name} in shard {ti.shard.name}: shape {list(ti.shape)}, expected {list(shape)}"
+                )
             total += ti.nbytes
         extra = [n for n in found if n not in expected]
         if extra:
             n = sorted(extra)[0]
-            raise CheckpointError(f"unexpected tensor {n} in shard {found[n].shard.name} "
-                                  f"({len(extra)} tensor(s) not in the DeepSeek-V4 manifest for this config)")
+            raise CheckpointError(
+                f"unexpected tensor {n} in shard {found[n].shard.name} "
+                f"({len(extra)} tensor(s) not in the DeepSeek-V4 manifest for this config)"
+            )
         return {"tensors": len(expected), "bytes": total}
 
 

@@ -20,6 +20,7 @@ the `safetensors` package, whose numpy API has no FP8 dtypes; `fastar.convert.ch
 Everything goes to `DIR.partial-<pid>` first and is renamed to DIR only when complete.
 Does not own: reading the sources (`fastar.format`), the manifest (`names`). Imports no torch.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -41,10 +42,14 @@ from .names import expected_tensors, expert_tensor_names, is_routed_expert, tens
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype -> numpy dtype of the bytes we hand out (the sources give storage-precision arrays)
-_NP = {"F8_E4M3": np.uint8, "F8_E8M0": np.uint8, "I8": np.uint8, "BF16": np.uint16, "F32": np.float32,
-       "I64": np.int64}
-_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
-                 "weight_block_size": [128, 128]}
+_NP = {"F8_E4M3": np.uint8, "F8_E8M0": np.uint8, "I8": np.uint8, "BF16": np.uint16, "F32": np.float32, "I64": np.int64}
+_QUANTIZATION = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+}
 _GENERATION = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0}
 
 
@@ -59,35 +64,67 @@ def _number(x: float) -> int | float:
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The official `config.json` of the model `cfg` describes, in DeepSeek-V4-Flash's field order."""
     out: dict[str, Any] = {
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "torch_dtype": "bfloat16",
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "torch_dtype": "bfloat16",
         "transformers_version": "4.57.1",  # as the release's file says (informational)
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim, "q_lora_rank": cfg.q_lora_rank,
-        "o_lora_rank": cfg.o_lora_rank, "o_groups": cfg.o_groups, "n_routed_experts": cfg.n_routed_experts,
-        "n_shared_experts": cfg.n_shared_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
-        "moe_intermediate_size": cfg.moe_intermediate_size, "scoring_func": cfg.scoring_func,
-        "topk_method": "noaux_tc", "norm_topk_prob": cfg.norm_topk_prob,
-        "routed_scaling_factor": cfg.routed_scaling_factor, "num_hash_layers": cfg.num_hash_layers,
-        "swiglu_limit": cfg.swiglu_limit, "hidden_act": "silu", "sliding_window": cfg.sliding_window,
-        "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk,
-        "hc_mult": cfg.hc_mult, "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": _number(cfg.rope_theta),
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "q_lora_rank": cfg.q_lora_rank,
+        "o_lora_rank": cfg.o_lora_rank,
+        "o_groups": cfg.o_groups,
+        "n_routed_experts": cfg.n_routed_experts,
+        "n_shared_experts": cfg.n_shared_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "scoring_func": cfg.scoring_func,
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "num_hash_layers": cfg.num_hash_layers,
+        "swiglu_limit": cfg.swiglu_limit,
+        "hidden_act": "silu",
+        "sliding_window": cfg.sliding_window,
+        "index_n_heads": cfg.index_n_heads,
+        "index_head_dim": cfg.index_head_dim,
+        "index_topk": cfg.index_topk,
+        "hc_mult": cfg.hc_mult,
+        "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters,
+        "hc_eps": cfg.hc_eps,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": _number(cfg.rope_theta),
         "compress_rope_theta": _number(cfg.compress_rope_theta),
-        "rope_scaling": {"type": "yarn", "factor": _number(cfg.rope_factor), "beta_fast": _number(cfg.beta_fast),
-                         "beta_slow": _number(cfg.beta_slow),
-                         "original_max_position_embeddings": cfg.original_max_position_embeddings},
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": _number(cfg.rope_factor),
+            "beta_fast": _number(cfg.beta_fast),
+            "beta_slow": _number(cfg.beta_slow),
+            "original_max_position_embeddings": cfg.original_max_position_embeddings,
+        },
         "max_position_embeddings": cfg.max_position_embeddings,
-        "num_nextn_predict_layers": cfg.num_nextn_predict_layers, "tie_word_embeddings": False,
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "attention_bias": False,
-        "attention_dropout": 0.0, "initializer_range": 0.02, "quantization_config": dict(_QUANTIZATION),
+        "num_nextn_predict_layers": cfg.num_nextn_predict_layers,
+        "tie_word_embeddings": False,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "quantization_config": dict(_QUANTIZATION),
         # the file lists the main layers and the config's MTP layers; DSpark stages beyond them are implied
-        "compress_ratios": list(cfg.compress_ratios[:cfg.num_hidden_layers + cfg.num_nextn_predict_layers]),
+        "compress_ratios": list(cfg.compress_ratios[: cfg.num_hidden_layers + cfg.num_nextn_predict_layers]),
     }
     if cfg.has_dspark:
-        out.update(dspark_block_size=cfg.dspark_block_size,
-                   dspark_target_layer_ids=list(cfg.dspark_target_layer_ids),
-                   dspark_markov_rank=cfg.dspark_markov_rank, dspark_noise_token_id=cfg.dspark_noise_token_id)
+        out.update(
+            dspark_block_size=cfg.dspark_block_size,
+            dspark_target_layer_ids=list(cfg.dspark_target_layer_ids),
+            dspark_markov_rank=cfg.dspark_markov_rank,
+            dspark_noise_token_id=cfg.dspark_noise_token_id,
+        )
     out["expert_dtype"] = cfg.expert_dtype
     return out
 
@@ -98,8 +135,12 @@ class _Tensors:
     def __init__(self, src: Any, manifest: dict[str, tuple[str, tuple[int, ...]]]) -> None:
         self.src, self.manifest = src, manifest
         cfg = src.config
-        self.expert_of = {n: (slot, e, f) for slot in range(cfg.num_layer_slots) for e in range(cfg.n_routed_experts)
-                          for f, n in expert_tensor_names(slot, e, cfg).items()}
+        self.expert_of = {
+            n: (slot, e, f)
+            for slot in range(cfg.num_layer_slots)
+            for e in range(cfg.n_routed_experts)
+            for f, n in expert_tensor_names(slot, e, cfg).items()
+        }
         self._expert: tuple[tuple[int, int], Any] | None = None
         self._scales: dict[str, np.ndarray] = {}
 
@@ -114,15 +155,17 @@ class _Tensors:
             a = self._scales.pop(name)
         elif self.src.has(name):
             a = self._convert(name, dtype, self.src.dtype(name), self.src.tensor(name))
-        elif name.endswith(".scale") and self.src.has(name[:-len("scale")] + "weight"):
-            self(name[:-len("scale")] + "weight")  # a requantized weight leaves its scale behind
+        elif name.endswith(".scale") and self.src.has(name[: -len("scale")] + "weight"):
+            self(name[: -len("scale")] + "weight")  # a requantized weight leaves its scale behind
             a = self._scales.pop(name)
         else:
             raise ExportError(f"cannot export: the source has no tensor {name}")
         a = np.ascontiguousarray(a)
         if a.dtype != _NP[dtype] or tuple(a.shape) != tuple(shape):
-            raise ExportError(f"cannot export {name}: the source gives {a.dtype} {list(a.shape)}, the checkpoint "
-                              f"layout needs {dtype} {list(shape)}")
+            raise ExportError(
+                f"cannot export {name}: the source gives {a.dtype} {list(a.shape)}, the checkpoint "
+                f"layout needs {dtype} {list(shape)}"
+            )
         return a
 
     def _convert(self, name: str, dtype: str, have: str, a: np.ndarray) -> np.ndarray:
@@ -141,10 +184,12 @@ class _Tensors:
             q, s = ref.fp8_block_quant(values)
             back = ref.fp8_block_dequant(q, s)
         if not np.array_equal(back, values):
-            raise ExportError(f"cannot export {name}: its {have} values are not exactly representable as {dtype}"
-                              f"{' with UE8M0 block scales' if dtype == 'F8_E4M3' else ''}")
+            raise ExportError(
+                f"cannot export {name}: its {have} values are not exactly representable as {dtype}"
+                f"{' with UE8M0 block scales' if dtype == 'F8_E4M3' else ''}"
+            )
         if dtype == "F8_E4M3":
-            self._scales[name[:-len("weight")] + "scale"] = s
+            self._scales[name[: -len("weight")] + "scale"] = s
         return q
 
 
@@ -161,8 +206,9 @@ def _shards(manifest: dict[str, tuple[str, tuple[int, ...]]], shard_size: int) -
     return groups
 
 
-def _write_shard(path: Path, names: list[str], manifest: dict, read: Callable[[str], np.ndarray],
-                 advance: Callable[[int], None]) -> None:
+def _write_shard(
+    path: Path, names: list[str], manifest: dict, read: Callable[[str], np.ndarray], advance: Callable[[int], None]
+) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name in names:
@@ -194,13 +240,16 @@ def _open(src: Path) -> Any:
     if not src.exists():
         raise FormatError(f"{src}: no such file")
     if src.is_dir():
-        raise FormatError(f"{src}: is a directory; export takes a .fst file (a checkpoint directory is already "
-                          "in the official layout)")
+        raise FormatError(
+            f"{src}: is a directory; export takes a .fst file (a checkpoint directory is already "
+            "in the official layout)"
+        )
     return open_model_file(src)
 
 
-def export(src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None,
-           shard_size: int = DEFAULT_SHARD_BYTES) -> Path:
+def export(
+    src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None, shard_size: int = DEFAULT_SHARD_BYTES
+) -> Path:
     """Write the model in `src` (`.fst` v3, or FaStar v2 with its sidecars) to the checkpoint directory `out`.
 
     Raises FormatError/ExportError with one clear line; `out` appears only when complete and must not exist

@@ -10,6 +10,7 @@ container layout (`fastar.format`).
 Memory: tensors are streamed one at a time (the largest, the embedding, is ~1 GB on Flash); experts one
 record (13 MB) at a time. The output is written to `OUT.partial` and renamed only when complete.
 """
+
 from __future__ import annotations
 
 import json
@@ -119,13 +120,16 @@ def convert_indexer(src: str | os.PathLike, out: str | os.PathLike, progress: bo
     shards = sorted({ck.shard_of(n) for n in want})
     lost = [s for s in shards if not (ck.path / s).is_file()]
     if lost:
-        raise CheckpointError(f"{ck.path} lacks shard(s) {', '.join(lost)}: the indexer tensors are in "
-                              f"{', '.join(shards)} (only those shards are needed)")
+        raise CheckpointError(
+            f"{ck.path} lacks shard(s) {', '.join(lost)}: the indexer tensors are in "
+            f"{', '.join(shards)} (only those shards are needed)"
+        )
     for n, (dtype, shape) in want.items():  # `Checkpoint.validate` for these tensors only
         got, got_shape, shard = ck.info(n)
         if (got, got_shape) != (dtype, shape):
-            raise CheckpointError(f"tensor {n} in shard {shard.name}: {got} {list(got_shape)}, expected {dtype} "
-                                  f"{list(shape)}")
+            raise CheckpointError(
+                f"tensor {n} in shard {shard.name}: {got} {list(got_shape)}, expected {dtype} {list(shape)}"
+            )
     source = dict(ck.identity(), contents="layers.*.attn.indexer.* only (a FaStar v2 model's .fst.indexer sidecar)")
     tensors = [(n, spec.FROM_SAFETENSORS[dtype], shape) for n, (dtype, shape) in want.items()]
     return _write(out, cfg, source, tensors, ck.read, progress=progress)
@@ -136,6 +140,7 @@ def _check_tokenizer(tok: bytes) -> None:
     import tokenizers  # the library, not fastar.engine's wrapper: convert sits below the engine
 
     from ..encoding import BOS, EOS
+
     try:
         hf = tokenizers.Tokenizer.from_buffer(tok)
         if hf.token_to_id(BOS) is None or hf.token_to_id(EOS) is None:
@@ -145,9 +150,16 @@ def _check_tokenizer(tok: bytes) -> None:
         raise FormatError(f"tokenizer.json: not a usable DeepSeek-V4 tokenizer ({reason})") from None
 
 
-def _write(out: str | os.PathLike, cfg: ModelConfig, source: dict, tensors: list[tuple[str, str, tuple[int, ...]]],
-           read: Callable[[str], np.ndarray], tok: bytes | None = None,
-           expert: Callable[[int, int], ExpertWeights] | None = None, progress: bool | None = None) -> Path:
+def _write(
+    out: str | os.PathLike,
+    cfg: ModelConfig,
+    source: dict,
+    tensors: list[tuple[str, str, tuple[int, ...]]],
+    read: Callable[[str], np.ndarray],
+    tok: bytes | None = None,
+    expert: Callable[[int, int], ExpertWeights] | None = None,
+    progress: bool | None = None,
+) -> Path:
     """One `.fst` v3 file: `tensors` [(name, storage dtype, shape)] as `read(name)` gives them, the tokenizer
     blob, and with `expert` ((slot, e) -> ExpertWeights) the whole expert bank (without it, no bank)."""
     if tok is not None:
@@ -193,8 +205,8 @@ def _progress(total: int, desc: str, enabled: bool | None):
     if not enabled:
         return _NoBar()
     from tqdm import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
-                mininterval=0.5)
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, mininterval=0.5)
 
 
 def timed_convert(src, out) -> tuple[Path, float]:

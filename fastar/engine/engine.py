@@ -6,6 +6,7 @@ sessions and drafters run on (`new_state`, `prefill`), the tokenizer, the contex
 session. Does not own: the session's timeline and prefix reuse (`session.py`), the generation loop and chat
 encoding (`generate.py`), speculative decoding (`speculative.py`), the forward pass (`fastar.model`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,13 +44,14 @@ def open_source(path: str | os.PathLike) -> WeightSource:
     p = Path(path)
     if p.is_dir():
         from ..convert.checkpoint import Checkpoint
+
         return Checkpoint(p)
     from ..convert.v2 import open_model_file
+
     return open_model_file(p)
 
 
-def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "official",
-         **options) -> Engine:
+def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "official", **options) -> Engine:
     """Open a model (`.fst` file, official checkpoint directory, or a `WeightSource`) as an `Engine`.
 
     Options:
@@ -79,22 +81,36 @@ def _verify_resident(source: WeightSource) -> None:
     """A `.fst` v3's resident tensors and blobs against their checksums (the expert bank is checked record by
     record as the cache first reads it). Other sources carry no checksums to check."""
     from ..format.reader import FstFile
+
     if isinstance(source, FstFile):
         bad = source.verify(experts=False)
         if bad:
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-            raise FormatError(f"{source.path}: tensor {bad[0]!r}{more} fails its checksum: the file is corrupt "
-                              f"(run `fastar verify {source.path}`; load with --no-verify to skip this check)")
+            raise FormatError(
+                f"{source.path}: tensor {bad[0]!r}{more} fails its checksum: the file is corrupt "
+                f"(run `fastar verify {source.path}`; load with --no-verify to skip this check)"
+            )
 
 
 class Engine:
     """A loaded model plus the decode loop."""
 
-    def __init__(self, source: WeightSource, numerics: str | Numerics = "official", kernels: bool = True,
-                 experts: ExpertProvider | None = None, max_rollback: int | None = DEFAULT_MAX_ROLLBACK,
-                 prefill_chunk: int = 512, threads: int | None = None, draft: str | None = "none",
-                 ram_budget: int | str | None = "auto", cache_policy: str = "lrfu", direct_io: bool | None = None,
-                 lookahead: bool = False, verify: bool = True) -> None:
+    def __init__(
+        self,
+        source: WeightSource,
+        numerics: str | Numerics = "official",
+        kernels: bool = True,
+        experts: ExpertProvider | None = None,
+        max_rollback: int | None = DEFAULT_MAX_ROLLBACK,
+        prefill_chunk: int = 512,
+        threads: int | None = None,
+        draft: str | None = "none",
+        ram_budget: int | str | None = "auto",
+        cache_policy: str = "lrfu",
+        direct_io: bool | None = None,
+        lookahead: bool = False,
+        verify: bool = True,
+    ) -> None:
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         if verify:
@@ -124,6 +140,7 @@ class Engine:
             from ..config import parse_size
             from ..weights.expert_cache import ExpertCache
             from ..weights.expert_store import default_budget
+
             budget = parse_size(ram_budget)
             budget = default_budget(source) if budget is None else budget
             if direct_io is None:
@@ -133,13 +150,15 @@ class Engine:
                 direct_io = getattr(source, "supports_direct_io", False)
             cache = ExpertCache(source, budget, direct=direct_io, policy=cache_policy, verify=verify)
             self.expert_cache = experts = cache
-        self.model = DeepseekV4(source, numerics=numerics, kernels=kernels, experts=experts,
-                                max_rollback=max_rollback, lookahead=lookahead)
+        self.model = DeepseekV4(
+            source, numerics=numerics, kernels=kernels, experts=experts, max_rollback=max_rollback, lookahead=lookahead
+        )
         self.prefill_chunk = prefill_chunk
         self.use_draft(*speculative.resolve(draft, self.model, source, kernels))
 
-    def use_draft(self, drafter: speculative.Drafter | None, schedule: speculative.Schedule | None = None,
-                  mode: str | None = None) -> None:
+    def use_draft(
+        self, drafter: speculative.Drafter | None, schedule: speculative.Schedule | None = None, mode: str | None = None
+    ) -> None:
         """Install a drafter (`speculative.resolve` makes the standard ones; tests and benchmarks pass their own);
         None turns drafting off. With a drafter, every target pass goes through it and `stream` speculates."""
         self.drafter = drafter
@@ -159,7 +178,7 @@ class Engine:
         self._check_positions(state.length + len(token_ids))
         out = []
         for a in range(0, len(token_ids), self.prefill_chunk):
-            chunk = token_ids[a:a + self.prefill_chunk]
+            chunk = token_ids[a : a + self.prefill_chunk]
             last = a + self.prefill_chunk >= len(token_ids)
             forward = self.drafter.forward if self.drafter is not None else self.model.forward
             logits, _ = forward(chunk, state, all_logits=all_logits or not last)
@@ -188,8 +207,14 @@ class Engine:
         """Logits at every position of `token_ids` from a fresh state: float32 [len, vocab]."""
         return self.prefill(list(token_ids), self.new_state(), all_logits=True).float().numpy()
 
-    def generate_tokens(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
-                        seed: int | None = None, ignore_eos: bool = False) -> list[int]:
+    def generate_tokens(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[int]:
         """Greedy (temperature 0) or sampled continuation of `prompt_ids`; stops after `max_tokens` or at EOS
         (included in the output) unless `ignore_eos`."""
         if temperature < 0:
@@ -270,13 +295,26 @@ class Engine:
 
     def open_session(self, anchor: bool = True) -> Session:
         """A new, empty `Session` (one conversation's tokens + model state; `anchor`: see `session.py`)."""
-        return Session(self, context_length=self.context_length, vocab_size=self.config.vocab_size,
-                       tokenizer=self.tokenizer, stats=self._stats, fingerprint=self._fingerprint(),
-                       anchor=anchor, context_note=self.context_note)
+        return Session(
+            self,
+            context_length=self.context_length,
+            vocab_size=self.config.vocab_size,
+            tokenizer=self.tokenizer,
+            stats=self._stats,
+            fingerprint=self._fingerprint(),
+            anchor=anchor,
+            context_note=self.context_note,
+        )
 
-    def stream(self, prompt_ids: list[int] | str, params: SamplingParams | None = None, session: Session | None = None,
-               cancel: threading.Event | None = None,
-               on_prefill_progress: Callable[[int, int], None] | None = None, **sampling) -> Iterator[GenerationChunk]:
+    def stream(
+        self,
+        prompt_ids: list[int] | str,
+        params: SamplingParams | None = None,
+        session: Session | None = None,
+        cancel: threading.Event | None = None,
+        on_prefill_progress: Callable[[int, int], None] | None = None,
+        **sampling,
+    ) -> Iterator[GenerationChunk]:
         """Stream the continuation of `prompt_ids` (token ids, or raw text) as `GenerationChunk`s.
 
         Args:
@@ -299,21 +337,44 @@ class Engine:
             session = self._session
         steps = None
         if self.drafter is not None:
-            steps = functools.partial(speculative.speculative_generate_step, drafter=self.drafter,
-                                      schedule=self.draft_schedule, stats=self.draft_stats)
-        return stream_generate(session, prompt_ids, params, eos_token_id=self.config.eos_token_id, cancel=cancel,
-                               on_prefill_progress=on_prefill_progress, steps=steps)
+            steps = functools.partial(
+                speculative.speculative_generate_step,
+                drafter=self.drafter,
+                schedule=self.draft_schedule,
+                stats=self.draft_stats,
+            )
+        return stream_generate(
+            session,
+            prompt_ids,
+            params,
+            eos_token_id=self.config.eos_token_id,
+            cancel=cancel,
+            on_prefill_progress=on_prefill_progress,
+            steps=steps,
+        )
 
     def generate(self, prompt: str | list[int], session: Session | None = None, **sampling) -> str:
         """The continuation of `prompt` (raw text or ids, no chat encoding) as one string."""
         return generate_text(self.stream(prompt, session=session, **sampling))
 
-    def chat(self, messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None,
-             drop_thinking: bool = True, session: Session | None = None, **sampling) -> ChatResult:
+    def chat(
+        self,
+        messages: list[dict],
+        thinking: bool = False,
+        reasoning_effort: str | None = None,
+        drop_thinking: bool = True,
+        session: Session | None = None,
+        **sampling,
+    ) -> ChatResult:
         """Reply to an OpenAI-style conversation with the DeepSeek-V4 chat encoding. Returns a `ChatResult`:
         a str (the content) that also has `.reasoning`, `.tool_calls`, `.finish_reason` and `.usage`."""
-        return chat(lambda text: self.stream(text, session=session, **sampling), messages, thinking,
-                    reasoning_effort, drop_thinking)
+        return chat(
+            lambda text: self.stream(text, session=session, **sampling),
+            messages,
+            thinking,
+            reasoning_effort,
+            drop_thinking,
+        )
 
     def stats(self) -> dict:
         """Counters since load: prompt/generated tokens, `prefill_tokens_computed` (what prefix reuse did not
@@ -349,19 +410,24 @@ class Engine:
 
     # --- many callers: continuous batching (fastar.engine.scheduler) and the prefix cache on disk ------------
 
-    def scheduler(self, max_batch: int = 8, max_queue: int = 64, token_budget: int | None = None,
-                  prefix_cache: str | os.PathLike | None = None,
-                  prefix_cache_size: int | str = "20G") -> Scheduler:
+    def scheduler(
+        self,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        token_budget: int | None = None,
+        prefix_cache: str | os.PathLike | None = None,
+        prefix_cache_size: int | str = "20G",
+    ) -> Scheduler:
         """A `Scheduler` serving many requests at once on this engine, each bit-identical to `stream` alone:
         `submit(prompt, params)` from any thread -> a `Handle` (iterate its chunks, `cancel()`); the one worker
         thread calls `step()` or `run(stop_event)`. `prefix_cache`: a folder of prefix states on disk (see
         `open_prefix_cache`)."""
         cache = self.open_prefix_cache(prefix_cache, prefix_cache_size) if prefix_cache is not None else None
-        return Scheduler(self, max_batch=max_batch, max_queue=max_queue, token_budget=token_budget,
-                         prefix_cache=cache)
+        return Scheduler(self, max_batch=max_batch, max_queue=max_queue, token_budget=token_budget, prefix_cache=cache)
 
-    def serve_batch(self, requests: list[tuple[str | list[int], SamplingParams | dict]],
-                    **options) -> list[list[GenerationChunk]]:
+    def serve_batch(
+        self, requests: list[tuple[str | list[int], SamplingParams | dict]], **options
+    ) -> list[list[GenerationChunk]]:
         """Run `requests` ((prompt, params or a dict of sampling keywords) pairs) together on this thread;
         returns each one's chunks, in order. `options`: as `scheduler`."""
         sched = self.scheduler(**{"max_queue": max(64, len(requests)), **options})
@@ -372,5 +438,6 @@ class Engine:
     def open_prefix_cache(self, folder: str | os.PathLike, size: int | str = "20G") -> PrefixCache:
         """A `PrefixCache` in `folder` capped at `size` bytes (or "20G"), keyed to this model and numerics."""
         from ..config import parse_size
+
         fingerprint = f"{self._fingerprint()}/{self.model.numerics}/{self.model.max_rollback}"
         return PrefixCache(folder, fingerprint, parse_size(size))

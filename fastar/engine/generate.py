@@ -12,6 +12,7 @@ Owns:
 Does not own: logits -> token (`sampling`), the timeline and prefix reuse (`session`), the chat format
 (`fastar.encoding`), the forward pass.
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,19 +28,22 @@ from .stops import StopStrings
 
 @dataclass(slots=True)
 class GenerationChunk:
-    text: str                          # newly completed text ("" while a UTF-8 sequence or stop string is pending)
-    token: int | None = None           # the token that produced it (None on the final flush)
+    text: str  # newly completed text ("" while a UTF-8 sequence or stop string is pending)
+    token: int | None = None  # the token that produced it (None on the final flush)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None   # None while running; "stop" | "length" | "cancelled" on the last chunk
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "cancelled" on the last chunk
     # last chunk only: {"prompt_tokens", "completion_tokens", "cached_tokens"} (OpenAI usage names)
     usage: dict[str, int] | None = None
 
 
-def generate_step(session: Session, prompt_ids: list[int], params: SamplingParams,
-                  cancel: threading.Event | None = None,
-                  on_prefill_progress: Callable[[int, int], None] | None = None,
-                  ) -> Iterator[tuple[int, float, list[tuple[int, float]]]]:
+def generate_step(
+    session: Session,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    cancel: threading.Event | None = None,
+    on_prefill_progress: Callable[[int, int], None] | None = None,
+) -> Iterator[tuple[int, float, list[tuple[int, float]]]]:
     """Yields `(token, logprob, top_logprobs)` forever (the caller stops). Each sampled token is appended to
     the session before it is yielded and only run through the model when the next one is asked for. Yields
     nothing when `cancel` is set during prefill."""
@@ -54,10 +58,16 @@ def generate_step(session: Session, prompt_ids: list[int], params: SamplingParam
         logits = session.decode()
 
 
-def stream_generate(session: Session, prompt: str | list[int], params: SamplingParams, *, eos_token_id: int,
-                    cancel: threading.Event | None = None,
-                    on_prefill_progress: Callable[[int, int], None] | None = None,
-                    steps: Callable | None = None) -> Iterator[GenerationChunk]:
+def stream_generate(
+    session: Session,
+    prompt: str | list[int],
+    params: SamplingParams,
+    *,
+    eos_token_id: int,
+    cancel: threading.Event | None = None,
+    on_prefill_progress: Callable[[int, int], None] | None = None,
+    steps: Callable | None = None,
+) -> Iterator[GenerationChunk]:
     """Stream the continuation of `prompt` (text or ids) as chunks; the last chunk has `finish_reason` and
     `usage`. The prompt is checked when this is called, not at the first chunk: `PromptError` (empty, longer
     than the context, ids outside the vocabulary) comes before anything is sent. `steps` replaces
@@ -67,9 +77,15 @@ def stream_generate(session: Session, prompt: str | list[int], params: SamplingP
     return _stream(session, ids, params, eos_token_id, cancel, on_prefill_progress, steps or generate_step)
 
 
-def _stream(session: Session, ids: list[int], params: SamplingParams, eos_token_id: int,
-            cancel: threading.Event | None, on_prefill_progress: Callable[[int, int], None] | None,
-            step_fn: Callable = generate_step) -> Iterator[GenerationChunk]:
+def _stream(
+    session: Session,
+    ids: list[int],
+    params: SamplingParams,
+    eos_token_id: int,
+    cancel: threading.Event | None,
+    on_prefill_progress: Callable[[int, int], None] | None,
+    step_fn: Callable = generate_step,
+) -> Iterator[GenerationChunk]:
     stats = session.stats
     stats.requests += 1
     stats.prompt_tokens += len(ids)
@@ -81,8 +97,14 @@ def _stream(session: Session, ids: list[int], params: SamplingParams, eos_token_
     try:
         for token, logprob, top in steps:
             stats.generated_tokens += 1
-            chunk = chunks.feed(token, logprob, top, session.num_tokens, cancel is not None and cancel.is_set(),
-                                session.last_cached_tokens)
+            chunk = chunks.feed(
+                token,
+                logprob,
+                top,
+                session.num_tokens,
+                cancel is not None and cancel.is_set(),
+                session.last_cached_tokens,
+            )
             yield chunk
             if chunk.finish_reason is not None:
                 return
@@ -98,8 +120,9 @@ class ChunkMaker:
     last chunk. Shared by `stream_generate` (one caller) and the step scheduler (`fastar.engine.scheduler`), so a
     request's chunks are the same whichever ran it."""
 
-    def __init__(self, tokenizer, params: SamplingParams, eos_token_id: int, prompt_tokens: int,
-                 context_length: int) -> None:
+    def __init__(
+        self, tokenizer, params: SamplingParams, eos_token_id: int, prompt_tokens: int, context_length: int
+    ) -> None:
         self.params, self.prompt_tokens, self.context_length = params, prompt_tokens, context_length
         self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
         self.stops = StopStrings(params.stop)
@@ -117,8 +140,15 @@ class ChunkMaker:
         """The last chunk of a request cancelled before its first token."""
         return GenerationChunk("", None, finish_reason="cancelled", usage=self.usage(cached_tokens))
 
-    def feed(self, token: int, logprob: float, top: list[tuple[int, float]], num_tokens: int, cancel: bool,
-             cached_tokens: int) -> GenerationChunk:
+    def feed(
+        self,
+        token: int,
+        logprob: float,
+        top: list[tuple[int, float]],
+        num_tokens: int,
+        cancel: bool,
+        cached_tokens: int,
+    ) -> GenerationChunk:
         """The chunk of a new token; `finish_reason` is set when it ends the request. `num_tokens`: the timeline's
         length with this token; `cancel`: whether cancellation was asked for."""
         self.n += 1
@@ -138,15 +168,17 @@ class ChunkMaker:
         # the end: release what is held (an unfinished character, a tail that did not become a stop string)
         more, hit = self.stops.feed(self.decoder.flush() if self.decoder else "")
         text += more + ("" if hit else self.stops.flush())
-        return GenerationChunk(text, token, logprob, top, "stop" if self.stops.hit else reason,
-                               self.usage(cached_tokens))
+        return GenerationChunk(
+            text, token, logprob, top, "stop" if self.stops.hit else reason, self.usage(cached_tokens)
+        )
 
     def finish_cancelled(self, cached_tokens: int) -> GenerationChunk:
         """The last chunk of a request cancelled between tokens (after at least one): what was held back."""
         more, hit = self.stops.feed(self.decoder.flush() if self.decoder else "")
         text = more + ("" if hit else self.stops.flush())
-        return GenerationChunk(text, None, finish_reason="stop" if self.stops.hit else "cancelled",
-                               usage=self.usage(cached_tokens))
+        return GenerationChunk(
+            text, None, finish_reason="stop" if self.stops.hit else "cancelled", usage=self.usage(cached_tokens)
+        )
 
 
 def generate_text(chunks: Iterator[GenerationChunk]) -> str:
@@ -156,14 +188,21 @@ def generate_text(chunks: Iterator[GenerationChunk]) -> str:
 class ChatResult(str):
     """The assistant's reply: a `str` (the content) that also carries `.content`, `.reasoning` (None in chat
     mode), `.tool_calls`, `.finish_reason` and `.usage`; `to_message()` gives the OpenAI-style message."""
+
     content: str
     reasoning: str | None
     tool_calls: list[dict]
     finish_reason: str | None
     usage: dict[str, int] | None
 
-    def __new__(cls, content: str, reasoning: str | None = None, tool_calls: list[dict] | None = None,
-                finish_reason: str | None = None, usage: dict[str, int] | None = None) -> Self:
+    def __new__(
+        cls,
+        content: str,
+        reasoning: str | None = None,
+        tool_calls: list[dict] | None = None,
+        finish_reason: str | None = None,
+        usage: dict[str, int] | None = None,
+    ) -> Self:
         self = super().__new__(cls, content)
         self.content, self.reasoning, self.tool_calls = content, reasoning, list(tool_calls or [])
         self.finish_reason, self.usage = finish_reason, usage
@@ -178,15 +217,25 @@ class ChatResult(str):
         return msg
 
 
-def chat_prompt(messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None,
-                drop_thinking: bool = True) -> str:
+def chat_prompt(
+    messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None, drop_thinking: bool = True
+) -> str:
     """The DeepSeek-V4 prompt text of a conversation (BOS included, ending with the generation prompt)."""
-    return encode_messages(messages, thinking_mode="thinking" if thinking else "chat",
-                           drop_thinking=drop_thinking, reasoning_effort=reasoning_effort)
+    return encode_messages(
+        messages,
+        thinking_mode="thinking" if thinking else "chat",
+        drop_thinking=drop_thinking,
+        reasoning_effort=reasoning_effort,
+    )
 
 
-def chat(stream: Callable[[str], Iterator[GenerationChunk]], messages: list[dict], thinking: bool = False,
-         reasoning_effort: str | None = None, drop_thinking: bool = True) -> ChatResult:
+def chat(
+    stream: Callable[[str], Iterator[GenerationChunk]],
+    messages: list[dict],
+    thinking: bool = False,
+    reasoning_effort: str | None = None,
+    drop_thinking: bool = True,
+) -> ChatResult:
     """Encode `messages`, run them through `stream(prompt_text)` and parse the reply."""
     parser = StreamParser(thinking)
     last = None
@@ -194,5 +243,10 @@ def chat(stream: Callable[[str], Iterator[GenerationChunk]], messages: list[dict
         parser.feed(chunk.text)
         last = chunk
     parsed = parser.finish()
-    return ChatResult(parsed.content, parsed.reasoning, parsed.tool_calls,
-                      last.finish_reason if last else None, last.usage if last else None)
+    return ChatResult(
+        parsed.content,
+        parsed.reasoning,
+        parsed.tool_calls,
+        last.finish_reason if last else None,
+        last.usage if last else None,
+    )

@@ -11,6 +11,7 @@ renamed into place, so a reader never sees half a file. A file is used only if e
 version, fingerprint, the ids equal the prompt's, checksum, the state's length); anything else is skipped and
 logged once, never trusted. Recency is the file's mtime (touched on every hit), so it survives restarts.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,8 +46,7 @@ class PrefixCache:
         state_type: the state class whose `from_bytes` reads a stored state (`ModelState`).
     """
 
-    def __init__(self, folder: str | os.PathLike, fingerprint: str, max_bytes: int,
-                 state_type=ModelState) -> None:
+    def __init__(self, folder: str | os.PathLike, fingerprint: str, max_bytes: int, state_type=ModelState) -> None:
         if max_bytes <= 0:
             raise ValueError(f"the prefix cache size must be positive, got {max_bytes}")
         self.folder = Path(folder).expanduser()
@@ -100,13 +100,13 @@ class PrefixCache:
         if version != VERSION:
             return self._skip(path, f"version {version}, expected {VERSION}")
         try:
-            header = json.loads(raw[20:20 + hlen].decode())
+            header = json.loads(raw[20 : 20 + hlen].decode())
             tokens, size, digest = header["tokens"], int(header["state_bytes"]), header["state_sha256"]
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
             return self._skip(path, f"corrupt header ({e})")
         if header.get("fingerprint") != self.fingerprint:
             return self._skip(path, "saved with another model or numerics")
-        body = raw[20 + hlen:]
+        body = raw[20 + hlen :]
         if tokens != ids or len(body) != size or hashlib.sha256(body).hexdigest() != digest:
             return self._skip(path, "its tokens or checksum do not match")
         try:
@@ -135,8 +135,14 @@ class PrefixCache:
             os.utime(path)
             return path
         body = state.to_bytes()
-        header = json.dumps({"fingerprint": self.fingerprint, "tokens": [int(t) for t in ids],
-                             "state_bytes": len(body), "state_sha256": hashlib.sha256(body).hexdigest()}).encode()
+        header = json.dumps(
+            {
+                "fingerprint": self.fingerprint,
+                "tokens": [int(t) for t in ids],
+                "state_bytes": len(body),
+                "state_sha256": hashlib.sha256(body).hexdigest(),
+            }
+        ).encode()
         blob_size = 20 + len(header) + len(body)
         if blob_size > self.max_bytes:
             return None
@@ -175,5 +181,10 @@ class PrefixCache:
         return sum(p.stat().st_size for p in self.folder.glob(f"*{SUFFIX}"))
 
     def stats(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "stores": self.stores, "evictions": self.evictions,
-                "bytes": self.size()}
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "stores": self.stores,
+            "evictions": self.evictions,
+            "bytes": self.size(),
+        }

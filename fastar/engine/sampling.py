@@ -9,6 +9,7 @@ truncation), as vLLM and the OpenAI API report them, so they do not change when 
 Sampling draws on the CPU from a `torch.Generator` seeded by `seed`: the same seed gives the same tokens on
 any device, and two generations never share random state.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,14 +39,14 @@ class SamplingError(FastarError, ValueError):
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 0.0          # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0                    # 0 = off
+    top_k: int = 0  # 0 = off
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    logprobs: int | None = None       # None = off; k >= 0 = chosen token's logprob plus k alternatives
+    logprobs: int | None = None  # None = off; k >= 0 = chosen token's logprob plus k alternatives
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -105,6 +106,7 @@ class SamplingParams:
 
 
 # --- logits processors: [V] float32 -> [V] float32 with -inf where a token may not be drawn ---------------
+
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k <= 0 or k >= logits.shape[-1]:

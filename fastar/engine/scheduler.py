@@ -26,6 +26,7 @@ Admission: a request waits in a FIFO queue of at most `max_queue` (beyond: `Queu
 with 503 and Retry-After); it becomes active when fewer than `max_batch` are active and, with `token_budget`, when
 its prompt plus max_tokens fits beside the active ones' (a request alone is always admitted, so none starves).
 """
+
 from __future__ import annotations
 
 import math
@@ -113,11 +114,14 @@ class Scheduler:
             rest; states are saved at the end of each prompt and of each reply.
     """
 
-    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64, token_budget: int | None = None,
-                 prefix_cache=None) -> None:
+    def __init__(
+        self, engine, max_batch: int = 8, max_queue: int = 64, token_budget: int | None = None, prefix_cache=None
+    ) -> None:
         if max_batch < 1 or max_queue < 0 or (token_budget is not None and token_budget < 1):
-            raise ValueError(f"max_batch must be >= 1, max_queue >= 0 and token_budget >= 1 or None "
-                             f"(got {max_batch}, {max_queue}, {token_budget})")
+            raise ValueError(
+                f"max_batch must be >= 1, max_queue >= 0 and token_budget >= 1 or None "
+                f"(got {max_batch}, {max_queue}, {token_budget})"
+            )
         self.engine, self.model = engine, engine.model
         self.max_batch, self.max_queue, self.token_budget = max_batch, max_queue, token_budget
         self.prefix_cache = prefix_cache
@@ -132,8 +136,13 @@ class Scheduler:
 
     # --- any thread ---------------------------------------------------------------------------------------
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               on_chunk: Callable[[GenerationChunk], None] | None = None, **sampling) -> Handle:
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        on_chunk: Callable[[GenerationChunk], None] | None = None,
+        **sampling,
+    ) -> Handle:
         """Queue a request (token ids or raw text). Raises `PromptError`/`SamplingError` for a bad request and
         `QueueFull` when the queue is full, here, before anything runs."""
         if params is None:
@@ -145,15 +154,23 @@ class Scheduler:
         session_check(eng, ids)
         handle = Handle(threading.Event())
         emit = on_chunk or handle._chunks.put
-        req = _Request(ids, params, handle, emit,
-                       ChunkMaker(eng.tokenizer, params, eng.config.eos_token_id, len(ids), eng.context_length),
-                       Sampler(params), time.perf_counter())
+        req = _Request(
+            ids,
+            params,
+            handle,
+            emit,
+            ChunkMaker(eng.tokenizer, params, eng.config.eos_token_id, len(ids), eng.context_length),
+            Sampler(params),
+            time.perf_counter(),
+        )
         with self._lock:
             free = max(0, self.max_batch - len(self._active))  # waiting requests the next step admits
             if len(self._waiting) >= self.max_queue + free:
                 self._counts["rejected"] += 1
-                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting (max_queue "
-                                f"{self.max_queue})", retry_after=self._retry_after())
+                raise QueueFull(
+                    f"the server is busy: {len(self._waiting)} requests are waiting (max_queue {self.max_queue})",
+                    retry_after=self._retry_after(),
+                )
             self._waiting.append(req)
             self._counts["submitted"] += 1
             self._lock.notify_all()
@@ -171,20 +188,30 @@ class Scheduler:
             active = list(self._active)
             queued = len(self._waiting)
         now = time.perf_counter()
-        live = [len(r.generated) / (now - r.first_token_at) for r in active
-                if r.first_token_at is not None and now > r.first_token_at and len(r.generated) > 1]
+        live = [
+            len(r.generated) / (now - r.first_token_at)
+            for r in active
+            if r.first_token_at is not None and now > r.first_token_at and len(r.generated) > 1
+        ]
         steps = self._counts["steps"]
-        return {"active_sequences": len(active), "queued_requests": queued,
-                "decoding_sequences": sum(r.pending is not None for r in active),
-                "batch_size_histogram": dict(sorted(self._batch_sizes.items())),
-                "steps": steps, "step_seconds_total": self._step_seconds,
-                "step_seconds_mean": self._step_seconds / steps if steps else 0.0,
-                "step_seconds_last": self._last_step_seconds,
-                "tokens_per_s_per_sequence": live,
-                "tokens_per_s_per_sequence_finished_mean": sum(self._rates) / len(self._rates) if self._rates else 0.0,
-                "requests_submitted": self._counts["submitted"], "requests_finished": self._counts["finished"],
-                "requests_cancelled": self._counts["cancelled"], "requests_rejected": self._counts["rejected"],
-                "prefix_cache_hits": self._counts["cache_hits"], "prefix_cache_tokens": self._counts["cache_tokens"]}
+        return {
+            "active_sequences": len(active),
+            "queued_requests": queued,
+            "decoding_sequences": sum(r.pending is not None for r in active),
+            "batch_size_histogram": dict(sorted(self._batch_sizes.items())),
+            "steps": steps,
+            "step_seconds_total": self._step_seconds,
+            "step_seconds_mean": self._step_seconds / steps if steps else 0.0,
+            "step_seconds_last": self._last_step_seconds,
+            "tokens_per_s_per_sequence": live,
+            "tokens_per_s_per_sequence_finished_mean": sum(self._rates) / len(self._rates) if self._rates else 0.0,
+            "requests_submitted": self._counts["submitted"],
+            "requests_finished": self._counts["finished"],
+            "requests_cancelled": self._counts["cancelled"],
+            "requests_rejected": self._counts["rejected"],
+            "prefix_cache_hits": self._counts["cache_hits"],
+            "prefix_cache_tokens": self._counts["cache_tokens"],
+        }
 
     @property
     def idle(self) -> bool:
@@ -214,7 +241,7 @@ class Scheduler:
         self._admit()
         decoding = [r for r in self._active if r.pending is not None]
         for a in range(0, len(decoding), ops.SMALL_CHUNK):
-            self._decode(decoding[a:a + ops.SMALL_CHUNK])
+            self._decode(decoding[a : a + ops.SMALL_CHUNK])
         prefilling = next((r for r in self._active if r.pending is None), None)
         if prefilling is not None:
             self._prefill_chunk(prefilling)
@@ -271,7 +298,7 @@ class Scheduler:
     def _prefill_chunk(self, req: _Request) -> None:
         """The next `prefill_chunk` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
         first token is sampled."""
-        part = req.ids[req.done:req.done + self.engine.prefill_chunk]
+        part = req.ids[req.done : req.done + self.engine.prefill_chunk]
         stats = self.engine._gen_counters()
         t = time.perf_counter()
         logits, _ = self.model.forward(part, req.state, all_logits=False)
@@ -302,13 +329,14 @@ class Scheduler:
         req.first_token_at = req.first_token_at or now
         req.last_token_at = now
         self.engine._gen_counters().generated_tokens += 1
-        chunk = req.chunks.feed(token, logprob, top, len(req.ids) + len(req.generated), req.handle.cancelled,
-                                req.cached)
+        chunk = req.chunks.feed(
+            token, logprob, top, len(req.ids) + len(req.generated), req.handle.cancelled, req.cached
+        )
         if chunk.finish_reason is None:
             req.emit(chunk)
             return
         if self.prefix_cache is not None and req.state.length > len(req.ids):
-            self.prefix_cache.store(req.ids + req.generated[:req.state.length - len(req.ids)], req.state)
+            self.prefix_cache.store(req.ids + req.generated[: req.state.length - len(req.ids)], req.state)
         self._finish(req, chunk, count="cancelled" if chunk.finish_reason == "cancelled" else "finished")
 
     def _finish(self, req: _Request, last: GenerationChunk, count: str = "finished", active: bool = True) -> None:
@@ -327,4 +355,3 @@ class Scheduler:
 def session_check(engine, ids: list[int]) -> None:
     """The prompt checks every front-end relies on (`Session.check_prompt`: empty, too long, bad ids)."""
     engine.open_session(anchor=False).check_prompt(ids)
-

@@ -20,6 +20,7 @@ The session talks to its runner (the `Engine`) through the `Runner` protocol: `n
 `prefill(ids, state) -> logits [1, V]` and `prefill_chunk`; and to the state (`ModelState`) through `length`,
 `max_rollback`, `truncate`, `snapshot`, `to_bytes`/`from_bytes`. Tests drive it with fakes on those names.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,6 +57,7 @@ class SessionError(FastarError):
 class Stats:
     """Counters since the engine was loaded. `prefill_tokens_computed` counts tokens actually run through
     prefill; the gap to `prompt_tokens` is what prefix reuse saved."""
+
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -112,9 +114,18 @@ class Session:
         anchor: keep a snapshot of the state at the end of the last prompt (see the module docstring).
     """
 
-    def __init__(self, runner: Runner, *, context_length: int, vocab_size: int, tokenizer=None,
-                 stats: Stats | None = None, fingerprint: str = "", anchor: bool = True,
-                 context_note: str | None = None) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        *,
+        context_length: int,
+        vocab_size: int,
+        tokenizer=None,
+        stats: Stats | None = None,
+        fingerprint: str = "",
+        anchor: bool = True,
+        context_note: str | None = None,
+    ) -> None:
         self._runner = runner
         self.context_length, self.context_note = context_length, context_note
         self.vocab_size = vocab_size
@@ -122,10 +133,10 @@ class Session:
         self.stats = stats if stats is not None else Stats()
         self.fingerprint = fingerprint
         self.meta: dict[str, Any] = {}  # front-end data saved with the session (the chat REPL keeps its history here)
-        self.last_cached_tokens = 0     # prompt tokens the last prefill reused
+        self.last_cached_tokens = 0  # prompt tokens the last prefill reused
         self._tokens: list[int] = []
         self._state = None
-        self._dirty = False             # a forward pass was interrupted: the state may be half-updated
+        self._dirty = False  # a forward pass was interrupted: the state may be half-updated
         self._boundary_ids: frozenset[int] | None = None
         self._keep_anchor = anchor
         self._anchor: tuple[list[int], Any] | None = None  # (prompt ids, state snapshot after them)
@@ -190,7 +201,7 @@ class Session:
         if self._tokens:
             known = self.tokenizer.decode(self._tokens)
             if prompt.startswith(known):
-                rest = self.tokenizer.encode(prompt[len(known):])
+                rest = self.tokenizer.encode(prompt[len(known) :])
                 added = self._added_ids()
                 if self._tokens[-1] in added or not rest or rest[0] in added:
                     return self._tokens + rest
@@ -206,17 +217,23 @@ class Session:
         if not ids:
             raise PromptError("the prompt is empty")
         if len(ids) >= self.context_length:
-            raise PromptError(f"the prompt is {len(ids)} tokens, but the context length is {self.context_length} "
-                              f"tokens (it must be shorter, to leave room for the reply)"
-                              + (f"; {self.context_note}" if self.context_note else ""))
+            raise PromptError(
+                f"the prompt is {len(ids)} tokens, but the context length is {self.context_length} "
+                f"tokens (it must be shorter, to leave room for the reply)"
+                + (f"; {self.context_note}" if self.context_note else "")
+            )
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise PromptError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     # --- running the model --------------------------------------------------------------------------------
 
-    def prefill(self, prompt_ids: list[int], cancel: threading.Event | None = None,
-                on_progress: Callable[[int, int], None] | None = None) -> torch.Tensor | None:
+    def prefill(
+        self,
+        prompt_ids: list[int],
+        cancel: threading.Event | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> torch.Tensor | None:
         """Make the timeline equal `prompt_ids` and return the logits [V] after its last token.
 
         Reuses the longest common prefix with the current tokens; the last prompt token is always run (its
@@ -245,7 +262,7 @@ class Session:
         for a in range(0, len(todo), chunk):
             if cancel is not None and cancel.is_set():
                 return None
-            part = todo[a:a + chunk]
+            part = todo[a : a + chunk]
             t = time.perf_counter()
             if on_progress is not None:  # progress inside a chunk, block by block (a chunk can take minutes)
                 m = len(part)
@@ -313,8 +330,10 @@ class Session:
         path = Path(path)
         state = b"" if self._state is None or self._dirty else self._state.to_bytes()
         tokens = self._tokens if state else []  # without a state, pending tokens would be recomputed anyway
-        header = json.dumps({"fingerprint": self.fingerprint, "tokens": tokens, "meta": self.meta,
-                             "has_state": bool(state)}, ensure_ascii=False).encode()
+        header = json.dumps(
+            {"fingerprint": self.fingerprint, "tokens": tokens, "meta": self.meta, "has_state": bool(state)},
+            ensure_ascii=False,
+        ).encode()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
         try:
@@ -342,7 +361,7 @@ class Session:
             version, hlen = struct.unpack_from("<IQ", raw, 8)
             if version != VERSION:
                 raise SessionError(f"{path}: session version {version} is not supported (expected {VERSION})")
-            header = json.loads(raw[20:20 + hlen].decode())
+            header = json.loads(raw[20 : 20 + hlen].decode())
             tokens = [int(t) for t in header["tokens"]]
         except (struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
             raise SessionError(f"{path}: session file is corrupt ({e})") from None
@@ -351,7 +370,7 @@ class Session:
         state = None
         if header.get("has_state"):
             try:
-                state = type(self._runner.new_state()).from_bytes(raw[20 + hlen:])
+                state = type(self._runner.new_state()).from_bytes(raw[20 + hlen :])
             except FastarError as e:
                 raise SessionError(f"{path}: {e}") from None
             if state.length > len(tokens):

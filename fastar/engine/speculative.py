@@ -34,6 +34,7 @@ other), because wide passes can evict experts that narrow ones would hit, which 
 drafting epochs in a row that lost it switches the draft off, context upkeep included (keeping MTP's rows costs
 one more block per token: ~2% of V4-Flash, but 1/6 of the 5-layer fixture).
 """
+
 from __future__ import annotations
 
 import os
@@ -57,6 +58,7 @@ Pick = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]
 
 
 # --- the acceptance rule -------------------------------------------------------------------------------------
+
 
 def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
     """target_logits [L+1, V] of the verify pass. Accept drafts while each equals the target's argmax; the next
@@ -94,9 +96,11 @@ def expected_acceptance(p: torch.Tensor, q: torch.Tensor | None, draft: int) -> 
 
 # --- drafters ------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Pass:
     """What a drafter keeps of a target pass: enough to draft from any position it covered."""
+
     ref: weakref.ref  # the state it ran on (weak: a finished session's state is freed)
     p0: int
     ids: list[int]
@@ -111,8 +115,11 @@ class Pass:
     def row(self, state: ModelState, pos: int) -> torch.Tensor | None:
         """The hidden of position `pos` if this pass covered it and it still holds for `state` (a later pass on
         the same state replaces the record, so rows below the state's length are still the ones computed)."""
-        if self.hidden is not None and self.state is state and self.p0 <= pos < min(self.p0 + len(self.ids),
-                                                                                      state.length):
+        if (
+            self.hidden is not None
+            and self.state is state
+            and self.p0 <= pos < min(self.p0 + len(self.ids), state.length)
+        ):
             return self.hidden[pos - self.p0]
         return None
 
@@ -126,6 +133,7 @@ class Proposal:
 
 class Drafter:
     """Base: the hook on target passes. Subclasses: `kind`, `max_drafts`, `_observe`, `propose`, `new_state`."""
+
     kind = ""
     max_drafts = 0
 
@@ -163,8 +171,9 @@ class Drafter:
             hidden = None
         else:
             logits, X, hidden = self._target(ids, state, keep_all)
-        rec = Pass(weakref.ref(state), p0, ids, logits if keep_all and len(ids) <= self.max_drafts + 1
-                   else logits[-1:], hidden)
+        rec = Pass(
+            weakref.ref(state), p0, ids, logits if keep_all and len(ids) <= self.max_drafts + 1 else logits[-1:], hidden
+        )
         if not self.paused:
             self._observe(state, rec, prev)
         self._remember(rec)
@@ -197,6 +206,7 @@ def _restart(s: LayerState, start: int) -> LayerState:
 class MTPDrafter(Drafter):
     """MTP-1 with the checkpoint's `mtp.0` block: from the target's final streams at position m-1 and the token
     at m (just sampled) it predicts the token at m+1. Its own sliding-window rows are `state.mtp[0]`."""
+
     kind = "mtp"
     max_drafts = 1
 
@@ -216,8 +226,7 @@ class MTPDrafter(Drafter):
         s.trim(state.max_rollback)
         return y
 
-    def _sync(self, state: ModelState, upto: int, recs: tuple[Pass | None, ...], next_of: Callable[[int], int]
-              ) -> None:
+    def _sync(self, state: ModelState, upto: int, recs: tuple[Pass | None, ...], next_of: Callable[[int], int]) -> None:
         """Make the MTP rows cover exactly the positions < upto, reading the streams of position i from `recs`
         (zeros where none has them) and t_{i+1} from `next_of(i)`."""
         if not state.mtp:  # a state made without the MTP block
@@ -266,14 +275,17 @@ class MTPDrafter(Drafter):
 class DSparkDrafter(Drafter):
     """DSpark (`fastar.model.dspark`): the target passes capture the state entering the target layers, each
     stage keeps one context row per target position in `state.mtp[k]`, and a draft is one block run."""
+
     kind = "dspark"
 
     def __init__(self, model, source, kernels: bool = True) -> None:
         from ..model.dspark import DSparkDraft
         from ..quant.linear import Weights
+
         super().__init__(model)
-        self.draft = DSparkDraft(Weights(source, kernels), model.config, model.numerics, model.experts, kernels,
-                                 model.embed, model.head)
+        self.draft = DSparkDraft(
+            Weights(source, kernels), model.config, model.numerics, model.experts, kernels, model.embed, model.head
+        )
         self.max_drafts = self.draft.block_size
 
     def new_state(self) -> ModelState:
@@ -333,6 +345,7 @@ class Schedule:
     it being accepted; DSpark confidences scale them) and the cost model (r, q). `fixed` verifies a fixed number
     (tests, benchmarks). `adaptive` (`--draft auto`) measures r and q from the passes and may skip drafting;
     otherwise the schedule depends only on the generated tokens, so a seed reproduces the same text."""
+
     r: float = 0.3
     q: float = 0.12
     fixed: int | None = None
@@ -478,9 +491,11 @@ class Schedule:
 
 # --- stats ---------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class SpeculativeStats:
     """Counters of speculative generation since load (`Engine.stats()` shows them as `draft_*`)."""
+
     mode: str = "none"
     passes: int = 0  # verify passes (at least one draft checked)
     plain_steps: int = 0  # target passes without a draft (schedule chose 0, or the budget left none)
@@ -496,12 +511,18 @@ class SpeculativeStats:
     def as_dict(self, pass_time: float | None = None) -> dict:
         tokens = self.accepted + self.passes + self.plain_steps
         seconds = self.draft_seconds + self.verify_seconds + self.plain_seconds
-        d = {"draft_mode": self.mode, "draft_verify_passes": self.passes, "draft_plain_steps": self.plain_steps,
-             "draft_tokens_verified": self.drafted, "draft_tokens_accepted": self.accepted,
-             "draft_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-             "draft_tokens_per_pass": (self.accepted + self.passes) / self.passes if self.passes else 0.0,
-             "draft_seconds": self.draft_seconds, "draft_verify_seconds": self.verify_seconds,
-             "draft_prefetched_experts": self.prefetched}
+        d = {
+            "draft_mode": self.mode,
+            "draft_verify_passes": self.passes,
+            "draft_plain_steps": self.plain_steps,
+            "draft_tokens_verified": self.drafted,
+            "draft_tokens_accepted": self.accepted,
+            "draft_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "draft_tokens_per_pass": (self.accepted + self.passes) / self.passes if self.passes else 0.0,
+            "draft_seconds": self.draft_seconds,
+            "draft_verify_seconds": self.verify_seconds,
+            "draft_prefetched_experts": self.prefetched,
+        }
         for n, c in enumerate(self.accept_counts):
             d[f"draft_accepted_{n}_passes"] = c
         if pass_time and seconds:  # tokens/s of this loop against one plain pass per token
@@ -511,6 +532,7 @@ class SpeculativeStats:
 
 # --- the loop ------------------------------------------------------------------------------------------------
 
+
 def _picker(params: SamplingParams, gen: torch.Generator) -> Pick:
     """The sampler shared by target and drafts: greedy argmax, or a draw from the processed distribution."""
     if params.is_greedy:
@@ -519,6 +541,7 @@ def _picker(params: SamplingParams, gen: torch.Generator) -> Pick:
     def pick(logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         q = torch.softmax(processed_logits(logits, params), dim=-1)
         return int(torch.multinomial(q, 1, generator=gen)), q
+
     return pick
 
 
@@ -545,11 +568,17 @@ def _prefetch(model, tokens: list[int]) -> int:
     return n
 
 
-def speculative_generate_step(session, prompt_ids: list[int], params: SamplingParams,
-                              cancel: threading.Event | None = None,
-                              on_prefill_progress: Callable[[int, int], None] | None = None, *,
-                              drafter: Drafter, schedule: Schedule, stats: SpeculativeStats,
-                              ) -> Iterator[tuple[int, float, list[tuple[int, float]]]]:
+def speculative_generate_step(
+    session,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    cancel: threading.Event | None = None,
+    on_prefill_progress: Callable[[int, int], None] | None = None,
+    *,
+    drafter: Drafter,
+    schedule: Schedule,
+    stats: SpeculativeStats,
+) -> Iterator[tuple[int, float, list[tuple[int, float]]]]:
     """Yields `(token, logprob, top_logprobs)` like `generate.generate_step`, several per target pass.
 
     The session's runner must route its passes through `drafter.forward` (the engine does when a draft is set).
@@ -575,12 +604,17 @@ def speculative_generate_step(session, prompt_ids: list[int], params: SamplingPa
             rec, tokens = drafter.last, session.tokens
             m, anchor = len(tokens) - 1, tokens[-1]
             # the drafter drafts from the state its last pass ran on: make sure that was this session's
-            ours = (rec is not None and rec.state is not None and rec.state.length == m == session.num_processed
-                    and tokens[rec.p0:m] == rec.ids[:m - rec.p0])
+            ours = (
+                rec is not None
+                and rec.state is not None
+                and rec.state.length == m == session.num_processed
+                and tokens[rec.p0 : m] == rec.ids[: m - rec.p0]
+            )
             # room: keep the tokens of a pass within max_tokens, and below the context length (so the stream's
             # length check fires exactly where it would in plain generation), and the pass within VERIFY_MAX
-            room = min(drafter.max_drafts, VERIFY_MAX - 1, params.max_tokens - yielded - 1,
-                       session.context_length - m - 3)
+            room = min(
+                drafter.max_drafts, VERIFY_MAX - 1, params.max_tokens - yielded - 1, session.context_length - m - 3
+            )
             prop, L, t0 = None, 0, time.perf_counter()
             if schedule.retired and not drafter.paused:
                 drafter.paused, stats.mode = True, stats.mode + " (off: drafting did not pay)"
@@ -649,6 +683,7 @@ def speculative_generate_step(session, prompt_ids: list[int], params: SamplingPa
 
 # --- choosing a draft ----------------------------------------------------------------------------------------
 
+
 def available(model) -> list[str]:
     """Draft kinds this model's checkpoint carries."""
     if model.config.has_dspark:
@@ -672,8 +707,9 @@ def resolve(kind: str | None, model, source, kernels: bool = True) -> tuple[Draf
         return None, Schedule(), "none"
     use = have[0] if kind == "auto" else kind
     if use not in have:
-        raise ConfigError(f"--draft {use}: this checkpoint has no {use} weights "
-                         f"(it has: {', '.join(have) or 'no draft weights'})")
+        raise ConfigError(
+            f"--draft {use}: this checkpoint has no {use} weights (it has: {', '.join(have) or 'no draft weights'})"
+        )
     drafter = MTPDrafter(model) if use == "mtp" else DSparkDrafter(model, source, kernels)
     r, q = PRIOR_COST[use]
     return drafter, Schedule(r=r, q=q, adaptive=kind == "auto"), (f"auto:{use}" if kind == "auto" else use)

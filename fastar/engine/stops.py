@@ -3,6 +3,7 @@
 Owns `StopStrings`, shared by the engine's streams (`fastar.engine.generate`) and the server's responses
 (`fastar.serve.protocol`). Pure text, no torch: the server imports it without the model stack.
 """
+
 from __future__ import annotations
 
 __all__ = ["StopStrings"]

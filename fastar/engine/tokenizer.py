@@ -14,6 +14,7 @@ Does not own: the chat format itself (`fastar.encoding`) or sampling. No torch.
 byte-identical to the one in `deepseek-ai/DeepSeek-V4-Flash`. Only the file is used; that package's own
 pure-Python encoder splits whitespace differently from the reference and must not be used.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -26,7 +27,7 @@ from tokenizers import decoders
 
 from fastar.encoding import BOS, EOS, encode_messages
 
-_GIL_FREE_FROM = 1 << 16   # characters
+_GIL_FREE_FROM = 1 << 16  # characters
 
 
 def _byte_level_alphabet() -> dict[str, int]:

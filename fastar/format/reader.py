@@ -5,6 +5,7 @@ or overlaps, every extent inside the file), `WeightSource` over the file, `pread
 caller's buffer (optionally through O_DIRECT), and full checksum verification. Imports no torch.
 Does not own: caching experts (`fastar.weights.expert_cache`).
 """
+
 from __future__ import annotations
 
 import json
@@ -96,19 +97,26 @@ def parse_header(path, hb: bytes, data_offset: int, file_size: int) -> dict:
             raise _fail(path, "header: expert sections malformed")
         end = 0
         for s in secs:
-            if not isinstance(s.get("dtype"), str) or s["dtype"] not in spec.DTYPE_SIZES \
-                    or not isinstance(s.get("shape"), list) \
-                    or not all(isinstance(d, int) and d >= 0 for d in s["shape"]):
+            if (
+                not isinstance(s.get("dtype"), str)
+                or s["dtype"] not in spec.DTYPE_SIZES
+                or not isinstance(s.get("shape"), list)
+                or not all(isinstance(d, int) and d >= 0 for d in s["shape"])
+            ):
                 raise _fail(path, f"expert section {s.get('field')}: malformed")
-            if _check_int(path, s.get("offset"), "section offset") < end or \
-                    spec.nbytes_of(s["dtype"], s["shape"]) != _check_int(path, s.get("nbytes"), "section nbytes"):
+            if _check_int(path, s.get("offset"), "section offset") < end or spec.nbytes_of(
+                s["dtype"], s["shape"]
+            ) != _check_int(path, s.get("nbytes"), "section nbytes"):
                 raise _fail(path, f"expert section {s['field']}: bad offset or size")
             end = s["offset"] + s["nbytes"]
         if end > bank["stride"] or bank["stride"] % spec.ALIGN:
             raise _fail(path, "expert stride smaller than a record or not page-aligned")
         n_rec = bank["slots"] * bank["experts"]
-        if not isinstance(bank.get("xxh64"), list) or len(bank["xxh64"]) != n_rec or \
-                not all(isinstance(d, str) and len(d) == 16 for d in bank["xxh64"]):
+        if (
+            not isinstance(bank.get("xxh64"), list)
+            or len(bank["xxh64"]) != n_rec
+            or not all(isinstance(d, str) and len(d) == 16 for d in bank["xxh64"])
+        ):
             raise _fail(path, "expert checksums missing")
         expect = bank["offset"] + n_rec * bank["stride"]
     if expect != file_size:
@@ -127,6 +135,7 @@ def expert_views(sections: list[dict], buf, base: int = 0) -> ExpertWeights:
 
 class MappedFile(Closing):
     """A file held open as a descriptor (`_fd`) and a read-only mapping (`_mm`, None for an empty file)."""
+
     _fd: int = -1
     _mm: mmap.mmap | None = None
 
@@ -224,8 +233,12 @@ class FstFile(MappedFile):
 
     def tensor(self, name: str) -> np.ndarray:
         t = self._entry(name)
-        a = np.frombuffer(self._mm, dtype=spec.NUMPY_DTYPES[t["dtype"]],
-                          count=t["nbytes"] // spec.DTYPE_SIZES[t["dtype"]], offset=t["offset"])
+        a = np.frombuffer(
+            self._mm,
+            dtype=spec.NUMPY_DTYPES[t["dtype"]],
+            count=t["nbytes"] // spec.DTYPE_SIZES[t["dtype"]],
+            offset=t["offset"],
+        )
         return a.reshape(t["shape"])
 
     def read_tensor(self, name: str) -> np.ndarray:
@@ -236,7 +249,7 @@ class FstFile(MappedFile):
         out = np.empty(t["nbytes"] // spec.DTYPE_SIZES[t["dtype"]], spec.NUMPY_DTYPES[t["dtype"]])
         mv, done = memoryview(out).cast("B"), 0
         while done < t["nbytes"]:
-            got = os.preadv(self._fd, [mv[done:done + (1 << 30)]], t["offset"] + done)
+            got = os.preadv(self._fd, [mv[done : done + (1 << 30)]], t["offset"] + done)
             if got <= 0:
                 raise FormatError(f"{self.path}: short read of tensor {name!r} (file truncated?)")
             done += got
@@ -246,7 +259,7 @@ class FstFile(MappedFile):
 
     def blob(self, name: str) -> bytes | None:
         b = self._blobs.get(name)
-        return None if b is None else bytes(self._mm[b["offset"]:b["offset"] + b["nbytes"]])
+        return None if b is None else bytes(self._mm[b["offset"] : b["offset"] + b["nbytes"]])
 
     def tokenizer_json(self) -> bytes | None:
         return self.blob("tokenizer.json")
@@ -279,8 +292,9 @@ class FstFile(MappedFile):
         mv = memoryview(buf).cast("B")[: self.bank["stride"]]
         got = os.preadv(self._fd if fd is None else fd, [mv], off)
         if got != len(mv):
-            raise FormatError(f"{self.path}: short read of expert (layer {slot}, id {e}): "
-                              f"{got} of {len(mv)} bytes (file truncated?)")
+            raise FormatError(
+                f"{self.path}: short read of expert (layer {slot}, id {e}): {got} of {len(mv)} bytes (file truncated?)"
+            )
         return self.expert_views(mv)
 
     supports_direct_io = hasattr(os, "O_DIRECT")  # one record is one aligned extent of the file
@@ -320,8 +334,11 @@ class FstFile(MappedFile):
 
         chunk = 64 << 20
         bufs = [bytearray(chunk), bytearray(chunk)]
-        jobs = [(label, digest, pos, min(chunk, off + n - pos))
-                for label, off, n, digest in self.regions(experts) for pos in range(off, off + max(n, 1), chunk)]
+        jobs = [
+            (label, digest, pos, min(chunk, off + n - pos))
+            for label, off, n, digest in self.regions(experts)
+            for pos in range(off, off + max(n, 1), chunk)
+        ]
         bad: list[str] = []
         hashers: dict[str, xxhash.xxh64] = {}
         ends = {}

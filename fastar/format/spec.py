@@ -42,6 +42,7 @@ layers, L.. the MTP/DSpark blocks. Sections, each at a 64-byte-aligned offset in
 For Flash (D = 4096, I = 2048) the sections are 4 MiB, 256 KiB, 4 MiB, 256 KiB, 4 MiB, 256 KiB and the stride
 is 13,369,344 bytes = 3264 pages, no padding. The record's xxh64 covers all `stride` bytes (padding is zero).
 """
+
 from __future__ import annotations
 
 import math
@@ -75,7 +76,12 @@ NUMPY_DTYPES: dict[str, str] = {
 }
 # checkpoint (safetensors) dtype -> storage dtype; packed FP4 arrives as I8
 FROM_SAFETENSORS: dict[str, str] = {
-    "F8_E4M3": "F8_E4M3", "F8_E8M0": "F8_E8M0", "BF16": "BF16", "F32": "F32", "I64": "I64", "I8": "FP4X2",
+    "F8_E4M3": "F8_E4M3",
+    "F8_E8M0": "F8_E8M0",
+    "BF16": "BF16",
+    "F32": "F32",
+    "I64": "I64",
+    "I8": "FP4X2",
 }
 
 EXPERT_FIELDS = ("w1", "w1_scale", "w3", "w3_scale", "w2", "w2_scale")
@@ -92,9 +98,12 @@ def nbytes_of(dtype: str, shape: list[int] | tuple[int, ...]) -> int:
 def expert_sections(hidden: int, inter: int) -> list[dict]:
     """The six sections of one expert record (field, dtype, shape, offset inside the record, nbytes)."""
     shapes = {
-        "w1": ("FP4X2", [inter, hidden // 2]), "w1_scale": ("F8_E8M0", [inter, hidden // 32]),
-        "w3": ("FP4X2", [inter, hidden // 2]), "w3_scale": ("F8_E8M0", [inter, hidden // 32]),
-        "w2": ("FP4X2", [hidden, inter // 2]), "w2_scale": ("F8_E8M0", [hidden, inter // 32]),
+        "w1": ("FP4X2", [inter, hidden // 2]),
+        "w1_scale": ("F8_E8M0", [inter, hidden // 32]),
+        "w3": ("FP4X2", [inter, hidden // 2]),
+        "w3_scale": ("F8_E8M0", [inter, hidden // 32]),
+        "w2": ("FP4X2", [hidden, inter // 2]),
+        "w2_scale": ("F8_E8M0", [hidden, inter // 32]),
     }
     out, off = [], 0
     for f in EXPERT_FIELDS:

@@ -8,6 +8,7 @@ CLOSED (header rewritten with checksums, fsynced, renamed into place) or ABORTED
 Until CLOSED the output exists only as `<name>.partial`, so an interrupted run never leaves a file that looks
 complete; the header of the partial file also carries zero checksums, which `verify` rejects.
 """
+
 from __future__ import annotations
 
 import enum
@@ -39,15 +40,21 @@ class FstWriter:
     Used as a context manager, an exception inside the block aborts and removes the partial file.
     """
 
-    def __init__(self, path: str | os.PathLike, config: dict, source: dict | None = None,
-                 converter_version: str = "0") -> None:
+    def __init__(
+        self, path: str | os.PathLike, config: dict, source: dict | None = None, converter_version: str = "0"
+    ) -> None:
         self.path = Path(path)
         self.tmp_path = self.path.with_name(self.path.name + ".partial")
         self.state = WriterState.PLAN
         self._header: dict[str, Any] = {
-            "format": spec.FORMAT_NAME, "version": spec.VERSION,
+            "format": spec.FORMAT_NAME,
+            "version": spec.VERSION,
             "converter": {"name": "fastar", "version": converter_version},
-            "source": source or {}, "config": config, "tensors": [], "blobs": [], "experts": None,
+            "source": source or {},
+            "config": config,
+            "tensors": [],
+            "blobs": [],
+            "experts": None,
         }
         self._regions: list[dict] = []  # tensors and blobs in write order
         self._names: set[str] = set()
@@ -66,8 +73,10 @@ class FstWriter:
         self._expect(WriterState.PLAN)
         if dtype not in spec.DTYPE_SIZES:
             raise FormatError(f"tensor {name}: unsupported storage dtype {dtype}")
-        self._add({"name": name, "dtype": dtype, "shape": [int(s) for s in shape],
-                   "nbytes": spec.nbytes_of(dtype, shape)}, "tensors")
+        self._add(
+            {"name": name, "dtype": dtype, "shape": [int(s) for s in shape], "nbytes": spec.nbytes_of(dtype, shape)},
+            "tensors",
+        )
 
     def add_blob(self, name: str, nbytes: int) -> None:
         self._expect(WriterState.PLAN)
@@ -85,8 +94,12 @@ class FstWriter:
         self._expect(WriterState.PLAN)
         sections = spec.expert_sections(hidden, inter)
         self._header["experts"] = {
-            "offset": 0, "stride": spec.expert_stride(sections), "slots": slots, "experts": experts,
-            "sections": sections, "xxh64": [_ZERO_DIGEST] * (slots * experts),
+            "offset": 0,
+            "stride": spec.expert_stride(sections),
+            "slots": slots,
+            "experts": experts,
+            "sections": sections,
+            "xxh64": [_ZERO_DIGEST] * (slots * experts),
         }
 
     # --- layout --------------------------------------------------------------------------------------------
@@ -126,8 +139,15 @@ class FstWriter:
 
     def _write_header(self) -> None:
         hb = self._header_bytes()
-        pre = struct.pack(spec.PREAMBLE_FMT, spec.MAGIC, spec.VERSION, len(hb), xxhash.xxh64_intdigest(hb),
-                          self._data_offset, self._file_size)
+        pre = struct.pack(
+            spec.PREAMBLE_FMT,
+            spec.MAGIC,
+            spec.VERSION,
+            len(hb),
+            xxhash.xxh64_intdigest(hb),
+            self._data_offset,
+            self._file_size,
+        )
         self._f.seek(0)
         self._f.write(pre + hb + b"\0" * (self._data_offset - len(pre) - len(hb)))
 
@@ -178,18 +198,23 @@ class FstWriter:
             raise FastarError("resident tensors must be written before experts")
         want = self._next_record
         if bank is None or slot * bank["experts"] + e != want:
-            raise FastarError(f"expected expert record {divmod(want, bank['experts']) if bank else None}, "
-                              f"got ({slot}, {e})")
+            raise FastarError(
+                f"expected expert record {divmod(want, bank['experts']) if bank else None}, got ({slot}, {e})"
+            )
         rec = bytearray(bank["stride"])
         for sec, arr in zip(bank["sections"], parts):
             a = np.ascontiguousarray(arr)
             if list(a.shape) != sec["shape"] or a.nbytes != sec["nbytes"]:
-                raise FormatError(f"expert (layer {slot}, id {e}) {sec['field']}: shape {list(a.shape)}, "
-                                  f"expected {sec['shape']}")
-            rec[sec["offset"]:sec["offset"] + sec["nbytes"]] = a.view(np.uint8).reshape(-1).data
+                raise FormatError(
+                    f"expert (layer {slot}, id {e}) {sec['field']}: shape {list(a.shape)}, expected {sec['shape']}"
+                )
+            rec[sec["offset"] : sec["offset"] + sec["nbytes"]] = a.view(np.uint8).reshape(-1).data
         bank["xxh64"][want] = xxhash.xxh64_hexdigest(rec)
-        self._guard(self._write_at, spec.expert_offset(bank["offset"], bank["stride"], bank["experts"], slot, e),
-                    memoryview(rec))
+        self._guard(
+            self._write_at,
+            spec.expert_offset(bank["offset"], bank["stride"], bank["experts"], slot, e),
+            memoryview(rec),
+        )
         self._next_record += 1
 
     def finish(self) -> Path:
@@ -211,6 +236,7 @@ class FstWriter:
             os.fsync(self._f.fileno())
             self._f.close()
             os.replace(self.tmp_path, self.path)
+
         self._guard(seal)
         self.state = WriterState.CLOSED
         return self.path

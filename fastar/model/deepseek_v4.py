@@ -21,6 +21,7 @@ and transformers (`reference`); what each switch does, what neither mode simulat
 with the FP8/FP4 rounding (prefill vs decode differ by quantization noise under `official`; chunks of at most
 `ops.SMALL_CHUNK` tokens are bit-identical to decoding one at a time) are in docs/MODEL.md, "Numerics".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -40,9 +41,11 @@ SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed 
 
 # --- numerics ------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Numerics:
     """One switch per documented difference between DeepSeek's inference math and transformers'."""
+
     fp8_kv: bool = True
     fp4_indexer: bool = True
     fp8_activations: bool = True
@@ -71,11 +74,13 @@ def layer_inv_freq(cfg: ModelConfig, ratio: int) -> torch.Tensor:
         return ops.rope_inv_freq(r, cfg.rope_theta)
     if cfg.rope_factor <= 1:
         return ops.rope_inv_freq(r, cfg.compress_rope_theta)
-    return ops.yarn_inv_freq(r, cfg.compress_rope_theta, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow,
-                             cfg.original_max_position_embeddings)
+    return ops.yarn_inv_freq(
+        r, cfg.compress_rope_theta, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow, cfg.original_max_position_embeddings
+    )
 
 
 # --- hyper-connections (mHC) ---------------------------------------------------------------------------------
+
 
 class HyperConnection:
     """mHC at one site: collapses the n residual streams into a sub-layer input and mixes them back (the math:
@@ -112,6 +117,7 @@ class HyperHead:
 
 # --- compressor (ratio 4 overlapping, ratio 128) -------------------------------------------------------------
 
+
 class Compressor:
     """Pools every `ratio` tokens into one KV entry: per feature, a softmax over the window's gate rows.
 
@@ -120,8 +126,9 @@ class Compressor:
     normed, RoPE'd at position w*ratio and passed through `quant` (official numerics) before it is stored.
     """
 
-    def __init__(self, w: Weights, prefix: str, ratio: int, head_dim: int, inv_freq: torch.Tensor,
-                 eps: float, quant=None) -> None:
+    def __init__(
+        self, w: Weights, prefix: str, ratio: int, head_dim: int, inv_freq: torch.Tensor, eps: float, quant=None
+    ) -> None:
         self.wkv = w.linear(prefix + "wkv")  # BF16 [c*hd, d]
         self.wgate = w.linear(prefix + "wgate")  # BF16 [c*hd, d]
         self.ape = w.vector(prefix + "ape")  # [ratio, c*hd]
@@ -157,18 +164,19 @@ class Compressor:
 
 # --- lightning indexer (ratio-4 layers) ----------------------------------------------------------------------
 
+
 class Indexer:
     """Scores compressed entries for each query, `I(t,s) = sum_h w_h relu(q_h . k_s)`, keeps the top k visible."""
 
-    def __init__(self, w: Weights, prefix: str, cfg: ModelConfig, inv_freq: torch.Tensor,
-                 numerics: Numerics) -> None:
+    def __init__(self, w: Weights, prefix: str, cfg: ModelConfig, inv_freq: torch.Tensor, numerics: Numerics) -> None:
         self.wq_b = w.linear(prefix + "wq_b")  # FP8 [Hi*Di, q_lora]
         self.weights_proj = w.linear(prefix + "weights_proj")  # BF16 [Hi, d]
         self.heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.inv_freq, self.numerics = inv_freq, numerics
         rot = self._rotate if numerics.fp4_indexer else None
-        self.compressor = Compressor(w, prefix + "compressor.", 4, cfg.index_head_dim, inv_freq,
-                                     cfg.rms_norm_eps, quant=rot)
+        self.compressor = Compressor(
+            w, prefix + "compressor.", 4, cfg.index_head_dim, inv_freq, cfg.rms_norm_eps, quant=rot
+        )
 
     @staticmethod
     def _rotate(x: torch.Tensor) -> torch.Tensor:
@@ -180,8 +188,9 @@ class Indexer:
         scoring = self.prepare(x, qr, p0, state)
         return None if scoring is None else self.pick(*scoring, p0, state.idx_entries.all())
 
-    def prepare(self, x: torch.Tensor, qr: torch.Tensor, p0: int,
-                state: LayerState) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def prepare(
+        self, x: torch.Tensor, qr: torch.Tensor, p0: int, state: LayerState
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Adds the chunk's index keys. -> the chunk's scoring queries (`queries`), or None when no query of the
         chunk sees more than topk entries (`scores`)."""
         self.compressor(x, p0, state.idx_kv, state.idx_gate, state.idx_entries)
@@ -201,7 +210,7 @@ class Indexer:
         q = ops.apply_rope(q, cos, sin)
         if self.numerics.fp4_indexer:
             q = self._rotate(q)
-        return q, self.weights_proj(x) * Hi ** -0.5
+        return q, self.weights_proj(x) * Hi**-0.5
 
     def pick(self, q: torch.Tensor, weights: torch.Tensor, p0: int, keys: torch.Tensor) -> torch.Tensor:
         """Entry ids [T, k] with the top scores among keys [E, Di] (k = min(topk, E)) for the queries q [T, Hi, Di]
@@ -211,8 +220,8 @@ class Indexer:
         score = torch.empty(T, E)
         step = max(1, SCORE_BLOCK // max(1, Hi * E))  # queries per block: bounds the [t, Hi, E] temporary
         for a in range(0, T, step):
-            s = torch.einsum("thd,ed->the", q[a:a + step], keys).relu() * Di ** -0.5  # [t, Hi, E]
-            score[a:a + step] = (s * weights[a:a + step, :, None]).sum(dim=1)  # [t, E]
+            s = torch.einsum("thd,ed->the", q[a : a + step], keys).relu() * Di**-0.5  # [t, Hi, E]
+            score[a : a + step] = (s * weights[a : a + step, :, None]).sum(dim=1)  # [t, E]
         visible = torch.arange(p0 + 1, p0 + T + 1)[:, None] // 4  # entries w < (t+1)//4 are closed for query t
         score = score.masked_fill(torch.arange(E)[None, :] >= visible, float("-inf"))
         idx = score.topk(min(self.topk, E), dim=-1).indices  # [T, k]
@@ -221,8 +230,19 @@ class Indexer:
 
 # --- attention -----------------------------------------------------------------------------------------------
 
-def attend(q: torch.Tensor, keys: torch.Tensor, k0: int, p0: int, window: int, comp: torch.Tensor | None,
-           comp_idx: torch.Tensor | None, ratio: int, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    k0: int,
+    p0: int,
+    window: int,
+    comp: torch.Tensor | None,
+    comp_idx: torch.Tensor | None,
+    ratio: int,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Softmax attention of the queries q [T, H, D] at positions p0.. over the window keys [K, D] (K = V; row i at
     position k0 + i; query p sees positions (p - window, p]) plus compressed entries comp [E, D]: those comp_idx
     [T, k] picks (-1 = none), else every one closed by p (e < (p+1) // ratio); a per-head sink logit sinks [H]
@@ -240,9 +260,16 @@ def attend(q: torch.Tensor, keys: torch.Tensor, k0: int, p0: int, window: int, c
     return attend_torch(q, keys, (kpos <= pos) & (kpos > pos - window), comp, comp_mask, comp_idx, sinks, scale)
 
 
-def attend_torch(q: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor, comp: torch.Tensor | None,
-           comp_mask: torch.Tensor | None, comp_idx: torch.Tensor | None, sinks: torch.Tensor,
-           scale: float) -> torch.Tensor:
+def attend_torch(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    key_mask: torch.Tensor,
+    comp: torch.Tensor | None,
+    comp_mask: torch.Tensor | None,
+    comp_idx: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """`attend` in torch, on any masks: the reference the C kernel is tested against (and DSpark's block attention,
     whose mask is no window). `key_mask` [T, K] and `comp_mask` [T, E] mark what each query sees; `comp_idx` [T, k]
     gathers per-query entries instead (-1 = none)."""
@@ -298,10 +325,11 @@ class Attention:
 
     def _fp8_nope(self, kv: torch.Tensor) -> torch.Tensor:
         """QAT simulation of DeepSeek's FP8 KV cache: the non-RoPE dims, blocks of 64."""
-        return torch.cat([ops.fp8_quant_sim(kv[..., :-self.rope], 64), kv[..., -self.rope:]], dim=-1)
+        return torch.cat([ops.fp8_quant_sim(kv[..., : -self.rope], 64), kv[..., -self.rope :]], dim=-1)
 
-    def _attend(self, q: torch.Tensor, s: slice, p0: int, state: LayerState,
-                scoring: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, s: slice, p0: int, state: LayerState, scoring: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         """Attention of the queries q[s] of a chunk at p0 (q [T, H, D]; positions [a, b)) over what they see,
         stored already: window keys [max(0, a-W+1), b) and the compressed entries closed by position b-1, picked
         with the indexer's `scoring` queries of the chunk when position b-1 needs it, else all visible ones.
@@ -313,14 +341,15 @@ class Attention:
             comp = state.entries.rows(0, b // self.ratio)  # [E, D]
             if scoring is not None and self.indexer.scores(b):
                 comp_idx = self.indexer.pick(scoring[0][s], scoring[1][s], a, state.idx_entries.rows(0, b // 4))
-        return attend(q, state.kv.rows(k0, b), k0, a, self.window, comp, comp_idx, self.ratio, self.sinks,
-                      self.D ** -0.5)
+        return attend(q, state.kv.rows(k0, b), k0, a, self.window, comp, comp_idx, self.ratio, self.sinks, self.D**-0.5)
 
     def __call__(self, x: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
         T = x.shape[0]
         if self.max_positions is not None and p0 + T > self.max_positions:
-            raise FastarError(f"position {p0 + T - 1} needs {self.prefix}indexer (the lightning indexer), which the "
-                              f"model lacks: without it only the first {self.max_positions} positions are exact")
+            raise FastarError(
+                f"position {p0 + T - 1} needs {self.prefix}indexer (the lightning indexer), which the "
+                f"model lacks: without it only the first {self.max_positions} positions are exact"
+            )
         cos, sin = ops.rope_cos_sin(self.inv_freq, torch.arange(p0, p0 + T))  # [T, r/2]
         q, qr, kv = self._project(x, cos, sin)
         state.kv.append(kv)
@@ -343,23 +372,26 @@ class Attention:
         that sequence alone. -> [B, d]"""
         pos = [s.length for s in states]
         if self.max_positions is not None and max(pos) + 1 > self.max_positions:
-            raise FastarError(f"position {max(pos)} needs {self.prefix}indexer (the lightning indexer), which the "
-                              f"model lacks: without it only the first {self.max_positions} positions are exact")
+            raise FastarError(
+                f"position {max(pos)} needs {self.prefix}indexer (the lightning indexer), which the "
+                f"model lacks: without it only the first {self.max_positions} positions are exact"
+            )
         cos, sin = ops.rope_cos_sin(self.inv_freq, torch.tensor(pos))  # [B, r/2]
         q, qr, kv = self._project(x, cos, sin)
         out = []
         for b, (p0, state) in enumerate(zip(pos, states)):
-            state.kv.append(kv[b:b + 1])
+            state.kv.append(kv[b : b + 1])
             scoring = None
             if self.ratio:
-                self.compressor(x[b:b + 1], p0, state.comp_kv, state.comp_gate, state.entries)
+                self.compressor(x[b : b + 1], p0, state.comp_kv, state.comp_gate, state.entries)
                 if self.indexer is not None:
-                    scoring = self.indexer.prepare(x[b:b + 1], qr[b:b + 1], p0, state)
-            out.append(self._attend(q[b:b + 1], slice(0, 1), p0, state, scoring))
+                    scoring = self.indexer.prepare(x[b : b + 1], qr[b : b + 1], p0, state)
+            out.append(self._attend(q[b : b + 1], slice(0, 1), p0, state, scoring))
         return self._output(torch.cat(out), cos, sin)
 
-    def _project(self, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d] -> queries [T, H, D] (normed, RoPE'd), the Q-LoRA latent qr [T, q_lora] and the KV rows [T, D]
         to store (RoPE'd; FP8 non-RoPE dims under fp8_kv); cos/sin [T, r/2] at each row's position."""
         T, H, D, act = x.shape[0], self.H, self.D, self.numerics.act
@@ -387,11 +419,20 @@ class Attention:
 
 # --- mixture of experts --------------------------------------------------------------------------------------
 
+
 class MoE:
     """Router (hash table or sqrtsoftplus top-k with selection-only bias), routed FP4 experts, shared expert."""
 
-    def __init__(self, w: Weights, prefix: str, cfg: ModelConfig, layer: int, numerics: Numerics,
-                 experts: ExpertProvider, kernels: bool) -> None:
+    def __init__(
+        self,
+        w: Weights,
+        prefix: str,
+        cfg: ModelConfig,
+        layer: int,
+        numerics: Numerics,
+        experts: ExpertProvider,
+        kernels: bool,
+    ) -> None:
         self.gate = w.linear(prefix + "gate")  # BF16 [E, d]
         self.is_hash = cfg.is_hash_layer(layer)
         self.tid2eid = w.table(prefix + "gate.tid2eid") if self.is_hash else None  # [V, k]
@@ -431,14 +472,34 @@ class MoE:
         ys = {}
         for batch in self.experts.each_batch(self.layer, wanted):
             if len(batch) == len(wanted) and experts_ffn(
-                    x, routed, wts, dict(batch), wanted, self.limit, out, act_quant=act, kernels=self.kernels,
-                    weight_before_down=self.numerics.official_routing, act_block=128 if act else 0):
+                x,
+                routed,
+                wts,
+                dict(batch),
+                wanted,
+                self.limit,
+                out,
+                act_quant=act,
+                kernels=self.kernels,
+                weight_before_down=self.numerics.official_routing,
+                act_block=128 if act else 0,
+            ):
                 break  # every expert was present at once: computed and summed in one call
             for e, ew in batch:
                 tok, slot = (torch.from_numpy(a) for a in np.nonzero(routed == e))
-                ys[e] = tok, expert_ffn(x[tok], ew, wts[tok, slot], self.limit,
-                                        weight_before_down=self.numerics.official_routing, act_quant=act,
-                                        kernels=self.kernels, act_block=128 if act else 0)
+                ys[e] = (
+                    tok,
+                    expert_ffn(
+                        x[tok],
+                        ew,
+                        wts[tok, slot],
+                        self.limit,
+                        weight_before_down=self.numerics.official_routing,
+                        act_quant=act,
+                        kernels=self.kernels,
+                        act_block=128 if act else 0,
+                    ),
+                )
         for e in wanted if ys else ():  # summed in a fixed order, so arrival order never changes the result
             out.index_add_(0, *ys[e])
         return out + self._shared(x)
@@ -453,11 +514,13 @@ class MoE:
 
 # --- block, MTP block, model ---------------------------------------------------------------------------------
 
+
 class Block:
     """One V4 layer: X -> mHC(attention) -> mHC(MoE), on [T, n, d] residual streams."""
 
-    def __init__(self, w: Weights, cfg: ModelConfig, layer: int, numerics: Numerics, experts: ExpertProvider,
-                 kernels: bool) -> None:
+    def __init__(
+        self, w: Weights, cfg: ModelConfig, layer: int, numerics: Numerics, experts: ExpertProvider, kernels: bool
+    ) -> None:
         p = f"layers.{layer}." if layer < cfg.num_hidden_layers else f"mtp.{layer - cfg.num_hidden_layers}."
         self.prefix, self.layer, self.ratio, self.eps = p, layer, cfg.ratio(layer), cfg.rms_norm_eps
         self.hc_attn = HyperConnection(w, p + "hc_attn", cfg)
@@ -473,7 +536,6 @@ class Block:
         u, post, comb = self.hc_ffn.pre(X)
         return HyperConnection.post(self.ffn(ops.rms_norm(u, self.ffn_norm, self.eps), ids), X, post, comb)
 
-
     def rows(self, X: torch.Tensor, ids: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
         """`__call__` for one new token of each of B sequences (`Attention.rows`): X [B, n, d], ids [B]."""
         u, post, comb = self.hc_attn.pre(X)
@@ -486,8 +548,9 @@ class MTPBlock:
     """Multi-token prediction: from the main model's final streams at position i and the embedding of token
     i+1, one more V4 block (ratio 0) and its own HC head + norm, with the shared LM head -> logits for i+2."""
 
-    def __init__(self, w: Weights, cfg: ModelConfig, k: int, numerics: Numerics, experts: ExpertProvider,
-                 kernels: bool) -> None:
+    def __init__(
+        self, w: Weights, cfg: ModelConfig, k: int, numerics: Numerics, experts: ExpertProvider, kernels: bool
+    ) -> None:
         p = f"mtp.{k}."
         self.e_proj, self.h_proj = w.linear(p + "e_proj"), w.linear(p + "h_proj")  # FP8 [d, d]
         self.enorm, self.hnorm = w.vector(p + "enorm.weight"), w.vector(p + "hnorm.weight")  # [d]
@@ -496,8 +559,9 @@ class MTPBlock:
         self.block = Block(w, cfg, cfg.num_hidden_layers + k, numerics, experts, kernels)
         self.eps, self.numerics = cfg.rms_norm_eps, numerics
 
-    def __call__(self, X: torch.Tensor, emb_next: torch.Tensor, ids_next: torch.Tensor, p0: int,
-                 state: LayerState) -> torch.Tensor:
+    def __call__(
+        self, X: torch.Tensor, emb_next: torch.Tensor, ids_next: torch.Tensor, p0: int, state: LayerState
+    ) -> torch.Tensor:
         """X [T, n, d] main streams, emb_next [T, d] -> normed output [T, d] (before the LM head)."""
         act = self.numerics.act
         e = self.e_proj(act(ops.rms_norm(emb_next, self.enorm, self.eps)))  # [T, d]
@@ -524,9 +588,15 @@ class DeepseekV4:
             prefetch what it picks (hash-routed layers are always prefetched exactly from the token ids).
     """
 
-    def __init__(self, source: WeightSource, numerics: str | Numerics = "official", kernels: bool = True,
-                 experts: ExpertProvider | None = None, max_rollback: int | None = None,
-                 lookahead: bool = False) -> None:
+    def __init__(
+        self,
+        source: WeightSource,
+        numerics: str | Numerics = "official",
+        kernels: bool = True,
+        experts: ExpertProvider | None = None,
+        max_rollback: int | None = None,
+        lookahead: bool = False,
+    ) -> None:
         cfg = source.config
         self.config, self.numerics, self.max_rollback = cfg, Numerics.named(numerics), max_rollback
         self.experts = experts if experts is not None else SourceExperts(source)
@@ -544,8 +614,11 @@ class DeepseekV4:
                 cur.ffn.lookahead = lambda x, m=nxt.ffn: prefetch(m.layer, m.guess(x), source="lookahead")
         self.hash_tables = {b.layer: b.ffn.tid2eid.numpy() for b in self.layers if b.ffn.is_hash}
         has_mtp = cfg.num_mtp_layers > 0 and not cfg.has_dspark and w.has("mtp.0.e_proj.weight")
-        self.mtp = [MTPBlock(w, cfg, k, self.numerics, self.experts, kernels)
-                    for k in range(cfg.num_mtp_layers)] if has_mtp else []
+        self.mtp = (
+            [MTPBlock(w, cfg, k, self.numerics, self.experts, kernels) for k in range(cfg.num_mtp_layers)]
+            if has_mtp
+            else []
+        )
 
     def new_state(self) -> ModelState:
         cfg = self.config
@@ -554,12 +627,17 @@ class DeepseekV4:
             return LayerState.new(cfg.ratio(i), cfg.sliding_window, cfg.head_dim, cfg.index_head_dim)
 
         L = cfg.num_hidden_layers
-        return ModelState([layer(i) for i in range(L)], [layer(L + k) for k in range(len(self.mtp))],
-                          self.max_rollback)
+        return ModelState([layer(i) for i in range(L)], [layer(L + k) for k in range(len(self.mtp))], self.max_rollback)
 
     @torch.inference_mode()
-    def forward(self, ids: list[int] | torch.Tensor, state: ModelState, all_logits: bool = True,
-                collect: list | None = None, capture: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        ids: list[int] | torch.Tensor,
+        state: ModelState,
+        all_logits: bool = True,
+        collect: list | None = None,
+        capture: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Process tokens `ids` [T] at positions state.length.. and advance `state`.
 
         Returns (logits [T, V] float32, or [1, V] for the last position when `all_logits` is False; final
@@ -596,8 +674,10 @@ class DeepseekV4:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         B = ids.shape[0]
         if B == 0 or len(states) != B or B > ops.SMALL_CHUNK:
-            raise ValueError(f"forward_rows takes 1 to {ops.SMALL_CHUNK} tokens, one per state "
-                             f"(got {B} tokens, {len(states)} states)")
+            raise ValueError(
+                f"forward_rows takes 1 to {ops.SMALL_CHUNK} tokens, one per state "
+                f"(got {B} tokens, {len(states)} states)"
+            )
         if len({id(s) for s in states}) != B:
             raise ValueError("forward_rows needs a distinct state per token")
         self.experts.prefetch_tokens(ids.tolist(), self.hash_tables)  # hash-routed layers: known from the ids
@@ -610,8 +690,9 @@ class DeepseekV4:
         return self.head(ops.rms_norm(self.hc_head(X), self.norm, self.config.rms_norm_eps))
 
     @torch.inference_mode()
-    def mtp_logits(self, X: torch.Tensor, next_ids: list[int] | torch.Tensor, state: ModelState,
-                   k: int = 0) -> torch.Tensor:
+    def mtp_logits(
+        self, X: torch.Tensor, next_ids: list[int] | torch.Tensor, state: ModelState, k: int = 0
+    ) -> torch.Tensor:
         """MTP block k on main streams X [T, n, d] at MTP positions state.mtp[k].length.. with the tokens that
         follow them (`next_ids` [T] = t_{i+1}); returns logits [T, V] predicting t_{i+2}."""
         if not self.mtp:

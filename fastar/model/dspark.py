@@ -24,6 +24,7 @@ What is read and what is inferred (architecture doc section 4.2; no real 0731 we
 A context row whose target state was not kept (after a rollback across requests, or a restored session) is
 stored as zeros and masked out of attention: it only costs draft quality, never correctness.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from .state import LayerState, RowBuffer
 @dataclass
 class DraftBlock:
     """One drafted block: tokens x_1..x_k, the draft distributions they were drawn from, their confidences."""
+
     tokens: list[int]
     probs: torch.Tensor | None  # [k, V] processed draft distributions (None when greedy)
     confidence: list[float]  # c_1..c_k (conditional: slot k accepted given slots < k were)
@@ -51,8 +53,9 @@ class DraftBlock:
 class DSparkStage:
     """One draft stage: a V4 block whose attention reads the stage's context rows plus the block."""
 
-    def __init__(self, w: Weights, cfg: ModelConfig, k: int, numerics: Numerics, experts: ExpertProvider,
-                 kernels: bool) -> None:
+    def __init__(
+        self, w: Weights, cfg: ModelConfig, k: int, numerics: Numerics, experts: ExpertProvider, kernels: bool
+    ) -> None:
         self.block = Block(w, cfg, cfg.num_hidden_layers + k, numerics, experts, kernels)
         self.attn, self.numerics, self.eps = self.block.attn, numerics, cfg.rms_norm_eps
 
@@ -79,7 +82,7 @@ class DSparkStage:
         q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)  # [B, H, D]
         keys = torch.cat([ctx, self._kv(x, pos)])  # [K + B, D]
         mask = (keys.abs().amax(-1) > 0)[None, :].expand(B, -1)  # all-zero context rows are missing ones
-        o = attend_torch(q, keys, mask, None, None, None, a.sinks, D ** -0.5)  # [B, H, D] (any mask: torch)
+        o = attend_torch(q, keys, mask, None, None, None, a.sinks, D**-0.5)  # [B, H, D] (any mask: torch)
         o = ops.apply_rope(o, cos, sin, inverse=True)
         z = a.wo_a.grouped(o.reshape(B, a.groups, H * D // a.groups))  # [B, G, R]
         return a.wo_b(act(z.reshape(B, -1)))  # [B, d]
@@ -103,16 +106,25 @@ class DSparkDraft:
         embed, head: the target's `embed` and `head` (`Linear`s), shared as in the release.
     """
 
-    def __init__(self, w: Weights, cfg: ModelConfig, numerics: Numerics, experts: ExpertProvider, kernels: bool,
-                 embed: Linear, head: Linear) -> None:
+    def __init__(
+        self,
+        w: Weights,
+        cfg: ModelConfig,
+        numerics: Numerics,
+        experts: ExpertProvider,
+        kernels: bool,
+        embed: Linear,
+        head: Linear,
+    ) -> None:
         if not cfg.has_dspark:
             raise ValueError("this checkpoint has no DSpark stages (dspark_block_size is not set)")
         self.cfg, self.numerics, self.eps = cfg, numerics, cfg.rms_norm_eps
         self.targets = tuple(cfg.dspark_target_layer_ids)
         bad = [t for t in self.targets if not 0 < t < cfg.num_hidden_layers]
         if bad:
-            raise ValueError(f"DSpark target layers {bad} are not inner layers of a {cfg.num_hidden_layers}-layer "
-                             f"model")
+            raise ValueError(
+                f"DSpark target layers {bad} are not inner layers of a {cfg.num_hidden_layers}-layer model"
+            )
         self.block_size, self.noise = cfg.dspark_block_size, cfg.dspark_noise_token_id
         self.window, self.head_dim = cfg.sliding_window, cfg.head_dim
         self.embed, self.head = embed, head
@@ -140,8 +152,9 @@ class DSparkDraft:
         return ops.rms_norm(self.main_proj(self.numerics.act(h)), self.main_norm, self.eps)
 
     @torch.inference_mode()
-    def extend(self, states: list[LayerState], main_x: torch.Tensor | None, p0: int, T: int,
-               max_rollback: int | None) -> None:
+    def extend(
+        self, states: list[LayerState], main_x: torch.Tensor | None, p0: int, T: int, max_rollback: int | None
+    ) -> None:
         """Append the context rows of positions p0..p0+T-1 (zeros = missing when main_x is None)."""
         for stage, s in zip(self.stages, states):
             assert s.length == p0, (s.length, p0)
@@ -177,8 +190,13 @@ class DSparkDraft:
         return logits, float(c)
 
     @torch.inference_mode()
-    def draft(self, states: list[LayerState], anchor: int, k: int,
-              pick: Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]) -> DraftBlock:
+    def draft(
+        self,
+        states: list[LayerState],
+        anchor: int,
+        k: int,
+        pick: Callable[[torch.Tensor], tuple[int, torch.Tensor | None]],
+    ) -> DraftBlock:
         """Up to k drafts after `anchor`: the block runs once, then the Markov head picks left to right with
         `pick(logits) -> (token, processed probs | None)` (the caller's sampler)."""
         U, h = self.base(states, anchor)

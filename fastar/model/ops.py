@@ -9,6 +9,7 @@ helpers are tested through the model, tests/test_model.py; the mHC's C twins aga
 tests/test_mhc.py).
 Does not own: weights or weight formats (`fastar.quant`), model structure (`fastar.model.deepseek_v4`).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,6 +25,7 @@ FP4_MAX = 6.0
 
 
 # --- norms and activations ----------------------------------------------------------------------------------
+
 
 def _c_arrays(*ts: torch.Tensor) -> list | None:
     """Row-major numpy views of the tensors for the C extension (a copy only where one is not contiguous), or None
@@ -96,15 +98,18 @@ def limited_swiglu_torch(gate: torch.Tensor, up: torch.Tensor, limit: float) -> 
 
 # --- rotary embeddings ----------------------------------------------------------------------------------------
 
+
 def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
     """Plain RoPE frequencies `theta^(-2i/dim)`, i = 0..dim/2-1 (float32, as transformers computes them)."""
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
 
 
-def yarn_inv_freq(dim: int, theta: float, factor: float, beta_fast: float, beta_slow: float,
-                  original_max: int) -> torch.Tensor:
+def yarn_inv_freq(
+    dim: int, theta: float, factor: float, beta_fast: float, beta_slow: float, original_max: int
+) -> torch.Tensor:
     """YaRN frequencies: `f/factor` below the `beta_slow` correction dim, `f` above `beta_fast`, linear ramp
     between (no mscale: DeepSeek-V4 leaves cos/sin and the softmax scale unscaled)."""
+
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -130,8 +135,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     extension when built (the same rounded products and sums: bit-identical to `apply_rope_torch`, tested).
     """
     args = _c_arrays(x, cos, sin)
-    if args is not None and x.dim() >= 2 and x.shape[0] == cos.shape[0] and cos.shape == sin.shape \
-            and cos.dim() == 2 and 2 * cos.shape[1] <= x.shape[-1]:
+    if (
+        args is not None
+        and x.dim() >= 2
+        and x.shape[0] == cos.shape[0]
+        and cos.shape == sin.shape
+        and cos.dim() == 2
+        and 2 * cos.shape[1] <= x.shape[-1]
+    ):
         o, out = _like(_rows(args[0]), x.shape)
         _C.rope(_rows(args[0]), args[1], args[2], inverse, o)
         return out
@@ -145,7 +156,7 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inve
     c, s = cos.reshape(shape), sin.reshape(shape)
     if inverse:
         s = -s
-    nope, rope = x[..., : -2 * half], x[..., -2 * half:]
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
     even, odd = rope[..., 0::2], rope[..., 1::2]  # [T, ..., r/2]
     rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
     return torch.cat([nope, rotated], dim=-1)
@@ -153,23 +164,47 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inve
 
 # --- attention ----------------------------------------------------------------------------------------------
 
-def attend_c(q: torch.Tensor, keys: torch.Tensor, k0: int, p0: int, window: int, comp: torch.Tensor | None,
-             comp_idx: torch.Tensor | None, ratio: int, sinks: torch.Tensor, scale: float) -> torch.Tensor | None:
+
+def attend_c(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    k0: int,
+    p0: int,
+    window: int,
+    comp: torch.Tensor | None,
+    comp_idx: torch.Tensor | None,
+    ratio: int,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
     """`fastar.model.deepseek_v4.attend` as one C call over the kernels' pool (the arguments and math are its), or
     None when the C extension cannot take these tensors (the caller then runs `attend_torch`)."""
     args = _c_arrays(q, keys, sinks) if comp is None else _c_arrays(q, keys, sinks, comp)
     if args is None or (comp_idx is not None and comp_idx.dtype != torch.int64):
         return None
     o, out = _like(args[0], q.shape)
-    _C.attend(args[0], args[1], k0, p0, window, None if comp is None else args[3],
-              None if comp_idx is None else comp_idx.contiguous().numpy(), ratio, args[2], scale, o)
+    _C.attend(
+        args[0],
+        args[1],
+        k0,
+        p0,
+        window,
+        None if comp is None else args[3],
+        None if comp_idx is None else comp_idx.contiguous().numpy(),
+        ratio,
+        args[2],
+        scale,
+        o,
+    )
     return out
 
 
 # --- hyper-connections ----------------------------------------------------------------------------------------
 
-def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def hc_pre(
+    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC collapse at a layer site: streams X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n]). fn
     [(2+n)*n, n*d], base [(2+n)*n], scale [3]; see `hc_pre_torch`. In the C extension when built: one call instead
     of dozens of small torch ops, equal to `hc_pre_torch` within float32 rounding, and batch-invariant by
@@ -178,14 +213,24 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     args = _c_arrays(X, fn, base, scale)
     if args is not None and n <= 16 and iters >= 1:
         u, post, comb = torch.empty(T, d), torch.empty(T, n), torch.empty(T, n, n)
-        _C.hc_pre(args[0].reshape(T, n * d), *args[1:], n, iters, float(hc_eps), float(eps), u.numpy(), post.numpy(),
-                  comb.numpy().reshape(T, n * n))
+        _C.hc_pre(
+            args[0].reshape(T, n * d),
+            *args[1:],
+            n,
+            iters,
+            float(hc_eps),
+            float(eps),
+            u.numpy(),
+            post.numpy(),
+            comb.numpy().reshape(T, n * n),
+        )
         return u, post, comb
     return hc_pre_torch(X, fn, base, scale, iters, hc_eps, eps)
 
 
-def hc_pre_torch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                 hc_eps: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_pre_torch(
+    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`hc_pre` in torch, the reference: m = rms_norm(flattened X) @ fn.T (norm then product, as transformers),
     pre = sigmoid(m[:n] s0 + b) + hc_eps, post = 2 sigmoid(m[n:2n] s1 + b), comb = sinkhorn(m[2n:] s2 + b as n x n),
     u = sum_k pre_k X_k. The product and the sigmoids of n values per token run token by token in small chunks
@@ -195,16 +240,17 @@ def hc_pre_torch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     def mix(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         m = rms_norm(x, None, eps) @ fn.T  # [t, (2+n)*n]
         pre = torch.sigmoid(m[:, :n] * scale[0] + base[:n]) + hc_eps  # [t, n]
-        post = 2 * torch.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n])  # [t, n]
-        comb = (m[:, 2 * n:] * scale[2] + base[2 * n:]).view(-1, n, n)  # [t, n, n]
+        post = 2 * torch.sigmoid(m[:, n : 2 * n] * scale[1] + base[n : 2 * n])  # [t, n]
+        comb = (m[:, 2 * n :] * scale[2] + base[2 * n :]).view(-1, n, n)  # [t, n, n]
         return pre, post, comb
 
     pre, post, comb = per_token(mix, X.reshape(T, -1))
     return (pre[:, :, None] * X).sum(1), post, sinkhorn_torch(comb, iters, hc_eps)
 
 
-def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-            eps: float) -> torch.Tensor:
+def hc_head(
+    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, eps: float
+) -> torch.Tensor:
     """The final mHC collapse (no post, no Sinkhorn): streams X [T, n, d] -> [T, d] with fn [n, n*d], base [n],
     scale [1]; see `hc_head_torch`. In the C extension when built, as `hc_pre`."""
     T, n, d = X.shape
@@ -216,13 +262,15 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     return hc_head_torch(X, fn, base, scale, hc_eps, eps)
 
 
-def hc_head_torch(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-                  eps: float) -> torch.Tensor:
+def hc_head_torch(
+    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, eps: float
+) -> torch.Tensor:
     """`hc_head` in torch, the reference: pre = sigmoid((rms_norm(flattened X) @ fn.T) s + b) + hc_eps (per token in
     small chunks, as `hc_pre_torch`), u = sum_k pre_k X_k."""
     T = X.shape[0]
-    pre = per_token(lambda x: torch.sigmoid((rms_norm(x, None, eps) @ fn.T) * scale + base) + hc_eps,
-                    X.reshape(T, -1))  # [T, n]
+    pre = per_token(
+        lambda x: torch.sigmoid((rms_norm(x, None, eps) @ fn.T) * scale + base) + hc_eps, X.reshape(T, -1)
+    )  # [T, n]
     return (pre[:, :, None] * X).sum(1)
 
 
@@ -234,8 +282,9 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     args = _c_arrays(f, X, post, comb)
     if args is not None:
         out = torch.empty(T, n, d)
-        _C.hc_post(args[0], args[1].reshape(T, n * d), args[2], args[3].reshape(T, n * n),
-                   out.numpy().reshape(T, n * d))
+        _C.hc_post(
+            args[0], args[1].reshape(T, n * d), args[2], args[3].reshape(T, n * n), out.numpy().reshape(T, n * d)
+        )
         return out
     return hc_post_torch(f, X, post, comb)
 
@@ -272,6 +321,7 @@ def sinkhorn_torch(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor
 
 # --- DeepSeek's activation-quantization simulation ------------------------------------------------------------
 
+
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform (Sylvester order, scale n^-1/2) over the last dim (a power of 2)."""
     n = x.shape[-1]
@@ -283,7 +333,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         y = y.view(-1, n // (2 * h), 2, h)
         y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
         h *= 2
-    return (y.reshape(x.shape) * n ** -0.5)
+    return y.reshape(x.shape) * n**-0.5
 
 
 def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
@@ -333,7 +383,7 @@ def fp4_quant_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Quantize-dequantize to FP4 e2m1 per `block` values with power-of-two scales
     `s = 2^ceil(log2(max(amax, 6*2^-126) / 6))` (DeepSeek's `fp4_act_quant`)."""
     g, k = _blocks(x, block)
-    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0 ** -126) / FP4_MAX)
+    s = pow2_ceil(g.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0**-126) / FP4_MAX)
     return (e2m1_round((g / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2)[..., :k]
 
 

@@ -15,6 +15,7 @@ Retention: rows older than what the next token needs are dropped, except for `ma
 needs the window rows of [p-W+1, p) and the compressor rows from the start of p's window (minus one window for
 ratio 4); `truncate` raises `StateError` when they were dropped.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,14 +56,14 @@ class RowBuffer:
             grown = torch.empty(max(2 * self._data.shape[0], self._n + k, 16), self.width)
             grown[: self._n] = self._data[: self._n]
             self._data = grown
-        self._data[self._n: self._n + k] = rows
+        self._data[self._n : self._n + k] = rows
         self._n += k
 
     def rows(self, a: int, b: int) -> torch.Tensor:
         """Rows with absolute index in [a, b) (a view: callers must not write to it)."""
         if a < self.start or b > self.stop:
             raise StateError(f"rows [{a}, {b}) requested, only [{self.start}, {self.stop}) are kept")
-        return self._data[a - self.start: b - self.start]
+        return self._data[a - self.start : b - self.start]
 
     def take(self, index: torch.Tensor) -> torch.Tensor:
         """Rows at absolute indices `index` (any shape) -> [*index.shape, width]."""
@@ -82,7 +83,7 @@ class RowBuffer:
         k = min(max(0, a - self.start), self._n)
         if k == 0:
             return
-        self._data = self._data[k: self._n].clone() if k * 2 >= self._data.shape[0] else self._data[k:]
+        self._data = self._data[k : self._n].clone() if k * 2 >= self._data.shape[0] else self._data[k:]
         self._n -= k
         self.start += k
 
@@ -93,6 +94,7 @@ class RowBuffer:
 @dataclass
 class LayerState:
     """Decode state of one block. `ratio` 0: window only; 4: + compressor/indexer; 128: + compressor."""
+
     ratio: int
     window: int
     kv: RowBuffer  # sliding-window KV rows, by position [P, D]
@@ -143,8 +145,9 @@ class LayerState:
             raise StateError(f"cannot truncate a state of length {self.length} to {p}")
         first_kv, first_comp = self.first_needed(p)
         if self.kv.start > first_kv or (self.comp_kv is not None and self.comp_kv.start > first_comp):
-            raise StateError(f"cannot truncate to position {p}: the rows it needs were dropped "
-                             f"(raise max_rollback or prefill again)")
+            raise StateError(
+                f"cannot truncate to position {p}: the rows it needs were dropped (raise max_rollback or prefill again)"
+            )
         for name, b in self.buffers().items():
             b.truncate(p // self.ratio if name.endswith("entries") else p)
         self.length = p
@@ -159,6 +162,7 @@ class LayerState:
 @dataclass
 class ModelState:
     """The decode state of a whole model: `layers` (main blocks) and `mtp` (MTP blocks, own positions)."""
+
     layers: list[LayerState]
     mtp: list[LayerState] = field(default_factory=list)
     max_rollback: int | None = None
@@ -202,8 +206,12 @@ class ModelState:
                 entry = {"ratio": s.ratio, "window": s.window, "length": s.length, "buffers": {}}
                 for name, b in s.buffers().items():
                     data = b.all().contiguous().numpy().astype("<f4").tobytes()
-                    entry["buffers"][name] = {"width": b.width, "start": b.start, "rows": b.all().shape[0],
-                                              "offset": offset}
+                    entry["buffers"][name] = {
+                        "width": b.width,
+                        "start": b.start,
+                        "rows": b.all().shape[0],
+                        "offset": offset,
+                    }
                     blobs.append(data)
                     offset += len(data)
                 header[key].append(entry)
@@ -246,6 +254,7 @@ class ModelState:
 
 # --- accounting ------------------------------------------------------------------------------------------------
 
+
 def state_bytes(cfg, n: int, max_rollback: int | None, mtp_layers: int | None = None) -> int:
     """Bytes of the rows a `ModelState` of `cfg` holds after `n` positions (what `ModelState.nbytes()` reports:
     live rows, float32 as stored; a buffer's capacity may be up to twice its rows). Follows `LayerState.trim`:
@@ -276,5 +285,12 @@ def state_accounting(cfg, max_rollback: int | None, mtp_layers: int | None = Non
     a, b = state_bytes(cfg, big, max_rollback, mtp_layers), state_bytes(cfg, big + step, max_rollback, mtp_layers)
     per_token = (b - a) / step
     official = sum(2 * (cfg.head_dim + (cfg.index_head_dim if r == 4 else 0)) / r for r in ratios if r)
-    return {"per_token": per_token, "fixed": a - per_token * big, "per_1k": 1000 * per_token, "at_1m": a,
-            "official_per_token": official, "official_at_1m": official * big, "max_rollback": max_rollback}
+    return {
+        "per_token": per_token,
+        "fixed": a - per_token * big,
+        "per_1k": 1000 * per_token,
+        "at_1m": a,
+        "official_per_token": official,
+        "official_at_1m": official * big,
+        "max_rollback": max_rollback,
+    }

@@ -21,6 +21,7 @@ FP8/FP4 products of up to 8 tokens whose x values are all exact bfloat16s (as th
 activations are) multiply with vdpbf16ps: still exact products, only the float32 summation order differs; the
 choice is made per call, so every token of a call takes the same path.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,8 +38,19 @@ except ImportError:  # pragma: no cover - exercised only on machines without a C
 extension = _C
 
 __all__ = [
-    "available", "extension", "cpu_features", "set_num_threads", "get_num_threads", "set_isa", "get_isa",
-    "fp4_matmul", "fp8_matmul", "bf16_matmul", "expert_ffn", "experts_ffn", "fp8_act_quant",
+    "available",
+    "extension",
+    "cpu_features",
+    "set_num_threads",
+    "get_num_threads",
+    "set_isa",
+    "get_isa",
+    "fp4_matmul",
+    "fp8_matmul",
+    "bf16_matmul",
+    "expert_ffn",
+    "experts_ffn",
+    "fp8_act_quant",
 ]
 
 
@@ -52,9 +64,20 @@ def cpu_features() -> dict:
     'avx512bf16' (x86-64), 'asimd', 'bf16' (AArch64): bool, 'isa': the instruction set in use, 'usable_isas': list}.
     Without the extension, isa is 'numpy'."""
     if _C is None:
-        return {"avx2": False, "fma": False, "f16c": False, "avx512f": False, "avx512bw": False,
-                "avx512vl": False, "avx512vbmi": False, "avx512bf16": False, "asimd": False, "bf16": False,
-                "isa": "numpy", "usable_isas": []}
+        return {
+            "avx2": False,
+            "fma": False,
+            "f16c": False,
+            "avx512f": False,
+            "avx512bw": False,
+            "avx512vl": False,
+            "avx512vbmi": False,
+            "avx512bf16": False,
+            "asimd": False,
+            "bf16": False,
+            "isa": "numpy",
+            "usable_isas": [],
+        }
     return _C.cpu_features()
 
 
@@ -105,6 +128,7 @@ def get_isa() -> str:
 
 # --- argument plumbing ----------------------------------------------------------------------------------
 
+
 def _array(a, name: str) -> np.ndarray:
     """numpy view of a numpy array or CPU torch tensor (bfloat16 -> its uint16 bits); never copies."""
     if isinstance(a, np.ndarray):
@@ -116,6 +140,7 @@ def _array(a, name: str) -> np.ndarray:
         a = a.detach()
         if str(a.dtype) == "torch.bfloat16":
             import torch  # noqa: PLC0415 (only reached when the caller already uses torch)
+
             return a.view(torch.int16).numpy().view(np.uint16)
         return a.numpy()
     raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, got {type(a).__name__}")
@@ -153,19 +178,21 @@ def _product(kind: str, x, w, s, out, numpy_dequant, groups: int = 1):
         getattr(_C, kind)(*args, accumulate=accumulate, groups=groups)
     elif groups != 1:  # block-diagonal: each group's slice of x against its rows, through the plain fallback
         if groups < 1 or x2.shape[1] % groups or n % groups or (kind == "fp8_matmul" and (n // groups) % 128):
-            raise ValueError(f"groups={groups} needs x.shape[1] and w.shape[0] to be multiples of it"
-                             + (", and 128 to divide w.shape[0] / groups" if kind == "fp8_matmul" else ""))
+            raise ValueError(
+                f"groups={groups} needs x.shape[1] and w.shape[0] to be multiples of it"
+                + (", and 128 to divide w.shape[0] / groups" if kind == "fp8_matmul" else "")
+            )
         k, r = x2.shape[1] // groups, n // groups
         sub = {"fp4_matmul": fp4_matmul, "fp8_matmul": fp8_matmul}.get(kind)
         parts = []
         for g in range(groups):
-            xg = np.ascontiguousarray(x2[:, g * k:(g + 1) * k])
+            xg = np.ascontiguousarray(x2[:, g * k : (g + 1) * k])
             if sub is fp8_matmul:
-                parts.append(sub(xg, w[g * r:(g + 1) * r], s[g * r // 128:(g + 1) * r // 128]))
+                parts.append(sub(xg, w[g * r : (g + 1) * r], s[g * r // 128 : (g + 1) * r // 128]))
             elif sub is fp4_matmul:
-                parts.append(sub(xg, w[g * r:(g + 1) * r], s[g * r:(g + 1) * r]))
+                parts.append(sub(xg, w[g * r : (g + 1) * r], s[g * r : (g + 1) * r]))
             else:
-                parts.append(bf16_matmul(xg, w[g * r:(g + 1) * r]))
+                parts.append(bf16_matmul(xg, w[g * r : (g + 1) * r]))
         y = np.concatenate(parts, axis=1)
         _shape(out2, "out", y.shape)
         if accumulate:
@@ -190,17 +217,20 @@ def _product(kind: str, x, w, s, out, numpy_dequant, groups: int = 1):
 
 # --- products ---------------------------------------------------------------------------------------------
 
+
 def fp4_matmul(x, w, s, out=None, groups: int = 1) -> np.ndarray:
     """x [T, K] float32 @ FP4 weight [N, K/2] with UE8M0 scales [N, K/32] -> [T, N] float32.
 
     Twin of `reference.fp4_decode`: equals x @ fp4_decode(w, s).T up to float32 summation order. K must be a
     multiple of 32. With `out` ([T, N] float32) the product is ADDED into it (out += x @ W.T) and out returned.
     """
+
     def dequant(k: int) -> np.ndarray:
         if k % ref.FP4_GROUP:
             raise ValueError(f"FP4 needs K (x.shape[1] = {k}) to be a multiple of {ref.FP4_GROUP}")
         _shape(w, "w", (w.shape[0], k // 2))
         return ref.fp4_decode(w, s)
+
     w = _array(w, "w")
     return _product("fp4_matmul", x, w, s, out, dequant, groups)
 
@@ -213,9 +243,11 @@ def fp8_matmul(x, w, s, out=None, groups: int = 1) -> np.ndarray:
     `groups` = G > 1: block-diagonal, x [T, G*K], w [G*R, K] (R a multiple of 128), out [T, G*R] with group g's
     columns = x[:, g*K:(g+1)*K] @ w[g*R:(g+1)*R].T; one call, one pool job (the same for fp4/bf16_matmul).
     """
+
     def dequant(k: int) -> np.ndarray:
         _shape(w, "w", (w.shape[0], k))
         return ref.fp8_block_dequant(w, s)
+
     w = _array(w, "w")
     return _product("fp8_matmul", x, w, s, out, dequant, groups)
 
@@ -226,9 +258,11 @@ def bf16_matmul(x, w, out=None, groups: int = 1) -> np.ndarray:
     Twin of `reference.bf16_decode`: equals x @ bf16_decode(w).T up to summation order. With `out` the
     product is ADDED into it and out returned.
     """
+
     def dequant(k: int) -> np.ndarray:
         _shape(w, "w", (w.shape[0], k))
         return ref.bf16_decode(w)
+
     w = _array(w, "w")
     return _product("bf16_matmul", x, w, None, out, dequant, groups)
 
@@ -257,16 +291,24 @@ def experts_ffn(x, experts, rows, offsets, route_w, limit: float, out, act_block
     rows, offsets = np.ascontiguousarray(rows, np.int64), np.ascontiguousarray(offsets, np.int64)
     route_w = np.ascontiguousarray(_array(route_w, "route_w"), np.float32)
     if _C is not None:
-        arrays = [ew if all(type(a) is np.ndarray for a in ew) else tuple(_array(a, "expert weight") for a in ew)
-                  for ew in experts]
+        arrays = [
+            ew if all(type(a) is np.ndarray for a in ew) else tuple(_array(a, "expert weight") for a in ew)
+            for ew in experts
+        ]
         _C.experts_ffn(x, arrays, rows, offsets, route_w, float(limit), out, int(act_block))
         return out
     if len(offsets) != len(experts) + 1 or offsets[0] != 0 or offsets[-1] != len(rows) or (np.diff(offsets) <= 0).any():
         raise ValueError("offsets must have E+1 increasing entries from 0 to len(rows) (every expert has a token)")
     for e, ew in enumerate(experts):
-        tok = rows[offsets[e]:offsets[e + 1]]
-        y = expert_ffn(np.ascontiguousarray(x[tok]), *ew, route_w[offsets[e]:offsets[e + 1]], limit,
-                       np.zeros((len(tok), x.shape[1]), np.float32), act_block)
+        tok = rows[offsets[e] : offsets[e + 1]]
+        y = expert_ffn(
+            np.ascontiguousarray(x[tok]),
+            *ew,
+            route_w[offsets[e] : offsets[e + 1]],
+            limit,
+            np.zeros((len(tok), x.shape[1]), np.float32),
+            act_block,
+        )
         out[tok] += y  # the tokens of one expert are distinct
     return out
 
@@ -298,8 +340,20 @@ def expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit: float, out, act_block:
     `swiglu_limited`; the routing weight is applied before the down projection (DeepSeek's order).
     act_block > 0: the official numerics' FP8 activation quantization (`fp8_act_quant`) of x and of h.
     """
-    arrs = [_array(a, nm) for a, nm in ((x, "x"), (w1, "w1"), (s1, "s1"), (w3, "w3"), (s3, "s3"),
-                                         (w2, "w2"), (s2, "s2"), (route_w, "route_w"), (out, "out"))]
+    arrs = [
+        _array(a, nm)
+        for a, nm in (
+            (x, "x"),
+            (w1, "w1"),
+            (s1, "s1"),
+            (w3, "w3"),
+            (s3, "s3"),
+            (w2, "w2"),
+            (s2, "s2"),
+            (route_w, "route_w"),
+            (out, "out"),
+        )
+    ]
     if _C is not None:
         _C.expert_ffn(*arrs[:8], float(limit), arrs[8], int(act_block))
         return arrs[8]
@@ -315,4 +369,3 @@ def expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit: float, out, act_block:
     h = swiglu_limited(gate, up, limit) * route_w[:, None]
     out += fp4_matmul(q(h.astype(np.float32)), w2, s2)
     return out
-

@@ -18,6 +18,7 @@ Kernel path: used when `kernels=True` and `fastar.quant.kernels.available()` (th
 without an activation hook; with one, three FP4 products with the hook between them); results agree with the
 torch reference within float32 accumulation-order error.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -63,7 +64,7 @@ def ue8m0(scale: torch.Tensor) -> torch.Tensor:
 def fp8_dequant(w: torch.Tensor, scale: torch.Tensor, row0: int = 0) -> torch.Tensor:
     """FP8 bits [R, C] (rows starting at absolute row `row0`, a multiple of 128) + block scales -> float32."""
     rows, cols = w.shape
-    s = ue8m0(scale[row0 // FP8_BLOCK: (row0 + rows - 1) // FP8_BLOCK + 1])
+    s = ue8m0(scale[row0 // FP8_BLOCK : (row0 + rows - 1) // FP8_BLOCK + 1])
     s = s.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
     return w.view(torch.float8_e4m3fn).float() * s
 
@@ -77,8 +78,9 @@ def fp4_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class Linear:
     """A resident weight [out, in] in checkpoint precision with its float32 product `x @ W^T`."""
 
-    def __init__(self, name: str, weight: np.ndarray, dtype: str, scale: np.ndarray | None = None,
-                 kernels: bool = True) -> None:
+    def __init__(
+        self, name: str, weight: np.ndarray, dtype: str, scale: np.ndarray | None = None, kernels: bool = True
+    ) -> None:
         if dtype not in ("F8_E4M3", "BF16", "F32"):
             raise ValueError(f"{name}: unsupported weight dtype {dtype}")
         if (dtype == "F8_E4M3") != (scale is not None):
@@ -116,7 +118,7 @@ class Linear:
         if self.is_fp8:
             if r0 % FP8_BLOCK or (r1 % FP8_BLOCK and r1 != self.out_features):
                 return None
-            out = k.fp8_matmul(x, self._w_np[r0:r1], self._s_np[r0 // FP8_BLOCK: -(-r1 // FP8_BLOCK)])
+            out = k.fp8_matmul(x, self._w_np[r0:r1], self._s_np[r0 // FP8_BLOCK : -(-r1 // FP8_BLOCK)])
         elif self.dtype == "BF16":
             out = k.bf16_matmul(x, self._w_np[r0:r1])
         else:
@@ -144,8 +146,11 @@ class Linear:
         k = self._kernels
         if k is not None and self.dtype in ("F8_E4M3", "BF16") and (not self.is_fp8 or rank % FP8_BLOCK == 0):
             xn = x.detach().contiguous().float().numpy().reshape(t, -1)  # one kernel call for all groups
-            y = k.fp8_matmul(xn, self._w_np, self._s_np, groups=groups) if self.is_fp8 else \
-                k.bf16_matmul(xn, self._w_np, groups=groups)
+            y = (
+                k.fp8_matmul(xn, self._w_np, self._s_np, groups=groups)
+                if self.is_fp8
+                else k.bf16_matmul(xn, self._w_np, groups=groups)
+            )
             return torch.from_numpy(y).view(t, groups, rank)
         out = x.new_empty(t, groups, rank)
         for g in range(groups):
@@ -194,8 +199,13 @@ class Weights:
         dtypes = {self.source.dtype(n) for n in names}
         parts = [self.source.tensor(n) for n in names]
         read = getattr(self.source, "read_tensor", None)
-        if read is None or not self.kernels or _kernels() is None or len(dtypes) != 1 or \
-                len({a.shape[1] for a in parts}) != 1:
+        if (
+            read is None
+            or not self.kernels
+            or _kernels() is None
+            or len(dtypes) != 1
+            or len({a.shape[1] for a in parts}) != 1
+        ):
             return None
         dtype = dtypes.pop()
         if dtype not in ("F8_E4M3", "BF16") or (dtype == "F8_E4M3" and any(a.shape[0] % FP8_BLOCK for a in parts)):
@@ -226,10 +236,16 @@ class SourceExperts(Unpaged):
         return self.source.expert(layer, expert)
 
 
-def expert_ffn(x: torch.Tensor, ew: ExpertWeights, route_w: torch.Tensor, limit: float,
-               weight_before_down: bool = False,
-               act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               kernels: bool = True, act_block: int = 0) -> torch.Tensor:
+def expert_ffn(
+    x: torch.Tensor,
+    ew: ExpertWeights,
+    route_w: torch.Tensor,
+    limit: float,
+    weight_before_down: bool = False,
+    act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    kernels: bool = True,
+    act_block: int = 0,
+) -> torch.Tensor:
     """One routed FP4 expert on the tokens routed to it.
 
     x [T, D] float32, route_w [T]. `w2(silu(min(w1 x, l)) * clamp(w3 x, -l, l)) * route_w` (transformers'
@@ -243,9 +259,14 @@ def expert_ffn(x: torch.Tensor, ew: ExpertWeights, route_w: torch.Tensor, limit:
     fused = act_quant is None or (act_block > 0 and weight_before_down)
     if k is not None and fused:  # it weights before w2: the same math when there is no act_quant
         out = torch.zeros_like(x)  # the kernel accumulates into out
-        k.expert_ffn(x.detach().contiguous().numpy(), *(np.ascontiguousarray(a) for a in ew),
-                     route_w.detach().contiguous().numpy(), float(limit), out.numpy(),
-                     act_block=act_block if act_quant is not None else 0)
+        k.expert_ffn(
+            x.detach().contiguous().numpy(),
+            *(np.ascontiguousarray(a) for a in ew),
+            route_w.detach().contiguous().numpy(),
+            float(limit),
+            out.numpy(),
+            act_block=act_block if act_quant is not None else 0,
+        )
         return out
 
     def product(a: torch.Tensor, w: np.ndarray, s: np.ndarray) -> torch.Tensor:
@@ -266,10 +287,20 @@ def expert_ffn(x: torch.Tensor, ew: ExpertWeights, route_w: torch.Tensor, limit:
     return down if weight_before_down else down * route_w[:, None]
 
 
-def experts_ffn(x: torch.Tensor, routed: np.ndarray, wts: torch.Tensor, weights: dict[int, ExpertWeights],
-                order: list[int], limit: float, out: torch.Tensor, *, weight_before_down: bool = False,
-                act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None, kernels: bool = True,
-                act_block: int = 0) -> bool:
+def experts_ffn(
+    x: torch.Tensor,
+    routed: np.ndarray,
+    wts: torch.Tensor,
+    weights: dict[int, ExpertWeights],
+    order: list[int],
+    limit: float,
+    out: torch.Tensor,
+    *,
+    weight_before_down: bool = False,
+    act_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    kernels: bool = True,
+    act_block: int = 0,
+) -> bool:
     """Every routed expert of a chunk in one fused kernel call (`kernels.experts_ffn`: two pool jobs instead of two
     per expert), added into out [T, D] expert after expert in `order`: bit-identical to `expert_ffn` per expert
     followed by `index_add_` in that order. routed [T, k] expert ids, wts [T, k] routing weights, weights: id ->
@@ -287,7 +318,14 @@ def experts_ffn(x: torch.Tensor, routed: np.ndarray, wts: torch.Tensor, weights:
         rows, slots = zip(*(np.nonzero(routed == e) for e in order))
         offsets = np.cumsum([0] + [len(r) for r in rows])
         rows, slots = np.concatenate(rows), np.concatenate(slots)
-    k.experts_ffn(x.detach().contiguous().float().numpy(), [weights[e] for e in order], rows, offsets,
-                  wts.detach().float().numpy()[rows, slots], float(limit), out.numpy(),
-                  act_block=act_block if act_quant is not None else 0)
+    k.experts_ffn(
+        x.detach().contiguous().float().numpy(),
+        [weights[e] for e in order],
+        rows,
+        offsets,
+        wts.detach().float().numpy()[rows, slots],
+        float(limit),
+        out.numpy(),
+        act_block=act_block if act_quant is not None else 0,
+    )
     return True

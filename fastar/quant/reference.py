@@ -12,6 +12,7 @@ Layouts (identical to the official DeepSeek-V4 checkpoint):
   nibble bit 3 is the sign, bits 0-2 index (0, 0.5, 1, 1.5, 2, 3, 4, 6). Scale [R, C/32] UE8M0:
   W[r, c] = fp4(w[r, c]) * scale[r, c // 32].
 """
+
 from __future__ import annotations
 
 import ml_dtypes
@@ -26,6 +27,7 @@ FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3,
 
 
 # --- UE8M0 -------------------------------------------------------------------------------------------------
+
 
 def ue8m0_decode(b: np.ndarray) -> np.ndarray:
     """UE8M0 bytes -> float32 powers of two (255 -> NaN)."""
@@ -57,6 +59,7 @@ def pow2_scale(amax: np.ndarray, qmax: float, floor: float = 0.0) -> np.ndarray:
 
 # --- BF16 --------------------------------------------------------------------------------------------------
 
+
 def bf16_decode(u16: np.ndarray) -> np.ndarray:
     """BF16 bit patterns (uint16) -> float32 (exact)."""
     return (np.asarray(u16, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -68,6 +71,7 @@ def bf16_encode(x: np.ndarray) -> np.ndarray:
 
 
 # --- FP8 e4m3 with 128x128 block scales --------------------------------------------------------------------
+
 
 def fp8_decode(u8: np.ndarray) -> np.ndarray:
     """FP8 e4m3fn bit patterns -> float32 (exact)."""
@@ -124,6 +128,7 @@ def fp8_block_quant(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # --- FP4 e2m1, packed, per-32 scales ------------------------------------------------------------------------
+
 
 def fp4_unpack(packed: np.ndarray) -> np.ndarray:
     """uint8 [..., C/2] -> nibble codes uint8 [..., C] (low nibble first)."""

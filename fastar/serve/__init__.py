@@ -5,6 +5,7 @@ in front of every route, error shapes, body reading), `routes` (the OpenAI route
 owns the engine, the session pool for prefix reuse, metrics), `protocol` (request validation, response shapes,
 SSE). Never imports torch: the engine arrives through the `engine_factory` the caller passes in.
 """
+
 from __future__ import annotations
 
 from fastar.serve.server import Server, add_arguments, run_from_args, serve

@@ -7,6 +7,7 @@ live in `fastar.serve.anthropic`, `fastar.serve.responses` and `fastar.serve.tur
 engine worker through `EngineHost.submit`, like every other route. Their calls block (they wait on the worker), so
 they run in the thread pool; a stream's iterator is closed when the client goes, which cancels its generation.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -22,22 +23,25 @@ from fastar.serve import responses as R
 from fastar.serve.app import ErrorShape, JSONResponse, read_json
 from fastar.serve.turn import Backend
 
-ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": A.error_body}   # Responses errors are OpenAI-shaped
+ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": A.error_body}  # Responses errors are OpenAI-shaped
 
 
 class _ClosingStream(StreamingResponse):
     """SSE from a blocking iterator run in the thread pool; closing it (done or client gone) cancels the job."""
 
     def __init__(self, it: Iterator[bytes]) -> None:
-        super().__init__(iterate_in_threadpool(it), media_type="text/event-stream; charset=utf-8",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            iterate_in_threadpool(it),
+            media_type="text/event-stream; charset=utf-8",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self._it = it
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            close = getattr(self._it, "close", None)   # a generator; a plain iterator has nothing to cancel
+            close = getattr(self._it, "close", None)  # a generator; a plain iterator has nothing to cancel
             if close is not None:
                 await run_in_threadpool(close)
 
@@ -45,24 +49,31 @@ class _ClosingStream(StreamingResponse):
 class AgentRoutes:
     """`AgentRoutes(server).routes()`: the Messages and Responses routes for `Server(extra_routes=...)`."""
 
-    def __init__(self, server: Any) -> None:   # fastar.serve.server.Server
+    def __init__(self, server: Any) -> None:  # fastar.serve.server.Server
         self.server = server
         self.store = R.ResponseStore(size=256)
         self._backend: Backend | None = None
 
     def backend(self) -> Backend:
-        if self._backend is None:   # after Server.__init__ set host, metrics and model names
+        if self._backend is None:  # after Server.__init__ set host, metrics and model names
             s = self.server
-            self._backend = Backend(engine=s.host.require_engine, submit=s.host.submit, model_names=s.model_names,
-                                    default_thinking=s.default_thinking, keepalive_interval=s.keepalive_interval,
-                                    metrics=s.metrics)
+            self._backend = Backend(
+                engine=s.host.require_engine,
+                submit=s.host.submit,
+                model_names=s.model_names,
+                default_thinking=s.default_thinking,
+                keepalive_interval=s.keepalive_interval,
+                metrics=s.metrics,
+            )
         return self._backend
 
     def routes(self) -> list[BaseRoute]:
-        return [Route("/v1/messages", self.messages, methods=["POST"]),
-                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
-                Route("/v1/responses", self.create, methods=["POST"]),
-                Route("/v1/responses/{rid}", self.retrieve, methods=["GET"])]
+        return [
+            Route("/v1/messages", self.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+            Route("/v1/responses", self.create, methods=["POST"]),
+            Route("/v1/responses/{rid}", self.retrieve, methods=["GET"]),
+        ]
 
     async def _run(self, request: Request, fn) -> Response:
         body = await read_json(request, self.server.settings)

@@ -36,6 +36,7 @@ the model writes the call (`fastar.serve.toolstream`); their concatenation is th
 
 Does not own: HTTP, the worker, the encoding (`fastar.serve.turn`, `fastar.encoding`). Never imports torch.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,9 +48,17 @@ from fastar.serve import protocol as P
 from fastar.serve.turn import AssistantTurn, Backend, Conversation, GenerationFailed, prompt_ids
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
-                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 EFFORTS = ("low", "medium", "high", "max")
 
 
@@ -71,6 +80,7 @@ def api_key_from_headers(headers: Mapping[str, str]) -> str | None:
 # Request -> conversation
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _blocks(content: Any, where: str) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
@@ -83,8 +93,10 @@ def _text_of(content: Any, where: str) -> str:
     parts = []
     for block in _blocks(content, where):
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise P.bad_request(f"{where}: only text blocks are supported here, got {block.get('type')!r} "
-                                "(the model reads text only)", "messages")
+            raise P.bad_request(
+                f"{where}: only text blocks are supported here, got {block.get('type')!r} (the model reads text only)",
+                "messages",
+            )
         parts.append(block["text"])
     return "\n".join(parts)
 
@@ -107,8 +119,11 @@ def _user_messages(content: Any, where: str) -> list[dict]:
                 text = f"Error: {text}"
             out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""), "content": text})
         else:
-            raise P.bad_request(f"{where}.content[{j}]: unsupported block type {kind!r} in a user turn "
-                                "(text and tool_result are supported)", "messages")
+            raise P.bad_request(
+                f"{where}.content[{j}]: unsupported block type {kind!r} in a user turn "
+                "(text and tool_result are supported)",
+                "messages",
+            )
     if texts:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -120,7 +135,7 @@ def _assistant_message(content: Any, where: str) -> dict:
     for j, block in enumerate(_blocks(content, where)):
         kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
-            msg["content"] += block["text"]   # our replies carry one text block: joined as generated
+            msg["content"] += block["text"]  # our replies carry one text block: joined as generated
         elif kind == "thinking" and isinstance(block.get("thinking"), str):
             reasoning = (reasoning or "") + block["thinking"]
         elif kind == "redacted_thinking":
@@ -128,13 +143,16 @@ def _assistant_message(content: Any, where: str) -> dict:
         elif kind == "tool_use":
             name, args = block.get("name"), block.get("input", {})
             if not isinstance(name, str) or not name or not isinstance(args, dict):
-                raise P.bad_request(f"{where}.content[{j}]: a tool_use block needs a 'name' and an object "
-                                    "'input'", "messages")
-            calls.append({"id": str(block.get("id") or ""), "type": "function",
-                          "function": {"name": name, "arguments": args}})
+                raise P.bad_request(
+                    f"{where}.content[{j}]: a tool_use block needs a 'name' and an object 'input'", "messages"
+                )
+            calls.append(
+                {"id": str(block.get("id") or ""), "type": "function", "function": {"name": name, "arguments": args}}
+            )
         else:
-            raise P.bad_request(f"{where}.content[{j}]: unsupported block type {kind!r} in an assistant turn",
-                                "messages")
+            raise P.bad_request(
+                f"{where}.content[{j}]: unsupported block type {kind!r} in an assistant turn", "messages"
+            )
     if reasoning is not None:
         msg["reasoning_content"] = reasoning
     if calls:
@@ -159,8 +177,7 @@ def _tools(body: dict) -> list[dict] | None:
         out.append(fn)
     choice = body.get("tool_choice")
     if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):
-        raise P.bad_request("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}",
-                            "tool_choice")
+        raise P.bad_request('\'tool_choice\' must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
     return None if choice is not None and choice["type"] == "none" else out
 
 
@@ -170,8 +187,9 @@ def _thinking(body: dict, default: bool) -> tuple[bool, str | None]:
     if obj is not None:
         kind = obj.get("type") if isinstance(obj, dict) else None
         if kind not in ("enabled", "adaptive", "between_tools", "disabled"):
-            raise P.bad_request('\'thinking\' must be {"type": "enabled" | "adaptive" | "between_tools" | '
-                                '"disabled"}', "thinking")
+            raise P.bad_request(
+                '\'thinking\' must be {"type": "enabled" | "adaptive" | "between_tools" | "disabled"}', "thinking"
+            )
         thinking = kind != "disabled"
         budget = obj.get("budget_tokens")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
@@ -179,8 +197,9 @@ def _thinking(body: dict, default: bool) -> tuple[bool, str | None]:
     config = body.get("output_config") or {}
     effort = config.get("effort") if isinstance(config, dict) else None
     if effort is not None and effort not in EFFORTS:
-        raise P.bad_request(f"'output_config.effort' must be one of {', '.join(EFFORTS)}, got {json.dumps(effort)}",
-                            "output_config")
+        raise P.bad_request(
+            f"'output_config.effort' must be one of {', '.join(EFFORTS)}, got {json.dumps(effort)}", "output_config"
+        )
     return thinking, effort if thinking else None
 
 
@@ -206,8 +225,9 @@ def parse_request(body: Any, backend: Backend) -> tuple[str, Conversation, dict,
         elif msg.get("role") == "assistant":
             messages.append(_assistant_message(msg.get("content"), where))
         else:
-            raise P.bad_request(f"{where}.role must be 'user' or 'assistant', got {json.dumps(msg.get('role'))}",
-                                "messages")
+            raise P.bad_request(
+                f"{where}.role must be 'user' or 'assistant', got {json.dumps(msg.get('role'))}", "messages"
+            )
     tools = _tools(body)
     if tools:
         if not messages or messages[0]["role"] != "system":
@@ -216,8 +236,9 @@ def parse_request(body: Any, backend: Backend) -> tuple[str, Conversation, dict,
     stops = body.get("stop_sequences")
     if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
         raise P.bad_request("'stop_sequences' must be a list of strings", "stop_sequences")
-    sampling, max_tokens = P._sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")}
-                                       | {"stop": stops})
+    sampling, max_tokens = P._sampling(
+        {k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")} | {"stop": stops}
+    )
     thinking, effort = _thinking(body, backend.default_thinking)
     # With tools the encoder keeps earlier reasoning anyway; without, an agent's multi-turn history drops it.
     conv = Conversation(messages, thinking, effort)
@@ -227,6 +248,7 @@ def parse_request(body: Any, backend: Backend) -> tuple[str, Conversation, dict,
 # ---------------------------------------------------------------------------------------------------------
 # Routes
 # ---------------------------------------------------------------------------------------------------------
+
 
 def count_tokens(body: Any, backend: Backend) -> dict:
     """`POST /v1/messages/count_tokens`: the prompt's token count, as the generation would see it."""
@@ -254,9 +276,16 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
     if turn.content or not turn.tool_calls:
         content.append({"type": "text", "text": turn.content})
     content.extend(_tool_use(call) for call in turn.tool_calls)
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": STOP_REASONS[turn.finish_reason], "stop_sequence": turn.stop_sequence,
-            "usage": _usage(turn)}
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": STOP_REASONS[turn.finish_reason],
+        "stop_sequence": turn.stop_sequence,
+        "usage": _usage(turn),
+    }
 
 
 def _signature(thinking: str) -> str:
@@ -269,15 +298,23 @@ def _thinking_block(text: str) -> dict:
 
 
 def _tool_use(call: dict) -> dict:
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-            "input": json.loads(call["function"]["arguments"])}
+    return {
+        "type": "tool_use",
+        "id": call["id"],
+        "name": call["function"]["name"],
+        "input": json.loads(call["function"]["arguments"]),
+    }
 
 
 def _usage(turn: AssistantTurn) -> dict:
     cached = turn.cached_tokens or 0
     # Anthropic counts input_tokens without the cache reads: the three add up to the prompt.
-    return {"input_tokens": turn.prompt_tokens - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": turn.completion_tokens}
+    return {
+        "input_tokens": turn.prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": turn.completion_tokens,
+    }
 
 
 def event(name: str, data: dict) -> bytes:
@@ -286,32 +323,48 @@ def event(name: str, data: dict) -> bytes:
 
 def _stream(turn: AssistantTurn, mid: str, model: str) -> Iterator[bytes]:
     """The SSE events of one message. Blocks open lazily: thinking, then text, then one per tool call."""
-    usage0 = {"input_tokens": turn.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
-              "output_tokens": 0}
+    usage0 = {
+        "input_tokens": turn.prompt_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 0,
+    }
     open_kind: str | None = None
     index = -1
     reasoning = ""
-    tool_blocks: dict[str, int] = {}   # tool call id -> its block index
+    tool_blocks: dict[str, int] = {}  # tool call id -> its block index
     events = turn.events()
     try:
-        yield event("message_start", {"type": "message_start", "message": {
-            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": usage0}})
+        yield event(
+            "message_start",
+            {
+                "type": "message_start",
+                "message": {
+                    "id": mid,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": usage0,
+                },
+            },
+        )
         yield event("ping", {"type": "ping"})
         try:
             for kind, payload in events:
                 if kind == "keepalive":
                     yield event("ping", {"type": "ping"})
                     continue
-                if kind == "tool_done":   # its block closes (it is the open one unless content broke in)
+                if kind == "tool_done":  # its block closes (it is the open one unless content broke in)
                     if open_kind == "tool_use" and tool_blocks.get(payload["id"]) == index:
                         yield event("content_block_stop", {"type": "content_block_stop", "index": index})
                         open_kind = None
                     continue
                 if kind == "tool_args":
                     delta = {"type": "input_json_delta", "partial_json": payload[1]}
-                    yield event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                        "delta": delta})
+                    yield event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
                     continue
                 want = {"reasoning": "thinking", "content": "text", "tool_start": "tool_use"}[kind]
                 if open_kind != want or want == "tool_use":
@@ -321,13 +374,16 @@ def _stream(turn: AssistantTurn, mid: str, model: str) -> Iterator[bytes]:
                         yield event("content_block_stop", {"type": "content_block_stop", "index": index})
                     index += 1
                     open_kind = want
-                    start = {"thinking": {"type": "thinking", "thinking": "", "signature": ""},
-                             "text": {"type": "text", "text": ""}}.get(want)
+                    start = {
+                        "thinking": {"type": "thinking", "thinking": "", "signature": ""},
+                        "text": {"type": "text", "text": ""},
+                    }.get(want)
                     if want == "tool_use":
                         tool_blocks[payload["id"]] = index
                         start = {"type": "tool_use", "id": payload["id"], "name": payload["name"], "input": {}}
-                    yield event("content_block_start", {"type": "content_block_start", "index": index,
-                                                        "content_block": start})
+                    yield event(
+                        "content_block_start", {"type": "content_block_start", "index": index, "content_block": start}
+                    )
                     if want == "tool_use":
                         continue
                 if want == "thinking":
@@ -342,22 +398,34 @@ def _stream(turn: AssistantTurn, mid: str, model: str) -> Iterator[bytes]:
             return
         if index < 0:  # an empty reply still has its text block, as Anthropic sends it
             index, open_kind = 0, "text"
-            yield event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                "content_block": {"type": "text", "text": ""}})
+            yield event(
+                "content_block_start",
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+            )
         if open_kind == "thinking":
             yield _signature_delta(index, reasoning)
         if open_kind is not None:
             yield event("content_block_stop", {"type": "content_block_stop", "index": index})
-        yield event("message_delta", {"type": "message_delta",
-                                      "delta": {"stop_reason": STOP_REASONS[turn.finish_reason],
-                                                "stop_sequence": turn.stop_sequence},
-                                      "usage": _usage(turn)})
+        yield event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": STOP_REASONS[turn.finish_reason], "stop_sequence": turn.stop_sequence},
+                "usage": _usage(turn),
+            },
+        )
         yield event("message_stop", {"type": "message_stop"})
     finally:
-        events.close()   # a client that left cancels its generation
+        events.close()  # a client that left cancels its generation
         turn.cancel()
 
 
 def _signature_delta(index: int, reasoning: str) -> bytes:
-    return event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                         "delta": {"type": "signature_delta", "signature": _signature(reasoning)}})
+    return event(
+        "content_block_delta",
+        {
+            "type": "content_block_delta",
+            "index": index,
+            "delta": {"type": "signature_delta", "signature": _signature(reasoning)},
+        },
+    )

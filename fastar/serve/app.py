@@ -15,6 +15,7 @@ Owns:
 Does not own: the routes' logic (`fastar.serve.routes`), the worker (`fastar.serve.worker`), the HTTP server and
 its connection limits (`fastar.serve.server`). Never imports torch.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,16 +44,16 @@ ErrorShape = Callable[[APIError], dict]
 # Lone UTF-16 surrogates are legal JSON escapes but not Unicode text; a pair (an emoji) is fine.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 MAX_JSON_DEPTH = 64
-PARSE_OFF_LOOP_FROM = 1 << 20   # bytes
+PARSE_OFF_LOOP_FROM = 1 << 20  # bytes
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
-PUBLIC_PATHS = ("/health", "/v1/health")   # load balancers and the UI's status dot probe these without a key
+PUBLIC_PATHS = ("/health", "/v1/health")  # load balancers and the UI's status dot probe these without a key
 SECURITY_HEADERS = {
     "x-content-type-options": "nosniff",
     "referrer-policy": "no-referrer",
     "x-frame-options": "DENY",
     "cross-origin-resource-policy": "same-origin",
 }
-API_HEADERS = {   # on everything that is not the UI's own pages, which set theirs
+API_HEADERS = {  # on everything that is not the UI's own pages, which set theirs
     "content-security-policy": "default-src 'none'; frame-ancestors 'none'",
     "cache-control": "no-store",
 }
@@ -77,11 +78,11 @@ class Settings:
 
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
-    allowed_hosts: tuple[str, ...] = ()    # beyond the bound host, the localhost names and IP literals
+    allowed_hosts: tuple[str, ...] = ()  # beyond the bound host, the localhost names and IP literals
     bound_host: str = "127.0.0.1"
     max_body_bytes: int = 32 * 1024 * 1024
-    body_timeout: float = 60.0             # seconds to receive a whole request body
-    error_shapes: dict[str, ErrorShape] = field(default_factory=dict)   # path prefix -> shape
+    body_timeout: float = 60.0  # seconds to receive a whole request body
+    error_shapes: dict[str, ErrorShape] = field(default_factory=dict)  # path prefix -> shape
 
     def error_shape(self, path: str) -> ErrorShape:
         best = ""
@@ -96,12 +97,12 @@ class Settings:
         if "*" in self.allowed_hosts:
             return True
         host = host_header.strip().lower()
-        if host.startswith("["):             # [::1]:8080
-            host = host[1:host.find("]")] if "]" in host else host
+        if host.startswith("["):  # [::1]:8080
+            host = host[1 : host.find("]")] if "]" in host else host
         elif host.count(":") == 1:
             host = host.split(":", 1)[0]
         if not host:
-            return True    # HTTP/1.0 tools send none; browsers, the rebinding threat, always do
+            return True  # HTTP/1.0 tools send none; browsers, the rebinding threat, always do
         try:
             ipaddress.ip_address(host)
             return True
@@ -120,6 +121,7 @@ def error_response(err: APIError, shape: ErrorShape = openai_error, headers: dic
 # Request bodies
 # ---------------------------------------------------------------------------------------------------------
 
+
 async def read_body(request: Request, settings: Settings) -> bytes:
     """The raw body, at most `max_body_bytes`, received within `body_timeout` seconds."""
     limit = settings.max_body_bytes
@@ -128,8 +130,9 @@ async def read_body(request: Request, settings: Settings) -> bytes:
         if not declared.isdigit():
             raise bad_request("invalid Content-Length header")
         if int(declared) > limit:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}",
-                           code="request_too_large")
+            raise APIError(
+                413, f"request body of {declared} bytes exceeds the limit of {limit}", code="request_too_large"
+            )
     chunks, size = [], 0
     try:
         async with asyncio.timeout(settings.body_timeout):
@@ -138,11 +141,12 @@ async def read_body(request: Request, settings: Settings) -> bytes:
                 if size > limit:
                     raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
                 chunks.append(chunk)
-    except ClientDisconnect:   # the client left or broke the framing mid-body: nobody reads the answer
+    except ClientDisconnect:  # the client left or broke the framing mid-body: nobody reads the answer
         raise APIError(400, "the request body ended before its declared length", code="incomplete_body") from None
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {settings.body_timeout:g} s",
-                       code="request_timeout") from None
+        raise APIError(
+            408, f"the request body did not arrive within {settings.body_timeout:g} s", code="request_timeout"
+        ) from None
     return b"".join(chunks)
 
 
@@ -151,8 +155,9 @@ def parse_json(raw: bytes) -> Any:
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise bad_request(f"the request body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels",
-                          code="invalid_json") from None
+        raise bad_request(
+            f"the request body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        ) from None
     except (UnicodeDecodeError, ValueError) as err:
         raise bad_request(f"the request body is not valid JSON: {err}", code="invalid_json") from None
     check_json(body, surrogates=_SURROGATE_ESCAPE.search(raw) is not None)
@@ -178,14 +183,17 @@ def check_json(body: Any, surrogates: bool = True) -> None:
                 value.encode("utf-8")
             except UnicodeEncodeError as err:
                 bad = value[err.start]
-                raise bad_request(f"'{where or 'body'}' holds an unpaired UTF-16 surrogate (\\u{ord(bad):04x}) "
-                                  f"at character {err.start}: text must be valid Unicode", where or None,
-                                  "invalid_unicode") from None
+                raise bad_request(
+                    f"'{where or 'body'}' holds an unpaired UTF-16 surrogate (\\u{ord(bad):04x}) "
+                    f"at character {err.start}: text must be valid Unicode",
+                    where or None,
+                    "invalid_unicode",
+                ) from None
 
 
 async def read_json(request: Request, settings: Settings) -> Any:
     raw = await read_body(request, settings)
-    if len(raw) > PARSE_OFF_LOOP_FROM:   # megabytes of JSON take a noticeable while: keep the loop free
+    if len(raw) > PARSE_OFF_LOOP_FROM:  # megabytes of JSON take a noticeable while: keep the loop free
         return await anyio.to_thread.run_sync(parse_json, raw)
     return parse_json(raw)
 
@@ -193,6 +201,7 @@ async def read_json(request: Request, settings: Settings) -> Any:
 # ---------------------------------------------------------------------------------------------------------
 # The guard in front of every route (plain ASGI, so streaming responses pass through untouched)
 # ---------------------------------------------------------------------------------------------------------
+
 
 class Guard:
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
@@ -213,37 +222,63 @@ class Guard:
             if message["type"] == "http.response.start":
                 have = {k.lower() for k, _ in message.get("headers", [])}
                 extra = {**SECURITY_HEADERS, **({} if ui_page and message["status"] < 400 else API_HEADERS), **cors}
-                message["headers"] = [*message.get("headers", []),
-                                      *((k.encode(), v.encode()) for k, v in extra.items() if k.encode() not in have)]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    *((k.encode(), v.encode()) for k, v in extra.items() if k.encode() not in have),
+                ]
             await send(message)
 
         def refuse(err: APIError, extra: dict[str, str] | None = None) -> Response:
             return error_response(err, shape, extra)
 
-        if scope.get("http_version") not in ("1.0", "1.1"):   # h11 parses any HTTP/x.y request line
-            resp = refuse(APIError(505, f"HTTP/{scope.get('http_version')} is not supported; send HTTP/1.1",
-                                   code="http_version_not_supported"), {"Connection": "close"})
+        if scope.get("http_version") not in ("1.0", "1.1"):  # h11 parses any HTTP/x.y request line
+            resp = refuse(
+                APIError(
+                    505,
+                    f"HTTP/{scope.get('http_version')} is not supported; send HTTP/1.1",
+                    code="http_version_not_supported",
+                ),
+                {"Connection": "close"},
+            )
             return await resp(scope, receive, send_with_headers)
         if not s.host_allowed(headers.get("host", "")):
-            resp = refuse(APIError(400, f"Host '{headers.get('host', '')[:100]}' is not allowed; start the server "
-                                        "with --allowed-hosts to serve other names", code="host_not_allowed"),
-                          {"Connection": "close"})
+            resp = refuse(
+                APIError(
+                    400,
+                    f"Host '{headers.get('host', '')[:100]}' is not allowed; start the server "
+                    "with --allowed-hosts to serve other names",
+                    code="host_not_allowed",
+                ),
+                {"Connection": "close"},
+            )
             return await resp(scope, receive, send_with_headers)
         if method == "OPTIONS":
             return await self._options(headers, scope, receive, send_with_headers, shape, cors)
         if path.rstrip("/") not in PUBLIC_PATHS and not self._authorized(headers):
             scheme = 'Basic realm="fastar", charset="UTF-8"' if ui_page else "Bearer"
             # "Connection: close": the body stays unread, so it must not be taken for the next request.
-            resp = refuse(APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                   "invalid_request_error", None, "invalid_api_key"),
-                          {"WWW-Authenticate": scheme, "Connection": "close"})
+            resp = refuse(
+                APIError(
+                    401,
+                    "Invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    "invalid_request_error",
+                    None,
+                    "invalid_api_key",
+                ),
+                {"WWW-Authenticate": scheme, "Connection": "close"},
+            )
             return await resp(scope, receive, send_with_headers)
         if method == "POST":
             ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if ctype != "application/json":
-                resp = refuse(APIError(415, f"POST bodies must be sent as 'Content-Type: application/json', got "
-                                            f"'{ctype or 'none'}'", code="unsupported_media_type"),
-                              {"Connection": "close"})
+                resp = refuse(
+                    APIError(
+                        415,
+                        f"POST bodies must be sent as 'Content-Type: application/json', got '{ctype or 'none'}'",
+                        code="unsupported_media_type",
+                    ),
+                    {"Connection": "close"},
+                )
                 return await resp(scope, receive, send_with_headers)
         await self.app(scope, receive, send_with_headers)
 
@@ -272,20 +307,33 @@ class Guard:
             token = headers.get("x-api-key", "")
         return hmac.compare_digest(token.encode(), key.encode())
 
-    async def _options(self, headers: dict[str, str], scope: Scope, receive: Receive, send: Send,
-                       shape: ErrorShape, cors: dict[str, str]) -> None:
+    async def _options(
+        self,
+        headers: dict[str, str],
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        shape: ErrorShape,
+        cors: dict[str, str],
+    ) -> None:
         """CORS preflight: answered without auth (browsers never send credentials on it)."""
         origin = headers.get("origin")
         if origin and headers.get("access-control-request-method"):
             if not cors:
-                resp = error_response(APIError(403, f"origin {origin[:100]} is not allowed", code="cors_forbidden"),
-                                      shape)
+                resp = error_response(
+                    APIError(403, f"origin {origin[:100]} is not allowed", code="cors_forbidden"), shape
+                )
                 return await resp(scope, receive, send)
             requested = headers.get("access-control-request-headers", "")
             allow = requested if requested and _TOKEN_LIST.match(requested) else "Authorization, Content-Type"
-            resp = Response(status_code=204, headers={"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                                                      "Access-Control-Allow-Headers": allow,
-                                                      "Access-Control-Max-Age": "600"})
+            resp = Response(
+                status_code=204,
+                headers={
+                    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Headers": allow,
+                    "Access-Control-Max-Age": "600",
+                },
+            )
             return await resp(scope, receive, send)
         await Response(status_code=204, headers={"Allow": "GET, POST, OPTIONS"})(scope, receive, send)
 
@@ -297,8 +345,10 @@ _API_GET_PATHS = ("/v1/models", "/models", "/metrics", "/health", "/v1/health")
 # The app
 # ---------------------------------------------------------------------------------------------------------
 
-def build_app(settings: Settings, routes: Sequence[BaseRoute],
-              on_error: Callable[[int], None] | None = None) -> ASGIApp:
+
+def build_app(
+    settings: Settings, routes: Sequence[BaseRoute], on_error: Callable[[int], None] | None = None
+) -> ASGIApp:
     """Starlette over `routes`, behind `Guard`. Every APIError and every Starlette HTTP error (404, 405 with
     its `Allow` header) is answered in the error shape registered for the path; `on_error(status)` counts it."""
 
@@ -314,13 +364,20 @@ def build_app(settings: Settings, routes: Sequence[BaseRoute],
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
-        message = (f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405 else
-                   f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail))
+        message = (
+            f"{request.method} is not allowed on {request.url.path}"
+            if exc.status_code == 405
+            else f"no route {request.method} {request.url.path}"
+            if exc.status_code == 404
+            else str(exc.detail)
+        )
         return render(request, APIError(exc.status_code, message, code=code), dict(exc.headers or {}))
 
     async def server_error(request: Request, exc: Exception) -> Response:
         return render(request, APIError(500, "internal server error", "server_error"), {"Connection": "close"})
 
-    app = Starlette(routes=list(routes),
-                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+    app = Starlette(
+        routes=list(routes),
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
+    )
     return Guard(app, settings)

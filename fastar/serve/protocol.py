@@ -13,6 +13,7 @@ Owns:
 Does not own: HTTP, threads or the engine (`fastar.serve.server`), the chat encoding itself (`fastar.encoding`).
 Pure Python; never imports torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,14 @@ MAX_TOP_LOGPROBS = 20
 class APIError(Exception):
     """A request the server refuses, with the HTTP status and the OpenAI error fields."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -51,6 +58,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # Field validation. bool is an int subclass in Python, so numbers reject it explicitly: `"temperature": true`
 # is a client bug that must not become 1.0.
 # ---------------------------------------------------------------------------------------------------------
+
 
 def _number(body: dict, key: str, lo: float, hi: float, default: float | None) -> float | None:
     value = body.get(key)
@@ -107,8 +115,13 @@ def check_model(body: dict, model_names: tuple[str, ...]) -> str:
     if not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {json.dumps(model)}", "model")
     if model not in model_names:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{model_names[0]}'",
-                       "invalid_request_error", "model", "model_not_found")
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{model_names[0]}'",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
     return model_names[0]
 
 
@@ -141,9 +154,9 @@ def _sampling(body: dict) -> tuple[dict[str, Any], int | None]:
 @dataclass(slots=True)
 class ChatRequest:
     model: str
-    messages: list[dict]                 # as the encoder takes them; tools/response_format ride on the system message
-    sampling: dict[str, Any]             # SamplingParams keyword arguments, max_tokens aside
-    max_tokens: int | None               # None: fill the rest of the context
+    messages: list[dict]  # as the encoder takes them; tools/response_format ride on the system message
+    sampling: dict[str, Any]  # SamplingParams keyword arguments, max_tokens aside
+    max_tokens: int | None  # None: fill the rest of the context
     stream: bool = False
     include_usage: bool = False
     thinking: bool = True
@@ -175,8 +188,10 @@ def _thinking(body: dict, default: bool) -> tuple[bool, str | None, bool]:
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     effort = body.get("reasoning_effort", kwargs.get("reasoning_effort"))
     if effort is not None and effort not in REASONING_EFFORTS:
-        raise bad_request(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got "
-                          f"{json.dumps(effort)}", "reasoning_effort")
+        raise bad_request(
+            f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)}",
+            "reasoning_effort",
+        )
     thinking = default
     if effort == "none":
         thinking, effort = False, None
@@ -227,8 +242,10 @@ def _check_messages(messages: list[dict]) -> None:
         if msg.get("role") == "tool":
             call_id = msg.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
-                raise bad_request(f"messages[{i}]: a 'tool' message needs a non-empty string 'tool_call_id'",
-                                  f"messages[{i}].tool_call_id")
+                raise bad_request(
+                    f"messages[{i}]: a 'tool' message needs a non-empty string 'tool_call_id'",
+                    f"messages[{i}].tool_call_id",
+                )
 
 
 def _tools(tools: Any) -> list | None:
@@ -242,11 +259,14 @@ def _tools(tools: Any) -> list | None:
             raise bad_request(f"'{where}' must be an object with type 'function'", where)
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f"'{where}.function' must be an object with a non-empty string 'name'",
-                              f"{where}.function")
+            raise bad_request(
+                f"'{where}.function' must be an object with a non-empty string 'name'", f"{where}.function"
+            )
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise bad_request(f"'{where}.function.parameters' must be a JSON Schema object, got "
-                              f"{json.dumps(fn['parameters'])[:80]}", f"{where}.function.parameters")
+            raise bad_request(
+                f"'{where}.function.parameters' must be a JSON Schema object, got {json.dumps(fn['parameters'])[:80]}",
+                f"{where}.function.parameters",
+            )
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise bad_request(f"'{where}.function.description' must be a string", f"{where}.function.description")
     return tools
@@ -259,22 +279,28 @@ def _tool_choice(choice: Any) -> Any:
         fn = choice.get("function")
         if choice.get("type") == "function" and isinstance(fn, dict) and isinstance(fn.get("name"), str):
             return choice
-    raise bad_request(f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
-                      f'{{"type": "function", "function": {{"name": ...}}}}, got {json.dumps(choice)[:80]}',
-                      "tool_choice")
+    raise bad_request(
+        f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or "
+        f'{{"type": "function", "function": {{"name": ...}}}}, got {json.dumps(choice)[:80]}',
+        "tool_choice",
+    )
 
 
 def _response_format(fmt: Any) -> dict | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
-        raise bad_request(f"'response_format' must be an object whose 'type' is one of "
-                          f"{', '.join(RESPONSE_FORMATS)}", "response_format")
+        raise bad_request(
+            f"'response_format' must be an object whose 'type' is one of {', '.join(RESPONSE_FORMATS)}",
+            "response_format",
+        )
     if fmt["type"] == "json_schema":
         schema = fmt.get("json_schema")
         if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), dict):
-            raise bad_request("'response_format.json_schema' must be an object (with 'name' and a 'schema' "
-                              "object)", "response_format.json_schema")
+            raise bad_request(
+                "'response_format.json_schema' must be an object (with 'name' and a 'schema' object)",
+                "response_format.json_schema",
+            )
     return None if fmt["type"] == "text" else fmt
 
 
@@ -303,11 +329,18 @@ def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking
     if not isinstance(stream_options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     return ChatRequest(
-        model=model, messages=_with_system_extras(messages, tools, response_format), sampling=params,
-        max_tokens=max_tokens, stream=_boolean(body, "stream", False),
+        model=model,
+        messages=_with_system_extras(messages, tools, response_format),
+        sampling=params,
+        max_tokens=max_tokens,
+        stream=_boolean(body, "stream", False),
         include_usage=_boolean(stream_options, "include_usage", False),
-        thinking=thinking, reasoning_effort=effort, drop_thinking=drop,
-        logprobs=logprobs, top_logprobs=top_logprobs, has_tools=bool(tools),
+        thinking=thinking,
+        reasoning_effort=effort,
+        drop_thinking=drop,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        has_tools=bool(tools),
     )
 
 
@@ -320,8 +353,7 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
         prompt = prompt[0]  # a batch of one
     is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     if not (isinstance(prompt, str) or is_ids) or not prompt:
-        raise bad_request("'prompt' must be a non-empty string or list of token ids (one prompt per request)",
-                          "prompt")
+        raise bad_request("'prompt' must be a non-empty string or list of token ids (one prompt per request)", "prompt")
     if _integer(body, "best_of", 1, None, 1) != 1:
         raise bad_request("only best_of=1 is supported (one sequence per request)", "best_of")
     if body.get("suffix") not in (None, ""):
@@ -332,28 +364,40 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
     if not isinstance(stream_options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     return CompletionRequest(
-        model=model, prompt=prompt, sampling=params, max_tokens=max_tokens, stream=_boolean(body, "stream", False),
-        include_usage=_boolean(stream_options, "include_usage", False), echo=_boolean(body, "echo", False),
+        model=model,
+        prompt=prompt,
+        sampling=params,
+        max_tokens=max_tokens,
+        stream=_boolean(body, "stream", False),
+        include_usage=_boolean(stream_options, "include_usage", False),
+        echo=_boolean(body, "echo", False),
         logprobs=params["logprobs"],
     )
 
 
-def resolve_max_tokens(prompt_tokens: int, max_tokens: int | None, context_length: int,
-                       note: str | None = None, param: str = "messages") -> int:
+def resolve_max_tokens(
+    prompt_tokens: int, max_tokens: int | None, context_length: int, note: str | None = None, param: str = "messages"
+) -> int:
     """Never truncate silently: a prompt that does not fit, or a budget that overflows the context, is a 400.
     `note` says why the context is shorter than asked (e.g. a model file without lightning-indexer weights)."""
     why = f" ({note})" if note else ""
     if prompt_tokens >= context_length:
         raise bad_request(
             f"This model's maximum context length is {context_length} tokens{why}, but the prompt is "
-            f"{prompt_tokens} tokens. Please shorten the prompt.", param, "context_length_exceeded")
+            f"{prompt_tokens} tokens. Please shorten the prompt.",
+            param,
+            "context_length_exceeded",
+        )
     if max_tokens is None:
         return context_length - prompt_tokens
     if prompt_tokens + max_tokens > context_length:
         raise bad_request(
             f"This model's maximum context length is {context_length} tokens{why}. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
-            f"completion). Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+            f"completion). Please reduce the prompt or max_tokens.",
+            "max_tokens",
+            "context_length_exceeded",
+        )
     return max_tokens
 
 
@@ -367,6 +411,7 @@ def make_sampling_params(sampling: dict[str, Any], max_tokens: int) -> Any:
     """The engine's `SamplingParams`. Imported here, not at module level, because `fastar.engine.sampling`
     imports torch, which the server must not load at import time (the engine loads it when it loads)."""
     from fastar.engine.sampling import SamplingParams
+
     try:
         return SamplingParams(max_tokens=max_tokens, **sampling)
     except ValueError as err:  # SamplingError: a value this request validation let through
@@ -376,6 +421,7 @@ def make_sampling_params(sampling: dict[str, Any], max_tokens: int) -> Any:
 # ---------------------------------------------------------------------------------------------------------
 # Stop strings
 # ---------------------------------------------------------------------------------------------------------
+
 
 class StopFilter(StopStrings):
     """`StopStrings` for the response builders: `feed` returns just the text now safe to emit (the stop string is
@@ -389,13 +435,17 @@ class StopFilter(StopStrings):
 # Responses
 # ---------------------------------------------------------------------------------------------------------
 
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out
@@ -410,19 +460,21 @@ def token_text(tokenizer: Any, token: int) -> tuple[str, list[int]]:
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
-def chat_logprob_entry(tokenizer: Any, token: int, logprob: float | None,
-                       top: list[tuple[int, float]], k: int) -> dict:
+def chat_logprob_entry(tokenizer: Any, token: int, logprob: float | None, top: list[tuple[int, float]], k: int) -> dict:
     text, raw = token_text(tokenizer, token)
     alternatives = []
     for tid, lp in top[:k]:
         t, b = token_text(tokenizer, tid)
         alternatives.append({"token": t, "logprob": lp, "bytes": b})
-    return {"token": text, "logprob": logprob if logprob is not None else 0.0, "bytes": raw,
-            "top_logprobs": alternatives}
+    return {
+        "token": text,
+        "logprob": logprob if logprob is not None else 0.0,
+        "bytes": raw,
+        "top_logprobs": alternatives,
+    }
 
 
-def completion_logprobs(tokenizer: Any, chunks: list[tuple[int, float | None, list]], k: int,
-                        offset: int) -> dict:
+def completion_logprobs(tokenizer: Any, chunks: list[tuple[int, float | None, list]], k: int, offset: int) -> dict:
     """The legacy completions shape: parallel lists plus one {token: logprob} dict per position."""
     tokens, lps, tops, offsets = [], [], [], []
     for token, lp, top in chunks:
@@ -444,23 +496,38 @@ def chat_message(content: str, reasoning: str | None, tool_calls: list[dict], re
     return msg
 
 
-def chat_response(rid: str, model: str, message: dict, finish_reason: str, use: dict,
-                  logprobs: list[dict] | None) -> dict:
+def chat_response(
+    rid: str, model: str, message: dict, finish_reason: str, use: dict, logprobs: list[dict] | None
+) -> dict:
     return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
-                     "logprobs": None if logprobs is None else {"content": logprobs}}],
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish_reason,
+                "logprobs": None if logprobs is None else {"content": logprobs},
+            }
+        ],
         "usage": use,
     }
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
-               logprobs: list[dict] | None = None) -> dict:
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict,
+    finish_reason: str | None = None,
+    logprobs: list[dict] | None = None,
+) -> dict:
     choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
     if logprobs is not None:
         choice["logprobs"] = {"content": logprobs}
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice]}
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:
@@ -468,19 +535,27 @@ def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict,
-                        logprobs: dict | None) -> dict:
+def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict, logprobs: dict | None) -> dict:
     return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
         "usage": use,
     }
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None,
-                     logprobs: dict | None = None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
+def completion_chunk(
+    rid: str, created: int, model: str, text: str, finish_reason: str | None = None, logprobs: dict | None = None
+) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -513,6 +588,7 @@ class PendingLogprobs:
 # ---------------------------------------------------------------------------------------------------------
 # One generated turn: engine chunks in, OpenAI deltas out
 # ---------------------------------------------------------------------------------------------------------
+
 
 def _finish_reason(engine_finish: str | None, stopped: bool, tokens: int, max_tokens: int) -> str:
     if stopped:
@@ -548,8 +624,9 @@ class ChatTurn:
         if chunk.token is not None:
             self.completion_tokens += 1
             if self.req.logprobs:
-                entry = chat_logprob_entry(self.tokenizer, chunk.token, chunk.logprob, chunk.top_logprobs,
-                                           self.req.top_logprobs)
+                entry = chat_logprob_entry(
+                    self.tokenizer, chunk.token, chunk.logprob, chunk.top_logprobs, self.req.top_logprobs
+                )
                 self.pending.entries.append(entry)
                 self.logprobs.append(entry)
         if chunk.finish_reason:
@@ -557,8 +634,10 @@ class ChatTurn:
         return self._deltas(self.parser.feed(self.stops.feed(chunk.text)))
 
     def _deltas(self, events: list[tuple[str, str]]) -> list[tuple[dict, list[dict] | None]]:
-        return [({self.reasoning_field if kind == "reasoning" else "content": text}, self.pending.take())
-                for kind, text in events]
+        return [
+            ({self.reasoning_field if kind == "reasoning" else "content": text}, self.pending.take())
+            for kind, text in events
+        ]
 
     def finish(self, max_tokens: int) -> tuple[list[tuple[dict, list[dict] | None]], str]:
         """The deltas still held back, the tool calls, and the finish reason."""
@@ -583,8 +662,11 @@ class CompletionTurn:
         self.stops = StopFilter([*req.sampling["stop"], EOS])
         self.offset = offset
         self._pending: list[tuple[int, float | None, list]] = []
-        self.logprobs: dict | None = None if req.logprobs is None else {
-            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.logprobs: dict | None = (
+            None
+            if req.logprobs is None
+            else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        )
         self.completion_tokens = 0
         self.engine_finish: str | None = None
         self.text = ""

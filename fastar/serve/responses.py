@@ -34,6 +34,7 @@ read back when a client resends the item, so the replayed turn renders as the mo
 
 Does not own: HTTP, the worker, the encoding (`fastar.serve.turn`, `fastar.encoding`). Never imports torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,14 +74,19 @@ def retrieve(response_id: str, store: ResponseStore) -> dict:
     """`GET /v1/responses/{id}`."""
     found = store.get(response_id)
     if found is None:
-        raise P.APIError(404, f"No response with id '{response_id}' is stored on this server", param="response_id",
-                         code="response_not_found")
+        raise P.APIError(
+            404,
+            f"No response with id '{response_id}' is stored on this server",
+            param="response_id",
+            code="response_not_found",
+        )
     return public(found[1])
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Request -> conversation
 # ---------------------------------------------------------------------------------------------------------
+
 
 def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
@@ -89,11 +95,13 @@ def _content_text(content: Any, where: str) -> str:
         raise P.bad_request(f"{where}.content must be a string or a list of content parts", "input")
     parts = []
     for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
-                and isinstance(part.get("text"), str)):
+        if not (
+            isinstance(part, dict)
+            and part.get("type") in ("input_text", "output_text", "text")
+            and isinstance(part.get("text"), str)
+        ):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise P.bad_request(f"{where}.content[{j}]: unsupported part {kind!r} (the model reads text only)",
-                                "input")
+            raise P.bad_request(f"{where}.content[{j}]: unsupported part {kind!r} (the model reads text only)", "input")
         parts.append(part["text"])
     return "".join(parts) if content and all(p.get("type") == "output_text" for p in content) else "\n".join(parts)
 
@@ -128,8 +136,9 @@ def input_messages(items: Any) -> list[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise P.bad_request(f"{where}.role must be user, assistant, system or developer, got "
-                                    f"{json.dumps(role)}", "input")
+                raise P.bad_request(
+                    f"{where}.role must be user, assistant, system or developer, got {json.dumps(role)}", "input"
+                )
             text = _content_text(item.get("content"), where)
             if role == "assistant":
                 msg = assistant()
@@ -149,8 +158,11 @@ def input_messages(items: Any) -> list[dict]:
             name, args = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not name or not isinstance(args, str):
                 raise P.bad_request(f"{where}: a function_call needs a 'name' and string 'arguments'", "input")
-            call = {"id": str(item.get("call_id") or ""), "type": "function",
-                    "function": {"name": name, "arguments": args}}
+            call = {
+                "id": str(item.get("call_id") or ""),
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
             assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output", "")
@@ -169,8 +181,12 @@ def _tools(body: dict) -> list[dict] | None:
         raise P.bad_request("'tools' must be a list of tool objects", "tools")
     out = []
     for j, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(tool.get("name"), str) or not tool["name"]:
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(tool.get("name"), str)
+            or not tool["name"]
+        ):
             raise P.bad_request(f"tools[{j}]: only function tools with a 'name' are supported", "tools")
         fn: dict[str, Any] = {"name": tool["name"]}
         if tool.get("description"):
@@ -183,14 +199,14 @@ def _tools(body: dict) -> list[dict] | None:
 @dataclass(slots=True)
 class ResponsesRequest:
     model: str
-    conversation: list[dict]     # encoder messages without the instructions: what a continuation builds on
-    conv: Conversation           # what is rendered: instructions and tools on the system message
+    conversation: list[dict]  # encoder messages without the instructions: what a continuation builds on
+    conv: Conversation  # what is rendered: instructions and tools on the system message
     sampling: dict[str, Any]
     max_tokens: int | None
     stream: bool
     store: bool
     effort: str | None
-    encrypted: bool              # include the reasoning as `encrypted_content`
+    encrypted: bool  # include the reasoning as `encrypted_content`
 
 
 def _response_format(body: dict) -> dict | None:
@@ -217,9 +233,13 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     if prev is not None:
         found = store.get(prev) if isinstance(prev, str) else None
         if found is None:
-            raise P.APIError(404, f"Previous response with id '{prev}' not found (this server keeps its last "
-                                  f"{store.size} stored responses)", param="previous_response_id",
-                             code="previous_response_not_found")
+            raise P.APIError(
+                404,
+                f"Previous response with id '{prev}' not found (this server keeps its last "
+                f"{store.size} stored responses)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         history = found[0] + [found[1]["_message"]]
     if "input" not in body:
         raise P.bad_request("'input' is required", "input")
@@ -234,45 +254,76 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     if tools or response_format:  # the encoder reads both from the system message, as on chat completions
         if not messages or messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": ""})
-        messages[0] = {**messages[0], **({"tools": tools} if tools else {}),
-                       **({"response_format": response_format} if response_format else {})}
+        messages[0] = {
+            **messages[0],
+            **({"tools": tools} if tools else {}),
+            **({"response_format": response_format} if response_format else {}),
+        }
     reasoning = body.get("reasoning") or {}
     if not isinstance(reasoning, dict):
         raise P.bad_request("'reasoning' must be an object", "reasoning")
-    thinking, effort, drop = P._thinking({"reasoning_effort": reasoning.get("effort"),
-                                          **{k: body[k] for k in ("thinking", "chat_template_kwargs") if k in body}},
-                                         backend.default_thinking)
-    sampling, max_tokens = P._sampling({k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")}
-                                       | {"max_tokens": body.get("max_output_tokens")})
+    thinking, effort, drop = P._thinking(
+        {
+            "reasoning_effort": reasoning.get("effort"),
+            **{k: body[k] for k in ("thinking", "chat_template_kwargs") if k in body},
+        },
+        backend.default_thinking,
+    )
+    sampling, max_tokens = P._sampling(
+        {k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")}
+        | {"max_tokens": body.get("max_output_tokens")}
+    )
     include = body.get("include") or []
     return ResponsesRequest(
-        model=model, conversation=conversation, conv=Conversation(messages, thinking, effort, drop),
-        sampling=sampling, max_tokens=max_tokens, stream=P._boolean(body, "stream", False),
-        store=P._boolean(body, "store", True), effort=reasoning.get("effort"),
-        encrypted=isinstance(include, list) and "reasoning.encrypted_content" in include)
+        model=model,
+        conversation=conversation,
+        conv=Conversation(messages, thinking, effort, drop),
+        sampling=sampling,
+        max_tokens=max_tokens,
+        stream=P._boolean(body, "stream", False),
+        store=P._boolean(body, "store", True),
+        effort=reasoning.get("effort"),
+        encrypted=isinstance(include, list) and "reasoning.encrypted_content" in include,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Response objects
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _reasoning_item(rid: str, text: str, encrypted: bool) -> dict:
-    item = {"type": "reasoning", "id": rid, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
-            "status": "completed"}
+    item = {
+        "type": "reasoning",
+        "id": rid,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": "completed",
+    }
     if encrypted:
         item["encrypted_content"] = text
     return item
 
 
 def _message_item(mid: str, text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": mid, "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {
+        "type": "message",
+        "id": mid,
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
 
 
 def _call_item(call: dict, arguments: str | None = None, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
-            "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"] if arguments is None else arguments, "status": status}
+    return {
+        "type": "function_call",
+        "id": "fc_" + call["id"].removeprefix("call_"),
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"] if arguments is None else arguments,
+        "status": status,
+    }
 
 
 class _Reply:
@@ -281,23 +332,39 @@ class _Reply:
     def __init__(self, body: dict, req: ResponsesRequest) -> None:
         self.id = "resp_" + P.new_id("")[1:]
         self.obj: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-            "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
-            "max_output_tokens": req.max_tokens, "model": req.model, "output": [],
-            "parallel_tool_calls": True, "previous_response_id": body.get("previous_response_id"),
-            "reasoning": {"effort": req.effort, "summary": None}, "store": req.store,
-            "temperature": req.sampling["temperature"], "text": body.get("text") or {"format": {"type": "text"}},
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "top_p": req.sampling["top_p"], "truncation": "disabled", "usage": None,
+            "id": self.id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "in_progress",
+            "error": None,
+            "incomplete_details": None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": req.max_tokens,
+            "model": req.model,
+            "output": [],
+            "parallel_tool_calls": True,
+            "previous_response_id": body.get("previous_response_id"),
+            "reasoning": {"effort": req.effort, "summary": None},
+            "store": req.store,
+            "temperature": req.sampling["temperature"],
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "top_p": req.sampling["top_p"],
+            "truncation": "disabled",
+            "usage": None,
             "metadata": body.get("metadata") or {},
         }
 
     def finish(self, turn: AssistantTurn) -> dict:
         prompt, completion, cached = turn.prompt_tokens, turn.completion_tokens, turn.cached_tokens or 0
-        self.obj["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-                             "output_tokens": completion,
-                             "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
-                             "total_tokens": prompt + completion}
+        self.obj["usage"] = {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": turn.reasoning_tokens},
+            "total_tokens": prompt + completion,
+        }
         if turn.finish_reason == "length":
             self.obj["status"] = "incomplete"
             self.obj["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -315,8 +382,9 @@ def public(obj: dict) -> dict:
     return {k: v for k, v in obj.items() if not k.startswith("_")}
 
 
-def create(body: Any, backend: Backend, store: ResponseStore,
-           disconnected: Callable[[], bool] | None = None) -> dict | Iterator[bytes]:
+def create(
+    body: Any, backend: Backend, store: ResponseStore, disconnected: Callable[[], bool] | None = None
+) -> dict | Iterator[bytes]:
     """`POST /v1/responses`: a `response` object, or (with `"stream": true`) the SSE byte stream.
 
     `disconnected` (optional, non-streaming only): says the client has gone; the generation is then cancelled
@@ -347,7 +415,7 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
     output: list[dict] = []
     open_item: dict | None = None
     text = ""
-    calls: dict[str, int] = {}   # tool call id -> its output index
+    calls: dict[str, int] = {}  # tool call id -> its output index
     events = turn.events()
     suffix = reply.id[5:]
 
@@ -363,15 +431,27 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
             return
         at = len(output) - 1
         if open_item["type"] == "reasoning":
-            yield ev("response.reasoning_text.done", item_id=open_item["id"], output_index=at, content_index=0,
-                     text=text)
+            yield ev(
+                "response.reasoning_text.done", item_id=open_item["id"], output_index=at, content_index=0, text=text
+            )
             output[at] = _reasoning_item(open_item["id"], text, req.encrypted)
         else:
-            yield ev("response.output_text.done", item_id=open_item["id"], output_index=at, content_index=0,
-                     text=text, logprobs=[])
+            yield ev(
+                "response.output_text.done",
+                item_id=open_item["id"],
+                output_index=at,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            )
             output[at] = _message_item(open_item["id"], text)
-            yield ev("response.content_part.done", item_id=open_item["id"], output_index=at, content_index=0,
-                     part=output[at]["content"][0])
+            yield ev(
+                "response.content_part.done",
+                item_id=open_item["id"],
+                output_index=at,
+                content_index=0,
+                part=output[at]["content"][0],
+            )
         yield ev("response.output_item.done", output_index=at, item=output[at])
         open_item, text = None, ""
 
@@ -387,20 +467,30 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
                     yield from close_item()
                     at = len(output)
                     calls[payload["id"]] = at
-                    output.append(_call_item({"id": payload["id"], "function": {"name": payload["name"]}}, "",
-                                             "in_progress"))
+                    output.append(
+                        _call_item({"id": payload["id"], "function": {"name": payload["name"]}}, "", "in_progress")
+                    )
                     yield ev("response.output_item.added", output_index=at, item=output[at])
                     continue
                 if kind == "tool_args":
                     item = output[-1]
-                    yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=len(output) - 1,
-                             delta=payload[1])
+                    yield ev(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=len(output) - 1,
+                        delta=payload[1],
+                    )
                     continue
                 if kind == "tool_done":
                     at = calls[payload["id"]]
                     output[at] = _call_item(payload)
-                    yield ev("response.function_call_arguments.done", item_id=output[at]["id"], output_index=at,
-                             name=output[at]["name"], arguments=output[at]["arguments"])
+                    yield ev(
+                        "response.function_call_arguments.done",
+                        item_id=output[at]["id"],
+                        output_index=at,
+                        name=output[at]["name"],
+                        arguments=output[at]["arguments"],
+                    )
                     yield ev("response.output_item.done", output_index=at, item=output[at])
                     continue
                 want = {"reasoning": "reasoning", "content": "message"}[kind]
@@ -413,20 +503,41 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
                         output.append(open_item)
                         yield ev("response.output_item.added", output_index=at, item=open_item)
                     else:
-                        open_item = {"type": "message", "id": "msg_" + suffix, "role": "assistant",
-                                     "status": "in_progress", "content": []}
+                        open_item = {
+                            "type": "message",
+                            "id": "msg_" + suffix,
+                            "role": "assistant",
+                            "status": "in_progress",
+                            "content": [],
+                        }
                         output.append(open_item)
                         yield ev("response.output_item.added", output_index=at, item=open_item)
-                        yield ev("response.content_part.added", item_id=open_item["id"], output_index=at,
-                                 content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                        yield ev(
+                            "response.content_part.added",
+                            item_id=open_item["id"],
+                            output_index=at,
+                            content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": []},
+                        )
                 at = len(output) - 1
                 text += payload
                 if want == "reasoning":
-                    yield ev("response.reasoning_text.delta", item_id=open_item["id"], output_index=at,
-                             content_index=0, delta=payload)
+                    yield ev(
+                        "response.reasoning_text.delta",
+                        item_id=open_item["id"],
+                        output_index=at,
+                        content_index=0,
+                        delta=payload,
+                    )
                 else:
-                    yield ev("response.output_text.delta", item_id=open_item["id"], output_index=at,
-                             content_index=0, delta=payload, logprobs=[])
+                    yield ev(
+                        "response.output_text.delta",
+                        item_id=open_item["id"],
+                        output_index=at,
+                        content_index=0,
+                        delta=payload,
+                        logprobs=[],
+                    )
         except (GenerationFailed, P.APIError) as err:
             api = err.api_error() if isinstance(err, GenerationFailed) else err
             yield ev("error", code=api.code, message=api.message, param=api.param)
@@ -435,9 +546,17 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
             return
         yield from close_item()
         if not output:  # an empty reply still has its message
-            yield ev("response.output_item.added", output_index=0,
-                     item={"type": "message", "id": "msg_" + suffix, "role": "assistant", "status": "in_progress",
-                           "content": []})
+            yield ev(
+                "response.output_item.added",
+                output_index=0,
+                item={
+                    "type": "message",
+                    "id": "msg_" + suffix,
+                    "role": "assistant",
+                    "status": "in_progress",
+                    "content": [],
+                },
+            )
             output.append(_message_item("msg_" + suffix, ""))
             yield ev("response.output_item.done", output_index=0, item=output[0])
         reply.obj["output"] = output
@@ -445,5 +564,5 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
         _store(store, req, obj, turn)
         yield ev("response.completed", response=public(obj))
     finally:
-        events.close()   # a client that left cancels its generation
+        events.close()  # a client that left cancels its generation
         turn.cancel()

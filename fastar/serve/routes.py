@@ -12,6 +12,7 @@ Owns:
 Does not own: the guards and error rendering (`fastar.serve.app`), request shapes (`fastar.serve.protocol`), the
 worker (`fastar.serve.worker`). Never imports torch.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +34,7 @@ from fastar.serve import protocol as P
 from fastar.serve.app import JSONResponse, read_json
 from fastar.serve.worker import Job
 
-TRIM_AFTER_CHARS = 1 << 20   # give the heap back after tokenizing a prompt this long
+TRIM_AFTER_CHARS = 1 << 20  # give the heap back after tokenizing a prompt this long
 
 
 class LoopEvents:
@@ -46,7 +47,7 @@ class LoopEvents:
     def put(self, item: tuple[str, Any]) -> None:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:   # the loop is closed: the server is gone and nobody reads this job
+        except RuntimeError:  # the loop is closed: the server is gone and nobody reads this job
             pass
 
     async def get(self, timeout: float) -> tuple[str, Any] | None:
@@ -60,8 +61,11 @@ class _JobStream(StreamingResponse):
     """An SSE response that cancels its job however the response ends (done, client gone, server stopping)."""
 
     def __init__(self, content: AsyncIterator[bytes], job: Job) -> None:
-        super().__init__(content, media_type="text/event-stream; charset=utf-8",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content,
+            media_type="text/event-stream; charset=utf-8",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.job = job
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -77,7 +81,7 @@ def _trim_heap() -> None:
     if name:
         try:
             ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):   # not glibc
+        except (OSError, AttributeError):  # not glibc
             pass
 
 
@@ -88,11 +92,19 @@ class OpenAIRoutes:
 
     def routes(self) -> list[BaseRoute]:
         get, post = ["GET"], ["POST"]
-        table = [("/v1/models", self.models, get), ("/models", self.models, get), ("/metrics", self.metrics, get),
-                 ("/health", self.health, get), ("/v1/health", self.health, get),
-                 ("/v1/chat/completions", self.chat, post), ("/chat/completions", self.chat, post),
-                 ("/v1/completions", self.completions, post), ("/completions", self.completions, post),
-                 ("/tokenize", self.tokenize, post), ("/detokenize", self.detokenize, post)]
+        table = [
+            ("/v1/models", self.models, get),
+            ("/models", self.models, get),
+            ("/metrics", self.metrics, get),
+            ("/health", self.health, get),
+            ("/v1/health", self.health, get),
+            ("/v1/chat/completions", self.chat, post),
+            ("/chat/completions", self.chat, post),
+            ("/v1/completions", self.completions, post),
+            ("/completions", self.completions, post),
+            ("/tokenize", self.tokenize, post),
+            ("/detokenize", self.detokenize, post),
+        ]
         return [Route(path, fn, methods=methods) for path, fn, methods in table]
 
     # ---- plain routes -----------------------------------------------------------------------------------
@@ -111,13 +123,27 @@ class OpenAIRoutes:
     async def models(self, request: Request) -> Response:
         engine = self.server.host.require_engine()
         names, ctx = self.server.model_names, engine.context_length
-        return JSONResponse({"object": "list", "data": [{
-            "id": names[0], "object": "model", "created": self.server.started, "owned_by": "fastar",
-            "root": getattr(engine, "model_name_default", names[0]), "max_model_len": ctx, "context_length": ctx}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": names[0],
+                        "object": "model",
+                        "created": self.server.started,
+                        "owned_by": "fastar",
+                        "root": getattr(engine, "model_name_default", names[0]),
+                        "max_model_len": ctx,
+                        "context_length": ctx,
+                    }
+                ],
+            }
+        )
 
     async def metrics(self, request: Request) -> Response:
-        return PlainTextResponse(self.server.metrics.render(self.server.host),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            self.server.metrics.render(self.server.host), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     async def tokenize(self, request: Request) -> Response:
         body = await read_json(request, self.server.settings)
@@ -147,7 +173,7 @@ class OpenAIRoutes:
     # ---- tokenization, off the event loop -----------------------------------------------------------------
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
-        if self._limiter is None:   # created on the loop's thread; a few at once bounds their memory
+        if self._limiter is None:  # created on the loop's thread; a few at once bounds their memory
             self._limiter = anyio.CapacityLimiter(2)
         return await anyio.to_thread.run_sync(partial(fn, *args), limiter=self._limiter)
 
@@ -158,8 +184,10 @@ class OpenAIRoutes:
         if longest and len(text) > ctx * longest:
             raise P.bad_request(
                 f"This model's maximum context length is {ctx} tokens, but the prompt is {len(text)} characters "
-                f"(more than {ctx} tokens of at most {longest} bytes each). Please shorten the prompt.", param,
-                "context_length_exceeded")
+                f"(more than {ctx} tokens of at most {longest} bytes each). Please shorten the prompt.",
+                param,
+                "context_length_exceeded",
+            )
         ids = list(engine.tokenizer.encode(text))
         if len(text) >= TRIM_AFTER_CHARS:
             _trim_heap()
@@ -167,16 +195,22 @@ class OpenAIRoutes:
 
     def _encode_chat(self, engine: Any, req: P.ChatRequest) -> list[int]:
         try:
-            text = encode_messages(req.messages, thinking_mode="thinking" if req.thinking else "chat",
-                                   drop_thinking=req.drop_thinking, reasoning_effort=req.reasoning_effort)
+            text = encode_messages(
+                req.messages,
+                thinking_mode="thinking" if req.thinking else "chat",
+                drop_thinking=req.drop_thinking,
+                reasoning_effort=req.reasoning_effort,
+            )
         except (ValueError, TypeError) as err:  # EncodingError is a ValueError
             raise P.bad_request(str(err), "messages") from None
         return self._encode_text(engine, text, "messages")
 
-    def _submit(self, engine: Any, prompt_ids: list[int], sampling: dict, max_tokens: int | None,
-                param: str) -> tuple[Job, int]:
-        limit = P.resolve_max_tokens(len(prompt_ids), max_tokens, engine.context_length,
-                                     getattr(engine, "context_note", None), param)
+    def _submit(
+        self, engine: Any, prompt_ids: list[int], sampling: dict, max_tokens: int | None, param: str
+    ) -> tuple[Job, int]:
+        limit = P.resolve_max_tokens(
+            len(prompt_ids), max_tokens, engine.context_length, getattr(engine, "context_note", None), param
+        )
         job = Job(prompt_ids, P.make_sampling_params(sampling, limit), events=LoopEvents())
         self.server.host.submit(job)
         return job, limit
@@ -200,9 +234,16 @@ class OpenAIRoutes:
                 return Response(status_code=499)
             _, finish = turn.finish(limit)
             self.server.metrics.finished(finish)
-            return JSONResponse(P.chat_response(rid, req.model, turn.message(), finish,
-                                                P.usage(n_prompt, turn.completion_tokens, cached),
-                                                turn.logprobs if req.logprobs else None))
+            return JSONResponse(
+                P.chat_response(
+                    rid,
+                    req.model,
+                    turn.message(),
+                    finish,
+                    P.usage(n_prompt, turn.completion_tokens, cached),
+                    turn.logprobs if req.logprobs else None,
+                )
+            )
 
         def chunk(delta: dict, finish: str | None = None, lp: Any = None) -> bytes:
             return P.sse(P.chat_chunk(rid, created, req.model, delta, finish, lp))
@@ -252,9 +293,16 @@ class OpenAIRoutes:
                 return Response(status_code=499)
             _, finish = turn.finish(limit)
             self.server.metrics.finished(finish)
-            return JSONResponse(P.completion_response(rid, req.model, prefix + turn.text, finish,
-                                                      P.usage(n_prompt, turn.completion_tokens, cached),
-                                                      turn.logprobs))
+            return JSONResponse(
+                P.completion_response(
+                    rid,
+                    req.model,
+                    prefix + turn.text,
+                    finish,
+                    P.usage(n_prompt, turn.completion_tokens, cached),
+                    turn.logprobs,
+                )
+            )
 
         def chunk(text: str, finish: str | None = None, lp: Any = None) -> bytes:
             return P.sse(P.completion_chunk(rid, created, req.model, text, finish, lp))
@@ -295,7 +343,7 @@ class OpenAIRoutes:
             if kind == "chunk":
                 turn.feed(payload)
                 if turn.stopped:
-                    job.cancel.set()   # our stop string: the engine need not go on
+                    job.cancel.set()  # our stop string: the engine need not go on
             elif kind == "error":
                 raise _engine_error(*payload)
             elif kind == "end":

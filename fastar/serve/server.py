@@ -20,6 +20,7 @@ pydantic models and OpenAPI pages we do not need (the OpenAI shapes are validate
 Does not own: routes (`fastar.serve.routes`), guards and errors (`fastar.serve.app`), request shapes
 (`fastar.serve.protocol`), the worker, session pool and metrics (`fastar.serve.worker`). Never imports torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,27 +57,34 @@ DEFAULT_MAX_BODY = 32 * 1024 * 1024
 _UI_HEADERS = {
     # Model output is rendered as HTML by the UI; the CSP is the second wall behind its escaping.
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
-                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "Cache-Control": "no-cache",
 }
 # Fixed, not mimetypes: the system's table may lack or mislabel .js, and module scripts need a JS type.
-_CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-                  ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png",
-                  ".ico": "image/x-icon", ".json": "application/json", ".txt": "text/plain; charset=utf-8"}
+_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+    ".ico": "image/x-icon",
+    ".json": "application/json",
+    ".txt": "text/plain; charset=utf-8",
+}
 
 
 @dataclass(frozen=True)
 class Limits:
     """HTTP limits. A connection costs a socket and a little memory on the event loop, never a thread."""
 
-    backlog: int = 2048               # connections the kernel queues before accept(); 5 dropped clients at 16
-    max_connections: int = 128        # open connections (and requests in flight); more get a plain 503
-    header_timeout: float = 10.0      # seconds for a request line and headers to arrive (slowloris)
-    keep_alive_timeout: int = 5       # seconds an idle keep-alive connection is kept
-    body_timeout: float = 60.0        # seconds for a whole request body to arrive
+    backlog: int = 2048  # connections the kernel queues before accept(); 5 dropped clients at 16
+    max_connections: int = 128  # open connections (and requests in flight); more get a plain 503
+    header_timeout: float = 10.0  # seconds for a request line and headers to arrive (slowloris)
+    keep_alive_timeout: int = 5  # seconds an idle keep-alive connection is kept
+    body_timeout: float = 60.0  # seconds for a whole request body to arrive
     max_header_bytes: int = 64 * 1024  # request line plus headers
     max_body_bytes: int = DEFAULT_MAX_BODY
-    graceful_shutdown: int = 5        # seconds open responses get to finish on shutdown
+    graceful_shutdown: int = 5  # seconds open responses get to finish on shutdown
 
 
 class _H11(H11Protocol):
@@ -108,11 +116,11 @@ class _H11(H11Protocol):
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
-        if self.cycle is not cycle:   # a request's headers are complete
+        if self.cycle is not cycle:  # a request's headers are complete
             self._disarm()
 
     def on_response_complete(self) -> None:
-        self._arm()                   # before: a pipelined request handled inside disarms it again
+        self._arm()  # before: a pipelined request handled inside disarms it again
         super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -125,7 +133,7 @@ def _static_path(path: str) -> Path | None:
     if path in ("/", "/index.html"):
         rel = "index.html"
     elif path.startswith("/static/"):
-        rel = path[len("/static/"):]
+        rel = path[len("/static/") :]
     else:
         return None
     # Decode until stable, so "%252e%252e" cannot become ".." after a later, second decoding.
@@ -137,11 +145,17 @@ def _static_path(path: str) -> Path | None:
     else:
         return None
     parts = rel.split("/")
-    if (not rel or "\\" in rel or "\x00" in rel or ":" in rel or rel.startswith("/")
-            or any(p in ("", ".", "..") for p in parts)):
+    if (
+        not rel
+        or "\\" in rel
+        or "\x00" in rel
+        or ":" in rel
+        or rel.startswith("/")
+        or any(p in ("", ".", "..") for p in parts)
+    ):
         return None
     root = STATIC_DIR.resolve()
-    full = (root / rel).resolve()   # resolves symlinks: one that points out of the folder fails the next check
+    full = (root / rel).resolve()  # resolves symlinks: one that points out of the folder fails the next check
     if not full.is_relative_to(root) or not full.is_file():
         return None
     return full
@@ -162,14 +176,25 @@ UI_ROUTES: list[BaseRoute] = [Route("/", _ui), Route("/index.html", _ui), Route(
 class Server:
     """The API server. `start()` binds and returns at once; the model loads in the background."""
 
-    def __init__(self, engine_factory: Callable[..., Any], host: str = "127.0.0.1", port: int = 8080,
-                 api_key: str | None = None, cors_origin: str | None = None,
-                 served_model_name: str = "deepseek-v4-flash", max_queue: int = 16,
-                 reasoning_field: str = "reasoning_content", max_sessions: int = 4,
-                 default_thinking: bool = True, keepalive_interval: float = 5.0,
-                 max_body_bytes: int | None = None, allowed_hosts: str | Sequence[str] | None = None,
-                 limits: Limits | None = None, extra_routes: Sequence[BaseRoute] = (),
-                 error_shapes: dict[str, ErrorShape] | None = None) -> None:
+    def __init__(
+        self,
+        engine_factory: Callable[..., Any],
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        api_key: str | None = None,
+        cors_origin: str | None = None,
+        served_model_name: str = "deepseek-v4-flash",
+        max_queue: int = 16,
+        reasoning_field: str = "reasoning_content",
+        max_sessions: int = 4,
+        default_thinking: bool = True,
+        keepalive_interval: float = 5.0,
+        max_body_bytes: int | None = None,
+        allowed_hosts: str | Sequence[str] | None = None,
+        limits: Limits | None = None,
+        extra_routes: Sequence[BaseRoute] = (),
+        error_shapes: dict[str, ErrorShape] | None = None,
+    ) -> None:
         if reasoning_field not in REASONING_FIELDS:
             raise ValueError(f"reasoning_field must be one of {REASONING_FIELDS}, got {reasoning_field!r}")
         if max_queue < 1:
@@ -185,19 +210,24 @@ class Server:
             api_key=api_key or None,
             cors_origins=tuple(o.strip().rstrip("/") for o in (cors_origin or "").split(",") if o.strip()),
             allowed_hosts=tuple(h.strip() for h in allowed_hosts or () if h.strip()),
-            bound_host=host, max_body_bytes=limits.max_body_bytes, body_timeout=limits.body_timeout,
-            error_shapes={**ERROR_SHAPES, **(error_shapes or {})})
+            bound_host=host,
+            max_body_bytes=limits.max_body_bytes,
+            body_timeout=limits.body_timeout,
+            error_shapes={**ERROR_SHAPES, **(error_shapes or {})},
+        )
         self.reasoning_field = reasoning_field
         self.default_thinking = default_thinking
         self.keepalive_interval = keepalive_interval
         self.metrics = Metrics()
         self.host = EngineHost(engine_factory, max_queue, max_sessions, self.metrics)
         self.model_names: tuple[str, ...] = (served_model_name,)
-        self.max_token_bytes: int | None = None   # the tokenizer's longest token, for the cheap prompt bound
+        self.max_token_bytes: int | None = None  # the tokenizer's longest token, for the cheap prompt bound
         self.started = int(time.time())
-        self.app = build_app(self.settings, [*OpenAIRoutes(self).routes(), *AgentRoutes(self).routes(), *extra_routes,
-                                             *UI_ROUTES],
-                             on_error=self.metrics.error)
+        self.app = build_app(
+            self.settings,
+            [*OpenAIRoutes(self).routes(), *AgentRoutes(self).routes(), *extra_routes, *UI_ROUTES],
+            on_error=self.metrics.error,
+        )
         self._uvicorn: uvicorn.Server | None = None
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -207,16 +237,23 @@ class Server:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
         config = uvicorn.Config(
-            self.app, http=type("_H11Limited", (_H11,), {"header_timeout": self.limits.header_timeout}),
-            lifespan="off", log_config=None, server_header=False, date_header=True,
-            backlog=self.limits.backlog, limit_concurrency=self.limits.max_connections,
+            self.app,
+            http=type("_H11Limited", (_H11,), {"header_timeout": self.limits.header_timeout}),
+            lifespan="off",
+            log_config=None,
+            server_header=False,
+            date_header=True,
+            backlog=self.limits.backlog,
+            limit_concurrency=self.limits.max_connections,
             timeout_keep_alive=self.limits.keep_alive_timeout,
             timeout_graceful_shutdown=self.limits.graceful_shutdown,
-            h11_max_incomplete_event_size=self.limits.max_header_bytes)
+            h11_max_incomplete_event_size=self.limits.max_header_bytes,
+        )
         self._uvicorn = uvicorn.Server(config)
         self._sock = sock
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._uvicorn.serve(sockets=[sock])),
-                                        name="fastar-http", daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._uvicorn.serve(sockets=[sock])), name="fastar-http", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._uvicorn.started and self._thread.is_alive() and time.monotonic() < deadline:
@@ -277,19 +314,38 @@ class Server:
 # Command line: `fastar serve` (the lead's cli.py adds -m and the engine flags, then delegates here)
 # ---------------------------------------------------------------------------------------------------------
 
-def serve(engine_factory: Callable[..., Any], host: str = "127.0.0.1", port: int = 8080,
-          api_key: str | None = None, cors_origin: str | None = None,
-          served_model_name: str = "deepseek-v4-flash", max_queue: int = 16,
-          reasoning_field: str = "reasoning_content", max_sessions: int = 4,
-          default_thinking: bool = True, allowed_hosts: str | None = None,
-          max_connections: int = Limits.max_connections) -> int:
+
+def serve(
+    engine_factory: Callable[..., Any],
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api_key: str | None = None,
+    cors_origin: str | None = None,
+    served_model_name: str = "deepseek-v4-flash",
+    max_queue: int = 16,
+    reasoning_field: str = "reasoning_content",
+    max_sessions: int = 4,
+    default_thinking: bool = True,
+    allowed_hosts: str | None = None,
+    max_connections: int = Limits.max_connections,
+) -> int:
     """Run the server until Ctrl-C. Returns 0; raises FastarError if the port is taken or the model fails to load."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    server = Server(engine_factory, host=host, port=port, api_key=api_key, cors_origin=cors_origin,
-                    served_model_name=served_model_name, max_queue=max_queue, reasoning_field=reasoning_field,
-                    max_sessions=max_sessions, default_thinking=default_thinking, allowed_hosts=allowed_hosts,
-                    limits=Limits(max_connections=max_connections))
+    server = Server(
+        engine_factory,
+        host=host,
+        port=port,
+        api_key=api_key,
+        cors_origin=cors_origin,
+        served_model_name=served_model_name,
+        max_queue=max_queue,
+        reasoning_field=reasoning_field,
+        max_sessions=max_sessions,
+        default_thinking=default_thinking,
+        allowed_hosts=allowed_hosts,
+        limits=Limits(max_connections=max_connections),
+    )
     try:
         server.start()
     except OSError as err:
@@ -316,9 +372,11 @@ def _int_flag(lo: int, hi: int | None, what: str) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what} must be an integer, got {v!r}") from None
         if n < lo or (hi is not None and n > hi):
-            raise argparse.ArgumentTypeError(f"{what} must be {f'at least {lo}' if hi is None else f'{lo}..{hi}'}, "
-                                             f"got {n}")
+            raise argparse.ArgumentTypeError(
+                f"{what} must be {f'at least {lo}' if hi is None else f'{lo}..{hi}'}, got {n}"
+            )
         return n
+
     parse.__name__ = what
     return parse
 
@@ -327,27 +385,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags, for `fastar serve` (the caller adds -m/--model and the engine's own flags)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=_int_flag(0, 65535, "a port"), default=8080, help="port (default 8080)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every route but /health")
-    parser.add_argument("--cors-origin", default=None,
-                        help="allow browser pages from this origin (comma-separated list, or '*')")
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health"
+    )
+    parser.add_argument(
+        "--cors-origin", default=None, help="allow browser pages from this origin (comma-separated list, or '*')"
+    )
     parser.add_argument("--served-model-name", default="deepseek-v4-flash", help="model id the API reports and accepts")
-    parser.add_argument("--max-queue", type=_int_flag(1, None, "--max-queue"), default=16,
-                        help="requests that may wait; more get 503 (default 16)")
-    parser.add_argument("--max-sessions", type=_int_flag(0, None, "--max-sessions"), default=4,
-                        help="conversations whose model state is kept for prefix reuse (default 4)")
-    parser.add_argument("--reasoning-field", default="reasoning_content", choices=REASONING_FIELDS,
-                        help="response field for the thinking text (default reasoning_content, as DeepSeek's API)")
-    parser.add_argument("--allowed-hosts", default=None,
-                        help="extra host names the server answers to (comma-separated; '*' for any). The bound "
-                             "address, localhost names and IP addresses are always allowed")
-    parser.add_argument("--max-connections", type=_int_flag(1, None, "--max-connections"),
-                        default=Limits.max_connections,
-                        help=f"open connections at once; more get 503 (default {Limits.max_connections})")
+    parser.add_argument(
+        "--max-queue",
+        type=_int_flag(1, None, "--max-queue"),
+        default=16,
+        help="requests that may wait; more get 503 (default 16)",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=_int_flag(0, None, "--max-sessions"),
+        default=4,
+        help="conversations whose model state is kept for prefix reuse (default 4)",
+    )
+    parser.add_argument(
+        "--reasoning-field",
+        default="reasoning_content",
+        choices=REASONING_FIELDS,
+        help="response field for the thinking text (default reasoning_content, as DeepSeek's API)",
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="extra host names the server answers to (comma-separated; '*' for any). The bound "
+        "address, localhost names and IP addresses are always allowed",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_int_flag(1, None, "--max-connections"),
+        default=Limits.max_connections,
+        help=f"open connections at once; more get 503 (default {Limits.max_connections})",
+    )
 
 
 def run_from_args(args: argparse.Namespace, engine_factory: Callable[..., Any]) -> int:
-    return serve(engine_factory, host=args.host, port=args.port, api_key=args.api_key, cors_origin=args.cors_origin,
-                 served_model_name=args.served_model_name, max_queue=args.max_queue,
-                 reasoning_field=args.reasoning_field, max_sessions=args.max_sessions,
-                 allowed_hosts=args.allowed_hosts, max_connections=args.max_connections)
+    return serve(
+        engine_factory,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        cors_origin=args.cors_origin,
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        reasoning_field=args.reasoning_field,
+        max_sessions=args.max_sessions,
+        allowed_hosts=args.allowed_hosts,
+        max_connections=args.max_connections,
+    )

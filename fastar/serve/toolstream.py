@@ -12,6 +12,7 @@ The block parser stays the authority: when the block turns out malformed or cut 
 the stream simply stops short) and the caller trusts the final parse. Does not own: the block grammar
 (`fastar.encoding`), the API events (`fastar.serve.anthropic`, `fastar.serve.responses`). Pure Python.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ class ToolCallStream:
     def __init__(self) -> None:
         self._buf = ""
         self._pos = 0
-        self._state = "open"          # open -> calls -> params -> value -> params ... -> done | broken
+        self._state = "open"  # open -> calls -> params -> value -> params ... -> done | broken
         self._index = -1
         self._params: set[str] = set()
         self._string = True
@@ -68,7 +69,7 @@ class ToolCallStream:
 
     def _tag(self, pattern: re.Pattern, head: str, closer: str) -> re.Match | bool | None:
         """A complete opening tag at the cursor; None while it (or `closer`) may still come; False if neither can."""
-        rest = self._buf[self._pos:]
+        rest = self._buf[self._pos :]
         m = pattern.match(self._buf, self._pos)
         if m is not None:
             return m
@@ -89,7 +90,7 @@ class ToolCallStream:
             return True
         if self._state in ("calls", "params"):  # never inside a value: its whitespace is part of it
             self._skip_ws()
-        rest = buf[self._pos:]
+        rest = buf[self._pos :]
         if self._state == "calls":
             if rest.startswith(TOOL_CALLS_END):
                 self._state = "done"
@@ -120,8 +121,13 @@ class ToolCallStream:
                 self._state = "broken"
                 return False
             name, self._string = m.group(1), m.group(2) == "true"
-            self._emit(events, ("" if not self._params else ", ") + json.dumps(name, ensure_ascii=False) + ": "
-                       + ('"' if self._string else ""))
+            self._emit(
+                events,
+                ("" if not self._params else ", ")
+                + json.dumps(name, ensure_ascii=False)
+                + ": "
+                + ('"' if self._string else ""),
+            )
             self._params.add(name)
             self._pos, self._state = m.end(), "value"
             return True
@@ -129,12 +135,14 @@ class ToolCallStream:
         end = buf.find(_PARAM_END, self._pos)
         if end < 0:
             if self._string:
-                keep = next((k for k in range(min(len(rest), len(_PARAM_END) - 1), 0, -1)
-                             if _PARAM_END.startswith(rest[-k:])), 0)
-                self._emit(events, _escaped(rest[:len(rest) - keep]))
+                keep = next(
+                    (k for k in range(min(len(rest), len(_PARAM_END) - 1), 0, -1) if _PARAM_END.startswith(rest[-k:])),
+                    0,
+                )
+                self._emit(events, _escaped(rest[: len(rest) - keep]))
                 self._pos += len(rest) - keep
             return False
-        value = buf[self._pos:end]
+        value = buf[self._pos : end]
         if self._string:
             self._emit(events, _escaped(value) + '"')
         else:

@@ -23,6 +23,7 @@ Owns:
 Does not own: the API shapes (`fastar.serve.anthropic`, `fastar.serve.responses`, `fastar.serve.protocol`),
 the chat encoding (`fastar.encoding`), the engine or its thread (`fastar.serve.worker`). Never imports torch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -78,15 +79,16 @@ class ReplayCache:
         """Token ids of a rendered prompt: the longest stored prefix's real ids, then the tail tokenized. A
         prefix is used only where the cut falls at EOS (a special token), so the tail tokenizes on its own."""
         with self._lock:
-            usable = [t for t in self._entries
-                      if text.startswith(t) and (t.endswith(EOS) or text.startswith(EOS, len(t)))]
+            usable = [
+                t for t in self._entries if text.startswith(t) and (t.endswith(EOS) or text.startswith(EOS, len(t)))
+            ]
             best = max(usable, key=len, default="")
             if best:
                 self._entries.move_to_end(best)
                 ids = list(self._entries[best])
         if not best:
             return list(tokenizer.encode(text))
-        return ids + (list(tokenizer.encode(text[len(best):])) if len(text) > len(best) else [])
+        return ids + (list(tokenizer.encode(text[len(best) :])) if len(text) > len(best) else [])
 
     def record(self, text: str, ids: list[int]) -> None:
         with self._lock:
@@ -110,8 +112,12 @@ class Conversation:
 
     def render(self, extra: list[dict] | None = None) -> str:
         try:
-            return encode_messages(self.messages + (extra or []), "thinking" if self.thinking else "chat",
-                                   self.drop_thinking, self.reasoning_effort)
+            return encode_messages(
+                self.messages + (extra or []),
+                "thinking" if self.thinking else "chat",
+                self.drop_thinking,
+                self.reasoning_effort,
+            )
         except (ValueError, TypeError) as err:  # EncodingError is a ValueError
             raise P.bad_request(str(err), "messages") from None
 
@@ -142,29 +148,29 @@ def prompt_ids(backend: Backend, conv: Conversation) -> tuple[str, list[int]]:
 class AssistantTurn:
     """One generation: `events()` streams it; afterwards the fields below describe the finished turn."""
 
-    def __init__(self, backend: Backend, conv: Conversation, sampling: dict[str, Any],
-                 max_tokens: int | None) -> None:
+    def __init__(self, backend: Backend, conv: Conversation, sampling: dict[str, Any], max_tokens: int | None) -> None:
         engine = backend.engine()
         self.backend, self.conv, self.tokenizer = backend, conv, engine.tokenizer
         self.prompt_text, self.prompt_ids = prompt_ids(backend, conv)
-        self.limit = P.resolve_max_tokens(len(self.prompt_ids), max_tokens, engine.context_length,
-                                          getattr(engine, "context_note", None))
+        self.limit = P.resolve_max_tokens(
+            len(self.prompt_ids), max_tokens, engine.context_length, getattr(engine, "context_note", None)
+        )
         self.stop_strings = list(sampling.get("stop") or [])
         self.stops = P.StopFilter(self.stop_strings)
         self.parser = StreamParser(conv.thinking)
         self.tools = ToolCallStream()
-        self._text = ""                  # released text, for the tool-call body
-        self._tool_from = -1             # where the body starts in `_text` (after the opener)
+        self._text = ""  # released text, for the tool-call body
+        self._tool_from = -1  # where the body starts in `_text` (after the opener)
         self._tool_fed = 0
         self._tool_ids: list[str] = []
         self.generated: list[int] = []
-        self.raw = ""                    # the text as generated, stop strings included
-        self.released = 0                # characters of `raw` passed by the stop filter
+        self.raw = ""  # the text as generated, stop strings included
+        self.released = 0  # characters of `raw` passed by the stop filter
         self.reasoning_tokens = 0
         self._in_reasoning = conv.thinking
         self.engine_finish: str | None = None
         self.cached_tokens: int | None = None
-        self.finish_reason = "stop"      # "stop" | "length" | "tool_calls" | "stop_sequence"
+        self.finish_reason = "stop"  # "stop" | "length" | "tool_calls" | "stop_sequence"
         self.stop_sequence: str | None = None
         self.content, self.reasoning, self.tool_calls = "", None, []
         self.job = Job(self.prompt_ids, P.make_sampling_params(sampling, self.limit))
@@ -229,7 +235,7 @@ class AssistantTurn:
         if chunk.finish_reason:
             self.engine_finish = chunk.finish_reason
         self.raw += chunk.text
-        if self._in_reasoning and THINK_END in self.raw[-len(chunk.text) - len(THINK_END):]:
+        if self._in_reasoning and THINK_END in self.raw[-len(chunk.text) - len(THINK_END) :]:
             self._in_reasoning = False
         text = self.stops.feed(chunk.text)
         self.released += len(text)
@@ -244,7 +250,7 @@ class AssistantTurn:
             return
         if self._tool_from < 0:  # the parser switches to tool state at the first opener, wherever it is
             self._tool_from = self._text.find(TOOL_CALLS_START) + len(TOOL_CALLS_START)
-        body = self._text[self._tool_from + self._tool_fed:].split(EOS, 1)[0]
+        body = self._text[self._tool_from + self._tool_fed :].split(EOS, 1)[0]
         self._tool_fed += len(body)
         for kind, index, value in self.tools.feed(body):
             if kind == "start":
@@ -258,13 +264,13 @@ class AssistantTurn:
         self.released += len(tail)
         yield from self.parser.feed(tail)
         yield from self._stream_tools(tail)
-        released = self.parser.flush()   # a malformed or cut-off tool block comes back as content
+        released = self.parser.flush()  # a malformed or cut-off tool block comes back as content
         result = self.parser.finish()
         self.content, self.reasoning, self.tool_calls = result.content, result.reasoning, result.tool_calls
         yield from self._finish_tools()
         yield from released
         if self.stops.hit:
-            rest = self.raw[self.released:]
+            rest = self.raw[self.released :]
             self.stop_sequence = next((s for s in self.stop_strings if rest.startswith(s)), None)
         if self.tool_calls:
             self.finish_reason = "tool_calls"
@@ -291,13 +297,19 @@ class AssistantTurn:
                 call["id"] = self._tool_ids[i]
                 sent = self.tools.arguments[i]
             if args.startswith(sent) and len(args) > len(sent):
-                yield "tool_args", (i, args[len(sent):])
+                yield "tool_args", (i, args[len(sent) :])
             elif not args.startswith(sent):
                 log.warning("streamed tool-call arguments %r disagree with the parsed block %r", sent, args)
             yield "tool_done", call
         for i in range(len(self.tool_calls), streamed):  # a malformed or cut-off block: close what was opened
-            yield "tool_done", {"id": self._tool_ids[i], "type": "function",
-                                "function": {"name": self.tools.names[i], "arguments": self.tools.arguments[i]}}
+            yield (
+                "tool_done",
+                {
+                    "id": self._tool_ids[i],
+                    "type": "function",
+                    "function": {"name": self.tools.names[i], "arguments": self.tools.arguments[i]},
+                },
+            )
 
     def message(self) -> dict:
         """The assistant message in the encoder's (OpenAI) shape, as a client would send it back."""
@@ -309,12 +321,26 @@ class AssistantTurn:
         return msg
 
     def _record(self) -> None:
-        record_reply(self.backend, self.conv, self.prompt_text, self.prompt_ids, self.generated, self.message(),
-                     stopped=self.stops.hit)
+        record_reply(
+            self.backend,
+            self.conv,
+            self.prompt_text,
+            self.prompt_ids,
+            self.generated,
+            self.message(),
+            stopped=self.stops.hit,
+        )
 
 
-def record_reply(backend: Backend, conv: Conversation, prompt_text: str, prompt_ids: list[int],
-                 generated: list[int], message: dict, stopped: bool = False) -> None:
+def record_reply(
+    backend: Backend,
+    conv: Conversation,
+    prompt_text: str,
+    prompt_ids: list[int],
+    generated: list[int],
+    message: dict,
+    stopped: bool = False,
+) -> None:
     """Remember the real ids of a finished reply under the text its conversation's next request will render.
 
     For any route that tokenizes through `prompt_ids(backend, conv)` (chat completions included): `message`
@@ -336,5 +362,5 @@ def record_reply(backend: Backend, conv: Conversation, prompt_text: str, prompt_
     ids = prompt_ids + generated
     if generated[-1] == getattr(tokenizer, "eos_id", None):
         backend.replay.record(text, ids)
-    elif tokenizer.decode(generated) == text[len(prompt_text):-len(EOS)]:
-        backend.replay.record(text[:-len(EOS)], ids)
+    elif tokenizer.decode(generated) == text[len(prompt_text) : -len(EOS)]:
+        backend.replay.record(text[: -len(EOS)], ids)

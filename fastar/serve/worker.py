@@ -11,6 +11,7 @@ Owns:
 
 Does not own: HTTP or the OpenAI shapes (`fastar.serve.server`, `fastar.serve.protocol`). Never imports torch.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -47,13 +48,13 @@ class Job:
     # Anything with a thread-safe put(); the HTTP handlers pass one that lands on their event loop.
     events: Any = field(default_factory=queue.Queue)
     created: float = field(default_factory=time.monotonic)
-    progress: tuple[int, int] | None = None   # (prefilled, total) while the prompt is being processed
+    progress: tuple[int, int] | None = None  # (prefilled, total) while the prompt is being processed
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i, step = 0, 1024
-    while i + step <= n and a[i:i + step] == b[i:i + step]:  # slices compare in C; a 1M-token history stays fast
+    while i + step <= n and a[i : i + step] == b[i : i + step]:  # slices compare in C; a 1M-token history stays fast
         i += step
     while i < n and a[i] == b[i]:
         i += 1
@@ -96,7 +97,7 @@ class SessionPool:
         elif not self.slots:
             return None
         elif best is not None:
-            chosen = best                       # full: reuse the partial match rather than evict it for nothing
+            chosen = best  # full: reuse the partial match rather than evict it for nothing
         else:
             chosen = min(self.slots, key=lambda s: s.last_used)
         chosen.last_used = time.monotonic()
@@ -141,7 +142,7 @@ class EngineHost:
         self.error: str | None = None
         self.ready = threading.Event()
         self.current: Job | None = None
-        self._settled = threading.Event()   # loaded or failed
+        self._settled = threading.Event()  # loaded or failed
         self._stopping = threading.Event()
         self._loading: Any = None
         self._progress = 0.0
@@ -169,7 +170,7 @@ class EngineHost:
             self.pool = SessionPool(engine, self.max_sessions)
             on_ready(engine)
         except BaseException as err:  # noqa: BLE001 - reported through /health, and by serve() as the exit reason
-            if not isinstance(err, (FastarError, OSError)):   # those are the user's to fix, in one line
+            if not isinstance(err, (FastarError, OSError)):  # those are the user's to fix, in one line
                 log.exception("loading the model failed")
             self.error = f"{type(err).__name__}: {err}"
             self._settled.set()
@@ -200,8 +201,12 @@ class EngineHost:
         if self.error is not None:
             raise APIError(500, f"model failed to load: {self.error}", "server_error", code="model_load_failed")
         if not self.ready.is_set():
-            raise APIError(503, f"model is loading ({self.progress():.0%}); retry when /health answers 200",
-                           "unavailable_error", code="model_loading")
+            raise APIError(
+                503,
+                f"model is loading ({self.progress():.0%}); retry when /health answers 200",
+                "unavailable_error",
+                code="model_loading",
+            )
         return self.engine
 
     # ---- the queue and the worker -----------------------------------------------------------------------
@@ -212,8 +217,12 @@ class EngineHost:
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
-            raise APIError(503, f"server busy: {self.max_queue} requests are already waiting; retry later",
-                           "unavailable_error", code="queue_full") from None
+            raise APIError(
+                503,
+                f"server busy: {self.max_queue} requests are already waiting; retry later",
+                "unavailable_error",
+                code="queue_full",
+            ) from None
 
     def num_waiting(self) -> int:
         return self.jobs.qsize()
@@ -247,15 +256,16 @@ class EngineHost:
         generated: list[int] = []
         first = last = None
         ok = False
-        reported: int | None = None   # cached prompt tokens, when the engine's last chunk carries `usage`
+        reported: int | None = None  # cached prompt tokens, when the engine's last chunk carries `usage`
         last_finish: str | None = None
 
         def on_progress(done: int, total: int) -> None:
             job.progress = (done, total)
 
         try:
-            stream = engine.stream(job.prompt_ids, job.params, session=session, cancel=job.cancel,
-                                   on_prefill_progress=on_progress)
+            stream = engine.stream(
+                job.prompt_ids, job.params, session=session, cancel=job.cancel, on_prefill_progress=on_progress
+            )
             try:
                 for chunk in stream:
                     if chunk.token is not None:
@@ -268,7 +278,7 @@ class EngineHost:
                     job.events.put(("chunk", chunk))
                     last_finish = chunk.finish_reason or last_finish
                     if job.cancel.is_set():
-                        break   # don't wait for the engine to notice: close the generator now
+                        break  # don't wait for the engine to notice: close the generator now
             finally:
                 close = getattr(stream, "close", None)
                 if close is not None:
@@ -333,7 +343,7 @@ LATENCY_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 18
 class Histogram:
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
-        self.counts = [0] * len(buckets)   # cumulative, as Prometheus wants them
+        self.counts = [0] * len(buckets)  # cumulative, as Prometheus wants them
         self.sum = 0.0
         self.count = 0
 
@@ -346,8 +356,11 @@ class Histogram:
 
     def lines(self, name: str) -> list[str]:
         out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts, strict=True)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}",
-                      f"{name}_count {self.count}"]
+        return out + [
+            f'{name}_bucket{{le="+Inf"}} {self.count}',
+            f"{name}_sum {self.sum:.6f}",
+            f"{name}_count {self.count}",
+        ]
 
 
 def _metric_name(key: str) -> str:
@@ -368,8 +381,9 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
 
-    def generation(self, job: Job, n_generated: int, first: float | None, last: float | None,
-                   cached: int | None) -> None:
+    def generation(
+        self, job: Job, n_generated: int, first: float | None, last: float | None, cached: int | None
+    ) -> None:
         now = time.monotonic()
         with self.lock:
             self.prompt_tokens += len(job.prompt_ids)
@@ -377,7 +391,7 @@ class Metrics:
             self.cached_tokens += cached or 0
             self.latency.observe(now - job.created)
             if first is not None:
-                self.ttft.observe(first - job.created)   # queue wait included: it is what the user waits
+                self.ttft.observe(first - job.created)  # queue wait included: it is what the user waits
             if first is not None and last is not None and n_generated > 1 and last > first:
                 self.last_tps = (n_generated - 1) / (last - first)
                 self.decode_tokens += n_generated - 1
@@ -399,32 +413,79 @@ class Metrics:
             out.extend(f"fastar:{s}" for s in samples)
 
         with self.lock:
-            metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-                   [f"prompt_tokens_total {self.prompt_tokens}"])
-            metric("generation_tokens_total", "counter", "Generated tokens.",
-                   [f"generation_tokens_total {self.generation_tokens}"])
-            metric("prompt_tokens_cached_total", "counter", "Prompt tokens reused from a session's state.",
-                   [f"prompt_tokens_cached_total {self.cached_tokens}"])
-            metric("request_success_total", "counter", "Finished requests by finish reason.",
-                   [f'request_success_total{{finished_reason="{r}"}} {n}'
-                    for r, n in sorted(self.finish_reasons.items())])
-            metric("request_errors_total", "counter", "Error responses by HTTP status.",
-                   [f'request_errors_total{{status="{s}"}} {n}' for s, n in sorted(self.errors.items())])
-            metric("generation_tokens_per_second", "gauge", "Decode speed of the last request.",
-                   [f"generation_tokens_per_second {self.last_tps:.3f}"])
+            metric(
+                "prompt_tokens_total",
+                "counter",
+                "Prompt tokens of finished requests.",
+                [f"prompt_tokens_total {self.prompt_tokens}"],
+            )
+            metric(
+                "generation_tokens_total",
+                "counter",
+                "Generated tokens.",
+                [f"generation_tokens_total {self.generation_tokens}"],
+            )
+            metric(
+                "prompt_tokens_cached_total",
+                "counter",
+                "Prompt tokens reused from a session's state.",
+                [f"prompt_tokens_cached_total {self.cached_tokens}"],
+            )
+            metric(
+                "request_success_total",
+                "counter",
+                "Finished requests by finish reason.",
+                [f'request_success_total{{finished_reason="{r}"}} {n}' for r, n in sorted(self.finish_reasons.items())],
+            )
+            metric(
+                "request_errors_total",
+                "counter",
+                "Error responses by HTTP status.",
+                [f'request_errors_total{{status="{s}"}} {n}' for s, n in sorted(self.errors.items())],
+            )
+            metric(
+                "generation_tokens_per_second",
+                "gauge",
+                "Decode speed of the last request.",
+                [f"generation_tokens_per_second {self.last_tps:.3f}"],
+            )
             avg = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-            metric("avg_generation_tokens_per_second", "gauge", "Decode speed over all requests.",
-                   [f"avg_generation_tokens_per_second {avg:.3f}"])
-            metric("time_to_first_token_seconds", "histogram", "Time from arrival to the first token.",
-                   [line[len("fastar:"):] for line in self.ttft.lines("fastar:time_to_first_token_seconds")])
-            metric("e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.",
-                   [line[len("fastar:"):] for line in self.latency.lines("fastar:e2e_request_latency_seconds")])
-        metric("num_requests_running", "gauge", "Requests being generated.",
-               [f"num_requests_running {int(host.current is not None)}"])
-        metric("num_requests_waiting", "gauge", "Requests waiting in the queue.",
-               [f"num_requests_waiting {host.num_waiting()}"])
-        metric("model_load_progress", "gauge", "Fraction of the model loaded.",
-               [f"model_load_progress {host.progress():.4f}"])
+            metric(
+                "avg_generation_tokens_per_second",
+                "gauge",
+                "Decode speed over all requests.",
+                [f"avg_generation_tokens_per_second {avg:.3f}"],
+            )
+            metric(
+                "time_to_first_token_seconds",
+                "histogram",
+                "Time from arrival to the first token.",
+                [line[len("fastar:") :] for line in self.ttft.lines("fastar:time_to_first_token_seconds")],
+            )
+            metric(
+                "e2e_request_latency_seconds",
+                "histogram",
+                "Time from arrival to the last token.",
+                [line[len("fastar:") :] for line in self.latency.lines("fastar:e2e_request_latency_seconds")],
+            )
+        metric(
+            "num_requests_running",
+            "gauge",
+            "Requests being generated.",
+            [f"num_requests_running {int(host.current is not None)}"],
+        )
+        metric(
+            "num_requests_waiting",
+            "gauge",
+            "Requests waiting in the queue.",
+            [f"num_requests_waiting {host.num_waiting()}"],
+        )
+        metric(
+            "model_load_progress",
+            "gauge",
+            "Fraction of the model loaded.",
+            [f"model_load_progress {host.progress():.4f}"],
+        )
         if host.ready.is_set():
             try:
                 stats = host.engine.stats()
@@ -438,6 +499,10 @@ class Metrics:
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
                         flat[_metric_name(f"{key}_{sub}" if sub else key)] = v
             for key, value in sorted(flat.items()):
-                metric(f"engine_{key}", "gauge", f"engine.stats()['{key}'] (expert cache, prefill, decode).",
-                       [f"engine_{key} {value}"])
+                metric(
+                    f"engine_{key}",
+                    "gauge",
+                    f"engine.stats()['{key}'] (expert cache, prefill, decode).",
+                    [f"engine_{key} {value}"],
+                )
         return "\n".join(out) + "\n"

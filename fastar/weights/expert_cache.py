@@ -23,6 +23,7 @@ calls `release_all()`. When pins fill the budget, `acquire` raises `CacheFullErr
 layer needs more experts than the budget holds still runs; `iter_ready` streams any number of experts through
 any budget of at least one free slot.
 """
+
 from __future__ import annotations
 
 import collections
@@ -62,8 +63,9 @@ class ExpertHandle:
 
     __slots__ = ("layer", "expert", "weights", "buffer", "_cache", "_slot", "_live")
 
-    def __init__(self, layer: int, expert: int, weights: ExpertWeights, buffer: memoryview,
-                 cache: ExpertCache | None, slot: int) -> None:
+    def __init__(
+        self, layer: int, expert: int, weights: ExpertWeights, buffer: memoryview, cache: ExpertCache | None, slot: int
+    ) -> None:
         self.layer, self.expert, self.weights, self.buffer = layer, expert, weights, buffer
         self._cache, self._slot, self._live = cache, slot, True
 
@@ -132,9 +134,17 @@ class ExpertCache:
 
     pages = True
 
-    def __init__(self, fst: FstFile, ram_budget_bytes: int | None = None, io_threads: int = 2,
-                 direct: bool = False, policy: str = store.DEFAULT_POLICY, *, half_life: float | None = None,
-                 verify: bool = True) -> None:
+    def __init__(
+        self,
+        fst: FstFile,
+        ram_budget_bytes: int | None = None,
+        io_threads: int = 2,
+        direct: bool = False,
+        policy: str = store.DEFAULT_POLICY,
+        *,
+        half_life: float | None = None,
+        verify: bool = True,
+    ) -> None:
         if fst.bank is None:
             raise FormatError(f"{fst.path}: has no expert bank")
         self.fst, self.stride = fst, fst.expert_stride
@@ -142,19 +152,22 @@ class ExpertCache:
         budget = store.default_budget(fst) if ram_budget_bytes is None else int(ram_budget_bytes)
         n_slots = min(budget // self.stride, self.num_layers * self.num_experts)
         if n_slots < 1:
-            raise ConfigError(f"--ram-budget {budget} B is smaller than one expert ({self.stride} B); give at least "
-                              f"{(fst.config.num_experts_per_tok + 2) * self.stride} bytes, or 'none'")
+            raise ConfigError(
+                f"--ram-budget {budget} B is smaller than one expert ({self.stride} B); give at least "
+                f"{(fst.config.num_experts_per_tok + 2) * self.stride} bytes, or 'none'"
+            )
         self.n_slots, self.budget_bytes = n_slots, n_slots * self.stride
         hl, self.policy_window = store.lrfu_params(n_slots, self.num_layers, fst.config.num_experts_per_tok)
         self.policy_half_life = hl if half_life is None else float(half_life)
-        self.policy = store.make_policy(policy, self.num_layers * self.num_experts, self.policy_half_life,
-                                        self.policy_window)
+        self.policy = store.make_policy(
+            policy, self.num_layers * self.num_experts, self.policy_half_life, self.policy_window
+        )
         self._slab = store.ExpertSlab(n_slots, self.stride)
         self._slot_views: dict[int, tuple] = {}  # slot -> (read-only buffer, ExpertWeights views): made once a slot
         self._reader = store.ExpertReader(fst, direct)
         self.direct, self._verify = self._reader.direct, verify
         self._digests = fst.bank.get("xxh64") if verify else None
-        self._verified = np.zeros(self.num_layers * self.num_experts, bool)   # records checked once already
+        self._verified = np.zeros(self.num_layers * self.num_experts, bool)  # records checked once already
         # per-slot state (numpy so victim search is one vectorized pass)
         self._slot_key = np.full(n_slots, -1, np.int64)
         self._state = np.zeros(n_slots, np.int8)
@@ -169,13 +182,15 @@ class ExpertCache:
         self._prefetch: collections.deque[_Load] = collections.deque()
         self._cur_layer, self._epoch = -1, 0
         self._starved = False  # a loader waits for a slot to lose its last pin: only then does an unpin wake
-                               # the loaders (waking them for nothing costs the decode thread GIL hand-offs)
+        # the loaders (waking them for nothing costs the decode thread GIL hand-offs)
         self._cond = threading.Condition(threading.RLock())  # RLock: a thread-exit release may nest
         self._tls = threading.local()
         self._closed, self._fatal = False, None
         self.reset_stats()
-        self._threads = [threading.Thread(target=self._worker, name=f"fastar-expert-io-{i}", daemon=True)
-                         for i in range(max(1, io_threads))]
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"fastar-expert-io-{i}", daemon=True)
+            for i in range(max(1, io_threads))
+        ]
         for t in self._threads:
             t.start()
 
@@ -337,9 +352,16 @@ class ExpertCache:
             s = dict(self._stats)
             s["sources"] = {SOURCES[i]: dict(d) for i, d in enumerate(self._src)}
             resident = int(np.count_nonzero(self._state == _READY))
-            s.update(n_slots=self.n_slots, budget_bytes=self.budget_bytes, stride=self.stride,
-                     resident=resident, resident_bytes=resident * self.stride,
-                     pinned=int(np.count_nonzero(self._pins)), direct=self.direct, policy=self.policy.name)
+            s.update(
+                n_slots=self.n_slots,
+                budget_bytes=self.budget_bytes,
+                stride=self.stride,
+                resident=resident,
+                resident_bytes=resident * self.stride,
+                pinned=int(np.count_nonzero(self._pins)),
+                direct=self.direct,
+                policy=self.policy.name,
+            )
         n = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / n if n else 0.0
         s["read_GBps"] = s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else 0.0
@@ -351,8 +373,17 @@ class ExpertCache:
 
     def reset_stats(self) -> None:
         with self._cond:
-            self._stats = dict(hits=0, misses=0, reads=0, bytes_read=0, read_s=0.0, stall_s=0.0, evictions=0,
-                               transient_reads=0, read_errors=0)
+            self._stats = dict(
+                hits=0,
+                misses=0,
+                reads=0,
+                bytes_read=0,
+                read_s=0.0,
+                stall_s=0.0,
+                evictions=0,
+                transient_reads=0,
+                read_errors=0,
+            )
             self._src = [dict(issued=0, used=0, late=0, dropped=0, wasted_bytes=0) for _ in SOURCES]
 
     def close(self) -> None:
@@ -378,14 +409,18 @@ class ExpertCache:
 
     def _key(self, layer: int, e: int) -> int:
         if not (0 <= layer < self.num_layers and 0 <= e < self.num_experts):
-            raise ValueError(f"no expert (layer {layer}, id {e}): the bank has {self.num_layers} layer slots x "
-                             f"{self.num_experts} experts")
+            raise ValueError(
+                f"no expert (layer {layer}, id {e}): the bank has {self.num_layers} layer slots x "
+                f"{self.num_experts} experts"
+            )
         return layer * self.num_experts + e
 
     def _check_open(self) -> None:
         if self._closed:
-            raise FastarError(f"expert cache of {self.fst.path} is closed"
-                              + (f" after a loader failure: {self._fatal!r}" if self._fatal else ""))
+            raise FastarError(
+                f"expert cache of {self.fst.path} is closed"
+                + (f" after a loader failure: {self._fatal!r}" if self._fatal else "")
+            )
 
     def _enter_layer(self, layer: int) -> None:
         """A request for a new layer means the previous one ran: its unused prefetches lose their shield."""
@@ -400,13 +435,16 @@ class ExpertCache:
 
     def _committed(self) -> int:
         """Slots spoken for by pins: pinned slots plus queued loads that will arrive pinned."""
-        return int(np.count_nonzero(self._pins)) + sum(1 for ld in self._inflight.values()
-                                                        if ld.slot < 0 and ld.claims > 0)
+        return int(np.count_nonzero(self._pins)) + sum(
+            1 for ld in self._inflight.values() if ld.slot < 0 and ld.claims > 0
+        )
 
     def _full_msg(self, layer: int, need: int) -> str:
-        return (f"expert RAM budget of {self.budget_bytes / 1e6:.1f} MB ({self.n_slots} slots of {self.stride} B) "
-                f"is full: {self._committed()} slots are pinned and layer {layer} needs {need} more; raise the "
-                f"budget, release handles, or stream the layer with iter_ready()")
+        return (
+            f"expert RAM budget of {self.budget_bytes / 1e6:.1f} MB ({self.n_slots} slots of {self.stride} B) "
+            f"is full: {self._committed()} slots are pinned and layer {layer} needs {need} more; raise the "
+            f"budget, release handles, or stream the layer with iter_ready()"
+        )
 
     def _claim(self, k: int, layer: int, e: int) -> int | _Load:
         """Count the access and take one pin on key k: a slot when resident, else the load that will bring it."""
@@ -533,8 +571,12 @@ class ExpertCache:
         dt = time.perf_counter() - t0
         with self._cond:
             st = self._stats
-            st.update(misses=st["misses"] + 1, transient_reads=st["transient_reads"] + 1,
-                      stall_s=st["stall_s"] + dt, bytes_read=st["bytes_read"] + self.stride)
+            st.update(
+                misses=st["misses"] + 1,
+                transient_reads=st["transient_reads"] + 1,
+                stall_s=st["stall_s"] + dt,
+                bytes_read=st["bytes_read"] + self.stride,
+            )
         ro = buf.toreadonly()
         return ExpertHandle(layer, e, self.fst.expert_views(ro), ro, None, -1)
 
@@ -601,8 +643,13 @@ class ExpertCache:
                     self._reader.read(load.layer, load.expert, self._slab.view(load.slot))
                     self._verify_record(load.key, load.layer, load.expert, self._slab.view(load.slot))
                 except Exception as ex:
-                    err = ex if isinstance(ex, FastarError) else FormatError(
-                        f"{self.fst.path}: reading expert (layer {load.layer}, id {load.expert}) failed: {ex!r}")
+                    err = (
+                        ex
+                        if isinstance(ex, FastarError)
+                        else FormatError(
+                            f"{self.fst.path}: reading expert (layer {load.layer}, id {load.expert}) failed: {ex!r}"
+                        )
+                    )
                 with self._cond:
                     self._finish(load, err, time.perf_counter() - t0)
         except BaseException as ex:  # a bug here must not leave waiters hanging
@@ -616,8 +663,10 @@ class ExpertCache:
         if self._digests is None or self._verified[key]:
             return
         if xxhash.xxh64_hexdigest(data) != self._digests[key]:
-            raise FormatError(f"{self.fst.path}: expert (layer {layer}, id {e}) fails its checksum "
-                              f"(file corrupt or changed under the engine; --no-verify skips this check)")
+            raise FormatError(
+                f"{self.fst.path}: expert (layer {layer}, id {e}) fails its checksum "
+                f"(file corrupt or changed under the engine; --no-verify skips this check)"
+            )
         self._verified[key] = True
 
     def _finish(self, load: _Load, err: BaseException | None, dt: float) -> None:

@@ -14,6 +14,7 @@ Does not own: pinning, loader threads, prefetch and statistics (`expert_cache.py
 (`device_cache.py`); routing (the model); the trace simulator, the mmap baseline and the disk and cache
 measurements (`fastar.bench.cache`).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -29,6 +30,7 @@ GiB = 1 << 30
 
 
 # --- memory ----------------------------------------------------------------------------------------------------
+
 
 class ExpertSlab:
     """`n_slots` page-aligned buffers of `stride` bytes in one anonymous mapping, allocated once.
@@ -52,7 +54,7 @@ class ExpertSlab:
 
     def view(self, slot: int) -> memoryview:
         """Writable bytes of one slot (for the reader)."""
-        return self._mv[slot * self.stride:(slot + 1) * self.stride]
+        return self._mv[slot * self.stride : (slot + 1) * self.stride]
 
     def close(self) -> None:
         self._mv.release()
@@ -69,6 +71,7 @@ def anonymous_buffer(nbytes: int) -> memoryview:
 
 # --- I/O -------------------------------------------------------------------------------------------------------
 
+
 class ExpertReader:
     """Reads expert records from an open `FstFile` into caller buffers; thread-safe (pread has no file offset).
 
@@ -82,8 +85,9 @@ class ExpertReader:
         if direct:
             self.fd = fst.open_direct()
             if self.fd is None:
-                warnings.warn(f"{fst.path}: O_DIRECT is not supported here; reading through the page cache",
-                              stacklevel=2)
+                warnings.warn(
+                    f"{fst.path}: O_DIRECT is not supported here; reading through the page cache", stacklevel=2
+                )
         self.direct = self.fd is not None
 
     def read(self, layer: int, e: int, buf: memoryview) -> None:
@@ -93,8 +97,9 @@ class ExpertReader:
         except FormatError:
             raise
         except OSError as err:
-            raise FormatError(f"{self.fst.path}: cannot read expert (layer {layer}, id {e}): "
-                              f"{err.strerror or err}") from None
+            raise FormatError(
+                f"{self.fst.path}: cannot read expert (layer {layer}, id {e}): {err.strerror or err}"
+            ) from None
         except ValueError as err:  # the reader's mapping/descriptor was closed under us
             raise FormatError(f"{self.fst.path}: cannot read expert (layer {layer}, id {e}): {err}") from None
 
@@ -128,6 +133,7 @@ def default_budget(fst: FstFile, margin_bytes: int | None = None) -> int:
 # A policy sees every access (hit or miss) to a key k = layer * experts + e and scores keys; the cache evicts
 # the evictable resident slot with the lowest score. Keeping state for all keys (tiny: 11,008 floats) means a
 # popular expert that was evicted comes back with its history, which is what lets frequency beat recency here.
+
 
 class LRUPolicy:
     """Exact least-recently-used: score = time of the last access."""
@@ -172,9 +178,9 @@ class LRFUPolicy:
         self.last[k] = self.tick
         x = (self.tick - self.base) * self.inv_h
         if x > 512.0:  # keep 2^x far from float64 overflow (2^1024)
-            self.score *= 2.0 ** -x
+            self.score *= 2.0**-x
             self.base, x = self.tick, 0.0
-        self.score[k] += 2.0 ** x
+        self.score[k] += 2.0**x
 
     def victim(self, keys: np.ndarray) -> int:
         if self.window:

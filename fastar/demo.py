@@ -55,7 +55,21 @@ def ensure_demo_model(log=None) -> Path:
     if final.is_file():
         return final
     d = final.parent
+    created = None  # the topmost folder this build creates
+    for p in [d, *d.parents]:
+        if p.exists():
+            break
+        created = p
     d.mkdir(parents=True, exist_ok=True)
+    try:
+        return _build_locked(d, final, log)
+    except BaseException:
+        if created is not None and not final.is_file():  # a failed first build (a full disk) leaves no folder
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def _build_locked(d: Path, final: Path, log) -> Path:
     with open(d / ".demo.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         if final.is_file():  # another process built it while we waited

@@ -220,3 +220,26 @@ def test_c7_sigterm_during_convert_removes_the_partial_file(vocab_ckpt, tmp_path
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "Traceback" not in err
     assert not partial.exists() and not out.exists()
+
+
+def test_a_failed_demo_build_leaves_no_folder(tmp_path, monkeypatch):
+    """A demo build that fails (here: the disk fills while converting) leaves neither the cache folder it created
+    nor anything in it, and the error reaches the caller (the CLI prints it as one line)."""
+    import errno
+
+    from fastar import demo
+
+    def full(tmp, final):
+        (tmp / "half-written.bin").write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv("FASTAR_CACHE_DIR", str(tmp_path / "new" / "cache"))
+    monkeypatch.setattr(demo, "_build", full)
+    with pytest.raises(OSError, match="No space left"):
+        demo.ensure_demo_model()
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a cache folder that existed before is kept (others may use it)
+    monkeypatch.setenv("FASTAR_CACHE_DIR", str(tmp_path / "kept"))
+    with pytest.raises(OSError):
+        demo.ensure_demo_model()
+    assert (tmp_path / "kept").is_dir() and not list((tmp_path / "kept").glob(".demo-build-*"))

@@ -7,7 +7,9 @@ budgets, threads), which belong to the engine.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,3 +252,22 @@ def parse_size(v: int | str | None) -> int | None:
     if n < 0:
         raise ConfigError(f"size {v!r} is negative")
     return int(n * mult)
+
+
+def int_flag(lo: int, hi: int | None, what: str) -> Callable[[str], int]:
+    """An argparse `type` for an integer flag in [lo, hi] (hi None: no upper bound): a bad value is one usage line
+    naming `what`, never a traceback."""
+
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {v!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(
+                f"{what} must be {f'at least {lo}' if hi is None else f'{lo}..{hi}'}, got {n}"
+            )
+        return n
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from .config import int_flag
 from .encoding import StreamParser
 from .errors import FastarError
 
@@ -37,22 +38,6 @@ CHAT_HELP = """commands:
 # --- flags -------------------------------------------------------------------------------------------------
 
 
-def _int_in(lo: int, hi: int | None, what: str):
-    def parse(v: str) -> int:
-        try:
-            n = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {v!r}") from None
-        if n < lo or (hi is not None and n > hi):
-            raise argparse.ArgumentTypeError(
-                f"{what} must be {f'at least {lo}' if hi is None else f'{lo}..{hi}'}, got {n}"
-            )
-        return n
-
-    parse.__name__ = what  # argparse names the type in its messages
-    return parse
-
-
 def _float_in(lo: float, hi: float, what: str):
     def parse(v: str) -> float:
         try:
@@ -67,10 +52,10 @@ def _float_in(lo: float, hi: float, what: str):
     return parse
 
 
-non_negative_int = _int_in(0, None, "a count")
-positive_int = _int_in(1, None, "a positive count")
-thread_count = _int_in(0, 1024, "a thread count")
-seed_value = _int_in(-(2**63), 2**64 - 1, "a seed")
+non_negative_int = int_flag(0, None, "a count")
+positive_int = int_flag(1, None, "a positive count")
+thread_count = int_flag(0, 1024, "a thread count")
+seed_value = int_flag(-(2**63), 2**64 - 1, "a seed")
 
 
 def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -41,6 +41,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from fastar.config import int_flag
 from fastar.errors import FastarError
 from fastar.serve import protocol as P
 from fastar.serve.agent_routes import ERROR_SHAPES, AgentRoutes
@@ -365,26 +366,10 @@ def serve(
     return 0
 
 
-def _int_flag(lo: int, hi: int | None, what: str) -> Callable[[str], int]:
-    def parse(v: str) -> int:
-        try:
-            n = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {v!r}") from None
-        if n < lo or (hi is not None and n > hi):
-            raise argparse.ArgumentTypeError(
-                f"{what} must be {f'at least {lo}' if hi is None else f'{lo}..{hi}'}, got {n}"
-            )
-        return n
-
-    parse.__name__ = what
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags, for `fastar serve` (the caller adds -m/--model and the engine's own flags)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
-    parser.add_argument("--port", type=_int_flag(0, 65535, "a port"), default=8080, help="port (default 8080)")
+    parser.add_argument("--port", type=int_flag(0, 65535, "a port"), default=8080, help="port (default 8080)")
     parser.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health"
     )
@@ -394,13 +379,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default="deepseek-v4-flash", help="model id the API reports and accepts")
     parser.add_argument(
         "--max-queue",
-        type=_int_flag(1, None, "--max-queue"),
+        type=int_flag(1, None, "--max-queue"),
         default=16,
         help="requests that may wait; more get 503 (default 16)",
     )
     parser.add_argument(
         "--max-sessions",
-        type=_int_flag(0, None, "--max-sessions"),
+        type=int_flag(0, None, "--max-sessions"),
         default=4,
         help="conversations whose model state is kept for prefix reuse (default 4)",
     )
@@ -418,7 +403,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-connections",
-        type=_int_flag(1, None, "--max-connections"),
+        type=int_flag(1, None, "--max-connections"),
         default=Limits.max_connections,
         help=f"open connections at once; more get 503 (default {Limits.max_connections})",
     )

@@ -376,6 +376,11 @@ class Engine:
             drop_thinking,
         )
 
+    @property
+    def counters(self) -> Stats:
+        """The generation counters `stats()` reports (prefill/decode tokens and times); the scheduler adds to them."""
+        return self._stats
+
     def stats(self) -> dict:
         """Counters since load: prompt/generated tokens, `prefill_tokens_computed` (what prefix reuse did not
         save), prefill/decode seconds and tok/s, speculative decoding's as `draft_*` (mode, verify passes,

@@ -279,7 +279,7 @@ class Scheduler:
             self._start(req)
 
     def _start(self, req: _Request) -> None:
-        stats = self.engine._gen_counters()
+        stats = self.engine.counters
         stats.requests += 1
         stats.prompt_tokens += len(req.ids)
         if req.params.max_tokens == 0:
@@ -299,7 +299,7 @@ class Scheduler:
         """The next `prefill_chunk` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
         first token is sampled."""
         part = req.ids[req.done : req.done + self.engine.prefill_chunk]
-        stats = self.engine._gen_counters()
+        stats = self.engine.counters
         t = time.perf_counter()
         logits, _ = self.model.forward(part, req.state, all_logits=False)
         stats.prefill_seconds += time.perf_counter() - t
@@ -312,7 +312,7 @@ class Scheduler:
         self._sampled(req, logits[-1])
 
     def _decode(self, group: list[_Request]) -> None:
-        stats = self.engine._gen_counters()
+        stats = self.engine.counters
         t = time.perf_counter()
         logits = self.model.forward_rows([r.pending for r in group], [r.state for r in group])
         stats.decode_seconds += time.perf_counter() - t
@@ -328,7 +328,7 @@ class Scheduler:
         now = time.perf_counter()
         req.first_token_at = req.first_token_at or now
         req.last_token_at = now
-        self.engine._gen_counters().generated_tokens += 1
+        self.engine.counters.generated_tokens += 1
         chunk = req.chunks.feed(
             token, logprob, top, len(req.ids) + len(req.generated), req.handle.cancelled, req.cached
         )

@@ -239,7 +239,7 @@ def test_worker_thread_and_callers_on_other_threads(eng):
     def client(i):
         out[i] = list(sched.submit(*reqs[i]))
 
-    clients = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
     try:
         for t in clients:
             t.start()
@@ -292,3 +292,34 @@ def test_bench_streams_cli(tiny_ckpt, tmp_path):
         assert row["identical_to_solo"] is True and len(row["per_stream_tok_s"]) == row["streams"]
         assert row["aggregate_decode_tok_s"] > 0 and row["itl_p95_ms"] >= row["itl_p50_ms"] > 0
     assert out["rows"][1]["expert_reads_per_call"] >= out["rows"][0]["expert_reads_per_call"]
+
+
+def test_a_failing_worker_ends_every_request_with_its_error(eng, monkeypatch):
+    """If a step raises (a bug, a read error), the worker loop does not leave callers waiting forever: every queued
+    and active request's iterator raises the error, and `run` re-raises it on the worker thread."""
+    import threading
+
+    from fastar.errors import FastarError
+
+    sched = Scheduler(eng)
+    handles = [sched.submit(p, kw) for p, kw in requests(3)]
+
+    def boom():
+        raise RuntimeError("disk read failed")
+
+    monkeypatch.setattr(sched, "_admit", boom)
+    caught = []
+
+    def worker():
+        try:
+            sched.run(threading.Event(), 0.01)
+        except RuntimeError as err:
+            caught.append(err)
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive() and caught
+    for h in handles:
+        with pytest.raises(FastarError, match="disk read failed"):
+            list(h)

@@ -72,12 +72,20 @@ class Handle:
         return self._cancel.is_set()
 
     def __iter__(self) -> Iterator[GenerationChunk]:
-        """The chunks not yet taken, blocking until the last (an exhausted handle yields nothing)."""
+        """The chunks not yet taken, blocking until the last (an exhausted handle yields nothing). Raises
+        `FastarError` if the worker failed while the request was queued or running."""
         while not self._taken_all:
             chunk = self._chunks.get()
+            if isinstance(chunk, BaseException):
+                self._taken_all = True
+                raise FastarError(f"generation failed: {chunk}") from chunk
             if chunk.finish_reason is not None:
                 self._taken_all = True
             yield chunk
+
+    def _fail(self, err: BaseException) -> None:
+        self._chunks.put(err)
+        self.done.set()
 
 
 @dataclass(eq=False)
@@ -223,10 +231,23 @@ class Scheduler:
     def run(self, stop: threading.Event, idle_wait: float = 0.5) -> None:
         """Step while there is work, sleep on new submissions otherwise, until `stop` is set."""
         while not stop.is_set():
-            if not self.step():
+            try:
+                busy = self.step()
+            except BaseException as err:  # no caller may wait forever on a worker that died
+                self._fail_all(err)
+                raise
+            if not busy:
                 with self._lock:
                     if not self._waiting and not self._active:
                         self._lock.wait(idle_wait)
+
+    def _fail_all(self, err: BaseException) -> None:
+        """End every queued and active request with `err` (their iterators raise it)."""
+        with self._lock:
+            reqs, self._waiting = [*self._waiting, *self._active], deque()
+            self._active = []
+        for r in reqs:
+            r.handle._fail(err)
 
     def run_until_idle(self) -> None:
         while self.step():

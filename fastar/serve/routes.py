@@ -226,14 +226,10 @@ class OpenAIRoutes:
         turn = P.ChatTurn(req, engine.tokenizer, self.server.reasoning_field)
         rid, created, n_prompt = P.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
         if not req.stream:
-            try:
-                cached = await self._collect(job, turn, request)
-            finally:
-                job.cancel.set()
-            if cached is _GONE:
+            done = await self._collect_finished(job, turn, request, limit)
+            if done is None:
                 return Response(status_code=499)
-            _, finish = turn.finish(limit)
-            self.server.metrics.finished(finish)
+            cached, finish = done
             return JSONResponse(
                 P.chat_response(
                     rid,
@@ -285,14 +281,10 @@ class OpenAIRoutes:
         turn = P.CompletionTurn(req, engine.tokenizer, len(prefix))
         rid, created, n_prompt = P.new_id("cmpl"), int(time.time()), len(prompt_ids)
         if not req.stream:
-            try:
-                cached = await self._collect(job, turn, request)
-            finally:
-                job.cancel.set()
-            if cached is _GONE:
+            done = await self._collect_finished(job, turn, request, limit)
+            if done is None:
                 return Response(status_code=499)
-            _, finish = turn.finish(limit)
-            self.server.metrics.finished(finish)
+            cached, finish = done
             return JSONResponse(
                 P.completion_response(
                     rid,
@@ -328,6 +320,18 @@ class OpenAIRoutes:
             yield P.SSE_DONE
 
         return _JobStream(events(), job)
+
+    async def _collect_finished(self, job: Job, turn: Any, request: Request, limit: Any) -> tuple[Any, str] | None:
+        """A non-streamed reply: (cached prompt tokens, finish reason) once the job ends, None if the client left."""
+        try:
+            cached = await self._collect(job, turn, request)
+        finally:
+            job.cancel.set()
+        if cached is _GONE:
+            return None
+        _, finish = turn.finish(limit)
+        self.server.metrics.finished(finish)
+        return cached, finish
 
     async def _collect(self, job: Job, turn: Any, request: Request) -> Any:
         """A whole reply for a non-streamed request: the cached-prompt token count, or `_GONE` when the client

@@ -94,6 +94,19 @@ def test_sink_and_one_key(isa):
     torch.testing.assert_close(got, reference(q, keys, k0, p0, 1, comp, idx, 4, sinks, scale))
 
 
+def test_nan_key_poisons_the_queries_that_see_it(isa):
+    """A NaN in a key makes every output of the queries whose window holds it NaN (as torch's softmax makes their
+    rows), and no other (the kernel reads only visible rows; the masked torch product also multiplies the hidden
+    ones by 0). AVX-512's exp once clamped a NaN logit to e^-110, leaving those rows mostly finite."""
+    args = list(inputs(6, 8, 64, 4, 20, 0))
+    keys, k0 = args[1].clone(), args[2]
+    keys[21 - k0, 5] = float("nan")  # position 21: seen by the queries at 21..24 (window 4)
+    args[1] = keys
+    got = M.attend(*args)
+    assert got[1:5].isnan().all() and not got[[0, 5]].isnan().any()
+    assert reference(*args)[1:5].isnan().all()
+
+
 @pytest.mark.parametrize("D,k", [(64, 0), (40, 5), (512, 0)])
 def test_chunk_is_bit_identical_to_one_query_at_a_time(isa, D, k):
     """Each query of a chunk (T = 2, 8, 40) computes its rows as a one-query call with only its own window keys and

@@ -6,7 +6,8 @@
 #define FASTAR_EXP512_H
 
 static inline __attribute__((always_inline, target("avx512f"))) __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-110.0f)), _mm512_set1_ps(100.0f)); /* NaN: the 2nd operand */
+    /* vmaxps / vminps return their second operand when either is NaN: x second, so NaN stays NaN */
+    x = _mm512_min_ps(_mm512_set1_ps(100.0f), _mm512_max_ps(_mm512_set1_ps(-110.0f), x));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);

@@ -25,7 +25,7 @@ COMMON = [
     "gemm_avx512bf16.c",
 ]  # the GEMM file defines portable stubs where it has no x86 body
 X86 = ["kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c"]
-ARM64 = ["kern_neon.c", "kern_neonbf16.c"]
+ARM64 = ["kern_neon.c", "kern_neonbf16.c", "attn_neon.c"]
 
 machine = platform.machine().lower()
 arch_files = X86 if machine in ("x86_64", "amd64", "i386", "i686") else ARM64 if machine in ("arm64", "aarch64") else []
@@ -44,7 +44,8 @@ setup(
             "fastar.quant._kernels",
             sources=sources,
             depends=[
-                CSRC + h for h in ("kernels.h", "simd.h", "dispatch.h", "bindings.h", "kern_avx512.h", "exp512.h")
+                CSRC + h
+                for h in ("kernels.h", "simd.h", "dispatch.h", "bindings.h", "kern_avx512.h", "exp512.h", "exp_neon.h")
             ],
             extra_compile_args=extra,
             extra_link_args=link,

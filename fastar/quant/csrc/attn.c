@@ -310,6 +310,9 @@ int attn_run(const isa_ops *isa, const attn_job *j) {
     if (isa->vec == VEC_AVX512) c.fn = heads_avx512;
     else if (isa->vec == VEC_AVX2) c.fn = heads_avx2;
 #endif
+#if FASTAR_ARM64
+    if (isa->vec == VEC_NEON) c.fn = attn_heads_neon; /* attn_neon.c */
+#endif
     (void)isa;
     atomic_init(&c.failed, 0);
     pool_run(j->T * ((j->H + ATTN_HB - 1) / ATTN_HB), attn_chunk, &c);

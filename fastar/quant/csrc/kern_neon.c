@@ -11,8 +11,8 @@
  * - tile path (larger T): an NR-row x KC-column tile is dequantized once (exact: value * scale) into an L1 buffer,
  *   transposed, and an outer-product microkernel (MR tokens x NR rows) reuses it for every token.
  * FP8 NaN codes poison their row as in the reference (the dot path tracks them; in the tile they are NaN values).
- * Also the FP8 activation quantization (bit for bit the portable one), the FP32 peak loop and the streaming read
- * of `fastar bench kernels`.
+ * Also the FP8 activation quantization (bit for bit the portable one), the clamped SwiGLU (exp_neon.h), the FP32
+ * peak loop and the streaming read of `fastar bench kernels`.
  * Does not own: argument checks, threading, the bf16 dot path (kern_neonbf16.c), the ISA choice (dispatch.c).
  */
 #include "kernels.h"
@@ -22,6 +22,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "exp_neon.h"
 #include "simd.h"
 
 #define DOT_MAX 8 /* T up to this takes the dot path, DOT_GROUP tokens at a time */
@@ -350,6 +351,35 @@ static void act_quant(const float *x, float *out, int64_t rows, int64_t K, int64
         }
 }
 
+/* out = silu(min(g, l)) * clamp(u, -l, l) * scale, as swiglu_rows (rowops.c) with exp_neon for expf: the clamps
+ * are compare-and-select, so NaN passes through them as there; a ragged end goes through a zero-padded copy. */
+static void swiglu(const float *g, const float *u, float *out, int64_t n, float limit, float scale) {
+    const float32x4_t l = vdupq_n_f32(limit), nl = vdupq_n_f32(-limit), one = vdupq_n_f32(1.0f);
+    const float32x4_t sc = vdupq_n_f32(scale);
+    for (int64_t i = 0; i < n; i += 4) {
+        float gt[4] = {0}, ut[4] = {0};
+        const int full = n - i >= 4;
+        if (!full) {
+            memcpy(gt, g + i, (size_t)(n - i) * sizeof(float));
+            memcpy(ut, u + i, (size_t)(n - i) * sizeof(float));
+        }
+        float32x4_t gv = vld1q_f32(full ? g + i : gt), uv = vld1q_f32(full ? u + i : ut);
+        if (limit > 0) { /* where gv > l (false for NaN): l */
+            gv = vbslq_f32(vcgtq_f32(gv, l), l, gv);
+            uv = vbslq_f32(vcgtq_f32(uv, l), l, uv);
+            uv = vbslq_f32(vcltq_f32(uv, nl), nl, uv);
+        }
+        const float32x4_t e = exp_neon(vnegq_f32(gv));
+        const float32x4_t y = vmulq_f32(vmulq_f32(vdivq_f32(gv, vaddq_f32(one, e)), uv), sc);
+        if (full) {
+            vst1q_f32(out + i, y);
+        } else {
+            vst1q_f32(gt, y);
+            memcpy(out + i, gt, (size_t)(n - i) * sizeof(float));
+        }
+    }
+}
+
 static double fma_loop(int64_t iters) {
     float32x4_t a[16];
     const float32x4_t m = vdupq_n_f32(0.9999f), c = vdupq_n_f32(0.0001f);
@@ -387,5 +417,6 @@ const isa_ops isa_neon_ops = {
     .fma_loop = fma_loop,
     .read_sum = read_sum,
     .act_quant = act_quant,
+    .swiglu = swiglu,
 };
 #endif /* FASTAR_ARM64 */

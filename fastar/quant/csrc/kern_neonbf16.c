@@ -104,6 +104,9 @@ static double read_sum(const uint8_t *p, size_t n) { return isa_neon_ops.read_su
 static void act_quant(const float *x, float *out, int64_t rows, int64_t K, int64_t block) {
     isa_neon_ops.act_quant(x, out, rows, K, block);
 }
+static void swiglu(const float *g, const float *u, float *out, int64_t n, float limit, float scale) {
+    isa_neon_ops.swiglu(g, u, out, n, limit, scale);
+}
 
 const isa_ops isa_neonbf16_ops = {
     .name = "neon-bf16",
@@ -118,5 +121,6 @@ const isa_ops isa_neonbf16_ops = {
     .fma_loop = fma_loop,
     .read_sum = read_sum,
     .act_quant = act_quant,
+    .swiglu = swiglu,
 };
 #endif /* FASTAR_ARM64 */

@@ -20,6 +20,8 @@
  *   gemm_avx512bf16.c  AVX512_BF16 tile path (prefill GEMM) for FP4 / FP8 when x is bfloat16-exact
  *   mhc.c          the hyper-connections (mHC) of a layer site and the final head, and their Sinkhorn
  *   attn.c         DeepSeek-V4 attention with sinks: plain C, AVX2 and AVX-512 kernels in one file (attn_run)
+ *   attn_neon.c    its AArch64 NEON kernel
+ *   exp_neon.h     the one NEON exp (attention softmax, SwiGLU)
  *   rowops.c       row-wise ops of the forward pass: RMS norm, interleaved RoPE, the portable SwiGLU
  *   simd.h         what the SIMD code shares: INLINE, UNROLL, function targets, the dot-path driver
  *   exp512.h       the one AVX-512 exp (attention softmax, SwiGLU)
@@ -143,6 +145,11 @@ typedef struct {
 } attn_job;
 /* Runs a job over the pool with the kernel of isa->vec. Returns 0, or -1 for out of memory. */
 int attn_run(const isa_ops *isa, const attn_job *j);
+#if FASTAR_ARM64
+/* attn_neon.c: attn_run's NEON kernel, hb heads of one query (q [hb, D]) against rows[0..n); s [hb, n] scratch. */
+void attn_heads_neon(const float *const *rows, int64_t n, const float *q, int hb, int64_t D, float scale,
+                     const float *sinks, float *s, float *out);
+#endif
 
 /* Thread pool. pool_run calls fn(ctx, i) once for every i in [0, nchunks), spread over the pool's threads
  * (the caller included); chunks are handed out dynamically so a descheduled thread delays only its own. */

@@ -365,7 +365,7 @@ def test_thread_count_does_not_change_results(isa, quantized):
 
 
 @pytest.mark.parametrize("k", [512, 992, 4096, 8192])
-@pytest.mark.parametrize("isa", [i for i in ISAS if i != "scalar"])  # a promise of the SIMD dot path
+@pytest.mark.parametrize("isa", ISAS)  # a promise of every dot path, the portable one included
 def test_small_batches_are_batch_invariant(isa, k):
     """A token's outputs do not depend on how many tokens share the call (up to the dot path's 8): a speculative
     verify pass reproduces plain decode bit for bit."""

@@ -11,7 +11,8 @@
  *                  (x_kind), job preparation, splitting rows across the pool (dispatch.h: its interface)
  *   experts.c      the fused routed experts of a layer (experts_run)
  *   pool.c         persistent pthread pool (callers run one job at a time; the caller works too)
- *   kern_scalar.c  portable C kernels: the always-correct fallback, the tables, the FP8 activation quantization
+ *   kern_scalar.c  portable C kernels (vector extensions, no intrinsics): every CPU's fallback, the tables, the FP8
+ *                  activation quantization
  *   kern_avx2.c    AVX2+FMA+F16C kernels (compiled with a target pragma, picked at run time)
  *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers both AVX-512 files share
  *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)

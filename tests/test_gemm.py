@@ -17,6 +17,7 @@ from fastar.quant import reference as R
 
 @pytest.fixture
 def bf16_isa():
+    """avx512bf16, the one ISA with a bf16 tile path (NEON-BF16's bf16 path is the dot path's: test_kernels)."""
     if "avx512bf16" not in ISAS:
         pytest.skip("no AVX512_BF16 + AVX512_VBMI on this CPU (or the C extension is not built)")
     K.set_isa("avx512bf16")

@@ -7,6 +7,9 @@ matrices, plus numpy and torch dequantize-then-matmul on the same matrices for c
 Honesty rules (docs/PERFORMANCE.md): random weights with realistic scales, never zeros; each timed
 call reads a different copy of the weights, cycling through more than the last-level cache, so weights
 come from DRAM as in real decoding; warm-up, then the median of the repeats (spread reported).
+The limits are measured with the running ISA's own loops (isa_ops.read_sum / fma_loop: AVX2 / AVX-512 on x86-64,
+NEON on AArch64, the portable vectors for FASTAR_ISA=scalar), so on an ARM machine the same command reports the
+NEON / NEON-BF16 kernels' fraction of its bandwidth and peak (`--prefill`, the bf16 tile path, is AVX512_BF16 only).
 Does not own: end-to-end tokens/s (`fastar.bench.model`) or the kernels themselves (fastar.quant.kernels).
 
 Usage: python -m fastar.bench.kernels [--json] [--threads 1,2] (or `fastar bench kernels`)

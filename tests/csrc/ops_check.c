@@ -87,7 +87,8 @@ static void check_attn(size_t ii, const isa_ops *isa) {
     for (int si = 0; si < 5; si++)
         for (int mode = 0; mode < 3; mode++) { /* window only, every closed compressed entry, picked entries */
             const int64_t H = shapes[si][0], D = shapes[si][1], T = 5, K = 23, E = 13, k = 6;
-            attn_job j = {.T = T, .H = H, .D = D, .K = K, .k0 = 3, .p0 = 17, .window = 9 + si, .scale = 1.0f / sqrtf((float)D)};
+            attn_job j = {.T = T, .H = H, .D = D, .K = K, .k0 = 3, .p0 = 17, .window = 9 + si};
+            j.scale = 1.0f / sqrtf((float)D);
             float *q = randn(T * H * D, si == 3 ? 6.0f : 1.0f), *keys = randn(K * D, 1.0f), *comp = randn(E * D, 1.0f);
             float *sinks = randn(H, 1.0f);
             int64_t idx[5 * 6];
@@ -104,7 +105,8 @@ static void check_attn(size_t ii, const isa_ops *isa) {
             n_cases[ii]++;
             if (!close_rows(got, ref, T * H, D, 2e-5)) {
                 char msg[120];
-                snprintf(msg, sizeof msg, "H=%ld D=%ld mode %d: differs from the portable kernel by %.3g", (long)H, (long)D, mode, worst);
+                snprintf(msg, sizeof msg, "H=%ld D=%ld mode %d: differs from the portable kernel by %.3g", (long)H,
+                         (long)D, mode, worst);
                 fail(isa->name, "attention", msg);
             }
             for (int th = 2; th <= 3; th++) {
@@ -115,7 +117,8 @@ static void check_attn(size_t ii, const isa_ops *isa) {
                 attn_job a = j;
                 a.T = 1, a.q = q + t * H * D, a.p0 = j.p0 + t, a.idx = j.idx ? idx + t * k : NULL;
                 attn(isa, &a, 1, other);
-                if (!same_bits(got + t * H * D, other, H * D)) fail(isa->name, "attention", "a query's result depends on its chunk");
+                if (!same_bits(got + t * H * D, other, H * D))
+                    fail(isa->name, "attention", "a query's result depends on its chunk");
             }
             free(q), free(keys), free(comp), free(sinks), free(ref), free(got), free(other);
         }
@@ -139,16 +142,19 @@ static hc_result hc(const isa_ops *isa, const float *x, const float *fn, const f
 static void hc_free(hc_result *r) { free(r->u), free(r->post), free(r->comb), free(r->out); }
 
 /* Every output of a and b: bit-identical (tol < 0), else within tol per token. */
-static int hc_same(const hc_result *a, const hc_result *b, int64_t t0, int64_t T, int n, int64_t d, int head, double tol) {
+static int hc_same(const hc_result *a, const hc_result *b, int64_t t0, int64_t T, int n, int64_t d, int head,
+                   double tol) {
     const hc_result *v[2] = {a, b};
     const float *p[2][4];
     for (int i = 0; i < 2; i++) {
         const int64_t o = i ? 0 : t0; /* a holds the whole chunk, b from token t0 on */
-        p[i][0] = v[i]->u + o * d, p[i][1] = v[i]->post + o * n, p[i][2] = v[i]->comb + o * n * n, p[i][3] = v[i]->out + o * n * d;
+        p[i][0] = v[i]->u + o * d, p[i][1] = v[i]->post + o * n;
+        p[i][2] = v[i]->comb + o * n * n, p[i][3] = v[i]->out + o * n * d;
     }
     const int64_t len[4] = {d, n, n * n, n * d};
     for (int k = 0; k < (head ? 1 : 4); k++)
-        if (tol < 0 ? !same_bits(p[0][k], p[1][k], T * len[k]) : !close_rows(p[0][k], p[1][k], T, len[k], tol)) return 0;
+        if (tol < 0 ? !same_bits(p[0][k], p[1][k], T * len[k]) : !close_rows(p[0][k], p[1][k], T, len[k], tol))
+            return 0;
     return 1;
 }
 
@@ -158,25 +164,29 @@ static void check_mhc(size_t ii, const isa_ops *isa) {
         for (int head = 0; head < 2; head++) {
             const int n = (int)shapes[si][0];
             const int64_t d = shapes[si][1], T = 10, R = head ? n : (2 + n) * n;
-            float *x = randn(T * n * d, 1.0f), *fn = randn(R * n * d, 0.02f), *base = randn(R, 0.5f), *f = randn(T * d, 3.0f);
+            float *x = randn(T * n * d, 1.0f), *fn = randn(R * n * d, 0.02f), *base = randn(R, 0.5f);
+            float *f = randn(T * d, 3.0f);
             const float scale[3] = {0.4f, 0.3f, 0.2f};
             for (int64_t t = 0; t < T; t++) /* per-token magnitudes over two decades */
                 for (int64_t i = 0; i < n * d; i++) x[t * n * d + i] *= powf(10.0f, -1.0f + 2.0f * t / (T - 1));
             hc_result ref = hc(&isa_scalar_ops, x, fn, base, scale, f, T, n, d, head, 1);
             hc_result got = hc(isa, x, fn, base, scale, f, T, n, d, head, 1);
             n_cases[ii]++;
-            if (!hc_same(&got, &ref, 0, T, n, d, head, 2e-5)) fail(isa->name, "mHC", "differs from the portable variant");
+            if (!hc_same(&got, &ref, 0, T, n, d, head, 2e-5))
+                fail(isa->name, "mHC", "differs from the portable variant");
             if (FASTAR_ARM64 && isa->vec == VEC_NEON && !hc_same(&got, &ref, 0, T, n, d, head, -1))
                 fail(isa->name, "mHC", "NEON variant differs from the portable one (only the tile should)");
             for (int th = 2; th <= 3; th++) {
                 hc_result o = hc(isa, x, fn, base, scale, f, T, n, d, head, th);
-                if (!hc_same(&got, &o, 0, T, n, d, head, -1)) fail(isa->name, "mHC", "result depends on the thread count");
+                if (!hc_same(&got, &o, 0, T, n, d, head, -1))
+                    fail(isa->name, "mHC", "result depends on the thread count");
                 hc_free(&o);
             }
             for (int64_t t0 = 0; t0 < T; t0 += 3) { /* tokens t0.. (1 to 3 of them) alone */
                 const int64_t nt = T - t0 < 1 + t0 / 3 % 3 ? T - t0 : 1 + t0 / 3 % 3;
                 hc_result o = hc(isa, x + t0 * n * d, fn, base, scale, f + t0 * d, nt, n, d, head, 1);
-                if (!hc_same(&got, &o, t0, nt, n, d, head, -1)) fail(isa->name, "mHC", "a token's result depends on its chunk");
+                if (!hc_same(&got, &o, t0, nt, n, d, head, -1))
+                    fail(isa->name, "mHC", "a token's result depends on its chunk");
                 hc_free(&o);
             }
             hc_free(&ref), hc_free(&got);
@@ -286,7 +296,8 @@ static void check_experts(size_t ii, const isa_ops *isa) {
         }
         if (ab) {
             experts_by_hand(isa, ew, x, rows, off, rw, other);
-            if (!same_bits(got, other, 4 * XD)) fail(isa->name, "experts", "differs from its products, SwiGLU and quantization");
+            if (!same_bits(got, other, 4 * XD))
+                fail(isa->name, "experts", "differs from its products, SwiGLU and quantization");
         }
     }
     for (int e = 0; e < XE; e++)
@@ -318,7 +329,8 @@ static void check_rowops(void) {
     for (int64_t half = 1; half <= 40; half += 13) /* RoPE: pass-through columns, both directions, in place */
         for (int inv = 0; inv < 2; inv++) {
             const int64_t D = 2 * half + 5, R = 6, per = 3;
-            float *x = randn(R * D, 1.0f), *c = randn(2 * half, 1.0f), *s = randn(2 * half, 1.0f), *y = malloc(R * D * 4);
+            float *x = randn(R * D, 1.0f), *c = randn(2 * half, 1.0f), *s = randn(2 * half, 1.0f);
+            float *y = malloc(R * D * 4);
             rope_rows(x, y, c, s, R, D, half, per, inv);
             for (int64_t r = 0; r < R; r++)
                 for (int64_t i = 0; i < D; i++) {

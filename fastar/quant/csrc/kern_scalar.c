@@ -63,7 +63,8 @@ static uint8_t fp4_map[XP_CHUNK], fp8_map[XP_CHUNK], bf16_map[XP_CHUNK];
 static void init_scalar(void) {
     for (int c0 = 0; c0 < XP_CHUNK; c0 += 32) /* FP4: 32 columns per 16 bytes, nibble j of word i */
         for (int j = 0; j < 8; j++)
-            for (int i = 0; i < 4; i++) fp4_map[c0 + 4 * j + i] = (uint8_t)(c0 + 2 * (4 * i + word_byte(j / 2)) + (j & 1));
+            for (int i = 0; i < 4; i++)
+                fp4_map[c0 + 4 * j + i] = (uint8_t)(c0 + 2 * (4 * i + word_byte(j / 2)) + (j & 1));
     for (int c0 = 0; c0 < XP_CHUNK; c0 += 16) /* FP8: 16 columns per 16 bytes, byte j of word i */
         for (int j = 0; j < 4; j++)
             for (int i = 0; i < 4; i++) fp8_map[c0 + 4 * j + i] = (uint8_t)(c0 + 4 * i + word_byte(j));

@@ -1,8 +1,9 @@
-"""Prefix cache on disk: decode states of token prefixes, so a resent conversation (or a restarted server)
-prefills only its new tail.
+"""Prefix caches: decode states of token prefixes, so a resent conversation (or a restarted server) prefills
+only its new tail.
 
-Owns: `PrefixCache` (store a state under a hash of the token ids it has processed, find the longest stored
-prefix of a prompt, LRU eviction under a size cap) and its file format. Does not own: the state's bytes
+Owns: `PrefixCache` on disk (store a state under a hash of the token ids it has processed, find the longest stored
+prefix of a prompt, LRU eviction under a size cap) and its file format; `PrefixMemory`, the states of the last few
+finished requests kept in RAM and matched by longest common token prefix. Does not own: the state's bytes
 (`ModelState.to_bytes`/`from_bytes`), when to store (the scheduler: at the end of a prompt and of a reply).
 
 File `<n>-<sha256 of the n ids>.fpc`: MAGIC, u32 version, u64 header length, a JSON header (model fingerprint,
@@ -23,7 +24,8 @@ import tempfile
 from pathlib import Path
 
 from ..errors import FastarError
-from ..model.state import ModelState
+from ..model.state import ModelState, StateError
+from .session import common_prefix
 
 MAGIC = b"FSTPFX\0\0"
 VERSION = 1
@@ -57,11 +59,12 @@ class PrefixCache:
 
     # --- lookup ---------------------------------------------------------------------------------------------
 
-    def lookup(self, ids: list[int], limit: int) -> tuple[ModelState, int] | None:
+    def lookup(self, ids: list[int], limit: int, better_than: int = 0) -> tuple[ModelState, int] | None:
         """The state of the longest stored prefix of `ids`, rolled back to at most `limit` positions (a prompt's
-        last token must run: limit = len(ids) - 1) -> (state, positions), or None."""
+        last token must run: limit = len(ids) - 1) -> (state, positions), or None. Prefixes that would give no
+        more than `better_than` positions are not read (the caller has those already)."""
         for n in sorted(self._lengths(), reverse=True):
-            if n > len(ids) or min(n, limit) <= 0:
+            if n > len(ids) or min(n, limit) <= better_than:
                 continue
             path = self.folder / f"{n}-{prefix_key(ids[:n])}{SUFFIX}"
             if not path.exists():
@@ -188,3 +191,73 @@ class PrefixCache:
             "evictions": self.evictions,
             "bytes": self.size(),
         }
+
+
+class _Kept:
+    __slots__ = ("tokens", "state", "prompt_len")
+
+    def __init__(self, tokens: list[int], state: ModelState, prompt_len: int) -> None:
+        self.tokens, self.state, self.prompt_len = tokens, state, prompt_len
+
+
+class PrefixMemory:
+    """The states of the last `capacity` finished requests, in RAM, each with the tokens it has processed.
+
+    A new prompt takes the state with the longest common token prefix. The state is handed over (no copy) when the
+    prompt continues that request's conversation: the match covers all the state holds, or at least the request's
+    whole prompt (a regenerated or edited last reply, thinking mode dropping the last reasoning). A shorter match
+    of at least `min_shared` tokens (a shared system prompt) gets a copy, so the other conversation keeps its
+    state. Rolling a state back fails beyond its `max_rollback` positions; then nothing is reused from it (the
+    disk cache holds the state at the end of each prompt for that case). Only the worker thread touches it.
+    """
+
+    def __init__(self, capacity: int, min_shared: int = 64) -> None:
+        if capacity < 0:
+            raise ValueError(f"the number of kept states must be >= 0, got {capacity}")
+        self.capacity, self.min_shared = capacity, min_shared
+        self._kept: list[_Kept] = []  # least recently used first
+        self.hits = self.misses = 0
+
+    def take(self, ids: list[int], limit: int) -> tuple[ModelState, int] | None:
+        """(a state of the first n tokens of `ids`, n) with n <= `limit` as large as kept states allow, or None."""
+        best, best_n = None, 0
+        for kept in self._kept:  # later entries are more recent: `>=` prefers them among equals
+            n = common_prefix(kept.tokens, ids)
+            if n >= best_n and n > 0:
+                best, best_n = kept, n
+        n = min(best_n, limit)
+        if best is None or n <= 0:
+            self.misses += 1
+            return None
+        if best_n >= len(best.tokens) or best_n >= best.prompt_len:
+            self._kept.remove(best)
+            state = best.state
+        elif n >= self.min_shared:
+            state = best.state.snapshot()
+        else:
+            self.misses += 1
+            return None
+        if state.length > n:
+            try:
+                state.truncate(n)
+            except StateError:
+                self.misses += 1
+                return None
+        self.hits += 1
+        return state, n
+
+    def put(self, tokens: list[int], state: ModelState, prompt_len: int) -> None:
+        """Keep `state`, which has processed exactly `tokens` (a request's prompt of `prompt_len` tokens and
+        part of its reply); the least recently used beyond the capacity are dropped."""
+        if self.capacity == 0 or not tokens:
+            return
+        assert state.length == len(tokens), (state.length, len(tokens))
+        self._kept = [k for k in self._kept if k.tokens != tokens]
+        self._kept.append(_Kept(tokens, state, prompt_len))
+        del self._kept[: max(0, len(self._kept) - self.capacity)]
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def nbytes(self) -> int:
+        return sum(k.state.nbytes() for k in self._kept)

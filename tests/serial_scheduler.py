@@ -49,6 +49,7 @@ class SerialScheduler:
         self._waiting: deque[_Req] = deque()
         self._running: _Req | None = None
         self._slots: list[_Slot] = []
+        self._progress: tuple[int, int] | None = None  # the running prompt's (done, total) while it prefills
         self.rejected = 0
 
     def submit(self, ids, params, on_chunk=None, on_error=None, on_progress=None, cancel=None):
@@ -86,7 +87,7 @@ class SerialScheduler:
             "decoding_sequences": running,
             "batch_size_histogram": {},
             "tokens_per_s_per_sequence": [],
-            "prefill_progress": [],
+            "prefill_progress": [self._progress] if self._progress else [],
             "requests_rejected": self.rejected,
         }
 
@@ -112,12 +113,18 @@ class SerialScheduler:
         slot = self._acquire(req.ids)
         common = common_prefix(slot.tokens, req.ids) if slot else 0
         tokens, ok = list(req.ids), False
+
+        def progress(done: int, total: int) -> None:
+            self._progress = (done, total)
+            req.on_progress(done, total)
+
         stream = self.engine.stream(
             req.ids, req.params, session=slot.session if slot else None, cancel=req.cancel,
-            on_prefill_progress=req.on_progress,
+            on_prefill_progress=progress,
         )  # fmt: skip
         try:
             for chunk in stream:
+                self._progress = None
                 if chunk.token is not None:
                     tokens.append(chunk.token)
                 if chunk.finish_reason is not None and chunk.usage is None:
@@ -127,6 +134,7 @@ class SerialScheduler:
                     break
             ok = True
         finally:
+            self._progress = None
             stream.close()
             if slot is not None:
                 slot.tokens = tokens if ok else []

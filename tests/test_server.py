@@ -639,8 +639,17 @@ def test_keepalive_comments_during_long_prefill():
         )
         resp = conn.getresponse()
         assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+        # meanwhile /metrics shows how far the prompt is
+        deadline, seen = time.monotonic() + 5, None
+        while seen is None and time.monotonic() < deadline:
+            text = raw(srv, "GET", "/metrics")[2].decode()
+            seen = re.search(r'^fastar:prefill_tokens_done\{slot="0"\} (\d+)$', text, re.M)
+        assert seen, "no prefill progress in /metrics during the prefill"
+        total = int(re.search(r'^fastar:prefill_tokens_total\{slot="0"\} (\d+)$', text, re.M).group(1))
+        assert 0 <= int(seen.group(1)) < total and total > 500
         body = resp.read().decode()
         assert ": keep-alive" in body and body.endswith("data: [DONE]\n\n")
+        assert re.search(r"^: keep-alive prefill \d+/\d+$", body, re.M)  # what the web UI's progress bar reads
         events = [json.loads(line[6:]) for line in body.split("\n") if line.startswith("data: {")]
         assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events).startswith("Echo: xxx")
     finally:
@@ -894,6 +903,26 @@ def test_cli_arguments_delegate_to_serve(monkeypatch):
         "prompt_cache": S.default_prompt_cache(),
         "prompt_cache_size": 20 << 30,
     }
+
+
+def test_batching_and_prompt_cache_flags(monkeypatch, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    S.add_arguments(parser)
+    seen = {}
+    monkeypatch.setattr(S, "serve", lambda factory, **kw: seen.update(kw) or 0)
+    args = ["--max-batch", "4", "--prompt-cache", "/tmp/pc", "--prompt-cache-size", "1.5G"]
+    S.run_from_args(parser.parse_args(args), lambda: None)
+    assert (seen["max_batch"], seen["prompt_cache"], seen["prompt_cache_size"]) == (4, "/tmp/pc", 3 << 29)
+    S.run_from_args(parser.parse_args(["--no-prompt-cache"]), lambda: None)
+    assert seen["prompt_cache"] is None
+    assert S.default_prompt_cache().endswith("prompt-cache")
+    for bad in (["--prompt-cache-size", "lots"], ["--prompt-cache-size", "0"], ["--max-batch", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+        err = capsys.readouterr().err
+        assert f"argument {bad[0]}" in err and "Traceback" not in err
 
 
 def test_server_modules_do_not_import_torch():

@@ -276,6 +276,13 @@ def cmd_synth(a) -> int:
     return 0
 
 
+def cmd_chat(a) -> int:
+    from .console import cmd_chat
+
+    a.prompt_cache = a.serve_mod.prompt_cache_dir(a)  # the flag, the default folder, or None (--no-prompt-cache)
+    return cmd_chat(a)
+
+
 def cmd_serve(a) -> int:
     from .console import check_model_path, open_engine
 
@@ -381,11 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="one-shot generation, streamed to stdout (timings on stderr)")
     console.add_run_arguments(r)
     r.set_defaults(fn=console.cmd_run)
+    from .serve import server as serve_mod  # imports no torch
+
     ch = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     console.add_chat_arguments(ch)
-    ch.set_defaults(fn=console.cmd_chat)
-
-    from .serve import server as serve_mod  # imports no torch
+    serve_mod.add_prompt_cache_arguments(ch)
+    ch.set_defaults(fn=cmd_chat, serve_mod=serve_mod)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP API and the web chat UI")
     sv.add_argument(

@@ -447,10 +447,14 @@ def run_from_args(args: argparse.Namespace, engine_factory: Callable[..., Any]) 
 
 
 def default_prompt_cache() -> str:
-    """The prompt cache folder when no --prompt-cache is given: under the user cache directory."""
+    """The prompt cache folder when no --prompt-cache is given: 'prompt-cache' in `FASTAR_CACHE_DIR` if set, else
+    in the user cache directory (the demo model's folder too)."""
+    import os
+
     import platformdirs
 
-    return str(Path(platformdirs.user_cache_dir("fastar")) / "prompt-cache")
+    base = os.environ.get("FASTAR_CACHE_DIR") or platformdirs.user_cache_dir("fastar")
+    return str(Path(base).expanduser() / "prompt-cache")
 
 
 def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:

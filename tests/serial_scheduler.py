@@ -64,6 +64,9 @@ class SerialScheduler:
             self._lock.notify_all()
         return _Handle(req.cancel)
 
+    def flush(self) -> None:
+        pass  # no prompt cache
+
     @property
     def idle(self) -> bool:
         with self._lock:

@@ -160,6 +160,7 @@ def test_prefix_memory_hands_over_its_own_conversation_and_copies_a_shared_prefi
     mem.put(system + [1, 2, 3, 4], a, prompt_len=12)
     mem.put(system + [5, 6, 7], b, prompt_len=11)
     # A continues (its prompt + reply + more): A's own state, handed over and not copied
+    assert mem.match(system + [1, 2, 3, 4, 9, 9], limit=15) == 14 and len(mem) == 2  # match takes nothing
     state, n = mem.take(system + [1, 2, 3, 4, 9, 9], limit=15)
     assert state is a and n == 14 and len(mem) == 1
     # a new conversation sharing the 10-token system prompt with B: a copy, rolled back; B stays kept
@@ -184,3 +185,19 @@ def test_prefix_memory_evicts_the_least_recent_and_skips_states_that_cannot_roll
     mem.put([7] * 50, FakeState(50, max_rollback=5), prompt_len=10)
     assert mem.take([7] * 10 + [1], limit=10) is None  # 40 positions back: beyond its rollback
     assert PrefixMemory(0).take([1], 1) is None
+
+
+def test_background_writes_land_after_flush_and_are_then_found(eng, tmp_path):
+    """The scheduler's cache writes on its own thread: `store` returns once the state is serialized (the state
+    may change afterwards without changing the file), `flush` waits for the file."""
+    ids = prompt(11, 24)
+    cache = eng.open_prefix_cache(tmp_path, "1G", background=True)
+    state = prefilled(eng, ids)
+    expected = state.to_bytes()
+    path = cache.store(ids, state)
+    eng.model.forward([5, 6], state, all_logits=False)  # the live state moves on at once
+    cache.flush()
+    assert path.exists() and cache.stats()["stores"] == 1
+    got, n = eng.open_prefix_cache(tmp_path, "1G").lookup(ids + [9], limit=24)
+    assert n == 24 and got.to_bytes() == expected
+    assert cache.store(ids, prefilled(eng, ids)) == path and cache.stats()["stores"] == 1  # already there

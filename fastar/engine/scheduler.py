@@ -287,8 +287,15 @@ class Scheduler:
             r.handle._fail(err)
 
     def run_until_idle(self) -> None:
+        """Step until every request has finished, and its states are on disk."""
         while self.step():
             pass
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait until the prefix states saved so far are written (the disk cache writes on its own thread)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
 
     def step(self) -> bool:
         """One step: drop cancelled requests, admit waiting ones, decode one token of every decoding sequence
@@ -344,10 +351,10 @@ class Scheduler:
             self._finish(req, req.chunks.empty())
             return
         limit = len(req.ids) - 1  # the prompt's last token must run: its logits give the first token
-        hit = self.memory.take(req.ids, limit)
-        if self.prefix_cache is not None:
-            longer = self.prefix_cache.lookup(req.ids, limit, better_than=hit[1] if hit else 0)
-            hit = longer or hit
+        hit = None
+        if self.prefix_cache is not None:  # read from disk only what beats RAM (RAM's entry then stays kept)
+            hit = self.prefix_cache.lookup(req.ids, limit, better_than=self.memory.match(req.ids, limit))
+        hit = hit or self.memory.take(req.ids, limit)
         req.state, req.done = hit if hit is not None else (self.model.new_state(), 0)
         if hit is not None:
             req.cached = req.done

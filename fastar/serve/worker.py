@@ -12,8 +12,9 @@ Owns:
 
 The engine contract used here: `scheduler(max_batch=, max_queue=, keep_states=, prefix_cache=,
 prefix_cache_size=)` -> an object with `submit(ids, params, on_chunk=, on_error=, on_progress=, cancel=)`
-(raising `QueueFull` with `retry_after`, or a ValueError for a bad prompt), `run(stop_event)`, `idle` and
-`metrics()`; plus `stats()`, `tokenizer`, `context_length` and `close()`.
+(raising `QueueFull` with `retry_after`, or a ValueError for a bad prompt), `run(stop_event)`, `idle`,
+`metrics()` and `flush()` (pending prompt-cache writes, at shutdown); plus `stats()`, `tokenizer`,
+`context_length` and `close()`.
 
 Does not own: HTTP or the OpenAI shapes (`fastar.serve.server`, `fastar.serve.protocol`). Never imports torch.
 """
@@ -272,6 +273,8 @@ class EngineHost:
         self._halt.set()
         if self._worker is not None:
             self._worker.join(timeout=10)
+            if not self._worker.is_alive():
+                self.scheduler.flush()  # prompt states still being written: a restart finds them
             if not self._worker.is_alive() and self.engine is not None:
                 self.engine.close()
 

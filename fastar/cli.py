@@ -276,10 +276,24 @@ def cmd_synth(a) -> int:
     return 0
 
 
+def cmd_chat(a) -> int:
+    from .console import cmd_chat
+
+    a.prompt_cache = a.serve_mod.prompt_cache_dir(a)  # the flag, the default folder, or None (--no-prompt-cache)
+    return cmd_chat(a)
+
+
 def cmd_serve(a) -> int:
     from .console import check_model_path, open_engine
 
     check_model_path(a.model)  # before binding the port: a wrong path is one line, not a failed load later
+    if a.draft != "none":
+        print(
+            f"fastar serve: --draft {a.draft} is not used: the server's batch scheduler decodes without drafting "
+            "(fastar run and chat draft)",
+            file=sys.stderr,
+        )
+        a.draft = "none"  # nor is the drafter loaded
     return a.serve_mod.run_from_args(a, lambda: open_engine(a))
 
 
@@ -381,11 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="one-shot generation, streamed to stdout (timings on stderr)")
     console.add_run_arguments(r)
     r.set_defaults(fn=console.cmd_run)
+    from .serve import server as serve_mod  # imports no torch
+
     ch = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     console.add_chat_arguments(ch)
-    ch.set_defaults(fn=console.cmd_chat)
-
-    from .serve import server as serve_mod  # imports no torch
+    serve_mod.add_prompt_cache_arguments(ch)
+    ch.set_defaults(fn=cmd_chat, serve_mod=serve_mod)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP API and the web chat UI")
     sv.add_argument(

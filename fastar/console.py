@@ -411,8 +411,10 @@ class ChatREPL:
         out: TextIO = sys.stdout,
         err: TextIO = sys.stderr,
         verbose: bool = False,
+        prompt_cache=None,
     ) -> None:
         self.engine, self.params, self.thinking = engine, params, thinking
+        self.prompt_cache = prompt_cache  # a PrefixCache: a new chat that starts like a saved one resumes from it
         self.system = system
         self.out, self.err, self.verbose = out, err, verbose
         self.session = engine.open_session()
@@ -481,6 +483,37 @@ class ChatREPL:
             self.say(f"(unknown command {cmd}; /help lists them)")
         return True
 
+    def _resume_from_cache(self, prompt: str) -> int:
+        """Take the prompt cache's longest stored prefix of `prompt` when it beats what the session holds.
+        Returns the prompt's length in tokens."""
+        from .engine.session import common_prefix
+
+        ids = self.session.encode_prompt(prompt)
+        held = min(common_prefix(self.session.tokens, ids), self.session.num_processed)
+        hit = self.prompt_cache.lookup(ids, len(ids) - 1, better_than=held)
+        if hit is not None:
+            state, n = hit
+            self.session.resume(ids[:n], state)
+        return len(ids)
+
+    def _save_to_cache(self, prompt_len: int) -> None:
+        """Store the state at the end of this turn's reply and, rolled back, at the end of its prompt (the prefix
+        a later chat that starts the same way resends)."""
+        from .model.state import StateError
+
+        done = self.session.processed()
+        if done is None:
+            return
+        tokens, state = done
+        self.prompt_cache.store(tokens, state)
+        if 0 < prompt_len < len(tokens):
+            snap = state.snapshot()
+            try:
+                snap.truncate(prompt_len)
+            except StateError:  # a reply longer than the state's rollback: only its end is kept
+                return
+            self.prompt_cache.store(tokens[:prompt_len], snap)
+
     def reply(self, text: str) -> None:
         """Send one user message and stream the reply. A cancelled reply is kept as far as it went."""
         from .engine.generate import chat_prompt
@@ -490,6 +523,7 @@ class ChatREPL:
         before = self.engine.stats()
         try:
             prompt = chat_prompt(self.messages, self.thinking)
+            prompt_len = self._resume_from_cache(prompt) if self.prompt_cache is not None else 0
             parsed, last = _stream_reply(
                 self.engine,
                 prompt,
@@ -506,6 +540,8 @@ class ChatREPL:
             self.say(f"(error: {e})")
             return
         self.writer.end_line(self.out)
+        if self.prompt_cache is not None:
+            self._save_to_cache(prompt_len)
         cancelled = last is not None and last.finish_reason == "cancelled"
         if cancelled:
             self.say("(stopped)")
@@ -547,7 +583,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         import readline  # noqa: F401  line editing and up-arrow history for input()
     except ImportError:
         pass
-    repl = ChatREPL(engine, params, thinking=args.thinking, system=args.system, verbose=args.verbose)
+    cache = engine.open_prefix_cache(args.prompt_cache, args.prompt_cache_size) if args.prompt_cache else None
+    repl = ChatREPL(
+        engine, params, thinking=args.thinking, system=args.system, verbose=args.verbose, prompt_cache=cache
+    )
     code = repl.run()
     print(timings_line({}, engine.stats()).replace("timings:", "session totals:"), file=sys.stderr)
     return code

@@ -18,3 +18,11 @@ class CheckpointError(FastarError):
 
 class ConfigError(FastarError, ValueError):
     """A model config is missing a field or holds a value the engine cannot run."""
+
+
+class QueueFull(FastarError):
+    """The step scheduler's wait queue is full: try again after `retry_after` seconds (a server's 503)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -13,6 +13,21 @@ import pytest
 from fastar.fixtures import write_checkpoint
 
 
+@pytest.fixture(scope="session", autouse=True)
+def prompt_cache_in_a_temp_folder(tmp_path_factory: pytest.TempPathFactory):
+    """`fastar serve` and `fastar chat` keep a prompt cache by default in the user cache directory: tests that run
+    them (in process or as subprocesses) use a temporary folder instead (the FASTAR_PROMPT_CACHE mirror)."""
+    import os
+
+    before = os.environ.get("FASTAR_PROMPT_CACHE")
+    os.environ["FASTAR_PROMPT_CACHE"] = str(tmp_path_factory.mktemp("prompt-cache"))
+    yield
+    if before is None:
+        os.environ.pop("FASTAR_PROMPT_CACHE", None)
+    else:
+        os.environ["FASTAR_PROMPT_CACHE"] = before
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules of tiny-model tests (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): torch's

@@ -25,7 +25,7 @@ from fastar.serve import anthropic as A
 from fastar.serve import protocol as P
 from fastar.serve import responses as R
 from fastar.serve.turn import Backend, ClientDisconnected, Conversation, ReplayCache, prompt_ids, record_reply
-from fastar.serve.worker import EngineHost, Metrics
+from fastar.serve.worker import Batching, EngineHost, Metrics
 
 anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a test dependency")
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
@@ -65,7 +65,7 @@ class AgentEngine(FakeEngine):
 def make_backend(engine: FakeEngine | None = None, **kw) -> tuple[Backend, EngineHost]:
     engine = engine or AgentEngine()
     metrics = Metrics()
-    host = EngineHost(lambda: engine, max_queue=8, max_sessions=4, metrics=metrics)
+    host = EngineHost(lambda: engine, Batching(max_queue=8, keep_states=4), metrics=metrics)
     host.start(on_ready=lambda e: None)
     assert host.wait_ready(10)
     backend = Backend(engine=host.require_engine, submit=host.submit, metrics=metrics, **kw)
@@ -241,9 +241,9 @@ def test_closing_a_stream_cancels_the_generation():
         assert b"text_delta" in got[-1]
         stream.close()
         deadline = time.monotonic() + 5
-        while host.current is not None and time.monotonic() < deadline:
+        while host.num_running() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert host.current is None
+        assert not host.num_running()
         assert engine.stats()["generated_tokens"] < 200  # "count" would run to ~8000 tokens
     finally:
         host.shutdown()
@@ -262,9 +262,9 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation():
                 disconnected=lambda: time.monotonic() - start > 0.5,
             )
         deadline = time.monotonic() + 5
-        while host.current is not None and time.monotonic() < deadline:
+        while host.num_running() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert host.current is None and engine.stats()["generated_tokens"] < 200
+        assert not host.num_running() and engine.stats()["generated_tokens"] < 200
     finally:
         host.shutdown()
 

@@ -18,6 +18,7 @@ pytest.importorskip("uvicorn")
 
 import types  # noqa: E402 (after the importorskip guards)
 
+from serial_scheduler import SchedulesSerially  # noqa: E402 (after the importorskip guards)
 from test_agents_api import API_KEY, App  # noqa: E402 (after the importorskip guards)
 
 from fastar.convert.hf import convert  # noqa: E402 (after the importorskip guards)
@@ -25,7 +26,7 @@ from fastar.engine.engine import load  # noqa: E402 (after the importorskip guar
 from fastar.engine.generate import GenerationChunk  # noqa: E402 (after the importorskip guards)
 from fastar.engine.tokenizer import Tokenizer  # noqa: E402 (after the importorskip guards)
 from fastar.serve.turn import Backend, Conversation, prompt_ids  # noqa: E402 (after the importorskip guards)
-from fastar.serve.worker import EngineHost, Metrics  # noqa: E402 (after the importorskip guards)
+from fastar.serve.worker import Batching, EngineHost, Metrics  # noqa: E402 (after the importorskip guards)
 
 NO_THINK = {"thinking": {"type": "disabled"}}
 
@@ -41,7 +42,7 @@ def app(vocab_ckpt, tmp_path_factory):
         engines.append(engine)
         return engine
 
-    host = EngineHost(factory, max_queue=4, max_sessions=2, metrics=Metrics())
+    host = EngineHost(factory, Batching(max_queue=4, keep_states=2), metrics=Metrics())
     host.start(on_ready=lambda e: None)
     assert host.wait_ready(120)
     served = App(Backend(engine=host.require_engine, submit=host.submit, metrics=host.metrics))
@@ -87,7 +88,7 @@ def test_responses_on_the_real_engine_continue_by_id(app):
     assert second.usage.input_tokens_details.cached_tokens == prior - 1
 
 
-class ScriptedEngine:
+class ScriptedEngine(SchedulesSerially):
     """The real V4 tokenizer and a scripted model: it answers with token ids the tokenizer would not produce
     from their text ("Hel" + "lo" + " world"), then EOS; its sessions keep their tokens and report the cached
     prefix, as the engine does."""
@@ -125,7 +126,7 @@ def test_non_canonical_replies_replay_exactly_in_every_api_shape():
     engine = ScriptedEngine()
     tok = engine.tokenizer
     assert tok.encode(tok.decode(engine.reply[:-1])) != engine.reply[:-1]  # the point of the test
-    host = EngineHost(lambda: engine, max_queue=4, max_sessions=2, metrics=Metrics())
+    host = EngineHost(lambda: engine, Batching(max_queue=4, keep_states=2), metrics=Metrics())
     host.start(on_ready=lambda e: None)
     assert host.wait_ready(10)
     served = App(Backend(engine=host.require_engine, submit=host.submit, metrics=host.metrics))

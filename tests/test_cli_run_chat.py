@@ -427,3 +427,32 @@ def test_chat_in_a_terminal(demo_cache: Path, tmp_path: Path) -> None:
         code = t.close()
     assert code == 0, t.buf.decode(errors="replace")
     assert b"Traceback" not in t.buf
+
+
+def test_a_new_chat_resumes_from_the_prompt_cache(vocab_ckpt: Path, tmp_path: Path) -> None:
+    """`fastar chat` saves the state at the end of each turn; a later chat (a restart: a new engine, a new cache
+    object on the same folder) that resends the conversation prefills only its new tail."""
+    from fastar.engine.engine import load
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    system = "You answer in one short sentence. " * 8
+
+    def chat(turns: list[str]) -> tuple[ChatREPL, int]:
+        eng = load(vocab_ckpt)
+        cache = eng.open_prefix_cache(tmp_path / "pc", "1G")
+        repl = ChatREPL(eng, params, system=system, out=io.StringIO(), err=io.StringIO(), prompt_cache=cache)
+        computed = []
+        for text in turns:
+            before = eng.stats()["prefill_tokens_computed"]
+            repl.reply(text)
+            computed.append(eng.stats()["prefill_tokens_computed"] - before)
+        return repl, computed
+
+    first, computed = chat(["Hello there.", "And then?"])
+    assert len(first.messages) == 5 and any((tmp_path / "pc").iterdir())
+    prompt_len = first.session.num_tokens  # the whole conversation, its last reply token pending
+    again, recomputed = chat(["Hello there."])  # the same first turn: only its last prompt token runs
+    assert recomputed == [1] and computed[0] > 50
+    # the conversation resent with a third message: everything up to the second reply comes from the cache
+    third, more = chat(["Hello there.", "And then?", "Why?"])
+    assert more[:2] == [1, 1] and 0 < more[2] < prompt_len

@@ -128,3 +128,76 @@ def test_writes_are_atomic(eng, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # no half-written file, no temp left behind
     with pytest.raises(ValueError, match="does not hold"):
         cache.store(ids + [1], prefilled(eng, ids))
+
+
+class FakeState:
+    """The state surface PrefixMemory uses: length, truncate (bounded by max_rollback), snapshot, nbytes."""
+
+    def __init__(self, n: int, max_rollback: int = 1000) -> None:
+        self.length, self.max_rollback, self.copies = n, max_rollback, 0
+
+    def truncate(self, p: int) -> None:
+        from fastar.model.state import StateError
+
+        if self.length - p > self.max_rollback:
+            raise StateError("rolled back too far")
+        self.length = p
+
+    def snapshot(self):
+        self.copies += 1
+        return FakeState(self.length, self.max_rollback)
+
+    def nbytes(self) -> int:
+        return 4 * self.length
+
+
+def test_prefix_memory_hands_over_its_own_conversation_and_copies_a_shared_prefix():
+    from fastar.engine.prefix_cache import PrefixMemory
+
+    mem = PrefixMemory(capacity=2, min_shared=4)
+    system = list(range(100, 110))
+    a, b = FakeState(14), FakeState(13)
+    mem.put(system + [1, 2, 3, 4], a, prompt_len=12)
+    mem.put(system + [5, 6, 7], b, prompt_len=11)
+    # A continues (its prompt + reply + more): A's own state, handed over and not copied
+    assert mem.match(system + [1, 2, 3, 4, 9, 9], limit=15) == 14 and len(mem) == 2  # match takes nothing
+    state, n = mem.take(system + [1, 2, 3, 4, 9, 9], limit=15)
+    assert state is a and n == 14 and len(mem) == 1
+    # a new conversation sharing the 10-token system prompt with B: a copy, rolled back; B stays kept
+    state, n = mem.take(system + [8], limit=10)
+    assert state is not b and n == 10 and state.length == 10 and b.length == 13 and len(mem) == 1
+    # regenerate B's reply (same prompt, limit len - 1): B itself, rolled back into its prompt
+    state, n = mem.take(system + [5], limit=10)
+    assert state is b and n == 10
+    assert mem.take([1, 2, 3], limit=2) is None  # nothing shared
+    mem.put(system[:3], FakeState(3), prompt_len=3)
+    assert mem.take(system[:2] + [0], limit=2) is None  # 2 shared tokens of another prompt: below min_shared
+    assert (mem.hits, mem.misses) == (3, 2)
+
+
+def test_prefix_memory_evicts_the_least_recent_and_skips_states_that_cannot_roll_back():
+    from fastar.engine.prefix_cache import PrefixMemory
+
+    mem = PrefixMemory(capacity=2, min_shared=1)
+    for i in range(3):
+        mem.put([i, i, i], FakeState(3), prompt_len=3)
+    assert len(mem) == 2 and mem.take([0, 0, 0, 1], limit=3) is None  # the oldest went
+    mem.put([7] * 50, FakeState(50, max_rollback=5), prompt_len=10)
+    assert mem.take([7] * 10 + [1], limit=10) is None  # 40 positions back: beyond its rollback
+    assert PrefixMemory(0).take([1], 1) is None
+
+
+def test_background_writes_land_after_flush_and_are_then_found(eng, tmp_path):
+    """The scheduler's cache writes on its own thread: `store` returns once the state is serialized (the state
+    may change afterwards without changing the file), `flush` waits for the file."""
+    ids = prompt(11, 24)
+    cache = eng.open_prefix_cache(tmp_path, "1G", background=True)
+    state = prefilled(eng, ids)
+    expected = state.to_bytes()
+    path = cache.store(ids, state)
+    eng.model.forward([5, 6], state, all_logits=False)  # the live state moves on at once
+    cache.flush()
+    assert path.exists() and cache.stats()["stores"] == 1
+    got, n = eng.open_prefix_cache(tmp_path, "1G").lookup(ids + [9], limit=24)
+    assert n == 24 and got.to_bytes() == expected
+    assert cache.store(ids, prefilled(eng, ids)) == path and cache.stats()["stores"] == 1  # already there

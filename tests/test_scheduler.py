@@ -323,3 +323,58 @@ def test_a_failing_worker_ends_every_request_with_its_error(eng, monkeypatch):
     for h in handles:
         with pytest.raises(FastarError, match="disk read failed"):
             list(h)
+
+
+def test_on_chunk_callers_hear_of_a_failing_step(eng, monkeypatch):
+    """Callers in on_chunk mode (the server) get the error through on_error, once each, and nothing after it."""
+    import threading
+
+    sched = Scheduler(eng)
+    seen: dict[int, list] = {i: [] for i in range(3)}
+    for i, (p, kw) in enumerate(requests(3)):
+        sched.submit(p, kw, on_chunk=seen[i].append, on_error=seen[i].append)
+    sched.step()  # admitted and running
+    monkeypatch.setattr(sched, "_decode", lambda group: (_ for _ in ()).throw(RuntimeError("disk read failed")))
+    with pytest.raises(RuntimeError):
+        sched.run(threading.Event(), 0.01)
+    for got in seen.values():
+        assert isinstance(got[-1], RuntimeError) and sum(isinstance(x, BaseException) for x in got) == 1
+    assert sched.idle
+
+
+def test_prefill_progress_is_reported_per_chunk_and_in_metrics(eng):
+    before = eng.prefill_chunk
+    eng.prefill_chunk = 16
+    try:
+        sched = Scheduler(eng)
+        progress = []
+        sched.submit(prompt(7, 40), SamplingParams(max_tokens=2), on_progress=lambda d, t: progress.append((d, t)))
+        sched.step()
+        assert sched.metrics()["prefill_progress"] == [(16, 40)]
+        sched.run_until_idle()
+        assert progress == [(0, 40), (16, 40), (32, 40), (40, 40)]
+        assert sched.metrics()["prefill_progress"] == []
+    finally:
+        eng.prefill_chunk = before
+
+
+def test_kept_states_let_a_continued_conversation_prefill_only_its_tail(eng):
+    """keep_states: a finished request's state (prompt + reply) serves the next turn from RAM; its tokens equal
+    `Engine.stream` continuing one session (the same reuse, the same chunks)."""
+    first, p = prompt(20, 30), SamplingParams(max_tokens=10, ignore_eos=True)
+    sched = Scheduler(eng, keep_states=2)
+    h = sched.submit(first, p)
+    sched.run_until_idle()
+    reply = [c.token for c in h]
+    second = first + reply + prompt(21, 7)
+    before = eng.stats()["prefill_tokens_computed"]
+    h = sched.submit(second, p)
+    sched.run_until_idle()
+    got = list(h)
+    assert got[-1].usage["cached_tokens"] == len(first) + len(reply) - 1  # the last reply token never ran
+    assert eng.stats()["prefill_tokens_computed"] - before == 8
+    assert sched.metrics()["prefix_memory_hits"] == 1
+    s = eng.open_session()
+    assert [c.token for c in eng.stream(first, p, session=s)] == reply
+    ref = list(eng.stream(second, p, session=s))
+    assert [c.token for c in got] == [c.token for c in ref] and got[-1].usage == ref[-1].usage

@@ -1,8 +1,9 @@
 """The HTTP server against a deterministic FakeEngine: the official `openai` client on a live server, raw HTTP
 for what a well-behaved client never sends (bad JSON, traversal paths, missing keys, preflights).
 
-FakeEngine implements the Engine contract the server programs against (tokenizer, open_session, stream with
-session/cancel/on_prefill_progress, stats, load_progress) with a character-level tokenizer and scripted replies:
+FakeEngine implements the Engine contract the server programs against (tokenizer, stats, load_progress and
+`scheduler()`, here tests/serial_scheduler.py over its open_session and its stream with session, cancel and
+prefill progress) with a character-level tokenizer and scripted replies:
   * "Echo: <last user text>" at temperature 0; seeded random words at temperature > 0;
   * "count..." -> "1 2 3 ... 1999" (long: stop strings, max_tokens, disconnects);
   * "weather" with tools -> a DSML get_weather call;  "explode" -> the engine raises mid-stream;
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from serial_scheduler import SchedulesSerially
 
 from fastar.encoding import (
     ASSISTANT,
@@ -100,7 +102,7 @@ class FakeSession:
         self.tokens: list[int] = []
 
 
-class FakeEngine:
+class FakeEngine(SchedulesSerially):
     model_name_default = "fake-v4"
 
     def __init__(self, context_length: int = 4096, token_delay: float = 0.0, prefill_delay: float = 0.0) -> None:
@@ -529,9 +531,9 @@ def test_disconnect_cancels_generation():
         at_close = engine.stats()["generated_tokens"]
         stream.close()  # drops the connection mid-stream
         deadline = time.monotonic() + 5
-        while srv.host.current is not None and time.monotonic() < deadline:
+        while srv.host.num_running() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert srv.host.current is None, "generation still running after the client left"
+        assert not srv.host.num_running(), "generation still running after the client left"
         stats = engine.stats()
         generated = stats["generated_tokens"]
         # The server notices the closed socket on its next write or two; the worker then stops within a token.
@@ -576,6 +578,11 @@ def test_full_queue_is_503_and_waiting_client_that_leaves_is_skipped():
         with pytest.raises(openai.InternalServerError) as e:  # the client's class for every 5xx
             chat(cl, "fourth", extra_body=NO_THINK)
         assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        msg = {"model": "x", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        status, headers, data = raw(srv, "POST", "/v1/messages", msg)  # Anthropic's shape for the same refusal
+        assert status == 503 and int(headers["retry-after"]) >= 1
+        assert json.loads(data)["error"]["type"] == "overloaded_error"
         leaver.close()  # gone while it waits: it must never be generated
         time.sleep(0.5)
         engine.gate.set()
@@ -632,8 +639,17 @@ def test_keepalive_comments_during_long_prefill():
         )
         resp = conn.getresponse()
         assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+        # meanwhile /metrics shows how far the prompt is
+        deadline, seen = time.monotonic() + 5, None
+        while seen is None and time.monotonic() < deadline:
+            text = raw(srv, "GET", "/metrics")[2].decode()
+            seen = re.search(r'^fastar:prefill_tokens_done\{slot="0"\} (\d+)$', text, re.M)
+        assert seen, "no prefill progress in /metrics during the prefill"
+        total = int(re.search(r'^fastar:prefill_tokens_total\{slot="0"\} (\d+)$', text, re.M).group(1))
+        assert 0 <= int(seen.group(1)) < total and total > 500
         body = resp.read().decode()
         assert ": keep-alive" in body and body.endswith("data: [DONE]\n\n")
+        assert re.search(r"^: keep-alive prefill \d+/\d+$", body, re.M)  # what the web UI's progress bar reads
         events = [json.loads(line[6:]) for line in body.split("\n") if line.startswith("data: {")]
         assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events).startswith("Echo: xxx")
     finally:
@@ -850,36 +866,6 @@ def test_parse_thinking_precedence():
     assert r.messages[0] == {"role": "system", "content": "", "tools": [WEATHER_TOOL]} and r.has_tools
 
 
-def test_session_pool_policy():
-    from fastar.serve.worker import SessionPool
-
-    class Opaque(FakeEngine):  # sessions that keep no token record of their own: the pool's record is used
-        def open_session(self):
-            return object()
-
-    pool = SessionPool(Opaque(), size=2)
-    sys_a, sys_b = [1, 2, 3, 10, 11], [1, 2, 3, 20, 21]  # two conversations sharing a system prompt
-    a = pool.acquire(sys_a)
-    pool.release(a, sys_a + [12])
-    b = pool.acquire(sys_b)
-    assert b is not a  # a free slot: A's tail is not thrown away
-    pool.release(b, sys_b + [22])
-    assert pool.acquire(sys_a + [12, 13]) is a  # A continues in its own session
-    pool.release(a, sys_a + [12, 13])
-    assert pool.acquire(sys_b + [22, 23]) is b
-    pool.release(b, sys_b + [22, 23])
-    assert pool.acquire([1, 2, 3, 30]) is b  # full: the most recent partial match is rewound
-    pool.release(b, [1, 2, 3, 30])
-    assert pool.acquire([99]) is a  # no match at all: the least recently used goes
-
-    class NoRoom(FakeEngine):
-        def open_session(self):
-            raise MemoryError("no room for another KV cache")
-
-    pool = SessionPool(NoRoom(), size=4)
-    assert pool.acquire([1, 2]) is None and pool.size == 0  # generation still runs, without a session
-
-
 def test_cli_arguments_delegate_to_serve(monkeypatch):
     import argparse
 
@@ -913,7 +899,30 @@ def test_cli_arguments_delegate_to_serve(monkeypatch):
         "max_sessions": 4,
         "allowed_hosts": None,
         "max_connections": 128,
+        "max_batch": 8,
+        "prompt_cache": S.default_prompt_cache(),
+        "prompt_cache_size": 20 << 30,
     }
+
+
+def test_batching_and_prompt_cache_flags(monkeypatch, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    S.add_arguments(parser)
+    seen = {}
+    monkeypatch.setattr(S, "serve", lambda factory, **kw: seen.update(kw) or 0)
+    args = ["--max-batch", "4", "--prompt-cache", "/tmp/pc", "--prompt-cache-size", "1.5G"]
+    S.run_from_args(parser.parse_args(args), lambda: None)
+    assert (seen["max_batch"], seen["prompt_cache"], seen["prompt_cache_size"]) == (4, "/tmp/pc", 3 << 29)
+    S.run_from_args(parser.parse_args(["--no-prompt-cache"]), lambda: None)
+    assert seen["prompt_cache"] is None
+    assert S.default_prompt_cache().endswith("prompt-cache")
+    for bad in (["--prompt-cache-size", "lots"], ["--prompt-cache-size", "0"], ["--max-batch", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+        err = capsys.readouterr().err
+        assert f"argument {bad[0]}" in err and "Traceback" not in err
 
 
 def test_server_modules_do_not_import_torch():

@@ -422,13 +422,21 @@ class Engine:
         token_budget: int | None = None,
         prefix_cache: str | os.PathLike | None = None,
         prefix_cache_size: int | str = "20G",
+        keep_states: int = 0,
     ) -> Scheduler:
         """A `Scheduler` serving many requests at once on this engine, each bit-identical to `stream` alone:
         `submit(prompt, params)` from any thread -> a `Handle` (iterate its chunks, `cancel()`); the one worker
         thread calls `step()` or `run(stop_event)`. `prefix_cache`: a folder of prefix states on disk (see
-        `open_prefix_cache`)."""
-        cache = self.open_prefix_cache(prefix_cache, prefix_cache_size) if prefix_cache is not None else None
-        return Scheduler(self, max_batch=max_batch, max_queue=max_queue, token_budget=token_budget, prefix_cache=cache)
+        `open_prefix_cache`); `keep_states`: finished requests' states kept in RAM for prefix reuse."""
+        cache = self.open_prefix_cache(prefix_cache, prefix_cache_size, True) if prefix_cache is not None else None
+        return Scheduler(
+            self,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            token_budget=token_budget,
+            prefix_cache=cache,
+            keep_states=keep_states,
+        )
 
     def serve_batch(
         self, requests: list[tuple[str | list[int], SamplingParams | dict]], **options
@@ -440,9 +448,12 @@ class Engine:
         sched.run_until_idle()
         return [list(h) for h in handles]
 
-    def open_prefix_cache(self, folder: str | os.PathLike, size: int | str = "20G") -> PrefixCache:
-        """A `PrefixCache` in `folder` capped at `size` bytes (or "20G"), keyed to this model and numerics."""
+    def open_prefix_cache(
+        self, folder: str | os.PathLike, size: int | str = "20G", background: bool = False
+    ) -> PrefixCache:
+        """A `PrefixCache` in `folder` capped at `size` bytes (or "20G"), keyed to this model and numerics;
+        `background`: files are written on a writer thread (the scheduler's)."""
         from ..config import parse_size
 
         fingerprint = f"{self._fingerprint()}/{self.model.numerics}/{self.model.max_rollback}"
-        return PrefixCache(folder, fingerprint, parse_size(size))
+        return PrefixCache(folder, fingerprint, parse_size(size), background=background)

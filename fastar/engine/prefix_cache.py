@@ -1,8 +1,9 @@
-"""Prefix cache on disk: decode states of token prefixes, so a resent conversation (or a restarted server)
-prefills only its new tail.
+"""Prefix caches: decode states of token prefixes, so a resent conversation (or a restarted server) prefills
+only its new tail.
 
-Owns: `PrefixCache` (store a state under a hash of the token ids it has processed, find the longest stored
-prefix of a prompt, LRU eviction under a size cap) and its file format. Does not own: the state's bytes
+Owns: `PrefixCache` on disk (store a state under a hash of the token ids it has processed, find the longest stored
+prefix of a prompt, LRU eviction under a size cap) and its file format; `PrefixMemory`, the states of the last few
+finished requests kept in RAM and matched by longest common token prefix. Does not own: the state's bytes
 (`ModelState.to_bytes`/`from_bytes`), when to store (the scheduler: at the end of a prompt and of a reply).
 
 File `<n>-<sha256 of the n ids>.fpc`: MAGIC, u32 version, u64 header length, a JSON header (model fingerprint,
@@ -18,12 +19,15 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import struct
 import tempfile
+import threading
 from pathlib import Path
 
 from ..errors import FastarError
-from ..model.state import ModelState
+from ..model.state import ModelState, StateError
+from .session import common_prefix
 
 MAGIC = b"FSTPFX\0\0"
 VERSION = 1
@@ -44,9 +48,19 @@ class PrefixCache:
         fingerprint: identifies the model and numerics; files with another are skipped.
         max_bytes: size cap of the folder's cache files.
         state_type: the state class whose `from_bytes` reads a stored state (`ModelState`).
+        background: write files on a writer thread (`store` only serializes the state), so a scheduler's step
+            does not wait on the disk; `flush()` waits for the writes. A state whose write is still pending is
+            not found by `lookup` (a miss, never a wrong state).
     """
 
-    def __init__(self, folder: str | os.PathLike, fingerprint: str, max_bytes: int, state_type=ModelState) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        fingerprint: str,
+        max_bytes: int,
+        state_type=ModelState,
+        background: bool = False,
+    ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"the prefix cache size must be positive, got {max_bytes}")
         self.folder = Path(folder).expanduser()
@@ -54,14 +68,21 @@ class PrefixCache:
         self.fingerprint, self.max_bytes, self.state_type = fingerprint, max_bytes, state_type
         self._skipped: set[str] = set()  # files already reported as unusable
         self.hits = self.misses = self.stores = self.evictions = 0
+        # at most 2 serialized states wait for the writer: a step blocks beyond that rather than grow RAM
+        self._writes: queue.Queue | None = queue.Queue(maxsize=2) if background else None
+        self._pending: set[Path] = set()
+        self._write_lock = threading.Lock()  # stores and evictions, from the writer thread and callers
+        if background:
+            threading.Thread(target=self._writer, name="fastar-prefix-cache", daemon=True).start()
 
     # --- lookup ---------------------------------------------------------------------------------------------
 
-    def lookup(self, ids: list[int], limit: int) -> tuple[ModelState, int] | None:
+    def lookup(self, ids: list[int], limit: int, better_than: int = 0) -> tuple[ModelState, int] | None:
         """The state of the longest stored prefix of `ids`, rolled back to at most `limit` positions (a prompt's
-        last token must run: limit = len(ids) - 1) -> (state, positions), or None."""
+        last token must run: limit = len(ids) - 1) -> (state, positions), or None. Prefixes that would give no
+        more than `better_than` positions are not read (the caller has those already)."""
         for n in sorted(self._lengths(), reverse=True):
-            if n > len(ids) or min(n, limit) <= 0:
+            if n > len(ids) or min(n, limit) <= better_than:
                 continue
             path = self.folder / f"{n}-{prefix_key(ids[:n])}{SUFFIX}"
             if not path.exists():
@@ -127,14 +148,26 @@ class PrefixCache:
 
     def store(self, ids: list[int], state: ModelState) -> Path | None:
         """Save `state`, which has processed exactly `ids`; then evict least recently used files beyond the cap.
-        A state bigger than the whole cap is not stored (None)."""
+        A state bigger than the whole cap is not stored (None). In background mode only the serialization runs
+        here; the checksum, the write and the eviction run on the writer thread (which also drops a state bigger
+        than the cap)."""
         if state.length != len(ids) or not ids:
             raise ValueError(f"a state of {state.length} positions does not hold {len(ids)} tokens")
         path = self.folder / f"{len(ids)}-{prefix_key(ids)}{SUFFIX}"
+        if path in self._pending:
+            return path
         if path.exists():
             os.utime(path)
             return path
-        body = state.to_bytes()
+        body = state.to_bytes()  # here: the state goes on changing once this returns
+        if self._writes is None:
+            return path if self._write(path, ids, body) else None
+        self._pending.add(path)
+        self._writes.put((path, list(ids), body))
+        return path
+
+    def _write(self, path: Path, ids: list[int], body: bytes) -> bool:
+        """Write one file (on the writer thread in background mode); False when it exceeds the whole cap."""
         header = json.dumps(
             {
                 "fingerprint": self.fingerprint,
@@ -143,21 +176,38 @@ class PrefixCache:
                 "state_sha256": hashlib.sha256(body).hexdigest(),
             }
         ).encode()
-        blob_size = 20 + len(header) + len(body)
-        if blob_size > self.max_bytes:
-            return None
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".partial", dir=self.folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + struct.pack("<IQ", VERSION, len(header)) + header)
-                f.write(body)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        self.stores += 1
-        self._evict(keep=path)
-        return path
+        if 20 + len(header) + len(body) > self.max_bytes:
+            return False
+        with self._write_lock:
+            fd, tmp = tempfile.mkstemp(prefix=".", suffix=".partial", dir=self.folder)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(MAGIC + struct.pack("<IQ", VERSION, len(header)) + header)
+                    f.write(body)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            self.stores += 1
+            self._evict(keep=path)
+        return True
+
+    def _writer(self) -> None:
+        assert self._writes is not None
+        while True:
+            path, ids, body = self._writes.get()
+            try:
+                self._write(path, ids, body)
+            except OSError as e:  # a full or read-only disk: the prompt is simply not cached
+                self._skip(path, f"cannot write ({e.strerror or e})")
+            finally:
+                self._pending.discard(path)
+                self._writes.task_done()
+
+    def flush(self) -> None:
+        """Wait until every stored state is on disk (background mode; a no-op otherwise)."""
+        if self._writes is not None:
+            self._writes.join()
 
     def _evict(self, keep: Path) -> None:
         files = []
@@ -178,7 +228,13 @@ class PrefixCache:
             self.evictions += 1
 
     def size(self) -> int:
-        return sum(p.stat().st_size for p in self.folder.glob(f"*{SUFFIX}"))
+        total = 0
+        for p in self.folder.glob(f"*{SUFFIX}"):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:  # evicted meanwhile (another thread reads the size for /metrics)
+                pass
+        return total
 
     def stats(self) -> dict:
         return {
@@ -188,3 +244,83 @@ class PrefixCache:
             "evictions": self.evictions,
             "bytes": self.size(),
         }
+
+
+class _Kept:
+    __slots__ = ("tokens", "state", "prompt_len")
+
+    def __init__(self, tokens: list[int], state: ModelState, prompt_len: int) -> None:
+        self.tokens, self.state, self.prompt_len = tokens, state, prompt_len
+
+
+class PrefixMemory:
+    """The states of the last `capacity` finished requests, in RAM, each with the tokens it has processed.
+
+    A new prompt takes the state with the longest common token prefix. The state is handed over (no copy) when the
+    prompt continues that request's conversation: the match covers all the state holds, or at least the request's
+    whole prompt (a regenerated or edited last reply, thinking mode dropping the last reasoning). A shorter match
+    of at least `min_shared` tokens (a shared system prompt) gets a copy, so the other conversation keeps its
+    state. Rolling a state back fails beyond its `max_rollback` positions; then nothing is reused from it (the
+    disk cache holds the state at the end of each prompt for that case). Only the worker thread touches it.
+    """
+
+    def __init__(self, capacity: int, min_shared: int = 64) -> None:
+        if capacity < 0:
+            raise ValueError(f"the number of kept states must be >= 0, got {capacity}")
+        self.capacity, self.min_shared = capacity, min_shared
+        self._kept: list[_Kept] = []  # least recently used first
+        self.hits = self.misses = 0
+
+    def _best(self, ids: list[int], limit: int) -> tuple[_Kept | None, int, bool]:
+        """(the kept entry to start from, the positions it gives, whether it is handed over) or (None, 0, False)."""
+        best, best_n = None, 0
+        for kept in self._kept:  # later entries are more recent: `>=` prefers them among equals
+            n = common_prefix(kept.tokens, ids)
+            if n >= best_n and n > 0:
+                best, best_n = kept, n
+        n = min(best_n, limit)
+        if best is None or n <= 0:
+            return None, 0, False
+        if best_n >= len(best.tokens) or best_n >= best.prompt_len:
+            return best, n, True
+        return (best, n, False) if n >= self.min_shared else (None, 0, False)
+
+    def match(self, ids: list[int], limit: int) -> int:
+        """The positions `take` would give (0: none), without taking anything."""
+        return self._best(ids, limit)[1]
+
+    def take(self, ids: list[int], limit: int) -> tuple[ModelState, int] | None:
+        """(a state of the first n tokens of `ids`, n) with n <= `limit` as large as kept states allow, or None."""
+        best, n, hand_over = self._best(ids, limit)
+        if best is None:
+            self.misses += 1
+            return None
+        if hand_over:
+            self._kept.remove(best)
+            state = best.state
+        else:
+            state = best.state.snapshot()
+        if state.length > n:
+            try:
+                state.truncate(n)
+            except StateError:
+                self.misses += 1
+                return None
+        self.hits += 1
+        return state, n
+
+    def put(self, tokens: list[int], state: ModelState, prompt_len: int) -> None:
+        """Keep `state`, which has processed exactly `tokens` (a request's prompt of `prompt_len` tokens and
+        part of its reply); the least recently used beyond the capacity are dropped."""
+        if self.capacity == 0 or not tokens:
+            return
+        assert state.length == len(tokens), (state.length, len(tokens))
+        self._kept = [k for k in self._kept if k.tokens != tokens]
+        self._kept.append(_Kept(tokens, state, prompt_len))
+        del self._kept[: max(0, len(self._kept) - self.capacity)]
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def nbytes(self) -> int:
+        return sum(k.state.nbytes() for k in self._kept)

@@ -1,10 +1,11 @@
 """Continuous batching: a step scheduler that serves many requests at once, each bit-identical to serving it alone.
 
 Owns: `Scheduler` (admission, the bounded wait queue, one step = one decode token of every active sequence plus
-one prefill chunk of a waiting prompt, cancellation, counters), `Handle` (a submitted request: its chunks and
-its cancel switch) and `QueueFull`. Does not own: the forward pass (`DeepseekV4.forward` for prefill chunks,
+one prefill chunk of a waiting prompt, cancellation, counters, prefix reuse from RAM and disk) and `Handle` (a
+submitted request: its chunks and its cancel switch); a full queue raises `fastar.errors.QueueFull`.
+Does not own: the forward pass (`DeepseekV4.forward` for prefill chunks,
 `DeepseekV4.forward_rows` for the batched decode step), sampling (`Sampler`), turning tokens into chunks
-(`generate.ChunkMaker`, the same code `Engine.stream` uses), the disk cache of prefixes (`prefix_cache`).
+(`generate.ChunkMaker`, the same code `Engine.stream` uses), the prefix caches themselves (`prefix_cache`).
 
 Threads: `submit` and `Handle.cancel` may be called from any thread; `step` (and `run`, which loops over it)
 only from the one worker thread that owns the engine.
@@ -18,6 +19,11 @@ Exactness. A request's tokens do not depend on what else runs:
   * each request samples from its own `Sampler` (its own seeded generator) and applies its own stops.
 So with the C kernels' SIMD path, in either numerics, a request gets the tokens `Engine.stream` gives it on a fresh
 session (with a drafter too: speculative decoding is bit-identical to plain decoding).
+
+Prefix reuse: a prompt starts from the longest prefix it shares with a kept state, from RAM (`PrefixMemory`: the
+states of recently finished requests, `keep_states` of them) or, when longer, from disk (`PrefixCache`), and
+prefills only the rest, as `Engine.stream` does when it continues a session. Then its prompt is chunked from
+that position, so (as with a session) its bits equal a fresh prefill's only where the kernels are chunk-invariant.
 
 Speculative decoding: the scheduler does not draft (its passes are plain target passes, even with one active
 sequence); `Engine.stream` keeps drafting for a single caller.
@@ -39,18 +45,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import FastarError
+from ..errors import FastarError, QueueFull  # noqa: F401 (QueueFull: importable from here too)
 from ..model import ops
 from .generate import ChunkMaker, GenerationChunk
+from .prefix_cache import PrefixMemory
 from .sampling import Sampler, SamplingParams
-
-
-class QueueFull(FastarError):
-    """The wait queue is full: try again after `retry_after` seconds."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 class Handle:
@@ -58,8 +57,9 @@ class Handle:
     `finish_reason`; `cancel()` ends it at the next step. With `on_chunk` given to `submit`, chunks go there
     instead (called on the worker thread) and iterating yields nothing."""
 
-    def __init__(self, cancel: threading.Event) -> None:
+    def __init__(self, cancel: threading.Event, on_error: Callable[[BaseException], None] | None = None) -> None:
         self._cancel = cancel
+        self._on_error = on_error
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self._taken_all = False
         self.done = threading.Event()  # set once the last chunk is out
@@ -84,7 +84,10 @@ class Handle:
             yield chunk
 
     def _fail(self, err: BaseException) -> None:
-        self._chunks.put(err)
+        if self._on_error is not None:
+            self._on_error(err)
+        else:
+            self._chunks.put(err)
         self.done.set()
 
 
@@ -97,6 +100,7 @@ class _Request:
     chunks: ChunkMaker
     sampler: Sampler
     submitted: float
+    on_progress: Callable[[int, int], None] | None = None
     state: object = None
     done: int = 0  # prompt tokens processed (cached ones included)
     cached: int = 0  # prompt tokens taken from the prefix cache
@@ -120,10 +124,17 @@ class Scheduler:
         token_budget: bound on the sum of prompt + max_tokens over the active requests (None: no bound).
         prefix_cache: a `PrefixCache`: prompts that extend a cached prefix load its state and prefill only the
             rest; states are saved at the end of each prompt and of each reply.
+        keep_states: states of finished requests kept in RAM for prefix reuse (`PrefixMemory`; 0: none).
     """
 
     def __init__(
-        self, engine, max_batch: int = 8, max_queue: int = 64, token_budget: int | None = None, prefix_cache=None
+        self,
+        engine,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        token_budget: int | None = None,
+        prefix_cache=None,
+        keep_states: int = 0,
     ) -> None:
         if max_batch < 1 or max_queue < 0 or (token_budget is not None and token_budget < 1):
             raise ValueError(
@@ -133,6 +144,7 @@ class Scheduler:
         self.engine, self.model = engine, engine.model
         self.max_batch, self.max_queue, self.token_budget = max_batch, max_queue, token_budget
         self.prefix_cache = prefix_cache
+        self.memory = PrefixMemory(keep_states)
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._active: list[_Request] = []  # admission order: prefilling ones, then decoding
@@ -149,10 +161,22 @@ class Scheduler:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         on_chunk: Callable[[GenerationChunk], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        cancel: threading.Event | None = None,
         **sampling,
     ) -> Handle:
         """Queue a request (token ids or raw text). Raises `PromptError`/`SamplingError` for a bad request and
-        `QueueFull` when the queue is full, here, before anything runs."""
+        `QueueFull` when the queue is full, here, before anything runs.
+
+        Args:
+            on_chunk: called on the worker thread with each chunk (instead of queueing it for iteration).
+            on_error: called on the worker thread with the exception when a step fails (instead of raising it
+                from iteration); the request is over then, with no last chunk.
+            on_progress: called on the worker thread as (prompt tokens done, prompt tokens) after each prefill
+                chunk (cached tokens count as done).
+            cancel: the event that cancels the request (`Handle.cancel` sets it); a new one by default.
+        """
         if params is None:
             params = SamplingParams.from_kwargs(**sampling)
         elif sampling:
@@ -160,7 +184,7 @@ class Scheduler:
         eng = self.engine
         ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         session_check(eng, ids)
-        handle = Handle(threading.Event())
+        handle = Handle(cancel or threading.Event(), on_error)
         emit = on_chunk or handle._chunks.put
         req = _Request(
             ids,
@@ -170,6 +194,7 @@ class Scheduler:
             ChunkMaker(eng.tokenizer, params, eng.config.eos_token_id, len(ids), eng.context_length),
             Sampler(params),
             time.perf_counter(),
+            on_progress,
         )
         with self._lock:
             free = max(0, self.max_batch - len(self._active))  # waiting requests the next step admits
@@ -191,7 +216,9 @@ class Scheduler:
 
     def metrics(self) -> dict:
         """Counters for /metrics: active sequences, queued requests, the batch-size histogram (decode rows per
-        model call -> calls), step time, decode tokens/s per sequence (active ones and recently finished)."""
+        model call -> calls), step time, decode tokens/s per sequence (active ones and recently finished), the
+        prefill progress of prompts being processed ((done, total) each, in admission order), prefix reuse from
+        RAM and disk."""
         with self._lock:
             active = list(self._active)
             queued = len(self._waiting)
@@ -202,6 +229,7 @@ class Scheduler:
             if r.first_token_at is not None and now > r.first_token_at and len(r.generated) > 1
         ]
         steps = self._counts["steps"]
+        disk = self.prefix_cache.stats() if self.prefix_cache is not None else {}
         return {
             "active_sequences": len(active),
             "queued_requests": queued,
@@ -219,6 +247,15 @@ class Scheduler:
             "requests_rejected": self._counts["rejected"],
             "prefix_cache_hits": self._counts["cache_hits"],
             "prefix_cache_tokens": self._counts["cache_tokens"],
+            "prefill_progress": [(r.done, len(r.ids)) for r in active if r.pending is None and r.state is not None],
+            "prefix_memory_hits": self.memory.hits,
+            "prefix_memory_misses": self.memory.misses,
+            "prefix_memory_states": len(self.memory),
+            "prefix_disk_hits": disk.get("hits", 0),
+            "prefix_disk_misses": disk.get("misses", 0),
+            "prefix_disk_stores": disk.get("stores", 0),
+            "prefix_disk_evictions": disk.get("evictions", 0),
+            "prefix_disk_bytes": disk.get("bytes", 0),
         }
 
     @property
@@ -250,8 +287,15 @@ class Scheduler:
             r.handle._fail(err)
 
     def run_until_idle(self) -> None:
+        """Step until every request has finished, and its states are on disk."""
         while self.step():
             pass
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait until the prefix states saved so far are written (the disk cache writes on its own thread)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
 
     def step(self) -> bool:
         """One step: drop cancelled requests, admit waiting ones, decode one token of every decoding sequence
@@ -306,15 +350,19 @@ class Scheduler:
         if req.params.max_tokens == 0:
             self._finish(req, req.chunks.empty())
             return
-        req.state, req.done = self.model.new_state(), 0
-        if self.prefix_cache is not None:
-            hit = self.prefix_cache.lookup(req.ids, len(req.ids) - 1)
-            if hit is not None:
-                req.state, req.done = hit
-                req.cached = req.done
-                self._counts["cache_hits"] += 1
-                self._counts["cache_tokens"] += req.done
-                stats.cached_tokens += req.done
+        limit = len(req.ids) - 1  # the prompt's last token must run: its logits give the first token
+        hit = None
+        if self.prefix_cache is not None:  # read from disk only what beats RAM (RAM's entry then stays kept)
+            hit = self.prefix_cache.lookup(req.ids, limit, better_than=self.memory.match(req.ids, limit))
+        hit = hit or self.memory.take(req.ids, limit)
+        req.state, req.done = hit if hit is not None else (self.model.new_state(), 0)
+        if hit is not None:
+            req.cached = req.done
+            self._counts["cache_hits"] += 1
+            self._counts["cache_tokens"] += req.done
+            stats.cached_tokens += req.done
+        if req.on_progress is not None:
+            req.on_progress(req.done, len(req.ids))
 
     def _prefill_chunk(self, req: _Request) -> None:
         """The next `prefill_chunk` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
@@ -326,6 +374,8 @@ class Scheduler:
         stats.prefill_seconds += time.perf_counter() - t
         stats.prefill_tokens_computed += len(part)
         req.done += len(part)
+        if req.on_progress is not None:
+            req.on_progress(req.done, len(req.ids))
         if req.done < len(req.ids):
             return
         if self.prefix_cache is not None:
@@ -368,6 +418,8 @@ class Scheduler:
         n = len(req.generated)
         if n > 1 and req.last_token_at > req.first_token_at:
             self._rates.append((n - 1) / (req.last_token_at - req.first_token_at))
+        if req.state is not None and req.state.length > 0:  # what it processed, for the next turn to reuse
+            self.memory.put((req.ids + req.generated)[: req.state.length], req.state, len(req.ids))
         req.state = None
         req.emit(last)
         req.handle.done.set()

@@ -163,6 +163,13 @@ class Session:
         self.reset()
         self._tokens, self._state = [int(t) for t in tokens], state
 
+    def processed(self) -> tuple[list[int], ModelState] | None:
+        """(the tokens the state has processed, the state itself), e.g. to save it in a prefix cache; None when
+        there is no usable state."""
+        if self._state is None or self._dirty or self._state.length == 0:
+            return None
+        return self._tokens[: self._state.length], self._state
+
     def reset(self) -> None:
         """Forget everything (tokens, state and meta)."""
         self._tokens, self._state, self._dirty, self.meta, self._anchor = [], None, False, {}, None

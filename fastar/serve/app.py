@@ -114,7 +114,7 @@ class Settings:
 
 
 def error_response(err: APIError, shape: ErrorShape = openai_error, headers: dict[str, str] | None = None) -> Response:
-    return JSONResponse(shape(err), status_code=err.status, headers=headers)
+    return JSONResponse(shape(err), status_code=err.status, headers={**err.headers, **(headers or {})})
 
 
 # ---------------------------------------------------------------------------------------------------------

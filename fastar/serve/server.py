@@ -47,7 +47,7 @@ from fastar.serve import protocol as P
 from fastar.serve.agent_routes import ERROR_SHAPES, AgentRoutes
 from fastar.serve.app import ErrorShape, Settings, build_app
 from fastar.serve.routes import OpenAIRoutes
-from fastar.serve.worker import EngineHost, Metrics
+from fastar.serve.worker import Batching, EngineHost, Metrics
 
 log = logging.getLogger("fastar.serve")
 
@@ -190,6 +190,9 @@ class Server:
         max_sessions: int = 4,
         default_thinking: bool = True,
         keepalive_interval: float = 5.0,
+        max_batch: int = 8,
+        prompt_cache: str | None = None,
+        prompt_cache_size: int | str = "20G",
         max_body_bytes: int | None = None,
         allowed_hosts: str | Sequence[str] | None = None,
         limits: Limits | None = None,
@@ -198,8 +201,6 @@ class Server:
     ) -> None:
         if reasoning_field not in REASONING_FIELDS:
             raise ValueError(f"reasoning_field must be one of {REASONING_FIELDS}, got {reasoning_field!r}")
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         limits = limits or Limits()
         if max_body_bytes is not None:
             limits = Limits(**{**limits.__dict__, "max_body_bytes": max_body_bytes})
@@ -220,7 +221,8 @@ class Server:
         self.default_thinking = default_thinking
         self.keepalive_interval = keepalive_interval
         self.metrics = Metrics()
-        self.host = EngineHost(engine_factory, max_queue, max_sessions, self.metrics)
+        batching = Batching(max_batch, max_queue, max_sessions, prompt_cache, prompt_cache_size)
+        self.host = EngineHost(engine_factory, batching, self.metrics)
         self.model_names: tuple[str, ...] = (served_model_name,)
         self.max_token_bytes: int | None = None  # the tokenizer's longest token, for the cheap prompt bound
         self.started = int(time.time())
@@ -329,6 +331,9 @@ def serve(
     default_thinking: bool = True,
     allowed_hosts: str | None = None,
     max_connections: int = Limits.max_connections,
+    max_batch: int = 8,
+    prompt_cache: str | None = None,
+    prompt_cache_size: int | str = "20G",
 ) -> int:
     """Run the server until Ctrl-C. Returns 0; raises FastarError if the port is taken or the model fails to load."""
     if not logging.getLogger().handlers:
@@ -346,12 +351,16 @@ def serve(
         default_thinking=default_thinking,
         allowed_hosts=allowed_hosts,
         limits=Limits(max_connections=max_connections),
+        max_batch=max_batch,
+        prompt_cache=prompt_cache,
+        prompt_cache_size=prompt_cache_size,
     )
     try:
         server.start()
     except OSError as err:
         raise FastarError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     log.info("serving '%s' at %s (web UI at /, API at /v1); loading the model...", served_model_name, server.url)
+    log.info("prompt cache: %s", f"{prompt_cache} (up to {prompt_cache_size})" if prompt_cache else "off")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
     try:
@@ -387,8 +396,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-sessions",
         type=int_flag(0, None, "--max-sessions"),
         default=4,
-        help="conversations whose model state is kept for prefix reuse (default 4)",
+        help="finished requests whose model state is kept in RAM for prefix reuse (default 4)",
     )
+    parser.add_argument(
+        "--max-batch",
+        "--max-num-seqs",
+        dest="max_batch",
+        type=int_flag(1, None, "--max-batch"),
+        default=8,
+        help="requests generated together, one token each per step (default 8)",
+    )
+    add_prompt_cache_arguments(parser)
     parser.add_argument(
         "--reasoning-field",
         default="reasoning_content",
@@ -422,4 +440,55 @@ def run_from_args(args: argparse.Namespace, engine_factory: Callable[..., Any]) 
         max_sessions=args.max_sessions,
         allowed_hosts=args.allowed_hosts,
         max_connections=args.max_connections,
+        max_batch=args.max_batch,
+        prompt_cache=prompt_cache_dir(args),
+        prompt_cache_size=args.prompt_cache_size,
     )
+
+
+def default_prompt_cache() -> str:
+    """The prompt cache folder when no --prompt-cache is given: 'prompt-cache' in `FASTAR_CACHE_DIR` if set, else
+    in the user cache directory (the demo model's folder too)."""
+    import os
+
+    import platformdirs
+
+    base = os.environ.get("FASTAR_CACHE_DIR") or platformdirs.user_cache_dir("fastar")
+    return str(Path(base).expanduser() / "prompt-cache")
+
+
+def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """--prompt-cache DIR, --prompt-cache-size, --no-prompt-cache (for `serve` and `chat`)."""
+    parser.add_argument(
+        "--prompt-cache",
+        default=None,
+        metavar="DIR",
+        help="folder of prompt states saved at the end of each prompt and reply, so a resent conversation or a "
+        "restarted server prefills only the new tail (default: 'prompt-cache' in the user cache directory)",
+    )
+    parser.add_argument(
+        "--prompt-cache-size",
+        type=size_flag,
+        default="20G",
+        help="size cap of the prompt cache folder; least recently used states go first (default 20G)",
+    )
+    parser.add_argument("--no-prompt-cache", action="store_true", help="keep no prompt states on disk")
+
+
+def size_flag(text: str) -> int:
+    """A byte size such as 20G or 512M, for argparse."""
+    from fastar.config import parse_size
+
+    try:
+        n = parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if n is None or n <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, such as 20G, got {text!r}")
+    return n
+
+
+def prompt_cache_dir(args: argparse.Namespace) -> str | None:
+    if args.no_prompt_cache:
+        return None
+    return args.prompt_cache or default_prompt_cache()

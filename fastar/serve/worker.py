@@ -1,13 +1,20 @@
 """The engine side of the server: the one worker thread that owns the engine, and what it keeps.
 
 Owns:
-  * `EngineHost`: loads the engine in the background (reporting progress), then runs the single worker thread
-    that takes `Job`s from a bounded queue and streams the engine's chunks back on each job's own event queue.
-    Nothing else ever calls the engine's generation; the queue is the only way in (ds4 and mlx-lm do the same).
-  * `SessionPool`: a few engine sessions, each remembering the tokens of its conversation. A request that
-    resends a conversation is given the session with the longest common token prefix, so the engine only
-    prefills the new tail (on this model a full re-prefill costs minutes).
-  * `Metrics`: counters and histograms rendered as Prometheus text, plus every numeric `engine.stats()` entry.
+  * `EngineHost`: loads the engine in the background (reporting progress), then makes the engine's step
+    scheduler (`engine.scheduler(...)`: continuous batching, prefix reuse from RAM and disk, the bounded queue)
+    and runs it on the single worker thread. Handler threads only `submit` a `Job`: the scheduler checks and
+    queues it (a full queue is a 503 with Retry-After) and the worker streams its chunks back on the job's
+    own event queue. Nothing else ever calls the engine's generation (ds4 and mlx-lm keep one worker too).
+  * `Metrics`: counters and histograms rendered as Prometheus text, the scheduler's `metrics()` (active and
+    queued requests, batch sizes, step time, tokens/s per sequence, prefill progress, prefix reuse) and every
+    numeric `engine.stats()` entry.
+
+The engine contract used here: `scheduler(max_batch=, max_queue=, keep_states=, prefix_cache=,
+prefix_cache_size=)` -> an object with `submit(ids, params, on_chunk=, on_error=, on_progress=, cancel=)`
+(raising `QueueFull` with `retry_after`, or a ValueError for a bad prompt), `run(stop_event)`, `idle`,
+`metrics()` and `flush()` (pending prompt-cache writes, at shutdown); plus `stats()`, `tokenizer`,
+`context_length` and `close()`.
 
 Does not own: HTTP or the OpenAI shapes (`fastar.serve.server`, `fastar.serve.protocol`). Never imports torch.
 """
@@ -24,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastar.errors import FastarError
+from fastar.errors import FastarError, QueueFull
 from fastar.serve.protocol import APIError
 
 if TYPE_CHECKING:  # fastar.engine.sampling imports torch; the server only passes the object through
@@ -40,7 +47,7 @@ class Job:
     """One generation request between a handler thread and the worker.
 
     Events on `events`: ("chunk", GenerationChunk)*, then optionally ("error", (status, message)), then always
-    ("end", cached_prompt_tokens | None). Setting `cancel` stops the engine at its next token."""
+    ("end", cached_prompt_tokens | None). Setting `cancel` stops the request at the next step."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -49,104 +56,48 @@ class Job:
     events: Any = field(default_factory=queue.Queue)
     created: float = field(default_factory=time.monotonic)
     progress: tuple[int, int] | None = None  # (prefilled, total) while the prompt is being processed
+    generated: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i, step = 0, 1024
-    while i + step <= n and a[i : i + step] == b[i : i + step]:  # slices compare in C; a 1M-token history stays fast
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+@dataclass(frozen=True)
+class Batching:
+    """How the worker batches: `fastar serve`'s --max-batch, --max-queue, --max-sessions and --prompt-cache*."""
 
+    max_batch: int = 8  # sequences decoded together in one step
+    max_queue: int = 16  # requests waiting beyond those; more get 503
+    keep_states: int = 4  # finished requests' states kept in RAM for prefix reuse
+    prompt_cache: str | None = None  # folder of prefix states on disk (None: off)
+    prompt_cache_size: int | str = "20G"
 
-@dataclass(eq=False)
-class _Slot:
-    session: Any
-    tokens: list[int]
-    last_used: float = 0.0
-    prompt_len: int = 0  # length of the last prompt run in this session
-
-
-class SessionPool:
-    """Up to `size` sessions, each holding one conversation's state. Only the worker thread touches it."""
-
-    def __init__(self, engine: Any, size: int) -> None:
-        self.engine = engine
-        self.size = size if hasattr(engine, "open_session") else 0
-        self.slots: list[_Slot] = []
-
-    def acquire(self, prompt: list[int]) -> Any:
-        """The session to run `prompt` in (None when sessions are off)."""
-        if self.size <= 0:
-            return None
-        best, best_len = None, 0
-        for slot in self.slots:  # the longest match; among equals, the most recently used
-            n = common_prefix(slot.tokens, prompt)
-            if n > best_len or (n == best_len and n > 0 and slot.last_used > best.last_used):
-                best, best_len = slot, n
-        if best is not None and (best_len == len(best.tokens) or best_len >= best.prompt_len > 0):
-            # The same conversation: grown, or resent with its last reply changed or dropped (regenerate, or
-            # thinking mode dropping earlier reasoning). Rolling back only loses that reply's tail.
-            chosen = best
-        elif len(self.slots) < self.size and (fresh := self._open()) is not None:
-            # A new session rather than rewinding `best`, which would throw away another conversation's tail.
-            chosen = _Slot(fresh, [])
-            self.slots.append(chosen)
-        elif not self.slots:
-            return None
-        elif best is not None:
-            chosen = best  # full: reuse the partial match rather than evict it for nothing
-        else:
-            chosen = min(self.slots, key=lambda s: s.last_used)
-        chosen.last_used = time.monotonic()
-        chosen.prompt_len = len(prompt)
-        return chosen.session
-
-    def _open(self) -> Any:
-        try:
-            return self.engine.open_session()
-        except Exception:  # e.g. no memory for another KV cache: share the sessions we have
-            log.warning("engine.open_session() failed; keeping %d sessions", len(self.slots), exc_info=True)
-            self.size = len(self.slots)
-            return None
-
-    def release(self, session: Any, tokens: list[int]) -> None:
-        """Record what `session` now holds; the engine's own record wins where it keeps one."""
-        for slot in self.slots:
-            if slot.session is session:
-                own = getattr(session, "tokens", None)
-                slot.tokens = list(own) if isinstance(own, (list, tuple)) else tokens
-
-
-def _prefill_counter(engine: Any) -> int | None:
-    try:
-        value = engine.stats().get("prefill_tokens_computed")
-    except Exception:
-        return None
-    return value if isinstance(value, int) else None
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_queue < 1 or self.keep_states < 0:
+            raise ValueError(
+                f"max_batch and max_queue must be >= 1 and keep_states >= 0 "
+                f"(got {self.max_batch}, {self.max_queue}, {self.keep_states})"
+            )
 
 
 class EngineHost:
-    """Loads the engine off the request path, then owns it through one worker thread."""
+    """Loads the engine off the request path, then owns it through one worker thread running its scheduler."""
 
-    def __init__(self, factory: Callable[..., Any], max_queue: int, max_sessions: int, metrics: Metrics) -> None:
+    def __init__(self, factory: Callable[..., Any], batching: Batching, metrics: Metrics) -> None:
         self.factory = factory
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self.max_queue = max_queue
-        self.max_sessions = max_sessions
+        self.batching = batching
         self.metrics = metrics
         self.engine: Any = None
-        self.pool: SessionPool | None = None
+        self.scheduler: Any = None
         self.error: str | None = None
         self.ready = threading.Event()
-        self.current: Job | None = None
         self._settled = threading.Event()  # loaded or failed
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # no new requests; running ones are being cancelled
+        self._halt = threading.Event()  # the worker's loop ends
         self._loading: Any = None
         self._progress = 0.0
         self._worker: threading.Thread | None = None
+        self._jobs: set[Job] = set()  # submitted and not yet ended
+        self._jobs_lock = threading.Lock()
 
     # ---- loading ----------------------------------------------------------------------------------------
 
@@ -164,10 +115,17 @@ class EngineHost:
             else:
                 engine = self.factory()
             self._loading = engine
-            while hasattr(engine, "load_progress") and engine.load_progress() < 1.0 and not self._stopping.is_set():
+            while engine.load_progress() < 1.0 and not self._stopping.is_set():
                 time.sleep(0.1)
+            b = self.batching
+            self.scheduler = engine.scheduler(
+                max_batch=b.max_batch,
+                max_queue=b.max_queue,
+                keep_states=b.keep_states,
+                prefix_cache=b.prompt_cache,
+                prefix_cache_size=b.prompt_cache_size,
+            )
             self.engine = engine
-            self.pool = SessionPool(engine, self.max_sessions)
             on_ready(engine)
         except BaseException as err:  # noqa: BLE001 - reported through /health, and by serve() as the exit reason
             if not isinstance(err, (FastarError, OSError)):  # those are the user's to fix, in one line
@@ -184,7 +142,7 @@ class EngineHost:
         if self.ready.is_set():
             return 1.0
         engine = self._loading
-        if engine is not None and hasattr(engine, "load_progress"):
+        if engine is not None:
             try:
                 return float(engine.load_progress())
             except Exception:
@@ -209,126 +167,116 @@ class EngineHost:
             )
         return self.engine
 
-    # ---- the queue and the worker -----------------------------------------------------------------------
+    # ---- submitting, and the worker ---------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
+        """Hand `job` to the scheduler (from a handler thread). Raises APIError: 503 while shutting down or when
+        the queue is full (with a Retry-After header), 400 for a prompt the engine refuses."""
         if self._stopping.is_set():
             raise APIError(503, SHUTDOWN_MESSAGE, "unavailable_error", code="shutting_down")
+        with self._jobs_lock:
+            self._jobs.add(job)
         try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
+            self.require_engine()
+            self.scheduler.submit(
+                job.prompt_ids,
+                job.params,
+                on_chunk=lambda chunk: self._on_chunk(job, chunk),
+                on_error=lambda err: self._on_error(job, err),
+                on_progress=lambda done, total: setattr(job, "progress", (done, total)),
+                cancel=job.cancel,
+            )
+        except QueueFull as err:
+            self._forget(job)
             raise APIError(
                 503,
-                f"server busy: {self.max_queue} requests are already waiting; retry later",
+                f"server busy: {err}; retry later",
                 "unavailable_error",
                 code="queue_full",
+                headers={"Retry-After": str(err.retry_after)},
             ) from None
+        except ValueError as err:  # PromptError / SamplingError: the request itself is wrong
+            self._forget(job)
+            raise APIError(400, str(err), "invalid_request_error", code="invalid_prompt") from None
+        except BaseException:
+            self._forget(job)
+            raise
 
-    def num_waiting(self) -> int:
-        return self.jobs.qsize()
+    def _forget(self, job: Job) -> bool:
+        with self._jobs_lock:
+            if job not in self._jobs:
+                return False
+            self._jobs.discard(job)
+            return True
 
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            if self._stopping.is_set():
-                _abort(job)
-                continue
-            self.current = job
-            try:
-                self._generate(job)
-            except Exception:  # a bug here must not kill the only worker: every later request would hang
-                log.exception("worker error")
-                job.events.put(("error", (500, "internal server error")))
-                job.events.put(("end", None))
-            finally:
-                self.current = None
-
-    def _generate(self, job: Job) -> None:
-        if job.cancel.is_set():  # the client left while it waited
-            job.events.put(("end", None))
+    def _on_chunk(self, job: Job, chunk: Any) -> None:
+        if chunk.token is not None:
+            job.last_token = time.monotonic()
+            job.first_token = job.first_token or job.last_token
+            job.generated += 1
+        job.progress = None
+        job.events.put(("chunk", chunk))
+        if chunk.finish_reason is None:
             return
-        engine, pool = self.engine, self.pool
-        assert pool is not None
-        session = pool.acquire(job.prompt_ids)
-        before = _prefill_counter(engine)
-        generated: list[int] = []
-        first = last = None
-        ok = False
-        reported: int | None = None  # cached prompt tokens, when the engine's last chunk carries `usage`
-        last_finish: str | None = None
+        if self._stopping.is_set() and chunk.finish_reason == "cancelled":
+            # Cut short by shutdown: say so, so a client never takes the truncated text for a full reply.
+            job.events.put(("error", (503, SHUTDOWN_MESSAGE)))
+        usage = chunk.usage if isinstance(chunk.usage, dict) else {}
+        self._end(job, usage.get("cached_tokens"))
 
-        def on_progress(done: int, total: int) -> None:
-            job.progress = (done, total)
+    def _on_error(self, job: Job, err: BaseException) -> None:
+        # A ValueError before any token is the engine refusing the request: the client's 400.
+        status = 400 if isinstance(err, ValueError) and not job.generated else 500
+        job.events.put(("error", (status, f"{'' if status == 400 else 'generation failed: '}{err}")))
+        self._end(job, None)
 
-        try:
-            stream = engine.stream(
-                job.prompt_ids, job.params, session=session, cancel=job.cancel, on_prefill_progress=on_progress
-            )
-            try:
-                for chunk in stream:
-                    if chunk.token is not None:
-                        last = time.monotonic()
-                        first = first or last
-                        generated.append(chunk.token)
-                    usage = getattr(chunk, "usage", None)
-                    if isinstance(usage, dict) and isinstance(usage.get("cached_tokens"), int):
-                        reported = usage["cached_tokens"]
-                    job.events.put(("chunk", chunk))
-                    last_finish = chunk.finish_reason or last_finish
-                    if job.cancel.is_set():
-                        break  # don't wait for the engine to notice: close the generator now
-            finally:
-                close = getattr(stream, "close", None)
-                if close is not None:
-                    close()
-            ok = True
-            if self._stopping.is_set() and last_finish in (None, "cancelled"):
-                # Cut short by shutdown: say so, so a client never takes the truncated text for a full reply.
-                job.events.put(("error", (503, SHUTDOWN_MESSAGE)))
-        except Exception as err:
-            # A ValueError before any token is the engine refusing the request (its PromptError): the client's 400.
-            status = 400 if isinstance(err, ValueError) and not generated else 500
-            if status == 500:
-                log.exception("generation failed")
-            job.events.put(("error", (status, f"{'' if status == 400 else 'generation failed: '}{err}")))
-        finally:
-            # After a failure the session's state is unknown: record nothing, so it is never picked as a match.
-            pool.release(session, job.prompt_ids + generated if ok else [])
-            after = _prefill_counter(engine)
-            cached = reported
-            if cached is None and before is not None and after is not None:
-                cached = max(0, len(job.prompt_ids) - (after - before))
-            self.metrics.generation(job, len(generated), first, last, cached)
+    def _end(self, job: Job, cached: int | None) -> None:
+        if self._forget(job):
+            self.metrics.generation(job, job.generated, job.first_token, job.last_token, cached)
             job.events.put(("end", cached))
 
-    def shutdown(self) -> None:
-        self._stopping.set()
-        current = self.current
-        if current is not None:
-            current.cancel.set()
-        while True:
+    def _run(self) -> None:
+        while not self._halt.is_set():
             try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
+                self.scheduler.run(self._halt)
+            except Exception:  # its requests got the error; the worker goes on, or every later request would hang
+                log.exception("a generation step failed")
+
+    def num_running(self) -> int:
+        """Requests submitted and not yet ended (queued or active)."""
+        with self._jobs_lock:
+            return len(self._jobs)
+
+    def num_waiting(self) -> int:
+        """Requests queued and not yet admitted to the batch."""
+        return self.batch_metrics().get("queued_requests", 0)
+
+    def batch_metrics(self) -> dict:
+        return self.scheduler.metrics() if self.ready.is_set() else {}
+
+    def shutdown(self) -> None:
+        """Refuse new requests, cancel the others (each gets a 503 `shutting_down` error), stop the worker."""
+        self._stopping.set()
+        with self._jobs_lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.cancel.set()
+        deadline = time.monotonic() + 10
+        while self.num_running() and self._worker is not None and self._worker.is_alive():
+            if time.monotonic() > deadline:
                 break
-            if job is not None:
-                _abort(job)
-        try:
-            self.jobs.put_nowait(None)
-        except queue.Full:
-            pass
+            time.sleep(0.01)
+        for job in jobs:  # any the worker never reached (it died, or never started)
+            if self._forget(job):
+                job.events.put(("error", (503, SHUTDOWN_MESSAGE)))
+                job.events.put(("end", None))
+        self._halt.set()
         if self._worker is not None:
             self._worker.join(timeout=10)
+            if not self._worker.is_alive():
+                self.scheduler.flush()  # prompt states still being written: a restart finds them
             if not self._worker.is_alive() and self.engine is not None:
                 self.engine.close()
-
-
-def _abort(job: Job) -> None:
-    job.cancel.set()
-    job.events.put(("error", (503, SHUTDOWN_MESSAGE)))
-    job.events.put(("end", None))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -361,6 +309,89 @@ class Histogram:
             f"{name}_sum {self.sum:.6f}",
             f"{name}_count {self.count}",
         ]
+
+
+def _batch_lines(metric: Callable[[str, str, str, list[str]], None], b: dict) -> None:
+    """The scheduler's `metrics()` as Prometheus samples."""
+    metric(
+        "num_requests_decoding",
+        "gauge",
+        "Active sequences past their prompt.",
+        [f"num_requests_decoding {b['decoding_sequences']}"],
+    )
+    hist, total = [], 0
+    for size, calls in sorted(b["batch_size_histogram"].items()):  # calls per batch size -> cumulative buckets
+        total += calls
+        hist.append(f'batch_size_bucket{{le="{size}"}} {total}')
+    steps = sum(size * n for size, n in b["batch_size_histogram"].items())
+    metric(
+        "batch_size",
+        "histogram",
+        "Sequences decoded per model call.",
+        [*hist, f'batch_size_bucket{{le="+Inf"}} {total}', f"batch_size_sum {steps}", f"batch_size_count {total}"],
+    )
+    metric("steps_total", "counter", "Scheduler steps run.", [f"steps_total {b['steps']}"])
+    metric(
+        "step_seconds_total",
+        "counter",
+        "Time spent in scheduler steps.",
+        [f"step_seconds_total {b['step_seconds_total']:.6f}"],
+    )
+    metric(
+        "step_seconds_last", "gauge", "Duration of the last step.", [f"step_seconds_last {b['step_seconds_last']:.6f}"]
+    )
+    rates = b["tokens_per_s_per_sequence"]
+    metric(
+        "sequence_tokens_per_second",
+        "gauge",
+        "Decode speed of each active sequence (by its place in the batch).",
+        [f'sequence_tokens_per_second{{slot="{i}"}} {r:.3f}' for i, r in enumerate(rates)],
+    )
+    metric(
+        "sequence_tokens_per_second_finished_mean",
+        "gauge",
+        "Mean decode speed of recently finished sequences.",
+        [f"sequence_tokens_per_second_finished_mean {b['tokens_per_s_per_sequence_finished_mean']:.3f}"],
+    )
+    progress = b["prefill_progress"]
+    metric(
+        "prefill_tokens_done",
+        "gauge",
+        "Prompt tokens processed so far, per prompt being prefilled (cached ones included).",
+        [f'prefill_tokens_done{{slot="{i}"}} {done}' for i, (done, _) in enumerate(progress)],
+    )
+    metric(
+        "prefill_tokens_total",
+        "gauge",
+        "Prompt tokens in all, per prompt being prefilled.",
+        [f'prefill_tokens_total{{slot="{i}"}} {total}' for i, (_, total) in enumerate(progress)],
+    )
+    for where in ("memory", "disk"):
+        for what in ("hits", "misses"):
+            metric(
+                f"prefix_cache_{where}_{what}_total",
+                "counter",
+                f"Prompts that did (hits) or did not (misses) start from a prefix state kept in {where}.",
+                [f"prefix_cache_{where}_{what}_total {b[f'prefix_{where}_{what}']}"],
+            )
+    metric(
+        "prefix_cache_disk_bytes",
+        "gauge",
+        "Bytes of prefix states in the --prompt-cache folder.",
+        [f"prefix_cache_disk_bytes {b['prefix_disk_bytes']}"],
+    )
+    metric(
+        "prefix_cache_memory_states",
+        "gauge",
+        "Finished requests' states kept in RAM for prefix reuse.",
+        [f"prefix_cache_memory_states {b['prefix_memory_states']}"],
+    )
+    metric(
+        "requests_rejected_total",
+        "counter",
+        "Requests refused with 503 because the queue was full.",
+        [f"requests_rejected_total {b['requests_rejected']}"],
+    )
 
 
 def _metric_name(key: str) -> str:
@@ -468,18 +499,21 @@ class Metrics:
                 "Time from arrival to the last token.",
                 [line[len("fastar:") :] for line in self.latency.lines("fastar:e2e_request_latency_seconds")],
             )
+        b = host.batch_metrics()
         metric(
             "num_requests_running",
             "gauge",
-            "Requests being generated.",
-            [f"num_requests_running {int(host.current is not None)}"],
+            "Requests being prefilled or decoded (one batch).",
+            [f"num_requests_running {b.get('active_sequences', 0)}"],
         )
         metric(
             "num_requests_waiting",
             "gauge",
             "Requests waiting in the queue.",
-            [f"num_requests_waiting {host.num_waiting()}"],
+            [f"num_requests_waiting {b.get('queued_requests', 0)}"],
         )
+        if b:
+            _batch_lines(metric, b)
         metric(
             "model_load_progress",
             "gauge",

@@ -1,0 +1,220 @@
+"""The server batching requests over the real engine (tiny fixture, official numerics): concurrent requests get
+exactly the tokens they get one at a time; a full queue is a 503 with Retry-After; a client that leaves frees its
+slot; a restarted server with the same --prompt-cache folder prefills only the new tail of a resent prompt.
+
+Prompts are token ids (`/v1/completions` accepts them), as the tiny model's vocabulary is 1,024 tokens.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from fastar.engine.engine import load  # noqa: E402 (after the importorskip)
+from fastar.serve.server import Server  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+MODEL = "deepseek-v4-flash"
+
+
+def needs_invariant_kernels():
+    from fastar.quant import kernels, linear
+
+    if linear._kernels() is None or kernels.get_isa() == "scalar":
+        pytest.skip("batch invariance is a promise of the C kernels' SIMD dot path")
+
+
+def prompt(seed: int, n: int, first: int) -> list[int]:
+    ids = torch.randint(2, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [first, *ids[1:]]  # distinct first tokens: no request reuses another's prefix
+
+
+@pytest.fixture
+def engine(tiny_ckpt):
+    return load(tiny_ckpt)  # one per test: a server closes its engine when it shuts down
+
+
+def start(engine, **kw) -> Server:
+    kw.setdefault("port", 0)
+    srv = Server(lambda: engine, **kw).start()
+    assert srv.wait_ready(60)
+    return srv
+
+
+def client(srv: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def metric(srv: Server, name: str) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    m = re.search(rf"^fastar:{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def post(srv: Server, path: str, body: dict) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.conn = conn  # type: ignore[attr-defined] - closed by the caller
+    return resp
+
+
+# (prompt length, request fields): greedy and seeded sampling, logprobs, stop strings, EOS honoured or not
+REQUESTS = [
+    (5, dict(max_tokens=30, temperature=0, extra_body={"ignore_eos": True})),
+    (23, dict(max_tokens=24, temperature=0.8, seed=3, logprobs=3, extra_body={"ignore_eos": True})),
+    (120, dict(max_tokens=16, temperature=0, extra_body={"ignore_eos": True})),
+    (9, dict(max_tokens=28, temperature=1.0, seed=9, top_p=0.9, extra_body={"ignore_eos": True, "top_k": 50})),
+    (64, dict(max_tokens=12, temperature=0, logprobs=1)),
+    (31, dict(max_tokens=30, temperature=0.7, seed=1)),
+    (40, dict(max_tokens=26, temperature=0.6, seed=12, extra_body={"ignore_eos": True}, stop=["STOP"])),
+]
+
+
+def ask(cl: openai.OpenAI, ids: list[int], kw: dict) -> tuple:
+    r = cl.completions.create(model=MODEL, prompt=ids, **kw)
+    c = r.choices[0]
+    lp = (c.logprobs.token_logprobs, c.logprobs.top_logprobs) if c.logprobs else None
+    return c.text, c.finish_reason, lp, r.usage.completion_tokens
+
+
+def test_concurrent_requests_equal_the_same_requests_one_at_a_time(engine):
+    """Seven requests at once (different prompts, lengths, sampling, stops) give the text, logprobs and finish
+    reasons they give one at a time; the batch-size histogram shows they really were decoded together."""
+    needs_invariant_kernels()
+    # No prefix reuse between the runs (max_sessions 0, no prompt cache): each prompt is prefilled afresh in both.
+    srv = start(engine, max_batch=8, max_sessions=0)
+    try:
+        cl = client(srv)
+        reqs = [(prompt(200 + i, n, first=10 + i), kw) for i, (n, kw) in enumerate(REQUESTS)]
+        solo = [ask(cl, ids, kw) for ids, kw in reqs]
+        # a stop string that does occur: cut the last request's solo text in the middle
+        text = solo[-1][0]
+        assert len(text) > 8
+        reqs[-1][1]["stop"] = [text[len(text) // 2 : len(text) // 2 + 3]]
+        solo[-1] = ask(cl, *reqs[-1])
+        assert solo[-1][1] == "stop" and len(solo[-1][0]) < len(text)
+        hist_before = metric(srv, 'batch_size_bucket{le="1"}')
+
+        results: list = [None] * len(reqs)
+        barrier = threading.Barrier(len(reqs))
+
+        def run(i: int) -> None:
+            barrier.wait()
+            results[i] = ask(client(srv), *reqs[i])
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(reqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results == solo
+        calls = metric(srv, "batch_size_count")
+        single = metric(srv, 'batch_size_bucket{le="1"}') - hist_before
+        tokens = metric(srv, "batch_size_sum")
+        assert calls > 0 and tokens / calls > 1 and single < sum(r[3] for r in solo)  # batched decode calls
+    finally:
+        srv.shutdown()
+
+
+def test_full_queue_is_503_with_retry_after(engine):
+    srv = start(engine, max_batch=1, max_queue=1)
+    try:
+        long = {"model": MODEL, "prompt": prompt(1, 8, 3), "max_tokens": 400, "ignore_eos": True, "stream": True}
+        first = post(srv, "/v1/completions", long)  # admitted: the stream has begun
+        assert first.status == 200 and first.readline().startswith(b"data:")
+        second = post(srv, "/v1/completions", {**long, "prompt": prompt(2, 8, 4)})  # waits in the queue
+        assert second.status == 200
+        deadline = time.monotonic() + 10
+        while srv.host.num_waiting() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        third = post(srv, "/v1/completions", {**long, "stream": False})
+        body = json.loads(third.read())
+        assert third.status == 503 and int(third.getheader("Retry-After")) >= 1
+        assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "unavailable_error"
+        for r in (first, second, third):
+            r.conn.close()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while srv.host.num_running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.host.num_running() == 0
+    finally:
+        srv.shutdown()
+
+
+def test_disconnect_frees_the_slot_within_a_step(engine):
+    srv = start(engine, max_batch=1, max_queue=4)
+    try:
+        body = {"model": MODEL, "prompt": prompt(5, 12, 7), "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        resp = post(srv, "/v1/completions", body)
+        for _ in range(6):
+            assert resp.readline()
+        resp.conn.close()  # type: ignore[attr-defined] - the client leaves mid-stream
+        at_close = engine.stats()["generated_tokens"]
+        deadline = time.monotonic() + 10
+        while srv.host.num_running() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert srv.host.num_running() == 0, "the request kept its slot after the client left"
+        assert engine.stats()["generated_tokens"] - at_close < 50  # not the 2000 asked for
+        assert metric(srv, "num_requests_running") == 0
+        # the only slot is free again: the next request is served
+        r = client(srv).completions.create(model=MODEL, prompt=prompt(6, 5, 8), max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
+    finally:
+        srv.shutdown()
+
+
+def test_restarted_server_prefills_only_the_tail_from_the_prompt_cache(engine, tiny_ckpt, tmp_path):
+    folder = tmp_path / "pc"
+    convo = prompt(7, 150, 9)
+    srv = start(engine, prompt_cache=str(folder))
+    try:
+        r = client(srv).completions.create(model=MODEL, prompt=convo, max_tokens=6, temperature=0)
+        assert r.usage.prompt_tokens_details is None or not r.usage.prompt_tokens_details.cached_tokens
+        assert metric(srv, "prefix_cache_disk_bytes") > 0
+    finally:
+        srv.shutdown()
+    assert any(folder.iterdir())
+
+    engine = load(tiny_ckpt)
+    srv = start(engine, prompt_cache=str(folder))  # a new server on the same folder
+    try:
+        resent = convo + prompt(8, 20, 11)
+        before = metric(srv, "engine_prefill_tokens_computed")
+        r = client(srv).completions.create(model=MODEL, prompt=resent, max_tokens=4, temperature=0)
+        computed = metric(srv, "engine_prefill_tokens_computed") - before
+        assert r.usage.prompt_tokens_details.cached_tokens == len(convo)
+        assert computed == len(resent) - len(convo) == 20
+        assert metric(srv, "prefix_cache_disk_hits_total") == 1
+    finally:
+        srv.shutdown()
+
+
+def test_resent_conversation_reuses_the_state_kept_in_memory(engine):
+    """Without a disk cache: a prompt that extends a finished request's prompt + reply starts from its state."""
+    srv = start(engine, max_sessions=2)
+    try:
+        cl = client(srv)
+        first = prompt(9, 40, 12)
+        cl.completions.create(model=MODEL, prompt=first, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        before = metric(srv, "engine_prefill_tokens_computed")
+        again = first + prompt(10, 10, 13)
+        r = cl.completions.create(model=MODEL, prompt=again, max_tokens=3, temperature=0)
+        computed = metric(srv, "engine_prefill_tokens_computed") - before
+        assert r.usage.prompt_tokens_details.cached_tokens == len(first)
+        assert computed == 10
+        assert metric(srv, "prefix_cache_memory_hits_total") == 1
+    finally:
+        srv.shutdown()

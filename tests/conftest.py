@@ -13,6 +13,19 @@ import pytest
 from fastar.fixtures import write_checkpoint
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: without it they are skipped, with the reason."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
+        for item in gpu:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules of tiny-model tests (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): torch's

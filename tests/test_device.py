@@ -289,3 +289,22 @@ def test_cuda_pool_copies_on_the_side_stream(tiny_ckpt):
             assert all(np.array_equal(t.cpu().numpy(), r) for t, r in zip(w, src.expert(layer, e)))
     torch.cuda.synchronize()
     assert pool.stats()["misses"] == 12
+
+
+def test_device_linear_dequantizes_as_the_reference(tiny_ckpt):
+    """`DeviceLinear` applies the FP8 block scales by broadcast: bitwise the reference `fp8_dequant`, whole and by
+    row blocks (what `grouped` and the row-blocked product ask for)."""
+    from fastar.convert.checkpoint import Checkpoint
+    from fastar.model.device import DeviceLinear
+    from fastar.quant.linear import Weights
+
+    w = Weights(Checkpoint(tiny_ckpt), kernels=False)
+    for name in ("layers.0.attn.wq_b", "layers.1.attn.wo_a", "layers.2.ffn.shared_experts.w2", "head"):
+        lin = w.linear(name)
+        dev = DeviceLinear(lin, torch.device("cpu"))
+        assert torch.equal(dev.dequant(), lin.dequant())
+        half = (lin.out_features // 2) // 128 * 128
+        if half:
+            assert torch.equal(dev.dequant(half, lin.out_features), lin.dequant(half, lin.out_features))
+        x = torch.randn(3, lin.in_features)
+        assert torch.equal(dev(x), lin(x))

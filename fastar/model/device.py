@@ -36,7 +36,8 @@ import torch
 from ..config import ModelConfig, parse_size
 from ..contracts import ExpertProvider, WeightSource
 from ..errors import ConfigError
-from ..quant.linear import Linear, Weights, expert_ffn
+from ..quant.linear import Linear, Weights, expert_ffn, ue8m0
+from ..quant.reference import FP8_BLOCK
 from ..weights.device_cache import DeviceExpertCache, slot_bytes
 from . import ops
 
@@ -79,7 +80,9 @@ def resolve_device(name: str | None) -> str:
 
 
 class DeviceLinear(Linear):
-    """A `Linear` whose stored bytes live on the device; its product is the reference path (no C kernels)."""
+    """A `Linear` whose stored bytes live on the device; its product is the reference path (no C kernels), with the
+    FP8 block scales widened once (float32 [R/128, C/128], 1/4096 of the weight's bytes) and applied by broadcast:
+    the same products as `fp8_dequant`, in three device ops instead of ten."""
 
     def __init__(self, lin: Linear, device: torch.device) -> None:  # not Linear.__init__: copies a built one
         self.name, self.dtype = lin.name, lin.dtype
@@ -87,6 +90,16 @@ class DeviceLinear(Linear):
         self.scale = None if lin.scale is None else lin.scale.to(device)
         self.out_features, self.in_features = self.weight.shape
         self._kernels, self._w_np, self._s_np = None, None, None
+        self._scale_f32 = None if self.scale is None else ue8m0(self.scale)  # [R/128, C/128]
+
+    def dequant(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        w = self.weight[r0:r1]
+        rows, cols = w.shape
+        if not self.is_fp8 or r0 % FP8_BLOCK or rows % FP8_BLOCK or cols % FP8_BLOCK:
+            return super().dequant(r0, r1)
+        s = self._scale_f32[r0 // FP8_BLOCK : (r0 + rows) // FP8_BLOCK]  # [rows/128, cols/128]
+        blocks = w.view(torch.float8_e4m3fn).float().view(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+        return (blocks * s[:, None, :, None]).view(rows, cols)
 
 
 class DeviceWeights(Weights):

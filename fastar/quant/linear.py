@@ -78,7 +78,8 @@ def fp4_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     lut = _FP4_LUT.get(w.device)
     if lut is None:  # one copy per device, not one per product
         lut = _FP4_LUT[w.device] = _FP4_LUT[torch.device("cpu")].to(w.device)
-    return lut[codes] * ue8m0(scale).repeat_interleave(FP4_GROUP, 1)
+    rows, cols = codes.shape
+    return (lut[codes].view(rows, cols // FP4_GROUP, FP4_GROUP) * ue8m0(scale)[:, :, None]).view(rows, cols)
 
 
 class Linear:

@@ -50,9 +50,9 @@ def slot_bytes(cfg: ModelConfig) -> int:
 class DeviceExpertCache:
     """A fixed pool of `budget_bytes // stride` expert slots on `device`, over a RAM tier `ram` (an `ExpertProvider`).
 
-    An `ExpertProvider`: `get(layer, e)` returns the expert as `ExpertWeights` of uint8 device tensors (loading it first on a miss),
-    valid until `end_layer()` and the next layer's loads: slots handed out for the current layer are never
-    evicted (`CacheFullError` when the layer wants more than the pool holds; the caller asks `can_load` first).
+    An `ExpertProvider`: `get(layer, e)` returns the expert as `ExpertWeights` of uint8 device tensors (loading it
+    first on a miss), valid until `end_layer()` and the next layer's loads: slots handed out for the current layer
+    are never evicted (`CacheFullError` when the layer wants more than the pool holds; the caller asks `can_load`).
     `admit(layer, e)` decides whether an expert computed elsewhere this step should be copied in for later steps:
     always while a slot is free, else when it was used more often (decayed counts) than the slot it would evict.
 
@@ -73,7 +73,9 @@ class DeviceExpertCache:
         self.is_cuda = self.device.type == "cuda"
         self.pool = torch.empty((self.n_slots, self.stride), dtype=torch.uint8, device=self.device)
         n_stage = staging if self.is_cuda else 1
-        self.staging = [torch.empty(self.stride, dtype=torch.uint8, pin_memory=self.is_cuda) for _ in range(n_stage)]
+        self.staging = [  # host memory whatever the default device (the pool is built inside the device's scope)
+            torch.empty(self.stride, dtype=torch.uint8, device="cpu", pin_memory=self.is_cuda) for _ in range(n_stage)
+        ]
         self._staging_np = [t.numpy() for t in self.staging]
         self._staging_ev: list = [None] * n_stage
         self._slot_ev: list = [None] * self.n_slots

@@ -13,6 +13,17 @@ import pytest
 from fastar.fixtures import write_checkpoint
 
 
+def pytest_configure(config):
+    """The engine defaults to CUDA where it is present: the suite runs the CPU path everywhere (as CI does) and the
+    device tests name their device. FASTAR_DEVICE reaches the CLI, including in subprocesses."""
+    import os
+
+    import fastar.model.device
+
+    fastar.model.device.DEFAULT_TO_CUDA = False
+    os.environ.setdefault("FASTAR_DEVICE", "cpu")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA: without it they are skipped, with the reason."""
     gpu = [item for item in items if "gpu" in item.keywords]

@@ -308,3 +308,44 @@ def test_device_linear_dequantizes_as_the_reference(tiny_ckpt):
             assert torch.equal(dev.dequant(half, lin.out_features), lin.dequant(half, lin.out_features))
         x = torch.randn(3, lin.in_features)
         assert torch.equal(dev(x), lin(x))
+
+
+# --- the command line --------------------------------------------------------------------------------------------
+
+
+def _fastar(*args: str, timeout: int = 600):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FASTAR_DEVICE"}  # the flag under test, not the suite's pin
+    return subprocess.run(
+        [sys.executable, "-m", "fastar", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the machine without CUDA")
+def test_cli_cuda_without_cuda_is_one_line(tiny_ckpt):
+    r = _fastar("run", "-m", str(tiny_ckpt), "--device", "cuda", "-p", "hi", "--raw", "-n", "1")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("fastar: error: --device cuda: CUDA is not available") and r.stderr.count("\n") == 1
+
+
+def test_bench_on_the_device_path_reports_the_split(tiny_ckpt, tmp_path):
+    """What bench/gpu-check.sh runs on CUDA, here through torch:cpu: a prompt long enough to stream experts to the
+    device, a pool of a third of the bank, the split's counters in the JSON."""
+    import json
+
+    from fastar.convert.hf import convert
+    from fastar.weights.device_cache import slot_bytes
+
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    budget = str(6 * slot_bytes(load(tiny_ckpt).config))
+    args = ["--device", "torch:cpu", "--gpu-budget", budget, "--prompt-tokens", "300", "--decode-tokens", "3"]
+    r = _fastar("bench", "-m", str(fst), "--json", "--warmup-tokens", "2", *args)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["device"] == "torch:cpu" and out["decode_tok_s"] > 0 and out["prefill_tok_s"] > 0
+    assert out["device_pool_n_slots"] == 6 and out["device_experts_streamed"] > 0
+    assert out["device_experts_device"] > 0 and out["device_experts_cpu"] > 0
+    assert out["device_steps"] == (300 // 512 + 1 + 2 + 3) * 5  # forward passes x layers (the MTP block idle)

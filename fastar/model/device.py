@@ -53,10 +53,15 @@ def cuda_available() -> bool:
         return False
 
 
+# None/"auto" picks CUDA when present. The test suite turns this off (tests/conftest.py), so a CUDA machine runs the
+# same CPU tests as CI and the device tests name their device.
+DEFAULT_TO_CUDA = True
+
+
 def resolve_device(name: str | None) -> str:
     """A `--device` value -> "cpu" (the C kernels), "torch:cpu" or "cuda:N". None or "auto": CUDA when present."""
     if name is None or name == "auto":
-        return f"cuda:{torch.cuda.current_device()}" if cuda_available() else "cpu"
+        return f"cuda:{torch.cuda.current_device()}" if DEFAULT_TO_CUDA and cuda_available() else "cpu"
     name = str(name).strip().lower()
     if name in ("cpu", "torch:cpu"):
         return name

@@ -13,6 +13,7 @@
 #    4,096 tokens >= 10x the CPU-only path).
 #
 # DRY=1 runs the same steps with --device torch:cpu on a small model and no install (the plumbing, on any machine).
+# LAYERS=, PROMPT=, DECODE= change the model's layers (4), the prompt (4096) and the decode tokens (32).
 # WORK=DIR keeps the model there (default: a temporary folder, removed at the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +37,8 @@ if [[ "$DRY" == 1 ]]; then
     PY=${PYTHON:-python3}
 else
     DEVICE=cuda
-    SYNTH=(--layers 4 --experts 256 --mtp 0)
-    PROMPT=4096 DECODE=32 WARMUP=8
+    SYNTH=(--layers "${LAYERS:-4}" --experts 256 --mtp 0)
+    PROMPT=${PROMPT:-4096} DECODE=${DECODE:-32} WARMUP=8
     step "install (.venv-gpu)"
     if [[ ! -x .venv-gpu/bin/python ]]; then
         python3 -m venv --system-site-packages .venv-gpu

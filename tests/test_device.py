@@ -229,6 +229,10 @@ def test_pool_bytes_lru_and_full_layer(tiny_ckpt):
     with pytest.raises(CacheFullError, match="raise --gpu-budget"):
         for e in range(4):
             pool.get(3, e)
+    # a new step of the same layer frees the previous step's slots (a one-layer model streams again)
+    pool.begin_layer(3)
+    for e in range(4, 7):
+        pool.get(3, e)
     # admission: a free slot takes anything; a full pool only an expert used more often than its victim
     pool2 = DeviceExpertCache(SourceExperts(src), src.config, 1 * slot_bytes(src.config), "cpu")
     pool2.note_use(0, [1])
@@ -238,6 +242,25 @@ def test_pool_bytes_lru_and_full_layer(tiny_ckpt):
     assert not pool2.admit(0, 2)  # used once, as often as the resident one
     pool2.note_use(0, [2])
     assert pool2.admit(0, 2) and pool2.holds(0, 2) and not pool2.holds(0, 1)
+
+
+def test_admissions_into_a_full_pool_are_capped(tiny_ckpt):
+    """Once the pool is full, a layer step copies in at most ADMIT_FULL experts that ran on the CPU."""
+    from fastar.model.device import ADMIT_FULL
+    from fastar.weights.device_cache import slot_bytes
+
+    eng = device_engine(tiny_ckpt, gpu_budget=4 * slot_bytes(load(tiny_ckpt).config))
+    state = eng.new_state()
+    eng.prefill(tokens(20, 1), state)  # short chunks: every miss on the CPU, admitted while slots are free
+    assert eng.stats()["device_pool_held"] == 4
+    ids = tokens(30, 2)
+    for t in ids:
+        before = eng.stats()
+        eng.prefill([t], state)
+        after = eng.stats()
+        steps = after["device_steps"] - before["device_steps"]
+        assert after["device_pool_admitted"] - before["device_pool_admitted"] <= ADMIT_FULL * steps
+    assert after["device_pool_admitted"] > 4  # replacements did happen
 
 
 def test_backend_budget_zero_has_no_slots(tiny_ckpt):

@@ -161,7 +161,8 @@ class Engine:
                 direct_io = getattr(source, "supports_direct_io", False)
             cache = ExpertCache(source, budget, direct=direct_io, policy=cache_policy, verify=verify)
             self.expert_cache = experts = cache
-        self.backend = None if self.device == "cpu" else DeviceBackend(self.device, gpu_budget)
+        # on a device, `kernels` still chooses how the CPU's share of the routed experts is computed
+        self.backend = None if self.device == "cpu" else DeviceBackend(self.device, gpu_budget, host_kernels=kernels)
         if self.backend is None:
             self.model = DeepseekV4(
                 source,

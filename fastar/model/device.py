@@ -43,6 +43,7 @@ from . import ops
 
 DEVICE_CHOICES = "cpu, torch:cpu, cuda or cuda:N"
 STREAM_TOKENS = 256  # a chunk this long streams its layer's missing experts to the device instead of the CPU
+ADMIT_FULL = 1  # experts a layer step may copy into a full pool (replacing others): bounds churn over PCIe
 VRAM_RESERVE = 2 << 30  # bytes `gpu_budget="auto"` leaves free for activations and the decode state
 
 
@@ -136,7 +137,8 @@ class ExpertSplit:
     Policy per layer per step: experts the pool holds run on the device; when the chunk has at least
     `stream_tokens` tokens, missing ones are streamed into the pool (as many as it has slots the layer is not
     using) and run there too; the rest run on the CPU (C kernels over the RAM tier) in a worker thread, overlapped
-    with the device's experts, and are then offered to the pool (`DeviceExpertCache.admit`) for later steps.
+    with the device's experts, and are then offered to the pool (`DeviceExpertCache.admit`) for later steps: all of
+    them while slots are free, at most `ADMIT_FULL` per layer step once it is full.
     """
 
     def __init__(
@@ -183,6 +185,7 @@ class ExpertSplit:
         routed = idx.cpu().numpy()  # [T, k]: the step's one wait for the device, to know what it needs
         wanted = np.unique(routed).tolist()  # sorted: the summation order
         self.pool.note_use(layer, wanted)
+        self.pool.begin_layer(layer)
         held, streamed, host = self.plan(layer, wanted, x.shape[0])
         act = numerics.act if numerics.fp8_activations else None
         ffn = dict(weight_before_down=numerics.official_routing, act_quant=act, act_block=128 if act else 0)
@@ -195,8 +198,13 @@ class ExpertSplit:
             y = expert_ffn(x[tok], self.pool.get(layer, e), wts[tok, slot], moe.limit, kernels=False, **ffn)
             ys[e] = (tok, y)
         if job is not None:
-            for e in host:  # copied in for later steps while the CPU computes them for this one
-                self.pool.admit(layer, e)
+            replaced = 0  # copied in for later steps while the CPU computes them for this one
+            for e in host:
+                free = self.pool.has_free()
+                if not free and replaced >= ADMIT_FULL:
+                    break
+                if self.pool.admit(layer, e) and not free:
+                    replaced += 1
             t0 = time.perf_counter()
             for e, (tok, y) in job.result().items():
                 ys[e] = (tok.to(self.device), y.to(self.device))

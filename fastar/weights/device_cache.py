@@ -94,9 +94,18 @@ class DeviceExpertCache:
     def _key(self, layer: int, e: int) -> int:
         return layer * self.num_experts + e
 
+    def begin_layer(self, layer: int) -> None:
+        """Start a layer's step: the previous step's slots become evictable (after the device passed them)."""
+        self.end_layer()
+        self._layer = layer
+
     def holds(self, layer: int, e: int) -> bool:
         """Whether the expert is in a slot now (a `get` would not copy)."""
         return self._key(layer, e) in self._lru
+
+    def has_free(self) -> bool:
+        """Whether a slot is empty (an admission then evicts nothing)."""
+        return bool(self._free)
 
     def can_load(self) -> int:
         """Slots a `get` of an absent expert could still take in the current layer (free or evictable)."""

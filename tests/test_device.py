@@ -81,6 +81,12 @@ def test_cuda_without_cuda_is_one_clear_error(tiny_ckpt):
     assert load(tiny_ckpt).device == "cpu"
 
 
+def test_bad_gpu_budget_is_one_clear_error(tiny_ckpt):
+    for device in ("cpu", "torch:cpu"):
+        with pytest.raises(ConfigError, match="cannot read 'lots' as a size"):
+            load(tiny_ckpt, device=device, gpu_budget="lots")
+
+
 def test_draft_is_refused_on_a_device(tiny_ckpt):
     with pytest.raises(ConfigError, match="speculative decoding runs on --device cpu only"):
         load(tiny_ckpt, device="torch:cpu", draft="mtp")

@@ -122,6 +122,10 @@ class Engine:
         from ..model.device import DeviceBackend, resolve_device
 
         self.device = resolve_device(device)
+        if gpu_budget not in (None, "auto"):  # checked on every device: a typo is an error, not silently unused
+            from ..config import parse_size
+
+            parse_size(gpu_budget)
         if self.device != "cpu" and draft not in (None, "none"):
             raise ConfigError(f"--draft {draft}: speculative decoding runs on --device cpu only (not {self.device})")
         if verify:

@@ -124,6 +124,18 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="skip the checksums: of the resident tensors at load, of each expert at its first read",
     )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu (the C kernels), torch:cpu (the GPU code path on the CPU: slow, for tests), cuda or cuda:N "
+        "(default: cuda when present, else cpu)",
+    )
+    p.add_argument(
+        "--gpu-budget",
+        default="auto",
+        help="device memory for routed experts, e.g. 16G (auto: what is free after the resident weights less "
+        "2 GiB; 0: every routed expert on the CPU)",
+    )
 
 
 def memory_options(args: argparse.Namespace) -> dict:
@@ -134,6 +146,8 @@ def memory_options(args: argparse.Namespace) -> dict:
         "direct_io": getattr(args, "direct_io", None),
         "lookahead": getattr(args, "lookahead", False),
         "verify": getattr(args, "verify", True),
+        "device": getattr(args, "device", None),
+        "gpu_budget": getattr(args, "gpu_budget", "auto"),
     }
 
 

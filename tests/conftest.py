@@ -28,6 +28,30 @@ def prompt_cache_in_a_temp_folder(tmp_path_factory: pytest.TempPathFactory):
         os.environ["FASTAR_PROMPT_CACHE"] = before
 
 
+def pytest_configure(config):
+    """The engine defaults to CUDA where it is present: the suite runs the CPU path everywhere (as CI does) and the
+    device tests name their device. FASTAR_DEVICE reaches the CLI, including in subprocesses."""
+    import os
+
+    import fastar.model.device
+
+    fastar.model.device.DEFAULT_TO_CUDA = False
+    os.environ.setdefault("FASTAR_DEVICE", "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: without it they are skipped, with the reason."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
+        for item in gpu:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules of tiny-model tests (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): torch's

@@ -587,10 +587,10 @@ def _cuda() -> bool:
 def test_device_tier_bytes_and_eviction(fst):
     import torch
 
-    from fastar.weights.device_cache import DeviceExpertCache
+    from fastar.weights.device_cache import DeviceExpertCache, slot_bytes
 
     with ExpertCache(fst, 6 * fst.expert_stride) as ram:
-        dev = DeviceExpertCache(ram, 3 * fst.expert_stride)
+        dev = DeviceExpertCache(ram, fst.config, 3 * slot_bytes(fst.config), "cuda")
         for layer in range(5):
             for e in (0, 3, 5):
                 w = dev.get(layer, e)

@@ -225,6 +225,8 @@ def run_one(
             each.append((time.perf_counter() - t0, bw0, _stream_gbps(engine)))
         decode_s = sum(e[0] for e in each)
         state_info = _state_measure(engine, state)
+        # the accelerator tier's policy counters (fastar.model.device): experts on each side, pool, memory
+        device_info = {k: v for k, v in engine.stats().items() if k.startswith("device")}
         after = cache.stats() if cache else {}
         budget_bytes = cache.budget_bytes if cache else 0
         del state, logits
@@ -278,6 +280,7 @@ def run_one(
         ],
         "prefetch": {k: v for k, v in after.get("sources", {}).items()},
         **state_info,
+        **device_info,
     }
     if replay is not None or draft != "none":
         out.update({k: v for k, v in gen.items() if k.startswith("draft_")})
@@ -466,6 +469,8 @@ def print_table(r: dict, out=sys.stdout) -> None:
             f"token (official layout {x['state_official_bytes_per_token']:,.0f})",
             file=out,
         )
+        if x.get("device", "cpu") != "cpu":
+            print(f"{'':>10} {device_line(x)}", file=out)
         if len(x["repeats"]) > 1:
             fr = sorted(100 * y["fraction_of_ceiling"] for y in x["repeats"])
             print(
@@ -499,6 +504,23 @@ def print_table(r: dict, out=sys.stdout) -> None:
             f"{r['speedup_vs_transformers']:9.2f}x",
             file=out,
         )
+
+
+def device_line(x: dict) -> str:
+    """The accelerator tier's counters of one run (`fastar.model.device`), in one line."""
+    n = max(1, x["device_experts_device"] + x["device_experts_cpu"])
+    peak = (
+        f", peak {_gb(x['device_peak_bytes'])} (resident {_gb(x['device_resident_bytes'])})"
+        if "device_peak_bytes" in x
+        else ""
+    )
+    return (
+        f"device {x['device']}: experts {100 * x['device_experts_device'] / n:.0f}% on the device "
+        f"({x['device_experts_streamed']} streamed), {100 * x['device_experts_cpu'] / n:.0f}% on the CPU "
+        f"(CPU {x['device_cpu_seconds']:.2f} s, waited {x['device_wait_seconds']:.2f} s); pool "
+        f"{x['device_pool_n_slots']} slots, {x['device_pool_hits']} hits, {x['device_pool_admitted']} admitted, "
+        f"{_gb(x['device_pool_bytes_copied'])} copied{peak}"
+    )
 
 
 def plot(r: dict, path: str) -> None:

@@ -72,6 +72,10 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
         (see `fastar.engine.speculative`).
       verify: check a `.fst`'s resident tensors against their xxh64 before use, and each expert record the
         first time it is read (default True); a mismatch is a FormatError naming the tensor or expert.
+      device: "cpu" (the C kernels), "torch:cpu" (the accelerator tier's torch code on the CPU), "cuda" or
+        "cuda:N"; None (default): CUDA when present, else "cpu" (`fastar.model.device`, docs/DEVICE.md).
+      gpu_budget: bytes (or "20G") of device memory for routed experts on a device; "auto" (default): what is
+        free after the resident weights less a reserve; 0: every routed expert on the CPU.
     """
     source = path if hasattr(path, "tensor") else open_source(path)
     return Engine(source, numerics=numerics, **options)
@@ -110,9 +114,20 @@ class Engine:
         direct_io: bool | None = None,
         lookahead: bool = False,
         verify: bool = True,
+        device: str | None = None,
+        gpu_budget: int | str | None = "auto",
     ) -> None:
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        from ..model.device import DeviceBackend, resolve_device
+
+        self.device = resolve_device(device)
+        if gpu_budget not in (None, "auto"):  # checked on every device: a typo is an error, not silently unused
+            from ..config import parse_size
+
+            parse_size(gpu_budget)
+        if self.device != "cpu" and draft not in (None, "none"):
+            raise ConfigError(f"--draft {draft}: speculative decoding runs on --device cpu only (not {self.device})")
         if verify:
             _verify_resident(source)
         if kernels and K.available():
@@ -150,9 +165,21 @@ class Engine:
                 direct_io = getattr(source, "supports_direct_io", False)
             cache = ExpertCache(source, budget, direct=direct_io, policy=cache_policy, verify=verify)
             self.expert_cache = experts = cache
-        self.model = DeepseekV4(
-            source, numerics=numerics, kernels=kernels, experts=experts, max_rollback=max_rollback, lookahead=lookahead
-        )
+        # on a device, `kernels` still chooses how the CPU's share of the routed experts is computed
+        self.backend = None if self.device == "cpu" else DeviceBackend(self.device, gpu_budget, host_kernels=kernels)
+        if self.backend is None:
+            self.model = DeepseekV4(
+                source,
+                numerics=numerics,
+                kernels=kernels,
+                experts=experts,
+                max_rollback=max_rollback,
+                lookahead=lookahead,
+            )
+        else:  # the accelerator tier: resident weights, attention, state on the device; experts split
+            self.model = self.backend.build_model(
+                source, numerics=numerics, experts=experts, max_rollback=max_rollback, lookahead=lookahead
+            )
         self.prefill_chunk = prefill_chunk
         self.use_draft(*speculative.resolve(draft, self.model, source, kernels))
 
@@ -392,6 +419,9 @@ class Engine:
             for k, v in experts.stats().items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     d[f"expert_cache_{k}"] = v
+        d["device"] = self.device
+        if self.backend is not None:
+            d.update({f"device_{k}": v for k, v in self.backend.stats().items() if k != "device"})
         return d
 
     def load_progress(self) -> float:
@@ -404,6 +434,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self.backend is not None:
+            self.backend.close()
         if self.expert_cache is not None:
             self.expert_cache.close()
 

@@ -24,6 +24,7 @@ with the FP8/FP4 rounding (prefill vs decode differ by quantization noise under 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -442,6 +443,7 @@ class MoE:
         self.layer, self.topk, self.scale = layer, cfg.num_experts_per_tok, cfg.routed_scaling_factor
         self.limit, self.numerics, self.experts, self.kernels = cfg.swiglu_limit, numerics, experts, kernels
         self.lookahead = None  # set by DeepseekV4 when the expert provider can prefetch
+        self.offload = None  # set by a device backend: runs the routed experts instead (`fastar.model.device`)
 
     def guess(self, x: torch.Tensor) -> list[int]:
         """This layer's likely experts for x (its router on another layer's input): lookahead prefetch."""
@@ -465,6 +467,8 @@ class MoE:
         idx, wts = self.route(x, ids)
         if self.lookahead is not None:  # guess the next layer's experts now, so their reads overlap this layer
             self.lookahead(x)
+        if self.offload is not None:  # split between the device and the CPU, summed in expert-id order
+            return self.offload(self, x, idx, wts) + self._shared(x)
         out = torch.zeros_like(x)  # [T, d]
         act = self.numerics.act if self.numerics.fp8_activations else None
         routed = idx.numpy()  # [T, k]: the bookkeeping in numpy (a few small arrays per expert)
@@ -575,6 +579,23 @@ class MTPBlock:
         return self.h_proj(self.numerics.act(ops.rms_norm(X, self.hnorm, self.eps).reshape(T * n, d))).view(T, n, d)
 
 
+def _on_device(fn):
+    """A `DeepseekV4` entry point run inside its backend's scope (`fastar.model.device`: tensors made on the device,
+    ops on their torch paths), with the logits it returns brought to the host; without a backend, as it is."""
+
+    @functools.wraps(fn)
+    def run(self, *args, **kw):
+        if self.backend is None:
+            return fn(self, *args, **kw)
+        with self.backend.scope():
+            out = fn(self, *args, **kw)
+        if isinstance(out, torch.Tensor):
+            return out.cpu()
+        return (out[0].cpu(), *out[1:]) if isinstance(out, tuple) else out
+
+    return run
+
+
 class DeepseekV4:
     """The model over a `WeightSource`. Weights stay in the source's storage precision; see module docstring.
 
@@ -586,6 +607,8 @@ class DeepseekV4:
         max_rollback: positions a state keeps for `truncate` (None = all).
         lookahead: with a prefetching expert provider, apply layer L+1's router to layer L's MoE input and
             prefetch what it picks (hash-routed layers are always prefetched exactly from the token ids).
+        backend: a `fastar.model.device.DeviceBackend` to run on a torch device (build with its `build_model`);
+            None: the CPU with the C kernels. Logits come back on the host either way.
     """
 
     def __init__(
@@ -596,11 +619,13 @@ class DeepseekV4:
         experts: ExpertProvider | None = None,
         max_rollback: int | None = None,
         lookahead: bool = False,
+        backend=None,
     ) -> None:
         cfg = source.config
         self.config, self.numerics, self.max_rollback = cfg, Numerics.named(numerics), max_rollback
         self.experts = experts if experts is not None else SourceExperts(source)
-        w = Weights(source, kernels)
+        self.backend = backend
+        w = Weights(source, kernels) if backend is None else backend.weights(source)
         self.embed = w.linear("embed", streamed=False)  # BF16 [V, d]: rows looked up, left in the file's mapping
         self.layers = [Block(w, cfg, i, self.numerics, self.experts, kernels) for i in range(cfg.num_hidden_layers)]
         # positions computed exactly: all (None) unless a ratio-4 layer lacks its indexer (see Attention)
@@ -612,14 +637,22 @@ class DeepseekV4:
             prefetch = self.experts.prefetch
             for cur, nxt in zip(self.layers, self.layers[1:]):
                 cur.ffn.lookahead = lambda x, m=nxt.ffn: prefetch(m.layer, m.guess(x), source="lookahead")
-        self.hash_tables = {b.layer: b.ffn.tid2eid.numpy() for b in self.layers if b.ffn.is_hash}
+        self.hash_tables = {b.layer: b.ffn.tid2eid.cpu().numpy() for b in self.layers if b.ffn.is_hash}
         has_mtp = cfg.num_mtp_layers > 0 and not cfg.has_dspark and w.has("mtp.0.e_proj.weight")
         self.mtp = (
             [MTPBlock(w, cfg, k, self.numerics, self.experts, kernels) for k in range(cfg.num_mtp_layers)]
             if has_mtp
             else []
         )
+        if backend is not None:
+            backend.attach(self)
 
+    def _place(self, state: ModelState) -> None:
+        """A state read from bytes comes back on the host: moved to the backend's device before use."""
+        if self.backend is not None and state.layers and state.layers[0].kv.device != self.backend.device:
+            state.to(self.backend.device)
+
+    @_on_device
     def new_state(self) -> ModelState:
         cfg = self.config
 
@@ -629,6 +662,7 @@ class DeepseekV4:
         L = cfg.num_hidden_layers
         return ModelState([layer(i) for i in range(L)], [layer(L + k) for k in range(len(self.mtp))], self.max_rollback)
 
+    @_on_device
     @torch.inference_mode()
     def forward(
         self,
@@ -646,6 +680,7 @@ class DeepseekV4:
         block i for each key i (DSpark reads the target's state entering its target layers).
         """
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        self._place(state)
         p0, T = state.length, ids.shape[0]
         if T == 0:
             raise ValueError("forward needs at least one token")
@@ -664,6 +699,7 @@ class DeepseekV4:
         h = X if all_logits else X[-1:]
         return self.head(ops.rms_norm(self.hc_head(h), self.norm, self.config.rms_norm_eps)), X
 
+    @_on_device
     @torch.inference_mode()
     def forward_rows(self, ids: list[int], states: list[ModelState]) -> torch.Tensor:
         """One decode step of B sequences at once: token ids[b] at position states[b].length, advancing each
@@ -680,6 +716,8 @@ class DeepseekV4:
             )
         if len({id(s) for s in states}) != B:
             raise ValueError("forward_rows needs a distinct state per token")
+        for s in states:
+            self._place(s)
         self.experts.prefetch_tokens(ids.tolist(), self.hash_tables)  # hash-routed layers: known from the ids
         X = self.embed.rows(ids)[:, None, :].expand(B, self.config.hc_mult, -1)  # [B, n, d]
         for i, block in enumerate(self.layers):
@@ -689,6 +727,7 @@ class DeepseekV4:
                 s.layers[i].trim(s.max_rollback)
         return self.head(ops.rms_norm(self.hc_head(X), self.norm, self.config.rms_norm_eps))
 
+    @_on_device
     @torch.inference_mode()
     def mtp_logits(
         self, X: torch.Tensor, next_ids: list[int] | torch.Tensor, state: ModelState, k: int = 0
@@ -698,6 +737,7 @@ class DeepseekV4:
         if not self.mtp:
             raise ValueError("this model has no MTP block")
         ids = torch.as_tensor(next_ids, dtype=torch.long).reshape(-1)
+        self._place(state)
         s = state.mtp[k]
         p0 = s.length
         y = self.mtp[k](X, self.embed.rows(ids), ids, p0, s)  # [T, d]

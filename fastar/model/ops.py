@@ -12,7 +12,9 @@ Does not own: weights or weight formats (`fastar.quant`), model structure (`fast
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import numpy as np
 import torch
@@ -23,6 +25,20 @@ from ..quant.kernels import extension as _C  # fast twins of the `..._torch` fun
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 
+_scope = threading.local()  # `torch_only()`: this thread's ops take their torch paths
+
+
+@contextlib.contextmanager
+def torch_only():
+    """Within it, this thread's ops run their `..._torch` references even on CPU tensors (the C twins are skipped):
+    the accelerator tier's `torch:cpu` mode runs on the CPU exactly the torch code a CUDA device runs."""
+    before = getattr(_scope, "torch_only", False)
+    _scope.torch_only = True
+    try:
+        yield
+    finally:
+        _scope.torch_only = before
+
 
 # --- norms and activations ----------------------------------------------------------------------------------
 
@@ -31,7 +47,7 @@ def _c_arrays(*ts: torch.Tensor) -> list | None:
     """Row-major numpy views of the tensors for the C extension (a copy only where one is not contiguous), or None
     when it cannot take them (not built; not float32 on the CPU; autograd; empty). The C calls reshape on the numpy
     side: a few microseconds less per call than torch views, which is most of a small op's cost at decode."""
-    if _C is None:
+    if _C is None or getattr(_scope, "torch_only", False):
         return None
     out = []
     for t in ts:

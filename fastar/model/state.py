@@ -90,6 +90,14 @@ class RowBuffer:
     def copy(self) -> RowBuffer:
         return RowBuffer(self.width, self.start, self.all())
 
+    @property
+    def device(self) -> torch.device:
+        return self._data.device
+
+    def to(self, device: torch.device) -> None:
+        """Move the rows to `device` (a state read from bytes comes back on the host: `fastar.model.device`)."""
+        self._data = self._data[: self._n].to(device)
+
 
 @dataclass
 class LayerState:
@@ -195,6 +203,13 @@ class ModelState:
     def nbytes(self) -> int:
         return sum(b.all().numel() * 4 for s in self.layers + self.mtp for b in s.buffers().values())
 
+    def to(self, device: torch.device) -> None:
+        """Move every buffer to `device` where it is not there already."""
+        for s in self.layers + self.mtp:
+            for b in s.buffers().values():
+                if b.device != device:
+                    b.to(device)
+
     # --- bytes: MAGIC, u32 version, u64 header length, JSON header, then float32 row data back to back ---
 
     def to_bytes(self) -> bytes:
@@ -205,7 +220,7 @@ class ModelState:
             for s in group:
                 entry = {"ratio": s.ratio, "window": s.window, "length": s.length, "buffers": {}}
                 for name, b in s.buffers().items():
-                    data = b.all().contiguous().numpy().astype("<f4").tobytes()
+                    data = b.all().cpu().contiguous().numpy().astype("<f4").tobytes()
                     entry["buffers"][name] = {
                         "width": b.width,
                         "start": b.start,

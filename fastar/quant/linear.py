@@ -32,7 +32,7 @@ from .reference import FP4_GROUP, FP4_VALUES, FP8_BLOCK
 
 ROW_BLOCK = 4096  # rows dequantized at once by the reference path (bounds its temporaries)
 
-_FP4_LUT = torch.from_numpy(FP4_VALUES)  # float32 [16], by code
+_FP4_LUT = {torch.device("cpu"): torch.from_numpy(FP4_VALUES)}  # device -> float32 [16], by code
 
 
 def _kernels():
@@ -44,8 +44,11 @@ def _kernels():
     return kernels if kernels.available() else None
 
 
-def _as_torch(a: np.ndarray) -> torch.Tensor:
-    """Zero-copy view of a (possibly read-only, memory-mapped) numpy array; uint16 becomes bfloat16."""
+def _as_torch(a: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """Zero-copy view of a (possibly read-only, memory-mapped) numpy array; uint16 becomes bfloat16. A tensor (an
+    expert already on a device, `fastar.weights.device_cache`) passes as it is."""
+    if isinstance(a, torch.Tensor):
+        return a
     a = np.ascontiguousarray(a)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only mmap views: we never write through them
@@ -72,7 +75,11 @@ def fp8_dequant(w: torch.Tensor, scale: torch.Tensor, row0: int = 0) -> torch.Te
 def fp4_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """FP4 packed [R, C/2] (low nibble = even column) + per-32 scales [R, C/32] -> float32 [R, C]."""
     codes = torch.stack((w & 0x0F, w >> 4), dim=-1).flatten(-2).long()  # [R, C]
-    return _FP4_LUT[codes] * ue8m0(scale).repeat_interleave(FP4_GROUP, 1)
+    lut = _FP4_LUT.get(w.device)
+    if lut is None:  # one copy per device, not one per product
+        lut = _FP4_LUT[w.device] = _FP4_LUT[torch.device("cpu")].to(w.device)
+    rows, cols = codes.shape
+    return (lut[codes].view(rows, cols // FP4_GROUP, FP4_GROUP) * ue8m0(scale)[:, :, None]).view(rows, cols)
 
 
 class Linear:

@@ -349,3 +349,65 @@ fail:
     release(v, 6);
     return NULL;
 }
+
+/* ---------------------------------------------------------------- packed decode-state rows (attn_prefill.c) */
+
+typedef struct {
+    const uint8_t *raw;
+    float *out;
+    int64_t rows, row_bytes, width, rope, per_chunk;
+    int kind;
+} state_rows_ctx;
+
+static void state_rows_chunk(void *p, int64_t i) {
+    const state_rows_ctx *c = p;
+    const int64_t r0 = i * c->per_chunk, n = c->rows - r0 < c->per_chunk ? c->rows - r0 : c->per_chunk;
+    state_rows_decode(c->raw + r0 * c->row_bytes, c->out + r0 * c->width, n, c->row_bytes, c->kind, c->width,
+                      c->rope);
+}
+
+/* state_rows_decode(raw u8 [k, B], kind, rope, out f32 [k, W]) -> None: kind 0 (FP8 + float32 rope dims) or 1
+ * (FP4); B must be the format's row size for width W (state.py: RowFormat.stored_width). Rows are independent:
+ * spread over the pool in blocks (bit-identical for any thread count). */
+PyObject *py_state_rows_decode(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oraw, *oo;
+    int kind;
+    Py_ssize_t rope;
+    if (!PyArg_ParseTuple(args, "OinO", &oraw, &kind, &rope, &oo)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_view(oraw, &v[0], "raw", 'B', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) goto fail;
+    const int64_t k = dim(&v[0], 0), B = dim(&v[0], 1), W = dim(&v[1], 1);
+    int64_t need = 0;
+    if (kind == STATE_FP8 && rope >= 0 && rope < W) {
+        const int64_t nb = (W - rope + 63) / 64;
+        need = (4 * rope + 65 * nb + 3) / 4 * 4;
+    } else if (kind == STATE_FP4) {
+        need = 17 * ((W + 31) / 32);
+    }
+    if (!need || B != need || dim(&v[1], 0) != k) {
+        PyErr_Format(PyExc_ValueError, "state_rows_decode: kind %d, rope %zd: raw [%lld, %lld] does not hold rows of "
+                     "out [%lld, %lld] (expected %lld bytes a row)", kind, rope, (long long)k, (long long)B,
+                     (long long)dim(&v[1], 0), (long long)W, (long long)need);
+        goto fail;
+    }
+    if (no_overlap(&v[1], &v[0], 1)) goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    state_rows_ctx c = {.raw = v[0].b.buf, .out = v[1].b.buf, .rows = k, .row_bytes = B, .width = W, .rope = rope,
+                        .kind = kind};
+    const int64_t chunks = 4 * (int64_t)pool_get_threads();
+    c.per_chunk = (k + chunks - 1) / chunks;
+    if (k * W < (1 << 16) || c.per_chunk < 1) {
+        c.per_chunk = k > 0 ? k : 1;
+        if (k > 0) state_rows_chunk(&c, 0);
+    } else {
+        pool_run((k + c.per_chunk - 1) / c.per_chunk, state_rows_chunk, &c);
+    }
+    Py_END_ALLOW_THREADS
+    release(v, 2);
+    Py_RETURN_NONE;
+fail:
+    release(v, 2);
+    return NULL;
+}

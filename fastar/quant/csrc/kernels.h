@@ -144,6 +144,14 @@ typedef struct {
 /* Runs a job over the pool with the kernel of isa->vec. Returns 0, or -1 for out of memory. */
 int attn_run(const isa_ops *isa, const attn_job *j);
 
+/* Packed decode-state rows (attn_prefill.c; the layouts are fastar/model/state.py's): rows of row_bytes bytes ->
+ * float32 rows of width values. STATE_FP8 keeps the last `rope` values as float32. state_rows_init fills the
+ * e4m3 table once (module init). */
+enum { STATE_FP8 = 0, STATE_FP4 = 1 };
+void state_rows_init(void);
+void state_rows_decode(const uint8_t *raw, float *out, int64_t rows, int64_t row_bytes, int kind, int64_t width,
+                       int64_t rope);
+
 /* Thread pool. pool_run calls fn(ctx, i) once for every i in [0, nchunks), spread over the pool's threads
  * (the caller included); chunks are handed out dynamically so a descheduled thread delays only its own. */
 typedef void (*chunk_fn)(void *ctx, int64_t i);

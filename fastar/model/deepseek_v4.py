@@ -36,9 +36,6 @@ from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_f
 from . import ops
 from .state import LayerState, ModelState, StateFormat
 
-SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
-
-
 # --- numerics ------------------------------------------------------------------------------------------------
 
 
@@ -220,15 +217,9 @@ class Indexer:
     def pick(self, q: torch.Tensor, weights: torch.Tensor, p0: int, keys: torch.Tensor) -> torch.Tensor:
         """Entry ids [T, k] with the top scores among keys [E, Di] (k = min(topk, E)) for the queries q [T, Hi, Di]
         (head weights [T, Hi]) at positions p0..; -1 marks a pick that is not visible yet."""
-        T, Hi, Di = q.shape
-        E = keys.shape[0]
-        score = torch.empty(T, E)
-        step = max(1, SCORE_BLOCK // max(1, Hi * E))  # queries per block: bounds the [t, Hi, E] temporary
-        for a in range(0, T, step):
-            s = torch.einsum("thd,ed->the", q[a : a + step], keys).relu() * Di**-0.5  # [t, Hi, E]
-            score[a : a + step] = (s * weights[a : a + step, :, None]).sum(dim=1)  # [t, E]
+        T, E = q.shape[0], keys.shape[0]
+        score = ops.index_scores(q, weights, keys, p0)  # [T, E], -inf where not visible yet
         visible = torch.arange(p0 + 1, p0 + T + 1)[:, None] // 4  # entries w < (t+1)//4 are closed for query t
-        score = score.masked_fill(torch.arange(E)[None, :] >= visible, float("-inf"))
         idx = score.topk(min(self.topk, E), dim=-1).indices  # [T, k]
         return torch.where(idx < visible, idx, -1)
 

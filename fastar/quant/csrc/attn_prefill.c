@@ -9,9 +9,16 @@
  * Does not own: argument checks and the split over the pool (bind_ops.c).
  */
 #include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
-#include "kernels.h"
+#include "simd.h"
+
+#if FASTAR_X86
+#include <immintrin.h>
+#define AVX512_IDX_INLINE TARGET_AVX512 static inline __attribute__((always_inline))
+#endif
 
 /* ---------------------------------------------------------------- packed rows */
 
@@ -65,4 +72,96 @@ void state_rows_decode(const uint8_t *raw, float *out, int64_t rows, int64_t row
             }
         }
     }
+}
+
+/* ---------------------------------------------------------------- lightning indexer scores */
+
+/* score[t, e] = sum_h w[t, h] * (relu(q[t, h] . k[e]) * scale) for the entries query t sees (e < (p0 + t + 1) / 4),
+ * -inf for the others. Each (t, e) sums its dims in order d = 0.. and then its heads in order h = 0.., whatever T,
+ * the query's place in the chunk or the thread count: a query scores the same alone (decode) or in a chunk.
+ * Work goes to the pool by blocks of IDX_EB entries, each run for every query (the block's keys, transposed so a
+ * vector holds one dim of 16 entries, stay in L1). AVX-512 only: elsewhere torch's GEMM beats a portable loop
+ * (measured: 5x), so the caller runs its torch reference. */
+#define IDX_EB 32
+
+typedef struct {
+    const index_job *j;
+    atomic_int failed;
+} index_ctx;
+
+#if FASTAR_X86
+static inline __mmask16 lanes16(int64_t n) { /* the first clamp(n, 0, 16) lanes */
+    return (__mmask16)(n <= 0 ? 0 : n >= 16 ? 0xffff : (1u << n) - 1);
+}
+
+/* NH heads of one query against the block's transposed keys kt [Di, 32]: the 32 entries' scores accumulate into s. */
+AVX512_IDX_INLINE void heads_tile(const float *q, const float *w, const float *kt, int64_t Di, __m512 scale,
+                                  __m512 s[2], const int NH) {
+    __m512 a[4][2];
+    for (int h = 0; h < NH; h++) a[h][0] = a[h][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < Di; d++) {
+        const __m512 k0 = _mm512_loadu_ps(kt + d * IDX_EB), k1 = _mm512_loadu_ps(kt + d * IDX_EB + 16);
+        for (int h = 0; h < NH; h++) {
+            const __m512 qb = _mm512_set1_ps(q[h * Di + d]);
+            a[h][0] = _mm512_fmadd_ps(qb, k0, a[h][0]);
+            a[h][1] = _mm512_fmadd_ps(qb, k1, a[h][1]);
+        }
+    }
+    for (int h = 0; h < NH; h++) /* heads in order: s += w_h * (relu(dot) * scale) */
+        for (int c = 0; c < 2; c++) {
+            const __m512 r = _mm512_mul_ps(_mm512_max_ps(a[h][c], _mm512_setzero_ps()), scale);
+            s[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[h]), r, s[c]);
+        }
+}
+
+TARGET_AVX512 static void scores_avx512(const index_job *j, int64_t e0, int64_t e1, float *kt) {
+    const int64_t n = e1 - e0, Di = j->Di;
+    for (int64_t d = 0; d < Di; d++) /* transpose the block: kt[d, i] = keys[e0 + i, d], zero past the block */
+        for (int64_t i = 0; i < IDX_EB; i++) kt[d * IDX_EB + i] = i < n ? j->keys[(e0 + i) * Di + d] : 0.0f;
+    const __m512 scale = _mm512_set1_ps(j->scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < j->T; t++) {
+        const int64_t visible = (j->p0 + t + 1) / 4;
+        float *o = j->out + t * j->E + e0;
+        __m512 s[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        if (visible > e0) {
+            const float *q = j->q + t * j->Hi * Di, *w = j->w + t * j->Hi;
+            int64_t h = 0;
+            for (; h + 4 <= j->Hi; h += 4) heads_tile(q + h * Di, w + h, kt, Di, scale, s, 4);
+            for (; h < j->Hi; h++) heads_tile(q + h * Di, w + h, kt, Di, scale, s, 1);
+        }
+        for (int c = 0; c < 2; c++) { /* store the block's lanes; -inf where the query does not see the entry */
+            const int64_t vis = visible - e0 - 16 * c, lim = n - 16 * c;
+            const __mmask16 seen = lanes16(vis), keep = lanes16(lim);
+            _mm512_mask_storeu_ps(o + 16 * c, keep, _mm512_mask_blend_ps(seen, ninf, s[c]));
+        }
+    }
+}
+#endif
+
+#if FASTAR_X86
+static void index_chunk(void *p, int64_t i) {
+    index_ctx *c = p;
+    const index_job *j = c->j;
+    const int64_t e0 = i * IDX_EB, e1 = e0 + IDX_EB < j->E ? e0 + IDX_EB : j->E;
+    float *kt = malloc((size_t)j->Di * IDX_EB * sizeof(float));
+    if (!kt) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    scores_avx512(j, e0, e1, kt);
+    free(kt);
+}
+#endif
+
+int index_scores_run(const isa_ops *isa, const index_job *j) {
+#if FASTAR_X86
+    if (isa->vec == VEC_AVX512) {
+        index_ctx c = {.j = j};
+        atomic_init(&c.failed, 0);
+        pool_run((j->E + IDX_EB - 1) / IDX_EB, index_chunk, &c);
+        return atomic_load(&c.failed) ? -1 : 0;
+    }
+#endif
+    (void)isa, (void)j;
+    return 1; /* no kernel for this ISA: torch's GEMM beats a portable loop several times */
 }

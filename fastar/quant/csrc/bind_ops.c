@@ -411,3 +411,44 @@ fail:
     release(v, 2);
     return NULL;
 }
+
+/* index_scores(q f32 [T, Hi, Di], w f32 [T, Hi], keys f32 [E, Di], p0, scale, out f32 [T, E]) -> bool: the lightning
+ * indexer's scores of queries at positions p0.. (attn_prefill.c), -inf for entries a query does not see yet; False
+ * (out untouched) when the ISA has no kernel for them. */
+PyObject *py_index_scores(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oq, *ow, *ok, *oo;
+    Py_ssize_t p0;
+    double scale;
+    if (!PyArg_ParseTuple(args, "OOOndO", &oq, &ow, &ok, &p0, &scale, &oo)) return NULL;
+    view_t v[4];
+    memset(v, 0, sizeof v);
+    if (get_view(oq, &v[0], "q", 'f', 3, 0) || get_view(ow, &v[1], "w", 'f', 2, 0) ||
+        get_view(ok, &v[2], "keys", 'f', 2, 0) || get_view(oo, &v[3], "out", 'f', 2, 1))
+        goto fail;
+    const int64_t T = dim(&v[0], 0), Hi = dim(&v[0], 1), Di = dim(&v[0], 2), E = dim(&v[2], 0);
+    if (shape_is(&v[1], "w", T, Hi, "[T, Hi] of q") || dim(&v[2], 1) != Di ||
+        shape_is(&v[3], "out", T, E, "[T, E]") || p0 < 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "index_scores needs keys [E, %lld] and p0 >= 0; got keys [%lld, %lld], "
+                         "p0=%zd", (long long)Di, (long long)E, (long long)dim(&v[2], 1), p0);
+        goto fail;
+    }
+    if (no_overlap(&v[3], v, 3)) goto fail;
+    int rc = 0;
+    const isa_ops *isa = cur_isa;
+    Py_BEGIN_ALLOW_THREADS
+    index_job j = {.q = v[0].b.buf, .w = v[1].b.buf, .keys = v[2].b.buf, .out = v[3].b.buf, .T = T, .Hi = Hi,
+                   .Di = Di, .E = E, .p0 = p0, .scale = (float)scale};
+    if (T > 0 && E > 0) rc = index_scores_run(isa, &j);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 4);
+    return PyBool_FromLong(rc == 0);
+fail:
+    release(v, 4);
+    return NULL;
+}

@@ -152,6 +152,18 @@ void state_rows_init(void);
 void state_rows_decode(const uint8_t *raw, float *out, int64_t rows, int64_t row_bytes, int kind, int64_t width,
                        int64_t rope);
 
+/* The lightning indexer's scores of T queries over E index keys (attn_prefill.c says what it computes). */
+typedef struct {
+    const float *q;    /* [T, Hi, Di] index queries */
+    const float *w;    /* [T, Hi] head weights */
+    const float *keys; /* [E, Di] index keys */
+    float *out;        /* [T, E]: -inf where query t (at position p0 + t) does not see entry e yet */
+    int64_t T, Hi, Di, E, p0;
+    float scale;
+} index_job;
+/* Runs a job over the pool: 0, -1 for out of memory, 1 when isa has no kernel for it (AVX-512 only). */
+int index_scores_run(const isa_ops *isa, const index_job *j);
+
 /* Thread pool. pool_run calls fn(ctx, i) once for every i in [0, nchunks), spread over the pool's threads
  * (the caller included); chunks are handed out dynamically so a descheduled thread delays only its own. */
 typedef void (*chunk_fn)(void *ctx, int64_t i);

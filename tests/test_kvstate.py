@@ -52,7 +52,7 @@ def test_fp4_rows_are_exact_for_fp4_rounded_index_keys(width):
 
 
 @pytest.mark.parametrize("fmt", [RowFormat("fp8", 512, 64), RowFormat("fp8", 40, 8), RowFormat("fp4", 128)])
-def test_c_decode_is_bit_identical_to_torch(fmt):
+def test_c_encode_and_decode_are_bit_identical_to_torch(fmt):
     from fastar.quant.kernels import extension as C
 
     if C is None:
@@ -63,12 +63,19 @@ def test_c_decode_is_bit_identical_to_torch(fmt):
     else:
         x = ops.fp4_quant_sim(ops.hadamard(x) if fmt.width == 128 else x, 32)
     raw = fmt.encode(x)
+    assert torch.equal(raw, fmt.encode_torch(x))  # the same bytes
     ref = fmt.decode_torch(raw)
     out = torch.empty(300, fmt.width)
     C.state_rows_decode(raw.numpy(), 0 if fmt.kind == "fp8" else 1, fmt.rope, out.numpy())
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32)) and torch.equal(fmt.decode(raw), out)
     with pytest.raises(ValueError, match="bytes a row"):
         C.state_rows_decode(raw[:, :-4].contiguous().numpy(), 0 if fmt.kind == "fp8" else 1, fmt.rope, out.numpy())
+    bumped = x.clone()
+    bumped[7, 0] = torch.nextafter(bumped[7, 0], torch.tensor(float("inf")))  # one ulp off the grid
+    with pytest.raises(StateError, match="state format exactly"):
+        fmt.encode(bumped)
+    with pytest.raises(StateError, match="state format exactly"):
+        fmt.encode_torch(bumped)
 
 
 def test_packed_buffer_reads_like_a_float32_one():

@@ -105,7 +105,26 @@ class RowFormat:
         return self.stored_width * (4 if self.kind == "f32" else 1)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Float32 rows x [k, width] -> stored rows [k, stored_width], exact (raises unless they decode to x)."""
+        """Float32 rows x [k, width] -> stored rows [k, stored_width], exact (raises unless they decode to x). One C
+        call when the extension is built (the same bytes as `encode_torch`, tested; ~1 us a row instead of ~300)."""
+        x = x.float().reshape(-1, self.width)
+        if self.kind == "f32":
+            return x
+        if _C is not None and x.is_cpu and x.shape[0]:
+            raw = torch.empty(x.shape[0], self.stored_width, dtype=torch.uint8)
+            if (
+                _C.state_rows_encode(x.contiguous().numpy(), 0 if self.kind == "fp8" else 1, self.rope, raw.numpy())
+                >= 0
+            ):
+                raise StateError(self._misfit())
+            return raw
+        return self.encode_torch(x)
+
+    def _misfit(self) -> str:
+        return f"rows do not fit the {self.kind} state format exactly (numerics that do not round them)"
+
+    def encode_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """`encode` in torch: the reference the C version is tested against (the same bytes)."""
         x = x.float().reshape(-1, self.width)
         if self.kind == "f32":
             return x
@@ -127,8 +146,8 @@ class RowFormat:
         if pad:
             parts.append(torch.zeros(x.shape[0], pad, dtype=torch.uint8))
         raw = torch.cat(parts, dim=1)
-        if not torch.equal(self.decode(raw).view(torch.int32), x.view(torch.int32)):
-            raise StateError(f"rows do not fit the {self.kind} state format exactly (numerics that do not round them)")
+        if not torch.equal(self.decode_torch(raw).view(torch.int32), x.view(torch.int32)):
+            raise StateError(self._misfit())
         return raw
 
     def decode(self, raw: torch.Tensor) -> torch.Tensor:

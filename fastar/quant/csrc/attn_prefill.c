@@ -74,6 +74,84 @@ void state_rows_decode(const uint8_t *raw, float *out, int64_t rows, int64_t row
     }
 }
 
+/* The exponent e of the block scale 2^e the quantizers pick, ceil(log2(max(amax, floor) / qmax)) (ops.pow2_ceil). */
+static int scale_exp(float amax, float floor, float qmax) {
+    int e;
+    const float m = frexpf((amax > floor ? amax : floor) / qmax, &e); /* v = m * 2^e, m in [0.5, 1) */
+    return m == 0.5f ? e - 1 : e;
+}
+
+static inline float pow2i(int e) { return ue8m0((uint8_t)(e + 127)); } /* 2^e, e in [-126, 127] */
+
+/* The e4m3 code of v if v is exactly an e4m3 value (|v| <= 448), else -1. */
+static int e4m3_code(float v) {
+    const int sign = signbit(v) ? 0x80 : 0;
+    const float a = fabsf(v);
+    if (a == 0.0f) return sign;
+    if (!(a <= 448.0f)) return -1;
+    int e;
+    const float m = frexpf(a, &e); /* a = m * 2^e, m in [0.5, 1): e4m3 exponent field e - 1 + 7 */
+    if (e - 1 >= -6) {
+        const float f = m * 16.0f - 8.0f; /* the 3 mantissa bits, exactly an integer if representable */
+        if (f != floorf(f)) return -1;
+        return sign | (e + 6) << 3 | (int)f;
+    }
+    const float f = a * 512.0f; /* subnormal: a = f * 2^-9, f in 1..7 */
+    if (f != floorf(f) || f > 7.0f) return -1;
+    return sign | (int)f;
+}
+
+/* The e2m1 code of v if v is exactly an e2m1 value, else -1. */
+static int e2m1_code(float v) {
+    for (int c = 0; c < 8; c++)
+        if (fabsf(v) == e2m1_lut[c]) return (signbit(v) ? 8 : 0) | c;
+    return -1;
+}
+
+int64_t state_rows_encode(const float *x, uint8_t *raw, int64_t rows, int64_t row_bytes, int kind, int64_t width,
+                          int64_t rope) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = x + r * width;
+        uint8_t *dst = raw + r * row_bytes;
+        memset(dst, 0, (size_t)row_bytes);
+        if (kind == STATE_FP8) {
+            const int64_t nope = width - rope, nb = (nope + 63) / 64;
+            uint8_t *codes = dst + 4 * rope, *scales = codes + 64 * nb;
+            memcpy(dst, src + nope, (size_t)rope * sizeof(float));
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t n = nope - 64 * b < 64 ? nope - 64 * b : 64;
+                float amax = 0.0f;
+                for (int64_t i = 0; i < n; i++) amax = fabsf(src[64 * b + i]) > amax ? fabsf(src[64 * b + i]) : amax;
+                const int e = scale_exp(amax, 1e-4f, 448.0f);
+                const float inv = pow2i(-e), s = pow2i(e);
+                scales[b] = (uint8_t)(e + 127);
+                for (int64_t i = 0; i < n; i++) {
+                    const int c = e4m3_code(src[64 * b + i] * inv);
+                    if (c < 0 || e4m3_lut[c] * s != src[64 * b + i]) return r;
+                    codes[64 * b + i] = (uint8_t)c;
+                }
+            }
+        } else {
+            const int64_t nb = (width + 31) / 32;
+            uint8_t *scales = dst + 16 * nb;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t n = width - 32 * b < 32 ? width - 32 * b : 32;
+                float amax = 0.0f;
+                for (int64_t i = 0; i < n; i++) amax = fabsf(src[32 * b + i]) > amax ? fabsf(src[32 * b + i]) : amax;
+                const int e = scale_exp(amax, 6.0f * 0x1p-126f, 6.0f);
+                const float inv = pow2i(-e), s = pow2i(e);
+                scales[b] = (uint8_t)(e + 127);
+                for (int64_t i = 0; i < n; i++) {
+                    const int c = e2m1_code(src[32 * b + i] * inv);
+                    if (c < 0 || e2m1_lut[c] * s != src[32 * b + i]) return r;
+                    dst[16 * b + i / 2] |= (uint8_t)(i & 1 ? c << 4 : c);
+                }
+            }
+        }
+    }
+    return -1;
+}
+
 /* ---------------------------------------------------------------- lightning indexer scores */
 
 /* score[t, e] = sum_h w[t, h] * (relu(q[t, h] . k[e]) * scale) for the entries query t sees (e < (p0 + t + 1) / 4),

@@ -366,6 +366,41 @@ static void state_rows_chunk(void *p, int64_t i) {
                       c->rope);
 }
 
+/* The bytes of a packed row of width W (kind 0: FP8 with `rope` float32 dims; 1: FP4), 0 for a bad kind / rope. */
+static int64_t packed_row_bytes(int kind, Py_ssize_t rope, int64_t W) {
+    if (kind == STATE_FP8 && rope >= 0 && rope < W) return (4 * rope + 65 * ((W - rope + 63) / 64) + 3) / 4 * 4;
+    if (kind == STATE_FP4) return 17 * ((W + 31) / 32);
+    return 0;
+}
+
+/* state_rows_encode(x f32 [k, W], kind, rope, raw u8 [k, B]) -> int: -1, or the first row that is not exactly
+ * codes * scales (raw is then partly written: the caller discards it). */
+PyObject *py_state_rows_encode(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oraw;
+    int kind;
+    Py_ssize_t rope;
+    if (!PyArg_ParseTuple(args, "OinO", &ox, &kind, &rope, &oraw)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_view(ox, &v[0], "x", 'f', 2, 0) || get_view(oraw, &v[1], "raw", 'B', 2, 1)) goto fail;
+    const int64_t k = dim(&v[0], 0), W = dim(&v[0], 1), need = packed_row_bytes(kind, rope, W);
+    if (!need || shape_is(&v[1], "raw", k, need, "(x's rows, the format's row bytes)")) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "state_rows_encode: bad kind %d / rope %zd", kind, rope);
+        goto fail;
+    }
+    if (no_overlap_named(&v[1], "raw", v, 1)) goto fail;
+    int64_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = state_rows_encode(v[0].b.buf, v[1].b.buf, k, need, kind, W, rope);
+    Py_END_ALLOW_THREADS
+    release(v, 2);
+    return PyLong_FromLongLong(bad);
+fail:
+    release(v, 2);
+    return NULL;
+}
+
 /* state_rows_decode(raw u8 [k, B], kind, rope, out f32 [k, W]) -> None: kind 0 (FP8 + float32 rope dims) or 1
  * (FP4); B must be the format's row size for width W (state.py: RowFormat.stored_width). Rows are independent:
  * spread over the pool in blocks (bit-identical for any thread count). */
@@ -378,14 +413,7 @@ PyObject *py_state_rows_decode(PyObject *self, PyObject *args) {
     view_t v[2];
     memset(v, 0, sizeof v);
     if (get_view(oraw, &v[0], "raw", 'B', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) goto fail;
-    const int64_t k = dim(&v[0], 0), B = dim(&v[0], 1), W = dim(&v[1], 1);
-    int64_t need = 0;
-    if (kind == STATE_FP8 && rope >= 0 && rope < W) {
-        const int64_t nb = (W - rope + 63) / 64;
-        need = (4 * rope + 65 * nb + 3) / 4 * 4;
-    } else if (kind == STATE_FP4) {
-        need = 17 * ((W + 31) / 32);
-    }
+    const int64_t k = dim(&v[0], 0), B = dim(&v[0], 1), W = dim(&v[1], 1), need = packed_row_bytes(kind, rope, W);
     if (!need || B != need || dim(&v[1], 0) != k) {
         PyErr_Format(PyExc_ValueError, "state_rows_decode: kind %d, rope %zd: raw [%lld, %lld] does not hold rows of "
                      "out [%lld, %lld] (expected %lld bytes a row)", kind, rope, (long long)k, (long long)B,

@@ -576,6 +576,8 @@ static PyMethodDef methods[] = {
      "sinks f32[H], scale, out f32[T,H,D]): attention with sinks over window keys and compressed entries"},
     {"state_rows_decode", py_state_rows_decode, METH_VARARGS,
      "state_rows_decode(raw u8[k,B], kind 0 fp8|1 fp4, rope, out f32[k,W]): packed decode-state rows to float32"},
+    {"state_rows_encode", py_state_rows_encode, METH_VARARGS,
+     "state_rows_encode(x f32[k,W], kind, rope, raw u8[k,B]) -> -1 or the first row not exactly representable"},
     {"index_scores", py_index_scores, METH_VARARGS,
      "index_scores(q f32[T,Hi,Di], w f32[T,Hi], keys f32[E,Di], p0, scale, out f32[T,E]): lightning indexer scores"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},

@@ -5,7 +5,8 @@ Prefills N random tokens into one state of a model (a `.fst`, e.g. `fastar synth
 `fastar.model.state.state_bytes` for N positions, and how far the process's peak resident memory rose during the
 prefill (Linux: the peak is reset through /proc/self/clear_refs after loading and a warm-up) against that
 accounting + 1 GB (the goal). With `--other-chunk C` it prefills the same tokens again in chunks of C and prints
-the largest difference of the last logits (the tests pin it on small models: tests/test_kvstate.py).
+the largest difference of the last logits (the tests pin it on small models: tests/test_kvstate.py); with
+`--decode N` it then decodes N tokens alternating between the packed state and a float32 copy of it.
 
     python scripts/long_context.py m.fst --tokens 65536 [--chunk 512] [--numerics official] [--other-chunk 1000]
 """
@@ -40,6 +41,38 @@ def _prefill(engine, ids: list[int], chunk: int, label: str):
     return state, logits, time.perf_counter() - t0
 
 
+def _float32_copy(state):
+    """The same state with every buffer stored as float32 rows (what the state held before packed formats)."""
+    import copy
+
+    from fastar.model.state import RowBuffer
+
+    out = copy.copy(state)
+    out.layers = [copy.copy(s) for s in state.layers]
+    for s in out.layers:
+        for name, b in s.buffers().items():
+            setattr(s, name, RowBuffer(b.width, b.start, b.all()))
+    return out
+
+
+def _decode_ab(engine, state, n: int) -> None:
+    """Decode n greedy tokens from the prefilled state twice, alternating step by step between the packed state and
+    a float32 copy (same tokens, same process: the machine's load hits both alike); prints ms per token each."""
+    plain = _float32_copy(state)
+    seqs: list[list[int]] = [[1], [1]]
+    spent = [0.0, 0.0]
+    for _ in range(n):
+        for i, st in enumerate((state, plain)):
+            t0 = time.perf_counter()
+            logits = engine.model.forward(seqs[i][-1:], st, all_logits=False)[0][-1]
+            spent[i] += time.perf_counter() - t0
+            seqs[i].append(int(logits.argmax()))
+    print(
+        f"decode after {state.length - n} positions, {n} tokens: packed state {1e3 * spent[0] / n:.1f} ms/token, "
+        f"float32 rows {1e3 * spent[1] / n:.1f} ms/token; same tokens: {seqs[0] == seqs[1]}"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -48,6 +81,7 @@ def main() -> int:
     ap.add_argument("--other-chunk", type=int, default=0, help="prefill again in chunks of this size and compare")
     ap.add_argument("--numerics", default="official", choices=("official", "reference"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode", type=int, default=0, help="then decode this many tokens, packed vs float32 state")
     a = ap.parse_args()
 
     import fastar
@@ -76,6 +110,8 @@ def main() -> int:
         f"goal: <= accounting + 1 GB = {(accounted + 1e9) / 1e6:.0f} MB: {verdict}"
     )
     ok = held == accounted and peak <= accounted + 1e9
+    if a.decode:
+        _decode_ab(engine, state, a.decode)
     if a.other_chunk:
         del state
         _, other, _ = _prefill(engine, ids, a.other_chunk, f"chunks of {a.other_chunk}")

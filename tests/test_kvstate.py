@@ -168,3 +168,20 @@ def test_last_logits_of_a_prompt_do_not_depend_on_the_chunk_size(variant):
     for chunk in (64, 37, 5):
         assert (last["reference", chunk] - last["reference", 200]).abs().max().item() <= 1e-5, chunk
         assert (last["official", chunk] - last["official", 200]).abs().max().item() <= noise, chunk
+
+
+@pytest.mark.parametrize("fmt", [RowFormat("fp8", 512, 64), RowFormat("fp4", 128)])
+def test_non_finite_blocks_are_stored_as_nan(fmt):
+    """Garbage in (a corrupt expert read unchecked) must not stop the model: a block holding NaN or inf is stored
+    with scale byte 255 and decodes all NaN, as the quantizers would have made it; other blocks stay exact."""
+    x = _rows(6, fmt.width, 5)
+    x = torch.cat([ops.fp8_quant_sim(x[:, :-64], 64), x[:, -64:]], 1) if fmt.kind == "fp8" else ops.fp4_quant_sim(x, 32)
+    bad = x.clone()
+    bad[1, 3], bad[4, 40] = float("nan"), float("-inf")
+    raw = fmt.encode(bad)
+    assert torch.equal(raw, fmt.encode_torch(bad))
+    block = 64 if fmt.kind == "fp8" else 32
+    lo = 40 // block * block  # the block holding column 40
+    for dec in (fmt.decode(raw), fmt.decode_torch(raw)):
+        assert dec[1, :block].isnan().all() and dec[4, lo : lo + block].isnan().all()
+        assert torch.equal(dec[[0, 2, 3, 5]], x[[0, 2, 3, 5]])

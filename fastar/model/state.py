@@ -65,6 +65,11 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+def _scales(b: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scale bytes -> float32 scales; 255 is NaN (a block that held a non-finite value)."""
+    return torch.where(b == 255, float("nan"), _pow2(b.int() - 127))
+
+
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """x [k, n] -> [k, ceil(n/block), block], zero-padded."""
     pad = -x.shape[1] % block
@@ -128,25 +133,33 @@ class RowFormat:
         x = x.float().reshape(-1, self.width)
         if self.kind == "f32":
             return x
+        # a block holding a non-finite value is stored as scale byte 255 and decodes all NaN (the quantizers make
+        # such a block NaN anyway; only garbage, e.g. a corrupt weight read unchecked, meets this)
         if self.kind == "fp8":
             nope, r = self.width - self.rope, self.rope
             g = _blocks(x[:, :nope], 64)  # [k, nb, 64]
-            e = _ceil_log2(g.abs().amax(-1).clamp_min(1e-4) / 448.0)  # [k, nb] (the quantizer's scale or a finer one)
-            codes = (g * _pow2(-e)[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).flatten(1)
-            parts = [x[:, nope:].contiguous().view(torch.uint8), codes, (e + 127).to(torch.uint8)]
-            pad = self.stored_width - 4 * r - codes.shape[1] - e.shape[1]
         else:
             g = _blocks(x, 32)  # [k, nb, 32]
-            e = _ceil_log2(g.abs().amax(-1).clamp_min(6.0 * 2.0**-126) / 6.0)
-            v = g * _pow2(-e)[..., None]
+        finite = g.isfinite().all(-1)  # [k, nb]
+        g = torch.where(finite[..., None], g, 0.0)
+        floor, qmax = (1e-4, 448.0) if self.kind == "fp8" else (6.0 * 2.0**-126, 6.0)
+        e = _ceil_log2(g.abs().amax(-1).clamp_min(floor) / qmax)  # [k, nb] (the quantizer's scale or a finer one)
+        v = g * _pow2(-e)[..., None]
+        scales = torch.where(finite, e + 127, 255).to(torch.uint8)
+        if self.kind == "fp8":
+            codes = v.to(torch.float8_e4m3fn).view(torch.uint8).flatten(1)
+            parts = [x[:, nope:].contiguous().view(torch.uint8), codes, scales]
+            pad = self.stored_width - 4 * r - codes.shape[1] - e.shape[1]
+        else:
             code = torch.searchsorted(_E2M1, v.abs().contiguous()).clamp(max=7) | (v.signbit().long() << 3)
             code = code.to(torch.uint8).flatten(1)
-            parts = [code[:, 0::2] | (code[:, 1::2] << 4), (e + 127).to(torch.uint8)]
+            parts = [code[:, 0::2] | (code[:, 1::2] << 4), scales]
             pad = 0
         if pad:
             parts.append(torch.zeros(x.shape[0], pad, dtype=torch.uint8))
         raw = torch.cat(parts, dim=1)
-        if not torch.equal(self.decode_torch(raw).view(torch.int32), x.view(torch.int32)):
+        back = self.decode_torch(raw)
+        if not ((back.view(torch.int32) == x.view(torch.int32)) | back.isnan()).all():
             raise StateError(self._misfit())
         return raw
 
@@ -173,12 +186,12 @@ class RowFormat:
             nb = -(-nope // 64)
             a = 4 * r + 64 * nb
             codes = raw[:, 4 * r : a].contiguous().view(torch.float8_e4m3fn).float().view(k, nb, 64)
-            vals = (codes * _pow2(raw[:, a : a + nb].int() - 127)[..., None]).view(k, 64 * nb)[:, :nope]
+            vals = (codes * _scales(raw[:, a : a + nb])[..., None]).view(k, 64 * nb)[:, :nope]
             return torch.cat([vals, raw[:, : 4 * r].contiguous().view(torch.float32)], dim=1)
         nb = -(-self.width // 32)
         packed = raw[:, : 16 * nb].long()
         codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(k, nb, 32)
-        vals = _E2M1_SIGNED[codes] * _pow2(raw[:, 16 * nb :].int() - 127)[..., None]
+        vals = _E2M1_SIGNED[codes] * _scales(raw[:, 16 * nb :])[..., None]
         return vals.view(k, 32 * nb)[:, : self.width]
 
     def to_json(self) -> dict:

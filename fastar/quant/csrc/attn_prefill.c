@@ -36,7 +36,8 @@ void state_rows_init(void) {
 }
 
 static inline float ue8m0(uint8_t b) {
-    uint32_t bits = (uint32_t)b << 23; /* 2^(b-127) for b in 1..254 (the state never stores 0 or 255) */
+    if (b == 255) return NAN;          /* a block that held a non-finite value (UE8M0 0xFF is NaN, as in OCP MX) */
+    uint32_t bits = (uint32_t)b << 23; /* 2^(b-127) for b in 1..254 (the state never stores 0) */
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
@@ -108,6 +109,15 @@ static int e2m1_code(float v) {
     return -1;
 }
 
+static int block_finite(const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) return 0;
+    return 1;
+}
+
+/* A block holding a non-finite value is stored as scale byte 255 and decodes all NaN: the quantizers turn such a
+ * block into NaN anyway (its amax and so its scale are not finite), so only garbage (a corrupt weight read
+ * unchecked) ever meets this. */
 int64_t state_rows_encode(const float *x, uint8_t *raw, int64_t rows, int64_t row_bytes, int kind, int64_t width,
                           int64_t rope) {
     for (int64_t r = 0; r < rows; r++) {
@@ -120,6 +130,10 @@ int64_t state_rows_encode(const float *x, uint8_t *raw, int64_t rows, int64_t ro
             memcpy(dst, src + nope, (size_t)rope * sizeof(float));
             for (int64_t b = 0; b < nb; b++) {
                 const int64_t n = nope - 64 * b < 64 ? nope - 64 * b : 64;
+                if (!block_finite(src + 64 * b, n)) {
+                    scales[b] = 255;
+                    continue;
+                }
                 float amax = 0.0f;
                 for (int64_t i = 0; i < n; i++) amax = fabsf(src[64 * b + i]) > amax ? fabsf(src[64 * b + i]) : amax;
                 const int e = scale_exp(amax, 1e-4f, 448.0f);
@@ -136,6 +150,10 @@ int64_t state_rows_encode(const float *x, uint8_t *raw, int64_t rows, int64_t ro
             uint8_t *scales = dst + 16 * nb;
             for (int64_t b = 0; b < nb; b++) {
                 const int64_t n = width - 32 * b < 32 ? width - 32 * b : 32;
+                if (!block_finite(src + 32 * b, n)) {
+                    scales[b] = 255;
+                    continue;
+                }
                 float amax = 0.0f;
                 for (int64_t i = 0; i < n; i++) amax = fabsf(src[32 * b + i]) > amax ? fabsf(src[32 * b + i]) : amax;
                 const int e = scale_exp(amax, 6.0f * 0x1p-126f, 6.0f);

@@ -265,7 +265,7 @@ class RowBuffer:
 
     def take(self, index: torch.Tensor) -> torch.Tensor:
         """Rows at absolute indices `index` (any shape) -> [*index.shape, width]."""
-        picked = self._data[: self._n][(index - self.start).reshape(-1)]
+        picked = self._data[: self._n].index_select(0, (index - self.start).reshape(-1))  # [k, stored]
         return self.fmt.decode(picked).view(*index.shape, self.width)
 
     def all(self) -> torch.Tensor:

@@ -185,3 +185,26 @@ def test_non_finite_blocks_are_stored_as_nan(fmt):
     for dec in (fmt.decode(raw), fmt.decode_torch(raw)):
         assert dec[1, :block].isnan().all() and dec[4, lo : lo + block].isnan().all()
         assert torch.equal(dec[[0, 2, 3, 5]], x[[0, 2, 3, 5]])
+
+
+def test_prefix_cache_skips_a_state_of_the_old_format(tmp_path, caplog):
+    """A prefix-cache file whose state bytes are version 1 (float32 rows, before the packed formats) is skipped with
+    the reason in the log, not read as garbage."""
+    import logging
+
+    from fastar.engine.prefix_cache import PrefixCache
+    from fastar.model.state import LayerState
+
+    class OldState(ModelState):
+        def to_bytes(self) -> bytes:
+            raw = super().to_bytes()
+            return raw[:8] + struct.pack("<I", 1) + raw[12:]
+
+    layer = LayerState.new(0, 8, 4, 2)
+    layer.kv.append(torch.ones(3, 4))
+    layer.length = 3
+    cache = PrefixCache(tmp_path, "model", 1 << 20)
+    assert cache.store([5, 6, 7], OldState([layer])) is not None
+    with caplog.at_level(logging.WARNING):
+        assert cache.lookup([5, 6, 7, 8], 4) is None
+    assert "decode state version 1 is not supported (expected 2" in caplog.text

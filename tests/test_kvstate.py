@@ -208,3 +208,22 @@ def test_prefix_cache_skips_a_state_of_the_old_format(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert cache.lookup([5, 6, 7, 8], 4) is None
     assert "decode state version 1 is not supported (expected 2" in caplog.text
+
+
+def test_official_state_format_is_smaller_than_the_official_inference_at_flash_widths():
+    """At the Flash shape an FP8 KV row is 448 codes + 7 scale bytes + 64 float32 rotary dims = 712 bytes (bf16:
+    1,024) and an index key 64 bytes of FP4 codes + 4 scale bytes (bf16: 256): 4,206.25 B per token against the
+    official inference's 6,880 and float32's 13,760."""
+    from fastar.model.state import official_format, state_accounting, state_bytes
+    from fastar.synth import synth_config
+
+    cfg = synth_config(43)
+    fmt = official_format(cfg)
+    assert fmt.kv(cfg.head_dim).row_bytes == 712 and fmt.index(cfg.index_head_dim).row_bytes == 68
+    acct = state_accounting(cfg, 2048, fmt=fmt)
+    assert acct["per_token"] == 21 * (712 + 68) / 4 + 20 * 712 / 128 == 4206.25
+    assert acct["per_token"] < acct["official_per_token"] == 6880 < state_accounting(cfg, 2048)["per_token"]
+    small = synth_config(3, mtp=0)  # no MTP block: nothing counted for one
+    assert state_bytes(small, 4096, 0, fmt=official_format(small)) == state_bytes(
+        small, 4096, 0, mtp_layers=0, fmt=official_format(small)
+    )

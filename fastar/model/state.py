@@ -497,7 +497,7 @@ def state_bytes(
     (`mtp_layers`, default the config's) are counted at the same length; they hold one position less in a real
     run."""
     L = cfg.num_hidden_layers
-    mtp = cfg.num_nextn_predict_layers if mtp_layers is None else mtp_layers
+    mtp = cfg.num_mtp_layers if mtp_layers is None else mtp_layers  # the MTP blocks the model has
     total = 0
     for i in range(L + mtp):
         s = LayerState.new(cfg.ratio(i), cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, fmt)

@@ -22,6 +22,7 @@ COMMON = [
     "rowops.c",
     "mhc.c",
     "attn.c",
+    "attn_prefill.c",
     "gemm_avx512bf16.c",
 ]  # the GEMM file defines portable stubs where it has no x86 body
 X86 = ["kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c"]

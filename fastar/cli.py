@@ -197,22 +197,27 @@ def cmd_inspect(a) -> int:
             for s in bank["sections"]:
                 print(f"  +{s['offset']:<10} {s['field']:9} {s['dtype']:8} {s['shape']}")
         st = _state_accounting(f)
+        ref = st["reference"]
         print(
-            f"\ndecode state (float32 rows as stored, max_rollback {st['max_rollback']}): "
-            f"{st['per_token']:,.0f} B per token = {_human(st['per_1k'])} per 1k tokens, "
+            f"\ndecode state, official numerics ({st['format']}; max_rollback {st['max_rollback']}): "
+            f"{st['per_token']:,.2f} B per token = {_human(st['per_1k'])} per 1k tokens, "
             f"{_human(st['at_1m'])} at a 1M-token context ({_human(st['fixed'])} of it fixed: window rows, open "
-            f"compressor windows, the rollback margin); the official inference's layout (bf16 caches): "
-            f"{st['official_per_token']:,.0f} B per token, {_human(st['official_at_1m'])} at 1M"
+            f"compressor windows, the rollback margin)\n  reference numerics (float32 rows): "
+            f"{ref['per_token']:,.0f} B per token = {_human(ref['per_1k'])} per 1k tokens, {_human(ref['at_1m'])} "
+            f"at 1M\n  the official inference's layout (bf16 caches): {st['official_per_token']:,.0f} B per token, "
+            f"{_human(st['official_at_1m'])} at 1M"
         )
     return 0
 
 
 def _state_accounting(f) -> dict:
-    """fastar.model.state.state_accounting for the file's model at the engine's default max_rollback."""
+    """fastar.model.state.state_accounting for the file's model at the engine's default max_rollback, in the
+    official numerics' state format, with the reference numerics' (float32 rows) under "reference"."""
     from .engine.engine import DEFAULT_MAX_ROLLBACK
-    from .model.state import state_accounting
+    from .model.state import official_format, state_accounting
 
-    return state_accounting(f.config, DEFAULT_MAX_ROLLBACK)
+    acct = state_accounting(f.config, DEFAULT_MAX_ROLLBACK, fmt=official_format(f.config))
+    return {**acct, "reference": state_accounting(f.config, DEFAULT_MAX_ROLLBACK)}
 
 
 def cmd_audit(a) -> int:

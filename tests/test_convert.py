@@ -201,9 +201,11 @@ def test_inspect_cli(converted):
     info = json.loads(r.stdout)
     assert info["experts"]["slots"] == info["config"]["num_hidden_layers"] + info["config"]["num_mtp_layers"]
     st = info["decode_state"]  # fastar.model.state.state_accounting at the default rollback bound
-    assert st["per_token"] == 2 * st["official_per_token"] and st["at_1m"] == st["fixed"] + st["per_token"] * (1 << 20)
+    assert st["at_1m"] == st["fixed"] + st["per_token"] * (1 << 20) and st["format"].startswith("KV fp8")
+    assert st["reference"]["per_token"] == 2 * st["official_per_token"] > st["per_token"]
     r = _cli("inspect", converted[1])
-    assert "decode state (float32 rows as stored" in r.stdout and "per 1k tokens" in r.stdout and "at 1M" in r.stdout
+    assert "decode state, official numerics (KV fp8" in r.stdout and "per 1k tokens" in r.stdout and "at 1M" in r.stdout
+    assert "reference numerics (float32 rows)" in r.stdout
 
 
 def test_convert_cli_errors(tmp_path):

@@ -132,20 +132,22 @@ def test_bytes_round_trip_and_rejects_garbage():
 
 def test_state_bytes_accounts_for_what_a_state_holds(tmp_path) -> None:
     """fastar.model.state.state_bytes equals ModelState.nbytes() after prefills of any length, with and without a
-    rollback bound (the MTP blocks stay empty without a draft); the growth per token is the compressed entries and
-    index keys in float32, twice the official inference's bf16 layout."""
+    rollback bound (the MTP blocks stay empty without a draft), in both numerics' state formats; in float32 the
+    growth per token is twice the official inference's bf16 layout."""
     from fastar.convert.hf import convert
     from fastar.engine.engine import load
     from fastar.fixtures import write_checkpoint
     from fastar.model.state import state_accounting, state_bytes
 
     fst = convert(write_checkpoint(tmp_path / "ck", "tiny", seed=0), tmp_path / "t.fst", progress=False)
-    for mr in (None, 3, 20):
-        e = load(str(fst), max_rollback=mr)
-        for n in (1, 5, 37, 130):
-            st = e.new_state()
-            e.prefill(list(range(3, 3 + n)), st)
-            assert st.nbytes() == state_bytes(e.config, n, mr, mtp_layers=0), (mr, n)
+    for numerics in ("official", "reference"):
+        for mr in (None, 3, 20):
+            e = load(str(fst), max_rollback=mr, numerics=numerics)
+            fmt = e.model.numerics.state_format(e.config)
+            for n in (1, 5, 37, 130):
+                st = e.new_state()
+                e.prefill(list(range(3, 3 + n)), st)
+                assert st.nbytes() == state_bytes(e.config, n, mr, mtp_layers=0, fmt=fmt), (numerics, mr, n)
     cfg = e.config
     acct = state_accounting(cfg, 20)
     grow = sum(

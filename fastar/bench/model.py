@@ -182,12 +182,14 @@ def _state_measure(engine, state) -> dict:
     fastar.model.state.state_bytes accounts for that many positions, and the accounting's growth per token."""
     from ..model.state import state_accounting, state_bytes
 
-    held = sum(b.all().numel() * 4 for s in state.layers for b in s.buffers().values())
-    acct = state_accounting(engine.config, state.max_rollback, mtp_layers=0)
+    held = sum(b.nbytes for s in state.layers for b in s.buffers().values())
+    fmt = engine.model.numerics.state_format(engine.config)
+    acct = state_accounting(engine.config, state.max_rollback, mtp_layers=0, fmt=fmt)
     return {
         "state_positions": state.length,
+        "state_format": acct["format"],
         "state_bytes": held,
-        "state_bytes_accounted": state_bytes(engine.config, state.length, state.max_rollback, mtp_layers=0),
+        "state_bytes_accounted": state_bytes(engine.config, state.length, state.max_rollback, mtp_layers=0, fmt=fmt),
         "state_bytes_per_token": acct["per_token"],
         "state_official_bytes_per_token": acct["official_per_token"],
     }
@@ -466,7 +468,7 @@ def print_table(r: dict, out=sys.stdout) -> None:
         print(
             f"{'':>10} decode state after {x['state_positions']} positions: {x['state_bytes'] / 1e6:.1f} MB held, "
             f"{x['state_bytes_accounted'] / 1e6:.1f} MB accounted; grows {x['state_bytes_per_token']:,.0f} B per "
-            f"token (official layout {x['state_official_bytes_per_token']:,.0f})",
+            f"token ({x['state_format']}; official inference's bf16: {x['state_official_bytes_per_token']:,.0f})",
             file=out,
         )
         if x.get("device", "cpu") != "cpu":

@@ -208,7 +208,7 @@ class Engine:
             chunk = token_ids[a : a + self.prefill_chunk]
             last = a + self.prefill_chunk >= len(token_ids)
             forward = self.drafter.forward if self.drafter is not None else self.model.forward
-            logits, _ = forward(chunk, state, all_logits=all_logits or not last)
+            logits, _ = forward(chunk, state, all_logits=all_logits)  # a middle chunk's logits are not kept
             if all_logits or last:
                 out.append(logits)
         return torch.cat(out) if all_logits else out[-1]

@@ -35,10 +35,7 @@ from ..contracts import ExpertProvider, WeightSource
 from ..errors import FastarError
 from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_ffn
 from . import ops
-from .state import LayerState, ModelState
-
-SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
-
+from .state import LayerState, ModelState, StateFormat
 
 # --- numerics ------------------------------------------------------------------------------------------------
 
@@ -61,6 +58,11 @@ class Numerics:
         if name == "reference":
             return cls(**{f.name: False for f in fields(cls)})
         raise ValueError(f"numerics must be 'official' or 'reference', got {name!r}")
+
+    def state_format(self, cfg: ModelConfig) -> StateFormat:
+        """How a decode state stores what these numerics round: FP8 window rows and entries under `fp8_kv`, FP4
+        index keys under `fp4_indexer` (exact: the rows are already rounded so), float32 otherwise."""
+        return StateFormat(fp8_kv=self.fp8_kv, fp4_index=self.fp4_indexer, rope=cfg.qk_rope_head_dim)
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """Input of an FP8/FP4 weight product."""
@@ -216,15 +218,9 @@ class Indexer:
     def pick(self, q: torch.Tensor, weights: torch.Tensor, p0: int, keys: torch.Tensor) -> torch.Tensor:
         """Entry ids [T, k] with the top scores among keys [E, Di] (k = min(topk, E)) for the queries q [T, Hi, Di]
         (head weights [T, Hi]) at positions p0..; -1 marks a pick that is not visible yet."""
-        T, Hi, Di = q.shape
-        E = keys.shape[0]
-        score = torch.empty(T, E)
-        step = max(1, SCORE_BLOCK // max(1, Hi * E))  # queries per block: bounds the [t, Hi, E] temporary
-        for a in range(0, T, step):
-            s = torch.einsum("thd,ed->the", q[a : a + step], keys).relu() * Di**-0.5  # [t, Hi, E]
-            score[a : a + step] = (s * weights[a : a + step, :, None]).sum(dim=1)  # [t, E]
+        T, E = q.shape[0], keys.shape[0]
+        score = ops.index_scores(q, weights, keys, p0)  # [T, E], -inf where not visible yet
         visible = torch.arange(p0 + 1, p0 + T + 1)[:, None] // 4  # entries w < (t+1)//4 are closed for query t
-        score = score.masked_fill(torch.arange(E)[None, :] >= visible, float("-inf"))
         idx = score.topk(min(self.topk, E), dim=-1).indices  # [T, k]
         return torch.where(idx < visible, idx, -1)
 
@@ -339,9 +335,14 @@ class Attention:
         k0 = max(0, a - self.window + 1)
         comp = comp_idx = None
         if self.ratio:
-            comp = state.entries.rows(0, b // self.ratio)  # [E, D]
             if scoring is not None and self.indexer.scores(b):
                 comp_idx = self.indexer.pick(scoring[0][s], scoring[1][s], a, state.idx_entries.rows(0, b // 4))
+            if comp_idx is not None and state.entries.is_packed:  # decode only the picked entries [U, D]
+                used = comp_idx >= 0
+                ids, where = torch.unique(comp_idx[used], return_inverse=True)
+                comp, comp_idx = state.entries.take(ids), comp_idx.masked_scatter(used, where)
+            else:
+                comp = state.entries.rows(0, b // self.ratio)  # [E, D]
         return attend(q, state.kv.rows(k0, b), k0, a, self.window, comp, comp_idx, self.ratio, self.sinks, self.D**-0.5)
 
     def __call__(self, x: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
@@ -653,11 +654,14 @@ class DeepseekV4:
             state.to(self.backend.device)
 
     @_on_device
-    def new_state(self) -> ModelState:
+    def new_state(self, fmt: StateFormat | None = None) -> ModelState:
+        """An empty decode state; `fmt` how it stores rows (default: the numerics' own, `Numerics.state_format`;
+        `StateFormat()` keeps float32 rows, which computes the same bits)."""
         cfg = self.config
+        fmt = self.numerics.state_format(cfg) if fmt is None else fmt
 
         def layer(i: int) -> LayerState:
-            return LayerState.new(cfg.ratio(i), cfg.sliding_window, cfg.head_dim, cfg.index_head_dim)
+            return LayerState.new(cfg.ratio(i), cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, fmt)
 
         L = cfg.num_hidden_layers
         return ModelState([layer(i) for i in range(L)], [layer(L + k) for k in range(len(self.mtp))], self.max_rollback)

@@ -1,6 +1,8 @@
 """Per-layer decode state of DeepSeek-V4: everything a forward pass needs to continue a sequence.
 
-Owns: `RowBuffer` (an append-only row store addressed by absolute index, with amortised growth), `LayerState`
+Owns: the row formats (`RowFormat`: float32, or FP8/FP4 codes + power-of-two scales for rows the official numerics
+have rounded so, stored exactly; `StateFormat`: which buffers use which), `RowBuffer` (an append-only row store
+addressed by absolute index, with amortised growth), `LayerState`
 (one layer's sliding-window KV, compressed entries, index keys, and the raw compressor/indexer projections of the
 tokens of the still-open windows), `ModelState` (all layers + MTP blocks), truncation to an earlier position,
 snapshot/restore and a pickle-free byte serialisation. Does not own: the math that fills these buffers
@@ -27,50 +29,256 @@ import numpy as np
 import torch
 
 from ..errors import FastarError
+from ..quant.kernels import extension as _C  # the packed rows' C decode (None: not built)
 
 MAGIC = b"FSTSTATE"
-VERSION = 1
+VERSION = 2  # 2: packed row formats (a "format" per buffer); 1: float32 rows only
 
 
 class StateError(FastarError):
     """A decode state cannot do what was asked (truncate past dropped history, corrupt bytes)."""
 
 
-class RowBuffer:
-    """Rows [start, stop) of a [N, width] float32 table addressed by absolute row index."""
+# --- row formats: how a buffer stores its rows -------------------------------------------------------------------
+#
+# A format turns float32 rows [k, width] into stored rows [k, stored_width] of its dtype and back. `F32` stores them
+# as they are. The packed formats store rows that the official numerics have already rounded, so they are exact:
+# `encode` checks that decoding gives back the same bits and raises otherwise (a row the format cannot hold, e.g. a
+# format picked for numerics that do not round that way). Byte layout of one packed row (little-endian, every row a
+# multiple of 4 bytes so the float32 part of a row can be viewed in place):
+#   FP8:  [rope dims float32: 4r][nope codes e4m3: 64*nb][nb UE8M0 scale bytes][zero pad to 4]   nb = ceil(nope/64)
+#   FP4:  [codes e2m1, two per byte, low nibble = even column: 16*nb][nb UE8M0 scale bytes]       nb = ceil(width/32)
+# A UE8M0 byte b is the scale 2^(b-127); a block's value is code * scale (DeepSeek's power-of-two scales).
 
-    def __init__(self, width: int, start: int = 0, data: torch.Tensor | None = None) -> None:
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_SIGNED = torch.cat([_E2M1, -_E2M1])  # code 8 is -0.0: a rounded -0.0 comes back as -0.0
+
+
+def _ceil_log2(v: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(v)) of positive float32 values, as int32 (the exponent of `ops.pow2_ceil`)."""
+    mant, exp = torch.frexp(v)  # v = mant * 2^exp, mant in [0.5, 1)
+    return torch.where(mant == 0.5, exp - 1, exp)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as float32 for integer exponents in [-126, 127], built from the bits (exact)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def _scales(b: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scale bytes -> float32 scales; 255 is NaN (a block that held a non-finite value)."""
+    return torch.where(b == 255, float("nan"), _pow2(b.int() - 127))
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [k, n] -> [k, ceil(n/block), block], zero-padded."""
+    pad = -x.shape[1] % block
+    return torch.nn.functional.pad(x, (0, pad)).view(x.shape[0], -1, block) if pad else x.view(x.shape[0], -1, block)
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """Rows of `width` float32 values, stored as they are (`kind` "f32") or packed ("fp8": the first width - rope
+    values as FP8 e4m3 in blocks of 64 with UE8M0 scales, the last `rope` values float32; "fp4": FP4 e2m1 in
+    blocks of 32 with UE8M0 scales). See the byte layouts above."""
+
+    kind: str
+    width: int
+    rope: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("f32", "fp8", "fp4") or self.width < 1 or not 0 <= self.rope < self.width:
+            raise StateError(f"unknown row format {self.kind!r} (width {self.width}, rope {self.rope})")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.kind == "f32" else torch.uint8
+
+    @property
+    def stored_width(self) -> int:
+        """Elements of `dtype` per stored row."""
+        if self.kind == "f32":
+            return self.width
+        if self.kind == "fp4":
+            nb = -(-self.width // 32)
+            return 16 * nb + nb
+        nb = -(-(self.width - self.rope) // 64)
+        return -(-(4 * self.rope + 65 * nb) // 4) * 4
+
+    @property
+    def row_bytes(self) -> int:
+        return self.stored_width * (4 if self.kind == "f32" else 1)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 rows x [k, width] -> stored rows [k, stored_width], exact (raises unless they decode to x). One C
+        call when the extension is built (the same bytes as `encode_torch`, tested; ~1 us a row instead of ~300)."""
+        x = x.float().reshape(-1, self.width)
+        if self.kind == "f32":
+            return x
+        if _C is not None and x.is_cpu and x.shape[0]:
+            raw = torch.empty(x.shape[0], self.stored_width, dtype=torch.uint8)
+            if (
+                _C.state_rows_encode(x.contiguous().numpy(), 0 if self.kind == "fp8" else 1, self.rope, raw.numpy())
+                >= 0
+            ):
+                raise StateError(self._misfit())
+            return raw
+        return self.encode_torch(x)
+
+    def _misfit(self) -> str:
+        return f"rows do not fit the {self.kind} state format exactly (numerics that do not round them)"
+
+    def encode_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """`encode` in torch: the reference the C version is tested against (the same bytes)."""
+        x = x.float().reshape(-1, self.width)
+        if self.kind == "f32":
+            return x
+        # a block holding a non-finite value is stored as scale byte 255 and decodes all NaN (the quantizers make
+        # such a block NaN anyway; only garbage, e.g. a corrupt weight read unchecked, meets this)
+        if self.kind == "fp8":
+            nope, r = self.width - self.rope, self.rope
+            g = _blocks(x[:, :nope], 64)  # [k, nb, 64]
+        else:
+            g = _blocks(x, 32)  # [k, nb, 32]
+        finite = g.isfinite().all(-1)  # [k, nb]
+        g = torch.where(finite[..., None], g, 0.0)
+        floor, qmax = (1e-4, 448.0) if self.kind == "fp8" else (6.0 * 2.0**-126, 6.0)
+        e = _ceil_log2(g.abs().amax(-1).clamp_min(floor) / qmax)  # [k, nb] (the quantizer's scale or a finer one)
+        v = g * _pow2(-e)[..., None]
+        scales = torch.where(finite, e + 127, 255).to(torch.uint8)
+        if self.kind == "fp8":
+            codes = v.to(torch.float8_e4m3fn).view(torch.uint8).flatten(1)
+            parts = [x[:, nope:].contiguous().view(torch.uint8), codes, scales]
+            pad = self.stored_width - 4 * r - codes.shape[1] - e.shape[1]
+        else:
+            code = torch.searchsorted(_E2M1.to(v.device), v.abs().contiguous()).clamp(max=7) | (v.signbit().long() << 3)
+            code = code.to(torch.uint8).flatten(1)
+            parts = [code[:, 0::2] | (code[:, 1::2] << 4), scales]
+            pad = 0
+        if pad:
+            parts.append(torch.zeros(x.shape[0], pad, dtype=torch.uint8))
+        raw = torch.cat(parts, dim=1)
+        back = self.decode_torch(raw)
+        if not ((back.view(torch.int32) == x.view(torch.int32)) | back.isnan()).all():
+            raise StateError(self._misfit())
+        return raw
+
+    def decode(self, raw: torch.Tensor) -> torch.Tensor:
+        """Stored rows [k, stored_width] -> float32 rows [k, width]. One C call over the kernels' pool when the
+        extension is built (bit-identical to `decode_torch`: every value is an exact product; tested)."""
+        if self.kind == "f32":
+            return raw
+        if _C is not None and raw.is_cpu and raw.shape[0]:
+            out = torch.empty(raw.shape[0], self.width)
+            _C.state_rows_decode(raw.contiguous().numpy(), 0 if self.kind == "fp8" else 1, self.rope, out.numpy())
+            return out
+        return self.decode_torch(raw)
+
+    def decode_torch(self, raw: torch.Tensor) -> torch.Tensor:
+        """`decode` in torch: the reference the C version is tested against."""
+        if self.kind == "f32":
+            return raw
+        k = raw.shape[0]
+        if k == 0:
+            return torch.empty(0, self.width, device=raw.device)
+        if self.kind == "fp8":
+            nope, r = self.width - self.rope, self.rope
+            nb = -(-nope // 64)
+            a = 4 * r + 64 * nb
+            codes = raw[:, 4 * r : a].contiguous().view(torch.float8_e4m3fn).float().view(k, nb, 64)
+            vals = (codes * _scales(raw[:, a : a + nb])[..., None]).view(k, 64 * nb)[:, :nope]
+            return torch.cat([vals, raw[:, : 4 * r].contiguous().view(torch.float32)], dim=1)
+        nb = -(-self.width // 32)
+        packed = raw[:, : 16 * nb].long()
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(k, nb, 32)
+        vals = _E2M1_SIGNED.to(codes.device)[codes] * _scales(raw[:, 16 * nb :])[..., None]
+        return vals.view(k, 32 * nb)[:, : self.width]
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "width": self.width, "rope": self.rope}
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """How a model's decode state stores the rows that official numerics round: `fp8_kv` (window rows and
+    compressed entries: FP8 + scales for the non-rotary dims, float32 for the `rope` rotary ones) and `fp4_index`
+    (index keys: FP4 + scales). Everything else (and everything when off) is float32."""
+
+    fp8_kv: bool = False
+    fp4_index: bool = False
+    rope: int = 0  # rotary dims of a KV row, kept float32 (fp8_kv)
+
+    def kv(self, width: int) -> RowFormat:
+        return RowFormat("fp8", width, self.rope) if self.fp8_kv else RowFormat("f32", width)
+
+    def index(self, width: int) -> RowFormat:
+        return RowFormat("fp4", width) if self.fp4_index else RowFormat("f32", width)
+
+
+class RowBuffer:
+    """Rows [start, stop) of a [N, width] float32 table addressed by absolute row index, stored in `fmt` (float32
+    unless given): rows go in and come out as float32; packed formats decode on every read."""
+
+    def __init__(
+        self, width: int, start: int = 0, data: torch.Tensor | None = None, fmt: RowFormat | None = None
+    ) -> None:
+        self.fmt = RowFormat("f32", width) if fmt is None else fmt
         self.width = width
         self.start = start  # absolute index of data row 0
-        self._data = torch.empty(0, width) if data is None else data.clone()
-        self._n = 0 if data is None else data.shape[0]
+        empty = torch.empty(0, self.fmt.stored_width, dtype=self.fmt.dtype)
+        self._data = empty if data is None else self.fmt.encode(data)
+        self._n = 0 if data is None else self._data.shape[0]
+
+    @classmethod
+    def stored(cls, fmt: RowFormat, start: int, raw: torch.Tensor) -> RowBuffer:
+        """A buffer over already-stored rows raw [k, fmt.stored_width] (restoring bytes; no check)."""
+        b = cls(fmt.width, start, fmt=fmt)
+        b._data, b._n = raw, raw.shape[0]
+        return b
 
     @property
     def stop(self) -> int:
         return self.start + self._n
 
+    @property
+    def is_packed(self) -> bool:
+        return self.fmt.kind != "f32"
+
     def append(self, rows: torch.Tensor) -> None:
         """Append rows [k, width] at the end (amortised: capacity doubles)."""
-        k = rows.shape[0]
+        enc = self.fmt.encode(rows)
+        k = enc.shape[0]
         if self._n + k > self._data.shape[0]:
-            grown = torch.empty(max(2 * self._data.shape[0], self._n + k, 16), self.width)
+            grown = torch.empty(
+                max(2 * self._data.shape[0], self._n + k, 16), self.fmt.stored_width, dtype=self.fmt.dtype
+            )
             grown[: self._n] = self._data[: self._n]
             self._data = grown
-        self._data[self._n : self._n + k] = rows
+        self._data[self._n : self._n + k] = enc
         self._n += k
 
     def rows(self, a: int, b: int) -> torch.Tensor:
-        """Rows with absolute index in [a, b) (a view: callers must not write to it)."""
+        """Rows with absolute index in [a, b) (float32 rows a view: callers must not write to it)."""
         if a < self.start or b > self.stop:
             raise StateError(f"rows [{a}, {b}) requested, only [{self.start}, {self.stop}) are kept")
-        return self._data[a - self.start : b - self.start]
+        return self.fmt.decode(self._data[a - self.start : b - self.start])
 
     def take(self, index: torch.Tensor) -> torch.Tensor:
         """Rows at absolute indices `index` (any shape) -> [*index.shape, width]."""
-        return self._data[: self._n][index - self.start]
+        picked = self._data[: self._n].index_select(0, (index - self.start).reshape(-1))  # [k, stored]
+        return self.fmt.decode(picked).view(*index.shape, self.width)
 
     def all(self) -> torch.Tensor:
+        return self.fmt.decode(self._data[: self._n])
+
+    def raw(self) -> torch.Tensor:
+        """The stored rows [stop - start, fmt.stored_width] (a view)."""
         return self._data[: self._n]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows held (not the spare capacity)."""
+        return self._n * self.fmt.row_bytes
 
     def truncate(self, stop: int) -> None:
         """Forget rows >= stop."""
@@ -88,7 +296,7 @@ class RowBuffer:
         self.start += k
 
     def copy(self) -> RowBuffer:
-        return RowBuffer(self.width, self.start, self.all())
+        return RowBuffer.stored(self.fmt, self.start, self.raw().clone())
 
     @property
     def device(self) -> torch.device:
@@ -115,15 +323,20 @@ class LayerState:
     length: int = 0
 
     @classmethod
-    def new(cls, ratio: int, window: int, head_dim: int, index_head_dim: int) -> LayerState:
-        s = cls(ratio, window, RowBuffer(head_dim))
+    def new(
+        cls, ratio: int, window: int, head_dim: int, index_head_dim: int, fmt: StateFormat | None = None
+    ) -> LayerState:
+        """An empty state; `fmt` says how window rows, entries and index keys are stored (default float32). The raw
+        compressor rows are float32 always (they are sums the official inference keeps in float32 too)."""
+        fmt = StateFormat() if fmt is None else fmt
+        s = cls(ratio, window, RowBuffer(head_dim, fmt=fmt.kv(head_dim)))
         if ratio:
             c = 2 if ratio == 4 else 1
             s.comp_kv, s.comp_gate = RowBuffer(c * head_dim), RowBuffer(c * head_dim)
-            s.entries = RowBuffer(head_dim)
+            s.entries = RowBuffer(head_dim, fmt=fmt.kv(head_dim))
         if ratio == 4:
             s.idx_kv, s.idx_gate = RowBuffer(2 * index_head_dim), RowBuffer(2 * index_head_dim)
-            s.idx_entries = RowBuffer(index_head_dim)
+            s.idx_entries = RowBuffer(index_head_dim, fmt=fmt.index(index_head_dim))
         return s
 
     def buffers(self) -> dict[str, RowBuffer]:
@@ -201,7 +414,8 @@ class ModelState:
         self.layers, self.mtp, self.max_rollback = other.layers, other.mtp, other.max_rollback
 
     def nbytes(self) -> int:
-        return sum(b.all().numel() * 4 for s in self.layers + self.mtp for b in s.buffers().values())
+        """Bytes of the rows held, as stored (packed rows count their packed size)."""
+        return sum(b.nbytes for s in self.layers + self.mtp for b in s.buffers().values())
 
     def to(self, device: torch.device) -> None:
         """Move every buffer to `device` where it is not there already."""
@@ -210,7 +424,9 @@ class ModelState:
                 if b.device != device:
                     b.to(device)
 
-    # --- bytes: MAGIC, u32 version, u64 header length, JSON header, then float32 row data back to back ---
+    # --- bytes: MAGIC, u32 version, u64 header length, JSON header, then each buffer's stored rows back to back
+    # (little-endian: float32 for "f32" buffers, the packed bytes of state.py's row formats otherwise). Version 2
+    # added the per-buffer "format"; version 1 files (float32 everywhere) are refused, not guessed at. ---
 
     def to_bytes(self) -> bytes:
         header: dict = {"max_rollback": self.max_rollback, "layers": [], "mtp": []}
@@ -220,11 +436,13 @@ class ModelState:
             for s in group:
                 entry = {"ratio": s.ratio, "window": s.window, "length": s.length, "buffers": {}}
                 for name, b in s.buffers().items():
-                    data = b.all().cpu().contiguous().numpy().astype("<f4").tobytes()
+                    raw = b.raw().cpu().contiguous().numpy()
+                    data = (raw.astype("<f4") if b.fmt.kind == "f32" else raw).tobytes()
                     entry["buffers"][name] = {
+                        "format": b.fmt.to_json(),
                         "width": b.width,
                         "start": b.start,
-                        "rows": b.all().shape[0],
+                        "rows": b.raw().shape[0],
                         "offset": offset,
                     }
                     blobs.append(data)
@@ -239,7 +457,10 @@ class ModelState:
             raise StateError("not a fastar decode state (bad magic)")
         version, hlen = struct.unpack_from("<IQ", raw, 8)
         if version != VERSION:
-            raise StateError(f"decode state version {version} is not supported (expected {VERSION})")
+            raise StateError(
+                f"decode state version {version} is not supported (expected {VERSION}; it was written by "
+                f"{'an older' if version < VERSION else 'a newer'} fastar: prefill the prompt again)"
+            )
         base = 8 + 12 + hlen
         try:
             header = json.loads(raw[20:base].decode())
@@ -259,48 +480,67 @@ class ModelState:
 
     @staticmethod
     def _rows(raw: bytes, base: int, m: dict) -> RowBuffer:
+        fmt = RowFormat(**m["format"])
+        if fmt.width != m["width"]:
+            raise StateError(f"decode state header is malformed (format width {fmt.width}, buffer {m['width']})")
         a = base + m["offset"]
-        b = a + m["rows"] * m["width"] * 4
-        if b > len(raw):
+        b = a + m["rows"] * fmt.row_bytes
+        if m["rows"] < 0 or b > len(raw):
             raise StateError("decode state is truncated")
-        rows = np.frombuffer(raw[a:b], dtype="<f4").reshape(m["rows"], m["width"])
-        return RowBuffer(m["width"], m["start"], torch.from_numpy(rows.copy()))
+        dtype = "<f4" if fmt.kind == "f32" else np.uint8
+        rows = np.frombuffer(raw[a:b], dtype=dtype).reshape(m["rows"], fmt.stored_width)
+        return RowBuffer.stored(fmt, m["start"], torch.from_numpy(rows.copy()))
 
 
 # --- accounting ------------------------------------------------------------------------------------------------
 
 
-def state_bytes(cfg, n: int, max_rollback: int | None, mtp_layers: int | None = None) -> int:
-    """Bytes of the rows a `ModelState` of `cfg` holds after `n` positions (what `ModelState.nbytes()` reports:
-    live rows, float32 as stored; a buffer's capacity may be up to twice its rows). Follows `LayerState.trim`:
-    window rows back to `max_rollback` positions before the end (all of them when None), the raw compressor rows
-    of the windows still needed, every compressed entry and index key. MTP blocks (`mtp_layers`, default the
-    config's) are counted at the same length; they hold one position less in a real run."""
+def official_format(cfg) -> StateFormat:
+    """The state format of `official` numerics (`Numerics.state_format`): their window rows and compressed entries
+    are FP8-rounded in blocks of 64 except the rotary dims, their index keys FP4-rounded in blocks of 32, so both
+    are stored packed, exactly."""
+    return StateFormat(fp8_kv=True, fp4_index=True, rope=cfg.qk_rope_head_dim)
+
+
+def state_bytes(
+    cfg, n: int, max_rollback: int | None, mtp_layers: int | None = None, fmt: StateFormat | None = None
+) -> int:
+    """Bytes of the rows a `ModelState` of `cfg` in format `fmt` (default float32 everywhere) holds after `n`
+    positions (what `ModelState.nbytes()` reports: live rows as stored; a buffer's capacity may be up to twice its
+    rows). Follows `LayerState.trim`: window rows back to `max_rollback` positions before the end (all of them when
+    None), the raw compressor rows of the windows still needed, every compressed entry and index key. MTP blocks
+    (`mtp_layers`, default the config's) are counted at the same length; they hold one position less in a real
+    run."""
     L = cfg.num_hidden_layers
-    mtp = cfg.num_nextn_predict_layers if mtp_layers is None else mtp_layers
+    mtp = cfg.num_mtp_layers if mtp_layers is None else mtp_layers  # the MTP blocks the model has
     total = 0
     for i in range(L + mtp):
-        s = LayerState.new(cfg.ratio(i), cfg.sliding_window, cfg.head_dim, cfg.index_head_dim)
+        s = LayerState.new(cfg.ratio(i), cfg.sliding_window, cfg.head_dim, cfg.index_head_dim, fmt)
         first_kv, first_comp = s.first_needed(max(0, n - max_rollback)) if max_rollback is not None else (0, 0)
         for name, b in s.buffers().items():
             rows = n // s.ratio if name.endswith("entries") else n - (first_kv if name == "kv" else first_comp)
-            total += 4 * b.width * rows
+            total += b.fmt.row_bytes * rows
     return total
 
 
-def state_accounting(cfg, max_rollback: int | None, mtp_layers: int | None = None) -> dict:
-    """One accounting of decode-state bytes: `per_token` (what each further position adds, float32 rows as
-    stored), `fixed` (the bounded rest at a long context: window rows, open compressor windows and the
-    `max_rollback` margin), `per_1k` and `at_1m` (a 1,048,576-token context), and the same growth in the official
-    inference's layout (`official_per_token`: bf16 compressed KV and index keys; its window ring and compressor
-    states are fixed) for comparison. With max_rollback None every window row is kept and the growth includes them."""
+def state_accounting(
+    cfg, max_rollback: int | None, mtp_layers: int | None = None, fmt: StateFormat | None = None
+) -> dict:
+    """One accounting of decode-state bytes in format `fmt` (default float32; `official_format(cfg)` for official
+    numerics): `per_token` (what each further position adds: compressed entries and index keys as stored), `fixed`
+    (the bounded rest at a long context: window rows, open compressor windows and the `max_rollback` margin),
+    `per_1k` and `at_1m` (a 1,048,576-token context), and the same growth in the official inference's layout
+    (`official_per_token`: bf16 compressed KV and index keys; its window ring and compressor states are fixed) for
+    comparison. With max_rollback None every window row is kept and the growth includes them."""
     ratios = [cfg.ratio(i) for i in range(cfg.num_hidden_layers)]
     big = 1 << 20
     step = 128 * 1024  # a multiple of every ratio
-    a, b = state_bytes(cfg, big, max_rollback, mtp_layers), state_bytes(cfg, big + step, max_rollback, mtp_layers)
+    a = state_bytes(cfg, big, max_rollback, mtp_layers, fmt)
+    b = state_bytes(cfg, big + step, max_rollback, mtp_layers, fmt)
     per_token = (b - a) / step
     official = sum(2 * (cfg.head_dim + (cfg.index_head_dim if r == 4 else 0)) / r for r in ratios if r)
     return {
+        "format": "float32" if fmt is None or fmt == StateFormat(rope=fmt.rope) else _format_name(fmt),
         "per_token": per_token,
         "fixed": a - per_token * big,
         "per_1k": 1000 * per_token,
@@ -309,3 +549,9 @@ def state_accounting(cfg, max_rollback: int | None, mtp_layers: int | None = Non
         "official_at_1m": official * big,
         "max_rollback": max_rollback,
     }
+
+
+def _format_name(fmt: StateFormat) -> str:
+    kv = ["KV fp8+scales, rope float32"] if fmt.fp8_kv else []
+    parts = kv + (["index keys fp4+scales"] if fmt.fp4_index else [])
+    return "; ".join(parts) + "; the rest float32"

@@ -349,3 +349,134 @@ fail:
     release(v, 6);
     return NULL;
 }
+
+/* ---------------------------------------------------------------- packed decode-state rows (attn_prefill.c) */
+
+typedef struct {
+    const uint8_t *raw;
+    float *out;
+    int64_t rows, row_bytes, width, rope, per_chunk;
+    int kind;
+} state_rows_ctx;
+
+static void state_rows_chunk(void *p, int64_t i) {
+    const state_rows_ctx *c = p;
+    const int64_t r0 = i * c->per_chunk, n = c->rows - r0 < c->per_chunk ? c->rows - r0 : c->per_chunk;
+    state_rows_decode(c->raw + r0 * c->row_bytes, c->out + r0 * c->width, n, c->row_bytes, c->kind, c->width,
+                      c->rope);
+}
+
+/* The bytes of a packed row of width W (kind 0: FP8 with `rope` float32 dims; 1: FP4), 0 for a bad kind / rope. */
+static int64_t packed_row_bytes(int kind, Py_ssize_t rope, int64_t W) {
+    if (kind == STATE_FP8 && rope >= 0 && rope < W) return (4 * rope + 65 * ((W - rope + 63) / 64) + 3) / 4 * 4;
+    if (kind == STATE_FP4) return 17 * ((W + 31) / 32);
+    return 0;
+}
+
+/* state_rows_encode(x f32 [k, W], kind, rope, raw u8 [k, B]) -> int: -1, or the first row that is not exactly
+ * codes * scales (raw is then partly written: the caller discards it). */
+PyObject *py_state_rows_encode(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oraw;
+    int kind;
+    Py_ssize_t rope;
+    if (!PyArg_ParseTuple(args, "OinO", &ox, &kind, &rope, &oraw)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_view(ox, &v[0], "x", 'f', 2, 0) || get_view(oraw, &v[1], "raw", 'B', 2, 1)) goto fail;
+    const int64_t k = dim(&v[0], 0), W = dim(&v[0], 1), need = packed_row_bytes(kind, rope, W);
+    if (!need || shape_is(&v[1], "raw", k, need, "(x's rows, the format's row bytes)")) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "state_rows_encode: bad kind %d / rope %zd", kind, rope);
+        goto fail;
+    }
+    if (no_overlap_named(&v[1], "raw", v, 1)) goto fail;
+    int64_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = state_rows_encode(v[0].b.buf, v[1].b.buf, k, need, kind, W, rope);
+    Py_END_ALLOW_THREADS
+    release(v, 2);
+    return PyLong_FromLongLong(bad);
+fail:
+    release(v, 2);
+    return NULL;
+}
+
+/* state_rows_decode(raw u8 [k, B], kind, rope, out f32 [k, W]) -> None: kind 0 (FP8 + float32 rope dims) or 1
+ * (FP4); B must be the format's row size for width W (state.py: RowFormat.stored_width). Rows are independent:
+ * spread over the pool in blocks (bit-identical for any thread count). */
+PyObject *py_state_rows_decode(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oraw, *oo;
+    int kind;
+    Py_ssize_t rope;
+    if (!PyArg_ParseTuple(args, "OinO", &oraw, &kind, &rope, &oo)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_view(oraw, &v[0], "raw", 'B', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) goto fail;
+    const int64_t k = dim(&v[0], 0), B = dim(&v[0], 1), W = dim(&v[1], 1), need = packed_row_bytes(kind, rope, W);
+    if (!need || B != need || dim(&v[1], 0) != k) {
+        PyErr_Format(PyExc_ValueError, "state_rows_decode: kind %d, rope %zd: raw [%lld, %lld] does not hold rows of "
+                     "out [%lld, %lld] (expected %lld bytes a row)", kind, rope, (long long)k, (long long)B,
+                     (long long)dim(&v[1], 0), (long long)W, (long long)need);
+        goto fail;
+    }
+    if (no_overlap(&v[1], &v[0], 1)) goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    state_rows_ctx c = {.raw = v[0].b.buf, .out = v[1].b.buf, .rows = k, .row_bytes = B, .width = W, .rope = rope,
+                        .kind = kind};
+    const int64_t chunks = 4 * (int64_t)pool_get_threads();
+    c.per_chunk = (k + chunks - 1) / chunks;
+    if (k * W < (1 << 16) || c.per_chunk < 1) {
+        c.per_chunk = k > 0 ? k : 1;
+        if (k > 0) state_rows_chunk(&c, 0);
+    } else {
+        pool_run((k + c.per_chunk - 1) / c.per_chunk, state_rows_chunk, &c);
+    }
+    Py_END_ALLOW_THREADS
+    release(v, 2);
+    Py_RETURN_NONE;
+fail:
+    release(v, 2);
+    return NULL;
+}
+
+/* index_scores(q f32 [T, Hi, Di], w f32 [T, Hi], keys f32 [E, Di], p0, scale, out f32 [T, E]) -> bool: the lightning
+ * indexer's scores of queries at positions p0.. (attn_prefill.c), -inf for entries a query does not see yet; False
+ * (out untouched) when the ISA has no kernel for them. */
+PyObject *py_index_scores(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oq, *ow, *ok, *oo;
+    Py_ssize_t p0;
+    double scale;
+    if (!PyArg_ParseTuple(args, "OOOndO", &oq, &ow, &ok, &p0, &scale, &oo)) return NULL;
+    view_t v[4];
+    memset(v, 0, sizeof v);
+    if (get_view(oq, &v[0], "q", 'f', 3, 0) || get_view(ow, &v[1], "w", 'f', 2, 0) ||
+        get_view(ok, &v[2], "keys", 'f', 2, 0) || get_view(oo, &v[3], "out", 'f', 2, 1))
+        goto fail;
+    const int64_t T = dim(&v[0], 0), Hi = dim(&v[0], 1), Di = dim(&v[0], 2), E = dim(&v[2], 0);
+    if (shape_is(&v[1], "w", T, Hi, "[T, Hi] of q") || dim(&v[2], 1) != Di ||
+        shape_is(&v[3], "out", T, E, "[T, E]") || p0 < 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "index_scores needs keys [E, %lld] and p0 >= 0; got keys [%lld, %lld], "
+                         "p0=%zd", (long long)Di, (long long)E, (long long)dim(&v[2], 1), p0);
+        goto fail;
+    }
+    if (no_overlap(&v[3], v, 3)) goto fail;
+    int rc = 0;
+    const isa_ops *isa = cur_isa;
+    Py_BEGIN_ALLOW_THREADS
+    index_job j = {.q = v[0].b.buf, .w = v[1].b.buf, .keys = v[2].b.buf, .out = v[3].b.buf, .T = T, .Hi = Hi,
+                   .Di = Di, .E = E, .p0 = p0, .scale = (float)scale};
+    if (T > 0 && E > 0) rc = index_scores_run(isa, &j);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 4);
+    return PyBool_FromLong(rc == 0);
+fail:
+    release(v, 4);
+    return NULL;
+}

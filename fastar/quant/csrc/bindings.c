@@ -574,6 +574,12 @@ static PyMethodDef methods[] = {
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_VARARGS | METH_KEYWORDS,
      "attend(q f32[T,H,D], keys f32[K,D], k0, p0, window, comp f32[E,D]|None, comp_idx i64[T,k]|None, ratio, "
      "sinks f32[H], scale, out f32[T,H,D]): attention with sinks over window keys and compressed entries"},
+    {"state_rows_decode", py_state_rows_decode, METH_VARARGS,
+     "state_rows_decode(raw u8[k,B], kind 0 fp8|1 fp4, rope, out f32[k,W]): packed decode-state rows to float32"},
+    {"state_rows_encode", py_state_rows_encode, METH_VARARGS,
+     "state_rows_encode(x f32[k,W], kind, rope, raw u8[k,B]) -> -1 or the first row not exactly representable"},
+    {"index_scores", py_index_scores, METH_VARARGS,
+     "index_scores(q f32[T,Hi,Di], w f32[T,Hi], keys f32[E,Di], p0, scale, out f32[T,E]): lightning indexer scores"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"default_num_threads", py_default_num_threads, METH_NOARGS, "CPUs this process may run on (or FASTAR_THREADS)"},
@@ -593,5 +599,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "fastar's
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     isas_init();
+    state_rows_init();
     return PyModule_Create(&module);
 }

@@ -152,6 +152,29 @@ void attn_heads_neon(const float *const *rows, int64_t n, const float *q, int hb
                      const float *sinks, float *s, float *out);
 #endif
 
+/* Packed decode-state rows (attn_prefill.c; the layouts are fastar/model/state.py's): rows of row_bytes bytes ->
+ * float32 rows of width values. STATE_FP8 keeps the last `rope` values as float32. state_rows_init fills the
+ * e4m3 table once (module init). */
+enum { STATE_FP8 = 0, STATE_FP4 = 1 };
+void state_rows_init(void);
+void state_rows_decode(const uint8_t *raw, float *out, int64_t rows, int64_t row_bytes, int kind, int64_t width,
+                       int64_t rope);
+/* The inverse, exactly: -1, or the first row that is not exactly codes * scales (nothing is rounded). */
+int64_t state_rows_encode(const float *x, uint8_t *raw, int64_t rows, int64_t row_bytes, int kind, int64_t width,
+                          int64_t rope);
+
+/* The lightning indexer's scores of T queries over E index keys (attn_prefill.c says what it computes). */
+typedef struct {
+    const float *q;    /* [T, Hi, Di] index queries */
+    const float *w;    /* [T, Hi] head weights */
+    const float *keys; /* [E, Di] index keys */
+    float *out;        /* [T, E]: -inf where query t (at position p0 + t) does not see entry e yet */
+    int64_t T, Hi, Di, E, p0;
+    float scale;
+} index_job;
+/* Runs a job over the pool: 0, -1 for out of memory, 1 when isa has no kernel for it (AVX-512 only). */
+int index_scores_run(const isa_ops *isa, const index_job *j);
+
 /* Thread pool. pool_run calls fn(ctx, i) once for every i in [0, nchunks), spread over the pool's threads
  * (the caller included); chunks are handed out dynamically so a descheduled thread delays only its own. */
 typedef void (*chunk_fn)(void *ctx, int64_t i);

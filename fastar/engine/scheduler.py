@@ -317,12 +317,12 @@ class Scheduler:
                 stats.cached_tokens += req.done
 
     def _prefill_chunk(self, req: _Request) -> None:
-        """The next `prefill_chunk` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
+        """The next `prefill_span` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
         first token is sampled."""
-        part = req.ids[req.done : req.done + self.engine.prefill_chunk]
+        part = req.ids[req.done : req.done + self.engine.prefill_span]
         stats = self.engine.counters
         t = time.perf_counter()
-        logits, _ = self.model.forward(part, req.state, all_logits=False)
+        logits, _ = self.model.forward(part, req.state, all_logits=False, chunk=self.engine.prefill_chunk)
         stats.prefill_seconds += time.perf_counter() - t
         stats.prefill_tokens_computed += len(part)
         req.done += len(part)

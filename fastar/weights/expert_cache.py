@@ -53,6 +53,7 @@ class _Load:
     demand: bool
     source: int = -1  # index into SOURCES when a prefetch issued it
     claims: int = 0  # pins to hand to the slot once one is allocated
+    scan: bool = False  # asked for by a prefill scan: its slot is taken from what was used last (see _alloc)
     slot: int = -1
     done: bool = False
     error: BaseException | None = None
@@ -175,6 +176,8 @@ class ExpertCache:
         self._shield = np.zeros(n_slots, bool)  # prefetched or wanted soon: evicted only as a last resort
         self._shield_epoch = np.zeros(n_slots, np.int64)
         self._unused = np.full(n_slots, -1, np.int8)  # prefetch source of a loaded, not yet used record
+        self._last_use = np.zeros(n_slots, np.int64)  # tick of each slot's latest handle: a scan evicts the newest
+        self._tick = 0
         self._free = list(range(n_slots - 1, -1, -1))
         self._key_slot: dict[int, int] = {}
         self._inflight: dict[int, _Load] = {}
@@ -239,20 +242,26 @@ class ExpertCache:
         for h in [handles] if isinstance(handles, ExpertHandle) else handles:
             h.release()
 
-    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual") -> int:
+    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual", *, scan: bool = False) -> int:
         """Queue reads of the absent experts among `ids` and return at once; returns how many were queued.
 
-        `source` ("manual", "hash", "lookahead") keys the used/wasted accounting in `stats()`.
+        `source` ("manual", "hash", "lookahead") keys the used/wasted accounting in `stats()`; `scan`: for a
+        prefill scan, slots taken as `iter_ready(scan=True)` takes them.
         """
         src = SOURCES.index(source)
         n = 0
         with self._cond:
             self._check_open()
+            # a scan's prefetch takes only slots nobody holds or wants now: a read evicted before its use would be
+            # read twice in one pass
+            room = self.n_slots - self._committed() - int(np.count_nonzero(self._shield & (self._pins == 0)))
             for e in dict.fromkeys(int(x) for x in ids):
                 k = self._key(layer, e)
                 if k in self._key_slot or k in self._inflight:
                     continue
-                load = _Load(k, layer, e, demand=False, source=src)
+                if scan and n >= room:
+                    break
+                load = _Load(k, layer, e, demand=False, source=src, scan=scan)
                 self._inflight[k] = load
                 self._prefetch.append(load)
                 self._src[src]["issued"] += 1
@@ -266,13 +275,18 @@ class ExpertCache:
         tok = np.asarray(list(token_ids), np.int64)
         return sum(self.prefetch(layer, np.unique(np.asarray(t)[tok]), source="hash") for layer, t in tid2eid.items())
 
-    def iter_ready(self, layer: int, ids: Iterable[int], batch: bool = False) -> Iterator:
+    def iter_ready(self, layer: int, ids: Iterable[int], batch: bool = False, *, scan: bool = False) -> Iterator:
         """Yield handles of `layer`'s experts `ids` as each becomes present (resident ones first).
 
         Each yielded handle stays pinned until the next step of the iteration, so compute on the first experts
         starts before the rest arrive and any number of experts streams through a budget of one free slot.
         `batch=True` yields lists instead: every expert present at that moment at once (all resident ones first,
         then what has landed since), pinned together until the next step.
+        `scan=True`: a prefill pass that will ask for (nearly) every expert of every layer in turn, a cyclic scan.
+        Its reads take the slot used most recently (MRU: the record whose next use in the scan is furthest away,
+        Belady's choice for a loop) instead of the policy's victim, so the records of the layers still to come
+        stay resident and a scan of a bank larger than the budget reads about bank - budget per pass, not all of
+        it (LRU and LRFU evict exactly what the loop needs next).
         """
         uniq = list(dict.fromkeys(int(e) for e in ids))
         keys = {e: self._key(layer, e) for e in uniq}
@@ -301,7 +315,7 @@ class ExpertCache:
                     held = []
                     while todo and self._committed() < self.n_slots:
                         e = todo.popleft()
-                        r = self._claim(keys[e], layer, e)
+                        r = self._claim(keys[e], layer, e, scan)
                         if isinstance(r, _Load):
                             outstanding[e] = r
                         else:  # arrived meanwhile (someone else's read): already pinned by the claim
@@ -330,10 +344,13 @@ class ExpertCache:
                 if outstanding:
                     self._cond.notify_all()
 
-    def each_batch(self, layer: int, ids: Iterable[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+    def each_batch(
+        self, layer: int, ids: Iterable[int], *, scan: bool = False
+    ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Lists of (expert id, weights): all that are present at once, then what arrives (`iter_ready(batch=True)`);
-        with every expert resident, one list: the MoE then runs the layer's experts in one kernel call."""
-        for hs in self.iter_ready(layer, ids, batch=True):
+        with every expert resident, one list: the MoE then runs the layer's experts in one kernel call. `scan`:
+        as `iter_ready`'s (a prefill pass over the layers)."""
+        for hs in self.iter_ready(layer, ids, batch=True, scan=scan):
             yield [(h.expert, h.weights) for h in hs]
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -446,7 +463,7 @@ class ExpertCache:
             f"budget, release handles, or stream the layer with iter_ready()"
         )
 
-    def _claim(self, k: int, layer: int, e: int) -> int | _Load:
+    def _claim(self, k: int, layer: int, e: int, scan: bool = False) -> int | _Load:
         """Count the access and take one pin on key k: a slot when resident, else the load that will bring it."""
         s = self._key_slot.get(k)
         if s is not None and self._state[s] == _READY:
@@ -460,12 +477,12 @@ class ExpertCache:
         self._stats["misses"] += 1
         load = self._inflight.get(k)
         if load is None:
-            load = _Load(k, layer, e, demand=True)
+            load = _Load(k, layer, e, demand=True, scan=scan)
             self._inflight[k] = load
             self._demand.append(load)
             self._cond.notify_all()
         elif not load.demand:  # a prefetch caught in flight: promote it so it jumps the prefetch queue
-            load.demand = True
+            load.demand, load.scan = True, load.scan or scan
             if load.slot < 0:
                 self._prefetch.remove(load)
                 self._demand.append(load)
@@ -518,6 +535,8 @@ class ExpertCache:
             return [self._handle(layer, e, c.slot if isinstance(c, _Load) else c) for e, c in zip(uniq, claims)]
 
     def _handle(self, layer: int, e: int, slot: int) -> ExpertHandle:
+        self._tick += 1
+        self._last_use[slot] = self._tick
         views = self._slot_views.get(slot)  # a slot's arrays view the same bytes whichever expert it holds
         if views is None:
             buf = self._slab.view(slot).toreadonly()
@@ -582,8 +601,9 @@ class ExpertCache:
 
     # --- loader threads ----------------------------------------------------------------------------------------
 
-    def _alloc(self, demand: bool) -> int | None:
-        """A slot for a new record: a free one, else the policy's victim among unpinned ready slots."""
+    def _alloc(self, demand: bool, scan: bool = False) -> int | None:
+        """A slot for a new record: a free one, else among unpinned ready slots the policy's victim, or for a
+        scan's read the one used most recently."""
         if self._free:
             return self._free.pop()
         evictable = (self._state == _READY) & (self._pins == 0)
@@ -594,7 +614,10 @@ class ExpertCache:
             cand = np.flatnonzero(evictable)
             if cand.size == 0:
                 return None
-        s = int(cand[self.policy.victim(self._slot_key[cand])])
+        if scan:
+            s = int(cand[np.argmax(self._last_use[cand])])
+        else:
+            s = int(cand[self.policy.victim(self._slot_key[cand])])
         del self._key_slot[int(self._slot_key[s])]
         if self._unused[s] >= 0:
             self._src[self._unused[s]]["wasted_bytes"] += self.stride
@@ -605,7 +628,7 @@ class ExpertCache:
     def _take(self) -> _Load | None:
         """The next load with a slot allocated to it, or None when the loader must wait."""
         if self._demand:
-            s = self._alloc(True)
+            s = self._alloc(True, self._demand[0].scan)
             if s is None:  # wait for a load to finish or a pin to go; prefetches must not overtake
                 self._starved = True
                 return None
@@ -613,7 +636,7 @@ class ExpertCache:
         else:
             while self._prefetch:
                 load = self._prefetch.popleft()
-                s = self._alloc(False)
+                s = self._alloc(False, load.scan)
                 if s is not None:
                     break
                 del self._inflight[load.key]

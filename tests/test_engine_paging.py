@@ -131,3 +131,6 @@ def test_paged_prefill_span_reads_each_expert_once_and_changes_no_bit(tiny_fst):
             e.model.forward(TOKENS[a : a + 16], state)
         assert cache.stats()["reads"] > s["reads"]
         np.testing.assert_array_equal(e.prefill(TOKENS, e.new_state()).numpy(), want[-1:])
+    one = load(tiny_fst, ram_budget=3 * stride)  # a prompt within one chunk is a span of one piece: still the same
+    assert one.paged_chunk == one.prefill_chunk > len(TOKENS)
+    np.testing.assert_array_equal(one.logits(TOKENS), load(tiny_fst, ram_budget=None).logits(TOKENS))

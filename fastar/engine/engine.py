@@ -172,13 +172,22 @@ class Engine:
         return self.drafter.new_state() if self.drafter is not None else self.model.new_state()
 
     @property
-    def prefill_span(self) -> int:
-        """Prompt tokens per prefill forward. `prefill_chunk`, except where the routed experts are paged from a
-        bank larger than the RAM budget: then as many chunks as keep the span's activations within
-        `PREFILL_SPAN_BYTES` (`span_bytes_per_token` each), run as one forward whose experts are read once per layer
-        for all of them. The numbers do not change (`DeepseekV4.forward`'s `chunk`), so neither does any output."""
-        cache, chunk = self.expert_cache, self.prefill_chunk
+    def paged_chunk(self) -> int | None:
+        """`prefill_chunk` where the routed experts are paged from a bank larger than the RAM budget (and no drafter
+        follows the passes), else None: the `chunk` a prefill forward passes (`DeepseekV4.forward`), which then runs
+        its tokens as a span whose experts are read once per layer, evicted as a scan, the next layer read behind
+        the current one. The numbers are those of the chunks one by one, so no output depends on the budget."""
+        cache = self.expert_cache
         if cache is None or self.drafter is not None or cache.n_slots >= cache.num_layers * cache.num_experts:
+            return None
+        return self.prefill_chunk
+
+    @property
+    def prefill_span(self) -> int:
+        """Prompt tokens per prefill forward: `prefill_chunk`, or when paging (`paged_chunk`) as many chunks as keep
+        the span's activations within `PREFILL_SPAN_BYTES` (`span_bytes_per_token` each)."""
+        chunk = self.prefill_chunk
+        if self.paged_chunk is None:
             return chunk
         return chunk * max(1, PREFILL_SPAN_BYTES // (chunk * span_bytes_per_token(self.config)))
 
@@ -197,9 +206,7 @@ class Engine:
             if self.drafter is not None:
                 logits, _ = self.drafter.forward(chunk, state, all_logits=all_logits or not last)
             else:
-                logits, _ = self.model.forward(
-                    chunk, state, all_logits=all_logits or not last, chunk=self.prefill_chunk
-                )
+                logits, _ = self.model.forward(chunk, state, all_logits=all_logits or not last, chunk=self.paged_chunk)
             if all_logits or last:
                 out.append(logits)
         return torch.cat(out) if all_logits else out[-1]

@@ -322,7 +322,7 @@ class Scheduler:
         part = req.ids[req.done : req.done + self.engine.prefill_span]
         stats = self.engine.counters
         t = time.perf_counter()
-        logits, _ = self.model.forward(part, req.state, all_logits=False, chunk=self.engine.prefill_chunk)
+        logits, _ = self.model.forward(part, req.state, all_logits=False, chunk=self.engine.paged_chunk)
         stats.prefill_seconds += time.perf_counter() - t
         stats.prefill_tokens_computed += len(part)
         req.done += len(part)

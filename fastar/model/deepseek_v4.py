@@ -724,8 +724,9 @@ class DeepseekV4:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Process tokens `ids` [T] at positions state.length.. and advance `state`.
 
-        `chunk`: with T > chunk, run the tokens as a span of pieces of `chunk` (`_span`): bit for bit `forward` on
-        each piece in turn, but each routed expert is fetched once per layer for the whole span.
+        `chunk` (a prefill over paged experts): run the tokens as a span of pieces of `chunk` (`_span`), bit for bit
+        `forward` on each piece in turn, but each routed expert fetched once per layer for the whole span and the
+        pager asked to evict as for a scan. Calls of at most `ops.SMALL_CHUNK` tokens (decode) ignore it.
 
         Returns (logits [T, V] float32, or [1, V] for the last position when `all_logits` is False; final
         residual streams [T, n, d], the MTP input). `collect`, when a list, receives the streams after every
@@ -736,7 +737,7 @@ class DeepseekV4:
         p0, T = state.length, ids.shape[0]
         if T == 0:
             raise ValueError("forward needs at least one token")
-        if chunk is not None and chunk < T and collect is None and capture is None:
+        if chunk is not None and (chunk < T or ops.SMALL_CHUNK < T) and collect is None and capture is None:
             return self._span(ids, state, all_logits, chunk)
         self.experts.prefetch_tokens(ids.tolist(), self.hash_tables)  # hash-routed layers: known from the ids alone
         X = self.embed.rows(ids)[:, None, :].expand(T, self.config.hc_mult, -1)  # [T, n, d]

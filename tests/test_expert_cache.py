@@ -618,6 +618,6 @@ def test_scan_keeps_what_the_loop_needs_next(fst, policy):
                     got = [e for b in c.each_batch(layer, range(8), scan=scan) for e, _ in b]
                     assert sorted(got) == list(range(8))
             reads[scan] = c.stats()["reads"]  # the third pass
-    # Belady's bound is 40 - 16 + 1 = 25 reads a pass; a scan gets 26-32 (the loader takes a victim when it starts a
-    # read, sometimes before the batch in hand has been used and become the newest)
-    assert reads[False] == 40 and reads[True] <= 34, reads
+    # no cache does better than 40 - 16 = 24 reads a pass (16 records can be kept); a scan gets that (24 in repeated
+    # runs), with a little room for the loader thread's timing
+    assert reads[False] == 40 and reads[True] <= 26, reads

@@ -764,8 +764,9 @@ class DeepseekV4:
         cfg, T = self.config, ids.shape[0]
         p0 = state.length
         pieces = list(ids.split(chunk))  # [T_j]
-        first = self.layers[0].ffn
-        self.experts.prefetch(first.layer, first.guess_span([], pieces) if first.is_hash else [], "hash", scan=True)
+        for b in self.layers:  # the hash layers' experts are known from the ids: read them from the start
+            if b.ffn.is_hash:
+                self.experts.prefetch(b.layer, b.ffn.guess_span([], pieces), "hash", scan=True)
         Xs = [self.embed.rows(i)[:, None, :].expand(i.shape[0], cfg.hc_mult, -1) for i in pieces]  # [T_j, n, d]
         for i, (block, s) in enumerate(zip(self.layers, state.layers)):
             Xs = block.span(Xs, pieces, p0, s, state.max_rollback)

@@ -252,10 +252,16 @@ class ExpertCache:
         n = 0
         with self._cond:
             self._check_open()
+            wanted = list(dict.fromkeys(int(x) for x in ids))
+            if scan:  # what the layer has resident is wanted soon: shield it from the reads that follow
+                for e in wanted:
+                    s = self._key_slot.get(self._key(layer, e))
+                    if s is not None and self._state[s] == _READY:
+                        self._shield[s], self._shield_epoch[s] = True, self._epoch
             # a scan's prefetch takes only slots nobody holds or wants now: a read evicted before its use would be
             # read twice in one pass
             room = self.n_slots - self._committed() - int(np.count_nonzero(self._shield & (self._pins == 0)))
-            for e in dict.fromkeys(int(x) for x in ids):
+            for e in wanted:
                 k = self._key(layer, e)
                 if k in self._key_slot or k in self._inflight:
                     continue
@@ -284,13 +290,17 @@ class ExpertCache:
         then what has landed since), pinned together until the next step.
         `scan=True`: a prefill pass that will ask for (nearly) every expert of every layer in turn, a cyclic scan.
         Its reads take the slot used most recently (MRU: the record whose next use in the scan is furthest away,
-        Belady's choice for a loop) instead of the policy's victim, so the records of the layers still to come
-        stay resident and a scan of a bank larger than the budget reads about bank - budget per pass, not all of
-        it (LRU and LRFU evict exactly what the loop needs next).
+        Belady's choice for a loop) instead of the policy's victim, and only 2 per loader thread are in flight
+        (ahead of that they would take the previous layers' records before this layer's are used), so the other
+        layers' records stay resident and a pass over a bank larger than the budget reads about bank - budget,
+        not all of it (LRU and LRFU evict exactly what the loop needs next). Combine with `batch=False`: a
+        batch holds its records pinned, so they cannot be the slots the next reads take.
         """
         uniq = list(dict.fromkeys(int(e) for e in ids))
         keys = {e: self._key(layer, e) for e in uniq}
         self._implicit(layer)
+        ahead = 2 * len(self._threads)  # a scan's reads in flight: enough to keep the loaders busy, few enough
+        # that each takes its slot from this layer's used records (the newest) rather than from the layers before
         held: list[ExpertHandle] = []
         outstanding: dict[int, _Load] = {}
         with self._cond:
@@ -313,7 +323,11 @@ class ExpertCache:
                         self._unpin_locked(h._slot)
                         h._live = False
                     held = []
-                    while todo and self._committed() < self.n_slots:
+                    while (
+                        todo
+                        and self._committed() < self.n_slots
+                        and (not scan or len(outstanding) < ahead + len(self._free))  # free slots evict nothing
+                    ):
                         e = todo.popleft()
                         r = self._claim(keys[e], layer, e, scan)
                         if isinstance(r, _Load):
@@ -350,7 +364,11 @@ class ExpertCache:
         """Lists of (expert id, weights): all that are present at once, then what arrives (`iter_ready(batch=True)`);
         with every expert resident, one list: the MoE then runs the layer's experts in one kernel call. `scan`:
         as `iter_ready`'s (a prefill pass over the layers)."""
-        for hs in self.iter_ready(layer, ids, batch=True, scan=scan):
+        if scan:  # one at a time: each record used frees its slot for the next read (see iter_ready)
+            for h in self.iter_ready(layer, ids, scan=True):
+                yield [(h.expert, h.weights)]
+            return
+        for hs in self.iter_ready(layer, ids, batch=True):
             yield [(h.expert, h.weights) for h in hs]
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -445,6 +463,10 @@ class ExpertCache:
             return
         prev, self._cur_layer = self._cur_layer, layer
         self._epoch += 1
+        for load in [ld for ld in self._prefetch if ld.scan and ld.layer < layer]:
+            self._prefetch.remove(load)  # a scan prefetch whose layer has passed without asking for it
+            del self._inflight[load.key]
+            self._src[load.source]["dropped"] += 1
         if not self._shield.any():  # nothing shielded (the common case: every wanted record was claimed)
             return
         stale = (self._slot_key // self.num_experts == prev) | (self._shield_epoch < self._epoch - self.num_layers)
@@ -603,10 +625,15 @@ class ExpertCache:
 
     def _alloc(self, demand: bool, scan: bool = False) -> int | None:
         """A slot for a new record: a free one, else among unpinned ready slots the policy's victim, or for a
-        scan's read the one used most recently."""
+        scan's read the one used most recently, of the layer being scanned when it has one (a scan's prefetch
+        takes only those: the previous layers' records are needed again before this layer's)."""
         if self._free:
             return self._free.pop()
         evictable = (self._state == _READY) & (self._pins == 0)
+        if scan:
+            own = np.flatnonzero(evictable & ~self._shield & (self._slot_key // self.num_experts == self._cur_layer))
+            if own.size or not demand:
+                return self._evict(int(own[np.argmax(self._last_use[own])])) if own.size else None
         cand = np.flatnonzero(evictable & ~self._shield)
         if cand.size == 0:
             if not demand:  # never evict a shielded (prefetched / wanted) record for a guess
@@ -618,6 +645,9 @@ class ExpertCache:
             s = int(cand[np.argmax(self._last_use[cand])])
         else:
             s = int(cand[self.policy.victim(self._slot_key[cand])])
+        return self._evict(s)
+
+    def _evict(self, s: int) -> int:
         del self._key_slot[int(self._slot_key[s])]
         if self._unused[s] >= 0:
             self._src[self._unused[s]]["wasted_bytes"] += self.stride
@@ -639,6 +669,10 @@ class ExpertCache:
                 s = self._alloc(False, load.scan)
                 if s is not None:
                     break
+                if load.scan:  # waits for the scanned layer to use a record (an unpin wakes the loaders)
+                    self._prefetch.appendleft(load)
+                    self._starved = True
+                    return None
                 del self._inflight[load.key]
                 self._src[load.source]["dropped"] += 1
             else:

@@ -409,8 +409,9 @@ def run(
 
 def _prefill_io_ceiling(runs: list[dict], disk_bw: float) -> None:
     """Prefill against the I/O ceiling, for each run whose prefill read experts from disk: io_s = the bytes it
-    read / the disk bandwidth probed in this run; compute_s = the prefill time of this run's all-in-RAM budget
-    where there is one (same prompt, no reads), else its own time less the time it waited for reads. Overlapped,
+    read / the disk bandwidth probed in this run; compute_s = the shorter of the prefill time of this run's
+    all-in-RAM budget where there is one (same prompt, no reads) and its own time less the time it waited for reads
+    (on a shared machine either can be the slower: the shorter gives the stricter ceiling). Overlapped,
     a prefill cannot beat max(io_s, compute_s): that is the ceiling (`prefill_io_ceiling_tok_s`); the serial sum
     (`prefill_serial_ceiling_tok_s`, like decode's additive ceiling) is what it would take with no overlap."""
     in_ram = [r["prefill_s"] for r in runs if r["preloaded"]]
@@ -418,12 +419,13 @@ def _prefill_io_ceiling(runs: list[dict], disk_bw: float) -> None:
         if r["preloaded"] or not r["prefill_bytes_read"]:
             continue
         io_s = r["prefill_bytes_read"] / disk_bw
-        compute_s = min(in_ram) if in_ram else r["prefill_s"] - r["prefill_stall_s"]
+        own = r["prefill_s"] - r["prefill_stall_s"]
+        compute_s = min(in_ram + [own])
         n = r["prefill_tokens"]
         r.update(
             prefill_io_s=io_s,
             prefill_compute_s=compute_s,
-            prefill_compute_from="all-in-RAM run" if in_ram else "own time less stalls",
+            prefill_compute_from="own time less stalls" if compute_s == own else "all-in-RAM run",
             prefill_io_ceiling_tok_s=n / max(io_s, compute_s),
             prefill_serial_ceiling_tok_s=n / (io_s + compute_s),
         )

@@ -262,6 +262,31 @@ def cmd_synth(a) -> int:
         raise FastarError("synth: --hidden and --inter must be multiples of 128 (the FP8 and FP4 block sizes)")
     if a.router_bias < 0:
         raise FastarError(f"synth: --router-bias is a standard deviation, got {a.router_bias}")
+    if a.hf_dir:  # the official layout: safetensors shards, config.json (one MTP block, fixed router recipe)
+        from .fixtures import write_checkpoint
+
+        if a.mtp != 1 or a.router_bias != 0.05:
+            raise FastarError("synth: --hf-dir writes the official layout: one MTP block and the default --router-bias")
+        if os.path.lexists(a.hf_dir) and not (os.path.isdir(a.hf_dir) and not os.listdir(a.hf_dir)):
+            raise FastarError(f"{a.hf_dir}: already exists; give a new directory")
+        created = not os.path.lexists(a.hf_dir)
+        try:
+            p = write_checkpoint(
+                a.hf_dir,
+                "flash",
+                a.seed,
+                num_hidden_layers=a.layers,
+                n_routed_experts=a.experts,
+                vocab_size=a.vocab,
+                hidden_size=a.hidden,
+                moe_intermediate_size=a.inter,
+            )
+        except BaseException:  # a full disk, Ctrl-C: leave no half-written checkpoint that looks complete
+            if created:
+                shutil.rmtree(a.hf_dir, ignore_errors=True)
+            raise
+        print(f"wrote an official-format checkpoint ({a.layers} layers x {a.experts} experts) to {p}")
+        return 0
     p = synth(
         a.output,
         a.layers,
@@ -369,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fixture", help="write a small random checkpoint in the official on-disk format")
     f.add_argument("-o", "--output", required=True)
-    f.add_argument("--preset", default="tiny", choices=["tiny", "tiny-dspark", "vocab"])
+    f.add_argument("--preset", default="tiny", choices=["tiny", "tiny-dspark", "vocab", "flash"])
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(fn=cmd_fixture)
 
@@ -378,7 +403,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a random-weight .fst at the real Flash widths (any number of layers), "
         "for benchmarks larger than RAM",
     )
-    sy.add_argument("-o", "--output", required=True)
+    out = sy.add_mutually_exclusive_group(required=True)
+    out.add_argument("-o", "--output", help="the .fst to write")
+    out.add_argument(
+        "--hf-dir",
+        help="write an official-format checkpoint directory instead (safetensors shards, config.json), the same "
+        "weights transformers can load: for bench --compare-transformers",
+    )
     sy.add_argument("--layers", type=int, default=4)
     sy.add_argument("--experts", type=int, default=256, help="routed experts per layer")
     sy.add_argument("--vocab", type=int, default=129280)

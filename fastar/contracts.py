@@ -85,14 +85,18 @@ class ExpertProvider(Protocol):
         """One expert's arrays, valid at least until this thread asks for another layer."""
         ...
 
-    def each_batch(self, layer: int, ids: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+    def each_batch(
+        self, layer: int, ids: list[int], *, scan: bool = False
+    ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """The experts `ids` of `layer` as lists of (id, weights), each list as it becomes available (every id
-        exactly once over all lists; a list's arrays are valid until the next one is asked for)."""
+        exactly once over all lists; a list's arrays are valid until the next one is asked for). `scan`: the call
+        belongs to a prefill pass that visits (nearly) every expert of every layer in turn; a pager then evicts
+        what that pass used last, not what it needs next."""
         ...
 
-    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual") -> int:
+    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual", *, scan: bool = False) -> int:
         """Start reading the experts `ids` of `layer` and return at once; returns how many reads were queued.
-        `source` ("manual", "hash", "lookahead") keys the provider's accounting."""
+        `source` ("manual", "hash", "lookahead") keys the provider's accounting; `scan` as in `each_batch`."""
         ...
 
     def prefetch_tokens(self, token_ids: Iterable[int], tid2eid: Mapping[int, np.ndarray]) -> int:
@@ -109,10 +113,12 @@ class Unpaged:
     def get(self, layer: int, expert: int) -> ExpertWeights:
         raise NotImplementedError
 
-    def each_batch(self, layer: int, ids: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+    def each_batch(
+        self, layer: int, ids: list[int], *, scan: bool = False
+    ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         yield [(e, self.get(layer, e)) for e in ids]
 
-    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual") -> int:
+    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual", *, scan: bool = False) -> int:
         return 0
 
     def prefetch_tokens(self, token_ids: Iterable[int], tid2eid: Mapping[int, np.ndarray]) -> int:

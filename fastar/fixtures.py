@@ -14,6 +14,11 @@ Presets (all deterministic given `seed`; every tensor is drawn from its own gene
 - `tiny-dspark`: `tiny` plus DSpark stages mtp.0..mtp.2 (block 5, targets = the last 3 layers, markov
   rank 32, noise token 1000) instead of the classic MTP block; config keeps one MTP ratio entry, like 0731.
 - `vocab`: `tiny` widths with the real vocabulary (129,280) and special-token ids, for tokenizer use.
+- `flash`: the real V4-Flash widths (hidden 4096, 64 heads x 512, q/o LoRA 1024, 8 output groups, index top-k
+  512, window 128, the real vocabulary), 2 layers and 16 routed experts unless overridden (`num_hidden_layers`,
+  `n_routed_experts`; the compression ratios and hash layers follow the layer count as in `fastar.synth`): the
+  same weights for fastar and transformers in `fastar bench --compare-transformers` (`fastar synth --hf-dir`).
+  ~1.6 GB per layer-with-16-experts less, 2.1 GB of embedding and head; written shard by shard.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from .config import ModelConfig
 from .convert.names import expected_tensors, tensor_nbytes
 from .quant.reference import FP4_GROUP, FP4_VALUES, FP8_BLOCK, bf16_encode, fp8_block_quant, ue8m0_encode
 
-PRESETS = ("tiny", "tiny-dspark", "vocab")
+PRESETS = ("tiny", "tiny-dspark", "vocab", "flash")
+SHARD_BYTES = 1 << 29  # at least this many shards per byte: a Flash-width checkpoint is written ~0.5 GB at a time
 
 FLASH_QUANTIZATION = {
     "activation_scheme": "dynamic",
@@ -110,6 +116,30 @@ _DSPARK: dict[str, Any] = {
 }
 DSPARK_STAGES = 3
 
+_FLASH: dict[str, Any] = {
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "q_lora_rank": 1024,
+    "o_lora_rank": 1024,
+    "o_groups": 8,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048,
+    "sliding_window": 128,
+    "index_n_heads": 64,
+    "index_topk": 512,
+    "max_position_embeddings": 1048576,
+}
+
+
+def _flash_ratios(layers: int) -> list[int]:
+    """Flash's ratios for the first `layers` layers (0, 0, then 4 / 128 alternating) + the MTP block's 0."""
+    return [0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(layers)] + [0]
+
+
 GENERATION_CONFIG = {
     "bos_token_id": 0,
     "eos_token_id": 1,
@@ -132,6 +162,9 @@ def preset_config(preset: str = "tiny", *, revision: str = "current", **override
         d.update(copy.deepcopy(_DSPARK))
     elif preset == "vocab":
         d["vocab_size"] = 129280
+    elif preset == "flash":
+        d.update(copy.deepcopy(_FLASH))
+        d["rope_scaling"]["original_max_position_embeddings"] = 65536
     if revision == "current":
         d["expert_dtype"] = "fp4"
     for k, v in overrides.items():
@@ -139,6 +172,12 @@ def preset_config(preset: str = "tiny", *, revision: str = "current", **override
             d.pop(k, None)
         else:
             d[k] = v
+    if preset == "flash":  # the layer-dependent fields follow the layer count unless given
+        layers = d["num_hidden_layers"]
+        if "compress_ratios" not in overrides:
+            d["compress_ratios"] = _flash_ratios(layers)
+        if "num_hash_layers" not in overrides:
+            d["num_hash_layers"] = min(3, layers)
     return d
 
 
@@ -201,13 +240,23 @@ def _f32(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndar
     raise ValueError(f"fixture has no F32 recipe for {name}")
 
 
+_BIG = 1 << 24  # elements: larger BF16 tensors (Flash's 0.5 G-element embedding) are drawn in row blocks
+
+
 def _bf16(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if len(shape) == 1:  # RMSNorm weights
         x = 1.0 + 0.1 * rng.standard_normal(shape)
-    elif name in ("embed.weight",) or name.endswith("markov_w1.weight"):  # lookup tables
-        x = rng.standard_normal(shape)
     else:
-        x = rng.standard_normal(shape) / np.sqrt(shape[1])
+        lookup = name in ("embed.weight",) or name.endswith("markov_w1.weight")  # lookup tables: unit rows
+        sigma = np.float32(1.0 if lookup else 1.0 / np.sqrt(shape[1]))
+        if int(np.prod(shape)) > _BIG:  # float32 draws, block by block: a float64 draw of it would be 4 GB
+            out = np.empty(shape, np.uint16)
+            step = max(1, _BIG // shape[1])
+            for a in range(0, shape[0], step):
+                blk = rng.standard_normal((min(step, shape[0] - a), shape[1]), dtype=np.float32)
+                out[a : a + step] = bf16_encode(blk * sigma)
+            return out
+        x = rng.standard_normal(shape) * (1.0 if lookup else 1.0 / np.sqrt(shape[1]))
     return bf16_encode(x.astype(np.float32))
 
 
@@ -303,14 +352,14 @@ def write_checkpoint(
     cfg = ModelConfig.from_hf(d, num_mtp_layers=_mtp_blocks(d))
     manifest = expected_tensors(cfg)
     values = _Values(cfg, manifest, seed)
-    groups = _split(manifest, num_shards)
+    total = sum(tensor_nbytes(*v) for v in manifest.values())
+    groups = _split(manifest, max(num_shards, total // SHARD_BYTES))  # shards are made in memory one at a time
     weight_map: dict[str, str] = {}
     for i, group in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {n: _to_torch(manifest[n][0], values(n)) for n in group}
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in group})
-    total = sum(tensor_nbytes(*v) for v in manifest.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(d, indent=2) + "\n")

@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from fastar.convert.hf import convert
+from fastar.format.reader import FstFile
 
 
 def test_bench_json(tiny_ckpt, tmp_path):
@@ -48,6 +51,15 @@ def test_bench_json(tiny_ckpt, tmp_path):
     assert small["bytes_read_per_token"] > 0 and out["decode_tok_s"] > 0 and out["ceiling_tok_s"] > 0
     assert small["state_positions"] == 6 + 8 + 3 and small["state_bytes"] == small["state_bytes_accounted"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # prefill against its I/O ceiling where it read experts: compute from the all-in-RAM run of the same prompt
+    with FstFile(fst) as f:
+        stride = f.expert_stride
+    assert small["prefill_reads"] > 0 and small["prefill_bytes_read"] == small["prefill_reads"] * stride
+    own = small["prefill_s"] - small["prefill_stall_s"]
+    assert small["prefill_compute_s"] == min(auto["prefill_s"], auto_lru["prefill_s"], own)
+    io = small["prefill_bytes_read"] / (out["disk_gbps"] * 1e9)
+    assert small["prefill_io_ceiling_tok_s"] == pytest.approx(6 / max(io, small["prefill_compute_s"]))
+    assert small["prefill_fraction_of_io_ceiling"] > 0 and "prefill_io_ceiling_tok_s" not in auto
 
 
 def test_bench_reports_speculative_statistics(tiny_ckpt, tmp_path):

@@ -109,3 +109,28 @@ def test_bench_compares_sources(tiny_ckpt, tiny_fst):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["compare"]["decode_tok_s"] > 0 and out["decode_ratio_vs_compare"] > 0
+
+
+def test_paged_prefill_span_reads_each_expert_once_and_changes_no_bit(tiny_fst):
+    """With the bank larger than the budget a prefill forward takes a span of several chunks: its logits are
+    bit for bit those of the chunks one by one (mapped experts, no pager), however the budget and arrivals go,
+    and it reads each (layer, expert) it needs at most once, where chunk by chunk reads again and again."""
+    want = load(tiny_fst, ram_budget=None, prefill_chunk=16).logits(TOKENS)
+    stride = load(tiny_fst, ram_budget=None).source.expert_stride
+    for slots in (3, 12):
+        e = load(tiny_fst, ram_budget=slots * stride, prefill_chunk=16)
+        cache = e.expert_cache
+        assert e.prefill_span >= len(TOKENS) > e.prefill_chunk  # the bank (6 x 8 records) does not fit
+        cache.reset_stats()
+        np.testing.assert_array_equal(e.logits(TOKENS), want, err_msg=f"{slots} slots")
+        s = cache.stats()
+        assert s["reads"] <= cache.num_layers * cache.num_experts, s  # once per record at most
+        state = e.new_state()  # the same prompt chunk by chunk, each chunk its own forward
+        cache.reset_stats()
+        for a in range(0, len(TOKENS), 16):
+            e.model.forward(TOKENS[a : a + 16], state)
+        assert cache.stats()["reads"] > s["reads"]
+        np.testing.assert_array_equal(e.prefill(TOKENS, e.new_state()).numpy(), want[-1:])
+    one = load(tiny_fst, ram_budget=3 * stride)  # a prompt within one chunk is a span of one piece: still the same
+    assert one.paged_chunk == one.prefill_chunk > len(TOKENS)
+    np.testing.assert_array_equal(one.logits(TOKENS), load(tiny_fst, ram_budget=None).logits(TOKENS))

@@ -87,7 +87,7 @@ def test_on_disk_format(tiny_ckpt):
 
 
 def test_presets_and_revisions():
-    assert set(PRESETS) == {"tiny", "tiny-dspark", "vocab"}
+    assert set(PRESETS) == {"tiny", "tiny-dspark", "vocab", "flash"}
     assert "expert_dtype" not in preset_config("tiny", revision="initial")
     assert preset_config("vocab")["vocab_size"] == 129280
     ds = preset_config("tiny-dspark")
@@ -162,6 +162,32 @@ def test_vocab_fixture_uses_the_real_tokenizer(vocab_ckpt):
     assert tok.token_to_id("<｜Assistant｜>") == 128804
     ids = tok.encode("Hello, world").ids
     assert ids and max(ids) < ck.config.vocab_size
+
+
+def test_flash_preset_has_the_real_widths(tmp_path):
+    """`flash` (what `fastar synth --hf-dir` writes): Flash's widths, the ratios and hash layers following the layer
+    count; written in shards of bounded size and read back by the checkpoint reader with every tensor in place."""
+    d = preset_config("flash", num_hidden_layers=4)
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_lora_rank) == (
+        4096,
+        64,
+        512,
+        1024,
+        1024,
+    )
+    assert (cfg.o_groups, cfg.index_topk, cfg.sliding_window, cfg.vocab_size) == (8, 512, 128, 129280)
+    assert list(cfg.compress_ratios) == [0, 0, 4, 128, 0] and cfg.num_hash_layers == 3
+    assert cfg.n_routed_experts == 16 and cfg.num_experts_per_tok == 6
+    one = ModelConfig.from_hf(preset_config("flash", num_hidden_layers=1))
+    assert list(one.compress_ratios) == [0, 0] and one.num_hash_layers == 1
+    out = write_checkpoint(tmp_path / "f", "flash", num_hidden_layers=1, n_routed_experts=6, vocab_size=2048)
+    ck = Checkpoint(out)
+    assert ck.config.hidden_size == 4096 and ck.config.n_routed_experts == 6
+    assert set(ck.names()) == set(expected_tensors(ck.config))
+    assert len(list(out.glob("*.safetensors"))) >= 2
+    emb = bf16_decode(ck.tensor("embed.weight"))
+    assert emb.shape == (2048, 4096) and 0.9 < emb.std() < 1.1
 
 
 # --- HF transformers 5.24 loads it as the official checkpoint -------------------------------------------

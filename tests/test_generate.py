@@ -105,7 +105,7 @@ class ScriptState:
 class ScriptRunner:
     """Emits `script` after a prompt of `prompt_len` tokens (then `filler` forever), as one-hot logits."""
 
-    prefill_chunk = 8
+    prefill_chunk = prefill_span = 8
 
     def __init__(self, vocab: int, prompt_len: int, script: list[int], filler: int = 13) -> None:
         self.vocab, self.prompt_len, self.script, self.filler = vocab, prompt_len, script, filler

@@ -56,7 +56,7 @@ class FakeState:
 class FakeRunner:
     """Logits are a pure function of the whole history, so reuse is correct iff results equal a fresh run."""
 
-    prefill_chunk = 4
+    prefill_chunk = prefill_span = 4
 
     def __init__(self, vocab: int = V, max_rollback: int | None = None) -> None:
         self.vocab, self.max_rollback = vocab, max_rollback

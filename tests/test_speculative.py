@@ -152,7 +152,7 @@ class FakeDraft(sp.Drafter):
 class Runner:
     """What a `Session` needs of its engine, with the passes routed through the drafter (as `Engine` does)."""
 
-    prefill_chunk = 256
+    prefill_chunk = prefill_span = 256
 
     def __init__(self, drafter: sp.Drafter) -> None:
         self.drafter = drafter

@@ -130,7 +130,7 @@ class MmapExperts:
     def get(self, layer: int, e: int) -> ExpertWeights:
         return self.fst.expert(layer, e)
 
-    def prefetch(self, layer: int, ids, source: str = "manual") -> int:
+    def prefetch(self, layer: int, ids, source: str = "manual", *, scan: bool = False) -> int:
         mm, stride = self.fst._mm, self.fst.expert_stride
         n = 0
         for e in ids:
@@ -142,7 +142,7 @@ class MmapExperts:
         tok = np.asarray(list(token_ids), np.int64)
         return sum(self.prefetch(layer, np.unique(np.asarray(t)[tok]), "hash") for layer, t in tid2eid.items())
 
-    def each_batch(self, layer: int, ids: list[int]):
+    def each_batch(self, layer: int, ids: list[int], *, scan: bool = False):
         yield [(e, self.get(layer, e)) for e in ids]
 
 

@@ -163,9 +163,14 @@ def _start(path: str, budget, options: dict, prompt: list[int], warmup: int, dra
     info["preloaded"] = bool(cache) and cache.n_slots >= src.bank["slots"] * src.bank["experts"]
     info["preload_s"] = _preload(cache) if info["preloaded"] else 0.0
     state = engine.new_state()
+    before = cache.stats() if cache else {}
     t0 = time.perf_counter()
     logits = engine.prefill(prompt, state)
     info["prefill_s"] = time.perf_counter() - t0
+    after = cache.stats() if cache else {}
+    info["prefill_span"] = engine.prefill_span
+    for k in ("bytes_read", "reads", "stall_s"):  # what the prefill read from disk, and how long it waited for it
+        info["prefill_" + k] = after.get(k, 0) - before.get(k, 0)
     seq = list(prompt) + [argmax(logits[-1])]
     for _ in range(warmup):
         logits = engine.prefill(seq[-1:], state)
@@ -269,6 +274,11 @@ def run_one(
         "preload_s": info["preload_s"],
         "prefill_tokens": len(prompt),
         "prefill_tok_s": len(prompt) / info["prefill_s"],
+        "prefill_s": info["prefill_s"],
+        "prefill_span": info["prefill_span"],
+        "prefill_bytes_read": info["prefill_bytes_read"],
+        "prefill_reads": info["prefill_reads"],
+        "prefill_stall_s": info["prefill_stall_s"],
         "warmup_tokens": warmup,
         "decode_tokens": decode * repeats,
         "decode_tok_s": decode * repeats / decode_s,
@@ -380,6 +390,7 @@ def run(
                 r["prefill_bf16_ceiling_tok_s"] = dot_peak * 1e9 / (2 * macs)
                 r["prefill_fraction_of_bf16_peak"] = r["prefill_tok_s"] / r["prefill_bf16_ceiling_tok_s"]
             runs.append(r)
+    _prefill_io_ceiling(runs, disk_bw)
     result = {
         **runs[0],
         "resident_bytes": resident,
@@ -399,6 +410,31 @@ def run(
         result["speedup_vs_transformers"] = result["decode_tok_s"] / result["transformers"]["decode_tok_s"]
         result["prefill_speedup_vs_transformers"] = result["prefill_tok_s"] / result["transformers"]["prefill_tok_s"]
     return result
+
+
+def _prefill_io_ceiling(runs: list[dict], disk_bw: float) -> None:
+    """Prefill against the I/O ceiling, for each run whose prefill read experts from disk: io_s = the bytes it
+    read / the disk bandwidth probed in this run; compute_s = the shorter of the prefill time of this run's
+    all-in-RAM budget where there is one (same prompt, no reads) and its own time less the time it waited for reads
+    (on a shared machine either can be the slower: the shorter gives the stricter ceiling). Overlapped,
+    a prefill cannot beat max(io_s, compute_s): that is the ceiling (`prefill_io_ceiling_tok_s`); the serial sum
+    (`prefill_serial_ceiling_tok_s`, like decode's additive ceiling) is what it would take with no overlap."""
+    in_ram = [r["prefill_s"] for r in runs if r["preloaded"]]
+    for r in runs:
+        if r["preloaded"] or not r["prefill_bytes_read"]:
+            continue
+        io_s = r["prefill_bytes_read"] / disk_bw
+        own = r["prefill_s"] - r["prefill_stall_s"]
+        compute_s = min(in_ram + [own])
+        n = r["prefill_tokens"]
+        r.update(
+            prefill_io_s=io_s,
+            prefill_compute_s=compute_s,
+            prefill_compute_from="own time less stalls" if compute_s == own else "all-in-RAM run",
+            prefill_io_ceiling_tok_s=n / max(io_s, compute_s),
+            prefill_serial_ceiling_tok_s=n / (io_s + compute_s),
+        )
+        r["prefill_fraction_of_io_ceiling"] = r["prefill_tok_s"] / r["prefill_io_ceiling_tok_s"]
 
 
 def _transformers(hf_dir: str, prompt: list[int], decode: int, dtype: str = "float32") -> dict:
@@ -465,6 +501,15 @@ def print_table(r: dict, out=sys.stdout) -> None:
             ),
             file=out,
         )
+        if "prefill_io_ceiling_tok_s" in x:
+            print(
+                f"{'':>10} prefill read {_gb(x['prefill_bytes_read'])} ({x['prefill_reads']} records, spans of "
+                f"{x['prefill_span']} tokens): I/O {x['prefill_io_s']:.2f} s at the disk's rate, compute "
+                f"{x['prefill_compute_s']:.2f} s ({x['prefill_compute_from']}); ceiling "
+                f"{x['prefill_io_ceiling_tok_s']:.1f} t/s overlapped ({x['prefill_serial_ceiling_tok_s']:.1f} serial): "
+                f"prefill = {100 * x['prefill_fraction_of_io_ceiling']:.0f}% of it",
+                file=out,
+            )
         print(
             f"{'':>10} decode state after {x['state_positions']} positions: {x['state_bytes'] / 1e6:.1f} MB held, "
             f"{x['state_bytes_accounted'] / 1e6:.1f} MB accounted; grows {x['state_bytes_per_token']:,.0f} B per "

@@ -22,7 +22,7 @@ import torch
 
 from ..contracts import ExpertProvider, WeightSource
 from ..errors import ConfigError, FastarError, FormatError
-from ..model.deepseek_v4 import DeepseekV4, Numerics
+from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, DeepseekV4, Numerics, span_bytes_per_token
 from ..model.state import ModelState
 from ..quant import kernels as K
 from . import speculative
@@ -59,7 +59,8 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
       experts: an expert provider (default: the budgeted pager below).
       max_rollback: positions a state can be truncated back by (default DEFAULT_MAX_ROLLBACK; None: all).
       prefill_chunk: prompt tokens per forward (default 512: more tokens per expert per read; ~0.3 GB of
-        temporaries at Flash widths).
+        temporaries at Flash widths). When the expert bank does not fit the RAM budget, a prefill forward takes a
+        span of several chunks (`Engine.prefill_span`) whose experts are read once, with the same numbers.
       threads: the kernels' pool size, process-wide. With the kernels in use torch runs single-threaded;
         without them `threads` sets torch's.
       ram_budget: bytes (or "24G") of RAM for routed experts paged from the source; "auto" (default) derives
@@ -197,18 +198,43 @@ class Engine:
     def new_state(self) -> ModelState:
         return self.drafter.new_state() if self.drafter is not None else self.model.new_state()
 
+    @property
+    def paged_chunk(self) -> int | None:
+        """`prefill_chunk` where the routed experts are paged from a bank larger than the RAM budget (and no drafter
+        follows the passes), else None: the `chunk` a prefill forward passes (`DeepseekV4.forward`), which then runs
+        its tokens as a span whose experts are read once per layer, evicted as a scan, the next layer read behind
+        the current one. The numbers are those of the chunks one by one, so no output depends on the budget."""
+        cache = self.expert_cache
+        if cache is None or self.drafter is not None or cache.n_slots >= cache.num_layers * cache.num_experts:
+            return None
+        return self.prefill_chunk
+
+    @property
+    def prefill_span(self) -> int:
+        """Prompt tokens per prefill forward: `prefill_chunk`, or when paging (`paged_chunk`) as many chunks as keep
+        the span's activations within `PREFILL_SPAN_BYTES` (`span_bytes_per_token` each)."""
+        chunk = self.prefill_chunk
+        if self.paged_chunk is None:
+            return chunk
+        return chunk * max(1, PREFILL_SPAN_BYTES // (chunk * span_bytes_per_token(self.config)))
+
     def prefill(self, token_ids: list[int], state: ModelState, all_logits: bool = False) -> torch.Tensor:
-        """Run `token_ids` in chunks of `prefill_chunk`; returns logits [T, V] (or [1, V] for the last)."""
+        """Run `token_ids` in spans of `prefill_span` (chunks of `prefill_chunk`); returns logits [T, V] (or
+        [1, V] for the last)."""
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         self._check_ids(token_ids)
         self._check_positions(state.length + len(token_ids))
         out = []
-        for a in range(0, len(token_ids), self.prefill_chunk):
-            chunk = token_ids[a : a + self.prefill_chunk]
-            last = a + self.prefill_chunk >= len(token_ids)
-            forward = self.drafter.forward if self.drafter is not None else self.model.forward
-            logits, _ = forward(chunk, state, all_logits=all_logits)  # a middle chunk's logits are not kept
+        span = self.prefill_span
+        for a in range(0, len(token_ids), span):
+            chunk = token_ids[a : a + span]
+            last = a + span >= len(token_ids)
+            # a middle chunk's logits are not kept
+            if self.drafter is not None:
+                logits, _ = self.drafter.forward(chunk, state, all_logits=all_logits)
+            else:
+                logits, _ = self.model.forward(chunk, state, all_logits=all_logits, chunk=self.paged_chunk)
             if all_logits or last:
                 out.append(logits)
         return torch.cat(out) if all_logits else out[-1]

@@ -365,12 +365,15 @@ class Scheduler:
             req.on_progress(req.done, len(req.ids))
 
     def _prefill_chunk(self, req: _Request) -> None:
-        """The next `prefill_chunk` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
-        first token is sampled."""
-        part = req.ids[req.done : req.done + self.engine.prefill_chunk]
+        """The next `prefill_span` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
+        first token is sampled. While other sequences decode, one `prefill_chunk` only, so a paged span (several
+        chunks, the same numbers) does not hold their next tokens back."""
+        decoding = any(r.pending is not None for r in self._active)
+        size = self.engine.prefill_chunk if decoding else self.engine.prefill_span
+        part = req.ids[req.done : req.done + size]
         stats = self.engine.counters
         t = time.perf_counter()
-        logits, _ = self.model.forward(part, req.state, all_logits=False)
+        logits, _ = self.model.forward(part, req.state, all_logits=False, chunk=self.engine.paged_chunk)
         stats.prefill_seconds += time.perf_counter() - t
         stats.prefill_tokens_computed += len(part)
         req.done += len(part)

@@ -91,9 +91,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class Runner(Protocol):
     """What a session needs of its engine: a fresh state, and a prefill of `token_ids` that advances a state and
-    returns the last position's logits [1, V], run in chunks of at most `prefill_chunk` tokens."""
+    returns the last position's logits [1, V], run in chunks of at most `prefill_chunk` tokens; a session hands it
+    `prefill_span` tokens at a time (a multiple of `prefill_chunk`: see `Engine.prefill_span`)."""
 
     prefill_chunk: int
+    prefill_span: int
 
     def new_state(self) -> ModelState: ...
 
@@ -261,7 +263,7 @@ class Session:
         self.stats.cached_tokens += keep
         self._tokens = list(prompt_ids[:keep])
         todo = prompt_ids[keep:]
-        chunk = max(1, int(self._runner.prefill_chunk))
+        chunk = max(1, int(self._runner.prefill_span))
         logits = None
         done = 0
         if on_progress is not None:

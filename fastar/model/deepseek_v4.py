@@ -37,6 +37,20 @@ from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_f
 from . import ops
 from .state import LayerState, ModelState, StateFormat
 
+SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
+PREFILL_SPAN_BYTES = 1 << 30  # bound on a prefill span's activations (`span_bytes_per_token`): inside the 2 GiB
+# that the default expert budget leaves free, so a span never pushes the pager's slab out of RAM
+
+
+def span_bytes_per_token(cfg: ModelConfig) -> int:
+    """Float32 bytes a prefill span holds per token across a layer (`DeepseekV4._span`): the residual streams
+    before and after the block (2 n d), the MoE's normed input, routed sum and shared output (3 d), and each
+    routed expert's output kept until its fixed-order sum (k d). 272 KiB at Flash widths. A piece's attention
+    temporaries come on top, as for any chunk (they depend on `prefill_chunk`, not on the span)."""
+    d = cfg.hidden_size
+    return 4 * (2 * cfg.hc_mult * d + 3 * d + cfg.num_experts_per_tok * d)
+
+
 # --- numerics ------------------------------------------------------------------------------------------------
 
 
@@ -445,6 +459,7 @@ class MoE:
         self.limit, self.numerics, self.experts, self.kernels = cfg.swiglu_limit, numerics, experts, kernels
         self.lookahead = None  # set by DeepseekV4 when the expert provider can prefetch
         self.offload = None  # set by a device backend: runs the routed experts instead (`fastar.model.device`)
+        self.span_next = None  # set by DeepseekV4 with a paging provider: prefetch the next layer during a span
 
     def guess(self, x: torch.Tensor) -> list[int]:
         """This layer's likely experts for x (its router on another layer's input): lookahead prefetch."""
@@ -509,6 +524,56 @@ class MoE:
             out.index_add_(0, *ys[e])
         return out + self._shared(x)
 
+    def span(self, xs: list[torch.Tensor], ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`self(xs[j], ids[j])` for each piece j of a prefill span ([T_j, d] each), with each routed expert fetched
+        once for all pieces: one read of a paged expert serves every token of the span. Bit for bit the calls one
+        by one: each expert runs on each piece's tokens exactly as that piece's call runs it (the kernels' path
+        depends on the rows of a call), and each piece sums its tokens' experts in the same fixed order."""
+        if self.offload is not None:  # a device backend splits each piece's experts itself
+            return [self(x, i) for x, i in zip(xs, ids)]
+        routes = [self.route(x, i) for x, i in zip(xs, ids)]  # [(idx [T_j, k], wts [T_j, k])]
+        routed = [idx.numpy() for idx, _ in routes]
+        wanted = [np.unique(r).tolist() for r in routed]
+        act = self.numerics.act if self.numerics.fp8_activations else None
+        ys: list[dict] = [{} for _ in xs]
+        for n, batch in enumerate(
+            self.experts.each_batch(self.layer, np.unique(np.concatenate(routed)).tolist(), scan=True)
+        ):
+            if n == 0 and self.span_next is not None:  # this layer's reads are queued: the next layer's go behind
+                self.span_next(xs, ids)
+            for e, ew in batch:
+                for j, (x, r, (_, wts)) in enumerate(zip(xs, routed, routes)):
+                    tok, slot = np.nonzero(r == e)
+                    if tok.size:
+                        tok, slot = torch.from_numpy(tok), torch.from_numpy(slot)
+                        y = expert_ffn(
+                            x[tok],
+                            ew,
+                            wts[tok, slot],
+                            self.limit,
+                            weight_before_down=self.numerics.official_routing,
+                            act_quant=act,
+                            kernels=self.kernels,
+                            act_block=128 if act else 0,
+                        )
+                        ys[j][e] = (tok, y)
+        outs = []
+        for x, want, y in zip(xs, wanted, ys):
+            out = torch.zeros_like(x)  # [T_j, d]
+            for e in want:  # the fixed order of __call__
+                out.index_add_(0, *y[e])
+            outs.append(out + self._shared(x))
+        return outs
+
+    def guess_span(self, xs: list[torch.Tensor], ids: list[torch.Tensor]) -> list[int]:
+        """The experts this layer will likely need for a span (exact for a hash layer; else its router on the
+        previous layer's MoE input): what a span prefetches while the previous layer computes."""
+        if self.is_hash:
+            return np.unique(self.tid2eid[torch.cat(ids)].numpy()).tolist()
+        x = torch.cat(xs)  # [T, d]
+        scores = ops.per_token(ops.sqrtsoftplus, self.gate(x))  # [T, E]
+        return torch.unique(torch.topk(scores + self.bias, self.topk, dim=-1).indices).tolist()
+
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self.shared
         xq = self.numerics.act(x)
@@ -540,6 +605,24 @@ class Block:
         X = HyperConnection.post(self.attn(ops.rms_norm(u, self.attn_norm, self.eps), p0, state), X, post, comb)
         u, post, comb = self.hc_ffn.pre(X)
         return HyperConnection.post(self.ffn(ops.rms_norm(u, self.ffn_norm, self.eps), ids), X, post, comb)
+
+    def span(
+        self, Xs: list[torch.Tensor], ids: list[torch.Tensor], p0: int, state: LayerState, max_rollback: int | None
+    ) -> list[torch.Tensor]:
+        """`__call__` on the consecutive pieces Xs[j] [T_j, n, d] of a prefill span from position p0: attention
+        piece after piece (advancing `state` as `DeepseekV4.forward` does between calls), then the MoE of all pieces
+        with each routed expert fetched once (`MoE.span`). Bit for bit the pieces through `__call__` in turn."""
+        mixed = []
+        for X in Xs:
+            u, post, comb = self.hc_attn.pre(X)
+            X = HyperConnection.post(self.attn(ops.rms_norm(u, self.attn_norm, self.eps), p0, state), X, post, comb)
+            p0 += X.shape[0]
+            state.length = p0
+            state.trim(max_rollback)
+            mixed.append(X)
+        pre = [self.hc_ffn.pre(X) for X in mixed]  # [(u [T_j, d], post, comb)]
+        ys = self.ffn.span([ops.rms_norm(u, self.ffn_norm, self.eps) for u, _, _ in pre], ids)
+        return [HyperConnection.post(y, X, post, comb) for y, X, (_, post, comb) in zip(ys, mixed, pre)]
 
     def rows(self, X: torch.Tensor, ids: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
         """`__call__` for one new token of each of B sequences (`Attention.rows`): X [B, n, d], ids [B]."""
@@ -638,6 +721,11 @@ class DeepseekV4:
             prefetch = self.experts.prefetch
             for cur, nxt in zip(self.layers, self.layers[1:]):
                 cur.ffn.lookahead = lambda x, m=nxt.ffn: prefetch(m.layer, m.guess(x), source="lookahead")
+        if self.experts.pages:  # a span knows (nearly) every expert of the next layer: read it behind this one
+            for cur, nxt in zip(self.layers, self.layers[1:]):
+                cur.ffn.span_next = lambda xs, ids, m=nxt.ffn: self.experts.prefetch(
+                    m.layer, m.guess_span(xs, ids), source="hash" if m.is_hash else "lookahead", scan=True
+                )
         self.hash_tables = {b.layer: b.ffn.tid2eid.cpu().numpy() for b in self.layers if b.ffn.is_hash}
         has_mtp = cfg.num_mtp_layers > 0 and not cfg.has_dspark and w.has("mtp.0.e_proj.weight")
         self.mtp = (
@@ -675,8 +763,13 @@ class DeepseekV4:
         all_logits: bool = True,
         collect: list | None = None,
         capture: dict | None = None,
+        chunk: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Process tokens `ids` [T] at positions state.length.. and advance `state`.
+
+        `chunk` (a prefill over paged experts): run the tokens as a span of pieces of `chunk` (`_span`), bit for bit
+        `forward` on each piece in turn, but each routed expert fetched once per layer for the whole span and the
+        pager asked to evict as for a scan. Calls of at most `ops.SMALL_CHUNK` tokens (decode) ignore it.
 
         Returns (logits [T, V] float32, or [1, V] for the last position when `all_logits` is False; final
         residual streams [T, n, d], the MTP input). `collect`, when a list, receives the streams after every
@@ -688,6 +781,8 @@ class DeepseekV4:
         p0, T = state.length, ids.shape[0]
         if T == 0:
             raise ValueError("forward needs at least one token")
+        if chunk is not None and (chunk < T or ops.SMALL_CHUNK < T) and collect is None and capture is None:
+            return self._span(ids, state, all_logits, chunk)
         self.experts.prefetch_tokens(ids.tolist(), self.hash_tables)  # hash-routed layers: known from the ids alone
         X = self.embed.rows(ids)[:, None, :].expand(T, self.config.hc_mult, -1)  # [T, n, d]
         for i, (block, s) in enumerate(zip(self.layers, state.layers)):
@@ -702,6 +797,29 @@ class DeepseekV4:
                 state.on_layer(i + 1, len(self.layers))
         h = X if all_logits else X[-1:]
         return self.head(ops.rms_norm(self.hc_head(h), self.norm, self.config.rms_norm_eps)), X
+
+    def _span(
+        self, ids: torch.Tensor, state: ModelState, all_logits: bool, chunk: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` of ids [T] as pieces of `chunk` tokens taken layer by layer: each block's attention piece after
+        piece, then its MoE over the whole span (`Block.span`), so a paged expert is read once per span instead of
+        once per piece while every number is what the pieces one by one give. The next layer's experts are
+        prefetched while a layer's MoE runs (`MoE.span_next`), and the pager evicts as for a scan."""
+        cfg, T = self.config, ids.shape[0]
+        p0 = state.length
+        pieces = list(ids.split(chunk))  # [T_j]
+        for b in self.layers:  # the hash layers' experts are known from the ids: read them from the start
+            if b.ffn.is_hash:
+                self.experts.prefetch(b.layer, b.ffn.guess_span([], pieces), "hash", scan=True)
+        Xs = [self.embed.rows(i)[:, None, :].expand(i.shape[0], cfg.hc_mult, -1) for i in pieces]  # [T_j, n, d]
+        for i, (block, s) in enumerate(zip(self.layers, state.layers)):
+            Xs = block.span(Xs, pieces, p0, s, state.max_rollback)
+            s.length = p0 + T
+            if state.on_layer is not None:
+                state.on_layer(i + 1, len(self.layers))
+        heads = Xs if all_logits else [Xs[-1][-1:]]  # per piece: the head's rows as the pieces' calls give them
+        logits = torch.cat([self.head(ops.rms_norm(self.hc_head(h), self.norm, cfg.rms_norm_eps)) for h in heads])
+        return logits, torch.cat(Xs)
 
     @_on_device
     @torch.inference_mode()

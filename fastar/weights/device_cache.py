@@ -137,13 +137,13 @@ class DeviceExpertCache:
         row = self.pool[slot]
         return ExpertWeights(*(row[s.offset : s.offset + s.nbytes].view(*s.shape) for s in self.sections))
 
-    def each_batch(self, layer: int, ids: list[int]):
+    def each_batch(self, layer: int, ids: list[int], *, scan: bool = False):
         """The `ExpertProvider` call: one list (the copies are queued; the compute stream waits on each)."""
         yield [(e, self.get(layer, e)) for e in ids]
 
-    def prefetch(self, layer: int, ids, source: str = "manual") -> int:
+    def prefetch(self, layer: int, ids, source: str = "manual", *, scan: bool = False) -> int:
         """Reads into the RAM tier; the host-to-device copy happens at `get` (it is ~50x faster than the disk)."""
-        return self.ram.prefetch(layer, ids, source)
+        return self.ram.prefetch(layer, ids, source, scan=scan)
 
     def prefetch_tokens(self, token_ids, tid2eid) -> int:
         return self.ram.prefetch_tokens(token_ids, tid2eid)

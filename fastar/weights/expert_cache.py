@@ -53,6 +53,7 @@ class _Load:
     demand: bool
     source: int = -1  # index into SOURCES when a prefetch issued it
     claims: int = 0  # pins to hand to the slot once one is allocated
+    scan: bool = False  # asked for by a prefill scan: its slot is taken from what was used last (see _alloc)
     slot: int = -1
     done: bool = False
     error: BaseException | None = None
@@ -175,6 +176,8 @@ class ExpertCache:
         self._shield = np.zeros(n_slots, bool)  # prefetched or wanted soon: evicted only as a last resort
         self._shield_epoch = np.zeros(n_slots, np.int64)
         self._unused = np.full(n_slots, -1, np.int8)  # prefetch source of a loaded, not yet used record
+        self._last_use = np.zeros(n_slots, np.int64)  # tick of each slot's latest handle: a scan evicts the newest
+        self._tick = 0
         self._free = list(range(n_slots - 1, -1, -1))
         self._key_slot: dict[int, int] = {}
         self._inflight: dict[int, _Load] = {}
@@ -239,20 +242,32 @@ class ExpertCache:
         for h in [handles] if isinstance(handles, ExpertHandle) else handles:
             h.release()
 
-    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual") -> int:
+    def prefetch(self, layer: int, ids: Iterable[int], source: str = "manual", *, scan: bool = False) -> int:
         """Queue reads of the absent experts among `ids` and return at once; returns how many were queued.
 
-        `source` ("manual", "hash", "lookahead") keys the used/wasted accounting in `stats()`.
+        `source` ("manual", "hash", "lookahead") keys the used/wasted accounting in `stats()`; `scan`: for a
+        prefill scan, slots taken as `iter_ready(scan=True)` takes them.
         """
         src = SOURCES.index(source)
         n = 0
         with self._cond:
             self._check_open()
-            for e in dict.fromkeys(int(x) for x in ids):
+            wanted = list(dict.fromkeys(int(x) for x in ids))
+            if scan:  # what the layer has resident is wanted soon: shield it from the reads that follow
+                for e in wanted:
+                    s = self._key_slot.get(self._key(layer, e))
+                    if s is not None and self._state[s] == _READY:
+                        self._shield[s], self._shield_epoch[s] = True, self._epoch
+            # a scan's prefetch takes only slots nobody holds or wants now: a read evicted before its use would be
+            # read twice in one pass
+            room = self.n_slots - self._committed() - int(np.count_nonzero(self._shield & (self._pins == 0)))
+            for e in wanted:
                 k = self._key(layer, e)
                 if k in self._key_slot or k in self._inflight:
                     continue
-                load = _Load(k, layer, e, demand=False, source=src)
+                if scan and n >= room:
+                    break
+                load = _Load(k, layer, e, demand=False, source=src, scan=scan)
                 self._inflight[k] = load
                 self._prefetch.append(load)
                 self._src[src]["issued"] += 1
@@ -266,17 +281,26 @@ class ExpertCache:
         tok = np.asarray(list(token_ids), np.int64)
         return sum(self.prefetch(layer, np.unique(np.asarray(t)[tok]), source="hash") for layer, t in tid2eid.items())
 
-    def iter_ready(self, layer: int, ids: Iterable[int], batch: bool = False) -> Iterator:
+    def iter_ready(self, layer: int, ids: Iterable[int], batch: bool = False, *, scan: bool = False) -> Iterator:
         """Yield handles of `layer`'s experts `ids` as each becomes present (resident ones first).
 
         Each yielded handle stays pinned until the next step of the iteration, so compute on the first experts
         starts before the rest arrive and any number of experts streams through a budget of one free slot.
         `batch=True` yields lists instead: every expert present at that moment at once (all resident ones first,
         then what has landed since), pinned together until the next step.
+        `scan=True`: a prefill pass that will ask for (nearly) every expert of every layer in turn, a cyclic scan.
+        Its reads take the slot used most recently (MRU: the record whose next use in the scan is furthest away,
+        Belady's choice for a loop) instead of the policy's victim, and only 2 per loader thread are in flight
+        (ahead of that they would take the previous layers' records before this layer's are used), so the other
+        layers' records stay resident and a pass over a bank larger than the budget reads about bank - budget,
+        not all of it (LRU and LRFU evict exactly what the loop needs next). Combine with `batch=False`: a
+        batch holds its records pinned, so they cannot be the slots the next reads take.
         """
         uniq = list(dict.fromkeys(int(e) for e in ids))
         keys = {e: self._key(layer, e) for e in uniq}
         self._implicit(layer)
+        ahead = 2 * len(self._threads)  # a scan's reads in flight: enough to keep the loaders busy, few enough
+        # that each takes its slot from this layer's used records (the newest) rather than from the layers before
         held: list[ExpertHandle] = []
         outstanding: dict[int, _Load] = {}
         with self._cond:
@@ -299,9 +323,13 @@ class ExpertCache:
                         self._unpin_locked(h._slot)
                         h._live = False
                     held = []
-                    while todo and self._committed() < self.n_slots:
+                    while (
+                        todo
+                        and self._committed() < self.n_slots
+                        and (not scan or len(outstanding) < ahead + len(self._free))  # free slots evict nothing
+                    ):
                         e = todo.popleft()
-                        r = self._claim(keys[e], layer, e)
+                        r = self._claim(keys[e], layer, e, scan)
                         if isinstance(r, _Load):
                             outstanding[e] = r
                         else:  # arrived meanwhile (someone else's read): already pinned by the claim
@@ -330,9 +358,16 @@ class ExpertCache:
                 if outstanding:
                     self._cond.notify_all()
 
-    def each_batch(self, layer: int, ids: Iterable[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+    def each_batch(
+        self, layer: int, ids: Iterable[int], *, scan: bool = False
+    ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Lists of (expert id, weights): all that are present at once, then what arrives (`iter_ready(batch=True)`);
-        with every expert resident, one list: the MoE then runs the layer's experts in one kernel call."""
+        with every expert resident, one list: the MoE then runs the layer's experts in one kernel call. `scan`:
+        as `iter_ready`'s (a prefill pass over the layers)."""
+        if scan:  # one at a time: each record used frees its slot for the next read (see iter_ready)
+            for h in self.iter_ready(layer, ids, scan=True):
+                yield [(h.expert, h.weights)]
+            return
         for hs in self.iter_ready(layer, ids, batch=True):
             yield [(h.expert, h.weights) for h in hs]
 
@@ -428,6 +463,10 @@ class ExpertCache:
             return
         prev, self._cur_layer = self._cur_layer, layer
         self._epoch += 1
+        for load in [ld for ld in self._prefetch if ld.scan and ld.layer < layer]:
+            self._prefetch.remove(load)  # a scan prefetch whose layer has passed without asking for it
+            del self._inflight[load.key]
+            self._src[load.source]["dropped"] += 1
         if not self._shield.any():  # nothing shielded (the common case: every wanted record was claimed)
             return
         stale = (self._slot_key // self.num_experts == prev) | (self._shield_epoch < self._epoch - self.num_layers)
@@ -446,7 +485,7 @@ class ExpertCache:
             f"budget, release handles, or stream the layer with iter_ready()"
         )
 
-    def _claim(self, k: int, layer: int, e: int) -> int | _Load:
+    def _claim(self, k: int, layer: int, e: int, scan: bool = False) -> int | _Load:
         """Count the access and take one pin on key k: a slot when resident, else the load that will bring it."""
         s = self._key_slot.get(k)
         if s is not None and self._state[s] == _READY:
@@ -460,12 +499,12 @@ class ExpertCache:
         self._stats["misses"] += 1
         load = self._inflight.get(k)
         if load is None:
-            load = _Load(k, layer, e, demand=True)
+            load = _Load(k, layer, e, demand=True, scan=scan)
             self._inflight[k] = load
             self._demand.append(load)
             self._cond.notify_all()
         elif not load.demand:  # a prefetch caught in flight: promote it so it jumps the prefetch queue
-            load.demand = True
+            load.demand, load.scan = True, load.scan or scan
             if load.slot < 0:
                 self._prefetch.remove(load)
                 self._demand.append(load)
@@ -518,6 +557,8 @@ class ExpertCache:
             return [self._handle(layer, e, c.slot if isinstance(c, _Load) else c) for e, c in zip(uniq, claims)]
 
     def _handle(self, layer: int, e: int, slot: int) -> ExpertHandle:
+        self._tick += 1
+        self._last_use[slot] = self._tick
         views = self._slot_views.get(slot)  # a slot's arrays view the same bytes whichever expert it holds
         if views is None:
             buf = self._slab.view(slot).toreadonly()
@@ -582,11 +623,17 @@ class ExpertCache:
 
     # --- loader threads ----------------------------------------------------------------------------------------
 
-    def _alloc(self, demand: bool) -> int | None:
-        """A slot for a new record: a free one, else the policy's victim among unpinned ready slots."""
+    def _alloc(self, demand: bool, scan: bool = False) -> int | None:
+        """A slot for a new record: a free one, else among unpinned ready slots the policy's victim, or for a
+        scan's read the one used most recently, of the layer being scanned when it has one (a scan's prefetch
+        takes only those: the previous layers' records are needed again before this layer's)."""
         if self._free:
             return self._free.pop()
         evictable = (self._state == _READY) & (self._pins == 0)
+        if scan:
+            own = np.flatnonzero(evictable & ~self._shield & (self._slot_key // self.num_experts == self._cur_layer))
+            if own.size or not demand:
+                return self._evict(int(own[np.argmax(self._last_use[own])])) if own.size else None
         cand = np.flatnonzero(evictable & ~self._shield)
         if cand.size == 0:
             if not demand:  # never evict a shielded (prefetched / wanted) record for a guess
@@ -594,7 +641,13 @@ class ExpertCache:
             cand = np.flatnonzero(evictable)
             if cand.size == 0:
                 return None
-        s = int(cand[self.policy.victim(self._slot_key[cand])])
+        if scan:
+            s = int(cand[np.argmax(self._last_use[cand])])
+        else:
+            s = int(cand[self.policy.victim(self._slot_key[cand])])
+        return self._evict(s)
+
+    def _evict(self, s: int) -> int:
         del self._key_slot[int(self._slot_key[s])]
         if self._unused[s] >= 0:
             self._src[self._unused[s]]["wasted_bytes"] += self.stride
@@ -605,7 +658,7 @@ class ExpertCache:
     def _take(self) -> _Load | None:
         """The next load with a slot allocated to it, or None when the loader must wait."""
         if self._demand:
-            s = self._alloc(True)
+            s = self._alloc(True, self._demand[0].scan)
             if s is None:  # wait for a load to finish or a pin to go; prefetches must not overtake
                 self._starved = True
                 return None
@@ -613,9 +666,13 @@ class ExpertCache:
         else:
             while self._prefetch:
                 load = self._prefetch.popleft()
-                s = self._alloc(False)
+                s = self._alloc(False, load.scan)
                 if s is not None:
                     break
+                if load.scan:  # waits for the scanned layer to use a record (an unpin wakes the loaders)
+                    self._prefetch.appendleft(load)
+                    self._starved = True
+                    return None
                 del self._inflight[load.key]
                 self._src[load.source]["dropped"] += 1
             else:

@@ -390,16 +390,11 @@ def test_small_batches_are_batch_invariant(isa, k):
 # For T <= 8, a product whose every x is an exact bfloat16 (as FP8-quantized activations are) multiplies with
 # vdpbf16ps / BFMLALB+T; any other x takes the FP32 dot path. Both are exact products summed in float32, so they
 # differ only in summation order; a call that does not qualify gives exactly the FP32 ISA's result ("avx512",
-# "neon"). NEON-BF16 has the bf16 path for FP4 only: its FP8 products are the NEON ones, bit for bit.
+# "neon"). Both bf16 ISAs run FP4 and FP8 weights on it (BF16 weights take the FP32 path).
 
-# bf16 ISA -> (the FP32 ISA it falls back to, the weight formats of its bf16 dot path)
-BF16_PATHS = {"avx512bf16": ("avx512", ("fp4", "fp8")), "neon-bf16": ("neon", ("fp4",))}
+# bf16 ISA -> the FP32 ISA it falls back to
+BF16_PATHS = {"avx512bf16": "avx512", "neon-bf16": "neon"}
 BF16_ISA = next((i for i in BF16_PATHS if i in ISAS), None)
-
-
-def bf16_fp8() -> bool:
-    """Whether this CPU's bf16 ISA runs FP8 weights on its bf16 dot path (else they take its FP32 one)."""
-    return BF16_ISA is not None and "fp8" in BF16_PATHS[BF16_ISA][1]
 
 
 @pytest.fixture
@@ -413,14 +408,6 @@ def bf16_isa():
     K.set_isa("auto")
 
 
-@pytest.fixture
-def bf16_fp8_isa(bf16_isa):
-    """bf16_isa, for a test of FP8 weights on the bf16 dot path."""
-    if not bf16_fp8():
-        pytest.skip(f"{bf16_isa} has no FP8 bf16 dot path (its FP8 products are {BF16_PATHS[bf16_isa][0]}'s)")
-    return bf16_isa
-
-
 def exact_x(rng, t: int, k: int, scale: float = 1.0) -> np.ndarray:
     """x as the official numerics hand it to a product: FP8-quantized per 128 values (exact bfloat16s)."""
     return np.ascontiguousarray(R.fp8_act_quant((rng.standard_normal((t, k)) * scale).astype(np.float32), 128))
@@ -430,7 +417,7 @@ def on_both_paths(product):
     """(product() on the bf16 dot path ISA, product() on the FP32 one); the test's ISA is restored after."""
     K.set_isa(BF16_ISA)
     a = product()
-    K.set_isa(BF16_PATHS[BF16_ISA][0])
+    K.set_isa(BF16_PATHS[BF16_ISA])
     b = product()
     K.set_isa(BF16_ISA)
     return a, b
@@ -469,7 +456,7 @@ def test_set_isa_names_every_isa_of_this_build():
         (8, 64, 1024),
     ],
 )
-def test_bf16_path_fp8_matches_reference(bf16_fp8_isa, t, n, k):
+def test_bf16_path_fp8_matches_reference(bf16_isa, t, n, k):
     rng = np.random.default_rng(t * 1000 + n + k)
     x = exact_x(rng, t, k)
     w, s = fp8_weights(rng, n, k)
@@ -505,7 +492,7 @@ def test_bf16_path_fp4_matches_reference(bf16_isa, t, n, k):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-def test_bf16_path_fp8_special_values(bf16_fp8_isa):
+def test_bf16_path_fp8_special_values(bf16_isa):
     """NaN codes (0x7f, 0xff) and NaN scales poison exactly the outputs the FP32 path poisons; scale bytes 0 (a
     denormal 2^-127), 1, 247 (x256 overflows on the FP32 path), 254 (2^127) stay exact; e4m3 denormals and +-448."""
     rng = np.random.default_rng(4)
@@ -545,25 +532,22 @@ def test_bf16_path_fp4_special_scales(bf16_isa):
 @pytest.mark.parametrize("bad", ["tiny", "denormal", "huge", "inf", "nan"])
 def test_bf16_path_is_chosen_per_call(bf16_isa, bad):
     """One token outside [2^-94, 2^65) (and not zero) sends the whole call to the FP32 path: the result equals the
-    FP32 ISA's bit for bit (FP8 on NEON-BF16: always)."""
+    FP32 ISA's bit for bit."""
     rng = np.random.default_rng(6)
     x = exact_x(rng, 5, 1024)
     x[3, 100] = {"tiny": 2.0**-120, "denormal": 1e-40, "huge": 2.0**70, "inf": np.inf, "nan": np.nan}[bad]
     w8, s8 = fp8_weights(rng, 90, 1024)
     w4, s4 = fp4_weights(rng, 90, 1024)
-    for product, on_bf16 in (
-        (lambda a: K.fp8_matmul(a, w8, s8), bf16_fp8()),
-        (lambda a: K.fp4_matmul(a, w4, s4), True),
-    ):
+    for product in (lambda a: K.fp8_matmul(a, w8, s8), lambda a: K.fp4_matmul(a, w4, s4)):
         got, fp32 = on_both_paths(lambda: product(x))  # noqa: B023 (called at once)
         assert np.array_equal(got, fp32, equal_nan=True)
         others = np.ascontiguousarray(x[:3])  # without that token the call takes the bf16 path
         got, fp32 = on_both_paths(lambda: product(others))  # noqa: B023
-        assert np.array_equal(got, fp32) != on_bf16
+        assert not np.array_equal(got, fp32)
         x0 = x.copy()
         x0[3, 100] = 0.0  # zeros qualify
         got, fp32 = on_both_paths(lambda: product(x0))  # noqa: B023
-        assert np.array_equal(got, fp32) != on_bf16
+        assert not np.array_equal(got, fp32)
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 5, 8])
@@ -579,13 +563,13 @@ def test_bf16_path_splits_x_that_is_not_bf16(bf16_isa, t):
         x[1] = exact_x(rng, 1, k)[0]
     w8, s8 = fp8_weights(rng, 70, k)
     w4, s4 = fp4_weights(rng, 70, k)
-    for product, deq, on_bf16 in (
-        (lambda a: K.fp8_matmul(a, w8, s8), R.fp8_block_dequant(w8, s8), bf16_fp8()),
-        (lambda a: K.fp4_matmul(a, w4, s4), R.fp4_decode(w4, s4), True),
+    for product, deq in (
+        (lambda a: K.fp8_matmul(a, w8, s8), R.fp8_block_dequant(w8, s8)),
+        (lambda a: K.fp4_matmul(a, w4, s4), R.fp4_decode(w4, s4)),
     ):
         got, fp32 = on_both_paths(lambda: product(x))  # noqa: B023 (called at once)
         assert_close(got, x, deq)
-        assert np.array_equal(got, fp32) != on_bf16
+        assert not np.array_equal(got, fp32)  # the bf16 path was taken: the other summation order shows
         for i in range(t):
             alone = product(np.ascontiguousarray(x[i : i + 1]))  # noqa: B023
             assert np.array_equal(alone[0], got[i])

@@ -2,16 +2,19 @@
  * AArch64 (run under qemu-aarch64) by tests/test_arm64.py.
  *
  * For each ISA the CPU can run, each weight format (FP4, FP8, BF16) and each case (awkward N and K, T from 1 past
- * the dot path's limit into the tile path, special values: NaN / infinite x, FP8 NaN codes and +-448, UE8M0 scale
- * bytes 0 (2^-127), 1, 247 and 255 (NaN)), with 1, 2 and 3 threads:
+ * the dot path's limit into the tile path, special values: NaN / infinite x, FP8 NaN codes, zeros, denormals and
+ * +-448, a row of small e4m3 codes only (zero, denormals, e = 1: their errors would hide beside large ones), UE8M0
+ * scale bytes 0 (2^-127), 1, 247 and 255 (NaN)), with 1, 2 and 3 threads:
  *   - every output is within the float32 summation bound of the float64 product of the dequantized weights
  *     (|got - exact| <= 1e-5 * sum |x w| + K 2^-148) and NaN exactly where the float64 product is NaN;
  *   - its NaN / infinity pattern equals the portable kernels' (isa_scalar_ops, the reference);
  *   - 2 and 3 threads give bit-identical results to 1 thread;
  *   - for T up to the ISA's dot_max, each token's outputs are bit-identical to the token run alone (batch
  *     invariance);
- *   - x that is exactly bfloat16 (the bf16 dot path, where the ISA has one) and x that is not both run.
- * And the FP8 activation quantization of each ISA that has one is bit-identical to the portable one.
+ *   - x that is exactly bfloat16 (the bf16 dot path, where the ISA has one; with the special weights too) and x
+ *     that is not (with NaN / infinite x in the special cases) both run.
+ * And every e4m3 code's product is exact on every ISA (check_fp8_codes), and the FP8 activation quantization of
+ * each ISA that has one is bit-identical to the portable one.
  * Prints one line per ISA and a summary; exit status 0 only when every check passed.
  */
 #define _GNU_SOURCE
@@ -94,6 +97,8 @@ static weights make_weights(char fmt, int64_t N, int64_t K, int special) {
             if (N > 9) W.w[9 * K + K - 1] = 0xff;
             if (N > 8)
                 for (int64_t k = 0; k < K; k++) W.w[8 * K + k] = (uint8_t[]){0x00, 0x01, 0x07, 0x80, 0x81, 0x7e, 0xfe}[rnd() % 7];
+            if (N > 10)
+                for (int64_t k = 0; k < K; k++) W.w[10 * K + k] = (uint8_t)(rnd() & 0x8f); /* magnitudes 0-15 */
             /* blocks under scales 2^120 and 2^127: small magnitudes keep the products finite in float32 */
             for (int64_t n = 0; n < N; n++)
                 for (int64_t k = 0; k < K; k++) {
@@ -221,6 +226,32 @@ static float *make_x(int64_t T, int64_t K, int bf16, int special) {
     return x;
 }
 
+/* Every e4m3 code's decode, exactly: row n of the weights is code n in every column (scales 1), each token of x is
+ * one-hot (at the first / the ragged last column; bfloat16-exact, so the bf16 dot path where the ISA has one), so
+ * out[t, n] must be fp8_f32[n] times that one value, NaN for the NaN codes. */
+static void check_fp8_codes(size_t ii, const isa_ops *isa) {
+    enum { N = 256, KC = 20 };
+    static uint8_t w[N * KC], s[2] = {127, 127};
+    const float one[2] = {1.0f, -0x1p-100f};
+    float x[2 * KC] = {0}, out[2 * N];
+    for (int n = 0; n < N; n++) memset(w + n * KC, n, KC);
+    x[0] = one[0], x[KC + KC - 1] = one[1];
+    const weights W = {'8', N, KC, w, s, NULL};
+    pool_set_threads(1);
+    run(isa, &W, x, 2, out);
+    n_cases[ii]++;
+    for (int t = 0; t < 2; t++)
+        for (int n = 0; n < N; n++) {
+            const float want = fp8_f32[n] * one[t], got = out[t * N + n];
+            if (isnan(want) ? !isnan(got) : got != want) {
+                char msg[96];
+                snprintf(msg, sizeof msg, "e4m3 code 0x%02x times %g gives %.9g, not %.9g", n, (double)one[t], got, want);
+                fail(isa->name, 'c', 2, N, KC, msg);
+                return;
+            }
+        }
+}
+
 static void check_act_quant(size_t ii, const isa_ops *isa) {
     if (!isa->act_quant) return;
     const int64_t rows = 5, K = 1003; /* ragged ends of every block size */
@@ -258,7 +289,7 @@ int main(void) {
                 for (size_t ti = 0; ti < sizeof Ts / sizeof *Ts; ti++) {
                     if (K >= 4096 && Ts[ti] > 4) continue; /* keep the emulated run short */
                     for (int bf = 0; bf < 2; bf++) {
-                        float *x = make_x(Ts[ti], K, bf, special ? 2 : 0);
+                        float *x = make_x(Ts[ti], K, bf, special && !bf ? 2 : 0); /* NaN / inf x: never bf16 */
                         refs R = make_refs(&W, x, Ts[ti]);
                         for (size_t i = 0; i < n_isas && i < 16; i++)
                             if (usable[i]) check(i, all_isas[i], &W, x, Ts[ti], &R);
@@ -274,6 +305,7 @@ int main(void) {
     long total = 0;
     for (size_t i = 0; i < n_isas && i < 16; i++) {
         if (!usable[i]) continue;
+        check_fp8_codes(i, all_isas[i]);
         check_act_quant(i, all_isas[i]);
         printf("%-12s %ld cases\n", all_isas[i]->name, n_cases[i]);
         total += n_cases[i];

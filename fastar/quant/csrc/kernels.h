@@ -17,7 +17,7 @@
  *   kern_avx512.c  AVX-512 F/BW/VL kernels (same); kern_avx512.h: helpers both AVX-512 files share
  *   kern_avx512bf16.c  AVX512_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_avx512.c)
  *   kern_neon.c    AArch64 ASIMD + FMA kernels (no target needed: ASIMD is baseline there)
- *   kern_neonbf16.c  AArch64 FEAT_BF16 dot path for FP4 when x is bfloat16-exact (falls back to kern_neon.c)
+ *   kern_neonbf16.c  AArch64 FEAT_BF16 dot path for FP4 / FP8 when x is bfloat16-exact (falls back to kern_neon.c)
  *   gemm_avx512bf16.c  AVX512_BF16 tile path (prefill GEMM) for FP4 / FP8 when x is bfloat16-exact
  *   mhc.c          the hyper-connections (mHC) of a layer site and the final head, and their Sinkhorn
  *   attn.c         DeepSeek-V4 attention with sinks: plain C, AVX2 and AVX-512 kernels in one file (attn_run)

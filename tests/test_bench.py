@@ -12,32 +12,28 @@ from fastar.convert.hf import convert
 from fastar.format.reader import FstFile
 
 
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    """`fastar bench ARGS` in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "fastar", "bench", *args], capture_output=True, text=True, timeout=600)
+
+
 def test_bench_json(tiny_ckpt, tmp_path):
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
     png = tmp_path / "curve.png"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fastar",
-            "bench",
-            "-m",
-            str(fst),
-            "--json",
-            "--ram-budget",
-            "400K,auto",
-            "--prompt-tokens",
-            "6",
-            "--decode-tokens",
-            "3",
-            "--policies",
-            "lrfu,lru",
-            "--plot",
-            str(png),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    r = _bench(
+        "-m",
+        str(fst),
+        "--json",
+        "--ram-budget",
+        "400K,auto",
+        "--prompt-tokens",
+        "6",
+        "--decode-tokens",
+        "3",
+        "--policies",
+        "lrfu,lru",
+        "--plot",
+        str(png),
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -64,51 +60,33 @@ def test_bench_json(tiny_ckpt, tmp_path):
 
 def test_bench_reports_speculative_statistics(tiny_ckpt, tmp_path):
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fastar",
-            "bench",
-            "-m",
-            str(fst),
-            "--ram-budget",
-            "auto",
-            "--draft",
-            "mtp",
-            "--prompt-tokens",
-            "6",
-            "--decode-tokens",
-            "6",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    r = _bench(
+        "-m",
+        str(fst),
+        "--ram-budget",
+        "auto",
+        "--draft",
+        "mtp",
+        "--prompt-tokens",
+        "6",
+        "--decode-tokens",
+        "6",
     )
     assert r.returncode == 0, r.stderr
     assert "draft mtp:" in r.stdout and "tokens per verify pass" in r.stdout
     assert "same tokens as plain: yes" in r.stdout
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fastar",
-            "bench",
-            "-m",
-            str(fst),
-            "--ram-budget",
-            "auto",
-            "--replay",
-            "1",
-            "--prompt-tokens",
-            "6",
-            "--decode-tokens",
-            "9",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    r = _bench(
+        "-m",
+        str(fst),
+        "--ram-budget",
+        "auto",
+        "--replay",
+        "1",
+        "--prompt-tokens",
+        "6",
+        "--decode-tokens",
+        "9",
+        "--json",
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -142,26 +120,17 @@ def test_repeats_each_against_their_own_bandwidth(tiny_ckpt, tmp_path, monkeypat
         assert x["membw_gbps"] > 0 and x["decode_tok_s"] > 0
         assert abs(x["fraction_of_ceiling"] - x["decode_tok_s"] / x["ceiling_tok_s"]) < 1e-9
     assert abs(run["membw_gbps"] - sum(x["membw_gbps"] for x in run["repeats"]) / 3) < 1e-9
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fastar",
-            "bench",
-            "-m",
-            str(fst),
-            "--ram-budget",
-            "auto",
-            "--prompt-tokens",
-            "4",
-            "--decode-tokens",
-            "2",
-            "--repeats",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    r = _bench(
+        "-m",
+        str(fst),
+        "--ram-budget",
+        "auto",
+        "--prompt-tokens",
+        "4",
+        "--decode-tokens",
+        "2",
+        "--repeats",
+        "2",
     )
     assert r.returncode == 0, r.stderr
     assert "2 repeats: % of ceiling median" in r.stdout

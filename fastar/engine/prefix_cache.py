@@ -2,8 +2,10 @@
 only its new tail.
 
 Owns: `PrefixCache` on disk (store a state under a hash of the token ids it has processed, find the longest stored
-prefix of a prompt, LRU eviction under a size cap) and its file format; `PrefixMemory`, the states of the last few
-finished requests kept in RAM and matched by longest common token prefix. Does not own: the state's bytes
+prefix of a prompt, LRU eviction under a size cap) and its file format, with its own threads so a scheduler's
+worker does no file I/O or (de)serialization: a loader for `lookup_async` and, in background mode, a writer;
+`PrefixMemory`, the states of the last few finished requests kept in RAM and matched by longest common token
+prefix. Does not own: the state's bytes
 (`ModelState.to_bytes`/`from_bytes`), when to store (the scheduler: at the end of a prompt and of a reply).
 
 File `<n>-<sha256 of the n ids>.fpc`: MAGIC, u32 version, u64 header length, a JSON header (model fingerprint,
@@ -23,6 +25,7 @@ import queue
 import struct
 import tempfile
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import FastarError
@@ -48,9 +51,9 @@ class PrefixCache:
         fingerprint: identifies the model and numerics; files with another are skipped.
         max_bytes: size cap of the folder's cache files.
         state_type: the state class whose `from_bytes` reads a stored state (`ModelState`).
-        background: write files on a writer thread (`store` only serializes the state), so a scheduler's step
-            does not wait on the disk; `flush()` waits for the writes. A state whose write is still pending is
-            not found by `lookup` (a miss, never a wrong state).
+        background: write files on a writer thread (`store` only snapshots the state; the writer serializes
+            it), so a scheduler's step does not wait on the disk; `flush()` waits for the writes. A state whose
+            write is still pending is not found by `lookup` (a miss, never a wrong state).
     """
 
     def __init__(
@@ -68,12 +71,13 @@ class PrefixCache:
         self.fingerprint, self.max_bytes, self.state_type = fingerprint, max_bytes, state_type
         self._skipped: set[str] = set()  # files already reported as unusable
         self.hits = self.misses = self.stores = self.evictions = 0
-        # at most 2 serialized states wait for the writer: a step blocks beyond that rather than grow RAM
+        # at most 2 state snapshots wait for the writer: a step blocks beyond that rather than grow RAM
         self._writes: queue.Queue | None = queue.Queue(maxsize=2) if background else None
         self._pending: set[Path] = set()
         self._write_lock = threading.Lock()  # stores and evictions, from the writer thread and callers
         if background:
             threading.Thread(target=self._writer, name="fastar-prefix-cache", daemon=True).start()
+        self._loader: ThreadPoolExecutor | None = None  # made on the first `lookup_async`
 
     # --- lookup ---------------------------------------------------------------------------------------------
 
@@ -101,6 +105,13 @@ class PrefixCache:
             return state, keep
         self.misses += 1
         return None
+
+    def lookup_async(self, ids: list[int], limit: int, better_than: int = 0) -> Future:
+        """`lookup` on the cache's loader thread (one: loads run in the order asked): a Future of its result.
+        The caller gets a state nobody else holds, so it may adopt it on its own thread."""
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="fastar-prefix-load")
+        return self._loader.submit(self.lookup, list(ids), limit, better_than)
 
     def _lengths(self) -> set[int]:
         out = set()
@@ -159,11 +170,11 @@ class PrefixCache:
         if path.exists():
             os.utime(path)
             return path
-        body = state.to_bytes()  # here: the state goes on changing once this returns
         if self._writes is None:
-            return path if self._write(path, ids, body) else None
+            return path if self._write(path, ids, state.to_bytes()) else None
         self._pending.add(path)
-        self._writes.put((path, list(ids), body))
+        # a copy here (the state goes on changing once this returns); its bytes are made on the writer thread
+        self._writes.put((path, list(ids), state.snapshot()))
         return path
 
     def _write(self, path: Path, ids: list[int], body: bytes) -> bool:
@@ -195,9 +206,9 @@ class PrefixCache:
     def _writer(self) -> None:
         assert self._writes is not None
         while True:
-            path, ids, body = self._writes.get()
+            path, ids, snap = self._writes.get()
             try:
-                self._write(path, ids, body)
+                self._write(path, ids, snap.to_bytes())
             except OSError as e:  # a full or read-only disk: the prompt is simply not cached
                 self._skip(path, f"cannot write ({e.strerror or e})")
             finally:

@@ -317,13 +317,7 @@ def cmd_serve(a) -> int:
     from .console import check_model_path, open_engine
 
     check_model_path(a.model)  # before binding the port: a wrong path is one line, not a failed load later
-    if a.draft != "none":
-        print(
-            f"fastar serve: --draft {a.draft} is not used: the server's batch scheduler decodes without drafting "
-            "(fastar run and chat draft)",
-            file=sys.stderr,
-        )
-        a.draft = "none"  # nor is the drafter loaded
+    # --draft: the scheduler drafts a lone greedy request with it (docs/SERVING.md), batched steps otherwise
     return a.serve_mod.run_from_args(a, lambda: open_engine(a))
 
 

@@ -54,12 +54,14 @@ def test_errors_are_one_line(tmp_path):
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1 and r.stderr.startswith("fastar: error:")
 
 
-def test_serve_says_it_does_not_draft_and_loads_no_drafter(tiny_ckpt, monkeypatch, capsys):
+def test_serve_passes_draft_to_the_engine(tiny_ckpt, monkeypatch, capsys):
+    """`serve --draft mtp` loads the drafter (the scheduler drafts a lone greedy request); the default is none."""
     from fastar import cli
 
     seen = {}
     a = build_parser().parse_args(["serve", "-m", str(tiny_ckpt), "--draft", "mtp", "--max-batch", "3"])
     monkeypatch.setattr(a.serve_mod, "run_from_args", lambda args, factory: seen.update(vars(args)) or 0)
     assert cli.cmd_serve(a) == 0
-    assert "--draft mtp is not used" in capsys.readouterr().err
-    assert seen["draft"] == "none" and seen["max_batch"] == 3
+    assert capsys.readouterr().err == ""
+    assert seen["draft"] == "mtp" and seen["max_batch"] == 3
+    assert build_parser().parse_args(["serve", "-m", str(tiny_ckpt)]).draft == "none"

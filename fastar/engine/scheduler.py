@@ -25,8 +25,18 @@ states of recently finished requests, `keep_states` of them) or, when longer, fr
 prefills only the rest, as `Engine.stream` does when it continues a session. Then its prompt is chunked from
 that position, so (as with a session) its bits equal a fresh prefill's only where the kernels are chunk-invariant.
 
-Speculative decoding: the scheduler does not draft (its passes are plain target passes, even with one active
-sequence); `Engine.stream` keeps drafting for a single caller.
+Speculative decoding (with the engine's drafter, `--draft`): while exactly one sequence is active (decoding, with
+nothing else prefilling or loading) and its request is greedy, each step decodes it with the drafter's
+propose/verify step (`draft_step.greedy_draft_step`: up to `speculative.VERIFY_MAX` tokens a pass, rejected drafts
+rolled back), which gives the tokens plain decoding gives (verify passes are batch-invariant). As soon as another
+request is admitted, steps are plain batched steps again: drafting would hold the others' next tokens back behind a
+wider pass and, the batch already sharing the weight reads, pays little. Sampled requests (temperature > 0) are
+never drafted here: speculative sampling draws other random numbers than one draw per token, so the tokens would
+differ from the batched path's. Greedy prompts are prefilled through the drafter so its context is ready.
+
+Prefix states on disk are read and parsed on the prefix cache's loader thread (`PrefixCache.lookup_async`); the
+request waits for it (neither prefilling nor decoding) while the others keep stepping, and the worker only adopts
+the parsed state. Storing snapshots the state here and serializes it on the cache's writer thread.
 
 Admission: a request waits in a FIFO queue of at most `max_queue` (beyond: `QueueFull`, which a server answers
 with 503 and Retry-After); it becomes active when fewer than `max_batch` are active and, with `token_budget`, when
@@ -41,12 +51,15 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import FastarError, QueueFull  # noqa: F401 (QueueFull: importable from here too)
 from ..model import ops
+from . import speculative
+from .draft_step import greedy_draft_step
 from .generate import ChunkMaker, GenerationChunk
 from .prefix_cache import PrefixMemory
 from .sampling import Sampler, SamplingParams
@@ -105,6 +118,7 @@ class _Request:
     done: int = 0  # prompt tokens processed (cached ones included)
     cached: int = 0  # prompt tokens taken from the prefix cache
     pending: int | None = None  # the sampled token decode runs next
+    loading: Future | None = None  # the prefix state being read from disk (off the worker thread)
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -125,6 +139,7 @@ class Scheduler:
         prefix_cache: a `PrefixCache`: prompts that extend a cached prefix load its state and prefill only the
             rest; states are saved at the end of each prompt and of each reply.
         keep_states: states of finished requests kept in RAM for prefix reuse (`PrefixMemory`; 0: none).
+        draft: draft a lone greedy sequence with the engine's drafter, if it has one (False: never draft).
     """
 
     def __init__(
@@ -135,6 +150,7 @@ class Scheduler:
         token_budget: int | None = None,
         prefix_cache=None,
         keep_states: int = 0,
+        draft: bool = True,
     ) -> None:
         if max_batch < 1 or max_queue < 0 or (token_budget is not None and token_budget < 1):
             raise ValueError(
@@ -145,6 +161,8 @@ class Scheduler:
         self.max_batch, self.max_queue, self.token_budget = max_batch, max_queue, token_budget
         self.prefix_cache = prefix_cache
         self.memory = PrefixMemory(keep_states)
+        self.draft = draft
+        self._landed = False  # a disk load finished since the worker last looked (guarded by _lock)
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._active: list[_Request] = []  # admission order: prefilling ones, then decoding
@@ -256,6 +274,8 @@ class Scheduler:
             "prefix_disk_stores": disk.get("stores", 0),
             "prefix_disk_evictions": disk.get("evictions", 0),
             "prefix_disk_bytes": disk.get("bytes", 0),
+            "prefix_disk_loading": sum(r.loading is not None for r in active),
+            "draft_steps": self._counts["draft_steps"],
         }
 
     @property
@@ -273,10 +293,9 @@ class Scheduler:
             except BaseException as err:  # no caller may wait forever on a worker that died
                 self._fail_all(err)
                 raise
-            if not busy:
-                with self._lock:
-                    if not self._waiting and not self._active:
-                        self._lock.wait(idle_wait)
+            with self._lock:
+                if (not busy and not self._waiting and not self._active) or self._only_loading():
+                    self._lock.wait(idle_wait)  # a submission or a finished disk load wakes it
 
     def _fail_all(self, err: BaseException) -> None:
         """End every queued and active request with `err` (their iterators raise it)."""
@@ -289,7 +308,9 @@ class Scheduler:
     def run_until_idle(self) -> None:
         """Step until every request has finished, and its states are on disk."""
         while self.step():
-            pass
+            with self._lock:
+                while self._only_loading():
+                    self._lock.wait()
         self.flush()
 
     def flush(self) -> None:
@@ -297,17 +318,31 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
 
+    def _only_loading(self) -> bool:
+        """(Under _lock.) Nothing can run until a disk load finishes: every active request is loading, none has
+        landed, and no waiting request could be admitted."""
+        return (
+            bool(self._active)
+            and all(r.loading is not None for r in self._active)
+            and not self._landed
+            and not (self._waiting and len(self._active) < self.max_batch)
+        )
+
     def step(self) -> bool:
-        """One step: drop cancelled requests, admit waiting ones, decode one token of every decoding sequence
-        (groups of 8 per model call), then one prefill chunk of the oldest prefilling one. Returns whether work
-        remains."""
+        """One step: drop cancelled requests, admit waiting ones, adopt the prefix states loaded from disk, decode
+        one token of every decoding sequence (groups of 8 per model call; a lone greedy one: a draft/verify step),
+        then one prefill chunk of the oldest prefilling one. Returns whether work remains."""
         t0 = time.perf_counter()
         self._drop_cancelled()
         self._admit()
+        self._adopt_loaded()
         decoding = [r for r in self._active if r.pending is not None]
-        for a in range(0, len(decoding), ops.SMALL_CHUNK):
-            self._decode(decoding[a : a + ops.SMALL_CHUNK])
-        prefilling = next((r for r in self._active if r.pending is None), None)
+        if self._can_draft(decoding):
+            self._draft(decoding[0])
+        else:
+            for a in range(0, len(decoding), ops.SMALL_CHUNK):
+                self._decode(decoding[a : a + ops.SMALL_CHUNK])
+        prefilling = next((r for r in self._active if r.pending is None and r.loading is None), None)
         if prefilling is not None:
             self._prefill_chunk(prefilling)
         if decoding or prefilling is not None:
@@ -351,10 +386,28 @@ class Scheduler:
             self._finish(req, req.chunks.empty())
             return
         limit = len(req.ids) - 1  # the prompt's last token must run: its logits give the first token
-        hit = None
         if self.prefix_cache is not None:  # read from disk only what beats RAM (RAM's entry then stays kept)
-            hit = self.prefix_cache.lookup(req.ids, limit, better_than=self.memory.match(req.ids, limit))
-        hit = hit or self.memory.take(req.ids, limit)
+            req.loading = self.prefix_cache.lookup_async(req.ids, limit, better_than=self.memory.match(req.ids, limit))
+            req.loading.add_done_callback(self._on_landed)
+            return
+        self._adopt(req, None)
+
+    def _on_landed(self, _future: Future) -> None:  # the loader thread (or this one, if already done)
+        with self._lock:
+            self._landed = True
+            self._lock.notify_all()
+
+    def _adopt_loaded(self) -> None:
+        """Start the requests whose disk lookup has finished from what it found (RAM's best match otherwise)."""
+        with self._lock:
+            self._landed = False  # cleared before looking: a load landing after this sets it again
+        for req in [r for r in self._active if r.loading is not None and r.loading.done()]:
+            future, req.loading = req.loading, None
+            self._adopt(req, future.result())
+
+    def _adopt(self, req: _Request, hit: tuple | None) -> None:
+        stats = self.engine.counters
+        hit = hit or self.memory.take(req.ids, len(req.ids) - 1)
         req.state, req.done = hit if hit is not None else (self.model.new_state(), 0)
         if hit is not None:
             req.cached = req.done
@@ -373,7 +426,10 @@ class Scheduler:
         part = req.ids[req.done : req.done + size]
         stats = self.engine.counters
         t = time.perf_counter()
-        logits, _ = self.model.forward(part, req.state, all_logits=False, chunk=self.engine.paged_chunk)
+        if self._drafter is not None and req.params.is_greedy:  # it may draft later: keep the draft's context
+            logits, _ = self._drafter.forward(part, req.state, all_logits=False)
+        else:
+            logits, _ = self.model.forward(part, req.state, all_logits=False, chunk=self.engine.paged_chunk)
         stats.prefill_seconds += time.perf_counter() - t
         stats.prefill_tokens_computed += len(part)
         req.done += len(part)
@@ -395,6 +451,38 @@ class Scheduler:
         for r, row in zip(group, logits):
             self._sampled(r, row)
 
+    @property
+    def _drafter(self) -> speculative.Drafter | None:
+        return self.engine.drafter if self.draft else None
+
+    def _can_draft(self, decoding: list[_Request]) -> bool:
+        """A draft/verify step only for a lone greedy sequence (see the module docstring)."""
+        lone = len(decoding) == 1 and len(self._active) == 1
+        return lone and self._drafter is not None and decoding[0].params.is_greedy
+
+    def _draft(self, req: _Request) -> None:
+        """Decode the lone sequence `req` with a draft/verify pass: the tokens of the rows kept are sampled (greedy:
+        argmax, the accepted drafts then the next token) and emitted one by one, as plain steps would."""
+        eng, m = self.engine, req.state.length
+        room = min(
+            self._drafter.max_drafts,
+            speculative.VERIFY_MAX - 1,
+            req.params.max_tokens - len(req.generated) - 1,
+            eng.context_length - m - 3,  # as `speculative_generate_step`: the length check fires where plain would
+        )
+        t = time.perf_counter()
+        rows = greedy_draft_step(
+            self._drafter, eng.draft_schedule, eng.draft_stats, req.state, req.ids + req.generated, room
+        )
+        eng.counters.decode_seconds += time.perf_counter() - t
+        eng.counters.decode_tokens_computed += len(rows)
+        self._batch_sizes[1] += 1
+        self._counts["draft_steps"] += 1
+        for row in rows:
+            self._sampled(req, row)
+            if req.state is None:  # finished (a stop, max_tokens or EOS inside the verified tokens)
+                break
+
     def _sampled(self, req: _Request, logits: torch.Tensor) -> None:
         token, logprob, top = req.sampler(logits)
         req.pending = token
@@ -409,6 +497,9 @@ class Scheduler:
         if chunk.finish_reason is None:
             req.emit(chunk)
             return
+        keep = len(req.ids) + len(req.generated) - 1  # what plain decoding has run by now (the last token waits)
+        if req.state.length > keep:  # it stopped inside a verified draft: drop the positions after the stop
+            req.state.truncate(keep)
         if self.prefix_cache is not None and req.state.length > len(req.ids):
             self.prefix_cache.store(req.ids + req.generated[: req.state.length - len(req.ids)], req.state)
         self._finish(req, chunk, count="cancelled" if chunk.finish_reason == "cancelled" else "finished")

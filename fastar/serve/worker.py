@@ -7,8 +7,8 @@ Owns:
     queues it (a full queue is a 503 with Retry-After) and the worker streams its chunks back on the job's
     own event queue. Nothing else ever calls the engine's generation (ds4 and mlx-lm keep one worker too).
   * `Metrics`: counters and histograms rendered as Prometheus text, the scheduler's `metrics()` (active and
-    queued requests, batch sizes, step time, tokens/s per sequence, prefill progress, prefix reuse) and every
-    numeric `engine.stats()` entry.
+    queued requests, batch sizes, step time, tokens/s per sequence, prefill progress, prefix reuse, draft steps)
+    and every numeric `engine.stats()` entry (speculative decoding's `draft_*` among them).
 
 The engine contract used here: `scheduler(max_batch=, max_queue=, keep_states=, prefix_cache=,
 prefix_cache_size=)` -> an object with `submit(ids, params, on_chunk=, on_error=, on_progress=, cancel=)`
@@ -331,6 +331,18 @@ def _batch_lines(metric: Callable[[str, str, str, list[str]], None], b: dict) ->
         [*hist, f'batch_size_bucket{{le="+Inf"}} {total}', f"batch_size_sum {steps}", f"batch_size_count {total}"],
     )
     metric("steps_total", "counter", "Scheduler steps run.", [f"steps_total {b['steps']}"])
+    metric(
+        "draft_steps_total",
+        "counter",
+        "Steps that decoded a lone greedy sequence with a draft/verify pass (engine_draft_* count the tokens).",
+        [f"draft_steps_total {b['draft_steps']}"],
+    )
+    metric(
+        "prefix_cache_disk_loading",
+        "gauge",
+        "Requests waiting for their prefix state to be read from disk (off the worker thread).",
+        [f"prefix_cache_disk_loading {b['prefix_disk_loading']}"],
+    )
     metric(
         "step_seconds_total",
         "counter",

@@ -1,0 +1,267 @@
+"""The step scheduler with a drafter: a lone greedy sequence is decoded with draft/verify passes and gets exactly
+the tokens (and logprobs, stops, usage) of plain decoding; a second request switches the steps back to batched
+ones and both outputs equal their solo runs; sampled requests are never drafted. And prefix states read from disk
+off the worker thread: the other sequences keep stepping while a load is in progress.
+
+Tiny fixtures in official numerics. The random fixtures' own drafts are almost never right, so the drafters here
+replay the plain transcript (each token kept right with probability 0.7) while the real drafter still runs: its
+context goes through every accept, reject and rollback.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+import torch
+
+from fastar.engine import speculative as sp
+from fastar.engine.engine import load
+from fastar.engine.prefix_cache import PrefixCache
+from fastar.engine.sampling import SamplingParams
+from fastar.engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def needs_invariant_kernels():
+    from fastar.quant import kernels, linear
+
+    if linear._kernels() is None or kernels.get_isa() == "scalar":
+        pytest.skip("batch invariance is a promise of the C kernels' SIMD dot path")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(2, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def solo(eng, ids, params):
+    return list(eng.stream(ids, params, session=eng.open_session()))
+
+
+def same_chunks(a, b):
+    assert [c.token for c in a] == [c.token for c in b]
+    assert [c.text for c in a] == [c.text for c in b]
+    assert [c.logprob for c in a] == [c.logprob for c in b]
+    assert [c.top_logprobs for c in a] == [c.top_logprobs for c in b]
+    assert a[-1].finish_reason == b[-1].finish_reason and a[-1].usage == b[-1].usage
+
+
+class ReplayMixin:
+    """Drafts the plain transcripts' next tokens (keyed by the state's tokens so far), each right with probability
+    0.7; the real drafter's propose still runs first."""
+
+    transcripts: list[list[int]]  # prompt + plain continuation, one per request
+
+    def propose(self, state, anchor, k, pick):
+        prop = super().propose(state, anchor, k, pick)
+        m = state.length
+        g = torch.Generator().manual_seed(1000 + m)
+        # the transcript this state follows: the one whose token at m is the anchor (prompts differ early on)
+        seq = next((t for t in self.transcripts if len(t) > m and t[m] == anchor), [])
+        toks = []
+        for j, t in enumerate(prop.tokens):
+            right = seq[m + 1 + j] if m + 1 + j < len(seq) else t
+            toks.append(right if float(torch.rand(1, generator=g)) < 0.7 else (right + 1) % 1024)
+        return sp.Proposal(toks, prop.probs, prop.confidence)
+
+
+class ReplayMTP(ReplayMixin, sp.MTPDrafter):
+    pass
+
+
+class ReplayDSpark(ReplayMixin, sp.DSparkDrafter):
+    pass
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_ckpt):
+    return load(tiny_ckpt)  # official numerics, no drafter: the reference
+
+
+def drafting(path, kind: str, fixed: int):
+    eng = load(path, draft=kind)
+    d = ReplayMTP(eng.model) if kind == "mtp" else ReplayDSpark(eng.model, eng.source)
+    d.transcripts = []
+    eng.use_draft(d, sp.Schedule(fixed=fixed), kind)
+    return eng
+
+
+@pytest.fixture(scope="module", params=[("mtp", 1), ("dspark", 4)], ids=["mtp", "dspark"])
+def drafted(request):
+    kind, fixed = request.param
+    return drafting(request.getfixturevalue("tiny_ckpt" if kind == "mtp" else "dspark_ckpt"), kind, fixed)
+
+
+def transcript(ids, chunks):
+    return ids + [c.token for c in chunks if c.token is not None]
+
+
+def run_alone(eng, ids, params, **options):
+    sched = Scheduler(eng, **options)
+    h = sched.submit(ids, params)
+    sched.run_until_idle()
+    return list(h), sched
+
+
+def test_lone_greedy_request_drafts_and_equals_plain(plain, drafted):
+    """One greedy request at a time (logprobs; then a stop string that falls inside verified passes; then an odd
+    max_tokens): the same chunks as plain `stream`, with drafts really verified, accepted and rejected."""
+    needs_invariant_kernels()
+    eng = drafted
+    ids = prompt(1, 23)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
+    expect = solo(plain, ids, params)
+    eng.drafter.transcripts = [transcript(ids, expect)]
+    before = eng.draft_stats.accepted, eng.draft_stats.passes
+    got, sched = run_alone(eng, ids, params, keep_states=2)
+    same_chunks(got, expect)
+    st = eng.draft_stats
+    assert sched.metrics()["draft_steps"] > 0
+    assert st.accepted - before[0] > 5 and st.passes - before[1] > 5
+    assert 0 < st.accept_counts[0] < st.passes  # rejections (and rollbacks) happened too
+    assert eng.stats()["draft_tokens_accepted"] == st.accepted
+
+    # stops: a stop string somewhere in the middle of the text, and a max_tokens that ends inside a pass
+    text = "".join(c.text for c in expect)
+    for kw in (dict(stop=[text[len(text) // 2 : len(text) // 2 + 3]]), dict(max_tokens=17)):
+        p = SamplingParams(**{**dict(max_tokens=40, ignore_eos=True, logprobs=2), **kw})
+        ref = solo(plain, ids, p)
+        got, sched = run_alone(eng, ids, p, keep_states=2)
+        same_chunks(got, ref)
+        # the state kept for reuse holds exactly what plain batched decoding (draft=False) leaves: no position
+        # of a draft verified past the stop
+        ref_sched = run_alone(eng, ids, p, keep_states=2, draft=False)[1]
+        (kept,), (ref_kept,) = sched.memory._kept, ref_sched.memory._kept
+        assert kept.tokens == ref_kept.tokens and kept.state.length == ref_kept.state.length == len(kept.tokens)
+
+
+def test_sampled_request_is_not_drafted(plain, drafted):
+    needs_invariant_kernels()
+    ids, params = prompt(2, 9), SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    got, sched = run_alone(drafted, ids, params)
+    same_chunks(got, solo(plain, ids, params))
+    assert sched.metrics()["draft_steps"] == 0
+
+
+def test_second_request_switches_to_batched_steps(plain, drafted):
+    """A drafts alone; B arrives mid-stream: the steps become batched (two rows a call) until B finishes, then A
+    drafts again. Both get their solo runs' chunks."""
+    needs_invariant_kernels()
+    eng = drafted
+    a_ids, b_ids = prompt(3, 17), prompt(4, 30)
+    a_params = SamplingParams(max_tokens=48, ignore_eos=True)
+    b_params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    a_ref, b_ref = solo(plain, a_ids, a_params), solo(plain, b_ids, b_params)
+    eng.drafter.transcripts = [transcript(a_ids, a_ref), transcript(b_ids, b_ref)]
+    sched = Scheduler(eng, keep_states=2)
+    a_out, b_out = [], []
+    sched.submit(a_ids, a_params, on_chunk=a_out.append)
+    while len(a_out) < 10:
+        assert sched.step()
+    drafted_alone = sched.metrics()["draft_steps"]
+    assert drafted_alone > 0 and sched.metrics()["steps"] < len(a_out)  # it drafted: fewer steps than tokens
+    sched.submit(b_ids, b_params, on_chunk=b_out.append)
+    while not b_out or b_out[-1].finish_reason is None:
+        assert sched.step()
+    m = sched.metrics()
+    assert m["draft_steps"] == drafted_alone  # no drafting while two were active
+    b_tokens = sum(c.token is not None for c in b_ref)
+    assert m["batch_size_histogram"].get(2, 0) >= b_tokens - 1  # B's tokens after its first came in pairs
+    a_when_b_ended = len(a_out)
+    sched.run_until_idle()
+    same_chunks(a_out, a_ref)
+    same_chunks(b_out, b_ref)
+    if a_when_b_ended < len(a_ref) - 2:
+        assert sched.metrics()["draft_steps"] > drafted_alone  # alone again: drafting resumed
+
+
+# --- prefix states loaded off the worker thread -------------------------------------------------------------
+
+
+class GatedCache(PrefixCache):
+    """A prefix cache whose lookups of prompts starting with `gated` wait (on the loader thread) for `release`."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.gated: list[int] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.threads: list[str] = []
+
+    def lookup(self, ids, limit, better_than=0):
+        self.threads.append(threading.current_thread().name)
+        if ids[: len(self.gated)] == self.gated:
+            self.entered.set()
+            assert self.release.wait(60), "the test never released the load"
+        return super().lookup(ids, limit, better_than)
+
+
+def test_other_streams_keep_stepping_while_a_state_loads(plain, tmp_path):
+    """B's prompt extends a prefix on disk; its load is held on the loader thread while A decodes five more
+    tokens (B meanwhile neither prefills nor decodes); released, B adopts the state, prefills only its tail and
+    gets the tokens a scheduler that loads without any wait gives it."""
+    needs_invariant_kernels()
+    eng = plain
+    shared, a_ids = prompt(5, 40), prompt(6, 12)
+    b_ids = shared + prompt(7, 6)
+    b_params, a_params = SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=30, ignore_eos=True)
+    folder = tmp_path / "cache"
+    warm = eng.scheduler(prefix_cache=folder)
+    warm.submit(shared, SamplingParams(max_tokens=1))
+    warm.run_until_idle()  # the state at the end of `shared` is on disk now
+    shutil.copytree(folder, tmp_path / "copy")  # the reference run stores B's own prompt: in a copy
+    b_ref, _ = run_alone(eng, b_ids, b_params, prefix_cache=eng.open_prefix_cache(tmp_path / "copy", background=True))
+    assert b_ref[-1].usage["cached_tokens"] == len(shared)
+
+    fingerprint = eng.open_prefix_cache(folder).fingerprint
+    cache = GatedCache(folder, fingerprint, 1 << 30, background=True)
+    cache.gated = shared
+    sched = Scheduler(eng, prefix_cache=cache)
+    a_out, b_out = [], []
+    sched.submit(a_ids, a_params, on_chunk=a_out.append)
+    while not a_out:
+        sched.step()
+    sched.submit(b_ids, b_params, on_chunk=b_out.append)
+    sched.step()  # admits B: its lookup starts on the loader thread
+    assert cache.entered.wait(60)
+    n = len(a_out)
+    for _ in range(5):
+        assert sched.step()
+    assert len(a_out) == n + 5 and not b_out
+    m = sched.metrics()
+    assert m["prefix_disk_loading"] == 1 and m["prefill_progress"] == []
+    cache.release.set()
+    sched.run_until_idle()
+    same_chunks(b_out, b_ref)
+    assert b_out[-1].usage["cached_tokens"] == len(shared)
+    assert a_out[-1].finish_reason == "length" and len(a_out) == 30
+    assert cache.threads and all(t.startswith("fastar-prefix-load") for t in cache.threads)
+
+
+def test_run_waits_for_a_load_without_spinning(plain, tmp_path):
+    """`run` on its own thread with one request whose load is held: the worker sleeps on the scheduler's
+    condition (a step or two, not a busy loop) until the load lands, then serves the request."""
+    eng = plain
+    ids = prompt(8, 20)
+    cache = GatedCache(tmp_path / "c", "fp", 1 << 30, background=True)
+    cache.gated = ids[:1]
+    sched = Scheduler(eng, prefix_cache=cache)
+    calls, step = [], sched.step
+    sched.step = lambda: calls.append(1) or step()
+    out, done = [], threading.Event()
+    stop = threading.Event()
+    worker = threading.Thread(target=sched.run, args=(stop,), kwargs={"idle_wait": 60}, daemon=True)
+    worker.start()
+    sched.submit(ids, SamplingParams(max_tokens=3, ignore_eos=True), on_chunk=lambda c: out.append(c) or (
+        c.finish_reason and done.set()))  # fmt: skip
+    assert cache.entered.wait(60)
+    assert not done.wait(0.3)  # held: it cannot finish (and a spinning worker would step thousands of times)
+    assert sched.metrics()["steps"] == 0 and not out and len(calls) <= 3
+    cache.release.set()
+    assert done.wait(60)
+    stop.set()
+    with sched._lock:
+        sched._lock.notify_all()
+    worker.join(60)
+    assert [c.token for c in out] == [c.token for c in solo(eng, ids, SamplingParams(max_tokens=3, ignore_eos=True))]

@@ -265,3 +265,37 @@ def test_run_waits_for_a_load_without_spinning(plain, tmp_path):
         sched._lock.notify_all()
     worker.join(60)
     assert [c.token for c in out] == [c.token for c in solo(eng, ids, SamplingParams(max_tokens=3, ignore_eos=True))]
+
+
+def test_server_drafts_a_lone_greedy_request(plain, tiny_ckpt):
+    """Over HTTP (`fastar serve --draft mtp`'s engine): a lone greedy completion has the plain text, and /metrics
+    shows the draft steps and the accepted draft tokens."""
+    openai = pytest.importorskip("openai")
+    import http.client
+    import re
+
+    from fastar.serve.server import Server
+
+    needs_invariant_kernels()
+    ids = prompt(9, 15)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = solo(plain, ids, params)
+    eng = drafting(tiny_ckpt, "mtp", 1)
+    eng.drafter.transcripts = [transcript(ids, ref)]
+    srv = Server(lambda: eng, port=0, max_sessions=0).start()
+    assert srv.wait_ready(60)
+    try:
+        cl = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
+        r = cl.completions.create(
+            model="deepseek-v4-flash", prompt=ids, max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert r.choices[0].text == "".join(c.text for c in ref) and r.usage.completion_tokens == 30
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        values = {k: float(v) for k, v in re.findall(r"^fastar:(\w+) (\S+)$", text, re.M)}
+        assert values["draft_steps_total"] > 0 and values["engine_draft_tokens_accepted"] > 5
+        assert values["engine_draft_tokens_verified"] >= values["engine_draft_tokens_accepted"]
+    finally:
+        srv.shutdown()

@@ -244,7 +244,11 @@ def test_run_waits_for_a_load_without_spinning(plain, tmp_path):
     condition (a step or two, not a busy loop) until the load lands, then serves the request."""
     eng = plain
     ids = prompt(8, 20)
-    cache = GatedCache(tmp_path / "c", "fp", 1 << 30, background=True)
+    folder = tmp_path / "c"
+    warm = eng.scheduler(prefix_cache=folder)  # a prefix of `ids` on disk: its load is what gets held
+    warm.submit(ids[:12], SamplingParams(max_tokens=1))
+    warm.run_until_idle()
+    cache = GatedCache(folder, eng.open_prefix_cache(folder).fingerprint, 1 << 30, background=True)
     cache.gated = ids[:1]
     sched = Scheduler(eng, prefix_cache=cache)
     calls, step = [], sched.step
@@ -265,6 +269,20 @@ def test_run_waits_for_a_load_without_spinning(plain, tmp_path):
         sched._lock.notify_all()
     worker.join(60)
     assert [c.token for c in out] == [c.token for c in solo(eng, ids, SamplingParams(max_tokens=3, ignore_eos=True))]
+
+
+def test_a_disk_miss_starts_without_the_loader(plain, tmp_path):
+    """Nothing on disk can serve the prompt (known from the file names): the request prefills at once, without a
+    trip through the loader thread, and the miss is counted."""
+    ids = prompt(10, 20)
+    cache = GatedCache(tmp_path / "c", "fp", 1 << 30, background=True)
+    cache.gated = []  # any lookup would wait on the loader thread until the test released it (it never does)
+    sched = Scheduler(plain, prefix_cache=cache)
+    out = []
+    sched.submit(ids, SamplingParams(max_tokens=3, ignore_eos=True), on_chunk=out.append)
+    sched.run_until_idle()
+    assert not cache.threads and cache.stats()["misses"] == 1
+    assert [c.token for c in out] == [c.token for c in solo(plain, ids, SamplingParams(max_tokens=3, ignore_eos=True))]
 
 
 def test_server_drafts_a_lone_greedy_request(plain, tiny_ckpt):

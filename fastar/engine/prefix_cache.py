@@ -81,16 +81,27 @@ class PrefixCache:
 
     # --- lookup ---------------------------------------------------------------------------------------------
 
-    def lookup(self, ids: list[int], limit: int, better_than: int = 0) -> tuple[ModelState, int] | None:
-        """The state of the longest stored prefix of `ids`, rolled back to at most `limit` positions (a prompt's
-        last token must run: limit = len(ids) - 1) -> (state, positions), or None. Prefixes that would give no
-        more than `better_than` positions are not read (the caller has those already)."""
+    def candidates(self, ids: list[int], limit: int, better_than: int = 0) -> list[tuple[int, Path]]:
+        """The stored files that could serve `ids` (longest first), from their names only: no file is read, so a
+        caller on the worker thread learns a miss without waiting for the loader."""
+        out = []
         for n in sorted(self._lengths(), reverse=True):
             if n > len(ids) or min(n, limit) <= better_than:
                 continue
             path = self.folder / f"{n}-{prefix_key(ids[:n])}{SUFFIX}"
-            if not path.exists():
-                continue
+            if path.exists():
+                out.append((n, path))
+        return out
+
+    def note_miss(self) -> None:
+        """Count a lookup its caller settled from `candidates` alone (nothing on disk could serve it)."""
+        self.misses += 1
+
+    def lookup(self, ids: list[int], limit: int, better_than: int = 0) -> tuple[ModelState, int] | None:
+        """The state of the longest stored prefix of `ids`, rolled back to at most `limit` positions (a prompt's
+        last token must run: limit = len(ids) - 1) -> (state, positions), or None. Prefixes that would give no
+        more than `better_than` positions are not read (the caller has those already)."""
+        for n, path in self.candidates(ids, limit, better_than):
             state = self._read(path, ids[:n])
             if state is None:
                 continue

@@ -386,10 +386,14 @@ class Scheduler:
             self._finish(req, req.chunks.empty())
             return
         limit = len(req.ids) - 1  # the prompt's last token must run: its logits give the first token
-        if self.prefix_cache is not None:  # read from disk only what beats RAM (RAM's entry then stays kept)
-            req.loading = self.prefix_cache.lookup_async(req.ids, limit, better_than=self.memory.match(req.ids, limit))
+        # read from disk only what beats RAM (RAM's entry then stays kept); a miss is known from the file names
+        better = self.memory.match(req.ids, limit) if self.prefix_cache is not None else 0
+        if self.prefix_cache is not None and self.prefix_cache.candidates(req.ids, limit, better):
+            req.loading = self.prefix_cache.lookup_async(req.ids, limit, better_than=better)
             req.loading.add_done_callback(self._on_landed)
             return
+        if self.prefix_cache is not None:
+            self.prefix_cache.note_miss()
         self._adopt(req, None)
 
     def _on_landed(self, _future: Future) -> None:  # the loader thread (or this one, if already done)

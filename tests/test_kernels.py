@@ -386,6 +386,25 @@ def test_small_batches_are_batch_invariant(isa, k):
     K.set_isa("auto")
 
 
+
+@pytest.mark.parametrize("n, k", [(37, 1000), (9, 4096), (1, 96)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_weights_several_tokens_match_each_token_alone(isa, n, k):
+    """BF16 weights (the LM head of a batched decode step) with 2-8 tokens may take rows two at a time (each load of
+    x then serves two rows); every (row, token) must still be summed as the one-token call sums it: an odd row count
+    (the last row alone), a K that is not a multiple of 32 (masked tail), one row."""
+    K.set_isa(isa)
+    try:
+        rng = np.random.default_rng(n * k)
+        x = rng.standard_normal((8, k)).astype(np.float32)
+        wb = (rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        alone = np.concatenate([K.bf16_matmul(x[t : t + 1], wb) for t in range(8)])
+        for T in range(2, 9):
+            assert np.array_equal(K.bf16_matmul(x[:T], wb).view(np.uint32), alone[:T].view(np.uint32)), T
+        assert_close(alone, x, R.bf16_decode(wb))
+    finally:
+        K.set_isa("auto")
+
 # --- the bf16 dot path (AVX512_BF16 on x86-64, FEAT_BF16 on AArch64) ------------------------------------------
 # For T <= 8, a product whose every x is an exact bfloat16 (as FP8-quantized activations are) multiplies with
 # vdpbf16ps / BFMLALB+T; any other x takes the FP32 dot path. Both are exact products summed in float32, so they

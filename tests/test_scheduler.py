@@ -254,7 +254,8 @@ def test_worker_thread_and_callers_on_other_threads(eng):
 
 def test_bench_streams_cli(tiny_ckpt, tmp_path):
     """`fastar bench --streams` on a paged .fst with a small expert budget (misses): every N reports its rows,
-    every stream equal to its solo run, one decode call per step carrying all N rows."""
+    every stream equal to its solo run, one decode call per step carrying all N rows, measured (tokens/s and
+    the ceiling) over the steps where all N decode."""
     import json
     import subprocess
     import sys
@@ -291,6 +292,9 @@ def test_bench_streams_cli(tiny_ckpt, tmp_path):
     for row in out["rows"]:
         assert row["identical_to_solo"] is True and len(row["per_stream_tok_s"]) == row["streams"]
         assert row["aggregate_decode_tok_s"] > 0 and row["itl_p95_ms"] >= row["itl_p50_ms"] > 0
+        # measured while all N decode: every call of the window carries N rows, the ceiling over those calls
+        assert row["window_all_streams"] is True and row["window_calls"] >= 1
+        assert row["window_rows_per_call"] == row["streams"]
     assert out["rows"][1]["expert_reads_per_call"] >= out["rows"][0]["expert_reads_per_call"]
 
 

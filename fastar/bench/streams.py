@@ -1,10 +1,12 @@
 """`fastar bench -m FILE --streams 1,2,4,8`: N concurrent greedy streams through the step scheduler.
 
-Per N: aggregate decode tokens/s (tokens emitted while all N streams decode / that wall time), per-stream
+Per N: aggregate decode tokens/s (tokens emitted while all N streams decode / that wall time: from the last
+stream's first token to the first stream's last, so every decode call in it carries N rows), per-stream
 tokens/s, p50/p95 inter-token latency, whether every stream's tokens equal its solo run (`identical_to_solo`),
-and the batched ceiling: each decode step reads the resident bytes once plus the bytes of the union of its
-rows' experts (hits at the memory bandwidth measured in the run, misses at the disk bandwidth), the additive
-model of `fastar.bench`'s decode ceiling. Owns only the measuring; the scheduler is `fastar.engine.scheduler`.
+and the batched ceiling over the same decode calls: each reads the resident bytes once plus the bytes of the
+union of its rows' experts (hits at the memory bandwidth measured in the run, misses at the disk bandwidth),
+the additive model of `fastar.bench`'s decode ceiling. Owns only the measuring; the scheduler is
+`fastar.engine.scheduler`.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 class _UnionProbe:
-    """Counts, per decode call (`forward_rows`), the distinct experts each layer routed to (wraps the MoE routers
-    of this engine's model; `close` restores them)."""
+    """Records, per decode call (`forward_rows`): when it returned, its rows, the distinct experts each layer
+    routed to (summed over layers) and the expert cache's misses during it (wraps the MoE routers of this
+    engine's model; `close` restores them)."""
 
-    def __init__(self, model) -> None:
-        self.model, self.calls, self.experts = model, 0, 0
+    def __init__(self, model, cache=None) -> None:
+        self.model, self.cache, self.calls, self.experts = model, cache, 0, 0
+        self.log: list[tuple[float, int, int, int]] = []  # (end time, rows, experts, misses) per call
         self._in_rows = False
         self._orig_rows = model.forward_rows
         self._orig_route = {}
@@ -48,17 +52,30 @@ class _UnionProbe:
 
         return wrapped
 
+    def _misses(self) -> int:
+        return self.cache.stats().get("misses", 0) if self.cache else 0
+
     def _rows(self, ids, states):
         self._in_rows, self.calls = True, self.calls + 1
+        experts, misses = self.experts, self._misses()
         try:
             return self._orig_rows(ids, states)
         finally:
             self._in_rows = False
+            self.log.append((time.perf_counter(), len(ids), self.experts - experts, self._misses() - misses))
 
     def close(self) -> None:
         for b in self.model.layers:
             b.ffn.route = self._orig_route[b.layer]
         self.model.forward_rows = self._orig_rows
+
+
+def _call_seconds(resident: int, stride: int, call: tuple, membw: float, disk: float) -> float:
+    """The ceiling of one decode call (end, rows, experts, misses): the resident bytes once and its experts' bytes,
+    hits at the memory bandwidth and misses at the disk bandwidth (GB/s; 0 = unknown, that part not counted)."""
+    _, _, experts, misses = call
+    hit_bytes = resident + (experts - misses) * stride
+    return (hit_bytes / (membw * 1e9) if membw else 0.0) + (misses * stride / (disk * 1e9) if disk and misses else 0.0)
 
 
 def _run(engine, prompts: list[list[int]], tokens: int) -> dict:
@@ -77,20 +94,12 @@ def _run(engine, prompts: list[list[int]], tokens: int) -> dict:
 
     for i, p in enumerate(prompts):
         sched.submit(p, params, on_chunk=lambda c, i=i: on_chunk(c, i))
-    probe = _UnionProbe(engine.model)
-    cache = engine.expert_cache
-    misses0 = cache.stats().get("misses", 0) if cache else 0
+    probe = _UnionProbe(engine.model, engine.expert_cache)
     try:
         sched.run_until_idle()
     finally:
         probe.close()
-    return {
-        "times": times,
-        "tokens": out,
-        "calls": probe.calls,
-        "experts": probe.experts,
-        "misses": (cache.stats().get("misses", 0) - misses0) if cache else 0,
-    }
+    return {"times": times, "tokens": out, "calls": probe.calls, "experts": probe.experts, "log": probe.log}
 
 
 def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 16, ram_budget="auto") -> dict:
@@ -103,7 +112,7 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
     resident_tok, _, _ = token_bytes(src)
     stride = src.expert_stride
     prompts = _prompts(max(streams), prompt_tokens, engine.config.vocab_size)
-    membw = _stream_gbps(engine) or 0.0
+    membw0 = _stream_gbps(engine) or 0.0
     disk = _disk_bw(str(path)) if Path(path).is_file() else 0.0  # GB/s
     solo = []
     for p in prompts:
@@ -111,23 +120,27 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
         solo.append(r["tokens"][0])
     rows = []
     for n in streams:
+        before = _stream_gbps(engine) or membw0
         r = _run(engine, prompts[:n], tokens)
+        membw = ((_stream_gbps(engine) or membw0) + before) / 2  # the bandwidth drifts: measured around the run
         out = r["tokens"]
         times = r["times"]
-        start = max(t[0] for t in times)  # every stream decoding from here
-        end = max(t[-1] for t in times)
+        start = max(t[0] for t in times)  # every stream decoding from here ...
+        end = min(t[-1] for t in times)  # ... until the first one ends
+        full = end > start
+        if not full:  # fewer decode tokens than streams: no step carries all N; the whole decode tail instead
+            end = max(t[-1] for t in times)
         in_window = sum(sum(1 for x in t if start < x <= end) for t in times)
         gaps = sorted(b - a for t in times for a, b in itertools.pairwise(t))
         pct = (lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3) if gaps else (lambda q: 0.0)
-        decode_tokens = sum(len(t) - 1 for t in times)
-        bytes_read = r["calls"] * resident_tok + r["experts"] * stride
-        miss_bytes = r["misses"] * stride
-        ceil_s = ((bytes_read - miss_bytes) / (membw * 1e9) if membw else 0.0) + (
-            miss_bytes / (disk * 1e9) if disk and miss_bytes else 0.0
-        )
+        # the ceiling of the decode calls whose tokens are in the window (a call's rows are emitted right after it)
+        window = [c for c in r["log"] if start < c[0] <= end]
+        ceil_s = sum(_call_seconds(resident_tok, stride, c, membw, disk) for c in window)
+        window_tokens = sum(c[1] for c in window)
         rows.append(
             {
                 "streams": n,
+                "membw_gbps": membw,
                 "aggregate_decode_tok_s": in_window / (end - start) if end > start else 0.0,
                 "per_stream_tok_s": [
                     (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0 for t in times
@@ -137,14 +150,17 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
                 "identical_to_solo": all(o == s[: len(o)] and len(o) == len(s) for o, s in zip(out, solo)),
                 "decode_calls": r["calls"],
                 "expert_reads_per_call": r["experts"] / max(1, r["calls"]),
-                "batched_ceiling_tok_s": decode_tokens / ceil_s if ceil_s else None,
+                "window_calls": len(window),
+                "window_rows_per_call": window_tokens / len(window) if window else 0.0,
+                "window_all_streams": full,
+                "batched_ceiling_tok_s": window_tokens / ceil_s if ceil_s else None,
             }
         )
         c = rows[-1]["batched_ceiling_tok_s"]
         rows[-1]["fraction_of_ceiling"] = rows[-1]["aggregate_decode_tok_s"] / c if c else None
     return {
         "model": str(path),
-        "membw_gbps": membw,
+        "membw_gbps": membw0,
         "disk_gbps": disk,
         "resident_bytes_per_step": resident_tok,
         "expert_bytes": stride,
@@ -170,7 +186,8 @@ def main(a) -> int:
         ceil = row["batched_ceiling_tok_s"]
         print(
             f"  {row['streams']} streams: {row['aggregate_decode_tok_s']:.1f} tok/s aggregate"
-            + (f" (ceiling {ceil:.1f})" if ceil else ""),
+            + (f" (ceiling {ceil:.1f}, {row['fraction_of_ceiling']:.0%})" if ceil else "")
+            + f" over {row['window_calls']} calls of {row['window_rows_per_call']:.1f} rows",
             end="",
         )
         print(

@@ -332,7 +332,7 @@ def test_compressor_pools_at_window_boundaries(ratio):
 
 
 @pytest.mark.parametrize("n,M,hd", [(1, 8, 512), (128, 8, 512), (4, 128, 512), (33, 8, 128), (3, 5, 7)])
-def test_compress_pool_in_c_matches_torch_and_is_window_invariant(n, M, hd):
+def test_compress_pool_in_c_matches_torch_and_is_window_invariant(n, M, hd, isa):
     """The C pooling against `compress_pool_torch` (within float32 rounding), with window 0's -inf Ca gates (ratio 4)
     weighing nothing, and each window pooled the same alone as among others (so whichever chunk closes it)."""
     if kernels.extension is None:

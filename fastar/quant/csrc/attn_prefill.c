@@ -17,6 +17,8 @@
 
 #if FASTAR_X86
 #include <immintrin.h>
+
+#include "exp512.h"
 #define AVX512_IDX_INLINE TARGET_AVX512 static inline __attribute__((always_inline))
 #endif
 
@@ -447,34 +449,66 @@ int index_topk_run(const float *score, int64_t *out, int64_t T, int64_t E, int64
 /* ---------------------------------------------------------------- the compressor's pooling */
 
 /* out[w, f] = sum_r kv[w, r, f] * p[w, r, f],  p[w, ., f] = softmax over the window's M rows r of gate[w, r, f]
- * (exp(g - max) / sum in row order; a -inf gate row weighs 0). Each window depends on its own rows only, in one
+ * (exp(g - max) / sum, rows in order; a -inf gate row weighs 0). Each window depends on its own rows only, in one
  * fixed order, so a window pools the same whichever chunk closes it and for any thread count. The twin of
- * fastar.model.ops.compress_pool_torch (within float32 rounding: libm's expf, another summation order). */
+ * fastar.model.ops.compress_pool_torch (within float32 rounding: libm's expf, or exp512.h's on AVX-512 ISAs, and
+ * another summation order). The loops run along the features (contiguous), each exp computed once into a
+ * per-window scratch [M + 2, hd]. */
 typedef struct {
     const float *kv, *gate;
     float *out;
     int64_t M, hd;
+    int avx512; /* the exps on 16 lanes (exp512.h: within 1-2 ulp of expf) */
+    atomic_int failed;
 } pool_ctx;
 
+#if FASTAR_X86
+/* e[r, f] = exp(g[r, f] - m[f]) and sum[f] += e[r, f] over the rows in order, 16 features at a time. */
+TARGET_AVX512 static void pool_exps_avx512(const float *g, const float *m, float *e, float *sum, int64_t M,
+                                           int64_t hd) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t f = 0; f < hd; f += 16) {
+            const __mmask16 k = lanes16(hd - f);
+            const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, g + r * hd + f), _mm512_maskz_loadu_ps(k, m + f));
+            const __m512 ev = exp512(x);
+            _mm512_mask_storeu_ps(e + r * hd + f, k, ev);
+            _mm512_mask_storeu_ps(sum + f, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, sum + f), ev));
+        }
+}
+#endif
+
 static void pool_window(void *p, int64_t w) {
-    const pool_ctx *c = p;
+    pool_ctx *c = p;
     const int64_t M = c->M, hd = c->hd;
     const float *kv = c->kv + w * M * hd, *g = c->gate + w * M * hd;
-    float *o = c->out + w * hd;
-    for (int64_t f = 0; f < hd; f++) {
-        float m = -INFINITY, sum = 0.0f, acc = 0.0f;
-        for (int64_t r = 0; r < M; r++) m = g[r * hd + f] > m ? g[r * hd + f] : m;
-        for (int64_t r = 0; r < M; r++) sum += expf(g[r * hd + f] - m);
-        for (int64_t r = 0; r < M; r++) acc += kv[r * hd + f] * (expf(g[r * hd + f] - m) / sum);
-        o[f] = acc;
-    }
-}
-
-void compress_pool_run(const float *kv, const float *gate, float *out, int64_t n, int64_t M, int64_t hd) {
-    pool_ctx c = {.kv = kv, .gate = gate, .out = out, .M = M, .hd = hd};
-    if (n * M * hd < (1 << 15)) { /* a decode step's one window: not worth waking the pool */
-        for (int64_t w = 0; w < n; w++) pool_window(&c, w);
+    float *o = c->out + w * hd, *e = calloc((size_t)(M + 2) * hd, sizeof *e);
+    if (!e) {
+        atomic_store(&c->failed, 1);
         return;
     }
-    pool_run(n, pool_window, &c);
+    float *m = e + M * hd, *sum = m + hd;
+    for (int64_t f = 0; f < hd; f++) m[f] = -INFINITY, sum[f] = 0.0f, o[f] = 0.0f;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t f = 0; f < hd; f++) m[f] = g[r * hd + f] > m[f] ? g[r * hd + f] : m[f];
+#if FASTAR_X86
+    if (c->avx512) pool_exps_avx512(g, m, e, sum, M, hd);
+    else
+#endif
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t f = 0; f < hd; f++) sum[f] += (e[r * hd + f] = expf(g[r * hd + f] - m[f]));
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t f = 0; f < hd; f++) o[f] += kv[r * hd + f] * (e[r * hd + f] / sum[f]);
+    free(e);
+}
+
+int compress_pool_run(const isa_ops *isa, const float *kv, const float *gate, float *out, int64_t n, int64_t M,
+                      int64_t hd) {
+    pool_ctx c = {.kv = kv, .gate = gate, .out = out, .M = M, .hd = hd, .avx512 = isa->vec == VEC_AVX512};
+    atomic_init(&c.failed, 0);
+    if (n * M * hd < (1 << 15)) { /* a decode step's one window: not worth waking the pool */
+        for (int64_t w = 0; w < n; w++) pool_window(&c, w);
+    } else {
+        pool_run(n, pool_window, &c);
+    }
+    return atomic_load(&c.failed) ? -1 : 0;
 }

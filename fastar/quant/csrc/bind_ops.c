@@ -540,9 +540,15 @@ PyObject *py_compress_pool(PyObject *self, PyObject *args) {
         goto fail;
     }
     if (no_overlap(&v[2], v, 2)) goto fail;
+    int rc = 0;
+    const isa_ops *isa = cur_isa;
     Py_BEGIN_ALLOW_THREADS
-    if (n > 0) compress_pool_run(v[0].b.buf, v[1].b.buf, v[2].b.buf, n, M, hd);
+    if (n > 0) rc = compress_pool_run(isa, v[0].b.buf, v[1].b.buf, v[2].b.buf, n, M, hd);
     Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
     release(v, 3);
     Py_RETURN_NONE;
 fail:

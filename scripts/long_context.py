@@ -33,11 +33,17 @@ def _prefill(engine, ids: list[int], chunk: int, label: str):
     state = engine.new_state()
     t0 = time.perf_counter()
     logits = None
+    mark, at = t0, 0  # the last progress line: its time and tokens done
     for a in range(0, len(ids), chunk):
         logits = engine.model.forward(ids[a : a + chunk], state, all_logits=False)[0][-1]
-        done, dt = a + len(ids[a : a + chunk]), time.perf_counter() - t0
+        done, now = a + len(ids[a : a + chunk]), time.perf_counter()
         if done == len(ids) or (a // chunk) % 8 == 7:
-            print(f"  {label}: {done}/{len(ids)} tokens, {dt:.0f} s, {done / dt:.1f} tok/s", flush=True)
+            print(
+                f"  {label}: {done}/{len(ids)} tokens, {now - t0:.0f} s, {done / (now - t0):.1f} tok/s overall, "
+                f"{(done - at) / (now - mark):.1f} tok/s over context {at}-{done}",
+                flush=True,
+            )
+            mark, at = now, done
     return state, logits, time.perf_counter() - t0
 
 

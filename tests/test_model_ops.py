@@ -331,6 +331,22 @@ def test_compressor_pools_at_window_boundaries(ratio):
     assert torch.allclose(s2.entries.all(), s.entries.all(), atol=1e-5)
 
 
+@pytest.mark.parametrize("n,M,hd", [(1, 8, 512), (128, 8, 512), (4, 128, 512), (33, 8, 128), (3, 5, 7)])
+def test_compress_pool_in_c_matches_torch_and_is_window_invariant(n, M, hd, isa):
+    """The C pooling against `compress_pool_torch` (within float32 rounding), with window 0's -inf Ca gates (ratio 4)
+    weighing nothing, and each window pooled the same alone as among others (so whichever chunk closes it)."""
+    if kernels.extension is None:
+        pytest.skip("the C extension is not built")
+    g = torch.Generator().manual_seed(n * M + hd)
+    kv, gate = torch.randn(n, M, hd, generator=g), 3 * torch.randn(n, M, hd, generator=g)
+    gate[0, : M // 2] = float("-inf")
+    out, ref = ops.compress_pool(kv, gate), ops.compress_pool_torch(kv, gate)
+    assert out.shape == (n, hd) and torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.cat([ops.compress_pool(kv[w : w + 1], gate[w : w + 1]) for w in range(n)]), out)
+    with pytest.raises(ValueError, match="compress_pool needs gate"):
+        kernels.extension.compress_pool(kv.numpy(), gate[:, :-1].contiguous().numpy(), out.numpy())
+
+
 def test_indexer_visibility_rule():
     rng = np.random.default_rng(1)
     d, qr, Hi, Di = 6, 5, 8, 8

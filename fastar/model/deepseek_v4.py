@@ -170,7 +170,7 @@ class Compressor:
             prev_gate = torch.where(has_prev, gate_buf.take(prev)[..., :hd], float("-inf"))
             kv = torch.cat([prev_kv, kv[..., hd:]], dim=1)  # [n, 2m, hd]
             gate = torch.cat([prev_gate, gate[..., hd:]], dim=1)  # [n, 2m, hd]
-        c = (kv * gate.softmax(dim=1)).sum(dim=1)  # [n, hd]
+        c = ops.compress_pool(kv, gate)  # [n, hd]
         c = ops.rms_norm(c, self.norm, self.eps)
         cos, sin = ops.rope_cos_sin(self.inv_freq, win * m)
         c = ops.apply_rope(c, cos, sin)
@@ -231,12 +231,9 @@ class Indexer:
 
     def pick(self, q: torch.Tensor, weights: torch.Tensor, p0: int, keys: torch.Tensor) -> torch.Tensor:
         """Entry ids [T, k] with the top scores among keys [E, Di] (k = min(topk, E)) for the queries q [T, Hi, Di]
-        (head weights [T, Hi]) at positions p0..; -1 marks a pick that is not visible yet."""
-        T, E = q.shape[0], keys.shape[0]
-        score = ops.index_scores(q, weights, keys, p0)  # [T, E], -inf where not visible yet
-        visible = torch.arange(p0 + 1, p0 + T + 1)[:, None] // 4  # entries w < (t+1)//4 are closed for query t
-        idx = score.topk(min(self.topk, E), dim=-1).indices  # [T, k]
-        return torch.where(idx < visible, idx, -1)
+        (head weights [T, Hi]) at positions p0.., ascending in each row; -1 (last) where a query sees fewer."""
+        score = ops.index_scores(q, weights, keys, p0, self.numerics.fp4_indexer)  # [T, E], -inf: not visible yet
+        return ops.index_topk(score, p0, min(self.topk, keys.shape[0]))  # [T, k], ascending ids, then -1
 
 
 # --- attention -----------------------------------------------------------------------------------------------
@@ -353,8 +350,11 @@ class Attention:
                 comp_idx = self.indexer.pick(scoring[0][s], scoring[1][s], a, state.idx_entries.rows(0, b // 4))
             if comp_idx is not None and state.entries.is_packed:  # decode only the picked entries [U, D]
                 used = comp_idx >= 0
-                ids, where = torch.unique(comp_idx[used], return_inverse=True)
-                comp, comp_idx = state.entries.take(ids), comp_idx.masked_scatter(used, where)
+                mark = torch.zeros(b // self.ratio, dtype=torch.bool, device=comp_idx.device)  # picked by a query
+                mark[comp_idx[used]] = True
+                ids = mark.nonzero().squeeze(1)  # [U] ascending (torch.unique's order, without its sort)
+                where = mark.cumsum(0) - 1  # entry id -> its place in ids
+                comp, comp_idx = state.entries.take(ids), torch.where(used, where[comp_idx.clamp(min=0)], -1)
             else:
                 comp = state.entries.rows(0, b // self.ratio)  # [E, D]
         return attend(q, state.kv.rows(k0, b), k0, a, self.window, comp, comp_idx, self.ratio, self.sinks, self.D**-0.5)

@@ -218,16 +218,20 @@ def attend_c(
 SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) torch computes at once
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, p0: int) -> torch.Tensor:
+def index_scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, p0: int, fp4: bool = False
+) -> torch.Tensor:
     """The lightning indexer's scores `sum_h w_h relu(q_h . k_e) / sqrt(Di)` of queries q [T, Hi, Di] (head weights
     [T, Hi]) at positions p0.. over index keys [E, Di] -> [T, E], -inf for entries the query cannot see yet
     (e >= (p + 1) // 4). One C call over the kernels' pool when the extension is built and the ISA is AVX-512 (each
     (query, entry) summed in one fixed order: batch-invariant; equal to `index_scores_torch` within float32
-    rounding, tested; ~7x faster than it on 128 queries x 16k keys here), else `index_scores_torch`."""
+    rounding, tested; ~7x faster than it on 128 queries x 16k keys here), else `index_scores_torch`. `fp4`: the
+    caller declares q and keys FP4-rounded (official numerics), so bfloat16 values: the C kernel checks that and
+    then runs on vdpbf16ps where the CPU has it (exact products, ~2x the FP32 kernel; same bound)."""
     args = _c_arrays(q, weights, keys)
     if args is not None and q.dim() == 3:
         out = torch.empty(q.shape[0], keys.shape[0])
-        if _C.index_scores(*args, p0, float(q.shape[-1] ** -0.5), out.numpy()):
+        if _C.index_scores(*args, p0, float(q.shape[-1] ** -0.5), out.numpy(), fp4):
             return out
     return index_scores_torch(q, weights, keys, p0)
 
@@ -244,6 +248,48 @@ def index_scores_torch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
         score[a : a + step] = (s * weights[a : a + step, :, None]).sum(dim=1)  # [t, E]
     visible = torch.arange(p0 + 1, p0 + T + 1)[:, None] // 4  # entries e < (p+1)//4 are closed for query p
     return score.masked_fill(torch.arange(E)[None, :] >= visible, float("-inf"))
+
+
+def index_topk(score: torch.Tensor, p0: int, k: int) -> torch.Tensor:
+    """The indexer's picks: for each query t (at position p0 + t) of the scores [T, E], the ids of the k
+    best-scored entries it sees (e < (p0 + t + 1) // 4), ascending, then -1 where it sees fewer -> int64 [T, k].
+    One C call over the kernels' pool when the extension is built (a quickselect per query: O(E) instead of a
+    sort; each query's picks depend on its row only; the same picks as `index_topk_torch` unless two visible
+    scores tie at the k-th place, where the C version takes the lower entry and torch's choice is open)."""
+    args = _c_arrays(score)
+    if args is not None and score.dim() == 2 and k >= 1:
+        out = torch.empty(score.shape[0], k, dtype=torch.int64)
+        _C.index_topk(args[0], p0, out.numpy())
+        return out
+    return index_topk_torch(score, p0, k)
+
+
+def index_topk_torch(score: torch.Tensor, p0: int, k: int) -> torch.Tensor:
+    """`index_topk` in torch (`topk`, the invisible picks to -1, then each row sorted ascending with the -1s last):
+    the reference the C version is tested against."""
+    T, E = score.shape
+    idx = score.topk(k, dim=-1).indices  # [T, k]
+    visible = torch.arange(p0 + 1, p0 + T + 1, device=score.device)[:, None] // 4  # [T, 1]
+    idx = torch.where(idx < visible, idx, E).sort(dim=-1).values  # E: past every real entry
+    return torch.where(idx < E, idx, -1)
+
+
+def compress_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The compressor's pooling of n closed windows: per feature, a softmax over the window's M gate rows weighs its
+    kv rows. kv, gate [n, M, hd] (a -inf gate row weighs 0) -> [n, hd]. One C call over the kernels' pool when the
+    extension is built (each window in one fixed order: the same whichever chunk closes it; equal to
+    `compress_pool_torch` within float32 rounding, tested), else `compress_pool_torch`."""
+    args = _c_arrays(kv, gate)
+    if args is not None and kv.dim() == 3 and kv.shape == gate.shape:
+        out = torch.empty(kv.shape[0], kv.shape[2])
+        _C.compress_pool(args[0], args[1], out.numpy())
+        return out
+    return compress_pool_torch(kv, gate)
+
+
+def compress_pool_torch(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`compress_pool` in torch: the reference the C version is tested against."""
+    return (kv * gate.softmax(dim=1)).sum(dim=1)
 
 
 # --- hyper-connections ----------------------------------------------------------------------------------------

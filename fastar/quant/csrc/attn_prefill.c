@@ -17,6 +17,8 @@
 
 #if FASTAR_X86
 #include <immintrin.h>
+
+#include "exp512.h"
 #define AVX512_IDX_INLINE TARGET_AVX512 static inline __attribute__((always_inline))
 #endif
 
@@ -235,6 +237,91 @@ TARGET_AVX512 static void scores_avx512(const index_job *j, int64_t e0, int64_t 
 #endif
 
 #if FASTAR_X86
+/* The same scores on vdpbf16ps (AVX512_BF16: twice the multiply-adds of an FMA per instruction) when q and the keys
+ * are all bfloat16s: the official numerics round both to FP4 e2m1 times a power of two, so every product is exact
+ * and the result differs from the FP32 kernel only in float32 summation order (dims in pairs, pairs in order;
+ * vdpbf16ps flushes denormals, which FP4-rounded values of any sane scale never produce). q arrives as bfloat16
+ * pairs qb [T, Hi, Di/2]; the block's keys are laid out as pairs kb [Di/2, 32] (a vector: one dim pair of 16
+ * entries). */
+#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#define BF16_INLINE TARGET_BF16 static inline __attribute__((always_inline))
+
+BF16_INLINE void heads_tile_bf16(const uint32_t *q, const float *w, const uint32_t *kb, int64_t Dp, __m512 scale,
+                                 __m512 s[2], const int NH) {
+    __m512 a[4][2];
+    for (int h = 0; h < NH; h++) a[h][0] = a[h][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < Dp; d++) {
+        const __m512i k0 = _mm512_loadu_si512((const void *)(kb + d * IDX_EB)),
+                      k1 = _mm512_loadu_si512((const void *)(kb + d * IDX_EB + 16));
+        for (int h = 0; h < NH; h++) {
+            const __m512i qb = _mm512_set1_epi32((int)q[h * Dp + d]);
+            a[h][0] = _mm512_dpbf16_ps(a[h][0], (__m512bh)qb, (__m512bh)k0);
+            a[h][1] = _mm512_dpbf16_ps(a[h][1], (__m512bh)qb, (__m512bh)k1);
+        }
+    }
+    for (int h = 0; h < NH; h++) /* heads in order, as the FP32 kernel */
+        for (int c = 0; c < 2; c++) {
+            const __m512 r = _mm512_mul_ps(_mm512_max_ps(a[h][c], _mm512_setzero_ps()), scale);
+            s[c] = _mm512_fmadd_ps(_mm512_set1_ps(w[h]), r, s[c]);
+        }
+}
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+TARGET_BF16 static void scores_bf16(const index_job *j, const uint32_t *qb, int64_t e0, int64_t e1, uint32_t *kb) {
+    const int64_t n = e1 - e0, Dp = j->Di / 2;
+    for (int64_t d = 0; d < Dp; d++) /* kb[d, i] = keys[e0 + i, 2d .. 2d+1] as a bfloat16 pair, zero past the block */
+        for (int64_t i = 0; i < IDX_EB; i++) {
+            const float *k = j->keys + (e0 + i) * j->Di + 2 * d;
+            kb[d * IDX_EB + i] = i < n ? f32_bits(k[0]) >> 16 | (f32_bits(k[1]) & 0xffff0000u) : 0;
+        }
+    const __m512 scale = _mm512_set1_ps(j->scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < j->T; t++) {
+        const int64_t visible = (j->p0 + t + 1) / 4;
+        float *o = j->out + t * j->E + e0;
+        __m512 s[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        if (visible > e0) {
+            const uint32_t *q = qb + t * j->Hi * Dp;
+            const float *w = j->w + t * j->Hi;
+            int64_t h = 0;
+            for (; h + 4 <= j->Hi; h += 4) heads_tile_bf16(q + h * Dp, w + h, kb, Dp, scale, s, 4);
+            for (; h < j->Hi; h++) heads_tile_bf16(q + h * Dp, w + h, kb, Dp, scale, s, 1);
+        }
+        for (int c = 0; c < 2; c++) {
+            const int64_t vis = visible - e0 - 16 * c, lim = n - 16 * c;
+            _mm512_mask_storeu_ps(o + 16 * c, lanes16(lim), _mm512_mask_blend_ps(lanes16(vis), ninf, s[c]));
+        }
+    }
+}
+
+static int all_bf16(const float *x, int64_t n) { /* every value's low 16 bits are zero */
+    uint32_t any = 0;
+    for (int64_t i = 0; i < n; i++) any |= f32_bits(x[i]) & 0xffffu;
+    return any == 0;
+}
+
+typedef struct {
+    index_ctx base;
+    const uint32_t *qb;
+} index_bf16_ctx;
+
+static void index_chunk_bf16(void *p, int64_t i) {
+    index_bf16_ctx *c = p;
+    const index_job *j = c->base.j;
+    const int64_t e0 = i * IDX_EB, e1 = e0 + IDX_EB < j->E ? e0 + IDX_EB : j->E;
+    uint32_t *kb = malloc((size_t)(j->Di / 2) * IDX_EB * sizeof *kb);
+    if (!kb) {
+        atomic_store(&c->base.failed, 1);
+        return;
+    }
+    scores_bf16(j, c->qb, e0, e1, kb);
+    free(kb);
+}
+
 static void index_chunk(void *p, int64_t i) {
     index_ctx *c = p;
     const index_job *j = c->j;
@@ -251,6 +338,19 @@ static void index_chunk(void *p, int64_t i) {
 
 int index_scores_run(const isa_ops *isa, const index_job *j) {
 #if FASTAR_X86
+    if (j->bf16 && (!all_bf16(j->q, j->T * j->Hi * j->Di) || !all_bf16(j->keys, j->E * j->Di))) return -2;
+    /* an ISA with the bf16 dot path (fp8_bmap set: kern_avx512bf16.c) has vdpbf16ps */
+    if (j->bf16 && isa->vec == VEC_AVX512 && isa->fp8_bmap && j->Di % 2 == 0) {
+        const int64_t n = j->T * j->Hi * j->Di / 2;
+        uint32_t *qb = malloc((size_t)n * sizeof *qb + 1);
+        if (!qb) return -1;
+        for (int64_t i = 0; i < n; i++) qb[i] = f32_bits(j->q[2 * i]) >> 16 | (f32_bits(j->q[2 * i + 1]) & 0xffff0000u);
+        index_bf16_ctx c = {.base = {.j = j}, .qb = qb};
+        atomic_init(&c.base.failed, 0);
+        pool_run((j->E + IDX_EB - 1) / IDX_EB, index_chunk_bf16, &c);
+        free(qb);
+        return atomic_load(&c.base.failed) ? -1 : 0;
+    }
     if (isa->vec == VEC_AVX512) {
         index_ctx c = {.j = j};
         atomic_init(&c.failed, 0);
@@ -260,4 +360,155 @@ int index_scores_run(const isa_ops *isa, const index_job *j) {
 #endif
     (void)isa, (void)j;
     return 1; /* no kernel for this ISA: torch's GEMM beats a portable loop several times */
+}
+
+/* ---------------------------------------------------------------- top-k of the indexer's scores */
+
+/* out[t, 0..k) = the k entries with the highest score[t, e] among those query t sees (e < (p0 + t + 1) / 4), in
+ * ascending entry order, ties broken towards the lower entry, then -1 up to k where it sees fewer. Scores compare
+ * in a total order on their bits (-0 below +0; a NaN with the sign clear above +inf, as torch.topk ranks NaN
+ * highest): the picks of a query depend on its own row only, so they are batch- and thread-invariant. The twin of
+ * fastar.model.ops.index_topk_torch (the same picks whenever no two visible scores tie at the k-th place, where
+ * torch leaves the choice open). A quickselect finds the k-th largest key, then one pass in entry order takes
+ * what is above it and the first of those equal to it: O(E) a query instead of a sort. */
+static inline uint32_t order_key(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u & 0x80000000u ? ~u : u | 0x80000000u; /* unsigned order = float order */
+}
+
+/* The k-th largest of a[0..n) (1 <= k <= n); a is reordered. */
+static uint32_t kth_largest(uint32_t *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    const int64_t want = k - 1; /* its index in descending order */
+    while (lo < hi) {
+        const uint32_t x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi];
+        const uint32_t piv = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int64_t i = lo, j = hi;
+        while (i <= j) { /* descending: [lo, j] >= piv, [i, hi] <= piv afterwards */
+            while (a[i] > piv) i++;
+            while (a[j] < piv) j--;
+            if (i <= j) {
+                const uint32_t t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return piv; /* j < want < i: between the halves every key equals piv */
+    }
+    return a[want];
+}
+
+typedef struct {
+    const float *score;
+    int64_t *out;
+    int64_t T, E, k, p0;
+    atomic_int failed;
+} topk_ctx;
+
+#define TOPK_TB 8 /* queries per pool chunk */
+
+static void topk_chunk(void *p, int64_t c) {
+    topk_ctx *x = p;
+    uint32_t *keys = NULL;
+    for (int64_t t = c * TOPK_TB; t < x->T && t < (c + 1) * TOPK_TB; t++) {
+        const float *s = x->score + t * x->E;
+        int64_t *o = x->out + t * x->k, n = (x->p0 + t + 1) / 4, m = 0;
+        if (n > x->E) n = x->E;
+        if (n <= x->k) { /* every visible entry */
+            for (; m < n; m++) o[m] = m;
+        } else {
+            if (!keys && !(keys = malloc((size_t)x->E * sizeof *keys))) {
+                atomic_store(&x->failed, 1);
+                return;
+            }
+            for (int64_t e = 0; e < n; e++) keys[e] = order_key(s[e]);
+            const uint32_t thr = kth_largest(keys, n, x->k);
+            int64_t above = 0;
+            for (int64_t e = 0; e < n; e++) above += order_key(s[e]) > thr;
+            int64_t ties = x->k - above; /* the first this many entries equal to thr */
+            for (int64_t e = 0; e < n && m < x->k; e++) {
+                const uint32_t key = order_key(s[e]);
+                if (key > thr || (key == thr && ties-- > 0)) o[m++] = e;
+            }
+        }
+        for (; m < x->k; m++) o[m] = -1;
+    }
+    free(keys);
+}
+
+int index_topk_run(const float *score, int64_t *out, int64_t T, int64_t E, int64_t k, int64_t p0) {
+    topk_ctx c = {.score = score, .out = out, .T = T, .E = E, .k = k, .p0 = p0};
+    atomic_init(&c.failed, 0);
+    pool_run((T + TOPK_TB - 1) / TOPK_TB, topk_chunk, &c);
+    return atomic_load(&c.failed) ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------- the compressor's pooling */
+
+/* out[w, f] = sum_r kv[w, r, f] * p[w, r, f],  p[w, ., f] = softmax over the window's M rows r of gate[w, r, f]
+ * (exp(g - max) / sum, rows in order; a -inf gate row weighs 0). Each window depends on its own rows only, in one
+ * fixed order, so a window pools the same whichever chunk closes it and for any thread count. The twin of
+ * fastar.model.ops.compress_pool_torch (within float32 rounding: libm's expf, or exp512.h's on AVX-512 ISAs, and
+ * another summation order). The loops run along the features (contiguous), each exp computed once into a
+ * per-window scratch [M + 2, hd]. */
+typedef struct {
+    const float *kv, *gate;
+    float *out;
+    int64_t M, hd;
+    int avx512; /* the exps on 16 lanes (exp512.h: within 1-2 ulp of expf) */
+    atomic_int failed;
+} pool_ctx;
+
+#if FASTAR_X86
+/* e[r, f] = exp(g[r, f] - m[f]) and sum[f] += e[r, f] over the rows in order, 16 features at a time. */
+TARGET_AVX512 static void pool_exps_avx512(const float *g, const float *m, float *e, float *sum, int64_t M,
+                                           int64_t hd) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t f = 0; f < hd; f += 16) {
+            const __mmask16 k = lanes16(hd - f);
+            const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, g + r * hd + f), _mm512_maskz_loadu_ps(k, m + f));
+            const __m512 ev = exp512(x);
+            _mm512_mask_storeu_ps(e + r * hd + f, k, ev);
+            _mm512_mask_storeu_ps(sum + f, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, sum + f), ev));
+        }
+}
+#endif
+
+static void pool_window(void *p, int64_t w) {
+    pool_ctx *c = p;
+    const int64_t M = c->M, hd = c->hd;
+    const float *kv = c->kv + w * M * hd, *g = c->gate + w * M * hd;
+    float *o = c->out + w * hd, *e = calloc((size_t)(M + 2) * hd, sizeof *e);
+    if (!e) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    float *m = e + M * hd, *sum = m + hd;
+    for (int64_t f = 0; f < hd; f++) m[f] = -INFINITY, sum[f] = 0.0f, o[f] = 0.0f;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t f = 0; f < hd; f++) m[f] = g[r * hd + f] > m[f] ? g[r * hd + f] : m[f];
+#if FASTAR_X86
+    if (c->avx512) pool_exps_avx512(g, m, e, sum, M, hd);
+    else
+#endif
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t f = 0; f < hd; f++) sum[f] += (e[r * hd + f] = expf(g[r * hd + f] - m[f]));
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t f = 0; f < hd; f++) o[f] += kv[r * hd + f] * (e[r * hd + f] / sum[f]);
+    free(e);
+}
+
+int compress_pool_run(const isa_ops *isa, const float *kv, const float *gate, float *out, int64_t n, int64_t M,
+                      int64_t hd) {
+    pool_ctx c = {.kv = kv, .gate = gate, .out = out, .M = M, .hd = hd, .avx512 = isa->vec == VEC_AVX512};
+    atomic_init(&c.failed, 0);
+    if (n * M * hd < (1 << 15)) { /* a decode step's one window: not worth waking the pool */
+        for (int64_t w = 0; w < n; w++) pool_window(&c, w);
+    } else {
+        pool_run(n, pool_window, &c);
+    }
+    return atomic_load(&c.failed) ? -1 : 0;
 }

@@ -440,15 +440,18 @@ fail:
     return NULL;
 }
 
-/* index_scores(q f32 [T, Hi, Di], w f32 [T, Hi], keys f32 [E, Di], p0, scale, out f32 [T, E]) -> bool: the lightning
- * indexer's scores of queries at positions p0.. (attn_prefill.c), -inf for entries a query does not see yet; False
- * (out untouched) when the ISA has no kernel for them. */
+/* index_scores(q f32 [T, Hi, Di], w f32 [T, Hi], keys f32 [E, Di], p0, scale, out f32 [T, E], bf16=False) -> bool:
+ * the lightning indexer's scores of queries at positions p0.. (attn_prefill.c), -inf for entries a query does not
+ * see yet; False (out untouched) when the ISA has no kernel for them. bf16: the caller declares q and keys
+ * bfloat16 values (FP4-rounded: official numerics), checked (ValueError otherwise); vdpbf16ps runs where the ISA
+ * has it. */
 PyObject *py_index_scores(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *oq, *ow, *ok, *oo;
     Py_ssize_t p0;
     double scale;
-    if (!PyArg_ParseTuple(args, "OOOndO", &oq, &ow, &ok, &p0, &scale, &oo)) return NULL;
+    int bf16 = 0;
+    if (!PyArg_ParseTuple(args, "OOOndO|p", &oq, &ow, &ok, &p0, &scale, &oo, &bf16)) return NULL;
     view_t v[4];
     memset(v, 0, sizeof v);
     if (get_view(oq, &v[0], "q", 'f', 3, 0) || get_view(ow, &v[1], "w", 'f', 2, 0) ||
@@ -467,9 +470,13 @@ PyObject *py_index_scores(PyObject *self, PyObject *args) {
     const isa_ops *isa = cur_isa;
     Py_BEGIN_ALLOW_THREADS
     index_job j = {.q = v[0].b.buf, .w = v[1].b.buf, .keys = v[2].b.buf, .out = v[3].b.buf, .T = T, .Hi = Hi,
-                   .Di = Di, .E = E, .p0 = p0, .scale = (float)scale};
+                   .Di = Di, .E = E, .p0 = p0, .scale = (float)scale, .bf16 = bf16};
     if (T > 0 && E > 0) rc = index_scores_run(isa, &j);
     Py_END_ALLOW_THREADS
+    if (rc == -2) {
+        PyErr_SetString(PyExc_ValueError, "index_scores: bf16 declared but q or keys are not all bfloat16 values");
+        goto fail;
+    }
     if (rc < 0) {
         PyErr_NoMemory();
         goto fail;
@@ -478,5 +485,73 @@ PyObject *py_index_scores(PyObject *self, PyObject *args) {
     return PyBool_FromLong(rc == 0);
 fail:
     release(v, 4);
+    return NULL;
+}
+
+/* index_topk(score f32 [T, E], p0, out i64 [T, k]) -> None: the lightning indexer's picks (attn_prefill.c): for
+ * query t at position p0 + t, the k best-scored entries it sees, ascending, then -1. */
+PyObject *py_index_topk(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *os, *oo;
+    Py_ssize_t p0;
+    if (!PyArg_ParseTuple(args, "OnO", &os, &p0, &oo)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_view(os, &v[0], "score", 'f', 2, 0) || get_view(oo, &v[1], "out", 'q', 2, 1)) goto fail;
+    const int64_t T = dim(&v[0], 0), E = dim(&v[0], 1), k = dim(&v[1], 1);
+    if (dim(&v[1], 0) != T || k < 1 || p0 < 0) {
+        PyErr_Format(PyExc_ValueError, "index_topk needs out [T, k] with k >= 1 and p0 >= 0; got score [%lld, %lld], "
+                     "out [%lld, %lld], p0=%zd", (long long)T, (long long)E, (long long)dim(&v[1], 0), (long long)k,
+                     p0);
+        goto fail;
+    }
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (T > 0) rc = index_topk_run(v[0].b.buf, v[1].b.buf, T, E, k, p0);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 2);
+    Py_RETURN_NONE;
+fail:
+    release(v, 2);
+    return NULL;
+}
+
+/* compress_pool(kv f32 [n, M, hd], gate f32 [n, M, hd], out f32 [n, hd]) -> None: the compressor's pooling of n
+ * closed windows (attn_prefill.c). */
+PyObject *py_compress_pool(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *okv, *og, *oo;
+    if (!PyArg_ParseTuple(args, "OOO", &okv, &og, &oo)) return NULL;
+    view_t v[3];
+    memset(v, 0, sizeof v);
+    if (get_view(okv, &v[0], "kv", 'f', 3, 0) || get_view(og, &v[1], "gate", 'f', 3, 0) ||
+        get_view(oo, &v[2], "out", 'f', 2, 1))
+        goto fail;
+    const int64_t n = dim(&v[0], 0), M = dim(&v[0], 1), hd = dim(&v[0], 2);
+    if (M < 1 || dim(&v[1], 0) != n || dim(&v[1], 1) != M || dim(&v[1], 2) != hd ||
+        shape_is(&v[2], "out", n, hd, "[n, hd]")) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "compress_pool needs gate shaped as kv [%lld, %lld, %lld] with rows in a "
+                         "window (M >= 1)", (long long)n, (long long)M, (long long)hd);
+        goto fail;
+    }
+    if (no_overlap(&v[2], v, 2)) goto fail;
+    int rc = 0;
+    const isa_ops *isa = cur_isa;
+    Py_BEGIN_ALLOW_THREADS
+    if (n > 0) rc = compress_pool_run(isa, v[0].b.buf, v[1].b.buf, v[2].b.buf, n, M, hd);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 3);
+    Py_RETURN_NONE;
+fail:
+    release(v, 3);
     return NULL;
 }

@@ -37,6 +37,8 @@ PyObject *py_hc_post(PyObject *self, PyObject *args, PyObject *kw);
 PyObject *py_attend(PyObject *self, PyObject *args, PyObject *kw);
 PyObject *py_state_rows_decode(PyObject *self, PyObject *args);
 PyObject *py_state_rows_encode(PyObject *self, PyObject *args);
+PyObject *py_index_topk(PyObject *self, PyObject *args);
+PyObject *py_compress_pool(PyObject *self, PyObject *args);
 PyObject *py_index_scores(PyObject *self, PyObject *args);
 
 #endif

@@ -171,9 +171,18 @@ typedef struct {
     float *out;        /* [T, E]: -inf where query t (at position p0 + t) does not see entry e yet */
     int64_t T, Hi, Di, E, p0;
     float scale;
+    int bf16; /* the caller declares q and keys bfloat16-exact (FP4-rounded): checked, then vdpbf16ps where it runs */
 } index_job;
-/* Runs a job over the pool: 0, -1 for out of memory, 1 when isa has no kernel for it (AVX-512 only). */
+/* Runs a job over the pool: 0, -1 for out of memory, 1 when isa has no kernel for it (AVX-512 only), -2 when
+ * bf16 is declared but some q or key is not a bfloat16. */
 int index_scores_run(const isa_ops *isa, const index_job *j);
+/* The indexer's top-k: out [T, k] = the k best-scored entries each query sees (score [T, E]), ascending, then -1
+ * (attn_prefill.c says how ties go). 0, or -1 for out of memory. */
+int index_topk_run(const float *score, int64_t *out, int64_t T, int64_t E, int64_t k, int64_t p0);
+/* The compressor's pooling of n windows of M rows: out [n, hd] from kv, gate [n, M, hd] (attn_prefill.c). 0, or
+ * -1 for out of memory. */
+int compress_pool_run(const isa_ops *isa, const float *kv, const float *gate, float *out, int64_t n, int64_t M,
+                      int64_t hd);
 
 /* Thread pool. pool_run calls fn(ctx, i) once for every i in [0, nchunks), spread over the pool's threads
  * (the caller included); chunks are handed out dynamically so a descheduled thread delays only its own. */

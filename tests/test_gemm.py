@@ -174,6 +174,24 @@ def test_tile_bf16_only_for_exact_x(bf16_isa):
     assert np.array_equal(got, fp32)
 
 
+def test_tile_bf16_grouped_takes_one_path(bf16_isa):
+    """A grouped product (wo_a's) past 8 tokens copies each group's x to bfloat16 straight from the call's x: with
+    every x exact, each group equals its own product on the bf16 tile path; one inexact x in one group sends every
+    group to the FP32 tile path (one path per call), bit for bit."""
+    rng = np.random.default_rng(14)
+    t, g, r, k = 20, 4, 128, 1024
+    x = exact_x(rng, t, g * k)
+    w8, s8 = fp8_weights(rng, g * r, k)
+    got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w8, s8, groups=g))
+    for i in range(g):
+        one = K.fp8_matmul(np.ascontiguousarray(x[:, i * k : (i + 1) * k]), w8[i * r : (i + 1) * r], s8[i : i + 1])
+        assert np.array_equal(got[:, i * r : (i + 1) * r], one), i
+    assert not np.array_equal(got, fp32)
+    x[11, 2 * k + 5] += 2.0**-20 * abs(x[11, 2 * k + 5]) + 2.0**-30  # one inexact value, in group 2
+    got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w8, s8, groups=g))
+    assert np.array_equal(got, fp32)
+
+
 def test_tile_bf16_accumulates(bf16_isa):
     rng = np.random.default_rng(13)
     x = exact_x(rng, 19, 640)

@@ -5,10 +5,10 @@
  * Owns: the cache-blocked GEMM out[t, n] (+)= sum_k x[t, k] W[n, k] with vdpbf16ps, two multiply-adds per lane
  * per instruction (twice the FP32 FMA rate). A tile of NR = 32 rows x KC = 128 columns is decoded once into L1
  * as bfloat16 pairs, wt[p][r] = (W[r, 2p], W[r, 2p+1]), without its scales (e4m3 and e2m1 values are exact
- * bfloat16s, scales are applied in float32 below), and every token of the call runs over it: MR tokens x 32 rows
- * per microkernel call, x[t, 2p..2p+1] broadcast as one dword. Scales: FP8 has one per tile (a tile sits in one
- * 128 x 128 scale block), applied as out += sum * s; FP4 one per row and 32 columns, applied per 16 pairs as
- * tot += partial * s, then out += tot. Every product is exact in float32 and no partial sum is a denormal (x_kind's
+ * bfloat16s, scales are applied in float32 below), and every token of the token panel (up to 512, see "Blocking")
+ * runs over it: MR tokens x 32 rows per microkernel call, x[t, 2p..2p+1] broadcast as one dword. Scales: FP8 has
+ * one per tile (a tile sits in one 128 x 128 scale block), applied as out += sum * s; FP4 one per row and 32
+ * columns, applied per 16 pairs as tot += partial * s, then out += tot ("out": the row tile's running sums). Every product is exact in float32 and no partial sum is a denormal (x_kind's
  * bounds), and a power-of-two scale multiplies exactly, so a result differs from the FP32 tile path
  * (kern_avx512.c) only in float32 summation order. A token's sums do not depend on T, on its place in the batch or
  * on the rows a thread owns (tiles start at multiples of 32 rows).

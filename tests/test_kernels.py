@@ -799,7 +799,8 @@ def test_keep_freed_memory_reuses_big_blocks():
         "ok = K.keep_freed_memory(); churn()\n"
         "f0 = faults(); churn(); print(ok, before, faults() - f0)\n"
     )
-    ok, before, after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    ok, before, after = run.stdout.split()
     assert ok == "True"
     assert int(before) >= 4 * (64 << 20) // 4096 // 2  # each fresh mapping faults its pages in
     assert int(after) < 1000

@@ -395,8 +395,9 @@ def test_switch_bf16_wo_a(variant_ckpt, monkeypatch):
         runs[tag] = _run(variant_ckpt, numerics, ids)
     (a,), (b,) = seen["ref"], seen["sw"]  # layer 0's wo_a input: the attention output, rounded to bf16 by the switch
     assert torch.equal(b, a.to(torch.bfloat16).float()) and not torch.equal(a, b)
+    ref, sw = runs["ref"][1].layers[0].buffers(), runs["sw"][1].layers[0].buffers()
     for name in ("kv", "entries", "comp_kv", "idx_kv"):  # upstream of wo_a in layer 0: untouched
-        assert torch.equal(runs["ref"][1].layers[0].buffers()[name].all(), runs["sw"][1].layers[0].buffers()[name].all())
+        assert torch.equal(ref[name].all(), sw[name].all())
     assert (runs["sw"][0] - runs["ref"][0]).abs().max().item() > 0
 
 

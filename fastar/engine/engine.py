@@ -136,9 +136,6 @@ class Engine:
             # torch's OpenMP workers spin after each small op and steal the cores from it (decode 8.3 -> 12.2
             # tok/s, prefill 38 -> 51 tok/s with one torch thread on a 4-layer Flash-width model, 2 cores).
             torch.set_num_threads(1)
-            # Likewise malloc: a prefill chunk's temporaries (~0.3-1 GB at Flash widths, 64 MB tensors) are reused
-            # instead of unmapped and page-faulted anew each chunk (prefill CPU time -20 %, `K.keep_freed_memory`).
-            K.keep_freed_memory()
             if threads is not None:
                 K.set_num_threads(threads)
         elif threads is not None:
@@ -186,6 +183,12 @@ class Engine:
             )
         self.prefill_chunk = prefill_chunk
         self.use_draft(*speculative.resolve(draft, self.model, source, kernels))
+        if kernels and K.available():
+            # Likewise malloc, once the resident weights are read (each into a fresh mapping numpy backs with huge
+            # pages: from malloc's heap they would not be, and decode measured ~10 % slower): a prefill chunk's
+            # temporaries (64 MB tensors at Flash widths) are then reused instead of unmapped and page-faulted anew
+            # each chunk (prefill CPU time -20 %, `K.keep_freed_memory`).
+            K.keep_freed_memory()
 
     def use_draft(
         self, drafter: speculative.Drafter | None, schedule: speculative.Schedule | None = None, mode: str | None = None

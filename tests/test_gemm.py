@@ -125,6 +125,28 @@ def test_tile_bf16_is_batch_invariant(bf16_isa, k):
             assert np.array_equal(product(np.ascontiguousarray(x[t0:t1])), full[t0:t1]), (t0, t1)
 
 
+def test_tile_bf16_panels_do_not_change_results(bf16_isa):
+    """Past 512 tokens a call runs in token panels, and past ~1 MB of x in K panels that continue each row's running
+    sum from out: the results still match the reference, every token's outputs are those it gets in a small call,
+    and adding into zeros gives the plain product bit for bit (each panel resumes the sum exactly where the last one
+    stored it)."""
+    rng = np.random.default_rng(21)
+    t, n, k = 1100, 70, 3000  # 3 token panels of ~367 tokens, 3 K panels of 1408 columns, ragged tiles
+    x = exact_x(rng, t, k)
+    w4, s4 = fp4_weights(rng, n, k - k % 32)
+    w8, s8 = fp8_weights(rng, n, k)
+    x4 = np.ascontiguousarray(x[:, : k - k % 32])
+    for product, xa, deq in (
+        (lambda a, **kw: K.fp8_matmul(a, w8, s8, **kw), x, R.fp8_block_dequant(w8, s8)),
+        (lambda a, **kw: K.fp4_matmul(a, w4, s4, **kw), x4, R.fp4_decode(w4, s4)),
+    ):
+        full = product(xa)
+        assert_close(full, xa, deq)
+        for t0, t1 in ((0, 9), (500, 530), (360, 380), (1090, 1100)):
+            assert np.array_equal(product(np.ascontiguousarray(xa[t0:t1])), full[t0:t1]), (t0, t1)
+        assert np.array_equal(product(xa, out=np.zeros((t, n), np.float32)), full)
+
+
 def test_tile_bf16_thread_count_does_not_change_results(bf16_isa):
     rng = np.random.default_rng(11)
     x = exact_x(rng, 37, 1024)
@@ -149,6 +171,24 @@ def test_tile_bf16_only_for_exact_x(bf16_isa):
     x[7, 3] += 2.0**-20 * abs(x[7, 3]) + 2.0**-30  # one inexact value
     w8, s8 = fp8_weights(rng, 90, 1024)
     got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w8, s8))
+    assert np.array_equal(got, fp32)
+
+
+def test_tile_bf16_grouped_takes_one_path(bf16_isa):
+    """A grouped product (wo_a's) past 8 tokens copies each group's x to bfloat16 straight from the call's x: with
+    every x exact, each group equals its own product on the bf16 tile path; one inexact x in one group sends every
+    group to the FP32 tile path (one path per call), bit for bit."""
+    rng = np.random.default_rng(14)
+    t, g, r, k = 20, 4, 128, 1024
+    x = exact_x(rng, t, g * k)
+    w8, s8 = fp8_weights(rng, g * r, k)
+    got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w8, s8, groups=g))
+    for i in range(g):
+        one = K.fp8_matmul(np.ascontiguousarray(x[:, i * k : (i + 1) * k]), w8[i * r : (i + 1) * r], s8[i : i + 1])
+        assert np.array_equal(got[:, i * r : (i + 1) * r], one), i
+    assert not np.array_equal(got, fp32)
+    x[11, 2 * k + 5] += 2.0**-20 * abs(x[11, 2 * k + 5]) + 2.0**-30  # one inexact value, in group 2
+    got, fp32 = on_both_paths(lambda: K.fp8_matmul(x, w8, s8, groups=g))
     assert np.array_equal(got, fp32)
 
 

@@ -377,6 +377,30 @@ def test_switch_official_routing(variant_ckpt):
     assert (_run(variant_ckpt, both, ids)[0] - _run(variant_ckpt, act, ids)[0]).abs().max().item() > 1e-5
 
 
+def test_switch_bf16_wo_a(variant_ckpt, monkeypatch):
+    from fastar.quant.linear import Linear
+
+    seen: dict[str, list[torch.Tensor]] = {}
+    grouped = Linear.grouped
+
+    def spy(self, x):
+        if self.name.startswith("layers.0."):
+            seen.setdefault(tag, []).append(x.clone())
+        return grouped(self, x)
+
+    monkeypatch.setattr(Linear, "grouped", spy)
+    ids = tokens(120, 4)
+    runs = {}
+    for tag, numerics in (("ref", only(None)), ("sw", only("bf16_wo_a"))):
+        runs[tag] = _run(variant_ckpt, numerics, ids)
+    (a,), (b,) = seen["ref"], seen["sw"]  # layer 0's wo_a input: the attention output, rounded to bf16 by the switch
+    assert torch.equal(b, a.to(torch.bfloat16).float()) and not torch.equal(a, b)
+    ref, sw = runs["ref"][1].layers[0].buffers(), runs["sw"][1].layers[0].buffers()
+    for name in ("kv", "entries", "comp_kv", "idx_kv"):  # upstream of wo_a in layer 0: untouched
+        assert torch.equal(ref[name].all(), sw[name].all())
+    assert (runs["sw"][0] - runs["ref"][0]).abs().max().item() > 0
+
+
 def test_official_numerics_are_deterministic_and_chunking_moves_only_rounding(variant_ckpt):
     """Official numerics round (FP8/FP4) after float32 sums whose order depends on the chunk shape, so a
     value near a rounding boundary can land on the other side and the change travels on (documented in the

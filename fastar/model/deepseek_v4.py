@@ -62,6 +62,7 @@ class Numerics:
     fp4_indexer: bool = True
     fp8_activations: bool = True
     official_routing: bool = True
+    bf16_wo_a: bool = True
 
     @classmethod
     def named(cls, name: str | Numerics) -> Numerics:
@@ -81,6 +82,10 @@ class Numerics:
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """Input of an FP8/FP4 weight product."""
         return ops.fp8_quant_sim(x, 128) if self.fp8_activations else x
+
+    def wo_a_input(self, o: torch.Tensor) -> torch.Tensor:
+        """Input of the grouped `wo_a` product (BF16 weights in DeepSeek's inference, a bf16 einsum)."""
+        return o.to(torch.bfloat16).float() if self.bf16_wo_a else o
 
 
 def layer_inv_freq(cfg: ModelConfig, ratio: int) -> torch.Tensor:
@@ -429,7 +434,7 @@ class Attention:
         """Attention outputs o [T, H, D] -> [T, d]: inverse RoPE, grouped O-LoRA."""
         T, H, D = o.shape
         o = ops.apply_rope(o, cos, sin, inverse=True)  # V carried RoPE: undo it at the query position
-        z = self.wo_a.grouped(o.reshape(T, self.groups, H * D // self.groups))  # [T, G, R]
+        z = self.wo_a.grouped(self.numerics.wo_a_input(o).reshape(T, self.groups, H * D // self.groups))  # [T, G, R]
         return self.wo_b(self.numerics.act(z.reshape(T, -1)))  # [T, d]
 
 

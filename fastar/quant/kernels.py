@@ -42,6 +42,7 @@ __all__ = [
     "extension",
     "cpu_features",
     "set_num_threads",
+    "keep_freed_memory",
     "get_num_threads",
     "set_isa",
     "get_isa",
@@ -88,6 +89,13 @@ def set_num_threads(n: int) -> None:
         raise ValueError(f"thread count must be >= 1, got {n}")
     if _C is not None:
         _C.set_num_threads(n)
+
+
+def keep_freed_memory() -> bool:
+    """Have the process's malloc (glibc) keep freed memory for reuse rather than return it to the OS, so a prefill
+    chunk's large temporaries are not page-faulted and zeroed anew every chunk (process-wide; bindings.c says
+    how). False, changing nothing, without the extension or on another malloc."""
+    return bool(_C is not None and _C.keep_freed_memory())
 
 
 def get_num_threads() -> int:

@@ -15,6 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "dispatch.h"
 
@@ -369,6 +372,20 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* keep_freed_memory() -> bool: glibc's malloc keeps freed blocks for reuse instead of unmapping them (every block
+ * from the heap: M_MMAP_MAX 0, since M_MMAP_THRESHOLD cannot rise past 32 MB; freed memory trimmed from the top
+ * only past 1 GiB). A prefill chunk's big temporaries (64 MB per tensor at 512 tokens and Flash widths) were
+ * otherwise fresh mappings each time, page-faulted and zeroed anew: ~20 % of a prefill's CPU time. False (and no
+ * change) where malloc is not glibc's. Process-wide: the engine calls it where it sets torch's threads. */
+static PyObject *py_keep_freed_memory(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+#if defined(__GLIBC__)
+    return PyBool_FromLong(mallopt(M_MMAP_MAX, 0) && mallopt(M_TRIM_THRESHOLD, 1 << 30));
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyObject *py_get_num_threads(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     return PyLong_FromLong(pool_get_threads());
@@ -586,6 +603,7 @@ static PyMethodDef methods[] = {
      "index_scores(q f32[T,Hi,Di], w f32[T,Hi], keys f32[E,Di], p0, scale, out f32[T,E], bf16=False): lightning "
      "indexer scores"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
+    {"keep_freed_memory", py_keep_freed_memory, METH_NOARGS, "keep_freed_memory() -> bool: malloc reuses freed blocks"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"default_num_threads", py_default_num_threads, METH_NOARGS, "CPUs this process may run on (or FASTAR_THREADS)"},
     {"set_isa", py_set_isa, METH_O, "set_isa('avx512bf16'|'avx512'|'avx2'|'scalar'|'auto')"},

@@ -225,20 +225,54 @@ static void *permute_x(const uint8_t *map, const float *x, int64_t T, int64_t K,
     return dst;
 }
 
-/* The bf16 tile path's copy of x [T, K]: the high halves of the floats in natural column order, rows of *kp =
- * K rounded up to XP_CHUNK plus 32 words, zero padded. The extra 64 bytes keep the rows of a token block off one
- * L1 set (power-of-two K otherwise puts every row's columns k at the same 4 KB offset). NULL when out of memory. */
-static uint16_t *tile_x_bf16(const float *x, int64_t T, int64_t K, int64_t *kp) {
-    *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK + 32;
-    uint16_t *dst = aligned_alloc(64, (size_t)(T * *kp) * sizeof(uint16_t));
-    if (!dst) return NULL;
-    for (int64_t t = 0; t < T; t++) {
-        const uint32_t *src = (const uint32_t *)(x + t * K);
-        uint16_t *d = dst + t * *kp;
-        for (int64_t k = 0; k < K; k++) d[k] = (uint16_t)(src[k] >> 16);
-        memset(d + K, 0, (size_t)(*kp - K) * sizeof(uint16_t));
+/* The bf16 tile path's copy of x: T rows of K floats, ld apart (a grouped product's group is a column slice of its
+ * x), as the high halves of the floats in natural column order, rows of *kp = K rounded up to XP_CHUNK plus 32
+ * words, zero padded. The extra 64 bytes keep the rows of a token block off one L1 set (power-of-two K otherwise
+ * puts every row's columns k at the same 4 KB offset). The copy and x_kind's scan are one pass, spread over the
+ * pool by rows (at 512 tokens x 32768 values, two serial passes took ~15 % of the wo_a product's time). Returns 1
+ * with *dst set when every x is X_EXACT, 0 (nothing kept) when some x is not, -1 for out of memory. */
+typedef struct {
+    const float *x;
+    uint16_t *dst;
+    int64_t T, K, ld, kp, rows;
+    uint8_t *inexact; /* per chunk */
+} tile_x_ctx;
+
+static void tile_x_chunk(void *p, int64_t i) {
+    const tile_x_ctx *c = p;
+    const int64_t t1 = (i + 1) * c->rows < c->T ? (i + 1) * c->rows : c->T;
+    int bad = 0;
+    for (int64_t t = i * c->rows; t < t1; t++) {
+        const uint32_t *src = (const uint32_t *)(c->x + t * c->ld);
+        uint16_t *d = c->dst + t * c->kp;
+        for (int64_t k = 0; k < c->K; k++) d[k] = (uint16_t)(src[k] >> 16);
+        memset(d + c->K, 0, (size_t)(c->kp - c->K) * sizeof(uint16_t));
+        bad |= x_kind((const float *)src, c->K) != X_EXACT;
     }
-    return dst;
+    c->inexact[i] = (uint8_t)bad;
+}
+
+static int tile_x_bf16(const float *x, int64_t T, int64_t K, int64_t ld, uint16_t **dst, int64_t *kp) {
+    *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK + 32;
+    tile_x_ctx c = {x, aligned_alloc(64, (size_t)(T * *kp) * sizeof(uint16_t)), T, K, ld, *kp, 1 + (1 << 16) / (K + 1)};
+    const int64_t n = (T + c.rows - 1) / c.rows;
+    c.inexact = calloc((size_t)n, 1);
+    *dst = NULL;
+    if (!c.dst || !c.inexact) {
+        free(c.dst);
+        free(c.inexact);
+        return -1;
+    }
+    pool_run(n, tile_x_chunk, &c);
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= c.inexact[i];
+    free(c.inexact);
+    if (bad) {
+        free(c.dst);
+        return 0;
+    }
+    *dst = c.dst;
+    return 1;
 }
 
 /* FASTAR_TILE_BF16=0 keeps the FP32 tile path (an A/B knob, read once). */
@@ -254,8 +288,8 @@ static int tile_bf16_off(void) {
 int choose_path(const isa_ops *isa, char fmt, const float *x, int64_t T, int64_t K) {
     const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : fmt == '8' ? isa->fp8_bmap : NULL;
     if (!bmap) return PATH_FP32;
-    if (T > dot_max(isa)) /* the tile path: bf16 on exact x where the ISA has it (split x would cost 3x) */
-        return isa->tile_bf16 && !tile_bf16_off() && x_kind(x, T * K) == X_EXACT ? PATH_BF16 : PATH_FP32;
+    if (T > dot_max(isa)) /* the tile path: bf16 where the ISA has it, if prep_job finds x exact (split: 3x cost) */
+        return isa->tile_bf16 && !tile_bf16_off() ? PATH_BF16 : PATH_FP32;
     const int kind = x_kind(x, T * K);
     return kind == X_EXACT ? PATH_BF16 : kind == X_SPLIT ? PATH_SPLIT : PATH_FP32;
 }
@@ -273,10 +307,12 @@ int prep_job(const isa_ops *isa, char fmt, int path, mm_job *job, prep_t *p) {
     job->dot = job->T <= dot_max(isa);
     job->xp = NULL;
     job->xb = NULL;
-    if (!job->dot) { /* the tile path: bfloat16 x in natural column order for PATH_BF16 */
+    if (!job->dot) { /* the tile path: bfloat16 x in natural column order when PATH_BF16 and x is all exact */
         if (path != PATH_BF16) return 0;
-        job->xb = p->buf = tile_x_bf16(job->x, job->T, job->K, &job->kp);
-        return p->buf ? 0 : -1;
+        uint16_t *xb;
+        const int rc = tile_x_bf16(job->x, job->T, job->K, job->K, &xb, &job->kp);
+        job->xb = p->buf = xb; /* NULL when not all exact: the FP32 tile path */
+        return rc < 0 ? -1 : 0;
     }
     const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : isa->fp8_bmap;
     const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
@@ -367,19 +403,40 @@ int grouped_product(const isa_ops *isa, char fmt, const mm_job *whole, int64_t G
     const size_t wrow = fmt == '4' ? (size_t)K / 2 : fmt == '8' ? (size_t)K : 2 * (size_t)K; /* bytes per row */
     mm_job *jobs = calloc((size_t)G, sizeof(mm_job));
     prep_t *preps = calloc((size_t)G, sizeof(prep_t));
-    float *xg = malloc((size_t)(T * G * K) * sizeof(float)); /* x regrouped [G][T][K]: each group's rows contiguous */
-    int rc = !jobs || !preps || !xg ? -1 : 0;
+    float *xg = NULL; /* x regrouped [G][T][K] (each group's rows contiguous), for all but the bf16 tile path */
+    int rc = !jobs || !preps ? -1 : 0;
     int64_t prepared = 0;
-    if (!rc) {
-        const int path = choose_path(isa, fmt, whole->x, T, G * K);
-        for (int64_t g = 0; g < G; g++)
+    int path = rc ? PATH_FP32 : choose_path(isa, fmt, whole->x, T, G * K), tiled = 0;
+    for (int64_t g = 0; g < G && !rc; g++) {
+        jobs[g] = *whole;
+        jobs[g].K = K, jobs[g].N = R, jobs[g].out = whole->out + g * R;
+        jobs[g].w = (const uint8_t *)whole->w + (size_t)(g * R) * wrow;
+        if (fmt == '4') jobs[g].s = whole->s + g * R * (K / FP4_GROUP);
+        if (fmt == '8') jobs[g].s = whole->s + (g * R / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK);
+    }
+    if (!rc && path == PATH_BF16 && T > dot_max(isa)) { /* each group's bf16 copy straight from the call's x */
+        for (int64_t g = 0; g < G && !rc && path == PATH_BF16; g++, prepared++) {
+            uint16_t *xb;
+            const int r = tile_x_bf16(whole->x + g * K, T, K, G * K, &xb, &jobs[g].kp);
+            preps[g] = (prep_t){.job = &jobs[g], .buf = xb, .out = jobs[g].out, .T = T, .ldo = jobs[g].ldo,
+                                .accumulate = jobs[g].accumulate};
+            jobs[g].x = NULL, jobs[g].dot = 0, jobs[g].xp = NULL, jobs[g].xb = xb;
+            rc = r < 0 ? -1 : 0;
+            if (r == 0) path = PATH_FP32; /* some x is not exact: every group takes the FP32 tile path */
+        }
+        tiled = !rc && path == PATH_BF16;
+        if (!rc && !tiled) {
+            for (int64_t g = 0; g < prepared; g++) finish_job(&preps[g], 0);
+            prepared = 0;
+        }
+    }
+    if (!rc && !tiled) {
+        xg = malloc((size_t)(T * G * K) * sizeof(float));
+        rc = xg ? 0 : -1;
+        for (int64_t g = 0; g < G && !rc; g++)
             for (int64_t t = 0; t < T; t++) memcpy(xg + (g * T + t) * K, whole->x + t * G * K + g * K, (size_t)K * sizeof(float));
         for (int64_t g = 0; g < G && !rc; g++, prepared++) {
-            jobs[g] = *whole;
-            jobs[g].x = xg + g * T * K, jobs[g].K = K, jobs[g].N = R, jobs[g].out = whole->out + g * R;
-            jobs[g].w = (const uint8_t *)whole->w + (size_t)(g * R) * wrow;
-            if (fmt == '4') jobs[g].s = whole->s + g * R * (K / FP4_GROUP);
-            if (fmt == '8') jobs[g].s = whole->s + (g * R / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK);
+            jobs[g].x = xg + g * T * K;
             rc = prep_job(isa, fmt, path, &jobs[g], &preps[g]);
         }
     }

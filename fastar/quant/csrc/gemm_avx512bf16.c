@@ -5,10 +5,10 @@
  * Owns: the cache-blocked GEMM out[t, n] (+)= sum_k x[t, k] W[n, k] with vdpbf16ps, two multiply-adds per lane
  * per instruction (twice the FP32 FMA rate). A tile of NR = 32 rows x KC = 128 columns is decoded once into L1
  * as bfloat16 pairs, wt[p][r] = (W[r, 2p], W[r, 2p+1]), without its scales (e4m3 and e2m1 values are exact
- * bfloat16s, scales are applied in float32 below), and every token of the call runs over it: MR tokens x 32 rows
- * per microkernel call, x[t, 2p..2p+1] broadcast as one dword. Scales: FP8 has one per tile (a tile sits in one
- * 128 x 128 scale block), applied as out += sum * s; FP4 one per row and 32 columns, applied per 16 pairs as
- * tot += partial * s, then out += tot. Every product is exact in float32 and no partial sum is a denormal (x_kind's
+ * bfloat16s, scales are applied in float32 below), and every token of the token panel (up to 512, see "Blocking")
+ * runs over it: MR tokens x 32 rows per microkernel call, x[t, 2p..2p+1] broadcast as one dword. Scales: FP8 has
+ * one per tile (a tile sits in one 128 x 128 scale block), applied as out += sum * s; FP4 one per row and 32
+ * columns, applied per 16 pairs as tot += partial * s, then out += tot ("out": the row tile's running sums). Every product is exact in float32 and no partial sum is a denormal (x_kind's
  * bounds), and a power-of-two scale multiplies exactly, so a result differs from the FP32 tile path
  * (kern_avx512.c) only in float32 summation order. A token's sums do not depend on T, on its place in the batch or
  * on the rows a thread owns (tiles start at multiples of 32 rows).
@@ -29,6 +29,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c")
 #endif
 #include <immintrin.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kern_avx512.h"
@@ -192,98 +193,112 @@ INLINE void micro4(const int mr, int ng, const uint32_t *wt, const uint32_t *x, 
     }
 }
 
-/* Token blocks are balanced to at most MR8 / MR4 tokens each (a token's sums do not depend on its block). */
-/* Token super-blocks: the rows of x one pass over the weights of a thread's rows serves, sized so that the x panel
- * (tb rows of kp bfloat16s, <= 1 MB: an L2) stays close while every tile of those rows runs over it: for K = 8192
- * and 512 tokens the whole x is 8 MB, streamed again from L3 for every 32 rows otherwise (fp8 4096 x 8192 at 512
- * tokens, one thread: 36-47 % -> 51-54 % of the bf16 peak per CPU-second; a 384 KB panel was worse, 34-37 %: the
- * weights are then decoded and read too often). A token's sums do not depend on its super-block. */
+/* Blocking. A call runs in token panels of at most T_PANEL tokens; within one, in K panels of kcp columns (a multiple
+ * of KC), sized so that the panel of x (tb rows x kcp bfloat16s, <= X_PANEL_BYTES: an L2) stays close while every
+ * tile of the thread's rows runs over it. A weight tile is so decoded once per token panel (for T <= T_PANEL: once
+ * per call), not once per ~60 tokens as when the panel spanned all of K (K = 8192: 1 MB / 16 KB rows), and the
+ * x panel is read from L3 once per K panel and thread chunk. The running sums of a tile's rows live in a
+ * contiguous scratch [tb][NR] for the K panel, loaded from out and written back once: out's own rows are N floats
+ * apart, a power of two for most products, and the rows of a token block fell into the same few L1 and L2 sets
+ * (N = 32768: every row in one L2 set). The k-blocks of a row still add into its running sum in ascending order,
+ * one fma (FP8) or add (FP4) each, so the bits do not depend on T, on the panels or on the thread's rows. */
 #define X_PANEL_BYTES (1 << 20)
+#define T_PANEL 512
 
-static int64_t super_blocks(int64_t T, int64_t kp) {
-    int64_t tb = X_PANEL_BYTES / (2 * kp) / MR8 * MR8;
-    if (tb < MR8) tb = MR8;
-    return (T + tb - 1) / tb;
-}
+typedef void (*tile_fn)(const mm_job *j, int64_t n, int nr, int64_t ts, int64_t tb, int64_t k1, int64_t k2,
+                        uint32_t *wt, float *c, int store);
 
-static void fp8_rows_tokens(const mm_job *j, int64_t n0, int64_t n1, int64_t ts, int64_t T, uint32_t *wt) {
+/* FP8: k-blocks [k1, k2) of row tile n for tokens ts..ts+tb-1, running sums in c [tb][NR]; store: the first
+ * k-block writes (k1 == 0 and not accumulating). */
+static void fp8_tile_tokens(const mm_job *j, int64_t n, int nr, int64_t ts, int64_t tb, int64_t k1, int64_t k2,
+                            uint32_t *wt, float *c, int store) {
     const int64_t K = j->K, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK, ldx = j->kp / 2;
     const uint32_t *xb = (const uint32_t *)j->xb + ts * ldx;
-    float *out = j->out + ts * j->ldo;
-    for (int64_t n = n0; n < n1; n += NR) {
-        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kc = K - k0 < KC ? K - k0 : KC;
-            const int np = (int)((kc + 1) / 2);
-            fp8_tile_bf16(j, n, nr, k0, kc, wt);
-            const float s = ue8m0_f32[j->s[(n / FP8_BLOCK) * kb + k0 / FP8_BLOCK]];
-            const int store = k0 == 0 && !j->accumulate;
-            const int64_t nblk = (T + MR8 - 1) / MR8;
-            for (int64_t b = 0, t0 = 0; b < nblk; b++) {
-                const int mr = (int)(T / nblk + (b < T % nblk));
-                const uint32_t *x = xb + t0 * ldx + k0 / 2;
-                float *o = out + t0 * j->ldo + n;
-                switch (mr) {
-#define MCASE(M) case M: micro8(M, np, wt, x, ldx, s, o, j->ldo, nr, store); break;
-                    MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5) MCASE(6)
-                    MCASE(7) MCASE(8) MCASE(9) MCASE(10) MCASE(11)
-                    default: micro8(MR8, np, wt, x, ldx, s, o, j->ldo, nr, store); break;
+    const int64_t nblk = (tb + MR8 - 1) / MR8;
+    for (int64_t k0 = k1; k0 < k2; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC;
+        const int np = (int)((kc + 1) / 2);
+        fp8_tile_bf16(j, n, nr, k0, kc, wt);
+        const float s = ue8m0_f32[j->s[(n / FP8_BLOCK) * kb + k0 / FP8_BLOCK]];
+        const int st = store && k0 == k1;
+        for (int64_t b = 0, t0 = 0; b < nblk; b++) {
+            const int mr = (int)(tb / nblk + (b < tb % nblk));
+            const uint32_t *x = xb + t0 * ldx + k0 / 2;
+            float *o = c + t0 * NR;
+            switch (mr) {
+#define MCASE(M) case M: micro8(M, np, wt, x, ldx, s, o, NR, nr, st); break;
+                MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5) MCASE(6)
+                MCASE(7) MCASE(8) MCASE(9) MCASE(10) MCASE(11)
+                default: micro8(MR8, np, wt, x, ldx, s, o, NR, nr, st); break;
 #undef MCASE
-                }
-                t0 += mr;
             }
+            t0 += mr;
         }
     }
 }
 
-static void fp4_rows_tokens(const mm_job *j, int64_t n0, int64_t n1, int64_t ts, int64_t T, uint32_t *wt) {
+static void fp4_tile_tokens(const mm_job *j, int64_t n, int nr, int64_t ts, int64_t tb, int64_t k1, int64_t k2,
+                            uint32_t *wt, float *c, int store) {
     const int64_t K = j->K, ldx = j->kp / 2;
     const uint32_t *xb = (const uint32_t *)j->xb + ts * ldx;
-    float *out = j->out + ts * j->ldo;
-    for (int64_t n = n0; n < n1; n += NR) {
-        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kc = K - k0 < KC ? K - k0 : KC; /* a multiple of 32 */
-            const int ng = (int)(kc / FP4_GROUP);
-            __m512 sv[4][2];
-            fp4_tile_bf16(j, n, nr, k0, kc, wt, sv);
-            const int store = k0 == 0 && !j->accumulate;
-            const int64_t nblk = (T + MR4 - 1) / MR4;
-            for (int64_t b = 0, t0 = 0; b < nblk; b++) {
-                const int mr = (int)(T / nblk + (b < T % nblk));
-                const uint32_t *x = xb + t0 * ldx + k0 / 2;
-                float *o = out + t0 * j->ldo + n;
-                switch (mr) {
-#define MCASE(M) case M: micro4(M, ng, wt, x, ldx, sv, o, j->ldo, nr, store); break;
-                    MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5)
-                    default: micro4(MR4, ng, wt, x, ldx, sv, o, j->ldo, nr, store); break;
+    const int64_t nblk = (tb + MR4 - 1) / MR4;
+    for (int64_t k0 = k1; k0 < k2; k0 += KC) {
+        const int64_t kc = K - k0 < KC ? K - k0 : KC; /* a multiple of 32 */
+        const int ng = (int)(kc / FP4_GROUP);
+        __m512 sv[4][2];
+        fp4_tile_bf16(j, n, nr, k0, kc, wt, sv);
+        const int st = store && k0 == k1;
+        for (int64_t b = 0, t0 = 0; b < nblk; b++) {
+            const int mr = (int)(tb / nblk + (b < tb % nblk));
+            const uint32_t *x = xb + t0 * ldx + k0 / 2;
+            float *o = c + t0 * NR;
+            switch (mr) {
+#define MCASE(M) case M: micro4(M, ng, wt, x, ldx, sv, o, NR, nr, st); break;
+                MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5)
+                default: micro4(MR4, ng, wt, x, ldx, sv, o, NR, nr, st); break;
 #undef MCASE
-                }
-                t0 += mr;
             }
+            t0 += mr;
         }
     }
 }
 
-void fp8_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1) {
+/* Rows [n0, n1) of a call: token panels, K panels, row tiles. c holds the running sums of one row tile for a token
+ * panel; when it cannot be allocated, the panels are cut to MR8 tokens over a stack scratch (more weight decoding,
+ * the same bits: a token's sums do not depend on its panel). */
+static void tile_rows(const mm_job *j, int64_t n0, int64_t n1, tile_fn fn) {
     uint32_t wt[KP * NR] __attribute__((aligned(64)));
-    const int64_t nsb = super_blocks(j->T, j->kp);
-    for (int64_t b = 0, ts = 0; b < nsb; b++) {
-        const int64_t tb = j->T / nsb + (b < j->T % nsb);
-        fp8_rows_tokens(j, n0, n1, ts, tb, wt);
-        ts += tb;
+    float small[MR8 * NR] __attribute__((aligned(64)));
+    const int64_t T = j->T, K = j->K, ntp = (T + T_PANEL - 1) / T_PANEL, tmax = (T + ntp - 1) / ntp;
+    float *heap = aligned_alloc(64, (size_t)tmax * NR * sizeof(float)), *c = heap ? heap : small;
+    const int64_t tcap = heap ? tmax : MR8;
+    for (int64_t p = 0, ts = 0; p < ntp; p++) {
+        const int64_t tp = T / ntp + (p < T % ntp);
+        for (int64_t t1 = ts; t1 < ts + tp; t1 += tcap) {
+            const int64_t tb = ts + tp - t1 < tcap ? ts + tp - t1 : tcap;
+            int64_t kcp = X_PANEL_BYTES / (2 * tb) / KC * KC;
+            if (kcp < KC) kcp = KC;
+            for (int64_t k1 = 0; k1 < K; k1 += kcp) {
+                const int64_t k2 = K - k1 < kcp ? K : k1 + kcp;
+                const int store = k1 == 0 && !j->accumulate; /* else continue from out */
+                for (int64_t n = n0; n < n1; n += NR) {
+                    const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+                    float *o = j->out + t1 * j->ldo + n;
+                    if (!store)
+                        for (int64_t t = 0; t < tb; t++) memcpy(c + t * NR, o + t * j->ldo, (size_t)nr * sizeof(float));
+                    fn(j, n, nr, t1, tb, k1, k2, wt, c, store);
+                    for (int64_t t = 0; t < tb; t++) memcpy(o + t * j->ldo, c + t * NR, (size_t)nr * sizeof(float));
+                }
+            }
+        }
+        ts += tp;
     }
+    free(heap);
 }
 
-void fp4_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1) {
-    uint32_t wt[KP * NR] __attribute__((aligned(64)));
-    const int64_t nsb = super_blocks(j->T, j->kp);
-    for (int64_t b = 0, ts = 0; b < nsb; b++) {
-        const int64_t tb = j->T / nsb + (b < j->T % nsb);
-        fp4_rows_tokens(j, n0, n1, ts, tb, wt);
-        ts += tb;
-    }
-}
+void fp8_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1) { tile_rows(j, n0, n1, fp8_tile_tokens); }
+
+void fp4_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1) { tile_rows(j, n0, n1, fp4_tile_tokens); }
 
 /* The bf16 tile path's instruction peak, measured like the FP32 FMA peak (isa_ops.fma_loop): 12 independent
  * vdpbf16ps chains; returns the flops executed (2 per multiply-add, 64 per instruction). */

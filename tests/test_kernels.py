@@ -800,8 +800,8 @@ def test_grouped_products_equal_their_groups(backend, t, exact):
 def test_keep_freed_memory_reuses_big_blocks():
     """After keep_freed_memory() (what the engine calls), a freed 64 MB torch tensor's block is reused by the next
     allocation of that size instead of being unmapped and page-faulted anew; before it, glibc maps each one fresh.
-    In a fresh process: the setting is process-wide. The least of three rounds after it: a single round faulted
-    two blocks anew all the same in 2 of 12 runs here (cause not found)."""
+    In a fresh process: the setting is process-wide. Three rounds after it take fewer faults together than one
+    round before it (mostly none: a round re-faulted two of its four blocks in 2 of 12 runs, cause not found)."""
     import platform
     import subprocess
     import sys
@@ -819,10 +819,10 @@ def test_keep_freed_memory_reuses_big_blocks():
         "ok = K.keep_freed_memory(); churn()\n"
         "after = []\n"
         "for _ in range(3): f0 = faults(); churn(); after.append(faults() - f0)\n"
-        "print(ok, before, min(after))\n"
+        "print(ok, before, sum(after))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     ok, before, after = run.stdout.split()
     assert ok == "True"
     assert int(before) >= 4 * (64 << 20) // 4096 // 2  # each fresh mapping faults its pages in
-    assert int(after) < 1000
+    assert int(after) < int(before)  # 3 rounds: without the setting they would take ~3x before

@@ -386,7 +386,6 @@ def test_small_batches_are_batch_invariant(isa, k):
     K.set_isa("auto")
 
 
-
 @pytest.mark.parametrize("n, k", [(37, 1000), (9, 4096), (1, 96)])
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_weights_several_tokens_match_each_token_alone(isa, n, k):
@@ -404,6 +403,7 @@ def test_bf16_weights_several_tokens_match_each_token_alone(isa, n, k):
         assert_close(alone, x, R.bf16_decode(wb))
     finally:
         K.set_isa("auto")
+
 
 # --- the bf16 dot path (AVX512_BF16 on x86-64, FEAT_BF16 on AArch64) ------------------------------------------
 # For T <= 8, a product whose every x is an exact bfloat16 (as FP8-quantized activations are) multiplies with

@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from batch_helpers import needs_invariant_kernels, prompt
 
 from fastar.engine import speculative as sp
 from fastar.engine.engine import load
@@ -23,17 +24,6 @@ from fastar.engine.sampling import SamplingParams
 from fastar.engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def needs_invariant_kernels():
-    from fastar.quant import kernels, linear
-
-    if linear._kernels() is None or kernels.get_isa() == "scalar":
-        pytest.skip("batch invariance is a promise of the C kernels' SIMD dot path")
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(2, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def solo(eng, ids, params):

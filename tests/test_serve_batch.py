@@ -14,9 +14,11 @@ import threading
 import time
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
+
+from batch_helpers import needs_invariant_kernels  # noqa: E402 (after the importorskip)
+from batch_helpers import prompt as random_prompt  # noqa: E402
 
 from fastar.engine.engine import load  # noqa: E402 (after the importorskip)
 from fastar.serve.server import Server  # noqa: E402
@@ -25,16 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MODEL = "deepseek-v4-flash"
 
 
-def needs_invariant_kernels():
-    from fastar.quant import kernels, linear
-
-    if linear._kernels() is None or kernels.get_isa() == "scalar":
-        pytest.skip("batch invariance is a promise of the C kernels' SIMD dot path")
-
-
 def prompt(seed: int, n: int, first: int) -> list[int]:
-    ids = torch.randint(2, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [first, *ids[1:]]  # distinct first tokens: no request reuses another's prefix
+    return [first, *random_prompt(seed, n)[1:]]  # distinct first tokens: no request reuses another's prefix
 
 
 @pytest.fixture

@@ -512,22 +512,23 @@ class MoE:
                 break  # every expert was present at once: computed and summed in one call
             for e, ew in batch:
                 tok, slot = (torch.from_numpy(a) for a in np.nonzero(routed == e))
-                ys[e] = (
-                    tok,
-                    expert_ffn(
-                        x[tok],
-                        ew,
-                        wts[tok, slot],
-                        self.limit,
-                        weight_before_down=self.numerics.official_routing,
-                        act_quant=act,
-                        kernels=self.kernels,
-                        act_block=128 if act else 0,
-                    ),
-                )
+                ys[e] = (tok, self._expert(x[tok], ew, wts[tok, slot], act))
         for e in wanted if ys else ():  # summed in a fixed order, so arrival order never changes the result
             out.index_add_(0, *ys[e])
         return out + self._shared(x)
+
+    def _expert(self, x: torch.Tensor, ew, w: torch.Tensor, act) -> torch.Tensor:
+        """One routed expert on its tokens `x` [n, d] with their routing weights `w` [n] (torch path)."""
+        return expert_ffn(
+            x,
+            ew,
+            w,
+            self.limit,
+            weight_before_down=self.numerics.official_routing,
+            act_quant=act,
+            kernels=self.kernels,
+            act_block=128 if act else 0,
+        )
 
     def span(self, xs: list[torch.Tensor], ids: list[torch.Tensor]) -> list[torch.Tensor]:
         """`self(xs[j], ids[j])` for each piece j of a prefill span ([T_j, d] each), with each routed expert fetched
@@ -551,17 +552,7 @@ class MoE:
                     tok, slot = np.nonzero(r == e)
                     if tok.size:
                         tok, slot = torch.from_numpy(tok), torch.from_numpy(slot)
-                        y = expert_ffn(
-                            x[tok],
-                            ew,
-                            wts[tok, slot],
-                            self.limit,
-                            weight_before_down=self.numerics.official_routing,
-                            act_quant=act,
-                            kernels=self.kernels,
-                            act_block=128 if act else 0,
-                        )
-                        ys[j][e] = (tok, y)
+                        ys[j][e] = (tok, self._expert(x[tok], ew, wts[tok, slot], act))
         outs = []
         for x, want, y in zip(xs, wanted, ys):
             out = torch.zeros_like(x)  # [T_j, d]

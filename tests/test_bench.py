@@ -178,3 +178,24 @@ def test_bench_compares_with_transformers_in_bfloat16(tiny_ckpt, tmp_path):
     assert "transformers bfloat16" in r.stdout and "fastar / transformers" in r.stdout
     r = subprocess.run(args[:-1] + [str(tmp_path / "nope")], capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "not a checkpoint directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_decode_macs_split_by_instruction_path(tiny_ckpt, tmp_path):
+    """`decode_macs`: the BF16/F32 weights' products (LM head, routers, ...) on one side, the FP8 products and the
+    k routed experts per layer on the other, every resident product but the embedding counted once; the same
+    split from the checkpoint directory and from its `.fst`."""
+    from fastar.bench.model import decode_macs, prefill_macs
+
+    fst = FstFile(convert(tiny_ckpt, tmp_path / "m.fst", progress=False))
+    cfg = fst.config
+    wide, quant = decode_macs(fst)
+    head = cfg.vocab_size * cfg.hidden_size
+    experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    fp8 = sum(
+        fst.tensor(n).shape[0] * fst.tensor(n).shape[1]
+        for n in fst.names()
+        if n.endswith(".weight") and fst.dtype(n) == "F8_E4M3" and not n.startswith("mtp.")
+    )
+    assert fp8 > 0 and quant == fp8 + experts
+    assert wide > head  # the head and the routers' gates at least
+    assert wide + quant == prefill_macs(fst) + head  # the prefill's count leaves out only the head

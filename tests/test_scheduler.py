@@ -285,6 +285,12 @@ def test_bench_streams_cli(tiny_ckpt, tmp_path):
         # measured while all N decode: every call of the window carries N rows, the ceiling over those calls
         assert row["window_all_streams"] is True and row["window_calls"] >= 1
         assert row["window_rows_per_call"] == row["streams"]
+        # the roofline: per call the larger of the byte time and the arithmetic time, so never above the byte
+        # ceiling, and above it never more than the arithmetic floor allows
+        assert row["roofline_tok_s"] <= row["batched_ceiling_tok_s"] * (1 + 1e-9)
+        assert row["roofline_tok_s"] <= row["arithmetic_floor_tok_s"] * row["streams"] * (1 + 1e-9)
+        assert row["fraction_of_roofline"] >= row["fraction_of_ceiling"]
+    assert out["decode_macs_fp32_path"] > 0 and out["decode_macs_quant_path"] > 0
     assert out["rows"][1]["expert_reads_per_call"] >= out["rows"][0]["expert_reads_per_call"]
 
 

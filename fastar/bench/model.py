@@ -74,13 +74,10 @@ def token_bytes(src) -> tuple[int, int, int]:
     return touched, experts, sum(sizes.values())
 
 
-def prefill_macs(src) -> int:
-    """Multiply-adds one prompt token costs in the weight products (every resident matrix but the embedding,
-    the LM head (applied to a chunk's last token only) and the draft block, plus its k routed experts)."""
-    cfg = src.config
-    macs = 0
+def _matrices(src):
+    """(name, rows x columns, stored dtype) of every resident 2-D weight but the draft block's."""
     for name in src.names():
-        if name.startswith("mtp.") or name in ("embed.weight", "head.weight") or not name.endswith(".weight"):
+        if name.startswith("mtp.") or not name.endswith(".weight"):
             continue
         if hasattr(src, "tensor_info"):  # checkpoint directory: from the safetensors header
             shape = tuple(src.tensor_info(name).shape)
@@ -89,9 +86,37 @@ def prefill_macs(src) -> int:
         else:  # .fst: a view of the mapped file
             shape = tuple(src.tensor(name).shape)
         if len(shape) == 2:
-            macs += shape[0] * shape[1]
-    experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    return macs + experts
+            yield name, shape[0] * shape[1], src.dtype(name)
+
+
+def _expert_macs(cfg) -> int:
+    """Multiply-adds of one routed expert on one token (gate, up and down)."""
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
+def prefill_macs(src) -> int:
+    """Multiply-adds one prompt token costs in the weight products (every resident matrix but the embedding,
+    the LM head (applied to a chunk's last token only) and the draft block, plus its k routed experts)."""
+    cfg = src.config
+    macs = sum(n for name, n, _ in _matrices(src) if name not in ("embed.weight", "head.weight"))
+    return macs + cfg.num_hidden_layers * cfg.num_experts_per_tok * _expert_macs(cfg)
+
+
+def decode_macs(src) -> tuple[int, int]:
+    """Multiply-adds one decoded token costs, split by the instruction path they can take: (products of BF16 and
+    F32 weights, which take float32 inputs and run on FP32 FMA; products of FP8 and FP4 weights, including the k
+    routed experts, whose inputs the official numerics quantize to FP8 so they run on the bf16 dot path where the
+    CPU has one). The embedding is a row lookup, not a product."""
+    cfg = src.config
+    wide = quant = 0
+    for name, n, dtype in _matrices(src):
+        if name == "embed.weight":
+            continue
+        if dtype in ("BF16", "F32"):
+            wide += n
+        else:
+            quant += n
+    return wide, quant + cfg.num_hidden_layers * cfg.num_experts_per_tok * _expert_macs(cfg)
 
 
 def _disk_bw(path: str, nbytes: int = 256 << 20) -> float:

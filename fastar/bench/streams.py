@@ -5,8 +5,12 @@ stream's first token to the first stream's last, so every decode call in it carr
 tokens/s, p50/p95 inter-token latency, whether every stream's tokens equal its solo run (`identical_to_solo`),
 and the batched ceiling over the same decode calls: each reads the resident bytes once plus the bytes of the
 union of its rows' experts (hits at the memory bandwidth measured in the run, misses at the disk bandwidth),
-the additive model of `fastar.bench`'s decode ceiling. Owns only the measuring; the scheduler is
-`fastar.engine.scheduler`.
+the additive model of `fastar.bench`'s decode ceiling. Beside it, the arithmetic floor of the same calls: each
+call's multiply-adds (rows x the per-token products, `decode_macs`) at the FP32 FMA peak (BF16/F32 weights: the
+LM head, routers, compressors) and at the bf16 dot peak (FP8/FP4 weights and the routed experts, whose inputs the
+official numerics quantize), both measured in the run. With several rows a call can be bound by arithmetic rather
+than bytes (the LM head is 2 x 529 M FLOP per row in float32); the roofline is, per call, the larger of the two.
+Owns only the measuring; the scheduler is `fastar.engine.scheduler`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .model import _disk_bw, _preload, _stream_gbps, token_bytes
+from .model import _disk_bw, _preload, _stream_gbps, bf16_dot_peak_gflops, decode_macs, token_bytes
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -78,6 +82,21 @@ def _call_seconds(resident: int, stride: int, call: tuple, membw: float, disk: f
     return (hit_bytes / (membw * 1e9) if membw else 0.0) + (misses * stride / (disk * 1e9) if disk and misses else 0.0)
 
 
+def _mac_rates(engine) -> tuple[float, float]:
+    """Multiply-adds per second of (the FP32 FMA path, the path the FP8/FP4 products take), measured now: the
+    latter is the bf16 dot peak under the official numerics on a CPU with one (reference numerics split each input
+    into three bfloat16s there: a third of it), else the FP32 FMA peak."""
+    from ..quant import kernels
+    from .kernels import machine_limits
+
+    n = kernels.get_num_threads()
+    fma = machine_limits([n])["peak"][n] * 1e9 / 2
+    dot = bf16_dot_peak_gflops(n)
+    if not dot:
+        return fma, fma
+    return fma, dot * 1e9 / 2 / (1 if engine.model.numerics.fp8_activations else 3)
+
+
 def _run(engine, prompts: list[list[int]], tokens: int) -> dict:
     """The prompts together through a scheduler: per stream its tokens and token times."""
     from ..engine.sampling import SamplingParams
@@ -113,6 +132,9 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
     stride = src.expert_stride
     prompts = _prompts(max(streams), prompt_tokens, engine.config.vocab_size)
     membw0 = _stream_gbps(engine) or 0.0
+    wide_macs, quant_macs = decode_macs(src)
+    fma_rate, quant_rate = _mac_rates(engine)
+    row_s = wide_macs / fma_rate + quant_macs / quant_rate  # one row's arithmetic at the peaks
     disk = _disk_bw(str(path)) if Path(path).is_file() else 0.0  # GB/s
     solo = []
     for p in prompts:
@@ -135,7 +157,9 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
         pct = (lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3) if gaps else (lambda q: 0.0)
         # the ceiling of the decode calls whose tokens are in the window (a call's rows are emitted right after it)
         window = [c for c in r["log"] if start < c[0] <= end]
-        ceil_s = sum(_call_seconds(resident_tok, stride, c, membw, disk) for c in window)
+        bytes_s = [_call_seconds(resident_tok, stride, c, membw, disk) for c in window]
+        ceil_s = sum(bytes_s)
+        roof_s = sum(max(b, c[1] * row_s) for b, c in zip(bytes_s, window))
         window_tokens = sum(c[1] for c in window)
         rows.append(
             {
@@ -154,16 +178,23 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
                 "window_rows_per_call": window_tokens / len(window) if window else 0.0,
                 "window_all_streams": full,
                 "batched_ceiling_tok_s": window_tokens / ceil_s if ceil_s else None,
+                "arithmetic_floor_tok_s": 1 / row_s,
+                "roofline_tok_s": window_tokens / roof_s if roof_s else None,
             }
         )
-        c = rows[-1]["batched_ceiling_tok_s"]
+        c, roof = rows[-1]["batched_ceiling_tok_s"], rows[-1]["roofline_tok_s"]
         rows[-1]["fraction_of_ceiling"] = rows[-1]["aggregate_decode_tok_s"] / c if c else None
+        rows[-1]["fraction_of_roofline"] = rows[-1]["aggregate_decode_tok_s"] / roof if roof else None
     return {
         "model": str(path),
         "membw_gbps": membw0,
         "disk_gbps": disk,
         "resident_bytes_per_step": resident_tok,
         "expert_bytes": stride,
+        "decode_macs_fp32_path": wide_macs,
+        "decode_macs_quant_path": quant_macs,
+        "fma_peak_gflops": 2 * fma_rate / 1e9,
+        "quant_path_gflops": 2 * quant_rate / 1e9,
         "tokens": tokens,
         "prompt_tokens": prompt_tokens,
         "rows": rows,
@@ -181,12 +212,23 @@ def main(a) -> int:
     if a.json:
         print(json.dumps(r))
         return 0
-    print(f"{r['model']}: memory {r['membw_gbps']:.1f} GB/s, {r['tokens']} tokens per stream", file=sys.stdout)
+    print(
+        f"{r['model']}: memory {r['membw_gbps']:.1f} GB/s, FP32 FMA {r['fma_peak_gflops']:.0f} GFLOP/s, FP8/FP4 "
+        f"products {r['quant_path_gflops']:.0f} GFLOP/s; per row {r['decode_macs_fp32_path'] / 1e9:.2f} G "
+        f"multiply-adds on FP32 + {r['decode_macs_quant_path'] / 1e9:.2f} G on the quantized path; "
+        f"{r['tokens']} tokens per stream",
+        file=sys.stdout,
+    )
     for row in r["rows"]:
         ceil = row["batched_ceiling_tok_s"]
         print(
             f"  {row['streams']} streams: {row['aggregate_decode_tok_s']:.1f} tok/s aggregate"
-            + (f" (ceiling {ceil:.1f}, {row['fraction_of_ceiling']:.0%})" if ceil else "")
+            + (f" (byte ceiling {ceil:.1f}, {row['fraction_of_ceiling']:.0%}" if ceil else " (")
+            + (
+                f"; roofline {row['roofline_tok_s']:.1f}, {row['fraction_of_roofline']:.0%})"
+                if row["roofline_tok_s"]
+                else ")"
+            )
             + f" over {row['window_calls']} calls of {row['window_rows_per_call']:.1f} rows",
             end="",
         )

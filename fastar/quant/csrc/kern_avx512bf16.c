@@ -8,6 +8,9 @@
  * float32, so the result differs from the FP32 dot path only in float32 summation order. Scales are applied in
  * float32 to each scale group's partial sum, as in kern_avx512.c. Everything else (arbitrary x, BF16 weights,
  * T > DOT_MAX) runs the AVX-512 kernels of kern_avx512.c.
+ * Structure (simd.h's drivers): T <= 2 one weight row per pass; from 3 tokens on two rows per pass (_row2), so each
+ * 64-byte load of x feeds two vdpbf16ps: with one row, loads of x and dot instructions both run at one per cycle,
+ * and the loads set the speed. Either way every (row, token) sum is the same sequence of float operations.
  * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (bindings, dispatch.c,
  * pool.c).
  */

@@ -636,7 +636,7 @@ def test_bf16_path_is_batch_invariant(bf16_isa, k):
 def test_bf16_path_row_pairs_are_batch_invariant_at_the_edges(bf16_isa, threads):
     """From 3 tokens on, the bf16 dot path takes two weight rows at a time (one load of x serves both), below that
     one row: every token of every T in 1..8, at every place, must still equal the token alone bit for bit, with an
-    odd row count (a lone last row), rows across a 128-row FP8 scale block, ragged K (an FP4 row ending in 1 or 3
+    odd row count (a lone last row), rows in two 128-row FP8 scale blocks, ragged K (an FP4 row ending in 1 or 3
     scale groups, an FP8 row ending in a partial block), NaN codes, and scale bytes 0, 255 and other non-normal
     ones (which switch the FP4 scale decoding of a row)."""
     rng = np.random.default_rng(17 + threads)

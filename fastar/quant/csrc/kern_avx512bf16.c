@@ -260,8 +260,8 @@ INLINE void fp8_bdot_block2(const mm_job *j, const uint8_t *wa, const uint8_t *s
     }
 }
 
-/* fp8_bdot_row on rows n and n + 1 at once: bit-identical to it. The two rows may sit in different 128-row scale
- * blocks (n = 127 mod 128). */
+/* fp8_bdot_row on rows n and n + 1 at once: bit-identical to it. Each row looks up its own 128-row scale block, so
+ * a pair may straddle two (simd.h's pairs start at even offsets from a multiple of ROW_ALIGN: today they do not). */
 INLINE void fp8_bdot_row2(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc_a, float *acc_b) {
     const int64_t K = j->K, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     const uint8_t *wa = (const uint8_t *)j->w + n * K;

@@ -631,6 +631,43 @@ def test_bf16_path_is_batch_invariant(bf16_isa, k):
             assert np.array_equal(product(x[8 - T :]), alone[8 - T :]), T
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_path_row_pairs_are_batch_invariant_at_the_edges(bf16_isa, threads):
+    """From 3 tokens on, the bf16 dot path takes two weight rows at a time (one load of x serves both), below that
+    one row: every token of every T in 1..8, at every place, must still equal the token alone bit for bit, with an
+    odd row count (a lone last row), rows in two 128-row FP8 scale blocks, ragged K (an FP4 row ending in 1 or 3
+    scale groups, an FP8 row ending in a partial block), NaN codes, and scale bytes 0, 255 and other non-normal
+    ones (which switch the FP4 scale decoding of a row)."""
+    rng = np.random.default_rng(17 + threads)
+    n = 131
+    cases = []
+    for k in (224, 4128):
+        w4, s4 = fp4_weights(rng, n, k)
+        # odd rows are the second of a pair; group 2 lies in the odd last whole chunk at k = 224
+        s4[3, 1], s4[5, 2], s4[60, -1], s4[129, 2] = 0, 255, 1, 254
+        w4[7, :5] = 0xFF
+        w8, s8 = fp8_weights(rng, n, k)
+        s8[0, 1], s8[1, 0] = 0, 255  # rows 128-130 all NaN
+        w8[9, k - 1], w8[11, 3] = 0x7F, 0xFF
+        cases += [(k, lambda a, w=w4, s=s4: K.fp4_matmul(a, w, s)), (k, lambda a, w=w8, s=s8: K.fp8_matmul(a, w, s))]
+    saved = K.get_num_threads()
+    try:
+        K.set_num_threads(threads)
+        for k, product in cases:
+            x = exact_x(rng, 8, k)
+            alone = np.concatenate([product(x[t : t + 1]) for t in range(8)])
+            assert np.isnan(alone).any() and not np.isnan(alone).all()
+            for T in range(1, 9):
+                for start in range(0, 9 - T, max(1, 8 - T)):
+                    got = product(x[start : start + T])
+                    assert np.array_equal(got, alone[start : start + T], equal_nan=True), (k, T, start)
+            ref = np.concatenate([product(x[t : t + 1]) for t in (7, 0)])  # order of calls does not matter either
+            assert np.array_equal(ref, alone[[7, 0]], equal_nan=True)
+    finally:
+        K.set_num_threads(saved)
+
+
 @pytest.mark.skipif(not K.available(), reason="C extension not built")
 def test_concurrent_callers_get_correct_results():
     rng = np.random.default_rng(9)

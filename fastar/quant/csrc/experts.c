@@ -36,12 +36,26 @@ static void ffn_phase1(void *p, int64_t i) {
 
 typedef struct {
     ffn_ctx *c;              /* one per expert, all with the same I and rows_per_chunk */
+    const int64_t *order;    /* the experts in the order their chunks are handed out */
     int64_t chunks_per_expert;
 } ffn_multi;
 
 static void ffn_multi_phase1(void *p, int64_t i) {
     const ffn_multi *m = p;
-    ffn_phase1(&m->c[i / m->chunks_per_expert], i % m->chunks_per_expert);
+    ffn_phase1(&m->c[m->order[i / m->chunks_per_expert]], i % m->chunks_per_expert);
+}
+
+/* The experts by token count, most first (ties in the given order): the pool hands chunks out in index order to
+ * whichever thread is free, so the big pieces go first and the cheap ones fill the gaps at the end, instead of a
+ * thread starting an 8-token expert as the other runs out of work (largest-first: within 4/3 of the best split).
+ * The order of the work changes no result: every expert writes its own rows of gu and y. */
+static void by_tokens(const int64_t *off, int64_t E, int64_t *order) {
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = off[e + 1] - off[e];
+        int64_t i = e;
+        for (; i > 0 && off[order[i - 1] + 1] - off[order[i - 1]] < n; i--) order[i] = order[i - 1];
+        order[i] = e;
+    }
 }
 
 /* An expert product's path: choose_path's, but never PATH_SPLIT (phase 1 writes gate and up straight into the
@@ -64,9 +78,11 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
     float *y = malloc((size_t)(M * D) * sizeof(float));
     ffn_ctx *c = calloc((size_t)E, sizeof(ffn_ctx));
     mm_job *down = calloc((size_t)E, sizeof(mm_job));
+    mm_job *down_run = calloc((size_t)E, sizeof(mm_job)); /* down in by_tokens order */
+    int64_t *order = calloc((size_t)E, sizeof(int64_t));
     prep_t *preps = calloc((size_t)(2 * E), sizeof(prep_t)); /* per expert: its gate/up inputs, its down inputs */
     int64_t prepared = 0;
-    int rc = !xs || !gu || !y || !c || !down || !preps ? -1 : 0;
+    int rc = !xs || !gu || !y || !c || !down || !down_run || !order || !preps ? -1 : 0;
     if (!rc) {
         for (int64_t j = 0; j < M; j++) memcpy(xs + j * D, x + rows[j] * D, (size_t)D * sizeof(float));
         if (act_block) act_quant_rows(isa, xs, xs, M, D, act_block); /* per row: as each expert quantizes its x */
@@ -81,8 +97,9 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
             c[e].up = c[e].gate;
             c[e].up.w = w[2], c[e].up.s = w[3], c[e].up.out = gu + (M + off[e]) * I;
         }
+        if (!rc) by_tokens(off, E, order);
         if (!rc) {
-            ffn_multi m = {c, (I + rpc - 1) / rpc};
+            ffn_multi m = {c, order, (I + rpc - 1) / rpc};
             pool_run(E * m.chunks_per_expert, ffn_multi_phase1, &m);
             if (act_block) act_quant_rows(isa, gu, gu, M, I, act_block);
         }
@@ -93,7 +110,8 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
             rc = prep_job(isa, '4', expert_path(isa, &down[e]), &down[e], &preps[prepared++]); /* h decides */
         }
         if (!rc) {
-            run_jobs(isa->fp4, down, E);
+            for (int64_t e = 0; e < E; e++) down_run[e] = down[order[e]]; /* prep_job holds &down[e]: copies run */
+            run_jobs(isa->fp4, down_run, E);
             for (int64_t j = 0; j < M; j++) { /* expert after expert: the fixed order of the sum */
                 float *o = out + rows[j] * D;
                 const float *v = y + j * D;
@@ -103,6 +121,8 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
     }
     for (int64_t i = 0; i < prepared; i++) finish_job(&preps[i], !rc);
     free(preps);
+    free(order);
+    free(down_run);
     free(down);
     free(c);
     free(y);

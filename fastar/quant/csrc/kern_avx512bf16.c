@@ -8,6 +8,9 @@
  * float32, so the result differs from the FP32 dot path only in float32 summation order. Scales are applied in
  * float32 to each scale group's partial sum, as in kern_avx512.c. Everything else (arbitrary x, BF16 weights,
  * T > DOT_MAX) runs the AVX-512 kernels of kern_avx512.c.
+ * Structure (simd.h's drivers): T <= 2 one weight row per pass; from 3 tokens on two rows per pass (_row2), so each
+ * 64-byte load of x feeds two vdpbf16ps: with one row, loads of x and dot instructions both run at one per cycle,
+ * and the loads set the speed. Either way every (row, token) sum is the same sequence of float operations.
  * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (bindings, dispatch.c,
  * pool.c).
  */
@@ -28,6 +31,9 @@
 /* Software prefetch distance in weight bytes. These kernels consume a row several times faster than the FP32 ones,
  * so they prefetch further ahead (measured: 2 KB loses a third of the DRAM-fed T=4 speed to 8 KB). */
 #define PF_DIST 8192
+#ifndef PF_DIST2
+#define PF_DIST2 16384
+#endif
 
 static uint8_t fp4_map[XP_CHUNK], bf16_map[XP_CHUNK]; /* kern_avx512.c's, for its FP32 dot path */
 static uint8_t fp4_bmap[XP_CHUNK], fp8_bmap[XP_CHUNK];
@@ -102,6 +108,63 @@ INLINE void fp4_bdot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, i
     for (int t = 0; t < nt; t++) acc[t] += _mm512_reduce_add_ps(_mm512_add_ps(tot0[t], tot1[t]));
 }
 
+/* fp4_bdot_chunk on chunk c of rows a and b at once: each load of x serves both rows (one row per pass is bound by
+ * its loads of x, one per vdpbf16ps). Every (row, token) sum takes exactly fp4_bdot_chunk's operations. */
+INLINE void fp4_bdot_chunk2(const mm_job *j, const uint8_t *wa, const uint8_t *sa, const uint8_t *wb, const uint8_t *sb,
+                            int64_t c, int64_t full, int64_t rem, int norm_a, int norm_b, const int nt, __m512i tab,
+                            __m512 *tot_a, __m512 *tot_b) {
+    __m512 sva, svb;
+    __m512i ba = fp4_chunk(wa, sa, c, full, rem, norm_a, &sva), bb = fp4_chunk(wb, sb, c, full, rem, norm_b, &svb);
+    __asm__("" : "+v"(ba), "+v"(bb)); /* one load each (see fp8_bdot_block) */
+    _mm_prefetch((const char *)(wa + 64 * c + PF_DIST2), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wb + 64 * c + PF_DIST2), _MM_HINT_T0);
+    __m512i ua[4], ub[4];
+    for (int p = 0; p < 4; p++) {
+        ua[p] = _mm512_permutexvar_epi16(p ? _mm512_srli_epi16(ba, 4 * p) : ba, tab);
+        ub[p] = _mm512_permutexvar_epi16(p ? _mm512_srli_epi16(bb, 4 * p) : bb, tab);
+    }
+    for (int t = 0; t < nt; t++) {
+        const uint16_t *xt = j->xb + t * j->kp + 128 * c;
+        __m512i x = _mm512_loadu_si512((const void *)xt);
+        __m512 paa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[0]));
+        __m512 pab = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[0]));
+        x = _mm512_loadu_si512((const void *)(xt + 32));
+        __m512 pba = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[1]));
+        __m512 pbb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[1]));
+        x = _mm512_loadu_si512((const void *)(xt + 64));
+        paa = _mm512_dpbf16_ps(paa, BH(x), BH(ua[2]));
+        pab = _mm512_dpbf16_ps(pab, BH(x), BH(ub[2]));
+        x = _mm512_loadu_si512((const void *)(xt + 96));
+        pba = _mm512_dpbf16_ps(pba, BH(x), BH(ua[3]));
+        pbb = _mm512_dpbf16_ps(pbb, BH(x), BH(ub[3]));
+        tot_a[t] = _mm512_fmadd_ps(_mm512_add_ps(paa, pba), sva, tot_a[t]);
+        tot_b[t] = _mm512_fmadd_ps(_mm512_add_ps(pab, pbb), svb, tot_b[t]);
+    }
+}
+
+/* fp4_bdot_row on rows n and n + 1 at once (the same chunks into the same totals): bit-identical to it. */
+INLINE void fp4_bdot_row2(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc_a, float *acc_b) {
+    const int64_t K = j->K;
+    const uint8_t *wa = (const uint8_t *)j->w + n * (K / 2), *wb = wa + K / 2;
+    const uint8_t *sa = j->s + n * (K / FP4_GROUP), *sb = sa + K / FP4_GROUP;
+    const __m512i tab = _mm512_loadu_si512((const void *)fp4_bf16);
+    const int norm_a = scales_normal(sa + cb / FP4_GROUP, (ce - cb) / FP4_GROUP);
+    const int norm_b = scales_normal(sb + cb / FP4_GROUP, (ce - cb) / FP4_GROUP);
+    __m512 ta0[DOT_GROUP], ta1[DOT_GROUP], tb0[DOT_GROUP], tb1[DOT_GROUP];
+    for (int t = 0; t < nt; t++) ta0[t] = ta1[t] = tb0[t] = tb1[t] = _mm512_setzero_ps();
+    const int64_t full = ce / 128, rem = (ce % 128) / FP4_GROUP, chunks = full + (rem != 0);
+    int64_t c = cb / 128;
+    for (; c + 2 <= full; c += 2) {
+        fp4_bdot_chunk2(j, wa, sa, wb, sb, c, full, rem, norm_a, norm_b, nt, tab, ta0, tb0);
+        fp4_bdot_chunk2(j, wa, sa, wb, sb, c + 1, full, rem, norm_a, norm_b, nt, tab, ta1, tb1);
+    }
+    for (; c < chunks; c++) fp4_bdot_chunk2(j, wa, sa, wb, sb, c, full, rem, norm_a, norm_b, nt, tab, ta0, tb0);
+    for (int t = 0; t < nt; t++) {
+        acc_a[t] += _mm512_reduce_add_ps(_mm512_add_ps(ta0[t], ta1[t]));
+        acc_b[t] += _mm512_reduce_add_ps(_mm512_add_ps(tb0[t], tb1[t]));
+    }
+}
+
 /* 64 e4m3 bytes -> 64 bfloat16 words: vpermi2b looks up the low and the high byte of each magnitude's bfloat16
  * (the index is the low 7 bits, so the sign bit is ignored), the sign is ORed into the high byte, and unpacklo /
  * unpackhi interleave them: w[0] = bytes 0-7 of each 128-bit lane, w[1] = bytes 8-15. */
@@ -159,14 +222,75 @@ INLINE void fp8_bdot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, i
     for (int t = 0; t < nt; t++) acc[t] += _mm512_reduce_add_ps(_mm512_add_ps(tot0[t], tot1[t]));
 }
 
+/* fp8_bdot_block on scale block b of rows a and b at once (see fp4_bdot_chunk2): each load of x serves both rows,
+ * every (row, token) sum takes exactly fp8_bdot_block's operations. */
+INLINE void fp8_bdot_block2(const mm_job *j, const uint8_t *wa, const uint8_t *sa, const uint8_t *sb, int64_t K, int64_t b,
+                            int64_t cols, const int nt, const __m512i tab[4], __m512 *tot_a, __m512 *tot_b) {
+    const int64_t c0 = FP8_BLOCK * b;
+    __m512i ua[4], ub[4];
+    for (int h = 0; h < 2; h++) {
+        const int64_t left = cols - 64 * h;
+        const __mmask64 m = left >= 64 ? ~(__mmask64)0 : left > 0 ? ((__mmask64)1 << left) - 1 : 0;
+        __m512i va = _mm512_maskz_loadu_epi8(m, wa + c0 + 64 * h), vb = _mm512_maskz_loadu_epi8(m, wa + K + c0 + 64 * h);
+        __asm__("" : "+v"(va), "+v"(vb));
+        fp8_bf16(va, tab, ua + 2 * h);
+        fp8_bf16(vb, tab, ub + 2 * h);
+    }
+    _mm_prefetch((const char *)(wa + c0 + PF_DIST2), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wa + c0 + PF_DIST2 + 64), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wa + K + c0 + PF_DIST2), _MM_HINT_T0);
+    _mm_prefetch((const char *)(wa + K + c0 + PF_DIST2 + 64), _MM_HINT_T0);
+    const __m512 sfa = _mm512_set1_ps(ue8m0_f32[sa[b]]), sfb = _mm512_set1_ps(ue8m0_f32[sb[b]]);
+    for (int t = 0; t < nt; t++) {
+        const uint16_t *xt = j->xb + t * j->kp + c0;
+        __m512i x = _mm512_loadu_si512((const void *)xt);
+        __m512 paa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[0]));
+        __m512 pab = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[0]));
+        x = _mm512_loadu_si512((const void *)(xt + 32));
+        __m512 pba = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[1]));
+        __m512 pbb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[1]));
+        x = _mm512_loadu_si512((const void *)(xt + 64));
+        paa = _mm512_dpbf16_ps(paa, BH(x), BH(ua[2]));
+        pab = _mm512_dpbf16_ps(pab, BH(x), BH(ub[2]));
+        x = _mm512_loadu_si512((const void *)(xt + 96));
+        pba = _mm512_dpbf16_ps(pba, BH(x), BH(ua[3]));
+        pbb = _mm512_dpbf16_ps(pbb, BH(x), BH(ub[3]));
+        tot_a[t] = _mm512_fmadd_ps(_mm512_add_ps(paa, pba), sfa, tot_a[t]);
+        tot_b[t] = _mm512_fmadd_ps(_mm512_add_ps(pab, pbb), sfb, tot_b[t]);
+    }
+}
+
+/* fp8_bdot_row on rows n and n + 1 at once: bit-identical to it. Each row looks up its own 128-row scale block, so
+ * a pair may straddle two (simd.h's pairs start at even offsets from a multiple of ROW_ALIGN: today they do not). */
+INLINE void fp8_bdot_row2(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc_a, float *acc_b) {
+    const int64_t K = j->K, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    const uint8_t *wa = (const uint8_t *)j->w + n * K;
+    const uint8_t *sa = j->s + (n / FP8_BLOCK) * kb, *sb = j->s + ((n + 1) / FP8_BLOCK) * kb;
+    const __m512i tab[4] = {_mm512_loadu_si512((const void *)fp8_bf16_lo), _mm512_loadu_si512((const void *)(fp8_bf16_lo + 64)),
+                            _mm512_loadu_si512((const void *)fp8_bf16_hi), _mm512_loadu_si512((const void *)(fp8_bf16_hi + 64))};
+    __m512 ta0[DOT_GROUP], ta1[DOT_GROUP], tb0[DOT_GROUP], tb1[DOT_GROUP];
+    for (int t = 0; t < nt; t++) ta0[t] = ta1[t] = tb0[t] = tb1[t] = _mm512_setzero_ps();
+    int64_t b = cb / FP8_BLOCK;
+    for (; FP8_BLOCK * (b + 2) <= ce; b += 2) {
+        fp8_bdot_block2(j, wa, sa, sb, K, b, FP8_BLOCK, nt, tab, ta0, tb0);
+        fp8_bdot_block2(j, wa, sa, sb, K, b + 1, FP8_BLOCK, nt, tab, ta1, tb1);
+    }
+    for (; FP8_BLOCK * b < ce; b++)
+        fp8_bdot_block2(j, wa, sa, sb, K, b, ce - FP8_BLOCK * b < FP8_BLOCK ? ce - FP8_BLOCK * b : FP8_BLOCK, nt, tab, ta0, tb0);
+    for (int t = 0; t < nt; t++) {
+        acc_a[t] += _mm512_reduce_add_ps(_mm512_add_ps(ta0[t], ta1[t]));
+        acc_b[t] += _mm512_reduce_add_ps(_mm512_add_ps(tb0[t], tb1[t]));
+    }
+}
+
 /* ---------------------------------------------------------------- entry points */
 
 /* xb with dot unset: the bf16 tile path (gemm_avx512bf16.c), x in natural column order. */
 static void fp4_rows(const mm_job *j, int64_t n0, int64_t n1) {
-    if (j->dot && j->xb) { DOT_DISPATCH(fp4_bdot_row) } else if (j->xb) fp4_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp4(j, n0, n1);
+    if (j->dot && j->xb) { if (j->T < 3) { DOT_DISPATCH(fp4_bdot_row) } else { DOT_DISPATCH_PAIRS(fp4_bdot_row, fp4_bdot_row2) } } else if (j->xb) fp4_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp4(j, n0, n1);
 }
 static void fp8_rows(const mm_job *j, int64_t n0, int64_t n1) {
-    if (j->dot && j->xb) { DOT_DISPATCH(fp8_bdot_row) } else if (j->xb) fp8_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp8(j, n0, n1);
+    if (j->dot && j->xb) { if (j->T < 3) { DOT_DISPATCH(fp8_bdot_row) } else { DOT_DISPATCH_PAIRS(fp8_bdot_row, fp8_bdot_row2) } } else if (j->xb) fp8_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp8(j, n0, n1);
 }
 static void bf16_rows(const mm_job *j, int64_t n0, int64_t n1) { isa_avx512_ops.bf16(j, n0, n1); }
 static double fma_loop(int64_t iters) { return isa_avx512_ops.fma_loop(iters); }

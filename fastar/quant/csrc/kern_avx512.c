@@ -4,8 +4,8 @@
  * - dot path (T <= DOT_MAX): vpermps with a 16-entry table maps each 4-bit code straight to its signed float
  *   (the index is the low 4 bits of a 32-bit lane, so the 8 nibbles of a lane are reached by shifting); one
  *   64-byte load gives 128 columns = 4 scale groups, one per 128-bit lane. Masked loads handle ragged ends.
- * - BF16 weights' dot path (bf16_dot_rows, the LM head): 1-8 tokens in one pass over the weights, K-blocked so x
- *   stays in L1, 2-4 rows at a time.
+ * - BF16 weights' dot path (bf16_dot_rows, the LM head): 1-8 tokens in one pass over the weights, 2-4 rows at a
+ *   time, K-blocked for 3-8 tokens so x stays in L1.
  * - tile path: 32 rows x 128 columns dequantized once (16-row gathers) into L1, then an outer-product
  *   microkernel of up to 12 tokens x 32 rows (24 zmm accumulators).
  * Does not own: argument checks, threading (bindings, dispatch.c, pool.c).

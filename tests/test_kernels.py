@@ -405,6 +405,35 @@ def test_bf16_weights_several_tokens_match_each_token_alone(isa, n, k):
         K.set_isa("auto")
 
 
+@pytest.mark.parametrize(
+    "n, k", [(13, 511), (13, 512), (21, 513), (6, 1040), (7, 1555), (300, 200), (3, 17), (1100, 600)]
+)
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_weights_any_batch_place_and_block_boundary(isa, n, k):
+    """The BF16-weight dot path walks a block of rows K block by K block (512 columns) with 3-8 tokens, and 1-2
+    tokens along whole rows (in two stretches past 1024 columns), 1, 2 or 4 rows at a time; a (row, token) sum must
+    come out the same at every T, at every place in the batch, across K block boundaries (K one below, at and one
+    above a block, K not a multiple of 32 or of 16, 1555 = 512 + 1043 stretches) and for row counts
+    that leave 1-3 rows over (13 = 8 + 4 + 1, 21 = 2 x 8 + 4 + 1, 6 = 4 + 2, 7 = 4 + 2 + 1, 300 rows over threads),
+    and whether or not the kernel copies x into K-block order (only for chunks of rows that make the copy cheap: the
+    1100-row product's, at the lower T)."""
+    K.set_isa(isa)
+    try:
+        rng = np.random.default_rng(n + k)
+        x = rng.standard_normal((8, k)).astype(np.float32)
+        wb = (rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        alone = np.concatenate([K.bf16_matmul(x[t : t + 1], wb) for t in range(8)]).view(np.uint32)
+        for T in range(1, 9):
+            for first in sorted({0, 8 - T, (8 - T) // 2}):
+                got = K.bf16_matmul(x[first : first + T], wb).view(np.uint32)
+                assert np.array_equal(got, alone[first : first + T]), (T, first)
+        order = rng.permutation(8)
+        assert np.array_equal(K.bf16_matmul(x[order], wb).view(np.uint32), alone[order])
+        assert_close(alone.view(np.float32), x, R.bf16_decode(wb))
+    finally:
+        K.set_isa("auto")
+
+
 # --- the bf16 dot path (AVX512_BF16 on x86-64, FEAT_BF16 on AArch64) ------------------------------------------
 # For T <= 8, a product whose every x is an exact bfloat16 (as FP8-quantized activations are) multiplies with
 # vdpbf16ps / BFMLALB+T; any other x takes the FP32 dot path. Both are exact products summed in float32, so they

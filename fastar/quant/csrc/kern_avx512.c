@@ -4,6 +4,8 @@
  * - dot path (T <= DOT_MAX): vpermps with a 16-entry table maps each 4-bit code straight to its signed float
  *   (the index is the low 4 bits of a 32-bit lane, so the 8 nibbles of a lane are reached by shifting); one
  *   64-byte load gives 128 columns = 4 scale groups, one per 128-bit lane. Masked loads handle ragged ends.
+ * - BF16 weights' dot path (bf16_dot_rows, the LM head): 1-8 tokens in one pass over the weights, 2-4 rows at a
+ *   time, K-blocked for 3-8 tokens so x stays in L1.
  * - tile path: 32 rows x 128 columns dequantized once (16-row gathers) into L1, then an outer-product
  *   microkernel of up to 12 tokens x 32 rows (24 zmm accumulators).
  * Does not own: argument checks, threading (bindings, dispatch.c, pool.c).
@@ -115,58 +117,133 @@ INLINE void fp8_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, in
     for (int t = 0; t < nt; t++) acc[t] += nan ? __builtin_nanf("") : _mm512_reduce_add_ps(tot[t]);
 }
 
-INLINE void bf16_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc) {
-    const int64_t K = j->K;
-    const uint16_t *wr = (const uint16_t *)j->w + n * K;
+/* BF16 weights, dot path (the LM head of a decode step, up to 8 tokens of a batched step). Every (row, token) sum
+ * is one float32 vector: per 32 columns in column order, acc += x_even * w_even, then acc += x_odd * w_odd (x is
+ * permuted by bf16_map to match: per 32 columns the even ones, then the odd ones), one FMA each; the result is
+ * 0 + reduce(acc). The same operations whatever T, however many rows run together and wherever the K blocks fall,
+ * so a token's outputs are bit-identical alone or batched.
+ *
+ * Order of work (bf16_dot_rows), 3-8 tokens: rows in blocks of BF_RB; a block's columns in K blocks of BF_KB, so the
+ * x of all the tokens for one K block stays in L1 while it serves every row of the block (8 tokens x 512 columns =
+ * 16 KB; the whole of x at K = 4096 and 8 tokens is 128 KB); within a K block 4 rows at a time for up to 4 tokens
+ * and 2 for 5-8 (at most 16 accumulators), so every token rides the one pass over the weights and each x load
+ * serves 2-4 rows. Between K blocks the accumulators wait in a small buffer. 1-2 tokens: 4 rows at a time along
+ * their whole length (x fits L1). */
+#define BF_RB 8   /* rows per block (a multiple of 4) */
+#define BF_KB 512 /* columns per K block (a multiple of 32) */
+#define BF_LEAD 1024 /* 1-2 tokens: how far ahead in a row to prefetch (4 rows: 8 KB of weights ahead) */
+
+/* Rows w, w + K, ... (NW of them), tokens 0..NT-1 of x (token t's column c at x[t * ldx + c - c0]), columns
+ * [c0, c1) (c1 = the row end K, or a multiple of 32 below it), continuing the sums in st (row r, token t at
+ * st[r * DOT_MAX + t]; zero when first). pf: how far ahead, in weights, to prefetch. */
+INLINE void bf16_span(const int NW, const int NT, const uint16_t *w, int64_t K, const float *x, int64_t ldx,
+                      int64_t c0, int64_t c1, int first, __m512 *st, int64_t pf) {
     const __m512i mhi = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 pa[DOT_GROUP], pb[DOT_GROUP];
-    for (int t = 0; t < nt; t++) pa[t] = pb[t] = _mm512_setzero_ps();
-    for (int64_t c = cb; c < ce; c += 32) {
-        const int64_t left = ce - c;
-        const __m512i v = left >= 32 ? _mm512_loadu_si512((const void *)(wr + c))
-                                     : _mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1), wr + c);
-        _mm_prefetch((const char *)(wr + c + 4096), _MM_HINT_T0); /* 8 KB ahead: ~8% more bandwidth than 2 KB on the LM head */
-        const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), o = _mm512_castsi512_ps(_mm512_and_si512(v, mhi));
-        for (int t = 0; t < nt; t++) {
-            const float *xt = j->xp + t * j->kp + c;
-            pa[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt), e, pa[t]);
-            pb[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + 16), o, pb[t]);
+    __m512 acc[4][DOT_MAX];
+    UNROLL
+    for (int r = 0; r < NW; r++)
+        UNROLL
+        for (int t = 0; t < NT; t++) acc[r][t] = first ? _mm512_setzero_ps() : st[r * DOT_MAX + t];
+    for (int64_t c = c0; c < c1; c += 32) {
+        const int64_t left = c1 - c;
+        const __mmask32 m = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
+        __m512 e[4], o[4];
+        UNROLL
+        for (int r = 0; r < NW; r++) {
+            const uint16_t *wr = w + r * K + c;
+            const __m512i v = left >= 32 ? _mm512_loadu_si512((const void *)wr) : _mm512_maskz_loadu_epi16(m, wr);
+            _mm_prefetch((const char *)(wr + pf), _MM_HINT_T0);
+            e[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            o[r] = _mm512_castsi512_ps(_mm512_and_si512(v, mhi));
+        }
+        UNROLL
+        for (int t = 0; t < NT; t++) {
+            const float *xt = x + t * ldx + (c - c0);
+            __m512 xe = _mm512_loadu_ps(xt), xo = _mm512_loadu_ps(xt + 16);
+            if (NW > 1) __asm__("" : "+v"(xe), "+v"(xo)); /* one load for all the rows: the compiler would reload */
+            UNROLL
+            for (int r = 0; r < NW; r++) acc[r][t] = _mm512_fmadd_ps(xo, o[r], _mm512_fmadd_ps(xe, e[r], acc[r][t]));
         }
     }
-    for (int t = 0; t < nt; t++) acc[t] += _mm512_reduce_add_ps(_mm512_add_ps(pa[t], pb[t]));
+    UNROLL
+    for (int r = 0; r < NW; r++)
+        UNROLL
+        for (int t = 0; t < NT; t++) st[r * DOT_MAX + t] = acc[r][t];
 }
 
-/* bf16_dot_row on rows n and n + 1 at once, for nt >= 2 tokens: each load of x serves both rows (with several
- * tokens the one-row kernel is bound by its loads of x, about one per FMA). Every (row, token) sum is formed with
- * exactly the operations of bf16_dot_row in the same order, so the outputs are bit-identical to it (tested). */
-INLINE void bf16_dot_row2(const mm_job *j, int64_t n, const int nt, int64_t cb, int64_t ce, float *acc0, float *acc1) {
-    const int64_t K = j->K;
-    const uint16_t *w0 = (const uint16_t *)j->w + n * K, *w1 = w0 + K;
-    const __m512i mhi = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 pa0[DOT_GROUP], pb0[DOT_GROUP], pa1[DOT_GROUP], pb1[DOT_GROUP];
-    for (int t = 0; t < nt; t++) pa0[t] = pb0[t] = pa1[t] = pb1[t] = _mm512_setzero_ps();
-    for (int64_t c = cb; c < ce; c += 32) {
-        const int64_t left = ce - c;
-        const __mmask32 m = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1);
-        const __m512i v0 = left >= 32 ? _mm512_loadu_si512((const void *)(w0 + c)) : _mm512_maskz_loadu_epi16(m, w0 + c);
-        const __m512i v1 = left >= 32 ? _mm512_loadu_si512((const void *)(w1 + c)) : _mm512_maskz_loadu_epi16(m, w1 + c);
-        _mm_prefetch((const char *)(w0 + c + 4096), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w1 + c + 4096), _MM_HINT_T0);
-        const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(v0, mhi));
-        const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(v1, mhi));
-        for (int t = 0; t < nt; t++) {
-            const float *xt = j->xp + t * j->kp + c;
-            const __m512 xe = _mm512_loadu_ps(xt), xo = _mm512_loadu_ps(xt + 16);
-            pa0[t] = _mm512_fmadd_ps(xe, e0, pa0[t]);
-            pb0[t] = _mm512_fmadd_ps(xo, o0, pb0[t]);
-            pa1[t] = _mm512_fmadd_ps(xe, e1, pa1[t]);
-            pb1[t] = _mm512_fmadd_ps(xo, o1, pb1[t]);
+/* x for the K-blocked walk: K block b of token t at xl[(b * T + t) * BF_KB] (one K block of all the tokens is one
+ * contiguous run: the tokens' rows of xp lie kp floats apart, which at K = 4096 puts them all on the same L1 sets).
+ * Returns NULL when out of memory (the caller then reads xp in place: same sums, slower). */
+static float *bf16_blocked_x(const mm_job *j) {
+    const int64_t nkb = (j->kp + BF_KB - 1) / BF_KB;
+    float *xl = aligned_alloc(64, (size_t)(nkb * j->T * BF_KB) * sizeof(float));
+    if (!xl) return NULL;
+    for (int64_t b = 0; b < nkb; b++)
+        for (int64_t t = 0; t < j->T; t++) {
+            const int64_t n = j->kp - b * BF_KB < BF_KB ? j->kp - b * BF_KB : BF_KB;
+            float *d = xl + (b * j->T + t) * BF_KB;
+            memcpy(d, j->xp + t * j->kp + b * BF_KB, (size_t)n * sizeof(float));
+            memset(d + n, 0, (size_t)(BF_KB - n) * sizeof(float));
         }
+    return xl;
+}
+
+static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    const int64_t K = j->K, T = j->T;
+    const int nw = T <= 4 ? 4 : 2; /* rows at a time: at most 16 accumulators */
+    /* 1-2 tokens: x fits L1 whole, so 4 rows run their whole length at once (measured faster than K blocks there),
+     * prefetching BF_LEAD weights ahead in the row, and over its last BF_LEAD the same place in the next 4 rows */
+    const int whole = T <= 2;
+    const int64_t rb = whole ? 4 : BF_RB, lead = whole ? BF_LEAD : BF_KB;
+    /* the blocked copy of x where the rows make it worth its bytes (it is at most 1/16 of theirs) */
+    float *xl = !whole && (n1 - n0) * K * 2 >= 16 * T * j->kp * 4 ? bf16_blocked_x(j) : NULL;
+    __m512 st[BF_RB * DOT_MAX] __attribute__((aligned(64))); /* row n - nb, token t at st[(n - nb) * DOT_MAX + t] */
+    const int64_t split = (K - lead) / 32 * 32;                 /* whole rows: where the last stretch starts */
+    for (int64_t nb = n0; nb < n1; nb += rb) {
+        const int64_t ne = nb + rb < n1 ? nb + rb : n1;
+        for (int64_t c0 = 0, c1; c0 < K; c0 = c1) {
+            c1 = whole ? (c0 == 0 && split > 0 ? split : K) : (c0 + BF_KB < K ? c0 + BF_KB : K);
+            const float *xb = xl ? xl + (c0 / BF_KB) * T * BF_KB : j->xp + c0;
+            const int64_t ldx = xl ? BF_KB : j->kp;
+            /* prefetch `lead` ahead in the row (the same columns of the next K block); over the last stretch or K
+             * block, the same place in the next block of rows */
+            const int64_t pf = c1 < K ? lead : lead - K + (ne - nb) * K;
+            int64_t n = nb;
+            const uint16_t *w = (const uint16_t *)j->w;
+#define SPAN(NW, NT) bf16_span(NW, NT, w + n * K, K, xb, ldx, c0, c1, c0 == 0, st + (n - nb) * DOT_MAX, pf)
+            if (nw == 4)
+                for (; n + 3 < ne; n += 4) switch (T) {
+                    case 1: SPAN(4, 1); break;
+                    case 2: SPAN(4, 2); break;
+                    case 3: SPAN(4, 3); break;
+                    default: SPAN(4, 4); break;
+                    }
+            for (; n + 1 < ne; n += 2) switch (T) {
+                case 1: SPAN(2, 1); break;
+                case 2: SPAN(2, 2); break;
+                case 3: SPAN(2, 3); break;
+                case 4: SPAN(2, 4); break;
+                case 5: SPAN(2, 5); break;
+                case 6: SPAN(2, 6); break;
+                case 7: SPAN(2, 7); break;
+                default: SPAN(2, 8); break;
+                }
+            for (; n < ne; n++) switch (T) {
+                case 1: SPAN(1, 1); break;
+                case 2: SPAN(1, 2); break;
+                case 3: SPAN(1, 3); break;
+                case 4: SPAN(1, 4); break;
+                case 5: SPAN(1, 5); break;
+                case 6: SPAN(1, 6); break;
+                case 7: SPAN(1, 7); break;
+                default: SPAN(1, 8); break;
+                }
+#undef SPAN
+        }
+        for (int64_t n = nb; n < ne; n++)
+            for (int64_t t = 0; t < T; t++) put(j, t, n, 0.0f + _mm512_reduce_add_ps(st[(n - nb) * DOT_MAX + t]));
     }
-    for (int t = 0; t < nt; t++) {
-        acc0[t] += _mm512_reduce_add_ps(_mm512_add_ps(pa0[t], pb0[t]));
-        acc1[t] += _mm512_reduce_add_ps(_mm512_add_ps(pa1[t], pb1[t]));
-    }
+    free(xl);
 }
 
 /* ---------------------------------------------------------------- tile path (prefill) */
@@ -392,8 +469,7 @@ static void fp8_rows(const mm_job *j, int64_t n0, int64_t n1) {
     if (j->dot) { DOT_DISPATCH(fp8_dot_row) } else tile_rows(j, n0, n1, fp8_tile);
 }
 static void bf16_rows(const mm_job *j, int64_t n0, int64_t n1) {
-    if (j->dot && j->T == 1) { DOT_DISPATCH(bf16_dot_row) } /* one token: bound by the weights' bytes already */
-    else if (j->dot) { DOT_DISPATCH_PAIRS(bf16_dot_row, bf16_dot_row2) }
+    if (j->dot) bf16_dot_rows(j, n0, n1);
     else tile_rows(j, n0, n1, bf16_tile);
 }
 

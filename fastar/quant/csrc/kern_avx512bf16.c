@@ -161,7 +161,7 @@ INLINE void fp8_bdot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, i
 
 /* ---------------------------------------------------------------- entry points */
 
-/* xb with dot unset: the bf16 tile path (gemm_avx512bf16.c), x in natural column order. */
+/* xb with dot unset: the bf16 tile path (gemm_avx512bf16.c), x in groups of TILE_XG tokens (kernels.h). */
 static void fp4_rows(const mm_job *j, int64_t n0, int64_t n1) {
     if (j->dot && j->xb) { DOT_DISPATCH(fp4_bdot_row) } else if (j->xb) fp4_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp4(j, n0, n1);
 }

@@ -44,11 +44,6 @@
 #define MR4 6       /* tokens per FP4 microkernel call on a tile with scales kept apart: 12 partial sums + 12 totals */
 _Static_assert(MR8 == TILE_XG && TILE_XG % MR4 == 0, "token blocks are x's groups or halves of them");
 #define BH(v) ((__m512bh)(v))
-/* acc += the pairs of w times the pair at p broadcast, with vdpbf16ps' embedded broadcast: compilers do not fold a
- * broadcast used twice, and their vpbroadcastd + 12 token addresses spilled general registers inside the inner
- * loop. The two products of a pair add in the same order whichever operand holds w: the bits are
- * _mm512_dpbf16_ps(acc, b, w)'s. */
-#define DP_BCAST(acc, w, p) __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const uint32_t *)(p)))
 
 static uint16_t fp4_bf16[32];                      /* bfloat16 of the e2m1 value of (i & 15) */
 static uint8_t fp8_bf16_hi[128], fp8_bf16_lo[128]; /* high / low byte of the bfloat16 of e4m3 magnitude i */
@@ -190,8 +185,9 @@ INLINE void micro8(const int mr, int np, const uint32_t *wt, const uint32_t *x, 
         const __m512i w0 = _mm512_load_si512((const void *)(wt + p * NR)), w1 = _mm512_load_si512((const void *)(wt + p * NR + 16));
         UNROLL
         for (int t = 0; t < mr; t++) {
-            DP_BCAST(acc[t][0], w0, x + p * TILE_XG + t);
-            DP_BCAST(acc[t][1], w1, x + p * TILE_XG + t);
+            const __m512i b = _mm512_set1_epi32((int)x[p * TILE_XG + t]);
+            acc[t][0] = _mm512_dpbf16_ps(acc[t][0], BH(b), BH(w0));
+            acc[t][1] = _mm512_dpbf16_ps(acc[t][1], BH(b), BH(w1));
         }
     }
     const __mmask16 m0 = row_mask(nr), m1 = row_mask(nr - 16);
@@ -223,8 +219,9 @@ INLINE void micro4(const int mr, int ng, const uint32_t *wt, const uint32_t *x, 
             const __m512i w0 = _mm512_load_si512((const void *)(wt + p * NR)), w1 = _mm512_load_si512((const void *)(wt + p * NR + 16));
             UNROLL
             for (int t = 0; t < mr; t++) {
-                DP_BCAST(part[t][0], w0, x + p * TILE_XG + t);
-                DP_BCAST(part[t][1], w1, x + p * TILE_XG + t);
+                const __m512i b = _mm512_set1_epi32((int)x[p * TILE_XG + t]);
+                part[t][0] = _mm512_dpbf16_ps(part[t][0], BH(b), BH(w0));
+                part[t][1] = _mm512_dpbf16_ps(part[t][1], BH(b), BH(w1));
             }
         }
         UNROLL

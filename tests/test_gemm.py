@@ -112,6 +112,66 @@ def test_tile_bf16_fp4_special_scales(bf16_isa):
         assert np.all(np.abs(got[:, :10]) > 0) or np.any(R.fp4_decode(w[:10], s[:10]) == 0)  # not flushed
 
 
+def test_tile_bf16_fp4_folds_scales_per_tile(bf16_isa):
+    """FP4 tiles whose every scale is within 2^-54 ... 2^38 get their scales folded into the bfloat16 weights (one
+    running sum per token and row); a tile with any scale outside keeps them in float32, on its own: rows of other
+    row tiles keep their bits, and both kinds match the reference, at both ends of the range and just past them."""
+    rng = np.random.default_rng(31)
+    t, n, k = 30, 100, 1024
+    x = exact_x(rng, t, k)
+    w, s = fp4_weights(rng, n, k)
+    base = K.fp4_matmul(x, w, s)
+    assert_close(base, x, R.fp4_decode(w, s))
+    for lo, hi in ((73, 80), (160, 165), (66, 73), (165, 172), (0, 140)):
+        s2 = s.copy()
+        s2[:32, 4:8] = rng.integers(lo, hi + 1, (32, 4), dtype=np.uint8)  # row tile 0, k-block 1
+        s2[5, 6] = hi  # the range's end, or a scale past it
+        xs = x * np.float32(2.0**-40) if hi >= 160 else x  # keep the sums of huge scales finite
+        with np.errstate(over="ignore", invalid="ignore"):
+            got = K.fp4_matmul(xs, w, s2)
+            assert_close(got, xs, R.fp4_decode(w, s2))
+        if hi < 160:
+            assert np.array_equal(got[:, 32:], base[:, 32:]), (lo, hi)  # other row tiles: untouched bits
+            assert np.array_equal(K.fp4_matmul(np.ascontiguousarray(x[7:20]), w, s2), got[7:20])
+
+
+def test_tile_bf16_fp4_tiny_x_keeps_scales_apart(bf16_isa):
+    """x below 2^-64 in a call (still an exact bfloat16 above x_kind's 2^-110) keeps every FP4 scale in float32: folded,
+    2^-80 x 2^-54-scaled products would be float32 denormals that vdpbf16ps flushes to zero. Such a call's other
+    tokens then get the unfolded summation order (the one case where a batch-mate changes a token's bits)."""
+    rng = np.random.default_rng(32)
+    t, n, k = 20, 64, 1024
+    x = exact_x(rng, t, k)
+    w, s = fp4_weights(rng, n, k, scales=(73, 121))  # spread: folding changes the rounding of the sums
+    x[4] *= np.float32(2.0**-80)  # still exact bfloat16s, all above 2^-110
+    assert np.abs(x[4][x[4] != 0]).min() >= 2.0**-110
+    got = K.fp4_matmul(x, w, s)
+    assert_close(got, x, R.fp4_decode(w, s))
+    assert np.count_nonzero(got[4]) > n // 2  # not flushed
+    normal = np.ascontiguousarray(np.delete(x, 4, axis=0))
+    alone = K.fp4_matmul(normal, w, s)
+    assert_close(alone, normal, R.fp4_decode(w, s))
+    assert not np.array_equal(alone, np.delete(got, 4, axis=0))  # folded without the tiny token: another order
+
+
+@pytest.mark.parametrize("t", [13, 24, 25, 523])
+def test_tile_bf16_token_groups(bf16_isa, t):
+    """x is copied in groups of 12 tokens; ragged last groups and panels: every token as in a call of its own block."""
+    rng = np.random.default_rng(t)
+    k = 384
+    x = exact_x(rng, t, k)
+    w4, s4 = fp4_weights(rng, 40, k)
+    w8, s8 = fp8_weights(rng, 40, k - 1)
+    x8 = np.ascontiguousarray(x[:, : k - 1])
+    for product, xa, deq in (
+        (lambda a: K.fp4_matmul(a, w4, s4), x, R.fp4_decode(w4, s4)),
+        (lambda a: K.fp8_matmul(a, w8, s8), x8, R.fp8_block_dequant(w8, s8)),
+    ):
+        full = product(xa)
+        assert_close(full, xa, deq)
+        assert np.array_equal(product(np.ascontiguousarray(xa[t - 9 :])), full[t - 9 :])
+
+
 @pytest.mark.parametrize("k", [512, 4096])
 def test_tile_bf16_is_batch_invariant(bf16_isa, k):
     """A token's outputs on the tile path are the same in every chunk of more than 8 tokens and at every place."""

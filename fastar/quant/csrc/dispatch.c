@@ -226,35 +226,47 @@ static void *permute_x(const uint8_t *map, const float *x, int64_t T, int64_t K,
 }
 
 /* The bf16 tile path's copy of x: T rows of K floats, ld apart (a grouped product's group is a column slice of its
- * x), as the high halves of the floats in natural column order, rows of *kp = K rounded up to XP_CHUNK plus 32
- * words, zero padded. The extra 64 bytes keep the rows of a token block off one L1 set (power-of-two K otherwise
- * puts every row's columns k at the same 4 KB offset). The copy and x_kind's scan are one pass, spread over the
- * pool by rows (at 512 tokens x 32768 values, two serial passes took ~15 % of the wo_a product's time). Returns 1
- * with *dst set when every x is X_EXACT, 0 (nothing kept) when some x is not, -1 for out of memory. */
+ * x), as mm_job.xb's tile layout: groups of TILE_XG tokens, pair p of the group's tokens side by side (the
+ * microkernel's broadcasts of a pair for its tokens read one 48-byte run, and a token block's x for one tile is one
+ * contiguous stream instead of 12 rows 8 KB apart), kp = K rounded up to XP_CHUNK, zero padded. The copy and
+ * x_kind's scan are one pass over x's rows, spread over the pool by groups (at 512 tokens x 32768 values, two serial
+ * passes took ~15 % of the wo_a product's time). Returns 1 with *dst set when every x is X_EXACT, 0 (nothing kept)
+ * when some x is not, -1 for out of memory. *tiny: some nonzero x is below 2^-64 (exponent field < 63:
+ * gemm_avx512bf16.c then keeps FP4 scales out of the weights). */
 typedef struct {
     const float *x;
-    uint16_t *dst;
-    int64_t T, K, ld, kp, rows;
-    uint8_t *inexact; /* per chunk */
+    uint32_t *dst;
+    int64_t T, K, ld, kp, rows; /* rows: per chunk, a multiple of TILE_XG */
+    uint8_t *inexact;           /* per chunk: bit 0 some x not X_EXACT, bit 1 some nonzero |x| < 2^-64 */
 } tile_x_ctx;
 
 static void tile_x_chunk(void *p, int64_t i) {
     const tile_x_ctx *c = p;
-    const int64_t t1 = (i + 1) * c->rows < c->T ? (i + 1) * c->rows : c->T;
-    int bad = 0;
+    const int64_t t1 = (i + 1) * c->rows < c->T ? (i + 1) * c->rows : c->T, np = c->kp / 2, K2 = c->K / 2;
+    int bad = 0, tiny = 0;
     for (int64_t t = i * c->rows; t < t1; t++) {
         const uint32_t *src = (const uint32_t *)(c->x + t * c->ld);
-        uint16_t *d = c->dst + t * c->kp;
-        for (int64_t k = 0; k < c->K; k++) d[k] = (uint16_t)(src[k] >> 16);
-        memset(d + c->K, 0, (size_t)(c->kp - c->K) * sizeof(uint16_t));
-        bad |= x_kind((const float *)src, c->K) != X_EXACT;
+        uint32_t *d = c->dst + (t / TILE_XG) * np * TILE_XG + t % TILE_XG;
+        for (int64_t q = 0; q < K2; q++) d[q * TILE_XG] = src[2 * q] >> 16 | (src[2 * q + 1] & 0xffff0000u);
+        for (int64_t q = K2; q < np; q++) d[q * TILE_XG] = q == K2 && c->K % 2 ? src[c->K - 1] >> 16 : 0;
+        uint32_t inexact = 0, out = 0, small = 0; /* x_kind's X_EXACT test and the 2^-64 bound, one (vector) pass */
+        for (int64_t k = 0; k < c->K; k++) {
+            const uint32_t u = src[k], a = u & 0x7fffffffu;
+            inexact |= u & 0xffffu;
+            out |= (a != 0) & ((a >> 23) - 17u > 174u);
+            small |= a - 1u < (63u << 23) - 1u;
+        }
+        bad |= inexact || out;
+        tiny |= small != 0;
     }
-    c->inexact[i] = (uint8_t)bad;
+    c->inexact[i] = (uint8_t)(bad | tiny << 1);
 }
 
-static int tile_x_bf16(const float *x, int64_t T, int64_t K, int64_t ld, uint16_t **dst, int64_t *kp) {
-    *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK + 32;
-    tile_x_ctx c = {x, aligned_alloc(64, (size_t)(T * *kp) * sizeof(uint16_t)), T, K, ld, *kp, 1 + (1 << 16) / (K + 1)};
+static int tile_x_bf16(const float *x, int64_t T, int64_t K, int64_t ld, uint16_t **dst, int64_t *kp, int *tiny) {
+    *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK;
+    const int64_t groups = (T + TILE_XG - 1) / TILE_XG;
+    tile_x_ctx c = {x, aligned_alloc(64, (size_t)(groups * TILE_XG * *kp) * sizeof(uint16_t)), T, K, ld, *kp,
+                    TILE_XG * (1 + (1 << 16) / (TILE_XG * K + 1))};
     const int64_t n = (T + c.rows - 1) / c.rows;
     c.inexact = calloc((size_t)n, 1);
     *dst = NULL;
@@ -267,11 +279,13 @@ static int tile_x_bf16(const float *x, int64_t T, int64_t K, int64_t ld, uint16_
     int bad = 0;
     for (int64_t i = 0; i < n; i++) bad |= c.inexact[i];
     free(c.inexact);
+    *tiny = bad >> 1;
+    bad &= 1;
     if (bad) {
         free(c.dst);
         return 0;
     }
-    *dst = c.dst;
+    *dst = (uint16_t *)c.dst;
     return 1;
 }
 
@@ -307,10 +321,10 @@ int prep_job(const isa_ops *isa, char fmt, int path, mm_job *job, prep_t *p) {
     job->dot = job->T <= dot_max(isa);
     job->xp = NULL;
     job->xb = NULL;
-    if (!job->dot) { /* the tile path: bfloat16 x in natural column order when PATH_BF16 and x is all exact */
+    if (!job->dot) { /* the tile path: bfloat16 x in groups of TILE_XG tokens when PATH_BF16 and x is all exact */
         if (path != PATH_BF16) return 0;
         uint16_t *xb;
-        const int rc = tile_x_bf16(job->x, job->T, job->K, job->K, &xb, &job->kp);
+        const int rc = tile_x_bf16(job->x, job->T, job->K, job->K, &xb, &job->kp, &job->x_tiny);
         job->xb = p->buf = xb; /* NULL when not all exact: the FP32 tile path */
         return rc < 0 ? -1 : 0;
     }
@@ -417,7 +431,7 @@ int grouped_product(const isa_ops *isa, char fmt, const mm_job *whole, int64_t G
     if (!rc && path == PATH_BF16 && T > dot_max(isa)) { /* each group's bf16 copy straight from the call's x */
         for (int64_t g = 0; g < G && !rc && path == PATH_BF16; g++, prepared++) {
             uint16_t *xb;
-            const int r = tile_x_bf16(whole->x + g * K, T, K, G * K, &xb, &jobs[g].kp);
+            const int r = tile_x_bf16(whole->x + g * K, T, K, G * K, &xb, &jobs[g].kp, &jobs[g].x_tiny);
             preps[g] = (prep_t){.job = &jobs[g], .buf = xb, .out = jobs[g].out, .T = T, .ldo = jobs[g].ldo,
                                 .accumulate = jobs[g].accumulate};
             jobs[g].x = NULL, jobs[g].dot = 0, jobs[g].xp = NULL, jobs[g].xb = xb;

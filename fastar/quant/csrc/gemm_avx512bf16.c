@@ -4,16 +4,19 @@
  *
  * Owns: the cache-blocked GEMM out[t, n] (+)= sum_k x[t, k] W[n, k] with vdpbf16ps, two multiply-adds per lane
  * per instruction (twice the FP32 FMA rate). A tile of NR = 32 rows x KC = 128 columns is decoded once into L1
- * as bfloat16 pairs, wt[p][r] = (W[r, 2p], W[r, 2p+1]), without its scales (e4m3 and e2m1 values are exact
- * bfloat16s, scales are applied in float32 below), and every token of the token panel (up to 512, see "Blocking")
- * runs over it: MR tokens x 32 rows per microkernel call, x[t, 2p..2p+1] broadcast as one dword. Scales: FP8 has
- * one per tile (a tile sits in one 128 x 128 scale block), applied as out += sum * s; FP4 one per row and 32
- * columns, applied per 16 pairs as tot += partial * s, then out += tot ("out": the row tile's running sums). Every product is exact in float32 and no partial sum is a denormal (x_kind's
- * bounds), and a power-of-two scale multiplies exactly, so a result differs from the FP32 tile path
- * (kern_avx512.c) only in float32 summation order. A token's sums do not depend on T, on its place in the batch or
- * on the rows a thread owns (tiles start at multiples of 32 rows).
- * Input: mm_job.xb = x as bfloat16 bits in natural column order, rows of kp words (at least K rounded up to
- * KC, zero padded; dispatch.c pads further so the rows of a token block do not share L1 sets), 64-byte aligned.
+ * as bfloat16 pairs, wt[p][r] = (W[r, 2p], W[r, 2p+1]) (e4m3 and e2m1 values are exact bfloat16s), and every token
+ * of the token panel (up to 512, see "Blocking") runs over it: MR8 = 12 tokens x 32 rows per microkernel call (24
+ * accumulators), x[t, 2p..2p+1] broadcast as one dword from x's group of 12 tokens. Scales: FP8 has one per tile (a
+ * tile sits in one 128 x 128 scale block), applied as out += sum * s; FP4 one per row and 32 columns, folded into
+ * the decoded weights where that is exact (see FOLD_S_LO: then out += sum, 12 tokens a call like FP8), else
+ * applied per 16 pairs as tot += partial * s, then out += tot (6 tokens a call; "out": the row tile's running
+ * sums). Every product is exact in float32 and no partial sum is a denormal (x_kind's bounds, FOLD_S_LO's), and a
+ * power-of-two scale multiplies exactly, so a result differs from the FP32 tile path (kern_avx512.c) only in
+ * float32 summation order. A token's sums do not depend on T, on its place in the batch or on the rows a thread
+ * owns (tiles start at multiples of 32 rows; whether an FP4 tile is folded depends on its scales and, through
+ * mm_job.x_tiny, on the call's x having a nonzero value below 2^-64, which FP8-quantized activations do not).
+ * Input: mm_job.xb = x as bfloat16 pairs in groups of TILE_XG = 12 tokens, pair-major within a group, groups of
+ * kp / 2 pairs (K rounded up to KC, zero padded), 64-byte aligned (kernels.h; written by dispatch.c).
  *
  * AMX seam: an AMX-BF16 variant (tdpbf16ps on 16 x 32 bfloat16 tiles) would take the same inputs (pair-
  * interleaved weight tiles are AMX's B layout, x rows its A layout) as another isa_ops with its own
@@ -38,7 +41,8 @@
 #define KC 128
 #define KP (KC / 2) /* bfloat16 pairs per tile row */
 #define MR8 12      /* tokens per FP8 microkernel call: 24 accumulators */
-#define MR4 6       /* tokens per FP4 microkernel call: 12 partial sums + 12 totals */
+#define MR4 6       /* tokens per FP4 microkernel call on a tile with scales kept apart: 12 partial sums + 12 totals */
+_Static_assert(MR8 == TILE_XG && TILE_XG % MR4 == 0, "token blocks are x's groups or halves of them");
 #define BH(v) ((__m512bh)(v))
 
 static uint16_t fp4_bf16[32];                      /* bfloat16 of the e2m1 value of (i & 15) */
@@ -94,19 +98,52 @@ static void fp8_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_
     }
 }
 
+/* FP4 scale folding. A tile whose every UE8M0 scale byte is in [FOLD_S_LO, FOLD_S_HI] (2^-54 ... 2^38) decodes
+ * e2m1 * 2^e straight into its bfloat16s (the exponent field plus e, zeros stay zero): exact, since bfloat16 has
+ * float32's exponent range. Then its products need no per-32-column scale, and the FP4 microkernel runs MR8 tokens
+ * like FP8's (before: MR4 = 6, for 12 partial sums + 12 totals). Bounds, with dispatch.c's guarantee for a tile call
+ * without x_tiny (every x is an exact bfloat16, zero or 2^-64 <= |x| < 2^65, so x's quantum >= 2^-71): a folded
+ * weight's quantum is 2^(e-1) >= 2^-55 and |w| <= 6 * 2^e, so every product is exact in float32 and a multiple of
+ * 2^-126 (no partial sum is a denormal, which vdpbf16ps would flush), and for K <= 2^21 no partial sum reaches
+ * 2^21 * 2^65 * 2^41 = 2^127 (no overflow the scaled sums would not also show). Other tiles (a scale outside the
+ * range, NaN's 255 included), and every tile of a call with x_tiny or K > 2^21, keep the scales in float32
+ * (micro4). The choice depends on the weights and on the whole call's x only, never on a token's place in it. */
+#define FOLD_S_LO (127 - 54)
+#define FOLD_S_HI (127 + 38)
+#define FOLD_K_MAX (1 << 21)
+
 /* FP4 tile (kc a multiple of 32): as fp8_tile_bf16; a transposed dword holds columns 8q..8q+7 as its nibbles 0..7,
  * and pair m takes nibbles 2m, 2m+1 into the low 5 bits of its two words (vpermw's index; the table repeats every
- * 16, so the fifth bit does not matter). Scales: sv[g][h] lane i = the scale of row n + 16h + i, group g. */
-static void fp4_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t kc, uint32_t *wt, __m512 sv[4][2]) {
+ * 16, so the fifth bit does not matter). Returns 1 when the tile's scales are folded into wt (see FOLD_S_LO), else
+ * 0 with sv[g][h] lane i = the scale of row n + 16h + i, group g. */
+static int fp4_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t kc, uint32_t *wt, __m512 sv[4][2]) {
     const int64_t half = j->K / 2, groups = j->K / FP4_GROUP;
     const __m512i tab = _mm512_loadu_si512((const void *)fp4_bf16), lowbyte = _mm512_set1_epi32(0xff);
+    const __m512i mag = _mm512_set1_epi16(0x7fff);
+    int fold = !j->x_tiny && j->K <= FOLD_K_MAX;
+    for (int h = 0; h < NR / 16 && fold; h++) {
+        const int rows = nr - 16 * h > 16 ? 16 : nr - 16 * h;
+        const uint8_t *sb = j->s + (n + 16 * h) * groups + k0 / FP4_GROUP;
+        for (int r = 0; r < rows; r++)
+            for (int64_t g = 0; g < kc / FP4_GROUP; g++) {
+                const int v = sb[r * groups + g];
+                fold &= v >= FOLD_S_LO && v <= FOLD_S_HI;
+            }
+    }
     for (int h = 0; h < NR / 16; h++) {
         const int rows = nr - 16 * h > 16 ? 16 : nr - 16 * h;
         const uint8_t *sb = j->s + (n + 16 * h) * groups + k0 / FP4_GROUP;
+        __m512i adj[4]; /* fold: per group, (e << 7) in both words of row i's dword */
         for (int64_t g = 0; g < kc / FP4_GROUP; g++) {
             float sc[16];
-            for (int r = 0; r < 16; r++) sc[r] = r < rows ? ue8m0_f32[sb[r * groups + g]] : 0.0f;
+            int32_t ad[16];
+            for (int r = 0; r < 16; r++) {
+                const int e = r < rows ? sb[r * groups + g] - 127 : 0;
+                sc[r] = r < rows ? ue8m0_f32[sb[r * groups + g]] : 0.0f;
+                ad[r] = (int32_t)(((uint32_t)(e * 128) & 0xffff) * 0x10001u);
+            }
             sv[g][h] = _mm512_loadu_ps(sc);
+            adj[g] = _mm512_loadu_si512((const void *)ad);
         }
         __m512i c[16];
         if (rows <= 0) {
@@ -117,16 +154,29 @@ static void fp4_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_
         for (int q = 0; q < kc / 8; q++)
             for (int m = 0; m < 4; m++) {
                 const __m512i x = _mm512_and_si512(m ? _mm512_srli_epi32(c[q], 8 * m) : c[q], lowbyte);
-                const __m512i v = _mm512_or_si512(x, _mm512_slli_epi32(x, 12));
-                _mm512_store_si512((void *)(wt + (4 * q + m) * NR + 16 * h), _mm512_permutexvar_epi16(v, tab));
+                __m512i v = _mm512_permutexvar_epi16(_mm512_or_si512(x, _mm512_slli_epi32(x, 12)), tab);
+                if (fold) v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, mag), v, adj[q / 4]);
+                _mm512_store_si512((void *)(wt + (4 * q + m) * NR + 16 * h), v);
             }
     }
+    return fold;
 }
 
 INLINE __mmask16 row_mask(int rows) { return rows >= 16 ? (__mmask16)0xffff : rows <= 0 ? 0 : (__mmask16)((1u << rows) - 1); }
 
-/* out[t, r] (+)= s * sum over np pairs, for mr tokens (x: bfloat16 pairs of the tile's columns, ldx dwords). */
-INLINE void micro8(const int mr, int np, const uint32_t *wt, const uint32_t *x, int64_t ldx, float s, float *out,
+/* tb rows of nr (<= NR) floats from s (lds apart) to d (ldd apart): inline, where memcpy's call per 128-byte row took
+ * ~5 % of a 512-token product. */
+static void copy_rows(float *d, int64_t ldd, const float *s, int64_t lds, int64_t tb, int nr) {
+    const __mmask16 m0 = row_mask(nr), m1 = row_mask(nr - 16);
+    for (int64_t t = 0; t < tb; t++) {
+        _mm512_mask_storeu_ps(d + t * ldd, m0, _mm512_maskz_loadu_ps(m0, s + t * lds));
+        _mm512_mask_storeu_ps(d + t * ldd + 16, m1, _mm512_maskz_loadu_ps(m1, s + t * lds + 16));
+    }
+}
+
+/* out[t, r] (+)= s * sum over np pairs, for mr tokens (x: the tokens' bfloat16 pairs of the tile's columns, pair p of
+ * token t at x[p * TILE_XG + t]). */
+INLINE void micro8(const int mr, int np, const uint32_t *wt, const uint32_t *x, float s, float *out,
                    int64_t ldo, int nr, int store) {
     __m512 acc[MR8][2];
     UNROLL
@@ -135,7 +185,7 @@ INLINE void micro8(const int mr, int np, const uint32_t *wt, const uint32_t *x, 
         const __m512i w0 = _mm512_load_si512((const void *)(wt + p * NR)), w1 = _mm512_load_si512((const void *)(wt + p * NR + 16));
         UNROLL
         for (int t = 0; t < mr; t++) {
-            const __m512i b = _mm512_set1_epi32((int)x[t * ldx + p]);
+            const __m512i b = _mm512_set1_epi32((int)x[p * TILE_XG + t]);
             acc[t][0] = _mm512_dpbf16_ps(acc[t][0], BH(b), BH(w0));
             acc[t][1] = _mm512_dpbf16_ps(acc[t][1], BH(b), BH(w1));
         }
@@ -156,7 +206,7 @@ INLINE void micro8(const int mr, int np, const uint32_t *wt, const uint32_t *x, 
 }
 
 /* FP4: per scale group (16 pairs) a partial sum, then tot += partial * scale; out (+)= tot. */
-INLINE void micro4(const int mr, int ng, const uint32_t *wt, const uint32_t *x, int64_t ldx, __m512 sv[4][2],
+INLINE void micro4(const int mr, int ng, const uint32_t *wt, const uint32_t *x, __m512 sv[4][2],
                    float *out, int64_t ldo, int nr, int store) {
     __m512 tot[MR4][2];
     UNROLL
@@ -169,7 +219,7 @@ INLINE void micro4(const int mr, int ng, const uint32_t *wt, const uint32_t *x, 
             const __m512i w0 = _mm512_load_si512((const void *)(wt + p * NR)), w1 = _mm512_load_si512((const void *)(wt + p * NR + 16));
             UNROLL
             for (int t = 0; t < mr; t++) {
-                const __m512i b = _mm512_set1_epi32((int)x[t * ldx + p]);
+                const __m512i b = _mm512_set1_epi32((int)x[p * TILE_XG + t]);
                 part[t][0] = _mm512_dpbf16_ps(part[t][0], BH(b), BH(w0));
                 part[t][1] = _mm512_dpbf16_ps(part[t][1], BH(b), BH(w1));
             }
@@ -193,8 +243,9 @@ INLINE void micro4(const int mr, int ng, const uint32_t *wt, const uint32_t *x, 
     }
 }
 
-/* Blocking. A call runs in token panels of at most T_PANEL tokens; within one, in K panels of kcp columns (a multiple
- * of KC), sized so that the panel of x (tb rows x kcp bfloat16s, <= X_PANEL_BYTES: an L2) stays close while every
+/* Blocking. A call runs in token panels of at most T_PANEL tokens (rounded up to whole groups of x); within one, in K
+ * panels of kcp columns (a multiple of KC), sized so that the panel of x (tb rows x kcp bfloat16s, <= X_PANEL_BYTES:
+ * an L2; 4 and 8 MB measured slower at K = 8192) stays close while every
  * tile of the thread's rows runs over it. A weight tile is so decoded once per token panel (for T <= T_PANEL: once
  * per call), not once per ~60 tokens as when the panel spanned all of K (K = 8192: 1 MB / 16 KB rows), and the
  * x panel is read from L3 once per K panel and thread chunk. The running sums of a tile's rows live in a
@@ -208,90 +259,96 @@ INLINE void micro4(const int mr, int ng, const uint32_t *wt, const uint32_t *x, 
 typedef void (*tile_fn)(const mm_job *j, int64_t n, int nr, int64_t ts, int64_t tb, int64_t k1, int64_t k2,
                         uint32_t *wt, float *c, int store);
 
-/* FP8: k-blocks [k1, k2) of row tile n for tokens ts..ts+tb-1, running sums in c [tb][NR]; store: the first
- * k-block writes (k1 == 0 and not accumulating). */
+/* The x of token t (t - ts a multiple of TILE_XG at a block's start) at column k0 (see mm_job.xb). */
+INLINE const uint32_t *x_at(const mm_job *j, int64_t t, int64_t k0) {
+    return (const uint32_t *)j->xb + (t / TILE_XG) * (j->kp / 2) * TILE_XG + (k0 / 2) * TILE_XG + t % TILE_XG;
+}
+
+/* FP8: k-blocks [k1, k2) of row tile n for tokens ts..ts+tb-1 (ts a multiple of TILE_XG), running sums in c [tb][NR];
+ * store: the first k-block writes (k1 == 0 and not accumulating). Token blocks: x's groups of TILE_XG = MR8. */
 static void fp8_tile_tokens(const mm_job *j, int64_t n, int nr, int64_t ts, int64_t tb, int64_t k1, int64_t k2,
                             uint32_t *wt, float *c, int store) {
-    const int64_t K = j->K, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK, ldx = j->kp / 2;
-    const uint32_t *xb = (const uint32_t *)j->xb + ts * ldx;
-    const int64_t nblk = (tb + MR8 - 1) / MR8;
+    const int64_t K = j->K, kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     for (int64_t k0 = k1; k0 < k2; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         const int np = (int)((kc + 1) / 2);
         fp8_tile_bf16(j, n, nr, k0, kc, wt);
         const float s = ue8m0_f32[j->s[(n / FP8_BLOCK) * kb + k0 / FP8_BLOCK]];
         const int st = store && k0 == k1;
-        for (int64_t b = 0, t0 = 0; b < nblk; b++) {
-            const int mr = (int)(tb / nblk + (b < tb % nblk));
-            const uint32_t *x = xb + t0 * ldx + k0 / 2;
+        for (int64_t t0 = 0; t0 < tb; t0 += MR8) {
+            const int mr = tb - t0 < MR8 ? (int)(tb - t0) : MR8;
+            const uint32_t *x = x_at(j, ts + t0, k0);
             float *o = c + t0 * NR;
             switch (mr) {
-#define MCASE(M) case M: micro8(M, np, wt, x, ldx, s, o, NR, nr, st); break;
+#define MCASE(M) case M: micro8(M, np, wt, x, s, o, NR, nr, st); break;
                 MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5) MCASE(6)
                 MCASE(7) MCASE(8) MCASE(9) MCASE(10) MCASE(11)
-                default: micro8(MR8, np, wt, x, ldx, s, o, NR, nr, st); break;
+                default: micro8(MR8, np, wt, x, s, o, NR, nr, st); break;
 #undef MCASE
             }
-            t0 += mr;
         }
     }
 }
 
+/* FP4: as FP8; a folded tile runs micro8 over x's groups, another micro4 over half groups (MR4 = MR8 / 2). */
 static void fp4_tile_tokens(const mm_job *j, int64_t n, int nr, int64_t ts, int64_t tb, int64_t k1, int64_t k2,
                             uint32_t *wt, float *c, int store) {
-    const int64_t K = j->K, ldx = j->kp / 2;
-    const uint32_t *xb = (const uint32_t *)j->xb + ts * ldx;
-    const int64_t nblk = (tb + MR4 - 1) / MR4;
+    const int64_t K = j->K;
     for (int64_t k0 = k1; k0 < k2; k0 += KC) {
         const int64_t kc = K - k0 < KC ? K - k0 : KC; /* a multiple of 32 */
         const int ng = (int)(kc / FP4_GROUP);
         __m512 sv[4][2];
-        fp4_tile_bf16(j, n, nr, k0, kc, wt, sv);
+        const int folded = fp4_tile_bf16(j, n, nr, k0, kc, wt, sv), mb = folded ? MR8 : MR4;
         const int st = store && k0 == k1;
-        for (int64_t b = 0, t0 = 0; b < nblk; b++) {
-            const int mr = (int)(tb / nblk + (b < tb % nblk));
-            const uint32_t *x = xb + t0 * ldx + k0 / 2;
+        for (int64_t t0 = 0; t0 < tb; t0 += mb) {
+            const int mr = tb - t0 < mb ? (int)(tb - t0) : mb;
+            const uint32_t *x = x_at(j, ts + t0, k0);
             float *o = c + t0 * NR;
-            switch (mr) {
-#define MCASE(M) case M: micro4(M, ng, wt, x, ldx, sv, o, NR, nr, st); break;
-                MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5)
-                default: micro4(MR4, ng, wt, x, ldx, sv, o, NR, nr, st); break;
+            if (folded) { /* scales in wt: one sum per token and row, out (+)= sum * 1 (exact) */
+                switch (mr) {
+#define MCASE(M) case M: micro8(M, (int)(kc / 2), wt, x, 1.0f, o, NR, nr, st); break;
+                    MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5) MCASE(6)
+                    MCASE(7) MCASE(8) MCASE(9) MCASE(10) MCASE(11)
+                    default: micro8(MR8, (int)(kc / 2), wt, x, 1.0f, o, NR, nr, st); break;
 #undef MCASE
+                }
+            } else {
+                switch (mr) {
+#define MCASE(M) case M: micro4(M, ng, wt, x, sv, o, NR, nr, st); break;
+                    MCASE(1) MCASE(2) MCASE(3) MCASE(4) MCASE(5)
+                    default: micro4(MR4, ng, wt, x, sv, o, NR, nr, st); break;
+#undef MCASE
+                }
             }
-            t0 += mr;
         }
     }
 }
 
 /* Rows [n0, n1) of a call: token panels, K panels, row tiles. c holds the running sums of one row tile for a token
  * panel; when it cannot be allocated, the panels are cut to MR8 tokens over a stack scratch (more weight decoding,
- * the same bits: a token's sums do not depend on its panel). */
+ * the same bits: a token's sums do not depend on its panel). Panels start at multiples of TILE_XG tokens. */
 static void tile_rows(const mm_job *j, int64_t n0, int64_t n1, tile_fn fn) {
     uint32_t wt[KP * NR] __attribute__((aligned(64)));
     float small[MR8 * NR] __attribute__((aligned(64)));
-    const int64_t T = j->T, K = j->K, ntp = (T + T_PANEL - 1) / T_PANEL, tmax = (T + ntp - 1) / ntp;
+    const int64_t T = j->T, K = j->K, ntp = (T + T_PANEL - 1) / T_PANEL;
+    const int64_t tmax = ((T + ntp - 1) / ntp + TILE_XG - 1) / TILE_XG * TILE_XG; /* panels start on x's groups */
     float *heap = aligned_alloc(64, (size_t)tmax * NR * sizeof(float)), *c = heap ? heap : small;
     const int64_t tcap = heap ? tmax : MR8;
-    for (int64_t p = 0, ts = 0; p < ntp; p++) {
-        const int64_t tp = T / ntp + (p < T % ntp);
-        for (int64_t t1 = ts; t1 < ts + tp; t1 += tcap) {
-            const int64_t tb = ts + tp - t1 < tcap ? ts + tp - t1 : tcap;
-            int64_t kcp = X_PANEL_BYTES / (2 * tb) / KC * KC;
-            if (kcp < KC) kcp = KC;
-            for (int64_t k1 = 0; k1 < K; k1 += kcp) {
-                const int64_t k2 = K - k1 < kcp ? K : k1 + kcp;
-                const int store = k1 == 0 && !j->accumulate; /* else continue from out */
-                for (int64_t n = n0; n < n1; n += NR) {
-                    const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-                    float *o = j->out + t1 * j->ldo + n;
-                    if (!store)
-                        for (int64_t t = 0; t < tb; t++) memcpy(c + t * NR, o + t * j->ldo, (size_t)nr * sizeof(float));
-                    fn(j, n, nr, t1, tb, k1, k2, wt, c, store);
-                    for (int64_t t = 0; t < tb; t++) memcpy(o + t * j->ldo, c + t * NR, (size_t)nr * sizeof(float));
-                }
+    for (int64_t t1 = 0; t1 < T; t1 += tcap) {
+        const int64_t tb = T - t1 < tcap ? T - t1 : tcap;
+        int64_t kcp = X_PANEL_BYTES / (2 * tb) / KC * KC;
+        if (kcp < KC) kcp = KC;
+        for (int64_t k1 = 0; k1 < K; k1 += kcp) {
+            const int64_t k2 = K - k1 < kcp ? K : k1 + kcp;
+            const int store = k1 == 0 && !j->accumulate; /* else continue from out */
+            for (int64_t n = n0; n < n1; n += NR) {
+                const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+                float *o = j->out + t1 * j->ldo + n;
+                if (!store) copy_rows(c, NR, o, j->ldo, tb, nr);
+                fn(j, n, nr, t1, tb, k1, k2, wt, c, store);
+                copy_rows(o, j->ldo, c, NR, tb, nr);
             }
         }
-        ts += tp;
     }
     free(heap);
 }

@@ -285,7 +285,7 @@ INLINE void fp8_bdot_row2(const mm_job *j, int64_t n, const int nt, int64_t cb, 
 
 /* ---------------------------------------------------------------- entry points */
 
-/* xb with dot unset: the bf16 tile path (gemm_avx512bf16.c), x in natural column order. */
+/* xb with dot unset: the bf16 tile path (gemm_avx512bf16.c), x in groups of TILE_XG tokens (kernels.h). */
 static void fp4_rows(const mm_job *j, int64_t n0, int64_t n1) {
     if (j->dot && j->xb) { if (j->T < 3) { DOT_DISPATCH(fp4_bdot_row) } else { DOT_DISPATCH_PAIRS(fp4_bdot_row, fp4_bdot_row2) } } else if (j->xb) fp4_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp4(j, n0, n1);
 }

@@ -58,14 +58,17 @@
 #define FP4_GROUP 32  /* columns per FP4 scale */
 #define FP8_BLOCK 128 /* rows and columns per FP8 scale */
 #define XP_CHUNK 128  /* the dot path permutes activations in chunks of this many columns */
+#define TILE_XG 12    /* the bf16 tile path's x: tokens per group, pair-major within a group (see mm_job.xb) */
 #define ROW_ALIGN 32  /* row chunks handed to threads start at multiples of this (>= every tile height) */
 
 /* One product out[t, n] (+)= sum_k x[t, k] * W[n, k] over rows n in [n0, n1) (the rows a thread owns). */
 typedef struct {
     const float *x;     /* [T, K] activations, row-major */
     const float *xp;    /* [T, kp] x with columns permuted per XP_CHUNK for the dot path (NULL: use x or xb) */
-    const uint16_t *xb; /* [T, kp] x as bfloat16 bits, permuted per XP_CHUNK for the bf16 dot path (NULL: use xp) */
-    int64_t kp;         /* row stride of xp / xb (K rounded up to XP_CHUNK, zero padded) */
+    const uint16_t *xb; /* [T, kp] x as bfloat16 bits, permuted per XP_CHUNK for the bf16 dot path (NULL: use xp);
+                         * the bf16 tile path (dot 0): [ceil(T / TILE_XG)][kp / 2][TILE_XG] bfloat16 pairs (x[t, 2p],
+                         * x[t, 2p+1]) as uint32, the tokens of a group side by side per pair, zero padded past K */
+    int64_t kp;         /* row stride of xp / xb (K rounded up to XP_CHUNK, zero padded); tile path: see xb */
     const void *w;      /* FP4 bytes [N, K/2] | FP8 bytes [N, K] | BF16 uint16 [N, K] */
     const uint8_t *s;   /* FP4 [N, K/32] | FP8 [ceil(N/128), ceil(K/128)] | NULL */
     int64_t T, N, K;
@@ -73,6 +76,7 @@ typedef struct {
     int64_t ldo;
     int accumulate;     /* 1: out += x W^T; 0: out = x W^T */
     int dot;            /* 1: use the dot path (T <= the ISA's dot_max); 0: the tile path */
+    int x_tiny;         /* bf16 tile path (xb set, dot 0): some nonzero x is below 2^-64 (no FP4 scale folding) */
 } mm_job;
 
 typedef void (*rows_fn)(const mm_job *j, int64_t n0, int64_t n1);
@@ -95,7 +99,7 @@ typedef struct {
      * hands a product x this way (xb set, xp NULL) only when every x is an exact bfloat16 (see x_kind). */
     const uint8_t *fp4_bmap, *fp8_bmap;
     /* 1: the FP4 / FP8 kernels also take bfloat16 x for T > dot_max (the tile path on vdpbf16ps): dispatch.c then
-     * hands a call whose x is all bfloat16-exact as mm_job.xb in natural column order with dot = 0. An AMX-BF16
+     * hands a call whose x is all bfloat16-exact as mm_job.xb in its tile layout (see xb) with dot = 0. An AMX-BF16
      * ISA would set this too, with its own tile kernels behind fp4 / fp8. */
     int tile_bf16;
     double (*fma_loop)(int64_t iters); /* returns the flops it executed (FP32 peak benchmark) */
@@ -106,7 +110,7 @@ typedef struct {
     void (*swiglu)(const float *g, const float *u, float *out, int64_t n, float limit, float scale);
 } isa_ops;
 
-/* gemm_avx512bf16.c: the bf16 tile path's tables and row kernels (x: mm_job.xb in natural column order; stubs
+/* gemm_avx512bf16.c: the bf16 tile path's tables and row kernels (x: mm_job.xb in its tile layout; stubs
  * where FASTAR_X86 is 0, never called there since no ISA table sets tile_bf16). */
 void gemm_bf16_init(void);
 void fp4_tile_bf16_rows(const mm_job *j, int64_t n0, int64_t n1);

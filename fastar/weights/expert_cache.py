@@ -164,6 +164,10 @@ class ExpertCache:
             policy, self.num_layers * self.num_experts, self.policy_half_life, self.policy_window
         )
         self._slab = store.ExpertSlab(n_slots, self.stride)
+        # the slab's pages are faulted in off the worker, now, rather than by the first prompt that fills each slot
+        self._commit_stop, self._paged_in, self.commit_seconds = threading.Event(), threading.Event(), None
+        self._commit_thread = threading.Thread(target=self._commit, name="fastar-expert-commit", daemon=True)
+        self._commit_thread.start()
         self._slot_views: dict[int, tuple] = {}  # slot -> (read-only buffer, ExpertWeights views): made once a slot
         self._reader = store.ExpertReader(fst, direct)
         self.direct, self._verify = self._reader.direct, verify
@@ -421,6 +425,20 @@ class ExpertCache:
             )
             self._src = [dict(issued=0, used=0, late=0, dropped=0, wasted_bytes=0) for _ in SOURCES]
 
+    def _commit(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self._slab.commit(self._commit_stop):
+                self.commit_seconds = time.perf_counter() - t0
+        finally:
+            self._paged_in.set()
+
+    def wait_committed(self, timeout: float | None = None) -> float | None:
+        """Waits until the slab's pages are all faulted in (`ExpertSlab.commit`, started with the cache) -> the
+        seconds that took, or None where the kernel could not (or the cache closed first)."""
+        self._paged_in.wait(timeout)
+        return self.commit_seconds
+
     def close(self) -> None:
         with self._cond:
             if self._closed and not self._threads:
@@ -430,6 +448,8 @@ class ExpertCache:
         for t in self._threads:
             t.join()
         self._threads = []
+        self._commit_stop.set()
+        self._commit_thread.join()
         self._reader.close()
         self._slot_views.clear()
         self._slab.close()

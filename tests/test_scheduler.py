@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batch_helpers import needs_invariant_kernels, prompt
+from batch_helpers import needs_invariant_kernels, prompt, same_chunks, solo
 
 from fastar.engine.engine import load
 from fastar.engine.sampling import SamplingParams
@@ -37,18 +37,6 @@ REQUESTS = [
 
 def requests(n: int = len(REQUESTS)) -> list[tuple[list[int], SamplingParams]]:
     return [(prompt(100 + i, length), SamplingParams(**kw)) for i, (length, kw) in enumerate(REQUESTS[:n])]
-
-
-def solo(eng, ids, params):
-    return list(eng.stream(ids, params, session=eng.open_session()))
-
-
-def same_chunks(a, b):
-    assert [c.token for c in a] == [c.token for c in b]
-    assert [c.text for c in a] == [c.text for c in b]
-    assert [c.logprob for c in a] == [c.logprob for c in b]
-    assert [c.top_logprobs for c in a] == [c.top_logprobs for c in b]
-    assert a[-1].finish_reason == b[-1].finish_reason and a[-1].usage == b[-1].usage
 
 
 def test_forward_rows_is_bit_identical_to_one_token_forward(eng):

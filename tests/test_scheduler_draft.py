@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from batch_helpers import needs_invariant_kernels, prompt
+from batch_helpers import needs_invariant_kernels, prompt, same_chunks, solo
 
 from fastar.engine import speculative as sp
 from fastar.engine.engine import load
@@ -24,18 +24,6 @@ from fastar.engine.sampling import SamplingParams
 from fastar.engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def solo(eng, ids, params):
-    return list(eng.stream(ids, params, session=eng.open_session()))
-
-
-def same_chunks(a, b):
-    assert [c.token for c in a] == [c.token for c in b]
-    assert [c.text for c in a] == [c.text for c in b]
-    assert [c.logprob for c in a] == [c.logprob for c in b]
-    assert [c.top_logprobs for c in a] == [c.top_logprobs for c in b]
-    assert a[-1].finish_reason == b[-1].finish_reason and a[-1].usage == b[-1].usage
 
 
 class ReplayMixin:

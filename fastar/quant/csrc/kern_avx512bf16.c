@@ -108,6 +108,30 @@ INLINE void fp4_bdot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, i
     for (int t = 0; t < nt; t++) acc[t] += _mm512_reduce_add_ps(_mm512_add_ps(tot0[t], tot1[t]));
 }
 
+/* One 128-column stretch of two weight rows (ua, ub: 4 vectors of bfloat16 pairs each) against every token's x
+ * from column c0 on: the pair kernels' shared inner loop (the FP4 and the FP8 ones), each (row, token) sum formed
+ * exactly as by the one-row kernels, then scaled into its total. */
+INLINE void bdot_pair_tokens(const mm_job *j, int64_t c0, const int nt, const __m512i ua[4], const __m512i ub[4],
+                             __m512 sa, __m512 sb, __m512 *tot_a, __m512 *tot_b) {
+    for (int t = 0; t < nt; t++) {
+        const uint16_t *xt = j->xb + t * j->kp + c0;
+        __m512i x = _mm512_loadu_si512((const void *)xt);
+        __m512 paa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[0]));
+        __m512 pab = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[0]));
+        x = _mm512_loadu_si512((const void *)(xt + 32));
+        __m512 pba = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[1]));
+        __m512 pbb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[1]));
+        x = _mm512_loadu_si512((const void *)(xt + 64));
+        paa = _mm512_dpbf16_ps(paa, BH(x), BH(ua[2]));
+        pab = _mm512_dpbf16_ps(pab, BH(x), BH(ub[2]));
+        x = _mm512_loadu_si512((const void *)(xt + 96));
+        pba = _mm512_dpbf16_ps(pba, BH(x), BH(ua[3]));
+        pbb = _mm512_dpbf16_ps(pbb, BH(x), BH(ub[3]));
+        tot_a[t] = _mm512_fmadd_ps(_mm512_add_ps(paa, pba), sa, tot_a[t]);
+        tot_b[t] = _mm512_fmadd_ps(_mm512_add_ps(pab, pbb), sb, tot_b[t]);
+    }
+}
+
 /* fp4_bdot_chunk on chunk c of rows a and b at once: each load of x serves both rows (one row per pass is bound by
  * its loads of x, one per vdpbf16ps). Every (row, token) sum takes exactly fp4_bdot_chunk's operations. */
 INLINE void fp4_bdot_chunk2(const mm_job *j, const uint8_t *wa, const uint8_t *sa, const uint8_t *wb, const uint8_t *sb,
@@ -123,23 +147,7 @@ INLINE void fp4_bdot_chunk2(const mm_job *j, const uint8_t *wa, const uint8_t *s
         ua[p] = _mm512_permutexvar_epi16(p ? _mm512_srli_epi16(ba, 4 * p) : ba, tab);
         ub[p] = _mm512_permutexvar_epi16(p ? _mm512_srli_epi16(bb, 4 * p) : bb, tab);
     }
-    for (int t = 0; t < nt; t++) {
-        const uint16_t *xt = j->xb + t * j->kp + 128 * c;
-        __m512i x = _mm512_loadu_si512((const void *)xt);
-        __m512 paa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[0]));
-        __m512 pab = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[0]));
-        x = _mm512_loadu_si512((const void *)(xt + 32));
-        __m512 pba = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[1]));
-        __m512 pbb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[1]));
-        x = _mm512_loadu_si512((const void *)(xt + 64));
-        paa = _mm512_dpbf16_ps(paa, BH(x), BH(ua[2]));
-        pab = _mm512_dpbf16_ps(pab, BH(x), BH(ub[2]));
-        x = _mm512_loadu_si512((const void *)(xt + 96));
-        pba = _mm512_dpbf16_ps(pba, BH(x), BH(ua[3]));
-        pbb = _mm512_dpbf16_ps(pbb, BH(x), BH(ub[3]));
-        tot_a[t] = _mm512_fmadd_ps(_mm512_add_ps(paa, pba), sva, tot_a[t]);
-        tot_b[t] = _mm512_fmadd_ps(_mm512_add_ps(pab, pbb), svb, tot_b[t]);
-    }
+    bdot_pair_tokens(j, 128 * c, nt, ua, ub, sva, svb, tot_a, tot_b);
 }
 
 /* fp4_bdot_row on rows n and n + 1 at once (the same chunks into the same totals): bit-identical to it. */
@@ -241,23 +249,7 @@ INLINE void fp8_bdot_block2(const mm_job *j, const uint8_t *wa, const uint8_t *s
     _mm_prefetch((const char *)(wa + K + c0 + PF_DIST2), _MM_HINT_T0);
     _mm_prefetch((const char *)(wa + K + c0 + PF_DIST2 + 64), _MM_HINT_T0);
     const __m512 sfa = _mm512_set1_ps(ue8m0_f32[sa[b]]), sfb = _mm512_set1_ps(ue8m0_f32[sb[b]]);
-    for (int t = 0; t < nt; t++) {
-        const uint16_t *xt = j->xb + t * j->kp + c0;
-        __m512i x = _mm512_loadu_si512((const void *)xt);
-        __m512 paa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[0]));
-        __m512 pab = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[0]));
-        x = _mm512_loadu_si512((const void *)(xt + 32));
-        __m512 pba = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[1]));
-        __m512 pbb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[1]));
-        x = _mm512_loadu_si512((const void *)(xt + 64));
-        paa = _mm512_dpbf16_ps(paa, BH(x), BH(ua[2]));
-        pab = _mm512_dpbf16_ps(pab, BH(x), BH(ub[2]));
-        x = _mm512_loadu_si512((const void *)(xt + 96));
-        pba = _mm512_dpbf16_ps(pba, BH(x), BH(ua[3]));
-        pbb = _mm512_dpbf16_ps(pbb, BH(x), BH(ub[3]));
-        tot_a[t] = _mm512_fmadd_ps(_mm512_add_ps(paa, pba), sfa, tot_a[t]);
-        tot_b[t] = _mm512_fmadd_ps(_mm512_add_ps(pab, pbb), sfb, tot_b[t]);
-    }
+    bdot_pair_tokens(j, c0, nt, ua, ub, sfa, sfb, tot_a, tot_b);
 }
 
 /* fp8_bdot_row on rows n and n + 1 at once: bit-identical to it. Each row looks up its own 128-row scale block, so

@@ -5,7 +5,7 @@
  *   (the index is the low 4 bits of a 32-bit lane, so the 8 nibbles of a lane are reached by shifting); one
  *   64-byte load gives 128 columns = 4 scale groups, one per 128-bit lane. Masked loads handle ragged ends.
  * - BF16 weights' dot path (bf16_dot_rows, the LM head): 1-8 tokens in one pass over the weights, 2-4 rows at a
- *   time, K-blocked for 3-8 tokens so x stays in L1.
+ *   time, K-blocked so x stays in L1, the weights prefetched into L2.
  * - tile path: 32 rows x 128 columns dequantized once (16-row gathers) into L1, then an outer-product
  *   microkernel of up to 12 tokens x 32 rows (24 zmm accumulators).
  * Does not own: argument checks, threading (bindings, dispatch.c, pool.c).
@@ -123,15 +123,17 @@ INLINE void fp8_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, in
  * 0 + reduce(acc). The same operations whatever T, however many rows run together and wherever the K blocks fall,
  * so a token's outputs are bit-identical alone or batched.
  *
- * Order of work (bf16_dot_rows), 3-8 tokens: rows in blocks of BF_RB; a block's columns in K blocks of BF_KB, so the
- * x of all the tokens for one K block stays in L1 while it serves every row of the block (8 tokens x 512 columns =
- * 16 KB; the whole of x at K = 4096 and 8 tokens is 128 KB); within a K block 4 rows at a time for up to 4 tokens
- * and 2 for 5-8 (at most 16 accumulators), so every token rides the one pass over the weights and each x load
- * serves 2-4 rows. Between K blocks the accumulators wait in a small buffer. 1-2 tokens: 4 rows at a time along
- * their whole length (x fits L1). */
-#define BF_RB 8   /* rows per block (a multiple of 4) */
-#define BF_KB 512 /* columns per K block (a multiple of 32) */
-#define BF_LEAD 1024 /* 1-2 tokens: how far ahead in a row to prefetch (4 rows: 8 KB of weights ahead) */
+ * Order of work (bf16_dot_rows): rows in blocks of BF_RB; a block's columns in K blocks of BF_KB, so the x of all
+ * the tokens for one K block stays in L1 while it serves every row of the block (8 tokens x 512 columns = 16 KB; the
+ * whole of x at K = 4096 and 8 tokens is 128 KB); within a K block 4 rows at a time for up to 4 tokens and 2 for 5-8
+ * (at most 16 accumulators), so every token rides the one pass over the weights and each x load serves 2-4 rows.
+ * Between K blocks the accumulators wait in a small buffer. The weights are prefetched BF_PF_BLOCKS K blocks ahead
+ * into L2, not L1: prefetches into L1 are held up by its few miss buffers, and one row read at a time (measured
+ * against the read probe in the same process, alternating builds): the LM head took 1.2-2.1x the probe's time
+ * prefetching into L1 one K block ahead, 1.0-1.2x into L2 two blocks ahead, at 1-4 tokens. */
+#define BF_RB 8        /* rows per block (a multiple of 4) */
+#define BF_KB 512      /* columns per K block (a multiple of 32) */
+#define BF_PF_BLOCKS 2 /* how many K blocks ahead to prefetch */
 
 /* Rows w, w + K, ... (NW of them), tokens 0..NT-1 of x (token t's column c at x[t * ldx + c - c0]), columns
  * [c0, c1) (c1 = the row end K, or a multiple of 32 below it), continuing the sums in st (row r, token t at
@@ -152,7 +154,7 @@ INLINE void bf16_span(const int NW, const int NT, const uint16_t *w, int64_t K, 
         for (int r = 0; r < NW; r++) {
             const uint16_t *wr = w + r * K + c;
             const __m512i v = left >= 32 ? _mm512_loadu_si512((const void *)wr) : _mm512_maskz_loadu_epi16(m, wr);
-            _mm_prefetch((const char *)(wr + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + pf), _MM_HINT_T1);
             e[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
             o[r] = _mm512_castsi512_ps(_mm512_and_si512(v, mhi));
         }
@@ -191,23 +193,18 @@ static float *bf16_blocked_x(const mm_job *j) {
 static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, T = j->T;
     const int nw = T <= 4 ? 4 : 2; /* rows at a time: at most 16 accumulators */
-    /* 1-2 tokens: x fits L1 whole, so 4 rows run their whole length at once (measured faster than K blocks there),
-     * prefetching BF_LEAD weights ahead in the row, and over its last BF_LEAD the same place in the next 4 rows */
-    const int whole = T <= 2;
-    const int64_t rb = whole ? 4 : BF_RB, lead = whole ? BF_LEAD : BF_KB;
     /* the blocked copy of x where the rows make it worth its bytes (it is at most 1/16 of theirs) */
-    float *xl = !whole && (n1 - n0) * K * 2 >= 16 * T * j->kp * 4 ? bf16_blocked_x(j) : NULL;
+    float *xl = (n1 - n0) * K * 2 >= 16 * T * j->kp * 4 ? bf16_blocked_x(j) : NULL;
     __m512 st[BF_RB * DOT_MAX] __attribute__((aligned(64))); /* row n - nb, token t at st[(n - nb) * DOT_MAX + t] */
-    const int64_t split = (K - lead) / 32 * 32;                 /* whole rows: where the last stretch starts */
-    for (int64_t nb = n0; nb < n1; nb += rb) {
-        const int64_t ne = nb + rb < n1 ? nb + rb : n1;
+    const int64_t ahead = BF_PF_BLOCKS * BF_KB;
+    for (int64_t nb = n0; nb < n1; nb += BF_RB) {
+        const int64_t ne = nb + BF_RB < n1 ? nb + BF_RB : n1;
         for (int64_t c0 = 0, c1; c0 < K; c0 = c1) {
-            c1 = whole ? (c0 == 0 && split > 0 ? split : K) : (c0 + BF_KB < K ? c0 + BF_KB : K);
+            c1 = c0 + BF_KB < K ? c0 + BF_KB : K;
             const float *xb = xl ? xl + (c0 / BF_KB) * T * BF_KB : j->xp + c0;
             const int64_t ldx = xl ? BF_KB : j->kp;
-            /* prefetch `lead` ahead in the row (the same columns of the next K block); over the last stretch or K
-             * block, the same place in the next block of rows */
-            const int64_t pf = c1 < K ? lead : lead - K + (ne - nb) * K;
+            /* prefetch `ahead` columns on in the row; near its end, the same place in the next block of rows */
+            const int64_t pf = c0 + ahead < K ? ahead : ahead - K + (ne - nb) * K;
             int64_t n = nb;
             const uint16_t *w = (const uint16_t *)j->w;
 #define SPAN(NW, NT) bf16_span(NW, NT, w + n * K, K, xb, ldx, c0, c1, c0 == 0, st + (n - nb) * DOT_MAX, pf)

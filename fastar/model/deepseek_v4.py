@@ -159,10 +159,17 @@ class Compressor:
         self.inv_freq, self.eps, self.quant = inv_freq, eps, quant
 
     def __call__(self, x: torch.Tensor, p0: int, kv_buf, gate_buf, out_buf) -> None:
-        T, m, hd = x.shape[0], self.ratio, self.head_dim
-        pos = torch.arange(p0, p0 + T)
-        kv_buf.append(self.wkv(x))  # [T, c*hd]
-        gate_buf.append(self.wgate(x) + self.ape[pos % m])  # [T, c*hd]
+        self.add(*self.project(x, torch.arange(p0, p0 + x.shape[0])), p0, kv_buf, gate_buf, out_buf)
+
+    def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kv and gate rows [T, c*hd] of x [T, d] at positions pos [T] (any positions: each row on its own)."""
+        return self.wkv(x), self.wgate(x) + self.ape[pos % self.ratio]
+
+    def add(self, kv_rows: torch.Tensor, gate_rows: torch.Tensor, p0: int, kv_buf, gate_buf, out_buf) -> None:
+        """Appends the `project`ed rows of positions p0.. and stores the entries of the windows they close."""
+        T, m, hd = kv_rows.shape[0], self.ratio, self.head_dim
+        kv_buf.append(kv_rows)  # [T, c*hd]
+        gate_buf.append(gate_rows)  # [T, c*hd]
         win = torch.arange(p0 // m, (p0 + T) // m)  # windows closed by this chunk [n]
         if len(win) == 0:
             return
@@ -216,7 +223,7 @@ class Indexer:
         """Adds the chunk's index keys. -> the chunk's scoring queries (`queries`), or None when no query of the
         chunk sees more than topk entries (`scores`)."""
         self.compressor(x, p0, state.idx_kv, state.idx_gate, state.idx_entries)
-        return self.queries(x, qr, p0) if self.scores(p0 + x.shape[0]) else None
+        return self.queries(x, qr, torch.arange(p0, p0 + x.shape[0])) if self.scores(p0 + x.shape[0]) else None
 
     def scores(self, stop: int) -> bool:
         """Whether the query at position stop-1 needs scoring: it sees stop//4 entries; with at most topk, top-k
@@ -224,11 +231,12 @@ class Indexer:
         visible entries instead - the same set, without scoring."""
         return stop // 4 > self.topk
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, p0: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index queries [T, Hi, Di] (RoPE'd, rotated under fp4_indexer) and head weights [T, Hi]."""
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries [T, Hi, Di] (RoPE'd, rotated under fp4_indexer) and head weights [T, Hi] of the rows of x
+        at positions pos [T]."""
         T, Hi, Di = x.shape[0], self.heads, self.head_dim
         q = self.wq_b(self.numerics.act(qr)).view(T, Hi, Di)  # [T, Hi, Di]
-        cos, sin = ops.rope_cos_sin(self.inv_freq, torch.arange(p0, p0 + T))
+        cos, sin = ops.rope_cos_sin(self.inv_freq, pos)
         q = ops.apply_rope(q, cos, sin)
         if self.numerics.fp4_indexer:
             q = self._rotate(q)
@@ -388,25 +396,38 @@ class Attention:
     def rows(self, x: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
         """One new token for each of B sequences (B <= `ops.SMALL_CHUNK`): row b of x [B, d] continues states[b]
         at its own position. The weight products run on all B rows at once (batch-invariant: each row as if
-        alone); everything that reads or writes a state (window KV, compressor, indexer, attention) runs row by
-        row exactly as a one-token `__call__` does. So every row's output and state are bit-identical to decoding
-        that sequence alone. -> [B, d]"""
+        alone), the compressors' and the indexer's included; everything that reads or writes a state (window KV,
+        compressor windows, indexer picks, attention) runs row by row exactly as a one-token `__call__` does. So
+        every row's output and state are bit-identical to decoding that sequence alone. -> [B, d]"""
         pos = [s.length for s in states]
         if self.max_positions is not None and max(pos) + 1 > self.max_positions:
             raise FastarError(
                 f"position {max(pos)} needs {self.prefix}indexer (the lightning indexer), which the "
                 f"model lacks: without it only the first {self.max_positions} positions are exact"
             )
-        cos, sin = ops.rope_cos_sin(self.inv_freq, torch.tensor(pos))  # [B, r/2]
+        at = torch.tensor(pos)
+        cos, sin = ops.rope_cos_sin(self.inv_freq, at)  # [B, r/2]
         q, qr, kv = self._project(x, cos, sin)
+        # the compressors' and the indexer's products on all the rows too (each row as if alone); the state updates
+        # row by row below
+        ckv = cgate = ikv = igate = iq = iw = None
+        if self.ratio:
+            ckv, cgate = self.compressor.project(x, at)
+        if self.indexer is not None:
+            ikv, igate = self.indexer.compressor.project(x, at)
+            if any(self.indexer.scores(p + 1) for p in pos):
+                iq, iw = self.indexer.queries(x, qr, at)
         out = []
         for b, (p0, state) in enumerate(zip(pos, states)):
             state.kv.append(kv[b : b + 1])
             scoring = None
             if self.ratio:
-                self.compressor(x[b : b + 1], p0, state.comp_kv, state.comp_gate, state.entries)
+                one = slice(b, b + 1)
+                self.compressor.add(ckv[one], cgate[one], p0, state.comp_kv, state.comp_gate, state.entries)
                 if self.indexer is not None:
-                    scoring = self.indexer.prepare(x[b : b + 1], qr[b : b + 1], p0, state)
+                    idx = self.indexer.compressor
+                    idx.add(ikv[one], igate[one], p0, state.idx_kv, state.idx_gate, state.idx_entries)
+                    scoring = (iq[one], iw[one]) if self.indexer.scores(p0 + 1) else None
             out.append(self._attend(q[b : b + 1], slice(0, 1), p0, state, scoring))
         return self._output(torch.cat(out), cos, sin)
 

@@ -431,7 +431,8 @@ def test_within_the_cap_every_visible_entry_is_what_the_indexer_selects(ck_v3, m
     for p0, p1 in ((0, 7), (7, 8), (8, CAP)):  # chunked prefill, one decode step: never more than top-k visible
         assert attn.indexer(x[p0:p1], qr[p0:p1], p0, state) is None
     keys = state.idx_entries.all()  # [E, Di], E = 4 = index_topk
-    sel = attn.indexer.pick(*attn.indexer.queries(x[:CAP], qr[:CAP], 0), 0, keys)  # -1: a pick not visible yet
+    queries = attn.indexer.queries(x[:CAP], qr[:CAP], torch.arange(CAP))
+    sel = attn.indexer.pick(*queries, 0, keys)  # -1: a pick not visible yet
     k = sel.shape[1]
     for t in range(CAP):
         visible = (t + 1) // 4

@@ -128,9 +128,9 @@ INLINE void fp8_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, in
  * whole of x at K = 4096 and 8 tokens is 128 KB); within a K block 4 rows at a time for up to 4 tokens and 2 for 5-8
  * (at most 16 accumulators), so every token rides the one pass over the weights and each x load serves 2-4 rows.
  * Between K blocks the accumulators wait in a small buffer. The weights are prefetched BF_PF_BLOCKS K blocks ahead
- * into L2, not L1: prefetches into L1 are held up by its few miss buffers, and one row read at a time (measured
- * against the read probe in the same process, alternating builds): the LM head took 1.2-2.1x the probe's time
- * prefetching into L1 one K block ahead, 1.0-1.2x into L2 two blocks ahead, at 1-4 tokens. */
+ * into L2, not L1, whose few miss buffers held the stream up. Measured on a 2-core Zen 4 with a model's own head
+ * (huge pages), each call timed beside the read probe, two builds alternated: at 1-4 tokens the head took 1.3-1.7x
+ * the probe's time with the L1 prefetch one block ahead (and whole rows at 1-2 tokens), 1.0-1.15x with this. */
 #define BF_RB 8        /* rows per block (a multiple of 4) */
 #define BF_KB 512      /* columns per K block (a multiple of 32) */
 #define BF_PF_BLOCKS 2 /* how many K blocks ahead to prefetch */

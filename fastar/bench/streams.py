@@ -219,16 +219,22 @@ def main(a) -> int:
         f"{r['tokens']} tokens per stream",
         file=sys.stdout,
     )
+
+    def bounds(row) -> str:  # " (byte ceiling X, P%; roofline Y, Q%)", each where known
+        parts = [
+            f"{name} {row[key]:.1f}, {row[frac]:.0%}"
+            for name, key, frac in (
+                ("byte ceiling", "batched_ceiling_tok_s", "fraction_of_ceiling"),
+                ("roofline", "roofline_tok_s", "fraction_of_roofline"),
+            )
+            if row[key]
+        ]
+        return f" ({'; '.join(parts)})" if parts else ""
+
     for row in r["rows"]:
-        ceil = row["batched_ceiling_tok_s"]
         print(
             f"  {row['streams']} streams: {row['aggregate_decode_tok_s']:.1f} tok/s aggregate"
-            + (f" (byte ceiling {ceil:.1f}, {row['fraction_of_ceiling']:.0%}" if ceil else " (")
-            + (
-                f"; roofline {row['roofline_tok_s']:.1f}, {row['fraction_of_roofline']:.0%})"
-                if row["roofline_tok_s"]
-                else ")"
-            )
+            + bounds(row)
             + f" over {row['window_calls']} calls of {row['window_rows_per_call']:.1f} rows",
             end="",
         )

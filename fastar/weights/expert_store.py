@@ -59,12 +59,13 @@ class ExpertSlab:
         """Faults the whole slab in (`madvise(MADV_POPULATE_WRITE)`, a step at a time until `stop` is set), without
         changing any byte, so it is safe beside the readers filling slots. A fresh page costs the kernel a fault and
         a zeroing (and, under a VM, the host's backing): ~2 s per GB was measured here on a full machine, time a
-        prefill would otherwise spend in the kernel the first time it fills each slot. -> False where the kernel
-        lacks the call (pages then come in as slots are first written, as before)."""
+        prefill would otherwise spend in the kernel the first time it fills each slot. -> True once every page is in;
+        False when `stop` came first or the kernel lacks the call (pages then come in as slots are first written,
+        as before)."""
         size = self.n_slots * self.stride
         for a in range(0, size, self.COMMIT_STEP):
             if stop.is_set():
-                return True
+                return False
             try:
                 self._mm.madvise(self.MADV_POPULATE_WRITE, a, min(self.COMMIT_STEP, size - a))
             except (OSError, ValueError):  # an older kernel (EINVAL), or the slab closed under us

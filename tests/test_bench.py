@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from fastar.convert.hf import convert
+from fastar.engine.engine import open_source
 from fastar.format.reader import FstFile
 
 
@@ -169,13 +170,15 @@ def test_bench_compares_with_transformers_in_bfloat16(tiny_ckpt, tmp_path):
     t = out["transformers"]
     assert t["dtype"] == "bfloat16" and t["prefill_tok_s"] > 0 and t["decode_tok_s"] > 0
     assert abs(out["prefill_speedup_vs_transformers"] - out["prefill_tok_s"] / t["prefill_tok_s"]) < 1e-9
+    # every expert in RAM: both engines prefill the prompt twice, the first after load timed apart
+    assert out["runs"][0]["preloaded"] and out["runs"][0]["prefill_first_tok_s"] > 0 and t["prefill_first_tok_s"] > 0
     from fastar.quant import kernels as K
 
     if "avx512bf16" in (K.cpu_features()["usable_isas"] if K.available() else []):
         assert out["bf16_peak_gflops"] > 0 and out["runs"][0]["prefill_fraction_of_bf16_peak"] > 0
     r = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "transformers bfloat16" in r.stdout and "fastar / transformers" in r.stdout
+    assert "transformers bfloat16" in r.stdout and "fastar / transformers" in r.stdout and "first prefill" in r.stdout
     r = subprocess.run(args[:-1] + [str(tmp_path / "nope")], capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "not a checkpoint directory" in r.stderr and "Traceback" not in r.stderr
 
@@ -199,3 +202,5 @@ def test_decode_macs_split_by_instruction_path(tiny_ckpt, tmp_path):
     assert fp8 > 0 and quant == fp8 + experts
     assert wide > head  # the head and the routers' gates at least
     assert wide + quant == prefill_macs(fst) + head  # the prefill's count leaves out only the head
+    ckpt = open_source(str(tiny_ckpt))  # names every routed expert's matrices: counted as k per token, not as resident
+    assert decode_macs(ckpt) == (wide, quant) and prefill_macs(ckpt) == prefill_macs(fst)

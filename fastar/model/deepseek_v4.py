@@ -368,7 +368,7 @@ class Attention:
                 ids = mark.nonzero().squeeze(1)  # [U] ascending (torch.unique's order, without its sort)
                 where = mark.cumsum(0) - 1  # entry id -> its place in ids
                 comp, comp_idx = state.entries.take(ids), torch.where(used, where[comp_idx.clamp(min=0)], -1)
-            else:
+            elif b // self.ratio:  # none closed yet: window keys only (the C kernel takes no empty entry array)
                 comp = state.entries.rows(0, b // self.ratio)  # [E, D]
         return attend(q, state.kv.rows(k0, b), k0, a, self.window, comp, comp_idx, self.ratio, self.sinks, self.D**-0.5)
 

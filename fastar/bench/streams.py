@@ -126,6 +126,8 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
 
     engine = load(path, ram_budget=ram_budget)
     src = engine.source
+    if engine.expert_cache:  # its slab's pages are faulted in by a thread started at load: not beside the probes
+        engine.expert_cache.wait_committed()  # below (as `fastar bench` does)
     if engine.expert_cache and engine.expert_cache.n_slots >= src.bank["slots"] * src.bank["experts"]:
         _preload(engine.expert_cache)
     resident_tok, _, _ = token_bytes(src)

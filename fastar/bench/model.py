@@ -178,29 +178,36 @@ def _preload(cache) -> float:
     return time.perf_counter() - t0
 
 
+def _settle(engine) -> dict:
+    """Right after load: wait for the expert slab's pages (`ExpertCache.wait_committed`, a one-time cost a server
+    pays right after loading; not beside a probe or a timed run), then preload every expert when the budget holds
+    them all. -> {"commit_s", "preloaded", "preload_s"}."""
+    cache, src = engine.expert_cache, engine.source
+    t0 = time.perf_counter()
+    if cache:
+        cache.wait_committed()
+    commit_s = time.perf_counter() - t0
+    preloaded = bool(cache) and cache.n_slots >= src.bank["slots"] * src.bank["experts"]
+    return {"commit_s": commit_s, "preloaded": preloaded, "preload_s": _preload(cache) if preloaded else 0.0}
+
+
 # Prompts up to this many tokens are prefilled twice where every expert is in RAM (see `_start`); a longer one's
 # one-time costs are a small part of its time, and a second pass would double a long benchmark.
 WARM_PREFILL_MAX = 8192
 
 
 def _start(path: str, budget, options: dict, prompt: list[int], warmup: int, draft: str):
-    """Load, wait for the expert slab's pages (`ExpertCache.wait_committed`: a one-time cost a server pays right
-    after loading, reported apart as `commit_s`), preload every expert when the budget holds them all, prefill
-    `prompt` (twice where every expert is in RAM: the first prefill after load timed apart as `prefill_first_s`)
-    and decode `warmup` greedy steps (untimed: the cache settles). -> (engine, state, tokens so far, info)."""
+    """Load, `_settle` (the slab's commit reported apart as `commit_s`), prefill `prompt` (twice where every expert
+    is in RAM: the first prefill after load timed apart as `prefill_first_s`) and decode `warmup` greedy steps
+    (untimed: the cache settles). -> (engine, state, tokens so far, info)."""
     from ..engine.engine import load
     from ..engine.sampling import argmax
 
     t0 = time.perf_counter()
     engine = load(path, ram_budget=budget, **{**options, "draft": draft})
     info = {"load_s": time.perf_counter() - t0}
-    cache, src = engine.expert_cache, engine.source
-    t0 = time.perf_counter()
-    if cache:
-        cache.wait_committed()
-    info["commit_s"] = time.perf_counter() - t0
-    info["preloaded"] = bool(cache) and cache.n_slots >= src.bank["slots"] * src.bank["experts"]
-    info["preload_s"] = _preload(cache) if info["preloaded"] else 0.0
+    cache = engine.expert_cache
+    info.update(_settle(engine))
     if (info["preloaded"] or not cache) and len(prompt) <= WARM_PREFILL_MAX:
         # the first prefill after load also pays one-time costs (first touch of its scratch memory, of the
         # weights' pages): timed apart, then the same prompt again on a new state is the prefill figure. Only

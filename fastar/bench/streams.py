@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .model import _disk_bw, _preload, _stream_gbps, bf16_dot_peak_gflops, decode_macs, token_bytes
+from .model import _disk_bw, _settle, _stream_gbps, bf16_dot_peak_gflops, decode_macs, token_bytes
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -126,10 +126,7 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
 
     engine = load(path, ram_budget=ram_budget)
     src = engine.source
-    if engine.expert_cache:  # its slab's pages are faulted in by a thread started at load: not beside the probes
-        engine.expert_cache.wait_committed()  # below (as `fastar bench` does)
-    if engine.expert_cache and engine.expert_cache.n_slots >= src.bank["slots"] * src.bank["experts"]:
-        _preload(engine.expert_cache)
+    _settle(engine)  # the slab's pages in, every expert preloaded where the budget holds them: before the probes
     resident_tok, _, _ = token_bytes(src)
     stride = src.expert_stride
     prompts = _prompts(max(streams), prompt_tokens, engine.config.vocab_size)

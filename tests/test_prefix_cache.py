@@ -31,13 +31,22 @@ def prefilled(eng, ids):
     return s
 
 
+def continues_alike(eng, state, ids) -> bool:
+    """Whether `state` and a prefill of `ids` give bit-identical logits for the same next tokens."""
+    fresh = prefilled(eng, ids)
+    if state.length != fresh.length:
+        return False
+    a, b = (eng.model.forward([3, 4, 5], s, all_logits=True)[0] for s in (state, fresh))
+    return torch.equal(a, b)
+
+
 def test_lookup_finds_the_longest_stored_prefix(eng, tmp_path):
     cache = eng.open_prefix_cache(tmp_path, "1G")
     ids = prompt(0, 40)
     for n in (10, 25):
         cache.store(ids[:n], prefilled(eng, ids[:n]))
     state, n = cache.lookup(ids + [7], limit=40)
-    assert n == 25 and state.to_bytes() == prefilled(eng, ids[:25]).to_bytes()
+    assert n == 25 and continues_alike(eng, state, ids[:25])
     state, n = cache.lookup(ids[:25], limit=24)  # the same prompt again: its last token must run
     assert n == 24 and state.length == 24
     assert cache.lookup(ids[:12] + [1, 2, 3], limit=14)[1] == 10
@@ -193,11 +202,49 @@ def test_background_writes_land_after_flush_and_are_then_found(eng, tmp_path):
     ids = prompt(11, 24)
     cache = eng.open_prefix_cache(tmp_path, "1G", background=True)
     state = prefilled(eng, ids)
-    expected = state.to_bytes()
     path = cache.store(ids, state)
     eng.model.forward([5, 6], state, all_logits=False)  # the live state moves on at once
     cache.flush()
     assert path.exists() and cache.stats()["stores"] == 1
     got, n = eng.open_prefix_cache(tmp_path, "1G").lookup(ids + [9], limit=24)
-    assert n == 24 and got.to_bytes() == expected
+    assert n == 24 and continues_alike(eng, got, ids)
     assert cache.store(ids, prefilled(eng, ids)) == path and cache.stats()["stores"] == 1  # already there
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_store_keep_saves_the_state_rolled_back_and_keeps_the_live_one(eng, tmp_path, background):
+    """`store(ids, state, keep=n)` saves the state of ids[:n] under their key (what follows from it is bit for bit
+    what follows a prefill of those tokens), and leaves the live state as it was; where the state cannot roll back
+    that far it saves the whole."""
+    ids = prompt(12, 30)
+    cache = eng.open_prefix_cache(tmp_path, "1G", background=background)
+    state = prefilled(eng, ids)
+    live = state.to_bytes()
+    path = cache.store(ids, state, keep=29)
+    cache.flush()
+    assert path.name.startswith("29-") and state.to_bytes() == live
+    got, n = eng.open_prefix_cache(tmp_path, "1G").lookup(ids[:29] + [3, 4], limit=30)
+    assert n == 29 and continues_alike(eng, got, ids[:29])
+
+    short = eng.model.new_state()
+    short.max_rollback = 2  # it keeps the rows for 2 positions back only
+    eng.model.forward(ids, short, all_logits=False)
+    path = cache.store(ids, short, keep=20)  # 10 positions back: beyond its rollback
+    cache.flush()
+    assert path.name.startswith("30-")
+
+
+def test_stored_states_drop_the_rows_kept_for_long_rollbacks(eng, tmp_path):
+    """A live state keeps rows for rolling back `max_rollback` positions; the file keeps those for one (what
+    `lookup` may roll back), so it is far smaller, and what follows from it is unchanged."""
+    ids = prompt(13, 120)  # far past the tiny model's 8-token window and its compressors' windows
+    state = prefilled(eng, ids)
+    live = state.nbytes()
+    cache = eng.open_prefix_cache(tmp_path, "1G")
+    path = cache.store(ids, state)
+    assert state.nbytes() == live  # the live state keeps its rows
+    assert path.stat().st_size < live / 2
+    got, n = cache.lookup(ids, limit=119)  # the same prompt again: rolled back one position
+    assert n == 119 and continues_alike(eng, got, ids[:119])
+    got, n = cache.lookup(ids + [9, 9], limit=121)
+    assert n == 120 and continues_alike(eng, got, ids)

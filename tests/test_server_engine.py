@@ -14,8 +14,13 @@ from fastar.serve.server import Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(vocab_ckpt, tmp_path_factory):
-    fst = convert(vocab_ckpt, tmp_path_factory.mktemp("srv") / "m.fst", progress=False)
+def vocab_fst(vocab_ckpt, tmp_path_factory):
+    return convert(vocab_ckpt, tmp_path_factory.mktemp("srv") / "m.fst", progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(vocab_fst):
+    fst = vocab_fst
     engines = []
 
     def factory():
@@ -141,3 +146,32 @@ def test_openai_responses_on_the_real_server(server):
     assert {"response.output_text.delta", "response.reasoning_text.delta"} & set(events)  # thinking is on by default
     again = c.responses.retrieve(r.id)
     assert again.id == r.id and again.output_text == text
+
+
+def test_restarted_server_reuses_a_thinking_conversation_from_the_prompt_cache(vocab_fst, tmp_path):
+    """Thinking mode (the chat default): the prompt ends in `<think>`, which the resent conversation renders as
+    `</think>` (the reply's reasoning dropped). The state stored at the end of the prompt stops before that token,
+    so a restarted server still prefills only what follows it."""
+    folder = str(tmp_path / "pc")
+    first = [{"role": "system", "content": "You review code."}, {"role": "user", "content": "Read this file. " * 40}]
+
+    def serve():
+        return Server(lambda: load(vocab_fst), port=0, prompt_cache=folder).start()
+
+    s = serve()
+    try:
+        assert s.wait_ready(120)
+        r1 = _client(s).chat.completions.create(model="deepseek-v4-flash", messages=first, max_tokens=4, temperature=0)
+        assert r1.usage.prompt_tokens_details is None or not r1.usage.prompt_tokens_details.cached_tokens
+    finally:
+        s.shutdown()
+    s = serve()
+    try:
+        assert s.wait_ready(120)
+        reply = r1.choices[0].message.content or ""
+        resent = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And the tail?"}]
+        r2 = _client(s).chat.completions.create(model="deepseek-v4-flash", messages=resent, max_tokens=2, temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens - 1  # all but `<think>`
+        assert s.host.engine.stats()["prefill_tokens_computed"] == r2.usage.prompt_tokens - (r1.usage.prompt_tokens - 1)
+    finally:
+        s.shutdown()

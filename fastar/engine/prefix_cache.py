@@ -39,6 +39,18 @@ SUFFIX = ".fpc"
 log = logging.getLogger("fastar.prefix_cache")
 
 
+# Positions a stored state keeps rows for rolling back: `lookup` rolls one back at most (a resent identical prompt
+# runs its last token again). A live state keeps rows for `max_rollback` positions (2,048 by default): at a few
+# thousand tokens those are most of its bytes (~330 KB a position on DeepSeek-V4-Flash against ~4 KB held for good).
+STORED_ROLLBACK = 1
+
+
+def _compact(state: ModelState) -> None:
+    """Drop the rows `state` (a copy) keeps only for rolling back further than STORED_ROLLBACK positions."""
+    for s in state.layers + state.mtp:
+        s.trim(STORED_ROLLBACK)
+
+
 def prefix_key(ids: list[int]) -> str:
     return hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
 
@@ -168,24 +180,36 @@ class PrefixCache:
 
     # --- store ----------------------------------------------------------------------------------------------
 
-    def store(self, ids: list[int], state: ModelState) -> Path | None:
+    def store(self, ids: list[int], state: ModelState, keep: int | None = None) -> Path | None:
         """Save `state`, which has processed exactly `ids`; then evict least recently used files beyond the cap.
-        A state bigger than the whole cap is not stored (None). In background mode only the serialization runs
-        here; the checksum, the write and the eviction run on the writer thread (which also drops a state bigger
-        than the cap)."""
+        With `keep` < len(ids), a copy rolled back to its first `keep` positions is saved instead, under
+        ids[:keep] (the whole state where it cannot roll back that far). A state bigger than the whole cap is not
+        stored (None). In background mode only the serialization runs here; the checksum, the write and the
+        eviction run on the writer thread (which also drops a state bigger than the cap)."""
         if state.length != len(ids) or not ids:
             raise ValueError(f"a state of {state.length} positions does not hold {len(ids)} tokens")
+        snap = None
+        if keep is not None and 0 < keep < len(ids):
+            rolled = state.snapshot()
+            try:
+                rolled.truncate(keep)
+                ids, snap = ids[:keep], rolled
+            except StateError:
+                pass
         path = self.folder / f"{len(ids)}-{prefix_key(ids)}{SUFFIX}"
         if path in self._pending:
             return path
         if path.exists():
             os.utime(path)
             return path
+        # a copy (the live state goes on changing once this returns; a rolled-back one is a copy already), without
+        # the rows for long rollbacks; in background mode its bytes are made on the writer thread
+        snap = state.snapshot() if snap is None else snap
+        _compact(snap)
         if self._writes is None:
-            return path if self._write(path, ids, state.to_bytes()) else None
+            return path if self._write(path, ids, snap.to_bytes()) else None
         self._pending.add(path)
-        # a copy here (the state goes on changing once this returns); its bytes are made on the writer thread
-        self._writes.put((path, list(ids), state.snapshot()))
+        self._writes.put((path, list(ids), snap))
         return path
 
     def _write(self, path: Path, ids: list[int], body: bytes) -> bool:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..encoding import THINK_START
 from ..errors import FastarError, QueueFull  # noqa: F401 (QueueFull: importable from here too)
 from ..model import ops
 from . import speculative
@@ -160,6 +161,8 @@ class Scheduler:
         self.engine, self.model = engine, engine.model
         self.max_batch, self.max_queue, self.token_budget = max_batch, max_queue, token_budget
         self.prefix_cache = prefix_cache
+        # a prompt ending in the thinking generation prompt is stored without that token (see _prefill)
+        self._think_start = engine.tokenizer.token_to_id(THINK_START)
         self.memory = PrefixMemory(keep_states)
         self.draft = draft
         self._landed = False  # a disk load finished since the worker last looked (guarded by _lock)
@@ -442,7 +445,11 @@ class Scheduler:
         if req.done < len(req.ids):
             return
         if self.prefix_cache is not None:
-            self.prefix_cache.store(req.ids, req.state)
+            # The next turn of a thinking-mode conversation renders this one with `</think>` where the prompt
+            # ends in `<think>` (its reasoning dropped), so only the tokens before it start the resent prompt.
+            # An identical prompt gains nothing from its last token either: that token must run again.
+            keep = len(req.ids) - 1 if req.ids[-1] == self._think_start else None
+            self.prefix_cache.store(req.ids, req.state, keep=keep)
         self._sampled(req, logits[-1])
 
     def _decode(self, group: list[_Request]) -> None:

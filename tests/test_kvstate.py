@@ -200,6 +200,10 @@ def test_prefix_cache_skips_a_state_of_the_old_format(tmp_path, caplog):
             raw = super().to_bytes()
             return raw[:8] + struct.pack("<I", 1) + raw[12:]
 
+        def snapshot(self) -> ModelState:  # the cache stores a copy
+            s = super().snapshot()
+            return OldState(s.layers, s.mtp, s.max_rollback)
+
     layer = LayerState.new(0, 8, 4, 2)
     layer.kv.append(torch.ones(3, 4))
     layer.length = 3

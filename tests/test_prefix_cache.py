@@ -223,6 +223,7 @@ def test_store_keep_saves_the_state_rolled_back_and_keeps_the_live_one(eng, tmp_
     path = cache.store(ids, state, keep=29)
     cache.flush()
     assert path.name.startswith("29-") and state.to_bytes() == live
+    assert cache.store(ids, state, keep=29) == path and cache.stats()["stores"] == 1  # stored already
     got, n = eng.open_prefix_cache(tmp_path, "1G").lookup(ids[:29] + [3, 4], limit=30)
     assert n == 29 and continues_alike(eng, got, ids[:29])
 

@@ -100,7 +100,7 @@ class PrefixCache:
         for n in sorted(self._lengths(), reverse=True):
             if n > len(ids) or min(n, limit) <= better_than:
                 continue
-            path = self.folder / f"{n}-{prefix_key(ids[:n])}{SUFFIX}"
+            path = self._path(ids[:n])
             if path.exists():
                 out.append((n, path))
         return out
@@ -190,17 +190,16 @@ class PrefixCache:
             raise ValueError(f"a state of {state.length} positions does not hold {len(ids)} tokens")
         snap = None
         if keep is not None and 0 < keep < len(ids):
+            if self._held(ids[:keep]):  # stored already: no copy to make
+                return self._path(ids[:keep])
             rolled = state.snapshot()
             try:
                 rolled.truncate(keep)
                 ids, snap = ids[:keep], rolled
             except StateError:
                 pass
-        path = self.folder / f"{len(ids)}-{prefix_key(ids)}{SUFFIX}"
-        if path in self._pending:
-            return path
-        if path.exists():
-            os.utime(path)
+        path = self._path(ids)
+        if self._held(ids):
             return path
         # a copy (the live state goes on changing once this returns; a rolled-back one is a copy already), without
         # the rows for long rollbacks; in background mode its bytes are made on the writer thread
@@ -211,6 +210,19 @@ class PrefixCache:
         self._pending.add(path)
         self._writes.put((path, list(ids), snap))
         return path
+
+    def _path(self, ids: list[int]) -> Path:
+        return self.folder / f"{len(ids)}-{prefix_key(ids)}{SUFFIX}"
+
+    def _held(self, ids: list[int]) -> bool:
+        """Whether the state of `ids` is stored or being written (a stored file's recency is refreshed)."""
+        path = self._path(ids)
+        if path in self._pending:
+            return True
+        if path.exists():
+            os.utime(path)
+            return True
+        return False
 
     def _write(self, path: Path, ids: list[int], body: bytes) -> bool:
         """Write one file (on the writer thread in background mode); False when it exceeds the whole cap."""

@@ -127,8 +127,8 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
         default=None,
-        help="cpu (the C kernels), torch:cpu (the GPU code path on the CPU: slow, for tests), cuda or cuda:N "
-        "(default: cuda when present, else cpu)",
+        help="cpu (the C kernels; the default), torch:cpu (the GPU code path on the CPU: slow, for tests), cuda or "
+        "cuda:N (experimental: not yet run on a GPU), auto (cuda when present, else cpu)",
     )
     p.add_argument(
         "--gpu-budget",

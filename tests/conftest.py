@@ -29,13 +29,10 @@ def prompt_cache_in_a_temp_folder(tmp_path_factory: pytest.TempPathFactory):
 
 
 def pytest_configure(config):
-    """The engine defaults to CUDA where it is present: the suite runs the CPU path everywhere (as CI does) and the
-    device tests name their device. FASTAR_DEVICE reaches the CLI, including in subprocesses."""
+    """The suite runs the CPU path everywhere (as CI does) and the device tests name their device, whatever the
+    engine's default. FASTAR_DEVICE reaches the CLI, including in subprocesses."""
     import os
 
-    import fastar.model.device
-
-    fastar.model.device.DEFAULT_TO_CUDA = False
     os.environ.setdefault("FASTAR_DEVICE", "cpu")
 
 

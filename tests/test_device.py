@@ -72,6 +72,19 @@ def test_device_names():
         resolve_device("cuda:x")
 
 
+def test_the_default_device_is_the_cpu_even_with_cuda(monkeypatch):
+    """Until the accelerator tier has passed a run on a real GPU, no --device means the C kernels, CUDA or not;
+    `--device cuda` (or `auto`) opts in."""
+    import fastar.model.device as device
+
+    monkeypatch.setattr(device, "cuda_available", lambda: True)
+    monkeypatch.setattr(device.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(device.torch.cuda, "device_count", lambda: 1)
+    assert device.resolve_device(None) == "cpu"
+    assert device.resolve_device("auto") == "cuda:0"
+    assert device.resolve_device("cuda") == "cuda:0"
+
+
 @pytest.mark.skipif(cuda_available(), reason="checks the machine without CUDA")
 def test_cuda_without_cuda_is_one_clear_error(tiny_ckpt):
     assert resolve_device(None) == "cpu"  # the default without CUDA: the C kernels

@@ -74,7 +74,8 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
       verify: check a `.fst`'s resident tensors against their xxh64 before use, and each expert record the
         first time it is read (default True); a mismatch is a FormatError naming the tensor or expert.
       device: "cpu" (the C kernels), "torch:cpu" (the accelerator tier's torch code on the CPU), "cuda" or
-        "cuda:N"; None (default): CUDA when present, else "cpu" (`fastar.model.device`, docs/DEVICE.md).
+        "cuda:N" (experimental), "auto" (CUDA when present); None (default): "cpu" (`fastar.model.device`,
+        docs/DEVICE.md).
       gpu_budget: bytes (or "20G") of device memory for routed experts on a device; "auto" (default): what is
         free after the resident weights less a reserve; 0: every routed expert on the CPU.
     """

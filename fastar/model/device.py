@@ -1,8 +1,9 @@
 """The accelerator tier: the model on a torch device, routed experts split between the device and the CPU.
 
 Owns:
-- `resolve_device`: the `--device` values (`cpu`: the C kernels, the default without CUDA; `torch:cpu`: this tier's
-  torch code on the CPU, slow but real, what CI runs; `cuda`, `cuda:N`: the default with CUDA).
+- `resolve_device`: the `--device` values (`cpu`: the C kernels, the default everywhere for now; `torch:cpu`: this
+  tier's torch code on the CPU, slow but real, what CI runs; `cuda`, `cuda:N`: opt-in and experimental until the tier
+  has passed a run on a real GPU; `auto`: CUDA when present).
 - `DeviceBackend`: the products contract the model is built through on a device (`weights`: resident weights on the
   device as `DeviceLinear`s and vectors; `scope`: the default device and torch-only ops its forward runs in;
   `attach`: hands each MoE the `ExpertSplit`), its VRAM budget and its counters (`stats`).
@@ -54,15 +55,18 @@ def cuda_available() -> bool:
         return False
 
 
-# None/"auto" picks CUDA when present. The test suite turns this off (tests/conftest.py), so a CUDA machine runs the
-# same CPU tests as CI and the device tests name their device.
-DEFAULT_TO_CUDA = True
+# Whether None (no --device) picks CUDA when present. Off until the accelerator tier has passed a measured run on a
+# real GPU (docs/DEVICE.md, bench/gpu-check.sh): until then the default is the C kernels on the CPU everywhere, and
+# `--device cuda` (or `auto`) opts in.
+DEFAULT_TO_CUDA = False
 
 
 def resolve_device(name: str | None) -> str:
-    """A `--device` value -> "cpu" (the C kernels), "torch:cpu" or "cuda:N". None or "auto": CUDA when present."""
+    """A `--device` value -> "cpu" (the C kernels), "torch:cpu" or "cuda:N". None: "cpu" (`DEFAULT_TO_CUDA`);
+    "auto": CUDA when present, else "cpu"."""
     if name is None or name == "auto":
-        return f"cuda:{torch.cuda.current_device()}" if DEFAULT_TO_CUDA and cuda_available() else "cpu"
+        want_cuda = name == "auto" or DEFAULT_TO_CUDA
+        return f"cuda:{torch.cuda.current_device()}" if want_cuda and cuda_available() else "cpu"
     name = str(name).strip().lower()
     if name in ("cpu", "torch:cpu"):
         return name

@@ -204,3 +204,33 @@ def test_decode_macs_split_by_instruction_path(tiny_ckpt, tmp_path):
     assert wide + quant == prefill_macs(fst) + head  # the prefill's count leaves out only the head
     ckpt = open_source(str(tiny_ckpt))  # names every routed expert's matrices: counted as k per token, not as resident
     assert decode_macs(ckpt) == (wide, quant) and prefill_macs(ckpt) == prefill_macs(fst)
+
+
+def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
+    """--profile 1,3: each step's categories (C kernels by kind, torch ops, the time outside kernels) add up to the
+    step, the kinds a decode step runs are all there, and the engine's C extension is put back afterwards."""
+    from fastar.bench import profile
+    from fastar.model import ops, state
+    from fastar.quant import kernels
+
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    r = _bench("-m", str(fst), "--profile", "1,3", "--decode-tokens", "2", "--prompt-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [p["rows"] for p in out["profiles"]] == [1, 3] and out["preloaded"]
+    for p in out["profiles"]:
+        cats = p["categories_ms"]
+        assert all(v >= 0 for v in cats.values())
+        assert sum(cats.values()) == pytest.approx(p["step_ms"], rel=1e-9)
+        assert p["kernels_ms"] + p["torch_ops_ms"] + p["outside_kernels_ms"] == pytest.approx(p["step_ms"], rel=1e-9)
+        for k in ("FP8 products", "BF16 products", "FP4 experts", "attention", "mHC", "norms", "routing/top-k"):
+            assert cats[k] > 0, k
+        assert cats["sampling"] > 0 and p["calls_per_step"]["sampling"] == p["rows"]
+        assert p["calls_per_step"]["FP4 experts"] == p["calls_per_step"]["routing/top-k"]  # one fused call per layer
+        assert 0 < p["outside_kernels_fraction"] < 1 and p["product_gbps"]["FP8 products"] > 0
+    # the instrumentation is gone once the profile is done (in this process too)
+    run = profile.bench(str(fst), [2], steps=1, prompt_tokens=4)
+    assert run["profiles"][0]["rows"] == 2
+    assert ops._C is kernels._C is state._C and type(ops._C).__name__ == "module"
+    bad = _bench("-m", str(fst), "--profile", "9")
+    assert bad.returncode != 0 and "--profile" in bad.stderr and "Traceback" not in bad.stderr

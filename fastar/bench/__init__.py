@@ -3,6 +3,7 @@
 Owns: the `bench` subcommand's arguments (`add_arguments`) and its dispatch (`main`) to
 - `model.py`: end-to-end prefill/decode tokens/s against the ceiling measured in the same run (`bench -m FILE`);
 - `kernels.py`: the quantized products' GB/s against this machine's memory bandwidth (`bench kernels`);
+- `profile.py`: where a decode step's time goes, by kernel category and outside the kernels (`bench --profile`);
 - `speculative.py`: decode with and without speculative decoding under expert-cache pressure (`bench draft`);
 - `cache.py`: the expert cache against the disk over routing traces, the policy simulator, disk probes (Python).
 Does not own anything that runs in production: the engine, the pager and the kernels only get measured here.
@@ -97,6 +98,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "and per-stream tok/s, inter-token latency, identical_to_solo, the batched ceiling)",
     )
     b.add_argument(
+        "--profile",
+        default=None,
+        metavar="N,N",
+        help="model: where a decode step's time goes with N rows (1 to 8), e.g. 1,4: weight products by type, "
+        "attention, routing, mHC, norms, sampling and the time outside any kernel, adding up to the step",
+    )
+    b.add_argument(
         "--plot",
         default=None,
         help="model: PNG of tokens/s and hit rate against --ram-budget A,B,C",
@@ -129,6 +137,10 @@ def main(a: argparse.Namespace) -> int:
         return 0
     if not a.model:
         raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
+    if a.profile:
+        from . import profile
+
+        return profile.main(a)
     if a.streams:
         from . import streams
 

@@ -1,0 +1,323 @@
+"""`fastar bench -m FILE --profile 1,4`: where the time of a decode step goes, for 1 and N rows.
+
+Owns: the decode-step profile. It loads the model as `fastar bench` does (every expert preloaded where the budget
+holds them all), starts N sequences on short random prompts, and times decode steps as the scheduler runs them
+(`DeepseekV4.forward_rows` on the N rows, then each row's `Sampler`), alternating a plain step and a profiled one.
+In a profiled step every call into the C extension is timed (the extension module is swapped for a timing proxy in
+`fastar.quant.kernels`, `fastar.model.ops` and `fastar.model.state` for the run, calls from other threads such as
+the pager's pass through untimed) and so are a few Python regions; each timer counts its own time less the timers
+nested in it, so the categories and the remainder add up to the step exactly:
+
+- C kernels, by what they compute: FP8 products, BF16 products (LM head, routers, compressors), FP4 routed experts,
+  attention, the indexer's scores and top-k, compressor pooling, mHC, norms, other row ops (RoPE, activation
+  quantization, SwiGLU), KV-state row packing;
+- torch ops: routing/top-k (`MoE.route` less its router product) and sampling (`Sampler`, less nothing: it is
+  all torch and numpy);
+- outside kernels: what is left of the attention block (`Attention.rows`), the MoE block (`MoE.__call__`: expert
+  lookup, bookkeeping) and the step itself (the layer loop, the embedding, the mHC and norm wrappers, the head's
+  wrapper), i.e. Python and small torch ops between the kernels.
+
+Beside them: the plain steps' median (what profiling costs shows as the difference), the memory bandwidth measured
+around the run, the bytes a step reads (resident weights once, plus the distinct experts the rows routed to) and
+the step's byte floor at that bandwidth, and each product category's achieved weight GB/s.
+Owns only the measuring: nothing here runs in production.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+
+import torch
+
+from .model import _settle, _stream_gbps, token_bytes
+
+# C entry point -> category (anything else the extension does during a step: "other C kernels")
+C_CATEGORIES = {
+    "fp8_matmul": "FP8 products",
+    "bf16_matmul": "BF16 products",
+    "fp4_matmul": "FP4 experts",
+    "expert_ffn": "FP4 experts",
+    "experts_ffn": "FP4 experts",
+    "attend": "attention",
+    "index_scores": "indexer scores/top-k",
+    "index_topk": "indexer scores/top-k",
+    "compress_pool": "compressor pooling",
+    "hc_pre": "mHC",
+    "hc_post": "mHC",
+    "sinkhorn": "mHC",
+    "rms_norm": "norms",
+    "rope": "other row ops",
+    "fp8_act_quant": "other row ops",
+    "swiglu": "other row ops",
+    "state_rows_encode": "KV-state rows",
+    "state_rows_decode": "KV-state rows",
+}
+TORCH_CATEGORIES = ("routing/top-k", "sampling")
+GLUE_CATEGORIES = ("outside: attention block", "outside: MoE block", "outside: step")
+PRODUCTS = ("FP8 products", "BF16 products", "FP4 experts")
+
+
+class _Clock:
+    """Nested exclusive timers on one thread: each category gets its own time less its nested timers'."""
+
+    def __init__(self) -> None:
+        self.own: Counter = Counter()
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()
+        self.owner = threading.get_ident()
+        self.on = False
+        self._stack: list[list] = []  # [category, start, nested seconds]
+
+    def enter(self, cat: str) -> None:
+        self._stack.append([cat, time.perf_counter(), 0.0])
+
+    def leave(self) -> float:
+        cat, t0, nested = self._stack.pop()
+        dt = time.perf_counter() - t0
+        self.own[cat] += dt - nested
+        self.calls[cat] += 1
+        if self._stack:
+            self._stack[-1][2] += dt
+        return dt
+
+    def timing(self) -> bool:
+        return self.on and threading.get_ident() == self.owner
+
+    def wrap(self, cat: str, fn):
+        def timed(*a, **k):
+            if not self.timing():
+                return fn(*a, **k)
+            self.enter(cat)
+            try:
+                return fn(*a, **k)
+            finally:
+                self.leave()
+
+        return timed
+
+
+def _weight_bytes(name: str, args: tuple) -> int:
+    """Weight bytes a product call reads (its weight and scale arrays)."""
+    if name in ("fp8_matmul", "fp4_matmul"):
+        return args[1].nbytes + args[2].nbytes
+    if name == "bf16_matmul":
+        return args[1].nbytes
+    if name == "expert_ffn":
+        return sum(a.nbytes for a in args[1:7])
+    if name == "experts_ffn":
+        return sum(a.nbytes for ew in args[1] for a in ew)
+    return 0
+
+
+class _TimedExtension:
+    """Stands in for the C extension module: every entry point timed under its category on the clock's thread."""
+
+    def __init__(self, ext, clock: _Clock) -> None:
+        self._ext, self._clock = ext, clock
+
+    def __getattr__(self, name: str):
+        f = getattr(self._ext, name)
+        if not callable(f):
+            return f
+        cat, clock = C_CATEGORIES.get(name, "other C kernels"), self._clock
+        weighs = name in ("fp8_matmul", "bf16_matmul", "fp4_matmul", "expert_ffn", "experts_ffn")
+
+        def timed(*a, **k):
+            if not clock.timing():
+                return f(*a, **k)
+            clock.enter(cat)
+            try:
+                return f(*a, **k)
+            finally:
+                clock.leave()
+                if weighs:
+                    clock.bytes[cat] += _weight_bytes(name, a)
+
+        setattr(self, name, timed)  # looked up once per name
+        return timed
+
+
+class _Instrumented:
+    """The timers installed on a loaded engine for the profile's life (`close` puts everything back)."""
+
+    def __init__(self, engine, clock: _Clock) -> None:
+        from ..model import ops, state
+        from ..quant import kernels
+
+        self.clock, self.model = clock, engine.model
+        self._modules = [m for m in (kernels, ops, state) if m._C is not None]
+        self._saved_c = [m._C for m in self._modules]
+        proxy = _TimedExtension(kernels._C, clock) if kernels._C is not None else None
+        for m in self._modules:
+            m._C = proxy
+        self.experts: list[int] = []  # distinct experts per layer of each timed call, summed per step
+        self._saved = []
+        for b in self.model.layers:
+            ffn, attn = b.ffn, b.attn
+            self._saved += [(ffn, "route"), (ffn, "__call__"), (attn, "rows")]
+            ffn.route = self._route(clock.wrap("routing/top-k", ffn.route))
+            attn.rows = clock.wrap("outside: attention block", attn.rows)
+        # MoE.__call__ is looked up on the class: the block calls `self.ffn(...)`
+        self._moe_cls = type(self.model.layers[0].ffn)
+        self._moe_call = self._moe_cls.__call__
+        self._moe_cls.__call__ = clock.wrap("outside: MoE block", self._moe_call)
+
+    def _route(self, route):
+        def routed(x, ids):
+            idx, wts = route(x, ids)
+            if self.clock.timing():
+                self.experts[-1] += len(set(idx.reshape(-1).tolist()))
+            return idx, wts
+
+        return routed
+
+    def close(self) -> None:
+        for m, c in zip(self._modules, self._saved_c):
+            m._C = c
+        for obj, name in self._saved:
+            obj.__dict__.pop(name, None)
+        self._moe_cls.__call__ = self._moe_call
+
+
+def _step(model, samplers, pending: list[int], states, clock: _Clock | None) -> list[int]:
+    """One scheduler decode step on the rows: `forward_rows`, then each row's sampler. -> the next tokens."""
+    logits = model.forward_rows(pending, states)
+    out = []
+    for s, row in zip(samplers, logits):
+        if clock is not None:
+            clock.enter("sampling")
+        out.append(s(row)[0])
+        if clock is not None:
+            clock.leave()
+    return out
+
+
+def profile_rows(engine, rows: int, steps: int, prompt_tokens: int = 16, warmup: int = 2, seed: int = 0) -> dict:
+    """`steps` profiled decode steps of `rows` sequences (each after a plain one, alternated) -> the breakdown."""
+    from ..engine.sampling import Sampler, SamplingParams
+
+    model, vocab = engine.model, engine.config.vocab_size
+    g = torch.Generator().manual_seed(seed + rows)
+    states, pending = [], []
+    for _ in range(rows):
+        st = engine.new_state()
+        logits = engine.prefill(torch.randint(3, min(vocab, 100_000), (prompt_tokens,), generator=g).tolist(), st)
+        states.append(st)
+        pending.append(int(logits[-1].argmax()))
+    samplers = [Sampler(SamplingParams()) for _ in range(rows)]
+    for _ in range(warmup):
+        pending = _step(model, samplers, pending, states, None)
+    clock = _Clock()
+    inst = _Instrumented(engine, clock)
+    plain, profiled = [], []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            pending = _step(model, samplers, pending, states, None)
+            plain.append(time.perf_counter() - t0)
+            inst.experts.append(0)
+            clock.on = True
+            clock.enter("outside: step")
+            try:
+                pending = _step(model, samplers, pending, states, clock)
+            finally:
+                profiled.append(clock.leave())
+                clock.on = False
+    finally:
+        inst.close()
+    step_s = sum(profiled) / steps
+    per_step = {k: v / steps for k, v in clock.own.items()}
+    kernels = sum(v for k, v in per_step.items() if k not in TORCH_CATEGORIES + GLUE_CATEGORIES)
+    torch_ops = sum(per_step.get(k, 0.0) for k in TORCH_CATEGORIES)
+    outside = sum(per_step.get(k, 0.0) for k in GLUE_CATEGORIES)
+    return {
+        "rows": rows,
+        "steps": steps,
+        "positions": states[0].length,
+        "step_ms": 1e3 * step_s,
+        "plain_step_ms_median": 1e3 * statistics.median(plain),
+        "profiled_step_ms_median": 1e3 * statistics.median(profiled),
+        "categories_ms": {k: 1e3 * v for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])},
+        "calls_per_step": {k: v / steps for k, v in clock.calls.items()},
+        "kernels_ms": 1e3 * kernels,
+        "torch_ops_ms": 1e3 * torch_ops,
+        "outside_kernels_ms": 1e3 * outside,
+        "outside_kernels_fraction": outside / step_s,
+        "outside_c_kernels_fraction": (outside + torch_ops) / step_s,
+        "product_gbps": {k: clock.bytes[k] / steps / per_step[k] / 1e9 for k in PRODUCTS if per_step.get(k)},
+        "experts_per_step": sum(inst.experts) / steps,
+    }
+
+
+def bench(path: str, rows: list[int], steps: int = 16, prompt_tokens: int = 16, ram_budget="auto") -> dict:
+    from ..engine.engine import load
+
+    engine = load(path, ram_budget=ram_budget)
+    try:
+        settled = _settle(engine)
+        resident_tok, _, _ = token_bytes(engine.source)
+        stride = engine.source.expert_stride
+        out = []
+        for n in rows:
+            before = _stream_gbps(engine)
+            r = profile_rows(engine, n, steps, prompt_tokens)
+            after = _stream_gbps(engine)
+            r["membw_gbps"] = (before + after) / 2 if before and after else None
+            r["step_bytes"] = resident_tok + r["experts_per_step"] * stride
+            if r["membw_gbps"]:
+                r["byte_floor_ms"] = 1e3 * r["step_bytes"] / (r["membw_gbps"] * 1e9)
+            out.append(r)
+        return {"model": str(path), "preloaded": settled["preloaded"], "profiles": out}
+    finally:
+        engine.close()
+
+
+def format_profile(r: dict) -> str:
+    lines = [f"{r['model']}: decode-step profile (forward_rows + sampling, as the scheduler steps)"]
+    for p in r["profiles"]:
+        step = p["step_ms"]
+        floor = (
+            f"; byte floor {p['byte_floor_ms']:.1f} ms at {p['membw_gbps']:.1f} GB/s ({p['step_bytes'] / 1e9:.2f} GB"
+            f", step at {100 * p['byte_floor_ms'] / step:.0f}% of it)"
+            if p.get("byte_floor_ms")
+            else ""
+        )
+        lines.append(
+            f"  {p['rows']} row(s) at position ~{p['positions']}: step {step:.2f} ms profiled, "
+            f"{p['plain_step_ms_median']:.2f} ms plain (median of {p['steps']}){floor}"
+        )
+        for k, v in p["categories_ms"].items():
+            gbps = f"  {p['product_gbps'][k]:.1f} GB/s" if k in p["product_gbps"] else ""
+            calls = p["calls_per_step"].get(k, 0)
+            lines.append(f"    {k:<26} {v:8.3f} ms {100 * v / step:5.1f}%  {calls:6.0f} calls{gbps}")
+        lines.append(
+            f"    {'= C kernels':<26} {p['kernels_ms']:8.3f} ms {100 * p['kernels_ms'] / step:5.1f}%; torch ops "
+            f"{100 * p['torch_ops_ms'] / step:.1f}%; outside kernels {100 * p['outside_kernels_fraction']:.1f}% "
+            f"(outside any C kernel {100 * p['outside_c_kernels_fraction']:.1f}%)"
+        )
+    return "\n".join(lines)
+
+
+def main(a) -> int:
+    from ..errors import FastarError
+    from ..model.ops import SMALL_CHUNK
+
+    parts = a.profile.split(",")
+    if not all(p.strip().isdigit() and 1 <= int(p) <= SMALL_CHUNK for p in parts):
+        raise FastarError(f"--profile takes comma-separated row counts 1..{SMALL_CHUNK}, got {a.profile!r}")
+    if a.decode_tokens < 1:
+        raise FastarError(f"--profile: --decode-tokens (the steps profiled) must be at least 1, got {a.decode_tokens}")
+    rows = [int(s) for s in parts]
+    budget = (
+        (a.ram_budget.split(",")[0] if isinstance(a.ram_budget, str) else a.ram_budget)
+        if getattr(a, "ram_budget", None) is not None
+        else "auto"
+    )
+    r = bench(a.model, rows, steps=a.decode_tokens, prompt_tokens=a.prompt_tokens, ram_budget=budget)
+    print(json.dumps(r) if a.json else format_profile(r), file=sys.stdout)
+    return 0

@@ -496,8 +496,10 @@ def _prefill_io_ceiling(runs: list[dict], disk_bw: float) -> None:
 
 def _transformers(hf_dir: str, prompt: list[int], decode: int, dtype: str = "float32", twice: bool = False) -> dict:
     """transformers' DeepseekV4ForCausalLM on the checkpoint directory in `dtype`: prefill `prompt` and decode
-    `decode` greedy tokens, after an untimed 8-token forward (one-time set-up costs out of the timing). `twice`
-    (when fastar's prompt was, see `_start`): the prompt is prefilled twice, the first timed apart."""
+    `decode` greedy tokens, after an untimed 8-token forward (one-time set-up costs out of the timing). The prefill
+    asks for the last position's logits only (`logits_to_keep=1`), as `generate()` does and as fastar's prefill
+    computes them: the LM head at every prompt position would time work neither engine does when generating.
+    `twice` (when fastar's prompt was, see `_start`): the prompt is prefilled twice, the first timed apart."""
     import torch
     from transformers import DeepseekV4ForCausalLM
 
@@ -505,14 +507,15 @@ def _transformers(hf_dir: str, prompt: list[int], decode: int, dtype: str = "flo
     ids = torch.tensor([prompt])
     first = {}
     with torch.inference_mode():
-        m(ids[:, :8], use_cache=True)
+        m(ids[:, :8], use_cache=True, logits_to_keep=1)
         if twice:
             t0 = time.perf_counter()
-            m(ids, use_cache=True)
+            m(ids, use_cache=True, logits_to_keep=1)
             first["prefill_first_tok_s"] = len(prompt) / (time.perf_counter() - t0)
         t0 = time.perf_counter()
-        out = m(ids, use_cache=True)
+        out = m(ids, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
+        first["prefill_logits_positions"] = out.logits.shape[1]
         past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(decode):

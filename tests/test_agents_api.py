@@ -176,14 +176,16 @@ def test_responses_stream_event_sequence_for_a_tool_call(backend):
 
 def test_errors_in_each_api_shape(backend):
     with pytest.raises(P.APIError) as err:
-        A.messages({"messages": []}, backend)
+        A.messages({"max_tokens": 10, "messages": []}, backend)
     assert err.value.status == 400
     assert A.error_body(err.value) == {
         "type": "error",
         "error": {"type": "invalid_request_error", "message": "'messages' must be a non-empty list of message objects"},
     }
     with pytest.raises(P.APIError) as err:
-        A.messages({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, backend)
+        A.messages(
+            {"max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, backend
+        )
     assert "unsupported block type 'image'" in err.value.message
     with pytest.raises(P.APIError) as err:
         R.create({"input": "hi", "previous_response_id": "resp_nope"}, backend, R.ResponseStore())
@@ -192,7 +194,9 @@ def test_errors_in_each_api_shape(backend):
         R.create({"input": [{"type": "computer_call"}]}, backend, R.ResponseStore())
     assert err.value.status == 400 and "computer_call" in err.value.message
     # the engine failing mid-stream: Anthropic's error event, Responses' error + response.failed
-    events = sse_events(A.messages({"messages": [{"role": "user", "content": "explode"}], "stream": True}, backend))
+    events = sse_events(
+        A.messages({"max_tokens": 10, "messages": [{"role": "user", "content": "explode"}], "stream": True}, backend)
+    )
     assert events[-1] == (
         "error",
         {"type": "error", "error": {"type": "api_error", "message": "generation failed: the fake engine exploded"}},
@@ -234,7 +238,12 @@ def test_closing_a_stream_cancels_the_generation():
     backend, host = make_backend(engine)
     try:
         stream = A.messages(
-            {"messages": [{"role": "user", "content": "count"}], "stream": True, "thinking": {"type": "disabled"}},
+            {
+                "max_tokens": 4000,
+                "messages": [{"role": "user", "content": "count"}],
+                "stream": True,
+                "thinking": {"type": "disabled"},
+            },
             backend,
         )
         got = [next(stream) for _ in range(6)]
@@ -273,7 +282,9 @@ def test_keepalive_pings_during_a_long_prefill():
     engine = AgentEngine(prefill_delay=0.3)
     backend, host = make_backend(engine, keepalive_interval=0.05)
     try:
-        events = sse_events(A.messages({"messages": [{"role": "user", "content": "hi"}], "stream": True}, backend))
+        events = sse_events(
+            A.messages({"max_tokens": 100, "messages": [{"role": "user", "content": "hi"}], "stream": True}, backend)
+        )
         assert [n for n, _ in events].count("ping") >= 3
         chunks = list(R.create({"input": "a different prompt", "stream": True}, backend, R.ResponseStore()))
         assert b": keep-alive\n\n" in chunks
@@ -289,6 +300,7 @@ def test_keepalive_pings_during_a_long_prefill():
 def _run_first_turn(backend: Backend, thinking: bool) -> tuple[list[int], list[int], dict]:
     """Anthropic request whose reply is RAW_SUM_CALL; returns (prompt ids, generated ids, the message)."""
     body = {
+        "max_tokens": 300,
         "messages": [{"role": "user", "content": "please add 1 and 2"}],
         "tools": [SUM],
         "thinking": {"type": "enabled" if thinking else "disabled"},
@@ -311,6 +323,7 @@ def test_replay_renders_the_tokens_the_model_produced_in_every_api_shape(backend
 
     # Anthropic: the assistant turn resent as blocks, then the tool result
     follow = {
+        "max_tokens": 300,
         "tools": [SUM],
         "thinking": {"type": "enabled" if thinking else "disabled"},
         "messages": [
@@ -642,3 +655,34 @@ def test_a_tool_block_cut_off_by_max_tokens(backend):
         )
     )[-1][1]["response"]
     assert final["status"] == "incomplete" and [o["type"] for o in final["output"]] == ["function_call", "message"]
+
+
+def test_messages_without_max_tokens_is_a_400(backend):
+    """The Messages API requires max_tokens; without it the server would generate to the end of the context."""
+    with pytest.raises(P.APIError) as err:
+        A.messages({"messages": [{"role": "user", "content": "hi"}]}, backend)
+    assert err.value.status == 400 and err.value.param == "max_tokens" and "required" in err.value.message
+    assert A.count_tokens({"messages": [{"role": "user", "content": "hi"}]}, backend)["input_tokens"] > 0
+
+
+def test_a_thinking_block_cut_by_max_tokens_has_no_empty_text_block_after_it(backend):
+    body = {
+        "max_tokens": 5,
+        "thinking": {"type": "enabled"},
+        "messages": [{"role": "user", "content": "hi there"}],
+    }
+    msg = A.messages(body, backend)
+    assert msg["stop_reason"] == "max_tokens"
+    assert [b["type"] for b in msg["content"]] == ["thinking"] and msg["content"][0]["thinking"] == "Think"
+    events = sse_events(A.messages({**body, "stream": True}, backend))
+    assert [d["content_block"]["type"] for n, d in events if n == "content_block_start"] == ["thinking"]
+
+
+def test_a_responses_stream_cut_at_max_output_tokens_ends_with_response_incomplete(backend):
+    body = {"input": "count", "max_output_tokens": 6, "reasoning": {"effort": "none"}, "stream": True}
+    events = sse_events(R.create(body, backend, R.ResponseStore()))
+    assert events[-1][0] == "response.incomplete" and "response.completed" not in [n for n, _ in events]
+    assert events[-1][1]["response"]["status"] == "incomplete"
+    assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    done = sse_events(R.create({**body, "input": "hi", "max_output_tokens": 100}, backend, R.ResponseStore()))
+    assert done[-1][0] == "response.completed" and done[-1][1]["response"]["status"] == "completed"

@@ -175,3 +175,28 @@ def test_restarted_server_reuses_a_thinking_conversation_from_the_prompt_cache(v
         assert s.host.engine.stats()["prefill_tokens_computed"] == r2.usage.prompt_tokens - (r1.usage.prompt_tokens - 1)
     finally:
         s.shutdown()
+
+
+def test_anthropic_stop_sequence_on_the_real_engine(server):
+    """The engine cuts the stop string itself (it never reaches the route); the reply still names it."""
+    anthropic = pytest.importorskip("anthropic")
+    s, _ = server
+    c = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
+    kw = dict(
+        model="deepseek-v4-flash",
+        max_tokens=16,
+        thinking={"type": "disabled"},
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Count to ten."}],
+    )
+    text = c.messages.create(**kw).content[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3
+    before = text[: text.find(stop)]
+    msg = c.messages.create(stop_sequences=["never here", stop], **kw)
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    assert "".join(b.text for b in msg.content if b.type == "text") == before
+    with c.messages.stream(stop_sequences=[stop], **kw) as st:
+        streamed = "".join(st.text_stream)
+        final = st.get_final_message()
+    assert streamed == before and final.stop_reason == "stop_sequence" and final.stop_sequence == stop

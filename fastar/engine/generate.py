@@ -35,6 +35,7 @@ class GenerationChunk:
     finish_reason: str | None = None  # None while running; "stop" | "length" | "cancelled" on the last chunk
     # last chunk only: {"prompt_tokens", "completion_tokens", "cached_tokens"} (OpenAI usage names)
     usage: dict[str, int] | None = None
+    stop_string: str | None = None  # last chunk only: the stop string that ended it (its text is not in any chunk)
 
 
 def generate_step(
@@ -158,7 +159,7 @@ class ChunkMaker:
         else:
             text, hit = self.stops.feed(self.decoder.push(token) if self.decoder else "")
             if hit:
-                return GenerationChunk(text, token, logprob, top, "stop", self.usage(cached_tokens))
+                return GenerationChunk(text, token, logprob, top, "stop", self.usage(cached_tokens), self.stops.matched)
             if self.n >= self.params.max_tokens or num_tokens >= self.context_length:
                 reason = "length"
             elif cancel:
@@ -169,7 +170,13 @@ class ChunkMaker:
         more, hit = self.stops.feed(self.decoder.flush() if self.decoder else "")
         text += more + ("" if hit else self.stops.flush())
         return GenerationChunk(
-            text, token, logprob, top, "stop" if self.stops.hit else reason, self.usage(cached_tokens)
+            text,
+            token,
+            logprob,
+            top,
+            "stop" if self.stops.hit else reason,
+            self.usage(cached_tokens),
+            self.stops.matched,
         )
 
     def finish_cancelled(self, cached_tokens: int) -> GenerationChunk:
@@ -177,7 +184,11 @@ class ChunkMaker:
         more, hit = self.stops.feed(self.decoder.flush() if self.decoder else "")
         text = more + ("" if hit else self.stops.flush())
         return GenerationChunk(
-            text, None, finish_reason="stop" if self.stops.hit else "cancelled", usage=self.usage(cached_tokens)
+            text,
+            None,
+            finish_reason="stop" if self.stops.hit else "cancelled",
+            usage=self.usage(cached_tokens),
+            stop_string=self.stops.matched,
         )
 
 

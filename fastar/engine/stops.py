@@ -11,14 +11,16 @@ __all__ = ["StopStrings"]
 
 class StopStrings:
     """Finds stop strings in streamed text. `feed(text)` returns `(releasable, hit)`: text that can no longer
-    be part of a stop string, and whether one was found (then `releasable` ends right before it, and `hit` stays
-    set: later text is swallowed). The cut is where the whole text would be cut at once: at the earliest start of
-    any stop string, so a found stop is not acted on while one starting earlier could still complete. A tail
-    that could still grow into a stop string is held back until decided; `flush()` settles it at the end."""
+    be part of a stop string, and whether one was found (then `releasable` ends right before it, `matched` is the
+    stop string, and `hit` stays set: later text is swallowed). The cut is where the whole text would be cut at
+    once: at the earliest start of any stop string, so a found stop is not acted on while one starting earlier
+    could still complete. A tail that could still grow into a stop string is held back until decided; `flush()`
+    settles it at the end."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.hit = False
+        self.matched: str | None = None  # the stop string found, once `hit`
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
@@ -30,7 +32,8 @@ class StopStrings:
         found = self._first(buf)
         wait = self._open(buf)
         if found is not None and found <= wait:
-            self.hit, self._held = True, ""
+            self._found(buf, found)
+            self._held = ""
             return buf[:found], True
         self._held = buf[wait:]
         return buf[:wait], False
@@ -40,9 +43,14 @@ class StopStrings:
         held, self._held = self._held, ""
         found = None if self.hit else self._first(held)
         if found is not None:
-            self.hit = True
+            self._found(held, found)
             return held[:found]
         return "" if self.hit else held
+
+    def _found(self, buf: str, at: int) -> None:
+        """A stop string starts at `at`: the longest of those that do (as a whole-text search would report it)."""
+        self.hit = True
+        self.matched = max((s for s in self.stops if buf.startswith(s, at)), key=len)
 
     def _first(self, buf: str) -> int | None:
         """Start of the earliest complete stop string in buf."""

@@ -25,6 +25,10 @@ and the reply: the `message` object, or the SSE event sequence (`message_start`,
 `event: error` if generation fails mid-stream; `ping` fills a long prefill). Errors use Anthropic's shape
 `{"type": "error", "error": {"type", "message"}}`.
 
+`max_tokens` is required (a 400 without it, as Anthropic answers). A stop-sequence hit is `stop_reason:
+"stop_sequence"` with the matched string in `stop_sequence`. A thinking block cut off by `max_tokens` is not
+followed by an empty text block.
+
 Model: any `model` name is accepted and answered by the served model (Claude Code sends its own model ids for
 background tasks); replies name the served model.
 
@@ -203,10 +207,15 @@ def _thinking(body: dict, default: bool) -> tuple[bool, str | None]:
     return thinking, effort if thinking else None
 
 
-def parse_request(body: Any, backend: Backend) -> tuple[str, Conversation, dict, int | None, bool]:
-    """(model, conversation, sampling kwargs, max_tokens, stream) of a Messages request."""
+def parse_request(
+    body: Any, backend: Backend, counting: bool = False
+) -> tuple[str, Conversation, dict, int | None, bool]:
+    """(model, conversation, sampling kwargs, max_tokens, stream) of a Messages request (`counting`: for
+    count_tokens, which takes no max_tokens)."""
     if not isinstance(body, dict):
         raise P.bad_request("the request body must be a JSON object")
+    if not counting and body.get("max_tokens") is None:  # required by the Messages API; no silent "to the end"
+        raise P.bad_request("'max_tokens' is required (the most tokens to generate, at least 1)", "max_tokens")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise P.bad_request(f"'model' must be a string, got {json.dumps(model)}", "model")
@@ -252,7 +261,9 @@ def parse_request(body: Any, backend: Backend) -> tuple[str, Conversation, dict,
 
 def count_tokens(body: Any, backend: Backend) -> dict:
     """`POST /v1/messages/count_tokens`: the prompt's token count, as the generation would see it."""
-    _, conv, _, _, _ = parse_request({**body, "max_tokens": None} if isinstance(body, dict) else body, backend)
+    _, conv, _, _, _ = parse_request(
+        {**body, "max_tokens": None} if isinstance(body, dict) else body, backend, counting=True
+    )
     return {"input_tokens": len(prompt_ids(backend, conv)[1])}
 
 
@@ -273,7 +284,7 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
     content: list[dict] = []
     if turn.reasoning is not None:
         content.append(_thinking_block(turn.reasoning))
-    if turn.content or not turn.tool_calls:
+    if turn.content or not (turn.tool_calls or turn.reasoning is not None):  # no empty text after thinking
         content.append({"type": "text", "text": turn.content})
     content.extend(_tool_use(call) for call in turn.tool_calls)
     return {

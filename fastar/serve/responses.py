@@ -22,7 +22,8 @@ Owns: request validation and translation (`input` as a string or items: messages
 `thinking` and `chat_template_kwargs` as on chat completions), the `response` object, and the SSE events
 (`response.created`, `response.in_progress`, `response.output_item.added` / `.done`, `response.reasoning_text.delta`
 / `.done`, `response.content_part.added` / `.done`, `response.output_text.delta` / `.done`,
-`response.function_call_arguments.delta` / `.done`, `response.completed`; `error` then `response.failed` if
+`response.function_call_arguments.delta` / `.done`, `response.completed` (`response.incomplete` when cut at
+`max_output_tokens`); `error` then `response.failed` if
 generation fails mid-stream). Each event is `event: <type>` plus one `data:` line with a `sequence_number`; there is
 no `[DONE]`, as OpenAI sends none.
 
@@ -562,7 +563,8 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
         reply.obj["output"] = output
         obj = reply.finish(turn)
         _store(store, req, obj, turn)
-        yield ev("response.completed", response=public(obj))
+        # a reply cut at max_output_tokens ends with `response.incomplete`, as OpenAI's stream does
+        yield ev("response.incomplete" if obj["status"] == "incomplete" else "response.completed", response=public(obj))
     finally:
         events.close()  # a client that left cancels its generation
         turn.cancel()

@@ -169,6 +169,7 @@ class AssistantTurn:
         self.reasoning_tokens = 0
         self._in_reasoning = conv.thinking
         self.engine_finish: str | None = None
+        self.engine_stop: str | None = None
         self.cached_tokens: int | None = None
         self.finish_reason = "stop"  # "stop" | "length" | "tool_calls" | "stop_sequence"
         self.stop_sequence: str | None = None
@@ -234,6 +235,7 @@ class AssistantTurn:
             self.reasoning_tokens += self._in_reasoning
         if chunk.finish_reason:
             self.engine_finish = chunk.finish_reason
+            self.engine_stop = chunk.stop_string  # the engine cut a stop string (its text never reaches us)
         self.raw += chunk.text
         if self._in_reasoning and THINK_END in self.raw[-len(chunk.text) - len(THINK_END) :]:
             self._in_reasoning = False
@@ -272,9 +274,11 @@ class AssistantTurn:
         if self.stops.hit:
             rest = self.raw[self.released :]
             self.stop_sequence = next((s for s in self.stop_strings if rest.startswith(s)), None)
+        elif self.engine_stop is not None:
+            self.stop_sequence = self.engine_stop
         if self.tool_calls:
             self.finish_reason = "tool_calls"
-        elif self.stops.hit:
+        elif self.stops.hit or self.stop_sequence is not None:
             self.finish_reason = "stop_sequence"
         elif self.engine_finish == "length" or (self.engine_finish != "stop" and self.completion_tokens >= self.limit):
             self.finish_reason = "length"

@@ -85,6 +85,54 @@ def test_batched_generation_equals_each_request_alone(eng, max_batch):
     assert max(hist) == min(8, max_batch) and sum(hist.values()) > 0
 
 
+def test_choices_of_one_prompt_are_prefilled_once_and_each_equals_its_solo_run(eng):
+    """`submit_choices` (n > 1, best_of): the prompt runs once, then every choice decodes from a fork of its state
+    as a row of the batch (beside an unrelated request) and gets exactly the chunks it gets alone: greedy choices
+    are all the same, seeded ones each follow their own seed."""
+    needs_invariant_kernels()
+    ids, other = prompt(7, 70), prompt(8, 12)
+    greedy = [SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)] * 3
+    seeded = [SamplingParams(max_tokens=20, temperature=0.9, seed=5 + i, ignore_eos=True) for i in range(4)]
+    sched = Scheduler(eng, max_batch=8, max_queue=16)
+    before = eng.counters.prefill_tokens_computed
+    lone = sched.submit(other, SamplingParams(max_tokens=25, ignore_eos=True))
+    g = sched.submit_choices(ids, greedy)
+    r = sched.submit_choices(ids[:50], seeded)
+    sched.run_until_idle()
+    assert eng.counters.prefill_tokens_computed - before == len(ids) + 50 + len(other)  # each prompt once
+    same_chunks(list(lone), solo(eng, other, SamplingParams(max_tokens=25, ignore_eos=True)))
+    ref = solo(eng, ids, greedy[0])
+    for h in g:
+        same_chunks(list(h), ref)
+    outs = [list(h) for h in r]
+    for params, chunks in zip(seeded, outs):
+        same_chunks(chunks, solo(eng, ids[:50], params))
+    assert len({tuple(c.token for c in chunks) for chunks in outs}) > 1  # the seeds do differ
+    assert max(sched.metrics()["batch_size_histogram"]) == 8  # 1 + 3 + 4 rows in one decode call
+
+
+def test_choices_cancelled_before_the_fork_and_a_group_wider_than_the_batch(eng):
+    """A choice cancelled while its prompt prefills ends without a token and the others go on; the prompt itself
+    stops only once every choice is cancelled. A group of more choices than max_batch is admitted alone."""
+    params = [SamplingParams(max_tokens=6, ignore_eos=True)] * 3
+    sched = Scheduler(eng, max_batch=2, max_queue=4)
+    hs = sched.submit_choices(prompt(9, 40), params)
+    hs[1].cancel()
+    sched.run_until_idle()
+    outs = [list(h) for h in hs]
+    assert [len(o) for o in outs] == [6, 1, 6] and outs[1][-1].finish_reason == "cancelled"
+    assert [c.token for c in outs[0]] == [c.token for c in outs[2]]
+    gone = sched.submit_choices(prompt(10, 40), params[:2])
+    for h in gone:
+        h.cancel()
+    before = eng.counters.prefill_tokens_computed
+    sched.run_until_idle()
+    assert eng.counters.prefill_tokens_computed == before
+    assert all(list(h)[-1].finish_reason == "cancelled" for h in gone)
+    with pytest.raises(ValueError, match="same max_tokens"):
+        sched.submit_choices([1, 2], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=2)])
+
+
 def test_stop_strings_and_stop_tokens_batched(eng):
     """Stop strings (held back, never leaked) and stop tokens cut each request where its solo run cuts it."""
     needs_invariant_kernels()

@@ -112,6 +112,25 @@ def test_snapshot_is_independent_and_restore_round_trips():
     assert snap.layers[1].kv.stop == 140
 
 
+def test_fork_holds_what_trim_keeps_and_is_independent():
+    """A fork copies the rows a trimmed copy keeps (the same rows, bit for bit), not the long-rollback ones."""
+    st = _model_state()
+    fork = st.fork(3)
+    trimmed = st.snapshot()
+    for s in trimmed.layers + trimmed.mtp:
+        s.trim(3)
+    for a, b in zip(fork.layers + fork.mtp, trimmed.layers + trimmed.mtp, strict=True):
+        assert a.length == b.length
+        for name, buf in a.buffers().items():
+            other = b.buffers()[name]
+            assert (buf.start, buf.stop) == (other.start, other.stop) and torch.equal(buf.raw(), other.raw()), name
+    assert fork.nbytes() < st.nbytes() and fork.layers[0].kv.start == 140 - 3 - 8 + 1
+    fork.truncate(137)  # its rollback is allowed ...
+    with pytest.raises(StateError):
+        st.fork(3).truncate(136)  # ... no further
+    assert st.length == 140 and st.layers[0].kv.start == 0  # the original is untouched
+
+
 def test_bytes_round_trip_and_rejects_garbage():
     st = _model_state()
     st.layers[0].trim(5)

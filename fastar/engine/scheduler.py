@@ -38,9 +38,16 @@ Prefix states on disk are read and parsed on the prefix cache's loader thread (`
 request waits for it (neither prefilling nor decoding) while the others keep stepping, and the worker only adopts
 the parsed state. Storing snapshots the state here and serializes it on the cache's writer thread.
 
+Several choices of one prompt (`submit_choices`: the server's `n` and `best_of`): the prompt is prefilled once, by
+the first choice; when its last chunk has run, the state is forked for every other choice (`ModelState.fork`: a
+copy of the rows the next tokens read, not of those kept for long rollbacks), each choice samples the same last
+logits with its own sampler, and from then on the choices are independent rows of the batch. A fork is exact, so
+each choice's chunks equal a request of its own with its params. The group takes one row per choice.
+
 Admission: a request waits in a FIFO queue of at most `max_queue` (beyond: `QueueFull`, which a server answers
 with 503 and Retry-After); it becomes active when fewer than `max_batch` are active and, with `token_budget`, when
-its prompt plus max_tokens fits beside the active ones' (a request alone is always admitted, so none starves).
+its prompt plus max_tokens fits beside the active ones' (a request alone is always admitted, so none starves; a group
+of choices counts one row and max_tokens per choice).
 """
 
 from __future__ import annotations
@@ -123,10 +130,21 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    forks: list[_Request] = field(default_factory=list)  # the other choices of its prompt, forked after prefill
 
     @property
     def cost(self) -> int:
-        return len(self.ids) + self.params.max_tokens
+        return len(self.ids) + self.params.max_tokens + sum(f.params.max_tokens for f in self.forks)
+
+    @property
+    def slots(self) -> int:
+        """Rows of the batch it takes (each choice not yet forked counts)."""
+        return 1 + len(self.forks)
+
+    @property
+    def all_cancelled(self) -> bool:
+        """Cancelled, and so is every choice still waiting for its prompt (only then may the prompt stop)."""
+        return self.handle.cancelled and all(f.handle.cancelled for f in self.forks)
 
 
 class Scheduler:
@@ -202,21 +220,48 @@ class Scheduler:
             params = SamplingParams.from_kwargs(**sampling)
         elif sampling:
             raise TypeError("pass either params or sampling keyword arguments, not both")
+        return self.submit_choices(prompt, [params], [on_chunk], [on_error], on_progress, [cancel])[0]
+
+    def submit_choices(
+        self,
+        prompt: str | list[int],
+        params: list[SamplingParams],
+        on_chunk: list[Callable[[GenerationChunk], None] | None] | None = None,
+        on_error: list[Callable[[BaseException], None] | None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        cancel: list[threading.Event | None] | None = None,
+    ) -> list[Handle]:
+        """Queue several choices of one prompt (`n`, `best_of`): one `Handle` per entry of `params`, each choice
+        getting exactly the chunks `submit(prompt, params[i])` would give. The prompt is prefilled once; its state
+        is then forked for every other choice (`ModelState.fork`) and the choices decode as rows of the batch. The
+        group takes one row per choice. `on_chunk`, `on_error`, `cancel`: one per choice (as for `submit`);
+        `on_progress`: the shared prompt's. All choices have the same `max_tokens`. Raises as `submit` does."""
+        k = len(params)
+        if k < 1 or len({p.max_tokens for p in params}) != 1:
+            raise ValueError(f"submit_choices needs at least one choice, all with the same max_tokens (got {k})")
+        on_chunk, on_error, cancel = on_chunk or [None] * k, on_error or [None] * k, cancel or [None] * k
+        if not len(on_chunk) == len(on_error) == len(cancel) == k:
+            raise ValueError("on_chunk, on_error and cancel need one entry per choice")
         eng = self.engine
         ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         session_check(eng, ids)
-        handle = Handle(cancel or threading.Event(), on_error)
-        emit = on_chunk or handle._chunks.put
-        req = _Request(
-            ids,
-            params,
-            handle,
-            emit,
-            ChunkMaker(eng.tokenizer, params, eng.config.eos_token_id, len(ids), eng.context_length),
-            Sampler(params),
-            time.perf_counter(),
-            on_progress,
-        )
+        reqs = []
+        for p, chunk_fn, error_fn, event in zip(params, on_chunk, on_error, cancel, strict=True):
+            handle = Handle(event or threading.Event(), error_fn)
+            reqs.append(
+                _Request(
+                    ids,
+                    p,
+                    handle,
+                    chunk_fn or handle._chunks.put,
+                    ChunkMaker(eng.tokenizer, p, eng.config.eos_token_id, len(ids), eng.context_length),
+                    Sampler(p),
+                    time.perf_counter(),
+                    on_progress if not reqs else None,
+                )
+            )
+        req = reqs[0]
+        req.forks = reqs[1:]
         with self._lock:
             free = max(0, self.max_batch - len(self._active))  # waiting requests the next step admits
             if len(self._waiting) >= self.max_queue + free:
@@ -226,9 +271,9 @@ class Scheduler:
                     retry_after=self._retry_after(),
                 )
             self._waiting.append(req)
-            self._counts["submitted"] += 1
+            self._counts["submitted"] += k
             self._lock.notify_all()
-        return handle
+        return [r.handle for r in reqs]
 
     def _retry_after(self) -> int:
         steps = self._counts["steps"]
@@ -306,7 +351,8 @@ class Scheduler:
             reqs, self._waiting = [*self._waiting, *self._active], deque()
             self._active = []
         for r in reqs:
-            r.handle._fail(err)
+            for member in (r, *r.forks):
+                member.handle._fail(err)
 
     def run_until_idle(self) -> None:
         """Step until every request has finished, and its states are on disk."""
@@ -357,21 +403,30 @@ class Scheduler:
             return bool(self._waiting or self._active)
 
     def _drop_cancelled(self) -> None:
+        """Drop cancelled requests; a prompt shared by several choices only once all of them are cancelled."""
         with self._lock:
-            gone = [r for r in self._waiting if r.handle.cancelled]
+            gone = [r for r in self._waiting if r.all_cancelled]
             for r in gone:
                 self._waiting.remove(r)
         for r in gone:
+            for f in r.forks:
+                self._finish(f, f.chunks.cancelled(0), count="cancelled", active=False)
             self._finish(r, r.chunks.cancelled(0), count="cancelled", active=False)
-        for r in [r for r in self._active if r.handle.cancelled]:
+        for r in [r for r in self._active if r.all_cancelled]:
+            for f in r.forks:
+                self._finish(f, f.chunks.cancelled(r.cached), count="cancelled", active=False)
+            r.forks = []
             last = r.chunks.cancelled(r.cached) if not r.generated else r.chunks.finish_cancelled(r.cached)
             self._finish(r, last, count="cancelled")
 
     def _admit(self) -> None:
         admitted = []
         with self._lock:
-            while self._waiting and len(self._active) < self.max_batch:
+            while self._waiting:
                 req = self._waiting[0]
+                used = sum(r.slots for r in self._active)
+                if self._active and used + req.slots > self.max_batch:  # a group alone is always admitted
+                    break
                 in_flight = sum(r.cost for r in self._active)
                 if self._active and self.token_budget is not None and in_flight + req.cost > self.token_budget:
                     break
@@ -385,7 +440,10 @@ class Scheduler:
         stats = self.engine.counters
         stats.requests += 1
         stats.prompt_tokens += len(req.ids)
-        if req.params.max_tokens == 0:
+        if req.params.max_tokens == 0:  # (every choice's: they share it)
+            for f in req.forks:
+                self._finish(f, f.chunks.empty(), active=False)
+            req.forks = []
             self._finish(req, req.chunks.empty())
             return
         limit = len(req.ids) - 1  # the prompt's last token must run: its logits give the first token
@@ -450,7 +508,24 @@ class Scheduler:
             # An identical prompt gains nothing from its last token either: that token must run again.
             keep = len(req.ids) - 1 if req.ids[-1] == self._think_start else None
             self.prefix_cache.store(req.ids, req.state, keep=keep)
+        forked = self._fork(req)
         self._sampled(req, logits[-1])
+        for f in forked:  # each samples the same last logits with its own sampler, as it would alone
+            self._sampled(f, logits[-1])
+
+    def _fork(self, req: _Request) -> list[_Request]:
+        """The other choices of req's prompt, now prefilled: each gets a fork of its state (enough to roll a
+        verify pass back) and joins the batch; one cancelled meanwhile ends here."""
+        forked, forks, req.forks = [], req.forks, []
+        for f in forks:
+            if f.handle.cancelled:
+                self._finish(f, f.chunks.cancelled(req.cached), count="cancelled", active=False)
+                continue
+            f.state, f.done, f.cached = req.state.fork(speculative.VERIFY_MAX), req.done, req.cached
+            forked.append(f)
+        with self._lock:
+            self._active.extend(forked)
+        return forked
 
     def _decode(self, group: list[_Request]) -> None:
         stats = self.engine.counters

@@ -295,8 +295,10 @@ class RowBuffer:
         self._n -= k
         self.start += k
 
-    def copy(self) -> RowBuffer:
-        return RowBuffer.stored(self.fmt, self.start, self.raw().clone())
+    def copy(self, since: int | None = None) -> RowBuffer:
+        """An independent copy; with `since`, of the rows from absolute index `since` on only."""
+        a = self.start if since is None else min(max(since, self.start), self.stop)
+        return RowBuffer.stored(self.fmt, a, self._data[a - self.start : self._n].clone())
 
     @property
     def device(self) -> torch.device:
@@ -373,10 +375,16 @@ class LayerState:
             b.truncate(p // self.ratio if name.endswith("entries") else p)
         self.length = p
 
-    def copy(self) -> LayerState:
+    def copy(self, rollback: int | None = None) -> LayerState:
+        """An independent copy; with `rollback`, without the rows only a truncation by more than that many
+        positions would need (`trim` on a copy, without copying those rows first)."""
+        firsts = None if rollback is None else self.first_needed(max(0, self.length - rollback))
         s = LayerState(self.ratio, self.window, self.kv.copy(), length=self.length)
         for name, b in self.buffers().items():
-            setattr(s, name, b.copy())
+            since = None
+            if firsts is not None and not name.endswith("entries"):  # entries are kept for good
+                since = firsts[0] if name == "kv" else firsts[1]
+            setattr(s, name, b.copy(since))
         return s
 
 
@@ -407,6 +415,14 @@ class ModelState:
     def snapshot(self) -> ModelState:
         """An independent copy (restore it with `restore`, or keep using it directly)."""
         return ModelState([s.copy() for s in self.layers], [s.copy() for s in self.mtp], self.max_rollback)
+
+    def fork(self, rollback: int) -> ModelState:
+        """An independent copy that goes on from the same position and can be truncated back by at most `rollback`
+        positions: the rows the live state keeps only for longer rollbacks are not copied, so a fork costs the
+        window, the compressor tails and the compressed entries (the next tokens read nothing else)."""
+        return ModelState(
+            [s.copy(rollback) for s in self.layers], [s.copy(rollback) for s in self.mtp], self.max_rollback
+        )
 
     def restore(self, snap: ModelState) -> None:
         """Make this state equal to `snap` (which stays usable)."""

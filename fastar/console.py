@@ -22,6 +22,7 @@ from typing import TextIO
 
 from .config import int_flag
 from .encoding import StreamParser
+from .engine.tokenizer import InvalidText, check_text
 from .errors import FastarError
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -378,9 +379,16 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if prompt is None:
         raise FastarError("no prompt: pass -p/--prompt TEXT (or pipe it on stdin)")
     if prompt == "-":
-        prompt = sys.stdin.read()
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError as err:
+            byte = err.object[err.start]
+            raise FastarError(f"standard input is not UTF-8 text: byte 0x{byte:02x} at offset {err.start}") from None
     if not prompt.strip():
         raise FastarError("the prompt is empty")
+    check_text(prompt, "the prompt")  # the tokenizer's text boundary, before the model loads
+    if args.system is not None:
+        check_text(args.system, "--system")
     return prompt
 
 
@@ -446,6 +454,11 @@ class ChatREPL:
         """Run one input line (a message or a /command). Returns False when the chat should end."""
         line = line.strip()
         if not line:
+            return True
+        try:
+            check_text(line, "the message")
+        except InvalidText as e:
+            self.say(f"(error: {e})")
             return True
         if not line.startswith("/"):
             self.reply(line)
@@ -576,6 +589,9 @@ class ChatREPL:
         while True:
             try:
                 line = read(prompt)
+            except UnicodeDecodeError as e:  # stdin decoded strictly: the line is lost, the chat goes on
+                self.say(f"(error: the input is not UTF-8 text: {e.reason})")
+                continue
             except EOFError:
                 self.say("")
                 return 0
@@ -591,6 +607,8 @@ class ChatREPL:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    if args.system is not None:
+        check_text(args.system, "--system")
     params = sampling_params(args)
     engine = open_engine(args, sys.stderr)
     try:

@@ -243,3 +243,54 @@ def test_a_failed_demo_build_leaves_no_folder(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         demo.ensure_demo_model()
     assert (tmp_path / "kept").is_dir() and not list((tmp_path / "kept").glob(".demo-build-*"))
+
+
+# ---- issue 32: text that is not valid Unicode ------------------------------------------------------------------
+
+
+def test_the_tokenizer_refuses_a_lone_surrogate_with_one_line():
+    from fastar.engine.tokenizer import InvalidText, Tokenizer
+
+    tok = Tokenizer.default()
+    for text, where, why in (("ok \ud800", 3, "lone surrogate"), ("hi\udcff", 2, "byte 0xff")):
+        for encode in (tok.encode, lambda t: tok.encode_batch([t]), lambda t: tok.encode(t * 20_000)):
+            with pytest.raises(InvalidText, match=f"character {where} is U\\+.*{why}"):
+                encode(text)
+    assert tok.encode("ok \U0001f600") == tok.encode_batch(["ok \U0001f600"])[0]  # a real pair is fine
+
+
+def test_invalid_utf8_prompts_are_one_line_errors(tiny_fst):
+    """`-p` with bytes that are not UTF-8, the same on stdin, and `--system`: one line before the model loads."""
+    for args, stdin in (
+        (["-p", "\udcff\udcfe"], None),  # argv bytes ff fe, as a shell's $'\xff\xfe'
+        ([], b"hi\xff\n"),
+        (["-p", "hi", "--system", "\udced\udca0\udc80"], None),  # the UTF-8 bytes of a surrogate
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "fastar", "run", "-m", str(tiny_fst), *args],
+            input=stdin,
+            stdin=None if stdin is not None else subprocess.DEVNULL,
+            capture_output=True,
+            timeout=120,
+        )
+        r = subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode(errors="replace"))
+        line = one_line_error(r, 1)
+        assert "not valid Unicode" in line or "not UTF-8" in line, line
+        assert "0xff" in line or "0xed" in line, line
+
+
+def test_chat_says_which_line_was_not_text_and_goes_on():
+    from test_cli_run_chat import make_repl
+
+    repl, eng, out = make_repl(["Fine."])
+    assert repl.handle("hi\udcff")
+    assert "(error: the message is not valid Unicode text: character 2 is U+DCFF" in out.getvalue()
+    assert eng.prompts == [] and repl.messages == []
+
+    def read(prompt: str) -> str:  # stdin decoded strictly
+        raise UnicodeDecodeError("utf-8", b"hi\xff", 2, 3, "invalid start byte")
+
+    calls = iter([read, lambda p: "again", lambda p: "/exit"])
+    assert repl.run(lambda p: next(calls)(p)) == 0
+    assert "(error: the input is not UTF-8 text: invalid start byte)" in out.getvalue()
+    assert eng.prompts and "again" in eng.prompts[0]

@@ -13,6 +13,7 @@ import time
 import pytest
 from test_server import NO_THINK, FakeEngine, FakeTokenizer, chat, client, openai, raw, start_server
 
+from fastar.serve import protocol as P
 from fastar.serve.server import Limits
 
 pytestmark = pytest.mark.skipif(openai is None, reason="the openai client is a test dependency")
@@ -471,3 +472,124 @@ def test_s3_broken_body_framing_logs_no_traceback(server, caplog):
                 pass
     time.sleep(0.3)
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+
+
+# ---- issue 32: one admission path for every route that tokenizes ----------------------------------------------
+
+AGENT_BODIES = {
+    "/v1/messages": lambda text: {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": text}]},
+    "/v1/messages/count_tokens": lambda text: {"model": "m", "messages": [{"role": "user", "content": text}]},
+    "/v1/responses": lambda text: {"model": "deepseek-v4-flash", "input": text},
+}
+EVERY_ROUTE = {
+    CHAT: lambda text: body_of(text),
+    "/v1/completions": lambda text: {"prompt": text},
+    "/tokenize": lambda text: {"prompt": text},
+    **AGENT_BODIES,
+}
+
+
+def _error_of(path: str, status: int, data: bytes, want: int) -> str:
+    """The error message in the route's own shape (Anthropic's on /v1/messages, OpenAI's elsewhere)."""
+    assert status == want, (path, data[:300])
+    body = json.loads(data)
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error", body
+    return body["error"]["message"]
+
+
+def test_raw_surrogate_bytes_are_a_400_on_every_route(server):
+    """The UTF-8 bytes of a lone surrogate (ED A0 80, no escape) in a JSON string: 400, never a 500."""
+    for path, make in EVERY_ROUTE.items():
+        data = json.dumps(make("hi MARK")).encode().replace(b"MARK", b"\xed\xa0\x80")
+        status, _, out = raw(server, "POST", path, data)
+        message = _error_of(path, status, out, 400)
+        assert "surrogate" in message and "TextInputSequence" not in message, (path, message)
+        if not path.startswith("/v1/messages"):
+            assert json.loads(out)["error"]["code"] == "invalid_unicode", (path, out)
+
+
+def test_every_route_refuses_an_oversized_prompt_before_tokenizing():
+    engine = FakeEngine(context_length=4096)
+    engine.tokenizer = CountingTokenizer()
+    srv = start_server(engine)
+    try:
+        bound = 4096 * engine.tokenizer.max_token_bytes()
+        for path, make in EVERY_ROUTE.items():
+            status, _, data = raw(srv, "POST", path, make("x" * (bound + 1000)))
+            message = _error_of(path, status, data, 400)
+            assert "4096 tokens" in message and "characters" in message, (path, message)
+            if not path.startswith("/v1/messages"):
+                assert json.loads(data)["error"]["code"] == "context_length_exceeded"
+        assert engine.tokenizer.longest_encoded < bound  # the tokenizer never saw one of them
+        assert engine.stats()["requests"] == 0
+    finally:
+        srv.shutdown()
+
+
+class GatedTokenizer(FakeTokenizer):
+    """Holds every long text in `encode` until `gate` opens; counts how many are inside at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.inside = self.most = 0
+        self.lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) < 1000:
+            return super().encode(text)
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        try:
+            self.gate.wait(30)
+            return super().encode(text)
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+def test_prompts_are_tokenized_a_few_at_a_time_across_routes():
+    engine = FakeEngine(context_length=4096)
+    engine.tokenizer = GatedTokenizer()
+    srv = start_server(engine)
+    paths = ["/v1/messages/count_tokens", "/v1/messages/count_tokens", "/v1/responses", CHAT, "/tokenize"]
+    results: list[int] = []
+    threads = [
+        threading.Thread(
+            target=lambda p=p: results.append(raw(srv, "POST", p, EVERY_ROUTE[p]("w" * 3000))[0]), daemon=True
+        )
+        for p in paths
+    ]
+    try:
+        for t in threads:
+            t.start()
+        tok = engine.tokenizer
+        deadline = time.monotonic() + 10
+        while tok.inside < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        deadline = time.monotonic() + 1  # give a third one the chance to get in, if the bound let it
+        while tok.inside < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tok.most == 2, tok.most
+        tok.gate.set()
+        for t in threads:
+            t.join(30)
+        assert results == [200] * len(paths)
+    finally:
+        engine.tokenizer.gate.set()
+        srv.shutdown()
+
+
+def test_admission_names_the_text_problem_without_a_tokenizer():
+    from fastar.serve.admission import Admission
+
+    engine = FakeEngine()
+    admission = Admission(lambda: engine)
+    for text in ("a\ud800", "b\udcff"):
+        with pytest.raises(P.APIError) as e:
+            admission.encode(text, "prompt")
+        assert (e.value.status, e.value.param, e.value.code) == (400, "prompt", "invalid_unicode")
+        assert "character 1 is U+D" in e.value.message
+    assert admission.encode("a\U0001f600", "prompt") == [97, 0x1F600]

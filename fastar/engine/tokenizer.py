@@ -4,6 +4,11 @@ Owns:
   * `Tokenizer`: the real V4 `tokenizer.json` run by HF `tokenizers` (byte-level BPE, 129,280 ids, special
     tokens such as `<｜User｜>` recognised inside text). No BOS is added automatically: the chat encoder
     writes BOS as text. `encode_chat()` = `fastar.encoding.encode_messages()` + `encode()`.
+  * `check_text()` / `InvalidText`: the text boundary. Every text the tokenizer takes, from any front-end (the
+    server's routes, `fastar run -p`, stdin, `fastar chat`), must be valid Unicode: a lone UTF-16 surrogate (a
+    JSON body holding the UTF-8 bytes of one, or an undecodable byte that Python read with `surrogateescape`)
+    is refused with one line naming the character, where it is and what it stands for. `Tokenizer.encode`
+    checks; front-ends that want the error before tokenizing call `check_text` themselves.
   * `StreamDecoder`: incremental detokenization that hands out only completed UTF-8 text, so a character
     split across tokens (emoji, CJK, accents) is never shown broken, and the pieces always add up to
     `Tokenizer.decode(all_ids)`.
@@ -26,8 +31,37 @@ import tokenizers
 from tokenizers import decoders
 
 from fastar.encoding import BOS, EOS, encode_messages
+from fastar.errors import FastarError
 
 _GIL_FREE_FROM = 1 << 16  # characters
+
+
+class InvalidText(FastarError, ValueError):
+    """A text cannot be tokenized: it holds a lone surrogate (it has no UTF-8 encoding)."""
+
+    def __init__(self, message: str, position: int) -> None:
+        super().__init__(message)
+        self.position = position
+
+
+def check_text(text: str, what: str = "the text") -> None:
+    """Raise `InvalidText` unless `text` is a str that encodes to UTF-8 (no lone surrogate).
+
+    A surrogate in U+DC80..U+DCFF is how Python carries an undecodable input byte (`surrogateescape`: command
+    line arguments, stdin); the message names that byte. Any other is a surrogate code point sent as text (the
+    UTF-8 bytes ED A0 80 in a JSON body, or a `\\ud800` escape)."""
+    if not isinstance(text, str):
+        raise InvalidText(f"{what} must be text, got {type(text).__name__}", 0)
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        why = f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF else "a lone surrogate"
+        raise InvalidText(
+            f"{what} is not valid Unicode text: character {err.start} is U+{code:04X} ({why})", err.start
+        ) from None
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -77,7 +111,9 @@ class Tokenizer:
         return self._hf
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token strings in the text become their single ids. No BOS added."""
+        """Token ids of `text`; special-token strings in the text become their single ids. No BOS added.
+        Raises `InvalidText` for a text that is not valid Unicode."""
+        check_text(text)
         if len(text) > _GIL_FREE_FROM:
             # `encode` holds the GIL for the whole text (seconds for megabytes, stalling every other thread);
             # `encode_batch` releases it and gives the same ids.
@@ -85,6 +121,8 @@ class Tokenizer:
         return self._hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        for text in texts:
+            check_text(text)
         return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

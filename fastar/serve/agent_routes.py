@@ -64,6 +64,7 @@ class AgentRoutes:
                 default_thinking=s.default_thinking,
                 keepalive_interval=s.keepalive_interval,
                 metrics=s.metrics,
+                admission=s.admission,
             )
         return self._backend
 

@@ -278,7 +278,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     return ResponsesRequest(
         model=model,
         conversation=conversation,
-        conv=Conversation(messages, thinking, effort, drop),
+        conv=Conversation(messages, thinking, effort, drop, param="input"),
         sampling=sampling,
         max_tokens=max_tokens,
         stream=P._boolean(body, "stream", False),

@@ -5,25 +5,19 @@ Owns:
     `/v1/completions`, `/v1/models`, `/tokenize`, `/detokenize`, `/health`, `/metrics`, with their unversioned
     aliases). Handlers never call the model: they build a `Job` and submit it to the worker's bounded queue.
   * `LoopEvents`: a job's event queue that the worker thread fills and the event loop reads.
-  * Prompt admission: a prompt longer (in characters) than the context could hold at the tokenizer's longest
-    token is refused before the tokenizer runs; admitted prompts are tokenized in a worker thread, a few at a
-    time, and a large one gives its heap back afterwards.
 
-Does not own: the guards and error rendering (`fastar.serve.app`), request shapes (`fastar.serve.protocol`), the
-worker (`fastar.serve.worker`). Never imports torch.
+Does not own: prompt admission (`fastar.serve.admission`: the text and size checks and tokenizing, shared with
+every other route), the guards and error rendering (`fastar.serve.app`), request shapes (`fastar.serve.protocol`),
+the worker (`fastar.serve.worker`). Never imports torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
@@ -33,8 +27,6 @@ from fastar.encoding import encode_messages
 from fastar.serve import protocol as P
 from fastar.serve.app import JSONResponse, read_json
 from fastar.serve.worker import Job
-
-TRIM_AFTER_CHARS = 1 << 20  # give the heap back after tokenizing a prompt this long
 
 
 class LoopEvents:
@@ -75,20 +67,10 @@ class _JobStream(StreamingResponse):
             self.job.cancel.set()
 
 
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them after a big tokenization otherwise)."""
-    name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
-
-
 class OpenAIRoutes:
     def __init__(self, server: Any) -> None:  # fastar.serve.server.Server, which builds these routes
         self.server = server
-        self._limiter: anyio.CapacityLimiter | None = None
+        self.admission = server.admission
 
     def routes(self) -> list[BaseRoute]:
         get, post = ["GET"], ["POST"]
@@ -152,12 +134,12 @@ class OpenAIRoutes:
             raise P.bad_request("the request body must be a JSON object")
         if "messages" in body:
             req = P.parse_chat_request({**body, "model": None}, self.server.model_names, self.server.default_thinking)
-            ids = await self._off_loop(self._encode_chat, engine, req)
+            ids = await self.admission.off_loop(self._encode_chat, req)
         else:
             text = body.get("prompt", body.get("content"))
             if not isinstance(text, str):
                 raise P.bad_request("'prompt' (or 'content') must be a string, or send 'messages'", "prompt")
-            ids = await self._off_loop(self._encode_text, engine, text, "prompt")
+            ids = await self.admission.encode_async(text, "prompt")
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.context_length})
 
     async def detokenize(self, request: Request) -> Response:
@@ -167,35 +149,14 @@ class OpenAIRoutes:
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise P.bad_request("'tokens' must be a list of integers", "tokens")
         P.check_token_ids(tokens, engine.tokenizer.vocab_size, "tokens")
-        text = await self._off_loop(engine.tokenizer.decode, tokens)
+        text = await self.admission.off_loop(engine.tokenizer.decode, tokens)
         return JSONResponse({"prompt": text, "content": text})
 
-    # ---- tokenization, off the event loop -----------------------------------------------------------------
+    # ---- prompts, through the one admission path ----------------------------------------------------------
 
-    async def _off_loop(self, fn: Any, *args: Any) -> Any:
-        if self._limiter is None:  # created on the loop's thread; a few at once bounds their memory
-            self._limiter = anyio.CapacityLimiter(2)
-        return await anyio.to_thread.run_sync(partial(fn, *args), limiter=self._limiter)
-
-    def _encode_text(self, engine: Any, text: str, param: str) -> list[int]:
-        ctx, longest = engine.context_length, self.server.max_token_bytes
-        # Every character is at least one UTF-8 byte and no token covers more than `longest` bytes, so a
-        # prompt of more than ctx * longest characters needs more than ctx tokens: no need to tokenize it.
-        if longest and len(text) > ctx * longest:
-            raise P.bad_request(
-                f"This model's maximum context length is {ctx} tokens, but the prompt is {len(text)} characters "
-                f"(more than {ctx} tokens of at most {longest} bytes each). Please shorten the prompt.",
-                param,
-                "context_length_exceeded",
-            )
-        ids = list(engine.tokenizer.encode(text))
-        if len(text) >= TRIM_AFTER_CHARS:
-            _trim_heap()
-        return ids
-
-    def _encode_chat(self, engine: Any, req: P.ChatRequest) -> list[int]:
+    def _chat_text(self, req: P.ChatRequest) -> str:
         try:
-            text = encode_messages(
+            return encode_messages(
                 req.messages,
                 thinking_mode="thinking" if req.thinking else "chat",
                 drop_thinking=req.drop_thinking,
@@ -203,7 +164,9 @@ class OpenAIRoutes:
             )
         except (ValueError, TypeError) as err:  # EncodingError is a ValueError
             raise P.bad_request(str(err), "messages") from None
-        return self._encode_text(engine, text, "messages")
+
+    def _encode_chat(self, req: P.ChatRequest) -> list[int]:
+        return self.admission.encode(self._chat_text(req), "messages")
 
     def _submit(
         self, engine: Any, prompt_ids: list[int], sampling: dict, max_tokens: int | None, param: str
@@ -221,7 +184,7 @@ class OpenAIRoutes:
         body = await read_json(request, self.server.settings)
         req = P.parse_chat_request(body, self.server.model_names, self.server.default_thinking)
         engine = self.server.host.require_engine()
-        prompt_ids = await self._off_loop(self._encode_chat, engine, req)
+        prompt_ids = await self.admission.off_loop(self._encode_chat, req)
         job, limit = self._submit(engine, prompt_ids, req.sampling, req.max_tokens, "messages")
         turn = P.ChatTurn(req, engine.tokenizer, self.server.reasoning_field)
         rid, created, n_prompt = P.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
@@ -271,11 +234,11 @@ class OpenAIRoutes:
         engine = self.server.host.require_engine()
         if isinstance(req.prompt, str):
             prompt_text = req.prompt
-            prompt_ids = await self._off_loop(self._encode_text, engine, req.prompt, "prompt")
+            prompt_ids = await self.admission.encode_async(req.prompt, "prompt")
         else:
             P.check_token_ids(req.prompt, engine.tokenizer.vocab_size, "prompt")
             prompt_ids = list(req.prompt)
-            prompt_text = await self._off_loop(engine.tokenizer.decode, prompt_ids)
+            prompt_text = await self.admission.off_loop(engine.tokenizer.decode, prompt_ids)
         job, limit = self._submit(engine, prompt_ids, req.sampling, req.max_tokens, "prompt")
         prefix = prompt_text if req.echo else ""
         turn = P.CompletionTurn(req, engine.tokenizer, len(prefix))

@@ -44,6 +44,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastar.config import int_flag
 from fastar.errors import FastarError
 from fastar.serve import protocol as P
+from fastar.serve.admission import Admission
 from fastar.serve.agent_routes import ERROR_SHAPES, AgentRoutes
 from fastar.serve.app import ErrorShape, Settings, build_app
 from fastar.serve.routes import OpenAIRoutes
@@ -224,7 +225,7 @@ class Server:
         batching = Batching(max_batch, max_queue, max_sessions, prompt_cache, prompt_cache_size)
         self.host = EngineHost(engine_factory, batching, self.metrics)
         self.model_names: tuple[str, ...] = (served_model_name,)
-        self.max_token_bytes: int | None = None  # the tokenizer's longest token, for the cheap prompt bound
+        self.admission = Admission(self.host.require_engine)  # every route's prompt checks and tokenizing
         self.started = int(time.time())
         self.app = build_app(
             self.settings,
@@ -276,8 +277,6 @@ class Server:
         default = getattr(engine, "model_name_default", None)
         if isinstance(default, str) and default not in self.model_names:
             self.model_names = (*self.model_names, default)  # accepted in requests, never listed
-        longest = getattr(engine.tokenizer, "max_token_bytes", None)
-        self.max_token_bytes = int(longest()) if callable(longest) else None
 
     @property
     def port(self) -> int:

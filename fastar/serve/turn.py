@@ -38,6 +38,7 @@ from typing import Any
 
 from fastar.encoding import EOS, THINK_END, TOOL_CALLS_START, StreamParser, encode_messages
 from fastar.serve import protocol as P
+from fastar.serve.admission import Admission
 from fastar.serve.toolstream import ToolCallStream
 from fastar.serve.worker import Job, Metrics
 
@@ -56,6 +57,8 @@ class Backend:
         submit: enqueues a `Job` on the one worker, or raises `APIError` 503 when the queue is full
             (`EngineHost.submit`).
         model_names: the served model name first; requests may name any of them.
+        admission: the server's prompt admission (text and size checks, bounded tokenizing), shared with the
+            OpenAI routes; by default one of its own over `engine`.
     """
 
     engine: Callable[[], Any]
@@ -65,6 +68,11 @@ class Backend:
     keepalive_interval: float = 5.0
     replay: ReplayCache = field(default_factory=lambda: ReplayCache())
     metrics: Metrics | None = None
+    admission: Admission | None = None
+
+    def __post_init__(self) -> None:
+        if self.admission is None:
+            self.admission = Admission(self.engine)
 
 
 class ReplayCache:
@@ -109,6 +117,7 @@ class Conversation:
     thinking: bool
     reasoning_effort: str | None = None
     drop_thinking: bool = True
+    param: str = "messages"  # the request field the conversation came from, for errors
 
     def render(self, extra: list[dict] | None = None) -> str:
         try:
@@ -119,7 +128,7 @@ class Conversation:
                 self.reasoning_effort,
             )
         except (ValueError, TypeError) as err:  # EncodingError is a ValueError
-            raise P.bad_request(str(err), "messages") from None
+            raise P.bad_request(str(err), self.param) from None
 
 
 class ClientDisconnected(Exception):
@@ -140,9 +149,12 @@ class GenerationFailed(Exception):
 
 
 def prompt_ids(backend: Backend, conv: Conversation) -> tuple[str, list[int]]:
-    """The rendered prompt and its ids through the replay cache (`count_tokens` uses this too)."""
+    """The rendered prompt and its ids: admitted (`fastar.serve.admission`), then tokenized through the replay
+    cache (`count_tokens` uses this too). Blocking: the agent routes call it from the thread pool."""
     text = conv.render()
-    return text, backend.replay.encode(backend.engine().tokenizer, text)
+    tokenizer = backend.engine().tokenizer
+    assert backend.admission is not None  # set in __post_init__
+    return text, backend.admission.encode(text, conv.param, lambda t: backend.replay.encode(tokenizer, t))
 
 
 class AssistantTurn:

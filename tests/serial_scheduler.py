@@ -80,6 +80,7 @@ class SerialScheduler:
                 "steps", "step_seconds_total", "step_seconds_last", "tokens_per_s_per_sequence_finished_mean",
                 "requests_rejected", "prefix_memory_hits", "prefix_memory_misses", "prefix_memory_states",
                 "prefix_disk_hits", "prefix_disk_misses", "prefix_disk_bytes", "prefix_disk_loading", "draft_steps",
+                "sampled_draft_steps",
             ),
             0,
         )  # fmt: skip

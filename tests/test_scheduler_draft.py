@@ -1,6 +1,7 @@
 """The step scheduler with a drafter: a lone greedy sequence is decoded with draft/verify passes and gets exactly
 the tokens (and logprobs, stops, usage) of plain decoding; a second request switches the steps back to batched
-ones and both outputs equal their solo runs; sampled requests are never drafted. And prefix states read from disk
+ones and both outputs equal their solo runs; a seeded sampled request is never drafted, an unseeded one alone
+drafts with speculative sampling and keeps the target's distribution. And prefix states read from disk
 off the worker thread: the other sequences keep stepping while a load is in progress.
 
 Tiny fixtures in official numerics. The random fixtures' own drafts are almost never right, so the drafters here
@@ -115,12 +116,95 @@ def test_lone_greedy_request_drafts_and_equals_plain(plain, drafted):
         assert kept.tokens == ref_kept.tokens and kept.state.length == ref_kept.state.length == len(kept.tokens)
 
 
-def test_sampled_request_is_not_drafted(plain, drafted):
+def test_seeded_sampled_request_is_not_drafted(plain, drafted):
+    """A sampled request with a seed stays on plain steps: the tokens of plain decoding with that seed."""
     needs_invariant_kernels()
     ids, params = prompt(2, 9), SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
     got, sched = run_alone(drafted, ids, params)
     same_chunks(got, solo(plain, ids, params))
-    assert sched.metrics()["draft_steps"] == 0
+    assert sched.metrics()["draft_steps"] == 0 and sched.metrics()["sampled_draft_steps"] == 0
+
+
+class UniformDraft(sp.MTPDrafter):
+    """The MTP drafter's context upkeep, but each draft drawn (from its own generator) uniformly from `support`:
+    a draft distribution q that overlaps the target's, so drafts are accepted and rejected alike."""
+
+    support: list[int]
+
+    def propose(self, state, anchor, k, pick):
+        prop = super().propose(state, anchor, k, pick)
+        V = self.model.config.vocab_size
+        q = torch.zeros(V)
+        q[self.support] = 1 / len(self.support)
+        toks = [self.support[int(torch.randint(len(self.support), (1,), generator=self.gen))] for _ in prop.tokens]
+        return sp.Proposal(toks, q.expand(len(toks), V).clone(), prop.confidence)
+
+
+def _chi2_p(observed: dict, expected: dict, n: int) -> float:
+    """Pearson's chi-square p-value of the counts `observed` against the probabilities `expected` (cells expected
+    fewer than 5 times pooled into one)."""
+    small = [c for c in expected if expected[c] * n < 5]
+    cells = [([c], expected[c]) for c in expected if c not in small]
+    if small:
+        cells.append((small, sum(expected[c] for c in small)))
+    stat = sum((sum(observed.get(c, 0) for c in cs) - n * e) ** 2 / (n * e) for cs, e in cells if e > 0)
+    stray = sum(v for c, v in observed.items() if c not in expected)  # an outcome the target never gives
+    if stray:
+        return 0.0
+    dof = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_lone_unseeded_sampled_request_drafts_with_the_target_distribution(plain, tiny_ckpt, monkeypatch):
+    """A lone sampled request without a seed decodes with draft/verify passes (speculative sampling), and its
+    tokens keep the target's distribution: the first three tokens' joint frequencies over many requests against
+    the exact probabilities from plain forwards (temperature 1, top-k 2: 8 outcomes; the second token is an
+    accepted draft or a draw from the residual, the third the bonus or the next step's draw). The same counts are
+    far from what accepting every draft would give (the test can tell)."""
+    from types import SimpleNamespace
+
+    from fastar.engine import sampling
+
+    eng = load(tiny_ckpt, draft="mtp")
+    drafter = UniformDraft(eng.model)
+    drafter.gen = torch.Generator().manual_seed(7)
+    eng.use_draft(drafter, sp.Schedule(fixed=1), "mtp")
+    ids = prompt(3, 6)
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=2, ignore_eos=True)
+
+    def dist(seq: list[int]) -> dict[int, float]:  # the target's processed next-token distribution after seq
+        logits = plain.prefill(seq, plain.new_state())[-1]
+        probs = torch.softmax(sampling.processed_logits(logits, params), -1)
+        return {int(t): float(probs[t]) for t in probs.nonzero().reshape(-1)}
+
+    exact = {}
+    for t1, p1 in dist(ids).items():
+        for t2, p2 in dist(ids + [t1]).items():
+            for t3, p3 in dist(ids + [t1, t2]).items():
+                exact[(t1, t2, t3)] = p1 * p2 * p3
+    seconds = {t2 for _, t2, _ in exact}
+    drafter.support = sorted(seconds) + [max(seconds) + 1]  # and one token the target never draws: rejected
+    seeds = iter(range(1, 10**6))  # unseeded requests draw their seed from os.urandom: made reproducible here
+    monkeypatch.setattr(sampling, "os", SimpleNamespace(urandom=lambda n: next(seeds).to_bytes(n, "little")))
+    sched, n, counts = Scheduler(eng), 240, {}
+    before = eng.draft_stats.accepted, eng.draft_stats.drafted
+    for _ in range(n):
+        h = sched.submit(ids, params)
+        sched.run_until_idle()
+        key = tuple(c.token for c in h if c.token is not None)
+        counts[key] = counts.get(key, 0) + 1
+    m = sched.metrics()
+    accepted, drafted = eng.draft_stats.accepted - before[0], eng.draft_stats.drafted - before[1]
+    assert m["sampled_draft_steps"] >= n and m["draft_steps"] == m["sampled_draft_steps"]
+    assert 0 < accepted < drafted  # drafts accepted and rejected
+    assert _chi2_p(counts, exact, n) > 1e-3
+    # accepting every draft would make the second token uniform over the support (given the first)
+    first = {t1: sum(v for k, v in exact.items() if k[0] == t1) for t1 in {k[0] for k in exact}}
+    naive = {(t1, t2): first[t1] / len(drafter.support) for t1 in first for t2 in drafter.support}
+    pairs = {}
+    for k, v in counts.items():
+        pairs[k[:2]] = pairs.get(k[:2], 0) + v
+    assert _chi2_p(pairs, naive, n) < 1e-6
 
 
 def test_second_request_switches_to_batched_steps(plain, drafted):

@@ -150,7 +150,7 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self._gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)  # this generation's random stream
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
         logits = logits.reshape(-1).float().cpu()  # [V]; one host copy per token, needed for the text anyway
@@ -159,10 +159,16 @@ class Sampler:
             token = argmax(logits)
         else:
             probs = torch.softmax(processed_logits(logits, p), dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=self._gen))
-        logp = torch.log_softmax(logits, dim=-1)
-        top: list[tuple[int, float]] = []
-        if p.logprobs:
-            vals, ids = torch.topk(logp, p.logprobs)
-            top = [(int(i), float(v)) for i, v in zip(ids, vals)]
-        return token, float(logp[token]), top
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        return report(logits, token, p)
+
+
+def report(logits: torch.Tensor, token: int, params: SamplingParams) -> tuple[int, float, list[tuple[int, float]]]:
+    """(token, its logprob, the top `params.logprobs` (id, logprob)) from one position's raw logits [V]: the model's
+    own distribution, whatever chose the token (a `Sampler`, or speculative sampling's acceptance)."""
+    logp = torch.log_softmax(logits.reshape(-1).float().cpu(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if params.logprobs:
+        vals, ids = torch.topk(logp, params.logprobs)
+        top = [(int(i), float(v)) for i, v in zip(ids, vals)]
+    return token, float(logp[token]), top

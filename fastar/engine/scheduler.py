@@ -28,11 +28,13 @@ that position, so (as with a session) its bits equal a fresh prefill's only wher
 Speculative decoding (with the engine's drafter, `--draft`): while exactly one sequence is active (decoding, with
 nothing else prefilling or loading) and its request is greedy, each step decodes it with the drafter's
 propose/verify step (`draft_step.greedy_draft_step`: up to `speculative.VERIFY_MAX` tokens a pass, rejected drafts
-rolled back), which gives the tokens plain decoding gives (verify passes are batch-invariant). As soon as another
-request is admitted, steps are plain batched steps again: drafting would hold the others' next tokens back behind a
-wider pass and, the batch already sharing the weight reads, pays little. Sampled requests (temperature > 0) are
-never drafted here: speculative sampling draws other random numbers than one draw per token, so the tokens would
-differ from the batched path's. Greedy prompts are prefilled through the drafter so its context is ready.
+rolled back), which gives the tokens plain decoding gives (verify passes are batch-invariant). A lone sampled
+request (temperature > 0) without a `seed` drafts too, with lossless speculative sampling (`draft_step.draft_step`
+with its sampler's generator: each token is distributed exactly as a plain step's draw, though from other random
+numbers); with a `seed` it stays on plain steps, whose one draw per token is what makes its tokens reproducible
+whatever else runs. As soon as another request is admitted, steps are plain batched steps again: drafting would
+hold the others' next tokens back behind a wider pass and, the batch already sharing the weight reads, pays little.
+Prompts that may draft are prefilled through the drafter so its context is ready.
 
 Prefix states on disk are read and parsed on the prefix cache's loader thread (`PrefixCache.lookup_async`); the
 request waits for it (neither prefilling nor decoding) while the others keep stepping, and the worker only adopts
@@ -67,10 +69,10 @@ from ..encoding import THINK_START
 from ..errors import FastarError, QueueFull  # noqa: F401 (QueueFull: importable from here too)
 from ..model import ops
 from . import speculative
-from .draft_step import greedy_draft_step
+from .draft_step import draft_step
 from .generate import ChunkMaker, GenerationChunk
 from .prefix_cache import PrefixMemory
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, report
 
 
 class Handle:
@@ -324,6 +326,7 @@ class Scheduler:
             "prefix_disk_bytes": disk.get("bytes", 0),
             "prefix_disk_loading": sum(r.loading is not None for r in active),
             "draft_steps": self._counts["draft_steps"],
+            "sampled_draft_steps": self._counts["sampled_draft_steps"],
         }
 
     @property
@@ -491,7 +494,7 @@ class Scheduler:
         part = req.ids[req.done : req.done + size]
         stats = self.engine.counters
         t = time.perf_counter()
-        if self._drafter is not None and req.params.is_greedy:  # it may draft later: keep the draft's context
+        if self._drafter is not None and self._may_draft(req):  # it may draft later: keep the draft's context
             logits, _ = self._drafter.forward(part, req.state, all_logits=False)
         else:
             logits, _ = self.model.forward(part, req.state, all_logits=False, chunk=self.engine.paged_chunk)
@@ -541,14 +544,20 @@ class Scheduler:
     def _drafter(self) -> speculative.Drafter | None:
         return self.engine.drafter if self.draft else None
 
+    @staticmethod
+    def _may_draft(req: _Request) -> bool:
+        """Greedy, or sampled without a seed: drafting keeps its tokens (greedy) or their distribution (sampled)."""
+        return req.params.is_greedy or req.params.seed is None
+
     def _can_draft(self, decoding: list[_Request]) -> bool:
-        """A draft/verify step only for a lone greedy sequence (see the module docstring)."""
+        """A draft/verify step only for a lone sequence that may draft (see the module docstring)."""
         lone = len(decoding) == 1 and len(self._active) == 1
-        return lone and self._drafter is not None and decoding[0].params.is_greedy
+        return lone and self._drafter is not None and self._may_draft(decoding[0])
 
     def _draft(self, req: _Request) -> None:
-        """Decode the lone sequence `req` with a draft/verify pass: the tokens of the rows kept are sampled (greedy:
-        argmax, the accepted drafts then the next token) and emitted one by one, as plain steps would."""
+        """Decode the lone sequence `req` with a draft/verify pass: the tokens of the rows kept (greedy: the argmax
+        of each, by its sampler; sampled: what speculative sampling accepted and drew) are emitted one by one, as
+        plain steps would."""
         eng, m = self.engine, req.state.length
         room = min(
             self._drafter.max_drafts,
@@ -557,20 +566,27 @@ class Scheduler:
             eng.context_length - m - 3,  # as `speculative_generate_step`: the length check fires where plain would
         )
         t = time.perf_counter()
-        rows = greedy_draft_step(
-            self._drafter, eng.draft_schedule, eng.draft_stats, req.state, req.ids + req.generated, room
+        sampling = None if req.params.is_greedy else (req.params, req.sampler.generator)
+        rows, picks = draft_step(
+            self._drafter, eng.draft_schedule, eng.draft_stats, req.state, req.ids + req.generated, room, sampling
         )
         eng.counters.decode_seconds += time.perf_counter() - t
         eng.counters.decode_tokens_computed += len(rows)
         self._batch_sizes[1] += 1
         self._counts["draft_steps"] += 1
-        for row in rows:
-            self._sampled(req, row)
+        self._counts["sampled_draft_steps"] += picks is not None
+        for j, row in enumerate(rows):
+            if picks is None:
+                self._sampled(req, row)
+            else:
+                self._emit(req, *report(row, picks[j], req.params))
             if req.state is None:  # finished (a stop, max_tokens or EOS inside the verified tokens)
                 break
 
     def _sampled(self, req: _Request, logits: torch.Tensor) -> None:
-        token, logprob, top = req.sampler(logits)
+        self._emit(req, *req.sampler(logits))
+
+    def _emit(self, req: _Request, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
         req.pending = token
         req.generated.append(token)
         now = time.perf_counter()

@@ -334,8 +334,15 @@ def _batch_lines(metric: Callable[[str, str, str, list[str]], None], b: dict) ->
     metric(
         "draft_steps_total",
         "counter",
-        "Steps that decoded a lone greedy sequence with a draft/verify pass (engine_draft_* count the tokens).",
+        "Steps that decoded a lone sequence (greedy, or sampled without a seed) with a draft/verify pass "
+        "(engine_draft_* count the tokens).",
         [f"draft_steps_total {b['draft_steps']}"],
+    )
+    metric(
+        "sampled_draft_steps_total",
+        "counter",
+        "Draft/verify steps of a sampled request (speculative sampling).",
+        [f"sampled_draft_steps_total {b['sampled_draft_steps']}"],
     )
     metric(
         "prefix_cache_disk_loading",

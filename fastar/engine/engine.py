@@ -1,10 +1,11 @@
 """The engine: owns the weights, the model and the expert pager, and is the only object front-ends hold.
 
 Owns: `open_source`, `load(path, numerics=..., **options) -> Engine`, and `Engine`: the public calls (`logits`,
-`generate_tokens`, `generate`, `stream`, `chat`, `open_session`, `stats`, `close`), the state-level primitives
-sessions and drafters run on (`new_state`, `prefill`), the tokenizer, the context length and the engine's own
-session. Does not own: the session's timeline and prefix reuse (`session.py`), the generation loop and chat
-encoding (`generate.py`), speculative decoding (`speculative.py`), the forward pass (`fastar.model`).
+`prompt_logprobs`, `generate_tokens`, `generate`, `stream`, `chat`, `open_session`, `stats`, `close`), the
+state-level primitives sessions and drafters run on (`new_state`, `prefill`), the tokenizer, the context length and
+the engine's own session. Does not own: the session's timeline and prefix reuse (`session.py`), the generation
+loop and chat encoding (`generate.py`), speculative decoding (`speculative.py`), the forward pass (`fastar.model`),
+the prompt scorer (`prompt_logprobs.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..quant import kernels as K
 from . import speculative
 from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
 from .prefix_cache import PrefixCache
+from .prompt_logprobs import PromptLogprobs, score_prompt
 from .sampling import SamplingParams, argmax
 from .scheduler import Scheduler
 from .session import PromptError, Session, Stats
@@ -267,6 +269,12 @@ class Engine:
         """Logits at every position of `token_ids` from a fresh state: float32 [len, vocab]."""
         return self.prefill(list(token_ids), self.new_state(), all_logits=True).float().numpy()
 
+    def prompt_logprobs(self, prompt: str | list[int], top: int = 0) -> PromptLogprobs:
+        """Every prompt token's logprob given the tokens before it (None for the first), its rank and the `top` most
+        likely alternatives at its position, from a fresh state (`fastar.engine.prompt_logprobs`: the prefill's
+        streams, the LM head a few positions at a time). Raises `PromptError` for an empty or too long prompt."""
+        return score_prompt(self, prompt, top)
+
     def generate_tokens(
         self,
         prompt_ids: list[int],
@@ -378,7 +386,9 @@ class Engine:
         """Stream the continuation of `prompt_ids` (token ids, or raw text) as `GenerationChunk`s.
 
         Args:
-            params: a `SamplingParams`, or keyword arguments (`max_tokens`, `temperature`, ...) instead.
+            params: a `SamplingParams`, or keyword arguments (`max_tokens`, `temperature`, ...) instead. With
+                `prompt_logprobs`, the prompt runs from a fresh state through a one-request scheduler (no session,
+                no prefix reuse) and the first chunk carries its `PromptLogprobs`.
             session: the conversation to continue; its longest common token prefix with the prompt is reused.
                 None uses the engine's own session (so consecutive calls reuse their common prefix too).
             cancel: set it to stop at the next token (the last chunk then has finish_reason "cancelled").
@@ -391,6 +401,8 @@ class Engine:
             params = SamplingParams.from_kwargs(**sampling)
         elif sampling:
             raise TypeError("pass either params or sampling keyword arguments, not both")
+        if params.prompt_logprobs is not None:  # scored from a fresh state, as the server's scheduler scores it
+            return self._scheduled(prompt_ids, params, cancel)
         if session is None:
             if self._session is None:
                 self._session = self.open_session()
@@ -412,6 +424,23 @@ class Engine:
             on_prefill_progress=on_prefill_progress,
             steps=steps,
         )
+
+    def _scheduled(
+        self, prompt: list[int] | str, params: SamplingParams, cancel: threading.Event | None
+    ) -> Iterator[GenerationChunk]:
+        """`stream` through a one-request scheduler on this thread (the prompt is checked here, at the call)."""
+        out: list[GenerationChunk] = []
+        sched = self.scheduler(max_batch=1, max_queue=1)
+        sched.submit(prompt, params, on_chunk=out.append, cancel=cancel)
+
+        def chunks() -> Iterator[GenerationChunk]:
+            busy = True
+            while busy:
+                busy = sched.step()
+                yield from out
+                out.clear()
+
+        return chunks()
 
     def generate(self, prompt: str | list[int], session: Session | None = None, **sampling) -> str:
         """The continuation of `prompt` (raw text or ids, no chat encoding) as one string."""

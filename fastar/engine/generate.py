@@ -18,12 +18,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 from ..encoding import StreamParser, encode_messages
 from .sampling import Sampler, SamplingParams
 from .session import Session
 from .stops import StopStrings
+
+if TYPE_CHECKING:
+    from .prompt_logprobs import PromptLogprobs
 
 
 @dataclass(slots=True)
@@ -36,6 +39,8 @@ class GenerationChunk:
     # last chunk only: {"prompt_tokens", "completion_tokens", "cached_tokens"} (OpenAI usage names)
     usage: dict[str, int] | None = None
     stop_string: str | None = None  # last chunk only: the stop string that ended it (its text is not in any chunk)
+    # first chunk only, when `SamplingParams.prompt_logprobs` asked for them (the scheduler computes them)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def generate_step(

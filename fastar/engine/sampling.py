@@ -48,6 +48,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # None = off; k >= 0 = chosen token's logprob plus k alternatives
     ignore_eos: bool = False
+    # None = off; k >= 0 = every prompt token's logprob plus k alternatives (vLLM's name; the scheduler computes
+    # them from its prefill, on the first chunk: `fastar.engine.prompt_logprobs`)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI's `stop` is a string or a list
@@ -84,6 +87,10 @@ class SamplingParams:
             bad("logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "true or false")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def is_greedy(self) -> bool:

@@ -25,6 +25,11 @@ states of recently finished requests, `keep_states` of them) or, when longer, fr
 prefills only the rest, as `Engine.stream` does when it continues a session. Then its prompt is chunked from
 that position, so (as with a session) its bits equal a fresh prefill's only where the kernels are chunk-invariant.
 
+Prompt logprobs (`SamplingParams.prompt_logprobs`): such a request prefills from its first position (no prefix
+reuse: every position's final streams are scored) and feeds each chunk's streams to a `PromptScorer`, which applies
+the LM head a few positions at a time; its first chunk carries the `PromptLogprobs` (the numbers
+`Engine.prompt_logprobs` gives). With max_tokens 0 it is scored only: one chunk, no token.
+
 Speculative decoding (with the engine's drafter, `--draft`): while exactly one sequence is active (decoding, with
 nothing else prefilling or loading) and its request is greedy, each step decodes it with the drafter's
 propose/verify step (`draft_step.greedy_draft_step`: up to `speculative.VERIFY_MAX` tokens a pass, rejected drafts
@@ -72,6 +77,7 @@ from . import speculative
 from .draft_step import draft_step
 from .generate import ChunkMaker, GenerationChunk
 from .prefix_cache import PrefixMemory
+from .prompt_logprobs import PromptLogprobs, PromptScorer
 from .sampling import Sampler, SamplingParams, report
 
 
@@ -129,6 +135,8 @@ class _Request:
     cached: int = 0  # prompt tokens taken from the prefix cache
     pending: int | None = None  # the sampled token decode runs next
     loading: Future | None = None  # the prefix state being read from disk (off the worker thread)
+    scorer: PromptScorer | None = None  # with `params.prompt_logprobs`: scores the prompt as it prefills
+    scores: PromptLogprobs | None = None  # its result, for this choice's first chunk
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -443,6 +451,10 @@ class Scheduler:
         stats = self.engine.counters
         stats.requests += 1
         stats.prompt_tokens += len(req.ids)
+        if req.params.prompt_logprobs is not None:  # every position's streams are scored: no prefix reuse
+            req.scorer = PromptScorer(self.model, req.ids, req.params.prompt_logprobs)
+            self._adopt(req, None, reuse=False)
+            return
         if req.params.max_tokens == 0:  # (every choice's: they share it)
             for f in req.forks:
                 self._finish(f, f.chunks.empty(), active=False)
@@ -473,9 +485,9 @@ class Scheduler:
             future, req.loading = req.loading, None
             self._adopt(req, future.result())
 
-    def _adopt(self, req: _Request, hit: tuple | None) -> None:
+    def _adopt(self, req: _Request, hit: tuple | None, reuse: bool = True) -> None:
         stats = self.engine.counters
-        hit = hit or self.memory.take(req.ids, len(req.ids) - 1)
+        hit = hit or (self.memory.take(req.ids, len(req.ids) - 1) if reuse else None)
         req.state, req.done = hit if hit is not None else (self.model.new_state(), 0)
         if hit is not None:
             req.cached = req.done
@@ -495,9 +507,11 @@ class Scheduler:
         stats = self.engine.counters
         t = time.perf_counter()
         if self._drafter is not None and self._may_draft(req):  # it may draft later: keep the draft's context
-            logits, _ = self._drafter.forward(part, req.state, all_logits=False)
+            logits, X = self._drafter.forward(part, req.state, all_logits=False)
         else:
-            logits, _ = self.model.forward(part, req.state, all_logits=False, chunk=self.engine.paged_chunk)
+            logits, X = self.model.forward(part, req.state, all_logits=False, chunk=self.engine.paged_chunk)
+        if req.scorer is not None:
+            req.scorer.feed(X)
         stats.prefill_seconds += time.perf_counter() - t
         stats.prefill_tokens_computed += len(part)
         req.done += len(part)
@@ -511,6 +525,17 @@ class Scheduler:
             # An identical prompt gains nothing from its last token either: that token must run again.
             keep = len(req.ids) - 1 if req.ids[-1] == self._think_start else None
             self.prefix_cache.store(req.ids, req.state, keep=keep)
+        if req.scorer is not None:  # every choice's first chunk carries the prompt's scores
+            req.scores, req.scorer = req.scorer.result(), None
+            for f in req.forks:
+                f.scores = req.scores
+        if req.params.max_tokens == 0:  # scored only (prompt logprobs): nothing to generate, for any choice
+            for r in [*req.forks, req]:
+                last = r.chunks.empty()
+                last.prompt_logprobs = r.scores
+                self._finish(r, last, active=r is req)
+            req.forks = []
+            return
         forked = self._fork(req)
         self._sampled(req, logits[-1])
         for f in forked:  # each samples the same last logits with its own sampler, as it would alone
@@ -596,6 +621,8 @@ class Scheduler:
         chunk = req.chunks.feed(
             token, logprob, top, len(req.ids) + len(req.generated), req.handle.cancelled, req.cached
         )
+        if req.scores is not None:
+            chunk.prompt_logprobs, req.scores = req.scores, None
         if chunk.finish_reason is None:
             req.emit(chunk)
             return

@@ -812,8 +812,7 @@ class DeepseekV4:
                 collect.append(X)
             if state.on_layer is not None:
                 state.on_layer(i + 1, len(self.layers))
-        h = X if all_logits else X[-1:]
-        return self.head(ops.rms_norm(self.hc_head(h), self.norm, self.config.rms_norm_eps)), X
+        return self._head(X if all_logits else X[-1:]), X
 
     def _span(
         self, ids: torch.Tensor, state: ModelState, all_logits: bool, chunk: int
@@ -835,8 +834,19 @@ class DeepseekV4:
             if state.on_layer is not None:
                 state.on_layer(i + 1, len(self.layers))
         heads = Xs if all_logits else [Xs[-1][-1:]]  # per piece: the head's rows as the pieces' calls give them
-        logits = torch.cat([self.head(ops.rms_norm(self.hc_head(h), self.norm, cfg.rms_norm_eps)) for h in heads])
-        return logits, torch.cat(Xs)
+        return torch.cat([self._head(h) for h in heads]), torch.cat(Xs)
+
+    def _head(self, X: torch.Tensor) -> torch.Tensor:
+        """Final streams X [T, n, d] -> logits [T, V] float32: HC head, final norm, LM head."""
+        return self.head(ops.rms_norm(self.hc_head(X), self.norm, self.config.rms_norm_eps))
+
+    @_on_device
+    @torch.inference_mode()
+    def head_logits(self, X: torch.Tensor) -> torch.Tensor:
+        """The logits [T, V] float32 of final streams X [T, n, d] (what `forward` returns second), as `forward`
+        computes them for those rows: for scoring every position of a prompt a few rows at a time
+        (`fastar.engine.prompt_logprobs`) instead of holding [T, V] for a whole chunk."""
+        return self._head(X)
 
     @_on_device
     @torch.inference_mode()
@@ -864,7 +874,7 @@ class DeepseekV4:
             for s in states:
                 s.layers[i].length += 1
                 s.layers[i].trim(s.max_rollback)
-        return self.head(ops.rms_norm(self.hc_head(X), self.norm, self.config.rms_norm_eps))
+        return self._head(X)
 
     @_on_device
     @torch.inference_mode()

@@ -104,3 +104,18 @@ def test_scheduler_scores_the_prompt_while_others_decode(eng):
     # Engine.stream asks the same of a one-request scheduler
     streamed = list(eng.stream(ids, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=2)))
     assert streamed[0].prompt_logprobs == want and [c.token for c in streamed] == [c.token for c in chunks]
+
+
+def test_every_choice_of_a_prompt_carries_its_scores(eng):
+    """Choices of one prompt (n > 1): the prompt is scored once and every choice's first chunk carries the scores,
+    with max_tokens 0 too."""
+    ids = prompt(8, 40)
+    want = eng.prompt_logprobs(ids, top=1)
+    sched = eng.scheduler(max_batch=4)
+    for max_tokens in (3, 0):
+        params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=s, prompt_logprobs=1) for s in (1, 2)]
+        handles = sched.submit_choices(ids, params)
+        sched.run_until_idle()
+        for h in handles:
+            chunks = list(h)
+            assert chunks[0].prompt_logprobs == want and len(chunks) == max(1, max_tokens)

@@ -616,9 +616,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     cache = engine.open_prefix_cache(args.prompt_cache, args.prompt_cache_size) if args.prompt_cache else None
+    # the budget's worth of experts read into RAM while the user types (following the usage profile saved beside
+    # the prompt cache when the last chat or server on this model closed), so the first reply runs warm too
+    engine.warm_experts(args.prompt_cache)
     repl = ChatREPL(
         engine, params, thinking=args.thinking, system=args.system, verbose=args.verbose, prompt_cache=cache
     )
-    code = repl.run()
-    print(timings_line({}, engine.stats()).replace("timings:", "session totals:"), file=sys.stderr)
+    try:
+        code = repl.run()
+        print(timings_line({}, engine.stats()).replace("timings:", "session totals:"), file=sys.stderr)
+    finally:
+        engine.close()  # stops the warm-up and saves the usage profile for the next start
     return code

@@ -165,10 +165,17 @@ class SerialScheduler:
 
 
 class SchedulesSerially:
-    """Mixin for fake engines: the `scheduler()` and `load_progress()` of the engine contract."""
+    """Mixin for fake engines: the `scheduler()`, `load_progress()` and expert warm-up of the engine contract (a
+    fake has no expert cache: nothing to warm)."""
 
     def scheduler(self, **options) -> SerialScheduler:
         return SerialScheduler(self, **options)
 
     def load_progress(self) -> float:
         return 1.0
+
+    def warm_experts(self, profile_dir=None) -> None:
+        pass
+
+    def warm_status(self) -> dict:
+        return {"status": "off"}

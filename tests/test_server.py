@@ -278,7 +278,7 @@ def stream_text(cl, text: str, **kw) -> tuple[str, str, str | None, list]:
 
 def test_health_models_and_tokenize(server):
     status, _, body = raw(server, "GET", "/health")
-    assert (status, json.loads(body)) == (200, {"status": "ok"})
+    assert (status, json.loads(body)) == (200, {"status": "ok", "experts": {"status": "off"}})  # no expert cache
     models = client(server).models.list()
     assert [m.id for m in models.data] == ["deepseek-v4-flash"]
     assert models.data[0].max_model_len == 4096

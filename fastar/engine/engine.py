@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -34,6 +35,8 @@ from .sampling import SamplingParams, argmax
 from .scheduler import Scheduler
 from .session import PromptError, Session, Stats
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("fastar.engine")
 
 # Positions a state can be truncated back by (prefix reuse, speculative rollback). Each retained position
 # keeps its raw KV/compressor rows: ~384 KB for the full model in float32, so 2048 positions ~ 0.8 GB.
@@ -147,6 +150,8 @@ class Engine:
         self.config = source.config
         self.expert_cache = None
         self._closed = False
+        self._warmup = None  # `warm_experts`
+        self._profile_path: Path | None = None  # where `close` saves the expert usage profile
         # generation-side state, made on first use: the tokenizer, the engine's own session, its counters
         self._tokenizer: Tokenizer | None = None
         self._session: Session | None = None
@@ -490,6 +495,26 @@ class Engine:
         """Fraction of the model loaded: an `Engine` exists only once `load()` has returned, so 1.0."""
         return 1.0
 
+    def warm_experts(self, profile_dir: str | os.PathLike | None = None) -> None:
+        """Start reading the expert cache's budget's worth of experts in the background (`weights.warmup`), so the
+        first requests find them in RAM; requests run meanwhile. With `profile_dir`, the experts the cache held
+        when this model's engine last closed come first (saved there by `close`), then the file order. Nothing
+        to do without an expert cache (every expert is mapped from the file, or on a device)."""
+        if self.expert_cache is None or self._warmup is not None or self._closed:
+            return
+        from ..weights import warmup
+
+        order = None
+        if profile_dir is not None:
+            self._profile_path = Path(profile_dir) / f"hot-experts-{self._fingerprint()[:16]}.json"
+            order = warmup.load_profile(self.expert_cache, self._profile_path, self._fingerprint())
+        self._warmup = warmup.ExpertWarmup(self.expert_cache, order)
+
+    def warm_status(self) -> dict:
+        """The warm-up's state: {"status": "off"} without one, else `ExpertWarmup.status()` (loading / ready,
+        experts loaded of the target, progress, source)."""
+        return {"status": "off"} if self._warmup is None else self._warmup.status()
+
     def close(self) -> None:
         """Stop the expert pager's loader threads and free its RAM slab. Idempotent. The weight source stays open
         (the caller opened it, or `load` did and it closes when collected); arrays handed out stay valid."""
@@ -498,7 +523,16 @@ class Engine:
         self._closed = True
         if self.backend is not None:
             self.backend.close()
+        if self._warmup is not None:
+            self._warmup.stop()
         if self.expert_cache is not None:
+            if self._profile_path is not None:  # the usage profile the next start warms from
+                from ..weights import warmup
+
+                try:
+                    warmup.save_profile(self.expert_cache, self._profile_path, self._fingerprint())
+                except OSError as err:
+                    log.warning("could not save the expert usage profile %s: %s", self._profile_path, err)
             self.expert_cache.close()
 
     def __enter__(self) -> Engine:

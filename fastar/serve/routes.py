@@ -100,7 +100,8 @@ class OpenAIRoutes:
             progress = host.progress()
             err = P.APIError(503, f"model is loading ({progress:.0%})", "unavailable_error", code="model_loading")
             return JSONResponse({**err.to_dict(), "status": "loading", "progress": round(progress, 4)}, 503)
-        return JSONResponse({"status": "ok"})
+        # the expert cache's warm-up: "loading" (with progress) while requests are already served, then "ready"
+        return JSONResponse({"status": "ok", "experts": host.engine.warm_status()})
 
     async def models(self, request: Request) -> Response:
         engine = self.server.host.require_engine()

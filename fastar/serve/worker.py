@@ -127,6 +127,8 @@ class EngineHost:
             )
             self.engine = engine
             on_ready(engine)
+            # the budget's worth of experts read into RAM behind the requests, so the first ones run warm too
+            engine.warm_experts(b.prompt_cache)
         except BaseException as err:  # noqa: BLE001 - reported through /health, and by serve() as the exit reason
             if not isinstance(err, (FastarError, OSError)):  # those are the user's to fix, in one line
                 log.exception("loading the model failed")

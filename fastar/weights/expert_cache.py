@@ -380,6 +380,11 @@ class ExpertCache:
         with self._cond:
             return self._cond.wait_for(lambda: not self._inflight or self._closed, timeout)
 
+    def free_slots(self) -> int:
+        """Slots holding nothing and promised to no read: what a warm-up may fill without evicting."""
+        with self._cond:
+            return len(self._free)
+
     def resident(self) -> set[tuple[int, int]]:
         """(layer, expert) of every record present in RAM now."""
         with self._cond:

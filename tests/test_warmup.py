@@ -1,0 +1,135 @@
+"""The expert cache's warm-up at start (`fastar.weights.warmup`, `Engine.warm_experts`): the budget's worth of experts
+read in the background in file order or by the saved usage profile, never evicting; and over HTTP, `/health`
+reporting it (loading with progress, then ready) while requests are already served."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+
+import pytest
+
+from fastar.convert.hf import convert
+from fastar.engine.engine import load
+from fastar.format.reader import FstFile
+from fastar.weights import warmup
+from fastar.weights.expert_cache import ExpertCache
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def fst(tiny_ckpt, tmp_path_factory):
+    return convert(tiny_ckpt, tmp_path_factory.mktemp("warm") / "t.fst", progress=False)
+
+
+def test_warmup_fills_the_budget_in_file_order_without_evicting(fst):
+    with FstFile(fst) as f, ExpertCache(f, f.expert_stride * 10) as cache:
+        w = warmup.ExpertWarmup(cache)
+        assert w.wait(60)
+        st = w.status()
+        assert st["status"] == "ready" and st["progress"] == 1.0 and st["source"] == "file order"
+        assert st["experts_loaded"] == st["experts_target"] == 10
+        assert cache.resident() == set(warmup.file_order(cache)[:10])
+        assert cache.stats()["evictions"] == 0 and cache.free_slots() == 0
+
+
+def test_warmup_stops_where_requests_took_the_slots(fst):
+    """It never evicts: slots already holding what requests read stay, it fills only the free ones."""
+    with FstFile(fst) as f, ExpertCache(f, f.expert_stride * 10) as cache:
+        last = cache.num_layers - 1
+        with cache.acquire(last, range(6)):  # a request's experts (not first in file order)
+            pass
+        w = warmup.ExpertWarmup(cache)
+        assert w.wait(60) and w.status()["status"] == "ready"
+        held = cache.resident()
+        assert {(last, e) for e in range(6)} <= held and len(held) == 10
+        assert cache.stats()["evictions"] == 0
+
+
+def test_usage_profile_round_trip(fst, tmp_path):
+    with FstFile(fst) as f, ExpertCache(f, f.expert_stride * 6) as cache:
+        last = cache.num_layers - 1
+        with cache.acquire(last, [5, 2, 7]):
+            pass
+        path = tmp_path / "p.json"
+        assert warmup.save_profile(cache, path, "model-a") == 3
+        order = warmup.load_profile(cache, path, "model-a")
+        assert order[:3] == [(last, 2), (last, 5), (last, 7)]
+        assert sorted(order) == sorted(warmup.file_order(cache))  # every expert once
+        assert warmup.load_profile(cache, path, "model-b") is None  # another model's profile is not used
+        assert warmup.load_profile(cache, tmp_path / "none.json", "model-a") is None
+        path.write_text("{not json")
+        assert warmup.load_profile(cache, path, "model-a") is None
+
+
+def _get(port: int, path: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", path)
+    r = conn.getresponse()
+    out = r.status, json.loads(r.read())
+    conn.close()
+    return out
+
+
+def test_server_serves_while_warming_and_health_reports_it(fst, tmp_path, monkeypatch):
+    """`fastar serve`'s server over a paged engine: /health says the experts are loading (progress < 1) while a
+    completion is answered, then ready; at shutdown the usage profile is saved beside the prompt cache and the
+    next start warms from it."""
+    from fastar.serve.server import Server
+
+    gate, real = threading.Event(), ExpertCache.prefetch
+
+    def held_prefetch(self, layer, ids, source="manual", **kw):  # the warm-up's reads wait for the gate
+        if threading.current_thread().name == "fastar-expert-warmup":
+            gate.wait(60)
+        return real(self, layer, ids, source, **kw)
+
+    monkeypatch.setattr(ExpertCache, "prefetch", held_prefetch)
+    engines = []
+
+    def factory():
+        engines.append(load(fst, ram_budget=str(FstFile(fst).expert_stride * 12)))
+        return engines[-1]
+
+    cache_dir = tmp_path / "prompt-cache"
+    srv = Server(factory, port=0, max_sessions=0, prompt_cache=str(cache_dir)).start()
+    try:
+        assert srv.wait_ready(60)
+        status, body = _get(srv.port, "/health")
+        assert status == 200 and body["status"] == "ok"
+        exp = body["experts"]
+        assert exp["status"] == "loading" and exp["progress"] < 1 and exp["experts_target"] == 12
+        assert exp["source"] == "file order"
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"model": "deepseek-v4-flash", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}),
+            {"Content-Type": "application/json"},
+        )
+        r = conn.getresponse()
+        reply = json.loads(r.read())
+        conn.close()
+        assert r.status == 200 and reply["usage"]["completion_tokens"] == 3  # served while the warm-up waits
+        assert _get(srv.port, "/health")[1]["experts"]["status"] == "loading"
+        gate.set()
+        assert engines[0]._warmup.wait(60)
+        status, body = _get(srv.port, "/health")
+        assert status == 200 and body["experts"]["status"] == "ready" and body["experts"]["progress"] == 1.0
+        held = engines[0].expert_cache.resident()
+    finally:
+        gate.set()
+        srv.shutdown()
+    saved = list(cache_dir.glob("hot-experts-*.json"))
+    assert len(saved) == 1 and {tuple(k) for k in json.loads(saved[0].read_text())["experts"]} == held
+    srv = Server(factory, port=0, max_sessions=0, prompt_cache=str(cache_dir)).start()
+    try:
+        assert srv.wait_ready(60)
+        assert engines[1]._warmup.wait(60)
+        exp = _get(srv.port, "/health")[1]["experts"]
+        assert exp["status"] == "ready" and exp["source"] == "profile"
+        assert engines[1].expert_cache.resident() == held  # the same experts as when the last one stopped
+    finally:
+        srv.shutdown()

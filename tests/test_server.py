@@ -38,6 +38,7 @@ from fastar.encoding import (
     render_tool_calls,
 )
 from fastar.engine.generate import GenerationChunk
+from fastar.engine.prompt_logprobs import PromptLogprobs
 from fastar.serve import protocol as P
 from fastar.serve import server as S
 from fastar.serve.server import Server
@@ -163,6 +164,13 @@ class FakeEngine(SchedulesSerially):
         return body
 
     def stream(self, prompt_ids, params, session=None, cancel=None, on_prefill_progress=None):
+        """The scripted chunks; the first carries scripted prompt logprobs when they are asked for."""
+        for i, chunk in enumerate(self._script(prompt_ids, params, session, cancel, on_prefill_progress)):
+            if i == 0 and params.prompt_logprobs is not None:
+                chunk.prompt_logprobs = fake_prompt_logprobs(prompt_ids, params.prompt_logprobs)
+            yield chunk
+
+    def _script(self, prompt_ids, params, session, cancel, on_prefill_progress):
         self._bump(requests=1, prompt_tokens=len(prompt_ids))
         self.started.release()
         while not self.gate.wait(0.01):
@@ -209,6 +217,18 @@ class FakeEngine(SchedulesSerially):
             yield GenerationChunk(
                 self.tokenizer.decode([tid]), tid, -0.25, top, "stop" if tid == self.tokenizer.eos_id else None
             )
+
+
+def fake_prompt_logprobs(ids: list[int], top: int) -> PromptLogprobs:
+    """Token i scores -0.5 * (i % 4), ranked 1 + i % 4; the alternatives are "?" and "!"."""
+    alternatives = [(ord("?"), -0.125), (ord("!"), -2.0)][:top]
+    return PromptLogprobs(
+        token_ids=list(ids),
+        logprobs=[None] + [-0.5 * (i % 4) for i in range(1, len(ids))],
+        ranks=[None] + [1 + i % 4 for i in range(1, len(ids))],
+        top=[[]] + [list(alternatives) for _ in ids[1:]],
+        num_top=top,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -359,7 +379,9 @@ def test_completions(server):
     assert text == "Echo: Hello"
     r = cl.completions.create(model="deepseek-v4-flash", prompt="Hi", echo=True, logprobs=1, temperature=0)
     assert r.choices[0].text == "HiEcho: Hi"
-    assert r.choices[0].logprobs.tokens[:2] == ["E", "c"]
+    lp = r.choices[0].logprobs  # the prompt's tokens first (null for the first), then the generated ones
+    assert lp.tokens[:4] == ["H", "i", "E", "c"] and lp.token_logprobs[:2] == [None, -0.5]
+    assert lp.top_logprobs[:2] == [None, {"?": -0.125}] and lp.text_offset[:4] == [0, 1, 2, 3]
 
 
 def test_stop_strings_never_leak(server):

@@ -127,12 +127,12 @@ def check_model(body: dict, model_names: tuple[str, ...]) -> str:
     return model_names[0]
 
 
-def _sampling(body: dict) -> tuple[dict[str, Any], int | None]:
+def _sampling(body: dict, min_tokens: int = 1) -> tuple[dict[str, Any], int | None]:
     """Sampling fields shared by both endpoints, as `SamplingParams` keyword arguments; max_tokens is returned
     apart (it needs the prompt length)."""
-    max_tokens = _integer(body, "max_completion_tokens", 1, None, None)
+    max_tokens = _integer(body, "max_completion_tokens", min_tokens, None, None)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1, None, None)
+        max_tokens = _integer(body, "max_tokens", min_tokens, None, None)
     top_k = _integer(body, "top_k", -1, None, 0)
     seed = _integer(body, "seed", -(2**63), 2**64 - 1, None)
     n = _integer(body, "n", 1, None, 1)
@@ -153,6 +153,15 @@ def _sampling(body: dict) -> tuple[dict[str, Any], int | None]:
     return params, max_tokens
 
 
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: every prompt token's logprob and the top N at its position (fastar.serve.scoring).
+    They are known once the prompt has run, in the response body, so not with `stream` (vLLM refuses it too)."""
+    value = _integer(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS, None)
+    if value is not None and stream:
+        raise bad_request("'prompt_logprobs' is not available with 'stream': true", "prompt_logprobs")
+    return value
+
+
 @dataclass(slots=True)
 class ChatRequest:
     model: str
@@ -167,6 +176,7 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     has_tools: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extension (top-level in the response)
 
 
 @dataclass(slots=True)
@@ -179,6 +189,7 @@ class CompletionRequest:
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension (per choice in the response)
 
 
 def _thinking(body: dict, default: bool) -> tuple[bool, str | None, bool]:
@@ -319,6 +330,8 @@ def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking
     logprobs = _boolean(body, "logprobs", False)
     top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     params["logprobs"] = top_logprobs if logprobs else None
+    stream = _boolean(body, "stream", False)
+    params["prompt_logprobs"] = _prompt_logprobs(body, stream)
     thinking, effort, drop = _thinking(body, default_thinking)
 
     _check_messages(messages)
@@ -335,7 +348,7 @@ def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking
         messages=_with_system_extras(messages, tools, response_format),
         sampling=params,
         max_tokens=max_tokens,
-        stream=_boolean(body, "stream", False),
+        stream=stream,
         include_usage=_boolean(stream_options, "include_usage", False),
         thinking=thinking,
         reasoning_effort=effort,
@@ -343,6 +356,7 @@ def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         has_tools=bool(tools),
+        prompt_logprobs=params["prompt_logprobs"],
     )
 
 
@@ -360,8 +374,13 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
         raise bad_request("only best_of=1 is supported (one sequence per request)", "best_of")
     if body.get("suffix") not in (None, ""):
         raise bad_request("'suffix' (fill-in-the-middle) is not supported by this model", "suffix")
-    params, max_tokens = _sampling(body)
+    echo, stream = _boolean(body, "echo", False), _boolean(body, "stream", False)
+    params, max_tokens = _sampling(body, min_tokens=0 if echo else 1)  # echo with max_tokens 0: the prompt only
     params["logprobs"] = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    # echo + logprobs: the prompt's tokens lead the logprobs (scored as vLLM's prompt_logprobs are)
+    asked = [n for n in (prompt_logprobs, params["logprobs"] if echo else None) if n is not None]
+    params["prompt_logprobs"] = max(asked) if asked else None
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
@@ -370,10 +389,11 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
         prompt=prompt,
         sampling=params,
         max_tokens=max_tokens,
-        stream=_boolean(body, "stream", False),
+        stream=stream,
         include_usage=_boolean(stream_options, "include_usage", False),
-        echo=_boolean(body, "echo", False),
+        echo=echo,
         logprobs=params["logprobs"],
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -610,6 +630,7 @@ class ChatTurn:
         self.parser = StreamParser(req.thinking)
         self.pending = PendingLogprobs()
         self.logprobs: list[dict] = []
+        self.prompt_scores: Any = None  # `PromptLogprobs` from the first chunk, when asked for
         self.completion_tokens = 0
         self.engine_finish: str | None = None
         self.content = ""
@@ -621,6 +642,8 @@ class ChatTurn:
         return self.stops.hit
 
     def feed(self, chunk: Any) -> list[tuple[dict, list[dict] | None]]:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_scores = chunk.prompt_logprobs
         if self.stops.hit:
             return []  # the engine may run a token past the stop string before it sees the cancel
         if chunk.token is not None:
@@ -669,6 +692,7 @@ class CompletionTurn:
             if req.logprobs is None
             else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         )
+        self.prompt_scores: Any = None  # `PromptLogprobs` from the first chunk, when asked for
         self.completion_tokens = 0
         self.engine_finish: str | None = None
         self.text = ""
@@ -691,6 +715,8 @@ class CompletionTurn:
         return [(text, lp)]
 
     def feed(self, chunk: Any) -> list[tuple[str, dict | None]]:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_scores = chunk.prompt_logprobs
         if self.stops.hit:
             return []
         if chunk.token is not None:

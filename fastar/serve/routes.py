@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from fastar.encoding import encode_messages
 from fastar.serve import protocol as P
+from fastar.serve import scoring as S
 from fastar.serve.app import JSONResponse, read_json
 from fastar.serve.worker import Job
 
@@ -194,16 +195,9 @@ class OpenAIRoutes:
             if done is None:
                 return Response(status_code=499)
             cached, finish = done
-            return JSONResponse(
-                P.chat_response(
-                    rid,
-                    req.model,
-                    turn.message(),
-                    finish,
-                    P.usage(n_prompt, turn.completion_tokens, cached),
-                    turn.logprobs if req.logprobs else None,
-                )
-            )
+            use = P.usage(n_prompt, turn.completion_tokens, cached)
+            resp = P.chat_response(rid, req.model, turn.message(), finish, use, turn.logprobs if req.logprobs else None)
+            return JSONResponse(S.chat_extras(resp, req, turn, engine.tokenizer))
 
         def chunk(delta: dict, finish: str | None = None, lp: Any = None) -> bytes:
             return P.sse(P.chat_chunk(rid, created, req.model, delta, finish, lp))
@@ -249,24 +243,26 @@ class OpenAIRoutes:
             if done is None:
                 return Response(status_code=499)
             cached, finish = done
-            return JSONResponse(
-                P.completion_response(
-                    rid,
-                    req.model,
-                    prefix + turn.text,
-                    finish,
-                    P.usage(n_prompt, turn.completion_tokens, cached),
-                    turn.logprobs,
-                )
-            )
+            use = P.usage(n_prompt, turn.completion_tokens, cached)
+            resp = P.completion_response(rid, req.model, prefix + turn.text, finish, use, turn.logprobs)
+            return JSONResponse(S.completion_extras(resp, req, turn, engine.tokenizer))
 
         def chunk(text: str, finish: str | None = None, lp: Any = None) -> bytes:
             return P.sse(P.completion_chunk(rid, created, req.model, text, finish, lp))
 
         async def events() -> AsyncIterator[bytes]:
-            if prefix:
+            held = S.echoes_logprobs(req)  # the echoed prompt waits for its logprobs (they come with the first chunk)
+            if prefix and not held:
                 yield chunk(prefix)
             async for kind, payload in self._pump(job, turn):
+                if held and (turn.prompt_scores is not None or kind == "end"):
+                    held = False
+                    try:
+                        lp = S.echo_logprobs(engine.tokenizer, S.scores(turn), req.logprobs)
+                    except P.APIError as err:
+                        yield P.sse(err.to_dict())
+                        break
+                    yield chunk(prefix, None, lp)
                 if kind == "deltas":
                     for text, lp in payload:
                         yield chunk(text, None, lp)

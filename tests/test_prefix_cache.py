@@ -1,8 +1,10 @@
 """The prefix cache on disk: lookup of the longest stored prefix, the scheduler prefilling only the tail after a
-restart, corrupt and foreign files skipped (logged once), LRU eviction under the size cap, atomic writes."""
+restart, corrupt files skipped (logged once) and removed, another model's files never read, LRU eviction under the
+size cap, atomic writes. Crashes, damaged files, a full disk and shared folders: test_prefix_cache_faults.py."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -81,7 +83,7 @@ def test_restarted_scheduler_prefills_only_the_tail(eng, tmp_path):
     assert [c.token for c in got] == [c.token for c in ref] and got[-1].usage == ref[-1].usage
 
 
-def test_corrupt_and_foreign_files_are_skipped_and_logged_once(eng, tmp_path, caplog):
+def test_corrupt_and_foreign_files_are_skipped_logged_once_and_removed(eng, tmp_path, caplog):
     ids = prompt(4, 20)
     cache = eng.open_prefix_cache(tmp_path, "1G")
     good = cache.store(ids[:8], prefilled(eng, ids[:8]))
@@ -93,18 +95,22 @@ def test_corrupt_and_foreign_files_are_skipped_and_logged_once(eng, tmp_path, ca
         for _ in range(2):
             state, n = cache.lookup(ids, limit=19)
             assert n == 8  # the corrupt longer prefix is not trusted: the shorter good one is used
-    assert [r.getMessage() for r in caplog.records].count(
-        f"prefix cache: skipping {bad}: its tokens or checksum do not match"
-    ) == 1
-    foreign = PrefixCache(tmp_path, "another model", 1 << 30)
-    assert foreign.lookup(ids, limit=19) is None
-    (tmp_path / f"8-{'0' * 64}.fpc").write_bytes(b"garbage")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"prefix cache: skipping {bad}: its tokens or checksum do not match; removed"
+    ]
+    assert not bad.exists() and cache.stats()["rejected"] == 1
+    foreign = PrefixCache(tmp_path, "another model", 1 << 30)  # another model's names: it finds nothing
+    assert foreign.lookup(ids, limit=19) is None and good.exists()
+    (tmp_path / f"8-{'0' * 64}.fpc").write_bytes(b"garbage")  # no prompt's name: never read
     truncated = tmp_path / good.name
     truncated.write_bytes(good.read_bytes()[:100])
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fastar.prefix_cache"):
         assert cache.lookup(ids, limit=19) is None
-    assert any("skipping" in r.getMessage() for r in caplog.records)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"prefix cache: skipping {truncated}: truncated (its header is cut short); removed"
+    ]
+    assert not truncated.exists() and cache.stats()["rejected"] == 2
 
 
 def test_lru_eviction_under_the_size_cap(eng, tmp_path):
@@ -124,17 +130,21 @@ def test_lru_eviction_under_the_size_cap(eng, tmp_path):
     assert tiny.store(ids[0], states[0]) is None and tiny.size() == 0  # bigger than the whole cap: not stored
 
 
-def test_writes_are_atomic(eng, tmp_path, monkeypatch):
+def test_writes_are_atomic(eng, tmp_path, monkeypatch, caplog):
+    """A write that fails leaves neither a half-written file nor its temporary file; the store is dropped (None)
+    with one log line, and the caller goes on."""
     cache = PrefixCache(tmp_path, "f", 1 << 30)
     ids = prompt(20, 6)
 
     def fail(*a):
-        raise OSError("disk full")
+        raise OSError(errno.EIO, "I/O error")
 
     monkeypatch.setattr(os, "replace", fail)
-    with pytest.raises(OSError):
-        cache.store(ids, prefilled(eng, ids))
+    with caplog.at_level(logging.WARNING, logger="fastar.prefix_cache"):
+        assert cache.store(ids, prefilled(eng, ids)) is None
+        assert cache.store(ids[:5], prefilled(eng, ids[:5])) is None
     assert list(tmp_path.iterdir()) == []  # no half-written file, no temp left behind
+    assert len(caplog.records) == 1 and "cannot write" in caplog.records[0].getMessage()
     with pytest.raises(ValueError, match="does not hold"):
         cache.store(ids + [1], prefilled(eng, ids))
 

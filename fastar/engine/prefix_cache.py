@@ -1,18 +1,20 @@
 """Prefix caches: decode states of token prefixes, so a resent conversation (or a restarted server) prefills
 only its new tail.
 
-Owns: `PrefixCache` on disk (store a state under a hash of the token ids it has processed, find the longest stored
-prefix of a prompt, LRU eviction under a size cap) and its file format, with its own threads so a scheduler's
-worker does no file I/O or (de)serialization: a loader for `lookup_async` and, in background mode, a writer;
-`PrefixMemory`, the states of the last few finished requests kept in RAM and matched by longest common token
-prefix. Does not own: the state's bytes
-(`ModelState.to_bytes`/`from_bytes`), when to store (the scheduler: at the end of a prompt and of a reply).
+Owns: `PrefixCache` on disk (store a state under a hash of the model fingerprint and the token ids it has
+processed, find the longest stored prefix of a prompt, LRU eviction under a size cap) and its file format, with
+its own threads so a scheduler's worker does no file I/O or (de)serialization: a loader for `lookup_async` and, in
+background mode, a writer; `PrefixMemory`, the states of the last few finished requests kept in RAM and matched by
+longest common token prefix. Does not own: the state's bytes (`ModelState.to_bytes`/`from_bytes`), when to store
+(the scheduler: at the end of a prompt and of a reply), the folder's file protocol (locks, atomic publication,
+eviction, a full disk: `fastar.engine.cache_folder`).
 
-File `<n>-<sha256 of the n ids>.fpc`: MAGIC, u32 version, u64 header length, a JSON header (model fingerprint,
-the token ids, the state's length in bytes and its SHA-256), then the state's bytes. Written to a temp file and
-renamed into place, so a reader never sees half a file. A file is used only if every check passes (magic,
-version, fingerprint, the ids equal the prompt's, checksum, the state's length); anything else is skipped and
-logged once, never trusted. Recency is the file's mtime (touched on every hit), so it survives restarts.
+File `<n>-<sha256 of the fingerprint and the n ids>.fpc`: MAGIC, u32 version, u64 header length, a JSON header
+(model fingerprint, the token ids, the state's length in bytes and its SHA-256), then the state's bytes. It appears
+under its name only once complete and synced (`CacheFolder.publish`). A file is used only if every check passes
+(magic, version, fingerprint, the ids equal the prompt's, the state's length and checksum, the state's own format);
+a file that fails one is rejected: logged (one line), counted (`stats()["rejected"]`) and removed, never trusted.
+Recency is the file's mtime (touched on every hit), so it survives restarts.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import logging
 import os
 import queue
 import struct
-import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import FastarError
 from ..model.state import ModelState, StateError
+from .cache_folder import CacheFolder, DiskHooks
 from .session import common_prefix
 
 MAGIC = b"FSTPFX\0\0"
@@ -51,21 +54,25 @@ def _compact(state: ModelState) -> None:
         s.trim(STORED_ROLLBACK)
 
 
-def prefix_key(ids: list[int]) -> str:
-    return hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
+def prefix_key(ids: list[int], fingerprint: str = "") -> str:
+    """The SHA-256 naming the state of `ids` under a model's `fingerprint` (models sharing a folder never meet)."""
+    h = hashlib.sha256(fingerprint.encode() + b"\0")
+    h.update(struct.pack(f"<{len(ids)}I", *ids))
+    return h.hexdigest()
 
 
 class PrefixCache:
     """States of token prefixes under `folder`, at most `max_bytes` in all (least recently used evicted first).
 
     Args:
-        folder: created if missing.
-        fingerprint: identifies the model and numerics; files with another are skipped.
+        folder: created if missing; other processes may use it at the same time (`fastar.engine.cache_folder`).
+        fingerprint: identifies the model and numerics; it is part of every file's name and header.
         max_bytes: size cap of the folder's cache files.
         state_type: the state class whose `from_bytes` reads a stored state (`ModelState`).
         background: write files on a writer thread (`store` only snapshots the state; the writer serializes
             it), so a scheduler's step does not wait on the disk; `flush()` waits for the writes. A state whose
             write is still pending is not found by `lookup` (a miss, never a wrong state).
+        hooks: the disk seams fault tests use (`DiskHooks`); default `CacheFolder.hooks`.
     """
 
     def __init__(
@@ -75,21 +82,25 @@ class PrefixCache:
         max_bytes: int,
         state_type=ModelState,
         background: bool = False,
+        hooks: DiskHooks | None = None,
     ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"the prefix cache size must be positive, got {max_bytes}")
         self.folder = Path(folder).expanduser()
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.disk = CacheFolder(self.folder, max_bytes, SUFFIX, hooks)
         self.fingerprint, self.max_bytes, self.state_type = fingerprint, max_bytes, state_type
-        self._skipped: set[str] = set()  # files already reported as unusable
-        self.hits = self.misses = self.stores = self.evictions = 0
+        self._skipped: set[str] = set()  # files already reported as unreadable
+        self.hits = self.misses = self.stores = self.rejected = 0
         # at most 2 state snapshots wait for the writer: a step blocks beyond that rather than grow RAM
         self._writes: queue.Queue | None = queue.Queue(maxsize=2) if background else None
         self._pending: set[Path] = set()
-        self._write_lock = threading.Lock()  # stores and evictions, from the writer thread and callers
         if background:
             threading.Thread(target=self._writer, name="fastar-prefix-cache", daemon=True).start()
         self._loader: ThreadPoolExecutor | None = None  # made on the first `lookup_async`
+
+    @property
+    def evictions(self) -> int:
+        return self.disk.evictions
 
     # --- lookup ---------------------------------------------------------------------------------------------
 
@@ -123,7 +134,6 @@ class PrefixCache:
                     state.truncate(keep)
                 except FastarError:
                     continue
-            os.utime(path)  # recency for LRU
             self.hits += 1
             return state, keep
         self.misses += 1
@@ -145,53 +155,79 @@ class PrefixCache:
         return out
 
     def _read(self, path: Path, ids: list[int]) -> ModelState | None:
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            return self._skip(path, f"cannot read ({e.strerror})")
-        if raw[:8] != MAGIC or len(raw) < 20:
-            return self._skip(path, "not a prefix cache file")
+        """The state in `path` if it passes every check (its recency is then refreshed); else None, the file
+        rejected. A file a peer evicted since it was listed is a plain miss."""
+        with self.disk.opened(path) as f:
+            if f is None:
+                return None
+            try:
+                raw = f.read()
+            except OSError as e:
+                if path.name not in self._skipped:
+                    self._skipped.add(path.name)
+                    log.warning("prefix cache: skipping %s: cannot read (%s)", path, e.strerror or e)
+                return None
+            state, why = self._parse(raw, ids)
+            if state is None:
+                return self._reject(path, f, why)
+            self.disk.touch(f)
+            return state
+
+    def _parse(self, raw: bytes, ids: list[int]) -> tuple[ModelState | None, str]:
+        """(the state, "") when `raw` is a whole, intact file of this cache holding the state of `ids`, else
+        (None, why not)."""
+        if len(raw) < 20 or raw[:8] != MAGIC:
+            return None, "not a prefix cache file"
         version, hlen = struct.unpack_from("<IQ", raw, 8)
         if version != VERSION:
-            return self._skip(path, f"version {version}, expected {VERSION}")
+            return None, f"version {version}, expected {VERSION}"
+        if 20 + hlen > len(raw):
+            return None, "truncated (its header is cut short)"
         try:
             header = json.loads(raw[20 : 20 + hlen].decode())
             tokens, size, digest = header["tokens"], int(header["state_bytes"]), header["state_sha256"]
         except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-            return self._skip(path, f"corrupt header ({e})")
+            return None, f"corrupt header ({e})"
         if header.get("fingerprint") != self.fingerprint:
-            return self._skip(path, "saved with another model or numerics")
+            return None, "saved with another model or numerics"
         body = raw[20 + hlen :]
-        if tokens != ids or len(body) != size or hashlib.sha256(body).hexdigest() != digest:
-            return self._skip(path, "its tokens or checksum do not match")
+        if len(body) != size:
+            return None, f"truncated or padded (state of {len(body)} bytes, its header says {size})"
+        if tokens != ids or hashlib.sha256(body).hexdigest() != digest:
+            return None, "its tokens or checksum do not match"
         try:
             state = self.state_type.from_bytes(body)
         except FastarError as e:
-            return self._skip(path, str(e))
+            return None, str(e)
         if state.length != len(ids):
-            return self._skip(path, "its state does not hold its tokens")
-        return state
+            return None, "its state does not hold its tokens"
+        return state, ""
 
-    def _skip(self, path: Path, why: str) -> None:
-        if path.name not in self._skipped:
-            self._skipped.add(path.name)
-            log.warning("prefix cache: skipping %s: %s", path, why)
+    def _reject(self, path: Path, f: BinaryIO, why: str) -> None:
+        """Count, log (one line) and remove a file that failed its checks (unless a peer replaced it meanwhile)."""
+        self.rejected += 1
+        removed = self.disk.remove(path, f)
+        log.warning("prefix cache: skipping %s: %s%s", path, why, "; removed" if removed else "")
         return None
 
     # --- store ----------------------------------------------------------------------------------------------
 
     def store(self, ids: list[int], state: ModelState, keep: int | None = None) -> Path | None:
-        """Save `state`, which has processed exactly `ids`; then evict least recently used files beyond the cap.
+        """Save `state`, which has processed exactly `ids`, evicting least recently used files beyond the cap.
         With `keep` < len(ids), a copy rolled back to its first `keep` positions is saved instead, under
         ids[:keep] (the whole state where it cannot roll back that far). A state bigger than the whole cap is not
-        stored (None). In background mode only the serialization runs here; the checksum, the write and the
-        eviction run on the writer thread (which also drops a state bigger than the cap)."""
+        stored (None), nor anything while a full disk pauses writing (None), nor where the write fails (None,
+        logged once; the request goes on). In background mode only the snapshot is taken here; the serialization,
+        the checksum, the write and the eviction run on the writer thread (which also drops a state bigger than
+        the cap)."""
         if state.length != len(ids) or not ids:
             raise ValueError(f"a state of {state.length} positions does not hold {len(ids)} tokens")
         snap = None
         if keep is not None and 0 < keep < len(ids):
             if self._held(ids[:keep]):  # stored already: no copy to make
                 return self._path(ids[:keep])
+            if not self.disk.writable():
+                return None
             rolled = state.snapshot()
             try:
                 rolled.truncate(keep)
@@ -201,6 +237,8 @@ class PrefixCache:
         path = self._path(ids)
         if self._held(ids):
             return path
+        if not self.disk.writable():
+            return None
         # a copy (the live state goes on changing once this returns; a rolled-back one is a copy already), without
         # the rows for long rollbacks; in background mode its bytes are made on the writer thread
         snap = state.snapshot() if snap is None else snap
@@ -212,20 +250,24 @@ class PrefixCache:
         return path
 
     def _path(self, ids: list[int]) -> Path:
-        return self.folder / f"{len(ids)}-{prefix_key(ids)}{SUFFIX}"
+        return self.folder / f"{len(ids)}-{prefix_key(ids, self.fingerprint)}{SUFFIX}"
 
     def _held(self, ids: list[int]) -> bool:
         """Whether the state of `ids` is stored or being written (a stored file's recency is refreshed)."""
         path = self._path(ids)
         if path in self._pending:
             return True
-        if path.exists():
+        try:
             os.utime(path)
-            return True
-        return False
+        except FileNotFoundError:  # not stored (or evicted by a peer a moment ago)
+            return False
+        except OSError:  # a read-only folder: no recency to keep
+            return path.exists()
+        return True
 
     def _write(self, path: Path, ids: list[int], body: bytes) -> bool:
-        """Write one file (on the writer thread in background mode); False when it exceeds the whole cap."""
+        """Write one file (on the writer thread in background mode); False when it exceeds the whole cap or the
+        write failed (the folder logs why, once)."""
         header = json.dumps(
             {
                 "fingerprint": self.fingerprint,
@@ -234,20 +276,14 @@ class PrefixCache:
                 "state_sha256": hashlib.sha256(body).hexdigest(),
             }
         ).encode()
-        if 20 + len(header) + len(body) > self.max_bytes:
+        head = MAGIC + struct.pack("<IQ", VERSION, len(header)) + header
+        if not self.disk.fits(len(head) + len(body)):
             return False
-        with self._write_lock:
-            fd, tmp = tempfile.mkstemp(prefix=".", suffix=".partial", dir=self.folder)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(MAGIC + struct.pack("<IQ", VERSION, len(header)) + header)
-                    f.write(body)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-            self.stores += 1
-            self._evict(keep=path)
+        try:
+            if self.disk.publish(path, [head, body]):
+                self.stores += 1
+        except OSError:
+            return False
         return True
 
     def _writer(self) -> None:
@@ -255,9 +291,10 @@ class PrefixCache:
         while True:
             path, ids, snap = self._writes.get()
             try:
-                self._write(path, ids, snap.to_bytes())
-            except OSError as e:  # a full or read-only disk: the prompt is simply not cached
-                self._skip(path, f"cannot write ({e.strerror or e})")
+                if self.disk.writable():  # queued before the disk filled: dropped
+                    self._write(path, ids, snap.to_bytes())
+            except Exception:  # the writer must outlive one bad state (`flush` waits for it)
+                log.exception("prefix cache: cannot save %s", path)
             finally:
                 self._pending.discard(path)
                 self._writes.task_done()
@@ -267,32 +304,8 @@ class PrefixCache:
         if self._writes is not None:
             self._writes.join()
 
-    def _evict(self, keep: Path) -> None:
-        files = []
-        for p in self.folder.glob(f"*{SUFFIX}"):
-            try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            files.append((st.st_mtime_ns, st.st_size, p))
-        total = sum(size for _, size, _ in files)
-        for _, size, p in sorted(files, key=lambda f: f[0]):
-            if total <= self.max_bytes:
-                break
-            if p == keep:
-                continue
-            p.unlink(missing_ok=True)
-            total -= size
-            self.evictions += 1
-
     def size(self) -> int:
-        total = 0
-        for p in self.folder.glob(f"*{SUFFIX}"):
-            try:
-                total += p.stat().st_size
-            except FileNotFoundError:  # evicted meanwhile (another thread reads the size for /metrics)
-                pass
-        return total
+        return self.disk.size()
 
     def stats(self) -> dict:
         return {
@@ -300,6 +313,8 @@ class PrefixCache:
             "misses": self.misses,
             "stores": self.stores,
             "evictions": self.evictions,
+            "rejected": self.rejected,
+            "writes_paused": int(self.disk.paused),
             "bytes": self.size(),
         }
 

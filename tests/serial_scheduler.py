@@ -81,6 +81,7 @@ class SerialScheduler:
                 "requests_rejected", "prefix_memory_hits", "prefix_memory_misses", "prefix_memory_states",
                 "prefix_disk_hits", "prefix_disk_misses", "prefix_disk_bytes", "prefix_disk_loading", "draft_steps",
                 "sampled_draft_steps",
+                "prefix_disk_stores", "prefix_disk_evictions", "prefix_disk_rejected", "prefix_disk_writes_paused",
             ),
             0,
         )  # fmt: skip

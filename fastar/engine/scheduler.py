@@ -331,6 +331,8 @@ class Scheduler:
             "prefix_disk_misses": disk.get("misses", 0),
             "prefix_disk_stores": disk.get("stores", 0),
             "prefix_disk_evictions": disk.get("evictions", 0),
+            "prefix_disk_rejected": disk.get("rejected", 0),
+            "prefix_disk_writes_paused": disk.get("writes_paused", 0),
             "prefix_disk_bytes": disk.get("bytes", 0),
             "prefix_disk_loading": sum(r.loading is not None for r in active),
             "draft_steps": self._counts["draft_steps"],

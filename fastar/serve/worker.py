@@ -395,6 +395,26 @@ def _batch_lines(metric: Callable[[str, str, str, list[str]], None], b: dict) ->
                 f"Prompts that did (hits) or did not (misses) start from a prefix state kept in {where}.",
                 [f"prefix_cache_{where}_{what}_total {b[f'prefix_{where}_{what}']}"],
             )
+    for what, help in (
+        ("stores", "Prefix states written to the --prompt-cache folder by this server."),
+        ("evictions", "Prefix states this server evicted from the folder to keep it under --prompt-cache-size."),
+        (
+            "rejected",
+            "Prefix state files refused (damaged, truncated, another format version, not a state) and removed.",
+        ),
+    ):
+        metric(
+            f"prefix_cache_disk_{what}_total",
+            "counter",
+            help,
+            [f"prefix_cache_disk_{what}_total {b[f'prefix_disk_{what}']}"],
+        )
+    metric(
+        "prefix_cache_disk_writes_paused",
+        "gauge",
+        "1 while a full disk pauses writing prefix states (until it has room again), else 0.",
+        [f"prefix_cache_disk_writes_paused {b['prefix_disk_writes_paused']}"],
+    )
     metric(
         "prefix_cache_disk_bytes",
         "gauge",

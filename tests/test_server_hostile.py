@@ -593,3 +593,18 @@ def test_admission_names_the_text_problem_without_a_tokenizer():
         assert (e.value.status, e.value.param, e.value.code) == (400, "prompt", "invalid_unicode")
         assert "character 1 is U+D" in e.value.message
     assert admission.encode("a\U0001f600", "prompt") == [97, 0x1F600]
+
+
+# ---- issue 32: static file names the file system cannot take -------------------------------------------------
+
+
+def test_static_names_too_long_for_the_file_system_are_404(server):
+    for path in (
+        "/static/" + "a" * 256,
+        "/static/" + "b" * 5000,
+        "/static/" + "/".join(["c" * 200] * 30) + ".js",
+        "/static/" + "%41" * 300,
+    ):
+        status, _, data = raw(server, "GET", path)
+        assert_openai_error(status, data, 404, "not_found")
+    assert raw(server, "GET", "/")[0] == 200

@@ -157,8 +157,11 @@ def _static_path(path: str) -> Path | None:
     ):
         return None
     root = STATIC_DIR.resolve()
-    full = (root / rel).resolve()  # resolves symlinks: one that points out of the folder fails the next check
-    if not full.is_relative_to(root) or not full.is_file():
+    try:
+        full = (root / rel).resolve()  # resolves symlinks: one that points out of the folder fails the next check
+        if not full.is_relative_to(root) or not full.is_file():
+            return None
+    except (OSError, ValueError):  # a name too long for the file system, a symlink loop: no such file
         return None
     return full
 
@@ -166,10 +169,14 @@ def _static_path(path: str) -> Path | None:
 async def _ui(request: Request) -> Response:
     raw = request.scope.get("raw_path") or request.url.path.encode()
     full = _static_path(raw.decode("latin-1").split("?", 1)[0])
-    if full is None:
+    try:
+        data = full.read_bytes() if full is not None else None
+    except OSError:  # removed or unreadable since it was found
+        data = None
+    if full is None or data is None:
         raise P.APIError(404, "not found", code="not_found")
     ctype = _CONTENT_TYPES.get(full.suffix.lower(), "application/octet-stream")
-    return Response(full.read_bytes(), media_type=ctype, headers=_UI_HEADERS)
+    return Response(data, media_type=ctype, headers=_UI_HEADERS)
 
 
 UI_ROUTES: list[BaseRoute] = [Route("/", _ui), Route("/index.html", _ui), Route("/static/{rest:path}", _ui)]

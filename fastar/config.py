@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -249,6 +250,8 @@ def parse_size(v: int | str | None) -> int | None:
         n = float(s[:-1] if mult > 1 else s)
     except ValueError:
         raise ConfigError(f"cannot read {v!r} as a size (examples: 24G, 512M, 1000000)") from None
+    if not math.isfinite(n * mult):  # float() reads "nan", "inf" and "1e400"
+        raise ConfigError(f"size {v!r} is not a finite number of bytes (examples: 24G, 512M, 1000000)")
     if n < 0:
         raise ConfigError(f"size {v!r} is negative")
     return int(n * mult)

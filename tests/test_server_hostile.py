@@ -608,3 +608,9 @@ def test_static_names_too_long_for_the_file_system_are_404(server):
         status, _, data = raw(server, "GET", path)
         assert_openai_error(status, data, 404, "not_found")
     assert raw(server, "GET", "/")[0] == 200
+
+
+def test_an_empty_api_key_is_refused_not_taken_as_none():
+    for key in ("", "  "):
+        with pytest.raises(ValueError, match="api_key is empty"):
+            start_server(api_key=key)

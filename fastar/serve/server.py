@@ -209,6 +209,8 @@ class Server:
     ) -> None:
         if reasoning_field not in REASONING_FIELDS:
             raise ValueError(f"reasoning_field must be one of {REASONING_FIELDS}, got {reasoning_field!r}")
+        if api_key is not None and not api_key.strip():
+            raise ValueError("api_key is empty: give a key, or None for no authentication")
         limits = limits or Limits()
         if max_body_bytes is not None:
             limits = Limits(**{**limits.__dict__, "max_body_bytes": max_body_bytes})
@@ -217,7 +219,7 @@ class Server:
         if isinstance(allowed_hosts, str):
             allowed_hosts = allowed_hosts.split(",")
         self.settings = Settings(
-            api_key=api_key or None,
+            api_key=api_key,
             cors_origins=tuple(o.strip().rstrip("/") for o in (cors_origin or "").split(",") if o.strip()),
             allowed_hosts=tuple(h.strip() for h in allowed_hosts or () if h.strip()),
             bound_host=host,
@@ -386,7 +388,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int_flag(0, 65535, "a port"), default=8080, help="port (default 8080)")
     parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health"
+        "--api-key",
+        type=api_key_flag,
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health",
     )
     parser.add_argument(
         "--cors-origin", default=None, help="allow browser pages from this origin (comma-separated list, or '*')"
@@ -479,6 +484,13 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="size cap of the prompt cache folder; least recently used states go first (default 20G)",
     )
     parser.add_argument("--no-prompt-cache", action="store_true", help="keep no prompt states on disk")
+
+
+def api_key_flag(text: str) -> str:
+    """--api-key: an empty key would turn authentication off without a word, so it is a usage error."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--api-key is empty: give a key (or leave the flag out to serve without one)")
+    return text
 
 
 def size_flag(text: str) -> int:

@@ -614,3 +614,49 @@ def test_an_empty_api_key_is_refused_not_taken_as_none():
     for key in ("", "  "):
         with pytest.raises(ValueError, match="api_key is empty"):
             start_server(api_key=key)
+
+
+# ---- issue 32: the request head's size limit, exactly ----------------------------------------------------------
+
+
+def _head(size: int, line_pad: int = 0) -> bytes:
+    """A GET /health head of exactly `size` bytes (request line + headers + blank line)."""
+    start = f"GET /health?{'q' * line_pad} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nX-Pad: ".encode()
+    return start + b"p" * (size - len(start) - 4) + b"\r\n\r\n"
+
+
+def test_the_head_limit_is_exact():
+    srv = start_server(limits=Limits(max_header_bytes=64 * 1024))
+    try:
+        limit = 64 * 1024
+        for size, pad, want in (
+            (limit, 0, b"HTTP/1.1 200 "),
+            (limit, 60_000, b"HTTP/1.1 200 "),
+            (limit + 1, 0, b"HTTP/1.1 431 "),
+            (100_000, 0, b"HTTP/1.1 431 "),  # one header of 100,000 bytes
+            (72_000, 70_000, b"HTTP/1.1 431 "),  # a 70 KB request line
+            (129_000, 0, b"HTTP/1.1 431 "),
+        ):
+            head = _head(size, pad)
+            assert len(head) == size
+            out = exchange(srv.port, head, timeout=10)
+            assert out.startswith(want), (size, pad, out[:200])
+            if want != b"HTTP/1.1 200 ":
+                err = json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]
+                assert err["code"] == "request_header_fields_too_large" and str(limit) in err["message"]
+        # a head that arrives in small pieces is counted the same way
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            head = _head(limit + 1)
+            for i in range(0, len(head), 4096):
+                s.sendall(head[i : i + 4096])
+            assert s.recv(65536).startswith(b"HTTP/1.1 431 ")
+        # keep-alive: the limit applies to each request's head on its own
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        for pad in (60_000, 60_000, 70_000):
+            conn.request("GET", "/health", headers={"X-Pad": "p" * pad})
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == (200 if pad < limit else 431), pad
+        conn.close()
+    finally:
+        srv.shutdown()

@@ -39,7 +39,6 @@ import uvicorn
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from fastar.config import int_flag
 from fastar.errors import FastarError
@@ -47,6 +46,7 @@ from fastar.serve import protocol as P
 from fastar.serve.admission import Admission
 from fastar.serve.agent_routes import ERROR_SHAPES, AgentRoutes
 from fastar.serve.app import ErrorShape, Settings, build_app
+from fastar.serve.connection import Connection
 from fastar.serve.routes import OpenAIRoutes
 from fastar.serve.worker import Batching, EngineHost, Metrics
 
@@ -84,50 +84,9 @@ class Limits:
     header_timeout: float = 10.0  # seconds for a request line and headers to arrive (slowloris)
     keep_alive_timeout: int = 5  # seconds an idle keep-alive connection is kept
     body_timeout: float = 60.0  # seconds for a whole request body to arrive
-    max_header_bytes: int = 64 * 1024  # request line plus headers
+    max_header_bytes: int = 64 * 1024  # request line plus headers, exactly (431 beyond)
     max_body_bytes: int = DEFAULT_MAX_BODY
     graceful_shutdown: int = 5  # seconds open responses get to finish on shutdown
-
-
-class _H11(H11Protocol):
-    """uvicorn's h11 protocol plus a header timeout: a connection whose request line and headers have not all
-    arrived within `Limits.header_timeout` (after connecting, or after its previous response) is closed.
-    uvicorn's own keep-alive timer only covers a connection that sends nothing at all."""
-
-    header_timeout: float = Limits.header_timeout
-    _timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def _arm(self) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(self.header_timeout, self._expired)
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _expired(self) -> None:
-        self._timer = None
-        if not self.transport.is_closing():
-            self.transport.close()
-
-    def handle_events(self) -> None:
-        cycle = self.cycle
-        super().handle_events()
-        if self.cycle is not cycle:  # a request's headers are complete
-            self._disarm()
-
-    def on_response_complete(self) -> None:
-        self._arm()  # before: a pipelined request handled inside disarms it again
-        super().on_response_complete()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
 
 
 def _static_path(path: str) -> Path | None:
@@ -251,7 +210,7 @@ class Server:
         sock = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
         config = uvicorn.Config(
             self.app,
-            http=type("_H11Limited", (_H11,), {"header_timeout": self.limits.header_timeout}),
+            http=Connection.configured(self.limits.header_timeout, self.limits.max_header_bytes),
             lifespan="off",
             log_config=None,
             server_header=False,

@@ -1,0 +1,118 @@
+"""One HTTP connection: uvicorn's h11 protocol with the limits `fastar.serve.server.Limits` sets on the head of
+each request (its request line and headers).
+
+Owns `Connection` (made per server by `Connection.configured(...)`):
+  * the header timeout: a connection whose request head has not all arrived within `header_timeout` seconds
+    (after connecting, or after its previous response) is closed. uvicorn's own keep-alive timer only covers a
+    connection that sends nothing at all;
+  * the head size, exactly: a request line plus headers of more than `max_header_bytes` is answered
+    `431 Request Header Fields Too Large` (h11's own bound only looks at what is buffered and still incomplete,
+    so one read that completes a 100 KB head passed it). The rest of what the client sends is read and dropped
+    for a moment before the close, so the answer is not lost to a reset.
+
+Does not own: the app, the server's socket and thread (`fastar.serve.server`). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+_DRAIN_SECONDS = 2.0  # how long a refused connection's remaining input is read and dropped before the close
+
+
+class Connection(H11Protocol):
+    header_timeout: float = 10.0
+    max_header_bytes: int = 64 * 1024
+    _timer: asyncio.TimerHandle | None = None
+    _head_seen = 0  # bytes of the head being received so far
+    _tail = b""  # the last bytes fed, to find a blank line split across two reads
+    _refused = False
+
+    @classmethod
+    def configured(cls, header_timeout: float, max_header_bytes: int) -> type[Connection]:
+        """The protocol class for one server, with its limits (uvicorn instantiates it per connection)."""
+        return type("Connection", (cls,), {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes})
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    # ---- waiting for a request head ------------------------------------------------------------------------
+
+    @property
+    def waiting_for_head(self) -> bool:
+        return self._timer is not None
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_seen, self._tail = 0, b""
+        self._timer = self.loop.call_later(self.header_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # drained until the close
+        if self.waiting_for_head and not self._count_head(data):
+            self._refuse_head()
+            return
+        super().data_received(data)
+
+    def _count_head(self, data: bytes) -> bool:
+        """Add `data` to the head being received; False once the head is longer than `max_header_bytes`."""
+        seen = self._tail + data
+        ends = [i + len(sep) for sep in (b"\r\n\r\n", b"\n\n") if (i := seen.find(sep)) >= 0]
+        if ends:  # the head ends in this read: count up to its blank line
+            head = self._head_seen + min(ends) - len(self._tail)
+            self._head_seen, self._tail = 0, b""
+            return head <= self.max_header_bytes
+        self._head_seen += len(data)
+        self._tail = seen[-3:]
+        return self._head_seen <= self.max_header_bytes
+
+    def _refuse_head(self) -> None:
+        self._disarm()
+        self._refused = True
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"the request line and headers exceed {self.max_header_bytes} bytes",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_header_fields_too_large",
+                }
+            }
+        ).encode()
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        self.loop.call_later(_DRAIN_SECONDS, self.transport.close)
+
+    # ---- the request's life --------------------------------------------------------------------------------
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's head is complete
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        self._arm()  # before: a pipelined request handled inside disarms it again
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)

@@ -64,6 +64,14 @@ class SerialScheduler:
             self._lock.notify_all()
         return _Handle(req.cancel)
 
+    def submit_choices(self, ids, params, on_chunk, on_error, on_progress=None, cancel=None):
+        """The choices of one prompt, one after the other (the real scheduler prefills once and forks)."""
+        cancel = cancel or [None] * len(params)
+        return [
+            self.submit(ids, p, chunk, error, on_progress if i == 0 else (lambda done, total: None), event)
+            for i, (p, chunk, error, event) in enumerate(zip(params, on_chunk, on_error, cancel, strict=True))
+        ]
+
     def flush(self) -> None:
         pass  # no prompt cache
 

@@ -123,6 +123,58 @@ def test_concurrent_requests_equal_the_same_requests_one_at_a_time(engine):
         srv.shutdown()
 
 
+def test_n_best_of_and_prompt_lists_equal_solo_requests(engine):
+    """`n`, `best_of` and a list of prompts on /v1/completions: each prompt prefilled once (usage and the engine's
+    prefill counter count it once), choice j of a prompt equal to a request of its own with seed + j (greedy: all
+    the same), best_of returning its highest cumulative logprob choice, a stream tagging each choice's deltas
+    with its index."""
+    needs_invariant_kernels()
+    srv = start(engine, max_batch=8, max_sessions=0)  # no prefix reuse: every prompt prefilled afresh
+    try:
+        cl = client(srv)
+        a, b = prompt(300, 40, first=20), prompt(301, 17, first=21)
+        free = dict(max_tokens=12, extra_body={"ignore_eos": True})
+        solo_greedy = ask(cl, a, dict(temperature=0, logprobs=1, **free))
+        before = engine.stats()["prefill_tokens_computed"]
+        r = cl.completions.create(model=MODEL, prompt=a, n=3, temperature=0, logprobs=1, **free)
+        assert engine.stats()["prefill_tokens_computed"] - before == len(a)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        for c in r.choices:
+            assert (c.text, c.finish_reason, (c.logprobs.token_logprobs, c.logprobs.top_logprobs)) == solo_greedy[:3]
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(a), 36)
+
+        seeded = dict(temperature=1.0, seed=11, **free)
+        solo = {(i, j): ask(cl, p, {**seeded, "seed": 11 + j})[0] for i, p in enumerate((a, b)) for j in range(2)}
+        assert solo[0, 0] != solo[0, 1]
+        r = cl.completions.create(model=MODEL, prompt=[a, b], n=2, **seeded)
+        assert [(c.index, c.text) for c in r.choices] == [(2 * i + j, solo[i, j]) for i in range(2) for j in range(2)]
+        assert r.usage.prompt_tokens == len(a) + len(b) and r.usage.completion_tokens == 48
+
+        runs = [cl.completions.create(model=MODEL, prompt=b, **{**seeded, "seed": 11 + j}) for j in range(3)]
+        scores = [
+            sum(c.logprobs.token_logprobs)
+            for c in (
+                cl.completions.create(model=MODEL, prompt=b, logprobs=0, **{**seeded, "seed": 11 + j}).choices[0]
+                for j in range(3)
+            )
+        ]
+        best = max(range(3), key=lambda j: scores[j])
+        r = cl.completions.create(model=MODEL, prompt=b, best_of=3, **seeded)
+        assert [c.text for c in r.choices] == [runs[best].choices[0].text] and r.usage.completion_tokens == 36
+
+        texts: dict[int, str] = {}
+        finishes: dict[int, str] = {}
+        for chunk in cl.completions.create(model=MODEL, prompt=[a, b], n=2, stream=True, **seeded):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                if c.finish_reason:
+                    finishes[c.index] = c.finish_reason
+        assert texts == {2 * i + j: solo[i, j] for i in range(2) for j in range(2)}
+        assert finishes == dict.fromkeys(range(4), "length")
+    finally:
+        srv.shutdown()
+
+
 def test_full_queue_is_503_with_retry_after(engine):
     srv = start(engine, max_batch=1, max_queue=1)
     try:

@@ -200,3 +200,26 @@ def test_anthropic_stop_sequence_on_the_real_engine(server):
         streamed = "".join(st.text_stream)
         final = st.get_final_message()
     assert streamed == before and final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+
+
+def test_chat_n_choices_equal_solo_requests_with_seed_plus_index(server):
+    s, _ = server
+    c = _client(s)
+    kw = dict(
+        model="deepseek-v4-flash",
+        messages=[{"role": "user", "content": "Pick a fruit."}],
+        max_tokens=8,
+        temperature=1.0,
+        extra_body={"thinking": {"type": "disabled"}},
+    )
+    solo = [c.chat.completions.create(seed=3 + j, **kw) for j in range(3)]
+    r = c.chat.completions.create(n=3, seed=3, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in r.choices] == [x.choices[0].message.content for x in solo]
+    assert r.usage.prompt_tokens == solo[0].usage.prompt_tokens  # the prompt counted once
+    assert r.usage.completion_tokens == sum(x.usage.completion_tokens for x in solo)
+    texts: dict[int, str] = {}
+    for chunk in c.chat.completions.create(n=3, seed=3, stream=True, **kw):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+    assert texts == {j: x.choices[0].message.content for j, x in enumerate(solo)}

@@ -375,7 +375,7 @@ def test_s9_malformed_fields_are_400_naming_the_field(server):
             "response_format.json_schema",
         ),
         (CHAT, {**body_of("x"), "response_format": {"type": "yaml"}}, "response_format"),
-        ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "best_of": 3, "n": 4}, "best_of"),
         ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
     ]
     for path, body, param in cases:

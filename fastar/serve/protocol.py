@@ -3,8 +3,9 @@
 Owns:
   * `APIError`: every client mistake ends here, rendered as `{"error": {"message", "type", "param", "code"}}`.
   * `parse_chat_request()` / `parse_completion_request()`: JSON bodies -> validated requests with a
-    `SamplingParams`. Unknown fields are ignored (clients send many); known fields of the wrong type are a 400
-    naming the field. Thinking on/off is decided here from DeepSeek's `thinking` object,
+    `SamplingParams`; `n` (both), `best_of` and a list of prompts (completions); choice j of a prompt samples with
+    `seed + j` (`choice_sampling`). Unknown fields are ignored (clients send many); known fields of the wrong
+    type are a 400 naming the field. Thinking on/off is decided here from DeepSeek's `thinking` object,
     `chat_template_kwargs` and `reasoning_effort`, in that order of precedence.
   * `StopFilter`: holds back streamed text that could be the start of a stop string, so a partial stop string
     never reaches the client, and cuts the text at the first complete one.
@@ -30,6 +31,7 @@ from fastar.engine.stops import StopStrings
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "max", "xhigh")
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 128  # choices of one request (n, or best_of, times the prompts), as OpenAI caps n
 
 
 class APIError(Exception):
@@ -127,6 +129,29 @@ def check_model(body: dict, model_names: tuple[str, ...]) -> str:
     return model_names[0]
 
 
+def _choices(body: dict, prompts: int = 1) -> tuple[int, int]:
+    """(n, best_of) of a request: `best_of` (completions only; default n) choices are generated per prompt and the
+    `n` with the highest cumulative logprob returned. Choice j of a prompt samples with `seed + j`."""
+    n = _integer(body, "n", 1, MAX_CHOICES, 1)
+    best_of = _integer(body, "best_of", 1, MAX_CHOICES, None)
+    best_of = n if best_of is None else best_of
+    if best_of < n:
+        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
+    if best_of * prompts > MAX_CHOICES:
+        raise bad_request(
+            f"at most {MAX_CHOICES} choices per request, got {best_of} for each of {prompts} prompts", "n"
+        )
+    seed = body.get("seed")
+    if isinstance(seed, int) and seed + best_of - 1 > 2**64 - 1:
+        raise bad_request(f"'seed' + {best_of - 1} (the last choice's seed) must be below 2**64", "seed")
+    return n, best_of
+
+
+def choice_sampling(sampling: dict[str, Any], j: int) -> dict[str, Any]:
+    """The sampling of choice j of a prompt: seed + j (so choice j equals a request of its own with that seed)."""
+    return sampling if sampling.get("seed") is None or j == 0 else {**sampling, "seed": sampling["seed"] + j}
+
+
 def _sampling(body: dict, min_tokens: int = 1) -> tuple[dict[str, Any], int | None]:
     """Sampling fields shared by both endpoints, as `SamplingParams` keyword arguments; max_tokens is returned
     apart (it needs the prompt length)."""
@@ -135,9 +160,6 @@ def _sampling(body: dict, min_tokens: int = 1) -> tuple[dict[str, Any], int | No
         max_tokens = _integer(body, "max_tokens", min_tokens, None, None)
     top_k = _integer(body, "top_k", -1, None, 0)
     seed = _integer(body, "seed", -(2**63), 2**64 - 1, None)
-    n = _integer(body, "n", 1, None, 1)
-    if n != 1:
-        raise bad_request("only n=1 is supported (one model, one sequence at a time)", "n")
     for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         _number(body, key, -2.0 if key != "repetition_penalty" else 0.0, 2.0, None)  # accepted, not applied
     params = dict(
@@ -177,12 +199,13 @@ class ChatRequest:
     top_logprobs: int = 0
     has_tools: bool = False
     prompt_logprobs: int | None = None  # vLLM's extension (top-level in the response)
+    n: int = 1  # choices
 
 
 @dataclass(slots=True)
 class CompletionRequest:
     model: str
-    prompt: str | list[int]
+    prompts: list[str | list[int]]  # each a text or token ids; a request may send several
     sampling: dict[str, Any]
     max_tokens: int | None
     stream: bool = False
@@ -190,6 +213,12 @@ class CompletionRequest:
     echo: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's extension (per choice in the response)
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # choices generated per prompt (the n with the highest cumulative logprob are returned)
+
+    @property
+    def prompt(self) -> str | list[int]:
+        return self.prompts[0]
 
 
 def _thinking(body: dict, default: bool) -> tuple[bool, str | None, bool]:
@@ -327,6 +356,7 @@ def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking
     if not all(isinstance(m, dict) for m in messages):
         raise bad_request("every entry of 'messages' must be an object", "messages")
     params, max_tokens = _sampling(body)
+    n, _ = _choices({k: body.get(k) for k in ("n", "seed")})
     logprobs = _boolean(body, "logprobs", False)
     top_logprobs = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     params["logprobs"] = top_logprobs if logprobs else None
@@ -357,6 +387,7 @@ def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking
         top_logprobs=top_logprobs,
         has_tools=bool(tools),
         prompt_logprobs=params["prompt_logprobs"],
+        n=n,
     )
 
 
@@ -364,17 +395,13 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = check_model(body, model_names)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    if not (isinstance(prompt, str) or is_ids) or not prompt:
-        raise bad_request("'prompt' must be a non-empty string or list of token ids (one prompt per request)", "prompt")
-    if _integer(body, "best_of", 1, None, 1) != 1:
-        raise bad_request("only best_of=1 is supported (one sequence per request)", "best_of")
+    prompts = _prompts(body.get("prompt"))
+    n, best_of = _choices(body, len(prompts))
+    echo, stream = _boolean(body, "echo", False), _boolean(body, "stream", False)
+    if stream and best_of > n:
+        raise bad_request(f"'best_of' ({best_of}) greater than 'n' ({n}) cannot be streamed", "best_of")
     if body.get("suffix") not in (None, ""):
         raise bad_request("'suffix' (fill-in-the-middle) is not supported by this model", "suffix")
-    echo, stream = _boolean(body, "echo", False), _boolean(body, "stream", False)
     params, max_tokens = _sampling(body, min_tokens=0 if echo else 1)  # echo with max_tokens 0: the prompt only
     params["logprobs"] = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS, None)
     prompt_logprobs = _prompt_logprobs(body, stream)
@@ -386,7 +413,7 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
         raise bad_request("'stream_options' must be an object", "stream_options")
     return CompletionRequest(
         model=model,
-        prompt=prompt,
+        prompts=prompts,
         sampling=params,
         max_tokens=max_tokens,
         stream=stream,
@@ -394,7 +421,29 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
         echo=echo,
         logprobs=params["logprobs"],
         prompt_logprobs=prompt_logprobs,
+        n=n,
+        best_of=best_of,
     )
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """`prompt` as OpenAI takes it: a string, token ids, or a list of either (one choice group per prompt)."""
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        prompts = prompt
+    else:
+        raise bad_request(
+            "'prompt' must be a non-empty string, a list of token ids, or a list of those (one per prompt)", "prompt"
+        )
+    for i, p in enumerate(prompts):
+        if not p:
+            raise bad_request(f"'prompt[{i}]' is empty", "prompt")
+    return prompts
 
 
 def resolve_max_tokens(
@@ -518,22 +567,28 @@ def chat_message(content: str, reasoning: str | None, tool_calls: list[dict], re
     return msg
 
 
+def chat_choice(index: int, message: dict, finish_reason: str, logprobs: list[dict] | None) -> dict:
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": finish_reason,
+        "logprobs": None if logprobs is None else {"content": logprobs},
+    }
+
+
 def chat_response(
     rid: str, model: str, message: dict, finish_reason: str, use: dict, logprobs: list[dict] | None
 ) -> dict:
+    return chat_response_choices(rid, model, [chat_choice(0, message, finish_reason, logprobs)], use)
+
+
+def chat_response_choices(rid: str, model: str, choices: list[dict], use: dict) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "finish_reason": finish_reason,
-                "logprobs": None if logprobs is None else {"content": logprobs},
-            }
-        ],
+        "choices": choices,
         "usage": use,
     }
 
@@ -545,8 +600,9 @@ def chat_chunk(
     delta: dict,
     finish_reason: str | None = None,
     logprobs: list[dict] | None = None,
+    index: int = 0,
 ) -> dict:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason}
     if logprobs is not None:
         choice["logprobs"] = {"content": logprobs}
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
@@ -557,26 +613,40 @@ def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
+def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
 def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict, logprobs: dict | None) -> dict:
+    return completion_response_choices(rid, model, [completion_choice(0, text, finish_reason, logprobs)], use)
+
+
+def completion_response_choices(rid: str, model: str, choices: list[dict], use: dict) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "choices": choices,
         "usage": use,
     }
 
 
 def completion_chunk(
-    rid: str, created: int, model: str, text: str, finish_reason: str | None = None, logprobs: dict | None = None
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None = None,
+    logprobs: dict | None = None,
+    index: int = 0,
 ) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
     }
 
 
@@ -694,6 +764,7 @@ class CompletionTurn:
         )
         self.prompt_scores: Any = None  # `PromptLogprobs` from the first chunk, when asked for
         self.completion_tokens = 0
+        self.cumulative_logprob = 0.0  # of the generated tokens: what best_of ranks choices by
         self.engine_finish: str | None = None
         self.text = ""
 
@@ -721,6 +792,7 @@ class CompletionTurn:
             return []
         if chunk.token is not None:
             self.completion_tokens += 1
+            self.cumulative_logprob += chunk.logprob or 0.0
             self._pending.append((chunk.token, chunk.logprob, chunk.top_logprobs))
         if chunk.finish_reason:
             self.engine_finish = chunk.finish_reason

@@ -50,22 +50,33 @@ class LoopEvents:
             return None
 
 
-class _JobStream(StreamingResponse):
-    """An SSE response that cancels its job however the response ends (done, client gone, server stopping)."""
+class _Tagged:
+    """One choice's `Job.events`: what the worker puts lands on the request's shared queue as (index, item)."""
 
-    def __init__(self, content: AsyncIterator[bytes], job: Job) -> None:
+    def __init__(self, shared: LoopEvents, index: int) -> None:
+        self.shared, self.index = shared, index
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self.shared.put((self.index, item))
+
+
+class _JobStream(StreamingResponse):
+    """An SSE response that cancels its jobs however the response ends (done, client gone, server stopping)."""
+
+    def __init__(self, content: AsyncIterator[bytes], jobs: list[Job]) -> None:
         super().__init__(
             content,
             media_type="text/event-stream; charset=utf-8",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-        self.job = job
+        self.jobs = jobs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel.set()
+            for job in self.jobs:
+                job.cancel.set()
 
 
 class OpenAIRoutes:
@@ -171,14 +182,40 @@ class OpenAIRoutes:
         return self.admission.encode(self._chat_text(req), "messages")
 
     def _submit(
-        self, engine: Any, prompt_ids: list[int], sampling: dict, max_tokens: int | None, param: str
-    ) -> tuple[Job, int]:
-        limit = P.resolve_max_tokens(
-            len(prompt_ids), max_tokens, engine.context_length, getattr(engine, "context_note", None), param
-        )
-        job = Job(prompt_ids, P.make_sampling_params(sampling, limit), events=LoopEvents())
-        self.server.host.submit(job)
-        return job, limit
+        self,
+        engine: Any,
+        prompts: list[list[int]],
+        sampling: dict,
+        max_tokens: int | None,
+        param: str,
+        choices: int = 1,
+    ) -> tuple[list[Job], list[int], LoopEvents]:
+        """Submit `choices` choices of each prompt (choice j samples with seed + j); returns the jobs (prompt by
+        prompt, the choices of each in order: job k is choice k % choices of prompt k // choices), each prompt's
+        max_tokens, and the queue on which every job's events arrive tagged with its index. All or none: a
+        prompt refused undoes the ones queued before it."""
+        events = LoopEvents()
+        limits = [
+            P.resolve_max_tokens(
+                len(ids), max_tokens, engine.context_length, getattr(engine, "context_note", None), param
+            )
+            for ids in prompts
+        ]
+        params = [
+            P.make_sampling_params(P.choice_sampling(sampling, j), limit) for limit in limits for j in range(choices)
+        ]
+        jobs = [Job(prompts[k // choices], p, events=_Tagged(events, k)) for k, p in enumerate(params)]
+        queued: list[Job] = []
+        try:
+            for i in range(len(prompts)):
+                group = jobs[i * choices : (i + 1) * choices]
+                self.server.host.submit_choices(group)
+                queued.extend(group)
+        except BaseException:
+            for job in queued:
+                job.cancel.set()
+            raise
+        return jobs, limits, events
 
     # ---- generation ---------------------------------------------------------------------------------------
 
@@ -187,166 +224,202 @@ class OpenAIRoutes:
         req = P.parse_chat_request(body, self.server.model_names, self.server.default_thinking)
         engine = self.server.host.require_engine()
         prompt_ids = await self.admission.off_loop(self._encode_chat, req)
-        job, limit = self._submit(engine, prompt_ids, req.sampling, req.max_tokens, "messages")
-        turn = P.ChatTurn(req, engine.tokenizer, self.server.reasoning_field)
+        jobs, (limit,), shared = self._submit(engine, [prompt_ids], req.sampling, req.max_tokens, "messages", req.n)
+        turns = [P.ChatTurn(req, engine.tokenizer, self.server.reasoning_field) for _ in jobs]
         rid, created, n_prompt = P.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
         if not req.stream:
-            done = await self._collect_finished(job, turn, request, limit)
+            done = await self._collect_finished(jobs, turns, shared, request, [limit] * len(jobs))
             if done is None:
                 return Response(status_code=499)
-            cached, finish = done
-            use = P.usage(n_prompt, turn.completion_tokens, cached)
-            resp = P.chat_response(rid, req.model, turn.message(), finish, use, turn.logprobs if req.logprobs else None)
-            return JSONResponse(S.chat_extras(resp, req, turn, engine.tokenizer))
+            cached, finishes = done
+            choices = [
+                P.chat_choice(i, t.message(), f, t.logprobs if req.logprobs else None)
+                for i, (t, f) in enumerate(zip(turns, finishes))
+            ]
+            use = P.usage(n_prompt, sum(t.completion_tokens for t in turns), cached)
+            resp = P.chat_response_choices(rid, req.model, choices, use)
+            return JSONResponse(S.chat_extras(resp, req, turns[0], engine.tokenizer))  # (every choice has the scores)
 
-        def chunk(delta: dict, finish: str | None = None, lp: Any = None) -> bytes:
-            return P.sse(P.chat_chunk(rid, created, req.model, delta, finish, lp))
+        def chunk(i: int, delta: dict, finish: str | None = None, lp: Any = None) -> bytes:
+            return P.sse(P.chat_chunk(rid, created, req.model, delta, finish, lp, index=i))
 
         async def events() -> AsyncIterator[bytes]:
-            yield chunk({"role": "assistant", "content": ""})
-            async for kind, payload in self._pump(job, turn):
+            for i in range(len(jobs)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for kind, i, payload in self._pump(jobs, turns, shared):
                 if kind == "deltas":
                     for delta, lp in payload:
-                        yield chunk(delta, None, lp)
+                        yield chunk(i, delta, None, lp)
                 elif kind in ("keepalive", "error"):
                     yield payload
-                else:  # end
-                    deltas, finish = turn.finish(limit)
+                elif kind == "end":
+                    deltas, finish = turns[i].finish(limit)
                     for delta, lp in deltas:
-                        yield chunk(delta, None, lp)
+                        yield chunk(i, delta, None, lp)
                     self.server.metrics.finished(finish)
-                    yield chunk({}, finish, turn.pending.take())
-                    if req.include_usage:
-                        use = P.usage(n_prompt, turn.completion_tokens, payload)
-                        yield P.sse(P.usage_chunk(rid, created, req.model, "chat.completion.chunk", use))
+                    yield chunk(i, {}, finish, turns[i].pending.take())
+                elif req.include_usage:  # all ended
+                    use = P.usage(n_prompt, sum(t.completion_tokens for t in turns), payload)
+                    yield P.sse(P.usage_chunk(rid, created, req.model, "chat.completion.chunk", use))
             yield P.SSE_DONE
 
-        return _JobStream(events(), job)
+        return _JobStream(events(), jobs)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.server.settings)
         req = P.parse_completion_request(body, self.server.model_names)
         engine = self.server.host.require_engine()
-        if isinstance(req.prompt, str):
-            prompt_text = req.prompt
-            prompt_ids = await self.admission.encode_async(req.prompt, "prompt")
-        else:
-            P.check_token_ids(req.prompt, engine.tokenizer.vocab_size, "prompt")
-            prompt_ids = list(req.prompt)
-            prompt_text = await self.admission.off_loop(engine.tokenizer.decode, prompt_ids)
-        job, limit = self._submit(engine, prompt_ids, req.sampling, req.max_tokens, "prompt")
-        prefix = prompt_text if req.echo else ""
-        turn = P.CompletionTurn(req, engine.tokenizer, len(prefix))
-        rid, created, n_prompt = P.new_id("cmpl"), int(time.time()), len(prompt_ids)
+        texts, prompts = [], []
+        for i, prompt in enumerate(req.prompts):
+            param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                prompts.append(await self.admission.encode_async(prompt, param))
+            else:
+                P.check_token_ids(prompt, engine.tokenizer.vocab_size, param)
+                prompts.append(list(prompt))
+                texts.append(await self.admission.off_loop(engine.tokenizer.decode, prompts[-1]))
+        k = req.best_of  # generated per prompt; the best req.n of them are returned
+        jobs, limits, shared = self._submit(engine, prompts, req.sampling, req.max_tokens, "prompt", k)
+        prefixes = [texts[j // k] if req.echo else "" for j in range(len(jobs))]
+        turns = [P.CompletionTurn(req, engine.tokenizer, len(prefix)) for prefix in prefixes]
+        rid, created, n_prompt = P.new_id("cmpl"), int(time.time()), sum(map(len, prompts))  # each prompt once
         if not req.stream:
-            done = await self._collect_finished(job, turn, request, limit)
+            done = await self._collect_finished(
+                jobs, turns, shared, request, [limits[j // k] for j in range(len(jobs))]
+            )
             if done is None:
                 return Response(status_code=499)
-            cached, finish = done
-            use = P.usage(n_prompt, turn.completion_tokens, cached)
-            resp = P.completion_response(rid, req.model, prefix + turn.text, finish, use, turn.logprobs)
-            return JSONResponse(S.completion_extras(resp, req, turn, engine.tokenizer))
+            cached, finishes = done
+            choices = []
+            for i in range(len(prompts)):  # best_of: the n of highest cumulative logprob, best first
+                group = range(i * k, (i + 1) * k)
+                best = sorted(group, key=lambda j: -turns[j].cumulative_logprob)[: req.n] if k > req.n else group
+                for rank, j in enumerate(best):
+                    text = prefixes[j] + turns[j].text
+                    choice = P.completion_choice(i * req.n + rank, text, finishes[j], turns[j].logprobs)
+                    S.completion_extras({"choices": [choice]}, req, turns[j], engine.tokenizer)  # prompt logprobs
+                    choices.append(choice)
+            use = P.usage(n_prompt, sum(t.completion_tokens for t in turns), cached)
+            return JSONResponse(P.completion_response_choices(rid, req.model, choices, use))
 
-        def chunk(text: str, finish: str | None = None, lp: Any = None) -> bytes:
-            return P.sse(P.completion_chunk(rid, created, req.model, text, finish, lp))
+        def chunk(i: int, text: str, finish: str | None = None, lp: Any = None) -> bytes:
+            return P.sse(P.completion_chunk(rid, created, req.model, text, finish, lp, index=i))
 
-        async def events() -> AsyncIterator[bytes]:
-            held = S.echoes_logprobs(req)  # the echoed prompt waits for its logprobs (they come with the first chunk)
-            if prefix and not held:
-                yield chunk(prefix)
-            async for kind, payload in self._pump(job, turn):
-                if held and (turn.prompt_scores is not None or kind == "end"):
-                    held = False
+        async def events() -> AsyncIterator[bytes]:  # (streamed only with best_of == n: every job is a choice)
+            # an echoed prompt waits for its logprobs (they come with the choice's first chunk)
+            held = set(range(len(jobs))) if S.echoes_logprobs(req) else set()
+            for i, prefix in enumerate(prefixes):
+                if prefix and i not in held:
+                    yield chunk(i, prefix)
+            async for kind, i, payload in self._pump(jobs, turns, shared):
+                if i in held and (turns[i].prompt_scores is not None or kind == "end"):
+                    held.discard(i)
                     try:
-                        lp = S.echo_logprobs(engine.tokenizer, S.scores(turn), req.logprobs)
+                        lp = S.echo_logprobs(engine.tokenizer, S.scores(turns[i]), req.logprobs)
                     except P.APIError as err:
                         yield P.sse(err.to_dict())
                         break
-                    yield chunk(prefix, None, lp)
+                    yield chunk(i, prefixes[i], None, lp)
                 if kind == "deltas":
                     for text, lp in payload:
-                        yield chunk(text, None, lp)
+                        yield chunk(i, text, None, lp)
                 elif kind in ("keepalive", "error"):
                     yield payload
-                else:
-                    pieces, finish = turn.finish(limit)
+                elif kind == "end":
+                    pieces, finish = turns[i].finish(limits[i // k])
                     for text, lp in pieces:
-                        yield chunk(text, None, lp)
+                        yield chunk(i, text, None, lp)
                     self.server.metrics.finished(finish)
-                    yield chunk("", finish)
-                    if req.include_usage:
-                        use = P.usage(n_prompt, turn.completion_tokens, payload)
-                        yield P.sse(P.usage_chunk(rid, created, req.model, "text_completion", use))
+                    yield chunk(i, "", finish)
+                elif req.include_usage:  # all ended
+                    use = P.usage(n_prompt, sum(t.completion_tokens for t in turns), payload)
+                    yield P.sse(P.usage_chunk(rid, created, req.model, "text_completion", use))
             yield P.SSE_DONE
 
-        return _JobStream(events(), job)
+        return _JobStream(events(), jobs)
 
-    async def _collect_finished(self, job: Job, turn: Any, request: Request, limit: Any) -> tuple[Any, str] | None:
-        """A non-streamed reply: (cached prompt tokens, finish reason) once the job ends, None if the client left."""
+    async def _collect_finished(
+        self, jobs: list[Job], turns: list[Any], events: LoopEvents, request: Request, limits: list[int]
+    ) -> tuple[Any, list[str]] | None:
+        """A non-streamed reply: (cached prompt tokens, each choice's finish reason) once every job has ended,
+        None if the client left."""
         try:
-            cached = await self._collect(job, turn, request)
+            cached = await self._collect(jobs, turns, events, request)
         finally:
-            job.cancel.set()
+            for job in jobs:
+                job.cancel.set()
         if cached is _GONE:
             return None
-        _, finish = turn.finish(limit)
-        self.server.metrics.finished(finish)
-        return cached, finish
+        finishes = [turn.finish(limit)[1] for turn, limit in zip(turns, limits)]
+        for finish in finishes:
+            self.server.metrics.finished(finish)
+        return cached, finishes
 
-    async def _collect(self, job: Job, turn: Any, request: Request) -> Any:
-        """A whole reply for a non-streamed request: the cached-prompt token count, or `_GONE` when the client
-        left (its job is cancelled). An engine error is raised as the client's 400 or a 500."""
-        while True:
-            item = await job.events.get(0.25)
+    async def _collect(self, jobs: list[Job], turns: list[Any], events: LoopEvents, request: Request) -> Any:
+        """Whole replies for a non-streamed request: the cached-prompt token count (`_cached`), or `_GONE`
+        when the client left (its jobs are cancelled). An engine error is raised as the client's 400 or a 500."""
+        ended: dict[int, Any] = {}
+        while len(ended) < len(jobs):
+            item = await events.get(0.25)
             if item is None:
                 if await request.is_disconnected():
-                    job.cancel.set()
                     return _GONE
                 continue
-            kind, payload = item
+            i, (kind, payload) = item
             if kind == "chunk":
-                turn.feed(payload)
-                if turn.stopped:
-                    job.cancel.set()  # our stop string: the engine need not go on
+                turns[i].feed(payload)
+                if turns[i].stopped:
+                    jobs[i].cancel.set()  # our stop string: the engine need not go on
             elif kind == "error":
                 raise _engine_error(*payload)
             elif kind == "end":
-                return payload
+                ended[i] = payload
+        return _cached(jobs, ended)
 
-    async def _pump(self, job: Job, turn: Any) -> AsyncIterator[tuple[str, Any]]:
-        """The worker's events for a streamed reply: ("deltas", [...]), ("keepalive", comment bytes) during
-        long silences (a prefill of minutes), ("error", SSE error event bytes) and then the stream's end, or
-        ("end", cached prompt tokens)."""
+    async def _pump(self, jobs: list[Job], turns: list[Any], events: LoopEvents) -> AsyncIterator[tuple[str, int, Any]]:
+        """The worker's events for a streamed reply, as (kind, choice index, payload): ("deltas", i, [...]),
+        ("keepalive", -1, comment bytes) during long silences (a prefill of minutes), ("error", -1, SSE error event
+        bytes) and then the stream's end, or ("end", i, cached prompt tokens) as each choice ends and then
+        ("done", -1, the cached prompt tokens, `_cached`) once all have."""
         interval = self.server.keepalive_interval
         last_write = time.monotonic()
-        while True:
-            item = await job.events.get(min(0.25, interval))
+        ended: dict[int, Any] = {}
+        while len(ended) < len(jobs):
+            item = await events.get(min(0.25, interval))
             if item is None:
                 if time.monotonic() - last_write >= interval:
-                    progress = job.progress
+                    progress = next((job.progress for job in jobs if job.progress), None)
                     note = f"keep-alive prefill {progress[0]}/{progress[1]}" if progress else "keep-alive"
-                    yield "keepalive", P.sse_comment(note)
+                    yield "keepalive", -1, P.sse_comment(note)
                     last_write = time.monotonic()
                 continue
-            kind, payload = item
+            i, (kind, payload) = item
             if kind == "chunk":
-                deltas = turn.feed(payload)
-                if turn.stopped:
-                    job.cancel.set()
+                deltas = turns[i].feed(payload)
+                if turns[i].stopped:
+                    jobs[i].cancel.set()
                 if deltas:
-                    yield "deltas", deltas
+                    yield "deltas", i, deltas
                     last_write = time.monotonic()
             elif kind == "error":
                 err = _engine_error(*payload)
                 self.server.metrics.error(err.status)
-                yield "error", P.sse(err.to_dict())
+                yield "error", -1, P.sse(err.to_dict())
                 return
             elif kind == "end":
-                yield "end", payload
-                return
+                ended[i] = payload
+                yield "end", i, payload
+        yield "done", -1, _cached(jobs, ended)
 
 
 _GONE = object()
+
+
+def _cached(jobs: list[Job], ended: dict[int, Any]) -> int | None:
+    """Cached prompt tokens of a request: those of each prompt's first choice (the one that ran the prompt)."""
+    firsts = [ended[k] for k, job in enumerate(jobs) if job.choice == 0]
+    return None if all(c is None for c in firsts) else sum(c or 0 for c in firsts)
 
 
 def _engine_error(status: int, message: str) -> P.APIError:

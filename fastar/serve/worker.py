@@ -11,8 +11,9 @@ Owns:
     and every numeric `engine.stats()` entry (speculative decoding's `draft_*` among them).
 
 The engine contract used here: `scheduler(max_batch=, max_queue=, keep_states=, prefix_cache=,
-prefix_cache_size=)` -> an object with `submit(ids, params, on_chunk=, on_error=, on_progress=, cancel=)`
-(raising `QueueFull` with `retry_after`, or a ValueError for a bad prompt), `run(stop_event)`, `idle`,
+prefix_cache_size=)` -> an object with `submit_choices(ids, [params], on_chunk=[...], on_error=[...], on_progress=,
+cancel=[...])` (one prompt, one or more choices; raising `QueueFull` with `retry_after`, or a ValueError for a bad
+prompt), `run(stop_event)`, `idle`,
 `metrics()` and `flush()` (pending prompt-cache writes, at shutdown); plus `stats()`, `tokenizer`,
 `context_length` and `close()`.
 
@@ -59,6 +60,7 @@ class Job:
     generated: int = 0
     first_token: float | None = None
     last_token: float | None = None
+    choice: int = 0  # its index among the choices of its prompt (`submit_choices`); only choice 0 counts the prompt
 
 
 @dataclass(frozen=True)
@@ -174,22 +176,30 @@ class EngineHost:
     def submit(self, job: Job) -> None:
         """Hand `job` to the scheduler (from a handler thread). Raises APIError: 503 while shutting down or when
         the queue is full (with a Retry-After header), 400 for a prompt the engine refuses."""
+        self.submit_choices([job])
+
+    def submit_choices(self, jobs: list[Job]) -> None:
+        """Hand the choices of one prompt (`n`, `best_of`; the same `prompt_ids`) to the scheduler at once: it
+        prefills the prompt once and forks it for each. Raises as `submit` does (then none was queued)."""
         if self._stopping.is_set():
             raise APIError(503, SHUTDOWN_MESSAGE, "unavailable_error", code="shutting_down")
+        for i, job in enumerate(jobs):
+            job.choice = i
         with self._jobs_lock:
-            self._jobs.add(job)
+            self._jobs.update(jobs)
+        first = jobs[0]
         try:
             self.require_engine()
-            self.scheduler.submit(
-                job.prompt_ids,
-                job.params,
-                on_chunk=lambda chunk: self._on_chunk(job, chunk),
-                on_error=lambda err: self._on_error(job, err),
-                on_progress=lambda done, total: setattr(job, "progress", (done, total)),
-                cancel=job.cancel,
+            self.scheduler.submit_choices(
+                first.prompt_ids,
+                [job.params for job in jobs],
+                on_chunk=[lambda chunk, job=job: self._on_chunk(job, chunk) for job in jobs],
+                on_error=[lambda err, job=job: self._on_error(job, err) for job in jobs],
+                on_progress=lambda done, total: setattr(first, "progress", (done, total)),
+                cancel=[job.cancel for job in jobs],
             )
         except QueueFull as err:
-            self._forget(job)
+            self._forget_all(jobs)
             raise APIError(
                 503,
                 f"server busy: {err}; retry later",
@@ -198,11 +208,15 @@ class EngineHost:
                 headers={"Retry-After": str(err.retry_after)},
             ) from None
         except ValueError as err:  # PromptError / SamplingError: the request itself is wrong
-            self._forget(job)
+            self._forget_all(jobs)
             raise APIError(400, str(err), "invalid_request_error", code="invalid_prompt") from None
         except BaseException:
-            self._forget(job)
+            self._forget_all(jobs)
             raise
+
+    def _forget_all(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self._forget(job)
 
     def _forget(self, job: Job) -> bool:
         with self._jobs_lock:
@@ -458,7 +472,7 @@ class Metrics:
     ) -> None:
         now = time.monotonic()
         with self.lock:
-            self.prompt_tokens += len(job.prompt_ids)
+            self.prompt_tokens += len(job.prompt_ids) if job.choice == 0 else 0  # a prompt shared by choices: once
             self.generation_tokens += n_generated
             self.cached_tokens += cached or 0
             self.latency.observe(now - job.created)

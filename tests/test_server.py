@@ -130,6 +130,9 @@ class FakeEngine(SchedulesSerially):
     def close(self) -> None:  # `Engine.close`: the host calls it at shutdown
         self.closed = True
 
+    def compile_grammar(self, grammar):  # `Engine.compile_grammar`: the scripted replies ignore it
+        return grammar
+
     def _bump(self, **kw: int) -> None:
         with self._lock:
             for key, value in kw.items():

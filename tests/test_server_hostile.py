@@ -376,6 +376,8 @@ def test_s9_malformed_fields_are_400_naming_the_field(server):
         ),
         (CHAT, {**body_of("x"), "response_format": {"type": "yaml"}}, "response_format"),
         ("/v1/completions", {"prompt": "x", "best_of": 3, "n": 4}, "best_of"),
+        (CHAT, {**body_of("x"), "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        (CHAT, {**body_of("x"), "tool_choice": "required"}, "tool_choice"),
         ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
     ]
     for path, body, param in cases:
@@ -383,7 +385,6 @@ def test_s9_malformed_fields_are_400_naming_the_field(server):
         assert_openai_error(status, data, 400, None, param)
     for ok in (
         {"tool_choice": "auto"},
-        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}},
     ):
         status, _, data = raw(server, "POST", CHAT, {**body_of("x", **NO_THINK), **ok})

@@ -1,11 +1,11 @@
 """The engine: owns the weights, the model and the expert pager, and is the only object front-ends hold.
 
 Owns: `open_source`, `load(path, numerics=..., **options) -> Engine`, and `Engine`: the public calls (`logits`,
-`prompt_logprobs`, `generate_tokens`, `generate`, `stream`, `chat`, `open_session`, `stats`, `close`), the
-state-level primitives sessions and drafters run on (`new_state`, `prefill`), the tokenizer, the context length and
-the engine's own session. Does not own: the session's timeline and prefix reuse (`session.py`), the generation
-loop and chat encoding (`generate.py`), speculative decoding (`speculative.py`), the forward pass (`fastar.model`),
-the prompt scorer (`prompt_logprobs.py`).
+`prompt_logprobs`, `generate_tokens`, `generate`, `stream`, `chat`, `open_session`, `compile_grammar`, `stats`,
+`close`), the state-level primitives sessions and drafters run on (`new_state`, `prefill`), the tokenizer, the
+context length and the engine's own session. Does not own: the session's timeline and prefix reuse (`session.py`),
+the generation loop and chat encoding (`generate.py`), speculative decoding (`speculative.py`), the forward pass
+(`fastar.model`), the prompt scorer (`prompt_logprobs.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, DeepseekV4, Numerics, span_b
 from ..model.state import ModelState
 from ..quant import kernels as K
 from . import speculative
+from .constraint import CompiledGrammar, Grammar, GrammarCompiler
 from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
 from .prefix_cache import PrefixCache
 from .prompt_logprobs import PromptLogprobs, score_prompt
@@ -154,6 +155,8 @@ class Engine:
         self._profile_path: Path | None = None  # where `close` saves the expert usage profile
         # generation-side state, made on first use: the tokenizer, the engine's own session, its counters
         self._tokenizer: Tokenizer | None = None
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._session: Session | None = None
         self._context_length: int | None = None  # None: the default (see `context_length`)
         self._stats = Stats()
@@ -333,6 +336,16 @@ class Engine:
                 raise FastarError(f"no usable tokenizer: {e}") from None
         return self._tokenizer
 
+    def compile_grammar(self, grammar: Grammar) -> CompiledGrammar:
+        """`grammar` (`constraint.output_grammar`) compiled for this model's tokenizer, for `SamplingParams.grammar`.
+        The llguidance tokenizer is built on the first call (~1 s); compiled grammars are cached. Any thread.
+        Raises `ConstraintError` (a ValueError) for a grammar that cannot be enforced within the parser limits."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                tok = self.tokenizer
+                self._grammars = GrammarCompiler(tok.hf.to_str(), self.config.vocab_size, tok.eos_id)
+        return self._grammars.compile(grammar)
+
     @property
     def context_length(self) -> int:
         """Positions a session may hold: `max_position_embeddings` capped to `MAX_DEFAULT_CONTEXT` unless set, and
@@ -413,7 +426,7 @@ class Engine:
                 self._session = self.open_session()
             session = self._session
         steps = None
-        if self.drafter is not None:
+        if self.drafter is not None and params.grammar is None:  # a constrained request decodes plainly
             steps = functools.partial(
                 speculative.speculative_generate_step,
                 drafter=self.drafter,

@@ -5,7 +5,11 @@ min-p) and `Sampler`, which turns one position's logits into `(token, logprob, t
 the model, the tokenizer or text: stop strings and stop tokens are decided by `fastar.engine.generate`.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits, before temperature and
-truncation), as vLLM and the OpenAI API report them, so they do not change when sampling settings do.
+truncation), as vLLM and the OpenAI API report them, so they do not change when sampling settings do. That holds
+under a grammar too (`grammar`, constrained decoding): the mask sets the tokens it forbids to -inf before
+temperature, top-k/top-p/min-p and the draw (greedy: the argmax of what is allowed), and the logprobs and
+top_logprobs reported are still the unmasked model's, so a token the grammar forced shows how likely the model
+found it, and an alternative listed may be one the grammar ruled out. A request without a grammar does no mask work.
 Sampling draws on the CPU from a `torch.Generator` seeded by `seed`: the same seed gives the same tokens on
 any device, and two generations never share random state.
 """
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..errors import FastarError
+from .constraint import CompiledGrammar
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's own cap on top_logprobs
 
@@ -51,6 +56,7 @@ class SamplingParams:
     # None = off; k >= 0 = every prompt token's logprob plus k alternatives (vLLM's name; the scheduler computes
     # them from its prefill, on the first chunk: `fastar.engine.prompt_logprobs`)
     prompt_logprobs: int | None = None
+    grammar: CompiledGrammar | None = None  # constrained decoding (`fastar.engine.constraint`); None = free
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI's `stop` is a string or a list
@@ -158,15 +164,23 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator(device="cpu").manual_seed(seed)  # this generation's random stream
+        self.constraint = params.grammar.start() if params.grammar is not None else None
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
+        """Raises `ConstraintError` when the request's grammar parser fails (it ran out of its per-token fuel)."""
         logits = logits.reshape(-1).float().cpu()  # [V]; one host copy per token, needed for the text anyway
         p = self.params
+        drawn = logits
+        if self.constraint is not None:
+            allowed = torch.from_numpy(self.constraint.allowed())
+            drawn = logits.masked_fill(~allowed, float("-inf"))
         if p.is_greedy:
-            token = argmax(logits)
+            token = argmax(drawn)
         else:
-            probs = torch.softmax(processed_logits(logits, p), dim=-1)
+            probs = torch.softmax(processed_logits(drawn, p), dim=-1)
             token = int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.constraint is not None:
+            self.constraint.advance(token)
         return report(logits, token, p)
 
 

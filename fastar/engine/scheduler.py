@@ -39,7 +39,9 @@ with its sampler's generator: each token is distributed exactly as a plain step'
 numbers); with a `seed` it stays on plain steps, whose one draw per token is what makes its tokens reproducible
 whatever else runs. As soon as another request is admitted, steps are plain batched steps again: drafting would
 hold the others' next tokens back behind a wider pass and, the batch already sharing the weight reads, pays little.
-Prompts that may draft are prefilled through the drafter so its context is ready.
+A constrained request (`SamplingParams.grammar`) never drafts: drafts are not checked against the grammar's mask,
+so it decodes plainly, one token a step, its mask applied to its own row by its own `Sampler` (a free request in
+the same step does no mask work). Prompts that may draft are prefilled through the drafter so its context is ready.
 
 Prefix states on disk are read and parsed on the prefix cache's loader thread (`PrefixCache.lookup_async`); the
 request waits for it (neither prefilling nor decoding) while the others keep stepping, and the worker only adopts
@@ -74,6 +76,7 @@ from ..encoding import THINK_START
 from ..errors import FastarError, QueueFull  # noqa: F401 (QueueFull: importable from here too)
 from ..model import ops
 from . import speculative
+from .constraint import ConstraintError
 from .draft_step import draft_step
 from .generate import ChunkMaker, GenerationChunk
 from .prefix_cache import PrefixMemory
@@ -573,8 +576,9 @@ class Scheduler:
 
     @staticmethod
     def _may_draft(req: _Request) -> bool:
-        """Greedy, or sampled without a seed: drafting keeps its tokens (greedy) or their distribution (sampled)."""
-        return req.params.is_greedy or req.params.seed is None
+        """Greedy, or sampled without a seed: drafting keeps its tokens (greedy) or their distribution (sampled); never
+        under a grammar (drafts are not checked against its mask)."""
+        return (req.params.is_greedy or req.params.seed is None) and req.params.grammar is None
 
     def _can_draft(self, decoding: list[_Request]) -> bool:
         """A draft/verify step only for a lone sequence that may draft (see the module docstring)."""
@@ -611,7 +615,16 @@ class Scheduler:
                 break
 
     def _sampled(self, req: _Request, logits: torch.Tensor) -> None:
-        self._emit(req, *req.sampler(logits))
+        try:
+            picked = req.sampler(logits)
+        except ConstraintError as err:  # its grammar's parser failed: this request ends, the others go on
+            with self._lock:
+                self._active.remove(req)
+            self._counts["finished"] += 1
+            req.state = None
+            req.handle._fail(err)
+            return
+        self._emit(req, *picked)
 
     def _emit(self, req: _Request, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
         req.pending = token

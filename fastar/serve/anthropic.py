@@ -35,8 +35,10 @@ background tasks); replies name the served model.
 Thinking: `thinking: {"type": "enabled" | "adaptive" | "between_tools"}` turns V4's thinking mode on, `"disabled"`
 off; absent, the server's default applies (as on chat completions). `output_config.effort` "max" selects V4's
 maximum reasoning effort. `budget_tokens` is accepted and not enforced. `tool_choice` "none" hides the tools; "any"
-and "tool" are accepted but not enforced (the model decides). Tool input streams as `input_json_delta` pieces while
-the model writes the call (`fastar.serve.toolstream`); their concatenation is the final input's JSON.
+and "tool" are enforced with a grammar (`fastar.engine.constraint`): the reply is one call of the named tool, or
+one or more calls (one with `disable_parallel_tool_use`), each input valid against its `input_schema`. Tool
+input streams as `input_json_delta` pieces while the model writes the call (`fastar.serve.toolstream`); their
+concatenation is the final input's JSON.
 
 Does not own: HTTP, the worker, the encoding (`fastar.serve.turn`, `fastar.encoding`). Never imports torch.
 """
@@ -185,6 +187,17 @@ def _tools(body: dict) -> list[dict] | None:
     return None if choice is not None and choice["type"] == "none" else out
 
 
+def _forced_call(choice: Any, tools: list[dict] | None, thinking: bool) -> Any:
+    """The grammar of a forced tool call (`tool_choice` "any" or "tool"), None otherwise."""
+    if not isinstance(choice, dict) or choice.get("type") not in ("any", "tool"):
+        return None
+    if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
+        raise P.bad_request("'tool_choice' {\"type\": \"tool\"} needs the tool's 'name'", "tool_choice")
+    kind = "required" if choice["type"] == "any" else f"function:{choice['name']}"
+    single = P._boolean(choice, "disable_parallel_tool_use", False)
+    return P.output_grammar(thinking, tools, kind, not single, None, "tool_choice")
+
+
 def _thinking(body: dict, default: bool) -> tuple[bool, str | None]:
     thinking = default
     obj = body.get("thinking")
@@ -249,6 +262,7 @@ def parse_request(
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")} | {"stop": stops}
     )
     thinking, effort = _thinking(body, backend.default_thinking)
+    sampling["grammar"] = _forced_call(body.get("tool_choice"), tools, thinking)
     # With tools the encoder keeps earlier reasoning anyway; without, an agent's multi-turn history drops it.
     conv = Conversation(messages, thinking, effort)
     return model, conv, sampling, max_tokens, P._boolean(body, "stream", False)

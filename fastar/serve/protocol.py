@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastar.encoding import EOS, StreamParser
+from fastar.engine import constraint as C
 from fastar.engine.stops import StopStrings
 
 # DeepSeek's API folds the OpenAI effort names onto its levels; "none" turns thinking off (Responses API habit).
@@ -346,6 +347,38 @@ def _response_format(fmt: Any) -> dict | None:
     return None if fmt["type"] == "text" else fmt
 
 
+def output_grammar(
+    thinking: bool, tools: list[dict] | None, choice: str | None, parallel: bool, fmt: dict | None, fmt_param: str
+) -> C.Grammar | None:
+    """The grammar enforcing a forced tool call (`choice` "required" or "function:NAME") or a JSON reply (`fmt`:
+    `response_format` in the chat completions shape), for the sampling dict's "grammar"; `tools`: function
+    objects. A tool choice naming no tool, or a schema that cannot be enforced, is a 400 naming it."""
+    fmt = fmt or {}
+    schema = (fmt.get("json_schema") or {}).get("schema", {}) if fmt.get("type") == "json_schema" else None
+    try:
+        return C.output_grammar(
+            thinking=thinking,
+            functions=tools,
+            choice=choice,
+            parallel=parallel,
+            schema=schema,
+            json_object=fmt.get("type") == "json_object",
+        )
+    except C.ConstraintError as err:
+        raise bad_request(str(err), fmt_param if err.param == "response_format" else err.param) from None
+
+
+def compiled_sampling(engine: Any, sampling: dict[str, Any]) -> dict[str, Any]:
+    """`sampling` with its grammar compiled for the engine (`Engine.compile_grammar`; off the event loop: the
+    first one builds the tokenizer's tables, ~1 s)."""
+    if sampling.get("grammar") is None:
+        return sampling
+    try:
+        return {**sampling, "grammar": engine.compile_grammar(sampling["grammar"])}
+    except C.ConstraintError as err:
+        raise bad_request(str(err), err.param) from None
+
+
 def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking: bool = True) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -370,6 +403,10 @@ def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking
     if tool_choice == "none":
         tools = None  # the model is told of no tools, so it cannot call one
     response_format = _response_format(body.get("response_format"))
+    choice = f"function:{tool_choice['function']['name']}" if isinstance(tool_choice, dict) else tool_choice
+    functions = [t["function"] for t in tools or []]
+    parallel = _boolean(body, "parallel_tool_calls", True)
+    params["grammar"] = output_grammar(thinking, functions, choice, parallel, response_format, "response_format")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")

@@ -18,14 +18,14 @@ Mounting (the server's routes call these; any HTTP framework will do):
 
 Owns: request validation and translation (`input` as a string or items: messages, `function_call`,
 `function_call_output`, `reasoning`; `instructions`; function `tools`; `tool_choice`; `reasoning.effort`;
-`max_output_tokens`; `text.format` (rendered as chat completions' `response_format`); sampling; DeepSeek's
-`thinking` and `chat_template_kwargs` as on chat completions), the `response` object, and the SSE events
+`max_output_tokens`; `text.format` (rendered as chat completions' `response_format`, and enforced: a JSON schema or
+object, `fastar.engine.constraint`; `tool_choice` "required" or a named function forces a tool call); sampling;
+DeepSeek's `thinking` and `chat_template_kwargs` as on chat completions), the `response` object, and the SSE events
 (`response.created`, `response.in_progress`, `response.output_item.added` / `.done`, `response.reasoning_text.delta`
 / `.done`, `response.content_part.added` / `.done`, `response.output_text.delta` / `.done`,
 `response.function_call_arguments.delta` / `.done`, `response.completed` (`response.incomplete` when cut at
-`max_output_tokens`); `error` then `response.failed` if
-generation fails mid-stream). Each event is `event: <type>` plus one `data:` line with a `sequence_number`; there is
-no `[DONE]`, as OpenAI sends none.
+`max_output_tokens`); `error` then `response.failed` if generation fails mid-stream). Each event is `event: <type>`
+plus one `data:` line with a `sequence_number`; there is no `[DONE]`, as OpenAI sends none.
 
 `previous_response_id` continues a conversation this server produced: `ResponseStore` keeps the last
 `MAX_STORED` responses (input conversation and output) in memory; `store: false` keeps one out of it.
@@ -274,6 +274,15 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")}
         | {"max_tokens": body.get("max_output_tokens")}
     )
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        choice = f"function:{choice['name']}"
+    elif choice not in (None, "none", "auto", "required"):
+        raise P.bad_request(
+            '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", "name": ...}', "tool_choice"
+        )
+    parallel = P._boolean(body, "parallel_tool_calls", True)
+    sampling["grammar"] = P.output_grammar(thinking, tools, choice, parallel, response_format, "text.format")
     include = body.get("include") or []
     return ResponsesRequest(
         model=model,

@@ -224,7 +224,8 @@ class OpenAIRoutes:
         req = P.parse_chat_request(body, self.server.model_names, self.server.default_thinking)
         engine = self.server.host.require_engine()
         prompt_ids = await self.admission.off_loop(self._encode_chat, req)
-        jobs, (limit,), shared = self._submit(engine, [prompt_ids], req.sampling, req.max_tokens, "messages", req.n)
+        sampling = await self.admission.off_loop(P.compiled_sampling, engine, req.sampling)
+        jobs, (limit,), shared = self._submit(engine, [prompt_ids], sampling, req.max_tokens, "messages", req.n)
         turns = [P.ChatTurn(req, engine.tokenizer, self.server.reasoning_field) for _ in jobs]
         rid, created, n_prompt = P.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
         if not req.stream:

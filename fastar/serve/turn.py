@@ -186,7 +186,7 @@ class AssistantTurn:
         self.finish_reason = "stop"  # "stop" | "length" | "tool_calls" | "stop_sequence"
         self.stop_sequence: str | None = None
         self.content, self.reasoning, self.tool_calls = "", None, []
-        self.job = Job(self.prompt_ids, P.make_sampling_params(sampling, self.limit))
+        self.job = Job(self.prompt_ids, P.make_sampling_params(P.compiled_sampling(engine, sampling), self.limit))
         backend.submit(self.job)
 
     @property

@@ -212,8 +212,10 @@ def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
     step, the kinds a decode step runs are all there, and the engine's C extension is put back afterwards."""
     from fastar.bench import profile
     from fastar.model import ops, state
+    from fastar.model.deepseek_v4 import HyperConnection, MoE
     from fastar.quant import kernels
 
+    ops_post, moe_call = HyperConnection.post, MoE.__call__
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
     r = _bench("-m", str(fst), "--profile", "1,3", "--decode-tokens", "2", "--prompt-tokens", "5", "--json")
     assert r.returncode == 0, r.stderr
@@ -229,9 +231,12 @@ def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
         assert cats["sampling"] > 0 and p["calls_per_step"]["sampling"] == p["rows"]
         assert p["calls_per_step"]["FP4 experts"] == p["calls_per_step"]["routing/top-k"]  # one fused call per layer
         assert 0 < p["outside_kernels_fraction"] < 1 and p["product_gbps"]["FP8 products"] > 0
+        for k in ("step", "attention q/kv projections", "attention core", "shared expert", "mHC wrappers"):
+            assert cats["outside: " + k] > 0, k
     # the instrumentation is gone once the profile is done (in this process too)
     run = profile.bench(str(fst), [2], steps=1, prompt_tokens=4)
     assert run["profiles"][0]["rows"] == 2
     assert ops._C is kernels._C is state._C and type(ops._C).__name__ == "module"
+    assert HyperConnection.post is ops_post and MoE.__call__ is moe_call
     bad = _bench("-m", str(fst), "--profile", "9")
     assert bad.returncode != 0 and "--profile" in bad.stderr and "Traceback" not in bad.stderr

@@ -13,9 +13,13 @@ nested in it, so the categories and the remainder add up to the step exactly:
   quantization, SwiGLU), KV-state row packing;
 - torch ops: routing/top-k (`MoE.route` less its router product) and sampling (`Sampler`, less nothing: it is
   all torch and numpy);
-- outside kernels: what is left of the attention block (`Attention.rows`), the MoE block (`MoE.__call__`: expert
-  lookup, bookkeeping) and the step itself (the layer loop, the embedding, the mHC and norm wrappers, the head's
-  wrapper), i.e. Python and small torch ops between the kernels.
+- outside kernels: what is left, i.e. Python and small torch ops between the kernels, split by where it runs: the
+  attention block's query/KV projections (`Attention._project`), its compressors and indexer (`Compressor.project`
+  and `add`, the indexer's queries), its attention core (`Attention._attend`: window and entry rows, the C call's
+  arguments), its output (`Attention._output`) and the rest of `Attention.rows` (per-row state bookkeeping); the
+  MoE block's shared expert (`MoE._shared`) and the rest of `MoE.__call__` (expert lookup, routing bookkeeping);
+  the mHC wrappers (`HyperConnection.pre` / `post`); and the step itself (the layer loop, the embedding, the norm
+  wrappers, the head's wrapper, the states' lengths and trims).
 
 Beside them: the plain steps' median (what profiling costs shows as the difference), the memory bandwidth measured
 around the run, the bytes a step reads (resident weights once, plus the distinct experts the rows routed to) and
@@ -58,7 +62,7 @@ C_CATEGORIES = {
     "state_rows_decode": "KV-state rows",
 }
 TORCH_CATEGORIES = ("routing/top-k", "sampling")
-GLUE_CATEGORIES = ("outside: attention block", "outside: MoE block", "outside: step")
+OUTSIDE = "outside: "  # the prefix of every category of time outside any kernel
 PRODUCTS = ("FP8 products", "BF16 products", "FP4 experts")
 
 
@@ -156,16 +160,36 @@ class _Instrumented:
         for m in self._modules:
             m._C = proxy
         self.experts: list[int] = []  # distinct experts per layer of each timed call, summed per step
-        self._saved = []
+        self._saved = []  # (object, attribute) wrapped on the instance: popped from its __dict__ at close
+
+        def wrap(obj, name: str, cat: str, fn=None) -> None:
+            self._saved.append((obj, name))
+            setattr(obj, name, clock.wrap(OUTSIDE + cat, fn or getattr(obj, name)))
+
         for b in self.model.layers:
             ffn, attn = b.ffn, b.attn
-            self._saved += [(ffn, "route"), (ffn, "__call__"), (attn, "rows")]
+            self._saved.append((ffn, "route"))
             ffn.route = self._route(clock.wrap("routing/top-k", ffn.route))
-            attn.rows = clock.wrap("outside: attention block", attn.rows)
-        # MoE.__call__ is looked up on the class: the block calls `self.ffn(...)`
+            wrap(attn, "rows", "attention (rest)")
+            wrap(attn, "_project", "attention q/kv projections")
+            wrap(attn, "_attend", "attention core")
+            wrap(attn, "_output", "attention output")
+            for c in (attn.compressor, attn.indexer and attn.indexer.compressor):
+                if c is not None:
+                    wrap(c, "project", "compressors and indexer")
+                    wrap(c, "add", "compressors and indexer")
+            if attn.indexer is not None:
+                wrap(attn.indexer, "queries", "compressors and indexer")
+            wrap(ffn, "_shared", "shared expert")
+            wrap(b.hc_attn, "pre", "mHC wrappers")
+            wrap(b.hc_ffn, "pre", "mHC wrappers")
+        # looked up on the class: the block calls `self.ffn(...)` and `HyperConnection.post(...)`
         self._moe_cls = type(self.model.layers[0].ffn)
         self._moe_call = self._moe_cls.__call__
-        self._moe_cls.__call__ = clock.wrap("outside: MoE block", self._moe_call)
+        self._moe_cls.__call__ = clock.wrap(OUTSIDE + "MoE (rest)", self._moe_call)
+        self._hc_cls = type(self.model.layers[0].hc_attn)
+        self._hc_post = self._hc_cls.__dict__["post"]
+        self._hc_cls.post = staticmethod(clock.wrap(OUTSIDE + "mHC wrappers", self._hc_post.__func__))
 
     def _route(self, route):
         def routed(x, ids):
@@ -182,6 +206,7 @@ class _Instrumented:
         for obj, name in self._saved:
             obj.__dict__.pop(name, None)
         self._moe_cls.__call__ = self._moe_call
+        self._hc_cls.post = self._hc_post
 
 
 def _step(model, samplers, pending: list[int], states, clock: _Clock | None) -> list[int]:
@@ -222,7 +247,7 @@ def profile_rows(engine, rows: int, steps: int, prompt_tokens: int = 16, warmup:
             plain.append(time.perf_counter() - t0)
             inst.experts.append(0)
             clock.on = True
-            clock.enter("outside: step")
+            clock.enter(OUTSIDE + "step")
             try:
                 pending = _step(model, samplers, pending, states, clock)
             finally:
@@ -232,9 +257,9 @@ def profile_rows(engine, rows: int, steps: int, prompt_tokens: int = 16, warmup:
         inst.close()
     step_s = sum(profiled) / steps
     per_step = {k: v / steps for k, v in clock.own.items()}
-    kernels = sum(v for k, v in per_step.items() if k not in TORCH_CATEGORIES + GLUE_CATEGORIES)
+    kernels = sum(v for k, v in per_step.items() if k not in TORCH_CATEGORIES and not k.startswith(OUTSIDE))
     torch_ops = sum(per_step.get(k, 0.0) for k in TORCH_CATEGORIES)
-    outside = sum(per_step.get(k, 0.0) for k in GLUE_CATEGORIES)
+    outside = sum(v for k, v in per_step.items() if k.startswith(OUTSIDE))
     return {
         "rows": rows,
         "steps": steps,
@@ -294,9 +319,9 @@ def format_profile(r: dict) -> str:
         for k, v in p["categories_ms"].items():
             gbps = f"  {p['product_gbps'][k]:.1f} GB/s" if k in p["product_gbps"] else ""
             calls = p["calls_per_step"].get(k, 0)
-            lines.append(f"    {k:<26} {v:8.3f} ms {100 * v / step:5.1f}%  {calls:6.0f} calls{gbps}")
+            lines.append(f"    {k:<40} {v:8.3f} ms {100 * v / step:5.1f}%  {calls:6.0f} calls{gbps}")
         lines.append(
-            f"    {'= C kernels':<26} {p['kernels_ms']:8.3f} ms {100 * p['kernels_ms'] / step:5.1f}%; torch ops "
+            f"    {'= C kernels':<40} {p['kernels_ms']:8.3f} ms {100 * p['kernels_ms'] / step:5.1f}%; torch ops "
             f"{100 * p['torch_ops_ms'] / step:.1f}%; outside kernels {100 * p['outside_kernels_fraction']:.1f}% "
             f"(outside any C kernel {100 * p['outside_c_kernels_fraction']:.1f}%)"
         )

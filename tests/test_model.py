@@ -500,3 +500,37 @@ def test_kernel_path_matches_torch_reference(tiny_ckpt):
     fast = engine(tiny_ckpt, kernels=True).logits(ids)
     slow = engine(tiny_ckpt, kernels=False).logits(ids)
     assert np.abs(fast - slow).max() <= TOL
+
+
+def test_stacked_compressor_products_equal_one_call_each(tiny_ckpt, tmp_path):
+    """The compressors' BF16 products (a layer's kv and gate, and its indexer's) stacked into one kernel call
+    (`Attention.comp_stack`, from a .fst) give the bits of one call each: a 140-token prefill (the GEMM path,
+    closing ratio-4 and ratio-128 windows), then batched decode rows; logits bit for bit."""
+    from fastar.convert.hf import convert
+    from fastar.format.reader import FstFile
+    from fastar.model.deepseek_v4 import DeepseekV4
+    from fastar.quant import linear
+
+    if linear._kernels() is None:
+        pytest.skip("stacking is a kernel-path saving (no kernels: nothing stacks)")
+    fst = FstFile(convert(tiny_ckpt, tmp_path / "t.fst", progress=False))
+    stacked, apart = DeepseekV4(fst), DeepseekV4(fst)
+    compressed = [b.attn for b in stacked.layers if b.attn.compressors]
+    assert compressed and all(a.comp_stack is not None for a in compressed)
+    assert any(a.indexer is not None for a in compressed)
+    for b in apart.layers:
+        b.attn.comp_stack = None
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 1024, (n,), generator=g).tolist() for n in (140, 9)]
+    logits = {}
+    for name, m in (("stacked", stacked), ("apart", apart)):
+        states = [m.new_state() for _ in prompts]
+        outs = [m.forward(p, s, all_logits=False)[0] for p, s in zip(prompts, states)]
+        ids = [int(o[-1].argmax()) for o in outs]
+        for _ in range(6):  # decode steps of both rows at once (the scheduler's path)
+            step = m.forward_rows(ids, states)
+            outs.append(step)
+            ids = [int(r.argmax()) for r in step]
+        logits[name] = outs
+    for a, b in zip(logits["stacked"], logits["apart"]):
+        assert torch.equal(a, b)

@@ -14,12 +14,12 @@ nested in it, so the categories and the remainder add up to the step exactly:
 - torch ops: routing/top-k (`MoE.route` less its router product) and sampling (`Sampler`, less nothing: it is
   all torch and numpy);
 - outside kernels: what is left, i.e. Python and small torch ops between the kernels, split by where it runs: the
-  attention block's query/KV projections (`Attention._project`), its compressors and indexer (`Compressor.project`
-  and `add`, the indexer's queries), its attention core (`Attention._attend`: window and entry rows, the C call's
-  arguments), its output (`Attention._output`) and the rest of `Attention.rows` (per-row state bookkeeping); the
-  MoE block's shared expert (`MoE._shared`) and the rest of `MoE.__call__` (expert lookup, routing bookkeeping);
-  the mHC wrappers (`HyperConnection.pre` / `post`); and the step itself (the layer loop, the embedding, the norm
-  wrappers, the head's wrapper, the states' lengths and trims).
+  attention block's query/KV projections (`Attention._project`), its compressors and indexer
+  (`Attention._compress_project`, `Compressor.add`, the indexer's queries), its attention core (`Attention._attend`:
+  window and entry rows, the C call's arguments), its output (`Attention._output`) and the rest of
+  `Attention.rows` (per-row state bookkeeping); the MoE block's shared expert (`MoE._shared`) and the rest of
+  `MoE.__call__` (expert lookup, routing bookkeeping); the mHC wrappers (`HyperConnection.pre` / `post`); and the
+  step itself (the layer loop, the embedding, the norm wrappers, the head's wrapper, the states' lengths and trims).
 
 Beside them: the plain steps' median (what profiling costs shows as the difference), the memory bandwidth measured
 around the run, the bytes a step reads (resident weights once, plus the distinct experts the rows routed to) and
@@ -174,10 +174,10 @@ class _Instrumented:
             wrap(attn, "_project", "attention q/kv projections")
             wrap(attn, "_attend", "attention core")
             wrap(attn, "_output", "attention output")
-            for c in (attn.compressor, attn.indexer and attn.indexer.compressor):
-                if c is not None:
-                    wrap(c, "project", "compressors and indexer")
-                    wrap(c, "add", "compressors and indexer")
+            if attn.compressors:
+                wrap(attn, "_compress_project", "compressors and indexer")
+            for c in attn.compressors:
+                wrap(c, "add", "compressors and indexer")
             if attn.indexer is not None:
                 wrap(attn.indexer, "queries", "compressors and indexer")
             wrap(ffn, "_shared", "shared expert")

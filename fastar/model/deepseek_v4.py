@@ -151,6 +151,7 @@ class Compressor:
     def __init__(
         self, w: Weights, prefix: str, ratio: int, head_dim: int, inv_freq: torch.Tensor, eps: float, quant=None
     ) -> None:
+        self.prefix = prefix
         self.wkv = w.linear(prefix + "wkv")  # BF16 [c*hd, d]
         self.wgate = w.linear(prefix + "wgate")  # BF16 [c*hd, d]
         self.ape = w.vector(prefix + "ape")  # [ratio, c*hd]
@@ -158,12 +159,18 @@ class Compressor:
         self.ratio, self.head_dim, self.overlap = ratio, head_dim, ratio == 4
         self.inv_freq, self.eps, self.quant = inv_freq, eps, quant
 
-    def __call__(self, x: torch.Tensor, p0: int, kv_buf, gate_buf, out_buf) -> None:
-        self.add(*self.project(x, torch.arange(p0, p0 + x.shape[0])), p0, kv_buf, gate_buf, out_buf)
+    def __call__(self, x: torch.Tensor, p0: int, kv_buf, gate_buf, out_buf, projected=None) -> None:
+        """`project` the chunk x [T, d] at p0.. (or take its `projected` rows, `Attention._compress_project`), `add`."""
+        pos = torch.arange(p0, p0 + x.shape[0])
+        self.add(*(projected if projected is not None else self.project(x, pos)), p0, kv_buf, gate_buf, out_buf)
 
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kv and gate rows [T, c*hd] of x [T, d] at positions pos [T] (any positions: each row on its own)."""
-        return self.wkv(x), self.wgate(x) + self.ape[pos % self.ratio]
+        return self.gated(self.wkv(x), self.wgate(x), pos)
+
+    def gated(self, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`project` from the products x wkv^T and x wgate^T already made (one stacked product, `Attention`)."""
+        return kv, gate + self.ape[pos % self.ratio]
 
     def add(self, kv_rows: torch.Tensor, gate_rows: torch.Tensor, p0: int, kv_buf, gate_buf, out_buf) -> None:
         """Appends the `project`ed rows of positions p0.. and stores the entries of the windows they close."""
@@ -218,11 +225,11 @@ class Indexer:
         return None if scoring is None else self.pick(*scoring, p0, state.idx_entries.all())
 
     def prepare(
-        self, x: torch.Tensor, qr: torch.Tensor, p0: int, state: LayerState
+        self, x: torch.Tensor, qr: torch.Tensor, p0: int, state: LayerState, projected=None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Adds the chunk's index keys. -> the chunk's scoring queries (`queries`), or None when no query of the
-        chunk sees more than topk entries (`scores`)."""
-        self.compressor(x, p0, state.idx_kv, state.idx_gate, state.idx_entries)
+        """Adds the chunk's index keys (from its compressor's `projected` rows when given). -> the chunk's scoring
+        queries (`queries`), or None when no query of the chunk sees more than topk entries (`scores`)."""
+        self.compressor(x, p0, state.idx_kv, state.idx_gate, state.idx_entries, projected)
         return self.queries(x, qr, torch.arange(p0, p0 + x.shape[0])) if self.scores(p0 + x.shape[0]) else None
 
     def scores(self, stop: int) -> bool:
@@ -343,6 +350,15 @@ class Attention:
             # entries and the indexer keeps index_topk of them, so all while t <= 4*index_topk + 2: exact for the
             # first 4*index_topk + 3 positions (2051 on Flash); later ones are refused.
             self.max_positions = 4 * cfg.index_topk + 3
+        # the compressors' BF16 products (the layer's and its indexer's, kv and gate each) all take the block's
+        # input: stacked into one product, one kernel call instead of four (row r of it is row r of its own
+        # weight's product: the same numbers, tested); None where they cannot stack (then one call each)
+        self.compressors = [c for c in (self.compressor, self.indexer and self.indexer.compressor) if c is not None]
+        self.comp_stack = (
+            w.stacked([c.prefix + name for c in self.compressors for name in ("wkv", "wgate")])
+            if self.compressors
+            else None
+        )
 
     def _fp8_nope(self, kv: torch.Tensor) -> torch.Tensor:
         """QAT simulation of DeepSeek's FP8 KV cache: the non-RoPE dims, blocks of 64."""
@@ -385,9 +401,10 @@ class Attention:
 
         scoring = None  # the indexer's queries, when some query of the chunk needs scoring
         if self.ratio:
-            self.compressor(x, p0, state.comp_kv, state.comp_gate, state.entries)
+            projected = self._compress_project(x, torch.arange(p0, p0 + T))
+            self.compressor(x, p0, state.comp_kv, state.comp_gate, state.entries, projected[0])
             if self.indexer is not None:
-                scoring = self.indexer.prepare(x, qr, p0, state)
+                scoring = self.indexer.prepare(x, qr, p0, state, projected[1])
         # queries one by one in small chunks (`ops.token_slices`): a verify pass attends exactly as decode does;
         # long chunks in pieces of a window's length, each against only the keys its queries can see
         o = torch.cat([self._attend(q, s, p0, state, scoring) for s in ops.token_slices(T, self.window)])
@@ -412,9 +429,10 @@ class Attention:
         # row by row below
         ckv = cgate = ikv = igate = iq = iw = None
         if self.ratio:
-            ckv, cgate = self.compressor.project(x, at)
+            projected = self._compress_project(x, at)
+            ckv, cgate = projected[0]
         if self.indexer is not None:
-            ikv, igate = self.indexer.compressor.project(x, at)
+            ikv, igate = projected[1]
             if any(self.indexer.scores(p + 1) for p in pos):
                 iq, iw = self.indexer.queries(x, qr, at)
         out = []
@@ -430,6 +448,18 @@ class Attention:
                     scoring = (iq[one], iw[one]) if self.indexer.scores(p0 + 1) else None
             out.append(self._attend(q[b : b + 1], slice(0, 1), p0, state, scoring))
         return self._output(torch.cat(out), cos, sin)
+
+    def _compress_project(self, x: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`Compressor.project` of x [T, d] at positions pos for each of `self.compressors` (the layer's, then its
+        indexer's), from the one stacked product where there is one."""
+        if self.comp_stack is None:
+            return [c.project(x, pos) for c in self.compressors]
+        y, out, o = self.comp_stack(x), [], 0  # [T, sum of the rows]
+        for c in self.compressors:
+            n = c.wkv.out_features
+            out.append(c.gated(y[:, o : o + n], y[:, o + n : o + 2 * n], pos))
+            o += 2 * n
+        return out
 
     def _project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

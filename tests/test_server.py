@@ -927,7 +927,7 @@ def test_cli_arguments_delegate_to_serve(monkeypatch):
         "reasoning_field": "reasoning",
         "max_sessions": 4,
         "allowed_hosts": None,
-        "max_connections": 128,
+        "max_connections": 4096,
         "max_batch": 8,
         "prompt_cache": S.default_prompt_cache(),
         "prompt_cache_size": 20 << 30,

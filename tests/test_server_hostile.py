@@ -198,23 +198,80 @@ def test_s4_a_body_that_never_arrives_is_a_408():
         srv.shutdown()
 
 
-def test_s4_connections_beyond_the_limit_get_503_not_a_reset():
-    srv = start_server(limits=Limits(max_connections=20))
-    socks = []
+def test_idle_connections_cannot_lock_out_a_real_request():
+    """More connections than the limit that send nothing, or a head that never ends (issue 32): each real request
+    is served, the oldest idle connections are closed to make room, and the open count stays at the limit."""
+    srv = start_server(limits=Limits(max_connections=20, header_timeout=60))
+    idle = []
     try:
-        for _ in range(30):
-            socks.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
-        out = exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        assert out.startswith(b"HTTP/1.1 503")
-        for s in socks:
+        for i in range(40):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            if i % 2:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: local")
+            idle.append(s)
+        for i in range(5):
+            status, _, data = raw(srv, "POST", CHAT, body_of(f"real {i}", **NO_THINK, temperature=0))
+            assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == f"Echo: real {i}"
+        closed = 0
+        for s in idle[:20]:  # the oldest went first: every one of them was closed, none answered
+            s.settimeout(10)
+            try:
+                closed += s.recv(1024) == b""
+            except ConnectionResetError:
+                closed += 1
+        assert closed == 20
+    finally:
+        for s in idle:
             s.close()
-        deadline = time.monotonic() + 5
-        while raw(srv, "GET", "/health")[0] != 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        srv.shutdown()
+
+
+def test_connections_beyond_the_limit_get_503_only_when_all_are_busy():
+    engine = FakeEngine()
+    engine.gate.clear()  # generations are held: their connections stay busy
+    srv = start_server(engine, limits=Limits(max_connections=4))
+    held = []
+    try:
+        for i in range(4):
+            t = threading.Thread(target=lambda i=i: raw(srv, "POST", CHAT, body_of(f"held {i}", **NO_THINK)))
+            t.start()
+            held.append(t)
+        assert engine.started.acquire(timeout=5)
+        deadline = time.monotonic() + 10
+        while srv.metrics.render(srv.host).count("num_requests_waiting 3") == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out = exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 503"), out[:200]
+        engine.gate.set()
+        for t in held:
+            t.join(30)
         assert raw(srv, "GET", "/health")[0] == 200
     finally:
-        for s in socks:
-            s.close()
+        engine.gate.set()
+        srv.shutdown()
+
+
+def test_requests_in_flight_beyond_the_limit_get_503_server_busy():
+    engine = FakeEngine()
+    engine.gate.clear()
+    srv = start_server(engine, limits=Limits(max_requests=2))
+    held = [threading.Thread(target=lambda: raw(srv, "POST", CHAT, body_of("held", **NO_THINK))) for _ in range(2)]
+    try:
+        for t in held:
+            t.start()
+        assert engine.started.acquire(timeout=5)
+        deadline = time.monotonic() + 10
+        while "num_requests_waiting 1" not in srv.metrics.render(srv.host) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, headers, data = raw(srv, "GET", "/health")
+        assert_openai_error(status, data, 503, "server_busy")
+        assert headers["retry-after"] == "1"
+        engine.gate.set()
+        for t in held:
+            t.join(30)
+        assert raw(srv, "GET", "/health")[0] == 200
+    finally:
+        engine.gate.set()
         srv.shutdown()
 
 

@@ -82,6 +82,7 @@ class Settings:
     bound_host: str = "127.0.0.1"
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout: float = 60.0  # seconds to receive a whole request body
+    max_requests: int = 128  # requests in flight (bodies being read included); more get a 503
     error_shapes: dict[str, ErrorShape] = field(default_factory=dict)  # path prefix -> shape
 
     def error_shape(self, path: str) -> ErrorShape:
@@ -209,6 +210,7 @@ class Guard:
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
         self.settings = settings
+        self._active = 0  # requests in flight past the guard (on the event loop's thread only)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -282,7 +284,22 @@ class Guard:
                     {"Connection": "close"},
                 )
                 return await resp(scope, receive, send_with_headers)
-        await self.app(scope, receive, send_with_headers)
+        if self._active >= s.max_requests:  # bounds the memory of bodies being read, however many connections
+            resp = refuse(
+                APIError(
+                    503,
+                    f"the server is handling {s.max_requests} requests at once; try again shortly",
+                    "unavailable_error",
+                    code="server_busy",
+                ),
+                {"Retry-After": "1", "Connection": "close"},
+            )
+            return await resp(scope, receive, send_with_headers)
+        self._active += 1
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            self._active -= 1
 
     def _cors(self, origin: str | None) -> dict[str, str]:
         allowed = self.settings.cors_origins

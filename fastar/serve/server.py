@@ -46,7 +46,7 @@ from fastar.serve import protocol as P
 from fastar.serve.admission import Admission
 from fastar.serve.agent_routes import ERROR_SHAPES, AgentRoutes
 from fastar.serve.app import ErrorShape, Settings, build_app
-from fastar.serve.connection import Connection
+from fastar.serve.connection import Connection, fit_connections
 from fastar.serve.routes import OpenAIRoutes
 from fastar.serve.worker import Batching, EngineHost, Metrics
 
@@ -80,7 +80,10 @@ class Limits:
     """HTTP limits. A connection costs a socket and a little memory on the event loop, never a thread."""
 
     backlog: int = 2048  # connections the kernel queues before accept(); 5 dropped clients at 16
-    max_connections: int = 128  # open connections (and requests in flight); more get a plain 503
+    # Open connections. One more closes the one that has waited longest for a request head; a plain 503 only
+    # when all the others have a request in flight. ~7 KB each when idle; capped by the open-file limit.
+    max_connections: int = 4096
+    max_requests: int = 128  # requests in flight, bodies being read included (32 MiB each at most); more get 503
     header_timeout: float = 10.0  # seconds for a request line and headers to arrive (slowloris)
     keep_alive_timeout: int = 5  # seconds an idle keep-alive connection is kept
     body_timeout: float = 60.0  # seconds for a whole request body to arrive
@@ -183,6 +186,7 @@ class Server:
             allowed_hosts=tuple(h.strip() for h in allowed_hosts or () if h.strip()),
             bound_host=host,
             max_body_bytes=limits.max_body_bytes,
+            max_requests=limits.max_requests,
             body_timeout=limits.body_timeout,
             error_shapes={**ERROR_SHAPES, **(error_shapes or {})},
         )
@@ -208,15 +212,16 @@ class Server:
         host, port = self.bind
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
+        connections = fit_connections(self.limits.max_connections)
         config = uvicorn.Config(
             self.app,
-            http=Connection.configured(self.limits.header_timeout, self.limits.max_header_bytes),
+            http=Connection.configured(self.limits.header_timeout, self.limits.max_header_bytes, connections),
             lifespan="off",
             log_config=None,
             server_header=False,
             date_header=True,
             backlog=self.limits.backlog,
-            limit_concurrency=self.limits.max_connections,
+            limit_concurrency=connections + 1,  # see Connection.configured
             timeout_keep_alive=self.limits.keep_alive_timeout,
             timeout_graceful_shutdown=self.limits.graceful_shutdown,
             h11_max_incomplete_event_size=self.limits.max_header_bytes,
@@ -393,7 +398,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int_flag(1, None, "--max-connections"),
         default=Limits.max_connections,
-        help=f"open connections at once; more get 503 (default {Limits.max_connections})",
+        help="open connections at once; one more closes the connection that has waited longest for a request, "
+        f"and gets a 503 only when all the others have one in flight (default {Limits.max_connections})",
     )
 
 

@@ -456,6 +456,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve_mod.add_arguments(sv)
     sv.set_defaults(fn=cmd_serve, serve_mod=serve_mod)
 
+    from . import evaluate  # light: the engine is imported when it runs
+
+    pp = sub.add_parser(
+        "perplexity",
+        help="perplexity of a text file over sliding windows (as llama-perplexity); --save-logits and "
+        "--kl-divergence compare two runs token by token",
+    )
+    evaluate.add_arguments(pp)
+    pp.set_defaults(fn=evaluate.cmd_perplexity)
+
     from . import bench  # light: each benchmark is imported when it runs
 
     b = sub.add_parser("bench", help="benchmarks: `bench kernels` (quantized products) or `bench -m FILE`")

@@ -26,7 +26,7 @@ TIERS: list[set[str]] = [
     {"engine"},
     {"audit", "demo", "serve"},
     {"console"},
-    {"bench"},
+    {"bench", "evaluate"},
     {"cli"},
     {"__main__"},
 ]

@@ -1,11 +1,11 @@
 """The engine: owns the weights, the model and the expert pager, and is the only object front-ends hold.
 
 Owns: `open_source`, `load(path, numerics=..., **options) -> Engine`, and `Engine`: the public calls (`logits`,
-`prompt_logprobs`, `generate_tokens`, `generate`, `stream`, `chat`, `open_session`, `compile_grammar`, `stats`,
-`close`), the state-level primitives sessions and drafters run on (`new_state`, `prefill`), the tokenizer, the
-context length and the engine's own session. Does not own: the session's timeline and prefix reuse (`session.py`),
-the generation loop and chat encoding (`generate.py`), speculative decoding (`speculative.py`), the forward pass
-(`fastar.model`), the prompt scorer (`prompt_logprobs.py`).
+`prompt_logprobs`, `perplexity`, `generate_tokens`, `generate`, `stream`, `chat`, `open_session`, `compile_grammar`,
+`stats`, `close`), the state-level primitives sessions and drafters run on (`new_state`, `prefill`), the tokenizer,
+the context length and the engine's own session. Does not own: the session's timeline and prefix reuse
+(`session.py`), the generation loop and chat encoding (`generate.py`), speculative decoding (`speculative.py`), the
+forward pass (`fastar.model`), the prompt scorer (`prompt_logprobs.py`), perplexity windows (`perplexity.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ..quant import kernels as K
 from . import speculative
 from .constraint import CompiledGrammar, Grammar, GrammarCompiler
 from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
+from .perplexity import Perplexity, perplexity
 from .prefix_cache import PrefixCache
 from .prompt_logprobs import PromptLogprobs, score_prompt
 from .sampling import SamplingParams, argmax
@@ -282,6 +283,13 @@ class Engine:
         likely alternatives at its position, from a fresh state (`fastar.engine.prompt_logprobs`: the prefill's
         streams, the LM head a few positions at a time). Raises `PromptError` for an empty or too long prompt."""
         return score_prompt(self, prompt, top)
+
+    def perplexity(self, text: str | list[int], ctx: int = 512, stride: int | None = None, **options) -> Perplexity:
+        """Perplexity of a text (or token ids) over windows of `ctx` tokens moved by `stride` (default ctx // 2),
+        each token scored once, in the first window that holds it after at least one token (`fastar.engine.
+        perplexity`; `options`: save_logits, compare, on_window). `.ppl`, `.nll`, `.summary()`."""
+        ids = self.tokenizer.encode(text) if isinstance(text, str) else [int(t) for t in text]
+        return perplexity(self, ids, ctx, stride, **options)
 
     def generate_tokens(
         self,

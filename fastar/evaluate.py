@@ -1,0 +1,166 @@
+"""`fastar perplexity FILE`: the perplexity of a text file as llama.cpp's `llama-perplexity` reports it, and the
+comparison of two runs token by token (`--save-logits`, `--kl-divergence`).
+
+Owns: the command's flags, reading the text file (missing, empty, binary or not UTF-8: one line naming the file),
+the window against the context, the progress bar (scored tokens, running PPL, tokens/s; on a terminal) and the
+report (plain text, or `--json`). Does not own: the windows and numbers (`fastar.engine.perplexity`), opening the
+model (`fastar.console.open_engine`, as `run` opens it). What each number means: docs/PERPLEXITY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import console
+from .errors import FastarError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="a UTF-8 text file")
+    p.add_argument("-m", "--model", default=None, help=".fst file or checkpoint directory (default: the demo model)")
+    p.add_argument(
+        "-c", "--ctx", type=console.positive_int, default=512, help="tokens per window (default 512, as llama.cpp)"
+    )
+    p.add_argument(
+        "--stride",
+        type=console.positive_int,
+        default=None,
+        help="tokens a window moves by (default ctx/2): only tokens no earlier window scored are scored, so each "
+        "has at least ctx - stride tokens of context after the first window",
+    )
+    p.add_argument("--numerics", default="official", choices=["official", "reference"])
+    p.add_argument("--threads", type=console.thread_count, default=0, help="CPU threads of the kernels")
+    console.add_memory_arguments(p)
+    p.add_argument(
+        "--save-logits", metavar="OUT", default=None, help="save every scored token's distribution (float16) to OUT"
+    )
+    p.add_argument(
+        "--kl-divergence",
+        metavar="BASE",
+        default=None,
+        help="compare with a run saved by --save-logits on the same text and windows: KL divergence, top-1 "
+        "agreement, largest change of a token's logprob",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)"
+    )
+    p.add_argument("--verbose", action="store_true")
+
+
+def read_text(path: str) -> str:
+    """The file's text; a missing, empty, binary or non-UTF-8 file is a one-line `FastarError`."""
+    p = Path(path)
+    if not p.exists():
+        raise FastarError(f"{path}: no such file")
+    if not p.is_file():
+        raise FastarError(f"{path}: not a regular file")
+    raw = p.read_bytes()
+    if not raw.strip():
+        raise FastarError(f"{path}: the file is empty: nothing to score")
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise FastarError(f"{path}: a binary file (a NUL byte at offset {nul}); give a UTF-8 text file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FastarError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+
+
+def _check_window(engine, ctx: int) -> None:
+    """The window must fit the context; -c raises the engine's context up to what the model computes."""
+    limit = engine.config.max_position_embeddings
+    if ctx > limit:
+        raise FastarError(f"--ctx {ctx} is larger than the model's context ({limit} tokens)")
+    if ctx > engine.context_length:
+        engine.context_length = ctx
+    if ctx > engine.context_length:
+        note = f": {engine.context_note}" if engine.context_note else ""
+        raise FastarError(f"--ctx {ctx} is larger than the model's context ({engine.context_length} tokens){note}")
+
+
+def _bar(a, total: int):
+    show = sys.stderr.isatty() if a.progress is None else a.progress
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="perplexity", unit="tok", file=sys.stderr, mininterval=0.25)
+
+
+def cmd_perplexity(a) -> int:
+    text = read_text(a.file)
+    if a.stride is not None and a.stride > a.ctx:
+        raise FastarError(f"--stride {a.stride} is larger than --ctx {a.ctx}: tokens between windows would be skipped")
+    if a.ctx < 2:
+        raise FastarError("--ctx must be at least 2 (a token and the one it predicts)")
+    a.ctx_size, a.draft = 0, "none"
+    engine = console.open_engine(a, sys.stderr)
+    _check_window(engine, a.ctx)
+    ids = engine.tokenizer.encode(text)
+    if len(ids) < 2:
+        raise FastarError(f"{a.file}: {len(ids)} token(s): nothing to score (it needs at least 2)")
+    bar = None
+
+    def progress(done: int, total: int, seconds: float) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = _bar(a, total)
+        if bar is not None:
+            bar.update(done - bar.n)
+            bar.set_postfix_str(f"{done / seconds:.1f} scored tok/s" if seconds > 0 else "")
+
+    meta = {"numerics": a.numerics, "model": str(a.model or "demo")}
+    try:
+        result = engine.perplexity(
+            ids,
+            ctx=a.ctx,
+            stride=a.stride,
+            save_logits=a.save_logits,
+            compare=a.kl_divergence,
+            on_window=progress,
+            meta=meta,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+        engine.close()
+    summary = {"file": a.file, **result.summary()}
+    if a.save_logits:
+        summary["saved_logits"] = a.save_logits
+    if a.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(report(summary))
+    return 0
+
+
+def report(s: dict) -> str:
+    lines = [
+        f"{s['file']}: {s['tokens']} tokens, {s['windows']} window(s) of {s['ctx']} moved by {s['stride']}, "
+        f"{s['scored']} tokens scored",
+        f"Final estimate: PPL = {s['ppl']:.4f} +/- {s['ppl_stderr']:.4f}",
+        f"mean NLL {s['nll']:.6f} +/- {s['nll_stderr']:.6f} nats/token; {s['tokens_per_s']:.1f} tokens/s "
+        f"({s['evaluated_tokens']} run through the model in {s['seconds']:.1f} s)",
+    ]
+    kl = s.get("kl_divergence")
+    if kl:
+        lines += [
+            f"against the base run ({kl['tokens']} tokens): PPL(base) = {kl['base_ppl']:.4f}, "
+            f"PPL(this) / PPL(base) = {s['ppl'] / kl['base_ppl']:.6f}",
+            f"  mean KLD      {kl['kl_mean']:.6f} +/- {kl['kl_mean_stderr']:.6f}",
+            f"  max KLD       {kl['kl_max']:.6f}",
+            f"  99.9 % KLD    {kl['kl_p99.9']:.6f}",
+            f"  99 % KLD      {kl['kl_p99']:.6f}",
+            f"  95 % KLD      {kl['kl_p95']:.6f}",
+            f"  90 % KLD      {kl['kl_p90']:.6f}",
+            f"  median KLD    {kl['kl_p50']:.6f}",
+            f"  same top-1    {100 * kl['top1_agreement']:.3f} %",
+            f"  max |dlogp|   {kl['max_abs_delta_logprob']:.6f} (a scored token's logprob)",
+        ]
+    if s.get("saved_logits"):
+        lines.append(f"saved every scored token's distribution to {s['saved_logits']}")
+    return "\n".join(lines)

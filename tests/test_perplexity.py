@@ -1,0 +1,117 @@
+"""`fastar perplexity` and `Engine.perplexity`: the windows, the number against exp(mean NLL) of the engine's own
+logits, the token-by-token comparison of two runs (exactly 0 for runs that compute the same numbers, above 0 for
+`reference` against `official` numerics), and one-line errors for files and windows that cannot be scored."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fastar.cli import main
+from fastar.engine.engine import load
+from fastar.engine.perplexity import windows
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TEXT = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog number {i * 7 % 13}." for i in range(12))
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ppl") / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("n,ctx,stride", [(100, 32, 16), (100, 32, 31), (100, 32, 32), (33, 32, 8), (10, 32, 5)])
+def test_windows_score_each_token_once(n, ctx, stride):
+    spans = windows(n, ctx, stride)
+    scored = [p for _, e, first in spans for p in range(first, e)]
+    assert len(scored) == len(set(scored)) and all(e - b <= ctx for b, e, _ in spans) and spans[-1][1] == n
+    assert all(b < first for b, _, first in spans)  # every scored token has at least one token before it
+    if stride < ctx:
+        assert scored == list(range(1, n))  # all but the first
+        assert all(first - b >= min(ctx - stride, first) for b, _, first in spans[1:])
+    else:  # windows side by side: each window's first token has nothing before it in its window
+        assert len(scored) == n - len(spans)
+
+
+def test_perplexity_is_exp_mean_nll_of_the_engine_logits(vocab_ckpt, text_file, capsys):
+    code, out, err = run(capsys, "perplexity", text_file, "-m", vocab_ckpt, "--ctx", 64, "--stride", 24, "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    eng = load(vocab_ckpt)
+    ids = eng.tokenizer.encode(TEXT)
+    nll = []
+    for b, e, first in windows(len(ids), 64, 24):  # each window from a fresh state, its new tokens scored
+        logp = torch.log_softmax(torch.from_numpy(eng.logits(ids[b:e])), dim=-1)
+        nll += [-float(logp[p - b - 1, ids[p]]) for p in range(first, e)]
+    assert got["tokens"] == len(ids) and got["scored"] == len(ids) - 1 == len(nll) and got["windows"] > 3
+    assert got["nll"] == pytest.approx(np.mean(nll), rel=1e-12)
+    assert got["ppl"] == pytest.approx(math.exp(np.mean(nll)), rel=1e-12)
+    assert got["nll_stderr"] == pytest.approx(np.std(nll, ddof=1) / math.sqrt(len(nll)), rel=1e-9)
+    assert got["tokens_per_s"] > 0 and got["evaluated_tokens"] > len(ids)
+    api = eng.perplexity(TEXT, ctx=64, stride=24)  # the same from Python
+    assert api.ppl == got["ppl"] and api.summary()["scored"] == got["scored"]
+
+
+def test_kl_divergence_of_two_runs(vocab_ckpt, text_file, tmp_path, capsys):
+    """A run against itself and a run paging its experts through a small RAM budget compare as exactly equal;
+    `reference` numerics against `official` do not (the comparison sees a difference)."""
+    base = tmp_path / "base.logits"
+    args = ("perplexity", text_file, "-m", vocab_ckpt, "--ctx", 48, "--json")
+    code, out, err = run(capsys, *args, "--save-logits", base)
+    assert code == 0, err
+    saved = json.loads(out)
+    for extra in ([], ["--ram-budget", "1M"]):
+        code, out, err = run(capsys, *args, "--kl-divergence", base, *extra)
+        assert code == 0, err
+        kl = json.loads(out)["kl_divergence"]
+        assert kl["tokens"] == saved["scored"] and kl["base_ppl"] == saved["ppl"]
+        assert kl["kl_mean"] == kl["kl_max"] == kl["max_abs_delta_logprob"] == 0.0 and kl["top1_agreement"] == 1.0
+    assert load(vocab_ckpt, ram_budget="1M").paged_chunk is not None  # 1M really pages (spans of chunks)
+    code, out, err = run(capsys, *args, "--kl-divergence", base, "--numerics", "reference")
+    assert code == 0, err
+    got = json.loads(out)
+    kl = got["kl_divergence"]
+    assert kl["kl_mean"] > 0 and kl["max_abs_delta_logprob"] > 0 and kl["kl_max"] >= kl["kl_p99"] >= kl["kl_p50"]
+    assert 0 < kl["top1_agreement"] <= 1 and got["ppl"] != saved["ppl"]
+    # the plain report names each number
+    code, out, _ = run(capsys, "perplexity", text_file, "-m", vocab_ckpt, "--ctx", 48, "--kl-divergence", base)
+    assert code == 0 and "Final estimate: PPL = " in out and "mean KLD" in out and "same top-1    100.000 %" in out
+
+
+def test_one_line_errors(vocab_ckpt, text_file, tmp_path, capsys):
+    empty, binary, latin1, short = (tmp_path / n for n in ("empty.txt", "bin.dat", "latin1.txt", "short.txt"))
+    empty.write_text("  \n")
+    binary.write_bytes(b"ELF\0\x01\x02text")
+    latin1.write_bytes("caf\xe9".encode("latin-1"))
+    short.write_text("a")
+    base = tmp_path / "b.logits"
+    assert run(capsys, "perplexity", text_file, "-m", vocab_ckpt, "--ctx", 40, "--save-logits", base)[0] == 0
+    cases = [
+        ((tmp_path / "missing.txt",), "no such file"),
+        ((tmp_path,), "not a regular file"),
+        ((empty,), "empty"),
+        ((binary,), "binary file (a NUL byte at offset 3)"),
+        ((latin1,), "not UTF-8 text (byte 0xe9 at offset 3)"),
+        ((short, "-m", vocab_ckpt), "nothing to score"),
+        ((text_file, "-m", vocab_ckpt, "--ctx", 10**9), "larger than the model's context"),
+        ((text_file, "--ctx", 32, "--stride", 40), "--stride 40 is larger than --ctx 32"),
+        ((text_file, "-m", vocab_ckpt, "--ctx", 48, "--kl-divergence", base), "saved with other windows"),
+        ((text_file, "-m", vocab_ckpt, "--kl-divergence", text_file), "not a `fastar perplexity --save-logits` file"),
+    ]
+    for args, message in cases:
+        code, out, err = run(capsys, "perplexity", *args)
+        assert code == 1 and out == "" and err.count("\n") == 1 and err.startswith("fastar: error: "), (args, err)
+        assert message in err, (args, err)

@@ -80,6 +80,33 @@ def test_harness_loglikelihood_body(served):
     assert r["choices"][0]["text"].startswith(tok.decode(ids)) and r["usage"]["completion_tokens"] == 1
 
 
+def test_harness_batched_loglikelihood_body(served):
+    """batch_size > 1: the harness sends several token-id lists in one `prompt` and reads choice i (by `index`) for
+    request i, with its own context length."""
+    s, _, ref = served
+    tok = ref.tokenizer
+    pairs = [("The sky is", " blue"), ("Two plus two is", " four"), ("A cat says", " meow")]
+    batch = [(tok.encode(c), tok.encode(c + x)[len(tok.encode(c)) :]) for c, x in pairs]
+    body = {
+        "model": MODEL,
+        "prompt": [c + x for c, x in batch],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    r = post(s, "/v1/completions", body)
+    choices = sorted(r["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(batch)
+    for choice, (context, continuation) in zip(choices, batch):
+        total, greedy = harness_loglikelihood({"choices": [choice]}, len(context))
+        want = ref.prompt_logprobs(context + continuation)
+        assert total == pytest.approx(sum(want.logprobs[len(context) :]), abs=1e-9)
+        assert greedy == all(rank == 1 for rank in want.ranks[len(context) :])
+        assert choice["logprobs"]["token_logprobs"][: len(want)] == want.logprobs
+
+
 def test_harness_rolling_loglikelihood_body(served):
     """loglikelihood_rolling: the first window is [BOS] + the text's tokens, context length 1, so the text's
     log-likelihood is the sum of every logprob after the first."""

@@ -170,6 +170,7 @@ def test_bench_compares_with_transformers_in_bfloat16(tiny_ckpt, tmp_path):
     t = out["transformers"]
     assert t["dtype"] == "bfloat16" and t["prefill_tok_s"] > 0 and t["decode_tok_s"] > 0
     assert t["prefill_logits_positions"] == 1  # the LM head on the last position only, as generate() prefills
+    assert t["threads"] == out["threads"]  # the cores fastar's kernels use (not the one torch thread it leaves)
     assert abs(out["prefill_speedup_vs_transformers"] - out["prefill_tok_s"] / t["prefill_tok_s"]) < 1e-9
     # every expert in RAM: both engines prefill the prompt twice, the first after load timed apart
     assert out["runs"][0]["preloaded"] and out["runs"][0]["prefill_first_tok_s"] > 0 and t["prefill_first_tok_s"] > 0

@@ -463,7 +463,7 @@ def run(
     }
     if reference:
         twice = "prefill_first_tok_s" in result  # as fastar's prefill was timed
-        result["transformers"] = _transformers(reference, prompt, decode_tokens, reference_dtype, twice)
+        result["transformers"] = _transformers(reference, prompt, decode_tokens, reference_dtype, twice, threads=n)
         result["speedup_vs_transformers"] = result["decode_tok_s"] / result["transformers"]["decode_tok_s"]
         result["prefill_speedup_vs_transformers"] = result["prefill_tok_s"] / result["transformers"]["prefill_tok_s"]
     return result
@@ -494,12 +494,28 @@ def _prefill_io_ceiling(runs: list[dict], disk_bw: float) -> None:
         r["prefill_fraction_of_io_ceiling"] = r["prefill_tok_s"] / r["prefill_io_ceiling_tok_s"]
 
 
-def _transformers(hf_dir: str, prompt: list[int], decode: int, dtype: str = "float32", twice: bool = False) -> dict:
+def _transformers(
+    hf_dir: str, prompt: list[int], decode: int, dtype: str = "float32", twice: bool = False, threads: int | None = None
+) -> dict:
     """transformers' DeepseekV4ForCausalLM on the checkpoint directory in `dtype`: prefill `prompt` and decode
     `decode` greedy tokens, after an untimed 8-token forward (one-time set-up costs out of the timing). The prefill
     asks for the last position's logits only (`logits_to_keep=1`), as `generate()` does and as fastar's prefill
     computes them: the LM head at every prompt position would time work neither engine does when generating.
-    `twice` (when fastar's prompt was, see `_start`): the prompt is prefilled twice, the first timed apart."""
+    `twice` (when fastar's prompt was, see `_start`): the prompt is prefilled twice, the first timed apart.
+    `threads`: torch's threads for the run (fastar's kernel threads, so both engines get the same cores; the engine
+    loaded before it set torch to one thread, which transformers would otherwise have run on), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _transformers_run(hf_dir, prompt, decode, dtype, twice)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _transformers_run(hf_dir: str, prompt: list[int], decode: int, dtype: str, twice: bool) -> dict:
     import torch
     from transformers import DeepseekV4ForCausalLM
 

@@ -718,3 +718,35 @@ def test_the_head_limit_is_exact():
         conn.close()
     finally:
         srv.shutdown()
+
+
+# ---- issue 32: request targets in absolute form, Host headers parsed properly ---------------------------------
+
+
+def test_absolute_form_targets_are_served_and_their_authority_is_the_host(server):
+    port = server.port
+    for target in (f"http://127.0.0.1:{port}/health", f"HTTP://localhost:{port}/health?x=1", "http://[::1]/health"):
+        out = exchange(port, f"GET {target} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
+        assert out.startswith(b"HTTP/1.1 200 ") and b'"status":"ok"' in out, (target, out[:300])
+    out = exchange(
+        port, f"GET http://localhost:{port}/ HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode()
+    )
+    assert out.startswith(b"HTTP/1.1 200 ") and b"<html" in out.lower()
+    # the target's authority stands in for the Host header: a name not allowed is refused whatever Host says
+    out = exchange(port, b"GET http://evil.example/v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 400 ") and b"host_not_allowed" in out
+
+
+def test_malformed_host_headers_are_refused(server):
+    for host in ("[::1]evil.example", "[localhost]", "", " ", "[::1", "[::1]:80:80", "local host", "a:b:c", "x@y"):
+        out = exchange(
+            server.port, f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode(), timeout=5
+        )
+        assert out.startswith(b"HTTP/1.1 400 "), (host, out[:200])
+        assert b"host_not_allowed" in out or b"Invalid HTTP request" in out, (host, out[:300])
+    for host in ("[::1]", "[::1]:8080", "[0:0:0:0:0:0:0:1]:1", "localhost:", "127.0.0.1:8080", "LocalHost"):
+        status, _, _ = raw(server, "GET", "/v1/models", None, {"Host": host})
+        assert status == 200, host
+    # HTTP/1.0 without a Host header still passes
+    out = exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200 ")

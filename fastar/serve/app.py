@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import anyio
 from starlette.applications import Starlette
@@ -58,6 +59,37 @@ API_HEADERS = {  # on everything that is not the UI's own pages, which set their
     "cache-control": "no-store",
 }
 _TOKEN_LIST = re.compile(r"^[A-Za-z0-9_\-, ]*$")
+# A Host header (RFC 9110 7.2): an IPv6 literal in brackets, or a name / IPv4 address; an optional port.
+_HOST_IPV6 = re.compile(r"\[([0-9A-Fa-f:.]+)\](?::[0-9]{0,5})?")
+_HOST_NAME = re.compile(r"([A-Za-z0-9._~!$&'()*+,;=%-]+)(?::[0-9]{0,5})?")
+_ABSOLUTE_TARGET = re.compile(r"(?i)https?://([^/?#]*)([^#]*)")
+
+
+def parse_host(value: str) -> str | None:
+    """The host name in a Host header (lower case, an IPv6 literal without its brackets), or None when the value is
+    not one: empty, brackets around anything but an IPv6 address, text after the closing bracket, a bad port."""
+    value = value.strip()
+    if m := _HOST_IPV6.fullmatch(value):
+        try:
+            return str(ipaddress.IPv6Address(m.group(1)))
+        except ValueError:
+            return None
+    if m := _HOST_NAME.fullmatch(value):
+        return m.group(1).lower()
+    return None
+
+
+def origin_form(scope: Scope) -> tuple[Scope, str | None]:
+    """A request target in absolute form (`GET http://host:port/health`, which HTTP/1.1 servers must accept) as
+    the origin-form path the routes match, and the target's authority, which stands in for the Host header
+    (RFC 9112 3.2.2). Any other target is returned as it is, with no authority."""
+    raw = scope.get("raw_path") or scope["path"].encode()
+    m = _ABSOLUTE_TARGET.fullmatch(raw.decode("latin-1"))
+    if m is None:
+        return scope, None
+    path = m.group(2) or "/"
+    raw_path = path.encode("latin-1")
+    return {**scope, "path": unquote(path), "raw_path": raw_path}, m.group(1)
 
 
 class JSONResponse(StarletteJSONResponse):
@@ -92,18 +124,16 @@ class Settings:
                 best = prefix
         return self.error_shapes[best] if best else openai_error
 
-    def host_allowed(self, host_header: str) -> bool:
+    def host_allowed(self, host_header: str | None) -> bool:
         """DNS rebinding defence: a page on evil.example whose name later resolves to 127.0.0.1 still sends
         `Host: evil.example`. IP literals cannot be rebound, so they pass; names must be local or listed."""
+        if host_header is None:
+            return True  # HTTP/1.0 tools send none (h11 requires one in HTTP/1.1); browsers always do
+        host = parse_host(host_header)
+        if host is None:
+            return False  # empty or malformed: nothing to check it against
         if "*" in self.allowed_hosts:
             return True
-        host = host_header.strip().lower()
-        if host.startswith("["):  # [::1]:8080
-            host = host[1 : host.find("]")] if "]" in host else host
-        elif host.count(":") == 1:
-            host = host.split(":", 1)[0]
-        if not host:
-            return True  # HTTP/1.0 tools send none; browsers, the rebinding threat, always do
         try:
             ipaddress.ip_address(host)
             return True
@@ -217,6 +247,8 @@ class Guard:
             return await self.app(scope, receive, send)
         s = self.settings
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        scope, authority = origin_form(scope)
+        host = authority if authority is not None else headers.get("host")
         path, method = scope["path"], scope["method"]
         shape = s.error_shape(path)
         cors = self._cors(headers.get("origin"))
@@ -245,12 +277,14 @@ class Guard:
                 {"Connection": "close"},
             )
             return await resp(scope, receive, send_with_headers)
-        if not s.host_allowed(headers.get("host", "")):
+        if not s.host_allowed(host):
+            shown = (host or "")[:100]
             resp = refuse(
                 APIError(
                     400,
-                    f"Host '{headers.get('host', '')[:100]}' is not allowed; start the server "
-                    "with --allowed-hosts to serve other names",
+                    f"Host '{shown}' is not allowed; start the server with --allowed-hosts to serve other names"
+                    if parse_host(shown) is not None
+                    else f"Host '{shown}' is not a host name, an IP address or [an IPv6 address], with a port",
                     code="host_not_allowed",
                 ),
                 {"Connection": "close"},

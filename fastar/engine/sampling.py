@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from ..errors import FastarError
@@ -172,8 +173,8 @@ class Sampler:
         p = self.params
         drawn = logits
         if self.constraint is not None:
-            allowed = torch.from_numpy(self.constraint.allowed())
-            drawn = logits.masked_fill(~allowed, float("-inf"))
+            # np.where: the same values as masked_fill, measured several times faster on the 129k vocabulary
+            drawn = torch.from_numpy(np.where(self.constraint.allowed(), logits.numpy(), np.float32(-np.inf)))
         if p.is_greedy:
             token = argmax(drawn)
         else:

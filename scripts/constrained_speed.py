@@ -6,10 +6,11 @@ token (what the grammar adds to a `Sampler` call).
 MODEL defaults to the built-in demo model. Each round runs, one after another on a fresh session, a free request,
 one under a JSON-object grammar (`response_format: json_object`) and one under a forced tool call (a two-tool
 `tool_choice: required`), greedy, `--tokens` tokens each (the random-weight demo model never closes a JSON string,
-so neither constrained run ends early); rounds alternate the order. Decode tokens/s counts from the first token to
-the last (the prefill is the same for all three). Then the tokens each constrained run produced are replayed
-through a fresh parser to time its per-token work alone: `Constraint.allowed()` (llguidance's mask, unpacked to one
-flag per token), the masked fill of the logits, and `Constraint.advance()`. Medians, with min-max.
+so the JSON run never ends early; the tool-call run may, where the model closes a raw string parameter); rounds
+alternate the order. Decode tokens/s counts from the first token to the last (the prefill is the same for all
+three). Then the tokens each constrained run produced are replayed through a fresh parser to time its per-token work
+alone: `Constraint.allowed()` (llguidance's mask, unpacked to one flag per token), the masked fill of the logits,
+and `Constraint.advance()`. Medians, with min-max.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ TOOLS = [
     },
     {
         "name": "sum",
-        "parameters": {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "number"}}}},
+        "parameters": {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "string"}}}},
     },
 ]
 

@@ -234,6 +234,7 @@ def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
         assert 0 < p["outside_kernels_fraction"] < 1 and p["product_gbps"]["FP8 products"] > 0
         for k in ("step", "attention q/kv projections", "attention core", "shared expert", "mHC wrappers"):
             assert cats["outside: " + k] > 0, k
+        assert set(p["categories_cpu_ms"]) == set(cats) and p["outside_kernels_cpu_ms"] > 0
     # the instrumentation is gone once the profile is done (in this process too)
     run = profile.bench(str(fst), [2], steps=1, prompt_tokens=4)
     assert run["profiles"][0]["rows"] == 2

@@ -21,7 +21,9 @@ nested in it, so the categories and the remainder add up to the step exactly:
   `MoE.__call__` (expert lookup, routing bookkeeping); the mHC wrappers (`HyperConnection.pre` / `post`); and the
   step itself (the layer loop, the embedding, the norm wrappers, the head's wrapper, the states' lengths and trims).
 
-Beside them: the plain steps' median (what profiling costs shows as the difference), the memory bandwidth measured
+Beside them: the calling thread's CPU time in the glue (wall time outside kernels also counts the time it waited for
+a core on a loaded machine; its CPU time counts only the work), the plain steps' median (what profiling costs
+shows as the difference), the memory bandwidth measured
 around the run, the bytes a step reads (resident weights once, plus the distinct experts the rows routed to) and
 the step's byte floor at that bandwidth, and each product category's achieved weight GB/s.
 Owns only the measuring: nothing here runs in production.
@@ -71,22 +73,25 @@ class _Clock:
 
     def __init__(self) -> None:
         self.own: Counter = Counter()
+        self.own_cpu: Counter = Counter()  # this thread's CPU time (time.thread_time): not inflated when descheduled
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
         self.owner = threading.get_ident()
         self.on = False
-        self._stack: list[list] = []  # [category, start, nested seconds]
+        self._stack: list[list] = []  # [category, start, nested seconds, start CPU, nested CPU]
 
     def enter(self, cat: str) -> None:
-        self._stack.append([cat, time.perf_counter(), 0.0])
+        self._stack.append([cat, time.perf_counter(), 0.0, time.thread_time(), 0.0])
 
     def leave(self) -> float:
-        cat, t0, nested = self._stack.pop()
-        dt = time.perf_counter() - t0
+        cat, t0, nested, c0, nested_cpu = self._stack.pop()
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         self.own[cat] += dt - nested
+        self.own_cpu[cat] += dc - nested_cpu
         self.calls[cat] += 1
         if self._stack:
             self._stack[-1][2] += dt
+            self._stack[-1][4] += dc
         return dt
 
     def timing(self) -> bool:
@@ -273,6 +278,10 @@ def profile_rows(engine, rows: int, steps: int, prompt_tokens: int = 16, warmup:
         "torch_ops_ms": 1e3 * torch_ops,
         "outside_kernels_ms": 1e3 * outside,
         "outside_kernels_fraction": outside / step_s,
+        # the calling thread's CPU seconds in the glue: on a loaded machine wall time outside kernels also counts
+        # the time the thread waited for a core, its CPU time only the work (judge glue changes by it there)
+        "outside_kernels_cpu_ms": 1e3 * sum(v for k, v in clock.own_cpu.items() if k.startswith(OUTSIDE)) / steps,
+        "categories_cpu_ms": {k: 1e3 * v / steps for k, v in clock.own_cpu.items()},
         "outside_c_kernels_fraction": (outside + torch_ops) / step_s,
         "product_gbps": {k: clock.bytes[k] / steps / per_step[k] / 1e9 for k in PRODUCTS if per_step.get(k)},
         "experts_per_step": sum(inst.experts) / steps,
@@ -323,7 +332,8 @@ def format_profile(r: dict) -> str:
         lines.append(
             f"    {'= C kernels':<40} {p['kernels_ms']:8.3f} ms {100 * p['kernels_ms'] / step:5.1f}%; torch ops "
             f"{100 * p['torch_ops_ms'] / step:.1f}%; outside kernels {100 * p['outside_kernels_fraction']:.1f}% "
-            f"(outside any C kernel {100 * p['outside_c_kernels_fraction']:.1f}%)"
+            f"(outside any C kernel {100 * p['outside_c_kernels_fraction']:.1f}%); the calling thread's CPU time "
+            f"outside kernels {p['outside_kernels_cpu_ms']:.2f} ms"
         )
     return "\n".join(lines)
 

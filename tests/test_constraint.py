@@ -23,6 +23,7 @@ from fastar.engine import constraint as C  # noqa: E402
 from fastar.engine.engine import load  # noqa: E402
 from fastar.engine.sampling import SamplingParams  # noqa: E402
 from fastar.engine.tokenizer import Tokenizer  # noqa: E402
+from fastar.errors import FastarError  # noqa: E402
 from fastar.serve.server import Server  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -177,6 +178,40 @@ def test_a_constrained_request_does_not_draft_and_gets_the_plain_tokens(fst, eng
     assert sched.metrics()["draft_steps"] == 0
     assert [c.token for c in handle if c.token is not None] == run(engine, ids, engine.compile_grammar(grammar))[1]
     drafting.close()
+
+
+class FailingGrammar:
+    """A compiled grammar whose parser fails at the third token (as one that ran out of its per-token fuel)."""
+
+    def __init__(self, inner: C.CompiledGrammar) -> None:
+        self.inner = inner
+
+    def start(self):
+        real, calls = self.inner.start(), [0]
+
+        class Failing:
+            def allowed(self):
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise C.ConstraintError("the grammar's parser failed: out of fuel")
+                return real.allowed()
+
+            def advance(self, token):
+                real.advance(token)
+
+        return Failing()
+
+
+def test_a_grammar_that_fails_mid_reply_ends_its_request_only(engine):
+    ids = prompt(engine)
+    grammar = FailingGrammar(engine.compile_grammar(C.output_grammar(thinking=False, schema=REPLY)))
+    free = SamplingParams(max_tokens=12, temperature=0)
+    sched = engine.scheduler(max_batch=2)
+    failing, other = sched.submit(ids, SamplingParams(max_tokens=12, grammar=grammar)), sched.submit(ids, free)
+    sched.run_until_idle()
+    with pytest.raises(FastarError, match="out of fuel"):
+        list(failing)
+    assert [c.token for c in other if c.token is not None] == run(engine, ids, max_tokens=12)[1]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -344,6 +379,12 @@ def test_anthropic_tool_choice_any_and_tool(server):
         uses = [b for b in msg.content if b.type == "tool_use"]
         assert msg.stop_reason == "tool_use" and len(uses) == 1
         check_calls([{"name": u.name, "arguments": u.input} for u in uses], names)
+    with cl.messages.stream(tool_choice={"type": "tool", "name": "get_weather"}, **kw) as stream:
+        pieces = [e.partial_json for e in stream if e.type == "input_json"]
+        final = stream.get_final_message()
+    (use,) = [b for b in final.content if b.type == "tool_use"]
+    assert json.loads("".join(pieces)) == use.input  # the input_json_delta pieces add up to the parsed input
+    check_calls([{"name": use.name, "arguments": use.input}], {"get_weather"})
 
 
 def test_an_absent_tool_or_an_unenforceable_schema_is_a_400_on_all_three_apis(server):

@@ -103,7 +103,7 @@ def test_anthropic_stream_event_sequence_for_a_tool_call(backend):
         "max_tokens": 200,
         "stream": True,
         "tools": [WEATHER],
-        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "thinking": {"type": "enabled", "budget_tokens": 150},
         "messages": [{"role": "user", "content": "weather in Paris?"}],
     }
     events = sse_events(A.messages(body, backend))
@@ -517,7 +517,7 @@ def test_anthropic_client_create_stream_tools_and_count_tokens(app):
         model="claude-sonnet-4-5",
         max_tokens=100,
         system="be brief",
-        thinking={"type": "enabled", "budget_tokens": 2048},
+        thinking={"type": "enabled", "budget_tokens": 64},
         extra_body={"temperature": 0},
         messages=[{"role": "user", "content": "hi there"}],
     ) as stream:
@@ -686,3 +686,21 @@ def test_a_responses_stream_cut_at_max_output_tokens_ends_with_response_incomple
     assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     done = sse_events(R.create({**body, "input": "hi", "max_output_tokens": 100}, backend, R.ResponseStore()))
     assert done[-1][0] == "response.completed" and done[-1][1]["response"]["status"] == "completed"
+
+
+def test_anthropic_budget_tokens_must_be_below_max_tokens_and_reaches_the_engine(backend):
+    body = {
+        "max_tokens": 100,
+        "thinking": {"type": "enabled", "budget_tokens": 100},
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    with pytest.raises(P.APIError) as err:
+        A.messages(body, backend)
+    assert err.value.status == 400 and "budget_tokens" in err.value.message
+    sampling = A.parse_request({**body, "thinking": {"type": "enabled", "budget_tokens": 99}}, backend)[2]
+    assert sampling["thinking_budget"] == 99
+    assert A.parse_request({**body, "thinking": {"type": "disabled"}}, backend)[2]["thinking_budget"] is None
+    low = {**body, "thinking": {"type": "adaptive"}, "output_config": {"effort": "low"}}
+    assert A.parse_request(low, backend)[2]["thinking_budget"] == 1024
+    req = R.parse_request({"input": "hi", "reasoning": {"effort": "medium"}}, backend, R.ResponseStore())
+    assert req.sampling["thinking_budget"] == 8192

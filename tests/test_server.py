@@ -895,6 +895,72 @@ def test_parse_thinking_precedence():
     assert r.messages[0] == {"role": "system", "content": "", "tools": [WEATHER_TOOL]} and r.has_tools
 
 
+def test_thinking_budgets_and_the_reasoning_default():
+    """Where a request's thinking budget comes from (chat completions): DeepSeek's/Anthropic's `thinking` object
+    with `budget_tokens` (below max_tokens), else the effort (low 1,024, medium 8,192, none for high and max);
+    vLLM's `chat_template_kwargs` switch thinking off as `enable_thinking` or `thinking`; the server's default mode
+    applies where the request chooses none."""
+    names = ("deepseek-v4-flash",)
+    base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100}
+
+    def parsed(extra: dict, *default) -> tuple:
+        r = P.parse_chat_request({**base, **extra}, names, *default)
+        return r.thinking, r.reasoning_effort, r.sampling["thinking_budget"]
+
+    assert parsed({"thinking": {"type": "enabled", "budget_tokens": 40}}) == (True, None, 40)
+    assert parsed({"reasoning_effort": "low"}) == (True, "low", 1024)
+    assert parsed({"reasoning_effort": "minimal"}) == (True, "low", 1024)
+    assert parsed({"reasoning_effort": "medium"}) == (True, "medium", 8192)
+    assert parsed({"reasoning_effort": "high"}) == (True, "high", None)
+    assert parsed({"reasoning_effort": "max"}) == (True, "max", None)
+    assert parsed({"reasoning_effort": "none"}) == (False, None, None)
+    assert parsed({"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"}) == (
+        False,
+        None,
+        None,
+    )
+    assert parsed({"chat_template_kwargs": {"thinking": False}}) == (False, None, None)
+    assert parsed({}, False, None) == (False, None, None)  # --reasoning-default none
+    assert parsed({}, True, "max") == (True, "max", None)  # --reasoning-default max
+    assert parsed({}, True, "low") == (True, "low", 1024)
+    assert parsed({"reasoning_effort": "high"}, True, "low") == (True, "high", None)  # the request's choice wins
+    assert parsed({"thinking": {"type": "enabled"}}, False, None) == (True, None, None)
+    for bad in (100, 101, -1, "many"):
+        with pytest.raises(P.APIError) as err:
+            parsed({"thinking": {"type": "enabled", "budget_tokens": bad}})
+        assert err.value.status == 400 and err.value.param == "thinking.budget_tokens"
+    assert P.REASONING_DEFAULTS["thinking"] == (True, None) and P.REASONING_DEFAULTS["none"] == (False, None)
+    with pytest.raises(ValueError, match="reasoning_default"):
+        Server(lambda: None, reasoning_default="sometimes")
+
+
+def test_reasoning_default_flag_and_its_environment_mirror(monkeypatch):
+    from fastar import cli
+
+    seen = {}
+    monkeypatch.setattr(S, "serve", lambda factory, **kw: seen.update(kw) or 0)
+    monkeypatch.setenv("FASTAR_REASONING_DEFAULT", "max")
+    args = cli.build_parser().parse_args(["serve", "-m", "x.fst"])
+    S.run_from_args(args, lambda: None)
+    assert seen["reasoning_default"] == "max"
+    args = cli.build_parser().parse_args(["serve", "-m", "x.fst", "--reasoning-default", "none"])  # the flag wins
+    S.run_from_args(args, lambda: None)
+    assert seen["reasoning_default"] == "none"
+
+
+def test_a_server_whose_default_is_no_thinking_answers_at_once():
+    srv = start_server(reasoning_default="none")
+    try:
+        kw = dict(model="deepseek-v4-flash", messages=[{"role": "user", "content": "hi"}], temperature=0)
+        r = client(srv).chat.completions.create(**kw)
+        assert r.choices[0].message.content == "Echo: hi"
+        assert r.choices[0].message.model_dump().get("reasoning_content") is None
+        on = client(srv).chat.completions.create(reasoning_effort="high", **kw)
+        assert on.choices[0].message.model_dump()["reasoning_content"] == "Thinking about hi."
+    finally:
+        srv.shutdown()
+
+
 def test_cli_arguments_delegate_to_serve(monkeypatch):
     import argparse
 
@@ -912,6 +978,8 @@ def test_cli_arguments_delegate_to_serve(monkeypatch):
             "3",
             "--cors-origin",
             "http://a",
+            "--reasoning-default",
+            "none",
         ]
     )
     seen = {}
@@ -925,6 +993,7 @@ def test_cli_arguments_delegate_to_serve(monkeypatch):
         "served_model_name": "deepseek-v4-flash",
         "max_queue": 3,
         "reasoning_field": "reasoning",
+        "reasoning_default": "none",
         "max_sessions": 4,
         "allowed_hosts": None,
         "max_connections": 4096,

@@ -223,3 +223,25 @@ def test_chat_n_choices_equal_solo_requests_with_seed_plus_index(server):
         for ch in chunk.choices:
             texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
     assert texts == {j: x.choices[0].message.content for j, x in enumerate(solo)}
+
+
+def test_thinking_budget_forces_the_end_of_thinking_on_the_real_engine(server):
+    """DeepSeek's/Anthropic's `budget_tokens` on chat completions: after 4 thinking tokens the 5th is `</think>`
+    (the random model never writes it itself) and the answer follows; the same tokens as `Engine.chat` with the
+    same budget (the scheduler and `Engine.stream` force alike)."""
+    s, engines = server
+    c = _client(s)
+    msgs = [{"role": "user", "content": "Think about colours."}]
+    kw = dict(model="deepseek-v4-flash", messages=msgs, max_tokens=12, temperature=0, logprobs=True)
+    free = c.chat.completions.create(**kw)
+    free_tokens = [t.token for t in free.choices[0].logprobs.content]
+    assert "</think>" not in free_tokens and free.choices[0].message.content in ("", None)
+    r = c.chat.completions.create(extra_body={"thinking": {"type": "enabled", "budget_tokens": 4}}, **kw)
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    assert tokens[:4] == free_tokens[:4] and tokens[4] == "</think>" and len(tokens) == 12
+    msg = r.choices[0].message
+    assert msg.model_dump()["reasoning_content"] == "".join(tokens[:4]) and msg.content == "".join(tokens[5:])
+    direct = engines[0].chat(msgs, thinking=True, max_tokens=12, temperature=0, thinking_budget=4)
+    assert (direct.reasoning, direct.content) == (msg.model_dump()["reasoning_content"], msg.content)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(extra_body={"thinking": {"type": "enabled", "budget_tokens": 12}}, **kw)

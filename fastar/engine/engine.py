@@ -434,7 +434,8 @@ class Engine:
                 self._session = self.open_session()
             session = self._session
         steps = None
-        if self.drafter is not None and params.grammar is None:  # a constrained request decodes plainly
+        # a constrained request decodes plainly, and so does one whose thinking budget may force a token
+        if self.drafter is not None and params.grammar is None and params.thinking_budget is None:
             steps = functools.partial(
                 speculative.speculative_generate_step,
                 drafter=self.drafter,

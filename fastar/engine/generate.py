@@ -24,6 +24,7 @@ from ..encoding import StreamParser, encode_messages
 from .sampling import Sampler, SamplingParams
 from .session import Session
 from .stops import StopStrings
+from .thinking_budget import ThinkingBudget, next_token
 
 if TYPE_CHECKING:
     from .prompt_logprobs import PromptLogprobs
@@ -56,9 +57,9 @@ def generate_step(
     logits = session.prefill(prompt_ids, cancel, on_prefill_progress)
     if logits is None:
         return
-    sampler = Sampler(params)
+    sampler, budget = Sampler(params), ThinkingBudget.of(params, session.tokenizer)
     while True:
-        token, logprob, top = sampler(logits)
+        token, logprob, top = next_token(budget, sampler, logits)
         session.append(token)
         yield token, logprob, top
         logits = session.decode()

@@ -58,6 +58,8 @@ class SamplingParams:
     # them from its prefill, on the first chunk: `fastar.engine.prompt_logprobs`)
     prompt_logprobs: int | None = None
     grammar: CompiledGrammar | None = None  # constrained decoding (`fastar.engine.constraint`); None = free
+    # thinking tokens before `</think>` is forced (None: no limit; `fastar.engine.thinking_budget`)
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI's `stop` is a string or a list
@@ -92,6 +94,8 @@ class SamplingParams:
             bad("stop_token_ids", "a list of token ids")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             bad("logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.thinking_budget is not None and (not is_int(self.thinking_budget) or self.thinking_budget < 0):
+            bad("thinking_budget", "None or an integer >= 0")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "true or false")
         if self.prompt_logprobs is not None and (
@@ -183,6 +187,13 @@ class Sampler:
         if self.constraint is not None:
             self.constraint.advance(token)
         return report(logits, token, p)
+
+    def forced(self, logits: torch.Tensor, token: int) -> tuple[int, float, list[tuple[int, float]]]:
+        """`token` put in place of a draw (a thinking budget's `</think>`): no random number is drawn; the grammar,
+        if any, advances over it as over a sampled token."""
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        return report(logits, token, self.params)
 
 
 def report(logits: torch.Tensor, token: int, params: SamplingParams) -> tuple[int, float, list[tuple[int, float]]]:

@@ -82,6 +82,7 @@ from .generate import ChunkMaker, GenerationChunk
 from .prefix_cache import PrefixMemory
 from .prompt_logprobs import PromptLogprobs, PromptScorer
 from .sampling import Sampler, SamplingParams, report
+from .thinking_budget import ThinkingBudget, next_token
 
 
 class Handle:
@@ -144,6 +145,7 @@ class _Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     forks: list[_Request] = field(default_factory=list)  # the other choices of its prompt, forked after prefill
+    budget: ThinkingBudget | None = None  # forces `</think>` when its thinking budget is spent
 
     @property
     def cost(self) -> int:
@@ -271,6 +273,7 @@ class Scheduler:
                     Sampler(p),
                     time.perf_counter(),
                     on_progress if not reqs else None,
+                    budget=ThinkingBudget.of(p, eng.tokenizer),
                 )
             )
         req = reqs[0]
@@ -577,7 +580,10 @@ class Scheduler:
     @staticmethod
     def _may_draft(req: _Request) -> bool:
         """Greedy, or sampled without a seed: drafting keeps its tokens (greedy) or their distribution (sampled); never
-        under a grammar (drafts are not checked against its mask)."""
+        under a grammar (drafts are not checked against its mask), nor while a thinking budget may still force a token
+        (a draft pass would not ask it)."""
+        if req.budget is not None and req.budget.open:
+            return False
         return (req.params.is_greedy or req.params.seed is None) and req.params.grammar is None
 
     def _can_draft(self, decoding: list[_Request]) -> bool:
@@ -616,7 +622,7 @@ class Scheduler:
 
     def _sampled(self, req: _Request, logits: torch.Tensor) -> None:
         try:
-            picked = req.sampler(logits)
+            picked = next_token(req.budget, req.sampler, logits)
         except ConstraintError as err:  # its grammar's parser failed: this request ends, the others go on
             with self._lock:
                 self._active.remove(req)

@@ -62,6 +62,7 @@ class AgentRoutes:
                 submit=s.host.submit,
                 model_names=s.model_names,
                 default_thinking=s.default_thinking,
+                default_effort=s.default_effort,
                 keepalive_interval=s.keepalive_interval,
                 metrics=s.metrics,
                 admission=s.admission,

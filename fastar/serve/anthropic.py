@@ -34,9 +34,12 @@ background tasks); replies name the served model.
 
 Thinking: `thinking: {"type": "enabled" | "adaptive" | "between_tools"}` turns V4's thinking mode on, `"disabled"`
 off; absent, the server's default applies (as on chat completions). `output_config.effort` "max" selects V4's
-maximum reasoning effort. `budget_tokens` is accepted and not enforced. `tool_choice` "none" hides the tools; "any"
-and "tool" are enforced with a grammar (`fastar.engine.constraint`): the reply is one call of the named tool, or
-one or more calls (one with `disable_parallel_tool_use`), each input valid against its `input_schema`. Tool
+maximum reasoning effort. `budget_tokens` is enforced: after that many thinking tokens `</think>` is forced and the
+answer follows (`fastar.engine.thinking_budget`); it must be below `max_tokens` (a 400 otherwise, as Anthropic
+answers); `output_config.effort` "low"/"medium" set the same budgets as OpenAI's `reasoning_effort`.
+`tool_choice` "none" hides the tools; "any" and "tool" are enforced with a grammar (`fastar.engine.constraint`): the
+reply is one call of the named tool, or one or more calls (one with `disable_parallel_tool_use`), each input valid
+against its `input_schema`. Tool
 input streams as `input_json_delta` pieces while the model writes the call (`fastar.serve.toolstream`); their
 concatenation is the final input's JSON.
 
@@ -198,7 +201,7 @@ def _forced_call(choice: Any, tools: list[dict] | None, thinking: bool) -> Any:
     return P.output_grammar(thinking, tools, kind, not single, None, "tool_choice")
 
 
-def _thinking(body: dict, default: bool) -> tuple[bool, str | None]:
+def _thinking(body: dict, default: bool, default_effort: str | None = None) -> tuple[bool, str | None]:
     thinking = default
     obj = body.get("thinking")
     if obj is not None:
@@ -208,16 +211,13 @@ def _thinking(body: dict, default: bool) -> tuple[bool, str | None]:
                 '\'thinking\' must be {"type": "enabled" | "adaptive" | "between_tools" | "disabled"}', "thinking"
             )
         thinking = kind != "disabled"
-        budget = obj.get("budget_tokens")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            raise P.bad_request("'thinking.budget_tokens' must be a non-negative integer", "thinking")
     config = body.get("output_config") or {}
     effort = config.get("effort") if isinstance(config, dict) else None
     if effort is not None and effort not in EFFORTS:
         raise P.bad_request(
             f"'output_config.effort' must be one of {', '.join(EFFORTS)}, got {json.dumps(effort)}", "output_config"
         )
-    return thinking, effort if thinking else None
+    return thinking, (effort or default_effort) if thinking else None
 
 
 def parse_request(
@@ -261,8 +261,10 @@ def parse_request(
     sampling, max_tokens = P._sampling(
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")} | {"stop": stops}
     )
-    thinking, effort = _thinking(body, backend.default_thinking)
+    thinking, effort = _thinking(body, backend.default_thinking, backend.default_effort)
     sampling["grammar"] = _forced_call(body.get("tool_choice"), tools, thinking)
+    # budget_tokens enforced (below max_tokens, as Anthropic requires); output_config.effort low/medium: a budget too
+    sampling["thinking_budget"] = P.thinking_budget(body, thinking, effort, max_tokens)
     # With tools the encoder keeps earlier reasoning anyway; without, an agent's multi-turn history drops it.
     conv = Conversation(messages, thinking, effort)
     return model, conv, sampling, max_tokens, P._boolean(body, "stream", False)

@@ -30,6 +30,18 @@ from fastar.engine.stops import StopStrings
 
 # DeepSeek's API folds the OpenAI effort names onto its levels; "none" turns thinking off (Responses API habit).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "max", "xhigh")
+# V4 has two thinking levels (high, max); the lower OpenAI efforts think at high within a budget of thinking
+# tokens, after which `</think>` is forced (`fastar.engine.thinking_budget`). minimal counts as low.
+EFFORT_BUDGETS = {"low": 1024, "medium": 8192}
+# `fastar serve --reasoning-default`: the thinking mode of a request that does not choose one -> (thinking, effort)
+REASONING_DEFAULTS = {
+    "none": (False, None),
+    "thinking": (True, None),
+    "low": (True, "low"),
+    "medium": (True, "medium"),
+    "high": (True, "high"),
+    "max": (True, "max"),
+}
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 128  # choices of one request (n, or best_of, times the prompts), as OpenAI caps n
@@ -222,8 +234,9 @@ class CompletionRequest:
         return self.prompts[0]
 
 
-def _thinking(body: dict, default: bool) -> tuple[bool, str | None, bool]:
-    """(thinking, reasoning_effort, drop_thinking); precedence: `thinking` object > template kwargs > effort."""
+def _thinking(body: dict, default: bool, default_effort: str | None = None) -> tuple[bool, str | None, bool]:
+    """(thinking, reasoning_effort, drop_thinking); precedence: `thinking` object > template kwargs > effort >
+    the server's default (`default`, and `default_effort` where thinking is on and no effort is asked)."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         kwargs = {}
@@ -235,9 +248,9 @@ def _thinking(body: dict, default: bool) -> tuple[bool, str | None, bool]:
             f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)}",
             "reasoning_effort",
         )
-    thinking = default
+    thinking = default if effort is None else effort != "none"  # an effort asked for turns thinking on
     if effort == "none":
-        thinking, effort = False, None
+        effort = None
     elif effort == "minimal":
         effort = "low"
     for key in ("thinking", "enable_thinking"):  # vLLM/SGLang spell it both ways
@@ -253,7 +266,31 @@ def _thinking(body: dict, default: bool) -> tuple[bool, str | None, bool]:
         else:
             raise bad_request('\'thinking\' must be {"type": "enabled"} or {"type": "disabled"}', "thinking")
     drop = _boolean(kwargs, "drop_thinking", True)
+    if effort is None:
+        effort = default_effort
     return thinking, effort if thinking else None, drop
+
+
+def thinking_budget(body: dict, thinking: bool, effort: str | None, max_tokens: int | None) -> int | None:
+    """Thinking tokens allowed before `</think>` is forced (None: no limit): `thinking.budget_tokens` (Anthropic's
+    and DeepSeek's object; below max_tokens, as Anthropic requires), else the effort's (`EFFORT_BUDGETS`)."""
+    if not thinking:
+        return None
+    obj = body.get("thinking")
+    budget = obj.get("budget_tokens") if isinstance(obj, dict) else None
+    if budget is None:
+        return EFFORT_BUDGETS.get(effort)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise bad_request(
+            f"'thinking.budget_tokens' must be a non-negative integer, got {json.dumps(budget)}",
+            "thinking.budget_tokens",
+        )
+    if max_tokens is not None and budget >= max_tokens:
+        raise bad_request(
+            f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({max_tokens})",
+            "thinking.budget_tokens",
+        )
+    return budget
 
 
 def _with_system_extras(messages: list, tools: list | None, response_format: dict | None) -> list:
@@ -379,7 +416,9 @@ def compiled_sampling(engine: Any, sampling: dict[str, Any]) -> dict[str, Any]:
         raise bad_request(str(err), err.param) from None
 
 
-def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking: bool = True) -> ChatRequest:
+def parse_chat_request(
+    body: Any, model_names: tuple[str, ...], default_thinking: bool = True, default_effort: str | None = None
+) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = check_model(body, model_names)
@@ -395,7 +434,8 @@ def parse_chat_request(body: Any, model_names: tuple[str, ...], default_thinking
     params["logprobs"] = top_logprobs if logprobs else None
     stream = _boolean(body, "stream", False)
     params["prompt_logprobs"] = _prompt_logprobs(body, stream)
-    thinking, effort, drop = _thinking(body, default_thinking)
+    thinking, effort, drop = _thinking(body, default_thinking, default_effort)
+    params["thinking_budget"] = thinking_budget(body, thinking, effort, max_tokens)
 
     _check_messages(messages)
     tools = _tools(body.get("tools"))

@@ -269,6 +269,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
             **{k: body[k] for k in ("thinking", "chat_template_kwargs") if k in body},
         },
         backend.default_thinking,
+        backend.default_effort,
     )
     sampling, max_tokens = P._sampling(
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")}
@@ -283,6 +284,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         )
     parallel = P._boolean(body, "parallel_tool_calls", True)
     sampling["grammar"] = P.output_grammar(thinking, tools, choice, parallel, response_format, "text.format")
+    sampling["thinking_budget"] = P.thinking_budget(body, thinking, effort, max_tokens)
     include = body.get("include") or []
     return ResponsesRequest(
         model=model,

@@ -146,7 +146,12 @@ class OpenAIRoutes:
         if not isinstance(body, dict):
             raise P.bad_request("the request body must be a JSON object")
         if "messages" in body:
-            req = P.parse_chat_request({**body, "model": None}, self.server.model_names, self.server.default_thinking)
+            req = P.parse_chat_request(
+                {**body, "model": None},
+                self.server.model_names,
+                self.server.default_thinking,
+                self.server.default_effort,
+            )
             ids = await self.admission.off_loop(self._encode_chat, req)
         else:
             text = body.get("prompt", body.get("content"))
@@ -221,7 +226,9 @@ class OpenAIRoutes:
 
     async def chat(self, request: Request) -> Response:
         body = await read_json(request, self.server.settings)
-        req = P.parse_chat_request(body, self.server.model_names, self.server.default_thinking)
+        req = P.parse_chat_request(
+            body, self.server.model_names, self.server.default_thinking, self.server.default_effort
+        )
         engine = self.server.host.require_engine()
         prompt_ids = await self.admission.off_loop(self._encode_chat, req)
         sampling = await self.admission.off_loop(P.compiled_sampling, engine, req.sampling)

@@ -159,6 +159,7 @@ class Server:
         reasoning_field: str = "reasoning_content",
         max_sessions: int = 4,
         default_thinking: bool = True,
+        reasoning_default: str | None = None,
         keepalive_interval: float = 5.0,
         max_batch: int = 8,
         prompt_cache: str | None = None,
@@ -171,6 +172,10 @@ class Server:
     ) -> None:
         if reasoning_field not in REASONING_FIELDS:
             raise ValueError(f"reasoning_field must be one of {REASONING_FIELDS}, got {reasoning_field!r}")
+        if reasoning_default is not None and reasoning_default not in P.REASONING_DEFAULTS:
+            raise ValueError(
+                f"reasoning_default must be one of {tuple(P.REASONING_DEFAULTS)}, got {reasoning_default!r}"
+            )
         if api_key is not None and not api_key.strip():
             raise ValueError("api_key is empty: give a key, or None for no authentication")
         limits = limits or Limits()
@@ -191,7 +196,10 @@ class Server:
             error_shapes={**ERROR_SHAPES, **(error_shapes or {})},
         )
         self.reasoning_field = reasoning_field
-        self.default_thinking = default_thinking
+        # the thinking mode of a request that does not choose one (`--reasoning-default`; default: thinking on)
+        self.default_thinking, self.default_effort = (
+            (default_thinking, None) if reasoning_default is None else P.REASONING_DEFAULTS[reasoning_default]
+        )
         self.keepalive_interval = keepalive_interval
         self.metrics = Metrics()
         batching = Batching(max_batch, max_queue, max_sessions, prompt_cache, prompt_cache_size)
@@ -301,6 +309,7 @@ def serve(
     reasoning_field: str = "reasoning_content",
     max_sessions: int = 4,
     default_thinking: bool = True,
+    reasoning_default: str | None = None,
     allowed_hosts: str | None = None,
     max_connections: int = Limits.max_connections,
     max_batch: int = 8,
@@ -321,6 +330,7 @@ def serve(
         reasoning_field=reasoning_field,
         max_sessions=max_sessions,
         default_thinking=default_thinking,
+        reasoning_default=reasoning_default,
         allowed_hosts=allowed_hosts,
         limits=Limits(max_connections=max_connections),
         max_batch=max_batch,
@@ -389,6 +399,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="response field for the thinking text (default reasoning_content, as DeepSeek's API)",
     )
     parser.add_argument(
+        "--reasoning-default",
+        default="thinking",
+        choices=tuple(P.REASONING_DEFAULTS),
+        help="thinking mode of a request that does not choose one: thinking (default; V4's high effort), none "
+        "(answer at once), low / medium (think within 1,024 / 8,192 tokens, then answer), high, max",
+    )
+    parser.add_argument(
         "--allowed-hosts",
         default=None,
         help="extra host names the server answers to (comma-separated; '*' for any). The bound "
@@ -413,6 +430,7 @@ def run_from_args(args: argparse.Namespace, engine_factory: Callable[..., Any]) 
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,
         reasoning_field=args.reasoning_field,
+        reasoning_default=args.reasoning_default,
         max_sessions=args.max_sessions,
         allowed_hosts=args.allowed_hosts,
         max_connections=args.max_connections,

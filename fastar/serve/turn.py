@@ -65,6 +65,7 @@ class Backend:
     submit: Callable[[Job], None]
     model_names: tuple[str, ...] = ("deepseek-v4-flash",)
     default_thinking: bool = True
+    default_effort: str | None = None  # with thinking on and no effort asked (`fastar serve --reasoning-default`)
     keepalive_interval: float = 5.0
     replay: ReplayCache = field(default_factory=lambda: ReplayCache())
     metrics: Metrics | None = None

@@ -273,6 +273,8 @@ class Tally:
         with self.lock:
             self.counts[case.category][r.outcome] += 1
             self.counts[case.category]["tried"] += 1
+            if r.status is not None and r.status >= 500:
+                self.counts[case.category][str(r.status)] += 1
             where = f"[{case.category}] {case.label}"
             self.slowest = sorted([*self.slowest, (r.seconds, f"{where}: {r.status or r.outcome}")], reverse=True)[:12]
             if r.outcome == "5xx" and (case.expect is None or case.expect(r) is not None):
@@ -847,8 +849,8 @@ def cases_framing(t: Target) -> list[Case]:
         q = total - len(rest) - len(b"GET /health?q= HTTP/1.1\r\n")
         return b"GET /health?q=" + b"q" * q + b" HTTP/1.1\r\n" + rest
 
-    many = b"GET /health HTTP/1.1\r\n" + host_line + b"".join(b"X-H%d: v\r\n" % i for i in range(3000))
-    many = many[: HEAD_LIMIT + 2048] + b"\r\nConnection: close\r\n\r\n"
+    many = b"GET /health HTTP/1.1\r\n" + host_line + b"".join(b"X-H%d: v\r\n" % i for i in range(6000))
+    many += b"Connection: close\r\n\r\n"  # about 77 KB of 13-byte headers
     refused = status_in(400, 413, 414, 431)
     cases = [
         ("request line + headers 1 KiB under 64 KiB", head_of(HEAD_LIMIT - 1024), status_in(200)),
@@ -858,7 +860,7 @@ def cases_framing(t: Target) -> list[Case]:
         ("a 60 KB request line", line_of(60_000), status_in(200)),
         ("a 70 KB request line", line_of(70_000), refused),
         ("a 1 MB request line", line_of(1_000_000), refused),
-        ("3,000 small headers past 64 KiB", many, refused),
+        ("6,000 small headers past 64 KiB", many, refused),
         ("a 100 KB header name", b"GET /health HTTP/1.1\r\n" + host_line + b"X" * 100_000 + b": v\r\n\r\n", refused),
         ("HTTP/2.0", b"GET /health HTTP/2.0\r\n" + host_line + b"\r\n", status_in("4xx", 505)),
         ("HTTP/0.9", b"GET /health\r\n\r\n", status_in("4xx", "closed")),
@@ -1246,22 +1248,22 @@ def special_token_cases(tally: Tally, t: Target, quick: bool) -> None:
                 n_inj = sum(x in ids for x in inj["tokens"])
                 if n_inj != n_plain:
                     broken(label, f"{n_inj - n_plain} more control token(s) than with plain text (id {sid})")
-        a_places = {
-            "user content": {"messages": user("a" + s + "b")},
-            "system": {"system": "a" + s + "b", "messages": user("x")},
+        a_places = {  # "x" + the control text against "x": one token more only if it became the control token
+            "user content": {"messages": user("x" + s)},
+            "system": {"system": "x" + s, "messages": user("x")},
             "tool_result": {
                 "messages": [
                     *user("x"),
                     {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
                     {
                         "role": "user",
-                        "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a" + s + "b"}],
+                        "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x" + s}],
                     },
                 ]
             },
         }
         for place, body in a_places.items():
-            base = json.loads(json.dumps(body).replace(json.dumps("a" + s + "b")[1:-1], "ab"))
+            base = json.loads(json.dumps(body).replace(json.dumps("x" + s)[1:-1], "x"))
             _, n0 = ask(ROUTES["count_tokens"], {"model": t.model, **base})
             _, n1 = ask(ROUTES["count_tokens"], {"model": t.model, **body})
             if n0 and n1 and n1.get("input_tokens", 0) - n0.get("input_tokens", 0) == 1:
@@ -1826,6 +1828,8 @@ def report(tally: Tally, idle: dict | None, cli: list[dict], log_tbs: list[str],
         print(f"{cat:<18}" + "".join(f"{c.get(k, 0):>8}" for k in ("tried", *OUTCOMES)))
     tot = tally.totals()
     print(f"{'all':<18}" + "".join(f"{tot.get(k, 0):>8}" for k in ("tried", *OUTCOMES)))
+    if by_status := {k: v for k, v in tot.items() if k.isdigit()}:
+        print(f"5xx by status: {by_status}")
 
     def listing(title: str, items: list[str], n: int = 40) -> None:
         if items:
@@ -1869,6 +1873,7 @@ def report(tally: Tally, idle: dict | None, cli: list[dict], log_tbs: list[str],
     )
     summary = {
         "requests": {k: tot.get(k, 0) for k in ("tried", *OUTCOMES)},
+        "five_xx_by_status": {k: v for k, v in tot.items() if k.isdigit()},
         "categories": {cat: dict(c) for cat, c in tally.counts.items()},
         "five_xx": tally.five_xx,
         "body_tracebacks": tally.tracebacks,
@@ -1895,7 +1900,8 @@ def report(tally: Tally, idle: dict | None, cli: list[dict], log_tbs: list[str],
     )
     print(
         f"\nVERDICT: {'PASS' if passed else 'FAIL'}: {tot.get('tried', 0)} requests -> {tot.get('2xx', 0)} 2xx / "
-        f"{tot.get('4xx', 0)} 4xx / {tot.get('5xx', 0)} 5xx / {tot.get('reset', 0)} resets / {tot.get('timeout', 0)} "
+        f"{tot.get('4xx', 0)} 4xx / {tot.get('5xx', 0)} 5xx ({tot.get('500', 0)} x 500, {len(tally.five_xx)} not "
+        f"expected) / {tot.get('reset', 0)} resets / {tot.get('timeout', 0)} "
         f"timeouts; {len(tally.tracebacks) + len(log_tbs)} tracebacks (bodies + log); {len(tally.violations)} broken "
         f"expectations; {idle_txt}; {cli_txt}"
     )
@@ -1928,6 +1934,8 @@ def main(argv: list[str] | None = None) -> int:
     log_tbs: list[str] = []
     extra: dict = {}
     t_start = time.monotonic()
+    cli_pool = ThreadPoolExecutor(1)  # the CLI runs go on beside the requests: most of their time is loading
+    cli_future = None if a.no_cli else cli_pool.submit(cli_probe, model, quick, 2)
     if not a.no_http:
         tmp = Path(tempfile.mkdtemp(prefix="hostile-http-"))
         servers: list[ServerProcess] = []
@@ -1994,11 +2002,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in servers:
                 log_tbs += s.stop()
             shutil.rmtree(tmp, ignore_errors=True)
-    cli: list[dict] = []
-    if not a.no_cli:
-        t0 = time.monotonic()
-        cli = cli_probe(model, quick, 2)
-        print(f"cli: done in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    cli: list[dict] = [] if cli_future is None else cli_future.result()
+    cli_pool.shutdown()
     extra["seconds"] = round(time.monotonic() - t_start, 1)
     passed, summary = report(tally, idle, cli, log_tbs, extra)
     if a.json:

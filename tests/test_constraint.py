@@ -267,20 +267,33 @@ def test_raw_string_parameters_cannot_carry_the_closing_tag(compiler):
     assert c.finished and np.nonzero(c.allowed())[0].tolist() == [tok.eos_id]
 
 
+DEEP: dict = {"type": "string"}
+for _ in range(200):
+    DEEP = {"type": "array", "items": DEEP}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param", "words"),
     [
         ({"schema": {"type": "string", "format": "nonsense"}}, "response_format", "Unknown format: nonsense"),
         ({"schema": {"type": "object", "if": {}, "then": {}}}, "response_format", "Unimplemented keys"),
         ({"schema": {"type": "strin"}}, "response_format", "strin"),
+        ({"schema": DEEP}, "response_format", "recursion limit"),
+        ({"schema": {"enum": [f"value number {i}" for i in range(80_000)]}}, "response_format", "too large"),
         ({"functions": [WEATHER], "choice": "function:nope"}, "tool_choice", "'nope', which is not among"),
+        (
+            {"functions": [{"name": "f", "parameters": {"properties": {"a": {"format": "bogus", "type": "string"}}}}]}
+            | {"choice": "required"},
+            "tools",
+            "Unknown format: bogus",
+        ),
         ({"functions": [], "choice": "required"}, "tool_choice", "has no tools"),
         ({"functions": [{"name": "f", "parameters": {"anyOf": []}}], "choice": "required"}, "tools", "anyOf"),
     ],
 )
-def test_what_cannot_be_enforced_is_refused_by_name(kwargs, param, words):
-    with pytest.raises(C.ConstraintError) as err:
-        C.output_grammar(thinking=False, **kwargs)
+def test_what_cannot_be_enforced_is_refused_by_name(compiler, kwargs, param, words):
+    with pytest.raises(C.ConstraintError) as err:  # building refuses what DSML cannot carry, compiling the rest
+        compiler[1].compile(C.output_grammar(thinking=False, **kwargs))
     assert err.value.param == param and words in str(err.value)
 
 
@@ -415,10 +428,11 @@ def test_an_absent_tool_or_an_unenforceable_schema_is_a_400_on_all_three_apis(se
             text={"format": {"type": "json_schema", "name": "r", "schema": {"format": "nonsense", "type": "string"}}},
         ),
     ]
-    for case in cases:
+    params = ["tool_choice", "tool_choice", "response_format", "tool_choice", "tool_choice", "text.format"]
+    for case, param in zip(cases, params):
         with pytest.raises(openai.BadRequestError) as err:
             case()
-        assert err.value.body["param"] in ("tool_choice", "response_format", "text.format")
+        assert err.value.body["param"] == param
     an_tools = [{"name": "get_weather", "input_schema": WEATHER["parameters"]}]
     for body in (
         {"tools": an_tools, "tool_choice": {"type": "tool", "name": "nope"}},

@@ -4,12 +4,12 @@ Owns:
   * `output_grammar()`: what a request's reply must be, as an llguidance grammar (`Grammar`, Lark text): a JSON
     value valid against a schema (`response_format` / `text.format`), or the V4 chat template's DSML tool-call
     block with each function's parameters valid against its schema (`tool_choice` "required" / a named function,
-    Anthropic "any" / "tool"), or either one (a schema with tools left to the model). Pure: it checks the schemas
-    (`ConstraintError` names what is unsupported) without a tokenizer, so a server refuses a bad request before it
-    queues it.
+    Anthropic "any" / "tool"), or either one (a schema with tools left to the model). Pure and cheap: it refuses
+    what the DSML block cannot carry (`ConstraintError`); llguidance checks the schemas when the grammar compiles.
   * `GrammarCompiler`: one per engine. It builds the llguidance tokenizer from the engine's `tokenizer.json` once,
-    compiles grammars under bounded parser limits (a grammar that needs more is refused, never run for minutes)
-    and keeps the last `CACHE_SIZE` compiled ones (an agent resends the same tools every turn).
+    compiles grammars under bounded parser limits (a schema llguidance does not support, or a grammar that needs
+    more than the limits, is a `ConstraintError` naming it, never run for minutes) and keeps the last `CACHE_SIZE`
+    compiled ones (an agent resends the same tools every turn). A server compiles before it queues the request.
   * `Constraint`: one request's parser state: `allowed()` is the mask of tokens that keep the reply inside the
     grammar, `advance(token)` moves past the sampled one. `fastar.engine.sampling.Sampler` applies it.
 
@@ -221,6 +221,7 @@ def output_grammar(
     parallel: bool = True,
     schema: dict | None = None,
     json_object: bool = False,
+    schema_param: str = "response_format",
 ) -> Grammar | None:
     """The grammar a reply must follow, or None when nothing is enforced.
 
@@ -232,6 +233,7 @@ def output_grammar(
         parallel: with "required", several calls may follow each other (False: exactly one).
         schema: the reply's JSON schema (`response_format` json_schema); `json_object`: any JSON object.
             Enforced when no tool call is forced; with tools left to the model, the reply is this JSON or calls.
+        schema_param: the request field to blame for the schema (`param` of the errors and of the `Grammar`).
     Raises:
         ConstraintError naming what is unsupported (the request field in `param`).
     """
@@ -265,21 +267,19 @@ def output_grammar(
         rules.append(f"invoke: {invoke}")
         rules.append(f'calls: {_literal(TOOL_CALLS_START + ">")} "\\n" invoke "\\n"{more} {_literal(TOOL_CALLS_END)}')
         alternatives.append("calls")
-    param = "tool_choice" if force else "response_format"
+    param = "tools" if force else schema_param  # what a compile error (a schema llguidance refuses) blames
     if wants_json and not force:
         try:
             rules.append(f"reply: {_json_schema(schema if schema is not None else {'type': 'object'})}")
         except ConstraintError as err:
-            raise ConstraintError(f"response_format: {err}", param) from None
+            raise ConstraintError(f"{schema_param}: {err}", param) from None
         alternatives.insert(0, "reply")
     head = f"start: REASONING {THINK_END} answer" if thinking else "start: answer"
     reasoning = [f"REASONING: /(?s:.*)/ & ~/(?s:.*)({_REASONING_CUT})(?s:.*)/"] if thinking else []
     text = "\n".join(["%llguidance {}", head, *reasoning, f"answer: {' | '.join(alternatives)}", *rules]) + "\n"
     if len(text.encode()) > MAX_GRAMMAR_BYTES:
         raise ConstraintError(f"the schemas are too large to enforce ({len(text.encode())} bytes of grammar)", param)
-    grammar = Grammar(text, param)
-    check(grammar)
-    return grammar
+    return Grammar(text, param)
 
 
 def _limits() -> llguidance.LLParserLimits:
@@ -288,16 +288,6 @@ def _limits() -> llguidance.LLParserLimits:
 
 def _grammar_text(grammar: Grammar) -> str:
     return llguidance.LLMatcher.grammar_from_lark(grammar.text)
-
-
-def check(grammar: Grammar, tokenizer: llguidance.LLTokenizer | None = None) -> None:
-    """Raise `ConstraintError` (llguidance's message: the unsupported keyword, format or construct) unless the
-    grammar compiles within the limits."""
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        _grammar_text(grammar), tokenizer, limits=_limits()
-    )
-    if failed:
-        raise ConstraintError(f"cannot enforce this: {_readable(messages[0])}", grammar.param)
 
 
 def _readable(message: str) -> str:
@@ -350,9 +340,8 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(grammar.text)
                 return hit
-        tokenizer = self.tokenizer
-        check(grammar, tokenizer)
-        matcher = llguidance.LLMatcher(tokenizer, _grammar_text(grammar), log_level=0, limits=_limits())
+        # LLMatcher never raises for the grammar itself: an unsupported schema or a limit leaves it in error
+        matcher = llguidance.LLMatcher(self.tokenizer, _grammar_text(grammar), log_level=0, limits=_limits())
         if matcher.is_error():
             raise ConstraintError(f"cannot enforce this: {_readable(matcher.get_error())}", grammar.param)
         compiled = CompiledGrammar(matcher, self.vocab_size)

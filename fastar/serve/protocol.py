@@ -400,9 +400,10 @@ def output_grammar(
             parallel=parallel,
             schema=schema,
             json_object=fmt.get("type") == "json_object",
+            schema_param=fmt_param,
         )
     except C.ConstraintError as err:
-        raise bad_request(str(err), fmt_param if err.param == "response_format" else err.param) from None
+        raise bad_request(str(err), err.param) from None
 
 
 def compiled_sampling(engine: Any, sampling: dict[str, Any]) -> dict[str, Any]:

@@ -149,6 +149,11 @@ def test_n_best_of_and_prompt_lists_equal_solo_requests(engine):
         r = cl.completions.create(model=MODEL, prompt=[a, b], n=2, **seeded)
         assert [(c.index, c.text) for c in r.choices] == [(2 * i + j, solo[i, j]) for i in range(2) for j in range(2)]
         assert r.usage.prompt_tokens == len(a) + len(b) and r.usage.completion_tokens == 48
+        before = engine.stats()["prefill_tokens_computed"]
+        r = cl.completions.create(model=MODEL, prompt=[b, a, b], **seeded)  # a prompt given twice: one prefill
+        assert engine.stats()["prefill_tokens_computed"] - before == len(a) + len(b)
+        assert [c.text for c in r.choices] == [solo[1, 0], solo[0, 0], solo[1, 0]]
+        assert r.usage.prompt_tokens == len(a) + len(b) and r.usage.completion_tokens == 36
 
         runs = [cl.completions.create(model=MODEL, prompt=b, **{**seeded, "seed": 11 + j}) for j in range(3)]
         scores = [

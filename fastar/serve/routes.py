@@ -197,8 +197,8 @@ class OpenAIRoutes:
     ) -> tuple[list[Job], list[int], LoopEvents]:
         """Submit `choices` choices of each prompt (choice j samples with seed + j); returns the jobs (prompt by
         prompt, the choices of each in order: job k is choice k % choices of prompt k // choices), each prompt's
-        max_tokens, and the queue on which every job's events arrive tagged with its index. All or none: a
-        prompt refused undoes the ones queued before it."""
+        max_tokens, and the queue on which every job's events arrive tagged with its index. A prompt given more
+        than once is one group (prefilled once). All or none: a prompt refused undoes the ones queued before it."""
         events = LoopEvents()
         limits = [
             P.resolve_max_tokens(
@@ -210,10 +210,12 @@ class OpenAIRoutes:
             P.make_sampling_params(P.choice_sampling(sampling, j), limit) for limit in limits for j in range(choices)
         ]
         jobs = [Job(prompts[k // choices], p, events=_Tagged(events, k)) for k, p in enumerate(params)]
+        groups: dict[tuple[int, ...], list[Job]] = {}
+        for k, job in enumerate(jobs):
+            groups.setdefault(tuple(prompts[k // choices]), []).append(job)
         queued: list[Job] = []
         try:
-            for i in range(len(prompts)):
-                group = jobs[i * choices : (i + 1) * choices]
+            for group in groups.values():
                 self.server.host.submit_choices(group)
                 queued.extend(group)
         except BaseException:
@@ -291,7 +293,12 @@ class OpenAIRoutes:
         jobs, limits, shared = self._submit(engine, prompts, req.sampling, req.max_tokens, "prompt", k)
         prefixes = [texts[j // k] if req.echo else "" for j in range(len(jobs))]
         turns = [P.CompletionTurn(req, engine.tokenizer, len(prefix)) for prefix in prefixes]
-        rid, created, n_prompt = P.new_id("cmpl"), int(time.time()), sum(map(len, prompts))  # each prompt once
+        # each distinct prompt counted once (one given twice is prefilled once)
+        rid, created, n_prompt = (
+            P.new_id("cmpl"),
+            int(time.time()),
+            sum(len(ids) for ids in {tuple(p) for p in prompts}),
+        )
         if not req.stream:
             done = await self._collect_finished(
                 jobs, turns, shared, request, [limits[j // k] for j in range(len(jobs))]

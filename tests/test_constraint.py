@@ -151,6 +151,23 @@ def test_forced_tool_call_parses_and_its_arguments_validate(engine, choice, name
     check_calls(parsed.tool_calls, names)
 
 
+def test_a_schema_with_tools_left_to_the_model_gives_that_json_or_valid_calls(engine):
+    ids = prompt(engine, tools=[WEATHER, SUM])
+    grammar = engine.compile_grammar(C.output_grammar(thinking=False, functions=[WEATHER, SUM], schema=REPLY))
+    kinds = set()
+    for seed in range(3):
+        text, _, finish = run(engine, ids, grammar, temperature=1.0, seed=seed, max_tokens=200)
+        parsed = parse_completion(text, thinking=False)
+        assert finish == "stop"
+        if parsed.tool_calls:
+            check_calls(parsed.tool_calls, {"get_weather", "sum"})
+            kinds.add("calls")
+        else:
+            jsonschema.validate(json.loads(parsed.content), REPLY)
+            kinds.add("json")
+    assert kinds  # (which of the two the random model picks is its business)
+
+
 def test_a_constrained_and_a_free_request_share_steps_and_each_equals_its_solo_run(engine):
     ids = prompt(engine)
     grammar = engine.compile_grammar(C.output_grammar(thinking=False, schema=REPLY))
@@ -332,6 +349,11 @@ def test_chat_completions_response_format_and_tool_choice(server):
     reply = cl.chat.completions.create(max_tokens=60, response_format=fmt, **kw).choices[0]
     assert reply.finish_reason == "stop"
     jsonschema.validate(json.loads(reply.message.content), REPLY)
+    sampled = {**kw, "temperature": 1.0, "seed": 4}
+    choices = cl.chat.completions.create(max_tokens=60, response_format=fmt, n=2, **sampled).choices
+    assert len(choices) == 2 and choices[0].message.content != choices[1].message.content
+    for choice in choices:  # each choice is constrained on its own
+        jsonschema.validate(json.loads(choice.message.content), REPLY)
     obj = cl.chat.completions.create(max_tokens=12, response_format={"type": "json_object"}, **kw)
     assert obj.choices[0].message.content.startswith('{"')
 

@@ -64,7 +64,7 @@ JSON_OPTIONS = {
     "whitespace_flexible": False,
     "item_separator": ", ?",
     "key_separator": ": ?",
-    "coerce_one_of": True,  # oneOf as anyOf: the value then matches at least one branch, usually exactly one
+    "coerce_one_of": False,  # oneOf only where llguidance proves its branches disjoint: never a value matching two
     "lenient": False,  # an unsupported keyword is an error, never silently unenforced
 }
 PLAIN_STRING_KEYS = {"type", "minLength", "maxLength", "enum", "const", "description", "title", "examples", "default"}
@@ -86,12 +86,14 @@ PARAMETERS_KEYS = {
 }
 
 
+_RX_META = set("\\.+*?()|[]{}^$#&-~/")
+
+
 def _rx(text: str) -> str:
     """`text` as a literal inside an llguidance `/.../` regex."""
     return "".join("\\n" if c == "\n" else "\\" + c if c in _RX_META else c for c in text)
 
 
-_RX_META = set("\\.+*?()|[]{}^$#&-~/")
 # Text the DSML parser cuts a value at: the closing tags and the EOS text.
 _CUT_TEXTS = (f"</{DSML}", EOS)
 _CUT = "|".join(map(_rx, _CUT_TEXTS))

@@ -135,9 +135,10 @@ def test_n_best_of_and_prompt_lists_equal_solo_requests(engine):
         a, b = prompt(300, 40, first=20), prompt(301, 17, first=21)
         free = dict(max_tokens=12, extra_body={"ignore_eos": True})
         solo_greedy = ask(cl, a, dict(temperature=0, logprobs=1, **free))
-        before = engine.stats()["prefill_tokens_computed"]
+        before, counted = engine.stats()["prefill_tokens_computed"], metric(srv, "prompt_tokens_total")
         r = cl.completions.create(model=MODEL, prompt=a, n=3, temperature=0, logprobs=1, **free)
         assert engine.stats()["prefill_tokens_computed"] - before == len(a)
+        assert metric(srv, "prompt_tokens_total") - counted == len(a)  # /metrics counts the shared prompt once
         assert [c.index for c in r.choices] == [0, 1, 2]
         for c in r.choices:
             assert (c.text, c.finish_reason, (c.logprobs.token_logprobs, c.logprobs.top_logprobs)) == solo_greedy[:3]

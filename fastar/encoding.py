@@ -6,6 +6,11 @@ Owns:
     latest_reminder turns, tool schemas, assistant tool calls in DSML, `tool` messages folded into user turns
     as `<tool_result>` blocks, `<think>`/`</think>` placement, dropping of earlier reasoning, and the
     `reasoning_effort="max"` paragraph. DeepSeek's golden cases are in `tests/data/dsv4-encoding/`.
+  * `ChatPrompt`: what `encode_messages()` returns, the prompt text (a `str`, byte for byte the reference's)
+    that also knows which of its characters came from the conversation's content (message text, reasoning,
+    tool results, tool schemas and calls, the response format) and which from the template. The tokenizer
+    turns special-token strings into control tokens only in the template's parts, so no text a client sends
+    can fake a turn or end the prompt. A slice of it (`prompt[n:]`) keeps that knowledge.
   * `parse_completion()` and `StreamParser`: the reverse for what the model generates after the prompt
     (reasoning, content, DSML tool calls), whole or incrementally while streaming. `parse_completion` is the
     stream parser fed in one piece, so the two cannot disagree.
@@ -89,6 +94,60 @@ TOOLS_FOOTER = "\n\nYou MUST strictly follow the above defined tool name and par
 
 class EncodingError(FastarError, ValueError):
     """A conversation cannot be rendered: unknown role, missing content, malformed tool or tool call."""
+
+
+Segment = tuple[str, bool]  # (text, True when it is content: tokenized as plain text)
+
+
+class ChatPrompt(str):
+    """A rendered prompt: the text itself, and `segments`, the same text cut into template and content parts.
+
+    Every `str` operation sees the text; a slice with no step (`prompt[n:]`, `prompt[a:b]`) is a `ChatPrompt`
+    of the matching parts, anything else a plain `str` (which the tokenizer reads as all template)."""
+
+    segments: tuple[Segment, ...]
+
+    def __new__(cls, segments: list[Segment] | tuple[Segment, ...]) -> ChatPrompt:
+        merged: list[Segment] = []
+        for text, content in segments:
+            if not text:
+                continue
+            if merged and merged[-1][1] == content:
+                merged[-1] = (merged[-1][0] + text, content)
+            else:
+                merged.append((text, content))
+        self = super().__new__(cls, "".join(text for text, _ in merged))
+        self.segments = tuple(merged)
+        return self
+
+    def __getitem__(self, key):  # type: ignore[override]
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            return str(self)[key]
+        start, stop, _ = key.indices(len(self))
+        out, pos = [], 0
+        for text, content in self.segments:
+            end = pos + len(text)
+            if end > start and pos < stop:
+                out.append((text[max(start - pos, 0) : stop - pos], content))
+            pos = end
+        return ChatPrompt(out)
+
+    def __reduce__(self):
+        return ChatPrompt, (self.segments,)
+
+
+def _t(text: str) -> list[Segment]:
+    """Template text: its special-token strings are control tokens."""
+    return [(text, False)]
+
+
+def _c(text: str) -> list[Segment]:
+    """Content: tokenized as the plain text it is."""
+    return [(text, True)]
+
+
+def _joined(segments: list[Segment]) -> str:
+    return "".join(text for text, _ in segments)
 
 
 def _json(value: Any) -> str:
@@ -279,72 +338,84 @@ def _drop_thinking(messages: list[dict]) -> list[dict]:
 
 def render_tools(functions: list[dict]) -> str:
     """The system-prompt "## Tools" section for a list of function schemas (the inner `function` objects)."""
-    return TOOLS_HEADER + "\n".join(_json(fn) for fn in functions) + TOOLS_FOOTER
+    return _joined(_tools_section(functions))
+
+
+def _tools_section(functions: list[dict]) -> list[Segment]:
+    return _t(TOOLS_HEADER) + _c("\n".join(_json(fn) for fn in functions)) + _t(TOOLS_FOOTER)
 
 
 def render_tool_calls(calls: list[dict]) -> str:
     """The DSML block for checked tool calls ({"name", "arguments": dict | None, "raw": str})."""
-    invokes = []
-    for call in calls:
+    return _joined(_tool_calls_block(calls))
+
+
+def _tool_calls_block(calls: list[dict]) -> list[Segment]:
+    out = _t(f"\n\n<{DSML}tool_calls>\n")
+    for k, call in enumerate(calls):
         args = call["arguments"] if call["arguments"] is not None else {"arguments": call["raw"]}
-        params = [
-            f'<{DSML}parameter name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
-            f"{value if isinstance(value, str) else _json(value)}</{DSML}parameter>"
-            for key, value in args.items()
-        ]
-        invokes.append(f'<{DSML}invoke name="{call["name"]}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
-    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_END}"
+        out += _t("\n" if k else "") + _t(f'<{DSML}invoke name="') + _c(call["name"]) + _t('">\n')
+        for j, (key, value) in enumerate(args.items()):
+            kind = "true" if isinstance(value, str) else "false"
+            out += _t("\n" if j else "") + _t(f'<{DSML}parameter name="') + _c(key) + _t(f'" string="{kind}">')
+            out += _c(value if isinstance(value, str) else _json(value)) + _t(f"</{DSML}parameter>")
+        out += _t(f"\n</{DSML}invoke>")
+    return out + _t(f"\n{TOOL_CALLS_END}")
 
 
-def _render_tool_result(content: str | list[dict]) -> str:
+def _tool_result(content: str | list[dict]) -> list[Segment]:
     if isinstance(content, list):
         content = "\n\n".join(
             p.get("text", "") if p.get("type") == "text" else f"[Unsupported {p.get('type')}]" for p in content
         )
-    return f"<tool_result>{content}</tool_result>"
+    return _t("<tool_result>") + _c(content) + _t("</tool_result>")
 
 
-def _system_extras(msg: dict) -> str:
-    out = ""
+def _system_extras(msg: dict) -> list[Segment]:
+    out: list[Segment] = []
     if msg["tools"]:
-        out += "\n\n" + render_tools(msg["tools"])
+        out += _t("\n\n") + _tools_section(msg["tools"])
     if msg["response_format"]:
-        out += "\n\n" + RESPONSE_FORMAT_HEADER + _json(msg["response_format"])
+        out += _t("\n\n" + RESPONSE_FORMAT_HEADER) + _c(_json(msg["response_format"]))
     return out
 
 
-def _render(idx: int, messages: list[dict], last_user: int, thinking: bool, drop: bool, effort: str | None) -> str:
+def _render(
+    idx: int, messages: list[dict], last_user: int, thinking: bool, drop: bool, effort: str | None
+) -> list[Segment]:
     msg, role = messages[idx], messages[idx]["role"]
-    out = REASONING_EFFORT_MAX if idx == 0 and thinking and effort == "max" else ""
+    out = _t(REASONING_EFFORT_MAX if idx == 0 and thinking and effort == "max" else "")
 
     if role == "system":
-        out += (msg["content"] or "") + _system_extras(msg)
+        out += _c(msg["content"] or "") + _system_extras(msg)
     elif role == "developer":
-        out += USER + msg["content"] + _system_extras(msg)
+        out += _t(USER) + _c(msg["content"]) + _system_extras(msg)
     elif role == "user":
-        out += USER + "\n\n".join(b[2] if b[0] == "text" else _render_tool_result(b[2]) for b in msg["blocks"])
+        out += _t(USER)
+        for k, (kind, _, content) in enumerate(msg["blocks"]):
+            out += _t("\n\n" if k else "") + (_c(content) if kind == "text" else _tool_result(content))
     elif role == "latest_reminder":
-        out += LATEST_REMINDER + msg["content"]
+        out += _t(LATEST_REMINDER) + _c(msg["content"])
     else:  # assistant; the opening <think> belongs to the previous turn's suffix
         prev_has_task = idx > 0 and messages[idx - 1]["task"] is not None
         if thinking and not prev_has_task and (not drop or idx > last_user):
-            out += (msg["reasoning"] or "") + THINK_END
-        out += msg["content"] or ""
+            out += _c(msg["reasoning"] or "") + _t(THINK_END)
+        out += _c(msg["content"] or "")
         if msg["tool_calls"]:
-            out += render_tool_calls(msg["tool_calls"])
+            out += _tool_calls_block(msg["tool_calls"])
         if not msg["wo_eos"]:
-            out += EOS
+            out += _t(EOS)
 
     # The suffix opens the assistant turn only where one follows (or the conversation ends).
     if idx + 1 < len(messages) and messages[idx + 1]["role"] not in ("assistant", "latest_reminder"):
         return out
     task = msg["task"]
     if task == "action":
-        out += ASSISTANT + (THINK_START if thinking else THINK_END) + TASK_TOKENS[task]
+        out += _t(ASSISTANT + (THINK_START if thinking else THINK_END) + TASK_TOKENS[task])
     elif task is not None:
-        out += TASK_TOKENS[task]
+        out += _t(TASK_TOKENS[task])
     elif role in ("user", "developer"):
-        out += ASSISTANT + (THINK_START if thinking and (not drop or idx >= last_user) else THINK_END)
+        out += _t(ASSISTANT + (THINK_START if thinking and (not drop or idx >= last_user) else THINK_END))
     return out
 
 
@@ -356,8 +427,9 @@ def encode_messages(
     *,
     context: list[dict] | None = None,
     add_bos: bool = True,
-) -> str:
-    """Render a conversation as the DeepSeek-V4 prompt string (special tokens as text, BOS included).
+) -> ChatPrompt:
+    """Render a conversation as the DeepSeek-V4 prompt string (special tokens as text, BOS included): a
+    `ChatPrompt`, whose content parts the tokenizer reads as plain text.
 
     Args:
         messages: OpenAI-style dicts with roles system, developer, user, assistant, tool, latest_reminder.
@@ -395,10 +467,10 @@ def encode_messages(
         ctx = _drop_thinking(ctx)  # upstream measures the context on its own, with its own last user turn
     start = len(ctx)
     last_user = _last_user_index(full)
-    out = BOS if add_bos and not context else ""
+    out = _t(BOS if add_bos and not context else "")
     for idx in range(start, len(full)):
         out += _render(idx, full, last_user, thinking, drop, effort)
-    return out
+    return ChatPrompt(out)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from fastar.encoding import (
     THINK_END,
     THINK_START,
     USER,
+    ChatPrompt,
     encode_messages,
     render_tool_calls,
 )
@@ -77,6 +78,8 @@ class FakeTokenizer:
         self.eos_id = self.BASE + self.SPECIALS.index(EOS)
 
     def encode(self, text: str) -> list[int]:
+        if isinstance(text, ChatPrompt):  # as the real tokenizer: special strings count only in the template
+            return [i for part, content in text.segments for i in (map(ord, part) if content else self.encode(part))]
         ids: list[int] = []
         for part in self._split.split(text):
             if part in self.SPECIALS:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
-from ..encoding import StreamParser, encode_messages
+from ..encoding import ChatPrompt, StreamParser, encode_messages
 from .sampling import Sampler, SamplingParams
 from .session import Session
 from .stops import StopStrings
@@ -236,8 +236,9 @@ class ChatResult(str):
 
 def chat_prompt(
     messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None, drop_thinking: bool = True
-) -> str:
-    """The DeepSeek-V4 prompt text of a conversation (BOS included, ending with the generation prompt)."""
+) -> ChatPrompt:
+    """The DeepSeek-V4 prompt text of a conversation (BOS included, ending with the generation prompt), as a
+    `ChatPrompt`: the tokenizer reads its content as plain text."""
     return encode_messages(
         messages,
         thinking_mode="thinking" if thinking else "chat",

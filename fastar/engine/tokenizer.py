@@ -3,7 +3,11 @@
 Owns:
   * `Tokenizer`: the real V4 `tokenizer.json` run by HF `tokenizers` (byte-level BPE, 129,280 ids, special
     tokens such as `<｜User｜>` recognised inside text). No BOS is added automatically: the chat encoder
-    writes BOS as text. `encode_chat()` = `fastar.encoding.encode_messages()` + `encode()`.
+    writes BOS as text. `encode_chat()` = `fastar.encoding.encode_messages()` + `encode()`. A rendered chat
+    prompt (`fastar.encoding.ChatPrompt`) is encoded with its special-token strings as control tokens only in
+    the template's parts: the conversation's content is tokenized as plain text (a second HF tokenizer, the
+    same file without its added tokens), so a message holding `<｜end▁of▁sentence｜><｜User｜>` cannot end the
+    prompt or fake a turn. Where the content holds no such string the ids are those of the whole text.
   * `check_text()` / `InvalidText`: the text boundary. Every text the tokenizer takes, from any front-end (the
     server's routes, `fastar run -p`, stdin, `fastar chat`), must be valid Unicode: a lone UTF-16 surrogate (a
     JSON body holding the UTF-8 bytes of one, or an undecodable byte that Python read with `surrogateescape`)
@@ -24,13 +28,16 @@ from __future__ import annotations
 
 import codecs
 import importlib.util
+import json
 import os
+import re
+import threading
 from pathlib import Path
 
 import tokenizers
 from tokenizers import decoders
 
-from fastar.encoding import BOS, EOS, encode_messages
+from fastar.encoding import BOS, EOS, ChatPrompt, encode_messages
 from fastar.errors import FastarError
 
 _GIL_FREE_FROM = 1 << 16  # characters
@@ -91,6 +98,10 @@ class Tokenizer:
         self._token_bytes: list[bytes] | None = None
         self._max_token_bytes: int | None = None
         self._special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+        self._plain: tokenizers.Tokenizer | None = None  # the same without added tokens: content as plain text
+        self._added: dict[str, int] = {t.content: i for i, t in hf.get_added_tokens_decoder().items()}
+        self._added_re: re.Pattern | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -112,17 +123,60 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in the text become their single ids. No BOS added.
+        A `ChatPrompt` gets them only from its template's parts; its content is read as plain text.
         Raises `InvalidText` for a text that is not valid Unicode."""
         check_text(text)
+        if isinstance(text, ChatPrompt):
+            return self._encode_chat_prompt(text)
+        return self._run(self._hf, str(text))
+
+    @staticmethod
+    def _run(hf: tokenizers.Tokenizer, text: str) -> list[int]:
         if len(text) > _GIL_FREE_FROM:
             # `encode` holds the GIL for the whole text (seconds for megabytes, stalling every other thread);
             # `encode_batch` releases it and gives the same ids.
-            return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
-        return self._hf.encode(text, add_special_tokens=False).ids
+            return hf.encode_batch([text], add_special_tokens=False)[0].ids
+        return hf.encode(text, add_special_tokens=False).ids
+
+    def _encode_chat_prompt(self, prompt: ChatPrompt) -> list[int]:
+        """What HF does with the whole text (split at added tokens, BPE between them), except that only matches
+        inside template parts split: the text between two such matches, content and template alike, is one
+        plain run. The added tokens have no lstrip/rstrip/single-word rules and there is no normalizer, so a
+        leftmost-longest search is exactly HF's matching."""
+        plain, added = self._plain_parts()
+        ids: list[int] = []
+        run: list[str] = []
+        for text, content in prompt.segments:
+            if content:
+                run.append(text)
+                continue
+            pos = 0
+            for m in added.finditer(text):
+                run.append(text[pos : m.start()])
+                ids += self._run(plain, "".join(run)) if any(run) else []
+                run = []
+                ids.append(self._added[m.group()])
+                pos = m.end()
+            run.append(text[pos:])
+        if any(run):
+            ids += self._run(plain, "".join(run))
+        return ids
+
+    def _plain_parts(self) -> tuple[tokenizers.Tokenizer, re.Pattern]:
+        with self._lock:
+            if self._plain is None:
+                spec = json.loads(self._hf.to_str())
+                spec["added_tokens"] = []
+                self._added_re = re.compile("|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True)))
+                self._plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
+            assert self._added_re is not None
+            return self._plain, self._added_re
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         for text in texts:
             check_text(text)
+        if any(isinstance(text, ChatPrompt) for text in texts):
+            return [self.encode(text) for text in texts]
         return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

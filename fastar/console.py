@@ -607,6 +607,8 @@ class ChatREPL:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    if sys.stdin is None:  # `fastar chat <&-`: nothing to read the conversation from
+        raise FastarError("standard input is closed: fastar chat reads the conversation from it")
     if args.system is not None:
         check_text(args.system, "--system")
     params = sampling_params(args)

@@ -439,7 +439,7 @@ def rich_bodies(model: str) -> dict[str, dict]:
             "messages": a_msgs,
             "tools": [a_tool],
             "tool_choice": {"type": "auto"},
-            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "thinking": {"type": "disabled"},
             "temperature": 0.5,
             "top_p": 0.9,
             "top_k": 5,

@@ -111,6 +111,10 @@ def test_bad_arguments_table(tiny_fst, tiny_ckpt, tmp_path):
         (["synth", "-o", str(tmp_path / "s.fst"), "--layers", "0"], {}, fail, "layers"),
         (["synth", "-o", str(tmp_path / "s.fst"), "--hidden", "100"], {}, fail, "hidden"),
         (["bench", "kernels", "--threads", "x"], {}, usage, "threads"),
+        (["bench", "-m", m, "--streams", "0"], {}, usage, "streams"),
+        (["bench", "-m", m, "--streams", "a,b"], {}, usage, "streams"),
+        (["bench", "-m", m, "--decode-tokens", "-1"], {}, usage, "decode-tokens"),
+        (["bench", "-m", m, "--prompt-tokens", "0"], {}, usage, "prompt-tokens"),
         (["bench"], {}, fail, "-m"),
         (["audit", m], {}, usage, "reference"),
     ]
@@ -130,6 +134,9 @@ def test_closed_stdout_and_stdin(tiny_fst):
     r = subprocess.run(["bash", "-c", f"{run} -p hi >&-"], capture_output=True, text=True, timeout=120)
     assert "standard output" in one_line_error(r, 1)
     r = subprocess.run(["bash", "-c", f"{run} <&-"], capture_output=True, text=True, timeout=120)
+    assert "standard input" in one_line_error(r, 1)
+    chat = f"{sys.executable} -m fastar chat -m {tiny_fst} --no-prompt-cache"
+    r = subprocess.run(["bash", "-c", f"{chat} <&-"], capture_output=True, text=True, timeout=120)
     assert "standard input" in one_line_error(r, 1)
 
 

@@ -16,6 +16,7 @@ import argparse
 import json
 
 from .. import console
+from ..config import int_flag
 from ..errors import FastarError
 
 
@@ -23,6 +24,13 @@ def _thread_list(v: str) -> str:
     parts = v.split(",")
     if not all(p.strip().isdigit() and 1 <= int(p) <= 1024 for p in parts):
         raise argparse.ArgumentTypeError(f"--threads takes comma-separated counts 1..1024, got {v!r}")
+    return v
+
+
+def _stream_list(v: str) -> str:
+    parts = v.split(",")
+    if not all(p.strip().isdigit() and 1 <= int(p) <= 1024 for p in parts):
+        raise argparse.ArgumentTypeError(f"--streams takes comma-separated stream counts 1..1024, got {v!r}")
     return v
 
 
@@ -44,8 +52,18 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--threads", default=None, type=_thread_list, help="kernels: comma-separated thread counts")
     console.add_draft_argument(b)
     console.add_memory_arguments(b)
-    b.add_argument("--prompt-tokens", type=int, default=64, help="model: prompt length to prefill")
-    b.add_argument("--decode-tokens", type=int, default=16, help="model: tokens to decode (timed)")
+    b.add_argument(
+        "--prompt-tokens",
+        type=int_flag(1, None, "--prompt-tokens"),
+        default=64,
+        help="model: prompt length to prefill",
+    )
+    b.add_argument(
+        "--decode-tokens",
+        type=int_flag(1, None, "--decode-tokens"),
+        default=16,
+        help="model: tokens to decode (timed)",
+    )
     b.add_argument(
         "--repeats",
         type=int,
@@ -93,6 +111,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--streams",
         default=None,
+        type=_stream_list,
         metavar="N,N",
         help="model: N concurrent greedy streams through the batch scheduler, e.g. 1,2,4,8 (aggregate "
         "and per-stream tok/s, inter-token latency, identical_to_solo, the batched ceiling)",

@@ -4,13 +4,13 @@ token (what the grammar adds to a `Sampler` call).
     python scripts/constrained_speed.py [MODEL] [--tokens 64] [--repeats 3]
 
 MODEL defaults to the built-in demo model. Each round runs, one after another on a fresh session, a free request,
-one under a JSON-object grammar (`response_format: json_object`) and one under a forced tool call (a two-tool
-`tool_choice: required`), greedy, `--tokens` tokens each (the random-weight demo model never closes a JSON string,
-so the JSON run never ends early; the tool-call run may, where the model closes a raw string parameter); rounds
-alternate the order. Decode tokens/s counts from the first token to the last (the prefill is the same for all
-three). Then the tokens each constrained run produced are replayed through a fresh parser to time its per-token work
-alone: `Constraint.allowed()` (llguidance's mask, unpacked to one flag per token), the masked fill of the logits,
-and `Constraint.advance()`. Medians, with min-max.
+one under a JSON-schema grammar (`response_format: json_schema`, an object with one string) and one under a forced
+tool call (a two-tool `tool_choice: required`), greedy, `--tokens` tokens each (the random-weight demo model never
+closes a JSON string, so the JSON run rarely ends early; the tool-call run may, where the model closes a raw string
+parameter; the token counts are printed); rounds alternate the order. Decode tokens/s counts from the first token to
+the last (the prefill is the same for all three). Then the tokens each constrained run produced are replayed through
+a fresh parser to time its per-token work alone: `Constraint.allowed()` (llguidance's mask, unpacked to one flag per
+token), the masked fill of the logits, and `Constraint.advance()`. Medians, with min-max.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from fastar.engine import constraint as C
 from fastar.engine.engine import load
 from fastar.engine.sampling import SamplingParams
 
+# one required string: a random-weight model writes it until max_tokens (`{}` would end a bare json_object at once)
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 TOOLS = [
     {
         "name": "get_weather",
@@ -63,7 +65,7 @@ def main() -> None:
     ask = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
     runs = {
         "free": (encode_messages(ask, "chat"), None),
-        "json_object": (encode_messages(ask, "chat"), C.output_grammar(thinking=False, json_object=True)),
+        "json_schema": (encode_messages(ask, "chat"), C.output_grammar(thinking=False, schema=ANSWER)),
         "tool_call": (
             encode_messages([{"role": "system", "content": "", "tools": TOOLS}, *ask], "chat"),
             C.output_grammar(thinking=False, functions=TOOLS, choice="required"),

@@ -270,3 +270,19 @@ def test_resent_conversation_reuses_the_state_kept_in_memory(engine):
         assert metric(srv, "prefix_cache_memory_hits_total") == 1
     finally:
         srv.shutdown()
+
+
+def test_cached_prompt_shared_by_n_choices_counts_once_in_metrics(engine):
+    """A prompt started from a kept state and shared by n choices: its cached tokens are counted once, in the
+    response's usage and in /metrics' prompt_tokens_cached_total alike (as prompt_tokens_total counts it once)."""
+    srv = start(engine, max_sessions=2)
+    try:
+        cl = client(srv)
+        first = prompt(9, 40, 12)
+        cl.completions.create(model=MODEL, prompt=first, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        cached_before = metric(srv, "prompt_tokens_cached_total")
+        r = cl.completions.create(model=MODEL, prompt=first + prompt(10, 10, 13), n=3, max_tokens=3, temperature=0)
+        assert len(r.choices) == 3 and r.usage.prompt_tokens_details.cached_tokens == len(first)
+        assert metric(srv, "prompt_tokens_cached_total") - cached_before == len(first)
+    finally:
+        srv.shutdown()

@@ -472,9 +472,10 @@ class Metrics:
     ) -> None:
         now = time.monotonic()
         with self.lock:
-            self.prompt_tokens += len(job.prompt_ids) if job.choice == 0 else 0  # a prompt shared by choices: once
+            if job.choice == 0:  # a prompt shared by several choices: counted once, with its cached part
+                self.prompt_tokens += len(job.prompt_ids)
+                self.cached_tokens += cached or 0
             self.generation_tokens += n_generated
-            self.cached_tokens += cached or 0
             self.latency.observe(now - job.created)
             if first is not None:
                 self.ttft.observe(first - job.created)  # queue wait included: it is what the user waits

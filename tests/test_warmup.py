@@ -64,6 +64,19 @@ def test_usage_profile_round_trip(fst, tmp_path):
         assert warmup.load_profile(cache, path, "model-a") is None
 
 
+@pytest.mark.parametrize("experts", [5, "12", {"0": 1}, [[0, 1, 2], "x", None, [[0], 1]]])
+def test_damaged_usage_profile_falls_back_to_file_order(fst, tmp_path, experts):
+    """A profile of this model whose expert list is damaged (not a list, entries of another shape) is not an
+    error: the server would not start over a file in its prompt cache folder. What cannot be read is left out."""
+    with FstFile(fst) as f, ExpertCache(f, f.expert_stride * 6) as cache:
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps({"version": warmup.PROFILE_VERSION, "model": "m", "experts": experts}))
+        order = warmup.load_profile(cache, path, "m")
+        assert order is None or order == warmup.file_order(cache)
+        path.write_text("[" * 100_000 + "]" * 100_000)  # nested past the JSON decoder's recursion limit
+        assert warmup.load_profile(cache, path, "m") is None
+
+
 def _get(port: int, path: str) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("GET", path)

@@ -56,17 +56,18 @@ def load_profile(cache: ExpertCache, path: str | os.PathLike, fingerprint: str) 
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: nested too deep to decode
         log.warning("ignoring the expert usage profile %s: %s", path, err)
         return None
     if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION or data.get("model") != fingerprint:
         return None
+    experts = data.get("experts")
     first = []
-    for item in data.get("experts", []):
+    for item in experts if isinstance(experts, list) else []:  # damaged entries are left out, never an error
         if (
             isinstance(item, list)
             and len(item) == 2
-            and all(isinstance(v, int) for v in item)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in item)
             and 0 <= item[0] < cache.num_layers
             and 0 <= item[1] < cache.num_experts
         ):

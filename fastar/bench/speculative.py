@@ -129,14 +129,16 @@ def bench(
 
 class ReplayDrafter(Drafter):
     """Benchmark-only draft: the next tokens of `transcript` (a plain greedy run), each right with probability
-    `accuracy` and otherwise another token; no model cost, no context rows."""
+    `accuracy` and otherwise another token; no model cost, no context rows. `sampled`: each draft comes with the
+    one-hot distribution it was "drawn" from, so speculative sampling can verify it (accepted with the target's
+    probability of that token: lossless, as any draft distribution is)."""
 
     kind = "replay"
     max_drafts = 4
 
-    def __init__(self, model, accuracy: float) -> None:
+    def __init__(self, model, accuracy: float, sampled: bool = False) -> None:
         super().__init__(model)
-        self.accuracy, self.transcript = accuracy, []
+        self.accuracy, self.transcript, self.sampled = accuracy, [], sampled
         self.rng = torch.Generator().manual_seed(1)
 
     def _observe(self, state, rec, prev) -> None:
@@ -147,7 +149,8 @@ class ReplayDrafter(Drafter):
         nxt = seq[m + 1 : m + 1 + k] if m < len(seq) and seq[m] == anchor else []
         nxt += [anchor] * (k - len(nxt))
         out = [t if float(torch.rand(1, generator=self.rng)) < self.accuracy else (t + 1) % V for t in nxt]
-        return Proposal(out, None, [None] * k)
+        probs = torch.nn.functional.one_hot(torch.tensor(out), V).float() if self.sampled else None
+        return Proposal(out, probs, [None] * k)
 
 
 def format_bench(rows: list[dict]) -> str:

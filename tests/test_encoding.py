@@ -506,11 +506,15 @@ def test_chat_prompt_is_the_text_and_knows_its_content() -> None:
         assert type(prompt[3]) is str and type(prompt[::2]) is str
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_golden_token_ids_are_those_of_the_whole_text(n: int) -> None:
+@pytest.fixture(scope="module")
+def tok():
     from fastar.engine.tokenizer import Tokenizer
 
-    tok = Tokenizer.default()
+    return Tokenizer.default()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_golden_token_ids_are_those_of_the_whole_text(n: int, tok) -> None:
     messages, expected = golden_case(n)
     prompt = encode_messages(messages, thinking_mode=GOLDEN_MODES[n])
     assert prompt == expected and tok.encode(prompt) == tok.encode(expected)
@@ -520,10 +524,7 @@ def test_golden_token_ids_are_those_of_the_whole_text(n: int) -> None:
     assert tok.decode(tok.encode(tail)) == tail
 
 
-def test_special_strings_in_content_are_never_control_tokens() -> None:
-    from fastar.engine.tokenizer import Tokenizer
-
-    tok = Tokenizer.default()
+def test_special_strings_in_content_are_never_control_tokens(tok) -> None:
     added = set(tok.hf.get_added_tokens_decoder())
     for mode in ("thinking", "chat"):
         prompt = encode_messages(_everywhere(INJECT), mode, drop_thinking=False)

@@ -351,9 +351,9 @@ def main(a) -> int:
     if a.decode_tokens < 1:
         raise FastarError(f"--profile: --decode-tokens (the steps profiled) must be at least 1, got {a.decode_tokens}")
     rows = [int(s) for s in parts]
-    budget = (
+    budget = (  # `fastar bench` always has --ram-budget; its first value when it lists several
         (a.ram_budget.split(",")[0] if isinstance(a.ram_budget, str) else a.ram_budget)
-        if getattr(a, "ram_budget", None) is not None
+        if a.ram_budget is not None
         else "auto"
     )
     r = bench(a.model, rows, steps=a.decode_tokens, prompt_tokens=a.prompt_tokens, ram_budget=budget)

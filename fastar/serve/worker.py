@@ -15,7 +15,8 @@ prefix_cache_size=)` -> an object with `submit_choices(ids, [params], on_chunk=[
 cancel=[...])` (one prompt, one or more choices; raising `QueueFull` with `retry_after`, or a ValueError for a bad
 prompt), `run(stop_event)`, `idle`,
 `metrics()` and `flush()` (pending prompt-cache writes, at shutdown); plus `stats()`, `tokenizer`,
-`context_length` and `close()`.
+`context_length`, `load_progress()`, `warm_experts(profile_dir)` (started once the engine is loaded; /health
+reports `warm_status()`), `compile_grammar(grammar)` (the routes, for constrained decoding) and `close()`.
 
 Does not own: HTTP or the OpenAI shapes (`fastar.serve.server`, `fastar.serve.protocol`). Never imports torch.
 """

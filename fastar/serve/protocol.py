@@ -6,7 +6,13 @@ Owns:
     `SamplingParams`; `n` (both), `best_of` and a list of prompts (completions); choice j of a prompt samples with
     `seed + j` (`choice_sampling`). Unknown fields are ignored (clients send many); known fields of the wrong
     type are a 400 naming the field. Thinking on/off is decided here from DeepSeek's `thinking` object,
-    `chat_template_kwargs` and `reasoning_effort`, in that order of precedence.
+    `chat_template_kwargs` and `reasoning_effort`, in that order of precedence, else the server's
+    `--reasoning-default` (`REASONING_DEFAULTS`); `thinking_budget()` maps `budget_tokens` and the lower efforts
+    (`EFFORT_BUDGETS`) to the sampling's thinking budget.
+  * `output_grammar()` / `compiled_sampling()`: the request fields that ask for constrained decoding
+    (`response_format`, a forced `tool_choice`) as a grammar (`fastar.engine.constraint`; a 400 naming the field
+    when it cannot be enforced), compiled by the engine's `compile_grammar` before the request is queued.
+  * `ChatTurn` / `CompletionTurn`: one choice's reply as its chunks arrive (deltas, logprobs, finish reason).
   * `StopFilter`: holds back streamed text that could be the start of a stop string, so a partial stop string
     never reaches the client, and cuts the text at the first complete one.
   * Builders for chat/completion responses, stream chunks, usage and logprobs, and the SSE byte framing.

@@ -723,6 +723,24 @@ def test_health_while_loading_and_load_failure():
         srv.shutdown()
 
 
+def test_a_failed_expert_warm_up_does_not_stop_the_server(caplog):
+    """The warm-up only saves the first requests some reads: if starting it fails (an unreadable prompt cache
+    folder, say), the server still serves, says so in the log, and /health reports the warm-up off."""
+
+    class NoWarmUp(FakeEngine):
+        def warm_experts(self, profile_dir=None) -> None:
+            raise PermissionError(13, "Permission denied", "cache/hot-experts.json")
+
+    srv = start_server(NoWarmUp())
+    try:
+        status, _, data = raw(srv, "GET", "/health")
+        assert status == 200 and json.loads(data)["experts"] == {"status": "off"}
+        assert chat(client(srv), "still served", extra_body=NO_THINK).choices[0].message.content
+        assert any("warm" in r.getMessage() and "Permission denied" in r.getMessage() for r in caplog.records)
+    finally:
+        srv.shutdown()
+
+
 def test_metrics(server):
     chat(client(server), "measure me", extra_body=NO_THINK)
     status, headers, data = raw(server, "GET", "/metrics")

@@ -130,8 +130,7 @@ class EngineHost:
             )
             self.engine = engine
             on_ready(engine)
-            # the budget's worth of experts read into RAM behind the requests, so the first ones run warm too
-            engine.warm_experts(b.prompt_cache)
+            self._warm(engine)
         except BaseException as err:  # noqa: BLE001 - reported through /health, and by serve() as the exit reason
             if not isinstance(err, (FastarError, OSError)):  # those are the user's to fix, in one line
                 log.exception("loading the model failed")
@@ -142,6 +141,14 @@ class EngineHost:
         self._worker.start()
         self.ready.set()
         self._settled.set()
+
+    def _warm(self, engine: Any) -> None:
+        """The budget's worth of experts read into RAM behind the requests, so the first ones run warm too. Only a
+        head start: a warm-up that cannot start (an unreadable profile folder) is logged, and requests are served."""
+        try:
+            engine.warm_experts(self.batching.prompt_cache)
+        except Exception as err:  # noqa: BLE001 - the server serves without it
+            log.warning("the expert cache's warm-up did not start: %s: %s", type(err).__name__, err)
 
     def progress(self) -> float:
         if self.ready.is_set():

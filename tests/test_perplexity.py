@@ -115,3 +115,40 @@ def test_one_line_errors(vocab_ckpt, text_file, tmp_path, capsys):
         code, out, err = run(capsys, "perplexity", *args)
         assert code == 1 and out == "" and err.count("\n") == 1 and err.startswith("fastar: error: "), (args, err)
         assert message in err, (args, err)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["header length 2**63", "header length 2**40", "negative counts", "counts as text", "header a list", "deep"],
+)
+def test_damaged_logits_file_is_a_one_line_error(tmp_path, damage):
+    """A --kl-divergence file damaged in its header is a FastarError naming it, never a traceback (an overflowing
+    or memory-exhausting header read, or a negative count reaching np.memmap)."""
+    import struct
+
+    from fastar.engine.logits_file import MAGIC, VERSION, LogitsFile, LogitsWriter
+    from fastar.errors import FastarError
+
+    path = tmp_path / "run.logits"
+    w = LogitsWriter(path, [1, 2, 3], [1, 2], 4, ctx=3, stride=1)
+    w.add(np.zeros((2, 4), np.float16), np.zeros(2, np.float32))
+    w.close()
+    assert LogitsFile(path).rows.shape == (2, 4)  # the undamaged file reads
+    raw = path.read_bytes()
+    hlen = struct.unpack_from("<Q", raw, len(MAGIC) + 4)[0]
+    header = json.loads(raw[len(MAGIC) + 12 : len(MAGIC) + 12 + hlen])
+    headers = {
+        "negative counts": {**header, "num_tokens": -3, "num_scored": 0},
+        "counts as text": {**header, "vocab_size": "4"},
+        "header a list": [header],
+        "deep": json.loads("[" * 50 + "]" * 50),  # nested, not a header
+    }
+    lengths = {"header length 2**63": 2**63, "header length 2**40": 2**40}
+    if damage in lengths:
+        bad = raw[: len(MAGIC) + 4] + struct.pack("<Q", lengths[damage]) + raw[len(MAGIC) + 12 :]
+    else:
+        body = json.dumps(headers[damage]).encode()
+        bad = MAGIC + struct.pack("<IQ", VERSION, len(body)) + body + raw[len(MAGIC) + 12 + hlen :]
+    path.write_bytes(bad)
+    with pytest.raises(FastarError, match=r"run\.logits: the logits file"):
+        LogitsFile(path)

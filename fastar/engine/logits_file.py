@@ -101,18 +101,21 @@ class LogitsFile:
                 version, hlen = struct.unpack_from("<IQ", head, len(MAGIC))
                 if version != VERSION:
                     raise FastarError(f"{self.path}: logits file version {version} is not supported ({VERSION})")
+                if len(MAGIC) + 12 + hlen > os.fstat(f.fileno()).st_size:  # read no more than the file holds
+                    raise FastarError(f"{self.path}: the logits file is truncated or corrupt (its header length)")
                 self.header = json.loads(f.read(hlen).decode())
         except FileNotFoundError:
             raise FastarError(f"{self.path}: no such file") from None
-        except (struct.error, UnicodeDecodeError, ValueError) as e:
+        except (struct.error, UnicodeDecodeError, ValueError, RecursionError) as e:
             raise FastarError(f"{self.path}: the logits file is corrupt ({e})") from None
         start = len(MAGIC) + 12 + hlen
         start += -start % ALIGN
-        try:
-            at = _offsets(self.header, start)
-            n, m, v = self.header["num_tokens"], self.header["num_scored"], self.header["vocab_size"]
-        except (KeyError, TypeError) as e:
-            raise FastarError(f"{self.path}: the logits file's header lacks {e}") from None
+        keys = ("num_tokens", "num_scored", "vocab_size")
+        counts = [self.header.get(k) for k in keys] if isinstance(self.header, dict) else [None] * 3
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            raise FastarError(f"{self.path}: the logits file's header needs {', '.join(keys)} as counts")
+        at = _offsets(self.header, start)
+        n, m, v = counts
         if self.path.stat().st_size != at["end"]:
             raise FastarError(f"{self.path}: the logits file is truncated or corrupt (size does not match its header)")
         self.ids = np.memmap(self.path, "<i4", "r", at["ids"], (n,))

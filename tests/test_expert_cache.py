@@ -663,3 +663,26 @@ def test_cache_reports_its_slab_committed(fst):
         s = cache.wait_committed(timeout=60)
         assert (s is not None and s >= 0) is _kernel_populates()
         assert cache.get(0, 1) is not None
+
+
+def test_claiming_a_starved_scan_prefetch_wakes_the_loader(fst):
+    """A scan prefetch finds no slot it may take (none of the scanned layer's records is evictable): it waits and the
+    loader sleeps until a pin is released. Claiming that read (it becomes a demand read, which may evict anything)
+    must wake the loader, or the claimant waits forever: a paged prefill prefetches the hash layers' experts at
+    the start of a span, and claims the first layer's behind them."""
+    with ExpertCache(fst, 4 * fst.expert_stride, io_threads=1, policy="lru") as c:
+        assert [e for b in c.each_batch(2, range(4)) for e, _ in b] == [0, 1, 2, 3]  # layer 2 fills the 4 slots
+        assert list(c.each_batch(1, [])) == []  # the scan has moved on to layer 1, none of whose records is held
+        assert c.prefetch(0, range(4), scan=True) == 4
+        deadline = time.monotonic() + TIMEOUT
+        while not c._starved and time.monotonic() < deadline:  # the loader has tried, found no slot, and sleeps
+            time.sleep(0.01)
+        assert c._starved
+        got, done = [], threading.Event()
+
+        def claim():
+            got.extend(e for b in c.each_batch(0, range(4), scan=True) for e, _ in b)
+            done.set()
+
+        threading.Thread(target=claim, daemon=True).start()
+        assert done.wait(TIMEOUT) and sorted(got) == [0, 1, 2, 3]

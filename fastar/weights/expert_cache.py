@@ -533,6 +533,7 @@ class ExpertCache:
             if load.slot < 0:
                 self._prefetch.remove(load)
                 self._demand.append(load)
+                self._cond.notify_all()  # a loader starved on it as a scan prefetch may take a slot for it now
             self._src[load.source]["used"] += 1
             self._src[load.source]["late"] += 1
         if load.slot >= 0:

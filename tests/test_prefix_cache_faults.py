@@ -201,6 +201,9 @@ def damage(raw: bytes, kind: str) -> bytes:
         header["state_sha256"] = hashlib.sha256(body).hexdigest()
         hb = json.dumps(header).encode()
         return raw[:12] + struct.pack("<Q", len(hb)) + hb + body
+    if kind == "deep-header":  # JSON nested past the decoder's recursion limit, where the header stands
+        hb = b"[" * 100_000 + b"]" * 100_000
+        return raw[:12] + struct.pack("<Q", len(hb)) + hb + raw[20 + hlen :]
     assert kind == "not-a-state"
     return bytes(range(256)) * (len(raw) // 256)
 
@@ -211,6 +214,7 @@ REASONS = {
     "other-file-version": "version 2, expected 1",
     "other-state-version": "decode state version 3 is not supported",
     "not-a-state": "not a prefix cache file",
+    "deep-header": "corrupt header",
 }
 
 

@@ -186,7 +186,7 @@ class PrefixCache:
         try:
             header = json.loads(raw[20 : 20 + hlen].decode())
             tokens, size, digest = header["tokens"], int(header["state_bytes"]), header["state_sha256"]
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:  # (nested too deep)
             return None, f"corrupt header ({e})"
         if header.get("fingerprint") != self.fingerprint:
             return None, "saved with another model or numerics"

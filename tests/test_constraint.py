@@ -304,6 +304,12 @@ for _ in range(200):
             "tools",
             "Unknown format: bogus",
         ),
+        (
+            {"functions": [{"name": "f", "parameters": {"properties": {"a": {"enum": "x", "type": "string"}}}}]}
+            | {"choice": "required"},
+            "tools",
+            "enum must be an array",
+        ),
         ({"functions": [], "choice": "required"}, "tool_choice", "has no tools"),
         ({"functions": [{"name": "f", "parameters": {"anyOf": []}}], "choice": "required"}, "tools", "anyOf"),
     ],

@@ -147,7 +147,10 @@ def _plain_string(schema: Any) -> bool:
     """Whether a parameter's schema is a string the template's raw `string="true"` form can carry exactly."""
     if not isinstance(schema, dict) or schema.get("type") != "string" or set(schema) - PLAIN_STRING_KEYS:
         return False
-    values = schema.get("enum", []) + ([schema["const"]] if "const" in schema else [])
+    values = schema.get("enum", [])
+    if not isinstance(values, list):  # malformed: the JSON form lets llguidance name the problem
+        return False
+    values = values + ([schema["const"]] if "const" in schema else [])
     return all(isinstance(v, str) and not any(c in v for c in _CUT_TEXTS) for v in values)
 
 

@@ -151,6 +151,21 @@ def test_forced_tool_call_parses_and_its_arguments_validate(engine, choice, name
     check_calls(parsed.tool_calls, names)
 
 
+def test_thinking_mode_reasons_then_the_grammar_holds_after_think_end(engine):
+    """With thinking on, the grammar leaves the reasoning free and applies after `</think>`. The random model never
+    closes its reasoning by itself; a thinking budget forces `</think>` (`fastar.engine.thinking_budget`), and the
+    answer that follows is the schema's."""
+    ids = prompt(engine, thinking=True)
+    free, _, _ = run(engine, ids, max_tokens=48, thinking_budget=6)
+    assert not is_json(parse_completion(free, thinking=True).content)
+    grammar = engine.compile_grammar(C.output_grammar(thinking=True, schema=REPLY))
+    text, tokens, finish = run(engine, ids, grammar, max_tokens=96, thinking_budget=6)
+    parsed = parse_completion(text, thinking=True)
+    assert finish == "stop" and len(tokens[: tokens.index(engine.tokenizer.token_to_id(THINK_END))]) == 6
+    assert parsed.reasoning and not is_json(parsed.reasoning)
+    jsonschema.validate(json.loads(parsed.content), REPLY)
+
+
 def test_a_schema_with_tools_left_to_the_model_gives_that_json_or_valid_calls(engine):
     ids = prompt(engine, tools=[WEATHER, SUM])
     grammar = engine.compile_grammar(C.output_grammar(thinking=False, functions=[WEATHER, SUM], schema=REPLY))

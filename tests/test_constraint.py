@@ -476,11 +476,13 @@ def test_an_absent_tool_or_an_unenforceable_schema_is_a_400_on_all_three_apis(se
         with pytest.raises(openai.BadRequestError) as err:
             case()
         assert err.value.body["param"] == param
+    BOGUS = {"type": "object", "properties": {"a": {"type": "string", "format": "bogus"}}}
     an_tools = [{"name": "get_weather", "input_schema": WEATHER["parameters"]}]
-    for body in (
-        {"tools": an_tools, "tool_choice": {"type": "tool", "name": "nope"}},
-        {"tool_choice": {"type": "any"}},
+    for body, words in (
+        ({"tools": an_tools, "tool_choice": {"type": "tool", "name": "nope"}}, "'nope', which is not among"),
+        ({"tool_choice": {"type": "any"}}, "has no tools"),
+        ({"tools": [{"name": "f", "input_schema": BOGUS}], "tool_choice": {"type": "any"}}, "Unknown format: bogus"),
     ):
         with pytest.raises(anthropic.BadRequestError) as err:
             an.messages.create(model="x", max_tokens=4, messages=ASK, **body)
-        assert "tool" in err.value.message
+        assert words in err.value.message

@@ -486,3 +486,26 @@ def test_an_absent_tool_or_an_unenforceable_schema_is_a_400_on_all_three_apis(se
         with pytest.raises(anthropic.BadRequestError) as err:
             an.messages.create(model="x", max_tokens=4, messages=ASK, **body)
         assert words in err.value.message
+
+
+@pytest.mark.parametrize(
+    "prop",
+    [
+        {"type": "string", "enum": ["a"], "minLength": "1"},  # bounds of another type beside an enum
+        {"type": "string", "enum": ["a"], "maxLength": "9"},
+        {"type": "string", "enum": ["a"], "minLength": True},
+    ],
+)
+def test_malformed_length_bounds_beside_an_enum_are_a_400(server, prop):
+    """A forced call's string parameter with an enum and length bounds that are not integers: a 400 blaming
+    `tools`, as without the enum (they reached a TypeError while the grammar was built: a 500)."""
+    fn = {"name": "pick", "parameters": {"type": "object", "properties": {"a": prop}, "required": ["a"]}}
+    with pytest.raises(openai.BadRequestError) as err:
+        _openai(server).chat.completions.create(
+            model="deepseek-v4-flash",
+            messages=ASK,
+            max_tokens=4,
+            tools=[{"type": "function", "function": fn}],
+            tool_choice="required",
+        )
+    assert err.value.body["param"] == "tools"

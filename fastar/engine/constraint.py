@@ -159,14 +159,14 @@ def _raw_string(name: str, schema: dict) -> str:
     closing = _literal(f"</{DSML}parameter>")
     values = schema.get("enum") if "enum" in schema else [schema["const"]] if "const" in schema else None
     lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    for key, bound in (("minLength", lo), ("maxLength", hi)):  # checked first: the enum filter compares them
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            raise ConstraintError(f"parameter {name!r}: '{key}' must be a non-negative integer")
     if values is not None:
         values = [v for v in values if lo <= len(v) <= (hi if hi is not None else len(v))]
         if not values:
             raise ConstraintError(f"parameter {name!r}: no string satisfies its schema")
         return "(" + " | ".join(_literal(v) for v in values) + f") {closing}"
-    for key, bound in (("minLength", lo), ("maxLength", hi)):
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
-            raise ConstraintError(f"parameter {name!r}: '{key}' must be a non-negative integer")
     count = f"{{{lo},{hi}}}" if hi is not None else f"{{{lo},}}" if lo else "*"
     text = f"/(?s:.{count})/ & ~/(?s:.*)({_CUT})(?s:.*)/"
     return f"({text}) {closing}"

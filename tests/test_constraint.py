@@ -494,6 +494,8 @@ def test_an_absent_tool_or_an_unenforceable_schema_is_a_400_on_all_three_apis(se
         {"type": "string", "enum": ["a"], "minLength": "1"},  # bounds of another type beside an enum
         {"type": "string", "enum": ["a"], "maxLength": "9"},
         {"type": "string", "enum": ["a"], "minLength": True},
+        {"type": "string", "enum": ["a"], "minLength": None},
+        {"type": "string", "maxLength": None},
     ],
 )
 def test_malformed_length_bounds_beside_an_enum_are_a_400(server, prop):

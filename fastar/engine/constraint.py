@@ -159,8 +159,9 @@ def _raw_string(name: str, schema: dict) -> str:
     closing = _literal(f"</{DSML}parameter>")
     values = schema.get("enum") if "enum" in schema else [schema["const"]] if "const" in schema else None
     lo, hi = schema.get("minLength", 0), schema.get("maxLength")
-    for key, bound in (("minLength", lo), ("maxLength", hi)):  # checked first: the enum filter compares them
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+    for key in ("minLength", "maxLength"):  # checked first: the enum filter compares them (null is no bound either)
+        bound = schema.get(key, 0)
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
             raise ConstraintError(f"parameter {name!r}: '{key}' must be a non-negative integer")
     if values is not None:
         values = [v for v in values if lo <= len(v) <= (hi if hi is not None else len(v))]

@@ -311,6 +311,7 @@ for _ in range(200):
         ({"schema": {"type": "object", "if": {}, "then": {}}}, "response_format", "Unimplemented keys"),
         ({"schema": {"type": "strin"}}, "response_format", "strin"),
         ({"schema": DEEP}, "response_format", "recursion limit"),
+        ({"schema": {"enum": ["a\ud800"]}}, "response_format", "not valid Unicode"),
         ({"schema": {"enum": [f"value number {i}" for i in range(80_000)]}}, "response_format", "too large"),
         ({"functions": [WEATHER], "choice": "function:nope"}, "tool_choice", "'nope', which is not among"),
         (

@@ -283,8 +283,12 @@ def output_grammar(
     head = f"start: REASONING {THINK_END} answer" if thinking else "start: answer"
     reasoning = [f"REASONING: /(?s:.*)/ & ~/(?s:.*)({_REASONING_CUT})(?s:.*)/"] if thinking else []
     text = "\n".join(["%llguidance {}", head, *reasoning, f"answer: {' | '.join(alternatives)}", *rules]) + "\n"
-    if len(text.encode()) > MAX_GRAMMAR_BYTES:
-        raise ConstraintError(f"the schemas are too large to enforce ({len(text.encode())} bytes of grammar)", param)
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError as err:  # a lone surrogate in a name or schema (the server refuses them earlier)
+        raise ConstraintError(f"the schemas hold text that is not valid Unicode: {err}", param) from None
+    if size > MAX_GRAMMAR_BYTES:
+        raise ConstraintError(f"the schemas are too large to enforce ({size} bytes of grammar)", param)
     return Grammar(text, param)
 
 

@@ -53,6 +53,10 @@ class _Parser(argparse.ArgumentParser):
         act = super().add_argument(*args, **kw)
         if act.dest not in ("help", "version") and act.option_strings:
             act.default = _env_default(act.dest, act.default, act.type if callable(act.type) else None)
+            name = "FASTAR_" + act.dest.upper()
+            if act.choices is not None and name in os.environ and act.default not in act.choices:  # as argparse
+                choices = ", ".join(map(repr, act.choices))
+                raise UsageError(f"{name}={os.environ[name]!r}: invalid choice (choose from {choices})")
             if act.required and os.environ.get("FASTAR_" + act.dest.upper()):
                 act.required = False
         return act

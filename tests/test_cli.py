@@ -45,6 +45,22 @@ def test_env_mirror_and_flag_precedence(monkeypatch):
     assert a.model == "from-env.fst"
 
 
+def test_env_mirror_of_a_flag_with_choices_is_checked_as_the_flag_is(monkeypatch, capsys):
+    """FASTAR_REASONING_DEFAULT=bogus (or FASTAR_NUMERICS, FASTAR_DRAFT) is the usage error `--reasoning-default
+    bogus` is: it went past argparse's choices and ended in a ValueError traceback, or ran with the value ignored."""
+    from fastar.cli import main
+
+    for name in ("REASONING_DEFAULT", "NUMERICS", "DRAFT"):
+        with monkeypatch.context() as mp:
+            mp.setenv(f"FASTAR_{name}", "bogus")
+            assert main(["serve", "-m", "x.fst"]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1, (name, err)
+            assert err.startswith("fastar: error: ") and f"FASTAR_{name}='bogus'" in err and "choose from" in err, err
+    monkeypatch.setenv("FASTAR_REASONING_DEFAULT", "none")  # a valid value is the flag's default
+    assert build_parser().parse_args(["serve"]).reasoning_default == "none"
+
+
 def test_errors_are_one_line(tmp_path):
     bad = tmp_path / "notes.txt"
     bad.write_text("hello")

@@ -532,11 +532,11 @@ def _transformers_run(hf_dir: str, prompt: list[int], decode: int, dtype: str, t
         out = m(ids, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
         first["prefill_logits_positions"] = out.logits.shape[1]
-        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        past, tok = out.cache, out.logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(decode):
-            out = m(tok, past_key_values=past, use_cache=True)
-            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = m(tok, cache=past, use_cache=True)
+            past, tok = out.cache, out.logits[:, -1:].argmax(-1)
         decode_s = time.perf_counter() - t0
     return {
         "prefill_tok_s": len(prompt) / prefill_s,

@@ -113,7 +113,7 @@ def test_choices_of_one_prompt_are_prefilled_once_and_each_equals_its_solo_run(e
 
 def test_choices_cancelled_before_the_fork_and_a_group_wider_than_the_batch(eng):
     """A choice cancelled while its prompt prefills ends without a token and the others go on; the prompt itself
-    stops only once every choice is cancelled. A group of more choices than max_batch is admitted alone."""
+    stops only once every choice is cancelled. A group of more choices than max_batch is admitted."""
     params = [SamplingParams(max_tokens=6, ignore_eos=True)] * 3
     sched = Scheduler(eng, max_batch=2, max_queue=4)
     hs = sched.submit_choices(prompt(9, 40), params)
@@ -131,6 +131,33 @@ def test_choices_cancelled_before_the_fork_and_a_group_wider_than_the_batch(eng)
     assert all(list(h)[-1].finish_reason == "cancelled" for h in gone)
     with pytest.raises(ValueError, match="same max_tokens"):
         sched.submit_choices([1, 2], [SamplingParams(max_tokens=1), SamplingParams(max_tokens=2)])
+
+
+def test_a_group_wider_than_the_batch_holds_its_extra_choices_back(eng):
+    """Six choices with max_batch 2, beside a request queued after them: two rows decode at a time, the other
+    choices wait and are forked from one kept copy of the prefilled state as rows free (before the later request),
+    so at most 3 forked states exist at once (2 rows + the copy), not 5; each choice, a cancelled held one aside,
+    gets exactly its solo chunks; the prompt is prefilled once."""
+    needs_invariant_kernels()
+    ids, other = prompt(11, 60), prompt(12, 9)
+    params = [SamplingParams(max_tokens=10, temperature=0.8, seed=20 + i, ignore_eos=True) for i in range(6)]
+    sched = Scheduler(eng, max_batch=2, max_queue=8)
+    before = eng.counters.prefill_tokens_computed
+    hs = sched.submit_choices(ids, params)
+    late = sched.submit(other, SamplingParams(max_tokens=5, ignore_eos=True))
+    hs[4].cancel()
+    sched.run_until_idle()
+    assert eng.counters.prefill_tokens_computed - before == len(ids) + len(other)
+    outs = [list(h) for h in hs]
+    for i, (p, chunks) in enumerate(zip(params, outs)):
+        if i == 4:
+            assert [c.finish_reason for c in chunks] == ["cancelled"]
+        else:
+            same_chunks(chunks, solo(eng, ids, p))
+    same_chunks(list(late), solo(eng, other, SamplingParams(max_tokens=5, ignore_eos=True)))
+    m = sched.metrics()
+    assert m["forked_states_peak"] == 3 and m["forked_states"] == 0
+    assert max(m["batch_size_histogram"]) == 2
 
 
 def test_stop_strings_and_stop_tokens_batched(eng):

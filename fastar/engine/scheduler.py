@@ -51,7 +51,11 @@ Several choices of one prompt (`submit_choices`: the server's `n` and `best_of`)
 the first choice; when its last chunk has run, the state is forked for every other choice (`ModelState.fork`: a
 copy of the rows the next tokens read, not of those kept for long rollbacks), each choice samples the same last
 logits with its own sampler, and from then on the choices are independent rows of the batch. A fork is exact, so
-each choice's chunks equal a request of its own with its params. The group takes one row per choice.
+each choice's chunks equal a request of its own with its params. The group takes one row per choice, up to
+`max_batch`: the choices beyond it are held back, and the prefilled state is kept once (one more fork, with the
+last logits) for them; each held choice is forked from that kept copy when a row frees (before any waiting request
+is admitted), the last one taking the copy itself. So a group of any width holds at most `max_batch` rows' states
+plus that one copy, never one state per choice (`metrics()["forked_states_peak"]` counts them).
 
 Admission: a request waits in a FIFO queue of at most `max_queue` (beyond: `QueueFull`, which a server answers
 with 503 and Retry-After); it becomes active when fewer than `max_batch` are active and, with `token_budget`, when
@@ -145,6 +149,8 @@ class _Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     forks: list[_Request] = field(default_factory=list)  # the other choices of its prompt, forked after prefill
+    held: list[_Request] = field(default_factory=list)  # choices beyond max_batch: forked later from a kept copy
+    forked: bool = False  # its state is a fork of its prompt's (counted in the scheduler's forked states)
     budget: ThinkingBudget | None = None  # forces `</think>` when its thinking budget is spent
 
     @property
@@ -159,7 +165,19 @@ class _Request:
     @property
     def all_cancelled(self) -> bool:
         """Cancelled, and so is every choice still waiting for its prompt (only then may the prompt stop)."""
-        return self.handle.cancelled and all(f.handle.cancelled for f in self.forks)
+        return self.handle.cancelled and all(f.handle.cancelled for f in [*self.forks, *self.held])
+
+
+@dataclass(eq=False)
+class _Held:
+    """Choices of a prefilled prompt waiting for a row: the kept copy of its state and last logits they fork from."""
+
+    state: object
+    logits: torch.Tensor
+    done: int
+    cached: int
+    scores: PromptLogprobs | None
+    choices: deque[_Request]
 
 
 class Scheduler:
@@ -202,6 +220,9 @@ class Scheduler:
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._active: list[_Request] = []  # admission order: prefilling ones, then decoding
+        self._held: deque[_Held] = deque()  # choices of prefilled prompts waiting for a row (before _waiting)
+        self._forked_states = 0  # live states forked for choices (held copies included)
+        self._forked_states_peak = 0
         self._counts: Counter = Counter()
         self._batch_sizes: Counter = Counter()
         self._step_seconds = 0.0
@@ -249,7 +270,8 @@ class Scheduler:
         """Queue several choices of one prompt (`n`, `best_of`): one `Handle` per entry of `params`, each choice
         getting exactly the chunks `submit(prompt, params[i])` would give. The prompt is prefilled once; its state
         is then forked for every other choice (`ModelState.fork`) and the choices decode as rows of the batch. The
-        group takes one row per choice. `on_chunk`, `on_error`, `cancel`: one per choice (as for `submit`);
+        group takes one row per choice, at most `max_batch`; the others wait for rows (see the module docstring).
+        `on_chunk`, `on_error`, `cancel`: one per choice (as for `submit`);
         `on_progress`: the shared prompt's. All choices have the same `max_tokens`. Raises as `submit` does."""
         k = len(params)
         if k < 1 or len({p.max_tokens for p in params}) != 1:
@@ -277,7 +299,7 @@ class Scheduler:
                 )
             )
         req = reqs[0]
-        req.forks = reqs[1:]
+        req.forks, req.held = reqs[1 : self.max_batch], reqs[self.max_batch :]
         with self._lock:
             free = max(0, self.max_batch - len(self._active))  # waiting requests the next step admits
             if len(self._waiting) >= self.max_queue + free:
@@ -343,6 +365,8 @@ class Scheduler:
             "prefix_disk_loading": sum(r.loading is not None for r in active),
             "draft_steps": self._counts["draft_steps"],
             "sampled_draft_steps": self._counts["sampled_draft_steps"],
+            "forked_states": self._forked_states,
+            "forked_states_peak": self._forked_states_peak,
         }
 
     @property
@@ -368,10 +392,13 @@ class Scheduler:
         """End every queued and active request with `err` (their iterators raise it)."""
         with self._lock:
             reqs, self._waiting = [*self._waiting, *self._active], deque()
-            self._active = []
+            held, self._held = [f for h in self._held for f in h.choices], deque()
+            self._active, self._forked_states = [], 0
         for r in reqs:
-            for member in (r, *r.forks):
+            for member in (r, *r.forks, *r.held):
                 member.handle._fail(err)
+        for f in held:
+            f.handle._fail(err)
 
     def run_until_idle(self) -> None:
         """Step until every request has finished, and its states are on disk."""
@@ -402,6 +429,7 @@ class Scheduler:
         then one prefill chunk of the oldest prefilling one. Returns whether work remains."""
         t0 = time.perf_counter()
         self._drop_cancelled()
+        self._unhold()
         self._admit()
         self._adopt_loaded()
         decoding = [r for r in self._active if r.pending is not None]
@@ -419,7 +447,7 @@ class Scheduler:
             self._step_seconds += dt
             self._last_step_seconds = dt
         with self._lock:
-            return bool(self._waiting or self._active)
+            return bool(self._waiting or self._active or self._held)
 
     def _drop_cancelled(self) -> None:
         """Drop cancelled requests; a prompt shared by several choices only once all of them are cancelled."""
@@ -428,20 +456,51 @@ class Scheduler:
             for r in gone:
                 self._waiting.remove(r)
         for r in gone:
-            for f in r.forks:
+            for f in [*r.forks, *r.held]:
                 self._finish(f, f.chunks.cancelled(0), count="cancelled", active=False)
             self._finish(r, r.chunks.cancelled(0), count="cancelled", active=False)
         for r in [r for r in self._active if r.all_cancelled]:
-            for f in r.forks:
+            for f in [*r.forks, *r.held]:
                 self._finish(f, f.chunks.cancelled(r.cached), count="cancelled", active=False)
-            r.forks = []
+            r.forks, r.held = [], []
             last = r.chunks.cancelled(r.cached) if not r.generated else r.chunks.finish_cancelled(r.cached)
             self._finish(r, last, count="cancelled")
+
+    def _unhold(self) -> None:
+        """Fork held choices into the rows that are free (as `_admit` counts rows and the token budget), oldest
+        first; a cancelled one ends here. The last choice of a group takes the kept copy itself."""
+        while self._held:
+            h = self._held[0]
+            f = h.choices[0]
+            if not f.handle.cancelled and self._active:
+                if sum(r.slots for r in self._active) >= self.max_batch:
+                    return
+                in_flight = sum(r.cost for r in self._active)
+                if self.token_budget is not None and in_flight + f.cost > self.token_budget:
+                    return
+            h.choices.popleft()
+            if not h.choices:
+                self._held.popleft()
+            if f.handle.cancelled:
+                self._finish(f, f.chunks.cancelled(h.cached), count="cancelled", active=False)
+                if not h.choices:
+                    self._forked_states -= 1  # the kept copy, no longer needed
+                continue
+            f.state = h.state if not h.choices else self._new_fork(h.state)
+            f.done, f.cached, f.scores, f.forked = h.done, h.cached, h.scores, True
+            with self._lock:
+                self._active.append(f)
+            self._sampled(f, h.logits)
+
+    def _new_fork(self, state):
+        self._forked_states += 1
+        self._forked_states_peak = max(self._forked_states_peak, self._forked_states)
+        return state.fork(speculative.VERIFY_MAX)
 
     def _admit(self) -> None:
         admitted = []
         with self._lock:
-            while self._waiting:
+            while self._waiting and not self._held:  # held choices of an admitted group take free rows first
                 req = self._waiting[0]
                 used = sum(r.slots for r in self._active)
                 if self._active and used + req.slots > self.max_batch:  # a group alone is always admitted
@@ -464,9 +523,9 @@ class Scheduler:
             self._adopt(req, None, reuse=False)
             return
         if req.params.max_tokens == 0:  # (every choice's: they share it)
-            for f in req.forks:
+            for f in [*req.forks, *req.held]:
                 self._finish(f, f.chunks.empty(), active=False)
-            req.forks = []
+            req.forks, req.held = [], []
             self._finish(req, req.chunks.empty())
             return
         limit = len(req.ids) - 1  # the prompt's last token must run: its logits give the first token
@@ -535,15 +594,20 @@ class Scheduler:
             self.prefix_cache.store(req.ids, req.state, keep=keep)
         if req.scorer is not None:  # every choice's first chunk carries the prompt's scores
             req.scores, req.scorer = req.scorer.result(), None
-            for f in req.forks:
+            for f in [*req.forks, *req.held]:
                 f.scores = req.scores
         if req.params.max_tokens == 0:  # scored only (prompt logprobs): nothing to generate, for any choice
-            for r in [*req.forks, req]:
+            for r in [*req.forks, *req.held, req]:
                 last = r.chunks.empty()
                 last.prompt_logprobs = r.scores
                 self._finish(r, last, active=r is req)
-            req.forks = []
+            req.forks, req.held = [], []
             return
+        if req.held:  # kept before req decodes (its state changes, or goes to prefix memory, from now on)
+            held, req.held = req.held, []
+            self._held.append(
+                _Held(self._new_fork(req.state), logits[-1], req.done, req.cached, req.scores, deque(held))
+            )
         forked = self._fork(req)
         self._sampled(req, logits[-1])
         for f in forked:  # each samples the same last logits with its own sampler, as it would alone
@@ -557,7 +621,7 @@ class Scheduler:
             if f.handle.cancelled:
                 self._finish(f, f.chunks.cancelled(req.cached), count="cancelled", active=False)
                 continue
-            f.state, f.done, f.cached = req.state.fork(speculative.VERIFY_MAX), req.done, req.cached
+            f.state, f.done, f.cached, f.forked = self._new_fork(req.state), req.done, req.cached, True
             forked.append(f)
         with self._lock:
             self._active.extend(forked)
@@ -627,7 +691,8 @@ class Scheduler:
             with self._lock:
                 self._active.remove(req)
             self._counts["finished"] += 1
-            req.state = None
+            self._forked_states -= req.forked
+            req.state, req.forked = None, False
             req.handle._fail(err)
             return
         self._emit(req, *picked)
@@ -664,7 +729,8 @@ class Scheduler:
             self._rates.append((n - 1) / (req.last_token_at - req.first_token_at))
         if req.state is not None and req.state.length > 0:  # what it processed, for the next turn to reuse
             self.memory.put((req.ids + req.generated)[: req.state.length], req.state, len(req.ids))
-        req.state = None
+        self._forked_states -= req.forked
+        req.state, req.forked = None, False
         req.emit(last)
         req.handle.done.set()
 

@@ -127,6 +127,18 @@ def test_json_schema_reply_validates_where_the_free_reply_is_not_json(engine, te
     jsonschema.validate(json.loads(text), REPLY)
 
 
+def test_ignore_eos_under_a_grammar_ends_at_the_completed_grammars_eos(engine):
+    """`ignore_eos` with a grammar: once the grammar is complete it allows only EOS, so the request ends there
+    ("stop", the reply of the same request without ignore_eos) instead of writing EOS until max_tokens."""
+    ids = prompt(engine)
+    grammar = engine.compile_grammar(C.output_grammar(thinking=False, schema=REPLY))
+    plain = run(engine, ids, grammar, max_tokens=200)
+    text, tokens, finish = run(engine, ids, grammar, max_tokens=200, ignore_eos=True)
+    assert (text, tokens, finish) == plain and finish == "stop" and len(tokens) < 200
+    assert tokens.count(engine.tokenizer.eos_id) == 1
+    jsonschema.validate(json.loads(text), REPLY)
+
+
 def test_json_object_reply_is_a_json_object_as_far_as_it_goes(engine):
     """`json_object` allows any object: the random model never closes its first key within max_tokens, so the
     reply is cut, but every character of it is JSON an object may start with."""

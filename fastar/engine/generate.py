@@ -133,7 +133,10 @@ class ChunkMaker:
         self.params, self.prompt_tokens, self.context_length = params, prompt_tokens, context_length
         self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
         self.stops = StopStrings(params.stop)
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else {eos_token_id})
+        # Under a grammar EOS always ends the request, `ignore_eos` or not: the grammar allows EOS only where it may
+        # end, and once EOS is taken it is complete and allows nothing but EOS (which would repeat to max_tokens).
+        free_eos = params.ignore_eos and params.grammar is None
+        self.stop_ids = set(params.stop_token_ids) | (set() if free_eos else {eos_token_id})
         self.n = 0  # tokens fed
 
     def usage(self, cached_tokens: int) -> dict[str, int]:

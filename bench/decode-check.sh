@@ -13,6 +13,7 @@
 #   4. prefill pp64 and pp512 against transformers bfloat16 (`--compare-transformers`, logits_to_keep=1, on as many
 #      threads as fastar's kernels);
 #   5. the first request after a cold restart of `fastar serve` against a warm one (scripts/first_request.py);
+#   6. a lone unseeded sampled request with and without drafting, drafts replayed (scripts/sampled_draft.py);
 # and prints a compact summary beside the issue's goals (>= 90 % of the ceiling at one stream, >= 70 % of the
 # roofline at 4 and 8 streams, <= 5 % outside kernels, pp512 >= 2x and pp64 >= 1x transformers, the first request
 # within 1.5x of a warm one). Every figure is a
@@ -77,6 +78,10 @@ fi
 
 step "5. the first request after a cold restart against a warm one (fastar serve)"
 run first python scripts/first_request.py "$FST" --prompt 64 --tokens 16 --json
+
+step "6. a lone sampled request with and without drafting (replayed drafts, speculative sampling)"
+python scripts/sampled_draft.py "$FST" --tokens 24 --repeats 3 --temperature 0.01 >"$OUT/sampled.txt" 2>"$OUT/sampled.log" \
+    || { tail -20 "$OUT/sampled.log" >&2; die "scripts/sampled_draft.py failed"; }
 
 step "summary"
 python - "$OUT" <<'EOF'
@@ -144,6 +149,7 @@ print(
     f"{f['warmup_after_first'].get('status')} {f['warmup_after_first'].get('experts_loaded')}/"
     f"{f['warmup_after_first'].get('experts_target')}; warm-up {f['warmup'].get('seconds')} s; load {f['load_s']:.1f} s)"
 )
+print("sampled drafting: " + (out / "sampled.txt").read_text().strip().split(": ", 1)[1])
 print(f"JSON and logs of every run: {out}")
 EOF
 step "done"

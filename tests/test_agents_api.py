@@ -22,10 +22,12 @@ from test_server import USER, WEATHER_TOOL, FakeEngine
 
 from fastar.encoding import EOS
 from fastar.serve import anthropic as A
-from fastar.serve import protocol as P
+from fastar.serve import openai_request
 from fastar.serve import responses as R
+from fastar.serve.api_error import APIError
+from fastar.serve.metrics import Metrics
 from fastar.serve.turn import Backend, ClientDisconnected, Conversation, ReplayCache, prompt_ids, record_reply
-from fastar.serve.worker import Batching, EngineHost, Metrics
+from fastar.serve.worker import Batching, EngineHost
 
 anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a test dependency")
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
@@ -175,22 +177,22 @@ def test_responses_stream_event_sequence_for_a_tool_call(backend):
 
 
 def test_errors_in_each_api_shape(backend):
-    with pytest.raises(P.APIError) as err:
+    with pytest.raises(APIError) as err:
         A.messages({"max_tokens": 10, "messages": []}, backend)
     assert err.value.status == 400
     assert A.error_body(err.value) == {
         "type": "error",
         "error": {"type": "invalid_request_error", "message": "'messages' must be a non-empty list of message objects"},
     }
-    with pytest.raises(P.APIError) as err:
+    with pytest.raises(APIError) as err:
         A.messages(
             {"max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, backend
         )
     assert "unsupported block type 'image'" in err.value.message
-    with pytest.raises(P.APIError) as err:
+    with pytest.raises(APIError) as err:
         R.create({"input": "hi", "previous_response_id": "resp_nope"}, backend, R.ResponseStore())
     assert err.value.status == 404 and err.value.to_dict()["error"]["code"] == "previous_response_not_found"
-    with pytest.raises(P.APIError) as err:
+    with pytest.raises(APIError) as err:
         R.create({"input": [{"type": "computer_call"}]}, backend, R.ResponseStore())
     assert err.value.status == 400 and "computer_call" in err.value.message
     # the engine failing mid-stream: Anthropic's error event, Responses' error + response.failed
@@ -217,7 +219,7 @@ def test_responses_text_format_renders_as_chat_completions_response_format(backe
         backend,
         R.ResponseStore(),
     )
-    chat = P.parse_chat_request(
+    chat = openai_request.parse_chat_request(
         {
             "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
             "response_format": {
@@ -229,7 +231,7 @@ def test_responses_text_format_renders_as_chat_completions_response_format(backe
     )
     assert req.conv.render() == Conversation(chat.messages, chat.thinking).render()
     assert '"schema": {"type": "object"' in req.conv.render()
-    with pytest.raises(P.APIError, match=r"text\.format"):
+    with pytest.raises(APIError, match=r"text\.format"):
         R.parse_request({"input": "hi", "text": {"format": "json"}}, backend, R.ResponseStore())
 
 
@@ -388,7 +390,7 @@ def test_a_chat_completions_route_takes_part_through_prompt_ids_and_record_reply
         "thinking": {"type": "disabled"},
         "tools": [{"type": "function", "function": {"name": "sum", "parameters": SUM["input_schema"]}}],
     }
-    req = P.parse_chat_request(body, ("deepseek-v4-flash",))
+    req = openai_request.parse_chat_request(body, ("deepseek-v4-flash",))
     conv = Conversation(req.messages, req.thinking, req.reasoning_effort, req.drop_thinking)
     text, ids = prompt_ids(backend, conv)
     engine = backend.engine()
@@ -397,7 +399,7 @@ def test_a_chat_completions_route_takes_part_through_prompt_ids_and_record_reply
     assert message["tool_calls"][0]["function"]["arguments"] == '{"xs": [1, 2]}'  # the model wrote [1,2]
     record_reply(backend, conv, text, ids, generated, message)
     follow = {**body, "messages": body["messages"] + [message, {"role": "tool", "tool_call_id": "x", "content": "3"}]}
-    req2 = P.parse_chat_request(follow, ("deepseek-v4-flash",))
+    req2 = openai_request.parse_chat_request(follow, ("deepseek-v4-flash",))
     ids2 = prompt_ids(backend, Conversation(req2.messages, req2.thinking, req2.reasoning_effort, req2.drop_thinking))[1]
     assert ids2[: len(ids) + len(generated)] == ids + generated
 
@@ -434,7 +436,7 @@ class App:
         self.backend, self.store = backend, R.ResponseStore()
 
         def reply(out, err_shape):
-            if isinstance(out, P.APIError):
+            if isinstance(out, APIError):
                 return JSONResponse(err_shape(out), status_code=out.status)
             if isinstance(out, dict):
                 return JSONResponse(out)
@@ -442,11 +444,11 @@ class App:
 
         async def call(request, fn, err_shape):
             if A.api_key_from_headers(request.headers) != API_KEY:
-                return reply(P.APIError(401, "invalid x-api-key"), err_shape)
+                return reply(APIError(401, "invalid x-api-key"), err_shape)
             try:
                 body = await request.json()
                 return reply(await run_in_threadpool(fn, body), err_shape)
-            except P.APIError as err:
+            except APIError as err:
                 return reply(err, err_shape)
 
         async def messages(request):
@@ -456,13 +458,13 @@ class App:
             return await call(request, lambda b: A.count_tokens(b, backend), A.error_body)
 
         async def create(request):
-            return await call(request, lambda b: R.create(b, backend, self.store), P.APIError.to_dict)
+            return await call(request, lambda b: R.create(b, backend, self.store), APIError.to_dict)
 
         async def get(request):
             try:
                 return JSONResponse(R.retrieve(request.path_params["rid"], self.store))
-            except P.APIError as err:
-                return reply(err, P.APIError.to_dict)
+            except APIError as err:
+                return reply(err, APIError.to_dict)
 
         app = Starlette(
             routes=[
@@ -659,7 +661,7 @@ def test_a_tool_block_cut_off_by_max_tokens(backend):
 
 def test_messages_without_max_tokens_is_a_400(backend):
     """The Messages API requires max_tokens; without it the server would generate to the end of the context."""
-    with pytest.raises(P.APIError) as err:
+    with pytest.raises(APIError) as err:
         A.messages({"messages": [{"role": "user", "content": "hi"}]}, backend)
     assert err.value.status == 400 and err.value.param == "max_tokens" and "required" in err.value.message
     assert A.count_tokens({"messages": [{"role": "user", "content": "hi"}]}, backend)["input_tokens"] > 0
@@ -694,7 +696,7 @@ def test_anthropic_budget_tokens_must_be_below_max_tokens_and_reaches_the_engine
         "thinking": {"type": "enabled", "budget_tokens": 100},
         "messages": [{"role": "user", "content": "hi"}],
     }
-    with pytest.raises(P.APIError) as err:
+    with pytest.raises(APIError) as err:
         A.messages(body, backend)
     assert err.value.status == 400 and "budget_tokens" in err.value.message
     sampling = A.parse_request({**body, "thinking": {"type": "enabled", "budget_tokens": 99}}, backend)[2]

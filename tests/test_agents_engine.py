@@ -25,8 +25,9 @@ from fastar.convert.hf import convert  # noqa: E402 (after the importorskip guar
 from fastar.engine.engine import load  # noqa: E402 (after the importorskip guards)
 from fastar.engine.generate import GenerationChunk  # noqa: E402 (after the importorskip guards)
 from fastar.engine.tokenizer import Tokenizer  # noqa: E402 (after the importorskip guards)
+from fastar.serve.metrics import Metrics  # noqa: E402 (after the importorskip guards)
 from fastar.serve.turn import Backend, Conversation, prompt_ids  # noqa: E402 (after the importorskip guards)
-from fastar.serve.worker import Batching, EngineHost, Metrics  # noqa: E402 (after the importorskip guards)
+from fastar.serve.worker import Batching, EngineHost  # noqa: E402
 
 NO_THINK = {"thinking": {"type": "disabled"}}
 

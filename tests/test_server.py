@@ -40,8 +40,9 @@ from fastar.encoding import (
 )
 from fastar.engine.generate import GenerationChunk
 from fastar.engine.prompt_logprobs import PromptLogprobs
-from fastar.serve import protocol as P
+from fastar.serve import choice_turn, fields, openai_request, thinking_mode
 from fastar.serve import server as S
+from fastar.serve.api_error import APIError
 from fastar.serve.server import Server
 
 try:
@@ -889,7 +890,7 @@ def test_stop_filter_holds_back_partial_stops():
         for _ in range(50):
             cuts = sorted(rng.sample(range(1, len(text)), 6))
             pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-            f = P.StopFilter(stops)
+            f = choice_turn.StopFilter(stops)
             out = []
             for p in pieces:
                 got = f.feed(p)
@@ -901,18 +902,18 @@ def test_stop_filter_holds_back_partial_stops():
 def test_parse_thinking_precedence():
     names = ("deepseek-v4-flash",)
     base = {"messages": [{"role": "user", "content": "x"}]}
-    assert P.parse_chat_request(base, names).thinking is True
-    assert P.parse_chat_request(base, names, default_thinking=False).thinking is False
-    r = P.parse_chat_request({**base, "reasoning_effort": "max"}, names)
+    assert openai_request.parse_chat_request(base, names).thinking is True
+    assert openai_request.parse_chat_request(base, names, default_thinking=False).thinking is False
+    r = openai_request.parse_chat_request({**base, "reasoning_effort": "max"}, names)
     assert (r.thinking, r.reasoning_effort) == (True, "max")
-    r = P.parse_chat_request({**base, "reasoning_effort": "none", "thinking": {"type": "enabled"}}, names)
+    r = openai_request.parse_chat_request({**base, "reasoning_effort": "none", "thinking": {"type": "enabled"}}, names)
     assert r.thinking is True
-    r = P.parse_chat_request(
+    r = openai_request.parse_chat_request(
         {**base, "chat_template_kwargs": {"thinking": True, "drop_thinking": False}, "thinking": {"type": "disabled"}},
         names,
     )
     assert (r.thinking, r.drop_thinking, r.reasoning_effort) == (False, False, None)
-    r = P.parse_chat_request({**base, "tools": [WEATHER_TOOL]}, names)
+    r = openai_request.parse_chat_request({**base, "tools": [WEATHER_TOOL]}, names)
     assert r.messages[0] == {"role": "system", "content": "", "tools": [WEATHER_TOOL]} and r.has_tools
 
 
@@ -925,7 +926,7 @@ def test_thinking_budgets_and_the_reasoning_default():
     base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100}
 
     def parsed(extra: dict, *default) -> tuple:
-        r = P.parse_chat_request({**base, **extra}, names, *default)
+        r = openai_request.parse_chat_request({**base, **extra}, names, *default)
         return r.thinking, r.reasoning_effort, r.sampling["thinking_budget"]
 
     assert parsed({"thinking": {"type": "enabled", "budget_tokens": 40}}) == (True, None, 40)
@@ -947,10 +948,12 @@ def test_thinking_budgets_and_the_reasoning_default():
     assert parsed({"reasoning_effort": "high"}, True, "low") == (True, "high", None)  # the request's choice wins
     assert parsed({"thinking": {"type": "enabled"}}, False, None) == (True, None, None)
     for bad in (100, 101, -1, "many"):
-        with pytest.raises(P.APIError) as err:
+        with pytest.raises(APIError) as err:
             parsed({"thinking": {"type": "enabled", "budget_tokens": bad}})
         assert err.value.status == 400 and err.value.param == "thinking.budget_tokens"
-    assert P.REASONING_DEFAULTS["thinking"] == (True, None) and P.REASONING_DEFAULTS["none"] == (False, None)
+    assert thinking_mode.REASONING_DEFAULTS["thinking"] == (True, None) and thinking_mode.REASONING_DEFAULTS[
+        "none"
+    ] == (False, None)
     with pytest.raises(ValueError, match="reasoning_default"):
         Server(lambda: None, reasoning_default="sometimes")
 
@@ -1062,10 +1065,10 @@ def test_server_modules_do_not_import_torch():
 
 
 def test_over_context_error_says_why_the_context_is_short():
-    from fastar.serve import protocol as P
+    from fastar.serve.api_error import APIError
 
     note = "m.fst has no lightning-indexer weights: write m.fst.indexer with fastar convert"
-    with pytest.raises(P.APIError) as e:
-        P.resolve_max_tokens(3000, None, 2051, note)
+    with pytest.raises(APIError) as e:
+        fields.resolve_max_tokens(3000, None, 2051, note)
     assert "2051" in str(e.value.message) and note in str(e.value.message)
-    assert P.resolve_max_tokens(100, None, 2051, note) == 1951
+    assert fields.resolve_max_tokens(100, None, 2051, note) == 1951

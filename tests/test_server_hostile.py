@@ -14,7 +14,7 @@ import pytest
 from test_server import NO_THINK, FakeEngine, FakeTokenizer, chat, client, openai, raw, start_server
 
 from fastar.encoding import BOS
-from fastar.serve import protocol as P
+from fastar.serve.api_error import APIError
 from fastar.serve.server import Limits
 
 pytestmark = pytest.mark.skipif(openai is None, reason="the openai client is a test dependency")
@@ -647,7 +647,7 @@ def test_admission_names_the_text_problem_without_a_tokenizer():
     engine = FakeEngine()
     admission = Admission(lambda: engine)
     for text in ("a\ud800", "b\udcff"):
-        with pytest.raises(P.APIError) as e:
+        with pytest.raises(APIError) as e:
             admission.encode(text, "prompt")
         assert (e.value.status, e.value.param, e.value.code) == (400, "prompt", "invalid_unicode")
         assert "character 1 is U+D" in e.value.message

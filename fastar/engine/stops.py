@@ -1,7 +1,7 @@
 """Stop strings in streamed text: where to cut, decided as early as possible and never leaked.
 
 Owns `StopStrings`, shared by the engine's streams (`fastar.engine.generate`) and the server's responses
-(`fastar.serve.protocol`). Pure text, no torch: the server imports it without the model stack.
+(`fastar.serve.choice_turn`). Pure text, no torch: the server imports it without the model stack.
 """
 
 from __future__ import annotations

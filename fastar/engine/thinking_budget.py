@@ -8,7 +8,7 @@ other rows, prefix reuse and stop handling see an ordinary token, so batch invar
 drawn for it, in the scheduler and in `generate_step` alike, so a request gives the same tokens on either path.
 
 Does not own: where budgets come from (the server maps Anthropic's `thinking.budget_tokens` and OpenAI's
-`reasoning_effort`, `fastar.serve.protocol`), sampling itself (`sampling.Sampler`).
+`reasoning_effort`, `fastar.serve.thinking_mode`), sampling itself (`sampling.Sampler`).
 """
 
 from __future__ import annotations

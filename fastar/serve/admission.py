@@ -11,7 +11,7 @@ Owns `Admission`, which chat completions, completions, `/tokenize`, Responses, A
      a prompt of a megabyte or more.
 
 Does not own: rendering a conversation into prompt text (`fastar.encoding`, `fastar.serve.turn`), the replay
-cache (`fastar.serve.turn`), the token count against the context after tokenizing (`protocol.resolve_max_tokens`).
+cache (`fastar.serve.turn`), the token count against the context after tokenizing (`fields.resolve_max_tokens`).
 Never imports torch.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from fastar.engine.tokenizer import InvalidText, check_text
-from fastar.serve import protocol as P
+from fastar.serve.api_error import bad_request
 
 TRIM_AFTER_CHARS = 1 << 20  # give the heap back after tokenizing a prompt this long
 TOKENIZE_AT_ONCE = 2  # prompts tokenized at the same time, all routes together: bounds their peak memory
@@ -69,12 +69,12 @@ class Admission:
         try:
             check_text(text, f"'{param}'")
         except InvalidText as err:
-            raise P.bad_request(str(err), param, "invalid_unicode") from None
+            raise bad_request(str(err), param, "invalid_unicode") from None
         ctx, longest = self._engine().context_length, self.max_token_bytes()
         # Every character is at least one UTF-8 byte and no token covers more than `longest` bytes, so a
         # prompt of more than ctx * longest characters needs more than ctx tokens: no need to tokenize it.
         if len(text) > ctx * longest:
-            raise P.bad_request(
+            raise bad_request(
                 f"This model's maximum context length is {ctx} tokens, but the prompt is {len(text)} characters "
                 f"(more than {ctx} tokens of at most {longest} bytes each). Please shorten the prompt.",
                 param,

@@ -53,7 +53,8 @@ import json
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from fastar.serve import protocol as P
+from fastar.serve import fields, grammar_fields, shapes, thinking_mode
+from fastar.serve.api_error import APIError, bad_request
 from fastar.serve.turn import AssistantTurn, Backend, Conversation, GenerationFailed, prompt_ids
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
@@ -71,7 +72,7 @@ _ERROR_TYPES = {
 EFFORTS = ("low", "medium", "high", "max")
 
 
-def error_body(err: P.APIError) -> dict:
+def error_body(err: APIError) -> dict:
     """An `APIError` in Anthropic's shape (the HTTP status stays `err.status`)."""
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
 
@@ -94,7 +95,7 @@ def _blocks(content: Any, where: str) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise P.bad_request(f"{where}.content must be a string or a list of content blocks", "messages")
+        raise bad_request(f"{where}.content must be a string or a list of content blocks", "messages")
     return content
 
 
@@ -102,7 +103,7 @@ def _text_of(content: Any, where: str) -> str:
     parts = []
     for block in _blocks(content, where):
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise P.bad_request(
+            raise bad_request(
                 f"{where}: only text blocks are supported here, got {block.get('type')!r} (the model reads text only)",
                 "messages",
             )
@@ -128,7 +129,7 @@ def _user_messages(content: Any, where: str) -> list[dict]:
                 text = f"Error: {text}"
             out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""), "content": text})
         else:
-            raise P.bad_request(
+            raise bad_request(
                 f"{where}.content[{j}]: unsupported block type {kind!r} in a user turn "
                 "(text and tool_result are supported)",
                 "messages",
@@ -152,16 +153,14 @@ def _assistant_message(content: Any, where: str) -> dict:
         elif kind == "tool_use":
             name, args = block.get("name"), block.get("input", {})
             if not isinstance(name, str) or not name or not isinstance(args, dict):
-                raise P.bad_request(
+                raise bad_request(
                     f"{where}.content[{j}]: a tool_use block needs a 'name' and an object 'input'", "messages"
                 )
             calls.append(
                 {"id": str(block.get("id") or ""), "type": "function", "function": {"name": name, "arguments": args}}
             )
         else:
-            raise P.bad_request(
-                f"{where}.content[{j}]: unsupported block type {kind!r} in an assistant turn", "messages"
-            )
+            raise bad_request(f"{where}.content[{j}]: unsupported block type {kind!r} in an assistant turn", "messages")
     if reasoning is not None:
         msg["reasoning_content"] = reasoning
     if calls:
@@ -174,11 +173,11 @@ def _tools(body: dict) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise P.bad_request("'tools' must be a list of tool objects", "tools")
+        raise bad_request("'tools' must be a list of tool objects", "tools")
     out = []
     for j, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise P.bad_request(f"tools[{j}] must be an object with a 'name'", "tools")
+            raise bad_request(f"tools[{j}] must be an object with a 'name'", "tools")
         fn: dict[str, Any] = {"name": tool["name"]}
         if tool.get("description"):
             fn["description"] = tool["description"]
@@ -186,7 +185,7 @@ def _tools(body: dict) -> list[dict] | None:
         out.append(fn)
     choice = body.get("tool_choice")
     if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):
-        raise P.bad_request('\'tool_choice\' must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
+        raise bad_request('\'tool_choice\' must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
     return None if choice is not None and choice["type"] == "none" else out
 
 
@@ -195,10 +194,10 @@ def _forced_call(choice: Any, tools: list[dict] | None, thinking: bool) -> Any:
     if not isinstance(choice, dict) or choice.get("type") not in ("any", "tool"):
         return None
     if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
-        raise P.bad_request("'tool_choice' {\"type\": \"tool\"} needs the tool's 'name'", "tool_choice")
+        raise bad_request("'tool_choice' {\"type\": \"tool\"} needs the tool's 'name'", "tool_choice")
     kind = "required" if choice["type"] == "any" else f"function:{choice['name']}"
-    single = P._boolean(choice, "disable_parallel_tool_use", False)
-    return P.output_grammar(thinking, tools, kind, not single, None, "tool_choice")
+    single = fields.boolean(choice, "disable_parallel_tool_use", False)
+    return grammar_fields.output_grammar(thinking, tools, kind, not single, None, "tool_choice")
 
 
 def _thinking(body: dict, default: bool, default_effort: str | None = None) -> tuple[bool, str | None]:
@@ -207,14 +206,14 @@ def _thinking(body: dict, default: bool, default_effort: str | None = None) -> t
     if obj is not None:
         kind = obj.get("type") if isinstance(obj, dict) else None
         if kind not in ("enabled", "adaptive", "between_tools", "disabled"):
-            raise P.bad_request(
+            raise bad_request(
                 '\'thinking\' must be {"type": "enabled" | "adaptive" | "between_tools" | "disabled"}', "thinking"
             )
         thinking = kind != "disabled"
     config = body.get("output_config") or {}
     effort = config.get("effort") if isinstance(config, dict) else None
     if effort is not None and effort not in EFFORTS:
-        raise P.bad_request(
+        raise bad_request(
             f"'output_config.effort' must be one of {', '.join(EFFORTS)}, got {json.dumps(effort)}", "output_config"
         )
     return thinking, (effort or default_effort) if thinking else None
@@ -226,16 +225,16 @@ def parse_request(
     """(model, conversation, sampling kwargs, max_tokens, stream) of a Messages request (`counting`: for
     count_tokens, which takes no max_tokens)."""
     if not isinstance(body, dict):
-        raise P.bad_request("the request body must be a JSON object")
+        raise bad_request("the request body must be a JSON object")
     if not counting and body.get("max_tokens") is None:  # required by the Messages API; no silent "to the end"
-        raise P.bad_request("'max_tokens' is required (the most tokens to generate, at least 1)", "max_tokens")
+        raise bad_request("'max_tokens' is required (the most tokens to generate, at least 1)", "max_tokens")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise P.bad_request(f"'model' must be a string, got {json.dumps(model)}", "model")
+        raise bad_request(f"'model' must be a string, got {json.dumps(model)}", "model")
     model = backend.model_names[0]  # any name is served: agents send their own ids for side tasks
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-        raise P.bad_request("'messages' must be a non-empty list of message objects", "messages")
+        raise bad_request("'messages' must be a non-empty list of message objects", "messages")
     messages: list[dict] = []
     system = body.get("system")
     if system is not None:
@@ -247,7 +246,7 @@ def parse_request(
         elif msg.get("role") == "assistant":
             messages.append(_assistant_message(msg.get("content"), where))
         else:
-            raise P.bad_request(
+            raise bad_request(
                 f"{where}.role must be 'user' or 'assistant', got {json.dumps(msg.get('role'))}", "messages"
             )
     tools = _tools(body)
@@ -257,17 +256,17 @@ def parse_request(
         messages[0]["tools"] = tools
     stops = body.get("stop_sequences")
     if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
-        raise P.bad_request("'stop_sequences' must be a list of strings", "stop_sequences")
-    sampling, max_tokens = P._sampling(
+        raise bad_request("'stop_sequences' must be a list of strings", "stop_sequences")
+    sampling, max_tokens = fields.sampling_fields(
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")} | {"stop": stops}
     )
     thinking, effort = _thinking(body, backend.default_thinking, backend.default_effort)
     sampling["grammar"] = _forced_call(body.get("tool_choice"), tools, thinking)
     # budget_tokens enforced (below max_tokens, as Anthropic requires); output_config.effort low/medium: a budget too
-    sampling["thinking_budget"] = P.thinking_budget(body, thinking, effort, max_tokens)
+    sampling["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
     # With tools the encoder keeps earlier reasoning anyway; without, an agent's multi-turn history drops it.
     conv = Conversation(messages, thinking, effort)
-    return model, conv, sampling, max_tokens, P._boolean(body, "stream", False)
+    return model, conv, sampling, max_tokens, fields.boolean(body, "stream", False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -290,7 +289,7 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
     and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
     model, conv, sampling, max_tokens, stream = parse_request(body, backend)
     turn = AssistantTurn(backend, conv, sampling, max_tokens)
-    mid = "msg_" + P.new_id("")[1:]
+    mid = "msg_" + shapes.new_id("")[1:]
     if stream:
         return _stream(turn, mid, model)
     try:
@@ -419,7 +418,7 @@ def _stream(turn: AssistantTurn, mid: str, model: str) -> Iterator[bytes]:
                 else:
                     delta = {"type": "text_delta", "text": payload}
                 yield event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
-        except (GenerationFailed, P.APIError) as err:
+        except (GenerationFailed, APIError) as err:
             api = err.api_error() if isinstance(err, GenerationFailed) else err
             yield event("error", error_body(api))
             return

@@ -39,7 +39,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fastar.serve.protocol import APIError, bad_request
+from fastar.serve.api_error import APIError, bad_request
 
 ErrorShape = Callable[[APIError], dict]
 # Lone UTF-16 surrogates are legal JSON escapes but not Unicode text; a pair (an emoji) is fine.

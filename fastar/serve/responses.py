@@ -46,7 +46,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastar.serve import protocol as P
+from fastar.serve import fields, grammar_fields, shapes, thinking_mode
+from fastar.serve.api_error import APIError, bad_request
 from fastar.serve.turn import AssistantTurn, Backend, Conversation, GenerationFailed
 
 MAX_STORED = 256
@@ -75,7 +76,7 @@ def retrieve(response_id: str, store: ResponseStore) -> dict:
     """`GET /v1/responses/{id}`."""
     found = store.get(response_id)
     if found is None:
-        raise P.APIError(
+        raise APIError(
             404,
             f"No response with id '{response_id}' is stored on this server",
             param="response_id",
@@ -93,7 +94,7 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise P.bad_request(f"{where}.content must be a string or a list of content parts", "input")
+        raise bad_request(f"{where}.content must be a string or a list of content parts", "input")
     parts = []
     for j, part in enumerate(content):
         if not (
@@ -102,7 +103,7 @@ def _content_text(content: Any, where: str) -> str:
             and isinstance(part.get("text"), str)
         ):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise P.bad_request(f"{where}.content[{j}]: unsupported part {kind!r} (the model reads text only)", "input")
+            raise bad_request(f"{where}.content[{j}]: unsupported part {kind!r} (the model reads text only)", "input")
         parts.append(part["text"])
     return "".join(parts) if content and all(p.get("type") == "output_text" for p in content) else "\n".join(parts)
 
@@ -122,7 +123,7 @@ def input_messages(items: Any) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        raise P.bad_request("'input' must be a string or a list of input items", "input")
+        raise bad_request("'input' must be a string or a list of input items", "input")
     out: list[dict] = []
 
     def assistant() -> dict:
@@ -137,7 +138,7 @@ def input_messages(items: Any) -> list[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise P.bad_request(
+                raise bad_request(
                     f"{where}.role must be user, assistant, system or developer, got {json.dumps(role)}", "input"
                 )
             text = _content_text(item.get("content"), where)
@@ -158,7 +159,7 @@ def input_messages(items: Any) -> list[dict]:
         elif kind == "function_call":
             name, args = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not name or not isinstance(args, str):
-                raise P.bad_request(f"{where}: a function_call needs a 'name' and string 'arguments'", "input")
+                raise bad_request(f"{where}: a function_call needs a 'name' and string 'arguments'", "input")
             call = {
                 "id": str(item.get("call_id") or ""),
                 "type": "function",
@@ -170,7 +171,7 @@ def input_messages(items: Any) -> list[dict]:
             text = output if isinstance(output, str) else _content_text(output, where)
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""), "content": text})
         else:
-            raise P.bad_request(f"{where}: unsupported input item type {kind!r}", "input")
+            raise bad_request(f"{where}: unsupported input item type {kind!r}", "input")
     return out
 
 
@@ -179,7 +180,7 @@ def _tools(body: dict) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise P.bad_request("'tools' must be a list of tool objects", "tools")
+        raise bad_request("'tools' must be a list of tool objects", "tools")
     out = []
     for j, tool in enumerate(tools):
         if (
@@ -188,7 +189,7 @@ def _tools(body: dict) -> list[dict] | None:
             or not isinstance(tool.get("name"), str)
             or not tool["name"]
         ):
-            raise P.bad_request(f"tools[{j}]: only function tools with a 'name' are supported", "tools")
+            raise bad_request(f"tools[{j}]: only function tools with a 'name' are supported", "tools")
         fn: dict[str, Any] = {"name": tool["name"]}
         if tool.get("description"):
             fn["description"] = tool["description"]
@@ -217,7 +218,7 @@ def _response_format(body: dict) -> dict | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise P.bad_request("'text.format' must be an object with a 'type'", "text")
+        raise bad_request("'text.format' must be an object with a 'type'", "text")
     if fmt["type"] == "text":
         return None
     if fmt["type"] == "json_schema":
@@ -227,14 +228,14 @@ def _response_format(body: dict) -> dict | None:
 
 def parse_request(body: Any, backend: Backend, store: ResponseStore) -> ResponsesRequest:
     if not isinstance(body, dict):
-        raise P.bad_request("the request body must be a JSON object")
-    model = P.check_model(body, backend.model_names)
+        raise bad_request("the request body must be a JSON object")
+    model = fields.check_model(body, backend.model_names)
     history: list[dict] = []
     prev = body.get("previous_response_id")
     if prev is not None:
         found = store.get(prev) if isinstance(prev, str) else None
         if found is None:
-            raise P.APIError(
+            raise APIError(
                 404,
                 f"Previous response with id '{prev}' not found (this server keeps its last "
                 f"{store.size} stored responses)",
@@ -243,13 +244,13 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
             )
         history = found[0] + [found[1]["_message"]]
     if "input" not in body:
-        raise P.bad_request("'input' is required", "input")
+        raise bad_request("'input' is required", "input")
     conversation = history + input_messages(body["input"])
     messages = list(conversation)
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise P.bad_request("'instructions' must be a string", "instructions")
+            raise bad_request("'instructions' must be a string", "instructions")
         messages.insert(0, {"role": "system", "content": instructions})
     tools, response_format = _tools(body), _response_format(body)
     if tools or response_format:  # the encoder reads both from the system message, as on chat completions
@@ -262,8 +263,8 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         }
     reasoning = body.get("reasoning") or {}
     if not isinstance(reasoning, dict):
-        raise P.bad_request("'reasoning' must be an object", "reasoning")
-    thinking, effort, drop = P._thinking(
+        raise bad_request("'reasoning' must be an object", "reasoning")
+    thinking, effort, drop = thinking_mode.choose(
         {
             "reasoning_effort": reasoning.get("effort"),
             **{k: body[k] for k in ("thinking", "chat_template_kwargs") if k in body},
@@ -271,7 +272,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         backend.default_thinking,
         backend.default_effort,
     )
-    sampling, max_tokens = P._sampling(
+    sampling, max_tokens = fields.sampling_fields(
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")}
         | {"max_tokens": body.get("max_output_tokens")}
     )
@@ -279,12 +280,14 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         choice = f"function:{choice['name']}"
     elif choice not in (None, "none", "auto", "required"):
-        raise P.bad_request(
+        raise bad_request(
             '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", "name": ...}', "tool_choice"
         )
-    parallel = P._boolean(body, "parallel_tool_calls", True)
-    sampling["grammar"] = P.output_grammar(thinking, tools, choice, parallel, response_format, "text.format")
-    sampling["thinking_budget"] = P.thinking_budget(body, thinking, effort, max_tokens)
+    parallel = fields.boolean(body, "parallel_tool_calls", True)
+    sampling["grammar"] = grammar_fields.output_grammar(
+        thinking, tools, choice, parallel, response_format, "text.format"
+    )
+    sampling["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
     include = body.get("include") or []
     return ResponsesRequest(
         model=model,
@@ -292,8 +295,8 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         conv=Conversation(messages, thinking, effort, drop, param="input"),
         sampling=sampling,
         max_tokens=max_tokens,
-        stream=P._boolean(body, "stream", False),
-        store=P._boolean(body, "store", True),
+        stream=fields.boolean(body, "stream", False),
+        store=fields.boolean(body, "store", True),
         effort=reasoning.get("effort"),
         encrypted=isinstance(include, list) and "reasoning.encrypted_content" in include,
     )
@@ -342,7 +345,7 @@ class _Reply:
     """The response object as it grows."""
 
     def __init__(self, body: dict, req: ResponsesRequest) -> None:
-        self.id = "resp_" + P.new_id("")[1:]
+        self.id = "resp_" + shapes.new_id("")[1:]
         self.obj: dict[str, Any] = {
             "id": self.id,
             "object": "response",
@@ -550,7 +553,7 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
                         delta=payload,
                         logprobs=[],
                     )
-        except (GenerationFailed, P.APIError) as err:
+        except (GenerationFailed, APIError) as err:
             api = err.api_error() if isinstance(err, GenerationFailed) else err
             yield ev("error", code=api.code, message=api.message, param=api.param)
             reply.obj.update(status="failed", error={"code": api.code or "server_error", "message": api.message})

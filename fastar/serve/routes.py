@@ -7,8 +7,9 @@ Owns:
   * `LoopEvents`: a job's event queue that the worker thread fills and the event loop reads.
 
 Does not own: prompt admission (`fastar.serve.admission`: the text and size checks and tokenizing, shared with
-every other route), the guards and error rendering (`fastar.serve.app`), request shapes (`fastar.serve.protocol`),
-the worker (`fastar.serve.worker`). Never imports torch.
+every other route), the guards and error rendering (`fastar.serve.app`), request parsing
+(`fastar.serve.openai_request`), response shapes (`fastar.serve.shapes`), one choice's reply
+(`fastar.serve.choice_turn`), the worker (`fastar.serve.worker`). Never imports torch.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from fastar.encoding import encode_messages
-from fastar.serve import protocol as P
+from fastar.serve import choice_turn, fields, grammar_fields, openai_request, shapes
 from fastar.serve import scoring as S
+from fastar.serve.api_error import APIError, bad_request
 from fastar.serve.app import JSONResponse, read_json
 from fastar.serve.worker import Job
 
@@ -106,11 +108,11 @@ class OpenAIRoutes:
     async def health(self, request: Request) -> Response:
         host = self.server.host
         if host.error is not None:
-            err = P.APIError(500, f"model failed to load: {host.error}", "server_error", code="model_load_failed")
+            err = APIError(500, f"model failed to load: {host.error}", "server_error", code="model_load_failed")
             return JSONResponse({**err.to_dict(), "status": "error"}, 500)
         if not host.ready.is_set():
             progress = host.progress()
-            err = P.APIError(503, f"model is loading ({progress:.0%})", "unavailable_error", code="model_loading")
+            err = APIError(503, f"model is loading ({progress:.0%})", "unavailable_error", code="model_loading")
             return JSONResponse({**err.to_dict(), "status": "loading", "progress": round(progress, 4)}, 503)
         # the expert cache's warm-up: "loading" (with progress) while requests are already served, then "ready"
         return JSONResponse({"status": "ok", "experts": host.engine.warm_status()})
@@ -144,9 +146,9 @@ class OpenAIRoutes:
         body = await read_json(request, self.server.settings)
         engine = self.server.host.require_engine()
         if not isinstance(body, dict):
-            raise P.bad_request("the request body must be a JSON object")
+            raise bad_request("the request body must be a JSON object")
         if "messages" in body:
-            req = P.parse_chat_request(
+            req = openai_request.parse_chat_request(
                 {**body, "model": None},
                 self.server.model_names,
                 self.server.default_thinking,
@@ -156,7 +158,7 @@ class OpenAIRoutes:
         else:
             text = body.get("prompt", body.get("content"))
             if not isinstance(text, str):
-                raise P.bad_request("'prompt' (or 'content') must be a string, or send 'messages'", "prompt")
+                raise bad_request("'prompt' (or 'content') must be a string, or send 'messages'", "prompt")
             ids = await self.admission.encode_async(text, "prompt")
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.context_length})
 
@@ -165,14 +167,14 @@ class OpenAIRoutes:
         engine = self.server.host.require_engine()
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise P.bad_request("'tokens' must be a list of integers", "tokens")
-        P.check_token_ids(tokens, engine.tokenizer.vocab_size, "tokens")
+            raise bad_request("'tokens' must be a list of integers", "tokens")
+        fields.check_token_ids(tokens, engine.tokenizer.vocab_size, "tokens")
         text = await self.admission.off_loop(engine.tokenizer.decode, tokens)
         return JSONResponse({"prompt": text, "content": text})
 
     # ---- prompts, through the one admission path ----------------------------------------------------------
 
-    def _chat_text(self, req: P.ChatRequest) -> str:
+    def _chat_text(self, req: openai_request.ChatRequest) -> str:
         try:
             return encode_messages(
                 req.messages,
@@ -181,9 +183,9 @@ class OpenAIRoutes:
                 reasoning_effort=req.reasoning_effort,
             )
         except (ValueError, TypeError) as err:  # EncodingError is a ValueError
-            raise P.bad_request(str(err), "messages") from None
+            raise bad_request(str(err), "messages") from None
 
-    def _encode_chat(self, req: P.ChatRequest) -> list[int]:
+    def _encode_chat(self, req: openai_request.ChatRequest) -> list[int]:
         return self.admission.encode(self._chat_text(req), "messages")
 
     def _submit(
@@ -201,13 +203,15 @@ class OpenAIRoutes:
         than once is one group (prefilled once). All or none: a prompt refused undoes the ones queued before it."""
         events = LoopEvents()
         limits = [
-            P.resolve_max_tokens(
+            fields.resolve_max_tokens(
                 len(ids), max_tokens, engine.context_length, getattr(engine, "context_note", None), param
             )
             for ids in prompts
         ]
         params = [
-            P.make_sampling_params(P.choice_sampling(sampling, j), limit) for limit in limits for j in range(choices)
+            fields.make_sampling_params(fields.choice_sampling(sampling, j), limit)
+            for limit in limits
+            for j in range(choices)
         ]
         jobs = [Job(prompts[k // choices], p, events=_Tagged(events, k)) for k, p in enumerate(params)]
         groups: dict[tuple[int, ...], list[Job]] = {}
@@ -228,30 +232,30 @@ class OpenAIRoutes:
 
     async def chat(self, request: Request) -> Response:
         body = await read_json(request, self.server.settings)
-        req = P.parse_chat_request(
+        req = openai_request.parse_chat_request(
             body, self.server.model_names, self.server.default_thinking, self.server.default_effort
         )
         engine = self.server.host.require_engine()
         prompt_ids = await self.admission.off_loop(self._encode_chat, req)
-        sampling = await self.admission.off_loop(P.compiled_sampling, engine, req.sampling)
+        sampling = await self.admission.off_loop(grammar_fields.compiled_sampling, engine, req.sampling)
         jobs, (limit,), shared = self._submit(engine, [prompt_ids], sampling, req.max_tokens, "messages", req.n)
-        turns = [P.ChatTurn(req, engine.tokenizer, self.server.reasoning_field) for _ in jobs]
-        rid, created, n_prompt = P.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
+        turns = [choice_turn.ChatTurn(req, engine.tokenizer, self.server.reasoning_field) for _ in jobs]
+        rid, created, n_prompt = shapes.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
         if not req.stream:
             done = await self._collect_finished(jobs, turns, shared, request, [limit] * len(jobs))
             if done is None:
                 return Response(status_code=499)
             cached, finishes = done
             choices = [
-                P.chat_choice(i, t.message(), f, t.logprobs if req.logprobs else None)
+                shapes.chat_choice(i, t.message(), f, t.logprobs if req.logprobs else None)
                 for i, (t, f) in enumerate(zip(turns, finishes))
             ]
-            use = P.usage(n_prompt, sum(t.completion_tokens for t in turns), cached)
-            resp = P.chat_response_choices(rid, req.model, choices, use)
+            use = shapes.usage(n_prompt, sum(t.completion_tokens for t in turns), cached)
+            resp = shapes.chat_response_choices(rid, req.model, choices, use)
             return JSONResponse(S.chat_extras(resp, req, turns[0], engine.tokenizer))  # (every choice has the scores)
 
         def chunk(i: int, delta: dict, finish: str | None = None, lp: Any = None) -> bytes:
-            return P.sse(P.chat_chunk(rid, created, req.model, delta, finish, lp, index=i))
+            return shapes.sse(shapes.chat_chunk(rid, created, req.model, delta, finish, lp, index=i))
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(len(jobs)):
@@ -269,15 +273,15 @@ class OpenAIRoutes:
                     self.server.metrics.finished(finish)
                     yield chunk(i, {}, finish, turns[i].pending.take())
                 elif req.include_usage:  # all ended
-                    use = P.usage(n_prompt, sum(t.completion_tokens for t in turns), payload)
-                    yield P.sse(P.usage_chunk(rid, created, req.model, "chat.completion.chunk", use))
-            yield P.SSE_DONE
+                    use = shapes.usage(n_prompt, sum(t.completion_tokens for t in turns), payload)
+                    yield shapes.sse(shapes.usage_chunk(rid, created, req.model, "chat.completion.chunk", use))
+            yield shapes.SSE_DONE
 
         return _JobStream(events(), jobs)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.server.settings)
-        req = P.parse_completion_request(body, self.server.model_names)
+        req = openai_request.parse_completion_request(body, self.server.model_names)
         engine = self.server.host.require_engine()
         texts, prompts = [], []
         for i, prompt in enumerate(req.prompts):
@@ -286,16 +290,16 @@ class OpenAIRoutes:
                 texts.append(prompt)
                 prompts.append(await self.admission.encode_async(prompt, param))
             else:
-                P.check_token_ids(prompt, engine.tokenizer.vocab_size, param)
+                fields.check_token_ids(prompt, engine.tokenizer.vocab_size, param)
                 prompts.append(list(prompt))
                 texts.append(await self.admission.off_loop(engine.tokenizer.decode, prompts[-1]))
         k = req.best_of  # generated per prompt; the best req.n of them are returned
         jobs, limits, shared = self._submit(engine, prompts, req.sampling, req.max_tokens, "prompt", k)
         prefixes = [texts[j // k] if req.echo else "" for j in range(len(jobs))]
-        turns = [P.CompletionTurn(req, engine.tokenizer, len(prefix)) for prefix in prefixes]
+        turns = [choice_turn.CompletionTurn(req, engine.tokenizer, len(prefix)) for prefix in prefixes]
         # each distinct prompt counted once (one given twice is prefilled once)
         rid, created, n_prompt = (
-            P.new_id("cmpl"),
+            shapes.new_id("cmpl"),
             int(time.time()),
             sum(len(ids) for ids in {tuple(p) for p in prompts}),
         )
@@ -312,14 +316,14 @@ class OpenAIRoutes:
                 best = sorted(group, key=lambda j: -turns[j].cumulative_logprob)[: req.n] if k > req.n else group
                 for rank, j in enumerate(best):
                     text = prefixes[j] + turns[j].text
-                    choice = P.completion_choice(i * req.n + rank, text, finishes[j], turns[j].logprobs)
+                    choice = shapes.completion_choice(i * req.n + rank, text, finishes[j], turns[j].logprobs)
                     S.completion_extras({"choices": [choice]}, req, turns[j], engine.tokenizer)  # prompt logprobs
                     choices.append(choice)
-            use = P.usage(n_prompt, sum(t.completion_tokens for t in turns), cached)
-            return JSONResponse(P.completion_response_choices(rid, req.model, choices, use))
+            use = shapes.usage(n_prompt, sum(t.completion_tokens for t in turns), cached)
+            return JSONResponse(shapes.completion_response_choices(rid, req.model, choices, use))
 
         def chunk(i: int, text: str, finish: str | None = None, lp: Any = None) -> bytes:
-            return P.sse(P.completion_chunk(rid, created, req.model, text, finish, lp, index=i))
+            return shapes.sse(shapes.completion_chunk(rid, created, req.model, text, finish, lp, index=i))
 
         async def events() -> AsyncIterator[bytes]:  # (streamed only with best_of == n: every job is a choice)
             # an echoed prompt waits for its logprobs (they come with the choice's first chunk)
@@ -332,8 +336,8 @@ class OpenAIRoutes:
                     held.discard(i)
                     try:
                         lp = S.echo_logprobs(engine.tokenizer, S.scores(turns[i]), req.logprobs)
-                    except P.APIError as err:
-                        yield P.sse(err.to_dict())
+                    except APIError as err:
+                        yield shapes.sse(err.to_dict())
                         break
                     yield chunk(i, prefixes[i], None, lp)
                 if kind == "deltas":
@@ -348,9 +352,9 @@ class OpenAIRoutes:
                     self.server.metrics.finished(finish)
                     yield chunk(i, "", finish)
                 elif req.include_usage:  # all ended
-                    use = P.usage(n_prompt, sum(t.completion_tokens for t in turns), payload)
-                    yield P.sse(P.usage_chunk(rid, created, req.model, "text_completion", use))
-            yield P.SSE_DONE
+                    use = shapes.usage(n_prompt, sum(t.completion_tokens for t in turns), payload)
+                    yield shapes.sse(shapes.usage_chunk(rid, created, req.model, "text_completion", use))
+            yield shapes.SSE_DONE
 
         return _JobStream(events(), jobs)
 
@@ -406,7 +410,7 @@ class OpenAIRoutes:
                 if time.monotonic() - last_write >= interval:
                     progress = next((job.progress for job in jobs if job.progress), None)
                     note = f"keep-alive prefill {progress[0]}/{progress[1]}" if progress else "keep-alive"
-                    yield "keepalive", -1, P.sse_comment(note)
+                    yield "keepalive", -1, shapes.sse_comment(note)
                     last_write = time.monotonic()
                 continue
             i, (kind, payload) = item
@@ -420,7 +424,7 @@ class OpenAIRoutes:
             elif kind == "error":
                 err = _engine_error(*payload)
                 self.server.metrics.error(err.status)
-                yield "error", -1, P.sse(err.to_dict())
+                yield "error", -1, shapes.sse(err.to_dict())
                 return
             elif kind == "end":
                 ended[i] = payload
@@ -437,9 +441,9 @@ def _cached(jobs: list[Job], ended: dict[int, Any]) -> int | None:
     return None if all(c is None for c in firsts) else sum(c or 0 for c in firsts)
 
 
-def _engine_error(status: int, message: str) -> P.APIError:
+def _engine_error(status: int, message: str) -> APIError:
     if status == 400:
-        return P.bad_request(message)
+        return bad_request(message)
     if status == 503:
-        return P.APIError(503, message, "unavailable_error", code="shutting_down")
-    return P.APIError(status, message, "server_error", code="generation_failed")
+        return APIError(503, message, "unavailable_error", code="shutting_down")
+    return APIError(status, message, "server_error", code="generation_failed")

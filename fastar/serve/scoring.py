@@ -10,7 +10,8 @@ Owns:
     strings) to `{"logprob", "rank", "decoded_token"}` for the prompt token and the top-N;
   * `completion_extras` / `chat_extras`: both added to a response from the scores the worker sent back.
 Does not own: computing the numbers (`fastar.engine.prompt_logprobs`, run by the scheduler on the worker thread from
-the request's own prefill), parsing the request fields (`protocol`: `prompt_logprobs`, `echo`, `max_tokens: 0`).
+the request's own prefill), parsing the request fields (`fields`, `openai_request`: `prompt_logprobs`, `echo`,
+`max_tokens: 0`).
 Never imports torch.
 """
 
@@ -18,14 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastar.serve import protocol as P
+from fastar.serve import openai_request, shapes
+from fastar.serve.api_error import APIError
 
 
 def scores(turn: Any) -> Any:
     """The `PromptLogprobs` the worker sent with the first chunk; a 500 if the engine sent none (never an answer
     that silently lacks them)."""
     if turn.prompt_scores is None:
-        raise P.APIError(500, "the engine returned no prompt logprobs", "server_error", code="generation_failed")
+        raise APIError(500, "the engine returned no prompt logprobs", "server_error", code="generation_failed")
     return turn.prompt_scores
 
 
@@ -33,10 +35,10 @@ def echo_logprobs(tokenizer: Any, scored: Any, k: int) -> dict:
     """The prompt part of a legacy completions `logprobs` object (offsets into the echoed text, from 0)."""
     tokens, lps, tops, offsets, offset = [], [], [], [], 0
     for i, tid in enumerate(scored.token_ids):
-        text, _ = P.token_text(tokenizer, tid)
+        text, _ = shapes.token_text(tokenizer, tid)
         tokens.append(text)
         lps.append(scored.logprobs[i])
-        tops.append(None if i == 0 else {P.token_text(tokenizer, t)[0]: v for t, v in scored.top[i][:k]})
+        tops.append(None if i == 0 else {shapes.token_text(tokenizer, t)[0]: v for t, v in scored.top[i][:k]})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -54,23 +56,23 @@ def vllm_prompt_logprobs(tokenizer: Any, scored: Any, k: int) -> list[dict | Non
     for i in range(1, len(scored.token_ids)):
         entry = {}
         for rank, (tid, lp) in enumerate(scored.top[i][:k], start=1):
-            entry[str(tid)] = {"logprob": lp, "rank": rank, "decoded_token": P.token_text(tokenizer, tid)[0]}
+            entry[str(tid)] = {"logprob": lp, "rank": rank, "decoded_token": shapes.token_text(tokenizer, tid)[0]}
         tid = scored.token_ids[i]
         entry[str(tid)] = {
             "logprob": scored.logprobs[i],
             "rank": scored.ranks[i],
-            "decoded_token": P.token_text(tokenizer, tid)[0],
+            "decoded_token": shapes.token_text(tokenizer, tid)[0],
         }
         out.append(entry)
     return out
 
 
-def echoes_logprobs(req: P.CompletionRequest) -> bool:
+def echoes_logprobs(req: openai_request.CompletionRequest) -> bool:
     """Whether a completion's `logprobs` object starts with the prompt's tokens (`echo` with `logprobs`)."""
     return req.echo and req.logprobs is not None
 
 
-def completion_extras(response: dict, req: P.CompletionRequest, turn: Any, tokenizer: Any) -> dict:
+def completion_extras(response: dict, req: openai_request.CompletionRequest, turn: Any, tokenizer: Any) -> dict:
     """A non-streamed completion with the prompt's logprobs: in its `logprobs` (echo) and `prompt_logprobs`."""
     choice = response["choices"][0]
     if echoes_logprobs(req):
@@ -80,7 +82,7 @@ def completion_extras(response: dict, req: P.CompletionRequest, turn: Any, token
     return response
 
 
-def chat_extras(response: dict, req: P.ChatRequest, turn: Any, tokenizer: Any) -> dict:
+def chat_extras(response: dict, req: openai_request.ChatRequest, turn: Any, tokenizer: Any) -> dict:
     """A non-streamed chat completion with vLLM's top-level `prompt_logprobs` (of the rendered prompt)."""
     if req.prompt_logprobs is not None:
         response["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, scores(turn), req.prompt_logprobs)

@@ -15,10 +15,11 @@ Owns:
 Why uvicorn + Starlette: uvicorn is the well-kept ASGI server (h11 parsing of request lines and headers,
 keep-alive timeouts, a real listen backlog, a connection limit, graceful shutdown); Starlette is the small
 router/response layer under FastAPI, with streaming responses that notice a client leaving. FastAPI adds
-pydantic models and OpenAPI pages we do not need (the OpenAI shapes are validated by hand in `protocol`).
+pydantic models and OpenAPI pages we do not need (the OpenAI shapes are validated by hand in `openai_request`).
 
 Does not own: routes (`fastar.serve.routes`), guards and errors (`fastar.serve.app`), request shapes
-(`fastar.serve.protocol`), the worker, session pool and metrics (`fastar.serve.worker`). Never imports torch.
+(`fastar.serve.openai_request`, `fastar.serve.shapes`), the worker (`fastar.serve.worker`),
+metrics (`fastar.serve.metrics`). Never imports torch.
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ from starlette.routing import BaseRoute, Route
 
 from fastar.config import int_flag
 from fastar.errors import FastarError
-from fastar.serve import protocol as P
+from fastar.serve import thinking_mode
 from fastar.serve.admission import Admission
 from fastar.serve.agent_routes import ERROR_SHAPES, AgentRoutes
+from fastar.serve.api_error import APIError
 from fastar.serve.app import ErrorShape, Settings, build_app
 from fastar.serve.connection import Connection, fit_connections
+from fastar.serve.metrics import Metrics
 from fastar.serve.routes import OpenAIRoutes
-from fastar.serve.worker import Batching, EngineHost, Metrics
+from fastar.serve.worker import Batching, EngineHost
 
 log = logging.getLogger("fastar.serve")
 
@@ -136,7 +139,7 @@ async def _ui(request: Request) -> Response:
     except OSError:  # removed or unreadable since it was found
         data = None
     if full is None or data is None:
-        raise P.APIError(404, "not found", code="not_found")
+        raise APIError(404, "not found", code="not_found")
     ctype = _CONTENT_TYPES.get(full.suffix.lower(), "application/octet-stream")
     return Response(data, media_type=ctype, headers=_UI_HEADERS)
 
@@ -172,9 +175,9 @@ class Server:
     ) -> None:
         if reasoning_field not in REASONING_FIELDS:
             raise ValueError(f"reasoning_field must be one of {REASONING_FIELDS}, got {reasoning_field!r}")
-        if reasoning_default is not None and reasoning_default not in P.REASONING_DEFAULTS:
+        if reasoning_default is not None and reasoning_default not in thinking_mode.REASONING_DEFAULTS:
             raise ValueError(
-                f"reasoning_default must be one of {tuple(P.REASONING_DEFAULTS)}, got {reasoning_default!r}"
+                f"reasoning_default must be one of {tuple(thinking_mode.REASONING_DEFAULTS)}, got {reasoning_default!r}"
             )
         if api_key is not None and not api_key.strip():
             raise ValueError("api_key is empty: give a key, or None for no authentication")
@@ -198,7 +201,9 @@ class Server:
         self.reasoning_field = reasoning_field
         # the thinking mode of a request that does not choose one (`--reasoning-default`; default: thinking on)
         self.default_thinking, self.default_effort = (
-            (default_thinking, None) if reasoning_default is None else P.REASONING_DEFAULTS[reasoning_default]
+            (default_thinking, None)
+            if reasoning_default is None
+            else thinking_mode.REASONING_DEFAULTS[reasoning_default]
         )
         self.keepalive_interval = keepalive_interval
         self.metrics = Metrics()
@@ -401,7 +406,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reasoning-default",
         default="thinking",
-        choices=tuple(P.REASONING_DEFAULTS),
+        choices=tuple(thinking_mode.REASONING_DEFAULTS),
         help="thinking mode of a request that does not choose one: thinking (default; V4's high effort), none "
         "(answer at once), low / medium (think within 1,024 / 8,192 tokens, then answer), high, max",
     )

@@ -20,7 +20,7 @@ Owns:
     finish reason, the stop sequence hit, the usage numbers and the parsed reasoning/content/tool calls, and it
     records the turn in the replay cache.
 
-Does not own: the API shapes (`fastar.serve.anthropic`, `fastar.serve.responses`, `fastar.serve.protocol`),
+Does not own: the API shapes (`fastar.serve.anthropic`, `fastar.serve.responses`, `fastar.serve.shapes`),
 the chat encoding (`fastar.encoding`), the engine or its thread (`fastar.serve.worker`). Never imports torch.
 """
 
@@ -37,10 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastar.encoding import EOS, THINK_END, TOOL_CALLS_START, StreamParser, encode_messages
-from fastar.serve import protocol as P
+from fastar.serve import choice_turn, fields, grammar_fields
 from fastar.serve.admission import Admission
+from fastar.serve.api_error import APIError, bad_request
+from fastar.serve.metrics import Metrics
 from fastar.serve.toolstream import ToolCallStream
-from fastar.serve.worker import Job, Metrics
+from fastar.serve.worker import Job
 
 log = logging.getLogger("fastar.serve")
 
@@ -129,7 +131,7 @@ class Conversation:
                 self.reasoning_effort,
             )
         except (ValueError, TypeError) as err:  # EncodingError is a ValueError
-            raise P.bad_request(str(err), self.param) from None
+            raise bad_request(str(err), self.param) from None
 
 
 class ClientDisconnected(Exception):
@@ -143,10 +145,10 @@ class GenerationFailed(Exception):
         super().__init__(message)
         self.status, self.message = status, message
 
-    def api_error(self) -> P.APIError:
+    def api_error(self) -> APIError:
         if self.status == 400:
-            return P.bad_request(self.message)
-        return P.APIError(self.status, self.message, "server_error", code="generation_failed")
+            return bad_request(self.message)
+        return APIError(self.status, self.message, "server_error", code="generation_failed")
 
 
 def prompt_ids(backend: Backend, conv: Conversation) -> tuple[str, list[int]]:
@@ -165,11 +167,11 @@ class AssistantTurn:
         engine = backend.engine()
         self.backend, self.conv, self.tokenizer = backend, conv, engine.tokenizer
         self.prompt_text, self.prompt_ids = prompt_ids(backend, conv)
-        self.limit = P.resolve_max_tokens(
+        self.limit = fields.resolve_max_tokens(
             len(self.prompt_ids), max_tokens, engine.context_length, getattr(engine, "context_note", None)
         )
         self.stop_strings = list(sampling.get("stop") or [])
-        self.stops = P.StopFilter(self.stop_strings)
+        self.stops = choice_turn.StopFilter(self.stop_strings)
         self.parser = StreamParser(conv.thinking)
         self.tools = ToolCallStream()
         self._text = ""  # released text, for the tool-call body
@@ -187,7 +189,9 @@ class AssistantTurn:
         self.finish_reason = "stop"  # "stop" | "length" | "tool_calls" | "stop_sequence"
         self.stop_sequence: str | None = None
         self.content, self.reasoning, self.tool_calls = "", None, []
-        self.job = Job(self.prompt_ids, P.make_sampling_params(P.compiled_sampling(engine, sampling), self.limit))
+        self.job = Job(
+            self.prompt_ids, fields.make_sampling_params(grammar_fields.compiled_sampling(engine, sampling), self.limit)
+        )
         backend.submit(self.job)
 
     @property
@@ -371,7 +375,7 @@ def record_reply(
         return
     try:
         text = conv.render([message])
-    except P.APIError:
+    except APIError:
         return
     if not text.startswith(prompt_text) or not text.endswith(EOS):
         return

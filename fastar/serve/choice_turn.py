@@ -1,0 +1,158 @@
+"""One choice's reply as its chunks arrive: `ChatTurn` (stop strings, then the DSV4 parser splitting reasoning
+from content and collecting DSML tool calls) and `CompletionTurn` (raw text, logprobs, the cumulative logprob
+`best_of` ranks by), each giving deltas and the finish reason; `StopFilter` holds back streamed text that could
+start a stop string, so a partial one never reaches the client, and cuts the text at the first complete one.
+
+Does not own: the shapes the deltas go into (`fastar.serve.shapes`), the request (`fastar.serve.openai_request`).
+Pure Python; never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastar.encoding import EOS, StreamParser
+from fastar.engine.stops import StopStrings
+from fastar.serve import openai_request, shapes
+
+
+class StopFilter(StopStrings):
+    """`StopStrings` for the response builders: `feed` returns just the text now safe to emit (the stop string is
+    never shown, and after a hit everything is swallowed); `hit` says whether one was found."""
+
+    def feed(self, text: str) -> str:
+        return super().feed(text)[0]
+
+
+@dataclass(slots=True)
+class PendingLogprobs:
+    """Logprob entries of tokens whose text is still held back; they ride on the next emitted delta."""
+
+    entries: list[dict] = field(default_factory=list)
+
+    def take(self) -> list[dict] | None:
+        out, self.entries = self.entries, []
+        return out or None
+
+
+def _finish_reason(engine_finish: str | None, stopped: bool, tokens: int, max_tokens: int) -> str:
+    if stopped:
+        return "stop"
+    if engine_finish == "length" or (engine_finish != "stop" and tokens >= max_tokens):
+        return "length"
+    return "stop"
+
+
+class ChatTurn:
+    """An assistant turn as it streams: stop strings first, then the DSV4 parser that splits reasoning from
+    content and collects DSML tool calls. `feed()`/`finish()` return `[(delta, logprobs | None)]`."""
+
+    def __init__(self, req: openai_request.ChatRequest, tokenizer: Any, reasoning_field: str) -> None:
+        self.req, self.tokenizer, self.reasoning_field = req, tokenizer, reasoning_field
+        self.stops = StopFilter(req.sampling["stop"])
+        self.parser = StreamParser(req.thinking)
+        self.pending = PendingLogprobs()
+        self.logprobs: list[dict] = []
+        self.prompt_scores: Any = None  # `PromptLogprobs` from the first chunk, when asked for
+        self.completion_tokens = 0
+        self.engine_finish: str | None = None
+        self.content = ""
+        self.reasoning: str | None = None
+        self.tool_calls: list[dict] = []
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.hit
+
+    def feed(self, chunk: Any) -> list[tuple[dict, list[dict] | None]]:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_scores = chunk.prompt_logprobs
+        if self.stops.hit:
+            return []  # the engine may run a token past the stop string before it sees the cancel
+        if chunk.token is not None:
+            self.completion_tokens += 1
+            if self.req.logprobs:
+                entry = shapes.chat_logprob_entry(
+                    self.tokenizer, chunk.token, chunk.logprob, chunk.top_logprobs, self.req.top_logprobs
+                )
+                self.pending.entries.append(entry)
+                self.logprobs.append(entry)
+        if chunk.finish_reason:
+            self.engine_finish = chunk.finish_reason
+        return self._deltas(self.parser.feed(self.stops.feed(chunk.text)))
+
+    def _deltas(self, events: list[tuple[str, str]]) -> list[tuple[dict, list[dict] | None]]:
+        return [
+            ({self.reasoning_field if kind == "reasoning" else "content": text}, self.pending.take())
+            for kind, text in events
+        ]
+
+    def finish(self, max_tokens: int) -> tuple[list[tuple[dict, list[dict] | None]], str]:
+        """The deltas still held back, the tool calls, and the finish reason."""
+        deltas = self._deltas(self.parser.feed(self.stops.flush()) + self.parser.flush())
+        result = self.parser.finish()
+        self.content, self.reasoning, self.tool_calls = result.content, result.reasoning, result.tool_calls
+        for i, call in enumerate(self.tool_calls):
+            deltas.append(({"tool_calls": [{"index": i, **call}]}, None))
+        if self.tool_calls:
+            return deltas, "tool_calls"
+        return deltas, _finish_reason(self.engine_finish, self.stops.hit, self.completion_tokens, max_tokens)
+
+    def message(self) -> dict:
+        return shapes.chat_message(self.content, self.reasoning, self.tool_calls, self.reasoning_field)
+
+
+class CompletionTurn:
+    """A raw completion as it streams: stop strings (EOS among them, so its text never shows) and logprobs."""
+
+    def __init__(self, req: openai_request.CompletionRequest, tokenizer: Any, offset: int) -> None:
+        self.req, self.tokenizer = req, tokenizer
+        self.stops = StopFilter([*req.sampling["stop"], EOS])
+        self.offset = offset
+        self._pending: list[tuple[int, float | None, list]] = []
+        self.logprobs: dict | None = (
+            None
+            if req.logprobs is None
+            else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        )
+        self.prompt_scores: Any = None  # `PromptLogprobs` from the first chunk, when asked for
+        self.completion_tokens = 0
+        self.cumulative_logprob = 0.0  # of the generated tokens: what best_of ranks choices by
+        self.engine_finish: str | None = None
+        self.text = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.stops.hit
+
+    def _emit(self, text: str) -> list[tuple[str, dict | None]]:
+        lp = None
+        if self.req.logprobs is not None and self._pending:
+            lp = shapes.completion_logprobs(self.tokenizer, self._pending, self.req.logprobs, self.offset)
+            self._pending = []
+            for key, values in lp.items():
+                self.logprobs[key].extend(values)
+        if not text and lp is None:
+            return []
+        self.text += text
+        self.offset += len(text)
+        return [(text, lp)]
+
+    def feed(self, chunk: Any) -> list[tuple[str, dict | None]]:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_scores = chunk.prompt_logprobs
+        if self.stops.hit:
+            return []
+        if chunk.token is not None:
+            self.completion_tokens += 1
+            self.cumulative_logprob += chunk.logprob or 0.0
+            self._pending.append((chunk.token, chunk.logprob, chunk.top_logprobs))
+        if chunk.finish_reason:
+            self.engine_finish = chunk.finish_reason
+        text = self.stops.feed(chunk.text)
+        return self._emit(text) if text else []
+
+    def finish(self, max_tokens: int) -> tuple[list[tuple[str, dict | None]], str]:
+        out = self._emit(self.stops.flush())
+        return out, _finish_reason(self.engine_finish, self.stops.hit, self.completion_tokens, max_tokens)

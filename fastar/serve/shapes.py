@@ -1,0 +1,168 @@
+"""The OpenAI response shapes: ids, `usage`, logprob entries (chat and completions), chat messages and choices,
+whole responses and stream chunks of both endpoints, and the SSE byte framing (`sse`, `sse_comment`, `SSE_DONE`).
+
+Does not own: what goes in them as a reply streams (`fastar.serve.choice_turn`), the routes that send them
+(`fastar.serve.routes`). Pure Python; never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def token_text(tokenizer: Any, token: int) -> tuple[str, list[int]]:
+    """A token's text and its UTF-8 bytes (a token may hold part of a character, so the bytes matter)."""
+    raw = tokenizer.token_bytes(token) if hasattr(tokenizer, "token_bytes") else None
+    if raw is None:
+        text = tokenizer.decode([token])
+        return text, list(text.encode("utf-8"))
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprob_entry(tokenizer: Any, token: int, logprob: float | None, top: list[tuple[int, float]], k: int) -> dict:
+    text, raw = token_text(tokenizer, token)
+    alternatives = []
+    for tid, lp in top[:k]:
+        t, b = token_text(tokenizer, tid)
+        alternatives.append({"token": t, "logprob": lp, "bytes": b})
+    return {
+        "token": text,
+        "logprob": logprob if logprob is not None else 0.0,
+        "bytes": raw,
+        "top_logprobs": alternatives,
+    }
+
+
+def completion_logprobs(tokenizer: Any, chunks: list[tuple[int, float | None, list]], k: int, offset: int) -> dict:
+    """The legacy completions shape: parallel lists plus one {token: logprob} dict per position."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for token, lp, top in chunks:
+        text, _ = token_text(tokenizer, token)
+        tokens.append(text)
+        lps.append(lp)
+        tops.append({token_text(tokenizer, t)[0]: v for t, v in top[:k]})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_message(content: str, reasoning: str | None, tool_calls: list[dict], reasoning_field: str) -> dict:
+    msg: dict[str, Any] = {"role": "assistant", "content": content if content or not tool_calls else None}
+    if reasoning is not None:
+        msg[reasoning_field] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return msg
+
+
+def chat_choice(index: int, message: dict, finish_reason: str, logprobs: list[dict] | None) -> dict:
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": finish_reason,
+        "logprobs": None if logprobs is None else {"content": logprobs},
+    }
+
+
+def chat_response(
+    rid: str, model: str, message: dict, finish_reason: str, use: dict, logprobs: list[dict] | None
+) -> dict:
+    return chat_response_choices(rid, model, [chat_choice(0, message, finish_reason, logprobs)], use)
+
+
+def chat_response_choices(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict,
+    finish_reason: str | None = None,
+    logprobs: list[dict] | None = None,
+    index: int = 0,
+) -> dict:
+    choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason}
+    if logprobs is not None:
+        choice["logprobs"] = {"content": logprobs}
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:
+    """The last event when `stream_options.include_usage` is set: no choices, just the usage."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict, logprobs: dict | None) -> dict:
+    return completion_response_choices(rid, model, [completion_choice(0, text, finish_reason, logprobs)], use)
+
+
+def completion_response_choices(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
+
+
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None = None,
+    logprobs: dict | None = None,
+    index: int = 0,
+) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+    }
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> bytes:
+    # ensure_ascii keeps every event on one line whatever the text holds (U+2028 included).
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_comment(text: str = "keep-alive") -> bytes:
+    return f": {text}\n\n".encode()

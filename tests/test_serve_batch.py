@@ -181,6 +181,26 @@ def test_n_best_of_and_prompt_lists_equal_solo_requests(engine):
         srv.shutdown()
 
 
+def test_n_wider_than_max_batch_equals_solo_requests_with_bounded_forks(engine):
+    """n=5 with --max-batch 2: the choices beyond two rows wait and fork from one kept copy of the prompt's state,
+    so the scheduler never holds more than 3 forked states (2 rows + the copy); each choice equals a request of
+    its own with seed + j, and the prompt is prefilled once."""
+    needs_invariant_kernels()
+    srv = start(engine, max_batch=2, max_sessions=0)
+    try:
+        cl = client(srv)
+        a = prompt(310, 30, first=22)
+        seeded = dict(max_tokens=8, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+        solo = [ask(cl, a, {**seeded, "seed": 5 + j})[0] for j in range(5)]
+        before = engine.stats()["prefill_tokens_computed"]
+        r = cl.completions.create(model=MODEL, prompt=a, n=5, **seeded)
+        assert engine.stats()["prefill_tokens_computed"] - before == len(a)
+        assert [c.text for c in r.choices] == solo and r.usage.completion_tokens == 40
+        assert srv.host.batch_metrics()["forked_states_peak"] == 3
+    finally:
+        srv.shutdown()
+
+
 def test_full_queue_is_503_with_retry_after(engine):
     srv = start(engine, max_batch=1, max_queue=1)
     try:

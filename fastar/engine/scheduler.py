@@ -60,7 +60,8 @@ plus that one copy, never one state per choice (`metrics()["forked_states_peak"]
 Admission: a request waits in a FIFO queue of at most `max_queue` (beyond: `QueueFull`, which a server answers
 with 503 and Retry-After); it becomes active when fewer than `max_batch` are active and, with `token_budget`, when
 its prompt plus max_tokens fits beside the active ones' (a request alone is always admitted, so none starves; a group
-of choices counts one row and max_tokens per choice).
+of choices counts one row and max_tokens per choice it forks at once, at most max_batch; its held choices take rows
+freed later before any waiting request, by the same two bounds).
 """
 
 from __future__ import annotations

@@ -19,6 +19,13 @@ def prompt(seed: int, n: int) -> list[int]:
     return torch.randint(2, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def prefilled(eng, ids):
+    """A fresh decode state with `ids` prefilled (no logits kept)."""
+    s = eng.model.new_state()
+    eng.model.forward(ids, s, all_logits=False)
+    return s
+
+
 def solo(eng, ids, params):
     return list(eng.stream(ids, params, session=eng.open_session()))
 

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from batch_helpers import prefilled, prompt
 
 from fastar.engine.engine import load
 from fastar.engine.prefix_cache import PrefixCache
@@ -18,19 +19,9 @@ from fastar.engine.sampling import SamplingParams
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(2, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture(scope="module")
 def eng(tiny_ckpt):
     return load(tiny_ckpt)
-
-
-def prefilled(eng, ids):
-    s = eng.model.new_state()
-    eng.model.forward(ids, s, all_logits=False)
-    return s
 
 
 def continues_alike(eng, state, ids) -> bool:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batch_helpers import prefilled, prompt
 
 from fastar.engine.cache_folder import CacheFolder, DiskHooks
 from fastar.engine.prefix_cache import PrefixCache
@@ -166,21 +167,11 @@ def completion(port: int, body: dict) -> tuple[int, dict]:
 # --- damaged files ---------------------------------------------------------------------------------------------
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(2, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture(scope="module")
 def eng(tiny_ckpt):
     from fastar.engine.engine import load
 
     return load(tiny_ckpt)
-
-
-def prefilled(eng, ids):
-    s = eng.model.new_state()
-    eng.model.forward(ids, s, all_logits=False)
-    return s
 
 
 def damage(raw: bytes, kind: str) -> bytes:

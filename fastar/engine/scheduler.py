@@ -1,11 +1,14 @@
 """Continuous batching: a step scheduler that serves many requests at once, each bit-identical to serving it alone.
 
 Owns: `Scheduler` (admission, the bounded wait queue, one step = one decode token of every active sequence plus
-one prefill chunk of a waiting prompt, cancellation, counters, prefix reuse from RAM and disk) and `Handle` (a
-submitted request: its chunks and its cancel switch); a full queue raises `fastar.errors.QueueFull`.
-Does not own: the forward pass (`DeepseekV4.forward` for prefill chunks,
-`DeepseekV4.forward_rows` for the batched decode step), sampling (`Sampler`), turning tokens into chunks
-(`generate.ChunkMaker`, the same code `Engine.stream` uses), the prefix caches themselves (`prefix_cache`).
+one prefill chunk of a waiting prompt, cancellation, prefix reuse from RAM and disk); what `submit` returns is a
+`handle.Handle` (a submitted request: its chunks and its cancel switch); a full queue raises
+`fastar.errors.QueueFull`.
+Does not own: the forward pass (`DeepseekV4.forward` for prefill chunks, `DeepseekV4.forward_rows` for the batched
+decode step), sampling (`Sampler`), turning tokens into chunks (`generate.ChunkMaker`, the same code `Engine.stream`
+uses), the prefix caches themselves (`prefix_cache`), the bookkeeping of several choices of one prompt (`choices`:
+splitting a group, forking its state, holding back choices beyond the batch), the counters and the /metrics dict
+(`batch_metrics`).
 
 Threads: `submit` and `Handle.cancel` may be called from any thread; `step` (and `run`, which loops over it)
 only from the one worker thread that owns the engine.
@@ -48,14 +51,9 @@ request waits for it (neither prefilling nor decoding) while the others keep ste
 the parsed state. Storing snapshots the state here and serializes it on the cache's writer thread.
 
 Several choices of one prompt (`submit_choices`: the server's `n` and `best_of`): the prompt is prefilled once, by
-the first choice; when its last chunk has run, the state is forked for every other choice (`ModelState.fork`: a
-copy of the rows the next tokens read, not of those kept for long rollbacks), each choice samples the same last
-logits with its own sampler, and from then on the choices are independent rows of the batch. A fork is exact, so
-each choice's chunks equal a request of its own with its params. The group takes one row per choice, up to
-`max_batch`: the choices beyond it are held back, and the prefilled state is kept once (one more fork, with the
-last logits) for them; each held choice is forked from that kept copy when a row frees (before any waiting request
-is admitted), the last one taking the copy itself. So a group of any width holds at most `max_batch` rows' states
-plus that one copy, never one state per choice (`metrics()["forked_states_peak"]` counts them).
+the first choice, then its state is forked for the others (`ModelState.fork`, exact), at most `max_batch` rows at
+once; the choices beyond wait for rows freed later. `choices.ChoiceGroups` keeps that bookkeeping (see its
+docstring; `metrics()["forked_states_peak"]` counts the forked states).
 
 Admission: a request waits in a FIFO queue of at most `max_queue` (beyond: `QueueFull`, which a server answers
 with 503 and Retry-After); it becomes active when fewer than `max_batch` are active and, with `token_budget`, when
@@ -66,67 +64,29 @@ freed later before any waiting request, by the same two bounds).
 
 from __future__ import annotations
 
-import math
-import queue
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from ..encoding import THINK_START
-from ..errors import FastarError, QueueFull  # noqa: F401 (QueueFull: importable from here too)
+from ..errors import QueueFull  # noqa: F401 (importable from here too)
 from ..model import ops
 from . import speculative
+from .batch_metrics import BatchMetrics
+from .choices import ChoiceGroups, check_group
 from .constraint import ConstraintError
 from .draft_step import draft_step
 from .generate import ChunkMaker, GenerationChunk
+from .handle import Handle  # (importable from here too)
 from .prefix_cache import PrefixMemory
 from .prompt_logprobs import PromptLogprobs, PromptScorer
 from .sampling import Sampler, SamplingParams, report
 from .thinking_budget import ThinkingBudget, next_token
-
-
-class Handle:
-    """A submitted request. Iterate it (from any thread) for its `GenerationChunk`s, the last with a
-    `finish_reason`; `cancel()` ends it at the next step. With `on_chunk` given to `submit`, chunks go there
-    instead (called on the worker thread) and iterating yields nothing."""
-
-    def __init__(self, cancel: threading.Event, on_error: Callable[[BaseException], None] | None = None) -> None:
-        self._cancel = cancel
-        self._on_error = on_error
-        self._chunks: queue.SimpleQueue = queue.SimpleQueue()
-        self._taken_all = False
-        self.done = threading.Event()  # set once the last chunk is out
-
-    def cancel(self) -> None:
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def __iter__(self) -> Iterator[GenerationChunk]:
-        """The chunks not yet taken, blocking until the last (an exhausted handle yields nothing). Raises
-        `FastarError` if the worker failed while the request was queued or running."""
-        while not self._taken_all:
-            chunk = self._chunks.get()
-            if isinstance(chunk, BaseException):
-                self._taken_all = True
-                raise FastarError(f"generation failed: {chunk}") from chunk
-            if chunk.finish_reason is not None:
-                self._taken_all = True
-            yield chunk
-
-    def _fail(self, err: BaseException) -> None:
-        if self._on_error is not None:
-            self._on_error(err)
-        else:
-            self._chunks.put(err)
-        self.done.set()
 
 
 @dataclass(eq=False)
@@ -169,18 +129,6 @@ class _Request:
         return self.handle.cancelled and all(f.handle.cancelled for f in [*self.forks, *self.held])
 
 
-@dataclass(eq=False)
-class _Held:
-    """Choices of a prefilled prompt waiting for a row: the kept copy of its state and last logits they fork from."""
-
-    state: object
-    logits: torch.Tensor
-    done: int
-    cached: int
-    scores: PromptLogprobs | None
-    choices: deque[_Request]
-
-
 class Scheduler:
     """Serves requests in steps on one engine (see the module docstring).
 
@@ -221,14 +169,8 @@ class Scheduler:
         self._lock = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._active: list[_Request] = []  # admission order: prefilling ones, then decoding
-        self._held: deque[_Held] = deque()  # choices of prefilled prompts waiting for a row (before _waiting)
-        self._forked_states = 0  # live states forked for choices (held copies included)
-        self._forked_states_peak = 0
-        self._counts: Counter = Counter()
-        self._batch_sizes: Counter = Counter()
-        self._step_seconds = 0.0
-        self._last_step_seconds = 0.0
-        self._rates: deque[float] = deque(maxlen=256)  # decode tok/s of recently finished requests
+        self._groups = ChoiceGroups(max_batch)  # choices of groups: forked states, held choices
+        self._metrics = BatchMetrics()
 
     # --- any thread ---------------------------------------------------------------------------------------
 
@@ -274,12 +216,7 @@ class Scheduler:
         group takes one row per choice, at most `max_batch`; the others wait for rows (see the module docstring).
         `on_chunk`, `on_error`, `cancel`: one per choice (as for `submit`);
         `on_progress`: the shared prompt's. All choices have the same `max_tokens`. Raises as `submit` does."""
-        k = len(params)
-        if k < 1 or len({p.max_tokens for p in params}) != 1:
-            raise ValueError(f"submit_choices needs at least one choice, all with the same max_tokens (got {k})")
-        on_chunk, on_error, cancel = on_chunk or [None] * k, on_error or [None] * k, cancel or [None] * k
-        if not len(on_chunk) == len(on_error) == len(cancel) == k:
-            raise ValueError("on_chunk, on_error and cancel need one entry per choice")
+        on_chunk, on_error, cancel = check_group(params, on_chunk, on_error, cancel)
         eng = self.engine
         ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         session_check(eng, ids)
@@ -299,25 +236,19 @@ class Scheduler:
                     budget=ThinkingBudget.of(p, eng.tokenizer),
                 )
             )
-        req = reqs[0]
-        req.forks, req.held = reqs[1 : self.max_batch], reqs[self.max_batch :]
+        req = self._groups.group(reqs)
         with self._lock:
             free = max(0, self.max_batch - len(self._active))  # waiting requests the next step admits
             if len(self._waiting) >= self.max_queue + free:
-                self._counts["rejected"] += 1
+                self._metrics.counts["rejected"] += 1
                 raise QueueFull(
                     f"the server is busy: {len(self._waiting)} requests are waiting (max_queue {self.max_queue})",
-                    retry_after=self._retry_after(),
+                    retry_after=self._metrics.retry_after(),
                 )
             self._waiting.append(req)
-            self._counts["submitted"] += k
+            self._metrics.counts["submitted"] += len(reqs)
             self._lock.notify_all()
         return [r.handle for r in reqs]
-
-    def _retry_after(self) -> int:
-        steps = self._counts["steps"]
-        mean = self._step_seconds / steps if steps else 1.0
-        return max(1, math.ceil(mean * 16))
 
     def metrics(self) -> dict:
         """Counters for /metrics: active sequences, queued requests, the batch-size histogram (decode rows per
@@ -327,48 +258,7 @@ class Scheduler:
         with self._lock:
             active = list(self._active)
             queued = len(self._waiting)
-        now = time.perf_counter()
-        live = [
-            len(r.generated) / (now - r.first_token_at)
-            for r in active
-            if r.first_token_at is not None and now > r.first_token_at and len(r.generated) > 1
-        ]
-        steps = self._counts["steps"]
-        disk = self.prefix_cache.stats() if self.prefix_cache is not None else {}
-        return {
-            "active_sequences": len(active),
-            "queued_requests": queued,
-            "decoding_sequences": sum(r.pending is not None for r in active),
-            "batch_size_histogram": dict(sorted(self._batch_sizes.items())),
-            "steps": steps,
-            "step_seconds_total": self._step_seconds,
-            "step_seconds_mean": self._step_seconds / steps if steps else 0.0,
-            "step_seconds_last": self._last_step_seconds,
-            "tokens_per_s_per_sequence": live,
-            "tokens_per_s_per_sequence_finished_mean": sum(self._rates) / len(self._rates) if self._rates else 0.0,
-            "requests_submitted": self._counts["submitted"],
-            "requests_finished": self._counts["finished"],
-            "requests_cancelled": self._counts["cancelled"],
-            "requests_rejected": self._counts["rejected"],
-            "prefix_cache_hits": self._counts["cache_hits"],
-            "prefix_cache_tokens": self._counts["cache_tokens"],
-            "prefill_progress": [(r.done, len(r.ids)) for r in active if r.pending is None and r.state is not None],
-            "prefix_memory_hits": self.memory.hits,
-            "prefix_memory_misses": self.memory.misses,
-            "prefix_memory_states": len(self.memory),
-            "prefix_disk_hits": disk.get("hits", 0),
-            "prefix_disk_misses": disk.get("misses", 0),
-            "prefix_disk_stores": disk.get("stores", 0),
-            "prefix_disk_evictions": disk.get("evictions", 0),
-            "prefix_disk_rejected": disk.get("rejected", 0),
-            "prefix_disk_writes_paused": disk.get("writes_paused", 0),
-            "prefix_disk_bytes": disk.get("bytes", 0),
-            "prefix_disk_loading": sum(r.loading is not None for r in active),
-            "draft_steps": self._counts["draft_steps"],
-            "sampled_draft_steps": self._counts["sampled_draft_steps"],
-            "forked_states": self._forked_states,
-            "forked_states_peak": self._forked_states_peak,
-        }
+        return self._metrics.report(active, queued, self.memory, self.prefix_cache, self._groups)
 
     @property
     def idle(self) -> bool:
@@ -393,8 +283,8 @@ class Scheduler:
         """End every queued and active request with `err` (their iterators raise it)."""
         with self._lock:
             reqs, self._waiting = [*self._waiting, *self._active], deque()
-            held, self._held = [f for h in self._held for f in h.choices], deque()
-            self._active, self._forked_states = [], 0
+            held = self._groups.drain()
+            self._active = []
         for r in reqs:
             for member in (r, *r.forks, *r.held):
                 member.handle._fail(err)
@@ -444,11 +334,9 @@ class Scheduler:
             self._prefill_chunk(prefilling)
         if decoding or prefilling is not None:
             dt = time.perf_counter() - t0
-            self._counts["steps"] += 1
-            self._step_seconds += dt
-            self._last_step_seconds = dt
+            self._metrics.stepped(dt)
         with self._lock:
-            return bool(self._waiting or self._active or self._held)
+            return bool(self._waiting or self._active or self._groups.held)
 
     def _drop_cancelled(self) -> None:
         """Drop cancelled requests; a prompt shared by several choices only once all of them are cancelled."""
@@ -468,40 +356,30 @@ class Scheduler:
             self._finish(r, last, count="cancelled")
 
     def _unhold(self) -> None:
-        """Fork held choices into the rows that are free (as `_admit` counts rows and the token budget), oldest
-        first; a cancelled one ends here. The last choice of a group takes the kept copy itself."""
-        while self._held:
-            h = self._held[0]
-            f = h.choices[0]
-            if not f.handle.cancelled and self._active:
-                if sum(r.slots for r in self._active) >= self.max_batch:
-                    return
-                in_flight = sum(r.cost for r in self._active)
-                if self.token_budget is not None and in_flight + f.cost > self.token_budget:
-                    return
-            h.choices.popleft()
-            if not h.choices:
-                self._held.popleft()
-            if f.handle.cancelled:
-                self._finish(f, f.chunks.cancelled(h.cached), count="cancelled", active=False)
-                if not h.choices:
-                    self._forked_states -= 1  # the kept copy, no longer needed
-                continue
-            f.state = h.state if not h.choices else self._new_fork(h.state)
-            f.done, f.cached, f.scores, f.forked = h.done, h.cached, h.scores, True
-            with self._lock:
-                self._active.append(f)
-            self._sampled(f, h.logits)
+        """Give held choices the rows that are free (as `_admit` counts rows and the token budget), oldest first."""
+        self._groups.unhold(self._has_row, self._cancel_choice, self._join)
 
-    def _new_fork(self, state):
-        self._forked_states += 1
-        self._forked_states_peak = max(self._forked_states_peak, self._forked_states)
-        return state.fork(speculative.VERIFY_MAX)
+    def _has_row(self, req: _Request) -> bool:
+        if not self._active:
+            return True
+        if sum(r.slots for r in self._active) >= self.max_batch:
+            return False
+        in_flight = sum(r.cost for r in self._active)
+        return self.token_budget is None or in_flight + req.cost <= self.token_budget
+
+    def _cancel_choice(self, req: _Request, cached: int) -> None:
+        self._finish(req, req.chunks.cancelled(cached), count="cancelled", active=False)
+
+    def _join(self, req: _Request, logits: torch.Tensor) -> None:
+        """A held choice, forked, takes its row and samples its prompt's last logits."""
+        with self._lock:
+            self._active.append(req)
+        self._sampled(req, logits)
 
     def _admit(self) -> None:
         admitted = []
         with self._lock:
-            while self._waiting and not self._held:  # held choices of an admitted group take free rows first
+            while self._waiting and not self._groups.held:  # held choices of an admitted group take free rows first
                 req = self._waiting[0]
                 used = sum(r.slots for r in self._active)
                 if self._active and used + req.slots > self.max_batch:  # a group alone is always admitted
@@ -559,8 +437,8 @@ class Scheduler:
         req.state, req.done = hit if hit is not None else (self.model.new_state(), 0)
         if hit is not None:
             req.cached = req.done
-            self._counts["cache_hits"] += 1
-            self._counts["cache_tokens"] += req.done
+            self._metrics.counts["cache_hits"] += 1
+            self._metrics.counts["cache_tokens"] += req.done
             stats.cached_tokens += req.done
         if req.on_progress is not None:
             req.on_progress(req.done, len(req.ids))
@@ -604,29 +482,13 @@ class Scheduler:
                 self._finish(r, last, active=r is req)
             req.forks, req.held = [], []
             return
-        if req.held:  # kept before req decodes (its state changes, or goes to prefix memory, from now on)
-            held, req.held = req.held, []
-            self._held.append(
-                _Held(self._new_fork(req.state), logits[-1], req.done, req.cached, req.scores, deque(held))
-            )
-        forked = self._fork(req)
+        self._groups.hold(req, logits[-1])  # held choices' copy, kept before req decodes
+        forked = self._groups.fork(req, self._cancel_choice)
+        with self._lock:
+            self._active.extend(forked)
         self._sampled(req, logits[-1])
         for f in forked:  # each samples the same last logits with its own sampler, as it would alone
             self._sampled(f, logits[-1])
-
-    def _fork(self, req: _Request) -> list[_Request]:
-        """The other choices of req's prompt, now prefilled: each gets a fork of its state (enough to roll a
-        verify pass back) and joins the batch; one cancelled meanwhile ends here."""
-        forked, forks, req.forks = [], req.forks, []
-        for f in forks:
-            if f.handle.cancelled:
-                self._finish(f, f.chunks.cancelled(req.cached), count="cancelled", active=False)
-                continue
-            f.state, f.done, f.cached, f.forked = self._new_fork(req.state), req.done, req.cached, True
-            forked.append(f)
-        with self._lock:
-            self._active.extend(forked)
-        return forked
 
     def _decode(self, group: list[_Request]) -> None:
         stats = self.engine.counters
@@ -634,7 +496,7 @@ class Scheduler:
         logits = self.model.forward_rows([r.pending for r in group], [r.state for r in group])
         stats.decode_seconds += time.perf_counter() - t
         stats.decode_tokens_computed += len(group)
-        self._batch_sizes[len(group)] += 1
+        self._metrics.batch_sizes[len(group)] += 1
         for r, row in zip(group, logits):
             self._sampled(r, row)
 
@@ -674,9 +536,9 @@ class Scheduler:
         )
         eng.counters.decode_seconds += time.perf_counter() - t
         eng.counters.decode_tokens_computed += len(rows)
-        self._batch_sizes[1] += 1
-        self._counts["draft_steps"] += 1
-        self._counts["sampled_draft_steps"] += picks is not None
+        self._metrics.batch_sizes[1] += 1
+        self._metrics.counts["draft_steps"] += 1
+        self._metrics.counts["sampled_draft_steps"] += picks is not None
         for j, row in enumerate(rows):
             if picks is None:
                 self._sampled(req, row)
@@ -691,9 +553,9 @@ class Scheduler:
         except ConstraintError as err:  # its grammar's parser failed: this request ends, the others go on
             with self._lock:
                 self._active.remove(req)
-            self._counts["finished"] += 1
-            self._forked_states -= req.forked
-            req.state, req.forked = None, False
+            self._metrics.counts["finished"] += 1
+            self._groups.release(req)
+            req.state = None
             req.handle._fail(err)
             return
         self._emit(req, *picked)
@@ -724,14 +586,12 @@ class Scheduler:
         if active:
             with self._lock:
                 self._active.remove(req)
-        self._counts[count] += 1
-        n = len(req.generated)
-        if n > 1 and req.last_token_at > req.first_token_at:
-            self._rates.append((n - 1) / (req.last_token_at - req.first_token_at))
+        self._metrics.counts[count] += 1
+        self._metrics.finished(req)
         if req.state is not None and req.state.length > 0:  # what it processed, for the next turn to reuse
             self.memory.put((req.ids + req.generated)[: req.state.length], req.state, len(req.ids))
-        self._forked_states -= req.forked
-        req.state, req.forked = None, False
+        self._groups.release(req)
+        req.state = None
         req.emit(last)
         req.handle.done.set()
 

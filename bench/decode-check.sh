@@ -4,7 +4,7 @@
 #   bash bench/decode-check.sh
 #
 # Makes (once; reused after) the 4-layer Flash-width model, 16 experts per layer, as an official-format checkpoint
-# directory (for transformers) and its .fst (for fastar), under $BIG (default /work/big, else $TMPDIR), then runs
+# directory (for transformers) and its .fst (for fastar), under $BIG (default $TMPDIR/fastar-big, /tmp without TMPDIR), then runs
 # with every expert in RAM:
 #   1. one stream: `fastar bench` decode against the byte ceiling (3 repeats, each against the memory bandwidth
 #      measured around it);
@@ -29,11 +29,9 @@ T0=$SECONDS
 step() { printf '\n== %s  [%ds]\n' "$*" $((SECONDS - T0)) >&2; }
 die() { printf 'decode-check: error: %s\n' "$*" >&2; exit 1; }
 
-BIG=${BIG:-/work/big}
-if ! mkdir -p "$BIG" 2>/dev/null || [[ ! -w "$BIG" ]]; then
-    BIG=${TMPDIR:-/tmp}/fastar-big
-    mkdir -p "$BIG"
-fi
+BIG=${BIG:-${TMPDIR:-/tmp}/fastar-big}
+mkdir -p "$BIG" || die "cannot create $BIG (set BIG=DIR)"
+[[ -w "$BIG" ]] || die "$BIG is not writable (set BIG=DIR)"
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 TOKENS=${PROMPT_DECODE:-32}

@@ -292,7 +292,8 @@ class OpenAIRoutes:
             else:
                 fields.check_token_ids(prompt, engine.tokenizer.vocab_size, param)
                 prompts.append(list(prompt))
-                texts.append(await self.admission.off_loop(engine.tokenizer.decode, prompts[-1]))
+                # the text is only needed to echo the prompt
+                texts.append(await self.admission.off_loop(engine.tokenizer.decode, prompts[-1]) if req.echo else "")
         k = req.best_of  # generated per prompt; the best req.n of them are returned
         jobs, limits, shared = self._submit(engine, prompts, req.sampling, req.max_tokens, "prompt", k)
         prefixes = [texts[j // k] if req.echo else "" for j in range(len(jobs))]

@@ -82,21 +82,12 @@ def chat_choice(index: int, message: dict, finish_reason: str, logprobs: list[di
     }
 
 
-def chat_response(
-    rid: str, model: str, message: dict, finish_reason: str, use: dict, logprobs: list[dict] | None
-) -> dict:
-    return chat_response_choices(rid, model, [chat_choice(0, message, finish_reason, logprobs)], use)
+def _response(obj: str, rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices, "usage": use}
 
 
 def chat_response_choices(rid: str, model: str, choices: list[dict], use: dict) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": use,
-    }
+    return _response("chat.completion", rid, model, choices, use)
 
 
 def chat_chunk(
@@ -119,23 +110,12 @@ def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
 
 
-def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
     return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, use: dict, logprobs: dict | None) -> dict:
-    return completion_response_choices(rid, model, [completion_choice(0, text, finish_reason, logprobs)], use)
-
-
 def completion_response_choices(rid: str, model: str, choices: list[dict], use: dict) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": use,
-    }
+    return _response("text_completion", rid, model, choices, use)
 
 
 def completion_chunk(
@@ -152,7 +132,7 @@ def completion_chunk(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "choices": [completion_choice(index, text, finish_reason, logprobs)],
     }
 
 

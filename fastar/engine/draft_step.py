@@ -2,7 +2,7 @@
 
 Owns: `draft_step`, the state-level twin of one iteration of `speculative.speculative_generate_step`'s loop:
 propose drafts after the pending token, verify pending token + drafts in one target pass, roll the state back past
-the rejected ones. Greedy (`greedy_draft_step`): it returns the verified logits rows and leaves choosing the tokens
+the rejected ones. Greedy (`sampling` None): it returns the verified logits rows and leaves choosing the tokens
 to the caller's own `Sampler` (the argmax of each row, which is the accepted draft, then the correction or bonus),
 so the tokens, logprobs and chunks come out of the same code as a plain decode step's. Sampled (`sampling` given):
 drafts are drawn from the draft's processed distribution and accepted by standard speculative sampling
@@ -30,18 +30,6 @@ from .sampling import SamplingParams, argmax, processed_logits
 
 def _greedy_pick(logits: torch.Tensor) -> tuple[int, None]:
     return argmax(logits), None
-
-
-def greedy_draft_step(
-    drafter: sp.Drafter,
-    schedule: sp.Schedule,
-    stats: sp.SpeculativeStats,
-    state: ModelState,
-    tokens: list[int],
-    room: int,
-) -> torch.Tensor:
-    """`draft_step` for a greedy request: the logits rows kept (the caller's sampler takes each row's argmax)."""
-    return draft_step(drafter, schedule, stats, state, tokens, room)[0]
 
 
 def draft_step(

@@ -35,7 +35,7 @@ the LM head a few positions at a time; its first chunk carries the `PromptLogpro
 
 Speculative decoding (with the engine's drafter, `--draft`): while exactly one sequence is active (decoding, with
 nothing else prefilling or loading) and its request is greedy, each step decodes it with the drafter's
-propose/verify step (`draft_step.greedy_draft_step`: up to `speculative.VERIFY_MAX` tokens a pass, rejected drafts
+propose/verify step (`draft_step.draft_step`: up to `speculative.VERIFY_MAX` tokens a pass, rejected drafts
 rolled back), which gives the tokens plain decoding gives (verify passes are batch-invariant). A lone sampled
 request (temperature > 0) without a `seed` drafts too, with lossless speculative sampling (`draft_step.draft_step`
 with its sampler's generator: each token is distributed exactly as a plain step's draw, though from other random

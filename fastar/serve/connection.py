@@ -32,6 +32,8 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from fastar.serve.api_error import APIError
+
 _DRAIN_SECONDS = 2.0  # how long a refused connection's remaining input is read and dropped before the close
 FD_RESERVE = 256  # descriptors kept for the engine: the model and expert files, prompt cache, logs, threads
 
@@ -138,16 +140,12 @@ class Connection(H11Protocol):
     def _refuse_head(self) -> None:
         self._disarm()
         self._refused = True
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"the request line and headers exceed {self.max_header_bytes} bytes",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "request_header_fields_too_large",
-                }
-            }
-        ).encode()
+        err = APIError(
+            431,
+            f"the request line and headers exceed {self.max_header_bytes} bytes",
+            code="request_header_fields_too_large",
+        )
+        body = json.dumps(err.to_dict()).encode()
         self.transport.write(
             b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)

@@ -105,17 +105,22 @@ def test_oversize_prompt_is_400_with_both_numbers(server):
 # --- the agent APIs on the real server --------------------------------------------------------------------------
 
 
+def greedy_message(content: str, max_tokens: int) -> dict:
+    """Anthropic `messages.create` arguments: one user turn, thinking off, greedy."""
+    return dict(
+        model="deepseek-v4-flash",
+        max_tokens=max_tokens,
+        thinking={"type": "disabled"},
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": content}],
+    )
+
+
 def test_anthropic_client_on_the_real_server(server):
     anthropic = pytest.importorskip("anthropic")
     s, _ = server
     c = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
-    kw = dict(
-        model="deepseek-v4-flash",
-        max_tokens=8,
-        thinking={"type": "disabled"},
-        extra_body={"temperature": 0},
-        messages=[{"role": "user", "content": "Name three colours."}],
-    )
+    kw = greedy_message("Name three colours.", max_tokens=8)
     msg = c.messages.create(**kw)
     assert msg.type == "message" and msg.role == "assistant" and msg.stop_reason == "max_tokens"
     assert msg.usage.output_tokens == 8 and msg.content and msg.content[0].type == "text"
@@ -182,13 +187,7 @@ def test_anthropic_stop_sequence_on_the_real_engine(server):
     anthropic = pytest.importorskip("anthropic")
     s, _ = server
     c = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
-    kw = dict(
-        model="deepseek-v4-flash",
-        max_tokens=16,
-        thinking={"type": "disabled"},
-        extra_body={"temperature": 0},
-        messages=[{"role": "user", "content": "Count to ten."}],
-    )
+    kw = greedy_message("Count to ten.", max_tokens=16)
     text = c.messages.create(**kw).content[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop) == 3

@@ -45,6 +45,16 @@ def exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:
     return out
 
 
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    """Poll `cond` every 10 ms until it holds or `timeout` passes; whether it held."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def assert_openai_error(
     status: int, data: bytes, want_status: int, code: str | None = None, param: str | None = None
 ) -> dict:
@@ -238,9 +248,7 @@ def test_connections_beyond_the_limit_get_503_only_when_all_are_busy():
             t.start()
             held.append(t)
         assert engine.started.acquire(timeout=5)
-        deadline = time.monotonic() + 10
-        while srv.metrics.render(srv.host).count("num_requests_waiting 3") == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: "num_requests_waiting 3" in srv.metrics.render(srv.host))
         out = exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         assert out.startswith(b"HTTP/1.1 503"), out[:200]
         engine.gate.set()
@@ -261,9 +269,7 @@ def test_requests_in_flight_beyond_the_limit_get_503_server_busy():
         for t in held:
             t.start()
         assert engine.started.acquire(timeout=5)
-        deadline = time.monotonic() + 10
-        while "num_requests_waiting 1" not in srv.metrics.render(srv.host) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: "num_requests_waiting 1" in srv.metrics.render(srv.host))
         status, headers, data = raw(srv, "GET", "/health")
         assert_openai_error(status, data, 503, "server_busy")
         assert headers["retry-after"] == "1"
@@ -625,12 +631,8 @@ def test_prompts_are_tokenized_a_few_at_a_time_across_routes():
         for t in threads:
             t.start()
         tok = engine.tokenizer
-        deadline = time.monotonic() + 10
-        while tok.inside < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        deadline = time.monotonic() + 1  # give a third one the chance to get in, if the bound let it
-        while tok.inside < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: tok.inside >= 2)
+        wait_until(lambda: tok.inside >= 3, timeout=1)  # give a third one the chance to get in, if the bound let it
         assert tok.most == 2, tok.most
         tok.gate.set()
         for t in threads:

@@ -54,21 +54,25 @@ def harness_loglikelihood(response: dict, ctxlen: int) -> tuple[float, bool]:
     return sum(tokens), all(tok == max(top.values()) for tok, top in zip(tokens, tops))
 
 
-def test_harness_loglikelihood_body(served):
-    s, _, ref = served
-    tok = ref.tokenizer
-    context, continuation = tok.encode("Question: what colour is the sky?\nAnswer:"), tok.encode(" blue")
-    ids = context + continuation
-    body = {
+def harness_body(prompts: list[list[int]]) -> dict:
+    """The body `local-completions` sends for loglikelihood: a batch of token-id lists, echoed and scored."""
+    return {
         "model": MODEL,
-        "prompt": [ids],  # the harness sends a batch: a list of token-id lists
+        "prompt": prompts,  # the harness sends a batch: a list of token-id lists
         "temperature": 0,
         "max_tokens": 1,
         "logprobs": 1,
         "seed": 1234,
         "echo": True,
     }
-    r = post(s, "/v1/completions", body)
+
+
+def test_harness_loglikelihood_body(served):
+    s, _, ref = served
+    tok = ref.tokenizer
+    context, continuation = tok.encode("Question: what colour is the sky?\nAnswer:"), tok.encode(" blue")
+    ids = context + continuation
+    r = post(s, "/v1/completions", harness_body([ids]))
     want = ref.prompt_logprobs(ids, top=1)
     lp = r["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == len(ids) + 1  # every prompt token, then the generated one
@@ -87,16 +91,7 @@ def test_harness_batched_loglikelihood_body(served):
     tok = ref.tokenizer
     pairs = [("The sky is", " blue"), ("Two plus two is", " four"), ("A cat says", " meow")]
     batch = [(tok.encode(c), tok.encode(c + x)[len(tok.encode(c)) :]) for c, x in pairs]
-    body = {
-        "model": MODEL,
-        "prompt": [c + x for c, x in batch],
-        "temperature": 0,
-        "max_tokens": 1,
-        "logprobs": 1,
-        "seed": 1234,
-        "echo": True,
-    }
-    r = post(s, "/v1/completions", body)
+    r = post(s, "/v1/completions", harness_body([c + x for c, x in batch]))
     choices = sorted(r["choices"], key=lambda c: c["index"])
     assert len(choices) == len(batch)
     for choice, (context, continuation) in zip(choices, batch):
@@ -113,8 +108,7 @@ def test_harness_rolling_loglikelihood_body(served):
     s, _, ref = served
     bos = ref.tokenizer.token_to_id(BOS)
     ids = [bos] + ref.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)
-    body = {"model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234}
-    r = post(s, "/v1/completions", {**body, "echo": True})
+    r = post(s, "/v1/completions", harness_body([ids]))
     total, _ = harness_loglikelihood(r, 1)
     want = ref.prompt_logprobs(ids)
     assert total == pytest.approx(want.total(), abs=1e-9)

@@ -124,8 +124,9 @@ for p in pr["profiles"]:
     floor = f", byte floor {p['byte_floor_ms']:.1f} ms" if p.get("byte_floor_ms") else ""
     print(
         f"profile {p['rows']} row(s): step {p['step_ms']:.1f} ms (plain {p['plain_step_ms_median']:.1f}{floor}); "
-        f"outside kernels {100 * p['outside_kernels_fraction']:.1f}% (outside any C kernel "
-        f"{100 * p['outside_c_kernels_fraction']:.1f}%)  goal <= 5%: {ok(p['outside_kernels_fraction'] <= 0.05)}"
+        f"outside kernels {100 * p['outside_kernels_fraction']:.1f}% with timers (outside any C kernel "
+        f"{100 * p['outside_c_kernels_fraction']:.1f}%), {100 * p['outside_kernels_net_fraction']:.1f}% less the "
+        f"timers' cost  goal <= 5%: {ok(p['outside_kernels_net_fraction'] <= 0.05)}"
     )
     print(f"    largest: {top}; products: {gbps}")
 for n, goal in ((64, 1.0), (512, 2.0)):

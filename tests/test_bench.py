@@ -232,13 +232,18 @@ def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
         assert cats["sampling"] > 0 and p["calls_per_step"]["sampling"] == p["rows"]
         assert p["calls_per_step"]["FP4 experts"] == p["calls_per_step"]["routing/top-k"]  # one fused call per layer
         assert 0 < p["outside_kernels_fraction"] < 1 and p["product_gbps"]["FP8 products"] > 0
+        # the glue less the timers' own cost: a positive cost per timed call, taken off the outside time and the step
+        assert p["timed_calls_per_step"] > 10 and 0 < p["timers_ms"] < p["outside_kernels_ms"]
+        assert p["outside_kernels_net_ms"] == pytest.approx(p["outside_kernels_ms"] - p["timers_ms"])
+        net = p["outside_kernels_net_ms"] / (p["step_ms"] - p["timers_ms"])
+        assert p["outside_kernels_net_fraction"] == pytest.approx(net) and net < p["outside_kernels_fraction"]
         for k in ("step", "attention q/kv projections", "attention core", "shared expert", "mHC wrappers"):
             assert cats["outside: " + k] > 0, k
         assert set(p["categories_cpu_ms"]) == set(cats) and p["outside_kernels_cpu_ms"] > 0
     # the instrumentation is gone once the profile is done (in this process too)
     run = profile.bench(str(fst), [2], steps=1, prompt_tokens=4)
     assert run["profiles"][0]["rows"] == 2
-    assert ops._C is kernels._C is state._C and type(ops._C).__name__ == "module"
+    assert ops._C is kernels._C is state._C is kernels.extension and type(ops._C).__name__ == "module"
     assert HyperConnection.post is ops_post and MoE.__call__ is moe_call
     bad = _bench("-m", str(fst), "--profile", "9")
     assert bad.returncode != 0 and "--profile" in bad.stderr and "Traceback" not in bad.stderr

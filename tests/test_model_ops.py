@@ -472,22 +472,23 @@ def test_layer_experts_in_one_call_equal_expert_by_expert():
         T = routed.shape[0]
         x = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32) * 3)
         wts = torch.from_numpy(rng.uniform(0.1, 1, routed.shape).astype(np.float32))
-        order = np.unique(routed).tolist()
-        got = torch.zeros(T, D)
-        assert experts_ffn(
-            x, routed, wts, experts, order, 1.0, got, weight_before_down=True, act_quant=q, act_block=128
-        )
-        want = torch.zeros(T, D)
-        for e in order:
-            tok, slot = (torch.from_numpy(a) for a in np.nonzero(routed == e))
-            want.index_add_(
-                0,
-                tok,
-                expert_ffn(
-                    x[tok], experts[e], wts[tok, slot], 1.0, weight_before_down=True, act_quant=q, act_block=128
-                ),
+        ascending = np.unique(routed).tolist()  # the MoE's order (one sort groups the routes), then any other
+        for order in (ascending, ascending[::-1]):
+            got = torch.zeros(T, D)
+            assert experts_ffn(
+                x, routed, wts, experts, order, 1.0, got, weight_before_down=True, act_quant=q, act_block=128
             )
-        assert torch.equal(got, want)
+            want = torch.zeros(T, D)
+            for e in order:
+                tok, slot = (torch.from_numpy(a) for a in np.nonzero(routed == e))
+                want.index_add_(
+                    0,
+                    tok,
+                    expert_ffn(
+                        x[tok], experts[e], wts[tok, slot], 1.0, weight_before_down=True, act_quant=q, act_block=128
+                    ),
+                )
+            assert torch.equal(got, want), order
 
 
 def test_row_ops_over_the_pool_do_not_depend_on_threads(isa):

@@ -26,9 +26,12 @@ a core on a loaded machine; its CPU time counts only the work), the plain steps'
 shows as the difference), the memory bandwidth measured
 around the run, the bytes a step reads (resident weights once, plus the distinct experts the rows routed to) and
 the step's byte floor at that bandwidth, and each product category's achieved weight GB/s.
-What the timers cost: each timed call adds ~2 us of clock reads on each side (`time.thread_time` is a system call),
-part of it counted in the enclosing category, so the time outside kernels is overstated by up to ~2 us per timed
-call (a few hundred per step); the plain steps' median beside it shows the whole overhead.
+What the timers cost: each timed call adds a few us of clock reads and bookkeeping (`time.thread_time` is a system
+call); the wall clock is read inside them, so a kernel's time is its own and the cost lands in the enclosing
+category, overstating the time outside kernels by a few us per timed call (a few hundred per step). So the profile
+also gives the glue less the timers: that cost, measured on a no-op timed the same way, times the timed calls, taken
+off the time outside kernels and off the step. (The plain steps' median beside it is no better a measure: the
+memory bandwidth moves between steps by more than the whole glue.)
 Owns only the measuring: nothing here runs in production.
 """
 
@@ -84,11 +87,16 @@ class _Clock:
         self._stack: list[list] = []  # [category, start, nested seconds, start CPU, nested CPU]
 
     def enter(self, cat: str) -> None:
-        self._stack.append([cat, time.perf_counter(), 0.0, time.thread_time(), 0.0])
+        # the wall clock read last on entering and first on leaving: the CPU clock (a system call, ~1 us) and the
+        # bookkeeping fall outside the timed call, so a kernel's time is the kernel's
+        c0 = time.thread_time()
+        self._stack.append([cat, 0.0, 0.0, c0, 0.0])
+        self._stack[-1][1] = time.perf_counter()
 
     def leave(self) -> float:
+        t1 = time.perf_counter()
         cat, t0, nested, c0, nested_cpu = self._stack.pop()
-        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+        dt, dc = t1 - t0, time.thread_time() - c0
         self.own[cat] += dt - nested
         self.own_cpu[cat] += dc - nested_cpu
         self.calls[cat] += 1
@@ -167,6 +175,9 @@ class _Instrumented:
         proxy = _TimedExtension(kernels._C, clock) if kernels._C is not None else None
         for m in self._modules:
             m._C = proxy
+        self._saved_ext = kernels.extension  # what `Linear`'s bound products call
+        if proxy is not None:
+            kernels.extension = proxy
         self.experts: list[int] = []  # distinct experts per layer of each timed call, summed per step
         self._saved = []  # (object, attribute) wrapped on the instance: popped from its __dict__ at close
 
@@ -211,10 +222,35 @@ class _Instrumented:
     def close(self) -> None:
         for m, c in zip(self._modules, self._saved_c):
             m._C = c
+        from ..quant import kernels
+
+        kernels.extension = self._saved_ext
         for obj, name in self._saved:
             obj.__dict__.pop(name, None)
         self._moe_cls.__call__ = self._moe_call
         self._hc_cls.post = self._hc_post
+
+
+def _timer_cost(n: int = 20_000) -> float:
+    """Seconds one timed call adds to its step beside what it times: a no-op timed as the kernels are (the
+    extension proxy's wrapper, the clock's entry and exit) against the no-op alone, best of 3."""
+    clock = _Clock()
+    clock.on = True
+
+    def noop() -> None:
+        return None
+
+    timed = _TimedExtension(type("Ext", (), {"noop": staticmethod(noop)}), clock).noop
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            timed()
+        t1 = time.perf_counter()
+        for _ in range(n):
+            noop()
+        best = min(best, (t1 - t0) - (time.perf_counter() - t1))
+    return max(0.0, best / n)
 
 
 def _step(model, samplers, pending: list[int], states, clock: _Clock | None) -> list[int]:
@@ -268,12 +304,20 @@ def profile_rows(engine, rows: int, steps: int, prompt_tokens: int = 16, warmup:
     kernels = sum(v for k, v in per_step.items() if k not in TORCH_CATEGORIES and not k.startswith(OUTSIDE))
     torch_ops = sum(per_step.get(k, 0.0) for k in TORCH_CATEGORIES)
     outside = sum(v for k, v in per_step.items() if k.startswith(OUTSIDE))
+    # the timers' own cost lands outside kernels (a few us per timed call): measured on a no-op, taken off
+    timed_calls = (sum(clock.calls.values()) - clock.calls[OUTSIDE + "step"]) / steps
+    timers_s = timed_calls * _timer_cost()
+    outside_net = max(0.0, outside - timers_s)
     return {
         "rows": rows,
         "steps": steps,
         "positions": states[0].length,
         "step_ms": 1e3 * step_s,
         "plain_step_ms_median": 1e3 * statistics.median(plain),
+        "timed_calls_per_step": timed_calls,
+        "timers_ms": 1e3 * timers_s,
+        "outside_kernels_net_ms": 1e3 * outside_net,
+        "outside_kernels_net_fraction": outside_net / (step_s - timers_s),
         "profiled_step_ms_median": 1e3 * statistics.median(profiled),
         "categories_ms": {k: 1e3 * v for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])},
         "calls_per_step": {k: v / steps for k, v in clock.calls.items()},
@@ -337,6 +381,12 @@ def format_profile(r: dict) -> str:
             f"{100 * p['torch_ops_ms'] / step:.1f}%; outside kernels {100 * p['outside_kernels_fraction']:.1f}% "
             f"(outside any C kernel {100 * p['outside_c_kernels_fraction']:.1f}%); the calling thread's CPU time "
             f"outside kernels {p['outside_kernels_cpu_ms']:.2f} ms"
+        )
+        lines.append(
+            f"    {'= outside kernels, less the timers':<40} {p['outside_kernels_net_ms']:8.3f} ms "
+            f"{100 * p['outside_kernels_net_fraction']:5.1f}% of the step less the timers' cost "
+            f"({p['timed_calls_per_step']:.0f} timed calls at "
+            f"{1e3 * p['timers_ms'] / max(p['timed_calls_per_step'], 1):.2f} us)"
         )
     return "\n".join(lines)
 

@@ -99,7 +99,7 @@ class DeviceLinear(Linear):
         self.weight = lin.weight.to(device)  # uint8 FP8 bits / bfloat16 / float32, as stored
         self.scale = None if lin.scale is None else lin.scale.to(device)
         self.out_features, self.in_features = self.weight.shape
-        self._kernels, self._w_np, self._s_np = None, None, None
+        self._kernels, self._w_np, self._s_np, self._direct = None, None, None, None
         self._scale_f32 = None if self.scale is None else ue8m0(self.scale)  # [R/128, C/128]
 
     def dequant(self, r0: int = 0, r1: int | None = None) -> torch.Tensor:

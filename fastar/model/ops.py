@@ -26,6 +26,8 @@ FP8_MAX = 448.0
 FP4_MAX = 6.0
 
 _scope = threading.local()  # `torch_only()`: this thread's ops take their torch paths
+_open_scopes = [0]  # `torch_only()` scopes open in any thread: while none is (the usual case), no thread-local lookup
+_scopes_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -34,10 +36,14 @@ def torch_only():
     the accelerator tier's `torch:cpu` mode runs on the CPU exactly the torch code a CUDA device runs."""
     before = getattr(_scope, "torch_only", False)
     _scope.torch_only = True
+    with _scopes_lock:
+        _open_scopes[0] += 1
     try:
         yield
     finally:
         _scope.torch_only = before
+        with _scopes_lock:
+            _open_scopes[0] -= 1
 
 
 # --- norms and activations ----------------------------------------------------------------------------------
@@ -47,13 +53,13 @@ def _c_arrays(*ts: torch.Tensor) -> list | None:
     """Row-major numpy views of the tensors for the C extension (a copy only where one is not contiguous), or None
     when it cannot take them (not built; not float32 on the CPU; autograd; empty). The C calls reshape on the numpy
     side: a few microseconds less per call than torch views, which is most of a small op's cost at decode."""
-    if _C is None or getattr(_scope, "torch_only", False):
+    if _C is None or (_open_scopes[0] and getattr(_scope, "torch_only", False)):
         return None
     out = []
     for t in ts:
-        if t.dtype != torch.float32 or not t.is_cpu or t.requires_grad or not t.numel() or not t.dim():
+        if t.dtype is not torch.float32 or not t.is_cpu or t.requires_grad or not t.dim() or not t.numel():
             return None
-        out.append(t.contiguous().numpy())
+        out.append(t.numpy() if t.is_contiguous() else t.contiguous().numpy())
     return out
 
 

@@ -208,6 +208,33 @@ def test_decode_macs_split_by_instruction_path(tiny_ckpt, tmp_path):
     assert decode_macs(ckpt) == (wide, quant) and prefill_macs(ckpt) == prefill_macs(fst)
 
 
+def test_bench_profile_counts_waits_for_expert_reads_apart(tiny_ckpt, tmp_path, monkeypatch):
+    """A paged model whose expert reads are slow: the MoE's waits for them are their own category, carved out of
+    the MoE's bookkeeping (which stays >= 0), and the categories still add up to the step."""
+    import time as _time
+
+    from fastar.bench import profile
+    from fastar.weights import expert_store
+
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    read = expert_store.ExpertReader.read
+
+    def slow_read(self, layer, e, buf):
+        _time.sleep(0.01)
+        return read(self, layer, e, buf)
+
+    monkeypatch.setattr(expert_store.ExpertReader, "read", slow_read)
+    src = open_source(str(fst))
+    budget = 2 * src.expert_stride  # two experts' room: every step reads again
+    src.close()
+    p = profile.bench(str(fst), [1], steps=3, prompt_tokens=4, ram_budget=budget)["profiles"][0]
+    cats = p["categories_ms"]
+    assert p["expert_stall_ms"] > 5 and cats[profile.STALL] == p["expert_stall_ms"]
+    assert cats["outside: MoE (rest)"] >= 0 and sum(cats.values()) == pytest.approx(p["step_ms"], rel=1e-9)
+    parts = p["kernels_ms"] + p["torch_ops_ms"] + p["outside_kernels_ms"] + p["expert_stall_ms"]
+    assert parts == pytest.approx(p["step_ms"], rel=1e-9)
+
+
 def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
     """--profile 1,3: each step's categories (C kernels by kind, torch ops, the time outside kernels) add up to the
     step, the kinds a decode step runs are all there, and the engine's C extension is put back afterwards."""
@@ -226,7 +253,8 @@ def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
         cats = p["categories_ms"]
         assert all(v >= 0 for v in cats.values())
         assert sum(cats.values()) == pytest.approx(p["step_ms"], rel=1e-9)
-        assert p["kernels_ms"] + p["torch_ops_ms"] + p["outside_kernels_ms"] == pytest.approx(p["step_ms"], rel=1e-9)
+        parts = p["kernels_ms"] + p["torch_ops_ms"] + p["outside_kernels_ms"] + p["expert_stall_ms"]
+        assert parts == pytest.approx(p["step_ms"], rel=1e-9) and p["expert_stall_ms"] == 0  # every expert preloaded
         for k in ("FP8 products", "BF16 products", "FP4 experts", "attention", "mHC", "norms", "routing/top-k"):
             assert cats[k] > 0, k
         assert cats["sampling"] > 0 and p["calls_per_step"]["sampling"] == p["rows"]

@@ -15,7 +15,6 @@ import argparse
 import time
 
 import numpy as np
-
 from kernels_ab import load
 
 D, I = 4096, 2048  # DeepSeek-V4-Flash hidden size and expert intermediate size
@@ -30,7 +29,8 @@ def main() -> int:
     p.add_argument("--cases", default="fp8,fp8w,experts")
     p.add_argument("--seconds", type=float, default=0.25, help="per measurement")
     a = p.parse_args()
-    mods = {("before" if i == 0 else "after" if len(a.builds) == 2 else f"#{i}"): load(b) for i, b in enumerate(a.builds)}
+    names = ["before", "after"] if len(a.builds) == 2 else ["before"] + [f"#{i}" for i in range(1, len(a.builds))]
+    mods = {v: load(b) for v, b in zip(names, a.builds, strict=True)}
     tokens = [int(t) for t in a.tokens.split(",")]
     rng = np.random.default_rng(0)
     m0 = list(mods.values())[-1]
@@ -61,14 +61,24 @@ def main() -> int:
         xs = {t: xq(t, D) for t in tokens}
         outs = {t: np.empty((t, D), np.float32) for t in tokens}
         cases.append(
-            ("fp8 4096x4096", D * D, 2 * D * D, lambda m, t, i: m.fp8_matmul(xs[t], *ws[i % len(ws)], outs[t], accumulate=False, groups=1))
+            (
+                "fp8 4096x4096",
+                D * D,
+                2 * D * D,
+                lambda m, t, i: m.fp8_matmul(xs[t], *ws[i % len(ws)], outs[t], accumulate=False, groups=1),
+            )
         )
     if "fp8c" in want:  # L3-resident weights: the kernels' compute speed
         wc = fp8(2048, D)
         xc = {t: xq(t, D) for t in tokens}
         outc = {t: np.empty((t, 2048), np.float32) for t in tokens}
         cases.append(
-            ("fp8 2048x4096 (L3)", 2048 * D, 2 * 2048 * D, lambda m, t, i: m.fp8_matmul(xc[t], *wc, outc[t], accumulate=False, groups=1))
+            (
+                "fp8 2048x4096 (L3)",
+                2048 * D,
+                2 * 2048 * D,
+                lambda m, t, i: m.fp8_matmul(xc[t], *wc, outc[t], accumulate=False, groups=1),
+            )
         )
     if "fp8w" in want:
         n, k = 8 * D, 1024  # wo_a-like: many rows, short K
@@ -76,7 +86,12 @@ def main() -> int:
         xs2 = {t: xq(t, k) for t in tokens}
         outs2 = {t: np.empty((t, n), np.float32) for t in tokens}
         cases.append(
-            ("fp8 32768x1024", n * k, 2 * n * k, lambda m, t, i: m.fp8_matmul(xs2[t], *ws2[i % len(ws2)], outs2[t], accumulate=False, groups=1))
+            (
+                "fp8 32768x1024",
+                n * k,
+                2 * n * k,
+                lambda m, t, i: m.fp8_matmul(xs2[t], *ws2[i % len(ws2)], outs2[t], accumulate=False, groups=1),
+            )
         )
     if "experts" in want:
         E = 4  # experts per call, every token in each
@@ -101,7 +116,7 @@ def main() -> int:
         bw.append(buf.nbytes / m0.read_bandwidth(buf) / 1e9)
         s, f = m0.bf16_dot_peak(20_000_000)
         peak.append(f / s / 1e9)
-        for name, nbytes, flops, call in cases:
+        for name, _, _, call in cases:
             for t in tokens:
                 for v, m in mods.items():
                     call(m, t, 0)
@@ -111,8 +126,11 @@ def main() -> int:
                         k += 1
                     res.setdefault((name, t, v), []).append(k / (time.perf_counter() - t0))
     pk = float(np.median(peak))
-    print(f"threads {m0.get_num_threads()}  memory read {np.median(bw):.1f} GB/s (runs {', '.join(f'{b:.1f}' for b in bw)})"
-          f"  vdpbf16ps peak {pk:.0f} GFLOP/s")
+    runs = ", ".join(f"{b:.1f}" for b in bw)
+    print(
+        f"threads {m0.get_num_threads()}  memory read {np.median(bw):.1f} GB/s (runs {runs})"
+        f"  vdpbf16ps peak {pk:.0f} GFLOP/s"
+    )
     for name, nbytes, flops, _ in cases:
         print(name)
         for t in tokens:
@@ -121,7 +139,8 @@ def main() -> int:
             for v in mods:
                 r = float(np.median(res[(name, t, v)]))
                 rate[v] = r
-                line += f"  {v} {nbytes * r / 1e9:5.1f} GB/s {flops * t * r / 1e9:5.0f} GFLOP/s ({100 * flops * t * r / 1e9 / pk:3.0f} %)"
+                gf = flops * t * r / 1e9
+                line += f"  {v} {nbytes * r / 1e9:5.1f} GB/s {gf:5.0f} GFLOP/s ({100 * gf / pk:3.0f} %)"
             print(line + "".join(f"  x{rate[v] / rate['before']:.2f}" for v in list(mods)[1:]))
     return 0
 

@@ -663,11 +663,11 @@ def test_bf16_path_is_batch_invariant(bf16_isa, k):
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_path_row_pairs_are_batch_invariant_at_the_edges(bf16_isa, threads):
-    """From 3 tokens on, the bf16 dot path takes two weight rows at a time (one load of x serves both), below that
-    one row: every token of every T in 1..8, at every place, must still equal the token alone bit for bit, with an
-    odd row count (a lone last row), rows in two 128-row FP8 scale blocks, ragged K (an FP4 row ending in 1 or 3
-    scale groups, an FP8 row ending in a partial block), NaN codes, and scale bytes 0, 255 and other non-normal
-    ones (which switch the FP4 scale decoding of a row)."""
+    """From 2 tokens on, the bf16 dot path takes two weight rows at a time (one load of x serves both) and all tokens in
+    one pass, for 1 token one row: every token of every T in 1..8, at every place, must still equal the token alone bit
+    for bit, with an odd row count (a lone last row), rows in two 128-row FP8 scale blocks, ragged K (an FP4 row ending
+    in 1 or 3 scale groups, an FP8 row ending in a partial block), NaN codes, and scale bytes 0, 255 and other
+    non-normal ones (which switch the FP4 scale decoding of a row)."""
     rng = np.random.default_rng(17 + threads)
     n = 131
     cases = []

@@ -8,9 +8,14 @@
  * float32, so the result differs from the FP32 dot path only in float32 summation order. Scales are applied in
  * float32 to each scale group's partial sum, as in kern_avx512.c. Everything else (arbitrary x, BF16 weights,
  * T > DOT_MAX) runs the AVX-512 kernels of kern_avx512.c.
- * Structure (simd.h's drivers): T <= 2 one weight row per pass; from 3 tokens on two rows per pass (_row2), so each
- * 64-byte load of x feeds two vdpbf16ps: with one row, loads of x and dot instructions both run at one per cycle,
- * and the loads set the speed. Either way every (row, token) sum is the same sequence of float operations.
+ * Structure: one token, one weight row per pass (simd.h's DOT_DISPATCH); from 2 tokens on two rows per pass (_row2,
+ * PAIR_DISPATCH below), so each 64-byte load of x feeds two vdpbf16ps (with one row, loads of x and dot instructions
+ * both run at one per cycle, and the loads set the speed), and all T <= DOT_MAX tokens of a call in one pass, so each
+ * weight block is read and widened to bfloat16 once (passes of 4 tokens, as before, did both twice for T = 5..8).
+ * Measured on Zen 4, 2 threads, DRAM-fed Flash shapes (scripts/dot_rows_ab.py): the FP4 experts at T = 2 +9 % (T = 2
+ * took one row per pass before), FP8 4096x4096 at T = 6 +15 %; T = 3, 4, 8 within a few % either way. At T = 8 the
+ * 32 totals of a pair do not fit the 32 registers and the compiler keeps some in L1. Every (row, token) sum is the
+ * same sequence of float operations whatever the path, T or the pass.
  * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (bindings, dispatch.c,
  * pool.c).
  */
@@ -28,6 +33,7 @@
 #include "kern_avx512.h"
 
 #define BH(v) ((__m512bh)(v)) /* bfloat16 pairs: the same 512 bits */
+#define PAIR_GROUP DOT_MAX /* the row-pair kernels take every token of a call in one pass */
 /* Software prefetch distance in weight bytes. These kernels consume a row several times faster than the FP32 ones,
  * so they prefetch further ahead (measured: 2 KB loses a third of the DRAM-fed T=4 speed to 8 KB). Into L2, not L1
  * (PF_HINT): a prefetch to L1 holds one of the core's few L1 miss buffers until the line arrives, which caps the
@@ -164,7 +170,7 @@ INLINE void fp4_bdot_row2(const mm_job *j, int64_t n, const int nt, int64_t cb, 
     const __m512i tab = _mm512_loadu_si512((const void *)fp4_bf16);
     const int norm_a = scales_normal(sa + cb / FP4_GROUP, (ce - cb) / FP4_GROUP);
     const int norm_b = scales_normal(sb + cb / FP4_GROUP, (ce - cb) / FP4_GROUP);
-    __m512 ta0[DOT_GROUP], ta1[DOT_GROUP], tb0[DOT_GROUP], tb1[DOT_GROUP];
+    __m512 ta0[PAIR_GROUP], ta1[PAIR_GROUP], tb0[PAIR_GROUP], tb1[PAIR_GROUP];
     for (int t = 0; t < nt; t++) ta0[t] = ta1[t] = tb0[t] = tb1[t] = _mm512_setzero_ps();
     const int64_t full = ce / 128, rem = (ce % 128) / FP4_GROUP, chunks = full + (rem != 0);
     int64_t c = cb / 128;
@@ -266,7 +272,7 @@ INLINE void fp8_bdot_row2(const mm_job *j, int64_t n, const int nt, int64_t cb, 
     const uint8_t *sa = j->s + (n / FP8_BLOCK) * kb, *sb = j->s + ((n + 1) / FP8_BLOCK) * kb;
     const __m512i tab[4] = {_mm512_loadu_si512((const void *)fp8_bf16_lo), _mm512_loadu_si512((const void *)(fp8_bf16_lo + 64)),
                             _mm512_loadu_si512((const void *)fp8_bf16_hi), _mm512_loadu_si512((const void *)(fp8_bf16_hi + 64))};
-    __m512 ta0[DOT_GROUP], ta1[DOT_GROUP], tb0[DOT_GROUP], tb1[DOT_GROUP];
+    __m512 ta0[PAIR_GROUP], ta1[PAIR_GROUP], tb0[PAIR_GROUP], tb1[PAIR_GROUP];
     for (int t = 0; t < nt; t++) ta0[t] = ta1[t] = tb0[t] = tb1[t] = _mm512_setzero_ps();
     int64_t b = cb / FP8_BLOCK;
     for (; FP8_BLOCK * (b + 2) <= ce; b += 2) {
@@ -281,14 +287,52 @@ INLINE void fp8_bdot_row2(const mm_job *j, int64_t n, const int nt, int64_t cb, 
     }
 }
 
+/* The bf16 dot path from 2 tokens on: rows [n0, n1) two at a time by ROW2 (rows n, n + 1, each (row, token) sum
+ * exactly ROW's), the odd last one by ROW (DOT_GROUP tokens at a time), the T tokens in passes of at most PAIR_GROUP
+ * of as even a size as they allow. T, the pass and the row's pairing change no bit of any output. */
+#define PAIR_CASE(ROW2, NT) \
+    case NT: ROW2(&g, n, NT, 0, j->K, a, b); break;
+#define PAIR_DISPATCH(ROW, ROW2)                                                                                 \
+    {                                                                                                            \
+        const int64_t passes = (j->T + PAIR_GROUP - 1) / PAIR_GROUP, per = (j->T + passes - 1) / passes;         \
+        for (int64_t t0 = 0; t0 < j->T; t0 += per) {                                                            \
+            mm_job g = *j;                                                                                       \
+            g.xb = j->xb + t0 * j->kp;                                                                           \
+            const int nt = (int)(j->T - t0 < per ? j->T - t0 : per);                                             \
+            int64_t n = n0;                                                                                      \
+            for (; n + 1 < n1; n += 2) {                                                                         \
+                float a[PAIR_GROUP] = {0}, b[PAIR_GROUP] = {0};                                                  \
+                switch (nt) {                                                                                    \
+                    PAIR_CASE(ROW2, 1) PAIR_CASE(ROW2, 2) PAIR_CASE(ROW2, 3) PAIR_CASE(ROW2, 4)                  \
+                    PAIR_CASE(ROW2, 5) PAIR_CASE(ROW2, 6) PAIR_CASE(ROW2, 7)                                     \
+                    default: ROW2(&g, n, PAIR_GROUP, 0, j->K, a, b); break;                                      \
+                }                                                                                                \
+                for (int t = 0; t < nt; t++) put(j, t0 + t, n, a[t]), put(j, t0 + t, n + 1, b[t]);               \
+            }                                                                                                    \
+            for (int u0 = 0; n < n1 && u0 < nt; u0 += DOT_GROUP) { /* the odd last row */                        \
+                mm_job h = g;                                                                                    \
+                h.xb = g.xb + u0 * j->kp;                                                                        \
+                float a[DOT_GROUP] = {0};                                                                        \
+                const int nu = nt - u0 < DOT_GROUP ? nt - u0 : DOT_GROUP;                                        \
+                switch (nu) {                                                                                    \
+                    case 1: ROW(&h, n, 1, 0, j->K, a); break;                                                    \
+                    case 2: ROW(&h, n, 2, 0, j->K, a); break;                                                    \
+                    case 3: ROW(&h, n, 3, 0, j->K, a); break;                                                    \
+                    default: ROW(&h, n, 4, 0, j->K, a); break;                                                   \
+                }                                                                                                \
+                for (int t = 0; t < nu; t++) put(j, t0 + u0 + t, n, a[t]);                                       \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
 /* ---------------------------------------------------------------- entry points */
 
 /* xb with dot unset: the bf16 tile path (gemm_avx512bf16.c), x in groups of TILE_XG tokens (kernels.h). */
 static void fp4_rows(const mm_job *j, int64_t n0, int64_t n1) {
-    if (j->dot && j->xb) { if (j->T < 3) { DOT_DISPATCH(fp4_bdot_row) } else { DOT_DISPATCH_PAIRS(fp4_bdot_row, fp4_bdot_row2) } } else if (j->xb) fp4_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp4(j, n0, n1);
+    if (j->dot && j->xb) { if (j->T < 2) { DOT_DISPATCH(fp4_bdot_row) } else { PAIR_DISPATCH(fp4_bdot_row, fp4_bdot_row2) } } else if (j->xb) fp4_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp4(j, n0, n1);
 }
 static void fp8_rows(const mm_job *j, int64_t n0, int64_t n1) {
-    if (j->dot && j->xb) { if (j->T < 3) { DOT_DISPATCH(fp8_bdot_row) } else { DOT_DISPATCH_PAIRS(fp8_bdot_row, fp8_bdot_row2) } } else if (j->xb) fp8_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp8(j, n0, n1);
+    if (j->dot && j->xb) { if (j->T < 2) { DOT_DISPATCH(fp8_bdot_row) } else { PAIR_DISPATCH(fp8_bdot_row, fp8_bdot_row2) } } else if (j->xb) fp8_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp8(j, n0, n1);
 }
 static void bf16_rows(const mm_job *j, int64_t n0, int64_t n1) { isa_avx512_ops.bf16(j, n0, n1); }
 static double fma_loop(int64_t iters) { return isa_avx512_ops.fma_loop(iters); }

@@ -56,36 +56,4 @@ INLINE void put(const mm_job *j, int64_t t, int64_t n, float v) {
         }                                                                                            \
     }
 
-/* DOT_DISPATCH with the rows of a block taken two at a time by ROW2 (a ROW that computes rows n and n + 1 into two
- * accumulators, each (row, token) exactly as ROW computes it: same bits), the odd last row by ROW. */
-#define DOT_DISPATCH_PAIRS(ROW, ROW2)                                                                \
-    {                                                                                                \
-        for (int64_t nb = n0; nb < n1; nb += DOT_RB) {                                               \
-            const int64_t ne = nb + DOT_RB < n1 ? nb + DOT_RB : n1;                                  \
-            for (int64_t t0 = 0; t0 < j->T; t0 += DOT_GROUP) {                                       \
-                mm_job g = *j;                                                                       \
-                g.x = j->x + t0 * j->K;                                                              \
-                g.xp = j->xp ? j->xp + t0 * j->kp : NULL;                                            \
-                g.xb = j->xb ? j->xb + t0 * j->kp : NULL;                                            \
-                float acc[DOT_RB][DOT_GROUP] = {{0}};                                                \
-                const int nt = j->T - t0 < DOT_GROUP ? (int)(j->T - t0) : DOT_GROUP;                 \
-                int64_t n = nb;                                                                      \
-                for (; n + 1 < ne; n += 2) switch (nt) {                                             \
-                    case 1: ROW2(&g, n, 1, 0, j->K, acc[n - nb], acc[n - nb + 1]); break;            \
-                    case 2: ROW2(&g, n, 2, 0, j->K, acc[n - nb], acc[n - nb + 1]); break;            \
-                    case 3: ROW2(&g, n, 3, 0, j->K, acc[n - nb], acc[n - nb + 1]); break;            \
-                    default: ROW2(&g, n, 4, 0, j->K, acc[n - nb], acc[n - nb + 1]); break;           \
-                    }                                                                                \
-                for (; n < ne; n++) switch (nt) {                                                    \
-                    case 1: ROW(&g, n, 1, 0, j->K, acc[n - nb]); break;                              \
-                    case 2: ROW(&g, n, 2, 0, j->K, acc[n - nb]); break;                              \
-                    case 3: ROW(&g, n, 3, 0, j->K, acc[n - nb]); break;                              \
-                    default: ROW(&g, n, 4, 0, j->K, acc[n - nb]); break;                             \
-                    }                                                                                \
-                for (int64_t n = nb; n < ne; n++)                                                    \
-                    for (int64_t t = t0; t < j->T && t < t0 + DOT_GROUP; t++) put(j, t, n, acc[n - nb][t - t0]); \
-            }                                                                                        \
-        }                                                                                            \
-    }
-
 #endif

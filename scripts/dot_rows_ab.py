@@ -56,43 +56,27 @@ def main() -> int:
 
     cases = []  # (name, weight bytes per call, flops per token, make call(m, T, i))
     want = a.cases.split(",")
-    if "fp8" in want:
-        ws = copies(lambda: fp8(D, D), D * D)
-        xs = {t: xq(t, D) for t in tokens}
-        outs = {t: np.empty((t, D), np.float32) for t in tokens}
+
+    def fp8_case(name: str, n: int, k: int, pooled: bool) -> None:
+        """An FP8 n x k product: weights cycled through the pool (from DRAM), or one copy (L3-resident)."""
+        ws = copies(lambda: fp8(n, k), n * k) if pooled else [fp8(n, k)]
+        xs = {t: xq(t, k) for t in tokens}
+        outs = {t: np.empty((t, n), np.float32) for t in tokens}
         cases.append(
             (
-                "fp8 4096x4096",
-                D * D,
-                2 * D * D,
+                name,
+                n * k,
+                2 * n * k,
                 lambda m, t, i: m.fp8_matmul(xs[t], *ws[i % len(ws)], outs[t], accumulate=False, groups=1),
             )
         )
+
+    if "fp8" in want:
+        fp8_case("fp8 4096x4096", D, D, pooled=True)
     if "fp8c" in want:  # L3-resident weights: the kernels' compute speed
-        wc = fp8(2048, D)
-        xc = {t: xq(t, D) for t in tokens}
-        outc = {t: np.empty((t, 2048), np.float32) for t in tokens}
-        cases.append(
-            (
-                "fp8 2048x4096 (L3)",
-                2048 * D,
-                2 * 2048 * D,
-                lambda m, t, i: m.fp8_matmul(xc[t], *wc, outc[t], accumulate=False, groups=1),
-            )
-        )
-    if "fp8w" in want:
-        n, k = 8 * D, 1024  # wo_a-like: many rows, short K
-        ws2 = copies(lambda: fp8(n, k), n * k)
-        xs2 = {t: xq(t, k) for t in tokens}
-        outs2 = {t: np.empty((t, n), np.float32) for t in tokens}
-        cases.append(
-            (
-                "fp8 32768x1024",
-                n * k,
-                2 * n * k,
-                lambda m, t, i: m.fp8_matmul(xs2[t], *ws2[i % len(ws2)], outs2[t], accumulate=False, groups=1),
-            )
-        )
+        fp8_case("fp8 2048x4096 (L3)", 2048, D, pooled=False)
+    if "fp8w" in want:  # wo_a-like: many rows, short K
+        fp8_case("fp8 32768x1024", 8 * D, 1024, pooled=True)
     if "experts" in want:
         E = 4  # experts per call, every token in each
         one = 3 * (I * D // 2 + I * D // 32)

@@ -402,6 +402,12 @@ def test_linear_fp8_bf16_and_grouped_products(kernels):
     lb = Linear("b", bf, "BF16", kernels=kernels)
     assert torch.allclose(lb(x), x @ torch.from_numpy(bf16_decode(bf)).T, atol=1e-4)
     assert torch.equal(lb.rows(torch.tensor([3, 0])), torch.from_numpy(bf16_decode(bf))[[3, 0]])
+    if kernels:  # the bound C call (`_direct`) gives the generic kernel path's bits, a strided x included
+        xt = torch.randn(256, 5).T
+        for linear in (lin, lb):
+            assert linear._direct is not None
+            for inp in (x, xt):
+                assert torch.equal(linear(inp), linear._kernel_product(inp))
     xs = torch.randn(5, 3, 256)
     g = lin.grouped(xs)  # 3 groups of 128 output rows each
     assert g.shape == (5, 3, 128)

@@ -15,6 +15,7 @@ CSRC = "fastar/quant/csrc/"
 COMMON = [
     "bindings.c",
     "bind_ops.c",
+    "blocks.c",
     "dispatch.c",
     "experts.c",
     "pool.c",

@@ -10,7 +10,8 @@ nested in it, so the categories and the remainder add up to the step exactly:
 
 - C kernels, by what they compute: FP8 products, BF16 products (LM head, routers, compressors), FP4 routed experts,
   attention, the indexer's scores and top-k, compressor pooling, mHC, norms, other row ops (RoPE, activation
-  quantization, SwiGLU), KV-state row packing;
+  quantization, SwiGLU), KV-state row packing, and the attention block's fused decode calls (its four FP8
+  products with the norms, RoPE and rounding between them: `fastar.model.fused`);
 - torch ops: routing/top-k (`MoE.route` less its router product) and sampling (`Sampler`, less nothing: it is
   all torch and numpy);
 - waiting for expert reads (a model paged from disk): the time the MoE waited for routed experts still being read
@@ -50,6 +51,8 @@ import torch
 
 from .model import _settle, _stream_gbps, token_bytes
 
+# the attention block's fused decode calls (`fastar.model.fused`): its four FP8 products with their row ops
+FUSED_ATTENTION = "attention products (fused)"
 # C entry point -> category (anything else the extension does during a step: "other C kernels")
 C_CATEGORIES = {
     "fp8_matmul": "FP8 products",
@@ -70,11 +73,15 @@ C_CATEGORIES = {
     "swiglu": "other row ops",
     "state_rows_encode": "KV-state rows",
     "state_rows_decode": "KV-state rows",
+    "attn_project": FUSED_ATTENTION,
+    "attn_output": FUSED_ATTENTION,
 }
 TORCH_CATEGORIES = ("routing/top-k", "sampling")
 STALL = "waiting for expert reads"  # the MoE's waits for routed experts still being read from disk (paged models)
 OUTSIDE = "outside: "  # the prefix of every category of time outside any kernel
-PRODUCTS = ("FP8 products", "BF16 products", "FP4 experts")
+PRODUCTS = ("FP8 products", "BF16 products", "FP4 experts", FUSED_ATTENTION)
+# where each weight-reading entry point's weights are among its arguments
+_WEIGHT_ARGS = {"attn_project": (1, 2, 4, 5), "attn_output": (5, 6, 9, 10)}
 
 
 class _Clock:
@@ -134,6 +141,8 @@ def _weight_bytes(name: str, args: tuple) -> int:
         return sum(a.nbytes for a in args[1:7])
     if name == "experts_ffn":
         return sum(a.nbytes for ew in args[1] for a in ew)
+    if name in _WEIGHT_ARGS:
+        return sum(args[i].nbytes for i in _WEIGHT_ARGS[name] if args[i] is not None)
     return 0
 
 
@@ -148,7 +157,7 @@ class _TimedExtension:
         if not callable(f):
             return f
         cat, clock = C_CATEGORIES.get(name, "other C kernels"), self._clock
-        weighs = name in ("fp8_matmul", "bf16_matmul", "fp4_matmul", "expert_ffn", "experts_ffn")
+        weighs = name in ("fp8_matmul", "bf16_matmul", "fp4_matmul", "expert_ffn", "experts_ffn", *_WEIGHT_ARGS)
 
         def timed(*a, **k):
             if not clock.timing():

@@ -35,6 +35,7 @@ from ..contracts import ExpertProvider, WeightSource
 from ..errors import FastarError
 from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_ffn
 from . import ops
+from .fused import FusedAttention
 from .state import LayerState, ModelState, StateFormat
 
 SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
@@ -353,6 +354,12 @@ class Attention:
         # the compressors' BF16 products (the layer's and its indexer's, kv and gate each) all take the block's
         # input: stacked into one product, one kernel call instead of four (row r of it is row r of its own
         # weight's product: the same numbers, tested); None where they cannot stack (then one call each)
+        self.fused = FusedAttention.build(
+            self.wq_a_kv, self.wq_b, self.wo_a, self.wo_b, q_lora=self.wq_a.out_features, q_norm=self.q_norm,
+            kv_norm=self.kv_norm, heads=self.H, groups=self.groups, eps=self.eps,
+            act_block=128 if numerics.fp8_activations else 0, nope_block=64 if numerics.fp8_kv else 0,
+            bf16_wo_a=numerics.bf16_wo_a,
+        )  # fmt: skip
         self.compressors = [c for c in (self.compressor, self.indexer and self.indexer.compressor) if c is not None]
         self.comp_stack = (
             w.stacked([c.prefix + name for c in self.compressors for name in ("wkv", "wgate")])
@@ -466,6 +473,9 @@ class Attention:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d] -> queries [T, H, D] (normed, RoPE'd), the Q-LoRA latent qr [T, q_lora] and the KV rows [T, D]
         to store (RoPE'd; FP8 non-RoPE dims under fp8_kv); cos/sin [T, r/2] at each row's position."""
+        fused = self.fused and self.fused.project(x, cos, sin)  # the same bits in one C call at decode
+        if fused is not None:
+            return fused
         T, H, D, act = x.shape[0], self.H, self.D, self.numerics.act
         xq = act(x)
         if self.wq_a_kv is not None:
@@ -483,6 +493,9 @@ class Attention:
 
     def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Attention outputs o [T, H, D] -> [T, d]: inverse RoPE, grouped O-LoRA."""
+        fused = self.fused and self.fused.output(o, cos, sin)  # the same bits in one C call at decode
+        if fused is not None:
+            return fused
         T, H, D = o.shape
         o = ops.apply_rope(o, cos, sin, inverse=True)  # V carried RoPE: undo it at the query position
         z = self.wo_a.grouped(self.numerics.wo_a_input(o).reshape(T, self.groups, H * D // self.groups))  # [T, G, R]

@@ -49,7 +49,7 @@ def torch_only():
 # --- norms and activations ----------------------------------------------------------------------------------
 
 
-def _c_arrays(*ts: torch.Tensor) -> list | None:
+def c_arrays(*ts: torch.Tensor) -> list | None:
     """Row-major numpy views of the tensors for the C extension (a copy only where one is not contiguous), or None
     when it cannot take them (not built; not float32 on the CPU; autograd; empty). The C calls reshape on the numpy
     side: a few microseconds less per call than torch views, which is most of a small op's cost at decode."""
@@ -78,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """`weight * x / sqrt(mean(x^2) + eps)` over the last dim, in float32; `weight=None` is the weightless norm.
     In the C extension when built (one call; per row in a fixed order; equal to `rms_norm_torch` within float32
     rounding, tested)."""
-    args = _c_arrays(x) if weight is None else _c_arrays(x, weight)
+    args = c_arrays(x) if weight is None else c_arrays(x, weight)
     if args is not None and (weight is None or weight.shape == x.shape[-1:]):
         o, out = _like(_rows(args[0]), x.shape)
         _C.rms_norm(_rows(args[0]), None if weight is None else args[1], float(eps), o)
@@ -101,7 +101,7 @@ def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
 def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """`silu(min(gate, limit)) * clamp(up, -limit, limit)`; limit <= 0 disables the clamp. In the C extension when
     built (its exp is within 2 ulp of torch's; tested against `limited_swiglu_torch`)."""
-    args = _c_arrays(gate, up)
+    args = c_arrays(gate, up)
     if args is not None and gate.shape == up.shape:
         g, u = map(_rows, args)
         o, out = _like(g, gate.shape)
@@ -156,7 +156,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     x: [T, ..., D] with T matching cos/sin [T, r/2]. `inverse=True` rotates by the negated angle. In the C
     extension when built (the same rounded products and sums: bit-identical to `apply_rope_torch`, tested).
     """
-    args = _c_arrays(x, cos, sin)
+    args = c_arrays(x, cos, sin)
     if (
         args is not None
         and x.dim() >= 2
@@ -201,7 +201,7 @@ def attend_c(
 ) -> torch.Tensor | None:
     """`fastar.model.deepseek_v4.attend` as one C call over the kernels' pool (the arguments and math are its), or
     None when the C extension cannot take these tensors (the caller then runs `attend_torch`)."""
-    args = _c_arrays(q, keys, sinks) if comp is None else _c_arrays(q, keys, sinks, comp)
+    args = c_arrays(q, keys, sinks) if comp is None else c_arrays(q, keys, sinks, comp)
     if args is None or (comp_idx is not None and comp_idx.dtype != torch.int64):
         return None
     o, out = _like(args[0], q.shape)
@@ -234,7 +234,7 @@ def index_scores(
     rounding, tested; ~7x faster than it on 128 queries x 16k keys here), else `index_scores_torch`. `fp4`: the
     caller declares q and keys FP4-rounded (official numerics), so bfloat16 values: the C kernel checks that and
     then runs on vdpbf16ps where the CPU has it (exact products, ~2x the FP32 kernel; same bound)."""
-    args = _c_arrays(q, weights, keys)
+    args = c_arrays(q, weights, keys)
     if args is not None and q.dim() == 3:
         out = torch.empty(q.shape[0], keys.shape[0])
         if _C.index_scores(*args, p0, float(q.shape[-1] ** -0.5), out.numpy(), fp4):
@@ -262,7 +262,7 @@ def index_topk(score: torch.Tensor, p0: int, k: int) -> torch.Tensor:
     One C call over the kernels' pool when the extension is built (a quickselect per query: O(E) instead of a
     sort; each query's picks depend on its row only; the same picks as `index_topk_torch` unless two visible
     scores tie at the k-th place, where the C version takes the lower entry and torch's choice is open)."""
-    args = _c_arrays(score)
+    args = c_arrays(score)
     if args is not None and score.dim() == 2 and k >= 1:
         out = torch.empty(score.shape[0], k, dtype=torch.int64)
         _C.index_topk(args[0], p0, out.numpy())
@@ -285,7 +285,7 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     kv rows. kv, gate [n, M, hd] (a -inf gate row weighs 0) -> [n, hd]. One C call over the kernels' pool when the
     extension is built (each window in one fixed order: the same whichever chunk closes it; equal to
     `compress_pool_torch` within float32 rounding, tested), else `compress_pool_torch`."""
-    args = _c_arrays(kv, gate)
+    args = c_arrays(kv, gate)
     if args is not None and kv.dim() == 3 and kv.shape == gate.shape:
         out = torch.empty(kv.shape[0], kv.shape[2])
         _C.compress_pool(args[0], args[1], out.numpy())
@@ -309,7 +309,7 @@ def hc_pre(
     of dozens of small torch ops, equal to `hc_pre_torch` within float32 rounding, and batch-invariant by
     construction (each token's sums in one fixed order), so it needs no `per_token` (tested)."""
     T, n, d = X.shape
-    args = _c_arrays(X, fn, base, scale)
+    args = c_arrays(X, fn, base, scale)
     if args is not None and n <= 16 and iters >= 1:
         u, post, comb = torch.empty(T, d), torch.empty(T, n), torch.empty(T, n, n)
         _C.hc_pre(
@@ -353,7 +353,7 @@ def hc_head(
     """The final mHC collapse (no post, no Sinkhorn): streams X [T, n, d] -> [T, d] with fn [n, n*d], base [n],
     scale [1]; see `hc_head_torch`. In the C extension when built, as `hc_pre`."""
     T, n, d = X.shape
-    args = _c_arrays(X, fn, base, scale)
+    args = c_arrays(X, fn, base, scale)
     if args is not None and n <= 16:
         u = torch.empty(T, d)
         _C.hc_pre(args[0].reshape(T, n * d), *args[1:], n, 1, float(hc_eps), float(eps), u.numpy())
@@ -378,7 +378,7 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     sub-layer output f [T, d], streams X [T, n, d], post [T, n], comb [T, n, n] -> [T, n, d]. In the C extension
     when built (equal to `hc_post_torch` within float32 rounding, tested)."""
     T, n, d = X.shape
-    args = _c_arrays(f, X, post, comb)
+    args = c_arrays(f, X, post, comb)
     if args is not None:
         out = torch.empty(T, n, d)
         _C.hc_post(
@@ -399,7 +399,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     extension when built (one call instead of ~80 small torch ops; equal to `sinkhorn_torch` within float32
     rounding, tested)."""
     n = logits.shape[-1]
-    args = _c_arrays(logits)
+    args = c_arrays(logits)
     if args is not None and n <= 16 and iters >= 1:
         flat = args[0].reshape(-1, n * n)
         o, out = _like(flat, logits.shape)
@@ -455,7 +455,7 @@ def fp8_quant_sim(x: torch.Tensor, block: int) -> torch.Tensor:
     """Quantize-dequantize to FP8 e4m3 per `block` values of the last dim with UE8M0 (power-of-two) scales:
     `s = 2^ceil(log2(max(amax, 1e-4) / 448))`, `e4m3(clamp(x/s)) * s` (DeepSeek's `act_quant`). Runs in the C
     extension when it is built (bit-identical to `fp8_quant_sim_torch`, tested; ~10x faster on one token)."""
-    args = _c_arrays(x)
+    args = c_arrays(x)
     if args is not None:
         o, out = _like(_rows(args[0]), x.shape)
         _C.fp8_act_quant(_rows(args[0]), block, o)

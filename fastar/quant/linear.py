@@ -123,6 +123,11 @@ class Linear:
 
         return product
 
+    def kernel_operands(self) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The stored weight as the C extension takes it (FP8 bytes and their scales, or bfloat16 bits and None),
+        for a caller that runs this product inside a larger C call; None where this weight has no C product."""
+        return None if self._direct is None else (self._w_np, self._s_np)
+
     @property
     def is_fp8(self) -> bool:
         return self.dtype == "F8_E4M3"

@@ -602,6 +602,12 @@ static PyMethodDef methods[] = {
     {"index_scores", py_index_scores, METH_VARARGS,
      "index_scores(q f32[T,Hi,Di], w f32[T,Hi], keys f32[E,Di], p0, scale, out f32[T,E], bf16=False): lightning "
      "indexer scores"},
+    {"attn_project", py_attn_project, METH_VARARGS,
+     "attn_project(x, w_a, s_a, q_lora, w_b, s_b, q_norm, kv_norm, cos, sin, eps, act_block, nope_block, q, qr, kv): "
+     "the attention block's projections at decode, one call"},
+    {"attn_output", py_attn_output, METH_VARARGS,
+     "attn_output(o, cos, sin, heads, bf16_input, w_a, s_a, groups, act_block, w_b, s_b, out): the attention "
+     "block's output at decode, one call"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"keep_freed_memory", py_keep_freed_memory, METH_NOARGS, "keep_freed_memory() -> bool: malloc reuses freed blocks"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},

@@ -41,4 +41,8 @@ PyObject *py_index_topk(PyObject *self, PyObject *args);
 PyObject *py_compress_pool(PyObject *self, PyObject *args);
 PyObject *py_index_scores(PyObject *self, PyObject *args);
 
+/* blocks.c */
+PyObject *py_attn_project(PyObject *self, PyObject *args);
+PyObject *py_attn_output(PyObject *self, PyObject *args);
+
 #endif

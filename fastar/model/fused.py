@@ -1,0 +1,93 @@
+"""The attention block's decode-time work around its products as one C call each (the C extension's
+`attn_project` and `attn_output`, fastar/quant/csrc/blocks.c).
+
+Owns: `FusedAttention`, built once per layer from the `Attention`'s weights: `project` (the query and KV projections
+with their norms, FP8 activation rounding and RoPE) and `output` (inverse RoPE, the bfloat16 input of `wo_a`, the
+grouped O-LoRA product and `wo_b`) for a decode step's rows. At decode each of these is a dozen Python-level ops
+around two weight products, and their dispatch cost more than their arithmetic; the C calls run the same C routines
+in the same order on the same values, so they return exactly what `Attention._project` / `Attention._output` return
+op by op on the C extension (those stay the reference; tests/test_fused_blocks.py compares the bits).
+Does not own: the math (deepseek_v4.py's `Attention`), the state updates and attention between the two calls.
+Each method returns None where the C calls do not apply (the extension not built or turned off for a torch-only
+run, a chunk longer than a decode step's rows, weights without a C product); the caller then runs its own path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import kernels
+from ..quant.linear import Linear
+from . import ops
+
+
+class FusedAttention:
+    """One layer's fused decode calls over its weights (see the module docstring)."""
+
+    def __init__(
+        self,
+        wq_a_kv: Linear,
+        q_lora: int,
+        wq_b: Linear,
+        q_norm: torch.Tensor,
+        kv_norm: torch.Tensor,
+        wo_a: Linear,
+        wo_b: Linear,
+        heads: int,
+        groups: int,
+        eps: float,
+        act_block: int,
+        nope_block: int,
+        bf16_wo_a: bool,
+    ) -> None:
+        self.a, self.b = wq_a_kv.kernel_operands(), wq_b.kernel_operands()
+        self.oa, self.ob = wo_a.kernel_operands(), wo_b.kernel_operands()
+        self.q_lora, self.heads, self.groups, self.eps = q_lora, heads, groups, float(eps)
+        self.act_block, self.nope_block, self.bf16_wo_a = act_block, nope_block, bf16_wo_a
+        self.q_norm, self.kv_norm = q_norm.contiguous().numpy(), kv_norm.contiguous().numpy()
+        self.head_dim = wq_a_kv.out_features - q_lora
+        self.d = wo_b.out_features
+
+    @classmethod
+    def build(cls, wq_a_kv: Linear | None, wq_b: Linear, wo_a: Linear, wo_b: Linear, **kw) -> FusedAttention | None:
+        """The fused calls over these weights, or None where some has no C product or `wo_a`'s groups would split an
+        FP8 scale block (its product then runs group by group, not as one grouped call)."""
+        if wq_a_kv is None or any(w.kernel_operands() is None for w in (wq_a_kv, wq_b, wo_a, wo_b)):
+            return None
+        rank = wo_a.out_features // kw["groups"]
+        if wo_a.is_fp8 and rank % 128:
+            return None
+        return cls(wq_a_kv, kw.pop("q_lora"), wq_b, wo_a=wo_a, wo_b=wo_b, **kw)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`Attention._project(x, cos, sin)` for a decode step's rows x [T, d] (T <= `ops.SMALL_CHUNK`) -> (q [T, H,
+        D], qr [T, q_lora], kv [T, D]), or None where the C call does not apply."""
+        T = x.shape[0]
+        args = ops.c_arrays(x, cos, sin) if T <= ops.SMALL_CHUNK else None
+        if args is None:
+            return None
+        q = torch.empty(T, self.heads, self.head_dim)
+        qr, kv = torch.empty(T, self.q_lora), torch.empty(T, self.head_dim)
+        (wa, sa), (wb, sb) = self.a, self.b
+        kernels.extension.attn_project(
+            args[0], wa, sa, self.q_lora, wb, sb, self.q_norm, self.kv_norm, args[1], args[2], self.eps,
+            self.act_block, self.nope_block, q.numpy().reshape(T, -1), qr.numpy(), kv.numpy(),
+        )  # fmt: skip
+        return q, qr, kv
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """`Attention._output(o, cos, sin)` for a decode step's attention outputs o [T, H, D] -> [T, d], or None
+        where the C call does not apply."""
+        T = o.shape[0]
+        args = ops.c_arrays(o, cos, sin) if T <= ops.SMALL_CHUNK else None
+        if args is None:
+            return None
+        out = torch.empty(T, self.d)
+        (wa, sa), (wb, sb) = self.oa, self.ob
+        kernels.extension.attn_output(
+            args[0].reshape(T, -1), args[1], args[2], self.heads, self.bf16_wo_a, wa, sa, self.groups,
+            self.act_block, wb, sb, out.numpy(),
+        )  # fmt: skip
+        return out

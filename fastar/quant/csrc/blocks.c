@@ -1,0 +1,218 @@
+/* The attention block's decode-time sequences as one C call each: `attn_project` (the query and KV projections with
+ * their norms, activation rounding and RoPE) and `attn_output` (inverse RoPE, bfloat16 rounding, the grouped O-LoRA
+ * product and the output product). At decode each of these is a dozen Python-level ops around two products, and
+ * their dispatch cost more than their arithmetic; here the same C routines run in the same order on the same values
+ * (the products through dispatch.c's `product` / `grouped_product`, the rows through rowops.c and the ISA's
+ * act_quant), so the results are bit-identical to fastar/model/deepseek_v4.py's `Attention._project` / `_output`
+ * run op by op on the C extension (tests/test_fused_blocks.py compares them), and as batch-invariant.
+ * Owns: the argument checks and the sequences. Does not own: the arithmetic of any step, the choice of when to
+ * call these (fastar/model/fused.py), the state updates and attention between them (Python).
+ */
+#include "bindings.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "dispatch.h"
+
+/* A weight for a product with K inputs: FP8 bytes [N, K] with UE8M0 scales [ceil(N/128), ceil(K/128)], or (s None)
+ * bfloat16 bits [N, K]. Sets *fmt ('8' or 'b') and *N. */
+static int get_weight(PyObject *ow, PyObject *os, view_t *vw, view_t *vs, const char *name, int64_t K, char *fmt,
+                      int64_t *N) {
+    *fmt = os == Py_None ? 'b' : '8';
+    if (get_view(ow, vw, name, *fmt == 'b' ? 'H' : 'B', 2, 0)) return -1;
+    *N = dim(vw, 0);
+    if (shape_is(vw, name, *N, K, "= (N, the input width)")) return -1;
+    if (*fmt == '8' && (get_view(os, vs, "scale", 'B', 2, 0) ||
+                        shape_is(vs, "scale", (*N + FP8_BLOCK - 1) / FP8_BLOCK, (K + FP8_BLOCK - 1) / FP8_BLOCK,
+                                 "= (ceil(N/128), ceil(K/128))")))
+        return -1;
+    return 0;
+}
+
+static int get_vector(PyObject *o, view_t *v, const char *name, int64_t n) {
+    if (get_view(o, v, name, 'f', 1, 0)) return -1;
+    if (v->b.shape[0] != n) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd values, expected %lld", name, v->b.shape[0], (long long)n);
+        return -1;
+    }
+    return 0;
+}
+
+static int product_into(const isa_ops *isa, char fmt, const float *x, const view_t *vw, const view_t *vs, int64_t T,
+                        int64_t K, float *out, int64_t G) {
+    const int64_t N = dim(vw, 0);
+    mm_job job = {.x = x, .w = vw->b.buf, .s = fmt == 'b' ? NULL : vs->b.buf, .T = T, .N = N, .K = K, .out = out,
+                  .ldo = N, .accumulate = 0};
+    if (G == 1) return product(isa, fmt, &job);
+    if (K == 0 || T == 0 || N == 0) {
+        empty_sum(&job);
+        return 0;
+    }
+    return grouped_product(isa, fmt, &job, G);
+}
+
+/* attn_project(x f32 [T, d], w_a, s_a, q_lora, w_b, s_b, q_norm f32 [q_lora], kv_norm f32 [D], cos f32 [T, h], sin,
+ * eps, act_block, nope_block, q f32 [T, H*D], qr f32 [T, q_lora], kv f32 [T, D]) -> None.
+ * w_a: wq_a and wkv stacked [q_lora + D, d]; w_b: wq_b [H*D, q_lora]; s None for bfloat16 weights. act_block > 0:
+ * the products' inputs rounded to FP8 in blocks of it (the official numerics); nope_block > 0: the KV row's non-RoPE
+ * dims too, in blocks of it (the FP8 KV cache). */
+PyObject *py_attn_project(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *owa, *osa, *owb, *osb, *oqn, *okn, *oc, *os, *oq, *oqr, *okv;
+    Py_ssize_t q_lora, act_block, nope_block;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OOOnOOOOOOdnnOOO", &ox, &owa, &osa, &q_lora, &owb, &osb, &oqn, &okn, &oc, &os, &eps,
+                          &act_block, &nope_block, &oq, &oqr, &okv))
+        return NULL;
+    view_t v[12];
+    memset(v, 0, sizeof v);
+    view_t *vx = &v[0], *vwa = &v[1], *vsa = &v[2], *vwb = &v[3], *vsb = &v[4], *vqn = &v[5], *vkn = &v[6];
+    view_t *vc = &v[7], *vs = &v[8], *vq = &v[9], *vqr = &v[10], *vkv = &v[11];
+    float *buf = NULL;
+    char fa, fb;
+    int64_t Na, Nb;
+    if (get_view(ox, vx, "x", 'f', 2, 0)) goto fail;
+    const int64_t T = dim(vx, 0), d = dim(vx, 1);
+    if (get_weight(owa, osa, vwa, vsa, "w_a", d, &fa, &Na) || get_weight(owb, osb, vwb, vsb, "w_b", q_lora, &fb, &Nb))
+        goto fail;
+    const int64_t D = Na - q_lora;
+    if (q_lora < 1 || D < 1 || get_vector(oqn, vqn, "q_norm", q_lora) || get_vector(okn, vkn, "kv_norm", D) ||
+        get_view(oc, vc, "cos", 'f', 2, 0) || shape_is(vc, "cos", T, dim(vc, 1), "(one row per token)") ||
+        get_view(os, vs, "sin", 'f', 2, 0) || shape_is(vs, "sin", T, dim(vc, 1), "(= cos's shape)"))
+        goto fail;
+    const int64_t half = dim(vc, 1);
+    if (Nb % D || 2 * half > D || act_block < 0 || nope_block < 0 || (nope_block && (D - 2 * half) % nope_block)) {
+        PyErr_Format(PyExc_ValueError, "attn_project: w_b rows (%lld) must be heads x D (%lld), 2 x cos width (%lld) "
+                     "<= D, and the non-RoPE dims a multiple of nope_block (%zd)", (long long)Nb, (long long)D,
+                     (long long)half, nope_block);
+        goto fail;
+    }
+    const int64_t H = Nb / D;
+    if (get_view(oq, vq, "q", 'f', 2, 1) || shape_is(vq, "q", T, Nb, "= (T, H*D)") ||
+        get_view(oqr, vqr, "qr", 'f', 2, 1) || shape_is(vqr, "qr", T, q_lora, "= (T, q_lora)") ||
+        get_view(okv, vkv, "kv", 'f', 2, 1) || shape_is(vkv, "kv", T, D, "= (T, D)") || no_overlap_named(vq, "q", v, 9) ||
+        no_overlap_named(vqr, "qr", v, 10) || no_overlap_named(vkv, "kv", v, 11))
+        goto fail;
+    const size_t n_buf = (size_t)T * (size_t)(d + Na + q_lora);
+    buf = malloc((n_buf ? n_buf : 1) * sizeof(float));
+    if (!buf) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    const isa_ops *isa = cur_isa;
+    const float *x = vx->b.buf, *qn = vqn->b.buf, *kn = vkn->b.buf, *cs = vc->b.buf, *sn = vs->b.buf;
+    float *q = vq->b.buf, *qr = vqr->b.buf, *kv = vkv->b.buf;
+    float *xq = buf, *lin = buf + T * d, *qa = lin + T * Na;
+    const float e = (float)eps;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    if (act_block) act_quant_rows(isa, x, xq, T, d, act_block);
+    rc = product_into(isa, fa, act_block ? xq : x, vwa, vsa, T, d, lin, 1);
+    if (!rc) {
+        for (int64_t t = 0; t < T; t++) {
+            rms_norm_rows(lin + t * Na, qn, qr + t * q_lora, 1, q_lora, e);
+            rms_norm_rows(lin + t * Na + q_lora, kn, kv + t * D, 1, D, e);
+        }
+        if (act_block) act_quant_rows(isa, qr, qa, T, q_lora, act_block);
+        rc = product_into(isa, fb, act_block ? qa : qr, vwb, vsb, T, q_lora, q, 1);
+    }
+    if (!rc) {
+        rms_norm_rows(q, NULL, q, T * H, D, e); /* the weightless per-head norm */
+        rope_rows(q, q, cs, sn, T * H, D, half, H, 0);
+        rope_rows(kv, kv, cs, sn, T, D, half, 1, 0);
+        if (nope_block)
+            for (int64_t t = 0; t < T; t++) act_quant_rows(isa, kv + t * D, kv + t * D, 1, D - 2 * half, nope_block);
+    }
+    Py_END_ALLOW_THREADS
+    free(buf);
+    release(v, 12);
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+fail:
+    free(buf);
+    release(v, 12);
+    return NULL;
+}
+
+/* Round to the nearest bfloat16, ties to even, kept in float32 (torch's float -> bfloat16 -> float; NaN stays NaN). */
+static void bf16_round_rows(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u)
+            u = (u | 0x00400000u) & 0xffff0000u;
+        else
+            u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        memcpy(&x[i], &u, 4);
+    }
+}
+
+/* attn_output(o f32 [T, H*D], cos f32 [T, h], sin, heads, bf16_input, w_a, s_a, groups, act_block, w_b, s_b, out f32
+ * [T, d]) -> None: o's heads rotated back by their token's angles, rounded to bfloat16 where bf16_input, through
+ * the grouped wo_a [G*R, H*D/G] (group g's input: heads g*H/G..), rounded to FP8 in blocks of act_block where > 0,
+ * and wo_b [d, G*R]. */
+PyObject *py_attn_output(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oo, *oc, *os, *owa, *osa, *owb, *osb, *out_o;
+    Py_ssize_t H, G, act_block;
+    int bf16_input;
+    if (!PyArg_ParseTuple(args, "OOOnpOOnnOOO", &oo, &oc, &os, &H, &bf16_input, &owa, &osa, &G, &act_block, &owb, &osb,
+                          &out_o))
+        return NULL;
+    view_t v[8];
+    memset(v, 0, sizeof v);
+    view_t *vo = &v[0], *vc = &v[1], *vs = &v[2], *vwa = &v[3], *vsa = &v[4], *vwb = &v[5], *vsb = &v[6], *vout = &v[7];
+    float *buf = NULL;
+    char fa, fb;
+    int64_t Na, Nb;
+    if (get_view(oo, vo, "o", 'f', 2, 0)) goto fail;
+    const int64_t T = dim(vo, 0), HD = dim(vo, 1);
+    if (H < 1 || G < 1 || HD % H || HD % G || act_block < 0) {
+        PyErr_Format(PyExc_ValueError, "attn_output: o's width (%lld) must split into heads (%zd) and groups (%zd)",
+                     (long long)HD, H, G);
+        goto fail;
+    }
+    const int64_t D = HD / H;
+    if (get_view(oc, vc, "cos", 'f', 2, 0) || shape_is(vc, "cos", T, dim(vc, 1), "(one row per token)") ||
+        get_view(os, vs, "sin", 'f', 2, 0) || shape_is(vs, "sin", T, dim(vc, 1), "(= cos's shape)") ||
+        get_weight(owa, osa, vwa, vsa, "w_a", HD / G, &fa, &Na))
+        goto fail;
+    const int64_t half = dim(vc, 1);
+    if (2 * half > D || Na % G || (fa == '8' && G > 1 && (Na / G) % FP8_BLOCK)) {
+        PyErr_Format(PyExc_ValueError, "attn_output: w_a rows (%lld) must split into %zd groups (of whole 128-row "
+                     "scale blocks for FP8), and 2 x cos width (%lld) <= the head dim (%lld)", (long long)Na, G,
+                     (long long)half, (long long)D);
+        goto fail;
+    }
+    if (get_weight(owb, osb, vwb, vsb, "w_b", Na, &fb, &Nb) || get_view(out_o, vout, "out", 'f', 2, 1) ||
+        shape_is(vout, "out", T, Nb, "= (T, wo_b's rows)") || no_overlap(vout, v, 7))
+        goto fail;
+    const size_t n_buf = (size_t)T * (size_t)(HD + 2 * Na);
+    buf = malloc((n_buf ? n_buf : 1) * sizeof(float));
+    if (!buf) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    const isa_ops *isa = cur_isa;
+    const float *o = vo->b.buf, *cs = vc->b.buf, *sn = vs->b.buf;
+    float *rot = buf, *z = buf + T * HD, *za = z + T * Na;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rope_rows(o, rot, cs, sn, T * H, D, half, H, 1);
+    if (bf16_input) bf16_round_rows(rot, T * HD);
+    rc = product_into(isa, fa, rot, vwa, vsa, T, HD, z, G);
+    if (!rc) {
+        if (act_block) act_quant_rows(isa, z, za, T, Na, act_block);
+        rc = product_into(isa, fb, act_block ? za : z, vwb, vsb, T, Na, vout->b.buf, 1);
+    }
+    Py_END_ALLOW_THREADS
+    free(buf);
+    release(v, 8);
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+fail:
+    free(buf);
+    release(v, 8);
+    return NULL;
+}

@@ -68,6 +68,25 @@ def test_hc_pre_and_head_match_torch(isa, T, n, d):
 
 @pytest.mark.parametrize("n,d", SHAPES)
 @pytest.mark.parametrize("T", [1, 3, 8, 40])
+def test_hc_pre_and_head_with_the_norm_equal_the_norm_after(isa, T, n, d):
+    """`norm=` (the sub-layer's input norm in the same C call) gives the bits of `rms_norm` on the collapsed u, on
+    both paths (the torch one applies the norm after), for a layer site and the head."""
+    X = streams(T, n, d, T + 7)
+    w = torch.rand(d, generator=torch.Generator().manual_seed(T)) + 0.5
+    fn, base, scale = params(n, d, 3)
+    u, post, comb = ops.hc_pre(X, fn, base, scale, ITERS, HC_EPS, EPS)
+    got = ops.hc_pre(X, fn, base, scale, ITERS, HC_EPS, EPS, norm=w)
+    assert torch.equal(got[0], ops.rms_norm(u, w, EPS)) and torch.equal(got[1], post) and torch.equal(got[2], comb)
+    with ops.torch_only():
+        ref = ops.hc_pre(X, fn, base, scale, ITERS, HC_EPS, EPS, norm=w)[0]
+        assert torch.equal(ref, ops.rms_norm_torch(ops.hc_pre_torch(X, fn, base, scale, ITERS, HC_EPS, EPS)[0], w, EPS))
+    fn, base, scale = params(n, d, 4, head=True)
+    want = ops.rms_norm(ops.hc_head(X, fn, base, scale, HC_EPS, EPS), w, EPS)
+    assert torch.equal(ops.hc_head(X, fn, base, scale, HC_EPS, EPS, norm=w), want)
+
+
+@pytest.mark.parametrize("n,d", SHAPES)
+@pytest.mark.parametrize("T", [1, 3, 8, 40])
 def test_hc_post_matches_torch(isa, T, n, d):
     X = streams(T, n, d, T)
     _, post, comb = ops.hc_pre_torch(X, *params(n, d, 1), ITERS, HC_EPS, EPS)
@@ -160,6 +179,8 @@ def test_hc_calls_check_their_arguments():
         (dict(u=x[:, :d]), ValueError, "C-contiguous"),
         (dict(u=x.reshape(-1)[: T * d].reshape(T, d)), ValueError, "u must not overlap"),
         (dict(post=u.reshape(-1)[: T * n].reshape(T, n)), ValueError, "post must not overlap"),
+        (dict(norm=z(d + 1)), ValueError, r"norm has 33 values, expected 32 \(d\)"),
+        (dict(norm=z(d).astype(np.float64)), TypeError, "norm must be float32"),
     ]
     args = dict(x=x, fn=fn, base=base, scale=scale, n=n, iters=ITERS, hc_eps=HC_EPS, eps=EPS, u=u, post=post, comb=comb)
     for change, exc, msg in bad:

@@ -115,9 +115,10 @@ class HyperConnection:
         self.scale = w.vector(prefix + "_scale")  # [3]
         self.iters, self.hc_eps, self.eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
 
-    def pre(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n])."""
-        return ops.hc_pre(X, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.eps)
+    def pre(self, X: torch.Tensor, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n]); with `norm`, u comes back as the sub-layer's input
+        rms_norm(u, norm) (one C call for both)."""
+        return ops.hc_pre(X, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.eps, norm)
 
     @staticmethod
     def post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -134,8 +135,9 @@ class HyperHead:
         self.scale = w.vector(prefix + "hc_head_scale")  # [1]
         self.hc_eps, self.eps = cfg.hc_eps, cfg.rms_norm_eps
 
-    def __call__(self, X: torch.Tensor) -> torch.Tensor:
-        return ops.hc_head(X, self.fn, self.base, self.scale, self.hc_eps, self.eps)  # [T, d]
+    def __call__(self, X: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+        """X [T, n, d] -> u [T, d], or with `norm` the final norm's output rms_norm(u, norm)."""
+        return ops.hc_head(X, self.fn, self.base, self.scale, self.hc_eps, self.eps, norm)  # [T, d]
 
 
 # --- compressor (ratio 4 overlapping, ratio 128) -------------------------------------------------------------
@@ -340,6 +342,10 @@ class Attention:
         self.groups, self.window, self.ratio, self.eps = cfg.o_groups, cfg.sliding_window, ratio, cfg.rms_norm_eps
         self.numerics, self.prefix = numerics, prefix
         self.inv_freq = layer_inv_freq(cfg, ratio)
+        # a decode step's cos/sin by (frequencies, positions): every layer of a step asks for the same few, so the
+        # model shares one memo among its layers (`DeepseekV4`); cos/sin of [T, r/2] angles are the same bits
+        # whichever layer computes them
+        self.freq_key, self.angles = tuple(self.inv_freq.tolist()), {}
         self.compressor = self.indexer = self.max_positions = None  # max_positions: computed exactly (None: all)
         if ratio:
             fp8 = self._fp8_nope if numerics.fp8_kv else None
@@ -429,13 +435,19 @@ class Attention:
                 f"position {max(pos)} needs {self.prefix}indexer (the lightning indexer), which the "
                 f"model lacks: without it only the first {self.max_positions} positions are exact"
             )
-        at = torch.tensor(pos)
-        cos, sin = ops.rope_cos_sin(self.inv_freq, at)  # [B, r/2]
+        key = (self.freq_key, tuple(pos))
+        cos_sin = self.angles.get(key)
+        if cos_sin is None:
+            if len(self.angles) >= 8:
+                self.angles.clear()
+            cos_sin = self.angles[key] = ops.rope_cos_sin(self.inv_freq, torch.tensor(pos))  # [B, r/2] each
+        cos, sin = cos_sin
         q, qr, kv = self._project(x, cos, sin)
         # the compressors' and the indexer's products on all the rows too (each row as if alone); the state updates
         # row by row below
         ckv = cgate = ikv = igate = iq = iw = None
         if self.ratio:
+            at = torch.tensor(pos)
             projected = self._compress_project(x, at)
             ckv, cgate = projected[0]
         if self.indexer is not None:
@@ -454,7 +466,7 @@ class Attention:
                     idx.add(ikv[one], igate[one], p0, state.idx_kv, state.idx_gate, state.idx_entries)
                     scoring = (iq[one], iw[one]) if self.indexer.scores(p0 + 1) else None
             out.append(self._attend(q[b : b + 1], slice(0, 1), p0, state, scoring))
-        return self._output(torch.cat(out), cos, sin)
+        return self._output(torch.cat(out) if len(out) > 1 else out[0], cos, sin)
 
     def _compress_project(self, x: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`Compressor.project` of x [T, d] at positions pos for each of `self.compressors` (the layer's, then its
@@ -661,10 +673,10 @@ class Block:
         self.ffn = MoE(w, p + "ffn.", cfg, layer, numerics, experts, kernels)
 
     def __call__(self, X: torch.Tensor, ids: torch.Tensor, p0: int, state: LayerState) -> torch.Tensor:
-        u, post, comb = self.hc_attn.pre(X)  # [T, d], [T, n], [T, n, n]
-        X = HyperConnection.post(self.attn(ops.rms_norm(u, self.attn_norm, self.eps), p0, state), X, post, comb)
-        u, post, comb = self.hc_ffn.pre(X)
-        return HyperConnection.post(self.ffn(ops.rms_norm(u, self.ffn_norm, self.eps), ids), X, post, comb)
+        u, post, comb = self.hc_attn.pre(X, self.attn_norm)  # [T, d] (normed), [T, n], [T, n, n]
+        X = HyperConnection.post(self.attn(u, p0, state), X, post, comb)
+        u, post, comb = self.hc_ffn.pre(X, self.ffn_norm)
+        return HyperConnection.post(self.ffn(u, ids), X, post, comb)
 
     def span(
         self, Xs: list[torch.Tensor], ids: list[torch.Tensor], p0: int, state: LayerState, max_rollback: int | None
@@ -674,22 +686,22 @@ class Block:
         with each routed expert fetched once (`MoE.span`). Bit for bit the pieces through `__call__` in turn."""
         mixed = []
         for X in Xs:
-            u, post, comb = self.hc_attn.pre(X)
-            X = HyperConnection.post(self.attn(ops.rms_norm(u, self.attn_norm, self.eps), p0, state), X, post, comb)
+            u, post, comb = self.hc_attn.pre(X, self.attn_norm)
+            X = HyperConnection.post(self.attn(u, p0, state), X, post, comb)
             p0 += X.shape[0]
             state.length = p0
             state.trim(max_rollback)
             mixed.append(X)
-        pre = [self.hc_ffn.pre(X) for X in mixed]  # [(u [T_j, d], post, comb)]
-        ys = self.ffn.span([ops.rms_norm(u, self.ffn_norm, self.eps) for u, _, _ in pre], ids)
+        pre = [self.hc_ffn.pre(X, self.ffn_norm) for X in mixed]  # [(normed u [T_j, d], post, comb)]
+        ys = self.ffn.span([u for u, _, _ in pre], ids)
         return [HyperConnection.post(y, X, post, comb) for y, X, (_, post, comb) in zip(ys, mixed, pre)]
 
     def rows(self, X: torch.Tensor, ids: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
         """`__call__` for one new token of each of B sequences (`Attention.rows`): X [B, n, d], ids [B]."""
-        u, post, comb = self.hc_attn.pre(X)
-        X = HyperConnection.post(self.attn.rows(ops.rms_norm(u, self.attn_norm, self.eps), states), X, post, comb)
-        u, post, comb = self.hc_ffn.pre(X)
-        return HyperConnection.post(self.ffn(ops.rms_norm(u, self.ffn_norm, self.eps), ids), X, post, comb)
+        u, post, comb = self.hc_attn.pre(X, self.attn_norm)
+        X = HyperConnection.post(self.attn.rows(u, states), X, post, comb)
+        u, post, comb = self.hc_ffn.pre(X, self.ffn_norm)
+        return HyperConnection.post(self.ffn(u, ids), X, post, comb)
 
 
 class MTPBlock:
@@ -716,7 +728,7 @@ class MTPBlock:
         # n product rows per token: token by token in small chunks, where the kernels' invariance holds (<= 8 rows)
         h = ops.per_token(self._streams, X)  # [T, n, d]
         Y = self.block(e[:, None, :] + h, ids_next, p0, state)  # [T, n, d]
-        return ops.rms_norm(self.hc_head(Y), self.norm, self.eps)
+        return self.hc_head(Y, self.norm)
 
     def _streams(self, X: torch.Tensor) -> torch.Tensor:
         T, n, d = X.shape
@@ -787,6 +799,9 @@ class DeepseekV4:
                     m.layer, m.guess_span(xs, ids), source="hash" if m.is_hash else "lookahead", scan=True
                 )
         self.hash_tables = {b.layer: b.ffn.tid2eid.cpu().numpy() for b in self.layers if b.ffn.is_hash}
+        angles: dict = {}  # one memo of a step's RoPE angles for every layer (`Attention.rows`)
+        for b in self.layers:
+            b.attn.angles = angles
         has_mtp = cfg.num_mtp_layers > 0 and not cfg.has_dspark and w.has("mtp.0.e_proj.weight")
         self.mtp = (
             [MTPBlock(w, cfg, k, self.numerics, self.experts, kernels) for k in range(cfg.num_mtp_layers)]
@@ -881,7 +896,7 @@ class DeepseekV4:
 
     def _head(self, X: torch.Tensor) -> torch.Tensor:
         """Final streams X [T, n, d] -> logits [T, V] float32: HC head, final norm, LM head."""
-        return self.head(ops.rms_norm(self.hc_head(X), self.norm, self.config.rms_norm_eps))
+        return self.head(self.hc_head(X, self.norm))
 
     @_on_device
     @torch.inference_mode()

@@ -302,19 +302,27 @@ def compress_pool_torch(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def hc_pre(
-    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float, eps: float
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+    eps: float,
+    norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC collapse at a layer site: streams X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n]). fn
     [(2+n)*n, n*d], base [(2+n)*n], scale [3]; see `hc_pre_torch`. In the C extension when built: one call instead
     of dozens of small torch ops, equal to `hc_pre_torch` within float32 rounding, and batch-invariant by
-    construction (each token's sums in one fixed order), so it needs no `per_token` (tested)."""
+    construction (each token's sums in one fixed order), so it needs no `per_token` (tested). `norm` [d]: u comes
+    back as `rms_norm(u, norm, eps)` (the sub-layer's input norm; in the same C call, the same bits)."""
     T, n, d = X.shape
-    args = c_arrays(X, fn, base, scale)
-    if args is not None and n <= 16 and iters >= 1:
+    args = c_arrays(X, fn, base, scale) if norm is None else c_arrays(X, fn, base, scale, norm)
+    if args is not None and n <= 16 and iters >= 1 and (norm is None or norm.shape == (d,)):
         u, post, comb = torch.empty(T, d), torch.empty(T, n), torch.empty(T, n, n)
         _C.hc_pre(
             args[0].reshape(T, n * d),
-            *args[1:],
+            *args[1:4],
             n,
             iters,
             float(hc_eps),
@@ -322,9 +330,12 @@ def hc_pre(
             u.numpy(),
             post.numpy(),
             comb.numpy().reshape(T, n * n),
+            norm=None if norm is None else args[4],
+            norm_eps=float(eps),
         )
         return u, post, comb
-    return hc_pre_torch(X, fn, base, scale, iters, hc_eps, eps)
+    u, post, comb = hc_pre_torch(X, fn, base, scale, iters, hc_eps, eps)
+    return (u if norm is None else rms_norm(u, norm, eps)), post, comb
 
 
 def hc_pre_torch(
@@ -348,17 +359,34 @@ def hc_pre_torch(
 
 
 def hc_head(
-    X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, eps: float
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_eps: float,
+    eps: float,
+    norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The final mHC collapse (no post, no Sinkhorn): streams X [T, n, d] -> [T, d] with fn [n, n*d], base [n],
-    scale [1]; see `hc_head_torch`. In the C extension when built, as `hc_pre`."""
+    scale [1]; see `hc_head_torch`. In the C extension when built, as `hc_pre` (`norm`: the final norm too)."""
     T, n, d = X.shape
-    args = c_arrays(X, fn, base, scale)
-    if args is not None and n <= 16:
+    args = c_arrays(X, fn, base, scale) if norm is None else c_arrays(X, fn, base, scale, norm)
+    if args is not None and n <= 16 and (norm is None or norm.shape == (d,)):
         u = torch.empty(T, d)
-        _C.hc_pre(args[0].reshape(T, n * d), *args[1:], n, 1, float(hc_eps), float(eps), u.numpy())
+        _C.hc_pre(
+            args[0].reshape(T, n * d),
+            *args[1:4],
+            n,
+            1,
+            float(hc_eps),
+            float(eps),
+            u.numpy(),
+            norm=None if norm is None else args[4],
+            norm_eps=float(eps),
+        )
         return u
-    return hc_head_torch(X, fn, base, scale, hc_eps, eps)
+    u = hc_head_torch(X, fn, base, scale, hc_eps, eps)
+    return u if norm is None else rms_norm(u, norm, eps)
 
 
 def hc_head_torch(

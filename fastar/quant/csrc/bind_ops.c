@@ -183,29 +183,35 @@ fail:
     return NULL;
 }
 
-/* hc_pre(x, fn, base, scale, n, iters, hc_eps, eps, u, post=None, comb=None) -> None: a layer site's mHC collapse,
- * x f32 [T, n*d] (the flattened streams), fn f32 [R, n*d], base f32 [R], scale f32 [3] -> u f32 [T, d], post f32
- * [T, n], comb f32 [T, n*n], with R = (2+n)*n; with post and comb None, the final head: R = n, scale [1], u only. */
+/* hc_pre(x, fn, base, scale, n, iters, hc_eps, eps, u, post=None, comb=None, norm=None, norm_eps=0) -> None: a layer
+ * site's mHC collapse, x f32 [T, n*d] (the flattened streams), fn f32 [R, n*d], base f32 [R], scale f32 [3] -> u f32
+ * [T, d], post f32 [T, n], comb f32 [T, n*n], with R = (2+n)*n; with post and comb None, the final head: R = n, scale
+ * [1], u only. norm f32 [d]: u then goes through the RMS norm with that weight (the sub-layer's input norm, as the
+ * rms_norm call would: the same bits, one call less). */
 PyObject *py_hc_pre(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kws[] = {"x", "fn", "base", "scale", "n", "iters", "hc_eps", "eps", "u", "post", "comb", NULL};
-    PyObject *o[7] = {NULL, NULL, NULL, NULL, NULL, Py_None, Py_None}; /* x, fn, base, scale, u, post, comb */
+    static char *kws[] = {"x", "fn", "base", "scale", "n", "iters", "hc_eps", "eps", "u", "post", "comb", "norm",
+                          "norm_eps", NULL};
+    /* x, fn, base, scale, u, post, comb, norm */
+    PyObject *o[8] = {NULL, NULL, NULL, NULL, NULL, Py_None, Py_None, Py_None};
     int n, iters;
-    double hc_eps, eps;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOiiddO|OO", kws, &o[0], &o[1], &o[2], &o[3], &n, &iters, &hc_eps,
-                                     &eps, &o[4], &o[5], &o[6]))
+    double hc_eps, eps, norm_eps = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOiiddO|OOOd", kws, &o[0], &o[1], &o[2], &o[3], &n, &iters, &hc_eps,
+                                     &eps, &o[4], &o[5], &o[6], &o[7], &norm_eps))
         return NULL;
     const int head = o[5] == Py_None;
     if (head != (o[6] == Py_None))
         return PyErr_Format(PyExc_ValueError, "post and comb must both be arrays (a layer's mHC) or both None (the head)");
     if (n < 1 || n > 16) return PyErr_Format(PyExc_ValueError, "n must be in [1, 16], got %d", n);
     if (!head && iters < 1) return PyErr_Format(PyExc_ValueError, "iters must be >= 1, got %d", iters);
-    view_t v[7];
+    view_t v[7], vn;
     memset(v, 0, sizeof v);
+    memset(&vn, 0, sizeof vn);
     static const char *names[7] = {"x", "fn", "base", "scale", "u", "post", "comb"};
     const int nv = head ? 5 : 7;
     for (int i = 0; i < nv; i++)
         if (get_view(o[i], &v[i], names[i], 'f', i == 2 || i == 3 ? 1 : 2, i >= 4)) goto fail;
+    if (o[7] != Py_None && get_view(o[7], &vn, "norm", 'f', 1, 0)) goto fail;
     const int64_t T = dim(&v[0], 0), K = dim(&v[0], 1), d = K / n, R = head ? n : (int64_t)(2 + n) * n;
     if (K % n) {
         PyErr_Format(PyExc_ValueError, "x has shape (%lld, %lld), expected (T, n*d) with n = %d", (long long)T,
@@ -219,6 +225,10 @@ PyObject *py_hc_pre(PyObject *self, PyObject *args, PyObject *kw) {
         goto fail;
     }
     if (shape_is(&v[4], "u", T, d, "= (T, d)") || no_overlap_named(&v[4], "u", v, 4)) goto fail;
+    if (vn.held && dim(&vn, 0) != d) {
+        PyErr_Format(PyExc_ValueError, "norm has %lld values, expected %lld (d)", (long long)dim(&vn, 0), (long long)d);
+        goto fail;
+    }
     if (!head && (shape_is(&v[5], "post", T, n, "= (T, n)") || shape_is(&v[6], "comb", T, (int64_t)n * n, "= (T, n*n)") ||
                   no_overlap_named(&v[5], "post", v, 5) || no_overlap_named(&v[6], "comb", v, 6)))
         goto fail;
@@ -227,15 +237,21 @@ PyObject *py_hc_pre(PyObject *self, PyObject *args, PyObject *kw) {
     Py_BEGIN_ALLOW_THREADS
     rc = hc_pre_run(isa, v[0].b.buf, v[1].b.buf, v[2].b.buf, v[3].b.buf, T, n, d, head, iters, (float)hc_eps,
                     (float)eps, v[4].b.buf, head ? NULL : v[5].b.buf, head ? NULL : v[6].b.buf);
+    if (!rc && vn.held) {
+        rowop_ctx c = {.x = v[4].b.buf, .w = vn.b.buf, .y = v[4].b.buf, .R = T, .K = d, .eps = (float)norm_eps};
+        if (c.R > 0) rowops_run(norm_chunk, &c, 1);
+    }
     Py_END_ALLOW_THREADS
     if (rc) {
         PyErr_NoMemory();
         goto fail;
     }
     release(v, nv);
+    release(&vn, 1);
     Py_RETURN_NONE;
 fail:
     release(v, nv);
+    release(&vn, 1);
     return NULL;
 }
 

@@ -585,7 +585,8 @@ static PyMethodDef methods[] = {
 
     {"hc_pre", (PyCFunction)(void (*)(void))py_hc_pre, METH_VARARGS | METH_KEYWORDS,
      "hc_pre(x f32[T,n*d], fn f32[R,n*d], base f32[R], scale f32[3], n, iters, hc_eps, eps, u f32[T,d], post f32[T,n]"
-     "=None, comb f32[T,n*n]=None): mHC collapse (R = (2+n)*n); post = comb = None: the head (R = n, scale [1])"},
+     "=None, comb f32[T,n*n]=None, norm f32[d]=None, norm_eps=0): mHC collapse (R = (2+n)*n); post = comb = None: the "
+     "head (R = n, scale [1]); norm: u then RMS-normed with that weight"},
     {"hc_post", (PyCFunction)(void (*)(void))py_hc_post, METH_VARARGS | METH_KEYWORDS,
      "hc_post(f f32[T,d], x f32[T,n*d], post f32[T,n], comb f32[T,n*n], out f32[T,n*d]): mHC mix back"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_VARARGS | METH_KEYWORDS,

@@ -33,8 +33,9 @@ import torch
 from ..config import ModelConfig
 from ..contracts import ExpertProvider, WeightSource
 from ..errors import FastarError
+from ..quant.kernels import available as _kernels_built
 from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_ffn
-from . import ops
+from . import moe_fused, ops
 from .fused import FusedAttention
 from .state import LayerState, ModelState, StateFormat
 
@@ -541,6 +542,10 @@ class MoE:
         self.lookahead = None  # set by DeepseekV4 when the expert provider can prefetch
         self.offload = None  # set by a device backend: runs the routed experts instead (`fastar.model.device`)
         self.span_next = None  # set by DeepseekV4 with a paging provider: prefetch the next layer during a span
+        self.act_block = 128 if numerics.fp8_activations else 0  # the FP8 activation block (official numerics)
+        # the routed experts through `moe_fused.routed_sum` (False: `routed_reference`): where the fused kernel
+        # applies, as `experts_ffn` decides (the C build; an activation hook only with DeepSeek's routing order)
+        self.fused = kernels and _kernels_built() and (not numerics.fp8_activations or numerics.official_routing)
 
     def guess(self, x: torch.Tensor) -> list[int]:
         """This layer's likely experts for x (its router on another layer's input): lookahead prefetch."""
@@ -566,6 +571,15 @@ class MoE:
             self.lookahead(x)
         if self.offload is not None:  # split between the device and the CPU, summed in expert-id order
             return self.offload(self, x, idx, wts) + self._shared(x)
+        if self.fused and x.dtype is torch.float32 and x.is_cpu and x.is_contiguous():  # `moe_fused`: same bits
+            out = moe_fused.routed_sum(x, idx.numpy(), wts, self.experts, self.layer, self.limit, self.act_block)
+        else:
+            out = self.routed_reference(x, idx, wts)
+        return out.add_(self._shared(x))
+
+    def routed_reference(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum [T, d] expert by expert (one fused call when the first batch holds them all),
+        in torch and numpy: the reference `moe_fused.routed_sum` is tested against, and the path without it."""
         out = torch.zeros_like(x)  # [T, d]
         act = self.numerics.act if self.numerics.fp8_activations else None
         routed = idx.numpy()  # [T, k]: the bookkeeping in numpy (a few small arrays per expert)
@@ -591,7 +605,7 @@ class MoE:
                 ys[e] = (tok, self._expert(x[tok], ew, wts[tok, slot], act))
         for e in wanted if ys else ():  # summed in a fixed order, so arrival order never changes the result
             out.index_add_(0, *ys[e])
-        return out + self._shared(x)
+        return out
 
     def _expert(self, x: torch.Tensor, ew, w: torch.Tensor, act) -> torch.Tensor:
         """One routed expert on its tokens `x` [n, d] with their routing weights `w` [n] (torch path)."""
@@ -647,6 +661,14 @@ class MoE:
         return torch.unique(torch.topk(scores + self.bias, self.topk, dim=-1).indices).tolist()
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_up is not None:  # `moe_fused`: the same C calls without the wrappers, where they apply
+            y = moe_fused.shared_expert(x, self.shared_up, self.shared[2], self.limit, self.act_block)
+            if y is not None:
+                return y
+        return self.shared_reference(x)
+
+    def shared_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert through the ops and `Linear` wrappers: the reference of `moe_fused.shared_expert`."""
         w1, w3, w2 = self.shared
         xq = self.numerics.act(x)
         gate, up = self.shared_up(xq).chunk(2, dim=1) if self.shared_up is not None else (w1(xq), w3(xq))

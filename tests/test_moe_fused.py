@@ -1,0 +1,184 @@
+"""The MoE block's fused paths (`fastar.model.moe_fused`) against `deepseek_v4.MoE`'s reference paths, bit for bit:
+the routed experts however they arrive (in one batch, one by one, in any split, read by the pager on a small
+budget), on hash-routed and scored layers, in both numerics, and the shared expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastar.contracts import Unpaged
+from fastar.engine.engine import load
+from fastar.format.reader import FstFile
+from fastar.model import moe_fused
+from fastar.quant import kernels
+from fastar.synth import synth
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(not kernels.available(), reason="the fused paths need the C kernels"),
+]
+
+SMALL = dict(
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=64,
+    o_lora_rank=64,
+    o_groups=2,
+    index_n_heads=4,
+    index_head_dim=32,
+    index_topk=4,
+    sliding_window=8,
+)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """5 layers (3 hash-routed) + MTP, 8 experts of hidden 128 and inter 128, top-6: a `.fst`, so the shared
+    expert's w1 and w3 stack and the pager can run it on a small budget."""
+    return synth(
+        tmp_path_factory.mktemp("fst") / "moe.fst", layers=5, experts=8, vocab=512, hidden=128, inter=128, **SMALL
+    )
+
+
+class Split(Unpaged):
+    """Yields a layer's experts in the batches `split(ids)` gives (each a list of positions in ids)."""
+
+    def __init__(self, base, split) -> None:
+        self.base, self.split, self.batches = base, split, []
+
+    def get(self, layer: int, expert: int):
+        return self.base.get(layer, expert)
+
+    def each_batch(self, layer, ids, *, scan=False):
+        parts = self.split(list(ids))
+        self.batches.append(len([p for p in parts if p]))
+        for part in parts:
+            yield [(ids[i], self.base.get(layer, ids[i])) for i in part]
+
+
+SPLITS = {
+    "one batch": lambda ids: [list(range(len(ids)))],
+    "one by one": lambda ids: [[i] for i in range(len(ids))],
+    "reversed, one by one": lambda ids: [[i] for i in reversed(range(len(ids)))],
+    "empty first, then halves from the back": lambda ids: [
+        [],
+        list(range(len(ids) // 2, len(ids))),
+        list(range(len(ids) // 2)),
+    ],
+    "odd then even": lambda ids: [list(range(1, len(ids), 2)), list(range(0, len(ids), 2))],
+    "all but the first, then it": lambda ids: [list(range(1, len(ids))), [0]],
+}
+
+
+def _inputs(d: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, d, generator=g) * 2, torch.randint(0, 512, (T,), generator=g)
+
+
+@pytest.mark.parametrize("numerics", ["official", "reference"])
+def test_routed_sum_equals_expert_by_expert_in_any_split(model_path, numerics):
+    """`routed_sum` with the experts arriving in every split above equals `MoE.routed_reference` run expert by
+    expert (each its own batch: one `expert_ffn` each, `index_add_` in id order), for 1 to 9 tokens on hash-routed
+    and scored layers; and `MoE.__call__` (fused) equals the reference paths end to end."""
+    with load(model_path, numerics=numerics, ram_budget=None) as eng:
+        base = eng.model.experts
+        for moe in (b.ffn for b in eng.model.layers):
+            assert moe.fused
+            d = moe.gate.in_features
+            for T in (1, 2, 4, 9):
+                x, ids = _inputs(d, T, seed=T + 10 * moe.layer)
+                idx, wts = moe.route(x, ids)
+                moe.experts = Split(base, SPLITS["one by one"])
+                want = moe.routed_reference(x, idx, wts)
+                for name, split in SPLITS.items():
+                    moe.experts = provider = Split(base, split)
+                    got = moe_fused.routed_sum(x, idx.numpy(), wts, provider, moe.layer, moe.limit, moe.act_block)
+                    assert torch.equal(got, want), (moe.layer, moe.is_hash, T, name)
+                moe.experts = Split(base, SPLITS["odd then even"])
+                got = moe(x, ids)
+                moe.experts = Split(base, SPLITS["one by one"])
+                assert torch.equal(got, moe.routed_reference(x, idx, wts) + moe.shared_reference(x))
+            moe.experts = base
+
+
+def test_routed_sum_with_a_token_routed_twice(model_path):
+    """A hash table may route a token to one expert twice: both routes are summed in slot order, as the
+    reference's `index_add_` with a repeated token does."""
+    with load(model_path, ram_budget=None) as eng:
+        moe, base = eng.model.layers[3].ffn, eng.model.experts
+        x, _ = _inputs(moe.gate.in_features, 3, seed=5)
+        idx = torch.tensor([[4, 4, 1, 7, 0, 2], [1, 3, 3, 3, 6, 5], [7, 6, 5, 4, 3, 2]])
+        wts = torch.rand(idx.shape, generator=torch.Generator().manual_seed(1)) + 0.1
+        moe.experts = Split(base, SPLITS["one by one"])
+        want = moe.routed_reference(x, idx, wts)
+        for name, split in SPLITS.items():
+            got = moe_fused.routed_sum(x, idx.numpy(), wts, Split(base, split), moe.layer, moe.limit, moe.act_block)
+            assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("numerics", ["official", "reference"])
+def test_shared_expert_equals_its_reference(model_path, numerics):
+    """`shared_expert` (direct C calls) against `MoE.shared_reference` (the ops and Linear wrappers), 1 to 9 rows;
+    under `ops.torch_only()` the MoE takes the reference (its torch SwiGLU rounds differently from the C one)."""
+    from fastar.model import ops
+
+    with load(model_path, numerics=numerics, ram_budget=None) as eng:
+        for moe in (b.ffn for b in eng.model.layers):
+            assert moe.shared_up is not None
+            for T in (1, 3, 9):
+                x, _ = _inputs(moe.gate.in_features, T, seed=T)
+                got = moe_fused.shared_expert(x, moe.shared_up, moe.shared[2], moe.limit, moe.act_block)
+                assert torch.equal(got, moe.shared_reference(x)), (moe.layer, T)
+                with ops.torch_only():
+                    assert moe_fused.shared_expert(x, moe.shared_up, moe.shared[2], moe.limit, moe.act_block) is None
+                    assert torch.equal(moe._shared(x), moe.shared_reference(x))
+
+
+@pytest.mark.parametrize("numerics", ["official", "reference"])
+def test_decode_paged_on_a_small_budget_equals_the_reference(model_path, numerics):
+    """Decoding with the pager on a budget of 8 of the 40 experts (each layer's experts arrive in several batches:
+    what is resident, then each read) gives the logits the reference paths give with every expert mapped."""
+    prompt = [5, 17, 300, 41, 9, 77]
+    with load(model_path, numerics=numerics, ram_budget=None) as ref:
+        for b in ref.model.layers:
+            b.ffn.fused = False
+            b.ffn._shared = b.ffn.shared_reference
+        want = _decode(ref, prompt, 6)
+    with FstFile(model_path) as f:
+        budget = 8 * f.expert_stride
+    with load(model_path, numerics=numerics, ram_budget=budget) as eng:
+        cache = eng.expert_cache
+        assert cache is not None and cache.n_slots == 8
+        counts = []
+        for b in eng.model.layers:
+            b.ffn.experts = Counting(cache, counts)
+        got = _decode(eng, prompt, 6)
+    assert max(counts) > 1  # some layer's experts did come in several batches
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+class Counting:
+    """The pager, counting the non-empty batches each `each_batch` yields."""
+
+    def __init__(self, cache, counts: list[int]) -> None:
+        self.cache, self.counts = cache, counts
+
+    def each_batch(self, layer, ids, *, scan=False):
+        n = 0
+        for batch in self.cache.each_batch(layer, ids, scan=scan):
+            n += bool(batch)
+            yield batch
+        self.counts.append(n)
+
+
+def _decode(eng, prompt: list[int], n: int) -> list[torch.Tensor]:
+    state = eng.new_state()
+    logits = eng.prefill(prompt, state)
+    out = [logits[-1].clone()]
+    for _ in range(n):
+        tok = int(out[-1].argmax())
+        out.append(eng.model.forward_rows([tok], [state])[0].clone())
+    return out

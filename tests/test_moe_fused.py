@@ -4,6 +4,7 @@ budget), on hash-routed and scored layers, in both numerics, and the shared expe
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,7 +96,7 @@ def test_routed_sum_equals_expert_by_expert_in_any_split(model_path, numerics):
                 for name, split in SPLITS.items():
                     moe.experts = provider = Split(base, split)
                     got = moe_fused.routed_sum(x, idx.numpy(), wts, provider, moe.layer, moe.limit, moe.act_block)
-                    assert torch.equal(got, want), (moe.layer, moe.is_hash, T, name)
+                    assert torch.equal(torch.from_numpy(got), want), (moe.layer, moe.is_hash, T, name)
                 moe.experts = Split(base, SPLITS["odd then even"])
                 got = moe(x, ids)
                 moe.experts = Split(base, SPLITS["one by one"])
@@ -115,25 +116,57 @@ def test_routed_sum_with_a_token_routed_twice(model_path):
         want = moe.routed_reference(x, idx, wts)
         for name, split in SPLITS.items():
             got = moe_fused.routed_sum(x, idx.numpy(), wts, Split(base, split), moe.layer, moe.limit, moe.act_block)
-            assert torch.equal(got, want), name
+            assert torch.equal(torch.from_numpy(got), want), name
+        moe.experts = Split(base, SPLITS["one by one"])
+        want = moe.routed_reference(x[:1], idx[:1], wts[:1])  # one token (a decode row) routed twice to expert 4
+        for name, split in SPLITS.items():
+            got = moe_fused.routed_sum(
+                x[:1], idx[:1].numpy(), wts[:1], Split(base, split), moe.layer, moe.limit, moe.act_block
+            )
+            assert torch.equal(torch.from_numpy(got), want), name
 
 
 @pytest.mark.parametrize("numerics", ["official", "reference"])
 def test_shared_expert_equals_its_reference(model_path, numerics):
-    """`shared_expert` (direct C calls) against `MoE.shared_reference` (the ops and Linear wrappers), 1 to 9 rows;
-    under `ops.torch_only()` the MoE takes the reference (its torch SwiGLU rounds differently from the C one)."""
+    """`SharedExpert` (one C call) against `MoE.shared_reference` (the ops and Linear wrappers), 1 to 9 rows;
+    under `ops.torch_only()` it declines and the MoE takes the reference (whose torch SwiGLU rounds differently
+    from the C one)."""
     from fastar.model import ops
 
     with load(model_path, numerics=numerics, ram_budget=None) as eng:
         for moe in (b.ffn for b in eng.model.layers):
-            assert moe.shared_up is not None
+            assert moe.shared_fused is not None
             for T in (1, 3, 9):
                 x, _ = _inputs(moe.gate.in_features, T, seed=T)
-                got = moe_fused.shared_expert(x, moe.shared_up, moe.shared[2], moe.limit, moe.act_block)
-                assert torch.equal(got, moe.shared_reference(x)), (moe.layer, T)
+                assert torch.equal(moe.shared_fused(x), moe.shared_reference(x)), (moe.layer, T)
+                assert torch.equal(moe._shared(x), moe.shared_reference(x))
+                routed = np.random.default_rng(T).standard_normal(x.shape).astype(np.float32)
+                want = torch.from_numpy(routed) + moe.shared_reference(x)  # added into the routed sum: the same
+                assert torch.equal(moe.shared_fused(x, routed.copy()), want)
+                assert torch.equal(moe._shared(x, routed.copy()), want)
                 with ops.torch_only():
-                    assert moe_fused.shared_expert(x, moe.shared_up, moe.shared[2], moe.limit, moe.act_block) is None
+                    assert moe.shared_fused(x) is None and moe.shared_fused(x, routed.copy()) is None
                     assert torch.equal(moe._shared(x), moe.shared_reference(x))
+                    assert torch.equal(
+                        moe._shared(x, routed.copy()), torch.from_numpy(routed) + moe.shared_reference(x)
+                    )
+
+
+def test_shared_ffn_refuses_bad_shapes(model_path):
+    """The C entry names what is wrong instead of reading out of bounds."""
+    with load(model_path, ram_budget=None) as eng:
+        moe = eng.model.layers[0].ffn
+        (w13, s13), (w2, s2) = moe.shared_fused.up, moe.shared_fused.down
+        x = np.zeros((2, moe.gate.in_features), np.float32)
+        ext = kernels.extension
+        with pytest.raises(ValueError, match="w13 has shape"):
+            ext.shared_ffn(x, w13[:-128], s13, w2, s2, 10.0, 128, np.zeros_like(x))
+        with pytest.raises(ValueError, match="out has shape"):
+            ext.shared_ffn(x, w13, s13, w2, s2, 10.0, 128, np.zeros((3, x.shape[1]), np.float32))
+        with pytest.raises(ValueError, match="s2 has shape"):
+            ext.shared_ffn(x, w13, s13, w2, s13, 10.0, 128, np.zeros_like(x))
+        with pytest.raises(ValueError, match="act_block"):
+            ext.shared_ffn(x, w13, s13, w2, s2, 10.0, -1, np.zeros_like(x))
 
 
 @pytest.mark.parametrize("numerics", ["official", "reference"])
@@ -182,3 +215,24 @@ def _decode(eng, prompt: list[int], n: int) -> list[torch.Tensor]:
         tok = int(out[-1].argmax())
         out.append(eng.model.forward_rows([tok], [state])[0].clone())
     return out
+
+
+@pytest.mark.parametrize("numerics", ["official", "reference"])
+def test_route_equals_its_formula(model_path, numerics):
+    """`MoE.route` (normalized and scaled in place) equals the routing formula written out op by op, on the hash and
+    the scored layers, for 1 to 9 tokens."""
+    from fastar.model import ops
+
+    with load(model_path, numerics=numerics, ram_budget=None) as eng:
+        for moe in (b.ffn for b in eng.model.layers):
+            for T in (1, 4, 9):
+                x, ids = _inputs(moe.gate.in_features, T, seed=3 * T)
+                scores = ops.per_token(ops.sqrtsoftplus, moe.gate(x))
+                if moe.is_hash:
+                    want_idx = moe.tid2eid[ids]
+                else:
+                    want_idx = torch.topk(scores + moe.bias, moe.topk, dim=-1, sorted=False).indices
+                wts = scores.gather(1, want_idx)
+                wts = wts / (wts.sum(dim=-1, keepdim=True) + (0.0 if numerics == "official" else 1e-20))
+                idx, got = moe.route(x, ids)
+                assert torch.equal(idx, want_idx) and torch.equal(got, wts * moe.scale), (moe.layer, T)

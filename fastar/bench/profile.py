@@ -8,7 +8,8 @@ In a profiled step every call into the C extension is timed (the extension modul
 the pager's pass through untimed) and so are a few Python regions; each timer counts its own time less the timers
 nested in it, so the categories and the remainder add up to the step exactly:
 
-- C kernels, by what they compute: FP8 products, BF16 products (LM head, routers, compressors), FP4 routed experts,
+- C kernels, by what they compute: FP8 products (with the MoE's shared expert, one C call with its SwiGLU and
+  rounding: `fastar.model.moe_fused`), BF16 products (LM head, routers, compressors), FP4 routed experts,
   attention, the indexer's scores and top-k, compressor pooling, mHC, norms, other row ops (RoPE, activation
   quantization, SwiGLU), KV-state row packing, and the attention block's fused decode calls (its four FP8
   products with the norms, RoPE and rounding between them: `fastar.model.fused`);
@@ -75,13 +76,14 @@ C_CATEGORIES = {
     "state_rows_decode": "KV-state rows",
     "attn_project": FUSED_ATTENTION,
     "attn_output": FUSED_ATTENTION,
+    "shared_ffn": "FP8 products",  # the MoE's shared expert in one call (`fastar.model.moe_fused`): two FP8 products
 }
 TORCH_CATEGORIES = ("routing/top-k", "sampling")
 STALL = "waiting for expert reads"  # the MoE's waits for routed experts still being read from disk (paged models)
 OUTSIDE = "outside: "  # the prefix of every category of time outside any kernel
 PRODUCTS = ("FP8 products", "BF16 products", "FP4 experts", FUSED_ATTENTION)
 # where each weight-reading entry point's weights are among its arguments
-_WEIGHT_ARGS = {"attn_project": (1, 2, 4, 5), "attn_output": (5, 6, 9, 10)}
+_WEIGHT_ARGS = {"attn_project": (1, 2, 4, 5), "attn_output": (5, 6, 9, 10), "shared_ffn": (1, 2, 3, 4)}
 
 
 class _Clock:

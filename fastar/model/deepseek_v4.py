@@ -546,6 +546,7 @@ class MoE:
         # the routed experts through `moe_fused.routed_sum` (False: `routed_reference`): where the fused kernel
         # applies, as `experts_ffn` decides (the C build; an activation hook only with DeepSeek's routing order)
         self.fused = kernels and _kernels_built() and (not numerics.fp8_activations or numerics.official_routing)
+        self.shared_fused = moe_fused.SharedExpert.build(self.shared_up, self.shared[2], self.limit, self.act_block)
 
     def guess(self, x: torch.Tensor) -> list[int]:
         """This layer's likely experts for x (its router on another layer's input): lookahead prefetch."""
@@ -562,8 +563,10 @@ class MoE:
         else:
             idx = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices  # bias: selection only
         wts = scores.gather(1, idx)  # [T, k]
-        wts = wts / (wts.sum(dim=-1, keepdim=True) + (0.0 if self.numerics.official_routing else 1e-20))
-        return idx, wts * self.scale
+        total = wts.sum(dim=-1, keepdim=True)  # >= +0 (sqrt(softplus)): DeepSeek's `+ 0` would change no bit
+        if not self.numerics.official_routing:
+            total += 1e-20
+        return idx, wts.div_(total).mul_(self.scale)  # in place: two tensors fewer per layer at decode
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         idx, wts = self.route(x, ids)
@@ -573,9 +576,8 @@ class MoE:
             return self.offload(self, x, idx, wts) + self._shared(x)
         if self.fused and x.dtype is torch.float32 and x.is_cpu and x.is_contiguous():  # `moe_fused`: same bits
             out = moe_fused.routed_sum(x, idx.numpy(), wts, self.experts, self.layer, self.limit, self.act_block)
-        else:
-            out = self.routed_reference(x, idx, wts)
-        return out.add_(self._shared(x))
+            return self._shared(x, out)
+        return self.routed_reference(x, idx, wts).add_(self._shared(x))
 
     def routed_reference(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum [T, d] expert by expert (one fused call when the first batch holds them all),
@@ -660,12 +662,13 @@ class MoE:
         scores = ops.per_token(ops.sqrtsoftplus, self.gate(x))  # [T, E]
         return torch.unique(torch.topk(scores + self.bias, self.topk, dim=-1).indices).tolist()
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shared_up is not None:  # `moe_fused`: the same C calls without the wrappers, where they apply
-            y = moe_fused.shared_expert(x, self.shared_up, self.shared[2], self.limit, self.act_block)
-            if y is not None:
-                return y
-        return self.shared_reference(x)
+    def _shared(self, x: torch.Tensor, routed: np.ndarray | None = None) -> torch.Tensor:
+        """The shared expert on x [T, d]; with `routed` (the routed experts' sum, float32 [T, d]) added into it."""
+        y = None if self.shared_fused is None else self.shared_fused(x, routed)  # one C call, the same bits
+        if y is None:
+            y = self.shared_reference(x)
+            return y if routed is None else torch.from_numpy(routed).add_(y)
+        return y
 
     def shared_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert through the ops and `Linear` wrappers: the reference of `moe_fused.shared_expert`."""

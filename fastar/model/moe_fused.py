@@ -9,8 +9,8 @@ Owns:
   present, then what arrives), each batch in one fused kernel call (`experts_ffn`), summed in the fixed order of
   the expert ids: bit-identical to `expert_ffn` per expert followed by `index_add_` in that order, however the
   experts arrive.
-- `shared_expert`: the shared expert (FP8 activation quantization, the stacked gate/up product, the clamped SwiGLU,
-  quantization again, the down product) as five direct C calls on numpy arrays.
+- `SharedExpert`: the shared expert (FP8 activation rounding, the stacked gate/up product, the clamped SwiGLU,
+  rounding again, the down product) as one C call (`shared_ffn`, fastar/quant/csrc/experts.c).
 Does not own: the MoE's math and its reference paths (`deepseek_v4.MoE`: the per-expert loop and `_shared`, which
 these are tested against, tests/test_moe_fused.py), the kernels (`fastar.quant.kernels`), paging
 (`fastar.weights`).
@@ -35,8 +35,8 @@ def routed_sum(
     layer: int,
     limit: float,
     act_block: int,
-) -> torch.Tensor:
-    """The routed experts' sum [T, D] for x [T, D] (float32, CPU, contiguous), routed [T, k] expert ids and wts
+) -> np.ndarray:
+    """The routed experts' sum [T, D] (numpy) for x [T, D] (float32, CPU, contiguous), routed [T, k] expert ids and wts
     [T, k] routing weights (float32), with the fused kernel (`kernels.extension` must be built; `act_block`: the
     FP8 activation block of the official numerics, 0 for none; the routing weight is applied before w2).
 
@@ -49,14 +49,21 @@ def routed_sum(
     order as the per-expert path's `index_add_`s."""
     ext = kernels.extension
     T, k = routed.shape
-    flat = routed.reshape(-1)
-    at = flat.argsort(kind="stable")  # the routes by expert, each expert's in row-major order
-    by_expert = flat[at]
-    starts = np.flatnonzero(np.concatenate(([True], by_expert[1:] != by_expert[:-1])))
-    wanted = by_expert[starts].tolist()
-    offsets = np.append(starts, len(flat))
-    rows = at // k  # each route's token
-    rw = np.ascontiguousarray(wts.numpy().reshape(-1)[at])  # each route's weight
+    one = routed[0].tolist() if T == 1 else None
+    if one is not None and len(set(one)) == k:  # a decode row, k distinct experts: in Python, on k numbers
+        at = sorted(range(k), key=one.__getitem__)  # its slots by expert id
+        wanted = [one[j] for j in at]
+        rows, offsets = _one_token(k)
+        rw = wts.numpy()[0, at]
+    else:
+        flat = routed.reshape(-1)
+        at = flat.argsort(kind="stable")  # the routes by expert, each expert's in row-major order
+        by_expert = flat[at]
+        starts = np.flatnonzero(np.concatenate(([True], by_expert[1:] != by_expert[:-1])))
+        wanted = by_expert[starts].tolist()
+        offsets = np.append(starts, len(flat))
+        rows = at // k  # each route's token
+        rw = np.ascontiguousarray(wts.numpy().reshape(-1)[at])  # each route's weight
     xn = x.numpy()
     out = np.zeros((T, xn.shape[1]), np.float32)
     scratch = xr = pos = None
@@ -66,7 +73,7 @@ def routed_sum(
         have = dict(batch)
         if scratch is None and len(have) == len(wanted):  # all at once: straight into out
             ext.experts_ffn(xn, [have[e] for e in wanted], rows, offsets, rw, float(limit), out, act_block)
-            return torch.from_numpy(out)
+            return out
         if scratch is None:
             xr = xn[rows]  # [M, D]: route j's input in row j, so its output gets row j of the scratch
             scratch = np.zeros_like(xr)
@@ -86,27 +93,51 @@ def routed_sum(
         )
     if scratch is not None:
         np.add.at(out, rows, scratch)
-    return torch.from_numpy(out)
+    return out
 
 
-def shared_expert(x: torch.Tensor, up: Linear, down: Linear, limit: float, act_block: int) -> torch.Tensor | None:
-    """`w2(act(limited_swiglu(*(w1|w3)(act(x)).chunk(2))))` for x [T, D]: `up` the stacked w1 and w3, `down` w2,
-    `act` the FP8 block quantization when `act_block` > 0. The same C calls on the same arrays as
-    `MoE.shared_reference`'s wrappers make (`ops.fp8_quant_sim`, `Linear.__call__`, `ops.limited_swiglu`), without
-    the wrappers. None where those wrappers would not take their C paths (`ops` decides: no build, a tensor not
-    float32 on the CPU, `ops.torch_only()`): the caller runs the reference."""
-    arrays = ops.c_arrays(x)
-    if arrays is None or x.dim() != 2:
-        return None
-    ext, xn = kernels.extension, arrays[0]
-    if act_block:
-        xq = np.empty_like(xn)
-        ext.fp8_act_quant(xn, act_block, xq)
-        xn = xq
-    gu = up(torch.from_numpy(xn)).numpy()  # [T, 2I]: gate | up
-    inter = gu.shape[1] // 2
-    mid = np.empty((gu.shape[0], inter), np.float32)
-    ext.swiglu(np.ascontiguousarray(gu[:, :inter]), np.ascontiguousarray(gu[:, inter:]), float(limit), mid)
-    if act_block:
-        ext.fp8_act_quant(mid, act_block, mid)
-    return down(torch.from_numpy(mid))
+_ONE_TOKEN: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _one_token(k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The routes' tokens (all 0) and the experts' offsets (one route each) of one token routed to k distinct
+    experts: the same for every call, made once (read-only)."""
+    got = _ONE_TOKEN.get(k)
+    if got is None:
+        got = np.zeros(k, np.int64), np.arange(k + 1, dtype=np.int64)
+        for a in got:
+            a.flags.writeable = False
+        _ONE_TOKEN[k] = got
+    return got
+
+
+class SharedExpert:
+    """A layer's shared expert as one C call (`kernels.extension.shared_ffn`): FP8 activation rounding of x, the
+    stacked gate/up product, the clamped SwiGLU, rounding again, the down product; the same C routines on the same
+    values as `MoE.shared_reference`'s wrappers call one by one (`ops.fp8_quant_sim`, `Linear.__call__`,
+    `ops.limited_swiglu`), so the same bits."""
+
+    def __init__(self, up: tuple, down: tuple, limit: float, act_block: int) -> None:
+        self.up, self.down, self.limit, self.act_block = up, down, float(limit), act_block
+
+    @classmethod
+    def build(cls, up: Linear | None, down: Linear, limit: float, act_block: int) -> SharedExpert | None:
+        """Over `up` (w1 and w3 stacked by rows) and `down` (w2), or None where either has no C product."""
+        ops_up = None if up is None else up.kernel_operands()
+        ops_down = down.kernel_operands()
+        if ops_up is None or ops_down is None:
+            return None
+        return cls(ops_up, ops_down, limit, act_block)
+
+    def __call__(self, x: torch.Tensor, into: np.ndarray | None = None) -> torch.Tensor | None:
+        """The shared expert's output [T, D] for x [T, D]; with `into` (float32 [T, D], the routed experts' sum) added
+        into it instead (`into + output`, element by element) and returned as a tensor. None, having done nothing,
+        where the reference's wrappers would not take their C paths (`ops.c_arrays` decides: no build, a tensor not
+        float32 on the CPU, `ops.torch_only()`)."""
+        args = ops.c_arrays(x) if x.dim() == 2 else None
+        if args is None:
+            return None
+        out = np.empty(args[0].shape, np.float32) if into is None else into
+        (w13, s13), (w2, s2) = self.up, self.down
+        kernels.extension.shared_ffn(args[0], w13, s13, w2, s2, self.limit, self.act_block, out, into is not None)
+        return torch.from_numpy(out)

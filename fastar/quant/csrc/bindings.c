@@ -357,6 +357,57 @@ fail:
     return NULL;
 }
 
+/* The UE8M0 scales of an FP8 weight [N, K]: [ceil(N/128), ceil(K/128)]. */
+static int fp8_scales(PyObject *os, view_t *vs, const char *name, int64_t N, int64_t K) {
+    return get_view(os, vs, name, 'B', 2, 0) ||
+           shape_is(vs, name, (N + FP8_BLOCK - 1) / FP8_BLOCK, (K + FP8_BLOCK - 1) / FP8_BLOCK,
+                    "= (ceil(N/128), ceil(K/128))");
+}
+
+/* shared_ffn(x f32 [T, D], w13, s13, w2, s2, limit, act_block, out f32 [T, D], accumulate=0) -> None: a MoE layer's
+ * shared expert,
+ * out = w2 q(silu(min(gate, l)) * clamp(up, -l, l)) with [gate | up] = w13 q(x); w13 [2I, D] (w1 and w3 stacked by
+ * rows), w2 [D, I], each FP8 with its scales or bfloat16 with s None; q the FP8 activation rounding in blocks of
+ * act_block (0: none). The same bits as the op-by-op calls (fp8_act_quant, fp8_matmul, swiglu, fp8_act_quant,
+ * fp8_matmul); accumulate: added into out (the routed experts' sum there: out + shared, element by element). */
+static PyObject *py_shared_ffn(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *ow13, *os13, *ow2, *os2, *oo;
+    double limit;
+    Py_ssize_t act_block;
+    int accumulate = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOdnO|p", &ox, &ow13, &os13, &ow2, &os2, &limit, &act_block, &oo, &accumulate))
+        return NULL;
+    if (act_block < 0) return PyErr_Format(PyExc_ValueError, "act_block must be >= 0, got %zd", act_block);
+    view_t v[6];
+    memset(v, 0, sizeof v);
+    const char f13 = os13 == Py_None ? 'b' : '8', f2 = os2 == Py_None ? 'b' : '8';
+    if (get_view(ox, &v[0], "x", 'f', 2, 0) || get_view(ow2, &v[3], "w2", f2 == 'b' ? 'H' : 'B', 2, 0)) goto fail;
+    const int64_t T = dim(&v[0], 0), D = dim(&v[0], 1), I = dim(&v[3], 1);
+    if (shape_is(&v[3], "w2", D, I, "= (D, I)") || (f2 == '8' && fp8_scales(os2, &v[4], "s2", D, I)) ||
+        get_view(ow13, &v[1], "w13", f13 == 'b' ? 'H' : 'B', 2, 0) ||
+        shape_is(&v[1], "w13", 2 * I, D, "= (2I, D): w1 and w3 stacked by rows") ||
+        (f13 == '8' && fp8_scales(os13, &v[2], "s13", 2 * I, D)) || get_view(oo, &v[5], "out", 'f', 2, 1) ||
+        shape_is(&v[5], "out", T, D, "= x.shape") || no_overlap(&v[5], v, 5))
+        goto fail;
+    const isa_ops *isa = cur_isa;
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (T > 0)
+        rc = shared_run(isa, v[0].b.buf, T, D, I, f13, v[1].b.buf, f13 == 'b' ? NULL : v[2].b.buf, f2, v[3].b.buf,
+                        f2 == 'b' ? NULL : v[4].b.buf, (float)limit, act_block, v[5].b.buf, accumulate);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 6);
+    Py_RETURN_NONE;
+fail:
+    release(v, 6);
+    return NULL;
+}
+
 /* ---------------------------------------------------------------- threads, ISA, features */
 
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
@@ -576,6 +627,8 @@ static PyMethodDef methods[] = {
      "experts_ffn(x, experts, rows, offsets, route_w, limit, out, act_block=0): a layer's experts in one call"},
     {"expert_ffn", (PyCFunction)(void (*)(void))py_expert_ffn, METH_VARARGS | METH_KEYWORDS,
      "expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit, out): out += route_w * swiglu(x) @ W2.T"},
+    {"shared_ffn", py_shared_ffn, METH_VARARGS,
+     "shared_ffn(x, w13, s13, w2, s2, limit, act_block, out, accumulate=False): a MoE layer's shared expert"},
     {"fp8_act_quant", py_fp8_act_quant, METH_VARARGS,
      "fp8_act_quant(x f32[R,K], block, out f32[R,K]): DeepSeek's FP8 activation quant-dequant per block"},
     {"sinkhorn", py_sinkhorn, METH_VARARGS, "sinkhorn(logits f32[B, n*n], n, iters, eps, out): mHC mixing matrices"},

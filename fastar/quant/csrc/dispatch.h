@@ -55,5 +55,9 @@ int grouped_product(const isa_ops *isa, char fmt, const mm_job *whole, int64_t G
 
 int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const float *x, int64_t D, int64_t I,
                 const int64_t *rows, const int64_t *off, const float *rw, float limit, int64_t act_block, float *out);
+/* A MoE layer's shared expert on T rows (experts.c). */
+int shared_run(const isa_ops *isa, const float *x, int64_t T, int64_t D, int64_t I, char fmt13, const uint8_t *w13,
+               const uint8_t *s13, char fmt2, const uint8_t *w2, const uint8_t *s2, float limit, int64_t act_block,
+               float *out, int accumulate);
 
 #endif

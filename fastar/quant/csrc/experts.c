@@ -1,5 +1,5 @@
 /* The fused routed experts of a layer: gate and up products, the clamped SwiGLU times the routing weight, and the
- * down product, for E experts in two pool jobs (experts_run).
+ * down product, for E experts in two pool jobs (experts_run); and the layer's shared expert in one call (shared_run).
  * Does not own: argument checks (bindings.c), the product kernels (kern_*.c), job preparation (dispatch.c).
  */
 #include <stdlib.h>
@@ -128,5 +128,46 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
     free(y);
     free(gu);
     free(xs);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- the shared expert */
+
+/* The shared expert on T rows of x [T, D]: out = w2 q(swiglu(gate, up)) with [gate | up] = w13 q(x), w13 [2I, D]
+ * (w1 and w3 stacked by rows), w2 [D, I]; q the FP8 activation rounding in blocks of act_block (none for 0); fmt13,
+ * fmt2 '8' (FP8 with scales) or 'b' (bfloat16, scales NULL). The same routines on the same values as the op-by-op
+ * path (fp8_act_quant, the stacked product, swiglu on gate and up as contiguous [T, I] arrays, fp8_act_quant, the w2
+ * product), so the same bits. accumulate: added into out (each element out + its output) instead. Returns 0, or -1
+ * for out of memory. */
+int shared_run(const isa_ops *isa, const float *x, int64_t T, int64_t D, int64_t I, char fmt13, const uint8_t *w13,
+               const uint8_t *s13, char fmt2, const uint8_t *w2, const uint8_t *s2, float limit, int64_t act_block,
+               float *out, int accumulate) {
+    float *xq = act_block ? malloc((size_t)(T * D) * sizeof(float)) : NULL;
+    float *gu = malloc((size_t)(2 * T * I) * sizeof(float)), *g = malloc((size_t)(2 * T * I) * sizeof(float));
+    float *y = accumulate ? malloc((size_t)(T * D) * sizeof(float)) : out;
+    int rc = (act_block && !xq) || !gu || !g || !y ? -1 : 0;
+    if (!rc) {
+        if (act_block) act_quant_rows(isa, x, xq, T, D, act_block);
+        mm_job up = {.x = act_block ? xq : x, .w = w13, .s = s13, .T = T, .N = 2 * I, .K = D, .out = gu,
+                     .ldo = 2 * I, .accumulate = 0};
+        rc = product(isa, fmt13, &up);
+    }
+    if (!rc) {
+        float *u = g + T * I;
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(g + t * I, gu + t * 2 * I, (size_t)I * sizeof(float));
+            memcpy(u + t * I, gu + t * 2 * I + I, (size_t)I * sizeof(float));
+        }
+        swiglu_isa(isa, g, u, g, T * I, limit, 1.0f);
+        if (act_block) act_quant_rows(isa, g, g, T, I, act_block);
+        mm_job down = {.x = g, .w = w2, .s = s2, .T = T, .N = D, .K = I, .out = y, .ldo = D, .accumulate = 0};
+        rc = product(isa, fmt2, &down);
+    }
+    if (!rc && accumulate) /* out + the whole output: one addition per element, as `routed + shared` */
+        for (int64_t i = 0; i < T * D; i++) out[i] += y[i];
+    if (accumulate) free(y);
+    free(g);
+    free(gu);
+    free(xq);
     return rc;
 }

@@ -218,6 +218,42 @@ def test_fp8_quant_sim_kernel_is_bit_identical_to_torch(isa):
             )
 
 
+def test_fp4_quant_sim_and_hadamard_kernels_are_bit_identical_to_torch():
+    """The C FP4 activation rounding and Walsh-Hadamard rotation (the indexer's queries and keys) against their torch
+    formulas, bit for bit: every e2m1 value and tie between neighbours at several block scales, just off them,
+    saturation, signed zeros, blocks at the 6 * 2^-126 floor, subnormals, huge values, ragged last blocks; the
+    rotation on rows of 32..256 values over sixty decades, strided and 3-D inputs."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    grid = torch.cat([grid, -grid])
+    mids = (grid[:, None] + grid[None, :]).flatten() / 2
+    near = (grid[:, None] * torch.tensor([1 - 2**-20, 1 + 2**-20, 1 - 2**-8])).flatten()
+    vals = torch.cat([grid, mids, near, torch.tensor([6.0, 7.0, -100.0, -0.0])])
+    g = torch.Generator().manual_seed(0)
+    vals = vals[torch.randperm(len(vals), generator=g)][: len(vals) // 32 * 32].view(-1, 32)
+    cases = [vals * 2.0**e for e in (-140, -126, -20, 0, 9, 100)]
+    cases += [
+        torch.randn(7, 1000, generator=g) * torch.logspace(-40, 30, 1000),
+        torch.randn(3, 64, 128, generator=g),
+        torch.full((2, 64), 1e-39),
+        torch.zeros(1, 5),
+        torch.randn(4, 96, generator=g)[:, ::3],
+    ]
+    for x in cases:
+        for block in (32, 16, 7):
+            got, want = ops.fp4_quant_sim(x, block), ops.fp4_quant_sim_torch(x, block)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for n in (32, 64, 128, 256):
+        x = torch.randn(5, n, generator=g) * torch.logspace(-30, 30, n)[torch.randperm(n, generator=g)]
+        for xx in (x, x.view(5, 1, n).expand(5, 3, n), torch.randn(n, 2, generator=g).T):
+            got, want = ops.hadamard(xx), ops.hadamard_torch(xx)
+            assert got.shape == want.shape and torch.equal(got, want)
+    if ops._C is not None:
+        with pytest.raises(ValueError, match="power-of-two"):
+            ops._C.hadamard(np.zeros((2, 12), np.float32), 1.0, np.zeros((2, 12), np.float32))
+        with pytest.raises(ValueError, match="block must be positive"):
+            ops._C.fp4_act_quant(np.zeros((2, 12), np.float32), 0, np.zeros((2, 12), np.float32))
+
+
 def test_row_ops_in_c_match_torch(isa):
     """The C RMS norm, RoPE and SwiGLU against their torch references: RoPE bit for bit (same rounded products),
     the norm and SwiGLU within float32 rounding (sum order; exp's last bits); any row count, 2-D and 3-D inputs,

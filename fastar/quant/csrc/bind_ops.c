@@ -68,8 +68,8 @@ fail:
 typedef struct {
     const float *x, *w, *cos, *sin;
     float *y;
-    int64_t R, K, half, rows_per_token, rows_per_chunk;
-    float eps;
+    int64_t R, K, half, rows_per_token, rows_per_chunk, block;
+    float eps, scale;
     int inverse;
 } rowop_ctx;
 
@@ -85,6 +85,18 @@ static void rope_chunk(void *p, int64_t i) {
     /* rope_rows indexes cos / sin by row / rows_per_token: hand it whole tokens (chunks are multiples of them) */
     rope_rows(c->x + r0 * c->K, c->y + r0 * c->K, c->cos + r0 / c->rows_per_token * c->half,
               c->sin + r0 / c->rows_per_token * c->half, n, c->K, c->half, c->rows_per_token, c->inverse);
+}
+
+static void hadamard_chunk(void *p, int64_t i) {
+    const rowop_ctx *c = p;
+    const int64_t r0 = i * c->rows_per_chunk, n = c->R - r0 < c->rows_per_chunk ? c->R - r0 : c->rows_per_chunk;
+    hadamard_rows(c->x + r0 * c->K, c->y + r0 * c->K, n, c->K, c->scale);
+}
+
+static void fp4_quant_chunk(void *p, int64_t i) {
+    const rowop_ctx *c = p;
+    const int64_t r0 = i * c->rows_per_chunk, n = c->R - r0 < c->rows_per_chunk ? c->R - r0 : c->rows_per_chunk;
+    fp4_quant_rows(c->x + r0 * c->K, c->y + r0 * c->K, n, c->K, c->block);
 }
 
 static void rowops_run(chunk_fn fn, rowop_ctx *c, int64_t unit) {
@@ -157,6 +169,57 @@ PyObject *py_rope(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 fail:
     release(v, 4);
+    return NULL;
+}
+
+/* hadamard(x f32 [R, n], scale, out f32 [R, n]) -> None: each row's Walsh-Hadamard transform (n a power of two) times
+ * scale; out may be x */
+PyObject *py_hadamard(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oo;
+    double scale;
+    if (!PyArg_ParseTuple(args, "OdO", &ox, &scale, &oo)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_in_out(ox, oo, v, "x", 1)) goto fail;
+    const int64_t n = dim(&v[0], 1);
+    if (n < 1 || (n & (n - 1))) {
+        PyErr_Format(PyExc_ValueError, "hadamard needs a power-of-two row length, got %lld", (long long)n);
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rowop_ctx c = {.x = v[0].b.buf, .y = v[1].b.buf, .R = dim(&v[0], 0), .K = n, .scale = (float)scale};
+    if (c.R > 0) rowops_run(hadamard_chunk, &c, 1);
+    Py_END_ALLOW_THREADS
+    release(v, 2);
+    Py_RETURN_NONE;
+fail:
+    release(v, 2);
+    return NULL;
+}
+
+/* fp4_act_quant(x f32 [R, K], block, out f32 [R, K]) -> None: FP4 e2m1 quantize-dequantize per block of a row with
+ * power-of-two scales (fastar.model.ops.fp4_quant_sim); out may be x */
+PyObject *py_fp4_act_quant(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oo;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "OnO", &ox, &block, &oo)) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_in_out(ox, oo, v, "x", 1)) goto fail;
+    if (block < 1) {
+        PyErr_Format(PyExc_ValueError, "block must be positive, got %zd", block);
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rowop_ctx c = {.x = v[0].b.buf, .y = v[1].b.buf, .R = dim(&v[0], 0), .K = dim(&v[0], 1), .block = block};
+    if (c.R > 0 && c.K > 0) rowops_run(fp4_quant_chunk, &c, 1);
+    Py_END_ALLOW_THREADS
+    release(v, 2);
+    Py_RETURN_NONE;
+fail:
+    release(v, 2);
     return NULL;
 }
 

@@ -634,6 +634,9 @@ static PyMethodDef methods[] = {
     {"sinkhorn", py_sinkhorn, METH_VARARGS, "sinkhorn(logits f32[B, n*n], n, iters, eps, out): mHC mixing matrices"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x f32[R, K], weight f32[K] | None, eps, out): RMS norm of each row"},
     {"rope", py_rope, METH_VARARGS, "rope(x f32[R, D], cos f32[T, h], sin, inverse, out): interleaved RoPE per row"},
+    {"hadamard", py_hadamard, METH_VARARGS, "hadamard(x f32[R, n], scale, out): Walsh-Hadamard transform of each row, scaled"},
+    {"fp4_act_quant", py_fp4_act_quant, METH_VARARGS,
+     "fp4_act_quant(x f32[R, K], block, out): FP4 e2m1 quantize-dequantize per block, power-of-two scales"},
     {"swiglu", py_swiglu, METH_VARARGS, "swiglu(gate f32[T, I], up, limit, out): silu(min(g, l)) * clamp(u, -l, l)"},
 
     {"hc_pre", (PyCFunction)(void (*)(void))py_hc_pre, METH_VARARGS | METH_KEYWORDS,

@@ -32,6 +32,8 @@ PyObject *py_sinkhorn(PyObject *self, PyObject *args);
 PyObject *py_rms_norm(PyObject *self, PyObject *args);
 PyObject *py_rope(PyObject *self, PyObject *args);
 PyObject *py_swiglu(PyObject *self, PyObject *args);
+PyObject *py_hadamard(PyObject *self, PyObject *args);
+PyObject *py_fp4_act_quant(PyObject *self, PyObject *args);
 PyObject *py_hc_pre(PyObject *self, PyObject *args, PyObject *kw);
 PyObject *py_hc_post(PyObject *self, PyObject *args, PyObject *kw);
 PyObject *py_attend(PyObject *self, PyObject *args, PyObject *kw);

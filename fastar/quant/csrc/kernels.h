@@ -207,6 +207,11 @@ void rms_norm_rows(const float *x, const float *w, float *y, int64_t R, int64_t 
 void rope_rows(const float *x, float *y, const float *cos, const float *sin, int64_t R, int64_t D, int64_t half,
                int64_t rows_per_token, int inverse);
 void swiglu_rows(const float *gate, const float *up, float *y, int64_t n, float limit, float scale);
+/* Orthonormal Walsh-Hadamard transform of each row (n a power of two, Sylvester order), then times scale (y may be
+ * x); and DeepSeek's FP4 activation rounding per block of a row (e2m1 times a power-of-two scale, as
+ * fastar.model.ops.fp4_quant_sim; y may be x). */
+void hadamard_rows(const float *x, float *y, int64_t R, int64_t n, float scale);
+void fp4_quant_rows(const float *x, float *y, int64_t R, int64_t K, int64_t block);
 
 /* mHC (mhc.c); arrays float32, row-major, checked by the caller; the SIMD variant follows isa.
  * hc_pre_run: streams x [T, n*d] and fn [R, n*d] (R = (2+n)*n, or n for the head) -> u [T, d], post [T, n] and

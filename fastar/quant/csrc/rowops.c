@@ -1,5 +1,5 @@
 /* Row-wise ops of the model's forward pass that torch runs as several small ops each: RMS norm, interleaved
- * RoPE and the clamped SwiGLU (the portable SwiGLU; AVX-512 has its own, kern_avx512.c). One call each instead of 5-12 torch ops (at decode these are microseconds of
+ * RoPE, the indexer's Walsh-Hadamard rotation and FP4 rounding, and the clamped SwiGLU (the portable SwiGLU; AVX-512 has its own, kern_avx512.c). One call each instead of 5-12 torch ops (at decode these are microseconds of
  * arithmetic behind tens of microseconds of dispatch). Every row is computed in one fixed order that does not
  * depend on the number of rows, so a token's result is the same alone or inside a chunk (batch invariance).
  * The formulas are those of fastar/model/ops.py's torch versions (the tests compare them); only the order of the
@@ -59,5 +59,58 @@ void swiglu_rows(const float *gate, const float *up, float *y, int64_t n, float 
             u = u < -limit ? -limit : (u > limit ? limit : u);
         }
         y[i] = g / (1.0f + expf(-g)) * u * scale;
+    }
+}
+
+void hadamard_rows(const float *x, float *y, int64_t R, int64_t n, float scale) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        if (yr != xr)
+            for (int64_t k = 0; k < n; k++) yr[k] = xr[k];
+        for (int64_t h = 1; h < n; h *= 2) /* the butterflies of fastar.model.ops.hadamard, stage by stage */
+            for (int64_t i = 0; i < n; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = yr[j], b = yr[j + h];
+                    yr[j] = a + b;
+                    yr[j + h] = a - b;
+                }
+        for (int64_t k = 0; k < n; k++) yr[k] *= scale;
+    }
+}
+
+/* The nearest e2m1 value of v (|v| <= 6 after the clamp), ties to the even code, with v's sign. a / step is in
+ * [0, 12]: adding and taking away 2^23 rounds it to an integer, ties to even (the default rounding mode, which torch's
+ * round also follows), without a libm call; the compiler may not fold the pair away (no -ffast-math). */
+static inline float e2m1_nearest(float v) {
+    float a = fabsf(v);
+    a = a > 6.0f ? 6.0f : a;
+    const float step = a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f), magic = 8388608.0f;
+    return copysignf(((a / step + magic) - magic) * step, v);
+}
+
+void fp4_quant_rows(const float *x, float *y, int64_t R, int64_t K, int64_t block) {
+    const float floor_amax = 6.0f * 0x1p-126f; /* FP4_MAX * 2^-126: the scale's lower bound */
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * K;
+        float *yr = y + r * K;
+        for (int64_t b0 = 0; b0 < K; b0 += block) {
+            const int64_t b1 = b0 + block < K ? b0 + block : K;
+            float amax = 0.0f;
+            for (int64_t k = b0; k < b1; k++) {
+                const float a = fabsf(xr[k]);
+                amax = a > amax || a != a ? a : amax; /* NaN propagates, as torch's amax */
+            }
+            float v = (amax < floor_amax ? floor_amax : amax) / 6.0f, s;
+            int e;
+            const float m = frexpf(v, &e); /* v = m 2^e, m in [0.5, 1): the power of two >= v */
+            s = ldexpf(1.0f, m == 0.5f ? e - 1 : e);
+            const float inv = 1.0f / s; /* exact (a power of two in the normal range): x * inv rounds as x / s */
+            for (int64_t k = b0; k < b1; k++) {
+                float q = xr[k] * inv;
+                q = q < -6.0f ? -6.0f : (q > 6.0f ? 6.0f : q);
+                yr[k] = e2m1_nearest(q) * s;
+            }
+        }
     }
 }

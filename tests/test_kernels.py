@@ -663,11 +663,12 @@ def test_bf16_path_is_batch_invariant(bf16_isa, k):
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_path_row_pairs_are_batch_invariant_at_the_edges(bf16_isa, threads):
-    """From 2 tokens on, the bf16 dot path takes two weight rows at a time (one load of x serves both) and all tokens in
-    one pass, for 1 token one row: every token of every T in 1..8, at every place, must still equal the token alone bit
-    for bit, with an odd row count (a lone last row), rows in two 128-row FP8 scale blocks, ragged K (an FP4 row ending
-    in 1 or 3 scale groups, an FP8 row ending in a partial block), NaN codes, and scale bytes 0, 255 and other
-    non-normal ones (which switch the FP4 scale decoding of a row)."""
+    """From 2 tokens on, the bf16 dot path takes two FP4 weight rows at a time (one load of x serves both) and all
+    tokens in one pass, for 1 token one row; FP8 rows with their scales folded into x go 8, 4 or 2 at a time by T, and
+    one at a time at a block's end: every token of every T in 1..8, at every place, must still equal the token alone
+    bit for bit, with an odd row count (a lone last row), rows in two 128-row FP8 scale blocks, ragged K (an FP4 row
+    ending in 1 or 3 scale groups, an FP8 row ending in a partial block), NaN codes, and scale bytes 0, 255 and other
+    non-normal ones (which switch the FP4 scale decoding of a row, and keep FP8 rows on the per-block scales)."""
     rng = np.random.default_rng(17 + threads)
     n = 131
     cases = []
@@ -677,9 +678,11 @@ def test_bf16_path_row_pairs_are_batch_invariant_at_the_edges(bf16_isa, threads)
         s4[3, 1], s4[5, 2], s4[60, -1], s4[129, 2] = 0, 255, 1, 254
         w4[7, :5] = 0xFF
         w8, s8 = fp8_weights(rng, n, k)
-        s8[0, 1], s8[1, 0] = 0, 255  # rows 128-130 all NaN
         w8[9, k - 1], w8[11, 3] = 0x7F, 0xFF
+        s8n = s8.copy()  # ordinary scales: every token folds them into x (both row blocks)
+        s8[0, 1], s8[1, 0] = 0, 255  # rows 128-130 all NaN; no token folds either block: the per-block scales
         cases += [(k, lambda a, w=w4, s=s4: K.fp4_matmul(a, w, s)), (k, lambda a, w=w8, s=s8: K.fp8_matmul(a, w, s))]
+        cases += [(k, lambda a, w=w8, s=s8n: K.fp8_matmul(a, w, s))]
     saved = K.get_num_threads()
     try:
         K.set_num_threads(threads)
@@ -695,6 +698,58 @@ def test_bf16_path_row_pairs_are_batch_invariant_at_the_edges(bf16_isa, threads)
             assert np.array_equal(ref, alone[[7, 0]], equal_nan=True)
     finally:
         K.set_num_threads(saved)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("t", [1, 2, 3, 5, 8])
+def test_bf16_path_fp8_folds_power_of_two_scales_into_x(bf16_isa, t):
+    """The FP8 scales (powers of two) folded into x: each (row, token) one chain of vdpbf16ps over the row, as close to
+    the float64 product of the dequantized weights as the per-block scales, in another summation order. A token whose
+    x times some scale of a row block would leave the exponent range [17, 191] (x' below 2^-110 or at 2^65 and above)
+    keeps that block's per-block scales, bit for bit those of the unfolded path, alone or beside tokens that fold;
+    at the range's edges it still folds."""
+    rng = np.random.default_rng(40 + t)
+    n, k = 300, 1000  # three row blocks, the last one partial; a ragged last column block
+    x = exact_x(rng, t, k)
+    w, s = fp8_weights(rng, n, k)
+    w[7, 3] = 0x7F  # a NaN code poisons its row on both paths
+    x[0, 5], x[0, 700] = 2.0**10, 2.0**-60  # exponent fields 137 and 67
+    s[1, 0] = 127 + 54  # block (1, 0): x[0, 5] * 2^54 = 2^64, the top of the range: folds
+    s[2, 5] = 127 - 50  # block (2, 5): x[0, 700] * 2^-50 = 2^-110, the bottom: folds
+    deq = R.fp8_block_dequant(w, s)
+
+    def both(a, s=s):
+        was = K.fp8_fold(False)
+        try:
+            unfolded = K.fp8_matmul(a, w, s)
+        finally:
+            K.fp8_fold(was)
+        return K.fp8_matmul(a, w, s), unfolded
+
+    got, unfolded = both(x)
+    assert_close(got, x, deq)
+    assert np.isnan(got[:, 7]).all() and np.array_equal(np.isnan(got), np.isnan(unfolded))
+    for blk in range(3):  # token 0 folds every row block, the edge ones included: the other summation order shows
+        rows = slice(128 * blk, 128 * (blk + 1))
+        assert not np.array_equal(got[0, rows], unfolded[0, rows], equal_nan=True), blk
+    for blk, col, step in ((1, 0, 1), (2, 5, -1)):  # one step past an edge: token 0 keeps that block's per-block scales
+        s2 = s.copy()
+        s2[blk, col] = int(s[blk, col]) + step
+        got2, unfolded2 = both(x, s2)
+        assert_close(got2, x, R.fp8_block_dequant(w, s2))
+        rows = slice(128 * blk, 128 * (blk + 1))
+        assert np.array_equal(got2[0, rows], unfolded2[0, rows], equal_nan=True)
+        other = slice(0, 128)  # the token folds the other blocks
+        assert not np.array_equal(got2[0, other], unfolded2[0, other], equal_nan=True)
+        if t > 1:  # its batch-mates fold the block; every token is itself alone
+            assert not np.array_equal(got2[1:, rows], unfolded2[1:, rows], equal_nan=True)
+        for i in range(t):
+            assert np.array_equal(K.fp8_matmul(np.ascontiguousarray(x[i : i + 1]), w, s2)[0], got2[i], equal_nan=True)
+    s3 = s.copy()
+    s3[0, 2] = 255  # a NaN scale: no token folds row block 0, whose rows are NaN on both paths
+    got3, unfolded3 = both(x, s3)
+    assert np.isnan(got3[:, :128]).all() and np.array_equal(got3[:, :128], unfolded3[:, :128], equal_nan=True)
+    assert not np.array_equal(got3[:, 128:], unfolded3[:, 128:], equal_nan=True)
 
 
 @pytest.mark.skipif(not K.available(), reason="C extension not built")

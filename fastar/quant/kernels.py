@@ -113,6 +113,12 @@ def pool_test_delays(worker_us: int, caller_us: int) -> None:
         _C._pool_test_delays(int(worker_us), int(caller_us))
 
 
+def fp8_fold(on: bool) -> bool:
+    """The FP8 bf16 dot path's folding of the weight scales into x (on by default; off: the scales are applied per
+    128-column block). Returns the previous setting. A knob for tests and A/B runs, never turned off in production."""
+    return bool(_C._fp8_fold(bool(on))) if _C is not None else True
+
+
 def pool_probe(counts: np.ndarray, spin_us: float = 0.0) -> None:
     """One pool job of len(counts) chunks, chunk i spinning `spin_us` then adding 1 to counts[i] (int64): after it
     returns every count is exactly 1 if each chunk ran once and before the job ended (a test of the pool)."""

@@ -614,6 +614,16 @@ static PyObject *py_pool_test_delays(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* _fp8_fold(on) -> the previous setting: the FP8 dot path's scale folding (kernels.h's fp8_fold); tests and A/B. */
+static PyObject *py_fp8_fold(PyObject *self, PyObject *arg) {
+    (void)self;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    const int was = fp8_fold;
+    fp8_fold = on;
+    return PyBool_FromLong(was);
+}
+
 /* ---------------------------------------------------------------- module */
 
 static PyMethodDef methods[] = {
@@ -677,6 +687,7 @@ static PyMethodDef methods[] = {
     {"bf16_dot_peak", py_bf16_dot_peak, METH_O, "bf16_dot_peak(iters) -> (seconds, flops) of vdpbf16ps"},
     {"_pool_probe", py_pool_probe, METH_VARARGS, "_pool_probe(counts i64[n], spin_us): count each chunk's runs"},
     {"_pool_test_delays", py_pool_test_delays, METH_VARARGS, "_pool_test_delays(worker_us, caller_us): test hooks"},
+    {"_fp8_fold", py_fp8_fold, METH_O, "_fp8_fold(on) -> previous: the FP8 dot path's scale folding (tests, A/B)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,6 +17,7 @@
 #include "dispatch.h"
 
 const isa_ops *cur_isa = &isa_scalar_ops;
+int fp8_fold = 1;
 
 /* ---------------------------------------------------------------- activation ops */
 

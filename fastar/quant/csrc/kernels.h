@@ -129,6 +129,10 @@ extern const isa_ops isa_neon_ops;
 extern const isa_ops isa_neonbf16_ops;
 #endif
 
+/* 1 (the default): the FP8 bf16 dot path folds the weight scales into x where it can (kern_avx512bf16.c); 0: it
+ * applies them per 128-column block. A test and A/B knob (bindings.c's _fp8_fold), defined in dispatch.c. */
+extern int fp8_fold;
+
 /* Tables, filled once by tables_init(). */
 extern float ue8m0_f32[256]; /* 2^(b-127); b=0 is the denormal 2^-127, b=255 is NaN */
 extern float fp8_f32[256];   /* e4m3fn value of each byte (0x7f, 0xff are NaN) */

@@ -79,18 +79,13 @@ def routed_sum(
             scratch = np.zeros_like(xr)
             pos = {e: i for i, e in enumerate(wanted)}
         idx = sorted(pos[e] for e in have)
-        sel = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
-        counts = offsets[1:][idx] - offsets[:-1][idx]
-        ext.experts_ffn(
-            xr,
-            [have[wanted[i]] for i in idx],
-            sel,
-            np.concatenate(([0], np.cumsum(counts))),
-            rw[sel],
-            float(limit),
-            scratch,
-            act_block,
-        )
+        if len(wanted) == len(rw):  # one route per expert (a decode row): route i is expert i's
+            sel, offs = np.array(idx, np.int64), _one_token(len(idx))[1]
+        else:
+            sel = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
+            counts = offsets[1:][idx] - offsets[:-1][idx]
+            offs = np.concatenate(([0], np.cumsum(counts)))
+        ext.experts_ffn(xr, [have[wanted[i]] for i in idx], sel, offs, rw[sel], float(limit), scratch, act_block)
     if scratch is not None:
         for r, y in zip(rows.tolist(), scratch):  # in route order (np.add.at would too, ~50x slower)
             out[r] += y

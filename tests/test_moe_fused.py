@@ -236,3 +236,21 @@ def test_route_equals_its_formula(model_path, numerics):
                 wts = wts / (wts.sum(dim=-1, keepdim=True) + (0.0 if numerics == "official" else 1e-20))
                 idx, got = moe.route(x, ids)
                 assert torch.equal(idx, want_idx) and torch.equal(got, wts * moe.scale), (moe.layer, T)
+
+
+def test_router_scores_equal_token_by_token():
+    """`router_scores` on a decode step's rows at once (E a multiple of 64) equals `ops.per_token`'s row by row,
+    for values across softplus's range (its threshold of 20, large negatives, tiny ones, +-0, inf and NaN)."""
+    from fastar.model import ops
+
+    g = torch.Generator().manual_seed(7)
+    special = torch.tensor([0.0, -0.0, 20.0, 19.999, 20.001, -90.0, -104.0, 1e-30, float("inf"), float("-inf")])
+    for E in (16, 32, 64, 128, 256):
+        for T in range(1, 9):
+            logits = torch.randn(T, E, generator=g) * torch.tensor([0.1, 3.0, 30.0])[torch.arange(E) % 3]
+            logits.view(-1)[: len(special)] = special[: T * E]
+            logits[0, -1] = float("nan")
+            want = ops.per_token(ops.sqrtsoftplus, logits)
+            got = moe_fused.router_scores(logits)
+            assert torch.equal(got.isnan(), want.isnan()), (E, T)
+            assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), (E, T)

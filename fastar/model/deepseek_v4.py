@@ -557,7 +557,7 @@ class MoE:
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (expert ids [T, k], weights [T, k])."""
-        scores = ops.per_token(ops.sqrtsoftplus, self.gate(x))  # [T, E] (softplus of E values per token)
+        scores = moe_fused.router_scores(self.gate(x))  # [T, E]: as per token (softplus of E values per token)
         if self.is_hash:
             idx = self.tid2eid[ids]  # [T, k]
         else:

@@ -1,6 +1,7 @@
 """The attention block's fused decode calls (`fastar.model.fused`, C: blocks.c) against the op-by-op path they
 replace (`Attention._project` / `_output` with the fused calls off): the same bits, per call and through a model's
-prefill and batched decode steps, under both numerics; and their argument checks."""
+prefill and batched decode steps, under both numerics; and their argument checks. Also the indexer scoring its
+stored keys packed (`Indexer.pick_stored`) against decoding them first."""
 
 from __future__ import annotations
 
@@ -121,3 +122,34 @@ def test_fused_attention_refuses_bad_arguments(tiny_fst):
         kernels.extension.attn_output(o, cs, cs, f.heads, True, oa, soa, f.groups, 128, ob, sob, out[:, 1:])
     with pytest.raises(ValueError, match="heads"):
         kernels.extension.attn_output(o, cs, cs, 7, True, oa, soa, f.groups, 128, ob, sob, out)
+
+
+def test_indexer_scoring_packed_keys_equals_decoding_them(tiny_fst, monkeypatch):
+    """Decode steps far past index_topk entries (every step of a ratio-4 layer scores its stored index keys): the
+    logits with the keys scored from their packed rows equal those with the rows decoded first (the packed kernel
+    turned off), bit for bit, for one row and for batched rows."""
+    from fastar.model.deepseek_v4 import DeepseekV4
+
+    m = DeepseekV4(tiny_fst)
+    assert any(b.attn.indexer is not None for b in m.layers)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(2, 1024, (n,), generator=g).tolist() for n in (90, 61)]
+
+    def run() -> list[torch.Tensor]:
+        states = [m.new_state() for _ in prompts]
+        outs = [m.forward(p, s, all_logits=False)[0] for p, s in zip(prompts, states)]
+        ids = [int(o[-1].argmax()) for o in outs]
+        for _ in range(5):
+            outs.append(m.forward_rows(ids, states))
+            ids = [int(r.argmax()) for r in outs[-1]]
+        outs.append(m.forward_rows(ids[:1], states[:1]))
+        return outs
+
+    calls = []
+    real = ops.index_scores_fp4
+    monkeypatch.setattr(ops, "index_scores_fp4", lambda *a: calls.append(1) or real(*a))
+    packed = run()
+    assert calls  # the packed kernel ran (or declined, returning None, where this CPU has no vdpbf16ps)
+    monkeypatch.setattr(ops, "index_scores_fp4", lambda *a: None)
+    for a, b in zip(packed, run()):
+        assert torch.equal(a, b)

@@ -135,3 +135,34 @@ def test_c_index_scores_refuse_an_fp4_declaration_that_is_false():
     q, w, keys = _case(4, 40, 3, 8, 0)
     with pytest.raises(ValueError, match="not all bfloat16"):
         K.extension.index_scores(q.numpy(), w.numpy(), keys.numpy(), 200, 1.0, torch.empty(4, 40).numpy(), True)
+
+
+@pytest.mark.parametrize("T,E,Hi,p0", [(1, 300, 64, 1203), (1, 7500, 64, 30003), (3, 77, 16, 160), (2, 33, 5, 130)])
+def test_index_scores_over_packed_keys_equal_the_decoded_ones(T, E, Hi, p0):
+    """`index_scores_fp4` (keys as the decode state stores them, decoded inside the kernel) gives the bits of
+    `index_scores(..., fp4=True)` over the decoded keys, a NaN block (a stored non-finite key) included; where it has
+    no kernel (no vdpbf16ps) it says so (None) and the caller decodes."""
+    from fastar.model.state import RowFormat
+
+    fmt = RowFormat("fp4", 128)
+    q, w, keys = _case(T, E, Hi, 128, 3 * T + E)
+    # block scales over the whole UE8M0 range: 2^-126 (results below bfloat16's normals) to 2^125, most moderate
+    mag = torch.cat(
+        [torch.tensor([6 * 2.0**-126, 6 * 2.0**-118, 6 * 2.0**-110, 2.0**120, 2.0**127]), torch.logspace(-3, 3, E - 5)]
+    )
+    q, keys = ops.fp4_quant_sim(q, 32), ops.fp4_quant_sim(keys / keys.abs().amax(1, keepdim=True) * mag[:, None], 32)
+    keys[E // 2, 40] = float("nan")
+    rows = fmt.encode(keys)
+    want = ops.index_scores(q, w, fmt.decode(rows), p0, fp4=True)
+    got = ops.index_scores_fp4(q, w, rows, p0)
+    if got is None:
+        assert ops._C is None or "avx512bf16" not in K.cpu_features()["usable_isas"]
+        return
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    K.set_isa("avx512")  # no vdpbf16ps: the packed kernel declines, the unpacked one runs
+    try:
+        assert ops.index_scores_fp4(q, w, rows, p0) is None
+    finally:
+        K.set_isa("auto")
+    with pytest.raises(ValueError, match="rows"):
+        K.extension.index_scores_fp4(q.numpy(), w.numpy(), rows[:, 1:].numpy(), p0, 1.0, torch.empty(T, E).numpy())

@@ -37,7 +37,7 @@ from ..quant.kernels import available as _kernels_built
 from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_ffn
 from . import moe_fused, ops
 from .fused import FusedAttention
-from .state import LayerState, ModelState, StateFormat
+from .state import LayerState, ModelState, RowBuffer, StateFormat
 
 SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
 PREFILL_SPAN_BYTES = 1 << 30  # bound on a prefill span's activations (`span_bytes_per_token`): inside the 2 GiB
@@ -253,6 +253,17 @@ class Indexer:
             q = self._rotate(q)
         return q, self.weights_proj(x) * Hi**-0.5
 
+    def pick_stored(
+        self, q: torch.Tensor, weights: torch.Tensor, p0: int, entries: RowBuffer, stop: int
+    ) -> torch.Tensor:
+        """`pick` over the stored index keys [0, stop) of `entries`: scored straight from their packed FP4 rows where
+        the C kernel takes them (the same scores as over the decoded keys), else decoded first."""
+        if self.numerics.fp4_indexer and entries.fmt.kind == "fp4" and entries.start == 0 and stop:
+            score = ops.index_scores_fp4(q, weights, entries.raw()[:stop], p0)
+            if score is not None:
+                return ops.index_topk(score, p0, min(self.topk, stop))
+        return self.pick(q, weights, p0, entries.rows(0, stop))
+
     def pick(self, q: torch.Tensor, weights: torch.Tensor, p0: int, keys: torch.Tensor) -> torch.Tensor:
         """Entry ids [T, k] with the top scores among keys [E, Di] (k = min(topk, E)) for the queries q [T, Hi, Di]
         (head weights [T, Hi]) at positions p0.., ascending in each row; -1 (last) where a query sees fewer."""
@@ -390,7 +401,7 @@ class Attention:
         comp = comp_idx = None
         if self.ratio:
             if scoring is not None and self.indexer.scores(b):
-                comp_idx = self.indexer.pick(scoring[0][s], scoring[1][s], a, state.idx_entries.rows(0, b // 4))
+                comp_idx = self.indexer.pick_stored(scoring[0][s], scoring[1][s], a, state.idx_entries, b // 4)
             if comp_idx is not None and state.entries.is_packed:  # decode only the picked entries [U, D]
                 used = comp_idx >= 0
                 mark = torch.zeros(b // self.ratio, dtype=torch.bool, device=comp_idx.device)  # picked by a query

@@ -242,6 +242,21 @@ def index_scores(
     return index_scores_torch(q, weights, keys, p0)
 
 
+def index_scores_fp4(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, p0: int) -> torch.Tensor | None:
+    """`index_scores(q, weights, keys, p0, fp4=True)` over keys still packed as the decode state stores them (rows
+    uint8 [E, 17 Di / 32]: FP4 e2m1 codes and UE8M0 block scales, `fastar.model.state.RowFormat` "fp4"): one C call
+    that decodes each key inside the kernel exactly as the state's decode does, so the same scores without a float32
+    copy of every key (at long contexts the copy cost as much as the scoring). None where that kernel does not run
+    (no extension, no vdpbf16ps): the caller then decodes the rows and calls `index_scores`."""
+    args = c_arrays(q, weights)
+    if args is None or q.dim() != 3 or rows.dtype != torch.uint8 or not rows.is_cpu:
+        return None
+    out = torch.empty(q.shape[0], rows.shape[0])
+    if _C.index_scores_fp4(*args, rows.contiguous().numpy(), p0, float(q.shape[-1] ** -0.5), out.numpy()):
+        return out
+    return None
+
+
 def index_scores_torch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, p0: int) -> torch.Tensor:
     """`index_scores` in torch: the reference the C version is tested against (queries in blocks that bound the
     [t, Hi, E] temporary)."""

@@ -28,7 +28,23 @@ static float e4m3_lut[256];
 static const float e2m1_lut[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
+/* A packed FP4 byte (two e2m1 codes, low nibble first) as a bfloat16 pair at scale 1 (e2m1_pair), and the pair's
+ * exponent-field unit where a half is nonzero (e2m1_unit): at scale 2^k with both halves' results normal, the pair at
+ * that scale is e2m1_pair + k * e2m1_unit exactly (what multiplying each value by 2^k in float32 gives). */
+static uint32_t e2m1_pair[256], e2m1_unit[256];
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
 void state_rows_init(void) {
+    for (int b = 0; b < 256; b++) {
+        const float lo = e2m1_lut[b & 15], hi = e2m1_lut[b >> 4];
+        e2m1_pair[b] = f32_bits(lo) >> 16 | (f32_bits(hi) & 0xffff0000u);
+        e2m1_unit[b] = (lo != 0.0f ? 1u << 7 : 0) | (hi != 0.0f ? 1u << 23 : 0);
+    }
     for (int c = 0; c < 256; c++) {
         const int e = (c >> 3) & 15, m = c & 7;
         float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
@@ -266,19 +282,38 @@ BF16_INLINE void heads_tile_bf16(const uint32_t *q, const float *w, const uint32
         }
 }
 
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
 TARGET_BF16 static void scores_bf16(const index_job *j, const uint32_t *qb, int64_t e0, int64_t e1, uint32_t *kb) {
     const int64_t n = e1 - e0, Dp = j->Di / 2;
-    for (int64_t d = 0; d < Dp; d++) /* kb[d, i] = keys[e0 + i, 2d .. 2d+1] as a bfloat16 pair, zero past the block */
+    if (j->packed) { /* the same pairs from the stored rows: each value decoded as state_rows_decode decodes it */
+        const int64_t nb = j->Di / 32, row = 17 * nb;
         for (int64_t i = 0; i < IDX_EB; i++) {
-            const float *k = j->keys + (e0 + i) * j->Di + 2 * d;
-            kb[d * IDX_EB + i] = i < n ? f32_bits(k[0]) >> 16 | (f32_bits(k[1]) & 0xffff0000u) : 0;
+            const uint8_t *src = j->packed + (e0 + i) * row;
+            for (int64_t b = 0; b < nb; b++) { /* 16 pairs of one scale block */
+                const uint8_t sb = i < n ? src[16 * nb + b] : 127;
+                uint32_t *dst = kb + 16 * b * IDX_EB + i;
+                if (sb >= 10 && sb <= 250) { /* every nonzero value's result is a normal: add to the exponents */
+                    const uint32_t k = (uint32_t)((int32_t)sb - 127);
+                    for (int p = 0; p < 16; p++) {
+                        const uint8_t byte = i < n ? src[16 * b + p] : 0;
+                        dst[p * IDX_EB] = e2m1_pair[byte] + k * e2m1_unit[byte];
+                    }
+                } else { /* near the range's ends, or a NaN block: the float products themselves */
+                    const float s = ue8m0(sb);
+                    for (int p = 0; p < 16; p++) {
+                        const uint8_t byte = src[16 * b + p];
+                        dst[p * IDX_EB] = f32_bits(e2m1_lut[byte & 15] * s) >> 16 |
+                                          (f32_bits(e2m1_lut[byte >> 4] * s) & 0xffff0000u);
+                    }
+                }
+            }
         }
+    } else {
+        for (int64_t d = 0; d < Dp; d++) /* kb[d, i] = keys[e0 + i, 2d .. 2d+1] as a bfloat16 pair, 0 past the block */
+            for (int64_t i = 0; i < IDX_EB; i++) {
+                const float *k = j->keys + (e0 + i) * j->Di + 2 * d;
+                kb[d * IDX_EB + i] = i < n ? f32_bits(k[0]) >> 16 | (f32_bits(k[1]) & 0xffff0000u) : 0;
+            }
+    }
     const __m512 scale = _mm512_set1_ps(j->scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < j->T; t++) {
         const int64_t visible = (j->p0 + t + 1) / 4;
@@ -338,9 +373,13 @@ static void index_chunk(void *p, int64_t i) {
 
 int index_scores_run(const isa_ops *isa, const index_job *j) {
 #if FASTAR_X86
-    if (j->bf16 && (!all_bf16(j->q, j->T * j->Hi * j->Di) || !all_bf16(j->keys, j->E * j->Di))) return -2;
     /* an ISA with the bf16 dot path (fp8_bmap set: kern_avx512bf16.c) has vdpbf16ps */
-    if (j->bf16 && isa->vec == VEC_AVX512 && isa->fp8_bmap && j->Di % 2 == 0) {
+    const int dot_bf16 = j->bf16 && isa->vec == VEC_AVX512 && isa->fp8_bmap && j->Di % 2 == 0;
+    if (j->packed && (!dot_bf16 || j->Di % 32)) return 1; /* the caller decodes the rows and asks again */
+    /* packed keys are e2m1 codes times powers of two: bfloat16s by construction */
+    if (j->bf16 && (!all_bf16(j->q, j->T * j->Hi * j->Di) || (!j->packed && !all_bf16(j->keys, j->E * j->Di))))
+        return -2;
+    if (dot_bf16) {
         const int64_t n = j->T * j->Hi * j->Di / 2;
         uint32_t *qb = malloc((size_t)n * sizeof *qb + 1);
         if (!qb) return -1;
@@ -359,7 +398,7 @@ int index_scores_run(const isa_ops *isa, const index_job *j) {
     }
 #endif
     (void)isa, (void)j;
-    return 1; /* no kernel for this ISA: torch's GEMM beats a portable loop several times */
+    return 1; /* no kernel for this ISA (or packed keys without the bf16 one): torch's GEMM beats a portable loop */
 }
 
 /* ---------------------------------------------------------------- top-k of the indexer's scores */

@@ -567,6 +567,54 @@ fail:
     return NULL;
 }
 
+/* index_scores_fp4(q f32 [T, Hi, Di], w f32 [T, Hi], rows u8 [E, 17 Di / 32], p0, scale, out f32 [T, E]) -> bool:
+ * index_scores with bf16=True over keys still packed as the decode state stores them (FP4 e2m1 codes and UE8M0 block
+ * scales: state_rows_decode's "fp4" rows), each decoded inside the kernel exactly as state_rows_decode would, so
+ * the same scores without the float32 copy of every key; False (out untouched) where only the unpacked keys have a
+ * kernel (no vdpbf16ps, or Di not a multiple of 32). */
+PyObject *py_index_scores_fp4(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oq, *ow, *ok, *oo;
+    Py_ssize_t p0;
+    double scale;
+    if (!PyArg_ParseTuple(args, "OOOndO", &oq, &ow, &ok, &p0, &scale, &oo)) return NULL;
+    view_t v[4];
+    memset(v, 0, sizeof v);
+    if (get_view(oq, &v[0], "q", 'f', 3, 0) || get_view(ow, &v[1], "w", 'f', 2, 0) ||
+        get_view(ok, &v[2], "rows", 'B', 2, 0) || get_view(oo, &v[3], "out", 'f', 2, 1))
+        goto fail;
+    const int64_t T = dim(&v[0], 0), Hi = dim(&v[0], 1), Di = dim(&v[0], 2), E = dim(&v[2], 0);
+    if (shape_is(&v[1], "w", T, Hi, "[T, Hi] of q") || Di % 32 || dim(&v[2], 1) != 17 * Di / 32 ||
+        shape_is(&v[3], "out", T, E, "[T, E]") || p0 < 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "index_scores_fp4 needs q's Di a multiple of 32, rows [E, 17 Di / 32 = %lld] "
+                         "and p0 >= 0; got Di=%lld, rows [%lld, %lld], p0=%zd", (long long)(17 * Di / 32),
+                         (long long)Di, (long long)E, (long long)dim(&v[2], 1), p0);
+        goto fail;
+    }
+    if (no_overlap(&v[3], v, 3)) goto fail;
+    int rc = 0;
+    const isa_ops *isa = cur_isa;
+    Py_BEGIN_ALLOW_THREADS
+    index_job j = {.q = v[0].b.buf, .w = v[1].b.buf, .packed = v[2].b.buf, .out = v[3].b.buf, .T = T, .Hi = Hi,
+                   .Di = Di, .E = E, .p0 = p0, .scale = (float)scale, .bf16 = 1};
+    if (T > 0 && E > 0) rc = index_scores_run(isa, &j);
+    Py_END_ALLOW_THREADS
+    if (rc == -2) {
+        PyErr_SetString(PyExc_ValueError, "index_scores_fp4: q is not all bfloat16 values");
+        goto fail;
+    }
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 4);
+    return PyBool_FromLong(rc == 0);
+fail:
+    release(v, 4);
+    return NULL;
+}
+
 /* index_topk(score f32 [T, E], p0, out i64 [T, k]) -> None: the lightning indexer's picks (attn_prefill.c): for
  * query t at position p0 + t, the k best-scored entries it sees, ascending, then -1. */
 PyObject *py_index_topk(PyObject *self, PyObject *args) {

@@ -666,6 +666,9 @@ static PyMethodDef methods[] = {
      "compress_pool(kv f32[n,M,hd], gate f32[n,M,hd], out f32[n,hd]): the compressor's softmax-gated pooling"},
     {"index_topk", py_index_topk, METH_VARARGS,
      "index_topk(score f32[T,E], p0, out i64[T,k]): the k best visible entries of each query, ascending, -1 after"},
+    {"index_scores_fp4", py_index_scores_fp4, METH_VARARGS,
+     "index_scores_fp4(q f32[T,Hi,Di], w f32[T,Hi], rows u8[E,17Di/32], p0, scale, out f32[T,E]): lightning indexer "
+     "scores over keys packed as the state stores them"},
     {"index_scores", py_index_scores, METH_VARARGS,
      "index_scores(q f32[T,Hi,Di], w f32[T,Hi], keys f32[E,Di], p0, scale, out f32[T,E], bf16=False): lightning "
      "indexer scores"},

@@ -42,6 +42,7 @@ PyObject *py_state_rows_encode(PyObject *self, PyObject *args);
 PyObject *py_index_topk(PyObject *self, PyObject *args);
 PyObject *py_compress_pool(PyObject *self, PyObject *args);
 PyObject *py_index_scores(PyObject *self, PyObject *args);
+PyObject *py_index_scores_fp4(PyObject *self, PyObject *args);
 
 /* blocks.c */
 PyObject *py_attn_project(PyObject *self, PyObject *args);

@@ -175,14 +175,15 @@ int64_t state_rows_encode(const float *x, uint8_t *raw, int64_t rows, int64_t ro
 typedef struct {
     const float *q;    /* [T, Hi, Di] index queries */
     const float *w;    /* [T, Hi] head weights */
-    const float *keys; /* [E, Di] index keys */
+    const float *keys; /* [E, Di] index keys, or NULL with: */
+    const uint8_t *packed; /* [E, 17 Di / 32] the keys as the decode state stores them (state_rows_decode's "fp4") */
     float *out;        /* [T, E]: -inf where query t (at position p0 + t) does not see entry e yet */
     int64_t T, Hi, Di, E, p0;
     float scale;
     int bf16; /* the caller declares q and keys bfloat16-exact (FP4-rounded): checked, then vdpbf16ps where it runs */
 } index_job;
-/* Runs a job over the pool: 0, -1 for out of memory, 1 when isa has no kernel for it (AVX-512 only), -2 when
- * bf16 is declared but some q or key is not a bfloat16. */
+/* Runs a job over the pool: 0, -1 for out of memory, 1 when isa has no kernel for it (AVX-512 only; packed keys:
+ * the bf16 kernel only), -2 when bf16 is declared but some q or key is not a bfloat16. */
 int index_scores_run(const isa_ops *isa, const index_job *j);
 /* The indexer's top-k: out [T, k] = the k best-scored entries each query sees (score [T, E]), ascending, then -1
  * (attn_prefill.c says how ties go). 0, or -1 for out of memory. */

@@ -558,3 +558,19 @@ def test_row_ops_over_the_pool_do_not_depend_on_threads(isa):
     empty = np.zeros((0, 8), np.float32)  # no rows: nothing to do, no chunking arithmetic on zero rows per token
     K._C.rope(empty, np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32), False, empty)
     K._C.rms_norm(empty, None, 1e-6, empty)
+
+
+def test_picked_entries_of_one_query_equal_the_marked_dedupe():
+    """`picked_entries` on one query's picks (its shortcut: the picks are already the list) against the mark-array
+    dedupe it runs for several queries: the same ids and places, with and without -1 padding; several queries
+    sharing entries get one id each."""
+    g = torch.Generator().manual_seed(4)
+    for E, k, n in ((50, 8, 8), (50, 8, 5), (3000, 512, 512), (700, 512, 300), (10, 4, 0)):
+        one = torch.full((1, k), -1, dtype=torch.int64)
+        one[0, :n] = torch.randperm(E, generator=g)[:n].sort().values
+        two = torch.cat([one, one])  # the general path on the same picks twice: the same list
+        for got, want in zip(ops.picked_entries(one, E), ops.picked_entries(two, E)):
+            assert torch.equal(got, want[: got.shape[0]] if got.dim() == 2 else want)
+    picks = torch.tensor([[1, 4, 9, -1], [0, 4, 7, 9]])
+    ids, where = ops.picked_entries(picks, 12)
+    assert ids.tolist() == [0, 1, 4, 7, 9] and where.tolist() == [[1, 2, 4, -1], [0, 2, 3, 4]]

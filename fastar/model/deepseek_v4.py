@@ -403,12 +403,8 @@ class Attention:
             if scoring is not None and self.indexer.scores(b):
                 comp_idx = self.indexer.pick_stored(scoring[0][s], scoring[1][s], a, state.idx_entries, b // 4)
             if comp_idx is not None and state.entries.is_packed:  # decode only the picked entries [U, D]
-                used = comp_idx >= 0
-                mark = torch.zeros(b // self.ratio, dtype=torch.bool, device=comp_idx.device)  # picked by a query
-                mark[comp_idx[used]] = True
-                ids = mark.nonzero().squeeze(1)  # [U] ascending (torch.unique's order, without its sort)
-                where = mark.cumsum(0) - 1  # entry id -> its place in ids
-                comp, comp_idx = state.entries.take(ids), torch.where(used, where[comp_idx.clamp(min=0)], -1)
+                ids, comp_idx = ops.picked_entries(comp_idx, b // self.ratio)
+                comp = state.entries.take(ids)
             elif b // self.ratio:  # none closed yet: window keys only (the C kernel takes no empty entry array)
                 comp = state.entries.rows(0, b // self.ratio)  # [E, D]
         return attend(q, state.kv.rows(k0, b), k0, a, self.window, comp, comp_idx, self.ratio, self.sinks, self.D**-0.5)

@@ -295,6 +295,22 @@ def index_topk_torch(score: torch.Tensor, p0: int, k: int) -> torch.Tensor:
     return torch.where(idx < E, idx, -1)
 
 
+def picked_entries(picks: torch.Tensor, n_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries the indexer's picks [T, k] (`index_topk`: each row ascending and distinct, -1 last) name: their ids
+    [U] ascending without repeats, and the picks as places in that list (-1 kept), so attention decodes each picked
+    entry once. One query (decode) needs no dedupe: its picks are that list; several mark an array over the
+    `n_entries` entries (torch.unique's order, without its sort)."""
+    used = picks >= 0
+    if picks.shape[0] == 1:
+        k = picks.shape[1]
+        return picks[0, : int(used.sum())], torch.where(used, torch.arange(k), -1)
+    mark = torch.zeros(n_entries, dtype=torch.bool, device=picks.device)  # picked by some query
+    mark[picks[used]] = True
+    ids = mark.nonzero().squeeze(1)  # [U] ascending
+    where = mark.cumsum(0) - 1  # entry id -> its place in ids
+    return ids, torch.where(used, where[picks.clamp(min=0)], -1)
+
+
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """The compressor's pooling of n closed windows: per feature, a softmax over the window's M gate rows weighs its
     kv rows. kv, gate [n, M, hd] (a -inf gate row weighs 0) -> [n, hd]. One C call over the kernels' pool when the

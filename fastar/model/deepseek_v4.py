@@ -242,12 +242,14 @@ class Indexer:
         visible entries instead - the same set, without scoring."""
         return stop // 4 > self.topk
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(
+        self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, cos_sin: tuple | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries [T, Hi, Di] (RoPE'd, rotated under fp4_indexer) and head weights [T, Hi] of the rows of x
-        at positions pos [T]."""
+        at positions pos [T] (`cos_sin`: their RoPE angles' cos and sin, when the caller has them)."""
         T, Hi, Di = x.shape[0], self.heads, self.head_dim
         q = self.wq_b(self.numerics.act(qr)).view(T, Hi, Di)  # [T, Hi, Di]
-        cos, sin = ops.rope_cos_sin(self.inv_freq, pos)
+        cos, sin = cos_sin if cos_sin is not None else ops.rope_cos_sin(self.inv_freq, pos)
         q = ops.apply_rope(q, cos, sin)
         if self.numerics.fp4_indexer:
             q = self._rotate(q)
@@ -461,7 +463,7 @@ class Attention:
         if self.indexer is not None:
             ikv, igate = projected[1]
             if any(self.indexer.scores(p + 1) for p in pos):
-                iq, iw = self.indexer.queries(x, qr, at)
+                iq, iw = self.indexer.queries(x, qr, at, (cos, sin))  # the indexer's frequencies are the layer's
         out = []
         for b, (p0, state) in enumerate(zip(pos, states)):
             state.kv.append(kv[b : b + 1])

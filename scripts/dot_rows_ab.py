@@ -77,6 +77,8 @@ def main() -> int:
         fp8_case("fp8 2048x4096 (L3)", 2048, D, pooled=False)
     if "fp8w" in want:  # wo_a-like: many rows, short K
         fp8_case("fp8 32768x1024", 8 * D, 1024, pooled=True)
+    if "fp8n" in want:  # wkv-like: few rows, so each thread's chunk holds few rows of a 128-row scale block
+        fp8_case("fp8 512x4096", 512, D, pooled=True)
     if "experts" in want:
         E = 4  # experts per call, every token in each
         one = 3 * (I * D // 2 + I * D // 32)

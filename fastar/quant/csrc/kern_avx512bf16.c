@@ -8,10 +8,11 @@
  * float32, so the result differs from the FP32 dot path only in float32 summation order. Scales are applied in
  * float32 to each scale group's partial sum, as in kern_avx512.c. Everything else (arbitrary x, BF16 weights,
  * T > DOT_MAX) runs the AVX-512 kernels of kern_avx512.c.
- * Structure: one token, one weight row per pass (simd.h's DOT_DISPATCH); from 2 tokens on two rows per pass (_row2,
- * PAIR_DISPATCH below), so each 64-byte load of x feeds two vdpbf16ps (with one row, loads of x and dot instructions
- * both run at one per cycle, and the loads set the speed), and all T <= DOT_MAX tokens of a call in one pass, so each
- * weight block is read and widened to bfloat16 once (passes of 4 tokens, as before, did both twice for T = 5..8).
+ * Structure: two rows per pass (_row2, PAIR_DISPATCH below), so each 64-byte load of x feeds two vdpbf16ps (with one
+ * row, loads of x and dot instructions both run at one per cycle, and the loads set the speed), and all T <= DOT_MAX
+ * tokens of a call in one pass, so each weight block is read and widened to bfloat16 once (passes of 4 tokens, as
+ * before, did both twice for T = 5..8). One token took one row per pass until the FP4 experts measured 5-16 % faster
+ * at T = 1 with pairs too (CPU time per call, 2 threads, DRAM-fed, scripts/dot_rows_ab.py's experts case).
  * Measured on Zen 4, 2 threads, DRAM-fed Flash shapes (scripts/dot_rows_ab.py): the FP4 experts at T = 2 +9 % (T = 2
  * took one row per pass before), FP8 4096x4096 at T = 6 +15 %; T = 3, 4, 8 within a few % either way. At T = 8 the
  * 32 totals of a pair do not fit the 32 registers and the compiler keeps some in L1. Every (row, token) sum is the
@@ -441,9 +442,10 @@ static int fp8_rows_folded(const mm_job *j, int64_t n0, int64_t n1) {
     return 0;
 }
 
-/* The bf16 dot path from 2 tokens on: rows [n0, n1) two at a time by ROW2 (rows n, n + 1, each (row, token) sum
- * exactly ROW's), the odd last one by ROW (DOT_GROUP tokens at a time), the T tokens in passes of at most PAIR_GROUP
- * of as even a size as they allow. T, the pass and the row's pairing change no bit of any output. */
+/* The bf16 dot path (FP4; FP8 where its scales are not folded): rows [n0, n1) two at a time by ROW2 (rows n, n + 1,
+ * each (row, token) sum exactly ROW's), the odd last one by ROW (DOT_GROUP tokens at a time), the T tokens in passes
+ * of at most PAIR_GROUP of as even a size as they allow. T, the pass and the row's pairing change no bit of any
+ * output. */
 #define PAIR_CASE(ROW2, NT) \
     case NT: ROW2(&g, n, NT, 0, j->K, a, b); break;
 #define PAIR_DISPATCH(ROW, ROW2)                                                                                 \
@@ -483,7 +485,7 @@ static int fp8_rows_folded(const mm_job *j, int64_t n0, int64_t n1) {
 
 /* xb with dot unset: the bf16 tile path (gemm_avx512bf16.c), x in groups of TILE_XG tokens (kernels.h). */
 static void fp4_rows(const mm_job *j, int64_t n0, int64_t n1) {
-    if (j->dot && j->xb) { if (j->T < 2) { DOT_DISPATCH(fp4_bdot_row) } else { PAIR_DISPATCH(fp4_bdot_row, fp4_bdot_row2) } } else if (j->xb) fp4_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp4(j, n0, n1);
+    if (j->dot && j->xb) PAIR_DISPATCH(fp4_bdot_row, fp4_bdot_row2) else if (j->xb) fp4_tile_bf16_rows(j, n0, n1); else isa_avx512_ops.fp4(j, n0, n1);
 }
 static void fp8_rows(const mm_job *j, int64_t n0, int64_t n1) {
     if (j->dot && j->xb && fp8_fold && !fp8_rows_folded(j, n0, n1)) return;

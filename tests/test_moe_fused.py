@@ -81,14 +81,14 @@ def _inputs(d: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("numerics", ["official", "reference"])
 def test_routed_sum_equals_expert_by_expert_in_any_split(model_path, numerics):
     """`routed_sum` with the experts arriving in every split above equals `MoE.routed_reference` run expert by
-    expert (each its own batch: one `expert_ffn` each, `index_add_` in id order), for 1 to 9 tokens on hash-routed
+    expert (each its own batch: one `expert_ffn` each, `index_add_` in id order), for 1 to 16 tokens on hash-routed
     and scored layers; and `MoE.__call__` (fused) equals the reference paths end to end."""
     with load(model_path, numerics=numerics, ram_budget=None) as eng:
         base = eng.model.experts
         for moe in (b.ffn for b in eng.model.layers):
             assert moe.fused
             d = moe.gate.in_features
-            for T in (1, 2, 4, 9):
+            for T in (1, 2, 4, 9, 16):  # 16 x 6 routes: past SMALL_ROUTES, grouped by numpy
                 x, ids = _inputs(d, T, seed=T + 10 * moe.layer)
                 idx, wts = moe.route(x, ids)
                 moe.experts = Split(base, SPLITS["one by one"])

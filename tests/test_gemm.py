@@ -135,6 +135,35 @@ def test_tile_bf16_fp4_folds_scales_per_tile(bf16_isa):
             assert np.array_equal(K.fp4_matmul(np.ascontiguousarray(x[7:20]), w, s2), got[7:20])
 
 
+@pytest.mark.parametrize("k", [64, 128, 160])
+def test_tile_bf16_fp4_fold_is_decided_per_row_tile(bf16_isa, k):
+    """Whether a tile's scales fold is decided from its own rows' scales only, in a full 128-column tile (one scale
+    dword per row) and in a short last one (k = 64: 2 groups; k = 160: a full tile, then 1 group), rows past N
+    (the last row tile has 4) included: a tile folds exactly when the unfolded order (forced for a whole call by a
+    tiny x in it) gives other bits, and a scale just below the range in one row of each of its k-blocks unfolds
+    that row tile only."""
+    rng = np.random.default_rng(40 + k)
+    t, n = 30, 100
+    x = exact_x(rng, t, k)
+    w, s = fp4_weights(rng, n, k, scales=(73, 121))  # spread: folding changes the rounding of the sums
+    tiny = np.concatenate([x, x[:1] * np.float32(2.0**-80)])  # a nonzero below 2^-64: no tile of the call folds
+
+    def folded_and_unfolded(s2):
+        got = K.fp4_matmul(x, w, s2)
+        assert_close(got, x, R.fp4_decode(w, s2))
+        return got, K.fp4_matmul(tiny, w, s2)[:t]
+
+    got, unf = folded_and_unfolded(s)
+    for r0 in range(0, n, 32):  # every row tile folded: other bits than the unfolded order somewhere
+        assert not np.array_equal(got[:, r0 : r0 + 32], unf[:, r0 : r0 + 32]), r0
+    s2 = s.copy()
+    s2[37, [*range(0, k // 32, 4), k // 32 - 1]] = 72  # row tile 1, each k-block's first and the last group
+    got2, unf2 = folded_and_unfolded(s2)
+    assert np.array_equal(got2[:, 32:64], unf2[:, 32:64])  # that row tile unfolded
+    for r0 in (0, 64, 96):
+        assert np.array_equal(got2[:, r0 : r0 + 32], got[:, r0 : r0 + 32]), r0  # the others as before
+
+
 def test_tile_bf16_fp4_tiny_x_keeps_scales_apart(bf16_isa):
     """x below 2^-64 in a call (still an exact bfloat16 above x_kind's 2^-110) keeps every FP4 scale in float32: folded,
     2^-80 x 2^-54-scaled products would be float32 denormals that vdpbf16ps flushes to zero. Such a call's other

@@ -116,34 +116,55 @@ static void fp8_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_
  * and pair m takes nibbles 2m, 2m+1 into the low 5 bits of its two words (vpermw's index; the table repeats every
  * 16, so the fifth bit does not matter). Returns 1 when the tile's scales are folded into wt (see FOLD_S_LO), else
  * 0 with sv[g][h] lane i = the scale of row n + 16h + i, group g. */
+INLINE __mmask16 row_mask(int rows) { return rows >= 16 ? (__mmask16)0xffff : rows <= 0 ? 0 : (__mmask16)((1u << rows) - 1); }
+
+/* The scale bytes of groups g0..g0+3 of 16 rows (groups bytes apart) as one dword per row, rows past `rows` set to
+ * 127 (2^0, what a missing row's lane needs: no fold veto, adj 0). A full tile (kc == KC) reads the 4 bytes of each
+ * row with one gather; a short one (K's last, ng < 4 groups) byte by byte, the missing groups 127 too. */
+INLINE __m512i scale_dwords(const uint8_t *sb, int64_t groups, int rows, int ng) {
+    const __m512i ones = _mm512_set1_epi32(0x7f7f7f7f);
+    if (ng == 4) {
+        const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32((int)groups));
+        return _mm512_mask_i32gather_epi32(ones, row_mask(rows), idx, (const void *)sb, 1);
+    }
+    uint32_t d[16];
+    for (int r = 0; r < 16; r++) {
+        d[r] = 0x7f7f7f7fu;
+        for (int g = 0; g < ng && r < rows; g++) d[r] = (d[r] & ~(0xffu << 8 * g)) | (uint32_t)sb[r * groups + g] << 8 * g;
+    }
+    return _mm512_loadu_si512((const void *)d);
+}
+
 static int fp4_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t kc, uint32_t *wt, __m512 sv[4][2]) {
     const int64_t half = j->K / 2, groups = j->K / FP4_GROUP;
+    const int ng = (int)(kc / FP4_GROUP);
     const __m512i tab = _mm512_loadu_si512((const void *)fp4_bf16), lowbyte = _mm512_set1_epi32(0xff);
     const __m512i mag = _mm512_set1_epi16(0x7fff);
+    __m512i sd[NR / 16]; /* per half: lane i = the scale bytes of row n + 16h + i, byte g = group g */
     int fold = !j->x_tiny && j->K <= FOLD_K_MAX;
-    for (int h = 0; h < NR / 16 && fold; h++) {
+    for (int h = 0; h < NR / 16; h++) {
         const int rows = nr - 16 * h > 16 ? 16 : nr - 16 * h;
-        const uint8_t *sb = j->s + (n + 16 * h) * groups + k0 / FP4_GROUP;
-        for (int r = 0; r < rows; r++)
-            for (int64_t g = 0; g < kc / FP4_GROUP; g++) {
-                const int v = sb[r * groups + g];
-                fold &= v >= FOLD_S_LO && v <= FOLD_S_HI;
-            }
+        sd[h] = scale_dwords(j->s + (n + 16 * h) * groups + k0 / FP4_GROUP, groups, rows, ng);
+        fold &= !(_mm512_cmplt_epu8_mask(sd[h], _mm512_set1_epi8((char)FOLD_S_LO)) |
+                  _mm512_cmpgt_epu8_mask(sd[h], _mm512_set1_epi8((char)FOLD_S_HI)));
     }
     for (int h = 0; h < NR / 16; h++) {
         const int rows = nr - 16 * h > 16 ? 16 : nr - 16 * h;
-        const uint8_t *sb = j->s + (n + 16 * h) * groups + k0 / FP4_GROUP;
         __m512i adj[4]; /* fold: per group, (e << 7) in both words of row i's dword */
-        for (int64_t g = 0; g < kc / FP4_GROUP; g++) {
-            float sc[16];
-            int32_t ad[16];
-            for (int r = 0; r < 16; r++) {
-                const int e = r < rows ? sb[r * groups + g] - 127 : 0;
-                sc[r] = r < rows ? ue8m0_f32[sb[r * groups + g]] : 0.0f;
-                ad[r] = (int32_t)(((uint32_t)(e * 128) & 0xffff) * 0x10001u);
+        for (int g = 0; g < ng; g++) {
+            if (fold) {
+                const __m512i e7 = _mm512_and_si512(
+                    _mm512_slli_epi32(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(sd[h], 8 * g), lowbyte),
+                                                       _mm512_set1_epi32(127)), 7),
+                    _mm512_set1_epi32(0xffff));
+                adj[g] = _mm512_or_si512(e7, _mm512_slli_epi32(e7, 16));
+            } else {
+                float sc[16];
+                const uint8_t *sb = j->s + (n + 16 * h) * groups + k0 / FP4_GROUP;
+                for (int r = 0; r < 16; r++) sc[r] = r < rows ? ue8m0_f32[sb[r * groups + g]] : 0.0f;
+                sv[g][h] = _mm512_loadu_ps(sc);
             }
-            sv[g][h] = _mm512_loadu_ps(sc);
-            adj[g] = _mm512_loadu_si512((const void *)ad);
         }
         __m512i c[16];
         if (rows <= 0) {
@@ -162,8 +183,6 @@ static int fp4_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t
     return fold;
 }
 
-INLINE __mmask16 row_mask(int rows) { return rows >= 16 ? (__mmask16)0xffff : rows <= 0 ? 0 : (__mmask16)((1u << rows) - 1); }
-
 /* tb rows of nr (<= NR) floats from s (lds apart) to d (ldd apart): inline, where memcpy's call per 128-byte row took
  * ~5 % of a 512-token product. */
 static void copy_rows(float *d, int64_t ldd, const float *s, int64_t lds, int64_t tb, int nr) {
@@ -181,11 +200,11 @@ INLINE void micro8(const int mr, int np, const uint32_t *wt, const uint32_t *x, 
     __m512 acc[MR8][2];
     UNROLL
     for (int t = 0; t < mr; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    for (int p = 0; p < np; p++) {
-        const __m512i w0 = _mm512_load_si512((const void *)(wt + p * NR)), w1 = _mm512_load_si512((const void *)(wt + p * NR + 16));
+    for (const uint32_t *w = wt, *we = wt + np * NR; w < we; w += NR, x += TILE_XG) { /* pointers: constant offsets */
+        const __m512i w0 = _mm512_load_si512((const void *)w), w1 = _mm512_load_si512((const void *)(w + 16));
         UNROLL
         for (int t = 0; t < mr; t++) {
-            const __m512i b = _mm512_set1_epi32((int)x[p * TILE_XG + t]);
+            const __m512i b = _mm512_set1_epi32((int)x[t]);
             acc[t][0] = _mm512_dpbf16_ps(acc[t][0], BH(b), BH(w0));
             acc[t][1] = _mm512_dpbf16_ps(acc[t][1], BH(b), BH(w1));
         }
@@ -215,11 +234,12 @@ INLINE void micro4(const int mr, int ng, const uint32_t *wt, const uint32_t *x, 
         __m512 part[MR4][2];
         UNROLL
         for (int t = 0; t < mr; t++) part[t][0] = part[t][1] = _mm512_setzero_ps();
-        for (int p = 16 * g; p < 16 * g + 16; p++) {
-            const __m512i w0 = _mm512_load_si512((const void *)(wt + p * NR)), w1 = _mm512_load_si512((const void *)(wt + p * NR + 16));
+        const uint32_t *xg = x + 16 * g * TILE_XG;
+        for (const uint32_t *w = wt + 16 * g * NR, *we = w + 16 * NR; w < we; w += NR, xg += TILE_XG) {
+            const __m512i w0 = _mm512_load_si512((const void *)w), w1 = _mm512_load_si512((const void *)(w + 16));
             UNROLL
             for (int t = 0; t < mr; t++) {
-                const __m512i b = _mm512_set1_epi32((int)x[p * TILE_XG + t]);
+                const __m512i b = _mm512_set1_epi32((int)xg[t]);
                 part[t][0] = _mm512_dpbf16_ps(part[t][0], BH(b), BH(w0));
                 part[t][1] = _mm512_dpbf16_ps(part[t][1], BH(b), BH(w1));
             }
@@ -264,6 +284,22 @@ INLINE const uint32_t *x_at(const mm_job *j, int64_t t, int64_t k0) {
     return (const uint32_t *)j->xb + (t / TILE_XG) * (j->kp / 2) * TILE_XG + (k0 / 2) * TILE_XG + t % TILE_XG;
 }
 
+/* The weight bytes of the tile after (n, k0) (the next k-block of the row tile, or after k2 the next row tile's
+ * first) into L2 while the tokens run over this one: a tile's 32 rows are 32 streams K bytes apart, too many for the
+ * hardware prefetchers, and at a few dozen tokens the decode waited on them. Prefetches do not fault, but stay
+ * inside the matrix anyway. */
+INLINE void prefetch_next(const mm_job *j, int64_t n, int64_t k0, int64_t k1, int64_t k2, int64_t row_bytes,
+                          int64_t col_bytes_num, int64_t col_bytes_den) {
+    int64_t nn = n, kk = k0 + KC;
+    if (kk >= k2) nn += NR, kk = k1;
+    if (nn >= j->N) return;
+    const int64_t rows = j->N - nn < NR ? j->N - nn : NR, kc = j->K - kk < KC ? j->K - kk : KC;
+    const uint8_t *w = (const uint8_t *)j->w + nn * row_bytes + kk * col_bytes_num / col_bytes_den;
+    const int64_t bytes = (kc * col_bytes_num + col_bytes_den - 1) / col_bytes_den;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)(w + r * row_bytes + b), _MM_HINT_T1);
+}
+
 /* FP8: k-blocks [k1, k2) of row tile n for tokens ts..ts+tb-1 (ts a multiple of TILE_XG), running sums in c [tb][NR];
  * store: the first k-block writes (k1 == 0 and not accumulating). Token blocks: x's groups of TILE_XG = MR8. */
 static void fp8_tile_tokens(const mm_job *j, int64_t n, int nr, int64_t ts, int64_t tb, int64_t k1, int64_t k2,
@@ -273,6 +309,7 @@ static void fp8_tile_tokens(const mm_job *j, int64_t n, int nr, int64_t ts, int6
         const int64_t kc = K - k0 < KC ? K - k0 : KC;
         const int np = (int)((kc + 1) / 2);
         fp8_tile_bf16(j, n, nr, k0, kc, wt);
+        prefetch_next(j, n, k0, k1, k2, K, 1, 1);
         const float s = ue8m0_f32[j->s[(n / FP8_BLOCK) * kb + k0 / FP8_BLOCK]];
         const int st = store && k0 == k1;
         for (int64_t t0 = 0; t0 < tb; t0 += MR8) {
@@ -299,6 +336,7 @@ static void fp4_tile_tokens(const mm_job *j, int64_t n, int nr, int64_t ts, int6
         const int ng = (int)(kc / FP4_GROUP);
         __m512 sv[4][2];
         const int folded = fp4_tile_bf16(j, n, nr, k0, kc, wt, sv), mb = folded ? MR8 : MR4;
+        prefetch_next(j, n, k0, k1, k2, K / 2, 1, 2);
         const int st = store && k0 == k1;
         for (int64_t t0 = 0; t0 < tb; t0 += mb) {
             const int mr = tb - t0 < mb ? (int)(tb - t0) : mb;

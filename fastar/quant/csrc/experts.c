@@ -1,5 +1,7 @@
 /* The fused routed experts of a layer: gate and up products, the clamped SwiGLU times the routing weight, and the
- * down product, for E experts in two pool jobs (experts_run); and the layer's shared expert in one call (shared_run).
+ * down product, for E experts in two pool jobs (experts_run), with the row passes around them (gathering and
+ * quantizing x, quantizing the SwiGLU output, the sum into out) spread over the pool too; and the layer's shared
+ * expert in one call (shared_run).
  * Does not own: argument checks (bindings.c), the product kernels (kern_*.c), job preparation (dispatch.c).
  */
 #include <stdlib.h>
@@ -65,6 +67,52 @@ static int expert_path(const isa_ops *isa, const mm_job *job) {
     return path == PATH_SPLIT ? PATH_FP32 : path;
 }
 
+/* ---------------------------------------------------------------- the row passes around the products, over the pool */
+
+/* At prefill sizes (a 512-token chunk: M = 3072 token-expert rows of 4096) the gather and quantization of x, the
+ * quantization of the SwiGLU output and the sum into out took ~10 % of a layer's experts on one thread while the
+ * other waited. Each pass is cut so every output element is computed by one chunk in the order the serial loop
+ * used: rows for the gather and the quantizations (each row on its own), column slices for the sum (every
+ * element still adds its expert rows j in ascending order). */
+typedef struct {
+    const isa_ops *isa;
+    const float *x;
+    float *xs, *gu, *y, *out;
+    const int64_t *rows;
+    int64_t M, D, I, act_block, per; /* per: rows (columns for the sum) per chunk */
+} pass_ctx;
+
+static void gather_chunk(void *p, int64_t i) {
+    const pass_ctx *c = p;
+    const int64_t j0 = i * c->per, j1 = j0 + c->per < c->M ? j0 + c->per : c->M;
+    for (int64_t j = j0; j < j1; j++) memcpy(c->xs + j * c->D, c->x + c->rows[j] * c->D, (size_t)c->D * sizeof(float));
+    if (c->act_block) act_quant_rows(c->isa, c->xs + j0 * c->D, c->xs + j0 * c->D, j1 - j0, c->D, c->act_block);
+}
+
+static void quant_gu_chunk(void *p, int64_t i) {
+    const pass_ctx *c = p;
+    const int64_t j0 = i * c->per, j1 = j0 + c->per < c->M ? j0 + c->per : c->M;
+    act_quant_rows(c->isa, c->gu + j0 * c->I, c->gu + j0 * c->I, j1 - j0, c->I, c->act_block);
+}
+
+static void sum_chunk(void *p, int64_t i) {
+    const pass_ctx *c = p;
+    const int64_t d0 = i * c->per, d1 = d0 + c->per < c->D ? d0 + c->per : c->D;
+    for (int64_t j = 0; j < c->M; j++) { /* expert after expert: the fixed order of the sum */
+        float *o = c->out + c->rows[j] * c->D;
+        const float *v = c->y + j * c->D;
+        for (int64_t d = d0; d < d1; d++) o[d] += v[d];
+    }
+}
+
+/* n items in chunks of about 8 per thread (at least `least` items each): the chunk count, *per the items each. */
+static int64_t pass_chunks(int64_t n, int64_t least, int64_t *per) {
+    const int64_t target = 8 * (int64_t)pool_get_threads();
+    *per = (n + target - 1) / target;
+    if (*per < least) *per = least;
+    return n > 0 ? (n + *per - 1) / *per : 0;
+}
+
 /* E routed experts of one layer (ew: 6 arrays each, as expert_ffn's w1, s1, w3, s3, w2, s2) as two pool jobs, all
  * gate/up rows then all down rows, instead of 2E. Expert e takes the tokens rows[off[e]] .. rows[off[e+1] - 1]
  * of x [*, D] with routing weights rw[off[e] ..]; its outputs are added into out[rows[j]] expert after expert, in
@@ -84,8 +132,9 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
     int64_t prepared = 0;
     int rc = !xs || !gu || !y || !c || !down || !down_run || !order || !preps ? -1 : 0;
     if (!rc) {
-        for (int64_t j = 0; j < M; j++) memcpy(xs + j * D, x + rows[j] * D, (size_t)D * sizeof(float));
-        if (act_block) act_quant_rows(isa, xs, xs, M, D, act_block); /* per row: as each expert quantizes its x */
+        pass_ctx pc = {.isa = isa, .x = x, .xs = xs, .gu = gu, .y = y, .out = out, .rows = rows, .M = M, .D = D,
+                       .I = I, .act_block = act_block};
+        pool_run(pass_chunks(M, 4, &pc.per), gather_chunk, &pc); /* act_quant per row: as each expert's own x */
         const int64_t rpc = chunk_rows(E * I) < I ? chunk_rows(E * I) : (I + ROW_ALIGN - 1) / ROW_ALIGN * ROW_ALIGN;
         for (int64_t e = 0; e < E && !rc; e++) {
             const int64_t T = off[e + 1] - off[e];
@@ -101,7 +150,8 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
         if (!rc) {
             ffn_multi m = {c, order, (I + rpc - 1) / rpc};
             pool_run(E * m.chunks_per_expert, ffn_multi_phase1, &m);
-            if (act_block) act_quant_rows(isa, gu, gu, M, I, act_block);
+            pass_ctx pc = {.isa = isa, .gu = gu, .M = M, .I = I, .act_block = act_block};
+            if (act_block) pool_run(pass_chunks(M, 4, &pc.per), quant_gu_chunk, &pc);
         }
         for (int64_t e = 0; e < E && !rc; e++) {
             const uint8_t *const *w = ew + 6 * e;
@@ -112,11 +162,8 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
         if (!rc) {
             for (int64_t e = 0; e < E; e++) down_run[e] = down[order[e]]; /* prep_job holds &down[e]: copies run */
             run_jobs(isa->fp4, down_run, E);
-            for (int64_t j = 0; j < M; j++) { /* expert after expert: the fixed order of the sum */
-                float *o = out + rows[j] * D;
-                const float *v = y + j * D;
-                for (int64_t d = 0; d < D; d++) o[d] += v[d];
-            }
+            pass_ctx pc = {.y = y, .out = out, .rows = rows, .M = M, .D = D};
+            pool_run(pass_chunks(D, 64, &pc.per), sum_chunk, &pc);
         }
     }
     for (int64_t i = 0; i < prepared; i++) finish_job(&preps[i], !rc);

@@ -17,6 +17,16 @@
  * mm_job.x_tiny, on the call's x having a nonzero value below 2^-64, which FP8-quantized activations do not).
  * Input: mm_job.xb = x as bfloat16 pairs in groups of TILE_XG = 12 tokens, pair-major within a group, groups of
  * kp / 2 pairs (K rounded up to KC, zero padded), 64-byte aligned (kernels.h; written by dispatch.c).
+ * Where the time goes (Zen 4, one thread, per CPU-second against the vdpbf16ps peak): a tile's decode is a fixed
+ * cost the tokens of the call share, ~1,500 dot-instruction slots for an FP8 tile (the transposition and five byte
+ * permutes per 64 bytes of 16 rows) and ~750 for an FP4 one, against 128 slots per token; so FP8 4096 x 4096 runs
+ * at ~50 % of the peak at T = 16, ~72 % at 64 and ~80-85 % from 128 on, the FP4 expert shapes at ~56 % at T = 24,
+ * ~72 % at 64 and ~80 % at 192. The FP4 tile's scale bytes are read as one dword per row (a gather) and the fold
+ * check and the folded exponents stay in vector registers, and the next tile's weights are prefetched into L2
+ * while the tokens run over this one (its 32 rows are 32 streams K bytes apart, more than the hardware prefetchers
+ * follow): before, the scalar scale loops (with a store-forwarding stall per vector of scales) and the wait for
+ * the rows cost FP4 tiles 10-14 % at 24-64 tokens. What is left at large T is the microkernel's own: the
+ * read-modify-write of the running sums per 128-column k-block (FP8's scale is per 128 x 128 block) and the loads.
  *
  * AMX seam: an AMX-BF16 variant (tdpbf16ps on 16 x 32 bfloat16 tiles) would take the same inputs (pair-
  * interleaved weight tiles are AMX's B layout, x rows its A layout) as another isa_ops with its own

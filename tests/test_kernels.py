@@ -664,11 +664,11 @@ def test_bf16_path_is_batch_invariant(bf16_isa, k):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_path_row_pairs_are_batch_invariant_at_the_edges(bf16_isa, threads):
     """The bf16 dot path takes two FP4 weight rows at a time (one load of x serves both) and all tokens in one pass;
-    FP8 rows with their scales folded into x go 4 or 2 at a time by T, and one at a time at a block's end: every token
-    of every T in 1..8, at every place, must still equal the token alone bit for bit, with an odd row count (a lone
-    last row), rows in two 128-row FP8 scale blocks, ragged K (an FP4 row ending in 1 or 3 scale groups, an FP8 row
-    ending in a partial block), NaN codes, and scale bytes 0, 255 and other non-normal ones (which switch the FP4 scale
-    decoding of a row, and keep FP8 rows on the per-block scales)."""
+    FP8 rows with their scales folded into x go 4 at a time (5-8 tokens in two passes), one at a time at a block's
+    end: every token of every T in 1..8, at every place, must still equal the token alone bit for bit, with an odd row
+    count (a lone last row), rows in two 128-row FP8 scale blocks, ragged K (an FP4 row ending in 1 or 3 scale groups,
+    an FP8 row ending in a partial block), NaN codes, and scale bytes 0, 255 and other non-normal ones (which switch the
+    FP4 scale decoding of a row, and keep FP8 rows on the per-block scales)."""
     rng = np.random.default_rng(17 + threads)
     n = 131
     cases = []

@@ -19,12 +19,14 @@
  * same sequence of float operations whatever the path, T or the pass.
  * FP8 weights (every T) fold their scales into x instead where they can (fp8_rows_folded): a UE8M0 scale is a power of
  * two, so x times the scale of its 128x128 block is exact while it stays in range, and each (row, token) sum is then one
- * chain of vdpbf16ps over the whole row, 4 rows per pass up to 4 tokens and 2 from 5 on: per 128 columns and (row,
- * token) 4 vdpbf16ps and no add or FMA, each load of x serving 2-4 rows. A (token, row block) whose x' would leave the
+ * chain of vdpbf16ps over the whole row, 4 rows and up to 4 tokens per pass (5-8 tokens in two): per 128 columns and
+ * (row, token) 4 vdpbf16ps and no add or FMA, each load of x serving 4 rows. A (token, row block) whose x' would leave the
  * range, or whose block has a NaN scale, keeps the per-block scales above (one token at a time; the choice depends on
  * that token and block alone, so batch invariance holds). Measured (scripts/dot_rows_ab.py, 2 threads, DRAM-fed,
  * memory ~34 GB/s in the run): FP8 4096x4096 at T = 4 27.3 GB/s against 20.9 (x1.31), 32768x1024 31.8 against 23.7
- * (x1.34); T = 1, 2 within the run's noise to +10 %.
+ * (x1.34); T = 1, 2 within the run's noise to +10 %. In CPU time per call (to see past other jobs on the machine;
+ * memory 25-36 GB/s): 4096x4096 T = 1 0.98x, 2 1.02x, 4 1.31x, 5 1.06x, 8 1.37x; 32768x1024 T = 1 1.02x, 2 1.10x,
+ * 4 1.46x, 6 1.07x, 8 1.24x.
  * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (bindings, dispatch.c,
  * pool.c).
  */
@@ -346,7 +348,7 @@ INLINE void fp8_fold_block(const mm_job *j, int64_t n, const int R, const int NT
                            const __m512i tab[4], float *out) {
     const int64_t K = j->K, kp = j->kp;
     const uint8_t *w0 = (const uint8_t *)j->w + n * K;
-    __m512 acc[4][8];
+    __m512 acc[4][4];
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
     /* prefetch PF_FOLD bytes ahead in the order the rows are read (R rows side by side, then the next R): column pc
      * of the rows pg bytes on */
@@ -375,25 +377,25 @@ INLINE void fp8_fold_block(const mm_job *j, int64_t n, const int R, const int NT
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < NT; t++) out[r * NT + t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-/* Rows [n0, n1) of one scale block against the nf tokens of x' (xf): 4 rows per pass up to 4 tokens, 2 from 5 on (all
- * totals and weights in registers), the rest one at a time; outputs to the tokens' places idx[] (+ t0). Measured on
- * Zen 4 from DRAM, 4 rows at T = 1 read as fast as the unfolded path's one, 8 rows slower. */
+/* Rows [n0, n1) of one scale block against the nf <= 4 tokens of x' (xf): 4 rows per pass (16 totals, 8 weight
+ * vectors, 4 tables in registers), the rest one at a time; outputs to the tokens' places idx[] (+ t0). Measured on
+ * Zen 4 from DRAM: 4 rows at T = 1 read as fast as the unfolded path's one row, 8 rows slower; 8 tokens in one pass of
+ * 2 rows ran 0.91x the unfolded path, in two passes of 4 tokens 1.24-1.37x (the weights are widened twice, but
+ * nothing spills). */
 #define FOLD_CASE(R, NT) \
     case NT: fp8_fold_block(j, n, R, NT, xf, tab, o); break;
 #define FOLD_SWITCH(R)                                                                                          \
     switch (nf) {                                                                                               \
-        FOLD_CASE(R, 1) FOLD_CASE(R, 2) FOLD_CASE(R, 3) FOLD_CASE(R, 4) FOLD_CASE(R, 5) FOLD_CASE(R, 6)         \
-        FOLD_CASE(R, 7) default: fp8_fold_block(j, n, R, 8, xf, tab, o); break;                                 \
+        FOLD_CASE(R, 1) FOLD_CASE(R, 2) FOLD_CASE(R, 3) default: fp8_fold_block(j, n, R, 4, xf, tab, o); break; \
     }
 static void fp8_fold_rows(const mm_job *j, int64_t n0, int64_t n1, int64_t t0, int nf, const uint16_t *xf,
                           const int *idx) {
     const __m512i tab[4] = {_mm512_loadu_si512((const void *)fp8_bf16_lo), _mm512_loadu_si512((const void *)(fp8_bf16_lo + 64)),
                             _mm512_loadu_si512((const void *)fp8_bf16_hi), _mm512_loadu_si512((const void *)(fp8_bf16_hi + 64))};
-    const int rows = nf <= 4 ? 4 : 2;
-    float o[64];
+    float o[16];
     for (int64_t n = n0; n < n1;) {
-        const int r = n + rows <= n1 ? rows : 1;
-        if (r == 4) FOLD_SWITCH(4) else if (r == 2) FOLD_SWITCH(2) else FOLD_SWITCH(1)
+        const int r = n + 4 <= n1 ? 4 : 1;
+        if (r == 4) FOLD_SWITCH(4) else FOLD_SWITCH(1)
         for (int i = 0; i < r; i++)
             for (int t = 0; t < nf; t++) put(j, t0 + idx[t], n + i, o[i * nf + t]);
         n += r;
@@ -422,7 +424,9 @@ static int fp8_rows_folded(const mm_job *j, int64_t n0, int64_t n1) {
             const int64_t ne = (nb / FP8_BLOCK + 1) * FP8_BLOCK < n1 ? (nb / FP8_BLOCK + 1) * FP8_BLOCK : n1;
             int idx[PAIR_GROUP];
             const int nf = fold_x(&g, j->s + (nb / FP8_BLOCK) * kb, nt, buf, idx);
-            if (nf) fp8_fold_rows(j, nb, ne, t0, nf, buf, idx);
+            const int h = nf > 4 ? (nf + 1) / 2 : nf; /* 5-8 tokens in two passes (see fp8_fold_rows) */
+            if (h) fp8_fold_rows(j, nb, ne, t0, h, buf, idx);
+            if (nf > h) fp8_fold_rows(j, nb, ne, t0, nf - h, buf + h * j->kp, idx + h);
             for (int t = 0, f = 0; t < nt; t++) { /* the tokens that do not qualify */
                 if (f < nf && idx[f] == t) {
                     f++;

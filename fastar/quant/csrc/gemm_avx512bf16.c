@@ -150,7 +150,7 @@ static int fp4_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t
     const int64_t half = j->K / 2, groups = j->K / FP4_GROUP;
     const int ng = (int)(kc / FP4_GROUP);
     const __m512i tab = _mm512_loadu_si512((const void *)fp4_bf16), lowbyte = _mm512_set1_epi32(0xff);
-    const __m512i mag = _mm512_set1_epi16(0x7fff);
+    const __m512i mag = _mm512_set1_epi16(0x7fff), hiword = _mm512_set1_epi32((int)0xffff0000u);
     __m512i sd[NR / 16]; /* per half: lane i = the scale bytes of row n + 16h + i, byte g = group g */
     int fold = !j->x_tiny && j->K <= FOLD_K_MAX;
     for (int h = 0; h < NR / 16; h++) {
@@ -184,8 +184,11 @@ static int fp4_tile_bf16(const mm_job *j, int64_t n, int nr, int64_t k0, int64_t
         }
         for (int q = 0; q < kc / 8; q++)
             for (int m = 0; m < 4; m++) {
-                const __m512i x = _mm512_and_si512(m ? _mm512_srli_epi32(c[q], 8 * m) : c[q], lowbyte);
-                __m512i v = _mm512_permutexvar_epi16(_mm512_or_si512(x, _mm512_slli_epi32(x, 12)), tab);
+                /* low word: byte m (nibble 2m in its low 4 bits), high word: nibble 2m + 1 at bit 16; one ternlog
+                 * takes the low word from one shift of c and the high from another (vpermw reads 5 bits of each) */
+                const __m512i lo = m ? _mm512_srli_epi32(c[q], 8 * m) : c[q];
+                const __m512i hi = m < 2 ? _mm512_slli_epi32(c[q], 12 - 8 * m) : _mm512_srli_epi32(c[q], 8 * m - 12);
+                __m512i v = _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(hiword, hi, lo, 0xca), tab);
                 if (fold) v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, mag), v, adj[q / 4]);
                 _mm512_store_si512((void *)(wt + (4 * q + m) * NR + 16 * h), v);
             }

@@ -15,7 +15,7 @@ CSRC = "fastar/quant/csrc/"
 COMMON = [
     "bindings.c",
     "bind_ops.c",
-    "blocks.c",
+    "bind_blocks.c",
     "dispatch.c",
     "experts.c",
     "pool.c",

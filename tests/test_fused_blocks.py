@@ -1,4 +1,4 @@
-"""The attention block's fused decode calls (`fastar.model.fused`, C: blocks.c) against the op-by-op path they
+"""The attention block's fused decode calls (`fastar.model.fused`, C: bind_blocks.c) against the op-by-op path they
 replace (`Attention._project` / `_output` with the fused calls off): the same bits, per call and through a model's
 prefill and batched decode steps, under both numerics; and their argument checks. Also the indexer scoring its
 stored keys packed (`Indexer.pick_stored`) against decoding them first."""

@@ -1,5 +1,5 @@
 """The attention block's decode-time work around its products as one C call each (the C extension's
-`attn_project` and `attn_output`, fastar/quant/csrc/blocks.c).
+`attn_project` and `attn_output`, fastar/quant/csrc/bind_blocks.c).
 
 Owns: `FusedAttention`, built once per layer from the `Attention`'s weights: `project` (the query and KV projections
 with their norms, FP8 activation rounding and RoPE) and `output` (inverse RoPE, the bfloat16 input of `wo_a`, the

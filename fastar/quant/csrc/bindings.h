@@ -44,7 +44,7 @@ PyObject *py_compress_pool(PyObject *self, PyObject *args);
 PyObject *py_index_scores(PyObject *self, PyObject *args);
 PyObject *py_index_scores_fp4(PyObject *self, PyObject *args);
 
-/* blocks.c */
+/* bind_blocks.c */
 PyObject *py_attn_project(PyObject *self, PyObject *args);
 PyObject *py_attn_output(PyObject *self, PyObject *args);
 

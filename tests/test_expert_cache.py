@@ -12,6 +12,7 @@ import time
 import numpy as np
 import psutil
 import pytest
+from synth_widths import SMALL
 
 from fastar.bench.cache import simulate
 from fastar.errors import FastarError, FormatError
@@ -20,18 +21,6 @@ from fastar.synth import routing_trace, synth
 from fastar.weights.expert_cache import CacheFullError, ExpertCache
 from fastar.weights.expert_store import POLICIES, LRFUPolicy, LRUPolicy
 
-SMALL = dict(
-    num_attention_heads=4,
-    head_dim=64,
-    qk_rope_head_dim=16,
-    q_lora_rank=64,
-    o_lora_rank=64,
-    o_groups=2,
-    index_n_heads=4,
-    index_head_dim=32,
-    index_topk=4,
-    sliding_window=8,
-)
 TIMEOUT = 20.0
 
 

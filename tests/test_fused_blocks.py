@@ -60,6 +60,18 @@ def test_fused_attention_calls_equal_op_by_op(tiny_fst, numerics):
         assert f.fused.project(x, cos, sin) is None
 
 
+def _prefill_and_decode(m, prompts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], list, list[int]]:
+    """Each prompt prefilled on its own state, then `steps` greedy decode steps of all of them at once
+    (`forward_rows`, the scheduler's path) -> (the logits of every call, the states, the next tokens)."""
+    states = [m.new_state() for _ in prompts]
+    outs = [m.forward(p, s, all_logits=False)[0] for p, s in zip(prompts, states)]
+    ids = [int(o[-1].argmax()) for o in outs]
+    for _ in range(steps):
+        outs.append(m.forward_rows(ids, states))
+        ids = [int(r.argmax()) for r in outs[-1]]
+    return outs, states, ids
+
+
 def test_fused_attention_model_equals_op_by_op(tiny_fst):
     """A prefill and six batched decode steps of two sequences (`forward_rows`, the scheduler's path), and a
     speculative-style 3-token chunk: logits bit for bit with the fused calls on and off."""
@@ -68,13 +80,7 @@ def test_fused_attention_model_equals_op_by_op(tiny_fst):
     prompts = [torch.randint(2, 1024, (n,), generator=g).tolist() for n in (140, 9)]
     logits = {}
     for name, m in (("fused", fused), ("apart", apart)):
-        states = [m.new_state() for _ in prompts]
-        outs = [m.forward(p, s, all_logits=False)[0] for p, s in zip(prompts, states)]
-        ids = [int(o[-1].argmax()) for o in outs]
-        for _ in range(6):
-            step = m.forward_rows(ids, states)
-            outs.append(step)
-            ids = [int(r.argmax()) for r in step]
+        outs, states, ids = _prefill_and_decode(m, prompts, 6)
         outs.append(m.forward(ids + ids[:2], states[0])[0])
         logits[name] = outs
     for a, b in zip(logits["fused"], logits["apart"]):
@@ -136,14 +142,8 @@ def test_indexer_scoring_packed_keys_equals_decoding_them(tiny_fst, monkeypatch)
     prompts = [torch.randint(2, 1024, (n,), generator=g).tolist() for n in (90, 61)]
 
     def run() -> list[torch.Tensor]:
-        states = [m.new_state() for _ in prompts]
-        outs = [m.forward(p, s, all_logits=False)[0] for p, s in zip(prompts, states)]
-        ids = [int(o[-1].argmax()) for o in outs]
-        for _ in range(5):
-            outs.append(m.forward_rows(ids, states))
-            ids = [int(r.argmax()) for r in outs[-1]]
-        outs.append(m.forward_rows(ids[:1], states[:1]))
-        return outs
+        outs, states, ids = _prefill_and_decode(m, prompts, 5)
+        return outs + [m.forward_rows(ids[:1], states[:1])]
 
     calls = []
     real = ops.index_scores_fp4

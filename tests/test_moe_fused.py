@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from synth_widths import SMALL
 
 from fastar.contracts import Unpaged
 from fastar.engine.engine import load
@@ -19,19 +20,6 @@ pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.skipif(not kernels.available(), reason="the fused paths need the C kernels"),
 ]
-
-SMALL = dict(
-    num_attention_heads=4,
-    head_dim=64,
-    qk_rope_head_dim=16,
-    q_lora_rank=64,
-    o_lora_rank=64,
-    o_groups=2,
-    index_n_heads=4,
-    index_head_dim=32,
-    index_topk=4,
-    sliding_window=8,
-)
 
 
 @pytest.fixture(scope="module")

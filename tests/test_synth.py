@@ -7,25 +7,13 @@ import os
 
 import numpy as np
 import pytest
+from synth_widths import SMALL
 
 from fastar.convert.names import expected_tensors, is_routed_expert
 from fastar.format import spec
 from fastar.format.reader import FstFile
 from fastar.quant.reference import bf16_decode, fp4_decode, fp8_block_dequant, ue8m0_decode
 from fastar.synth import flash_ratios, lookahead_trace, routing_trace, synth, synth_config
-
-SMALL = dict(
-    num_attention_heads=4,
-    head_dim=64,
-    qk_rope_head_dim=16,
-    q_lora_rank=64,
-    o_lora_rank=64,
-    o_groups=2,
-    index_n_heads=4,
-    index_head_dim=32,
-    index_topk=4,
-    sliding_window=8,
-)
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ class FusedAttention:
         rank = wo_a.out_features // kw["groups"]
         if wo_a.is_fp8 and rank % 128:
             return None
-        return cls(wq_a_kv, kw.pop("q_lora"), wq_b, wo_a=wo_a, wo_b=wo_b, **kw)
+        return cls(wq_a_kv=wq_a_kv, wq_b=wq_b, wo_a=wo_a, wo_b=wo_b, **kw)
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -519,41 +519,43 @@ fail:
     return NULL;
 }
 
-/* index_scores(q f32 [T, Hi, Di], w f32 [T, Hi], keys f32 [E, Di], p0, scale, out f32 [T, E], bf16=False) -> bool:
- * the lightning indexer's scores of queries at positions p0.. (attn_prefill.c), -inf for entries a query does not
- * see yet; False (out untouched) when the ISA has no kernel for them. bf16: the caller declares q and keys
- * bfloat16 values (FP4-rounded: official numerics), checked (ValueError otherwise); vdpbf16ps runs where the ISA
- * has it. */
-PyObject *py_index_scores(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *oq, *ow, *ok, *oo;
-    Py_ssize_t p0;
-    double scale;
-    int bf16 = 0;
-    if (!PyArg_ParseTuple(args, "OOOndO|p", &oq, &ow, &ok, &p0, &scale, &oo, &bf16)) return NULL;
+/* The lightning indexer's scores of queries at positions p0.. (attn_prefill.c), -inf for entries a query does not see
+ * yet, over keys f32 [E, Di] or (packed) over the keys as the decode state stores them, u8 [E, 17 Di / 32] (FP4 e2m1
+ * codes and UE8M0 block scales: state_rows_decode's "fp4" rows), each decoded inside the kernel exactly as
+ * state_rows_decode would: the same scores without the float32 copy of every key. Returns False (out untouched)
+ * where the ISA has no kernel for them (packed: no vdpbf16ps, or Di not a multiple of 32). bf16: the caller
+ * declares q and keys bfloat16 values (FP4-rounded: official numerics; packed keys are by construction), checked
+ * (ValueError otherwise); vdpbf16ps runs where the ISA has it. */
+static PyObject *index_scores(PyObject *oq, PyObject *ow, PyObject *ok, Py_ssize_t p0, double scale, PyObject *oo,
+                              int bf16, int packed) {
+    const char *name = packed ? "index_scores_fp4" : "index_scores";
     view_t v[4];
     memset(v, 0, sizeof v);
     if (get_view(oq, &v[0], "q", 'f', 3, 0) || get_view(ow, &v[1], "w", 'f', 2, 0) ||
-        get_view(ok, &v[2], "keys", 'f', 2, 0) || get_view(oo, &v[3], "out", 'f', 2, 1))
+        get_view(ok, &v[2], packed ? "rows" : "keys", packed ? 'B' : 'f', 2, 0) || get_view(oo, &v[3], "out", 'f', 2, 1))
         goto fail;
     const int64_t T = dim(&v[0], 0), Hi = dim(&v[0], 1), Di = dim(&v[0], 2), E = dim(&v[2], 0);
-    if (shape_is(&v[1], "w", T, Hi, "[T, Hi] of q") || dim(&v[2], 1) != Di ||
+    const int64_t width = packed ? 17 * Di / 32 : Di; /* a key's stored values */
+    if (shape_is(&v[1], "w", T, Hi, "[T, Hi] of q") || (packed && Di % 32) || dim(&v[2], 1) != width ||
         shape_is(&v[3], "out", T, E, "[T, E]") || p0 < 0) {
         if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "index_scores needs keys [E, %lld] and p0 >= 0; got keys [%lld, %lld], "
-                         "p0=%zd", (long long)Di, (long long)E, (long long)dim(&v[2], 1), p0);
+            PyErr_Format(PyExc_ValueError, "%s needs %s [E, %lld]%s and p0 >= 0; got Di=%lld, %s [%lld, %lld], p0=%zd",
+                         name, packed ? "rows" : "keys", (long long)width,
+                         packed ? " (17 Di / 32, Di a multiple of 32)" : "", (long long)Di, packed ? "rows" : "keys",
+                         (long long)E, (long long)dim(&v[2], 1), p0);
         goto fail;
     }
     if (no_overlap(&v[3], v, 3)) goto fail;
     int rc = 0;
     const isa_ops *isa = cur_isa;
     Py_BEGIN_ALLOW_THREADS
-    index_job j = {.q = v[0].b.buf, .w = v[1].b.buf, .keys = v[2].b.buf, .out = v[3].b.buf, .T = T, .Hi = Hi,
-                   .Di = Di, .E = E, .p0 = p0, .scale = (float)scale, .bf16 = bf16};
+    index_job j = {.q = v[0].b.buf, .w = v[1].b.buf, .keys = packed ? NULL : v[2].b.buf,
+                   .packed = packed ? v[2].b.buf : NULL, .out = v[3].b.buf, .T = T, .Hi = Hi, .Di = Di, .E = E,
+                   .p0 = p0, .scale = (float)scale, .bf16 = bf16};
     if (T > 0 && E > 0) rc = index_scores_run(isa, &j);
     Py_END_ALLOW_THREADS
     if (rc == -2) {
-        PyErr_SetString(PyExc_ValueError, "index_scores: bf16 declared but q or keys are not all bfloat16 values");
+        PyErr_Format(PyExc_ValueError, "%s: bf16 declared but q or keys are not all bfloat16 values", name);
         goto fail;
     }
     if (rc < 0) {
@@ -567,52 +569,26 @@ fail:
     return NULL;
 }
 
+/* index_scores(q f32 [T, Hi, Di], w f32 [T, Hi], keys f32 [E, Di], p0, scale, out f32 [T, E], bf16=False) -> bool */
+PyObject *py_index_scores(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oq, *ow, *ok, *oo;
+    Py_ssize_t p0;
+    double scale;
+    int bf16 = 0;
+    if (!PyArg_ParseTuple(args, "OOOndO|p", &oq, &ow, &ok, &p0, &scale, &oo, &bf16)) return NULL;
+    return index_scores(oq, ow, ok, p0, scale, oo, bf16, 0);
+}
+
 /* index_scores_fp4(q f32 [T, Hi, Di], w f32 [T, Hi], rows u8 [E, 17 Di / 32], p0, scale, out f32 [T, E]) -> bool:
- * index_scores with bf16=True over keys still packed as the decode state stores them (FP4 e2m1 codes and UE8M0 block
- * scales: state_rows_decode's "fp4" rows), each decoded inside the kernel exactly as state_rows_decode would, so
- * the same scores without the float32 copy of every key; False (out untouched) where only the unpacked keys have a
- * kernel (no vdpbf16ps, or Di not a multiple of 32). */
+ * index_scores with bf16=True over packed keys */
 PyObject *py_index_scores_fp4(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *oq, *ow, *ok, *oo;
     Py_ssize_t p0;
     double scale;
     if (!PyArg_ParseTuple(args, "OOOndO", &oq, &ow, &ok, &p0, &scale, &oo)) return NULL;
-    view_t v[4];
-    memset(v, 0, sizeof v);
-    if (get_view(oq, &v[0], "q", 'f', 3, 0) || get_view(ow, &v[1], "w", 'f', 2, 0) ||
-        get_view(ok, &v[2], "rows", 'B', 2, 0) || get_view(oo, &v[3], "out", 'f', 2, 1))
-        goto fail;
-    const int64_t T = dim(&v[0], 0), Hi = dim(&v[0], 1), Di = dim(&v[0], 2), E = dim(&v[2], 0);
-    if (shape_is(&v[1], "w", T, Hi, "[T, Hi] of q") || Di % 32 || dim(&v[2], 1) != 17 * Di / 32 ||
-        shape_is(&v[3], "out", T, E, "[T, E]") || p0 < 0) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "index_scores_fp4 needs q's Di a multiple of 32, rows [E, 17 Di / 32 = %lld] "
-                         "and p0 >= 0; got Di=%lld, rows [%lld, %lld], p0=%zd", (long long)(17 * Di / 32),
-                         (long long)Di, (long long)E, (long long)dim(&v[2], 1), p0);
-        goto fail;
-    }
-    if (no_overlap(&v[3], v, 3)) goto fail;
-    int rc = 0;
-    const isa_ops *isa = cur_isa;
-    Py_BEGIN_ALLOW_THREADS
-    index_job j = {.q = v[0].b.buf, .w = v[1].b.buf, .packed = v[2].b.buf, .out = v[3].b.buf, .T = T, .Hi = Hi,
-                   .Di = Di, .E = E, .p0 = p0, .scale = (float)scale, .bf16 = 1};
-    if (T > 0 && E > 0) rc = index_scores_run(isa, &j);
-    Py_END_ALLOW_THREADS
-    if (rc == -2) {
-        PyErr_SetString(PyExc_ValueError, "index_scores_fp4: q is not all bfloat16 values");
-        goto fail;
-    }
-    if (rc < 0) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    release(v, 4);
-    return PyBool_FromLong(rc == 0);
-fail:
-    release(v, 4);
-    return NULL;
+    return index_scores(oq, ow, ok, p0, scale, oo, 1, 1);
 }
 
 /* index_topk(score f32 [T, E], p0, out i64 [T, k]) -> None: the lightning indexer's picks (attn_prefill.c): for

@@ -78,7 +78,7 @@ step "5. the first request after a cold restart against a warm one (fastar serve
 run first python scripts/first_request.py "$FST" --prompt 64 --tokens 16 --json
 
 step "6. a lone sampled request with and without drafting (replayed drafts, speculative sampling)"
-python scripts/sampled_draft.py "$FST" --tokens 24 --repeats 3 --temperature 0.01 >"$OUT/sampled.txt" 2>"$OUT/sampled.log" \
+python scripts/sampled_draft.py "$FST" --tokens 24 --repeats 3 --temperature 0.001 >"$OUT/sampled.txt" 2>"$OUT/sampled.log" \
     || { tail -20 "$OUT/sampled.log" >&2; die "scripts/sampled_draft.py failed"; }
 
 step "summary"

@@ -11,10 +11,11 @@ nested in it, so the categories and the remainder add up to the step exactly:
 - C kernels, by what they compute: FP8 products (with the MoE's shared expert, one C call with its SwiGLU and
   rounding: `fastar.model.moe_fused`), BF16 products (LM head, routers, compressors), FP4 routed experts,
   attention, the indexer's scores and top-k, compressor pooling, mHC, norms, other row ops (RoPE, activation
-  quantization, SwiGLU), KV-state row packing, and the attention block's fused decode calls (its four FP8
+  quantization, SwiGLU), KV-state row packing, the router's weights after its top-k (`fastar.model.route_fused`),
+  and the attention block's fused decode calls (its four FP8
   products with the norms, RoPE and rounding between them: `fastar.model.fused`);
-- torch ops: routing/top-k (`MoE.route` less its router product) and sampling (`Sampler`, less nothing: it is
-  all torch and numpy);
+- torch ops: routing/top-k (`MoE.route`, or `MoE.route_c` where the C router applies, less its C calls) and
+  sampling (`Sampler`, less nothing: it is all torch and numpy);
 - waiting for expert reads (a model paged from disk): the time the MoE waited for routed experts still being read
   (the expert cache's stall counter over the step), taken out of the MoE's bookkeeping below: I/O, not glue;
 - outside kernels: what is left, i.e. Python and small torch ops between the kernels, split by where it runs: the
@@ -77,6 +78,7 @@ C_CATEGORIES = {
     "attn_project": FUSED_ATTENTION,
     "attn_output": FUSED_ATTENTION,
     "shared_ffn": "FP8 products",  # the MoE's shared expert in one call (`fastar.model.moe_fused`): two FP8 products
+    "route_weights": "routing weights",  # the router after its top-k in one call (`fastar.model.route_fused`)
 }
 TORCH_CATEGORIES = ("routing/top-k", "sampling")
 STALL = "waiting for expert reads"  # the MoE's waits for routed experts still being read from disk (paged models)
@@ -201,8 +203,9 @@ class _Instrumented:
 
         for b in self.model.layers:
             ffn, attn = b.ffn, b.attn
-            self._saved.append((ffn, "route"))
-            ffn.route = self._route(clock.wrap("routing/top-k", ffn.route))
+            for name in ("route", "route_c"):  # the torch router, and the C one where it applies
+                self._saved.append((ffn, name))
+                setattr(ffn, name, self._route(clock.wrap("routing/top-k", getattr(ffn, name))))
             wrap(attn, "rows", "attention (rest)")
             wrap(attn, "_project", "attention q/kv projections")
             wrap(attn, "_attend", "attention core")
@@ -226,10 +229,10 @@ class _Instrumented:
 
     def _route(self, route):
         def routed(x, ids):
-            idx, wts = route(x, ids)
-            if self.clock.timing():
-                self.experts[-1] += len(set(idx.reshape(-1).tolist()))
-            return idx, wts
+            got = route(x, ids)  # (expert ids, weights): tensors or numpy arrays; None where `route_c` does not apply
+            if got is not None and self.clock.timing():
+                self.experts[-1] += len(set(got[0].reshape(-1).tolist()))
+            return got
 
         return routed
 

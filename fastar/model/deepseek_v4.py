@@ -35,7 +35,7 @@ from ..contracts import ExpertProvider, WeightSource
 from ..errors import FastarError
 from ..quant.kernels import available as _kernels_built
 from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_ffn
-from . import moe_fused, ops
+from . import moe_fused, ops, route_fused
 from .fused import FusedAttention
 from .state import LayerState, ModelState, RowBuffer, StateFormat
 
@@ -556,6 +556,14 @@ class MoE:
         # applies, as `experts_ffn` decides (the C build; an activation hook only with DeepSeek's routing order)
         self.fused = kernels and _kernels_built() and (not numerics.fp8_activations or numerics.official_routing)
         self.shared_fused = moe_fused.SharedExpert.build(self.shared_up, self.shared[2], self.limit, self.act_block)
+        # the router after its product as one C call (`route_fused`; None: `route` in torch), with the fused experts
+        self.router = (
+            route_fused.FusedRouter.build(
+                self.gate, self.bias, self.tid2eid, self.topk, self.scale, numerics.official_routing
+            )
+            if self.fused
+            else None
+        )
 
     def guess(self, x: torch.Tensor) -> list[int]:
         """This layer's likely experts for x (its router on another layer's input): lookahead prefetch."""
@@ -577,14 +585,21 @@ class MoE:
             total += 1e-20
         return idx, wts.div_(total).mul_(self.scale)  # in place: two tensors fewer per layer at decode
 
+    def route_c(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+        """`route` as numpy arrays through `route_fused` (the same bits), or None where it does not apply."""
+        return None if self.router is None else self.router(x, ids)
+
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        idx, wts = self.route(x, ids)
+        fused = self.fused and self.offload is None and x.dtype is torch.float32 and x.is_cpu and x.is_contiguous()
+        routes = self.route_c(x, ids) if fused else None  # numpy (ids, weights): `moe_fused.routed_sum` takes them
+        idx, wts = routes if routes is not None else self.route(x, ids)
         if self.lookahead is not None:  # guess the next layer's experts now, so their reads overlap this layer
             self.lookahead(x)
         if self.offload is not None:  # split between the device and the CPU, summed in expert-id order
             return self.offload(self, x, idx, wts) + self._shared(x)
-        if self.fused and x.dtype is torch.float32 and x.is_cpu and x.is_contiguous():  # `moe_fused`: same bits
-            out = moe_fused.routed_sum(x, idx.numpy(), wts, self.experts, self.layer, self.limit, self.act_block)
+        if fused:  # `moe_fused`: the same bits
+            routed = idx if routes is not None else idx.numpy()
+            out = moe_fused.routed_sum(x, routed, wts, self.experts, self.layer, self.limit, self.act_block)
             return self._shared(x, out)
         return self.routed_reference(x, idx, wts).add_(self._shared(x))
 

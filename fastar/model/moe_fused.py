@@ -47,15 +47,16 @@ SMALL_ROUTES = 64  # routes (tokens x k) up to which `routed_sum` groups them in
 def routed_sum(
     x: torch.Tensor,
     routed: np.ndarray,
-    wts: torch.Tensor,
+    wts: torch.Tensor | np.ndarray,
     experts: ExpertProvider,
     layer: int,
     limit: float,
     act_block: int,
 ) -> np.ndarray:
     """The routed experts' sum [T, D] (numpy) for x [T, D] (float32, CPU, contiguous), routed [T, k] expert ids and wts
-    [T, k] routing weights (float32), with the fused kernel (`kernels.extension` must be built; `act_block`: the
-    FP8 activation block of the official numerics, 0 for none; the routing weight is applied before w2).
+    [T, k] routing weights (float32, a tensor or numpy), with the fused kernel (`kernels.extension` must be built;
+    `act_block`: the FP8 activation block of the official numerics, 0 for none; the routing weight is applied before
+    w2).
 
     Routes are grouped by expert in ascending id order (`np.unique`'s, the MoE's `wanted` order) and within an
     expert in row-major (token, slot) order (`np.nonzero`'s). When the provider's first batch holds every expert,
@@ -66,12 +67,13 @@ def routed_sum(
     path's `index_add_`s."""
     ext = kernels.extension
     T, k = routed.shape
+    wn = wts if isinstance(wts, np.ndarray) else wts.numpy()  # `route_fused` gives numpy, `MoE.route` a tensor
     one = routed[0].tolist() if T == 1 else None
     if one is not None and len(set(one)) == k:  # a decode row, k distinct experts: in Python, on k numbers
         at = sorted(range(k), key=one.__getitem__)  # its slots by expert id
         wanted = [one[j] for j in at]
         rows, offsets = _one_token(k)
-        rw = wts.numpy()[0, at]
+        rw = wn[0, at]
     elif T * k <= SMALL_ROUTES:  # a decode step's rows: grouped in Python, a few numpy calls fewer
         flat = routed.reshape(-1).tolist()
         at = sorted(range(len(flat)), key=flat.__getitem__)  # stable, as argsort(kind="stable") below
@@ -82,7 +84,7 @@ def routed_sum(
                 starts.append(j)
         offsets = np.array([*starts, len(at)], np.int64)
         rows = np.array([a // k for a in at], np.int64)
-        rw = wts.numpy().reshape(-1)[at]
+        rw = wn.reshape(-1)[at]
     else:
         flat = routed.reshape(-1)
         at = flat.argsort(kind="stable")  # the routes by expert, each expert's in row-major order
@@ -91,7 +93,7 @@ def routed_sum(
         wanted = by_expert[starts].tolist()
         offsets = np.append(starts, len(flat))
         rows = at // k  # each route's token
-        rw = np.ascontiguousarray(wts.numpy().reshape(-1)[at])  # each route's weight
+        rw = np.ascontiguousarray(wn.reshape(-1)[at])  # each route's weight
     xn = x.numpy()
     out = np.zeros((T, xn.shape[1]), np.float32)
     scratch = xr = pos = None

@@ -49,6 +49,12 @@ def torch_only():
 # --- norms and activations ----------------------------------------------------------------------------------
 
 
+def c_enabled() -> bool:
+    """Whether this thread's ops take their C paths: the extension is built and no `torch_only()` scope is open here
+    (what `c_arrays` checks first, for a caller that hands the C calls arrays of its own)."""
+    return _C is not None and not (_open_scopes[0] and getattr(_scope, "torch_only", False))
+
+
 def c_arrays(*ts: torch.Tensor) -> list | None:
     """Row-major numpy views of the tensors for the C extension (a copy only where one is not contiguous), or None
     when it cannot take them (not built; not float32 on the CPU; autograd; empty). The C calls reshape on the numpy

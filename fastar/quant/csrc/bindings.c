@@ -678,6 +678,9 @@ static PyMethodDef methods[] = {
     {"attn_output", py_attn_output, METH_VARARGS,
      "attn_output(o, cos, sin, heads, bf16_input, w_a, s_a, groups, act_block, w_b, s_b, out): the attention "
      "block's output at decode, one call"},
+    {"route_weights", (PyCFunction)(void (*)(void))py_route_weights, METH_VARARGS | METH_KEYWORDS,
+     "route_weights(scores f32[T,E], idx i64[T,k], eps, scale, out f32[T,k], ids i64[T]=None, table i64[V,k]=None): "
+     "the MoE router's weights of its picks (with ids and table: idx = table[ids] first)"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"keep_freed_memory", py_keep_freed_memory, METH_NOARGS, "keep_freed_memory() -> bool: malloc reuses freed blocks"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},

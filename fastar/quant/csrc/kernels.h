@@ -218,6 +218,13 @@ void swiglu_rows(const float *gate, const float *up, float *y, int64_t n, float 
 void hadamard_rows(const float *x, float *y, int64_t R, int64_t n, float scale);
 void fp4_quant_rows(const float *x, float *y, int64_t R, int64_t K, int64_t block);
 
+/* The MoE router's weights (route.c): out [T, k] = the scores [T, E] at the picked experts idx [T, k]
+ * (k <= ROUTE_MAX_K), each divided by its row's total (summed in torch's order for a short row; plus eps where
+ * eps != 0) and times scale. 0, or 1 + the position in idx of an expert id outside [0, E). */
+#define ROUTE_MAX_K 7
+int route_weights_rows(const float *scores, int64_t T, int64_t E, const int64_t *idx, int64_t k, float eps, float scale,
+                       float *out);
+
 /* mHC (mhc.c); arrays float32, row-major, checked by the caller; the SIMD variant follows isa.
  * hc_pre_run: streams x [T, n*d] and fn [R, n*d] (R = (2+n)*n, or n for the head) -> u [T, d], post [T, n] and
  * comb [T, n*n] (these two not for the head); base [R], scale [3] ([1] for the head). Returns 0, -1 for out of

@@ -1,0 +1,84 @@
+"""The MoE router in fewer torch ops: `deepseek_v4.MoE.route`'s numbers bit for bit, as numpy arrays.
+
+A decode step routes once per layer, and on a step that streams gigabytes of weights every op between the kernels
+runs from cold caches (a torch op then costs tens of microseconds, not one or two). The reference `MoE.route` runs
+eight torch ops after the router's product; here the scores' transcendental functions and the top-k stay torch's
+(their bits and the order of the picks are torch's own), and what follows them (the hash table's lookup, the
+gather of the picked scores, their total, the division and the scaling) is one C call (`route_weights`,
+fastar/quant/csrc/route.c) doing the same float32 operations in the same order.
+
+Owns: `FusedRouter`, built once per MoE layer over its router weights.
+Does not own: the routing math and its reference (`deepseek_v4.MoE.route`, tests/test_route_fused.py compares
+the two), the scores (`moe_fused.router_scores`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from ..quant import kernels
+from ..quant.linear import Linear
+from . import moe_fused, ops
+
+MAX_K = 7  # route.c's ROUTE_MAX_K: torch sums rows shorter than 8 values in the order route.c reproduces
+
+
+@functools.cache
+def torch_sums_as_route_c(k: int) -> bool:
+    """Whether this torch sums a row of k float32 values (`sum(dim=-1)` of a [T, k] tensor) in the order route.c
+    follows: checked once per k on random rows against the C call, whose weights differ in their last bits from
+    torch's wherever the order differs (a torch whose reduction changed then keeps the reference path)."""
+    if kernels.extension is None or not 1 <= k <= MAX_K:
+        return False
+    g = torch.Generator().manual_seed(k)
+    scores = (torch.rand(256, 4 * k, generator=g) * torch.exp(torch.randn(256, 4 * k, generator=g) * 4)).contiguous()
+    idx = torch.stack([torch.randperm(4 * k, generator=g)[:k] for _ in range(256)])
+    w = scores.gather(1, idx)
+    want = w.div_(w.sum(dim=-1, keepdim=True)).mul_(1.5)
+    got = np.empty((256, k), np.float32)
+    kernels.extension.route_weights(scores.numpy(), idx.numpy(), 0.0, 1.5, got)
+    return bool(np.array_equal(got.view(np.int32), want.numpy().view(np.int32)))
+
+
+class FusedRouter:
+    """A MoE layer's router (`MoE.route`) with its weights bound once: -> (expert ids [T, k] int64, routing weights
+    [T, k] float32) as numpy arrays, the bits `MoE.route` returns as tensors."""
+
+    def __init__(
+        self, gate: Linear, bias: torch.Tensor | None, table: torch.Tensor | None, k: int, scale: float, eps: float
+    ) -> None:
+        self.gate, self.bias, self.k, self.scale, self.eps = gate, bias, k, float(scale), float(eps)
+        self.table = None if table is None else np.ascontiguousarray(table.numpy(), np.int64)  # [V, k]
+
+    @classmethod
+    def build(
+        cls, gate: Linear, bias: torch.Tensor | None, table: torch.Tensor | None, k: int, scale: float, official: bool
+    ) -> FusedRouter | None:
+        """Over a layer's router (`bias` for a scored layer, `table` [V, k] for a hash-routed one), or None where the
+        C call does not give the reference's bits (no build, k past `MAX_K` or torch summing otherwise) or the
+        weights are not on the CPU. `official`: DeepSeek's routing (no 1e-20 added to the total)."""
+        on_cpu = all(t is None or t.is_cpu for t in (bias, table))
+        if not (on_cpu and gate.kernel_operands() is not None and torch_sums_as_route_c(k)):
+            return None
+        return cls(gate, bias, table, k, scale, 0.0 if official else 1e-20)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+        """`MoE.route(x, ids)` for x [T, d] (float32, CPU) and the tokens ids [T], as numpy arrays; None where the
+        ops would take their torch paths (`ops.c_arrays` decides), the caller then routes in torch."""
+        if not ops.c_enabled() or x.dtype is not torch.float32 or not x.is_cpu:
+            return None
+        scores = moe_fused.router_scores(self.gate(x))  # [T, E]: torch's softplus and sqrt, as the reference
+        T = x.shape[0]
+        wts = np.empty((T, self.k), np.float32)
+        ext = kernels.extension
+        if self.table is not None:
+            idx = np.empty((T, self.k), np.int64)
+            tok = np.ascontiguousarray(ids.numpy(), np.int64)
+            ext.route_weights(scores.numpy(), idx, self.eps, self.scale, wts, tok, self.table)
+        else:  # the bias is for the selection only, as in the reference
+            idx = torch.topk(scores + self.bias, self.k, dim=-1, sorted=False).indices.numpy()
+            ext.route_weights(scores.numpy(), idx, self.eps, self.scale, wts)
+        return idx, wts

@@ -1,0 +1,128 @@
+"""The MoE router's C path (`fastar.model.route_fused`, C: route.c / bind_route.c) against `deepseek_v4.MoE.route`,
+bit for bit: hash-routed and scored layers, both numerics, 1 to 16 rows, router widths that are and are not
+multiples of 64; whole decode steps with it against the torch router, and batched rows against solo decode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from synth_widths import SMALL
+
+from fastar.engine.engine import load
+from fastar.model import route_fused
+from fastar.quant import kernels
+from fastar.synth import synth
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(not kernels.available(), reason="the C router needs the C kernels"),
+]
+
+
+@pytest.fixture(scope="module", params=[8, 64], ids=["E8", "E64"])
+def model_path(request, tmp_path_factory):
+    """5 layers (3 hash-routed) of E experts, top-6: E = 64 takes `router_scores`' one-call path, E = 8 its
+    token-by-token one."""
+    return synth(
+        tmp_path_factory.mktemp("fst") / f"route{request.param}.fst",
+        layers=5,
+        experts=request.param,
+        vocab=512,
+        hidden=128,
+        inter=64,
+        **SMALL,
+    )
+
+
+def _inputs(d: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g) * torch.exp(torch.randn(T, 1, generator=g))  # rows of different scales
+    return x, torch.randint(0, 512, (T,), generator=g)
+
+
+@pytest.mark.parametrize("numerics", ["official", "reference"])
+def test_route_c_equals_route(model_path, numerics):
+    """`MoE.route_c` gives the expert ids and the weights' bits `MoE.route` gives, on every layer, for 1 to 16 rows
+    and many inputs."""
+    with load(model_path, numerics=numerics, ram_budget=None) as eng:
+        kinds = set()
+        for moe in (b.ffn for b in eng.model.layers):
+            assert moe.router is not None
+            kinds.add(moe.is_hash)
+            for T in (1, 2, 3, 4, 5, 6, 7, 8, 16):
+                for seed in range(6):
+                    x, ids = _inputs(moe.gate.in_features, T, seed=100 * T + seed + 7 * moe.layer)
+                    want_idx, want = moe.route(x, ids)
+                    idx, got = moe.route_c(x, ids)
+                    assert idx.dtype == np.int64 and got.dtype == np.float32
+                    assert np.array_equal(idx, want_idx.numpy()), (moe.layer, T, seed)
+                    assert np.array_equal(got.view(np.int32), want.numpy().view(np.int32)), (moe.layer, T, seed)
+        assert kinds == {True, False}  # hash-routed and scored layers both checked
+
+
+def _decode(eng, prompts: list[list[int]], n: int, batched: bool) -> list[torch.Tensor]:
+    """Greedy decode of each prompt, the rows stepped together (`forward_rows`) or each alone: the logits."""
+    states = [eng.new_state() for _ in prompts]
+    last = [eng.prefill(p, s)[-1] for p, s in zip(prompts, states)]
+    out = [torch.stack(last)]
+    for _ in range(n):
+        toks = [int(row.argmax()) for row in out[-1]]
+        if batched:
+            out.append(eng.model.forward_rows(toks, states).clone())
+        else:
+            out.append(torch.cat([eng.model.forward_rows([t], [s]).clone() for t, s in zip(toks, states)]))
+    return out
+
+
+@pytest.mark.parametrize("numerics", ["official", "reference"])
+def test_decode_with_the_c_router_equals_the_torch_router(model_path, numerics):
+    """Decode steps of 1 to 8 rows with the C router give the logits the torch router gives, and (official numerics)
+    each batched row equals that sequence decoded alone (batch invariance)."""
+    prompts = [[5 + 7 * r, 17, 300 - r, 41, 9 + r][: 2 + r % 4] for r in range(8)]
+    with load(model_path, numerics=numerics, ram_budget=None) as ref:
+        for b in ref.model.layers:
+            b.ffn.router = None
+        want = {R: _decode(ref, prompts[:R], 4, batched=True) for R in (1, 3, 8)}
+    with load(model_path, numerics=numerics, ram_budget=None) as eng:
+        assert all(b.ffn.router is not None for b in eng.model.layers)
+        for R in (1, 3, 8):
+            got = _decode(eng, prompts[:R], 4, batched=True)
+            for g, w in zip(got, want[R]):
+                assert torch.equal(g, w), R
+        if numerics == "official":  # in `reference` numerics these rows differ from solo with the torch router too
+            solo = _decode(eng, prompts, 4, batched=False)
+            for g, w in zip(solo, want[8]):
+                assert torch.equal(g, w)
+
+
+def test_torch_sums_short_rows_as_route_c():
+    """On this torch the C weights take effect for every top-k up to `MAX_K` (Flash's is 6), and not past it."""
+    assert all(route_fused.torch_sums_as_route_c(k) for k in range(1, route_fused.MAX_K + 1))
+    assert not route_fused.torch_sums_as_route_c(route_fused.MAX_K + 1)
+
+
+def test_route_weights_refuses_bad_inputs():
+    ext = kernels.extension
+    scores = np.ones((2, 8), np.float32)
+    idx = np.zeros((2, 3), np.int64)
+    out = np.empty((2, 3), np.float32)
+    ext.route_weights(scores, idx, 0.0, 1.0, out)
+    assert np.array_equal(out, np.full((2, 3), np.float32(1 / 3)))
+    with pytest.raises(ValueError, match=r"idx\[1, 2\] = 8 is not an expert"):
+        ext.route_weights(scores, np.array([[0, 1, 2], [3, 4, 8]], np.int64), 0.0, 1.0, out)
+    with pytest.raises(ValueError, match="expected 1 to 7"):
+        ext.route_weights(
+            np.ones((2, 16), np.float32), np.zeros((2, 8), np.int64), 0.0, 1.0, np.empty((2, 8), np.float32)
+        )
+    with pytest.raises(ValueError, match="out"):
+        ext.route_weights(scores, idx, 0.0, 1.0, np.empty((2, 4), np.float32))
+    with pytest.raises(TypeError, match="idx"):
+        ext.route_weights(scores, idx.astype(np.int32), 0.0, 1.0, out)
+    table = np.arange(30, dtype=np.int64).reshape(10, 3) % 8
+    ext.route_weights(scores, idx, 0.0, 1.0, out, np.array([2, 9], np.int64), table)
+    assert np.array_equal(idx, table[[2, 9]])
+    with pytest.raises(ValueError, match=r"ids\[1\] = 10 is outside the table's 10 tokens"):
+        ext.route_weights(scores, idx, 0.0, 1.0, out, np.array([2, 10], np.int64), table)
+    with pytest.raises(ValueError, match="both"):
+        ext.route_weights(scores, idx, 0.0, 1.0, out, np.array([2, 9], np.int64))

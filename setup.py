@@ -17,6 +17,7 @@ COMMON = [
     "bind_ops.c",
     "bind_blocks.c",
     "bind_route.c",
+    "bind_compress.c",
     "dispatch.c",
     "experts.c",
     "pool.c",

@@ -10,19 +10,19 @@ nested in it, so the categories and the remainder add up to the step exactly:
 
 - C kernels, by what they compute: FP8 products (with the MoE's shared expert, one C call with its SwiGLU and
   rounding: `fastar.model.moe_fused`), BF16 products (LM head, routers, compressors), FP4 routed experts,
-  attention, the indexer's scores and top-k, compressor pooling, mHC, norms, other row ops (RoPE, activation
-  quantization, SwiGLU), KV-state row packing, the router's weights after its top-k (`fastar.model.route_fused`),
-  and the attention block's fused decode calls (its four FP8
-  products with the norms, RoPE and rounding between them: `fastar.model.fused`);
+  attention, the indexer's scores and top-k, compressor pooling (at decode a row's whole compressor step, one call:
+  `fastar.model.compress_fused`), mHC, norms, other row ops (RoPE, activation quantization, SwiGLU), KV-state row
+  packing, the router's weights after its top-k (`fastar.model.route_fused`), and the attention block's fused decode
+  calls (its four FP8 products with the norms, RoPE and rounding between them: `fastar.model.fused`);
 - torch ops: routing/top-k (`MoE.route`, or `MoE.route_c` where the C router applies, less its C calls) and
   sampling (`Sampler`, less nothing: it is all torch and numpy);
 - waiting for expert reads (a model paged from disk): the time the MoE waited for routed experts still being read
   (the expert cache's stall counter over the step), taken out of the MoE's bookkeeping below: I/O, not glue;
 - outside kernels: what is left, i.e. Python and small torch ops between the kernels, split by where it runs: the
   attention block's query/KV projections (`Attention._project`), its compressors and indexer
-  (`Attention._compress_project`, `Compressor.add`, the indexer's queries), its attention core (`Attention._attend`:
-  window and entry rows, the C call's arguments), its output (`Attention._output`) and the rest of
-  `Attention.rows` (per-row state bookkeeping); the MoE block's shared expert (`MoE._shared`) and the rest of
+  (`Attention._compress_project`, `Compressor.add`, their fused decode calls, the indexer's queries), its attention
+  core (`Attention._attend`: window and entry rows, the C call's arguments), its output (`Attention._output`) and the
+  rest of `Attention.rows` (per-row state bookkeeping); the MoE block's shared expert (`MoE._shared`) and the rest of
   `MoE.__call__` (expert lookup, routing bookkeeping); the mHC wrappers (`HyperConnection.pre` / `post`); and the
   step itself (the layer loop, the embedding, the norm wrappers, the head's wrapper, the states' lengths and trims).
 
@@ -66,6 +66,7 @@ C_CATEGORIES = {
     "index_scores": "indexer scores/top-k",
     "index_topk": "indexer scores/top-k",
     "compress_pool": "compressor pooling",
+    "compress_row": "compressor pooling",  # a decode row's whole compressor step (`fastar.model.compress_fused`)
     "hc_pre": "mHC",
     "hc_post": "mHC",
     "sinkhorn": "mHC",
@@ -212,6 +213,9 @@ class _Instrumented:
             wrap(attn, "_output", "attention output")
             if attn.compressors:
                 wrap(attn, "_compress_project", "compressors and indexer")
+            if attn.comp_fused is not None:
+                wrap(attn.comp_fused, "project", "compressors and indexer")
+                wrap(attn.comp_fused, "add", "compressors and indexer")
             for c in attn.compressors:
                 wrap(c, "add", "compressors and indexer")
             if attn.indexer is not None:

@@ -36,6 +36,7 @@ from ..errors import FastarError
 from ..quant.kernels import available as _kernels_built
 from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_ffn
 from . import moe_fused, ops, route_fused
+from .compress_fused import FusedCompressors
 from .fused import FusedAttention
 from .state import LayerState, ModelState, RowBuffer, StateFormat
 
@@ -386,6 +387,11 @@ class Attention:
             if self.compressors
             else None
         )
+        # at decode, each row's compressor work in one C call per compressor (the same bits as `Compressor.add`)
+        own = (self.compressor, ("comp_kv", "comp_gate", "entries"), "fp8_nope" if numerics.fp8_kv else None, self.rope)
+        rot = "fp4_rotate" if numerics.fp4_indexer else None
+        idx = (self.indexer and self.indexer.compressor, ("idx_kv", "idx_gate", "idx_entries"), rot, 0)
+        self.comp_fused = FusedCompressors.build(self.comp_stack, [c for c in (own, idx) if c[0] is not None])
 
     def _fp8_nope(self, kv: torch.Tensor) -> torch.Tensor:
         """QAT simulation of DeepSeek's FP8 KV cache: the non-RoPE dims, blocks of 64."""
@@ -454,26 +460,30 @@ class Attention:
         cos, sin = cos_sin
         q, qr, kv = self._project(x, cos, sin)
         # the compressors' and the indexer's products on all the rows too (each row as if alone); the state updates
-        # row by row below
+        # row by row: one C call per row and compressor (`FusedCompressors`, the same bits), else below
+        fused = self.comp_fused and self.comp_fused.project(x)
         ckv = cgate = ikv = igate = iq = iw = None
-        if self.ratio:
-            at = torch.tensor(pos)
-            projected = self._compress_project(x, at)
+        if self.ratio and fused is None:
+            projected = self._compress_project(x, torch.tensor(pos))
             ckv, cgate = projected[0]
-        if self.indexer is not None:
-            ikv, igate = projected[1]
-            if any(self.indexer.scores(p + 1) for p in pos):
-                iq, iw = self.indexer.queries(x, qr, at, (cos, sin))  # the indexer's frequencies are the layer's
+            if self.indexer is not None:
+                ikv, igate = projected[1]
+        if self.indexer is not None and any(self.indexer.scores(p + 1) for p in pos):
+            iq, iw = self.indexer.queries(x, qr, torch.tensor(pos), (cos, sin))  # the layer's frequencies
         out = []
         for b, (p0, state) in enumerate(zip(pos, states)):
             state.kv.append(kv[b : b + 1])
             scoring = None
             if self.ratio:
                 one = slice(b, b + 1)
-                self.compressor.add(ckv[one], cgate[one], p0, state.comp_kv, state.comp_gate, state.entries)
+                if fused is not None:
+                    self.comp_fused.add(fused, b, p0, state, self.angles)
+                else:
+                    self.compressor.add(ckv[one], cgate[one], p0, state.comp_kv, state.comp_gate, state.entries)
                 if self.indexer is not None:
-                    idx = self.indexer.compressor
-                    idx.add(ikv[one], igate[one], p0, state.idx_kv, state.idx_gate, state.idx_entries)
+                    if fused is None:
+                        idx = self.indexer.compressor
+                        idx.add(ikv[one], igate[one], p0, state.idx_kv, state.idx_gate, state.idx_entries)
                     scoring = (iq[one], iw[one]) if self.indexer.scores(p0 + 1) else None
             out.append(self._attend(q[b : b + 1], slice(0, 1), p0, state, scoring))
         return self._output(torch.cat(out) if len(out) > 1 else out[0], cos, sin)

@@ -121,11 +121,12 @@ class RowFormat:
                 _C.state_rows_encode(x.contiguous().numpy(), 0 if self.kind == "fp8" else 1, self.rope, raw.numpy())
                 >= 0
             ):
-                raise StateError(self._misfit())
+                raise StateError(self.misfit())
             return raw
         return self.encode_torch(x)
 
-    def _misfit(self) -> str:
+    def misfit(self) -> str:
+        """The error of rows this format cannot hold exactly."""
         return f"rows do not fit the {self.kind} state format exactly (numerics that do not round them)"
 
     def encode_torch(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +161,7 @@ class RowFormat:
         raw = torch.cat(parts, dim=1)
         back = self.decode_torch(raw)
         if not ((back.view(torch.int32) == x.view(torch.int32)) | back.isnan()).all():
-            raise StateError(self._misfit())
+            raise StateError(self.misfit())
         return raw
 
     def decode(self, raw: torch.Tensor) -> torch.Tensor:
@@ -248,14 +249,26 @@ class RowBuffer:
         """Append rows [k, width] at the end (amortised: capacity doubles)."""
         enc = self.fmt.encode(rows)
         k = enc.shape[0]
+        self._room(k)
+        self._data[self._n : self._n + k] = enc
+        self._n += k
+
+    def grow(self, k: int) -> torch.Tensor:
+        """Count k more rows at the end that the caller writes in place, as stored rows (`append` without the rows:
+        a C call fills them, `fastar.model.compress_fused`) -> the storage [capacity, fmt.stored_width] (a view; the
+        new rows are its rows stop - start - k .. stop - start). `truncate` takes back rows never written."""
+        self._room(k)
+        self._n += k
+        return self._data
+
+    def _room(self, k: int) -> None:
+        """Capacity for k more rows (amortised: it doubles)."""
         if self._n + k > self._data.shape[0]:
             grown = torch.empty(
                 max(2 * self._data.shape[0], self._n + k, 16), self.fmt.stored_width, dtype=self.fmt.dtype
             )
             grown[: self._n] = self._data[: self._n]
             self._data = grown
-        self._data[self._n : self._n + k] = enc
-        self._n += k
 
     def rows(self, a: int, b: int) -> torch.Tensor:
         """Rows with absolute index in [a, b) (float32 rows a view: callers must not write to it)."""

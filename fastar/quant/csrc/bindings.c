@@ -681,6 +681,9 @@ static PyMethodDef methods[] = {
     {"route_weights", (PyCFunction)(void (*)(void))py_route_weights, METH_VARARGS | METH_KEYWORDS,
      "route_weights(scores f32[T,E], idx i64[T,k], eps, scale, out f32[T,k], ids i64[T]=None, table i64[V,k]=None): "
      "the MoE router's weights of its picks (with ids and table: idx = table[ids] first)"},
+    {"compress_row", py_compress_row, METH_VARARGS,
+     "compress_row(y, t, off, kv_rows, gate_rows, row, ape, pos, norm, eps, quant, rope, cos, sin, out, out_row, "
+     "out_kind) -> bool: a compressor's decode step on one token (its rows stored; a closed window's entry too)"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"keep_freed_memory", py_keep_freed_memory, METH_NOARGS, "keep_freed_memory() -> bool: malloc reuses freed blocks"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},

@@ -51,4 +51,7 @@ PyObject *py_attn_output(PyObject *self, PyObject *args);
 /* bind_route.c */
 PyObject *py_route_weights(PyObject *self, PyObject *args, PyObject *kw);
 
+/* bind_compress.c */
+PyObject *py_compress_row(PyObject *self, PyObject *args);
+
 #endif

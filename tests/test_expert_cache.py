@@ -675,3 +675,31 @@ def test_claiming_a_starved_scan_prefetch_wakes_the_loader(fst):
 
         threading.Thread(target=claim, daemon=True).start()
         assert done.wait(TIMEOUT) and sorted(got) == [0, 1, 2, 3]
+
+
+def test_each_batch_of_a_layer_all_in_a_budget_that_holds_the_bank(fst):
+    """With the budget holding every record and a layer all in, `each_batch` hands out that layer's experts in one
+    list without pins, counting the hits and the prefetches' first uses exactly as the pinned path does on a budget
+    one record short of the bank; bad ids are refused the same."""
+    bank = fst.bank["slots"] * fst.bank["experts"]
+    calls = [(2, [5, 1, 5, 7]), (2, [5, 0]), (3, [2]), (2, list(range(8)))]
+    seen = {}
+    for slots in (bank, bank - 1):
+        with ExpertCache(fst, slots * fst.expert_stride) as c:
+            assert c.prefetch(2, range(8), source="hash") == 8 and c.wait_idle(TIMEOUT)
+            c.acquire(3, range(8)).release()
+            before = c.stats()
+            got = []
+            for layer, ids in calls:
+                for batch in c.each_batch(layer, ids):
+                    assert all(same(w, fst.expert(layer, e)) for e, w in batch)
+                    got.append([e for e, _ in batch])
+                    if slots == bank:
+                        assert c.stats()["pinned"] == 0  # nothing can be evicted: no pins
+            after = c.stats()
+            assert after["pinned"] == 0 and after["misses"] == before["misses"]
+            seen[slots] = (got, after["hits"] - before["hits"], after["sources"]["hash"]["used"])
+            with pytest.raises(ValueError, match="no expert"):
+                list(c.each_batch(2, [8]))
+    assert seen[bank] == seen[bank - 1]
+    assert seen[bank] == ([[5, 1, 7], [5, 0], [2], list(range(8))], 14, 8)

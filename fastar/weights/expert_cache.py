@@ -188,6 +188,9 @@ class ExpertCache:
         self._demand: collections.deque[_Load] = collections.deque()
         self._prefetch: collections.deque[_Load] = collections.deque()
         self._cur_layer, self._epoch = -1, 0
+        self._holds_bank = n_slots == self.num_layers * self.num_experts  # nothing is ever evicted (`_whole_layer`)
+        self._layer_ready = [0] * self.num_layers  # records of each layer resident
+        self._layer_views: list[tuple | None] = [None] * self.num_layers  # `_whole_layer`'s, once a layer is in
         self._starved = False  # a loader waits for a slot to lose its last pin: only then does an unpin wake
         # the loaders (waking them for nothing costs the decode thread GIL hand-offs)
         self._cond = threading.Condition(threading.RLock())  # RLock: a thread-exit release may nest
@@ -367,13 +370,50 @@ class ExpertCache:
     ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Lists of (expert id, weights): all that are present at once, then what arrives (`iter_ready(batch=True)`);
         with every expert resident, one list: the MoE then runs the layer's experts in one kernel call. `scan`:
-        as `iter_ready`'s (a prefill pass over the layers)."""
+        as `iter_ready`'s (a prefill pass over the layers). Where the budget holds the whole bank and the layer is all
+        in, the list comes without pins or handles (`_whole_layer`: nothing can be evicted), the same hits counted."""
         if scan:  # one at a time: each record used frees its slot for the next read (see iter_ready)
             for h in self.iter_ready(layer, ids, scan=True):
                 yield [(h.expert, h.weights)]
             return
-        for hs in self.iter_ready(layer, ids, batch=True):
+        uniq = list(dict.fromkeys(int(e) for e in ids))
+        whole = self._whole_layer(layer) if self._holds_bank and uniq else None
+        if whole is not None and min(uniq) >= 0 and max(uniq) < self.num_experts:
+            views, slots, unused = whole
+            with self._cond:  # a hit each, and a prefetched record's first use, as `_claim` counts them
+                self._check_open()
+                self._stats["hits"] += len(uniq)
+                for e in uniq if unused else ():
+                    if e in unused:
+                        unused.discard(e)
+                        if self._unused[slots[e]] >= 0:  # (unless a `get` or `acquire` used it first)
+                            self._src[self._unused[slots[e]]]["used"] += 1
+                            self._unused[slots[e]] = -1
+            yield [(e, views[e]) for e in uniq]
+            return
+        for hs in self.iter_ready(layer, uniq, batch=True):
             yield [(h.expert, h.weights) for h in hs]
+
+    def _whole_layer(self, layer: int) -> tuple[list[ExpertWeights], list[int], set[int]] | None:
+        """Every expert's weights and slot of `layer` once all are resident in a budget that holds the whole bank, and
+        the experts among them prefetched and not used yet (no record of the layer is read any more: only fewer), else
+        None. Nothing is evicted then (a record is read only into a free slot, and there is always one for a record
+        not yet in), so from that point these views stay valid and need no pins, no recency and no handles: a decode
+        step's `each_batch` hands them out and counts the hits (its bookkeeping otherwise costs ~100 us a layer from
+        the cold caches a step leaves)."""
+        got = self._layer_views[layer] if 0 <= layer < self.num_layers else None
+        if got is None and 0 <= layer < self.num_layers and self._layer_ready[layer] == self.num_experts:
+            with self._cond:
+                slots = [self._key_slot[self._key(layer, e)] for e in range(self.num_experts)]
+                views = []
+                for s in slots:
+                    if s not in self._slot_views:
+                        buf = self._slab.view(s).toreadonly()
+                        self._slot_views[s] = (buf, self.fst.expert_views(buf))
+                    views.append(self._slot_views[s][1])
+                unused = {e for e, s in enumerate(slots) if self._unused[s] >= 0}
+                got = self._layer_views[layer] = (views, slots, unused)
+        return got
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no read is queued or in flight (prefetches landed); False on timeout."""
@@ -675,6 +715,7 @@ class ExpertCache:
 
     def _evict(self, s: int) -> int:
         del self._key_slot[int(self._slot_key[s])]
+        self._layer_ready[int(self._slot_key[s]) // self.num_experts] -= 1
         if self._unused[s] >= 0:
             self._src[self._unused[s]]["wasted_bytes"] += self.stride
             self._unused[s] = -1
@@ -763,6 +804,7 @@ class ExpertCache:
             self._stats["read_errors"] += 1
         else:
             self._state[s] = _READY
+            self._layer_ready[load.layer] += 1
             st = self._stats
             st["reads"] += 1
             st["bytes_read"] += self.stride

@@ -664,11 +664,12 @@ def test_bf16_path_is_batch_invariant(bf16_isa, k):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_path_row_pairs_are_batch_invariant_at_the_edges(bf16_isa, threads):
     """The bf16 dot path takes two FP4 weight rows at a time (one load of x serves both) and all tokens in one pass;
-    FP8 rows with their scales folded into x go 4 at a time (5-8 tokens in two passes), one at a time at a block's
-    end: every token of every T in 1..8, at every place, must still equal the token alone bit for bit, with an odd row
-    count (a lone last row), rows in two 128-row FP8 scale blocks, ragged K (an FP4 row ending in 1 or 3 scale groups,
-    an FP8 row ending in a partial block), NaN codes, and scale bytes 0, 255 and other non-normal ones (which switch the
-    FP4 scale decoding of a row, and keep FP8 rows on the per-block scales)."""
+    FP8 rows with their scales folded into x go 4 at a time (5-8 tokens 2 at a time in one pass, or in two passes of
+    4 rows where x' would not stay in L1), one at a time at a block's end: every token of every T in 1..8, at every
+    place, must still equal the token alone bit for bit, with an odd row count (a lone last row), rows in two 128-row
+    FP8 scale blocks, ragged K (an FP4 row ending in 1 or 3 scale groups, an FP8 row ending in a partial block), NaN
+    codes, and scale bytes 0, 255 and other non-normal ones (which switch the FP4 scale decoding of a row, and keep
+    FP8 rows on the per-block scales)."""
     rng = np.random.default_rng(17 + threads)
     n = 131
     cases = []
@@ -750,6 +751,39 @@ def test_bf16_path_fp8_folds_power_of_two_scales_into_x(bf16_isa, t):
     got3, unfolded3 = both(x, s3)
     assert np.isnan(got3[:, :128]).all() and np.array_equal(got3[:, :128], unfolded3[:, :128], equal_nan=True)
     assert not np.array_equal(got3[:, 128:], unfolded3[:, 128:], equal_nan=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_path_fp8_folded_passes_equal_the_one_token_chain(bf16_isa, threads):
+    """The folded FP8 kernel's passes (4 rows x up to 4 tokens; 2 rows x 5-8 tokens where x' stays in L1, here at
+    K = 1024, else two passes of 4 rows, here at K = 4192; a lone row at a block's or a thread's end) all form each
+    (row, token) total as the same chain of vdpbf16ps: for every T in 1..8 every output equals the token's own
+    one-token call bit for bit, and the old pass structure (5-8 tokens as two calls of (T + 1) // 2 and the rest) too.
+    A pass that summed in another order (x' halves swapped, a chain split per row block) would differ in the last
+    bits. The folded path is the one taken: without folding the same calls give other bits."""
+    rng = np.random.default_rng(90 + threads)
+    saved = K.get_num_threads()
+    try:
+        K.set_num_threads(threads)
+        for n, k in ((259, 4192), (134, 1024)):  # row blocks with odd ends; a ragged last column block at 4192
+            w, s = fp8_weights(rng, n, k)
+            x = exact_x(rng, 8, k)
+            product = lambda a, w=w, s=s: K.fp8_matmul(np.ascontiguousarray(a), w, s)  # noqa: E731
+            alone = np.concatenate([product(x[t : t + 1]) for t in range(8)])
+            was = K.fp8_fold(False)
+            try:
+                unfolded = product(x)
+            finally:
+                K.fp8_fold(was)
+            assert not np.array_equal(alone, unfolded)
+            for T in range(1, 9):
+                got = product(x[:T])
+                assert np.array_equal(got, alone[:T]), (n, k, T)
+                if T > 4:
+                    h = (T + 1) // 2
+                    assert np.array_equal(got, np.concatenate([product(x[:h]), product(x[h:T])])), (n, k, T)
+    finally:
+        K.set_num_threads(saved)
 
 
 @pytest.mark.skipif(not K.available(), reason="C extension not built")

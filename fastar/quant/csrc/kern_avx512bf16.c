@@ -19,10 +19,11 @@
  * same sequence of float operations whatever the path, T or the pass.
  * FP8 weights (every T) fold their scales into x instead where they can (fp8_rows_folded): a UE8M0 scale is a power of
  * two, so x times the scale of its 128x128 block is exact while it stays in range, and each (row, token) sum is then one
- * chain of vdpbf16ps over the whole row, 4 rows and up to 4 tokens per pass (5-8 tokens in two): per 128 columns and
- * (row, token) 4 vdpbf16ps and no add or FMA, each load of x serving 4 rows. A (token, row block) whose x' would leave the
- * range, or whose block has a NaN scale, keeps the per-block scales above (one token at a time; the choice depends on
- * that token and block alone, so batch invariance holds). Measured (scripts/dot_rows_ab.py, 2 threads, DRAM-fed,
+ * chain of vdpbf16ps over the whole row, 4 rows and up to 4 tokens per pass (5-8 tokens 2 rows per pass where their x'
+ * stays in L1, else in two passes of 4 rows; see fp8_fold_rows): per 128 columns and (row, token) 4 vdpbf16ps and no
+ * add or FMA, each load of x serving 4 rows. A (token, row block) whose x' would leave the range, or whose block has a
+ * NaN scale, keeps the per-block scales above (one token at a time; the choice depends on that token and block alone,
+ * so batch invariance holds). Measured (scripts/dot_rows_ab.py, 2 threads, DRAM-fed,
  * memory ~34 GB/s in the run): FP8 4096x4096 at T = 4 27.3 GB/s against 20.9 (x1.31), 32768x1024 31.8 against 23.7
  * (x1.34); T = 1, 2 within the run's noise to +10 %. In CPU time per call (to see past other jobs on the machine;
  * memory 25-36 GB/s): 4096x4096 T = 1 0.98x, 2 1.02x, 4 1.31x, 5 1.06x, 8 1.37x; 32768x1024 T = 1 1.02x, 2 1.10x,
@@ -348,7 +349,7 @@ INLINE void fp8_fold_block(const mm_job *j, int64_t n, const int R, const int NT
                            const __m512i tab[4], float *out) {
     const int64_t K = j->K, kp = j->kp;
     const uint8_t *w0 = (const uint8_t *)j->w + n * K;
-    __m512 acc[4][4];
+    __m512 acc[4][PAIR_GROUP]; /* R x NT <= 16 of them used: 4 x 4, 2 x 8 */
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
     /* prefetch PF_FOLD bytes ahead in the order the rows are read (R rows side by side, then the next R): column pc
      * of the rows pg bytes on */
@@ -377,25 +378,39 @@ INLINE void fp8_fold_block(const mm_job *j, int64_t n, const int R, const int NT
     UNROLL for (int r = 0; r < R; r++) UNROLL for (int t = 0; t < NT; t++) out[r * NT + t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-/* Rows [n0, n1) of one scale block against the nf <= 4 tokens of x' (xf): 4 rows per pass (16 totals, 8 weight
- * vectors, 4 tables in registers), the rest one at a time; outputs to the tokens' places idx[] (+ t0). Measured on
- * Zen 4 from DRAM: 4 rows at T = 1 read as fast as the unfolded path's one row, 8 rows slower; 8 tokens in one pass of
- * 2 rows ran 0.91x the unfolded path, in two passes of 4 tokens 1.24-1.37x (the weights are widened twice, but
- * nothing spills). */
+/* Rows [n0, n1) of one scale block against the nf <= 8 tokens of x' (xf): up to 4 tokens 4 rows per pass (16 totals,
+ * 8 weight vectors, 4 tables in registers), 5-8 tokens 2 rows per pass (up to 16 totals, 4 weight vectors), the rest
+ * one row at a time; outputs to the tokens' places idx[] (+ t0). Each (row, token) total is the same chain whatever R
+ * and NT (acc += x'[c..c+31] . w, then x'[c+32..c+63] . w, column after column), so a token's outputs do not depend on
+ * the pass. Measured on Zen 4 from DRAM: 4 rows at T = 1 read as fast as the unfolded path's one row, 8 rows slower.
+ * 5-8 tokens take one pass of 2 rows where their x' fits FOLD_X_L1 (each weight row is then read and widened once,
+ * and the widening's shuffles no longer compete with vdpbf16ps twice), otherwise two passes of 4 rows (fp8_rows_folded):
+ * at K = 1024 one pass ran 1.06-1.30x two (T = 5-8; CPU time, DRAM- and L3-fed), at K = 4096 (x' of 5-8 tokens
+ * 40-64 KB, over the 32 KB L1) 0.72-1.0x from DRAM (docs/PERFORMANCE.md). */
+#define FOLD_X_L1 (24 << 10)
 #define FOLD_CASE(R, NT) \
     case NT: fp8_fold_block(j, n, R, NT, xf, tab, o); break;
-#define FOLD_SWITCH(R)                                                                                          \
+#define FOLD_SWITCH4(R)                                                                                         \
     switch (nf) {                                                                                               \
         FOLD_CASE(R, 1) FOLD_CASE(R, 2) FOLD_CASE(R, 3) default: fp8_fold_block(j, n, R, 4, xf, tab, o); break; \
+    }
+#define FOLD_SWITCH8(R)                                                                                         \
+    switch (nf) {                                                                                               \
+        FOLD_CASE(R, 5) FOLD_CASE(R, 6) FOLD_CASE(R, 7) default: fp8_fold_block(j, n, R, 8, xf, tab, o); break; \
     }
 static void fp8_fold_rows(const mm_job *j, int64_t n0, int64_t n1, int64_t t0, int nf, const uint16_t *xf,
                           const int *idx) {
     const __m512i tab[4] = {_mm512_loadu_si512((const void *)fp8_bf16_lo), _mm512_loadu_si512((const void *)(fp8_bf16_lo + 64)),
                             _mm512_loadu_si512((const void *)fp8_bf16_hi), _mm512_loadu_si512((const void *)(fp8_bf16_hi + 64))};
+    const int wide = nf > 4, rows = wide ? 2 : 4;
     float o[16];
     for (int64_t n = n0; n < n1;) {
-        const int r = n + 4 <= n1 ? 4 : 1;
-        if (r == 4) FOLD_SWITCH(4) else FOLD_SWITCH(1)
+        const int r = n + rows <= n1 ? rows : 1;
+        if (!wide) {
+            if (r == 4) FOLD_SWITCH4(4) else FOLD_SWITCH4(1)
+        } else {
+            if (r == 2) FOLD_SWITCH8(2) else FOLD_SWITCH8(1)
+        }
         for (int i = 0; i < r; i++)
             for (int t = 0; t < nf; t++) put(j, t0 + idx[t], n + i, o[i * nf + t]);
         n += r;
@@ -424,7 +439,8 @@ static int fp8_rows_folded(const mm_job *j, int64_t n0, int64_t n1) {
             const int64_t ne = (nb / FP8_BLOCK + 1) * FP8_BLOCK < n1 ? (nb / FP8_BLOCK + 1) * FP8_BLOCK : n1;
             int idx[PAIR_GROUP];
             const int nf = fold_x(&g, j->s + (nb / FP8_BLOCK) * kb, nt, buf, idx);
-            const int h = nf > 4 ? (nf + 1) / 2 : nf; /* 5-8 tokens in two passes (see fp8_fold_rows) */
+            /* 5-8 tokens in one pass where their x' stays in L1, else in two (see fp8_fold_rows) */
+            const int h = nf > 4 && (size_t)nf * (size_t)j->kp * sizeof(uint16_t) > FOLD_X_L1 ? (nf + 1) / 2 : nf;
             if (h) fp8_fold_rows(j, nb, ne, t0, h, buf, idx);
             if (nf > h) fp8_fold_rows(j, nb, ne, t0, nf - h, buf + h * j->kp, idx + h);
             for (int t = 0, f = 0; t < nt; t++) { /* the tokens that do not qualify */

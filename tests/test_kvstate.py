@@ -96,6 +96,30 @@ def test_packed_buffer_reads_like_a_float32_one():
     assert c.stop == 50 and torch.equal(c.all(), a.all())
 
 
+@pytest.mark.parametrize("fmt", [RowFormat("fp8", 128, 64), RowFormat("fp4", 64), RowFormat("f32", 48)])
+def test_append_stores_the_torch_encoders_bytes_and_refuses_a_misfit_whole(fmt):
+    """`RowBuffer.append` (rows encoded straight into the storage where the C extension runs) holds the bytes of
+    `encode_torch` through growth and dropped rows, and a batch with one row the format cannot hold is refused
+    whole: nothing of it stored."""
+    x = _rows(40, fmt.width, 3)
+    if fmt.kind == "fp8":
+        x = torch.cat([ops.fp8_quant_sim(x[:, :-64], 64), x[:, -64:]], dim=1)
+    elif fmt.kind == "fp4":
+        x = ops.fp4_quant_sim(x, 32)
+    b = RowBuffer(fmt.width, fmt=fmt)
+    for i in range(0, 40, 3):
+        b.append(x[i : i + 3])
+        if i == 21:
+            b.drop_before(5)
+    assert (b.start, b.stop) == (5, 40) and torch.equal(b.raw(), fmt.encode_torch(x[5:]))
+    if fmt.kind != "f32":
+        bad = x[:3].clone()
+        bad[1, 0] = 0.1234567  # not on the format's grid
+        with pytest.raises(StateError, match=f"{fmt.kind} state format"):
+            b.append(bad)
+        assert b.stop == 40 and torch.equal(b.raw(), fmt.encode_torch(x[5:]))
+
+
 @pytest.fixture(scope="module")
 def variant(tmp_path_factory):
     """Compressed layers first, window 16, top-k 8: 200 tokens run the indexer's picks on most queries."""

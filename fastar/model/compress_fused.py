@@ -26,6 +26,7 @@ import torch
 from ..quant import kernels
 from ..quant.linear import Linear
 from . import ops
+from .angles import shared_table
 from .state import LayerState, StateError
 
 # how a compressor rounds its entries before they are stored (`compress_row`'s quant): none, the FP8 KV cache's
@@ -46,7 +47,7 @@ class _Part:
     rope: int  # RoPE dims of an entry (kept float32 by the FP8 rounding and the FP8 row format)
     ape: object  # numpy [ratio, width]
     norm: object  # numpy [head_dim]
-    freq_key: tuple  # its RoPE frequencies, the key of the layers' shared angle memo (`Attention.rows`)
+    freq_key: tuple  # its RoPE frequencies, the key of the layers' shared angle tables (`Attention.rows`)
 
 
 class FusedCompressors:
@@ -84,7 +85,7 @@ class FusedCompressors:
 
     def add(self, projected: tuple, t: int, p: int, state: LayerState, angles: dict) -> None:
         """`Compressor.add` of every compressor (in the stack's order) for row t of the `project`ed rows: the token at
-        position p of `state`. `angles`: the layers' shared memo of RoPE cos / sin by (frequencies, positions)."""
+        position p of `state`. `angles`: the layers' shared `AngleTable`s by frequencies."""
         for part in self.parts:
             self._add(part, *projected, t, p, state, angles)
 
@@ -113,13 +114,7 @@ class FusedCompressors:
         cos = sin = out = None
         out_row = 0
         if closes:
-            key = (part.freq_key, (w * m,))
-            cos_sin = angles.get(key)
-            if cos_sin is None:
-                if len(angles) >= 8:
-                    angles.clear()
-                cos_sin = angles[key] = ops.rope_cos_sin(c.inv_freq, torch.tensor([w * m]))  # [1, r/2] each
-            cos, sin = cos_sin[0].numpy(), cos_sin[1].numpy()
+            cos, sin = shared_table(angles, c.inv_freq, part.freq_key).row(w * m)  # [1, r/2] each
             out = out_buf.grow(1).numpy()
             out_row = out_buf.stop - out_buf.start - 1
         row = p - kv_buf.start

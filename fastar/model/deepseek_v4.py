@@ -36,6 +36,7 @@ from ..errors import FastarError
 from ..quant.kernels import available as _kernels_built
 from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_ffn
 from . import moe_fused, ops, route_fused
+from .angles import shared_table
 from .compress_fused import FusedCompressors
 from .fused import FusedAttention
 from .state import LayerState, ModelState, RowBuffer, StateFormat
@@ -357,9 +358,8 @@ class Attention:
         self.groups, self.window, self.ratio, self.eps = cfg.o_groups, cfg.sliding_window, ratio, cfg.rms_norm_eps
         self.numerics, self.prefix = numerics, prefix
         self.inv_freq = layer_inv_freq(cfg, ratio)
-        # a decode step's cos/sin by (frequencies, positions): every layer of a step asks for the same few, so the
-        # model shares one memo among its layers (`DeepseekV4`); cos/sin of [T, r/2] angles are the same bits
-        # whichever layer computes them
+        # a decode step's cos/sin looked up in the table of these frequencies (`angles.AngleTable`: the same bits as
+        # `ops.rope_cos_sin`); the model shares one dict of tables among its layers (`DeepseekV4`)
         self.freq_key, self.angles = tuple(self.inv_freq.tolist()), {}
         self.compressor = self.indexer = self.max_positions = None  # max_positions: computed exactly (None: all)
         if ratio:
@@ -451,13 +451,7 @@ class Attention:
                 f"position {max(pos)} needs {self.prefix}indexer (the lightning indexer), which the "
                 f"model lacks: without it only the first {self.max_positions} positions are exact"
             )
-        key = (self.freq_key, tuple(pos))
-        cos_sin = self.angles.get(key)
-        if cos_sin is None:
-            if len(self.angles) >= 8:
-                self.angles.clear()
-            cos_sin = self.angles[key] = ops.rope_cos_sin(self.inv_freq, torch.tensor(pos))  # [B, r/2] each
-        cos, sin = cos_sin
+        cos, sin = shared_table(self.angles, self.inv_freq, self.freq_key).rows(pos)  # [B, r/2] each
         q, qr, kv = self._project(x, cos, sin)
         # the compressors' and the indexer's products on all the rows too (each row as if alone); the state updates
         # row by row: one C call per row and compressor (`FusedCompressors`, the same bits), else below
@@ -858,7 +852,7 @@ class DeepseekV4:
                     m.layer, m.guess_span(xs, ids), source="hash" if m.is_hash else "lookahead", scan=True
                 )
         self.hash_tables = {b.layer: b.ffn.tid2eid.cpu().numpy() for b in self.layers if b.ffn.is_hash}
-        angles: dict = {}  # one memo of a step's RoPE angles for every layer (`Attention.rows`)
+        angles: dict = {}  # one table of RoPE angles per frequency set for every layer (`Attention.rows`)
         for b in self.layers:
             b.attn.angles = angles
         has_mtp = cfg.num_mtp_layers > 0 and not cfg.has_dspark and w.has("mtp.0.e_proj.weight")

@@ -106,6 +106,11 @@ class RowFormat:
         return -(-(4 * self.rope + 65 * nb) // 4) * 4
 
     @property
+    def c_kind(self) -> int:
+        """A packed format's kind in the C extension's state-row calls (0 FP8, 1 FP4)."""
+        return 0 if self.kind == "fp8" else 1
+
+    @property
     def row_bytes(self) -> int:
         return self.stored_width * (4 if self.kind == "f32" else 1)
 
@@ -117,10 +122,7 @@ class RowFormat:
             return x
         if _C is not None and x.is_cpu and x.shape[0]:
             raw = torch.empty(x.shape[0], self.stored_width, dtype=torch.uint8)
-            if (
-                _C.state_rows_encode(x.contiguous().numpy(), 0 if self.kind == "fp8" else 1, self.rope, raw.numpy())
-                >= 0
-            ):
+            if _C.state_rows_encode(x.contiguous().numpy(), self.c_kind, self.rope, raw.numpy()) >= 0:
                 raise StateError(self.misfit())
             return raw
         return self.encode_torch(x)
@@ -171,7 +173,7 @@ class RowFormat:
             return raw
         if _C is not None and raw.is_cpu and raw.shape[0]:
             out = torch.empty(raw.shape[0], self.width)
-            _C.state_rows_decode(raw.contiguous().numpy(), 0 if self.kind == "fp8" else 1, self.rope, out.numpy())
+            _C.state_rows_decode(raw.contiguous().numpy(), self.c_kind, self.rope, out.numpy())
             return out
         return self.decode_torch(raw)
 
@@ -246,9 +248,21 @@ class RowBuffer:
         return self.fmt.kind != "f32"
 
     def append(self, rows: torch.Tensor) -> None:
-        """Append rows [k, width] at the end (amortised: capacity doubles)."""
-        enc = self.fmt.encode(rows)
-        k = enc.shape[0]
+        """Append rows [k, width] at the end (amortised: capacity doubles). On the CPU with the C extension built the
+        rows go straight into the storage (packed rows encoded there by `fmt.encode`'s C call, float32 rows copied by
+        numpy): the same bytes without a temporary and a torch copy, which cost more than the encoding at decode."""
+        x = rows.float().reshape(-1, self.width)
+        k = x.shape[0]
+        if _C is not None and k and x.is_cpu and self._data.is_cpu:
+            self._room(k)
+            dst = self._data[self._n : self._n + k].numpy()
+            if not self.is_packed:
+                dst[...] = x.numpy()
+            elif _C.state_rows_encode(x.contiguous().numpy(), self.fmt.c_kind, self.fmt.rope, dst) >= 0:
+                raise StateError(self.fmt.misfit())
+            self._n += k
+            return
+        enc = self.fmt.encode(x)
         self._room(k)
         self._data[self._n : self._n + k] = enc
         self._n += k

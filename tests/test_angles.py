@@ -1,0 +1,43 @@
+"""`fastar.model.angles.AngleTable`: a decode step's RoPE cos / sin looked up in blocks computed ahead, bit for bit
+what `ops.rope_cos_sin` computes for the same positions (alone or batched), for the plain and the YaRN frequencies
+of Flash widths; frequencies whose count is not a multiple of 32 are computed as before (no table)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastar.config import ModelConfig
+from fastar.fixtures import preset_config
+from fastar.model import angles, ops
+from fastar.model.deepseek_v4 import layer_inv_freq
+
+
+@pytest.mark.parametrize("ratio", [0, 4])
+def test_table_rows_equal_rope_cos_sin(ratio):
+    cfg = ModelConfig.from_hf(preset_config("flash"))
+    inv = layer_inv_freq(cfg, ratio)
+    table = angles.AngleTable(inv)
+    assert table.tabled and inv.shape[0] == 32
+    g = torch.Generator().manual_seed(ratio)
+    edges = [0, 1, angles.BLOCK - 1, angles.BLOCK, 3 * angles.BLOCK + 7, 1_000_003, 16_777_215]
+    batches = [[p] for p in edges] + [torch.randint(0, 70_000, (n,), generator=g).tolist() for n in range(1, 9)]
+    batches += [torch.randint(0, 1 << 22, (8,), generator=g).tolist() for _ in range(2 * angles.MAX_BLOCKS)]
+    for pos in batches:  # more blocks than the table keeps: it restarts on the way
+        want = ops.rope_cos_sin(inv, torch.tensor(pos))
+        got = table.rows(pos)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape == (len(pos), 32) and torch.equal(a, b), pos
+        c, s = table.row(pos[0])
+        assert torch.equal(torch.from_numpy(c), want[0][:1]) and torch.equal(torch.from_numpy(s), want[1][:1])
+    assert len(table._blocks) <= angles.MAX_BLOCKS
+
+
+def test_frequencies_off_the_simd_width_are_computed_as_before():
+    inv = ops.rope_inv_freq(16, 10000.0)  # 8 angles a position: a lone row takes torch's scalar path
+    table = angles.AngleTable(inv)
+    assert not table.tabled
+    for pos in ([5], [3, 900, 77]):
+        for a, b in zip(table.rows(pos), ops.rope_cos_sin(inv, torch.tensor(pos))):
+            assert torch.equal(a, b)
+    assert not table._blocks

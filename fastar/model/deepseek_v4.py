@@ -39,6 +39,7 @@ from . import moe_fused, ops, route_fused
 from .angles import shared_table
 from .compress_fused import FusedCompressors
 from .fused import FusedAttention
+from .hc_fused import FusedHC
 from .state import LayerState, ModelState, RowBuffer, StateFormat
 
 SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
@@ -117,10 +118,15 @@ class HyperConnection:
         self.base = w.vector(prefix + "_base")  # [(2+n)*n]
         self.scale = w.vector(prefix + "_scale")  # [3]
         self.iters, self.hc_eps, self.eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        # the collapse with these weights bound once (`hc_fused`; the same C call, the same bits), None: `ops.hc_pre`
+        self.fused = FusedHC.build(self.fn, self.base, self.scale, cfg.hc_mult, self.iters, self.hc_eps, self.eps)
 
     def pre(self, X: torch.Tensor, norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """X [T, n, d] -> (u [T, d], post [T, n], comb [T, n, n]); with `norm`, u comes back as the sub-layer's input
         rms_norm(u, norm) (one C call for both)."""
+        fused = self.fused and norm is not None and self.fused.pre(X, norm)
+        if fused:
+            return fused
         return ops.hc_pre(X, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.eps, norm)
 
     @staticmethod

@@ -284,9 +284,13 @@ class ExpertCache:
         return n
 
     def prefetch_tokens(self, token_ids: Iterable[int], tid2eid: Mapping[int, np.ndarray]) -> int:
-        """Exact prefetch for hash-routed layers: `tid2eid[layer]` [vocab, k] gives the experts before they run."""
+        """Exact prefetch for hash-routed layers: `tid2eid[layer]` [vocab, k] gives the experts before they run. A layer
+        all in a budget that holds the whole bank is skipped (`_whole_layer`: every prefetch would find its record)."""
+        todo = [(layer, t) for layer, t in tid2eid.items() if not (self._holds_bank and self._whole_layer(layer))]
+        if not todo:
+            return 0
         tok = np.asarray(list(token_ids), np.int64)
-        return sum(self.prefetch(layer, np.unique(np.asarray(t)[tok]), source="hash") for layer, t in tid2eid.items())
+        return sum(self.prefetch(layer, np.unique(np.asarray(t)[tok]), source="hash") for layer, t in todo)
 
     def iter_ready(self, layer: int, ids: Iterable[int], batch: bool = False, *, scan: bool = False) -> Iterator:
         """Yield handles of `layer`'s experts `ids` as each becomes present (resident ones first).

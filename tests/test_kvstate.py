@@ -255,3 +255,40 @@ def test_official_state_format_is_smaller_than_the_official_inference_at_flash_w
     assert state_bytes(small, 4096, 0, fmt=official_format(small)) == state_bytes(
         small, 4096, 0, mtp_layers=0, fmt=official_format(small)
     )
+
+
+@pytest.mark.parametrize("width,rope", [(512, 64), (70, 4), (40, 8)])
+def test_c_fp8_decode_of_every_code_and_scale_is_the_same_on_every_isa(width, rope):
+    """Raw FP8 rows holding every e4m3 code (subnormals, both zeros, both NaN codes) under block scales from 2^-126
+    to 2^127 and the NaN scale byte, with ragged blocks (66 = 64 + 2 codes): each ISA's decode (AVX-512 builds the
+    values from the code bits) gives the bits of the portable table decode, and the torch decode's values."""
+    from fastar.quant import kernels as K
+    from fastar.quant.kernels import extension as C
+
+    if C is None:
+        pytest.skip("the C extension is not built")
+    fmt = RowFormat("fp8", width, rope)
+    nb = -(-(width - rope) // 64)
+    g = torch.Generator().manual_seed(9)
+    raw = torch.randint(0, 256, (64, fmt.stored_width), generator=g, dtype=torch.uint8)
+    every = torch.arange(256, dtype=torch.uint8).repeat(-(-64 * 64 * nb // 256))[
+        torch.randperm(64 * 64 * nb, generator=g)
+    ]
+    raw[:, 4 * rope : 4 * rope + 64 * nb] = every.view(64, 64 * nb)  # each code 16 nb times, shuffled
+    scales = torch.tensor([1, 2, 100, 127, 128, 200, 253, 254, 255], dtype=torch.uint8)
+    raw[:, 4 * rope + 64 * nb : 4 * rope + 65 * nb] = scales[torch.randint(0, 9, (64, nb), generator=g)]
+    raw[:, : 4 * rope] = 0  # the float32 rope dims: plain copies (left zero so no NaN pattern hides a difference)
+    ref = fmt.decode_torch(raw)
+    outs = {}
+    for isa in K.cpu_features()["usable_isas"]:
+        K.set_isa(isa)
+        try:
+            out = torch.empty(64, width)
+            C.state_rows_decode(raw.numpy(), 0, rope, out.numpy())
+        finally:
+            K.set_isa("auto")
+        outs[isa] = out
+        nan = ref.isnan()
+        assert torch.equal(out.isnan(), nan) and torch.equal(out[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+    first = next(iter(outs.values()))
+    assert all(torch.equal(o.view(torch.int32), first.view(torch.int32)) for o in outs.values())  # NaN bits too

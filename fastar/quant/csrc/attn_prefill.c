@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dispatch.h"
 #include "simd.h"
 
 #if FASTAR_X86
@@ -61,14 +62,58 @@ static inline float ue8m0(uint8_t b) {
     return f;
 }
 
+#if FASTAR_X86
+/* 16 e4m3 codes times the block scale s, as e4m3_lut[c] * s: the value's float32 bits are built from the code
+ * (normal: sign, exponent field e + 120, the 3 mantissa bits on top; subnormal: m * 2^-9; S.1111.111: the quiet NaN
+ * with the code's sign, as the table holds it), then the same float32 multiply by s. */
+TARGET_AVX512 static inline __attribute__((always_inline)) __m512 e4m3x16(const uint8_t *codes, __m512 s) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    const __m512i e = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(15));
+    const __m512i m = _mm512_and_si512(c, _mm512_set1_epi32(7));
+    __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                                   _mm512_slli_epi32(m, 20));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0x1p-9f));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_castps_si512(sub));
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7f)), _mm512_set1_epi32(0x7f));
+    bits = _mm512_mask_mov_epi32(bits, nan, _mm512_castps_si512(_mm512_set1_ps(NAN)));
+    bits = _mm512_or_si512(bits, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), s);
+}
+
+/* One FP8 row's codes: the scalar loop below, 16 at a time where a block has them. A block with the NaN scale byte
+ * keeps the table's loop: which NaN bits a product returns depends on its operand order, which the compiler may
+ * swap, and the two loops must agree bit for bit. */
+TARGET_AVX512 static void fp8_codes_avx512(const uint8_t *codes, const uint8_t *scales, float *dst, int64_t nope) {
+    for (int64_t b = 0; 64 * b < nope; b++) {
+        const float s = ue8m0(scales[b]);
+        const int64_t n = nope - 64 * b < 64 ? nope - 64 * b : 64;
+        int64_t i = 0;
+        if (scales[b] != 255)
+            for (; i + 16 <= n; i += 16)
+                _mm512_storeu_ps(dst + 64 * b + i, e4m3x16(codes + 64 * b + i, _mm512_set1_ps(s)));
+        for (; i < n; i++) dst[64 * b + i] = e4m3_lut[codes[64 * b + i]] * s;
+    }
+}
+#endif
+
 void state_rows_decode(const uint8_t *raw, float *out, int64_t rows, int64_t row_bytes, int kind, int64_t width,
                        int64_t rope) {
+#if FASTAR_X86
+    const int avx512 = cur_isa->vec == VEC_AVX512;
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *src = raw + r * row_bytes;
         float *dst = out + r * width;
         if (kind == STATE_FP8) {
             const int64_t nope = width - rope, nb = (nope + 63) / 64;
             const uint8_t *codes = src + 4 * rope, *scales = codes + 64 * nb;
+#if FASTAR_X86
+            if (avx512) {
+                fp8_codes_avx512(codes, scales, dst, nope);
+                memcpy(dst + nope, src, (size_t)rope * sizeof(float));
+                continue;
+            }
+#endif
             for (int64_t b = 0; b < nb; b++) {
                 const float s = ue8m0(scales[b]);
                 const int64_t n = nope - 64 * b < 64 ? nope - 64 * b : 64;

@@ -18,6 +18,7 @@ COMMON = [
     "bind_blocks.c",
     "bind_route.c",
     "bind_compress.c",
+    "bind_attend.c",
     "dispatch.c",
     "experts.c",
     "pool.c",

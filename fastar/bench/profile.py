@@ -63,6 +63,7 @@ C_CATEGORIES = {
     "expert_ffn": "FP4 experts",
     "experts_ffn": "FP4 experts",
     "attend": "attention",
+    "attend_stored": "attention",  # a decode query's attention over its stored rows (`fastar.model.attend_fused`)
     "index_scores": "indexer scores/top-k",
     "index_topk": "indexer scores/top-k",
     "compress_pool": "compressor pooling",

@@ -37,6 +37,7 @@ from ..quant.kernels import available as _kernels_built
 from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_ffn
 from . import moe_fused, ops, route_fused
 from .angles import shared_table
+from .attend_fused import StoredAttend
 from .compress_fused import FusedCompressors
 from .fused import FusedAttention
 from .hc_fused import FusedHC
@@ -393,6 +394,8 @@ class Attention:
             if self.compressors
             else None
         )
+        # at decode, each query's attention over its stored rows in one C call (the same bits as `_attend`'s path)
+        self.stored_attend = StoredAttend.build(self.sinks, self.window, ratio, self.D**-0.5)
         # at decode, each row's compressor work in one C call per compressor (the same bits as `Compressor.add`)
         own = (self.compressor, ("comp_kv", "comp_gate", "entries"), "fp8_nope" if numerics.fp8_kv else None, self.rope)
         rot = "fp4_rotate" if numerics.fp4_indexer else None
@@ -413,9 +416,12 @@ class Attention:
         q, a, b = q[s], p0 + s.start, p0 + s.stop
         k0 = max(0, a - self.window + 1)
         comp = comp_idx = None
+        if self.ratio and scoring is not None and self.indexer.scores(b):
+            comp_idx = self.indexer.pick_stored(scoring[0][s], scoring[1][s], a, state.idx_entries, b // 4)
+        out = self.stored_attend and self.stored_attend(q, state, k0, a, b, comp_idx)  # one query: one C call
+        if out is not None:
+            return out
         if self.ratio:
-            if scoring is not None and self.indexer.scores(b):
-                comp_idx = self.indexer.pick_stored(scoring[0][s], scoring[1][s], a, state.idx_entries, b // 4)
             if comp_idx is not None and state.entries.is_packed:  # decode only the picked entries [U, D]
                 ids, comp_idx = ops.picked_entries(comp_idx, b // self.ratio)
                 comp = state.entries.take(ids)

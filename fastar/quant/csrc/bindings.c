@@ -684,6 +684,9 @@ static PyMethodDef methods[] = {
     {"compress_row", py_compress_row, METH_VARARGS,
      "compress_row(y, t, off, kv_rows, gate_rows, row, ape, pos, norm, eps, quant, rope, cos, sin, out, out_row, "
      "out_kind) -> bool: a compressor's decode step on one token (its rows stored; a closed window's entry too)"},
+    {"attend_stored", py_attend_stored, METH_VARARGS,
+     "attend_stored(q, kv, kv_kind, kv_rope, kv_first, n_keys, k0, p0, window, entries, ent_kind, ent_rope, "
+     "n_entries, picks, ratio, sinks, scale, out): one decode query's attention over its state's stored rows"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"keep_freed_memory", py_keep_freed_memory, METH_NOARGS, "keep_freed_memory() -> bool: malloc reuses freed blocks"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},

@@ -54,4 +54,7 @@ PyObject *py_route_weights(PyObject *self, PyObject *args, PyObject *kw);
 /* bind_compress.c */
 PyObject *py_compress_row(PyObject *self, PyObject *args);
 
+/* bind_attend.c */
+PyObject *py_attend_stored(PyObject *self, PyObject *args);
+
 #endif

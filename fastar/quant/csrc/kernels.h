@@ -9,6 +9,7 @@
  *   bind_ops.c     bindings of the activation, row, mHC and attention ops
  *   bind_blocks.c  the attention block's decode-time projections and output, one call each
  *   bind_compress.c  a compressor's decode step on one token (rows stored, a closed window pooled and stored)
+ *   bind_attend.c  a decode query's attention over its state's stored (packed) rows
  *   dispatch.c     CPU features, the list of ISA tables and the choice among them, the per-call path of a product
  *                  (x_kind), job preparation, splitting rows across the pool (dispatch.h: its interface)
  *   experts.c      the fused routed experts of a layer (experts_run)

@@ -1,7 +1,7 @@
 """The attention block's fused decode calls (`fastar.model.fused`, C: bind_blocks.c) against the op-by-op path they
-replace (`Attention._project` / `_output` with the fused calls off): the same bits, per call and through a model's
-prefill and batched decode steps, under both numerics; and their argument checks. Also the indexer scoring its
-stored keys packed (`Indexer.pick_stored`) against decoding them first."""
+replace (`Attention._project` / `_output` and `Indexer.queries` with the fused calls off): the same bits, per call
+and through a model's prefill and batched decode steps, under both numerics; and their argument checks. Also the
+indexer scoring its stored keys packed (`Indexer.pick_stored`) against decoding them first."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def _models(fst, numerics: str):
     fused, apart = DeepseekV4(fst, numerics=numerics), DeepseekV4(fst, numerics=numerics)
     for b in apart.layers:
         b.attn.fused = None
+        if b.attn.indexer is not None:
+            b.attn.indexer.fused = None
     return fused, apart
 
 
@@ -42,6 +44,7 @@ def test_fused_attention_calls_equal_op_by_op(tiny_fst, numerics):
     rows at their own positions (a strided x too), on every layer (compressed and plain RoPE alike)."""
     fused, apart = _models(tiny_fst, numerics)
     assert all(b.attn.fused is not None for b in fused.layers)
+    assert any(b.attn.indexer is not None and b.attn.indexer.fused is not None for b in fused.layers)
     g = torch.Generator().manual_seed(5)
     for fb, ab in zip(fused.layers, apart.layers):
         f, a = fb.attn, ab.attn
@@ -55,6 +58,11 @@ def test_fused_attention_calls_equal_op_by_op(tiny_fst, numerics):
                 assert u.shape == v.shape and torch.equal(u, v)
             o = torch.randn(T, f.H, f.D, generator=g)
             assert torch.equal(f._output(o, cos, sin), a._output(o, cos, sin))
+            if f.indexer is not None:  # the indexer's queries and head weights (`FusedIndexer`)
+                qr = torch.randn(T, f.wq_a.out_features, generator=g)
+                got, want = f.indexer.queries(x, qr, pos, (cos, sin)), a.indexer.queries(x, qr, pos, (cos, sin))
+                for u, v in zip(got, want):
+                    assert u.shape == v.shape and torch.equal(u, v)
         x = torch.randn(ops.SMALL_CHUNK + 1, d, generator=g)  # a prefill chunk: not a decode step's, not fused
         cos, sin = ops.rope_cos_sin(f.inv_freq, torch.arange(x.shape[0]))
         assert f.fused.project(x, cos, sin) is None
@@ -128,6 +136,37 @@ def test_fused_attention_refuses_bad_arguments(tiny_fst):
         kernels.extension.attn_output(o, cs, cs, f.heads, True, oa, soa, f.groups, 128, ob, sob, out[:, 1:])
     with pytest.raises(ValueError, match="heads"):
         kernels.extension.attn_output(o, cs, cs, 7, True, oa, soa, f.groups, 128, ob, sob, out)
+
+
+def test_fused_indexer_refuses_bad_arguments(tiny_fst):
+    """`index_queries` with wrong shapes or heads gets one-line errors naming the problem, never a crash."""
+    from fastar.model.deepseek_v4 import DeepseekV4
+
+    attn = next(b.attn for b in DeepseekV4(tiny_fst).layers if b.attn.indexer is not None)
+    f = attn.indexer.fused
+    (wb, sb), (ww, sw) = f.b, f.w
+    T, Hi = 2, f.heads
+    qr, x = np.zeros((T, wb.shape[1]), np.float32), np.zeros((T, ww.shape[1]), np.float32)
+    cs = np.zeros((T, attn.rope // 2), np.float32)
+    q, w = np.zeros((T, f.width), np.float32), np.zeros((T, Hi), np.float32)
+
+    def call(**kw):
+        a = dict(qr=qr, wb=wb, sb=sb, x=x, ww=ww, sw=sw, cos=cs, sin=cs, heads=Hi, act=128, rot=True, scale=0.25)
+        a.update(q=q, w=w)
+        a.update(kw)
+        kernels.extension.index_queries(*a.values())
+
+    call()
+    for kw, name in (
+        (dict(x=x[:1]), "x"),
+        (dict(heads=Hi + 1), "heads"),
+        (dict(q=np.zeros((T, 3), np.float32)), "q"),
+        (dict(w=np.zeros((T, Hi + 1), np.float32)), "w"),
+        (dict(cos=np.zeros((T + 1, attn.rope // 2), np.float32)), "cos"),
+        (dict(qr=x), "w_b"),
+    ):
+        with pytest.raises((ValueError, TypeError), match=name):
+            call(**kw)
 
 
 def test_indexer_scoring_packed_keys_equals_decoding_them(tiny_fst, monkeypatch):

@@ -79,6 +79,7 @@ C_CATEGORIES = {
     "state_rows_decode": "KV-state rows",
     "attn_project": FUSED_ATTENTION,
     "attn_output": FUSED_ATTENTION,
+    "index_queries": FUSED_ATTENTION,  # the indexer's queries and head weights at decode (`fastar.model.fused`)
     "shared_ffn": "FP8 products",  # the MoE's shared expert in one call (`fastar.model.moe_fused`): two FP8 products
     "route_weights": "routing weights",  # the router after its top-k in one call (`fastar.model.route_fused`)
 }
@@ -87,7 +88,12 @@ STALL = "waiting for expert reads"  # the MoE's waits for routed experts still b
 OUTSIDE = "outside: "  # the prefix of every category of time outside any kernel
 PRODUCTS = ("FP8 products", "BF16 products", "FP4 experts", FUSED_ATTENTION)
 # where each weight-reading entry point's weights are among its arguments
-_WEIGHT_ARGS = {"attn_project": (1, 2, 4, 5), "attn_output": (5, 6, 9, 10), "shared_ffn": (1, 2, 3, 4)}
+_WEIGHT_ARGS = {
+    "attn_project": (1, 2, 4, 5),
+    "attn_output": (5, 6, 9, 10),
+    "index_queries": (1, 2, 4, 5),
+    "shared_ffn": (1, 2, 3, 4),
+}
 
 
 class _Clock:

@@ -39,7 +39,7 @@ from . import moe_fused, ops, route_fused
 from .angles import shared_table
 from .attend_fused import StoredAttend
 from .compress_fused import FusedCompressors
-from .fused import FusedAttention
+from .fused import FusedAttention, FusedIndexer
 from .hc_fused import FusedHC
 from .state import LayerState, ModelState, RowBuffer, StateFormat
 
@@ -222,6 +222,10 @@ class Indexer:
         self.weights_proj = w.linear(prefix + "weights_proj")  # BF16 [Hi, d]
         self.heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.inv_freq, self.numerics = inv_freq, numerics
+        self.fused = FusedIndexer.build(
+            self.wq_b, self.weights_proj, heads=self.heads, act_block=128 if numerics.fp8_activations else 0,
+            rotate=numerics.fp4_indexer,
+        )  # fmt: skip
         rot = self._rotate if numerics.fp4_indexer else None
         self.compressor = Compressor(
             w, prefix + "compressor.", 4, cfg.index_head_dim, inv_freq, cfg.rms_norm_eps, quant=rot
@@ -257,8 +261,11 @@ class Indexer:
         """Index queries [T, Hi, Di] (RoPE'd, rotated under fp4_indexer) and head weights [T, Hi] of the rows of x
         at positions pos [T] (`cos_sin`: their RoPE angles' cos and sin, when the caller has them)."""
         T, Hi, Di = x.shape[0], self.heads, self.head_dim
-        q = self.wq_b(self.numerics.act(qr)).view(T, Hi, Di)  # [T, Hi, Di]
         cos, sin = cos_sin if cos_sin is not None else ops.rope_cos_sin(self.inv_freq, pos)
+        fused = self.fused and self.fused.queries(x, qr, cos, sin)  # the same bits in one C call at decode
+        if fused is not None:
+            return fused
+        q = self.wq_b(self.numerics.act(qr)).view(T, Hi, Di)  # [T, Hi, Di]
         q = ops.apply_rope(q, cos, sin)
         if self.numerics.fp4_indexer:
             q = self._rotate(q)

@@ -1,12 +1,13 @@
 """The attention block's decode-time work around its products as one C call each (the C extension's
-`attn_project` and `attn_output`, fastar/quant/csrc/bind_blocks.c).
+`attn_project`, `attn_output` and `index_queries`, fastar/quant/csrc/bind_blocks.c).
 
 Owns: `FusedAttention`, built once per layer from the `Attention`'s weights: `project` (the query and KV projections
 with their norms, FP8 activation rounding and RoPE) and `output` (inverse RoPE, the bfloat16 input of `wo_a`, the
 grouped O-LoRA product and `wo_b`) for a decode step's rows. At decode each of these is a dozen Python-level ops
 around two weight products, and their dispatch cost more than their arithmetic; the C calls run the same C routines
 in the same order on the same values, so they return exactly what `Attention._project` / `Attention._output` return
-op by op on the C extension (those stay the reference; tests/test_fused_blocks.py compares the bits).
+op by op on the C extension (those stay the reference; tests/test_fused_blocks.py compares the bits). Likewise
+`FusedIndexer.queries`, the lightning indexer's queries and head weights (`Indexer.queries`), once its scoring starts.
 Does not own: the math (deepseek_v4.py's `Attention`), the state updates and attention between the two calls.
 Each method returns None where the C calls do not apply (the extension not built or turned off for a torch-only
 run, a chunk longer than a decode step's rows, weights without a C product); the caller then runs its own path.
@@ -91,3 +92,40 @@ class FusedAttention:
             self.act_block, wb, sb, out.numpy(),
         )  # fmt: skip
         return out
+
+
+class FusedIndexer:
+    """The lightning indexer's decode-time queries in one C call (the C extension's `index_queries`): the FP8
+    rounding of the Q-LoRA latent, wq_b, RoPE, the Hadamard rotation and FP4 rounding, and the head weights
+    (weights_proj times Hi^-1/2), as `Indexer.queries` runs them op by op (the same C routines in the same order: the
+    same bits; tests/test_fused_blocks.py)."""
+
+    def __init__(self, wq_b: Linear, weights_proj: Linear, heads: int, act_block: int, rotate: bool) -> None:
+        self.b, self.w = wq_b.kernel_operands(), weights_proj.kernel_operands()
+        self.heads, self.act_block, self.rotate = heads, act_block, rotate
+        self.width, self.w_scale = wq_b.out_features, heads**-0.5
+
+    @classmethod
+    def build(cls, wq_b: Linear, weights_proj: Linear, **kw) -> FusedIndexer | None:
+        """The fused call over these weights, or None where one has no C product."""
+        if wq_b.kernel_operands() is None or weights_proj.kernel_operands() is None:
+            return None
+        return cls(wq_b, weights_proj, **kw)
+
+    def queries(
+        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`Indexer.queries` for a decode step's rows x [T, d] (T <= `ops.SMALL_CHUNK`) with their Q-LoRA latents qr
+        [T, q_lora] and RoPE angles -> (queries [T, Hi, Di], head weights [T, Hi]), or None where the C call does not
+        apply."""
+        T = x.shape[0]
+        args = ops.c_arrays(qr, x, cos, sin) if T <= ops.SMALL_CHUNK else None
+        if args is None:
+            return None
+        q, w = torch.empty(T, self.heads, self.width // self.heads), torch.empty(T, self.heads)
+        (wb, sb), (ww, sw) = self.b, self.w
+        kernels.extension.index_queries(
+            args[0], wb, sb, args[1], ww, sw, args[2], args[3], self.heads, self.act_block, self.rotate,
+            self.w_scale, q.numpy().reshape(T, -1), w.numpy(),
+        )  # fmt: skip
+        return q, w

@@ -10,6 +10,7 @@
  */
 #include "bindings.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -214,5 +215,76 @@ PyObject *py_attn_output(PyObject *self, PyObject *args) {
 fail:
     free(buf);
     release(v, 8);
+    return NULL;
+}
+
+/* index_queries(qr f32 [T, q_lora], w_b, s_b, x f32 [T, d], w_w, s_w, cos f32 [T, h], sin, heads, act_block, rotate,
+ * w_scale, q f32 [T, Hi*Di], w f32 [T, Hi]) -> None: the lightning indexer's queries and head weights at decode
+ * (fastar/model/deepseek_v4.py's `Indexer.queries`, op by op): qr rounded to FP8 in blocks of act_block where > 0,
+ * through wq_b [Hi*Di, q_lora], each head's last 2h dims rotated by its token's angles, where rotate the Hadamard
+ * transform of each head (scaled by Di^-1/2) rounded to FP4 in blocks of 32; and x through weights_proj [Hi, d] times
+ * w_scale. s None: bfloat16 weights. */
+PyObject *py_index_queries(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oqr, *owb, *osb, *ox, *oww, *osw, *oc, *os, *oq, *ow;
+    Py_ssize_t Hi, act_block;
+    int rotate;
+    double w_scale;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOnnpdOO", &oqr, &owb, &osb, &ox, &oww, &osw, &oc, &os, &Hi, &act_block, &rotate,
+                          &w_scale, &oq, &ow))
+        return NULL;
+    view_t v[10];
+    memset(v, 0, sizeof v);
+    view_t *vqr = &v[0], *vwb = &v[1], *vsb = &v[2], *vx = &v[3], *vww = &v[4], *vsw = &v[5], *vc = &v[6], *vs = &v[7];
+    view_t *vq = &v[8], *vw = &v[9];
+    float *buf = NULL;
+    char fb, fw;
+    int64_t Nb, Nw;
+    if (get_view(oqr, vqr, "qr", 'f', 2, 0) || get_view(ox, vx, "x", 'f', 2, 0)) goto fail;
+    const int64_t T = dim(vqr, 0), q_lora = dim(vqr, 1), d = dim(vx, 1);
+    if (shape_is(vx, "x", T, d, "(qr's rows)") || get_weight(owb, osb, vwb, vsb, "w_b", q_lora, &fb, &Nb) ||
+        get_weight(oww, osw, vww, vsw, "w_w", d, &fw, &Nw) || get_view(oc, vc, "cos", 'f', 2, 0) ||
+        shape_is(vc, "cos", T, dim(vc, 1), "(one row per token)") || get_view(os, vs, "sin", 'f', 2, 0) ||
+        shape_is(vs, "sin", T, dim(vc, 1), "(= cos's shape)"))
+        goto fail;
+    const int64_t half = dim(vc, 1), Di = Hi > 0 ? Nb / Hi : 0;
+    if (Hi < 1 || Nb % Hi || Nw != Hi || 2 * half > Di || act_block < 0 || (rotate && (Di & (Di - 1)))) {
+        PyErr_Format(PyExc_ValueError, "index_queries: w_b rows (%lld) must be heads (%zd) x Di, w_w rows the heads "
+                     "(%lld), 2 x cos width (%lld) <= Di, Di a power of two to rotate", (long long)Nb, Hi,
+                     (long long)Nw, (long long)half);
+        goto fail;
+    }
+    if (get_view(oq, vq, "q", 'f', 2, 1) || shape_is(vq, "q", T, Nb, "= (T, Hi*Di)") || get_view(ow, vw, "w", 'f', 2, 1) ||
+        shape_is(vw, "w", T, Hi, "= (T, Hi)") || no_overlap_named(vq, "q", v, 8) || no_overlap_named(vw, "w", v, 9))
+        goto fail;
+    buf = malloc((size_t)(T * q_lora > 0 ? T * q_lora : 1) * sizeof(float));
+    if (!buf) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    const isa_ops *isa = cur_isa;
+    float *q = vq->b.buf, *w = vw->b.buf;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    if (act_block) act_quant_rows(isa, vqr->b.buf, buf, T, q_lora, act_block);
+    rc = product_into(isa, fb, act_block ? buf : vqr->b.buf, vwb, vsb, T, q_lora, q, 1);
+    if (!rc) {
+        rope_rows(q, q, vc->b.buf, vs->b.buf, T * Hi, Di, half, Hi, 0);
+        if (rotate) {
+            hadamard_rows(q, q, T * Hi, Di, (float)pow((double)Di, -0.5)); /* Python's Di ** -0.5 */
+            fp4_quant_rows(q, q, T * Hi, Di, 32);
+        }
+        rc = product_into(isa, fw, vx->b.buf, vww, vsw, T, d, w, 1);
+    }
+    if (!rc)
+        for (int64_t i = 0; i < T * Hi; i++) w[i] *= (float)w_scale;
+    Py_END_ALLOW_THREADS
+    free(buf);
+    release(v, 10);
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+fail:
+    free(buf);
+    release(v, 10);
     return NULL;
 }

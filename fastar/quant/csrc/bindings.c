@@ -678,6 +678,9 @@ static PyMethodDef methods[] = {
     {"attn_output", py_attn_output, METH_VARARGS,
      "attn_output(o, cos, sin, heads, bf16_input, w_a, s_a, groups, act_block, w_b, s_b, out): the attention "
      "block's output at decode, one call"},
+    {"index_queries", py_index_queries, METH_VARARGS,
+     "index_queries(qr, w_b, s_b, x, w_w, s_w, cos, sin, heads, act_block, rotate, w_scale, q, w): the lightning "
+     "indexer's queries and head weights at decode, one call"},
     {"route_weights", (PyCFunction)(void (*)(void))py_route_weights, METH_VARARGS | METH_KEYWORDS,
      "route_weights(scores f32[T,E], idx i64[T,k], eps, scale, out f32[T,k], ids i64[T]=None, table i64[V,k]=None): "
      "the MoE router's weights of its picks (with ids and table: idx = table[ids] first)"},

@@ -47,6 +47,7 @@ PyObject *py_index_scores_fp4(PyObject *self, PyObject *args);
 /* bind_blocks.c */
 PyObject *py_attn_project(PyObject *self, PyObject *args);
 PyObject *py_attn_output(PyObject *self, PyObject *args);
+PyObject *py_index_queries(PyObject *self, PyObject *args);
 
 /* bind_route.c */
 PyObject *py_route_weights(PyObject *self, PyObject *args, PyObject *kw);

@@ -382,9 +382,9 @@ class LayerState:
 
     def trim(self, max_rollback: int | None) -> None:
         """Drop rows no longer needed by the next token nor by a truncation of up to `max_rollback` positions."""
-        if max_rollback is None:
+        if max_rollback is None or self.length <= max_rollback:  # first_needed(0) is (0, 0): nothing to drop
             return
-        first_kv, first_comp = self.first_needed(max(0, self.length - max_rollback))
+        first_kv, first_comp = self.first_needed(self.length - max_rollback)
         self.kv.drop_before(first_kv)
         for b in (self.comp_kv, self.comp_gate, self.idx_kv, self.idx_gate):
             if b is not None:

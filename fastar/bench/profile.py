@@ -217,6 +217,8 @@ class _Instrumented:
             wrap(attn, "rows", "attention (rest)")
             wrap(attn, "_project", "attention q/kv projections")
             wrap(attn, "_attend", "attention core")
+            if attn.stored_attend is not None:  # a decode row's attention, called from `Attention.rows` directly
+                wrap(attn.stored_attend, "into", "attention core")
             wrap(attn, "_output", "attention output")
             if attn.compressors:
                 wrap(attn, "_compress_project", "compressors and indexer")

@@ -42,23 +42,30 @@ class StoredAttend:
         keys [k0, b) and the entries of `state` (the indexer's `picks` [1, k] of them, or every one closed by a),
         or None where the C call does not apply."""
         args = ops.c_arrays(q)
-        kv = state.kv
-        if args is None or q.shape[0] != 1 or k0 < kv.start or b > kv.stop or b - k0 < 1:
+        if args is None or q.shape[0] != 1:
             return None
+        out = torch.empty(q.shape)
+        return out if self.into(args[0], state, k0, a, b, picks, out.numpy()) else None
+
+    def into(self, q, state: LayerState, k0: int, a: int, b: int, picks: torch.Tensor | None, out) -> bool:
+        """`__call__` on numpy arrays, the query q [1, H, D] (float32, C-contiguous) into out [1, H, D] (a decode
+        step's rows write their slices of one array): False (out untouched) where the C call does not apply."""
+        kv = state.kv
+        if k0 < kv.start or b > kv.stop or b - k0 < 1:
+            return False
         ent, n_ent, ent_kind, ent_rope, pk = None, 0, -1, 0, None
         if self.ratio:
             entries = state.entries
             n_ent = b // self.ratio
             if entries.start or n_ent > entries.stop:
-                return None
+                return False
             if picks is not None:
                 pk = picks.numpy()
                 if picks.dtype != torch.int64 or pk.shape[0] != 1 or pk[0, -1] < 0:  # none missing: as scoring picks
-                    return None
+                    return False
             ent, ent_kind, ent_rope = entries.raw().numpy(), _KIND[entries.fmt.kind], entries.fmt.rope
-        out = torch.empty(q.shape)
         kernels.extension.attend_stored(
-            args[0], kv.raw().numpy(), _KIND[kv.fmt.kind], kv.fmt.rope, k0 - kv.start, b - k0, k0, a, self.window,
-            ent, ent_kind, ent_rope, n_ent, pk, self.ratio, self.sinks, self.scale, out.numpy(),
+            q, kv.raw().numpy(), _KIND[kv.fmt.kind], kv.fmt.rope, k0 - kv.start, b - k0, k0, a, self.window,
+            ent, ent_kind, ent_rope, n_ent, pk, self.ratio, self.sinks, self.scale, out,
         )  # fmt: skip
-        return out
+        return True

@@ -483,6 +483,10 @@ class Attention:
                 ikv, igate = projected[1]
         if self.indexer is not None and any(self.indexer.scores(p + 1) for p in pos):
             iq, iw = self.indexer.queries(x, qr, torch.tensor(pos), (cos, sin))  # the layer's frequencies
+        # each row's attention into its slice of one output, one C call each (`StoredAttend`), else below
+        qn = self.stored_attend and ops.c_arrays(q)
+        o = torch.empty(q.shape) if qn else None
+        on = o.numpy() if o is not None else None
         out = []
         for b, (p0, state) in enumerate(zip(pos, states)):
             state.kv.append(kv[b : b + 1])
@@ -498,7 +502,17 @@ class Attention:
                         idx = self.indexer.compressor
                         idx.add(ikv[one], igate[one], p0, state.idx_kv, state.idx_gate, state.idx_entries)
                     scoring = (iq[one], iw[one]) if self.indexer.scores(p0 + 1) else None
+            if o is not None:
+                picks = None
+                if scoring is not None:
+                    picks = self.indexer.pick_stored(*scoring, p0, state.idx_entries, (p0 + 1) // 4)
+                k0 = max(0, p0 - self.window + 1)
+                if not self.stored_attend.into(qn[0][b : b + 1], state, k0, p0, p0 + 1, picks, on[b : b + 1]):
+                    o[b : b + 1] = self._attend(q[b : b + 1], slice(0, 1), p0, state, scoring)
+                continue
             out.append(self._attend(q[b : b + 1], slice(0, 1), p0, state, scoring))
+        if o is not None:
+            return self._output(o, cos, sin)
         return self._output(torch.cat(out) if len(out) > 1 else out[0], cos, sin)
 
     def _compress_project(self, x: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

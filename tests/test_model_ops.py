@@ -451,6 +451,27 @@ def test_linear_fp8_bf16_and_grouped_products(kernels):
         assert torch.allclose(g[:, k], xs[:, k] @ w[128 * k : 128 * (k + 1)].T, atol=1e-4)
 
 
+def test_fp8_grouped_product_with_groups_inside_a_scale_block_is_batch_invariant():
+    """Groups of 64 output rows share 128-row FP8 scale blocks (a small model's O-LoRA): each group still runs on the
+    kernels (its whole scale blocks, the rows sliced), so a token's outputs are the same bits alone or with others,
+    and equal the dequantized product to float32 rounding. The float32 matmul fallback it replaces summed a 2-token
+    call differently from a 1-token one."""
+    from fastar.quant.reference import fp8_block_dequant
+
+    if not kernels.available():
+        pytest.skip("the C extension is not built")
+    lin, q, s = _fp8_linear(384, 256, True)
+    w = torch.from_numpy(fp8_block_dequant(q, s))
+    xs = torch.randn(5, 6, 256)  # 6 groups of 64 rows
+    g = lin.grouped(xs)
+    for t in range(5):
+        assert torch.equal(lin.grouped(xs[t : t + 1])[0], g[t])
+    for k in range(6):
+        assert torch.allclose(g[:, k], xs[:, k] @ w[64 * k : 64 * (k + 1)].T, atol=1e-4)
+    for r0, r1 in ((64, 128), (100, 300), (320, 384)):  # any row range, as the matching rows of the whole product
+        assert torch.equal(lin._kernel_product(xs[:, 0], r0, r1), lin._kernel_product(xs[:, 0])[:, r0:r1])
+
+
 @pytest.mark.parametrize("kernels", [False, True])
 def test_expert_ffn_orders_and_activation_hook(kernels):
     from fastar.contracts import ExpertWeights

@@ -149,10 +149,11 @@ class Linear:
             return None
         r1 = self.out_features if r1 is None else r1
         x = x.detach().contiguous().float().numpy()
-        if self.is_fp8:
-            if r0 % FP8_BLOCK or (r1 % FP8_BLOCK and r1 != self.out_features):
-                return None
-            out = k.fp8_matmul(x, self._w_np[r0:r1], self._s_np[r0 // FP8_BLOCK : -(-r1 // FP8_BLOCK)])
+        if self.is_fp8:  # on whole 128-row scale blocks (each row's sum is its own: the slice has the same bits)
+            a0, a1 = r0 // FP8_BLOCK * FP8_BLOCK, min(-(-r1 // FP8_BLOCK) * FP8_BLOCK, self.out_features)
+            out = k.fp8_matmul(x, self._w_np[a0:a1], self._s_np[a0 // FP8_BLOCK : -(-a1 // FP8_BLOCK)])
+            if (a0, a1) != (r0, r1):
+                out = np.ascontiguousarray(out[:, r0 - a0 : r1 - a0])
         elif self.dtype == "BF16":
             out = k.bf16_matmul(x, self._w_np[r0:r1])
         else:

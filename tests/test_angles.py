@@ -41,3 +41,15 @@ def test_frequencies_off_the_simd_width_are_computed_as_before():
         for a, b in zip(table.rows(pos), ops.rope_cos_sin(inv, torch.tensor(pos))):
             assert torch.equal(a, b)
     assert not table._blocks
+
+
+def test_torch_only_scope_computes_as_before():
+    """Where ops take their torch paths (a device backend's scope makes its tensors on the device), the rows are
+    computed there as `ops.rope_cos_sin` does, not looked up in the host's table."""
+    inv = ops.rope_inv_freq(64, 10000.0)
+    table = angles.AngleTable(inv)
+    with ops.torch_only():
+        got = table.rows([7, 300])
+    assert not table._blocks
+    for a, b in zip(got, ops.rope_cos_sin(inv, torch.tensor([7, 300]))):
+        assert torch.equal(a, b)

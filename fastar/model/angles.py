@@ -8,7 +8,8 @@ Why the bits are the same: each value is the angle `float(p) * f_i` (one rounded
 torch's elementwise cos and sin, which take their SIMD path for every value of a contiguous run whose length is a
 multiple of 32 (two AVX-512 vectors, four AVX2 ones) and a block of positions is computed on one thread (below
 torch's grain size). So when r/2 is a multiple of 32 (Flash: 32) a position's row is the same computed alone, in a
-step's batch or in a block; otherwise `rows` computes as `ops.rope_cos_sin` does (no table).
+step's batch or in a block; otherwise, and where ops take their torch paths (a device backend's scope, whose
+tensors live on its device), `rows` computes as `ops.rope_cos_sin` does (no table).
 Does not own: the frequencies (`deepseek_v4.layer_inv_freq`), applying the rotation (`ops.apply_rope`).
 """
 
@@ -52,7 +53,7 @@ class AngleTable:
     def rows(self, pos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, r/2] of the positions pos (B of them): `ops.rope_cos_sin(inv_freq, torch.tensor(pos))`, the
         same bits (read-only by contract: for one position, views of the table)."""
-        if not self.tabled:
+        if not self.tabled or not ops.c_enabled():  # a device backend's scope: computed there, on its device
             return ops.rope_cos_sin(self.inv_freq, torch.tensor(pos))
         if len(pos) == 1:
             cos, sin = self.row(pos[0])

@@ -217,8 +217,10 @@ class _Instrumented:
             wrap(attn, "rows", "attention (rest)")
             wrap(attn, "_project", "attention q/kv projections")
             wrap(attn, "_attend", "attention core")
-            if attn.stored_attend is not None:  # a decode row's attention, called from `Attention.rows` directly
+            if attn.stored_attend is not None:  # a decode row's attention and picks, called from `Attention.rows`
                 wrap(attn.stored_attend, "into", "attention core")
+                if attn.indexer is not None:
+                    wrap(attn.indexer, "pick_stored", "attention core")
             wrap(attn, "_output", "attention output")
             if attn.compressors:
                 wrap(attn, "_compress_project", "compressors and indexer")

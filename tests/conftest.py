@@ -68,6 +68,22 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_fst_path(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_ckpt` converted to a `.fst`, once for the session (tests read it; they corrupt copies, never it)."""
+    from fastar.convert.hf import convert
+
+    return convert(tiny_ckpt, tmp_path_factory.mktemp("fst-tiny") / "tiny.fst", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_fst_file(tiny_fst_path: Path):
+    """`tiny_fst_path` opened (`FstFile`), one per test module."""
+    from fastar.format.reader import FstFile
+
+    return FstFile(tiny_fst_path)
+
+
+@pytest.fixture(scope="session")
 def dspark_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny-dspark` preset, seed 0: `tiny` with DSpark stages mtp.0..mtp.2."""
     return write_checkpoint(tmp_path_factory.mktemp("ckpt-dspark"), "tiny-dspark", seed=0)

@@ -17,24 +17,16 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_fst(tiny_ckpt, tmp_path_factory):
-    from fastar.convert.hf import convert
-    from fastar.format.reader import FstFile
-
-    return FstFile(convert(tiny_ckpt, tmp_path_factory.mktemp("attend") / "t.fst", progress=False))
-
-
 @pytest.mark.parametrize("numerics", ["official", "reference"])
 @pytest.mark.parametrize("max_rollback", [None, 3])
-def test_stored_attend_equals_op_by_op(tiny_fst, numerics, max_rollback, monkeypatch):
+def test_stored_attend_equals_op_by_op(tiny_fst_file, numerics, max_rollback, monkeypatch):
     """Six sequences prefilled to different positions (past 4 x index_topk: the indexer picks entries), decode steps
     of 1..6 rows, then a 3-token chunk (a verify pass: one query at a time): logits and state bytes bit for bit with
     the C call on and off; it ran, with and without the indexer's picks."""
     from fastar.model.deepseek_v4 import DeepseekV4
 
-    fused = DeepseekV4(tiny_fst, numerics=numerics, max_rollback=max_rollback)
-    apart = DeepseekV4(tiny_fst, numerics=numerics, max_rollback=max_rollback)
+    fused = DeepseekV4(tiny_fst_file, numerics=numerics, max_rollback=max_rollback)
+    apart = DeepseekV4(tiny_fst_file, numerics=numerics, max_rollback=max_rollback)
     for b in apart.layers:
         b.attn.stored_attend = None
     calls = {"all": 0, "picks": 0}

@@ -42,23 +42,16 @@ def one_line_error(r, code: int) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def tiny_fst(tiny_ckpt, tmp_path_factory) -> Path:
-    from fastar.convert.hf import convert
-
-    return convert(tiny_ckpt, tmp_path_factory.mktemp("cli") / "tiny.fst", progress=False)
-
-
 # ---- the table: every subcommand, bad arguments --------------------------------------------------------------
 
 
-def test_bad_arguments_table(tiny_fst, tiny_ckpt, tmp_path):
+def test_bad_arguments_table(tiny_fst_path, tiny_ckpt, tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "x").write_text("x")
-    m = str(tiny_fst)
+    m = str(tiny_fst_path)
     usage, fail = 2, 1
     table = [
         # (args, env, exit code, a word the message must contain)
@@ -129,13 +122,13 @@ def test_bad_arguments_table(tiny_fst, tiny_ckpt, tmp_path):
     assert not seen, "\n".join(seen)
 
 
-def test_closed_stdout_and_stdin(tiny_fst):
-    run = f"{sys.executable} -m fastar run -m {tiny_fst}"
+def test_closed_stdout_and_stdin(tiny_fst_path):
+    run = f"{sys.executable} -m fastar run -m {tiny_fst_path}"
     r = subprocess.run(["bash", "-c", f"{run} -p hi >&-"], capture_output=True, text=True, timeout=120)
     assert "standard output" in one_line_error(r, 1)
     r = subprocess.run(["bash", "-c", f"{run} <&-"], capture_output=True, text=True, timeout=120)
     assert "standard input" in one_line_error(r, 1)
-    chat = f"{sys.executable} -m fastar chat -m {tiny_fst} --no-prompt-cache"
+    chat = f"{sys.executable} -m fastar chat -m {tiny_fst_path} --no-prompt-cache"
     r = subprocess.run(["bash", "-c", f"{chat} <&-"], capture_output=True, text=True, timeout=120)
     assert "standard input" in one_line_error(r, 1)
 
@@ -151,13 +144,13 @@ def _corrupt(src: Path, dst: Path, offset: int, data: bytes) -> Path:
     return dst
 
 
-def test_c1_corrupt_resident_tensor_fails_the_load(tiny_fst, tmp_path):
-    with FstFile(tiny_fst) as f:
+def test_c1_corrupt_resident_tensor_fails_the_load(tiny_fst_path, tmp_path):
+    with FstFile(tiny_fst_path) as f:
         emb = next(t for t in f.header["tensors"] if t["name"] == "embed.weight")
         head = next(t for t in f.header["tensors"] if t["name"] == "head.weight")
-    flipped = _corrupt(tiny_fst, tmp_path / "flip.fst", head["offset"] + 1000, b"\x5a")
+    flipped = _corrupt(tiny_fst_path, tmp_path / "flip.fst", head["offset"] + 1000, b"\x5a")
     nan = np.full(16, np.nan, np.float32).view(np.uint8).tobytes()  # NaNs over part of the embedding
-    nan_emb = _corrupt(tiny_fst, tmp_path / "nan.fst", emb["offset"], nan[: min(len(nan), emb["nbytes"])])
+    nan_emb = _corrupt(tiny_fst_path, tmp_path / "nan.fst", emb["offset"], nan[: min(len(nan), emb["nbytes"])])
     for path, name in ((flipped, "head.weight"), (nan_emb, "embed.weight")):
         with pytest.raises(FormatError, match=f"{name}.*checksum"):
             fastar.load(path)
@@ -166,22 +159,22 @@ def test_c1_corrupt_resident_tensor_fails_the_load(tiny_fst, tmp_path):
         fastar.load(path, verify=False)  # the flag to skip it
 
 
-def test_c1_corrupt_expert_fails_at_its_first_read(tiny_fst, tmp_path):
-    with FstFile(tiny_fst) as f:
+def test_c1_corrupt_expert_fails_at_its_first_read(tiny_fst_path, tmp_path):
+    with FstFile(tiny_fst_path) as f:
         bank = f.bank
         layer0 = f.expert_offset(0, 0)
     # every expert of layer 0 all 0xFF: whichever the router picks first is caught
-    ff = _corrupt(tiny_fst, tmp_path / "ff.fst", layer0, b"\xff" * (bank["stride"] * bank["experts"]))
+    ff = _corrupt(tiny_fst_path, tmp_path / "ff.fst", layer0, b"\xff" * (bank["stride"] * bank["experts"]))
     engine = fastar.load(ff)  # resident tensors are fine: the load passes
     with pytest.raises(FormatError, match=r"expert \(layer 0, id \d+\) fails its checksum"):
         engine.generate_tokens([5, 6, 7, 8], max_tokens=2)
     fastar.load(ff, verify=False).generate_tokens([5, 6, 7, 8], max_tokens=2)  # skipped: garbage, no error
 
 
-def test_c1_each_expert_is_checked_once(tiny_fst):
+def test_c1_each_expert_is_checked_once(tiny_fst_path):
     from fastar.weights.expert_cache import ExpertCache
 
-    with FstFile(tiny_fst) as f, ExpertCache(f, 2 * f.expert_stride) as c:
+    with FstFile(tiny_fst_path) as f, ExpertCache(f, 2 * f.expert_stride) as c:
         calls = []
         check = ExpertCache._verify_record.__get__(c)
         c._verify_record = lambda key, layer, e, data: (
@@ -277,7 +270,7 @@ def test_the_tokenizer_refuses_a_lone_surrogate_with_one_line():
     assert tok.encode("ok \U0001f600") == tok.encode_batch(["ok \U0001f600"])[0]  # a real pair is fine
 
 
-def test_invalid_utf8_prompts_are_one_line_errors(tiny_fst):
+def test_invalid_utf8_prompts_are_one_line_errors(tiny_fst_path):
     """`-p` with bytes that are not UTF-8, the same on stdin, and `--system`: one line before the model loads."""
     for args, stdin in (
         (["-p", "\udcff\udcfe"], None),  # argv bytes ff fe, as a shell's $'\xff\xfe'
@@ -285,7 +278,7 @@ def test_invalid_utf8_prompts_are_one_line_errors(tiny_fst):
         (["-p", "hi", "--system", "\udced\udca0\udc80"], None),  # the UTF-8 bytes of a surrogate
     ):
         r = subprocess.run(
-            [sys.executable, "-m", "fastar", "run", "-m", str(tiny_fst), *args],
+            [sys.executable, "-m", "fastar", "run", "-m", str(tiny_fst_path), *args],
             input=stdin,
             stdin=None if stdin is not None else subprocess.DEVNULL,
             capture_output=True,

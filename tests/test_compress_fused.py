@@ -21,14 +21,6 @@ pytestmark = [
 ROWS = (8, 1, 2, 3, 4, 5, 6, 7, 8, 8, 3, 8)  # rows of each decode step: 1..8, the first ones advancing most
 
 
-@pytest.fixture(scope="module")
-def tiny_fst(tiny_ckpt, tmp_path_factory):
-    from fastar.convert.hf import convert
-    from fastar.format.reader import FstFile
-
-    return FstFile(convert(tiny_ckpt, tmp_path_factory.mktemp("compress") / "t.fst", progress=False))
-
-
 def _models(fst, numerics: str, **kw):
     """Two models on one file: the fused compressor calls on, and off (the op-by-op reference)."""
     from fastar.model.deepseek_v4 import DeepseekV4
@@ -61,13 +53,13 @@ def _run(m, prompts: list[list[int]], restore: bool) -> tuple[list[torch.Tensor]
 
 @pytest.mark.parametrize("numerics", ["official", "reference"])
 @pytest.mark.parametrize("max_rollback", [None, 2])
-def test_fused_compressors_equal_op_by_op(tiny_fst, numerics, max_rollback, monkeypatch):
+def test_fused_compressors_equal_op_by_op(tiny_fst_file, numerics, max_rollback, monkeypatch):
     """Eight sequences prefilled to different positions, then 12 batched decode steps of 1..8 rows: ratio-4 windows
     close every 4th token (the layer's compressor and its indexer's, FP8 / FP4 entries under official numerics,
     float32 under reference), the ratio-128 window at position 127, the indexer scoring past 4 * index_topk
     entries. Logits and every state's bytes are bit for bit those of the op-by-op path, with states keeping every row
     or trimmed to a short rollback (storage views after dropped rows), restored from bytes or not."""
-    fused, apart = _models(tiny_fst, numerics, max_rollback=max_rollback)
+    fused, apart = _models(tiny_fst_file, numerics, max_rollback=max_rollback)
     assert all((b.attn.comp_fused is not None) == bool(b.attn.ratio) for b in fused.layers)
     assert {b.attn.ratio for b in fused.layers} >= {0, 4, 128}
     calls = {"all": 0, "closing": 0}
@@ -93,12 +85,12 @@ def test_fused_compressors_equal_op_by_op(tiny_fst, numerics, max_rollback, monk
 
 
 @pytest.mark.parametrize("numerics", ["official", "reference"])
-def test_fused_rows_equal_decoding_each_alone(tiny_fst, numerics):
+def test_fused_rows_equal_decoding_each_alone(tiny_fst_file, numerics):
     """Batch invariance with the fused calls: each row of a batched step (`forward_rows`) gets the logits and the
     state bytes that a one-token `forward` of that sequence alone gives (that path runs `Compressor.add` op by op)."""
     from fastar.model.deepseek_v4 import DeepseekV4
 
-    m = DeepseekV4(tiny_fst, numerics=numerics)
+    m = DeepseekV4(tiny_fst_file, numerics=numerics)
     prompts = _prompts(7)[:5]
     states = [m.new_state() for _ in prompts]
     ids = [int(m.forward(p, s, all_logits=False)[0][-1].argmax()) for p, s in zip(prompts, states)]
@@ -111,10 +103,10 @@ def test_fused_rows_equal_decoding_each_alone(tiny_fst, numerics):
         ids = [int(r.argmax()) for r in rows]
 
 
-def test_an_entry_the_format_cannot_hold_is_refused_as_op_by_op(tiny_fst):
+def test_an_entry_the_format_cannot_hold_is_refused_as_op_by_op(tiny_fst_file):
     """Reference numerics (nothing rounded) on a state that stores index keys as FP4: the first closing window's index
     key does not fit, and the fused path raises the StateError the op-by-op path raises, leaving the same state."""
-    fused, apart = _models(tiny_fst, "reference")
+    fused, apart = _models(tiny_fst_file, "reference")
     fmt = StateFormat(fp4_index=True)
     errors, states = [], []
     for m in (fused, apart):
@@ -130,11 +122,11 @@ def test_an_entry_the_format_cannot_hold_is_refused_as_op_by_op(tiny_fst):
     ]
 
 
-def test_compress_row_refuses_bad_arguments(tiny_fst):
+def test_compress_row_refuses_bad_arguments(tiny_fst_file):
     """Wrong shapes, dtypes and rows get one-line errors naming the argument, never a crash."""
     from fastar.model.deepseek_v4 import DeepseekV4
 
-    attn = next(b.attn for b in DeepseekV4(tiny_fst).layers if b.attn.ratio == 4)
+    attn = next(b.attn for b in DeepseekV4(tiny_fst_file).layers if b.attn.ratio == 4)
     part = attn.comp_fused.parts[0]
     W, hd, m = part.width, part.norm.shape[0], part.ape.shape[0]
     assert (m, W) == (4, 2 * hd)  # the overlapping windows

@@ -18,14 +18,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_fst(tiny_ckpt, tmp_path_factory):
-    from fastar.convert.hf import convert
-    from fastar.format.reader import FstFile
-
-    return FstFile(convert(tiny_ckpt, tmp_path_factory.mktemp("fused") / "t.fst", progress=False))
-
-
 def _models(fst, numerics: str):
     """Two models on one file: fused calls on, and off (the op-by-op reference)."""
     from fastar.model.deepseek_v4 import DeepseekV4
@@ -39,10 +31,10 @@ def _models(fst, numerics: str):
 
 
 @pytest.mark.parametrize("numerics", ["official", "reference"])
-def test_fused_attention_calls_equal_op_by_op(tiny_fst, numerics):
+def test_fused_attention_calls_equal_op_by_op(tiny_fst_file, numerics):
     """`FusedAttention.project` / `.output` against `Attention._project` / `_output` op by op: bit for bit for 1..8
     rows at their own positions (a strided x too), on every layer (compressed and plain RoPE alike)."""
-    fused, apart = _models(tiny_fst, numerics)
+    fused, apart = _models(tiny_fst_file, numerics)
     assert all(b.attn.fused is not None for b in fused.layers)
     assert any(b.attn.indexer is not None and b.attn.indexer.fused is not None for b in fused.layers)
     g = torch.Generator().manual_seed(5)
@@ -80,10 +72,10 @@ def _prefill_and_decode(m, prompts: list[list[int]], steps: int) -> tuple[list[t
     return outs, states, ids
 
 
-def test_fused_attention_model_equals_op_by_op(tiny_fst):
+def test_fused_attention_model_equals_op_by_op(tiny_fst_file):
     """A prefill and six batched decode steps of two sequences (`forward_rows`, the scheduler's path), and a
     speculative-style 3-token chunk: logits bit for bit with the fused calls on and off."""
-    fused, apart = _models(tiny_fst, "official")
+    fused, apart = _models(tiny_fst_file, "official")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 1024, (n,), generator=g).tolist() for n in (140, 9)]
     logits = {}
@@ -95,11 +87,11 @@ def test_fused_attention_model_equals_op_by_op(tiny_fst):
         assert torch.equal(a, b)
 
 
-def test_fused_attention_refuses_bad_arguments(tiny_fst):
+def test_fused_attention_refuses_bad_arguments(tiny_fst_file):
     """Wrong shapes and dtypes get one-line errors naming the argument, never a crash."""
     from fastar.model.deepseek_v4 import DeepseekV4
 
-    attn = DeepseekV4(tiny_fst).layers[0].attn
+    attn = DeepseekV4(tiny_fst_file).layers[0].attn
     f, half = attn.fused, attn.rope // 2
     (wa, sa), (wb, sb) = f.a, f.b
     d, T = wa.shape[1], 2
@@ -138,11 +130,11 @@ def test_fused_attention_refuses_bad_arguments(tiny_fst):
         kernels.extension.attn_output(o, cs, cs, 7, True, oa, soa, f.groups, 128, ob, sob, out)
 
 
-def test_fused_indexer_refuses_bad_arguments(tiny_fst):
+def test_fused_indexer_refuses_bad_arguments(tiny_fst_file):
     """`index_queries` with wrong shapes or heads gets one-line errors naming the problem, never a crash."""
     from fastar.model.deepseek_v4 import DeepseekV4
 
-    attn = next(b.attn for b in DeepseekV4(tiny_fst).layers if b.attn.indexer is not None)
+    attn = next(b.attn for b in DeepseekV4(tiny_fst_file).layers if b.attn.indexer is not None)
     f = attn.indexer.fused
     (wb, sb), (ww, sw) = f.b, f.w
     T, Hi = 2, f.heads
@@ -169,13 +161,13 @@ def test_fused_indexer_refuses_bad_arguments(tiny_fst):
             call(**kw)
 
 
-def test_indexer_scoring_packed_keys_equals_decoding_them(tiny_fst, monkeypatch):
+def test_indexer_scoring_packed_keys_equals_decoding_them(tiny_fst_file, monkeypatch):
     """Decode steps far past index_topk entries (every step of a ratio-4 layer scores its stored index keys): the
     logits with the keys scored from their packed rows equal those with the rows decoded first (the packed kernel
     turned off), bit for bit, for one row and for batched rows."""
     from fastar.model.deepseek_v4 import DeepseekV4
 
-    m = DeepseekV4(tiny_fst)
+    m = DeepseekV4(tiny_fst_file)
     assert any(b.attn.indexer is not None for b in m.layers)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(2, 1024, (n,), generator=g).tolist() for n in (90, 61)]

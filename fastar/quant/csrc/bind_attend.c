@@ -34,7 +34,7 @@ static int get_rows(PyObject *o, view_t *v, const char *name, Py_ssize_t kind, P
         return -1;
     }
     if (get_view(o, v, name, 'B', 2, 0)) return -1;
-    *B = kind == STATE_FP4 ? 17 * ((D + 31) / 32) : (4 * rope + 65 * ((D - rope + 63) / 64) + 3) / 4 * 4;
+    *B = packed_row_bytes((int)kind, rope, D);
     return shape_is(v, name, dim(v, 0), *B, "= (rows, the format's row bytes)");
 }
 

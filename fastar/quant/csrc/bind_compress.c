@@ -91,9 +91,9 @@ PyObject *py_compress_row(PyObject *self, PyObject *args) {
             B = hd;
         } else {
             if (get_view(oout, vo, "out", 'B', 2, 1)) goto fail;
-            B = out_kind == STATE_FP4 ? 17 * ((hd + 31) / 32) : (4 * rope + 65 * ((hd - rope + 63) / 64) + 3) / 4 * 4;
+            B = packed_row_bytes((int)out_kind, rope, hd); /* 0 (no FP8 row without non-RoPE dims): refused below */
         }
-        if (dim(vo, 1) != B || rows_in(vo, "out", out_row, 1) || no_overlap_named(vo, "out", v, 7)) {
+        if (!B || dim(vo, 1) != B || rows_in(vo, "out", out_row, 1) || no_overlap_named(vo, "out", v, 7)) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_ValueError, "compress_row: out rows hold %lld values, expected %lld", (long long)dim(vo, 1),
                              (long long)B);

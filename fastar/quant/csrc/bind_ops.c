@@ -445,8 +445,7 @@ static void state_rows_chunk(void *p, int64_t i) {
                       c->rope);
 }
 
-/* The bytes of a packed row of width W (kind 0: FP8 with `rope` float32 dims; 1: FP4), 0 for a bad kind / rope. */
-static int64_t packed_row_bytes(int kind, Py_ssize_t rope, int64_t W) {
+int64_t packed_row_bytes(int kind, Py_ssize_t rope, int64_t W) {
     if (kind == STATE_FP8 && rope >= 0 && rope < W) return (4 * rope + 65 * ((W - rope + 63) / 64) + 3) / 4 * 4;
     if (kind == STATE_FP4) return 17 * ((W + 31) / 32);
     return 0;

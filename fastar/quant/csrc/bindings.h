@@ -27,6 +27,9 @@ int no_overlap(const view_t *out, const view_t *in, int n_in); /* out named "out
 int get_in_out(PyObject *ox, PyObject *oo, view_t v[2], const char *in_name, int in_place);
 
 /* bind_ops.c */
+/* The bytes of a packed decode-state row of width W (kind STATE_FP8 with `rope` float32 dims, or STATE_FP4; state.py's
+ * RowFormat), 0 for a bad kind / rope. */
+int64_t packed_row_bytes(int kind, Py_ssize_t rope, int64_t W);
 PyObject *py_fp8_act_quant(PyObject *self, PyObject *args);
 PyObject *py_sinkhorn(PyObject *self, PyObject *args);
 PyObject *py_rms_norm(PyObject *self, PyObject *args);

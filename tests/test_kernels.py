@@ -389,9 +389,10 @@ def test_small_batches_are_batch_invariant(isa, k):
 @pytest.mark.parametrize("n, k", [(37, 1000), (9, 4096), (1, 96)])
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_weights_several_tokens_match_each_token_alone(isa, n, k):
-    """BF16 weights (the LM head of a batched decode step) with 2-8 tokens may take rows two at a time (each load of
-    x then serves two rows); every (row, token) must still be summed as the one-token call sums it: an odd row count
-    (the last row alone), a K that is not a multiple of 32 (masked tail), one row."""
+    """BF16 weights (the LM head of a batched decode step) with 2-8 tokens take rows four at a time (each load of x
+    then serves four rows; 5-8 tokens in two halves over the same rows); every (row, token) must still be summed as
+    the one-token call sums it: a row count that leaves rows over (they go alone), a K that is not a multiple of 32
+    (masked tail), one row."""
     K.set_isa(isa)
     try:
         rng = np.random.default_rng(n * k)
@@ -411,10 +412,11 @@ def test_bf16_weights_several_tokens_match_each_token_alone(isa, n, k):
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_weights_any_batch_place_and_block_boundary(isa, n, k):
     """The BF16-weight dot path walks a block of rows K block by K block (512 columns) with 3-8 tokens, and 1-2
-    tokens along whole rows (in two stretches past 1024 columns), 1, 2 or 4 rows at a time; a (row, token) sum must
+    tokens along whole rows (in two stretches past 1024 columns), 1 or 4 rows at a time (5-8 tokens in two halves over
+    the same 4 rows); a (row, token) sum must
     come out the same at every T, at every place in the batch, across K block boundaries (K one below, at and one
     above a block, K not a multiple of 32 or of 16, 1555 = 512 + 1043 stretches) and for row counts
-    that leave 1-3 rows over (13 = 8 + 4 + 1, 21 = 2 x 8 + 4 + 1, 6 = 4 + 2, 7 = 4 + 2 + 1, 300 rows over threads),
+    that leave 1-3 rows over (13 = 8 + 4 + 1, 21 = 2 x 8 + 4 + 1, 6 = 4 + 1 + 1, 7 = 4 + 3 x 1, 300 rows over threads),
     and whether or not the kernel copies x into K-block order (only for chunks of rows that make the copy cheap: the
     1100-row product's, at the lower T)."""
     K.set_isa(isa)

@@ -4,7 +4,7 @@
  * - dot path (T <= DOT_MAX): vpermps with a 16-entry table maps each 4-bit code straight to its signed float
  *   (the index is the low 4 bits of a 32-bit lane, so the 8 nibbles of a lane are reached by shifting); one
  *   64-byte load gives 128 columns = 4 scale groups, one per 128-bit lane. Masked loads handle ragged ends.
- * - BF16 weights' dot path (bf16_dot_rows, the LM head): 1-8 tokens in one pass over the weights, 2-4 rows at a
+ * - BF16 weights' dot path (bf16_dot_rows, the LM head): 1-8 tokens in one pass over the weights, 4 rows at a
  *   time, K-blocked so x stays in L1, the weights prefetched into L2.
  * - tile path: 32 rows x 128 columns dequantized once (16-row gathers) into L1, then an outer-product
  *   microkernel of up to 12 tokens x 32 rows (24 zmm accumulators).
@@ -125,9 +125,12 @@ INLINE void fp8_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, in
  *
  * Order of work (bf16_dot_rows): rows in blocks of BF_RB; a block's columns in K blocks of BF_KB, so the x of all
  * the tokens for one K block stays in L1 while it serves every row of the block (8 tokens x 512 columns = 16 KB; the
- * whole of x at K = 4096 and 8 tokens is 128 KB); within a K block 4 rows at a time for up to 4 tokens and 2 for 5-8
- * (at most 16 accumulators), so every token rides the one pass over the weights and each x load serves 2-4 rows.
- * Between K blocks the accumulators wait in a small buffer. The weights are prefetched BF_PF_BLOCKS K blocks ahead
+ * whole of x at K = 4096 and 8 tokens is 128 KB); within a K block 4 rows at a time (16 accumulators for 4 tokens),
+ * so every token rides the one pass over the weights and each x load serves 4 rows; 5-8 tokens run tokens 0-3, then
+ * tokens 4..T-1 over the same 4 rows' K block, which the first half has just brought into L1. Between K blocks (and
+ * halves) the accumulators wait in a small buffer. 2 rows x 8 tokens instead (each x load serving 2 rows) ran at
+ * 72 % of the FMA peak on one core from DRAM against 84-87 % for the halves (2 threads, the Flash head at 8 tokens:
+ * 50 -> 42-43.5 ms, 6 tokens 41-45 -> 34 ms). The weights are prefetched BF_PF_BLOCKS K blocks ahead
  * into L2, not L1, whose few miss buffers held the stream up. Measured on a 2-core Zen 4 with a model's own head
  * (huge pages), each call timed beside the read probe, two builds alternated: at 1-4 tokens the head took 1.3-1.7x
  * the probe's time with the L1 prefetch one block ahead (and whole rows at 1-2 tokens), 1.0-1.15x with this. */
@@ -154,7 +157,7 @@ INLINE void bf16_span(const int NW, const int NT, const uint16_t *w, int64_t K, 
         for (int r = 0; r < NW; r++) {
             const uint16_t *wr = w + r * K + c;
             const __m512i v = left >= 32 ? _mm512_loadu_si512((const void *)wr) : _mm512_maskz_loadu_epi16(m, wr);
-            _mm_prefetch((const char *)(wr + pf), _MM_HINT_T1);
+            if (pf) _mm_prefetch((const char *)(wr + pf), _MM_HINT_T1);
             e[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
             o[r] = _mm512_castsi512_ps(_mm512_and_si512(v, mhi));
         }
@@ -192,7 +195,6 @@ static float *bf16_blocked_x(const mm_job *j) {
 
 static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, T = j->T;
-    const int nw = T <= 4 ? 4 : 2; /* rows at a time: at most 16 accumulators */
     /* the blocked copy of x where the rows make it worth its bytes (it is at most 1/16 of theirs) */
     float *xl = (n1 - n0) * K * 2 >= 16 * T * j->kp * 4 ? bf16_blocked_x(j) : NULL;
     __m512 st[BF_RB * DOT_MAX] __attribute__((aligned(64))); /* row n - nb, token t at st[(n - nb) * DOT_MAX + t] */
@@ -208,22 +210,17 @@ static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
             int64_t n = nb;
             const uint16_t *w = (const uint16_t *)j->w;
 #define SPAN(NW, NT) bf16_span(NW, NT, w + n * K, K, xb, ldx, c0, c1, c0 == 0, st + (n - nb) * DOT_MAX, pf)
-            if (nw == 4)
-                for (; n + 3 < ne; n += 4) switch (T) {
-                    case 1: SPAN(4, 1); break;
-                    case 2: SPAN(4, 2); break;
-                    case 3: SPAN(4, 3); break;
-                    default: SPAN(4, 4); break;
-                    }
-            for (; n + 1 < ne; n += 2) switch (T) {
-                case 1: SPAN(2, 1); break;
-                case 2: SPAN(2, 2); break;
-                case 3: SPAN(2, 3); break;
-                case 4: SPAN(2, 4); break;
-                case 5: SPAN(2, 5); break;
-                case 6: SPAN(2, 6); break;
-                case 7: SPAN(2, 7); break;
-                default: SPAN(2, 8); break;
+/* tokens 4..T-1 over the same K block of the same rows, just read: no prefetch, x and the totals 4 tokens on */
+#define SPAN_HI(NW, NT) bf16_span(NW, NT, w + n * K, K, xb + 4 * ldx, ldx, c0, c1, c0 == 0, st + (n - nb) * DOT_MAX + 4, 0)
+            for (; n + 3 < ne; n += 4) switch (T) {
+                case 1: SPAN(4, 1); break;
+                case 2: SPAN(4, 2); break;
+                case 3: SPAN(4, 3); break;
+                case 4: SPAN(4, 4); break;
+                case 5: SPAN(4, 4); SPAN_HI(4, 1); break;
+                case 6: SPAN(4, 4); SPAN_HI(4, 2); break;
+                case 7: SPAN(4, 4); SPAN_HI(4, 3); break;
+                default: SPAN(4, 4); SPAN_HI(4, 4); break;
                 }
             for (; n < ne; n++) switch (T) {
                 case 1: SPAN(1, 1); break;
@@ -235,6 +232,7 @@ static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
                 case 7: SPAN(1, 7); break;
                 default: SPAN(1, 8); break;
                 }
+#undef SPAN_HI
 #undef SPAN
         }
         for (int64_t n = nb; n < ne; n++)

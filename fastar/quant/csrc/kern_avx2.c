@@ -5,7 +5,9 @@
  *   and dequantized in registers, the group's tokens accumulate against it, each in an order that does not
  *   depend on T (DOT_DISPATCH in simd.h: batch-invariant). Activations are pre-permuted (xp, see the maps) so the cheapest in-lane unpacking
  *   order of the weights lines up with them; scales are applied once per group to a partial sum (exact: a
- *   power of two), so the inner loop is shuffles + FMAs.
+ *   power of two), so the inner loop is shuffles + FMAs. BF16 weights with 2-8 tokens (the LM head of a batched
+ *   step) walk a block of rows K block by K block instead, 2 rows x 2 tokens at a time (bf16_dot_rows): the same
+ *   sums.
  * - tile path (larger T, prefill): a 16-row x 128-column tile is dequantized once into an L1 buffer, already
  *   transposed (row gathers), and an outer-product microkernel (6 tokens x 16 rows = 12 accumulators)
  *   reuses it for every token. Tile values are exact (value * scale), so products round like the reference.
@@ -205,6 +207,101 @@ INLINE void bf16_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, i
         }
     }
     for (int t = 0; t < nt; t++) acc[t] += hsum(_mm256_add_ps(pa[t], pb[t]));
+}
+
+/* BF16 weights with 2-8 tokens (the LM head of a batched decode step or a verify pass): the same (row, token) sums
+ * as bf16_dot_row, each the same two FMA chains in column order, so the bits do not depend on T. Rows in blocks of
+ * BF_RB, a block's columns in K blocks of BF_KB, so the x of every token for one K block (8 tokens x 512 columns =
+ * 16 KB, copied into K-block order) stays in L1 while it serves every row of the block; within a K block 2 rows and
+ * 2 tokens at a time (8 accumulators of the 16 registers; each x load serves 2 rows, each widened weight vector 2
+ * tokens), token pairs one after another over the 2 rows' K block, which the first pair brought into L1. Between K
+ * blocks the chains wait in a small buffer. bf16_dot_row's shape (one row, 4 tokens over the whole row, tokens 5-8 in
+ * a second pass) reads x from L2 once T * 16 KB leaves L1 and loads 9 vectors per 8 FMAs. */
+#define BF_RB 8        /* rows per block (a multiple of 2) */
+#define BF_KB 512      /* columns per K block (a multiple of 16) */
+#define BF_PF_BLOCKS 2 /* how many K blocks ahead to prefetch (into L2) */
+
+/* Rows w, w + K (NW of them), tokens 0..NT-1 of x (token t's column c at x[t * ldx + c - c0]), columns [c0, c1),
+ * continuing the chains in st (row r, token t at st[(r * DOT_MAX + t) * 2], even and odd; zero when first). */
+INLINE void bf16_span(const int NW, const int NT, const uint16_t *w, int64_t K, const float *x, int64_t ldx,
+                      int64_t c0, int64_t c1, int first, __m256 *st, int64_t pf) {
+    const __m256i mhi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 pa[2][2], pb[2][2];
+    for (int r = 0; r < NW; r++)
+        for (int t = 0; t < NT; t++) {
+            pa[r][t] = first ? _mm256_setzero_ps() : st[(r * DOT_MAX + t) * 2];
+            pb[r][t] = first ? _mm256_setzero_ps() : st[(r * DOT_MAX + t) * 2 + 1];
+        }
+    for (int64_t c = c0; c < c1; c += 16) {
+        __m256 e[2], o[2];
+        for (int r = 0; r < NW; r++) {
+            const uint16_t *wr = w + r * K + c;
+            __m256i v;
+            if (c + 16 <= c1) {
+                v = _mm256_loadu_si256((const __m256i *)wr);
+            } else {
+                uint16_t tmp[16] = {0};
+                memcpy(tmp, wr, (size_t)(c1 - c) * 2);
+                v = _mm256_loadu_si256((const __m256i *)tmp);
+            }
+            if (pf) _mm_prefetch((const char *)(wr + pf), _MM_HINT_T1);
+            e[r] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            o[r] = _mm256_castsi256_ps(_mm256_and_si256(v, mhi));
+        }
+        for (int t = 0; t < NT; t++) {
+            const float *xt = x + t * ldx + (c - c0);
+            __m256 xe = _mm256_loadu_ps(xt), xo = _mm256_loadu_ps(xt + 8);
+            if (NW > 1) __asm__("" : "+x"(xe), "+x"(xo)); /* one load for both rows: the compiler would reload */
+            for (int r = 0; r < NW; r++) {
+                pa[r][t] = _mm256_fmadd_ps(xe, e[r], pa[r][t]);
+                pb[r][t] = _mm256_fmadd_ps(xo, o[r], pb[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < NW; r++)
+        for (int t = 0; t < NT; t++) {
+            st[(r * DOT_MAX + t) * 2] = pa[r][t];
+            st[(r * DOT_MAX + t) * 2 + 1] = pb[r][t];
+        }
+}
+
+static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    const int64_t K = j->K, T = j->T;
+    /* the blocked copy of x where the rows make it worth its bytes (it is at most 1/16 of theirs) */
+    float *xl = (n1 - n0) * K * 2 >= 16 * T * j->kp * 4 ? dot_blocked_x(j, BF_KB) : NULL;
+    __m256 st[BF_RB * DOT_MAX * 2] __attribute__((aligned(32)));
+    const int64_t ahead = BF_PF_BLOCKS * BF_KB;
+    for (int64_t nb = n0; nb < n1; nb += BF_RB) {
+        const int64_t ne = nb + BF_RB < n1 ? nb + BF_RB : n1;
+        for (int64_t c0 = 0, c1; c0 < K; c0 = c1) {
+            c1 = c0 + BF_KB < K ? c0 + BF_KB : K;
+            const float *xb = xl ? xl + (c0 / BF_KB) * T * BF_KB : j->xp + c0;
+            const int64_t ldx = xl ? BF_KB : j->kp;
+            /* prefetch `ahead` columns on in the row; near its end, the same place in the next block of rows */
+            const int64_t pf = c0 + ahead < K ? ahead : ahead - K + (ne - nb) * K;
+            const uint16_t *w = (const uint16_t *)j->w;
+            for (int64_t n = nb; n < ne;) {
+                const int nw = n + 1 < ne ? 2 : 1;
+                for (int64_t t = 0; t < T; t += 2) {
+                    /* the first token pair prefetches; the others find the rows' K block in L1 */
+                    const int64_t p = t ? 0 : pf;
+                    __m256 *s = st + ((n - nb) * DOT_MAX + t) * 2;
+                    const float *xt = xb + t * ldx;
+                    if (nw == 2 && t + 1 < T) bf16_span(2, 2, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
+                    else if (nw == 2) bf16_span(2, 1, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
+                    else if (t + 1 < T) bf16_span(1, 2, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
+                    else bf16_span(1, 1, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
+                }
+                n += nw;
+            }
+        }
+        for (int64_t n = nb; n < ne; n++)
+            for (int64_t t = 0; t < T; t++) {
+                const __m256 *s = st + ((n - nb) * DOT_MAX + t) * 2;
+                put(j, t, n, 0.0f + hsum(_mm256_add_ps(s[0], s[1])));
+            }
+    }
+    free(xl);
 }
 
 /* ---------------------------------------------------------------- tile path (prefill) */
@@ -409,7 +506,8 @@ static void fp8_rows(const mm_job *j, int64_t n0, int64_t n1) {
     if (j->dot) { DOT_DISPATCH(fp8_dot_row) } else tile_rows(j, n0, n1, fp8_tile);
 }
 static void bf16_rows(const mm_job *j, int64_t n0, int64_t n1) {
-    if (j->dot) { DOT_DISPATCH(bf16_dot_row) } else tile_rows(j, n0, n1, bf16_tile);
+    if (j->dot && j->T > 1) bf16_dot_rows(j, n0, n1);
+    else if (j->dot) { DOT_DISPATCH(bf16_dot_row) } else tile_rows(j, n0, n1, bf16_tile);
 }
 
 static double fma_loop(int64_t iters) {

@@ -176,27 +176,10 @@ INLINE void bf16_span(const int NW, const int NT, const uint16_t *w, int64_t K, 
         for (int t = 0; t < NT; t++) st[r * DOT_MAX + t] = acc[r][t];
 }
 
-/* x for the K-blocked walk: K block b of token t at xl[(b * T + t) * BF_KB] (one K block of all the tokens is one
- * contiguous run: the tokens' rows of xp lie kp floats apart, which at K = 4096 puts them all on the same L1 sets).
- * Returns NULL when out of memory (the caller then reads xp in place: same sums, slower). */
-static float *bf16_blocked_x(const mm_job *j) {
-    const int64_t nkb = (j->kp + BF_KB - 1) / BF_KB;
-    float *xl = aligned_alloc(64, (size_t)(nkb * j->T * BF_KB) * sizeof(float));
-    if (!xl) return NULL;
-    for (int64_t b = 0; b < nkb; b++)
-        for (int64_t t = 0; t < j->T; t++) {
-            const int64_t n = j->kp - b * BF_KB < BF_KB ? j->kp - b * BF_KB : BF_KB;
-            float *d = xl + (b * j->T + t) * BF_KB;
-            memcpy(d, j->xp + t * j->kp + b * BF_KB, (size_t)n * sizeof(float));
-            memset(d + n, 0, (size_t)(BF_KB - n) * sizeof(float));
-        }
-    return xl;
-}
-
 static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
     const int64_t K = j->K, T = j->T;
     /* the blocked copy of x where the rows make it worth its bytes (it is at most 1/16 of theirs) */
-    float *xl = (n1 - n0) * K * 2 >= 16 * T * j->kp * 4 ? bf16_blocked_x(j) : NULL;
+    float *xl = (n1 - n0) * K * 2 >= 16 * T * j->kp * 4 ? dot_blocked_x(j, BF_KB) : NULL;
     __m512 st[BF_RB * DOT_MAX] __attribute__((aligned(64))); /* row n - nb, token t at st[(n - nb) * DOT_MAX + t] */
     const int64_t ahead = BF_PF_BLOCKS * BF_KB;
     for (int64_t nb = n0; nb < n1; nb += BF_RB) {

@@ -7,6 +7,9 @@
 #ifndef FASTAR_SIMD_H
 #define FASTAR_SIMD_H
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "kernels.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -26,6 +29,24 @@
 INLINE void put(const mm_job *j, int64_t t, int64_t n, float v) {
     float *o = j->out + t * j->ldo + n;
     *o = j->accumulate ? *o + v : v;
+}
+
+/* x of a K-blocked dot path (the BF16 weights' kernels walk a block of rows K block by K block): K block b of token t
+ * at xl[(b * T + t) * kb], zero-padded, so one K block of all the tokens is one contiguous run (the tokens' rows of
+ * xp lie kp floats apart, which at K = 4096 puts them all on the same L1 sets). Returns NULL when out of memory (the
+ * caller then reads xp in place: the same sums, slower). */
+INLINE float *dot_blocked_x(const mm_job *j, int64_t kb) {
+    const int64_t nkb = (j->kp + kb - 1) / kb;
+    float *xl = aligned_alloc(64, (size_t)(nkb * j->T * kb) * sizeof(float));
+    if (!xl) return NULL;
+    for (int64_t b = 0; b < nkb; b++)
+        for (int64_t t = 0; t < j->T; t++) {
+            const int64_t n = j->kp - b * kb < kb ? j->kp - b * kb : kb;
+            float *d = xl + (b * j->T + t) * kb;
+            memcpy(d, j->xp + t * j->kp + b * kb, (size_t)n * sizeof(float));
+            memset(d + n, 0, (size_t)(kb - n) * sizeof(float));
+        }
+    return xl;
 }
 
 /* The dot-path driver of the product kernels (each file defines its ROW kernels): rows in blocks of DOT_RB, tokens

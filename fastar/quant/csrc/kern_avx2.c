@@ -265,43 +265,39 @@ INLINE void bf16_span(const int NW, const int NT, const uint16_t *w, int64_t K, 
         }
 }
 
-static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
+static void bf16_kblock(const mm_job *j, int64_t nb, int64_t ne, int64_t c0, int64_t c1, const float *xb, int64_t ldx,
+                        int64_t pf, void *sums) {
     const int64_t K = j->K, T = j->T;
-    /* the blocked copy of x where the rows make it worth its bytes (it is at most 1/16 of theirs) */
-    float *xl = (n1 - n0) * K * 2 >= 16 * T * j->kp * 4 ? dot_blocked_x(j, BF_KB) : NULL;
-    __m256 st[BF_RB * DOT_MAX * 2] __attribute__((aligned(32)));
-    const int64_t ahead = BF_PF_BLOCKS * BF_KB;
-    for (int64_t nb = n0; nb < n1; nb += BF_RB) {
-        const int64_t ne = nb + BF_RB < n1 ? nb + BF_RB : n1;
-        for (int64_t c0 = 0, c1; c0 < K; c0 = c1) {
-            c1 = c0 + BF_KB < K ? c0 + BF_KB : K;
-            const float *xb = xl ? xl + (c0 / BF_KB) * T * BF_KB : j->xp + c0;
-            const int64_t ldx = xl ? BF_KB : j->kp;
-            /* prefetch `ahead` columns on in the row; near its end, the same place in the next block of rows */
-            const int64_t pf = c0 + ahead < K ? ahead : ahead - K + (ne - nb) * K;
-            const uint16_t *w = (const uint16_t *)j->w;
-            for (int64_t n = nb; n < ne;) {
-                const int nw = n + 1 < ne ? 2 : 1;
-                for (int64_t t = 0; t < T; t += 2) {
-                    /* the first token pair prefetches; the others find the rows' K block in L1 */
-                    const int64_t p = t ? 0 : pf;
-                    __m256 *s = st + ((n - nb) * DOT_MAX + t) * 2;
-                    const float *xt = xb + t * ldx;
-                    if (nw == 2 && t + 1 < T) bf16_span(2, 2, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
-                    else if (nw == 2) bf16_span(2, 1, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
-                    else if (t + 1 < T) bf16_span(1, 2, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
-                    else bf16_span(1, 1, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
-                }
-                n += nw;
-            }
+    const uint16_t *w = (const uint16_t *)j->w;
+    __m256 *st = sums; /* row n - nb, token t: st[((n - nb) * DOT_MAX + t) * 2], even and odd */
+    for (int64_t n = nb; n < ne;) {
+        const int nw = n + 1 < ne ? 2 : 1;
+        for (int64_t t = 0; t < T; t += 2) {
+            /* the first token pair prefetches; the others find the rows' K block in L1 */
+            const int64_t p = t ? 0 : pf;
+            __m256 *s = st + ((n - nb) * DOT_MAX + t) * 2;
+            const float *xt = xb + t * ldx;
+            if (nw == 2 && t + 1 < T) bf16_span(2, 2, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
+            else if (nw == 2) bf16_span(2, 1, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
+            else if (t + 1 < T) bf16_span(1, 2, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
+            else bf16_span(1, 1, w + n * K, K, xt, ldx, c0, c1, c0 == 0, s, p);
         }
-        for (int64_t n = nb; n < ne; n++)
-            for (int64_t t = 0; t < T; t++) {
-                const __m256 *s = st + ((n - nb) * DOT_MAX + t) * 2;
-                put(j, t, n, 0.0f + hsum(_mm256_add_ps(s[0], s[1])));
-            }
+        n += nw;
     }
-    free(xl);
+}
+
+static void bf16_kblock_done(const mm_job *j, int64_t nb, int64_t ne, const void *sums) {
+    const __m256 *st = sums;
+    for (int64_t n = nb; n < ne; n++)
+        for (int64_t t = 0; t < j->T; t++) {
+            const __m256 *s = st + ((n - nb) * DOT_MAX + t) * 2;
+            put(j, t, n, 0.0f + hsum(_mm256_add_ps(s[0], s[1])));
+        }
+}
+
+static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    __m256 st[BF_RB * DOT_MAX * 2] __attribute__((aligned(32)));
+    dot_kblocked(j, n0, n1, BF_RB, BF_KB, BF_PF_BLOCKS, st, bf16_kblock, bf16_kblock_done);
 }
 
 /* ---------------------------------------------------------------- tile path (prefill) */

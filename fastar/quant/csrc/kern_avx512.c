@@ -176,52 +176,48 @@ INLINE void bf16_span(const int NW, const int NT, const uint16_t *w, int64_t K, 
         for (int t = 0; t < NT; t++) st[r * DOT_MAX + t] = acc[r][t];
 }
 
-static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
+static void bf16_kblock(const mm_job *j, int64_t nb, int64_t ne, int64_t c0, int64_t c1, const float *xb, int64_t ldx,
+                        int64_t pf, void *sums) {
     const int64_t K = j->K, T = j->T;
-    /* the blocked copy of x where the rows make it worth its bytes (it is at most 1/16 of theirs) */
-    float *xl = (n1 - n0) * K * 2 >= 16 * T * j->kp * 4 ? dot_blocked_x(j, BF_KB) : NULL;
-    __m512 st[BF_RB * DOT_MAX] __attribute__((aligned(64))); /* row n - nb, token t at st[(n - nb) * DOT_MAX + t] */
-    const int64_t ahead = BF_PF_BLOCKS * BF_KB;
-    for (int64_t nb = n0; nb < n1; nb += BF_RB) {
-        const int64_t ne = nb + BF_RB < n1 ? nb + BF_RB : n1;
-        for (int64_t c0 = 0, c1; c0 < K; c0 = c1) {
-            c1 = c0 + BF_KB < K ? c0 + BF_KB : K;
-            const float *xb = xl ? xl + (c0 / BF_KB) * T * BF_KB : j->xp + c0;
-            const int64_t ldx = xl ? BF_KB : j->kp;
-            /* prefetch `ahead` columns on in the row; near its end, the same place in the next block of rows */
-            const int64_t pf = c0 + ahead < K ? ahead : ahead - K + (ne - nb) * K;
-            int64_t n = nb;
-            const uint16_t *w = (const uint16_t *)j->w;
+    const uint16_t *w = (const uint16_t *)j->w;
+    __m512 *st = sums; /* row n - nb, token t at st[(n - nb) * DOT_MAX + t] */
+    int64_t n = nb;
 #define SPAN(NW, NT) bf16_span(NW, NT, w + n * K, K, xb, ldx, c0, c1, c0 == 0, st + (n - nb) * DOT_MAX, pf)
 /* tokens 4..T-1 over the same K block of the same rows, just read: no prefetch, x and the totals 4 tokens on */
 #define SPAN_HI(NW, NT) bf16_span(NW, NT, w + n * K, K, xb + 4 * ldx, ldx, c0, c1, c0 == 0, st + (n - nb) * DOT_MAX + 4, 0)
-            for (; n + 3 < ne; n += 4) switch (T) {
-                case 1: SPAN(4, 1); break;
-                case 2: SPAN(4, 2); break;
-                case 3: SPAN(4, 3); break;
-                case 4: SPAN(4, 4); break;
-                case 5: SPAN(4, 4); SPAN_HI(4, 1); break;
-                case 6: SPAN(4, 4); SPAN_HI(4, 2); break;
-                case 7: SPAN(4, 4); SPAN_HI(4, 3); break;
-                default: SPAN(4, 4); SPAN_HI(4, 4); break;
-                }
-            for (; n < ne; n++) switch (T) {
-                case 1: SPAN(1, 1); break;
-                case 2: SPAN(1, 2); break;
-                case 3: SPAN(1, 3); break;
-                case 4: SPAN(1, 4); break;
-                case 5: SPAN(1, 5); break;
-                case 6: SPAN(1, 6); break;
-                case 7: SPAN(1, 7); break;
-                default: SPAN(1, 8); break;
-                }
+    for (; n + 3 < ne; n += 4) switch (T) {
+        case 1: SPAN(4, 1); break;
+        case 2: SPAN(4, 2); break;
+        case 3: SPAN(4, 3); break;
+        case 4: SPAN(4, 4); break;
+        case 5: SPAN(4, 4); SPAN_HI(4, 1); break;
+        case 6: SPAN(4, 4); SPAN_HI(4, 2); break;
+        case 7: SPAN(4, 4); SPAN_HI(4, 3); break;
+        default: SPAN(4, 4); SPAN_HI(4, 4); break;
+        }
+    for (; n < ne; n++) switch (T) {
+        case 1: SPAN(1, 1); break;
+        case 2: SPAN(1, 2); break;
+        case 3: SPAN(1, 3); break;
+        case 4: SPAN(1, 4); break;
+        case 5: SPAN(1, 5); break;
+        case 6: SPAN(1, 6); break;
+        case 7: SPAN(1, 7); break;
+        default: SPAN(1, 8); break;
+        }
 #undef SPAN_HI
 #undef SPAN
-        }
-        for (int64_t n = nb; n < ne; n++)
-            for (int64_t t = 0; t < T; t++) put(j, t, n, 0.0f + _mm512_reduce_add_ps(st[(n - nb) * DOT_MAX + t]));
-    }
-    free(xl);
+}
+
+static void bf16_kblock_done(const mm_job *j, int64_t nb, int64_t ne, const void *sums) {
+    const __m512 *st = sums;
+    for (int64_t n = nb; n < ne; n++)
+        for (int64_t t = 0; t < j->T; t++) put(j, t, n, 0.0f + _mm512_reduce_add_ps(st[(n - nb) * DOT_MAX + t]));
+}
+
+static void bf16_dot_rows(const mm_job *j, int64_t n0, int64_t n1) {
+    __m512 st[BF_RB * DOT_MAX] __attribute__((aligned(64)));
+    dot_kblocked(j, n0, n1, BF_RB, BF_KB, BF_PF_BLOCKS, st, bf16_kblock, bf16_kblock_done);
 }
 
 /* ---------------------------------------------------------------- tile path (prefill) */

@@ -49,6 +49,34 @@ INLINE float *dot_blocked_x(const mm_job *j, int64_t kb) {
     return xl;
 }
 
+/* One K block of a K-blocked dot path: rows [nb, ne), columns [c0, c1), the x of the call's tokens (token t's column c
+ * at xb[t * ldx + c - c0]), how far on in the weights to prefetch (pf), and the kernel's buffer of running sums. */
+typedef void (*kblock_fn)(const mm_job *j, int64_t nb, int64_t ne, int64_t c0, int64_t c1, const float *xb, int64_t ldx,
+                          int64_t pf, void *sums);
+/* Rows [nb, ne) are summed: their outputs from the buffer. */
+typedef void (*kblock_done_fn)(const mm_job *j, int64_t nb, int64_t ne, const void *sums);
+
+/* The BF16 weights' K-blocked walk (each x86 ISA's kernels do the blocks): rows in blocks of rb, a block's columns in
+ * K blocks of kb, x copied into K-block order where the rows make it worth its bytes (the copy is at most 1/16 of
+ * theirs), the weights prefetched `ahead_blocks` K blocks on in the row, near its end the same place in the next
+ * block of rows. */
+INLINE void dot_kblocked(const mm_job *j, int64_t n0, int64_t n1, int64_t rb, int64_t kb, int64_t ahead_blocks,
+                         void *sums, kblock_fn block, kblock_done_fn done) {
+    const int64_t K = j->K, T = j->T, ahead = ahead_blocks * kb;
+    float *xl = (n1 - n0) * K * 2 >= 16 * T * j->kp * 4 ? dot_blocked_x(j, kb) : NULL;
+    for (int64_t nb = n0; nb < n1; nb += rb) {
+        const int64_t ne = nb + rb < n1 ? nb + rb : n1;
+        for (int64_t c0 = 0, c1; c0 < K; c0 = c1) {
+            c1 = c0 + kb < K ? c0 + kb : K;
+            const float *xb = xl ? xl + (c0 / kb) * T * kb : j->xp + c0;
+            const int64_t pf = c0 + ahead < K ? ahead : ahead - K + (ne - nb) * K;
+            block(j, nb, ne, c0, c1, xb, xl ? kb : j->kp, pf, sums);
+        }
+        done(j, nb, ne, sums);
+    }
+    free(xl);
+}
+
 /* The dot-path driver of the product kernels (each file defines its ROW kernels): rows in blocks of DOT_RB, tokens
  * in groups of DOT_GROUP, every (row, token) summed over all K columns by ROW in one order that depends on neither
  * T nor the token's place in the batch. So for T <= dot_max a token's outputs are bit-identical whether it runs

@@ -411,9 +411,9 @@ def test_bf16_weights_several_tokens_match_each_token_alone(isa, n, k):
 )
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_weights_any_batch_place_and_block_boundary(isa, n, k):
-    """The BF16-weight dot path walks a block of rows K block by K block (512 columns) with 3-8 tokens, and 1-2
-    tokens along whole rows (in two stretches past 1024 columns), 1 or 4 rows at a time (5-8 tokens in two halves over
-    the same 4 rows); a (row, token) sum must
+    """The BF16-weight dot path walks a block of rows K block by K block (512 columns): on AVX-512 at every T, 1 or 4
+    rows at a time (5-8 tokens in two halves over the same 4 rows), on AVX2 at 2-8 tokens, 1 or 2 rows and 2 tokens
+    at a time (1 token along whole rows); a (row, token) sum must
     come out the same at every T, at every place in the batch, across K block boundaries (K one below, at and one
     above a block, K not a multiple of 32 or of 16, 1555 = 512 + 1043 stretches) and for row counts
     that leave 1-3 rows over (13 = 8 + 4 + 1, 21 = 2 x 8 + 4 + 1, 6 = 4 + 1 + 1, 7 = 4 + 3 x 1, 300 rows over threads),

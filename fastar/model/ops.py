@@ -59,7 +59,7 @@ def c_arrays(*ts: torch.Tensor) -> list | None:
     """Row-major numpy views of the tensors for the C extension (a copy only where one is not contiguous), or None
     when it cannot take them (not built; not float32 on the CPU; autograd; empty). The C calls reshape on the numpy
     side: a few microseconds less per call than torch views, which is most of a small op's cost at decode."""
-    if _C is None or (_open_scopes[0] and getattr(_scope, "torch_only", False)):
+    if not c_enabled():
         return None
     out = []
     for t in ts:

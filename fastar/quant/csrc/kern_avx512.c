@@ -129,8 +129,9 @@ INLINE void fp8_dot_row(const mm_job *j, int64_t n, const int nt, int64_t cb, in
  * so every token rides the one pass over the weights and each x load serves 4 rows; 5-8 tokens run tokens 0-3, then
  * tokens 4..T-1 over the same 4 rows' K block, which the first half has just brought into L1. Between K blocks (and
  * halves) the accumulators wait in a small buffer. 2 rows x 8 tokens instead (each x load serving 2 rows) ran at
- * 72 % of the FMA peak on one core from DRAM against 84-87 % for the halves (2 threads, the Flash head at 8 tokens:
- * 50 -> 42-43.5 ms, 6 tokens 41-45 -> 34 ms). The weights are prefetched BF_PF_BLOCKS K blocks ahead
+ * 72 % of the FMA peak on one core from DRAM against 84-87 % for the halves (the Flash head at 8 tokens, 2 threads,
+ * in a process of its own: 49 -> 41.5 ms; inside `fastar bench --profile 8` the old shape was as fast, see
+ * docs/PERFORMANCE.md). The weights are prefetched BF_PF_BLOCKS K blocks ahead
  * into L2, not L1, whose few miss buffers held the stream up. Measured on a 2-core Zen 4 with a model's own head
  * (huge pages), each call timed beside the read probe, two builds alternated: at 1-4 tokens the head took 1.3-1.7x
  * the probe's time with the L1 prefetch one block ahead (and whole rows at 1-2 tokens), 1.0-1.15x with this. */

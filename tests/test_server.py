@@ -318,6 +318,15 @@ def test_health_models_and_tokenize(server):
     assert json.loads(body)["tokens"] == FakeTokenizer().encode_chat(msgs, thinking_mode="thinking")
 
 
+def test_models_retrieve(server):
+    """`models.retrieve` (GET /v1/models/{model}) gives the listed entry; another name is the client's NotFoundError."""
+    cl = client(server)
+    assert cl.models.retrieve("deepseek-v4-flash") == cl.models.list().data[0]
+    with pytest.raises(openai.NotFoundError) as ei:
+        cl.models.retrieve("gpt-4o")
+    assert ei.value.body["code"] == "model_not_found" and ei.value.body["param"] == "model"
+
+
 def test_chat_non_streaming_with_usage(server):
     r = chat(client(server), "hello there", extra_body=NO_THINK)
     msg = r.choices[0].message

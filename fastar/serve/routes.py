@@ -2,8 +2,9 @@
 
 Owns:
   * `OpenAIRoutes(server).routes()`: the Starlette routes of the OpenAI surface (`/v1/chat/completions`,
-    `/v1/completions`, `/v1/models`, `/tokenize`, `/detokenize`, `/health`, `/metrics`, with their unversioned
-    aliases). Handlers never call the model: they build a `Job` and submit it to the worker's bounded queue.
+    `/v1/completions`, `/v1/models`, `/v1/models/{model}`, `/tokenize`, `/detokenize`, `/health`, `/metrics`,
+    with their unversioned aliases). Handlers never call the model: they build a `Job` and submit it to the
+    worker's bounded queue.
   * `LoopEvents`: a job's event queue that the worker thread fills and the event loop reads.
 
 Does not own: prompt admission (`fastar.serve.admission`: the text and size checks and tokenizing, shared with
@@ -91,6 +92,8 @@ class OpenAIRoutes:
         table = [
             ("/v1/models", self.models, get),
             ("/models", self.models, get),
+            ("/v1/models/{model:path}", self.model, get),
+            ("/models/{model:path}", self.model, get),
             ("/metrics", self.metrics, get),
             ("/health", self.health, get),
             ("/v1/health", self.health, get),
@@ -117,25 +120,26 @@ class OpenAIRoutes:
         # the expert cache's warm-up: "loading" (with progress) while requests are already served, then "ready"
         return JSONResponse({"status": "ok", "experts": host.engine.warm_status()})
 
-    async def models(self, request: Request) -> Response:
+    def _model_entry(self) -> dict:
         engine = self.server.host.require_engine()
-        names, ctx = self.server.model_names, engine.context_length
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": names[0],
-                        "object": "model",
-                        "created": self.server.started,
-                        "owned_by": "fastar",
-                        "root": getattr(engine, "model_name_default", names[0]),
-                        "max_model_len": ctx,
-                        "context_length": ctx,
-                    }
-                ],
-            }
-        )
+        name, ctx = self.server.model_names[0], engine.context_length
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.server.started,
+            "owned_by": "fastar",
+            "root": getattr(engine, "model_name_default", name),
+            "max_model_len": ctx,
+            "context_length": ctx,
+        }
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{model}` (the `openai` client's `models.retrieve`): the served model, or a 404."""
+        fields.check_model({"model": request.path_params["model"]}, self.server.model_names)
+        return JSONResponse(self._model_entry())
 
     async def metrics(self, request: Request) -> Response:
         return PlainTextResponse(

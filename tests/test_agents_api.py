@@ -706,3 +706,19 @@ def test_anthropic_budget_tokens_must_be_below_max_tokens_and_reaches_the_engine
     assert A.parse_request(low, backend)[2]["thinking_budget"] == 1024
     req = R.parse_request({"input": "hi", "reasoning": {"effort": "medium"}}, backend, R.ResponseStore())
     assert req.sampling["thinking_budget"] == 8192
+
+
+def test_a_conversation_ending_with_an_assistant_turn_is_a_400_not_a_reply_after_eos(backend):
+    """Assistant prefill: the encoder renders a last assistant turn closed with EOS, so the model would answer
+    after the end of the text. A 400 that says so, as Anthropic answers for its models without prefill."""
+    for last in ("Sure, here", [{"type": "tool_use", "id": "t1", "name": "sum", "input": {"xs": [1]}}]):
+        body = {
+            "max_tokens": 20,
+            "tools": [SUM],
+            "messages": [{"role": "user", "content": "please add"}, {"role": "assistant", "content": last}],
+        }
+        with pytest.raises(APIError) as err:
+            A.messages(body, backend)
+        assert err.value.status == 400 and err.value.param == "messages"
+        assert "assistant message prefill" in err.value.message
+        assert A.count_tokens(body, backend)["input_tokens"] > 0  # counting renders what it is given

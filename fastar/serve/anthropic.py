@@ -25,7 +25,9 @@ and the reply: the `message` object, or the SSE event sequence (`message_start`,
 `event: error` if generation fails mid-stream; `ping` fills a long prefill). Errors use Anthropic's shape
 `{"type": "error", "error": {"type", "message"}}`.
 
-`max_tokens` is required (a 400 without it, as Anthropic answers). A stop-sequence hit is `stop_reason:
+`max_tokens` is required (a 400 without it, as Anthropic answers). A conversation must end with a user message:
+assistant prefill (a last assistant turn to continue) is a 400, in the words Anthropic uses for its models without
+prefill. A stop-sequence hit is `stop_reason:
 "stop_sequence"` with the matched string in `stop_sequence`. A thinking block cut off by `max_tokens` is not
 followed by an empty text block.
 
@@ -249,6 +251,11 @@ def parse_request(
             raise bad_request(
                 f"{where}.role must be 'user' or 'assistant', got {json.dumps(msg.get('role'))}", "messages"
             )
+    if not counting and msgs[-1].get("role") == "assistant":  # the encoder would close it: a reply after EOS
+        raise bad_request(
+            "this model does not support assistant message prefill: the conversation must end with a user message",
+            "messages",
+        )
     tools = _tools(body)
     if tools:
         if not messages or messages[0]["role"] != "system":

@@ -722,3 +722,22 @@ def test_a_conversation_ending_with_an_assistant_turn_is_a_400_not_a_reply_after
         assert err.value.status == 400 and err.value.param == "messages"
         assert "assistant message prefill" in err.value.message
         assert A.count_tokens(body, backend)["input_tokens"] > 0  # counting renders what it is given
+
+
+def test_anthropic_defined_tool_types_and_malformed_tools_are_a_400(backend):
+    """A server tool (web search) or an Anthropic-schema tool (bash) would reach the model as a tool without
+    parameters, which it cannot honour: a 400 naming the type. A custom tool (`type` absent or "custom") runs."""
+    msgs = [{"role": "user", "content": "hello"}]
+    bad = {
+        '"web_search_20250305"': {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+        '"bash_20250124"': {"type": "bash_20250124", "name": "bash"},
+        "input_schema must be a JSON Schema object": {"name": "f", "input_schema": "x"},
+        "description must be a string": {"name": "f", "description": {"x": 1}, "input_schema": {"type": "object"}},
+    }
+    for words, tool in bad.items():
+        with pytest.raises(APIError) as err:
+            A.messages({"max_tokens": 5, "messages": msgs, "tools": [SUM, tool]}, backend)
+        assert err.value.status == 400 and err.value.param == "tools" and words in err.value.message
+        assert "tools[1]" in err.value.message
+    ok = A.messages({"max_tokens": 5, "messages": msgs, "tools": [SUM, {**WEATHER, "type": "custom"}]}, backend)
+    assert ok["type"] == "message"

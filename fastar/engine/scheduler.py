@@ -85,7 +85,7 @@ from .generate import ChunkMaker, GenerationChunk
 from .handle import Handle  # (importable from here too)
 from .prefix_cache import PrefixMemory
 from .prompt_logprobs import PromptLogprobs, PromptScorer
-from .sampling import Sampler, SamplingParams, report
+from .sampling import Sampler, SamplingError, SamplingParams, report
 from .thinking_budget import ThinkingBudget, next_token
 
 
@@ -508,10 +508,12 @@ class Scheduler:
     def _may_draft(req: _Request) -> bool:
         """Greedy, or sampled without a seed: drafting keeps its tokens (greedy) or their distribution (sampled); never
         under a grammar (drafts are not checked against its mask), nor while a thinking budget may still force a token
-        (a draft pass would not ask it)."""
+        (a draft pass would not ask it), nor with a `logit_bias` (the drafts and their verification see the model's
+        logits, not the biased ones)."""
         if req.budget is not None and req.budget.open:
             return False
-        return (req.params.is_greedy or req.params.seed is None) and req.params.grammar is None
+        p = req.params
+        return (p.is_greedy or p.seed is None) and p.grammar is None and not p.logit_bias
 
     def _can_draft(self, decoding: list[_Request]) -> bool:
         """A draft/verify step only for a lone sequence that may draft (see the module docstring)."""
@@ -550,7 +552,8 @@ class Scheduler:
     def _sampled(self, req: _Request, logits: torch.Tensor) -> None:
         try:
             picked = next_token(req.budget, req.sampler, logits)
-        except ConstraintError as err:  # its grammar's parser failed: this request ends, the others go on
+        except (ConstraintError, SamplingError) as err:  # its grammar's parser failed, or a logit_bias token is
+            # beyond the vocabulary: this request ends, the others go on
             with self._lock:
                 self._active.remove(req)
             self._metrics.counts["finished"] += 1

@@ -53,6 +53,9 @@ def test_defaults_are_greedy() -> None:
         ("logprobs", 21),
         ("logprobs", -1),
         ("ignore_eos", 1),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"3": 1.0}),
+        ("logit_bias", {3: float("inf")}),
     ],
 )
 def test_bad_values_name_the_field(field: str, value) -> None:
@@ -167,6 +170,20 @@ def test_truncated_tokens_are_never_drawn() -> None:
     s = Sampler(SamplingParams(temperature=1.5, top_k=2, seed=3))
     logits = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6])
     assert {s(logits)[0] for _ in range(300)} == {0, 1}
+
+
+def test_logit_bias_moves_the_draw_not_the_reported_logprobs() -> None:
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    raw = torch.log_softmax(logits, -1)
+    tok, lp, top = Sampler(SamplingParams(logprobs=2, logit_bias={1: -100.0}))(logits)
+    assert tok == 3 and lp == pytest.approx(float(raw[3]))  # the argmax banned: the next one, at the model's logprob
+    assert [t for t, _ in top] == [1, 3]  # the alternatives are the model's too
+    assert Sampler(SamplingParams(logit_bias={2: 100.0}))(logits)[0] == 2
+    sampled = Sampler(SamplingParams(temperature=1.0, seed=0, logit_bias={0: -100.0, 1: -100.0, 3: -100.0}))
+    assert {sampled(logits)[0] for _ in range(50)} == {2}
+    assert logits.tolist() == pytest.approx([0.1, 3.0, -1.0, 2.9])  # the caller's logits are left alone
+    with pytest.raises(SamplingError, match="logit_bias"):
+        Sampler(SamplingParams(logit_bias={4: 1.0}))(logits)
 
 
 def test_argmax_is_torchs_first_largest_value():

@@ -125,6 +125,20 @@ def test_seeded_sampled_request_is_not_drafted(plain, drafted):
     assert sched.metrics()["draft_steps"] == 0 and sched.metrics()["sampled_draft_steps"] == 0
 
 
+def test_logit_biased_request_is_not_drafted(plain, drafted):
+    """A greedy request with a `logit_bias` stays on plain steps (drafts are verified against the unbiased logits):
+    the tokens of plain decoding with that bias, here one that bans the plain greedy run's first token."""
+    needs_invariant_kernels()
+    ids = prompt(3, 11)
+    first = solo(plain, ids, SamplingParams(max_tokens=1))[0].token
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={first: -100.0})
+    expect = solo(plain, ids, params)
+    drafted.drafter.transcripts = [transcript(ids, expect)]
+    got, sched = run_alone(drafted, ids, params)
+    same_chunks(got, expect)
+    assert expect[0].token != first and sched.metrics()["draft_steps"] == 0
+
+
 class UniformDraft(sp.MTPDrafter):
     """The MTP drafter's context upkeep, but each draft drawn (from its own generator) uniformly from `support`:
     a draft distribution q that overlaps the target's, so drafts are accepted and rejected alike."""

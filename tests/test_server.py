@@ -502,6 +502,19 @@ def test_engine_error_mid_stream(server):
     assert chat(cl, "fine", extra_body=NO_THINK).choices[0].message.content == "Echo: fine"
 
 
+def test_logit_bias_is_validated(server):
+    """`logit_bias` maps token ids (string keys) to biases in [-100, 100]; anything else is a 400 naming it, never
+    silently ignored."""
+    cl = client(server)
+    for bias in ("x", [1], {"a": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}, {"5": True}, {"5": None}, {str(10**9): 1}):
+        with pytest.raises(openai.BadRequestError) as ei:
+            chat(cl, "hi", max_tokens=2, logit_bias=bias, extra_body=NO_THINK)
+        assert ei.value.body["param"] == "logit_bias", bias
+        status, _, body = raw(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": bias})
+        assert status == 400 and json.loads(body)["error"]["param"] == "logit_bias", bias
+    assert chat(cl, "hi", logit_bias={"5": -100, "6": 2.5}, extra_body=NO_THINK).choices[0].message.content
+
+
 def test_malformed_requests(server):
     cases = [
         ("POST", "/v1/chat/completions", b"{not json", 400),

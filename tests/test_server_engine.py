@@ -224,6 +224,27 @@ def test_chat_n_choices_equal_solo_requests_with_seed_plus_index(server):
     assert texts == {j: x.choices[0].message.content for j, x in enumerate(solo)}
 
 
+def test_logit_bias_bans_and_forces_tokens(server):
+    """OpenAI's `logit_bias` is applied to the draw: -100 on the greedy first token gives the model's second choice
+    (its logprob still the model's own), +100 on a token makes every token that one."""
+    s, _ = server
+    c = _client(s)
+    kw = dict(model="deepseek-v4-flash", max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    kw["messages"], kw["extra_body"] = (
+        [{"role": "user", "content": "Name a river."}],
+        {"thinking": {"type": "disabled"}},
+    )
+    first = c.chat.completions.create(**kw).choices[0].logprobs.content[0]
+    top = s.host.engine.tokenizer.encode(first.token)
+    assert len(top) == 1
+    banned = c.chat.completions.create(logit_bias={str(top[0]): -100}, **kw).choices[0].logprobs.content[0]
+    assert banned.token == first.top_logprobs[1].token and banned.logprob == first.top_logprobs[1].logprob
+    r = c.completions.create(
+        model="deepseek-v4-flash", prompt="The river", max_tokens=4, temperature=1.0, seed=1, logit_bias={"1000": 100}
+    )
+    assert r.choices[0].text == s.host.engine.tokenizer.decode([1000] * 4)
+
+
 def test_thinking_budget_forces_the_end_of_thinking_on_the_real_engine(server):
     """DeepSeek's/Anthropic's `budget_tokens` on chat completions: after 4 thinking tokens the 5th is `</think>`
     (the random model never writes it itself) and the answer follows; the same tokens as `Engine.chat` with the

@@ -434,8 +434,10 @@ class Engine:
                 self._session = self.open_session()
             session = self._session
         steps = None
-        # a constrained request decodes plainly, and so does one whose thinking budget may force a token
-        if self.drafter is not None and params.grammar is None and params.thinking_budget is None:
+        # a constrained request decodes plainly, and so do one whose thinking budget may force a token and one with a
+        # logit bias (drafting verifies against the model's own logits)
+        plain = params.grammar is not None or params.thinking_budget is not None or params.logit_bias
+        if self.drafter is not None and not plain:
             steps = functools.partial(
                 speculative.speculative_generate_step,
                 drafter=self.drafter,

@@ -1,8 +1,9 @@
 """Sampling: the parameters of one generation and the pure functions that turn logits into a token.
 
 Owns: `SamplingParams` (validated once, at the boundary), the logits processors (temperature, top-k, top-p,
-min-p) and `Sampler`, which turns one position's logits into `(token, logprob, top_logprobs)`. Does not touch
-the model, the tokenizer or text: stop strings and stop tokens are decided by `fastar.engine.generate`.
+min-p; a request's `logit_bias` is added before them all) and `Sampler`, which turns one position's logits into
+`(token, logprob, top_logprobs)`. Does not touch the model, the tokenizer or text: stop strings and stop tokens are
+decided by `fastar.engine.generate`.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits, before temperature and
 truncation), as vLLM and the OpenAI API report them, so they do not change when sampling settings do. That holds
@@ -60,12 +61,16 @@ class SamplingParams:
     grammar: CompiledGrammar | None = None  # constrained decoding (`fastar.engine.constraint`); None = free
     # thinking tokens before `</think>` is forced (None: no limit; `fastar.engine.thinking_budget`)
     thinking_budget: int | None = None
+    # token id -> a number added to its logit before the draw (OpenAI's `logit_bias`; -100 all but bans a token,
+    # +100 all but forces it); the logprobs reported stay the model's own
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI's `stop` is a string or a list
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
 
         def bad(name: str, want: str) -> None:
             raise SamplingError(f"{name} must be {want}, got {getattr(self, name)!r}")
@@ -96,6 +101,8 @@ class SamplingParams:
             bad("logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.thinking_budget is not None and (not is_int(self.thinking_budget) or self.thinking_budget < 0):
             bad("thinking_budget", "None or an integer >= 0")
+        if not all(is_int(t) and t >= 0 and is_num(b) and math.isfinite(b) for t, b in self.logit_bias.items()):
+            bad("logit_bias", "a dict of token id -> finite number")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "true or false")
         if self.prompt_logprobs is not None and (
@@ -170,15 +177,25 @@ class Sampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator(device="cpu").manual_seed(seed)  # this generation's random stream
         self.constraint = params.grammar.start() if params.grammar is not None else None
+        bias = params.logit_bias
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.long) if bias else None
+        self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32) if bias else None
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
-        """Raises `ConstraintError` when the request's grammar parser fails (it ran out of its per-token fuel)."""
+        """Raises `ConstraintError` when the request's grammar parser fails (it ran out of its per-token fuel), and
+        `SamplingError` when `logit_bias` names a token beyond the vocabulary."""
         logits = logits.reshape(-1).float().cpu()  # [V]; one host copy per token, needed for the text anyway
         p = self.params
         drawn = logits
+        if self.bias_ids is not None:
+            if int(self.bias_ids.max()) >= logits.numel():
+                raise SamplingError(
+                    f"logit_bias names token {int(self.bias_ids.max())}, beyond the {logits.numel()} of the vocabulary"
+                )
+            drawn = logits.index_add(0, self.bias_ids, self.bias_values)  # a new tensor: `logits` stays the model's
         if self.constraint is not None:
             # np.where: the same values as masked_fill, measured several times faster on the 129k vocabulary
-            drawn = torch.from_numpy(np.where(self.constraint.allowed(), logits.numpy(), np.float32(-np.inf)))
+            drawn = torch.from_numpy(np.where(self.constraint.allowed(), drawn.numpy(), np.float32(-np.inf)))
         if p.is_greedy:
             token = argmax(drawn)
         else:

@@ -44,7 +44,8 @@ whatever else runs. As soon as another request is admitted, steps are plain batc
 hold the others' next tokens back behind a wider pass and, the batch already sharing the weight reads, pays little.
 A constrained request (`SamplingParams.grammar`) never drafts: drafts are not checked against the grammar's mask,
 so it decodes plainly, one token a step, its mask applied to its own row by its own `Sampler` (a free request in
-the same step does no mask work). Prompts that may draft are prefilled through the drafter so its context is ready.
+the same step does no mask work). Nor does a request with a `logit_bias` (drafts are verified against the
+unbiased logits). Prompts that may draft are prefilled through the drafter so its context is ready.
 
 Prefix states on disk are read and parsed on the prefix cache's loader thread (`PrefixCache.lookup_async`); the
 request waits for it (neither prefilling nor decoding) while the others keep stepping, and the worker only adopts

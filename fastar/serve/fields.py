@@ -73,6 +73,29 @@ def stop_strings(body: dict) -> list[str]:
     return [s for s in value if s]
 
 
+def logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias`: an object mapping token ids (as strings, JSON keys) to a bias in [-100, 100] added to
+    that token's logit before the draw. The ids are checked against the vocabulary where the engine is known
+    (`check_token_ids`)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(
+            f"'logit_bias' must be an object of token id -> bias, got {json.dumps(value)[:80]}", "logit_bias"
+        )
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"'logit_bias' keys must be token ids, got {json.dumps(key)[:80]}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_request(
+                f"'logit_bias[{key}]' must be a number between -100 and 100, got {json.dumps(bias)[:80]}", "logit_bias"
+            )
+        out[int(key)] = float(bias)
+    return out
+
+
 def check_model(body: dict, model_names: tuple[str, ...]) -> str:
     """The served model name; a request naming another model is a 404, as OpenAI answers it."""
     model = body.get("model")
@@ -133,6 +156,7 @@ def sampling_fields(body: dict, min_tokens: int = 1) -> tuple[dict[str, Any], in
         seed=seed,
         stop=stop_strings(body),
         ignore_eos=boolean(body, "ignore_eos", False),
+        logit_bias=logit_bias(body),
     )
     return params, max_tokens
 

@@ -206,6 +206,7 @@ class OpenAIRoutes:
         max_tokens, and the queue on which every job's events arrive tagged with its index. A prompt given more
         than once is one group (prefilled once). All or none: a prompt refused undoes the ones queued before it."""
         events = LoopEvents()
+        fields.check_token_ids(list(sampling.get("logit_bias") or ()), engine.tokenizer.vocab_size, "logit_bias")
         limits = [
             fields.resolve_max_tokens(
                 len(ids), max_tokens, engine.context_length, getattr(engine, "context_note", None), param

@@ -741,3 +741,18 @@ def test_anthropic_defined_tool_types_and_malformed_tools_are_a_400(backend):
         assert "tools[1]" in err.value.message
     ok = A.messages({"max_tokens": 5, "messages": msgs, "tools": [SUM, {**WEATHER, "type": "custom"}]}, backend)
     assert ok["type"] == "message"
+
+
+def test_responses_text_format_and_max_output_tokens_are_checked_under_their_own_names(backend):
+    """A `text.format` of another type (or a `text` that is not an object) is a 400, not an unconstrained reply
+    echoing the format; a bad `max_output_tokens` is a 400 naming `max_output_tokens`, the field the client sent."""
+    for text, param in ((5, "text"), ({"format": {"type": "xml"}}, "text.format"), ({"format": "json"}, "text.format")):
+        with pytest.raises(APIError) as err:
+            R.parse_request({"input": "hi", "text": text}, backend, R.ResponseStore())
+        assert (err.value.status, err.value.param) == (400, param)
+    for value in (0, -1, "8", 1.5):
+        with pytest.raises(APIError) as err:
+            R.parse_request({"input": "hi", "max_output_tokens": value}, backend, R.ResponseStore())
+        assert (err.value.status, err.value.param) == (400, "max_output_tokens")
+        assert "'max_output_tokens'" in err.value.message
+    assert R.parse_request({"input": "hi", "max_output_tokens": 7.0}, backend, R.ResponseStore()).max_tokens == 7

@@ -213,12 +213,18 @@ class ResponsesRequest:
 
 def _response_format(body: dict) -> dict | None:
     """`text.format` in the chat-completions `response_format` shape (so both APIs render it alike)."""
-    text = body.get("text") or {}
-    fmt = text.get("format") if isinstance(text, dict) else None
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise bad_request(f"'text' must be an object, got {json.dumps(text)[:80]}", "text")
+    fmt = (text or {}).get("format")
     if fmt is None:
         return None
-    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise bad_request("'text.format' must be an object with a 'type'", "text")
+    if not isinstance(fmt, dict) or fmt.get("type") not in grammar_fields.RESPONSE_FORMATS:
+        raise bad_request(
+            f"'text.format' must be an object whose 'type' is one of {', '.join(grammar_fields.RESPONSE_FORMATS)}, "
+            f"got {json.dumps(fmt)[:80]}",
+            "text.format",
+        )
     if fmt["type"] == "text":
         return None
     if fmt["type"] == "json_schema":
@@ -272,10 +278,8 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         backend.default_thinking,
         backend.default_effort,
     )
-    sampling, max_tokens = fields.sampling_fields(
-        {k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")}
-        | {"max_tokens": body.get("max_output_tokens")}
-    )
+    sampling, _ = fields.sampling_fields({k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")})
+    max_tokens = fields.integer(body, "max_output_tokens", 1, None, None)
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         choice = f"function:{choice['name']}"

@@ -43,7 +43,9 @@ answers); `output_config.effort` "low"/"medium" set the same budgets as OpenAI's
 reply is one call of the named tool, or one or more calls (one with `disable_parallel_tool_use`), each input valid
 against its `input_schema`. Tool
 input streams as `input_json_delta` pieces while the model writes the call (`fastar.serve.toolstream`); their
-concatenation is the final input's JSON.
+concatenation is the final input's JSON. Tools are custom tools only: a tool of an Anthropic-defined `type` (web
+search, bash, text editor: Anthropic runs them or gives the model their schema) is a 400, not a tool the model
+would see without parameters.
 
 Does not own: HTTP, the worker, the encoding (`fastar.serve.turn`, `fastar.encoding`). Never imports torch.
 """
@@ -180,10 +182,21 @@ def _tools(body: dict) -> list[dict] | None:
     for j, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_request(f"tools[{j}] must be an object with a 'name'", "tools")
+        if tool.get("type") not in (None, "custom"):  # web search, bash, text editor...: run or described by Anthropic
+            raise bad_request(
+                f"tools[{j}]: tool type {json.dumps(tool['type'])} is not supported "
+                "(only custom tools, with a 'name' and an 'input_schema')",
+                "tools",
+            )
+        schema, description = tool.get("input_schema"), tool.get("description")
+        if schema is not None and not isinstance(schema, dict):
+            raise bad_request(f"tools[{j}].input_schema must be a JSON Schema object", "tools")
+        if description is not None and not isinstance(description, str):
+            raise bad_request(f"tools[{j}].description must be a string", "tools")
         fn: dict[str, Any] = {"name": tool["name"]}
-        if tool.get("description"):
-            fn["description"] = tool["description"]
-        fn["parameters"] = tool.get("input_schema") or {"type": "object", "properties": {}}
+        if description:
+            fn["description"] = description
+        fn["parameters"] = schema or {"type": "object", "properties": {}}
         out.append(fn)
     choice = body.get("tool_choice")
     if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):

@@ -756,3 +756,39 @@ def test_responses_text_format_and_max_output_tokens_are_checked_under_their_own
         assert (err.value.status, err.value.param) == (400, "max_output_tokens")
         assert "'max_output_tokens'" in err.value.message
     assert R.parse_request({"input": "hi", "max_output_tokens": 7.0}, backend, R.ResponseStore()).max_tokens == 7
+
+
+def test_malformed_blocks_get_an_error_naming_the_problem(backend):
+    """A text block without a string `text` is malformed, not of an "unsupported type"; `system` is named as
+    itself; a non-boolean `is_error` is refused rather than read as true; a forced tool call with no tools is
+    worded in this API's terms."""
+    call = {"type": "tool_use", "id": "t1", "name": "sum", "input": {}}
+
+    def refused(**body) -> str:
+        with pytest.raises(APIError) as err:
+            A.messages({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], **body}, backend)
+        assert err.value.status == 400
+        return err.value.message
+
+    def turns(*blocks) -> list[dict]:
+        return [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": list(blocks)},
+        ]
+
+    no_text = {"type": "text", "text": 5}
+    msg = refused(messages=[{"role": "user", "content": [no_text]}])
+    assert msg == "messages[0].content[0]: a text block needs a string 'text'"
+    msg = refused(
+        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "thinking"}]}]
+    )
+    assert msg.startswith("messages[1].content[0]: a thinking block needs a string 'thinking'")
+    assert refused(system=[{"type": "text", "text": "a"}, no_text]) == "system[1]: a text block needs a string 'text'"
+    assert refused(system=5) == "system must be a string or a list of content blocks"
+    msg = refused(messages=turns({"type": "tool_result", "tool_use_id": "t1", "content": [no_text]}))
+    assert msg == "messages[2].content[0].content[0]: a text block needs a string 'text'"
+    msg = refused(messages=turns({"type": "tool_result", "tool_use_id": "t1", "content": "3", "is_error": "no"}))
+    assert msg == "'is_error' must be true or false, got \"no\""
+    msg = refused(tool_choice={"type": "any"})
+    assert msg == '\'tool_choice\' {"type": "any"} forces a tool call, but the request has no tools'

@@ -95,23 +95,32 @@ def api_key_from_headers(headers: Mapping[str, str]) -> str | None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _blocks(content: Any, where: str) -> list[dict]:
+def _blocks(content: Any, field: str) -> list[dict]:
+    """`field` ("system", "messages[0].content", ...) as a list of blocks: a string is one text block."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise bad_request(f"{where}.content must be a string or a list of content blocks", "messages")
+        raise bad_request(f"{field} must be a string or a list of content blocks", "messages")
     return content
 
 
-def _text_of(content: Any, where: str) -> str:
+def _string(block: dict, key: str, at: str) -> str:
+    """A block's text field (`text`, `thinking`): a block of a known type without it is malformed."""
+    if not isinstance(block.get(key), str):
+        raise bad_request(f"{at}: a {block['type']} block needs a string '{key}'", "messages")
+    return block[key]
+
+
+def _text_of(content: Any, field: str) -> str:
     parts = []
-    for block in _blocks(content, where):
-        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+    for j, block in enumerate(_blocks(content, field)):
+        at = f"{field}[{j}]" if isinstance(content, list) else field
+        if block.get("type") != "text":
             raise bad_request(
-                f"{where}: only text blocks are supported here, got {block.get('type')!r} (the model reads text only)",
+                f"{at}: only text blocks are supported here, got {block.get('type')!r} (the model reads text only)",
                 "messages",
             )
-        parts.append(block["text"])
+        parts.append(_string(block, "text", at))
     return "\n".join(parts)
 
 
@@ -119,17 +128,17 @@ def _user_messages(content: Any, where: str) -> list[dict]:
     """A user turn: runs of text blocks become user messages, `tool_result` blocks become tool messages."""
     out: list[dict] = []
     texts: list[str] = []
-    for j, block in enumerate(_blocks(content, where)):
+    for j, block in enumerate(_blocks(content, f"{where}.content")):
         kind = block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+        if kind == "text":
+            texts.append(_string(block, "text", f"{where}.content[{j}]"))
         elif kind == "tool_result":
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
             result = block.get("content", "")
-            text = result if isinstance(result, str) else _text_of(result, f"{where}.content[{j}]")
-            if block.get("is_error"):
+            text = result if isinstance(result, str) else _text_of(result, f"{where}.content[{j}].content")
+            if fields.boolean(block, "is_error", False):
                 text = f"Error: {text}"
             out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""), "content": text})
         else:
@@ -146,12 +155,12 @@ def _user_messages(content: Any, where: str) -> list[dict]:
 def _assistant_message(content: Any, where: str) -> dict:
     msg: dict[str, Any] = {"role": "assistant", "content": ""}
     reasoning, calls = None, []
-    for j, block in enumerate(_blocks(content, where)):
+    for j, block in enumerate(_blocks(content, f"{where}.content")):
         kind = block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str):
-            msg["content"] += block["text"]  # our replies carry one text block: joined as generated
-        elif kind == "thinking" and isinstance(block.get("thinking"), str):
-            reasoning = (reasoning or "") + block["thinking"]
+        if kind == "text":  # our replies carry one text block: joined as generated
+            msg["content"] += _string(block, "text", f"{where}.content[{j}]")
+        elif kind == "thinking":
+            reasoning = (reasoning or "") + _string(block, "thinking", f"{where}.content[{j}]")
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use":
@@ -210,6 +219,9 @@ def _forced_call(choice: Any, tools: list[dict] | None, thinking: bool) -> Any:
         return None
     if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
         raise bad_request("'tool_choice' {\"type\": \"tool\"} needs the tool's 'name'", "tool_choice")
+    if not tools:  # worded in this API's terms (the grammar's own message says "required")
+        forced = json.dumps({"type": choice["type"]})
+        raise bad_request(f"'tool_choice' {forced} forces a tool call, but the request has no tools", "tool_choice")
     kind = "required" if choice["type"] == "any" else f"function:{choice['name']}"
     single = fields.boolean(choice, "disable_parallel_tool_use", False)
     return grammar_fields.output_grammar(thinking, tools, kind, not single, None, "tool_choice")

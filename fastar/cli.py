@@ -482,6 +482,16 @@ def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does (convert removes its .partial file, serve stops)
 
 
+def _stdout_to_devnull() -> None:
+    """After a broken pipe, what is still buffered for stdout would fail again when Python flushes it at exit."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError):  # io.UnsupportedOperation is a ValueError: stdout is no file (a test's capture)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     if sys.stderr is None:  # nowhere to report anything: say it in the exit status only
         return 1
@@ -500,7 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     try:
-        return a.fn(a)
+        code = a.fn(a)
+        sys.stdout.flush()  # a reader gone early (`| head`) shows here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:  # before OSError, its base: the reader took what it wanted; no error, no traceback
+        _stdout_to_devnull()
+        return 0
     except FastarError as e:
         print(f"fastar: error: {e}", file=sys.stderr)
         return 1
@@ -511,5 +526,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fastar: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0

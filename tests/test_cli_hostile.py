@@ -133,6 +133,20 @@ def test_closed_stdout_and_stdin(tiny_fst_path):
     assert "standard input" in one_line_error(r, 1)
 
 
+def test_a_reader_that_leaves_early_is_no_error(tiny_fst_path):
+    """`fastar inspect x.fst | head -1`: stdout is a pipe whose reader is gone (closed here before the start, so
+    every write fails). The command ends quietly with status 0: no "Broken pipe" error, no traceback."""
+    for args in (["inspect", tiny_fst_path, "--all"], ["inspect", tiny_fst_path, "--json"], ["verify", tiny_fst_path]):
+        r, w = os.pipe()
+        os.close(r)
+        try:
+            cmd = [sys.executable, "-m", "fastar", *map(str, args)]
+            p = subprocess.run(cmd, stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(w)
+        assert (p.returncode, p.stderr) == (0, ""), (args, p.returncode, p.stderr[-2000:])
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 
 import pytest
-from test_server import USER, WEATHER_TOOL, FakeEngine
+from test_server import USER, WEATHER_TOOL, FakeEngine, raw, start_server
 
 from fastar.encoding import EOS
 from fastar.serve import anthropic as A
@@ -792,3 +792,20 @@ def test_malformed_blocks_get_an_error_naming_the_problem(backend):
     assert msg == "'is_error' must be true or false, got \"no\""
     msg = refused(tool_choice={"type": "any"})
     assert msg == '\'tool_choice\' {"type": "any"} forces a tool call, but the request has no tools'
+
+
+def test_a_4xx_of_no_anthropic_type_of_its_own_is_an_invalid_request_error():
+    """405 and 415 on the Messages routes: `invalid_request_error` (Anthropic's type for its other 4xx), not
+    `api_error`, which says the server failed; a server fault keeps `api_error`."""
+    srv = start_server(AgentEngine())
+    try:
+        for method, path, body, headers in (
+            ("GET", "/v1/messages", None, {}),
+            ("POST", "/v1/messages", "{}", {"Content-Type": "text/plain"}),
+            ("POST", "/v1/messages/count_tokens", "{}", {"Content-Type": "text/plain"}),
+        ):
+            status, _, data = raw(srv, method, path, body, headers)
+            assert status in (405, 415) and json.loads(data)["error"]["type"] == "invalid_request_error", data
+    finally:
+        srv.shutdown()
+    assert A.error_body(APIError(500, "boom", "server_error"))["error"]["type"] == "api_error"

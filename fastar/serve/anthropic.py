@@ -77,8 +77,10 @@ EFFORTS = ("low", "medium", "high", "max")
 
 
 def error_body(err: APIError) -> dict:
-    """An `APIError` in Anthropic's shape (the HTTP status stays `err.status`)."""
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
+    """An `APIError` in Anthropic's shape (the HTTP status stays `err.status`). A 4xx of no type of its own (405,
+    415, 431) is an `invalid_request_error`, as Anthropic answers them; `api_error` is for the server's own faults."""
+    kind = _ERROR_TYPES.get(err.status, "invalid_request_error" if 400 <= err.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
 def api_key_from_headers(headers: Mapping[str, str]) -> str | None:

@@ -484,7 +484,11 @@ class ChatREPL:
                 self.say("(usage: /save FILE)")
             else:
                 self.session.meta = {"messages": self.messages, "thinking": self.thinking}
-                path = self.session.save(arg)
+                try:
+                    path = self.session.save(arg)
+                except FastarError as e:  # an unwritable path: say so and keep the chat (it is not saved)
+                    self.say(f"(cannot save: {e})")
+                    return True
                 self.say(f"(saved {len(self.messages)} messages, {self.session.num_tokens} tokens to {path})")
         elif cmd == "/load":
             if not arg:

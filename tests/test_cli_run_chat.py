@@ -208,6 +208,8 @@ class FakeSession:
     def save(self, path) -> Path:
         import json
 
+        if Path(path).is_dir():  # as Session.save answers a path it cannot write
+            raise FastarError(f"{path}: cannot write (Is a directory)")
         Path(path).write_text(json.dumps(self.meta))
         return Path(path)
 
@@ -320,6 +322,8 @@ def test_commands(tmp_path: Path) -> None:
     repl.handle("/thinking on")
     repl.handle(f"/load {tmp_path / 'c.json'}")
     assert len(repl.messages) == 3 and repl.thinking is False
+    repl.handle(f"/save {tmp_path}")  # a path that cannot be written: said, and the chat goes on
+    assert f"(cannot save: {tmp_path}: cannot write" in out.getvalue() and len(repl.messages) == 3
     repl.handle("/load /no/such/file")
     assert "(cannot load: /no/such/file: no such file)" in out.getvalue() and len(repl.messages) == 3
     repl.handle("/frobnicate")

@@ -268,6 +268,18 @@ def test_load_errors(tmp_path: Path) -> None:
     assert s.tokens == [1, 2]  # a failed load leaves the session as it was
 
 
+def test_save_errors_name_the_path(tmp_path: Path) -> None:
+    """A path that cannot be written is a `SessionError` naming it (not an OSError naming the temporary file),
+    and leaves no partial file behind."""
+    s, _ = make(fingerprint="model-a")
+    s.prefill([1, 2])
+    (tmp_path / "plain").write_text("x")
+    for bad in (tmp_path, tmp_path / "plain" / "a.session"):  # a folder; a path under a regular file
+        with pytest.raises(SessionError, match=f"^{bad}: cannot write"):
+            s.save(bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]
+
+
 # --- text prompts with the real tokenizer -------------------------------------------------------------------
 
 

@@ -335,7 +335,8 @@ class Session:
     # MAGIC, u32 version, u64 header length, JSON header (fingerprint, tokens, meta), then the state's bytes.
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write tokens, meta and model state to `path` (atomically: a temp file renamed into place)."""
+        """Write tokens, meta and model state to `path` (atomically: a temp file renamed into place). Raises
+        `SessionError` naming `path` when it cannot be written (what was there before is left as it was)."""
         path = Path(path)
         state = b"" if self._state is None or self._dirty else self._state.to_bytes()
         tokens = self._tokens if state else []  # without a state, pending tokens would be recomputed anyway
@@ -343,15 +344,20 @@ class Session:
             {"fingerprint": self.fingerprint, "tokens": tokens, "meta": self.meta, "has_state": bool(state)},
             ensure_ascii=False,
         ).encode()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+        except OSError as e:  # a read-only folder, a path under a regular file: say so of the path asked for
+            raise SessionError(f"{path}: cannot write ({e.strerror})") from None
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + struct.pack("<IQ", VERSION, len(header)) + header)
                 f.write(state)
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(e, OSError):  # a full disk, a folder of that name: not the temporary file's name
+                raise SessionError(f"{path}: cannot write ({e.strerror})") from None
             raise
         return path
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastar.engine.logit_adjust import LogitAdjust
 from fastar.engine.sampling import (
     Sampler,
     SamplingError,
@@ -56,6 +57,9 @@ def test_defaults_are_greedy() -> None:
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {"3": 1.0}),
         ("logit_bias", {3: float("inf")}),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
     ],
 )
 def test_bad_values_name_the_field(field: str, value) -> None:
@@ -184,6 +188,35 @@ def test_logit_bias_moves_the_draw_not_the_reported_logprobs() -> None:
     assert logits.tolist() == pytest.approx([0.1, 3.0, -1.0, 2.9])  # the caller's logits are left alone
     with pytest.raises(SamplingError, match="logit_bias"):
         Sampler(SamplingParams(logit_bias={4: 1.0}))(logits)
+
+
+def test_penalties_follow_the_openai_and_vllm_formulas() -> None:
+    """presence/frequency: `logit[j] -= count[j] * frequency + (count[j] > 0) * presence` over the generated tokens;
+    repetition r over the prompt's and the generated tokens: positive logits divided by r, the others multiplied."""
+    logits = torch.tensor([2.0, 1.9, 0.5, -1.0])
+    adj = LogitAdjust([1], logit_bias={3: 1.0}, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.0)
+    for token in (0, 0, 2):
+        adj.observe(token)
+    assert adj.apply(logits).tolist() == pytest.approx([2.0 - 0.5 - 0.5, 1.9, 0.5 - 0.25 - 0.5, -1.0 + 1.0])
+    rep = LogitAdjust([2, 3], logit_bias={}, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=2.0)
+    rep.observe(0)
+    assert rep.apply(logits).tolist() == pytest.approx([1.0, 1.9, 0.25, -2.0])
+    assert logits.tolist() == pytest.approx([2.0, 1.9, 0.5, -1.0])
+
+    def greedy(**kw) -> list[int]:
+        s = Sampler(SamplingParams(logprobs=0, **kw))
+        out = [s(logits) for _ in range(4)]
+        assert [lp for _, lp, _ in out] == pytest.approx([float(torch.log_softmax(logits, -1)[t]) for t, _, _ in out])
+        return [t for t, _, _ in out]
+
+    assert greedy() == [0, 0, 0, 0]
+    assert greedy(frequency_penalty=0.2) == [0, 1, 0, 1]  # the penalty grows with each repeat
+    assert greedy(presence_penalty=0.2) == [0, 1, 0, 0]  # ... or once, whatever the count
+    assert greedy(repetition_penalty=1.5) == [0, 1, 0, 0]  # 2/1.5 < 1.9, then both seen: 1.33 > 1.27
+    forced = Sampler(SamplingParams(presence_penalty=0.2))
+    forced.forced(logits, 0)  # a forced token (a thinking budget's) counts as well
+    assert forced(logits)[0] == 1
+    assert not SamplingParams().adjusts_logits and SamplingParams(repetition_penalty=1.1).adjusts_logits
 
 
 def test_argmax_is_torchs_first_largest_value():

@@ -515,6 +515,20 @@ def test_logit_bias_is_validated(server):
     assert chat(cl, "hi", logit_bias={"5": -100, "6": 2.5}, extra_body=NO_THINK).choices[0].message.content
 
 
+def test_penalties_are_validated_and_reach_the_sampling_params():
+    body = {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5, "frequency_penalty": -1}
+    sampling = openai_request.parse_chat_request({**body, "repetition_penalty": 1.2}, ("m",)).sampling
+    assert (sampling["presence_penalty"], sampling["frequency_penalty"], sampling["repetition_penalty"]) == (
+        0.5,
+        -1,
+        1.2,
+    )
+    for key, value in (("presence_penalty", 2.5), ("frequency_penalty", "1"), ("repetition_penalty", 0)):
+        with pytest.raises(APIError) as ei:
+            openai_request.parse_completion_request({"prompt": "hi", key: value}, ("m",))
+        assert (ei.value.status, ei.value.param) == (400, key)
+
+
 def test_malformed_requests(server):
     cases = [
         ("POST", "/v1/chat/completions", b"{not json", 400),

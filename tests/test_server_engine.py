@@ -245,6 +245,33 @@ def test_logit_bias_bans_and_forces_tokens(server):
     assert r.choices[0].text == s.host.engine.tokenizer.decode([1000] * 4)
 
 
+def test_frequency_and_presence_penalties_reach_the_draw(server):
+    """A +10 bias on tokens 1000 and 1001 makes them the greedy choices at every step; a frequency penalty of 2 takes
+    2 off a token per repeat (so another token wins in the end), a presence penalty of 2 once (the biased ones go on
+    winning, in another order); the same tokens as the engine's own `stream` with the same parameters."""
+    s, engines = server
+    c = _client(s)
+    bias = {1000: 10.0, 1001: 10.0}
+    kw = dict(model="deepseek-v4-flash", prompt="The river", max_tokens=8, temperature=0)
+    tok = s.host.engine.tokenizer
+
+    def ids(**extra) -> list[int]:
+        r = c.completions.create(logprobs=0, logit_bias={str(t): b for t, b in bias.items()}, **kw, **extra)
+        return [tok.encode(t)[0] for t in r.choices[0].logprobs.tokens]
+
+    def direct(**extra) -> list[int]:
+        chunks = engines[0].stream("The river", max_tokens=8, temperature=0, logit_bias=bias, **extra)
+        return [chunk.token for chunk in chunks if chunk.token is not None]
+
+    plain = ids()
+    assert set(plain) <= set(bias)
+    freq, presence = ids(frequency_penalty=2.0), ids(presence_penalty=2.0)
+    assert freq != plain and presence != plain and freq[0] == presence[0] == plain[0]
+    assert not set(freq) <= set(bias)  # 2 per repeat: after some repeats another token outbids the +10
+    assert set(presence) <= set(bias)  # 2 once: the biased tokens keep winning
+    assert freq == direct(frequency_penalty=2.0) and presence == direct(presence_penalty=2.0)
+
+
 def test_thinking_budget_forces_the_end_of_thinking_on_the_real_engine(server):
     """DeepSeek's/Anthropic's `budget_tokens` on chat completions: after 4 thinking tokens the 5th is `</think>`
     (the random model never writes it itself) and the answer follows; the same tokens as `Engine.chat` with the

@@ -435,8 +435,8 @@ class Engine:
             session = self._session
         steps = None
         # a constrained request decodes plainly, and so do one whose thinking budget may force a token and one with a
-        # logit bias (drafting verifies against the model's own logits)
-        plain = params.grammar is not None or params.thinking_budget is not None or params.logit_bias
+        # logit bias or a penalty (drafting verifies against the model's own logits)
+        plain = params.grammar is not None or params.thinking_budget is not None or params.adjusts_logits
         if self.drafter is not None and not plain:
             steps = functools.partial(
                 speculative.speculative_generate_step,

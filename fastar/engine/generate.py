@@ -57,7 +57,7 @@ def generate_step(
     logits = session.prefill(prompt_ids, cancel, on_prefill_progress)
     if logits is None:
         return
-    sampler, budget = Sampler(params), ThinkingBudget.of(params, session.tokenizer)
+    sampler, budget = Sampler(params, prompt_ids), ThinkingBudget.of(params, session.tokenizer)
     while True:
         token, logprob, top = next_token(budget, sampler, logits)
         session.append(token)

@@ -44,8 +44,8 @@ whatever else runs. As soon as another request is admitted, steps are plain batc
 hold the others' next tokens back behind a wider pass and, the batch already sharing the weight reads, pays little.
 A constrained request (`SamplingParams.grammar`) never drafts: drafts are not checked against the grammar's mask,
 so it decodes plainly, one token a step, its mask applied to its own row by its own `Sampler` (a free request in
-the same step does no mask work). Nor does a request with a `logit_bias` (drafts are verified against the
-unbiased logits). Prompts that may draft are prefilled through the drafter so its context is ready.
+the same step does no mask work). Nor does a request with a logit bias or a penalty (drafts are verified
+against the model's own logits). Prompts that may draft are prefilled through the drafter so its context is ready.
 
 Prefix states on disk are read and parsed on the prefix cache's loader thread (`PrefixCache.lookup_async`); the
 request waits for it (neither prefilling nor decoding) while the others keep stepping, and the worker only adopts
@@ -231,7 +231,7 @@ class Scheduler:
                     handle,
                     chunk_fn or handle._chunks.put,
                     ChunkMaker(eng.tokenizer, p, eng.config.eos_token_id, len(ids), eng.context_length),
-                    Sampler(p),
+                    Sampler(p, ids),
                     time.perf_counter(),
                     on_progress if not reqs else None,
                     budget=ThinkingBudget.of(p, eng.tokenizer),
@@ -509,12 +509,12 @@ class Scheduler:
     def _may_draft(req: _Request) -> bool:
         """Greedy, or sampled without a seed: drafting keeps its tokens (greedy) or their distribution (sampled); never
         under a grammar (drafts are not checked against its mask), nor while a thinking budget may still force a token
-        (a draft pass would not ask it), nor with a `logit_bias` (the drafts and their verification see the model's
-        logits, not the biased ones)."""
+        (a draft pass would not ask it), nor with a logit bias or a penalty (the drafts and their verification see the
+        model's own logits, not the adjusted ones)."""
         if req.budget is not None and req.budget.open:
             return False
         p = req.params
-        return (p.is_greedy or p.seed is None) and p.grammar is None and not p.logit_bias
+        return (p.is_greedy or p.seed is None) and p.grammar is None and not p.adjusts_logits
 
     def _can_draft(self, decoding: list[_Request]) -> bool:
         """A draft/verify step only for a lone sequence that may draft (see the module docstring)."""

@@ -145,8 +145,9 @@ def sampling_fields(body: dict, min_tokens: int = 1) -> tuple[dict[str, Any], in
         max_tokens = integer(body, "max_tokens", min_tokens, None, None)
     top_k = integer(body, "top_k", -1, None, 0)
     seed = integer(body, "seed", -(2**63), 2**64 - 1, None)
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        number(body, key, -2.0 if key != "repetition_penalty" else 0.0, 2.0, None)  # accepted, not applied
+    repetition = number(body, "repetition_penalty", 0.0, 2.0, 1.0)
+    if repetition == 0.0:
+        raise bad_request("'repetition_penalty' must be above 0 (1 is off), got 0", "repetition_penalty")
     params = dict(
         # The model card's defaults (temperature 1.0, top_p 1.0) match OpenAI's when a field is absent.
         temperature=number(body, "temperature", 0.0, 2.0, 1.0),
@@ -157,6 +158,9 @@ def sampling_fields(body: dict, min_tokens: int = 1) -> tuple[dict[str, Any], in
         stop=stop_strings(body),
         ignore_eos=boolean(body, "ignore_eos", False),
         logit_bias=logit_bias(body),
+        presence_penalty=number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=repetition,
     )
     return params, max_tokens
 

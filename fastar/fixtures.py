@@ -34,10 +34,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .convert.names import expected_tensors, tensor_nbytes
+from .errors import FastarError
 from .quant.reference import FP4_GROUP, FP4_VALUES, FP8_BLOCK, bf16_encode, fp8_block_quant, ue8m0_encode
 
 PRESETS = ("tiny", "tiny-dspark", "vocab", "flash")
@@ -358,7 +360,10 @@ def write_checkpoint(
     for i, group in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {n: _to_torch(manifest[n][0], values(n)) for n in group}
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        try:
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        except SafetensorError as err:  # the library's I/O failure (a full disk) in its own type: one line
+            raise FastarError(f"{out / fname}: cannot write the shard ({err})") from None
         weight_map.update({n: fname for n in group})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

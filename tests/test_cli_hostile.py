@@ -147,6 +147,21 @@ def test_a_reader_that_leaves_early_is_no_error(tiny_fst_path):
         assert (p.returncode, p.stderr) == (0, ""), (args, p.returncode, p.stderr[-2000:])
 
 
+def test_fixture_on_a_full_disk_is_one_line(tmp_path):
+    """A shard the disk cannot take (here a 1 MiB file-size limit: EFBIG, as ENOSPC would be) is one line naming
+    the shard, not the safetensors library's traceback (`synth --hf-dir` and the demo build write the same way);
+    the half-written checkpoint is removed."""
+    import resource
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    r = _cli("fixture", "-o", tmp_path / "f", preexec_fn=small_files)
+    line = one_line_error(r, 1)
+    assert "model-00001-of-00003.safetensors" in line and "File too large" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

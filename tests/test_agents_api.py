@@ -809,3 +809,29 @@ def test_a_4xx_of_no_anthropic_type_of_its_own_is_an_invalid_request_error():
     finally:
         srv.shutdown()
     assert A.error_body(APIError(500, "boom", "server_error"))["error"]["type"] == "api_error"
+
+
+def test_max_tokens_beyond_the_context_runs_to_the_context_and_says_so():
+    """Coding agents send a fixed `max_tokens` (Claude Code: 32,000) whatever the prompt: the reply runs until the
+    context is full and ends with `stop_reason: "model_context_window_exceeded"`, as the Messages API answers,
+    instead of a 400 on every request once prompt + max_tokens passes the context. A prompt that does not fit
+    stays a 400."""
+    backend, host = make_backend(AgentEngine(context_length=64))
+    try:
+        body = {
+            "max_tokens": 32000,
+            "thinking": {"type": "disabled"},
+            "messages": [{"role": "user", "content": "count"}],
+        }
+        msg = A.messages(body, backend)
+        assert msg["stop_reason"] == "model_context_window_exceeded"
+        usage = msg["usage"]
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["output_tokens"] == 64
+        events = sse_events(A.messages({**body, "stream": True}, backend))
+        assert events[-2][1]["delta"]["stop_reason"] == "model_context_window_exceeded"
+        assert A.messages({**body, "max_tokens": 20}, backend)["stop_reason"] == "max_tokens"  # its own limit
+        with pytest.raises(APIError) as err:
+            A.messages({**body, "messages": [{"role": "user", "content": "count " * 40}]}, backend)
+        assert err.value.status == 400 and "maximum context length is 64 tokens" in err.value.message
+    finally:
+        host.shutdown()

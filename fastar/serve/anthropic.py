@@ -25,7 +25,8 @@ and the reply: the `message` object, or the SSE event sequence (`message_start`,
 `event: error` if generation fails mid-stream; `ping` fills a long prefill). Errors use Anthropic's shape
 `{"type": "error", "error": {"type", "message"}}`.
 
-`max_tokens` is required (a 400 without it, as Anthropic answers). A conversation must end with a user message:
+`max_tokens` is required (a 400 without it, as Anthropic answers); one beyond the room the prompt leaves runs until
+the context is full, with `stop_reason: "model_context_window_exceeded"`. A conversation must end with a user message:
 assistant prefill (a last assistant turn to continue) is a 400, in the words Anthropic uses for its models without
 prefill. A stop-sequence hit is `stop_reason:
 "stop_sequence"` with the matched string in `stop_sequence`. A thinking block cut off by `max_tokens` is not
@@ -322,7 +323,7 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
     `disconnected` (optional, non-streaming only): says the client has gone; the generation is then cancelled
     and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
     model, conv, sampling, max_tokens, stream = parse_request(body, backend)
-    turn = AssistantTurn(backend, conv, sampling, max_tokens)
+    turn = AssistantTurn(backend, conv, sampling, max_tokens, fit_context=True)
     mid = "msg_" + shapes.new_id("")[1:]
     if stream:
         return _stream(turn, mid, model)
@@ -342,10 +343,16 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": STOP_REASONS[turn.finish_reason],
+        "stop_reason": _stop_reason(turn),
         "stop_sequence": turn.stop_sequence,
         "usage": _usage(turn),
     }
+
+
+def _stop_reason(turn: AssistantTurn) -> str:
+    if turn.finish_reason == "length" and turn.cut_to_context:  # the context ended it, not max_tokens
+        return "model_context_window_exceeded"
+    return STOP_REASONS[turn.finish_reason]
 
 
 def _signature(thinking: str) -> str:
@@ -470,7 +477,7 @@ def _stream(turn: AssistantTurn, mid: str, model: str) -> Iterator[bytes]:
             "message_delta",
             {
                 "type": "message_delta",
-                "delta": {"stop_reason": STOP_REASONS[turn.finish_reason], "stop_sequence": turn.stop_sequence},
+                "delta": {"stop_reason": _stop_reason(turn), "stop_sequence": turn.stop_sequence},
                 "usage": _usage(turn),
             },
         )

@@ -163,10 +163,23 @@ def prompt_ids(backend: Backend, conv: Conversation) -> tuple[str, list[int]]:
 class AssistantTurn:
     """One generation: `events()` streams it; afterwards the fields below describe the finished turn."""
 
-    def __init__(self, backend: Backend, conv: Conversation, sampling: dict[str, Any], max_tokens: int | None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        conv: Conversation,
+        sampling: dict[str, Any],
+        max_tokens: int | None,
+        fit_context: bool = False,
+    ) -> None:
+        """`fit_context`: a `max_tokens` beyond the room the prompt leaves is cut to that room (the API then says
+        the context ended the reply); otherwise it is a 400. A prompt that does not fit is a 400 either way."""
         engine = backend.engine()
         self.backend, self.conv, self.tokenizer = backend, conv, engine.tokenizer
         self.prompt_text, self.prompt_ids = prompt_ids(backend, conv)
+        room = engine.context_length - len(self.prompt_ids)
+        self.cut_to_context = fit_context and max_tokens is not None and 0 < room < max_tokens
+        if self.cut_to_context:
+            max_tokens = room
         self.limit = fields.resolve_max_tokens(
             len(self.prompt_ids), max_tokens, engine.context_length, getattr(engine, "context_note", None)
         )

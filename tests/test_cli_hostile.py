@@ -162,6 +162,18 @@ def test_fixture_on_a_full_disk_is_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_export_on_a_full_disk_names_the_output(tiny_fst_path, tmp_path):
+    """The same for `export`: a write that fails names the directory being written, and nothing is left."""
+    import resource
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    r = _cli("export", tiny_fst_path, "-o", tmp_path / "out", preexec_fn=small_files)
+    assert f"writing {tmp_path / 'out'} failed: File too large" in one_line_error(r, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

@@ -294,8 +294,10 @@ def export(
             if out.exists():
                 out.rmdir()
             os.rename(tmp, out)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.filename is None:  # a failed write (a full disk) names no file: say which
+                raise ExportError(f"writing {out} failed: {e.strerror or e}") from None
             raise
         finally:
             bar.close()

@@ -120,7 +120,7 @@ def test_bad_input_fails_in_one_line_and_leaves_nothing(exported, tmp_path, monk
         return real(*args, **kw)
 
     monkeypatch.setattr(X, "_write_shard", dies_on_second_shard)
-    with pytest.raises(OSError):
+    with pytest.raises(FastarError, match=f"writing {tmp_path / 'b'} failed: disk full"):
         X.export(fst, tmp_path / "b", shard_size=8 << 20)
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial-*"))
     monkeypatch.undo()

@@ -400,6 +400,21 @@ def test_completions(server):
     assert lp.top_logprobs[:2] == [None, {"?": -0.125}] and lp.text_offset[:4] == [0, 1, 2, 3]
 
 
+def test_completions_without_max_tokens_stop_at_16_as_openai(server):
+    """/v1/completions defaults `max_tokens` to 16 (OpenAI's and vLLM's default), capped at the room the context
+    leaves, where it used to run to the end of the context; chat completions still fill it."""
+    cl = client(server)
+    r = cl.completions.create(model="deepseek-v4-flash", prompt="count", temperature=0)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16, "length")
+    assert r.choices[0].text == "1 2 3 4 5 6 7 8 "
+    chunks = list(cl.completions.create(model="deepseek-v4-flash", prompt="count", temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    near = cl.completions.create(model="deepseek-v4-flash", prompt="count" + "." * 4086, temperature=0)
+    assert (near.usage.prompt_tokens, near.usage.completion_tokens) == (4091, 5)  # the room left, not a 400
+    long = chat(cl, "count", extra_body=NO_THINK)
+    assert long.usage.completion_tokens > 16
+
+
 def test_stop_strings_never_leak(server):
     cl = client(server)
     r = chat(cl, "count", stop=["5 6"], extra_body=NO_THINK)

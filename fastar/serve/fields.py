@@ -195,10 +195,16 @@ def prompt_list(prompt: Any) -> list[str | list[int]]:
 
 
 def resolve_max_tokens(
-    prompt_tokens: int, max_tokens: int | None, context_length: int, note: str | None = None, param: str = "messages"
+    prompt_tokens: int,
+    max_tokens: int | None,
+    context_length: int,
+    note: str | None = None,
+    param: str = "messages",
+    default: int | None = None,
 ) -> int:
     """Never truncate silently: a prompt that does not fit, or a budget that overflows the context, is a 400.
-    `note` says why the context is shorter than asked (e.g. a model file without lightning-indexer weights)."""
+    `note` says why the context is shorter than asked (e.g. a model file without lightning-indexer weights). With no
+    `max_tokens`, the route's `default` (completions: 16, as OpenAI's) capped at the room left, or all the room."""
     why = f" ({note})" if note else ""
     if prompt_tokens >= context_length:
         raise bad_request(
@@ -208,7 +214,8 @@ def resolve_max_tokens(
             "context_length_exceeded",
         )
     if max_tokens is None:
-        return context_length - prompt_tokens
+        room = context_length - prompt_tokens
+        return room if default is None else min(default, room)
     if prompt_tokens + max_tokens > context_length:
         raise bad_request(
             f"This model's maximum context length is {context_length} tokens{why}. However, you requested "

@@ -15,6 +15,8 @@ from typing import Any
 from fastar.serve import fields, grammar_fields, thinking_mode
 from fastar.serve.api_error import bad_request
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (vLLM's too); chat fills the context
+
 
 @dataclass(slots=True)
 class ChatRequest:
@@ -39,7 +41,7 @@ class CompletionRequest:
     model: str
     prompts: list[str | list[int]]  # each a text or token ids; a request may send several
     sampling: dict[str, Any]
-    max_tokens: int | None
+    max_tokens: int | None  # None: COMPLETION_DEFAULT_MAX_TOKENS, or the room left in the context if less
     stream: bool = False
     include_usage: bool = False
     echo: bool = False

@@ -200,6 +200,7 @@ class OpenAIRoutes:
         max_tokens: int | None,
         param: str,
         choices: int = 1,
+        default_max_tokens: int | None = None,
     ) -> tuple[list[Job], list[int], LoopEvents]:
         """Submit `choices` choices of each prompt (choice j samples with seed + j); returns the jobs (prompt by
         prompt, the choices of each in order: job k is choice k % choices of prompt k // choices), each prompt's
@@ -209,7 +210,12 @@ class OpenAIRoutes:
         fields.check_token_ids(list(sampling.get("logit_bias") or ()), engine.tokenizer.vocab_size, "logit_bias")
         limits = [
             fields.resolve_max_tokens(
-                len(ids), max_tokens, engine.context_length, getattr(engine, "context_note", None), param
+                len(ids),
+                max_tokens,
+                engine.context_length,
+                getattr(engine, "context_note", None),
+                param,
+                default_max_tokens,
             )
             for ids in prompts
         ]
@@ -302,7 +308,9 @@ class OpenAIRoutes:
                 # the text is only needed to echo the prompt
                 texts.append(await self.admission.off_loop(engine.tokenizer.decode, prompts[-1]) if req.echo else "")
         k = req.best_of  # generated per prompt; the best req.n of them are returned
-        jobs, limits, shared = self._submit(engine, prompts, req.sampling, req.max_tokens, "prompt", k)
+        jobs, limits, shared = self._submit(
+            engine, prompts, req.sampling, req.max_tokens, "prompt", k, openai_request.COMPLETION_DEFAULT_MAX_TOKENS
+        )
         prefixes = [texts[j // k] if req.echo else "" for j in range(len(jobs))]
         turns = [choice_turn.CompletionTurn(req, engine.tokenizer, len(prefix)) for prefix in prefixes]
         # each distinct prompt counted once (one given twice is prefilled once)

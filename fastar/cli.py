@@ -24,14 +24,20 @@ class UsageError(Exception):
     """A bad flag value found outside argparse (an environment mirror): one line, exit 2 like argparse's own."""
 
 
-def _env_default(dest: str, default, convert=None):
-    """Flags can be set by FASTAR_<FLAG> environment variables (the flag on the command line wins)."""
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _env_default(dest: str, default, convert=None, switch: bool = False):
+    """Flags can be set by FASTAR_<FLAG> environment variables (the flag on the command line wins). A `switch`
+    (a flag that takes no value: --verbose, --direct-io/--no-direct-io) reads 1/true/yes/on or 0/false/no/off."""
     name = "FASTAR_" + dest.upper()
     v = os.environ.get(name)
     if v is None:
         return default
-    if isinstance(default, bool):
-        return v.lower() in ("1", "true", "yes", "on")
+    if switch or isinstance(default, bool):
+        if v.strip().lower() not in _TRUE + _FALSE:  # never the string itself: "0" would be a true value
+            raise UsageError(f"{name}={v!r}: expected 1/true/yes/on or 0/false/no/off")
+        return v.strip().lower() in _TRUE
     try:
         if convert is not None:
             return convert(v)
@@ -52,7 +58,8 @@ class _Parser(argparse.ArgumentParser):
     def add_argument(self, *args, **kw):
         act = super().add_argument(*args, **kw)
         if act.dest not in ("help", "version") and act.option_strings:
-            act.default = _env_default(act.dest, act.default, act.type if callable(act.type) else None)
+            convert = act.type if callable(act.type) else None
+            act.default = _env_default(act.dest, act.default, convert, switch=act.nargs == 0)
             name = "FASTAR_" + act.dest.upper()
             if act.choices is not None and name in os.environ and act.default not in act.choices:  # as argparse
                 choices = ", ".join(map(repr, act.choices))

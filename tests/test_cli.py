@@ -45,6 +45,28 @@ def test_env_mirror_and_flag_precedence(monkeypatch):
     assert a.model == "from-env.fst"
 
 
+def test_env_mirror_of_a_switch_reads_a_boolean(monkeypatch, capsys):
+    """A switch's mirror is a boolean, also for the on/off pairs whose default is None (auto): FASTAR_DIRECT_IO=0
+    turns O_DIRECT off (it was the string "0", a true value, so it forced O_DIRECT on), and a word that is no
+    boolean is a usage error naming the variable instead of a silent False."""
+    from fastar.cli import main
+
+    for value, want in (("0", False), ("off", False), ("", False), ("1", True), ("Yes", True)):
+        monkeypatch.setenv("FASTAR_DIRECT_IO", value)
+        monkeypatch.setenv("FASTAR_PROGRESS", value)
+        monkeypatch.setenv("FASTAR_VERBOSE", value)
+        a = build_parser().parse_args(["run", "-p", "x"])
+        assert (a.direct_io, a.verbose) == (want, want), value
+        assert build_parser().parse_args(["convert", "a", "-o", "b"]).progress is want, value
+    assert build_parser().parse_args(["run", "-p", "x", "--no-direct-io"]).direct_io is False  # the flag wins
+    monkeypatch.delenv("FASTAR_PROGRESS")
+    monkeypatch.delenv("FASTAR_DIRECT_IO")
+    monkeypatch.setenv("FASTAR_VERBOSE", "maybe")
+    assert main(["run", "-p", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fastar: error: FASTAR_VERBOSE='maybe': expected 1/true"), err
+
+
 def test_env_mirror_of_a_flag_with_choices_is_checked_as_the_flag_is(monkeypatch, capsys):
     """FASTAR_REASONING_DEFAULT=bogus (or FASTAR_NUMERICS, FASTAR_DRAFT) is the usage error `--reasoning-default
     bogus` is: it went past argparse's choices and ended in a ValueError traceback, or ran with the value ignored."""

@@ -835,3 +835,16 @@ def test_max_tokens_beyond_the_context_runs_to_the_context_and_says_so():
         assert err.value.status == 400 and "maximum context length is 64 tokens" in err.value.message
     finally:
         host.shutdown()
+
+
+def test_a_refused_key_on_the_messages_route_names_the_header_anthropic_clients_send():
+    srv = start_server(AgentEngine(), api_key="k")
+    try:
+        body = {"model": "x", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(anthropic.AuthenticationError) as err:
+            anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.create(**body)
+        assert err.value.body["error"]["type"] == "authentication_error" and "x-api-key" in err.value.message
+        ok = anthropic.Anthropic(base_url=srv.url, api_key="k", max_retries=0).messages.create(**body)
+        assert ok.type == "message"
+    finally:
+        srv.shutdown()

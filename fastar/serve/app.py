@@ -298,7 +298,7 @@ class Guard:
             resp = refuse(
                 APIError(
                     401,
-                    "Invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    "Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                     "invalid_request_error",
                     None,
                     "invalid_api_key",

@@ -501,6 +501,24 @@ _INVOKE = re.compile(rf'<{DSML}invoke\s+name="([^"]*)"\s*>(.*?)</{DSML}invoke>',
 _PARAM = re.compile(rf'<{DSML}parameter\s+name="([^"]*)"\s+string="(true|false)"\s*>(.*?)</{DSML}parameter>', re.S)
 
 
+def _not_json(word: str) -> Any:
+    raise ValueError(f"{word} is not JSON")
+
+
+def _finite(number: str) -> float:
+    value = float(number)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{number} is beyond a double")
+    return value
+
+
+def json_value(text: str) -> Any:
+    """A non-string DSML parameter value, read as standard JSON: `NaN`, `Infinity` and numbers beyond a double
+    (which Python's `json` would take, and write back as `NaN` / `Infinity`, making replies that are not JSON)
+    raise ValueError like any other malformed value."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
 def _parse_params(body: str) -> dict[str, Any] | None:
     args: dict[str, Any] = {}
     pos = _WS.match(body).end()
@@ -513,7 +531,7 @@ def _parse_params(body: str) -> dict[str, Any] | None:
             args[name] = value
         else:
             try:
-                args[name] = json.loads(value)
+                args[name] = json_value(value)
             except ValueError:
                 args[name] = value  # the model broke its own JSON; keep the text rather than lose it
         pos = _WS.match(body, m.end()).end()

@@ -848,3 +848,39 @@ def test_a_refused_key_on_the_messages_route_names_the_header_anthropic_clients_
         assert ok.type == "message"
     finally:
         srv.shutdown()
+
+
+def _strict_json(text: str):
+    def refuse(word):
+        raise ValueError(f"{word} in a reply")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_tool_call_with_nan_or_infinity_arguments_still_answers_standard_json():
+    """The model may write `NaN`, `Infinity` or `1e400` as a non-string parameter. Read by Python's lenient
+    `json`, they came back as `NaN` / `Infinity` in the reply, which is not JSON (a JavaScript client, Claude
+    Code, cannot parse it). They are kept as the text the model wrote, like any other malformed value."""
+    values = ("NaN", "-Infinity", "1e400")
+    params = "".join(
+        f'<｜DSML｜parameter name="p{i}" string="false">{v}</｜DSML｜parameter>\n' for i, v in enumerate(values)
+    )
+    block = f'\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="sum">\n{params}</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+
+    class Odd(AgentEngine):
+        def reply(self, prompt: str, params) -> str:
+            return block
+
+    srv = start_server(Odd())
+    body = {"model": "m", "max_tokens": 500, "thinking": {"type": "disabled"}, "tools": [SUM]}
+    body["messages"] = [{"role": "user", "content": "please add"}]
+    try:
+        status, _, data = raw(srv, "POST", "/v1/messages", body)
+        assert status == 200
+        use = _strict_json(data)["content"][0]
+        assert use["type"] == "tool_use" and use["input"] == {f"p{i}": v for i, v in enumerate(values)}
+        _, _, data = raw(srv, "POST", "/v1/messages", {**body, "stream": True})
+        pieces = [d["delta"]["partial_json"] for _, d in sse_events([data]) if d.get("delta", {}).get("partial_json")]
+        assert _strict_json("".join(pieces)) == use["input"]
+    finally:
+        srv.shutdown()

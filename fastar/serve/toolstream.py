@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 
-from fastar.encoding import DSML, TOOL_CALLS_END
+from fastar.encoding import DSML, TOOL_CALLS_END, json_value
 
 _INVOKE = re.compile(rf'<{DSML}invoke\s+name="([^"]*)"\s*>')
 _PARAM = re.compile(rf'<{DSML}parameter\s+name="([^"]*)"\s+string="(true|false)"\s*>')
@@ -147,7 +147,7 @@ class ToolCallStream:
             self._emit(events, _escaped(value) + '"')
         else:
             try:
-                parsed = json.loads(value)
+                parsed = json_value(value)
             except ValueError:
                 parsed = value  # as the block parser keeps it
             self._emit(events, json.dumps(parsed, ensure_ascii=False))

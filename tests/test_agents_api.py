@@ -722,6 +722,11 @@ def test_a_conversation_ending_with_an_assistant_turn_is_a_400_not_a_reply_after
         assert err.value.status == 400 and err.value.param == "messages"
         assert "assistant message prefill" in err.value.message
         assert A.count_tokens(body, backend)["input_tokens"] > 0  # counting renders what it is given
+    # a last user turn with no blocks left the assistant turn before it last: the same reply after EOS
+    body["messages"].append({"role": "user", "content": []})
+    with pytest.raises(APIError) as err:
+        A.messages(body, backend)
+    assert err.value.status == 400 and "messages[2].content must not be empty" in err.value.message
 
 
 def test_anthropic_defined_tool_types_and_malformed_tools_are_a_400(backend):

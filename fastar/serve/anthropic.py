@@ -131,6 +131,10 @@ def _user_messages(content: Any, where: str) -> list[dict]:
     """A user turn: runs of text blocks become user messages, `tool_result` blocks become tool messages."""
     out: list[dict] = []
     texts: list[str] = []
+    if content == []:  # no turn at all: the reply would follow the assistant turn before, after its EOS
+        raise bad_request(
+            f"{where}.content must not be empty (a user turn needs a text or tool_result block)", "messages"
+        )
     for j, block in enumerate(_blocks(content, f"{where}.content")):
         kind = block.get("type")
         if kind == "text":

@@ -889,3 +889,21 @@ def test_a_tool_call_with_nan_or_infinity_arguments_still_answers_standard_json(
         assert _strict_json("".join(pieces)) == use["input"]
     finally:
         srv.shutdown()
+
+
+def test_a_responses_input_ending_with_an_assistant_item_is_a_400(backend):
+    """As on chat completions: the V4 prompt has no reply to open after an assistant turn (a last message, function
+    call or reasoning item, or a continuation that adds nothing), so it is a 400 naming `input`."""
+    store = R.ResponseStore()
+    assistant = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hel"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    for items in ([{"role": "user", "content": "hi"}, assistant], [{"role": "user", "content": "hi"}, call]):
+        with pytest.raises(APIError) as err:
+            R.create({"input": items, "max_output_tokens": 4}, backend, store)
+        assert (err.value.status, err.value.param) == (400, "input") and "must end with a user" in err.value.message
+    first = R.create({"input": "hi", "max_output_tokens": 4}, backend, store)
+    with pytest.raises(APIError) as err:
+        R.create({"input": [], "previous_response_id": first["id"], "max_output_tokens": 4}, backend, store)
+    assert (err.value.status, err.value.param) == (400, "input")
+    follow = R.create({"input": "again", "previous_response_id": first["id"], "max_output_tokens": 4}, backend, store)
+    assert follow["status"] in ("completed", "incomplete")

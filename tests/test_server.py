@@ -415,6 +415,25 @@ def test_completions_without_max_tokens_stop_at_16_as_openai(server):
     assert long.usage.completion_tokens > 16
 
 
+def test_a_conversation_must_end_with_a_user_or_tool_turn(server):
+    """After an assistant or system message the V4 prompt has no `<｜Assistant｜>` to reply after: a 400 naming
+    `messages`, not a reply the model writes on after its own EOS; /tokenize still counts such a conversation."""
+    cl = client(server)
+    hi = {"role": "user", "content": "hi"}
+    for messages in (
+        [hi, {"role": "assistant", "content": "Hel"}],
+        [hi, {"role": "assistant", "content": "ok"}, {"role": "system", "content": "be brief"}],
+        [{"role": "system", "content": "be brief"}],
+    ):
+        with pytest.raises(openai.BadRequestError) as ei:
+            cl.chat.completions.create(model="deepseek-v4-flash", messages=messages, max_tokens=4)
+        assert ei.value.body["param"] == "messages" and "must end with a user or tool message" in ei.value.message
+        status, _, body = raw(server, "POST", "/tokenize", {"messages": messages})
+        assert status == 200 and json.loads(body)["count"] > 0
+    ok = [hi, {"role": "assistant", "content": "ok"}, {"role": "developer", "content": "again"}]
+    assert cl.chat.completions.create(model="deepseek-v4-flash", messages=ok, max_tokens=4, temperature=0).choices
+
+
 def test_stop_strings_never_leak(server):
     cl = client(server)
     r = chat(cl, "count", stop=["5 6"], extra_body=NO_THINK)

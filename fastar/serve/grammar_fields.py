@@ -51,6 +51,20 @@ def check_messages(messages: list[dict]) -> None:
                 )
 
 
+def check_last_turn(messages: list[dict], param: str = "messages") -> None:
+    """A conversation to reply to must end with a user (or tool, developer) turn: the V4 chat format opens the
+    assistant's reply (`<｜Assistant｜>`) only after one, so after an assistant or system message the prompt would end
+    without it and the model would write on after its own EOS. OpenAI's API answers such a conversation with a new
+    assistant turn, which V4 cannot render, so it is a 400, as assistant prefill is on /v1/messages."""
+    role = messages[-1].get("role") if messages else None
+    if role in ("assistant", "system"):
+        raise bad_request(
+            f"the conversation must end with a user or tool message, not {role!r}: this model's chat format has no "
+            f"reply after a {role} message (assistant prefill is not supported)",
+            param,
+        )
+
+
 def check_tools(tools: Any) -> list | None:
     if tools is None:
         return None

@@ -252,6 +252,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     if "input" not in body:
         raise bad_request("'input' is required", "input")
     conversation = history + input_messages(body["input"])
+    grammar_fields.check_last_turn(conversation, "input")
     messages = list(conversation)
     instructions = body.get("instructions")
     if instructions is not None:

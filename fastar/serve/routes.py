@@ -246,6 +246,7 @@ class OpenAIRoutes:
         req = openai_request.parse_chat_request(
             body, self.server.model_names, self.server.default_thinking, self.server.default_effort
         )
+        grammar_fields.check_last_turn(body["messages"])  # (/tokenize counts any conversation)
         engine = self.server.host.require_engine()
         prompt_ids = await self.admission.off_loop(self._encode_chat, req)
         sampling = req.sampling

@@ -19,6 +19,7 @@ COMMON = [
     "bind_route.c",
     "bind_compress.c",
     "bind_attend.c",
+    "bind_head_i8.c",
     "dispatch.c",
     "experts.c",
     "pool.c",
@@ -29,6 +30,7 @@ COMMON = [
     "attn.c",
     "attn_prefill.c",
     "gemm_avx512bf16.c",
+    "head_i8.c",
 ]  # the GEMM file defines portable stubs where it has no x86 body
 X86 = ["kern_avx2.c", "kern_avx512.c", "kern_avx512bf16.c"]
 ARM64 = ["kern_neon.c", "kern_neonbf16.c", "attn_neon.c"]
@@ -51,7 +53,7 @@ setup(
             sources=sources,
             depends=[
                 CSRC + h
-                for h in ("kernels.h", "simd.h", "dispatch.h", "bindings.h", "kern_avx512.h", "exp512.h", "exp_neon.h")
+                for h in ("kernels.h", "simd.h", "dispatch.h", "bindings.h", "kern_avx512.h", "exp512.h", "exp_neon.h", "head_i8.h")
             ],
             extra_compile_args=extra,
             extra_link_args=link,

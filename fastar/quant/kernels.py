@@ -3,7 +3,9 @@
 Owns: the Python face of the C extension `fastar.quant._kernels` (built by setup.py from `quant/csrc/`):
 `fp4_matmul`, `fp8_matmul`, `bf16_matmul`, the fused routed expert `expert_ffn` (optionally with the
 official numerics' FP8 activation quantization inside), a layer's experts at once (`experts_ffn`),
-`fp8_act_quant`, thread-count and instruction-set controls, and a numpy fallback with identical semantics
+`fp8_act_quant`, the int8 copy of the LM head that screens greedy decoding (`head_i8_build`, its exact integer
+products `head_i8_dot`, and `gather_rows` for the candidates' exact rows), thread-count and instruction-set
+controls, and a numpy fallback with identical semantics
 for when the extension is missing (`available()` is then False; results stay correct, only slow).
 Does not own: the choice of numerics (the model's) nor weight paging.
 
@@ -52,6 +54,10 @@ __all__ = [
     "expert_ffn",
     "experts_ffn",
     "fp8_act_quant",
+    "head_i8_build",
+    "head_i8_dot",
+    "head_i8_path",
+    "gather_rows",
 ]
 
 
@@ -62,8 +68,8 @@ def available() -> bool:
 
 def cpu_features() -> dict:
     """What this CPU offers the kernels: {'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl', 'avx512vbmi',
-    'avx512bf16' (x86-64), 'asimd', 'bf16' (AArch64): bool, 'isa': the instruction set in use, 'usable_isas': list}.
-    Without the extension, isa is 'numpy'."""
+    'avx512bf16', 'avx512vnni' (x86-64), 'asimd', 'bf16' (AArch64): bool, 'isa': the instruction set in use,
+    'usable_isas': list}. Without the extension, isa is 'numpy'."""
     if _C is None:
         return {
             "avx2": False,
@@ -74,6 +80,7 @@ def cpu_features() -> dict:
             "avx512vl": False,
             "avx512vbmi": False,
             "avx512bf16": False,
+            "avx512vnni": False,
             "asimd": False,
             "bf16": False,
             "isa": "numpy",
@@ -382,4 +389,131 @@ def expert_ffn(x, w1, s1, w3, s3, w2, s2, route_w, limit: float, out, act_block:
     up = fp4_matmul(q(x), w3, s3)
     h = swiglu_limited(gate, up, limit) * route_w[:, None]
     out += fp4_matmul(q(h.astype(np.float32)), w2, s2)
+    return out
+
+
+# --- the int8 screened LM head ----------------------------------------------------------------------------
+
+HEAD_I8_MAX_K = 131008  # head_i8_dot's largest K: |sum x q| <= 128^2 K stays an exact int32 (and K % 64 == 0)
+
+
+def head_i8_build(w, q=None, scale=None, wnorm=None, dnorm=None, rowsum=None):
+    """The int8 copy of a bfloat16 weight w [V, K] (uint16 bits or torch bfloat16), row by row, for a screened
+    greedy LM head. Returns (q int8 [V, K], scale float32 [V], wnorm float64 [V], dnorm float64 [V], rowsum int32
+    [V]), written into the arrays given (each None is allocated). Per row:
+    - some value infinite or NaN: q = 0, scale = 0, wnorm = dnorm = +inf, rowsum = 0 (always recompute it exactly);
+    - else amax = max |w|; amax = 0: everything 0;
+    - else s = amax / 127 (float32), q = round-half-even(w / s) (a float32 quotient) clamped to [-127, 127],
+      wnorm = ||w||, dnorm = ||w - q s|| (float64 sums of exact terms; dnorm is the q stored), rowsum = sum q.
+    The float32 steps run in IEEE's default environment (no flush of subnormals) whatever the caller's."""
+    w = _array(w, "w")
+    _check(w, "w", np.uint16, 2)
+    v, k = w.shape
+    outs = [
+        np.empty(shape, dtype) if a is None else _array(a, name)
+        for a, name, shape, dtype in (
+            (q, "q", (v, k), np.int8),
+            (scale, "scale", (v,), np.float32),
+            (wnorm, "wnorm", (v,), np.float64),
+            (dnorm, "dnorm", (v,), np.float64),
+            (rowsum, "rowsum", (v,), np.int32),
+        )
+    ]
+    if _C is not None:
+        _C.head_i8_build(w, *outs)
+        return tuple(outs)
+    q, scale, wnorm, dnorm, rowsum = outs
+    _check(q, "q", np.int8, 2)
+    _shape(q, "q", (v, k))
+    for a, name, dtype in (
+        (scale, "scale", np.float32),
+        (wnorm, "wnorm", np.float64),
+        (dnorm, "dnorm", np.float64),
+        (rowsum, "rowsum", np.int32),
+    ):
+        _check(a, name, dtype, 1)
+        if a.shape != (v,):
+            raise ValueError(f"{name} has {a.shape[0]} entries, expected {v} = w.shape[0]")
+    for r0 in range(0, v, 4096):  # row blocks: a float copy of the whole head would be 2 GB
+        r1 = min(v, r0 + 4096)
+        wf = (w[r0:r1].astype(np.uint32) << 16).view(np.float32)
+        ok = np.isfinite(wf).all(axis=1)
+        amax = np.where(ok, np.abs(np.where(np.isfinite(wf), wf, 0)).max(axis=1, initial=0), 0).astype(np.float32)
+        s = amax / np.float32(127)
+        nz = s > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            qf = np.clip(np.rint(wf / np.where(nz, s, 1)[:, None]), -127, 127)
+        qb = np.where(nz[:, None], qf, 0).astype(np.int8)
+        w64 = np.where(ok[:, None], wf, 0).astype(np.float64)
+        q[r0:r1] = qb
+        scale[r0:r1] = s
+        wnorm[r0:r1] = np.where(ok, np.sqrt((w64 * w64).sum(axis=1)), np.inf)
+        d = w64 - qb * s.astype(np.float64)[:, None]
+        dnorm[r0:r1] = np.where(ok, np.sqrt((d * d).sum(axis=1)), np.inf)
+        rowsum[r0:r1] = qb.sum(axis=1, dtype=np.int32)
+    return tuple(outs)
+
+
+def head_i8_dot(xq, q, rowsum, out=None) -> np.ndarray:
+    """Exact integer products of int8 activations with the int8 head: out[t, i] = sum_k xq[t, k] q[i, k] (int32, no
+    saturation for any int8 values). xq int8 [T, K] (or [K], giving [V]); q int8 [V, K] and rowsum int32 [V] from
+    `head_i8_build` (rowsum must be q's row sums: the AVX-512 VNNI path uses it); K a multiple of 64 up to
+    HEAD_I8_MAX_K. The weights are read once per 8 tokens. `out` int32 [T, V] is written (not added to)."""
+    xq, q, rowsum = _array(xq, "xq"), _array(q, "q"), _array(rowsum, "rowsum")
+    vector = xq.ndim == 1
+    x2 = xq.reshape(1, -1) if vector else xq
+    t, v = (x2.shape[0] if x2.ndim == 2 else 0), (q.shape[0] if q.ndim == 2 else 0)
+    if out is None:
+        out2 = np.empty((t, v), np.int32)
+    else:
+        out = _array(out, "out")
+        out2 = out.reshape(1, -1) if (vector and out.ndim == 1) else out
+    if _C is not None:
+        _C.head_i8_dot(x2, q, rowsum, out2)
+    else:
+        _check(x2, "xq", np.int8, 2)
+        _check(q, "q", np.int8, 2)
+        _check(rowsum, "rowsum", np.int32, 1)
+        _check(out2, "out", np.int32, 2)
+        k = x2.shape[1]
+        if k % 64 or k > HEAD_I8_MAX_K:
+            raise ValueError(f"xq has {k} columns, expected a multiple of 64 up to {HEAD_I8_MAX_K}")
+        _shape(q, "q", (v, k))
+        if rowsum.shape != (v,):
+            raise ValueError(f"rowsum has {rowsum.shape[0]} entries, expected {v} = q.shape[0]")
+        _shape(out2, "out", (t, v))
+        x32 = x2.astype(np.int32)
+        for r0 in range(0, v, 4096):
+            out2[:, r0 : r0 + 4096] = x32 @ q[r0 : r0 + 4096].astype(np.int32).T
+    res = out if out is not None else out2
+    return res.reshape(-1) if (vector and res.ndim == 2) else res
+
+
+def head_i8_path() -> str:
+    """How `head_i8_dot` runs under the instruction set in use: 'avx512vnni', 'avx2', 'portable' (or 'numpy')."""
+    return _C._head_i8_path() if _C is not None else "numpy"
+
+
+def gather_rows(w, idx, out=None) -> np.ndarray:
+    """out[j] = w[idx[j]]: the rows idx (int64 [U], each in [0, V)) of a bfloat16 weight w [V, K] (uint16 bits or
+    torch bfloat16) into out uint16 [U, K], copied over the thread pool (the screened head's candidate rows, for
+    `bf16_matmul`)."""
+    w, idx = _array(w, "w"), _array(idx, "idx")
+    if out is None:
+        _check(w, "w", np.uint16, 2)
+        out = np.empty((idx.shape[0] if idx.ndim == 1 else 0, w.shape[1]), np.uint16)
+    else:
+        out = _array(out, "out")
+    if _C is not None:
+        _C.gather_rows(w, idx, out)
+        return out
+    _check(w, "w", np.uint16, 2)
+    _check(idx, "idx", np.int64, 1)
+    _check(out, "out", np.uint16, 2)
+    _shape(out, "out", (idx.shape[0], w.shape[1]))
+    bad = np.flatnonzero((idx < 0) | (idx >= w.shape[0]))
+    if bad.size:
+        j = int(bad[0])
+        raise ValueError(f"idx[{j}] = {int(idx[j])} is not a row of w's {w.shape[0]}")
+    np.take(w, idx, axis=0, out=out)
     return out

@@ -37,6 +37,9 @@ static const char *dtype_name(char code) {
         case 'B': return "uint8";
         case 'H': return "uint16";
         case 'q': return "int64";
+        case 'b': return "int8";
+        case 'i': return "int32";
+        case 'd': return "float64";
         default: return "?";
     }
 }
@@ -51,8 +54,9 @@ int get_view(PyObject *obj, view_t *v, const char *name, char code, int ndim, in
     v->held = 1;
     const char *f = v->b.format ? v->b.format : "B";
     if (*f == '@' || *f == '=' || *f == '<') f++; /* native / little-endian prefixes (x86 and ARM are LE) */
-    Py_ssize_t want = code == 'f' ? 4 : code == 'H' ? 2 : code == 'q' ? 8 : 1;
-    const int same = f[0] == code || (code == 'q' && f[0] == 'l'); /* int64 is 'l' where long has 64 bits */
+    Py_ssize_t want = code == 'f' || code == 'i' ? 4 : code == 'H' ? 2 : code == 'q' || code == 'd' ? 8 : 1;
+    /* int64 is 'l' where long has 64 bits, int32 where it has 32 (the itemsize check below tells them apart) */
+    const int same = f[0] == code || ((code == 'q' || code == 'i') && f[0] == 'l');
     if (!same || f[1] != '\0' || v->b.itemsize != want) {
         PyErr_Format(PyExc_TypeError, "%s must be %s, got buffer format '%s' (itemsize %zd)", name, dtype_name(code),
                      v->b.format ? v->b.format : "B", v->b.itemsize);
@@ -690,6 +694,13 @@ static PyMethodDef methods[] = {
     {"attend_stored", py_attend_stored, METH_VARARGS,
      "attend_stored(q, kv, kv_kind, kv_rope, kv_first, n_keys, k0, p0, window, entries, ent_kind, ent_rope, "
      "n_entries, picks, ratio, sinks, scale, out): one decode query's attention over its state's stored rows"},
+    {"head_i8_build", py_head_i8_build, METH_VARARGS,
+     "head_i8_build(w u16[V,K], q i8[V,K], scale f32[V], wnorm f64[V], dnorm f64[V], rowsum i32[V]): the int8 copy "
+     "of a bfloat16 LM head and its per-row scale, norms and sums"},
+    {"head_i8_dot", py_head_i8_dot, METH_VARARGS,
+     "head_i8_dot(xq i8[T,K], q i8[V,K], rowsum i32[V], out i32[T,V]): out = xq @ q.T, exact int32"},
+    {"_head_i8_path", py_head_i8_path, METH_NOARGS, "_head_i8_path() -> how head_i8_dot runs under the ISA in use"},
+    {"gather_rows", py_gather_rows, METH_VARARGS, "gather_rows(w u16[V,K], idx i64[U], out u16[U,K]): out = w[idx]"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"keep_freed_memory", py_keep_freed_memory, METH_NOARGS, "keep_freed_memory() -> bool: malloc reuses freed blocks"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},

@@ -15,7 +15,8 @@ typedef struct {
 } view_t;
 
 void release(view_t *v, int n); /* the held views of v[0 .. n) */
-/* A C-contiguous view of obj with numpy dtype code ('f' float32, 'B' uint8, 'H' uint16, 'q' int64), ndim dims. */
+/* A C-contiguous view of obj with numpy dtype code ('f' float32, 'd' float64, 'B' uint8, 'b' int8, 'H' uint16,
+ * 'i' int32, 'q' int64), ndim dims. */
 int get_view(PyObject *obj, view_t *v, const char *name, char code, int ndim, int writable);
 static inline int64_t dim(const view_t *v, int i) { return (int64_t)v->b.shape[i]; }
 int shape_is(const view_t *v, const char *name, int64_t a, int64_t b, const char *what); /* 2-D shape (a, b) */
@@ -60,5 +61,11 @@ PyObject *py_compress_row(PyObject *self, PyObject *args);
 
 /* bind_attend.c */
 PyObject *py_attend_stored(PyObject *self, PyObject *args);
+
+/* bind_head_i8.c */
+PyObject *py_head_i8_build(PyObject *self, PyObject *args);
+PyObject *py_head_i8_dot(PyObject *self, PyObject *args);
+PyObject *py_head_i8_path(PyObject *self, PyObject *args);
+PyObject *py_gather_rows(PyObject *self, PyObject *args);
 
 #endif

@@ -61,7 +61,7 @@ static int apple_feature(const char *name) {
 
 /* Every architecture's names (false on the others), so cpu_features() has the same keys everywhere. */
 const char *const cpu_feature_names[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vbmi",
-                                        "avx512bf16", "asimd", "bf16"};
+                                        "avx512bf16", "avx512vnni", "asimd", "bf16"};
 const size_t n_cpu_features = sizeof cpu_feature_names / sizeof *cpu_feature_names;
 
 int cpu_has(const char *feat) {
@@ -77,6 +77,7 @@ int cpu_has(const char *feat) {
     if (!strcmp(feat, "avx512vl")) return __builtin_cpu_supports("avx512vl");
     if (!strcmp(feat, "avx512vbmi")) return (cpuid_reg(7, 0, 2) >> 1) & 1;
     if (!strcmp(feat, "avx512bf16")) return (cpuid_reg(7, 1, 0) >> 5) & 1;
+    if (!strcmp(feat, "avx512vnni")) return (cpuid_reg(7, 0, 2) >> 11) & 1; /* vpdpbusd (head_i8.c) */
 #endif
 #if FASTAR_ARM64
     if (!strcmp(feat, "asimd")) return 1; /* ASIMD (with FMA) is part of the base AArch64 architecture */

@@ -10,6 +10,7 @@
  *   bind_blocks.c  the attention block's decode-time projections and output, one call each
  *   bind_compress.c  a compressor's decode step on one token (rows stored, a closed window pooled and stored)
  *   bind_attend.c  a decode query's attention over its state's stored (packed) rows
+ *   bind_head_i8.c the int8 screened LM head's build, products and row gather
  *   dispatch.c     CPU features, the list of ISA tables and the choice among them, the per-call path of a product
  *                  (x_kind), job preparation, splitting rows across the pool (dispatch.h: its interface)
  *   experts.c      the fused routed experts of a layer (experts_run)
@@ -26,6 +27,8 @@
  *   attn.c         DeepSeek-V4 attention with sinks: plain C, AVX2 and AVX-512 kernels in one file (attn_run)
  *   attn_neon.c    its AArch64 NEON kernel
  *   exp_neon.h     the one NEON exp (attention softmax, SwiGLU)
+ *   head_i8.c      the int8 copy of the LM head that screens greedy decoding: its build, its exact int32 products
+ *                  (portable, AVX2 and AVX-512 VNNI in one file), the gather of candidate rows (head_i8.h)
  *   rowops.c       row-wise ops of the forward pass: RMS norm, interleaved RoPE, the portable SwiGLU
  *   simd.h         what the SIMD code shares: INLINE, UNROLL, function targets, the dot-path driver
  *   exp512.h       the one AVX-512 exp (attention softmax, SwiGLU)

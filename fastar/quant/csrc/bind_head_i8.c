@@ -1,0 +1,128 @@
+/* The Python entry points of the int8 screened LM head (head_i8.c does the work; fastar/quant/kernels.py wraps
+ * them): head_i8_build, head_i8_dot, gather_rows, _head_i8_path. Owns: the argument checks. */
+#include "bindings.h"
+
+#include <string.h>
+
+#include "dispatch.h"
+#include "head_i8.h"
+
+/* A 1-D view's length must be n. */
+static int len_is(const view_t *v, const char *name, int64_t n, const char *what) {
+    if (dim(v, 0) != n) {
+        PyErr_Format(PyExc_ValueError, "%s has %lld entries, expected %lld %s", name, (long long)dim(v, 0),
+                     (long long)n, what);
+        return -1;
+    }
+    return 0;
+}
+
+/* head_i8_build(w u16 [V, K], q i8 [V, K], scale f32 [V], wnorm f64 [V], dnorm f64 [V], rowsum i32 [V]) -> None:
+ * the int8 copy of a bfloat16 weight and its per-row facts (head_i8.h's contract). */
+PyObject *py_head_i8_build(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5])) return NULL;
+    view_t v[6];
+    memset(v, 0, sizeof v);
+    if (get_view(o[0], &v[0], "w", 'H', 2, 0) || get_view(o[1], &v[1], "q", 'b', 2, 1) ||
+        get_view(o[2], &v[2], "scale", 'f', 1, 1) || get_view(o[3], &v[3], "wnorm", 'd', 1, 1) ||
+        get_view(o[4], &v[4], "dnorm", 'd', 1, 1) || get_view(o[5], &v[5], "rowsum", 'i', 1, 1))
+        goto fail;
+    const int64_t V = dim(&v[0], 0), K = dim(&v[0], 1);
+    if (K > (1 << 24)) { /* |rowsum| <= 127 K stays an exact int32 */
+        PyErr_Format(PyExc_ValueError, "w has %lld columns, at most %d are supported", (long long)K, 1 << 24);
+        goto fail;
+    }
+    if (shape_is(&v[1], "q", V, K, "= w.shape") || len_is(&v[2], "scale", V, "= w.shape[0]") ||
+        len_is(&v[3], "wnorm", V, "= w.shape[0]") || len_is(&v[4], "dnorm", V, "= w.shape[0]") ||
+        len_is(&v[5], "rowsum", V, "= w.shape[0]"))
+        goto fail;
+    static const char *names[6] = {"w", "q", "scale", "wnorm", "dnorm", "rowsum"};
+    for (int i = 1; i < 6; i++) /* every output against every array before it */
+        if (no_overlap_named(&v[i], names[i], v, i)) goto fail;
+    head_build b = {.w = v[0].b.buf, .V = V, .K = K, .q = v[1].b.buf, .scale = v[2].b.buf, .wnorm = v[3].b.buf,
+                    .dnorm = v[4].b.buf, .rowsum = v[5].b.buf};
+    const isa_ops *isa = cur_isa;
+    Py_BEGIN_ALLOW_THREADS
+    head_i8_build_run(isa, &b);
+    Py_END_ALLOW_THREADS
+    release(v, 6);
+    Py_RETURN_NONE;
+fail:
+    release(v, 6);
+    return NULL;
+}
+
+/* head_i8_dot(xq i8 [T, K], q i8 [V, K], rowsum i32 [V], out i32 [T, V]) -> None: out = xq @ q.T exactly. */
+PyObject *py_head_i8_dot(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ox, *oq, *or, *oo;
+    if (!PyArg_ParseTuple(args, "OOOO", &ox, &oq, &or, &oo)) return NULL;
+    view_t v[4];
+    memset(v, 0, sizeof v);
+    if (get_view(ox, &v[0], "xq", 'b', 2, 0) || get_view(oq, &v[1], "q", 'b', 2, 0) ||
+        get_view(or, &v[2], "rowsum", 'i', 1, 0) || get_view(oo, &v[3], "out", 'i', 2, 1))
+        goto fail;
+    const int64_t T = dim(&v[0], 0), K = dim(&v[0], 1), V = dim(&v[1], 0);
+    if (K % HEAD_I8_K_ALIGN || K > HEAD_I8_MAX_K) {
+        PyErr_Format(PyExc_ValueError, "xq has %lld columns, expected a multiple of %d up to %d", (long long)K,
+                     HEAD_I8_K_ALIGN, HEAD_I8_MAX_K);
+        goto fail;
+    }
+    if (shape_is(&v[1], "q", V, K, "= (V, K), K = xq.shape[1]") || len_is(&v[2], "rowsum", V, "= q.shape[0]") ||
+        shape_is(&v[3], "out", T, V, "= (xq.shape[0], q.shape[0])") || no_overlap(&v[3], v, 3))
+        goto fail;
+    head_dot d = {.x = v[0].b.buf, .q = v[1].b.buf, .rowsum = v[2].b.buf, .out = v[3].b.buf, .T = T, .V = V, .K = K};
+    const isa_ops *isa = cur_isa;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = head_i8_dot_run(isa, &d);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 4);
+    Py_RETURN_NONE;
+fail:
+    release(v, 4);
+    return NULL;
+}
+
+/* _head_i8_path() -> 'avx512vnni' | 'avx2' | 'portable': how head_i8_dot runs under the ISA in use (tests, bench). */
+PyObject *py_head_i8_path(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    return PyUnicode_FromString(head_i8_path_name(head_i8_path(cur_isa)));
+}
+
+/* gather_rows(w u16 [V, K], idx i64 [U], out u16 [U, K]) -> None: out[j] = w[idx[j]], each idx in [0, V). */
+PyObject *py_gather_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ow, *oi, *oo;
+    if (!PyArg_ParseTuple(args, "OOO", &ow, &oi, &oo)) return NULL;
+    view_t v[3];
+    memset(v, 0, sizeof v);
+    if (get_view(ow, &v[0], "w", 'H', 2, 0) || get_view(oi, &v[1], "idx", 'q', 1, 0) ||
+        get_view(oo, &v[2], "out", 'H', 2, 1))
+        goto fail;
+    const int64_t V = dim(&v[0], 0), K = dim(&v[0], 1), U = dim(&v[1], 0);
+    if (shape_is(&v[2], "out", U, K, "= (len(idx), w.shape[1])") || no_overlap(&v[2], v, 2)) goto fail;
+    const int64_t *idx = v[1].b.buf;
+    for (int64_t j = 0; j < U; j++)
+        if (idx[j] < 0 || idx[j] >= V) {
+            PyErr_Format(PyExc_ValueError, "idx[%lld] = %lld is not a row of w's %lld", (long long)j, (long long)idx[j],
+                         (long long)V);
+            goto fail;
+        }
+    const void *w = v[0].b.buf;
+    void *out = v[2].b.buf;
+    Py_BEGIN_ALLOW_THREADS
+    gather_rows_run(w, 2 * K, idx, U, out);
+    Py_END_ALLOW_THREADS
+    release(v, 3);
+    Py_RETURN_NONE;
+fail:
+    release(v, 3);
+    return NULL;
+}

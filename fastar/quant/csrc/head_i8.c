@@ -1,0 +1,367 @@
+/* The int8 copy of the LM head that screens greedy decoding: cheap integer logits of every row, from which the
+ * caller (fastar/model/head_screen.py) bounds the exact logits and recomputes only the rows that could be the argmax.
+ *
+ * Owns:
+ *   head_i8_build_run  the int8 copy of a bfloat16 weight [V, K], row by row: scale s = max|w| / 127 (float32),
+ *                      q = round-half-even(w / s) clamped to [-127, 127], with the facts the screen's bound needs:
+ *                      ||w|| and ||w - q s|| (float64, from the exact values), and sum q (head_i8.h's contract);
+ *   head_i8_dot_run    out[t, i] = sum_k xq[t, k] q[i, k] in exact int32 arithmetic, three ways that give the same
+ *                      integers: AVX-512 VNNI (vpdpbusd on x + 128 as unsigned bytes, less 128 sum q[i]), AVX2
+ *                      (both sign-extended to 16 bits, vpmaddwd: no saturation) and portable C (int32 sums the
+ *                      compiler vectorizes, AArch64 included), picked from the ISA in use and the CPU;
+ *   gather_rows_run    out[j] = w[idx[j]] for byte rows (the candidates' bfloat16 rows for bf16_matmul).
+ * Work goes to the pool in row chunks; each output is computed by one thread in an order fixed by nothing but its
+ * row, so results do not depend on the thread count (they are exact integers anyway).
+ * Does not own: argument checks and the GIL (bind_head_i8.c), the exact products of the candidates (bf16_matmul),
+ * the screen's bounds and the quantization of x (head_screen.py).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "dispatch.h"
+#include "head_i8.h"
+#include "simd.h"
+
+#if FASTAR_X86
+#include <immintrin.h>
+#define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
+#endif
+
+#define DOT_TG 8       /* tokens per pass over the weights */
+#define SUB_BYTES 262144 /* rows per sub-block of a chunk: about this many weight bytes (L2-resident), so T > DOT_TG
+                          * re-reads a sub-block from L2, not memory */
+
+/* ---------------------------------------------------------------- build */
+
+/* One row: the contract in head_i8.h. The float32 steps run in the default floating-point environment (the chunk
+ * function sets it on x86-64: no flush of subnormals, round to nearest), as numpy's twin computes them. */
+INLINE void build_row(const uint16_t *w, int64_t K, int8_t *q, float *scale, double *wnorm, double *dnorm,
+                      int32_t *rowsum) {
+    int16_t amax = 0; /* max |w| as bits: the order of non-negative bfloat16 bit patterns is their values' (NaN and
+                       * infinity above every finite value) */
+    for (int64_t k = 0; k < K; k++) {
+        const int16_t a = (int16_t)(w[k] & 0x7fff);
+        amax = a > amax ? a : amax;
+    }
+    if (amax >= 0x7f80) { /* an infinity or NaN: the row is always recomputed exactly */
+        memset(q, 0, (size_t)K);
+        *scale = 0.0f, *wnorm = *dnorm = INFINITY, *rowsum = 0;
+        return;
+    }
+    if (amax == 0) {
+        memset(q, 0, (size_t)K);
+        *scale = 0.0f, *wnorm = *dnorm = 0.0, *rowsum = 0;
+        return;
+    }
+    union {
+        uint32_t u;
+        float f;
+    } am = {.u = (uint32_t)amax << 16};
+    const float s = am.f / 127.0f;
+    const float magic = 12582912.0f; /* 1.5 * 2^23: v + magic - magic rounds |v| <= 2^22 half to even */
+    for (int64_t k = 0; k < K; k++) {
+        union {
+            uint32_t u;
+            float f;
+        } x = {.u = (uint32_t)w[k] << 16};
+        /* |w / s| < 128 (s is amax / 127 within 2^-9 even where it is subnormal), so rounding first and clamping
+         * the integer gives round(clamp(w / s)) */
+        const int32_t qi = (int32_t)((x.f / s + magic) - magic);
+        q[k] = (int8_t)(qi < -127 ? -127 : qi > 127 ? 127 : qi);
+    }
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; k++) sum += q[k];
+    /* 8 interleaved partial sums (vectorized), added pairwise: every term is exact (w^2 and w - q s are), only the
+     * additions round */
+    double ws[8] = {0}, ds[8] = {0};
+    const double sd = s;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+        for (int i = 0; i < 8; i++) {
+            union {
+                uint32_t u;
+                float f;
+            } x = {.u = (uint32_t)w[k + i] << 16};
+            const double wd = x.f, d = wd - (double)q[k + i] * sd;
+            ws[i] += wd * wd, ds[i] += d * d;
+        }
+    for (int i = 0; k + i < K; i++) {
+        union {
+            uint32_t u;
+            float f;
+        } x = {.u = (uint32_t)w[k + i] << 16};
+        const double wd = x.f, d = wd - (double)q[k + i] * sd;
+        ws[i] += wd * wd, ds[i] += d * d;
+    }
+    for (int h = 4; h; h /= 2)
+        for (int i = 0; i < h; i++) ws[i] += ws[i + h], ds[i] += ds[i + h];
+    *scale = s, *wnorm = sqrt(ws[0]), *dnorm = sqrt(ds[0]), *rowsum = sum;
+}
+
+#if FASTAR_X86
+/* The same rows compiled for AVX-512 (the plain body inlined into a wider target: wider vectors, the same IEEE
+ * arithmetic; q, scale, wnorm and rowsum the same bits, dnorm within its float64 rounding: a*b+c may fuse). */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void build_rows_avx512(const head_build *b,
+                                                                                             int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)
+        build_row(b->w + r * b->K, b->K, b->q + r * b->K, b->scale + r, b->wnorm + r, b->dnorm + r, b->rowsum + r);
+}
+#endif
+
+static void build_rows_plain(const head_build *b, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)
+        build_row(b->w + r * b->K, b->K, b->q + r * b->K, b->scale + r, b->wnorm + r, b->dnorm + r, b->rowsum + r);
+}
+
+typedef struct {
+    const head_build *b;
+    int64_t rows; /* per chunk */
+    int wide;     /* the AVX-512 copy */
+} build_ctx;
+
+static void build_chunk(void *p, int64_t i) {
+    const build_ctx *c = p;
+    const int64_t r0 = i * c->rows, r1 = r0 + c->rows < c->b->V ? r0 + c->rows : c->b->V;
+#if FASTAR_X86
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(0x1f80); /* IEEE defaults: subnormal weights and scales are values, not zeros */
+    if (c->wide)
+        build_rows_avx512(c->b, r0, r1);
+    else
+        build_rows_plain(c->b, r0, r1);
+    _mm_setcsr(csr);
+#else
+    build_rows_plain(c->b, r0, r1);
+#endif
+}
+
+void head_i8_build_run(const isa_ops *isa, const head_build *b) {
+    if (b->V <= 0) return;
+    const int64_t bytes = b->K > 0 ? 2 * b->K : 1;
+    build_ctx c = {.b = b, .rows = (SUB_BYTES + bytes - 1) / bytes, .wide = isa->vec == VEC_AVX512};
+    pool_run((b->V + c.rows - 1) / c.rows, build_chunk, &c);
+}
+
+/* ---------------------------------------------------------------- dot: portable */
+
+/* Rows [r0, r1) against tokens [0, T) of x (T <= DOT_TG). int32 sums cannot overflow: |sum| <= 128^2 K < 2^31. */
+static void dot_rows_plain(const head_dot *d, const int8_t *x, int T, int64_t r0, int64_t r1, int32_t *out) {
+    const int64_t K = d->K;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *qr = d->q + r * K;
+        for (int t = 0; t < T; t++) {
+            const int8_t *xt = x + t * K;
+            int32_t s = 0;
+            for (int64_t k = 0; k < K; k++) s += (int32_t)xt[k] * (int32_t)qr[k];
+            out[t * d->V + r] = s;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- dot: AVX2 */
+
+#if FASTAR_X86
+/* Row r against T tokens of x16 (x as int16, interleaved: see head_i8_dot_run), U column steps of 16 interleaved:
+ * each 16 weight bytes sign-extended once, multiplied with vpmaddwd (pairs of int16 products summed into int32: at
+ * most 2 * 128^2, no saturation) for every token. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+dot_row_avx2(const head_dot *d, const int16_t *x16, const int T, const int U, int64_t r, int32_t *out) {
+    const int64_t K = d->K;
+    const int8_t *q = d->q + r * K;
+    __m256i acc[2][DOT_TG];
+    UNROLL for (int u = 0; u < U; u++) UNROLL for (int t = 0; t < T; t++) acc[u][t] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < K; c += 16 * U) /* K % 64 == 0: whole steps */
+        UNROLL for (int u = 0; u < U; u++) {
+            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + c + 16 * u)));
+            UNROLL for (int t = 0; t < T; t++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x16 + (c + 16 * u) * T + 16 * t));
+                acc[u][t] = _mm256_add_epi32(acc[u][t], _mm256_madd_epi16(xv, w));
+            }
+        }
+    UNROLL for (int t = 0; t < T; t++) {
+        const __m256i a = U == 2 ? _mm256_add_epi32(acc[0][t], acc[1][t]) : acc[0][t];
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        out[t * d->V + r] = _mm_cvtsi128_si32(s);
+    }
+}
+
+#define AVX2_ROWS(T, U)                                                    \
+    for (int64_t r = r0; r < r1; r++) dot_row_avx2(d, x16, T, U, r, out); \
+    break;
+
+__attribute__((target("avx2,fma"))) static void dot_rows_avx2(const head_dot *d, const int16_t *x16, int T, int64_t r0,
+                                                             int64_t r1, int32_t *out) {
+    switch (T) {
+        case 1: AVX2_ROWS(1, 2)
+        case 2: AVX2_ROWS(2, 2)
+        case 3: AVX2_ROWS(3, 2)
+        case 4: AVX2_ROWS(4, 2)
+        case 5: AVX2_ROWS(5, 1)
+        case 6: AVX2_ROWS(6, 1)
+        case 7: AVX2_ROWS(7, 1)
+        default: AVX2_ROWS(8, 1)
+    }
+}
+
+/* ---------------------------------------------------------------- dot: AVX-512 VNNI */
+
+/* Row r against T tokens of xu (x + 128 as unsigned bytes, interleaved: see head_i8_dot_run), U column steps of 64 interleaved (independent
+ * sums for few tokens): vpdpbusd adds four (x + 128) q products per lane, each at most 255 * 128 in size; the int32
+ * lanes wrap modulo 2^32 (vpdpbusd, unlike vpdpbusds, does not saturate), so sum (x + 128) q - 128 sum q, the exact
+ * sum x q, comes out exact since it fits in int32. One row at a time: the weights stream in address order, which the
+ * hardware prefetcher follows (a software prefetch 1 or 4 KiB ahead measured slower at T = 1). */
+TARGET_VNNI static inline __attribute__((always_inline)) void dot_row_vnni(const head_dot *d, const uint8_t *xu,
+                                                                          const int T, const int U, int64_t r,
+                                                                          int32_t *out) {
+    const int64_t K = d->K;
+    const int8_t *q = d->q + r * K;
+    __m512i acc[2][DOT_TG];
+    UNROLL for (int u = 0; u < U; u++) UNROLL for (int t = 0; t < T; t++) acc[u][t] = _mm512_setzero_si512();
+    int64_t c = 0;
+    for (; c + 64 * U <= K; c += 64 * U)
+        UNROLL for (int u = 0; u < U; u++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(q + c + 64 * u));
+            UNROLL for (int t = 0; t < T; t++)
+                acc[u][t] = _mm512_dpbusd_epi32(acc[u][t], _mm512_loadu_si512((const void *)(xu + (c + 64 * u) * T + 64 * t)), w);
+        }
+    for (; c < K; c += 64) {
+        const __m512i w = _mm512_loadu_si512((const void *)(q + c));
+        UNROLL for (int t = 0; t < T; t++)
+            acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], _mm512_loadu_si512((const void *)(xu + c * T + 64 * t)), w);
+    }
+    const uint32_t off = 128u * (uint32_t)d->rowsum[r];
+    UNROLL for (int t = 0; t < T; t++) {
+        const __m512i a = U == 2 ? _mm512_add_epi32(acc[0][t], acc[1][t]) : acc[0][t];
+        out[t * d->V + r] = (int32_t)((uint32_t)_mm512_reduce_add_epi32(a) - off);
+    }
+}
+
+#define VNNI_ROWS(T, U)                                                              \
+    for (int64_t r = r0; r < r1; r++) dot_row_vnni(d, xu, T, U, r, out);         \
+    break;
+
+TARGET_VNNI static void dot_rows_vnni(const head_dot *d, const uint8_t *xu, int T, int64_t r0, int64_t r1,
+                                      int32_t *out) {
+    switch (T) {
+        case 1: VNNI_ROWS(1, 2)
+        case 2: VNNI_ROWS(2, 2)
+        case 3: VNNI_ROWS(3, 2)
+        case 4: VNNI_ROWS(4, 2)
+        case 5: VNNI_ROWS(5, 1)
+        case 6: VNNI_ROWS(6, 1)
+        case 7: VNNI_ROWS(7, 1)
+        default: VNNI_ROWS(8, 1)
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- dot: driver */
+
+int head_i8_path(const isa_ops *isa) {
+#if FASTAR_X86
+    static int vnni = -1; /* the CPUID answer, asked once (a benign race: every thread writes the same) */
+    if (vnni < 0) vnni = cpu_has("avx512vnni");
+    if (isa->vec == VEC_AVX512 && vnni) return HEAD_PATH_VNNI;
+    if (isa->vec == VEC_AVX512 || isa->vec == VEC_AVX2) return HEAD_PATH_AVX2;
+#endif
+    (void)isa;
+    return HEAD_PATH_PORTABLE;
+}
+
+const char *head_i8_path_name(int path) {
+    return path == HEAD_PATH_VNNI ? "avx512vnni" : path == HEAD_PATH_AVX2 ? "avx2" : "portable";
+}
+
+typedef struct {
+    const head_dot *d;
+    const void *xc; /* x as the path wants it: int8 (portable), int16 (AVX2), x + 128 as uint8 (VNNI) */
+    int path;
+    int64_t rows, sub; /* rows per chunk, per sub-block */
+} dot_ctx;
+
+static void dot_chunk(void *p, int64_t i) {
+    const dot_ctx *c = p;
+    const head_dot *d = c->d;
+    const int64_t r0 = i * c->rows, r1 = r0 + c->rows < d->V ? r0 + c->rows : d->V;
+    for (int64_t s0 = r0; s0 < r1; s0 += c->sub) { /* a sub-block stays in L2 while every token group passes */
+        const int64_t s1 = s0 + c->sub < r1 ? s0 + c->sub : r1;
+        for (int64_t t0 = 0; t0 < d->T; t0 += DOT_TG) {
+            const int T = (int)(d->T - t0 < DOT_TG ? d->T - t0 : DOT_TG);
+            int32_t *out = d->out + t0 * d->V;
+#if FASTAR_X86
+            if (c->path == HEAD_PATH_VNNI) {
+                dot_rows_vnni(d, (const uint8_t *)c->xc + t0 * d->K, T, s0, s1, out);
+                continue;
+            }
+            if (c->path == HEAD_PATH_AVX2) {
+                dot_rows_avx2(d, (const int16_t *)c->xc + t0 * d->K, T, s0, s1, out);
+                continue;
+            }
+#endif
+            dot_rows_plain(d, (const int8_t *)c->xc + t0 * d->K, T, s0, s1, out);
+        }
+    }
+}
+
+int head_i8_dot_run(const isa_ops *isa, const head_dot *d) {
+    if (d->T <= 0 || d->V <= 0) return 0;
+    if (d->K == 0) {
+        memset(d->out, 0, (size_t)(d->T * d->V) * sizeof(int32_t));
+        return 0;
+    }
+    const int path = head_i8_path(isa);
+    /* x in the path's type, each group of DOT_TG tokens (at t0 * K) interleaved by column steps of cw (64 bytes of
+     * VNNI, 16 values of AVX2): step j of the group's token t at (j * Tg + t) * cw. Token rows K apart would share
+     * L1 sets (K = 4096: every token's bytes of a step in one set, with the weights' line). */
+    const int64_t cw = path == HEAD_PATH_VNNI ? 64 : 16;
+    void *buf = NULL;
+    if (path != HEAD_PATH_PORTABLE) {
+        buf = malloc((size_t)(d->T * d->K) * (path == HEAD_PATH_VNNI ? 1 : 2));
+        if (!buf) return -1;
+        for (int64_t t0 = 0; t0 < d->T; t0 += DOT_TG) {
+            const int64_t Tg = d->T - t0 < DOT_TG ? d->T - t0 : DOT_TG;
+            for (int64_t t = t0; t < t0 + Tg; t++)
+                for (int64_t c = 0; c < d->K; c += cw) {
+                    const int8_t *src = d->x + t * d->K + c;
+                    const int64_t at = t0 * d->K + c * Tg + (t - t0) * cw;
+                    if (path == HEAD_PATH_VNNI)
+                        for (int64_t k = 0; k < cw; k++) ((uint8_t *)buf)[at + k] = (uint8_t)((uint8_t)src[k] ^ 0x80);
+                    else
+                        for (int64_t k = 0; k < cw; k++) ((int16_t *)buf)[at + k] = src[k];
+                }
+        }
+    }
+    dot_ctx c = {.d = d, .xc = buf ? buf : (const void *)d->x, .path = path};
+    c.sub = SUB_BYTES / d->K < 8 ? 8 : SUB_BYTES / d->K / 8 * 8;
+    const int64_t target = 8 * (int64_t)pool_get_threads(); /* chunks: about 8 per thread, whole sub-blocks */
+    const int64_t subs = (d->V + c.sub - 1) / c.sub;
+    c.rows = ((subs + target - 1) / target) * c.sub;
+    pool_run((d->V + c.rows - 1) / c.rows, dot_chunk, &c);
+    free(buf);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- gather */
+
+typedef struct {
+    const uint8_t *w;
+    const int64_t *idx;
+    uint8_t *out;
+    int64_t U, row_bytes, rows;
+} gather_ctx;
+
+static void gather_chunk(void *p, int64_t i) {
+    const gather_ctx *c = p;
+    const int64_t j0 = i * c->rows, j1 = j0 + c->rows < c->U ? j0 + c->rows : c->U;
+    for (int64_t j = j0; j < j1; j++)
+        memcpy(c->out + j * c->row_bytes, c->w + c->idx[j] * c->row_bytes, (size_t)c->row_bytes);
+}
+
+void gather_rows_run(const void *w, int64_t row_bytes, const int64_t *idx, int64_t U, void *out) {
+    if (U <= 0 || row_bytes <= 0) return;
+    gather_ctx c = {.w = w, .idx = idx, .out = out, .U = U, .row_bytes = row_bytes};
+    c.rows = 65536 / row_bytes < 1 ? 1 : 65536 / row_bytes; /* about 64 KiB per chunk: a few rows stay on one thread */
+    pool_run((U + c.rows - 1) / c.rows, gather_chunk, &c);
+}

@@ -1,0 +1,53 @@
+/* The int8 screened LM head's kernels (head_i8.c): their jobs and contracts. Internal to the extension; the
+ * bindings (bind_head_i8.c) check the arguments, these run with the GIL released.
+ */
+#ifndef FASTAR_HEAD_I8_H
+#define FASTAR_HEAD_I8_H
+
+#include <stdint.h>
+
+#include "kernels.h"
+
+/* The largest K of head_i8_dot: |sum_k x q| <= 128^2 K stays below 2^31 (exact int32), and a multiple of 64. */
+#define HEAD_I8_MAX_K 131008
+#define HEAD_I8_K_ALIGN 64
+
+/* head_i8_build: per row i of w (bfloat16 bits [V, K]):
+ *   - some w[i, k] infinite or NaN: q[i] = 0, scale 0, wnorm = dnorm = +inf, rowsum 0 (the row is always exact);
+ *   - else amax = max_k |w[i, k]|; amax = 0: q[i] = 0, scale = wnorm = dnorm = 0, rowsum 0;
+ *   - else s = amax / 127 (float32, rounded to nearest), q[i, k] = round-half-even(w[i, k] / s) (the quotient a
+ *     float32, rounded to nearest) clamped to [-127, 127], scale s, wnorm = sqrt(sum_k w^2), dnorm =
+ *     sqrt(sum_k (w - q s)^2) (each term exact in float64, the sums float64), rowsum = sum_k q.
+ * The float32 steps run in IEEE's default environment whatever the caller's (x86-64: MXCSR set per chunk). */
+typedef struct {
+    const uint16_t *w;
+    int64_t V, K;
+    int8_t *q;
+    float *scale;
+    double *wnorm, *dnorm;
+    int32_t *rowsum;
+} head_build;
+void head_i8_build_run(const isa_ops *isa, const head_build *b);
+
+/* head_i8_dot: out[t, i] = sum_k x[t, k] q[i, k] exactly (K <= HEAD_I8_MAX_K, a multiple of HEAD_I8_K_ALIGN; any
+ * int8 values), out [T, V]; rowsum[i] must be sum_k q[i, k] (head_i8_build's), which the VNNI path uses. The weights
+ * are read once per 8 tokens (a sub-block of rows is re-read from L2 by the next 8). Returns 0, or -1 for out of
+ * memory. */
+typedef struct {
+    const int8_t *x; /* [T, K] */
+    const int8_t *q; /* [V, K] */
+    const int32_t *rowsum;
+    int32_t *out;
+    int64_t T, V, K;
+} head_dot;
+int head_i8_dot_run(const isa_ops *isa, const head_dot *d);
+
+/* Which way head_i8_dot runs under isa on this CPU, and its name ("avx512vnni", "avx2", "portable"). */
+enum { HEAD_PATH_PORTABLE, HEAD_PATH_AVX2, HEAD_PATH_VNNI };
+int head_i8_path(const isa_ops *isa);
+const char *head_i8_path_name(int path);
+
+/* out[j] = w[idx[j]] for rows of row_bytes bytes, j < U (each idx checked by the caller), over the pool. */
+void gather_rows_run(const void *w, int64_t row_bytes, const int64_t *idx, int64_t U, void *out);
+
+#endif

@@ -325,9 +325,10 @@ def cmd_chat(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from .console import check_model_path, open_engine
+    from .console import check_model_path, check_sizes, open_engine
 
     check_model_path(a.model)  # before binding the port: a wrong path is one line, not a failed load later
+    check_sizes(a)  # and so is a --ram-budget or --gpu-budget that is no size
     # --draft: the scheduler drafts a lone greedy request with it (docs/SERVING.md), batched steps otherwise
     return a.serve_mod.run_from_args(a, lambda: open_engine(a))
 

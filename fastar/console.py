@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from .config import int_flag
+from .config import int_flag, parse_size
 from .encoding import StreamParser
 from .engine.tokenizer import InvalidText, check_text
-from .errors import FastarError
+from .errors import ConfigError, FastarError
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 CHAT_HELP = """commands:
@@ -139,6 +139,18 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_sizes(args: argparse.Namespace) -> None:
+    """--ram-budget and --gpu-budget read as sizes before any model is opened: a typo is one line naming its flag,
+    not an error after the resident weights' checksums (or after `serve` bound its port). Not for `bench`, whose
+    --ram-budget is a list."""
+    for flag, size in (("--ram-budget", args.ram_budget), ("--gpu-budget", args.gpu_budget)):
+        if str(size).strip().lower() != "none":
+            try:
+                parse_size(size)
+            except ConfigError as e:
+                raise ConfigError(f"{flag}: {e}") from None
+
+
 def memory_options(args: argparse.Namespace) -> dict:
     budget = getattr(args, "ram_budget", "auto")
     return {
@@ -204,6 +216,7 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
 
     path = args.model
     check_model_path(path)
+    check_sizes(args)
     if path is None:
         from .demo import BANNER, ensure_demo_model
 

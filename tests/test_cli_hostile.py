@@ -174,6 +174,17 @@ def test_export_on_a_full_disk_names_the_output(tiny_fst_path, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_size_flag_is_read_before_the_model(tiny_fst_path, tmp_path):
+    """--ram-budget / --gpu-budget that are no size are one line naming the flag, before the model is opened (a
+    real model checks gigabytes of resident weights first) and before `serve` binds its port and starts logging."""
+    empty = tmp_path / "empty.fst"
+    empty.write_bytes(b"")
+    r = _cli("run", "-m", empty, "-p", "hi", "--ram-budget", "12Q")
+    assert "--ram-budget: cannot read '12Q' as a size" in one_line_error(r, 1)
+    r = _cli("serve", "-m", tiny_fst_path, "--port", "0", "--gpu-budget", "12Q", "--no-prompt-cache")
+    assert "--gpu-budget: cannot read '12Q' as a size" in one_line_error(r, 1)
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

@@ -750,7 +750,7 @@ def test_anthropic_defined_tool_types_and_malformed_tools_are_a_400(backend):
 
 def test_responses_text_format_and_max_output_tokens_are_checked_under_their_own_names(backend):
     """A `text.format` of another type (or a `text` that is not an object) is a 400, not an unconstrained reply
-    echoing the format; a bad `max_output_tokens` is a 400 naming `max_output_tokens`, the field the client sent."""
+    echoing the format; a bad `max_output_tokens` or `reasoning.effort` is a 400 naming the field the client sent."""
     for text, param in ((5, "text"), ({"format": {"type": "xml"}}, "text.format"), ({"format": "json"}, "text.format")):
         with pytest.raises(APIError) as err:
             R.parse_request({"input": "hi", "text": text}, backend, R.ResponseStore())
@@ -761,6 +761,12 @@ def test_responses_text_format_and_max_output_tokens_are_checked_under_their_own
         assert (err.value.status, err.value.param) == (400, "max_output_tokens")
         assert "'max_output_tokens'" in err.value.message
     assert R.parse_request({"input": "hi", "max_output_tokens": 7.0}, backend, R.ResponseStore()).max_tokens == 7
+    with pytest.raises(APIError) as err:
+        R.parse_request({"input": "hi", "reasoning": {"effort": "extreme"}}, backend, R.ResponseStore())
+    assert (err.value.status, err.value.param) == (
+        400,
+        "reasoning.effort",
+    ) and "'reasoning.effort'" in err.value.message
 
 
 def test_malformed_blocks_get_an_error_naming_the_problem(backend):

@@ -278,6 +278,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         },
         backend.default_thinking,
         backend.default_effort,
+        "reasoning.effort",
     )
     sampling, _ = fields.sampling_fields({k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")})
     max_tokens = fields.integer(body, "max_output_tokens", 1, None, None)

@@ -30,9 +30,12 @@ REASONING_DEFAULTS = {
 }
 
 
-def choose(body: dict, default: bool, default_effort: str | None = None) -> tuple[bool, str | None, bool]:
+def choose(
+    body: dict, default: bool, default_effort: str | None = None, effort_param: str = "reasoning_effort"
+) -> tuple[bool, str | None, bool]:
     """(thinking, reasoning_effort, drop_thinking); precedence: `thinking` object > template kwargs > effort >
-    the server's default (`default`, and `default_effort` where thinking is on and no effort is asked)."""
+    the server's default (`default`, and `default_effort` where thinking is on and no effort is asked).
+    `effort_param`: the field a bad effort is blamed on, as the client sent it (Responses: `reasoning.effort`)."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         kwargs = {}
@@ -41,8 +44,8 @@ def choose(body: dict, default: bool, default_effort: str | None = None) -> tupl
     effort = body.get("reasoning_effort", kwargs.get("reasoning_effort"))
     if effort is not None and effort not in REASONING_EFFORTS:
         raise bad_request(
-            f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)}",
-            "reasoning_effort",
+            f"'{effort_param}' must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)}",
+            effort_param,
         )
     thinking = default if effort is None else effort != "none"  # an effort asked for turns thinking on
     if effort == "none":

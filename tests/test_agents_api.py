@@ -913,3 +913,25 @@ def test_a_responses_input_ending_with_an_assistant_item_is_a_400(backend):
     assert (err.value.status, err.value.param) == (400, "input")
     follow = R.create({"input": "again", "previous_response_id": first["id"], "max_output_tokens": 4}, backend, store)
     assert follow["status"] in ("completed", "incomplete")
+
+
+def test_anthropic_output_config_format_reaches_the_grammar_and_bad_shapes_are_a_400(backend):
+    """Structured outputs (`output_config.format`, the SDK's `messages.parse()`; the beta's top-level
+    `output_format`) were ignored: the reply was free text. Now the schema is the reply's grammar."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {"max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+    assert A.parse_request(body, backend)[2]["grammar"] is None
+    for extra in (
+        {"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+        {"output_format": {"type": "json_schema", "schema": schema}},
+    ):
+        assert A.parse_request({**body, **extra}, backend)[2]["grammar"] is not None
+    for extra, param in (
+        ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
+        ({"output_config": {"format": {"type": "xml", "schema": schema}}}, "output_config.format"),
+        ({"output_format": "json"}, "output_format"),
+        ({"output_config": "max"}, "output_config"),
+    ):
+        with pytest.raises(APIError) as err:
+            A.messages({**body, **extra}, backend)
+        assert (err.value.status, err.value.param) == (400, param), err.value.message

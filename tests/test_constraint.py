@@ -456,6 +456,19 @@ def test_anthropic_tool_choice_any_and_tool(server):
     check_calls([{"name": use.name, "arguments": use.input}], {"get_weather"})
 
 
+def test_anthropic_output_config_format(server):
+    cl = _anthropic(server)
+    kw = {"model": "x", "max_tokens": 60, "messages": ASK, **NO_THINK, "extra_body": {"temperature": 0}}
+    free = cl.messages.create(**kw)
+    assert not is_json(free.content[0].text)
+    msg = cl.messages.create(output_config={"format": {"type": "json_schema", "schema": REPLY}}, **kw)
+    assert msg.stop_reason == "end_turn" and [b.type for b in msg.content] == ["text"]
+    jsonschema.validate(json.loads(msg.content[0].text), REPLY)
+    with pytest.raises(anthropic.BadRequestError) as err:  # a schema the grammar cannot enforce
+        cl.messages.create(output_config={"format": {"type": "json_schema", "schema": {"type": "strin"}}}, **kw)
+    assert "strin" in err.value.message
+
+
 def test_an_absent_tool_or_an_unenforceable_schema_is_a_400_on_all_three_apis(server):
     oa, an = _openai(server), _anthropic(server)
     base = {"model": "deepseek-v4-flash", "max_tokens": 4}

@@ -44,7 +44,10 @@ answers); `output_config.effort` "low"/"medium" set the same budgets as OpenAI's
 reply is one call of the named tool, or one or more calls (one with `disable_parallel_tool_use`), each input valid
 against its `input_schema`. Tool
 input streams as `input_json_delta` pieces while the model writes the call (`fastar.serve.toolstream`); their
-concatenation is the final input's JSON. Tools are custom tools only: a tool of an Anthropic-defined `type` (web
+concatenation is the final input's JSON. Structured outputs (`output_config.format`, or the beta's top-level
+`output_format`: `{"type": "json_schema", "schema"}`) are enforced with the same grammars as chat completions'
+`response_format`: the text is JSON valid against the schema (with tools left to the model: that JSON or calls).
+Tools are custom tools only: a tool of an Anthropic-defined `type` (web
 search, bash, text editor: Anthropic runs them or gives the model their schema) is a 400, not a tool the model
 would see without parameters.
 
@@ -220,18 +223,39 @@ def _tools(body: dict) -> list[dict] | None:
     return None if choice is not None and choice["type"] == "none" else out
 
 
-def _forced_call(choice: Any, tools: list[dict] | None, thinking: bool) -> Any:
-    """The grammar of a forced tool call (`tool_choice` "any" or "tool"), None otherwise."""
-    if not isinstance(choice, dict) or choice.get("type") not in ("any", "tool"):
+def _output_format(body: dict) -> tuple[dict | None, str]:
+    """Structured outputs, `{"type": "json_schema", "schema": {...}}` in `output_config.format` (or the beta's
+    top-level `output_format`), in the chat completions `response_format` shape the grammar takes; and its field."""
+    config = body.get("output_config")
+    fmt, where = (config.get("format") if isinstance(config, dict) else None), "output_config.format"
+    if fmt is None and body.get("output_format") is not None:
+        fmt, where = body["output_format"], "output_format"
+    if fmt is None:
+        return None, where
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_request(f'\'{where}\' must be {{"type": "json_schema", "schema": {{...}}}}', where)
+    return {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}, where
+
+
+def _grammar(body: dict, tools: list[dict] | None, thinking: bool) -> Any:
+    """The grammar of a forced tool call (`tool_choice` "any" or "tool") or of a JSON reply (`output_config.format`;
+    with tools left to the model: that JSON or calls), None when nothing is enforced."""
+    choice = body.get("tool_choice")
+    fmt, where = _output_format(body)
+    kind, single = None, False
+    if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
+            raise bad_request("'tool_choice' {\"type\": \"tool\"} needs the tool's 'name'", "tool_choice")
+        if not tools:  # worded in this API's terms (the grammar's own message says "required")
+            forced = json.dumps({"type": choice["type"]})
+            raise bad_request(f"'tool_choice' {forced} forces a tool call, but the request has no tools", "tool_choice")
+        kind = "required" if choice["type"] == "any" else f"function:{choice['name']}"
+        single = fields.boolean(choice, "disable_parallel_tool_use", False)
+    if kind is None and fmt is None:
         return None
-    if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
-        raise bad_request("'tool_choice' {\"type\": \"tool\"} needs the tool's 'name'", "tool_choice")
-    if not tools:  # worded in this API's terms (the grammar's own message says "required")
-        forced = json.dumps({"type": choice["type"]})
-        raise bad_request(f"'tool_choice' {forced} forces a tool call, but the request has no tools", "tool_choice")
-    kind = "required" if choice["type"] == "any" else f"function:{choice['name']}"
-    single = fields.boolean(choice, "disable_parallel_tool_use", False)
-    return grammar_fields.output_grammar(thinking, tools, kind, not single, None, "tool_choice")
+    return grammar_fields.output_grammar(
+        thinking, tools, kind, not single, fmt, where if kind is None else "tool_choice"
+    )
 
 
 def _thinking(body: dict, default: bool, default_effort: str | None = None) -> tuple[bool, str | None]:
@@ -245,7 +269,9 @@ def _thinking(body: dict, default: bool, default_effort: str | None = None) -> t
             )
         thinking = kind != "disabled"
     config = body.get("output_config") or {}
-    effort = config.get("effort") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise bad_request("'output_config' must be an object ('effort', 'format')", "output_config")
+    effort = config.get("effort")
     if effort is not None and effort not in EFFORTS:
         raise bad_request(
             f"'output_config.effort' must be one of {', '.join(EFFORTS)}, got {json.dumps(effort)}", "output_config"
@@ -300,7 +326,7 @@ def parse_request(
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")} | {"stop": stops}
     )
     thinking, effort = _thinking(body, backend.default_thinking, backend.default_effort)
-    sampling["grammar"] = _forced_call(body.get("tool_choice"), tools, thinking)
+    sampling["grammar"] = _grammar(body, tools, thinking)
     # budget_tokens enforced (below max_tokens, as Anthropic requires); output_config.effort low/medium: a budget too
     sampling["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
     # With tools the encoder keeps earlier reasoning anyway; without, an agent's multi-turn history drops it.

@@ -185,6 +185,17 @@ def test_a_size_flag_is_read_before_the_model(tiny_fst_path, tmp_path):
     assert "--gpu-budget: cannot read '12Q' as a size" in one_line_error(r, 1)
 
 
+def test_a_prompt_cache_that_cannot_be_a_folder(tiny_fst_path, tmp_path):
+    """--prompt-cache naming a regular file: one line naming the flag, from `chat` and from `serve` before it binds
+    its port (it logged, bound, loaded the model and ended in 'loading the model failed: FileExistsError')."""
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    for cmd in (["chat"], ["serve", "--port", "0"]):
+        r = _cli(*cmd, "-m", tiny_fst_path, "--prompt-cache", plain, stdin=subprocess.DEVNULL)
+        assert f"--prompt-cache {plain}: cannot hold the prompt cache (not a folder)" in one_line_error(r, 1)
+    assert plain.read_text() == "x"
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

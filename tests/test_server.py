@@ -1097,16 +1097,18 @@ def test_cli_arguments_delegate_to_serve(monkeypatch):
     }
 
 
-def test_batching_and_prompt_cache_flags(monkeypatch, capsys):
+def test_batching_and_prompt_cache_flags(monkeypatch, capsys, tmp_path):
     import argparse
 
     parser = argparse.ArgumentParser()
     S.add_arguments(parser)
     seen = {}
     monkeypatch.setattr(S, "serve", lambda factory, **kw: seen.update(kw) or 0)
-    args = ["--max-batch", "4", "--prompt-cache", "/tmp/pc", "--prompt-cache-size", "1.5G"]
+    pc = str(tmp_path / "pc")  # made before the server starts
+    args = ["--max-batch", "4", "--prompt-cache", pc, "--prompt-cache-size", "1.5G"]
     S.run_from_args(parser.parse_args(args), lambda: None)
-    assert (seen["max_batch"], seen["prompt_cache"], seen["prompt_cache_size"]) == (4, "/tmp/pc", 3 << 29)
+    assert (seen["max_batch"], seen["prompt_cache"], seen["prompt_cache_size"]) == (4, pc, 3 << 29)
+    assert (tmp_path / "pc").is_dir()
     S.run_from_args(parser.parse_args(["--no-prompt-cache"]), lambda: None)
     assert seen["prompt_cache"] is None
     assert S.default_prompt_cache().endswith("prompt-cache")

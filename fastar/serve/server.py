@@ -495,6 +495,19 @@ def size_flag(text: str) -> int:
 
 
 def prompt_cache_dir(args: argparse.Namespace) -> str | None:
+    """The prompt cache folder (--prompt-cache, else the default), made here, before the model loads and the port
+    is bound: a path that cannot be a folder is one line naming the flag. None with --no-prompt-cache."""
     if args.no_prompt_cache:
         return None
-    return args.prompt_cache or default_prompt_cache()
+    folder = args.prompt_cache or default_prompt_cache()
+    path = Path(folder).expanduser()
+    try:
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(20, "not a folder")
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FastarError(
+            f"--prompt-cache {folder}: cannot hold the prompt cache ({e.strerror}); give another folder, "
+            "or --no-prompt-cache"
+        ) from None
+    return folder

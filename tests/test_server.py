@@ -434,6 +434,18 @@ def test_a_conversation_must_end_with_a_user_or_tool_turn(server):
     assert cl.chat.completions.create(model="deepseek-v4-flash", messages=ok, max_tokens=4, temperature=0).choices
 
 
+def test_a_bad_message_is_named_by_its_own_index_when_tools_are_given(server):
+    """The tools ride on a system message put first; an error in the client's messages[1] still says messages[1]."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+        {"role": "user", "content": "ok"},
+    ]
+    for extra in ({}, {"tools": [WEATHER_TOOL]}, {"response_format": {"type": "json_object"}}):
+        status, _, body = raw(server, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 2, **extra})
+        assert status == 400 and json.loads(body)["error"]["message"].startswith("messages[1]:"), extra
+
+
 def test_stop_strings_never_leak(server):
     cl = client(server)
     r = chat(cl, "count", stop=["5 6"], extra_body=NO_THINK)

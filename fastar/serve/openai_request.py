@@ -34,6 +34,8 @@ class ChatRequest:
     has_tools: bool = False
     prompt_logprobs: int | None = None  # vLLM's extension (top-level in the response)
     n: int = 1  # choices
+    # a system message was put first to carry the tools or the format: `messages[i + 1]` is the client's i
+    added_system: bool = False
 
 
 @dataclass(slots=True)
@@ -91,9 +93,10 @@ def parse_chat_request(
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
+    rendered = grammar_fields.with_system_extras(messages, tools, response_format)
     return ChatRequest(
         model=model,
-        messages=grammar_fields.with_system_extras(messages, tools, response_format),
+        messages=rendered,
         sampling=params,
         max_tokens=max_tokens,
         stream=stream,
@@ -106,6 +109,7 @@ def parse_chat_request(
         has_tools=bool(tools),
         prompt_logprobs=params["prompt_logprobs"],
         n=n,
+        added_system=len(rendered) > len(messages),
     )
 
 

@@ -179,15 +179,24 @@ class OpenAIRoutes:
     # ---- prompts, through the one admission path ----------------------------------------------------------
 
     def _chat_text(self, req: openai_request.ChatRequest) -> str:
-        try:
+        def render(messages: list[dict]) -> str:
             return encode_messages(
-                req.messages,
+                messages,
                 thinking_mode="thinking" if req.thinking else "chat",
                 drop_thinking=req.drop_thinking,
                 reasoning_effort=req.reasoning_effort,
             )
+
+        try:
+            return render(req.messages)
         except (ValueError, TypeError) as err:  # EncodingError is a ValueError
-            raise bad_request(str(err), "messages") from None
+            message = str(err)
+        if req.added_system:  # the error names the encoder's index: say it of the client's own messages
+            try:
+                render(req.messages[1:])
+            except (ValueError, TypeError) as err:
+                message = str(err)
+        raise bad_request(message, "messages")
 
     def _encode_chat(self, req: openai_request.ChatRequest) -> list[int]:
         return self.admission.encode(self._chat_text(req), "messages")

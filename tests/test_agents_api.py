@@ -935,3 +935,11 @@ def test_anthropic_output_config_format_reaches_the_grammar_and_bad_shapes_are_a
         with pytest.raises(APIError) as err:
             A.messages({**body, **extra}, backend)
         assert (err.value.status, err.value.param) == (400, param), err.value.message
+
+
+def test_anthropic_effort_xhigh_is_v4s_max(backend):
+    """The SDK offers `output_config.effort` "xhigh"; it was a 400. V4 has "high" and "max": it renders as "max"."""
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "adaptive"}}
+    conv = {e: A.parse_request({**body, "output_config": {"effort": e}}, backend)[1] for e in ("xhigh", "max", "high")}
+    assert conv["xhigh"].render() == conv["max"].render() != conv["high"].render()
+    assert A.messages({**body, "output_config": {"effort": "xhigh"}}, backend)["type"] == "message"

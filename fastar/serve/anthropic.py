@@ -36,10 +36,11 @@ Model: any `model` name is accepted and answered by the served model (Claude Cod
 background tasks); replies name the served model.
 
 Thinking: `thinking: {"type": "enabled" | "adaptive" | "between_tools"}` turns V4's thinking mode on, `"disabled"`
-off; absent, the server's default applies (as on chat completions). `output_config.effort` "max" selects V4's
-maximum reasoning effort. `budget_tokens` is enforced: after that many thinking tokens `</think>` is forced and the
-answer follows (`fastar.engine.thinking_budget`); it must be below `max_tokens` (a 400 otherwise, as Anthropic
-answers); `output_config.effort` "low"/"medium" set the same budgets as OpenAI's `reasoning_effort`.
+off; absent, the server's default applies (as on chat completions). `output_config.effort` "max" (or "xhigh", which
+the SDK offers) selects V4's maximum reasoning effort. `budget_tokens` is enforced: after that many thinking tokens
+`</think>` is forced and the answer follows (`fastar.engine.thinking_budget`); it must be below `max_tokens` (a 400
+otherwise, as Anthropic answers); `output_config.effort` "low"/"medium" set the same budgets as OpenAI's
+`reasoning_effort`.
 `tool_choice` "none" hides the tools; "any" and "tool" are enforced with a grammar (`fastar.engine.constraint`): the
 reply is one call of the named tool, or one or more calls (one with `disable_parallel_tool_use`), each input valid
 against its `input_schema`. Tool
@@ -77,7 +78,7 @@ _ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
-EFFORTS = ("low", "medium", "high", "max")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")  # "xhigh": V4's "max", as the encoder takes it
 
 
 def error_body(err: APIError) -> dict:

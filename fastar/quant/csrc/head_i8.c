@@ -28,6 +28,7 @@
 #endif
 
 #define DOT_TG 8       /* tokens per pass over the weights */
+#define BUILD_BLOCK 64   /* head_i8_build's columns per step */
 #define SUB_BYTES 262144 /* rows per sub-block of a chunk: about this many weight bytes (L2-resident), so T > DOT_TG
                           * re-reads a sub-block from L2, not memory */
 
@@ -59,64 +60,57 @@ INLINE void build_row(const uint16_t *w, int64_t K, int8_t *q, float *scale, dou
     } am = {.u = (uint32_t)amax << 16};
     const float s = am.f / 127.0f;
     const float magic = 12582912.0f; /* 1.5 * 2^23: v + magic - magic rounds |v| <= 2^22 half to even */
-    for (int64_t k = 0; k < K; k++) {
-        union {
-            uint32_t u;
-            float f;
-        } x = {.u = (uint32_t)w[k] << 16};
-        /* |w / s| < 128 (s is amax / 127 within 2^-9 even where it is subnormal), so rounding first and clamping
-         * the integer gives round(clamp(w / s)) */
-        const int32_t qi = (int32_t)((x.f / s + magic) - magic);
-        q[k] = (int8_t)(qi < -127 ? -127 : qi > 127 ? 127 : qi);
-    }
-    int32_t sum = 0;
-    for (int64_t k = 0; k < K; k++) sum += q[k];
-    /* 8 interleaved partial sums (vectorized), added pairwise: every term is exact (w^2 and w - q s are), only the
-     * additions round */
-    double ws[8] = {0}, ds[8] = {0};
     const double sd = s;
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8)
-        for (int i = 0; i < 8; i++) {
+    /* 8 interleaved partial sums (vectorized), added pairwise at the end: every term is exact in float64 (w^2, and
+     * w - q s, a multiple of s's last bit below s in size), only the additions round */
+    double ws[8] = {0}, ds[8] = {0};
+    int32_t sum = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += BUILD_BLOCK) {
+        const int n = K - k0 < BUILD_BLOCK ? (int)(K - k0) : BUILD_BLOCK;
+        float wf[BUILD_BLOCK], qf[BUILD_BLOCK];
+        for (int i = 0; i < n; i++) {
             union {
                 uint32_t u;
                 float f;
-            } x = {.u = (uint32_t)w[k + i] << 16};
-            const double wd = x.f, d = wd - (double)q[k + i] * sd;
-            ws[i] += wd * wd, ds[i] += d * d;
+            } x = {.u = (uint32_t)w[k0 + i] << 16};
+            /* |w / s| < 128 (s is amax / 127 within 2^-9 even where it is subnormal), so rounding first and
+             * clamping the integer gives round(clamp(w / s)) */
+            int32_t qi = (int32_t)((x.f / s + magic) - magic);
+            qi = qi < -127 ? -127 : qi > 127 ? 127 : qi;
+            q[k0 + i] = (int8_t)qi;
+            sum += qi;
+            wf[i] = x.f, qf[i] = (float)qi;
         }
-    for (int i = 0; k + i < K; i++) {
-        union {
-            uint32_t u;
-            float f;
-        } x = {.u = (uint32_t)w[k + i] << 16};
-        const double wd = x.f, d = wd - (double)q[k + i] * sd;
-        ws[i] += wd * wd, ds[i] += d * d;
+        for (int i = n; i < BUILD_BLOCK; i++) wf[i] = qf[i] = 0.0f; /* a ragged end adds zeros */
+        for (int j = 0; j < BUILD_BLOCK; j += 8)
+            for (int i = 0; i < 8; i++) {
+                const double wd = wf[j + i], d = wd - (double)qf[j + i] * sd;
+                ws[i] += wd * wd, ds[i] += d * d;
+            }
     }
     for (int h = 4; h; h /= 2)
         for (int i = 0; i < h; i++) ws[i] += ws[i + h], ds[i] += ds[i + h];
     *scale = s, *wnorm = sqrt(ws[0]), *dnorm = sqrt(ds[0]), *rowsum = sum;
 }
 
+/* The rows of a chunk, for each target: the plain body inlined into a wider one gives wider vectors with the same
+ * IEEE arithmetic (q, scale, wnorm and rowsum the same bits; dnorm within its float64 rounding, as a*b+c may fuse). */
+#define BUILD_ROWS(NAME, ATTR)                                                                                     \
+    ATTR static void NAME(const head_build *b, int64_t r0, int64_t r1) {                                           \
+        for (int64_t r = r0; r < r1; r++)                                                                          \
+            build_row(b->w + r * b->K, b->K, b->q + r * b->K, b->scale + r, b->wnorm + r, b->dnorm + r,            \
+                      b->rowsum + r);                                                                              \
+    }
+BUILD_ROWS(build_rows_plain, )
 #if FASTAR_X86
-/* The same rows compiled for AVX-512 (the plain body inlined into a wider target: wider vectors, the same IEEE
- * arithmetic; q, scale, wnorm and rowsum the same bits, dnorm within its float64 rounding: a*b+c may fuse). */
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void build_rows_avx512(const head_build *b,
-                                                                                             int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++)
-        build_row(b->w + r * b->K, b->K, b->q + r * b->K, b->scale + r, b->wnorm + r, b->dnorm + r, b->rowsum + r);
-}
+BUILD_ROWS(build_rows_avx2, __attribute__((target("avx2,fma"))))
+BUILD_ROWS(build_rows_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))))
 #endif
-
-static void build_rows_plain(const head_build *b, int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++)
-        build_row(b->w + r * b->K, b->K, b->q + r * b->K, b->scale + r, b->wnorm + r, b->dnorm + r, b->rowsum + r);
-}
 
 typedef struct {
     const head_build *b;
     int64_t rows; /* per chunk */
-    int wide;     /* the AVX-512 copy */
+    isa_vec vec;  /* which copy of the rows */
 } build_ctx;
 
 static void build_chunk(void *p, int64_t i) {
@@ -125,8 +119,10 @@ static void build_chunk(void *p, int64_t i) {
 #if FASTAR_X86
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(0x1f80); /* IEEE defaults: subnormal weights and scales are values, not zeros */
-    if (c->wide)
+    if (c->vec == VEC_AVX512)
         build_rows_avx512(c->b, r0, r1);
+    else if (c->vec == VEC_AVX2)
+        build_rows_avx2(c->b, r0, r1);
     else
         build_rows_plain(c->b, r0, r1);
     _mm_setcsr(csr);
@@ -138,7 +134,7 @@ static void build_chunk(void *p, int64_t i) {
 void head_i8_build_run(const isa_ops *isa, const head_build *b) {
     if (b->V <= 0) return;
     const int64_t bytes = b->K > 0 ? 2 * b->K : 1;
-    build_ctx c = {.b = b, .rows = (SUB_BYTES + bytes - 1) / bytes, .wide = isa->vec == VEC_AVX512};
+    build_ctx c = {.b = b, .rows = (SUB_BYTES + bytes - 1) / bytes, .vec = isa->vec};
     pool_run((b->V + c.rows - 1) / c.rows, build_chunk, &c);
 }
 
@@ -161,98 +157,123 @@ static void dot_rows_plain(const head_dot *d, const int8_t *x, int T, int64_t r0
 /* ---------------------------------------------------------------- dot: AVX2 */
 
 #if FASTAR_X86
-/* Row r against T tokens of x16 (x as int16, interleaved: see head_i8_dot_run), U column steps of 16 interleaved:
- * each 16 weight bytes sign-extended once, multiplied with vpmaddwd (pairs of int16 products summed into int32: at
- * most 2 * 128^2, no saturation) for every token. */
+/* Rows [r, r + R) against T tokens of x16 (x as int16, interleaved: see head_i8_dot_run), U column steps of 16
+ * interleaved, each x load shared by the R rows: each 16 weight bytes sign-extended once, multiplied with vpmaddwd
+ * (pairs of int16 products summed into int32: at most 2 * 128^2, no saturation) for every token. */
 __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
-dot_row_avx2(const head_dot *d, const int16_t *x16, const int T, const int U, int64_t r, int32_t *out) {
+dot_rows_block_avx2(const head_dot *d, const int16_t *x16, const int T, const int R, const int U, int64_t r,
+                    int32_t *out) {
     const int64_t K = d->K;
     const int8_t *q = d->q + r * K;
-    __m256i acc[2][DOT_TG];
-    UNROLL for (int u = 0; u < U; u++) UNROLL for (int t = 0; t < T; t++) acc[u][t] = _mm256_setzero_si256();
+    __m256i acc[2][2][DOT_TG];
+    UNROLL for (int i = 0; i < R; i++) UNROLL for (int u = 0; u < U; u++) UNROLL for (int t = 0; t < T; t++)
+        acc[i][u][t] = _mm256_setzero_si256();
     for (int64_t c = 0; c < K; c += 16 * U) /* K % 64 == 0: whole steps */
         UNROLL for (int u = 0; u < U; u++) {
-            const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + c + 16 * u)));
+            __m256i w[2];
+            UNROLL for (int i = 0; i < R; i++)
+                w[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + i * K + c + 16 * u)));
             UNROLL for (int t = 0; t < T; t++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(x16 + (c + 16 * u) * T + 16 * t));
-                acc[u][t] = _mm256_add_epi32(acc[u][t], _mm256_madd_epi16(xv, w));
+                UNROLL for (int i = 0; i < R; i++)
+                    acc[i][u][t] = _mm256_add_epi32(acc[i][u][t], _mm256_madd_epi16(xv, w[i]));
             }
         }
-    UNROLL for (int t = 0; t < T; t++) {
-        const __m256i a = U == 2 ? _mm256_add_epi32(acc[0][t], acc[1][t]) : acc[0][t];
+    UNROLL for (int i = 0; i < R; i++) UNROLL for (int t = 0; t < T; t++) {
+        const __m256i a = U == 2 ? _mm256_add_epi32(acc[i][0][t], acc[i][1][t]) : acc[i][0][t];
         __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
         s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
         s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-        out[t * d->V + r] = _mm_cvtsi128_si32(s);
+        out[t * d->V + r + i] = _mm_cvtsi128_si32(s);
     }
 }
 
-#define AVX2_ROWS(T, U)                                                    \
-    for (int64_t r = r0; r < r1; r++) dot_row_avx2(d, x16, T, U, r, out); \
+#define AVX2_ROWS(T, R, U)                                                                \
+    {                                                                                     \
+        int64_t r = r0;                                                                   \
+        for (; r + (R) <= r1; r += (R)) dot_rows_block_avx2(d, x16, T, R, U, r, out);     \
+        for (; r < r1; r++) dot_rows_block_avx2(d, x16, T, 1, U, r, out);                 \
+    }                                                                                     \
     break;
 
+/* Rows and column steps per block: x loads shared by two rows where 16 registers hold the sums. */
 __attribute__((target("avx2,fma"))) static void dot_rows_avx2(const head_dot *d, const int16_t *x16, int T, int64_t r0,
                                                              int64_t r1, int32_t *out) {
     switch (T) {
-        case 1: AVX2_ROWS(1, 2)
-        case 2: AVX2_ROWS(2, 2)
-        case 3: AVX2_ROWS(3, 2)
-        case 4: AVX2_ROWS(4, 2)
-        case 5: AVX2_ROWS(5, 1)
-        case 6: AVX2_ROWS(6, 1)
-        case 7: AVX2_ROWS(7, 1)
-        default: AVX2_ROWS(8, 1)
+        case 1: AVX2_ROWS(1, 1, 2)
+        case 2: AVX2_ROWS(2, 2, 1)
+        case 3: AVX2_ROWS(3, 2, 1)
+        case 4: AVX2_ROWS(4, 2, 1)
+        case 5: AVX2_ROWS(5, 2, 1)
+        case 6: AVX2_ROWS(6, 2, 1)
+        case 7: AVX2_ROWS(7, 1, 1)
+        default: AVX2_ROWS(8, 1, 1)
     }
 }
 
 /* ---------------------------------------------------------------- dot: AVX-512 VNNI */
 
-/* Row r against T tokens of xu (x + 128 as unsigned bytes, interleaved: see head_i8_dot_run), U column steps of 64 interleaved (independent
- * sums for few tokens): vpdpbusd adds four (x + 128) q products per lane, each at most 255 * 128 in size; the int32
- * lanes wrap modulo 2^32 (vpdpbusd, unlike vpdpbusds, does not saturate), so sum (x + 128) q - 128 sum q, the exact
- * sum x q, comes out exact since it fits in int32. One row at a time: the weights stream in address order, which the
- * hardware prefetcher follows (a software prefetch 1 or 4 KiB ahead measured slower at T = 1). */
-TARGET_VNNI static inline __attribute__((always_inline)) void dot_row_vnni(const head_dot *d, const uint8_t *xu,
-                                                                          const int T, const int U, int64_t r,
-                                                                          int32_t *out) {
+/* Rows [r, r + R) against T tokens of xu (x + 128 as unsigned bytes, interleaved: see head_i8_dot_run), U column
+ * steps of 64 interleaved (independent sums for few tokens), each x load shared by the R rows: vpdpbusd adds four
+ * (x + 128) q products per lane, each at most 255 * 128 in size; the int32 lanes wrap modulo 2^32 (vpdpbusd, unlike
+ * vpdpbusds, does not saturate), so sum (x + 128) q - 128 sum q, the exact sum x q, comes out exact since it fits in
+ * int32. Each row streams in address order, which the hardware prefetcher follows (a software prefetch 1 or 4 KiB
+ * ahead measured slower at T = 1). */
+TARGET_VNNI static inline __attribute__((always_inline)) void dot_rows_block_vnni(const head_dot *d, const uint8_t *xu,
+                                                                                 const int T, const int R,
+                                                                                 const int U, int64_t r, int32_t *out) {
     const int64_t K = d->K;
     const int8_t *q = d->q + r * K;
-    __m512i acc[2][DOT_TG];
-    UNROLL for (int u = 0; u < U; u++) UNROLL for (int t = 0; t < T; t++) acc[u][t] = _mm512_setzero_si512();
+    __m512i acc[2][2][DOT_TG];
+    UNROLL for (int i = 0; i < R; i++) UNROLL for (int u = 0; u < U; u++) UNROLL for (int t = 0; t < T; t++)
+        acc[i][u][t] = _mm512_setzero_si512();
     int64_t c = 0;
     for (; c + 64 * U <= K; c += 64 * U)
         UNROLL for (int u = 0; u < U; u++) {
-            const __m512i w = _mm512_loadu_si512((const void *)(q + c + 64 * u));
-            UNROLL for (int t = 0; t < T; t++)
-                acc[u][t] = _mm512_dpbusd_epi32(acc[u][t], _mm512_loadu_si512((const void *)(xu + (c + 64 * u) * T + 64 * t)), w);
+            __m512i w[2];
+            UNROLL for (int i = 0; i < R; i++) w[i] = _mm512_loadu_si512((const void *)(q + i * K + c + 64 * u));
+            UNROLL for (int t = 0; t < T; t++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(xu + (c + 64 * u) * T + 64 * t));
+                UNROLL for (int i = 0; i < R; i++) acc[i][u][t] = _mm512_dpbusd_epi32(acc[i][u][t], xv, w[i]);
+            }
         }
     for (; c < K; c += 64) {
-        const __m512i w = _mm512_loadu_si512((const void *)(q + c));
-        UNROLL for (int t = 0; t < T; t++)
-            acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], _mm512_loadu_si512((const void *)(xu + c * T + 64 * t)), w);
+        __m512i w[2];
+        UNROLL for (int i = 0; i < R; i++) w[i] = _mm512_loadu_si512((const void *)(q + i * K + c));
+        UNROLL for (int t = 0; t < T; t++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xu + c * T + 64 * t));
+            UNROLL for (int i = 0; i < R; i++) acc[i][0][t] = _mm512_dpbusd_epi32(acc[i][0][t], xv, w[i]);
+        }
     }
-    const uint32_t off = 128u * (uint32_t)d->rowsum[r];
-    UNROLL for (int t = 0; t < T; t++) {
-        const __m512i a = U == 2 ? _mm512_add_epi32(acc[0][t], acc[1][t]) : acc[0][t];
-        out[t * d->V + r] = (int32_t)((uint32_t)_mm512_reduce_add_epi32(a) - off);
+    UNROLL for (int i = 0; i < R; i++) {
+        const uint32_t off = 128u * (uint32_t)d->rowsum[r + i];
+        UNROLL for (int t = 0; t < T; t++) {
+            const __m512i a = U == 2 ? _mm512_add_epi32(acc[i][0][t], acc[i][1][t]) : acc[i][0][t];
+            out[t * d->V + r + i] = (int32_t)((uint32_t)_mm512_reduce_add_epi32(a) - off);
+        }
     }
 }
 
-#define VNNI_ROWS(T, U)                                                              \
-    for (int64_t r = r0; r < r1; r++) dot_row_vnni(d, xu, T, U, r, out);         \
+#define VNNI_ROWS(T, R, U)                                                                  \
+    {                                                                                       \
+        int64_t r = r0;                                                                     \
+        for (; r + (R) <= r1; r += (R)) dot_rows_block_vnni(d, xu, T, R, U, r, out);        \
+        for (; r < r1; r++) dot_rows_block_vnni(d, xu, T, 1, U, r, out);                    \
+    }                                                                                       \
     break;
 
+/* Rows and column steps per block: every x load shared by two rows past one token, at most 16 accumulators. */
 TARGET_VNNI static void dot_rows_vnni(const head_dot *d, const uint8_t *xu, int T, int64_t r0, int64_t r1,
                                       int32_t *out) {
     switch (T) {
-        case 1: VNNI_ROWS(1, 2)
-        case 2: VNNI_ROWS(2, 2)
-        case 3: VNNI_ROWS(3, 2)
-        case 4: VNNI_ROWS(4, 2)
-        case 5: VNNI_ROWS(5, 1)
-        case 6: VNNI_ROWS(6, 1)
-        case 7: VNNI_ROWS(7, 1)
-        default: VNNI_ROWS(8, 1)
+        case 1: VNNI_ROWS(1, 1, 2)
+        case 2: VNNI_ROWS(2, 2, 2)
+        case 3: VNNI_ROWS(3, 2, 2)
+        case 4: VNNI_ROWS(4, 2, 2)
+        case 5: VNNI_ROWS(5, 2, 1)
+        case 6: VNNI_ROWS(6, 2, 1)
+        case 7: VNNI_ROWS(7, 2, 1)
+        default: VNNI_ROWS(8, 2, 1)
     }
 }
 #endif

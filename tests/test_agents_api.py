@@ -12,6 +12,7 @@ FakeEngine of test_server.py, through the real worker (EngineHost).
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -943,3 +944,35 @@ def test_anthropic_effort_xhigh_is_v4s_max(backend):
     conv = {e: A.parse_request({**body, "output_config": {"effort": e}}, backend)[1] for e in ("xhigh", "max", "high")}
     assert conv["xhigh"].render() == conv["max"].render() != conv["high"].render()
     assert A.messages({**body, "output_config": {"effort": "xhigh"}}, backend)["type"] == "message"
+
+
+def test_a_non_streaming_client_that_leaves_the_server_cancels_its_generation():
+    """Through the server's own routes (the test above calls the module): a client of /v1/messages or
+    /v1/responses that hangs up before its reply frees the worker instead of leaving it to run to max_tokens."""
+    engine = AgentEngine(token_delay=0.01)
+    srv = start_server(engine)
+    bodies = {
+        "/v1/messages": {
+            "model": "m",
+            "max_tokens": 4000,
+            "thinking": {"type": "disabled"},
+            "messages": [{"role": "user", "content": "count"}],
+        },
+        "/v1/responses": {"input": "count", "max_output_tokens": 4000, "reasoning": {"effort": "none"}},
+    }
+    try:
+        for path, body in bodies.items():
+            before = engine.stats()["generated_tokens"]
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            deadline = time.monotonic() + 5
+            while engine.stats()["generated_tokens"] == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            conn.sock.close()  # the client leaves while its reply is being generated
+            deadline = time.monotonic() + 5
+            while srv.host.num_running() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not srv.host.num_running(), path
+            assert engine.stats()["generated_tokens"] - before < 1000, path  # "count" runs to ~8000 tokens
+    finally:
+        srv.shutdown()

@@ -5,14 +5,17 @@ Responses (`/v1/responses`, `GET /v1/responses/{id}`), mounted beside the OpenAI
 Owns: the Starlette glue only. The translation, validation, streaming event sequences and the response store
 live in `fastar.serve.anthropic`, `fastar.serve.responses` and `fastar.serve.turn`; both submit jobs to the one
 engine worker through `EngineHost.submit`, like every other route. Their calls block (they wait on the worker), so
-they run in the thread pool; a stream's iterator is closed when the client goes, which cancels its generation.
+they run in the thread pool; a stream's iterator is closed when the client goes, which cancels its generation, and a
+non-streamed call asks the event loop from its thread whether the client is still there (`disconnected`), so a
+client that leaves cancels its generation too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio.from_thread
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -21,7 +24,7 @@ from starlette.routing import BaseRoute, Route
 from fastar.serve import anthropic as A
 from fastar.serve import responses as R
 from fastar.serve.app import ErrorShape, JSONResponse, read_json
-from fastar.serve.turn import Backend
+from fastar.serve.turn import Backend, ClientDisconnected
 
 ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": A.error_body}  # Responses errors are OpenAI-shaped
 
@@ -77,19 +80,26 @@ class AgentRoutes:
             Route("/v1/responses/{rid}", self.retrieve, methods=["GET"]),
         ]
 
-    async def _run(self, request: Request, fn) -> Response:
+    async def _run(self, request: Request, fn: Callable[[Any, Callable[[], bool]], Any]) -> Response:
         body = await read_json(request, self.server.settings)
-        out = await run_in_threadpool(fn, body)
+
+        def disconnected() -> bool:  # asked from the thread pool; the event loop reads the connection
+            return anyio.from_thread.run(request.is_disconnected)
+
+        try:
+            out = await run_in_threadpool(fn, body, disconnected)
+        except ClientDisconnected:  # its generation was cancelled; nobody reads an answer
+            return Response(status_code=499)
         return JSONResponse(out) if isinstance(out, dict) else _ClosingStream(out)
 
     async def messages(self, request: Request) -> Response:
-        return await self._run(request, lambda b: A.messages(b, self.backend()))
+        return await self._run(request, lambda b, gone: A.messages(b, self.backend(), gone))
 
     async def count_tokens(self, request: Request) -> Response:
-        return await self._run(request, lambda b: A.count_tokens(b, self.backend()))
+        return await self._run(request, lambda b, gone: A.count_tokens(b, self.backend()))
 
     async def create(self, request: Request) -> Response:
-        return await self._run(request, lambda b: R.create(b, self.backend(), self.store))
+        return await self._run(request, lambda b, gone: R.create(b, self.backend(), self.store, gone))
 
     async def retrieve(self, request: Request) -> Response:
         return JSONResponse(R.retrieve(request.path_params["rid"], self.store))

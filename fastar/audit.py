@@ -10,10 +10,12 @@ transformers is imported only here, only when an audit runs.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
+
+from .errors import FastarError
 
 DEFAULT_TOKENS = 64
 
@@ -69,14 +71,25 @@ def run(
 
     `tokens` defaults to DEFAULT_TOKENS random ids drawn with `seed`.
     """
-    from transformers import DeepseekV4ForCausalLM  # heavy: only for audits
-
+    from .convert.checkpoint import Checkpoint
     from .engine.engine import load
 
+    with Checkpoint(hf_dir) as reference:  # a missing directory or config.json: said here, not by transformers
+        ref_config = reference.config
     engine = load(model_path, numerics="reference")
+    cfg = engine.config
+    if cfg != ref_config:  # another model's weights would fail deep in a comparison, or compare nothing alike
+        differ = [f.name for f in fields(cfg) if getattr(cfg, f.name) != getattr(ref_config, f.name)]
+        raise FastarError(f"{hf_dir} is not the model in {model_path}: their configs differ in {', '.join(differ)}")
     if tokens is None:
         rng = np.random.default_rng(seed)
-        tokens = rng.integers(0, engine.config.vocab_size, size=DEFAULT_TOKENS).tolist()
+        tokens = rng.integers(0, cfg.vocab_size, size=DEFAULT_TOKENS).tolist()
+    if not tokens:
+        raise FastarError("no tokens to audit")
+    if bad := [t for t in tokens if not 0 <= t < cfg.vocab_size]:
+        raise FastarError(f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    from transformers import DeepseekV4ForCausalLM  # heavy: only for audits, once the input is known good
+
     collect: list[torch.Tensor] = []
     ours_logits, _ = engine.model.forward(tokens, engine.new_state(), collect=collect)
 

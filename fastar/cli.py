@@ -234,8 +234,7 @@ def _state_accounting(f) -> dict:
 def cmd_audit(a) -> int:
     from .audit import run
 
-    tokens = [int(t) for t in a.tokens.split(",")] if a.tokens else None
-    report = run(a.file, a.reference, tokens=tokens)
+    report = run(a.file, a.reference, tokens=a.tokens or None)
     print(report.table())
     if not report.ok:
         print(
@@ -245,6 +244,14 @@ def cmd_audit(a) -> int:
         )
         return 1
     return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    """--tokens: comma-separated token ids (empty: the audit's default prompt)."""
+    try:
+        return [int(t) for t in text.split(",")] if text.strip() else []
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give comma-separated token ids such as 1,2,3, got {text!r}") from None
 
 
 def cmd_fixture(a) -> int:
@@ -395,7 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     au = sub.add_parser("audit", help="per-layer comparison against transformers on the same weights")
     au.add_argument("file", help=".fst file (or checkpoint directory) to audit")
     au.add_argument("--reference", required=True, help="official checkpoint directory transformers loads")
-    au.add_argument("--tokens", default=None, help="comma-separated token ids (default: a fixed random prompt)")
+    au.add_argument(
+        "--tokens", type=_token_ids, default=None, help="comma-separated token ids (default: a fixed random prompt)"
+    )
     au.set_defaults(fn=cmd_audit)
 
     f = sub.add_parser("fixture", help="write a small random checkpoint in the official on-disk format")

@@ -196,6 +196,28 @@ def test_a_prompt_cache_that_cannot_be_a_folder(tiny_fst_path, tmp_path):
     assert plain.read_text() == "x"
 
 
+def test_audit_refuses_bad_tokens_and_another_model(tiny_fst_path, tiny_ckpt, vocab_ckpt, tmp_path, capsys):
+    """`fastar audit`: token ids that are no numbers, or outside the vocabulary, and a --reference of another model
+    or none at all, are one line each (they were a ValueError, IndexError or RuntimeError traceback, and a hub
+    error about repo ids), said before transformers is imported."""
+    from fastar.cli import main
+
+    with pytest.raises(SystemExit) as usage:
+        main(["audit", str(tiny_fst_path), "--reference", str(tiny_ckpt), "--tokens", "a,b"])
+    err = capsys.readouterr().err
+    assert usage.value.code == 2 and err.count("\n") == 1 and "comma-separated token ids" in err, err
+    cases = [
+        (tiny_ckpt, "5,99999", "token id 99999 is outside the vocabulary [0, 1024)"),
+        (tiny_ckpt, "-5", "token id -5 is outside"),
+        (vocab_ckpt, "1,2", "configs differ in vocab_size"),
+        (tmp_path / "nowhere", "1,2", "nowhere does not exist"),
+    ]
+    for reference, tokens, words in cases:
+        rc = main(["audit", str(tiny_fst_path), "--reference", str(reference), "--tokens", tokens])
+        err = capsys.readouterr().err
+        assert rc == 1 and err.count("\n") == 1 and words in err, (reference, tokens, err)
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

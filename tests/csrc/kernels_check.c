@@ -13,8 +13,9 @@
  *     invariance);
  *   - x that is exactly bfloat16 (the bf16 dot path, where the ISA has one; with the special weights too) and x
  *     that is not (with NaN / infinite x in the special cases) both run.
- * And every e4m3 code's product is exact on every ISA (check_fp8_codes), and the FP8 activation quantization of
- * each ISA that has one is bit-identical to the portable one.
+ * And every e4m3 code's product is exact on every ISA (check_fp8_codes), the FP8 activation quantization of
+ * each ISA that has one is bit-identical to the portable one, and the int8 LM head's products are exact and its
+ * build keeps its contract on every ISA (check_head_i8_dot, check_head_i8_build).
  * Prints one line per ISA and a summary; exit status 0 only when every check passed.
  */
 #define _GNU_SOURCE
@@ -25,6 +26,7 @@
 #include <string.h>
 
 #include "dispatch.h"
+#include "head_i8.h"
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static uint32_t rnd(void) { /* xorshift64*: the same cases on every machine */
@@ -268,6 +270,112 @@ static void check_act_quant(size_t ii, const isa_ops *isa) {
     free(x), free(a), free(b);
 }
 
+/* head_i8_dot: exact int32 sums of int8 products (every int8 value, -128 too; T from 1 past the 8 tokens of one pass;
+ * 1 and 3 threads) against an int64 reference; and at the largest K, the extremes whose sums come within 2^21 of
+ * 2^31. */
+static void check_head_i8_dot(size_t ii, const isa_ops *isa) {
+    static const int64_t shapes[][2] = {{1, 64}, {37, 128}, {130, 192}, {9, 4096}, {3, HEAD_I8_MAX_K}};
+    static const int64_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17};
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
+        const int64_t V = shapes[si][0], K = shapes[si][1], big = K == HEAD_I8_MAX_K;
+        int8_t *q = malloc((size_t)(V * K)), *x = malloc((size_t)(17 * K));
+        int32_t *rowsum = malloc((size_t)V * 4), *out = malloc((size_t)(17 * V) * 4);
+        for (int64_t i = 0; i < V * K; i++) q[i] = big ? (int8_t)(i / K == 0 ? -128 : i / K == 1 ? 127 : -127) : (int8_t)rnd();
+        for (int64_t i = 0; i < 17 * K; i++) x[i] = big ? (int8_t)((i / K) % 2 ? 127 : -128) : (int8_t)rnd();
+        if (!big) memset(q, 127, (size_t)K), memset(x, 0x80, (size_t)K); /* row 0 all 127, token 0 all -128 */
+        for (int64_t r = 0; r < V; r++) {
+            int32_t sum = 0;
+            for (int64_t k = 0; k < K; k++) sum += q[r * K + k];
+            rowsum[r] = sum;
+        }
+        for (size_t ti = 0; ti < sizeof Ts / sizeof *Ts; ti++) {
+            const int64_t T = Ts[ti];
+            if (big && T > 2) continue;
+            for (int threads = 1; threads <= 3; threads += 2) {
+                pool_set_threads(threads);
+                memset(out, 0x55, (size_t)(T * V) * 4);
+                const head_dot d = {.x = x, .q = q, .rowsum = rowsum, .out = out, .T = T, .V = V, .K = K};
+                if (head_i8_dot_run(isa, &d)) {
+                    fprintf(stderr, "out of memory\n");
+                    exit(2);
+                }
+                n_cases[ii]++;
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t r = 0; r < V; r++) {
+                        int64_t want = 0;
+                        for (int64_t k = 0; k < K; k++) want += (int64_t)x[t * K + k] * q[r * K + k];
+                        if (out[t * V + r] != want) {
+                            char msg[96];
+                            snprintf(msg, sizeof msg, "head_i8_dot [%ld, %ld] = %ld, not %ld (%d threads)", (long)t,
+                                     (long)r, (long)out[t * V + r], (long)want, threads);
+                            fail(isa->name, 'i', T, V, K, msg);
+                            t = T, r = V; /* one message per case */
+                        }
+                    }
+            }
+        }
+        free(q), free(x), free(rowsum), free(out);
+    }
+}
+
+/* head_i8_build against its contract computed here in plain C (float32 quotient, half-even rounding, clamp):
+ * ordinary, subnormal-only, largest-value, zero and non-finite rows; q, scale and rowsum bit for bit, the norms
+ * within float64 rounding. */
+static void check_head_i8_build(size_t ii, const isa_ops *isa) {
+    enum { V = 9, K = 203 };
+    static uint16_t w[V * K];
+    static int8_t q[V * K];
+    float scale[V];
+    double wn[V], dn[V];
+    int32_t rs[V];
+    for (int64_t i = 0; i < V * K; i++) {
+        const int64_t r = i / K;
+        float v = gauss() * (r == 1 ? 0x1p-90f : 1.0f);
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        w[i] = (uint16_t)(u >> 16);
+        if (r == 2) w[i] = (uint16_t)((rnd() & 0x7f) | (rnd() & 0x8000)); /* subnormals and zeros */
+        if (r == 3) w[i] = rnd() & 1 ? 0x7f7f : 0xff7f;                  /* +-the largest bfloat16 */
+        if (r == 4) w[i] = 0x8000;                                      /* -0 */
+    }
+    w[5 * K + 17] = 0x7f80, w[6 * K] = 0xff80, w[7 * K + K - 1] = 0x7fc1; /* +inf, -inf, NaN */
+    w[8 * K + 3] = 0x0001;                                               /* the smallest subnormal beside others */
+    const head_build b = {.w = w, .V = V, .K = K, .q = q, .scale = scale, .wnorm = wn, .dnorm = dn, .rowsum = rs};
+    pool_set_threads(2);
+    head_i8_build_run(isa, &b);
+    n_cases[ii]++;
+    for (int64_t r = 0; r < V; r++) {
+        float amax = 0.0f;
+        int finite = 1;
+        for (int64_t k = 0; k < K; k++) {
+            const float v = (float)bf16_val(w[r * K + k]);
+            finite &= isfinite(v) != 0;
+            amax = fabsf(v) > amax ? fabsf(v) : amax;
+        }
+        const float s = finite && amax > 0 ? amax / 127.0f : 0.0f;
+        double ws = 0, ds = 0;
+        int32_t sum = 0;
+        int bad = scale[r] != s;
+        for (int64_t k = 0; k < K && !bad; k++) {
+            const float v = (float)bf16_val(w[r * K + k]);
+            const float qf = s > 0 ? fminf(fmaxf(rintf(v / s), -127.0f), 127.0f) : 0.0f;
+            bad |= q[r * K + k] != (int8_t)qf;
+            sum += (int32_t)qf;
+            ws += (double)v * v, ds += ((double)v - (double)qf * s) * ((double)v - (double)qf * s);
+        }
+        bad |= rs[r] != sum;
+        if (!finite)
+            bad |= !(isinf(wn[r]) && isinf(dn[r]));
+        else
+            bad |= fabs(wn[r] - sqrt(ws)) > 1e-13 * sqrt(ws) || fabs(dn[r] - sqrt(ds)) > 1e-13 * sqrt(ds);
+        if (bad) {
+            char msg[64];
+            snprintf(msg, sizeof msg, "head_i8_build row %ld differs from its contract", (long)r);
+            fail(isa->name, 'h', 0, V, K, msg);
+        }
+    }
+}
+
 int main(void) {
     isas_init();
     /* (N, K): N off every tile and row block, K a multiple of 32 off 64/128, ragged FP8 / BF16 K */
@@ -307,6 +415,8 @@ int main(void) {
         if (!usable[i]) continue;
         check_fp8_codes(i, all_isas[i]);
         check_act_quant(i, all_isas[i]);
+        check_head_i8_dot(i, all_isas[i]);
+        check_head_i8_build(i, all_isas[i]);
         printf("%-12s %ld cases\n", all_isas[i]->name, n_cases[i]);
         total += n_cases[i];
         checked++;

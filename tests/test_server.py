@@ -363,6 +363,20 @@ def test_thinking_default_and_reasoning_content(server):
     assert msg.choices[0].message.reasoning_content == "Thinking about why?."
 
 
+def test_usage_counts_the_reasoning_tokens(server):
+    """`usage.completion_tokens_details.reasoning_tokens`, as OpenAI's and DeepSeek's APIs give it: the scripted
+    thinking is "Thinking about why?." (20 tokens) and `</think>`; the answer "Echo: why?" and EOS follow. The same
+    in the stream's usage chunk and in what the Responses API reports for the same reply."""
+    cl = client(server)
+    r = chat(cl, "why?")
+    assert (r.usage.completion_tokens, r.usage.completion_tokens_details.reasoning_tokens) == (32, 21)
+    chunks = list(chat(cl, "why?", stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 21
+    resp = cl.responses.create(model="deepseek-v4-flash", input="why?", temperature=0)
+    assert resp.usage.output_tokens_details.reasoning_tokens == 21
+    assert chat(cl, "why?", extra_body=NO_THINK).usage.completion_tokens_details.reasoning_tokens == 0
+
+
 def test_reasoning_field_flag():
     srv = start_server(reasoning_field="reasoning")
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastar.encoding import EOS, StreamParser
+from fastar.encoding import EOS, THINK_END, StreamParser
 from fastar.engine.stops import StopStrings
 from fastar.serve import openai_request, shapes
 
@@ -56,6 +56,9 @@ class ChatTurn:
         self.logprobs: list[dict] = []
         self.prompt_scores: Any = None  # `PromptLogprobs` from the first chunk, when asked for
         self.completion_tokens = 0
+        self.reasoning_tokens = 0  # of the completion tokens, those up to and including `</think>`
+        self._in_reasoning = req.thinking
+        self._tail = ""  # the last generated text, where `</think>` is looked for
         self.engine_finish: str | None = None
         self.content = ""
         self.reasoning: str | None = None
@@ -72,12 +75,16 @@ class ChatTurn:
             return []  # the engine may run a token past the stop string before it sees the cancel
         if chunk.token is not None:
             self.completion_tokens += 1
+            self.reasoning_tokens += self._in_reasoning
             if self.req.logprobs:
                 entry = shapes.chat_logprob_entry(
                     self.tokenizer, chunk.token, chunk.logprob, chunk.top_logprobs, self.req.top_logprobs
                 )
                 self.pending.entries.append(entry)
                 self.logprobs.append(entry)
+        if self._in_reasoning:
+            self._tail = (self._tail + chunk.text)[-len(THINK_END) - len(chunk.text) :]
+            self._in_reasoning = THINK_END not in self._tail
         if chunk.finish_reason:
             self.engine_finish = chunk.finish_reason
         return self._deltas(self.parser.feed(self.stops.feed(chunk.text)))

@@ -273,7 +273,9 @@ class OpenAIRoutes:
                 shapes.chat_choice(i, t.message(), f, t.logprobs if req.logprobs else None)
                 for i, (t, f) in enumerate(zip(turns, finishes))
             ]
-            use = shapes.usage(n_prompt, sum(t.completion_tokens for t in turns), cached)
+            use = shapes.usage(
+                n_prompt, sum(t.completion_tokens for t in turns), cached, sum(t.reasoning_tokens for t in turns)
+            )
             resp = shapes.chat_response_choices(rid, req.model, choices, use)
             return JSONResponse(S.chat_extras(resp, req, turns[0], engine.tokenizer))  # (every choice has the scores)
 
@@ -296,7 +298,12 @@ class OpenAIRoutes:
                     self.server.metrics.finished(finish)
                     yield chunk(i, {}, finish, turns[i].pending.take())
                 elif req.include_usage:  # all ended
-                    use = shapes.usage(n_prompt, sum(t.completion_tokens for t in turns), payload)
+                    use = shapes.usage(
+                        n_prompt,
+                        sum(t.completion_tokens for t in turns),
+                        payload,
+                        sum(t.reasoning_tokens for t in turns),
+                    )
                     yield shapes.sse(shapes.usage_chunk(rid, created, req.model, "chat.completion.chunk", use))
             yield shapes.SSE_DONE
 

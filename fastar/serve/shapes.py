@@ -17,14 +17,20 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    out = {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None, reasoning_tokens: int | None = None
+) -> dict:
+    """OpenAI's `usage`; `reasoning_tokens` (chat completions: the thinking tokens, `</think>` included, among the
+    completion tokens) as `completion_tokens_details`, as OpenAI's and DeepSeek's APIs give it."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
 
 

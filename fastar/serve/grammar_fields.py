@@ -60,7 +60,7 @@ def check_last_turn(messages: list[dict], param: str = "messages") -> None:
     if role in ("assistant", "system"):
         raise bad_request(
             f"the conversation must end with a user or tool message, not {role!r}: this model's chat format has no "
-            f"reply after a {role} message (assistant prefill is not supported)",
+            f"reply after {'an' if role == 'assistant' else 'a'} {role} message (assistant prefill is not supported)",
             param,
         )
 

@@ -17,6 +17,7 @@ import threading
 import time
 
 from . import __version__
+from .config import int_flag
 from .errors import FastarError
 
 
@@ -67,6 +68,9 @@ class _Parser(argparse.ArgumentParser):
             if act.required and os.environ.get("FASTAR_" + act.dest.upper()):
                 act.required = False
         return act
+
+
+_seed = int_flag(0, None, "a seed")  # numpy's generators take non-negative seeds only
 
 
 def _human(n: float) -> str:
@@ -278,7 +282,7 @@ def cmd_synth(a) -> int:
             raise FastarError(f"synth: --{name} must be at least 1, got {getattr(a, name)}")
     if a.hidden % 128 or a.inter % 128:
         raise FastarError("synth: --hidden and --inter must be multiples of 128 (the FP8 and FP4 block sizes)")
-    if a.router_bias < 0:
+    if not 0 <= a.router_bias < float("inf"):  # NaN too: it would route every token nowhere in particular
         raise FastarError(f"synth: --router-bias is a standard deviation, got {a.router_bias}")
     if a.hf_dir:  # the official layout: safetensors shards, config.json (one MTP block, fixed router recipe)
         from .fixtures import write_checkpoint
@@ -410,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fixture", help="write a small random checkpoint in the official on-disk format")
     f.add_argument("-o", "--output", required=True)
     f.add_argument("--preset", default="tiny", choices=["tiny", "tiny-dspark", "vocab", "flash"])
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--seed", type=_seed, default=0)
     f.set_defaults(fn=cmd_fixture)
 
     sy = sub.add_parser(
@@ -431,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--hidden", type=int, default=4096)
     sy.add_argument("--inter", type=int, default=2048, help="routed expert width")
     sy.add_argument("--mtp", type=int, default=1, help="MTP blocks")
-    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--seed", type=_seed, default=0)
     sy.add_argument(
         "--router-bias",
         type=float,

@@ -976,3 +976,45 @@ def test_a_non_streaming_client_that_leaves_the_server_cancels_its_generation():
             assert engine.stats()["generated_tokens"] - before < 1000, path  # "count" runs to ~8000 tokens
     finally:
         srv.shutdown()
+
+
+def _blocks_of_stream(events: list[tuple[str, dict]]) -> list[tuple[str, str]]:
+    """(type, text) of each content block a stream builds."""
+    blocks: list[list[str]] = []
+    for name, data in events:
+        if name == "content_block_start":
+            blocks.append([data["content_block"]["type"], ""])
+        elif name == "content_block_delta":
+            delta = data["delta"]
+            blocks[data["index"]][1] += delta.get("text", delta.get("thinking", delta.get("partial_json", "")))
+    return [tuple(b) for b in blocks]
+
+
+def test_an_empty_thinking_block_is_left_out_streamed_or_not():
+    """The model may close `</think>` at once. The stream sent no thinking block for it while the whole reply had
+    an empty one (and no text block when the answer was empty too): the SDK's streamed message differed from
+    `create()`'s. Both now leave it out."""
+
+    class Scripted(AgentEngine):
+        script = ""
+
+        def reply(self, prompt: str, params) -> str:
+            return self.script
+
+    engine = Scripted()
+    backend, host = make_backend(engine)
+    call = RAW_SUM_CALL
+    try:
+        for script, kinds in (
+            ("</think>answer", ["text"]),
+            ("</think>", ["text"]),
+            ("</think>" + call, ["tool_use"]),
+            ("thought</think>answer", ["thinking", "text"]),
+        ):
+            engine.script = script
+            body = {"max_tokens": 300, "messages": [{"role": "user", "content": "add"}], "tools": [SUM]}
+            msg = A.messages({**body, "thinking": {"type": "enabled"}}, backend)
+            streamed = _blocks_of_stream(sse_events(A.messages({**body, "stream": True}, backend)))
+            assert [b["type"] for b in msg["content"]] == [t for t, _ in streamed] == kinds, script
+    finally:
+        host.shutdown()

@@ -30,7 +30,7 @@ the context is full, with `stop_reason: "model_context_window_exceeded"`. A conv
 assistant prefill (a last assistant turn to continue) is a 400, in the words Anthropic uses for its models without
 prefill. A stop-sequence hit is `stop_reason:
 "stop_sequence"` with the matched string in `stop_sequence`. A thinking block cut off by `max_tokens` is not
-followed by an empty text block.
+followed by an empty text block; an empty thinking block (`</think>` at once) is left out, streamed or not.
 
 Model: any `model` name is accepted and answered by the served model (Claude Code sends its own model ids for
 background tasks); replies name the served model.
@@ -363,9 +363,9 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
     except GenerationFailed as err:
         raise err.api_error() from None
     content: list[dict] = []
-    if turn.reasoning is not None:
+    if turn.reasoning:  # an empty one (`</think>` at once) is no block, as the stream sends none
         content.append(_thinking_block(turn.reasoning))
-    if turn.content or not (turn.tool_calls or turn.reasoning is not None):  # no empty text after thinking
+    if turn.content or not (turn.tool_calls or turn.reasoning):  # no empty text after thinking
         content.append({"type": "text", "text": turn.content})
     content.extend(_tool_use(call) for call in turn.tool_calls)
     return {

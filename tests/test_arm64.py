@@ -84,6 +84,8 @@ def test_aarch64_kernels_match_the_portable_ones_under_qemu(tmp_path, harness):
     assert r.returncode == 0, r.stdout + r.stderr
     checked = _isas_checked(r.stdout)
     assert {"neon", "neon-bf16", "scalar"} <= checked, f"ISAs checked under qemu: {sorted(checked)}\n{r.stdout}"
+    if harness == "products":  # qemu's CPU has FEAT_DotProd: the int8 head's products take SDOT there
+        assert re.search(r"^neon\s+head_i8_dot path neon-dotprod$", r.stdout, re.M), r.stdout
     assert " 0 failed" in r.stdout
 
 

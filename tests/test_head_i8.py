@@ -194,10 +194,10 @@ def test_head_i8_path_per_isa():
     if not K.available():
         assert K.head_i8_path() == "numpy"
         return
-    vnni = K.cpu_features()["avx512vnni"]
-    want = {"avx512bf16": "avx512vnni" if vnni else "avx2", "avx512": "avx512vnni" if vnni else "avx2"}
-    want.update(avx2="avx2", scalar="portable", neon="portable")
-    want["neon-bf16"] = "portable"
+    f = K.cpu_features()
+    vnni = "avx512vnni" if f["avx512vnni"] else "avx2"
+    sdot = "neon-dotprod" if f["dotprod"] else "portable"
+    want = {"avx512bf16": vnni, "avx512": vnni, "avx2": "avx2", "neon-bf16": sdot, "neon": sdot, "scalar": "portable"}
     try:
         for isa in ISAS:
             K.set_isa(isa)

@@ -68,7 +68,7 @@ def available() -> bool:
 
 def cpu_features() -> dict:
     """What this CPU offers the kernels: {'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl', 'avx512vbmi',
-    'avx512bf16', 'avx512vnni' (x86-64), 'asimd', 'bf16' (AArch64): bool, 'isa': the instruction set in use,
+    'avx512bf16', 'avx512vnni' (x86-64), 'asimd', 'bf16', 'dotprod' (AArch64): bool, 'isa': the instruction set in use,
     'usable_isas': list}. Without the extension, isa is 'numpy'."""
     if _C is None:
         return {
@@ -83,6 +83,7 @@ def cpu_features() -> dict:
             "avx512vnni": False,
             "asimd": False,
             "bf16": False,
+            "dotprod": False,
             "isa": "numpy",
             "usable_isas": [],
         }

@@ -274,6 +274,7 @@ static void check_act_quant(size_t ii, const isa_ops *isa) {
  * 1 and 3 threads) against an int64 reference; and at the largest K, the extremes whose sums come within 2^21 of
  * 2^31. */
 static void check_head_i8_dot(size_t ii, const isa_ops *isa) {
+    printf("%-12s head_i8_dot path %s\n", isa->name, head_i8_path_name(head_i8_path(isa)));
     static const int64_t shapes[][2] = {{1, 64}, {37, 128}, {130, 192}, {9, 4096}, {3, HEAD_I8_MAX_K}};
     static const int64_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 17};
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {

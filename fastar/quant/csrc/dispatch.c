@@ -56,12 +56,15 @@ static int apple_feature(const char *name) {
 #ifndef HWCAP2_BF16
 #define HWCAP2_BF16 (1 << 14)
 #endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
 #endif
 #endif
 
 /* Every architecture's names (false on the others), so cpu_features() has the same keys everywhere. */
 const char *const cpu_feature_names[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vbmi",
-                                        "avx512bf16", "avx512vnni", "asimd", "bf16"};
+                                        "avx512bf16", "avx512vnni", "asimd", "bf16", "dotprod"};
 const size_t n_cpu_features = sizeof cpu_feature_names / sizeof *cpu_feature_names;
 
 int cpu_has(const char *feat) {
@@ -86,6 +89,15 @@ int cpu_has(const char *feat) {
         return apple_feature("hw.optional.arm.FEAT_BF16");
 #elif defined(__linux__)
         return (getauxval(AT_HWCAP2) & HWCAP2_BF16) != 0;
+#else
+        return 0;
+#endif
+    }
+    if (!strcmp(feat, "dotprod")) { /* FEAT_DotProd: SDOT / UDOT (head_i8.c) */
+#if defined(__APPLE__)
+        return apple_feature("hw.optional.arm.FEAT_DotProd");
+#elif defined(__linux__)
+        return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
 #else
         return 0;
 #endif

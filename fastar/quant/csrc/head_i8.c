@@ -5,10 +5,10 @@
  *   head_i8_build_run  the int8 copy of a bfloat16 weight [V, K], row by row: scale s = max|w| / 127 (float32),
  *                      q = round-half-even(w / s) clamped to [-127, 127], with the facts the screen's bound needs:
  *                      ||w|| and ||w - q s|| (float64, from the exact values), and sum q (head_i8.h's contract);
- *   head_i8_dot_run    out[t, i] = sum_k xq[t, k] q[i, k] in exact int32 arithmetic, three ways that give the same
+ *   head_i8_dot_run    out[t, i] = sum_k xq[t, k] q[i, k] in exact int32 arithmetic, four ways that give the same
  *                      integers: AVX-512 VNNI (vpdpbusd on x + 128 as unsigned bytes, less 128 sum q[i]), AVX2
- *                      (both sign-extended to 16 bits, vpmaddwd: no saturation) and portable C (int32 sums the
- *                      compiler vectorizes, AArch64 included), picked from the ISA in use and the CPU;
+ *                      (both sign-extended to 16 bits, vpmaddwd: no saturation), AArch64 SDOT (FEAT_DotProd) and
+ *                      portable C (int32 sums the compiler vectorizes), picked from the ISA in use and the CPU;
  *   gather_rows_run    out[j] = w[idx[j]] for byte rows (the candidates' bfloat16 rows for bf16_matmul).
  * Work goes to the pool in row chunks; each output is computed by one thread in an order fixed by nothing but its
  * row, so results do not depend on the thread count (they are exact integers anyway).
@@ -22,6 +22,9 @@
 #include "head_i8.h"
 #include "simd.h"
 
+#if FASTAR_ARM64
+#include <arm_neon.h>
+#endif
 #if FASTAR_X86
 #include <immintrin.h>
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
@@ -278,6 +281,65 @@ TARGET_VNNI static void dot_rows_vnni(const head_dot *d, const uint8_t *xu, int 
 }
 #endif
 
+/* ---------------------------------------------------------------- dot: AArch64 SDOT */
+
+#if FASTAR_ARM64
+/* SDOT (vdotq_s32: acc[i] += the four products a[4i + j] b[4i + j], int8 x int8 -> int32, exact) needs FEAT_DotProd:
+ * these functions are compiled for it (already so where the build's baseline has it, as Apple's), and head_i8_path
+ * takes this path only where the CPU reports it. */
+#if defined(__ARM_FEATURE_DOTPROD)
+#define TARGET_DOTPROD
+#elif defined(__clang__)
+#define TARGET_DOTPROD __attribute__((target("dotprod")))
+#else
+#define TARGET_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+
+/* Rows [r, r + R) against T tokens of xi (x as int8, interleaved by 64 columns: see head_i8_dot_run), P partial sums
+ * per (row, token) (independent chains for few tokens): each 64 weight bytes of a row loaded once for all tokens,
+ * each x load shared by the R rows. Every sum is exact: |sum| <= 128^2 K < 2^31. */
+TARGET_DOTPROD INLINE void dot_rows_block_sdot(const head_dot *d, const int8_t *xi, const int T, const int R, const int P, int64_t r,
+                                int32_t *out) {
+    const int64_t K = d->K;
+    const int8_t *q = d->q + r * K;
+    int32x4_t acc[2][2][DOT_TG];
+    UNROLL for (int i = 0; i < R; i++) UNROLL for (int p = 0; p < P; p++) UNROLL for (int t = 0; t < T; t++)
+        acc[i][p][t] = vdupq_n_s32(0);
+    for (int64_t c = 0; c < K; c += 64) {
+        int8x16_t w[2][4];
+        UNROLL for (int i = 0; i < R; i++) UNROLL for (int j = 0; j < 4; j++) w[i][j] = vld1q_s8(q + i * K + c + 16 * j);
+        UNROLL for (int t = 0; t < T; t++) UNROLL for (int j = 0; j < 4; j++) {
+            const int8x16_t xv = vld1q_s8(xi + c * T + 64 * t + 16 * j);
+            UNROLL for (int i = 0; i < R; i++) acc[i][j % P][t] = vdotq_s32(acc[i][j % P][t], xv, w[i][j]);
+        }
+    }
+    UNROLL for (int i = 0; i < R; i++) UNROLL for (int t = 0; t < T; t++)
+        out[t * d->V + r + i] = vaddvq_s32(P == 2 ? vaddq_s32(acc[i][0][t], acc[i][1][t]) : acc[i][0][t]);
+}
+
+#define SDOT_ROWS(T, R, P)                                                                  \
+    {                                                                                       \
+        int64_t r = r0;                                                                     \
+        for (; r + (R) <= r1; r += (R)) dot_rows_block_sdot(d, xi, T, R, P, r, out);        \
+        for (; r < r1; r++) dot_rows_block_sdot(d, xi, T, 1, P, r, out);                    \
+    }                                                                                       \
+    break;
+
+/* Two rows a block, two partial sums per (row, token) up to 2 tokens: at most 16 accumulators of 32 registers. */
+TARGET_DOTPROD static void dot_rows_sdot(const head_dot *d, const int8_t *xi, int T, int64_t r0, int64_t r1, int32_t *out) {
+    switch (T) {
+        case 1: SDOT_ROWS(1, 2, 2)
+        case 2: SDOT_ROWS(2, 2, 2)
+        case 3: SDOT_ROWS(3, 2, 1)
+        case 4: SDOT_ROWS(4, 2, 1)
+        case 5: SDOT_ROWS(5, 2, 1)
+        case 6: SDOT_ROWS(6, 2, 1)
+        case 7: SDOT_ROWS(7, 2, 1)
+        default: SDOT_ROWS(8, 2, 1)
+    }
+}
+#endif
+
 /* ---------------------------------------------------------------- dot: driver */
 
 int head_i8_path(const isa_ops *isa) {
@@ -287,17 +349,25 @@ int head_i8_path(const isa_ops *isa) {
     if (isa->vec == VEC_AVX512 && vnni) return HEAD_PATH_VNNI;
     if (isa->vec == VEC_AVX512 || isa->vec == VEC_AVX2) return HEAD_PATH_AVX2;
 #endif
+#if FASTAR_ARM64
+    static int dotprod = -1; /* asked once, as above */
+    if (dotprod < 0) dotprod = cpu_has("dotprod");
+    if (isa->vec == VEC_NEON && dotprod) return HEAD_PATH_SDOT;
+#endif
     (void)isa;
     return HEAD_PATH_PORTABLE;
 }
 
 const char *head_i8_path_name(int path) {
-    return path == HEAD_PATH_VNNI ? "avx512vnni" : path == HEAD_PATH_AVX2 ? "avx2" : "portable";
+    return path == HEAD_PATH_VNNI ? "avx512vnni"
+           : path == HEAD_PATH_AVX2 ? "avx2"
+           : path == HEAD_PATH_SDOT ? "neon-dotprod"
+                                    : "portable";
 }
 
 typedef struct {
     const head_dot *d;
-    const void *xc; /* x as the path wants it: int8 (portable), int16 (AVX2), x + 128 as uint8 (VNNI) */
+    const void *xc; /* x as the path wants it: int8 (portable, SDOT), int16 (AVX2), x + 128 as uint8 (VNNI) */
     int path;
     int64_t rows, sub; /* rows per chunk, per sub-block */
 } dot_ctx;
@@ -321,6 +391,12 @@ static void dot_chunk(void *p, int64_t i) {
                 continue;
             }
 #endif
+#if FASTAR_ARM64
+            if (c->path == HEAD_PATH_SDOT) {
+                dot_rows_sdot(d, (const int8_t *)c->xc + t0 * d->K, T, s0, s1, out);
+                continue;
+            }
+#endif
             dot_rows_plain(d, (const int8_t *)c->xc + t0 * d->K, T, s0, s1, out);
         }
     }
@@ -333,13 +409,13 @@ int head_i8_dot_run(const isa_ops *isa, const head_dot *d) {
         return 0;
     }
     const int path = head_i8_path(isa);
-    /* x in the path's type, each group of DOT_TG tokens (at t0 * K) interleaved by column steps of cw (64 bytes of
-     * VNNI, 16 values of AVX2): step j of the group's token t at (j * Tg + t) * cw. Token rows K apart would share
-     * L1 sets (K = 4096: every token's bytes of a step in one set, with the weights' line). */
-    const int64_t cw = path == HEAD_PATH_VNNI ? 64 : 16;
+    /* x in the path's type, each group of DOT_TG tokens (at t0 * K) interleaved by column steps of cw (64 bytes for
+     * VNNI and SDOT, 16 values for AVX2): step j of the group's token t at (j * Tg + t) * cw. Token rows K apart
+     * would share L1 sets (K = 4096: every token's bytes of a step in one set, with the weights' line). */
+    const int64_t cw = path == HEAD_PATH_AVX2 ? 16 : 64;
     void *buf = NULL;
     if (path != HEAD_PATH_PORTABLE) {
-        buf = malloc((size_t)(d->T * d->K) * (path == HEAD_PATH_VNNI ? 1 : 2));
+        buf = malloc((size_t)(d->T * d->K) * (path == HEAD_PATH_AVX2 ? 2 : 1));
         if (!buf) return -1;
         for (int64_t t0 = 0; t0 < d->T; t0 += DOT_TG) {
             const int64_t Tg = d->T - t0 < DOT_TG ? d->T - t0 : DOT_TG;
@@ -349,6 +425,8 @@ int head_i8_dot_run(const isa_ops *isa, const head_dot *d) {
                     const int64_t at = t0 * d->K + c * Tg + (t - t0) * cw;
                     if (path == HEAD_PATH_VNNI)
                         for (int64_t k = 0; k < cw; k++) ((uint8_t *)buf)[at + k] = (uint8_t)((uint8_t)src[k] ^ 0x80);
+                    else if (path == HEAD_PATH_SDOT)
+                        memcpy((int8_t *)buf + at, src, (size_t)cw);
                     else
                         for (int64_t k = 0; k < cw; k++) ((int16_t *)buf)[at + k] = src[k];
                 }

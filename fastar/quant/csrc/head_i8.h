@@ -42,8 +42,8 @@ typedef struct {
 } head_dot;
 int head_i8_dot_run(const isa_ops *isa, const head_dot *d);
 
-/* Which way head_i8_dot runs under isa on this CPU, and its name ("avx512vnni", "avx2", "portable"). */
-enum { HEAD_PATH_PORTABLE, HEAD_PATH_AVX2, HEAD_PATH_VNNI };
+/* Which way head_i8_dot runs under isa on this CPU, and its name ("avx512vnni", "avx2", "neon-dotprod", "portable"). */
+enum { HEAD_PATH_PORTABLE, HEAD_PATH_AVX2, HEAD_PATH_VNNI, HEAD_PATH_SDOT };
 int head_i8_path(const isa_ops *isa);
 const char *head_i8_path_name(int path);
 

@@ -773,7 +773,7 @@ def test_responses_text_format_and_max_output_tokens_are_checked_under_their_own
 def test_malformed_blocks_get_an_error_naming_the_problem(backend):
     """A text block without a string `text` is malformed, not of an "unsupported type"; `system` is named as
     itself; a non-boolean `is_error` is refused rather than read as true; a forced tool call with no tools is
-    worded in this API's terms."""
+    worded in this API's terms, and so is the limit on stop sequences."""
     call = {"type": "tool_use", "id": "t1", "name": "sum", "input": {}}
 
     def refused(**body) -> str:
@@ -802,6 +802,7 @@ def test_malformed_blocks_get_an_error_naming_the_problem(backend):
     assert msg == "messages[2].content[0].content[0]: a text block needs a string 'text'"
     msg = refused(messages=turns({"type": "tool_result", "tool_use_id": "t1", "content": "3", "is_error": "no"}))
     assert msg == "'is_error' must be true or false, got \"no\""
+    assert refused(stop_sequences=["a"] * 17) == "'stop_sequences' may hold at most 16 strings, got 17"
     msg = refused(tool_choice={"type": "any"})
     assert msg == '\'tool_choice\' {"type": "any"} forces a tool call, but the request has no tools'
 

@@ -323,6 +323,10 @@ def parse_request(
     stops = body.get("stop_sequences")
     if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
         raise bad_request("'stop_sequences' must be a list of strings", "stop_sequences")
+    if stops is not None and len(stops) > fields.MAX_STOP_STRINGS:  # named as this API names it, not 'stop'
+        raise bad_request(
+            f"'stop_sequences' may hold at most {fields.MAX_STOP_STRINGS} strings, got {len(stops)}", "stop_sequences"
+        )
     sampling, max_tokens = fields.sampling_fields(
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")} | {"stop": stops}
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -845,7 +846,7 @@ def test_max_tokens_beyond_the_context_runs_to_the_context_and_says_so():
         assert A.messages({**body, "max_tokens": 20}, backend)["stop_reason"] == "max_tokens"  # its own limit
         with pytest.raises(APIError) as err:
             A.messages({**body, "messages": [{"role": "user", "content": "count " * 40}]}, backend)
-        assert err.value.status == 400 and "maximum context length is 64 tokens" in err.value.message
+        assert err.value.status == 400 and err.value.message.startswith("prompt is too long: ")
     finally:
         host.shutdown()
 
@@ -1019,3 +1020,22 @@ def test_an_empty_thinking_block_is_left_out_streamed_or_not():
             assert [b["type"] for b in msg["content"]] == [t for t, _ in streamed] == kinds, script
     finally:
         host.shutdown()
+
+
+def test_a_prompt_over_the_context_is_refused_in_anthropics_words():
+    """Anthropic answers "prompt is too long: N tokens > M maximum", and agents act on those words (Claude Code
+    compacts the conversation and retries; proxies rewrite other servers' errors into them). fastar's own
+    message ("This model's maximum context length is ...") left them to fail again and again."""
+    srv = start_server(AgentEngine(context_length=64))
+    try:
+        body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "word " * 40}]}
+        status, _, data = raw(srv, "POST", "/v1/messages", body)
+        assert status == 400
+        error = json.loads(data)["error"]
+        assert error["type"] == "invalid_request_error"
+        assert re.fullmatch(r"prompt is too long: (\d+) tokens > 64 maximum", error["message"]), error
+        tokens = int(error["message"].split()[4])
+        counted = json.loads(raw(srv, "POST", "/v1/messages/count_tokens", body)[2])["input_tokens"]
+        assert tokens == counted > 64
+    finally:
+        srv.shutdown()

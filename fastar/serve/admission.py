@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from fastar.engine.tokenizer import InvalidText, check_text
-from fastar.serve.api_error import bad_request
+from fastar.serve.api_error import ContextOverflow, bad_request
 
 TRIM_AFTER_CHARS = 1 << 20  # give the heap back after tokenizing a prompt this long
 TOKENIZE_AT_ONCE = 2  # prompts tokenized at the same time, all routes together: bounds their peak memory
@@ -74,11 +74,12 @@ class Admission:
         # Every character is at least one UTF-8 byte and no token covers more than `longest` bytes, so a
         # prompt of more than ctx * longest characters needs more than ctx tokens: no need to tokenize it.
         if len(text) > ctx * longest:
-            raise bad_request(
+            raise ContextOverflow(
                 f"This model's maximum context length is {ctx} tokens, but the prompt is {len(text)} characters "
                 f"(more than {ctx} tokens of at most {longest} bytes each). Please shorten the prompt.",
                 param,
-                "context_length_exceeded",
+                None,
+                ctx,
             )
 
     def encode(self, text: str, param: str, encode: Callable[[str], list[int]] | None = None) -> list[int]:

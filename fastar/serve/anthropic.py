@@ -26,11 +26,12 @@ and the reply: the `message` object, or the SSE event sequence (`message_start`,
 `{"type": "error", "error": {"type", "message"}}`.
 
 `max_tokens` is required (a 400 without it, as Anthropic answers); one beyond the room the prompt leaves runs until
-the context is full, with `stop_reason: "model_context_window_exceeded"`. A conversation must end with a user message:
-assistant prefill (a last assistant turn to continue) is a 400, in the words Anthropic uses for its models without
-prefill. A stop-sequence hit is `stop_reason:
-"stop_sequence"` with the matched string in `stop_sequence`. A thinking block cut off by `max_tokens` is not
-followed by an empty text block; an empty thinking block (`</think>` at once) is left out, streamed or not.
+the context is full, with `stop_reason: "model_context_window_exceeded"`. A prompt over the context is a 400 in
+Anthropic's words, "prompt is too long: N tokens > M maximum", which agents act on. A conversation must end with a
+user message: assistant prefill (a last assistant turn to continue) is a 400, in the words Anthropic uses for its
+models without prefill. A stop-sequence hit is `stop_reason: "stop_sequence"` with the matched string in
+`stop_sequence`. A thinking block cut off by `max_tokens` is not followed by an empty text block; an empty thinking
+block (`</think>` at once) is left out, streamed or not.
 
 Model: any `model` name is accepted and answered by the served model (Claude Code sends its own model ids for
 background tasks); replies name the served model.
@@ -63,7 +64,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from fastar.serve import fields, grammar_fields, shapes, thinking_mode
-from fastar.serve.api_error import APIError, bad_request
+from fastar.serve.api_error import APIError, ContextOverflow, bad_request
 from fastar.serve.turn import AssistantTurn, Backend, Conversation, GenerationFailed, prompt_ids
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
@@ -358,7 +359,10 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
     `disconnected` (optional, non-streaming only): says the client has gone; the generation is then cancelled
     and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
     model, conv, sampling, max_tokens, stream = parse_request(body, backend)
-    turn = AssistantTurn(backend, conv, sampling, max_tokens, fit_context=True)
+    try:
+        turn = AssistantTurn(backend, conv, sampling, max_tokens, fit_context=True)
+    except ContextOverflow as err:
+        raise _prompt_too_long(err) from None
     mid = "msg_" + shapes.new_id("")[1:]
     if stream:
         return _stream(turn, mid, model)
@@ -382,6 +386,16 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
         "stop_sequence": turn.stop_sequence,
         "usage": _usage(turn),
     }
+
+
+def _prompt_too_long(err: ContextOverflow) -> APIError:
+    """Anthropic's words for a prompt over the context, which agents recognise (Claude Code compacts the
+    conversation on it): "prompt is too long: N tokens > M maximum"."""
+    if err.prompt_tokens is None:  # refused by its characters, never tokenized: fastar's own message says how
+        head, note = f"over {err.context_length} tokens", f" ({err.message})"
+    else:
+        head, note = f"{err.prompt_tokens} tokens", f" ({err.note})" if err.note else ""
+    return bad_request(f"prompt is too long: {head} > {err.context_length} maximum{note}", err.param, err.code)
 
 
 def _stop_reason(turn: AssistantTurn) -> str:

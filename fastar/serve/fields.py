@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any
 
-from fastar.serve.api_error import APIError, bad_request
+from fastar.serve.api_error import APIError, ContextOverflow, bad_request
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -207,11 +207,13 @@ def resolve_max_tokens(
     `max_tokens`, the route's `default` (completions: 16, as OpenAI's) capped at the room left, or all the room."""
     why = f" ({note})" if note else ""
     if prompt_tokens >= context_length:
-        raise bad_request(
+        raise ContextOverflow(
             f"This model's maximum context length is {context_length} tokens{why}, but the prompt is "
             f"{prompt_tokens} tokens. Please shorten the prompt.",
             param,
-            "context_length_exceeded",
+            prompt_tokens,
+            context_length,
+            note or "",
         )
     if max_tokens is None:
         room = context_length - prompt_tokens

@@ -1023,9 +1023,9 @@ def test_an_empty_thinking_block_is_left_out_streamed_or_not():
 
 
 def test_a_prompt_over_the_context_is_refused_in_anthropics_words():
-    """Anthropic answers "prompt is too long: N tokens > M maximum", and agents act on those words (Claude Code
-    compacts the conversation and retries; proxies rewrite other servers' errors into them). fastar's own
-    message ("This model's maximum context length is ...") left them to fail again and again."""
+    """Anthropic answers "prompt is too long: N tokens > M maximum", the words clients built for it look for to
+    recognise a full context (proxies rewrite other servers' errors into them); fastar's own message ("This
+    model's maximum context length is ...") is not recognised."""
     srv = start_server(AgentEngine(context_length=64))
     try:
         body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "word " * 40}]}

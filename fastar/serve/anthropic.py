@@ -27,7 +27,7 @@ and the reply: the `message` object, or the SSE event sequence (`message_start`,
 
 `max_tokens` is required (a 400 without it, as Anthropic answers); one beyond the room the prompt leaves runs until
 the context is full, with `stop_reason: "model_context_window_exceeded"`. A prompt over the context is a 400 in
-Anthropic's words, "prompt is too long: N tokens > M maximum", which agents act on. A conversation must end with a
+Anthropic's words, "prompt is too long: N tokens > M maximum", which clients look for. A conversation must end with a
 user message: assistant prefill (a last assistant turn to continue) is a 400, in the words Anthropic uses for its
 models without prefill. A stop-sequence hit is `stop_reason: "stop_sequence"` with the matched string in
 `stop_sequence`. A thinking block cut off by `max_tokens` is not followed by an empty text block; an empty thinking
@@ -389,8 +389,8 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
 
 
 def _prompt_too_long(err: ContextOverflow) -> APIError:
-    """Anthropic's words for a prompt over the context, which agents recognise (Claude Code compacts the
-    conversation on it): "prompt is too long: N tokens > M maximum"."""
+    """Anthropic's words for a prompt over the context, which clients built for Anthropic look for to recognise a
+    full context: "prompt is too long: N tokens > M maximum"."""
     if err.prompt_tokens is None:  # refused by its characters, never tokenized: fastar's own message says how
         head, note = f"over {err.context_length} tokens", f" ({err.message})"
     else:

@@ -35,7 +35,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 class ContextOverflow(APIError):
     """A prompt that does not fit the context: a `400 context_length_exceeded`, with its numbers, for an API that
-    words it its own way (Anthropic's "prompt is too long: N tokens > M maximum", which agents act on).
+    words it its own way (Anthropic's "prompt is too long: N tokens > M maximum", which its clients look for).
     `prompt_tokens` is None where the prompt was refused by its length in characters, before tokenizing."""
 
     def __init__(

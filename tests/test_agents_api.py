@@ -826,7 +826,7 @@ def test_a_4xx_of_no_anthropic_type_of_its_own_is_an_invalid_request_error():
 
 
 def test_max_tokens_beyond_the_context_runs_to_the_context_and_says_so():
-    """Coding agents send a fixed `max_tokens` (Claude Code: 32,000) whatever the prompt: the reply runs until the
+    """Coding agents send a fixed `max_tokens` whatever the prompt: the reply runs until the
     context is full and ends with `stop_reason: "model_context_window_exceeded"`, as the Messages API answers,
     instead of a 400 on every request once prompt + max_tokens passes the context. A prompt that does not fit
     stays a 400."""

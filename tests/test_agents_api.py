@@ -740,6 +740,7 @@ def test_anthropic_defined_tool_types_and_malformed_tools_are_a_400(backend):
         '"bash_20250124"': {"type": "bash_20250124", "name": "bash"},
         "input_schema must be a JSON Schema object": {"name": "f", "input_schema": "x"},
         "description must be a string": {"name": "f", "description": {"x": 1}, "input_schema": {"type": "object"}},
+        "name must not hold": {"name": 'say"hi', "input_schema": {"type": "object"}},
     }
     for words, tool in bad.items():
         with pytest.raises(APIError) as err:

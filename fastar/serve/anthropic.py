@@ -203,6 +203,8 @@ def _tools(body: dict) -> list[dict] | None:
     for j, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad_request(f"tools[{j}] must be an object with a 'name'", "tools")
+        if '"' in tool["name"]:  # the model writes the name in a DSML attribute: such a tool could never be called
+            raise bad_request(f"tools[{j}].name must not hold '\"' (the model writes it in a DSML attribute)", "tools")
         if tool.get("type") not in (None, "custom"):  # web search, bash, text editor...: run or described by Anthropic
             raise bad_request(
                 f"tools[{j}]: tool type {json.dumps(tool['type'])} is not supported "

@@ -67,6 +67,29 @@ def test_env_mirror_of_a_switch_reads_a_boolean(monkeypatch, capsys):
     assert err.count("\n") == 1 and err.startswith("fastar: error: FASTAR_VERBOSE='maybe': expected 1/true"), err
 
 
+def test_serve_refuses_an_empty_host_or_model_name(monkeypatch, capsys):
+    """`--host ""` (or FASTAR_HOST="", an unset variable in a service file) bound every interface, as 0.0.0.0,
+    instead of this machine only; an empty --served-model-name named the model "". Both are usage errors."""
+    from fastar.cli import main
+
+    for argv, env, words in (
+        (["--host", ""], {}, "--host is empty"),
+        (["--host", " "], {}, "--host is empty"),
+        ([], {"FASTAR_HOST": ""}, "FASTAR_HOST=''"),
+        (["--served-model-name", ""], {}, "--served-model-name is empty"),
+    ):
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            try:
+                code = main(["serve", "-m", "x.fst", *argv])
+            except SystemExit as e:
+                code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and words in err, (argv, env, code, err)
+    assert build_parser().parse_args(["serve", "--host", "0.0.0.0"]).host == "0.0.0.0"
+
+
 def test_env_mirror_of_a_flag_with_choices_is_checked_as_the_flag_is(monkeypatch, capsys):
     """FASTAR_REASONING_DEFAULT=bogus (or FASTAR_NUMERICS, FASTAR_DRAFT) is the usage error `--reasoning-default
     bogus` is: it went past argparse's choices and ended in a ValueError traceback, or ran with the value ignored."""

@@ -364,7 +364,9 @@ def serve(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags, for `fastar serve` (the caller adds -m/--model and the engine's own flags)."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    parser.add_argument(
+        "--host", type=host_flag, default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)"
+    )
     parser.add_argument("--port", type=int_flag(0, 65535, "a port"), default=8080, help="port (default 8080)")
     parser.add_argument(
         "--api-key",
@@ -375,7 +377,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cors-origin", default=None, help="allow browser pages from this origin (comma-separated list, or '*')"
     )
-    parser.add_argument("--served-model-name", default="deepseek-v4-flash", help="model id the API reports and accepts")
+    parser.add_argument(
+        "--served-model-name",
+        type=model_name_flag,
+        default="deepseek-v4-flash",
+        help="model id the API reports and accepts",
+    )
     parser.add_argument(
         "--max-queue",
         type=int_flag(1, None, "--max-queue"),
@@ -472,6 +479,23 @@ def add_prompt_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="size cap of the prompt cache folder; least recently used states go first (default 20G)",
     )
     parser.add_argument("--no-prompt-cache", action="store_true", help="keep no prompt states on disk")
+
+
+def host_flag(text: str) -> str:
+    """--host: an empty address binds every interface (as 0.0.0.0 does), so an unset variable in a service file
+    would open the server to the network without a word: a usage error; 0.0.0.0 says it on purpose."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "--host is empty: give an address such as 127.0.0.1 (this machine only), or 0.0.0.0 for every interface"
+        )
+    return text.strip()
+
+
+def model_name_flag(text: str) -> str:
+    """--served-model-name: the id clients send back in `model`; an empty one is no name."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--served-model-name is empty: give the model id the API should report")
+    return text
 
 
 def api_key_flag(text: str) -> str:

@@ -199,14 +199,14 @@ dot_rows_block_avx2(const head_dot *d, const int16_t *x16, const int T, const in
     }                                                                                     \
     break;
 
-/* Rows and column steps per block, as the VNNI kernel's (one row at a time up to 4 tokens), within 16 registers. */
+/* Rows and column steps per block, as the VNNI kernel's (one row at a time up to 3 tokens), within 16 registers. */
 __attribute__((target("avx2,fma"))) static void dot_rows_avx2(const head_dot *d, const int16_t *x16, int T, int64_t r0,
                                                              int64_t r1, int32_t *out) {
     switch (T) {
         case 1: AVX2_ROWS(1, 1, 2)
         case 2: AVX2_ROWS(2, 1, 2)
         case 3: AVX2_ROWS(3, 1, 2)
-        case 4: AVX2_ROWS(4, 1, 2)
+        case 4: AVX2_ROWS(4, 2, 1)
         case 5: AVX2_ROWS(5, 2, 1)
         case 6: AVX2_ROWS(6, 2, 1)
         case 7: AVX2_ROWS(7, 1, 1)
@@ -265,16 +265,17 @@ TARGET_VNNI static inline __attribute__((always_inline)) void dot_rows_block_vnn
     }                                                                                       \
     break;
 
-/* Rows and column steps per block, at most 16 accumulators. One row at a time up to 4 tokens: two rows read side by
- * side (two 4 KiB pages in turn at K = 4096) streamed at half the rate at T = 2 (A/B from DRAM, alternated in one
- * process); from 5 tokens on, two rows share each x load (the products, not the stream, bound those). */
+/* Rows and column steps per block, at most 16 accumulators. One row at a time up to 3 tokens: two rows read side by
+ * side (two 4 KiB pages in turn at K = 4096) streamed at half the rate at T = 2 and 2/3 at T = 3 (A/B from DRAM,
+ * alternated in one process); from 4 tokens on, two rows share each x load (a little faster at 4, even at 8, where
+ * the products, not the stream, bound the time). */
 TARGET_VNNI static void dot_rows_vnni(const head_dot *d, const uint8_t *xu, int T, int64_t r0, int64_t r1,
                                       int32_t *out) {
     switch (T) {
         case 1: VNNI_ROWS(1, 1, 2)
         case 2: VNNI_ROWS(2, 1, 2)
         case 3: VNNI_ROWS(3, 1, 2)
-        case 4: VNNI_ROWS(4, 1, 2)
+        case 4: VNNI_ROWS(4, 2, 1)
         case 5: VNNI_ROWS(5, 2, 1)
         case 6: VNNI_ROWS(6, 2, 1)
         case 7: VNNI_ROWS(7, 2, 1)
@@ -327,14 +328,14 @@ TARGET_DOTPROD INLINE void dot_rows_block_sdot(const head_dot *d, const int8_t *
     }                                                                                       \
     break;
 
-/* As the VNNI kernel's: one row at a time with two partial sums per token up to 4 tokens, then two rows sharing each
+/* As the VNNI kernel's: one row at a time with two partial sums per token up to 3 tokens, then two rows sharing each
  * x load; at most 16 accumulators of 32 registers. */
 TARGET_DOTPROD static void dot_rows_sdot(const head_dot *d, const int8_t *xi, int T, int64_t r0, int64_t r1, int32_t *out) {
     switch (T) {
         case 1: SDOT_ROWS(1, 1, 2)
         case 2: SDOT_ROWS(2, 1, 2)
         case 3: SDOT_ROWS(3, 1, 2)
-        case 4: SDOT_ROWS(4, 1, 2)
+        case 4: SDOT_ROWS(4, 2, 1)
         case 5: SDOT_ROWS(5, 2, 1)
         case 6: SDOT_ROWS(6, 2, 1)
         case 7: SDOT_ROWS(7, 2, 1)
@@ -418,7 +419,8 @@ int head_i8_dot_run(const isa_ops *isa, const head_dot *d) {
     const int64_t cw = path == HEAD_PATH_AVX2 ? 16 : 64;
     void *buf = NULL;
     if (path != HEAD_PATH_PORTABLE) {
-        buf = malloc((size_t)(d->T * d->K) * (path == HEAD_PATH_AVX2 ? 2 : 1));
+        /* 64-byte aligned: a vector load of x never straddles two cache lines (T K is a multiple of 64) */
+        buf = aligned_alloc(64, (size_t)(d->T * d->K) * (path == HEAD_PATH_AVX2 ? 2 : 1));
         if (!buf) return -1;
         for (int64_t t0 = 0; t0 < d->T; t0 += DOT_TG) {
             const int64_t Tg = d->T - t0 < DOT_TG ? d->T - t0 : DOT_TG;

@@ -1,5 +1,5 @@
 /* The Python entry points of the int8 screened LM head (head_i8.c does the work; fastar/quant/kernels.py wraps
- * them): head_i8_build, head_i8_dot, gather_rows, _head_i8_path. Owns: the argument checks. */
+ * them): head_i8_build, head_i8_dot, head_i8_select, gather_rows, _head_i8_path. Owns: the argument checks. */
 #include "bindings.h"
 
 #include <string.h>
@@ -124,5 +124,42 @@ PyObject *py_gather_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 fail:
     release(v, 3);
+    return NULL;
+}
+
+/* head_i8_select(dots i32 [2T, V], sx f32 [2T], scale f32 [V], c1 f32 [T], c2 f32 [T], wnorm f32 [V], dnorm f32 [V],
+ * margin, keep u8 [V]) -> int: the screened head's candidate rows (head_i8.h's contract), their count. */
+PyObject *py_head_i8_select(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o[8], *ok;
+    float margin;
+    if (!PyArg_ParseTuple(args, "OOOOOOOfO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &margin, &ok)) return NULL;
+    view_t v[9];
+    memset(v, 0, sizeof v);
+    if (get_view(o[0], &v[0], "dots", 'i', 2, 0) || get_view(o[1], &v[1], "sx", 'f', 1, 0) ||
+        get_view(o[2], &v[2], "scale", 'f', 1, 0) || get_view(o[3], &v[3], "c1", 'f', 1, 0) ||
+        get_view(o[4], &v[4], "c2", 'f', 1, 0) || get_view(o[5], &v[5], "wnorm", 'f', 1, 0) ||
+        get_view(o[6], &v[6], "dnorm", 'f', 1, 0) || get_view(ok, &v[7], "keep", 'B', 1, 1))
+        goto fail;
+    const int64_t T2 = dim(&v[0], 0), V = dim(&v[0], 1), T = T2 / 2;
+    if (T2 % 2 || T2 == 0) {
+        PyErr_Format(PyExc_ValueError, "dots has %lld rows, expected two per decode row", (long long)T2);
+        goto fail;
+    }
+    if (len_is(&v[1], "sx", T2, "= dots.shape[0]") || len_is(&v[2], "scale", V, "= dots.shape[1]") ||
+        len_is(&v[3], "c1", T, "= dots.shape[0] / 2") || len_is(&v[4], "c2", T, "= dots.shape[0] / 2") ||
+        len_is(&v[5], "wnorm", V, "= dots.shape[1]") || len_is(&v[6], "dnorm", V, "= dots.shape[1]") ||
+        len_is(&v[7], "keep", V, "= dots.shape[1]") || no_overlap(&v[7], v, 7))
+        goto fail;
+    head_select s = {.dots = v[0].b.buf, .sx = v[1].b.buf, .scale = v[2].b.buf, .c1 = v[3].b.buf, .c2 = v[4].b.buf,
+                     .wnorm = v[5].b.buf, .dnorm = v[6].b.buf, .margin = margin, .T = T, .V = V, .keep = v[7].b.buf};
+    int64_t kept;
+    Py_BEGIN_ALLOW_THREADS
+    kept = head_i8_select_run(&s);
+    Py_END_ALLOW_THREADS
+    release(v, 9);
+    return PyLong_FromLongLong((long long)kept);
+fail:
+    release(v, 9);
     return NULL;
 }

@@ -469,3 +469,50 @@ void gather_rows_run(const void *w, int64_t row_bytes, const int64_t *idx, int64
     c.rows = 65536 / row_bytes < 1 ? 1 : 65536 / row_bytes; /* about 64 KiB per chunk: a few rows stay on one thread */
     pool_run((U + c.rows - 1) / c.rows, gather_chunk, &c);
 }
+
+/* ---------------------------------------------------------------- select */
+
+/* One decode row's bounds over head rows [0, V) (head_i8.h's order of operations), as lanes of 16 the compiler
+ * vectorizes; pass 0 returns the largest lower bound, pass 1 marks the rows whose upper bound reaches `floor`. */
+static float select_pass(const int32_t *d1, const int32_t *d2, float s1, float s2, const float *scale, float c1,
+                         float c2, const float *wnorm, const float *dnorm, float margin, int64_t V, float floor,
+                         uint8_t *keep, int64_t *kept) {
+    float lanes[16];
+    for (int j = 0; j < 16; j++) lanes[j] = -INFINITY;
+    int64_t n = 0;
+    for (int64_t i0 = 0; i0 < V; i0 += 16) {
+        const int m = V - i0 < 16 ? (int)(V - i0) : 16;
+        for (int j = 0; j < m; j++) {
+            const int64_t i = i0 + j;
+            const float a1 = (float)d1[i] * (s1 * scale[i]), a2 = (float)d2[i] * (s2 * scale[i]);
+            const float est = a1 + a2;
+            float b = c1 * wnorm[i] + c2 * dnorm[i];
+            b += (fabsf(a1) + fabsf(a2)) * margin;
+            if (!keep) {
+                const float lo = est - b;
+                lanes[j] = lo > lanes[j] ? lo : lanes[j];
+            } else if (est + b >= floor && !keep[i]) {
+                keep[i] = 1;
+                n++;
+            }
+        }
+    }
+    if (kept) *kept += n;
+    float best = -INFINITY;
+    for (int j = 0; j < 16; j++) best = lanes[j] > best ? lanes[j] : best;
+    return best;
+}
+
+int64_t head_i8_select_run(const head_select *s) {
+    memset(s->keep, 0, (size_t)s->V);
+    int64_t kept = 0;
+    for (int64_t t = 0; t < s->T; t++) {
+        const int32_t *d1 = s->dots + t * s->V, *d2 = s->dots + (s->T + t) * s->V;
+        const float s1 = s->sx[t], s2 = s->sx[s->T + t];
+        const float floor = select_pass(d1, d2, s1, s2, s->scale, s->c1[t], s->c2[t], s->wnorm, s->dnorm, s->margin,
+                                        s->V, 0.0f, NULL, NULL);
+        select_pass(d1, d2, s1, s2, s->scale, s->c1[t], s->c2[t], s->wnorm, s->dnorm, s->margin, s->V, floor, s->keep,
+                    &kept);
+    }
+    return kept;
+}

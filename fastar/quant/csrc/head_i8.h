@@ -47,6 +47,20 @@ enum { HEAD_PATH_PORTABLE, HEAD_PATH_AVX2, HEAD_PATH_VNNI, HEAD_PATH_SDOT };
 int head_i8_path(const isa_ops *isa);
 const char *head_i8_path_name(int path);
 
+/* head_i8_select: the screened head's candidate rows (fastar/model/head_screen.py gives the bound's terms). dots
+ * [2T, V] are head_i8_dot's products of the T decode rows' two int8 terms (rows t and T + t, scales sx[t], sx[T + t]).
+ * For decode row t and head row i, in float32 and in this order: a1 = dots[t, i] * (sx[t] * scale[i]), a2 likewise
+ * with row T + t, est = a1 + a2, b = c1[t] wnorm[i] + c2[t] dnorm[i], b += (|a1| + |a2|) margin; floor_t = max_i
+ * (est - b); keep[i] = 1 where est + b >= floor_t for some t, else 0. Returns the number of rows kept. */
+typedef struct {
+    const int32_t *dots;
+    const float *sx, *scale, *c1, *c2, *wnorm, *dnorm;
+    float margin;
+    int64_t T, V;
+    uint8_t *keep;
+} head_select;
+int64_t head_i8_select_run(const head_select *s);
+
 /* out[j] = w[idx[j]] for rows of row_bytes bytes, j < U (each idx checked by the caller), over the pool. */
 void gather_rows_run(const void *w, int64_t row_bytes, const int64_t *idx, int64_t U, void *out);
 

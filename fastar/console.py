@@ -120,6 +120,13 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--lookahead", action="store_true", help="prefetch each next layer's experts guessed by its router")
     p.add_argument(
+        "--head-screen",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the LM head also as int8 so greedy decode steps compute exactly only the logits that can be "
+        "the argmax (default: on; +0.5 GB on Flash, from the auto RAM budget)",
+    )
+    p.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",
@@ -158,6 +165,7 @@ def memory_options(args: argparse.Namespace) -> dict:
         "cache_policy": getattr(args, "cache_policy", "lrfu"),
         "direct_io": getattr(args, "direct_io", None),
         "lookahead": getattr(args, "lookahead", False),
+        "head_screen": getattr(args, "head_screen", True),
         "verify": getattr(args, "verify", True),
         "device": getattr(args, "device", None),
         "gpu_budget": getattr(args, "gpu_budget", "auto"),

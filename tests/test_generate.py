@@ -114,7 +114,7 @@ class ScriptRunner:
     def new_state(self) -> ScriptState:
         return ScriptState()
 
-    def prefill(self, ids: list[int], state: ScriptState) -> torch.Tensor:
+    def prefill(self, ids: list[int], state: ScriptState, argmax_only: bool = False) -> torch.Tensor:
         self.runs += len(ids)
         state.length += len(ids)
         i = state.length - self.prompt_len

@@ -143,7 +143,7 @@ def test_greedy_is_argmax_and_reports_raw_logprobs() -> None:
 
 def test_logprobs_ignore_temperature() -> None:
     logits = torch.tensor([1.0, 2.0, 3.0])
-    _, lp, _ = Sampler(SamplingParams(temperature=0.3, seed=0, top_k=1))(logits)
+    _, lp, _ = Sampler(SamplingParams(temperature=0.3, seed=0, top_k=1, logprobs=0))(logits)
     assert lp == pytest.approx(float(torch.log_softmax(logits, -1)[2]))
 
 

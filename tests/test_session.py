@@ -66,7 +66,7 @@ class FakeRunner:
     def new_state(self) -> FakeState:
         return FakeState(max_rollback=self.max_rollback)
 
-    def prefill(self, ids: list[int], state: FakeState) -> torch.Tensor:
+    def prefill(self, ids: list[int], state: FakeState, argmax_only: bool = False) -> torch.Tensor:
         self.calls.append(list(ids))
         for t in ids:
             if t == self.fail_on:

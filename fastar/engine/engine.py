@@ -25,6 +25,7 @@ import torch
 from ..contracts import ExpertProvider, WeightSource
 from ..errors import ConfigError, FastarError, FormatError
 from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, DeepseekV4, Numerics, span_bytes_per_token
+from ..model.head_screen import HeadScreen
 from ..model.state import ModelState
 from ..quant import kernels as K
 from . import speculative
@@ -85,6 +86,9 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
         docs/DEVICE.md).
       gpu_budget: bytes (or "20G") of device memory for routed experts on a device; "auto" (default): what is
         free after the resident weights less a reserve; 0: every routed expert on the CPU.
+      head_screen: keep the LM head also as int8 so greedy decode steps compute only the logits that can be the
+        argmax, exactly (default True; the C kernels on the CPU; +0.5 GB on Flash, taken from the "auto" RAM
+        budget; `fastar.model.head_screen`).
     """
     source = path if hasattr(path, "tensor") else open_source(path)
     return Engine(source, numerics=numerics, **options)
@@ -125,6 +129,7 @@ class Engine:
         verify: bool = True,
         device: str | None = None,
         gpu_budget: int | str | None = "auto",
+        head_screen: bool = True,
     ) -> None:
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
@@ -170,7 +175,9 @@ class Engine:
             from ..weights.expert_store import default_budget
 
             budget = parse_size(ram_budget)
-            budget = default_budget(source) if budget is None else budget
+            screen = head_screen and kernels and self.device == "cpu"
+            extra = HeadScreen.bytes_for(source.config.vocab_size, source.config.hidden_size) if screen else 0
+            budget = default_budget(source, extra_bytes=extra) if budget is None else budget
             if direct_io is None:
                 # O_DIRECT keeps the page cache from holding a second copy of what the slab holds (which would
                 # also push the memory-mapped resident weights out of RAM), and measured faster per reader
@@ -188,6 +195,7 @@ class Engine:
                 experts=experts,
                 max_rollback=max_rollback,
                 lookahead=lookahead,
+                head_screen=head_screen,
             )
         else:  # the accelerator tier: resident weights, attention, state on the device; experts split
             self.model = self.backend.build_model(
@@ -236,9 +244,12 @@ class Engine:
             return chunk
         return chunk * max(1, PREFILL_SPAN_BYTES // (chunk * span_bytes_per_token(self.config)))
 
-    def prefill(self, token_ids: list[int], state: ModelState, all_logits: bool = False) -> torch.Tensor:
+    def prefill(
+        self, token_ids: list[int], state: ModelState, argmax_only: bool = False, all_logits: bool = False
+    ) -> torch.Tensor:
         """Run `token_ids` in spans of `prefill_span` (chunks of `prefill_chunk`); returns logits [T, V] (or
-        [1, V] for the last)."""
+        [1, V] for the last; `argmax_only`: the caller reads the last one's argmax alone, see
+        `DeepseekV4.forward`)."""
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         self._check_ids(token_ids)
@@ -252,7 +263,9 @@ class Engine:
             if self.drafter is not None:
                 logits, _ = self.drafter.forward(chunk, state, all_logits=all_logits)
             else:
-                logits, _ = self.model.forward(chunk, state, all_logits=all_logits, chunk=self.paged_chunk)
+                logits, _ = self.model.forward(
+                    chunk, state, all_logits=all_logits, chunk=self.paged_chunk, argmax_only=argmax_only and last
+                )
             if all_logits or last:
                 out.append(logits)
         return torch.cat(out) if all_logits else out[-1]
@@ -315,7 +328,7 @@ class Engine:
             if len(out) >= max_tokens or (tok == self.config.eos_token_id and not ignore_eos):
                 return out
             self._check_positions(state.length + 1)
-            logits = self.model.forward([tok], state, all_logits=False)[0][-1]
+            logits = self.model.forward([tok], state, all_logits=False, argmax_only=temperature == 0)[0][-1]
 
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:

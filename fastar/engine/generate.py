@@ -62,7 +62,7 @@ def generate_step(
         token, logprob, top = next_token(budget, sampler, logits)
         session.append(token)
         yield token, logprob, top
-        logits = session.decode()
+        logits = session.decode(sampler.argmax_only)
 
 
 def stream_generate(

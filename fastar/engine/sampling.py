@@ -209,7 +209,12 @@ class Sampler:
                 repetition_penalty=params.repetition_penalty,
             )
 
-    def __call__(self, logits: torch.Tensor) -> tuple[int, float, list[tuple[int, float]]]:
+    @property
+    def argmax_only(self) -> bool:
+        """This sampler reads the logits for their argmax alone (`argmax_only`): the model may screen its head."""
+        return argmax_only(self.params)
+
+    def __call__(self, logits: torch.Tensor) -> tuple[int, float | None, list[tuple[int, float]]]:
         """Raises `ConstraintError` when the request's grammar parser fails (it ran out of its per-token fuel), and
         `SamplingError` when `logit_bias` names a token beyond the vocabulary."""
         logits = logits.reshape(-1).float().cpu()  # [V]; one host copy per token, needed for the text anyway
@@ -233,7 +238,7 @@ class Sampler:
         self._advance(token)
         return report(logits, token, p)
 
-    def forced(self, logits: torch.Tensor, token: int) -> tuple[int, float, list[tuple[int, float]]]:
+    def forced(self, logits: torch.Tensor, token: int) -> tuple[int, float | None, list[tuple[int, float]]]:
         """`token` put in place of a draw (a thinking budget's `</think>`): no random number is drawn; the grammar,
         if any, advances over it as over a sampled token, and the penalties count it."""
         self._advance(token)
@@ -246,9 +251,22 @@ class Sampler:
             self.adjust.observe(token)
 
 
-def report(logits: torch.Tensor, token: int, params: SamplingParams) -> tuple[int, float, list[tuple[int, float]]]:
+def argmax_only(params: SamplingParams) -> bool:
+    """A request whose tokens come from the logits' argmax alone and that reports no logprob: greedy, no `logprobs`,
+    nothing that adjusts the logits (bias, penalties), no grammar. Its decode steps may screen the LM head
+    (`fastar.model.head_screen`), whose logits are exact only where they can hold the argmax; its chunks carry no
+    logprob (None), on every path alike."""
+    return params.is_greedy and params.logprobs is None and not params.adjusts_logits and params.grammar is None
+
+
+def report(
+    logits: torch.Tensor, token: int, params: SamplingParams
+) -> tuple[int, float | None, list[tuple[int, float]]]:
     """(token, its logprob, the top `params.logprobs` (id, logprob)) from one position's raw logits [V]: the model's
-    own distribution, whatever chose the token (a `Sampler`, or speculative sampling's acceptance)."""
+    own distribution, whatever chose the token (a `Sampler`, or speculative sampling's acceptance). No logprob
+    (None) for an `argmax_only` request: its logits may be screened."""
+    if argmax_only(params):
+        return token, None, []
     logp = torch.log_softmax(logits.reshape(-1).float().cpu(), dim=-1)
     top: list[tuple[int, float]] = []
     if params.logprobs:

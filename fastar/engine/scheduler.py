@@ -494,7 +494,9 @@ class Scheduler:
     def _decode(self, group: list[_Request]) -> None:
         stats = self.engine.counters
         t = time.perf_counter()
-        logits = self.model.forward_rows([r.pending for r in group], [r.state for r in group])
+        logits = self.model.forward_rows(
+            [r.pending for r in group], [r.state for r in group], [r.sampler.argmax_only for r in group]
+        )
         stats.decode_seconds += time.perf_counter() - t
         stats.decode_tokens_computed += len(group)
         self._metrics.batch_sizes[len(group)] += 1

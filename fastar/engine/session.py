@@ -99,7 +99,7 @@ class Runner(Protocol):
 
     def new_state(self) -> ModelState: ...
 
-    def prefill(self, token_ids: list[int], state: ModelState) -> torch.Tensor: ...
+    def prefill(self, token_ids: list[int], state: ModelState, argmax_only: bool = False) -> torch.Tensor: ...
 
 
 class Session:
@@ -309,23 +309,24 @@ class Session:
         """Add a sampled token to the timeline (pending: `decode` runs it)."""
         self._tokens.append(int(token))
 
-    def decode(self) -> torch.Tensor:
-        """Run the pending tokens (normally the one just sampled); returns the logits [V] after the last."""
+    def decode(self, argmax_only: bool = False) -> torch.Tensor:
+        """Run the pending tokens (normally the one just sampled); returns the logits [V] after the last
+        (`argmax_only`: the caller reads their argmax alone, see `DeepseekV4.forward`)."""
         n = self.num_processed
         if self._state is None or self._dirty or n >= len(self._tokens):
             raise RuntimeError("decode() needs a prefilled session with a pending token")
         part = self._tokens[n:]
         t = time.perf_counter()
-        logits = self._forward(part)
+        logits = self._forward(part, argmax_only)
         self.stats.decode_seconds += time.perf_counter() - t
         self.stats.decode_tokens_computed += len(part)
         return logits
 
-    def _forward(self, ids: list[int]) -> torch.Tensor:
+    def _forward(self, ids: list[int], argmax_only: bool = False) -> torch.Tensor:
         """Run `ids` at the state's position. An exception or Ctrl-C inside may leave the layers at different
         lengths, so the state is marked dirty until the pass completes (and dropped by the next prefill)."""
         self._dirty = True
-        logits = self._runner.prefill(ids, self._state)
+        logits = self._runner.prefill(ids, self._state, argmax_only)
         self._dirty = False
         start = self._state.length - len(ids)
         self._tokens[start:] = ids

@@ -49,7 +49,7 @@ import torch
 from ..errors import ConfigError
 from ..model import ops
 from ..model.state import LayerState, ModelState, RowBuffer, StateError
-from .sampling import SamplingParams, argmax, processed_logits
+from .sampling import SamplingParams, argmax, processed_logits, report
 
 DRAFT_KINDS = ("none", "mtp", "dspark", "auto")
 VERIFY_MAX = ops.SMALL_CHUNK  # tokens of one verify pass (anchor + drafts): batch-invariant up to this many
@@ -545,14 +545,11 @@ def _picker(params: SamplingParams, gen: torch.Generator) -> Pick:
     return pick
 
 
-def _report(logits: torch.Tensor, token: int, params: SamplingParams) -> tuple[int, float, list[tuple[int, float]]]:
+def _report(
+    logits: torch.Tensor, token: int, params: SamplingParams
+) -> tuple[int, float | None, list[tuple[int, float]]]:
     """(token, logprob, top_logprobs) from the model's own distribution, as `sampling.Sampler` reports them."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    top: list[tuple[int, float]] = []
-    if params.logprobs:
-        vals, ids = torch.topk(logp, params.logprobs)
-        top = [(int(i), float(v)) for i, v in zip(ids, vals)]
-    return token, float(logp[token]), top
+    return report(logits, token, params)
 
 
 def _prefetch(model, tokens: list[int]) -> int:

@@ -41,6 +41,7 @@ from .attend_fused import StoredAttend
 from .compress_fused import FusedCompressors
 from .fused import FusedAttention, FusedIndexer
 from .hc_fused import FusedHC
+from .head_screen import HeadScreen
 from .state import LayerState, ModelState, RowBuffer, StateFormat
 
 SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
@@ -851,6 +852,9 @@ class DeepseekV4:
             prefetch what it picks (hash-routed layers are always prefetched exactly from the token ids).
         backend: a `fastar.model.device.DeviceBackend` to run on a torch device (build with its `build_model`);
             None: the CPU with the C kernels. Logits come back on the host either way.
+        head_screen: keep the LM head also as int8 (`fastar.model.head_screen`) so that decode rows asked for
+            their argmax only (`argmax_only`) compute the exact logits of the rows that can hold it and no others
+            (the C kernels on the CPU only; +0.5 GB on Flash).
     """
 
     def __init__(
@@ -862,6 +866,7 @@ class DeepseekV4:
         max_rollback: int | None = None,
         lookahead: bool = False,
         backend=None,
+        head_screen: bool = False,
     ) -> None:
         cfg = source.config
         self.config, self.numerics, self.max_rollback = cfg, Numerics.named(numerics), max_rollback
@@ -875,6 +880,7 @@ class DeepseekV4:
         self.hc_head = HyperHead(w, "", cfg)
         self.norm = w.vector("norm.weight")  # [d]
         self.head: Linear = w.linear("head")  # BF16 [V, d]
+        self.screen = HeadScreen.build(self.head) if head_screen and backend is None and kernels else None
         if lookahead and self.experts.pages:  # a provider that does not page gains nothing from the guesses
             prefetch = self.experts.prefetch
             for cur, nxt in zip(self.layers, self.layers[1:]):
@@ -925,6 +931,7 @@ class DeepseekV4:
         collect: list | None = None,
         capture: dict | None = None,
         chunk: int | None = None,
+        argmax_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Process tokens `ids` [T] at positions state.length.. and advance `state`.
 
@@ -936,6 +943,8 @@ class DeepseekV4:
         residual streams [T, n, d], the MTP input). `collect`, when a list, receives the streams after every
         block (for `fastar audit`). `capture`, when a dict, gets `capture[i]` = the streams [T, n, d] entering
         block i for each key i (DSpark reads the target's state entering its target layers).
+        `argmax_only` (with `all_logits` False): the caller takes the last position's argmax and nothing else from
+        the logits; with the head screen, only the rows that can hold it are exact, the others -inf.
         """
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         self._place(state)
@@ -956,6 +965,8 @@ class DeepseekV4:
                 collect.append(X)
             if state.on_layer is not None:
                 state.on_layer(i + 1, len(self.layers))
+        if argmax_only and not all_logits:
+            return self._head(X[-1:], [True]), X
         return self._head(X if all_logits else X[-1:]), X
 
     def _span(
@@ -980,9 +991,19 @@ class DeepseekV4:
         heads = Xs if all_logits else [Xs[-1][-1:]]  # per piece: the head's rows as the pieces' calls give them
         return torch.cat([self._head(h) for h in heads]), torch.cat(Xs)
 
-    def _head(self, X: torch.Tensor) -> torch.Tensor:
-        """Final streams X [T, n, d] -> logits [T, V] float32: HC head, final norm, LM head."""
-        return self.head(self.hc_head(X, self.norm))
+    def _head(self, X: torch.Tensor, argmax_only: list[bool] | None = None) -> torch.Tensor:
+        """Final streams X [T, n, d] -> logits [T, V] float32: HC head, final norm, LM head. Rows t with
+        argmax_only[t] take the head screen where the model has one: exact where they can hold the argmax."""
+        y = self.hc_head(X, self.norm)
+        if self.screen is None or not argmax_only or not any(argmax_only):
+            return self.head(y)
+        if all(argmax_only):
+            return self.screen.logits(y)
+        flags = torch.tensor(argmax_only)
+        out = torch.empty(y.shape[0], self.head.out_features)
+        out[flags] = self.screen.logits(y[flags])
+        out[~flags] = self.head(y[~flags])  # each row's bits do not depend on the rows beside it
+        return out
 
     @_on_device
     @torch.inference_mode()
@@ -994,9 +1015,12 @@ class DeepseekV4:
 
     @_on_device
     @torch.inference_mode()
-    def forward_rows(self, ids: list[int], states: list[ModelState]) -> torch.Tensor:
+    def forward_rows(
+        self, ids: list[int], states: list[ModelState], argmax_only: list[bool] | None = None
+    ) -> torch.Tensor:
         """One decode step of B sequences at once: token ids[b] at position states[b].length, advancing each
-        state. -> logits [B, V] float32, row b bit-identical to `forward([ids[b]], states[b], all_logits=False)`
+        state. -> logits [B, V] float32, row b bit-identical to `forward([ids[b]], states[b], all_logits=False,
+        argmax_only=argmax_only[b])` (argmax_only: see `forward`)
         (with the C kernels' SIMD dot path, B <= `ops.SMALL_CHUNK`): the weights are read once for the B rows
         and the MoE fetches the union of the rows' experts once per layer; attention and the compressors run
         per row on each sequence's own state (`Attention.rows`). The states must be distinct objects."""
@@ -1018,7 +1042,7 @@ class DeepseekV4:
             for s in states:
                 s.layers[i].length += 1
                 s.layers[i].trim(s.max_rollback)
-        return self._head(X)
+        return self._head(X, argmax_only)
 
     @_on_device
     @torch.inference_mode()

@@ -129,8 +129,9 @@ class ExpertReader:
             self.fd = None
 
 
-def default_budget(fst: FstFile, margin_bytes: int | None = None) -> int:
-    """RAM budget for experts: available memory minus the resident weights minus a safety margin.
+def default_budget(fst: FstFile, margin_bytes: int | None = None, extra_bytes: int = 0) -> int:
+    """RAM budget for experts: available memory minus the resident weights (and `extra_bytes` the engine keeps
+    beside them: the LM head's int8 copy) minus a safety margin.
 
     The margin (default max(2 GiB, 10% of RAM)) leaves room for activations, the KV cache, the Python heap and
     the page cache the resident tensors are mapped through. Never below `top_k + 2` slots (a layer can always
@@ -146,7 +147,7 @@ def default_budget(fst: FstFile, margin_bytes: int | None = None) -> int:
     stride = bank["stride"]
     floor = (fst.config.num_experts_per_tok + 2) * stride
     total = bank["slots"] * bank["experts"] * stride
-    return int(min(total, max(floor, vm.available - resident - margin)) // stride * stride)
+    return int(min(total, max(floor, vm.available - resident - extra_bytes - margin)) // stride * stride)
 
 
 # --- eviction policies -----------------------------------------------------------------------------------------

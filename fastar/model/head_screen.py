@@ -1,0 +1,130 @@
+"""The LM head screened by an int8 copy of its rows, for decode steps that need only the argmax (greedy tokens).
+
+The LM head is the largest weight a decode step reads (BF16 [129280, 4096] on Flash, 1.06 GB: half of a 4-layer
+step's bytes and a large part of a batched step's arithmetic). A greedy token needs only the largest logit, so
+`HeadScreen` keeps the rows also as int8 with a scale per row (half the bytes) and, for a row y of final normed
+streams, bounds every logit from the int8 products and computes exactly, with the BF16 head's own kernel, only
+the rows whose bound reaches the best lower bound. The other rows cannot hold the maximum: the token is the one
+the full head gives, bit for bit, and so are the logits of the rows computed.
+
+The bound, for row i of the head W (float values W_i, int8 q_i with scale s_i, dW_i = W_i - s_i q_i) and y
+(x = y / s_x rounded to int8, dy = y - s_x x): the exact dot y.W_i differs from the int8 estimate
+A_i = s_x s_i (x . q_i) by at most |dy| |W_i| + s_x |x| |dW_i| (Cauchy-Schwarz, |.| the 2-norm), and the kernel's
+float32 logit differs from the exact dot by at most gamma_K |y| |W_i| (K fused multiply-adds in any order,
+gamma_K = K u / (1 - K u), u = 2^-24). With b_i the sum of the three, a row whose A_i + b_i is below
+max_j (A_j - b_j) has a logit strictly below the largest one. y is taken as two int8 terms (x1 and the rounding
+error of x1 as x2), which makes |dy| negligible: the bound is then mostly the weights' own int8 error. The int8
+dot products are exact (int32, `head_i8_dot`); the norms come in float64 and the bounds in float32
+(`head_i8_select`), every term widened by a relative 1e-6, far more than their rounding.
+
+Owns: the int8 copy (built once from the BF16 rows), the screen of a step's rows, and the logits it returns:
+exact at the rows it computed (every row that can be the argmax), -inf elsewhere. Rows whose y is not finite, or
+so large that a logit could overflow, take the full head.
+Does not own: when a step may be screened (the sampler's contract, `fastar.engine.sampling.Sampler.argmax_only`),
+the BF16 head product itself (`fastar.quant.linear.Linear`), the int8 kernels (`fastar.quant.kernels`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..quant import kernels as K
+from ..quant.linear import Linear
+
+U = 2.0**-24  # float32 unit roundoff
+MARGIN = 1e-6  # relative widening of the float64 bound (its own rounding is ~1e-15)
+HUGE = 1e30  # |y| |W_i| beyond this could overflow a float32 logit: the full head
+
+
+class HeadScreen:
+    """The int8 copy of a BF16 head and the screened logits of decode rows (see the module docstring)."""
+
+    def __init__(self, head: Linear, kernels) -> None:
+        if head.dtype != "BF16":
+            raise ValueError(f"{head.name}: the head screen needs BF16 rows, not {head.dtype}")
+        self.head, self.k = head, kernels
+        w = head.weight.view(torch.int16).numpy().view(np.uint16)  # the stored bits, [V, K]
+        self.V, self.K = w.shape
+        self.q = np.empty(w.shape, np.int8)
+        self.scale = np.empty(self.V, np.float32)
+        self.wnorm = np.empty(self.V, np.float64)
+        self.dnorm = np.empty(self.V, np.float64)
+        self.rowsum = np.empty(self.V, np.int32)
+        kernels.head_i8_build(w, self.q, self.scale, self.wnorm, self.dnorm, self.rowsum)
+        n = self.K + 16  # the additions on a logit's longest path, with room for the kernels' final sums
+        self.gamma = n * U / (1 - n * U)
+        finite = np.isfinite(self.wnorm)
+        self.wmax = float(np.max(self.wnorm[finite], initial=0.0))
+        self.exact_rows = 0  # rows computed exactly so far (a count for benchmarks)
+        # the norms as float32 for the bound, rounded up (an infinite norm stays infinite: always computed)
+        self.wnorm32 = np.nextafter(self.wnorm.astype(np.float32), np.float32(np.inf))
+        self.dnorm32 = np.nextafter(self.dnorm.astype(np.float32), np.float32(np.inf))
+
+    @classmethod
+    def build(cls, head: Linear) -> HeadScreen | None:
+        """The screen of `head`, or None where it has none: no C kernels, or a head not stored as BF16."""
+        return cls(head, K) if K.available() and head.dtype == "BF16" else None
+
+    @staticmethod
+    def bytes_for(rows: int, cols: int) -> int:
+        """The memory a screen of a [rows, cols] head takes (int8 rows, a scale, two norms and a sum per row)."""
+        return rows * (cols + 4 + 8 + 8 + 4)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_for(self.V, self.K)
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """y [T, K] float32 (the head's input rows) -> logits [T, V] float32: the full head's values at every row
+        that can hold a row's largest logit (and at the other rows' candidates), -inf elsewhere."""
+        yn = y.detach().contiguous().float().numpy()
+        T = yn.shape[0]
+        out = np.full((T, self.V), -np.inf, np.float32)
+        norms = np.linalg.norm(yn.astype(np.float64), axis=1)
+        plain = [t for t in range(T) if not np.isfinite(norms[t]) or norms[t] == 0 or norms[t] * self.wmax > HUGE]
+        screened = [t for t in range(T) if t not in plain]
+        if screened:
+            rows = self._candidates(yn[screened], norms[screened])
+            ys = torch.from_numpy(np.ascontiguousarray(yn[screened]))
+            sub = self._exact(ys, rows)
+            out[np.ix_(screened, rows)] = sub
+        if plain:
+            out[plain] = self.head(torch.from_numpy(np.ascontiguousarray(yn[plain]))).numpy()
+        return torch.from_numpy(out)
+
+    def _candidates(self, y: np.ndarray, norms: np.ndarray) -> np.ndarray:
+        """The sorted union over the rows of y of the head rows that can hold that row's largest logit."""
+        T = y.shape[0]
+        yd = y.astype(np.float64)
+        x, sx = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float64)
+        r = yd
+        for part in (0, 1):  # y ~ s1 x1 + s2 x2: the second int8 term takes the first's rounding error
+            top = np.max(np.abs(r), axis=1)
+            s = np.where(top > 0, top / 127.0, 1.0)
+            xi = np.clip(np.rint(r / s[:, None]), -127, 127)
+            x[part * T : (part + 1) * T], sx[part * T : (part + 1) * T] = xi, s
+            r = r - s[:, None] * xi
+        xt = sx[:T, None] * x[:T] + sx[T:, None] * x[T:]  # the y the estimates are exact for
+        dy = np.linalg.norm(yd - xt, axis=1)
+        nx = np.linalg.norm(xt, axis=1)
+        dots = np.empty((2 * T, self.V), np.int32)
+        self.k.extension.head_i8_dot(x, self.q, self.rowsum, dots)
+        c1 = ((dy + self.gamma * norms) * (1 + MARGIN)).astype(np.float32)
+        c2 = (nx * (1 + MARGIN)).astype(np.float32)
+        keep = np.empty(self.V, np.uint8)
+        self.k.extension.head_i8_select(
+            dots, sx.astype(np.float32), self.scale, c1, c2, self.wnorm32, self.dnorm32, MARGIN, keep
+        )
+        return np.flatnonzero(keep)
+
+    def _exact(self, y: torch.Tensor, rows: np.ndarray) -> np.ndarray:
+        """The full head's logits [T, len(rows)] at `rows`: its own kernel on those rows gathered, so each value has
+        the bits the full product gives it (each (row, token) sum is the same chain whatever the rows around it)."""
+        self.exact_rows += len(rows)
+        w = self.head.weight.view(torch.int16).numpy().view(np.uint16)
+        sub = np.empty((len(rows), self.K), np.uint16)
+        self.k.extension.gather_rows(w, rows.astype(np.int64), sub)
+        out = np.empty((y.shape[0], len(rows)), np.float32)
+        self.k.extension.bf16_matmul(y.numpy(), sub, out)
+        return out

@@ -1,0 +1,161 @@
+"""The screened LM head (fastar.model.head_screen) against the full head: the same argmax for every row, the same
+bits at every row it computes, every row that holds the largest logit among them; rows it cannot screen take the
+full head; and greedy generation through the engine gives the same tokens with the screen as without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastar
+from fastar.engine.sampling import SamplingParams, argmax_only, report
+from fastar.model.head_screen import HeadScreen
+from fastar.quant import kernels as K
+from fastar.quant.linear import Linear
+
+pytestmark = pytest.mark.skipif(not K.available(), reason="the head screen runs on the C kernels")
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    return (
+        (torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).view(torch.int16))
+        .numpy()
+        .view(np.uint16)
+    )
+
+
+def head(rng, V: int = 3000, K_: int = 256) -> np.ndarray:
+    w = rng.standard_normal((V, K_)).astype(np.float32) * 0.02
+    w[1] = w[0]  # an exact tie for any y
+    w[3] = w[2] * (1 + 2.0**-7)  # rows one bfloat16 step apart
+    w[5, :8] *= 40  # a row with outliers (a coarse int8 scale)
+    w[7] = 0  # an all-zero row
+    return bf16_bits(w)
+
+
+def check(screen: HeadScreen, full: Linear, y: torch.Tensor) -> None:
+    got, want = screen.logits(y).numpy(), full(y).numpy()
+    for t in range(y.shape[0]):
+        g, w = got[t], want[t]
+        kept = np.isfinite(g) | np.isnan(g)
+        assert np.array_equal(g[kept], w[kept], equal_nan=True), f"row {t}: a computed logit differs from the head's"
+        assert np.all(g[~kept] == -np.inf)
+        assert int(np.argmax(g)) == int(np.argmax(w)), f"row {t}: argmax {np.argmax(g)} != {np.argmax(w)}"
+        if not np.isnan(w).any():
+            assert kept[w == w.max()].all(), f"row {t}: a row with the largest logit was not computed"
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 8])
+def test_screen_matches_the_full_head(T):
+    rng = np.random.default_rng(T)
+    w = head(rng)
+    full = Linear("head", w, "BF16")
+    screen = HeadScreen(full, K)
+    for trial in range(6):
+        y = rng.standard_normal((T, w.shape[1])).astype(np.float32)
+        if trial == 1:
+            y[:, :8] *= 50  # outliers: a coarse int8 scale for x
+        if trial == 2:
+            y *= 1e-30  # tiny values
+        if trial == 3:  # rows 0 and 1 tie exactly, and lead: the first must win, as in the full head
+            y[:] = np.sign(w[0].view(np.int16)).astype(np.float32)
+        check(screen, full, torch.from_numpy(y))
+    assert screen.logits(torch.from_numpy(y)).isfinite().sum() < T * w.shape[0] / 2  # it did screen
+
+
+def test_non_finite_weights_and_rows_the_screen_cannot_bound():
+    rng = np.random.default_rng(9)
+    w = head(rng, V=1000)
+    w[10] = bf16_bits(np.full(w.shape[1], np.inf, np.float32))
+    w[11, 3] = bf16_bits(np.array([np.nan], np.float32))[0]
+    full = Linear("head", w, "BF16")
+    screen = HeadScreen(full, K)
+    y = rng.standard_normal((4, w.shape[1])).astype(np.float32)
+    got = screen.logits(torch.from_numpy(y)).numpy()
+    want = full(torch.from_numpy(y)).numpy()
+    assert np.array_equal(got[:, 10:12], want[:, 10:12], equal_nan=True)  # always computed
+    assert np.array_equal(np.argmax(got, axis=1), np.argmax(want, axis=1))
+    y[1, 0] = np.nan  # not screened: the full head's row, every value
+    y[2] = 0.0
+    y[3, 5] = np.inf
+    got = screen.logits(torch.from_numpy(y)).numpy()
+    want = full(torch.from_numpy(y)).numpy()
+    assert np.array_equal(got[1:], want[1:], equal_nan=True)
+
+
+def test_argmax_only_requests_report_no_logprob():
+    logits = torch.randn(50)
+    assert argmax_only(SamplingParams())
+    assert report(logits, 3, SamplingParams()) == (3, None, [])
+    for p in (
+        SamplingParams(logprobs=0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(logit_bias={1: 2.0}),
+    ):
+        assert not argmax_only(p)
+        token, logprob, _ = report(logits, 3, p)
+        assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[3]))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_fst_path):
+    on = fastar.load(tiny_fst_path, head_screen=True)
+    off = fastar.load(tiny_fst_path, head_screen=False)
+    assert on.model.screen is not None and off.model.screen is None
+    yield on, off
+    on.close()
+    off.close()
+
+
+def test_greedy_tokens_are_the_full_heads(engines):
+    on, off = engines
+    ids = [5, 17, 300, 42]
+    before = on.model.screen.exact_rows
+    assert on.generate_tokens(ids, 24, ignore_eos=True) == off.generate_tokens(ids, 24, ignore_eos=True)
+    assert 0 < on.model.screen.exact_rows - before < 23 * on.config.vocab_size / 2  # 23 steps screened
+    p = SamplingParams(max_tokens=16, ignore_eos=True)
+    a = list(on.stream(ids, p))
+    b = list(off.stream(ids, p))
+    assert [c.token for c in a] == [c.token for c in b] and all(c.logprob is None for c in a + b)
+    p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)  # asks for logprobs: the full head, numbers kept
+    a = list(on.stream(ids, p))
+    b = list(off.stream(ids, p))
+    assert [(c.token, c.logprob, c.top_logprobs) for c in a] == [(c.token, c.logprob, c.top_logprobs) for c in b]
+
+
+def test_batched_rows_mix_screened_and_full(engines):
+    on, off = engines
+    m_on, m_off = on.model, off.model
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20]]
+    flags = [True, False, True, True]
+    states_on, states_off, last = [], [], []
+    for ids in prompts:
+        for m, states in ((m_on, states_on), (m_off, states_off)):
+            s = m.new_state()
+            m.forward(ids, s, all_logits=False)
+            states.append(s)
+        last.append(ids[-1] + 1)
+    for _ in range(4):
+        got = m_on.forward_rows(last, states_on, flags)
+        want = m_off.forward_rows(last, states_off)
+        for b, f in enumerate(flags):
+            if f:
+                kept = torch.isfinite(got[b])
+                assert torch.equal(got[b][kept], want[b][kept]) and int(got[b].argmax()) == int(want[b].argmax())
+            else:
+                assert torch.equal(got[b], want[b])
+        last = [int(want[b].argmax()) for b in range(len(flags))]
+
+
+def test_select_checks_its_arguments():
+    V, T = 100, 2
+    dots = np.zeros((2 * T, V), np.int32)
+    f = np.ones(V, np.float32)
+    args = [dots, np.ones(2 * T, np.float32), f, np.ones(T, np.float32), np.ones(T, np.float32), f, f, 1e-6]
+    keep = np.empty(V, np.uint8)
+    assert K.extension.head_i8_select(*args, keep) == V  # every estimate 0, every bound 2: all can be the max
+    with pytest.raises(ValueError, match="keep has 99 entries"):
+        K.extension.head_i8_select(*args, np.empty(V - 1, np.uint8))
+    with pytest.raises(ValueError, match="two per decode row"):
+        K.extension.head_i8_select(np.zeros((3, V), np.int32), *args[1:], keep)

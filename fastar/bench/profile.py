@@ -82,17 +82,20 @@ C_CATEGORIES = {
     "index_queries": FUSED_ATTENTION,  # the indexer's queries and head weights at decode (`fastar.model.fused`)
     "shared_ffn": "FP8 products",  # the MoE's shared expert in one call (`fastar.model.moe_fused`): two FP8 products
     "route_weights": "routing weights",  # the router after its top-k in one call (`fastar.model.route_fused`)
+    "head_i8_dot": "LM head screen (int8)",  # greedy rows' int8 head products (`fastar.model.head_screen`)
+    "gather_rows": "LM head screen (int8)",  # the candidate rows, gathered for their exact BF16 logits
 }
 TORCH_CATEGORIES = ("routing/top-k", "sampling")
 STALL = "waiting for expert reads"  # the MoE's waits for routed experts still being read from disk (paged models)
 OUTSIDE = "outside: "  # the prefix of every category of time outside any kernel
-PRODUCTS = ("FP8 products", "BF16 products", "FP4 experts", FUSED_ATTENTION)
+PRODUCTS = ("FP8 products", "BF16 products", "FP4 experts", FUSED_ATTENTION, "LM head screen (int8)")
 # where each weight-reading entry point's weights are among its arguments
 _WEIGHT_ARGS = {
     "attn_project": (1, 2, 4, 5),
     "attn_output": (5, 6, 9, 10),
     "index_queries": (1, 2, 4, 5),
     "shared_ffn": (1, 2, 3, 4),
+    "head_i8_dot": (1,),
 }
 
 
@@ -293,7 +296,7 @@ def _timer_cost(n: int = 20_000) -> float:
 
 def _step(model, samplers, pending: list[int], states, clock: _Clock | None) -> list[int]:
     """One scheduler decode step on the rows: `forward_rows`, then each row's sampler. -> the next tokens."""
-    logits = model.forward_rows(pending, states)
+    logits = model.forward_rows(pending, states, [s.argmax_only for s in samplers])
     out = []
     for s, row in zip(samplers, logits):
         if clock is not None:

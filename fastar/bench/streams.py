@@ -59,14 +59,26 @@ class _UnionProbe:
     def _misses(self) -> int:
         return self.cache.stats().get("misses", 0) if self.cache else 0
 
-    def _rows(self, ids, states):
+    def _exact_rows(self) -> int:
+        screen = self.model.screen
+        return screen.exact_rows if screen is not None else 0
+
+    def _rows(self, ids, states, argmax_only=None):
         self._in_rows, self.calls = True, self.calls + 1
-        experts, misses = self.experts, self._misses()
+        experts, misses, exact = self.experts, self._misses(), self._exact_rows()
         try:
-            return self._orig_rows(ids, states)
+            return self._orig_rows(ids, states, argmax_only)
         finally:
             self._in_rows = False
-            self.log.append((time.perf_counter(), len(ids), self.experts - experts, self._misses() - misses))
+            self.log.append(
+                (
+                    time.perf_counter(),
+                    len(ids),
+                    self.experts - experts,
+                    self._misses() - misses,
+                    self._exact_rows() - exact,
+                )
+            )
 
     def close(self) -> None:
         for b in self.model.layers:
@@ -74,11 +86,13 @@ class _UnionProbe:
         self.model.forward_rows = self._orig_rows
 
 
-def _call_seconds(resident: int, stride: int, call: tuple, membw: float, disk: float) -> float:
-    """The ceiling of one decode call (end, rows, experts, misses): the resident bytes once and its experts' bytes,
-    hits at the memory bandwidth and misses at the disk bandwidth (GB/s; 0 = unknown, that part not counted)."""
-    _, _, experts, misses = call
-    hit_bytes = resident + (experts - misses) * stride
+def _call_seconds(resident: int, stride: int, call: tuple, membw: float, disk: float, row_bytes: int = 0) -> float:
+    """The ceiling of one decode call (end, rows, experts, misses, head rows computed exactly by the head screen):
+    the resident bytes once (with the screen: the int8 head in place of the BF16 one, plus the rows it computed)
+    and its experts' bytes, hits at the memory bandwidth and misses at the disk bandwidth (GB/s; 0 = unknown, that
+    part not counted)."""
+    _, _, experts, misses, exact = call
+    hit_bytes = resident + exact * row_bytes + (experts - misses) * stride
     return (hit_bytes / (membw * 1e9) if membw else 0.0) + (misses * stride / (disk * 1e9) if disk and misses else 0.0)
 
 
@@ -95,6 +109,27 @@ def _mac_rates(engine) -> tuple[float, float]:
     if not dot:
         return fma, fma
     return fma, dot * 1e9 / 2 / (1 if engine.model.numerics.fp8_activations else 3)
+
+
+def _i8_rate(K: int, rows: int = 256, tokens: int = 16) -> float:
+    """Multiply-adds per second of the head screen's int8 products (`head_i8_dot`, all threads), measured now on
+    weights that stay in cache: the rate its arithmetic allows (16 inputs: 8 rows' two int8 terms)."""
+    import numpy as np
+
+    from ..quant import kernels
+
+    g = np.random.default_rng(0)
+    q = g.integers(-127, 128, (rows * kernels.get_num_threads(), K), dtype=np.int8)
+    x = g.integers(-127, 128, (tokens, K), dtype=np.int8)
+    rowsum = q.sum(axis=1, dtype=np.int32)
+    out = np.empty((tokens, q.shape[0]), np.int32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            kernels.head_i8_dot(x, q, rowsum, out)
+        best = min(best, (time.perf_counter() - t0) / 20)
+    return tokens * q.shape[0] * K / best
 
 
 def _run(engine, prompts: list[list[int]], tokens: int) -> dict:
@@ -121,10 +156,17 @@ def _run(engine, prompts: list[list[int]], tokens: int) -> dict:
     return {"times": times, "tokens": out, "calls": probe.calls, "experts": probe.experts, "log": probe.log}
 
 
-def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 16, ram_budget="auto") -> dict:
+def bench(
+    path: str,
+    streams: list[int],
+    tokens: int = 32,
+    prompt_tokens: int = 16,
+    ram_budget="auto",
+    head_screen: bool = True,
+) -> dict:
     from ..engine.engine import load
 
-    engine = load(path, ram_budget=ram_budget)
+    engine = load(path, ram_budget=ram_budget, head_screen=head_screen)
     src = engine.source
     _settle(engine)  # the slab's pages in, every expert preloaded where the budget holds them: before the probes
     resident_tok, _, _ = token_bytes(src)
@@ -134,6 +176,13 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
     wide_macs, quant_macs = decode_macs(src)
     fma_rate, quant_rate = _mac_rates(engine)
     row_s = wide_macs / fma_rate + quant_macs / quant_rate  # one row's arithmetic at the peaks
+    screen, row_bytes, exact_s, i8_rate = engine.model.screen, 0, 0.0, None
+    if screen is not None:  # greedy rows take the int8 head and compute exactly only its candidate rows
+        head = screen.V * screen.K
+        resident_tok += screen.q.nbytes - 2 * head
+        row_bytes, i8_rate = 2 * screen.K, _i8_rate(screen.K)
+        row_s += 2 * head / i8_rate - head / fma_rate  # two int8 terms of y per row, in place of the FP32 head
+        exact_s = screen.K / fma_rate  # per candidate row and decode row
     disk = _disk_bw(str(path)) if Path(path).is_file() else 0.0  # GB/s
     solo = []
     for p in prompts:
@@ -156,9 +205,9 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
         pct = (lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3) if gaps else (lambda q: 0.0)
         # the ceiling of the decode calls whose tokens are in the window (a call's rows are emitted right after it)
         window = [c for c in r["log"] if start < c[0] <= end]
-        bytes_s = [_call_seconds(resident_tok, stride, c, membw, disk) for c in window]
+        bytes_s = [_call_seconds(resident_tok, stride, c, membw, disk, row_bytes) for c in window]
         ceil_s = sum(bytes_s)
-        roof_s = sum(max(b, c[1] * row_s) for b, c in zip(bytes_s, window))
+        roof_s = sum(max(b, c[1] * (row_s + c[4] * exact_s)) for b, c in zip(bytes_s, window))
         window_tokens = sum(c[1] for c in window)
         rows.append(
             {
@@ -192,6 +241,8 @@ def bench(path: str, streams: list[int], tokens: int = 32, prompt_tokens: int = 
         "expert_bytes": stride,
         "decode_macs_fp32_path": wide_macs,
         "decode_macs_quant_path": quant_macs,
+        "head_screen": screen is not None,
+        "head_screen_macs_per_s": i8_rate,
         "fma_peak_gflops": 2 * fma_rate / 1e9,
         "quant_path_gflops": 2 * quant_rate / 1e9,
         "tokens": tokens,
@@ -207,7 +258,14 @@ def main(a) -> int:
         if getattr(a, "ram_budget", None) is not None
         else "auto"
     )
-    r = bench(a.model, streams, tokens=a.decode_tokens, prompt_tokens=a.prompt_tokens, ram_budget=budget)
+    r = bench(
+        a.model,
+        streams,
+        tokens=a.decode_tokens,
+        prompt_tokens=a.prompt_tokens,
+        ram_budget=budget,
+        head_screen=getattr(a, "head_screen", True),
+    )
     if a.json:
         print(json.dumps(r))
         return 0
@@ -215,7 +273,12 @@ def main(a) -> int:
         f"{r['model']}: memory {r['membw_gbps']:.1f} GB/s, FP32 FMA {r['fma_peak_gflops']:.0f} GFLOP/s, FP8/FP4 "
         f"products {r['quant_path_gflops']:.0f} GFLOP/s; per row {r['decode_macs_fp32_path'] / 1e9:.2f} G "
         f"multiply-adds on FP32 + {r['decode_macs_quant_path'] / 1e9:.2f} G on the quantized path; "
-        f"{r['tokens']} tokens per stream",
+        f"{r['tokens']} tokens per stream; "
+        + (
+            f"LM head screened (int8 products {2 * r['head_screen_macs_per_s'] / 1e9:.0f} GOP/s)"
+            if r["head_screen"]
+            else "full LM head"
+        ),
         file=sys.stdout,
     )
 

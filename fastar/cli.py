@@ -70,6 +70,14 @@ class _Parser(argparse.ArgumentParser):
         return act
 
 
+def _path(text: str) -> str:
+    """A file or directory argument: an empty one would mean the current directory (a fixture written into it, a
+    traceback from convert), so it is a usage error."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the path is empty")
+    return text
+
+
 _seed = int_flag(0, None, "a seed")  # numpy's generators take non-negative seeds only
 
 
@@ -362,9 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "src",
+        type=_path,
         help="checkpoint directory (config.json, safetensors shards, tokenizer.json) or hub id, or a FaStar v2 .fst",
     )
-    c.add_argument("-o", "--output", required=True, help="output .fst path")
+    c.add_argument("-o", "--output", type=_path, required=True, help="output .fst path")
     c.add_argument(
         "--indexer-sidecar",
         action="store_true",
@@ -384,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a .fst (or FaStar v2 .fst + sidecars) back as an official checkpoint "
         "directory (safetensors shards, index, config.json, tokenizer) for vLLM / SGLang",
     )
-    ex.add_argument("file", help=".fst v3 file, or a FaStar v2 .fst with its sidecars next to it")
-    ex.add_argument("-o", "--output", required=True, help="new checkpoint directory")
+    ex.add_argument("file", type=_path, help=".fst v3 file, or a FaStar v2 .fst with its sidecars next to it")
+    ex.add_argument("-o", "--output", type=_path, required=True, help="new checkpoint directory")
     ex.add_argument("--shard-size", default="4G", help="largest shard, e.g. 4G (default)")
     ex.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)"
@@ -393,26 +402,26 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(fn=cmd_export)
 
     v = sub.add_parser("verify", help="check a .fst file's structure and every checksum")
-    v.add_argument("file")
+    v.add_argument("file", type=_path)
     v.add_argument("--quick", action="store_true", help="structure only, no checksums")
     v.set_defaults(fn=cmd_verify)
 
     i = sub.add_parser("inspect", help="print a .fst file's config, tensors and expert-bank geometry")
-    i.add_argument("file")
+    i.add_argument("file", type=_path)
     i.add_argument("--all", action="store_true", help="list every tensor")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(fn=cmd_inspect)
 
     au = sub.add_parser("audit", help="per-layer comparison against transformers on the same weights")
-    au.add_argument("file", help=".fst file (or checkpoint directory) to audit")
-    au.add_argument("--reference", required=True, help="official checkpoint directory transformers loads")
+    au.add_argument("file", type=_path, help=".fst file (or checkpoint directory) to audit")
+    au.add_argument("--reference", type=_path, required=True, help="official checkpoint directory transformers loads")
     au.add_argument(
         "--tokens", type=_token_ids, default=None, help="comma-separated token ids (default: a fixed random prompt)"
     )
     au.set_defaults(fn=cmd_audit)
 
     f = sub.add_parser("fixture", help="write a small random checkpoint in the official on-disk format")
-    f.add_argument("-o", "--output", required=True)
+    f.add_argument("-o", "--output", type=_path, required=True)
     f.add_argument("--preset", default="tiny", choices=["tiny", "tiny-dspark", "vocab", "flash"])
     f.add_argument("--seed", type=_seed, default=0)
     f.set_defaults(fn=cmd_fixture)
@@ -423,9 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
         "for benchmarks larger than RAM",
     )
     out = sy.add_mutually_exclusive_group(required=True)
-    out.add_argument("-o", "--output", help="the .fst to write")
+    out.add_argument("-o", "--output", type=_path, help="the .fst to write")
     out.add_argument(
         "--hf-dir",
+        type=_path,
         help="write an official-format checkpoint directory instead (safetensors shards, config.json), the same "
         "weights transformers can load: for bench --compare-transformers",
     )

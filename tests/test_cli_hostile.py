@@ -96,6 +96,12 @@ def test_bad_arguments_table(tiny_fst_path, tiny_ckpt, tmp_path):
         (["convert", str(tiny_ckpt), "-o", "/proc/o.fst"], {}, fail, "/proc/o.fst"),
         (["convert", str(tmp_path / "nowhere"), "-o", str(tmp_path / "o.fst")], {}, fail, "nowhere"),
         (["convert", str(tiny_ckpt)], {}, usage, "output"),
+        (["convert", str(tiny_ckpt), "-o", ""], {}, usage, "path is empty"),
+        (["fixture", "-o", ""], {}, usage, "path is empty"),
+        (["synth", "-o", ""], {}, usage, "path is empty"),
+        (["synth", "--hf-dir", " "], {}, usage, "path is empty"),
+        (["export", m, "-o", ""], {}, usage, "path is empty"),
+        (["verify", ""], {}, usage, "path is empty"),
         (["verify", str(tmp_path / "missing.fst")], {}, fail, "missing.fst"),
         (["verify", str(fifo)], {}, fail, "fifo"),
         (["inspect", str(tmp_path)], {}, fail, ""),
@@ -116,7 +122,7 @@ def test_bad_arguments_table(tiny_fst_path, tiny_ckpt, tmp_path):
     ]
     seen = []
     for args, env, code, word in table:
-        r = _cli(*args, env=env, stdin=subprocess.DEVNULL)
+        r = _cli(*args, env=env, stdin=subprocess.DEVNULL, cwd=tmp_path)  # an empty path must not mean the repo
         try:
             line = one_line_error(r, code)
             assert word.lower() in line.lower(), line

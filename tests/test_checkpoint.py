@@ -288,6 +288,21 @@ def test_wrong_shape(tiny_ckpt, tmp_path):
         Checkpoint(d).validate()
 
 
+def test_a_directory_is_checked_when_opened_to_run(tiny_ckpt, tmp_path):
+    """`fastar run -m DIR` (engine.open_source) checks the directory as `convert` does: a tensor of the wrong
+    shape or dtype is a CheckpointError naming it, where it was a shape error deep in a forward (or a model run
+    with its wrong embedding as is)."""
+    from fastar.engine.engine import open_source
+
+    d = clone(tiny_ckpt, tmp_path / "c")
+    name = "layers.2.ffn.shared_experts.w1.weight"
+    rewrite_header(shard_of(d, name), lambda h: h[name].update(shape=h[name]["shape"][::-1]))
+    with pytest.raises(CheckpointError, match=rf"tensor {name} in shard .*: shape \[256, 384\], expected"):
+        open_source(d)
+    with open_source(tiny_ckpt) as ck:  # a good one opens
+        assert ck.config.num_hidden_layers > 0
+
+
 def test_wrong_dtype(tiny_ckpt, tmp_path):
     d = clone(tiny_ckpt, tmp_path / "c")
     name = "layers.3.ffn.gate.bias"  # F32 relabelled I32: same byte count

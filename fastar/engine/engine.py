@@ -48,12 +48,20 @@ DEFAULT_MAX_ROLLBACK = 2048
 
 
 def open_source(path: str | os.PathLike) -> WeightSource:
-    """A `.fst` file -> FstFile (v3) or FstV2File (FaStar v2 + sidecars); a checkpoint directory -> Checkpoint."""
+    """A `.fst` file -> FstFile (v3) or FstV2File (FaStar v2 + sidecars); a checkpoint directory -> Checkpoint,
+    checked against the manifest first (headers only: every tensor present with its dtype and shape, as `convert`
+    checks), so a wrong tensor is one line naming it, not a shape error deep in a forward or a model run as is."""
     p = Path(path)
     if p.is_dir():
         from ..convert.checkpoint import Checkpoint
 
-        return Checkpoint(p)
+        ck = Checkpoint(p)
+        try:
+            ck.validate()
+        except BaseException:
+            ck.close()
+            raise
+        return ck
     from ..convert.v2 import open_model_file
 
     return open_model_file(p)

@@ -348,6 +348,9 @@ def cmd_serve(a) -> int:
 
     check_model_path(a.model)  # before binding the port: a wrong path is one line, not a failed load later
     check_sizes(a)  # and so is a --ram-budget or --gpu-budget that is no size
+    from .model.device import resolve_device
+
+    resolve_device(a.device)  # and a --device that is none, or CUDA where there is none
     # --draft: the scheduler drafts a lone greedy request with it (docs/SERVING.md), batched steps otherwise
     return a.serve_mod.run_from_args(a, lambda: open_engine(a))
 

@@ -185,13 +185,16 @@ def test_export_on_a_full_disk_names_the_output(tiny_fst_path, tmp_path):
 
 def test_a_size_flag_is_read_before_the_model(tiny_fst_path, tmp_path):
     """--ram-budget / --gpu-budget that are no size are one line naming the flag, before the model is opened (a
-    real model checks gigabytes of resident weights first) and before `serve` binds its port and starts logging."""
+    real model checks gigabytes of resident weights first) and before `serve` binds its port and starts logging;
+    so is serve's --device."""
     empty = tmp_path / "empty.fst"
     empty.write_bytes(b"")
     r = _cli("run", "-m", empty, "-p", "hi", "--ram-budget", "12Q")
     assert "--ram-budget: cannot read '12Q' as a size" in one_line_error(r, 1)
     r = _cli("serve", "-m", tiny_fst_path, "--port", "0", "--gpu-budget", "12Q", "--no-prompt-cache")
     assert "--gpu-budget: cannot read '12Q' as a size" in one_line_error(r, 1)
+    r = _cli("serve", "-m", tiny_fst_path, "--port", "0", "--device", "tpu", "--no-prompt-cache")
+    assert "--device 'tpu': expected" in one_line_error(r, 1)
 
 
 def test_a_prompt_cache_that_cannot_be_a_folder(tiny_fst_path, tmp_path):

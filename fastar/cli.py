@@ -516,6 +516,13 @@ def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM cleans up as Ctrl-C does (convert removes its .partial file, serve stops)
 
 
+def _exit_now(signum, frame) -> None:
+    """Once the command is over, a Ctrl-C or SIGTERM while the interpreter tears down (the model's files closed,
+    torch's exit hooks) ends the process at once, quietly: a KeyboardInterrupt there is a traceback from inside an
+    exit hook. What the command wrote was flushed before."""
+    os._exit(128 + signum)
+
+
 def _stdout_to_devnull() -> None:
     """After a broken pipe, what is still buffered for stdout would fail again when Python flushes it at exit."""
     try:
@@ -560,3 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fastar: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if argv is None and threading.current_thread() is threading.main_thread():  # the program, not a test's call
+            signal.signal(signal.SIGINT, _exit_now)
+            signal.signal(signal.SIGTERM, _exit_now)

@@ -230,6 +230,23 @@ def test_audit_refuses_bad_tokens_and_another_model(tiny_fst_path, tiny_ckpt, vo
         assert rc == 1 and err.count("\n") == 1 and words in err, (reference, tokens, err)
 
 
+def test_ctrl_c_while_the_program_exits_is_quiet(tiny_fst_path):
+    """A Ctrl-C that lands after the command finished, while the interpreter tears down (here sent by an exit
+    hook, deterministically), ends the process quietly; it printed a KeyboardInterrupt traceback from the hook."""
+    code = (
+        "import atexit, os, signal, sys; from fastar.cli import main; "
+        "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT) or sum(range(10**6))); "
+        "sys.argv[0] = 'fastar'; raise SystemExit(main())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "verify", "--quick", str(tiny_fst_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "structure OK" in r.stdout and r.stderr == "" and r.returncode == 130, (r.returncode, r.stderr[-2000:])
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

@@ -124,11 +124,12 @@ def test_greedy_tokens_are_the_full_heads(engines):
     assert [(c.token, c.logprob, c.top_logprobs) for c in a] == [(c.token, c.logprob, c.top_logprobs) for c in b]
 
 
-def test_batched_rows_mix_screened_and_full(engines):
+@pytest.mark.parametrize("flags", [[True, True], [True, False], [True, True, True]])
+def test_batched_rows_screen_when_all_are_argmax_only_and_few(engines, flags):
     on, off = engines
     m_on, m_off = on.model, off.model
-    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20]]
-    flags = [True, False, True, True]
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]][: len(flags)]
+    screened = all(flags) and len(flags) <= HeadScreen.MAX_ROWS
     states_on, states_off, last = [], [], []
     for ids in prompts:
         for m, states in ((m_on, states_on), (m_off, states_off)):
@@ -139,12 +140,10 @@ def test_batched_rows_mix_screened_and_full(engines):
     for _ in range(4):
         got = m_on.forward_rows(last, states_on, flags)
         want = m_off.forward_rows(last, states_off)
-        for b, f in enumerate(flags):
-            if f:
-                kept = torch.isfinite(got[b])
-                assert torch.equal(got[b][kept], want[b][kept]) and int(got[b].argmax()) == int(want[b].argmax())
-            else:
-                assert torch.equal(got[b], want[b])
+        for b in range(len(flags)):
+            kept = torch.isfinite(got[b])
+            assert torch.equal(got[b][kept], want[b][kept]) and int(got[b].argmax()) == int(want[b].argmax())
+            assert bool(kept.all()) != screened  # screened rows computed only some head rows, the others all
         last = [int(want[b].argmax()) for b in range(len(flags))]
 
 

@@ -51,6 +51,7 @@ from collections import Counter
 
 import torch
 
+from ..model.head_screen import HeadScreen
 from .model import _settle, _stream_gbps, token_bytes
 
 # the attention block's fused decode calls (`fastar.model.fused`): its four FP8 products with their row ops
@@ -394,9 +395,10 @@ def bench(
     try:
         settled = _settle(engine)
         resident_tok, _, _ = token_bytes(engine.source)
-        screen = engine.model.screen  # greedy rows read its int8 head instead of the BF16 one (and ~0.1-1 % of the
-        if screen is not None:  # BF16 rows again, the candidates, not counted here)
-            resident_tok += screen.q.nbytes - screen.head.nbytes
+        # steps of at most HeadScreen.MAX_ROWS greedy rows read the screen's int8 head instead of the BF16 one (and
+        # ~0.1 % of the BF16 rows again, the candidates, not counted here)
+        screen = engine.model.screen
+        delta = screen.q.nbytes - screen.head.nbytes if screen is not None else 0
         stride = engine.source.expert_stride
         out = []
         for n in rows:
@@ -404,7 +406,7 @@ def bench(
             r = profile_rows(engine, n, steps, prompt_tokens)
             after = _stream_gbps(engine)
             r["membw_gbps"] = (before + after) / 2 if before and after else None
-            r["step_bytes"] = resident_tok + r["experts_per_step"] * stride
+            r["step_bytes"] = resident_tok + (delta if n <= HeadScreen.MAX_ROWS else 0) + r["experts_per_step"] * stride
             if r["membw_gbps"]:
                 r["byte_floor_ms"] = 1e3 * r["step_bytes"] / (r["membw_gbps"] * 1e9)
             out.append(r)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..model.head_screen import HeadScreen
 from .model import _disk_bw, _settle, _stream_gbps, bf16_dot_peak_gflops, decode_macs, token_bytes
 
 
@@ -88,7 +89,8 @@ class _UnionProbe:
 
 def _call_seconds(resident: int, stride: int, call: tuple, membw: float, disk: float, row_bytes: int = 0) -> float:
     """The ceiling of one decode call (end, rows, experts, misses, head rows computed exactly by the head screen):
-    the resident bytes once (with the screen: the int8 head in place of the BF16 one, plus the rows it computed)
+    the resident bytes once (the caller's: with the screen, the int8 head in place of the BF16 one; plus the rows
+    it computed)
     and its experts' bytes, hits at the memory bandwidth and misses at the disk bandwidth (GB/s; 0 = unknown, that
     part not counted)."""
     _, _, experts, misses, exact = call
@@ -176,13 +178,18 @@ def bench(
     wide_macs, quant_macs = decode_macs(src)
     fma_rate, quant_rate = _mac_rates(engine)
     row_s = wide_macs / fma_rate + quant_macs / quant_rate  # one row's arithmetic at the peaks
-    screen, row_bytes, exact_s, i8_rate = engine.model.screen, 0, 0.0, None
-    if screen is not None:  # greedy rows take the int8 head and compute exactly only its candidate rows
+    # calls of at most HeadScreen.MAX_ROWS greedy rows take the head screen: its int8 head in place of the BF16 one
+    # (two int8 terms of y per row in place of the FP32 head's products), and exactly only the candidate rows
+    screen, row_bytes, exact_s, i8_rate, delta, screen_row_s = engine.model.screen, 0, 0.0, None, 0, row_s
+    if screen is not None:
         head = screen.V * screen.K
-        resident_tok += screen.q.nbytes - 2 * head
-        row_bytes, i8_rate = 2 * screen.K, _i8_rate(screen.K)
-        row_s += 2 * head / i8_rate - head / fma_rate  # two int8 terms of y per row, in place of the FP32 head
+        delta, row_bytes, i8_rate = screen.q.nbytes - 2 * head, 2 * screen.K, _i8_rate(screen.K)
+        screen_row_s = row_s + 2 * head / i8_rate - head / fma_rate
         exact_s = screen.K / fma_rate  # per candidate row and decode row
+
+    def screened(call) -> bool:
+        return screen is not None and call[1] <= HeadScreen.MAX_ROWS
+
     disk = _disk_bw(str(path)) if Path(path).is_file() else 0.0  # GB/s
     solo = []
     for p in prompts:
@@ -205,9 +212,14 @@ def bench(
         pct = (lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3) if gaps else (lambda q: 0.0)
         # the ceiling of the decode calls whose tokens are in the window (a call's rows are emitted right after it)
         window = [c for c in r["log"] if start < c[0] <= end]
-        bytes_s = [_call_seconds(resident_tok, stride, c, membw, disk, row_bytes) for c in window]
+        bytes_s = [
+            _call_seconds(resident_tok + (delta if screened(c) else 0), stride, c, membw, disk, row_bytes)
+            for c in window
+        ]
         ceil_s = sum(bytes_s)
-        roof_s = sum(max(b, c[1] * (row_s + c[4] * exact_s)) for b, c in zip(bytes_s, window))
+        roof_s = sum(
+            max(b, c[1] * ((screen_row_s if screened(c) else row_s) + c[4] * exact_s)) for b, c in zip(bytes_s, window)
+        )
         window_tokens = sum(c[1] for c in window)
         rows.append(
             {

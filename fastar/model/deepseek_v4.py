@@ -992,18 +992,13 @@ class DeepseekV4:
         return torch.cat([self._head(h) for h in heads]), torch.cat(Xs)
 
     def _head(self, X: torch.Tensor, argmax_only: list[bool] | None = None) -> torch.Tensor:
-        """Final streams X [T, n, d] -> logits [T, V] float32: HC head, final norm, LM head. Rows t with
-        argmax_only[t] take the head screen where the model has one: exact where they can hold the argmax."""
+        """Final streams X [T, n, d] -> logits [T, V] float32: HC head, final norm, LM head. When every row is
+        argmax_only and there are few enough for the head screen to pay (`HeadScreen.MAX_ROWS`), the screen:
+        exact where the rows can hold their argmax, -inf elsewhere."""
         y = self.hc_head(X, self.norm)
-        if self.screen is None or not argmax_only or not any(argmax_only):
-            return self.head(y)
-        if all(argmax_only):
+        if self.screen is not None and argmax_only and all(argmax_only) and len(argmax_only) <= HeadScreen.MAX_ROWS:
             return self.screen.logits(y)
-        flags = torch.tensor(argmax_only)
-        out = torch.empty(y.shape[0], self.head.out_features)
-        out[flags] = self.screen.logits(y[flags])
-        out[~flags] = self.head(y[~flags])  # each row's bits do not depend on the rows beside it
-        return out
+        return self.head(y)
 
     @_on_device
     @torch.inference_mode()

@@ -40,6 +40,11 @@ HUGE = 1e30  # |y| |W_i| beyond this could overflow a float32 logit: the full he
 class HeadScreen:
     """The int8 copy of a BF16 head and the screened logits of decode rows (see the module docstring)."""
 
+    # The most decode rows a step screens (more take the full head). Each row is two int8 terms, and head_i8_dot
+    # streams its rows near the read bandwidth up to 3 terms but at about half of it at 4 and a third at 8
+    # (docs/PERFORMANCE.md), so a 4-row screen measured no faster than the BF16 head's 4-row product.
+    MAX_ROWS = 2
+
     def __init__(self, head: Linear, kernels) -> None:
         if head.dtype != "BF16":
             raise ValueError(f"{head.name}: the head screen needs BF16 rows, not {head.dtype}")

@@ -26,6 +26,7 @@ from .engine.tokenizer import InvalidText, check_text
 from .errors import ConfigError, FastarError
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
+MAX_STDIN_PROMPT = 64 << 20  # characters: 16x a 1M-token context's text, and a bound for an endless stream
 CHAT_HELP = """commands:
   /reset              forget the conversation (the system prompt stays)
   /thinking on|off    think before answering (reasoning is shown dimmed)
@@ -401,10 +402,12 @@ def _read_prompt(args: argparse.Namespace) -> str:
         raise FastarError("no prompt: pass -p/--prompt TEXT (or pipe it on stdin)")
     if prompt == "-":
         try:
-            prompt = sys.stdin.read()
+            prompt = sys.stdin.read(MAX_STDIN_PROMPT + 1)
         except UnicodeDecodeError as err:
             byte = err.object[err.start]
             raise FastarError(f"standard input is not UTF-8 text: byte 0x{byte:02x} at offset {err.start}") from None
+        if len(prompt) > MAX_STDIN_PROMPT:  # `yes | fastar run`, `< /dev/zero`: never read to the end of memory
+            raise FastarError(f"the prompt on standard input is longer than {MAX_STDIN_PROMPT:,} characters")
     if not prompt.strip():
         raise FastarError("the prompt is empty")
     check_text(prompt, "the prompt")  # the tokenizer's text boundary, before the model loads
@@ -607,9 +610,12 @@ class ChatREPL:
             if line := draft_line(before, after):
                 print(line, file=self.err, flush=True)
 
-    def run(self, read: Callable[[str], str] = input) -> int:
-        """The loop: Ctrl-C while a reply streams stops it; at the prompt it only reminds how to quit."""
+    def run(self, read: Callable[[str], str] | None = None) -> int:
+        """The loop: Ctrl-C while a reply streams stops it; at the prompt it only reminds how to quit. `read`:
+        `input` on a terminal, `stdin_line` from a pipe or file."""
         prompt = ">>> " if sys.stdin.isatty() else ""
+        if read is None:
+            read = input if sys.stdin.isatty() else stdin_line
         self.say("fastar chat: /help for commands, Ctrl-C stops a reply, Ctrl-D or /exit quits.")
         while True:
             try:
@@ -629,6 +635,17 @@ class ChatREPL:
                     return 0
             finally:
                 signal.signal(signal.SIGINT, previous)
+
+
+def stdin_line(prompt: str = "") -> str:
+    """`input` for a pipe or file: one line, at most MAX_STDIN_PROMPT characters (`< /dev/zero` has no line end
+    to read up to). A longer one is an error that ends the chat: what follows it cannot be told apart."""
+    line = sys.stdin.readline(MAX_STDIN_PROMPT + 1)
+    if not line:
+        raise EOFError
+    if len(line) > MAX_STDIN_PROMPT:
+        raise FastarError(f"a line on standard input is longer than {MAX_STDIN_PROMPT:,} characters")
+    return line.removesuffix("\n")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -247,6 +247,19 @@ def test_ctrl_c_while_the_program_exits_is_quiet(tiny_fst_path):
     assert "structure OK" in r.stdout and r.stderr == "" and r.returncode == 130, (r.returncode, r.stderr[-2000:])
 
 
+def test_an_endless_prompt_on_stdin_is_one_line(tiny_fst_path):
+    """`fastar run < /dev/zero` (or `yes | fastar run`) reads the prompt up to a bound and says so; it read to the
+    end of memory (a MemoryError traceback, or the OOM killer)."""
+    import resource
+
+    def bounded():  # should the bound go, a MemoryError here rather than the machine's memory exhausted
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    with open("/dev/zero", "rb") as zero:
+        r = _cli("run", "-m", tiny_fst_path, stdin=zero, preexec_fn=bounded)
+    assert "the prompt on standard input is longer than 67,108,864 characters" in one_line_error(r, 1)
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

@@ -313,6 +313,21 @@ def test_errors_keep_the_chat() -> None:
     assert "(error: the prompt is 99 tokens" in out.getvalue() and repl.messages == []
 
 
+def test_an_endless_line_on_stdin_ends_the_chat(monkeypatch) -> None:
+    """From a pipe (`fastar chat < /dev/zero`), a line is read up to a bound: a longer one ends the chat with one
+    error line, where it was read to the end of memory (a MemoryError traceback)."""
+    from fastar import console
+
+    monkeypatch.setattr(console, "MAX_STDIN_PROMPT", 100)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n" + "y" * 1000))
+    repl, _, out = make_repl(["Hi."])
+    with pytest.raises(FastarError, match="a line on standard input is longer than 100 characters"):
+        repl.run()
+    assert repl.messages[-1]["content"] == "Hi."  # the lines before it were answered
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n/exit\n"))
+    assert make_repl(["Hi."])[0].run() == 0
+
+
 def test_commands(tmp_path: Path) -> None:
     repl, _, out = make_repl(["Hi."], system="S")
     repl.handle("Hello")

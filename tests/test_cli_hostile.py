@@ -260,6 +260,22 @@ def test_an_endless_prompt_on_stdin_is_one_line(tiny_fst_path):
     assert "the prompt on standard input is longer than 67,108,864 characters" in one_line_error(r, 1)
 
 
+def test_chat_load_of_a_device_is_refused(vocab_ckpt):
+    """`/load /dev/zero` in `fastar chat` read the device to the end of memory and ended the chat in a MemoryError
+    traceback (a FIFO would block it forever): it is refused as no regular file, and the chat goes on."""
+    import resource
+
+    def bounded():  # should the check go, a MemoryError here rather than the machine's memory exhausted
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    r = _cli(
+        "chat", "-m", vocab_ckpt, "--no-prompt-cache", "-n", "2", input="/load /dev/zero\nhi\n", preexec_fn=bounded
+    )
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert "(cannot load: /dev/zero: not a regular file)" in lines and len(lines) >= 3, r.stdout
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

@@ -366,6 +366,8 @@ class Session:
         """Replace this session's contents with a saved one. Raises `SessionError` with the reason."""
         path = Path(path)
         try:
+            if path.exists() and not path.is_file():  # /dev/zero would be read to the end of memory, a FIFO forever
+                raise SessionError(f"{path}: not a regular file")
             raw = path.read_bytes()
         except FileNotFoundError:
             raise SessionError(f"{path}: no such file") from None

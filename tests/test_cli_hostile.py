@@ -276,6 +276,17 @@ def test_chat_load_of_a_device_is_refused(vocab_ckpt):
     assert "(cannot load: /dev/zero: not a regular file)" in lines and len(lines) >= 3, r.stdout
 
 
+def test_an_output_that_is_no_regular_file_is_left_alone(tiny_ckpt, tmp_path):
+    """`convert -o` a FIFO or device (`-o /dev/null`, run as root) replaced it with the finished file, the rename
+    going over it: refused, and the FIFO is still one. (`synth -o`, `perplexity --save-logits` and chat's /save
+    write the same way.)"""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r = _cli("convert", tiny_ckpt, "-o", fifo)
+    assert f"{fifo}: not a regular file" in one_line_error(r, 1)
+    assert fifo.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

@@ -209,7 +209,7 @@ class FakeSession:
         import json
 
         if Path(path).is_dir():  # as Session.save answers a path it cannot write
-            raise FastarError(f"{path}: cannot write (Is a directory)")
+            raise FastarError(f"{path}: not a regular file (a session is renamed into place over it)")
         Path(path).write_text(json.dumps(self.meta))
         return Path(path)
 
@@ -338,7 +338,7 @@ def test_commands(tmp_path: Path) -> None:
     repl.handle(f"/load {tmp_path / 'c.json'}")
     assert len(repl.messages) == 3 and repl.thinking is False
     repl.handle(f"/save {tmp_path}")  # a path that cannot be written: said, and the chat goes on
-    assert f"(cannot save: {tmp_path}: cannot write" in out.getvalue() and len(repl.messages) == 3
+    assert f"(cannot save: {tmp_path}: not a regular file" in out.getvalue() and len(repl.messages) == 3
     repl.handle("/load /no/such/file")
     assert "(cannot load: /no/such/file: no such file)" in out.getvalue() and len(repl.messages) == 3
     repl.handle("/frobnicate")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -152,3 +153,16 @@ def test_damaged_logits_file_is_a_one_line_error(tmp_path, damage):
     path.write_bytes(bad)
     with pytest.raises(FastarError, match=r"run\.logits: the logits file"):
         LogitsFile(path)
+
+
+def test_save_logits_over_a_fifo_or_device_is_refused(tmp_path):
+    """--save-logits naming a FIFO or device (/dev/null, as root) replaced it with the logits file when it was
+    renamed into place: refused, naming it, and nothing is written beside it."""
+    from fastar.engine.logits_file import LogitsWriter
+    from fastar.errors import FastarError
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(FastarError, match=f"{fifo}: not a regular file"):
+        LogitsWriter(fifo, [1, 2, 3], [1, 2], 4, ctx=3, stride=1)
+    assert fifo.is_fifo() and [p.name for p in tmp_path.iterdir()] == ["fifo"]

@@ -5,6 +5,7 @@ chat through the public API."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -274,10 +275,13 @@ def test_save_errors_name_the_path(tmp_path: Path) -> None:
     s, _ = make(fingerprint="model-a")
     s.prefill([1, 2])
     (tmp_path / "plain").write_text("x")
-    for bad in (tmp_path, tmp_path / "plain" / "a.session"):  # a folder; a path under a regular file
-        with pytest.raises(SessionError, match=f"^{bad}: cannot write"):
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(SessionError, match=f"^{tmp_path / 'plain' / 'a.session'}: cannot write"):
+        s.save(tmp_path / "plain" / "a.session")  # a path under a regular file
+    for bad in (tmp_path, tmp_path / "fifo"):  # a folder; a FIFO or device (/dev/null), which the rename replaced
+        with pytest.raises(SessionError, match=f"^{bad}: not a regular file"):
             s.save(bad)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "plain"] and (tmp_path / "fifo").is_fifo()
 
 
 # --- text prompts with the real tokenizer -------------------------------------------------------------------

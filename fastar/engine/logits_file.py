@@ -46,6 +46,8 @@ class LogitsWriter:
 
     def __init__(self, path: str | os.PathLike, ids: list[int], positions: list[int], vocab_size: int, **meta) -> None:
         self.path = Path(path)
+        if self.path.exists() and not self.path.is_file():  # a device or FIFO: the rename would replace it
+            raise FastarError(f"{self.path}: not a regular file (the logits file is renamed into place over it)")
         header = {
             "vocab_size": vocab_size,
             "num_tokens": len(ids),

@@ -345,6 +345,8 @@ class Session:
             {"fingerprint": self.fingerprint, "tokens": tokens, "meta": self.meta, "has_state": bool(state)},
             ensure_ascii=False,
         ).encode()
+        if path.exists() and not path.is_file():  # `/save /dev/null` as root: the rename would replace the device
+            raise SessionError(f"{path}: not a regular file (a session is renamed into place over it)")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)

@@ -44,6 +44,8 @@ class FstWriter:
         self, path: str | os.PathLike, config: dict, source: dict | None = None, converter_version: str = "0"
     ) -> None:
         self.path = Path(path)
+        if self.path.exists() and not self.path.is_file():  # `-o /dev/null` as root: the rename would replace it
+            raise FormatError(f"{self.path}: not a regular file (the output is renamed into place over it)")
         self.tmp_path = self.path.with_name(self.path.name + ".partial")
         self.state = WriterState.PLAN
         self._header: dict[str, Any] = {

@@ -211,3 +211,20 @@ def test_inspect_cli(converted):
 def test_convert_cli_errors(tmp_path):
     r = _cli("convert", tmp_path / "nope", "-o", tmp_path / "x.fst")
     assert r.returncode == 1 and "nope" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_hub_failure_is_one_line(monkeypatch, tmp_path):
+    """A hub id that cannot be fetched: the hub's message (several lines when the network is down) is one line."""
+    import huggingface_hub
+
+    def offline(*a, **kw):
+        raise OSError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened while trying")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(CheckpointError) as err:
+        convert("someone/no-such-model", tmp_path / "x.fst", progress=False)
+    assert str(err.value) == (
+        "could not fetch someone/no-such-model from the hub: Got: ConnectError: [Errno -2] Name or service not known "
+        "An error happened while trying"
+    )
+    assert list(tmp_path.iterdir()) == []

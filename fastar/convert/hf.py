@@ -58,7 +58,8 @@ def resolve_source(src: str | os.PathLike, only: Callable[[str], bool] | None = 
             patterns += sorted({s for n, s in json.loads(index.read_text())["weight_map"].items() if only(n)})
         return Path(snapshot_download(str(src), allow_patterns=patterns))
     except Exception as e:  # network, auth, missing repo: all end the same way for the user
-        raise CheckpointError(f"could not fetch {src} from the hub: {e}") from None
+        reason = " ".join(str(e).split()) or type(e).__name__  # the hub's messages run over several lines
+        raise CheckpointError(f"could not fetch {src} from the hub: {reason}") from None
 
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None) -> Path:

@@ -152,9 +152,26 @@ def test_select_checks_its_arguments():
     dots = np.zeros((2 * T, V), np.int32)
     f = np.ones(V, np.float32)
     args = [dots, np.ones(2 * T, np.float32), f, np.ones(T, np.float32), np.ones(T, np.float32), f, f, 1e-6]
-    keep = np.empty(V, np.uint8)
-    assert K.extension.head_i8_select(*args, keep) == V  # every estimate 0, every bound 2: all can be the max
+    keep, rows = np.empty(V, np.uint8), np.empty(V, np.int64)
+    assert K.extension.head_i8_select(*args, keep, rows) == V  # every estimate 0, every bound 2: all can be the max
+    assert np.array_equal(rows, np.arange(V))
     with pytest.raises(ValueError, match="keep has 99 entries"):
-        K.extension.head_i8_select(*args, np.empty(V - 1, np.uint8))
+        K.extension.head_i8_select(*args, np.empty(V - 1, np.uint8), rows)
     with pytest.raises(ValueError, match="two per decode row"):
-        K.extension.head_i8_select(np.zeros((3, V), np.int32), *args[1:], keep)
+        K.extension.head_i8_select(np.zeros((3, V), np.int32), *args[1:], keep, rows)
+
+
+def test_quantize_takes_each_row_as_two_int8_terms():
+    rng = np.random.default_rng(3)
+    y = rng.standard_normal((3, 128)).astype(np.float32)
+    y[1, 5] = np.nan
+    x, sx, stats = np.empty((6, 128), np.int8), np.empty(6, np.float32), np.empty((3, 3))
+    K.extension.head_i8_quantize(y, x, sx, stats)
+    for t in (0, 2):
+        assert np.abs(x[t]).max() == 127 and sx[t] == np.float32(np.abs(y[t]).max() / 127.0)
+        approx = sx[t].astype(np.float64) * x[t] + sx[3 + t].astype(np.float64) * x[3 + t]
+        y64 = y[t].astype(np.float64)
+        want = [np.linalg.norm(y64 - approx), np.linalg.norm(approx), np.linalg.norm(y64)]
+        assert np.allclose(stats[t], want, rtol=1e-12)
+        assert stats[t, 0] < 1e-3 * stats[t, 2]  # the second term leaves (1/127)^2 of the first one's error
+    assert np.all(x[[1, 4]] == 0) and np.all(np.isinf(stats[1]))

@@ -84,6 +84,7 @@ C_CATEGORIES = {
     "shared_ffn": "FP8 products",  # the MoE's shared expert in one call (`fastar.model.moe_fused`): two FP8 products
     "route_weights": "routing weights",  # the router after its top-k in one call (`fastar.model.route_fused`)
     "head_i8_dot": "LM head screen (int8)",  # greedy rows' int8 head products (`fastar.model.head_screen`)
+    "head_i8_select": "LM head screen (int8)",  # the rows whose bound can hold the argmax
     "gather_rows": "LM head screen (int8)",  # the candidate rows, gathered for their exact BF16 logits
 }
 TORCH_CATEGORIES = ("routing/top-k", "sampling")

@@ -62,6 +62,7 @@ class HeadScreen:
         finite = np.isfinite(self.wnorm)
         self.wmax = float(np.max(self.wnorm[finite], initial=0.0))
         self.exact_rows = 0  # rows computed exactly so far (a count for benchmarks)
+        self._keep, self._rows = np.empty(self.V, np.uint8), np.empty(self.V, np.int64)  # head_i8_select's scratch
         # the norms as float32 for the bound, rounded up (an infinite norm stays infinite: always computed)
         self.wnorm32 = np.nextafter(self.wnorm.astype(np.float32), np.float32(np.inf))
         self.dnorm32 = np.nextafter(self.dnorm.astype(np.float32), np.float32(np.inf))
@@ -85,43 +86,35 @@ class HeadScreen:
         that can hold a row's largest logit (and at the other rows' candidates), -inf elsewhere."""
         yn = y.detach().contiguous().float().numpy()
         T = yn.shape[0]
+        x, sx, stats = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float32), np.empty((T, 3))
+        self.k.extension.head_i8_quantize(yn, x, sx, stats)
+        dy, nx, ny = stats.T
+        plain = ~np.isfinite(ny) | (ny == 0) | (ny * self.wmax > HUGE)
         out = np.full((T, self.V), -np.inf, np.float32)
-        norms = np.linalg.norm(yn.astype(np.float64), axis=1)
-        plain = [t for t in range(T) if not np.isfinite(norms[t]) or norms[t] == 0 or norms[t] * self.wmax > HUGE]
-        screened = [t for t in range(T) if t not in plain]
-        if screened:
-            rows = self._candidates(yn[screened], norms[screened])
-            ys = torch.from_numpy(np.ascontiguousarray(yn[screened]))
-            sub = self._exact(ys, rows)
+        if not plain.all():
+            if plain.any():  # the screened rows' terms alone (rows t and T + t of x for each)
+                keep = np.flatnonzero(~plain)
+                x, sx = x[np.concatenate([keep, keep + T])], sx[np.concatenate([keep, keep + T])]
+                dy, nx, ny = dy[keep], nx[keep], ny[keep]
+            rows = self._candidates(x, sx, dy, nx, ny)
+            screened = np.flatnonzero(~plain)
+            sub = self._exact(torch.from_numpy(np.ascontiguousarray(yn[screened])), rows)
             out[np.ix_(screened, rows)] = sub
-        if plain:
+        if plain.any():
             out[plain] = self.head(torch.from_numpy(np.ascontiguousarray(yn[plain]))).numpy()
         return torch.from_numpy(out)
 
-    def _candidates(self, y: np.ndarray, norms: np.ndarray) -> np.ndarray:
-        """The sorted union over the rows of y of the head rows that can hold that row's largest logit."""
-        T = y.shape[0]
-        yd = y.astype(np.float64)
-        x, sx = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float64)
-        r = yd
-        for part in (0, 1):  # y ~ s1 x1 + s2 x2: the second int8 term takes the first's rounding error
-            top = np.max(np.abs(r), axis=1)
-            s = np.where(top > 0, top / 127.0, 1.0)
-            xi = np.clip(np.rint(r / s[:, None]), -127, 127)
-            x[part * T : (part + 1) * T], sx[part * T : (part + 1) * T] = xi, s
-            r = r - s[:, None] * xi
-        xt = sx[:T, None] * x[:T] + sx[T:, None] * x[T:]  # the y the estimates are exact for
-        dy = np.linalg.norm(yd - xt, axis=1)
-        nx = np.linalg.norm(xt, axis=1)
-        dots = np.empty((2 * T, self.V), np.int32)
+    def _candidates(self, x: np.ndarray, sx: np.ndarray, dy, nx, ny) -> np.ndarray:
+        """The sorted union over the screened rows (their int8 terms x [2T, K] with scales sx, and their |dy|, |x|,
+        |y|) of the head rows that can hold that row's largest logit."""
+        dots = np.empty((x.shape[0], self.V), np.int32)
         self.k.extension.head_i8_dot(x, self.q, self.rowsum, dots)
-        c1 = ((dy + self.gamma * norms) * (1 + MARGIN)).astype(np.float32)
+        c1 = ((dy + self.gamma * ny) * (1 + MARGIN)).astype(np.float32)
         c2 = (nx * (1 + MARGIN)).astype(np.float32)
-        keep = np.empty(self.V, np.uint8)
-        self.k.extension.head_i8_select(
-            dots, sx.astype(np.float32), self.scale, c1, c2, self.wnorm32, self.dnorm32, MARGIN, keep
+        n = self.k.extension.head_i8_select(
+            dots, sx, self.scale, c1, c2, self.wnorm32, self.dnorm32, MARGIN, self._keep, self._rows
         )
-        return np.flatnonzero(keep)
+        return self._rows[:n].copy()
 
     def _exact(self, y: torch.Tensor, rows: np.ndarray) -> np.ndarray:
         """The full head's logits [T, len(rows)] at `rows`: its own kernel on those rows gathered, so each value has
@@ -129,7 +122,7 @@ class HeadScreen:
         self.exact_rows += len(rows)
         w = self.head.weight.view(torch.int16).numpy().view(np.uint16)
         sub = np.empty((len(rows), self.K), np.uint16)
-        self.k.extension.gather_rows(w, rows.astype(np.int64), sub)
+        self.k.extension.gather_rows(w, rows, sub)
         out = np.empty((y.shape[0], len(rows)), np.float32)
         self.k.extension.bf16_matmul(y.numpy(), sub, out)
         return out

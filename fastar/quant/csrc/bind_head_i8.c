@@ -1,5 +1,5 @@
 /* The Python entry points of the int8 screened LM head (head_i8.c does the work; fastar/quant/kernels.py wraps
- * them): head_i8_build, head_i8_dot, head_i8_select, gather_rows, _head_i8_path. Owns: the argument checks. */
+ * them): head_i8_build, head_i8_dot, head_i8_quantize, head_i8_select, gather_rows, _head_i8_path. Owns: the argument checks. */
 #include "bindings.h"
 
 #include <string.h>
@@ -128,18 +128,21 @@ fail:
 }
 
 /* head_i8_select(dots i32 [2T, V], sx f32 [2T], scale f32 [V], c1 f32 [T], c2 f32 [T], wnorm f32 [V], dnorm f32 [V],
- * margin, keep u8 [V]) -> int: the screened head's candidate rows (head_i8.h's contract), their count. */
+ * margin, keep u8 [V], rows i64 [V]) -> n: the screened head's candidate rows in rows[:n], ascending (head_i8.h's
+ * contract; keep is scratch). */
 PyObject *py_head_i8_select(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *o[8], *ok;
+    PyObject *o[8], *ok, *orows;
     float margin;
-    if (!PyArg_ParseTuple(args, "OOOOOOOfO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &margin, &ok)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOOOOfOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &margin, &ok, &orows))
+        return NULL;
     view_t v[9];
     memset(v, 0, sizeof v);
     if (get_view(o[0], &v[0], "dots", 'i', 2, 0) || get_view(o[1], &v[1], "sx", 'f', 1, 0) ||
         get_view(o[2], &v[2], "scale", 'f', 1, 0) || get_view(o[3], &v[3], "c1", 'f', 1, 0) ||
         get_view(o[4], &v[4], "c2", 'f', 1, 0) || get_view(o[5], &v[5], "wnorm", 'f', 1, 0) ||
-        get_view(o[6], &v[6], "dnorm", 'f', 1, 0) || get_view(ok, &v[7], "keep", 'B', 1, 1))
+        get_view(o[6], &v[6], "dnorm", 'f', 1, 0) || get_view(ok, &v[7], "keep", 'B', 1, 1) ||
+        get_view(orows, &v[8], "rows", 'q', 1, 1))
         goto fail;
     const int64_t T2 = dim(&v[0], 0), V = dim(&v[0], 1), T = T2 / 2;
     if (T2 % 2 || T2 == 0) {
@@ -149,17 +152,46 @@ PyObject *py_head_i8_select(PyObject *self, PyObject *args) {
     if (len_is(&v[1], "sx", T2, "= dots.shape[0]") || len_is(&v[2], "scale", V, "= dots.shape[1]") ||
         len_is(&v[3], "c1", T, "= dots.shape[0] / 2") || len_is(&v[4], "c2", T, "= dots.shape[0] / 2") ||
         len_is(&v[5], "wnorm", V, "= dots.shape[1]") || len_is(&v[6], "dnorm", V, "= dots.shape[1]") ||
-        len_is(&v[7], "keep", V, "= dots.shape[1]") || no_overlap(&v[7], v, 7))
+        len_is(&v[7], "keep", V, "= dots.shape[1]") || len_is(&v[8], "rows", V, "= dots.shape[1]") ||
+        no_overlap(&v[7], v, 7) || no_overlap(&v[8], v, 8))
         goto fail;
     head_select s = {.dots = v[0].b.buf, .sx = v[1].b.buf, .scale = v[2].b.buf, .c1 = v[3].b.buf, .c2 = v[4].b.buf,
-                     .wnorm = v[5].b.buf, .dnorm = v[6].b.buf, .margin = margin, .T = T, .V = V, .keep = v[7].b.buf};
+                     .wnorm = v[5].b.buf, .dnorm = v[6].b.buf, .margin = margin, .T = T, .V = V, .keep = v[7].b.buf,
+                     .rows = v[8].b.buf};
     int64_t kept;
+    const isa_ops *isa = cur_isa;
     Py_BEGIN_ALLOW_THREADS
-    kept = head_i8_select_run(&s);
+    kept = head_i8_select_run(isa, &s);
     Py_END_ALLOW_THREADS
     release(v, 9);
     return PyLong_FromLongLong((long long)kept);
 fail:
     release(v, 9);
+    return NULL;
+}
+
+/* head_i8_quantize(y f32 [T, K], x i8 [2T, K], sx f32 [2T], stats f64 [T, 3]) -> None: the decode rows' two int8 terms
+ * and their norms (head_i8.h's contract). */
+PyObject *py_head_i8_quantize(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o[4];
+    if (!PyArg_ParseTuple(args, "OOOO", &o[0], &o[1], &o[2], &o[3])) return NULL;
+    view_t v[4];
+    memset(v, 0, sizeof v);
+    if (get_view(o[0], &v[0], "y", 'f', 2, 0) || get_view(o[1], &v[1], "x", 'b', 2, 1) ||
+        get_view(o[2], &v[2], "sx", 'f', 1, 1) || get_view(o[3], &v[3], "stats", 'd', 2, 1))
+        goto fail;
+    const int64_t T = dim(&v[0], 0), K = dim(&v[0], 1);
+    if (shape_is(&v[1], "x", 2 * T, K, "= (2 y.shape[0], y.shape[1])") || len_is(&v[2], "sx", 2 * T, "= 2 y.shape[0]") ||
+        shape_is(&v[3], "stats", T, 3, "= (y.shape[0], 3)") || no_overlap(&v[1], v, 1) || no_overlap(&v[2], v, 2) ||
+        no_overlap(&v[3], v, 3))
+        goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    head_i8_quantize_run(v[0].b.buf, T, K, v[1].b.buf, v[2].b.buf, v[3].b.buf);
+    Py_END_ALLOW_THREADS
+    release(v, 4);
+    Py_RETURN_NONE;
+fail:
+    release(v, 4);
     return NULL;
 }

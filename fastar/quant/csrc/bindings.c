@@ -699,9 +699,11 @@ static PyMethodDef methods[] = {
      "of a bfloat16 LM head and its per-row scale, norms and sums"},
     {"head_i8_dot", py_head_i8_dot, METH_VARARGS,
      "head_i8_dot(xq i8[T,K], q i8[V,K], rowsum i32[V], out i32[T,V]): out = xq @ q.T, exact int32"},
+    {"head_i8_quantize", py_head_i8_quantize, METH_VARARGS,
+     "head_i8_quantize(y f32[T,K], x i8[2T,K], sx f32[2T], stats f64[T,3]): decode rows as two int8 terms, norms"},
     {"head_i8_select", py_head_i8_select, METH_VARARGS,
      "head_i8_select(dots i32[2T,V], sx f32[2T], scale f32[V], c1 f32[T], c2 f32[T], wnorm f32[V], dnorm f32[V], "
-     "margin, keep u8[V]) -> int: the screened head's candidate rows"},
+     "margin, keep u8[V], rows i64[V]) -> n: the screened head's candidate rows in rows[:n]"},
     {"_head_i8_path", py_head_i8_path, METH_NOARGS, "_head_i8_path() -> how head_i8_dot runs under the ISA in use"},
     {"gather_rows", py_gather_rows, METH_VARARGS, "gather_rows(w u16[V,K], idx i64[U], out u16[U,K]): out = w[idx]"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},

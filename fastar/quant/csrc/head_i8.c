@@ -472,47 +472,105 @@ void gather_rows_run(const void *w, int64_t row_bytes, const int64_t *idx, int64
 
 /* ---------------------------------------------------------------- select */
 
-/* One decode row's bounds over head rows [0, V) (head_i8.h's order of operations), as lanes of 16 the compiler
- * vectorizes; pass 0 returns the largest lower bound, pass 1 marks the rows whose upper bound reaches `floor`. */
-static float select_pass(const int32_t *d1, const int32_t *d2, float s1, float s2, const float *scale, float c1,
-                         float c2, const float *wnorm, const float *dnorm, float margin, int64_t V, float floor,
-                         uint8_t *keep, int64_t *kept) {
-    float lanes[16];
-    for (int j = 0; j < 16; j++) lanes[j] = -INFINITY;
-    int64_t n = 0;
-    for (int64_t i0 = 0; i0 < V; i0 += 16) {
-        const int m = V - i0 < 16 ? (int)(V - i0) : 16;
-        for (int j = 0; j < m; j++) {
-            const int64_t i = i0 + j;
-            const float a1 = (float)d1[i] * (s1 * scale[i]), a2 = (float)d2[i] * (s2 * scale[i]);
-            const float est = a1 + a2;
-            float b = c1 * wnorm[i] + c2 * dnorm[i];
-            b += (fabsf(a1) + fabsf(a2)) * margin;
-            if (!keep) {
+/* The estimate and bound of head row i for one decode row (head_i8.h's order of operations). */
+#define SELECT_BOUND(i)                                                                                             \
+    const float a1 = (float)d1[i] * (s1 * scale[i]), a2 = (float)d2[i] * (s2 * scale[i]);                           \
+    const float est = a1 + a2;                                                                                      \
+    float b = c1 * wnorm[i] + c2 * dnorm[i];                                                                        \
+    b += (fabsf(a1) + fabsf(a2)) * margin;
+
+static inline __attribute__((always_inline)) int64_t select_core(const head_select *s) {
+    const int64_t V = s->V;
+    uint8_t *restrict keep = s->keep;
+    const float *restrict scale = s->scale, *restrict wnorm = s->wnorm, *restrict dnorm = s->dnorm;
+    const float margin = s->margin;
+    memset(keep, 0, (size_t)V);
+    for (int64_t t = 0; t < s->T; t++) {
+        const int32_t *restrict d1 = s->dots + t * V, *restrict d2 = s->dots + (s->T + t) * V;
+        const float s1 = s->sx[t], s2 = s->sx[s->T + t], c1 = s->c1[t], c2 = s->c2[t];
+        float lanes[16]; /* the largest lower bound, lane by lane: a loop the compiler vectorizes */
+        for (int j = 0; j < 16; j++) lanes[j] = -INFINITY;
+        int64_t i = 0;
+        for (; i + 16 <= V; i += 16)
+            for (int j = 0; j < 16; j++) {
+                SELECT_BOUND(i + j)
                 const float lo = est - b;
                 lanes[j] = lo > lanes[j] ? lo : lanes[j];
-            } else if (est + b >= floor && !keep[i]) {
-                keep[i] = 1;
-                n++;
             }
+        for (; i < V; i++) {
+            SELECT_BOUND(i)
+            const float lo = est - b;
+            lanes[0] = lo > lanes[0] ? lo : lanes[0];
+        }
+        float floor = -INFINITY;
+        for (int j = 0; j < 16; j++) floor = lanes[j] > floor ? lanes[j] : floor;
+        for (i = 0; i < V; i++) {
+            SELECT_BOUND(i)
+            keep[i] |= (uint8_t)(est + b >= floor);
         }
     }
-    if (kept) *kept += n;
-    float best = -INFINITY;
-    for (int j = 0; j < 16; j++) best = lanes[j] > best ? lanes[j] : best;
-    return best;
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++)
+        if (keep[i]) s->rows[n++] = i;
+    return n;
 }
 
-int64_t head_i8_select_run(const head_select *s) {
-    memset(s->keep, 0, (size_t)s->V);
-    int64_t kept = 0;
-    for (int64_t t = 0; t < s->T; t++) {
-        const int32_t *d1 = s->dots + t * s->V, *d2 = s->dots + (s->T + t) * s->V;
-        const float s1 = s->sx[t], s2 = s->sx[s->T + t];
-        const float floor = select_pass(d1, d2, s1, s2, s->scale, s->c1[t], s->c2[t], s->wnorm, s->dnorm, s->margin,
-                                        s->V, 0.0f, NULL, NULL);
-        select_pass(d1, d2, s1, s2, s->scale, s->c1[t], s->c2[t], s->wnorm, s->dnorm, s->margin, s->V, floor, s->keep,
-                    &kept);
+static int64_t select_plain(const head_select *s) { return select_core(s); }
+#if FASTAR_X86
+TARGET_AVX2 static int64_t select_avx2(const head_select *s) { return select_core(s); }
+TARGET_AVX512 static int64_t select_avx512(const head_select *s) { return select_core(s); }
+#endif
+
+int64_t head_i8_select_run(const isa_ops *isa, const head_select *s) {
+#if FASTAR_X86
+    if (isa->vec == VEC_AVX512) return select_avx512(s);
+    if (isa->vec == VEC_AVX2) return select_avx2(s);
+#endif
+    (void)isa;
+    return select_plain(s);
+}
+
+/* ---------------------------------------------------------------- quantize */
+
+void head_i8_quantize_run(const float *y, int64_t T, int64_t K, int8_t *x, float *sx, double *stats) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *yt = y + t * K;
+        int8_t *x1 = x + t * K, *x2 = x + (T + t) * K;
+        double top = 0.0, ny = 0.0;
+        int finite = 1;
+        for (int64_t k = 0; k < K; k++) {
+            const double v = yt[k];
+            finite &= isfinite(yt[k]) != 0;
+            top = fabs(v) > top ? fabs(v) : top;
+            ny += v * v;
+        }
+        double *st = stats + 3 * t;
+        if (!finite) { /* not screened (the caller sees |y| = inf): no conversion of a NaN to an integer */
+            memset(x1, 0, (size_t)K), memset(x2, 0, (size_t)K);
+            sx[t] = sx[T + t] = 1.0f;
+            st[0] = st[1] = st[2] = INFINITY;
+            continue;
+        }
+        const float s1 = top > 0 ? (float)(top / 127.0) : 1.0f;
+        double top2 = 0.0;
+        for (int64_t k = 0; k < K; k++) {
+            double q = rint(yt[k] / (double)s1);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            x1[k] = (int8_t)q;
+            const double r = yt[k] - (double)s1 * q;
+            top2 = fabs(r) > top2 ? fabs(r) : top2;
+        }
+        const float s2 = top2 > 0 ? (float)(top2 / 127.0) : 1.0f;
+        double dy = 0.0, nx = 0.0;
+        for (int64_t k = 0; k < K; k++) {
+            const double r = yt[k] - (double)s1 * x1[k];
+            double q = rint(r / (double)s2);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            x2[k] = (int8_t)q;
+            const double xt = (double)s1 * x1[k] + (double)s2 * q, e = yt[k] - xt;
+            dy += e * e, nx += xt * xt;
+        }
+        sx[t] = s1, sx[T + t] = s2;
+        st[0] = sqrt(dy), st[1] = sqrt(nx), st[2] = sqrt(ny);
     }
-    return kept;
 }

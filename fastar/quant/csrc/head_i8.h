@@ -51,15 +51,22 @@ const char *head_i8_path_name(int path);
  * [2T, V] are head_i8_dot's products of the T decode rows' two int8 terms (rows t and T + t, scales sx[t], sx[T + t]).
  * For decode row t and head row i, in float32 and in this order: a1 = dots[t, i] * (sx[t] * scale[i]), a2 likewise
  * with row T + t, est = a1 + a2, b = c1[t] wnorm[i] + c2[t] dnorm[i], b += (|a1| + |a2|) margin; floor_t = max_i
- * (est - b); keep[i] = 1 where est + b >= floor_t for some t, else 0. Returns the number of rows kept. */
+ * (est - b); keep[i] = 1 where est + b >= floor_t for some t, else 0 (a scratch array of V bytes), and the rows kept,
+ * ascending, in rows[0, n). Returns n. */
 typedef struct {
     const int32_t *dots;
     const float *sx, *scale, *c1, *c2, *wnorm, *dnorm;
     float margin;
     int64_t T, V;
     uint8_t *keep;
+    int64_t *rows;
 } head_select;
-int64_t head_i8_select_run(const head_select *s);
+int64_t head_i8_select_run(const isa_ops *isa, const head_select *s);
+
+/* head_i8_quantize: decode rows y [T, K] as two int8 terms each, y ~ sx[t] x[t] + sx[T + t] x[T + t] (the second
+ * takes the first's rounding error; each scale a float32, max |term| / 127), and per row in stats [T, 3] (float64)
+ * |y - that sum|, |that sum|, |y|. A row with a value that is not finite gets zero terms and stats of +inf. */
+void head_i8_quantize_run(const float *y, int64_t T, int64_t K, int8_t *x, float *sx, double *stats);
 
 /* out[j] = w[idx[j]] for rows of row_bytes bytes, j < U (each idx checked by the caller), over the pool. */
 void gather_rows_run(const void *w, int64_t row_bytes, const int64_t *idx, int64_t U, void *out);

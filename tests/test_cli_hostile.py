@@ -117,6 +117,7 @@ def test_bad_arguments_table(tiny_fst_path, tiny_ckpt, tmp_path):
         (["bench", "-m", m, "--streams", "a,b"], {}, usage, "streams"),
         (["bench", "-m", m, "--decode-tokens", "-1"], {}, usage, "decode-tokens"),
         (["bench", "-m", m, "--prompt-tokens", "0"], {}, usage, "prompt-tokens"),
+        (["bench", "-m", m, "--warmup-tokens", "-1"], {}, usage, "warmup-tokens"),
         (["bench"], {}, fail, "-m"),
         (["audit", m], {}, usage, "reference"),
     ]

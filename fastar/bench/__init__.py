@@ -73,7 +73,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--warmup-tokens",
-        type=int,
+        type=int_flag(0, None, "--warmup-tokens"),
         default=8,
         help="model: untimed decode steps after the prompt, so the expert cache settles first",
     )

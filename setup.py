@@ -53,7 +53,16 @@ setup(
             sources=sources,
             depends=[
                 CSRC + h
-                for h in ("kernels.h", "simd.h", "dispatch.h", "bindings.h", "kern_avx512.h", "exp512.h", "exp_neon.h", "head_i8.h")
+                for h in (
+                    "kernels.h",
+                    "simd.h",
+                    "dispatch.h",
+                    "bindings.h",
+                    "kern_avx512.h",
+                    "exp512.h",
+                    "exp_neon.h",
+                    "head_i8.h",
+                )
             ],
             extra_compile_args=extra,
             extra_link_args=link,

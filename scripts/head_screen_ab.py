@@ -1,0 +1,52 @@
+"""Greedy decode with the screened LM head against the full one, in one engine on one state: blocks of greedy steps
+alternate `argmax_only` True (the head screen, docs/MODEL.md) and False (every logit), each block between two memory
+bandwidth probes, so both heads run at the memory speed of the same minutes.
+
+    flock /tmp/bench.lock python scripts/head_screen_ab.py -m flash4.fst [--rounds 4] [--steps 12]
+
+Prints per block its tokens/s, ms per step and the bandwidth around it. That both heads give the same tokens is
+tests/test_head_screen.py's to check, not this script's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import fastar
+from fastar.bench.model import _settle, _stream_gbps
+from fastar.engine.sampling import argmax
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=12, help="greedy steps per block")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    a = ap.parse_args()
+    eng = fastar.load(a.model)
+    if eng.model.screen is None:
+        raise SystemExit("this engine has no head screen (the C kernels are needed)")
+    _settle(eng)
+    state = eng.new_state()
+    seq = list(range(1000, 1000 + a.prompt_tokens))
+    seq.append(argmax(eng.prefill(seq, state)[-1]))
+    for _ in range(4):  # first touches out of the timing
+        seq.append(argmax(eng.prefill(seq[-1:], state, argmax_only=True)[-1]))
+    for rnd in range(a.rounds):
+        for screen in (True, False):
+            bw0, t0 = _stream_gbps(eng), time.perf_counter()
+            for _ in range(a.steps):
+                seq.append(argmax(eng.prefill(seq[-1:], state, argmax_only=screen)[-1]))
+            dt = (time.perf_counter() - t0) / a.steps
+            head = "screened" if screen else "full    "
+            print(
+                f"round {rnd} {head}: {1 / dt:6.2f} tok/s ({dt * 1e3:.1f} ms/step), memory {bw0:.1f} -> "
+                f"{_stream_gbps(eng):.1f} GB/s",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

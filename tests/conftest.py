@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fastar.fixtures import write_checkpoint
+from fastar.quant import kernels as _kernels
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -93,3 +94,15 @@ def dspark_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vocab_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`vocab` preset, seed 0: `tiny` widths with the real 129,280-token vocabulary (~160 MB, ~4 s to write)."""
     return write_checkpoint(tmp_path_factory.mktemp("ckpt-vocab"), "vocab", seed=0)
+
+
+@pytest.fixture(params=[*(_kernels.cpu_features()["usable_isas"] if _kernels.available() else []), "numpy"])
+def kernel_backend(request, monkeypatch):
+    """Each instruction set of the C kernels this CPU runs, then the numpy fallback (the extension hidden)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(_kernels, "_C", None)
+    else:
+        _kernels.set_isa(request.param)
+    yield request.param
+    if _kernels.available():
+        _kernels.set_isa("auto")

@@ -12,19 +12,6 @@ import pytest
 from fastar.quant import kernels as K
 
 ISAS = K.cpu_features()["usable_isas"] if K.available() else []
-BACKENDS = ISAS + ["numpy"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    """Each usable ISA of the C kernels, and the numpy fallback (the extension hidden)."""
-    if request.param == "numpy":
-        monkeypatch.setattr(K, "_C", None)
-    else:
-        K.set_isa(request.param)
-    yield request.param
-    if K.available():
-        K.set_isa("auto")
 
 
 def bf16_values(w: np.ndarray) -> np.ndarray:
@@ -80,7 +67,7 @@ def special_weights(rng, k: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("k", [1, 7, 64, 100, 4096])
-def test_build_matches_the_reference(backend, k):
+def test_build_matches_the_reference(kernel_backend, k):
     rng = np.random.default_rng(k)
     w = special_weights(rng, k)
     q, scale, wnorm, dnorm, rowsum = K.head_i8_build(w)
@@ -100,13 +87,13 @@ def test_build_matches_the_reference(backend, k):
     assert np.all(err <= scale[finite, None].astype(np.float64) * (0.5 + 2.0**-8))
 
 
-def test_build_halves_round_to_even(backend):
+def test_build_halves_round_to_even(kernel_backend):
     w = to_bf16(np.array([[127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5]], np.float32))
     q = K.head_i8_build(w)[0]
     assert q.tolist() == [[127, 2, -4, 0, 0, 2, 126, -126]]
 
 
-def test_build_writes_the_given_arrays_across_chunks(backend):
+def test_build_writes_the_given_arrays_across_chunks(kernel_backend):
     rng = np.random.default_rng(1)
     w = to_bf16(rng.standard_normal((300, 1000)))  # several pool chunks
     outs = (
@@ -128,7 +115,7 @@ def ref_dot(xq: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("k", [64, 128, 192, 4096])
 @pytest.mark.parametrize("v", [1, 5, 37, 130])
-def test_dot_is_exact(backend, k, v):
+def test_dot_is_exact(kernel_backend, k, v):
     rng = np.random.default_rng(k * 1000 + v)
     q = rng.integers(-127, 128, (v, k), dtype=np.int8)
     q[0, : k // 2] = 127
@@ -142,7 +129,7 @@ def test_dot_is_exact(backend, k, v):
         assert np.array_equal(out, ref_dot(xq, q)), f"T={t}"
 
 
-def test_dot_extremes_at_the_largest_k(backend):
+def test_dot_extremes_at_the_largest_k(kernel_backend):
     """128^2 K at K = HEAD_I8_MAX_K is just below 2^31: every path stays exact with every int8 value, -128 too."""
     k = K.HEAD_I8_MAX_K
     q = np.stack([np.full(k, -128, np.int8), np.full(k, 127, np.int8), np.full(k, -127, np.int8)])
@@ -153,7 +140,7 @@ def test_dot_extremes_at_the_largest_k(backend):
     assert np.array_equal(out, want)
 
 
-def test_dot_vector_and_given_out(backend):
+def test_dot_vector_and_given_out(kernel_backend):
     rng = np.random.default_rng(3)
     q = rng.integers(-127, 128, (11, 128), dtype=np.int8)
     x = rng.integers(-127, 128, 128, dtype=np.int8)
@@ -165,7 +152,7 @@ def test_dot_vector_and_given_out(backend):
     assert np.array_equal(out, ref_dot(np.stack([x, -x]), q))
 
 
-def test_dot_of_the_built_head(backend):
+def test_dot_of_the_built_head(kernel_backend):
     rng = np.random.default_rng(4)
     w = special_weights(rng, 192)
     q, _, _, _, rowsum = K.head_i8_build(w)
@@ -207,7 +194,7 @@ def test_head_i8_path_per_isa():
 
 
 @pytest.mark.parametrize("u", [0, 1, 6, 300])
-def test_gather_rows(backend, u):
+def test_gather_rows(kernel_backend, u):
     rng = np.random.default_rng(u)
     w = rng.integers(0, 2**16, (257, 96), dtype=np.uint16)
     idx = rng.integers(0, 257, u).astype(np.int64)
@@ -227,7 +214,7 @@ def test_torch_bfloat16_weights():
     assert np.array_equal(K.gather_rows(t, np.array([4, 0], np.int64)), bits[[4, 0]])
 
 
-def test_bad_arguments(backend):
+def test_bad_arguments(kernel_backend):
     rng = np.random.default_rng(6)
     w = to_bf16(rng.standard_normal((4, 64)))
     q = rng.integers(-127, 128, (4, 64), dtype=np.int8)

@@ -19,19 +19,6 @@ from fastar.quant import reference as R
 
 RTOL = 1e-5
 ISAS = K.cpu_features()["usable_isas"] if K.available() else []
-BACKENDS = ISAS + ["numpy"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    """Each usable ISA of the C kernels, and the numpy fallback (the extension hidden)."""
-    if request.param == "numpy":
-        monkeypatch.setattr(K, "_C", None)
-    else:
-        K.set_isa(request.param)
-    yield request.param
-    if K.available():
-        K.set_isa("auto")
 
 
 def assert_close(got: np.ndarray, x: np.ndarray, w_deq: np.ndarray, base: np.ndarray | None = None) -> None:
@@ -65,7 +52,7 @@ FP4_SHAPES = [(1, 37, 96), (3, 130, 160), (17, 61, 288), (5, 33, 32), (4, 45, 10
 
 
 @pytest.mark.parametrize("t,n,k", FP4_SHAPES)
-def test_fp4_matches_reference(backend, t, n, k):
+def test_fp4_matches_reference(kernel_backend, t, n, k):
     rng = np.random.default_rng(t * 1000 + n + k)
     x = rng.standard_normal((t, k)).astype(np.float32)
     w, s = fp4_weights(rng, n, k)
@@ -73,7 +60,7 @@ def test_fp4_matches_reference(backend, t, n, k):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-def test_fp4_special_scales(backend):
+def test_fp4_special_scales(kernel_backend):
     """UE8M0 byte 0 (2^-127, denormal) and other tiny scales, huge ones, and 255 (NaN) in some groups."""
     rng = np.random.default_rng(7)
     for t in (1, 3, 17):
@@ -96,7 +83,7 @@ def test_fp4_special_scales(backend):
 @pytest.mark.parametrize(
     "t,n,k", [(1, 1, 1), (1, 129, 7), (3, 200, 130), (17, 131, 257), (4, 77, 1000), (2, 40, 4200), (5, 128, 128)]
 )
-def test_fp8_matches_reference(backend, t, n, k):
+def test_fp8_matches_reference(kernel_backend, t, n, k):
     rng = np.random.default_rng(t * 1000 + n + k)
     x = rng.standard_normal((t, k)).astype(np.float32)
     w, s = fp8_weights(rng, n, k)
@@ -104,7 +91,7 @@ def test_fp8_matches_reference(backend, t, n, k):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-def test_fp8_special_values(backend):
+def test_fp8_special_values(kernel_backend):
     """NaN codes (0x7f, 0xff) poison their row; tiny, zero and huge block scales stay exact."""
     rng = np.random.default_rng(3)
     for t in (1, 17):
@@ -122,14 +109,14 @@ def test_fp8_special_values(backend):
 
 
 @pytest.mark.parametrize("t,n,k", [(1, 3, 1), (3, 37, 33), (17, 50, 301), (4, 33, 1030), (2, 20, 4097)])
-def test_bf16_matches_reference(backend, t, n, k):
+def test_bf16_matches_reference(kernel_backend, t, n, k):
     rng = np.random.default_rng(t * 1000 + n + k)
     x = rng.standard_normal((t, k)).astype(np.float32)
     w = R.bf16_encode(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
     assert_close(K.bf16_matmul(x, w), x, R.bf16_decode(w))
 
 
-def test_accumulate_and_vector_forms(backend):
+def test_accumulate_and_vector_forms(kernel_backend):
     rng = np.random.default_rng(11)
     x = rng.standard_normal((3, 64)).astype(np.float32)
     w, s = fp4_weights(rng, 40, 64)
@@ -142,7 +129,7 @@ def test_accumulate_and_vector_forms(backend):
     assert_close(y1[None], x[1:2], R.fp4_decode(w, s))
 
 
-def test_empty_shapes(backend):
+def test_empty_shapes(kernel_backend):
     rng = np.random.default_rng(0)
     w, s = fp4_weights(rng, 5, 64)
     assert K.fp4_matmul(np.zeros((0, 64), np.float32), w, s).shape == (0, 5)
@@ -152,7 +139,7 @@ def test_empty_shapes(backend):
     assert y.shape == (2, 3) and not y.any()
 
 
-def test_torch_tensors_are_viewed_not_copied(backend):
+def test_torch_tensors_are_viewed_not_copied(kernel_backend):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 96)).astype(np.float32)
@@ -199,7 +186,7 @@ def expert_case(seed: int, t: int, d: int, i: int, x_scale: float):
 
 @pytest.mark.parametrize("t", [1, 3, 17])
 @pytest.mark.parametrize("limit", [10.0, 0.0])
-def test_expert_ffn_matches_reference(backend, t, limit):
+def test_expert_ffn_matches_reference(kernel_backend, t, limit):
     d = 160
     rng, x, (w1, s1, w3, s3, w2, s2), rw = expert_case(t + int(limit), t, d, 96, 2.0)
     base = rng.standard_normal((t, d)).astype(np.float32)
@@ -210,7 +197,7 @@ def test_expert_ffn_matches_reference(backend, t, limit):
 
 
 @pytest.mark.parametrize("t", [1, 5, 17])
-def test_expert_ffn_with_activation_quant_is_the_composition(backend, t):
+def test_expert_ffn_with_activation_quant_is_the_composition(kernel_backend, t):
     """act_block=128 (official numerics) = quantize x, gate/up, SwiGLU times the routing weight, quantize, down."""
     d = 256
     _, x, (w1, s1, w3, s3, w2, s2), rw = expert_case(40 + t, t, d, 384, 3.0)
@@ -224,7 +211,7 @@ def test_expert_ffn_with_activation_quant_is_the_composition(backend, t):
 
 
 @pytest.mark.parametrize("act_block", [0, 128])
-def test_experts_ffn_equals_expert_ffn_then_index_add(backend, act_block):
+def test_experts_ffn_equals_expert_ffn_then_index_add(kernel_backend, act_block):
     """A layer's experts in one call: bit-identical to expert_ffn per expert with the outputs added in the given
     order (single tokens, shared tokens, a tile-path expert with more than 8 tokens)."""
     rng = np.random.default_rng(31 + act_block)
@@ -298,7 +285,7 @@ def test_expert_ffn_bad_inputs():
 # --- bad inputs -----------------------------------------------------------------------------------------
 
 
-def test_bad_inputs_raise(backend):
+def test_bad_inputs_raise(kernel_backend):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 64)).astype(np.float32)
     w, s = fp4_weights(rng, 40, 64)
@@ -920,7 +907,7 @@ def test_small_kernels_check_their_arguments():
 
 @pytest.mark.parametrize("t", [1, 3, 12])
 @pytest.mark.parametrize("exact", [True, False])
-def test_grouped_products_equal_their_groups(backend, t, exact):
+def test_grouped_products_equal_their_groups(kernel_backend, t, exact):
     """groups=G: one call computes G block-diagonal products (wo_a's); each group equals its own product (the same
     path is chosen for the whole call, here the one each group would take alone), and the accumulating form adds."""
     rng = np.random.default_rng(t + 10 * exact)

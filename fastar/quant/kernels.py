@@ -183,18 +183,31 @@ def _shape(a: np.ndarray, name: str, want: tuple[int, int]) -> None:
         raise ValueError(f"{name} has shape {a.shape}, expected {want}")
 
 
-def _product(kind: str, x, w, s, out, numpy_dequant, groups: int = 1):
-    x, w = _array(x, "x"), _array(w, "w")
-    s = None if s is None else _array(s, "s")
+def _rows(x, w, out, dtype):
+    """A product's x and out as 2-D arrays: x [T, K] or one row [K], out [T, N] (N = w's rows) or, for one row, [N];
+    out made (of dtype) when None. -> (vector, x2, out, out2, t, n)."""
     vector = isinstance(x, np.ndarray) and x.ndim == 1
     x2 = x.reshape(1, -1) if vector else x
     t, n = (x2.shape[0] if x2.ndim == 2 else 0), (w.shape[0] if w.ndim == 2 else 0)
-    accumulate = out is not None
     if out is None:
-        out2 = np.empty((t, n), np.float32)
+        out2 = np.empty((t, n), dtype)
     else:
         out = _array(out, "out")
         out2 = out.reshape(1, -1) if (vector and out.ndim == 1) else out
+    return vector, x2, out, out2, t, n
+
+
+def _result(vector: bool, out, out2) -> np.ndarray:
+    """What a product returns: the caller's out, or the one made, as [N] for one row."""
+    res = out if out is not None else out2
+    return res.reshape(-1) if (vector and res.ndim == 2) else res
+
+
+def _product(kind: str, x, w, s, out, numpy_dequant, groups: int = 1):
+    x, w = _array(x, "x"), _array(w, "w")
+    s = None if s is None else _array(s, "s")
+    accumulate = out is not None
+    vector, x2, out, out2, t, n = _rows(x, w, out, np.float32)
     if _C is not None:
         args = (x2, w, out2) if s is None else (x2, w, s, out2)
         getattr(_C, kind)(*args, accumulate=accumulate, groups=groups)
@@ -233,8 +246,7 @@ def _product(kind: str, x, w, s, out, numpy_dequant, groups: int = 1):
             out2 += y
         else:
             out2[...] = y
-    res = out if out is not None else out2
-    return res.reshape(-1) if (vector and res.ndim == 2) else res
+    return _result(vector, out, out2)
 
 
 # --- products ---------------------------------------------------------------------------------------------
@@ -461,14 +473,7 @@ def head_i8_dot(xq, q, rowsum, out=None) -> np.ndarray:
     `head_i8_build` (rowsum must be q's row sums: the AVX-512 VNNI path uses it); K a multiple of 64 up to
     HEAD_I8_MAX_K. The weights are read once per 8 tokens. `out` int32 [T, V] is written (not added to)."""
     xq, q, rowsum = _array(xq, "xq"), _array(q, "q"), _array(rowsum, "rowsum")
-    vector = xq.ndim == 1
-    x2 = xq.reshape(1, -1) if vector else xq
-    t, v = (x2.shape[0] if x2.ndim == 2 else 0), (q.shape[0] if q.ndim == 2 else 0)
-    if out is None:
-        out2 = np.empty((t, v), np.int32)
-    else:
-        out = _array(out, "out")
-        out2 = out.reshape(1, -1) if (vector and out.ndim == 1) else out
+    vector, x2, out, out2, t, v = _rows(xq, q, out, np.int32)
     if _C is not None:
         _C.head_i8_dot(x2, q, rowsum, out2)
     else:
@@ -486,8 +491,7 @@ def head_i8_dot(xq, q, rowsum, out=None) -> np.ndarray:
         x32 = x2.astype(np.int32)
         for r0 in range(0, v, 4096):
             out2[:, r0 : r0 + 4096] = x32 @ q[r0 : r0 + 4096].astype(np.int32).T
-    res = out if out is not None else out2
-    return res.reshape(-1) if (vector and res.ndim == 2) else res
+    return _result(vector, out, out2)
 
 
 def head_i8_path() -> str:

@@ -35,6 +35,30 @@
 #define SUB_BYTES 262144 /* rows per sub-block of a chunk: about this many weight bytes (L2-resident), so T > DOT_TG
                           * re-reads a sub-block from L2, not memory */
 
+/* Rows [r0, r1) of a dot path against T tokens of X, R rows a block (the last odd ones one at a time), U partial sums
+ * per (row, token): BLOCK(d, X, T, R, U, r, out) for each block (the caller's d, r0, r1 and out). */
+#define ROW_BLOCKS(BLOCK, X, T, R, U)                                                                                  \
+    {                                                                                                                  \
+        int64_t r = r0;                                                                                                \
+        for (; r + (R) <= r1; r += (R)) BLOCK(d, X, T, R, U, r, out);                                                  \
+        for (; r < r1; r++) BLOCK(d, X, T, 1, U, r, out);                                                              \
+    }                                                                                                                  \
+    break;
+
+/* The VNNI and SDOT paths' blocking by token count (the caller's T): one row at a time with two partial sums up to
+ * 3 tokens, then two rows sharing each load of x, at most 16 accumulators. */
+#define TOKEN_BLOCKS(BLOCK, X)                                                                                         \
+    switch (T) {                                                                                                       \
+        case 1: ROW_BLOCKS(BLOCK, X, 1, 1, 2)                                                                          \
+        case 2: ROW_BLOCKS(BLOCK, X, 2, 1, 2)                                                                          \
+        case 3: ROW_BLOCKS(BLOCK, X, 3, 1, 2)                                                                          \
+        case 4: ROW_BLOCKS(BLOCK, X, 4, 2, 1)                                                                          \
+        case 5: ROW_BLOCKS(BLOCK, X, 5, 2, 1)                                                                          \
+        case 6: ROW_BLOCKS(BLOCK, X, 6, 2, 1)                                                                          \
+        case 7: ROW_BLOCKS(BLOCK, X, 7, 2, 1)                                                                          \
+        default: ROW_BLOCKS(BLOCK, X, 8, 2, 1)                                                                         \
+    }
+
 /* ---------------------------------------------------------------- build */
 
 /* One row: the contract in head_i8.h. The float32 steps run in the default floating-point environment (the chunk
@@ -191,26 +215,19 @@ dot_rows_block_avx2(const head_dot *d, const int16_t *x16, const int T, const in
     }
 }
 
-#define AVX2_ROWS(T, R, U)                                                                \
-    {                                                                                     \
-        int64_t r = r0;                                                                   \
-        for (; r + (R) <= r1; r += (R)) dot_rows_block_avx2(d, x16, T, R, U, r, out);     \
-        for (; r < r1; r++) dot_rows_block_avx2(d, x16, T, 1, U, r, out);                 \
-    }                                                                                     \
-    break;
 
 /* Rows and column steps per block, as the VNNI kernel's (one row at a time up to 3 tokens), within 16 registers. */
 __attribute__((target("avx2,fma"))) static void dot_rows_avx2(const head_dot *d, const int16_t *x16, int T, int64_t r0,
                                                              int64_t r1, int32_t *out) {
     switch (T) {
-        case 1: AVX2_ROWS(1, 1, 2)
-        case 2: AVX2_ROWS(2, 1, 2)
-        case 3: AVX2_ROWS(3, 1, 2)
-        case 4: AVX2_ROWS(4, 2, 1)
-        case 5: AVX2_ROWS(5, 2, 1)
-        case 6: AVX2_ROWS(6, 2, 1)
-        case 7: AVX2_ROWS(7, 1, 1)
-        default: AVX2_ROWS(8, 1, 1)
+        case 1: ROW_BLOCKS(dot_rows_block_avx2, x16, 1, 1, 2)
+        case 2: ROW_BLOCKS(dot_rows_block_avx2, x16, 2, 1, 2)
+        case 3: ROW_BLOCKS(dot_rows_block_avx2, x16, 3, 1, 2)
+        case 4: ROW_BLOCKS(dot_rows_block_avx2, x16, 4, 2, 1)
+        case 5: ROW_BLOCKS(dot_rows_block_avx2, x16, 5, 2, 1)
+        case 6: ROW_BLOCKS(dot_rows_block_avx2, x16, 6, 2, 1)
+        case 7: ROW_BLOCKS(dot_rows_block_avx2, x16, 7, 1, 1)
+        default: ROW_BLOCKS(dot_rows_block_avx2, x16, 8, 1, 1)
     }
 }
 
@@ -257,13 +274,6 @@ TARGET_VNNI static inline __attribute__((always_inline)) void dot_rows_block_vnn
     }
 }
 
-#define VNNI_ROWS(T, R, U)                                                                  \
-    {                                                                                       \
-        int64_t r = r0;                                                                     \
-        for (; r + (R) <= r1; r += (R)) dot_rows_block_vnni(d, xu, T, R, U, r, out);        \
-        for (; r < r1; r++) dot_rows_block_vnni(d, xu, T, 1, U, r, out);                    \
-    }                                                                                       \
-    break;
 
 /* Rows and column steps per block, at most 16 accumulators. One row at a time up to 3 tokens: two rows read side by
  * side (two 4 KiB pages in turn at K = 4096) streamed at half the rate at T = 2 and 2/3 at T = 3 (A/B from DRAM,
@@ -271,16 +281,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void dot_rows_block_vnn
  * software prefetch 2-8 KiB ahead gave no steady gain at 4 or 8 tokens. */
 TARGET_VNNI static void dot_rows_vnni(const head_dot *d, const uint8_t *xu, int T, int64_t r0, int64_t r1,
                                       int32_t *out) {
-    switch (T) {
-        case 1: VNNI_ROWS(1, 1, 2)
-        case 2: VNNI_ROWS(2, 1, 2)
-        case 3: VNNI_ROWS(3, 1, 2)
-        case 4: VNNI_ROWS(4, 2, 1)
-        case 5: VNNI_ROWS(5, 2, 1)
-        case 6: VNNI_ROWS(6, 2, 1)
-        case 7: VNNI_ROWS(7, 2, 1)
-        default: VNNI_ROWS(8, 2, 1)
-    }
+    TOKEN_BLOCKS(dot_rows_block_vnni, xu)
 }
 #endif
 
@@ -320,27 +321,11 @@ TARGET_DOTPROD INLINE void dot_rows_block_sdot(const head_dot *d, const int8_t *
         out[t * d->V + r + i] = vaddvq_s32(P == 2 ? vaddq_s32(acc[i][0][t], acc[i][1][t]) : acc[i][0][t]);
 }
 
-#define SDOT_ROWS(T, R, P)                                                                  \
-    {                                                                                       \
-        int64_t r = r0;                                                                     \
-        for (; r + (R) <= r1; r += (R)) dot_rows_block_sdot(d, xi, T, R, P, r, out);        \
-        for (; r < r1; r++) dot_rows_block_sdot(d, xi, T, 1, P, r, out);                    \
-    }                                                                                       \
-    break;
 
 /* As the VNNI kernel's: one row at a time with two partial sums per token up to 3 tokens, then two rows sharing each
  * x load; at most 16 accumulators of 32 registers. */
 TARGET_DOTPROD static void dot_rows_sdot(const head_dot *d, const int8_t *xi, int T, int64_t r0, int64_t r1, int32_t *out) {
-    switch (T) {
-        case 1: SDOT_ROWS(1, 1, 2)
-        case 2: SDOT_ROWS(2, 1, 2)
-        case 3: SDOT_ROWS(3, 1, 2)
-        case 4: SDOT_ROWS(4, 2, 1)
-        case 5: SDOT_ROWS(5, 2, 1)
-        case 6: SDOT_ROWS(6, 2, 1)
-        case 7: SDOT_ROWS(7, 2, 1)
-        default: SDOT_ROWS(8, 2, 1)
-    }
+    TOKEN_BLOCKS(dot_rows_block_sdot, xi)
 }
 #endif
 

@@ -56,6 +56,13 @@ class _PeakRSS:
         self._t.join()
 
 
+def one_engine_options(a) -> dict:
+    """The engine options of a bench that loads one engine (`--streams`, `--profile`): the first of the budgets
+    `--ram-budget` lists, and `--head-screen`."""
+    budget = a.ram_budget.split(",")[0] if isinstance(a.ram_budget, str) else a.ram_budget
+    return {"ram_budget": "auto" if budget is None else budget, "head_screen": a.head_screen}
+
+
 def token_bytes(src) -> tuple[int, int, int]:
     """(resident bytes a decode token reads, routed-expert bytes it reads, resident bytes in all)."""
     cfg = src.config
@@ -288,7 +295,7 @@ def run_one(
             each.append((time.perf_counter() - t0, bw0, _stream_gbps(engine)))
         # the screen's bytes a token: its int8 head in place of the BF16 one, and the rows it computed exactly
         screen_bytes = (
-            screen.q.nbytes - screen.head.nbytes + 2 * screen.K * (screen.exact_rows - exact0) / (decode * repeats)
+            screen.read_delta + 2 * screen.K * (screen.exact_rows - exact0) / (decode * repeats)
             if screen is not None
             else 0
         )

@@ -52,7 +52,7 @@ from collections import Counter
 import torch
 
 from ..model.head_screen import HeadScreen
-from .model import _settle, _stream_gbps, token_bytes
+from .model import _settle, _stream_gbps, one_engine_options, token_bytes
 
 # the attention block's fused decode calls (`fastar.model.fused`): its four FP8 products with their row ops
 FUSED_ATTENTION = "attention products (fused)"
@@ -399,7 +399,7 @@ def bench(
         # steps of at most HeadScreen.MAX_ROWS greedy rows read the screen's int8 head instead of the BF16 one (and
         # ~0.1 % of the BF16 rows again, the candidates, not counted here)
         screen = engine.model.screen
-        delta = screen.q.nbytes - screen.head.nbytes if screen is not None else 0
+        delta = screen.read_delta if screen is not None else 0
         stride = engine.source.expert_stride
         out = []
         for n in rows:
@@ -462,18 +462,6 @@ def main(a) -> int:
     if a.decode_tokens < 1:
         raise FastarError(f"--profile: --decode-tokens (the steps profiled) must be at least 1, got {a.decode_tokens}")
     rows = [int(s) for s in parts]
-    budget = (  # `fastar bench` always has --ram-budget; its first value when it lists several
-        (a.ram_budget.split(",")[0] if isinstance(a.ram_budget, str) else a.ram_budget)
-        if a.ram_budget is not None
-        else "auto"
-    )
-    r = bench(
-        a.model,
-        rows,
-        steps=a.decode_tokens,
-        prompt_tokens=a.prompt_tokens,
-        ram_budget=budget,
-        head_screen=getattr(a, "head_screen", True),
-    )
+    r = bench(a.model, rows, steps=a.decode_tokens, prompt_tokens=a.prompt_tokens, **one_engine_options(a))
     print(json.dumps(r) if a.json else format_profile(r), file=sys.stdout)
     return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..model.head_screen import HeadScreen
-from .model import _disk_bw, _settle, _stream_gbps, bf16_dot_peak_gflops, decode_macs, token_bytes
+from .model import _disk_bw, _settle, _stream_gbps, bf16_dot_peak_gflops, decode_macs, one_engine_options, token_bytes
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -115,7 +115,7 @@ def _mac_rates(engine) -> tuple[float, float]:
 
 def _i8_rate(K: int, rows: int = 256, tokens: int = 16) -> float:
     """Multiply-adds per second of the head screen's int8 products (`head_i8_dot`, all threads), measured now on
-    weights that stay in cache: the rate its arithmetic allows (16 inputs: 8 rows' two int8 terms)."""
+    weights that stay in cache: the rate its arithmetic allows (16 inputs, where its products are densest)."""
     import numpy as np
 
     from ..quant import kernels
@@ -183,7 +183,7 @@ def bench(
     screen, row_bytes, exact_s, i8_rate, delta, screen_row_s = engine.model.screen, 0, 0.0, None, 0, row_s
     if screen is not None:
         head = screen.V * screen.K
-        delta, row_bytes, i8_rate = screen.q.nbytes - 2 * head, 2 * screen.K, _i8_rate(screen.K)
+        delta, row_bytes, i8_rate = screen.read_delta, 2 * screen.K, _i8_rate(screen.K)
         screen_row_s = row_s + 2 * head / i8_rate - head / fma_rate
         exact_s = screen.K / fma_rate  # per candidate row and decode row
 
@@ -265,19 +265,7 @@ def bench(
 
 def main(a) -> int:
     streams = [int(s) for s in a.streams.split(",")]
-    budget = (
-        (a.ram_budget.split(",")[0] if isinstance(a.ram_budget, str) else a.ram_budget)
-        if getattr(a, "ram_budget", None) is not None
-        else "auto"
-    )
-    r = bench(
-        a.model,
-        streams,
-        tokens=a.decode_tokens,
-        prompt_tokens=a.prompt_tokens,
-        ram_budget=budget,
-        head_screen=getattr(a, "head_screen", True),
-    )
+    r = bench(a.model, streams, tokens=a.decode_tokens, prompt_tokens=a.prompt_tokens, **one_engine_options(a))
     if a.json:
         print(json.dumps(r))
         return 0

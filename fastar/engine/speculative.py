@@ -545,13 +545,6 @@ def _picker(params: SamplingParams, gen: torch.Generator) -> Pick:
     return pick
 
 
-def _report(
-    logits: torch.Tensor, token: int, params: SamplingParams
-) -> tuple[int, float | None, list[tuple[int, float]]]:
-    """(token, logprob, top_logprobs) from the model's own distribution, as `sampling.Sampler` reports them."""
-    return report(logits, token, params)
-
-
 def _prefetch(model, tokens: list[int]) -> int:
     """Ask the expert provider for the hash-routed layers' experts of the verify pass (known from token ids)."""
     if not model.experts.pages:  # nothing to gain: every expert is present on request
@@ -596,7 +589,7 @@ def speculative_generate_step(
         token = pick(logits)[0]
         session.append(token)
         yielded += 1
-        yield _report(logits, token, params)
+        yield report(logits, token, params)
         while True:
             rec, tokens = drafter.last, session.tokens
             m, anchor = len(tokens) - 1, tokens[-1]
@@ -672,7 +665,7 @@ def speculative_generate_step(
             session.append(nxt)
             for j, tok in enumerate(drafts[:n] + [nxt]):
                 yielded += 1
-                yield _report(out[j], tok, params)
+                yield report(out[j], tok, params)
     finally:
         if yielded and session.num_tokens > base + yielded:
             session.rewind(base + yielded)

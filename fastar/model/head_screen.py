@@ -53,19 +53,17 @@ class HeadScreen:
         self.V, self.K = w.shape
         self.q = np.empty(w.shape, np.int8)
         self.scale = np.empty(self.V, np.float32)
-        self.wnorm = np.empty(self.V, np.float64)
-        self.dnorm = np.empty(self.V, np.float64)
         self.rowsum = np.empty(self.V, np.int32)
-        kernels.head_i8_build(w, self.q, self.scale, self.wnorm, self.dnorm, self.rowsum)
+        wnorm, dnorm = np.empty(self.V, np.float64), np.empty(self.V, np.float64)
+        kernels.head_i8_build(w, self.q, self.scale, wnorm, dnorm, self.rowsum)
         n = self.K + 16  # the additions on a logit's longest path, with room for the kernels' final sums
         self.gamma = n * U / (1 - n * U)
-        finite = np.isfinite(self.wnorm)
-        self.wmax = float(np.max(self.wnorm[finite], initial=0.0))
+        self.wmax = float(np.max(wnorm[np.isfinite(wnorm)], initial=0.0))
+        # the norms as float32 for the bound, rounded up (an infinite norm stays infinite: always computed)
+        self.wnorm32 = np.nextafter(wnorm.astype(np.float32), np.float32(np.inf))
+        self.dnorm32 = np.nextafter(dnorm.astype(np.float32), np.float32(np.inf))
         self.exact_rows = 0  # rows computed exactly so far (a count for benchmarks)
         self._keep, self._rows = np.empty(self.V, np.uint8), np.empty(self.V, np.int64)  # head_i8_select's scratch
-        # the norms as float32 for the bound, rounded up (an infinite norm stays infinite: always computed)
-        self.wnorm32 = np.nextafter(self.wnorm.astype(np.float32), np.float32(np.inf))
-        self.dnorm32 = np.nextafter(self.dnorm.astype(np.float32), np.float32(np.inf))
 
     @classmethod
     def build(cls, head: Linear) -> HeadScreen | None:
@@ -74,12 +72,19 @@ class HeadScreen:
 
     @staticmethod
     def bytes_for(rows: int, cols: int) -> int:
-        """The memory a screen of a [rows, cols] head takes (int8 rows, a scale, two norms and a sum per row)."""
-        return rows * (cols + 4 + 8 + 8 + 4)
+        """The memory a screen of a [rows, cols] head takes: int8 rows; per row a scale, two norms and a sum (float32,
+        int32), and head_i8_select's scratch (a byte and an index)."""
+        return rows * (cols + 4 + 4 + 4 + 4 + 1 + 8)
 
     @property
     def nbytes(self) -> int:
         return self.bytes_for(self.V, self.K)
+
+    @property
+    def read_delta(self) -> int:
+        """Bytes a screened step reads beside the full head's (negative): its int8 rows in place of the BF16 ones,
+        before the candidate rows it computes exactly (2 K bytes each)."""
+        return self.q.nbytes - self.head.nbytes
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         """y [T, K] float32 (the head's input rows) -> logits [T, V] float32: the full head's values at every row

@@ -561,6 +561,7 @@ def parse_tool_block(body: str) -> list[dict] | None:
     return calls
 
 
+_INVOKE_END = f"</{DSML}invoke>"
 _STOPS = {"reasoning": (THINK_END, TOOL_CALLS_START, EOS), "content": (EOS, TOOL_CALLS_START)}
 
 
@@ -581,10 +582,16 @@ class StreamParser:
     marker never reaches the client. Everything after the tool-call opener is held until `finish()`; if it
     does not parse as a complete DSML block (cut off, malformed), it is released as content by `flush()`.
     Text after EOS is ignored.
+
+    `single_call` (parallel tool calls disabled): the block ends after its first `</｜DSML｜invoke>`, closed as
+    if the model had written `</｜DSML｜tool_calls>` there; `cut` then says so (the caller stops generating), and
+    whatever else is fed is ignored.
     """
 
-    def __init__(self, thinking: bool) -> None:
+    def __init__(self, thinking: bool, single_call: bool = False) -> None:
         self.thinking = thinking
+        self.single_call = single_call
+        self.cut = False
         self._state = "reasoning" if thinking else "content"  # then "tool" or "done"
         self._pending = ""
         self._tool_body = ""
@@ -597,6 +604,11 @@ class StreamParser:
         """True once the tool-call opener was seen (the server may announce a pending tool call)."""
         return self._state == "tool"
 
+    @property
+    def tool_body(self) -> str:
+        """The text after the tool-call opener so far (with `cut`, the closed block)."""
+        return self._tool_body
+
     def _emit(self, events: list[tuple[str, str]], kind: str, text: str) -> None:
         if text:
             self._parts[kind].append(text)
@@ -606,6 +618,8 @@ class StreamParser:
         if self._flushed:
             raise RuntimeError("StreamParser.feed() after flush()/finish()")
         events: list[tuple[str, str]] = []
+        if self.cut:
+            return events
         self._pending += delta
         while self._state in _STOPS:
             stops = _STOPS[self._state]
@@ -621,7 +635,12 @@ class StreamParser:
             self._pending = self._pending[pos + len(stop) :]
             self._state = {THINK_END: "content", EOS: "done", TOOL_CALLS_START: "tool"}[stop]
         if self._state == "tool":
+            start = max(0, len(self._tool_body) - len(_INVOKE_END))
             self._tool_body += self._pending
+            end = self._tool_body.find(_INVOKE_END, start) if self.single_call else -1
+            if end >= 0:
+                self._tool_body = self._tool_body[: end + len(_INVOKE_END)] + "\n" + TOOL_CALLS_END
+                self.cut = True
         self._pending = ""
         return events
 

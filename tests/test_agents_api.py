@@ -20,7 +20,7 @@ import threading
 import time
 
 import pytest
-from test_server import USER, WEATHER_TOOL, FakeEngine, raw, start_server
+from test_server import ONE_CALL_TOKENS, USER, WEATHER_TOOL, FakeEngine, raw, start_server
 
 from fastar.encoding import EOS
 from fastar.serve import anthropic as A
@@ -659,6 +659,34 @@ def test_a_tool_block_cut_off_by_max_tokens(backend):
         )
     )[-1][1]["response"]
     assert final["status"] == "incomplete" and [o["type"] for o in final["output"]] == ["function_call", "message"]
+
+
+def test_parallel_tool_use_disabled_under_auto_ends_the_reply_after_its_first_call(backend):
+    """Anthropic's `disable_parallel_tool_use` and Responses' `parallel_tool_calls: false` with tools left to the
+    model: one tool call, then the reply ends (stop_reason "tool_use"; the generation stopped there), streamed or
+    not; without them the model's two calls both come back."""
+    ask = "weather in Paris and Rome"
+    body = {"max_tokens": 400, "tools": [WEATHER], "thinking": {"type": "disabled"}}
+    body["messages"] = [{"role": "user", "content": ask}]
+    assert [b["input"]["location"] for b in A.messages(body, backend)["content"]] == ["Paris", "Rome"]
+    single = {**body, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}
+    msg = A.messages(single, backend)
+    assert [(b["type"], b["input"]) for b in msg["content"]] == [("tool_use", {"location": "Paris"})]
+    assert msg["stop_reason"] == "tool_use" and msg["usage"]["output_tokens"] == ONE_CALL_TOKENS
+    events = sse_events(A.messages({**single, "stream": True}, backend))
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert [(b["type"], b["name"]) for b in starts] == [("tool_use", "get_weather")]
+    pieces = "".join(d["delta"]["partial_json"] for n, d in events if n == "content_block_delta")
+    assert json.loads(pieces) == {"location": "Paris"} and events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["input_schema"]}
+    req = {"input": ask, "reasoning": {"effort": "none"}, "tools": [tool], "parallel_tool_calls": False}
+    for stream in (False, True):
+        out = R.create({**req, "stream": stream}, backend, R.ResponseStore())
+        final = sse_events(out)[-1][1]["response"] if stream else out
+        calls = [json.loads(o["arguments"]) for o in final["output"] if o["type"] == "function_call"]
+        assert calls == [{"location": "Paris"}] and [o["type"] for o in final["output"]] == ["function_call"]
+        assert final["status"] == "completed" and final["parallel_tool_calls"] is False
+        assert final["usage"]["output_tokens"] == ONE_CALL_TOKENS
 
 
 def test_messages_without_max_tokens_is_a_400(backend):

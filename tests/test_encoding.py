@@ -25,6 +25,7 @@ from fastar.encoding import (
     StreamParser,
     encode_messages,
     parse_completion,
+    render_tool_calls,
 )
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "dsv4-encoding"  # DeepSeek's golden cases (tests/data/README.md)
@@ -434,6 +435,27 @@ def test_stream_parser_never_emits_partial_marker() -> None:
     assert chat.feed("a<｜end▁of") == [("content", "a")]
     assert chat.feed("▁sentence｜>b") == []
     assert chat.flush() == [] and chat.finish().content == "a"
+
+
+def test_a_single_call_stream_parser_closes_the_block_after_its_first_call() -> None:
+    """`single_call` (parallel tool calls disabled): whatever the chunking, the block ends at the first
+    `</｜DSML｜invoke>` and parses as that call alone; `cut` says so and later text is ignored."""
+    calls = [{"name": "f", "arguments": {"x": i}, "raw": ""} for i in (1, 2)]
+    text = "Sure." + render_tool_calls(calls) + EOS
+    first_end = text.index(f"</{DSML}invoke>") + len(f"</{DSML}invoke>")
+    for size in (1, 2, 3, 5, 8, len(text)):
+        parser = StreamParser(thinking=False, single_call=True)
+        fed = 0
+        while fed < len(text) and not parser.cut:
+            parser.feed(text[fed : fed + size])
+            fed += size
+        assert parser.cut and first_end <= fed < first_end + size
+        assert parser.feed("more") == []
+        result = parser.finish()
+        assert (result.content, _calls(result)) == ("Sure.", [{"name": "f", "arguments": {"x": 1}}]), size
+    whole = StreamParser(thinking=False)  # by default both calls
+    whole.feed(text)
+    assert not whole.cut and len(whole.finish().tool_calls) == 2
 
 
 _pieces = st.sampled_from(

@@ -6,7 +6,8 @@ FakeEngine implements the Engine contract the server programs against (tokenizer
 prefill progress) with a character-level tokenizer and scripted replies:
   * "Echo: <last user text>" at temperature 0; seeded random words at temperature > 0;
   * "count..." -> "1 2 3 ... 1999" (long: stop strings, max_tokens, disconnects);
-  * "weather" with tools -> a DSML get_weather call;  "explode" -> the engine raises mid-stream;
+  * "weather" with tools -> a DSML get_weather call ("weather in Paris and Rome": two calls in one block);
+  * "explode" -> the engine raises mid-stream;
   * thinking mode (prompt ends with <think>) -> "Thinking about <text>.</think>" before the reply; then EOS.
 """
 
@@ -60,6 +61,11 @@ WEATHER_TOOL = {
         "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]},
     },
 }
+TWO_CALLS = render_tool_calls(
+    [{"name": "get_weather", "arguments": {"location": city}, "raw": ""} for city in ("Paris", "Rome")]
+)
+# with parallel tool calls disabled the reply ends here: the tokens (characters) up to the first call's end
+ONE_CALL_TOKENS = TWO_CALLS.index("</｜DSML｜invoke>") + len("</｜DSML｜invoke>")
 MARKDOWN_REPLY = (
     "# Title\n\nSome **bold** and *italic* text with `code` and <b>raw html</b>.\n\n"
     "```python\ndef f(x):\n    return x < 3 and '<script>alert(1)</script>'\n```\n\n"
@@ -157,6 +163,8 @@ class FakeEngine(SchedulesSerially):
         user = prompt.rsplit(USER, 1)[-1].split(ASSISTANT, 1)[0]
         if user.startswith("count"):
             body = " ".join(str(i) for i in range(1, 2000))
+        elif "weather in Paris and Rome" in user and "## Tools" in prompt:
+            body = TWO_CALLS
         elif "weather" in user and "## Tools" in prompt:
             body = render_tool_calls([{"name": "get_weather", "arguments": {"location": "Paris"}, "raw": ""}])
         elif "markdown" in user:
@@ -513,6 +521,25 @@ def test_tool_calls(server):
     # tool_choice "none": the model is not told of the tools, so it answers in text
     r = chat(cl, "weather in Paris?", tools=[WEATHER_TOOL], tool_choice="none", extra_body=NO_THINK)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+
+
+def test_parallel_tool_calls_false_ends_the_reply_after_its_first_call(server):
+    """With tools left to the model, `parallel_tool_calls: false` still means at most one call: the reply ends once
+    the first call is complete (finish_reason "tool_calls"), streamed or not; by default both calls come back."""
+    cl = client(server)
+    ask = "weather in Paris and Rome"
+    both = chat(cl, ask, tools=[WEATHER_TOOL], extra_body=NO_THINK).choices[0]
+    cities = [json.loads(c.function.arguments)["location"] for c in both.message.tool_calls]
+    assert (cities, both.finish_reason) == (["Paris", "Rome"], "tool_calls")
+    r = chat(cl, ask, tools=[WEATHER_TOOL], parallel_tool_calls=False, extra_body=NO_THINK)
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"location": "Paris"} and r.choices[0].finish_reason == "tool_calls"
+    assert not r.choices[0].message.content and r.usage.completion_tokens == ONE_CALL_TOKENS  # generation stopped
+    chunks = list(chat(cl, ask, tools=[WEATHER_TOOL], parallel_tool_calls=False, stream=True, extra_body=NO_THINK))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [tc.index for tc in calls] == [0] and json.loads(calls[0].function.arguments) == {"location": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "DSML" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def test_errors_through_the_client(server):

@@ -44,7 +44,8 @@ otherwise, as Anthropic answers); `output_config.effort` "low"/"medium" set the 
 `reasoning_effort`.
 `tool_choice` "none" hides the tools; "any" and "tool" are enforced with a grammar (`fastar.engine.constraint`): the
 reply is one call of the named tool, or one or more calls (one with `disable_parallel_tool_use`), each input valid
-against its `input_schema`. Tool
+against its `input_schema`. Under "auto", `disable_parallel_tool_use` ends the reply once its first tool call is
+complete (`stop_reason` "tool_use"). Tool
 input streams as `input_json_delta` pieces while the model writes the call (`fastar.serve.toolstream`); their
 concatenation is the final input's JSON. Structured outputs (`output_config.format`, or the beta's top-level
 `output_format`: `{"type": "json_schema", "schema"}`) are enforced with the same grammars as chat completions'
@@ -241,12 +242,18 @@ def _output_format(body: dict) -> tuple[dict | None, str]:
     return {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}, where
 
 
+def _single_call(body: dict) -> bool:
+    """`tool_choice.disable_parallel_tool_use` (any choice type): at most one tool call in the reply."""
+    choice = body.get("tool_choice")
+    return isinstance(choice, dict) and fields.boolean(choice, "disable_parallel_tool_use", False)
+
+
 def _grammar(body: dict, tools: list[dict] | None, thinking: bool) -> Any:
     """The grammar of a forced tool call (`tool_choice` "any" or "tool") or of a JSON reply (`output_config.format`;
     with tools left to the model: that JSON or calls), None when nothing is enforced."""
     choice = body.get("tool_choice")
     fmt, where = _output_format(body)
-    kind, single = None, False
+    kind, single = None, _single_call(body)
     if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
         if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
             raise bad_request("'tool_choice' {\"type\": \"tool\"} needs the tool's 'name'", "tool_choice")
@@ -254,7 +261,6 @@ def _grammar(body: dict, tools: list[dict] | None, thinking: bool) -> Any:
             forced = json.dumps({"type": choice["type"]})
             raise bad_request(f"'tool_choice' {forced} forces a tool call, but the request has no tools", "tool_choice")
         kind = "required" if choice["type"] == "any" else f"function:{choice['name']}"
-        single = fields.boolean(choice, "disable_parallel_tool_use", False)
     if kind is None and fmt is None:
         return None
     return grammar_fields.output_grammar(
@@ -362,7 +368,9 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
     and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
     model, conv, sampling, max_tokens, stream = parse_request(body, backend)
     try:
-        turn = AssistantTurn(backend, conv, sampling, max_tokens, fit_context=True)
+        turn = AssistantTurn(
+            backend, conv, sampling, max_tokens, fit_context=True, parallel_tool_calls=not _single_call(body)
+        )
     except ContextOverflow as err:
         raise _prompt_too_long(err) from None
     mid = "msg_" + shapes.new_id("")[1:]

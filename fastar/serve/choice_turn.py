@@ -51,7 +51,7 @@ class ChatTurn:
     def __init__(self, req: openai_request.ChatRequest, tokenizer: Any, reasoning_field: str) -> None:
         self.req, self.tokenizer, self.reasoning_field = req, tokenizer, reasoning_field
         self.stops = StopFilter(req.sampling["stop"])
-        self.parser = StreamParser(req.thinking)
+        self.parser = StreamParser(req.thinking, single_call=not req.parallel_tool_calls)
         self.pending = PendingLogprobs()
         self.logprobs: list[dict] = []
         self.prompt_scores: Any = None  # `PromptLogprobs` from the first chunk, when asked for
@@ -66,13 +66,14 @@ class ChatTurn:
 
     @property
     def stopped(self) -> bool:
-        return self.stops.hit
+        """A stop string was hit, or the one tool call allowed is complete: the engine need not go on."""
+        return self.stops.hit or self.parser.cut
 
     def feed(self, chunk: Any) -> list[tuple[dict, list[dict] | None]]:
         if chunk.prompt_logprobs is not None:
             self.prompt_scores = chunk.prompt_logprobs
-        if self.stops.hit:
-            return []  # the engine may run a token past the stop string before it sees the cancel
+        if self.stopped:
+            return []  # the engine may run a token past the stop before it sees the cancel
         if chunk.token is not None:
             self.completion_tokens += 1
             self.reasoning_tokens += self._in_reasoning

@@ -34,6 +34,7 @@ class ChatRequest:
     has_tools: bool = False
     prompt_logprobs: int | None = None  # vLLM's extension (top-level in the response)
     n: int = 1  # choices
+    parallel_tool_calls: bool = True  # False: the reply ends after its first tool call
     # a system message was put first to carry the tools or the format: `messages[i + 1]` is the client's i
     added_system: bool = False
 
@@ -109,6 +110,7 @@ def parse_chat_request(
         has_tools=bool(tools),
         prompt_logprobs=params["prompt_logprobs"],
         n=n,
+        parallel_tool_calls=parallel,
         added_system=len(rendered) > len(messages),
     )
 

@@ -209,6 +209,7 @@ class ResponsesRequest:
     store: bool
     effort: str | None
     encrypted: bool  # include the reasoning as `encrypted_content`
+    parallel_tool_calls: bool = True  # False: the reply ends after its first tool call
 
 
 def _response_format(body: dict) -> dict | None:
@@ -305,6 +306,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         store=fields.boolean(body, "store", True),
         effort=reasoning.get("effort"),
         encrypted=isinstance(include, list) and "reasoning.encrypted_content" in include,
+        parallel_tool_calls=parallel,
     )
 
 
@@ -363,7 +365,7 @@ class _Reply:
             "max_output_tokens": req.max_tokens,
             "model": req.model,
             "output": [],
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": body.get("previous_response_id"),
             "reasoning": {"effort": req.effort, "summary": None},
             "store": req.store,
@@ -411,7 +413,7 @@ def create(
     `disconnected` (optional, non-streaming only): says the client has gone; the generation is then cancelled
     and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
     req = parse_request(body, backend, store)
-    turn = AssistantTurn(backend, req.conv, req.sampling, req.max_tokens)
+    turn = AssistantTurn(backend, req.conv, req.sampling, req.max_tokens, parallel_tool_calls=req.parallel_tool_calls)
     reply = _Reply(body, req)
     if req.stream:
         return _stream(turn, reply, req, store)

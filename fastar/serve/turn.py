@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastar.encoding import EOS, THINK_END, TOOL_CALLS_START, StreamParser, encode_messages
+from fastar.encoding import EOS, THINK_END, StreamParser, encode_messages
 from fastar.serve import choice_turn, fields, grammar_fields
 from fastar.serve.admission import Admission
 from fastar.serve.api_error import APIError, bad_request
@@ -170,9 +170,11 @@ class AssistantTurn:
         sampling: dict[str, Any],
         max_tokens: int | None,
         fit_context: bool = False,
+        parallel_tool_calls: bool = True,
     ) -> None:
         """`fit_context`: a `max_tokens` beyond the room the prompt leaves is cut to that room (the API then says
-        the context ended the reply); otherwise it is a 400. A prompt that does not fit is a 400 either way."""
+        the context ended the reply); otherwise it is a 400. A prompt that does not fit is a 400 either way.
+        `parallel_tool_calls` False: the reply ends once its first tool call is complete (at most one call)."""
         engine = backend.engine()
         self.backend, self.conv, self.tokenizer = backend, conv, engine.tokenizer
         self.prompt_text, self.prompt_ids = prompt_ids(backend, conv)
@@ -185,11 +187,9 @@ class AssistantTurn:
         )
         self.stop_strings = list(sampling.get("stop") or [])
         self.stops = choice_turn.StopFilter(self.stop_strings)
-        self.parser = StreamParser(conv.thinking)
+        self.parser = StreamParser(conv.thinking, single_call=not parallel_tool_calls)
         self.tools = ToolCallStream()
-        self._text = ""  # released text, for the tool-call body
-        self._tool_from = -1  # where the body starts in `_text` (after the opener)
-        self._tool_fed = 0
+        self._tool_fed = 0  # characters of the parser's tool-call body streamed
         self._tool_ids: list[str] = []
         self.generated: list[int] = []
         self.raw = ""  # the text as generated, stop strings included
@@ -257,9 +257,14 @@ class AssistantTurn:
                     raise ClientDisconnected
         return self
 
+    @property
+    def stopped(self) -> bool:
+        """A stop string was hit, or the one tool call allowed is complete: the engine need not go on."""
+        return self.stops.hit or self.parser.cut
+
     def _feed(self, chunk: Any) -> Iterator[tuple[str, str]]:
-        if self.stops.hit:
-            return  # the engine may run a token past the stop string before it sees the cancel
+        if self.stopped:
+            return  # the engine may run a token past the stop before it sees the cancel
         if chunk.token is not None:
             self.generated.append(chunk.token)
             self.reasoning_tokens += self._in_reasoning
@@ -271,18 +276,15 @@ class AssistantTurn:
             self._in_reasoning = False
         text = self.stops.feed(chunk.text)
         self.released += len(text)
-        if self.stops.hit:
-            self.job.cancel.set()  # our stop string: the engine need not go on
         yield from self.parser.feed(text)
-        yield from self._stream_tools(text)
+        if self.stopped:
+            self.job.cancel.set()
+        yield from self._stream_tools()
 
-    def _stream_tools(self, text: str) -> Iterator[tuple[str, Any]]:
-        self._text += text
+    def _stream_tools(self) -> Iterator[tuple[str, Any]]:
         if not self.parser.in_tool_calls:
             return
-        if self._tool_from < 0:  # the parser switches to tool state at the first opener, wherever it is
-            self._tool_from = self._text.find(TOOL_CALLS_START) + len(TOOL_CALLS_START)
-        body = self._text[self._tool_from + self._tool_fed :].split(EOS, 1)[0]
+        body = self.parser.tool_body[self._tool_fed :].split(EOS, 1)[0]
         self._tool_fed += len(body)
         for kind, index, value in self.tools.feed(body):
             if kind == "start":
@@ -295,7 +297,7 @@ class AssistantTurn:
         tail = self.stops.flush()
         self.released += len(tail)
         yield from self.parser.feed(tail)
-        yield from self._stream_tools(tail)
+        yield from self._stream_tools()
         released = self.parser.flush()  # a malformed or cut-off tool block comes back as content
         result = self.parser.finish()
         self.content, self.reasoning, self.tool_calls = result.content, result.reasoning, result.tool_calls
@@ -362,7 +364,7 @@ class AssistantTurn:
             self.prompt_ids,
             self.generated,
             self.message(),
-            stopped=self.stops.hit,
+            stopped=self.stopped,
         )
 
 

@@ -429,6 +429,11 @@ def test_chat_in_a_terminal(demo_cache: Path, tmp_path: Path) -> None:
         # save, forget, restore: the restored session continues without recomputing the conversation
         t.send(f"/save {tmp_path / 'conv.session'}\n")
         assert "saved" in t.expect(">>> ")
+        saved = (tmp_path / "conv.session").read_bytes()
+        (tmp_path / "cut.session").write_bytes(saved[: len(saved) // 2])  # a copy cut short: refused, chat goes on
+        t.send(f"/load {tmp_path / 'cut.session'}\n")
+        refused = t.expect(">>> ")
+        assert f"(cannot load: {tmp_path / 'cut.session'}: session file is corrupt (checksum mismatch))" in refused
         t.send("/reset\n")
         assert "reset" in t.expect(">>> ")
         t.send(f"/load {tmp_path / 'conv.session'}\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import threading
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from fastar.engine.session import (
+    DIGEST_SIZE,
     PromptError,
     Session,
     SessionError,
@@ -267,6 +269,34 @@ def test_load_errors(tmp_path: Path) -> None:
     with pytest.raises(SessionError, match="corrupt"):
         s.load(tmp_path / "cut")
     assert s.tokens == [1, 2]  # a failed load leaves the session as it was
+
+
+def test_a_damaged_or_truncated_session_file_is_refused_by_its_checksum(tmp_path: Path) -> None:
+    """A flipped byte anywhere (here in the state, which would otherwise parse) or a file cut short is a one-line
+    `SessionError` naming the file; the session keeps what it had."""
+    s, _ = make(fingerprint="model-a")
+    s.prefill([1, 2, 3])
+    raw = s.save(tmp_path / "a.session").read_bytes()
+    state_at = raw.index(b"[1, 2, 3]")
+    flipped = raw[:state_at] + b"[1, 2, 4]" + raw[state_at + 9 :]
+    for name, data in (("flipped", flipped), ("short", raw[:-1]), ("no-state", raw[:state_at])):
+        (tmp_path / name).write_bytes(data)
+        t, _ = make(fingerprint="model-a")
+        t.prefill([7])
+        with pytest.raises(SessionError) as err:
+            t.load(tmp_path / name)
+        assert str(err.value) == f"{tmp_path / name}: session file is corrupt (checksum mismatch)"
+        assert t.tokens == [7]
+
+
+def test_a_version_1_session_file_without_a_checksum_still_loads(tmp_path: Path) -> None:
+    s, _ = make(fingerprint="model-a")
+    s.prefill([1, 2, 3])
+    raw = s.save(tmp_path / "a.session").read_bytes()[:-DIGEST_SIZE]
+    (tmp_path / "v1.session").write_bytes(raw[:8] + struct.pack("<I", 1) + raw[12:])  # as version 1 wrote it
+    t, _ = make(fingerprint="model-a")
+    t.load(tmp_path / "v1.session")
+    assert t.tokens == [1, 2, 3] and t.num_processed == 3
 
 
 def test_save_errors_name_the_path(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ The session talks to its runner (the `Engine`) through the `Runner` protocol: `n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -42,7 +43,8 @@ if TYPE_CHECKING:
     from ..model.state import ModelState
 
 MAGIC = b"FSTSESS\0"
-VERSION = 1
+VERSION = 2  # 2: a checksum after the state; version 1 files (written without one) still load, unchecked
+DIGEST_SIZE = 32  # BLAKE2b-256 of every byte before it
 
 
 class PromptError(FastarError, ValueError):
@@ -333,7 +335,8 @@ class Session:
         return logits.reshape(-1, logits.shape[-1])[-1]
 
     # --- disk ---------------------------------------------------------------------------------------------
-    # MAGIC, u32 version, u64 header length, JSON header (fingerprint, tokens, meta), then the state's bytes.
+    # MAGIC, u32 version, u64 header length, JSON header (fingerprint, tokens, meta), the state's bytes, then
+    # (version 2) the BLAKE2b-256 digest of all that: a truncated or damaged file is refused, never half-loaded.
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write tokens, meta and model state to `path` (atomically: a temp file renamed into place). Raises
@@ -354,8 +357,12 @@ class Session:
             raise SessionError(f"{path}: cannot write ({e.strerror})") from None
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + struct.pack("<IQ", VERSION, len(header)) + header)
+                head = MAGIC + struct.pack("<IQ", VERSION, len(header)) + header
+                f.write(head)
                 f.write(state)
+                f.write(_digest(head, state))
+                f.flush()
+                os.fsync(f.fileno())  # the data is on disk before the name says the file is complete
             os.replace(tmp, path)
         except BaseException as e:
             Path(tmp).unlink(missing_ok=True)
@@ -379,8 +386,16 @@ class Session:
             raise SessionError(f"{path}: not a fastar session file")
         try:
             version, hlen = struct.unpack_from("<IQ", raw, 8)
-            if version != VERSION:
-                raise SessionError(f"{path}: session version {version} is not supported (expected {VERSION})")
+        except struct.error as e:
+            raise SessionError(f"{path}: session file is corrupt ({e})") from None
+        if version not in (1, VERSION):
+            raise SessionError(f"{path}: session version {version} is not supported (expected {VERSION})")
+        end = len(raw)
+        if version >= 2:
+            end -= DIGEST_SIZE
+            if end < 20 or raw[end:] != _digest(memoryview(raw)[:end]):
+                raise SessionError(f"{path}: session file is corrupt (checksum mismatch)")
+        try:
             header = json.loads(raw[20 : 20 + hlen].decode())
             tokens = [int(t) for t in header["tokens"]]
         except (struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
@@ -390,10 +405,18 @@ class Session:
         state = None
         if header.get("has_state"):
             try:
-                state = type(self._runner.new_state()).from_bytes(raw[20 + hlen :])
+                state = type(self._runner.new_state()).from_bytes(raw[20 + hlen : end])
             except FastarError as e:
                 raise SessionError(f"{path}: {e}") from None
             if state.length > len(tokens):
                 raise SessionError(f"{path}: session file is corrupt (state longer than its tokens)")
         self._tokens, self._state, self._dirty, self._anchor = tokens, state, False, None
         self.meta = dict(header.get("meta") or {})
+
+
+def _digest(*parts: bytes | memoryview) -> bytes:
+    """A session file's checksum: BLAKE2b-256 over `parts` in order, fed piece by piece (no joined copy)."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    for part in parts:
+        h.update(part)
+    return h.digest()

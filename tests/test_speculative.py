@@ -600,6 +600,32 @@ def test_verbose_line_reports_the_draft():
     assert draft_line({}, {"draft_mode": "none"}) is None
 
 
+def test_bench_draft_honours_the_ram_budget_and_head_screen(tiny_ckpt, monkeypatch, capsys):
+    """`fastar bench draft --ram-budget A,B --no-head-screen`: one row group per budget, its simulated cache the
+    experts that fit it (none: all of them), and every engine loaded without the head screen."""
+    from fastar.bench import speculative as sb
+    from fastar.cli import main
+    from fastar.engine import engine as engine_mod
+
+    loaded, real_load = [], engine_mod.load
+    monkeypatch.setattr(engine_mod, "load", lambda *a, **kw: loaded.append(kw["head_screen"]) or real_load(*a, **kw))
+    source = engine_mod.open_source(tiny_ckpt)
+    stride, n_exp = source.expert_stride, source.config.num_layer_slots * source.config.n_routed_experts
+    rows = sb.bench(tiny_ckpt, drafts=("none",), ram_budgets=(3 * stride + 1, None), head_screen=False, tokens=3)
+    assert [r["cache_bytes"] for r in rows] == [3 * stride, n_exp * stride] and loaded == [False, False]
+    assert rows[0]["capacity"] == 3 / n_exp and rows[0]["hit_rate"] < rows[1]["hit_rate"]
+    seen = {}
+    monkeypatch.setattr(sb, "bench", lambda path, **kw: seen.update(kw) or rows)
+    assert main(["bench", "draft", "-m", str(tiny_ckpt), "--ram-budget", "300K,none", "--no-head-screen"]) == 0
+    assert seen["ram_budgets"] == (300 << 10, None) and seen["head_screen"] is False
+    assert "cache_MB" in capsys.readouterr().out
+    assert main(["bench", "draft", "-m", str(tiny_ckpt)]) == 0 and seen["ram_budgets"] is None and seen["head_screen"]
+    for bad in ("12Q", "1G,auto"):
+        assert main(["bench", "draft", "-m", str(tiny_ckpt), "--ram-budget", bad]) != 0
+        err = capsys.readouterr().err
+        assert err.startswith("fastar: error: --ram-budget: ") and err.count("\n") == 1, err
+
+
 def test_bench_runs(tiny_ckpt):
     from fastar.bench import speculative as sb
 

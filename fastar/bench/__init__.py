@@ -143,7 +143,9 @@ def main(a: argparse.Namespace) -> int:
             "replay:0.5",
             "replay:0.8",
         )
-        rows = speculative.bench(a.model, drafts=modes)
+        rows = speculative.bench(
+            a.model, drafts=modes, ram_budgets=speculative.ram_budgets(a.ram_budget), head_screen=a.head_screen
+        )
         print(json.dumps(rows) if a.json else speculative.format_bench(rows))
         return 0
     if a.what == "kernels":

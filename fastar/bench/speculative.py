@@ -18,8 +18,10 @@ from collections import OrderedDict
 
 import torch
 
+from ..config import parse_size
 from ..contracts import Unpaged
 from ..engine.speculative import Drafter, Pick, Proposal, Schedule
+from ..errors import ConfigError
 from ..model.state import ModelState
 
 
@@ -51,6 +53,23 @@ class SlowExperts(Unpaged):
         return {"hits": self.hits, "misses": self.misses}
 
 
+def ram_budgets(flag: str | None) -> tuple[int | None, ...] | None:
+    """`--ram-budget` for `bench draft`: None for "auto" (the default: the whole bank, a half, a quarter), else one
+    size in bytes per comma-separated entry ("none": the whole bank). Raises ConfigError naming the flag."""
+    entries = [e.strip() for e in str(flag or "auto").split(",")]
+    if entries == ["auto"]:
+        return None
+    out: list[int | None] = []
+    for entry in entries:
+        if not entry or entry.lower() == "auto":
+            raise ConfigError("--ram-budget: bench draft takes sizes or none in a list (auto alone: 1, 1/2, 1/4)")
+        try:
+            out.append(None if entry.lower() == "none" else parse_size(entry))
+        except ConfigError as e:
+            raise ConfigError(f"--ram-budget: {e}") from None
+    return tuple(out)
+
+
 def bench(
     path,
     drafts: tuple[str, ...] = ("none", "auto"),
@@ -61,11 +80,15 @@ def bench(
     reps: int = 3,
     numerics: str = "reference",
     wall: bool = False,
+    ram_budgets: tuple[int | None, ...] | None = None,
+    head_screen: bool = True,
 ) -> list[dict]:
-    """Greedy decode tok/s for each draft mode and expert-cache size (a fraction of all experts, LRU), each miss
-    costing `miss_ms` more. Modes: `none`, `mtp`, `dspark`, `auto`, `replay:<a>` (4 drafts per pass read from
-    the plain greedy transcript, each right with probability a, at no draft cost: what a well-trained draft could
-    give, so the table shows where drafting pays although the fixtures' random drafts are never right), and
+    """Greedy decode tok/s for each draft mode and expert-cache size (a fraction of all experts, LRU; or, given
+    `ram_budgets`, the experts that fit each budget in bytes, None: all of them), each miss costing `miss_ms`
+    more. `head_screen` is the engine option of that name. Modes: `none`, `mtp`, `dspark`, `auto`, `replay:<a>`
+    (4 drafts per pass read from the plain greedy transcript, each right with probability a, at no draft cost: what
+    a well-trained draft could give, so the table shows where drafting pays although the fixtures' random drafts
+    are never right), and
     `auto-replay:<a>` (the same drafts under `auto`'s schedule). `none` must come first: it writes the transcripts
     and is the baseline. Modes run interleaved, `reps` times, each from a cold cache; tok/s is the median.
     Time is this process's CPU time plus the simulated read time (`wall=True`: wall-clock), so other load on a
@@ -77,17 +100,29 @@ def bench(
     source = open_source(path)
     cfg = source.config
     n_exp = cfg.num_layer_slots * cfg.n_routed_experts
+    stride = source.expert_stride
+    if ram_budgets is None:
+        sizes = [max(1, int(frac * n_exp)) for frac in capacities]
+    else:
+        sizes = [n_exp if b is None else max(1, min(n_exp, b // stride)) for b in ram_budgets]
     g = torch.Generator().manual_seed(0)
     prompt_ids = [torch.randint(2, cfg.vocab_size, (24,), generator=g).tolist() for _ in range(prompts)]
     transcripts: list[list[int]] = []
     rows = []
     clock = time.perf_counter if wall else time.process_time
-    for frac in capacities:
+    for size in sizes:
         engines = {}
         for mode in drafts:
             replay = "replay:" in mode  # "replay:<a>" verifies 4 drafts; "auto-replay:<a>" schedules like auto
-            slow = SlowExperts(SourceExperts(source), max(1, int(frac * n_exp)), miss_ms / 1e3)
-            eng = load(source, numerics=numerics, experts=slow, draft="none" if replay else mode, threads=1)
+            slow = SlowExperts(SourceExperts(source), size, miss_ms / 1e3)
+            eng = load(
+                source,
+                numerics=numerics,
+                experts=slow,
+                draft="none" if replay else mode,
+                threads=1,
+                head_screen=head_screen,
+            )
             if replay:
                 schedule = Schedule(r=0.3, q=0.0, adaptive=True) if mode.startswith("auto-") else Schedule(fixed=4)
                 eng.use_draft(ReplayDrafter(eng.model, float(mode.split(":")[1])), schedule, mode)
@@ -115,7 +150,8 @@ def bench(
             rows.append(
                 {
                     "mode": mode,
-                    "capacity": frac,
+                    "capacity": size / n_exp,
+                    "cache_bytes": size * stride,
                     "tok_per_s": statistics.median(speeds),
                     "speedup": statistics.median(speeds) / base,
                     "acceptance": st.get("draft_acceptance_rate", 0.0),
@@ -154,11 +190,12 @@ class ReplayDrafter(Drafter):
 
 
 def format_bench(rows: list[dict]) -> str:
-    head = ("mode", "cache", "hit", "tok/s", "speedup", "accept", "tok/pass", "plain")
+    head = ("mode", "cache", "cache_MB", "hit", "tok/s", "speedup", "accept", "tok/pass", "plain")
     keys = ("capacity", "hit_rate", "tok_per_s", "speedup", "acceptance", "tokens_per_pass", "plain_share")
     lines = [f"{head[0]:>16} " + " ".join(f"{h:>8}" for h in head[1:])]
     for r in rows:
-        lines.append(f"{r['mode']:>16} " + " ".join(f"{r[k]:>8.2f}" for k in keys))
+        values = [r["capacity"], r["cache_bytes"] / 1e6, *(r[k] for k in keys[1:])]
+        lines.append(f"{r['mode']:>16} " + " ".join(f"{v:>8.2f}" for v in values))
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ Owns: their flags (`add_run_arguments`, `add_chat_arguments`; `fastar.cli` mirro
 variable), opening the model (the built-in demo when no `-m` is given, with its banner), progress bars for load
 and long prefills (on a terminal only), streaming output (answer to stdout; reasoning dimmed, and for `run` on
 stderr so a pipe gets the answer alone), the timings line, and the chat REPL (`ChatREPL`: history, `/reset`,
-`/thinking`, `/save`, `/load`, Ctrl-C stops a reply and keeps the chat). Does not own: any tensor code
+`/thinking`, `/save`, `/load`, Ctrl-C stops a reply and keeps the chat; from a pipe, a failed turn is a
+`fastar: error:` line on stderr and the exit status 1). Does not own: any tensor code
 (everything goes through `Engine` and `Session`), the chat format (`fastar.encoding`), argument parsing
 mechanics and the one-line error convention (`fastar.cli`).
 """
@@ -467,12 +468,23 @@ class ChatREPL:
         self.messages: list[dict] = self._start()
         self.cancel = threading.Event()
         self.writer = _Writer(out, out)
+        self.interactive = True  # `run` sets it from stdin: on a terminal or from a pipe/file
+        self.failures = 0  # turns and commands that failed (from a pipe, the chat then exits 1)
 
     def _start(self) -> list[dict]:
         return [{"role": "system", "content": self.system}] if self.system else []
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
+
+    def fail(self, message: object, what: str = "error") -> None:
+        """A turn, /save or /load failed: `(what: message)` in the chat on a terminal; from a pipe or file, one
+        `fastar: error: ...` line on stderr. The chat goes on either way; from a pipe it then exits 1 (`run`)."""
+        self.failures += 1
+        if self.interactive:
+            self.say(f"({what}: {message})")
+        else:
+            print(f"fastar: error: {'' if what == 'error' else what + ': '}{message}", file=self.err, flush=True)
 
     def handle(self, line: str) -> bool:
         """Run one input line (a message or a /command). Returns False when the chat should end."""
@@ -482,7 +494,7 @@ class ChatREPL:
         try:
             check_text(line, "the message")
         except InvalidText as e:
-            self.say(f"(error: {e})")
+            self.fail(e)
             return True
         if not line.startswith("/"):
             self.reply(line)
@@ -511,7 +523,7 @@ class ChatREPL:
                 try:
                     path = self.session.save(arg)
                 except FastarError as e:  # an unwritable path: say so and keep the chat (it is not saved)
-                    self.say(f"(cannot save: {e})")
+                    self.fail(e, "cannot save")
                     return True
                 self.say(f"(saved {len(self.messages)} messages, {self.session.num_tokens} tokens to {path})")
         elif cmd == "/load":
@@ -521,7 +533,7 @@ class ChatREPL:
                 try:
                     self.session.load(arg)
                 except FastarError as e:
-                    self.say(f"(cannot load: {e})")
+                    self.fail(e, "cannot load")
                     return True
                 self.messages = list(self.session.meta.get("messages", []))
                 self.thinking = bool(self.session.meta.get("thinking", self.thinking))
@@ -592,7 +604,7 @@ class ChatREPL:
         except FastarError as e:  # e.g. the conversation outgrew the context: say so and keep the chat
             self.messages.pop()
             self.writer.end_line(self.out)
-            self.say(f"(error: {e})")
+            self.fail(e)
             return
         self.writer.end_line(self.out)
         if self.prompt_cache is not None:
@@ -612,29 +624,34 @@ class ChatREPL:
 
     def run(self, read: Callable[[str], str] | None = None) -> int:
         """The loop: Ctrl-C while a reply streams stops it; at the prompt it only reminds how to quit. `read`:
-        `input` on a terminal, `stdin_line` from a pipe or file."""
-        prompt = ">>> " if sys.stdin.isatty() else ""
+        `input` on a terminal, `stdin_line` from a pipe or file. Returns the exit status: 0, or from a pipe or
+        file 1 when any turn or command failed (a script must see it; on a terminal the chat said so)."""
+        self.interactive = sys.stdin.isatty()
+        prompt = ">>> " if self.interactive else ""
         if read is None:
-            read = input if sys.stdin.isatty() else stdin_line
+            read = input if self.interactive else stdin_line
         self.say("fastar chat: /help for commands, Ctrl-C stops a reply, Ctrl-D or /exit quits.")
         while True:
             try:
                 line = read(prompt)
             except UnicodeDecodeError as e:  # stdin decoded strictly: the line is lost, the chat goes on
-                self.say(f"(error: the input is not UTF-8 text: {e.reason})")
+                self.fail(f"the input is not UTF-8 text: {e.reason}")
                 continue
             except EOFError:
                 self.say("")
-                return 0
+                return self._status()
             except KeyboardInterrupt:
                 self.say("\n(Ctrl-D or /exit to quit)")
                 continue
             previous = signal.signal(signal.SIGINT, lambda *_: self.cancel.set())
             try:
                 if not self.handle(line):
-                    return 0
+                    return self._status()
             finally:
                 signal.signal(signal.SIGINT, previous)
+
+    def _status(self) -> int:
+        return 1 if self.failures and not self.interactive else 0
 
 
 def stdin_line(prompt: str = "") -> str:
@@ -664,7 +681,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
     # the prompt cache when the last chat or server on this model closed), so the first reply runs warm too
     engine.warm_experts(args.prompt_cache)
     repl = ChatREPL(
-        engine, params, thinking=args.thinking, system=args.system, verbose=args.verbose, prompt_cache=cache
+        engine,
+        params,
+        thinking=args.thinking,
+        system=args.system,
+        out=sys.stdout,
+        err=sys.stderr,
+        verbose=args.verbose,
+        prompt_cache=cache,
     )
     try:
         code = repl.run()

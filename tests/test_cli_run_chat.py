@@ -166,6 +166,15 @@ def test_bad_input_is_one_line_and_exit_1(capsys, tmp_path: Path, demo_cache: Pa
     assert code == 1 and "context length" in one_line_error(err)
 
 
+def test_piped_chat_whose_every_turn_fails_exits_1(capsys, monkeypatch, demo_cache: Path) -> None:
+    """A piped `fastar chat -c 16` whose one turn cannot fit the context: one error line, exit 1 (it was 0)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("many words " * 20 + "\n"))
+    code, err = run_main(capsys, "chat", "-m", str(demo_cache / demo.DEMO_NAME), "-c", "16", "--no-prompt-cache")
+    errors = [ln for ln in err.splitlines() if ln.startswith("fastar: error: ")]
+    assert code == 1 and len(errors) == 1 and "context length is 16" in errors[0], err
+    assert "Traceback" not in err
+
+
 def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
     r = fastar("run", "-m", str(tmp_path / "missing.fst"), "-p", "hi")
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
@@ -311,6 +320,29 @@ def test_errors_keep_the_chat() -> None:
     eng.raise_error = FastarError("the prompt is 99 tokens, but the context length is 16 tokens")
     assert repl.handle("Hi")
     assert "(error: the prompt is 99 tokens" in out.getvalue() and repl.messages == []
+
+
+def test_a_piped_chat_exits_1_when_a_turn_failed(monkeypatch) -> None:
+    """From a pipe a failed turn (or /save, /load) is a `fastar: error: ...` line on stderr, the chat goes on with
+    the next line, and it exits 1 at the end; on a terminal it is said in the chat and the exit stays 0."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n/load /no/such/file\nAgain\n"))
+    repl, eng, out = make_repl(["Fine."])
+    eng.raise_error = FastarError("the prompt is 99 tokens, but the context length is 16 tokens")
+    assert repl.run() == 1
+    assert repl.err.getvalue().splitlines() == [
+        "fastar: error: the prompt is 99 tokens, but the context length is 16 tokens",
+        "fastar: error: cannot load: /no/such/file: no such file",
+        "fastar: error: the prompt is 99 tokens, but the context length is 16 tokens",
+    ]
+    assert "error" not in out.getvalue()  # stdout keeps the replies alone
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nAgain\n"))
+    repl, eng, out = make_repl(["Fine.", "Ok."])
+    assert repl.run() == 0 and repl.err.getvalue() == "" and repl.messages[-1]["content"] == "Ok."
+    monkeypatch.setattr(sys, "stdin", TTY())  # a terminal: unchanged
+    repl, eng, out = make_repl([])
+    eng.raise_error = FastarError("too long")
+    lines = iter(["Hi", "/exit"])
+    assert repl.run(lambda prompt: next(lines)) == 0 and "(error: too long)" in out.getvalue()
 
 
 def test_an_endless_line_on_stdin_ends_the_chat(monkeypatch) -> None:

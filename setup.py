@@ -20,6 +20,7 @@ COMMON = [
     "bind_compress.c",
     "bind_attend.c",
     "bind_head_i8.c",
+    "bind_hc.c",
     "dispatch.c",
     "experts.c",
     "pool.c",

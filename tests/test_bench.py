@@ -269,6 +269,9 @@ def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
         assert p["outside_kernels_net_fraction"] == pytest.approx(net) and net < p["outside_kernels_fraction"]
         for k in ("step", "attention q/kv projections", "attention core", "shared expert", "mHC wrappers"):
             assert cats["outside: " + k] > 0, k
+        assert cats["outside: LM head (rest)"] > 0  # the head's Python after the final norm, apart from the step's
+        # the mHC sites chained (`hc_chain`): one C call per wrapper call, the head's collapse in the last one
+        assert p["calls_per_step"]["outside: mHC wrappers"] == p["calls_per_step"]["mHC"]
         assert set(p["categories_cpu_ms"]) == set(cats) and p["outside_kernels_cpu_ms"] > 0
     # the instrumentation is gone once the profile is done (in this process too)
     run = profile.bench(str(fst), [2], steps=1, prompt_tokens=4)

@@ -23,8 +23,10 @@ nested in it, so the categories and the remainder add up to the step exactly:
   (`Attention._compress_project`, `Compressor.add`, their fused decode calls, the indexer's queries), its attention
   core (`Attention._attend`: window and entry rows, the C call's arguments), its output (`Attention._output`) and the
   rest of `Attention.rows` (per-row state bookkeeping); the MoE block's shared expert (`MoE._shared`) and the rest of
-  `MoE.__call__` (expert lookup, routing bookkeeping); the mHC wrappers (`HyperConnection.pre` / `post`); and the
-  step itself (the layer loop, the embedding, the norm wrappers, the head's wrapper, the states' lengths and trims).
+  `MoE.__call__` (expert lookup, routing bookkeeping); the mHC wrappers (`HyperConnection.pre` / `post`, or at
+  decode `HCChain.begin` / `then`: `fastar.model.hc_chain`); the LM head's wrappers after the final norm
+  (`DeepseekV4._logits`: the screen's or the head's Python); and the step itself (the layer loop, the embedding,
+  the states' lengths and trims).
 
 Beside them: the calling thread's CPU time in the glue (wall time outside kernels also counts the time it waited for
 a core on a loaded machine; its CPU time counts only the work), the plain steps' median (what profiling costs
@@ -71,6 +73,7 @@ C_CATEGORIES = {
     "compress_row": "compressor pooling",  # a decode row's whole compressor step (`fastar.model.compress_fused`)
     "hc_pre": "mHC",
     "hc_post": "mHC",
+    "hc_post_pre": "mHC",  # a sub-layer's mix back and the next site's collapse in one call (`fastar.model.hc_chain`)
     "sinkhorn": "mHC",
     "rms_norm": "norms",
     "rope": "other row ops",
@@ -239,6 +242,10 @@ class _Instrumented:
             wrap(ffn, "_shared", "shared expert")
             wrap(b.hc_attn, "pre", "mHC wrappers")
             wrap(b.hc_ffn, "pre", "mHC wrappers")
+        if self.model.hc_chain is not None:  # `forward_rows`' mHC sites chained: one call per sub-layer
+            wrap(self.model.hc_chain, "begin", "mHC wrappers")
+            wrap(self.model.hc_chain, "then", "mHC wrappers")
+        wrap(self.model, "_logits", "LM head (rest)")
         # looked up on the class: the block calls `self.ffn(...)` and `HyperConnection.post(...)`
         self._moe_cls = type(self.model.layers[0].ffn)
         self._moe_call = self._moe_cls.__call__

@@ -40,6 +40,7 @@ from .angles import shared_table
 from .attend_fused import StoredAttend
 from .compress_fused import FusedCompressors
 from .fused import FusedAttention, FusedIndexer
+from .hc_chain import HCChain
 from .hc_fused import FusedHC
 from .head_screen import HeadScreen
 from .state import LayerState, ModelState, RowBuffer, StateFormat
@@ -881,6 +882,8 @@ class DeepseekV4:
         self.norm = w.vector("norm.weight")  # [d]
         self.head: Linear = w.linear("head")  # BF16 [V, d]
         self.screen = HeadScreen.build(self.head) if head_screen and backend is None and kernels else None
+        # forward_rows' mHC sites chained in one C call per sub-layer (`hc_chain`; None: `Block.rows`' calls)
+        self.hc_chain = HCChain.build(self.layers, self.hc_head, self.norm) if backend is None else None
         if lookahead and self.experts.pages:  # a provider that does not page gains nothing from the guesses
             prefetch = self.experts.prefetch
             for cur, nxt in zip(self.layers, self.layers[1:]):
@@ -995,7 +998,10 @@ class DeepseekV4:
         """Final streams X [T, n, d] -> logits [T, V] float32: HC head, final norm, LM head. When every row is
         argmax_only and there are few enough for the head screen to pay (`HeadScreen.MAX_ROWS`), the screen:
         exact where the rows can hold their argmax, -inf elsewhere."""
-        y = self.hc_head(X, self.norm)
+        return self._logits(self.hc_head(X, self.norm), argmax_only)
+
+    def _logits(self, y: torch.Tensor, argmax_only: list[bool] | None = None) -> torch.Tensor:
+        """`_head` from the final norm's output y [T, d] on: the LM head, or the screen (see `_head`)."""
         if self.screen is not None and argmax_only and all(argmax_only) and len(argmax_only) <= HeadScreen.MAX_ROWS:
             return self.screen.logits(y)
         return self.head(y)
@@ -1031,7 +1037,18 @@ class DeepseekV4:
         for s in states:
             self._place(s)
         self.experts.prefetch_tokens(ids.tolist(), self.hash_tables)  # hash-routed layers: known from the ids
-        X = self.embed.rows(ids)[:, None, :].expand(B, self.config.hc_mult, -1)  # [B, n, d]
+        emb = self.embed.rows(ids)  # [B, d]
+        u = self.hc_chain.begin(emb) if self.hc_chain is not None else None
+        if u is not None:  # the mHC sites chained over preallocated streams (`hc_chain`): `Block.rows`' bits
+            for i, block in enumerate(self.layers):
+                layers = [s.layers[i] for s in states]
+                u = self.hc_chain.then(block.attn.rows(u, layers))
+                u = self.hc_chain.then(block.ffn(u, ids))
+                for s, ls in zip(states, layers):
+                    ls.length += 1
+                    ls.trim(s.max_rollback)
+            return self._logits(u, argmax_only)
+        X = emb[:, None, :].expand(B, self.config.hc_mult, -1)  # [B, n, d]
         for i, block in enumerate(self.layers):
             X = block.rows(X, ids, [s.layers[i] for s in states])
             for s in states:

@@ -659,6 +659,9 @@ static PyMethodDef methods[] = {
      "head (R = n, scale [1]); norm: u then RMS-normed with that weight"},
     {"hc_post", (PyCFunction)(void (*)(void))py_hc_post, METH_VARARGS | METH_KEYWORDS,
      "hc_post(f f32[T,d], x f32[T,n*d], post f32[T,n], comb f32[T,n*n], out f32[T,n*d]): mHC mix back"},
+    {"hc_post_pre", (PyCFunction)(void (*)(void))py_hc_post_pre, METH_VARARGS | METH_KEYWORDS,
+     "hc_post_pre(f, x, post, comb, out, fn, base, scale, iters, hc_eps, eps, u, post_out=None, comb_out=None, "
+     "norm=None, norm_eps=0): hc_post into out, then hc_pre of out (post_out/comb_out None: the head's collapse)"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_VARARGS | METH_KEYWORDS,
      "attend(q f32[T,H,D], keys f32[K,D], k0, p0, window, comp f32[E,D]|None, comp_idx i64[T,k]|None, ratio, "
      "sinks f32[H], scale, out f32[T,H,D]): attention with sinks over window keys and compressed entries"},

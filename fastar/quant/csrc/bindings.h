@@ -40,6 +40,8 @@ PyObject *py_hadamard(PyObject *self, PyObject *args);
 PyObject *py_fp4_act_quant(PyObject *self, PyObject *args);
 PyObject *py_hc_pre(PyObject *self, PyObject *args, PyObject *kw);
 PyObject *py_hc_post(PyObject *self, PyObject *args, PyObject *kw);
+/* bind_hc.c */
+PyObject *py_hc_post_pre(PyObject *self, PyObject *args, PyObject *kw);
 PyObject *py_attend(PyObject *self, PyObject *args, PyObject *kw);
 PyObject *py_state_rows_decode(PyObject *self, PyObject *args);
 PyObject *py_state_rows_encode(PyObject *self, PyObject *args);

@@ -70,8 +70,10 @@ def special_weights(rng, k: int) -> np.ndarray:
 def test_build_matches_the_reference(kernel_backend, k):
     rng = np.random.default_rng(k)
     w = special_weights(rng, k)
-    q, scale, wnorm, dnorm, rowsum = K.head_i8_build(w)
+    tiles, scale, wnorm, dnorm, rowsum = K.head_i8_build(w)
     rq, rscale, rw, rd, rsum = ref_build(w)
+    assert np.array_equal(tiles, K.head_i8_tiles(rq, len(w)))
+    q = K.head_i8_rows(tiles)
     assert np.array_equal(q, rq)
     assert np.array_equal(scale.view(np.uint32), rscale.view(np.uint32))
     assert np.array_equal(rowsum, rsum)
@@ -95,18 +97,28 @@ def test_build_halves_round_to_even(kernel_backend):
 
 def test_build_writes_the_given_arrays_across_chunks(kernel_backend):
     rng = np.random.default_rng(1)
-    w = to_bf16(rng.standard_normal((300, 1000)))  # several pool chunks
-    outs = (
-        np.empty((300, 1000), np.int8),
-        np.empty(300, np.float32),
-        np.empty(300),
-        np.empty(300),
-        np.empty(300, np.int32),
-    )
-    got = K.head_i8_build(w, *outs)
-    assert all(a is b for a, b in zip(got, outs))
-    rq, rscale, *_ = ref_build(w)
-    assert np.array_equal(outs[0], rq) and np.array_equal(outs[1], rscale)
+    for v, k in ((300, 1000), (302, 1024)):  # several pool chunks, plain rows; then tiles and two plain rows after them
+        w = to_bf16(rng.standard_normal((v, k)))
+        outs = (np.empty((v, k), np.int8), np.empty(v, np.float32), np.empty(v), np.empty(v), np.empty(v, np.int32))
+        got = K.head_i8_build(w, *outs)
+        assert all(a is b for a, b in zip(got, outs))
+        rq, rscale, *_ = ref_build(w)
+        assert np.array_equal(K.head_i8_rows(outs[0]), rq) and np.array_equal(outs[1], rscale)
+
+
+@pytest.mark.parametrize("v, k", [(1, 64), (4, 64), (7, 128), (9, 100), (130, 4096)])
+def test_the_tiled_layout(v, k):
+    """Rows in whole groups of 4 side by side per 64 columns (row 4g + i's columns [64 j, 64 j + 64) at byte
+    4g k + 256 j + 64 i), the rest plain; nothing tiled where k % 64 != 0; head_i8_rows undoes it, also by blocks."""
+    rows = np.random.default_rng(v * k).integers(-128, 128, (v, k), dtype=np.int8)
+    tiles = K.head_i8_tiles(rows, v)
+    flat = tiles.reshape(-1)
+    for r in range(v):
+        for j in range(k // 64):
+            at = (r // 4 * 4 * k + 256 * j + 64 * (r % 4)) if k % 64 == 0 and r < v // 4 * 4 else r * k + 64 * j
+            assert np.array_equal(flat[at : at + 64], rows[r, 64 * j : 64 * j + 64])
+    assert np.array_equal(K.head_i8_rows(tiles), rows)
+    assert np.array_equal(np.vstack([K.head_i8_rows(tiles[r0 : r0 + 4], v, r0) for r0 in range(0, v, 4)]), rows)
 
 
 def ref_dot(xq: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -124,7 +136,7 @@ def test_dot_is_exact(kernel_backend, k, v):
     for t in list(range(1, 10)) + [17]:
         xq = rng.integers(-127, 128, (t, k), dtype=np.int8)
         xq[0] = -127
-        out = K.head_i8_dot(xq, q, rowsum)
+        out = K.head_i8_dot(xq, K.head_i8_tiles(q, v), rowsum)
         assert out.dtype == np.int32 and out.shape == (t, v)
         assert np.array_equal(out, ref_dot(xq, q)), f"T={t}"
 
@@ -145,10 +157,10 @@ def test_dot_vector_and_given_out(kernel_backend):
     q = rng.integers(-127, 128, (11, 128), dtype=np.int8)
     x = rng.integers(-127, 128, 128, dtype=np.int8)
     rowsum = q.sum(axis=1, dtype=np.int32)
-    y = K.head_i8_dot(x, q, rowsum)
+    y = K.head_i8_dot(x, K.head_i8_tiles(q, 11), rowsum)
     assert y.shape == (11,) and np.array_equal(y, ref_dot(x[None], q)[0])
     out = np.full((2, 11), 7, np.int32)
-    assert K.head_i8_dot(np.stack([x, -x]), q, rowsum, out) is out
+    assert K.head_i8_dot(np.stack([x, -x]), K.head_i8_tiles(q, 11), rowsum, out) is out
     assert np.array_equal(out, ref_dot(np.stack([x, -x]), q))
 
 
@@ -157,7 +169,7 @@ def test_dot_of_the_built_head(kernel_backend):
     w = special_weights(rng, 192)
     q, _, _, _, rowsum = K.head_i8_build(w)
     xq = rng.integers(-127, 128, (3, 192), dtype=np.int8)
-    assert np.array_equal(K.head_i8_dot(xq, q, rowsum), ref_dot(xq, q))
+    assert np.array_equal(K.head_i8_dot(xq, q, rowsum), ref_dot(xq, K.head_i8_rows(q)))
 
 
 def test_dot_is_the_same_for_any_thread_count():
@@ -172,7 +184,7 @@ def test_dot_is_the_same_for_any_thread_count():
     try:
         for n in (1, 2, 3):
             K.set_num_threads(n)
-            assert np.array_equal(K.head_i8_dot(xq, q, rowsum), want), f"{n} threads"
+            assert np.array_equal(K.head_i8_dot(xq, K.head_i8_tiles(q, 9001), rowsum), want), f"{n} threads"
     finally:
         K.set_num_threads(n0)
 
@@ -210,7 +222,7 @@ def test_torch_bfloat16_weights():
     torch = pytest.importorskip("torch")
     t = torch.randn(5, 64).to(torch.bfloat16)
     bits = t.view(torch.int16).numpy().view(np.uint16)
-    assert np.array_equal(K.head_i8_build(t)[0], ref_build(bits)[0])
+    assert np.array_equal(K.head_i8_rows(K.head_i8_build(t)[0]), ref_build(bits)[0])
     assert np.array_equal(K.gather_rows(t, np.array([4, 0], np.int64)), bits[[4, 0]])
 
 

@@ -124,11 +124,14 @@ def test_greedy_tokens_are_the_full_heads(engines):
     assert [(c.token, c.logprob, c.top_logprobs) for c in a] == [(c.token, c.logprob, c.top_logprobs) for c in b]
 
 
-@pytest.mark.parametrize("flags", [[True, True], [True, False], [True, True, True]])
+@pytest.mark.parametrize(
+    "flags",
+    [[True, True], [True, False], [True] * 3, [True] * 8, [True] * 7 + [False]],
+)
 def test_batched_rows_screen_when_all_are_argmax_only_and_few(engines, flags):
     on, off = engines
     m_on, m_off = on.model, off.model
-    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]][: len(flags)]
+    prompts = [[5 + 4 * i, 6 + 4 * i, 7 + 4 * i, 8][: 2 + i % 3] for i in range(len(flags))]
     screened = all(flags) and len(flags) <= HeadScreen.MAX_ROWS
     states_on, states_off, last = [], [], []
     for ids in prompts:

@@ -40,10 +40,11 @@ HUGE = 1e30  # |y| |W_i| beyond this could overflow a float32 logit: the full he
 class HeadScreen:
     """The int8 copy of a BF16 head and the screened logits of decode rows (see the module docstring)."""
 
-    # The most decode rows a step screens (more take the full head). Each row is two int8 terms, and head_i8_dot
-    # streams its rows near the read bandwidth up to 3 terms but at about half of it at 4 and a third at 8
-    # (docs/PERFORMANCE.md), so a 4-row screen measured no faster than the BF16 head's 4-row product.
-    MAX_ROWS = 2
+    # The most decode rows a step screens (more take the full head). Each row is two int8 terms; head_i8_dot reads
+    # the int8 rows once per 4 terms (in tiles of 4 rows: one stream) and re-reads them from L2 for the next 4, so
+    # 8 rows (16 terms) take about what the BF16 head's 4-row product takes, 2/3 of its 8-row one (docs/PERFORMANCE.md):
+    # every decode step pays (`DeepseekV4.forward_rows` takes at most 8 rows).
+    MAX_ROWS = 8
 
     def __init__(self, head: Linear, kernels) -> None:
         if head.dtype != "BF16":
@@ -64,6 +65,7 @@ class HeadScreen:
         self.dnorm32 = np.nextafter(dnorm.astype(np.float32), np.float32(np.inf))
         self.exact_rows = 0  # rows computed exactly so far (a count for benchmarks)
         self._keep, self._rows = np.empty(self.V, np.uint8), np.empty(self.V, np.int64)  # head_i8_select's scratch
+        self._dots = np.empty((0, self.V), np.int32)  # head_i8_dot's products, kept: MBs a step at 8 rows
 
     @classmethod
     def build(cls, head: Linear) -> HeadScreen | None:
@@ -73,8 +75,8 @@ class HeadScreen:
     @staticmethod
     def bytes_for(rows: int, cols: int) -> int:
         """The memory a screen of a [rows, cols] head takes: int8 rows; per row a scale, two norms and a sum (float32,
-        int32), and head_i8_select's scratch (a byte and an index)."""
-        return rows * (cols + 4 + 4 + 4 + 4 + 1 + 8)
+        int32), head_i8_select's scratch (a byte and an index) and, at most, the int32 products of MAX_ROWS rows."""
+        return rows * (cols + 4 + 4 + 4 + 4 + 1 + 8 + 4 * 2 * HeadScreen.MAX_ROWS)
 
     @property
     def nbytes(self) -> int:
@@ -112,7 +114,9 @@ class HeadScreen:
     def _candidates(self, x: np.ndarray, sx: np.ndarray, dy, nx, ny) -> np.ndarray:
         """The sorted union over the screened rows (their int8 terms x [2T, K] with scales sx, and their |dy|, |x|,
         |y|) of the head rows that can hold that row's largest logit."""
-        dots = np.empty((x.shape[0], self.V), np.int32)
+        if self._dots.shape[0] < x.shape[0]:
+            self._dots = np.empty((x.shape[0], self.V), np.int32)
+        dots = self._dots[: x.shape[0]]
         self.k.extension.head_i8_dot(x, self.q, self.rowsum, dots)
         c1 = ((dy + self.gamma * ny) * (1 + MARGIN)).astype(np.float32)
         c2 = (nx * (1 + MARGIN)).astype(np.float32)

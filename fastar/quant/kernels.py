@@ -55,6 +55,8 @@ __all__ = [
     "experts_ffn",
     "fp8_act_quant",
     "head_i8_build",
+    "head_i8_rows",
+    "head_i8_tiles",
     "head_i8_dot",
     "head_i8_path",
     "gather_rows",
@@ -412,8 +414,9 @@ HEAD_I8_MAX_K = 131008  # head_i8_dot's largest K: |sum x q| <= 128^2 K stays an
 
 def head_i8_build(w, q=None, scale=None, wnorm=None, dnorm=None, rowsum=None):
     """The int8 copy of a bfloat16 weight w [V, K] (uint16 bits or torch bfloat16), row by row, for a screened
-    greedy LM head. Returns (q int8 [V, K], scale float32 [V], wnorm float64 [V], dnorm float64 [V], rowsum int32
-    [V]), written into the arrays given (each None is allocated). Per row:
+    greedy LM head. Returns (q int8 [V, K] in tiles of 4 rows where K % 64 == 0: `head_i8_tiles`, `head_i8_rows`;
+    scale float32 [V], wnorm float64 [V], dnorm float64 [V], rowsum int32 [V]), written into the arrays given (each
+    None is allocated). Per row:
     - some value infinite or NaN: q = 0, scale = 0, wnorm = dnorm = +inf, rowsum = 0 (always recompute it exactly);
     - else amax = max |w|; amax = 0: everything 0;
     - else s = amax / 127 (float32), q = round-half-even(w / s) (a float32 quotient) clamped to [-127, 127],
@@ -458,7 +461,7 @@ def head_i8_build(w, q=None, scale=None, wnorm=None, dnorm=None, rowsum=None):
             qf = np.clip(np.rint(wf / np.where(nz, s, 1)[:, None]), -127, 127)
         qb = np.where(nz[:, None], qf, 0).astype(np.int8)
         w64 = np.where(ok[:, None], wf, 0).astype(np.float64)
-        q[r0:r1] = qb
+        q[r0:r1] = head_i8_tiles(qb, v, r0)
         scale[r0:r1] = s
         wnorm[r0:r1] = np.where(ok, np.sqrt((w64 * w64).sum(axis=1)), np.inf)
         d = w64 - qb * s.astype(np.float64)[:, None]
@@ -467,11 +470,40 @@ def head_i8_build(w, q=None, scale=None, wnorm=None, dnorm=None, rowsum=None):
     return tuple(outs)
 
 
+HEAD_I8_TILE_ROWS = 4  # rows per tile of head_i8_build's layout
+
+
+def _tiled_rows(v: int, k: int, r0: int, n: int) -> int:
+    """How many of rows [r0, r0 + n) of a [v, k] int8 head are tiled (r0 a multiple of the tile's rows)."""
+    return 0 if k % 64 else max(0, min(r0 + n, v // HEAD_I8_TILE_ROWS * HEAD_I8_TILE_ROWS) - r0)
+
+
+def head_i8_tiles(rows: np.ndarray, v: int, r0: int = 0) -> np.ndarray:
+    """Plain int8 rows [n, k] (rows r0.. of a [v, k] head, r0 a multiple of 4) in `head_i8_build`'s layout: where
+    k % 64 == 0, each whole group of 4 rows stored as tiles (row 4g + i's columns [64 j, 64 j + 64) at 256 j + 64 i of
+    the group's 4 k bytes), the rows after the last whole group of the head as they are."""
+    n, k = rows.shape
+    t = _tiled_rows(v, k, r0, n)
+    out = rows.copy()
+    out[:t] = rows[:t].reshape(t // 4, 4, k // 64, 64).transpose(0, 2, 1, 3).reshape(t, k)
+    return out
+
+
+def head_i8_rows(q: np.ndarray, v: int | None = None, r0: int = 0) -> np.ndarray:
+    """`head_i8_tiles` undone: rows r0.. of a [v, k] head in `head_i8_build`'s layout (v: q's rows) as plain rows."""
+    n, k = q.shape
+    t = _tiled_rows(n if v is None else v, k, r0, n)
+    out = q.copy()
+    out[:t] = q[:t].reshape(t // 4, k // 64, 4, 64).transpose(0, 2, 1, 3).reshape(t, k)
+    return out
+
+
 def head_i8_dot(xq, q, rowsum, out=None) -> np.ndarray:
     """Exact integer products of int8 activations with the int8 head: out[t, i] = sum_k xq[t, k] q[i, k] (int32, no
-    saturation for any int8 values). xq int8 [T, K] (or [K], giving [V]); q int8 [V, K] and rowsum int32 [V] from
-    `head_i8_build` (rowsum must be q's row sums: the AVX-512 VNNI path uses it); K a multiple of 64 up to
-    HEAD_I8_MAX_K. The weights are read once per 8 tokens. `out` int32 [T, V] is written (not added to)."""
+    saturation for any int8 values). xq int8 [T, K] (or [K], giving [V]); q int8 [V, K] in `head_i8_build`'s layout
+    (tiles of 4 rows: q[i] above is row i of `head_i8_rows(q)`) and rowsum int32 [V] its row sums (the AVX-512 VNNI
+    path uses them); K a multiple of 64 up to HEAD_I8_MAX_K. The weights are read once per 4 tokens. `out` int32
+    [T, V] is written (not added to)."""
     xq, q, rowsum = _array(xq, "xq"), _array(q, "q"), _array(rowsum, "rowsum")
     vector, x2, out, out2, t, v = _rows(xq, q, out, np.int32)
     if _C is not None:
@@ -490,7 +522,7 @@ def head_i8_dot(xq, q, rowsum, out=None) -> np.ndarray:
         _shape(out2, "out", (t, v))
         x32 = x2.astype(np.int32)
         for r0 in range(0, v, 4096):
-            out2[:, r0 : r0 + 4096] = x32 @ q[r0 : r0 + 4096].astype(np.int32).T
+            out2[:, r0 : r0 + 4096] = x32 @ head_i8_rows(q[r0 : r0 + 4096], v, r0).astype(np.int32).T
     return _result(vector, out, out2)
 
 

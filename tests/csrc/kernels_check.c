@@ -270,7 +270,14 @@ static void check_act_quant(size_t ii, const isa_ops *isa) {
     free(x), free(a), free(b);
 }
 
-/* head_i8_dot: exact int32 sums of int8 products (every int8 value, -128 too; T from 1 past the 8 tokens of one pass;
+/* Where head_i8_build's layout (head_i8.h) keeps q[r, k]: rows in whole groups of 4 as tiles where K % 64 == 0 (the
+ * group's rows side by side per 64 columns), the others plain. */
+static int64_t q_at(int64_t V, int64_t K, int64_t r, int64_t k) {
+    if (K % 64 || r >= V / 4 * 4) return r * K + k;
+    return r / 4 * 4 * K + k / 64 * 256 + r % 4 * 64 + k % 64;
+}
+
+/* head_i8_dot: exact int32 sums of int8 products (every int8 value, -128 too; T from 1 past the 4 tokens of one pass;
  * 1 and 3 threads) against an int64 reference; and at the largest K, the extremes whose sums come within 2^21 of
  * 2^31. */
 static void check_head_i8_dot(size_t ii, const isa_ops *isa) {
@@ -283,10 +290,11 @@ static void check_head_i8_dot(size_t ii, const isa_ops *isa) {
         int32_t *rowsum = malloc((size_t)V * 4), *out = malloc((size_t)(17 * V) * 4);
         for (int64_t i = 0; i < V * K; i++) q[i] = big ? (int8_t)(i / K == 0 ? -128 : i / K == 1 ? 127 : -127) : (int8_t)rnd();
         for (int64_t i = 0; i < 17 * K; i++) x[i] = big ? (int8_t)((i / K) % 2 ? 127 : -128) : (int8_t)rnd();
-        if (!big) memset(q, 127, (size_t)K), memset(x, 0x80, (size_t)K); /* row 0 all 127, token 0 all -128 */
+        if (!big) /* row 0 all 127, token 0 all -128 */
+            for (int64_t k = 0; k < K; k++) q[q_at(V, K, 0, k)] = 127, x[k] = -128;
         for (int64_t r = 0; r < V; r++) {
             int32_t sum = 0;
-            for (int64_t k = 0; k < K; k++) sum += q[r * K + k];
+            for (int64_t k = 0; k < K; k++) sum += q[q_at(V, K, r, k)];
             rowsum[r] = sum;
         }
         for (size_t ti = 0; ti < sizeof Ts / sizeof *Ts; ti++) {
@@ -304,7 +312,7 @@ static void check_head_i8_dot(size_t ii, const isa_ops *isa) {
                 for (int64_t t = 0; t < T; t++)
                     for (int64_t r = 0; r < V; r++) {
                         int64_t want = 0;
-                        for (int64_t k = 0; k < K; k++) want += (int64_t)x[t * K + k] * q[r * K + k];
+                        for (int64_t k = 0; k < K; k++) want += (int64_t)x[t * K + k] * q[q_at(V, K, r, k)];
                         if (out[t * V + r] != want) {
                             char msg[96];
                             snprintf(msg, sizeof msg, "head_i8_dot [%ld, %ld] = %ld, not %ld (%d threads)", (long)t,
@@ -322,10 +330,10 @@ static void check_head_i8_dot(size_t ii, const isa_ops *isa) {
 /* head_i8_build against its contract computed here in plain C (float32 quotient, half-even rounding, clamp):
  * ordinary, subnormal-only, largest-value, zero and non-finite rows; q, scale and rowsum bit for bit, the norms
  * within float64 rounding. */
-static void check_head_i8_build(size_t ii, const isa_ops *isa) {
-    enum { V = 9, K = 203 };
-    static uint16_t w[V * K];
-    static int8_t q[V * K];
+static void check_head_i8_build_shape(size_t ii, const isa_ops *isa, const int64_t K) {
+    enum { V = 9, KMAX = 256 };
+    static uint16_t w[V * KMAX];
+    static int8_t q[V * KMAX];
     float scale[V];
     double wn[V], dn[V];
     int32_t rs[V];
@@ -360,7 +368,7 @@ static void check_head_i8_build(size_t ii, const isa_ops *isa) {
         for (int64_t k = 0; k < K && !bad; k++) {
             const float v = (float)bf16_val(w[r * K + k]);
             const float qf = s > 0 ? fminf(fmaxf(rintf(v / s), -127.0f), 127.0f) : 0.0f;
-            bad |= q[r * K + k] != (int8_t)qf;
+            bad |= q[q_at(V, K, r, k)] != (int8_t)qf;
             sum += (int32_t)qf;
             ws += (double)v * v, ds += ((double)v - (double)qf * s) * ((double)v - (double)qf * s);
         }
@@ -375,6 +383,12 @@ static void check_head_i8_build(size_t ii, const isa_ops *isa) {
             fail(isa->name, 'h', 0, V, K, msg);
         }
     }
+}
+
+/* plain rows (K % 64 != 0), then two tiles and a plain row after them */
+static void check_head_i8_build(size_t ii, const isa_ops *isa) {
+    check_head_i8_build_shape(ii, isa, 203);
+    check_head_i8_build_shape(ii, isa, 256);
 }
 
 int main(void) {

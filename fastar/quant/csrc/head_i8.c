@@ -30,41 +30,52 @@
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
 #endif
 
-#define DOT_TG 8       /* tokens per pass over the weights */
-#define BUILD_BLOCK 64   /* head_i8_build's columns per step */
+#define DOT_TG 4       /* tokens per pass over the weights: 4 rows x 4 tokens, 16 accumulators */
+#define BUILD_BLOCK 64   /* head_i8_build's columns per step (one tile column) */
 #define SUB_BYTES 262144 /* rows per sub-block of a chunk: about this many weight bytes (L2-resident), so T > DOT_TG
                           * re-reads a sub-block from L2, not memory */
 
-/* Rows [r0, r1) of a dot path against T tokens of X, R rows a block (the last odd ones one at a time), U partial sums
- * per (row, token): BLOCK(d, X, T, R, U, r, out) for each block (the caller's d, r0, r1 and out). */
+/* q's layout (head_i8.h): row r's columns [64 j, 64 j + 64) start at q_row(q, V, K, r) + j q_step(V, K, r). Rows in
+ * whole groups of HEAD_I8_TILE_ROWS, where K % 64 == 0, are tiled (the group's rows side by side per 64 columns,
+ * one sequential stream for a block of rows); the rest are plain rows. */
+INLINE int q_tiled(int64_t V, int64_t K, int64_t r) {
+    return K % HEAD_I8_K_ALIGN == 0 && r < V / HEAD_I8_TILE_ROWS * HEAD_I8_TILE_ROWS;
+}
+INLINE int64_t q_step(int64_t V, int64_t K, int64_t r) {
+    return q_tiled(V, K, r) ? HEAD_I8_TILE_ROWS * HEAD_I8_K_ALIGN : HEAD_I8_K_ALIGN;
+}
+INLINE int64_t q_offset(int64_t V, int64_t K, int64_t r) {
+    return q_tiled(V, K, r) ? r / HEAD_I8_TILE_ROWS * HEAD_I8_TILE_ROWS * K + r % HEAD_I8_TILE_ROWS * HEAD_I8_K_ALIGN
+                            : r * K;
+}
+
+/* Rows [r0, r1) of a dot path against T tokens of X, R rows a block (R divides a tile's rows; r0 is a multiple of
+ * them), U partial sums per (row, token): BLOCK(d, X, T, R, U, r, q, rs, cs, out) for each block, its row i's
+ * columns [64 j, 64 j + 64) at q + i rs + j cs; the plain rows after the tiles one at a time (the caller's d, r0, r1
+ * and out). */
 #define ROW_BLOCKS(BLOCK, X, T, R, U)                                                                                  \
     {                                                                                                                  \
+        const int64_t tiles = d->V / HEAD_I8_TILE_ROWS * HEAD_I8_TILE_ROWS, e = r1 < tiles ? r1 : tiles;               \
+        const int64_t cs = HEAD_I8_TILE_ROWS * HEAD_I8_K_ALIGN;                                                        \
         int64_t r = r0;                                                                                                \
-        for (; r + (R) <= r1; r += (R)) BLOCK(d, X, T, R, U, r, out);                                                  \
-        for (; r < r1; r++) BLOCK(d, X, T, 1, U, r, out);                                                              \
+        for (; r < e; r += (R)) BLOCK(d, X, T, R, U, r, d->q + q_offset(d->V, d->K, r), HEAD_I8_K_ALIGN, cs, out);     \
+        for (; r < r1; r++) BLOCK(d, X, T, 1, U, r, d->q + r * d->K, d->K, HEAD_I8_K_ALIGN, out);                      \
     }                                                                                                                  \
     break;
 
-/* The VNNI and SDOT paths' blocking by token count (the caller's T): one row at a time with two partial sums up to
- * 3 tokens, then two rows sharing each load of x, at most 16 accumulators. */
-#define TOKEN_BLOCKS(BLOCK, X)                                                                                         \
-    switch (T) {                                                                                                       \
-        case 1: ROW_BLOCKS(BLOCK, X, 1, 1, 2)                                                                          \
-        case 2: ROW_BLOCKS(BLOCK, X, 2, 1, 2)                                                                          \
-        case 3: ROW_BLOCKS(BLOCK, X, 3, 1, 2)                                                                          \
-        case 4: ROW_BLOCKS(BLOCK, X, 4, 2, 1)                                                                          \
-        case 5: ROW_BLOCKS(BLOCK, X, 5, 2, 1)                                                                          \
-        case 6: ROW_BLOCKS(BLOCK, X, 6, 2, 1)                                                                          \
-        case 7: ROW_BLOCKS(BLOCK, X, 7, 2, 1)                                                                          \
-        default: ROW_BLOCKS(BLOCK, X, 8, 2, 1)                                                                         \
-    }
-
 /* ---------------------------------------------------------------- build */
 
-/* One row: the contract in head_i8.h. The float32 steps run in the default floating-point environment (the chunk
- * function sets it on x86-64: no flush of subnormals, round to nearest), as numpy's twin computes them. */
-INLINE void build_row(const uint16_t *w, int64_t K, int8_t *q, float *scale, double *wnorm, double *dnorm,
-                      int32_t *rowsum) {
+/* A row of zeros, its columns [64 j, 64 j + 64) at q + j cs. */
+INLINE void zero_row(int8_t *q, int64_t K, int64_t cs) {
+    for (int64_t k0 = 0; k0 < K; k0 += BUILD_BLOCK)
+        memset(q + k0 / BUILD_BLOCK * cs, 0, K - k0 < BUILD_BLOCK ? (size_t)(K - k0) : BUILD_BLOCK);
+}
+
+/* One row (its columns [64 j, 64 j + 64) written at q + j cs): the contract in head_i8.h. The float32 steps run in
+ * the default floating-point environment (the chunk function sets it on x86-64: no flush of subnormals, round to
+ * nearest), as numpy's twin computes them. */
+INLINE void build_row(const uint16_t *w, int64_t K, int8_t *q, int64_t cs, float *scale, double *wnorm,
+                      double *dnorm, int32_t *rowsum) {
     int16_t amax = 0; /* max |w| as bits: the order of non-negative bfloat16 bit patterns is their values' (NaN and
                        * infinity above every finite value) */
     for (int64_t k = 0; k < K; k++) {
@@ -72,12 +83,12 @@ INLINE void build_row(const uint16_t *w, int64_t K, int8_t *q, float *scale, dou
         amax = a > amax ? a : amax;
     }
     if (amax >= 0x7f80) { /* an infinity or NaN: the row is always recomputed exactly */
-        memset(q, 0, (size_t)K);
+        zero_row(q, K, cs);
         *scale = 0.0f, *wnorm = *dnorm = INFINITY, *rowsum = 0;
         return;
     }
     if (amax == 0) {
-        memset(q, 0, (size_t)K);
+        zero_row(q, K, cs);
         *scale = 0.0f, *wnorm = *dnorm = 0.0, *rowsum = 0;
         return;
     }
@@ -94,6 +105,7 @@ INLINE void build_row(const uint16_t *w, int64_t K, int8_t *q, float *scale, dou
     int32_t sum = 0;
     for (int64_t k0 = 0; k0 < K; k0 += BUILD_BLOCK) {
         const int n = K - k0 < BUILD_BLOCK ? (int)(K - k0) : BUILD_BLOCK;
+        int8_t *qk = q + k0 / BUILD_BLOCK * cs;
         float wf[BUILD_BLOCK], qf[BUILD_BLOCK];
         for (int i = 0; i < n; i++) {
             union {
@@ -104,7 +116,7 @@ INLINE void build_row(const uint16_t *w, int64_t K, int8_t *q, float *scale, dou
              * clamping the integer gives round(clamp(w / s)) */
             int32_t qi = (int32_t)((x.f / s + magic) - magic);
             qi = qi < -127 ? -127 : qi > 127 ? 127 : qi;
-            q[k0 + i] = (int8_t)qi;
+            qk[i] = (int8_t)qi;
             sum += qi;
             wf[i] = x.f, qf[i] = (float)qi;
         }
@@ -125,8 +137,8 @@ INLINE void build_row(const uint16_t *w, int64_t K, int8_t *q, float *scale, dou
 #define BUILD_ROWS(NAME, ATTR)                                                                                     \
     ATTR static void NAME(const head_build *b, int64_t r0, int64_t r1) {                                           \
         for (int64_t r = r0; r < r1; r++)                                                                          \
-            build_row(b->w + r * b->K, b->K, b->q + r * b->K, b->scale + r, b->wnorm + r, b->dnorm + r,            \
-                      b->rowsum + r);                                                                              \
+            build_row(b->w + r * b->K, b->K, b->q + q_offset(b->V, b->K, r), q_step(b->V, b->K, r), b->scale + r,  \
+                      b->wnorm + r, b->dnorm + r, b->rowsum + r);                                                  \
     }
 BUILD_ROWS(build_rows_plain, )
 #if FASTAR_X86
@@ -171,11 +183,13 @@ void head_i8_build_run(const isa_ops *isa, const head_build *b) {
 static void dot_rows_plain(const head_dot *d, const int8_t *x, int T, int64_t r0, int64_t r1, int32_t *out) {
     const int64_t K = d->K;
     for (int64_t r = r0; r < r1; r++) {
-        const int8_t *qr = d->q + r * K;
+        const int8_t *qr = d->q + q_offset(d->V, K, r);
+        const int64_t cs = q_step(d->V, K, r);
         for (int t = 0; t < T; t++) {
             const int8_t *xt = x + t * K;
             int32_t s = 0;
-            for (int64_t k = 0; k < K; k++) s += (int32_t)xt[k] * (int32_t)qr[k];
+            for (int64_t c = 0, j = 0; c < K; c += HEAD_I8_K_ALIGN, j++)
+                for (int k = 0; k < HEAD_I8_K_ALIGN; k++) s += (int32_t)xt[c + k] * (int32_t)qr[j * cs + k];
             out[t * d->V + r] = s;
         }
     }
@@ -184,26 +198,25 @@ static void dot_rows_plain(const head_dot *d, const int8_t *x, int T, int64_t r0
 /* ---------------------------------------------------------------- dot: AVX2 */
 
 #if FASTAR_X86
-/* Rows [r, r + R) against T tokens of x16 (x as int16, interleaved: see head_i8_dot_run), U column steps of 16
- * interleaved, each x load shared by the R rows: each 16 weight bytes sign-extended once, multiplied with vpmaddwd
- * (pairs of int16 products summed into int32: at most 2 * 128^2, no saturation) for every token. */
+/* Rows [r, r + R) against T tokens of x16 (x as int16, interleaved: see head_i8_dot_run), row i's columns
+ * [64 j, 64 j + 64) at q + i rs + j cs, U partial sums per (row, token) (the four 16-column loads of a step in turn),
+ * each x load shared by the R rows: each 16 weight bytes sign-extended once, multiplied with vpmaddwd (pairs of int16
+ * products summed into int32: at most 2 * 128^2, no saturation) for every token. */
 __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
 dot_rows_block_avx2(const head_dot *d, const int16_t *x16, const int T, const int R, const int U, int64_t r,
-                    int32_t *out) {
-    const int64_t K = d->K;
-    const int8_t *q = d->q + r * K;
-    __m256i acc[2][2][DOT_TG];
+                    const int8_t *q, int64_t rs, int64_t cs, int32_t *out) {
+    __m256i acc[4][2][DOT_TG];
     UNROLL for (int i = 0; i < R; i++) UNROLL for (int u = 0; u < U; u++) UNROLL for (int t = 0; t < T; t++)
         acc[i][u][t] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < K; c += 16 * U) /* K % 64 == 0: whole steps */
-        UNROLL for (int u = 0; u < U; u++) {
-            __m256i w[2];
+    for (int64_t c = 0, j = 0; c < d->K; c += 64, j++) /* K % 64 == 0: whole steps */
+        UNROLL for (int h = 0; h < 4; h++) {
+            __m256i w[4];
             UNROLL for (int i = 0; i < R; i++)
-                w[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + i * K + c + 16 * u)));
+                w[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + i * rs + j * cs + 16 * h)));
             UNROLL for (int t = 0; t < T; t++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x16 + (c + 16 * u) * T + 16 * t));
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x16 + (c + 16 * h) * T + 16 * t));
                 UNROLL for (int i = 0; i < R; i++)
-                    acc[i][u][t] = _mm256_add_epi32(acc[i][u][t], _mm256_madd_epi16(xv, w[i]));
+                    acc[i][h % U][t] = _mm256_add_epi32(acc[i][h % U][t], _mm256_madd_epi16(xv, w[i]));
             }
         }
     UNROLL for (int i = 0; i < R; i++) UNROLL for (int t = 0; t < T; t++) {
@@ -216,72 +229,61 @@ dot_rows_block_avx2(const head_dot *d, const int16_t *x16, const int T, const in
 }
 
 
-/* Rows and column steps per block, as the VNNI kernel's (one row at a time up to 3 tokens), within 16 registers. */
+/* Rows and partial sums per block within 16 registers: a tile's four rows (one sequential stream) up to 2 tokens, two
+ * rows at 3 and 4. */
 __attribute__((target("avx2,fma"))) static void dot_rows_avx2(const head_dot *d, const int16_t *x16, int T, int64_t r0,
                                                              int64_t r1, int32_t *out) {
     switch (T) {
-        case 1: ROW_BLOCKS(dot_rows_block_avx2, x16, 1, 1, 2)
-        case 2: ROW_BLOCKS(dot_rows_block_avx2, x16, 2, 1, 2)
-        case 3: ROW_BLOCKS(dot_rows_block_avx2, x16, 3, 1, 2)
-        case 4: ROW_BLOCKS(dot_rows_block_avx2, x16, 4, 2, 1)
-        case 5: ROW_BLOCKS(dot_rows_block_avx2, x16, 5, 2, 1)
-        case 6: ROW_BLOCKS(dot_rows_block_avx2, x16, 6, 2, 1)
-        case 7: ROW_BLOCKS(dot_rows_block_avx2, x16, 7, 1, 1)
-        default: ROW_BLOCKS(dot_rows_block_avx2, x16, 8, 1, 1)
+        case 1: ROW_BLOCKS(dot_rows_block_avx2, x16, 1, 4, 2)
+        case 2: ROW_BLOCKS(dot_rows_block_avx2, x16, 2, 4, 1)
+        case 3: ROW_BLOCKS(dot_rows_block_avx2, x16, 3, 2, 1)
+        default: ROW_BLOCKS(dot_rows_block_avx2, x16, 4, 2, 1)
     }
 }
 
 /* ---------------------------------------------------------------- dot: AVX-512 VNNI */
 
-/* Rows [r, r + R) against T tokens of xu (x + 128 as unsigned bytes, interleaved: see head_i8_dot_run), U column
- * steps of 64 interleaved (independent sums for few tokens), each x load shared by the R rows: vpdpbusd adds four
- * (x + 128) q products per lane, each at most 255 * 128 in size; the int32 lanes wrap modulo 2^32 (vpdpbusd, unlike
- * vpdpbusds, does not saturate), so sum (x + 128) q - 128 sum q, the exact sum x q, comes out exact since it fits in
- * int32. Each row streams in address order, which the hardware prefetcher follows (a software prefetch 1 or 4 KiB
- * ahead measured slower at T = 1). */
+/* Rows [r, r + R) against T tokens of xu (x + 128 as unsigned bytes, interleaved: see head_i8_dot_run), row i's
+ * columns [64 j, 64 j + 64) at q + i rs + j cs, each x load shared by the R rows: vpdpbusd adds four (x + 128) q
+ * products per lane, each at most 255 * 128 in size; the int32 lanes wrap modulo 2^32 (vpdpbusd, unlike vpdpbusds,
+ * does not saturate), so sum (x + 128) q - 128 sum q, the exact sum x q, comes out exact since it fits in int32. A
+ * tile's rows stream in address order, which the hardware prefetcher follows. */
 TARGET_VNNI static inline __attribute__((always_inline)) void dot_rows_block_vnni(const head_dot *d, const uint8_t *xu,
                                                                                  const int T, const int R,
-                                                                                 const int U, int64_t r, int32_t *out) {
-    const int64_t K = d->K;
-    const int8_t *q = d->q + r * K;
-    __m512i acc[2][2][DOT_TG];
-    UNROLL for (int i = 0; i < R; i++) UNROLL for (int u = 0; u < U; u++) UNROLL for (int t = 0; t < T; t++)
-        acc[i][u][t] = _mm512_setzero_si512();
-    int64_t c = 0;
-    for (; c + 64 * U <= K; c += 64 * U)
-        UNROLL for (int u = 0; u < U; u++) {
-            __m512i w[2];
-            UNROLL for (int i = 0; i < R; i++) w[i] = _mm512_loadu_si512((const void *)(q + i * K + c + 64 * u));
-            UNROLL for (int t = 0; t < T; t++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(xu + (c + 64 * u) * T + 64 * t));
-                UNROLL for (int i = 0; i < R; i++) acc[i][u][t] = _mm512_dpbusd_epi32(acc[i][u][t], xv, w[i]);
-            }
-        }
-    for (; c < K; c += 64) {
-        __m512i w[2];
-        UNROLL for (int i = 0; i < R; i++) w[i] = _mm512_loadu_si512((const void *)(q + i * K + c));
+                                                                                 const int U, int64_t r,
+                                                                                 const int8_t *q, int64_t rs,
+                                                                                 int64_t cs, int32_t *out) {
+    (void)U;
+    __m512i acc[4][DOT_TG];
+    UNROLL for (int i = 0; i < R; i++) UNROLL for (int t = 0; t < T; t++) acc[i][t] = _mm512_setzero_si512();
+    for (int64_t c = 0, j = 0; c < d->K; c += 64, j++) {
+        __m512i w[4];
+        UNROLL for (int i = 0; i < R; i++) w[i] = _mm512_loadu_si512((const void *)(q + i * rs + j * cs));
         UNROLL for (int t = 0; t < T; t++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(xu + c * T + 64 * t));
-            UNROLL for (int i = 0; i < R; i++) acc[i][0][t] = _mm512_dpbusd_epi32(acc[i][0][t], xv, w[i]);
+            UNROLL for (int i = 0; i < R; i++) acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], xv, w[i]);
         }
     }
     UNROLL for (int i = 0; i < R; i++) {
         const uint32_t off = 128u * (uint32_t)d->rowsum[r + i];
-        UNROLL for (int t = 0; t < T; t++) {
-            const __m512i a = U == 2 ? _mm512_add_epi32(acc[i][0][t], acc[i][1][t]) : acc[i][0][t];
-            out[t * d->V + r + i] = (int32_t)((uint32_t)_mm512_reduce_add_epi32(a) - off);
-        }
+        UNROLL for (int t = 0; t < T; t++)
+            out[t * d->V + r + i] = (int32_t)((uint32_t)_mm512_reduce_add_epi32(acc[i][t]) - off);
     }
 }
 
 
-/* Rows and column steps per block, at most 16 accumulators. One row at a time up to 3 tokens: two rows read side by
- * side (two 4 KiB pages in turn at K = 4096) streamed at half the rate at T = 2 and 2/3 at T = 3 (A/B from DRAM,
- * alternated in one process); from 4 tokens on, two rows share each x load (a little faster at 4, better at 8). A
- * software prefetch 2-8 KiB ahead gave no steady gain at 4 or 8 tokens. */
+/* A tile's four rows a block, at most 4 x 4 accumulators. The tiles replaced plain rows read two or four side by side
+ * (separate 4 KiB pages in turn at K = 4096), which streamed well below the read bandwidth: on Zen 4, two threads,
+ * from DRAM, T = 4 in 14-15 ms against 18-22 ms, and T = 8 (two passes, the second from L2) in 20-21 ms against
+ * 24-33 ms (docs/PERFORMANCE.md). */
 TARGET_VNNI static void dot_rows_vnni(const head_dot *d, const uint8_t *xu, int T, int64_t r0, int64_t r1,
                                       int32_t *out) {
-    TOKEN_BLOCKS(dot_rows_block_vnni, xu)
+    switch (T) {
+        case 1: ROW_BLOCKS(dot_rows_block_vnni, xu, 1, 4, 1)
+        case 2: ROW_BLOCKS(dot_rows_block_vnni, xu, 2, 4, 1)
+        case 3: ROW_BLOCKS(dot_rows_block_vnni, xu, 3, 4, 1)
+        default: ROW_BLOCKS(dot_rows_block_vnni, xu, 4, 4, 1)
+    }
 }
 #endif
 
@@ -299,22 +301,23 @@ TARGET_VNNI static void dot_rows_vnni(const head_dot *d, const uint8_t *xu, int 
 #define TARGET_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
 #endif
 
-/* Rows [r, r + R) against T tokens of xi (x as int8, interleaved by 64 columns: see head_i8_dot_run), P partial sums
- * per (row, token) (independent chains for few tokens): each 64 weight bytes of a row loaded once for all tokens,
- * each x load shared by the R rows. Every sum is exact: |sum| <= 128^2 K < 2^31. */
-TARGET_DOTPROD INLINE void dot_rows_block_sdot(const head_dot *d, const int8_t *xi, const int T, const int R, const int P, int64_t r,
-                                int32_t *out) {
-    const int64_t K = d->K;
-    const int8_t *q = d->q + r * K;
-    int32x4_t acc[2][2][DOT_TG];
+/* Rows [r, r + R) against T tokens of xi (x as int8, interleaved by 64 columns: see head_i8_dot_run), row i's
+ * columns [64 j, 64 j + 64) at q + i rs + j cs, P partial sums per (row, token) (independent chains for few tokens):
+ * each 64 weight bytes of a row loaded once for all tokens, each x load shared by the R rows. Every sum is exact:
+ * |sum| <= 128^2 K < 2^31. */
+TARGET_DOTPROD INLINE void dot_rows_block_sdot(const head_dot *d, const int8_t *xi, const int T, const int R,
+                                               const int P, int64_t r, const int8_t *q, int64_t rs, int64_t cs,
+                                               int32_t *out) {
+    int32x4_t acc[4][2][DOT_TG];
     UNROLL for (int i = 0; i < R; i++) UNROLL for (int p = 0; p < P; p++) UNROLL for (int t = 0; t < T; t++)
         acc[i][p][t] = vdupq_n_s32(0);
-    for (int64_t c = 0; c < K; c += 64) {
-        int8x16_t w[2][4];
-        UNROLL for (int i = 0; i < R; i++) UNROLL for (int j = 0; j < 4; j++) w[i][j] = vld1q_s8(q + i * K + c + 16 * j);
-        UNROLL for (int t = 0; t < T; t++) UNROLL for (int j = 0; j < 4; j++) {
-            const int8x16_t xv = vld1q_s8(xi + c * T + 64 * t + 16 * j);
-            UNROLL for (int i = 0; i < R; i++) acc[i][j % P][t] = vdotq_s32(acc[i][j % P][t], xv, w[i][j]);
+    for (int64_t c = 0, j = 0; c < d->K; c += 64, j++) {
+        int8x16_t w[4][4];
+        UNROLL for (int i = 0; i < R; i++) UNROLL for (int h = 0; h < 4; h++)
+            w[i][h] = vld1q_s8(q + i * rs + j * cs + 16 * h);
+        UNROLL for (int t = 0; t < T; t++) UNROLL for (int h = 0; h < 4; h++) {
+            const int8x16_t xv = vld1q_s8(xi + c * T + 64 * t + 16 * h);
+            UNROLL for (int i = 0; i < R; i++) acc[i][h % P][t] = vdotq_s32(acc[i][h % P][t], xv, w[i][h]);
         }
     }
     UNROLL for (int i = 0; i < R; i++) UNROLL for (int t = 0; t < T; t++)
@@ -322,10 +325,16 @@ TARGET_DOTPROD INLINE void dot_rows_block_sdot(const head_dot *d, const int8_t *
 }
 
 
-/* As the VNNI kernel's: one row at a time with two partial sums per token up to 3 tokens, then two rows sharing each
- * x load; at most 16 accumulators of 32 registers. */
-TARGET_DOTPROD static void dot_rows_sdot(const head_dot *d, const int8_t *xi, int T, int64_t r0, int64_t r1, int32_t *out) {
-    TOKEN_BLOCKS(dot_rows_block_sdot, xi)
+/* Within 32 registers: a tile's four rows (16 weight registers) up to 2 tokens, two rows with two partial sums at 3,
+ * two rows at 4. */
+TARGET_DOTPROD static void dot_rows_sdot(const head_dot *d, const int8_t *xi, int T, int64_t r0, int64_t r1,
+                                         int32_t *out) {
+    switch (T) {
+        case 1: ROW_BLOCKS(dot_rows_block_sdot, xi, 1, 4, 1)
+        case 2: ROW_BLOCKS(dot_rows_block_sdot, xi, 2, 4, 1)
+        case 3: ROW_BLOCKS(dot_rows_block_sdot, xi, 3, 2, 2)
+        default: ROW_BLOCKS(dot_rows_block_sdot, xi, 4, 2, 1)
+    }
 }
 #endif
 

@@ -11,8 +11,14 @@
 /* The largest K of head_i8_dot: |sum_k x q| <= 128^2 K stays below 2^31 (exact int32), and a multiple of 64. */
 #define HEAD_I8_MAX_K 131008
 #define HEAD_I8_K_ALIGN 64
+#define HEAD_I8_TILE_ROWS 4 /* q's rows per tile (head_i8_build's layout) */
 
-/* head_i8_build: per row i of w (bfloat16 bits [V, K]):
+/* q's layout, head_i8_build's and head_i8_dot's: where K % 64 == 0, the rows in whole groups of HEAD_I8_TILE_ROWS
+ * (rows 4g .. 4g + 3, at bytes [4g K, (4g + 4) K)) are stored as tiles: row 4g + i's columns [64 j, 64 j + 64) at
+ * 4g K + 256 j + 64 i (the four rows side by side per 64 columns, so a block of them is one sequential stream); the
+ * rows after the last whole group, or every row where K % 64 != 0, as plain rows (row r at r K). */
+
+/* head_i8_build: per row i of w (bfloat16 bits [V, K]), q in the layout above:
  *   - some w[i, k] infinite or NaN: q[i] = 0, scale 0, wnorm = dnorm = +inf, rowsum 0 (the row is always exact);
  *   - else amax = max_k |w[i, k]|; amax = 0: q[i] = 0, scale = wnorm = dnorm = 0, rowsum 0;
  *   - else s = amax / 127 (float32, rounded to nearest), q[i, k] = round-half-even(w[i, k] / s) (the quotient a
@@ -29,10 +35,10 @@ typedef struct {
 } head_build;
 void head_i8_build_run(const isa_ops *isa, const head_build *b);
 
-/* head_i8_dot: out[t, i] = sum_k x[t, k] q[i, k] exactly (K <= HEAD_I8_MAX_K, a multiple of HEAD_I8_K_ALIGN; any
- * int8 values), out [T, V]; rowsum[i] must be sum_k q[i, k] (head_i8_build's), which the VNNI path uses. The weights
- * are read once per 8 tokens (a sub-block of rows is re-read from L2 by the next 8). Returns 0, or -1 for out of
- * memory. */
+/* head_i8_dot: out[t, i] = sum_k x[t, k] q[i, k] exactly, q in head_i8_build's layout (K <= HEAD_I8_MAX_K, a
+ * multiple of HEAD_I8_K_ALIGN; any int8 values), out [T, V]; rowsum[i] must be sum_k q[i, k] (head_i8_build's),
+ * which the VNNI path uses. The weights are read once per 4 tokens (a sub-block of rows is re-read from L2 by the
+ * next 4). Returns 0, or -1 for out of memory. */
 typedef struct {
     const int8_t *x; /* [T, K] */
     const int8_t *q; /* [V, K] */

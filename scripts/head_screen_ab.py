@@ -1,11 +1,12 @@
-"""Greedy decode with the screened LM head against the full one, in one engine on one state: blocks of greedy steps
-alternate `argmax_only` True (the head screen, docs/MODEL.md) and False (every logit), each block between two memory
-bandwidth probes, so both heads run at the memory speed of the same minutes.
+"""Greedy decode with the screened LM head against the full one, in one engine on the same states: blocks of greedy
+decode steps of --rows sequences (`forward_rows`, as the scheduler steps them) alternate `argmax_only` True (the head
+screen, docs/MODEL.md) and False (every logit), each block between two memory bandwidth probes, so both heads run at
+the memory speed of the same minutes.
 
-    flock /tmp/bench.lock python scripts/head_screen_ab.py -m flash4.fst [--rounds 4] [--steps 12]
+    flock /tmp/bench.lock python scripts/head_screen_ab.py -m flash4.fst [--rows 1,4,8] [--rounds 4] [--steps 12]
 
-Prints per block its tokens/s, ms per step and the bandwidth around it. That both heads give the same tokens is
-tests/test_head_screen.py's to check, not this script's.
+Prints per block its aggregate tokens/s, ms per step and the bandwidth around it. That both heads give the same
+tokens is tests/test_head_screen.py's to check, not this script's.
 """
 
 from __future__ import annotations
@@ -24,28 +25,38 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12, help="greedy steps per block")
     ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--rows", default="1", help="comma-separated decode batch sizes, 1 to 8")
     a = ap.parse_args()
     eng = fastar.load(a.model)
     if eng.model.screen is None:
         raise SystemExit("this engine has no head screen (the C kernels are needed)")
     _settle(eng)
-    state = eng.new_state()
-    seq = list(range(1000, 1000 + a.prompt_tokens))
-    seq.append(argmax(eng.prefill(seq, state)[-1]))
-    for _ in range(4):  # first touches out of the timing
-        seq.append(argmax(eng.prefill(seq[-1:], state, argmax_only=True)[-1]))
-    for rnd in range(a.rounds):
-        for screen in (True, False):
-            bw0, t0 = _stream_gbps(eng), time.perf_counter()
-            for _ in range(a.steps):
-                seq.append(argmax(eng.prefill(seq[-1:], state, argmax_only=screen)[-1]))
-            dt = (time.perf_counter() - t0) / a.steps
-            head = "screened" if screen else "full    "
-            print(
-                f"round {rnd} {head}: {1 / dt:6.2f} tok/s ({dt * 1e3:.1f} ms/step), memory {bw0:.1f} -> "
-                f"{_stream_gbps(eng):.1f} GB/s",
-                flush=True,
-            )
+    model = eng.model
+    for n in (int(r) for r in a.rows.split(",")):
+        states = [eng.new_state() for _ in range(n)]
+        last = []
+        for i, state in enumerate(states):
+            prompt = list(range(1000 + 97 * i, 1000 + 97 * i + a.prompt_tokens))
+            last.append(argmax(eng.prefill(prompt, state)[-1]))
+
+        def step(screen: bool) -> None:
+            logits = model.forward_rows(last, states, [screen] * n)
+            last[:] = [argmax(row) for row in logits]
+
+        for _ in range(4):  # first touches out of the timing
+            step(True)
+        for rnd in range(a.rounds):
+            for screen in (True, False):
+                bw0, t0 = _stream_gbps(eng), time.perf_counter()
+                for _ in range(a.steps):
+                    step(screen)
+                dt = (time.perf_counter() - t0) / a.steps
+                head = "screened" if screen else "full    "
+                print(
+                    f"{n} rows, round {rnd} {head}: {n / dt:6.2f} tok/s ({dt * 1e3:.1f} ms/step), memory {bw0:.1f} "
+                    f"-> {_stream_gbps(eng):.1f} GB/s",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

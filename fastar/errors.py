@@ -20,6 +20,10 @@ class ConfigError(FastarError, ValueError):
     """A model config is missing a field or holds a value the engine cannot run."""
 
 
+class EngineClosed(FastarError, RuntimeError):
+    """An `Engine` was used after `close()`."""
+
+
 class QueueFull(FastarError):
     """The step scheduler's wait queue is full: try again after `retry_after` seconds (a server's 503)."""
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fastar.engine.engine import load
-from fastar.errors import FastarError
+from fastar.errors import EngineClosed, FastarError
 
 TOKENS = [int(t) for t in np.random.default_rng(3).integers(3, 1000, 150)]
 
@@ -48,19 +48,22 @@ def test_hash_layers_prefetched_exactly(tiny_fst_path):
 
 def test_engine_close_stops_the_pager(tiny_fst_path):
     """`with load(...)` closes the pager (its loader threads and slab); closing again is a no-op; a closed pager
-    refuses requests with a clear error instead of serving freed memory."""
+    refuses requests with a clear error instead of serving freed memory, and a closed engine says it is closed,
+    with a pager or without one (no pager to stop: it would still run, but closed means closed for every engine)."""
     with load(tiny_fst_path, ram_budget="300K") as e:
         cache = e.expert_cache
-        want = e.logits(TOKENS[:10])
+        e.logits(TOKENS[:10])
         assert any(t.is_alive() for t in cache._threads)
     threads = list(cache._threads)
     assert not threads and cache._closed
     e.close()
     with pytest.raises(FastarError, match=r"expert cache of .* is closed"):
-        e.logits(TOKENS[:10])
-    mapped = load(tiny_fst_path, ram_budget=None)  # no pager: close() has nothing to stop, and the engine still runs
+        cache.get(0, 0)
+    mapped = load(tiny_fst_path, ram_budget=None)
     mapped.close()
-    np.testing.assert_array_equal(mapped.logits(TOKENS[:10]), want)
+    for engine in (e, mapped):
+        with pytest.raises(EngineClosed, match=r"^this engine is closed"):
+            engine.logits(TOKENS[:10])
 
 
 def test_checkpoint_directory_paged_through_the_same_cache(tiny_ckpt, tiny_fst_path):

@@ -259,6 +259,82 @@ def engine(tiny_ckpt: Path, tmp_path_factory):
 PROMPT = [5, 17, 99, 3, 250, 7, 8, 300, 12]
 
 
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_a_type_error_naming_it(engine) -> None:
+    """None, a number, bytes (which iterate as ints), float ids (which were rounded into tokens) or strings in an id
+    list: a one-line TypeError from every entry point, where some ran and others failed deep inside."""
+    import numpy as np
+
+    sched = engine.scheduler()
+    calls = {
+        "generate": lambda p: engine.generate(p, max_tokens=1),
+        "prompt_logprobs": engine.prompt_logprobs,
+        "perplexity": lambda p: engine.perplexity(p, ctx=4),
+        "scheduler": lambda p: sched.submit(p, max_tokens=1),
+    }
+    for name, call in calls.items():
+        for bad, says in ((None, "got NoneType"), (5, "got int"), (b"hi", "got bytes")):
+            with pytest.raises(
+                TypeError, match=f"^a prompt is text \\(str\\) or token ids \\(a list of int\\), {says}$"
+            ):
+                call(bad)
+        for ids, says in (([5, 1.5], "got 1.5 \\(float\\)"), ([5, "6"], "got '6' \\(str\\)"), ([5, True], "got True")):
+            with pytest.raises(TypeError, match=f"^token ids must be integers, {says}"):
+                call(ids)
+    short = PROMPT[:4]
+    assert engine.generate(np.array(short), max_tokens=2, ignore_eos=True) == engine.generate(
+        short, max_tokens=2, ignore_eos=True
+    )
+
+
+def test_other_bad_arguments_are_named(engine, tiny_ckpt) -> None:
+    """A session of another engine (which ran on that engine, not this one), something that is not a session or a
+    SamplingParams, `top` beyond the vocabulary (a RuntimeError from torch's topk), a ctx that is not an integer."""
+    from fastar.engine.engine import load
+
+    with load(tiny_ckpt) as other, pytest.raises(ValueError, match=r"^the session belongs to another engine"):
+        engine.generate(PROMPT, max_tokens=1, session=other.open_session())
+    with pytest.raises(TypeError, match=r"^session must be a Session from open_session\(\), got str$"):
+        engine.generate(PROMPT, max_tokens=1, session="chat-1")
+    with pytest.raises(TypeError, match=r"^params must be a SamplingParams .*got dict$"):
+        engine.stream(PROMPT, {"max_tokens": 1})
+    vocab = engine.config.vocab_size
+    with pytest.raises(ValueError, match=f"^top must be an integer in \\[0, {vocab}\\]"):
+        engine.prompt_logprobs(PROMPT, top=vocab + 1)
+    assert len(engine.prompt_logprobs(PROMPT[:3], top=vocab).top[1]) == vocab
+    for bad in ({"ctx": "8"}, {"ctx": 8.0}, {"ctx": 8, "stride": 2.5}):
+        with pytest.raises(TypeError, match="must be an integer, got"):
+            engine.perplexity(PROMPT, **bad)
+    with pytest.raises(ValueError, match=r"^max_tokens must be an integer >= 0, got -1$"):
+        engine.generate_tokens(PROMPT, -1)
+
+
+def test_a_closed_engine_says_so_at_every_entry_point(tiny_ckpt) -> None:
+    """After `close()` every call is a one-line `EngineClosed` (a RuntimeError), where some said the expert cache
+    was closed, and opening a session or a scheduler still worked."""
+    from fastar.engine.engine import load
+    from fastar.errors import EngineClosed
+
+    eng = load(tiny_ckpt)
+    session = eng.open_session()
+    eng.close()
+    for call in (
+        lambda: eng.generate(PROMPT, max_tokens=1),
+        lambda: eng.generate(PROMPT, max_tokens=1, session=session),
+        lambda: eng.stream(PROMPT, max_tokens=1),
+        lambda: eng.chat([{"role": "user", "content": "hi"}], max_tokens=1),
+        lambda: eng.prompt_logprobs(PROMPT),
+        lambda: eng.perplexity(PROMPT, ctx=4),
+        lambda: eng.logits(PROMPT),
+        lambda: eng.generate_tokens(PROMPT, 1),
+        eng.open_session,
+        eng.scheduler,
+        lambda: session.prefill(PROMPT),
+    ):
+        with pytest.raises(EngineClosed, match=r"^this engine is closed \(Engine.close\(\) was called\)"):
+            call()
+    assert issubclass(EngineClosed, RuntimeError)
+
+
 def test_greedy_is_deterministic_and_matches_the_reference_loop(engine) -> None:
     a = [c.token for c in engine.stream(PROMPT, max_tokens=4, ignore_eos=True, session=engine.open_session())]
     s = engine.open_session()

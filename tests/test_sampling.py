@@ -48,7 +48,12 @@ def test_defaults_are_greedy() -> None:
         ("top_k", -1),
         ("min_p", 1.5),
         ("seed", "x"),
+        ("seed", 2**64),  # beyond what a torch.Generator takes: no "Overflow when unpacking long long" later
+        ("seed", -(2**63) - 1),
         ("stop", [""]),
+        ("stop", 5),  # not a list: no "'int' object is not iterable"
+        ("stop_token_ids", 3),
+        ("logit_bias", [1.0]),
         ("stop", [3]),
         ("stop_token_ids", [-1]),
         ("logprobs", 21),

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..contracts import ExpertProvider, WeightSource
-from ..errors import ConfigError, FastarError, FormatError
+from ..errors import ConfigError, EngineClosed, FastarError, FormatError
 from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, DeepseekV4, Numerics, span_bytes_per_token
 from ..model.head_screen import HeadScreen
 from ..model.state import ModelState
@@ -37,6 +37,7 @@ from .prompt_logprobs import PromptLogprobs, score_prompt
 from .sampling import SamplingParams, argmax
 from .scheduler import Scheduler
 from .session import PromptError, Session, Stats
+from .session import token_ids as token_ids_of
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("fastar.engine")
@@ -258,6 +259,7 @@ class Engine:
         """Run `token_ids` in spans of `prefill_span` (chunks of `prefill_chunk`); returns logits [T, V] (or
         [1, V] for the last; `argmax_only`: the caller reads the last one's argmax alone, see
         `DeepseekV4.forward`)."""
+        self._check_open()
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         self._check_ids(token_ids)
@@ -287,6 +289,10 @@ class Engine:
         why = getattr(self.source, "context_note", None) or "the model has no lightning-indexer weights"
         return f"the context is capped at {self.model.max_positions} tokens: {why}"
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("this engine is closed (Engine.close() was called): load the model again")
+
     def _check_ids(self, token_ids: list[int]) -> None:
         v = self.config.vocab_size
         bad = [t for t in token_ids if not 0 <= int(t) < v]
@@ -297,19 +303,24 @@ class Engine:
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
         """Logits at every position of `token_ids` from a fresh state: float32 [len, vocab]."""
-        return self.prefill(list(token_ids), self.new_state(), all_logits=True).float().numpy()
+        return self.prefill(token_ids_of(token_ids), self.new_state(), all_logits=True).float().numpy()
 
     def prompt_logprobs(self, prompt: str | list[int], top: int = 0) -> PromptLogprobs:
         """Every prompt token's logprob given the tokens before it (None for the first), its rank and the `top` most
         likely alternatives at its position, from a fresh state (`fastar.engine.prompt_logprobs`: the prefill's
         streams, the LM head a few positions at a time). Raises `PromptError` for an empty or too long prompt."""
+        self._check_open()
         return score_prompt(self, prompt, top)
 
     def perplexity(self, text: str | list[int], ctx: int = 512, stride: int | None = None, **options) -> Perplexity:
         """Perplexity of a text (or token ids) over windows of `ctx` tokens moved by `stride` (default ctx // 2),
         each token scored once, in the first window that holds it after at least one token (`fastar.engine.
         perplexity`; `options`: save_logits, compare, on_window). `.ppl`, `.nll`, `.summary()`."""
-        ids = self.tokenizer.encode(text) if isinstance(text, str) else [int(t) for t in text]
+        self._check_open()
+        for name, value in (("ctx", ctx), ("stride", stride)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+        ids = self.tokenizer.encode(text) if isinstance(text, str) else token_ids_of(text)
         return perplexity(self, ids, ctx, stride, **options)
 
     def generate_tokens(
@@ -324,6 +335,9 @@ class Engine:
         (included in the output) unless `ignore_eos`."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+        prompt_ids = token_ids_of(prompt_ids)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         state = self.new_state()
         out: list[int] = []
@@ -410,6 +424,7 @@ class Engine:
 
     def open_session(self, anchor: bool = True) -> Session:
         """A new, empty `Session` (one conversation's tokens + model state; `anchor`: see `session.py`)."""
+        self._check_open()
         return Session(
             self,
             context_length=self.context_length,
@@ -444,10 +459,17 @@ class Engine:
             PromptError (a ValueError), from this call itself: empty prompt, longer than the context, bad ids.
             SamplingError (a ValueError): a bad sampling value.
         """
+        self._check_open()
         if params is None:
             params = SamplingParams.from_kwargs(**sampling)
         elif sampling:
             raise TypeError("pass either params or sampling keyword arguments, not both")
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams (or pass keyword arguments), got {type(params).__name__}")
+        if session is not None and not isinstance(session, Session):
+            raise TypeError(f"session must be a Session from open_session(), got {type(session).__name__}")
+        if session is not None and session.runner is not self:
+            raise ValueError("the session belongs to another engine: open one with this engine's open_session()")
         if params.prompt_logprobs is not None:  # scored from a fresh state, as the server's scheduler scores it
             return self._scheduled(prompt_ids, params, cancel)
         if session is None:
@@ -603,6 +625,7 @@ class Engine:
         thread calls `step()` or `run(stop_event)`. `prefix_cache`: a folder of prefix states on disk (see
         `open_prefix_cache`); `keep_states`: finished requests' states kept in RAM for prefix reuse; `draft`: a lone
         greedy sequence decodes with the engine's drafter (when it has one), the same tokens as without."""
+        self._check_open()
         cache = self.open_prefix_cache(prefix_cache, prefix_cache_size, True) if prefix_cache is not None else None
         return Scheduler(
             self,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..model import ops
-from .session import PromptError
+from .session import PromptError, token_ids
 
 HEAD_ROWS = 64  # positions per LM-head call: [64, 129280] float32 is 33 MB
 
@@ -161,10 +161,11 @@ def run_prefill(engine, ids: list[int], scorer: PromptScorer, on_progress: Calla
 
 def score_prompt(engine, prompt: str | list[int], top: int = 0) -> PromptLogprobs:
     """`Engine.prompt_logprobs`: every prompt token's logprob, rank and top-`top` alternatives."""
-    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else token_ids(prompt)
     check_prompt(engine, ids)
-    if not isinstance(top, int) or isinstance(top, bool) or top < 0:
-        raise ValueError(f"top must be an integer >= 0, got {top!r}")
+    vocab = engine.config.vocab_size
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= vocab:
+        raise ValueError(f"top must be an integer in [0, {vocab}] (the vocabulary), got {top!r}")
     scorer = PromptScorer(engine.model, ids, top)
     run_prefill(engine, ids, scorer)
     return scorer.result()

@@ -75,6 +75,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI's `stop` is a string or a list
             self.stop = [self.stop]
+        for name, kinds, want in (
+            ("stop", (list, tuple), "a non-empty string or a list of non-empty strings"),
+            ("stop_token_ids", (list, tuple), "a list of token ids"),
+            ("logit_bias", (dict,), "a dict of token id -> finite number"),
+        ):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), kinds):
+                raise SamplingError(f"{name} must be {want}, got {getattr(self, name)!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
@@ -98,8 +105,8 @@ class SamplingParams:
             bad("top_k", "an integer >= 0 (0 = off)")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "a number in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            bad("seed", "an integer or None")
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            bad("seed", "None or an integer in [-2**63, 2**64)")  # what a torch.Generator takes
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "a non-empty string or a list of non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):

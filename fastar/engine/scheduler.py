@@ -87,6 +87,7 @@ from .handle import Handle  # (importable from here too)
 from .prefix_cache import PrefixMemory
 from .prompt_logprobs import PromptLogprobs, PromptScorer
 from .sampling import Sampler, SamplingError, SamplingParams, report
+from .session import token_ids
 from .thinking_budget import ThinkingBudget, next_token
 
 
@@ -219,7 +220,7 @@ class Scheduler:
         `on_progress`: the shared prompt's. All choices have the same `max_tokens`. Raises as `submit` does."""
         on_chunk, on_error, cancel = check_group(params, on_chunk, on_error, cancel)
         eng = self.engine
-        ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else token_ids(prompt)
         session_check(eng, ids)
         reqs = []
         for p, chunk_fn, error_fn, event in zip(params, on_chunk, on_error, cancel, strict=True):

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -81,6 +82,22 @@ class Stats:
         d["prefill_tokens_per_s"] = self.prefill_tokens_computed / self.prefill_seconds if self.prefill_seconds else 0.0
         d["decode_tokens_per_s"] = self.decode_tokens_computed / self.decode_seconds if self.decode_seconds else 0.0
         return d
+
+
+def token_ids(prompt: Any) -> list[int]:
+    """A prompt given as token ids (a list, tuple or array of integers) as a list of ints. Raises TypeError naming
+    what it got instead (None, a number, bytes, floats, strings): a float id is never rounded into a token."""
+    if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Iterable):
+        raise TypeError(f"a prompt is text (str) or token ids (a list of int), got {type(prompt).__name__}")
+    ids = []
+    for t in prompt:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"token ids must be integers, got {t!r} ({type(t).__name__})") from None
+    return ids
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -145,6 +162,11 @@ class Session:
         self._keep_anchor = anchor
         self._anchor: tuple[list[int], Any] | None = None  # (prompt ids, state snapshot after them)
 
+    @property
+    def runner(self) -> Runner:
+        """The engine this session runs on (a session's state is only meaningful to its own engine)."""
+        return self._runner
+
     # --- the timeline -------------------------------------------------------------------------------------
 
     @property
@@ -206,7 +228,7 @@ class Session:
         as it would inside the whole text.
         """
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            return token_ids(prompt)
         if self.tokenizer is None:
             raise PromptError("this session has no tokenizer: pass token ids")
         if self._tokens:

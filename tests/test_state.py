@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from fastar.model.state import LayerState, ModelState, RowBuffer, StateError
+from fastar.model import ops
+from fastar.model.state import LayerState, ModelState, RowBuffer, RowFormat, StateError
+from fastar.quant import kernels
 
 
 def test_row_buffer_append_rows_take_truncate_drop():
@@ -27,6 +30,36 @@ def test_row_buffer_append_rows_take_truncate_drop():
     assert b.rows(35, 36)[0, 0] == 0
     with pytest.raises(StateError):
         b.truncate(10)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the array path is the C extension's")
+@pytest.mark.parametrize("fmt", [None, RowFormat("fp8", 128, 64), RowFormat("fp4", 64)])
+def test_append_array_stores_what_append_stores(fmt):
+    """`append_array` (a decode step's KV rows as numpy) against `append`: the same stored bytes and rows through
+    growth, `drop_before` (a view, then a compacting copy), `truncate` and a move to another buffer."""
+    width = 3 if fmt is None else fmt.width
+    a, b = RowBuffer(width, fmt=fmt), RowBuffer(width, fmt=fmt)
+    g = torch.Generator().manual_seed(0)
+    for i in range(70):
+        rows = torch.randn(1 + i % 2, width, generator=g) * 4
+        if fmt is not None and fmt.kind == "fp8":  # what each packed format stores exactly (`_fp8_nope`, the indexer)
+            rows = torch.cat([ops.fp8_quant_sim(rows[:, : -fmt.rope], 64), rows[:, -fmt.rope :]], dim=1)
+        elif fmt is not None:
+            rows = ops.fp4_quant_sim(rows, 32)
+        a.append(rows)
+        assert b.append_array(rows.numpy())
+        if i == 20:
+            a.drop_before(5), b.drop_before(5)  # a view of the same storage
+        if i == 40:
+            a.drop_before(a.stop - 3), b.drop_before(b.stop - 3)  # compacted: a new storage
+        if i == 50:
+            a.truncate(a.stop - 2), b.truncate(b.stop - 2)
+        assert (a.start, a.stop) == (b.start, b.stop)
+        assert torch.equal(a.raw(), b.raw())
+    assert torch.equal(a.rows(a.start, a.stop), b.rows(b.start, b.stop))
+    c = b.copy()
+    assert c.append_array(np.ones((1, width), np.float32)) and c.stop == b.stop + 1
+    assert torch.equal(c.raw()[:-1], b.raw())  # the copy's storage apart from b's
 
 
 def _fill(s: LayerState, n: int) -> None:

@@ -405,6 +405,7 @@ class Attention:
         )
         # at decode, each query's attention over its stored rows in one C call (the same bits as `_attend`'s path)
         self.stored_attend = StoredAttend.build(self.sinks, self.window, ratio, self.D**-0.5)
+        self._rows_o: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # `_rows_out`'s buffers, by row count
         # at decode, each row's compressor work in one C call per compressor (the same bits as `Compressor.add`)
         own = (self.compressor, ("comp_kv", "comp_gate", "entries"), "fp8_nope" if numerics.fp8_kv else None, self.rope)
         rot = "fp4_rotate" if numerics.fp4_indexer else None
@@ -486,12 +487,12 @@ class Attention:
         if self.indexer is not None and any(self.indexer.scores(p + 1) for p in pos):
             iq, iw = self.indexer.queries(x, qr, torch.tensor(pos), (cos, sin))  # the layer's frequencies
         # each row's attention into its slice of one output, one C call each (`StoredAttend`), else below
-        qn = self.stored_attend and ops.c_arrays(q)
-        o = torch.empty(q.shape) if qn else None
-        on = o.numpy() if o is not None else None
+        qn = self.stored_attend and ops.c_arrays(q, kv)  # q's and kv's arrays: [q, kv]
+        o, on = self._rows_out(q.shape) if qn else (None, None)
         out = []
         for b, (p0, state) in enumerate(zip(pos, states)):
-            state.kv.append(kv[b : b + 1])
+            if not (qn and state.kv.append_array(qn[1][b : b + 1])):  # the same bytes without the tensor calls
+                state.kv.append(kv[b : b + 1])
             scoring = None
             if self.ratio:
                 one = slice(b, b + 1)
@@ -516,6 +517,15 @@ class Attention:
         if o is not None:
             return self._output(o, cos, sin)
         return self._output(torch.cat(out) if len(out) > 1 else out[0], cos, sin)
+
+    def _rows_out(self, shape: torch.Size) -> tuple[torch.Tensor, np.ndarray]:
+        """`rows`' attention output [B, H, D] for B rows, one per B made once (a tensor and its array): each call fills
+        it row by row and `_output` reads it before `rows` returns, so a step allocates none."""
+        got = self._rows_o.get(shape[0])
+        if got is None:
+            o = torch.empty(shape)
+            got = self._rows_o[shape[0]] = (o, o.numpy())
+        return got
 
     def _compress_project(self, x: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`Compressor.project` of x [T, d] at positions pos for each of `self.compressors` (the layer's, then its

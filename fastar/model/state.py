@@ -231,6 +231,7 @@ class RowBuffer:
         empty = torch.empty(0, self.fmt.stored_width, dtype=self.fmt.dtype)
         self._data = empty if data is None else self.fmt.encode(data)
         self._n = 0 if data is None else self._data.shape[0]
+        self._view: tuple[torch.Tensor, np.ndarray] | None = None  # (the storage, its array): `append_array`'s
 
     @classmethod
     def stored(cls, fmt: RowFormat, start: int, raw: torch.Tensor) -> RowBuffer:
@@ -266,6 +267,27 @@ class RowBuffer:
         self._room(k)
         self._data[self._n : self._n + k] = enc
         self._n += k
+
+    def append_array(self, rows: np.ndarray) -> bool:
+        """`append` of float32 rows [k, width] already a C-contiguous numpy array (a decode step's KV rows, made by a C
+        call): the same bytes written the same way, without the tensor conversions and slicing, which at decode cost
+        more than the encoding. -> False, having done nothing, where `append`'s C path does not apply (not built, the
+        storage not on the CPU). The storage's array is kept beside it until the storage changes (`_room`,
+        `drop_before`, `to` replace it; seen here by identity)."""
+        view, k = self._view, rows.shape[0]
+        if view is None or view[0] is not self._data or self._n + k > view[1].shape[0]:
+            if _C is None or not self._data.is_cpu:
+                self._view = None
+                return False
+            self._room(k)
+            view = self._view = (self._data, self._data.numpy())
+        dst = view[1][self._n : self._n + k]
+        if not self.is_packed:
+            dst[...] = rows
+        elif _C.state_rows_encode(rows, self.fmt.c_kind, self.fmt.rope, dst) >= 0:
+            raise StateError(self.fmt.misfit())
+        self._n += k
+        return True
 
     def grow(self, k: int) -> torch.Tensor:
         """Count k more rows at the end that the caller writes in place, as stored rows (`append` without the rows:

@@ -132,8 +132,10 @@ def test_shared_expert_equals_its_reference(model_path, numerics):
                 want = torch.from_numpy(routed) + moe.shared_reference(x)  # added into the routed sum: the same
                 assert torch.equal(moe.shared_fused(x, routed.copy()), want)
                 assert torch.equal(moe._shared(x, routed.copy()), want)
+                assert torch.equal(moe._shared(x, routed.copy(), x.numpy()), want)  # x's array handed over
                 with ops.torch_only():
                     assert moe.shared_fused(x) is None and moe.shared_fused(x, routed.copy()) is None
+                    assert moe.shared_fused(x, routed.copy(), x.numpy()) is None
                     assert torch.equal(moe._shared(x), moe.shared_reference(x))
                     assert torch.equal(
                         moe._shared(x, routed.copy()), torch.from_numpy(routed) + moe.shared_reference(x)

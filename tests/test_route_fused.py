@@ -54,10 +54,11 @@ def test_route_c_equals_route(model_path, numerics):
                 for seed in range(6):
                     x, ids = _inputs(moe.gate.in_features, T, seed=100 * T + seed + 7 * moe.layer)
                     want_idx, want = moe.route(x, ids)
-                    idx, got = moe.route_c(x, ids)
-                    assert idx.dtype == np.int64 and got.dtype == np.float32
-                    assert np.array_equal(idx, want_idx.numpy()), (moe.layer, T, seed)
-                    assert np.array_equal(got.view(np.int32), want.numpy().view(np.int32)), (moe.layer, T, seed)
+                    for xa in (None, x.numpy()):  # x's array handed over (`MoE.__call__`): the router's product on it
+                        idx, got = moe.route_c(x, ids, xa)
+                        assert idx.dtype == np.int64 and got.dtype == np.float32
+                        assert np.array_equal(idx, want_idx.numpy()), (moe.layer, T, seed)
+                        assert np.array_equal(got.view(np.int32), want.numpy().view(np.int32)), (moe.layer, T, seed)
         assert kinds == {True, False}  # hash-routed and scored layers both checked
 
 

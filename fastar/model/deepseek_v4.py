@@ -634,13 +634,17 @@ class MoE:
             total += 1e-20
         return idx, wts.div_(total).mul_(self.scale)  # in place: two tensors fewer per layer at decode
 
-    def route_c(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
-        """`route` as numpy arrays through `route_fused` (the same bits), or None where it does not apply."""
-        return None if self.router is None else self.router(x, ids)
+    def route_c(
+        self, x: torch.Tensor, ids: torch.Tensor, xa: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """`route` as numpy arrays through `route_fused` (the same bits), or None where it does not apply. `xa`: x's
+        array where the caller has it."""
+        return None if self.router is None else self.router(x, ids, xa)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         fused = self.fused and self.offload is None and x.dtype is torch.float32 and x.is_cpu and x.is_contiguous()
-        routes = self.route_c(x, ids) if fused else None  # numpy (ids, weights): `moe_fused.routed_sum` takes them
+        xa = x.numpy() if fused else None  # x's array once for the fused calls below (each would convert it again)
+        routes = self.route_c(x, ids, xa) if fused else None  # numpy (ids, weights): `moe_fused.routed_sum` takes them
         idx, wts = routes if routes is not None else self.route(x, ids)
         if self.lookahead is not None:  # guess the next layer's experts now, so their reads overlap this layer
             self.lookahead(x)
@@ -648,8 +652,8 @@ class MoE:
             return self.offload(self, x, idx, wts) + self._shared(x)
         if fused:  # `moe_fused`: the same bits
             routed = idx if routes is not None else idx.numpy()
-            out = moe_fused.routed_sum(x, routed, wts, self.experts, self.layer, self.limit, self.act_block)
-            return self._shared(x, out)
+            out = moe_fused.routed_sum(xa, routed, wts, self.experts, self.layer, self.limit, self.act_block)
+            return self._shared(x, out, xa)
         return self.routed_reference(x, idx, wts).add_(self._shared(x))
 
     def routed_reference(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
@@ -735,9 +739,10 @@ class MoE:
         scores = ops.per_token(ops.sqrtsoftplus, self.gate(x))  # [T, E]
         return torch.unique(torch.topk(scores + self.bias, self.topk, dim=-1).indices).tolist()
 
-    def _shared(self, x: torch.Tensor, routed: np.ndarray | None = None) -> torch.Tensor:
-        """The shared expert on x [T, d]; with `routed` (the routed experts' sum, float32 [T, d]) added into it."""
-        y = None if self.shared_fused is None else self.shared_fused(x, routed)  # one C call, the same bits
+    def _shared(self, x: torch.Tensor, routed: np.ndarray | None = None, xa: np.ndarray | None = None) -> torch.Tensor:
+        """The shared expert on x [T, d]; with `routed` (the routed experts' sum, float32 [T, d]) added into it. `xa`:
+        x's array (float32, C-contiguous) where the caller has it."""
+        y = None if self.shared_fused is None else self.shared_fused(x, routed, xa)  # one C call, the same bits
         if y is None:
             y = self.shared_reference(x)
             return y if routed is None else torch.from_numpy(routed).add_(y)

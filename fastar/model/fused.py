@@ -48,6 +48,7 @@ class FusedAttention:
         self.q_norm, self.kv_norm = q_norm.contiguous().numpy(), kv_norm.contiguous().numpy()
         self.head_dim = wq_a_kv.out_features - q_lora
         self.d = wo_b.out_features
+        self._outs: dict[int, tuple] = {}  # `project`'s outputs by row count: ((q, qr, kv), their arrays)
 
     @classmethod
     def build(cls, wq_a_kv: Linear | None, wq_b: Linear, wo_a: Linear, wo_b: Linear, **kw) -> FusedAttention | None:
@@ -69,14 +70,17 @@ class FusedAttention:
         args = ops.c_arrays(x, cos, sin) if T <= ops.SMALL_CHUNK else None
         if args is None:
             return None
-        q = torch.empty(T, self.heads, self.head_dim)
-        qr, kv = torch.empty(T, self.q_lora), torch.empty(T, self.head_dim)
+        outs = self._outs.get(T)
+        if outs is None:  # made once per row count: every caller reads them before this layer projects again
+            q = torch.empty(T, self.heads, self.head_dim)
+            qr, kv = torch.empty(T, self.q_lora), torch.empty(T, self.head_dim)
+            outs = self._outs[T] = ((q, qr, kv), (q.numpy().reshape(T, -1), qr.numpy(), kv.numpy()))
         (wa, sa), (wb, sb) = self.a, self.b
         kernels.extension.attn_project(
             args[0], wa, sa, self.q_lora, wb, sb, self.q_norm, self.kv_norm, args[1], args[2], self.eps,
-            self.act_block, self.nope_block, q.numpy().reshape(T, -1), qr.numpy(), kv.numpy(),
+            self.act_block, self.nope_block, *outs[1],
         )  # fmt: skip
-        return q, qr, kv
+        return outs[0]
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """`Attention._output(o, cos, sin)` for a decode step's attention outputs o [T, H, D] -> [T, d], or None

@@ -45,7 +45,7 @@ SMALL_ROUTES = 64  # routes (tokens x k) up to which `routed_sum` groups them in
 
 
 def routed_sum(
-    x: torch.Tensor,
+    x: torch.Tensor | np.ndarray,
     routed: np.ndarray,
     wts: torch.Tensor | np.ndarray,
     experts: ExpertProvider,
@@ -53,10 +53,10 @@ def routed_sum(
     limit: float,
     act_block: int,
 ) -> np.ndarray:
-    """The routed experts' sum [T, D] (numpy) for x [T, D] (float32, CPU, contiguous), routed [T, k] expert ids and wts
-    [T, k] routing weights (float32, a tensor or numpy), with the fused kernel (`kernels.extension` must be built;
-    `act_block`: the FP8 activation block of the official numerics, 0 for none; the routing weight is applied before
-    w2).
+    """The routed experts' sum [T, D] (numpy) for x [T, D] (float32, CPU, contiguous; a tensor or its array), routed
+    [T, k] expert ids and wts [T, k] routing weights (float32, a tensor or numpy), with the fused kernel
+    (`kernels.extension` must be built; `act_block`: the FP8 activation block of the official numerics, 0 for none;
+    the routing weight is applied before w2).
 
     Routes are grouped by expert in ascending id order (`np.unique`'s, the MoE's `wanted` order) and within an
     expert in row-major (token, slot) order (`np.nonzero`'s). When the provider's first batch holds every expert,
@@ -94,7 +94,7 @@ def routed_sum(
         offsets = np.append(starts, len(flat))
         rows = at // k  # each route's token
         rw = np.ascontiguousarray(wn.reshape(-1)[at])  # each route's weight
-    xn = x.numpy()
+    xn = x if isinstance(x, np.ndarray) else x.numpy()
     out = np.zeros((T, xn.shape[1]), np.float32)
     scratch = xr = pos = None
     for batch in experts.each_batch(layer, wanted):
@@ -155,12 +155,18 @@ class SharedExpert:
             return None
         return cls(ops_up, ops_down, limit, act_block)
 
-    def __call__(self, x: torch.Tensor, into: np.ndarray | None = None) -> torch.Tensor | None:
+    def __call__(
+        self, x: torch.Tensor, into: np.ndarray | None = None, xa: np.ndarray | None = None
+    ) -> torch.Tensor | None:
         """The shared expert's output [T, D] for x [T, D]; with `into` (float32 [T, D], the routed experts' sum) added
         into it instead (`into + output`, element by element) and returned as a tensor. None, having done nothing,
         where the reference's wrappers would not take their C paths (`ops.c_arrays` decides: no build, a tensor not
-        float32 on the CPU, `ops.torch_only()`)."""
-        args = ops.c_arrays(x) if x.dim() == 2 else None
+        float32 on the CPU, `ops.torch_only()`). `xa`: x's array (float32, C-contiguous, 2-D) where the caller has
+        made it (`MoE.__call__`): only the scope is checked then."""
+        if xa is not None:
+            args = [xa] if ops.c_enabled() else None
+        else:
+            args = ops.c_arrays(x) if x.dim() == 2 else None
         if args is None:
             return None
         out = np.empty(args[0].shape, np.float32) if into is None else into

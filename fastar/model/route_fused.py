@@ -52,6 +52,8 @@ class FusedRouter:
     ) -> None:
         self.gate, self.bias, self.k, self.scale, self.eps = gate, bias, k, float(scale), float(eps)
         self.table = None if table is None else np.ascontiguousarray(table.numpy(), np.int64)  # [V, k]
+        w, s = gate.kernel_operands() or (None, None)
+        self.gate_w = w if s is None else None  # the BF16 router weight's bits (an FP8 router: through `gate`)
 
     @classmethod
     def build(
@@ -65,13 +67,22 @@ class FusedRouter:
             return None
         return cls(gate, bias, table, k, scale, 0.0 if official else 1e-20)
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, xa: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """`MoE.route(x, ids)` for x [T, d] (float32, CPU) and the tokens ids [T], as numpy arrays; None where the
-        ops would take their torch paths (`ops.c_arrays` decides), the caller then routes in torch."""
+        ops would take their torch paths (`ops.c_arrays` decides), the caller then routes in torch. `xa`: x's array
+        (float32, C-contiguous) where the caller has made it: the router's product then runs on it directly (the
+        C call `Linear`'s product makes, `Linear.kernel_operands`: the same bits)."""
         if not ops.c_enabled() or x.dtype is not torch.float32 or not x.is_cpu:
             return None
-        scores = moe_fused.router_scores(self.gate(x))  # [T, E]: torch's softplus and sqrt, as the reference
         T = x.shape[0]
+        if xa is not None and self.gate_w is not None:
+            logits = np.empty((T, self.gate_w.shape[0]), np.float32)
+            kernels.extension.bf16_matmul(xa, self.gate_w, logits)
+            scores = moe_fused.router_scores(torch.from_numpy(logits))
+        else:
+            scores = moe_fused.router_scores(self.gate(x))  # [T, E]: torch's softplus and sqrt, as the reference
         wts = np.empty((T, self.k), np.float32)
         ext = kernels.extension
         if self.table is not None:

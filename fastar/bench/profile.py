@@ -255,8 +255,8 @@ class _Instrumented:
         self._hc_cls.post = staticmethod(clock.wrap(OUTSIDE + "mHC wrappers", self._hc_post.__func__))
 
     def _route(self, route):
-        def routed(x, ids):
-            got = route(x, ids)  # (expert ids, weights): tensors or numpy arrays; None where `route_c` does not apply
+        def routed(x, ids, *xa):
+            got = route(x, ids, *xa)  # (expert ids, weights), tensors or arrays; None where `route_c` does not apply
             if got is not None and self.clock.timing():
                 self.experts[-1] += len(set(got[0].reshape(-1).tolist()))
             return got

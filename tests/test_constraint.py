@@ -224,10 +224,10 @@ def test_a_constrained_request_does_not_draft_and_gets_the_plain_tokens(fst, eng
     drafting.close()
 
 
-class FailingGrammar:
+class FailingGrammar(C.CompiledGrammar):
     """A compiled grammar whose parser fails at the third token (as one that ran out of its per-token fuel)."""
 
-    def __init__(self, inner: C.CompiledGrammar) -> None:
+    def __init__(self, inner: C.CompiledGrammar) -> None:  # (no matcher of its own: `start` wraps the inner one's)
         self.inner = inner
 
     def start(self):

@@ -308,6 +308,34 @@ def test_other_bad_arguments_are_named(engine, tiny_ckpt) -> None:
         engine.generate_tokens(PROMPT, -1)
 
 
+def test_chat_scheduler_and_stream_arguments_of_the_wrong_kind_are_named(engine) -> None:
+    """A conversation ending with an assistant or system message (the model would write on after its own EOS, where
+    the server answers a 400), `thinking` that is not a bool, a `cancel` or progress callback of the wrong kind, a
+    dict for the scheduler's params, a non-integer max_batch, serve_batch without pairs, an uncompiled grammar."""
+    from fastar.encoding import EncodingError
+
+    hi = {"role": "user", "content": "hi"}
+    for last in ("assistant", "system"):
+        with pytest.raises(
+            EncodingError, match=f"^the conversation must end with a user or tool message, not '{last}'"
+        ):
+            engine.chat([hi, {"role": last, "content": "ok"}], max_tokens=1)
+    with pytest.raises(TypeError, match=r"^thinking must be True or False, got 'yes'$"):
+        engine.chat([hi], thinking="yes", max_tokens=1)
+    with pytest.raises(TypeError, match=r"^cancel must be a threading.Event, got bool$"):
+        engine.stream(PROMPT, max_tokens=1, cancel=True)
+    with pytest.raises(TypeError, match=r"^on_prefill_progress must be callable"):
+        engine.stream(PROMPT, max_tokens=1, on_prefill_progress=5)
+    with pytest.raises(TypeError, match=r"^params must be a SamplingParams .*got dict$"):
+        engine.scheduler().submit(PROMPT, {"max_tokens": 1})
+    with pytest.raises(TypeError, match=r"^max_batch must be an integer, got '2'$"):
+        engine.scheduler(max_batch="2")
+    with pytest.raises(TypeError, match=r"^serve_batch takes \(prompt, params or a dict of sampling keywords\) pairs"):
+        engine.serve_batch([PROMPT])
+    with pytest.raises(TypeError, match=r"^compile_grammar takes a constraint.Grammar"):
+        engine.compile_grammar("start: 'a'")  # (a Grammar compiles: tests/test_constraint.py)
+
+
 def test_a_closed_engine_says_so_at_every_entry_point(tiny_ckpt) -> None:
     """After `close()` every call is a one-line `EngineClosed` (a RuntimeError), where some said the expert cache
     was closed, and opening a session or a scheduler still worked."""

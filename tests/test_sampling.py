@@ -65,6 +65,7 @@ def test_defaults_are_greedy() -> None:
         ("presence_penalty", 2.5),
         ("frequency_penalty", float("nan")),
         ("repetition_penalty", 0.0),
+        ("grammar", "start: 'a'"),  # Lark text, not compiled: was an AttributeError at the first token
     ],
 )
 def test_bad_values_name_the_field(field: str, value) -> None:

@@ -39,6 +39,7 @@ from fastar.encoding import (
     encode_messages,
     render_tool_calls,
 )
+from fastar.engine.constraint import CompiledGrammar
 from fastar.engine.generate import GenerationChunk
 from fastar.engine.prompt_logprobs import PromptLogprobs
 from fastar.serve import choice_turn, fields, openai_request, thinking_mode
@@ -108,6 +109,14 @@ class FakeTokenizer:
         return max(4, *(len(s.encode()) for s in self.SPECIALS))
 
 
+class ScriptedGrammar(CompiledGrammar):
+    """What FakeEngine.compile_grammar gives: a `CompiledGrammar` (as `SamplingParams` requires) that holds the
+    request's grammar; never started, since the scripted replies ignore it."""
+
+    def __init__(self, grammar) -> None:
+        self.grammar = grammar
+
+
 class FakeSession:
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -141,7 +150,7 @@ class FakeEngine(SchedulesSerially):
         self.closed = True
 
     def compile_grammar(self, grammar):  # `Engine.compile_grammar`: the scripted replies ignore it
-        return grammar
+        return ScriptedGrammar(grammar)
 
     def _bump(self, **kw: int) -> None:
         with self._lock:

@@ -28,12 +28,16 @@ import torch
 
 from . import speculative
 from .prompt_logprobs import PromptLogprobs
+from .sampling import SamplingParams
 
 
 def check_group(params: list, on_chunk: list | None, on_error: list | None, cancel: list | None) -> tuple:
     """A group's per-choice arguments, each a list of one entry per choice (None: all None). Raises `ValueError`
     for no choice, differing `max_tokens`, or a list of another length."""
     k = len(params)
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise TypeError(f"params must be a SamplingParams (or pass keyword arguments), got {type(bad).__name__}")
     if k < 1 or len({p.max_tokens for p in params}) != 1:
         raise ValueError(f"submit_choices needs at least one choice, all with the same max_tokens (got {k})")
     on_chunk, on_error, cancel = on_chunk or [None] * k, on_error or [None] * k, cancel or [None] * k

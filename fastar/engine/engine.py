@@ -383,6 +383,8 @@ class Engine:
         """`grammar` (`constraint.output_grammar`) compiled for this model's tokenizer, for `SamplingParams.grammar`.
         The llguidance tokenizer is built on the first call (~1 s); compiled grammars are cached. Any thread.
         Raises `ConstraintError` (a ValueError) for a grammar that cannot be enforced within the parser limits."""
+        if not isinstance(grammar, Grammar):
+            raise TypeError(f"compile_grammar takes a constraint.Grammar (constraint.output_grammar), got {grammar!r}")
         with self._grammars_lock:
             if self._grammars is None:
                 tok = self.tokenizer
@@ -470,6 +472,10 @@ class Engine:
             raise TypeError(f"session must be a Session from open_session(), got {type(session).__name__}")
         if session is not None and session.runner is not self:
             raise ValueError("the session belongs to another engine: open one with this engine's open_session()")
+        if cancel is not None and not isinstance(cancel, threading.Event):
+            raise TypeError(f"cancel must be a threading.Event, got {type(cancel).__name__}")
+        if on_prefill_progress is not None and not callable(on_prefill_progress):
+            raise TypeError(f"on_prefill_progress must be callable as (done, total), got {on_prefill_progress!r}")
         if params.prompt_logprobs is not None:  # scored from a fresh state, as the server's scheduler scores it
             return self._scheduled(prompt_ids, params, cancel)
         if session is None:
@@ -528,7 +534,10 @@ class Engine:
         **sampling,
     ) -> ChatResult:
         """Reply to an OpenAI-style conversation with the DeepSeek-V4 chat encoding. Returns a `ChatResult`:
-        a str (the content) that also has `.reasoning`, `.tool_calls`, `.finish_reason` and `.usage`."""
+        a str (the content) that also has `.reasoning`, `.tool_calls`, `.finish_reason` and `.usage`. Raises
+        `EncodingError` (a ValueError) for a conversation that does not end with a user or tool message."""
+        if not isinstance(thinking, bool):
+            raise TypeError(f"thinking must be True or False, got {thinking!r}")
         return chat(
             lambda text: self.stream(text, session=session, **sampling),
             messages,
@@ -642,6 +651,9 @@ class Engine:
     ) -> list[list[GenerationChunk]]:
         """Run `requests` ((prompt, params or a dict of sampling keywords) pairs) together on this thread;
         returns each one's chunks, in order. `options`: as `scheduler`."""
+        bad = next((r for r in requests if not (isinstance(r, tuple | list) and len(r) == 2)), None)
+        if bad is not None:
+            raise TypeError(f"serve_batch takes (prompt, params or a dict of sampling keywords) pairs, got {bad!r}")
         sched = self.scheduler(**{"max_queue": max(64, len(requests)), **options})
         handles = [sched.submit(p, SamplingParams(**kw) if isinstance(kw, dict) else kw) for p, kw in requests]
         sched.run_until_idle()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
-from ..encoding import ChatPrompt, StreamParser, encode_messages
+from ..encoding import ChatPrompt, EncodingError, StreamParser, encode_messages
 from .sampling import Sampler, SamplingParams
 from .session import Session
 from .stops import StopStrings
@@ -257,10 +257,19 @@ def chat(
     reasoning_effort: str | None = None,
     drop_thinking: bool = True,
 ) -> ChatResult:
-    """Encode `messages`, run them through `stream(prompt_text)` and parse the reply."""
+    """Encode `messages`, run them through `stream(prompt_text)` and parse the reply. A conversation must end with
+    a user or tool message: V4 opens the reply after one, so after an assistant or system message the model would
+    write on after its own EOS (an `EncodingError`, as the server's 400)."""
+    prompt = chat_prompt(messages, thinking, reasoning_effort, drop_thinking)  # checks the messages
+    role = messages[-1].get("role")
+    if role in ("assistant", "system"):
+        raise EncodingError(
+            f"the conversation must end with a user or tool message, not {role!r} (the chat format has no reply "
+            f"after it; assistant prefill is not supported)"
+        )
     parser = StreamParser(thinking)
     last = None
-    for chunk in stream(chat_prompt(messages, thinking, reasoning_effort, drop_thinking)):
+    for chunk in stream(prompt):
         parser.feed(chunk.text)
         last = chunk
     parsed = parser.finish()

@@ -122,6 +122,8 @@ class SamplingParams:
                 bad(name, "a number in [-2, 2]")
         if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
             bad("repetition_penalty", "a number > 0 (1 = off)")
+        if self.grammar is not None and not isinstance(self.grammar, CompiledGrammar):
+            bad("grammar", "None or a compiled grammar (Engine.compile_grammar)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "true or false")
         if self.prompt_logprobs is not None and (

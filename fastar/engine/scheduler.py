@@ -155,6 +155,10 @@ class Scheduler:
         keep_states: int = 0,
         draft: bool = True,
     ) -> None:
+        sizes = {"max_batch": max_batch, "max_queue": max_queue, "token_budget": token_budget}
+        bad = next((k for k, v in sizes.items() if not isinstance(v, int | None) or isinstance(v, bool)), None)
+        if bad is not None:
+            raise TypeError(f"{bad} must be an integer, got {sizes[bad]!r}")
         if max_batch < 1 or max_queue < 0 or (token_budget is not None and token_budget < 1):
             raise ValueError(
                 f"max_batch must be >= 1, max_queue >= 0 and token_budget >= 1 or None "

@@ -258,12 +258,16 @@ class Engine:
     ) -> torch.Tensor:
         """Run `token_ids` in spans of `prefill_span` (chunks of `prefill_chunk`); returns logits [T, V] (or
         [1, V] for the last; `argmax_only`: the caller reads the last one's argmax alone, see
-        `DeepseekV4.forward`)."""
+        `DeepseekV4.forward`). One token (a decode step: `Session.decode`, `generate_tokens`) takes the scheduler's
+        one-row step, `DeepseekV4.forward_rows`, where it gives `forward`'s bits (`rows_match_forward`)."""
         self._check_open()
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         self._check_ids(token_ids)
         self._check_positions(state.length + len(token_ids))
+        if len(token_ids) == 1 and not all_logits and self.drafter is None and self.model.rows_match_forward():
+            # a decode step: the scheduler's one-row step, `forward`'s bits (tests/test_scheduler.py)
+            return self.model.forward_rows(token_ids, [state], [argmax_only])
         out = []
         span = self.prefill_span
         for a in range(0, len(token_ids), span):
@@ -349,8 +353,7 @@ class Engine:
             out.append(tok)
             if len(out) >= max_tokens or (tok == self.config.eos_token_id and not ignore_eos):
                 return out
-            self._check_positions(state.length + 1)
-            logits = self.model.forward([tok], state, all_logits=False, argmax_only=temperature == 0)[0][-1]
+            logits = self.prefill([tok], state, argmax_only=temperature == 0)[-1]
 
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:

@@ -34,6 +34,7 @@ from ..config import ModelConfig
 from ..contracts import ExpertProvider, WeightSource
 from ..errors import FastarError
 from ..quant.kernels import available as _kernels_built
+from ..quant.kernels import get_isa as _kernels_isa
 from ..quant.linear import Linear, SourceExperts, Weights, expert_ffn, experts_ffn
 from . import moe_fused, ops, route_fused
 from .angles import shared_table
@@ -1031,6 +1032,12 @@ class DeepseekV4:
 
     @_on_device
     @torch.inference_mode()
+    def rows_match_forward(self) -> bool:
+        """Whether `forward_rows` now gives every row `forward`'s bits: on the CPU, on the C kernels' SIMD dot path
+        (batch invariance is its promise; the torch path and the scalar ISA do not make it). Then a lone decode
+        token may take `forward_rows`, whose step is the better fused one (the engine's `prefill` does)."""
+        return self.backend is None and _kernels_built() and _kernels_isa() != "scalar"
+
     def forward_rows(
         self, ids: list[int], states: list[ModelState], argmax_only: list[bool] | None = None
     ) -> torch.Tensor:

@@ -336,6 +336,16 @@ def test_chat_scheduler_and_stream_arguments_of_the_wrong_kind_are_named(engine)
         engine.compile_grammar("start: 'a'")  # (a Grammar compiles: tests/test_constraint.py)
 
 
+def test_id_only_entry_points_say_they_take_ids_and_prompt_logprobs_takes_no_session(engine) -> None:
+    """`logits` and `generate_tokens` given text said "a prompt is text (str) or token ids"; `stream` with
+    `prompt_logprobs` and a session ignored the session (it scores from a fresh state)."""
+    for name, call in (("logits", engine.logits), ("generate_tokens", lambda p: engine.generate_tokens(p, 1))):
+        with pytest.raises(TypeError, match=rf"^{name} takes token ids \(a list of int; encode text"):
+            call("hello")
+    with pytest.raises(ValueError, match=r"^prompt_logprobs scores the prompt from a fresh state: pass no session"):
+        engine.stream(PROMPT, max_tokens=1, prompt_logprobs=0, session=engine.open_session())
+
+
 def test_a_closed_engine_says_so_at_every_entry_point(tiny_ckpt) -> None:
     """After `close()` every call is a one-line `EngineClosed` (a RuntimeError), where some said the expert cache
     was closed, and opening a session or a scheduler still worked."""

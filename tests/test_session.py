@@ -299,6 +299,28 @@ def test_a_version_1_session_file_without_a_checksum_still_loads(tmp_path: Path)
     assert t.tokens == [1, 2, 3] and t.num_processed == 3
 
 
+def test_the_low_level_session_api_names_bad_arguments(tmp_path: Path) -> None:
+    """Session.prefill of text or float ids (a comparison TypeError, or floats silently rounded into tokens),
+    append of an id outside the vocabulary (taken, to fail later in the model) or of a string, rewind to a
+    non-integer, and save with a meta that is not JSON: each a one-line error naming the problem."""
+    s, _ = make()
+    with pytest.raises(TypeError, match=r"^Session.prefill takes token ids \(a list of int; encode text"):
+        s.prefill("hello")
+    with pytest.raises(TypeError, match=r"^token ids must be integers, got 1.5 \(float\)$"):
+        s.prefill([1, 1.5])
+    s.prefill([1, 2])
+    for bad, err, says in ((V, PromptError, f"token id {V} is outside"), ("x", TypeError, "must be integers")):
+        with pytest.raises(err, match=says):
+            s.append(bad)
+    assert s.tokens == [1, 2]
+    with pytest.raises(ValueError, match=r"^cannot rewind a session of 2 tokens to '1'$"):
+        s.rewind("1")
+    s.meta = {"seen": {1, 2}}
+    with pytest.raises(SessionError, match=r"a.session: cannot save: the session's meta is not JSON"):
+        s.save(tmp_path / "a.session")
+    assert not list(tmp_path.iterdir())
+
+
 def test_save_errors_name_the_path(tmp_path: Path) -> None:
     """A path that cannot be written is a `SessionError` naming it (not an OSError naming the temporary file),
     and leaves no partial file behind."""

@@ -36,7 +36,7 @@ from .prefix_cache import PrefixCache
 from .prompt_logprobs import PromptLogprobs, score_prompt
 from .sampling import SamplingParams, argmax
 from .scheduler import Scheduler
-from .session import PromptError, Session, Stats
+from .session import IDS_ONLY, PromptError, Session, Stats
 from .session import token_ids as token_ids_of
 from .tokenizer import Tokenizer
 
@@ -307,7 +307,11 @@ class Engine:
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
         """Logits at every position of `token_ids` from a fresh state: float32 [len, vocab]."""
-        return self.prefill(token_ids_of(token_ids), self.new_state(), all_logits=True).float().numpy()
+        return (
+            self.prefill(token_ids_of(token_ids, f"logits {IDS_ONLY}"), self.new_state(), all_logits=True)
+            .float()
+            .numpy()
+        )
 
     def prompt_logprobs(self, prompt: str | list[int], top: int = 0) -> PromptLogprobs:
         """Every prompt token's logprob given the tokens before it (None for the first), its rank and the `top` most
@@ -341,7 +345,7 @@ class Engine:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
-        prompt_ids = token_ids_of(prompt_ids)
+        prompt_ids = token_ids_of(prompt_ids, f"generate_tokens {IDS_ONLY}")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         state = self.new_state()
         out: list[int] = []
@@ -480,6 +484,8 @@ class Engine:
         if on_prefill_progress is not None and not callable(on_prefill_progress):
             raise TypeError(f"on_prefill_progress must be callable as (done, total), got {on_prefill_progress!r}")
         if params.prompt_logprobs is not None:  # scored from a fresh state, as the server's scheduler scores it
+            if session is not None:
+                raise ValueError("prompt_logprobs scores the prompt from a fresh state: pass no session with it")
             return self._scheduled(prompt_ids, params, cancel)
         if session is None:
             if self._session is None:

@@ -84,11 +84,15 @@ class Stats:
         return d
 
 
-def token_ids(prompt: Any) -> list[int]:
+IDS_ONLY = "takes token ids (a list of int; encode text with the engine's tokenizer first)"
+
+
+def token_ids(prompt: Any, what: str = "a prompt is text (str) or token ids (a list of int)") -> list[int]:
     """A prompt given as token ids (a list, tuple or array of integers) as a list of ints. Raises TypeError naming
-    what it got instead (None, a number, bytes, floats, strings): a float id is never rounded into a token."""
+    what it got instead (None, a number, bytes, floats, strings): a float id is never rounded into a token.
+    `what`: the message's start (`IDS_ONLY` after the caller's name where text is not taken)."""
     if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Iterable):
-        raise TypeError(f"a prompt is text (str) or token ids (a list of int), got {type(prompt).__name__}")
+        raise TypeError(f"{what}, got {type(prompt).__name__}")
     ids = []
     for t in prompt:
         try:
@@ -203,8 +207,8 @@ class Session:
     def rewind(self, n: int) -> None:
         """Keep only the first `n` tokens (the state rolls back with them; if it cannot, it is dropped and the
         next prefill starts over)."""
-        if not 0 <= n <= len(self._tokens):
-            raise ValueError(f"cannot rewind a session of {len(self._tokens)} tokens to {n}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(self._tokens):
+            raise ValueError(f"cannot rewind a session of {len(self._tokens)} tokens to {n!r}")
         del self._tokens[n:]
         if self._state is not None and self._state.length > n:
             self._truncate(n)
@@ -273,6 +277,7 @@ class Session:
         logits are the output). Returns None when `cancel` is set between chunks; the session then holds the
         part of the prompt already processed. `on_progress(done, total)` follows the tokens to compute.
         """
+        prompt_ids = token_ids(prompt_ids, f"Session.prefill {IDS_ONLY}")
         self.check_prompt(prompt_ids)
         if self._dirty:
             self._state, self._dirty = None, False
@@ -331,7 +336,10 @@ class Session:
 
     def append(self, token: int) -> None:
         """Add a sampled token to the timeline (pending: `decode` runs it)."""
-        self._tokens.append(int(token))
+        (token,) = token_ids([token], f"Session.append {IDS_ONLY}")
+        if not 0 <= token < self.vocab_size:
+            raise PromptError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
+        self._tokens.append(token)
 
     def decode(self, argmax_only: bool = False) -> torch.Tensor:
         """Run the pending tokens (normally the one just sampled); returns the logits [V] after the last
@@ -366,10 +374,13 @@ class Session:
         path = Path(path)
         state = b"" if self._state is None or self._dirty else self._state.to_bytes()
         tokens = self._tokens if state else []  # without a state, pending tokens would be recomputed anyway
-        header = json.dumps(
-            {"fingerprint": self.fingerprint, "tokens": tokens, "meta": self.meta, "has_state": bool(state)},
-            ensure_ascii=False,
-        ).encode()
+        try:
+            header = json.dumps(
+                {"fingerprint": self.fingerprint, "tokens": tokens, "meta": self.meta, "has_state": bool(state)},
+                ensure_ascii=False,
+            ).encode()
+        except (TypeError, ValueError) as e:  # meta is the caller's: a set, an object, a circular reference
+            raise SessionError(f"{path}: cannot save: the session's meta is not JSON ({e})") from None
         if path.exists() and not path.is_file():  # `/save /dev/null` as root: the rename would replace the device
             raise SessionError(f"{path}: not a regular file (a session is renamed into place over it)")
         try:

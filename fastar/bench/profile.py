@@ -33,12 +33,18 @@ a core on a loaded machine; its CPU time counts only the work), the plain steps'
 shows as the difference), the memory bandwidth measured
 around the run, the bytes a step reads (resident weights once, plus the distinct experts the rows routed to) and
 the step's byte floor at that bandwidth, and each product category's achieved weight GB/s.
-What the timers cost: each timed call adds a few us of clock reads and bookkeeping (`time.thread_time` is a system
-call); the wall clock is read inside them, so a kernel's time is its own and the cost lands in the enclosing
-category, overstating the time outside kernels by a few us per timed call (a few hundred per step). So the profile
-also gives the glue less the timers: that cost, measured on a no-op timed the same way, times the timed calls, taken
-off the time outside kernels and off the step. (The plain steps' median beside it is no better a measure: the
-memory bandwidth moves between steps by more than the whole glue.)
+Each plain step is followed by two profiled ones: one for the times, whose timers read the wall clock only (a C
+call's: two clock reads and a note, its weight bytes and the routed experts counted after the step), and one for
+the CPU figures, whose timers also read the thread's CPU clock (a system call: from the cold caches a
+weight-streaming kernel leaves, it costs several microseconds, twice per timed call, which would land in the
+time outside kernels).
+What the timers cost: each timed call still adds its clock reads and bookkeeping; the wall clock is read inside
+them, so a kernel's time is its own and the cost lands in the enclosing category, overstating the time outside
+kernels. So the profile also gives the glue less the timers, twice: less their cost measured on a no-op timed the
+same way in a loop (warm caches: a lower bound of the cost, so an upper bound of the glue), and less their cost on
+a no-op timed right after streaming 128 MB of weights (cold caches: an upper bound of the cost, as every timer
+would run right after a kernel; so a lower bound of the glue). The glue lies between the two. (The plain steps'
+median beside it is no better a measure: the memory bandwidth moves between steps by more than the whole glue.)
 Owns only the measuring: nothing here runs in production.
 """
 
@@ -105,7 +111,10 @@ _WEIGHT_ARGS = {
 
 
 class _Clock:
-    """Nested exclusive timers on one thread: each category gets its own time less its nested timers'."""
+    """Nested exclusive timers on one thread: each category gets its own time less its nested timers'. In a step with
+    `cpu` off the timers read the wall clock only (the step's times, `own`); with it on they read this thread's CPU
+    clock too (`own_cpu` only): a system call that costs ~6 us from the cold caches a kernel leaves, twice per timed
+    call, which would land in the times outside kernels of the step that reads it."""
 
     def __init__(self) -> None:
         self.own: Counter = Counter()
@@ -113,27 +122,49 @@ class _Clock:
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
         self.owner = threading.get_ident()
-        self.on = False
+        self.on = self.cpu = False
         self._stack: list[list] = []  # [category, start, nested seconds, start CPU, nested CPU]
+        self._kernels: list[tuple] = []  # (category, seconds, entry point or None, its arguments): `settle` sums them
 
     def enter(self, cat: str) -> None:
-        # the wall clock read last on entering and first on leaving: the CPU clock (a system call, ~1 us) and the
-        # bookkeeping fall outside the timed call, so a kernel's time is the kernel's
-        c0 = time.thread_time()
+        # the wall clock read last on entering and first on leaving: the CPU clock and the bookkeeping fall outside
+        # the timed call, so a kernel's time is the kernel's
+        c0 = time.thread_time() if self.cpu else 0.0
         self._stack.append([cat, 0.0, 0.0, c0, 0.0])
         self._stack[-1][1] = time.perf_counter()
 
     def leave(self) -> float:
         t1 = time.perf_counter()
         cat, t0, nested, c0, nested_cpu = self._stack.pop()
-        dt, dc = t1 - t0, time.thread_time() - c0
-        self.own[cat] += dt - nested
-        self.own_cpu[cat] += dc - nested_cpu
-        self.calls[cat] += 1
+        dt = t1 - t0
+        if self.cpu:
+            dc = time.thread_time() - c0
+            self.own_cpu[cat] += dc - nested_cpu
+            if self._stack:
+                self._stack[-1][4] += dc
+        else:
+            self.own[cat] += dt - nested
+            self.calls[cat] += 1
+            if self._stack:
+                self._stack[-1][2] += dt
+        return dt
+
+    def kernel(self, cat: str, dt: float, weighs: str | None, args: tuple) -> None:
+        """A C call's `dt` seconds (wall, a step with `cpu` off), noted for `settle` and taken off the enclosing
+        timer."""
+        self._kernels.append((cat, dt, weighs, args))
         if self._stack:
             self._stack[-1][2] += dt
-            self._stack[-1][4] += dc
-        return dt
+
+    def settle(self) -> None:
+        """The C calls noted since the last `settle` into the totals, and the weight bytes they read (counted here,
+        after the step, not inside the time of the code around them)."""
+        for cat, dt, weighs, args in self._kernels:
+            self.own[cat] += dt
+            self.calls[cat] += 1
+            if weighs is not None:
+                self.bytes[cat] += _weight_bytes(weighs, args)
+        self._kernels.clear()
 
     def timing(self) -> bool:
         return self.on and threading.get_ident() == self.owner
@@ -179,16 +210,22 @@ class _TimedExtension:
         cat, clock = C_CATEGORIES.get(name, "other C kernels"), self._clock
         weighs = name in ("fp8_matmul", "bf16_matmul", "fp4_matmul", "expert_ffn", "experts_ffn", *_WEIGHT_ARGS)
 
-        def timed(*a, **k):
+        weighs = name if weighs else None
+
+        def timed(*a, **k):  # the least a timer can do here: two clock reads and one note (`_Clock.kernel`)
             if not clock.timing():
                 return f(*a, **k)
-            clock.enter(cat)
+            if clock.cpu:  # a step timed for the CPU figures: nested as the regions are
+                clock.enter(cat)
+                try:
+                    return f(*a, **k)
+                finally:
+                    clock.leave()
+            t0 = time.perf_counter()
             try:
                 return f(*a, **k)
             finally:
-                clock.leave()
-                if weighs:
-                    clock.bytes[cat] += _weight_bytes(name, a)
+                clock.kernel(cat, time.perf_counter() - t0, weighs, a)
 
         setattr(self, name, timed)  # looked up once per name
         return timed
@@ -211,6 +248,7 @@ class _Instrumented:
         if proxy is not None:
             kernels.extension = proxy
         self.experts: list[int] = []  # distinct experts per layer of each timed call, summed per step
+        self._routes: list = []  # the expert ids each routing call of the step picked
         self._saved = []  # (object, attribute) wrapped on the instance: popped from its __dict__ at close
 
         def wrap(obj, name: str, cat: str, fn=None) -> None:
@@ -257,11 +295,16 @@ class _Instrumented:
     def _route(self, route):
         def routed(x, ids, *xa):
             got = route(x, ids, *xa)  # (expert ids, weights), tensors or arrays; None where `route_c` does not apply
-            if got is not None and self.clock.timing():
-                self.experts[-1] += len(set(got[0].reshape(-1).tolist()))
+            if got is not None and self.clock.timing() and not self.clock.cpu:
+                self._routes.append(got[0])  # counted after the step (`count_experts`), not in the MoE's time
             return got
 
         return routed
+
+    def count_experts(self) -> None:
+        """The distinct experts of each routing call since the last count, summed: one step's entry of `experts`."""
+        self.experts.append(sum(len(set(ids.reshape(-1).tolist())) for ids in self._routes))
+        self._routes.clear()
 
     def close(self) -> None:
         for m, c in zip(self._modules, self._saved_c):
@@ -281,26 +324,74 @@ def _stall_s(engine) -> float:
     return cache.stats()["stall_s"] if cache is not None else 0.0
 
 
-def _timer_cost(n: int = 20_000) -> float:
-    """Seconds one timed call adds to its step beside what it times: a no-op timed as the kernels are (the
-    extension proxy's wrapper, the clock's entry and exit) against the no-op alone, best of 3."""
+def _noop() -> None:
+    return None
+
+
+def _timers(clock: _Clock) -> tuple:
+    """A no-op timed as a kernel is (the extension proxy's wrapper) and as a region is (`_Clock.wrap`), on `clock`."""
+    kernel = _TimedExtension(type("Ext", (), {"noop": staticmethod(_noop)}), clock).noop
+    return kernel, clock.wrap("calibration", _noop)
+
+
+def _timer_cost(n: int = 20_000) -> tuple[float, float]:
+    """Seconds one timed call adds to its step beside what it times, (a kernel's timer, a region's): the no-op timed
+    against the no-op alone, best of 3, in a loop (warm caches: a lower bound)."""
     clock = _Clock()
     clock.on = True
+    clock.enter("calibration")  # the timers run inside a region's, as in a step
+    out = []
+    for timed in _timers(clock):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                timed()
+            t1 = time.perf_counter()
+            for _ in range(n):
+                _noop()
+            best = min(best, (t1 - t0) - (time.perf_counter() - t1))
+            clock.settle()
+        out.append(max(0.0, best / n))
+    clock.leave()
+    return out[0], out[1]
 
-    def noop() -> None:
+
+def _timer_cost_cold(flush, n: int = 15) -> tuple[float, float]:
+    """`_timer_cost` from cold caches, as a timer runs right after a weight-streaming kernel: each time the timed no-op
+    and the no-op alone after `flush()` (a stream through weights larger than the caches), the medians' difference
+    (an upper bound: in a step some timers find the code warm)."""
+    clock = _Clock()
+    clock.on = True
+    clock.enter("calibration")
+    out = []
+    for timed in _timers(clock):
+        with_timer, alone = [], []
+        for _ in range(n):
+            for fn, got in ((timed, with_timer), (_noop, alone)):
+                flush()
+                t0 = time.perf_counter()
+                fn()
+                got.append(time.perf_counter() - t0)
+        clock.settle()
+        out.append(max(0.0, statistics.median(with_timer) - statistics.median(alone)))
+    clock.leave()
+    return out[0], out[1]
+
+
+FLUSH_BYTES = 128 << 20  # streamed to leave the caches cold (4x this machine's L3, and more than most)
+
+
+def _flusher(engine):
+    """A call that streams FLUSH_BYTES of the LM head's weights (as a decode step streams its weights), or None where
+    the head is smaller or the C kernels are not built."""
+    from ..quant import kernels
+
+    w = engine.model.head.weight
+    if kernels._C is None or w.numel() * w.element_size() < FLUSH_BYTES:
         return None
-
-    timed = _TimedExtension(type("Ext", (), {"noop": staticmethod(noop)}), clock).noop
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            timed()
-        t1 = time.perf_counter()
-        for _ in range(n):
-            noop()
-        best = min(best, (t1 - t0) - (time.perf_counter() - t1))
-    return max(0.0, best / n)
+    buf, ext = w.reshape(-1).view(torch.uint8).numpy()[:FLUSH_BYTES], kernels._C
+    return lambda: ext.read_bandwidth(buf)
 
 
 def _step(model, samplers, pending: list[int], states, clock: _Clock | None) -> list[int]:
@@ -316,8 +407,12 @@ def _step(model, samplers, pending: list[int], states, clock: _Clock | None) -> 
     return out
 
 
-def profile_rows(engine, rows: int, steps: int, prompt_tokens: int = 16, warmup: int = 2, seed: int = 0) -> dict:
-    """`steps` profiled decode steps of `rows` sequences (each after a plain one, alternated) -> the breakdown."""
+def profile_rows(
+    engine, rows: int, steps: int, prompt_tokens: int = 16, warmup: int = 2, seed: int = 0, flush=None
+) -> dict:
+    """`steps` profiled decode steps of `rows` sequences (each after a plain one, alternated) -> the breakdown.
+    `flush`: a call that streams more than the caches hold, for the timers' cost from cold caches (None: not
+    measured)."""
     from ..engine.sampling import Sampler, SamplingParams
 
     model, vocab = engine.model, engine.config.vocab_size
@@ -339,16 +434,21 @@ def profile_rows(engine, rows: int, steps: int, prompt_tokens: int = 16, warmup:
             t0 = time.perf_counter()
             pending = _step(model, samplers, pending, states, None)
             plain.append(time.perf_counter() - t0)
-            inst.experts.append(0)
-            waited = _stall_s(engine)
-            clock.on = True
-            clock.enter(OUTSIDE + "step")
-            try:
-                pending = _step(model, samplers, pending, states, clock)
-            finally:
-                profiled.append(clock.leave())
-                clock.on = False
-            stall += _stall_s(engine) - waited
+            for cpu in (False, True):  # a step for the times, then one for the CPU figures
+                if not cpu:
+                    waited = _stall_s(engine)
+                clock.on, clock.cpu = True, cpu
+                clock.enter(OUTSIDE + "step")
+                try:
+                    pending = _step(model, samplers, pending, states, clock)
+                finally:
+                    took = clock.leave()
+                    clock.on = clock.cpu = False
+                    clock.settle()
+                if not cpu:
+                    profiled.append(took)
+                    stall += _stall_s(engine) - waited
+                    inst.count_experts()
     finally:
         inst.close()
     step_s = sum(profiled) / steps
@@ -363,9 +463,19 @@ def profile_rows(engine, rows: int, steps: int, prompt_tokens: int = 16, warmup:
     torch_ops = sum(per_step.get(k, 0.0) for k in TORCH_CATEGORIES)
     outside = sum(v for k, v in per_step.items() if k.startswith(OUTSIDE))
     # the timers' own cost lands outside kernels (a few us per timed call): measured on a no-op, taken off
-    timed_calls = (sum(clock.calls.values()) - clock.calls[OUTSIDE + "step"]) / steps
-    timers_s = timed_calls * _timer_cost()
+    # (the kernels' timers and the regions' differ: a region's reads the CPU clock too)
+    kernel_cats = {*C_CATEGORIES.values(), "other C kernels"}
+    kernel_calls = sum(v for k, v in clock.calls.items() if k in kernel_cats) / steps
+    region_calls = sum(v for k, v in clock.calls.items() if k not in kernel_cats and k != OUTSIDE + "step") / steps
+    timed_calls = kernel_calls + region_calls
+    hot = _timer_cost()
+    timers_s = kernel_calls * hot[0] + region_calls * hot[1]
     outside_net = max(0.0, outside - timers_s)
+    # from cold caches the timers cost several times more (each step streams its weights through the caches): that
+    # cost is an upper bound of theirs, so the glue less it a lower bound of the glue (between the two: the truth)
+    cold = _timer_cost_cold(flush) if flush is not None else None
+    timers_cold_s = None if cold is None else kernel_calls * cold[0] + region_calls * cold[1]
+    outside_net_cold = None if cold is None else max(0.0, outside - timers_cold_s)
     return {
         "rows": rows,
         "steps": steps,
@@ -373,7 +483,12 @@ def profile_rows(engine, rows: int, steps: int, prompt_tokens: int = 16, warmup:
         "step_ms": 1e3 * step_s,
         "plain_step_ms_median": 1e3 * statistics.median(plain),
         "timed_calls_per_step": timed_calls,
+        "timer_us": {"kernel": 1e6 * hot[0], "region": 1e6 * hot[1]}
+        | ({} if cold is None else {"kernel_cold": 1e6 * cold[0], "region_cold": 1e6 * cold[1]}),
         "timers_ms": 1e3 * timers_s,
+        "timers_cold_ms": None if cold is None else 1e3 * timers_cold_s,
+        "outside_kernels_net_cold_ms": None if cold is None else 1e3 * outside_net_cold,
+        "outside_kernels_net_cold_fraction": None if cold is None else outside_net_cold / (step_s - timers_cold_s),
         "outside_kernels_net_ms": 1e3 * outside_net,
         "outside_kernels_net_fraction": outside_net / (step_s - timers_s),
         "profiled_step_ms_median": 1e3 * statistics.median(profiled),
@@ -387,7 +502,8 @@ def profile_rows(engine, rows: int, steps: int, prompt_tokens: int = 16, warmup:
         # the calling thread's CPU seconds in the glue: on a loaded machine wall time outside kernels also counts
         # the time the thread waited for a core, its CPU time only the work (judge glue changes by it there)
         "outside_kernels_cpu_ms": 1e3 * sum(v for k, v in clock.own_cpu.items() if k.startswith(OUTSIDE)) / steps,
-        "categories_cpu_ms": {k: 1e3 * v / steps for k, v in clock.own_cpu.items()} | ({STALL: 0.0} if stall else {}),
+        "categories_cpu_ms": {k: 1e3 * clock.own_cpu.get(k, 0.0) / steps for k in clock.own}
+        | ({STALL: 0.0} if stall else {}),
         "outside_c_kernels_fraction": (outside + torch_ops) / step_s,
         "product_gbps": {k: clock.bytes[k] / steps / per_step[k] / 1e9 for k in PRODUCTS if per_step.get(k)},
         "experts_per_step": sum(inst.experts) / steps,
@@ -411,7 +527,7 @@ def bench(
         out = []
         for n in rows:
             before = _stream_gbps(engine)
-            r = profile_rows(engine, n, steps, prompt_tokens)
+            r = profile_rows(engine, n, steps, prompt_tokens, flush=_flusher(engine))
             after = _stream_gbps(engine)
             r["membw_gbps"] = (before + after) / 2 if before and after else None
             r["step_bytes"] = resident_tok + (delta if n <= HeadScreen.MAX_ROWS else 0) + r["experts_per_step"] * stride
@@ -454,8 +570,15 @@ def format_profile(r: dict) -> str:
             f"    {'= outside kernels, less the timers':<40} {p['outside_kernels_net_ms']:8.3f} ms "
             f"{100 * p['outside_kernels_net_fraction']:5.1f}% of the step less the timers' cost "
             f"({p['timed_calls_per_step']:.0f} timed calls at "
-            f"{1e3 * p['timers_ms'] / max(p['timed_calls_per_step'], 1):.2f} us)"
+            f"{1e3 * p['timers_ms'] / max(p['timed_calls_per_step'], 1):.2f} us, their cost in a loop)"
         )
+        if p.get("outside_kernels_net_cold_ms") is not None:
+            lines.append(
+                f"    {'= outside kernels, less cold timers':<40} {p['outside_kernels_net_cold_ms']:8.3f} ms "
+                f"{100 * p['outside_kernels_net_cold_fraction']:5.1f}% of the step less the timers' cost from cold "
+                f"caches ({1e3 * p['timers_cold_ms'] / max(p['timed_calls_per_step'], 1):.2f} us a call: the glue lies"
+                " between the two)"
+            )
     return "\n".join(lines)
 
 

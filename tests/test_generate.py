@@ -4,6 +4,7 @@ max tokens, context limit, cancellation, usage; then greedy determinism and seed
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 from pathlib import Path
 
@@ -344,6 +345,26 @@ def test_id_only_entry_points_say_they_take_ids_and_prompt_logprobs_takes_no_ses
             call("hello")
     with pytest.raises(ValueError, match=r"^prompt_logprobs scores the prompt from a fresh state: pass no session"):
         engine.stream(PROMPT, max_tokens=1, prompt_logprobs=0, session=engine.open_session())
+
+
+@pytest.mark.parametrize(
+    "option,value,error,says",
+    [
+        ("head_screen", "no", TypeError, "head_screen must be True or False, got 'no'"),  # "no" is truthy: was on
+        ("verify", 0, TypeError, "verify must be True or False, got 0"),
+        ("kernels", "yes", TypeError, "kernels must be True or False"),
+        ("lookahead", None, TypeError, "lookahead must be True or False"),
+        ("direct_io", "maybe", TypeError, "direct_io must be True, False or None"),
+        ("max_rollback", -1, ValueError, "max_rollback must be an integer >= 0 or None, got -1"),  # was taken
+        ("prefill_chunk", "512", ValueError, "prefill_chunk must be an integer >= 1, got '512'"),
+        ("threads", 0, ValueError, "threads must be an integer >= 1 or None, got 0"),
+    ],
+)
+def test_load_options_of_the_wrong_kind_are_named_before_anything_is_read(tiny_ckpt, option, value, error, says):
+    from fastar.engine.engine import load
+
+    with pytest.raises(error, match=f"^{re.escape(says)}"):
+        load(tiny_ckpt, **{option: value})
 
 
 def test_a_closed_engine_says_so_at_every_entry_point(tiny_ckpt) -> None:

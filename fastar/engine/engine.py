@@ -103,6 +103,23 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
     return Engine(source, numerics=numerics, **options)
 
 
+def _check_options(switches: dict, direct_io: object, counts: dict) -> None:
+    """`load`'s options of the wrong kind, before anything is read: one line naming the option. A switch must be a
+    bool (the string "no" is true: `head_screen="no"` kept the screen on); a count (value, least, None allowed)
+    an integer (`max_rollback=-1` was taken, to fail at the first rollback)."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if direct_io is not None and not isinstance(direct_io, bool):
+        raise TypeError(f"direct_io must be True, False or None (where the file system allows), got {direct_io!r}")
+    for name, (value, least, none_ok) in counts.items():
+        if value is None and none_ok:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            also = " or None" if none_ok else ""
+            raise ValueError(f"{name} must be an integer >= {least}{also}, got {value!r}")
+
+
 def _verify_resident(source: WeightSource) -> None:
     """A `.fst` v3's resident tensors and blobs against their checksums (the expert bank is checked record by
     record as the cache first reads it). Other sources carry no checksums to check."""
@@ -140,8 +157,15 @@ class Engine:
         gpu_budget: int | str | None = "auto",
         head_screen: bool = True,
     ) -> None:
-        if prefill_chunk <= 0:
-            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        _check_options(
+            {"kernels": kernels, "lookahead": lookahead, "verify": verify, "head_screen": head_screen},
+            direct_io,
+            {
+                "max_rollback": (max_rollback, 0, True),
+                "prefill_chunk": (prefill_chunk, 1, False),
+                "threads": (threads, 1, True),
+            },
+        )
         from ..model.device import DeviceBackend, resolve_device
 
         self.device = resolve_device(device)

@@ -347,6 +347,25 @@ def test_id_only_entry_points_say_they_take_ids_and_prompt_logprobs_takes_no_ses
         engine.stream(PROMPT, max_tokens=1, prompt_logprobs=0, session=engine.open_session())
 
 
+def test_interleaved_generations_on_one_session_fail_instead_of_mixing_tokens(engine) -> None:
+    """Two streams on one session (the engine's own, when none is passed) interleaved: the first, resumed after the
+    second ran, went on from the second's timeline and returned wrong tokens without a word. It raises
+    `SessionInUse` now; a stream left unfinished (a loop broken out of) simply loses the session to the next."""
+    from fastar.engine.session import SessionInUse
+
+    alone = [c.token for c in engine.stream(PROMPT, max_tokens=5, ignore_eos=True, session=engine.open_session())]
+    for session in (None, engine.open_session()):
+        first = engine.stream(PROMPT, max_tokens=5, ignore_eos=True, session=session)
+        assert [next(first).token for _ in range(2)] == alone[:2]
+        engine.generate(PROMPT[:3], max_tokens=2, ignore_eos=True, session=session)
+        with pytest.raises(SessionInUse, match=r"^another generation ran on this session since this one started"):
+            next(first)
+        left = engine.stream(PROMPT, max_tokens=5, ignore_eos=True, session=session)
+        next(left)  # abandoned
+        assert [c.token for c in engine.stream(PROMPT, max_tokens=5, ignore_eos=True, session=session)] == alone
+    assert issubclass(SessionInUse, RuntimeError)
+
+
 @pytest.mark.parametrize(
     "option,value,error,says",
     [

@@ -100,6 +100,7 @@ def _stream(
     if params.max_tokens == 0:
         yield chunks.empty()
         return
+    claim = session.claim()
     steps = step_fn(session, ids, params, cancel, on_prefill_progress)
     try:
         for token, logprob, top in steps:
@@ -115,6 +116,7 @@ def _stream(
             yield chunk
             if chunk.finish_reason is not None:
                 return
+            session.check_claim(claim)  # resumed: nothing else ran on the session meanwhile
         # generate_step ended without a token: cancelled during prefill
         yield chunks.cancelled(session.last_cached_tokens)
     finally:

@@ -56,6 +56,10 @@ class SessionError(FastarError):
     """A saved session cannot be restored (missing, corrupt, or saved from another model)."""
 
 
+class SessionInUse(FastarError, RuntimeError):
+    """A generation was resumed after another one ran on its session (their tokens would mix)."""
+
+
 @dataclass(slots=True)
 class Stats:
     """Counters since the engine was loaded. `prefill_tokens_computed` counts tokens actually run through
@@ -165,11 +169,26 @@ class Session:
         self._boundary_ids: frozenset[int] | None = None
         self._keep_anchor = anchor
         self._anchor: tuple[list[int], Any] | None = None  # (prompt ids, state snapshot after them)
+        self._generation: object | None = None  # the token of the generation running on this session (`claim`)
 
     @property
     def runner(self) -> Runner:
         """The engine this session runs on (a session's state is only meaningful to its own engine)."""
         return self._runner
+
+    def claim(self) -> object:
+        """Make a new generation this session's user; returns its token for `check_claim`. A generation still
+        suspended (an unfinished stream, one a loop broke out of) loses the session to it."""
+        self._generation = object()
+        return self._generation
+
+    def check_claim(self, token: object) -> None:
+        """Raise `SessionInUse` when another generation claimed this session since `token`'s did."""
+        if self._generation is not token:
+            raise SessionInUse(
+                "another generation ran on this session since this one started, so their tokens would mix: "
+                "give each generation you interleave its own session (engine.open_session())"
+            )
 
     # --- the timeline -------------------------------------------------------------------------------------
 

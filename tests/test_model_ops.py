@@ -438,6 +438,14 @@ def test_linear_fp8_bf16_and_grouped_products(kernels):
     lb = Linear("b", bf, "BF16", kernels=kernels)
     assert torch.allclose(lb(x), x @ torch.from_numpy(bf16_decode(bf)).T, atol=1e-4)
     assert torch.equal(lb.rows(torch.tensor([3, 0])), torch.from_numpy(bf16_decode(bf))[[3, 0]])
+    # the rows as an array by the bits (a decode step's embedding): `rows`' values bit for bit, specials included
+    special = bf.copy()
+    special[5, :4] = [0x7F80, 0xFF80, 0x8000, 0x0001]  # +inf, -inf, -0.0, the smallest subnormal
+    ls, picks = Linear("e", special, "BF16", kernels=kernels), [5, 3, 0, 3, 63]
+    got = torch.from_numpy(ls.rows_array(picks))
+    want = ls.rows(torch.tensor(picks))
+    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert lin.rows_array(picks) is None  # an FP8 weight has no row lookup
     if kernels:  # the bound C call (`_direct`) gives the generic kernel path's bits, a strided x included
         xt = torch.randn(256, 5).T
         for linear in (lin, lb):

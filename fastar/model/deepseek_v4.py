@@ -1058,8 +1058,10 @@ class DeepseekV4:
             raise ValueError("forward_rows needs a distinct state per token")
         for s in states:
             self._place(s)
-        self.experts.prefetch_tokens(ids.tolist(), self.hash_tables)  # hash-routed layers: known from the ids
-        emb = self.embed.rows(ids)  # [B, d]
+        listed = ids.tolist()
+        self.experts.prefetch_tokens(listed, self.hash_tables)  # hash-routed layers: known from the ids
+        emb = self.embed.rows_array(listed) if self.hc_chain is not None else None  # [B, d]: `embed.rows`' values
+        emb = torch.from_numpy(emb) if emb is not None else self.embed.rows(ids)
         u = self.hc_chain.begin(emb) if self.hc_chain is not None else None
         if u is not None:  # the mHC sites chained over preallocated streams (`hc_chain`): `Block.rows`' bits
             for i, block in enumerate(self.layers):

@@ -202,6 +202,14 @@ class Linear:
             raise ValueError(f"{self.name}: row lookup of an FP8 weight is not supported")
         return self.weight[ids].float()
 
+    def rows_array(self, ids: list[int]) -> np.ndarray | None:
+        """`rows(ids)` of a BF16 weight on the CPU as a numpy array, by the bits: a bfloat16 is the top half of the
+        float32 it widens to, so shifting its bits up gives `.float()`'s values exactly, in three numpy calls instead of
+        a tensor, an index and a conversion (a decode step's embedding). None for other weights."""
+        if self.dtype != "BF16" or not self.weight.is_cpu:
+            return None
+        return (self._w_np[ids].astype(np.uint32) << 16).view(np.float32)
+
 
 class Weights:
     """Typed, name-based access to a `WeightSource` (official checkpoint names, storage precision)."""

@@ -53,3 +53,39 @@ def test_torch_only_scope_computes_as_before():
     assert not table._blocks
     for a, b in zip(got, ops.rope_cos_sin(inv, torch.tensor([7, 300]))):
         assert torch.equal(a, b)
+
+
+def test_the_last_rows_are_kept_registered_for_the_c_calls():
+    """The same positions asked again (the next layer of a step) get the same tensors back, registered with
+    `ops.buffer_tensor` (`ops.c_arrays` returns their arrays as they are); new positions take them off the register."""
+    if not ops.c_enabled():
+        pytest.skip("the register serves the C calls")
+    table = angles.AngleTable(ops.rope_inv_freq(64, 10000.0))
+    first = table.rows([7, 300])
+    assert table.rows([7, 300]) is first
+    arrays = ops.c_arrays(*first)
+    assert all(a is ops._BUFFERS[id(t)][1] for a, t in zip(arrays, first))  # the registered arrays themselves
+    assert all(torch.equal(torch.from_numpy(a), t) for a, t in zip(arrays, first))
+    assert all(id(t) in ops._BUFFERS for t in first)
+    second = table.rows([8])
+    assert second is not first and all(id(t) not in ops._BUFFERS for t in first)
+    for a, b in zip(second, ops.rope_cos_sin(table.inv_freq, torch.tensor([8]))):
+        assert torch.equal(a, b)
+
+
+def test_buffer_tensors_come_back_as_their_arrays():
+    """`ops.c_arrays` hands a registered buffer's own array back (no copy, no check); a forgotten one is checked and
+    converted as any tensor; `buffer_tensor` refuses what the C calls could not take."""
+    import numpy as np
+
+    if not ops.c_enabled():
+        pytest.skip("the register serves the C calls")
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t = ops.buffer_tensor(a)
+    assert ops.c_arrays(t)[0] is a
+    ops.forget_buffer(t)
+    got = ops.c_arrays(t)[0]
+    assert got is not a and np.shares_memory(got, a)
+    for bad in (a.astype(np.float64), a.T, np.empty((0, 4), np.float32)):
+        with pytest.raises(ValueError, match="buffer_tensor"):
+            ops.buffer_tensor(bad)

@@ -31,6 +31,9 @@ class AngleTable:
         self.inv_freq = inv_freq
         self.tabled = inv_freq.shape[0] % 32 == 0
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # the last positions asked and their rows, as registered tensors: a step's layers of these frequencies all
+        # ask for the same positions, and each hands the rows to a few C calls (`ops.buffer_tensor`)
+        self._last: tuple[list[int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _block(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         b = self._blocks.get(k)
@@ -55,12 +58,20 @@ class AngleTable:
         same bits (read-only by contract: for one position, views of the table)."""
         if not self.tabled or not ops.c_enabled():  # a device backend's scope: computed there, on its device
             return ops.rope_cos_sin(self.inv_freq, torch.tensor(pos))
+        last = self._last
+        if last is not None and last[0] == pos:
+            return last[1]
         if len(pos) == 1:
             cos, sin = self.row(pos[0])
         else:
             parts = [self.row(p) for p in pos]
             cos, sin = np.concatenate([c for c, _ in parts]), np.concatenate([s for _, s in parts])
-        return torch.from_numpy(cos), torch.from_numpy(sin)
+        if last is not None:
+            for t in last[1]:
+                ops.forget_buffer(t)
+        got = ops.buffer_tensor(cos), ops.buffer_tensor(sin)
+        self._last = (list(pos), got)
+        return got
 
 
 def shared_table(tables: dict, inv_freq: torch.Tensor, key: tuple) -> AngleTable:

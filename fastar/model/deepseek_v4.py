@@ -524,8 +524,8 @@ class Attention:
         it row by row and `_output` reads it before `rows` returns, so a step allocates none."""
         got = self._rows_o.get(shape[0])
         if got is None:
-            o = torch.empty(shape)
-            got = self._rows_o[shape[0]] = (o, o.numpy())
+            on = np.empty(tuple(shape), np.float32)
+            got = self._rows_o[shape[0]] = (ops.buffer_tensor(on), on)  # `_output`'s C call gets `on` unchecked
         return got
 
     def _compress_project(self, x: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

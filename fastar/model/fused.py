@@ -15,6 +15,7 @@ run, a chunk longer than a decode step's rows, weights without a C product); the
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..quant import kernels
@@ -72,9 +73,10 @@ class FusedAttention:
             return None
         outs = self._outs.get(T)
         if outs is None:  # made once per row count: every caller reads them before this layer projects again
-            q = torch.empty(T, self.heads, self.head_dim)
-            qr, kv = torch.empty(T, self.q_lora), torch.empty(T, self.head_dim)
-            outs = self._outs[T] = ((q, qr, kv), (q.numpy().reshape(T, -1), qr.numpy(), kv.numpy()))
+            arrays = [np.empty(s, np.float32) for s in ((T, self.heads, self.head_dim), (T, self.q_lora))]
+            arrays.append(np.empty((T, self.head_dim), np.float32))
+            tensors = tuple(ops.buffer_tensor(a) for a in arrays)  # their arrays back from `ops.c_arrays` unchecked
+            outs = self._outs[T] = (tensors, (arrays[0].reshape(T, -1), arrays[1], arrays[2]))
         (wa, sa), (wb, sb) = self.a, self.b
         kernels.extension.attn_project(
             args[0], wa, sa, self.q_lora, wb, sb, self.q_norm, self.kv_norm, args[1], args[2], self.eps,

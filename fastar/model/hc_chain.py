@@ -31,7 +31,7 @@ class _Buffers:
     def __init__(self, B: int, n: int, d: int) -> None:
         self.X = [np.empty((B, n * d), np.float32), np.empty((B, n * d), np.float32)]
         self.u, self.post, self.comb = (np.empty(s, np.float32) for s in ((B, d), (B, n), (B, n * n)))
-        self.u_t = torch.from_numpy(self.u)
+        self.u_t = ops.buffer_tensor(self.u)  # the sub-layers' C calls get the array back without a check
 
 
 class HCChain:

@@ -55,14 +55,43 @@ def c_enabled() -> bool:
     return _C is not None and not (_open_scopes[0] and getattr(_scope, "torch_only", False))
 
 
+# Tensors over arrays of their owner's, made once and kept (a decode step's buffers) -> (the tensor, its array):
+# `c_arrays` hands their arrays back without a check or a conversion (id(t) cannot be reused: the entry holds t).
+_BUFFERS: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
+
+
+def buffer_tensor(a: np.ndarray) -> torch.Tensor:
+    """A tensor over a float32 C-contiguous array that its owner keeps for the process's life (a buffer reused by
+    every decode step), registered for `c_arrays`: from the cold caches a step leaves, checking and converting a
+    tensor costs tens of microseconds, and a step hands the same buffers to several C calls. The owner must keep
+    the array's shape and never hand the tensor to autograd."""
+    if a.dtype != np.float32 or not a.flags.c_contiguous or not a.size:
+        raise ValueError(f"buffer_tensor takes a non-empty float32 C-contiguous array, got {a.dtype} {a.shape}")
+    t = torch.from_numpy(a)
+    _BUFFERS[id(t)] = (t, a)
+    return t
+
+
+def forget_buffer(t: torch.Tensor) -> None:
+    """Takes a `buffer_tensor` off the register (its owner replaces it): `c_arrays` then checks it as any tensor."""
+    known = _BUFFERS.get(id(t))
+    if known is not None and known[0] is t:
+        del _BUFFERS[id(t)]
+
+
 def c_arrays(*ts: torch.Tensor) -> list | None:
     """Row-major numpy views of the tensors for the C extension (a copy only where one is not contiguous), or None
     when it cannot take them (not built; not float32 on the CPU; autograd; empty). The C calls reshape on the numpy
-    side: a few microseconds less per call than torch views, which is most of a small op's cost at decode."""
+    side: a few microseconds less per call than torch views, which is most of a small op's cost at decode. A
+    `buffer_tensor`'s array comes back as registered."""
     if not c_enabled():
         return None
     out = []
     for t in ts:
+        known = _BUFFERS.get(id(t))
+        if known is not None and known[0] is t:
+            out.append(known[1])
+            continue
         if t.dtype is not torch.float32 or not t.is_cpu or t.requires_grad or not t.dim() or not t.numel():
             return None
         out.append(t.numpy() if t.is_contiguous() else t.contiguous().numpy())

@@ -386,6 +386,35 @@ def test_load_options_of_the_wrong_kind_are_named_before_anything_is_read(tiny_c
         load(tiny_ckpt, **{option: value})
 
 
+def test_load_of_a_fifo_or_device_is_refused_instead_of_blocking(tmp_path) -> None:
+    """`fastar.load` of a FIFO blocked forever in open() waiting for a writer (the CLI checked, the library did
+    not); a device was read as a file."""
+    import os
+
+    from fastar.engine.engine import load
+    from fastar.errors import FormatError
+
+    fifo = tmp_path / "model.fst"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        errors: list[BaseException] = []
+        worker = threading.Thread(target=lambda: _catch(errors, load, path), daemon=True)
+        worker.start()
+        worker.join(60)  # a bound on a hang, not a timing: the refusal is immediate
+        if worker.is_alive():
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer comes and goes: the blocked open returns
+            pytest.fail(f"load({path}) blocked")
+        (err,) = errors
+        assert isinstance(err, FormatError) and str(err) == f"{path}: not a regular file or checkpoint directory"
+
+
+def _catch(errors: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as err:
+        errors.append(err)
+
+
 def test_a_closed_engine_says_so_at_every_entry_point(tiny_ckpt) -> None:
     """After `close()` every call is a one-line `EngineClosed` (a RuntimeError), where some said the expert cache
     was closed, and opening a session or a scheduler still worked."""

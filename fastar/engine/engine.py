@@ -63,6 +63,8 @@ def open_source(path: str | os.PathLike) -> WeightSource:
             ck.close()
             raise
         return ck
+    if p.exists() and not p.is_file():  # a FIFO would block the open forever, a device stream without end
+        raise FormatError(f"{path}: not a regular file or checkpoint directory")
     from ..convert.v2 import open_model_file
 
     return open_model_file(p)

@@ -43,6 +43,7 @@ def test_defaults_are_greedy() -> None:
         ("max_tokens", 1.5),
         ("temperature", -0.1),
         ("temperature", float("nan")),
+        ("temperature", float("inf")),  # masked (-inf) logits / inf are NaN
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_k", -1),
@@ -145,6 +146,20 @@ def test_greedy_is_argmax_and_reports_raw_logprobs() -> None:
     assert lp == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
     assert [t for t, _ in top] == [1, 3] and top[0][1] >= top[1][1]
     assert Sampler(SamplingParams(temperature=5.0, top_k=1))(logits)[0] == 1  # top_k 1 is greedy too
+
+
+def test_a_temperature_so_small_the_logits_overflow_samples_the_argmax() -> None:
+    """logits / 1e-300 overflow float32 to +-inf, and softmax of them is NaN: torch's multinomial failed with
+    'probability tensor contains either inf, nan or element < 0'. The limit of a vanishing temperature is the
+    argmax, which it draws now; a temperature the division survives is unchanged."""
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9, float("-inf")])
+    for seed in range(5):
+        assert Sampler(SamplingParams(temperature=1e-300, seed=seed))(logits)[0] == 1
+    assert torch.equal(
+        processed_logits(-logits.abs(), SamplingParams(temperature=1e-300)).isfinite(), torch.arange(5) == 0
+    )  # all negative: they overflow to -inf, the largest is kept
+    t = SamplingParams(temperature=1e-3)
+    assert torch.equal(processed_logits(logits, t), logits.float() / 1e-3)
 
 
 def test_logprobs_ignore_temperature() -> None:

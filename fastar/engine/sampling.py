@@ -97,8 +97,8 @@ class SamplingParams:
 
         if not is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "an integer >= 0")
-        if not is_num(self.temperature) or self.temperature < 0:
-            bad("temperature", "a number >= 0")
+        if not is_num(self.temperature) or not 0 <= self.temperature < math.inf:
+            bad("temperature", "a finite number >= 0")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
         if not is_int(self.top_k) or self.top_k < 0:
@@ -194,6 +194,8 @@ def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution actually sampled from (temperature, then top-k, top-p, min-p; vLLM's order)."""
     x = logits.float() / params.temperature
+    if not torch.isfinite(x.max()):  # a temperature so small the division overflowed: its limit, the argmax
+        x = torch.where(logits == logits.max(), 0.0, float("-inf"))
     x = apply_top_k(x, params.top_k)
     x = apply_top_p(x, params.top_p)
     return apply_min_p(x, params.min_p)

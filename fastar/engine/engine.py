@@ -28,7 +28,7 @@ from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, DeepseekV4, Numerics, span_b
 from ..model.head_screen import HeadScreen
 from ..model.state import ModelState
 from ..quant import kernels as K
-from . import speculative
+from . import arguments, speculative
 from .constraint import CompiledGrammar, Grammar, GrammarCompiler
 from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
 from .perplexity import Perplexity, perplexity
@@ -105,23 +105,6 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
     return Engine(source, numerics=numerics, **options)
 
 
-def _check_options(switches: dict, direct_io: object, counts: dict) -> None:
-    """`load`'s options of the wrong kind, before anything is read: one line naming the option. A switch must be a
-    bool (the string "no" is true: `head_screen="no"` kept the screen on); a count (value, least, None allowed)
-    an integer (`max_rollback=-1` was taken, to fail at the first rollback)."""
-    for name, value in switches.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-    if direct_io is not None and not isinstance(direct_io, bool):
-        raise TypeError(f"direct_io must be True, False or None (where the file system allows), got {direct_io!r}")
-    for name, (value, least, none_ok) in counts.items():
-        if value is None and none_ok:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            also = " or None" if none_ok else ""
-            raise ValueError(f"{name} must be an integer >= {least}{also}, got {value!r}")
-
-
 def _verify_resident(source: WeightSource) -> None:
     """A `.fst` v3's resident tensors and blobs against their checksums (the expert bank is checked record by
     record as the cache first reads it). Other sources carry no checksums to check."""
@@ -159,7 +142,7 @@ class Engine:
         gpu_budget: int | str | None = "auto",
         head_screen: bool = True,
     ) -> None:
-        _check_options(
+        arguments.check_load_options(
             {"kernels": kernels, "lookahead": lookahead, "verify": verify, "head_screen": head_screen},
             direct_io,
             {
@@ -351,9 +334,7 @@ class Engine:
         each token scored once, in the first window that holds it after at least one token (`fastar.engine.
         perplexity`; `options`: save_logits, compare, on_window). `.ppl`, `.nll`, `.summary()`."""
         self._check_open()
-        for name, value in (("ctx", ctx), ("stride", stride)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise TypeError(f"{name} must be an integer, got {value!r}")
+        arguments.check_window(ctx, stride)
         ids = self.tokenizer.encode(text) if isinstance(text, str) else token_ids_of(text)
         return perplexity(self, ids, ctx, stride, **options)
 
@@ -499,19 +480,8 @@ class Engine:
             params = SamplingParams.from_kwargs(**sampling)
         elif sampling:
             raise TypeError("pass either params or sampling keyword arguments, not both")
-        elif not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams (or pass keyword arguments), got {type(params).__name__}")
-        if session is not None and not isinstance(session, Session):
-            raise TypeError(f"session must be a Session from open_session(), got {type(session).__name__}")
-        if session is not None and session.runner is not self:
-            raise ValueError("the session belongs to another engine: open one with this engine's open_session()")
-        if cancel is not None and not isinstance(cancel, threading.Event):
-            raise TypeError(f"cancel must be a threading.Event, got {type(cancel).__name__}")
-        if on_prefill_progress is not None and not callable(on_prefill_progress):
-            raise TypeError(f"on_prefill_progress must be callable as (done, total), got {on_prefill_progress!r}")
+        arguments.check_stream(self, params, session, cancel, on_prefill_progress)
         if params.prompt_logprobs is not None:  # scored from a fresh state, as the server's scheduler scores it
-            if session is not None:
-                raise ValueError("prompt_logprobs scores the prompt from a fresh state: pass no session with it")
             return self._scheduled(prompt_ids, params, cancel)
         if session is None:
             if self._session is None:
@@ -686,9 +656,7 @@ class Engine:
     ) -> list[list[GenerationChunk]]:
         """Run `requests` ((prompt, params or a dict of sampling keywords) pairs) together on this thread;
         returns each one's chunks, in order. `options`: as `scheduler`."""
-        bad = next((r for r in requests if not (isinstance(r, tuple | list) and len(r) == 2)), None)
-        if bad is not None:
-            raise TypeError(f"serve_batch takes (prompt, params or a dict of sampling keywords) pairs, got {bad!r}")
+        arguments.check_pairs(requests)
         sched = self.scheduler(**{"max_queue": max(64, len(requests)), **options})
         handles = [sched.submit(p, SamplingParams(**kw) if isinstance(kw, dict) else kw) for p, kw in requests]
         sched.run_until_idle()

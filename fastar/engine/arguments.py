@@ -1,0 +1,63 @@
+"""The library API's arguments of the wrong kind, named in one line before anything runs.
+
+Owns: the checks `Engine` makes of `load`'s options (`check_load_options`), of `stream`'s params, session, cancel
+event and progress callback (`check_stream`), of a perplexity window (`check_window`) and of `serve_batch`'s
+requests (`check_pairs`): a string "no" for a switch, a session of another engine, a dict for a `SamplingParams`
+are each a TypeError/ValueError naming the argument, never an AttributeError inside a step or a silent surprise.
+Does not own: the values' own ranges (`SamplingParams`, `Session.check_prompt`, `perplexity.windows`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .sampling import SamplingParams
+from .session import Session
+
+
+def check_load_options(switches: dict, direct_io: object, counts: dict) -> None:
+    """`load`'s options of the wrong kind, before anything is read: one line naming the option. A switch must be a
+    bool (the string "no" is true: `head_screen="no"` kept the screen on); a count (value, least, None allowed)
+    an integer (`max_rollback=-1` was taken, to fail at the first rollback)."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if direct_io is not None and not isinstance(direct_io, bool):
+        raise TypeError(f"direct_io must be True, False or None (where the file system allows), got {direct_io!r}")
+    for name, (value, least, none_ok) in counts.items():
+        if value is None and none_ok:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            also = " or None" if none_ok else ""
+            raise ValueError(f"{name} must be an integer >= {least}{also}, got {value!r}")
+
+
+def check_stream(engine: Any, params: Any, session: Any, cancel: Any, on_prefill_progress: Any) -> None:
+    """`Engine.stream`'s arguments besides the prompt (checked by the session)."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams (or pass keyword arguments), got {type(params).__name__}")
+    if session is not None and not isinstance(session, Session):
+        raise TypeError(f"session must be a Session from open_session(), got {type(session).__name__}")
+    if session is not None and session.runner is not engine:
+        raise ValueError("the session belongs to another engine: open one with this engine's open_session()")
+    if session is not None and params.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs scores the prompt from a fresh state: pass no session with it")
+    if cancel is not None and not isinstance(cancel, threading.Event):
+        raise TypeError(f"cancel must be a threading.Event, got {type(cancel).__name__}")
+    if on_prefill_progress is not None and not callable(on_prefill_progress):
+        raise TypeError(f"on_prefill_progress must be callable as (done, total), got {on_prefill_progress!r}")
+
+
+def check_window(ctx: Any, stride: Any) -> None:
+    """A perplexity window's sizes are integers (their ranges: `perplexity.windows`)."""
+    for name, value in (("ctx", ctx), ("stride", stride)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+
+
+def check_pairs(requests: Any) -> None:
+    """`serve_batch`'s requests are (prompt, params or a dict of sampling keywords) pairs."""
+    bad = next((r for r in requests if not (isinstance(r, tuple | list) and len(r) == 2)), None)
+    if bad is not None:
+        raise TypeError(f"serve_batch takes (prompt, params or a dict of sampling keywords) pairs, got {bad!r}")

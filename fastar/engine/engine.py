@@ -474,6 +474,9 @@ class Engine:
         Raises:
             PromptError (a ValueError), from this call itself: empty prompt, longer than the context, bad ids.
             SamplingError (a ValueError): a bad sampling value.
+            TypeError / ValueError: a prompt that is neither text nor int ids, an argument of the wrong kind, a
+                session of another engine (`fastar.engine.arguments`); EngineClosed after `close()`.
+            SessionInUse, from the iterator when it is resumed after another generation ran on its session.
         """
         self._check_open()
         if params is None:

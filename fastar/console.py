@@ -693,6 +693,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     try:
         code = repl.run()
         print(timings_line({}, engine.stats()).replace("timings:", "session totals:"), file=sys.stderr)
+        if code:  # the last line says why the status is 1, as every failing command's does
+            n = repl.failures
+            lines = "line" if n == 1 else "lines"
+            print(f"fastar: error: {n} {lines} of the input failed (see above)", file=sys.stderr)
     finally:
         engine.close()  # stops the warm-up and saves the usage profile for the next start
     return code

@@ -171,7 +171,9 @@ def test_piped_chat_whose_every_turn_fails_exits_1(capsys, monkeypatch, demo_cac
     monkeypatch.setattr(sys, "stdin", io.StringIO("many words " * 20 + "\n"))
     code, err = run_main(capsys, "chat", "-m", str(demo_cache / demo.DEMO_NAME), "-c", "16", "--no-prompt-cache")
     errors = [ln for ln in err.splitlines() if ln.startswith("fastar: error: ")]
-    assert code == 1 and len(errors) == 1 and "context length is 16" in errors[0], err
+    assert code == 1 and len(errors) == 2 and "context length is 16" in errors[0], err
+    # the last line says why the status is 1, as a failing command's does
+    assert err.splitlines()[-1] == errors[-1] == "fastar: error: 1 line of the input failed (see above)"
     assert "Traceback" not in err
 
 

@@ -26,6 +26,8 @@ the BF16 head product itself (`fastar.quant.linear.Linear`), the int8 kernels (`
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -50,7 +52,7 @@ class HeadScreen:
         if head.dtype != "BF16":
             raise ValueError(f"{head.name}: the head screen needs BF16 rows, not {head.dtype}")
         self.head, self.k = head, kernels
-        w = head.weight.view(torch.int16).numpy().view(np.uint16)  # the stored bits, [V, K]
+        self._w = w = head.weight.view(torch.int16).numpy().view(np.uint16)  # the stored bits, [V, K]
         self.V, self.K = w.shape
         self.q = np.empty(w.shape, np.int8)
         self.scale = np.empty(self.V, np.float32)
@@ -66,6 +68,9 @@ class HeadScreen:
         self.exact_rows = 0  # rows computed exactly so far (a count for benchmarks)
         self._keep, self._rows = np.empty(self.V, np.uint8), np.empty(self.V, np.int64)  # head_i8_select's scratch
         self._dots = np.empty((0, self.V), np.int32)  # head_i8_dot's products, kept: MBs a step at 8 rows
+        # per row count, head_i8_quantize's outputs (x, sx, stats): a step's numpy calls run from cold caches, tens
+        # of microseconds each, so the step makes as few as it can
+        self._terms: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     @classmethod
     def build(cls, head: Linear) -> HeadScreen | None:
@@ -93,45 +98,48 @@ class HeadScreen:
         that can hold a row's largest logit (and at the other rows' candidates), -inf elsewhere."""
         yn = y.detach().contiguous().float().numpy()
         T = yn.shape[0]
-        x, sx, stats = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float32), np.empty((T, 3))
+        if T not in self._terms:
+            self._terms[T] = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float32), np.empty((T, 3))
+        x, sx, stats = self._terms[T]
         self.k.extension.head_i8_quantize(yn, x, sx, stats)
-        dy, nx, ny = stats.T
-        plain = ~np.isfinite(ny) | (ny == 0) | (ny * self.wmax > HUGE)
+        st = stats.tolist()  # [|dy|, |x|, |y|] per row, as Python floats: T is at most 8
+        plain = [not (math.isfinite(ny) and ny != 0 and ny * self.wmax <= HUGE) for _, _, ny in st]
         out = np.full((T, self.V), -np.inf, np.float32)
-        if not plain.all():
-            if plain.any():  # the screened rows' terms alone (rows t and T + t of x for each)
-                keep = np.flatnonzero(~plain)
-                x, sx = x[np.concatenate([keep, keep + T])], sx[np.concatenate([keep, keep + T])]
-                dy, nx, ny = dy[keep], nx[keep], ny[keep]
-            rows = self._candidates(x, sx, dy, nx, ny)
-            screened = np.flatnonzero(~plain)
-            sub = self._exact(torch.from_numpy(np.ascontiguousarray(yn[screened])), rows)
-            out[np.ix_(screened, rows)] = sub
-        if plain.any():
-            out[plain] = self.head(torch.from_numpy(np.ascontiguousarray(yn[plain]))).numpy()
+        if not any(plain):
+            rows = self._candidates(x, sx, st)
+            out[:, rows] = self._exact(yn, rows)
+            return torch.from_numpy(out)
+        screened = [t for t in range(T) if not plain[t]]
+        if screened:  # the screened rows' terms alone (rows t and T + t of x for each)
+            idx = screened + [T + t for t in screened]
+            rows = self._candidates(x[idx], sx[idx], [st[t] for t in screened])
+            out[np.ix_(screened, rows)] = self._exact(np.ascontiguousarray(yn[screened]), rows)
+        full = [t for t in range(T) if plain[t]]
+        out[full] = self.head(torch.from_numpy(np.ascontiguousarray(yn[full]))).numpy()
         return torch.from_numpy(out)
 
-    def _candidates(self, x: np.ndarray, sx: np.ndarray, dy, nx, ny) -> np.ndarray:
-        """The sorted union over the screened rows (their int8 terms x [2T, K] with scales sx, and their |dy|, |x|,
+    def _candidates(self, x: np.ndarray, sx: np.ndarray, st: list[list[float]]) -> np.ndarray:
+        """The sorted union over the screened rows (their int8 terms x [2T, K] with scales sx, and per row |dy|, |x|,
         |y|) of the head rows that can hold that row's largest logit."""
         if self._dots.shape[0] < x.shape[0]:
             self._dots = np.empty((x.shape[0], self.V), np.int32)
         dots = self._dots[: x.shape[0]]
         self.k.extension.head_i8_dot(x, self.q, self.rowsum, dots)
-        c1 = ((dy + self.gamma * ny) * (1 + MARGIN)).astype(np.float32)
-        c2 = (nx * (1 + MARGIN)).astype(np.float32)
+        # float64 arithmetic as numpy's on the same values, then rounded to float32
+        c1 = np.array([(dy + self.gamma * ny) * (1 + MARGIN) for dy, _, ny in st], np.float32)
+        c2 = np.array([nx * (1 + MARGIN) for _, nx, _ in st], np.float32)
         n = self.k.extension.head_i8_select(
             dots, sx, self.scale, c1, c2, self.wnorm32, self.dnorm32, MARGIN, self._keep, self._rows
         )
         return self._rows[:n].copy()
 
-    def _exact(self, y: torch.Tensor, rows: np.ndarray) -> np.ndarray:
-        """The full head's logits [T, len(rows)] at `rows`: its own kernel on those rows gathered, so each value has
-        the bits the full product gives it (each (row, token) sum is the same chain whatever the rows around it)."""
+    def _exact(self, y: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The full head's logits [T, len(rows)] at `rows` for y [T, K] (C-contiguous): its own kernel on those rows
+        gathered, so each value has the bits the full product gives it (each (row, token) sum is the same chain
+        whatever the rows around it)."""
         self.exact_rows += len(rows)
-        w = self.head.weight.view(torch.int16).numpy().view(np.uint16)
         sub = np.empty((len(rows), self.K), np.uint16)
-        self.k.extension.gather_rows(w, rows, sub)
+        self.k.extension.gather_rows(self._w, rows, sub)
         out = np.empty((y.shape[0], len(rows)), np.float32)
-        self.k.extension.bf16_matmul(y.numpy(), sub, out)
+        self.k.extension.bf16_matmul(y, sub, out)
         return out

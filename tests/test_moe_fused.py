@@ -85,10 +85,15 @@ def test_routed_sum_equals_expert_by_expert_in_any_split(model_path, numerics):
                     moe.experts = provider = Split(base, split)
                     got = moe_fused.routed_sum(x, idx.numpy(), wts, provider, moe.layer, moe.limit, moe.act_block)
                     assert torch.equal(torch.from_numpy(got), want), (moe.layer, moe.is_hash, T, name)
+                    out = np.full((T, d), np.nan, np.float32)  # a reused buffer, whatever it held: zeroed first
+                    args = (x.numpy(), idx.numpy(), wts, provider, moe.layer, moe.limit, moe.act_block, out)
+                    assert moe_fused.routed_sum(*args) is out and torch.equal(torch.from_numpy(out), want)
                 moe.experts = Split(base, SPLITS["odd then even"])
-                got = moe(x, ids)
+                got = moe(x, ids).clone()  # (a decode step's rows come back in the layer's buffer)
                 moe.experts = Split(base, SPLITS["one by one"])
                 assert torch.equal(got, moe.routed_reference(x, idx, wts) + moe.shared_reference(x))
+                if T <= 8:
+                    assert moe(x, ids) is moe._rows_out(T)[0]  # the same registered buffer every call
             moe.experts = base
 
 

@@ -602,6 +602,7 @@ class MoE:
         self.offload = None  # set by a device backend: runs the routed experts instead (`fastar.model.device`)
         self.span_next = None  # set by DeepseekV4 with a paging provider: prefetch the next layer during a span
         self.act_block = 128 if numerics.fp8_activations else 0  # the FP8 activation block (official numerics)
+        self._outs: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # `_rows_out`'s buffers, by row count
         # the routed experts through `moe_fused.routed_sum` (False: `routed_reference`): where the fused kernel
         # applies, as `experts_ffn` decides (the C build; an activation hook only with DeepSeek's routing order)
         self.fused = kernels and _kernels_built() and (not numerics.fp8_activations or numerics.official_routing)
@@ -653,8 +654,11 @@ class MoE:
             return self.offload(self, x, idx, wts) + self._shared(x)
         if fused:  # `moe_fused`: the same bits
             routed = idx if routes is not None else idx.numpy()
-            out = moe_fused.routed_sum(xa, routed, wts, self.experts, self.layer, self.limit, self.act_block)
-            return self._shared(x, out, xa)
+            buf = self._rows_out(x.shape[0]) if x.shape[0] <= ops.SMALL_CHUNK else None  # a decode step's rows
+            out = moe_fused.routed_sum(
+                xa, routed, wts, self.experts, self.layer, self.limit, self.act_block, None if buf is None else buf[1]
+            )
+            return self._shared(x, out, xa, None if buf is None else buf[0])
         return self.routed_reference(x, idx, wts).add_(self._shared(x))
 
     def routed_reference(self, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
@@ -740,14 +744,30 @@ class MoE:
         scores = ops.per_token(ops.sqrtsoftplus, self.gate(x))  # [T, E]
         return torch.unique(torch.topk(scores + self.bias, self.topk, dim=-1).indices).tolist()
 
-    def _shared(self, x: torch.Tensor, routed: np.ndarray | None = None, xa: np.ndarray | None = None) -> torch.Tensor:
+    def _shared(
+        self,
+        x: torch.Tensor,
+        routed: np.ndarray | None = None,
+        xa: np.ndarray | None = None,
+        result: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The shared expert on x [T, d]; with `routed` (the routed experts' sum, float32 [T, d]) added into it. `xa`:
-        x's array (float32, C-contiguous) where the caller has it."""
-        y = None if self.shared_fused is None else self.shared_fused(x, routed, xa)  # one C call, the same bits
+        x's array (float32, C-contiguous) where the caller has it; `result`: a tensor over `routed` to return (the
+        decode step's buffer, `_rows_out`)."""
+        y = None if self.shared_fused is None else self.shared_fused(x, routed, xa, result)  # one C call, same bits
         if y is None:
             y = self.shared_reference(x)
             return y if routed is None else torch.from_numpy(routed).add_(y)
         return y
+
+    def _rows_out(self, T: int) -> tuple[torch.Tensor, np.ndarray]:
+        """The MoE's output [T, d] for a decode step's T rows, made once per row count (a registered tensor and its
+        array, `ops.buffer_tensor`): the caller reads it before this layer's next call."""
+        got = self._outs.get(T)
+        if got is None:
+            a = np.empty((T, self.gate.in_features), np.float32)
+            got = self._outs[T] = (ops.buffer_tensor(a), a)
+        return got
 
     def shared_reference(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert through the ops and `Linear` wrappers: the reference of `moe_fused.shared_expert`."""

@@ -93,7 +93,8 @@ class HCChain:
         norm -> the next sub-layer's input [B, d]; after the last site, the head's collapse with the final norm ->
         [B, d], the LM head's input."""
         b, i, cur = self._b, self._site, self._cur
-        fa = f.numpy() if f.is_contiguous() else f.contiguous().numpy()
+        got = ops.c_arrays(f)  # a sub-layer's registered output buffer: its array as it is (`ops.buffer_tensor`)
+        fa = got[0] if got is not None else f.contiguous().numpy()
         if i + 1 < len(self.sites):
             s, na = self.sites[i + 1]
             kernels.extension.hc_post_pre(

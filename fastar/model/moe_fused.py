@@ -52,11 +52,12 @@ def routed_sum(
     layer: int,
     limit: float,
     act_block: int,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The routed experts' sum [T, D] (numpy) for x [T, D] (float32, CPU, contiguous; a tensor or its array), routed
-    [T, k] expert ids and wts [T, k] routing weights (float32, a tensor or numpy), with the fused kernel
-    (`kernels.extension` must be built; `act_block`: the FP8 activation block of the official numerics, 0 for none;
-    the routing weight is applied before w2).
+    """The routed experts' sum [T, D] (numpy; into `out` where given, float32 [T, D], zeroed first) for x [T, D]
+    (float32, CPU, contiguous; a tensor or its array), routed [T, k] expert ids and wts [T, k] routing weights
+    (float32, a tensor or numpy), with the fused kernel (`kernels.extension` must be built; `act_block`: the FP8
+    activation block of the official numerics, 0 for none; the routing weight is applied before w2).
 
     Routes are grouped by expert in ascending id order (`np.unique`'s, the MoE's `wanted` order) and within an
     expert in row-major (token, slot) order (`np.nonzero`'s). When the provider's first batch holds every expert,
@@ -95,7 +96,10 @@ def routed_sum(
         rows = at // k  # each route's token
         rw = np.ascontiguousarray(wn.reshape(-1)[at])  # each route's weight
     xn = x if isinstance(x, np.ndarray) else x.numpy()
-    out = np.zeros((T, xn.shape[1]), np.float32)
+    if out is None:
+        out = np.zeros((T, xn.shape[1]), np.float32)
+    else:
+        out.fill(0.0)
     scratch = xr = pos = None
     for batch in experts.each_batch(layer, wanted):
         if not batch:
@@ -156,13 +160,18 @@ class SharedExpert:
         return cls(ops_up, ops_down, limit, act_block)
 
     def __call__(
-        self, x: torch.Tensor, into: np.ndarray | None = None, xa: np.ndarray | None = None
+        self,
+        x: torch.Tensor,
+        into: np.ndarray | None = None,
+        xa: np.ndarray | None = None,
+        result: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The shared expert's output [T, D] for x [T, D]; with `into` (float32 [T, D], the routed experts' sum) added
         into it instead (`into + output`, element by element) and returned as a tensor. None, having done nothing,
         where the reference's wrappers would not take their C paths (`ops.c_arrays` decides: no build, a tensor not
         float32 on the CPU, `ops.torch_only()`). `xa`: x's array (float32, C-contiguous, 2-D) where the caller has
-        made it (`MoE.__call__`): only the scope is checked then."""
+        made it (`MoE.__call__`): only the scope is checked then. `result`: a tensor over `into` to return instead of
+        a new one (a registered buffer, `ops.buffer_tensor`)."""
         if xa is not None:
             args = [xa] if ops.c_enabled() else None
         else:
@@ -172,4 +181,4 @@ class SharedExpert:
         out = np.empty(args[0].shape, np.float32) if into is None else into
         (w13, s13), (w2, s2) = self.up, self.down
         kernels.extension.shared_ffn(args[0], w13, s13, w2, s2, self.limit, self.act_block, out, into is not None)
-        return torch.from_numpy(out)
+        return result if result is not None and into is not None else torch.from_numpy(out)

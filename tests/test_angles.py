@@ -83,6 +83,9 @@ def test_buffer_tensors_come_back_as_their_arrays():
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     t = ops.buffer_tensor(a)
     assert ops.c_arrays(t)[0] is a
+    with ops.torch_only():  # the C calls off: c_arrays declines, the register still answers
+        assert ops.c_arrays(t) is None and ops.buffer_array(t) is a
+    assert ops.buffer_array(torch.from_numpy(a)) is None  # another tensor over the same array is not registered
     ops.forget_buffer(t)
     got = ops.c_arrays(t)[0]
     assert got is not a and np.shares_memory(got, a)

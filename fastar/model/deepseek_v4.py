@@ -644,8 +644,11 @@ class MoE:
         return None if self.router is None else self.router(x, ids, xa)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        fused = self.fused and self.offload is None and x.dtype is torch.float32 and x.is_cpu and x.is_contiguous()
-        xa = x.numpy() if fused else None  # x's array once for the fused calls below (each would convert it again)
+        xa = ops.buffer_array(x)  # a decode step's registered input: its array, known float32 and contiguous
+        if xa is None:
+            fused = self.fused and x.dtype is torch.float32 and x.is_cpu and x.is_contiguous()
+            xa = x.numpy() if fused else None  # x's array once for the fused calls below (each would convert it)
+        fused = self.fused and self.offload is None and xa is not None
         routes = self.route_c(x, ids, xa) if fused else None  # numpy (ids, weights): `moe_fused.routed_sum` takes them
         idx, wts = routes if routes is not None else self.route(x, ids)
         if self.lookahead is not None:  # guess the next layer's experts now, so their reads overlap this layer

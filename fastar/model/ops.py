@@ -72,6 +72,13 @@ def buffer_tensor(a: np.ndarray) -> torch.Tensor:
     return t
 
 
+def buffer_array(t: torch.Tensor) -> np.ndarray | None:
+    """A `buffer_tensor`'s array (None for any other tensor), whatever the scope: for a caller whose C path does not
+    depend on `c_enabled` and would check the tensor's dtype, device and layout itself."""
+    known = _BUFFERS.get(id(t))
+    return known[1] if known is not None and known[0] is t else None
+
+
 def forget_buffer(t: torch.Tensor) -> None:
     """Takes a `buffer_tensor` off the register (its owner replaces it): `c_arrays` then checks it as any tensor."""
     known = _BUFFERS.get(id(t))

@@ -74,9 +74,9 @@ class FusedRouter:
         ops would take their torch paths (`ops.c_arrays` decides), the caller then routes in torch. `xa`: x's array
         (float32, C-contiguous) where the caller has made it: the router's product then runs on it directly (the
         C call `Linear`'s product makes, `Linear.kernel_operands`: the same bits)."""
-        if not ops.c_enabled() or x.dtype is not torch.float32 or not x.is_cpu:
+        if not ops.c_enabled() or (xa is None and (x.dtype is not torch.float32 or not x.is_cpu)):
             return None
-        T = x.shape[0]
+        T = x.shape[0] if xa is None else xa.shape[0]
         if xa is not None and self.gate_w is not None:
             logits = np.empty((T, self.gate_w.shape[0]), np.float32)
             kernels.extension.bf16_matmul(xa, self.gate_w, logits)

@@ -60,6 +60,30 @@ def test_forward_rows_is_bit_identical_to_one_token_forward(eng):
         tokens = [int(row.argmax()) for row in batched]
 
 
+def test_a_lone_decode_token_takes_forward_rows_with_forwards_bits(eng, monkeypatch):
+    """Engine.prefill of one token (Session.decode, generate_tokens) runs the scheduler's one-row step where it gives
+    `forward`'s bits, and `forward` where it would not: the logits and the state the same either way."""
+    needs_invariant_kernels()
+    model = eng.model
+    a, b = prompt(7, 40), prompt(7, 40)
+    sa, sb = model.new_state(), model.new_state()
+    model.forward(a, sa, all_logits=False)
+    model.forward(b, sb, all_logits=False)
+    calls = []
+    rows = model.forward_rows
+    monkeypatch.setattr(model, "forward_rows", lambda *args: calls.append(1) or rows(*args))
+    tok = 5
+    for _ in range(6):
+        got = eng.prefill([tok], sa)
+        want, _ = model.forward([tok], sb, all_logits=False)
+        assert torch.equal(got, want) and sa.to_bytes() == sb.to_bytes()
+        tok = int(got[-1].argmax())
+    assert len(calls) == 6
+    monkeypatch.setattr(model, "rows_match_forward", lambda: False)  # e.g. the scalar ISA: forward itself
+    eng.prefill([tok], sa)
+    assert len(calls) == 6
+
+
 def test_forward_rows_refuses_bad_batches(eng):
     s = eng.model.new_state()
     eng.model.forward([1, 2], s)

@@ -101,9 +101,11 @@ def ok(flag):
 
 s = load("single.json")
 fr = sorted(x["fraction_of_ceiling"] for x in s["repeats"])
+bw = [x["membw_gbps"] for x in s["repeats"]]  # each repeat's probe before and after it: what its ceiling used
 print(
     f"one stream:  {s['decode_tok_s']:.2f} tok/s, ceiling {s['ceiling_tok_s']:.2f} -> {100 * s['fraction_of_ceiling']:.0f}% "
-    f"(repeats {', '.join(f'{100 * f:.0f}%' for f in fr)}; memory {s['membw_gbps']:.1f} GB/s around them)  "
+    f"(repeats {', '.join(f'{100 * f:.0f}%' for f in fr)}; memory {s['runs'][0]['membw_gbps']:.1f} GB/s around them: "
+    f"{', '.join(f'{x:.0f}' for x in bw)}; {s['membw_gbps']:.1f} at the start)  "
     f"goal >= 90%: {ok(s['fraction_of_ceiling'] >= 0.9)}"
 )
 st = load("streams.json")

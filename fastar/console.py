@@ -222,7 +222,8 @@ def check_model_path(path: str | None) -> None:
 
 def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
     """Load `args.model` (or the demo) with a progress bar, and apply `--ctx-size`."""
-    from .engine.engine import load, open_source
+    from .engine.engine import load
+    from .engine.source import open_source
 
     path = args.model
     check_model_path(path)

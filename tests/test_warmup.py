@@ -128,7 +128,7 @@ def test_server_serves_while_warming_and_health_reports_it(fst, tmp_path, monkey
         assert r.status == 200 and reply["usage"]["completion_tokens"] == 3  # served while the warm-up waits
         assert _get(srv.port, "/health")[1]["experts"]["status"] == "loading"
         gate.set()
-        assert engines[0]._warmup.wait(60)
+        assert engines[0]._warming.wait(60)
         status, body = _get(srv.port, "/health")
         assert status == 200 and body["experts"]["status"] == "ready" and body["experts"]["progress"] == 1.0
         held = engines[0].expert_cache.resident()
@@ -140,7 +140,7 @@ def test_server_serves_while_warming_and_health_reports_it(fst, tmp_path, monkey
     srv = Server(factory, port=0, max_sessions=0, prompt_cache=str(cache_dir)).start()
     try:
         assert srv.wait_ready(60)
-        assert engines[1]._warmup.wait(60)
+        assert engines[1]._warming.wait(60)
         exp = _get(srv.port, "/health")[1]["experts"]
         assert exp["status"] == "ready" and exp["source"] == "profile"
         assert engines[1].expert_cache.resident() == held  # the same experts as when the last one stopped

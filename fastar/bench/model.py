@@ -406,7 +406,7 @@ def run(
     repeats: int = 1,
     reference_dtype: str = "float32",
 ) -> dict:
-    from ..engine.engine import open_source
+    from ..engine.source import open_source
     from ..format.reader import FstFile
     from ..quant import kernels
     from .cache import measure_disk

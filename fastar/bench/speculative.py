@@ -94,7 +94,8 @@ def bench(
     Time is this process's CPU time plus the simulated read time (`wall=True`: wall-clock), so other load on a
     shared machine does not enter; everything runs on one thread. (`auto` itself still decides from wall time.) One
     row per (mode, capacity)."""
-    from ..engine.engine import load, open_source
+    from ..engine.engine import load
+    from ..engine.source import open_source
     from ..quant.linear import SourceExperts
 
     source = open_source(path)

@@ -1,12 +1,12 @@
 """The engine: owns the weights, the model and the expert pager, and is the only object front-ends hold.
 
-Owns: `open_source`, `load(path, numerics=..., **options) -> Engine`, and `Engine`: the public calls (`logits`,
-`prompt_logprobs`, `perplexity`, `generate_tokens`, `generate`, `stream`, `chat`, `open_session`, `compile_grammar`,
-`stats`, `close`), the state-level primitives sessions and drafters run on (`new_state`, `prefill`), the tokenizer,
-the context length and the engine's own session. Does not own: the session's timeline and prefix reuse
+Owns: `load(path, numerics=..., **options) -> Engine`, and `Engine`: the public calls (`logits`, `prompt_logprobs`,
+`perplexity`, `generate_tokens`, `generate`, `stream`, `chat`, `open_session`, `compile_grammar`, `stats`,
+`warm_experts`, `close`), the state-level primitives sessions and drafters run on (`new_state`, `prefill`), the
+tokenizer, the context length and the engine's own session. Does not own: opening the path (`source.py`), the
+expert pager's budget, warm-up and usage profile (`pager.py`), the session's timeline and prefix reuse
 (`session.py`), the generation loop and chat encoding (`generate.py`), speculative decoding (`speculative.py`), the
-forward pass (`fastar.model`), the prompt scorer (`prompt_logprobs.py`), perplexity windows (`perplexity.py`).
-"""
+forward pass (`fastar.model`), the prompt scorer (`prompt_logprobs.py`), perplexity windows (`perplexity.py`)."""
 
 from __future__ import annotations
 
@@ -17,27 +17,28 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..contracts import ExpertProvider, WeightSource
-from ..errors import ConfigError, EngineClosed, FastarError, FormatError
+from ..errors import ConfigError, EngineClosed, FastarError
 from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, DeepseekV4, Numerics, span_bytes_per_token
 from ..model.head_screen import HeadScreen
 from ..model.state import ModelState
 from ..quant import kernels as K
 from . import arguments, speculative
 from .constraint import CompiledGrammar, Grammar, GrammarCompiler
-from .generate import ChatResult, GenerationChunk, chat, generate_text, stream_generate
+from .generate import ChatResult, GenerationChunk, chat, generate_text, generate_token_ids, stream_generate
+from .pager import ExpertWarming, make_expert_cache
 from .perplexity import Perplexity, perplexity
 from .prefix_cache import PrefixCache
 from .prompt_logprobs import PromptLogprobs, score_prompt
-from .sampling import SamplingParams, argmax
+from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .session import IDS_ONLY, PromptError, Session, Stats
 from .session import token_ids as token_ids_of
+from .source import open_source, verify_resident
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("fastar.engine")
@@ -46,28 +47,6 @@ log = logging.getLogger("fastar.engine")
 # keeps its raw KV/compressor rows: ~384 KB for the full model in float32, so 2048 positions ~ 0.8 GB.
 # Beyond it `truncate` raises StateError and the caller prefills again. None keeps everything.
 DEFAULT_MAX_ROLLBACK = 2048
-
-
-def open_source(path: str | os.PathLike) -> WeightSource:
-    """A `.fst` file -> FstFile (v3) or FstV2File (FaStar v2 + sidecars); a checkpoint directory -> Checkpoint,
-    checked against the manifest first (headers only: every tensor present with its dtype and shape, as `convert`
-    checks), so a wrong tensor is one line naming it, not a shape error deep in a forward or a model run as is."""
-    p = Path(path)
-    if p.is_dir():
-        from ..convert.checkpoint import Checkpoint
-
-        ck = Checkpoint(p)
-        try:
-            ck.validate()
-        except BaseException:
-            ck.close()
-            raise
-        return ck
-    if p.exists() and not p.is_file():  # a FIFO would block the open forever, a device stream without end
-        raise FormatError(f"{path}: not a regular file or checkpoint directory")
-    from ..convert.v2 import open_model_file
-
-    return open_model_file(p)
 
 
 def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "official", **options) -> Engine:
@@ -103,21 +82,6 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
     """
     source = path if hasattr(path, "tensor") else open_source(path)
     return Engine(source, numerics=numerics, **options)
-
-
-def _verify_resident(source: WeightSource) -> None:
-    """A `.fst` v3's resident tensors and blobs against their checksums (the expert bank is checked record by
-    record as the cache first reads it). Other sources carry no checksums to check."""
-    from ..format.reader import FstFile
-
-    if isinstance(source, FstFile):
-        bad = source.verify(experts=False)
-        if bad:
-            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-            raise FormatError(
-                f"{source.path}: tensor {bad[0]!r}{more} fails its checksum: the file is corrupt "
-                f"(run `fastar verify {source.path}`; load with --no-verify to skip this check)"
-            )
 
 
 class Engine:
@@ -161,7 +125,7 @@ class Engine:
         if self.device != "cpu" and draft not in (None, "none"):
             raise ConfigError(f"--draft {draft}: speculative decoding runs on --device cpu only (not {self.device})")
         if verify:
-            _verify_resident(source)
+            verify_resident(source)
         if kernels and K.available():
             # The one place fastar touches process-wide thread settings. The C kernels' pool does the heavy work;
             # torch's OpenMP workers spin after each small op and steal the cores from it (decode 8.3 -> 12.2
@@ -175,8 +139,6 @@ class Engine:
         self.config = source.config
         self.expert_cache = None
         self._closed = False
-        self._warmup = None  # `warm_experts`
-        self._profile_path: Path | None = None  # where `close` saves the expert usage profile
         # generation-side state, made on first use: the tokenizer, the engine's own session, its counters
         self._tokenizer: Tokenizer | None = None
         self._grammars: GrammarCompiler | None = None
@@ -186,23 +148,11 @@ class Engine:
         self._stats = Stats()
         self._fingerprint_hex: str | None = None
         if experts is None and ram_budget is not None and hasattr(source, "read_expert_into"):
-            # Expert virtual memory: routed experts paged from the file into a RAM slab of `ram_budget` bytes
-            # ("auto": available memory less the resident weights and a margin).
-            from ..config import parse_size
-            from ..weights.expert_cache import ExpertCache
-            from ..weights.expert_store import default_budget
-
-            budget = parse_size(ram_budget)
             screen = head_screen and kernels and self.device == "cpu"
             extra = HeadScreen.bytes_for(source.config.vocab_size, source.config.hidden_size) if screen else 0
-            budget = default_budget(source, extra_bytes=extra) if budget is None else budget
-            if direct_io is None:
-                # O_DIRECT keeps the page cache from holding a second copy of what the slab holds (which would
-                # also push the memory-mapped resident weights out of RAM), and measured faster per reader
-                # (docs/EXPERT_MEMORY.md); where the filesystem does not support it, buffered reads.
-                direct_io = getattr(source, "supports_direct_io", False)
-            cache = ExpertCache(source, budget, direct=direct_io, policy=cache_policy, verify=verify)
-            self.expert_cache = experts = cache
+            experts = make_expert_cache(source, ram_budget, cache_policy, direct_io, verify, extra_bytes=extra)
+            self.expert_cache = experts
+        self._warming = ExpertWarming(self.expert_cache, self._fingerprint)
         # on a device, `kernels` still chooses how the CPU's share of the routed experts is computed
         self.backend = None if self.device == "cpu" else DeviceBackend(self.device, gpu_budget, host_kernels=kernels)
         if self.backend is None:
@@ -353,25 +303,7 @@ class Engine:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         prompt_ids = token_ids_of(prompt_ids, f"generate_tokens {IDS_ONLY}")
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        state = self.new_state()
-        out: list[int] = []
-        if max_tokens <= 0:
-            return out
-        logits = self.prefill(list(prompt_ids), state)[-1]  # [V]
-        while True:
-            tok = self._sample(logits, temperature, gen)
-            out.append(tok)
-            if len(out) >= max_tokens or (tok == self.config.eos_token_id and not ignore_eos):
-                return out
-            logits = self.prefill([tok], state, argmax_only=temperature == 0)[-1]
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
-        if temperature == 0:
-            return argmax(logits)
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return generate_token_ids(self, prompt_ids, max_tokens, temperature, seed, self.config.eos_token_id, ignore_eos)
 
     # --- sessions and generation: the API the front-ends use (fastar.engine.session / generate) -------------
     # The CLI and the server hold only these and never touch tensors. Not thread-safe: one worker owns the
@@ -584,20 +516,13 @@ class Engine:
         first requests find them in RAM; requests run meanwhile. With `profile_dir`, the experts the cache held
         when this model's engine last closed come first (saved there by `close`), then the file order. Nothing
         to do without an expert cache (every expert is mapped from the file, or on a device)."""
-        if self.expert_cache is None or self._warmup is not None or self._closed:
-            return
-        from ..weights import warmup
-
-        order = None
-        if profile_dir is not None:
-            self._profile_path = Path(profile_dir) / f"hot-experts-{self._fingerprint()[:16]}.json"
-            order = warmup.load_profile(self.expert_cache, self._profile_path, self._fingerprint())
-        self._warmup = warmup.ExpertWarmup(self.expert_cache, order)
+        if not self._closed:
+            self._warming.start(profile_dir)
 
     def warm_status(self) -> dict:
         """The warm-up's state: {"status": "off"} without one, else `ExpertWarmup.status()` (loading / ready,
         experts loaded of the target, progress, source)."""
-        return {"status": "off"} if self._warmup is None else self._warmup.status()
+        return self._warming.status()
 
     def close(self) -> None:
         """Stop the expert pager's loader threads and free its RAM slab. Idempotent. The weight source stays open
@@ -607,16 +532,8 @@ class Engine:
         self._closed = True
         if self.backend is not None:
             self.backend.close()
-        if self._warmup is not None:
-            self._warmup.stop()
+        self._warming.close()  # and the usage profile the next start warms from
         if self.expert_cache is not None:
-            if self._profile_path is not None:  # the usage profile the next start warms from
-                from ..weights import warmup
-
-                try:
-                    warmup.save_profile(self.expert_cache, self._profile_path, self._fingerprint())
-                except OSError as err:
-                    log.warning("could not save the expert usage profile %s: %s", self._profile_path, err)
             self.expert_cache.close()
 
     def __enter__(self) -> Engine:

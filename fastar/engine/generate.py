@@ -7,6 +7,8 @@ Owns:
   * `stream_generate(...)` -> `GenerationChunk`: detokenizes (UTF-8 split across tokens is held until whole),
     applies stop tokens, stop strings (`StopStrings`: held back until decided, never leaked), max tokens, the
     context limit and cancellation, and reports usage on the last chunk;
+  * `generate_token_ids`, a bare token loop from a fresh state (`Engine.generate_tokens`: no session, no
+    detokenizing);
   * `generate_text` -> str, and `chat` -> `ChatResult` (the DeepSeek-V4 chat encoding in, reasoning / content /
     tool calls out).
 Does not own: logits -> token (`sampling`), the timeline and prefix reuse (`session`), the chat format
@@ -20,9 +22,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
+import torch
+
 from ..encoding import ChatPrompt, EncodingError, StreamParser, encode_messages
-from .sampling import Sampler, SamplingParams
-from .session import Session
+from .sampling import Sampler, SamplingParams, argmax
+from .session import Runner, Session
 from .stops import StopStrings
 from .thinking_budget import ThinkingBudget, next_token
 
@@ -201,6 +205,35 @@ class ChunkMaker:
             usage=self.usage(cached_tokens),
             stop_string=self.stops.matched,
         )
+
+
+def generate_token_ids(
+    runner: Runner,
+    prompt_ids: list[int],
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+    eos_token_id: int,
+    ignore_eos: bool = False,
+) -> list[int]:
+    """Greedy (temperature 0) or sampled continuation of `prompt_ids` from a fresh state; stops after `max_tokens`
+    or at EOS (included in the output) unless `ignore_eos`."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    state = runner.new_state()
+    out: list[int] = []
+    if max_tokens <= 0:
+        return out
+    logits = runner.prefill(list(prompt_ids), state)[-1]  # [V]
+    while True:
+        if temperature == 0:
+            tok = argmax(logits)
+        else:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)  # [V]
+            tok = int(torch.multinomial(probs, 1, generator=gen))
+        out.append(tok)
+        if len(out) >= max_tokens or (tok == eos_token_id and not ignore_eos):
+            return out
+        logits = runner.prefill([tok], state, argmax_only=temperature == 0)[-1]
 
 
 def generate_text(chunks: Iterator[GenerationChunk]) -> str:

@@ -1,0 +1,51 @@
+"""The weight source a model path names, opened and checked before an engine is built on it.
+
+Owns: `open_source` (a `.fst` v3 or FaStar v2 file, or an official checkpoint directory checked against the
+manifest) and `verify_resident` (a `.fst`'s resident tensors against their checksums, at load).
+Does not own: the formats themselves (`fastar.format`, `fastar.convert`), what is built on the source (`engine`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..contracts import WeightSource
+from ..errors import FormatError
+
+
+def open_source(path: str | os.PathLike) -> WeightSource:
+    """A `.fst` file -> FstFile (v3) or FstV2File (FaStar v2 + sidecars); a checkpoint directory -> Checkpoint,
+    checked against the manifest first (headers only: every tensor present with its dtype and shape, as `convert`
+    checks), so a wrong tensor is one line naming it, not a shape error deep in a forward or a model run as is."""
+    p = Path(path)
+    if p.is_dir():
+        from ..convert.checkpoint import Checkpoint
+
+        ck = Checkpoint(p)
+        try:
+            ck.validate()
+        except BaseException:
+            ck.close()
+            raise
+        return ck
+    if p.exists() and not p.is_file():  # a FIFO would block the open forever, a device stream without end
+        raise FormatError(f"{path}: not a regular file or checkpoint directory")
+    from ..convert.v2 import open_model_file
+
+    return open_model_file(p)
+
+
+def verify_resident(source: WeightSource) -> None:
+    """A `.fst` v3's resident tensors and blobs against their checksums (the expert bank is checked record by
+    record as the cache first reads it). Other sources carry no checksums to check."""
+    from ..format.reader import FstFile
+
+    if isinstance(source, FstFile):
+        bad = source.verify(experts=False)
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise FormatError(
+                f"{source.path}: tensor {bad[0]!r}{more} fails its checksum: the file is corrupt "
+                f"(run `fastar verify {source.path}`; load with --no-verify to skip this check)"
+            )

@@ -168,3 +168,36 @@ def test_hc_chain_leaves_torch_only_to_block_rows(tiny_fst_file):
         assert m.hc_chain.begin(emb) is None
     assert m.hc_chain.begin(emb.double()) is None
     assert m.hc_chain.begin(emb) is not None
+    with ops.torch_only():
+        assert m.hc_chain.begin_ids([1, 2]) is None
+
+
+def test_begin_ids_equals_begin_of_the_embedded_rows(tiny_fst_file):
+    """`HCChain.begin_ids` (the embedding's bfloat16 rows widened into the streams in C) against `begin` of
+    `embed.rows(ids)`: the first sub-layer's input and the streams bit for bit, for 1 to 8 rows (repeated ids too);
+    and `embed_streams` refuses ids outside the embedding and mismatched outputs."""
+    from fastar.model.deepseek_v4 import DeepseekV4
+
+    m = DeepseekV4(tiny_fst_file)
+    chain = m.hc_chain
+    assert chain.embed is not None
+    g = torch.Generator().manual_seed(2)
+    V = m.config.vocab_size
+    for B in (1, 2, 3, 8):
+        ids = torch.randint(0, V, (B,), generator=g).tolist()
+        ids[-1] = ids[0]
+        want = chain.begin(m.embed.rows(torch.tensor(ids))).clone()
+        want_X = chain._b.X[0].copy()
+        chain._b.X[0].fill(np.nan)
+        got = chain.begin_ids(ids)
+        assert torch.equal(got, want), B
+        assert np.array_equal(chain._b.X[0], want_X), B
+    out = np.empty((2, chain.n * chain.d), np.float32)
+    with pytest.raises(ValueError, match=rf"ids\[1\] = {V} is outside the embedding's {V} rows"):
+        K.extension.embed_streams(chain.embed, [0, V], out)
+    with pytest.raises(ValueError, match="ids\\[0\\] = -1"):
+        K.extension.embed_streams(chain.embed, [-1, 0], out)
+    with pytest.raises(ValueError, match="expected \\(3, a multiple of"):
+        K.extension.embed_streams(chain.embed, [0, 1, 2], out)
+    with pytest.raises(TypeError, match="sequence"):
+        K.extension.embed_streams(chain.embed, 5, out)

@@ -42,6 +42,34 @@ def test_sqrtsoftplus_and_limited_swiglu():
     assert torch.allclose(ops.limited_swiglu(gate, up, 0.0), gate * torch.sigmoid(gate) * up, rtol=1e-6)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the C sqrtsoftplus needs the C kernels")
+def test_sqrtsoftplus_c_against_torch():
+    """The C router score: within 1 ulp of torch's (`sqrtsoftplus_torch`) and of the float64 formula wherever softplus
+    is a normal float (below, the root of a subnormal e^x, or 0), the same bits for a value alone or in any batch, and
+    the edge values exact (softplus's threshold of 20, +-inf, NaN)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.cat([torch.randn(20_000, generator=g) * s for s in (0.01, 1.0, 5.0, 40.0)])
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 20.0, 19.999, 20.001, -90.0, -104.0, -120.0, 1e-30, 88.0, 1e30])])
+    got = ops.sqrtsoftplus(x).numpy()
+    with ops.torch_only():
+        ref = ops.sqrtsoftplus(x).numpy()  # the torch path
+    assert np.array_equal(ref, ops.sqrtsoftplus_torch(x).numpy())
+    x64 = x.double().numpy()
+    normal = x64 > -87  # softplus(x) a normal float (below, it is e^x, subnormal: torch's SIMD exp flushes it to 0)
+    ulp = np.abs(got.view(np.int32).astype(np.int64) - ref.view(np.int32).astype(np.int64))
+    assert ulp[normal].max() <= 1
+    want = np.sqrt(np.where(x64 > 20, x64, np.log1p(np.exp(x64)))).astype(np.float32)
+    assert np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))[normal].max() <= 1
+    assert np.all((got[~normal] >= 0) & (got[~normal] <= 1e-18))  # the square root of a subnormal e^x, or 0
+    alone = np.concatenate([ops.sqrtsoftplus(x[i : i + 1]).numpy() for i in range(0, x.numel(), 997)])
+    assert np.array_equal(alone, got[::997])
+    batch = x[:7000].reshape(-1, 7)[:, :5]  # a strided batch, copied to C order
+    assert np.array_equal(ops.sqrtsoftplus(batch).numpy(), got[:7000].reshape(-1, 7)[:, :5])
+    edge = ops.sqrtsoftplus(torch.tensor([float("inf"), float("-inf"), float("nan"), 20.0, 20.001])).numpy()
+    assert edge[0] == np.inf and edge[1] == 0.0 and np.isnan(edge[2])
+    assert edge[3] == np.float32(math.sqrt(math.log1p(math.exp(20.0)))) and edge[4] == np.sqrt(np.float32(20.001))
+
+
 # --- RoPE / YaRN -------------------------------------------------------------------------------------------
 
 

@@ -226,7 +226,9 @@ def test_route_equals_its_formula(model_path, numerics):
                 if moe.is_hash:
                     want_idx = moe.tid2eid[ids]
                 else:
-                    want_idx = torch.topk(scores + moe.bias, moe.topk, dim=-1, sorted=False).indices
+                    # the k largest in descending order, ties to the lower id: a stable descending sort's first k
+                    order = torch.sort(scores + moe.bias, dim=-1, descending=True, stable=True).indices
+                    want_idx = order[:, : moe.topk]
                 wts = scores.gather(1, want_idx)
                 wts = wts / (wts.sum(dim=-1, keepdim=True) + (0.0 if numerics == "official" else 1e-20))
                 idx, got = moe.route(x, ids)

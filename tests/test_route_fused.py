@@ -126,3 +126,49 @@ def test_route_weights_refuses_bad_inputs():
         ext.route_weights(scores, idx, 0.0, 1.0, out, np.array([2, 10], np.int64), table)
     with pytest.raises(ValueError, match="both"):
         ext.route_weights(scores, idx, 0.0, 1.0, out, np.array([2, 9], np.int64))
+
+
+def test_route_topk_picks_as_the_stable_descending_sort():
+    """`route_weights` with a bias picks `ops.topk_ordered`'s experts in its order (the k largest of scores + bias,
+    descending, a tie to the lower id, NaN above every number), on rows full of ties, NaNs and signed zeros, for every
+    k it takes; and with softplus=True the scores it leaves are `ops.sqrtsoftplus`'s bits."""
+    from fastar.model import ops
+
+    ext = kernels.extension
+    g = torch.Generator().manual_seed(5)
+    for E in (7, 8, 16, 64, 256):
+        for k in range(1, min(E, route_fused.MAX_K) + 1):
+            scores = torch.randint(0, 4, (32, E), generator=g).float() * 0.5  # many ties
+            scores[::3] = torch.randn(11, E, generator=g)
+            scores[1, : E // 2] = float("nan")
+            scores[2, ::2] = -0.0
+            scores[2, 1::2] = 0.0
+            bias = torch.randint(-1, 2, (E,), generator=g).float() * 0.25
+            idx, out = np.empty((32, k), np.int64), np.empty((32, k), np.float32)
+            ext.route_weights(scores.numpy(), idx, 0.0, 1.0, out, bias=bias.numpy())
+            want = ops.topk_ordered(scores + bias, k)
+            assert np.array_equal(idx, want.numpy()), (E, k)
+            logits = torch.randn(4, E, generator=g) * 8
+            got = logits.numpy().copy()
+            ext.route_weights(got, idx[:4], 0.0, 1.0, out[:4], bias=bias.numpy(), softplus=True)
+            assert np.array_equal(got.view(np.int32), ops.sqrtsoftplus(logits).numpy().view(np.int32)), (E, k)
+            assert np.array_equal(idx[:4], ops.topk_ordered(ops.sqrtsoftplus(logits) + bias, k).numpy())
+
+
+def test_route_weights_refuses_bad_bias():
+    ext = kernels.extension
+    scores, idx, out = np.ones((2, 8), np.float32), np.zeros((2, 3), np.int64), np.empty((2, 3), np.float32)
+    with pytest.raises(ValueError, match="bias has 7 values, expected 8"):
+        ext.route_weights(scores, idx, 0.0, 1.0, out, bias=np.zeros(7, np.float32))
+    with pytest.raises(TypeError, match="bias must be float32"):
+        ext.route_weights(scores, idx, 0.0, 1.0, out, bias=np.zeros(8, np.float64))
+    with pytest.raises(ValueError, match="not both"):
+        ext.route_weights(
+            scores, idx, 0.0, 1.0, out, np.zeros(2, np.int64), np.zeros((4, 3), np.int64), np.zeros(8, np.float32)
+        )
+    with pytest.raises(ValueError, match="idx picks 3 experts of scores' 2"):
+        ext.route_weights(np.ones((2, 2), np.float32), idx, 0.0, 1.0, out, bias=np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="scores must be writable"):
+        ro = np.ones((2, 8), np.float32)
+        ro.flags.writeable = False
+        ext.route_weights(ro, idx, 0.0, 1.0, out, bias=np.zeros(8, np.float32), softplus=True)

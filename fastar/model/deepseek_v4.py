@@ -625,11 +625,11 @@ class MoE:
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (expert ids [T, k], weights [T, k])."""
-        scores = moe_fused.router_scores(self.gate(x))  # [T, E]: as per token (softplus of E values per token)
+        scores = moe_fused.router_scores(self.gate(x))  # [T, E]: as per token (the torch path's softplus: see there)
         if self.is_hash:
             idx = self.tid2eid[ids]  # [T, k]
         else:
-            idx = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices  # bias: selection only
+            idx = ops.topk_ordered(scores + self.bias, self.topk)  # bias: selection only; descending, ties to lower ids
         wts = scores.gather(1, idx)  # [T, k]
         total = wts.sum(dim=-1, keepdim=True)  # >= +0 (sqrt(softplus)): DeepSeek's `+ 0` would change no bit
         if not self.numerics.official_routing:
@@ -922,7 +922,7 @@ class DeepseekV4:
         self.head: Linear = w.linear("head")  # BF16 [V, d]
         self.screen = HeadScreen.build(self.head) if head_screen and backend is None and kernels else None
         # forward_rows' mHC sites chained in one C call per sub-layer (`hc_chain`; None: `Block.rows`' calls)
-        self.hc_chain = HCChain.build(self.layers, self.hc_head, self.norm) if backend is None else None
+        self.hc_chain = HCChain.build(self.layers, self.hc_head, self.norm, self.embed) if backend is None else None
         if lookahead and self.experts.pages:  # a provider that does not page gains nothing from the guesses
             prefetch = self.experts.prefetch
             for cur, nxt in zip(self.layers, self.layers[1:]):
@@ -1083,9 +1083,13 @@ class DeepseekV4:
             self._place(s)
         listed = ids.tolist()
         self.experts.prefetch_tokens(listed, self.hash_tables)  # hash-routed layers: known from the ids
-        emb = self.embed.rows_array(listed) if self.hc_chain is not None else None  # [B, d]: `embed.rows`' values
-        emb = torch.from_numpy(emb) if emb is not None else self.embed.rows(ids)
-        u = self.hc_chain.begin(emb) if self.hc_chain is not None else None
+        emb = u = None
+        if self.hc_chain is not None:  # the embedding's rows straight into the chain's streams, else through `begin`
+            u = self.hc_chain.begin_ids(listed)
+            if u is None:
+                emb = self.embed.rows_array(listed)  # [B, d]: `embed.rows`' values
+                emb = torch.from_numpy(emb) if emb is not None else self.embed.rows(ids)
+                u = self.hc_chain.begin(emb)
         if u is not None:  # the mHC sites chained over preallocated streams (`hc_chain`): `Block.rows`' bits
             for i, block in enumerate(self.layers):
                 layers = [s.layers[i] for s in states]
@@ -1095,6 +1099,7 @@ class DeepseekV4:
                     ls.length += 1
                     ls.trim(s.max_rollback)
             return self._logits(u, argmax_only)
+        emb = emb if emb is not None else self.embed.rows(ids)
         X = emb[:, None, :].expand(B, self.config.hc_mult, -1)  # [B, n, d]
         for i, block in enumerate(self.layers):
             X = block.rows(X, ids, [s.layers[i] for s in states])

@@ -7,7 +7,8 @@ from the cold caches the weight-streaming kernels leave behind (a few numpy and 
 microseconds). Here the step's streams live in two buffers per row count, used in turn, the collapse's outputs in
 one set more, and `kernels.extension.hc_post_pre` runs a site's mix back (`ops.hc_post`) and the next site's
 collapse with its norm (`hc_fused.FusedHC.pre`, or the final head's `ops.hc_head` with the final norm) back to back:
-the same C routines on the same values, so the same bits (tests/test_hc_chain.py), in two calls per layer.
+the same C routines on the same values, so the same bits (tests/test_hc_chain.py), in two calls per layer. The step's
+tokens enter the first buffer straight from the embedding's bfloat16 rows (`begin_ids`, one C call).
 
 Owns: `HCChain`, built once per model over its sites' weights.
 Does not own: the mHC math and its references (`ops.hc_pre`, `ops.hc_post`, `ops.hc_head` and their torch forms),
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from ..quant import kernels
+from ..quant.linear import Linear
 from . import ops
 from .hc_fused import FusedHC
 
@@ -41,17 +43,20 @@ class HCChain:
     view of a buffer the next call overwrites: the sub-layer consumes it before handing back its output. Not reentrant
     (one step at a time per model, as the scheduler runs them)."""
 
-    def __init__(self, sites: list[tuple[FusedHC, np.ndarray]], head: tuple, n: int, d: int) -> None:
+    def __init__(
+        self, sites: list[tuple[FusedHC, np.ndarray]], head: tuple, n: int, d: int, embed: np.ndarray | None = None
+    ) -> None:
         self.sites, self.head, self.n, self.d = sites, head, n, d
+        self.embed = embed  # the embedding's bfloat16 bits [V, d] (`begin_ids`), or None
         self._buffers: dict[int, _Buffers] = {}
         self._b: _Buffers | None = None
         self._site = self._cur = 0
 
     @classmethod
-    def build(cls, layers: list, hc_head, norm: torch.Tensor) -> HCChain | None:
+    def build(cls, layers: list, hc_head, norm: torch.Tensor, embed: Linear | None = None) -> HCChain | None:
         """Over the blocks' `HyperConnection` sites with their norms and the final `HyperHead` with the final norm,
         or None where one of them would not take its C path (`FusedHC.build`, `ops.c_arrays`) or the extension
-        lacks the chained call."""
+        lacks the chained call. `embed`: the token embedding, for `begin_ids` where it is stored as BF16."""
         if kernels.extension is None or not layers:
             return None
         sites = []
@@ -68,7 +73,21 @@ class HCChain:
         arrays = ops.c_arrays(hc_head.fn, hc_head.base, hc_head.scale, norm)
         if arrays is None or hc_head.fn.shape != (n, n * d) or hc_head.scale.shape != (1,) or norm.shape != (d,):
             return None
-        return cls(sites, (*arrays, float(hc_head.hc_eps), float(hc_head.eps)), n, d)
+        bits = embed.kernel_operands() if embed is not None and embed.dtype == "BF16" else None
+        table = bits[0] if bits is not None and bits[0].shape[1:] == (d,) else None
+        return cls(sites, (*arrays, float(hc_head.hc_eps), float(hc_head.eps)), n, d, table)
+
+    def begin_ids(self, ids: list[int]) -> torch.Tensor | None:
+        """`begin(embed.rows(ids))` for the step's token ids, the embedding's rows widened straight into the streams
+        (`embed_streams`, one C call: the same values as `.float()`'s), then the first collapse. None, having done
+        nothing, where `begin` would not apply or the embedding is not BF16: the caller then embeds, calls `begin`."""
+        if self.embed is None or not ops.c_enabled():
+            return None
+        b = self._buffers.get(len(ids))
+        if b is None:
+            b = self._buffers[len(ids)] = _Buffers(len(ids), self.n, self.d)
+        kernels.extension.embed_streams(self.embed, ids, b.X[0])
+        return self._first(b)
 
     def begin(self, emb: torch.Tensor) -> torch.Tensor | None:
         """The embedded tokens emb [B, d] (float32) as every stream, collapsed by the first site with its norm ->
@@ -80,8 +99,12 @@ class HCChain:
         b = self._buffers.get(B)
         if b is None:
             b = self._buffers[B] = _Buffers(B, self.n, self.d)
-        self._b, self._site, self._cur = b, 0, 0
         b.X[0].reshape(B, self.n, self.d)[:] = emb.numpy()[:, None, :]  # what `expand` shows the first site
+        return self._first(b)
+
+    def _first(self, b: _Buffers) -> torch.Tensor:
+        """The first site's collapse with its norm of the streams b.X[0] -> the first sub-layer's input."""
+        self._b, self._site, self._cur = b, 0, 0
         s, na = self.sites[0]
         kernels.extension.hc_pre(
             b.X[0], s.fn, s.base, s.scale, s.n, s.iters, s.hc_eps, s.eps, b.u, b.post, b.comb, norm=na, norm_eps=s.eps

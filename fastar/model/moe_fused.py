@@ -6,7 +6,7 @@ weights that glue also runs from cold caches, so each call saved counts several 
 
 Owns:
 - `router_scores`: the router's sqrt(softplus) scores of a decode step's rows in one call where that gives each
-  row's bits.
+  row's bits (the torch reference's path; the C router computes its scores inside its one call, `route_fused`).
 - `routed_sum`: a layer's routed experts as the provider yields them (`ExpertProvider.each_batch`: what is
   present, then what arrives), each batch in one fused kernel call (`experts_ffn`), summed in the fixed order of
   the expert ids: bit-identical to `expert_ffn` per expert followed by `index_add_` in that order, however the
@@ -30,13 +30,13 @@ from . import ops
 
 
 def router_scores(logits: torch.Tensor) -> torch.Tensor:
-    """`ops.per_token(ops.sqrtsoftplus, logits)` for router logits [T, E], in one call over all T rows where E is
-    a multiple of 64. `per_token` runs a decode step's rows one by one because torch's elementwise loops take
-    2 vectors at a time and leave the tail to scalar code, which rounds softplus differently, so which values take
-    which path would depend on the chunk's shape; with E a multiple of 64 (2 vectors of up to 32 floats) every
-    value takes the vector path both ways, so the same bits with 2 torch ops instead of 2T + 1 (Flash's E = 256;
-    tests/test_moe_fused.py compares the two)."""
-    if logits.dim() == 2 and logits.shape[1] % 64 == 0:
+    """`ops.per_token(ops.sqrtsoftplus, logits)` for router logits [T, E], in one call over all T rows where that gives
+    each row's bits: always on the C path (each value on its own), and on torch's where E is a multiple of 64.
+    `per_token` runs a decode step's rows one by one because torch's elementwise loops take 2 vectors at a time and
+    leave the tail to other code, which rounds softplus differently, so which values take which path would depend on
+    the chunk's shape; with E a multiple of 64 (2 vectors of up to 32 floats) every value takes the vector path both
+    ways (tests/test_moe_fused.py compares the two)."""
+    if logits.dim() == 2 and (logits.shape[1] % 64 == 0 or ops.c_arrays(logits) is not None):
         return ops.sqrtsoftplus(logits)
     return ops.per_token(ops.sqrtsoftplus, logits)
 

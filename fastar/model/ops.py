@@ -136,8 +136,28 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> 
 
 
 def sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V4's router score `sqrt(softplus(x))`."""
+    """DeepSeek-V4's router score `sqrt(softplus(x))`. In the C extension when built: each value on its own through the
+    C library's expf, log1pf and sqrtf, as torch's scalar code writes softplus (`x > 20 ? x : log1p(exp(x))`), so the
+    same bits whatever the batch; torch's SIMD path (Sleef) differs from it by up to 1 ulp, and flushes results below
+    ~1e-45 to 0 (tested against `sqrtsoftplus_torch`)."""
+    args = c_arrays(x)
+    if args is not None:
+        o, out = _like(args[0], x.shape)
+        _C.sqrtsoftplus(args[0], o)
+        return out
+    return sqrtsoftplus_torch(x)
+
+
+def sqrtsoftplus_torch(x: torch.Tensor) -> torch.Tensor:
+    """`sqrtsoftplus` in torch: the reference the C version is tested against."""
     return F.softplus(x).sqrt()
+
+
+def topk_ordered(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids [..., k] of the k largest values of x [..., E] along its last dim, in descending order, a tie to the
+    lower id and NaN above every number (torch's stable descending sort, its first k): the MoE router's top-k, whose
+    order its weights' total follows (route.c's `route_topk_rows` picks the same)."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def limited_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

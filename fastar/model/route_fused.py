@@ -1,15 +1,16 @@
-"""The MoE router in fewer torch ops: `deepseek_v4.MoE.route`'s numbers bit for bit, as numpy arrays.
+"""The MoE router in one C call after its product: `deepseek_v4.MoE.route`'s numbers bit for bit, as numpy arrays.
 
 A decode step routes once per layer, and on a step that streams gigabytes of weights every op between the kernels
-runs from cold caches (a torch op then costs tens of microseconds, not one or two). The reference `MoE.route` runs
-eight torch ops after the router's product; here the scores' transcendental functions and the top-k stay torch's
-(their bits and the order of the picks are torch's own), and what follows them (the hash table's lookup, the
-gather of the picked scores, their total, the division and the scaling) is one C call (`route_weights`,
-fastar/quant/csrc/route.c) doing the same float32 operations in the same order.
+runs from cold caches (a torch op then costs tens of microseconds, not one or two: the reference's softplus and
+square root alone took ~150 us a layer). The reference `MoE.route` runs eight ops after the router's product; here
+they are one C call (`route_weights` with `softplus=True`, fastar/quant/csrc/route.c): the scores (the same C
+routine `ops.sqrtsoftplus` calls), the top-k of a scored layer (`ops.topk_ordered`'s order and ties) or the hash
+table's lookup, the gather of the picked scores, their total, the division and the scaling, the same float32
+operations in the same order.
 
 Owns: `FusedRouter`, built once per MoE layer over its router weights.
 Does not own: the routing math and its reference (`deepseek_v4.MoE.route`, tests/test_route_fused.py compares
-the two), the scores (`moe_fused.router_scores`).
+the two), the scores' function (`ops.sqrtsoftplus`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from ..quant import kernels
 from ..quant.linear import Linear
-from . import moe_fused, ops
+from . import ops
 
 MAX_K = 7  # route.c's ROUTE_MAX_K: torch sums rows shorter than 8 values in the order route.c reproduces
 
@@ -50,19 +51,23 @@ class FusedRouter:
     def __init__(
         self, gate: Linear, bias: torch.Tensor | None, table: torch.Tensor | None, k: int, scale: float, eps: float
     ) -> None:
-        self.gate, self.bias, self.k, self.scale, self.eps = gate, bias, k, float(scale), float(eps)
+        self.gate, self.k, self.scale, self.eps = gate, k, float(scale), float(eps)
+        self.bias = None if bias is None else np.ascontiguousarray(bias.numpy(), np.float32)  # [E]
         self.table = None if table is None else np.ascontiguousarray(table.numpy(), np.int64)  # [V, k]
         w, s = gate.kernel_operands() or (None, None)
         self.gate_w = w if s is None else None  # the BF16 router weight's bits (an FP8 router: through `gate`)
+        self._logits: dict[int, np.ndarray] = {}  # the product's rows by row count, made the scores in place
 
     @classmethod
     def build(
         cls, gate: Linear, bias: torch.Tensor | None, table: torch.Tensor | None, k: int, scale: float, official: bool
     ) -> FusedRouter | None:
         """Over a layer's router (`bias` for a scored layer, `table` [V, k] for a hash-routed one), or None where the
-        C call does not give the reference's bits (no build, k past `MAX_K` or torch summing otherwise) or the
-        weights are not on the CPU. `official`: DeepSeek's routing (no 1e-20 added to the total)."""
+        C call does not give the reference's bits (no build, k past `MAX_K` or torch summing otherwise, a bias not
+        float32) or the weights are not on the CPU. `official`: DeepSeek's routing (no 1e-20 added to the total)."""
         on_cpu = all(t is None or t.is_cpu for t in (bias, table))
+        if bias is not None and bias.dtype is not torch.float32:
+            return None
         if not (on_cpu and gate.kernel_operands() is not None and torch_sums_as_route_c(k)):
             return None
         return cls(gate, bias, table, k, scale, 0.0 if official else 1e-20)
@@ -78,18 +83,17 @@ class FusedRouter:
             return None
         T = x.shape[0] if xa is None else xa.shape[0]
         if xa is not None and self.gate_w is not None:
-            logits = np.empty((T, self.gate_w.shape[0]), np.float32)
-            kernels.extension.bf16_matmul(xa, self.gate_w, logits)
-            scores = moe_fused.router_scores(torch.from_numpy(logits))
+            scores = self._logits.get(T)
+            if scores is None:
+                scores = self._logits[T] = np.empty((T, self.gate_w.shape[0]), np.float32)
+            kernels.extension.bf16_matmul(xa, self.gate_w, scores)
         else:
-            scores = moe_fused.router_scores(self.gate(x))  # [T, E]: torch's softplus and sqrt, as the reference
-        wts = np.empty((T, self.k), np.float32)
+            scores = self.gate(x).numpy()  # [T, E]: a new array of the product's, made the scores in place below
+        wts, idx = np.empty((T, self.k), np.float32), np.empty((T, self.k), np.int64)
         ext = kernels.extension
         if self.table is not None:
-            idx = np.empty((T, self.k), np.int64)
             tok = np.ascontiguousarray(ids.numpy(), np.int64)
-            ext.route_weights(scores.numpy(), idx, self.eps, self.scale, wts, tok, self.table)
+            ext.route_weights(scores, idx, self.eps, self.scale, wts, tok, self.table, softplus=True)
         else:  # the bias is for the selection only, as in the reference
-            idx = torch.topk(scores + self.bias, self.k, dim=-1, sorted=False).indices.numpy()
-            ext.route_weights(scores.numpy(), idx, self.eps, self.scale, wts)
+            ext.route_weights(scores, idx, self.eps, self.scale, wts, bias=self.bias, softplus=True)
         return idx, wts

@@ -125,3 +125,47 @@ fail:
     release(v, 12);
     return NULL;
 }
+
+/* embed_streams(w u16 [V, d], ids (a sequence of ints, B of them), out f32 [B, n*d]) -> None: the decode step's first
+ * streams, row b the bfloat16 row w[ids[b]] widened to float32 (its bits shifted up: `.float()`'s values exactly) in
+ * each of its n streams, as `forward_rows`' `embed.rows(ids)` expanded over the streams (what `hc_chain.begin` collapses
+ * next). */
+PyObject *py_embed_streams(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ow, *oids, *oo;
+    if (!PyArg_ParseTuple(args, "OOO", &ow, &oids, &oo)) return NULL;
+    PyObject *seq = PySequence_Fast(oids, "ids must be a sequence of token ids");
+    if (!seq) return NULL;
+    view_t v[2];
+    memset(v, 0, sizeof v);
+    if (get_view(ow, &v[0], "w", 'H', 2, 0) || get_view(oo, &v[1], "out", 'f', 2, 1)) goto fail;
+    const int64_t V = dim(&v[0], 0), d = dim(&v[0], 1), B = PySequence_Fast_GET_SIZE(seq);
+    if (dim(&v[1], 0) != B || d < 1 || dim(&v[1], 1) % d || dim(&v[1], 1) < d) {
+        PyErr_Format(PyExc_ValueError, "out has shape (%lld, %lld), expected (%lld, a multiple of %lld) = (len(ids), n*d)",
+                     (long long)dim(&v[1], 0), (long long)dim(&v[1], 1), (long long)B, (long long)d);
+        goto fail;
+    }
+    const int64_t n = dim(&v[1], 1) / d;
+    const uint16_t *w = v[0].b.buf;
+    uint32_t *out = v[1].b.buf; /* float32 bits */
+    for (int64_t b = 0; b < B; b++) {
+        const long long id = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, b));
+        if (id == -1 && PyErr_Occurred()) goto fail;
+        if (id < 0 || id >= V) {
+            PyErr_Format(PyExc_ValueError, "ids[%lld] = %lld is outside the embedding's %lld rows", (long long)b, id,
+                         (long long)V);
+            goto fail;
+        }
+        const uint16_t *row = w + id * d;
+        uint32_t *o = out + b * n * d;
+        for (int64_t i = 0; i < d; i++) o[i] = (uint32_t)row[i] << 16;
+        for (int64_t j = 1; j < n; j++) memcpy(o + j * d, o, (size_t)d * sizeof *o);
+    }
+    Py_DECREF(seq);
+    release(v, 2);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(seq);
+    release(v, 2);
+    return NULL;
+}

@@ -690,7 +690,12 @@ static PyMethodDef methods[] = {
      "indexer's queries and head weights at decode, one call"},
     {"route_weights", (PyCFunction)(void (*)(void))py_route_weights, METH_VARARGS | METH_KEYWORDS,
      "route_weights(scores f32[T,E], idx i64[T,k], eps, scale, out f32[T,k], ids i64[T]=None, table i64[V,k]=None): "
-     "the MoE router's weights of its picks (with ids and table: idx = table[ids] first)"},
+     "the MoE router's weights of its picks (with ids and table: idx = table[ids] first; with bias f32[E]: idx = the "
+     "top-k of scores + bias first; softplus=True: scores holds the logits, made the scores in place first)"},
+    {"embed_streams", py_embed_streams, METH_VARARGS,
+     "embed_streams(w u16[V,d], ids (ints), out f32[B,n*d]): the bfloat16 rows w[ids] widened into each of n streams"},
+    {"sqrtsoftplus", py_sqrtsoftplus, METH_VARARGS,
+     "sqrtsoftplus(x f32, out f32): out = sqrt(softplus(x)) elementwise, as torch's scalar code (out may be x)"},
     {"compress_row", py_compress_row, METH_VARARGS,
      "compress_row(y, t, off, kv_rows, gate_rows, row, ape, pos, norm, eps, quant, rope, cos, sin, out, out_row, "
      "out_kind) -> bool: a compressor's decode step on one token (its rows stored; a closed window's entry too)"},

@@ -57,6 +57,8 @@ PyObject *py_index_queries(PyObject *self, PyObject *args);
 
 /* bind_route.c */
 PyObject *py_route_weights(PyObject *self, PyObject *args, PyObject *kw);
+PyObject *py_sqrtsoftplus(PyObject *self, PyObject *args);
+PyObject *py_embed_streams(PyObject *self, PyObject *args);
 
 /* bind_compress.c */
 PyObject *py_compress_row(PyObject *self, PyObject *args);

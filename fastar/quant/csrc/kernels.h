@@ -230,6 +230,11 @@ void fp4_quant_rows(const float *x, float *y, int64_t R, int64_t K, int64_t bloc
 #define ROUTE_MAX_K 7
 int route_weights_rows(const float *scores, int64_t T, int64_t E, const int64_t *idx, int64_t k, float eps, float scale,
                        float *out);
+/* out[i] = sqrt(softplus(x[i])) as torch's scalar code computes it (out may be x); and a scored layer's top-k: idx
+ * [T, k] (k <= min(E, ROUTE_MAX_K)) the k largest of scores [T, E] + bias [E] per row, descending, a tie to the lower
+ * id, NaN first (route.c). */
+void sqrtsoftplus_rows(const float *x, int64_t n, float *out);
+void route_topk_rows(const float *scores, const float *bias, int64_t T, int64_t E, int64_t k, int64_t *idx);
 
 /* mHC (mhc.c); arrays float32, row-major, checked by the caller; the SIMD variant follows isa.
  * hc_pre_run: streams x [T, n*d] and fn [R, n*d] (R = (2+n)*n, or n for the head) -> u [T, d], post [T, n] and

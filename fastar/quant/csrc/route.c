@@ -4,10 +4,46 @@
  * fewer than 8 contiguous values of a row in four interleaved partial sums, value i into sum i % 4 for the first
  * multiple of four values and the rest into sum 0, then sums 1, 2 and 3 into sum 0 (route_fused.py checks that the
  * torch it runs with still does, and falls back to torch otherwise). Portable scalar code: k is a handful of values.
- * Owns: the arithmetic. Does not own: the argument checks (bind_route.c), the top-k (torch's, whose order the sum
- * follows).
+ * Before the weights, where the caller asks: the scores themselves, sqrt(softplus(logit)) as torch's own scalar code
+ * computes it (`x > 20 ? x : log1pf(expf(x))`, then the square root: the C library's functions, which torch's
+ * elementwise loop calls for the values it does not take in SIMD vectors; its vector path rounds up to 1 ulp
+ * differently), and a scored layer's top-k, the k largest of scores + bias in descending order, a tie to the lower
+ * expert id and NaN above every number (`ops.topk_ordered`: torch's stable descending sort, its first k).
+ * Owns: the arithmetic. Does not own: the argument checks (bind_route.c).
  */
+#include <math.h>
+
 #include "kernels.h"
+
+void sqrtsoftplus_rows(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float a = x[i];
+        out[i] = sqrtf(a > 20.0f ? a : log1pf(expf(a)));
+    }
+}
+
+/* whether a ranks before b in a descending order that puts NaN first */
+static inline int ranks_before(float a, float b) { return (isnan(a) && !isnan(b)) || a > b; }
+
+void route_topk_rows(const float *scores, const float *bias, int64_t T, int64_t E, int64_t k, int64_t *idx) {
+    float v[ROUTE_MAX_K];
+    for (int64_t t = 0; t < T; t++) {
+        const float *s = scores + t * E;
+        int64_t *row = idx + t * k, n = 0;
+        for (int64_t e = 0; e < E; e++) {
+            const float x = s[e] + bias[e];
+            if (n == k && !ranks_before(x, v[k - 1])) continue; /* a tie keeps the lower id already held */
+            int64_t j = n < k ? n++ : k - 1;
+            while (j > 0 && ranks_before(x, v[j - 1])) { /* after every kept value it does not rank before */
+                v[j] = v[j - 1];
+                row[j] = row[j - 1];
+                j--;
+            }
+            v[j] = x;
+            row[j] = e;
+        }
+    }
+}
 
 /* A row's k < 8 values summed in torch's order for a short contiguous row (see above). */
 static float torch_row_sum(const float *w, int64_t k) {

@@ -491,8 +491,9 @@ class Attention:
         qn = self.stored_attend and ops.c_arrays(q, kv)  # q's and kv's arrays: [q, kv]
         o, on = self._rows_out(q.shape) if qn else (None, None)
         out = []
+        lone = bool(qn) and qn[0].shape[0] == 1  # a lone row: its arrays whole (a slice is a numpy call each)
         for b, (p0, state) in enumerate(zip(pos, states)):
-            if not (qn and state.kv.append_array(qn[1][b : b + 1])):  # the same bytes without the tensor calls
+            if not (qn and state.kv.append_array(qn[1] if lone else qn[1][b : b + 1])):  # the bytes, no tensor calls
                 state.kv.append(kv[b : b + 1])
             scoring = None
             if self.ratio:
@@ -511,7 +512,8 @@ class Attention:
                 if scoring is not None:
                     picks = self.indexer.pick_stored(*scoring, p0, state.idx_entries, (p0 + 1) // 4)
                 k0 = max(0, p0 - self.window + 1)
-                if not self.stored_attend.into(qn[0][b : b + 1], state, k0, p0, p0 + 1, picks, on[b : b + 1]):
+                qb, ob = (qn[0], on) if lone else (qn[0][b : b + 1], on[b : b + 1])
+                if not self.stored_attend.into(qb, state, k0, p0, p0 + 1, picks, ob):
                     o[b : b + 1] = self._attend(q[b : b + 1], slice(0, 1), p0, state, scoring)
                 continue
             out.append(self._attend(q[b : b + 1], slice(0, 1), p0, state, scoring))

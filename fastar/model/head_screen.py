@@ -33,6 +33,7 @@ import torch
 
 from ..quant import kernels as K
 from ..quant.linear import Linear
+from . import ops
 
 U = 2.0**-24  # float32 unit roundoff
 MARGIN = 1e-6  # relative widening of the float64 bound (its own rounding is ~1e-15)
@@ -96,7 +97,9 @@ class HeadScreen:
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         """y [T, K] float32 (the head's input rows) -> logits [T, V] float32: the full head's values at every row
         that can hold a row's largest logit (and at the other rows' candidates), -inf elsewhere."""
-        yn = y.detach().contiguous().float().numpy()
+        yn = ops.buffer_array(y)  # a decode step's registered rows (`hc_chain`): the array itself, no conversion
+        if yn is None:
+            yn = y.detach().contiguous().float().numpy()
         T = yn.shape[0]
         if T not in self._terms:
             self._terms[T] = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float32), np.empty((T, 3))
@@ -106,7 +109,7 @@ class HeadScreen:
         plain = [not (math.isfinite(ny) and ny != 0 and ny * self.wmax <= HUGE) for _, _, ny in st]
         out = np.full((T, self.V), -np.inf, np.float32)
         if not any(plain):
-            rows = self._candidates(x, sx, st)
+            rows = self._candidates(x, sx, st, copy=False)  # a view of the scratch, used before the next screen
             out[:, rows] = self._exact(yn, rows)
             return torch.from_numpy(out)
         screened = [t for t in range(T) if not plain[t]]
@@ -118,9 +121,10 @@ class HeadScreen:
         out[full] = self.head(torch.from_numpy(np.ascontiguousarray(yn[full]))).numpy()
         return torch.from_numpy(out)
 
-    def _candidates(self, x: np.ndarray, sx: np.ndarray, st: list[list[float]]) -> np.ndarray:
+    def _candidates(self, x: np.ndarray, sx: np.ndarray, st: list[list[float]], copy: bool = True) -> np.ndarray:
         """The sorted union over the screened rows (their int8 terms x [2T, K] with scales sx, and per row |dy|, |x|,
-        |y|) of the head rows that can hold that row's largest logit."""
+        |y|) of the head rows that can hold that row's largest logit (`copy` False: a view of the scratch that the
+        next screen overwrites)."""
         if self._dots.shape[0] < x.shape[0]:
             self._dots = np.empty((x.shape[0], self.V), np.int32)
         dots = self._dots[: x.shape[0]]
@@ -131,7 +135,7 @@ class HeadScreen:
         n = self.k.extension.head_i8_select(
             dots, sx, self.scale, c1, c2, self.wnorm32, self.dnorm32, MARGIN, self._keep, self._rows
         )
-        return self._rows[:n].copy()
+        return self._rows[:n].copy() if copy else self._rows[:n]
 
     def _exact(self, y: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The full head's logits [T, len(rows)] at `rows` for y [T, K] (C-contiguous): its own kernel on those rows

@@ -11,7 +11,9 @@ splitting a group, forking its state, holding back choices beyond the batch), th
 (`batch_metrics`).
 
 Threads: `submit` and `Handle.cancel` may be called from any thread; `step` (and `run`, which loops over it)
-only from the one worker thread that owns the engine.
+only from the one worker thread that owns the engine. The worker is a thread in a `run` loop, or one that called
+`step` itself and is still alive; a scheduler without one (a library caller that submits and iterates) is stepped
+by the threads iterating its handles (`drive`). Steps never overlap, whichever thread takes them.
 
 Exactness. A request's tokens do not depend on what else runs:
   * its prompt is prefilled alone, in chunks of the engine's `prefill_chunk` tokens from its first uncached
@@ -75,7 +77,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..encoding import THINK_START
-from ..errors import QueueFull  # noqa: F401 (importable from here too)
+from ..errors import FastarError, QueueFull  # QueueFull: importable from here too
 from ..model import ops
 from . import speculative
 from .batch_metrics import BatchMetrics
@@ -177,6 +179,10 @@ class Scheduler:
         self._active: list[_Request] = []  # admission order: prefilling ones, then decoding
         self._groups = ChoiceGroups(max_batch)  # choices of groups: forked states, held choices
         self._metrics = BatchMetrics()
+        self._step_lock = threading.Lock()  # steps never overlap, whichever thread takes them
+        self._driver: threading.Thread | None = None  # the thread that last called `step`: a worker while it lives
+        self._stepping: threading.Thread | None = None  # the thread inside `step` now
+        self._running = 0  # `run` loops going
 
     # --- any thread ---------------------------------------------------------------------------------------
 
@@ -228,7 +234,7 @@ class Scheduler:
         session_check(eng, ids)
         reqs = []
         for p, chunk_fn, error_fn, event in zip(params, on_chunk, on_error, cancel, strict=True):
-            handle = Handle(event or threading.Event(), error_fn)
+            handle = Handle(event or threading.Event(), error_fn, self.drive, queued=chunk_fn is None)
             reqs.append(
                 _Request(
                     ids,
@@ -275,15 +281,47 @@ class Scheduler:
 
     def run(self, stop: threading.Event, idle_wait: float = 0.5) -> None:
         """Step while there is work, sleep on new submissions otherwise, until `stop` is set."""
-        while not stop.is_set():
-            try:
-                busy = self.step()
-            except BaseException as err:  # no caller may wait forever on a worker that died
-                self._fail_all(err)
-                raise
+        with self._lock:
+            self._running += 1
+        try:
+            while not stop.is_set():
+                busy = self._failing_step()
+                with self._lock:
+                    if (not busy and not self._waiting and not self._active) or self._only_loading():
+                        self._lock.wait(idle_wait)  # a submission or a finished disk load wakes it
+        finally:
             with self._lock:
-                if (not busy and not self._waiting and not self._active) or self._only_loading():
-                    self._lock.wait(idle_wait)  # a submission or a finished disk load wakes it
+                self._running -= 1
+
+    def _failing_step(self) -> bool:
+        try:
+            return self._locked_step()
+        except BaseException as err:  # no caller may wait forever on a worker that died
+            self._fail_all(err)
+            raise
+
+    def drive(self) -> bool:
+        """What an iterating `Handle` calls while its next chunk has not come: take one step on this thread when no
+        worker steps the scheduler (no `run` loop, and no other live thread called `step` last), so iterating a
+        handle never waits on a worker that does not exist. Returns False when a worker steps it (wait for its
+        chunks).
+        Raises FastarError when called inside a step (an `on_chunk` callback iterating a handle would wait on its
+        own thread)."""
+        me = threading.current_thread()
+        if self._stepping is me:
+            raise FastarError(
+                "a request's handle cannot be iterated inside the scheduler's own step (an on_chunk "
+                "callback): its chunks come from that step"
+            )
+        with self._lock:
+            driver = self._driver
+            if self._running or (driver is not None and driver is not me and driver.is_alive()):
+                return False
+        self._failing_step()
+        with self._lock:
+            if self._only_loading():
+                self._lock.wait(Handle.WORKER_CHECK_S)  # a finished disk load wakes it, as it wakes `run`
+        return True
 
     def _fail_all(self, err: BaseException) -> None:
         """End every queued and active request with `err` (their iterators raise it)."""
@@ -323,7 +361,20 @@ class Scheduler:
     def step(self) -> bool:
         """One step: drop cancelled requests, admit waiting ones, adopt the prefix states loaded from disk, decode
         one token of every decoding sequence (groups of 8 per model call; a lone greedy one: a draft/verify step),
-        then one prefill chunk of the oldest prefilling one. Returns whether work remains."""
+        then one prefill chunk of the oldest prefilling one. Returns whether work remains. The calling thread is
+        the scheduler's worker from then on, while it lives (`drive`)."""
+        self._driver = threading.current_thread()
+        return self._locked_step()
+
+    def _locked_step(self) -> bool:
+        with self._step_lock:
+            self._stepping = threading.current_thread()
+            try:
+                return self._step()
+            finally:
+                self._stepping = None
+
+    def _step(self) -> bool:
         t0 = time.perf_counter()
         self._drop_cancelled()
         self._unhold()

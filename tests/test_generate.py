@@ -366,6 +366,37 @@ def test_interleaved_generations_on_one_session_fail_instead_of_mixing_tokens(en
     assert issubclass(SessionInUse, RuntimeError)
 
 
+def test_changing_a_session_under_an_unfinished_generation_is_refused(engine, tmp_path) -> None:
+    """`Session.rewind` (and `reset`, `resume`, `load`) while a stream on the session was suspended changed the
+    timeline under it: its next token came from a state it had not left. They raise `SessionInUse` now, the stream
+    goes on with its own tokens, and once it is exhausted or closed the session is the caller's again."""
+    from fastar.engine.session import SessionInUse
+
+    alone = [c.token for c in engine.stream(PROMPT, max_tokens=5, ignore_eos=True, session=engine.open_session())]
+    s = engine.open_session()
+    s.save(tmp_path / "s.bin")
+    stream = engine.stream(PROMPT, max_tokens=5, ignore_eos=True, session=s)
+    got = [next(stream).token for _ in range(2)]
+    state = engine.new_state()
+    for what, call in (
+        ("rewind", lambda: s.rewind(3)),
+        ("reset", s.reset),
+        ("reset", lambda: s.resume(PROMPT, state)),
+        ("load into", lambda: s.load(tmp_path / "s.bin")),
+    ):
+        with pytest.raises(SessionInUse, match=rf"^cannot {what} this session while a generation on it is unfinished"):
+            call()
+    got += [c.token for c in stream]
+    assert got == alone and s.tokens == PROMPT + alone
+    s.rewind(len(PROMPT) + 2)  # exhausted: the caller's again
+    assert s.tokens == PROMPT + alone[:2]
+    stream = engine.stream(PROMPT, max_tokens=5, ignore_eos=True, session=s)
+    next(stream)
+    stream.close()  # closed early: free too
+    s.rewind(3)
+    assert s.tokens == PROMPT[:3]
+
+
 @pytest.mark.parametrize(
     "option,value,error,says",
     [

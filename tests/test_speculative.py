@@ -356,6 +356,32 @@ def passes_of(eng) -> list:
     return seen
 
 
+def test_a_speculative_stream_rolls_back_its_drafts_while_the_caller_may_not_rewind(tiny_ckpt, plain_runs):
+    """Speculative decoding drops its rejected drafts with the session's unguarded `roll_back` mid-generation;
+    the caller's `rewind` meanwhile raises `SessionInUse`. The stream's tokens stay the plain ones. And a suspended
+    stream that lost its session to a newer generation leaves that one's timeline alone when it is closed (it
+    used to roll the session back to its own prompt plus the tokens it had yielded)."""
+    from fastar.engine.session import SessionInUse
+
+    eng = speculative_engine(tiny_ckpt, "mtp", 1, replay=True)
+    seed, expect = 11, plain_runs[11][:40]
+    eng.drafter.transcript = prompt(seed) + plain_runs[seed]
+    session = eng.open_session()
+    stream = eng.stream(prompt(seed), max_tokens=40, ignore_eos=True, session=session)
+    got = [next(stream).token for _ in range(20)]
+    with pytest.raises(SessionInUse, match=r"^cannot rewind this session while a generation on it is unfinished"):
+        session.rewind(len(prompt(seed)))
+    got += [c.token for c in stream]
+    assert got == expect and eng.draft_stats.passes > 0 and eng.draft_stats.accepted < eng.draft_stats.drafted
+
+    old = eng.stream(prompt(seed), max_tokens=40, ignore_eos=True, session=session)
+    assert [next(old).token for _ in range(2)] == expect[:2]
+    newer = [c.token for c in eng.stream(prompt(seed), max_tokens=10, ignore_eos=True, session=session)]
+    assert newer == expect[:10] and session.tokens == prompt(seed) + newer
+    old.close()
+    assert session.tokens == prompt(seed) + newer
+
+
 @pytest.mark.parametrize("draft", ["mtp", "dspark"])
 def test_after_rejection_state_and_logits_equal_a_fresh_run(request, plain_runs, draft):
     """Replay drafts (accepted and rejected mixed) across 160 tokens: 20 ratio-4 and one ratio-128 compression

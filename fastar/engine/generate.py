@@ -125,6 +125,7 @@ def _stream(
         yield chunks.cancelled(session.last_cached_tokens)
     finally:
         steps.close()
+        session.release(claim)  # the timeline is the user's again (`Session.rewind`)
 
 
 class ChunkMaker:

@@ -178,7 +178,7 @@ class Session:
 
     def claim(self) -> object:
         """Make a new generation this session's user; returns its token for `check_claim`. A generation still
-        suspended (an unfinished stream, one a loop broke out of) loses the session to it."""
+        suspended (an unfinished stream, one a loop broken out of) loses the session to it."""
         self._generation = object()
         return self._generation
 
@@ -188,6 +188,29 @@ class Session:
             raise SessionInUse(
                 "another generation ran on this session since this one started, so their tokens would mix: "
                 "give each generation you interleave its own session (engine.open_session())"
+            )
+
+    @property
+    def generation(self) -> object | None:
+        """The token of the generation that holds this session (`claim`), or None while it is free."""
+        return self._generation
+
+    def holds(self, token: object) -> bool:
+        """Whether the generation of `token` still holds this session (no other claimed it since)."""
+        return self._generation is token
+
+    def release(self, token: object) -> None:
+        """The generation of `token` has ended (exhausted or closed): the session is free, unless another took it."""
+        if self._generation is token:
+            self._generation = None
+
+    def _check_idle(self, what: str) -> None:
+        """Refuse to change the timeline under a generation that is still suspended on it (its next token would
+        come from a state it did not leave)."""
+        if self._generation is not None:
+            raise SessionInUse(
+                f"cannot {what} this session while a generation on it is unfinished: exhaust its stream or close() "
+                "it first (or give the generation its own session: engine.open_session())"
             )
 
     # --- the timeline -------------------------------------------------------------------------------------
@@ -206,7 +229,8 @@ class Session:
 
     def resume(self, tokens: list[int], state) -> None:
         """Take over a model state that has processed tokens[:state.length] (the rest are pending), e.g. to
-        continue from the exact state a benchmark or another loop reached."""
+        continue from the exact state a benchmark or another loop reached. Raises `SessionInUse` while a generation
+        on it is unfinished."""
         if not 0 <= state.length <= len(tokens):
             raise ValueError(f"a state of {state.length} positions cannot hold a timeline of {len(tokens)} tokens")
         self.reset()
@@ -220,12 +244,19 @@ class Session:
         return self._tokens[: self._state.length], self._state
 
     def reset(self) -> None:
-        """Forget everything (tokens, state and meta)."""
+        """Forget everything (tokens, state and meta). Raises `SessionInUse` while a generation on it is unfinished."""
+        self._check_idle("reset")
         self._tokens, self._state, self._dirty, self.meta, self._anchor = [], None, False, {}, None
 
     def rewind(self, n: int) -> None:
         """Keep only the first `n` tokens (the state rolls back with them; if it cannot, it is dropped and the
-        next prefill starts over)."""
+        next prefill starts over). Raises `SessionInUse` while a generation on it is unfinished."""
+        self._check_idle("rewind")
+        self.roll_back(n)
+
+    def roll_back(self, n: int) -> None:
+        """`rewind` for the generation that holds the session (speculative decoding drops its rejected drafts with
+        it, mid-generation), without the guard."""
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(self._tokens):
             raise ValueError(f"cannot rewind a session of {len(self._tokens)} tokens to {n!r}")
         del self._tokens[n:]
@@ -424,7 +455,9 @@ class Session:
         return path
 
     def load(self, path: str | os.PathLike) -> None:
-        """Replace this session's contents with a saved one. Raises `SessionError` with the reason."""
+        """Replace this session's contents with a saved one. Raises `SessionError` with the reason, `SessionInUse`
+        while a generation on it is unfinished."""
+        self._check_idle("load into")
         path = Path(path)
         try:
             if path.exists() and not path.is_file():  # /dev/zero would be read to the end of memory, a FIFO forever

@@ -576,6 +576,7 @@ def speculative_generate_step(
     the prompt plus the yielded tokens (the `finally:`), so a stop mid-pass leaves the timeline plain generation
     would have left.
     """
+    claim = session.generation  # the stream's, claimed before its first step
     logits = session.prefill(prompt_ids, cancel, on_prefill_progress)
     if logits is None:
         return
@@ -661,14 +662,14 @@ def speculative_generate_step(
                 if prop is not None:
                     shadow = (prop.tokens[0], None if prop.probs is None else prop.probs[0])
             if n < L:
-                session.rewind(m + 1 + n)  # drops the rejected drafts; every layer state truncates with it
+                session.roll_back(m + 1 + n)  # drops the rejected drafts; every layer state truncates with it
             session.append(nxt)
             for j, tok in enumerate(drafts[:n] + [nxt]):
                 yielded += 1
                 yield report(out[j], tok, params)
-    finally:
-        if yielded and session.num_tokens > base + yielded:
-            session.rewind(base + yielded)
+    finally:  # drafts appended past the last token yielded, unless another generation has the session now
+        if yielded and session.num_tokens > base + yielded and session.holds(claim):
+            session.roll_back(base + yielded)
 
 
 # --- choosing a draft ----------------------------------------------------------------------------------------

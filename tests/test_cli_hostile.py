@@ -288,6 +288,32 @@ def test_an_output_that_is_no_regular_file_is_left_alone(tiny_ckpt, tmp_path):
     assert fifo.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
 
 
+def test_convert_refuses_to_write_over_the_files_it_converts(tiny_ckpt, tmp_path):
+    """`convert CKPT -o CKPT/<a shard>` (or its config, or the blob a hub snapshot's link points to) wrote the .fst
+    and renamed it over that file: the checkpoint it came from was gone, and `convert` said "wrote". Refused now,
+    before anything is read, and the checkpoint is untouched; a new name in the same folder is fine."""
+    from fastar.convert.hf import convert
+    from fastar.errors import CheckpointError
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt, ck)
+    shard = ck / "model-00002-of-00003.safetensors"
+    before = shard.read_bytes()
+    r = _cli("convert", ck, "-o", shard)
+    assert f"{shard} is {shard.name}, a file of the model being converted" in one_line_error(r, 1)
+    assert shard.read_bytes() == before
+    with pytest.raises(CheckpointError, match=r"is config.json, a file of the model being converted"):
+        convert(ck, tmp_path / "ck" / ".." / "ck" / "config.json", progress=False)
+    blob = tmp_path / "blob"  # a hub snapshot: shards are links to blobs
+    shard.rename(blob)
+    shard.symlink_to(blob)
+    for out in (blob, shard):
+        with pytest.raises(CheckpointError, match=r"a file of the model being converted"):
+            convert(ck, out, progress=False)
+    assert shard.is_symlink() and blob.read_bytes() == before
+    assert convert(ck, ck / "model.fst", progress=False) == ck / "model.fst"
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +62,27 @@ def resolve_source(src: str | os.PathLike, only: Callable[[str], bool] | None = 
         raise CheckpointError(f"could not fetch {src} from the hub: {reason}") from None
 
 
+def checkpoint_files(ck: Checkpoint) -> list[Path]:
+    """The files of a checkpoint directory a conversion reads: its shards and its json (config, index, tokenizer)."""
+    return [ck.path / name for name in ck.shard_names] + sorted(ck.path.glob("*.json"))
+
+
+def check_output(out: str | os.PathLike, inputs: Iterable[Path]) -> None:
+    """Refuse an output that is one of the files being converted: renamed into place once written, it would replace
+    that file (a shard, the config, a v2 model; or the blob a hub snapshot's link points to), and with it the source
+    it was made from."""
+    o = Path(out)
+    if not os.path.lexists(o):
+        return
+    target = o.parent.resolve() / o.name  # the directory entry the rename replaces
+    for f in inputs:
+        if os.path.lexists(f) and target in (f.parent.resolve() / f.name, f.resolve()):
+            raise CheckpointError(
+                f"{out} is {f.name}, a file of the model being converted: write the output elsewhere "
+                "(it would replace that file)"
+            )
+
+
 def convert(src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None) -> Path:
     """Convert `src` into `out` and return the path. Raises CheckpointError/FormatError with a clear message.
 
@@ -71,6 +92,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, progress: bool | Non
     if Path(src).is_file() and read_version(src) == 2:
         return convert_v2(src, out, progress)
     ck = Checkpoint(resolve_source(src))
+    check_output(out, checkpoint_files(ck))
     ck.validate()
     cfg = ck.config
 
@@ -92,6 +114,7 @@ def convert_v2(src: str | os.PathLike, out: str | os.PathLike, progress: bool | 
     """
     from .v2 import FstV2File
 
+    check_output(out, [Path(src), *(Path(f"{src}.{kind}") for kind in ("hc", "norm", "tid2eid", "indexer"))])
     with FstV2File(src) as v2:
         if v2.context_note is not None:
             raise FormatError(f"cannot convert: {v2.context_note}; then convert again (or run {src} as it is)")
@@ -111,6 +134,7 @@ def convert_indexer(src: str | os.PathLike, out: str | os.PathLike, progress: bo
     hub id downloads just those). Raises CheckpointError naming the missing shards or the wrong tensor.
     """
     ck = Checkpoint(resolve_source(src, only=_is_indexer))
+    check_output(out, checkpoint_files(ck))
     cfg = ck.config
     want = {n: v for n, v in expected_tensors(cfg).items() if _is_indexer(n)}
     if not want:

@@ -88,6 +88,13 @@ def test_routed_sum_equals_expert_by_expert_in_any_split(model_path, numerics):
                     out = np.full((T, d), np.nan, np.float32)  # a reused buffer, whatever it held: zeroed first
                     args = (x.numpy(), idx.numpy(), wts, provider, moe.layer, moe.limit, moe.act_block, out)
                     assert moe_fused.routed_sum(*args) is out and torch.equal(torch.from_numpy(out), want)
+                    # each row in ascending expert order (the C router's rows): the same sum, told so or not
+                    order = torch.sort(idx, dim=-1, stable=True).indices
+                    by_id = (x.numpy(), idx.gather(1, order).numpy(), wts.gather(1, order), provider, moe.layer)
+                    for told in (True, False):
+                        out.fill(np.nan)
+                        moe_fused.routed_sum(*by_id, moe.limit, moe.act_block, out, by_expert=told)
+                        assert torch.equal(torch.from_numpy(out), want), (moe.layer, T, name, told)
                 moe.experts = Split(base, SPLITS["odd then even"])
                 got = moe(x, ids).clone()  # (a decode step's rows come back in the layer's buffer)
                 moe.experts = Split(base, SPLITS["one by one"])

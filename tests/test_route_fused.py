@@ -44,7 +44,7 @@ def _inputs(d: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("numerics", ["official", "reference"])
 def test_route_c_equals_route(model_path, numerics):
     """`MoE.route_c` gives the expert ids and the weights' bits `MoE.route` gives, on every layer, for 1 to 16 rows
-    and many inputs."""
+    and many inputs: each row's (id, weight) pairs in ascending id order, the reference's rows stably sorted by id."""
     with load(model_path, numerics=numerics, ram_budget=None) as eng:
         kinds = set()
         for moe in (b.ffn for b in eng.model.layers):
@@ -54,6 +54,8 @@ def test_route_c_equals_route(model_path, numerics):
                 for seed in range(6):
                     x, ids = _inputs(moe.gate.in_features, T, seed=100 * T + seed + 7 * moe.layer)
                     want_idx, want = moe.route(x, ids)
+                    order = torch.sort(want_idx, dim=-1, stable=True).indices  # by id; a repeated id in slot order
+                    want_idx, want = want_idx.gather(1, order), want.gather(1, order)
                     for xa in (None, x.numpy()):  # x's array handed over (`MoE.__call__`): the router's product on it
                         idx, got = moe.route_c(x, ids, xa)
                         assert idx.dtype == np.int64 and got.dtype == np.float32
@@ -172,3 +174,21 @@ def test_route_weights_refuses_bad_bias():
         ro = np.ones((2, 8), np.float32)
         ro.flags.writeable = False
         ext.route_weights(ro, idx, 0.0, 1.0, out, bias=np.zeros(8, np.float32), softplus=True)
+
+
+def test_route_by_expert_orders_each_row_stably():
+    """`route_weights(by_expert=True)`: each row's ids ascending with their weights beside them, a repeated id (a hash
+    table may repeat one) in its slots' order; the weights themselves as without it (their total in table order)."""
+    ext = kernels.extension
+    g = torch.Generator().manual_seed(8)
+    scores = (torch.rand(6, 16, generator=g) + 0.1).numpy()
+    table = np.array([[5, 3, 5, 0, 9, 3], [1, 2, 3, 4, 5, 6], [15, 14, 13, 12, 11, 10]], np.int64)
+    tok = np.array([0, 1, 2, 0, 2, 1], np.int64)
+    plain_idx, plain = np.empty((6, 6), np.int64), np.empty((6, 6), np.float32)
+    ext.route_weights(scores, plain_idx, 0.0, 1.5, plain, tok, table)
+    idx, got = np.empty((6, 6), np.int64), np.empty((6, 6), np.float32)
+    ext.route_weights(scores, idx, 0.0, 1.5, got, tok, table, by_expert=True)
+    order = np.argsort(plain_idx, axis=1, kind="stable")
+    assert np.array_equal(idx, np.take_along_axis(plain_idx, order, 1))
+    assert np.array_equal(got.view(np.int32), np.take_along_axis(plain, order, 1).view(np.int32))
+    assert list(idx[0]) == [0, 3, 3, 5, 5, 9] and got[0, 1] == plain[0, 1] and got[0, 3] == plain[0, 0]

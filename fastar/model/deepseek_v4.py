@@ -661,8 +661,9 @@ class MoE:
             routed = idx if routes is not None else idx.numpy()
             buf = self._rows_out(x.shape[0]) if x.shape[0] <= ops.SMALL_CHUNK else None  # a decode step's rows
             out = moe_fused.routed_sum(
-                xa, routed, wts, self.experts, self.layer, self.limit, self.act_block, None if buf is None else buf[1]
-            )
+                xa, routed, wts, self.experts, self.layer, self.limit, self.act_block, None if buf is None else buf[1],
+                by_expert=routes is not None,  # the C router's rows come in expert order
+            )  # fmt: skip
             return self._shared(x, out, xa, None if buf is None else buf[0])
         return self.routed_reference(x, idx, wts).add_(self._shared(x))
 

@@ -53,11 +53,14 @@ def routed_sum(
     limit: float,
     act_block: int,
     out: np.ndarray | None = None,
+    by_expert: bool = False,
 ) -> np.ndarray:
     """The routed experts' sum [T, D] (numpy; into `out` where given, float32 [T, D], zeroed first) for x [T, D]
     (float32, CPU, contiguous; a tensor or its array), routed [T, k] expert ids and wts [T, k] routing weights
     (float32, a tensor or numpy), with the fused kernel (`kernels.extension` must be built; `act_block`: the FP8
-    activation block of the official numerics, 0 for none; the routing weight is applied before w2).
+    activation block of the official numerics, 0 for none; the routing weight is applied before w2). `by_expert`:
+    each row of `routed` is in ascending expert order already (`route_fused.FusedRouter`'s rows), so a lone token's
+    routes need no sorting.
 
     Routes are grouped by expert in ascending id order (`np.unique`'s, the MoE's `wanted` order) and within an
     expert in row-major (token, slot) order (`np.nonzero`'s). When the provider's first batch holds every expert,
@@ -70,7 +73,9 @@ def routed_sum(
     T, k = routed.shape
     wn = wts if isinstance(wts, np.ndarray) else wts.numpy()  # `route_fused` gives numpy, `MoE.route` a tensor
     one = routed[0].tolist() if T == 1 else None
-    if one is not None and len(set(one)) == k:  # a decode row, k distinct experts: in Python, on k numbers
+    if one is not None and by_expert and len(set(one)) == k:  # a decode row, k distinct experts, in order
+        wanted, (rows, offsets), rw = one, _one_token(k), wn[0]
+    elif one is not None and len(set(one)) == k:  # a decode row, k distinct experts: in Python, on k numbers
         at = sorted(range(k), key=one.__getitem__)  # its slots by expert id
         wanted = [one[j] for j in at]
         rows, offsets = _one_token(k)
@@ -97,16 +102,14 @@ def routed_sum(
         rw = np.ascontiguousarray(wn.reshape(-1)[at])  # each route's weight
     xn = x if isinstance(x, np.ndarray) else x.numpy()
     if out is None:
-        out = np.zeros((T, xn.shape[1]), np.float32)
-    else:
-        out.fill(0.0)
+        out = np.empty((T, xn.shape[1]), np.float32)
     scratch = xr = pos = None
     for batch in experts.each_batch(layer, wanted):
         if not batch:
             continue
         have = dict(batch)
-        if scratch is None and len(have) == len(wanted):  # all at once: straight into out
-            ext.experts_ffn(xn, [have[e] for e in wanted], rows, offsets, rw, float(limit), out, act_block)
+        if scratch is None and len(have) == len(wanted):  # all at once: straight into out, zeroed by the call
+            ext.experts_ffn(xn, [have[e] for e in wanted], rows, offsets, rw, float(limit), out, act_block, zero=True)
             return out
         if scratch is None:
             xr = xn[rows]  # [M, D]: route j's input in row j, so its output gets row j of the scratch
@@ -120,6 +123,7 @@ def routed_sum(
             counts = offsets[1:][idx] - offsets[:-1][idx]
             offs = np.concatenate(([0], np.cumsum(counts)))
         ext.experts_ffn(xr, [have[wanted[i]] for i in idx], sel, offs, rw[sel], float(limit), scratch, act_block)
+    out.fill(0.0)
     if scratch is not None:
         for r, y in zip(rows.tolist(), scratch):  # in route order (np.add.at would too, ~50x slower)
             out[r] += y

@@ -46,7 +46,9 @@ def torch_sums_as_route_c(k: int) -> bool:
 
 class FusedRouter:
     """A MoE layer's router (`MoE.route`) with its weights bound once: -> (expert ids [T, k] int64, routing weights
-    [T, k] float32) as numpy arrays, the bits `MoE.route` returns as tensors."""
+    [T, k] float32) as numpy arrays, the bits `MoE.route` returns as tensors, each row's (id, weight) pairs in
+    ascending id order (a stable sort, after the weights' total took them in the reference's order): what
+    `moe_fused.routed_sum(by_expert=True)` takes, which groups the routes by expert either way."""
 
     def __init__(
         self, gate: Linear, bias: torch.Tensor | None, table: torch.Tensor | None, k: int, scale: float, eps: float
@@ -93,7 +95,7 @@ class FusedRouter:
         ext = kernels.extension
         if self.table is not None:
             tok = np.ascontiguousarray(ids.numpy(), np.int64)
-            ext.route_weights(scores, idx, self.eps, self.scale, wts, tok, self.table, softplus=True)
+            ext.route_weights(scores, idx, self.eps, self.scale, wts, tok, self.table, softplus=True, by_expert=True)
         else:  # the bias is for the selection only, as in the reference
-            ext.route_weights(scores, idx, self.eps, self.scale, wts, bias=self.bias, softplus=True)
+            ext.route_weights(scores, idx, self.eps, self.scale, wts, bias=self.bias, softplus=True, by_expert=True)
         return idx, wts

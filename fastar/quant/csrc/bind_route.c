@@ -10,15 +10,16 @@
  * softplus=False) -> None: the routing weights of the experts idx picked (route.c). With softplus, scores holds the
  * router's logits and becomes its scores first (sqrt(softplus), in place). With ids i64 [T] and table i64 [V, k] (a
  * hash-routed layer), idx is written first: row t = table[ids[t]]; with bias f32 [E] instead (a scored layer), idx is
- * written first as the top-k of scores + bias. */
+ * written first as the top-k of scores + bias. With by_expert, each row's (idx, out) pairs are then put in ascending
+ * id order (a stable sort: a repeated id keeps its slots' order), after the weights' total took them in top-k order. */
 PyObject *py_route_weights(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kws[] = {"scores", "idx", "eps", "scale", "out", "ids", "table", "bias", "softplus", NULL};
+    static char *kws[] = {"scores", "idx", "eps", "scale", "out", "ids", "table", "bias", "softplus", "by_expert", NULL};
     PyObject *os, *oi, *oo, *oids = Py_None, *otab = Py_None, *obias = Py_None;
     double eps, scale;
-    int softplus = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOddO|OOOp", kws, &os, &oi, &eps, &scale, &oo, &oids, &otab, &obias,
-                                     &softplus))
+    int softplus = 0, by_expert = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOddO|OOOpp", kws, &os, &oi, &eps, &scale, &oo, &oids, &otab, &obias,
+                                     &softplus, &by_expert))
         return NULL;
     const int hashed = otab != Py_None, biased = obias != Py_None;
     if (hashed != (oids != Py_None))
@@ -27,7 +28,7 @@ PyObject *py_route_weights(PyObject *self, PyObject *args, PyObject *kw) {
         return PyErr_Format(PyExc_ValueError, "bias picks a scored layer's experts, table a hash-routed one's: not both");
     view_t v[6];
     memset(v, 0, sizeof v);
-    if (get_view(os, &v[0], "scores", 'f', 2, softplus) || get_view(oi, &v[1], "idx", 'q', 2, hashed || biased) ||
+    if (get_view(os, &v[0], "scores", 'f', 2, softplus) || get_view(oi, &v[1], "idx", 'q', 2, hashed || biased || by_expert) ||
         get_view(oo, &v[2], "out", 'f', 2, 1))
         goto fail;
     if (hashed && (get_view(oids, &v[3], "ids", 'q', 1, 0) || get_view(otab, &v[4], "table", 'q', 2, 0))) goto fail;
@@ -83,6 +84,7 @@ PyObject *py_route_weights(PyObject *self, PyObject *args, PyObject *kw) {
                      (long long)E);
         goto fail;
     }
+    if (by_expert) route_by_expert_rows(v[1].b.buf, v[2].b.buf, T, k);
     release(v, 6);
     Py_RETURN_NONE;
 fail:

@@ -254,18 +254,20 @@ fail:
     return NULL;
 }
 
-/* experts_ffn(x, experts, rows, offsets, route_w, limit, out, act_block=0) -> None: expert_ffn for a layer's
- * experts at once. experts: a sequence of E (w1, s1, w3, s3, w2, s2) tuples shaped as expert_ffn's; rows int64
+/* experts_ffn(x, experts, rows, offsets, route_w, limit, out, act_block=0, zero=False) -> None: expert_ffn for a
+ * layer's experts at once. experts: a sequence of E (w1, s1, w3, s3, w2, s2) tuples shaped as expert_ffn's; rows int64
  * [M]: token indices into x [T, D], expert e's being rows[offsets[e]:offsets[e+1]] (at least one each);
- * offsets int64 [E+1] from 0 to M; route_w float32 [M]; out [T, D] is added to, expert after expert. */
+ * offsets int64 [E+1] from 0 to M; route_w float32 [M]; out [T, D] is added to, expert after expert (zero: set to
+ * +0.0 first, as `out.fill(0.0)` would). */
 static PyObject *py_experts_ffn(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *kws[] = {"x", "experts", "rows", "offsets", "route_w", "limit", "out", "act_block", NULL};
+    static char *kws[] = {"x", "experts", "rows", "offsets", "route_w", "limit", "out", "act_block", "zero", NULL};
     PyObject *ox, *oexp, *orows, *ooff, *orw, *oout, *seq = NULL;
     double limit;
     Py_ssize_t act_block = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOdO|n", kws, &ox, &oexp, &orows, &ooff, &orw, &limit, &oout,
-                                     &act_block))
+    int zero = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOdO|np", kws, &ox, &oexp, &orows, &ooff, &orw, &limit, &oout,
+                                     &act_block, &zero))
         return NULL;
     if (act_block < 0) return PyErr_Format(PyExc_ValueError, "act_block must be >= 0, got %zd", act_block);
     seq = PySequence_Fast(oexp, "experts must be a sequence of (w1, s1, w3, s3, w2, s2) tuples");
@@ -339,6 +341,7 @@ static PyObject *py_experts_ffn(PyObject *self, PyObject *args, PyObject *kw) {
     const isa_ops *isa = cur_isa;
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS
+    if (zero) memset(v[4].b.buf, 0, (size_t)v[4].b.len);
     if (E > 0 && D > 0 && I > 0)
         rc = experts_run(isa, E, ew, v[0].b.buf, D, I, rows, off, v[3].b.buf, (float)limit, act_block, v[4].b.buf);
     Py_END_ALLOW_THREADS
@@ -689,9 +692,11 @@ static PyMethodDef methods[] = {
      "index_queries(qr, w_b, s_b, x, w_w, s_w, cos, sin, heads, act_block, rotate, w_scale, q, w): the lightning "
      "indexer's queries and head weights at decode, one call"},
     {"route_weights", (PyCFunction)(void (*)(void))py_route_weights, METH_VARARGS | METH_KEYWORDS,
-     "route_weights(scores f32[T,E], idx i64[T,k], eps, scale, out f32[T,k], ids i64[T]=None, table i64[V,k]=None): "
+     "route_weights(scores f32[T,E], idx i64[T,k], eps, scale, out f32[T,k], ids i64[T]=None, table i64[V,k]=None, "
+     "bias=None, softplus=False, by_expert=False): "
      "the MoE router's weights of its picks (with ids and table: idx = table[ids] first; with bias f32[E]: idx = the "
-     "top-k of scores + bias first; softplus=True: scores holds the logits, made the scores in place first)"},
+     "top-k of scores + bias first; softplus=True: scores holds the logits, made the scores in place first; by_expert: "
+     "each row's (id, weight) pairs then ordered by id)"},
     {"embed_streams", py_embed_streams, METH_VARARGS,
      "embed_streams(w u16[V,d], ids (ints), out f32[B,n*d]): the bfloat16 rows w[ids] widened into each of n streams"},
     {"sqrtsoftplus", py_sqrtsoftplus, METH_VARARGS,

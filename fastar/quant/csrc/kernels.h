@@ -235,6 +235,8 @@ int route_weights_rows(const float *scores, int64_t T, int64_t E, const int64_t 
  * id, NaN first (route.c). */
 void sqrtsoftplus_rows(const float *x, int64_t n, float *out);
 void route_topk_rows(const float *scores, const float *bias, int64_t T, int64_t E, int64_t k, int64_t *idx);
+/* each row of idx [T, k] in ascending order with its weights w [T, k] alongside (a stable sort) (route.c) */
+void route_by_expert_rows(int64_t *idx, float *w, int64_t T, int64_t k);
 
 /* mHC (mhc.c); arrays float32, row-major, checked by the caller; the SIMD variant follows isa.
  * hc_pre_run: streams x [T, n*d] and fn [R, n*d] (R = (2+n)*n, or n for the head) -> u [T, d], post [T, n] and

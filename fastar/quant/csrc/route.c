@@ -69,3 +69,21 @@ int route_weights_rows(const float *scores, int64_t T, int64_t E, const int64_t 
     }
     return 0;
 }
+
+void route_by_expert_rows(int64_t *idx, float *w, int64_t T, int64_t k) {
+    for (int64_t t = 0; t < T; t++) {
+        int64_t *id = idx + t * k;
+        float *x = w + t * k;
+        for (int64_t i = 1; i < k; i++) { /* insertion sort: stable, and k is a handful */
+            const int64_t e = id[i];
+            const float y = x[i];
+            int64_t j = i;
+            for (; j > 0 && id[j - 1] > e; j--) {
+                id[j] = id[j - 1];
+                x[j] = x[j - 1];
+            }
+            id[j] = e;
+            x[j] = y;
+        }
+    }
+}

@@ -20,7 +20,7 @@ blocks (mtp.0 is slot L).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import ClassVar, NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -57,6 +57,7 @@ class Closing:
             pass
 
 
+@runtime_checkable  # `load` tells a source from a path, and names anything that is neither
 class WeightSource(Protocol):
     config: ModelConfig
 

@@ -408,6 +408,12 @@ def test_changing_a_session_under_an_unfinished_generation_is_refused(engine, tm
         ("max_rollback", -1, ValueError, "max_rollback must be an integer >= 0 or None, got -1"),  # was taken
         ("prefill_chunk", "512", ValueError, "prefill_chunk must be an integer >= 1, got '512'"),
         ("threads", 0, ValueError, "threads must be an integer >= 1 or None, got 0"),
+        # True was a 1-byte budget (refused only as "smaller than one expert"), 1.5 one byte too
+        ("ram_budget", True, TypeError, "ram_budget must be a number of bytes (int), a size such as '24G'"),
+        ("ram_budget", 1.5e9, TypeError, "ram_budget must be a number of bytes (int)"),
+        ("gpu_budget", False, TypeError, "gpu_budget must be a number of bytes (int)"),
+        ("draft", True, TypeError, "draft must be a string or None, got True"),  # was taken as "true"
+        ("ram_bugdet", "8G", TypeError, "load: unknown option 'ram_bugdet' (the options are kernels,"),
     ],
 )
 def test_load_options_of_the_wrong_kind_are_named_before_anything_is_read(tiny_ckpt, option, value, error, says):
@@ -415,6 +421,39 @@ def test_load_options_of_the_wrong_kind_are_named_before_anything_is_read(tiny_c
 
     with pytest.raises(error, match=f"^{re.escape(says)}"):
         load(tiny_ckpt, **{option: value})
+
+
+@pytest.mark.parametrize(
+    "model,error,says",
+    [
+        # each was a raw pathlib message not naming load ("expected str, bytes or os.PathLike object, not int")
+        (123, TypeError, "load takes a model path (a .fst file or a checkpoint directory, as str or os.PathLike) "),
+        (None, TypeError, "load takes a model path"),
+        (b"model.fst", TypeError, "load takes a model path"),
+        # an object with a `tensor` attribute passed for a source, to fail later on its missing `config`
+        (type("NotASource", (), {"tensor": None})(), TypeError, "load takes a model path"),
+        (
+            "",
+            ValueError,
+            "load: the model path '' is no path",
+        ),  # "" was the current directory: "config.json is missing"
+        ("m\0.fst", ValueError, "load: the model path 'm\\x00.fst' is no path"),  # was "embedded null byte"
+    ],
+)
+def test_load_of_something_that_is_no_model_names_it(model, error, says) -> None:
+    from fastar.engine.engine import load
+
+    with pytest.raises(error, match=f"^{re.escape(says)}"):
+        load(model)
+
+
+def test_an_engine_of_a_path_says_to_load_it(tiny_ckpt) -> None:
+    from fastar.engine.engine import Engine
+
+    with pytest.raises(
+        TypeError, match=r"^Engine takes an opened WeightSource, got PosixPath: use fastar.load\(path\)$"
+    ):
+        Engine(tiny_ckpt)
 
 
 def test_load_of_a_fifo_or_device_is_refused_instead_of_blocking(tmp_path) -> None:

@@ -1,7 +1,8 @@
 """The library API's arguments of the wrong kind, named in one line before anything runs.
 
-Owns: the checks `Engine` makes of `load`'s options (`check_load_options`), of `stream`'s params, session, cancel
-event and progress callback (`check_stream`), of a perplexity window (`check_window`) and of `serve_batch`'s
+Owns: the checks `load` makes of its model (`check_model`: a path or a `WeightSource`) and option names
+(`check_option_names`), those `Engine` makes of its options (`check_load_options`), of `stream`'s params, session,
+cancel event and progress callback (`check_stream`), of a perplexity window (`check_window`) and of `serve_batch`'s
 requests (`check_pairs`): a string "no" for a switch, a session of another engine, a dict for a `SamplingParams`
 are each a TypeError/ValueError naming the argument, never an AttributeError inside a step or a silent surprise.
 Does not own: the values' own ranges (`SamplingParams`, `Session.check_prompt`, `perplexity.windows`).
@@ -9,17 +10,46 @@ Does not own: the values' own ranges (`SamplingParams`, `Session.check_prompt`, 
 
 from __future__ import annotations
 
+import inspect
+import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from ..contracts import WeightSource
 from .sampling import SamplingParams
 from .session import Session
 
 
-def check_load_options(switches: dict, direct_io: object, counts: dict) -> None:
+def check_model(model: Any, what: str = "load") -> None:
+    """A model to load is a path (a `.fst` file or a checkpoint directory; not empty: "" was the current directory)
+    or an opened `WeightSource` (`what`: the call, for the message)."""
+    if isinstance(model, WeightSource):
+        return
+    if not isinstance(model, str | os.PathLike):
+        raise TypeError(
+            f"{what} takes a model path (a .fst file or a checkpoint directory, as str or os.PathLike) or a "
+            f"WeightSource, got {type(model).__name__}"
+        )
+    text = os.fspath(model)
+    if not isinstance(text, str) or not text.strip() or "\0" in text:
+        raise ValueError(f"{what}: the model path {text!r} is no path (give a .fst file or a checkpoint directory)")
+
+
+def check_option_names(options: dict, init: Callable) -> None:
+    """`load`'s options are `Engine`'s keyword arguments: a name that is not one (a typo) is named with the list."""
+    known = [n for n in inspect.signature(init).parameters if n not in ("self", "source", "numerics")]
+    unknown = [n for n in options if n not in known]
+    if unknown:
+        raise TypeError(f"load: unknown option {unknown[0]!r} (the options are {', '.join(known)})")
+
+
+def check_load_options(switches: dict, direct_io: object, counts: dict, sizes: dict, names: dict) -> None:
     """`load`'s options of the wrong kind, before anything is read: one line naming the option. A switch must be a
     bool (the string "no" is true: `head_screen="no"` kept the screen on); a count (value, least, None allowed)
-    an integer (`max_rollback=-1` was taken, to fail at the first rollback)."""
+    an integer (`max_rollback=-1` was taken, to fail at the first rollback); a size (`ram_budget`, `gpu_budget`)
+    whole bytes, a size string or None (True was 1 byte, 1.5 one byte too); a name (`draft`, `cache_policy`) a
+    string or None (True was taken as "true")."""
     for name, value in switches.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -31,6 +61,14 @@ def check_load_options(switches: dict, direct_io: object, counts: dict) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             also = " or None" if none_ok else ""
             raise ValueError(f"{name} must be an integer >= {least}{also}, got {value!r}")
+    for name, value in sizes.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | str)):
+            raise TypeError(
+                f"{name} must be a number of bytes (int), a size such as '24G', 'auto' or None, got {value!r}"
+            )
+    for name, value in names.items():
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a string or None, got {value!r}")
 
 
 def check_stream(engine: Any, params: Any, session: Any, cancel: Any, on_prefill_progress: Any) -> None:

@@ -80,7 +80,9 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
         argmax, exactly (default True; the C kernels on the CPU; +0.5 GB on Flash, taken from the "auto" RAM
         budget; `fastar.model.head_screen`).
     """
-    source = path if hasattr(path, "tensor") else open_source(path)
+    arguments.check_model(path)
+    arguments.check_option_names(options, Engine.__init__)
+    source = path if isinstance(path, WeightSource) else open_source(path)
     return Engine(source, numerics=numerics, **options)
 
 
@@ -106,6 +108,8 @@ class Engine:
         gpu_budget: int | str | None = "auto",
         head_screen: bool = True,
     ) -> None:
+        if not isinstance(source, WeightSource):
+            raise TypeError(f"Engine takes an opened WeightSource, got {type(source).__name__}: use fastar.load(path)")
         arguments.check_load_options(
             {"kernels": kernels, "lookahead": lookahead, "verify": verify, "head_screen": head_screen},
             direct_io,
@@ -114,6 +118,8 @@ class Engine:
                 "prefill_chunk": (prefill_chunk, 1, False),
                 "threads": (threads, 1, True),
             },
+            {"ram_budget": ram_budget, "gpu_budget": gpu_budget},
+            {"draft": draft, "cache_policy": cache_policy},
         )
         from ..model.device import DeviceBackend, resolve_device
 

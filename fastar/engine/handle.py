@@ -3,7 +3,7 @@
 Owns: `Handle`: the queue of a request's chunks (iterated from any thread, or bypassed by an `on_chunk` callback),
 its cancel switch, its `done` event, and how a failure of the worker reaches the caller (`_fail`).
 Does not own: running the request (`scheduler.Scheduler`) or making its chunks (`generate.ChunkMaker`); whether
-the iterating thread must step the scheduler itself, because no worker does (`Scheduler.drive`).
+the iterating thread must step the scheduler itself, because no worker does (`stepper.Stepper`).
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ splitting a group, forking its state, holding back choices beyond the batch), th
 (`batch_metrics`).
 
 Threads: `submit` and `Handle.cancel` may be called from any thread; `step` (and `run`, which loops over it)
-only from the one worker thread that owns the engine. The worker is a thread in a `run` loop, or one that called
-`step` itself and is still alive; a scheduler without one (a library caller that submits and iterates) is stepped
-by the threads iterating its handles (`drive`). Steps never overlap, whichever thread takes them.
+only from the one worker thread that owns the engine; a scheduler without one (a library caller that submits and
+iterates) is stepped by the threads iterating its handles (`stepper.Stepper`: steps never overlap).
 
 Exactness. A request's tokens do not depend on what else runs:
   * its prompt is prefilled alone, in chunks of the engine's `prefill_chunk` tokens from its first uncached
@@ -77,7 +76,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..encoding import THINK_START
-from ..errors import FastarError, QueueFull  # QueueFull: importable from here too
+from ..errors import QueueFull  # noqa: F401 (importable from here too)
 from ..model import ops
 from . import speculative
 from .batch_metrics import BatchMetrics
@@ -90,6 +89,7 @@ from .prefix_cache import PrefixMemory
 from .prompt_logprobs import PromptLogprobs, PromptScorer
 from .sampling import Sampler, SamplingError, SamplingParams, report
 from .session import token_ids
+from .stepper import Stepper
 from .thinking_budget import ThinkingBudget, next_token
 
 
@@ -179,10 +179,7 @@ class Scheduler:
         self._active: list[_Request] = []  # admission order: prefilling ones, then decoding
         self._groups = ChoiceGroups(max_batch)  # choices of groups: forked states, held choices
         self._metrics = BatchMetrics()
-        self._step_lock = threading.Lock()  # steps never overlap, whichever thread takes them
-        self._driver: threading.Thread | None = None  # the thread that last called `step`: a worker while it lives
-        self._stepping: threading.Thread | None = None  # the thread inside `step` now
-        self._running = 0  # `run` loops going
+        self._stepper = Stepper(self._step, self._fail_all)  # who steps: the worker, or a handle's iterator
 
     # --- any thread ---------------------------------------------------------------------------------------
 
@@ -281,43 +278,18 @@ class Scheduler:
 
     def run(self, stop: threading.Event, idle_wait: float = 0.5) -> None:
         """Step while there is work, sleep on new submissions otherwise, until `stop` is set."""
-        with self._lock:
-            self._running += 1
-        try:
+        with self._stepper.running():
             while not stop.is_set():
-                busy = self._failing_step()
+                busy = self._stepper.failing_step()
                 with self._lock:
                     if (not busy and not self._waiting and not self._active) or self._only_loading():
                         self._lock.wait(idle_wait)  # a submission or a finished disk load wakes it
-        finally:
-            with self._lock:
-                self._running -= 1
-
-    def _failing_step(self) -> bool:
-        try:
-            return self._locked_step()
-        except BaseException as err:  # no caller may wait forever on a worker that died
-            self._fail_all(err)
-            raise
 
     def drive(self) -> bool:
-        """What an iterating `Handle` calls while its next chunk has not come: take one step on this thread when no
-        worker steps the scheduler (no `run` loop, and no other live thread called `step` last), so iterating a
-        handle never waits on a worker that does not exist. Returns False when a worker steps it (wait for its
-        chunks).
-        Raises FastarError when called inside a step (an `on_chunk` callback iterating a handle would wait on its
-        own thread)."""
-        me = threading.current_thread()
-        if self._stepping is me:
-            raise FastarError(
-                "a request's handle cannot be iterated inside the scheduler's own step (an on_chunk "
-                "callback): its chunks come from that step"
-            )
-        with self._lock:
-            driver = self._driver
-            if self._running or (driver is not None and driver is not me and driver.is_alive()):
-                return False
-        self._failing_step()
+        """What an iterating `Handle` calls while its next chunk has not come: one step on this thread when no
+        worker steps the scheduler (`Stepper.drive`); False when a worker does."""
+        if not self._stepper.drive():
+            return False
         with self._lock:
             if self._only_loading():
                 self._lock.wait(Handle.WORKER_CHECK_S)  # a finished disk load wakes it, as it wakes `run`
@@ -362,17 +334,8 @@ class Scheduler:
         """One step: drop cancelled requests, admit waiting ones, adopt the prefix states loaded from disk, decode
         one token of every decoding sequence (groups of 8 per model call; a lone greedy one: a draft/verify step),
         then one prefill chunk of the oldest prefilling one. Returns whether work remains. The calling thread is
-        the scheduler's worker from then on, while it lives (`drive`)."""
-        self._driver = threading.current_thread()
-        return self._locked_step()
-
-    def _locked_step(self) -> bool:
-        with self._step_lock:
-            self._stepping = threading.current_thread()
-            try:
-                return self._step()
-            finally:
-                self._stepping = None
+        the scheduler's worker from then on, while it lives (`Stepper`)."""
+        return self._stepper.step()
 
     def _step(self) -> bool:
         t0 = time.perf_counter()

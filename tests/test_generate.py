@@ -337,6 +337,25 @@ def test_chat_scheduler_and_stream_arguments_of_the_wrong_kind_are_named(engine)
         engine.compile_grammar("start: 'a'")  # (a Grammar compiles: tests/test_constraint.py)
 
 
+def test_generate_tokens_and_open_session_check_their_arguments_as_stream_does(engine) -> None:
+    """`generate_tokens` checked only `temperature < 0` and `max_tokens`: a NaN temperature and a str seed failed
+    inside torch ("probability tensor contains either inf, nan", "manual_seed expected a long"), a str temperature
+    with "'<' not supported", and `ignore_eos="no"` (true) ran past EOS; `open_session(anchor="no")` kept the
+    anchor. Each is one line naming the argument now."""
+    from fastar.engine.sampling import SamplingError
+
+    for kw, says in (
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0, got nan"),
+        ({"temperature": "0"}, "temperature must be a finite number >= 0, got '0'"),
+        ({"temperature": 1.0, "seed": "x"}, "seed must be None or an integer"),
+        ({"ignore_eos": "no"}, "ignore_eos must be true or false, got 'no'"),
+    ):
+        with pytest.raises(SamplingError, match=f"^{re.escape(says)}"):
+            engine.generate_tokens(PROMPT, 2, **kw)
+    with pytest.raises(TypeError, match=r"^anchor must be True or False, got 'no'$"):
+        engine.open_session(anchor="no")
+
+
 def test_id_only_entry_points_say_they_take_ids_and_prompt_logprobs_takes_no_session(engine) -> None:
     """`logits` and `generate_tokens` given text said "a prompt is text (str) or token ids"; `stream` with
     `prompt_logprobs` and a session ignored the session (it scores from a fresh state)."""

@@ -303,11 +303,10 @@ class Engine:
         ignore_eos: bool = False,
     ) -> list[int]:
         """Greedy (temperature 0) or sampled continuation of `prompt_ids`; stops after `max_tokens` or at EOS
-        (included in the output) unless `ignore_eos`."""
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+        (included in the output) unless `ignore_eos`. Raises `SamplingError` (a ValueError) for a value of the wrong
+        kind or range, as `stream` does."""
+        # checked as `stream`'s are (a NaN temperature or a str seed failed inside torch; ignore_eos="no" was true)
+        SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
         prompt_ids = token_ids_of(prompt_ids, f"generate_tokens {IDS_ONLY}")
         return generate_token_ids(self, prompt_ids, max_tokens, temperature, seed, self.config.eos_token_id, ignore_eos)
 
@@ -379,6 +378,8 @@ class Engine:
     def open_session(self, anchor: bool = True) -> Session:
         """A new, empty `Session` (one conversation's tokens + model state; `anchor`: see `session.py`)."""
         self._check_open()
+        if not isinstance(anchor, bool):  # "no" is true
+            raise TypeError(f"anchor must be True or False, got {anchor!r}")
         return Session(
             self,
             context_length=self.context_length,

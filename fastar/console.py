@@ -55,6 +55,13 @@ def _float_in(lo: float, hi: float, what: str):
     return parse
 
 
+def _stop_string(text: str) -> str:
+    """--stop: an empty string would stop nothing (it was dropped without a word); the API refuses it too."""
+    if not text:
+        raise argparse.ArgumentTypeError("the stop string is empty (omit --stop for none)")
+    return text
+
+
 non_negative_int = int_flag(0, None, "a count")
 positive_int = int_flag(1, None, "a positive count")
 thread_count = int_flag(0, 1024, "a thread count")
@@ -188,7 +195,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     _add_common(p, max_tokens=256)
     p.add_argument("-p", "--prompt", default=None, help="the prompt ('-' or omitted with a pipe: read stdin)")
     p.add_argument("--raw", action="store_true", help="use the prompt as-is, without the chat encoding")
-    p.add_argument("--stop", default=None, help="stop string (not included in the output)")
+    p.add_argument("--stop", type=_stop_string, default=None, help="stop string (not included in the output)")
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:

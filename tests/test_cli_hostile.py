@@ -62,6 +62,7 @@ def test_bad_arguments_table(tiny_fst_path, tiny_ckpt, tmp_path):
         (["run", "-m", m, "-p", "hi", "-n", "0"], {}, usage, "max-tokens"),
         (["run", "-m", m, "-p", "hi", "--temp", "x"], {}, usage, "temp"),
         (["run", "-m", m, "-p", "hi", "--top-p", "7"], {}, usage, "top-p"),
+        (["run", "-m", m, "-p", "hi", "--stop", ""], {}, usage, "the stop string is empty"),  # was dropped silently
         (["run", "-m", m, "-p", "hi", "-c", "-5"], {}, usage, "ctx-size"),
         (["run", "-m", m, "-p", "hi", "--ram-budget", "0"], {}, fail, "ram-budget"),
         (["run", "-m", m, "-p", "hi", "--ram-budget", "1"], {}, fail, "ram-budget"),

@@ -163,3 +163,23 @@ def test_compress_row_refuses_bad_arguments(tiny_fst_file):
     ):
         with pytest.raises((ValueError, TypeError), match=name):
             call(**kw)
+
+
+def test_project_equals_the_stacked_product(tiny_fst_file):
+    """`FusedCompressors.project` (the stacked product's C call on x's array, into a buffer per row count) gives the
+    bits `stack(x)` gives, for 1 to 8 rows, the registered input as a plain tensor alike; each row count its own
+    buffer, reused by the next call of that count."""
+    from fastar.model import ops
+    from fastar.model.deepseek_v4 import DeepseekV4
+
+    m = DeepseekV4(tiny_fst_file)
+    cf = next(b.attn.comp_fused for b in m.layers if b.attn.comp_fused is not None)
+    g = torch.Generator().manual_seed(3)
+    for T in range(1, 9):
+        x = torch.randn(T, cf.stack.in_features, generator=g)
+        y, yn = cf.project(x)
+        assert torch.equal(y, cf.stack(x)) and np.shares_memory(y.numpy(), yn), T
+        registered = ops.buffer_tensor(x.numpy().copy())
+        assert cf.project(registered)[0] is y and torch.equal(y, cf.stack(x)), T
+    with ops.torch_only():
+        assert cf.project(x) is None

@@ -56,7 +56,13 @@ def test_append_array_stores_what_append_stores(fmt):
             a.truncate(a.stop - 2), b.truncate(b.stop - 2)
         assert (a.start, a.stop) == (b.start, b.stop)
         assert torch.equal(a.raw(), b.raw())
+        assert np.array_equal(b.raw_array(), b.raw().numpy())  # the cached array follows the storage's changes
+        assert np.shares_memory(b.raw_array(), b.raw().numpy())
     assert torch.equal(a.rows(a.start, a.stop), b.rows(b.start, b.stop))
+    stored = b.raw().clone()
+    grown = b.grow_array(2)  # `grow` as the storage's array: the caller writes the new rows in place
+    grown[b.stop - b.start - 2 : b.stop - b.start] = 7
+    assert torch.equal(b.raw()[:-2], stored) and bool((b.raw()[-2:] == 7).all())
     c = b.copy()
     assert c.append_array(np.ones((1, width), np.float32)) and c.stop == b.stop + 1
     assert torch.equal(c.raw()[:-1], b.raw())  # the copy's storage apart from b's

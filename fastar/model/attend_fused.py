@@ -63,9 +63,9 @@ class StoredAttend:
                 pk = picks.numpy()
                 if picks.dtype != torch.int64 or pk.shape[0] != 1 or pk[0, -1] < 0:  # none missing: as scoring picks
                     return False
-            ent, ent_kind, ent_rope = entries.raw().numpy(), _KIND[entries.fmt.kind], entries.fmt.rope
+            ent, ent_kind, ent_rope = entries.raw_array(), _KIND[entries.fmt.kind], entries.fmt.rope
         kernels.extension.attend_stored(
-            q, kv.raw().numpy(), _KIND[kv.fmt.kind], kv.fmt.rope, k0 - kv.start, b - k0, k0, a, self.window,
+            q, kv.raw_array(), _KIND[kv.fmt.kind], kv.fmt.rope, k0 - kv.start, b - k0, k0, a, self.window,
             ent, ent_kind, ent_rope, n_ent, pk, self.ratio, self.sinks, self.scale, out,
         )  # fmt: skip
         return True

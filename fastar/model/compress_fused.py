@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from ..quant import kernels
@@ -55,6 +56,8 @@ class FusedCompressors:
 
     def __init__(self, stack: Linear, parts: list[_Part]) -> None:
         self.stack, self.parts = stack, parts
+        self._operands = stack.kernel_operands()  # the stacked weight as its C product takes it (None: `stack(x)`)
+        self._outs: dict[int, tuple[torch.Tensor, object]] = {}  # `project`'s output by row count (tensor, array)
 
     @classmethod
     def build(cls, stack: Linear | None, compressors: list[tuple]) -> FusedCompressors | None:
@@ -77,11 +80,25 @@ class FusedCompressors:
 
     def project(self, x: torch.Tensor) -> tuple | None:
         """The stacked product of a decode step's rows x [B, d] (each compressor's kv and gate rows side by side), for
-        `add`; or None where the C call does not apply."""
-        if x.shape[0] > ops.SMALL_CHUNK or ops.c_arrays(x) is None:
+        `add`, as (tensor, array) over one buffer per row count that the next call overwrites; or None where the C
+        call does not apply."""
+        args = ops.c_arrays(x) if x.shape[0] <= ops.SMALL_CHUNK else None
+        if args is None:
             return None
-        y = self.stack(x)  # [B, the stack's rows]
-        return y, y.numpy()
+        if self._operands is None:
+            y = self.stack(x)  # [B, the stack's rows]
+            return y, y.numpy()
+        T = x.shape[0]
+        got = self._outs.get(T)
+        if got is None:  # made once per row count: `add` consumes it before this layer projects again
+            a = np.empty((T, self.stack.out_features), np.float32)
+            got = self._outs[T] = (ops.buffer_tensor(a), a)
+        w, s = self._operands  # the C call `stack(x)` makes, on x's array: the same bits
+        if s is None:
+            kernels.extension.bf16_matmul(args[0], w, got[1])
+        else:
+            kernels.extension.fp8_matmul(args[0], w, s, got[1])
+        return got
 
     def add(self, projected: tuple, t: int, p: int, state: LayerState, angles: dict) -> None:
         """`Compressor.add` of every compressor (in the stack's order) for row t of the `project`ed rows: the token at
@@ -115,10 +132,10 @@ class FusedCompressors:
         out_row = 0
         if closes:
             cos, sin = shared_table(angles, c.inv_freq, part.freq_key).row(w * m)  # [1, r/2] each
-            out = out_buf.grow(1).numpy()
+            out = out_buf.grow_array(1)
             out_row = out_buf.stop - out_buf.start - 1
         row = p - kv_buf.start
-        kvs, gates = kv_buf.grow(1).numpy(), gate_buf.grow(1).numpy()
+        kvs, gates = kv_buf.grow_array(1), gate_buf.grow_array(1)
         if not kernels.extension.compress_row(
             yn, t, part.off, kvs, gates, row, part.ape, p, part.norm, c.eps, part.rounding, part.rope, cos, sin,
             out, out_row, kind,

@@ -289,6 +289,24 @@ class RowBuffer:
         self._n += k
         return True
 
+    def _array(self) -> np.ndarray:
+        """The storage's array (CPU storage only), kept beside it as `append_array` keeps it: from the cold caches of a
+        decode step a tensor's slice and conversion cost tens of microseconds, and each row and layer asks."""
+        view = self._view
+        if view is None or view[0] is not self._data:
+            view = self._view = (self._data, self._data.numpy())
+        return view[1]
+
+    def raw_array(self) -> np.ndarray:
+        """`raw()` as a numpy array (CPU storage only): the same bytes, without the tensor calls."""
+        return self._array()[: self._n]
+
+    def grow_array(self, k: int) -> np.ndarray:
+        """`grow(k)` as a numpy array of the storage (CPU storage only)."""
+        self._room(k)
+        self._n += k
+        return self._array()
+
     def grow(self, k: int) -> torch.Tensor:
         """Count k more rows at the end that the caller writes in place, as stored rows (`append` without the rows:
         a C call fills them, `fastar.model.compress_fused`) -> the storage [capacity, fmt.stored_width] (a view; the

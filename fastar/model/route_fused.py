@@ -59,6 +59,7 @@ class FusedRouter:
         w, s = gate.kernel_operands() or (None, None)
         self.gate_w = w if s is None else None  # the BF16 router weight's bits (an FP8 router: through `gate`)
         self._logits: dict[int, np.ndarray] = {}  # the product's rows by row count, made the scores in place
+        self._outs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # (ids, weights) by row count: see `__call__`
 
     @classmethod
     def build(
@@ -80,7 +81,8 @@ class FusedRouter:
         """`MoE.route(x, ids)` for x [T, d] (float32, CPU) and the tokens ids [T], as numpy arrays; None where the
         ops would take their torch paths (`ops.c_arrays` decides), the caller then routes in torch. `xa`: x's array
         (float32, C-contiguous) where the caller has made it: the router's product then runs on it directly (the
-        C call `Linear`'s product makes, `Linear.kernel_operands`: the same bits)."""
+        C call `Linear`'s product makes, `Linear.kernel_operands`: the same bits). The arrays are this layer's, one
+        pair per row count, valid until it routes that many rows again (the MoE consumes them at once)."""
         if not ops.c_enabled() or (xa is None and (x.dtype is not torch.float32 or not x.is_cpu)):
             return None
         T = x.shape[0] if xa is None else xa.shape[0]
@@ -91,11 +93,30 @@ class FusedRouter:
             kernels.extension.bf16_matmul(xa, self.gate_w, scores)
         else:
             scores = self.gate(x).numpy()  # [T, E]: a new array of the product's, made the scores in place below
-        wts, idx = np.empty((T, self.k), np.float32), np.empty((T, self.k), np.int64)
+        outs = self._outs.get(T)
+        if outs is None:
+            outs = self._outs[T] = (np.empty((T, self.k), np.int64), np.empty((T, self.k), np.float32))
+        idx, wts = outs
         ext = kernels.extension
         if self.table is not None:
-            tok = np.ascontiguousarray(ids.numpy(), np.int64)
+            tok = _ids_array(ids)
             ext.route_weights(scores, idx, self.eps, self.scale, wts, tok, self.table, softplus=True, by_expert=True)
         else:  # the bias is for the selection only, as in the reference
             ext.route_weights(scores, idx, self.eps, self.scale, wts, bias=self.bias, softplus=True, by_expert=True)
-        return idx, wts
+        return outs
+
+
+# the last token ids a hash-routed router took and their array: a step's hash layers all route the same ids tensor
+_LAST_IDS: tuple = (None, None)
+
+
+def _ids_array(ids: torch.Tensor) -> np.ndarray:
+    """ids [T] as a contiguous int64 array, converted once for the layers that route the same tensor in turn (the
+    callers make a new tensor per call and never write to it)."""
+    global _LAST_IDS
+    last = _LAST_IDS
+    if last[0] is ids:
+        return last[1]
+    a = np.ascontiguousarray(ids.numpy(), np.int64)
+    _LAST_IDS = (ids, a)
+    return a

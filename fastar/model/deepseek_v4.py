@@ -378,6 +378,7 @@ class Attention:
         # a decode step's cos/sin looked up in the table of these frequencies (`angles.AngleTable`: the same bits as
         # `ops.rope_cos_sin`); the model shares one dict of tables among its layers (`DeepseekV4`)
         self.freq_key, self.angles = tuple(self.inv_freq.tolist()), {}
+        self._table = None  # `rows`' AngleTable, once looked up in `angles`
         self.compressor = self.indexer = self.max_positions = None  # max_positions: computed exactly (None: all)
         if ratio:
             fp8 = self._fp8_nope if numerics.fp8_kv else None
@@ -474,7 +475,10 @@ class Attention:
                 f"position {max(pos)} needs {self.prefix}indexer (the lightning indexer), which the "
                 f"model lacks: without it only the first {self.max_positions} positions are exact"
             )
-        cos, sin = shared_table(self.angles, self.inv_freq, self.freq_key).rows(pos)  # [B, r/2] each
+        table = self._table
+        if table is None or table is not self.angles.get(self.freq_key):  # looked up once (the model's shared dict)
+            table = self._table = shared_table(self.angles, self.inv_freq, self.freq_key)
+        cos, sin = table.rows(pos)  # [B, r/2] each
         q, qr, kv = self._project(x, cos, sin)
         # the compressors' and the indexer's products on all the rows too (each row as if alone); the state updates
         # row by row: one C call per row and compressor (`FusedCompressors`, the same bits), else below

@@ -116,13 +116,15 @@ class HCChain:
         norm -> the next sub-layer's input [B, d]; after the last site, the head's collapse with the final norm ->
         [B, d], the LM head's input."""
         b, i, cur = self._b, self._site, self._cur
-        got = ops.c_arrays(f)  # a sub-layer's registered output buffer: its array as it is (`ops.buffer_tensor`)
-        fa = got[0] if got is not None else f.contiguous().numpy()
+        fa = ops.buffer_array(f)  # a sub-layer's registered output buffer: its array as it is (`ops.buffer_tensor`)
+        if fa is None:
+            got = ops.c_arrays(f)
+            fa = got[0] if got is not None else f.contiguous().numpy()
         if i + 1 < len(self.sites):
             s, na = self.sites[i + 1]
             kernels.extension.hc_post_pre(
                 fa, b.X[cur], b.post, b.comb, b.X[1 - cur], s.fn, s.base, s.scale, s.iters, s.hc_eps, s.eps, b.u,
-                b.post, b.comb, norm=na, norm_eps=s.eps,
+                b.post, b.comb, na, s.eps,
             )  # fmt: skip
         else:
             fn, base, scale, norm, hc_eps, eps = self.head

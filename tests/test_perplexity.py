@@ -166,3 +166,42 @@ def test_save_logits_over_a_fifo_or_device_is_refused(tmp_path):
     with pytest.raises(FastarError, match=f"{fifo}: not a regular file"):
         LogitsWriter(fifo, [1, 2, 3], [1, 2], 4, ctx=3, stride=1)
     assert fifo.is_fifo() and [p.name for p in tmp_path.iterdir()] == ["fifo"]
+
+
+def test_save_logits_that_cannot_be_written_is_one_line_and_leaves_nothing(vocab_ckpt, text_file, tmp_path):
+    """--save-logits on a full disk (here a file-size limit: EFBIG, as ENOSPC would be) said only "File too large",
+    and when the header already failed left the `.partial` file behind; a folder that is a file named the temporary
+    file. Now each is one line naming the file asked for, and nothing is left."""
+    import resource
+    import subprocess
+    import sys
+
+    from fastar.engine.logits_file import LogitsWriter
+    from fastar.errors import FastarError
+
+    for limit, where in ((1024, "the header"), (1 << 20, "the rows")):
+        out = tmp_path / f"limit-{limit}"
+        out.mkdir()
+
+        def small_files(limit=limit):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+        r = subprocess.run(
+            [sys.executable, "-m", "fastar", "perplexity", "-m", str(vocab_ckpt), "--ctx", "40", str(text_file)]
+            + ["--save-logits", str(out / "run.logits")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=small_files,
+        )
+        assert r.returncode == 1 and "Traceback" not in r.stderr, (where, r.stderr[-2000:])
+        assert r.stderr == f"fastar: error: {out / 'run.logits'}: cannot write the logits file (File too large)\n", (
+            where
+        )
+        assert list(out.iterdir()) == [], where
+    folder = tmp_path / "a-file"
+    folder.write_text("x")
+    with pytest.raises(
+        FastarError, match=f"^{folder / 'x.logits'}: cannot write the logits file \\(Not a directory\\)$"
+    ):
+        LogitsWriter(folder / "x.logits", [1, 2, 3], [1, 2], 4, ctx=3, stride=1)

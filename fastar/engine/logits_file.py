@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -58,20 +60,33 @@ class LogitsWriter:
         start = len(MAGIC) + 12 + len(raw)
         start += -start % ALIGN
         self._tmp = self.path.with_name(f".{self.path.name}.partial")
-        self._f = open(self._tmp, "wb")  # noqa: SIM115 (closed by close())
-        self._f.write(MAGIC + struct.pack("<IQ", VERSION, len(raw)) + raw)
-        self._f.write(b"\0" * (start - self._f.tell()))
-        self._f.write(np.asarray(ids, dtype="<i4").tobytes())
-        self._f.write(np.asarray(positions, dtype="<i4").tobytes())
+        self._f = None
         self._num_scored, self._vocab = len(positions), vocab_size
         self._targets = np.zeros(len(positions), dtype="<f4")
         self._rows = 0
+        with self._writing():
+            self._f = open(self._tmp, "wb")  # noqa: SIM115 (closed by close())
+            self._f.write(MAGIC + struct.pack("<IQ", VERSION, len(raw)) + raw)
+            self._f.write(b"\0" * (start - self._f.tell()))
+            self._f.write(np.asarray(ids, dtype="<i4").tobytes())
+            self._f.write(np.asarray(positions, dtype="<i4").tobytes())
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A write that fails (a full disk, a folder that is a file) removes the temporary file and is one line
+        naming the file asked for (it was the bare "File too large", the temporary file left behind)."""
+        try:
+            yield
+        except OSError as e:
+            self.abort()
+            raise FastarError(f"{self.path}: cannot write the logits file ({e.strerror or e})") from None
 
     def add(self, rows: np.ndarray, targets: np.ndarray) -> None:
         """The next scored positions' float16 log-softmax rows [P, V] and their tokens' float32 logprobs [P]."""
         if rows.shape[1] != self._vocab or self._rows + rows.shape[0] > self._num_scored:
             raise ValueError(f"rows {rows.shape} do not fit the file ({self._num_scored} x {self._vocab})")
-        self._f.write(np.ascontiguousarray(rows, dtype="<f2").tobytes())
+        with self._writing():
+            self._f.write(np.ascontiguousarray(rows, dtype="<f2").tobytes())
         self._targets[self._rows : self._rows + rows.shape[0]] = targets
         self._rows += rows.shape[0]
 
@@ -79,15 +94,22 @@ class LogitsWriter:
         if self._rows != self._num_scored:
             self.abort()
             raise FastarError(f"{self.path}: {self._rows} of {self._num_scored} rows were written")
-        self._f.write(self._targets.tobytes())
-        self._f.close()
-        os.replace(self._tmp, self.path)
+        with self._writing():
+            self._f.write(self._targets.tobytes())
+            self._f.close()  # flushes: where a full disk shows
+            os.replace(self._tmp, self.path)
         return self.path
 
     def abort(self) -> None:
-        if not self._f.closed:
-            self._f.close()
-        self._tmp.unlink(missing_ok=True)
+        if self._f is not None and not self._f.closed:
+            try:
+                self._f.close()
+            except OSError:  # the flush of what the disk could not take
+                pass
+        try:
+            self._tmp.unlink(missing_ok=True)
+        except NotADirectoryError:  # its folder is a file: it was never made
+            pass
 
 
 class LogitsFile:

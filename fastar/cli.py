@@ -351,8 +351,9 @@ def cmd_serve(a) -> int:
     from .model.device import resolve_device
 
     resolve_device(a.device)  # and a --device that is none, or CUDA where there is none
+    a.prompt_cache = a.serve_mod.prompt_cache_dir(a)  # the usage profile the warm-up follows is kept beside it
     # --draft: the scheduler drafts a lone greedy request with it (docs/SERVING.md), batched steps otherwise
-    return a.serve_mod.run_from_args(a, lambda: open_engine(a))
+    return a.serve_mod.run_from_args(a, lambda: open_engine(a, warm=True))
 
 
 # --- parser ------------------------------------------------------------------------------------------------

@@ -227,8 +227,10 @@ def check_model_path(path: str | None) -> None:
         raise FastarError(f"{path}: not a regular file or checkpoint directory")
 
 
-def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
-    """Load `args.model` (or the demo) with a progress bar, and apply `--ctx-size`."""
+def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr, warm: bool = False):
+    """Load `args.model` (or the demo) with a progress bar, and apply `--ctx-size`. `warm` (a server, a chat): the
+    expert warm-up starts as the load does (following the usage profile in `args.prompt_cache`), and the tokenizer's
+    tables are built now, so the first reply pays for neither (docs/SERVING.md, start-up)."""
     from .engine.engine import load
     from .engine.source import open_source
 
@@ -253,6 +255,7 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
             numerics=getattr(args, "numerics", "official"),
             threads=args.threads or None,
             draft=getattr(args, "draft", "none"),
+            warm_experts=(args.prompt_cache or True) if warm else False,
             **memory_options(args),
         )
     finally:
@@ -263,6 +266,7 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
         engine.context_length = args.ctx_size
     tok_vocab, model_vocab = engine.tokenizer.vocab_size, engine.config.vocab_size
     if tok_vocab > model_vocab:
+        engine.close()  # its warm-up stops reading
         raise FastarError(
             f"{path}: the model's vocabulary has {model_vocab} tokens but the tokenizer's has "
             f"{tok_vocab}, so text cannot be fed to it (a test fixture? `fastar fixture --preset "
@@ -276,6 +280,8 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
             f"{engine.context_length}",
             file=err,
         )
+    if warm:
+        engine.tokenizer.prepare()
     return engine
 
 
@@ -679,15 +685,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system is not None:
         check_text(args.system, "--system")
     params = sampling_params(args)
-    engine = open_engine(args, sys.stderr)
+    # the budget's worth of experts read into RAM while the model loads and the user types (following the usage
+    # profile saved beside the prompt cache when the last chat or server on this model closed), so the first reply
+    # runs warm too
+    engine = open_engine(args, sys.stderr, warm=True)
     try:
         import readline  # noqa: F401  line editing and up-arrow history for input()
     except ImportError:
         pass
     cache = engine.open_prefix_cache(args.prompt_cache, args.prompt_cache_size) if args.prompt_cache else None
-    # the budget's worth of experts read into RAM while the user types (following the usage profile saved beside
-    # the prompt cache when the last chat or server on this model closed), so the first reply runs warm too
-    engine.warm_experts(args.prompt_cache)
     repl = ChatREPL(
         engine,
         params,

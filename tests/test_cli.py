@@ -126,3 +126,31 @@ def test_serve_passes_draft_to_the_engine(tiny_ckpt, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
     assert seen["draft"] == "mtp" and seen["max_batch"] == 3
     assert build_parser().parse_args(["serve", "-m", str(tiny_ckpt)]).draft == "none"
+
+
+def test_serve_loads_warm(vocab_ckpt, tmp_path, monkeypatch):
+    """`serve`'s engine starts its expert warm-up with the load, following the usage profile kept beside the prompt
+    cache (saved there at close), and its tokenizer's tables are built before the server reports ready."""
+    from fastar import cli
+    from fastar.engine.source import open_source
+    from fastar.engine.tokenizer import Tokenizer
+
+    stride = open_source(vocab_ckpt).expert_stride
+    argv = ["serve", "-m", str(vocab_ckpt), "--ram-budget", str(stride * 6), "--prompt-cache", str(tmp_path)]
+    a = build_parser().parse_args(argv)
+    factories = []
+    monkeypatch.setattr(a.serve_mod, "run_from_args", lambda args, factory: factories.append(factory) or 0)
+    assert cli.cmd_serve(a) == 0
+    engine = factories[0]()
+    try:
+        assert engine.warm_status()["status"] in ("loading", "ready")
+        ids = engine.tokenizer.encode("hello world")
+
+        def built_again(self):
+            raise AssertionError("the token bytes table was built on the first reply")
+
+        monkeypatch.setattr(Tokenizer, "_build_token_bytes", built_again)
+        assert b"".join(engine.tokenizer.token_bytes(i) for i in ids) == b"hello world"
+    finally:
+        engine.close()
+    assert len(list(tmp_path.glob("hot-experts-*.json"))) == 1

@@ -215,3 +215,18 @@ def test_long_text_path_gives_the_same_ids_and_max_token_bytes(tok: Tokenizer) -
     assert len(text) > 1 << 16
     assert tok.encode(text) == tok.hf.encode(text, add_special_tokens=False).ids
     assert tok.max_token_bytes() == max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
+
+
+def test_prepare_builds_the_first_use_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prepare` (a server's or a chat's start) builds each token's bytes at once: afterwards the table is not built
+    again on the first reply, and it and the longest token's length are what the lazy path gives."""
+    lazy, ready = Tokenizer.default(), Tokenizer.default()
+    ready.prepare()
+
+    def built_again(self):
+        raise AssertionError("a table was built on first use after prepare()")
+
+    ids = [0, 1, 500, 128_000, lazy.eos_id]
+    expected = [lazy.token_bytes(i) for i in ids], lazy.max_token_bytes()
+    monkeypatch.setattr(Tokenizer, "_build_token_bytes", built_again)
+    assert ([ready.token_bytes(i) for i in ids], ready.max_token_bytes()) == expected

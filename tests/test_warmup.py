@@ -146,3 +146,136 @@ def test_server_serves_while_warming_and_health_reports_it(fst, tmp_path, monkey
         assert engines[1].expert_cache.resident() == held  # the same experts as when the last one stopped
     finally:
         srv.shutdown()
+
+
+def _gated_warmup(monkeypatch) -> threading.Event:
+    """Hold the warm-up's reads until the returned gate is set (requests' own reads are not held)."""
+    gate, real = threading.Event(), ExpertCache.prefetch
+
+    def held_prefetch(self, layer, ids, source="manual", **kw):
+        if threading.current_thread().name == "fastar-expert-warmup":
+            gate.wait(60)
+        return real(self, layer, ids, source, **kw)
+
+    monkeypatch.setattr(ExpertCache, "prefetch", held_prefetch)
+    return gate
+
+
+def _warmups() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(("fastar-expert-warmup", "fastar-expert-io"))}
+
+
+def test_load_warms_the_experts_while_the_resident_weights_load(fst, monkeypatch):
+    """`load(warm_experts=True)` (what `serve` and `chat` ask for) starts the warm-up as soon as the cache exists:
+    it is reading while the resident weights are still being checked, and fills the budget in file order."""
+    import fastar.engine.engine as engine_module
+
+    gate, seen = _gated_warmup(monkeypatch), []
+    real_verify = engine_module.verify_resident
+
+    def verify(source):
+        seen.append(any(t.name == "fastar-expert-warmup" for t in threading.enumerate()))
+        return real_verify(source)
+
+    monkeypatch.setattr(engine_module, "verify_resident", verify)
+    engine = load(fst, ram_budget=str(FstFile(fst).expert_stride * 12), warm_experts=True)
+    try:
+        assert seen == [True]  # the warm-up was running when the resident weights were read and checked
+        assert engine.warm_status()["status"] == "loading"
+        gate.set()
+        assert engine._warming.wait(60)
+        st = engine.warm_status()
+        assert st["status"] == "ready" and st["experts_loaded"] == 12 and st["source"] == "file order"
+        assert engine.expert_cache.resident() == set(warmup.file_order(engine.expert_cache)[:12])
+    finally:
+        gate.set()
+        engine.close()
+
+
+def test_warming_at_load_changes_no_output_and_leaves_no_state(fst):
+    """The warm-up only fills the cache: every token and logit is that of an engine without it, the engine's
+    counters show no request, and there is no session or prompt state (the budget pages: reads and evictions)."""
+    budget = str(FstFile(fst).expert_stride * 12)
+    prompt = [5, 9, 2, 7, 11, 3]
+    with load(fst, ram_budget=budget, warm_experts=True) as warm, load(fst, ram_budget=budget) as cold:
+        assert warm._warming.wait(60) and warm.warm_status()["status"] == "ready"
+        assert warm._session is None and warm.stats()["prompt_tokens"] == 0
+        assert warm.generate_tokens(prompt, 6) == cold.generate_tokens(prompt, 6)
+        assert (warm.logits(prompt) == cold.logits(prompt)).all()
+
+
+def test_warming_at_load_follows_the_usage_profile(fst, tmp_path):
+    """With the prompt cache's folder, the warm-up at load follows the profile the last engine saved at close, found
+    under the name an engine warmed after its load saves it (`_fingerprint`, unchanged for this model)."""
+    budget = str(FstFile(fst).expert_stride * 6)
+    with load(fst, ram_budget=budget) as first:
+        first.warm_experts(tmp_path)
+        assert first._warming.wait(60)
+        first.generate_tokens([9, 4, 7, 1], 3)  # evicts some of the file order's experts for its own
+        held = first.expert_cache.resident()
+        name = f"hot-experts-{first._fingerprint()[:16]}.json"
+    assert [p.name for p in tmp_path.glob("hot-experts-*.json")] == [name]
+    with load(fst, ram_budget=budget, warm_experts=tmp_path) as again:
+        assert again._warming.wait(60)
+        assert again.warm_status()["source"] == "profile" and again.expert_cache.resident() == held
+
+
+def test_a_load_that_fails_stops_its_warm_up(tiny_fst_path, tmp_path):
+    """A resident tensor failing its checksum fails the load as before, and the warm-up begun with it stops: no
+    thread left reading, no usage profile written."""
+    import shutil
+
+    from fastar.errors import FormatError
+
+    bad = tmp_path / "bad.fst"
+    shutil.copyfile(tiny_fst_path, bad)
+    with FstFile(tiny_fst_path) as f:
+        head = next(t for t in f.header["tensors"] if t["name"] == "head.weight")
+    with open(bad, "r+b") as fh:
+        fh.seek(head["offset"] + 1000)
+        fh.write(b"\x5a")
+    before = _warmups()
+    with pytest.raises(FormatError, match=r"head\.weight.*checksum"):
+        load(bad, warm_experts=tmp_path / "cache")
+    assert _warmups() <= before
+    assert not list(tmp_path.glob("**/hot-experts-*.json"))
+
+
+def test_a_request_during_the_warm_up_at_load_is_served(fst, tmp_path, monkeypatch):
+    """A server over an engine warming since its load: /health answers 200 with the experts loading while the
+    warm-up is held, and a completion sent then is answered with the tokens of an engine that never warmed."""
+    from fastar.serve.server import Server
+
+    budget = str(FstFile(fst).expert_stride * 12)
+    with load(fst, ram_budget=budget) as cold:
+        expected = cold.tokenizer.decode(cold.generate_tokens([5, 6, 7], 3))
+    gate = _gated_warmup(monkeypatch)
+    engines = []
+
+    def factory():
+        engines.append(load(fst, ram_budget=budget, warm_experts=tmp_path))
+        return engines[-1]
+
+    srv = Server(factory, port=0, max_sessions=0, prompt_cache=str(tmp_path)).start()
+    try:
+        assert srv.wait_ready(60)
+        status, body = _get(srv.port, "/health")
+        assert status == 200 and body["experts"]["status"] == "loading" and body["experts"]["progress"] < 1
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"model": "deepseek-v4-flash", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}),
+            {"Content-Type": "application/json"},
+        )
+        r = conn.getresponse()
+        reply = json.loads(r.read())
+        conn.close()
+        assert r.status == 200 and reply["usage"]["completion_tokens"] == 3
+        assert reply["choices"][0]["text"] == expected  # served while the warm-up waits, with the same tokens
+        gate.set()
+        assert engines[0]._warming.wait(60)
+        assert _get(srv.port, "/health")[1]["experts"]["status"] == "ready"
+    finally:
+        gate.set()
+        srv.shutdown()

@@ -1,10 +1,11 @@
 """The library API's arguments of the wrong kind, named in one line before anything runs.
 
 Owns: the checks `load` makes of its model (`check_model`: a path or a `WeightSource`) and option names
-(`check_option_names`), those `Engine` makes of its options (`check_load_options`), of `stream`'s params, session,
-cancel event and progress callback (`check_stream`), of a perplexity window (`check_window`) and of `serve_batch`'s
-requests (`check_pairs`): a string "no" for a switch, a session of another engine, a dict for a `SamplingParams`
-are each a TypeError/ValueError naming the argument, never an AttributeError inside a step or a silent surprise.
+(`check_option_names`), those `Engine` makes of its options (`check_load_options`, `check_warm_experts`), of
+`stream`'s params, session, cancel event and progress callback (`check_stream`), of a perplexity window
+(`check_window`) and of `serve_batch`'s requests (`check_pairs`): a string "no" for a switch, a session of another
+engine, a dict for a `SamplingParams` are each a TypeError/ValueError naming the argument, never an AttributeError
+inside a step or a silent surprise.
 Does not own: the values' own ranges (`SamplingParams`, `Session.check_prompt`, `perplexity.windows`).
 """
 
@@ -69,6 +70,12 @@ def check_load_options(switches: dict, direct_io: object, counts: dict, sizes: d
     for name, value in names.items():
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{name} must be a string or None, got {value!r}")
+
+
+def check_warm_experts(value: Any) -> None:
+    """`load(warm_experts=)`: True, False, or the folder of the usage profile."""
+    if not isinstance(value, bool | str | os.PathLike):
+        raise TypeError(f"warm_experts must be True, False or a folder (of the usage profile), got {value!r}")
 
 
 def check_stream(engine: Any, params: Any, session: Any, cancel: Any, on_prefill_progress: Any) -> None:

@@ -79,11 +79,18 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
       head_screen: keep the LM head also as int8 so greedy decode steps compute only the logits that can be the
         argmax, exactly (default True; the C kernels on the CPU; +0.5 GB on Flash, taken from the "auto" RAM
         budget; `fastar.model.head_screen`).
+      warm_experts: start the expert cache's warm-up (`Engine.warm_experts`) as soon as the cache exists, so the
+        budget's worth of experts is read while the resident weights are read and checked, not after: True in
+        file order, a folder following the usage profile saved there first; False (default): not during the load.
     """
     arguments.check_model(path)
     arguments.check_option_names(options, Engine.__init__)
     source = path if isinstance(path, WeightSource) else open_source(path)
     return Engine(source, numerics=numerics, **options)
+
+
+def _digest(ident) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
 class Engine:
@@ -107,6 +114,7 @@ class Engine:
         device: str | None = None,
         gpu_budget: int | str | None = "auto",
         head_screen: bool = True,
+        warm_experts: bool | str | os.PathLike = False,
     ) -> None:
         if not isinstance(source, WeightSource):
             raise TypeError(f"Engine takes an opened WeightSource, got {type(source).__name__}: use fastar.load(path)")
@@ -121,7 +129,8 @@ class Engine:
             {"ram_budget": ram_budget, "gpu_budget": gpu_budget},
             {"draft": draft, "cache_policy": cache_policy},
         )
-        from ..model.device import DeviceBackend, resolve_device
+        arguments.check_warm_experts(warm_experts)
+        from ..model.device import resolve_device
 
         self.device = resolve_device(device)
         if gpu_budget not in (None, "auto"):  # checked on every device: a typo is an error, not silently unused
@@ -130,8 +139,6 @@ class Engine:
             parse_size(gpu_budget)
         if self.device != "cpu" and draft not in (None, "none"):
             raise ConfigError(f"--draft {draft}: speculative decoding runs on --device cpu only (not {self.device})")
-        if verify:
-            verify_resident(source)
         if kernels and K.available():
             # The one place fastar touches process-wide thread settings. The C kernels' pool does the heavy work;
             # torch's OpenMP workers spin after each small op and steal the cores from it (decode 8.3 -> 12.2
@@ -158,7 +165,45 @@ class Engine:
             extra = HeadScreen.bytes_for(source.config.vocab_size, source.config.hidden_size) if screen else 0
             experts = make_expert_cache(source, ram_budget, cache_policy, direct_io, verify, extra_bytes=extra)
             self.expert_cache = experts
-        self._warming = ExpertWarming(self.expert_cache, self._fingerprint)
+        # the usage profile belongs to the weights, known before the model is built: the warm-up can start now
+        self._warming = ExpertWarming(self.expert_cache, self._weights_fingerprint)
+        try:
+            if warm_experts is not False:
+                # The experts read (O_DIRECT, into the slab) while the resident weights are read and checked below
+                # (buffered, and checksummed): the load waits on the file, not on the disk, so the two overlap and the
+                # first request finds the experts in RAM (docs/SERVING.md, start-up).
+                self._warming.start(None if warm_experts is True else warm_experts)
+            if verify:
+                verify_resident(source)
+            self._build(source, numerics, kernels, experts, max_rollback, lookahead, gpu_budget, head_screen)
+        except BaseException:
+            self._warming.close(save=False)  # a failed load leaves no thread reading and no profile written
+            if self.expert_cache is not None:
+                self.expert_cache.close()
+            raise
+        self.prefill_chunk = prefill_chunk
+        self.use_draft(*speculative.resolve(draft, self.model, source, kernels))
+        if kernels and K.available():
+            # Likewise malloc, once the resident weights are read (each into a fresh mapping numpy backs with huge
+            # pages: from malloc's heap they would not be, and decode measured ~10 % slower): a prefill chunk's
+            # temporaries (64 MB tensors at Flash widths) are then reused instead of unmapped and page-faulted anew
+            # each chunk (prefill CPU time -20 %, `K.keep_freed_memory`).
+            K.keep_freed_memory()
+
+    def _build(
+        self,
+        source: WeightSource,
+        numerics: str | Numerics,
+        kernels: bool,
+        experts: ExpertProvider | None,
+        max_rollback: int | None,
+        lookahead: bool,
+        gpu_budget: int | str | None,
+        head_screen: bool,
+    ) -> None:
+        """The model over `source`'s resident weights (read here) and `experts`, on the CPU or on the device."""
+        from ..model.device import DeviceBackend
+
         # on a device, `kernels` still chooses how the CPU's share of the routed experts is computed
         self.backend = None if self.device == "cpu" else DeviceBackend(self.device, gpu_budget, host_kernels=kernels)
         if self.backend is None:
@@ -175,14 +220,6 @@ class Engine:
             self.model = self.backend.build_model(
                 source, numerics=numerics, experts=experts, max_rollback=max_rollback, lookahead=lookahead
             )
-        self.prefill_chunk = prefill_chunk
-        self.use_draft(*speculative.resolve(draft, self.model, source, kernels))
-        if kernels and K.available():
-            # Likewise malloc, once the resident weights are read (each into a fresh mapping numpy backs with huge
-            # pages: from malloc's heap they would not be, and decode measured ~10 % slower): a prefill chunk's
-            # temporaries (64 MB tensors at Flash widths) are then reused instead of unmapped and page-faulted anew
-            # each chunk (prefill CPU time -20 %, `K.keep_freed_memory`).
-            K.keep_freed_memory()
 
     def use_draft(
         self, drafter: speculative.Drafter | None, schedule: speculative.Schedule | None = None, mode: str | None = None
@@ -367,13 +404,22 @@ class Engine:
             self._session.context_length, self._session.context_note = self.context_length, self.context_note
 
     def _fingerprint(self) -> str:
-        """Identifies the model in saved sessions: the .fst header (tensors, checksums), else the config."""
+        """Identifies the model in saved sessions: the .fst header (tensors, checksums), else the config; and the
+        positions it computes exactly where those are capped."""
         if self._fingerprint_hex is None:
-            ident = getattr(self.source, "header", None) or self.config.to_dict()
-            if self.model.max_positions is not None:  # its states lack index keys: never resumed with an indexer
-                ident = [ident, self.model.max_positions]
-            self._fingerprint_hex = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+            if self.model.max_positions is None:
+                self._fingerprint_hex = self._weights_fingerprint()
+            else:  # its states lack index keys: never resumed with an indexer
+                self._fingerprint_hex = _digest([self._weights_ident(), self.model.max_positions])
         return self._fingerprint_hex
+
+    def _weights_ident(self):
+        return getattr(self.source, "header", None) or self.config.to_dict()
+
+    def _weights_fingerprint(self) -> str:
+        """Identifies the weights alone (the .fst header, else the config), known before the model is built: what
+        the expert usage profile belongs to (`warm_experts`). `_fingerprint` where the positions are not capped."""
+        return _digest(self._weights_ident())
 
     def open_session(self, anchor: bool = True) -> Session:
         """A new, empty `Session` (one conversation's tokens + model state; `anchor`: see `session.py`)."""

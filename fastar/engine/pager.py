@@ -4,7 +4,8 @@ start, and the usage profile saved at close for the next start to warm from.
 Owns: `make_expert_cache` (the budget, "auto" or given, and O_DIRECT where the file system allows) and
 `ExpertWarming` (`Engine.warm_experts` / `warm_status`, and the profile written when the engine closes).
 Does not own: reading, slots and eviction (`fastar.weights.expert_cache`), the background warm-up thread and the
-profile's file (`fastar.weights.warmup`), when to warm (the server and `chat` ask once the engine is loaded).
+profile's file (`fastar.weights.warmup`), when to warm (`load(warm_experts=)` as the cache is made, which `serve`
+and `chat` ask for; or `Engine.warm_experts` later).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ExpertWarming:
 
     def __init__(self, cache: ExpertCache | None, fingerprint: Callable[[], str]) -> None:
         self.cache = cache
-        self.fingerprint = fingerprint  # the model's identity, so a profile is never read for another model
+        self.fingerprint = fingerprint  # the weights' identity, so a profile is never read for another model
         self.warmup: ExpertWarmup | None = None
         self.profile_path: Path | None = None  # where `close` saves the expert usage profile
 
@@ -80,11 +81,12 @@ class ExpertWarming:
         """Wait for the warm-up to finish; True once it has (or when none was started)."""
         return True if self.warmup is None else self.warmup.wait(timeout)
 
-    def close(self) -> None:
-        """Stop the warm-up and save the usage profile the next start warms from (before the cache closes)."""
+    def close(self, save: bool = True) -> None:
+        """Stop the warm-up and (`save`) write the usage profile the next start warms from (before the cache
+        closes); a load that failed saves none."""
         if self.warmup is not None:
             self.warmup.stop()
-        if self.cache is not None and self.profile_path is not None:
+        if save and self.cache is not None and self.profile_path is not None:
             from ..weights import warmup
 
             try:

@@ -201,6 +201,14 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} out of range [0, {len(self._token_bytes)})")
         return self._token_bytes[token_id]
 
+    def prepare(self) -> None:
+        """Build now the tables made on first use: each token's bytes (the stream decoder's, where the decoder is
+        byte-level) and the longest token's (the server's prompt check). A server or a chat calls it at start, so
+        the first reply does not pay for them (~0.35 s for V4's vocabulary on the CPUs docs/PERFORMANCE.md names)."""
+        if self._token_bytes is None and isinstance(self._hf.decoder, decoders.ByteLevel):
+            self._token_bytes = self._build_token_bytes()
+        self.max_token_bytes()
+
     def _build_token_bytes(self) -> list[bytes]:
         if not isinstance(self._hf.decoder, decoders.ByteLevel):
             raise ValueError(f"expected a byte-level BPE decoder, got {type(self._hf.decoder).__name__}")

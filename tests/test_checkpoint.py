@@ -303,6 +303,50 @@ def test_a_directory_is_checked_when_opened_to_run(tiny_ckpt, tmp_path):
         assert ck.config.num_hidden_layers > 0
 
 
+def test_a_shard_config_or_index_that_is_no_regular_file_is_named_instead_of_blocking(tiny_ckpt, tmp_path):
+    """A shard that is a FIFO blocked `convert` and `run -m DIR` forever in open(), waiting for a writer (one
+    that is /dev/zero was "truncated (header of 0 bytes, file of 0)"); a config.json or index that is a FIFO or a
+    folder was "missing". Each is one line saying what it is now, at once (each open runs on a thread joined with
+    a bound, so a hang is a failure)."""
+    import os
+    import threading
+
+    from fastar.engine.source import open_source
+
+    d = clone(tiny_ckpt, tmp_path / "c")
+    cases = []
+    for name, make, says in (
+        ("model-00002-of-00003.safetensors", os.mkfifo, "shard model-00002-of-00003.safetensors: not a regular file"),
+        ("model-00002-of-00003.safetensors", lambda p: p.symlink_to("/dev/zero"), "not a regular file"),
+        ("config.json", os.mkfifo, "config.json is not a regular file"),
+        ("config.json", os.mkdir, "config.json is not a regular file"),
+        ("model.safetensors.index.json", os.mkfifo, "model.safetensors.index.json is not a regular file"),
+    ):
+        path = d / name
+        kept = path.read_bytes()
+        path.unlink()
+        make(path)
+        errors: list[BaseException] = []
+
+        def opening():
+            try:
+                open_source(d)
+            except BaseException as err:  # handed to the test thread
+                errors.append(err)
+
+        worker = threading.Thread(target=opening, daemon=True)
+        worker.start()
+        worker.join(60)  # a bound on a hang, not a timing: the refusal is immediate
+        if worker.is_alive():
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a writer comes and goes: the open returns
+        cases.append((name, says, errors, worker.is_alive()))
+        path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+        path.write_bytes(kept)
+    for name, says, errors, hung in cases:
+        assert not hung, f"opening a checkpoint whose {name} is no regular file blocked"
+        assert len(errors) == 1 and isinstance(errors[0], CheckpointError) and says in str(errors[0]), (name, errors)
+
+
 def test_wrong_dtype(tiny_ckpt, tmp_path):
     d = clone(tiny_ckpt, tmp_path / "c")
     name = "layers.3.ffn.gate.bias"  # F32 relabelled I32: same byte count

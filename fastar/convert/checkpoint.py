@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -89,7 +90,10 @@ def _sha256(path: Path) -> str:
 def parse_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and check one shard's header: size cap, JSON shape, dtypes, offsets inside the file, no overlap."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open forever, a device read without end
+            raise CheckpointError(f"shard {path.name}: not a regular file ({path})")
+        size = st.st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -162,7 +166,7 @@ class Checkpoint(Closing):
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():
-            raise CheckpointError(f"{cfg_path} is missing")
+            raise CheckpointError(f"{cfg_path} {'is not a regular file' if cfg_path.exists() else 'is missing'}")
         try:
             self.hf_config: dict[str, Any] = json.loads(cfg_path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -173,6 +177,8 @@ class Checkpoint(Closing):
         self._headers: dict[str, dict[str, TensorInfo]] = {}
         self._fds: dict[Path, int] = {}
         index = self.path / INDEX_FILE
+        if index.exists() and not index.is_file():  # a FIFO or a folder: not "no index"
+            raise CheckpointError(f"{index} is not a regular file")
         if index.is_file():
             self.index_path: Path | None = index
             try:

@@ -51,6 +51,7 @@ import importlib.util
 import itertools
 import mmap
 import os
+import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -255,6 +256,8 @@ class V2Container(MappedFile):
         self.path, self.role = path, role
         self._mm: mmap.mmap | None = None
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open forever
+                raise FormatError(f"{path}: not a regular file")
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise FormatError(

@@ -178,3 +178,36 @@ def test_quantize_takes_each_row_as_two_int8_terms():
         assert np.allclose(stats[t], want, rtol=1e-12)
         assert stats[t, 0] < 1e-3 * stats[t, 2]  # the second term leaves (1/127)^2 of the first one's error
     assert np.all(x[[1, 4]] == 0) and np.all(np.isinf(stats[1]))
+
+
+@pytest.mark.parametrize("isa", K.cpu_features()["usable_isas"] if K.available() else [])
+def test_head_i8_exact_equals_gather_matmul_scatter(isa):
+    """`head_i8_exact` (one call) against what it replaces: `gather_rows`, `bf16_matmul` on the gathered rows and an
+    index assignment into an -inf-filled array, bit for bit on every ISA, for 1 to 8 rows and 0 to all candidates; and
+    its argument checks."""
+    rng = np.random.default_rng(4)
+    w = head(rng, V=700, K_=256)
+    K.set_isa(isa)
+    try:
+        for T in (1, 2, 5, 8):
+            y = rng.standard_normal((T, w.shape[1])).astype(np.float32)
+            for U in (0, 1, 7, 64, 700):
+                rows = np.sort(rng.choice(w.shape[0], U, replace=False)).astype(np.int64)
+                sub = np.empty((U, w.shape[1]), np.uint16)
+                K.extension.gather_rows(w, rows, sub)
+                exact = np.empty((T, U), np.float32)
+                K.extension.bf16_matmul(y, sub, exact)
+                want = np.full((T, w.shape[0]), -np.inf, np.float32)
+                want[:, rows] = exact
+                got = np.full((T, w.shape[0]), np.nan, np.float32)
+                K.extension.head_i8_exact(w, rows, y, got)
+                assert np.array_equal(got.view(np.int32), want.view(np.int32)), (isa, T, U)
+    finally:
+        K.set_isa("auto")
+    out = np.empty((1, w.shape[0]), np.float32)
+    with pytest.raises(ValueError, match=r"rows\[1\] = 700 is not a row of w's 700"):
+        K.extension.head_i8_exact(w, np.array([0, 700], np.int64), np.ones((1, 256), np.float32), out)
+    with pytest.raises(ValueError, match="out has shape"):
+        K.extension.head_i8_exact(w, np.array([0], np.int64), np.ones((2, 256), np.float32), out)
+    with pytest.raises(ValueError, match="y has shape"):
+        K.extension.head_i8_exact(w, np.array([0], np.int64), np.ones((1, 255), np.float32), out)

@@ -95,6 +95,7 @@ C_CATEGORIES = {
     "head_i8_dot": "LM head screen (int8)",  # greedy rows' int8 head products (`fastar.model.head_screen`)
     "head_i8_select": "LM head screen (int8)",  # the rows whose bound can hold the argmax
     "gather_rows": "LM head screen (int8)",  # the candidate rows, gathered for their exact BF16 logits
+    "head_i8_exact": "LM head screen (int8)",  # the candidates gathered, their exact BF16 logits, scattered
 }
 TORCH_CATEGORIES = ("routing/top-k", "sampling")
 STALL = "waiting for expert reads"  # the MoE's waits for routed experts still being read from disk (paged models)

@@ -107,11 +107,13 @@ class HeadScreen:
         self.k.extension.head_i8_quantize(yn, x, sx, stats)
         st = stats.tolist()  # [|dy|, |x|, |y|] per row, as Python floats: T is at most 8
         plain = [not (math.isfinite(ny) and ny != 0 and ny * self.wmax <= HUGE) for _, _, ny in st]
-        out = np.full((T, self.V), -np.inf, np.float32)
-        if not any(plain):
+        if not any(plain):  # the candidates' exact logits into an -inf-filled output, one call (`_exact`'s bits)
             rows = self._candidates(x, sx, st, copy=False)  # a view of the scratch, used before the next screen
-            out[:, rows] = self._exact(yn, rows)
+            out = np.empty((T, self.V), np.float32)
+            self.exact_rows += len(rows)
+            self.k.extension.head_i8_exact(self._w, rows, yn, out)
             return torch.from_numpy(out)
+        out = np.full((T, self.V), -np.inf, np.float32)
         screened = [t for t in range(T) if not plain[t]]
         if screened:  # the screened rows' terms alone (rows t and T + t of x for each)
             idx = screened + [T + t for t in screened]

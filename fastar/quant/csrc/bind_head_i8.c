@@ -1,7 +1,10 @@
 /* The Python entry points of the int8 screened LM head (head_i8.c does the work; fastar/quant/kernels.py wraps
- * them): head_i8_build, head_i8_dot, head_i8_quantize, head_i8_select, gather_rows, _head_i8_path. Owns: the argument checks. */
+ * them): head_i8_build, head_i8_dot, head_i8_quantize, head_i8_select, gather_rows, head_i8_exact, _head_i8_path.
+ * Owns: the argument checks. */
 #include "bindings.h"
 
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dispatch.h"
@@ -189,6 +192,68 @@ PyObject *py_head_i8_quantize(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     head_i8_quantize_run(v[0].b.buf, T, K, v[1].b.buf, v[2].b.buf, v[3].b.buf);
     Py_END_ALLOW_THREADS
+    release(v, 4);
+    Py_RETURN_NONE;
+fail:
+    release(v, 4);
+    return NULL;
+}
+
+/* head_i8_exact(w u16 [V, K], rows i64 [U], y f32 [T, K], out f32 [T, V]) -> None: the screened logits in one call,
+ * out[t, rows[j]] = the BF16 head's logit of y[t] at row rows[j] and -inf elsewhere: the rows gathered
+ * (gather_rows_run) and multiplied by the same product bf16_matmul runs on them (each (row, token) sum the same chain
+ * whatever the rows around it), then scattered; what `gather_rows`, `bf16_matmul` and an index assignment into an
+ * -inf-filled array do one after the other (fastar/model/head_screen.py). */
+PyObject *py_head_i8_exact(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o[4];
+    if (!PyArg_ParseTuple(args, "OOOO", &o[0], &o[1], &o[2], &o[3])) return NULL;
+    view_t v[4];
+    memset(v, 0, sizeof v);
+    if (get_view(o[0], &v[0], "w", 'H', 2, 0) || get_view(o[1], &v[1], "rows", 'q', 1, 0) ||
+        get_view(o[2], &v[2], "y", 'f', 2, 0) || get_view(o[3], &v[3], "out", 'f', 2, 1))
+        goto fail;
+    const int64_t V = dim(&v[0], 0), K = dim(&v[0], 1), U = dim(&v[1], 0), T = dim(&v[2], 0);
+    if (shape_is(&v[2], "y", T, K, "= (T, w.shape[1])") || shape_is(&v[3], "out", T, V, "= (y.shape[0], w.shape[0])") ||
+        no_overlap(&v[3], v, 3))
+        goto fail;
+    const int64_t *rows = v[1].b.buf;
+    for (int64_t j = 0; j < U; j++)
+        if (rows[j] < 0 || rows[j] >= V) {
+            PyErr_Format(PyExc_ValueError, "rows[%lld] = %lld is not a row of w's %lld", (long long)j, (long long)rows[j],
+                         (long long)V);
+            goto fail;
+        }
+    uint16_t *sub = U ? malloc((size_t)(U * K) * sizeof *sub) : NULL;
+    float *got = U ? malloc((size_t)(T * U) * sizeof *got) : NULL;
+    if (U && (!sub || !got)) {
+        free(sub);
+        free(got);
+        PyErr_NoMemory();
+        goto fail;
+    }
+    float *out = v[3].b.buf;
+    const isa_ops *isa = cur_isa;
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < T * V; i++) out[i] = -INFINITY;
+    if (U && T && K) {
+        gather_rows_run(v[0].b.buf, 2 * K, rows, U, sub);
+        mm_job job = {.x = v[2].b.buf, .w = sub, .s = NULL, .T = T, .N = U, .K = K, .out = got, .ldo = U};
+        rc = product(isa, 'b', &job);
+        for (int64_t t = 0; !rc && t < T; t++)
+            for (int64_t j = 0; j < U; j++) out[t * V + rows[j]] = got[t * U + j];
+    } else if (U && T) {
+        for (int64_t t = 0; t < T; t++) /* K = 0: every logit an empty sum */
+            for (int64_t j = 0; j < U; j++) out[t * V + rows[j]] = 0.0f;
+    }
+    Py_END_ALLOW_THREADS
+    free(sub);
+    free(got);
+    if (rc) {
+        PyErr_NoMemory();
+        goto fail;
+    }
     release(v, 4);
     Py_RETURN_NONE;
 fail:

@@ -719,6 +719,8 @@ static PyMethodDef methods[] = {
      "margin, keep u8[V], rows i64[V]) -> n: the screened head's candidate rows in rows[:n]"},
     {"_head_i8_path", py_head_i8_path, METH_NOARGS, "_head_i8_path() -> how head_i8_dot runs under the ISA in use"},
     {"gather_rows", py_gather_rows, METH_VARARGS, "gather_rows(w u16[V,K], idx i64[U], out u16[U,K]): out = w[idx]"},
+    {"head_i8_exact", py_head_i8_exact, METH_VARARGS,
+     "head_i8_exact(w u16[V,K], rows i64[U], y f32[T,K], out f32[T,V]): out = -inf but at rows, the BF16 head's logits"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n): resize the thread pool"},
     {"keep_freed_memory", py_keep_freed_memory, METH_NOARGS, "keep_freed_memory() -> bool: malloc reuses freed blocks"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},

@@ -73,5 +73,6 @@ PyObject *py_head_i8_select(PyObject *self, PyObject *args);
 PyObject *py_head_i8_quantize(PyObject *self, PyObject *args);
 PyObject *py_head_i8_path(PyObject *self, PyObject *args);
 PyObject *py_gather_rows(PyObject *self, PyObject *args);
+PyObject *py_head_i8_exact(PyObject *self, PyObject *args);
 
 #endif

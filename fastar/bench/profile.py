@@ -24,7 +24,7 @@ nested in it, so the categories and the remainder add up to the step exactly:
   core (`Attention._attend`: window and entry rows, the C call's arguments), its output (`Attention._output`) and the
   rest of `Attention.rows` (per-row state bookkeeping); the MoE block's shared expert (`MoE._shared`) and the rest of
   `MoE.__call__` (expert lookup, routing bookkeeping); the mHC wrappers (`HyperConnection.pre` / `post`, or at
-  decode `HCChain.begin` / `then`: `fastar.model.hc_chain`); the LM head's wrappers after the final norm
+  decode `HCChain.begin` / `begin_ids` / `then`: `fastar.model.hc_chain`); the LM head's wrappers after the final norm
   (`DeepseekV4._logits`: the screen's or the head's Python); and the step itself (the layer loop, the embedding,
   the states' lengths and trims).
 
@@ -95,6 +95,7 @@ C_CATEGORIES = {
     "head_i8_dot": "LM head screen (int8)",  # greedy rows' int8 head products (`fastar.model.head_screen`)
     "head_i8_select": "LM head screen (int8)",  # the rows whose bound can hold the argmax
     "gather_rows": "LM head screen (int8)",  # the candidate rows, gathered for their exact BF16 logits
+    "embed_streams": "other row ops",  # the step's embedding rows widened into the mHC streams (`hc_chain`)
     "head_i8_exact": "LM head screen (int8)",  # the candidates gathered, their exact BF16 logits, scattered
 }
 TORCH_CATEGORIES = ("routing/top-k", "sampling")
@@ -283,6 +284,7 @@ class _Instrumented:
             wrap(b.hc_ffn, "pre", "mHC wrappers")
         if self.model.hc_chain is not None:  # `forward_rows`' mHC sites chained: one call per sub-layer
             wrap(self.model.hc_chain, "begin", "mHC wrappers")
+            wrap(self.model.hc_chain, "begin_ids", "mHC wrappers")  # the step's embedding into the streams, collapsed
             wrap(self.model.hc_chain, "then", "mHC wrappers")
         wrap(self.model, "_logits", "LM head (rest)")
         # looked up on the class: the block calls `self.ffn(...)` and `HyperConnection.post(...)`

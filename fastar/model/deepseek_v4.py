@@ -1086,8 +1086,9 @@ class DeepseekV4:
             )
         if len({id(s) for s in states}) != B:
             raise ValueError("forward_rows needs a distinct state per token")
-        for s in states:
-            self._place(s)
+        if self.backend is not None:
+            for s in states:
+                self._place(s)
         listed = ids.tolist()
         self.experts.prefetch_tokens(listed, self.hash_tables)  # hash-routed layers: known from the ids
         emb = u = None
@@ -1104,7 +1105,8 @@ class DeepseekV4:
                 u = self.hc_chain.then(block.ffn(u, ids))
                 for s, ls in zip(states, layers):
                     ls.length += 1
-                    ls.trim(s.max_rollback)
+                    if s.max_rollback is not None:  # (`trim` keeps everything without a bound)
+                        ls.trim(s.max_rollback)
             return self._logits(u, argmax_only)
         emb = emb if emb is not None else self.embed.rows(ids)
         X = emb[:, None, :].expand(B, self.config.hc_mult, -1)  # [B, n, d]

@@ -105,6 +105,7 @@ def test_bad_arguments_table(tiny_fst_path, tiny_ckpt, tmp_path):
         (["verify", ""], {}, usage, "path is empty"),
         (["verify", str(tmp_path / "missing.fst")], {}, fail, "missing.fst"),
         (["verify", str(fifo)], {}, fail, "fifo"),
+        (["export", str(fifo), "-o", str(tmp_path / "exported")], {}, fail, "not a regular file"),  # blocked forever
         (["inspect", str(tmp_path)], {}, fail, ""),
         (["fixture", "-o", str(existing)], {}, fail, "exists"),
         (["fixture", "-o", str(tmp_path / "f"), "--preset", "huge"], {}, usage, "preset"),

@@ -202,8 +202,11 @@ def expert_block_bytes(hidden: int, inter: int) -> int:
 
 
 def read_version(path: str | os.PathLike) -> int | None:
-    """The version field of a file starting with the `.fst` magic, else None (no exception for short files)."""
+    """The version field of a file starting with the `.fst` magic, else None (no exception for short files, nor for
+    what is no regular file: a FIFO would block the open forever; the reader then names it)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
         with open(path, "rb") as f:
             head = f.read(8)
     except OSError:

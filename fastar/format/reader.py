@@ -159,6 +159,8 @@ class FstFile(MappedFile):
         self._fd = -1
         if self.path.is_dir():
             raise FormatError(f"{self.path}: is a directory, not a .fst file")
+        if self.path.exists() and not self.path.is_file():  # a FIFO would block the open forever
+            raise FormatError(f"{self.path}: not a regular file")
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:

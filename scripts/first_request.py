@@ -4,8 +4,8 @@ Drops the model file's page cache (a cold restart), starts `fastar serve -m MODE
 waits for /health to answer 200 (the model loaded; the experts' warm-up, begun with the load, may still be going on
 in the background), notes the warm-up's state then, sends a greedy completion at once (the first request), reads
 /health's warm-up state, waits for the warm-up to be ready, sends a second completion of the same size on another
-prompt (a warm one), and prints both times, their ratio and the warm-up's own time. The prompts are random token
-ids (no prefix reuse between them).
+prompt (a warm one), and prints both times (and the server's CPU seconds in each, on Linux), their ratio and the
+warm-up's own time. The prompts are random token ids (no prefix reuse between them).
 
     python scripts/first_request.py MODEL [--prompt 64] [--tokens 16] [--json] [-- FASTAR SERVE ARGUMENTS]
 """
@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def _request(port: int, method: str, path: str, body: dict | None = None, timeout: float = 3600):
@@ -51,6 +53,24 @@ def _complete(port: int, prompt: list[int], tokens: int) -> float:
     return time.perf_counter() - t0
 
 
+def _cpu_s(pid: int) -> float | None:
+    """The server process's CPU seconds so far, all threads, user + system (Linux; None elsewhere): the work a
+    request cost, which a busy machine's other processes inflate less than its wall time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed(port: int, pid: int, prompt: list[int], tokens: int) -> tuple[float, float | None]:
+    """-> (wall seconds, server CPU seconds) of one completion."""
+    c0 = _cpu_s(pid)
+    wall = _complete(port, prompt, tokens)
+    c1 = _cpu_s(pid)
+    return wall, None if c0 is None or c1 is None else c1 - c0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -80,11 +100,11 @@ def main() -> int:
                 time.sleep(0.2)
             load_s = time.perf_counter() - t_start
             at_ready = health[1].get("experts", {})
-            first = _complete(a.port, prompts[0], a.tokens)
+            first, first_cpu = _timed(a.port, proc.pid, prompts[0], a.tokens)
             at_first = _health(a.port)[1].get("experts", {})
             while (exp := _health(a.port)[1].get("experts", {})).get("status") == "loading":
                 time.sleep(0.2)
-            second = _complete(a.port, prompts[1], a.tokens)
+            second, second_cpu = _timed(a.port, proc.pid, prompts[1], a.tokens)
         finally:
             proc.terminate()
             proc.wait(60)
@@ -93,6 +113,8 @@ def main() -> int:
         "first_s": first,
         "second_s": second,
         "ratio": first / second,
+        "first_cpu_s": first_cpu,
+        "second_cpu_s": second_cpu,
         "warmup_at_ready": at_ready,
         "warmup_after_first": at_first,
         "warmup": exp,
@@ -100,11 +122,12 @@ def main() -> int:
     if a.json:
         print(json.dumps(r))
     else:
+        cpu = "n/a" if first_cpu is None else f"{first_cpu:.2f} / {second_cpu:.2f}"
         n = lambda d: f"{d.get('status')}, {d.get('experts_loaded')}/{d.get('experts_target')}"  # noqa: E731
         print(
             f"load {load_s:.1f} s (experts then: {n(at_ready)}); first request {first:.2f} s (experts after it: "
             f"{n(at_first)}); warm-up {exp.get('status')} after {exp.get('seconds')} s; second request "
-            f"{second:.2f} s; first / second = {first / second:.2f}x"
+            f"{second:.2f} s; first / second = {first / second:.2f}x (server CPU {cpu} s)"
         )
     return 0
 

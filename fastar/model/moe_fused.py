@@ -108,8 +108,8 @@ def routed_sum(
         if not batch:
             continue
         have = dict(batch)
-        if scratch is None and len(have) == len(wanted):  # all at once: straight into out, zeroed by the call
-            ext.experts_ffn(xn, [have[e] for e in wanted], rows, offsets, rw, float(limit), out, act_block, zero=True)
+        if scratch is None and len(have) == len(wanted):  # all at once: straight into out, zeroed by the call (zero)
+            ext.experts_ffn(xn, [have[e] for e in wanted], rows, offsets, rw, float(limit), out, act_block, True)
             return out
         if scratch is None:
             xr = xn[rows]  # [M, D]: route j's input in row j, so its output gets row j of the scratch

@@ -100,9 +100,10 @@ class FusedRouter:
         ext = kernels.extension
         if self.table is not None:
             tok = _ids_array(ids)
-            ext.route_weights(scores, idx, self.eps, self.scale, wts, tok, self.table, softplus=True, by_expert=True)
+            # positional (ids, table, bias, softplus, by_expert): no keyword dict to build and parse per layer
+            ext.route_weights(scores, idx, self.eps, self.scale, wts, tok, self.table, None, True, True)
         else:  # the bias is for the selection only, as in the reference
-            ext.route_weights(scores, idx, self.eps, self.scale, wts, bias=self.bias, softplus=True, by_expert=True)
+            ext.route_weights(scores, idx, self.eps, self.scale, wts, None, None, self.bias, True, True)
         return outs
 
 

@@ -356,6 +356,38 @@ def test_generate_tokens_and_open_session_check_their_arguments_as_stream_does(e
         engine.open_session(anchor="no")
 
 
+def test_scheduler_arguments_that_failed_in_the_worker_are_named_at_the_call(engine, tmp_path) -> None:
+    """`submit(on_chunk="x")` or `cancel="x"` was queued and failed at the worker's step, ending every request of
+    the batch with its TypeError/AttributeError; `keep_states="x"` failed in a comparison, `draft="no"` drafted,
+    `prefix_cache=""` made the cache in the current directory and a file in its place was a bare FileExistsError.
+    Each is one line at the call now, and nothing is queued."""
+    from fastar.errors import FastarError
+
+    sched = engine.scheduler()
+    for kw, says in (
+        ({"on_chunk": "x"}, "on_chunk must be callable, got 'x'"),
+        ({"on_error": 5}, "on_error must be callable, got 5"),
+        ({"on_progress": "x"}, "on_progress must be callable as (done, total), got 'x'"),
+        ({"cancel": "x"}, "cancel must be a threading.Event, got str"),
+    ):
+        with pytest.raises(TypeError, match=f"^{re.escape(says)}$"):
+            sched.submit(PROMPT, max_tokens=1, **kw)
+    assert sched.idle
+    for kw, says in (
+        ({"keep_states": "x"}, "keep_states must be an integer, got 'x'"),
+        ({"keep_states": None}, "keep_states must be an integer, got None"),
+        ({"draft": "no"}, "draft must be True or False, got 'no'"),
+        ({"prefix_cache": ""}, "the prefix cache folder must be a non-empty path, got ''"),
+        ({"prefix_cache": 5}, "the prefix cache folder must be a non-empty path, got 5"),
+    ):
+        with pytest.raises(TypeError, match=f"^{re.escape(says)}$"):
+            engine.scheduler(**kw)
+    taken = tmp_path / "a-file"
+    taken.write_text("x")
+    with pytest.raises(FastarError, match=f"^{re.escape(str(taken))}: cannot be the cache folder \\(File exists\\)$"):
+        engine.scheduler(prefix_cache=taken)
+
+
 def test_id_only_entry_points_say_they_take_ids_and_prompt_logprobs_takes_no_session(engine) -> None:
     """`logits` and `generate_tokens` given text said "a prompt is text (str) or token ids"; `stream` with
     `prompt_logprobs` and a session ignored the session (it scores from a fresh state)."""

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ..errors import FastarError
+
 log = logging.getLogger("fastar.prefix_cache")
 
 PARTIAL = ".partial"  # temporary files: "." + random + PARTIAL (never matched by a cache file's glob)
@@ -77,8 +79,11 @@ class CacheFolder:
         self.folder, self.max_bytes, self.suffix = folder, max_bytes, suffix
         if hooks is not None:
             self.hooks = hooks
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._dir = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)  # the lock, and fsync of the names
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._dir = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)  # the lock, and fsync of the names
+        except OSError as e:  # a file in its place (FileExistsError), a read-only parent
+            raise FastarError(f"{self.folder}: cannot be the cache folder ({e.strerror or e})") from None
         weakref.finalize(self, os.close, self._dir)
         self._thread_lock = threading.Lock()  # flock on one descriptor does not exclude this process's threads
         self.evictions = 0

@@ -20,6 +20,7 @@ that one copy, never one state per choice (`forked_states_peak` counts them).
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,9 +32,13 @@ from .prompt_logprobs import PromptLogprobs
 from .sampling import SamplingParams
 
 
-def check_group(params: list, on_chunk: list | None, on_error: list | None, cancel: list | None) -> tuple:
+def check_group(
+    params: list, on_chunk: list | None, on_error: list | None, cancel: list | None, on_progress: object = None
+) -> tuple:
     """A group's per-choice arguments, each a list of one entry per choice (None: all None). Raises `ValueError`
-    for no choice, differing `max_tokens`, or a list of another length."""
+    for no choice, differing `max_tokens`, or a list of another length; `TypeError` for a callback that cannot be
+    called or a cancel that is no `threading.Event` (found only by the worker, they failed every request in the
+    batch)."""
     k = len(params)
     bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
     if bad is not None:
@@ -43,6 +48,14 @@ def check_group(params: list, on_chunk: list | None, on_error: list | None, canc
     on_chunk, on_error, cancel = on_chunk or [None] * k, on_error or [None] * k, cancel or [None] * k
     if not len(on_chunk) == len(on_error) == len(cancel) == k:
         raise ValueError("on_chunk, on_error and cancel need one entry per choice")
+    for name, fn in [*(("on_chunk", f) for f in on_chunk), *(("on_error", f) for f in on_error)]:
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable, got {fn!r}")
+    if on_progress is not None and not callable(on_progress):
+        raise TypeError(f"on_progress must be callable as (done, total), got {on_progress!r}")
+    bad = next((c for c in cancel if c is not None and not isinstance(c, threading.Event)), None)
+    if bad is not None:
+        raise TypeError(f"cancel must be a threading.Event, got {type(bad).__name__}")
     return on_chunk, on_error, cancel
 
 

@@ -642,5 +642,7 @@ class Engine:
         `background`: files are written on a writer thread (the scheduler's)."""
         from ..config import parse_size
 
+        if not isinstance(folder, str | os.PathLike) or not os.fspath(folder):  # "" was the current directory
+            raise TypeError(f"the prefix cache folder must be a non-empty path, got {folder!r}")
         fingerprint = f"{self._fingerprint()}/{self.model.numerics}/{self.model.max_rollback}"
         return PrefixCache(folder, fingerprint, parse_size(size), background=background)

@@ -157,10 +157,18 @@ class Scheduler:
         keep_states: int = 0,
         draft: bool = True,
     ) -> None:
-        sizes = {"max_batch": max_batch, "max_queue": max_queue, "token_budget": token_budget}
+        sizes = {
+            "max_batch": max_batch,
+            "max_queue": max_queue,
+            "token_budget": token_budget,
+            "keep_states": keep_states,
+        }
         bad = next((k for k, v in sizes.items() if not isinstance(v, int | None) or isinstance(v, bool)), None)
-        if bad is not None:
+        if bad is not None or keep_states is None:
+            bad = bad or "keep_states"
             raise TypeError(f"{bad} must be an integer, got {sizes[bad]!r}")
+        if not isinstance(draft, bool):  # "no" is true
+            raise TypeError(f"draft must be True or False, got {draft!r}")
         if max_batch < 1 or max_queue < 0 or (token_budget is not None and token_budget < 1):
             raise ValueError(
                 f"max_batch must be >= 1, max_queue >= 0 and token_budget >= 1 or None "
@@ -225,7 +233,7 @@ class Scheduler:
         group takes one row per choice, at most `max_batch`; the others wait for rows (see the module docstring).
         `on_chunk`, `on_error`, `cancel`: one per choice (as for `submit`);
         `on_progress`: the shared prompt's. All choices have the same `max_tokens`. Raises as `submit` does."""
-        on_chunk, on_error, cancel = check_group(params, on_chunk, on_error, cancel)
+        on_chunk, on_error, cancel = check_group(params, on_chunk, on_error, cancel, on_progress)
         eng = self.engine
         ids = eng.tokenizer.encode(prompt) if isinstance(prompt, str) else token_ids(prompt)
         session_check(eng, ids)

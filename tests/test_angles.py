@@ -92,3 +92,30 @@ def test_buffer_tensors_come_back_as_their_arrays():
     for bad in (a.astype(np.float64), a.T, np.empty((0, 4), np.float32)):
         with pytest.raises(ValueError, match="buffer_tensor"):
             ops.buffer_tensor(bad)
+
+
+def test_a_decode_step_looks_each_frequency_set_up_once(tiny_fst_file, monkeypatch):
+    """`forward_rows` shares the rows' RoPE angles among its layers (`Attention.rows`' `step`): one table lookup per
+    set of frequencies a step, whatever the layer count, and the logits those of `Block.rows` without the chain (each
+    layer looking its angles up itself)."""
+    from fastar.model.deepseek_v4 import DeepseekV4
+
+    m, apart = DeepseekV4(tiny_fst_file), DeepseekV4(tiny_fst_file)
+    apart.hc_chain = None
+    kinds = {b.attn.freq_key for b in m.layers}
+    assert len(m.layers) > len(kinds)
+    calls = []
+    real = angles.AngleTable.rows
+    monkeypatch.setattr(angles.AngleTable, "rows", lambda self, pos: calls.append(pos) or real(self, pos))
+    states = [m.new_state(), m.new_state()]
+    others = [apart.new_state(), apart.new_state()]
+    for s, o, p in zip(states, others, ([5, 9, 2], [7])):
+        m.forward(p, s), apart.forward(p, o)
+    ids = [3, 4]
+    for _ in range(3):
+        calls.clear()
+        got = m.forward_rows(ids, states)
+        assert calls == [[s.length - 1 for s in states]] * len(kinds)
+        calls.clear()
+        assert torch.equal(got, apart.forward_rows(ids, others)) and len(calls) == len(apart.layers)
+        ids = [int(r.argmax()) for r in got]

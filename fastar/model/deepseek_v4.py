@@ -463,22 +463,30 @@ class Attention:
         o = torch.cat([self._attend(q, s, p0, state, scoring) for s in ops.token_slices(T, self.window)])
         return self._output(o, cos, sin)
 
-    def rows(self, x: torch.Tensor, states: list[LayerState]) -> torch.Tensor:
+    def rows(self, x: torch.Tensor, states: list[LayerState], step: dict | None = None) -> torch.Tensor:
         """One new token for each of B sequences (B <= `ops.SMALL_CHUNK`): row b of x [B, d] continues states[b]
         at its own position. The weight products run on all B rows at once (batch-invariant: each row as if
         alone), the compressors' and the indexer's included; everything that reads or writes a state (window KV,
         compressor windows, indexer picks, attention) runs row by row exactly as a one-token `__call__` does. So
-        every row's output and state are bit-identical to decoding that sequence alone. -> [B, d]"""
+        every row's output and state are bit-identical to decoding that sequence alone. -> [B, d]
+        `step`: a dict the step's layers share (`DeepseekV4.forward_rows`), where the RoPE angles of the rows'
+        positions are kept by frequencies once a layer has looked them up (the same rows the table gives)."""
         pos = [s.length for s in states]
         if self.max_positions is not None and max(pos) + 1 > self.max_positions:
             raise FastarError(
                 f"position {max(pos)} needs {self.prefix}indexer (the lightning indexer), which the "
                 f"model lacks: without it only the first {self.max_positions} positions are exact"
             )
-        table = self._table
-        if table is None or table is not self.angles.get(self.freq_key):  # looked up once (the model's shared dict)
-            table = self._table = shared_table(self.angles, self.inv_freq, self.freq_key)
-        cos, sin = table.rows(pos)  # [B, r/2] each
+        got = step.get(self.freq_key) if step is not None else None
+        if got is not None and got[0] == pos:
+            cos, sin = got[1]
+        else:
+            table = self._table
+            if table is None or table is not self.angles.get(self.freq_key):  # looked up once (the shared dict)
+                table = self._table = shared_table(self.angles, self.inv_freq, self.freq_key)
+            cos, sin = table.rows(pos)  # [B, r/2] each
+            if step is not None:
+                step[self.freq_key] = (pos, (cos, sin))
         q, qr, kv = self._project(x, cos, sin)
         # the compressors' and the indexer's products on all the rows too (each row as if alone); the state updates
         # row by row: one C call per row and compressor (`FusedCompressors`, the same bits), else below
@@ -1099,9 +1107,10 @@ class DeepseekV4:
                 emb = torch.from_numpy(emb) if emb is not None else self.embed.rows(ids)
                 u = self.hc_chain.begin(emb)
         if u is not None:  # the mHC sites chained over preallocated streams (`hc_chain`): `Block.rows`' bits
+            step: dict = {}  # what the layers share within the step (`Attention.rows`: the RoPE angles)
             for i, block in enumerate(self.layers):
                 layers = [s.layers[i] for s in states]
-                u = self.hc_chain.then(block.attn.rows(u, layers))
+                u = self.hc_chain.then(block.attn.rows(u, layers, step))
                 u = self.hc_chain.then(block.ffn(u, ids))
                 for s, ls in zip(states, layers):
                     ls.length += 1

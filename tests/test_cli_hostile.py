@@ -316,6 +316,18 @@ def test_convert_refuses_to_write_over_the_files_it_converts(tiny_ckpt, tmp_path
     assert convert(ck, ck / "model.fst", progress=False) == ck / "model.fst"
 
 
+def test_an_output_under_a_file_names_the_output(tiny_ckpt, tmp_path):
+    """`convert -o FILE/x.fst` (the folder is a file) said "FILE/x.fst.partial: Not a directory": the cleanup's own
+    error about the temporary file, in place of the reason. One line naming the output and why now."""
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    r = _cli("convert", tiny_ckpt, "-o", taken / "x.fst")
+    assert one_line_error(r, 1) == f"fastar: error: {taken / 'x.fst'}: cannot write ({taken} is not a folder)"
+    r = _cli("convert", tiny_ckpt, "-o", taken / "sub" / "x.fst")
+    assert one_line_error(r, 1) == f"fastar: error: {taken / 'sub' / 'x.fst'}: cannot write (Not a directory)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"] and taken.read_text() == "x"
+
+
 # ---- C1: corrupt files ---------------------------------------------------------------------------------------
 
 

@@ -158,8 +158,12 @@ class FstWriter:
     def begin(self) -> None:
         self._expect(WriterState.PLAN)
         self._layout()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.tmp_path, "wb")  # noqa: SIM115 (the writer state machine owns it until close)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.tmp_path, "wb")  # noqa: SIM115 (the writer state machine owns it until close)
+        except OSError as e:  # a file where a folder should be, a read-only folder: say so of the path asked for
+            why = f"{self.path.parent} is not a folder" if isinstance(e, FileExistsError) else e.strerror or e
+            raise FormatError(f"{self.path}: cannot write ({why})") from None
         self.state = WriterState.DATA
         self._guard(self._write_header)
 
@@ -254,7 +258,7 @@ class FstWriter:
                 pass
         try:
             os.unlink(self.tmp_path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # never made
             pass
 
     def __enter__(self) -> FstWriter:

@@ -330,6 +330,10 @@ def test_save_errors_name_the_path(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(SessionError, match=f"^{tmp_path / 'plain' / 'a.session'}: cannot write"):
         s.save(tmp_path / "plain" / "a.session")  # a path under a regular file
+    with pytest.raises(
+        SessionError, match=rf"^{tmp_path / 'plain' / 'a.session'}: cannot write \({tmp_path / 'plain'} is"
+    ):
+        s.save(tmp_path / "plain" / "a.session")  # it said "(File exists)"
     for bad in (tmp_path, tmp_path / "fifo"):  # a folder; a FIFO or device (/dev/null), which the rename replaced
         with pytest.raises(SessionError, match=f"^{bad}: not a regular file"):
             s.save(bad)

@@ -437,7 +437,10 @@ class Session:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
         except OSError as e:  # a read-only folder, a path under a regular file: say so of the path asked for
-            raise SessionError(f"{path}: cannot write ({e.strerror})") from None
+            why = (
+                f"{path.parent} is not a folder" if isinstance(e, FileExistsError) else e.strerror
+            )  # not "File exists"
+            raise SessionError(f"{path}: cannot write ({why})") from None
         try:
             with os.fdopen(fd, "wb") as f:
                 head = MAGIC + struct.pack("<IQ", VERSION, len(header)) + header

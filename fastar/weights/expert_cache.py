@@ -380,12 +380,16 @@ class ExpertCache:
             for h in self.iter_ready(layer, ids, scan=True):
                 yield [(h.expert, h.weights)]
             return
-        uniq = list(dict.fromkeys(int(e) for e in ids))
-        whole = self._whole_layer(layer) if self._holds_bank and uniq else None
+        uniq = list(dict.fromkeys(map(int, ids)))
+        whole = None
+        if self._holds_bank and uniq:  # (a decode step asks per layer, from cold caches: the known views first)
+            whole = self._layer_views[layer] if 0 <= layer < self.num_layers else None
+            whole = whole if whole is not None else self._whole_layer(layer)
         if whole is not None and min(uniq) >= 0 and max(uniq) < self.num_experts:
             views, slots, unused = whole
             with self._cond:  # a hit each, and a prefetched record's first use, as `_claim` counts them
-                self._check_open()
+                if self._closed:
+                    self._check_open()
                 self._stats["hits"] += len(uniq)
                 for e in uniq if unused else ():
                     if e in unused:

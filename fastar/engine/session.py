@@ -437,9 +437,8 @@ class Session:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
         except OSError as e:  # a read-only folder, a path under a regular file: say so of the path asked for
-            why = (
-                f"{path.parent} is not a folder" if isinstance(e, FileExistsError) else e.strerror
-            )  # not "File exists"
+            # mkdir of a folder that is a file says "File exists"
+            why = f"{path.parent} is not a folder" if isinstance(e, FileExistsError) else e.strerror
             raise SessionError(f"{path}: cannot write ({why})") from None
         try:
             with os.fdopen(fd, "wb") as f:

@@ -31,8 +31,9 @@ tracebacks in the server's log.
 
 CLI: about 90 runs of `fastar` (run, chat with closed or invalid stdin, bench, serve, convert, verify, inspect,
 export) with bad sizes (nan, inf, -1, 1e400), an empty --api-key, invalid UTF-8 prompts, missing, truncated and
-corrupt model files, a checkpoint folder missing a shard; each is `ok` (exit 0), a `clean` error (exit 1 or 2,
-no traceback, the last stderr line `fastar...: error: ...`), `messy` (another failure), `traceback`, or `timeout`.
+corrupt model files, a checkpoint folder missing a shard or holding a FIFO for one, a conversion over its own
+shard, an export of a FIFO; each is `ok` (exit 0), a `clean` error (exit 1 or 2, no traceback, the last stderr
+line `fastar...: error: ...`), `messy` (another failure), `traceback`, or `timeout`.
 
 The last line is the verdict: PASS when no answer is a 5xx, no body, log or CLI run holds a traceback, every
 expectation holds and every real request during the idle-connection attack was served. Exit status 0 on PASS.
@@ -1716,6 +1717,21 @@ def cli_cases(model: str, work: Path, quick: bool) -> list[CliRun]:
     runs.append(
         CliRun("convert to an existing folder", ["convert", bad["ckpt_bad_config"], "-o", str(work)], timeout=60)
     )
+    self_shard = str(next((work / "ckpt_self").glob("*.safetensors")))
+    runs += [
+        CliRun("convert over one of its own shards", ["convert", str(work / "ckpt_self"), "-o", self_shard]),
+        CliRun("convert -o under a regular file", ["convert", str(work / "ckpt"), "-o", str(work / "text.fst" / "x")]),
+        CliRun(
+            "convert: a shard that is a FIFO", ["convert", str(work / "ckpt_fifo_shard"), "-o", str(work / "f.fst")]
+        ),
+        CliRun("run -m a folder whose shard is a FIFO", ["run", "-m", str(work / "ckpt_fifo_shard"), "-p", "hi"]),
+        CliRun("export a FIFO", ["export", str(work / "fifo.fst"), "-o", str(work / "exported_fifo")], timeout=30),
+        CliRun("run --stop ''", ["run", *m, "-p", "hi", "--stop", ""]),
+        CliRun(
+            "perplexity --save-logits under a regular file",
+            ["perplexity", *m, str(work / "text.fst"), "--save-logits", str(work / "text.fst" / "x")],
+        ),
+    ]
     return runs
 
 
@@ -1749,6 +1765,11 @@ def cli_files(model: str, work: Path, quick: bool) -> None:
     (work / "ckpt_bad_config" / "config.json").write_text('{"hidden_size": "big", ')
     for p in (work / "ckpt_no_index").glob("*.index.json"):
         p.unlink()
+    shutil.copytree(ckpt, work / "ckpt_self")  # a conversion told to write over its own shard
+    shutil.copytree(ckpt, work / "ckpt_fifo_shard")
+    (work / "ckpt_fifo_shard" / shards[0].name).unlink()
+    os.mkfifo(work / "ckpt_fifo_shard" / shards[0].name)  # an open would wait for a writer forever
+    os.mkfifo(work / "fifo.fst")
 
 
 def run_cli(run: CliRun, env: dict[str, str]) -> dict:

@@ -4,7 +4,8 @@ Owns: `load(path, numerics=..., **options) -> Engine`, and `Engine`: the public 
 `perplexity`, `generate_tokens`, `generate`, `stream`, `chat`, `open_session`, `compile_grammar`, `stats`,
 `warm_experts`, `close`), the state-level primitives sessions and drafters run on (`new_state`, `prefill`), the
 tokenizer, the context length and the engine's own session. Does not own: opening the path (`source.py`), the
-expert pager's budget, warm-up and usage profile (`pager.py`), the session's timeline and prefix reuse
+parts built from `load`'s options (`build.py`: the device, thread settings, the pager, the model), the expert pager's
+budget, warm-up and usage profile (`pager.py`), the session's timeline and prefix reuse
 (`session.py`), the generation loop and chat encoding (`generate.py`), speculative decoding (`speculative.py`), the
 forward pass (`fastar.model`), the prompt scorer (`prompt_logprobs.py`), perplexity windows (`perplexity.py`)."""
 
@@ -23,14 +24,12 @@ import torch
 
 from ..contracts import ExpertProvider, WeightSource
 from ..errors import ConfigError, EngineClosed, FastarError
-from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, DeepseekV4, Numerics, span_bytes_per_token
-from ..model.head_screen import HeadScreen
+from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, Numerics, span_bytes_per_token
 from ..model.state import ModelState
-from ..quant import kernels as K
-from . import arguments, speculative
+from . import arguments, build, speculative
 from .constraint import CompiledGrammar, Grammar, GrammarCompiler
 from .generate import ChatResult, GenerationChunk, chat, generate_text, generate_token_ids, stream_generate
-from .pager import ExpertWarming, make_expert_cache
+from .pager import ExpertWarming
 from .perplexity import Perplexity, perplexity
 from .prefix_cache import PrefixCache
 from .prompt_logprobs import PromptLogprobs, score_prompt
@@ -130,24 +129,8 @@ class Engine:
             {"draft": draft, "cache_policy": cache_policy},
         )
         arguments.check_warm_experts(warm_experts)
-        from ..model.device import resolve_device
-
-        self.device = resolve_device(device)
-        if gpu_budget not in (None, "auto"):  # checked on every device: a typo is an error, not silently unused
-            from ..config import parse_size
-
-            parse_size(gpu_budget)
-        if self.device != "cpu" and draft not in (None, "none"):
-            raise ConfigError(f"--draft {draft}: speculative decoding runs on --device cpu only (not {self.device})")
-        if kernels and K.available():
-            # The one place fastar touches process-wide thread settings. The C kernels' pool does the heavy work;
-            # torch's OpenMP workers spin after each small op and steal the cores from it (decode 8.3 -> 12.2
-            # tok/s, prefill 38 -> 51 tok/s with one torch thread on a 4-layer Flash-width model, 2 cores).
-            torch.set_num_threads(1)
-            if threads is not None:
-                K.set_num_threads(threads)
-        elif threads is not None:
-            torch.set_num_threads(threads)
+        self.device = build.resolve_device(device, gpu_budget, draft)
+        build.set_threads(kernels, threads)
         self.source = source
         self.config = source.config
         self.expert_cache = None
@@ -160,10 +143,9 @@ class Engine:
         self._context_length: int | None = None  # None: the default (see `context_length`)
         self._stats = Stats()
         self._fingerprint_hex: str | None = None
-        if experts is None and ram_budget is not None and hasattr(source, "read_expert_into"):
+        if experts is None:  # the budgeted pager, where the source pages
             screen = head_screen and kernels and self.device == "cpu"
-            extra = HeadScreen.bytes_for(source.config.vocab_size, source.config.hidden_size) if screen else 0
-            experts = make_expert_cache(source, ram_budget, cache_policy, direct_io, verify, extra_bytes=extra)
+            experts = build.paged_experts(source, ram_budget, cache_policy, direct_io, verify, screen)
             self.expert_cache = experts
         # the usage profile belongs to the weights, known before the model is built: the warm-up can start now
         self._warming = ExpertWarming(self.expert_cache, self._weights_fingerprint)
@@ -175,7 +157,9 @@ class Engine:
                 self._warming.start(None if warm_experts is True else warm_experts)
             if verify:
                 verify_resident(source)
-            self._build(source, numerics, kernels, experts, max_rollback, lookahead, gpu_budget, head_screen)
+            self.backend, self.model = build.build_model(
+                source, self.device, numerics, kernels, experts, max_rollback, lookahead, gpu_budget, head_screen
+            )
         except BaseException:
             self._warming.close(save=False)  # a failed load leaves no thread reading and no profile written
             if self.expert_cache is not None:
@@ -183,43 +167,7 @@ class Engine:
             raise
         self.prefill_chunk = prefill_chunk
         self.use_draft(*speculative.resolve(draft, self.model, source, kernels))
-        if kernels and K.available():
-            # Likewise malloc, once the resident weights are read (each into a fresh mapping numpy backs with huge
-            # pages: from malloc's heap they would not be, and decode measured ~10 % slower): a prefill chunk's
-            # temporaries (64 MB tensors at Flash widths) are then reused instead of unmapped and page-faulted anew
-            # each chunk (prefill CPU time -20 %, `K.keep_freed_memory`).
-            K.keep_freed_memory()
-
-    def _build(
-        self,
-        source: WeightSource,
-        numerics: str | Numerics,
-        kernels: bool,
-        experts: ExpertProvider | None,
-        max_rollback: int | None,
-        lookahead: bool,
-        gpu_budget: int | str | None,
-        head_screen: bool,
-    ) -> None:
-        """The model over `source`'s resident weights (read here) and `experts`, on the CPU or on the device."""
-        from ..model.device import DeviceBackend
-
-        # on a device, `kernels` still chooses how the CPU's share of the routed experts is computed
-        self.backend = None if self.device == "cpu" else DeviceBackend(self.device, gpu_budget, host_kernels=kernels)
-        if self.backend is None:
-            self.model = DeepseekV4(
-                source,
-                numerics=numerics,
-                kernels=kernels,
-                experts=experts,
-                max_rollback=max_rollback,
-                lookahead=lookahead,
-                head_screen=head_screen,
-            )
-        else:  # the accelerator tier: resident weights, attention, state on the device; experts split
-            self.model = self.backend.build_model(
-                source, numerics=numerics, experts=experts, max_rollback=max_rollback, lookahead=lookahead
-            )
+        build.keep_freed_memory(kernels)
 
     def use_draft(
         self, drafter: speculative.Drafter | None, schedule: speculative.Schedule | None = None, mode: str | None = None

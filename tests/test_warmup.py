@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import threading
 
 import pytest
@@ -62,6 +63,29 @@ def test_usage_profile_round_trip(fst, tmp_path):
         assert warmup.load_profile(cache, tmp_path / "none.json", "model-a") is None
         path.write_text("{not json")
         assert warmup.load_profile(cache, path, "model-a") is None
+
+
+def test_a_failed_profile_save_leaves_no_partial_file(fst, tmp_path):
+    """A profile that cannot be written (here a folder stands where it goes) raises and leaves no temporary file."""
+    with FstFile(fst) as f, ExpertCache(f, f.expert_stride * 6) as cache:
+        (tmp_path / "p.json").mkdir()
+        with pytest.raises(OSError):
+            warmup.save_profile(cache, tmp_path / "p.json", "m")
+        assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
+
+
+def test_a_failed_profile_save_at_close_says_one_line(fst, tmp_path, caplog):
+    """`close` cannot save the profile: one warning line naming the profile and the reason (not the temporary name,
+    which is gone), and nothing left in the folder."""
+    engine = load(fst, ram_budget=str(FstFile(fst).expert_stride * 6), warm_experts=tmp_path)
+    assert engine._warming.wait(60)
+    profile = engine._warming.profile_path
+    profile.mkdir()
+    with caplog.at_level(logging.WARNING, logger="fastar.engine"):
+        engine.close()
+    assert [p.name for p in tmp_path.iterdir()] == [profile.name]
+    [message] = [r.getMessage() for r in caplog.records if "usage profile" in r.getMessage()]
+    assert "\n" not in message and str(profile) in message and ".partial" not in message
 
 
 @pytest.mark.parametrize("experts", [5, "12", {"0": 1}, [[0, 1, 2], "x", None, [[0], 1]]])

@@ -91,5 +91,9 @@ class ExpertWarming:
 
             try:
                 warmup.save_profile(self.cache, self.profile_path, self.fingerprint())
-            except OSError as err:
-                log.warning("could not save the expert usage profile %s: %s", self.profile_path, err)
+            except OSError as err:  # its reason alone: the temporary name it names is gone
+                log.warning(
+                    "could not save the expert usage profile %s (%s): nothing was written",
+                    self.profile_path,
+                    err.strerror or err,
+                )

@@ -16,6 +16,7 @@ evicts anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,13 +40,19 @@ def file_order(cache: ExpertCache) -> list[tuple[int, int]]:
 
 def save_profile(cache: ExpertCache, path: str | os.PathLike, fingerprint: str) -> int:
     """Write the experts resident now (what the eviction policy kept) as the usage profile for the next start;
-    `fingerprint` names the model it belongs to. -> how many. Written to a temporary name, then renamed."""
+    `fingerprint` names the model it belongs to. -> how many. Written to a temporary name of this process and
+    thread, then renamed; a write or rename that fails (a full disk, a folder in the way) removes it and raises."""
     held = sorted(cache.resident())
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps({"version": PROFILE_VERSION, "model": fingerprint, "experts": held}))
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
+    try:
+        tmp.write_text(json.dumps({"version": PROFILE_VERSION, "model": fingerprint, "experts": held}))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     return len(held)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from fastar.config import ModelConfig
 from fastar.contracts import ExpertWeights
 from fastar.convert import checkpoint as ckmod
 from fastar.convert.checkpoint import Checkpoint
+from fastar.convert.hf import convert
 from fastar.convert.names import (
     expected_tensors,
     expert_tensor_names,
@@ -301,6 +303,19 @@ def test_a_directory_is_checked_when_opened_to_run(tiny_ckpt, tmp_path):
         open_source(d)
     with open_source(tiny_ckpt) as ck:  # a good one opens
         assert ck.config.num_hidden_layers > 0
+
+
+@pytest.mark.parametrize("make", [os.mkfifo, os.mkdir], ids=["fifo", "folder"])
+def test_a_tokenizer_json_that_is_no_regular_file_is_named(tiny_ckpt, tmp_path, make):
+    """A tokenizer.json that is a FIFO or a folder was taken as none: the model converted without its tokenizer and
+    nothing said so. It is one line naming the file, before anything is written."""
+    d = clone(tiny_ckpt, tmp_path / "c")  # the clone has no tokenizer.json
+    make(d / "tokenizer.json")
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json is not a regular file$"):
+        Checkpoint(d).tokenizer_json()
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json is not a regular file$"):
+        convert(d, tmp_path / "out.fst", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
 def test_a_shard_config_or_index_that_is_no_regular_file_is_named_instead_of_blocking(tiny_ckpt, tmp_path):

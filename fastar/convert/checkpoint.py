@@ -232,8 +232,14 @@ class Checkpoint(Closing):
         return ModelConfig.from_hf(self.hf_config, num_mtp_layers=mtp_blocks_in(self._weight_map))
 
     def tokenizer_json(self) -> bytes | None:
+        """The checkpoint's tokenizer.json (None without one). One that is no regular file (a FIFO would block the
+        read, a folder holds none) is a CheckpointError naming it, not a model converted without its tokenizer."""
         p = self.path / "tokenizer.json"
-        return p.read_bytes() if p.is_file() else None
+        if not p.exists():
+            return None
+        if not p.is_file():
+            raise CheckpointError(f"{p} is not a regular file")
+        return p.read_bytes()
 
     def identity(self) -> dict[str, Any]:
         """What identifies this checkpoint cheaply: hashes of config and index, shard names and sizes."""

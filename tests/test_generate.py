@@ -388,6 +388,26 @@ def test_scheduler_arguments_that_failed_in_the_worker_are_named_at_the_call(eng
         engine.scheduler(prefix_cache=taken)
 
 
+def test_engine_folder_arguments_of_the_wrong_kind_are_named(engine) -> None:
+    """`warm_experts(5)` was pathlib's "argument should be a str or an os.PathLike object" naming no argument (and
+    nothing at all without an expert cache), `warm_experts("")` and `load(warm_experts="")` put the usage profile
+    in the current directory. Each is one line naming the argument, as `open_prefix_cache(5)` is."""
+    from fastar.engine.engine import load
+
+    for call, says in (
+        (lambda: engine.warm_experts(5), "the usage profile folder (profile_dir) must be a non-empty path, got 5"),
+        (lambda: engine.warm_experts(""), "the usage profile folder (profile_dir) must be a non-empty path, got ''"),
+        (lambda: engine.open_prefix_cache(5), "the prefix cache folder must be a non-empty path, got 5"),
+        (
+            lambda: load(engine.source, warm_experts=""),
+            "warm_experts must be True, False or a folder (of the usage profile), got ''",
+        ),
+    ):
+        with pytest.raises(TypeError, match=f"^{re.escape(says)}$"):
+            call()
+    assert engine.warm_status() == {"status": "off"}  # nothing started
+
+
 def test_id_only_entry_points_say_they_take_ids_and_prompt_logprobs_takes_no_session(engine) -> None:
     """`logits` and `generate_tokens` given text said "a prompt is text (str) or token ids"; `stream` with
     `prompt_logprobs` and a session ignored the session (it scores from a fresh state)."""

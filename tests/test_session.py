@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import threading
 from pathlib import Path
@@ -319,6 +320,19 @@ def test_the_low_level_session_api_names_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(SessionError, match=r"a.session: cannot save: the session's meta is not JSON"):
         s.save(tmp_path / "a.session")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("bad", [123, None, b"a.session", ""])
+def test_save_and_load_name_a_path_of_the_wrong_kind(bad) -> None:
+    """`save(123)` / `load(123)` were pathlib's "argument should be a str or an os.PathLike object", naming no
+    argument; `save("")` tried the current directory. One line naming the call and what it takes."""
+    s, _ = make()
+    s.prefill([1, 2])
+    for call, name in ((s.save, "Session.save"), (s.load, "Session.load")):
+        says = f"{name} takes the session file's path (a non-empty str or os.PathLike), got {bad!r}"
+        with pytest.raises(TypeError, match=f"^{re.escape(says)}$"):
+            call(bad)
+    assert s.tokens == [1, 2]
 
 
 def test_save_errors_name_the_path(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The library API's arguments of the wrong kind, named in one line before anything runs.
 
 Owns: the checks `load` makes of its model (`check_model`: a path or a `WeightSource`) and option names
-(`check_option_names`), those `Engine` makes of its options (`check_load_options`, `check_warm_experts`), of
+(`check_option_names`), those `Engine` makes of its options (`check_load_options`, `check_warm_experts`), of its
+folders (`check_path`: the usage profile's, the prefix cache's; a session file's is `session.file_path`), of
 `stream`'s params, session, cancel event and progress callback (`check_stream`), of a perplexity window
 (`check_window`) and of `serve_batch`'s requests (`check_pairs`): a string "no" for a switch, a session of another
 engine, a dict for a `SamplingParams` are each a TypeError/ValueError naming the argument, never an AttributeError
@@ -73,9 +74,20 @@ def check_load_options(switches: dict, direct_io: object, counts: dict, sizes: d
 
 
 def check_warm_experts(value: Any) -> None:
-    """`load(warm_experts=)`: True, False, or the folder of the usage profile."""
-    if not isinstance(value, bool | str | os.PathLike):
+    """`load(warm_experts=)`: True, False, or the folder of the usage profile (not "", the current directory)."""
+    if isinstance(value, bool):
+        return
+    text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    if not isinstance(text, str) or not text:
         raise TypeError(f"warm_experts must be True, False or a folder (of the usage profile), got {value!r}")
+
+
+def check_path(value: Any, what: str) -> None:
+    """A folder argument (`what`: it, for the message) is a non-empty str or os.PathLike: pathlib said only that its
+    "argument should be a str or an os.PathLike object", and "" was the current directory."""
+    text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
+    if not isinstance(text, str) or not text:
+        raise TypeError(f"{what} must be a non-empty path, got {value!r}")
 
 
 def check_stream(engine: Any, params: Any, session: Any, cancel: Any, on_prefill_progress: Any) -> None:

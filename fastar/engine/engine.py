@@ -517,6 +517,8 @@ class Engine:
         first requests find them in RAM; requests run meanwhile. With `profile_dir`, the experts the cache held
         when this model's engine last closed come first (saved there by `close`), then the file order. Nothing
         to do without an expert cache (every expert is mapped from the file, or on a device)."""
+        if profile_dir is not None:
+            arguments.check_path(profile_dir, "the usage profile folder (profile_dir)")
         if not self._closed:
             self._warming.start(profile_dir)
 
@@ -590,7 +592,6 @@ class Engine:
         `background`: files are written on a writer thread (the scheduler's)."""
         from ..config import parse_size
 
-        if not isinstance(folder, str | os.PathLike) or not os.fspath(folder):  # "" was the current directory
-            raise TypeError(f"the prefix cache folder must be a non-empty path, got {folder!r}")
+        arguments.check_path(folder, "the prefix cache folder")
         fingerprint = f"{self._fingerprint()}/{self.model.numerics}/{self.model.max_rollback}"
         return PrefixCache(folder, fingerprint, parse_size(size), background=background)

@@ -3,8 +3,8 @@
 Owns: `Session` (prefix reuse: given a new full prompt it keeps the longest common token prefix, rolls the state
 back to it and prefills only the rest; pending tokens; save/restore to disk), `Stats` (the counters behind
 `Engine.stats()`), and the prompt checks every front-end relies on (`PromptError`: empty, longer than the
-context, ids outside the vocabulary). Does not own: sampling, stop strings or text streaming
-(`fastar.engine.generate`), the forward pass or the state layout (`fastar.model`).
+context, ids outside the vocabulary; `token_ids`) and a session file's path (`file_path`). Does not own: sampling,
+stop strings or text streaming (`fastar.engine.generate`), the forward pass or the state layout (`fastar.model`).
 
 Invariant: `tokens[:num_processed]` have been run through the model (the state's length); the tokens after
 that are pending: sampled but not yet run (after a generation, its last token). Pending tokens cost nothing
@@ -106,6 +106,16 @@ def token_ids(prompt: Any, what: str = "a prompt is text (str) or token ids (a l
         except TypeError:
             raise TypeError(f"token ids must be integers, got {t!r} ({type(t).__name__})") from None
     return ids
+
+
+def file_path(path: Any, what: str) -> Path:
+    """A session file's path (`what`: the call, for the message) as a Path: a non-empty str or os.PathLike. Pathlib
+    said only that its "argument should be a str or an os.PathLike object", and "" was the current directory. (The
+    engine's own path arguments: `arguments.check_path`, a module above this one.)"""
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    if not isinstance(text, str) or not text:
+        raise TypeError(f"{what} takes the session file's path (a non-empty str or os.PathLike), got {path!r}")
+    return Path(text)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -421,7 +431,7 @@ class Session:
     def save(self, path: str | os.PathLike) -> Path:
         """Write tokens, meta and model state to `path` (atomically: a temp file renamed into place). Raises
         `SessionError` naming `path` when it cannot be written (what was there before is left as it was)."""
-        path = Path(path)
+        path = file_path(path, "Session.save")
         state = b"" if self._state is None or self._dirty else self._state.to_bytes()
         tokens = self._tokens if state else []  # without a state, pending tokens would be recomputed anyway
         try:
@@ -459,8 +469,8 @@ class Session:
     def load(self, path: str | os.PathLike) -> None:
         """Replace this session's contents with a saved one. Raises `SessionError` with the reason, `SessionInUse`
         while a generation on it is unfinished."""
+        path = file_path(path, "Session.load")
         self._check_idle("load into")
-        path = Path(path)
         try:
             if path.exists() and not path.is_file():  # /dev/zero would be read to the end of memory, a FIFO forever
                 raise SessionError(f"{path}: not a regular file")

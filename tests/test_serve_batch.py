@@ -231,8 +231,11 @@ def test_disconnect_frees_the_slot_within_a_step(engine):
     try:
         body = {"model": MODEL, "prompt": prompt(5, 12, 7), "max_tokens": 2000, "ignore_eos": True, "stream": True}
         resp = post(srv, "/v1/completions", body)
-        for _ in range(6):
-            assert resp.readline()
+        assert resp.status == 200, resp.read()[:500]
+        seen = []
+        for _ in range(6):  # a stream of 2000 tokens: it cannot have ended yet
+            seen.append(resp.readline())
+            assert seen[-1], f"the stream ended after {seen[:-1]}"
         resp.conn.close()  # type: ignore[attr-defined] - the client leaves mid-stream
         at_close = engine.stats()["generated_tokens"]
         deadline = time.monotonic() + 10

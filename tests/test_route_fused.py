@@ -192,15 +192,3 @@ def test_route_by_expert_orders_each_row_stably():
     assert np.array_equal(idx, np.take_along_axis(plain_idx, order, 1))
     assert np.array_equal(got.view(np.int32), np.take_along_axis(plain, order, 1).view(np.int32))
     assert list(idx[0]) == [0, 3, 3, 5, 5, 9] and got[0, 1] == plain[0, 1] and got[0, 3] == plain[0, 0]
-
-
-def test_hash_routers_convert_a_steps_ids_once():
-    """A step's hash-routed layers route the same ids tensor: its array is made once and reused for that tensor only
-    (a new tensor, even with other values in the same memory's place, gets its own)."""
-    t = torch.tensor([5, 7, 9])
-    a = route_fused._ids_array(t)
-    assert a.dtype == np.int64 and a.tolist() == [5, 7, 9] and route_fused._ids_array(t) is a
-    u = torch.tensor([1, 2])
-    assert route_fused._ids_array(u).tolist() == [1, 2] and route_fused._ids_array(t).tolist() == [5, 7, 9]
-    v = torch.arange(10)[::3]  # not contiguous: converted to a contiguous copy
-    assert route_fused._ids_array(v).tolist() == [0, 3, 6, 9]

@@ -99,25 +99,9 @@ class FusedRouter:
         idx, wts = outs
         ext = kernels.extension
         if self.table is not None:
-            tok = _ids_array(ids)
+            tok = np.ascontiguousarray(ids.numpy(), np.int64)  # no copy for a step's int64 ids
             # positional (ids, table, bias, softplus, by_expert): no keyword dict to build and parse per layer
             ext.route_weights(scores, idx, self.eps, self.scale, wts, tok, self.table, None, True, True)
         else:  # the bias is for the selection only, as in the reference
             ext.route_weights(scores, idx, self.eps, self.scale, wts, None, None, self.bias, True, True)
         return outs
-
-
-# the last token ids a hash-routed router took and their array: a step's hash layers all route the same ids tensor
-_LAST_IDS: tuple = (None, None)
-
-
-def _ids_array(ids: torch.Tensor) -> np.ndarray:
-    """ids [T] as a contiguous int64 array, converted once for the layers that route the same tensor in turn (the
-    callers make a new tensor per call and never write to it)."""
-    global _LAST_IDS
-    last = _LAST_IDS
-    if last[0] is ids:
-        return last[1]
-    a = np.ascontiguousarray(ids.numpy(), np.int64)
-    _LAST_IDS = (ids, a)
-    return a

@@ -324,7 +324,8 @@ def test_a_shard_config_or_index_that_is_no_regular_file_is_named_instead_of_blo
     folder was "missing". Each is one line saying what it is now, at once (each open runs on a thread joined with
     a bound, so a hang is a failure)."""
     import os
-    import threading
+
+    from fifo_helpers import call_bounded
 
     from fastar.engine.source import open_source
 
@@ -341,20 +342,8 @@ def test_a_shard_config_or_index_that_is_no_regular_file_is_named_instead_of_blo
         kept = path.read_bytes()
         path.unlink()
         make(path)
-        errors: list[BaseException] = []
-
-        def opening():
-            try:
-                open_source(d)
-            except BaseException as err:  # handed to the test thread
-                errors.append(err)
-
-        worker = threading.Thread(target=opening, daemon=True)
-        worker.start()
-        worker.join(60)  # a bound on a hang, not a timing: the refusal is immediate
-        if worker.is_alive():
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # a writer comes and goes: the open returns
-        cases.append((name, says, errors, worker.is_alive()))
+        errors, hung = call_bounded(lambda: open_source(d), path)
+        cases.append((name, says, errors, hung))
         path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
         path.write_bytes(kept)
     for name, says, errors, hung in cases:

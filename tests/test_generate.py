@@ -532,28 +532,18 @@ def test_load_of_a_fifo_or_device_is_refused_instead_of_blocking(tmp_path) -> No
     not); a device was read as a file."""
     import os
 
+    from fifo_helpers import call_bounded
+
     from fastar.engine.engine import load
     from fastar.errors import FormatError
 
     fifo = tmp_path / "model.fst"
     os.mkfifo(fifo)
     for path in (fifo, Path("/dev/zero")):
-        errors: list[BaseException] = []
-        worker = threading.Thread(target=lambda: _catch(errors, load, path), daemon=True)
-        worker.start()
-        worker.join(60)  # a bound on a hang, not a timing: the refusal is immediate
-        if worker.is_alive():
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer comes and goes: the blocked open returns
-            pytest.fail(f"load({path}) blocked")
+        errors, hung = call_bounded(lambda: load(path), fifo)
+        assert not hung, f"load({path}) blocked"
         (err,) = errors
         assert isinstance(err, FormatError) and str(err) == f"{path}: not a regular file or checkpoint directory"
-
-
-def _catch(errors: list, fn, *args) -> None:
-    try:
-        fn(*args)
-    except BaseException as err:
-        errors.append(err)
 
 
 def test_a_closed_engine_says_so_at_every_entry_point(tiny_ckpt) -> None:

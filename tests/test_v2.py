@@ -243,26 +243,14 @@ def test_missing_sidecar_names_the_file(v2_path, tmp_path, kind):
 def test_a_sidecar_that_is_a_fifo_is_named_instead_of_blocking(v2_path, tmp_path, kind):
     """A `.hc` or `.norm` sidecar that is a FIFO blocked the open forever, waiting for a writer (the model file
     itself was checked, its sidecars not). The open runs on a thread joined with a bound: a hang is a failure."""
-    import threading
+    from fifo_helpers import call_bounded
 
     p = copy_model(v2_path, tmp_path)
     side = f"{p}.{kind}"
     os.unlink(side)
     os.mkfifo(side)
-    errors: list[BaseException] = []
-
-    def opening():
-        try:
-            FstV2File(p)
-        except BaseException as err:  # handed to the test thread
-            errors.append(err)
-
-    worker = threading.Thread(target=opening, daemon=True)
-    worker.start()
-    worker.join(60)  # a bound on a hang, not a timing: the refusal is immediate
-    if worker.is_alive():
-        os.close(os.open(side, os.O_WRONLY | os.O_NONBLOCK))  # a writer comes and goes: the open returns
-        pytest.fail(f"opening a v2 model whose .{kind} sidecar is a FIFO blocked")
+    errors, hung = call_bounded(lambda: FstV2File(p), side)
+    assert not hung, f"opening a v2 model whose .{kind} sidecar is a FIFO blocked"
     assert len(errors) == 1 and isinstance(errors[0], FormatError), errors
     assert str(errors[0]) == f"{side}: not a regular file"
 

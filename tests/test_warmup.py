@@ -110,6 +110,17 @@ def _get(port: int, path: str) -> tuple[int, dict]:
     return out
 
 
+def _complete(port: int) -> tuple[int, dict]:
+    """A 3-token greedy completion of a fixed prompt: (status, reply)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": "deepseek-v4-flash", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    out = r.status, json.loads(r.read())
+    conn.close()
+    return out
+
+
 def test_server_serves_while_warming_and_health_reports_it(fst, tmp_path, monkeypatch):
     """`fastar serve`'s server over a paged engine: /health says the experts are loading (progress < 1) while a
     completion is answered, then ready; at shutdown the usage profile is saved beside the prompt cache and the
@@ -139,17 +150,8 @@ def test_server_serves_while_warming_and_health_reports_it(fst, tmp_path, monkey
         exp = body["experts"]
         assert exp["status"] == "loading" and exp["progress"] < 1 and exp["experts_target"] == 12
         assert exp["source"] == "file order"
-        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-        conn.request(
-            "POST",
-            "/v1/completions",
-            json.dumps({"model": "deepseek-v4-flash", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}),
-            {"Content-Type": "application/json"},
-        )
-        r = conn.getresponse()
-        reply = json.loads(r.read())
-        conn.close()
-        assert r.status == 200 and reply["usage"]["completion_tokens"] == 3  # served while the warm-up waits
+        status, reply = _complete(srv.port)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 3  # served while the warm-up waits
         assert _get(srv.port, "/health")[1]["experts"]["status"] == "loading"
         gate.set()
         assert engines[0]._warming.wait(60)
@@ -285,17 +287,8 @@ def test_a_request_during_the_warm_up_at_load_is_served(fst, tmp_path, monkeypat
         assert srv.wait_ready(60)
         status, body = _get(srv.port, "/health")
         assert status == 200 and body["experts"]["status"] == "loading" and body["experts"]["progress"] < 1
-        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-        conn.request(
-            "POST",
-            "/v1/completions",
-            json.dumps({"model": "deepseek-v4-flash", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}),
-            {"Content-Type": "application/json"},
-        )
-        r = conn.getresponse()
-        reply = json.loads(r.read())
-        conn.close()
-        assert r.status == 200 and reply["usage"]["completion_tokens"] == 3
+        status, reply = _complete(srv.port)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 3
         assert reply["choices"][0]["text"] == expected  # served while the warm-up waits, with the same tokens
         gate.set()
         assert engines[0]._warming.wait(60)

@@ -255,6 +255,26 @@ def test_a_sidecar_that_is_a_fifo_is_named_instead_of_blocking(v2_path, tmp_path
     assert str(errors[0]) == f"{side}: not a regular file"
 
 
+def test_a_tokenizer_that_is_a_fifo_is_refused_instead_of_blocking(v2_path, tmp_path):
+    """`tokenizer=` naming a FIFO was kept and read later, blocking that read forever waiting for a writer; it is
+    refused when the model is opened, in one line. A missing one too (it was a FileNotFoundError at the read)."""
+    from fifo_helpers import call_bounded
+
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+
+    def open_and_read():
+        with FstV2File(v2_path, tokenizer=fifo) as src:
+            src.tokenizer_json()
+
+    errors, hung = call_bounded(open_and_read, fifo)
+    assert not hung, "a v2 model given a FIFO as its tokenizer blocked"
+    assert len(errors) == 1 and isinstance(errors[0], FormatError), errors
+    assert str(errors[0]) == f"{fifo}: not a regular file (the tokenizer to serve)"
+    with pytest.raises(FormatError, match=r"missing\.json: no such file \(the tokenizer to serve\)$"):
+        FstV2File(v2_path, tokenizer=tmp_path / "missing.json")
+
+
 @pytest.mark.parametrize("kind,cut", [("tid2eid", 4), ("hc", 5000), ("norm", 3000), ("norm", 4096 * 10)])
 def test_short_sidecar_names_the_file(v2_path, tmp_path, kind, cut):
     p = copy_model(v2_path, tmp_path)

@@ -415,6 +415,15 @@ class FstV2File(Closing):
             raise ValueError(f"unknown sidecar kind(s) {sorted(unknown)}; expected {SIDECAR_KINDS}")
         self.sidecar_paths = {k: given.get(k, Path(f"{self.path}.{k}")) for k in SIDECAR_KINDS}
         self._tokenizer_path = None if tokenizer is None else Path(tokenizer)
+        if self._tokenizer_path is not None:  # read later: a FIFO would block that read forever, here refused
+            try:
+                regular = stat.S_ISREG(os.stat(self._tokenizer_path).st_mode)
+            except FileNotFoundError:
+                raise FormatError(f"{self._tokenizer_path}: no such file (the tokenizer to serve)") from None
+            except OSError as e:
+                raise FormatError(f"{self._tokenizer_path}: cannot open ({e.strerror})") from None
+            if not regular:
+                raise FormatError(f"{self._tokenizer_path}: not a regular file (the tokenizer to serve)")
         self._files: list[V2Container | FstFile] = []
         self.context_note: str | None = None  # why only a short context runs, and the fix (no indexer weights)
         self._tl = threading.local()

@@ -98,6 +98,32 @@ def test_requests_left_when_the_worker_loop_stopped_are_stepped_by_their_iterato
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 4
 
 
+def test_a_thread_that_stepped_and_stopped_is_no_longer_the_worker(eng):
+    """A thread that called `step` (here `run_until_idle`) and then went on to wait on something else, alive, is
+    not a worker any more: a request submitted afterwards is stepped by the thread iterating its handle (it used
+    to wait on that thread for ever)."""
+    sched = Scheduler(eng)
+    first = sched.submit(prompt(7, 6), max_tokens=2, ignore_eos=True)
+    stepped, release = threading.Event(), threading.Event()
+
+    def stepper():
+        sched.run_until_idle()
+        stepped.set()
+        release.wait()  # alive, stepping no more
+
+    t = threading.Thread(target=stepper, daemon=True)
+    t.start()
+    try:
+        assert stepped.wait(BOUND_S)
+        assert [c.finish_reason for c in first][-1] == "length"
+        late = sched.submit(prompt(8, 6), max_tokens=3, ignore_eos=True)
+        chunks = bounded(lambda: list(late))
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 3
+    finally:
+        release.set()
+        t.join(BOUND_S)
+
+
 def test_a_handle_whose_chunks_go_to_a_callback_yields_nothing(eng):
     """With on_chunk, the chunks go to the callback and iterating the handle yields nothing (it used to wait for
     chunks that never come to its queue)."""

@@ -342,7 +342,8 @@ class Scheduler:
         """One step: drop cancelled requests, admit waiting ones, adopt the prefix states loaded from disk, decode
         one token of every decoding sequence (groups of 8 per model call; a lone greedy one: a draft/verify step),
         then one prefill chunk of the oldest prefilling one. Returns whether work remains. The calling thread is
-        the scheduler's worker from then on, while it lives (`Stepper`)."""
+        the scheduler's worker while the step lasts, not after it (`Stepper`): a handle iterated on another
+        thread once it returned steps the scheduler itself."""
         return self._stepper.step()
 
     def _step(self) -> bool:

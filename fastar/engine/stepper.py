@@ -1,8 +1,10 @@
 """Who steps a scheduler: its worker, or, where it has none, the threads waiting on its handles.
 
 Owns: `Stepper`: the lock that keeps steps from overlapping, which thread is the worker (one in a `run` loop, or one
-that called `step` itself and still lives), and `drive`: the step an iterating handle takes on its own thread when
-there is no worker, so iterating a handle never waits on a worker that does not exist.
+inside a `step` it called itself, for as long as that step lasts), and `drive`: the step an iterating handle takes
+on its own thread when there is no worker, so iterating a handle never waits on a worker that does not exist. A
+thread that called `step` and went on to other work (`run_until_idle` returned, a loop of its own ended) is no
+worker: it steps no more, so a handle iterated elsewhere steps the scheduler itself.
 Does not own: what a step does (`scheduler.Scheduler`), or a handle's chunks (`handle.Handle`).
 """
 
@@ -24,15 +26,22 @@ class Stepper:
         self._on_failure = on_failure
         self._lock = threading.Lock()  # steps never overlap, whichever thread takes them
         self._state = threading.Lock()  # guards the fields below
-        self._driver: threading.Thread | None = None  # the thread that last called `step`: a worker while it lives
+        self._driver: threading.Thread | None = None  # the thread inside a `step` it called itself: the worker now
         self._stepping: threading.Thread | None = None  # the thread inside a step now
         self._running = 0  # `run` loops going
 
     def step(self) -> bool:
-        """A worker's step (`Scheduler.step`): the calling thread is the worker from then on, while it lives."""
+        """A worker's step (`Scheduler.step`): the calling thread is the worker while the step lasts (waiting for
+        the step lock included), not after it returns."""
+        me = threading.current_thread()
         with self._state:
-            self._driver = threading.current_thread()
-        return self._locked()
+            self._driver = me
+        try:
+            return self._locked()
+        finally:
+            with self._state:
+                if self._driver is me:
+                    self._driver = None
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -64,9 +73,8 @@ class Stepper:
                     "a request's handle cannot be iterated inside the scheduler's own step (an on_chunk "
                     "callback): its chunks come from that step"
                 )
-            driver = self._driver
-            if self._running or (driver is not None and driver is not me and driver.is_alive()):
-                return False
+            if self._running or (self._driver is not None and self._driver is not me):
+                return False  # a worker steps: its chunks come (the caller rechecks after WORKER_CHECK_S)
         self.failing_step()
         return True
 

@@ -104,8 +104,12 @@ class SerialScheduler:
             "requests_rejected": self.rejected,
         }
 
-    def run(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+    def run(self, stop: threading.Event, idle_wait: float = 0.05, after_step=None) -> None:
         while not stop.is_set():
+            if after_step is not None:  # as the real scheduler: after each request served, and each idle wake-up
+                with self._lock:
+                    idle = not self._waiting
+                after_step(idle)
             with self._lock:
                 if not self._waiting:
                     self._lock.wait(idle_wait)

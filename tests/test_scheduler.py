@@ -3,6 +3,9 @@ queue, cancellation and counters; chunked prefill interleaved with decoding."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from batch_helpers import needs_invariant_kernels, prompt, same_chunks, solo
@@ -465,3 +468,27 @@ def test_kept_states_let_a_continued_conversation_prefill_only_its_tail(eng):
     assert [c.token for c in eng.stream(first, p, session=s)] == reply
     ref = list(eng.stream(second, p, session=s))
     assert [c.token for c in got] == [c.token for c in ref] and got[-1].usage == ref[-1].usage
+
+
+def test_run_calls_after_step_with_whether_the_scheduler_is_idle(eng):
+    """`run(after_step=)`: called after every step with False while requests remain, True once none is left, and
+    on each idle wake-up (the server's heap trimmer decides there; `fastar.serve.heap`)."""
+    sched = Scheduler(eng)
+    seen: list[bool] = []
+    stop = threading.Event()
+    worker = threading.Thread(target=sched.run, args=(stop, 0.01, seen.append), daemon=True)
+    worker.start()
+    try:
+        time.sleep(0.1)  # idle wake-ups only
+        assert seen and all(seen)
+        n = len(seen)
+        handles = [sched.submit(prompt(40 + i, 6), max_tokens=3, ignore_eos=True) for i in range(2)]
+        for h in handles:
+            assert list(h)[-1].finish_reason == "length"
+        time.sleep(0.1)
+        during = seen[n:]
+        assert False in during, "no step reported work left"
+        assert during[-1] is True and during.index(False) < len(during) - 1
+    finally:
+        stop.set()
+        worker.join(60)

@@ -251,6 +251,29 @@ def test_disconnect_frees_the_slot_within_a_step(engine):
         srv.shutdown()
 
 
+def test_the_worker_hands_freed_heap_back_when_it_goes_idle(engine):
+    """After requests are served and the worker has nothing to do, the server trims its heap (glibc kept the freed
+    pages otherwise: RSS rose over hours of requests with a flat Python heap), once, not at every idle wake-up.
+    (tests/test_heap.py: the trims while the worker stays busy.)"""
+    srv = start(engine, max_batch=2)
+    try:
+        if not srv.heap.available:
+            pytest.skip("no malloc_trim in this C library (not glibc): nothing to hand back with")
+        assert metric(srv, "heap_trims_total") == 0  # nothing served yet
+        cl = client(srv)
+        for i in range(3):
+            r = cl.completions.create(model=MODEL, prompt=prompt(20 + i, 9, 10 + i), max_tokens=4, temperature=0)
+            assert r.usage.completion_tokens == 4
+        # a trim declined as too soon after the last is taken at a later idle wake-up, within the interval
+        time.sleep(srv.heap.idle_interval + 1)
+        trims = metric(srv, "heap_trims_total")
+        assert trims >= 1, "the worker went idle after serving requests and kept the freed heap"
+        time.sleep(2 * srv.heap.idle_interval)  # idle: no more trims without more requests
+        assert metric(srv, "heap_trims_total") == trims
+    finally:
+        srv.shutdown()
+
+
 def test_restarted_server_prefills_only_the_tail_from_the_prompt_cache(engine, tiny_ckpt, tmp_path):
     folder = tmp_path / "pc"
     convo = prompt(7, 150, 9)

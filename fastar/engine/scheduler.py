@@ -284,11 +284,19 @@ class Scheduler:
 
     # --- the worker thread --------------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event, idle_wait: float = 0.5) -> None:
-        """Step while there is work, sleep on new submissions otherwise, until `stop` is set."""
+    def run(
+        self, stop: threading.Event, idle_wait: float = 0.5, after_step: Callable[[bool], object] | None = None
+    ) -> None:
+        """Step while there is work, sleep on new submissions otherwise, until `stop` is set.
+
+        `after_step(idle)`: called on this thread after every step (and every idle wake-up, each `idle_wait`
+        seconds), outside the scheduler's lock so submissions go on, with whether the scheduler has no request
+        left. The server hands freed heap memory back to the OS there (`fastar.serve.heap`)."""
         with self._stepper.running():
             while not stop.is_set():
                 busy = self._stepper.failing_step()
+                if after_step is not None:
+                    after_step(not busy and self.idle)
                 with self._lock:
                     if (not busy and not self._waiting and not self._active) or self._only_loading():
                         self._lock.wait(idle_wait)  # a submission or a finished disk load wakes it

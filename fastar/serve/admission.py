@@ -17,8 +17,6 @@ Never imports torch.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -28,19 +26,10 @@ import anyio
 
 from fastar.engine.tokenizer import InvalidText, check_text
 from fastar.serve.api_error import ContextOverflow, bad_request
+from fastar.serve.heap import HeapTrimmer
 
 TRIM_AFTER_CHARS = 1 << 20  # give the heap back after tokenizing a prompt this long
 TOKENIZE_AT_ONCE = 2  # prompts tokenized at the same time, all routes together: bounds their peak memory
-
-
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them after a big tokenization otherwise)."""
-    name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
 
 
 class Admission:
@@ -50,10 +39,14 @@ class Admission:
         engine: returns the loaded engine (`tokenizer` with `encode` and `max_token_bytes()`, `context_length`)
             or raises `APIError` 503 while it loads.
         at_once: prompts tokenized at the same time, whichever routes they came from.
+        heap: trims the heap after a long prompt (the server's, shared with its worker).
     """
 
-    def __init__(self, engine: Callable[[], Any], at_once: int = TOKENIZE_AT_ONCE) -> None:
+    def __init__(
+        self, engine: Callable[[], Any], at_once: int = TOKENIZE_AT_ONCE, heap: HeapTrimmer | None = None
+    ) -> None:
         self._engine = engine
+        self._heap = heap if heap is not None else HeapTrimmer()
         self._at_once = at_once
         self._slots = threading.BoundedSemaphore(at_once)
         self._limiter: anyio.CapacityLimiter | None = None
@@ -90,7 +83,7 @@ class Admission:
         with self._slots:
             ids = list(tokenize(text))
         if len(text) >= TRIM_AFTER_CHARS:
-            _trim_heap()
+            self._heap.now()
         return ids
 
     async def encode_async(self, text: str, param: str, encode: Callable[[str], list[int]] | None = None) -> list[int]:

@@ -302,6 +302,18 @@ class Metrics:
             "Fraction of the model loaded.",
             [f"model_load_progress {host.progress():.4f}"],
         )
+        metric(
+            "heap_trims_total",
+            "counter",
+            "Freed heap memory handed back to the OS (malloc_trim: the worker idle or every 10 s busy, a long prompt).",
+            [f"heap_trims_total {host.heap.trims}"],
+        )
+        metric(
+            "heap_trim_seconds_total",
+            "counter",
+            "Time the worker spent handing freed heap memory back to the OS.",
+            [f"heap_trim_seconds_total {host.heap.seconds:.6f}"],
+        )
         if host.ready.is_set():
             try:
                 stats = host.engine.stats()

@@ -49,6 +49,7 @@ from fastar.serve.agent_routes import ERROR_SHAPES, AgentRoutes
 from fastar.serve.api_error import APIError
 from fastar.serve.app import ErrorShape, Settings, build_app
 from fastar.serve.connection import Connection, fit_connections
+from fastar.serve.heap import HeapTrimmer
 from fastar.serve.metrics import Metrics
 from fastar.serve.routes import OpenAIRoutes
 from fastar.serve.worker import Batching, EngineHost
@@ -208,9 +209,11 @@ class Server:
         self.keepalive_interval = keepalive_interval
         self.metrics = Metrics()
         batching = Batching(max_batch, max_queue, max_sessions, prompt_cache, prompt_cache_size)
-        self.host = EngineHost(engine_factory, batching, self.metrics)
+        self.heap = HeapTrimmer()  # freed heap back to the OS: between worker steps, after a long prompt
+        self.host = EngineHost(engine_factory, batching, self.metrics, self.heap)
         self.model_names: tuple[str, ...] = (served_model_name,)
-        self.admission = Admission(self.host.require_engine)  # every route's prompt checks and tokenizing
+        # every route's prompt checks and tokenizing
+        self.admission = Admission(self.host.require_engine, heap=self.heap)
         self.started = int(time.time())
         self.app = build_app(
             self.settings,

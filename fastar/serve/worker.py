@@ -10,7 +10,8 @@ Owns:
 The engine contract used here: `scheduler(max_batch=, max_queue=, keep_states=, prefix_cache=,
 prefix_cache_size=)` -> an object with `submit_choices(ids, [params], on_chunk=[...], on_error=[...], on_progress=,
 cancel=[...])` (one prompt, one or more choices; raising `QueueFull` with `retry_after`, or a ValueError for a bad
-prompt), `run(stop_event)`, `idle`,
+prompt), `run(stop_event, after_step=)` (`after_step(idle)`: called between steps, where the worker hands freed
+heap memory back to the OS: `fastar.serve.heap`), `idle`,
 `metrics()` and `flush()` (pending prompt-cache writes, at shutdown); plus `stats()`, `tokenizer`,
 `context_length`, `load_progress()`, `warm_experts(profile_dir)` (started once the engine is loaded; /health
 reports `warm_status()`), `compile_grammar(grammar)` (the routes, for constrained decoding) and `close()`.
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fastar.errors import FastarError, QueueFull
 from fastar.serve.api_error import APIError
+from fastar.serve.heap import HeapTrimmer
 
 if TYPE_CHECKING:  # fastar.engine.sampling imports torch; the server only passes the object through
     from fastar.engine.sampling import SamplingParams
@@ -90,10 +92,17 @@ class Batching:
 class EngineHost:
     """Loads the engine off the request path, then owns it through one worker thread running its scheduler."""
 
-    def __init__(self, factory: Callable[..., Any], batching: Batching, metrics: GenerationMetrics) -> None:
+    def __init__(
+        self,
+        factory: Callable[..., Any],
+        batching: Batching,
+        metrics: GenerationMetrics,
+        heap: HeapTrimmer | None = None,
+    ) -> None:
         self.factory = factory
         self.batching = batching
         self.metrics = metrics
+        self.heap = heap if heap is not None else HeapTrimmer()  # freed memory back to the OS between steps
         self.engine: Any = None
         self.scheduler: Any = None
         self.error: str | None = None
@@ -267,7 +276,7 @@ class EngineHost:
     def _run(self) -> None:
         while not self._halt.is_set():
             try:
-                self.scheduler.run(self._halt)
+                self.scheduler.run(self._halt, after_step=self.heap.after_step)
             except Exception:  # its requests got the error; the worker goes on, or every later request would hang
                 log.exception("a generation step failed")
 

@@ -705,6 +705,9 @@ def test_bf16_path_fp8_folds_power_of_two_scales_into_x(bf16_isa, t):
     w[7, 3] = 0x7F  # a NaN code poisons its row on both paths
     x[0, 5], x[0, 700] = 2.0**10, 2.0**-60  # exponent fields 137 and 67
     s[1, 0] = 127 + 54  # block (1, 0): x[0, 5] * 2^54 = 2^64, the top of the range: folds
+    # block (1, 1)'s terms large enough to count beside x[0, 5]'s: else block (1, 0) alone sets token 0's sums in row
+    # block 1, formed by the same chain of 4 vdpbf16ps on both paths, and the summation orders would not show
+    s[1, 1] = 127 + 52
     s[2, 5] = 127 - 50  # block (2, 5): x[0, 700] * 2^-50 = 2^-110, the bottom: folds
     deq = R.fp8_block_dequant(w, s)
 

@@ -28,6 +28,18 @@
  * (x1.34); T = 1, 2 within the run's noise to +10 %. In CPU time per call (to see past other jobs on the machine;
  * memory 25-36 GB/s): 4096x4096 T = 1 0.98x, 2 1.02x, 4 1.31x, 5 1.06x, 8 1.37x; 32768x1024 T = 1 1.02x, 2 1.10x,
  * 4 1.46x, 6 1.07x, 8 1.24x.
+ * Per 128-column stretch (an FP4 chunk, an unfolded FP8 block) and (row, token), one chain of 4 vdpbf16ps (w[0..3] in
+ * order, from zero) and one FMA with the scales into the total: 5 zmm ops per token, not the 6 of two chains of two
+ * and an add. On Zen 4 every 512-bit op here issues at about one per cycle, so the FP4 experts at T = 1..4 are bound by
+ * the ops per weight byte (per row and chunk: 3 shifts and 4 vpermw to widen, 2 for the scales, 5 per token) whenever
+ * memory is fast. Measured (scripts/dot_rows_ab.py's experts case in CPU time per call on 1 thread, which other jobs
+ * on the machine disturb less; weights L3-fed, two runs): T = 1 x1.04 and x1.04, 2 x1.04 and x1.06, 3 x1.04 and
+ * x1.02, 4 x1.05 and x1.02, 8 x1.02 and x1.01; DRAM-fed (memory 31 GB/s): T = 1 x1.02, 3 x1.04, 2, 4, 8 x0.99-1.00.
+ * In wall time on 2 threads, DRAM-fed (memory 34 GB/s, one of three probes 9: a busy machine), T = 1..8 x0.97, 1.02,
+ * 1.10, 1.06, 1.20, where the unchanged folded FP8 kernel read x0.82-1.24 in the same run.
+ * Tried and dropped: the scales of 4 chunks from one 16-byte load (widened and shifted once, one vpermps per chunk)
+ * x0.99 at T = 1, x0.79-0.95 at T = 3..8; one total per row instead of two alternating ones (chunk c into total c % 2)
+ * x0.96 at T = 1, x1.02-1.07 at T = 4..8 over the one-chain kernel.
  * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (bindings, dispatch.c,
  * pool.c).
  */
@@ -95,7 +107,7 @@ static void init_avx512bf16(void) {
 /* FP4 chunk c of a row (64 bytes = 128 columns, one scale group per 128-bit lane) against nt tokens: tot[t] += the
  * scaled products. vpermw with a 32-word table (the index is the low 5 bits of a word; entries i and i + 16 are
  * equal) maps nibble p of every word to its bfloat16, so w[p] (word w = column 4w + p) keeps group L in lane L.
- * Per token two chains of two vdpbf16ps (w[0], w[2] and w[1], w[3]), then one FMA with the scales. */
+ * Per token one chain of four vdpbf16ps (w[0] to w[3]), then one FMA with the scales. */
 INLINE void fp4_bdot_chunk(const mm_job *j, const uint8_t *wr, const uint8_t *sr, int64_t c, int64_t full, int64_t rem,
                            int normal, const int nt, __m512i tab, __m512 *tot) {
     __m512 sv;
@@ -106,11 +118,11 @@ INLINE void fp4_bdot_chunk(const mm_job *j, const uint8_t *wr, const uint8_t *sr
     for (int p = 0; p < 4; p++) w[p] = _mm512_permutexvar_epi16(p ? _mm512_srli_epi16(b, 4 * p) : b, tab);
     for (int t = 0; t < nt; t++) {
         const uint16_t *xt = j->xb + t * j->kp + 128 * c;
-        __m512 pa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(_mm512_loadu_si512((const void *)xt)), BH(w[0]));
-        __m512 pb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(_mm512_loadu_si512((const void *)(xt + 32))), BH(w[1]));
-        pa = _mm512_dpbf16_ps(pa, BH(_mm512_loadu_si512((const void *)(xt + 64))), BH(w[2]));
-        pb = _mm512_dpbf16_ps(pb, BH(_mm512_loadu_si512((const void *)(xt + 96))), BH(w[3]));
-        tot[t] = _mm512_fmadd_ps(_mm512_add_ps(pa, pb), sv, tot[t]);
+        __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(_mm512_loadu_si512((const void *)xt)), BH(w[0]));
+        p = _mm512_dpbf16_ps(p, BH(_mm512_loadu_si512((const void *)(xt + 32))), BH(w[1]));
+        p = _mm512_dpbf16_ps(p, BH(_mm512_loadu_si512((const void *)(xt + 64))), BH(w[2]));
+        p = _mm512_dpbf16_ps(p, BH(_mm512_loadu_si512((const void *)(xt + 96))), BH(w[3]));
+        tot[t] = _mm512_fmadd_ps(p, sv, tot[t]);
     }
 }
 
@@ -142,19 +154,15 @@ INLINE void bdot_pair_tokens(const mm_job *j, int64_t c0, const int nt, const __
     for (int t = 0; t < nt; t++) {
         const uint16_t *xt = j->xb + t * j->kp + c0;
         __m512i x = _mm512_loadu_si512((const void *)xt);
-        __m512 paa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[0]));
-        __m512 pab = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[0]));
-        x = _mm512_loadu_si512((const void *)(xt + 32));
-        __m512 pba = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[1]));
-        __m512 pbb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[1]));
-        x = _mm512_loadu_si512((const void *)(xt + 64));
-        paa = _mm512_dpbf16_ps(paa, BH(x), BH(ua[2]));
-        pab = _mm512_dpbf16_ps(pab, BH(x), BH(ub[2]));
-        x = _mm512_loadu_si512((const void *)(xt + 96));
-        pba = _mm512_dpbf16_ps(pba, BH(x), BH(ua[3]));
-        pbb = _mm512_dpbf16_ps(pbb, BH(x), BH(ub[3]));
-        tot_a[t] = _mm512_fmadd_ps(_mm512_add_ps(paa, pba), sa, tot_a[t]);
-        tot_b[t] = _mm512_fmadd_ps(_mm512_add_ps(pab, pbb), sb, tot_b[t]);
+        __m512 pa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ua[0]));
+        __m512 pb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(x), BH(ub[0]));
+        for (int q = 1; q < 4; q++) {
+            x = _mm512_loadu_si512((const void *)(xt + 32 * q));
+            pa = _mm512_dpbf16_ps(pa, BH(x), BH(ua[q]));
+            pb = _mm512_dpbf16_ps(pb, BH(x), BH(ub[q]));
+        }
+        tot_a[t] = _mm512_fmadd_ps(pa, sa, tot_a[t]);
+        tot_b[t] = _mm512_fmadd_ps(pb, sb, tot_b[t]);
     }
 }
 
@@ -210,7 +218,7 @@ INLINE void fp8_bf16(__m512i v, const __m512i tab[4], __m512i w[2]) {
 }
 
 /* Scale block b of the row, its first `cols` (<= 128) columns, against nt tokens: tot[t] += scale * its sum.
- * Per token two chains of two vdpbf16ps (w[0], w[2] and w[1], w[3]), then one FMA with the scale. */
+ * Per token one chain of four vdpbf16ps (w[0] to w[3]), then one FMA with the scale. */
 INLINE void fp8_bdot_block(const mm_job *j, const uint8_t *wr, const uint8_t *srow, int64_t b, int64_t cols, const int nt,
                            const __m512i tab[4], __m512 *tot) {
     const int64_t c0 = FP8_BLOCK * b;
@@ -228,11 +236,11 @@ INLINE void fp8_bdot_block(const mm_job *j, const uint8_t *wr, const uint8_t *sr
     const __m512 sf = _mm512_set1_ps(ue8m0_f32[srow[b]]);
     for (int t = 0; t < nt; t++) {
         const uint16_t *xt = j->xb + t * j->kp + c0;
-        __m512 pa = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(_mm512_loadu_si512((const void *)xt)), BH(w[0]));
-        __m512 pb = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(_mm512_loadu_si512((const void *)(xt + 32))), BH(w[1]));
-        pa = _mm512_dpbf16_ps(pa, BH(_mm512_loadu_si512((const void *)(xt + 64))), BH(w[2]));
-        pb = _mm512_dpbf16_ps(pb, BH(_mm512_loadu_si512((const void *)(xt + 96))), BH(w[3]));
-        tot[t] = _mm512_fmadd_ps(_mm512_add_ps(pa, pb), sf, tot[t]);
+        __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), BH(_mm512_loadu_si512((const void *)xt)), BH(w[0]));
+        p = _mm512_dpbf16_ps(p, BH(_mm512_loadu_si512((const void *)(xt + 32))), BH(w[1]));
+        p = _mm512_dpbf16_ps(p, BH(_mm512_loadu_si512((const void *)(xt + 64))), BH(w[2]));
+        p = _mm512_dpbf16_ps(p, BH(_mm512_loadu_si512((const void *)(xt + 96))), BH(w[3]));
+        tot[t] = _mm512_fmadd_ps(p, sf, tot[t]);
     }
 }
 

@@ -39,7 +39,8 @@
  * 1.10, 1.06, 1.20, where the unchanged folded FP8 kernel read x0.82-1.24 in the same run.
  * Tried and dropped: the scales of 4 chunks from one 16-byte load (widened and shifted once, one vpermps per chunk)
  * x0.99 at T = 1, x0.79-0.95 at T = 3..8; one total per row instead of two alternating ones (chunk c into total c % 2)
- * x0.96 at T = 1, x1.02-1.07 at T = 4..8 over the one-chain kernel.
+ * x0.96 at T = 1, x1.02-1.07 at T = 4..8 over the one-chain kernel; fp4_chunk's scale vector widened and shifted in
+ * 128 bits with one 512-bit vpermd (instead of a 512-bit vpshufb and shift) x0.97-1.02 at T = 1..8.
  * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (bindings, dispatch.c,
  * pool.c).
  */

@@ -703,3 +703,92 @@ def test_each_batch_of_a_layer_all_in_a_budget_that_holds_the_bank(fst):
                 list(c.each_batch(2, [8]))
     assert seen[bank] == seen[bank - 1]
     assert seen[bank] == ([[5, 1, 7], [5, 0], [2], list(range(8))], 14, 8)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_each_batch_of_resident_experts_counts_as_the_handles_do(fst, policy):
+    """A layer all resident comes from `each_batch` in one list pinned at once (`resident_batch`), changing the cache's
+    state exactly as the handles of `iter_ready(batch=True)` do: the same resident sets step by step, the same hits,
+    evictions and prefetch uses, the same recency and policy scores. (Each step first reads what is missing with
+    `acquire`, so that which record a read evicts does not depend on when the reads land.)"""
+    trace = routing_trace(30, 5, 8, 3, hash_layers=2, zipf=0.9, locality=0.5, vocab=512, seed=4)
+    caches = [ExpertCache(fst, 12 * fst.expert_stride, io_threads=1, policy=policy) for _ in range(2)]
+    try:
+        for t in range(trace.shape[0]):
+            for layer in range(trace.shape[1]):
+                ids = [int(e) for e in dict.fromkeys(trace[t, layer])]
+                nxt = (layer + 1) % trace.shape[1]
+                for c in caches:  # a lookahead guess (the next layer's row of the next token), landed before use
+                    c.prefetch(nxt, trace[(t + 1) % trace.shape[0], nxt][:2], source="lookahead")
+                    assert c.wait_idle(TIMEOUT)
+                    while missing := [e for e in ids if (layer, e) not in c.resident()]:  # a read may evict another
+                        c.acquire(layer, missing).release()
+                fast, slow = caches
+                got = [[(e, same(w, fst.expert(layer, e))) for e, w in b] for b in fast.each_batch(layer, ids)]
+                want = [[(h.expert, same(h.weights, fst.expert(layer, h.expert))) for h in hs]
+                        for hs in slow.iter_ready(layer, ids, batch=True)]  # fmt: skip
+                assert got == want == [[(e, True) for e in ids]]
+                assert fast.resident() == slow.resident() and fast.stats()["pinned"] == 0
+        a, b = (c.stats() for c in caches)
+        for k in ("hits", "misses", "evictions", "sources"):
+            assert a[k] == b[k], k
+        assert a["sources"]["lookahead"]["used"] > 0 and a["evictions"] > 0
+        assert np.array_equal(caches[0].policy.last, caches[1].policy.last)
+        if policy == "lrfu":
+            assert np.array_equal(caches[0].policy.score, caches[1].policy.score)
+        assert np.array_equal(caches[0]._last_use, caches[1]._last_use)
+    finally:
+        for c in caches:
+            c.close()
+
+
+def test_each_batch_of_resident_experts_keeps_them_pinned_until_the_next_step(fst):
+    """While the list of a resident layer is in use its slots are pinned: reads for other layers evict only what
+    nobody holds, and a request that would need the held slots is refused; the next step of the iteration gives
+    them back."""
+    with ExpertCache(fst, 8 * fst.expert_stride, io_threads=1, policy="lru") as c:
+        c.acquire(1, range(6)).release()
+        it = c.each_batch(1, [5, 0, 3, 1, 4, 2])
+        batch = next(it)
+        assert [e for e, _ in batch] == [5, 0, 3, 1, 4, 2] and c.stats()["pinned"] == 6
+        for e in range(8):  # every expert of layer 2 through the 2 slots left
+            c.acquire(2, [e]).release()
+        assert {(1, e) for e in range(6)} <= c.resident()
+        assert all(same(w, fst.expert(1, e)) for e, w in batch)
+        with pytest.raises(CacheFullError, match=r"\(8 slots"):
+            c.acquire(3, [0, 1, 2])
+        assert list(it) == [] and c.stats()["pinned"] == 0
+        c.acquire(3, range(8)).release()  # released: the whole budget is usable again
+
+
+def test_each_batch_claims_a_layer_together_and_gives_everything_back(fst):
+    """With some of a layer's experts missing, `each_batch` pins the resident ones and starts the reads together: the
+    resident come first in one list, the reads as they land, each once with its bytes; run through or closed early,
+    every pin and claim goes back; a failed read is the requester's error and leaves nothing pinned."""
+    with ExpertCache(fst, 8 * fst.expert_stride, io_threads=2) as c:
+        c.acquire(2, [1, 3]).release()
+        counts = slow_reads(c, 0.02)
+        it = c.each_batch(2, [3, 0, 1, 5])
+        first = next(it)
+        assert [e for e, _ in first] == [3, 1] and c.stats()["pinned"] >= 2
+        rest = [p for b in it for p in b]
+        assert sorted(e for e, _ in rest) == [0, 5] and all(same(w, fst.expert(2, e)) for e, w in first + rest)
+        assert c.stats()["pinned"] == 0 and counts == {(2, 0): 1, (2, 5): 1}
+        it = c.each_batch(3, [0, 1, 2, 4])
+        assert all(same(w, fst.expert(3, e)) for e, w in next(it))  # the first read landed
+        it.close()  # abandoned: its pins and the claims on the reads still in flight go
+        assert c.wait_idle(TIMEOUT) and c.stats()["pinned"] == 0
+        slow = c._reader.read
+
+        def read(layer, e, buf):
+            if (layer, e) == (4, 1):
+                raise OSError("device gone")
+            slow(layer, e, buf)
+
+        c._reader.read = read
+        with pytest.raises(FormatError, match=r"expert \(layer 4, id 1\)"):
+            for _ in c.each_batch(4, [0, 1, 2]):
+                pass
+        assert c.wait_idle(TIMEOUT) and c.stats()["pinned"] == 0
+        c._reader.read = slow
+        c.acquire(4, range(8)).release()  # the whole budget is usable again

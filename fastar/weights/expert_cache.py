@@ -40,6 +40,7 @@ from ..errors import ConfigError, FastarError, FormatError
 from ..format.reader import FstFile
 from . import expert_store as store
 from .expert_store import CacheFullError
+from .resident_batch import ResidentBatches
 
 _FREE, _LOADING, _READY = 0, 1, 2
 SOURCES = ("manual", "hash", "lookahead")
@@ -117,7 +118,7 @@ class _Implicit:
             pass
 
 
-class ExpertCache:
+class ExpertCache(ResidentBatches):
     """RAM tier of routed experts over an open `.fst`: an `ExpertProvider` (`fastar.contracts`) plus the richer API.
 
     Args:
@@ -181,6 +182,7 @@ class ExpertCache:
         self._shield_epoch = np.zeros(n_slots, np.int64)
         self._unused = np.full(n_slots, -1, np.int8)  # prefetch source of a loaded, not yet used record
         self._last_use = np.zeros(n_slots, np.int64)  # tick of each slot's latest handle: a scan evicts the newest
+        self._init_resident()  # element views of the arrays above (`resident_batch`)
         self._tick = 0
         self._free = list(range(n_slots - 1, -1, -1))
         self._key_slot: dict[int, int] = {}
@@ -267,7 +269,11 @@ class ExpertCache:
                         self._shield[s], self._shield_epoch[s] = True, self._epoch
             # a scan's prefetch takes only slots nobody holds or wants now: a read evicted before its use would be
             # read twice in one pass
-            room = self.n_slots - self._committed() - int(np.count_nonzero(self._shield & (self._pins == 0)))
+            room = (
+                self.n_slots - self._committed() - int(np.count_nonzero(self._shield & (self._pins == 0)))
+                if scan
+                else 0
+            )
             for e in wanted:
                 k = self._key(layer, e)
                 if k in self._key_slot or k in self._inflight:
@@ -375,7 +381,9 @@ class ExpertCache:
         """Lists of (expert id, weights): all that are present at once, then what arrives (`iter_ready(batch=True)`);
         with every expert resident, one list: the MoE then runs the layer's experts in one kernel call. `scan`:
         as `iter_ready`'s (a prefill pass over the layers). Where the budget holds the whole bank and the layer is all
-        in, the list comes without pins or handles (`_whole_layer`: nothing can be evicted), the same hits counted."""
+        in, the list comes without pins or handles (`_whole_layer`: nothing can be evicted), the same hits counted;
+        otherwise, where the budget holds them all pinned at once, claimed together in one pass and released together
+        when the iteration ends (`resident_batch`: no handles), the same accesses counted."""
         if scan:  # one at a time: each record used frees its slot for the next read (see iter_ready)
             for h in self.iter_ready(layer, ids, scan=True):
                 yield [(h.expert, h.weights)]
@@ -399,6 +407,12 @@ class ExpertCache:
                             self._unused[slots[e]] = -1
             yield [(e, views[e]) for e in uniq]
             return
+        if uniq and 0 <= layer < self.num_layers and min(uniq) >= 0 and max(uniq) < self.num_experts:
+            self._implicit(layer)
+            claimed = self._claim_layer(layer, uniq)  # pinned or claimed together (`resident_batch`)
+            if claimed is not None:
+                yield from self._claimed_batches(*claimed)
+                return
         for hs in self.iter_ready(layer, uniq, batch=True):
             yield [(h.expert, h.weights) for h in hs]
 
@@ -536,14 +550,17 @@ class ExpertCache:
             return
         prev, self._cur_layer = self._cur_layer, layer
         self._epoch += 1
-        for load in [ld for ld in self._prefetch if ld.scan and ld.layer < layer]:
+        for load in [ld for ld in self._prefetch if ld.scan and ld.layer < layer] if self._prefetch else ():
             self._prefetch.remove(load)  # a scan prefetch whose layer has passed without asking for it
             del self._inflight[load.key]
             self._src[load.source]["dropped"] += 1
-        if not self._shield.any():  # nothing shielded (the common case: every wanted record was claimed)
-            return
-        stale = (self._slot_key // self.num_experts == prev) | (self._shield_epoch < self._epoch - self.num_layers)
-        self._shield &= ~stale
+        held = self._shield.nonzero()[0]  # a few slots at decode (wrong guesses), often none (the method: np.any and
+        # np.flatnonzero cost ~3x more from cold caches)
+        if held.size:
+            stale = (self._slot_key[held] // self.num_experts == prev) | (
+                self._shield_epoch[held] < self._epoch - self.num_layers
+            )
+            self._shield[held[stale]] = False
 
     def _committed(self) -> int:
         """Slots spoken for by pins: pinned slots plus queued loads that will arrive pinned."""

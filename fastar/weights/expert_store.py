@@ -164,10 +164,11 @@ class LRUPolicy:
     def __init__(self, n_keys: int) -> None:
         self.tick = 0
         self.last = np.zeros(n_keys, np.float64)
+        self._last = memoryview(self.last)  # element access without numpy scalars (see LRFUPolicy)
 
     def access(self, k: int) -> None:
         self.tick += 1
-        self.last[k] = self.tick
+        self._last[k] = self.tick
 
     def victim(self, keys: np.ndarray) -> int:
         """Index into `keys` of the one to evict."""
@@ -193,15 +194,18 @@ class LRFUPolicy:
         self.window = window
         self.score = np.zeros(n_keys, np.float64)
         self.last = np.zeros(n_keys, np.int64)
+        # the same memory element by element: an access (a decode step makes layers x top-k of them) then costs no
+        # numpy scalars, ~3x less from the cold caches a step leaves; the arrays are only ever changed in place
+        self._score, self._last = memoryview(self.score), memoryview(self.last)
 
     def access(self, k: int) -> None:
         self.tick += 1
-        self.last[k] = self.tick
+        self._last[k] = self.tick
         x = (self.tick - self.base) * self.inv_h
         if x > 512.0:  # keep 2^x far from float64 overflow (2^1024)
             self.score *= 2.0**-x
             self.base, x = self.tick, 0.0
-        self.score[k] += 2.0**x
+        self._score[k] += 2.0**x  # the same float64 addition as numpy's
 
     def victim(self, keys: np.ndarray) -> int:
         if self.window:

@@ -67,8 +67,8 @@ def routed_sum(
     one call adds each route's output into its token's row expert after expert, as `experts_ffn` does. Otherwise
     each batch runs as one call writing each route's output into a row of its own of a zeroed scratch (0 + y, what
     `expert_ffn` returns), and once all have arrived the scratch rows are added into the tokens' rows in route
-    order, one row after another: per output element the same additions in the same order as the per-expert
-    path's `index_add_`s."""
+    order, one row after another (for one token one `np.add.reduce` over the scratch from 0, which adds its rows in
+    that order): per output element the same additions in the same order as the per-expert path's `index_add_`s."""
     ext = kernels.extension
     T, k = routed.shape
     wn = wts if isinstance(wts, np.ndarray) else wts.numpy()  # `route_fused` gives numpy, `MoE.route` a tensor
@@ -123,6 +123,9 @@ def routed_sum(
             counts = offsets[1:][idx] - offsets[:-1][idx]
             offs = np.concatenate(([0], np.cumsum(counts)))
         ext.experts_ffn(xr, [have[wanted[i]] for i in idx], sel, offs, rw[sel], float(limit), scratch, act_block)
+    if scratch is not None and T == 1:  # every route's token is row 0: 0 + y0 + y1 + ... in route order, one call
+        np.add.reduce(scratch, axis=0, out=out[0], initial=0.0)  # (a row after another, as the loop below)
+        return out
     out.fill(0.0)
     if scratch is not None:
         for r, y in zip(rows.tolist(), scratch):  # in route order (np.add.at would too, ~50x slower)

@@ -258,3 +258,16 @@ def test_router_scores_equal_token_by_token():
             got = moe_fused.router_scores(logits)
             assert torch.equal(got.isnan(), want.isnan()), (E, T)
             assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), (E, T)
+
+
+def test_lookahead_guess_through_the_c_router_picks_the_torch_guess(model_path):
+    """`MoE.guess` handed x's array (the C router on the newest row, one call) picks the experts the torch guess picks,
+    for 1 and several rows; the hash-routed layers guess nothing either way."""
+    with load(model_path, ram_budget=None) as eng:
+        scored = [b.ffn for b in eng.model.layers if not b.ffn.is_hash]
+        assert scored and all(m.router is not None for m in scored)
+        for m in eng.model.layers[0].ffn, *scored:
+            for T in (1, 3):
+                x, _ = _inputs(m.gate.in_features, T, seed=10 * m.layer + T)
+                got, want = m.guess(x, x.numpy()), m.guess(x)
+                assert sorted(got) == sorted(want) and len(got) == (0 if m.is_hash else m.topk), (m.layer, T)

@@ -630,10 +630,14 @@ class MoE:
             else None
         )
 
-    def guess(self, x: torch.Tensor) -> list[int]:
-        """This layer's likely experts for x (its router on another layer's input): lookahead prefetch."""
+    def guess(self, x: torch.Tensor, xa: np.ndarray | None = None) -> list[int]:
+        """This layer's likely experts for x (its router on another layer's input): lookahead prefetch. `xa`: x's
+        array where the caller has it: the C router then picks the same experts in one call (`route_fused`)."""
         if self.is_hash:
             return []
+        got = None if self.router is None or xa is None else self.router(x[-1:], None, xa[-1:])
+        if got is not None:
+            return got[0][0].tolist()
         scores = ops.sqrtsoftplus(self.gate(x[-1:]))  # [1, E]: the newest token is the one decode waits on
         return torch.topk(scores + self.bias, self.topk, dim=-1).indices.reshape(-1).tolist()
 
@@ -666,7 +670,7 @@ class MoE:
         routes = self.route_c(x, ids, xa) if fused else None  # numpy (ids, weights): `moe_fused.routed_sum` takes them
         idx, wts = routes if routes is not None else self.route(x, ids)
         if self.lookahead is not None:  # guess the next layer's experts now, so their reads overlap this layer
-            self.lookahead(x)
+            self.lookahead(x, xa)
         if self.offload is not None:  # split between the device and the CPU, summed in expert-id order
             return self.offload(self, x, idx, wts) + self._shared(x)
         if fused:  # `moe_fused`: the same bits
@@ -941,7 +945,7 @@ class DeepseekV4:
         if lookahead and self.experts.pages:  # a provider that does not page gains nothing from the guesses
             prefetch = self.experts.prefetch
             for cur, nxt in zip(self.layers, self.layers[1:]):
-                cur.ffn.lookahead = lambda x, m=nxt.ffn: prefetch(m.layer, m.guess(x), source="lookahead")
+                cur.ffn.lookahead = lambda x, xa, m=nxt.ffn: prefetch(m.layer, m.guess(x, xa), source="lookahead")
         if self.experts.pages:  # a span knows (nearly) every expert of the next layer: read it behind this one
             for cur, nxt in zip(self.layers, self.layers[1:]):
                 cur.ffn.span_next = lambda xs, ids, m=nxt.ffn: self.experts.prefetch(

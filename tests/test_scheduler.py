@@ -4,11 +4,11 @@ queue, cancellation and counters; chunked prefill interleaved with decoding."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 from batch_helpers import needs_invariant_kernels, prompt, same_chunks, solo
+from polling import wait_until
 
 from fastar.engine.engine import load
 from fastar.engine.sampling import SamplingParams
@@ -479,16 +479,15 @@ def test_run_calls_after_step_with_whether_the_scheduler_is_idle(eng):
     worker = threading.Thread(target=sched.run, args=(stop, 0.01, seen.append), daemon=True)
     worker.start()
     try:
-        time.sleep(0.1)  # idle wake-ups only
-        assert seen and all(seen)
+        assert wait_until(lambda: len(seen) >= 3, 30)  # idle wake-ups only
+        assert all(seen)
         n = len(seen)
         handles = [sched.submit(prompt(40 + i, 6), max_tokens=3, ignore_eos=True) for i in range(2)]
         for h in handles:
             assert list(h)[-1].finish_reason == "length"
-        time.sleep(0.1)
+        assert wait_until(lambda: seen[-1] is True, 30), "the worker never reported itself idle after the work"
         during = seen[n:]
         assert False in during, "no step reported work left"
-        assert during[-1] is True and during.index(False) < len(during) - 1
     finally:
         stop.set()
         worker.join(60)

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from polling import wait_until
 from test_server import NO_THINK, FakeEngine, FakeTokenizer, chat, client, openai, raw, start_server
 
 from fastar.encoding import BOS
@@ -43,16 +44,6 @@ def exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:
         except (TimeoutError, ConnectionResetError):
             pass
     return out
-
-
-def wait_until(cond, timeout: float = 10.0) -> bool:
-    """Poll `cond` every 10 ms until it holds or `timeout` passes; whether it held."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def assert_openai_error(

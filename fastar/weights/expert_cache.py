@@ -621,11 +621,7 @@ class ExpertCache(ResidentBatches):
         with self._cond:
             self._check_open()
             self._enter_layer(layer)
-            need = 0
-            for k in keys:
-                s, ld = self._key_slot.get(k), self._inflight.get(k)
-                has_pin = (s is not None and self._pins[s] > 0) or (ld is not None and ld.slot < 0 and ld.claims)
-                need += not has_pin
+            need = self._pins_needed(keys)
             if self._committed() + need > self.n_slots:
                 raise CacheFullError(self._full_msg(layer, need))
             claims = []
@@ -647,14 +643,29 @@ class ExpertCache(ResidentBatches):
                 raise type(bad.error)(str(bad.error))  # a fresh exception per requesting thread
             return [self._handle(layer, e, c.slot if isinstance(c, _Load) else c) for e, c in zip(uniq, claims)]
 
+    def _pins_needed(self, keys: list[int]) -> int:
+        """Slots a claim of `keys` would newly commit (under the lock): those whose record holds no pin yet, resident
+        or being read; `_committed()` plus this must fit the slab for every one of them to be pinned at once."""
+        pins, need = self._slot_elems[0], 0
+        for k in keys:
+            s, ld = self._key_slot.get(k), self._inflight.get(k)
+            need += not ((s is not None and pins[s] > 0) or (ld is not None and ld.slot < 0 and ld.claims))
+        return need
+
+    def _views(self, slot: int) -> tuple[memoryview, ExpertWeights]:
+        """The bytes of the record in `slot` and its weights' views, made once per slot (they view the same bytes
+        whichever expert the slot holds)."""
+        v = self._slot_views.get(slot)
+        if v is None:
+            buf = self._slab.view(slot).toreadonly()
+            v = self._slot_views[slot] = (buf, self.fst.expert_views(buf))
+        return v
+
     def _handle(self, layer: int, e: int, slot: int) -> ExpertHandle:
         self._tick += 1
         self._last_use[slot] = self._tick
-        views = self._slot_views.get(slot)  # a slot's arrays view the same bytes whichever expert it holds
-        if views is None:
-            buf = self._slab.view(slot).toreadonly()
-            views = self._slot_views[slot] = (buf, self.fst.expert_views(buf))
-        return ExpertHandle(layer, e, views[1], views[0], self, slot)
+        buf, views = self._views(slot)
+        return ExpertHandle(layer, e, views, buf, self, slot)
 
     def _next_ready(self, layer, ready, outstanding, todo, keys) -> ExpertHandle | None:
         """A pinned handle for iter_ready: a resident expert, else a finished load; None when none is ready."""
@@ -688,9 +699,10 @@ class ExpertCache(ResidentBatches):
             self._unpin_locked(slot)
 
     def _unpin_locked(self, slot: int) -> None:
-        assert self._pins[slot] > 0, f"unbalanced release of expert slot {slot}"
-        self._pins[slot] -= 1
-        if self._pins[slot] == 0 and self._starved:  # a loader waits for a slot to become evictable
+        pins = self._slot_elems[0]  # `_pins` element by element (`resident_batch`)
+        assert pins[slot] > 0, f"unbalanced release of expert slot {slot}"
+        pins[slot] -= 1
+        if pins[slot] == 0 and self._starved:  # a loader waits for a slot to become evictable
             self._starved = False
             self._cond.notify_all()
 

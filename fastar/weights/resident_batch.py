@@ -50,13 +50,8 @@ class ResidentBatches:
                 # absent, or still being read (a key has a slot from its read's start, and leaves `_inflight` as
                 # its slot turns ready, under this lock)
                 slots.append(None if s is None or base + e in self._inflight else s)
-            if None in slots:
-                pins, need = self._slot_elems[0], 0
-                for e, s in zip(uniq, slots):
-                    ld = self._inflight.get(base + e)
-                    need += not ((s is not None and pins[s] > 0) or (ld is not None and ld.slot < 0 and ld.claims))
-                if self._committed() + need > self.n_slots:
-                    return None
+            if None in slots and self._committed() + self._pins_needed([base + e for e in uniq]) > self.n_slots:
+                return None
             self._enter_layer(layer)
             access, (pins, shield, unused, last_use) = self.policy.access, self._slot_elems
             for e in uniq:
@@ -75,7 +70,7 @@ class ResidentBatches:
                 tick += 1
                 last_use[s] = tick
                 held.append(s)
-                present.append((e, self._weights(s)))
+                present.append((e, self._views(s)[1]))
             self._tick = tick
             self._stats["hits"] += len(held)
         return present, held, loads
@@ -99,27 +94,14 @@ class ResidentBatches:
                                 raise type(ld.error)(str(ld.error))  # a fresh exception per requesting thread
                             self._tick += 1
                             self._last_use[ld.slot] = self._tick
-                            batch.append((e, self._weights(ld.slot)))
+                            batch.append((e, self._views(ld.slot)[1]))
                     pending = [p for p in pending if not p[1].done]
                 yield batch
         finally:
             with self._cond:
-                pins, freed = self._slot_elems[0], False
                 for s in held:
-                    assert pins[s] > 0, f"unbalanced release of expert slot {s}"
-                    pins[s] -= 1
-                    freed = freed or pins[s] == 0
+                    self._unpin_locked(s)  # wakes a loader starved for an evictable slot
                 for _, ld in loads:  # a landed read's pin, or the claim on one still in flight
                     self._drop_claim(ld)
-                if (freed and self._starved) or not all(ld.done for _, ld in loads):
-                    self._starved = False
-                    self._cond.notify_all()  # a loader waits for a slot to become evictable, or a claim went
-
-    def _weights(self, slot: int) -> ExpertWeights:
-        """The weights of the record in `slot` (views made once per slot: they view the same bytes whichever expert
-        the slot holds)."""
-        v = self._slot_views.get(slot)
-        if v is None:
-            buf = self._slab.view(slot).toreadonly()
-            v = self._slot_views[slot] = (buf, self.fst.expert_views(buf))
-        return v[1]
+                if not all(ld.done for _, ld in loads):
+                    self._cond.notify_all()  # a claim on a read in flight went (as `iter_ready` ends)

@@ -1501,15 +1501,28 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`fastar serve` in a subprocess on a free port; its log goes to a file, read for tracebacks at the end."""
+    """`fastar serve` in a subprocess on a free port; its log goes to a file, read for tracebacks at the end.
+    `flags`: the serve flags before `extra` (this probe's: no prompt cache, a 512-token context, so a request that
+    slips past a limit cannot run long); `launcher`: what runs `serve ...` (default `python -m fastar`); `env`: the
+    child's environment (default this one's). scripts/soak.py starts its server here too."""
 
-    def __init__(self, model: str | None, extra: list[str], log_dir: Path, name: str = "server") -> None:
+    def __init__(
+        self,
+        model: str | None,
+        extra: list[str],
+        log_dir: Path,
+        name: str = "server",
+        *,
+        flags: tuple[str, ...] = ("--no-prompt-cache", "-c", "512"),
+        launcher: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.log = log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "fastar", "serve", "--port", str(self.port), "--no-prompt-cache", "-c", "512"]
-        cmd += (["-m", model] if model else []) + extra
+        cmd = launcher if launcher is not None else [sys.executable, "-m", "fastar"]
+        cmd = [*cmd, "serve", "--port", str(self.port), *flags, *(["-m", model] if model else []), *extra]
         with open(self.log, "wb") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True)
 
     def wait_ready(self, timeout: float = 180) -> None:
         t_end = time.monotonic() + timeout
@@ -1533,12 +1546,13 @@ class ServerProcess:
             return None
         return None
 
-    def stop(self) -> list[str]:
-        """Stop the server; the tracebacks its log holds, one line each (the exception's last line)."""
+    def stop(self, wait: float = 20) -> list[str]:
+        """Stop the server (SIGINT, then SIGKILL after `wait` seconds); the tracebacks its log holds, one line each
+        (the exception's last line)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
-                self.proc.wait(20)
+                self.proc.wait(wait)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)

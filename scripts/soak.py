@@ -34,15 +34,15 @@ import http.client
 import json
 import os
 import random
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
+
+from hostile_probe import ServerProcess  # scripts/: `fastar serve` on a free port, ready, stopped
 
 MODEL = "deepseek-v4-flash"
 WORDS = (
@@ -119,12 +119,6 @@ threading.Thread(target=sampler, name="soak-sampler", daemon=True).start()
 from fastar.cli import main
 raise SystemExit(main())
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def memory_mb(pid: int) -> dict[str, float]:
@@ -265,36 +259,23 @@ KINDS = ("chat", "chat", "conversation", "tools", "json", "completion", "complet
 KINDS += ("anthropic", "responses")
 
 
-def start_server(args, log_path: Path, cache_dir: str) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    serve = ["serve", "--port", str(port), "--prompt-cache", cache_dir]
-    serve += (["-m", args.model] if args.model else []) + args.serve_args
+def start_server(args, log_dir: Path) -> ServerProcess:
+    """`fastar serve` with a prompt cache under `log_dir`, through the tracing bootstrap where asked, ready."""
     env = dict(os.environ)
     if args.arena_max:
         env["MALLOC_ARENA_MAX"] = str(args.arena_max)
+    launcher = None
     if args.trace or args.trim:
-        cmd = [sys.executable, "-c", BOOTSTRAP, args.trace_out, str(args.trace), "1" if args.trim else "0"]
-        cmd += [str(args.interval), *serve]
-    else:
-        cmd = [sys.executable, "-m", "fastar", *serve]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True)
-    t_end = time.monotonic() + args.load_timeout
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise SystemExit(f"error: fastar serve exited with {proc.returncode}: {log_path.read_text()[-800:]}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/health")
-            ok = conn.getresponse().status == 200
-            conn.close()
-            if ok:
-                return proc, port
-        except OSError:
-            pass
-        time.sleep(0.3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit(f"error: fastar serve was not ready within {args.load_timeout:.0f} s")
+        launcher = [sys.executable, "-c", BOOTSTRAP, args.trace_out, str(args.trace), "1" if args.trim else "0"]
+        launcher += [str(args.interval)]
+    flags = ("--prompt-cache", str(log_dir / "cache"))
+    server = ServerProcess(args.model, args.serve_args, log_dir, flags=flags, launcher=launcher, env=env)
+    try:
+        server.wait_ready(args.load_timeout)
+    except BaseException:
+        server.stop(wait=0)
+        raise
+    return server
 
 
 def main() -> int:
@@ -322,7 +303,8 @@ def main() -> int:
         Path(args.trace_out + ".baseline").unlink(missing_ok=True)
 
     with tempfile.TemporaryDirectory(prefix="fastar-soak-") as tmp:
-        proc, port = start_server(args, Path(tmp) / "server.log", str(Path(tmp) / "cache"))
+        server = start_server(args, Path(tmp))
+        proc, port = server.proc, server.port
         try:
             counts, lock = Counter(), threading.Lock()
             t0 = time.monotonic()
@@ -348,16 +330,9 @@ def main() -> int:
             for t in threads:
                 t.join(timeout=300)
             if proc.poll() is not None:
-                raise SystemExit(
-                    f"error: fastar serve died during the soak: {(Path(tmp) / 'server.log').read_text()[-800:]}"
-                )
+                raise SystemExit(f"error: fastar serve died during the soak: {server.log.read_text()[-800:]}")
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            log = (Path(tmp) / "server.log").read_text(errors="replace")
+            tracebacks = server.stop(wait=60)  # (time to flush its prompt cache)
     after = [s for s in samples if s["t"] >= args.warmup] or samples
     half = [s for s in samples if s["t"] >= args.duration / 2]
     summary = {
@@ -371,7 +346,7 @@ def main() -> int:
         "anon_slope_last_half_mb_per_min": round(slope([(s["t"], s["anon"]) for s in half]), 2),
         "floor_slope_mb_per_min": round(slope(floor(after)), 2),
         "outcomes": dict(sorted(counts.items())),
-        "server_tracebacks": log.count("Traceback"),
+        "server_tracebacks": len(tracebacks),
     }
     print(
         f"\n{summary['requests']} requests by {args.clients} clients in {args.duration:.0f} s; RSS "

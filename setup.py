@@ -24,6 +24,7 @@ COMMON = [
     "dispatch.c",
     "experts.c",
     "pool.c",
+    "lookahead.c",
     "kern_scalar.c",
     "rowops.c",
     "mhc.c",

@@ -1,8 +1,8 @@
 /* Stress test of the kernel thread pool (fastar/quant/csrc/pool.c), built alone with ThreadSanitizer by
  * tests/test_pool_tsan.py: many small jobs of changing sizes, jobs posted while workers are still starting (the
- * pool resized between jobs), jobs with the race-widening test hooks on, and jobs in a forked child. Every job
- * checks that each chunk ran exactly once before pool_run returned. Exit status 0 and no ThreadSanitizer report
- * is a pass. */
+ * pool resized between jobs), jobs with the race-widening test hooks on, jobs in a forked child, and idle-time
+ * prefetch requests (pool_prefetch) posted and cancelled between jobs. Every job checks that each chunk ran exactly
+ * once before pool_run returned. Exit status 0 and no ThreadSanitizer report is a pass. */
 #define _GNU_SOURCE
 #include <stdatomic.h>
 #include <stdint.h>
@@ -28,10 +28,14 @@ static void chunk(void *p, int64_t i) {
     atomic_fetch_add(&j->counts[i], 1);
 }
 
+static char prefetched[4 << 20]; /* what the prefetch requests point into */
+
 static int run_jobs_checked(int jobs, unsigned seed) {
     static job_t j;
     for (int n = 0; n < jobs; n++) {
         seed = seed * 1103515245u + 12345u;
+        if (seed % 3 == 0) /* a prefetch request (or, now and then, a cancel) for the idle worker before the job */
+            pool_prefetch(seed % 7 ? prefetched + (seed >> 12) % 4096 : NULL, (seed >> 16) % sizeof prefetched / 2);
         const int64_t nchunks = 1 + (seed >> 8) % 300;
         for (int i = 0; i < 512; i++) atomic_store(&j.counts[i], 0);
         j.work = (int)((seed >> 4) % 2000);
@@ -65,6 +69,17 @@ int main(void) {
     waitpid(pid, &st, 0);
     bad |= !WIFEXITED(st) || WEXITSTATUS(st) != 0;
     bad |= run_jobs_checked(500, 9);                      /* and the parent's pool still works after the fork */
+    /* the idle worker prefetches: a request right after a job (the worker is spinning), waited for at most 10 s */
+    const uint64_t before = pool_prefetched_bytes();
+    for (int i = 0; i < 1000 && pool_prefetched_bytes() == before; i++) {
+        bad |= run_jobs_checked(1, (unsigned)i);
+        pool_prefetch(prefetched, sizeof prefetched);
+        usleep(10000);
+    }
+    if (pool_prefetched_bytes() == before) {
+        fprintf(stderr, "the idle worker never prefetched\n");
+        bad = 1;
+    }
     printf(bad ? "pool stress: FAILED\n" : "pool stress: ok\n");
     return bad;
 }

@@ -45,12 +45,7 @@ static int product_into(const isa_ops *isa, char fmt, const float *x, const view
     const int64_t N = dim(vw, 0);
     mm_job job = {.x = x, .w = vw->b.buf, .s = fmt == 'b' ? NULL : vs->b.buf, .T = T, .N = N, .K = K, .out = out,
                   .ldo = N, .accumulate = 0};
-    if (G == 1) return product(isa, fmt, &job);
-    if (K == 0 || T == 0 || N == 0) {
-        empty_sum(&job);
-        return 0;
-    }
-    return grouped_product(isa, fmt, &job, G);
+    return weights_product(isa, fmt, &job, G);
 }
 
 /* attn_project(x f32 [T, d], w_a, s_a, q_lora, w_b, s_b, q_norm f32 [q_lora], kv_norm f32 [D], cos f32 [T, h], sin,

@@ -164,14 +164,7 @@ static PyObject *matmul(PyObject *args, PyObject *kw, char fmt) {
     const isa_ops *isa = cur_isa;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    if (G == 1) {
-        rc = product(isa, fmt, &job);
-    } else if (K == 0 || T == 0 || N == 0) {
-        empty_sum(&job);
-        rc = 0;
-    } else {
-        rc = grouped_product(isa, fmt, &job, G);
-    }
+    rc = weights_product(isa, fmt, &job, G);
     Py_END_ALLOW_THREADS
     if (rc) {
         PyErr_NoMemory();
@@ -621,6 +614,24 @@ static PyObject *py_pool_test_delays(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* _lookahead(mb) -> the previous cap in MB: how much of the next product's weights the idle worker prefetches
+ * (lookahead.c; 0 turns it off); tests and A/B runs. */
+static PyObject *py_lookahead(PyObject *self, PyObject *args) {
+    (void)self;
+    long long mb;
+    if (!PyArg_ParseTuple(args, "L", &mb)) return NULL;
+    if (mb < 0 || mb > (1ll << 20)) return PyErr_Format(PyExc_ValueError, "lookahead cap must be 0..%lld MB, got %lld", 1ll << 20, mb);
+    return PyLong_FromSize_t(lookahead_set_cap((size_t)mb << 20) >> 20);
+}
+
+/* _lookahead_stats() -> (prefetches requested, bytes prefetched) since the process started. */
+static PyObject *py_lookahead_stats(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    uint64_t n, bytes;
+    lookahead_stats(&n, &bytes);
+    return Py_BuildValue("KK", (unsigned long long)n, (unsigned long long)bytes);
+}
+
 /* _fp8_fold(on) -> the previous setting: the FP8 dot path's scale folding (kernels.h's fp8_fold); tests and A/B. */
 static PyObject *py_fp8_fold(PyObject *self, PyObject *arg) {
     (void)self;
@@ -733,6 +744,8 @@ static PyMethodDef methods[] = {
     {"bf16_dot_peak", py_bf16_dot_peak, METH_O, "bf16_dot_peak(iters) -> (seconds, flops) of vdpbf16ps"},
     {"_pool_probe", py_pool_probe, METH_VARARGS, "_pool_probe(counts i64[n], spin_us): count each chunk's runs"},
     {"_pool_test_delays", py_pool_test_delays, METH_VARARGS, "_pool_test_delays(worker_us, caller_us): test hooks"},
+    {"_lookahead", py_lookahead, METH_VARARGS, "_lookahead(mb) -> previous: the weight lookahead's cap (0: off)"},
+    {"_lookahead_stats", py_lookahead_stats, METH_NOARGS, "_lookahead_stats() -> (prefetches requested, bytes)"},
     {"_fp8_fold", py_fp8_fold, METH_O, "_fp8_fold(on) -> previous: the FP8 dot path's scale folding (tests, A/B)"},
     {NULL, NULL, 0, NULL},
 };

@@ -122,6 +122,8 @@ static int64_t pass_chunks(int64_t n, int64_t least, int64_t *per) {
 int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const float *x, int64_t D, int64_t I,
                 const int64_t *rows, const int64_t *off, const float *rw, float limit, int64_t act_block, float *out) {
     const int64_t M = off[E];
+    const size_t bytes = (size_t)E * 3 * (size_t)(I * D / 2); /* FP4 gate, up and down: a volatile stream */
+    lookahead_begin(E ? ew[0] : NULL, bytes, 0);
     float *xs = malloc((size_t)(M * D) * sizeof(float)), *gu = malloc((size_t)(2 * M * I) * sizeof(float));
     float *y = malloc((size_t)(M * D) * sizeof(float));
     ffn_ctx *c = calloc((size_t)E, sizeof(ffn_ctx));
@@ -167,6 +169,7 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
         }
     }
     for (int64_t i = 0; i < prepared; i++) finish_job(&preps[i], !rc);
+    lookahead_end(E ? ew[0] : NULL, bytes);
     free(preps);
     free(order);
     free(down_run);
@@ -197,7 +200,7 @@ int shared_run(const isa_ops *isa, const float *x, int64_t T, int64_t D, int64_t
         if (act_block) act_quant_rows(isa, x, xq, T, D, act_block);
         mm_job up = {.x = act_block ? xq : x, .w = w13, .s = s13, .T = T, .N = 2 * I, .K = D, .out = gu,
                      .ldo = 2 * I, .accumulate = 0};
-        rc = product(isa, fmt13, &up);
+        rc = weights_product(isa, fmt13, &up, 1);
     }
     if (!rc) {
         float *u = g + T * I;
@@ -208,7 +211,7 @@ int shared_run(const isa_ops *isa, const float *x, int64_t T, int64_t D, int64_t
         swiglu_isa(isa, g, u, g, T * I, limit, 1.0f);
         if (act_block) act_quant_rows(isa, g, g, T, I, act_block);
         mm_job down = {.x = g, .w = w2, .s = s2, .T = T, .N = D, .K = I, .out = y, .ldo = D, .accumulate = 0};
-        rc = product(isa, fmt2, &down);
+        rc = weights_product(isa, fmt2, &down, 1);
     }
     if (!rc && accumulate) /* out + the whole output: one addition per element, as `routed + shared` */
         for (int64_t i = 0; i < T * D; i++) out[i] += y[i];

@@ -4,7 +4,8 @@
  * from different Python threads); the calling thread works on the job too, so 1 thread means no hand-off.
  * Workers spin briefly after a job (back-to-back kernel calls are the common case: a decode step is a product,
  * some Python, the next product), yielding the core to any other runnable thread (an expert read) as they go,
- * then sleep on a condition variable, so an idle pool costs no CPU.
+ * then sleep on a condition variable, so an idle pool costs no CPU. While it spins, the first worker prefetches the
+ * range lookahead.c asks for (the next product's weights: the memory bus is idle between kernels).
  * Does not own: how work is split (callers pass chunk counts) or anything about the kernels.
  */
 #define _GNU_SOURCE
@@ -18,9 +19,11 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define CPU_RELAX() _mm_pause()
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define HAVE_MXCSR 1
 #else
 #define CPU_RELAX() ((void)0)
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
 #define HAVE_MXCSR 0
 #endif
 
@@ -51,6 +54,16 @@ typedef struct {
                                   applies it per claimed chunk (a late worker must not read it while the
                                   next job's caller writes it) */
 } pool_t;
+
+/* The idle-time prefetch (lookahead.c asks for it): one range at a time, under a sequence lock (seq odd while
+ * written). The first worker reads it while it waits for a job, and stops at the next job or the next request;
+ * one the job interrupted resumes after it, at the offset where it stopped. */
+static struct {
+    atomic_uint_fast64_t seq;
+    _Atomic(const char *) base;
+    atomic_size_t bytes;
+    atomic_uint_fast64_t done_bytes; /* prefetched in all, for tests and stats */
+} PF;
 
 static pool_t P = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
                    .cv_work = PTHREAD_COND_INITIALIZER, .cv_done = PTHREAD_COND_INITIALIZER,
@@ -116,14 +129,65 @@ static void run_chunks(uint64_t gen, int worker) {
     }
 }
 
+void pool_prefetch(const void *p, size_t bytes) {
+    if (P.nworkers == 0) return;
+    const uint_fast64_t s = atomic_load_explicit(&PF.seq, memory_order_relaxed);
+    atomic_store(&PF.seq, s + 1); /* odd: being written (one writer: lookahead.c's lock) */
+    atomic_store(&PF.base, (const char *)p);
+    atomic_store(&PF.bytes, p ? bytes : 0);
+    atomic_store(&PF.seq, s + 2);
+}
+
+uint64_t pool_prefetched_bytes(void) { return atomic_load(&PF.done_bytes); }
+
+typedef struct {
+    uint_fast64_t seq; /* the request this worker works on */
+    const char *base;
+    size_t at, bytes;  /* prefetched so far, of bytes */
+} pf_state;
+
+/* Prefetches some of the current request while the generation stays `seen`; 1 if it did any work. */
+static int prefetch_some(pf_state *st, uint64_t seen) {
+    const uint_fast64_t s = atomic_load(&PF.seq);
+    if (s & 1) return 0;
+    if (s != st->seq) { /* a new request: read it whole, or wait for the next look */
+        const char *b = atomic_load(&PF.base);
+        const size_t n = atomic_load(&PF.bytes);
+        if (atomic_load(&PF.seq) != s) return 0;
+        *st = (pf_state){.seq = s, .base = b, .at = 0, .bytes = n};
+    }
+    if (st->at >= st->bytes) return 0;
+    const size_t start = st->at;
+    while (st->at < st->bytes) { /* 4 KB at a time, then look for a job or a newer request */
+        const size_t end = st->at + 4096 < st->bytes ? st->at + 4096 : st->bytes;
+        for (size_t o = st->at; o < end; o += 64) PREFETCH(st->base + o);
+        st->at = end;
+        if (atomic_load_explicit(&P.generation, memory_order_relaxed) != seen ||
+            atomic_load_explicit(&PF.seq, memory_order_relaxed) != st->seq || atomic_load(&P.shutdown))
+            break;
+    }
+    atomic_fetch_add_explicit(&PF.done_bytes, st->at - start, memory_order_relaxed);
+    return 1;
+}
+
+typedef struct {
+    uint64_t gen0; /* the generation at creation: a job posted before this thread first runs must still be seen
+                      as new */
+    int prefetcher; /* this worker does the idle-time prefetch (the first one) */
+} worker_arg;
+
+static worker_arg worker_args[MAX_THREADS];
+
 static void *worker_main(void *arg) {
-    uint64_t seen = (uint64_t)(uintptr_t)arg; /* the generation at creation: a job posted before this
-                                                 thread first runs must still be seen as new */
+    const worker_arg *a = arg;
+    uint64_t seen = a->gen0;
+    pf_state pf = {.seq = 0};
     for (;;) {
         /* spin a little, then sleep until the generation moves */
         int64_t t0 = now_ns();
         int spins = 0;
         while (atomic_load_explicit(&P.generation, memory_order_acquire) == seen && !atomic_load(&P.shutdown)) {
+            if (a->prefetcher && prefetch_some(&pf, seen)) continue;
             CPU_RELAX();
             if (++spins % 64 == 0) sched_yield(); /* a runnable thread (an expert read's) gets the core at once */
             if (spins % 64 == 0 && now_ns() - t0 > SPIN_NS) {
@@ -185,9 +249,10 @@ static int start_locked(int n) {
     pthread_once(&atfork_once, register_atfork);
     stop_workers();
     P.nthreads = 1;
-    uintptr_t gen0 = (uintptr_t)atomic_load(&P.generation);
+    const uint64_t gen0 = atomic_load(&P.generation);
     for (int i = 0; i < n - 1; i++) {
-        if (pthread_create(&P.tids[i], NULL, worker_main, (void *)gen0) != 0) break;
+        worker_args[i] = (worker_arg){.gen0 = gen0, .prefetcher = i == 0};
+        if (pthread_create(&P.tids[i], NULL, worker_main, &worker_args[i]) != 0) break;
         P.nworkers++;
     }
     P.nthreads = P.nworkers + 1;

@@ -19,11 +19,11 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define CPU_RELAX() _mm_pause()
-#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T1) /* into L2: an L1 prefetch holds one of the few L1 miss buffers */
 #define HAVE_MXCSR 1
 #else
 #define CPU_RELAX() ((void)0)
-#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#define PREFETCH(p) __builtin_prefetch((p), 0, 2)
 #define HAVE_MXCSR 0
 #endif
 

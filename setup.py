@@ -24,7 +24,7 @@ COMMON = [
     "dispatch.c",
     "experts.c",
     "pool.c",
-    "lookahead.c",
+    "readahead.c",
     "kern_scalar.c",
     "rowops.c",
     "mhc.c",

@@ -129,16 +129,16 @@ def fp8_fold(on: bool) -> bool:
     return bool(_C._fp8_fold(bool(on))) if _C is not None else True
 
 
-def lookahead(mb: int) -> int:
-    """The weight lookahead's cap (csrc/lookahead.c): how many MB of the next product's weights the pool's idle worker
-    prefetches while the caller is between kernels (8 by default, or FASTAR_PREFETCH_MB; 0 turns it off). Returns
+def readahead(mb: int) -> int:
+    """The weight readahead's cap (csrc/readahead.c): how many MB of the next product's weights the pool's idle worker
+    prefetches while the caller is between kernels (8 by default, or FASTAR_READAHEAD_MB; 0 turns it off). Returns
     the previous cap. Results are the same bits either way; a knob for tests and A/B runs."""
-    return int(_C._lookahead(int(mb))) if _C is not None else 0
+    return int(_C._readahead(int(mb))) if _C is not None else 0
 
 
-def lookahead_stats() -> tuple[int, int]:
-    """(prefetches the weight lookahead requested, bytes the pool's worker prefetched) since the process started."""
-    return tuple(_C._lookahead_stats()) if _C is not None else (0, 0)
+def readahead_stats() -> tuple[int, int]:
+    """(prefetches the weight readahead requested, bytes the pool's worker prefetched) since the process started."""
+    return tuple(_C._readahead_stats()) if _C is not None else (0, 0)
 
 
 def pool_probe(counts: np.ndarray, spin_us: float = 0.0) -> None:

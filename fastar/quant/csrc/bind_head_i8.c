@@ -80,9 +80,9 @@ PyObject *py_head_i8_dot(PyObject *self, PyObject *args) {
     const isa_ops *isa = cur_isa;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    lookahead_begin(d.q, (size_t)(V * K), 1); /* the int8 head: the largest stream of a decode step */
+    readahead_begin(d.q, (size_t)(V * K), 1); /* the int8 head: the largest stream of a decode step */
     rc = head_i8_dot_run(isa, &d);
-    lookahead_end(d.q, (size_t)(V * K));
+    readahead_end(d.q, (size_t)(V * K));
     Py_END_ALLOW_THREADS
     if (rc) {
         PyErr_NoMemory();

@@ -614,21 +614,21 @@ static PyObject *py_pool_test_delays(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* _lookahead(mb) -> the previous cap in MB: how much of the next product's weights the idle worker prefetches
- * (lookahead.c; 0 turns it off); tests and A/B runs. */
-static PyObject *py_lookahead(PyObject *self, PyObject *args) {
+/* _readahead(mb) -> the previous cap in MB: how much of the next product's weights the idle worker prefetches
+ * (readahead.c; 0 turns it off); tests and A/B runs. */
+static PyObject *py_readahead(PyObject *self, PyObject *args) {
     (void)self;
     long long mb;
     if (!PyArg_ParseTuple(args, "L", &mb)) return NULL;
-    if (mb < 0 || mb > (1ll << 20)) return PyErr_Format(PyExc_ValueError, "lookahead cap must be 0..%lld MB, got %lld", 1ll << 20, mb);
-    return PyLong_FromSize_t(lookahead_set_cap((size_t)mb << 20) >> 20);
+    if (mb < 0 || mb > (1ll << 20)) return PyErr_Format(PyExc_ValueError, "readahead cap must be 0..%lld MB, got %lld", 1ll << 20, mb);
+    return PyLong_FromSize_t(readahead_set_cap((size_t)mb << 20) >> 20);
 }
 
-/* _lookahead_stats() -> (prefetches requested, bytes prefetched) since the process started. */
-static PyObject *py_lookahead_stats(PyObject *self, PyObject *args) {
+/* _readahead_stats() -> (prefetches requested, bytes prefetched) since the process started. */
+static PyObject *py_readahead_stats(PyObject *self, PyObject *args) {
     (void)self, (void)args;
     uint64_t n, bytes;
-    lookahead_stats(&n, &bytes);
+    readahead_stats(&n, &bytes);
     return Py_BuildValue("KK", (unsigned long long)n, (unsigned long long)bytes);
 }
 
@@ -744,8 +744,8 @@ static PyMethodDef methods[] = {
     {"bf16_dot_peak", py_bf16_dot_peak, METH_O, "bf16_dot_peak(iters) -> (seconds, flops) of vdpbf16ps"},
     {"_pool_probe", py_pool_probe, METH_VARARGS, "_pool_probe(counts i64[n], spin_us): count each chunk's runs"},
     {"_pool_test_delays", py_pool_test_delays, METH_VARARGS, "_pool_test_delays(worker_us, caller_us): test hooks"},
-    {"_lookahead", py_lookahead, METH_VARARGS, "_lookahead(mb) -> previous: the weight lookahead's cap (0: off)"},
-    {"_lookahead_stats", py_lookahead_stats, METH_NOARGS, "_lookahead_stats() -> (prefetches requested, bytes)"},
+    {"_readahead", py_readahead, METH_VARARGS, "_readahead(mb) -> previous: the weight readahead's cap (0: off)"},
+    {"_readahead_stats", py_readahead_stats, METH_NOARGS, "_readahead_stats() -> (prefetches requested, bytes)"},
     {"_fp8_fold", py_fp8_fold, METH_O, "_fp8_fold(on) -> previous: the FP8 dot path's scale folding (tests, A/B)"},
     {NULL, NULL, 0, NULL},
 };

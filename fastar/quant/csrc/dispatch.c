@@ -477,7 +477,7 @@ int grouped_product(const isa_ops *isa, char fmt, const mm_job *whole, int64_t G
 }
 
 /* A product of resident weights (a layer's, the LM head's): one product (G = 1) or a grouped one, as a stream of
- * the weight lookahead (lookahead.c). job->K is the whole x's (G groups of K / G). Returns 0, or -1 for out of
+ * the weight readahead (readahead.c). job->K is the whole x's (G groups of K / G). Returns 0, or -1 for out of
  * memory. */
 int weights_product(const isa_ops *isa, char fmt, mm_job *job, int64_t G) {
     if (job->K == 0 || job->T == 0 || job->N == 0) {
@@ -485,8 +485,8 @@ int weights_product(const isa_ops *isa, char fmt, mm_job *job, int64_t G) {
         return 0;
     }
     const size_t row = (size_t)(job->K / G), bytes = (size_t)job->N * (fmt == '4' ? row / 2 : fmt == '8' ? row : 2 * row);
-    lookahead_begin(job->w, bytes, 1);
+    readahead_begin(job->w, bytes, 1);
     const int rc = G == 1 ? product(isa, fmt, job) : grouped_product(isa, fmt, job, G);
-    lookahead_end(job->w, bytes);
+    readahead_end(job->w, bytes);
     return rc;
 }

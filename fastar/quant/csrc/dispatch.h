@@ -50,7 +50,7 @@ void empty_sum(mm_job *job); /* the product with K = 0 */
 /* One product, and a grouped one (G groups, see fp4_matmul). Return 0, or -1 for out of memory. */
 int product(const isa_ops *isa, char fmt, mm_job *job);
 int grouped_product(const isa_ops *isa, char fmt, const mm_job *whole, int64_t G);
-/* Either of the two (G = 1: product) on resident weights, as a stream of the weight lookahead (lookahead.c). */
+/* Either of the two (G = 1: product) on resident weights, as a stream of the weight readahead (readahead.c). */
 int weights_product(const isa_ops *isa, char fmt, mm_job *job, int64_t G);
 
 /* ---------------------------------------------------------------- the fused routed experts (experts.c) */

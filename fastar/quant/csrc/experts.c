@@ -123,7 +123,7 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
                 const int64_t *rows, const int64_t *off, const float *rw, float limit, int64_t act_block, float *out) {
     const int64_t M = off[E];
     const size_t bytes = (size_t)E * 3 * (size_t)(I * D / 2); /* FP4 gate, up and down: a volatile stream */
-    lookahead_begin(E ? ew[0] : NULL, bytes, 0);
+    readahead_begin(E ? ew[0] : NULL, bytes, 0);
     float *xs = malloc((size_t)(M * D) * sizeof(float)), *gu = malloc((size_t)(2 * M * I) * sizeof(float));
     float *y = malloc((size_t)(M * D) * sizeof(float));
     ffn_ctx *c = calloc((size_t)E, sizeof(ffn_ctx));
@@ -169,7 +169,7 @@ int experts_run(const isa_ops *isa, int64_t E, const uint8_t *const *ew, const f
         }
     }
     for (int64_t i = 0; i < prepared; i++) finish_job(&preps[i], !rc);
-    lookahead_end(E ? ew[0] : NULL, bytes);
+    readahead_end(E ? ew[0] : NULL, bytes);
     free(preps);
     free(order);
     free(down_run);

@@ -212,13 +212,13 @@ void pool_test_delays(int worker_us, int caller_us); /* test hooks: see pool.c *
 void pool_prefetch(const void *p, size_t bytes);
 uint64_t pool_prefetched_bytes(void);
 
-/* Weight lookahead (lookahead.c): a product of resident weights w (bytes of them) tells it when it begins and ends,
+/* Weight readahead (readahead.c): a product of resident weights w (bytes of them) tells it when it begins and ends,
  * and the start of the product that followed it last time is prefetched at its end. stable 0: weights that change
  * from step to step (routed experts). */
-void lookahead_begin(const void *w, size_t bytes, int stable);
-void lookahead_end(const void *w, size_t bytes);
-void lookahead_stats(uint64_t *predicted, uint64_t *prefetched_bytes);
-size_t lookahead_set_cap(size_t bytes); /* the most bytes of a stream prefetched (0: off); returns the previous */
+void readahead_begin(const void *w, size_t bytes, int stable);
+void readahead_end(const void *w, size_t bytes);
+void readahead_stats(uint64_t *predicted, uint64_t *prefetched_bytes);
+size_t readahead_set_cap(size_t bytes); /* the most bytes of a stream prefetched (0: off); returns the previous */
 
 /* DeepSeek's FP8 activation quant-dequant per `block` values of each row (kern_scalar.c; out may be x). */
 void fp8_act_quant_scalar(const float *x, float *out, int64_t rows, int64_t K, int64_t block);

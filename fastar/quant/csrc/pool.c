@@ -5,7 +5,7 @@
  * Workers spin briefly after a job (back-to-back kernel calls are the common case: a decode step is a product,
  * some Python, the next product), yielding the core to any other runnable thread (an expert read) as they go,
  * then sleep on a condition variable, so an idle pool costs no CPU. While it spins, the first worker prefetches the
- * range lookahead.c asks for (the next product's weights: the memory bus is idle between kernels).
+ * range readahead.c asks for (the next product's weights: the memory bus is idle between kernels).
  * Does not own: how work is split (callers pass chunk counts) or anything about the kernels.
  */
 #define _GNU_SOURCE
@@ -55,7 +55,7 @@ typedef struct {
                                   next job's caller writes it) */
 } pool_t;
 
-/* The idle-time prefetch (lookahead.c asks for it): one range at a time, under a sequence lock (seq odd while
+/* The idle-time prefetch (readahead.c asks for it): one range at a time, under a sequence lock (seq odd while
  * written). The first worker reads it while it waits for a job, and stops at the next job or the next request;
  * one the job interrupted resumes after it, at the offset where it stopped. */
 static struct {
@@ -132,7 +132,7 @@ static void run_chunks(uint64_t gen, int worker) {
 void pool_prefetch(const void *p, size_t bytes) {
     if (P.nworkers == 0) return;
     const uint_fast64_t s = atomic_load_explicit(&PF.seq, memory_order_relaxed);
-    atomic_store(&PF.seq, s + 1); /* odd: being written (one writer: lookahead.c's lock) */
+    atomic_store(&PF.seq, s + 1); /* odd: being written (one writer: readahead.c's lock) */
     atomic_store(&PF.base, (const char *)p);
     atomic_store(&PF.bytes, p ? bytes : 0);
     atomic_store(&PF.seq, s + 2);

@@ -1,8 +1,8 @@
-"""A/B of the weight lookahead (fastar/quant/csrc/lookahead.c) on one-row greedy decode steps, in one process: the
+"""A/B of the weight readahead (fastar/quant/csrc/readahead.c) on one-row greedy decode steps, in one process: the
 cap switched between off and on every few steps, in alternating order, the memory bandwidth probed around each pair
-(the machine's memory speed moves by itself, and the lookahead can only help where the memory binds).
+(the machine's memory speed moves by itself, and the readahead can only help where the memory binds).
 
-    python scripts/lookahead_ab.py MODEL.fst [--steps 16] [--pairs 30] [--mb 8] [--ram-budget auto]
+    python scripts/readahead_ab.py MODEL.fst [--steps 16] [--pairs 30] [--mb 8] [--ram-budget auto]
 
 Prints each pair (bandwidth before / after, tok/s off and on, their ratio, MB prefetched a token) and the median ratio
 of the pairs below and above 45 GB/s.
@@ -35,7 +35,7 @@ def main() -> None:
     seq.append(argmax(engine.prefill(seq, state)[-1]))
 
     def run(mb: int) -> float:
-        K.lookahead(mb)
+        K.readahead(mb)
         t0 = time.perf_counter()
         for _ in range(a.steps):
             seq.append(argmax(engine.prefill(seq[-1:], state, argmax_only=screen)[-1]))
@@ -44,9 +44,9 @@ def main() -> None:
     run(0)  # warm
     pairs = []
     for i in range(a.pairs):
-        bw0, bytes0 = _stream_gbps(engine), K.lookahead_stats()[1]
+        bw0, bytes0 = _stream_gbps(engine), K.readahead_stats()[1]
         got = {mb: run(mb) for mb in ((0, a.mb) if i % 2 == 0 else (a.mb, 0))}
-        bw1, mb_token = _stream_gbps(engine), (K.lookahead_stats()[1] - bytes0) / a.steps / 1e6
+        bw1, mb_token = _stream_gbps(engine), (K.readahead_stats()[1] - bytes0) / a.steps / 1e6
         pairs.append(((bw0 + bw1) / 2, got[a.mb] / got[0]))
         print(
             f"pair {i}: {bw0:.0f} / {bw1:.0f} GB/s  off {got[0]:.2f}  on {got[a.mb]:.2f} tok/s  "

@@ -1,4 +1,4 @@
-"""The weight lookahead (fastar/quant/csrc/lookahead.c and pool.c's idle-time prefetch): each product of resident
+"""The weight readahead (fastar/quant/csrc/readahead.c and pool.c's idle-time prefetch): each product of resident
 weights remembers the one that followed it, and at its end the pool's idle worker prefetches the start of that one.
 It changes no result (prefetches only), predicts the stable sequence of a decode step, skips over the routed experts
 (whose weights change with the routing) and over small products, and turns off with a cap of 0."""
@@ -20,9 +20,9 @@ def two_threads():
     """Two pool threads (the prefetcher is the first worker) and the default cap, restored after the test."""
     threads = K.get_num_threads()
     K.set_num_threads(2)
-    was = K.lookahead(8)
+    was = K.readahead(8)
     yield
-    K.lookahead(was)
+    K.readahead(was)
     K.set_num_threads(threads)
 
 
@@ -37,7 +37,7 @@ def x_rows(rng, t: int, k: int) -> np.ndarray:
 
 
 def predicted() -> int:
-    return K.lookahead_stats()[0]
+    return K.readahead_stats()[0]
 
 
 def test_the_next_product_is_predicted_and_prefetched(two_threads):
@@ -47,10 +47,10 @@ def test_the_next_product_is_predicted_and_prefetched(two_threads):
     for _ in range(2):  # the sequence a, b, a, b, ... learnt
         K.fp8_matmul(xa, *a)
         K.fp8_matmul(xb, *b)
-    n0, bytes0 = K.lookahead_stats()
+    n0, bytes0 = K.readahead_stats()
     K.fp8_matmul(xa, *a)  # its end predicts b: the worker prefetches b's 2 MB while nothing runs
     assert predicted() == n0 + 1
-    assert wait_until(lambda: K.lookahead_stats()[1] >= bytes0 + (2 << 20), timeout=10)
+    assert wait_until(lambda: K.readahead_stats()[1] >= bytes0 + (2 << 20), timeout=10)
     K.fp8_matmul(xb, *b)  # and b's end predicts a
     assert predicted() == n0 + 2
 
@@ -64,7 +64,7 @@ def test_results_are_the_same_bits_with_and_without_it(two_threads):
         return [K.fp8_matmul(x, *w) for _ in range(3) for w in ws]
 
     on = sequence()
-    K.lookahead(0)
+    K.readahead(0)
     off = sequence()
     for a, b in zip(on, off, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -74,7 +74,7 @@ def test_cap_zero_turns_it_off(two_threads):
     rng = np.random.default_rng(2)
     a, b = fp8_weight(rng, 1024, 2048), fp8_weight(rng, 1024, 2048)
     x = x_rows(rng, 1, 2048)
-    K.lookahead(0)
+    K.readahead(0)
     n0 = predicted()
     for _ in range(3):
         K.fp8_matmul(x, *a)
@@ -129,5 +129,5 @@ def test_routed_experts_are_skipped_over(two_threads):
 
 
 def test_a_bad_cap_is_refused():
-    with pytest.raises(ValueError, match="lookahead cap"):
-        K.lookahead(-1)
+    with pytest.raises(ValueError, match="readahead cap"):
+        K.readahead(-1)

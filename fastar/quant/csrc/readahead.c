@@ -1,4 +1,4 @@
-/* Weight lookahead: the next product's weights read into the caches while the calling thread is between kernels.
+/* Weight readahead: the next product's weights read into the caches while the calling thread is between kernels.
  *
  * A decode step is a fixed sequence of weight products (a layer's attention projections, its shared expert, its
  * routed experts, ..., the LM head) with Python, norms, attention and routing between them. At one token every
@@ -13,14 +13,14 @@
  * Streams are stable (the same weights each step: the dense products, the LM head) or volatile (the routed experts,
  * whose weights change with the routing). A volatile stream is never a key: the one predicted after it is the one
  * that followed the last stable stream, and a stable stream followed by a volatile one last time prefetches nothing
- * (its successor's weights are unknown until the routing). Products under LOOKAHEAD_MIN bytes (routers, the head's
+ * (its successor's weights are unknown until the routing). Products under READAHEAD_MIN bytes (routers, the head's
  * candidate rows) are no streams at all: their weights are few, and a buffer made per call would only pollute the
  * table.
  *
  * Owns: the table of successors (direct-mapped on the weights' address: a collision overwrites) and what the next
  * prefetch is. Does not own: the prefetch itself (pool.c's worker), when a product runs (its caller).
- * FASTAR_PREFETCH_MB (read once; `lookahead_set_cap` changes it at run time, for tests and A/B runs) caps how much
- * of a stream's start is prefetched: 0 turns lookahead off.
+ * FASTAR_READAHEAD_MB (read once; `readahead_set_cap` changes it at run time, for tests and A/B runs) caps how much
+ * of a stream's start is prefetched: 0 turns readahead off.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -29,7 +29,7 @@
 #include "kernels.h"
 
 #define TABLE 4096                      /* entries: a 43-layer model has ~10 streams a layer */
-#define LOOKAHEAD_MIN ((size_t)1 << 20) /* smaller products are no streams */
+#define READAHEAD_MIN ((size_t)1 << 20) /* smaller products are no streams */
 #define DEFAULT_MB 8                    /* a quarter of a 32 MB L3: what ~0.3 ms of glue can read */
 
 typedef struct {
@@ -45,7 +45,7 @@ static struct {
     const void *last;     /* the last stable stream begun */
     int volatile_since;   /* a volatile stream began since `last` */
     int current_volatile; /* the stream running now is volatile */
-    size_t cap;           /* bytes prefetched at most (FASTAR_PREFETCH_MB) */
+    size_t cap;           /* bytes prefetched at most (FASTAR_READAHEAD_MB) */
     int cap_read;
     uint64_t predicted;   /* prefetches requested */
 } L = {.mu = PTHREAD_MUTEX_INITIALIZER};
@@ -57,7 +57,7 @@ static entry_t *slot(const void *key) {
 
 static size_t cap_locked(void) {
     if (!L.cap_read) {
-        const char *env = getenv("FASTAR_PREFETCH_MB");
+        const char *env = getenv("FASTAR_READAHEAD_MB");
         const long mb = env && *env ? atol(env) : DEFAULT_MB;
         L.cap = mb > 0 ? (size_t)mb << 20 : 0;
         L.cap_read = 1;
@@ -65,8 +65,8 @@ static size_t cap_locked(void) {
     return L.cap;
 }
 
-void lookahead_begin(const void *w, size_t bytes, int stable) {
-    if (bytes < LOOKAHEAD_MIN) return;
+void readahead_begin(const void *w, size_t bytes, int stable) {
+    if (bytes < READAHEAD_MIN) return;
     pthread_mutex_lock(&L.mu);
     if (cap_locked()) {
         pool_prefetch(NULL, 0); /* whatever was being prefetched is this stream's or a wrong guess: stop */
@@ -84,8 +84,8 @@ void lookahead_begin(const void *w, size_t bytes, int stable) {
     pthread_mutex_unlock(&L.mu);
 }
 
-void lookahead_end(const void *w, size_t bytes) {
-    if (bytes < LOOKAHEAD_MIN) return;
+void readahead_end(const void *w, size_t bytes) {
+    if (bytes < READAHEAD_MIN) return;
     pthread_mutex_lock(&L.mu);
     const size_t cap = cap_locked();
     if (cap && L.last && (L.current_volatile || L.last == w)) {
@@ -98,7 +98,7 @@ void lookahead_end(const void *w, size_t bytes) {
     pthread_mutex_unlock(&L.mu);
 }
 
-size_t lookahead_set_cap(size_t bytes) {
+size_t readahead_set_cap(size_t bytes) {
     pthread_mutex_lock(&L.mu);
     const size_t was = cap_locked();
     L.cap = bytes;
@@ -107,7 +107,7 @@ size_t lookahead_set_cap(size_t bytes) {
     return was;
 }
 
-void lookahead_stats(uint64_t *predicted, uint64_t *prefetched_bytes) {
+void readahead_stats(uint64_t *predicted, uint64_t *prefetched_bytes) {
     pthread_mutex_lock(&L.mu);
     *predicted = L.predicted;
     pthread_mutex_unlock(&L.mu);

@@ -587,6 +587,33 @@ def test_bf16_path_is_chosen_per_call(bf16_isa, bad):
         assert not np.array_equal(got, fp32)
 
 
+@pytest.mark.parametrize(
+    "exact, value, bf16",
+    [
+        (True, 2.0**-110, True),  # exponent field 17: the exact range's bottom
+        (True, 2.0**-111, False),
+        (True, 1.5 * 2.0**64, True),  # field 191: its top
+        (True, 2.0**65, False),
+        (False, 2.0**-94, True),  # field 33: the split range's bottom (x not all bfloat16)
+        (False, 2.0**-95, False),
+    ],
+)
+def test_bf16_path_range_ends_at_a_ragged_end(bf16_isa, exact, value, bf16):
+    """The per-call choice at the ends of the exact and split ranges, the deciding value in the last column of a
+    ragged K (past the last whole 16 and 128 columns the scan and the bfloat16 copy of x read in): the bf16 path
+    (which differs from the FP32 path in summation order) or the FP32 path, bit for bit."""
+    rng = np.random.default_rng(7)
+    for k, product in (
+        (1000, lambda a, w, s: K.fp8_matmul(a, w, s)),
+        (992, lambda a, w, s: K.fp4_matmul(a, w, s)),
+    ):
+        x = exact_x(rng, 3, k) if exact else (rng.standard_normal((3, k)) * 3).astype(np.float32)
+        x[2, k - 1] = value
+        w, s = fp8_weights(rng, 90, k) if k == 1000 else fp4_weights(rng, 90, k)
+        got, fp32 = on_both_paths(lambda: product(x, w, s))  # noqa: B023 (called at once)
+        assert np.array_equal(got, fp32) != bf16, (k, value)
+
+
 @pytest.mark.parametrize("t", [1, 2, 3, 5, 8])
 def test_bf16_path_splits_x_that_is_not_bf16(bf16_isa, t):
     """Arbitrary float32 x (the unquantized wo_a input, the reference numerics) runs on the bf16 path as three

@@ -2,8 +2,8 @@
  *
  * Owns: the list of ISA tables (all_isas, best first) and the current one (cur_isa: AVX-512 with BF16 > AVX-512 >
  * AVX2+FMA+F16C > scalar on x86-64, NEON with BF16 > NEON > scalar on AArch64, FASTAR_ISA or set_isa to force one), cpuid, the per-call choice of the bf16 dot path
- * (x_kind), the dot path's permuted copies of x, splitting rows across the thread pool, and the portable-or-ISA
- * choice of the activation ops.
+ * (x_kind), the dot path's permuted copies of x (the ISA's vectorized x_scan / x_bf16 where it has them), splitting
+ * rows across the thread pool, and the portable-or-ISA choice of the activation ops.
  * Does not own: argument checks and the GIL (bindings.c, bind_ops.c), the arithmetic (kern_*.c), the pool (pool.c),
  * the fused expert (experts.c).
  *
@@ -203,7 +203,11 @@ static int dot_max(const isa_ops *isa) {
  * X_NONE otherwise (infinities, NaN, tiny or huge values). */
 enum { X_EXACT, X_SPLIT, X_NONE };
 
-static int x_kind(const float *x, int64_t n) {
+static int x_kind(const isa_ops *isa, const float *x, int64_t n) {
+    if (isa->x_scan) { /* the same scan, vectorized */
+        const unsigned b = isa->x_scan(x, n);
+        return !(b & (X_SCAN_INEXACT | X_SCAN_OUT_EXACT)) ? X_EXACT : b & X_SCAN_OUT_SPLIT ? X_NONE : X_SPLIT;
+    }
     uint32_t inexact = 0, out_exact = 0, out_split = 0;
     for (int64_t i = 0; i < n; i++) {
         uint32_t u;
@@ -216,18 +220,24 @@ static int x_kind(const float *x, int64_t n) {
     return !inexact && !out_exact ? X_EXACT : out_split ? X_NONE : X_SPLIT;
 }
 
-/* The dot path's copy of x [T, K]: columns permuted per XP_CHUNK, dst[t, c0 + i] = x[t, c0 + map[i]], each row
- * zero padded to *kp = K rounded up to XP_CHUNK; float32, or (bf16) the high halves of the floats. 64-byte aligned
- * (so are its rows), so no vector load of it straddles two cache lines. NULL when out of memory. */
-static void *permute_x(const uint8_t *map, const float *x, int64_t T, int64_t K, int64_t *kp, int bf16) {
+/* The dot path's copy of x [T, K] (rows ld floats apart): columns permuted per XP_CHUNK, dst[t, c0 + i] = x[t, c0 +
+ * map[i]], each row zero padded to *kp = K rounded up to XP_CHUNK; float32, or (bf16) the high halves of the floats
+ * (the ISA's x_bf16 where it has one). 64-byte aligned (so are its rows), so no vector load of it straddles two cache
+ * lines. NULL when out of memory. */
+static void *permute_x(const isa_ops *isa, const uint8_t *map, const float *x, int64_t T, int64_t K, int64_t ld,
+                       int64_t *kp, int bf16) {
     *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK;
     void *dst = aligned_alloc(64, (size_t)(T * *kp) * (bf16 ? sizeof(uint16_t) : sizeof(float)) + 64);
     if (!dst) return NULL;
+    if (bf16 && isa->x_bf16) {
+        isa->x_bf16(map, x, T, K, ld, dst, *kp);
+        return dst;
+    }
     for (int64_t t = 0; t < T; t++)
         for (int64_t c0 = 0; c0 < *kp; c0 += XP_CHUNK)
             for (int i = 0; i < XP_CHUNK; i++) {
                 const int64_t col = c0 + map[i];
-                const float v = col < K ? x[t * K + col] : 0.0f;
+                const float v = col < K ? x[t * ld + col] : 0.0f;
                 if (bf16) {
                     uint32_t u;
                     memcpy(&u, &v, 4);
@@ -318,7 +328,7 @@ int choose_path(const isa_ops *isa, char fmt, const float *x, int64_t T, int64_t
     if (!bmap) return PATH_FP32;
     if (T > dot_max(isa)) /* the tile path: bf16 where the ISA has it, if prep_job finds x exact (split: 3x cost) */
         return isa->tile_bf16 && !tile_bf16_off() ? PATH_BF16 : PATH_FP32;
-    const int kind = x_kind(x, T * K);
+    const int kind = x_kind(isa, x, T * K);
     return kind == X_EXACT ? PATH_BF16 : kind == X_SPLIT ? PATH_SPLIT : PATH_FP32;
 }
 
@@ -345,7 +355,7 @@ int prep_job(const isa_ops *isa, char fmt, int path, mm_job *job, prep_t *p) {
     const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : isa->fp8_bmap;
     const uint8_t *map = fmt == '4' ? isa->fp4_map : fmt == '8' ? isa->fp8_map : isa->bf16_map;
     if (path == PATH_BF16) {
-        job->xb = p->buf = permute_x(bmap, job->x, job->T, job->K, &job->kp, 1);
+        job->xb = p->buf = permute_x(isa, bmap, job->x, job->T, job->K, job->K, &job->kp, 1);
     } else if (path == PATH_SPLIT) {
         const int64_t T = job->T, K = job->K;
         float *xs = p->xs = malloc((size_t)(3 * T * K) * sizeof(float));
@@ -367,13 +377,13 @@ int prep_job(const isa_ops *isa, char fmt, int path, mm_job *job, prep_t *p) {
                 xs[(3 * t + 1) * K + k] = x2;
                 xs[(3 * t + 2) * K + k] = r - x2; /* exact, at most 8 significant bits */
             }
-        job->xb = permute_x(bmap, xs, 3 * T, K, &job->kp, 1);
+        job->xb = permute_x(isa, bmap, xs, 3 * T, K, K, &job->kp, 1);
         free(xs);
         p->xs = (void *)job->xb;
         job->x = NULL, job->T = 3 * T, job->out = o, job->ldo = job->N, job->accumulate = 0;
         return job->xb ? 0 : -1;
     } else if (map) {
-        job->xp = p->buf = permute_x(map, job->x, job->T, job->K, &job->kp, 0);
+        job->xp = p->buf = permute_x(isa, map, job->x, job->T, job->K, job->K, &job->kp, 0);
     } else {
         return 0;
     }
@@ -431,10 +441,10 @@ int grouped_product(const isa_ops *isa, char fmt, const mm_job *whole, int64_t G
     const size_t wrow = fmt == '4' ? (size_t)K / 2 : fmt == '8' ? (size_t)K : 2 * (size_t)K; /* bytes per row */
     mm_job *jobs = calloc((size_t)G, sizeof(mm_job));
     prep_t *preps = calloc((size_t)G, sizeof(prep_t));
-    float *xg = NULL; /* x regrouped [G][T][K] (each group's rows contiguous), for all but the bf16 tile path */
+    float *xg = NULL; /* x regrouped [G][T][K] (each group's rows contiguous), for all but the bf16 paths */
     int rc = !jobs || !preps ? -1 : 0;
     int64_t prepared = 0;
-    int path = rc ? PATH_FP32 : choose_path(isa, fmt, whole->x, T, G * K), tiled = 0;
+    int path = rc ? PATH_FP32 : choose_path(isa, fmt, whole->x, T, G * K), tiled = 0, direct = 0;
     for (int64_t g = 0; g < G && !rc; g++) {
         jobs[g] = *whole;
         jobs[g].K = K, jobs[g].N = R, jobs[g].out = whole->out + g * R;
@@ -458,7 +468,18 @@ int grouped_product(const isa_ops *isa, char fmt, const mm_job *whole, int64_t G
             prepared = 0;
         }
     }
-    if (!rc && !tiled) {
+    if (!rc && path == PATH_BF16 && T <= dot_max(isa)) { /* each group's permuted copy straight from the call's x */
+        const uint8_t *bmap = fmt == '4' ? isa->fp4_bmap : isa->fp8_bmap;
+        for (int64_t g = 0; g < G && !rc; g++, prepared++) {
+            uint16_t *xb = permute_x(isa, bmap, whole->x + g * K, T, K, G * K, &jobs[g].kp, 1);
+            preps[g] = (prep_t){.job = &jobs[g], .buf = xb, .out = jobs[g].out, .T = T, .ldo = jobs[g].ldo,
+                                .accumulate = jobs[g].accumulate};
+            jobs[g].x = NULL, jobs[g].dot = 1, jobs[g].xp = NULL, jobs[g].xb = xb;
+            rc = xb ? 0 : -1;
+        }
+        direct = 1;
+    }
+    if (!rc && !tiled && !direct) {
         xg = malloc((size_t)(T * G * K) * sizeof(float));
         rc = xg ? 0 : -1;
         for (int64_t g = 0; g < G && !rc; g++)

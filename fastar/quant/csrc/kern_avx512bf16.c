@@ -41,8 +41,10 @@
  * x0.99 at T = 1, x0.79-0.95 at T = 3..8; one total per row instead of two alternating ones (chunk c into total c % 2)
  * x0.96 at T = 1, x1.02-1.07 at T = 4..8 over the one-chain kernel; fp4_chunk's scale vector widened and shifted in
  * 128 bits with one 512-bit vpermd (instead of a 512-bit vpshufb and shift) x0.97-1.02 at T = 1..8.
- * Does not own: argument checks, the eligibility test and the bfloat16 copy of x, threading (bindings, dispatch.c,
- * pool.c).
+ * Also the vectorized preparation of the dot path's x, called by dispatch.c (x_scan: x_kind's test; x_bf16: the
+ * permuted bfloat16 copy): at 8 rows the portable loops, one thread working while the other waited, were ~10 % of
+ * the grouped wo_a product's time and ~2.5 % of a 4-layer decode step.
+ * Does not own: argument checks, the choice of path, threading (bindings, dispatch.c, pool.c).
  */
 #include "kernels.h"
 
@@ -510,6 +512,63 @@ static int fp8_rows_folded(const mm_job *j, int64_t n0, int64_t n1) {
         }                                                                                                        \
     }
 
+/* ---------------------------------------------------------------- the dot path's x (dispatch.c's x_kind, permute_x) */
+
+/* x_kind's scan, 16 floats a step (a masked tail reads zeros, which set no bit). */
+static unsigned x_scan(const float *x, int64_t n) {
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff), e17 = _mm512_set1_epi32(17), e33 = _mm512_set1_epi32(33);
+    __m512i low = _mm512_setzero_si512();
+    __mmask16 out_exact = 0, out_split = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512i u = _mm512_maskz_loadu_epi32(m, x + i), a = _mm512_and_si512(u, absm);
+        const __mmask16 nz = _mm512_test_epi32_mask(a, a);
+        const __m512i e = _mm512_srli_epi32(a, 23);
+        low = _mm512_or_si512(low, u);
+        out_exact |= _mm512_mask_cmpgt_epu32_mask(nz, _mm512_sub_epi32(e, e17), _mm512_set1_epi32(174));
+        out_split |= _mm512_mask_cmpgt_epu32_mask(nz, _mm512_sub_epi32(e, e33), _mm512_set1_epi32(158));
+    }
+    return (_mm512_test_epi32_mask(low, _mm512_set1_epi32(0xffff)) ? X_SCAN_INEXACT : 0u) |
+           (out_exact ? X_SCAN_OUT_EXACT : 0u) | (out_split ? X_SCAN_OUT_SPLIT : 0u);
+}
+
+/* permute_x's bfloat16 copy: per XP_CHUNK columns, the high halves of the 128 floats as 4 vectors of 32 words in
+ * column order (vpermt2w of the odd words of two float vectors), then each output vector j gathers its words
+ * bmap[32 j ..] from the low 64 and the high 64 columns (one vpermt2w each: the index's low 6 bits pick within a
+ * half) and blends the two by bmap[i] >= 64. */
+static void x_bf16(const uint8_t *bmap, const float *x, int64_t T, int64_t K, int64_t ld, uint16_t *dst, int64_t kp) {
+    __m512i idx[4];
+    __mmask32 high[4];
+    for (int j = 0; j < 4; j++) {
+        idx[j] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(bmap + 32 * j)));
+        high[j] = _mm512_cmpge_epu16_mask(idx[j], _mm512_set1_epi16(64));
+    }
+    uint16_t odd_w[32];
+    for (int i = 0; i < 32; i++) odd_w[i] = (uint16_t)(2 * i + 1);
+    const __m512i odd = _mm512_loadu_si512((const void *)odd_w);
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * ld;
+        uint16_t *d = dst + t * kp;
+        for (int64_t c0 = 0; c0 < kp; c0 += XP_CHUNK) {
+            __m512i w[4];
+            for (int q = 0; q < 4; q++) {
+                __m512i f[2];
+                for (int h = 0; h < 2; h++) {
+                    const int64_t c = c0 + 32 * q + 16 * h, left = K - c;
+                    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+                    f[h] = _mm512_maskz_loadu_epi32(m, xr + c);
+                }
+                w[q] = _mm512_permutex2var_epi16(f[0], odd, f[1]);
+            }
+            for (int j = 0; j < 4; j++) {
+                const __m512i lo = _mm512_permutex2var_epi16(w[0], idx[j], w[1]);
+                const __m512i hi = _mm512_permutex2var_epi16(w[2], idx[j], w[3]);
+                _mm512_store_si512((void *)(d + c0 + 32 * j), _mm512_mask_blend_epi16(high[j], lo, hi));
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- entry points */
 
 /* xb with dot unset: the bf16 tile path (gemm_avx512bf16.c), x in groups of TILE_XG tokens (kernels.h). */
@@ -549,6 +608,8 @@ const isa_ops isa_avx512bf16_ops = {
     .read_sum = read_sum,
     .act_quant = act_quant,
     .swiglu = swiglu,
+    .x_scan = x_scan,
+    .x_bf16 = x_bf16,
 };
 
 #if defined(__clang__)

@@ -114,7 +114,19 @@ typedef struct {
      * out = silu(min(g, l)) * clamp(u, -l, l) * scale (out may be g). */
     void (*act_quant)(const float *x, float *out, int64_t rows, int64_t K, int64_t block);
     void (*swiglu)(const float *g, const float *u, float *out, int64_t n, float limit, float scale);
+    /* The dot path's preparation of x, vectorized (NULL: dispatch.c's portable loops, the same results).
+     * x_scan: n floats -> X_SCAN_* bits, each set when some x has it (dispatch.c's x_kind reads them).
+     * x_bf16: rows t < T of x (ld floats apart, K used) as bfloat16 bits (the high halves) in bmap's column order per
+     * XP_CHUNK columns, dst[t * kp + c0 + i] = x[t * ld + c0 + bmap[i]], zero past K; dst 64-byte aligned. */
+    unsigned (*x_scan)(const float *x, int64_t n);
+    void (*x_bf16)(const uint8_t *bmap, const float *x, int64_t T, int64_t K, int64_t ld, uint16_t *dst, int64_t kp);
 } isa_ops;
+
+/* x_scan's bits: a nonzero low half (not a bfloat16), a nonzero |x| outside [2^-110, 2^65) (exponent field outside
+ * [17, 191]: not X_EXACT's range), and outside [2^-94, 2^65) ([33, 191]: not X_SPLIT's). */
+#define X_SCAN_INEXACT 1u
+#define X_SCAN_OUT_EXACT 2u
+#define X_SCAN_OUT_SPLIT 4u
 
 /* gemm_avx512bf16.c: the bf16 tile path's tables and row kernels (x: mm_job.xb in its tile layout; stubs
  * where FASTAR_X86 is 0, never called there since no ISA table sets tile_bf16). */

@@ -4,7 +4,10 @@
  * their dispatch cost more than their arithmetic; here the same C routines run in the same order on the same values
  * (the products through dispatch.c's `product` / `grouped_product`, the rows through rowops.c and the ISA's
  * act_quant), so the results are bit-identical to fastar/model/deepseek_v4.py's `Attention._project` / `_output`
- * run op by op on the C extension (tests/test_fused_blocks.py compares them), and as batch-invariant.
+ * run op by op on the C extension (tests/test_fused_blocks.py compares them), and as batch-invariant. The row
+ * passes between the products run one token per pool chunk (row_stage): every op there works on one token's rows
+ * alone, so the split changes no bit, and the other thread no longer waits through them (at 8 rows they were ~10 %
+ * of attn_output and ~4 % of attn_project, one thread working).
  * Owns: the argument checks and the sequences. Does not own: the arithmetic of any step, the choice of when to
  * call these (fastar/model/fused.py), the state updates and attention between them (Python).
  */
@@ -46,6 +49,59 @@ static int product_into(const isa_ops *isa, char fmt, const float *x, const view
     mm_job job = {.x = x, .w = vw->b.buf, .s = fmt == 'b' ? NULL : vs->b.buf, .T = T, .N = N, .K = K, .out = out,
                   .ldo = N, .accumulate = 0};
     return weights_product(isa, fmt, &job, G);
+}
+
+/* The row passes of both calls, one token t per pool chunk (the same ops on the same rows as a loop over the
+ * tokens). */
+static void bf16_round_rows(float *x, int64_t n);
+
+typedef struct {
+    const isa_ops *isa;
+    int stage;
+    int64_t d, Na, q_lora, D, H, half, act_block, nope_block;
+    int bf16_input;
+    float eps;
+    const float *x, *qn, *kn, *cs, *sn;
+    float *xq, *lin, *qr, *qa, *q, *kv;
+} rows_ctx;
+
+enum { PROJECT_IN, PROJECT_LORA, PROJECT_HEADS, OUTPUT_IN, OUTPUT_LORA };
+
+static void row_stage(void *p, int64_t t) {
+    const rows_ctx *c = p;
+    const int64_t D = c->D, H = c->H, half = c->half;
+    const float *cs = c->cs + t * half, *sn = c->sn + t * half;
+    switch (c->stage) {
+        case PROJECT_IN: /* x's FP8 rounding */
+            act_quant_rows(c->isa, c->x + t * c->d, c->xq + t * c->d, 1, c->d, c->act_block);
+            break;
+        case PROJECT_LORA: /* the query and KV latents' norms, the query latent's FP8 rounding */
+            rms_norm_rows(c->lin + t * c->Na, c->qn, c->qr + t * c->q_lora, 1, c->q_lora, c->eps);
+            rms_norm_rows(c->lin + t * c->Na + c->q_lora, c->kn, c->kv + t * D, 1, D, c->eps);
+            if (c->act_block)
+                act_quant_rows(c->isa, c->qr + t * c->q_lora, c->qa + t * c->q_lora, 1, c->q_lora, c->act_block);
+            break;
+        case PROJECT_HEADS: { /* the weightless per-head norm, RoPE, the KV row's FP8 non-RoPE dims */
+            float *q = c->q + t * H * D, *kv = c->kv + t * D;
+            rms_norm_rows(q, NULL, q, H, D, c->eps);
+            rope_rows(q, q, cs, sn, H, D, half, H, 0);
+            rope_rows(kv, kv, cs, sn, 1, D, half, 1, 0);
+            if (c->nope_block) act_quant_rows(c->isa, kv, kv, 1, D - 2 * half, c->nope_block);
+            break;
+        }
+        case OUTPUT_IN: /* inverse RoPE, bfloat16 rounding */
+            rope_rows(c->x + t * H * D, c->q + t * H * D, cs, sn, H, D, half, H, 1);
+            if (c->bf16_input) bf16_round_rows(c->q + t * H * D, H * D);
+            break;
+        case OUTPUT_LORA: /* the O-LoRA output's FP8 rounding */
+            act_quant_rows(c->isa, c->lin + t * c->Na, c->qa + t * c->Na, 1, c->Na, c->act_block);
+            break;
+    }
+}
+
+static void rows_run(rows_ctx *c, int stage, int64_t T) {
+    c->stage = stage;
+    pool_run(T, row_stage, c);
 }
 
 /* attn_project(x f32 [T, d], w_a, s_a, q_lora, w_b, s_b, q_norm f32 [q_lora], kv_norm f32 [D], cos f32 [T, h], sin,
@@ -102,24 +158,17 @@ PyObject *py_attn_project(PyObject *self, PyObject *args) {
     float *xq = buf, *lin = buf + T * d, *qa = lin + T * Na;
     const float e = (float)eps;
     int rc;
+    rows_ctx rs = {.isa = isa, .d = d, .Na = Na, .q_lora = q_lora, .D = D, .H = H, .half = half, .act_block = act_block,
+                    .nope_block = nope_block, .eps = e, .x = x, .qn = qn, .kn = kn, .cs = cs, .sn = sn, .xq = xq,
+                    .lin = lin, .qr = qr, .qa = qa, .q = q, .kv = kv};
     Py_BEGIN_ALLOW_THREADS
-    if (act_block) act_quant_rows(isa, x, xq, T, d, act_block);
+    if (act_block) rows_run(&rs, PROJECT_IN, T);
     rc = product_into(isa, fa, act_block ? xq : x, vwa, vsa, T, d, lin, 1);
     if (!rc) {
-        for (int64_t t = 0; t < T; t++) {
-            rms_norm_rows(lin + t * Na, qn, qr + t * q_lora, 1, q_lora, e);
-            rms_norm_rows(lin + t * Na + q_lora, kn, kv + t * D, 1, D, e);
-        }
-        if (act_block) act_quant_rows(isa, qr, qa, T, q_lora, act_block);
+        rows_run(&rs, PROJECT_LORA, T);
         rc = product_into(isa, fb, act_block ? qa : qr, vwb, vsb, T, q_lora, q, 1);
     }
-    if (!rc) {
-        rms_norm_rows(q, NULL, q, T * H, D, e); /* the weightless per-head norm */
-        rope_rows(q, q, cs, sn, T * H, D, half, H, 0);
-        rope_rows(kv, kv, cs, sn, T, D, half, 1, 0);
-        if (nope_block)
-            for (int64_t t = 0; t < T; t++) act_quant_rows(isa, kv + t * D, kv + t * D, 1, D - 2 * half, nope_block);
-    }
+    if (!rc) rows_run(&rs, PROJECT_HEADS, T);
     Py_END_ALLOW_THREADS
     free(buf);
     release(v, 12);
@@ -194,12 +243,14 @@ PyObject *py_attn_output(PyObject *self, PyObject *args) {
     const float *o = vo->b.buf, *cs = vc->b.buf, *sn = vs->b.buf;
     float *rot = buf, *z = buf + T * HD, *za = z + T * Na;
     int rc;
+    /* OUTPUT_IN reads o as x and writes rot as q, OUTPUT_LORA z as lin and za as qa */
+    rows_ctx rs = {.isa = isa, .Na = Na, .D = D, .H = H, .half = half, .act_block = act_block,
+                    .bf16_input = bf16_input, .x = o, .cs = cs, .sn = sn, .lin = z, .qa = za, .q = rot};
     Py_BEGIN_ALLOW_THREADS
-    rope_rows(o, rot, cs, sn, T * H, D, half, H, 1);
-    if (bf16_input) bf16_round_rows(rot, T * HD);
+    rows_run(&rs, OUTPUT_IN, T);
     rc = product_into(isa, fa, rot, vwa, vsa, T, HD, z, G);
     if (!rc) {
-        if (act_block) act_quant_rows(isa, z, za, T, Na, act_block);
+        if (act_block) rows_run(&rs, OUTPUT_LORA, T);
         rc = product_into(isa, fb, act_block ? za : z, vwb, vsb, T, Na, vout->b.buf, 1);
     }
     Py_END_ALLOW_THREADS

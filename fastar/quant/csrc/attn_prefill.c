@@ -178,6 +178,33 @@ static int block_finite(const float *x, int64_t n) {
     return 1;
 }
 
+typedef struct {
+    const uint8_t *raw;
+    float *out;
+    int64_t rows, row_bytes, width, rope, per_chunk;
+    int kind;
+} state_rows_ctx;
+
+static void state_rows_chunk(void *p, int64_t i) {
+    const state_rows_ctx *c = p;
+    const int64_t r0 = i * c->per_chunk, n = c->rows - r0 < c->per_chunk ? c->rows - r0 : c->per_chunk;
+    state_rows_decode(c->raw + r0 * c->row_bytes, c->out + r0 * c->width, n, c->row_bytes, c->kind, c->width,
+                      c->rope);
+}
+
+void state_rows_decode_pool(const uint8_t *raw, float *out, int64_t rows, int64_t row_bytes, int kind, int64_t width,
+                            int64_t rope) {
+    state_rows_ctx c = {.raw = raw, .out = out, .rows = rows, .row_bytes = row_bytes, .width = width, .rope = rope,
+                        .kind = kind};
+    const int64_t chunks = 4 * (int64_t)pool_get_threads();
+    c.per_chunk = (rows + chunks - 1) / chunks;
+    if (rows * width < (1 << 16) || c.per_chunk < 1) {
+        if (rows > 0) state_rows_decode(raw, out, rows, row_bytes, kind, width, rope);
+    } else {
+        pool_run((rows + c.per_chunk - 1) / c.per_chunk, state_rows_chunk, &c);
+    }
+}
+
 /* A block holding a non-finite value is stored as scale byte 255 and decodes all NaN: the quantizers turn such a
  * block into NaN anyway (its amax and so its scale are not finite), so only garbage (a corrupt weight read
  * unchecked) ever meets this. */

@@ -121,7 +121,7 @@ PyObject *py_attend_stored(PyObject *self, PyObject *args) {
     const float *keys = (const float *)(kv + kv_first * Bk), *comp = NULL;
     const int64_t *idx = NULL;
     if (kv_kind != ROWS_F32) {
-        state_rows_decode(kv + kv_first * Bk, keys_buf, n_keys, Bk, (int)kv_kind, D, kv_rope);
+        state_rows_decode_pool(kv + kv_first * Bk, keys_buf, n_keys, Bk, (int)kv_kind, D, kv_rope);
         keys = keys_buf;
     }
     if (packed_picks) { /* the picked rows in pick order; each pick names its place */
@@ -131,7 +131,7 @@ PyObject *py_attend_stored(PyObject *self, PyObject *args) {
         comp = used ? comp_buf : NULL, E = used, idx = idx_buf;
     } else if (has_ent && n_ent) { /* the first n_entries rows (with float32 entries, any picks name them) */
         if (ent_kind != ROWS_F32) {
-            state_rows_decode(ent, comp_buf, n_ent, Be, (int)ent_kind, D, ent_rope);
+            state_rows_decode_pool(ent, comp_buf, n_ent, Be, (int)ent_kind, D, ent_rope);
             comp = comp_buf;
         } else {
             comp = (const float *)ent;

@@ -431,20 +431,6 @@ fail:
 
 /* ---------------------------------------------------------------- packed decode-state rows (attn_prefill.c) */
 
-typedef struct {
-    const uint8_t *raw;
-    float *out;
-    int64_t rows, row_bytes, width, rope, per_chunk;
-    int kind;
-} state_rows_ctx;
-
-static void state_rows_chunk(void *p, int64_t i) {
-    const state_rows_ctx *c = p;
-    const int64_t r0 = i * c->per_chunk, n = c->rows - r0 < c->per_chunk ? c->rows - r0 : c->per_chunk;
-    state_rows_decode(c->raw + r0 * c->row_bytes, c->out + r0 * c->width, n, c->row_bytes, c->kind, c->width,
-                      c->rope);
-}
-
 int64_t packed_row_bytes(int kind, Py_ssize_t rope, int64_t W) {
     if (kind == STATE_FP8 && rope >= 0 && rope < W) return (4 * rope + 65 * ((W - rope + 63) / 64) + 3) / 4 * 4;
     if (kind == STATE_FP4) return 17 * ((W + 31) / 32);
@@ -500,16 +486,7 @@ PyObject *py_state_rows_decode(PyObject *self, PyObject *args) {
     }
     if (no_overlap(&v[1], &v[0], 1)) goto fail;
     Py_BEGIN_ALLOW_THREADS
-    state_rows_ctx c = {.raw = v[0].b.buf, .out = v[1].b.buf, .rows = k, .row_bytes = B, .width = W, .rope = rope,
-                        .kind = kind};
-    const int64_t chunks = 4 * (int64_t)pool_get_threads();
-    c.per_chunk = (k + chunks - 1) / chunks;
-    if (k * W < (1 << 16) || c.per_chunk < 1) {
-        c.per_chunk = k > 0 ? k : 1;
-        if (k > 0) state_rows_chunk(&c, 0);
-    } else {
-        pool_run((k + c.per_chunk - 1) / c.per_chunk, state_rows_chunk, &c);
-    }
+    state_rows_decode_pool(v[0].b.buf, v[1].b.buf, k, B, kind, W, rope);
     Py_END_ALLOW_THREADS
     release(v, 2);
     Py_RETURN_NONE;

@@ -185,6 +185,10 @@ enum { STATE_FP8 = 0, STATE_FP4 = 1 };
 void state_rows_init(void);
 void state_rows_decode(const uint8_t *raw, float *out, int64_t rows, int64_t row_bytes, int kind, int64_t width,
                        int64_t rope);
+/* The same over the pool in blocks of rows where they hold at least 2^16 values (bit-identical: rows are
+ * independent). */
+void state_rows_decode_pool(const uint8_t *raw, float *out, int64_t rows, int64_t row_bytes, int kind, int64_t width,
+                            int64_t rope);
 /* The inverse, exactly: -1, or the first row that is not exactly codes * scales (nothing is rounded). */
 int64_t state_rows_encode(const float *x, uint8_t *raw, int64_t rows, int64_t row_bytes, int kind, int64_t width,
                           int64_t rope);

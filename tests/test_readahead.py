@@ -5,6 +5,8 @@ It changes no result (prefetches only), predicts the stable sequence of a decode
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -29,7 +31,7 @@ def two_threads():
 def fp8_weight(rng, n: int, k: int):
     """An FP8 e4m3 weight [n, k] (no NaN codes) with its 128x128 scales: n * k bytes of weights."""
     w = rng.integers(0, 0x7E, (n, k), dtype=np.uint8) | (rng.integers(0, 2, (n, k), dtype=np.uint8) << 7)
-    return w, np.full((n // 128, k // 128), 120, np.uint8)
+    return w, np.full((-(-n // 128), -(-k // 128)), 120, np.uint8)
 
 
 def x_rows(rng, t: int, k: int) -> np.ndarray:
@@ -53,6 +55,24 @@ def test_the_next_product_is_predicted_and_prefetched(two_threads):
     assert wait_until(lambda: K.readahead_stats()[1] >= bytes0 + (2 << 20), timeout=10)
     K.fp8_matmul(xb, *b)  # and b's end predicts a
     assert predicted() == n0 + 2
+
+
+def test_a_request_wakes_a_sleeping_worker(two_threads):
+    """After a pause longer than its spin the worker sleeps; a product that runs on the calling thread alone (one
+    pool chunk: no job wakes the worker) still gets the next product prefetched at its end."""
+    rng = np.random.default_rng(5)
+    a = fp8_weight(rng, 1024, 2048)  # 2 MB over many pool chunks
+    b, c = fp8_weight(rng, 32, 32768), fp8_weight(rng, 32, 32768)  # 1 MB each in one chunk: run inline
+    xa, xbc = x_rows(rng, 1, 2048), x_rows(rng, 1, 32768)
+    for _ in range(2):  # learnt: a, b, c, a, ...
+        K.fp8_matmul(xa, *a)
+        K.fp8_matmul(xbc, *b)
+        K.fp8_matmul(xbc, *c)
+    time.sleep(0.1)  # the worker spins 3 ms after a job, then sleeps
+    n0, bytes0 = K.readahead_stats()
+    K.fp8_matmul(xbc, *b)  # no pool job; its end asks for c's 1 MB
+    assert predicted() == n0 + 1
+    assert wait_until(lambda: K.readahead_stats()[1] >= bytes0 + (1 << 20), timeout=10)
 
 
 def test_results_are_the_same_bits_with_and_without_it(two_threads):

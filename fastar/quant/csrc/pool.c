@@ -4,8 +4,9 @@
  * from different Python threads); the calling thread works on the job too, so 1 thread means no hand-off.
  * Workers spin briefly after a job (back-to-back kernel calls are the common case: a decode step is a product,
  * some Python, the next product), yielding the core to any other runnable thread (an expert read) as they go,
- * then sleep on a condition variable, so an idle pool costs no CPU. While it spins, the first worker prefetches the
- * range readahead.c asks for (the next product's weights: the memory bus is idle between kernels).
+ * then sleep on a condition variable, so an idle pool costs no CPU. While it waits for a job, the first worker
+ * prefetches the range readahead.c asks for (the next product's weights: the memory bus is idle between kernels); a
+ * request wakes it if it sleeps.
  * Does not own: how work is split (callers pass chunk counts) or anything about the kernels.
  */
 #define _GNU_SOURCE
@@ -56,13 +57,14 @@ typedef struct {
 } pool_t;
 
 /* The idle-time prefetch (readahead.c asks for it): one range at a time, under a sequence lock (seq odd while
- * written). The first worker reads it while it waits for a job, and stops at the next job or the next request;
- * one the job interrupted resumes after it, at the offset where it stopped. */
+ * written). The first worker reads it while it waits for a job (woken for it from its sleep), and stops at the next
+ * job or the next request; one the job interrupted resumes after it, at the offset where it stopped. */
 static struct {
     atomic_uint_fast64_t seq;
     _Atomic(const char *) base;
     atomic_size_t bytes;
     atomic_uint_fast64_t done_bytes; /* prefetched in all, for tests and stats */
+    atomic_int sleeping;             /* the prefetching worker waits on cv_work: a request wakes it */
 } PF;
 
 static pool_t P = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
@@ -136,6 +138,11 @@ void pool_prefetch(const void *p, size_t bytes) {
     atomic_store(&PF.base, (const char *)p);
     atomic_store(&PF.bytes, p ? bytes : 0);
     atomic_store(&PF.seq, s + 2);
+    if (p && bytes && atomic_load(&PF.sleeping)) { /* it went to sleep after a long pause between jobs: wake it */
+        pthread_mutex_lock(&P.mu);
+        pthread_cond_broadcast(&P.cv_work);
+        pthread_mutex_unlock(&P.mu);
+    }
 }
 
 uint64_t pool_prefetched_bytes(void) { return atomic_load(&PF.done_bytes); }
@@ -192,8 +199,14 @@ static void *worker_main(void *arg) {
             if (++spins % 64 == 0) sched_yield(); /* a runnable thread (an expert read's) gets the core at once */
             if (spins % 64 == 0 && now_ns() - t0 > SPIN_NS) {
                 pthread_mutex_lock(&P.mu);
-                while (atomic_load(&P.generation) == seen && !atomic_load(&P.shutdown))
+                /* the prefetcher also wakes for a new prefetch request: `sleeping` is set before the request's
+                 * sequence is read here and the request's writer reads `sleeping` after publishing it (both
+                 * sequentially consistent), so either this sees the request or its writer sees `sleeping` */
+                if (a->prefetcher) atomic_store(&PF.sleeping, 1);
+                while (atomic_load(&P.generation) == seen && !atomic_load(&P.shutdown) &&
+                       !(a->prefetcher && atomic_load(&PF.seq) != pf.seq))
                     pthread_cond_wait(&P.cv_work, &P.mu);
+                if (a->prefetcher) atomic_store(&PF.sleeping, 0);
                 pthread_mutex_unlock(&P.mu);
             }
         }

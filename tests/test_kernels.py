@@ -614,6 +614,38 @@ def test_bf16_path_range_ends_at_a_ragged_end(bf16_isa, exact, value, bf16):
         assert np.array_equal(got, fp32) != bf16, (k, value)
 
 
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["exact", "split", "none"])
+def test_vectorized_x_preparation_equals_its_portable_reference(bf16_isa, t, kind):
+    """The ISA's x scan and permuted bfloat16 copy (x_scan, x_bf16) against dispatch.c's portable loops: the same
+    path chosen and the same bits, for plain and grouped FP8 / FP4 products with ragged K (exact x, x split in three,
+    x the FP32 path must take)."""
+    rng = np.random.default_rng(11 + t)
+
+    def x_of(k):
+        x = exact_x(rng, t, k) if kind == "exact" else (rng.standard_normal((t, k)) * 3).astype(np.float32)
+        if kind == "none":
+            x[t - 1, k - 1] = 2.0**-120  # outside the split range: the FP32 path
+        return x
+
+    cases = []
+    for k in (1000, 4096):
+        w, s = fp8_weights(rng, 90, k)
+        cases.append((x_of(k), lambda x, w=w, s=s: K.fp8_matmul(x, w, s)))
+    w, s = fp4_weights(rng, 70, 992)
+    cases.append((x_of(992), lambda x, w=w, s=s: K.fp4_matmul(x, w, s)))
+    w, s = fp8_weights(rng, 4 * 128, 640)  # grouped: 4 groups of 128 rows, each over its 640 columns of x
+    cases.append((x_of(4 * 640), lambda x, w=w, s=s: K.fp8_matmul(x, w, s, groups=4)))
+    for x, product in cases:
+        vectorized = product(x)
+        was = K.x_prep_isa(False)
+        try:
+            portable = product(x)
+        finally:
+            K.x_prep_isa(was)
+        assert np.array_equal(vectorized, portable, equal_nan=True), (x.shape, kind)
+
+
 @pytest.mark.parametrize("t", [1, 2, 3, 5, 8])
 def test_bf16_path_splits_x_that_is_not_bf16(bf16_isa, t):
     """Arbitrary float32 x (the unquantized wo_a input, the reference numerics) runs on the bf16 path as three

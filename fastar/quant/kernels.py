@@ -123,6 +123,13 @@ def pool_test_delays(worker_us: int, caller_us: int) -> None:
         _C._pool_test_delays(int(worker_us), int(caller_us))
 
 
+def x_prep_isa(on: bool) -> bool:
+    """The dot path's preparation of x (the scan that picks the path, the permuted bfloat16 copy) on the ISA's
+    vectorized routines (on, the default) or on dispatch.c's portable loops, their reference. Returns the previous
+    setting. A knob for tests, never turned off in production."""
+    return bool(_C._x_prep_isa(bool(on))) if _C is not None else True
+
+
 def fp8_fold(on: bool) -> bool:
     """The FP8 bf16 dot path's folding of the weight scales into x (on by default; off: the scales are applied per
     128-column block). Returns the previous setting. A knob for tests and A/B runs, never turned off in production."""

@@ -632,6 +632,17 @@ static PyObject *py_readahead_stats(PyObject *self, PyObject *args) {
     return Py_BuildValue("KK", (unsigned long long)n, (unsigned long long)bytes);
 }
 
+/* _x_prep_isa(on) -> the previous setting: the ISA's vectorized x scan and bfloat16 copy, or their portable reference
+ * loops (kernels.h's x_prep_isa); tests. */
+static PyObject *py_x_prep_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    const int was = x_prep_isa;
+    x_prep_isa = on;
+    return PyBool_FromLong(was);
+}
+
 /* _fp8_fold(on) -> the previous setting: the FP8 dot path's scale folding (kernels.h's fp8_fold); tests and A/B. */
 static PyObject *py_fp8_fold(PyObject *self, PyObject *arg) {
     (void)self;
@@ -746,6 +757,7 @@ static PyMethodDef methods[] = {
     {"_pool_test_delays", py_pool_test_delays, METH_VARARGS, "_pool_test_delays(worker_us, caller_us): test hooks"},
     {"_readahead", py_readahead, METH_VARARGS, "_readahead(mb) -> previous: the weight readahead's cap (0: off)"},
     {"_readahead_stats", py_readahead_stats, METH_NOARGS, "_readahead_stats() -> (prefetches requested, bytes)"},
+    {"_x_prep_isa", py_x_prep_isa, METH_O, "_x_prep_isa(on) -> previous: vectorized x scan and copy (tests)"},
     {"_fp8_fold", py_fp8_fold, METH_O, "_fp8_fold(on) -> previous: the FP8 dot path's scale folding (tests, A/B)"},
     {NULL, NULL, 0, NULL},
 };

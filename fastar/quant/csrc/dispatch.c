@@ -18,6 +18,7 @@
 
 const isa_ops *cur_isa = &isa_scalar_ops;
 int fp8_fold = 1;
+int x_prep_isa = 1;
 
 /* ---------------------------------------------------------------- activation ops */
 
@@ -204,7 +205,7 @@ static int dot_max(const isa_ops *isa) {
 enum { X_EXACT, X_SPLIT, X_NONE };
 
 static int x_kind(const isa_ops *isa, const float *x, int64_t n) {
-    if (isa->x_scan) { /* the same scan, vectorized */
+    if (isa->x_scan && x_prep_isa) { /* the same scan, vectorized */
         const unsigned b = isa->x_scan(x, n);
         return !(b & (X_SCAN_INEXACT | X_SCAN_OUT_EXACT)) ? X_EXACT : b & X_SCAN_OUT_SPLIT ? X_NONE : X_SPLIT;
     }
@@ -229,7 +230,7 @@ static void *permute_x(const isa_ops *isa, const uint8_t *map, const float *x, i
     *kp = (K + XP_CHUNK - 1) / XP_CHUNK * XP_CHUNK;
     void *dst = aligned_alloc(64, (size_t)(T * *kp) * (bf16 ? sizeof(uint16_t) : sizeof(float)) + 64);
     if (!dst) return NULL;
-    if (bf16 && isa->x_bf16) {
+    if (bf16 && isa->x_bf16 && x_prep_isa) {
         isa->x_bf16(map, x, T, K, ld, dst, *kp);
         return dst;
     }

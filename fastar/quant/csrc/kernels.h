@@ -150,6 +150,9 @@ extern const isa_ops isa_neonbf16_ops;
 /* 1 (the default): the FP8 bf16 dot path folds the weight scales into x where it can (kern_avx512bf16.c); 0: it
  * applies them per 128-column block. A test and A/B knob (bindings.c's _fp8_fold), defined in dispatch.c. */
 extern int fp8_fold;
+/* 1 (default): the dot path's x scan and bfloat16 copy take the ISA's x_scan / x_bf16 where it has them; 0: dispatch.c's
+ * portable loops, their reference. A test knob (bindings.c's _x_prep_isa), defined in dispatch.c. */
+extern int x_prep_isa;
 
 /* Tables, filled once by tables_init(). */
 extern float ue8m0_f32[256]; /* 2^(b-127); b=0 is the denormal 2^-127, b=255 is NaN */

@@ -1206,3 +1206,24 @@ def test_over_context_error_says_why_the_context_is_short():
         fields.resolve_max_tokens(3000, None, 2051, note)
     assert "2051" in str(e.value.message) and note in str(e.value.message)
     assert fields.resolve_max_tokens(100, None, 2051, note) == 1951
+
+
+def _sse_events(data: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in data.decode().split("\n") if line.startswith("data: {")]
+
+
+def test_include_usage_puts_a_null_usage_on_every_other_chunk(server):
+    """With `stream_options.include_usage` OpenAI's reference has every chunk but the last carry `"usage": null`
+    (clients that read `chunk["usage"]` without a default rely on it); the chunks used to leave the key out."""
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **NO_THINK}),
+        ("/v1/completions", {"prompt": "Hello"}),
+    ):
+        body = {"model": "deepseek-v4-flash", "stream": True, "temperature": 0, "n": 2, **body}
+        status, _, data = raw(server, "POST", path, {**body, "stream_options": {"include_usage": True}})
+        events = _sse_events(data)
+        assert status == 200 and len(events) > 3
+        assert all("usage" in e and e["usage"] is None for e in events[:-1]), path
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0
+        status, _, data = raw(server, "POST", path, body)  # without it, no usage at all
+        assert status == 200 and not any("usage" in e for e in _sse_events(data))

@@ -280,7 +280,9 @@ class OpenAIRoutes:
             return JSONResponse(S.chat_extras(resp, req, turns[0], engine.tokenizer))  # (every choice has the scores)
 
         def chunk(i: int, delta: dict, finish: str | None = None, lp: Any = None) -> bytes:
-            return shapes.sse(shapes.chat_chunk(rid, created, req.model, delta, finish, lp, index=i))
+            return shapes.sse(
+                shapes.chat_chunk(rid, created, req.model, delta, finish, lp, index=i, null_usage=req.include_usage)
+            )
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(len(jobs)):
@@ -356,7 +358,11 @@ class OpenAIRoutes:
             return JSONResponse(shapes.completion_response_choices(rid, req.model, choices, use))
 
         def chunk(i: int, text: str, finish: str | None = None, lp: Any = None) -> bytes:
-            return shapes.sse(shapes.completion_chunk(rid, created, req.model, text, finish, lp, index=i))
+            return shapes.sse(
+                shapes.completion_chunk(
+                    rid, created, req.model, text, finish, lp, index=i, null_usage=req.include_usage
+                )
+            )
 
         async def events() -> AsyncIterator[bytes]:  # (streamed only with best_of == n: every job is a choice)
             # an echoed prompt waits for its logprobs (they come with the choice's first chunk)

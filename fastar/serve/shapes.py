@@ -104,11 +104,15 @@ def chat_chunk(
     finish_reason: str | None = None,
     logprobs: list[dict] | None = None,
     index: int = 0,
+    null_usage: bool = False,
 ) -> dict:
+    """One streamed chunk; `null_usage` (`stream_options.include_usage` set) adds `"usage": null`, as OpenAI's
+    chunks carry it before the last one, which holds the usage."""
     choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason}
     if logprobs is not None:
         choice["logprobs"] = {"content": logprobs}
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    return {**out, "usage": None} if null_usage else out
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:
@@ -132,14 +136,17 @@ def completion_chunk(
     finish_reason: str | None = None,
     logprobs: dict | None = None,
     index: int = 0,
+    null_usage: bool = False,
 ) -> dict:
-    return {
+    """One streamed chunk; `null_usage` as for `chat_chunk`."""
+    out = {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
         "choices": [completion_choice(index, text, finish_reason, logprobs)],
     }
+    return {**out, "usage": None} if null_usage else out
 
 
 SSE_DONE = b"data: [DONE]\n\n"

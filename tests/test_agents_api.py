@@ -1068,3 +1068,37 @@ def test_a_prompt_over_the_context_is_refused_in_anthropics_words():
         assert tokens == counted > 64
     finally:
         srv.shutdown()
+
+
+def test_a_responses_reply_has_the_same_output_items_streamed_or_not():
+    """A reply cut by max_output_tokens inside its reasoning, or whose answer is empty, came back from `create()`
+    with an empty message item after the reasoning that the stream's final response (and so the SDK's streamed
+    response) did not have; an empty reasoning (`</think>` at once) was an empty reasoning item only there."""
+
+    class Scripted(AgentEngine):
+        script = ""
+
+        def reply(self, prompt: str, params) -> str:
+            return self.script
+
+    def strip(items: list[dict]) -> list[dict]:  # the ids differ from response to response
+        return [{k: v for k, v in o.items() if k != "id"} for o in items]
+
+    engine = Scripted()
+    backend, host = make_backend(engine)
+    try:
+        for script, limit, kinds in (
+            ("a long chain of thought</think>answer", 3, ["reasoning"]),
+            ("thought</think>", 100, ["reasoning"]),
+            ("</think>answer", 100, ["message"]),
+            ("</think>", 100, ["message"]),
+            ("thought</think>answer", 100, ["reasoning", "message"]),
+        ):
+            engine.script = script
+            body = {"input": "hi", "max_output_tokens": limit, "reasoning": {"effort": "high"}}
+            whole = R.create(body, backend, R.ResponseStore())
+            streamed = sse_events(R.create({**body, "stream": True}, backend, R.ResponseStore()))[-1][1]["response"]
+            assert [o["type"] for o in whole["output"]] == [o["type"] for o in streamed["output"]] == kinds, script
+            assert strip(whole["output"]) == strip(streamed["output"]) and whole["status"] == streamed["status"]
+    finally:
+        host.shutdown()

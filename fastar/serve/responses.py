@@ -421,10 +421,11 @@ def create(
         turn.run(disconnected)
     except GenerationFailed as err:
         raise err.api_error() from None
+    # the items the stream sends: no empty reasoning item, and a message only for text or an otherwise empty reply
     output = []
-    if turn.reasoning is not None:
+    if turn.reasoning:
         output.append(_reasoning_item("rs_" + reply.id[5:], turn.reasoning, req.encrypted))
-    if turn.content or not turn.tool_calls:
+    if turn.content or not (turn.tool_calls or turn.reasoning):
         output.append(_message_item("msg_" + reply.id[5:], turn.content))
     output.extend(_call_item(c) for c in turn.tool_calls)
     reply.obj["output"] = output

@@ -1102,3 +1102,22 @@ def test_a_responses_reply_has_the_same_output_items_streamed_or_not():
             assert strip(whole["output"]) == strip(streamed["output"]) and whole["status"] == streamed["status"]
     finally:
         host.shutdown()
+
+
+def test_a_responses_prompt_or_budget_over_the_context_names_the_responses_fields():
+    """The Responses request has `input` and `max_output_tokens`; its context errors named chat completions'
+    `messages` and `max_tokens` (param and message), fields the client never sent."""
+    backend, host = make_backend(AgentEngine(context_length=64))
+    try:
+        for body, param in (
+            ({"input": "count " * 80}, "input"),
+            ({"input": "count", "max_output_tokens": 500}, "max_output_tokens"),
+        ):
+            for stream in (False, True):
+                with pytest.raises(APIError) as err:
+                    R.create({**body, "stream": stream}, backend, R.ResponseStore())
+                assert (err.value.status, err.value.param, err.value.code) == (400, param, "context_length_exceeded")
+                assert "max_tokens" not in err.value.message and "messages" not in err.value.message
+        assert "max_output_tokens" in err.value.message
+    finally:
+        host.shutdown()

@@ -201,10 +201,13 @@ def resolve_max_tokens(
     note: str | None = None,
     param: str = "messages",
     default: int | None = None,
+    budget_param: str = "max_tokens",
 ) -> int:
     """Never truncate silently: a prompt that does not fit, or a budget that overflows the context, is a 400.
     `note` says why the context is shorter than asked (e.g. a model file without lightning-indexer weights). With no
-    `max_tokens`, the route's `default` (completions: 16, as OpenAI's) capped at the room left, or all the room."""
+    `max_tokens`, the route's `default` (completions: 16, as OpenAI's) capped at the room left, or all the room.
+    `param` and `budget_param` are the request's names of the prompt and the budget (Responses: `input` and
+    `max_output_tokens`), for the error."""
     why = f" ({note})" if note else ""
     if prompt_tokens >= context_length:
         raise ContextOverflow(
@@ -222,8 +225,8 @@ def resolve_max_tokens(
         raise bad_request(
             f"This model's maximum context length is {context_length} tokens{why}. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
-            f"completion). Please reduce the prompt or max_tokens.",
-            "max_tokens",
+            f"completion). Please reduce the prompt or {budget_param}.",
+            budget_param,
             "context_length_exceeded",
         )
     return max_tokens

@@ -413,7 +413,14 @@ def create(
     `disconnected` (optional, non-streaming only): says the client has gone; the generation is then cancelled
     and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
     req = parse_request(body, backend, store)
-    turn = AssistantTurn(backend, req.conv, req.sampling, req.max_tokens, parallel_tool_calls=req.parallel_tool_calls)
+    turn = AssistantTurn(
+        backend,
+        req.conv,
+        req.sampling,
+        req.max_tokens,
+        parallel_tool_calls=req.parallel_tool_calls,
+        max_tokens_param="max_output_tokens",
+    )
     reply = _Reply(body, req)
     if req.stream:
         return _stream(turn, reply, req, store)

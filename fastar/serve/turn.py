@@ -171,10 +171,12 @@ class AssistantTurn:
         max_tokens: int | None,
         fit_context: bool = False,
         parallel_tool_calls: bool = True,
+        max_tokens_param: str = "max_tokens",
     ) -> None:
         """`fit_context`: a `max_tokens` beyond the room the prompt leaves is cut to that room (the API then says
         the context ended the reply); otherwise it is a 400. A prompt that does not fit is a 400 either way.
-        `parallel_tool_calls` False: the reply ends once its first tool call is complete (at most one call)."""
+        `parallel_tool_calls` False: the reply ends once its first tool call is complete (at most one call).
+        `max_tokens_param`: the request's name for `max_tokens` (Responses: `max_output_tokens`), for errors."""
         engine = backend.engine()
         self.backend, self.conv, self.tokenizer = backend, conv, engine.tokenizer
         self.prompt_text, self.prompt_ids = prompt_ids(backend, conv)
@@ -183,7 +185,12 @@ class AssistantTurn:
         if self.cut_to_context:
             max_tokens = room
         self.limit = fields.resolve_max_tokens(
-            len(self.prompt_ids), max_tokens, engine.context_length, getattr(engine, "context_note", None)
+            len(self.prompt_ids),
+            max_tokens,
+            engine.context_length,
+            getattr(engine, "context_note", None),
+            param=conv.param,
+            budget_param=max_tokens_param,
         )
         self.stop_strings = list(sampling.get("stop") or [])
         self.stops = choice_turn.StopFilter(self.stop_strings)

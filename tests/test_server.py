@@ -1227,3 +1227,17 @@ def test_include_usage_puts_a_null_usage_on_every_other_chunk(server):
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0
         status, _, data = raw(server, "POST", path, body)  # without it, no usage at all
         assert status == 200 and not any("usage" in e for e in _sse_events(data))
+
+
+def test_top_logprobs_without_logprobs_is_a_400(server):
+    """`top_logprobs` needs `logprobs: true` (OpenAI's reference; vLLM refuses it too): the request used to
+    succeed with no logprobs at all, the client's mistake hidden. 0 asks for nothing and stays accepted."""
+    body = {"messages": [{"role": "user", "content": "lp"}], "max_tokens": 3, **NO_THINK}
+    for extra in ({"top_logprobs": 2}, {"top_logprobs": 2, "logprobs": False}):
+        status, _, data = raw(server, "POST", "/v1/chat/completions", {**body, **extra})
+        err = json.loads(data)["error"]
+        assert status == 400 and err["param"] == "top_logprobs" and "'logprobs'" in err["message"], extra
+    status, _, data = raw(server, "POST", "/v1/chat/completions", {**body, "top_logprobs": 0})
+    assert status == 200 and json.loads(data)["choices"][0]["logprobs"] is None
+    status, _, data = raw(server, "POST", "/v1/chat/completions", {**body, "top_logprobs": 2, "logprobs": True})
+    assert status == 200 and len(json.loads(data)["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2

@@ -73,6 +73,11 @@ def parse_chat_request(
     n, _ = fields.choice_counts({k: body.get(k) for k in ("n", "seed")})
     logprobs = fields.boolean(body, "logprobs", False)
     top_logprobs = fields.integer(body, "top_logprobs", 0, fields.MAX_TOP_LOGPROBS, 0)
+    if top_logprobs and not logprobs:  # as OpenAI and vLLM answer: asked for, it would silently not come
+        raise bad_request(
+            f"'top_logprobs' ({top_logprobs}) needs 'logprobs': true; set it, or leave 'top_logprobs' out",
+            "top_logprobs",
+        )
     params["logprobs"] = top_logprobs if logprobs else None
     stream = fields.boolean(body, "stream", False)
     params["prompt_logprobs"] = fields.prompt_logprobs(body, stream)

@@ -397,11 +397,20 @@ def _stream_reply(
     finally:
         if bar is not None:
             bar.close()
-    if parser is None:
-        return None, last
-    for kind, text in parser.flush():
-        writer.write(kind, text)
-    return parser.finish(), last
+    done = None
+    if parser is not None:
+        for kind, text in parser.flush():
+            writer.write(kind, text)
+        done = parser.finish()
+    if last is not None and last.finish_reason == "length" and last.usage["completion_tokens"] < params.max_tokens:
+        # the context ended the reply, not -n: say so, or it reads as a reply that was complete
+        writer.end_line(writer.out)
+        writer.end_line(err)
+        print(
+            f"fastar: the reply stopped at the end of the context ({engine.context_length} tokens; -c/--ctx-size)",
+            file=err,
+        )
+    return done, last
 
 
 # --- fastar run --------------------------------------------------------------------------------------------

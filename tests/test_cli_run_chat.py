@@ -166,6 +166,20 @@ def test_bad_input_is_one_line_and_exit_1(capsys, tmp_path: Path, demo_cache: Pa
     assert code == 1 and "context length" in one_line_error(err)
 
 
+def test_a_reply_the_context_cut_short_says_so(capsys, monkeypatch, demo_cache: Path) -> None:
+    """`-n 100` with `-c 16`: the reply stops when the context is full. It used to stop there without a word, like
+    a reply of -n tokens; now one line on stderr says the context ended it and how to raise it (run and chat)."""
+    model = str(demo_cache / demo.DEMO_NAME)
+    code, err = run_main(capsys, "run", "-m", model, "-c", "16", "-n", "100", "--temp", "0", "--raw", "-p", "hi")
+    notes = [ln for ln in err.splitlines() if "context" in ln]
+    assert code == 0 and notes == ["fastar: the reply stopped at the end of the context (16 tokens; -c/--ctx-size)"]
+    code, err = run_main(capsys, "run", "-m", model, "-c", "16", "-n", "3", "--temp", "0", "--raw", "-p", "hi")
+    assert code == 0 and "context" not in err  # -n ended it
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    code, err = run_main(capsys, "chat", "-m", model, "-c", "16", "-n", "100", "--no-prompt-cache", "--no-thinking")
+    assert code == 0 and "fastar: the reply stopped at the end of the context (16 tokens; -c/--ctx-size)" in err
+
+
 def test_piped_chat_whose_every_turn_fails_exits_1(capsys, monkeypatch, demo_cache: Path) -> None:
     """A piped `fastar chat -c 16` whose one turn cannot fit the context: one error line, exit 1 (it was 0)."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("many words " * 20 + "\n"))

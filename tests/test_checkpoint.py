@@ -453,3 +453,13 @@ def test_missing_directory_and_files(tmp_path):
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         Checkpoint(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("text", ["[]", '"weights"', "3"])
+def test_an_index_that_is_not_a_json_object_says_so(tiny_ckpt, tmp_path, text):
+    """An index holding a list, a string or a number said `'list' object has no attribute 'get'`, Python's words."""
+    d = clone(tiny_ckpt, tmp_path / "c")
+    (d / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint(d)
+    assert str(err.value).endswith("model.safetensors.index.json is not a JSON object (with a weight_map)")

@@ -182,9 +182,12 @@ class Checkpoint(Closing):
         if index.is_file():
             self.index_path: Path | None = index
             try:
-                wm = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+                doc = json.loads(index.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise CheckpointError(f"{index} is not a valid index: {e}") from None
+            if not isinstance(doc, dict):
+                raise CheckpointError(f"{index} is not a JSON object (with a weight_map)")
+            wm = doc.get("weight_map")
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise CheckpointError(f"{index} has no valid weight_map")
             for shard in set(wm.values()):

@@ -64,7 +64,8 @@ def _stop_string(text: str) -> str:
 
 non_negative_int = int_flag(0, None, "a count")
 positive_int = int_flag(1, None, "a positive count")
-thread_count = int_flag(0, 1024, "a thread count")
+MAX_THREADS = 256  # the kernels' thread pool holds at most this many (bindings.c's set_num_threads)
+thread_count = int_flag(0, MAX_THREADS, "a thread count")
 seed_value = int_flag(-(2**63), 2**64 - 1, "a seed")
 
 

@@ -59,6 +59,10 @@ def test_bad_arguments_table(tiny_fst_path, tiny_ckpt, tmp_path):
         (["run", "-m", m, "-p", "hi", "--seed", "1208925819614629174706176"], {}, usage, "seed"),
         (["run", "-m", m, "-p", "hi", "--threads", "-2"], {}, usage, "thread"),
         (["run", "-m", m, "-p", "hi", "--threads", "10000"], {}, usage, "thread"),
+        # over the kernels' pool limit (256): this was a traceback from the C extension after the load
+        (["run", "-m", m, "-p", "hi", "--threads", "257"], {}, usage, "thread"),
+        (["perplexity", "-m", m, "--threads", "999", m], {}, usage, "thread"),
+        (["bench", "kernels", "--threads", "1,300"], {}, usage, "threads"),
         (["run", "-m", m, "-p", "hi", "-n", "0"], {}, usage, "max-tokens"),
         (["run", "-m", m, "-p", "hi", "--temp", "x"], {}, usage, "temp"),
         (["run", "-m", m, "-p", "hi", "--top-p", "7"], {}, usage, "top-p"),
@@ -533,3 +537,19 @@ def test_chat_lines_and_the_system_prompt_are_plain_text_to_the_tokenizer():
             tok.token_to_id("</think>"),
         ]
     )
+
+
+def test_the_thread_flags_bound_is_the_kernels_pool_limit():
+    """`--threads` accepts what the kernels' pool takes, and refuses the first count it would not."""
+    from fastar import console
+    from fastar.quant import kernels as K
+
+    if not K.available():
+        pytest.skip("the C kernels are not built")
+    before = K.get_num_threads()
+    try:
+        K.set_num_threads(console.MAX_THREADS)
+        with pytest.raises(ValueError):
+            K.set_num_threads(console.MAX_THREADS + 1)
+    finally:
+        K.set_num_threads(before)

@@ -22,8 +22,8 @@ from ..errors import FastarError
 
 def _thread_list(v: str) -> str:
     parts = v.split(",")
-    if not all(p.strip().isdigit() and 1 <= int(p) <= 1024 for p in parts):
-        raise argparse.ArgumentTypeError(f"--threads takes comma-separated counts 1..1024, got {v!r}")
+    if not all(p.strip().isdigit() and 1 <= int(p) <= console.MAX_THREADS for p in parts):
+        raise argparse.ArgumentTypeError(f"--threads takes comma-separated counts 1..{console.MAX_THREADS}, got {v!r}")
     return v
 
 

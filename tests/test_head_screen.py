@@ -46,7 +46,7 @@ def check(screen: HeadScreen, full: Linear, y: torch.Tensor) -> None:
             assert kept[w == w.max()].all(), f"row {t}: a row with the largest logit was not computed"
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 6, 8])
 def test_screen_matches_the_full_head(T):
     rng = np.random.default_rng(T)
     w = head(rng)
@@ -164,6 +164,90 @@ def test_select_checks_its_arguments():
         K.extension.head_i8_select(np.zeros((3, V), np.int32), *args[1:], keep, rows)
 
 
+def screen_inputs(rng, T: int, V: int = 3000, K_: int = 256):
+    """A screened head (`HeadScreen` of `head`), decode rows y [T, K] and head_i8_screen's arguments for them."""
+    w = head(rng, V, K_)
+    screen = HeadScreen(Linear("head", w, "BF16"), K)
+    y = rng.standard_normal((T, K_)).astype(np.float32)
+    x, sx, st = np.empty((2 * T, K_), np.int8), np.empty(2 * T, np.float32), np.empty((T, 5))
+    K.extension.head_i8_quantize(y, x, sx, st)
+    g, m = screen.gamma, 1e-6
+    c = np.array(
+        [[(r[3] + g * r[2]) * (1 + m), r[4] * (1 + m), (r[0] + g * r[2]) * (1 + m), r[1] * (1 + m)] for r in st],
+        np.float32,
+    )
+    return screen, y, x, sx, c
+
+
+def screen_rows(screen: HeadScreen, x, sx, c) -> np.ndarray:
+    T, V = c.shape[0], screen.V
+    keep, rows = np.empty(V, np.uint8), np.empty(V, np.int64)
+    args = (x, sx, c, screen.q, screen.rowsum, screen.scale, screen.wnorm32, screen.dnorm32, 1e-6)
+    n = K.extension.head_i8_screen(*args, np.empty((T, V), np.float32), keep, rows)
+    return rows[:n].copy()
+
+
+@pytest.mark.parametrize("isa", K.cpu_features()["usable_isas"] if K.available() else [])
+@pytest.mark.parametrize("T", [3, 4, 5, 8])
+def test_one_pass_screen_keeps_what_both_bounds_keep(T, isa):
+    """head_i8_screen against its contract computed in numpy from both terms' full products (float64, so rows
+    within a rounding of the floor may go either way): the rows it keeps lie between those the contract keeps with
+    the floor raised and lowered by a relative 1e-5, they are the same for any thread count, and each decode row's
+    largest exact logit is among them."""
+    rng = np.random.default_rng(40 + T)
+    screen, y, x, sx, c = screen_inputs(rng, T)
+    dots = K.head_i8_dot(x, screen.q, screen.rowsum).astype(np.float64)
+    scale, wn, dn = (
+        screen.scale.astype(np.float64),
+        screen.wnorm32.astype(np.float64),
+        screen.dnorm32.astype(np.float64),
+    )
+    strict, loose = np.zeros(screen.V, bool), np.zeros(screen.V, bool)
+    for t in range(T):
+        a1, a2 = dots[t] * sx[t] * scale, dots[T + t] * sx[T + t] * scale
+        b1 = c[t, 0] * wn + c[t, 1] * dn + np.abs(a1) * 1e-6
+        b2 = c[t, 2] * wn + c[t, 3] * dn + (np.abs(a1) + np.abs(a2)) * 1e-6
+        ub = np.minimum(a1 + b1, a1 + a2 + b2)
+        floor = max((a1 - b1).max(), (a1 + a2 - b2).max())
+        strict |= ub >= floor + 1e-5 * abs(floor)
+        loose |= ub >= floor - 1e-5 * abs(floor)
+    assert strict.sum() < screen.V / 4  # the second term settles most rows the first leaves open
+    logits = screen.head(torch.from_numpy(y)).numpy()
+    best = np.flatnonzero((logits == logits.max(1, keepdims=True)).any(0))  # each decode row's largest logits
+    n = K.get_num_threads()
+    K.set_isa(isa)  # the second terms' products with VNNI or in portable C; the bounds' loops per ISA
+    try:
+        for threads in (1, 2, 3):
+            K.set_num_threads(threads)
+            got = screen_rows(screen, x, sx, c)
+            mask = np.zeros(screen.V, bool)
+            mask[got] = True
+            assert np.all(mask[strict]) and not np.any(mask & ~loose), f"{threads} threads"
+            assert np.all(np.diff(got) > 0)
+            if threads == 1:
+                first = got
+            assert np.array_equal(got, first), f"{threads} threads keep other rows than 1"
+    finally:
+        K.set_num_threads(n)
+        K.set_isa("auto")
+    assert np.isin(best, got).all()
+
+
+def test_screen_checks_its_arguments():
+    rng = np.random.default_rng(5)
+    screen, _, x, sx, c = screen_inputs(rng, 2, V=100, K_=64)
+    V = screen.V
+    args = [x, sx, c, screen.q, screen.rowsum, screen.scale, screen.wnorm32, screen.dnorm32, 1e-6]
+    ub, keep, rows = np.empty((2, V), np.float32), np.empty(V, np.uint8), np.empty(V, np.int64)
+    assert 0 < K.extension.head_i8_screen(*args, ub, keep, rows) <= V
+    with pytest.raises(ValueError, match="ub has shape"):
+        K.extension.head_i8_screen(*args, np.empty((3, V), np.float32), keep, rows)
+    with pytest.raises(ValueError, match="two per decode row"):
+        K.extension.head_i8_screen(x[:3], *args[1:], ub, keep, rows)
+    with pytest.raises(ValueError, match="c has shape"):
+        K.extension.head_i8_screen(x, sx, c[:, :3].copy(), *args[3:], ub, keep, rows)
+
+
 def test_quantize_takes_each_row_as_two_int8_terms():
     rng = np.random.default_rng(3)
     y = rng.standard_normal((3, 128)).astype(np.float32)
@@ -178,6 +262,14 @@ def test_quantize_takes_each_row_as_two_int8_terms():
         assert np.allclose(stats[t], want, rtol=1e-12)
         assert stats[t, 0] < 1e-3 * stats[t, 2]  # the second term leaves (1/127)^2 of the first one's error
     assert np.all(x[[1, 4]] == 0) and np.all(np.isinf(stats[1]))
+    five = np.empty((3, 5))
+    K.extension.head_i8_quantize(y, x, sx, five)  # with the first term's own norms
+    assert np.array_equal(five[:, :3], stats, equal_nan=True) and np.all(np.isinf(five[1]))
+    for t in (0, 2):
+        first = sx[t].astype(np.float64) * x[t]
+        want = [np.linalg.norm(y[t].astype(np.float64) - first), np.linalg.norm(first)]
+        assert np.allclose(five[t, 3:], want, rtol=1e-12)
+        assert five[t, 3] > 10 * five[t, 0]
 
 
 @pytest.mark.parametrize("isa", K.cpu_features()["usable_isas"] if K.available() else [])

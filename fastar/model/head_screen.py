@@ -17,6 +17,13 @@ error of x1 as x2), which makes |dy| negligible: the bound is then mostly the we
 dot products are exact (int32, `head_i8_dot`); the norms come in float64 and the bounds in float32
 (`head_i8_select`), every term widened by a relative 1e-6, far more than their rounding.
 
+The first term alone gives a bound too (its own |dy| and |x|), about twice as wide: on Flash-width weights it
+leaves ~1.5 % of the rows open where both terms leave ~0.05 %. From `ONE_TERM_ROWS` decode rows, where the products
+bind (two terms a row: 8-16 token rows over the 0.5 GB of int8 rows), `head_i8_screen` takes the first term over
+the whole head and the second only for the rows the first leaves open, in the same pass while they are in L2: a
+row is kept where both bounds reach the largest lower bound of either (the same rows whichever the threads computed
+first). The argmax and every logit computed are the same; fewer rows may be computed than with `head_i8_select`.
+
 Owns: the int8 copy (built once from the BF16 rows), the screen of a step's rows, and the logits it returns:
 exact at the rows it computed (every row that can be the argmax), -inf elsewhere. Rows whose y is not finite, or
 so large that a logit could overflow, take the full head.
@@ -43,11 +50,16 @@ HUGE = 1e30  # |y| |W_i| beyond this could overflow a float32 logit: the full he
 class HeadScreen:
     """The int8 copy of a BF16 head and the screened logits of decode rows (see the module docstring)."""
 
-    # The most decode rows a step screens (more take the full head). Each row is two int8 terms; head_i8_dot reads
-    # the int8 rows once per 4 terms (in tiles of 4 rows: one stream) and re-reads them from L2 for the next 4, so
-    # 8 rows (16 terms) take about what the BF16 head's 4-row product takes, 2/3 of its 8-row one (docs/PERFORMANCE.md):
-    # every decode step pays (`DeepseekV4.forward_rows` takes at most 8 rows).
+    # The most decode rows a step screens (more take the full head). head_i8_dot reads the int8 rows once per 4 terms
+    # (in tiles of 4 rows: one stream) and re-reads them from L2 for the next 4; from ONE_TERM_ROWS rows a row is one
+    # term but for the few head rows its first leaves open, so 8 rows take about what 1-2 rows' two terms take, well
+    # below the BF16 head's 8-row product (docs/PERFORMANCE.md): every decode step pays (`DeepseekV4.forward_rows`
+    # takes at most 8 rows).
     MAX_ROWS = 8
+    # From this many rows the screen takes the first int8 term alone where it settles a head row (`head_i8_screen`):
+    # half the products over the whole head, the second term's only for the ~1-2 % of rows the first leaves open,
+    # from L2. Below it the two terms' products take one pass over the weights anyway.
+    ONE_TERM_ROWS = 3
 
     def __init__(self, head: Linear, kernels) -> None:
         if head.dtype != "BF16":
@@ -69,6 +81,7 @@ class HeadScreen:
         self.exact_rows = 0  # rows computed exactly so far (a count for benchmarks)
         self._keep, self._rows = np.empty(self.V, np.uint8), np.empty(self.V, np.int64)  # head_i8_select's scratch
         self._dots = np.empty((0, self.V), np.int32)  # head_i8_dot's products, kept: MBs a step at 8 rows
+        self._ub = np.empty((0, self.V), np.float32)  # head_i8_screen's scratch, kept likewise
         # per row count, head_i8_quantize's outputs (x, sx, stats): a step's numpy calls run from cold caches, tens
         # of microseconds each, so the step makes as few as it can
         self._terms: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -81,7 +94,8 @@ class HeadScreen:
     @staticmethod
     def bytes_for(rows: int, cols: int) -> int:
         """The memory a screen of a [rows, cols] head takes: int8 rows; per row a scale, two norms and a sum (float32,
-        int32), head_i8_select's scratch (a byte and an index) and, at most, the int32 products of MAX_ROWS rows."""
+        int32), head_i8_select's scratch (a byte and an index) and, at most, 2 MAX_ROWS int32 products or float32
+        bounds (head_i8_dot's two terms of fewer than ONE_TERM_ROWS rows, head_i8_screen's MAX_ROWS)."""
         return rows * (cols + 4 + 4 + 4 + 4 + 1 + 8 + 4 * 2 * HeadScreen.MAX_ROWS)
 
     @property
@@ -102,11 +116,11 @@ class HeadScreen:
             yn = y.detach().contiguous().float().numpy()
         T = yn.shape[0]
         if T not in self._terms:
-            self._terms[T] = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float32), np.empty((T, 3))
+            self._terms[T] = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float32), np.empty((T, 5))
         x, sx, stats = self._terms[T]
         self.k.extension.head_i8_quantize(yn, x, sx, stats)
-        st = stats.tolist()  # [|dy|, |x|, |y|] per row, as Python floats: T is at most 8
-        plain = [not (math.isfinite(ny) and ny != 0 and ny * self.wmax <= HUGE) for _, _, ny in st]
+        st = stats.tolist()  # [|dy|, |x|, |y|, and the first term's alone |dy|, |x|] per row: T is at most 8
+        plain = [not (math.isfinite(ny) and ny != 0 and ny * self.wmax <= HUGE) for _, _, ny, _, _ in st]
         if not any(plain):  # the candidates' exact logits into an -inf-filled output, one call (`_exact`'s bits)
             rows = self._candidates(x, sx, st, copy=False)  # a view of the scratch, used before the next screen
             out = np.empty((T, self.V), np.float32)
@@ -124,19 +138,55 @@ class HeadScreen:
         return torch.from_numpy(out)
 
     def _candidates(self, x: np.ndarray, sx: np.ndarray, st: list[list[float]], copy: bool = True) -> np.ndarray:
-        """The sorted union over the screened rows (their int8 terms x [2T, K] with scales sx, and per row |dy|, |x|,
-        |y|) of the head rows that can hold that row's largest logit (`copy` False: a view of the scratch that the
-        next screen overwrites)."""
-        if self._dots.shape[0] < x.shape[0]:
-            self._dots = np.empty((x.shape[0], self.V), np.int32)
-        dots = self._dots[: x.shape[0]]
-        self.k.extension.head_i8_dot(x, self.q, self.rowsum, dots)
-        # float64 arithmetic as numpy's on the same values, then rounded to float32
-        c1 = np.array([(dy + self.gamma * ny) * (1 + MARGIN) for dy, _, ny in st], np.float32)
-        c2 = np.array([nx * (1 + MARGIN) for _, nx, _ in st], np.float32)
-        n = self.k.extension.head_i8_select(
-            dots, sx, self.scale, c1, c2, self.wnorm32, self.dnorm32, MARGIN, self._keep, self._rows
-        )
+        """The sorted union over the screened rows (their int8 terms x [2T, K] with scales sx, and per row `logits`'s
+        stats) of the head rows that can hold that row's largest logit (`copy` False: a view of the scratch that the
+        next screen overwrites). From ONE_TERM_ROWS rows, `head_i8_screen`'s one pass; below, `head_i8_dot` of both
+        terms and `head_i8_select` (the same bounds, each row taking both terms)."""
+        T = len(st)
+        # float64 arithmetic as numpy's on the same values, then rounded to float32: c1 = (|dy| + gamma |y|) (1 +
+        # MARGIN), c2 = |x| (1 + MARGIN), for both terms and (`head_i8_screen`) for the first alone
+        c = np.array(
+            [
+                [(d + self.gamma * ny) * (1 + MARGIN), n * (1 + MARGIN)]
+                for dy, nx, ny, dy1, nx1 in st
+                for d, n in ((dy1, nx1), (dy, nx))
+            ],
+            np.float32,
+        ).reshape(T, 4)
+        if T >= self.ONE_TERM_ROWS:
+            if self._ub.shape[0] < T:
+                self._ub = np.empty((T, self.V), np.float32)
+            n = self.k.extension.head_i8_screen(
+                x,
+                sx,
+                c,
+                self.q,
+                self.rowsum,
+                self.scale,
+                self.wnorm32,
+                self.dnorm32,
+                MARGIN,
+                self._ub[:T],
+                self._keep,
+                self._rows,
+            )
+        else:
+            if self._dots.shape[0] < 2 * T:
+                self._dots = np.empty((2 * T, self.V), np.int32)
+            dots = self._dots[: 2 * T]
+            self.k.extension.head_i8_dot(x, self.q, self.rowsum, dots)
+            n = self.k.extension.head_i8_select(
+                dots,
+                sx,
+                self.scale,
+                np.ascontiguousarray(c[:, 2]),
+                np.ascontiguousarray(c[:, 3]),
+                self.wnorm32,
+                self.dnorm32,
+                MARGIN,
+                self._keep,
+                self._rows,
+            )
         return self._rows[:n].copy() if copy else self._rows[:n]
 
     def _exact(self, y: np.ndarray, rows: np.ndarray) -> np.ndarray:

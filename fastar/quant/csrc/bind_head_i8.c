@@ -175,8 +175,64 @@ fail:
     return NULL;
 }
 
-/* head_i8_quantize(y f32 [T, K], x i8 [2T, K], sx f32 [2T], stats f64 [T, 3]) -> None: the decode rows' two int8 terms
- * and their norms (head_i8.h's contract). */
+/* head_i8_screen(x i8 [2T, K], sx f32 [2T], c f32 [T, 4], q i8 [V, K], rowsum i32 [V], scale f32 [V], wnorm f32 [V],
+ * dnorm f32 [V], margin, ub f32 [T, V], keep u8 [V], rows i64 [V]) -> n: the screened head's candidate rows in
+ * rows[:n], ascending, from one pass that takes the second terms only where needed (head_i8.h's contract; ub and keep
+ * are scratch). */
+PyObject *py_head_i8_screen(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o[12];
+    float margin;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOfOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &margin, &o[8],
+                          &o[9], &o[10]))
+        return NULL;
+    view_t v[11];
+    memset(v, 0, sizeof v);
+    static const char *names[11] = {"x", "sx", "c", "q", "rowsum", "scale", "wnorm", "dnorm", "ub", "keep", "rows"};
+    static const char fmts[11] = {'b', 'f', 'f', 'b', 'i', 'f', 'f', 'f', 'f', 'B', 'q'};
+    static const int ndims[11] = {2, 1, 2, 2, 1, 1, 1, 1, 2, 1, 1};
+    for (int j = 0; j < 11; j++)
+        if (get_view(o[j], &v[j], names[j], fmts[j], ndims[j], j >= 8)) goto fail;
+    const int64_t T2 = dim(&v[0], 0), K = dim(&v[0], 1), T = T2 / 2, V = dim(&v[3], 0);
+    if (T2 % 2 || T2 == 0) {
+        PyErr_Format(PyExc_ValueError, "x has %lld rows, expected two per decode row", (long long)T2);
+        goto fail;
+    }
+    if (K % HEAD_I8_K_ALIGN || K > HEAD_I8_MAX_K) {
+        PyErr_Format(PyExc_ValueError, "x has %lld columns, expected a multiple of %d up to %d", (long long)K,
+                     HEAD_I8_K_ALIGN, HEAD_I8_MAX_K);
+        goto fail;
+    }
+    if (len_is(&v[1], "sx", T2, "= x.shape[0]") || shape_is(&v[2], "c", T, 4, "= (x.shape[0] / 2, 4)") ||
+        shape_is(&v[3], "q", V, K, "= (V, K), K = x.shape[1]") || len_is(&v[4], "rowsum", V, "= q.shape[0]") ||
+        len_is(&v[5], "scale", V, "= q.shape[0]") || len_is(&v[6], "wnorm", V, "= q.shape[0]") ||
+        len_is(&v[7], "dnorm", V, "= q.shape[0]") || shape_is(&v[8], "ub", T, V, "= (x.shape[0] / 2, q.shape[0])") ||
+        len_is(&v[9], "keep", V, "= q.shape[0]") || len_is(&v[10], "rows", V, "= q.shape[0]") ||
+        no_overlap(&v[8], v, 8) || no_overlap(&v[9], v, 9) || no_overlap(&v[10], v, 10))
+        goto fail;
+    head_screen s = {.x = v[0].b.buf, .sx = v[1].b.buf, .c = v[2].b.buf, .q = v[3].b.buf, .rowsum = v[4].b.buf,
+                     .scale = v[5].b.buf, .wnorm = v[6].b.buf, .dnorm = v[7].b.buf, .margin = margin, .T = T, .V = V,
+                     .K = K, .ub = v[8].b.buf, .keep = v[9].b.buf, .rows = v[10].b.buf};
+    const isa_ops *isa = cur_isa;
+    int64_t kept;
+    Py_BEGIN_ALLOW_THREADS
+    readahead_begin(s.q, (size_t)(V * K), 1); /* the int8 head, as head_i8_dot */
+    kept = head_i8_screen_run(isa, &s);
+    readahead_end(s.q, (size_t)(V * K));
+    Py_END_ALLOW_THREADS
+    if (kept < 0) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    release(v, 11);
+    return PyLong_FromLongLong((long long)kept);
+fail:
+    release(v, 11);
+    return NULL;
+}
+
+/* head_i8_quantize(y f32 [T, K], x i8 [2T, K], sx f32 [2T], stats f64 [T, 3 or 5]) -> None: the decode rows' two int8
+ * terms and their norms, with 5 columns also the first term's alone (head_i8.h's contract). */
 PyObject *py_head_i8_quantize(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *o[4];
@@ -188,11 +244,12 @@ PyObject *py_head_i8_quantize(PyObject *self, PyObject *args) {
         goto fail;
     const int64_t T = dim(&v[0], 0), K = dim(&v[0], 1);
     if (shape_is(&v[1], "x", 2 * T, K, "= (2 y.shape[0], y.shape[1])") || len_is(&v[2], "sx", 2 * T, "= 2 y.shape[0]") ||
-        shape_is(&v[3], "stats", T, 3, "= (y.shape[0], 3)") || no_overlap(&v[1], v, 1) || no_overlap(&v[2], v, 2) ||
-        no_overlap(&v[3], v, 3))
+        shape_is(&v[3], "stats", T, dim(&v[3], 1) == 5 ? 5 : 3, "= (y.shape[0], 3 or 5)") || no_overlap(&v[1], v, 1) ||
+        no_overlap(&v[2], v, 2) || no_overlap(&v[3], v, 3))
         goto fail;
+    const int ncol = (int)dim(&v[3], 1);
     Py_BEGIN_ALLOW_THREADS
-    head_i8_quantize_run(v[0].b.buf, T, K, v[1].b.buf, v[2].b.buf, v[3].b.buf);
+    head_i8_quantize_run(v[0].b.buf, T, K, v[1].b.buf, v[2].b.buf, v[3].b.buf, ncol);
     Py_END_ALLOW_THREADS
     release(v, 4);
     Py_RETURN_NONE;

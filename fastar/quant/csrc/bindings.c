@@ -735,7 +735,12 @@ static PyMethodDef methods[] = {
     {"head_i8_dot", py_head_i8_dot, METH_VARARGS,
      "head_i8_dot(xq i8[T,K], q i8[V,K], rowsum i32[V], out i32[T,V]): out = xq @ q.T, exact int32"},
     {"head_i8_quantize", py_head_i8_quantize, METH_VARARGS,
-     "head_i8_quantize(y f32[T,K], x i8[2T,K], sx f32[2T], stats f64[T,3]): decode rows as two int8 terms, norms"},
+     "head_i8_quantize(y f32[T,K], x i8[2T,K], sx f32[2T], stats f64[T,3 or 5]): decode rows as two int8 terms, "
+     "norms (5: also the first term's alone)"},
+    {"head_i8_screen", py_head_i8_screen, METH_VARARGS,
+     "head_i8_screen(x i8[2T,K], sx f32[2T], c f32[T,4], q i8[V,K], rowsum i32[V], scale f32[V], wnorm f32[V], "
+     "dnorm f32[V], margin, ub f32[T,V], keep u8[V], rows i64[V]) -> n: head_i8_dot and head_i8_select in one pass, "
+     "the second terms only where the first leaves a row open"},
     {"head_i8_select", py_head_i8_select, METH_VARARGS,
      "head_i8_select(dots i32[2T,V], sx f32[2T], scale f32[V], c1 f32[T], c2 f32[T], wnorm f32[V], dnorm f32[V], "
      "margin, keep u8[V], rows i64[V]) -> n: the screened head's candidate rows in rows[:n]"},

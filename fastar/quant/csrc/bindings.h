@@ -70,6 +70,7 @@ PyObject *py_attend_stored(PyObject *self, PyObject *args);
 PyObject *py_head_i8_build(PyObject *self, PyObject *args);
 PyObject *py_head_i8_dot(PyObject *self, PyObject *args);
 PyObject *py_head_i8_select(PyObject *self, PyObject *args);
+PyObject *py_head_i8_screen(PyObject *self, PyObject *args);
 PyObject *py_head_i8_quantize(PyObject *self, PyObject *args);
 PyObject *py_head_i8_path(PyObject *self, PyObject *args);
 PyObject *py_gather_rows(PyObject *self, PyObject *args);

@@ -9,6 +9,9 @@
  *                      integers: AVX-512 VNNI (vpdpbusd on x + 128 as unsigned bytes, less 128 sum q[i]), AVX2
  *                      (both sign-extended to 16 bits, vpmaddwd: no saturation), AArch64 SDOT (FEAT_DotProd) and
  *                      portable C (int32 sums the compiler vectorizes), picked from the ISA in use and the CPU;
+ *   head_i8_screen_run head_i8_dot of the first int8 terms and head_i8_select's bounds in one pass, the second
+ *                      terms' products only for the rows the first leaves open, each sub-block's right after its
+ *                      products, from L2 (a running floor shared by the threads; head_i8.h's contract);
  *   gather_rows_run    out[j] = w[idx[j]] for byte rows (the candidates' bfloat16 rows for bf16_matmul).
  * Work goes to the pool in row chunks; each output is computed by one thread in an order fixed by nothing but its
  * row, so results do not depend on the thread count (they are exact integers anyway).
@@ -16,6 +19,8 @@
  * the screen's bounds and the quantization of x (head_screen.py).
  */
 #include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dispatch.h"
@@ -381,18 +386,23 @@ const char *head_i8_path_name(int path) {
                                     : "portable";
 }
 
+typedef struct screen_ctx screen_ctx;
+static void screen_rows(const screen_ctx *sc, int64_t r0, int64_t r1);
+
 typedef struct {
     const head_dot *d;
     const void *xc; /* x as the path wants it: int8 (portable, SDOT), int16 (AVX2), x + 128 as uint8 (VNNI) */
     int path;
-    int64_t rows, sub; /* rows per chunk, per sub-block */
+    int64_t rows, sub;     /* rows per chunk, per sub-block */
+    int64_t tg;            /* tokens per pass (at most DOT_TG) */
+    const screen_ctx *scr; /* head_i8_screen: its bounds of each sub-block's rows once their products are done */
 } dot_ctx;
 
 static void dot_chunk(void *p, int64_t i) {
     const dot_ctx *c = p;
     const head_dot *d = c->d;
     const int64_t r0 = i * c->rows, r1 = r0 + c->rows < d->V ? r0 + c->rows : d->V;
-    const int64_t steps = d->K / HEAD_I8_K_ALIGN, passes = (d->T + DOT_TG - 1) / DOT_TG;
+    const int64_t steps = d->K / HEAD_I8_K_ALIGN, passes = (d->T + c->tg - 1) / c->tg;
     for (int64_t s0 = r0; s0 < r1; s0 += c->sub) { /* a sub-block stays in L2 while every token group passes */
         const int64_t s1 = s0 + c->sub < r1 ? s0 + c->sub : r1, s2 = s1 + c->sub < r1 ? s1 + c->sub : r1;
         /* more than one pass (T > DOT_TG): the next sub-block's bytes, rows [s1, s2) (tiles and plain rows alike lie
@@ -403,10 +413,10 @@ static void dot_chunk(void *p, int64_t i) {
         const int64_t blocks = (s1 - s0 + HEAD_I8_TILE_ROWS - 1) / HEAD_I8_TILE_ROWS;
         const int64_t per = ((s2 - s1) * d->K + passes * blocks - 1) / (passes * blocks);
         const int64_t pfs = (per + 128 * steps - 1) / (128 * steps) * 128;
-        for (int64_t t0 = 0; t0 < d->T; t0 += DOT_TG) {
-            const int T = (int)(d->T - t0 < DOT_TG ? d->T - t0 : DOT_TG);
+        for (int64_t t0 = 0; t0 < d->T; t0 += c->tg) {
+            const int T = (int)(d->T - t0 < c->tg ? d->T - t0 : c->tg);
             int32_t *out = d->out + t0 * d->V;
-            const int8_t *pf = passes > 1 && s2 > s1 ? d->q + s1 * d->K + t0 / DOT_TG * blocks * pfs * steps : NULL;
+            const int8_t *pf = passes > 1 && s2 > s1 ? d->q + s1 * d->K + t0 / c->tg * blocks * pfs * steps : NULL;
 #if FASTAR_X86
             if (c->path == HEAD_PATH_VNNI) {
                 dot_rows_vnni(d, (const uint8_t *)c->xc + t0 * d->K, T, s0, s1, pf, pfs, out);
@@ -425,13 +435,16 @@ static void dot_chunk(void *p, int64_t i) {
 #endif
             dot_rows_plain(d, (const int8_t *)c->xc + t0 * d->K, T, s0, s1, pf, pfs, out);
         }
+        if (c->scr) screen_rows(c->scr, s0, s1); /* the sub-block's rows are still in L2 */
     }
 }
 
-int head_i8_dot_run(const isa_ops *isa, const head_dot *d) {
+/* head_i8_dot_run, and with scr the screen's bounds of each sub-block after its products. */
+static int dot_run(const isa_ops *isa, const head_dot *d, const screen_ctx *scr) {
     if (d->T <= 0 || d->V <= 0) return 0;
     if (d->K == 0) {
         memset(d->out, 0, (size_t)(d->T * d->V) * sizeof(int32_t));
+        if (scr) screen_rows(scr, 0, d->V);
         return 0;
     }
     const int path = head_i8_path(isa);
@@ -439,13 +452,17 @@ int head_i8_dot_run(const isa_ops *isa, const head_dot *d) {
      * VNNI and SDOT, 16 values for AVX2): step j of the group's token t at (j * Tg + t) * cw. Token rows K apart
      * would share L1 sets (K = 4096: every token's bytes of a step in one set, with the weights' line). */
     const int64_t cw = path == HEAD_PATH_AVX2 ? 16 : 64;
+    /* 4 tokens in two passes of 2 (each 4 rows x 2 tokens a block), not one of 4: measured 0.87-0.88x the time in
+     * paired runs on Zen 4 (2 threads, scripts/head_i8_bench.py's shape), where 3, 6 and 8 tokens are 1.1-1.8x slower
+     * in passes of 2 */
+    const int64_t tg = d->T == 4 ? 2 : DOT_TG;
     void *buf = NULL;
     if (path != HEAD_PATH_PORTABLE) {
         /* 64-byte aligned: a vector load of x never straddles two cache lines (T K is a multiple of 64) */
         buf = aligned_alloc(64, (size_t)(d->T * d->K) * (path == HEAD_PATH_AVX2 ? 2 : 1));
         if (!buf) return -1;
-        for (int64_t t0 = 0; t0 < d->T; t0 += DOT_TG) {
-            const int64_t Tg = d->T - t0 < DOT_TG ? d->T - t0 : DOT_TG;
+        for (int64_t t0 = 0; t0 < d->T; t0 += tg) {
+            const int64_t Tg = d->T - t0 < tg ? d->T - t0 : tg;
             for (int64_t t = t0; t < t0 + Tg; t++)
                 for (int64_t c = 0; c < d->K; c += cw) {
                     const int8_t *src = d->x + t * d->K + c;
@@ -459,7 +476,7 @@ int head_i8_dot_run(const isa_ops *isa, const head_dot *d) {
                 }
         }
     }
-    dot_ctx c = {.d = d, .xc = buf ? buf : (const void *)d->x, .path = path};
+    dot_ctx c = {.d = d, .xc = buf ? buf : (const void *)d->x, .path = path, .scr = scr, .tg = tg};
     c.sub = SUB_BYTES / d->K < 8 ? 8 : SUB_BYTES / d->K / 8 * 8;
     const int64_t target = 8 * (int64_t)pool_get_threads(); /* chunks: about 8 per thread, whole sub-blocks */
     const int64_t subs = (d->V + c.sub - 1) / c.sub;
@@ -468,6 +485,8 @@ int head_i8_dot_run(const isa_ops *isa, const head_dot *d) {
     free(buf);
     return 0;
 }
+
+int head_i8_dot_run(const isa_ops *isa, const head_dot *d) { return dot_run(isa, d, NULL); }
 
 /* ---------------------------------------------------------------- gather */
 
@@ -552,9 +571,174 @@ int64_t head_i8_select_run(const isa_ops *isa, const head_select *s) {
     return select_plain(s);
 }
 
+/* ---------------------------------------------------------------- screen */
+
+struct screen_ctx {
+    const head_screen *s;
+    int vnni;            /* the second terms' products with vpdpbusd (x2u), else portable C */
+    const uint8_t *x2u;  /* VNNI: the second terms + 128 as bytes, [T, K] */
+    _Atomic float *floor; /* [T]: the largest lower bound so far, each decode row's */
+    void (*rows_fn)(const screen_ctx *, int64_t, int64_t); /* screen_core compiled for the ISA in use */
+};
+
+/* x . q[r] for one int8 row x of K columns (K % 64 == 0), q's row r at q + j cs for columns [64 j, 64 j + 64): exact
+ * int32 (as head_i8_dot). */
+static int32_t dot_row_plain(const int8_t *q, int64_t cs, const int8_t *x, int64_t K) {
+    int32_t s = 0;
+    for (int64_t c = 0, j = 0; c < K; c += HEAD_I8_K_ALIGN, j++)
+        for (int k = 0; k < HEAD_I8_K_ALIGN; k++) s += (int32_t)x[c + k] * (int32_t)q[j * cs + k];
+    return s;
+}
+
+#if FASTAR_X86
+/* The same with vpdpbusd on xu = x + 128 (two chains), less 128 sum q (dot_rows_block_vnni's arithmetic). */
+TARGET_VNNI static int32_t dot_row_vnni(const int8_t *q, int64_t cs, const uint8_t *xu, int64_t K, int32_t rowsum) {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    const int64_t steps = K / HEAD_I8_K_ALIGN;
+    int64_t j = 0;
+    for (; j + 1 < steps; j += 2) {
+        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512((const void *)(xu + 64 * j)),
+                                _mm512_loadu_si512((const void *)(q + j * cs)));
+        b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512((const void *)(xu + 64 * j + 64)),
+                                _mm512_loadu_si512((const void *)(q + (j + 1) * cs)));
+    }
+    if (j < steps)
+        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512((const void *)(xu + 64 * j)),
+                                _mm512_loadu_si512((const void *)(q + j * cs)));
+    return (int32_t)((uint32_t)_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)) - 128u * (uint32_t)rowsum);
+}
+#endif
+
+/* Raise the shared floor f to at least v. */
+static void floor_raise(_Atomic float *f, float v) {
+    float cur = atomic_load_explicit(f, memory_order_relaxed);
+    while (v > cur && !atomic_compare_exchange_weak_explicit(f, &cur, v, memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
+
+/* The second term's bound folded into row i's (hi, lo) for decode row t (head_i8.h's order of operations). */
+static inline __attribute__((always_inline)) void second_term(const screen_ctx *sc, int64_t t, int64_t i, float a1,
+                                                               float *hi, float *lo) {
+    const head_screen *s = sc->s;
+    const int64_t V = s->V, K = s->K;
+    const int8_t *qr = s->q + q_offset(V, K, i);
+    const int64_t cs = q_step(V, K, i);
+    int32_t d2;
+#if FASTAR_X86
+    if (sc->vnni)
+        d2 = dot_row_vnni(qr, cs, sc->x2u + t * K, K, s->rowsum[i]);
+    else
+#endif
+        d2 = dot_row_plain(qr, cs, s->x + (s->T + t) * K, K);
+    const float a2 = (float)d2 * (s->sx[s->T + t] * s->scale[i]);
+    const float est = a1 + a2;
+    float b2 = s->c[4 * t + 2] * s->wnorm[i] + s->c[4 * t + 3] * s->dnorm[i];
+    b2 += (fabsf(a1) + fabsf(a2)) * s->margin;
+    const float hi2 = est + b2, lo2 = est - b2;
+    *hi = hi2 < *hi ? hi2 : *hi;
+    *lo = lo2 > *lo ? lo2 : *lo;
+}
+
+#define SCREEN_LANES 16
+
+/* Rows [r0, r1) once their first terms' products are in ub (as int32): each row's bounds (head_i8.h), the second
+ * term's product only where ub1 reaches the floor so far; ub gets min(ub1, ub2) there, ub1 elsewhere. The first
+ * term's bounds of SCREEN_LANES rows at a time in loops the compiler vectorizes, the floor as of the group's start
+ * (any floor reached so far is sound: a stale one only takes more second terms). */
+static inline __attribute__((always_inline)) void screen_core(const screen_ctx *sc, int64_t r0, int64_t r1) {
+    const head_screen *s = sc->s;
+    const int64_t T = s->T, V = s->V;
+    const float margin = s->margin;
+    const float *restrict scale = s->scale, *restrict wnorm = s->wnorm, *restrict dnorm = s->dnorm;
+    for (int64_t t = 0; t < T; t++) {
+        float fl = atomic_load_explicit(&sc->floor[t], memory_order_relaxed);
+        const float s1 = s->sx[t], ca1 = s->c[4 * t], ca2 = s->c[4 * t + 1];
+        float *ub = s->ub + t * V;
+        const int32_t *d1s = (const int32_t *)ub; /* the products, overwritten group by group by the bounds */
+        for (int64_t i0 = r0; i0 < r1; i0 += SCREEN_LANES) {
+            const int n = r1 - i0 < SCREEN_LANES ? (int)(r1 - i0) : SCREEN_LANES;
+            float a1[SCREEN_LANES], hi[SCREEN_LANES], lo[SCREEN_LANES];
+            int open = 0;
+            if (n == SCREEN_LANES) {
+                for (int j = 0; j < SCREEN_LANES; j++) {
+                    const int64_t i = i0 + j;
+                    a1[j] = (float)d1s[i] * (s1 * scale[i]);
+                    float b1 = ca1 * wnorm[i] + ca2 * dnorm[i];
+                    b1 += fabsf(a1[j]) * margin;
+                    hi[j] = a1[j] + b1, lo[j] = a1[j] - b1;
+                    open |= hi[j] >= fl;
+                }
+            } else {
+                for (int j = 0; j < n; j++) {
+                    const int64_t i = i0 + j;
+                    a1[j] = (float)d1s[i] * (s1 * scale[i]);
+                    float b1 = ca1 * wnorm[i] + ca2 * dnorm[i];
+                    b1 += fabsf(a1[j]) * margin;
+                    hi[j] = a1[j] + b1, lo[j] = a1[j] - b1;
+                    open |= hi[j] >= fl;
+                }
+            }
+            if (open)
+                for (int j = 0; j < n; j++)
+                    if (hi[j] >= fl) second_term(sc, t, i0 + j, a1[j], &hi[j], &lo[j]);
+            for (int j = 0; j < n; j++) {
+                fl = lo[j] > fl ? lo[j] : fl;
+                ub[i0 + j] = hi[j];
+            }
+        }
+        floor_raise(&sc->floor[t], fl);
+    }
+}
+
+static void screen_rows_plain(const screen_ctx *sc, int64_t r0, int64_t r1) { screen_core(sc, r0, r1); }
+#if FASTAR_X86
+TARGET_AVX2 static void screen_rows_avx2(const screen_ctx *sc, int64_t r0, int64_t r1) { screen_core(sc, r0, r1); }
+TARGET_AVX512 static void screen_rows_avx512(const screen_ctx *sc, int64_t r0, int64_t r1) { screen_core(sc, r0, r1); }
+#endif
+
+static void screen_rows(const screen_ctx *sc, int64_t r0, int64_t r1) { sc->rows_fn(sc, r0, r1); }
+
+int64_t head_i8_screen_run(const isa_ops *isa, const head_screen *s) {
+    const int64_t T = s->T, V = s->V, K = s->K;
+    if (T <= 0 || V <= 0) return 0;
+    screen_ctx sc = {.s = s, .vnni = head_i8_path(isa) == HEAD_PATH_VNNI, .rows_fn = screen_rows_plain};
+#if FASTAR_X86
+    if (isa->vec == VEC_AVX512) sc.rows_fn = screen_rows_avx512;
+    if (isa->vec == VEC_AVX2) sc.rows_fn = screen_rows_avx2;
+#endif
+    sc.floor = malloc((size_t)T * sizeof *sc.floor);
+    uint8_t *x2u = sc.vnni ? aligned_alloc(64, (size_t)(T * K) + 64) : NULL;
+    if (!sc.floor || (sc.vnni && !x2u)) {
+        free(sc.floor), free(x2u);
+        return -1;
+    }
+    for (int64_t t = 0; t < T; t++) atomic_init(&sc.floor[t], -INFINITY);
+    if (x2u)
+        for (int64_t k = 0; k < T * K; k++) x2u[k] = (uint8_t)((uint8_t)s->x[T * K + k] ^ 0x80);
+    sc.x2u = x2u;
+    const head_dot d = {.x = s->x, .q = s->q, .rowsum = s->rowsum, .out = (int32_t *)s->ub, .T = T, .V = V, .K = K};
+    const int rc = dot_run(isa, &d, &sc);
+    free(x2u);
+    if (rc) {
+        free(sc.floor);
+        return -1;
+    }
+    memset(s->keep, 0, (size_t)V);
+    for (int64_t t = 0; t < T; t++) {
+        const float fl = atomic_load(&sc.floor[t]);
+        const float *ub = s->ub + t * V;
+        for (int64_t i = 0; i < V; i++) s->keep[i] |= (uint8_t)(ub[i] >= fl);
+    }
+    free(sc.floor);
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++)
+        if (s->keep[i]) s->rows[n++] = i;
+    return n;
+}
+
 /* ---------------------------------------------------------------- quantize */
 
-void head_i8_quantize_run(const float *y, int64_t T, int64_t K, int8_t *x, float *sx, double *stats) {
+void head_i8_quantize_run(const float *y, int64_t T, int64_t K, int8_t *x, float *sx, double *stats, int ncol) {
     for (int64_t t = 0; t < T; t++) {
         const float *yt = y + t * K;
         int8_t *x1 = x + t * K, *x2 = x + (T + t) * K;
@@ -566,11 +750,11 @@ void head_i8_quantize_run(const float *y, int64_t T, int64_t K, int8_t *x, float
             top = fabs(v) > top ? fabs(v) : top;
             ny += v * v;
         }
-        double *st = stats + 3 * t;
+        double *st = stats + ncol * t;
         if (!finite) { /* not screened (the caller sees |y| = inf): no conversion of a NaN to an integer */
             memset(x1, 0, (size_t)K), memset(x2, 0, (size_t)K);
             sx[t] = sx[T + t] = 1.0f;
-            st[0] = st[1] = st[2] = INFINITY;
+            for (int j = 0; j < ncol; j++) st[j] = INFINITY;
             continue;
         }
         const float s1 = top > 0 ? (float)(top / 127.0) : 1.0f;
@@ -583,7 +767,7 @@ void head_i8_quantize_run(const float *y, int64_t T, int64_t K, int8_t *x, float
             top2 = fabs(r) > top2 ? fabs(r) : top2;
         }
         const float s2 = top2 > 0 ? (float)(top2 / 127.0) : 1.0f;
-        double dy = 0.0, nx = 0.0;
+        double dy = 0.0, nx = 0.0, dy1 = 0.0, nx1 = 0.0;
         for (int64_t k = 0; k < K; k++) {
             const double r = yt[k] - (double)s1 * x1[k];
             double q = rint(r / (double)s2);
@@ -591,8 +775,10 @@ void head_i8_quantize_run(const float *y, int64_t T, int64_t K, int8_t *x, float
             x2[k] = (int8_t)q;
             const double xt = (double)s1 * x1[k] + (double)s2 * q, e = yt[k] - xt;
             dy += e * e, nx += xt * xt;
+            dy1 += r * r, nx1 += ((double)s1 * x1[k]) * ((double)s1 * x1[k]);
         }
         sx[t] = s1, sx[T + t] = s2;
         st[0] = sqrt(dy), st[1] = sqrt(nx), st[2] = sqrt(ny);
+        if (ncol == 5) st[3] = sqrt(dy1), st[4] = sqrt(nx1);
     }
 }

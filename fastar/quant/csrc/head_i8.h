@@ -69,10 +69,38 @@ typedef struct {
 } head_select;
 int64_t head_i8_select_run(const isa_ops *isa, const head_select *s);
 
+/* head_i8_screen: head_i8_dot and head_i8_select in one pass for T decode rows that take the first int8 term alone
+ * where it settles a row: x [2T, K] are head_i8_quantize's terms (rows t and T + t, scales sx[t], sx[T + t]); c [T, 4]
+ * per decode row the bound's c1 and c2 for the first term alone (c[t, 0], c[t, 1]: its own |dy| and |x|), then for
+ * both terms (c[t, 2], c[t, 3]: head_i8_select's c1, c2). For decode row t and head row i, in float32 and in this
+ * order: a1 = d1 * (sx[t] * scale[i]) (d1 = x[t] . q[i], exact), b1 = c[t,0] wnorm[i] + c[t,1] dnorm[i], b1 += |a1|
+ * margin, ub1 = a1 + b1, lb1 = a1 - b1; and with the second term (d2 = x[T + t] . q[i]), as head_i8_select: a2 =
+ * d2 * (sx[T + t] * scale[i]), est = a1 + a2, b2 = c[t,2] wnorm[i] + c[t,3] dnorm[i], b2 += (|a1| + |a2|) margin,
+ * ub2 = est + b2, lb2 = est - b2. floor_t = max_i max(lb1, lb2); keep[i] = 1 where ub1 >= floor_t and ub2 >= floor_t
+ * for some t (a scratch array of V bytes), the rows kept, ascending, in rows[0, n). Returns n, or -1 for out of memory.
+ * The second term's product is computed only for the rows whose ub1 reaches the floor so far (a running maximum of
+ * the lower bounds, shared by the threads), right after their sub-block's first terms, from L2: the others cannot
+ * be kept, since the floor only rises. The rows kept do not depend on which: the row with the largest lower bound
+ * has ub1 >= its lb2, so floor_t is the same (the bounds being sound). ub [T, V] is scratch (the products, then
+ * min(ub1, ub2) or ub1). */
+typedef struct {
+    const int8_t *x; /* [2T, K] */
+    const int8_t *q; /* [V, K] in head_i8_build's layout */
+    const int32_t *rowsum;
+    const float *sx, *c, *scale, *wnorm, *dnorm;
+    float margin;
+    int64_t T, V, K;
+    float *ub;
+    uint8_t *keep;
+    int64_t *rows;
+} head_screen;
+int64_t head_i8_screen_run(const isa_ops *isa, const head_screen *s);
+
 /* head_i8_quantize: decode rows y [T, K] as two int8 terms each, y ~ sx[t] x[t] + sx[T + t] x[T + t] (the second
  * takes the first's rounding error; each scale a float32, max |term| / 127), and per row in stats [T, 3] (float64)
- * |y - that sum|, |that sum|, |y|. A row with a value that is not finite gets zero terms and stats of +inf. */
-void head_i8_quantize_run(const float *y, int64_t T, int64_t K, int8_t *x, float *sx, double *stats);
+ * |y - that sum|, |that sum|, |y|, and where ncol is 5 also the first term's alone, |y - sx[t] x[t]|, |sx[t] x[t]|
+ * (head_i8_screen's bound). A row with a value that is not finite gets zero terms and stats of +inf. */
+void head_i8_quantize_run(const float *y, int64_t T, int64_t K, int8_t *x, float *sx, double *stats, int ncol);
 
 /* out[j] = w[idx[j]] for rows of row_bytes bytes, j < U (each idx checked by the caller), over the pool. */
 void gather_rows_run(const void *w, int64_t row_bytes, const int64_t *idx, int64_t U, void *out);

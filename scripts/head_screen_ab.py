@@ -4,8 +4,12 @@ screen, docs/MODEL.md) and False (every logit), each block between two memory ba
 the memory speed of the same minutes.
 
     flock /tmp/bench.lock python scripts/head_screen_ab.py -m flash4.fst [--rows 1,4,8] [--rounds 4] [--steps 12]
+        [--against full|two-term]
 
-Prints per block its aggregate tokens/s, ms per step and the bandwidth around it. That both heads give the same
+--against two-term alternates instead the screen as it runs (from `HeadScreen.ONE_TERM_ROWS` rows the first int8
+term alone where it settles a head row, `head_i8_screen`) with the screen taking both terms of every row
+(`head_i8_dot` and `head_i8_select`). Prints per block its aggregate tokens/s, ms per step and the bandwidth around
+it. That both heads give the same
 tokens is tests/test_head_screen.py's to check, not this script's.
 """
 
@@ -26,6 +30,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="greedy steps per block")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--rows", default="1", help="comma-separated decode batch sizes, 1 to 8")
+    ap.add_argument("--against", choices=("full", "two-term"), default="full", help="the other side of the A/B")
     a = ap.parse_args()
     eng = fastar.load(a.model)
     if eng.model.screen is None:
@@ -39,8 +44,12 @@ def main() -> None:
             prompt = list(range(1000 + 97 * i, 1000 + 97 * i + a.prompt_tokens))
             last.append(argmax(eng.prefill(prompt, state)[-1]))
 
+        one_term = model.screen.ONE_TERM_ROWS
+
         def step(screen: bool) -> None:
-            logits = model.forward_rows(last, states, [screen] * n)
+            if a.against == "two-term":  # both sides screened; the B side with both terms of every row
+                model.screen.ONE_TERM_ROWS = one_term if screen else model.screen.MAX_ROWS + 1
+            logits = model.forward_rows(last, states, [screen or a.against == "two-term"] * n)
             last[:] = [argmax(row) for row in logits]
 
         for _ in range(4):  # first touches out of the timing
@@ -51,7 +60,11 @@ def main() -> None:
                 for _ in range(a.steps):
                     step(screen)
                 dt = (time.perf_counter() - t0) / a.steps
-                head = "screened" if screen else "full    "
+                head = (
+                    ("screened" if screen else "full    ")
+                    if a.against == "full"
+                    else ("one-term" if screen else "two-term")
+                )
                 print(
                     f"{n} rows, round {rnd} {head}: {n / dt:6.2f} tok/s ({dt * 1e3:.1f} ms/step), memory {bw0:.1f} "
                     f"-> {_stream_gbps(eng):.1f} GB/s",

@@ -179,16 +179,23 @@ def bench(
     fma_rate, quant_rate = _mac_rates(engine)
     row_s = wide_macs / fma_rate + quant_macs / quant_rate  # one row's arithmetic at the peaks
     # calls of at most HeadScreen.MAX_ROWS greedy rows take the head screen: its int8 head in place of the BF16 one
-    # (two int8 terms of y per row in place of the FP32 head's products), and exactly only the candidate rows
-    screen, row_bytes, exact_s, i8_rate, delta, screen_row_s = engine.model.screen, 0, 0.0, None, 0, row_s
+    # (two int8 terms of y per row in place of the FP32 head's products; from HeadScreen.ONE_TERM_ROWS rows one, the
+    # second terms of the ~1 % of head rows the first leaves open not counted), and exactly only the candidate rows
+    screen, row_bytes, exact_s, i8_rate, delta, head, head_s = engine.model.screen, 0, 0.0, None, 0, 0, 0.0
     if screen is not None:
         head = screen.V * screen.K
         delta, row_bytes, i8_rate = screen.read_delta, 2 * screen.K, _i8_rate(screen.K)
-        screen_row_s = row_s + 2 * head / i8_rate - head / fma_rate
+        head_s = head / fma_rate  # the FP32 head's products of one row, in row_s
         exact_s = screen.K / fma_rate  # per candidate row and decode row
 
     def screened(call) -> bool:
         return screen is not None and call[1] <= HeadScreen.MAX_ROWS
+
+    def call_row_s(call) -> float:
+        """One row's arithmetic at the peaks in this call."""
+        if not screened(call):
+            return row_s
+        return row_s - head_s + (1 if call[1] >= screen.ONE_TERM_ROWS else 2) * head / i8_rate
 
     disk = _disk_bw(str(path)) if Path(path).is_file() else 0.0  # GB/s
     solo = []
@@ -217,9 +224,7 @@ def bench(
             for c in window
         ]
         ceil_s = sum(bytes_s)
-        roof_s = sum(
-            max(b, c[1] * ((screen_row_s if screened(c) else row_s) + c[4] * exact_s)) for b, c in zip(bytes_s, window)
-        )
+        roof_s = sum(max(b, c[1] * (call_row_s(c) + c[4] * exact_s)) for b, c in zip(bytes_s, window))
         window_tokens = sum(c[1] for c in window)
         rows.append(
             {

@@ -332,6 +332,24 @@ def test_s6_json_content_type_is_required_on_post(server):
     assert status == 200
 
 
+def test_a_compressed_body_is_refused_naming_its_encoding(server):
+    """A gzip'd body (`Content-Encoding: gzip`, which some HTTP clients and proxies send) was read as JSON and
+    refused as `'utf-8' codec can't decode byte 0x8b`; it is a 415 naming the encoding (RFC 9110's answer to an
+    unsupported content coding). `identity` is no coding at all."""
+    import gzip
+
+    body = json.dumps(body_of("hi", **NO_THINK)).encode()
+    before = server.engine.stats()["requests"]
+    for coding in ("gzip", "br", "deflate, gzip"):
+        data = gzip.compress(body) if coding == "gzip" else body
+        status, _, out = raw(server, "POST", CHAT, data, {"Content-Encoding": coding})
+        err = assert_openai_error(status, out, 415, "unsupported_content_encoding")
+        assert f"'{coding}'" in err["message"] and "uncompressed" in err["message"]
+    assert server.engine.stats()["requests"] == before
+    status, _, _ = raw(server, "POST", CHAT, body, {"Content-Encoding": "identity"})
+    assert status == 200
+
+
 def test_s6_host_header_is_checked():
     srv = start_server(allowed_hosts="my-box.lan")
     try:

@@ -318,6 +318,17 @@ class Guard:
                     {"Connection": "close"},
                 )
                 return await resp(scope, receive, send_with_headers)
+            coding = headers.get("content-encoding", "").strip().lower()
+            if coding not in ("", "identity"):  # the body would be read as JSON bytes it is not
+                resp = refuse(
+                    APIError(
+                        415,
+                        f"request bodies are read uncompressed; Content-Encoding '{coding}' is not supported",
+                        code="unsupported_content_encoding",
+                    ),
+                    {"Accept-Encoding": "identity", "Connection": "close"},
+                )
+                return await resp(scope, receive, send_with_headers)
         if self._active >= s.max_requests:  # bounds the memory of bodies being read, however many connections
             resp = refuse(
                 APIError(

@@ -81,6 +81,21 @@ def test_s1_deeply_nested_json_is_a_400(server):
     assert chat(client(server), "still fine", extra_body=NO_THINK).choices[0].message.content == "Echo: still fine"
 
 
+def test_a_body_json_cannot_take_says_what_is_wrong_in_the_clients_terms(server):
+    """A body in another encoding than UTF-8 and a number of more digits than Python converts were refused in the
+    json module's words (`'utf-8' codec can't decode byte 0xe9 ...`, `... use sys.set_int_max_str_digits() to
+    increase the limit`): the first now says the body is not UTF-8 and where, the second names the number."""
+    latin = json.dumps(body_of("café"), ensure_ascii=False).encode("cp1252")
+    status, _, data = raw(server, "POST", CHAT, latin)
+    err = assert_openai_error(status, data, 400, "invalid_json")
+    assert err["message"].startswith("the request body is not UTF-8 text: byte 0xe9 at offset ")
+    big = json.dumps(body_of("hi")).replace('"model"', '"max_tokens": ' + "9" * 5000 + ', "model"').encode()
+    status, _, data = raw(server, "POST", CHAT, big)
+    err = assert_openai_error(status, data, 400, "invalid_json")
+    assert err["message"] == "the request body is not valid JSON: a number of more than 4300 digits"
+    assert "sys." not in err["message"]
+
+
 # ---- S2: many clients at once -----------------------------------------------------------------------------
 
 

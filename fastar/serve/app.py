@@ -25,6 +25,7 @@ import hmac
 import ipaddress
 import json
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,8 +190,18 @@ def parse_json(raw: bytes) -> Any:
         raise bad_request(
             f"the request body is not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
         ) from None
-    except (UnicodeDecodeError, ValueError) as err:
-        raise bad_request(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    except UnicodeDecodeError as err:  # the codec's words name Python's decoder, not the client's mistake
+        raise bad_request(
+            f"the request body is not UTF-8 text: byte 0x{err.object[err.start]:02x} at offset {err.start}",
+            code="invalid_json",
+        ) from None
+    except ValueError as err:
+        if "integer string conversion" in str(err):  # Python's digit limit, with its advice to call sys.*
+            limit = sys.get_int_max_str_digits()
+            message = f"a number of more than {limit} digits"
+        else:
+            message = str(err)
+        raise bad_request(f"the request body is not valid JSON: {message}", code="invalid_json") from None
     # A lone surrogate arrives as an escape (\ud800) or as its UTF-8 bytes (ED A0 80), which json.loads
     # decodes with "surrogatepass"; 0xED also leads Hangul, so such a body is walked in full.
     check_json(body, surrogates=b"\xed" in raw or _SURROGATE_ESCAPE.search(raw) is not None)

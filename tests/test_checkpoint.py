@@ -463,3 +463,23 @@ def test_an_index_that_is_not_a_json_object_says_so(tiny_ckpt, tmp_path, text):
     with pytest.raises(CheckpointError) as err:
         Checkpoint(d)
     assert str(err.value).endswith("model.safetensors.index.json is not a JSON object (with a weight_map)")
+
+
+def test_json_a_checkpoint_holds_that_python_cannot_take_is_a_checkpoint_error(tiny_ckpt, tmp_path):
+    """A config.json number of more digits than Python converts (a ValueError), and an index or a shard header
+    nested deeper than the json module recurses (a RecursionError), ended `fastar convert` in a traceback."""
+    d = clone(tiny_ckpt, tmp_path / "big")
+    cfg = (d / "config.json").read_text()
+    (d / "config.json").write_text(cfg.replace("{", '{"big": ' + "9" * 5000 + ", ", 1))
+    with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):
+        Checkpoint(d)
+    d = clone(tiny_ckpt, tmp_path / "deep-index")
+    (d / "model.safetensors.index.json").write_text("[" * 100_000)
+    with pytest.raises(CheckpointError, match="is not a valid index"):
+        Checkpoint(d)
+    d = clone(tiny_ckpt, tmp_path / "deep-shard")
+    shard = shard_of(d, "norm.weight")
+    deep = b"[" * 100_000
+    shard.write_bytes(len(deep).to_bytes(8, "little") + deep)
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        Checkpoint(d).validate()

@@ -320,3 +320,16 @@ def test_header_semantic_fuzz(tmp_path_factory, key, value, idx, field):
         FstFile(p).close()
     except FormatError:
         pass
+
+
+@pytest.mark.parametrize("header", [b"[" * 100_000, b'{"a": ' + b"9" * 5000 + b"}"])
+def test_a_header_json_cannot_take_is_a_format_error(tmp_path, header):
+    """A header that passes its checksum but nests deeper than the json module recurses, or holds a number of more
+    digits than Python converts, ended `fastar verify`/`run` in a RecursionError or ValueError traceback."""
+    p = tmp_path / "f.fst"
+    data_off = spec.align(spec.PREAMBLE_SIZE + len(header))
+    digest = xxhash.xxh64_intdigest(header)
+    pre = struct.pack(spec.PREAMBLE_FMT, spec.MAGIC, spec.VERSION, len(header), digest, data_off, data_off)
+    p.write_bytes((pre + header).ljust(data_off, b"\0"))
+    with pytest.raises(FormatError, match="header is not valid JSON"):
+        FstFile(p)

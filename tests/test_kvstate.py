@@ -12,7 +12,7 @@ import torch
 from fastar.engine.engine import load
 from fastar.fixtures import write_checkpoint
 from fastar.model import ops
-from fastar.model.state import VERSION, ModelState, RowBuffer, RowFormat, StateError, StateFormat
+from fastar.model.state import MAGIC, VERSION, ModelState, RowBuffer, RowFormat, StateError, StateFormat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -292,3 +292,11 @@ def test_c_fp8_decode_of_every_code_and_scale_is_the_same_on_every_isa(width, ro
         assert torch.equal(out.isnan(), nan) and torch.equal(out[~nan].view(torch.int32), ref[~nan].view(torch.int32))
     first = next(iter(outs.values()))
     assert all(torch.equal(o.view(torch.int32), first.view(torch.int32)) for o in outs.values())  # NaN bits too
+
+
+@pytest.mark.parametrize("header", [b"[" * 100_000, b'{"layers": ' + b"9" * 5000 + b"}"])
+def test_a_state_header_json_cannot_take_is_a_state_error(header):
+    """Nesting deeper than the json module recurses, or a number of more digits than Python converts, was a
+    RecursionError / ValueError out of `ModelState.from_bytes` instead of its StateError."""
+    with pytest.raises(StateError, match="decode state header is corrupt"):
+        ModelState.from_bytes(MAGIC + struct.pack("<IQ", VERSION, len(header)) + header)

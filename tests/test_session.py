@@ -16,6 +16,7 @@ import torch
 
 from fastar.engine.session import (
     DIGEST_SIZE,
+    MAGIC,
     PromptError,
     Session,
     SessionError,
@@ -483,3 +484,17 @@ def test_prefill_progress_moves_inside_a_chunk(tiny_engine) -> None:
     assert all(t == len(prompt) for _, t in seen) and dones == sorted(dones) and seen[-1] == (11, 11)
     assert any(0 < d < 8 for d in dones) and any(8 < d < 11 for d in dones)  # within the first and second chunk
     assert s._state.on_layer is None
+
+
+@pytest.mark.parametrize("header", [b"[" * 100_000, b'{"tokens": ' + b"9" * 5000 + b"}"])
+def test_a_session_header_json_cannot_take_is_a_session_error(tmp_path: Path, header: bytes) -> None:
+    """A version-1 file (no checksum) whose header nests deeper than the json module recurses ended `/load` in
+    `fastar chat` in a RecursionError traceback; a number of more digits than Python converts was a ValueError
+    naming sys.set_int_max_str_digits. Both are the file's own corruption."""
+    path = tmp_path / "deep.session"
+    path.write_bytes(MAGIC + struct.pack("<IQ", 1, len(header)) + header)
+    s, _ = make(fingerprint="model-a")
+    s.prefill([5])
+    with pytest.raises(SessionError, match="session file is corrupt"):
+        s.load(path)
+    assert s.tokens == [5]

@@ -110,7 +110,7 @@ def parse_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"shard {path.name}: cannot read: {e}") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (too many digits; nested too deep)
         raise CheckpointError(f"shard {path.name}: corrupt safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"shard {path.name}: corrupt safetensors header (not a JSON object)")
@@ -169,7 +169,7 @@ class Checkpoint(Closing):
             raise CheckpointError(f"{cfg_path} {'is not a regular file' if cfg_path.exists() else 'is missing'}")
         try:
             self.hf_config: dict[str, Any] = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (too many digits; nested too deep)
             raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
         if not isinstance(self.hf_config, dict):
             raise CheckpointError(f"{cfg_path} is not a JSON object")
@@ -183,7 +183,7 @@ class Checkpoint(Closing):
             self.index_path: Path | None = index
             try:
                 doc = json.loads(index.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (too many digits; nested too deep)
                 raise CheckpointError(f"{index} is not a valid index: {e}") from None
             if not isinstance(doc, dict):
                 raise CheckpointError(f"{index} is not a JSON object (with a weight_map)")

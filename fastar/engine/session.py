@@ -495,7 +495,7 @@ class Session:
         try:
             header = json.loads(raw[20 : 20 + hlen].decode())
             tokens = [int(t) for t in header["tokens"]]
-        except (struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        except (struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise SessionError(f"{path}: session file is corrupt ({e})") from None
         if header.get("fingerprint") != self.fingerprint:
             raise SessionError(f"{path}: this session was saved with a different model")

@@ -48,7 +48,7 @@ def parse_header(path, hb: bytes, data_offset: int, file_size: int) -> dict:
     """Validate the JSON header against the layout rules; raise FormatError on anything ambiguous."""
     try:
         h = json.loads(hb.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (too many digits; nested too deep)
         raise _fail(path, f"header is not valid JSON ({e})") from None
     if not isinstance(h, dict) or h.get("format") != spec.FORMAT_NAME or h.get("version") != spec.VERSION:
         raise _fail(path, "header does not describe a fastar.fst v3 file")

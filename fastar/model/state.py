@@ -547,7 +547,7 @@ class ModelState:
         base = 8 + 12 + hlen
         try:
             header = json.loads(raw[20:base].decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (too many digits; nested too deep)
             raise StateError(f"decode state header is corrupt ({e})") from None
         groups: dict[str, list[LayerState]] = {"layers": [], "mtp": []}
         try:

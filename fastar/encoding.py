@@ -218,6 +218,8 @@ def _tool_calls(value: Any, where: str) -> list[dict]:
                 parsed = json.loads(arguments)
             except ValueError:
                 parsed = None  # the reference keeps unparseable arguments as one raw string parameter
+            except RecursionError:  # a string, so no bound on the request's nesting saw inside it
+                raise EncodingError(f"{here}: 'arguments' nests deeper than a JSON reader goes") from None
             else:
                 if not isinstance(parsed, dict):
                     raise EncodingError(f"{here}: 'arguments' must encode a JSON object, got {arguments!r}")
@@ -515,8 +517,11 @@ def _finite(number: str) -> float:
 def json_value(text: str) -> Any:
     """A non-string DSML parameter value, read as standard JSON: `NaN`, `Infinity` and numbers beyond a double
     (which Python's `json` would take, and write back as `NaN` / `Infinity`, making replies that are not JSON)
-    raise ValueError like any other malformed value."""
-    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    and nesting deeper than the reader recurses raise ValueError like any other malformed value."""
+    try:
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except RecursionError:  # nested deeper than the reader recurses: not a value it can give back
+        raise ValueError("nested too deep to read") from None
 
 
 def _parse_params(body: str) -> dict[str, Any] | None:

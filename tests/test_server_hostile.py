@@ -96,6 +96,32 @@ def test_a_body_json_cannot_take_says_what_is_wrong_in_the_clients_terms(server)
     assert "sys." not in err["message"]
 
 
+def test_tool_call_arguments_nested_deeper_than_json_recurses_are_a_400(server):
+    """`arguments` is a string, so the body's nesting bound does not see inside it: a string nesting thousands deep
+    reached the chat encoder's json.loads and came back as a 500 (a RecursionError) on chat completions, /tokenize
+    and Responses input."""
+    deep = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [
+        {"role": "user", "content": "w"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"},
+    ]
+    items = [
+        {"role": "user", "content": "w"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+        {"type": "function_call_output", "call_id": "c1", "output": "x"},
+    ]
+    for path, body in (
+        (CHAT, body_of("", messages=messages)),
+        ("/tokenize", {"messages": messages}),
+        ("/v1/responses", {"model": "deepseek-v4-flash", "input": items}),
+    ):
+        status, _, data = raw(server, "POST", path, body)
+        err = assert_openai_error(status, data, 400)
+        assert "'arguments' nests deeper than" in err["message"], path
+
+
 # ---- S2: many clients at once -----------------------------------------------------------------------------
 
 

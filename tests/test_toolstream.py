@@ -97,3 +97,17 @@ def test_malformed_blocks_are_flagged():
         assert stream.broken and not stream.done, body
         assert parse_tool_block(body) is None, body
     assert TOOL_CALLS_START.endswith("tool_calls")
+
+
+def test_a_value_nested_deeper_than_json_recurses_is_kept_as_text():
+    """A model that writes a non-string value nested thousands deep ended the block parser (and so the reply) in a
+    RecursionError; the value is kept as its text, as broken JSON is, and the stream streams the same arguments."""
+    deep = "[" * 5000
+    body = (
+        f'>\n<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="false">{deep}</{DSML}parameter>\n'
+        f"</{DSML}invoke>\n</{DSML}tool_calls>"
+    )
+    parsed = parse_tool_block(body)
+    assert parsed is not None and json.loads(parsed[0]["function"]["arguments"]) == {"a": deep}
+    stream, _ = feed_in_pieces(body, [10, 200, 3000])
+    assert stream.done and stream.arguments == [parsed[0]["function"]["arguments"]]

@@ -602,7 +602,19 @@ def test_logit_bias_is_validated(server):
     """`logit_bias` maps token ids (string keys) to biases in [-100, 100]; anything else is a 400 naming it, never
     silently ignored."""
     cl = client(server)
-    for bias in ("x", [1], {"a": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}, {"5": True}, {"5": None}, {str(10**9): 1}):
+    many_digits = {"9" * 5000: 1}  # more digits than Python converts: this was a 500
+    for bias in (
+        "x",
+        [1],
+        {"a": 1},
+        {"-1": 1},
+        {"5": 101},
+        {"5": "1"},
+        {"5": True},
+        {"5": None},
+        {str(10**9): 1},
+        many_digits,
+    ):
         with pytest.raises(openai.BadRequestError) as ei:
             chat(cl, "hi", max_tokens=2, logit_bias=bias, extra_body=NO_THINK)
         assert ei.value.body["param"] == "logit_bias", bias

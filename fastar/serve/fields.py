@@ -86,7 +86,8 @@ def logit_bias(body: dict) -> dict[int, float]:
         )
     out: dict[int, float] = {}
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit()):
+        # (no vocabulary has ids of 20 digits; thousands of them would not even convert to an int)
+        if not (key.isascii() and key.isdigit()) or len(key) > 19:
             raise bad_request(f"'logit_bias' keys must be token ids, got {json.dumps(key)[:80]}", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise bad_request(

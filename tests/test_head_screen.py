@@ -188,7 +188,7 @@ def screen_rows(screen: HeadScreen, x, sx, c) -> np.ndarray:
 
 
 @pytest.mark.parametrize("isa", K.cpu_features()["usable_isas"] if K.available() else [])
-@pytest.mark.parametrize("T", [3, 4, 5, 8])
+@pytest.mark.parametrize("T", [1, 2, 4, 5, 8])
 def test_one_pass_screen_keeps_what_both_bounds_keep(T, isa):
     """head_i8_screen against its contract computed in numpy from both terms' full products (float64, so rows
     within a rounding of the floor may go either way): the rows it keeps lie between those the contract keeps with

@@ -94,7 +94,7 @@ C_CATEGORIES = {
     "route_weights": "routing weights",  # the router after its top-k in one call (`fastar.model.route_fused`)
     "head_i8_dot": "LM head screen (int8)",  # greedy rows' int8 head products (`fastar.model.head_screen`)
     "head_i8_select": "LM head screen (int8)",  # the rows whose bound can hold the argmax
-    "head_i8_screen": "LM head screen (int8)",  # the two above in one pass, from 3 rows (first int8 terms mostly)
+    "head_i8_screen": "LM head screen (int8)",  # the two above in one pass, from 2 rows (first int8 terms mostly)
     "gather_rows": "LM head screen (int8)",  # the candidate rows, gathered for their exact BF16 logits
     "embed_streams": "other row ops",  # the step's embedding rows widened into the mHC streams (`hc_chain`)
     "head_i8_exact": "LM head screen (int8)",  # the candidates gathered, their exact BF16 logits, scattered

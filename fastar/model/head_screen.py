@@ -19,7 +19,7 @@ dot products are exact (int32, `head_i8_dot`); the norms come in float64 and the
 
 The first term alone gives a bound too (its own |dy| and |x|), about twice as wide: on Flash-width weights it
 leaves ~1.5 % of the rows open where both terms leave ~0.05 %. From `ONE_TERM_ROWS` decode rows, where the products
-bind (two terms a row: 8-16 token rows over the 0.5 GB of int8 rows), `head_i8_screen` takes the first term over
+bind (two terms a row: 4-16 token rows over the 0.5 GB of int8 rows), `head_i8_screen` takes the first term over
 the whole head and the second only for the rows the first leaves open, in the same pass while they are in L2: a
 row is kept where both bounds reach the largest lower bound of either (the same rows whichever the threads computed
 first). The argmax and every logit computed are the same; fewer rows may be computed than with `head_i8_select`.
@@ -57,9 +57,10 @@ class HeadScreen:
     # takes at most 8 rows).
     MAX_ROWS = 8
     # From this many rows the screen takes the first int8 term alone where it settles a head row (`head_i8_screen`):
-    # half the products over the whole head, the second term's only for the ~1-2 % of rows the first leaves open,
-    # from L2. Below it the two terms' products take one pass over the weights anyway.
-    ONE_TERM_ROWS = 3
+    # half the products over the whole head, the second term's only for the ~1 % of rows the first leaves open,
+    # from L2. At one row the two terms' products take one pass over the weights, bound by memory: paired, 0.93-1.08x
+    # the two-term time either way, where 2 rows took 0.87-0.93x (docs/PERFORMANCE.md).
+    ONE_TERM_ROWS = 2
 
     def __init__(self, head: Linear, kernels) -> None:
         if head.dtype != "BF16":

@@ -322,6 +322,9 @@ for _ in range(200):
         ({"schema": {"type": "string", "format": "nonsense"}}, "response_format", "Unknown format: nonsense"),
         ({"schema": {"type": "object", "if": {}, "then": {}}}, "response_format", "Unimplemented keys"),
         ({"schema": {"type": "strin"}}, "response_format", "strin"),
+        # a regex error is several lines; only its first ("regex parse error:") came through, naming nothing
+        ({"schema": {"type": "string", "pattern": "(a"}}, "response_format", "regex parse error: (a error: unclosed"),
+        ({"schema": {"type": "string", "pattern": "[z-a]"}}, "response_format", "start must be <= the end"),
         ({"schema": DEEP}, "response_format", "recursion limit"),
         ({"schema": {"enum": ["a\ud800"]}}, "response_format", "not valid Unicode"),
         ({"schema": {"enum": [f"value number {i}" for i in range(80_000)]}}, "response_format", "too large"),

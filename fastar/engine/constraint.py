@@ -301,9 +301,15 @@ def _grammar_text(grammar: Grammar) -> str:
 
 
 def _readable(message: str) -> str:
-    """llguidance's message without the grammar excerpt it appends (our generated Lark, not the user's schema)."""
-    first = message.strip().splitlines()[0] if message.strip() else "unknown error"
-    return re.sub(r"^at \d+\(\d+\): ", "", first)[:500]
+    """llguidance's message on one line, without the grammar excerpt it appends (our generated Lark, not the user's
+    schema): the lines before the excerpt's numbered ones, less the lines of carets under a regex."""
+    lines = []
+    for line in message.strip().splitlines():
+        if re.match(r"\s*\d+ \| ", line):
+            break
+        if line.strip() and set(line.strip()) != {"^"} and not re.fullmatch(r"<[\w-]+/>", line.strip()):
+            lines.append(line.strip())
+    return re.sub(r"^at \d+\(\d+\): ", "", " ".join(lines) or "unknown error")[:500]
 
 
 # ---------------------------------------------------------------------------------------------------------

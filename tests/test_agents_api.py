@@ -1121,3 +1121,16 @@ def test_a_responses_prompt_or_budget_over_the_context_names_the_responses_field
         assert "max_output_tokens" in err.value.message
     finally:
         host.shutdown()
+
+
+def test_a_tool_name_holding_a_quote_is_a_400_on_every_route(backend):
+    """The model writes a tool's name in a DSML attribute (`invoke name="..."`): a name holding `"` could never be
+    called. /v1/messages refused it and so did a forced call; with tools left to the model, chat completions and
+    Responses took it without a word."""
+    tools = [{"type": "function", "function": {"name": 'a"b'}}]
+    with pytest.raises(APIError) as err:
+        openai_request.parse_chat_request({"messages": [{"role": "user", "content": "x"}], "tools": tools}, ("m",))
+    assert (err.value.status, err.value.param) == (400, "tools[0].function") and "'\"'" in err.value.message
+    with pytest.raises(APIError) as err:
+        R.parse_request({"input": "x", "tools": [{"type": "function", "name": 'a"b'}]}, backend, R.ResponseStore())
+    assert (err.value.status, err.value.param) == (400, "tools") and "'\"'" in err.value.message

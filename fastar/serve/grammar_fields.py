@@ -79,6 +79,11 @@ def check_tools(tools: Any) -> list | None:
             raise bad_request(
                 f"'{where}.function' must be an object with a non-empty string 'name'", f"{where}.function"
             )
+        if '"' in fn["name"]:  # the model writes the name in a DSML attribute: such a tool could never be called
+            raise bad_request(
+                f"'{where}.function.name' must not hold '\"' (the model writes it in a DSML attribute)",
+                f"{where}.function",
+            )
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad_request(
                 f"'{where}.function.parameters' must be a JSON Schema object, got {json.dumps(fn['parameters'])[:80]}",

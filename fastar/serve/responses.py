@@ -190,6 +190,8 @@ def _tools(body: dict) -> list[dict] | None:
             or not tool["name"]
         ):
             raise bad_request(f"tools[{j}]: only function tools with a 'name' are supported", "tools")
+        if '"' in tool["name"]:  # the model writes the name in a DSML attribute: such a tool could never be called
+            raise bad_request(f"tools[{j}].name must not hold '\"' (the model writes it in a DSML attribute)", "tools")
         fn: dict[str, Any] = {"name": tool["name"]}
         if tool.get("description"):
             fn["description"] = tool["description"]

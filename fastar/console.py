@@ -13,6 +13,7 @@ mechanics and the one-line error convention (`fastar.cli`).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -470,6 +471,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 # --- fastar chat -------------------------------------------------------------------------------------------
 
 
+def _path_argument(arg: str) -> str:
+    """A /save or /load path as a shell would read it: one pair of quotes around it dropped (a path with spaces),
+    a leading `~` the home folder."""
+    if len(arg) >= 2 and arg[0] == arg[-1] and arg[0] in "'\"":
+        arg = arg[1:-1]
+    return os.path.expanduser(arg)
+
+
 class ChatREPL:
     """The interactive chat over one session. Front-end only: `handle(line)` runs one input line."""
 
@@ -545,7 +554,7 @@ class ChatREPL:
             else:
                 self.session.meta = {"messages": self.messages, "thinking": self.thinking}
                 try:
-                    path = self.session.save(arg)
+                    path = self.session.save(_path_argument(arg))
                 except FastarError as e:  # an unwritable path: say so and keep the chat (it is not saved)
                     self.fail(e, "cannot save")
                     return True
@@ -555,7 +564,7 @@ class ChatREPL:
                 self.say("(usage: /load FILE)")
             else:
                 try:
-                    self.session.load(arg)
+                    self.session.load(_path_argument(arg))
                 except FastarError as e:
                     self.fail(e, "cannot load")
                     return True

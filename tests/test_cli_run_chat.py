@@ -396,6 +396,30 @@ def test_commands(tmp_path: Path) -> None:
     assert repl.handle("/exit") is False
 
 
+def test_save_and_load_paths_read_as_a_shell_would(tmp_path: Path, monkeypatch) -> None:
+    """`/save ~/c.json` wrote a folder named `~` in the current directory (and said "saved to ~/c.json"), and a
+    quoted path with a space made a folder named `"`: a leading `~` is the home folder and one pair of quotes
+    around the path is dropped, for /save and /load."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    repl, _, out = make_repl(["Hi.", "Again."])
+    repl.handle("Hello")
+    repl.handle("/save ~/c.json")
+    repl.handle(f'/save "{tmp_path / "a b.json"}"')
+    repl.handle(f"/save '{tmp_path / 'c d.json'}'")
+    assert (home / "c.json").is_file() and (tmp_path / "a b.json").is_file() and (tmp_path / "c d.json").is_file()
+    assert list(work.iterdir()) == [] and f"to {home / 'c.json'})" in out.getvalue()
+    repl.handle("/reset")
+    repl.handle("/load ~/c.json")
+    assert len(repl.messages) == 2
+    repl.handle("/reset")
+    repl.handle(f'/load "{tmp_path / "a b.json"}"')
+    assert len(repl.messages) == 2
+
+
 # --- fastar chat through a pseudo-terminal ----------------------------------------------------------------
 
 

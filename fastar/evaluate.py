@@ -19,7 +19,15 @@ from .errors import FastarError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="a UTF-8 text file")
+    p.add_argument("file", nargs="?", help="a UTF-8 text file")
+    p.add_argument(
+        "-f",
+        "--file",
+        dest="text_file",
+        metavar="FILE",
+        default=None,
+        help="the text file, as llama-perplexity takes it",
+    )
     p.add_argument("-m", "--model", default=None, help=".fst file or checkpoint directory (default: the demo model)")
     p.add_argument(
         "-c", "--ctx", type=console.positive_int, default=512, help="tokens per window (default 512, as llama.cpp)"
@@ -92,6 +100,11 @@ def _bar(a, total: int):
 
 
 def cmd_perplexity(a) -> int:
+    if a.file is not None and a.text_file is not None and a.file != a.text_file:
+        raise FastarError(f"two text files given ({a.file} and -f {a.text_file}): give one")
+    a.file = a.file if a.file is not None else a.text_file
+    if a.file is None:
+        raise FastarError("no text file: give it as `fastar perplexity FILE` or with -f FILE")
     text = read_text(a.file)
     if a.stride is not None and a.stride > a.ctx:
         raise FastarError(f"--stride {a.stride} is larger than --ctx {a.ctx}: tokens between windows would be skipped")

@@ -92,6 +92,18 @@ def test_kl_divergence_of_two_runs(vocab_ckpt, text_file, tmp_path, capsys):
     assert code == 0 and "Final estimate: PPL = " in out and "mean KLD" in out and "same top-1    100.000 %" in out
 
 
+def test_the_text_file_may_be_given_with_f_as_llama_perplexity_takes_it(vocab_ckpt, text_file, capsys):
+    """`fastar perplexity -m MODEL -f wiki.txt`, llama-perplexity's spelling, was `unrecognized arguments: -f`."""
+    args = ("-m", vocab_ckpt, "--ctx", 64, "--json")
+    code, out, err = run(capsys, "perplexity", "-f", text_file, *args)
+    assert code == 0, err
+    assert json.loads(out)["ppl"] == json.loads(run(capsys, "perplexity", text_file, *args)[1])["ppl"]
+    code, out, err = run(capsys, "perplexity", *args)
+    assert code == 1 and err == "fastar: error: no text file: give it as `fastar perplexity FILE` or with -f FILE\n"
+    code, out, err = run(capsys, "perplexity", text_file, "-f", str(text_file) + ".other", *args)
+    assert code == 1 and "two text files" in err and err.count("\n") == 1
+
+
 def test_one_line_errors(vocab_ckpt, text_file, tmp_path, capsys):
     empty, binary, latin1, short = (tmp_path / n for n in ("empty.txt", "bin.dat", "latin1.txt", "short.txt"))
     empty.write_text("  \n")

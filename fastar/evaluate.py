@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -99,6 +100,26 @@ def _bar(a, total: int):
     return tqdm(total=total, desc="perplexity", unit="tok", file=sys.stderr, mininterval=0.25)
 
 
+def _check_save_target(a) -> None:
+    """`--save-logits` is renamed over what it names: never the text, the --kl-divergence base or the model."""
+    out = a.save_logits
+    if out is None or not os.path.exists(out):
+        return  # a new name is none of them
+    model = a.model
+    if model is None:
+        from .demo import demo_path
+
+        model = demo_path()
+    inputs = [(a.file, "the text file being scored"), (a.kl_divergence, "the --kl-divergence base")]
+    if os.path.isdir(model):
+        inputs += [(os.path.join(model, name), "a file of the model") for name in os.listdir(model)]
+    else:
+        inputs.append((model, "the model file"))
+    for path, what in inputs:
+        if path is not None and os.path.exists(path) and os.path.samefile(out, path):
+            raise FastarError(f"--save-logits {out}: it is {what}; give the logits another name")
+
+
 def cmd_perplexity(a) -> int:
     if a.file is not None and a.text_file is not None and a.file != a.text_file:
         raise FastarError(f"two text files given ({a.file} and -f {a.text_file}): give one")
@@ -106,6 +127,7 @@ def cmd_perplexity(a) -> int:
     if a.file is None:
         raise FastarError("no text file: give it as `fastar perplexity FILE` or with -f FILE")
     text = read_text(a.file)
+    _check_save_target(a)
     if a.stride is not None and a.stride > a.ctx:
         raise FastarError(f"--stride {a.stride} is larger than --ctx {a.ctx}: tokens between windows would be skipped")
     if a.ctx < 2:

@@ -104,6 +104,31 @@ def test_the_text_file_may_be_given_with_f_as_llama_perplexity_takes_it(vocab_ck
     assert code == 1 and "two text files" in err and err.count("\n") == 1
 
 
+def test_save_logits_refuses_to_write_over_its_own_inputs(vocab_ckpt, text_file, tmp_path, capsys):
+    """`--save-logits` naming the text being scored, the --kl-divergence base or a file of the model renamed the
+    logits over it and said "saved": the text, the base or the model was gone. Refused before the model loads,
+    and the file is untouched; a new name beside them is fine."""
+    import shutil
+
+    text, model = tmp_path / "text.txt", tmp_path / "model"
+    shutil.copy(text_file, text)
+    shutil.copytree(vocab_ckpt, model, copy_function=os.link)  # (links: nothing of the shared fixture is written)
+    base = tmp_path / "base.logits"
+    args = ("-m", model, "--ctx", 48)
+    assert run(capsys, "perplexity", text, *args, "--save-logits", base)[0] == 0
+    before = {p: p.read_bytes() for p in (text, base, model / "config.json")}
+    for out, what in (
+        (text, "the text file being scored"),
+        (tmp_path / "." / "text.txt", "the text file being scored"),
+        (base, "the --kl-divergence base"),
+        (model / "config.json", "a file of the model"),
+    ):
+        code, _, err = run(capsys, "perplexity", text, *args, "--kl-divergence", base, "--save-logits", out)
+        assert code == 1 and err.count("\n") == 1 and f"--save-logits {out}: it is {what}" in err, err
+    assert all(p.read_bytes() == data for p, data in before.items())
+    assert run(capsys, "perplexity", text, *args, "--save-logits", tmp_path / "new.logits")[0] == 0
+
+
 def test_one_line_errors(vocab_ckpt, text_file, tmp_path, capsys):
     empty, binary, latin1, short = (tmp_path / n for n in ("empty.txt", "bin.dat", "latin1.txt", "short.txt"))
     empty.write_text("  \n")

@@ -479,6 +479,15 @@ def _path_argument(arg: str) -> str:
     return os.path.expanduser(arg)
 
 
+def _is_model_file(engine, target: str) -> bool:
+    """Whether `target` is the engine's model file, or a file of its checkpoint folder."""
+    model = getattr(getattr(engine, "source", None), "path", None)
+    if model is None or not os.path.exists(target):
+        return False
+    files = [os.path.join(model, n) for n in os.listdir(model)] if os.path.isdir(model) else [os.fspath(model)]
+    return any(os.path.exists(f) and os.path.samefile(f, target) for f in files)
+
+
 class ChatREPL:
     """The interactive chat over one session. Front-end only: `handle(line)` runs one input line."""
 
@@ -553,8 +562,14 @@ class ChatREPL:
                 self.say("(usage: /save FILE)")
             else:
                 self.session.meta = {"messages": self.messages, "thinking": self.thinking}
+                target = _path_argument(arg)
+                if _is_model_file(self.engine, target):  # the session would be renamed over the model in use
+                    self.fail(
+                        FastarError(f"{target}: it is a file of the model in use; give another name"), "cannot save"
+                    )
+                    return True
                 try:
-                    path = self.session.save(_path_argument(arg))
+                    path = self.session.save(target)
                 except FastarError as e:  # an unwritable path: say so and keep the chat (it is not saved)
                     self.fail(e, "cannot save")
                     return True

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Self
 import torch
 
 from ..encoding import ChatPrompt, EncodingError, StreamParser, encode_messages
+from .draw import draw
 from .sampling import Sampler, SamplingParams, argmax
 from .session import Runner, Session
 from .stops import StopStrings
@@ -229,8 +230,7 @@ def generate_token_ids(
         if temperature == 0:
             tok = argmax(logits)
         else:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)  # [V]
-            tok = int(torch.multinomial(probs, 1, generator=gen))
+            tok = draw(torch.softmax(logits.float() / temperature, dim=-1), gen)  # [V]
         out.append(tok)
         if len(out) >= max_tokens or (tok == eos_token_id and not ignore_eos):
             return out

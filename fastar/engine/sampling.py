@@ -12,7 +12,10 @@ temperature, top-k/top-p/min-p and the draw (greedy: the argmax of what is allow
 top_logprobs reported are still the unmasked model's, so a token the grammar forced shows how likely the model
 found it, and an alternative listed may be one the grammar ruled out. A request without a grammar does no mask work.
 Sampling draws on the CPU from a `torch.Generator` seeded by `seed`: the same seed gives the same tokens on
-any device, and two generations never share random state.
+any device, and two generations never share random state. The draw is `fastar.engine.draw`'s (an exponential
+race over the tokens allowed) and the top-p nucleus `fastar.engine.nucleus`'s (found among the largest
+probabilities); `apply_top_p` here is the nucleus by a sort of the whole vocabulary, the reference its tests compare
+with.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import torch
 
 from ..errors import FastarError
 from .constraint import CompiledGrammar
+from .draw import draw
 from .logit_adjust import LogitAdjust
+from .nucleus import top_p
 
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's own cap on top_logprobs
 
@@ -171,13 +176,15 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches p (the top token always stays)."""
+    """Keep the smallest set of most likely tokens whose probability reaches p (the top token always stays): the
+    reference, by a sort of the whole vocabulary (`fastar.engine.nucleus.top_p` finds the same set among the largest
+    probabilities, and is what `processed_logits` takes)."""
     if p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # drop a token when the tokens before it already reach p, so the one that crosses p is kept
-    drop_sorted = (probs.cumsum(dim=-1) - probs) >= p
+    probs, order = torch.sort(torch.softmax(logits, dim=-1), descending=True)
+    # drop a token when the tokens before it already reach p (their running sum in float64), so the one that
+    # crosses p is kept
+    drop_sorted = (probs.double().cumsum(dim=-1) - probs.double()) >= p
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -197,7 +204,7 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     if not torch.isfinite(x.max()):  # a temperature so small the division overflowed: its limit, the argmax
         x = torch.where(logits == logits.max(), 0.0, float("-inf"))
     x = apply_top_k(x, params.top_k)
-    x = apply_top_p(x, params.top_p)
+    x = top_p(x, params.top_p)
     return apply_min_p(x, params.min_p)
 
 
@@ -244,8 +251,7 @@ class Sampler:
         if p.is_greedy:
             token = argmax(drawn)
         else:
-            probs = torch.softmax(processed_logits(drawn, p), dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
+            token = draw(torch.softmax(processed_logits(drawn, p), dim=-1), self.generator)
         self._advance(token)
         return report(logits, token, p)
 

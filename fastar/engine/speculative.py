@@ -49,6 +49,7 @@ import torch
 from ..errors import ConfigError
 from ..model import ops
 from ..model.state import LayerState, ModelState, RowBuffer, StateError
+from .draw import draw
 from .sampling import SamplingParams, argmax, processed_logits, report
 
 DRAFT_KINDS = ("none", "mtp", "dspark", "auto")
@@ -82,8 +83,8 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int], gen: tor
         residual = (p[k] - q[k]).clamp(min=0)
         if float(residual.sum()) <= 0:
             residual = p[k]
-        return k, int(torch.multinomial(residual / residual.sum(), 1, generator=gen))
-    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))  # all accepted: bonus token
+        return k, draw(residual, gen)
+    return len(drafts), draw(p[len(drafts)], gen)  # all accepted: bonus token
 
 
 def expected_acceptance(p: torch.Tensor, q: torch.Tensor | None, draft: int) -> float:
@@ -540,7 +541,7 @@ def _picker(params: SamplingParams, gen: torch.Generator) -> Pick:
 
     def pick(logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         q = torch.softmax(processed_logits(logits, params), dim=-1)
-        return int(torch.multinomial(q, 1, generator=gen)), q
+        return draw(q, gen), q
 
     return pick
 

@@ -1,10 +1,11 @@
 """fastar.engine.draw: the exponential race gives each token its probability and never one of probability 0,
-draws no uniform where one token has all the mass, gives the same tokens for the same seed, and keeps them where
+refuses a distribution without mass, gives the same tokens for the same seed, and keeps them where
 the logits move a little (where a draw from running sums would move)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from fastar.engine.draw import draw
@@ -21,7 +22,7 @@ def test_draw_gives_each_token_its_probability():
     assert np.all(np.abs(counts - want) <= 5 * sd), (counts, want)
 
 
-def test_draw_follows_the_seed_and_takes_a_lone_token_without_a_uniform():
+def test_draw_follows_the_seed_and_refuses_a_distribution_without_mass():
     probs = torch.softmax(torch.randn(129280, generator=torch.Generator().manual_seed(0)), -1)
     a = [draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]
     g = torch.Generator().manual_seed(5)
@@ -29,8 +30,10 @@ def test_draw_follows_the_seed_and_takes_a_lone_token_without_a_uniform():
     assert a[0] == a[1] == a[2] == b[0] and len(set(b)) > 1  # the stream moves on between draws
     one = torch.zeros(1000)
     one[777] = 1e-30
-    state = g.get_state()
-    assert draw(one, g) == 777 and torch.equal(g.get_state(), state)
+    assert {draw(one, g) for _ in range(20)} == {777}
+    for bad in (torch.zeros(10), torch.tensor([0.5, float("nan")]), torch.tensor([0.5, float("inf")])):
+        with pytest.raises(ValueError, match="no finite positive mass"):
+            draw(bad, g)
 
 
 def test_draw_keeps_its_tokens_when_the_logits_move_a_little():

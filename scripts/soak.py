@@ -36,6 +36,7 @@ import http.client
 import json
 import os
 import random
+import signal
 import socket
 import sys
 import tempfile
@@ -296,6 +297,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the samples and summary here")
     ap.add_argument("serve_args", nargs="*", help="after --: more fastar serve arguments")
     args = ap.parse_args()
+    # a kill (SIGTERM) unwinds like Ctrl-C, so the server is stopped and its folder removed, not left running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not 0 < args.duration <= 86400:
         ap.error(f"--duration must be in (0, 86400] seconds, got {args.duration}")
     if args.clients < 1 or args.interval <= 0:

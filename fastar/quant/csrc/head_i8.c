@@ -659,24 +659,13 @@ static inline __attribute__((always_inline)) void screen_core(const screen_ctx *
             const int n = r1 - i0 < SCREEN_LANES ? (int)(r1 - i0) : SCREEN_LANES;
             float a1[SCREEN_LANES], hi[SCREEN_LANES], lo[SCREEN_LANES];
             int open = 0;
-            if (n == SCREEN_LANES) {
-                for (int j = 0; j < SCREEN_LANES; j++) {
-                    const int64_t i = i0 + j;
-                    a1[j] = (float)d1s[i] * (s1 * scale[i]);
-                    float b1 = ca1 * wnorm[i] + ca2 * dnorm[i];
-                    b1 += fabsf(a1[j]) * margin;
-                    hi[j] = a1[j] + b1, lo[j] = a1[j] - b1;
-                    open |= hi[j] >= fl;
-                }
-            } else {
-                for (int j = 0; j < n; j++) {
-                    const int64_t i = i0 + j;
-                    a1[j] = (float)d1s[i] * (s1 * scale[i]);
-                    float b1 = ca1 * wnorm[i] + ca2 * dnorm[i];
-                    b1 += fabsf(a1[j]) * margin;
-                    hi[j] = a1[j] + b1, lo[j] = a1[j] - b1;
-                    open |= hi[j] >= fl;
-                }
+            for (int j = 0; j < n; j++) {
+                const int64_t i = i0 + j;
+                a1[j] = (float)d1s[i] * (s1 * scale[i]);
+                float b1 = ca1 * wnorm[i] + ca2 * dnorm[i];
+                b1 += fabsf(a1[j]) * margin;
+                hi[j] = a1[j] + b1, lo[j] = a1[j] - b1;
+                open |= hi[j] >= fl;
             }
             if (open)
                 for (int j = 0; j < n; j++)

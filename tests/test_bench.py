@@ -59,6 +59,30 @@ def test_bench_json(tiny_ckpt, tmp_path):
     assert small["prefill_fraction_of_io_ceiling"] > 0 and "prefill_io_ceiling_tok_s" not in auto
 
 
+def test_bench_times_sampled_steps_against_the_full_heads_ceiling(tiny_ckpt, tmp_path):
+    """--temperature times sampled steps: the full LM head (the screen's bytes not in the ceiling), the settings in
+    the JSON and the table; bad values and a draft with it are usage errors."""
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    args = ["-m", str(fst), "--prompt-tokens", "6", "--decode-tokens", "3", "--warmup-tokens", "1"]
+    greedy = json.loads(_bench(*args, "--json").stdout)
+    r = _bench(*args, "--json", "--temperature", "0.8", "--top-p", "0.9")
+    assert r.returncode == 0, r.stderr
+    sampled = json.loads(r.stdout)
+    assert sampled["sampling"] == {"temperature": 0.8, "top_p": 0.9} and greedy["sampling"]["temperature"] == 0
+    assert greedy["head_screen_bytes_per_token"] < 0 and sampled["head_screen_bytes_per_token"] == 0
+    assert sampled["ceiling_tok_s"] < greedy["ceiling_tok_s"] * sampled["membw_gbps"] / greedy["membw_gbps"]
+    table = _bench(*args, "--temperature", "0.8")
+    assert table.returncode == 0 and "(sampled: temperature 0.8, top_p 1)" in table.stdout
+    for bad, says in (
+        (["--temperature", "-1"], "--temperature: a finite number >= 0"),
+        (["--temperature", "nan"], "--temperature: a finite number >= 0"),
+        (["--top-p", "0"], "--top-p: a number in (0, 1]"),
+        (["--temperature", "1", "--replay", "0.5"], "drop --draft and --replay"),
+    ):
+        r = _bench(*args, *bad)
+        assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, bad
+
+
 def test_bench_reports_speculative_statistics(tiny_ckpt, tmp_path):
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
     r = _bench(

@@ -78,6 +78,14 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help="model: untimed decode steps after the prompt, so the expert cache settles first",
     )
     b.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="model: sample the timed decode at this temperature (0, the default: greedy; the ceiling then counts "
+        "the full LM head a sampled step reads)",
+    )
+    b.add_argument("--top-p", type=float, default=1.0, help="model: with --temperature, the nucleus to sample from")
+    b.add_argument(
         "--replay",
         type=float,
         default=None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import sys
 import threading
@@ -270,28 +271,33 @@ def run_one(
     warmup: int = 8,
     replay: float | None = None,
     repeats: int = 1,
+    sampling: tuple[float, float] = (0.0, 1.0),
 ) -> dict:
     """One budget: `_start`, then `decode` timed greedy steps, one token per forward (`repeats` times, each between
-    two bandwidth probes: the host's memory speed moves between runs of a few seconds). With a draft
+    two bandwidth probes: the host's memory speed moves between runs of a few seconds); with `sampling`'s
+    temperature > 0, sampled steps (that temperature and top_p, a fixed seed), which take the full LM head. With a draft
     (`options["draft"]`, or `replay`: drafts read from that plain run, each right with probability `replay`),
     a second engine goes through the same start (so its cache is in the same condition) and decodes the same
     `decode` tokens through the speculative loop; its draft_* stats are added."""
-    from ..engine.sampling import argmax
+    from ..engine.sampling import Sampler, SamplingParams, argmax
 
     draft = options.get("draft") or "none"
+    temperature, top_p = sampling
+    sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=0)) if temperature > 0 else None
     gc.collect()  # the previous budget's slab goes with its last array view, before this one's RSS is sampled
     with _PeakRSS() as rss:
         engine, state, seq, info = _start(path, budget, options, prompt, warmup, "none")
         cache, start = engine.expert_cache, len(seq)
         before = cache.stats() if cache else {}
         each = []  # per repeat: (seconds, bandwidth before, after)
-        screen = engine.model.screen  # greedy steps take the screened head where the engine keeps one
+        # greedy steps take the screened head where the engine keeps one; sampled ones the full head
+        screen = engine.model.screen if sampler is None or sampler.argmax_only else None
         exact0 = screen.exact_rows if screen is not None else 0
         for _ in range(repeats):
             bw0, t0 = _stream_gbps(engine), time.perf_counter()
-            for _ in range(decode):  # plain greedy decode, one token per forward: what the ceiling describes
+            for _ in range(decode):  # plain decode, one token per forward: what the ceiling describes
                 logits = engine.prefill(seq[-1:], state, argmax_only=screen is not None)
-                seq.append(argmax(logits[-1]))
+                seq.append(argmax(logits[-1]) if sampler is None else sampler(logits[-1])[0])
             each.append((time.perf_counter() - t0, bw0, _stream_gbps(engine)))
         # the screen's bytes a token: its int8 head in place of the BF16 one, and the rows it computed exactly
         screen_bytes = (
@@ -405,6 +411,7 @@ def run(
     replay: float | None = None,
     repeats: int = 1,
     reference_dtype: str = "float32",
+    sampling: tuple[float, float] = (0.0, 1.0),
 ) -> dict:
     from ..engine.source import open_source
     from ..format.reader import FstFile
@@ -441,7 +448,9 @@ def run(
                 warmup=warmup,
                 replay=replay,
                 repeats=repeats,
+                sampling=sampling,
             )
+            r["sampling"] = {"temperature": sampling[0], "top_p": sampling[1]}
             h = r["hit_rate"]
 
             rt = resident_tok + r["head_screen_bytes_per_token"]
@@ -591,6 +600,11 @@ def print_table(r: dict, out=sys.stdout) -> None:
             f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}"
             + ("  (all experts preloaded)" if x["preloaded"] else "")
             + (
+                f"  (sampled: temperature {x['sampling']['temperature']:g}, top_p {x['sampling']['top_p']:g})"
+                if x.get("sampling", {}).get("temperature")
+                else ""
+            )
+            + (
                 f"  (LM head screened: {_gb(x['head_screen_bytes_per_token'])} a token against the full head)"
                 if x.get("head_screen_bytes_per_token")
                 else ""
@@ -728,6 +742,15 @@ def main(a) -> int:
         raise FastarError(f"--replay: a probability in [0, 1], got {replay}")
     if replay is not None and opts["draft"] != "none":
         raise FastarError("--replay replaces the model's own draft: drop --draft")
+    sampling = (getattr(a, "temperature", 0.0), getattr(a, "top_p", 1.0))
+    if not (math.isfinite(sampling[0]) and sampling[0] >= 0):
+        raise FastarError(f"--temperature: a finite number >= 0, got {sampling[0]}")
+    if not 0 < sampling[1] <= 1:
+        raise FastarError(f"--top-p: a number in (0, 1], got {sampling[1]}")
+    if sampling[0] > 0 and (replay is not None or opts["draft"] != "none"):
+        raise FastarError(
+            "--temperature times plain sampled steps: drop --draft and --replay (bench draft compares them)"
+        )
     if getattr(a, "repeats", 1) < 1:
         raise FastarError(f"--repeats: at least 1, got {a.repeats}")
     reference, ref_dtype = a.reference, "float32"
@@ -749,6 +772,7 @@ def main(a) -> int:
         replay=replay,
         repeats=getattr(a, "repeats", 1),
         reference_dtype=ref_dtype,
+        sampling=sampling,
     )
     if a.compare:  # the same benchmark on another source of the same model (e.g. .fst vs checkpoint dir)
         r["compare"] = run(
@@ -761,6 +785,7 @@ def main(a) -> int:
             warmup=a.warmup_tokens,
             replay=replay,
             repeats=getattr(a, "repeats", 1),
+            sampling=sampling,
         )
         r["compare"]["model"] = a.compare
         r["decode_ratio_vs_compare"] = r["decode_tok_s"] / r["compare"]["decode_tok_s"]

@@ -37,14 +37,13 @@ def main() -> None:
         raise SystemExit("this engine has no head screen (the C kernels are needed)")
     _settle(eng)
     model = eng.model
+    one_term = model.screen.ONE_TERM_ROWS  # before any block sets it (each --against two-term block changes it)
     for n in (int(r) for r in a.rows.split(",")):
         states = [eng.new_state() for _ in range(n)]
         last = []
         for i, state in enumerate(states):
             prompt = list(range(1000 + 97 * i, 1000 + 97 * i + a.prompt_tokens))
             last.append(argmax(eng.prefill(prompt, state)[-1]))
-
-        one_term = model.screen.ONE_TERM_ROWS
 
         def step(screen: bool) -> None:
             if a.against == "two-term":  # both sides screened; the B side with both terms of every row

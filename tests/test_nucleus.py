@@ -37,6 +37,13 @@ def test_top_p_is_the_full_sorts_nucleus(scale):
         assert sizes[3] < nucleus.FIRST_K
 
 
+def test_top_p_orders_by_the_logits_where_probabilities_round_to_a_tie():
+    """exp(-1e-45) rounds to 1: both tokens have probability 0.5, but the nucleus of 0.5 is the larger logit's."""
+    logits = torch.tensor([-1.401298464324817e-45, 0.0])
+    for f in (nucleus.top_p, apply_top_p):
+        assert kept(f(logits, 0.5)).tolist() == [1]
+
+
 def test_top_p_keeps_the_top_token_and_all_when_p_is_not_reached():
     logits = torch.tensor([0.0, 5.0, float("-inf"), 1.0])
     assert kept(nucleus.top_p(logits, 1e-9)).tolist() == [1]

@@ -181,7 +181,8 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     probabilities, and is what `processed_logits` takes)."""
     if p >= 1.0:
         return logits
-    probs, order = torch.sort(torch.softmax(logits, dim=-1), descending=True)
+    order = torch.sort(logits, descending=True).indices  # the logits' order: probabilities may round to ties
+    probs = torch.softmax(logits, dim=-1)[order]
     # drop a token when the tokens before it already reach p (their running sum in float64), so the one that
     # crosses p is kept
     drop_sorted = (probs.double().cumsum(dim=-1) - probs.double()) >= p

@@ -27,7 +27,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     p = probs.detach().reshape(-1).float().cpu().contiguous().numpy()
     u = torch.rand(len(p), generator=generator, dtype=torch.float64).numpy()
     score = p / -np.log(u + HALF_ULP)
-    i = int(np.argmax(score))
-    if not (np.isfinite(score[i]) and score[i] > 0) or np.isnan(score).any():
+    i = int(np.argmax(score))  # a NaN, if any, is numpy's largest: score[i] is then NaN
+    if not (np.isfinite(score[i]) and score[i] > 0):
         raise ValueError("the distribution to draw a token from has no finite positive mass")
     return i

@@ -632,25 +632,26 @@ static PyObject *py_readahead_stats(PyObject *self, PyObject *args) {
     return Py_BuildValue("KK", (unsigned long long)n, (unsigned long long)bytes);
 }
 
+/* A kernel switch set to arg's truth; returns its previous setting (the toggles below). */
+static PyObject *swap_switch(int *flag, PyObject *arg) {
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    const int was = *flag;
+    *flag = on;
+    return PyBool_FromLong(was);
+}
+
 /* _x_prep_isa(on) -> the previous setting: the ISA's vectorized x scan and bfloat16 copy, or their portable reference
  * loops (kernels.h's x_prep_isa); tests. */
 static PyObject *py_x_prep_isa(PyObject *self, PyObject *arg) {
     (void)self;
-    const int on = PyObject_IsTrue(arg);
-    if (on < 0) return NULL;
-    const int was = x_prep_isa;
-    x_prep_isa = on;
-    return PyBool_FromLong(was);
+    return swap_switch(&x_prep_isa, arg);
 }
 
 /* _fp8_fold(on) -> the previous setting: the FP8 dot path's scale folding (kernels.h's fp8_fold); tests and A/B. */
 static PyObject *py_fp8_fold(PyObject *self, PyObject *arg) {
     (void)self;
-    const int on = PyObject_IsTrue(arg);
-    if (on < 0) return NULL;
-    const int was = fp8_fold;
-    fp8_fold = on;
-    return PyBool_FromLong(was);
+    return swap_switch(&fp8_fold, arg);
 }
 
 /* ---------------------------------------------------------------- module */

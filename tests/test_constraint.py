@@ -540,3 +540,53 @@ def test_malformed_length_bounds_beside_an_enum_are_a_400(server, prop):
             tool_choice="required",
         )
     assert err.value.body["param"] == "tools"
+
+
+SELF_REF = {"$ref": "#"}  # refers only to itself: no JSON value can start (llguidance fails at the first mask)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_schema_that_only_refers_to_itself_is_a_400_naming_its_field_on_every_api(server, thinking):
+    """Such a schema compiles, and the reply's first JSON token found no mask: a 400 with no `param` (or, after
+    the reasoning, a 500 mid-reply). It is refused before the request is queued, naming the field."""
+    oa, an = _openai(server), _anthropic(server)
+    mode = {} if thinking else NO_THINK
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SELF_REF}}
+    props = {"type": "object", "properties": {"a": SELF_REF}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": props}}]
+    weather = [{"type": "function", "function": WEATHER}]
+    kw = {"model": "deepseek-v4-flash", "messages": ASK, "max_tokens": 40, "extra_body": mode}
+    cases = [
+        (lambda: oa.chat.completions.create(response_format=fmt, **kw), "response_format"),
+        (lambda: oa.chat.completions.create(response_format=fmt, stream=True, **kw), "response_format"),
+        (lambda: oa.chat.completions.create(tools=tools, tool_choice="required", **kw), "tools"),
+        (lambda: oa.chat.completions.create(tools=weather, response_format=fmt, **kw), "response_format"),
+        (
+            lambda: oa.responses.create(
+                model="deepseek-v4-flash",
+                input="x",
+                text={"format": {"type": "json_schema", "name": "r", "schema": SELF_REF}},
+                reasoning={"effort": "medium" if thinking else "none"},
+            ),
+            "text.format",
+        ),
+    ]
+    for case, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            case()
+        assert err.value.body["param"] == param
+        assert "refers to itself" in err.value.body["message"]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        an.messages.create(
+            model="x",
+            max_tokens=40,
+            messages=ASK,
+            output_config={"format": {"type": "json_schema", "schema": SELF_REF}},
+            **({} if thinking else NO_THINK),
+        )
+    assert "refers to itself" in err.value.message
+    ok = {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": "integer"}}}
+    reply = oa.chat.completions.create(  # a $ref that resolves is enforced as before
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": ok}}, **kw
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")

@@ -116,6 +116,9 @@ class Grammar:
 
     text: str
     param: str | None = None
+    # (request field, `%json` rule) of each schema holding a `$ref`: one that only refers to itself compiles but
+    # has no first token, so the compiler tries each alone before the request is queued
+    probes: tuple[tuple[str | None, str], ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -173,8 +176,9 @@ def _raw_string(name: str, schema: dict) -> str:
     return f"({text}) {closing}"
 
 
-def _function_rules(index: int, fn: dict) -> list[str]:
-    """Rules `f{index}`: one DSML invoke of `fn` (an OpenAI function object) with schema-valid parameters."""
+def _function_rules(index: int, fn: dict, probes: list[str]) -> list[str]:
+    """Rules `f{index}`: one DSML invoke of `fn` (an OpenAI function object) with schema-valid parameters; the
+    `%json` rules of parameters whose schema holds a `$ref` are added to `probes`."""
     name = fn.get("name")
     where = f"tool {name!r}"
     if not isinstance(name, str) or not name or '"' in name:
@@ -213,6 +217,8 @@ def _function_rules(index: int, fn: dict) -> list[str]:
         else:
             rules.append(f'{rule}: {head}false\\">" {rule}_v "</{DSML}parameter>\\n"')
             rules.append(f"{rule}_v: {_json_schema(schema, defs)}")
+            if "$ref" in rules[-1]:
+                probes.append(rules[-1].split(": ", 1)[1])
         parts.append(rule if pname in required else f"{rule}?")
     opener = _literal(f'<{DSML}invoke name="{name}">\n')
     rules.insert(0, f"f{index}: {opener} {' '.join(parts)} {_literal(f'</{DSML}invoke>')}")
@@ -262,10 +268,11 @@ def output_grammar(
         functions = [functions[names.index(name)]]
     rules: list[str] = []
     alternatives = []
+    tool_probes: list[str] = []
     if force or functions:
         try:
             for i, fn in enumerate(functions):
-                rules += _function_rules(i, fn)
+                rules += _function_rules(i, fn, tool_probes)
         except ConstraintError as err:
             raise ConstraintError(str(err), "tools") from None
         invoke = " | ".join(f"f{i}" for i in range(len(functions)))
@@ -280,6 +287,9 @@ def output_grammar(
         except ConstraintError as err:
             raise ConstraintError(f"{schema_param}: {err}", param) from None
         alternatives.insert(0, "reply")
+    probes = [("tools", rule) for rule in tool_probes]
+    if alternatives[0] == "reply" and "$ref" in rules[-1]:
+        probes.append((schema_param, rules[-1].split(": ", 1)[1]))
     head = f"start: REASONING {THINK_END} answer" if thinking else "start: answer"
     reasoning = [f"REASONING: /(?s:.*)/ & ~/(?s:.*)({_REASONING_CUT})(?s:.*)/"] if thinking else []
     text = "\n".join(["%llguidance {}", head, *reasoning, f"answer: {' | '.join(alternatives)}", *rules]) + "\n"
@@ -289,7 +299,7 @@ def output_grammar(
         raise ConstraintError(f"the schemas hold text that is not valid Unicode: {err}", param) from None
     if size > MAX_GRAMMAR_BYTES:
         raise ConstraintError(f"the schemas are too large to enforce ({size} bytes of grammar)", param)
-    return Grammar(text, param)
+    return Grammar(text, param, tuple(probes))
 
 
 def _limits() -> llguidance.LLParserLimits:
@@ -320,14 +330,15 @@ def _readable(message: str) -> str:
 class CompiledGrammar:
     """A grammar compiled for one tokenizer: `start()` gives each request its own parser (a copy of this one)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, param: str | None = None) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.param = param
         self._lock = threading.Lock()
 
     def start(self) -> Constraint:
         with self._lock:
-            return Constraint(self._matcher.deep_copy(), self.vocab_size)
+            return Constraint(self._matcher.deep_copy(), self.vocab_size, self.param)
 
 
 class GrammarCompiler:
@@ -360,20 +371,39 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, _grammar_text(grammar), log_level=0, limits=_limits())
         if matcher.is_error():
             raise ConstraintError(f"cannot enforce this: {_readable(matcher.get_error())}", grammar.param)
-        compiled = CompiledGrammar(matcher, self.vocab_size)
+        for param, rule in grammar.probes:
+            self._probe(param, rule)
+        compiled = CompiledGrammar(matcher, self.vocab_size, grammar.param)
         with self._lock:
             self._cache[grammar.text] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
 
+    def _probe(self, param: str | None, rule: str) -> None:
+        """Refuse a schema (`rule`: its `%json` rule) under which no value can start: one that only refers to
+        itself, as `{"$ref": "#"}`, compiles, and llguidance fails at its first mask, mid-reply."""
+        text = f"%llguidance {{}}\nstart: {rule}\n"
+        matcher = llguidance.LLMatcher(self.tokenizer, _grammar_text(Grammar(text)), log_level=0, limits=_limits())
+        try:
+            if matcher.is_error():
+                raise ConstraintError(_readable(matcher.get_error()))
+            Constraint(matcher, self.vocab_size).allowed()
+        except ConstraintError as err:
+            raise ConstraintError(
+                f"cannot enforce this: no JSON value can start under a schema (one that only refers to itself?): {err}",
+                param,
+            ) from None
+
 
 class Constraint:
-    """One request's position in its grammar. Used by one thread at a time (the sampler's)."""
+    """One request's position in its grammar. Used by one thread at a time (the sampler's). Its errors name
+    `param`, the request field the grammar came from."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, param: str | None = None) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.param = param
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
 
     def allowed(self) -> np.ndarray:
@@ -381,15 +411,17 @@ class Constraint:
         m = self._matcher
         m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if m.is_error():
-            raise ConstraintError(f"the grammar's parser failed: {_readable(m.get_error())}")
+            raise ConstraintError(f"the grammar's parser failed: {_readable(m.get_error())}", self.param)
         mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
         if not mask.any():
-            raise ConstraintError("the grammar allows no token here")
+            raise ConstraintError("the grammar allows no token here", self.param)
         return mask
 
     def advance(self, token: int) -> None:
         if not self._matcher.consume_token(token):
-            raise ConstraintError(f"token {token} is outside the grammar: {_readable(self._matcher.get_error())}")
+            raise ConstraintError(
+                f"token {token} is outside the grammar: {_readable(self._matcher.get_error())}", self.param
+            )
 
     @property
     def finished(self) -> bool:

@@ -480,9 +480,9 @@ def _cached(jobs: list[Job], ended: dict[int, Any]) -> int | None:
     return None if all(c is None for c in firsts) else sum(c or 0 for c in firsts)
 
 
-def _engine_error(status: int, message: str) -> APIError:
+def _engine_error(status: int, message: str, param: str | None = None) -> APIError:
     if status == 400:
-        return bad_request(message)
+        return bad_request(message, param)
     if status == 503:
         return APIError(503, message, "unavailable_error", code="shutting_down")
     return APIError(status, message, "server_error", code="generation_failed")

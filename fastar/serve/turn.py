@@ -141,13 +141,13 @@ class ClientDisconnected(Exception):
 class GenerationFailed(Exception):
     """The worker reported an error for this turn (status 400: the engine refused the prompt)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.param = status, message, param
 
     def api_error(self) -> APIError:
         if self.status == 400:
-            return bad_request(self.message)
+            return bad_request(self.message, self.param)
         return APIError(self.status, self.message, "server_error", code="generation_failed")
 
 

@@ -47,7 +47,7 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 class Job:
     """One generation request between a handler thread and the worker.
 
-    Events on `events`: ("chunk", GenerationChunk)*, then optionally ("error", (status, message)), then always
+    Events on `events`: ("chunk", GenerationChunk)*, then optionally ("error", (status, message[, param])), then always
     ("end", cached_prompt_tokens | None). Setting `cancel` stops the request at the next step."""
 
     prompt_ids: list[int]
@@ -265,7 +265,8 @@ class EngineHost:
     def _on_error(self, job: Job, err: BaseException) -> None:
         # A ValueError before any token is the engine refusing the request: the client's 400.
         status = 400 if isinstance(err, ValueError) and not job.generated else 500
-        job.events.put(("error", (status, f"{'' if status == 400 else 'generation failed: '}{err}")))
+        message = f"{'' if status == 400 else 'generation failed: '}{err}"
+        job.events.put(("error", (status, message, getattr(err, "param", None) if status == 400 else None)))
         self._end(job, None)
 
     def _end(self, job: Job, cached: int | None) -> None:

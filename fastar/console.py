@@ -24,6 +24,7 @@ from typing import TextIO
 
 from .config import int_flag, parse_size
 from .encoding import StreamParser
+from .engine.outputs import model_files, refuse_inputs_as_output
 from .engine.tokenizer import InvalidText, check_text
 from .errors import ConfigError, FastarError
 
@@ -479,15 +480,6 @@ def _path_argument(arg: str) -> str:
     return os.path.expanduser(arg)
 
 
-def _is_model_file(engine, target: str) -> bool:
-    """Whether `target` is the engine's model file, or a file of its checkpoint folder."""
-    model = getattr(getattr(engine, "source", None), "path", None)
-    if model is None or not os.path.exists(target):
-        return False
-    files = [os.path.join(model, n) for n in os.listdir(model)] if os.path.isdir(model) else [os.fspath(model)]
-    return any(os.path.exists(f) and os.path.samefile(f, target) for f in files)
-
-
 class ChatREPL:
     """The interactive chat over one session. Front-end only: `handle(line)` runs one input line."""
 
@@ -563,14 +555,13 @@ class ChatREPL:
             else:
                 self.session.meta = {"messages": self.messages, "thinking": self.thinking}
                 target = _path_argument(arg)
-                if _is_model_file(self.engine, target):  # the session would be renamed over the model in use
-                    self.fail(
-                        FastarError(f"{target}: it is a file of the model in use; give another name"), "cannot save"
+                model = getattr(getattr(self.engine, "source", None), "path", None)
+                try:  # never renamed over the model in use; an unwritable path: said, and the chat goes on
+                    refuse_inputs_as_output(
+                        target, [(f, "a file of the model in use") for f in model_files(model)], "/save"
                     )
-                    return True
-                try:
                     path = self.session.save(target)
-                except FastarError as e:  # an unwritable path: say so and keep the chat (it is not saved)
+                except FastarError as e:
                     self.fail(e, "cannot save")
                     return True
                 self.say(f"(saved {len(self.messages)} messages, {self.session.num_tokens} tokens to {path})")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from . import console
+from .engine.outputs import model_files, refuse_inputs_as_output
 from .errors import FastarError
 
 
@@ -102,22 +103,14 @@ def _bar(a, total: int):
 
 def _check_save_target(a) -> None:
     """`--save-logits` is renamed over what it names: never the text, the --kl-divergence base or the model."""
-    out = a.save_logits
-    if out is None or not os.path.exists(out):
-        return  # a new name is none of them
     model = a.model
     if model is None:
         from .demo import demo_path
 
         model = demo_path()
     inputs = [(a.file, "the text file being scored"), (a.kl_divergence, "the --kl-divergence base")]
-    if os.path.isdir(model):
-        inputs += [(os.path.join(model, name), "a file of the model") for name in os.listdir(model)]
-    else:
-        inputs.append((model, "the model file"))
-    for path, what in inputs:
-        if path is not None and os.path.exists(path) and os.path.samefile(out, path):
-            raise FastarError(f"--save-logits {out}: it is {what}; give the logits another name")
+    what = "a file of the model" if os.path.isdir(os.path.expanduser(model)) else "the model file"
+    refuse_inputs_as_output(a.save_logits, [*inputs, *((f, what) for f in model_files(model))], "--save-logits")
 
 
 def cmd_perplexity(a) -> int:

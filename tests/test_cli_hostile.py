@@ -553,3 +553,27 @@ def test_the_thread_flags_bound_is_the_kernels_pool_limit():
             K.set_num_threads(console.MAX_THREADS + 1)
     finally:
         K.set_num_threads(before)
+
+
+def test_bench_plot_refuses_to_write_over_what_the_benchmark_reads(tiny_fst_path, tiny_ckpt, tmp_path):
+    """`bench --plot` naming the model (or a link to it, or `~/...` of it, or a file of the --compare checkpoint)
+    ran the benchmark and saved the PNG over it: the model was gone. Refused before anything runs, one line naming
+    both paths, the files untouched (the same check as chat's /save and perplexity --save-logits)."""
+    model = tmp_path / "m.fst"
+    shutil.copy(tiny_fst_path, model)
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt, ck)
+    link = tmp_path / "link.fst"
+    link.symlink_to(model)
+    before = model.read_bytes(), (ck / "config.json").read_bytes()
+    small = ("--prompt-tokens", "2", "--decode-tokens", "1", "--ram-budget", "none")
+    for plot, extra, what in (
+        (model, (), "it is the -m model"),
+        (link, (), "it is the -m model"),
+        ("~/m.fst", (), "it is the -m model"),
+        (ck / "config.json", ("--compare", ck), "it is a file of the --compare model"),
+    ):
+        r = _cli("bench", "-m", model, *small, *extra, "--plot", plot, env={"HOME": str(tmp_path)})
+        line = one_line_error(r, 1)
+        assert f"--plot {plot}: {what} (" in line and ("m.fst" in line or "config.json" in line), line
+    assert (model.read_bytes(), (ck / "config.json").read_bytes()) == before

@@ -166,6 +166,17 @@ def main(a: argparse.Namespace) -> int:
         return 0
     if not a.model:
         raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
+    if getattr(a, "plot", None):  # written after minutes of benchmark: never over what it reads
+        from ..engine.outputs import model_files, refuse_inputs_as_output
+
+        sources = {"-m": a.model, "--compare": a.compare, "--reference": a.reference}
+        sources["--compare-transformers"] = getattr(a, "compare_transformers", None)
+        inputs = [
+            (f, f"the {flag} model" if i == 0 else f"a file of the {flag} model")
+            for flag, path in sources.items()
+            for i, f in enumerate(model_files(path))
+        ]
+        refuse_inputs_as_output(a.plot, inputs, "--plot")
     if a.profile:
         from . import profile
 

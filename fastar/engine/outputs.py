@@ -1,0 +1,53 @@
+"""An output path checked against the files a command reads, before anything is written to it.
+
+Owns: `refuse_inputs_as_output` (a one-line `FastarError` when an output is the same file as one of the command's
+inputs: chat's `/save`, `perplexity --save-logits` and `bench --plot` would otherwise rename or write over the
+model, the text or the base they read) and `model_files` (the files a model path names). Does not own: writing the
+outputs (`session.Session.save`, `logits_file.LogitsWriter`, the benchmark's plot), nor `convert -o`'s own check,
+which sits below this layer (`fastar.convert.hf.check_output`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from ..errors import FastarError
+
+
+def model_files(model: str | os.PathLike | None) -> list[str]:
+    """The files a model path names: the `.fst` file itself, or a checkpoint folder and every entry in it."""
+    if model is None:
+        return []
+    model = os.path.expanduser(os.fspath(model))
+    if not os.path.isdir(model):
+        return [model]
+    try:
+        return [model, *(os.path.join(model, name) for name in sorted(os.listdir(model)))]
+    except OSError:  # unreadable: nothing of it can be named here (loading it says why)
+        return [model]
+
+
+def refuse_inputs_as_output(
+    out: str | os.PathLike | None, inputs: Iterable[tuple[str | os.PathLike | None, str]], flag: str = ""
+) -> None:
+    """Raise a one-line FastarError when `out` (after `~`) is the same file as one of `inputs`, (path, what it is)
+    pairs (None paths are skipped), symlinks and hard links followed (`os.path.samefile`): written there, the output
+    would replace that input. An output or input that does not exist yet is none of them. `flag`: the option or
+    command that names `out` in the message (`--save-logits`, `/save`)."""
+    if out is None:
+        return
+    target = os.path.expanduser(os.fspath(out))
+    if not os.path.exists(target):
+        return
+    for path, what in inputs:
+        if path is None:
+            continue
+        path = os.path.expanduser(os.fspath(path))
+        try:
+            same = os.path.exists(path) and os.path.samefile(target, path)
+        except OSError:  # a file gone or unreadable between the two calls: not the same file we can tell
+            same = False
+        if same:
+            prefix = f"{flag} " if flag else ""
+            raise FastarError(f"{prefix}{out}: it is {what} ({path}); give the output another name")

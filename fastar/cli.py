@@ -352,8 +352,12 @@ def cmd_serve(a) -> int:
 
     resolve_device(a.device)  # and a --device that is none, or CUDA where there is none
     a.prompt_cache = a.serve_mod.prompt_cache_dir(a)  # the usage profile the warm-up follows is kept beside it
+    from .engine.source import open_source
+
+    # and a file that is no model (truncated, another format): its header is read here, as `run` reads it
+    source = open_source(a.model) if a.model is not None else None
     # --draft: the scheduler drafts a lone greedy request with it (docs/SERVING.md), batched steps otherwise
-    return a.serve_mod.run_from_args(a, lambda: open_engine(a, warm=True))
+    return a.serve_mod.run_from_args(a, lambda: open_engine(a, warm=True, source=source))
 
 
 # --- parser ------------------------------------------------------------------------------------------------

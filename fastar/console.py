@@ -230,10 +230,11 @@ def check_model_path(path: str | None) -> None:
         raise FastarError(f"{path}: not a regular file or checkpoint directory")
 
 
-def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr, warm: bool = False):
+def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr, warm: bool = False, source=None):
     """Load `args.model` (or the demo) with a progress bar, and apply `--ctx-size`. `warm` (a server, a chat): the
     expert warm-up starts as the load does (following the usage profile in `args.prompt_cache`), and the tokenizer's
-    tables are built now, so the first reply pays for neither (docs/SERVING.md, start-up)."""
+    tables are built now, so the first reply pays for neither (docs/SERVING.md, start-up). `source`: `args.model`
+    already opened (`open_source`: `serve` opens it before it binds its port, so a bad file is one line)."""
     from .engine.engine import load
     from .engine.source import open_source
 
@@ -246,7 +247,7 @@ def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr, warm: bool =
         print(BANNER, file=err, flush=True)
         path = ensure_demo_model(log=lambda msg: print(msg, file=err, flush=True))
     t = time.perf_counter()
-    source = open_source(path)
+    source = source if source is not None else open_source(path)
     names = getattr(source, "names", None)
     bar = _bar(len(names()) if callable(names) else None, "loading", err, unit="tensor")
     if bar is not None:  # count resident tensors as the model reads them (an instance attribute shadows the method)

@@ -577,3 +577,30 @@ def test_bench_plot_refuses_to_write_over_what_the_benchmark_reads(tiny_fst_path
         line = one_line_error(r, 1)
         assert f"--plot {plot}: {what} (" in line and ("m.fst" in line or "config.json" in line), line
     assert (model.read_bytes(), (ck / "config.json").read_bytes()) == before
+
+
+def test_serve_says_what_run_says_of_a_file_that_is_no_model(tiny_fst_path, tmp_path):
+    """`serve -m` a truncated, garbage or corrupt .fst (or no file) ended in 'loading the model failed: FormatError:
+    ...' after binding its port: the class name, where `run` says one line. The same line now, exit 1; a file whose
+    header reads is refused before the port is bound (no other line), one with a corrupt tensor once loaded."""
+    truncated = tmp_path / "truncated.fst"
+    truncated.write_bytes(tiny_fst_path.read_bytes()[:100_000])
+    garbage = tmp_path / "garbage.fst"
+    garbage.write_bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    with FstFile(tiny_fst_path) as f:
+        head = next(t for t in f.header["tensors"] if t["name"] == "head.weight")
+    flipped = _corrupt(tiny_fst_path, tmp_path / "flip.fst", head["offset"] + 1000, b"\x5a")
+    for path, words in (
+        (truncated, "file is truncated"),
+        (garbage, "not a .fst file"),
+        (tmp_path / "missing.fst", "no such file"),
+        (flipped, "checksum"),
+    ):
+        said = one_line_error(_cli("run", "-m", path, "-p", "hi"), 1)
+        assert said.startswith(f"fastar: error: {path}") and words in said, said
+        r = _cli("serve", "-m", path, "--port", "0", "--no-prompt-cache")
+        if path is flipped:  # found as the model loads, after the port is bound (the log says so before)
+            assert r.returncode == 1 and "Traceback" not in r.stderr and "Error:" not in r.stderr, r.stderr
+            assert r.stderr.splitlines()[-1] == said, r.stderr
+        else:
+            assert one_line_error(r, 1) == said

@@ -89,6 +89,16 @@ class Batching:
             )
 
 
+def load_error(err: BaseException) -> str:
+    """One line for a failed load: a FastarError's message or an OSError's path and reason, as `fastar run` says
+    them (the class name is for bugs, which are logged with their traceback)."""
+    if isinstance(err, FastarError):
+        return str(err)
+    if isinstance(err, OSError):
+        return f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err.strerror or err)
+    return f"{type(err).__name__}: {err}"
+
+
 class EngineHost:
     """Loads the engine off the request path, then owns it through one worker thread running its scheduler."""
 
@@ -106,6 +116,7 @@ class EngineHost:
         self.engine: Any = None
         self.scheduler: Any = None
         self.error: str | None = None
+        self.user_error = False  # the load failed on the user's input (a FastarError or OSError), not a bug
         self.ready = threading.Event()
         self._settled = threading.Event()  # loaded or failed
         self._stopping = threading.Event()  # no new requests; running ones are being cancelled
@@ -146,9 +157,10 @@ class EngineHost:
             on_ready(engine)
             self._warm(engine)
         except BaseException as err:  # noqa: BLE001 - reported through /health, and by serve() as the exit reason
-            if not isinstance(err, (FastarError, OSError)):  # those are the user's to fix, in one line
+            self.user_error = isinstance(err, (FastarError, OSError))  # the user's to fix, in one line
+            if not self.user_error:
                 log.exception("loading the model failed")
-            self.error = f"{type(err).__name__}: {err}"
+            self.error = load_error(err)
             self._settled.set()
             return
         self._worker = threading.Thread(target=self._run, name="fastar-worker", daemon=True)
@@ -177,8 +189,8 @@ class EngineHost:
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         self._settled.wait(timeout)
-        if self.error is not None:
-            raise FastarError(f"loading the model failed: {self.error}")
+        if self.error is not None:  # a bad model file: the line `fastar run` gives for it
+            raise FastarError(self.error if self.user_error else f"loading the model failed: {self.error}")
         return self.ready.is_set()
 
     def require_engine(self) -> Any:

@@ -230,11 +230,13 @@ def check_model_path(path: str | None) -> None:
         raise FastarError(f"{path}: not a regular file or checkpoint directory")
 
 
-def open_engine(args: argparse.Namespace, err: TextIO = sys.stderr, warm: bool = False, source=None):
+def open_engine(args: argparse.Namespace, err: TextIO | None = None, warm: bool = False, source=None):
     """Load `args.model` (or the demo) with a progress bar, and apply `--ctx-size`. `warm` (a server, a chat): the
     expert warm-up starts as the load does (following the usage profile in `args.prompt_cache`), and the tokenizer's
     tables are built now, so the first reply pays for neither (docs/SERVING.md, start-up). `source`: `args.model`
-    already opened (`open_source`: `serve` opens it before it binds its port, so a bad file is one line)."""
+    already opened (`open_source`: `serve` opens it before it binds its port, so a bad file is one line). `err`: the
+    progress bar's stream (None: sys.stderr as it is at the call, not as it was when this module was imported)."""
+    err = err if err is not None else sys.stderr
     from .engine.engine import load
     from .engine.source import open_source
 
@@ -490,11 +492,13 @@ class ChatREPL:
         params,
         thinking: bool = False,
         system: str | None = None,
-        out: TextIO = sys.stdout,
-        err: TextIO = sys.stderr,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
         verbose: bool = False,
         prompt_cache=None,
     ) -> None:
+        out = out if out is not None else sys.stdout  # the streams at the call, not at this module's import
+        err = err if err is not None else sys.stderr
         self.engine, self.params, self.thinking = engine, params, thinking
         self.prompt_cache = prompt_cache  # a PrefixCache: a new chat that starts like a saved one resumes from it
         self.system = system

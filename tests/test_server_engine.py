@@ -292,3 +292,57 @@ def test_thinking_budget_forces_the_end_of_thinking_on_the_real_engine(server):
     assert (direct.reasoning, direct.content) == (msg.model_dump()["reasoning_content"], msg.content)
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(extra_body={"thinking": {"type": "enabled", "budget_tokens": 12}}, **kw)
+
+
+PAD = "<｜▁pad▁｜>"  # token 2, marked special in tokenizer.json
+
+
+def test_special_tokens_give_no_text_unless_skip_special_tokens_is_false(server):
+    """A special token the model writes (here the pad token, made likely by a logit bias) showed in the text. It
+    gives none now, as vLLM's default `skip_special_tokens: true` decodes, on both routes, streamed or not; with
+    false it shows. The tokens are the same either way (same seed), so is the usage; a stop string is matched in
+    the text the client gets, across a skipped token."""
+    s, engines = server
+    c = _client(s)
+    nothink = {"thinking": {"type": "disabled"}}
+    comp = dict(model="deepseek-v4-flash", prompt="The river", max_tokens=16, temperature=1.0, seed=0)
+    chat = {k: v for k, v in comp.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "Hi."}]}
+
+    def completion(extra=None, **kw):
+        body = {**comp, "extra_body": {"logit_bias": {"2": 12}, **(extra or {})}, **kw}
+        r = c.completions.create(**body)
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **body) if ch.choices)
+        assert streamed == r.choices[0].text
+        return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
+
+    def chatted(extra=None, **kw):
+        body = {**chat, "extra_body": {"logit_bias": {"2": 12}, **nothink, **(extra or {})}, **kw}
+        r = c.chat.completions.create(**body)
+        parts = c.chat.completions.create(stream=True, **body)
+        assert "".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices) == r.choices[0].message.content
+        return r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason
+
+    for run in (completion, chatted):
+        kept, n_kept, _ = run({"skip_special_tokens": False})
+        skipped, n_skipped, _ = run()
+        assert PAD in kept and PAD not in skipped and skipped == kept.replace(PAD, ""), (kept, skipped)
+        assert n_kept == n_skipped == 16
+        i = kept.index(PAD)
+        j = i
+        while kept.startswith(PAD, j):
+            j += len(PAD)
+        assert i > 0 and j < len(kept), kept
+        stop = kept[i - 1] + kept[j]  # the characters either side of the pad tokens: adjacent once they are skipped
+        cut, _, finish = run(stop=[stop])
+        assert finish == "stop" and cut == skipped[: skipped.index(stop)], (cut, skipped, stop)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(**comp, extra_body={"skip_special_tokens": "no"})
+    assert err.value.body["param"] == "skip_special_tokens"
+    # the engine's own default (what `fastar run` and `chat` print) skips them too
+    from fastar.engine.sampling import SamplingParams
+
+    engine = engines[0]
+    ids = engine.tokenizer.encode("The river")
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=0, logit_bias={2: 12})
+    chunks = list(engine.stream(ids, params, session=engine.open_session()))
+    assert 2 in [ch.token for ch in chunks] and PAD not in "".join(ch.text for ch in chunks)

@@ -156,8 +156,8 @@ def single_byte_ids(tok: Tokenizer) -> list[int]:
     return [i for i in range(tok.vocab_size) if len(tok.token_bytes(i)) == 1]
 
 
-def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
-    decoder = tok.stream_decoder()
+def _stream(tok: Tokenizer, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
+    decoder = tok.stream_decoder(skip_special_tokens)
     return [decoder.push(i) for i in ids] + [decoder.flush()]
 
 
@@ -205,6 +205,27 @@ def test_stream_decoder_matches_decode_on_random_ids(
     # mostly single-byte tokens, so invalid and split UTF-8 sequences are common
     ids = [rnd.choice(single_byte_ids) if rnd.random() < 0.6 else i for i in ids]
     assert "".join(_stream(tok, ids)) == tok.decode(ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 129279), max_size=20), st.randoms(use_true_random=False))
+def test_stream_decoder_skipping_special_tokens_matches_decode(
+    tok: Tokenizer, single_byte_ids: list[int], ids: list[int], rnd: random.Random
+) -> None:
+    """With `skip_special_tokens` (vLLM's default, the engine's), the tokens marked special give no text, and the
+    bytes either side of one still join into their character, as the one-shot decode gives them; the added tokens
+    the chat parser reads (`</think>`, `｜DSML｜`, the role markers) are not special and still show."""
+    specials = [0, 1, 2, 128846, 128900, 129279]
+    ids = [
+        rnd.choice(single_byte_ids) if r < 0.5 else rnd.choice(specials) if r < 0.7 else i
+        for i in ids
+        for r in [rnd.random()]
+    ]
+    assert "".join(_stream(tok, ids, True)) == tok.decode(ids, skip_special_tokens=True)
+    split = tok.encode("😀")
+    assert "".join(_stream(tok, [split[0], 2, *split[1:], 1], True)) == "😀"
+    kept = tok.encode("</think>｜DSML｜<｜User｜><｜Assistant｜>")
+    assert "".join(_stream(tok, kept, True)) == "</think>｜DSML｜<｜User｜><｜Assistant｜>"
 
 
 def test_long_text_path_gives_the_same_ids_and_max_token_bytes(tok: Tokenizer) -> None:

@@ -139,7 +139,7 @@ class ChunkMaker:
         self, tokenizer, params: SamplingParams, eos_token_id: int, prompt_tokens: int, context_length: int
     ) -> None:
         self.params, self.prompt_tokens, self.context_length = params, prompt_tokens, context_length
-        self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        self.decoder = tokenizer.stream_decoder(params.skip_special_tokens) if tokenizer is not None else None
         self.stops = StopStrings(params.stop)
         # Under a grammar EOS always ends the request, `ignore_eos` or not: the grammar allows EOS only where it may
         # end, and once EOS is taken it is complete and allows nothing but EOS (which would repeat to max_tokens).

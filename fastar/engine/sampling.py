@@ -76,6 +76,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # the tokens tokenizer.json marks special (BOS, EOS, pad, placeholders) give no text (vLLM's default)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI's `stop` is a string or a list
@@ -129,8 +131,9 @@ class SamplingParams:
             bad("repetition_penalty", "a number > 0 (1 = off)")
         if self.grammar is not None and not isinstance(self.grammar, CompiledGrammar):
             bad("grammar", "None or a compiled grammar (Engine.compile_grammar)")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "true or false")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "true or false")
         if self.prompt_logprobs is not None and (
             not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
         ):

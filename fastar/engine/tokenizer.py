@@ -236,8 +236,8 @@ class Tokenizer:
         """`encode(encode_messages(messages, **kwargs))`: the prompt ids, BOS included."""
         return self.encode(encode_messages(messages, **kwargs))
 
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)
+    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens)
 
 
 def default_tokenizer_path() -> Path:
@@ -259,14 +259,19 @@ class StreamDecoder:
 
     Bytes of a character split across tokens are held until the character is complete; invalid bytes turn
     into U+FFFD exactly where a one-shot decode would put them. `"".join(pushes) + flush()` always equals
-    `tokenizer.decode(ids)` (special tokens included as text).
+    `tokenizer.decode(ids, skip_special_tokens)`: with `skip_special_tokens`, the tokens marked special in
+    tokenizer.json (BOS, EOS, pad, placeholders; not `<think>`, `</think>`, the role markers or `｜DSML｜`, which
+    are added tokens but not special) give no text, as vLLM's default decoding leaves them out.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
+        if self._skip and self._tokenizer.is_special(token_id):
+            return ""
         return self._utf8.decode(self._tokenizer.token_bytes(token_id))
 
     def flush(self) -> str:

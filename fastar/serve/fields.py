@@ -162,6 +162,8 @@ def sampling_fields(body: dict, min_tokens: int = 1) -> tuple[dict[str, Any], in
         presence_penalty=number(body, "presence_penalty", -2.0, 2.0, 0.0),
         frequency_penalty=number(body, "frequency_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=repetition,
+        # vLLM's: the special tokens (BOS, EOS, pad, ...) a reply holds give no text unless this is false
+        skip_special_tokens=boolean(body, "skip_special_tokens", True),
     )
     return params, max_tokens
 

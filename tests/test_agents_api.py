@@ -1134,3 +1134,38 @@ def test_a_tool_name_holding_a_quote_is_a_400_on_every_route(backend):
     with pytest.raises(APIError) as err:
         R.parse_request({"input": "x", "tools": [{"type": "function", "name": 'a"b'}]}, backend, R.ResponseStore())
     assert (err.value.status, err.value.param) == (400, "tools") and "'\"'" in err.value.message
+
+
+def test_an_item_reference_resolves_to_a_stored_output_item(backend):
+    """`{"type": "item_reference", "id": ...}` input items (how OpenAI's clients resend an item the server already
+    holds) were a 400. They stand for the output item of that id of a stored response: the prompt is the one the
+    item itself, resent, gives. An id this server does not hold (unknown, from a `store: false` response, or
+    evicted) is a 400 naming the item."""
+    store = R.ResponseStore(size=2)
+    tools = [{"type": "function", "name": "sum", "description": "Add numbers", "parameters": SUM["input_schema"]}]
+    ask = {"role": "user", "content": "please add 1 and 2"}
+    first = R.create({"input": [ask], "tools": tools, "reasoning": {"effort": "none"}}, backend, store)
+    (call,) = [item for item in first["output"] if item["type"] == "function_call"]
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "3"}
+
+    def prompt(items: list[dict], in_store: R.ResponseStore = store) -> list[int]:
+        body = {"input": items, "tools": tools, "reasoning": {"effort": "none"}}
+        return prompt_ids(backend, R.parse_request(body, backend, in_store).conv)[1]
+
+    inline = prompt([ask, call, result])
+    assert prompt([ask, {"type": "item_reference", "id": call["id"]}, result]) == inline
+    assert prompt([ask, {"id": call["id"], "type": "item_reference"}, result]) != prompt([ask, result])
+    unstored = R.create({"input": "hi", "store": False, "max_output_tokens": 4}, backend, store)
+    for ref in (
+        {"type": "item_reference", "id": "fc_nope"},
+        {"type": "item_reference", "id": unstored["output"][0]["id"]},
+        {"type": "item_reference"},
+    ):
+        with pytest.raises(APIError) as err:
+            prompt([ask, ref, result])
+        assert (err.value.status, err.value.param) == (400, "input[1]") and "item_reference" in err.value.message
+    for _ in range(2):  # two more stored responses: the first one, and its items, are evicted
+        R.create({"input": "hi", "max_output_tokens": 4}, backend, store)
+    with pytest.raises(APIError) as err:
+        prompt([ask, {"type": "item_reference", "id": call["id"]}, result])
+    assert err.value.param == "input[1]" and "no stored output item" in err.value.message

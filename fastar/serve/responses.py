@@ -28,7 +28,8 @@ DeepSeek's `thinking` and `chat_template_kwargs` as on chat completions), the `r
 plus one `data:` line with a `sequence_number`; there is no `[DONE]`, as OpenAI sends none.
 
 `previous_response_id` continues a conversation this server produced: `ResponseStore` keeps the last
-`MAX_STORED` responses (input conversation and output) in memory; `store: false` keeps one out of it.
+`MAX_STORED` responses (input conversation and output) in memory; `store: false` keeps one out of it. An
+`{"type": "item_reference", "id": ...}` input item stands for that output item of a stored response.
 Reasoning items carry the thinking text in `content` (`reasoning_text`); with `include:
 ["reasoning.encrypted_content"]` it is also put, unencrypted, in `encrypted_content`, and any of the three is
 read back when a client resends the item, so the replayed turn renders as the model wrote it.
@@ -54,22 +55,32 @@ MAX_STORED = 256
 
 
 class ResponseStore:
-    """The server's own responses by id: the conversation each continued (encoder messages) and the reply."""
+    """The server's own responses by id: the conversation each continued (encoder messages) and the reply; and
+    each stored reply's output items by item id, for `item_reference` input items."""
 
     def __init__(self, size: int = MAX_STORED) -> None:
         self.size = size
         self._items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+        self._outputs: dict[str, dict] = {}  # output item id -> the item, while its response is stored
         self._lock = threading.Lock()
 
     def put(self, rid: str, conversation: list[dict], response: dict) -> None:
         with self._lock:
             self._items[rid] = (conversation, response)
+            self._outputs.update({item["id"]: item for item in response.get("output") or [] if "id" in item})
             while len(self._items) > self.size:
-                self._items.popitem(last=False)
+                _, (_, gone) = self._items.popitem(last=False)
+                for item in gone.get("output") or []:
+                    self._outputs.pop(item.get("id"), None)
 
     def get(self, rid: str) -> tuple[list[dict], dict] | None:
         with self._lock:
             return self._items.get(rid)
+
+    def item(self, item_id: str) -> dict | None:
+        """The output item `item_id` of a stored response (a message, reasoning or function_call), or None."""
+        with self._lock:
+            return self._outputs.get(item_id)
 
 
 def retrieve(response_id: str, store: ResponseStore) -> dict:
@@ -117,9 +128,10 @@ def _reasoning_text(item: dict) -> str:
     return enc if isinstance(enc, str) else ""
 
 
-def input_messages(items: Any) -> list[dict]:
+def input_messages(items: Any, store: ResponseStore | None = None) -> list[dict]:
     """Responses `input` -> encoder messages. Consecutive assistant items (reasoning, message, function calls)
-    form one assistant turn, as the model produced them."""
+    form one assistant turn, as the model produced them. An `item_reference` stands for the output item of that
+    id of a response in `store`, as if it were given in full (OpenAI resolves it from its stored responses)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
@@ -135,6 +147,9 @@ def input_messages(items: Any) -> list[dict]:
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        if kind == "item_reference":
+            item = _referenced(item, where, store)
+            kind = item["type"]
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -173,6 +188,22 @@ def input_messages(items: Any) -> list[dict]:
         else:
             raise bad_request(f"{where}: unsupported input item type {kind!r}", "input")
     return out
+
+
+def _referenced(ref: dict, where: str, store: ResponseStore | None) -> dict:
+    """The stored output item an `item_reference` names, or a 400 naming the item."""
+    iid = ref.get("id")
+    if not isinstance(iid, str) or not iid:
+        raise bad_request(f"{where}: an item_reference needs the string 'id' of an output item", where)
+    found = store.item(iid) if store is not None else None
+    if found is None:
+        size = store.size if store is not None else 0
+        raise bad_request(
+            f"{where}: no stored output item with id {iid!r}: an item_reference names an item of a response this "
+            f"server stored (it keeps its last {size} responses made with 'store' true; resend the item itself)",
+            where,
+        )
+    return found
 
 
 def _tools(body: dict) -> list[dict] | None:
@@ -254,7 +285,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         history = found[0] + [found[1]["_message"]]
     if "input" not in body:
         raise bad_request("'input' is required", "input")
-    conversation = history + input_messages(body["input"])
+    conversation = history + input_messages(body["input"], store)
     grammar_fields.check_last_turn(conversation, "input")
     messages = list(conversation)
     instructions = body.get("instructions")

@@ -1169,3 +1169,29 @@ def test_an_item_reference_resolves_to_a_stored_output_item(backend):
     with pytest.raises(APIError) as err:
         prompt([ask, {"type": "item_reference", "id": call["id"]}, result])
     assert err.value.param == "input[1]" and "no stored output item" in err.value.message
+
+
+def test_anthropic_tool_choice_and_tool_results_are_checked_without_tools_too(backend):
+    """`tool_choice` of an unknown type was checked only when the request had tools (without, it was taken), and a
+    `tool_result` without a `tool_use_id` (or with a number) was rendered as the result of no call, where chat
+    completions refuses a tool message without its `tool_call_id`. Both are a 400 naming the field now."""
+    base = {"model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    for body, param, words in (
+        ({**base, "tool_choice": {"type": "bogus"}}, "tool_choice", "'tool_choice' must be"),
+        ({**base, "tool_choice": "auto"}, "tool_choice", "'tool_choice' must be"),
+        (
+            {**base, "messages": [{"role": "user", "content": [{"type": "tool_result", "content": "3"}]}]},
+            "messages",
+            "messages[0].content[0]: a tool_result block needs the non-empty string 'tool_use_id'",
+        ),
+        (
+            {**base, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 5}]}]},
+            "messages",
+            "needs the non-empty string 'tool_use_id'",
+        ),
+    ):
+        with pytest.raises(APIError) as err:
+            A.parse_request(body, backend)
+        assert (err.value.status, err.value.param) == (400, param) and words in err.value.message, err.value.message
+    ok = {**base, "tool_choice": {"type": "none"}}
+    assert A.parse_request(ok, backend)[2]["grammar"] is None

@@ -149,11 +149,17 @@ def _user_messages(content: Any, where: str) -> list[dict]:
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
+            if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
+                raise bad_request(  # as chat completions' tool_call_id: the result must say which call it answers
+                    f"{where}.content[{j}]: a tool_result block needs the non-empty string 'tool_use_id' of the "
+                    "tool_use it answers",
+                    "messages",
+                )
             result = block.get("content", "")
             text = result if isinstance(result, str) else _text_of(result, f"{where}.content[{j}].content")
             if fields.boolean(block, "is_error", False):
                 text = f"Error: {text}"
-            out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""), "content": text})
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         else:
             raise bad_request(
                 f"{where}.content[{j}]: unsupported block type {kind!r} in a user turn "
@@ -195,7 +201,9 @@ def _assistant_message(content: Any, where: str) -> dict:
 
 
 def _tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):
+        raise bad_request('\'tool_choice\' must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -222,9 +230,6 @@ def _tools(body: dict) -> list[dict] | None:
             fn["description"] = description
         fn["parameters"] = schema or {"type": "object", "properties": {}}
         out.append(fn)
-    choice = body.get("tool_choice")
-    if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):
-        raise bad_request('\'tool_choice\' must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
     return None if choice is not None and choice["type"] == "none" else out
 
 

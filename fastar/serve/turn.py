@@ -392,7 +392,9 @@ def record_reply(
     rendering even where that differs from what was generated (DSML spacing): the parsed turn means the same.
     A turn cut short (max_tokens) is stored without the EOS the rendering adds, and only when the rendering is
     the generated text itself (a cut thinking block or tool call renders differently from what the model
-    holds). A stop-string cut is not stored: the model holds tokens the client never saw."""
+    holds), with or without the special tokens a reply skips (`skip_special_tokens`: the model holds them where
+    the client saw no text, as it holds the canonical DSML). A stop-string cut is not stored: the model holds
+    tokens the client never saw."""
     if stopped or not generated:
         return
     try:
@@ -405,5 +407,7 @@ def record_reply(
     ids = prompt_ids + generated
     if generated[-1] == getattr(tokenizer, "eos_id", None):
         backend.replay.record(text, ids)
-    elif tokenizer.decode(generated) == text[len(prompt_text) : -len(EOS)]:
-        backend.replay.record(text[: -len(EOS)], ids)
+    else:  # the reply as the client got it: with its special tokens' text, or without (skip_special_tokens)
+        tail = text[len(prompt_text) : -len(EOS)]
+        if tail in (tokenizer.decode(generated), tokenizer.decode(generated, skip_special_tokens=True)):
+            backend.replay.record(text[: -len(EOS)], ids)

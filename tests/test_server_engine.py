@@ -283,12 +283,16 @@ def test_thinking_budget_forces_the_end_of_thinking_on_the_real_engine(server):
     free = c.chat.completions.create(**kw)
     free_tokens = [t.token for t in free.choices[0].logprobs.content]
     assert "</think>" not in free_tokens and free.choices[0].message.content in ("", None)
-    r = c.chat.completions.create(extra_body={"thinking": {"type": "enabled", "budget_tokens": 4}}, **kw)
+    # the special tokens' text kept (the random model writes a placeholder), so the text is the logprobs' tokens
+    budget = {"thinking": {"type": "enabled", "budget_tokens": 4}, "skip_special_tokens": False}
+    r = c.chat.completions.create(extra_body=budget, **kw)
     tokens = [t.token for t in r.choices[0].logprobs.content]
     assert tokens[:4] == free_tokens[:4] and tokens[4] == "</think>" and len(tokens) == 12
     msg = r.choices[0].message
     assert msg.model_dump()["reasoning_content"] == "".join(tokens[:4]) and msg.content == "".join(tokens[5:])
-    direct = engines[0].chat(msgs, thinking=True, max_tokens=12, temperature=0, thinking_budget=4)
+    direct = engines[0].chat(
+        msgs, thinking=True, max_tokens=12, temperature=0, thinking_budget=4, skip_special_tokens=False
+    )
     assert (direct.reasoning, direct.content) == (msg.model_dump()["reasoning_content"], msg.content)
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(extra_body={"thinking": {"type": "enabled", "budget_tokens": 12}}, **kw)

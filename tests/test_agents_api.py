@@ -1195,3 +1195,23 @@ def test_anthropic_tool_choice_and_tool_results_are_checked_without_tools_too(ba
         assert (err.value.status, err.value.param) == (400, param) and words in err.value.message, err.value.message
     ok = {**base, "tool_choice": {"type": "none"}}
     assert A.parse_request(ok, backend)[2]["grammar"] is None
+
+
+def test_responses_function_calls_and_outputs_need_their_call_id(backend):
+    """A `function_call_output` without `call_id` (or with a number) was rendered as the result of no call, and a
+    `function_call` without one as a call no output could answer; chat completions refuses a tool message without
+    its `tool_call_id`. Both are a 400 naming the item now."""
+    ask = {"role": "user", "content": "please add 1 and 2"}
+    call = {"type": "function_call", "call_id": "c1", "name": "sum", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "3"}
+    assert R.input_messages([ask, call, output])[-1] == {"role": "tool", "tool_call_id": "c1", "content": "3"}
+    for items, at in (
+        ([ask, call, {**output, "call_id": None}], 2),
+        ([ask, call, {k: v for k, v in output.items() if k != "call_id"}], 2),
+        ([ask, {**call, "call_id": 7}, output], 1),
+        ([ask, {**call, "call_id": ""}, output], 1),
+    ):
+        with pytest.raises(APIError) as err:
+            R.input_messages(items)
+        assert (err.value.status, err.value.param) == (400, "input") and f"input[{at}]: a " in err.value.message
+        assert "non-empty string 'call_id'" in err.value.message

@@ -175,8 +175,9 @@ def input_messages(items: Any, store: ResponseStore | None = None) -> list[dict]
             name, args = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not name or not isinstance(args, str):
                 raise bad_request(f"{where}: a function_call needs a 'name' and string 'arguments'", "input")
+            _call_id(item, where)
             call = {
-                "id": str(item.get("call_id") or ""),
+                "id": item["call_id"],
                 "type": "function",
                 "function": {"name": name, "arguments": args},
             }
@@ -184,10 +185,19 @@ def input_messages(items: Any, store: ResponseStore | None = None) -> list[dict]
         elif kind == "function_call_output":
             output = item.get("output", "")
             text = output if isinstance(output, str) else _content_text(output, where)
-            out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""), "content": text})
+            out.append({"role": "tool", "tool_call_id": _call_id(item, where), "content": text})
         else:
             raise bad_request(f"{where}: unsupported input item type {kind!r}", "input")
     return out
+
+
+def _call_id(item: dict, where: str) -> str:
+    """A function call's or its output's `call_id`: the output must say which call it answers (as chat completions'
+    `tool_call_id`), and a call without one could not be answered."""
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"{where}: a {item.get('type')} needs a non-empty string 'call_id'", "input")
+    return call_id
 
 
 def _referenced(ref: dict, where: str, store: ResponseStore | None) -> dict:

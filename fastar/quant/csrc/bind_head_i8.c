@@ -133,15 +133,16 @@ fail:
 }
 
 /* head_i8_select(dots i32 [2T, V], sx f32 [2T], scale f32 [V], c1 f32 [T], c2 f32 [T], wnorm f32 [V], dnorm f32 [V],
- * margin, keep u8 [V], rows i64 [V]) -> n: the screened head's candidate rows in rows[:n], ascending (head_i8.h's
- * contract; keep is scratch). */
+ * margin, keep u8 [V], rows i64 [V], off f32 [T, V] or None = None) -> n: the screened head's candidate rows in
+ * rows[:n], ascending (head_i8.h's contract; keep is scratch). */
 PyObject *py_head_i8_select(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *o[8], *ok, *orows;
+    PyObject *o[8], *ok, *orows, *ooff = Py_None;
     float margin;
-    if (!PyArg_ParseTuple(args, "OOOOOOOfOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &margin, &ok, &orows))
+    if (!PyArg_ParseTuple(args, "OOOOOOOfOO|O", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &margin, &ok, &orows,
+                          &ooff))
         return NULL;
-    view_t v[9];
+    view_t v[10];
     memset(v, 0, sizeof v);
     if (get_view(o[0], &v[0], "dots", 'i', 2, 0) || get_view(o[1], &v[1], "sx", 'f', 1, 0) ||
         get_view(o[2], &v[2], "scale", 'f', 1, 0) || get_view(o[3], &v[3], "c1", 'f', 1, 0) ||
@@ -160,33 +161,38 @@ PyObject *py_head_i8_select(PyObject *self, PyObject *args) {
         len_is(&v[7], "keep", V, "= dots.shape[1]") || len_is(&v[8], "rows", V, "= dots.shape[1]") ||
         no_overlap(&v[7], v, 7) || no_overlap(&v[8], v, 8))
         goto fail;
+    if (ooff != Py_None && (get_view(ooff, &v[9], "off", 'f', 2, 0) ||
+                            shape_is(&v[9], "off", T, V, "= (dots.shape[0] / 2, dots.shape[1])") ||
+                            no_overlap(&v[7], v + 9, 1) || no_overlap(&v[8], v + 9, 1)))
+        goto fail;
     head_select s = {.dots = v[0].b.buf, .sx = v[1].b.buf, .scale = v[2].b.buf, .c1 = v[3].b.buf, .c2 = v[4].b.buf,
-                     .wnorm = v[5].b.buf, .dnorm = v[6].b.buf, .margin = margin, .T = T, .V = V, .keep = v[7].b.buf,
-                     .rows = v[8].b.buf};
+                     .wnorm = v[5].b.buf, .dnorm = v[6].b.buf, .off = ooff != Py_None ? v[9].b.buf : NULL,
+                     .margin = margin, .T = T, .V = V, .keep = v[7].b.buf, .rows = v[8].b.buf};
     int64_t kept;
     const isa_ops *isa = cur_isa;
     Py_BEGIN_ALLOW_THREADS
     kept = head_i8_select_run(isa, &s);
     Py_END_ALLOW_THREADS
-    release(v, 9);
+    release(v, 10);
     return PyLong_FromLongLong((long long)kept);
 fail:
-    release(v, 9);
+    release(v, 10);
     return NULL;
 }
 
 /* head_i8_screen(x i8 [2T, K], sx f32 [2T], c f32 [T, 4], q i8 [V, K], rowsum i32 [V], scale f32 [V], wnorm f32 [V],
- * dnorm f32 [V], margin, ub f32 [T, V], keep u8 [V], rows i64 [V]) -> n: the screened head's candidate rows in
+ * dnorm f32 [V], margin, ub f32 [T, V], keep u8 [V], rows i64 [V], off f32 [T, V] or None = None) -> n: the screened head's candidate rows in
  * rows[:n], ascending, from one pass that takes the second terms only where needed (head_i8.h's contract; ub and keep
  * are scratch). */
 PyObject *py_head_i8_screen(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *o[12];
+    o[11] = Py_None;
     float margin;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOfOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &margin, &o[8],
-                          &o[9], &o[10]))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOfOOO|O", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &margin, &o[8],
+                          &o[9], &o[10], &o[11]))
         return NULL;
-    view_t v[11];
+    view_t v[12];
     memset(v, 0, sizeof v);
     static const char *names[11] = {"x", "sx", "c", "q", "rowsum", "scale", "wnorm", "dnorm", "ub", "keep", "rows"};
     static const char fmts[11] = {'b', 'f', 'f', 'b', 'i', 'f', 'f', 'f', 'f', 'B', 'q'};
@@ -210,9 +216,15 @@ PyObject *py_head_i8_screen(PyObject *self, PyObject *args) {
         len_is(&v[9], "keep", V, "= q.shape[0]") || len_is(&v[10], "rows", V, "= q.shape[0]") ||
         no_overlap(&v[8], v, 8) || no_overlap(&v[9], v, 9) || no_overlap(&v[10], v, 10))
         goto fail;
+    if (o[11] != Py_None &&
+        (get_view(o[11], &v[11], "off", 'f', 2, 0) ||
+         shape_is(&v[11], "off", T, V, "= (x.shape[0] / 2, q.shape[0])") || no_overlap(&v[8], v + 11, 1) ||
+         no_overlap(&v[9], v + 11, 1) || no_overlap(&v[10], v + 11, 1)))
+        goto fail;
     head_screen s = {.x = v[0].b.buf, .sx = v[1].b.buf, .c = v[2].b.buf, .q = v[3].b.buf, .rowsum = v[4].b.buf,
-                     .scale = v[5].b.buf, .wnorm = v[6].b.buf, .dnorm = v[7].b.buf, .margin = margin, .T = T, .V = V,
-                     .K = K, .ub = v[8].b.buf, .keep = v[9].b.buf, .rows = v[10].b.buf};
+                     .scale = v[5].b.buf, .wnorm = v[6].b.buf, .dnorm = v[7].b.buf,
+                     .off = o[11] != Py_None ? v[11].b.buf : NULL, .margin = margin, .T = T, .V = V, .K = K,
+                     .ub = v[8].b.buf, .keep = v[9].b.buf, .rows = v[10].b.buf};
     const isa_ops *isa = cur_isa;
     int64_t kept;
     Py_BEGIN_ALLOW_THREADS
@@ -224,10 +236,10 @@ PyObject *py_head_i8_screen(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto fail;
     }
-    release(v, 11);
+    release(v, 12);
     return PyLong_FromLongLong((long long)kept);
 fail:
-    release(v, 11);
+    release(v, 12);
     return NULL;
 }
 

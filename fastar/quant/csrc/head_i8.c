@@ -513,14 +513,16 @@ void gather_rows_run(const void *w, int64_t row_bytes, const int64_t *idx, int64
 
 /* ---------------------------------------------------------------- select */
 
-/* The estimate and bound of head row i for one decode row (head_i8.h's order of operations). */
+/* The estimate and bound of head row i for one decode row (head_i8.h's order of operations), shifted by its offset
+ * where has_off (a compile-time constant in each copy of select_core: without offsets the loop reads none). */
 #define SELECT_BOUND(i)                                                                                             \
     const float a1 = (float)d1[i] * (s1 * scale[i]), a2 = (float)d2[i] * (s2 * scale[i]);                           \
-    const float est = a1 + a2;                                                                                      \
+    float est = a1 + a2, mag = fabsf(a1) + fabsf(a2);                                                               \
+    if (has_off) est += offt[i], mag += fabsf(offt[i]);                                                             \
     float b = c1 * wnorm[i] + c2 * dnorm[i];                                                                        \
-    b += (fabsf(a1) + fabsf(a2)) * margin;
+    b += mag * margin;
 
-static inline __attribute__((always_inline)) int64_t select_core(const head_select *s) {
+static inline __attribute__((always_inline)) int64_t select_core(const head_select *s, const int has_off) {
     const int64_t V = s->V;
     uint8_t *restrict keep = s->keep;
     const float *restrict scale = s->scale, *restrict wnorm = s->wnorm, *restrict dnorm = s->dnorm;
@@ -528,6 +530,7 @@ static inline __attribute__((always_inline)) int64_t select_core(const head_sele
     memset(keep, 0, (size_t)V);
     for (int64_t t = 0; t < s->T; t++) {
         const int32_t *restrict d1 = s->dots + t * V, *restrict d2 = s->dots + (s->T + t) * V;
+        const float *restrict offt = has_off ? s->off + t * V : NULL;
         const float s1 = s->sx[t], s2 = s->sx[s->T + t], c1 = s->c1[t], c2 = s->c2[t];
         float lanes[16]; /* the largest lower bound, lane by lane: a loop the compiler vectorizes */
         for (int j = 0; j < 16; j++) lanes[j] = -INFINITY;
@@ -556,10 +559,12 @@ static inline __attribute__((always_inline)) int64_t select_core(const head_sele
     return n;
 }
 
-static int64_t select_plain(const head_select *s) { return select_core(s); }
+static int64_t select_plain(const head_select *s) { return s->off ? select_core(s, 1) : select_core(s, 0); }
 #if FASTAR_X86
-TARGET_AVX2 static int64_t select_avx2(const head_select *s) { return select_core(s); }
-TARGET_AVX512 static int64_t select_avx512(const head_select *s) { return select_core(s); }
+TARGET_AVX2 static int64_t select_avx2(const head_select *s) { return s->off ? select_core(s, 1) : select_core(s, 0); }
+TARGET_AVX512 static int64_t select_avx512(const head_select *s) {
+    return s->off ? select_core(s, 1) : select_core(s, 0);
+}
 #endif
 
 int64_t head_i8_select_run(const isa_ops *isa, const head_select *s) {
@@ -618,7 +623,7 @@ static void floor_raise(_Atomic float *f, float v) {
 
 /* The second term's bound folded into row i's (hi, lo) for decode row t (head_i8.h's order of operations). */
 static inline __attribute__((always_inline)) void second_term(const screen_ctx *sc, int64_t t, int64_t i, float a1,
-                                                               float *hi, float *lo) {
+                                                               float o, float *hi, float *lo) {
     const head_screen *s = sc->s;
     const int64_t V = s->V, K = s->K;
     const int8_t *qr = s->q + q_offset(V, K, i);
@@ -631,9 +636,9 @@ static inline __attribute__((always_inline)) void second_term(const screen_ctx *
 #endif
         d2 = dot_row_plain(qr, cs, s->x + (s->T + t) * K, K);
     const float a2 = (float)d2 * (s->sx[s->T + t] * s->scale[i]);
-    const float est = a1 + a2;
+    const float est = (a1 + a2) + o; /* o = 0 (no offsets): the sum's own bits */
     float b2 = s->c[4 * t + 2] * s->wnorm[i] + s->c[4 * t + 3] * s->dnorm[i];
-    b2 += (fabsf(a1) + fabsf(a2)) * s->margin;
+    b2 += ((fabsf(a1) + fabsf(a2)) + fabsf(o)) * s->margin;
     const float hi2 = est + b2, lo2 = est - b2;
     *hi = hi2 < *hi ? hi2 : *hi;
     *lo = lo2 > *lo ? lo2 : *lo;
@@ -645,7 +650,8 @@ static inline __attribute__((always_inline)) void second_term(const screen_ctx *
  * term's product only where ub1 reaches the floor so far; ub gets min(ub1, ub2) there, ub1 elsewhere. The first
  * term's bounds of SCREEN_LANES rows at a time in loops the compiler vectorizes, the floor as of the group's start
  * (any floor reached so far is sound: a stale one only takes more second terms). */
-static inline __attribute__((always_inline)) void screen_core(const screen_ctx *sc, int64_t r0, int64_t r1) {
+static inline __attribute__((always_inline)) void screen_core(const screen_ctx *sc, int64_t r0, int64_t r1,
+                                                               const int has_off) {
     const head_screen *s = sc->s;
     const int64_t T = s->T, V = s->V;
     const float margin = s->margin;
@@ -655,6 +661,7 @@ static inline __attribute__((always_inline)) void screen_core(const screen_ctx *
         const float s1 = s->sx[t], ca1 = s->c[4 * t], ca2 = s->c[4 * t + 1];
         float *ub = s->ub + t * V;
         const int32_t *d1s = (const int32_t *)ub; /* the products, overwritten group by group by the bounds */
+        const float *restrict offt = has_off ? s->off + t * V : NULL;
         for (int64_t i0 = r0; i0 < r1; i0 += SCREEN_LANES) {
             const int n = r1 - i0 < SCREEN_LANES ? (int)(r1 - i0) : SCREEN_LANES;
             float a1[SCREEN_LANES], hi[SCREEN_LANES], lo[SCREEN_LANES];
@@ -662,14 +669,15 @@ static inline __attribute__((always_inline)) void screen_core(const screen_ctx *
             for (int j = 0; j < n; j++) {
                 const int64_t i = i0 + j;
                 a1[j] = (float)d1s[i] * (s1 * scale[i]);
-                float b1 = ca1 * wnorm[i] + ca2 * dnorm[i];
-                b1 += fabsf(a1[j]) * margin;
-                hi[j] = a1[j] + b1, lo[j] = a1[j] - b1;
+                float b1 = ca1 * wnorm[i] + ca2 * dnorm[i], e1 = a1[j], mag = fabsf(a1[j]);
+                if (has_off) e1 += offt[i], mag += fabsf(offt[i]);
+                b1 += mag * margin;
+                hi[j] = e1 + b1, lo[j] = e1 - b1;
                 open |= hi[j] >= fl;
             }
             if (open)
                 for (int j = 0; j < n; j++)
-                    if (hi[j] >= fl) second_term(sc, t, i0 + j, a1[j], &hi[j], &lo[j]);
+                    if (hi[j] >= fl) second_term(sc, t, i0 + j, a1[j], has_off ? offt[i0 + j] : 0.0f, &hi[j], &lo[j]);
             for (int j = 0; j < n; j++) {
                 fl = lo[j] > fl ? lo[j] : fl;
                 ub[i0 + j] = hi[j];
@@ -679,10 +687,18 @@ static inline __attribute__((always_inline)) void screen_core(const screen_ctx *
     }
 }
 
-static void screen_rows_plain(const screen_ctx *sc, int64_t r0, int64_t r1) { screen_core(sc, r0, r1); }
+/* screen_core for the ISA, in a copy without offsets (the greedy rows' loop as before) and one with them */
+#define SCREEN_ROWS(name, target)                                                                                   \
+    target static void name(const screen_ctx *sc, int64_t r0, int64_t r1) {                                        \
+        if (sc->s->off)                                                                                             \
+            screen_core(sc, r0, r1, 1);                                                                             \
+        else                                                                                                        \
+            screen_core(sc, r0, r1, 0);                                                                             \
+    }
+SCREEN_ROWS(screen_rows_plain, )
 #if FASTAR_X86
-TARGET_AVX2 static void screen_rows_avx2(const screen_ctx *sc, int64_t r0, int64_t r1) { screen_core(sc, r0, r1); }
-TARGET_AVX512 static void screen_rows_avx512(const screen_ctx *sc, int64_t r0, int64_t r1) { screen_core(sc, r0, r1); }
+SCREEN_ROWS(screen_rows_avx2, TARGET_AVX2)
+SCREEN_ROWS(screen_rows_avx512, TARGET_AVX512)
 #endif
 
 static void screen_rows(const screen_ctx *sc, int64_t r0, int64_t r1) { sc->rows_fn(sc, r0, r1); }

@@ -58,10 +58,14 @@ const char *head_i8_path_name(int path);
  * For decode row t and head row i, in float32 and in this order: a1 = dots[t, i] * (sx[t] * scale[i]), a2 likewise
  * with row T + t, est = a1 + a2, b = c1[t] wnorm[i] + c2[t] dnorm[i], b += (|a1| + |a2|) margin; floor_t = max_i
  * (est - b); keep[i] = 1 where est + b >= floor_t for some t, else 0 (a scratch array of V bytes), and the rows kept,
- * ascending, in rows[0, n). Returns n. */
+ * ascending, in rows[0, n). Returns n.
+ * off [T, V] (or NULL: all 0) shifts each bound by its own offset o = off[t, i] (a sampled row's race: the screen
+ * bounds logit + o): est += o right after est = a1 + a2, and b += (|a1| + |a2| + |o|) margin in place of the term
+ * above. An offset of 0 gives the same bits as none. */
 typedef struct {
     const int32_t *dots;
     const float *sx, *scale, *c1, *c2, *wnorm, *dnorm;
+    const float *off; /* [T, V] or NULL */
     float margin;
     int64_t T, V;
     uint8_t *keep;
@@ -82,12 +86,14 @@ int64_t head_i8_select_run(const isa_ops *isa, const head_select *s);
  * the lower bounds, shared by the threads), right after their sub-block's first terms, from L2: the others cannot
  * be kept, since the floor only rises. The rows kept do not depend on which: the row with the largest lower bound
  * has ub1 >= its lb2, so floor_t is the same (the bounds being sound). ub [T, V] is scratch (the products, then
- * min(ub1, ub2) or ub1). */
+ * min(ub1, ub2) or ub1). off [T, V] (or NULL) shifts the bounds as in head_i8_select: a1 + o in place of a1 in ub1
+ * and lb1 with b1 += (|a1| + |o|) margin, and est = (a1 + a2) + o with b2 += (|a1| + |a2| + |o|) margin. */
 typedef struct {
     const int8_t *x; /* [2T, K] */
     const int8_t *q; /* [V, K] in head_i8_build's layout */
     const int32_t *rowsum;
     const float *sx, *c, *scale, *wnorm, *dnorm;
+    const float *off; /* [T, V] or NULL */
     float margin;
     int64_t T, V, K;
     float *ub;

@@ -1,6 +1,7 @@
 """The screened LM head (fastar.model.head_screen) against the full head: the same argmax for every row, the same
 bits at every row it computes, every row that holds the largest logit among them; rows it cannot screen take the
-full head; and greedy generation through the engine gives the same tokens with the screen as without it."""
+full head; greedy generation through the engine gives the same tokens with the screen as without it; and sampled
+rows screened for their race (`Race`) draw the tokens the full head gives."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 import fastar
-from fastar.engine.sampling import SamplingParams, argmax_only, report
-from fastar.model.head_screen import HeadScreen
+from fastar.engine.draw import gumbel, race
+from fastar.engine.sampling import Sampler, SamplingParams, processed_logits, report, screenable
+from fastar.model.head_screen import HeadScreen, Race
 from fastar.quant import kernels as K
 from fastar.quant.linear import Linear
 
@@ -84,16 +86,21 @@ def test_non_finite_weights_and_rows_the_screen_cannot_bound():
     assert np.array_equal(got[1:], want[1:], equal_nan=True)
 
 
-def test_argmax_only_requests_report_no_logprob():
+def test_screenable_requests_report_no_logprob():
     logits = torch.randn(50)
-    assert argmax_only(SamplingParams())
-    assert report(logits, 3, SamplingParams()) == (3, None, [])
+    for p in (SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=1)):
+        assert screenable(p)
+        assert report(logits, 3, p) == (3, None, [])
     for p in (
         SamplingParams(logprobs=0),
-        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, logprobs=0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=40),
+        SamplingParams(temperature=0.7, min_p=0.1),
+        SamplingParams(temperature=1e-4),  # below MIN_RACE_TEMPERATURE
         SamplingParams(logit_bias={1: 2.0}),
     ):
-        assert not argmax_only(p)
+        assert not screenable(p)
         token, logprob, _ = report(logits, 3, p)
         assert logprob == pytest.approx(float(torch.log_softmax(logits, -1)[3]))
 
@@ -303,3 +310,171 @@ def test_head_i8_exact_equals_gather_matmul_scatter(isa):
         K.extension.head_i8_exact(w, np.array([0], np.int64), np.ones((2, 256), np.float32), out)
     with pytest.raises(ValueError, match="y has shape"):
         K.extension.head_i8_exact(w, np.array([0], np.int64), np.ones((1, 255), np.float32), out)
+
+
+def race_token(logits: np.ndarray, race_: Race) -> int:
+    """A sampler's token for logits [V] (float32) and a race: its temperature's processed logits, then the race."""
+    p = SamplingParams(temperature=race_.temperature)
+    return race(processed_logits(torch.from_numpy(logits), p), race_.noise)
+
+
+@pytest.mark.parametrize("isa", K.cpu_features()["usable_isas"] if K.available() else [])
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+def test_offsets_shift_both_kernels_bounds(T, isa):
+    """head_i8_select (both terms) and head_i8_screen (one pass) with offsets against the contract in numpy with
+    every bound shifted by its row's offset (rows within a relative 1e-5 of the floor may go either way); offsets of
+    0 keep the rows that no offsets keep."""
+    rng = np.random.default_rng(60 + T)
+    screen, y, x, sx, c = screen_inputs(rng, T)
+    V = screen.V
+    off = (rng.gumbel(size=(T, V)) * rng.choice([0.1, 1.0, 3.0])).astype(np.float32)
+    dots = K.head_i8_dot(x, screen.q, screen.rowsum)
+    d = dots.astype(np.float64)
+    scale, wn, dn = (a.astype(np.float64) for a in (screen.scale, screen.wnorm32, screen.dnorm32))
+    strict, loose = np.zeros(V, bool), np.zeros(V, bool)
+    strict2, loose2 = np.zeros(V, bool), np.zeros(V, bool)  # both terms for every row (head_i8_select's bounds)
+    for t in range(T):
+        o = off[t].astype(np.float64)
+        a1, a2 = d[t] * sx[t] * scale, d[T + t] * sx[T + t] * scale
+        b1 = c[t, 0] * wn + c[t, 1] * dn + (np.abs(a1) + np.abs(o)) * 1e-6
+        b2 = c[t, 2] * wn + c[t, 3] * dn + (np.abs(a1) + np.abs(a2) + np.abs(o)) * 1e-6
+        ub = np.minimum(a1 + o + b1, a1 + a2 + o + b2)
+        floor = max((a1 + o - b1).max(), (a1 + a2 + o - b2).max())
+        strict |= ub >= floor + 1e-5 * abs(floor)
+        loose |= ub >= floor - 1e-5 * abs(floor)
+        floor2 = (a1 + a2 + o - b2).max()
+        strict2 |= a1 + a2 + o + b2 >= floor2 + 1e-5 * abs(floor2)
+        loose2 |= a1 + a2 + o + b2 >= floor2 - 1e-5 * abs(floor2)
+    K.set_isa(isa)
+    try:
+        keep, rows = np.empty(V, np.uint8), np.empty(V, np.int64)
+        args = (x, sx, c, screen.q, screen.rowsum, screen.scale, screen.wnorm32, screen.dnorm32, 1e-6)
+        n = K.extension.head_i8_screen(*args, np.empty((T, V), np.float32), keep, rows, off)
+        sel = (dots, sx, screen.scale, c[:, 2].copy(), c[:, 3].copy(), screen.wnorm32, screen.dnorm32, 1e-6)
+        for got, lo, hi in (
+            (rows[:n].copy(), strict, loose),
+            (rows[: K.extension.head_i8_select(*sel, keep, rows, off)].copy(), strict2, loose2),
+        ):
+            mask = np.zeros(V, bool)
+            mask[got] = True
+            assert np.all(mask[lo]) and not np.any(mask & ~hi)
+        assert n < V / 2  # it screened
+        zero = np.zeros((T, V), np.float32)
+        got0 = rows[: K.extension.head_i8_screen(*args, np.empty((T, V), np.float32), keep, rows, zero)].copy()
+        assert np.array_equal(got0, screen_rows(screen, x, sx, c))
+        got0 = rows[: K.extension.head_i8_select(*sel, keep, rows, zero)].copy()
+        assert np.array_equal(got0, rows[: K.extension.head_i8_select(*sel, keep, rows)])
+        with pytest.raises(ValueError, match="off has shape"):
+            K.extension.head_i8_screen(*args, np.empty((T, V), np.float32), keep, rows, zero[:, 1:].copy())
+        with pytest.raises(ValueError, match="off has shape"):
+            K.extension.head_i8_select(*sel, keep, rows, zero[:, 1:].copy())
+    finally:
+        K.set_isa("auto")
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 8])
+def test_screened_races_draw_the_full_heads_tokens(T):
+    """Sampled rows (`Race`), alone or beside greedy rows: the race over the screened logits gives the full head's
+    token for each, at several temperatures, with a tie between the two best scores going to the first as in the
+    full head, and the greedy rows their argmax; the screen computes a small part of the head."""
+    rng = np.random.default_rng(80 + T)
+    w = head(rng)
+    full = Linear("head", w, "BF16")
+    screen = HeadScreen(full, K)
+    gen = torch.Generator().manual_seed(T)
+    for trial, temp in enumerate([1.0, 0.3, 2.0, 0.05, 1.0, 0.7]):
+        y = rng.standard_normal((T, w.shape[1])).astype(np.float32)
+        want_logits = full(torch.from_numpy(y)).numpy()
+        races: list[Race | None] = [Race(temp, gumbel(screen.V, gen)) for _ in range(T)]
+        if trial == 4 and T > 1:
+            races[0] = None  # a greedy row among sampled ones
+        if trial == 5:  # the full head's two best scores of row T - 1 made an exact tie: the first index wins
+            r = races[-1]
+            x = processed_logits(torch.from_numpy(want_logits[-1]), SamplingParams(temperature=temp)).numpy()
+            score = x.astype(np.float64) + r.noise
+            a, b = np.argsort(score)[-2:][::-1]
+            r.noise[b] = score[a] - np.float64(x[b])
+            assert np.float64(x[b]) + r.noise[b] == score[a]
+        got = screen.logits(torch.from_numpy(y), races).numpy()
+        for t, r in enumerate(races):
+            if r is None:
+                assert int(np.argmax(got[t])) == int(np.argmax(want_logits[t]))
+                continue
+            assert race_token(got[t], r) == race_token(want_logits[t], r), f"trial {trial} row {t}"
+            kept = np.isfinite(got[t])
+            assert np.array_equal(got[t][kept], want_logits[t][kept]) and kept.sum() < screen.V / 4
+        if trial == 5:
+            assert race_token(got[-1], races[-1]) == min(a, b)
+    with pytest.raises(ValueError, match="noise has 5 entries"):
+        screen.logits(torch.from_numpy(y), [Race(1.0, np.zeros(5))] * T)
+    with pytest.raises(ValueError, match=r"temperature >= 0\.001"):
+        Race(1e-4, np.zeros(5))
+
+
+def test_sampled_tokens_are_the_full_heads(engines):
+    """Seeded sampled generation at a temperature alone screens its steps (from the second token) and gives the
+    tokens the full head gives; with top_p it takes the full head, the same tokens either way. Batched rows mixing
+    races, greedy rows and a row that needs every logit match the full head's too."""
+    on, off = engines
+    ids = [5, 17, 300, 42]
+    for p in (
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.5, seed=4, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+    ):
+        before = on.model.screen.exact_rows
+        a, b = list(on.stream(ids, p)), list(off.stream(ids, p))
+        assert [c.token for c in a] == [c.token for c in b]
+        assert len({c.token for c in a}) > 3  # sampled, not a repeated token
+        screened = on.model.screen.exact_rows - before
+        if p.top_p == 1.0:
+            assert 0 < screened < 23 * on.config.vocab_size / 2 and all(c.logprob is None for c in a + b)
+        else:
+            assert screened == 0 and all(c.logprob is not None for c in a)
+    m_on, m_off = on.model, off.model
+    V = on.config.vocab_size
+    gen = torch.Generator().manual_seed(9)
+    states_on, states_off, last = [], [], []
+    for i in range(4):
+        for m, states in ((m_on, states_on), (m_off, states_off)):
+            s = m.new_state()
+            m.forward([5 + i, 6, 7 + i], s, all_logits=False)
+            states.append(s)
+        last.append(8 + i)
+    for flags in ([True, None, None, True], [None, None, None, None], [None, True, False, None]):
+        wants = [Race(0.9, gumbel(V, gen)) if f is None else f for f in flags]
+        got = m_on.forward_rows(last, states_on, wants)
+        want = m_off.forward_rows(last, states_off)
+        last = []
+        for b, f in enumerate(wants):
+            if isinstance(f, Race):
+                last.append(race_token(got[b].numpy(), f))
+                assert last[-1] == race_token(want[b].numpy(), f)
+            else:
+                last.append(int(want[b].argmax()))
+                assert int(got[b].argmax()) == last[-1]
+        assert bool(torch.isfinite(got).all()) == (False in flags)  # screened unless a row needs every logit
+
+
+def test_a_sampler_draws_the_same_tokens_whether_or_not_its_steps_ask_early():
+    """`head_request` draws the next token's noise before its logits, from the generator where the token would have
+    drawn it: the same tokens with and without, through a forced token (which draws nothing) too."""
+    p = SamplingParams(temperature=0.9, seed=21)
+    early, late = Sampler(p), Sampler(p)
+    assert early.head_request() is False  # the vocabulary is not known before the first token
+    g = torch.Generator().manual_seed(2)
+    tokens = []
+    for step in range(12):
+        logits = torch.randn(5000, generator=g)
+        want = early.head_request() if step else None
+        if step:
+            assert isinstance(want, Race) and want.temperature == 0.9 and early.head_request().noise is want.noise
+        if step == 5:  # a forced token: no noise is used, the early one stays for the next token
+            assert early.forced(logits, 7)[0] == late.forced(logits, 7)[0] == 7
+            continue
+        a, b = early(logits), late(logits)
+        assert a == b and a[1] is None
+        tokens.append(a[0])
+    assert len(set(tokens)) > 5
+    assert Sampler(SamplingParams()).head_request() is True
+    assert Sampler(SamplingParams(temperature=0.9, top_p=0.5)).head_request() is False

@@ -275,11 +275,12 @@ def run_one(
 ) -> dict:
     """One budget: `_start`, then `decode` timed greedy steps, one token per forward (`repeats` times, each between
     two bandwidth probes: the host's memory speed moves between runs of a few seconds); with `sampling`'s
-    temperature > 0, sampled steps (that temperature and top_p, a fixed seed), which take the full LM head. With a draft
+    temperature > 0, sampled steps (that temperature and top_p, a fixed seed), which take the full LM head unless
+    sampled at the temperature alone (top_p 1: the screen's race, `fastar.model.head_screen.Race`). With a draft
     (`options["draft"]`, or `replay`: drafts read from that plain run, each right with probability `replay`),
     a second engine goes through the same start (so its cache is in the same condition) and decodes the same
     `decode` tokens through the speculative loop; its draft_* stats are added."""
-    from ..engine.sampling import Sampler, SamplingParams, argmax
+    from ..engine.sampling import Sampler, SamplingParams, argmax, screenable
 
     draft = options.get("draft") or "none"
     temperature, top_p = sampling
@@ -290,13 +291,15 @@ def run_one(
         cache, start = engine.expert_cache, len(seq)
         before = cache.stats() if cache else {}
         each = []  # per repeat: (seconds, bandwidth before, after)
-        # greedy steps take the screened head where the engine keeps one; sampled ones the full head
-        screen = engine.model.screen if sampler is None or sampler.argmax_only else None
+        # greedy steps, and sampled ones at a temperature alone (from the second on: the sampler then knows the
+        # vocabulary), take the screened head where the engine keeps one; other sampled ones the full head
+        screen = engine.model.screen if sampler is None or screenable(sampler.params) else None
         exact0 = screen.exact_rows if screen is not None else 0
         for _ in range(repeats):
             bw0, t0 = _stream_gbps(engine), time.perf_counter()
             for _ in range(decode):  # plain decode, one token per forward: what the ceiling describes
-                logits = engine.prefill(seq[-1:], state, argmax_only=screen is not None)
+                want = (sampler is None or sampler.head_request()) if screen is not None else False
+                logits = engine.prefill(seq[-1:], state, argmax_only=want)
                 seq.append(argmax(logits[-1]) if sampler is None else sampler(logits[-1])[0])
             each.append((time.perf_counter() - t0, bw0, _stream_gbps(engine)))
         # the screen's bytes a token: its int8 head in place of the BF16 one, and the rows it computed exactly

@@ -401,7 +401,7 @@ def _flusher(engine):
 
 def _step(model, samplers, pending: list[int], states, clock: _Clock | None) -> list[int]:
     """One scheduler decode step on the rows: `forward_rows`, then each row's sampler. -> the next tokens."""
-    logits = model.forward_rows(pending, states, [s.argmax_only for s in samplers])
+    logits = model.forward_rows(pending, states, [s.head_request() for s in samplers])
     out = []
     for s, row in zip(samplers, logits):
         if clock is not None:

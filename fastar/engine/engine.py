@@ -25,6 +25,7 @@ import torch
 from ..contracts import ExpertProvider, WeightSource
 from ..errors import ConfigError, EngineClosed, FastarError
 from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, Numerics, span_bytes_per_token
+from ..model.head_screen import Race
 from ..model.state import ModelState
 from . import arguments, build, speculative
 from .constraint import CompiledGrammar, Grammar, GrammarCompiler
@@ -204,10 +205,10 @@ class Engine:
         return chunk * max(1, PREFILL_SPAN_BYTES // (chunk * span_bytes_per_token(self.config)))
 
     def prefill(
-        self, token_ids: list[int], state: ModelState, argmax_only: bool = False, all_logits: bool = False
+        self, token_ids: list[int], state: ModelState, argmax_only: bool | Race = False, all_logits: bool = False
     ) -> torch.Tensor:
         """Run `token_ids` in spans of `prefill_span` (chunks of `prefill_chunk`); returns logits [T, V] (or
-        [1, V] for the last; `argmax_only`: the caller reads the last one's argmax alone, see
+        [1, V] for the last; `argmax_only`: the caller reads the last one's argmax, or a race's, alone, see
         `DeepseekV4.forward`). One token (a decode step: `Session.decode`, `generate_tokens`) takes the scheduler's
         one-row step, `DeepseekV4.forward_rows`, where it gives `forward`'s bits (`rows_match_forward`)."""
         self._check_open()
@@ -227,8 +228,9 @@ class Engine:
             if self.drafter is not None:
                 logits, _ = self.drafter.forward(chunk, state, all_logits=all_logits)
             else:
+                want = argmax_only if last else False
                 logits, _ = self.model.forward(
-                    chunk, state, all_logits=all_logits, chunk=self.paged_chunk, argmax_only=argmax_only and last
+                    chunk, state, all_logits=all_logits, chunk=self.paged_chunk, argmax_only=want
                 )
             if all_logits or last:
                 out.append(logits)

@@ -67,7 +67,7 @@ def generate_step(
         token, logprob, top = next_token(budget, sampler, logits)
         session.append(token)
         yield token, logprob, top
-        logits = session.decode(sampler.argmax_only)
+        logits = session.decode(sampler.head_request())
 
 
 def stream_generate(

@@ -12,10 +12,13 @@ temperature, top-k/top-p/min-p and the draw (greedy: the argmax of what is allow
 top_logprobs reported are still the unmasked model's, so a token the grammar forced shows how likely the model
 found it, and an alternative listed may be one the grammar ruled out. A request without a grammar does no mask work.
 Sampling draws on the CPU from a `torch.Generator` seeded by `seed`: the same seed gives the same tokens on
-any device, and two generations never share random state. The draw is `fastar.engine.draw`'s (an exponential
-race over the tokens allowed) and the top-p nucleus `fastar.engine.nucleus`'s (found among the largest
-probabilities); `apply_top_p` here is the nucleus by a sort of the whole vocabulary, the reference its tests compare
-with.
+any device, and two generations never share random state. The draw is `fastar.engine.draw.race`'s (the argmax of
+the processed logits plus Gumbel noise, one uniform per vocabulary entry and token) and the top-p nucleus
+`fastar.engine.nucleus`'s (found among the largest probabilities); `apply_top_p` here is the nucleus by a sort of the
+whole vocabulary, the reference its tests compare with. A request sampled at a temperature alone (no top-k, top-p or
+min-p) draws each token's noise before the step that computes its logits (`Sampler.head_request`), so the model may
+screen its LM head for the rows that can win the race (`fastar.model.head_screen.Race`); the generator gives the
+same numbers to the same tokens either way, so a seed's tokens do not depend on it.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import numpy as np
 import torch
 
 from ..errors import FastarError
+from ..model.head_screen import MIN_RACE_TEMPERATURE, Race
 from .constraint import CompiledGrammar
-from .draw import draw
+from .draw import gumbel, race
 from .logit_adjust import LogitAdjust
 from .nucleus import top_p
 
@@ -144,6 +148,18 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def temperature_only(self) -> bool:
+        """Sampled at a temperature with nothing else that reshapes the distribution (top-k, top-p, min-p): each
+        token's race score depends on its own logit alone (`Sampler.head_request`)."""
+        return (
+            not self.is_greedy
+            and self.temperature >= MIN_RACE_TEMPERATURE
+            and self.top_k == 0
+            and self.top_p >= 1.0
+            and self.min_p == 0.0
+        )
+
+    @property
     def adjusts_logits(self) -> bool:
         """A logit bias or a penalty: the tokens are drawn from logits other than the model's own."""
         return (
@@ -221,6 +237,8 @@ class Sampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator(device="cpu").manual_seed(seed)  # this generation's random stream
         self.constraint = params.grammar.start() if params.grammar is not None else None
+        self._vocab: int | None = None  # the logits' length, known from the first token on
+        self._noise: np.ndarray | None = None  # the next token's noise, drawn early by `head_request`
         self.adjust = None
         if params.adjusts_logits:
             self.adjust = LogitAdjust(
@@ -231,10 +249,23 @@ class Sampler:
                 repetition_penalty=params.repetition_penalty,
             )
 
-    @property
-    def argmax_only(self) -> bool:
-        """This sampler reads the logits for their argmax alone (`argmax_only`): the model may screen its head."""
-        return argmax_only(self.params)
+    def head_request(self) -> bool | Race:
+        """What the next token needs of the step that computes its logits (`DeepseekV4.forward`'s `argmax_only`):
+        False, every logit; True, their argmax alone (greedy, `screenable`); a `Race` (sampled at a temperature
+        alone, from the second token on: the vocabulary's size known), the argmax of its race, whose noise this
+        draws now and the next call uses. The model may then screen its LM head. The noise comes from the
+        generator where the call would have drawn it (no other number is drawn between), so the tokens are the same
+        whether or not the step asks."""
+        p = self.params
+        if not screenable(p):
+            return False
+        if p.is_greedy:
+            return True
+        if self._vocab is None:
+            return False
+        if self._noise is None:
+            self._noise = gumbel(self._vocab, self.generator)
+        return Race(p.temperature, self._noise)
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, float | None, list[tuple[int, float]]]:
         """Raises `ConstraintError` when the request's grammar parser fails (it ran out of its per-token fuel), and
@@ -255,13 +286,24 @@ class Sampler:
         if p.is_greedy:
             token = argmax(drawn)
         else:
-            token = draw(torch.softmax(processed_logits(drawn, p), dim=-1), self.generator)
+            token = race(processed_logits(drawn, p), self._take_noise(logits.numel()))
         self._advance(token)
         return report(logits, token, p)
 
+    def _take_noise(self, n: int) -> np.ndarray:
+        """The noise of the token drawn now: `head_request`'s, or n values drawn here."""
+        self._vocab = n
+        noise, self._noise = self._noise, None
+        if noise is None:
+            return gumbel(n, self.generator)
+        if noise.shape[0] != n:
+            raise ValueError(f"{n} logits for a token whose noise has {noise.shape[0]} values")
+        return noise
+
     def forced(self, logits: torch.Tensor, token: int) -> tuple[int, float | None, list[tuple[int, float]]]:
-        """`token` put in place of a draw (a thinking budget's `</think>`): no random number is drawn; the grammar,
-        if any, advances over it as over a sampled token, and the penalties count it."""
+        """`token` put in place of a draw (a thinking budget's `</think>`): no random number is drawn (noise that
+        `head_request` drew stays for the next token, which would have drawn it); the grammar, if any, advances over
+        it as over a sampled token, and the penalties count it."""
         self._advance(token)
         return report(logits, token, self.params)
 
@@ -272,12 +314,18 @@ class Sampler:
             self.adjust.observe(token)
 
 
-def argmax_only(params: SamplingParams) -> bool:
-    """A request whose tokens come from the logits' argmax alone and that reports no logprob: greedy, no `logprobs`,
-    nothing that adjusts the logits (bias, penalties), no grammar. Its decode steps may screen the LM head
-    (`fastar.model.head_screen`), whose logits are exact only where they can hold the argmax; its chunks carry no
-    logprob (None), on every path alike."""
-    return params.is_greedy and params.logprobs is None and not params.adjusts_logits and params.grammar is None
+def screenable(params: SamplingParams) -> bool:
+    """A request whose tokens come from the logits' argmax, or a race over the logits at a temperature alone
+    (`SamplingParams.temperature_only`), and that reports no logprob: no `logprobs`, nothing that adjusts the logits
+    (bias, penalties), no grammar. Its decode steps may screen the LM head (`fastar.model.head_screen`), whose
+    logits are exact only where they can hold the argmax or win the race; its chunks carry no logprob (None), on
+    every path alike."""
+    return (
+        (params.is_greedy or params.temperature_only)
+        and params.logprobs is None
+        and not params.adjusts_logits
+        and params.grammar is None
+    )
 
 
 def report(
@@ -285,8 +333,8 @@ def report(
 ) -> tuple[int, float | None, list[tuple[int, float]]]:
     """(token, its logprob, the top `params.logprobs` (id, logprob)) from one position's raw logits [V]: the model's
     own distribution, whatever chose the token (a `Sampler`, or speculative sampling's acceptance). No logprob
-    (None) for an `argmax_only` request: its logits may be screened."""
-    if argmax_only(params):
+    (None) for a `screenable` request: its logits may be screened."""
+    if screenable(params):
         return token, None, []
     logp = torch.log_softmax(logits.reshape(-1).float().cpu(), dim=-1)
     top: list[tuple[int, float]] = []

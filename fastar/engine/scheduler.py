@@ -531,7 +531,7 @@ class Scheduler:
         stats = self.engine.counters
         t = time.perf_counter()
         logits = self.model.forward_rows(
-            [r.pending for r in group], [r.state for r in group], [r.sampler.argmax_only for r in group]
+            [r.pending for r in group], [r.state for r in group], [r.sampler.head_request() for r in group]
         )
         stats.decode_seconds += time.perf_counter() - t
         stats.decode_tokens_computed += len(group)

@@ -24,16 +24,27 @@ the whole head and the second only for the rows the first leaves open, in the sa
 row is kept where both bounds reach the largest lower bound of either (the same rows whichever the threads computed
 first). The argmax and every logit computed are the same; fewer rows may be computed than with `head_i8_select`.
 
+A sampled row (temperature alone) is screened the same way (`Race`): its token is the argmax over i of the race
+score fl64(fl32(l_i / t) + g_i), g_i the sampler's Gumbel noise drawn before the step (`fastar.engine.draw`). The
+score is monotone in l_i, and t times it lies within l_i + o_i +- e_i, o_i = fl32(t g_i), e_i ~ 2^-24 (|l_i| +
+|o_i|): every bound above shifted by the row's own o_i, its widening by (|estimate| + |o_i|) 1e-6, bounds t times
+the score, so a row whose shifted upper bound is below the largest shifted lower bound cannot win the race. The
+kernels take the offsets o [T, V] (zero for greedy rows: the same bits as none); the rows kept are exact, so the
+race over the screened logits (-inf elsewhere) gives the full head's token, ties included (the first index: every
+row tied with the winner is kept).
+
 Owns: the int8 copy (built once from the BF16 rows), the screen of a step's rows, and the logits it returns:
-exact at the rows it computed (every row that can be the argmax), -inf elsewhere. Rows whose y is not finite, or
-so large that a logit could overflow, take the full head.
-Does not own: when a step may be screened (the sampler's contract, `fastar.engine.sampling.Sampler.argmax_only`),
-the BF16 head product itself (`fastar.quant.linear.Linear`), the int8 kernels (`fastar.quant.kernels`).
+exact at the rows it computed (every row that can be the argmax, or win the race), -inf elsewhere. Rows whose y is
+not finite, or so large that a logit could overflow, take the full head.
+Does not own: when a step may be screened (the sampler's contract, `fastar.engine.sampling.Sampler.head_request`),
+the noise (`fastar.engine.draw.gumbel`), the BF16 head product itself (`fastar.quant.linear.Linear`), the int8
+kernels (`fastar.quant.kernels`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,6 +56,29 @@ from . import ops
 U = 2.0**-24  # float32 unit roundoff
 MARGIN = 1e-6  # relative widening of the float64 bound (its own rounding is ~1e-15)
 HUGE = 1e30  # |y| |W_i| beyond this could overflow a float32 logit: the full head
+# The smallest temperature a race is screened at: with |logit| <= HUGE, logit / t stays finite in float32 (the
+# sampler's smaller temperatures fall back to the argmax when the division overflows, which needs every logit)
+MIN_RACE_TEMPERATURE = 1e-3
+
+
+@dataclass(frozen=True, eq=False)
+class Race:
+    """A decode row whose token is the argmax over i of fl64(fl32(logit_i / temperature) + noise[i]) (a sampled token
+    at `temperature` alone, `fastar.engine.draw.race`), which the screen may compute from the rows that can win
+    (module docstring). noise: float64 [V], finite."""
+
+    temperature: float
+    noise: np.ndarray
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= MIN_RACE_TEMPERATURE):
+            raise ValueError(f"a screened race needs a temperature >= {MIN_RACE_TEMPERATURE}, not {self.temperature}")
+        if self.noise.dtype != np.float64 or self.noise.ndim != 1:
+            raise ValueError(f"a race's noise is float64 [V], not {self.noise.dtype} {list(self.noise.shape)}")
+
+    def offsets(self) -> np.ndarray:
+        """o = fl32(temperature * noise) [V]: the shift of each head row's bounds (module docstring)."""
+        return (self.temperature * self.noise).astype(np.float32)
 
 
 class HeadScreen:
@@ -109,13 +143,24 @@ class HeadScreen:
         before the candidate rows it computes exactly (2 K bytes each)."""
         return self.q.nbytes - self.head.nbytes
 
-    def logits(self, y: torch.Tensor) -> torch.Tensor:
+    def logits(self, y: torch.Tensor, races: list[Race | None] | None = None) -> torch.Tensor:
         """y [T, K] float32 (the head's input rows) -> logits [T, V] float32: the full head's values at every row
-        that can hold a row's largest logit (and at the other rows' candidates), -inf elsewhere."""
+        that can hold a row's largest logit, or win its race where races[t] is one (and at the other rows'
+        candidates), -inf elsewhere. races: per row a `Race` or None (the argmax); None: every row's argmax."""
         yn = ops.buffer_array(y)  # a decode step's registered rows (`hc_chain`): the array itself, no conversion
         if yn is None:
             yn = y.detach().contiguous().float().numpy()
         T = yn.shape[0]
+        off = None
+        if races is not None and any(r is not None for r in races):
+            if len(races) != T:
+                raise ValueError(f"{len(races)} races for {T} rows")
+            off = np.zeros((T, self.V), np.float32)  # greedy rows: offsets 0, the same bits as none
+            for t, r in enumerate(races):
+                if r is not None:
+                    if r.noise.shape != (self.V,):
+                        raise ValueError(f"a race's noise has {r.noise.shape[0]} entries, the head {self.V} rows")
+                    off[t] = r.offsets()
         if T not in self._terms:
             self._terms[T] = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float32), np.empty((T, 5))
         x, sx, stats = self._terms[T]
@@ -123,7 +168,7 @@ class HeadScreen:
         st = stats.tolist()  # [|dy|, |x|, |y|, and the first term's alone |dy|, |x|] per row: T is at most 8
         plain = [not (math.isfinite(ny) and ny != 0 and ny * self.wmax <= HUGE) for _, _, ny, _, _ in st]
         if not any(plain):  # the candidates' exact logits into an -inf-filled output, one call (`_exact`'s bits)
-            rows = self._candidates(x, sx, st, copy=False)  # a view of the scratch, used before the next screen
+            rows = self._candidates(x, sx, st, off, copy=False)  # a view of the scratch, used before the next screen
             out = np.empty((T, self.V), np.float32)
             self.exact_rows += len(rows)
             self.k.extension.head_i8_exact(self._w, rows, yn, out)
@@ -132,17 +177,20 @@ class HeadScreen:
         screened = [t for t in range(T) if not plain[t]]
         if screened:  # the screened rows' terms alone (rows t and T + t of x for each)
             idx = screened + [T + t for t in screened]
-            rows = self._candidates(x[idx], sx[idx], [st[t] for t in screened])
+            rows = self._candidates(x[idx], sx[idx], [st[t] for t in screened], None if off is None else off[screened])
             out[np.ix_(screened, rows)] = self._exact(np.ascontiguousarray(yn[screened]), rows)
         full = [t for t in range(T) if plain[t]]
         out[full] = self.head(torch.from_numpy(np.ascontiguousarray(yn[full]))).numpy()
         return torch.from_numpy(out)
 
-    def _candidates(self, x: np.ndarray, sx: np.ndarray, st: list[list[float]], copy: bool = True) -> np.ndarray:
-        """The sorted union over the screened rows (their int8 terms x [2T, K] with scales sx, and per row `logits`'s
-        stats) of the head rows that can hold that row's largest logit (`copy` False: a view of the scratch that the
-        next screen overwrites). From ONE_TERM_ROWS rows, `head_i8_screen`'s one pass; below, `head_i8_dot` of both
-        terms and `head_i8_select` (the same bounds, each row taking both terms)."""
+    def _candidates(
+        self, x: np.ndarray, sx: np.ndarray, st: list[list[float]], off: np.ndarray | None, copy: bool = True
+    ) -> np.ndarray:
+        """The sorted union over the screened rows (their int8 terms x [2T, K] with scales sx, per row `logits`'s
+        stats, and the races' offsets off [T, V] or None) of the head rows that can hold that row's largest logit or
+        win its race (`copy` False: a view of the scratch that the next screen overwrites). From ONE_TERM_ROWS
+        rows, `head_i8_screen`'s one pass; below, `head_i8_dot` of both terms and `head_i8_select` (the same bounds,
+        each row taking both terms)."""
         T = len(st)
         # float64 arithmetic as numpy's on the same values, then rounded to float32: c1 = (|dy| + gamma |y|) (1 +
         # MARGIN), c2 = |x| (1 + MARGIN), for both terms and (`head_i8_screen`) for the first alone
@@ -170,6 +218,7 @@ class HeadScreen:
                 self._ub[:T],
                 self._keep,
                 self._rows,
+                off,
             )
         else:
             if self._dots.shape[0] < 2 * T:
@@ -187,6 +236,7 @@ class HeadScreen:
                 MARGIN,
                 self._keep,
                 self._rows,
+                off,
             )
         return self._rows[:n].copy() if copy else self._rows[:n]
 

@@ -327,8 +327,11 @@ class OpenAIRoutes:
                 # the text is only needed to echo the prompt
                 texts.append(await self.admission.off_loop(engine.tokenizer.decode, prompts[-1]) if req.echo else "")
         k = req.best_of  # generated per prompt; the best req.n of them are returned
+        sampling = req.sampling
+        if k > req.n and sampling.get("logprobs") is None:  # ranked by their logprobs: computed, not shown
+            sampling = {**sampling, "logprobs": 0}
         jobs, limits, shared = self._submit(
-            engine, prompts, req.sampling, req.max_tokens, "prompt", k, openai_request.COMPLETION_DEFAULT_MAX_TOKENS
+            engine, prompts, sampling, req.max_tokens, "prompt", k, openai_request.COMPLETION_DEFAULT_MAX_TOKENS
         )
         prefixes = [texts[j // k] if req.echo else "" for j in range(len(jobs))]
         turns = [choice_turn.CompletionTurn(req, engine.tokenizer, len(prefix)) for prefix in prefixes]

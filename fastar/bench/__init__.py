@@ -81,8 +81,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "--temperature",
         type=float,
         default=0.0,
-        help="model: sample the timed decode at this temperature (0, the default: greedy; the ceiling then counts "
-        "the full LM head a sampled step reads)",
+        help="model: sample the timed decode at this temperature (0, the default: greedy). At a temperature alone "
+        "the steps screen the LM head for the rows that can win the draw, as greedy ones do; with --top-p below 1 "
+        "they read the full head, and the ceiling counts it",
     )
     b.add_argument("--top-p", type=float, default=1.0, help="model: with --temperature, the nucleus to sample from")
     b.add_argument(

@@ -135,8 +135,9 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
         "--head-screen",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep the LM head also as int8 so greedy decode steps compute exactly only the logits that can be "
-        "the argmax (default: on; +0.5 GB on Flash, from the auto RAM budget)",
+        help="keep the LM head also as int8 so greedy decode steps (and those sampled at a temperature alone) compute "
+        "exactly only the logits that can be the argmax or win the draw (default: on; +0.5 GB on Flash, from the "
+        "auto RAM budget)",
     )
     p.add_argument(
         "--no-verify",

@@ -912,7 +912,8 @@ class DeepseekV4:
         backend: a `fastar.model.device.DeviceBackend` to run on a torch device (build with its `build_model`);
             None: the CPU with the C kernels. Logits come back on the host either way.
         head_screen: keep the LM head also as int8 (`fastar.model.head_screen`) so that decode rows asked for
-            their argmax only (`argmax_only`) compute the exact logits of the rows that can hold it and no others
+            their argmax only (`argmax_only`: True, or a sampled row's `Race`) compute the exact logits of the rows
+            that can hold it (win the race) and no others
             (the C kernels on the CPU only; +0.5 GB on Flash).
     """
 

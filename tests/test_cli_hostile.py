@@ -604,3 +604,14 @@ def test_serve_says_what_run_says_of_a_file_that_is_no_model(tiny_fst_path, tmp_
             assert r.stderr.splitlines()[-1] == said, r.stderr
         else:
             assert one_line_error(r, 1) == said
+
+
+def test_bench_plot_that_cannot_be_written_is_refused_before_the_benchmark(tiny_fst_path, tmp_path):
+    """`bench --plot` into a folder that does not exist (or naming a folder) ran the whole benchmark, then failed
+    saving the PNG, before the table was printed: minutes of numbers lost. Refused first, one line, nothing run."""
+    for plot, words in (
+        (tmp_path / "missing" / "curve.png", f"no such directory {tmp_path / 'missing'}"),
+        (tmp_path, "it is a directory"),
+    ):
+        r = _cli("bench", "-m", tiny_fst_path, "--prompt-tokens", "2", "--decode-tokens", "1", "--plot", plot)
+        assert f"--plot {plot}: {words}" in one_line_error(r, 1) and r.stdout == ""

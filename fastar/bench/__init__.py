@@ -13,7 +13,9 @@ How to measure honestly: docs/PERFORMANCE.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 
 from .. import console
 from ..config import int_flag
@@ -139,6 +141,21 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_plot_target(plot: str) -> None:
+    """The PNG is written after the whole benchmark (and before its table is printed): a name that cannot be
+    written, or no matplotlib, is said now, not after minutes of work whose numbers would then be lost."""
+    path = os.path.expanduser(plot)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise FastarError(f"--plot {plot}: it is a directory; give a file name for the PNG")
+    if not os.path.isdir(folder):
+        raise FastarError(f"--plot {plot}: no such directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise FastarError(f"--plot {plot}: the directory {folder} is not writable")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise FastarError("--plot needs matplotlib: pip install 'fastar[plot]' (or matplotlib)")
+
+
 def main(a: argparse.Namespace) -> int:
     """Run the benchmark `a.what` names with the parsed arguments."""
     if a.what == "draft":
@@ -178,6 +195,7 @@ def main(a: argparse.Namespace) -> int:
             for i, f in enumerate(model_files(path))
         ]
         refuse_inputs_as_output(a.plot, inputs, "--plot")
+        _check_plot_target(a.plot)
     if a.profile:
         from . import profile
 

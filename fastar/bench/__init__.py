@@ -144,9 +144,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
 def _check_plot_target(plot: str) -> None:
     """The PNG is written after the whole benchmark (and before its table is printed): a name that cannot be
     written, or no matplotlib, is said now, not after minutes of work whose numbers would then be lost."""
-    path = os.path.expanduser(plot)
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+    folder = os.path.dirname(os.path.abspath(plot))
+    if os.path.isdir(plot):
         raise FastarError(f"--plot {plot}: it is a directory; give a file name for the PNG")
     if not os.path.isdir(folder):
         raise FastarError(f"--plot {plot}: no such directory {folder}")
@@ -185,6 +184,7 @@ def main(a: argparse.Namespace) -> int:
     if not a.model:
         raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
     if getattr(a, "plot", None):  # written after minutes of benchmark: never over what it reads
+        a.plot = os.path.expanduser(a.plot)  # (written where it is checked: `~/curve.png` quoted is the home's)
         from ..engine.outputs import model_files, refuse_inputs_as_output
 
         sources = {"-m": a.model, "--compare": a.compare, "--reference": a.reference}

@@ -98,6 +98,7 @@ def test_screenable_requests_report_no_logprob():
         SamplingParams(temperature=0.7, top_k=40),
         SamplingParams(temperature=0.7, min_p=0.1),
         SamplingParams(temperature=1e-4),  # below MIN_RACE_TEMPERATURE
+        SamplingParams(temperature=1e38),  # above MAX_RACE_TEMPERATURE: t g would overflow the offsets
         SamplingParams(logit_bias={1: 2.0}),
     ):
         assert not screenable(p)
@@ -407,8 +408,9 @@ def test_screened_races_draw_the_full_heads_tokens(T):
             assert race_token(got[-1], races[-1]) == min(a, b)
     with pytest.raises(ValueError, match="noise has 5 entries"):
         screen.logits(torch.from_numpy(y), [Race(1.0, np.zeros(5))] * T)
-    with pytest.raises(ValueError, match=r"temperature >= 0\.001"):
-        Race(1e-4, np.zeros(5))
+    for t in (1e-4, 1e38, float("nan")):
+        with pytest.raises(ValueError, match=r"temperature in \[0\.001, 1e\+06\]"):
+            Race(t, np.zeros(5))
 
 
 def test_sampled_tokens_are_the_full_heads(engines):
@@ -421,13 +423,14 @@ def test_sampled_tokens_are_the_full_heads(engines):
         SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=1.5, seed=4, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1e30, seed=5, max_tokens=12, ignore_eos=True),  # not screened: every logit
     ):
         before = on.model.screen.exact_rows
         a, b = list(on.stream(ids, p)), list(off.stream(ids, p))
         assert [c.token for c in a] == [c.token for c in b]
         assert len({c.token for c in a}) > 3  # sampled, not a repeated token
         screened = on.model.screen.exact_rows - before
-        if p.top_p == 1.0:
+        if screenable(p):
             assert 0 < screened < 23 * on.config.vocab_size / 2 and all(c.logprob is None for c in a + b)
         else:
             assert screened == 0 and all(c.logprob is not None for c in a)

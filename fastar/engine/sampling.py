@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import FastarError
-from ..model.head_screen import MIN_RACE_TEMPERATURE, Race
+from ..model.head_screen import MAX_RACE_TEMPERATURE, MIN_RACE_TEMPERATURE, Race
 from .constraint import CompiledGrammar
 from .draw import gumbel, race
 from .logit_adjust import LogitAdjust
@@ -153,7 +153,7 @@ class SamplingParams:
         token's race score depends on its own logit alone (`Sampler.head_request`)."""
         return (
             not self.is_greedy
-            and self.temperature >= MIN_RACE_TEMPERATURE
+            and MIN_RACE_TEMPERATURE <= self.temperature <= MAX_RACE_TEMPERATURE
             and self.top_k == 0
             and self.top_p >= 1.0
             and self.min_p == 0.0

@@ -56,9 +56,12 @@ from . import ops
 U = 2.0**-24  # float32 unit roundoff
 MARGIN = 1e-6  # relative widening of the float64 bound (its own rounding is ~1e-15)
 HUGE = 1e30  # |y| |W_i| beyond this could overflow a float32 logit: the full head
-# The smallest temperature a race is screened at: with |logit| <= HUGE, logit / t stays finite in float32 (the
-# sampler's smaller temperatures fall back to the argmax when the division overflows, which needs every logit)
+# The temperatures a race is screened at: from the smallest, with |logit| <= HUGE logit / t stays finite in float32
+# (the sampler's smaller temperatures fall back to the argmax when the division overflows, which needs every logit);
+# to the largest, t times the noise (at most ~37.4) stays far inside float32's range (1e38 would overflow the
+# offsets, and NaN bounds keep no row)
 MIN_RACE_TEMPERATURE = 1e-3
+MAX_RACE_TEMPERATURE = 1e6
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,8 +74,11 @@ class Race:
     noise: np.ndarray
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= MIN_RACE_TEMPERATURE):
-            raise ValueError(f"a screened race needs a temperature >= {MIN_RACE_TEMPERATURE}, not {self.temperature}")
+        if not MIN_RACE_TEMPERATURE <= self.temperature <= MAX_RACE_TEMPERATURE:
+            raise ValueError(
+                f"a screened race needs a temperature in [{MIN_RACE_TEMPERATURE}, {MAX_RACE_TEMPERATURE:g}], "
+                f"not {self.temperature}"
+            )
         if self.noise.dtype != np.float64 or self.noise.ndim != 1:
             raise ValueError(f"a race's noise is float64 [V], not {self.noise.dtype} {list(self.noise.shape)}")
 

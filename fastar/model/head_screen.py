@@ -58,8 +58,8 @@ MARGIN = 1e-6  # relative widening of the float64 bound (its own rounding is ~1e
 HUGE = 1e30  # |y| |W_i| beyond this could overflow a float32 logit: the full head
 # The temperatures a race is screened at: from the smallest, with |logit| <= HUGE logit / t stays finite in float32
 # (the sampler's smaller temperatures fall back to the argmax when the division overflows, which needs every logit);
-# to the largest, t times the noise (at most ~37.4) stays far inside float32's range (1e38 would overflow the
-# offsets, and NaN bounds keep no row)
+# to the largest, t times the noise (at most ~37.4) stays far inside float32's range (at 1e38 the offsets overflow to
+# +-inf, outside the bounds' error analysis)
 MIN_RACE_TEMPERATURE = 1e-3
 MAX_RACE_TEMPERATURE = 1e6
 

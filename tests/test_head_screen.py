@@ -459,6 +459,20 @@ def test_sampled_tokens_are_the_full_heads(engines):
         assert bool(torch.isfinite(got).all()) == (False in flags)  # screened unless a row needs every logit
 
 
+def test_generate_tokens_samples_as_stream_does(engines):
+    """`Engine.generate_tokens` draws with a `Sampler` and screens its steps as `stream` does: for a temperature and a
+    seed the same tokens as `stream`, with the screen and without."""
+    on, off = engines
+    ids = [9, 8, 7, 6]
+    for temperature in (0.0, 0.7):
+        p = SamplingParams(temperature=temperature, seed=11, max_tokens=16, ignore_eos=True)
+        want = [c.token for c in off.stream(ids, p) if c.token is not None]
+        before = on.model.screen.exact_rows
+        for eng in (on, off):
+            assert eng.generate_tokens(ids, 16, temperature=temperature, seed=11, ignore_eos=True) == want
+        assert on.model.screen.exact_rows > before  # its steps were screened
+
+
 def test_a_sampler_draws_the_same_tokens_whether_or_not_its_steps_ask_early():
     """`head_request` draws the next token's noise before its logits, from the generator where the token would have
     drawn it: the same tokens with and without, through a forced token (which draws nothing) too."""

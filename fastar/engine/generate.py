@@ -22,11 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
-import torch
-
 from ..encoding import ChatPrompt, EncodingError, StreamParser, encode_messages
-from .draw import draw
-from .sampling import Sampler, SamplingParams, argmax
+from .sampling import Sampler, SamplingParams
 from .session import Runner, Session
 from .stops import StopStrings
 from .thinking_budget import ThinkingBudget, next_token
@@ -219,22 +216,20 @@ def generate_token_ids(
     ignore_eos: bool = False,
 ) -> list[int]:
     """Greedy (temperature 0) or sampled continuation of `prompt_ids` from a fresh state; stops after `max_tokens`
-    or at EOS (included in the output) unless `ignore_eos`."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    or at EOS (included in the output) unless `ignore_eos`. The tokens are a `Sampler`'s, as `stream_generate`'s
+    with the same temperature and seed, and the steps ask the model for what it needs (`Sampler.head_request`)."""
+    sampler = Sampler(SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))
     state = runner.new_state()
     out: list[int] = []
     if max_tokens <= 0:
         return out
     logits = runner.prefill(list(prompt_ids), state)[-1]  # [V]
     while True:
-        if temperature == 0:
-            tok = argmax(logits)
-        else:
-            tok = draw(torch.softmax(logits.float() / temperature, dim=-1), gen)  # [V]
+        tok = sampler(logits)[0]
         out.append(tok)
         if len(out) >= max_tokens or (tok == eos_token_id and not ignore_eos):
             return out
-        logits = runner.prefill([tok], state, argmax_only=temperature == 0)[-1]
+        logits = runner.prefill([tok], state, argmax_only=sampler.head_request())[-1]
 
 
 def generate_text(chunks: Iterator[GenerationChunk]) -> str:

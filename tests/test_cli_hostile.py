@@ -616,3 +616,19 @@ def test_bench_plot_that_cannot_be_written_is_refused_before_the_benchmark(tiny_
     ):
         r = _cli("bench", "-m", tiny_fst_path, "--prompt-tokens", "2", "--decode-tokens", "1", "--plot", plot)
         assert f"--plot {plot}: {words}" in one_line_error(r, 1) and r.stdout == ""
+
+
+def test_a_file_of_another_format_is_named_for_what_it_is(tiny_ckpt, tmp_path):
+    """`-m` a shard or the config.json of the official checkpoint, or a GGUF file, said only "not a .fst file (bad
+    magic)". The line now says what the file is and what to give instead, from run and from serve alike."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(4096))
+    shard = next(tiny_ckpt.glob("*.safetensors"))
+    for path, words in (
+        (shard, "a safetensors file; give the checkpoint folder it belongs to"),
+        (tiny_ckpt / "config.json", "a JSON file; give the checkpoint folder it belongs to"),
+        (gguf, "a GGUF file; fastar runs .fst files"),
+    ):
+        said = one_line_error(_cli("run", "-m", path, "-p", "hi"), 1)
+        assert f"{path}: not a .fst file (bad magic): {words}" in said, said
+        assert one_line_error(_cli("serve", "-m", path, "--port", "0", "--no-prompt-cache"), 1) == said

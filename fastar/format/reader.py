@@ -28,13 +28,25 @@ def _fail(path, msg: str) -> FormatError:
     return FormatError(f"{path}: {msg}")
 
 
+def _what_it_is(head: bytes) -> str:
+    """A hint naming the format a file that is no .fst starts like, for the files a user is likely to give instead:
+    a shard or the config of the official checkpoint (give its folder), or a GGUF file."""
+    if head.startswith(b"GGUF"):
+        return ": a GGUF file; fastar runs .fst files (`fastar convert` makes one from the official checkpoint)"
+    if len(head) > 8 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") < 1 << 30:
+        return ": a safetensors file; give the checkpoint folder it belongs to (or `fastar convert` that folder)"
+    if head.lstrip()[:1] == b"{":
+        return ": a JSON file; give the checkpoint folder it belongs to (or `fastar convert` that folder)"
+    return ""
+
+
 def read_preamble(path: str | os.PathLike, f) -> tuple[int, int, int, int, int]:
     raw = f.read(spec.PREAMBLE_SIZE)
     if len(raw) < spec.PREAMBLE_SIZE:
         raise _fail(path, f"file is {len(raw)} bytes, too short for a .fst preamble")
     magic, version, hlen, hsum, data_offset, file_size = struct.unpack(spec.PREAMBLE_FMT, raw)
     if magic != spec.MAGIC:
-        raise _fail(path, "not a .fst file (bad magic)")
+        raise _fail(path, f"not a .fst file (bad magic){_what_it_is(raw)}")
     return version, hlen, hsum, data_offset, file_size
 
 

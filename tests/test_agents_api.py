@@ -1215,3 +1215,18 @@ def test_responses_function_calls_and_outputs_need_their_call_id(backend):
             R.input_messages(items)
         assert (err.value.status, err.value.param) == (400, "input") and f"input[{at}]: a " in err.value.message
         assert "non-empty string 'call_id'" in err.value.message
+
+
+def test_responses_tool_parameters_and_description_are_checked_as_on_the_other_apis(backend):
+    """A Responses function tool whose `parameters` is not an object (or whose `description` is not a string) was
+    put in the prompt as it came (`5`, a list), where chat completions and Messages refuse it. A 400 now."""
+    for tool, words in (
+        ({"type": "function", "name": "f", "parameters": 5}, "tools[0].parameters must be a JSON Schema object"),
+        ({"type": "function", "name": "f", "parameters": ["x"]}, "tools[0].parameters must be a JSON Schema object"),
+        ({"type": "function", "name": "f", "description": {"a": 1}}, "tools[0].description must be a string"),
+    ):
+        with pytest.raises(APIError) as err:
+            R.parse_request({"input": "hi", "tools": [tool]}, backend, R.ResponseStore())
+        assert (err.value.status, err.value.param) == (400, "tools") and words in err.value.message
+    ok = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}
+    R.parse_request({"input": "hi", "tools": [ok]}, backend, R.ResponseStore())

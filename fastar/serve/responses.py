@@ -233,10 +233,15 @@ def _tools(body: dict) -> list[dict] | None:
             raise bad_request(f"tools[{j}]: only function tools with a 'name' are supported", "tools")
         if '"' in tool["name"]:  # the model writes the name in a DSML attribute: such a tool could never be called
             raise bad_request(f"tools[{j}].name must not hold '\"' (the model writes it in a DSML attribute)", "tools")
+        schema, description = tool.get("parameters"), tool.get("description")
+        if schema is not None and not isinstance(schema, dict):  # as chat completions and Messages refuse it
+            raise bad_request(f"tools[{j}].parameters must be a JSON Schema object", "tools")
+        if description is not None and not isinstance(description, str):
+            raise bad_request(f"tools[{j}].description must be a string", "tools")
         fn: dict[str, Any] = {"name": tool["name"]}
-        if tool.get("description"):
-            fn["description"] = tool["description"]
-        fn["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
+        if description:
+            fn["description"] = description
+        fn["parameters"] = schema or {"type": "object", "properties": {}}
         out.append(fn)
     return None if body.get("tool_choice") == "none" else out
 

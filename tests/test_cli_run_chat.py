@@ -573,3 +573,22 @@ def test_a_new_chat_resumes_from_the_prompt_cache(vocab_ckpt: Path, tmp_path: Pa
     # the conversation resent with a third message: everything up to the second reply comes from the cache
     third, more = chat(["Hello there.", "And then?", "Why?"])
     assert more[:2] == [1, 1] and 0 < more[2] < prompt_len
+
+
+def test_run_prints_no_text_for_the_special_tokens_the_model_writes(demo_cache: Path) -> None:
+    """The demo model's greedy reply to this prompt starts with a placeholder token, one tokenizer.json marks
+    special: `run` printed its text (`<｜place▁holder▁no▁...｜>`). It gives none now, as the HTTP routes' default."""
+    from fastar.encoding import encode_messages
+    from fastar.engine.engine import load
+    from fastar.engine.sampling import SamplingParams
+
+    model = demo_cache / demo.DEMO_NAME
+    engine = load(model)
+    prompt = engine.tokenizer.encode(encode_messages([{"role": "user", "content": "Name three colours."}], "chat"))
+    ids = [c.token for c in engine.stream(prompt, SamplingParams(max_tokens=8)) if c.token is not None]
+    special = [i for i in ids if engine.tokenizer.is_special(i)]
+    assert special, ids  # the case this test is about
+    r = fastar("run", "-m", str(model), "-p", "Name three colours.", "-n", "8", "--no-thinking")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert all(engine.tokenizer.decode([i]) not in r.stdout for i in special)

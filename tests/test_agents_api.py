@@ -1230,3 +1230,14 @@ def test_responses_tool_parameters_and_description_are_checked_as_on_the_other_a
         assert (err.value.status, err.value.param) == (400, "tools") and words in err.value.message
     ok = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}
     R.parse_request({"input": "hi", "tools": [ok]}, backend, R.ResponseStore())
+
+
+def test_responses_metadata_is_string_pairs_or_a_400(backend):
+    """`metadata` is echoed in the response object, which clients type as string -> string: `"x"` or `{"a": 5}` was
+    echoed as it came. A 400 naming `metadata` now, as are more pairs or longer strings than OpenAI allows."""
+    for metadata in ("x", ["a"], {"a": 5}, {f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}):
+        with pytest.raises(APIError) as err:
+            R.parse_request({"input": "hi", "metadata": metadata}, backend, R.ResponseStore())
+        assert (err.value.status, err.value.param) == (400, "metadata")
+    out = R.create({"input": "hi", "max_output_tokens": 2, "metadata": {"run": "7"}}, backend, R.ResponseStore())
+    assert out["metadata"] == {"run": "7"}

@@ -200,6 +200,23 @@ def _call_id(item: dict, where: str) -> str:
     return call_id
 
 
+MAX_METADATA = 16  # OpenAI's limits on `metadata`: 16 pairs, keys of 64 characters, values of 512
+
+
+def _check_metadata(metadata: Any) -> None:
+    """`metadata` is echoed in the response object, which clients read as string -> string: anything else (or more
+    than OpenAI allows) is a 400, not echoed as it came."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad_request("'metadata' must be an object of string keys and string values", "metadata")
+    if len(metadata) > MAX_METADATA or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        raise bad_request(
+            f"'metadata' holds at most {MAX_METADATA} pairs, keys of at most 64 characters and values of at most 512",
+            "metadata",
+        )
+
+
 def _referenced(ref: dict, where: str, store: ResponseStore | None) -> dict:
     """The stored output item an `item_reference` names, or a 400 naming the item."""
     iid = ref.get("id")
@@ -339,6 +356,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
             '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", "name": ...}', "tool_choice"
         )
     parallel = fields.boolean(body, "parallel_tool_calls", True)
+    _check_metadata(body.get("metadata"))
     sampling["grammar"] = grammar_fields.output_grammar(
         thinking, tools, choice, parallel, response_format, "text.format"
     )

@@ -632,3 +632,18 @@ def test_a_file_of_another_format_is_named_for_what_it_is(tiny_ckpt, tmp_path):
         said = one_line_error(_cli("run", "-m", path, "-p", "hi"), 1)
         assert f"{path}: not a .fst file (bad magic): {words}" in said, said
         assert one_line_error(_cli("serve", "-m", path, "--port", "0", "--no-prompt-cache"), 1) == said
+
+
+def test_serve_on_a_port_it_cannot_take_says_why_in_one_plain_line(tiny_fst_path):
+    """`serve --port P` with P taken (or --host a name that does not resolve) said "... (while attempting to bind on
+    address ('127.0.0.1', P))": Python's tuple in the line. The reason alone now, after the address."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _cli("serve", "-m", tiny_fst_path, "--port", port, "--no-prompt-cache")
+        assert one_line_error(r, 1) == f"fastar: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    line = one_line_error(_cli("serve", "-m", tiny_fst_path, "--host", "999.1.1.1", "--no-prompt-cache"), 1)
+    assert line.startswith("fastar: error: cannot listen on 999.1.1.1:") and "while attempting" not in line, line

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import socket
 import threading
 import time
@@ -347,8 +348,9 @@ def serve(
     )
     try:
         server.start()
-    except OSError as err:
-        raise FastarError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    except OSError as err:  # socket.create_server appends "(while attempting to bind on address ('h', p))"
+        reason = re.sub(r" \(while attempting to bind on address .*\)$", "", str(err.strerror or err))
+        raise FastarError(f"cannot listen on {host}:{port}: {reason}") from None
     log.info("serving '%s' at %s (web UI at /, API at /v1); loading the model...", served_model_name, server.url)
     log.info("prompt cache: %s", f"{prompt_cache} (up to {prompt_cache_size})" if prompt_cache else "off")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:

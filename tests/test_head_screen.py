@@ -88,14 +88,20 @@ def test_non_finite_weights_and_rows_the_screen_cannot_bound():
 
 def test_screenable_requests_report_no_logprob():
     logits = torch.randn(50)
-    for p in (SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=1)):
+    for p in (
+        SamplingParams(),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=1),
+        SamplingParams(temperature=0.7, top_k=40),
+    ):
         assert screenable(p)
         assert report(logits, 3, p) == (3, None, [])
     for p in (
         SamplingParams(logprobs=0),
         SamplingParams(temperature=0.7, logprobs=0),
         SamplingParams(temperature=0.7, top_p=0.9),
-        SamplingParams(temperature=0.7, top_k=40),
+        SamplingParams(temperature=0.7, top_k=4000),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.9),
         SamplingParams(temperature=0.7, min_p=0.1),
         SamplingParams(temperature=1e-4),  # below MIN_RACE_TEMPERATURE
         SamplingParams(temperature=1e38),  # above MAX_RACE_TEMPERATURE: t g would overflow the offsets
@@ -314,8 +320,9 @@ def test_head_i8_exact_equals_gather_matmul_scatter(isa):
 
 
 def race_token(logits: np.ndarray, race_: Race) -> int:
-    """A sampler's token for logits [V] (float32) and a race: its temperature's processed logits, then the race."""
-    p = SamplingParams(temperature=race_.temperature)
+    """A sampler's token for logits [V] (float32) and a race: its temperature's (and top-k's) processed logits, then
+    the race."""
+    p = SamplingParams(temperature=race_.temperature, top_k=race_.top_k)
     return race(processed_logits(torch.from_numpy(logits), p), race_.noise)
 
 
@@ -408,6 +415,46 @@ def test_screened_races_draw_the_full_heads_tokens(T):
             assert race_token(got[-1], races[-1]) == min(a, b)
     with pytest.raises(ValueError, match="noise has 5 entries"):
         screen.logits(torch.from_numpy(y), [Race(1.0, np.zeros(5))] * T)
+    with pytest.raises(ValueError, match=r"top_k in \[0, 1024\]"):
+        Race(1.0, np.zeros(5), 1025)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_screened_top_k_races_draw_the_full_heads_tokens(T):
+    """Races among the top k (alone, beside races without it and greedy rows): the k-th largest logit and every row
+    the top-k keeps are exact in the screened logits, so the token is the full head's; with logits crowded at the
+    k-th (rows of the k-th's weights, one bfloat16 step apart) too."""
+    rng = np.random.default_rng(90 + T)
+    w = head(rng)
+    w[20:60] = w[2]  # 40 rows tied with row 2 and one with a step above (row 3): a crowd at the k-th for k near 40
+    full = Linear("head", w, "BF16")
+    screen = HeadScreen(full, K)
+    gen = torch.Generator().manual_seed(T)
+    for trial, (temp, k) in enumerate([(1.0, 40), (0.3, 5), (2.0, 1000), (0.7, 40), (1.0, 1), (1.0, 41)]):
+        y = rng.standard_normal((T, w.shape[1])).astype(np.float32)
+        if trial >= 3:  # rows 2, 3 and 20-59 lead: the k-th largest lies inside the crowd
+            y[:] = np.sign(w[2].view(np.int16)).astype(np.float32)
+        want_logits = full(torch.from_numpy(y)).numpy()
+        races: list[Race | None] = [Race(temp, gumbel(screen.V, gen), k) for _ in range(T)]
+        if T > 1:
+            races[0] = None  # a greedy row beside them
+        if T > 2:
+            races[1] = Race(temp, gumbel(screen.V, gen))  # and a race without a top-k
+        got = screen.logits(torch.from_numpy(y), races).numpy()
+        for t, r in enumerate(races):
+            if r is None:
+                assert int(np.argmax(got[t])) == int(np.argmax(want_logits[t]))
+                continue
+            assert race_token(got[t], r) == race_token(want_logits[t], r), f"trial {trial} row {t}"
+            if r.top_k:
+                for _ in range(3):  # other noises over the same logits: a top-k row's kept rows do not depend on it
+                    other = Race(r.temperature, gumbel(screen.V, gen), r.top_k)
+                    assert race_token(got[t], other) == race_token(want_logits[t], other), f"trial {trial} row {t}"
+                kept = np.isfinite(got[t])
+                kth = np.sort(want_logits[t])[-r.top_k]
+                assert kept[want_logits[t] >= kth].all()  # every row the top-k keeps was computed
+                if T == 1 and r.top_k <= 100:  # (a batch computes the union of its rows' candidates)
+                    assert kept.sum() < screen.V / 4
     for t in (1e-4, 1e38, float("nan")):
         with pytest.raises(ValueError, match=r"temperature in \[0\.001, 1e\+06\]"):
             Race(t, np.zeros(5))
@@ -424,6 +471,8 @@ def test_sampled_tokens_are_the_full_heads(engines):
         SamplingParams(temperature=1.5, seed=4, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=1e30, seed=5, max_tokens=12, ignore_eos=True),  # not screened: every logit
+        SamplingParams(temperature=0.8, top_k=40, seed=6, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=5000, seed=6, max_tokens=8, ignore_eos=True),  # too many to screen
     ):
         before = on.model.screen.exact_rows
         a, b = list(on.stream(ids, p)), list(off.stream(ids, p))

@@ -15,10 +15,10 @@ Sampling draws on the CPU from a `torch.Generator` seeded by `seed`: the same se
 any device, and two generations never share random state. The draw is `fastar.engine.draw.race`'s (the argmax of
 the processed logits plus Gumbel noise, one uniform per vocabulary entry and token) and the top-p nucleus
 `fastar.engine.nucleus`'s (found among the largest probabilities); `apply_top_p` here is the nucleus by a sort of the
-whole vocabulary, the reference its tests compare with. A request sampled at a temperature alone (no top-k, top-p or
-min-p) draws each token's noise before the step that computes its logits (`Sampler.head_request`), so the model may
-screen its LM head for the rows that can win the race (`fastar.model.head_screen.Race`); the generator gives the
-same numbers to the same tokens either way, so a seed's tokens do not depend on it.
+whole vocabulary, the reference its tests compare with. A request sampled at a temperature, perhaps with a top-k, and
+no top-p or min-p draws each token's noise before the step that computes its logits (`Sampler.head_request`), so the
+model may screen its LM head for the rows that can win the race (`fastar.model.head_screen.Race`); the generator
+gives the same numbers to the same tokens either way, so a seed's tokens do not depend on it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import FastarError
-from ..model.head_screen import MAX_RACE_TEMPERATURE, MIN_RACE_TEMPERATURE, Race
+from ..model.head_screen import MAX_RACE_TEMPERATURE, MAX_RACE_TOP_K, MIN_RACE_TEMPERATURE, Race
 from .constraint import CompiledGrammar
 from .draw import gumbel, race
 from .logit_adjust import LogitAdjust
@@ -148,13 +148,13 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
-    def temperature_only(self) -> bool:
-        """Sampled at a temperature with nothing else that reshapes the distribution (top-k, top-p, min-p): each
-        token's race score depends on its own logit alone (`Sampler.head_request`)."""
+    def raced(self) -> bool:
+        """Sampled at a temperature, perhaps among the top k, with nothing else that reshapes the distribution (top-p,
+        min-p): the race's winner is decided by the logits of the rows that can win it (`Sampler.head_request`)."""
         return (
             not self.is_greedy
             and MIN_RACE_TEMPERATURE <= self.temperature <= MAX_RACE_TEMPERATURE
-            and self.top_k == 0
+            and self.top_k <= MAX_RACE_TOP_K
             and self.top_p >= 1.0
             and self.min_p == 0.0
         )
@@ -251,11 +251,11 @@ class Sampler:
 
     def head_request(self) -> bool | Race:
         """What the next token needs of the step that computes its logits (`DeepseekV4.forward`'s `argmax_only`):
-        False, every logit; True, their argmax alone (greedy, `screenable`); a `Race` (sampled at a temperature
-        alone, from the second token on: the vocabulary's size known), the argmax of its race, whose noise this
-        draws now and the next call uses. The model may then screen its LM head. The noise comes from the
-        generator where the call would have drawn it (no other number is drawn between), so the tokens are the same
-        whether or not the step asks."""
+        False, every logit; True, their argmax alone (greedy, `screenable`); a `Race` (sampled at a temperature,
+        perhaps among the top k, from the second token on: the vocabulary's size known), the argmax of its race,
+        whose noise this draws now and the next call uses. The model may then screen its LM head. The noise comes
+        from the generator where the call would have drawn it (no other number is drawn between), so the tokens are
+        the same whether or not the step asks."""
         p = self.params
         if not screenable(p):
             return False
@@ -265,7 +265,7 @@ class Sampler:
             return False
         if self._noise is None:
             self._noise = gumbel(self._vocab, self.generator)
-        return Race(p.temperature, self._noise)
+        return Race(p.temperature, self._noise, p.top_k)
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, float | None, list[tuple[int, float]]]:
         """Raises `ConstraintError` when the request's grammar parser fails (it ran out of its per-token fuel), and
@@ -315,13 +315,13 @@ class Sampler:
 
 
 def screenable(params: SamplingParams) -> bool:
-    """A request whose tokens come from the logits' argmax, or a race over the logits at a temperature alone
-    (`SamplingParams.temperature_only`), and that reports no logprob: no `logprobs`, nothing that adjusts the logits
+    """A request whose tokens come from the logits' argmax, or a race over the logits at a temperature, perhaps among
+    the top k (`SamplingParams.raced`), and that reports no logprob: no `logprobs`, nothing that adjusts the logits
     (bias, penalties), no grammar. Its decode steps may screen the LM head (`fastar.model.head_screen`), whose
     logits are exact only where they can hold the argmax or win the race; its chunks carry no logprob (None), on
     every path alike."""
     return (
-        (params.is_greedy or params.temperature_only)
+        (params.is_greedy or params.raced)
         and params.logprobs is None
         and not params.adjusts_logits
         and params.grammar is None

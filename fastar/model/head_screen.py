@@ -31,7 +31,11 @@ score is monotone in l_i, and t times it lies within l_i + o_i +- e_i, o_i = fl3
 the score, so a row whose shifted upper bound is below the largest shifted lower bound cannot win the race. The
 kernels take the offsets o [T, V] (zero for greedy rows: the same bits as none); the rows kept are exact, so the
 race over the screened logits (-inf elsewhere) gives the full head's token, ties included (the first index: every
-row tied with the winner is kept).
+row tied with the winner is kept). A race among the top k (top-k sampling) is screened by the logits' own bounds
+(no offsets): the 4k rows of largest upper bound are computed exactly, the k-th largest of their logits, L, is at
+most the k-th largest logit, and every row whose upper bound reaches L (widened by `TOP_K_MARGIN` for the division's
+rounding) is computed too: that holds every row the top-k keeps, so the k-th value, the rows kept and the race are
+the full head's.
 
 Owns: the int8 copy (built once from the BF16 rows), the screen of a step's rows, and the logits it returns:
 exact at the rows it computed (every row that can be the argmax, or win the race), -inf elsewhere. Rows whose y is
@@ -62,18 +66,26 @@ HUGE = 1e30  # |y| |W_i| beyond this could overflow a float32 logit: the full he
 # +-inf, outside the bounds' error analysis)
 MIN_RACE_TEMPERATURE = 1e-3
 MAX_RACE_TEMPERATURE = 1e6
+# The largest top-k a race is screened with: its rows are computed exactly (more than ~1e3 would cost what the head
+# does)
+MAX_RACE_TOP_K = 1024
+TOP_K_MARGIN = 1e-6  # relative widening of a top-k row's floor: logit / t rounded may tie the k-th where logits differ
+TOP_K_PROBE = 4  # a top-k row's floor is the k-th largest logit of this many times k rows (those of largest bound)
 
 
 @dataclass(frozen=True, eq=False)
 class Race:
     """A decode row whose token is the argmax over i of fl64(fl32(logit_i / temperature) + noise[i]) (a sampled token
-    at `temperature` alone, `fastar.engine.draw.race`), which the screen may compute from the rows that can win
-    (module docstring). noise: float64 [V], finite."""
+    at `temperature`, `fastar.engine.draw.race`), among the `top_k` largest where top_k > 0, which the screen may
+    compute from the rows that can win (module docstring). noise: float64 [V], finite."""
 
     temperature: float
     noise: np.ndarray
+    top_k: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.top_k <= MAX_RACE_TOP_K:
+            raise ValueError(f"a screened race takes a top_k in [0, {MAX_RACE_TOP_K}], not {self.top_k}")
         if not MIN_RACE_TEMPERATURE <= self.temperature <= MAX_RACE_TEMPERATURE:
             raise ValueError(
                 f"a screened race needs a temperature in [{MIN_RACE_TEMPERATURE}, {MAX_RACE_TEMPERATURE:g}], "
@@ -161,12 +173,14 @@ class HeadScreen:
         if races is not None and any(r is not None for r in races):
             if len(races) != T:
                 raise ValueError(f"{len(races)} races for {T} rows")
-            off = np.zeros((T, self.V), np.float32)  # greedy rows: offsets 0, the same bits as none
+            off = np.zeros((T, self.V), np.float32)  # greedy and top-k rows: offsets 0, the same bits as none
             for t, r in enumerate(races):
                 if r is not None:
                     if r.noise.shape != (self.V,):
                         raise ValueError(f"a race's noise has {r.noise.shape[0]} entries, the head {self.V} rows")
-                    off[t] = r.offsets()
+                    if not r.top_k:
+                        off[t] = r.offsets()
+        ks = [r.top_k if r is not None else 0 for r in races or [None] * T]
         if T not in self._terms:
             self._terms[T] = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float32), np.empty((T, 5))
         x, sx, stats = self._terms[T]
@@ -174,7 +188,7 @@ class HeadScreen:
         st = stats.tolist()  # [|dy|, |x|, |y|, and the first term's alone |dy|, |x|] per row: T is at most 8
         plain = [not (math.isfinite(ny) and ny != 0 and ny * self.wmax <= HUGE) for _, _, ny, _, _ in st]
         if not any(plain):  # the candidates' exact logits into an -inf-filled output, one call (`_exact`'s bits)
-            rows = self._candidates(x, sx, st, off, copy=False)  # a view of the scratch, used before the next screen
+            rows = self._candidates(x, sx, st, off, ks, yn, copy=False)  # used before the next screen
             out = np.empty((T, self.V), np.float32)
             self.exact_rows += len(rows)
             self.k.extension.head_i8_exact(self._w, rows, yn, out)
@@ -183,20 +197,35 @@ class HeadScreen:
         screened = [t for t in range(T) if not plain[t]]
         if screened:  # the screened rows' terms alone (rows t and T + t of x for each)
             idx = screened + [T + t for t in screened]
-            rows = self._candidates(x[idx], sx[idx], [st[t] for t in screened], None if off is None else off[screened])
+            rows = self._candidates(
+                x[idx],
+                sx[idx],
+                [st[t] for t in screened],
+                None if off is None else off[screened],
+                [ks[t] for t in screened],
+                yn[screened],
+            )
             out[np.ix_(screened, rows)] = self._exact(np.ascontiguousarray(yn[screened]), rows)
         full = [t for t in range(T) if plain[t]]
         out[full] = self.head(torch.from_numpy(np.ascontiguousarray(yn[full]))).numpy()
         return torch.from_numpy(out)
 
     def _candidates(
-        self, x: np.ndarray, sx: np.ndarray, st: list[list[float]], off: np.ndarray | None, copy: bool = True
+        self,
+        x: np.ndarray,
+        sx: np.ndarray,
+        st: list[list[float]],
+        off: np.ndarray | None,
+        ks: list[int],
+        y: np.ndarray,
+        copy: bool = True,
     ) -> np.ndarray:
         """The sorted union over the screened rows (their int8 terms x [2T, K] with scales sx, per row `logits`'s
-        stats, and the races' offsets off [T, V] or None) of the head rows that can hold that row's largest logit or
-        win its race (`copy` False: a view of the scratch that the next screen overwrites). From ONE_TERM_ROWS
-        rows, `head_i8_screen`'s one pass; below, `head_i8_dot` of both terms and `head_i8_select` (the same bounds,
-        each row taking both terms)."""
+        stats, the races' offsets off [T, V] or None, their top-k ks and their rows y [T, K]) of the head rows that
+        can hold that row's largest logit or win its race (`copy` False: a view of the scratch that the next screen
+        overwrites). From ONE_TERM_ROWS rows, or where a row takes a top-k (which reads the upper bounds it leaves),
+        `head_i8_screen`'s one pass; below, `head_i8_dot` of both terms and `head_i8_select` (the same bounds, each
+        row taking both terms)."""
         T = len(st)
         # float64 arithmetic as numpy's on the same values, then rounded to float32: c1 = (|dy| + gamma |y|) (1 +
         # MARGIN), c2 = |x| (1 + MARGIN), for both terms and (`head_i8_screen`) for the first alone
@@ -208,7 +237,7 @@ class HeadScreen:
             ],
             np.float32,
         ).reshape(T, 4)
-        if T >= self.ONE_TERM_ROWS:
+        if T >= self.ONE_TERM_ROWS or any(ks):
             if self._ub.shape[0] < T:
                 self._ub = np.empty((T, self.V), np.float32)
             n = self.k.extension.head_i8_screen(
@@ -244,7 +273,23 @@ class HeadScreen:
                 self._rows,
                 off,
             )
+        if any(ks):  # a new array, whatever `copy`
+            tops = [self._top_k_rows(np.ascontiguousarray(y[t : t + 1]), self._ub[t], k) for t, k in enumerate(ks) if k]
+            return np.union1d(self._rows[:n], np.concatenate(tops))
         return self._rows[:n].copy() if copy else self._rows[:n]
+
+    def _top_k_rows(self, y: np.ndarray, ub: np.ndarray, k: int) -> np.ndarray:
+        """The head rows a top-k race of the row y [1, K] may keep, from its upper bounds ub [V] (`head_i8_screen`'s,
+        offsets 0): those whose bound reaches L, the k-th largest exact logit among the 4k rows of largest bound (k
+        rows with logits at least L: L is at most the k-th largest logit, and the more rows it is taken from, the
+        closer; module docstring); every row where one of those logits is not finite."""
+        k, m = min(k, self.V), min(TOP_K_PROBE * k, self.V)
+        top = np.sort(np.argpartition(ub, self.V - m)[self.V - m :])
+        got = self._exact(y, top)[0]
+        low = float(np.partition(got, m - k)[m - k]) if np.isfinite(got).all() else math.nan
+        if not math.isfinite(low):
+            return np.arange(self.V)
+        return np.flatnonzero(ub >= low - abs(low) * TOP_K_MARGIN - 1e-30)
 
     def _exact(self, y: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The full head's logits [T, len(rows)] at `rows` for y [T, K] (C-contiguous): its own kernel on those rows

@@ -135,7 +135,7 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
         "--head-screen",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep the LM head also as int8 so greedy decode steps (and those sampled at a temperature alone) compute "
+        help="keep the LM head also as int8 so greedy decode steps (and those sampled without top-p or min-p) compute "
         "exactly only the logits that can be the argmax or win the draw (default: on; +0.5 GB on Flash, from the "
         "auto RAM budget)",
     )

@@ -83,7 +83,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "--temperature",
         type=float,
         default=0.0,
-        help="model: sample the timed decode at this temperature (0, the default: greedy). At a temperature alone "
+        help="model: sample the timed decode at this temperature (0, the default: greedy). Without --top-p "
         "the steps screen the LM head for the rows that can win the draw, as greedy ones do; with --top-p below 1 "
         "they read the full head, and the ceiling counts it",
     )

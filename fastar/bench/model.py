@@ -276,7 +276,7 @@ def run_one(
     """One budget: `_start`, then `decode` timed greedy steps, one token per forward (`repeats` times, each between
     two bandwidth probes: the host's memory speed moves between runs of a few seconds); with `sampling`'s
     temperature > 0, sampled steps (that temperature and top_p, a fixed seed), which take the full LM head unless
-    sampled at the temperature alone (top_p 1: the screen's race, `fastar.model.head_screen.Race`). With a draft
+    top_p is 1 (the screen's race, `fastar.model.head_screen.Race`). With a draft
     (`options["draft"]`, or `replay`: drafts read from that plain run, each right with probability `replay`),
     a second engine goes through the same start (so its cache is in the same condition) and decodes the same
     `decode` tokens through the speculative loop; its draft_* stats are added."""
@@ -291,7 +291,7 @@ def run_one(
         cache, start = engine.expert_cache, len(seq)
         before = cache.stats() if cache else {}
         each = []  # per repeat: (seconds, bandwidth before, after)
-        # greedy steps, and sampled ones at a temperature alone (from the second on: the sampler then knows the
+        # greedy steps, and sampled ones without top-p (from the second on: the sampler then knows the
         # vocabulary), take the screened head where the engine keeps one; other sampled ones the full head
         screen = engine.model.screen if sampler is None or screenable(sampler.params) else None
         exact0 = screen.exact_rows if screen is not None else 0

@@ -76,7 +76,7 @@ def load(path: str | os.PathLike | WeightSource, numerics: str | Numerics = "off
         docs/DEVICE.md).
       gpu_budget: bytes (or "20G") of device memory for routed experts on a device; "auto" (default): what is
         free after the resident weights less a reserve; 0: every routed expert on the CPU.
-      head_screen: keep the LM head also as int8 so greedy decode steps (and those sampled at a temperature alone)
+      head_screen: keep the LM head also as int8 so greedy decode steps (and those sampled without top-p or min-p)
         compute only the logits that can be the argmax (win the draw), exactly (default True; the C kernels on the
         CPU; +0.5 GB on Flash, taken from the "auto" RAM budget; `fastar.model.head_screen`).
       warm_experts: start the expert cache's warm-up (`Engine.warm_experts`) as soon as the cache exists, so the

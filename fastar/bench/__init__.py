@@ -183,12 +183,16 @@ def main(a: argparse.Namespace) -> int:
         return 0
     if not a.model:
         raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
-    if getattr(a, "plot", None):  # written after minutes of benchmark: never over what it reads
+    if a.plot:  # written after minutes of benchmark: never over what it reads
         a.plot = os.path.expanduser(a.plot)  # (written where it is checked: `~/curve.png` quoted is the home's)
         from ..engine.outputs import model_files, refuse_inputs_as_output
 
-        sources = {"-m": a.model, "--compare": a.compare, "--reference": a.reference}
-        sources["--compare-transformers"] = getattr(a, "compare_transformers", None)
+        sources = {
+            "-m": a.model,
+            "--compare": a.compare,
+            "--reference": a.reference,
+            "--compare-transformers": a.compare_transformers,
+        }
         inputs = [
             (f, f"the {flag} model" if i == 0 else f"a file of the {flag} model")
             for flag, path in sources.items()

@@ -135,6 +135,7 @@ class HeadScreen:
         self._keep, self._rows = np.empty(self.V, np.uint8), np.empty(self.V, np.int64)  # head_i8_select's scratch
         self._dots = np.empty((0, self.V), np.int32)  # head_i8_dot's products, kept: MBs a step at 8 rows
         self._ub = np.empty((0, self.V), np.float32)  # head_i8_screen's scratch, kept likewise
+        self._off = np.empty((0, self.V), np.float32)  # the races' offsets, kept likewise
         # per row count, head_i8_quantize's outputs (x, sx, stats): a step's numpy calls run from cold caches, tens
         # of microseconds each, so the step makes as few as it can
         self._terms: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -148,8 +149,9 @@ class HeadScreen:
     def bytes_for(rows: int, cols: int) -> int:
         """The memory a screen of a [rows, cols] head takes: int8 rows; per row a scale, two norms and a sum (float32,
         int32), head_i8_select's scratch (a byte and an index) and, at most, 2 MAX_ROWS int32 products or float32
-        bounds (head_i8_dot's two terms of fewer than ONE_TERM_ROWS rows, head_i8_screen's MAX_ROWS)."""
-        return rows * (cols + 4 + 4 + 4 + 4 + 1 + 8 + 4 * 2 * HeadScreen.MAX_ROWS)
+        bounds (head_i8_dot's two terms of fewer than ONE_TERM_ROWS rows, head_i8_screen's MAX_ROWS), and MAX_ROWS
+        float32 race offsets."""
+        return rows * (cols + 4 + 4 + 4 + 4 + 1 + 8 + 4 * 3 * HeadScreen.MAX_ROWS)
 
     @property
     def nbytes(self) -> int:
@@ -173,13 +175,16 @@ class HeadScreen:
         if races is not None and any(r is not None for r in races):
             if len(races) != T:
                 raise ValueError(f"{len(races)} races for {T} rows")
-            off = np.zeros((T, self.V), np.float32)  # greedy and top-k rows: offsets 0, the same bits as none
+            if self._off.shape[0] < T:
+                self._off = np.empty((T, self.V), np.float32)
+            off = self._off[:T]  # kept, as `_ub`: a step's offsets are MBs
             for t, r in enumerate(races):
-                if r is not None:
-                    if r.noise.shape != (self.V,):
-                        raise ValueError(f"a race's noise has {r.noise.shape[0]} entries, the head {self.V} rows")
-                    if not r.top_k:
-                        off[t] = r.offsets()
+                if r is not None and r.noise.shape != (self.V,):
+                    raise ValueError(f"a race's noise has {r.noise.shape[0]} entries, the head {self.V} rows")
+                if r is None or r.top_k:  # greedy and top-k rows: offsets 0, the same bits as none
+                    off[t] = 0
+                else:
+                    off[t] = r.offsets()
         ks = [r.top_k if r is not None else 0 for r in races or [None] * T]
         if T not in self._terms:
             self._terms[T] = np.empty((2 * T, self.K), np.int8), np.empty(2 * T, np.float32), np.empty((T, 5))

@@ -383,7 +383,13 @@ def _system_extras(msg: dict) -> list[Segment]:
 
 
 def _render(
-    idx: int, messages: list[dict], last_user: int, thinking: bool, drop: bool, effort: str | None
+    idx: int,
+    messages: list[dict],
+    last_user: int,
+    thinking: bool,
+    drop: bool,
+    effort: str | None,
+    generation_prompt: bool = True,
 ) -> list[Segment]:
     msg, role = messages[idx], messages[idx]["role"]
     out = _t(REASONING_EFFORT_MAX if idx == 0 and thinking and effort == "max" else "")
@@ -408,8 +414,10 @@ def _render(
         if not msg["wo_eos"]:
             out += _t(EOS)
 
-    # The suffix opens the assistant turn only where one follows (or the conversation ends).
+    # The suffix opens the assistant turn only where one follows (or the conversation ends, when asked to).
     if idx + 1 < len(messages) and messages[idx + 1]["role"] not in ("assistant", "latest_reminder"):
+        return out
+    if idx + 1 == len(messages) and not generation_prompt:
         return out
     task = msg["task"]
     if task == "action":
@@ -429,6 +437,7 @@ def encode_messages(
     *,
     context: list[dict] | None = None,
     add_bos: bool = True,
+    add_generation_prompt: bool = True,
 ) -> ChatPrompt:
     """Render a conversation as the DeepSeek-V4 prompt string (special tokens as text, BOS included): a
     `ChatPrompt`, whose content parts the tokenizer reads as plain text.
@@ -444,6 +453,8 @@ def encode_messages(
         context: earlier messages already in the KV cache; rules see context + messages, only the new part
             is returned, without BOS.
         add_bos: start with the BOS text (when there is no context).
+        add_generation_prompt: end a conversation whose last turn is the user's (or a tool's) with the tokens that
+            open the reply (`<｜Assistant｜>` and `<think>` or `</think>`); False ends it with that turn's own text.
 
     Raises:
         EncodingError (a ValueError) on malformed messages or options.
@@ -471,7 +482,7 @@ def encode_messages(
     last_user = _last_user_index(full)
     out = _t(BOS if add_bos and not context else "")
     for idx in range(start, len(full)):
-        out += _render(idx, full, last_user, thinking, drop, effort)
+        out += _render(idx, full, last_user, thinking, drop, effort, add_generation_prompt)
     return ChatPrompt(out)
 
 

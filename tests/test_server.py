@@ -102,6 +102,9 @@ class FakeTokenizer:
     def token_bytes(self, token: int) -> bytes:
         return self.decode([token]).encode("utf-8", errors="replace")
 
+    def id_to_token(self, token: int) -> str:
+        return self.decode([token])
+
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         return self.encode(encode_messages(messages, **kwargs))
 
@@ -333,6 +336,47 @@ def test_health_models_and_tokenize(server):
     msgs = [{"role": "user", "content": "hello"}]
     status, _, body = raw(server, "POST", "/tokenize", {"messages": msgs})
     assert json.loads(body)["tokens"] == FakeTokenizer().encode_chat(msgs, thinking_mode="thinking")
+
+
+def test_tokenize_template_options(server):
+    """vLLM's /tokenize options: `add_generation_prompt` (default true) and `continue_final_message` shape a
+    `messages` rendering with the chat route's thinking options; `add_special_tokens` is checked on both kinds (V4's
+    tokenizer adds no token around a text, so a prompt's ids are the ones a completion is fed); `return_token_strs`
+    lists each id's entry; a wrong type is a 400 naming the field."""
+    tok = FakeTokenizer()
+
+    def tokenize(body: dict) -> tuple[int, dict]:
+        status, _, data = raw(server, "POST", "/tokenize", body)
+        return status, json.loads(data)
+
+    for flag in ({}, {"add_special_tokens": True}, {"add_special_tokens": False}):
+        assert tokenize({"prompt": "hi", **flag}) == (200, {"tokens": [104, 105], "count": 2, "max_model_len": 4096})
+    msgs = [{"role": "user", "content": "hello"}]
+    opened = tok.encode_chat(msgs, thinking_mode="thinking")
+    assert tokenize({"messages": msgs, "add_special_tokens": False})[1]["tokens"] == opened
+    assert opened[-2:] == [tok.encode(ASSISTANT)[0], tok.encode(THINK_START)[0]]
+    status, body = tokenize({"messages": msgs, "add_generation_prompt": False})
+    assert status == 200 and body["tokens"] == opened[:-2] and tok.decode(body["tokens"]).endswith(USER + "hello")
+    no_think = {"messages": msgs, "chat_template_kwargs": {"thinking": False}}
+    assert tokenize(no_think)[1]["tokens"][-1] == tok.encode(THINK_END)[0]
+    assert tokenize({**no_think, "add_generation_prompt": False})[1]["tokens"] == opened[:-2]
+    reply = [*msgs, {"role": "assistant", "content": "Hi the"}]
+    status, body = tokenize({"messages": reply, "continue_final_message": True, **NO_THINK})
+    assert status == 200 and tok.decode(body["tokens"]).endswith(ASSISTANT + THINK_END + "Hi the")
+    status, body = tokenize({"messages": msgs, "return_token_strs": True, "add_generation_prompt": False})
+    assert body["token_strs"] == [tok.decode([i]) for i in body["tokens"]] and body["token_strs"][-1] == "o"
+    bad = [
+        ({"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ({"messages": msgs, "add_special_tokens": 1}, "add_special_tokens"),
+        ({"messages": msgs, "add_generation_prompt": "no"}, "add_generation_prompt"),
+        ({"messages": msgs, "continue_final_message": "on"}, "continue_final_message"),
+        ({"messages": reply, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"prompt": "hi", "return_token_strs": "true"}, "return_token_strs"),
+    ]
+    for body, param in bad:
+        status, err = tokenize(body)
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+        assert param in err["error"]["message"] and "\n" not in err["error"]["message"]
 
 
 def test_models_retrieve(server):

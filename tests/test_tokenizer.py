@@ -251,3 +251,10 @@ def test_prepare_builds_the_first_use_tables(monkeypatch: pytest.MonkeyPatch) ->
     expected = [lazy.token_bytes(i) for i in ids], lazy.max_token_bytes()
     monkeypatch.setattr(Tokenizer, "_build_token_bytes", built_again)
     assert ([ready.token_bytes(i) for i in ids], ready.max_token_bytes()) == expected
+
+
+def test_the_tokenizer_adds_no_special_tokens_around_a_text(tok: Tokenizer) -> None:
+    """What `/tokenize`'s `add_special_tokens` (vLLM's default true for a prompt) would add: nothing, for V4's
+    tokenizer.json (no BOS template), so a prompt's ids are the same either way and a completion is fed them."""
+    for text in ("hi", "", "The capital of France is", "<｜User｜>x"):
+        assert tok.hf.encode(text, add_special_tokens=True).ids == tok.encode(text)

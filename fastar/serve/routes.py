@@ -147,24 +147,47 @@ class OpenAIRoutes:
         )
 
     async def tokenize(self, request: Request) -> Response:
+        """vLLM's `/tokenize`. A `prompt` is tokenized as `/v1/completions` reads it; `add_special_tokens` (default
+        true) adds what the tokenizer adds around a text, which for V4's is nothing (its tokenizer_config.json has
+        `add_bos_token: false` and tokenizer.json no template), so the ids are the ones a completion is fed.
+        `messages` are rendered as chat completions render them (the same thinking options), with the reply's
+        opening tokens unless `add_generation_prompt` is false, the last message left open with
+        `continue_final_message`; there `add_special_tokens` defaults to false (the template has its BOS)."""
         body = await read_json(request, self.server.settings)
         engine = self.server.host.require_engine()
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
-        if "messages" in body:
+        chat = "messages" in body
+        fields.boolean(body, "add_special_tokens", not chat)  # checked; V4's tokenizer adds no tokens either way
+        token_strs = fields.boolean(body, "return_token_strs", False)
+        if chat:
+            generation_prompt = fields.boolean(body, "add_generation_prompt", True)
+            if fields.boolean(body, "continue_final_message", False):
+                if generation_prompt and "add_generation_prompt" in body:
+                    raise bad_request(
+                        "'continue_final_message' and 'add_generation_prompt' cannot both be true: the last message "
+                        "is left open, so no reply is opened after it",
+                        "continue_final_message",
+                    )
+                generation_prompt = False
+                if isinstance(body["messages"], list) and body["messages"]:
+                    body = {**body, "messages": [*body["messages"][:-1], _left_open(body["messages"])]}
             req = openai_request.parse_chat_request(
                 {**body, "model": None},
                 self.server.model_names,
                 self.server.default_thinking,
                 self.server.default_effort,
             )
-            ids = await self.admission.off_loop(self._encode_chat, req)
+            ids = await self.admission.off_loop(self._encode_chat, req, generation_prompt)
         else:
             text = body.get("prompt", body.get("content"))
             if not isinstance(text, str):
                 raise bad_request("'prompt' (or 'content') must be a string, or send 'messages'", "prompt")
             ids = await self.admission.encode_async(text, "prompt")
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.context_length})
+        out = {"tokens": ids, "count": len(ids), "max_model_len": engine.context_length}
+        if token_strs:
+            out["token_strs"] = await self.admission.off_loop(_token_strs, engine.tokenizer, ids)
+        return JSONResponse(out)
 
     async def detokenize(self, request: Request) -> Response:
         body = await read_json(request, self.server.settings)
@@ -178,13 +201,14 @@ class OpenAIRoutes:
 
     # ---- prompts, through the one admission path ----------------------------------------------------------
 
-    def _chat_text(self, req: openai_request.ChatRequest) -> str:
+    def _chat_text(self, req: openai_request.ChatRequest, generation_prompt: bool = True) -> str:
         def render(messages: list[dict]) -> str:
             return encode_messages(
                 messages,
                 thinking_mode="thinking" if req.thinking else "chat",
                 drop_thinking=req.drop_thinking,
                 reasoning_effort=req.reasoning_effort,
+                add_generation_prompt=generation_prompt,
             )
 
         try:
@@ -198,8 +222,8 @@ class OpenAIRoutes:
                 message = str(err)
         raise bad_request(message, "messages")
 
-    def _encode_chat(self, req: openai_request.ChatRequest) -> list[int]:
-        return self.admission.encode(self._chat_text(req), "messages")
+    def _encode_chat(self, req: openai_request.ChatRequest, generation_prompt: bool = True) -> list[int]:
+        return self.admission.encode(self._chat_text(req, generation_prompt), "messages")
 
     def _submit(
         self,
@@ -489,3 +513,15 @@ def _engine_error(status: int, message: str, param: str | None = None) -> APIErr
     if status == 503:
         return APIError(503, message, "unavailable_error", code="shutting_down")
     return APIError(status, message, "server_error", code="generation_failed")
+
+
+def _left_open(messages: Any) -> Any:
+    """`/tokenize`'s `continue_final_message`: the last message, an assistant one rendered without its EOS (the
+    encoder's prefix completion), so the ids end where the model would go on writing it."""
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    return {**last, "prefix": True} if isinstance(last, dict) and last.get("role") == "assistant" else last
+
+
+def _token_strs(tokenizer: Any, ids: list[int]) -> list[str | None]:
+    """vLLM's `return_token_strs`: each id's vocabulary entry (byte-level, as `convert_ids_to_tokens` gives it)."""
+    return [tokenizer.id_to_token(i) for i in ids]

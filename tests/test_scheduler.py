@@ -10,6 +10,7 @@ import torch
 from batch_helpers import needs_invariant_kernels, prompt, same_chunks, solo
 from polling import wait_until
 
+from fastar.encoding import THINK_START
 from fastar.engine.engine import load
 from fastar.engine.sampling import SamplingParams
 from fastar.engine.scheduler import QueueFull, Scheduler
@@ -491,3 +492,26 @@ def test_run_calls_after_step_with_whether_the_scheduler_is_idle(eng):
     finally:
         stop.set()
         worker.join(60)
+
+
+def test_a_thinking_turn_hands_its_state_to_the_next_turn(eng):
+    """A prompt ending in `<think>` comes back in the next turn with `</think>` there (the reasoning dropped): the
+    kept state is handed over, rolled back to the tokens before it, however short the conversation (a copy would
+    need `min_shared` tokens in common)."""
+    think, think_end = 7, 8  # the tiny model's vocabulary lacks the tokenizer's ids: two of its own stand in
+    first, p = prompt(30, 12) + [think], SamplingParams(max_tokens=6, ignore_eos=True)
+    sched = Scheduler(eng, keep_states=2)
+    assert sched._think_start == eng.tokenizer.token_to_id(THINK_START) is not None
+    sched._think_start = think
+    h = sched.submit(first, p)
+    sched.run_until_idle()
+    reply = [c.token for c in h]
+    second = first[:-1] + [think_end] + reply + prompt(31, 5) + [think]
+    h = sched.submit(second, p)
+    sched.run_until_idle()
+    got = list(h)
+    assert got[-1].usage["cached_tokens"] == len(first) - 1
+    assert sched.metrics()["prefix_memory_hits"] == 1 and len(sched.memory) == 1  # handed over, not copied
+    s = eng.open_session()
+    ref = list(eng.stream(second, p, session=s))
+    assert [c.token for c in got] == [c.token for c in ref]

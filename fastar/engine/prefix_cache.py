@@ -383,8 +383,10 @@ class PrefixMemory:
         return state, n
 
     def put(self, tokens: list[int], state: ModelState, prompt_len: int) -> None:
-        """Keep `state`, which has processed exactly `tokens` (a request's prompt of `prompt_len` tokens and
-        part of its reply); the least recently used beyond the capacity are dropped."""
+        """Keep `state`, which has processed exactly `tokens` (a request's prompt and part of its reply);
+        `prompt_len`: how much of the prompt the conversation's next turn sends again (a prompt ending in `<think>`
+        comes back with `</think>` there: the scheduler passes the tokens before it), a match that long hands the
+        state over. The least recently used beyond the capacity are dropped."""
         if self.capacity == 0 or not tokens:
             return
         assert state.length == len(tokens), (state.length, len(tokens))

@@ -503,11 +503,9 @@ class Scheduler:
         if req.done < len(req.ids):
             return
         if self.prefix_cache is not None:
-            # The next turn of a thinking-mode conversation renders this one with `</think>` where the prompt
-            # ends in `<think>` (its reasoning dropped), so only the tokens before it start the resent prompt.
             # An identical prompt gains nothing from its last token either: that token must run again.
-            keep = len(req.ids) - 1 if req.ids[-1] == self._think_start else None
-            self.prefix_cache.store(req.ids, req.state, keep=keep)
+            resent = self._resent(req.ids)
+            self.prefix_cache.store(req.ids, req.state, keep=resent if resent < len(req.ids) else None)
         if req.scorer is not None:  # every choice's first chunk carries the prompt's scores
             req.scores, req.scorer = req.scorer.result(), None
             for f in [*req.forks, *req.held]:
@@ -624,6 +622,11 @@ class Scheduler:
             self.prefix_cache.store(req.ids + req.generated[: req.state.length - len(req.ids)], req.state)
         self._finish(req, chunk, count="cancelled" if chunk.finish_reason == "cancelled" else "finished")
 
+    def _resent(self, ids: list[int]) -> int:
+        """How much of prompt `ids` the conversation's next turn sends again: all of it, or, where it ends in
+        `<think>`, the tokens before it (the next turn renders this one with `</think>`, its reasoning dropped)."""
+        return len(ids) - 1 if ids and ids[-1] == self._think_start else len(ids)
+
     def _finish(self, req: _Request, last: GenerationChunk, count: str = "finished", active: bool = True) -> None:
         if active:
             with self._lock:
@@ -631,7 +634,7 @@ class Scheduler:
         self._metrics.counts[count] += 1
         self._metrics.finished(req)
         if req.state is not None and req.state.length > 0:  # what it processed, for the next turn to reuse
-            self.memory.put((req.ids + req.generated)[: req.state.length], req.state, len(req.ids))
+            self.memory.put((req.ids + req.generated)[: req.state.length], req.state, self._resent(req.ids))
         self._groups.release(req)
         req.state = None
         req.emit(last)

@@ -251,8 +251,7 @@ def open_engine(args: argparse.Namespace, err: TextIO | None = None, warm: bool 
         path = ensure_demo_model(log=lambda msg: print(msg, file=err, flush=True))
     t = time.perf_counter()
     source = source if source is not None else open_source(path)
-    names = getattr(source, "names", None)
-    bar = _bar(len(names()) if callable(names) else None, "loading", err, unit="tensor")
+    bar = _bar(len(source.names()), "loading", err, unit="tensor")
     if bar is not None:  # count resident tensors as the model reads them (an instance attribute shadows the method)
         read = source.tensor
         source.tensor = lambda name: (bar.update(1), read(name))[1]
@@ -561,7 +560,7 @@ class ChatREPL:
             else:
                 self.session.meta = {"messages": self.messages, "thinking": self.thinking}
                 target = _path_argument(arg)
-                model = getattr(getattr(self.engine, "source", None), "path", None)
+                model = self.engine.source.path
                 try:  # never renamed over the model in use; an unwritable path: said, and the chat goes on
                     refuse_inputs_as_output(
                         target, [(f, "a file of the model in use") for f in model_files(model)], "/save"

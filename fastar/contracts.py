@@ -19,7 +19,8 @@ blocks (mtp.0 is slot L).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -59,7 +60,22 @@ class Closing:
 
 @runtime_checkable  # `load` tells a source from a path, and names anything that is neither
 class WeightSource(Protocol):
+    """Every source declares the attributes below; one that subclasses `WeightSource` inherits the defaults."""
+
     config: ModelConfig
+    path: Path | None  # the file or directory read (a chat's `/save` never writes over it); None: built in memory
+    # why only a short context runs, and how to lift that (a v2 file without its indexer sidecar); None: it does not
+    context_note: str | None = None
+    # the file's own parsed header (tensors, checksums), what identifies the weights in saved sessions and expert
+    # usage profiles; None where there is none (a checkpoint directory), and the config identifies them
+    header: object | None = None
+    # where the big resident weights can be read into memory of their own rather than viewed in a mapping (a
+    # `.fst`): `read_tensor(name)` is then that read; None where the source cannot
+    read_tensor: Callable[[str], np.ndarray] | None = None
+
+    def names(self) -> list[str]:
+        """Every tensor name the source holds (what a loading progress bar counts)."""
+        ...
 
     def has(self, name: str) -> bool: ...
 

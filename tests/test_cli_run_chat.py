@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -253,6 +254,7 @@ class FakeEngine:
         self.replies, self.prompts = list(replies), []
         self.on_chunk = None
         self.raise_error: Exception | None = None
+        self.source = SimpleNamespace(path=None)  # a model of no files: `/save` has none to keep clear of
 
     def open_session(self) -> FakeSession:
         return FakeSession()
@@ -423,8 +425,6 @@ def test_save_and_load_paths_read_as_a_shell_would(tmp_path: Path, monkeypatch) 
 def test_save_refuses_to_write_over_the_model_in_use(tmp_path: Path) -> None:
     """`/save model.fst` renamed the session over the model the chat was running on and said "saved": the 154 MB
     model became a 68 KB session file. Refused, the model untouched; also for a file of a checkpoint folder."""
-    from types import SimpleNamespace
-
     model = tmp_path / "model.fst"
     model.write_bytes(b"the model")
     folder = tmp_path / "ckpt"

@@ -10,7 +10,10 @@ import pytest
 
 from fastar.bench.cache import MmapExperts
 from fastar.bench.speculative import SlowExperts
-from fastar.contracts import ExpertProvider, ExpertWeights, Unpaged
+from fastar.contracts import ExpertProvider, ExpertWeights, Unpaged, WeightSource
+from fastar.convert.checkpoint import Checkpoint
+from fastar.convert.v2 import FstV2File
+from fastar.format.reader import FstFile
 from fastar.quant.linear import SourceExperts
 from fastar.weights.device_cache import DeviceExpertCache
 from fastar.weights.expert_cache import ExpertCache
@@ -55,3 +58,17 @@ def test_unpaged_provider_yields_one_batch_and_ignores_prefetches():
     batches = list(p.each_batch(3, [4, 1, 7]))
     assert len(batches) == 1 and [e for e, _ in batches[0]] == [4, 1, 7]
     assert [int(w.w1[0, 0]) for _, w in batches[0]] == [4, 1, 7] and p.asked == [(3, 4), (3, 1), (3, 7)]
+
+
+SOURCES = [FstFile, Checkpoint, FstV2File]
+
+
+@pytest.mark.parametrize("cls", SOURCES, ids=lambda c: c.__name__)
+def test_every_source_declares_the_protocol(cls):
+    """The sources subclass `WeightSource`, so each has every declared attribute (the engine reads them without
+    probing); only a `.fst` reads tensors into memory of its own, and a checkpoint directory has no header."""
+    assert WeightSource in cls.__mro__
+    for name in ("context_note", "header", "read_tensor", "names", "has", "dtype", "tensor", "expert"):
+        assert hasattr(cls, name), f"{cls.__name__} lacks {name}"
+    assert callable(FstFile.read_tensor) and Checkpoint.read_tensor is None and FstV2File.read_tensor is None
+    assert Checkpoint.header is None and Checkpoint.context_note is None

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastar.contracts import WeightSource
 from fastar.model import ops
 from fastar.model.deepseek_v4 import Compressor, Indexer, Numerics
 from fastar.model.state import LayerState
@@ -326,7 +327,7 @@ def test_fp4_quant_sim_ties_to_even_and_matches_reference_rounding():
 # --- compressor pooling and indexer visibility (tiny in-memory weights) ----------------------------------
 
 
-class DictSource:
+class DictSource(WeightSource):
     """A minimal in-memory WeightSource of F32 tensors (enough for Compressor and Indexer)."""
 
     def __init__(self, tensors: dict[str, np.ndarray]) -> None:

@@ -23,6 +23,7 @@ import torch
 from fst_v2_writer import ENTRY_FMT, HEADER_FMT, q8_0_encode, write_v2  # tests/ helper
 
 from fastar.cli import main as cli_main
+from fastar.contracts import WeightSource
 from fastar.convert.checkpoint import Checkpoint
 from fastar.convert.hf import convert, convert_indexer
 from fastar.convert.names import expected_tensors
@@ -182,11 +183,14 @@ def test_v2_logits_equal_its_v3_conversion(v2_path, v3_from_v2, v2_logits):
     assert np.array_equal(v2_logits, load(v3_from_v2).logits(IDS))
 
 
-class TruncatedHC:
-    """A weight source with its HC mixes truncated to BF16, as v2 stores them."""
+class TruncatedHC(WeightSource):
+    """A weight source with its HC mixes truncated to BF16, as v2 stores them (built in memory: no `path`)."""
 
     def __init__(self, src):
-        self.src, self.config = src, src.config
+        self.src, self.config, self.path = src, src.config, None
+
+    def names(self):
+        return self.src.names()
 
     def has(self, n):
         return self.src.has(n)

@@ -262,7 +262,7 @@ def export(
     if not out.parent.is_dir():
         raise ExportError(f"{out.parent}: no such directory")
     with _open(src) as f:
-        note = getattr(f, "context_note", None)
+        note = f.context_note
         if note is not None:
             raise ExportError(f"cannot export {src}: {note}")
         cfg = f.config

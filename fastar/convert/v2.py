@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
-from ..contracts import Closing, ExpertWeights
+from ..contracts import Closing, ExpertWeights, WeightSource
 from ..errors import ConfigError, FormatError
 from ..format import spec
 from ..format.reader import FstFile, MappedFile
@@ -385,8 +385,9 @@ def default_tokenizer_json() -> bytes | None:
     return p.read_bytes() if p.is_file() else None
 
 
-class FstV2File(Closing):
-    """A FaStar v2 model (`X.fst` + `X.fst.hc` + `X.fst.norm` + `X.fst.tid2eid`) as a `WeightSource`.
+class FstV2File(Closing, WeightSource):
+    """A FaStar v2 model (`X.fst` + `X.fst.hc` + `X.fst.norm` + `X.fst.tid2eid`) as a `WeightSource` (`header`:
+    the v2 header; `context_note` set when the indexer sidecar is missing).
 
     Args:
         path: the main `.fst`.

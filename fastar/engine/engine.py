@@ -242,7 +242,7 @@ class Engine:
             raise PromptError(f"{n} positions asked, but {self._cap_note()}")
 
     def _cap_note(self) -> str:
-        why = getattr(self.source, "context_note", None) or "the model has no lightning-indexer weights"
+        why = self.source.context_note or "the model has no lightning-indexer weights"
         return f"the context is capped at {self.model.max_positions} tokens: {why}"
 
     def _check_open(self) -> None:
@@ -364,7 +364,7 @@ class Engine:
         return self._fingerprint_hex
 
     def _weights_ident(self):
-        return getattr(self.source, "header", None) or self.config.to_dict()
+        return self.source.header or self.config.to_dict()
 
     def _weights_fingerprint(self) -> str:
         """Identifies the weights alone (the .fst header, else the config), known before the model is built: what

@@ -230,7 +230,7 @@ class Weights:
         name = prefix + ".weight"
         dtype = self.source.dtype(name)
         scale = self.source.tensor(prefix + ".scale") if dtype == "F8_E4M3" else None
-        read = getattr(self.source, "read_tensor", None)
+        read = self.source.read_tensor
         own = streamed and read is not None and self.source.tensor(name).nbytes >= self.OWN_MEMORY_BYTES
         return Linear(prefix, read(name) if own else self.source.tensor(name), dtype, scale, kernels=self.kernels)
 
@@ -243,7 +243,7 @@ class Weights:
         names = [p + ".weight" for p in prefixes]
         dtypes = {self.source.dtype(n) for n in names}
         parts = [self.source.tensor(n) for n in names]
-        read = getattr(self.source, "read_tensor", None)
+        read = self.source.read_tensor
         if (
             read is None
             or not self.kernels

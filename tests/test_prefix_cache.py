@@ -185,6 +185,24 @@ def test_prefix_memory_hands_over_its_own_conversation_and_copies_a_shared_prefi
     assert (mem.hits, mem.misses) == (3, 2)
 
 
+def test_prefix_memory_takes_the_best_state_it_can_use():
+    """A longer match that can be neither handed over (another conversation) nor copied (below `min_shared`) does
+    not hide a shorter one that continues its own conversation; at equal length a hand-over beats a copy."""
+    from fastar.engine.prefix_cache import PrefixMemory
+
+    mem = PrefixMemory(capacity=3, min_shared=64)
+    own, other = FakeState(8), FakeState(10)
+    mem.put([1, 2, 3, 4, 5, 7, 8, 8], own, prompt_len=5)  # the conversation continued: its prompt's 5 tokens
+    mem.put([1, 2, 3, 4, 5, 6, 50, 51, 52, 53], other, prompt_len=10)  # 6 tokens shared, most recent
+    assert mem.take([1, 2, 3, 4, 5, 6, 9], limit=6) == (own, 5) and own.copies == 0
+    mem = PrefixMemory(capacity=3, min_shared=2)
+    own, other = FakeState(6), FakeState(6)
+    mem.put([1, 2, 3, 8, 8, 8], own, prompt_len=3)
+    mem.put([1, 2, 3, 9, 9, 9], other, prompt_len=6)  # the same 3 tokens shared, more recent: a copy
+    state, n = mem.take([1, 2, 3, 4], limit=3)
+    assert state is own and n == 3 and other.copies == 0
+
+
 def test_prefix_memory_evicts_the_least_recent_and_skips_states_that_cannot_roll_back():
     from fastar.engine.prefix_cache import PrefixMemory
 

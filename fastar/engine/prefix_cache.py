@@ -346,17 +346,14 @@ class PrefixMemory:
 
     def _best(self, ids: list[int], limit: int) -> tuple[_Kept | None, int, bool]:
         """(the kept entry to start from, the positions it gives, whether it is handed over) or (None, 0, False)."""
-        best, best_n = None, 0
-        for kept in self._kept:  # later entries are more recent: `>=` prefers them among equals
-            n = common_prefix(kept.tokens, ids)
-            if n >= best_n and n > 0:
-                best, best_n = kept, n
-        n = min(best_n, limit)
-        if best is None or n <= 0:
-            return None, 0, False
-        if best_n >= len(best.tokens) or best_n >= best.prompt_len:
-            return best, n, True
-        return (best, n, False) if n >= self.min_shared else (None, 0, False)
+        best, best_n, best_hand = None, 0, False
+        for kept in self._kept:  # later entries are more recent: they win ties
+            shared = common_prefix(kept.tokens, ids)
+            n, hand = min(shared, limit), shared >= len(kept.tokens) or shared >= kept.prompt_len
+            # an entry counts only if it can be used: handed over, or copied for at least `min_shared` tokens
+            if n > 0 and (hand or n >= self.min_shared) and (n, hand) >= (best_n, best_hand):
+                best, best_n, best_hand = kept, n, hand
+        return best, best_n, best_hand
 
     def match(self, ids: list[int], limit: int) -> int:
         """The positions `take` would give (0: none), without taking anything."""

@@ -592,3 +592,24 @@ def test_run_prints_no_text_for_the_special_tokens_the_model_writes(demo_cache: 
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == engine.tokenizer.decode(ids, skip_special_tokens=True)
     assert all(engine.tokenizer.decode([i]) not in r.stdout for i in special)
+
+
+def test_chat_reuses_a_reply_whose_special_tokens_were_hidden(demo_cache: Path) -> None:
+    """`fastar chat` on the demo model, with replies of special tokens (which the printed text skips; here the
+    pad, made the argmax by a bias): each next turn reuses every token the session processed, the reply's own ids
+    included, instead of prefilling again from where the resent text left them out (tests/test_session.py has
+    text and hidden tokens mixed in one reply)."""
+    import fastar
+
+    engine = fastar.load(str(demo_cache / demo.DEMO_NAME))
+    try:
+        pad = engine.tokenizer.token_to_id("<｜▁pad▁｜>")
+        params = SamplingParams(max_tokens=8, temperature=0, logit_bias={pad: 12.0})
+        repl = ChatREPL(engine, params, out=io.StringIO(), err=io.StringIO())
+        for i, line in enumerate(["Hello there", "What is two plus two?", "Tell me more"]):
+            processed = repl.session.num_processed
+            repl.handle(line)
+            assert repl.session.last_cached_tokens == processed, f"turn {i}"
+        assert repl.session.tokens.count(pad) > 1  # the replies did hold pads, which their text hid
+    finally:
+        engine.close()

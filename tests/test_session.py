@@ -385,6 +385,31 @@ def test_text_prompt_keeps_generated_tokens_at_an_added_token_boundary(tokenizer
     assert s.encode_prompt([5, 6]) == [5, 6]
 
 
+def test_text_prompt_keeps_a_reply_whose_special_tokens_the_text_hid(tokenizer) -> None:
+    """A reply holding special tokens (a pad, a placeholder) is shown and resent without them (skip_special_tokens):
+    the resent conversation still reuses the reply's own ids, up to the end of the turn."""
+    s, _ = make(FakeRunner(vocab=tokenizer.vocab_size), tokenizer=tokenizer)
+    s.vocab_size = tokenizer.vocab_size
+    first = "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
+    ids = tokenizer.encode(first)
+    s.prefill(ids)
+    pad = tokenizer.token_to_id("<｜▁pad▁｜>")
+    assert tokenizer.is_special(pad)
+    reply = [*tokenizer.encode("Hel"), pad, *tokenizer.encode("lo"), pad]
+    for t in reply:
+        s.append(t)
+    shown = tokenizer.decode(reply, skip_special_tokens=True)
+    assert shown == "Hello" and tokenizer.encode(shown) != [t for t in reply if t != pad]
+    follow = first + shown + "<｜end▁of▁sentence｜><｜User｜>More<｜Assistant｜></think>"
+    got = s.encode_prompt(follow)
+    assert got[: len(ids) + len(reply)] == ids + reply
+    assert tokenizer.decode(got, skip_special_tokens=True) == tokenizer.decode(tokenizer.encode(follow), True)
+    assert got[len(ids) + len(reply) :] == tokenizer.encode(follow[len(first + shown) :])
+    # text that differs from the reply is encoded afresh
+    other = first + "Help<｜end▁of▁sentence｜><｜User｜>More"
+    assert s.encode_prompt(other) == tokenizer.encode(other)
+
+
 # --- the real engine ------------------------------------------------------------------------------------------
 
 

@@ -290,7 +290,8 @@ class Session:
         marker: the session ends on one, or the rest starts with one). Why: the tokens a model generates often
         differ from a re-encoding of their text, so re-encoding a conversation would end prefix reuse at the
         first reply. Added tokens are split out before BPE runs, so at such a split the rest encodes exactly
-        as it would inside the whole text.
+        as it would inside the whole text. Special tokens of a reply that are missing from the text (its shown
+        text skips them, so the conversation resent has none) are kept too: the rest of the reply still matches.
         """
         if not isinstance(prompt, str):
             return token_ids(prompt)
@@ -298,12 +299,31 @@ class Session:
             raise PromptError("this session has no tokenizer: pass token ids")
         if self._tokens:
             known = self.tokenizer.decode(self._tokens)
-            if prompt.startswith(known):
-                rest = self.tokenizer.encode(prompt[len(known) :])
+            spelled = len(known) if prompt.startswith(known) else self._spelled(prompt)
+            if spelled is not None:
+                rest = self.tokenizer.encode(prompt[spelled:])
                 added = self._added_ids()
                 if self._tokens[-1] in added or not rest or rest[0] in added:
                     return self._tokens + rest
         return self.tokenizer.encode(prompt)
+
+    def _spelled(self, prompt: str) -> int | None:
+        """How many characters of `prompt` this session's tokens spell when a special token (pad, BOS, EOS: what
+        `skip_special_tokens` hides from a reply's text) may be missing from it: a reply shown and resent without
+        them still matches the ids the model holds. None where the tokens spell something else."""
+        pos, run = 0, []
+        for t in [*self._tokens, None]:
+            if t is not None and not self.tokenizer.is_special(t):
+                run.append(t)
+                continue
+            if run:  # text between special tokens decodes on its own (the byte-level decoder has no state across)
+                text = self.tokenizer.decode(run)
+                if not prompt.startswith(text, pos):
+                    return None
+                pos, run = pos + len(text), []
+            if t is not None and prompt.startswith(text := self.tokenizer.decode([t]), pos):
+                pos += len(text)  # spelled out in the prompt (the template's BOS and EOS); else hidden: skipped
+        return pos
 
     def _added_ids(self) -> frozenset[int]:
         if self._boundary_ids is None:

@@ -66,8 +66,10 @@ def one_engine_options(a) -> dict:
 
 def token_bytes(src) -> tuple[int, int, int]:
     """(resident bytes a decode token reads, routed-expert bytes it reads, resident bytes in all)."""
+    from ..format.reader import FstFile
+
     cfg = src.config
-    if hasattr(src, "header"):  # .fst
+    if isinstance(src, FstFile):  # from its header
         sizes = {t["name"]: t["nbytes"] for t in src.header["tensors"]}
     else:  # checkpoint directory
         from ..convert.names import is_routed_expert
@@ -85,14 +87,16 @@ def token_bytes(src) -> tuple[int, int, int]:
 def _matrices(src):
     """(name, rows x columns, stored dtype) of every resident 2-D weight but the draft block's. A checkpoint
     directory also names the routed experts' matrices: they are counted apart (k per token), so skipped here."""
+    from ..convert.checkpoint import Checkpoint
     from ..convert.names import is_routed_expert
+    from ..convert.v2 import FstV2File
 
     for name in src.names():
         if name.startswith("mtp.") or not name.endswith(".weight") or is_routed_expert(name):
             continue
-        if hasattr(src, "tensor_info"):  # checkpoint directory: from the safetensors header
+        if isinstance(src, Checkpoint):  # from the safetensors header
             shape = tuple(src.tensor_info(name).shape)
-        elif hasattr(src, "shape"):  # FaStar v2: without decoding
+        elif isinstance(src, FstV2File):  # without decoding
             shape = tuple(src.shape(name))
         else:  # .fst: a view of the mapped file
             shape = tuple(src.tensor(name).shape)

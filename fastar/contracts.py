@@ -4,6 +4,7 @@
 Owns:
 - `WeightSource`: what the model asks of wherever weights live (a `.fst` file, an official checkpoint directory,
   a FaStar v2 file, a synthetic model), and `ExpertWeights`, the record one routed expert comes back as.
+- `PagedSource`: a source the expert pager can read records from (`pageable` True); the three file sources are.
 - `Closing`: the file-holding sources' lifetime (`with source:` and close-on-collect).
 - `ExpertProvider`: where the model gets routed experts during a forward (`get`, `each_batch`, `prefetch`,
   `prefetch_tokens`), and `Unpaged`, the base of providers that do not page (prefetches are no-ops).
@@ -72,6 +73,7 @@ class WeightSource(Protocol):
     # where the big resident weights can be read into memory of their own rather than viewed in a mapping (a
     # `.fst`): `read_tensor(name)` is then that read; None where the source cannot
     read_tensor: Callable[[str], np.ndarray] | None = None
+    pageable: ClassVar[bool] = False  # True: a `PagedSource`, whose routed experts the expert cache can page
 
     def names(self) -> list[str]:
         """Every tensor name the source holds (what a loading progress bar counts)."""
@@ -90,6 +92,37 @@ class WeightSource(Protocol):
     def expert(self, layer: int, expert: int) -> ExpertWeights: ...
 
     def tokenizer_json(self) -> bytes | None: ...
+
+
+class PagedSource(WeightSource, Protocol):
+    """A `WeightSource` the expert pager (`fastar.weights.expert_cache`) reads routed experts from, one record
+    (the six arrays of `ExpertWeights` in `bank["sections"]` layout, `expert_stride` bytes) at a time."""
+
+    pageable: ClassVar[bool] = True
+    # `open_direct` gives an O_DIRECT descriptor that `read_expert_into` can read whole records through (one
+    # aligned extent per record): the engine then pages with O_DIRECT unless told otherwise
+    supports_direct_io: ClassVar[bool] = False
+    bank: dict  # offset (bytes before the bank), stride, slots, experts, sections
+
+    @property
+    def expert_stride(self) -> int: ...
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of everything but the routed experts (read every token)."""
+        ...
+
+    def expert_views(self, buf, base: int = 0) -> ExpertWeights:
+        """One record's bytes (any buffer, from `base`) as the six arrays, without copying."""
+        ...
+
+    def read_expert_into(self, slot: int, e: int, buf, fd: int | None = None) -> ExpertWeights:
+        """Read expert (slot, e) into `buf` (>= stride bytes) as one record; `fd`: from `open_direct`."""
+        ...
+
+    def open_direct(self) -> int | None:
+        """A descriptor that bypasses the page cache, or None where the source has none."""
+        ...
 
 
 class ExpertProvider(Protocol):

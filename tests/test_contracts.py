@@ -4,13 +4,14 @@ protocol, so the model calls it without probing, and the providers that do not p
 from __future__ import annotations
 
 import inspect
+import os
 
 import numpy as np
 import pytest
 
 from fastar.bench.cache import MmapExperts
 from fastar.bench.speculative import SlowExperts
-from fastar.contracts import ExpertProvider, ExpertWeights, Unpaged, WeightSource
+from fastar.contracts import ExpertProvider, ExpertWeights, PagedSource, Unpaged, WeightSource
 from fastar.convert.checkpoint import Checkpoint
 from fastar.convert.v2 import FstV2File
 from fastar.format.reader import FstFile
@@ -72,3 +73,14 @@ def test_every_source_declares_the_protocol(cls):
         assert hasattr(cls, name), f"{cls.__name__} lacks {name}"
     assert callable(FstFile.read_tensor) and Checkpoint.read_tensor is None and FstV2File.read_tensor is None
     assert Checkpoint.header is None and Checkpoint.context_note is None
+
+
+@pytest.mark.parametrize("cls", SOURCES, ids=lambda c: c.__name__)
+def test_every_file_source_pages(cls):
+    """The file sources are `PagedSource`s: the engine pages their experts without probing for the calls; only a
+    `.fst` (one aligned extent per record) asks for O_DIRECT by default."""
+    assert PagedSource in cls.__mro__ and cls.pageable is True
+    for name in ("expert_stride", "resident_bytes", "expert_views", "read_expert_into", "open_direct"):
+        assert hasattr(cls, name), f"{cls.__name__} lacks {name}"
+    assert cls.supports_direct_io is (cls is FstFile and hasattr(os, "O_DIRECT"))
+    assert WeightSource.pageable is False  # an in-memory source does not page

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ModelConfig
-from ..contracts import Closing, ExpertWeights, WeightSource
+from ..contracts import Closing, ExpertWeights, PagedSource
 from ..errors import CheckpointError
 from ..format import spec
 from ..format.reader import expert_views
@@ -157,8 +157,8 @@ def parse_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
-class Checkpoint(Closing, WeightSource):
-    """An official DeepSeek-V4 checkpoint directory, read tensor by tensor. Also a `WeightSource` (no `header`:
+class Checkpoint(Closing, PagedSource):
+    """An official DeepSeek-V4 checkpoint directory, read tensor by tensor. Also a `PagedSource` (no `header`:
     the config identifies it; no `read_tensor`: `tensor` already reads into memory of its own)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:

@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
-from ..contracts import Closing, ExpertWeights, WeightSource
+from ..contracts import Closing, ExpertWeights, PagedSource
 from ..errors import ConfigError, FormatError
 from ..format import spec
 from ..format.reader import FstFile, MappedFile
@@ -385,8 +385,8 @@ def default_tokenizer_json() -> bytes | None:
     return p.read_bytes() if p.is_file() else None
 
 
-class FstV2File(Closing, WeightSource):
-    """A FaStar v2 model (`X.fst` + `X.fst.hc` + `X.fst.norm` + `X.fst.tid2eid`) as a `WeightSource` (`header`:
+class FstV2File(Closing, PagedSource):
+    """A FaStar v2 model (`X.fst` + `X.fst.hc` + `X.fst.norm` + `X.fst.tid2eid`) as a `PagedSource` (`header`:
     the v2 header; `context_note` set when the indexer sidecar is missing).
 
     Args:
@@ -739,7 +739,7 @@ class FstV2File(Closing, WeightSource):
         off = self.expert_offset(slot, e)
         return self._repack(np.frombuffer(self.main._mm, np.uint8, self.header.expert_block_bytes, off))
 
-    # the pager's interface (fastar.weights.expert_cache duck-types FstFile): v3 records built on read
+    # --- PagedSource: v3 records built on read -------------------------------------------------------------
     @cached_property
     def bank(self) -> dict:
         h, c = self.header, self.config
@@ -756,6 +756,11 @@ class FstV2File(Closing, WeightSource):
     @property
     def expert_stride(self) -> int:
         return self.bank["stride"]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the main file before its expert bank (its sidecars are not counted)."""
+        return self.bank["offset"]
 
     def expert_views(self, buf, base: int = 0) -> ExpertWeights:
         parts = []

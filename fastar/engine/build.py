@@ -77,7 +77,7 @@ def paged_experts(
     """The expert cache routed experts are paged into from `source` (`pager.make_expert_cache`), or None where the
     budget is None (the whole file mapped) or the source cannot page. `head_screen`: the LM head's int8 copy will be
     kept, its bytes taken from an "auto" budget."""
-    if ram_budget is None or not hasattr(source, "read_expert_into"):
+    if ram_budget is None or not source.pageable:
         return None
     cfg = source.config
     extra = HeadScreen.bytes_for(cfg.vocab_size, cfg.hidden_size) if head_screen else 0

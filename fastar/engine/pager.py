@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import parse_size
-from ..contracts import WeightSource
+from ..contracts import PagedSource
 
 if TYPE_CHECKING:  # the pager is imported when an engine first pages (an engine over a mapped file never does)
     from ..weights.expert_cache import ExpertCache
@@ -27,7 +27,7 @@ log = logging.getLogger("fastar.engine")
 
 
 def make_expert_cache(
-    source: WeightSource,
+    source: PagedSource,
     ram_budget: int | str,
     cache_policy: str,
     direct_io: bool | None,
@@ -45,7 +45,7 @@ def make_expert_cache(
         # O_DIRECT keeps the page cache from holding a second copy of what the slab holds (which would also push
         # the memory-mapped resident weights out of RAM), and measured faster per reader (docs/EXPERT_MEMORY.md);
         # where the filesystem does not support it, buffered reads.
-        direct_io = getattr(source, "supports_direct_io", False)
+        direct_io = source.supports_direct_io
     return ExpertCache(source, budget, direct=direct_io, policy=cache_policy, verify=verify)
 
 

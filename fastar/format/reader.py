@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from ..config import ModelConfig
-from ..contracts import Closing, ExpertWeights, WeightSource
+from ..contracts import Closing, ExpertWeights, PagedSource
 from ..errors import ConfigError, FormatError
 from . import spec
 
@@ -163,8 +163,8 @@ class MappedFile(Closing):
             self._fd = -1
 
 
-class FstFile(MappedFile, WeightSource):
-    """A `.fst` v3 file opened for reading: a `fastar.contracts.WeightSource` (with `header`, `read_tensor`)."""
+class FstFile(MappedFile, PagedSource):
+    """A `.fst` v3 file opened for reading: a `fastar.contracts.PagedSource` (with `header`, `read_tensor`)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)

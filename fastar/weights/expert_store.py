@@ -23,6 +23,7 @@ import warnings
 
 import numpy as np
 
+from ..contracts import PagedSource
 from ..errors import FastarError, FormatError
 from ..format.reader import FstFile
 
@@ -129,7 +130,7 @@ class ExpertReader:
             self.fd = None
 
 
-def default_budget(fst: FstFile, margin_bytes: int | None = None, extra_bytes: int = 0) -> int:
+def default_budget(fst: PagedSource, margin_bytes: int | None = None, extra_bytes: int = 0) -> int:
     """RAM budget for experts: available memory minus the resident weights (and `extra_bytes` the engine keeps
     beside them: the LM head's int8 copy) minus a safety margin.
 
@@ -142,8 +143,7 @@ def default_budget(fst: FstFile, margin_bytes: int | None = None, extra_bytes: i
     vm = psutil.virtual_memory()
     margin = max(2 * GiB, vm.total // 10) if margin_bytes is None else margin_bytes
     bank = fst.bank
-    resident = getattr(fst, "resident_bytes", None)  # the resident tensors, touched every token
-    resident = fst.bank["offset"] if resident is None else resident  # .fst-like: everything before the bank
+    resident = fst.resident_bytes  # the resident tensors, touched every token
     stride = bank["stride"]
     floor = (fst.config.num_experts_per_tok + 2) * stride
     total = bank["slots"] * bank["experts"] * stride

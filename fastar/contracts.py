@@ -7,7 +7,8 @@ Owns:
 - `PagedSource`: a source the expert pager can read records from (`pageable` True); the three file sources are.
 - `Closing`: the file-holding sources' lifetime (`with source:` and close-on-collect).
 - `ExpertProvider`: where the model gets routed experts during a forward (`get`, `each_batch`, `prefetch`,
-  `prefetch_tokens`), and `Unpaged`, the base of providers that do not page (prefetches are no-ops).
+  `prefetch_tokens`) and its counters (`stats`), and `Unpaged`, the base of providers that do not page
+  (prefetches are no-ops, no counters).
 Does not own: any implementation: the sources (`fastar.format.reader`, `fastar.convert`), the expert pager
 (`fastar.weights`), the arithmetic on weights (`fastar.quant`).
 
@@ -126,8 +127,8 @@ class PagedSource(WeightSource, Protocol):
 
 
 class ExpertProvider(Protocol):
-    """Where the model gets routed experts. Every provider implements all four calls; one that does not page
-    (`pages` False) answers `each_batch` with one list and treats the prefetches as no-ops."""
+    """Where the model gets routed experts. Every provider implements all five calls; one that does not page
+    (`pages` False) answers `each_batch` with one list, treats the prefetches as no-ops and counts nothing."""
 
     pages: ClassVar[bool]  # True when prefetches can make later requests faster (the model then computes guesses)
 
@@ -154,6 +155,11 @@ class ExpertProvider(Protocol):
         queued."""
         ...
 
+    def stats(self) -> dict:
+        """The provider's counters (hits, misses, reads, ...: `Engine.stats` reports the numeric ones as
+        `expert_cache_*`); {} where it keeps none."""
+        ...
+
 
 class Unpaged:
     """Base of expert providers that do not page: subclasses define `get`; everything is present on request."""
@@ -173,3 +179,6 @@ class Unpaged:
 
     def prefetch_tokens(self, token_ids: Iterable[int], tid2eid: Mapping[int, np.ndarray]) -> int:
         return 0
+
+    def stats(self) -> dict:
+        return {}

@@ -20,7 +20,7 @@ from fastar.weights.device_cache import DeviceExpertCache
 from fastar.weights.expert_cache import ExpertCache
 
 PROVIDERS = [SourceExperts, ExpertCache, DeviceExpertCache, MmapExperts, SlowExperts]
-METHODS = ["get", "each_batch", "prefetch", "prefetch_tokens"]
+METHODS = ["get", "each_batch", "prefetch", "prefetch_tokens", "stats"]
 
 
 def _positional(f) -> list[inspect.Parameter]:
@@ -52,7 +52,7 @@ class _Fake(Unpaged):
 
 def test_unpaged_provider_yields_one_batch_and_ignores_prefetches():
     p = _Fake()
-    assert not p.pages
+    assert not p.pages and p.stats() == {}
     assert p.prefetch(3, [1, 2], source="hash") == 0
     assert p.prefetch_tokens([5, 6], {0: np.zeros((8, 2), np.int64)}) == 0
     assert p.asked == []  # a prefetch reads nothing

@@ -127,6 +127,9 @@ class MmapExperts:
     def __init__(self, fst: FstFile) -> None:
         self.fst = fst
 
+    def stats(self) -> dict:
+        return {}  # the kernel pages: nothing is counted here
+
     def get(self, layer: int, e: int) -> ExpertWeights:
         return self.fst.expert(layer, e)
 

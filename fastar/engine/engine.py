@@ -500,11 +500,9 @@ class Engine:
         acceptance rate, tokens per verify pass, estimated speedup), plus the expert cache's as `expert_cache_*`."""
         d = self._stats.as_dict()
         d.update(self.draft_stats.as_dict(self.draft_schedule.pass_time()))
-        experts = getattr(self.model, "experts", None)
-        if hasattr(experts, "stats"):
-            for k, v in experts.stats().items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    d[f"expert_cache_{k}"] = v
+        for k, v in self.model.experts.stats().items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                d[f"expert_cache_{k}"] = v
         d["device"] = self.device
         if self.backend is not None:
             d.update({f"device_{k}": v for k, v in self.backend.stats().items() if k != "device"})

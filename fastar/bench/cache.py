@@ -220,7 +220,7 @@ def _cached_kb() -> int:
 
 
 def _replay(
-    cache,
+    cache: ExpertCache | MmapExperts,
     trace: np.ndarray,
     prefetch: np.ndarray | None,
     hash_layers: int,
@@ -234,7 +234,7 @@ def _replay(
     as a kernel would. `cold`: drop the file's page cache every token (a model much larger than RAM); returns
     the seconds spent dropping, which are the emulation's and not the cache's."""
     T, L, _ = trace.shape
-    streaming = hasattr(cache, "iter_ready")
+    streaming = isinstance(cache, ExpertCache)  # handles as records land; the mapping: one expert at a time
     overhead = 0.0
     for t in range(T):
         if cold is not None:
@@ -258,7 +258,7 @@ def _replay(
                     w = cache.get(layer, int(e))
                     for a in w if touch else ():
                         _touch(a)
-    if hasattr(cache, "release_all"):
+    if streaming:
         cache.release_all()
     return overhead
 

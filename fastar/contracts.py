@@ -6,6 +6,8 @@ Owns:
   a FaStar v2 file, a synthetic model), and `ExpertWeights`, the record one routed expert comes back as.
 - `PagedSource`: a source the expert pager can read records from (`pageable` True); the three file sources are.
 - `Closing`: the file-holding sources' lifetime (`with source:` and close-on-collect).
+- `ServedEngine` and `ServedTokenizer`: what the server reads of the engine it serves and of its tokenizer
+  (names, context, EOS, token bytes), which `fastar.engine.Engine` and the tests' scripted engines declare.
 - `ExpertProvider`: where the model gets routed experts during a forward (`get`, `each_batch`, `prefetch`,
   `prefetch_tokens`) and its counters (`stats`), and `Unpaged`, the base of providers that do not page
   (prefetches are no-ops, no counters).
@@ -182,3 +184,30 @@ class Unpaged:
 
     def stats(self) -> dict:
         return {}
+
+
+@runtime_checkable
+class ServedTokenizer(Protocol):
+    """The tokenizer the server encodes and decodes with (`fastar.engine.tokenizer.Tokenizer`)."""
+
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes of one token (part of a character, maybe): logprobs report them."""
+        ...
+
+    def max_token_bytes(self) -> int: ...
+
+
+class ServedEngine(Protocol):
+    """What the server reads of the engine it serves besides its scheduler (`fastar.serve.worker`)."""
+
+    # the model's own name: /v1/models reports it as `root`, and requests may name it besides the served names
+    model_name_default: str
+    context_length: int
+    context_note: str | None  # why `context_length` is capped below what was asked, or None
+    tokenizer: ServedTokenizer

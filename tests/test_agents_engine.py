@@ -96,7 +96,7 @@ class ScriptedEngine(SchedulesSerially):
     from their text ("Hel" + "lo" + " world"), then EOS; its sessions keep their tokens and report the cached
     prefix, as the engine does."""
 
-    context_length = 4096
+    model_name_default, context_length, context_note = "deepseek-v4-flash", 4096, None  # a `ServedEngine`
 
     def __init__(self) -> None:
         self.tokenizer = Tokenizer.default()

@@ -11,9 +11,19 @@ import pytest
 
 from fastar.bench.cache import MmapExperts
 from fastar.bench.speculative import SlowExperts
-from fastar.contracts import ExpertProvider, ExpertWeights, PagedSource, Unpaged, WeightSource
+from fastar.contracts import (
+    ExpertProvider,
+    ExpertWeights,
+    PagedSource,
+    ServedEngine,
+    ServedTokenizer,
+    Unpaged,
+    WeightSource,
+)
 from fastar.convert.checkpoint import Checkpoint
 from fastar.convert.v2 import FstV2File
+from fastar.engine.engine import Engine
+from fastar.engine.tokenizer import Tokenizer
 from fastar.format.reader import FstFile
 from fastar.quant.linear import SourceExperts
 from fastar.weights.device_cache import DeviceExpertCache
@@ -84,3 +94,14 @@ def test_every_file_source_pages(cls):
         assert hasattr(cls, name), f"{cls.__name__} lacks {name}"
     assert cls.supports_direct_io is (cls is FstFile and hasattr(os, "O_DIRECT"))
     assert WeightSource.pageable is False  # an in-memory source does not page
+
+
+def test_the_engine_declares_what_the_server_reads():
+    """`Engine` has every attribute of `ServedEngine` (the server reads them without probing), its own name a
+    string; the V4 tokenizer is a `ServedTokenizer`, EOS and the bytes of a token included."""
+    for name in ServedEngine.__annotations__:
+        assert hasattr(Engine, name), f"Engine lacks {name}"
+    assert isinstance(Engine.model_name_default, str) and isinstance(Engine.context_note, property)
+    tok = Tokenizer.default()
+    assert isinstance(tok, ServedTokenizer)
+    assert tok.decode([tok.eos_id]) == "<｜end▁of▁sentence｜>" and tok.token_bytes(tok.encode("a")[0]) == b"a"

@@ -127,6 +127,7 @@ class FakeSession:
 
 class FakeEngine(SchedulesSerially):
     model_name_default = "fake-v4"
+    context_note = None  # (a `ServedEngine`: the context is never capped)
 
     def __init__(self, context_length: int = 4096, token_delay: float = 0.0, prefill_delay: float = 0.0) -> None:
         self.tokenizer = FakeTokenizer()

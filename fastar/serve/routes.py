@@ -128,7 +128,7 @@ class OpenAIRoutes:
             "object": "model",
             "created": self.server.started,
             "owned_by": "fastar",
-            "root": getattr(engine, "model_name_default", name),
+            "root": engine.model_name_default,
             "max_model_len": ctx,
             "context_length": ctx,
         }
@@ -246,7 +246,7 @@ class OpenAIRoutes:
                 len(ids),
                 max_tokens,
                 engine.context_length,
-                getattr(engine, "context_note", None),
+                engine.context_note,
                 param,
                 default_max_tokens,
             )

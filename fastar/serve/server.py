@@ -43,6 +43,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from fastar.config import int_flag
+from fastar.contracts import ServedEngine
 from fastar.errors import FastarError
 from fastar.serve import thinking_mode
 from fastar.serve.admission import Admission
@@ -263,9 +264,9 @@ class Server:
         self.host.start(on_ready=self._on_ready)
         return self
 
-    def _on_ready(self, engine: Any) -> None:
-        default = getattr(engine, "model_name_default", None)
-        if isinstance(default, str) and default not in self.model_names:
+    def _on_ready(self, engine: ServedEngine) -> None:
+        default = engine.model_name_default
+        if default not in self.model_names:
             self.model_names = (*self.model_names, default)  # accepted in requests, never listed
 
     @property

@@ -12,6 +12,8 @@ import time
 import uuid
 from typing import Any
 
+from fastar.contracts import ServedTokenizer
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -34,12 +36,9 @@ def usage(
     return out
 
 
-def token_text(tokenizer: Any, token: int) -> tuple[str, list[int]]:
+def token_text(tokenizer: ServedTokenizer, token: int) -> tuple[str, list[int]]:
     """A token's text and its UTF-8 bytes (a token may hold part of a character, so the bytes matter)."""
-    raw = tokenizer.token_bytes(token) if hasattr(tokenizer, "token_bytes") else None
-    if raw is None:
-        text = tokenizer.decode([token])
-        return text, list(text.encode("utf-8"))
+    raw = tokenizer.token_bytes(token)
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 

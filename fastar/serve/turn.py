@@ -188,7 +188,7 @@ class AssistantTurn:
             len(self.prompt_ids),
             max_tokens,
             engine.context_length,
-            getattr(engine, "context_note", None),
+            engine.context_note,
             param=conv.param,
             budget_param=max_tokens_param,
         )
@@ -405,7 +405,7 @@ def record_reply(
         return
     tokenizer = backend.engine().tokenizer
     ids = prompt_ids + generated
-    if generated[-1] == getattr(tokenizer, "eos_id", None):
+    if generated[-1] == tokenizer.eos_id:
         backend.replay.record(text, ids)
     else:  # the reply as the client got it: with its special tokens' text, or without (skip_special_tokens)
         tail = text[len(prompt_text) : -len(EOS)]

@@ -159,8 +159,11 @@ def slope(points: list[tuple[float, float]]) -> float:
 class Client:
     """One client's loop of mixed requests; counts outcomes by kind."""
 
-    def __init__(self, port: int, seed: int, stop_at: float, counts: Counter, lock: threading.Lock) -> None:
+    def __init__(
+        self, port: int, seed: int, stop_at: float, counts: Counter, lock: threading.Lock, stop: threading.Event
+    ) -> None:
         self.port, self.rng, self.stop_at, self.counts, self.lock = port, random.Random(seed), stop_at, counts, lock
+        self.stop = stop  # set by Ctrl-C / SIGTERM: no new request
         self.history: list[dict] = []
         self.previous: str | None = None
 
@@ -248,14 +251,15 @@ class Client:
         return kind, self.post("/v1/responses", body)
 
     def run(self) -> None:
-        while time.monotonic() < self.stop_at:
+        while time.monotonic() < self.stop_at and not self.stop.is_set():
             try:
                 kind, status = self.one()
                 key = f"{kind} {status}"
             except (OSError, http.client.HTTPException, json.JSONDecodeError) as err:
                 key = f"error {type(err).__name__}"
             with self.lock:
-                self.counts[key] += 1
+                if not self.stop.is_set():  # a request the stop cut short is not an outcome of the load
+                    self.counts[key] += 1
 
 
 KINDS = ("chat", "chat", "conversation", "tools", "json", "completion", "completion", "disconnect")
@@ -297,8 +301,6 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the samples and summary here")
     ap.add_argument("serve_args", nargs="*", help="after --: more fastar serve arguments")
     args = ap.parse_args()
-    # a kill (SIGTERM) unwinds like Ctrl-C, so the server is stopped and its folder removed, not left running
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not 0 < args.duration <= 86400:
         ap.error(f"--duration must be in (0, 86400] seconds, got {args.duration}")
     if args.clients < 1 or args.interval <= 0:
@@ -306,22 +308,47 @@ def main() -> int:
     if args.trace or args.trim:
         Path(args.trace_out).write_text("")
         Path(args.trace_out + ".baseline").unlink(missing_ok=True)
+    # Ctrl-C or a kill (SIGTERM) during the load ends it early: the summary covers the samples so far, the server is
+    # stopped and its folder removed (a second signal meanwhile changes nothing: the stop is bounded). While the
+    # server is still loading it stops at once. Installed explicitly, also where SIGINT came ignored (started in the
+    # background with `&`, or nohup): the server then starts with the default action, so it too stops when asked.
+    stop, caught, loading = threading.Event(), [], []  # loading: non-empty once the clients run
 
+    def on_signal(signum: int, frame) -> None:
+        if not caught:
+            caught.append(signal.Signals(signum).name)
+        if not loading:
+            raise KeyboardInterrupt
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        return soak(args, stop, caught, loading)
+    except KeyboardInterrupt:
+        why = caught[0] if caught else "SIGINT"
+        print(f"soak: stopped by {why} before the load started; the server was stopped", file=sys.stderr, flush=True)
+        return 128 + signal.Signals[why].value
+
+
+def soak(args, stop: threading.Event, caught: list[str], loading: list[bool]) -> int:
     with tempfile.TemporaryDirectory(prefix="fastar-soak-") as tmp:
         server = start_server(args, Path(tmp))
         proc, port = server.proc, server.port
+        print(f"fastar serve on port {port} (pid {proc.pid})", flush=True)
         try:
             counts, lock = Counter(), threading.Lock()
             t0 = time.monotonic()
             stop_at = t0 + args.duration
-            clients = [Client(port, args.seed * 1000 + i, stop_at, counts, lock) for i in range(args.clients)]
+            clients = [Client(port, args.seed * 1000 + i, stop_at, counts, lock, stop) for i in range(args.clients)]
             threads = [threading.Thread(target=c.run, daemon=True) for c in clients]
+            loading.append(True)
             for t in threads:
                 t.start()
             samples = []
             print(f"{'t (s)':>7} {'RSS MB':>8} {'anon MB':>8} {'file MB':>8} {'requests':>9}")
-            while time.monotonic() < stop_at:
-                time.sleep(min(args.interval, max(0.0, stop_at - time.monotonic())))
+
+            def sample() -> None:
                 m = memory_mb(proc.pid)
                 with lock:
                     done = sum(counts.values())
@@ -332,17 +359,31 @@ def main() -> int:
                 if args.trace and t >= args.warmup and not Path(args.trace_out + ".baseline").exists():
                     Path(args.trace_out + ".baseline").write_text("")  # the server's sampler takes its baseline
                 print(f"{t:7.0f} {m['VmRSS']:8.1f} {m['RssAnon']:8.1f} {m['RssFile']:8.1f} {done:9d}", flush=True)
-            for t in threads:
-                t.join(timeout=300)
+
+            while time.monotonic() < stop_at and not stop.is_set():
+                if not stop.wait(min(args.interval, max(0.0, stop_at - time.monotonic()))):
+                    sample()
+            if stop.is_set():
+                if not samples and proc.poll() is None:
+                    sample()  # stopped before the first interval: the figure at the stop
+                with lock:
+                    counts = Counter(counts)  # the outcomes up to the stop, not the errors the shutdown makes
+            else:  # each client ends after the request it is in (a signal meanwhile: at once)
+                deadline = time.monotonic() + 300
+                for t in threads:
+                    while t.is_alive() and time.monotonic() < deadline and not stop.wait(0.2):
+                        pass
+            elapsed = time.monotonic() - t0
             if proc.poll() is not None:
                 raise SystemExit(f"error: fastar serve died during the soak: {server.log.read_text()[-800:]}")
         finally:
             tracebacks = server.stop(wait=60)  # (time to flush its prompt cache)
     after = [s for s in samples if s["t"] >= args.warmup] or samples
-    half = [s for s in samples if s["t"] >= args.duration / 2]
+    half = [s for s in samples if s["t"] >= elapsed / 2]
     summary = {
         "clients": args.clients,
-        "duration_s": args.duration,
+        "duration_s": round(elapsed, 1),
+        "interrupted": caught[0] if caught else None,
         "requests": sum(counts.values()),
         "rss_start_mb": after[0]["rss"],
         "rss_end_mb": samples[-1]["rss"],
@@ -353,8 +394,10 @@ def main() -> int:
         "outcomes": dict(sorted(counts.items())),
         "server_tracebacks": len(tracebacks),
     }
+    if caught:
+        print(f"\nstopped by {caught[0]} after {elapsed:.0f} s of {args.duration:.0f}: the figures cover that part")
     print(
-        f"\n{summary['requests']} requests by {args.clients} clients in {args.duration:.0f} s; RSS "
+        f"\n{summary['requests']} requests by {args.clients} clients in {elapsed:.0f} s; RSS "
         f"{summary['rss_start_mb']:.0f} MB (at {after[0]['t']:.0f} s) -> {summary['rss_end_mb']:.0f} MB; slope "
         f"{summary['slope_mb_per_min']:+.2f} MB/min overall, {summary['slope_last_half_mb_per_min']:+.2f} MB/min "
         f"over the last half (anonymous: {summary['anon_slope_last_half_mb_per_min']:+.2f}); the per-minute "
@@ -365,7 +408,7 @@ def main() -> int:
         print(f"the server's log holds {summary['server_tracebacks']} tracebacks")
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "samples": samples}, indent=1))
-    return 0
+    return 128 + signal.Signals[caught[0]].value if caught else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,64 @@
+"""`scripts/soak.py` stopped early: Ctrl-C or SIGTERM during the load ends it at once with the summary of the samples
+so far (marked as stopped early), the server it started stopped, and the exit status of the signal. SIGINT is sent
+to a soak started with SIGINT ignored, as a shell's `&` or nohup starts it: it must still stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+
+
+@pytest.fixture(scope="module")
+def demo_model(vocab_ckpt, tmp_path_factory) -> Path:
+    from fastar.convert.hf import convert
+
+    return convert(vocab_ckpt, tmp_path_factory.mktemp("soak") / "demo.fst", progress=False)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_the_soak_with_its_summary_and_stops_the_server(demo_model: Path, tmp_path: Path, sig) -> None:
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, str(SCRIPT), "-m", str(demo_model), "--clients", "1", "--duration", "600"]
+    proc = subprocess.Popen(
+        [*cmd, "--interval", "0.5", "--warmup", "0", "--json", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as `soak.py &` starts it
+    )
+    server = None
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 120
+        while sum(line.split()[0].isdigit() for line in lines if line.strip()) < 2:  # two samples taken
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+        (server,) = map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # a soak that did not stop: it and its server go (the server has its own session)
+            proc.kill()
+            proc.wait()
+            if server is not None:
+                os.killpg(server, signal.SIGKILL)
+    took = time.monotonic() - sent
+    text = "".join(lines) + rest
+    assert proc.returncode == 128 + sig, text
+    assert took < 30, took  # not the rest of the 600 s
+    assert f"stopped by {sig.name} after" in rest and "requests by 1 clients in" in rest and "Traceback" not in text
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["interrupted"] == sig.name and summary["duration_s"] < 120
+    with pytest.raises(ProcessLookupError):
+        os.kill(server, 0)

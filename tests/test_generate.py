@@ -96,6 +96,8 @@ def tokenizer():
 
 
 class ScriptState:
+    max_rollback = None  # as `ModelState`'s: every position kept, so no anchor
+
     def __init__(self) -> None:
         self.length = 0
 

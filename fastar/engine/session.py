@@ -395,7 +395,7 @@ class Session:
             done += len(part)
             if on_progress is not None:
                 on_progress(done, len(todo))
-        if self._keep_anchor and getattr(self._state, "max_rollback", None) is not None:
+        if self._keep_anchor and self._state.max_rollback is not None:
             self._anchor = (list(prompt_ids), self._state.snapshot())
         return logits
 

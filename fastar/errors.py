@@ -7,6 +7,8 @@ from __future__ import annotations
 class FastarError(Exception):
     """Base of all errors fastar raises on purpose."""
 
+    param: str | None = None  # the request field at fault, where a server answers the error with a 400
+
 
 class FormatError(FastarError):
     """A `.fst` file is malformed, truncated, corrupt or of an unsupported version."""

@@ -278,7 +278,8 @@ class EngineHost:
         # A ValueError before any token is the engine refusing the request: the client's 400.
         status = 400 if isinstance(err, ValueError) and not job.generated else 500
         message = f"{'' if status == 400 else 'generation failed: '}{err}"
-        job.events.put(("error", (status, message, getattr(err, "param", None) if status == 400 else None)))
+        param = err.param if status == 400 and isinstance(err, FastarError) else None
+        job.events.put(("error", (status, message, param)))
         self._end(job, None)
 
     def _end(self, job: Job, cached: int | None) -> None:

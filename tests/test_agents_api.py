@@ -659,6 +659,8 @@ def test_a_tool_block_cut_off_by_max_tokens(backend):
         )
     )[-1][1]["response"]
     assert final["status"] == "incomplete" and [o["type"] for o in final["output"]] == ["function_call", "message"]
+    # neither item looks complete: the call's arguments stop mid-way and the text is where the reply was cut
+    assert [o["status"] for o in final["output"]] == ["incomplete", "incomplete"], final["output"]
 
 
 def test_parallel_tool_use_disabled_under_auto_ends_the_reply_after_its_first_call(backend):
@@ -716,8 +718,14 @@ def test_a_responses_stream_cut_at_max_output_tokens_ends_with_response_incomple
     assert events[-1][0] == "response.incomplete" and "response.completed" not in [n for n, _ in events]
     assert events[-1][1]["response"]["status"] == "incomplete"
     assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    # the message the limit cut is `incomplete` too, in its output_item.done and in the response, streamed or not
+    items = [d["item"] for n, d in events if n == "response.output_item.done"]
+    assert [i["status"] for i in items] == ["incomplete"] and events[-1][1]["response"]["output"] == items
+    whole = R.create({**body, "stream": False}, backend, R.ResponseStore())
+    assert whole["status"] == "incomplete" and [o["status"] for o in whole["output"]] == ["incomplete"]
     done = sse_events(R.create({**body, "input": "hi", "max_output_tokens": 100}, backend, R.ResponseStore()))
     assert done[-1][0] == "response.completed" and done[-1][1]["response"]["status"] == "completed"
+    assert [o["status"] for o in done[-1][1]["response"]["output"]] == ["completed"]
 
 
 def test_anthropic_budget_tokens_must_be_below_max_tokens_and_reaches_the_engine(backend):

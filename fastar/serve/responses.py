@@ -501,6 +501,8 @@ def create(
     if turn.content or not (turn.tool_calls or turn.reasoning):
         output.append(_message_item("msg_" + reply.id[5:], turn.content))
     output.extend(_call_item(c) for c in turn.tool_calls)
+    if output and turn.finish_reason == "length":  # the item max_output_tokens cut says so, as the response does
+        output[-1]["status"] = "incomplete"
     reply.obj["output"] = output
     obj = reply.finish(turn)
     _store(store, req, obj, turn)
@@ -522,7 +524,8 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
         payload = {"type": kind, "sequence_number": seq - 1, **data}
         return f"event: {kind}\ndata: ".encode() + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
-    def close_item() -> Iterator[bytes]:
+    def close_item(last: bool = False) -> Iterator[bytes]:
+        """`last`: the stream's end, where an item max_output_tokens cut is closed `incomplete`."""
         nonlocal open_item, text
         if open_item is None:
             return
@@ -549,6 +552,8 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
                 content_index=0,
                 part=output[at]["content"][0],
             )
+        if last and turn.finish_reason == "length":
+            output[at]["status"] = "incomplete"
         yield ev("response.output_item.done", output_index=at, item=output[at])
         open_item, text = None, ""
 
@@ -580,7 +585,9 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
                     continue
                 if kind == "tool_done":
                     at = calls[payload["id"]]
-                    output[at] = _call_item(payload)
+                    # a call the reply's end cut off (max_output_tokens) is closed with what it had: incomplete
+                    done = any(call["id"] == payload["id"] for call in turn.tool_calls)
+                    output[at] = _call_item(payload, status="completed" if done else "incomplete")
                     yield ev(
                         "response.function_call_arguments.done",
                         item_id=output[at]["id"],
@@ -641,7 +648,7 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
             reply.obj.update(status="failed", error={"code": api.code or "server_error", "message": api.message})
             yield ev("response.failed", response=public(reply.obj))
             return
-        yield from close_item()
+        yield from close_item(last=True)
         if not output:  # an empty reply still has its message
             yield ev(
                 "response.output_item.added",

@@ -1205,6 +1205,15 @@ def test_anthropic_tool_choice_and_tool_results_are_checked_without_tools_too(ba
     assert A.parse_request(ok, backend)[2]["grammar"] is None
 
 
+def test_an_empty_responses_input_is_a_400_naming_input(backend):
+    """`input: []` said "messages must be a non-empty list of dicts", the encoder's words for a field the Responses
+    API does not have."""
+    with pytest.raises(APIError) as err:
+        R.create({"input": [], "max_output_tokens": 4}, backend, R.ResponseStore())
+    assert err.value.status == 400 and err.value.param == "input"
+    assert "'input'" in err.value.message and "messages" not in err.value.message
+
+
 def test_responses_function_calls_and_outputs_need_their_call_id(backend):
     """A `function_call_output` without `call_id` (or with a number) was rendered as the result of no call, and a
     `function_call` without one as a call no output could answer; chat completions refuses a tool message without

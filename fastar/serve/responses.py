@@ -318,6 +318,8 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     if "input" not in body:
         raise bad_request("'input' is required", "input")
     conversation = history + input_messages(body["input"], store)
+    if not conversation:  # (the encoder would say it of "messages", a field this API does not have)
+        raise bad_request("'input' is an empty list: send a string or at least one input item", "input")
     grammar_fields.check_last_turn(conversation, "input")
     messages = list(conversation)
     instructions = body.get("instructions")

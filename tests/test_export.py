@@ -130,3 +130,21 @@ def test_bad_input_fails_in_one_line_and_leaves_nothing(exported, tmp_path, monk
     assert err.startswith("fastar: error:") and err.count("\n") == 1
     assert main(["export", str(fst), "-o", str(tmp_path / "c"), "--shard-size", "16M", "--no-progress"]) == 0
     assert (tmp_path / "c" / "config.json").is_file()
+
+
+def test_a_folder_it_cannot_write_is_named_as_given(exported, tmp_path, monkeypatch):
+    """The errors named the temporary `.NAME.partial-PID` folder (or a shard in it), a path the user never gave."""
+    import errno
+
+    _, fst, _ = exported
+    with pytest.raises(FastarError) as err:
+        X.export(fst, "/proc/fastar-export-here")  # a folder in which nothing can be made, whoever runs it
+    assert str(err.value).startswith("/proc/fastar-export-here: cannot write (") and "partial" not in str(err.value)
+
+    def full(path, *args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(X, "_write_shard", full)
+    with pytest.raises(FastarError, match=f"^writing {tmp_path / 'd'} failed: No space left on device$"):
+        X.export(fst, tmp_path / "d")
+    assert not list(tmp_path.glob(".d.partial-*"))

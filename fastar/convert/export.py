@@ -271,7 +271,10 @@ def export(
         groups = _shards(manifest, shard_size)
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        try:
+            tmp.mkdir()
+        except OSError as e:  # (it would name the temporary folder, which the user never gave)
+            raise ExportError(f"{out}: cannot write ({e.strerror or e})") from None
         total = sum(tensor_nbytes(*v) for v in manifest.values())
         bar = _progress(total, f"exporting to {out.name}", progress)
         try:
@@ -296,7 +299,8 @@ def export(
             os.rename(tmp, out)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError) and e.filename is None:  # a failed write (a full disk) names no file: say which
+            # a failed write names no file (a full disk) or one in the temporary folder: say it of `out`
+            if isinstance(e, OSError) and (e.filename is None or str(e.filename).startswith(str(tmp))):
                 raise ExportError(f"writing {out} failed: {e.strerror or e}") from None
             raise
         finally:

@@ -367,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fastar", description="DeepSeek-V4-Flash on one machine, experts paged from SSD.")
     p.add_argument("--version", action="version", version=f"fastar {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    p.set_defaults(fn=None)  # no command given: `main` prints the help (each command sets its own)
 
     c = sub.add_parser(
         "convert",
@@ -547,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastar: error: {e}", file=sys.stderr)
         return 2
     a = parser.parse_args(argv)
-    if not getattr(a, "fn", None):
+    if a.fn is None:
         parser.print_help()
         return 2
     if sys.stdout is None:

@@ -113,9 +113,12 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
     add_draft_argument(p)
     add_memory_arguments(p)
     p.add_argument("--verbose", action="store_true", help="more detail on stderr (model, token counts, stats)")
+    p.set_defaults(numerics="official")  # `open_engine` reads it; run and chat have no --numerics flag
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's memory and device options, which `memory_options` reads: every command that loads a model
+    (run, chat, serve, perplexity, bench) adds them."""
     p.add_argument(
         "--ram-budget",
         default="auto",
@@ -172,16 +175,17 @@ def check_sizes(args: argparse.Namespace) -> None:
 
 
 def memory_options(args: argparse.Namespace) -> dict:
-    budget = getattr(args, "ram_budget", "auto")
+    """`load`'s options from the flags `add_memory_arguments` added."""
+    budget = args.ram_budget
     return {
         "ram_budget": None if str(budget).lower() == "none" else budget,
-        "cache_policy": getattr(args, "cache_policy", "lrfu"),
-        "direct_io": getattr(args, "direct_io", None),
-        "lookahead": getattr(args, "lookahead", False),
-        "head_screen": getattr(args, "head_screen", True),
-        "verify": getattr(args, "verify", True),
-        "device": getattr(args, "device", None),
-        "gpu_budget": getattr(args, "gpu_budget", "auto"),
+        "cache_policy": args.cache_policy,
+        "direct_io": args.direct_io,
+        "lookahead": args.lookahead,
+        "head_screen": args.head_screen,
+        "verify": args.verify,
+        "device": args.device,
+        "gpu_budget": args.gpu_budget,
     }
 
 
@@ -258,9 +262,9 @@ def open_engine(args: argparse.Namespace, err: TextIO | None = None, warm: bool 
     try:
         engine = load(
             source,
-            numerics=getattr(args, "numerics", "official"),
+            numerics=args.numerics,
             threads=args.threads or None,
-            draft=getattr(args, "draft", "none"),
+            draft=args.draft,
             warm_experts=(args.prompt_cache or True) if warm else False,
             **memory_options(args),
         )

@@ -739,17 +739,17 @@ def main(a) -> int:
         None if s.strip().lower() == "none" else s.strip() for s in str(opts.pop("ram_budget") or "none").split(",")
     ]
     budgets = [b if b in (None, "auto") else parse_size(b) for b in budgets]
-    opts["draft"] = getattr(a, "draft", "none")
-    policies = [p.strip() for p in a.policies.split(",")] if getattr(a, "policies", None) else None
+    opts["draft"] = a.draft
+    policies = [p.strip() for p in a.policies.split(",")] if a.policies else None
     bad = [p for p in policies or [] if p not in ("lrfu", "lru")]
     if bad:
         raise FastarError(f"--policies: unknown policy {bad[0]!r} (choose from lrfu, lru)")
-    replay = getattr(a, "replay", None)
+    replay = a.replay
     if replay is not None and not 0 <= replay <= 1:
         raise FastarError(f"--replay: a probability in [0, 1], got {replay}")
     if replay is not None and opts["draft"] != "none":
         raise FastarError("--replay replaces the model's own draft: drop --draft")
-    sampling = (getattr(a, "temperature", 0.0), getattr(a, "top_p", 1.0))
+    sampling = (a.temperature, a.top_p)
     if not (math.isfinite(sampling[0]) and sampling[0] >= 0):
         raise FastarError(f"--temperature: a finite number >= 0, got {sampling[0]}")
     if not 0 < sampling[1] <= 1:
@@ -758,10 +758,10 @@ def main(a) -> int:
         raise FastarError(
             "--temperature times plain sampled steps: drop --draft and --replay (bench draft compares them)"
         )
-    if getattr(a, "repeats", 1) < 1:
+    if a.repeats < 1:
         raise FastarError(f"--repeats: at least 1, got {a.repeats}")
     reference, ref_dtype = a.reference, "float32"
-    if getattr(a, "compare_transformers", None):
+    if a.compare_transformers:
         if a.reference:
             raise FastarError("--compare-transformers and --reference both name a transformers run: pick one")
         reference, ref_dtype = a.compare_transformers, "bfloat16"
@@ -777,7 +777,7 @@ def main(a) -> int:
         policies=policies,
         warmup=a.warmup_tokens,
         replay=replay,
-        repeats=getattr(a, "repeats", 1),
+        repeats=a.repeats,
         reference_dtype=ref_dtype,
         sampling=sampling,
     )
@@ -791,7 +791,7 @@ def main(a) -> int:
             policies=policies,
             warmup=a.warmup_tokens,
             replay=replay,
-            repeats=getattr(a, "repeats", 1),
+            repeats=a.repeats,
             sampling=sampling,
         )
         r["compare"]["model"] = a.compare

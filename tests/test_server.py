@@ -378,6 +378,15 @@ def test_tokenize_template_options(server):
         status, err = tokenize(body)
         assert status == 400 and err["error"]["param"] == param, (body, err)
         assert param in err["error"]["message"] and "\n" not in err["error"]["message"]
+    # another model's name is a 404, as on the generating routes (its tokenizer could count differently)
+    for path, body in (
+        ("/tokenize", {"prompt": "hi"}),
+        ("/tokenize", {"messages": msgs}),
+        ("/detokenize", {"tokens": [1]}),
+    ):
+        status, _, data = raw(server, "POST", path, {**body, "model": "gpt-4o"})
+        assert status == 404 and json.loads(data)["error"]["code"] == "model_not_found", (path, data)
+        assert raw(server, "POST", path, {**body, "model": "deepseek-v4-flash"})[0] == 200
 
 
 def test_models_retrieve(server):

@@ -157,6 +157,7 @@ class OpenAIRoutes:
         engine = self.server.host.require_engine()
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
+        fields.check_model(body, self.server.model_names)  # another model's ids would be a wrong count
         chat = "messages" in body
         fields.boolean(body, "add_special_tokens", not chat)  # checked; V4's tokenizer adds no tokens either way
         token_strs = fields.boolean(body, "return_token_strs", False)
@@ -192,6 +193,8 @@ class OpenAIRoutes:
     async def detokenize(self, request: Request) -> Response:
         body = await read_json(request, self.server.settings)
         engine = self.server.host.require_engine()
+        if isinstance(body, dict):
+            fields.check_model(body, self.server.model_names)
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise bad_request("'tokens' must be a list of integers", "tokens")

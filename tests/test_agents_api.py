@@ -794,6 +794,13 @@ def test_responses_text_format_and_max_output_tokens_are_checked_under_their_own
         with pytest.raises(APIError) as err:
             R.parse_request({"input": "hi", "text": text}, backend, R.ResponseStore())
         assert (err.value.status, err.value.param) == (400, param)
+    schema = {"type": "json_schema", "name": "r", "schema": {"type": "object"}}
+    for bad, param in (({"strict": "yes"}, "strict"), ({"name": 5}, "name"), ({"schema": [1]}, "schema")):
+        with pytest.raises(APIError) as err:
+            R.parse_request({"input": "hi", "text": {"format": {**schema, **bad}}}, backend, R.ResponseStore())
+        assert (err.value.status, err.value.param) == (400, f"text.format.{param}"), err.value.message
+        assert f"'text.format.{param}'" in err.value.message
+    R.parse_request({"input": "hi", "text": {"format": {**schema, "strict": True}}}, backend, R.ResponseStore())
     for value in (0, -1, "8", 1.5):
         with pytest.raises(APIError) as err:
             R.parse_request({"input": "hi", "max_output_tokens": value}, backend, R.ResponseStore())

@@ -389,6 +389,20 @@ def test_tokenize_template_options(server):
         assert raw(server, "POST", path, {**body, "model": "deepseek-v4-flash"})[0] == 200
 
 
+def test_a_json_schema_format_of_the_wrong_kind_is_a_400_naming_it():
+    """`strict: "yes"` (or a name or description that is not a string) was taken as if it were right; OpenAI
+    answers a 400 naming the field."""
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    fmt = {"name": "r", "schema": {"type": "object"}}
+    for bad, key in (({"strict": "yes"}, "strict"), ({"name": 5}, "name"), ({"description": []}, "description")):
+        body = {**base, "response_format": {"type": "json_schema", "json_schema": {**fmt, **bad}}}
+        with pytest.raises(APIError) as err:
+            openai_request.parse_chat_request(body, ("deepseek-v4-flash",))
+        assert (err.value.status, err.value.param) == (400, f"response_format.json_schema.{key}")
+    ok = {**base, "response_format": {"type": "json_schema", "json_schema": {**fmt, "strict": False}}}
+    assert openai_request.parse_chat_request(ok, ("deepseek-v4-flash",)).sampling["grammar"] is not None
+
+
 def test_models_retrieve(server):
     """`models.retrieve` (GET /v1/models/{model}) gives the listed entry; another name is the client's NotFoundError."""
     cl = client(server)

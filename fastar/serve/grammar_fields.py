@@ -123,7 +123,22 @@ def check_response_format(fmt: Any) -> dict | None:
                 "'response_format.json_schema' must be an object (with 'name' and a 'schema' object)",
                 "response_format.json_schema",
             )
+        check_json_schema_fields(schema, "response_format.json_schema")
     return None if fmt["type"] == "text" else fmt
+
+
+JSON_SCHEMA_FIELDS = {"name": str, "description": str, "strict": bool}
+
+
+def check_json_schema_fields(fmt: dict, param: str) -> None:
+    """A JSON schema format's `name`, `description` and `strict` (chat completions' `response_format.json_schema`,
+    Responses' `text.format`): of the wrong type, a 400 naming it, as OpenAI answers (`strict: "yes"` passed as
+    if it were true). The schema is enforced either way."""
+    for key, kind in JSON_SCHEMA_FIELDS.items():
+        value = fmt.get(key)
+        if value is not None and not isinstance(value, kind):
+            what = "true or false" if kind is bool else "a string"
+            raise bad_request(f"'{param}.{key}' must be {what}, got {json.dumps(value)[:80]}", f"{param}.{key}")
 
 
 def output_grammar(

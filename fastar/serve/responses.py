@@ -294,6 +294,10 @@ def _response_format(body: dict) -> dict | None:
     if fmt["type"] == "text":
         return None
     if fmt["type"] == "json_schema":
+        if not isinstance(fmt.get("schema", {}), dict):
+            got = json.dumps(fmt["schema"])[:80]
+            raise bad_request(f"'text.format.schema' must be an object, got {got}", "text.format.schema")
+        grammar_fields.check_json_schema_fields(fmt, "text.format")
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     return dict(fmt)
 

@@ -178,6 +178,10 @@ def _text(value: Any, where: str, required: bool) -> str | None:
                 texts.append(part)
             elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
+            elif isinstance(part, dict) and part.get("type") == "text":  # the kind is right, the part malformed
+                raise EncodingError(f"{where}: a 'text' content part needs a string 'text'")
+            elif isinstance(part, dict) and "type" not in part:
+                raise EncodingError(f"{where}: a content part needs a 'type' ('text')")
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise EncodingError(f"{where}: unsupported content part {kind!r} (the model reads text only)")

@@ -251,6 +251,10 @@ def test_developer_dropped_before_last_user_in_thinking_mode() -> None:
         ([{"role": "user"}], "content"),
         ([{"role": "user", "content": 5}], "content"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "unsupported content part"),
+        # a text part without its text (or a part without a type) is malformed, not of an unsupported kind
+        ([{"role": "user", "content": [{"type": "text"}]}], "^messages\\[0\\]: a 'text' content part needs a string"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "'text' content part needs a string 'text'$"),
+        ([{"role": "user", "content": [{}]}], "^messages\\[0\\]: a content part needs a 'type'"),
         ([{"role": "developer", "content": ""}], "developer"),
         ([{"role": "latest_reminder"}], "content"),
         ([{"role": "tool", "tool_call_id": "a"}], "tool message"),

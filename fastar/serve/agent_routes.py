@@ -12,7 +12,7 @@ client that leaves cancels its generation too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import anyio.from_thread
@@ -32,7 +32,7 @@ ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": A.error_body}  # Response
 class _ClosingStream(StreamingResponse):
     """SSE from a blocking iterator run in the thread pool; closing it (done or client gone) cancels the job."""
 
-    def __init__(self, it: Iterator[bytes]) -> None:
+    def __init__(self, it: Generator[bytes, None, None]) -> None:  # the APIs' `_stream`s: close() cancels
         super().__init__(
             iterate_in_threadpool(it),
             media_type="text/event-stream; charset=utf-8",
@@ -44,9 +44,7 @@ class _ClosingStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            close = getattr(self._it, "close", None)  # a generator; a plain iterator has nothing to cancel
-            if close is not None:
-                await run_in_threadpool(close)
+            await run_in_threadpool(self._it.close)
 
 
 class AgentRoutes:

@@ -178,6 +178,16 @@ def test_cli_convert_dispatches_on_the_v2_magic(v2_path, tmp_path, capsys):
     assert not (tmp_path / "no.fst").exists() and not (tmp_path / "no.fst.partial").exists()
 
 
+def test_bench_refuses_a_v2_file_naming_the_conversion(v2_path, tiny_fst_path, tmp_path, capsys):
+    """`bench -m` (and --compare) on a v2 file: one line naming the file and the convert command, no traceback."""
+    assert cli_main(["bench", "-m", str(v2_path), "--decode-tokens", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"-m {v2_path}: a FaStar v2 file" in err and f"fastar convert {v2_path} -o NEW.fst" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert cli_main(["bench", "-m", str(tiny_fst_path), "--compare", str(v2_path)]) == 1
+    assert f"--compare {v2_path}: a FaStar v2 file" in capsys.readouterr().err
+
+
 def test_v2_logits_equal_its_v3_conversion(v2_path, v3_from_v2, v2_logits):
     assert isinstance(open_source(v2_path), FstV2File) and isinstance(open_model_file(v3_from_v2), FstFile)
     assert np.array_equal(v2_logits, load(v3_from_v2).logits(IDS))

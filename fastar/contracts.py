@@ -191,6 +191,7 @@ class ServedTokenizer(Protocol):
     """The tokenizer the server encodes and decodes with (`fastar.engine.tokenizer.Tokenizer`)."""
 
     eos_id: int
+    vocab_size: int  # token ids the routes accept are below it (/detokenize, prompts of ids, logit_bias)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -201,6 +202,10 @@ class ServedTokenizer(Protocol):
         ...
 
     def max_token_bytes(self) -> int: ...
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string of one token (/tokenize's `return_token_strs`), None for an id it lacks."""
+        ...
 
 
 class ServedEngine(Protocol):

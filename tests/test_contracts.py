@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+from test_server import FakeTokenizer
 
 from fastar.bench.cache import MmapExperts
 from fastar.bench.speculative import SlowExperts
@@ -105,3 +106,16 @@ def test_the_engine_declares_what_the_server_reads():
     tok = Tokenizer.default()
     assert isinstance(tok, ServedTokenizer)
     assert tok.decode([tok.eos_id]) == "<｜end▁of▁sentence｜>" and tok.token_bytes(tok.encode("a")[0]) == b"a"
+    assert tok.id_to_token(tok.encode("a")[0]) == "a" and tok.vocab_size == 129280
+
+
+def test_served_tokenizer_declares_what_the_routes_read():
+    """The routes read `vocab_size` (token ids checked against it) and `id_to_token` (/tokenize's
+    `return_token_strs`): the protocol declares both, so a tokenizer without either is not a `ServedTokenizer`; the
+    server tests' fake tokenizer is one."""
+    tok = FakeTokenizer()
+    assert isinstance(tok, ServedTokenizer)
+    del tok.vocab_size
+    assert not isinstance(tok, ServedTokenizer)  # no vocab_size
+    without_strs = type("WithoutTokenStrs", (), {k: v for k, v in vars(FakeTokenizer).items() if k != "id_to_token"})
+    assert not isinstance(without_strs(), ServedTokenizer)  # no id_to_token

@@ -199,7 +199,9 @@ class Client:
         base = {"model": MODEL, "max_tokens": self.tokens(), "temperature": self.rng.choice((0, 0.8))}
         msg = [{"role": "user", "content": self.words(3, 40)}]
         if kind == "chat":
-            body = {**base, "messages": msg, "stream": stream, "stream_options": {"include_usage": True}}
+            body = {**base, "messages": msg, "stream": stream}
+            if stream:  # the API refuses stream_options on a request that does not stream
+                body["stream_options"] = {"include_usage": True}
             if self.rng.random() < 0.3:
                 body |= {"logprobs": True, "top_logprobs": self.rng.randint(1, 5)}
             if self.rng.random() < 0.2:

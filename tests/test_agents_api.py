@@ -787,6 +787,19 @@ def test_anthropic_defined_tool_types_and_malformed_tools_are_a_400(backend):
     assert ok["type"] == "message"
 
 
+def test_anthropic_temperature_above_one_is_a_400(backend):
+    """The Messages API takes `temperature` in [0, 1] (the OpenAI routes' 2 is out of its range): above it, a 400
+    naming `temperature`, where it used to sample at it; 0 and 1 run."""
+    msgs = [{"role": "user", "content": "hello"}]
+    for bad in (1.5, 2, -0.1):
+        with pytest.raises(APIError) as err:
+            A.messages({"max_tokens": 5, "messages": msgs, "temperature": bad}, backend)
+        assert (err.value.status, err.value.param) == (400, "temperature")
+        assert "between 0.0 and 1.0" in err.value.message
+    for ok in (0, 1):
+        assert A.messages({"max_tokens": 5, "messages": msgs, "temperature": ok}, backend)["type"] == "message"
+
+
 def test_responses_text_format_and_max_output_tokens_are_checked_under_their_own_names(backend):
     """A `text.format` of another type (or a `text` that is not an object) is a 400, not an unconstrained reply
     echoing the format; a bad `max_output_tokens` or `reasoning.effort` is a 400 naming the field the client sent."""

@@ -1309,6 +1309,22 @@ def test_include_usage_puts_a_null_usage_on_every_other_chunk(server):
         assert status == 200 and not any("usage" in e for e in _sse_events(data))
 
 
+def test_stream_options_without_stream_is_a_400(server):
+    """`stream_options` asks for something only a stream has (`include_usage`): on a request that does not stream
+    it is a 400 naming it, as OpenAI and vLLM answer, where it was silently ignored. `null` stays accepted."""
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "so"}], **NO_THINK}),
+        ("/v1/completions", {"prompt": "Hello"}),
+    ):
+        body = {"model": "deepseek-v4-flash", "max_tokens": 2, **body}
+        for stream in ({}, {"stream": False}):
+            status, _, data = raw(server, "POST", path, {**body, **stream, "stream_options": {"include_usage": True}})
+            err = json.loads(data)["error"]
+            assert status == 400 and err["param"] == "stream_options" and "'stream'" in err["message"], (path, stream)
+        status, _, _ = raw(server, "POST", path, {**body, "stream_options": None})
+        assert status == 200, path
+
+
 def test_top_logprobs_without_logprobs_is_a_400(server):
     """`top_logprobs` needs `logprobs: true` (OpenAI's reference; vLLM refuses it too): the request used to
     succeed with no logprobs at all, the client's mistake hidden. 0 asks for nothing and stays accepted."""

@@ -86,3 +86,24 @@ def test_the_scripts_stop_a_server_that_inherited_sigint_ignored(demo_model: Pat
     finally:
         if server.proc.poll() is None:
             os.killpg(server.proc.pid, signal.SIGKILL)
+
+
+def test_the_soak_client_sends_stream_options_only_when_streaming() -> None:
+    """The API refuses `stream_options` on a request that does not stream (a 400 naming it): the soak's chat
+    requests, streamed or not, are ones the server's own parser accepts."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from fastar.serve.openai_request import parse_chat_request
+
+    sent: list[dict] = []
+    client = soak.Client(0, 7, 0.0, None, None, None)
+    client.post = lambda path, body, cut=False: sent.append(body) if path == "/v1/chat/completions" else None
+    for _ in range(200):
+        client.one()
+    assert {b.get("stream", False) for b in sent} == {True, False}
+    for body in sent:
+        parse_chat_request(body, (body["model"],))  # raises the 400 the server would answer
+        assert ("stream_options" in body) <= body.get("stream", False)

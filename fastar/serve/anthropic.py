@@ -341,6 +341,7 @@ def parse_request(
         raise bad_request(
             f"'stop_sequences' may hold at most {fields.MAX_STOP_STRINGS} strings, got {len(stops)}", "stop_sequences"
         )
+    fields.number(body, "temperature", 0.0, 1.0, None)  # this API's range (OpenAI's is [0, 2])
     sampling, max_tokens = fields.sampling_fields(
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")} | {"stop": stops}
     )

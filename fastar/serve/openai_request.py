@@ -58,6 +58,19 @@ class CompletionRequest:
         return self.prompts[0]
 
 
+def _stream_options(body: dict, stream: bool) -> dict:
+    """`stream_options` (`include_usage`): only with `stream` true, as OpenAI and vLLM answer (otherwise it would
+    silently do nothing)."""
+    value = body.get("stream_options")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    if not stream:
+        raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
+    return value
+
+
 def parse_chat_request(
     body: Any, model_names: tuple[str, ...], default_thinking: bool = True, default_effort: str | None = None
 ) -> ChatRequest:
@@ -96,9 +109,7 @@ def parse_chat_request(
     params["grammar"] = grammar_fields.output_grammar(
         thinking, functions, choice, parallel, response_format, "response_format"
     )
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options")
+    stream_options = _stream_options(body, stream)
     rendered = grammar_fields.with_system_extras(messages, tools, response_format)
     return ChatRequest(
         model=model,
@@ -138,9 +149,7 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
     # echo + logprobs: the prompt's tokens lead the logprobs (scored as vLLM's prompt_logprobs are)
     asked = [n for n in (prompt_logprobs, params["logprobs"] if echo else None) if n is not None]
     params["prompt_logprobs"] = max(asked) if asked else None
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options")
+    stream_options = _stream_options(body, stream)
     return CompletionRequest(
         model=model,
         prompts=prompts,

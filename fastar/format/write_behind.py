@@ -40,6 +40,7 @@ def open_direct(path: os.PathLike | str) -> int | None:
 
 class WriteBehind:
     """`write(offset, data)`: queue data for the file at offset (a multiple of `spec.ALIGN`) through O_DIRECT;
+    `take()` and `put(buf, n, offset)`: the same, the caller filling one of the buffers in place (no copy);
     `write_plain(offset, data)`: queue a small write through the page cache, in order with the others (a buffered
     write on the caller's thread would wait for the file's lock while a direct write is in flight); `drain()`: wait
     for every queued write and raise the first error; `close()`: stop the thread and close the descriptors (the
@@ -60,21 +61,29 @@ class WriteBehind:
         self._thread.start()
 
     def write(self, offset: int, data: memoryview) -> None:
-        if offset % spec.ALIGN:
-            raise ValueError(f"direct write at offset {offset}: not a multiple of {spec.ALIGN}")
-        self._raise()
         src = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         n = len(src)
         for a in range(0, n, CHUNK):
             m = min(CHUNK, n - a)
-            buf = self._free.get()  # waits while every buffer is queued
+            buf = self.take()
             buf[:m] = src[a : a + m]
-            padded = spec.align(m)
-            if padded > m:
-                buf[m:padded] = bytes(padded - m)
-            self._pending += 1
-            self._jobs.put((buf, padded, offset + a))
-            self._raise()
+            self.put(buf, m, offset + a)
+
+    def take(self) -> memoryview:
+        """A free buffer of `CHUNK` bytes for the caller to fill and `put` (waits while every buffer is queued)."""
+        self._raise()
+        return self._free.get()
+
+    def put(self, buf: memoryview, n: int, offset: int) -> None:
+        """Queue buf[:n] (from `take`) for the file at offset (a multiple of `spec.ALIGN`), zero-padded."""
+        if offset % spec.ALIGN:
+            raise ValueError(f"direct write at offset {offset}: not a multiple of {spec.ALIGN}")
+        padded = spec.align(n)
+        if padded > n:
+            buf[n:padded] = bytes(padded - n)
+        self._pending += 1
+        self._jobs.put((buf, padded, offset))
+        self._raise()
 
     def write_plain(self, offset: int, data: memoryview) -> None:
         self._raise()

@@ -118,3 +118,25 @@ def test_a_disk_without_room_for_the_file_is_said_before_writing(tmp_path, monke
     with pytest.raises(FormatError, match=r"m\.fst: needs 0\.0[0-9] GB, .* has 0\.00 GB free$"):
         write_big(tmp_path / "m.fst", direct_io=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unexpected_error_on_the_thread_is_raised_not_waited_for(tmp_path, monkeypatch):
+    """Whatever a write raises on the thread (here a TypeError, as a bug would) reaches the caller at its next
+    call; the thread goes on answering, so `drain` returns rather than waiting for ever."""
+    needs_direct(tmp_path)
+    p = tmp_path / "x"
+    p.write_bytes(b"")
+
+    def bug(fd, data, offset):
+        raise TypeError("a bug")
+
+    w = write_behind.WriteBehind(write_behind.open_direct(p), p)
+    monkeypatch.setattr(os, "pwrite", bug)
+    try:
+        with pytest.raises(TypeError, match="a bug"):  # at the write's later buffers, or else at the drain
+            w.write(0, memoryview(bytes(3 * write_behind.CHUNK)))
+            w.drain()
+        with pytest.raises(TypeError, match="a bug"):  # it stays: the file is being abandoned
+            w.drain()
+    finally:
+        w.close()

@@ -54,7 +54,7 @@ class WriteBehind:
         for _ in range(BUFFERS):
             self._free.put(memoryview(mmap.mmap(-1, CHUNK)))  # page-aligned, as O_DIRECT requires
         self._jobs: queue.SimpleQueue[tuple[memoryview | bytes, int, int] | None] = queue.SimpleQueue()
-        self._error: OSError | None = None
+        self._error: Exception | None = None
         self._pending = 0  # writes queued and not yet done (the caller's count; the thread signals `_done`)
         self._done = threading.Semaphore(0)
         self._thread = threading.Thread(target=self._run, name="fst-write-behind", daemon=True)
@@ -91,7 +91,7 @@ class WriteBehind:
         self._jobs.put((bytes(data), len(data), offset))
 
     def drain(self) -> None:
-        """Wait for every queued write; raise the first error one met (OSError)."""
+        """Wait for every queued write; raise the first error one met (an OSError, as a write's)."""
         while self._pending:
             self._done.acquire()
             self._pending -= 1
@@ -119,7 +119,7 @@ class WriteBehind:
                     done, fd = 0, self._fd if direct else self._plain
                     while done < n:
                         done += os.pwrite(fd, buf[done:n], offset + done)
-            except OSError as e:
+            except Exception as e:  # any: kept for the caller to raise, and the thread goes on (else drain would hang)
                 self._error = e
             finally:
                 if direct:

@@ -383,6 +383,8 @@ def test_bench_streams_cli(tiny_ckpt, tmp_path):
         assert row["fraction_of_roofline"] >= row["fraction_of_ceiling"]
     assert out["decode_macs_fp32_path"] > 0 and out["decode_macs_quant_path"] > 0
     assert out["rows"][1]["expert_reads_per_call"] >= out["rows"][0]["expert_reads_per_call"]
+    # the tiny head stays in the caches, so the hits' bandwidth is the start-of-run probe's, never 0 (unknown)
+    assert out["membw_gbps"] > 0 and all(row["membw_gbps"] == out["membw_gbps"] for row in out["rows"])
 
 
 def test_a_failing_worker_ends_every_request_with_its_error(eng, monkeypatch):

@@ -98,19 +98,21 @@ def _call_seconds(resident: int, stride: int, call: tuple, membw: float, disk: f
     return (hit_bytes / (membw * 1e9) if membw else 0.0) + (misses * stride / (disk * 1e9) if disk and misses else 0.0)
 
 
-def _mac_rates(engine) -> tuple[float, float]:
-    """Multiply-adds per second of (the FP32 FMA path, the path the FP8/FP4 products take), measured now: the
-    latter is the bf16 dot peak under the official numerics on a CPU with one (reference numerics split each input
-    into three bfloat16s there: a third of it), else the FP32 FMA peak."""
+def _machine_rates(engine) -> tuple[float, float, float]:
+    """(multiply-adds per second of the FP32 FMA path, of the path the FP8/FP4 products take, streaming read GB/s),
+    measured now: the second is the bf16 dot peak under the official numerics on a CPU with one (reference numerics
+    split each input into three bfloat16s there: a third of it), else the FP32 FMA peak; the bandwidth is the
+    start-of-run probe over 1 GiB, used where the model's head is too small to stream (`_stream_gbps`)."""
     from ..quant import kernels
     from .kernels import machine_limits
 
     n = kernels.get_num_threads()
-    fma = machine_limits([n])["peak"][n] * 1e9 / 2
+    limits = machine_limits([n])
+    fma, membw = limits["peak"][n] * 1e9 / 2, limits["membw"][n]
     dot = bf16_dot_peak_gflops(n)
     if not dot:
-        return fma, fma
-    return fma, dot * 1e9 / 2 / (1 if engine.model.numerics.fp8_activations else 3)
+        return fma, fma, membw
+    return fma, dot * 1e9 / 2 / (1 if engine.model.numerics.fp8_activations else 3), membw
 
 
 def _i8_rate(K: int, rows: int = 256, tokens: int = 16) -> float:
@@ -174,9 +176,9 @@ def bench(
     resident_tok, _, _ = token_bytes(src)
     stride = src.expert_stride
     prompts = _prompts(max(streams), prompt_tokens, engine.config.vocab_size)
-    membw0 = _stream_gbps(engine) or 0.0
     wide_macs, quant_macs = decode_macs(src)
-    fma_rate, quant_rate = _mac_rates(engine)
+    fma_rate, quant_rate, probe_gbps = _machine_rates(engine)
+    membw0 = _stream_gbps(engine) or probe_gbps
     row_s = wide_macs / fma_rate + quant_macs / quant_rate  # one row's arithmetic at the peaks
     # calls of at most HeadScreen.MAX_ROWS greedy rows take the head screen: its int8 head in place of the BF16 one
     # (two int8 terms of y per row in place of the FP32 head's products; from HeadScreen.ONE_TERM_ROWS rows one, the

@@ -204,6 +204,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--prompt", default=None, help="the prompt ('-' or omitted with a pipe: read stdin)")
     p.add_argument("--raw", action="store_true", help="use the prompt as-is, without the chat encoding")
     p.add_argument("--stop", type=_stop_string, default=None, help="stop string (not included in the output)")
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="generate at least this many tokens: EOS is not drawn and --stop does not end the output before (vLLM's "
+        "min_tokens; at most --max-tokens)",
+    )
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
@@ -306,6 +313,7 @@ def sampling_params(args: argparse.Namespace, stop: list[str] | None = None):
         min_p=args.min_p,
         seed=args.seed,
         stop=stop or [],
+        min_tokens=getattr(args, "min_tokens", 0),  # `fastar run`'s flag (chat has none)
     )
 
 

@@ -165,6 +165,20 @@ def test_bad_input_is_one_line_and_exit_1(capsys, tmp_path: Path, demo_cache: Pa
     assert code == 1 and "top_p" in one_line_error(err)
     code, err = run_main(capsys, "chat", "-m", model, "-c", "999999999")
     assert code == 1 and "context length" in one_line_error(err)
+    code, err = run_main(capsys, "run", "-m", model, "-n", "4", "--min-tokens", "5", "-p", "hi")
+    assert code == 1 and "min_tokens" in one_line_error(err)
+
+
+def test_run_min_tokens_keeps_a_stop_string_in_its_first_tokens(capsys, demo_cache: Path) -> None:
+    """`fastar run --min-tokens N`: a stop string in the first N tokens' text does not end the output."""
+    args = ["run", "-m", str(demo_cache / demo.DEMO_NAME), "--raw", "-p", "Once upon a time", "--temp", "0", "-n", "6"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out.strip()
+    assert len(text) > 2
+    assert cli.main([*args, "--stop", text[:2]]) == 0
+    assert capsys.readouterr().out.strip() == ""  # cut at once
+    assert cli.main([*args, "--stop", text[:2], "--min-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip() == text
 
 
 def test_a_reply_the_context_cut_short_says_so(capsys, monkeypatch, demo_cache: Path) -> None:

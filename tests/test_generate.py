@@ -64,6 +64,9 @@ def test_a_stop_starting_earlier_wins_though_it_completes_later() -> None:
     assert run_stops(["aab", "c"], ["b", "aba"]) == (["a", "a"], True)
     s = StopStrings(["b", "aba"])
     assert s.feed("aab") == ("a", False) and s.flush() == "a" and s.hit  # text ended: the held 'b' is the stop
+    s = StopStrings(["ab"])
+    assert s.feed("xa") == ("x", False) and s.feed("bab", match=False) == ("abab", False) and not s.hit
+    assert s.feed("ab") == ("", True) and s.matched == "ab"  # matched again once `match` is back
 
 
 @settings(max_examples=200, deadline=None)

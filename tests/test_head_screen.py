@@ -513,6 +513,23 @@ def test_sampled_tokens_are_the_full_heads(engines):
         assert bool(torch.isfinite(got).all()) == (False in flags)  # screened unless a row needs every logit
 
 
+def test_min_tokens_tokens_are_the_full_heads(engines):
+    """`min_tokens` bans the stop token ids on the full head (its steps are not screened) and screens the steps after
+    it: the same tokens with the screen and without, greedy and sampled; the ban changes the tokens."""
+    on, off = engines
+    ids = [5, 17, 300, 42]
+    for kw in (dict(), dict(temperature=0.8, seed=3), dict(temperature=0.8, top_k=40, seed=6)):
+        free = [c.token for c in off.stream(ids, SamplingParams(max_tokens=12, ignore_eos=True, **kw))]
+        stop = next(t for t in free[3:] if t not in free[:3])
+        p = SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[stop], min_tokens=12, **kw)
+        before = on.model.screen.exact_rows
+        a, b = list(on.stream(ids, p)), list(off.stream(ids, p))
+        assert [c.token for c in a] == [c.token for c in b] and all(c.logprob is None for c in a + b)
+        tokens = [c.token for c in a]
+        assert tokens[: free.index(stop)] == free[: free.index(stop)] and stop not in tokens[:12]
+        assert (on.model.screen.exact_rows > before) == (len(a) > 13)  # screened after the ban, not during it
+
+
 def test_generate_tokens_samples_as_stream_does(engines):
     """`Engine.generate_tokens` draws with a `Sampler` and screens its steps as `stream` does: for a temperature and a
     seed the same tokens as `stream`, with the screen and without."""
@@ -549,3 +566,9 @@ def test_a_sampler_draws_the_same_tokens_whether_or_not_its_steps_ask_early():
     assert len(set(tokens)) > 5
     assert Sampler(SamplingParams()).head_request() is True
     assert Sampler(SamplingParams(temperature=0.9, top_p=0.5)).head_request() is False
+    banning = Sampler(SamplingParams(min_tokens=2), eos_token_id=1)  # bans EOS: its first two tokens need the full head
+    logits = torch.zeros(5000)
+    logits[1] = 1.0
+    assert banning.head_request() is False and banning(logits)[0] == 0
+    assert banning.head_request() is False and banning(logits)[0] == 0
+    assert banning.head_request() is True and banning(logits)[0] == 1

@@ -67,12 +67,28 @@ def test_defaults_are_greedy() -> None:
         ("frequency_penalty", float("nan")),
         ("repetition_penalty", 0.0),
         ("grammar", "start: 'a'"),  # Lark text, not compiled: was an AttributeError at the first token
+        ("min_tokens", -1),
+        ("min_tokens", 257),  # above max_tokens (256 by default)
+        ("min_tokens", True),
     ],
 )
 def test_bad_values_name_the_field(field: str, value) -> None:
     with pytest.raises(SamplingError, match=field):
         SamplingParams(**{field: value})
     assert issubclass(SamplingError, ValueError)  # the server maps ValueError to a 400
+
+
+def test_min_tokens_bans_the_ending_tokens_until_reached() -> None:
+    """The stop token ids and EOS (unless `ignore_eos`) are -inf for the first `min_tokens` tokens, forced ones
+    counted; the logprobs reported stay the model's."""
+    logits = torch.tensor([0.0, 3.0, 2.0, 1.0, 0.5])
+    s = Sampler(SamplingParams(min_tokens=3, stop_token_ids=[2], logprobs=0), eos_token_id=1)
+    first = s(logits)
+    assert first[0] == 3 and first[1] == pytest.approx(float(torch.log_softmax(logits, -1)[3]))
+    assert s.forced(logits, 4)[0] == 4 and s(logits)[0] == 3 and s(logits)[0] == 1  # the ban is over
+    free = Sampler(SamplingParams(min_tokens=3, stop_token_ids=[2], ignore_eos=True), eos_token_id=1)
+    assert free(logits)[0] == 1  # EOS does not end this request: not banned
+    assert Sampler(SamplingParams(min_tokens=3, stop_token_ids=[9]), eos_token_id=1)(logits)[0] == 2  # beyond V
 
 
 def test_stop_accepts_a_single_string() -> None:

@@ -209,6 +209,35 @@ def test_stop_strings_and_stop_tokens_batched(eng):
         assert chunks[-1].finish_reason == "stop"
 
 
+def test_min_tokens_batched(eng):
+    """`min_tokens`: the stop token ids may not be drawn and a stop string does not end the reply before that many
+    tokens, batched as alone: each request's chunks are its solo run's, and run past where the stop cut them."""
+    needs_invariant_kernels()
+    base = requests(4)
+    reqs, cuts = [], []
+    for ids, p in base:
+        chunks = solo(eng, ids, p)
+        text = "".join(c.text for c in chunks)
+        kw = {
+            f: getattr(p, f)
+            for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs")
+        }
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        reqs.append((ids, SamplingParams(**kw, stop=[stop], min_tokens=len(chunks) - 2)))
+        cuts.append(stop)
+        stop_id = chunks[len(chunks) // 3].token
+        reqs.append((ids, SamplingParams(**kw, stop_token_ids=[stop_id], min_tokens=len(chunks) // 3 + 4)))
+        cuts.append(stop_id)
+    out = eng.serve_batch(reqs)
+    for (ids, p), chunks, cut in zip(reqs, out, cuts):
+        same_chunks(chunks, solo(eng, ids, p))
+        assert len(chunks) > p.min_tokens
+        if isinstance(cut, str):  # kept in the text: it came within the first min_tokens tokens
+            assert cut in "".join(c.text for c in chunks[: p.min_tokens])
+        else:
+            assert cut not in [c.token for c in chunks[: p.min_tokens]]
+
+
 def test_chunked_prefill_interleaves_with_decoding(eng):
     """A 200-token prompt prefilled 16 tokens a step while another request decodes: the decoding one gets a
     token every step meanwhile, and both still equal their solo runs at that chunk size."""

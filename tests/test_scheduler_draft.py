@@ -139,6 +139,22 @@ def test_logit_biased_request_is_not_drafted(plain, drafted):
     assert expect[0].token != first and sched.metrics()["draft_steps"] == 0
 
 
+def test_a_min_tokens_request_is_not_drafted(plain, drafted):
+    """A greedy request with `min_tokens` decodes plainly (drafts are not checked against its ban), here with a
+    drafter that proposes the banned token: the tokens of plain decoding with the ban."""
+    needs_invariant_kernels()
+    ids = prompt(4, 13)
+    free = solo(plain, ids, SamplingParams(max_tokens=24, ignore_eos=True))
+    banned = free[2].token
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[banned], min_tokens=10)
+    expect = solo(plain, ids, params)
+    assert banned not in [c.token for c in expect[:10]]
+    drafted.drafter.transcripts = [transcript(ids, free)]  # the drafts hold the banned token
+    got, sched = run_alone(drafted, ids, params)
+    same_chunks(got, expect)
+    assert sched.metrics()["draft_steps"] == 0
+
+
 class UniformDraft(sp.MTPDrafter):
     """The MTP drafter's context upkeep, but each draft drawn (from its own generator) uniformly from `support`:
     a draft distribution q that overlaps the target's, so drafts are accepted and rejected alike."""

@@ -1309,6 +1309,43 @@ def test_include_usage_puts_a_null_usage_on_every_other_chunk(server):
         assert status == 200 and not any("usage" in e for e in _sse_events(data))
 
 
+def test_min_tokens_reaches_the_engine_and_holds_off_stop_strings(server):
+    """vLLM's `min_tokens`: the engine gets it in its `SamplingParams`, and a stop string within the first
+    `min_tokens` tokens does not cut the reply (the scripted engine's tokens are characters); a bad value, or one
+    above `max_tokens`, is a 400 naming it; with no `max_tokens` it counts up to the limit the request gets."""
+    seen = []
+    stream = server.engine.stream
+    server.engine.stream = lambda ids, params, *a, **kw: seen.append(params) or stream(ids, params, *a, **kw)
+    try:
+        # (the stop string ends at token 13 of the chat reply, at token 2 of the completion)
+        for path, body, text, least in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "stop me here"}], **NO_THINK}, None, 13),
+            ("/v1/completions", {"prompt": "Hello"}, "text", 2),
+        ):
+            body = {"model": "deepseek-v4-flash", "max_tokens": 40, "temperature": 0, "stop": ["me", "Ec"], **body}
+
+            def reply(extra):
+                status, _, data = raw(server, "POST", path, {**body, **extra})
+                assert status == 200, data
+                choice = json.loads(data)["choices"][0]
+                return choice["text"] if text else choice["message"]["content"]
+
+            assert reply({}) in ("Echo: stop ", "")
+            assert seen[-1].min_tokens == 0
+            full = reply({"min_tokens": least})
+            assert full in ("Echo: stop me here", "Echo: Hello") and seen[-1].min_tokens == least
+            for bad, words in ((-1, "at least 0"), ("3", "an integer"), (41, "'max_tokens' (40)")):
+                status, _, data = raw(server, "POST", path, {**body, "min_tokens": bad})
+                err = json.loads(data)["error"]
+                assert status == 400 and err["param"] == "min_tokens" and words in err["message"], (path, bad)
+            status, _, data = raw(
+                server, "POST", path, {**{k: v for k, v in body.items() if k != "max_tokens"}, "min_tokens": 100000}
+            )
+            assert status == 200 and seen[-1].min_tokens == seen[-1].max_tokens, data
+    finally:
+        server.engine.stream = stream
+
+
 def test_stream_options_without_stream_is_a_400(server):
     """`stream_options` asks for something only a stream has (`include_usage`): on a request that does not stream
     it is a 400 naming it, as OpenAI and vLLM answer, where it was silently ignored. `null` stays accepted."""

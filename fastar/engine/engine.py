@@ -427,8 +427,14 @@ class Engine:
             session = self._session
         steps = None
         # a constrained request decodes plainly, and so do one whose thinking budget may force a token and one with a
-        # logit bias or a penalty (drafting verifies against the model's own logits)
-        plain = params.grammar is not None or params.thinking_budget is not None or params.adjusts_logits
+        # logit bias or a penalty (drafting verifies against the model's own logits), or with `min_tokens` (drafts are
+        # not checked against its ban)
+        plain = (
+            params.grammar is not None
+            or params.thinking_budget is not None
+            or params.adjusts_logits
+            or params.min_tokens > 0
+        )
         if self.drafter is not None and not plain:
             steps = functools.partial(
                 speculative.speculative_generate_step,

@@ -17,13 +17,14 @@ Does not own: logits -> token (`sampling`), the timeline and prefix reuse (`sess
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
 from ..encoding import ChatPrompt, EncodingError, StreamParser, encode_messages
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, ending_ids
 from .session import Runner, Session
 from .stops import StopStrings
 from .thinking_budget import ThinkingBudget, next_token
@@ -52,14 +53,15 @@ def generate_step(
     params: SamplingParams,
     cancel: threading.Event | None = None,
     on_prefill_progress: Callable[[int, int], None] | None = None,
+    eos_token_id: int | None = None,
 ) -> Iterator[tuple[int, float, list[tuple[int, float]]]]:
     """Yields `(token, logprob, top_logprobs)` forever (the caller stops). Each sampled token is appended to
     the session before it is yielded and only run through the model when the next one is asked for. Yields
-    nothing when `cancel` is set during prefill."""
+    nothing when `cancel` is set during prefill. `eos_token_id`: what `min_tokens` bans with the stop token ids."""
     logits = session.prefill(prompt_ids, cancel, on_prefill_progress)
     if logits is None:
         return
-    sampler, budget = Sampler(params, prompt_ids), ThinkingBudget.of(params, session.tokenizer)
+    sampler, budget = Sampler(params, prompt_ids, eos_token_id), ThinkingBudget.of(params, session.tokenizer)
     while True:
         token, logprob, top = next_token(budget, sampler, logits)
         session.append(token)
@@ -83,7 +85,8 @@ def stream_generate(
     `generate_step` (same signature and yields; `speculative.speculative_generate_step` with its drafter bound)."""
     ids = session.encode_prompt(prompt)
     session.check_prompt(ids)
-    return _stream(session, ids, params, eos_token_id, cancel, on_prefill_progress, steps or generate_step)
+    steps = steps or functools.partial(generate_step, eos_token_id=eos_token_id)
+    return _stream(session, ids, params, eos_token_id, cancel, on_prefill_progress, steps)
 
 
 def _stream(
@@ -93,7 +96,7 @@ def _stream(
     eos_token_id: int,
     cancel: threading.Event | None,
     on_prefill_progress: Callable[[int, int], None] | None,
-    step_fn: Callable = generate_step,
+    step_fn: Callable,
 ) -> Iterator[GenerationChunk]:
     stats = session.stats
     stats.requests += 1
@@ -138,10 +141,7 @@ class ChunkMaker:
         self.params, self.prompt_tokens, self.context_length = params, prompt_tokens, context_length
         self.decoder = tokenizer.stream_decoder(params.skip_special_tokens) if tokenizer is not None else None
         self.stops = StopStrings(params.stop)
-        # Under a grammar EOS always ends the request, `ignore_eos` or not: the grammar allows EOS only where it may
-        # end, and once EOS is taken it is complete and allows nothing but EOS (which would repeat to max_tokens).
-        free_eos = params.ignore_eos and params.grammar is None
-        self.stop_ids = set(params.stop_token_ids) | (set() if free_eos else {eos_token_id})
+        self.stop_ids = ending_ids(params, eos_token_id)
         self.n = 0  # tokens fed
 
     def usage(self, cached_tokens: int) -> dict[str, int]:
@@ -171,7 +171,10 @@ class ChunkMaker:
         if token in self.stop_ids:  # the stop token's own text is not part of the output
             text, reason = "", "stop"
         else:
-            text, hit = self.stops.feed(self.decoder.push(token) if self.decoder else "")
+            # the first `min_tokens` tokens' text cannot end the generation (a stop string in it is kept)
+            text, hit = self.stops.feed(
+                self.decoder.push(token) if self.decoder else "", self.n > self.params.min_tokens
+            )
             if hit:
                 return GenerationChunk(text, token, logprob, top, "stop", self.usage(cached_tokens), self.stops.matched)
             if self.n >= self.params.max_tokens or num_tokens >= self.context_length:
@@ -181,7 +184,7 @@ class ChunkMaker:
         if reason is None:
             return GenerationChunk(text, token, logprob, top)
         # the end: release what is held (an unfinished character, a tail that did not become a stop string)
-        more, hit = self.stops.feed(self.decoder.flush() if self.decoder else "")
+        more, hit = self.stops.feed(self.decoder.flush() if self.decoder else "", self.n > self.params.min_tokens)
         text += more + ("" if hit else self.stops.flush())
         return GenerationChunk(
             text,

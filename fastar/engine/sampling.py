@@ -15,7 +15,11 @@ Sampling draws on the CPU from a `torch.Generator` seeded by `seed`: the same se
 any device, and two generations never share random state. The draw is `fastar.engine.draw.race`'s (the argmax of
 the processed logits plus Gumbel noise, one uniform per vocabulary entry and token) and the top-p nucleus
 `fastar.engine.nucleus`'s (found among the largest probabilities); `apply_top_p` here is the nucleus by a sort of the
-whole vocabulary, the reference its tests compare with. A request sampled at a temperature, perhaps with a top-k, and
+whole vocabulary, the reference its tests compare with. `min_tokens` (vLLM's): until that many tokens are generated, the
+tokens that would end the generation (`ending_ids`: EOS and the request's stop token ids) are set to -inf with the
+logit adjustments, before the grammar mask (a grammar that allows nothing else keeps them: it must end); those steps
+take the full LM head (`Sampler.head_request`: False), so a screened request gives the same tokens with or without
+it. A request sampled at a temperature, perhaps with a top-k, and
 no top-p or min-p draws each token's noise before the step that computes its logits (`Sampler.head_request`), so the
 model may screen its LM head for the rows that can win the race (`fastar.model.head_screen.Race`); the generator
 gives the same numbers to the same tokens either way, so a seed's tokens do not depend on it.
@@ -82,6 +86,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # the tokens tokenizer.json marks special (BOS, EOS, pad, placeholders) give no text (vLLM's default)
     skip_special_tokens: bool = True
+    # vLLM's: until this many tokens are generated, EOS and the stop token ids are not drawn and stop strings do not
+    # end the generation (`ending_ids`; `fastar.engine.generate.ChunkMaker`)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI's `stop` is a string or a list
@@ -108,6 +115,8 @@ class SamplingParams:
 
         if not is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "an integer >= 0")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"an integer in [0, max_tokens ({self.max_tokens})]")
         if not is_num(self.temperature) or not 0 <= self.temperature < math.inf:
             bad("temperature", "a finite number >= 0")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
@@ -231,9 +240,12 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
 class Sampler:
     """Turns one position's logits [V] into (token, logprob, top_logprobs), with its own random stream."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
-        """`prompt_ids`: the prompt's tokens, which a repetition penalty counts as seen."""
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), eos_token_id: int | None = None) -> None:
+        """`prompt_ids`: the prompt's tokens, which a repetition penalty counts as seen; `eos_token_id`: the model's
+        EOS, which `min_tokens` bans with the stop token ids (`ending_ids`)."""
         self.params = params
+        self.taken = 0  # tokens drawn or forced so far
+        self._banned = np.array(sorted(ending_ids(params, eos_token_id)) if params.min_tokens else [], np.int64)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator(device="cpu").manual_seed(seed)  # this generation's random stream
         self.constraint = params.grammar.start() if params.grammar is not None else None
@@ -257,7 +269,7 @@ class Sampler:
         from the generator where the call would have drawn it (no other number is drawn between), so the tokens are
         the same whether or not the step asks."""
         p = self.params
-        if not screenable(p):
+        if not screenable(p) or self.banning:
             return False
         if p.is_greedy:
             return True
@@ -280,15 +292,33 @@ class Sampler:
                     "vocabulary"
                 )
             drawn = self.adjust.apply(logits)  # a new tensor: `logits` stays the model's
+        free = drawn
+        if self.banning:
+            drawn = self._ban(drawn)
         if self.constraint is not None:
             # np.where: the same values as masked_fill, measured several times faster on the 129k vocabulary
-            drawn = torch.from_numpy(np.where(self.constraint.allowed(), drawn.numpy(), np.float32(-np.inf)))
+            allowed = self.constraint.allowed()
+            masked = np.where(allowed, drawn.numpy(), np.float32(-np.inf))
+            if drawn is not free and masked.max() == -np.inf:  # the grammar allows only what min_tokens bans
+                masked = np.where(allowed, free.numpy(), np.float32(-np.inf))
+            drawn = torch.from_numpy(masked)
         if p.is_greedy:
             token = argmax(drawn)
         else:
             token = race(processed_logits(drawn, p), self._take_noise(logits.numel()))
         self._advance(token)
         return report(logits, token, p)
+
+    @property
+    def banning(self) -> bool:
+        """`min_tokens` not reached yet: the tokens that would end the generation may not be drawn."""
+        return self.taken < self.params.min_tokens and self._banned.size > 0
+
+    def _ban(self, drawn: torch.Tensor) -> torch.Tensor:
+        """A copy of `drawn` with the banned tokens (those within the vocabulary) at -inf."""
+        out = drawn.clone()
+        out[torch.from_numpy(self._banned[self._banned < out.numel()])] = float("-inf")
+        return out
 
     def _take_noise(self, n: int) -> np.ndarray:
         """The noise of the token drawn now: `head_request`'s, or n values drawn here."""
@@ -308,10 +338,19 @@ class Sampler:
         return report(logits, token, self.params)
 
     def _advance(self, token: int) -> None:
+        self.taken += 1
         if self.constraint is not None:
             self.constraint.advance(token)
         if self.adjust is not None:
             self.adjust.observe(token)
+
+
+def ending_ids(params: SamplingParams, eos_token_id: int | None) -> set[int]:
+    """The tokens that end a generation: the request's stop token ids, and EOS (when known) unless `ignore_eos`.
+    Under a grammar EOS always ends the request, `ignore_eos` or not: the grammar allows EOS only where it may end,
+    and once EOS is taken it is complete and allows nothing but EOS (which would repeat to max_tokens)."""
+    free_eos = params.ignore_eos and params.grammar is None
+    return set(params.stop_token_ids) | (set() if free_eos or eos_token_id is None else {eos_token_id})
 
 
 def screenable(params: SamplingParams) -> bool:

@@ -23,11 +23,14 @@ class StopStrings:
         self.matched: str | None = None  # the stop string found, once `hit`
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str, match: bool = True) -> tuple[str, bool]:
+        """`match` False: `text` cannot end the generation (vLLM's `min_tokens`): it is released whole, with what was
+        held, and no stop string is looked for in it."""
         if self.hit:
             return "", True
-        if not self.stops:
-            return text, False
+        if not self.stops or not match:
+            held, self._held = self._held, ""
+            return held + text, False
         buf = self._held + text
         found = self._first(buf)
         wait = self._open(buf)

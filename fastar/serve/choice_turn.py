@@ -21,8 +21,8 @@ class StopFilter(StopStrings):
     """`StopStrings` for the response builders: `feed` returns just the text now safe to emit (the stop string is
     never shown, and after a hit everything is swallowed); `hit` says whether one was found."""
 
-    def feed(self, text: str) -> str:
-        return super().feed(text)[0]
+    def feed(self, text: str, match: bool = True) -> str:
+        return super().feed(text, match)[0]
 
 
 @dataclass(slots=True)
@@ -88,7 +88,9 @@ class ChatTurn:
             self._in_reasoning = THINK_END not in self._tail
         if chunk.finish_reason:
             self.engine_finish = chunk.finish_reason
-        return self._deltas(self.parser.feed(self.stops.feed(chunk.text)))
+        # the first `min_tokens` tokens' text cannot end the reply (vLLM's `min_tokens`), as in the engine
+        match = self.completion_tokens > self.req.sampling.get("min_tokens", 0)
+        return self._deltas(self.parser.feed(self.stops.feed(chunk.text, match)))
 
     def _deltas(self, events: list[tuple[str, str]]) -> list[tuple[dict, list[dict] | None]]:
         return [
@@ -158,7 +160,7 @@ class CompletionTurn:
             self._pending.append((chunk.token, chunk.logprob, chunk.top_logprobs))
         if chunk.finish_reason:
             self.engine_finish = chunk.finish_reason
-        text = self.stops.feed(chunk.text)
+        text = self.stops.feed(chunk.text, self.completion_tokens > self.req.sampling.get("min_tokens", 0))
         return self._emit(text) if text else []
 
     def finish(self, max_tokens: int) -> tuple[list[tuple[str, dict | None]], str]:

@@ -168,6 +168,16 @@ def sampling_fields(body: dict, min_tokens: int = 1) -> tuple[dict[str, Any], in
     return params, max_tokens
 
 
+def min_tokens(body: dict, max_tokens: int | None) -> int:
+    """vLLM's `min_tokens`: until that many tokens are generated, EOS and the stop token ids are not drawn and stop
+    strings do not end the reply. At most `max_tokens` when the request gives one; with none it counts up to the
+    limit the request gets (`make_sampling_params`)."""
+    value = integer(body, "min_tokens", 0, None, 0)
+    if max_tokens is not None and value > max_tokens:
+        raise bad_request(f"'min_tokens' ({value}) must not exceed 'max_tokens' ({max_tokens})", "min_tokens")
+    return value
+
+
 def prompt_logprobs(body: dict, stream: bool) -> int | None:
     """vLLM's `prompt_logprobs`: every prompt token's logprob and the top N at its position (fastar.serve.scoring).
     They are known once the prompt has run, in the response body, so not with `stream` (vLLM refuses it too)."""
@@ -246,6 +256,8 @@ def make_sampling_params(sampling: dict[str, Any], max_tokens: int) -> Any:
     imports torch, which the server must not load at import time (the engine loads it when it loads)."""
     from fastar.engine.sampling import SamplingParams
 
+    if sampling.get("min_tokens", 0) > max_tokens:  # no max_tokens given: the limit is the room left, or the default
+        sampling = {**sampling, "min_tokens": max_tokens}
     try:
         return SamplingParams(max_tokens=max_tokens, **sampling)
     except ValueError as err:  # SamplingError: a value this request validation let through

@@ -92,6 +92,7 @@ def parse_chat_request(
             "top_logprobs",
         )
     params["logprobs"] = top_logprobs if logprobs else None
+    params["min_tokens"] = fields.min_tokens(body, max_tokens)
     stream = fields.boolean(body, "stream", False)
     params["prompt_logprobs"] = fields.prompt_logprobs(body, stream)
     thinking, effort, drop = thinking_mode.choose(body, default_thinking, default_effort)
@@ -145,6 +146,7 @@ def parse_completion_request(body: Any, model_names: tuple[str, ...]) -> Complet
     # echo with max_tokens 0: the prompt only
     params, max_tokens = fields.sampling_fields(body, min_tokens=0 if echo else 1)
     params["logprobs"] = fields.integer(body, "logprobs", 0, fields.MAX_TOP_LOGPROBS, None)
+    params["min_tokens"] = fields.min_tokens(body, max_tokens)
     prompt_logprobs = fields.prompt_logprobs(body, stream)
     # echo + logprobs: the prompt's tokens lead the logprobs (scored as vLLM's prompt_logprobs are)
     asked = [n for n in (prompt_logprobs, params["logprobs"] if echo else None) if n is not None]

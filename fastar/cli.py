@@ -307,6 +307,7 @@ def cmd_synth(a) -> int:
                 a.seed,
                 num_hidden_layers=a.layers,
                 n_routed_experts=a.experts,
+                num_experts_per_tok=min(6, a.experts),  # as synth's .fst: V4's top-6, or every expert when fewer
                 vocab_size=a.vocab,
                 hidden_size=a.hidden,
                 moe_intermediate_size=a.inter,

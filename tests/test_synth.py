@@ -214,6 +214,24 @@ def test_cli_writes_a_file_that_verifies(tmp_path):
     assert not (tmp_path / "bad.fst").exists()
 
 
+def test_cli_hf_dir_takes_fewer_experts_than_top_k_as_the_fst_does(tmp_path):
+    """`synth --hf-dir` with fewer than 6 experts routes to all of them, as `synth -o` does with the same flags
+    (it was refused: 'num_experts_per_tok exceeds n_routed_experts', a field no flag sets)."""
+    import subprocess
+    import sys
+
+    from fastar.convert.checkpoint import Checkpoint
+
+    args = ["--layers", "1", "--experts", "4", "--vocab", "1000", "--hidden", "256", "--inter", "256"]
+    for flag, out in (("--hf-dir", tmp_path / "hf"), ("-o", tmp_path / "s.fst")):
+        r = subprocess.run(
+            [sys.executable, "-m", "fastar", "synth", flag, str(out), *args], capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr
+    with FstFile(tmp_path / "s.fst") as f:
+        assert Checkpoint(tmp_path / "hf").config.num_experts_per_tok == f.config.num_experts_per_tok == 4
+
+
 def test_read_tensor_reads_what_the_mapping_shows(small, tmp_path, monkeypatch):
     """Big product weights get memory of their own (`read_tensor`): the same bytes as the mapped view, the same
     logits; a file cut short under it is an error naming the tensor."""

@@ -12,7 +12,7 @@ Exactness: a v3 file stores every tensor in checkpoint precision, so its export 
 it was converted from. A FaStar v2 file holds the FP8 weights dequantized to BF16 and the `hc_*_fn` mixes as
 BF16: the weights are requantized with DeepSeek's block rule (checked to dequantize back to exactly the v2
 values, else the export stops naming the tensor) and the mixes widened to F32; values equal, bytes may differ
-from the original release (and v2's own losses, see `fastar.format.v2`, stay lost). A v2 model without its
+from the original release (and v2's own losses, see `fastar.convert.v2`, stay lost). A v2 model without its
 `.fst.indexer` sidecar cannot be exported (the layout needs the indexer weights).
 
 The safetensors files are written here (8-byte header length, JSON header, contiguous data) rather than with

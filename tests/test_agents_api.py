@@ -20,7 +20,7 @@ import threading
 import time
 
 import pytest
-from test_server import ONE_CALL_TOKENS, USER, WEATHER_TOOL, FakeEngine, raw, start_server
+from test_server import ONE_CALL_TOKENS, USER, WEATHER_TOOL, FakeEngine, client, raw, start_server
 
 from fastar.encoding import EOS
 from fastar.serve import anthropic as A
@@ -1278,3 +1278,60 @@ def test_responses_metadata_is_string_pairs_or_a_400(backend):
         assert (err.value.status, err.value.param) == (400, "metadata")
     out = R.create({"input": "hi", "max_output_tokens": 2, "metadata": {"run": "7"}}, backend, R.ResponseStore())
     assert out["metadata"] == {"run": "7"}
+
+
+def test_responses_delete_and_input_items_on_the_server():
+    """`GET /v1/responses/{id}/input_items` lists a stored response's own input items (ids given to those without,
+    a string input as one user message, an item_reference as the item it names) as OpenAI's list object, newest first
+    by default, paged by `limit` and `after` (the `openai` client's pager walks them all); `DELETE` removes the
+    response (OpenAI's deletion object), after which retrieving, listing, continuing or deleting it again is a 404;
+    a bad `order` or `limit` is a 400 naming it."""
+    server = start_server()
+    try:
+        cl = client(server)
+        first = cl.responses.create(model="deepseek-v4-flash", input="hello", temperature=0, max_output_tokens=8)
+        status, _, data = raw(server, "GET", f"/v1/responses/{first.id}/input_items")
+        listed = json.loads(data)
+        assert status == 200 and listed["object"] == "list" and listed["has_more"] is False
+        (item,) = listed["data"]
+        assert item["type"] == "message" and item["role"] == "user" and item["id"].startswith("msg_")
+        assert item["content"] == [{"type": "input_text", "text": "hello"}]
+        assert listed["first_id"] == listed["last_id"] == item["id"]
+
+        given = [
+            {"type": "message", "role": "user", "content": f"turn {i}", **({"id": "msg_mine"} if i == 2 else {})}
+            for i in range(5)
+        ]
+        reference = {"type": "item_reference", "id": first.output[-1].id}
+        second = cl.responses.create(
+            model="deepseek-v4-flash", input=[*given[:4], reference, given[4]], temperature=0, max_output_tokens=8
+        )
+        ids = [i.id for i in cl.responses.input_items.list(second.id, order="asc", limit=2)]  # three pages
+        assert len(ids) == 6 and ids[2] == "msg_mine" and ids[4] == first.output[-1].id and len(set(ids)) == 6
+        status, _, data = raw(server, "GET", f"/v1/responses/{second.id}/input_items?limit=2&after={ids[3]}")
+        page = json.loads(data)  # newest first: after the 4th comes the 3rd and the 2nd, and the 1st is left
+        assert [i["id"] for i in page["data"]] == [ids[2], ids[1]] and page["has_more"] is True
+        assert (page["first_id"], page["last_id"]) == (ids[2], ids[1])
+        assert (
+            json.loads(raw(server, "GET", f"/v1/responses/{second.id}/input_items")[2])["data"][0]["id"] == ids[5]
+        )  # desc
+        for query, param in (("order=up", "order"), ("limit=0", "limit"), ("limit=101", "limit"), ("limit=x", "limit")):
+            status, _, data = raw(server, "GET", f"/v1/responses/{second.id}/input_items?{query}")
+            assert status == 400 and json.loads(data)["error"]["param"] == param, query
+
+        status, _, data = raw(server, "DELETE", f"/v1/responses/{first.id}")
+        assert status == 200 and json.loads(data) == {"id": first.id, "object": "response", "deleted": True}
+        for method, path in (
+            ("GET", f"/v1/responses/{first.id}"),
+            ("GET", f"/v1/responses/{first.id}/input_items"),
+            ("DELETE", f"/v1/responses/{first.id}"),
+        ):
+            status, _, data = raw(server, method, path)
+            err = json.loads(data)["error"]
+            assert status == 404 and err["code"] == "response_not_found" and first.id in err["message"], path
+        with pytest.raises(openai.NotFoundError):
+            cl.responses.create(model="deepseek-v4-flash", input="x", previous_response_id=first.id)
+        cl.responses.delete(second.id)  # the client's own call
+        assert raw(server, "GET", f"/v1/responses/{second.id}")[0] == 404
+    finally:
+        server.shutdown()

@@ -1069,7 +1069,7 @@ def test_cors():
         }
         status, headers, _ = raw(srv, "OPTIONS", "/v1/chat/completions", None, preflight)
         assert status == 204 and headers["access-control-allow-origin"] == "http://ui.example"
-        assert "POST" in headers["access-control-allow-methods"]
+        assert {"POST", "DELETE"} <= set(headers["access-control-allow-methods"].split(", "))  # DELETE: Responses
         assert "authorization" in headers["access-control-allow-headers"].lower()
         status, headers, _ = raw(
             srv, "OPTIONS", "/v1/chat/completions", None, {**preflight, "Origin": "http://evil.example"}

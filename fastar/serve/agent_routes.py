@@ -1,13 +1,14 @@
 """The agent APIs on the server's app: Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) and OpenAI
-Responses (`/v1/responses`, `GET /v1/responses/{id}`), mounted beside the OpenAI routes behind the same guard
-(Host allowlist, JSON content type, API key: `Authorization: Bearer` or Anthropic's `x-api-key`).
+Responses (`/v1/responses`, `GET` and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`), mounted
+beside the OpenAI routes behind the same guard (Host allowlist, JSON content type, API key: `Authorization: Bearer`
+or Anthropic's `x-api-key`).
 
 Owns: the Starlette glue only. The translation, validation, streaming event sequences and the response store
-live in `fastar.serve.anthropic`, `fastar.serve.responses` and `fastar.serve.turn`; both submit jobs to the one
-engine worker through `EngineHost.submit`, like every other route. Their calls block (they wait on the worker), so
-they run in the thread pool; a stream's iterator is closed when the client goes, which cancels its generation, and a
-non-streamed call asks the event loop from its thread whether the client is still there (`disconnected`), so a
-client that leaves cancels its generation too.
+live in `fastar.serve.anthropic`, `fastar.serve.responses` (`fastar.serve.response_items`) and `fastar.serve.turn`;
+both submit jobs to the one engine worker through `EngineHost.submit`, like every other route. Their calls block
+(they wait on the worker), so they run in the thread pool; a stream's iterator is closed when the client goes, which
+cancels its generation, and a non-streamed call asks the event loop from its thread whether the client is still
+there (`disconnected`), so a client that leaves cancels its generation too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from fastar.serve import anthropic as A
+from fastar.serve import response_items
 from fastar.serve import responses as R
 from fastar.serve.app import ErrorShape, JSONResponse, read_json
 from fastar.serve.turn import Backend, ClientDisconnected
@@ -76,6 +78,8 @@ class AgentRoutes:
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/v1/responses", self.create, methods=["POST"]),
             Route("/v1/responses/{rid}", self.retrieve, methods=["GET"]),
+            Route("/v1/responses/{rid}", self.delete, methods=["DELETE"]),
+            Route("/v1/responses/{rid}/input_items", self.input_items, methods=["GET"]),
         ]
 
     async def _run(self, request: Request, fn: Callable[[Any, Callable[[], bool]], Any]) -> Response:
@@ -101,3 +105,11 @@ class AgentRoutes:
 
     async def retrieve(self, request: Request) -> Response:
         return JSONResponse(R.retrieve(request.path_params["rid"], self.store))
+
+    async def delete(self, request: Request) -> Response:
+        return JSONResponse(response_items.delete(request.path_params["rid"], self.store))
+
+    async def input_items(self, request: Request) -> Response:
+        return JSONResponse(
+            response_items.list_input_items(request.path_params["rid"], self.store, request.query_params)
+        )

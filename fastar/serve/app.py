@@ -404,13 +404,13 @@ class Guard:
             resp = Response(
                 status_code=204,
                 headers={
-                    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
                     "Access-Control-Allow-Headers": allow,
                     "Access-Control-Max-Age": "600",
                 },
             )
             return await resp(scope, receive, send)
-        await Response(status_code=204, headers={"Allow": "GET, POST, OPTIONS"})(scope, receive, send)
+        await Response(status_code=204, headers={"Allow": "GET, POST, DELETE, OPTIONS"})(scope, receive, send)
 
 
 _API_GET_PATHS = ("/v1/models", "/models", "/metrics", "/health", "/v1/health")

@@ -44,10 +44,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from fastar.serve import fields, grammar_fields, shapes, thinking_mode
+from fastar.serve import fields, grammar_fields, response_items, shapes, thinking_mode
 from fastar.serve.api_error import APIError, bad_request
 from fastar.serve.turn import AssistantTurn, Backend, Conversation, GenerationFailed
 
@@ -76,6 +76,14 @@ class ResponseStore:
     def get(self, rid: str) -> tuple[list[dict], dict] | None:
         with self._lock:
             return self._items.get(rid)
+
+    def delete(self, rid: str) -> bool:
+        """Forget a stored response and its output items; False when `rid` is not stored."""
+        with self._lock:
+            found = self._items.pop(rid, None)
+            for item in found[1].get("output") or [] if found is not None else []:
+                self._outputs.pop(item.get("id"), None)
+            return found is not None
 
     def item(self, item_id: str) -> dict | None:
         """The output item `item_id` of a stored response (a message, reasoning or function_call), or None."""
@@ -275,6 +283,7 @@ class ResponsesRequest:
     effort: str | None
     encrypted: bool  # include the reasoning as `encrypted_content`
     parallel_tool_calls: bool = True  # False: the reply ends after its first tool call
+    input_items: list[dict] = field(default_factory=list)  # this request's `input` as items (`response_items`)
 
 
 def _response_format(body: dict) -> dict | None:
@@ -368,6 +377,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     )
     sampling["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
     include = body.get("include") or []
+    stored = fields.boolean(body, "store", True)
     return ResponsesRequest(
         model=model,
         conversation=conversation,
@@ -375,10 +385,11 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         sampling=sampling,
         max_tokens=max_tokens,
         stream=fields.boolean(body, "stream", False),
-        store=fields.boolean(body, "store", True),
+        store=stored,
         effort=reasoning.get("effort"),
         encrypted=isinstance(include, list) and "reasoning.encrypted_content" in include,
         parallel_tool_calls=parallel,
+        input_items=response_items.input_items(body["input"], store) if stored else [],
     )
 
 
@@ -470,7 +481,8 @@ class _Reply:
 
 def _store(store: ResponseStore, req: ResponsesRequest, obj: dict, turn: AssistantTurn) -> None:
     if req.store:
-        store.put(obj["id"], req.conversation, {**obj, "_message": turn.message()})
+        stored = {**obj, "_message": turn.message(), "_input_items": req.input_items}
+        store.put(obj["id"], req.conversation, stored)
 
 
 def public(obj: dict) -> dict:

@@ -1331,6 +1331,8 @@ def test_responses_delete_and_input_items_on_the_server():
             assert status == 404 and err["code"] == "response_not_found" and first.id in err["message"], path
         with pytest.raises(openai.NotFoundError):
             cl.responses.create(model="deepseek-v4-flash", input="x", previous_response_id=first.id)
+        with pytest.raises(openai.BadRequestError):  # its output items went with it
+            cl.responses.create(model="deepseek-v4-flash", input=[reference, given[0]], max_output_tokens=4)
         cl.responses.delete(second.id)  # the client's own call
         assert raw(server, "GET", f"/v1/responses/{second.id}")[0] == 404
     finally:

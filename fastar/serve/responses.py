@@ -81,9 +81,11 @@ class ResponseStore:
         """Forget a stored response and its output items; False when `rid` is not stored."""
         with self._lock:
             found = self._items.pop(rid, None)
-            for item in found[1].get("output") or [] if found is not None else []:
+            if found is None:
+                return False
+            for item in found[1].get("output") or []:
                 self._outputs.pop(item.get("id"), None)
-            return found is not None
+            return True
 
     def item(self, item_id: str) -> dict | None:
         """The output item `item_id` of a stored response (a message, reasoning or function_call), or None."""

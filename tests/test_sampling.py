@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastar.engine.constraint import CompiledGrammar
 from fastar.engine.logit_adjust import LogitAdjust
 from fastar.engine.sampling import (
     Sampler,
@@ -89,6 +91,26 @@ def test_min_tokens_bans_the_ending_tokens_until_reached() -> None:
     free = Sampler(SamplingParams(min_tokens=3, stop_token_ids=[2], ignore_eos=True), eos_token_id=1)
     assert free(logits)[0] == 1  # EOS does not end this request: not banned
     assert Sampler(SamplingParams(min_tokens=3, stop_token_ids=[9]), eos_token_id=1)(logits)[0] == 2  # beyond V
+
+
+class _Allowing(CompiledGrammar):
+    """A grammar whose parser allows the same tokens at every position (no llguidance)."""
+
+    def __init__(self, allowed: list[int], vocab: int) -> None:
+        self.mask = np.isin(np.arange(vocab), allowed)
+
+    def start(self):
+        mask = self.mask
+        return type("Parser", (), {"allowed": lambda self: mask, "advance": lambda self, token: None})()
+
+
+def test_min_tokens_yields_to_a_grammar_that_must_end() -> None:
+    """Under a grammar the ban applies within what it allows; where it allows only the banned EOS, EOS is drawn
+    (the grammar is complete), not a token it forbids."""
+    logits = torch.tensor([0.0, 3.0, 2.0, 1.0, 0.5])
+    for allowed, want in (([1, 3], 3), ([1], 1)):
+        p = SamplingParams(min_tokens=3, grammar=_Allowing(allowed, 5))
+        assert Sampler(p, eos_token_id=1)(logits)[0] == want, allowed
 
 
 def test_stop_accepts_a_single_string() -> None:

@@ -140,3 +140,54 @@ def test_an_unexpected_error_on_the_thread_is_raised_not_waited_for(tmp_path, mo
             w.drain()
     finally:
         w.close()
+
+
+def stream_pieces():
+    """Writes of odd sizes that cross the buffers' edges, more than two buffers in all."""
+    rng = np.random.default_rng(9)
+    sizes = [8, 1000, write_behind.CHUNK - 3, 5, write_behind.CHUNK + 4097, 77]
+    return [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+
+
+def test_a_direct_stream_writes_the_bytes_it_is_given(tmp_path):
+    needs_direct(tmp_path)
+    pieces = stream_pieces()
+    with write_behind.DirectStream(tmp_path / "s") as f:
+        for a in pieces:
+            f.write(a)
+    assert (tmp_path / "s").read_bytes() == b"".join(a.tobytes() for a in pieces)
+
+
+def test_a_direct_stream_refused_by_the_filesystem_takes_the_page_cache(tmp_path, monkeypatch):
+    needs_direct(tmp_path)
+    refused = []
+
+    def refuse(fd, data, offset):
+        refused.append(offset)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "pwrite", refuse)  # the page cache's writes do not use pwrite
+    pieces = stream_pieces()
+    with write_behind.DirectStream(tmp_path / "s") as f:
+        for a in pieces:
+            f.write(a)
+    assert (tmp_path / "s").read_bytes() == b"".join(a.tobytes() for a in pieces) and refused == [0]
+
+
+def test_a_direct_stream_failing_raises_and_an_abort_stops_quietly(tmp_path, monkeypatch):
+    needs_direct(tmp_path)
+    real, seen = os.pwrite, []
+
+    def disk_fills(fd, data, offset):
+        seen.append(offset)
+        if len(seen) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", disk_fills)
+    with pytest.raises(OSError, match="No space left"), write_behind.DirectStream(tmp_path / "s") as f:
+        for a in stream_pieces():
+            f.write(a)
+    with pytest.raises(RuntimeError, match="killed"), write_behind.DirectStream(tmp_path / "t") as f:
+        f.write(stream_pieces()[2])
+        raise RuntimeError("killed")  # the exit aborts: no drain, no second error over the first

@@ -17,7 +17,8 @@ from the original release (and v2's own losses, see `fastar.convert.v2`, stay lo
 
 The safetensors files are written here (8-byte header length, JSON header, contiguous data) rather than with
 the `safetensors` package, whose numpy API has no FP8 dtypes; `fastar.convert.checkpoint` reads them back.
-Everything goes to `DIR.partial-<pid>` first and is renamed to DIR only when complete.
+Everything goes to `DIR.partial-<pid>` first and is renamed to DIR only when complete; the shards go through
+O_DIRECT where the filesystem has it (`fastar.format.write_behind.DirectStream`).
 Does not own: reading the sources (`fastar.format`), the manifest (`names`). Imports no torch.
 """
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import FastarError, FormatError
+from ..format.write_behind import DirectStream
 from ..quant import reference as ref
 from .hf import _progress
 from .names import expected_tensors, expert_tensor_names, is_routed_expert, tensor_nbytes
@@ -218,7 +220,7 @@ def _write_shard(
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the safetensors writer pads it
-    with open(path, "wb") as f:
+    with DirectStream(path) as f:  # O_DIRECT where the filesystem has it, behind a thread: not the page cache's pace
         f.write(len(raw).to_bytes(8, "little") + raw)
         for name in names:
             a = read(name)

@@ -7,14 +7,16 @@ each write before it reads the next tensor. `WriteBehind` copies each write into
 and returns; its thread writes them with `pwrite` (which releases the GIL), so the next read overlaps this write.
 
 Owns: the O_DIRECT descriptor, the buffers (`BUFFERS` of `CHUNK` bytes), the thread, and the first error a write met
-(raised by the next call: `write`, `drain`). A write's bytes are padded with zeros to a multiple of `spec.ALIGN`:
-the caller writes only where the space up to the next `ALIGN` boundary is its own (every `.fst` region starts
-aligned). Does not own: which writes are direct (`fastar.format.writer.FstWriter`), the file's other descriptor,
-fsync (the writer's, after `drain`).
+(raised by the next call: `write`, `drain`). A write's bytes are padded with zeros to a multiple of `spec.ALIGN`: the
+caller writes only where the space up to the next `ALIGN` boundary is its own (every `.fst` region starts aligned).
+Also `DirectStream`: a file written front to back through it (the safetensors shards of `fastar export`, whose
+tensors are not aligned), its last buffer padded and the file cut back at the end. Does not own: which writes are
+direct (`fastar.format.writer.FstWriter`), the file's other descriptor, fsync (the writer's, after `drain`).
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import queue
@@ -125,3 +127,83 @@ class WriteBehind:
                 if direct:
                     self._free.put(buf)
                 self._done.release()
+
+
+class DirectStream:
+    """A new file written front to back (`write(data)`, then `close()`), through `WriteBehind` where the filesystem
+    has O_DIRECT (the buffers filled in order, the last one padded and the file cut back to the bytes written at
+    `close`), else through the page cache. A first direct write the filesystem refuses (EINVAL) goes through the page
+    cache with everything after it. Raises OSError as a file's writes do."""
+
+    def __init__(self, path: os.PathLike | str) -> None:
+        self._f = open(path, "wb")  # noqa: SIM115 (closed by `close`)
+        fd = open_direct(path)
+        self._direct = WriteBehind(fd, path) if fd is not None else None
+        self._probed = False  # the first direct write waited for (EINVAL: the page cache from then on)
+        self._buf: memoryview | None = None
+        self._fill = self._base = 0  # bytes in the buffer being filled; the file offset it goes to
+        self.size = 0
+
+    def write(self, data) -> None:
+        src = memoryview(data).cast("B")
+        self.size += len(src)
+        if self._direct is None:
+            self._f.write(src)
+            return
+        i = 0
+        while i < len(src):
+            if self._buf is None:
+                self._buf, self._fill = self._direct.take(), 0
+            m = min(CHUNK - self._fill, len(src) - i)
+            self._buf[self._fill : self._fill + m] = src[i : i + m]
+            self._fill, i = self._fill + m, i + m
+            if self._fill == CHUNK:
+                self._flush()
+                if self._direct is None:  # refused: the rest of this write through the page cache
+                    self._f.write(src[i:])
+                    return
+
+    def _flush(self) -> None:
+        """Queue the buffer being filled (the first one waited for: a refusal falls back to the page cache)."""
+        buf, n, self._buf = self._buf, self._fill, None
+        self._direct.put(buf, n, self._base)
+        self._base += n
+        if self._probed:
+            return
+        self._probed = True
+        try:
+            self._direct.drain()
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._direct.close()
+            self._direct = None
+            self._f.seek(self._base - n)
+            self._f.write(buf[:n])
+
+    def close(self) -> None:
+        """Write what is left, wait for every write, cut the padding off and close (raises a write's OSError)."""
+        try:
+            if self._direct is not None and self._buf is not None and self._fill:
+                self._flush()
+            if self._direct is not None:
+                self._direct.drain()
+                self._f.truncate(self.size)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop and close without finishing (the caller removes the file)."""
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
+        self._f.close()
+
+    def __enter__(self) -> DirectStream:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -286,8 +286,8 @@ def open_engine(args: argparse.Namespace, err: TextIO | None = None, warm: bool 
         engine.close()  # its warm-up stops reading
         raise FastarError(
             f"{path}: the model's vocabulary has {model_vocab} tokens but the tokenizer's has "
-            f"{tok_vocab}, so text cannot be fed to it (a test fixture? `fastar fixture --preset "
-            f"vocab` writes one that runs text)"
+            f"{tok_vocab}, so text cannot be fed to it (a small test model? `fastar fixture --preset vocab`, "
+            f"or `fastar synth` at its default --vocab 129280, writes one that runs text)"
         )
     if args.verbose:
         cfg = engine.config

@@ -183,7 +183,10 @@ class FstWriter:
             why = f"{self.path.parent} is not a folder" if isinstance(e, FileExistsError) else e.strerror or e
             raise FormatError(f"{self.path}: cannot write ({why})") from None
         self.state = WriterState.DATA
-        free = shutil.disk_usage(self.tmp_path.parent).free
+        try:
+            free = shutil.disk_usage(self.tmp_path.parent).free
+        except OSError:  # a filesystem that does not say: the writes will tell
+            free = self._file_size
         if free < self._file_size:  # said now, not after minutes of writing (a full disk later is still an error)
             self.abort()
             raise FormatError(

@@ -90,17 +90,23 @@ def test_a_filesystem_refusing_direct_writes_takes_the_page_cache(tmp_path, monk
     assert len(calls) <= 1  # tried once (where O_DIRECT opens at all), then never again
 
 
-def test_a_direct_write_failing_on_its_thread_is_one_error_and_no_file(tmp_path, monkeypatch):
-    needs_direct(tmp_path)
+def disk_fills_after(writes: int, monkeypatch) -> list[int]:
+    """os.pwrite (the direct writes' call) failing with ENOSPC after `writes` of them; returns the offsets tried."""
     real, seen = os.pwrite, []
 
-    def disk_fills(fd, data, offset):
+    def pwrite(fd, data, offset):
         seen.append(offset)
-        if len(seen) > 2:
+        if len(seen) > writes:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(os, "pwrite", disk_fills)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    return seen
+
+
+def test_a_direct_write_failing_on_its_thread_is_one_error_and_no_file(tmp_path, monkeypatch):
+    needs_direct(tmp_path)
+    seen = disk_fills_after(2, monkeypatch)
     with pytest.raises(FastarError, match=r"failed: No space left on device$"):
         write_big(tmp_path / "m.fst", direct_io=True)
     assert list(tmp_path.iterdir()) == [] and len(seen) == 3  # the rest dropped once one failed
@@ -176,15 +182,7 @@ def test_a_direct_stream_refused_by_the_filesystem_takes_the_page_cache(tmp_path
 
 def test_a_direct_stream_failing_raises_and_an_abort_stops_quietly(tmp_path, monkeypatch):
     needs_direct(tmp_path)
-    real, seen = os.pwrite, []
-
-    def disk_fills(fd, data, offset):
-        seen.append(offset)
-        if len(seen) > 1:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(os, "pwrite", disk_fills)
+    disk_fills_after(1, monkeypatch)
     with pytest.raises(OSError, match="No space left"), write_behind.DirectStream(tmp_path / "s") as f:
         for a in stream_pieces():
             f.write(a)

@@ -215,6 +215,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     _add_common(p, max_tokens=1024)
+    p.set_defaults(min_tokens=0)  # `run`'s --min-tokens, which chat has no flag for
 
 
 # --- shared plumbing ---------------------------------------------------------------------------------------
@@ -313,7 +314,7 @@ def sampling_params(args: argparse.Namespace, stop: list[str] | None = None):
         min_p=args.min_p,
         seed=args.seed,
         stop=stop or [],
-        min_tokens=getattr(args, "min_tokens", 0),  # `fastar run`'s flag (chat has none)
+        min_tokens=args.min_tokens,
     )
 
 

@@ -48,6 +48,12 @@ class WriteBehind:
     for every queued write and raise the first error; `close()`: stop the thread and close the descriptors (the
     queued writes that have not started are dropped). Used by one thread (the caller) besides its own."""
 
+    @classmethod
+    def open(cls, path: os.PathLike | str) -> WriteBehind | None:
+        """One over the existing file `path`, or None where it has no O_DIRECT (`open_direct`)."""
+        fd = open_direct(path)
+        return cls(fd, path) if fd is not None else None
+
     def __init__(self, fd: int, path: os.PathLike | str) -> None:
         """fd: `open_direct(path)`'s descriptor, which this now owns."""
         self._fd = fd
@@ -99,6 +105,19 @@ class WriteBehind:
             self._pending -= 1
         self._raise()
 
+    def accepted(self) -> bool:
+        """Wait for the writes queued so far (the first ones: the probe of the filesystem). False where it refused
+        them as O_DIRECT writes (EINVAL: it wants other alignment), this then closed, so the caller writes through
+        the page cache from there; any other error is raised."""
+        try:
+            self.drain()
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.close()
+            return False
+        return True
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._jobs.put(None)
@@ -137,8 +156,7 @@ class DirectStream:
 
     def __init__(self, path: os.PathLike | str) -> None:
         self._f = open(path, "wb")  # noqa: SIM115 (closed by `close`)
-        fd = open_direct(path)
-        self._direct = WriteBehind(fd, path) if fd is not None else None
+        self._direct = WriteBehind.open(path)
         self._probed = False  # the first direct write waited for (EINVAL: the page cache from then on)
         self._buf: memoryview | None = None
         self._fill = self._base = 0  # bytes in the buffer being filled; the file offset it goes to
@@ -171,12 +189,7 @@ class DirectStream:
         if self._probed:
             return
         self._probed = True
-        try:
-            self._direct.drain()
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self._direct.close()
+        if not self._direct.accepted():
             self._direct = None
             self._f.seek(self._base - n)
             self._f.write(buf[:n])

@@ -17,8 +17,8 @@ cache; the bytes are the same either way.
 
 from __future__ import annotations
 
+import contextlib
 import enum
-import errno
 import json
 import os
 import shutil
@@ -31,7 +31,7 @@ import xxhash
 
 from ..errors import FastarError, FormatError
 from . import spec, write_behind
-from .write_behind import WriteBehind, open_direct
+from .write_behind import WriteBehind
 
 _ZERO_DIGEST = "0" * 16
 DIRECT_MIN = 64 << 10  # bytes from which a write goes through O_DIRECT
@@ -224,17 +224,16 @@ class FstWriter:
             return False
         self._direct_tried = True
         self._f.flush()  # the page cache's writes so far reach the file before the other descriptor's
-        fd = open_direct(self.tmp_path)
-        if fd is None:
+        direct = WriteBehind.open(self.tmp_path)
+        if direct is None:
             return False
-        direct = WriteBehind(fd, self.tmp_path)
         try:
-            direct.write(offset, data)
-            direct.drain()
-        except OSError as e:
-            direct.close()
-            if e.errno == errno.EINVAL:
+            with contextlib.suppress(OSError):  # a write's error stays: `accepted` calls it a refusal or raises it
+                direct.write(offset, data)
+            if not direct.accepted():
                 return False
+        except BaseException:
+            direct.close()
             raise
         self._direct = direct
         return True

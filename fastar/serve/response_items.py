@@ -44,7 +44,8 @@ def input_items(value: Any, store: Any) -> list[dict]:
     return out
 
 
-def _not_found(response_id: str) -> APIError:
+def not_found(response_id: str) -> APIError:
+    """The 404 of an id not stored (retrieve, delete, input_items)."""
     return APIError(
         404,
         f"No response with id '{response_id}' is stored on this server",
@@ -57,7 +58,7 @@ def delete(response_id: str, store: Any) -> dict:
     """`DELETE /v1/responses/{id}`: the stored response is gone (neither retrievable nor continued from); an id not
     stored is a 404."""
     if not store.delete(response_id):
-        raise _not_found(response_id)
+        raise not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -67,7 +68,7 @@ def list_input_items(response_id: str, store: Any, query: Mapping[str, str]) -> 
     in that order. A bad value is a 400 naming it; an id not stored, or an `after` not among the items, a 404."""
     found = store.get(response_id)
     if found is None:
-        raise _not_found(response_id)
+        raise not_found(response_id)
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request(f"'order' must be 'asc' or 'desc', got {order[:40]!r}", "order")

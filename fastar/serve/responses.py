@@ -97,12 +97,7 @@ def retrieve(response_id: str, store: ResponseStore) -> dict:
     """`GET /v1/responses/{id}`."""
     found = store.get(response_id)
     if found is None:
-        raise APIError(
-            404,
-            f"No response with id '{response_id}' is stored on this server",
-            param="response_id",
-            code="response_not_found",
-        )
+        raise response_items.not_found(response_id)
     return public(found[1])
 
 

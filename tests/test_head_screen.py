@@ -12,6 +12,8 @@ import torch
 import fastar
 from fastar.engine.draw import gumbel, race
 from fastar.engine.sampling import Sampler, SamplingParams, processed_logits, report, screenable
+from fastar.engine.scheduler import Scheduler
+from fastar.model import ops
 from fastar.model.head_screen import HeadScreen, Race
 from fastar.quant import kernels as K
 from fastar.quant.linear import Linear
@@ -572,3 +574,41 @@ def test_a_sampler_draws_the_same_tokens_whether_or_not_its_steps_ask_early():
     assert banning.head_request() is False and banning(logits)[0] == 0
     assert banning.head_request() is False and banning(logits)[0] == 0
     assert banning.head_request() is True and banning(logits)[0] == 1
+
+
+@pytest.mark.parametrize("budget", [None, "300K"])  # one forward call; a paged span of pieces (`DeepseekV4._span`)
+def test_a_greedy_first_token_screens_the_prompts_head(engines, tiny_fst_path, budget):
+    """The prompt's last position screens its head where the request reads its argmax alone, on every path that
+    prefills (`Engine.stream`'s session, `generate_tokens`, the scheduler): the first token is the full head's, and
+    only a few head rows were computed for it. A request that asks for logprobs, and a scheduled prompt with
+    several choices (each draws from the same logits), keep the full head."""
+    off = engines[1]
+    on = fastar.load(tiny_fst_path, head_screen=True, ram_budget=budget)
+    assert (on.paged_chunk is not None) == (budget is not None) and ops.SMALL_CHUNK < 40
+    ids = torch.randint(2, 1000, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    V = on.config.vocab_size
+
+    def screened(run) -> tuple[list, int]:
+        before = on.model.screen.exact_rows
+        out = run(on)
+        return out, on.model.screen.exact_rows - before
+
+    def scheduled(e, params):
+        sched = Scheduler(e, max_batch=4, max_queue=4)
+        handles = sched.submit_choices(ids, params)
+        sched.run_until_idle()
+        return [[c.token for c in h if c.token is not None] for h in handles]
+
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    want = [c.token for c in off.stream(ids, one)]
+    with on:
+        got, rows = screened(lambda e: [c.token for c in e.stream(ids, one)])
+        assert got == want and 0 < rows < V / 2
+        got, rows = screened(lambda e: e.generate_tokens(ids, 1, ignore_eos=True))
+        assert got == want and 0 < rows < V / 2
+        got, rows = screened(lambda e: [c.token for c in e.stream(ids, SamplingParams(max_tokens=1, logprobs=1))])
+        assert got[:1] == want and rows == 0
+        got, rows = screened(lambda e: scheduled(e, [one]))
+        assert got == [want] and 0 < rows < V / 2
+        got, rows = screened(lambda e: scheduled(e, [one, one]))
+        assert got == [want, want] and rows == 0

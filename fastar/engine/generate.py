@@ -58,10 +58,10 @@ def generate_step(
     """Yields `(token, logprob, top_logprobs)` forever (the caller stops). Each sampled token is appended to
     the session before it is yielded and only run through the model when the next one is asked for. Yields
     nothing when `cancel` is set during prefill. `eos_token_id`: what `min_tokens` bans with the stop token ids."""
-    logits = session.prefill(prompt_ids, cancel, on_prefill_progress)
+    sampler, budget = Sampler(params, prompt_ids, eos_token_id), ThinkingBudget.of(params, session.tokenizer)
+    logits = session.prefill(prompt_ids, cancel, on_prefill_progress, sampler.head_request())
     if logits is None:
         return
-    sampler, budget = Sampler(params, prompt_ids, eos_token_id), ThinkingBudget.of(params, session.tokenizer)
     while True:
         token, logprob, top = next_token(budget, sampler, logits)
         session.append(token)
@@ -226,7 +226,7 @@ def generate_token_ids(
     out: list[int] = []
     if max_tokens <= 0:
         return out
-    logits = runner.prefill(list(prompt_ids), state)[-1]  # [V]
+    logits = runner.prefill(list(prompt_ids), state, argmax_only=sampler.head_request())[-1]  # [V]
     while True:
         tok = sampler(logits)[0]
         out.append(tok)

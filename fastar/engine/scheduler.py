@@ -492,7 +492,13 @@ class Scheduler:
         if self._drafter is not None and self._may_draft(req):  # it may draft later: keep the draft's context
             logits, X = self._drafter.forward(part, req.state, all_logits=False)
         else:
-            logits, X = self.model.forward(part, req.state, all_logits=False, chunk=self.engine.paged_chunk)
+            # the prompt's last chunk: a lone choice reads its first token's argmax (or race) alone, so the head may
+            # be screened; held and forked choices draw from the same logits with their own samplers, which need them
+            lone = req.done + len(part) == len(req.ids) and not req.forks and not req.held
+            want = req.sampler.head_request() if lone else False
+            logits, X = self.model.forward(
+                part, req.state, all_logits=False, chunk=self.engine.paged_chunk, argmax_only=want
+            )
         if req.scorer is not None:
             req.scorer.feed(X)
         stats.prefill_seconds += time.perf_counter() - t

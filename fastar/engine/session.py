@@ -351,12 +351,15 @@ class Session:
         prompt_ids: list[int],
         cancel: threading.Event | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        argmax_only: bool | Race = False,
     ) -> torch.Tensor | None:
         """Make the timeline equal `prompt_ids` and return the logits [V] after its last token.
 
         Reuses the longest common prefix with the current tokens; the last prompt token is always run (its
         logits are the output). Returns None when `cancel` is set between chunks; the session then holds the
         part of the prompt already processed. `on_progress(done, total)` follows the tokens to compute.
+        `argmax_only`: the caller reads the logits' argmax, or a race's, alone (the last chunk's head may be
+        screened, see `DeepseekV4.forward`).
         """
         prompt_ids = token_ids(prompt_ids, f"Session.prefill {IDS_ONLY}")
         self.check_prompt(prompt_ids)
@@ -387,7 +390,7 @@ class Session:
                 m = len(part)
                 self._state.on_layer = lambda i, n, base=done, m=m: on_progress(base + m * i // n, len(todo))
             try:
-                logits = self._forward(part)
+                logits = self._forward(part, argmax_only if a + chunk >= len(todo) else False)
             finally:
                 self._state.on_layer = None
             self.stats.prefill_seconds += time.perf_counter() - t

@@ -1015,7 +1015,7 @@ class DeepseekV4:
         if T == 0:
             raise ValueError("forward needs at least one token")
         if chunk is not None and (chunk < T or ops.SMALL_CHUNK < T) and collect is None and capture is None:
-            return self._span(ids, state, all_logits, chunk)
+            return self._span(ids, state, all_logits, chunk, argmax_only)
         self.experts.prefetch_tokens(ids.tolist(), self.hash_tables)  # hash-routed layers: known from the ids alone
         X = self.embed.rows(ids)[:, None, :].expand(T, self.config.hc_mult, -1)  # [T, n, d]
         for i, (block, s) in enumerate(zip(self.layers, state.layers)):
@@ -1033,7 +1033,7 @@ class DeepseekV4:
         return self._head(X if all_logits else X[-1:]), X
 
     def _span(
-        self, ids: torch.Tensor, state: ModelState, all_logits: bool, chunk: int
+        self, ids: torch.Tensor, state: ModelState, all_logits: bool, chunk: int, argmax_only: bool | Race = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` of ids [T] as pieces of `chunk` tokens taken layer by layer: each block's attention piece after
         piece, then its MoE over the whole span (`Block.span`), so a paged expert is read once per span instead of
@@ -1051,6 +1051,8 @@ class DeepseekV4:
             s.length = p0 + T
             if state.on_layer is not None:
                 state.on_layer(i + 1, len(self.layers))
+        if argmax_only and not all_logits:  # the last position's argmax alone, as `forward` gives it
+            return self._head(Xs[-1][-1:], [argmax_only]), torch.cat(Xs)
         heads = Xs if all_logits else [Xs[-1][-1:]]  # per piece: the head's rows as the pieces' calls give them
         return torch.cat([self._head(h) for h in heads]), torch.cat(Xs)
 

@@ -792,6 +792,40 @@ def test_disconnect_cancels_generation():
         srv.shutdown()
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "count"}], **NO_THINK}),
+        ("/v1/completions", {"prompt": f"{USER}count{ASSISTANT}", "max_tokens": 3000, "n": 2}),
+    ],
+)
+def test_a_non_streamed_client_that_leaves_while_tokens_flow_cancels_its_generation(path, body):
+    """The client of a non-streamed request times out and closes its connection while the tokens come faster than
+    the server's idle poll (every real decode rate): its generation is cancelled, not run on to max_tokens."""
+    engine = FakeEngine(token_delay=0.01)  # a token every 10 ms: the reply's queue is never idle for 0.25 s
+    srv = start_server(engine)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=0.6)
+        conn.request(
+            "POST",
+            path,
+            json.dumps({"model": "deepseek-v4-flash", "temperature": 0, **body}),
+            {"Content-Type": "application/json"},
+        )
+        with pytest.raises(TimeoutError):
+            conn.getresponse()  # (the whole count takes 20 s)
+        conn.close()
+        at_close = engine.stats()["generated_tokens"]
+        deadline = time.monotonic() + 5
+        while srv.host.num_running() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not srv.host.num_running(), "the generation went on after its client left"
+        assert engine.stats()["generated_tokens"] - at_close < 150 * (body.get("n") or 1)  # not the 2000 asked
+        assert chat(client(srv), "after", extra_body=NO_THINK).choices[0].message.content == "Echo: after"
+    finally:
+        srv.shutdown()
+
+
 def test_full_queue_is_503_and_waiting_client_that_leaves_is_skipped():
     engine = FakeEngine()
     engine.gate.clear()

@@ -448,11 +448,14 @@ class OpenAIRoutes:
         """Whole replies for a non-streamed request: the cached-prompt token count (`_cached`), or `_GONE`
         when the client left (its jobs are cancelled). An engine error is raised as the client's 400 or a 500."""
         ended: dict[int, Any] = {}
+        asked = time.monotonic()
         while len(ended) < len(jobs):
             item = await events.get(0.25)
-            if item is None:
+            if time.monotonic() - asked >= 0.25:  # every 0.25 s, also while tokens keep coming
                 if await request.is_disconnected():
                     return _GONE
+                asked = time.monotonic()
+            if item is None:
                 continue
             i, (kind, payload) = item
             if kind == "chunk":

@@ -399,11 +399,51 @@ def test_a_chat_completions_route_takes_part_through_prompt_ids_and_record_reply
     generated = [c.token for c in engine.stream(ids, SamplingParams(max_tokens=500)) if c.token is not None]
     message = parse_completion(engine.tokenizer.decode(generated), thinking=False).to_message()
     assert message["tool_calls"][0]["function"]["arguments"] == '{"xs": [1, 2]}'  # the model wrote [1,2]
-    record_reply(backend, conv, text, ids, generated, message)
+    record_reply(backend.replay, engine.tokenizer, conv, text, ids, generated, message)
     follow = {**body, "messages": body["messages"] + [message, {"role": "tool", "tool_call_id": "x", "content": "3"}]}
     req2 = openai_request.parse_chat_request(follow, ("deepseek-v4-flash",))
     ids2 = prompt_ids(backend, Conversation(req2.messages, req2.thinking, req2.reasoning_effort, req2.drop_thinking))[1]
     assert ids2[: len(ids) + len(generated)] == ids + generated
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_chat_completions_agent_loop_reuses_the_whole_previous_turn_when_the_model_wrote_its_call_compactly(
+    streamed,
+):
+    """Through the `openai` client: the model writes its call `[1,2]`, the client sends back the parsed call
+    (re-rendered `[1, 2]`) with its result, and the follow-up reuses the previous prompt and the whole reply."""
+    srv = start_server(AgentEngine())
+    try:
+        cl = client(srv)
+        tools = [{"type": "function", "function": {"name": "sum", "parameters": SUM["input_schema"]}}]
+        messages = [{"role": "user", "content": "please add 1 and 2"}]
+        kw = {
+            "model": "deepseek-v4-flash",
+            "tools": tools,
+            "temperature": 0,
+            "extra_body": {"thinking": {"type": "disabled"}},
+        }
+        if streamed:
+            chunks = list(
+                cl.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True}, **kw)
+            )
+            calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+            call = {"id": calls[0].id, "type": "function", "function": calls[0].function.model_dump()}
+            usage = chunks[-1].usage
+        else:
+            first = cl.chat.completions.create(messages=messages, **kw)
+            call, usage = first.choices[0].message.tool_calls[0].model_dump(), first.usage
+        assert call["function"]["arguments"] == '{"xs": [1, 2]}'  # the model wrote [1,2]
+        follow = messages + [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "3"},
+        ]
+        second = cl.chat.completions.create(messages=follow, **kw)
+        assert second.usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens + usage.completion_tokens
+        status, _, body = raw(srv, "POST", "/tokenize", {"messages": follow, "tools": tools, **kw["extra_body"]})
+        assert status == 200 and json.loads(body)["count"] == second.usage.prompt_tokens  # the same ids
+    finally:
+        srv.shutdown()
 
 
 def test_replay_cache_is_bounded_and_only_cuts_at_eos():

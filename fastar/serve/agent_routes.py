@@ -69,6 +69,7 @@ class AgentRoutes:
                 keepalive_interval=s.keepalive_interval,
                 metrics=s.metrics,
                 admission=s.admission,
+                replay=s.replay,
             )
         return self._backend
 

@@ -55,7 +55,7 @@ class ChatTurn:
         self.pending = PendingLogprobs()
         self.logprobs: list[dict] = []
         self.prompt_scores: Any = None  # `PromptLogprobs` from the first chunk, when asked for
-        self.completion_tokens = 0
+        self.generated: list[int] = []  # the sampled ids up to the stop (the replay cache records them)
         self.reasoning_tokens = 0  # of the completion tokens, those up to and including `</think>`
         self._in_reasoning = req.thinking
         self._tail = ""  # the last generated text, where `</think>` is looked for
@@ -75,7 +75,7 @@ class ChatTurn:
         if self.stopped:
             return []  # the engine may run a token past the stop before it sees the cancel
         if chunk.token is not None:
-            self.completion_tokens += 1
+            self.generated.append(chunk.token)
             self.reasoning_tokens += self._in_reasoning
             if self.req.logprobs:
                 entry = shapes.chat_logprob_entry(
@@ -89,7 +89,7 @@ class ChatTurn:
         if chunk.finish_reason:
             self.engine_finish = chunk.finish_reason
         # the first `min_tokens` tokens' text cannot end the reply (vLLM's `min_tokens`), as in the engine
-        match = self.completion_tokens > self.req.sampling.get("min_tokens", 0)
+        match = len(self.generated) > self.req.sampling.get("min_tokens", 0)
         return self._deltas(self.parser.feed(self.stops.feed(chunk.text, match)))
 
     def _deltas(self, events: list[tuple[str, str]]) -> list[tuple[dict, list[dict] | None]]:
@@ -108,6 +108,10 @@ class ChatTurn:
         if self.tool_calls:
             return deltas, "tool_calls"
         return deltas, _finish_reason(self.engine_finish, self.stops.hit, self.completion_tokens, max_tokens)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated)
 
     def message(self) -> dict:
         return shapes.chat_message(self.content, self.reasoning, self.tool_calls, self.reasoning_field)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -30,6 +31,7 @@ from fastar.serve import choice_turn, fields, grammar_fields, openai_request, sh
 from fastar.serve import scoring as S
 from fastar.serve.api_error import APIError, bad_request
 from fastar.serve.app import JSONResponse, read_json
+from fastar.serve.turn import Conversation, record_reply
 from fastar.serve.worker import Job
 
 
@@ -226,7 +228,26 @@ class OpenAIRoutes:
         raise bad_request(message, "messages")
 
     def _encode_chat(self, req: openai_request.ChatRequest, generation_prompt: bool = True) -> list[int]:
-        return self.admission.encode(self._chat_text(req, generation_prompt), "messages")
+        return self._chat_prompt(req, generation_prompt)[1]
+
+    def _chat_prompt(self, req: openai_request.ChatRequest, generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The rendered prompt and its ids, tokenized through the server's replay cache: a resent conversation
+        gets the ids the model holds for its replies (a tool call written `[1,2]`, text sampled in another
+        tokenization), so its whole prefix is reused (`fastar.serve.turn.ReplayCache`)."""
+        text = self._chat_text(req, generation_prompt)
+        tokenizer = self.server.host.require_engine().tokenizer
+        return text, self.admission.encode(text, "messages", partial(self.server.replay.encode, tokenizer))
+
+    def _record_chat(
+        self, req: openai_request.ChatRequest, prompt: tuple[str, list[int]], turns: list[choice_turn.ChatTurn]
+    ) -> None:
+        """Remember each finished choice's ids under the text its conversation's next request renders."""
+        conv = Conversation(req.messages, req.thinking, req.reasoning_effort, req.drop_thinking)
+        tokenizer = self.server.host.require_engine().tokenizer
+        for turn in turns:
+            record_reply(
+                self.server.replay, tokenizer, conv, *prompt, turn.generated, turn.message(), stopped=turn.stopped
+            )
 
     def _submit(
         self,
@@ -284,7 +305,8 @@ class OpenAIRoutes:
         )
         grammar_fields.check_last_turn(body["messages"])  # (/tokenize counts any conversation)
         engine = self.server.host.require_engine()
-        prompt_ids = await self.admission.off_loop(self._encode_chat, req)
+        prompt = await self.admission.off_loop(self._chat_prompt, req)  # (text, ids)
+        prompt_ids = prompt[1]
         sampling = req.sampling
         if sampling.get("grammar") is not None:  # compiling is blocking work (the first one ~1 s); none: no hop
             sampling = await self.admission.off_loop(grammar_fields.compiled_sampling, engine, sampling)
@@ -296,6 +318,7 @@ class OpenAIRoutes:
             if done is None:
                 return Response(status_code=499)
             cached, finishes = done
+            await self.admission.off_loop(self._record_chat, req, prompt, turns)
             choices = [
                 shapes.chat_choice(i, t.message(), f, t.logprobs if req.logprobs else None)
                 for i, (t, f) in enumerate(zip(turns, finishes))
@@ -325,6 +348,8 @@ class OpenAIRoutes:
                     for delta, lp in deltas:
                         yield chunk(i, delta, None, lp)
                     self.server.metrics.finished(finish)
+                    # before the client has the whole reply (and can send the next turn)
+                    await self.admission.off_loop(self._record_chat, req, prompt, [turns[i]])
                     yield chunk(i, {}, finish, turns[i].pending.take())
                 elif req.include_usage:  # all ended
                     use = shapes.usage(

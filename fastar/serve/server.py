@@ -54,6 +54,7 @@ from fastar.serve.connection import Connection, fit_connections
 from fastar.serve.heap import HeapTrimmer
 from fastar.serve.metrics import Metrics
 from fastar.serve.routes import OpenAIRoutes
+from fastar.serve.turn import ReplayCache
 from fastar.serve.worker import Batching, EngineHost
 
 log = logging.getLogger("fastar.serve")
@@ -216,6 +217,8 @@ class Server:
         self.model_names: tuple[str, ...] = (served_model_name,)
         # every route's prompt checks and tokenizing
         self.admission = Admission(self.host.require_engine, heap=self.heap)
+        # the ids the model holds for each recent conversation's text, shared by chat completions and the agent APIs
+        self.replay = ReplayCache()
         self.started = int(time.time())
         self.app = build_app(
             self.settings,

@@ -365,7 +365,8 @@ class AssistantTurn:
 
     def _record(self) -> None:
         record_reply(
-            self.backend,
+            self.backend.replay,
+            self.tokenizer,
             self.conv,
             self.prompt_text,
             self.prompt_ids,
@@ -376,7 +377,8 @@ class AssistantTurn:
 
 
 def record_reply(
-    backend: Backend,
+    replay: ReplayCache,
+    tokenizer: Any,
     conv: Conversation,
     prompt_text: str,
     prompt_ids: list[int],
@@ -386,7 +388,8 @@ def record_reply(
 ) -> None:
     """Remember the real ids of a finished reply under the text its conversation's next request will render.
 
-    For any route that tokenizes through `prompt_ids(backend, conv)` (chat completions included): `message`
+    For any route that tokenizes through `replay` (`prompt_ids(backend, conv)`; chat completions through the
+    server's `replay`, which its `Backend` shares): `message`
     is the assistant message as returned to the client (encoder shape), `generated` the sampled token ids,
     `stopped` whether a stop string cut the text. A turn that ended with EOS is stored under its canonical
     rendering even where that differs from what was generated (DSML spacing): the parsed turn means the same.
@@ -403,11 +406,10 @@ def record_reply(
         return
     if not text.startswith(prompt_text) or not text.endswith(EOS):
         return
-    tokenizer = backend.engine().tokenizer
     ids = prompt_ids + generated
     if generated[-1] == tokenizer.eos_id:
-        backend.replay.record(text, ids)
+        replay.record(text, ids)
     else:  # the reply as the client got it: with its special tokens' text, or without (skip_special_tokens)
         tail = text[len(prompt_text) : -len(EOS)]
         if tail in (tokenizer.decode(generated), tokenizer.decode(generated, skip_special_tokens=True)):
-            backend.replay.record(text[: -len(EOS)], ids)
+            replay.record(text[: -len(EOS)], ids)

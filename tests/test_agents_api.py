@@ -667,8 +667,9 @@ def test_openai_responses_create_stream_function_calls_and_previous_response(app
 
 
 def test_a_tool_block_cut_off_by_max_tokens(backend):
-    """The streamed call is closed where it stopped and the unparsed block comes back as text, as the block
-    parser (the authority) sees it; the non-streaming reply has only the text."""
+    """The call the limit cut is the reply's last block, streamed or not, with the parameters it completed (none
+    here); its raw DSML is not repeated as text. Responses closes it `incomplete` (tests/test_cut_calls.py has
+    every cut in every shape)."""
     body = {
         "max_tokens": 60,
         "tools": [WEATHER],
@@ -676,14 +677,11 @@ def test_a_tool_block_cut_off_by_max_tokens(backend):
         "messages": [{"role": "user", "content": "weather in Paris?"}],
     }
     msg = A.messages(body, backend)
-    assert msg["stop_reason"] == "max_tokens" and [b["type"] for b in msg["content"]] == ["text"]
-    assert msg["content"][0]["text"].startswith("\n\n<｜DSML｜tool_calls>")
+    assert msg["stop_reason"] == "max_tokens" and [b["type"] for b in msg["content"]] == ["tool_use"]
+    assert msg["content"][0]["input"] == {} and msg["content"][0]["name"] == "get_weather"
     events = sse_events(A.messages({**body, "stream": True}, backend))
     starts = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
-    assert starts == ["tool_use", "text"]
-    assert [n for n, _ in events].count("content_block_stop") == 2
-    text = "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
-    assert text == msg["content"][0]["text"]
+    assert starts == ["tool_use"] and [n for n, _ in events].count("content_block_stop") == 1
     assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
     final = sse_events(
         R.create(
@@ -698,9 +696,9 @@ def test_a_tool_block_cut_off_by_max_tokens(backend):
             R.ResponseStore(),
         )
     )[-1][1]["response"]
-    assert final["status"] == "incomplete" and [o["type"] for o in final["output"]] == ["function_call", "message"]
-    # neither item looks complete: the call's arguments stop mid-way and the text is where the reply was cut
-    assert [o["status"] for o in final["output"]] == ["incomplete", "incomplete"], final["output"]
+    assert final["status"] == "incomplete" and [o["type"] for o in final["output"]] == ["function_call"]
+    # the call's arguments stop mid-way, and it says so
+    assert [o["status"] for o in final["output"]] == ["incomplete"], final["output"]
 
 
 def test_parallel_tool_use_disabled_under_auto_ends_the_reply_after_its_first_call(backend):

@@ -47,9 +47,12 @@ reply is one call of the named tool, or one or more calls (one with `disable_par
 against its `input_schema`. Under "auto", `disable_parallel_tool_use` ends the reply once its first tool call is
 complete (`stop_reason` "tool_use"). Tool
 input streams as `input_json_delta` pieces while the model writes the call (`fastar.serve.toolstream`); their
-concatenation is the final input's JSON. Structured outputs (`output_config.format`, or the beta's top-level
-`output_format`: `{"type": "json_schema", "schema"}`) are enforced with the same grammars as chat completions'
-`response_format`: the text is JSON valid against the schema (with tools left to the model: that JSON or calls).
+concatenation is the final input's JSON. A call the reply was cut inside (max_tokens, the context, a stop sequence)
+stays the last block, its pieces stopping where the model stopped and its `input` the parameters it completed
+(`fastar.serve.cut_calls`); the stop reason is then the cut's, never "tool_use".
+Structured outputs (`output_config.format`, or the beta's top-level `output_format`:
+`{"type": "json_schema", "schema"}`) are enforced with the same grammars as chat completions' `response_format`:
+the text is JSON valid against the schema (with tools left to the model: that JSON or calls).
 Tools are custom tools only: a tool of an Anthropic-defined `type` (web
 search, bash, text editor: Anthropic runs them or gives the model their schema) is a 400, not a tool the model
 would see without parameters.
@@ -391,7 +394,7 @@ def messages(body: Any, backend: Backend, disconnected: Callable[[], bool] | Non
         content.append(_thinking_block(turn.reasoning))
     if turn.content or not (turn.tool_calls or turn.reasoning):  # no empty text after thinking
         content.append({"type": "text", "text": turn.content})
-    content.extend(_tool_use(call) for call in turn.tool_calls)
+    content.extend(_tool_use(call, turn) for call in turn.tool_calls)
     return {
         "id": mid,
         "type": "message",
@@ -429,12 +432,15 @@ def _thinking_block(text: str) -> dict:
     return {"type": "thinking", "thinking": text, "signature": _signature(text)}
 
 
-def _tool_use(call: dict) -> dict:
+def _tool_use(call: dict, turn: AssistantTurn) -> dict:
+    """A call cut off inside (`turn.cut_call_id`) has as `input` the parameters it completed: what a client's
+    partial JSON reader makes of the `input_json_delta` pieces the stream sent for it."""
+    cut = call["id"] == turn.cut_call_id and turn.cut_input is not None
     return {
         "type": "tool_use",
         "id": call["id"],
         "name": call["function"]["name"],
-        "input": json.loads(call["function"]["arguments"]),
+        "input": turn.cut_input if cut else json.loads(call["function"]["arguments"]),
     }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from fastar.encoding import EOS, THINK_END, StreamParser
 from fastar.engine.stops import StopStrings
 from fastar.serve import openai_request, shapes
+from fastar.serve.cut_calls import ToolBlock
 
 
 class StopFilter(StopStrings):
@@ -60,6 +61,8 @@ class ChatTurn:
         self._in_reasoning = req.thinking
         self._tail = ""  # the last generated text, where `</think>` is looked for
         self.engine_finish: str | None = None
+        self.engine_stop: str | None = None  # the stop string the engine cut (its text never reaches us)
+        self.block = ToolBlock()
         self.content = ""
         self.reasoning: str | None = None
         self.tool_calls: list[dict] = []
@@ -88,6 +91,7 @@ class ChatTurn:
             self._in_reasoning = THINK_END not in self._tail
         if chunk.finish_reason:
             self.engine_finish = chunk.finish_reason
+            self.engine_stop = chunk.stop_string
         # the first `min_tokens` tokens' text cannot end the reply (vLLM's `min_tokens`), as in the engine
         match = len(self.generated) > self.req.sampling.get("min_tokens", 0)
         return self._deltas(self.parser.feed(self.stops.feed(chunk.text, match)))
@@ -99,15 +103,24 @@ class ChatTurn:
         ]
 
     def finish(self, max_tokens: int) -> tuple[list[tuple[dict, list[dict] | None]], str]:
-        """The deltas still held back, the tool calls, and the finish reason."""
-        deltas = self._deltas(self.parser.feed(self.stops.flush()) + self.parser.flush())
+        """The deltas still held back, the tool calls (a call the reply was cut inside is given with the arguments
+        written so far, unclosed: `fastar.serve.cut_calls`), and the finish reason."""
+        deltas = self._deltas(self.parser.feed(self.stops.flush()))
+        for _ in self.block.feed(self.parser):  # (the calls go out whole, below)
+            pass
+        released = self.parser.flush()  # a block that does not parse comes back as content
         result = self.parser.finish()
-        self.content, self.reasoning, self.tool_calls = result.content, result.reasoning, result.tool_calls
+        ended = self.engine_finish == "stop" and self.engine_stop is None and not self.stops.hit
+        settled = self.block.settle(result.content, result.tool_calls, "".join(t for _, t in released), not ended)
+        if not settled.dropped:
+            deltas += self._deltas(released)
+        self.content, self.reasoning, self.tool_calls = settled.content, result.reasoning, settled.tool_calls
         for i, call in enumerate(self.tool_calls):
             deltas.append(({"tool_calls": [{"index": i, **call}]}, None))
-        if self.tool_calls:
+        if settled.parsed:
             return deltas, "tool_calls"
-        return deltas, _finish_reason(self.engine_finish, self.stops.hit, self.completion_tokens, max_tokens)
+        stopped = self.stops.hit or self.engine_stop is not None
+        return deltas, _finish_reason(self.engine_finish, stopped, self.completion_tokens, max_tokens)
 
     @property
     def completion_tokens(self) -> int:

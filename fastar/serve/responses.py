@@ -429,6 +429,12 @@ def _call_item(call: dict, arguments: str | None = None, status: str = "complete
     }
 
 
+def _call_status(call: dict, turn: AssistantTurn) -> str:
+    """A call the reply's end cut off inside (max_output_tokens, a stop string) is closed with what it had, its
+    arguments unfinished: `incomplete` (`fastar.serve.cut_calls`)."""
+    return "incomplete" if call["id"] == turn.cut_call_id else "completed"
+
+
 class _Reply:
     """The response object as it grows."""
 
@@ -515,9 +521,9 @@ def create(
         output.append(_reasoning_item("rs_" + reply.id[5:], turn.reasoning, req.encrypted))
     if turn.content or not (turn.tool_calls or turn.reasoning):
         output.append(_message_item("msg_" + reply.id[5:], turn.content))
-    output.extend(_call_item(c) for c in turn.tool_calls)
-    if output and turn.finish_reason == "length":  # the item max_output_tokens cut says so, as the response does
-        output[-1]["status"] = "incomplete"
+    output.extend(_call_item(c, status=_call_status(c, turn)) for c in turn.tool_calls)
+    if output and output[-1]["type"] != "function_call" and turn.finish_reason == "length":
+        output[-1]["status"] = "incomplete"  # the text max_output_tokens cut says so, as the response does
     reply.obj["output"] = output
     obj = reply.finish(turn)
     _store(store, req, obj, turn)
@@ -600,9 +606,7 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
                     continue
                 if kind == "tool_done":
                     at = calls[payload["id"]]
-                    # a call the reply's end cut off (max_output_tokens) is closed with what it had: incomplete
-                    done = any(call["id"] == payload["id"] for call in turn.tool_calls)
-                    output[at] = _call_item(payload, status="completed" if done else "incomplete")
+                    output[at] = _call_item(payload, status=_call_status(payload, turn))
                     yield ev(
                         "response.function_call_arguments.done",
                         item_id=output[at]["id"],

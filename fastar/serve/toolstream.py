@@ -8,9 +8,12 @@ exactly the `arguments` string `fastar.encoding.parse_tool_block` gives for the 
 character at a time, so the pieces join to the whole), other values are held until their closing tag and
 then normalised as the block parser does. Text that could still be the start of a closing tag is held back.
 
-The block parser stays the authority: when the block turns out malformed or cut off, `broken` is set (or
-the stream simply stops short) and the caller trusts the final parse. Does not own: the block grammar
-(`fastar.encoding`), the API events (`fastar.serve.anthropic`, `fastar.serve.responses`). Pure Python.
+The block parser stays the authority for a block that parses. When the block turns out malformed or cut off,
+`broken` is set (or the stream simply stops short); what was streamed is then described by `names`,
+`arguments` (the JSON text so far), `inputs` (the parameters whose closing tag was written, as values) and
+`complete` (whether each call's closing tag was written): `fastar.serve.cut_calls` reports the calls from them.
+Does not own: the block grammar (`fastar.encoding`), the API events (`fastar.serve.anthropic`,
+`fastar.serve.responses`). Pure Python.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ class ToolCallStream:
         self._index = -1
         self._params: set[str] = set()
         self._string = True
+        self._param, self._value_at = "", 0  # the open parameter, and where its value starts in the buffer
         self.names: list[str] = []
         self.arguments: list[str] = []
+        self.inputs: list[dict] = []  # per call: its parameters whose closing tag was written
+        self.complete: list[bool] = []  # per call: its closing tag was written
 
     @property
     def broken(self) -> bool:
@@ -104,6 +110,8 @@ class ToolCallStream:
             self._index += 1
             self.names.append(m.group(1))
             self.arguments.append("")
+            self.inputs.append({})
+            self.complete.append(False)
             self._params = set()
             events.append(("start", self._index, m.group(1)))
             self._emit(events, "{")
@@ -112,6 +120,7 @@ class ToolCallStream:
         if self._state == "params":
             if rest.startswith(_INVOKE_END):
                 self._emit(events, "}")
+                self.complete[self._index] = True
                 self._pos, self._state = self._pos + len(_INVOKE_END), "calls"
                 return True
             m = self._tag(_PARAM, f"<{DSML}parameter", _INVOKE_END)
@@ -121,6 +130,7 @@ class ToolCallStream:
                 self._state = "broken"
                 return False
             name, self._string = m.group(1), m.group(2) == "true"
+            self._param, self._value_at = name, m.end()
             self._emit(
                 events,
                 ("" if not self._params else ", ")
@@ -145,11 +155,13 @@ class ToolCallStream:
         value = buf[self._pos : end]
         if self._string:
             self._emit(events, _escaped(value) + '"')
+            self.inputs[self._index][self._param] = buf[self._value_at : end]
         else:
             try:
                 parsed = json_value(value)
             except ValueError:
                 parsed = value  # as the block parser keeps it
             self._emit(events, json.dumps(parsed, ensure_ascii=False))
+            self.inputs[self._index][self._param] = parsed
         self._pos, self._state = end + len(_PARAM_END), "params"
         return True

@@ -30,7 +30,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,8 +39,8 @@ from fastar.encoding import EOS, THINK_END, StreamParser, encode_messages
 from fastar.serve import choice_turn, fields, grammar_fields
 from fastar.serve.admission import Admission
 from fastar.serve.api_error import APIError, bad_request
+from fastar.serve.cut_calls import ToolBlock
 from fastar.serve.metrics import Metrics
-from fastar.serve.toolstream import ToolCallStream
 from fastar.serve.worker import Job
 
 log = logging.getLogger("fastar.serve")
@@ -195,9 +194,7 @@ class AssistantTurn:
         self.stop_strings = list(sampling.get("stop") or [])
         self.stops = choice_turn.StopFilter(self.stop_strings)
         self.parser = StreamParser(conv.thinking, single_call=not parallel_tool_calls)
-        self.tools = ToolCallStream()
-        self._tool_fed = 0  # characters of the parser's tool-call body streamed
-        self._tool_ids: list[str] = []
+        self.block = ToolBlock()
         self.generated: list[int] = []
         self.raw = ""  # the text as generated, stop strings included
         self.released = 0  # characters of `raw` passed by the stop filter
@@ -209,6 +206,8 @@ class AssistantTurn:
         self.finish_reason = "stop"  # "stop" | "length" | "tool_calls" | "stop_sequence"
         self.stop_sequence: str | None = None
         self.content, self.reasoning, self.tool_calls = "", None, []
+        self.cut_input: dict | None = None  # the parameters written of a last tool call the cut left incomplete
+        self.cut_call_id: str | None = None  # that call's id
         self.job = Job(
             self.prompt_ids, fields.make_sampling_params(grammar_fields.compiled_sampling(engine, sampling), self.limit)
         )
@@ -228,8 +227,8 @@ class AssistantTurn:
     def events(self) -> Iterator[tuple[str, Any]]:
         """`("reasoning" | "content", text)`; per tool call `("tool_start", {"index", "id", "name"})`, then
         `("tool_args", (index, piece))` as the model writes it, then `("tool_done", call)` at the end (`call` as
-        in `tool_calls`; after a malformed or cut-off block, the partial call streamed so far, with the raw
-        block then released as content); and `("keepalive", (done, total) | None)` after each silent
+        in `tool_calls`, complete or, where the reply was cut inside it, the incomplete call `cut_call_id`
+        names: `fastar.serve.cut_calls`); and `("keepalive", (done, total) | None)` after each silent
         `keepalive_interval`. Raises `GenerationFailed`
         when the worker reports an error. Closing the iterator early cancels the generation."""
         try:
@@ -286,36 +285,28 @@ class AssistantTurn:
         yield from self.parser.feed(text)
         if self.stopped:
             self.job.cancel.set()
-        yield from self._stream_tools()
-
-    def _stream_tools(self) -> Iterator[tuple[str, Any]]:
-        if not self.parser.in_tool_calls:
-            return
-        body = self.parser.tool_body[self._tool_fed :].split(EOS, 1)[0]
-        self._tool_fed += len(body)
-        for kind, index, value in self.tools.feed(body):
-            if kind == "start":
-                self._tool_ids.append(f"call_{uuid.uuid4().hex[:24]}")
-                yield "tool_start", {"index": index, "id": self._tool_ids[index], "name": value}
-            else:
-                yield "tool_args", (index, value)
+        yield from self.block.feed(self.parser)
 
     def _finish(self) -> Iterator[tuple[str, Any]]:
         tail = self.stops.flush()
         self.released += len(tail)
         yield from self.parser.feed(tail)
-        yield from self._stream_tools()
-        released = self.parser.flush()  # a malformed or cut-off tool block comes back as content
+        yield from self.block.feed(self.parser)
+        released = self.parser.flush()  # a block that does not parse comes back as content
         result = self.parser.finish()
-        self.content, self.reasoning, self.tool_calls = result.content, result.reasoning, result.tool_calls
-        yield from self._finish_tools()
-        yield from released
         if self.stops.hit:
             rest = self.raw[self.released :]
             self.stop_sequence = next((s for s in self.stop_strings if rest.startswith(s)), None)
         elif self.engine_stop is not None:
             self.stop_sequence = self.engine_stop
-        if self.tool_calls:
+        ended = self.engine_finish == "stop" and self.stop_sequence is None and not self.stops.hit
+        settled = self.block.settle(result.content, result.tool_calls, "".join(t for _, t in released), not ended)
+        self.content, self.reasoning, self.tool_calls = settled.content, result.reasoning, settled.tool_calls
+        self.cut_input, self.cut_call_id = settled.cut_input, settled.cut_call_id
+        yield from self._finish_tools()
+        if not settled.dropped:  # held-back text, or a block's text that stands for no call
+            yield from released
+        if settled.parsed:
             self.finish_reason = "tool_calls"
         elif self.stops.hit or self.stop_sequence is not None:
             self.finish_reason = "stop_sequence"
@@ -328,31 +319,20 @@ class AssistantTurn:
         self._record()
 
     def _finish_tools(self) -> Iterator[tuple[str, Any]]:
-        """Close the streamed calls against the block parser's result, which is the authority."""
-        streamed = len(self._tool_ids)
+        """Close the streamed calls against the settled block (`fastar.serve.cut_calls`)."""
+        streamed = len(self.block.ids)
         for i, call in enumerate(self.tool_calls):
             args = call["function"]["arguments"]
             if i >= streamed:  # (the stream lost track; the parser did not)
-                self._tool_ids.append(call["id"])
                 yield "tool_start", {"index": i, "id": call["id"], "name": call["function"]["name"]}
                 sent = ""
             else:
-                call["id"] = self._tool_ids[i]
-                sent = self.tools.arguments[i]
+                sent = self.block.stream.arguments[i]
             if args.startswith(sent) and len(args) > len(sent):
                 yield "tool_args", (i, args[len(sent) :])
             elif not args.startswith(sent):
                 log.warning("streamed tool-call arguments %r disagree with the parsed block %r", sent, args)
             yield "tool_done", call
-        for i in range(len(self.tool_calls), streamed):  # a malformed or cut-off block: close what was opened
-            yield (
-                "tool_done",
-                {
-                    "id": self._tool_ids[i],
-                    "type": "function",
-                    "function": {"name": self.tools.names[i], "arguments": self.tools.arguments[i]},
-                },
-            )
 
     def message(self) -> dict:
         """The assistant message in the encoder's (OpenAI) shape, as a client would send it back."""

@@ -1,0 +1,99 @@
+"""A reply's DSML tool-call block, followed as it streams and settled at the end: the calls every API shape
+reports, the same streamed or not, also when the block was cut off or is malformed.
+
+`ToolBlock` feeds a `fastar.serve.toolstream.ToolCallStream` from a `fastar.encoding.StreamParser`'s tool-call
+body (the `start` / `args` events the streams turn into `tool_use` blocks and `function_call` items) and gives
+each call its id. `ToolBlock.settle()` decides, from the block parser's result, what the reply holds:
+
+* The block parses (the model closed it): its calls, `tool_calls` as the finish reason. The authority is the
+  block parser; the streamed ids are kept.
+* It does not (cut off by max_tokens, the context or a stop string, or malformed): the calls the stream opened,
+  one per `invoke` whose name was written. Each one whose closing tag was written is complete (its arguments are
+  what the block parser gives for a call); a last one cut inside is *incomplete*: its `arguments` are the JSON
+  text written so far (not closed: no client can take it for a whole call) and `cut_input` holds the parameters
+  whose closing tag was written (what a partial JSON reader makes of that text: Anthropic's `input`). The finish
+  reason is the cut's (or "stop"), never `tool_calls`. The block's raw text is not also given as content: the
+  stream already described it as calls. A block in which no call was opened is dropped when the reply was cut
+  (the markup of a call never written is nobody's text), and comes back as the text the model wrote when the
+  model ended a malformed block itself (as the block parser releases it; nothing of it was streamed).
+
+Does not own: the block grammar (`fastar.encoding`), the incremental parse (`fastar.serve.toolstream`), the API
+shapes (`fastar.serve.anthropic`, `fastar.serve.responses`, `fastar.serve.choice_turn`). Pure Python.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastar.encoding import EOS, TOOL_CALLS_START, StreamParser
+from fastar.serve.toolstream import ToolCallStream
+
+
+@dataclass(slots=True)
+class SettledBlock:
+    """What a finished reply holds for its tool-call block (see the module docstring)."""
+
+    content: str  # the reply's content, the block's raw text left out unless it stands for no call
+    tool_calls: list[dict]  # OpenAI-shaped calls, complete ones first, an incomplete one last
+    parsed: bool  # the block parsed as a whole: the calls are complete and the finish reason is `tool_calls`
+    cut_input: dict | None = None  # the incomplete last call's completed parameters; None if there is none
+    dropped: str = ""  # the block's raw text, left out of `content` (the parser had released it)
+
+    @property
+    def cut_call_id(self) -> str | None:
+        """The id of the incomplete call, if the block was cut inside one."""
+        return self.tool_calls[-1]["id"] if self.cut_input is not None else None
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolBlock:
+    """The tool-call block of one reply, fed from its `StreamParser`."""
+
+    def __init__(self) -> None:
+        self.stream = ToolCallStream()
+        self.ids: list[str] = []  # one per call the stream opened
+        self._fed = 0  # characters of the parser's tool-call body fed to the stream
+
+    def feed(self, parser: StreamParser) -> Iterator[tuple[str, Any]]:
+        """`("tool_start", {"index", "id", "name"})` and `("tool_args", (index, json_piece))` for what the parser's
+        tool-call body gained since the last call."""
+        if not parser.in_tool_calls:
+            return
+        body = parser.tool_body[self._fed :].split(EOS, 1)[0]
+        self._fed += len(body)
+        for kind, index, value in self.stream.feed(body):
+            if kind == "start":
+                self.ids.append(new_call_id())
+                yield "tool_start", {"index": index, "id": self.ids[index], "name": value}
+            else:
+                yield "tool_args", (index, value)
+
+    def settle(self, content: str, parsed_calls: list[dict], released: str, cut: bool) -> SettledBlock:
+        """The reply's block. `content` and `parsed_calls`: the parser's result (`finish()`); `released`: the text
+        its `flush()` gave back as content (a block that did not parse, opener included); `cut`: the reply was
+        cut (max_tokens, the context, a stop string) rather than ended by the model."""
+        if parsed_calls:
+            for i, call in enumerate(parsed_calls[: len(self.ids)]):
+                call["id"] = self.ids[i]
+            return SettledBlock(content, parsed_calls, True)
+        if not released.startswith(TOOL_CALLS_START) or not content.endswith(released):
+            return SettledBlock(content, [], False)  # no block
+        if not self.ids and not cut:  # a malformed block the model ended: its text, as the parser released it
+            return SettledBlock(content, [], False)
+        stream = self.stream
+        calls = [
+            {
+                "id": self.ids[i],
+                "type": "function",
+                "function": {"name": stream.names[i], "arguments": stream.arguments[i]},
+            }
+            for i in range(len(self.ids))
+        ]
+        cut_input = dict(stream.inputs[-1]) if calls and not stream.complete[-1] else None
+        return SettledBlock(content[: len(content) - len(released)], calls, False, cut_input, released)

@@ -1,0 +1,278 @@
+"""A reply cut off inside its tool-call block (max_tokens mid-name, mid-arguments, right after the opener; a stop
+string inside the block), in the three API shapes over the real server and the scripted engine: the stream,
+reassembled as a client does, is the non-streamed reply (blocks / items / message, text, tool calls, stop or
+finish reason, usage), the block's raw DSML never comes back as text, and an unfinished call is never given as a
+complete one (`fastar.serve.cut_calls`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_agents_api import AgentEngine, sse_events
+from test_server import raw, start_server
+
+from fastar.encoding import StreamParser
+from fastar.serve.cut_calls import ToolBlock
+
+jiter = pytest.importorskip("jiter", reason="the anthropic client's partial JSON reader, a test dependency")
+
+PREFIX = "Let me look."
+BLOCK = (
+    "\n\n<｜DSML｜tool_calls>\n"
+    '<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="location" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n"
+    "</｜DSML｜tool_calls>"
+)
+SCRIPT = PREFIX + BLOCK
+TOOL = {
+    "name": "get_weather",
+    "description": "Weather",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string"}, "days": {"type": "integer"}}},
+}
+
+
+def at(marker: str, extra: int = 0) -> int:
+    """max_tokens that cuts the script right after `marker` (+ extra characters): one token per character."""
+    return SCRIPT.index(marker) + len(marker) + extra
+
+
+# (case, max_tokens, stop, the tool call's input as the client ends up with it, or None for no call)
+CUTS = [
+    ("after the opener", at("<｜DSML｜tool_calls>\n"), None, None),
+    ("mid-name", at('name="get_wea'), None, None),
+    ("mid-arguments", at('string="true">Pa'), None, {}),
+    ("mid a non-string value", at('string="false">'), None, {"location": "Paris"}),
+    ("between calls and the closer", at("</｜DSML｜invoke>"), None, {"location": "Paris", "days": 3}),
+    ("stop string inside the block", 400, ["ari"], {}),
+    ("whole", 400, None, {"location": "Paris", "days": 3}),
+]
+
+
+class ScriptedEngine(AgentEngine):
+    script = SCRIPT
+
+    def reply(self, prompt: str, params) -> str:
+        return ("Hmm.</think>" if prompt.endswith("<think>") else "") + self.script
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server(ScriptedEngine())
+    yield srv
+    srv.shutdown()
+
+
+def post(server, path: str, body: dict, stream: bool):
+    status, _, data = raw(server, "POST", path, {**body, "stream": stream}, {"x-api-key": "k"})
+    assert status == 200, data
+    return data if stream else json.loads(data)
+
+
+def anthropic_stream(data: bytes) -> dict:
+    """The message a streaming Anthropic client builds (tool input read as the SDK reads it: partially)."""
+    msg, bufs = {}, {}
+    for name, ev in sse_events([data]):
+        if name == "message_start":
+            msg = ev["message"]
+        elif name == "content_block_start":
+            msg["content"].append(dict(ev["content_block"]))
+        elif name == "content_block_delta":
+            block, delta = msg["content"][ev["index"]], ev["delta"]
+            if delta["type"] == "input_json_delta":
+                bufs[ev["index"]] = bufs.get(ev["index"], "") + delta["partial_json"]
+                block["input"] = jiter.from_json(bufs[ev["index"]].encode(), partial_mode=True)
+            elif delta["type"] == "signature_delta":
+                block["signature"] = delta["signature"]
+            else:
+                key = "text" if delta["type"] == "text_delta" else "thinking"
+                block[key] += delta[key]
+        elif name == "message_delta":
+            msg.update(ev["delta"], usage=ev["usage"])
+    msg["_json"] = bufs  # the raw argument text of each tool_use block
+    return msg
+
+
+def responses_stream(data: bytes) -> tuple[dict, list[dict]]:
+    """The final response event, and the items as the item and delta events built them."""
+    events = sse_events([data])
+    items: dict[int, dict] = {}
+    for name, ev in events:
+        if name == "response.output_item.added":
+            items[ev["output_index"]] = {"deltas": ""}
+        elif name.endswith(".delta"):
+            items[ev["output_index"]]["deltas"] += ev["delta"]
+        elif name == "response.output_item.done":
+            items[ev["output_index"]].update(ev["item"])
+    assert events[-1][0] in ("response.completed", "response.incomplete")
+    return events[-1][1]["response"], [items[i] for i in sorted(items)]
+
+
+def chat_stream(data: bytes) -> dict:
+    """The choice a streaming chat client builds, with its finish reason and the usage chunk."""
+    msg: dict = {"content": "", "reasoning_content": "", "tool_calls": []}
+    out = {"message": msg}
+    for line in data.decode().split("\n"):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            out["usage"] = chunk["usage"]
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            msg["content"] += delta.get("content") or ""
+            msg["reasoning_content"] += delta.get("reasoning_content") or ""
+            for call in delta.get("tool_calls") or []:
+                if call["index"] == len(msg["tool_calls"]):
+                    msg["tool_calls"].append(
+                        {"id": call["id"], "type": "function", "function": {"name": "", "arguments": ""}}
+                    )
+                fn = msg["tool_calls"][call["index"]]["function"]
+                fn["name"] += call["function"].get("name") or ""
+                fn["arguments"] += call["function"].get("arguments") or ""
+            if choice.get("finish_reason"):
+                out["finish_reason"] = choice["finish_reason"]
+    return out
+
+
+def same_usage(a: dict, b: dict) -> bool:
+    """Equal usage but for how much of the prompt the cache held (the second request of a pair finds it there)."""
+
+    def counts(u: dict) -> dict:
+        u = {k: v for k, v in u.items() if k not in ("prompt_tokens_details", "input_tokens_details")}
+        if "cache_read_input_tokens" in u:  # Anthropic's input_tokens leave the cache reads out
+            u["input_tokens"] += u.pop("cache_read_input_tokens")
+        return u
+
+    return counts(a) == counts(b)
+
+
+def without_ids(value):
+    if isinstance(value, dict):
+        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "call_id", "signature")}
+    if isinstance(value, list):
+        return [without_ids(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("case, limit, stop, call_input", CUTS, ids=[c[0] for c in CUTS])
+def test_anthropic_cut_inside_a_tool_call_streams_the_message_it_returns(
+    server, thinking, case, limit, stop, call_input
+):
+    think = len("Hmm.</think>") - len("</think>") + 1 if thinking else 0  # the reasoning's tokens come first
+    body = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": limit + think,
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [{"name": TOOL["name"], "input_schema": TOOL["parameters"]}],
+        "thinking": {"type": "enabled" if thinking else "disabled"},
+    }
+    if stop:
+        body["stop_sequences"] = stop
+    whole = post(server, "/v1/messages", body, False)
+    streamed = anthropic_stream(post(server, "/v1/messages", body, True))
+    texts = [b["text"] for b in whole["content"] if b["type"] == "text"]
+    assert texts == [PREFIX], (case, whole["content"])  # the DSML never comes back as text
+    calls = [b for b in whole["content"] if b["type"] == "tool_use"]
+    assert [b["input"] for b in calls] == ([] if call_input is None else [call_input]), case
+    expected = "tool_use" if case == "whole" else "stop_sequence" if stop else "max_tokens"
+    assert whole["stop_reason"] == streamed["stop_reason"] == expected
+    assert whole["stop_sequence"] == streamed["stop_sequence"] == (stop[0] if stop else None)
+    assert without_ids(streamed["content"]) == without_ids(whole["content"]), case
+    assert same_usage(streamed["usage"], whole["usage"])
+    for index, text in streamed["_json"].items():  # a call's JSON is whole exactly when the reply says it is
+        complete = case in ("whole", "between calls and the closer")
+        try:
+            assert json.loads(text) == whole["content"][index]["input"] and complete, case
+        except json.JSONDecodeError:
+            assert not complete, case
+
+
+@pytest.mark.parametrize(
+    "case, limit, stop, call_input", [c for c in CUTS if c[2] is None], ids=[c[0] for c in CUTS if c[2] is None]
+)
+def test_responses_cut_inside_a_tool_call_streams_the_response_it_returns(server, case, limit, stop, call_input):
+    body = {
+        "input": "weather?",
+        "max_output_tokens": limit,
+        "reasoning": {"effort": "none"},
+        "tools": [{"type": "function", **TOOL}],
+    }
+    whole = post(server, "/v1/responses", body, False)
+    final, items = responses_stream(post(server, "/v1/responses", body, True))
+    assert without_ids(final["output"]) == without_ids(whole["output"]), case
+    assert [{k: v for k, v in i.items() if k != "deltas"} for i in items] == final["output"]
+    for item in items:  # the deltas built each item's text or arguments
+        assert item["deltas"] == (item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"])
+    assert (final["status"], final["incomplete_details"]) == (whole["status"], whole["incomplete_details"])
+    assert same_usage(final["usage"], whole["usage"])
+    assert [o["content"][0]["text"] for o in whole["output"] if o["type"] == "message"] == [PREFIX]
+    calls = [o for o in whole["output"] if o["type"] == "function_call"]
+    assert len(calls) == (0 if call_input is None else 1), case
+    if case == "whole":
+        assert whole["status"] == "completed" and calls[0]["status"] == "completed"
+    else:
+        assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    for call in calls:  # an unfinished call says so; a finished one parses to what it wrote
+        if call["status"] == "completed":
+            assert json.loads(call["arguments"]) == call_input
+        else:
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(call["arguments"])
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("case, limit, stop, call_input", CUTS, ids=[c[0] for c in CUTS])
+def test_chat_completions_cut_inside_a_tool_call_streams_the_choice_it_returns(
+    server, thinking, case, limit, stop, call_input
+):
+    think = len("Hmm.</think>") - len("</think>") + 1 if thinking else 0
+    body = {
+        "model": "deepseek-v4-flash",
+        "max_tokens": limit + think,
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [{"type": "function", "function": TOOL}],
+        "thinking": {"type": "enabled" if thinking else "disabled"},
+        "stream_options": {"include_usage": True},
+    }
+    if stop:
+        body["stop"] = stop
+    whole = post(server, "/v1/chat/completions", {k: v for k, v in body.items() if k != "stream_options"}, False)
+    streamed = chat_stream(post(server, "/v1/chat/completions", body, True))
+    choice = whole["choices"][0]
+    msg = choice["message"]
+    expected = "tool_calls" if case == "whole" else "stop" if stop else "length"
+    assert choice["finish_reason"] == streamed["finish_reason"] == expected, case
+    assert msg["content"] == streamed["message"]["content"] == PREFIX, case
+    assert (msg.get("reasoning_content") or "") == streamed["message"]["reasoning_content"]
+    assert without_ids(msg.get("tool_calls") or []) == without_ids(streamed["message"]["tool_calls"]), case
+    assert same_usage(streamed["usage"], whole["usage"])
+    calls = msg.get("tool_calls") or []
+    assert len(calls) == (0 if call_input is None else 1), case
+    for call in calls:  # arguments parse exactly when the finish reason says the calls are whole
+        try:
+            assert json.loads(call["function"]["arguments"]) == call_input and expected in ("tool_calls", "length")
+            assert case in ("whole", "between calls and the closer"), case
+        except json.JSONDecodeError:
+            assert case not in ("whole", "between calls and the closer"), case
+
+
+def test_a_malformed_block_the_model_ended_is_its_calls_or_else_its_text():
+    """Without a cut, a block in which no call started comes back as its text; one in which a call started is
+    that call (incomplete), and its raw text is not also given as content."""
+    for body, calls, text in (
+        ("\n\n<｜DSML｜tool_callsXX", 0, "\n\n<｜DSML｜tool_callsXX"),
+        ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<oops>', 1, ""),
+    ):
+        parser, block = StreamParser(False), ToolBlock()
+        parser.feed("hi" + body)
+        list(block.feed(parser))
+        released = "".join(t for _, t in parser.flush())
+        result = parser.finish()
+        settled = block.settle(result.content, result.tool_calls, released, cut=False)
+        assert (len(settled.tool_calls), settled.content, settled.parsed) == (calls, "hi" + text, False)
+        if calls:
+            assert settled.cut_input == {} and settled.cut_call_id == settled.tool_calls[0]["id"]

@@ -29,11 +29,12 @@ EOS = 1
 # --- StopStrings --------------------------------------------------------------------------------------------
 
 
-def run_stops(pieces: list[str], stops: list[str]) -> tuple[list[str], bool]:
+def run_stops(pieces: list[str], stops: list[str], unmatched: int = 0) -> tuple[list[str], bool]:
+    """`unmatched`: the first pieces are fed with `match` False (vLLM's `min_tokens`)."""
     s = StopStrings(stops)
     out = []
-    for p in pieces:
-        text, hit = s.feed(p)
+    for i, p in enumerate(pieces):
+        text, hit = s.feed(p, i >= unmatched)
         out.append(text)
         if hit:
             return out, True
@@ -84,6 +85,40 @@ def test_stops_match_the_one_shot_answer(text: str, stops: list[str], cuts: list
     assert "".join(out) == expect and hit == (first is not None)
     acc = ""
     for piece in out:  # every released piece is final: never a part of a stop string taken back later
+        acc += piece
+        assert expect.startswith(acc)
+
+
+def test_a_stop_string_spanning_the_min_tokens_boundary_ends_the_text_and_never_leaks() -> None:
+    """vLLM's `min_tokens` check looks back a stop string's length before the first text it matches: a stop
+    string that starts in the first `min_tokens` tokens and ends after them cuts the text there; its start was
+    held back, never released. One wholly within them stays in the text."""
+    s = StopStrings(["abc"])
+    assert s.feed("xab", match=False) == ("x", False)  # "ab" could begin "abc": held although nothing ends here
+    assert s.feed("c") == ("", True) and s.matched == "abc"
+    assert run_stops(["xabc", "d"], ["abc"], unmatched=1) == (["xabc", "d", ""], False)
+    assert run_stops(["xa", "bc", "d"], ["abc", "b"], unmatched=1) == (["x", ""], True)  # "b" alone: no earlier
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text("ab#", max_size=30),
+    st.lists(st.text("ab#", min_size=1, max_size=4), min_size=1, max_size=3),
+    st.lists(st.integers(0, 30), max_size=6),
+    st.integers(0, 30),
+)
+def test_stops_after_min_tokens_match_vllms_answer(text: str, stops: list[str], cuts: list[int], floor: int) -> None:
+    """The first `floor` characters come in pieces fed with `match` False: the text is cut at the earliest stop
+    string that ends past them (vLLM's search from `floor - len(stop) + 1`), and nothing released is taken back."""
+    floor = min(floor, len(text))
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, floor, len(text)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    out, hit = run_stops(pieces, stops, unmatched=bounds.index(floor))
+    first = min((i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in stops) if i >= 0), default=None)
+    expect = text if first is None else text[:first]
+    assert "".join(out) == expect and hit == (first is not None)
+    acc = ""
+    for piece in out:
         acc += piece
         assert expect.startswith(acc)
 

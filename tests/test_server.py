@@ -1380,6 +1380,47 @@ def test_min_tokens_reaches_the_engine_and_holds_off_stop_strings(server):
         server.engine.stream = stream
 
 
+def test_a_stop_string_spanning_the_min_tokens_boundary_cuts_the_reply_and_never_streams_its_start(server):
+    """vLLM matches a stop string that starts within the first `min_tokens` tokens and ends after them; the text it
+    starts with was held back, so no streamed delta carries it (several choices, thinking on or off)."""
+    cl = client(server)
+    for thinking, reasoning, content in (
+        (False, "", "Echo: stop "),  # "me" is tokens 12-13 of "Echo: stop me here"
+        (True, "Thinking about stop ", ""),  # tokens 21-22 of the reasoning
+    ):
+        least = len(reasoning or content) + 1  # the "m" is the last of the first min_tokens tokens
+        kw = dict(stop=["me"], n=2, max_tokens=60, extra_body={"min_tokens": least})
+        if not thinking:
+            kw["extra_body"] |= NO_THINK
+        whole = chat(cl, "stop me here", **kw)
+        assert [(c.message.content, c.finish_reason) for c in whole.choices] == [(content, "stop")] * 2
+        assert [getattr(c.message, "reasoning_content", None) or "" for c in whole.choices] == [reasoning] * 2
+        chunks = list(chat(cl, "stop me here", stream=True, **kw))
+        for i in range(2):
+            deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == i]
+            assert "".join(d.content or "" for d in deltas) == content
+            assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
+        wholly_within = chat(cl, "stop me here", **{**kw, "extra_body": {**kw["extra_body"], "min_tokens": least + 1}})
+        assert wholly_within.choices[0].finish_reason in ("stop", "length")  # "me" wholly within: kept
+        assert "stop me" in (wholly_within.choices[0].message.content or "") + (
+            getattr(wholly_within.choices[0].message, "reasoning_content", None) or ""
+        )
+    text = raw(
+        server,
+        "POST",
+        "/v1/completions",
+        {
+            "model": "deepseek-v4-flash",
+            "prompt": "Hello",
+            "max_tokens": 20,
+            "temperature": 0,
+            "stop": ["ho"],
+            "min_tokens": 3,
+        },
+    )
+    assert json.loads(text[2])["choices"][0]["text"] == "Ec"  # "ho" of "Echo: Hello" is tokens 3-4: cut
+
+
 def test_stream_options_without_stream_is_a_400(server):
     """`stream_options` asks for something only a stream has (`include_usage`): on a request that does not stream
     it is a 400 naming it, as OpenAI and vLLM answer, where it was silently ignored. `null` stays accepted."""

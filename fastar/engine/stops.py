@@ -22,42 +22,47 @@ class StopStrings:
         self.hit = False
         self.matched: str | None = None  # the stop string found, once `hit`
         self._held = ""
+        self._floor = 0  # leading characters of `_held` fed with `match` False: no stop string may end within them
 
     def feed(self, text: str, match: bool = True) -> tuple[str, bool]:
-        """`match` False: `text` cannot end the generation (vLLM's `min_tokens`): it is released whole, with what was
-        held, and no stop string is looked for in it."""
+        """`match` False: `text` cannot end the generation (vLLM's `min_tokens`): no stop string ending within it is
+        looked for, but one that starts in it and ends in later text is (vLLM looks back a stop string's length
+        before the first text it matches), so a tail that could begin one is held back all the same."""
         if self.hit:
             return "", True
-        if not self.stops or not match:
-            held, self._held = self._held, ""
-            return held + text, False
+        if not self.stops:
+            return text, False
         buf = self._held + text
-        found = self._first(buf)
+        floor = len(buf) if not match else self._floor
+        found = self._first(buf, floor)
         wait = self._open(buf)
         if found is not None and found <= wait:
-            self._found(buf, found)
-            self._held = ""
+            self._found(buf, found, floor)
+            self._held, self._floor = "", 0
             return buf[:found], True
-        self._held = buf[wait:]
+        self._held, self._floor = buf[wait:], max(0, floor - wait)
         return buf[:wait], False
 
     def flush(self) -> str:
         """The end of the text: what was held back, up to a stop string found in it (then `hit` is set)."""
-        held, self._held = self._held, ""
-        found = None if self.hit else self._first(held)
+        held, floor = self._held, self._floor
+        self._held, self._floor = "", 0
+        found = None if self.hit else self._first(held, floor)
         if found is not None:
-            self._found(held, found)
+            self._found(held, found, floor)
             return held[:found]
         return "" if self.hit else held
 
-    def _found(self, buf: str, at: int) -> None:
-        """A stop string starts at `at`: the longest of those that do (as a whole-text search would report it)."""
+    def _found(self, buf: str, at: int, floor: int) -> None:
+        """A stop string starts at `at`: the longest of those that do and end past `floor` (as a whole-text search
+        would report it)."""
         self.hit = True
-        self.matched = max((s for s in self.stops if buf.startswith(s, at)), key=len)
+        self.matched = max((s for s in self.stops if buf.startswith(s, at) and at + len(s) > floor), key=len)
 
-    def _first(self, buf: str) -> int | None:
-        """Start of the earliest complete stop string in buf."""
-        return min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=None)
+    def _first(self, buf: str, floor: int = 0) -> int | None:
+        """Start of the earliest complete stop string in buf that ends past its first `floor` characters."""
+        starts = (buf.find(s, max(0, floor - len(s) + 1)) for s in self.stops)
+        return min((i for i in starts if i >= 0), default=None)
 
     def _open(self, buf: str) -> int:
         """Start of the earliest tail of buf that a stop string continues past its end (len(buf) if none)."""

@@ -41,6 +41,7 @@ def at(marker: str, extra: int = 0) -> int:
 
 # (case, max_tokens, stop, the tool call's input as the client ends up with it, or None for no call)
 CUTS = [
+    ("mid-opener", at("<｜DSML｜tool_"), None, None),
     ("after the opener", at("<｜DSML｜tool_calls>\n"), None, None),
     ("mid-name", at('name="get_wea'), None, None),
     ("mid-arguments", at('string="true">Pa'), None, {}),
@@ -262,7 +263,8 @@ def test_chat_completions_cut_inside_a_tool_call_streams_the_choice_it_returns(
 
 def test_a_malformed_block_the_model_ended_is_its_calls_or_else_its_text():
     """Without a cut, a block in which no call started comes back as its text; one in which a call started is
-    that call (incomplete), and its raw text is not also given as content."""
+    that call (incomplete), and its raw text is not also given as content. A cut opener is dropped only once it
+    is markup (past `<｜`)."""
     for body, calls, text in (
         ("\n\n<｜DSML｜tool_callsXX", 0, "\n\n<｜DSML｜tool_callsXX"),
         ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<oops>', 1, ""),
@@ -270,9 +272,14 @@ def test_a_malformed_block_the_model_ended_is_its_calls_or_else_its_text():
         parser, block = StreamParser(False), ToolBlock()
         parser.feed("hi" + body)
         list(block.feed(parser))
-        released = "".join(t for _, t in parser.flush())
+        released = parser.flush()
         result = parser.finish()
         settled = block.settle(result.content, result.tool_calls, released, cut=False)
         assert (len(settled.tool_calls), settled.content, settled.parsed) == (calls, "hi" + text, False)
         if calls:
             assert settled.cut_input == {} and settled.cut_call_id == settled.tool_calls[0]["id"]
+    for tail, kept in (("\n\n<", "\n\n<"), ("\n\n<｜DSML｜to", "")):  # cut: a blank line and `<` may be text
+        parser = StreamParser(False)
+        parser.feed("hi" + tail)
+        released = parser.flush()
+        assert ToolBlock().settle(parser.finish().content, [], released, cut=True).content == "hi" + kept

@@ -111,7 +111,7 @@ class ChatTurn:
         released = self.parser.flush()  # a block that does not parse comes back as content
         result = self.parser.finish()
         ended = self.engine_finish == "stop" and self.engine_stop is None and not self.stops.hit
-        settled = self.block.settle(result.content, result.tool_calls, "".join(t for _, t in released), not ended)
+        settled = self.block.settle(result.content, result.tool_calls, released, not ended)
         if not settled.dropped:
             deltas += self._deltas(released)
         self.content, self.reasoning, self.tool_calls = settled.content, result.reasoning, settled.tool_calls

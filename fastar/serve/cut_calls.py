@@ -14,8 +14,9 @@ each call its id. `ToolBlock.settle()` decides, from the block parser's result, 
   whose closing tag was written (what a partial JSON reader makes of that text: Anthropic's `input`). The finish
   reason is the cut's (or "stop"), never `tool_calls`. The block's raw text is not also given as content: the
   stream already described it as calls. A block in which no call was opened is dropped when the reply was cut
-  (the markup of a call never written is nobody's text), and comes back as the text the model wrote when the
-  model ended a malformed block itself (as the block parser releases it; nothing of it was streamed).
+  (the markup of a call never written is nobody's text), and so is an opener cut short once it is past
+  `\n\n<｜`; a malformed block the model ended itself comes back as the text it wrote (as the block parser
+  releases it; nothing of it was streamed).
 
 Does not own: the block grammar (`fastar.encoding`), the incremental parse (`fastar.serve.toolstream`), the API
 shapes (`fastar.serve.anthropic`, `fastar.serve.responses`, `fastar.serve.choice_turn`). Pure Python.
@@ -30,6 +31,10 @@ from typing import Any
 
 from fastar.encoding import EOS, TOOL_CALLS_START, StreamParser
 from fastar.serve.toolstream import ToolCallStream
+
+# The start of the tool-call opener from which a cut-off tail is markup, not text: `<` then DSML's fullwidth bar
+# (a reply may well end with a blank line and a `<`).
+_OPENER_MARK = TOOL_CALLS_START[: TOOL_CALLS_START.index("｜") + 1]
 
 
 @dataclass(slots=True)
@@ -74,16 +79,24 @@ class ToolBlock:
             else:
                 yield "tool_args", (index, value)
 
-    def settle(self, content: str, parsed_calls: list[dict], released: str, cut: bool) -> SettledBlock:
-        """The reply's block. `content` and `parsed_calls`: the parser's result (`finish()`); `released`: the text
-        its `flush()` gave back as content (a block that did not parse, opener included); `cut`: the reply was
-        cut (max_tokens, the context, a stop string) rather than ended by the model."""
+    def settle(
+        self, content: str, parsed_calls: list[dict], released: list[tuple[str, str]], cut: bool
+    ) -> SettledBlock:
+        """The reply's block. `content` and `parsed_calls`: the parser's result (`finish()`); `released`: the events
+        its `flush()` gave back (a block that did not parse, opener included, as content; or the text it held back
+        as a possible marker); `cut`: the reply was cut (max_tokens, the context, a stop string) rather than ended
+        by the model."""
         if parsed_calls:
             for i, call in enumerate(parsed_calls[: len(self.ids)]):
                 call["id"] = self.ids[i]
             return SettledBlock(content, parsed_calls, True)
-        if not released.startswith(TOOL_CALLS_START) or not content.endswith(released):
-            return SettledBlock(content, [], False)  # no block
+        text = "".join(t for kind, t in released if kind == "content")
+        if not text or not content.endswith(text):
+            return SettledBlock(content, [], False)
+        if not text.startswith(TOOL_CALLS_START):  # held back as a possible opener: markup only past `\n\n<｜`
+            if cut and len(text) >= len(_OPENER_MARK) and TOOL_CALLS_START.startswith(text):
+                return SettledBlock(content[: len(content) - len(text)], [], False, None, text)
+            return SettledBlock(content, [], False)
         if not self.ids and not cut:  # a malformed block the model ended: its text, as the parser released it
             return SettledBlock(content, [], False)
         stream = self.stream
@@ -96,4 +109,4 @@ class ToolBlock:
             for i in range(len(self.ids))
         ]
         cut_input = dict(stream.inputs[-1]) if calls and not stream.complete[-1] else None
-        return SettledBlock(content[: len(content) - len(released)], calls, False, cut_input, released)
+        return SettledBlock(content[: len(content) - len(text)], calls, False, cut_input, text)

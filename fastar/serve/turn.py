@@ -300,7 +300,7 @@ class AssistantTurn:
         elif self.engine_stop is not None:
             self.stop_sequence = self.engine_stop
         ended = self.engine_finish == "stop" and self.stop_sequence is None and not self.stops.hit
-        settled = self.block.settle(result.content, result.tool_calls, "".join(t for _, t in released), not ended)
+        settled = self.block.settle(result.content, result.tool_calls, released, not ended)
         self.content, self.reasoning, self.tool_calls = settled.content, result.reasoning, settled.tool_calls
         self.cut_input, self.cut_call_id = settled.cut_input, settled.cut_call_id
         yield from self._finish_tools()

@@ -312,6 +312,37 @@ def test_row_ops_in_c_match_torch(isa):
     assert torch.equal(ops.rms_norm(x.double(), None, 1e-6), ops.rms_norm_torch(x.double(), None, 1e-6))  # torch's
 
 
+def test_row_ops_may_overwrite_their_input(isa):
+    """`overwrite=True` (the caller needs only the result): the same bits as the op on a copy; in the C extension the
+    result is written into x itself where x is contiguous (the RoPE's leading dims stay as they were), and a
+    non-contiguous x is left untouched (its copy takes the result). RoPE with `bf16` rounds every element after the
+    rotation as torch's bfloat16 conversion does, in and out of place."""
+    g = torch.Generator().manual_seed(2)
+    cos, sin = ops.rope_cos_sin(ops.rope_inv_freq(64, 1e4), torch.arange(7) + 30)
+    for inverse in (False, True):
+        x = torch.randn(7, 4, 512, generator=g)
+        want = ops.apply_rope(x.clone(), cos, sin, inverse)
+        got = ops.apply_rope(x, cos, sin, inverse, overwrite=True)
+        assert torch.equal(got, want) and (got.data_ptr() == x.data_ptr()) == (ops._C is not None)
+    x = torch.randn(300, 64, 512, generator=g)  # enough rows for the pool; NaN, infinities and a tie to even too
+    x[0, 0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1 + 2**-8, 1 + 3 * 2**-8])
+    cos, sin = ops.rope_cos_sin(ops.rope_inv_freq(64, 1e4), torch.arange(300))
+    want = ops.apply_rope_torch(x, cos, sin, True).to(torch.bfloat16).float()
+    for overwrite in (False, True):  # rotated, then every element rounded to bfloat16 (wo_a's input)
+        got = ops.apply_rope(x.clone(), cos, sin, True, overwrite=overwrite, bf16=True)
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan())
+    cos, sin = ops.rope_cos_sin(ops.rope_inv_freq(64, 1e4), torch.arange(7) + 30)
+    x = torch.randn(7, 4, 512, generator=g)
+    want = ops.rms_norm(x.clone(), None, 1e-6)
+    got = ops.rms_norm(x, None, 1e-6, overwrite=True)
+    assert torch.equal(got, want) and (got.data_ptr() == x.data_ptr()) == (ops._C is not None)
+    xt = torch.randn(4, 7, 512, generator=g).transpose(0, 1)  # not contiguous: a copy takes the result
+    before = xt.clone()
+    assert torch.equal(ops.apply_rope(xt, cos, sin, overwrite=True), ops.apply_rope(before, cos, sin))
+    assert torch.equal(ops.rms_norm(xt, None, 1e-6, overwrite=True), ops.rms_norm(before, None, 1e-6))
+    assert torch.equal(xt, before)
+
+
 def test_fp4_quant_sim_ties_to_even_and_matches_reference_rounding():
     grid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.25, -2.5])
     assert torch.equal(ops.e2m1_round(grid), torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.0, -2.0]))

@@ -92,10 +92,6 @@ class Numerics:
         """Input of an FP8/FP4 weight product."""
         return ops.fp8_quant_sim(x, 128) if self.fp8_activations else x
 
-    def wo_a_input(self, o: torch.Tensor) -> torch.Tensor:
-        """Input of the grouped `wo_a` product (BF16 weights in DeepSeek's inference, a bf16 einsum)."""
-        return o.to(torch.bfloat16).float() if self.bf16_wo_a else o
-
 
 def layer_inv_freq(cfg: ModelConfig, ratio: int) -> torch.Tensor:
     """RoPE frequencies of a layer: plain theta on ratio-0 layers, compress theta + YaRN on compressed ones
@@ -208,7 +204,7 @@ class Compressor:
         c = ops.compress_pool(kv, gate)  # [n, hd]
         c = ops.rms_norm(c, self.norm, self.eps)
         cos, sin = ops.rope_cos_sin(self.inv_freq, win * m)
-        c = ops.apply_rope(c, cos, sin)
+        c = ops.apply_rope(c, cos, sin, overwrite=True)
         if self.quant is not None:
             c = self.quant(c)
         out_buf.append(c)
@@ -269,7 +265,7 @@ class Indexer:
         if fused is not None:
             return fused
         q = self.wq_b(self.numerics.act(qr)).view(T, Hi, Di)  # [T, Hi, Di]
-        q = ops.apply_rope(q, cos, sin)
+        q = ops.apply_rope(q, cos, sin, overwrite=True)
         if self.numerics.fp4_indexer:
             q = self._rotate(q)
         return q, self.weights_proj(x) * Hi**-0.5
@@ -570,9 +566,9 @@ class Attention:
             q_lin, kv_lin = self.wq_a(xq), self.wkv(xq)
         qr = ops.rms_norm(q_lin, self.q_norm, self.eps)  # [T, q_lora]
         q = self.wq_b(act(qr)).view(T, H, D)  # [T, H, D]
-        q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)  # weightless per-head norm, then RoPE
+        q = ops.apply_rope(ops.rms_norm(q, None, self.eps, True), cos, sin, overwrite=True)  # per-head norm, RoPE
         kv = ops.rms_norm(kv_lin, self.kv_norm, self.eps)  # [T, D]
-        kv = ops.apply_rope(kv, cos, sin)
+        kv = ops.apply_rope(kv, cos, sin, overwrite=True)
         if self.numerics.fp8_kv:
             kv = self._fp8_nope(kv)
         return q, qr, kv
@@ -583,8 +579,9 @@ class Attention:
         if fused is not None:
             return fused
         T, H, D = o.shape
-        o = ops.apply_rope(o, cos, sin, inverse=True)  # V carried RoPE: undo it at the query position
-        z = self.wo_a.grouped(self.numerics.wo_a_input(o).reshape(T, self.groups, H * D // self.groups))  # [T, G, R]
+        # V carried RoPE: undo it at the query's position; then wo_a's input, rounded to bfloat16 under bf16_wo_a
+        o = ops.apply_rope(o, cos, sin, inverse=True, overwrite=True, bf16=self.numerics.bf16_wo_a)
+        z = self.wo_a.grouped(o.reshape(T, self.groups, H * D // self.groups))  # [T, G, R]
         return self.wo_b(self.numerics.act(z.reshape(T, -1)))  # [T, d]
 
 

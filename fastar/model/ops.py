@@ -116,13 +116,22 @@ def _like(a, shape) -> tuple:
     return o, torch.from_numpy(o.reshape(shape))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def _into(x: torch.Tensor, a, overwrite: bool) -> tuple:
+    """Where a row op of x (`a`: its `c_arrays` view) writes: x's own memory when the caller may lose x
+    (`overwrite`) and `a` is that memory (x contiguous: no copy was made), else a new array (`_like`). At a
+    512-token chunk a query's [T, H, D] is 67 MB: a new one per op was written, and read, in full."""
+    if overwrite and x.is_contiguous() and a.ctypes.data == x.data_ptr():
+        return _rows(a), x
+    return _like(_rows(a), x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, overwrite: bool = False) -> torch.Tensor:
     """`weight * x / sqrt(mean(x^2) + eps)` over the last dim, in float32; `weight=None` is the weightless norm.
     In the C extension when built (one call; per row in a fixed order; equal to `rms_norm_torch` within float32
-    rounding, tested)."""
+    rounding, tested). `overwrite`: the caller needs only the result, so x's memory may hold it (`_into`)."""
     args = c_arrays(x) if weight is None else c_arrays(x, weight)
     if args is not None and (weight is None or weight.shape == x.shape[-1:]):
-        o, out = _like(_rows(args[0]), x.shape)
+        o, out = _into(x, args[0], overwrite)
         _C.rms_norm(_rows(args[0]), None if weight is None else args[1], float(eps), o)
         return out
     return rms_norm_torch(x, weight, eps)
@@ -212,11 +221,21 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inverse: bool = False,
+    overwrite: bool = False,
+    bf16: bool = False,
+) -> torch.Tensor:
     """Rotate the trailing `2*cos.shape[-1]` dims of x as interleaved pairs (2i, 2i+1); the leading dims pass.
 
     x: [T, ..., D] with T matching cos/sin [T, r/2]. `inverse=True` rotates by the negated angle. In the C
     extension when built (the same rounded products and sums: bit-identical to `apply_rope_torch`, tested).
+    `overwrite`: the caller needs only the result, so x's memory may hold it (`_into`: then only the rotated dims
+    are written, the leading ones are not copied). `bf16`: then every element rounded to the nearest bfloat16, kept
+    in float32 (`.to(torch.bfloat16).float()`), in the same pass.
     """
     args = c_arrays(x, cos, sin)
     if (
@@ -227,10 +246,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
         and cos.dim() == 2
         and 2 * cos.shape[1] <= x.shape[-1]
     ):
-        o, out = _like(_rows(args[0]), x.shape)
-        _C.rope(_rows(args[0]), args[1], args[2], inverse, o)
+        o, out = _into(x, args[0], overwrite)
+        _C.rope(_rows(args[0]), args[1], args[2], inverse, o, bf16)
         return out
-    return apply_rope_torch(x, cos, sin, inverse)
+    y = apply_rope_torch(x, cos, sin, inverse)
+    return y.to(torch.bfloat16).float() if bf16 else y
 
 
 def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -53,7 +53,6 @@ static int product_into(const isa_ops *isa, char fmt, const float *x, const view
 
 /* The row passes of both calls, one token t per pool chunk (the same ops on the same rows as a loop over the
  * tokens). */
-static void bf16_round_rows(float *x, int64_t n);
 
 typedef struct {
     const isa_ops *isa;
@@ -178,19 +177,6 @@ fail:
     free(buf);
     release(v, 12);
     return NULL;
-}
-
-/* Round to the nearest bfloat16, ties to even, kept in float32 (torch's float -> bfloat16 -> float; NaN stays NaN). */
-static void bf16_round_rows(float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &x[i], 4);
-        if ((u & 0x7fffffffu) > 0x7f800000u)
-            u = (u | 0x00400000u) & 0xffff0000u;
-        else
-            u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-        memcpy(&x[i], &u, 4);
-    }
 }
 
 /* attn_output(o f32 [T, H*D], cos f32 [T, h], sin, heads, bf16_input, w_a, s_a, groups, act_block, w_b, s_b, out f32

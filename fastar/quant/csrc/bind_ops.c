@@ -70,7 +70,7 @@ typedef struct {
     float *y;
     int64_t R, K, half, rows_per_token, rows_per_chunk, block;
     float eps, scale;
-    int inverse;
+    int inverse, bf16;
 } rowop_ctx;
 
 static void norm_chunk(void *p, int64_t i) {
@@ -83,8 +83,18 @@ static void rope_chunk(void *p, int64_t i) {
     const rowop_ctx *c = p;
     int64_t r0 = i * c->rows_per_chunk, n = c->R - r0 < c->rows_per_chunk ? c->R - r0 : c->rows_per_chunk;
     /* rope_rows indexes cos / sin by row / rows_per_token: hand it whole tokens (chunks are multiples of them) */
-    rope_rows(c->x + r0 * c->K, c->y + r0 * c->K, c->cos + r0 / c->rows_per_token * c->half,
-              c->sin + r0 / c->rows_per_token * c->half, n, c->K, c->half, c->rows_per_token, c->inverse);
+    if (!c->bf16) {
+        rope_rows(c->x + r0 * c->K, c->y + r0 * c->K, c->cos + r0 / c->rows_per_token * c->half,
+                  c->sin + r0 / c->rows_per_token * c->half, n, c->K, c->half, c->rows_per_token, c->inverse);
+        return;
+    }
+    /* then every element rounded to bfloat16, a token at a time while its rows are in cache */
+    for (int64_t t = 0; t < n; t += c->rows_per_token, r0 += c->rows_per_token) {
+        rope_rows(c->x + r0 * c->K, c->y + r0 * c->K, c->cos + r0 / c->rows_per_token * c->half,
+                  c->sin + r0 / c->rows_per_token * c->half, c->rows_per_token, c->K, c->half, c->rows_per_token,
+                  c->inverse);
+        bf16_round_rows(c->y + r0 * c->K, c->rows_per_token * c->K);
+    }
 }
 
 static void hadamard_chunk(void *p, int64_t i) {
@@ -142,13 +152,14 @@ fail:
     return NULL;
 }
 
-/* rope(x f32 [R, D], cos f32 [T, h], sin f32 [T, h], inverse, out f32 [R, D]) -> None: the last 2h dims of each row
- * rotated as interleaved pairs by its token's angles (R = T * rows per token); out may be x */
+/* rope(x f32 [R, D], cos f32 [T, h], sin f32 [T, h], inverse, out f32 [R, D], bf16=False) -> None: the last 2h dims
+ * of each row rotated as interleaved pairs by its token's angles (R = T * rows per token), then with bf16 every
+ * element of out rounded to the nearest bfloat16 (kept in float32, as torch's x.to(bfloat16).float()); out may be x */
 PyObject *py_rope(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *ox, *oc, *os, *oo;
-    int inverse;
-    if (!PyArg_ParseTuple(args, "OOOpO", &ox, &oc, &os, &inverse, &oo)) return NULL;
+    int inverse, bf16 = 0;
+    if (!PyArg_ParseTuple(args, "OOOpO|p", &ox, &oc, &os, &inverse, &oo, &bf16)) return NULL;
     view_t v[4];
     memset(v, 0, sizeof v);
     if (get_in_out(ox, oo, v, "x", 1) || get_view(oc, &v[2], "cos", 'f', 2, 0) || get_view(os, &v[3], "sin", 'f', 2, 0))
@@ -162,7 +173,7 @@ PyObject *py_rope(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     rowop_ctx c = {.x = v[0].b.buf, .y = v[1].b.buf, .cos = v[2].b.buf, .sin = v[3].b.buf, .R = R, .K = D, .half = h,
-                   .rows_per_token = R / T, .inverse = inverse};
+                   .rows_per_token = R / T, .inverse = inverse, .bf16 = bf16};
     if (R > 0) rowops_run(rope_chunk, &c, R / T);
     Py_END_ALLOW_THREADS
     release(v, 4);

@@ -248,6 +248,7 @@ void fp8_act_quant_tail(const float *xb, float *ob, int64_t n, float s, float in
 void rms_norm_rows(const float *x, const float *w, float *y, int64_t R, int64_t K, float eps);
 void rope_rows(const float *x, float *y, const float *cos, const float *sin, int64_t R, int64_t D, int64_t half,
                int64_t rows_per_token, int inverse);
+void bf16_round_rows(float *x, int64_t n);
 void swiglu_rows(const float *gate, const float *up, float *y, int64_t n, float limit, float scale);
 /* Orthonormal Walsh-Hadamard transform of each row (n a power of two, Sylvester order), then times scale (y may be
  * x); and DeepSeek's FP4 activation rounding per block of a row (e2m1 times a power-of-two scale, as

@@ -1,11 +1,12 @@
 /* Row-wise ops of the model's forward pass that torch runs as several small ops each: RMS norm, interleaved
- * RoPE, the indexer's Walsh-Hadamard rotation and FP4 rounding, and the clamped SwiGLU (the portable SwiGLU; AVX-512 has its own, kern_avx512.c). One call each instead of 5-12 torch ops (at decode these are microseconds of
+ * RoPE, rounding to bfloat16, the indexer's Walsh-Hadamard rotation and FP4 rounding, and the clamped SwiGLU (the portable SwiGLU; AVX-512 has its own, kern_avx512.c). One call each instead of 5-12 torch ops (at decode these are microseconds of
  * arithmetic behind tens of microseconds of dispatch). Every row is computed in one fixed order that does not
  * depend on the number of rows, so a token's result is the same alone or inside a chunk (batch invariance).
  * The formulas are those of fastar/model/ops.py's torch versions (the tests compare them); only the order of the
  * norm's sum of squares and the last bit of exp differ.
  */
 #include <math.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -48,6 +49,19 @@ void rope_rows(const float *x, float *y, const float *cos, const float *sin, int
             yr[r0 + 2 * i] = pe - ps;
             yr[r0 + 2 * i + 1] = pc + pf;
         }
+    }
+}
+
+/* Round to the nearest bfloat16, ties to even, kept in float32 (torch's float -> bfloat16 -> float; NaN stays NaN). */
+void bf16_round_rows(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u)
+            u = (u | 0x00400000u) & 0xffff0000u;
+        else
+            u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        memcpy(&x[i], &u, 4);
     }
 }
 

@@ -54,9 +54,10 @@ CUTS = [
 
 class ScriptedEngine(AgentEngine):
     script = SCRIPT
+    thought = "Hmm."
 
     def reply(self, prompt: str, params) -> str:
-        return ("Hmm.</think>" if prompt.endswith("<think>") else "") + self.script
+        return (f"{self.thought}</think>" if prompt.endswith("<think>") else "") + self.script
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +284,88 @@ def test_a_malformed_block_the_model_ended_is_its_calls_or_else_its_text():
         parser.feed("hi" + tail)
         released = parser.flush()
         assert ToolBlock().settle(parser.finish().content, [], released, cut=True).content == "hi" + kept
+
+
+THOUGHT, ANSWER = "Let me ponder it.", "The answer is 42."
+# (case, max_tokens, stop): cuts around the thinking, in the thinking mode; the tokens are characters, `</think>` one
+AROUND_THINKING = [
+    ("stop inside the thinking", 100, ["ponder"]),
+    ("stop spanning the thinking's end", 100, ["it.</think>The"]),
+    ("stop ending in the marker", 100, ["it.</th"]),
+    ("stop in the answer", 100, ["is 4"]),
+    ("max_tokens at the marker", len(THOUGHT) + 1, None),
+    ("max_tokens before the marker", len(THOUGHT), None),
+    ("max_tokens in the answer", len(THOUGHT) + 5, None),
+]
+
+
+@pytest.mark.parametrize("case, limit, stop", AROUND_THINKING, ids=[c[0] for c in AROUND_THINKING])
+def test_every_shape_streams_what_it_returns_around_the_thinking(server, case, limit, stop):
+    """Stop strings and max_tokens around the thinking's end: each API's stream, reassembled, is its non-streamed
+    reply (text, reasoning, reason, usage), legacy completions included; and the shapes agree with each other."""
+    engine = server.engine
+    engine.script, engine.thought = ANSWER, THOUGHT
+    try:
+        ask = [{"role": "user", "content": "q"}]
+        body = {"model": "deepseek-v4-flash", "max_tokens": limit, "messages": ask, "thinking": {"type": "enabled"}}
+        whole = post(server, "/v1/chat/completions", {**body, "stop": stop}, False)
+        streamed = chat_stream(
+            post(
+                server, "/v1/chat/completions", {**body, "stop": stop, "stream_options": {"include_usage": True}}, True
+            )
+        )
+        choice = whole["choices"][0]
+        reasoning, content = choice["message"].get("reasoning_content") or "", choice["message"]["content"] or ""
+        assert (streamed["message"]["reasoning_content"], streamed["message"]["content"]) == (reasoning, content)
+        assert streamed["finish_reason"] == choice["finish_reason"] == ("stop" if stop else "length")
+        assert same_usage(streamed["usage"], whole["usage"])
+        assert not any(s in reasoning + content for s in stop or [])
+
+        msg = post(server, "/v1/messages", {**body, "stop_sequences": stop}, False)
+        streamed = anthropic_stream(post(server, "/v1/messages", {**body, "stop_sequences": stop}, True))
+        assert without_ids(streamed["content"]) == without_ids(msg["content"])
+        blocks = {b["type"]: b.get("thinking", b.get("text")) for b in msg["content"]}
+        assert (blocks.get("thinking", ""), blocks.get("text", "")) == (reasoning, content)  # as chat's
+        assert (streamed["stop_reason"], streamed["stop_sequence"]) == (msg["stop_reason"], msg["stop_sequence"])
+        assert msg["stop_reason"] == ("stop_sequence" if stop else "max_tokens")
+        assert same_usage(streamed["usage"], msg["usage"])
+        assert msg["usage"]["output_tokens"] == whole["usage"]["completion_tokens"]
+
+        if stop is None:  # (Responses takes no stop strings)
+            rbody = {"input": "q", "max_output_tokens": limit, "reasoning": {"effort": "high"}}
+            resp = post(server, "/v1/responses", rbody, False)
+            final, _ = responses_stream(post(server, "/v1/responses", rbody, True))
+            assert without_ids(final["output"]) == without_ids(resp["output"])
+            assert (final["status"], final["incomplete_details"]) == (resp["status"], resp["incomplete_details"])
+            assert resp["status"] == "incomplete" and same_usage(final["usage"], resp["usage"])
+
+        cbody = {"model": "deepseek-v4-flash", "prompt": "q", "max_tokens": limit, "stop": stop}
+        text = post(server, "/v1/completions", cbody, False)
+        pieces, finish, use = "", None, None
+        raw_stream = post(server, "/v1/completions", {**cbody, "stream_options": {"include_usage": True}}, True)
+        for line in raw_stream.decode().split("\n"):
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                use = chunk.get("usage") or use
+                for c in chunk["choices"]:
+                    pieces, finish = pieces + c["text"], c.get("finish_reason") or finish
+        assert (pieces, finish) == (text["choices"][0]["text"], text["choices"][0]["finish_reason"])
+        assert same_usage(use, text["usage"])
+    finally:
+        engine.script, engine.thought = SCRIPT, ScriptedEngine.thought
+
+
+def test_a_stop_string_after_a_closed_block_is_no_stop_sequence(server):
+    """The calls are complete and the reply is a tool call: Messages said `stop_reason: "tool_use"` with the stop
+    string in `stop_sequence`, which Anthropic sets only with `stop_reason: "stop_sequence"`."""
+    server.engine.script = SCRIPT + "trailing words"
+    try:
+        body = {"model": "m", "max_tokens": 400, "messages": [{"role": "user", "content": "q"}]}
+        body |= {"thinking": {"type": "disabled"}, "stop_sequences": ["trailing"]}
+        msg = post(server, "/v1/messages", body, False)
+        streamed = anthropic_stream(post(server, "/v1/messages", body, True))
+        for reply in (msg, streamed):
+            assert (reply["stop_reason"], reply["stop_sequence"]) == ("tool_use", None)
+            assert [b["type"] for b in reply["content"]] == ["text", "tool_use"]
+    finally:
+        server.engine.script = SCRIPT

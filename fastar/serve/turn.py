@@ -294,22 +294,23 @@ class AssistantTurn:
         yield from self.block.feed(self.parser)
         released = self.parser.flush()  # a block that does not parse comes back as content
         result = self.parser.finish()
+        stop_sequence = None
         if self.stops.hit:
             rest = self.raw[self.released :]
-            self.stop_sequence = next((s for s in self.stop_strings if rest.startswith(s)), None)
+            stop_sequence = next((s for s in self.stop_strings if rest.startswith(s)), None)
         elif self.engine_stop is not None:
-            self.stop_sequence = self.engine_stop
-        ended = self.engine_finish == "stop" and self.stop_sequence is None and not self.stops.hit
+            stop_sequence = self.engine_stop
+        ended = self.engine_finish == "stop" and stop_sequence is None and not self.stops.hit
         settled = self.block.settle(result.content, result.tool_calls, released, not ended)
         self.content, self.reasoning, self.tool_calls = settled.content, result.reasoning, settled.tool_calls
         self.cut_input, self.cut_call_id = settled.cut_input, settled.cut_call_id
         yield from self._finish_tools()
         if not settled.dropped:  # held-back text, or a block's text that stands for no call
             yield from released
-        if settled.parsed:
+        if settled.parsed:  # (a stop string after the closed block is no stop reason: the calls are)
             self.finish_reason = "tool_calls"
-        elif self.stops.hit or self.stop_sequence is not None:
-            self.finish_reason = "stop_sequence"
+        elif self.stops.hit or stop_sequence is not None:
+            self.finish_reason, self.stop_sequence = "stop_sequence", stop_sequence
         elif self.engine_finish == "length" or (self.engine_finish != "stop" and self.completion_tokens >= self.limit):
             self.finish_reason = "length"
         else:

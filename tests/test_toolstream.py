@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,6 +71,24 @@ def test_streamed_calls_join_to_the_parsed_block(body, cuts):
     assert [e[1] for e in starts] == list(range(len(parsed)))
     for i in range(len(parsed)):
         assert "".join(e[2] for e in events if e[0] == "args" and e[1] == i) == stream.arguments[i]
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks(), st.integers(0, 400), st.lists(st.integers(0, 400), max_size=10))
+def test_a_cut_block_says_which_calls_are_whole_and_what_parameters_it_completed(body, cut, cuts):
+    """Cut anywhere: a call whose closing tag came is `complete` and its arguments parse to its `inputs`; the one cut
+    inside has as `inputs` what a partial JSON reader (the anthropic SDK's, jiter's) makes of its arguments."""
+    jiter = pytest.importorskip("jiter", reason="the partial JSON reader the anthropic client uses")
+    whole = [json.loads(c["function"]["arguments"]) for c in parse_tool_block(body)]
+    stream, _ = feed_in_pieces(body[:cut], cuts)
+    assert len(stream.inputs) == len(stream.complete) == len(stream.arguments)
+    for i, (args, inputs, complete) in enumerate(zip(stream.arguments, stream.inputs, stream.complete)):
+        if complete:
+            assert json.loads(args) == inputs == whole[i]
+        else:
+            assert i == len(stream.arguments) - 1  # only the last call can be open
+            assert jiter.from_json(args.encode(), partial_mode=True) == inputs
+            assert all(whole[i][k] == v for k, v in inputs.items())
 
 
 def test_char_by_char_stream_holds_back_a_closing_tag():

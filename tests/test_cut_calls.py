@@ -369,3 +369,25 @@ def test_a_stop_string_after_a_closed_block_is_no_stop_sequence(server):
             assert [b["type"] for b in reply["content"]] == ["text", "tool_use"]
     finally:
         server.engine.script = SCRIPT
+
+
+def test_a_responses_reply_cut_before_any_output_is_one_incomplete_message_streamed_or_not(server):
+    """max_output_tokens right after the opener, with nothing before it: the reply is its empty message, which
+    `create()` closed `incomplete` and the stream `completed`."""
+    server.engine.script = BLOCK
+    try:
+        body = {"input": "q", "max_output_tokens": at("<｜DSML｜tool_calls>\n") - len(PREFIX)}
+        body |= {"reasoning": {"effort": "none"}, "tools": [{"type": "function", **TOOL}]}
+        whole = post(server, "/v1/responses", body, False)
+        final, items = responses_stream(post(server, "/v1/responses", body, True))
+        for output in (
+            whole["output"],
+            final["output"],
+            [{k: v for k, v in i.items() if k != "deltas"} for i in items],
+        ):
+            assert [(o["type"], o["status"], o["content"][0]["text"]) for o in output] == [
+                ("message", "incomplete", "")
+            ]
+        assert whole["status"] == final["status"] == "incomplete"
+    finally:
+        server.engine.script = SCRIPT

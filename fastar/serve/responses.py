@@ -680,7 +680,8 @@ def _stream(turn: AssistantTurn, reply: _Reply, req: ResponsesRequest, store: Re
                     "content": [],
                 },
             )
-            output.append(_message_item("msg_" + suffix, ""))
+            status = "incomplete" if turn.finish_reason == "length" else "completed"  # as create() closes it
+            output.append(_message_item("msg_" + suffix, "", status))
             yield ev("response.output_item.done", output_index=0, item=output[0])
         reply.obj["output"] = output
         obj = reply.finish(turn)

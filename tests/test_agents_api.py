@@ -442,6 +442,9 @@ def test_a_chat_completions_agent_loop_reuses_the_whole_previous_turn_when_the_m
         assert second.usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens + usage.completion_tokens
         status, _, body = raw(srv, "POST", "/tokenize", {"messages": follow, "tools": tools, **kw["extra_body"]})
         assert status == 200 and json.loads(body)["count"] == second.usage.prompt_tokens  # the same ids
+        kept = len(srv.replay)
+        cl.chat.completions.create(messages=messages, n=3, **kw)  # which choice comes back is unknown
+        assert len(srv.replay) == kept
     finally:
         srv.shutdown()
 

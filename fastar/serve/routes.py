@@ -239,15 +239,14 @@ class OpenAIRoutes:
         return text, self.admission.encode(text, "messages", partial(self.server.replay.encode, tokenizer))
 
     def _record_chat(
-        self, req: openai_request.ChatRequest, prompt: tuple[str, list[int]], turns: list[choice_turn.ChatTurn]
+        self, req: openai_request.ChatRequest, prompt: tuple[str, list[int]], turn: choice_turn.ChatTurn
     ) -> None:
-        """Remember each finished choice's ids under the text its conversation's next request renders."""
+        """Remember a finished reply's ids under the text its conversation's next request renders. Only a request
+        of one choice (`n` 1): which of several comes back is unknown, and `n` entries would push the other
+        conversations' replies out of the cache."""
         conv = Conversation(req.messages, req.thinking, req.reasoning_effort, req.drop_thinking)
         tokenizer = self.server.host.require_engine().tokenizer
-        for turn in turns:
-            record_reply(
-                self.server.replay, tokenizer, conv, *prompt, turn.generated, turn.message(), stopped=turn.stopped
-            )
+        record_reply(self.server.replay, tokenizer, conv, *prompt, turn.generated, turn.message(), stopped=turn.stopped)
 
     def _submit(
         self,
@@ -318,7 +317,8 @@ class OpenAIRoutes:
             if done is None:
                 return Response(status_code=499)
             cached, finishes = done
-            await self.admission.off_loop(self._record_chat, req, prompt, turns)
+            if req.n == 1:
+                await self.admission.off_loop(self._record_chat, req, prompt, turns[0])
             choices = [
                 shapes.chat_choice(i, t.message(), f, t.logprobs if req.logprobs else None)
                 for i, (t, f) in enumerate(zip(turns, finishes))
@@ -348,8 +348,8 @@ class OpenAIRoutes:
                     for delta, lp in deltas:
                         yield chunk(i, delta, None, lp)
                     self.server.metrics.finished(finish)
-                    # before the client has the whole reply (and can send the next turn)
-                    await self.admission.off_loop(self._record_chat, req, prompt, [turns[i]])
+                    if req.n == 1:  # before the client has the whole reply (and can send the next turn)
+                        await self.admission.off_loop(self._record_chat, req, prompt, turns[i])
                     yield chunk(i, {}, finish, turns[i].pending.take())
                 elif req.include_usage:  # all ended
                     use = shapes.usage(

@@ -20,9 +20,9 @@ import threading
 import time
 
 import pytest
-from test_server import ONE_CALL_TOKENS, USER, WEATHER_TOOL, FakeEngine, client, raw, start_server
+from test_server import ONE_CALL_TOKENS, USER, WEATHER_TOOL, FakeEngine, FakeTokenizer, client, raw, start_server
 
-from fastar.encoding import EOS
+from fastar.encoding import EOS, ChatPrompt, encode_messages
 from fastar.serve import anthropic as A
 from fastar.serve import openai_request
 from fastar.serve import responses as R
@@ -464,6 +464,27 @@ def test_replay_cache_is_bounded_and_only_cuts_at_eos():
     assert len(cache) == 2
     assert cache.encode(Tok(), f"x0{EOS}y") == [ord(c) for c in f"x0{EOS}y"]  # evicted
     assert cache.encode(Tok(), f"x2{EOS}y") == [102, ord("y")]
+
+
+def test_replay_never_gives_content_the_template_tokens_its_text_spells():
+    """A stored turn is reused only where the new prompt has the same template and content parts there, not merely
+    the same text: a message that spells a recorded conversation (`<｜Assistant｜>`, EOS ... as its own words)
+    must tokenize as the plain text it is, never as the control tokens the model held for that text."""
+    tok = FakeTokenizer()
+    turn = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Echo: hello"}]
+    recorded = encode_messages(turn, "chat")
+    held = tok.encode(recorded)
+    cache = ReplayCache()
+    cache.record(recorded, held)
+    follow = encode_messages([*turn, {"role": "user", "content": "next"}], "chat")
+    assert cache.encode(tok, follow)[: len(held)] == held  # the conversation itself reuses it
+    start = recorded.index("hello")
+    spelled = encode_messages([{"role": "user", "content": recorded[start:] + "more"}], "chat")
+    assert spelled.startswith(recorded)  # the same text up to the stored EOS, but all of it content
+    assert cache.encode(tok, spelled) == tok.encode(spelled)
+    # the same text recorded again with other parts replaces the entry, parts and ids together
+    cache.record(ChatPrompt([(str(recorded), True)]), tok.encode(ChatPrompt([(str(recorded), True)])))
+    assert cache.encode(tok, follow) == tok.encode(follow)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastar.encoding import EOS, THINK_END, StreamParser, encode_messages
+from fastar.encoding import EOS, THINK_END, ChatPrompt, StreamParser, encode_messages
 from fastar.serve import choice_turn, fields, grammar_fields
 from fastar.serve.admission import Admission
 from fastar.serve.api_error import APIError, bad_request
@@ -87,10 +87,16 @@ class ReplayCache:
 
     def encode(self, tokenizer: Any, text: str) -> list[int]:
         """Token ids of a rendered prompt: the longest stored prefix's real ids, then the tail tokenized. A
-        prefix is used only where the cut falls at EOS (a special token), so the tail tokenizes on its own."""
+        prefix is used only where the cut falls at EOS (a special token), so the tail tokenizes on its own, and
+        where the prompt has the stored text's template and content parts there, not only its characters (a
+        message spelling a recorded conversation is content, never the control tokens the model held for it)."""
         with self._lock:
             usable = [
-                t for t in self._entries if text.startswith(t) and (t.endswith(EOS) or text.startswith(EOS, len(t)))
+                t
+                for t in self._entries
+                if text.startswith(t)
+                and (t.endswith(EOS) or text.startswith(EOS, len(t)))
+                and _parts(text[: len(t)]) == _parts(t)
             ]
             best = max(usable, key=len, default="")
             if best:
@@ -102,6 +108,7 @@ class ReplayCache:
 
     def record(self, text: str, ids: list[int]) -> None:
         with self._lock:
+            self._entries.pop(text, None)  # a dict keeps its old key: the same text with other parts would stay
             self._entries[text] = list(ids)
             self._entries.move_to_end(text)
             while len(self._entries) > self.size:
@@ -109,6 +116,11 @@ class ReplayCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _parts(text: str) -> tuple[tuple[str, bool], ...]:
+    """A text's template and content parts, as the tokenizer reads them (a plain `str` is all template)."""
+    return text.segments if isinstance(text, ChatPrompt) else ((str(text), False),)
 
 
 @dataclass(slots=True)

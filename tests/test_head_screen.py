@@ -577,11 +577,12 @@ def test_a_sampler_draws_the_same_tokens_whether_or_not_its_steps_ask_early():
 
 
 @pytest.mark.parametrize("budget", [None, "300K"])  # one forward call; a paged span of pieces (`DeepseekV4._span`)
-def test_a_greedy_first_token_screens_the_prompts_head(engines, tiny_fst_path, budget):
-    """The prompt's last position screens its head where the request reads its argmax alone, on every path that
-    prefills (`Engine.stream`'s session, `generate_tokens`, the scheduler): the first token is the full head's, and
-    only a few head rows were computed for it. A request that asks for logprobs, and a scheduled prompt with
-    several choices (each draws from the same logits), keep the full head."""
+def test_a_first_token_screens_the_prompts_head(engines, tiny_fst_path, budget):
+    """The prompt's last position screens its head where the request reads its argmax (or a race's) alone, on every
+    path that prefills (`Engine.stream`'s session, `generate_tokens`, the scheduler): the first token, greedy or
+    sampled at a temperature, is the full head's, and only a few head rows were computed for it. A request that
+    asks for logprobs, and a scheduled prompt with several choices (each draws from the same logits), keep the
+    full head."""
     off = engines[1]
     on = fastar.load(tiny_fst_path, head_screen=True, ram_budget=budget)
     assert (on.paged_chunk is not None) == (budget is not None) and ops.SMALL_CHUNK < 40
@@ -608,6 +609,15 @@ def test_a_greedy_first_token_screens_the_prompts_head(engines, tiny_fst_path, b
         assert got == want and 0 < rows < V / 2
         got, rows = screened(lambda e: [c.token for c in e.stream(ids, SamplingParams(max_tokens=1, logprobs=1))])
         assert got[:1] == want and rows == 0
+        for seed in range(3):  # a sampled first token races over the screened head: the full head's draw
+            hot = SamplingParams(max_tokens=1, temperature=0.9, seed=seed, ignore_eos=True)
+            drawn = [c.token for c in off.stream(ids, hot)]
+            got, rows = screened(lambda e: [c.token for c in e.stream(ids, hot)])
+            assert got == drawn and 0 < rows < V / 2
+            got, rows = screened(lambda e: scheduled(e, [hot]))
+            assert got == [drawn] and 0 < rows < V / 2
+            got, rows = screened(lambda e: e.generate_tokens(ids, 1, temperature=0.9, seed=seed, ignore_eos=True))
+            assert got == drawn and 0 < rows < V / 2
         got, rows = screened(lambda e: scheduled(e, [one]))
         assert got == [want] and 0 < rows < V / 2
         got, rows = screened(lambda e: scheduled(e, [one, one]))

@@ -295,7 +295,10 @@ class Engine:
         # checked as `stream`'s are (a NaN temperature or a str seed failed inside torch; ignore_eos="no" was true)
         SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
         prompt_ids = token_ids_of(prompt_ids, f"generate_tokens {IDS_ONLY}")
-        return generate_token_ids(self, prompt_ids, max_tokens, temperature, seed, self.config.eos_token_id, ignore_eos)
+        cfg = self.config
+        return generate_token_ids(
+            self, prompt_ids, max_tokens, temperature, seed, cfg.eos_token_id, ignore_eos, cfg.vocab_size
+        )
 
     # --- sessions and generation: the API the front-ends use (fastar.engine.session / generate) -------------
     # The CLI and the server hold only these and never touch tensors. Not thread-safe: one worker owns the

@@ -58,7 +58,8 @@ def generate_step(
     """Yields `(token, logprob, top_logprobs)` forever (the caller stops). Each sampled token is appended to
     the session before it is yielded and only run through the model when the next one is asked for. Yields
     nothing when `cancel` is set during prefill. `eos_token_id`: what `min_tokens` bans with the stop token ids."""
-    sampler, budget = Sampler(params, prompt_ids, eos_token_id), ThinkingBudget.of(params, session.tokenizer)
+    sampler = Sampler(params, prompt_ids, eos_token_id, session.vocab_size)
+    budget = ThinkingBudget.of(params, session.tokenizer)
     logits = session.prefill(prompt_ids, cancel, on_prefill_progress, sampler.head_request())
     if logits is None:
         return
@@ -217,11 +218,12 @@ def generate_token_ids(
     seed: int | None,
     eos_token_id: int,
     ignore_eos: bool = False,
+    vocab_size: int | None = None,
 ) -> list[int]:
     """Greedy (temperature 0) or sampled continuation of `prompt_ids` from a fresh state; stops after `max_tokens`
     or at EOS (included in the output) unless `ignore_eos`. The tokens are a `Sampler`'s, as `stream_generate`'s
     with the same temperature and seed, and the steps ask the model for what it needs (`Sampler.head_request`)."""
-    sampler = Sampler(SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))
+    sampler = Sampler(SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed), vocab_size=vocab_size)
     state = runner.new_state()
     out: list[int] = []
     if max_tokens <= 0:

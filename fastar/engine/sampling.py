@@ -240,16 +240,24 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
 class Sampler:
     """Turns one position's logits [V] into (token, logprob, top_logprobs), with its own random stream."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), eos_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int] = (),
+        eos_token_id: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
         """`prompt_ids`: the prompt's tokens, which a repetition penalty counts as seen; `eos_token_id`: the model's
-        EOS, which `min_tokens` bans with the stop token ids (`ending_ids`)."""
+        EOS, which `min_tokens` bans with the stop token ids (`ending_ids`); `vocab_size`: the logits' length, where
+        the caller knows it (the model's vocabulary): a race's noise can then be drawn before the first token's
+        logits too (`head_request`), else from the second token on."""
         self.params = params
         self.taken = 0  # tokens drawn or forced so far
         self._banned = np.array(sorted(ending_ids(params, eos_token_id)) if params.min_tokens else [], np.int64)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator(device="cpu").manual_seed(seed)  # this generation's random stream
         self.constraint = params.grammar.start() if params.grammar is not None else None
-        self._vocab: int | None = None  # the logits' length, known from the first token on
+        self._vocab: int | None = vocab_size  # the logits' length, known from the first token on if not given
         self._noise: np.ndarray | None = None  # the next token's noise, drawn early by `head_request`
         self.adjust = None
         if params.adjusts_logits:
@@ -264,7 +272,8 @@ class Sampler:
     def head_request(self) -> bool | Race:
         """What the next token needs of the step that computes its logits (`DeepseekV4.forward`'s `argmax_only`):
         False, every logit; True, their argmax alone (greedy, `screenable`); a `Race` (sampled at a temperature,
-        perhaps among the top k, from the second token on: the vocabulary's size known), the argmax of its race,
+        perhaps among the top k, once the vocabulary's size is known: given, or from the second token on), the argmax
+        of its race,
         whose noise this draws now and the next call uses. The model may then screen its LM head. The noise comes
         from the generator where the call would have drawn it (no other number is drawn between), so the tokens are
         the same whether or not the step asks."""

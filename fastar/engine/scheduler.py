@@ -247,7 +247,7 @@ class Scheduler:
                     handle,
                     chunk_fn or handle._chunks.put,
                     ChunkMaker(eng.tokenizer, p, eng.config.eos_token_id, len(ids), eng.context_length),
-                    Sampler(p, ids, eng.config.eos_token_id),
+                    Sampler(p, ids, eng.config.eos_token_id, eng.config.vocab_size),
                     time.perf_counter(),
                     on_progress if not reqs else None,
                     budget=ThinkingBudget.of(p, eng.tokenizer),

@@ -304,3 +304,54 @@ def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
     assert HyperConnection.post is ops_post and MoE.__call__ is moe_call
     bad = _bench("-m", str(fst), "--profile", "9")
     assert bad.returncode != 0 and "--profile" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_profile_prefill_splits_a_prefill(tiny_ckpt, tmp_path):
+    """--profile-prefill 5,40: each prompt's categories add up to the profiled prefill, the row ops a prefill runs
+    are apart (RoPE, activation rounding) beside the products, whose FLOPs are counted from their calls' shapes, and
+    the engine's C extension is put back afterwards; a bad length or --repeats is a one-line error."""
+    from fastar.bench import profile_prefill
+    from fastar.model import ops, state
+    from fastar.quant import kernels
+
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    r = _bench("-m", str(fst), "--profile-prefill", "5,40", "--repeats", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [p["tokens"] for p in out["profiles"]] == [5, 40] and out["preloaded"]
+    for p in out["profiles"]:
+        cats = p["categories_ms"]
+        assert all(v >= 0 for v in cats.values()) and sum(cats.values()) == pytest.approx(p["run_ms"], rel=1e-9)
+        for k in ("FP8 products", "BF16 products", "FP4 experts", "attention", "mHC", "RoPE", "activation rounding"):
+            assert cats[k] > 0, k
+        assert p["calls_per_run"]["outside: step"] == 1 and 0 < p["outside_kernels_fraction"] < 1
+        assert set(p["product_gflops"]) >= {"FP8 products", "FP4 experts"} and min(p["product_gflops"].values()) > 0
+    text = profile_prefill.format_profile(out)
+    assert "40 tokens" in text and "GFLOP/s" in text
+    assert ops._C is kernels._C is state._C is kernels.extension and type(ops._C).__name__ == "module"
+    for bad in (["--profile-prefill", "0"], ["--profile-prefill", "5,x"], ["--profile-prefill", "5", "--repeats", "0"]):
+        got = _bench("-m", str(fst), *bad)
+        assert got.returncode != 0 and "--profile-prefill" in got.stderr and "Traceback" not in got.stderr
+
+
+def test_prefill_flops_count_each_products_multiply_adds():
+    """The FLOPs a prefill profile gives each product call: 2 x rows x weight elements, a grouped FP8 product's
+    groups and a routed expert's own tokens (packed FP4: two weights a byte) included."""
+    import numpy as np
+
+    from fastar.bench.profile_prefill import _flops
+
+    x = np.zeros((7, 64), np.float32)
+    assert _flops("fp8_matmul", (x, np.zeros((32, 64), np.uint8), None, None)) == 2 * 7 * 32 * 64
+    assert _flops("bf16_matmul", (x, np.zeros((10, 64), np.uint16), None)) == 2 * 7 * 10 * 64
+    grouped = np.zeros((7, 4 * 16), np.float32)  # 4 groups of 16 inputs, 8 outputs each
+    assert _flops("fp8_matmul", (grouped, np.zeros((4 * 8, 16), np.uint8), None, None, 4)) == 2 * 7 * 4 * 8 * 16
+    d, inter = 64, 32
+    ew = (np.zeros((inter, d // 2), np.uint8), None, np.zeros((inter, d // 2), np.uint8), None,
+          np.zeros((d, inter // 2), np.uint8), None)  # fmt: skip
+    offsets = np.array([0, 3, 5])  # expert 0: 3 tokens, expert 1: 2
+    assert _flops("experts_ffn", (x, [ew, ew], None, offsets)) == 2 * 5 * 3 * d * inter
+    assert _flops("shared_ffn", (x, np.zeros((2 * inter, d), np.uint8), None, np.zeros((d, inter), np.uint8))) == (
+        2 * 7 * 3 * d * inter
+    )
+    assert _flops("rope", (x,)) == 0

@@ -4,6 +4,7 @@ Owns: the `bench` subcommand's arguments (`add_arguments`) and its dispatch (`ma
 - `model.py`: end-to-end prefill/decode tokens/s against the ceiling measured in the same run (`bench -m FILE`);
 - `kernels.py`: the quantized products' GB/s against this machine's memory bandwidth (`bench kernels`);
 - `profile.py`: where a decode step's time goes, by kernel category and outside the kernels (`bench --profile`);
+- `profile_prefill.py`: the same for a prefill of T tokens, with the products' GFLOP/s (`bench --profile-prefill`);
 - `speculative.py`: decode with and without speculative decoding under expert-cache pressure (`bench draft`);
 - `cache.py`: the expert cache against the disk over routing traces, the policy simulator, disk probes (Python).
 Does not own anything that runs in production: the engine, the pager and the kernels only get measured here.
@@ -71,7 +72,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="model: time the decode this many times in a row, each against the memory bandwidth "
-        "measured around it (the host's memory speed moves)",
+        "measured around it (the host's memory speed moves); --profile-prefill: the runs profiled",
     )
     b.add_argument(
         "--warmup-tokens",
@@ -133,6 +134,14 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         metavar="N,N",
         help="model: where a decode step's time goes with N rows (1 to 8), e.g. 1,4: weight products by type, "
         "attention, routing, mHC, norms, sampling and the time outside any kernel, adding up to the step",
+    )
+    b.add_argument(
+        "--profile-prefill",
+        default=None,
+        metavar="T,T",
+        help="model: where a prefill's time goes for prompts of T tokens, e.g. 64,512: weight products by type "
+        "(with their GFLOP/s against the bf16 dot peak), attention, mHC, norms, RoPE, activation rounding and the "
+        "time outside any kernel, adding up to the prefill (--repeats runs each)",
     )
     b.add_argument(
         "--plot",
@@ -204,6 +213,10 @@ def main(a: argparse.Namespace) -> int:
         from . import profile
 
         return profile.main(a)
+    if a.profile_prefill:
+        from . import profile_prefill
+
+        return profile_prefill.main(a)
     if a.streams:
         from . import streams
 

@@ -56,6 +56,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -125,6 +126,8 @@ class _Clock:
         self.own_cpu: Counter = Counter()  # this thread's CPU time (time.thread_time): not inflated when descheduled
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
+        self.flops: Counter = Counter()  # the weight products' multiply-adds x 2, where `flops_of` counts them
+        self.flops_of: Callable[[str, tuple], int] | None = None  # (entry point, its arguments) -> FLOPs
         self.owner = threading.get_ident()
         self.on = self.cpu = False
         self._stack: list[list] = []  # [category, start, nested seconds, start CPU, nested CPU]
@@ -168,6 +171,8 @@ class _Clock:
             self.calls[cat] += 1
             if weighs is not None:
                 self.bytes[cat] += _weight_bytes(weighs, args)
+                if self.flops_of is not None:
+                    self.flops[cat] += self.flops_of(weighs, args)
         self._kernels.clear()
 
     def timing(self) -> bool:
@@ -204,14 +209,14 @@ def _weight_bytes(name: str, args: tuple) -> int:
 class _TimedExtension:
     """Stands in for the C extension module: every entry point timed under its category on the clock's thread."""
 
-    def __init__(self, ext, clock: _Clock) -> None:
-        self._ext, self._clock = ext, clock
+    def __init__(self, ext, clock: _Clock, categories: dict[str, str] = C_CATEGORIES) -> None:
+        self._ext, self._clock, self._categories = ext, clock, categories
 
     def __getattr__(self, name: str):
         f = getattr(self._ext, name)
         if not callable(f):
             return f
-        cat, clock = C_CATEGORIES.get(name, "other C kernels"), self._clock
+        cat, clock = self._categories.get(name, "other C kernels"), self._clock
         weighs = name in ("fp8_matmul", "bf16_matmul", "fp4_matmul", "expert_ffn", "experts_ffn", *_WEIGHT_ARGS)
 
         weighs = name if weighs else None
@@ -238,14 +243,14 @@ class _TimedExtension:
 class _Instrumented:
     """The timers installed on a loaded engine for the profile's life (`close` puts everything back)."""
 
-    def __init__(self, engine, clock: _Clock) -> None:
+    def __init__(self, engine, clock: _Clock, categories: dict[str, str] = C_CATEGORIES) -> None:
         from ..model import ops, state
         from ..quant import kernels
 
         self.clock, self.model = clock, engine.model
         self._modules = [m for m in (kernels, ops, state) if m._C is not None]
         self._saved_c = [m._C for m in self._modules]
-        proxy = _TimedExtension(kernels._C, clock) if kernels._C is not None else None
+        proxy = _TimedExtension(kernels._C, clock, categories) if kernels._C is not None else None
         for m in self._modules:
             m._C = proxy
         self._saved_ext = kernels.extension  # what `Linear`'s bound products call

@@ -18,12 +18,16 @@ each call its id. `ToolBlock.settle()` decides, from the block parser's result, 
   `\n\n<｜`; a malformed block the model ended itself comes back as the text it wrote (as the block parser
   releases it; nothing of it was streamed).
 
+`ToolBlock.close()` then completes what was streamed to the settled calls (a start the stream missed, the
+arguments' last characters) and closes each call, so a stream's events always add up to the reply's calls.
+
 Does not own: the block grammar (`fastar.encoding`), the incremental parse (`fastar.serve.toolstream`), the API
 shapes (`fastar.serve.anthropic`, `fastar.serve.responses`, `fastar.serve.choice_turn`). Pure Python.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +35,8 @@ from typing import Any
 
 from fastar.encoding import EOS, TOOL_CALLS_START, StreamParser
 from fastar.serve.toolstream import ToolCallStream
+
+log = logging.getLogger("fastar.serve")
 
 # The start of the tool-call opener from which a cut-off tail is markup, not text: `<` then DSML's fullwidth bar
 # (a reply may well end with a blank line and a `<`).
@@ -78,6 +84,24 @@ class ToolBlock:
                 yield "tool_start", {"index": index, "id": self.ids[index], "name": value}
             else:
                 yield "tool_args", (index, value)
+
+    def close(self, calls: list[dict]) -> Iterator[tuple[str, Any]]:
+        """Per settled call (`SettledBlock.tool_calls`), what completes the streamed events to it, then
+        `("tool_done", call)`: its `tool_start` if the stream never opened it, and the part of its arguments the
+        stream had not yet given (a parsed block's closing characters, say) as one `tool_args`. Streamed pieces
+        that disagree with the settled arguments cannot be taken back: that is logged."""
+        for i, call in enumerate(calls):
+            args = call["function"]["arguments"]
+            if i >= len(self.ids):  # (the stream lost track; the block parser did not)
+                yield "tool_start", {"index": i, "id": call["id"], "name": call["function"]["name"]}
+                sent = ""
+            else:
+                sent = self.stream.arguments[i]
+            if args.startswith(sent) and len(args) > len(sent):
+                yield "tool_args", (i, args[len(sent) :])
+            elif not args.startswith(sent):
+                log.warning("streamed tool-call arguments %r disagree with the parsed block %r", sent, args)
+            yield "tool_done", call
 
     def settle(
         self, content: str, parsed_calls: list[dict], released: list[tuple[str, str]], cut: bool

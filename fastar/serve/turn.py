@@ -26,7 +26,6 @@ the chat encoding (`fastar.encoding`), the engine or its thread (`fastar.serve.w
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -42,8 +41,6 @@ from fastar.serve.api_error import APIError, bad_request
 from fastar.serve.cut_calls import ToolBlock
 from fastar.serve.metrics import Metrics
 from fastar.serve.worker import Job
-
-log = logging.getLogger("fastar.serve")
 
 MAX_REPLAY_ENTRIES = 32
 
@@ -316,7 +313,7 @@ class AssistantTurn:
         settled = self.block.settle(result.content, result.tool_calls, released, not ended)
         self.content, self.reasoning, self.tool_calls = settled.content, result.reasoning, settled.tool_calls
         self.cut_input, self.cut_call_id = settled.cut_input, settled.cut_call_id
-        yield from self._finish_tools()
+        yield from self.block.close(self.tool_calls)  # the streamed calls, completed and closed
         if not settled.dropped:  # held-back text, or a block's text that stands for no call
             yield from released
         if settled.parsed:  # (a stop string after the closed block is no stop reason: the calls are)
@@ -330,22 +327,6 @@ class AssistantTurn:
         if self.backend.metrics is not None:
             self.backend.metrics.finished("stop" if self.finish_reason == "stop_sequence" else self.finish_reason)
         self._record()
-
-    def _finish_tools(self) -> Iterator[tuple[str, Any]]:
-        """Close the streamed calls against the settled block (`fastar.serve.cut_calls`)."""
-        streamed = len(self.block.ids)
-        for i, call in enumerate(self.tool_calls):
-            args = call["function"]["arguments"]
-            if i >= streamed:  # (the stream lost track; the parser did not)
-                yield "tool_start", {"index": i, "id": call["id"], "name": call["function"]["name"]}
-                sent = ""
-            else:
-                sent = self.block.stream.arguments[i]
-            if args.startswith(sent) and len(args) > len(sent):
-                yield "tool_args", (i, args[len(sent) :])
-            elif not args.startswith(sent):
-                log.warning("streamed tool-call arguments %r disagree with the parsed block %r", sent, args)
-            yield "tool_done", call
 
     def message(self) -> dict:
         """The assistant message in the encoder's (OpenAI) shape, as a client would send it back."""

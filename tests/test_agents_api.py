@@ -20,7 +20,17 @@ import threading
 import time
 
 import pytest
-from test_server import ONE_CALL_TOKENS, USER, WEATHER_TOOL, FakeEngine, FakeTokenizer, client, raw, start_server
+from test_server import (
+    ONE_CALL_TOKENS,
+    USER,
+    WEATHER_TOOL,
+    FakeEngine,
+    FakeTokenizer,
+    accumulate_chat,
+    client,
+    raw,
+    start_server,
+)
 
 from fastar.encoding import EOS, ChatPrompt, encode_messages
 from fastar.serve import anthropic as A
@@ -427,8 +437,9 @@ def test_a_chat_completions_agent_loop_reuses_the_whole_previous_turn_when_the_m
             chunks = list(
                 cl.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True}, **kw)
             )
-            calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
-            call = {"id": calls[0].id, "type": "function", "function": calls[0].function.model_dump()}
+            streamed_call = accumulate_chat(chunks)[0].choices[0].message.tool_calls[0]  # (pieces, as OpenAI's)
+            call = {"id": streamed_call.id, "type": "function", "function": {"name": streamed_call.function.name}}
+            call["function"]["arguments"] = streamed_call.function.arguments
             usage = chunks[-1].usage
         else:
             first = cl.chat.completions.create(messages=messages, **kw)

@@ -1,6 +1,7 @@
 """A reply cut off inside its tool-call block (max_tokens mid-name, mid-arguments, right after the opener; a stop
 string inside the block), in the three API shapes over the real server and the scripted engine: the stream,
-reassembled as a client does, is the non-streamed reply (blocks / items / message, text, tool calls, stop or
+reassembled as a client does (chat completions' also by the `openai` client's own accumulation, each call streamed
+piece by piece in OpenAI's delta shape), is the non-streamed reply (blocks / items / message, text, tool calls, stop or
 finish reason, usage), the block's raw DSML never comes back as text, and an unfinished call is never given as a
 complete one (`fastar.serve.cut_calls`)."""
 
@@ -10,12 +11,13 @@ import json
 
 import pytest
 from test_agents_api import AgentEngine, sse_events
-from test_server import raw, start_server
+from test_server import _sse_events, accumulate_chat, raw, same_chat_choices, start_server
 
 from fastar.encoding import StreamParser
 from fastar.serve.cut_calls import ToolBlock
 
 jiter = pytest.importorskip("jiter", reason="the anthropic client's partial JSON reader, a test dependency")
+openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
 
 PREFIX = "Let me look."
 BLOCK = (
@@ -243,7 +245,16 @@ def test_chat_completions_cut_inside_a_tool_call_streams_the_choice_it_returns(
     if stop:
         body["stop"] = stop
     whole = post(server, "/v1/chat/completions", {k: v for k, v in body.items() if k != "stream_options"}, False)
-    streamed = chat_stream(post(server, "/v1/chat/completions", body, True))
+    data = post(server, "/v1/chat/completions", body, True)
+    streamed = chat_stream(data)
+    # the official client's accumulation, each tool-call delta in OpenAI's shape: the call streams piece by piece
+    sdk, pieces = accumulate_chat(data)
+    same_chat_choices(sdk, openai.types.chat.ChatCompletion.model_validate(whole))
+    if call_input is not None:
+        assert list(pieces) == [(0, 0)] and len(pieces[0, 0]) > 2, (case, pieces)
+        deltas = [c["choices"][0]["delta"] for c in _sse_events(data) if c["choices"]]
+        text = [i for i, d in enumerate(deltas) if d.get("content")]
+        assert max(text) < min(i for i, d in enumerate(deltas) if d.get("tool_calls")), case  # text, then the call
     choice = whole["choices"][0]
     msg = choice["message"]
     expected = "tool_calls" if case == "whole" else "stop" if stop else "length"

@@ -319,6 +319,56 @@ def stream_text(cl, text: str, **kw) -> tuple[str, str, str | None, list]:
     return content, reasoning, finish[-1] if finish else None, chunks
 
 
+def accumulate_chat(chunks) -> tuple:
+    """The completion the `openai` client's stream helper (`ChatCompletionStreamState`, what
+    `chat.completions.stream()` runs) builds from a chat stream (the client's chunks, or the raw SSE bytes), and each
+    tool call's argument pieces by (choice, call index), its opening delta's empty arguments first. Every tool-call
+    delta is held to OpenAI's shape on the way: a call's first delta carries its index (0, 1, ... in order), id,
+    type and name with empty arguments; each later one only its index and a non-empty piece of the arguments."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    if isinstance(chunks, bytes):
+        chunks = [ChatCompletionChunk.model_validate(event) for event in _sse_events(chunks)]
+    state = ChatCompletionStreamState()
+    pieces: dict[tuple[int, int], list[str]] = {}
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                sent, key = call.to_dict(), (choice.index, call.index)
+                if key in pieces:
+                    piece = sent["function"]["arguments"]
+                    assert sent == {"index": call.index, "function": {"arguments": piece}} and piece, sent
+                else:
+                    assert call.index == sum(k[0] == choice.index for k in pieces), sent  # the next index
+                    opening = {"name": call.function.name, "arguments": ""}
+                    assert sent == {"index": call.index, "id": call.id, "type": "function", "function": opening}
+                    assert call.id and call.function.name, sent
+                pieces.setdefault(key, []).append(sent["function"]["arguments"])
+    return state.current_completion_snapshot, pieces
+
+
+def same_chat_choices(streamed, whole) -> None:
+    """A streamed chat completion, accumulated (`accumulate_chat`), says what the non-streamed one says: each
+    choice's finish reason, content (the stream's opening `""` is no content), reasoning, tool calls (but for
+    their ids: another request's), logprobs; and the same token counts."""
+    assert len(streamed.choices) == len(whole.choices)
+    for s, w in zip(streamed.choices, whole.choices):
+        assert (s.index, s.finish_reason) == (w.index, w.finish_reason)
+        assert (s.message.content or None) == (w.message.content or None)
+        assert getattr(s.message, "reasoning_content", None) == getattr(w.message, "reasoning_content", None)
+        calls = [[(c.type, c.function.name, c.function.arguments) for c in m.message.tool_calls or []] for m in (s, w)]
+        assert calls[0] == calls[1]
+        ids = [c.id for c in s.message.tool_calls or []]
+        assert len(set(ids)) == len(ids) and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids), ids
+        logprobs = [[e.model_dump() for e in (c.logprobs.content if c.logprobs else [])] for c in (s, w)]
+        assert logprobs[0] == logprobs[1]  # each token's once, in order
+    uses = (streamed.usage, whole.usage)
+    counts = [(u.prompt_tokens, u.completion_tokens, u.completion_tokens_details) for u in uses]
+    assert counts[0] == counts[1]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The API through the official client
 # ---------------------------------------------------------------------------------------------------------
@@ -613,10 +663,91 @@ def test_parallel_tool_calls_false_ends_the_reply_after_its_first_call(server):
     assert json.loads(call.function.arguments) == {"location": "Paris"} and r.choices[0].finish_reason == "tool_calls"
     assert not r.choices[0].message.content and r.usage.completion_tokens == ONE_CALL_TOKENS  # generation stopped
     chunks = list(chat(cl, ask, tools=[WEATHER_TOOL], parallel_tool_calls=False, stream=True, extra_body=NO_THINK))
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [tc.index for tc in calls] == [0] and json.loads(calls[0].function.arguments) == {"location": "Paris"}
+    streamed, pieces = accumulate_chat(chunks)
+    assert list(pieces) == [(0, 0)] and json.loads("".join(pieces[0, 0])) == {"location": "Paris"}
+    (call,) = streamed.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"location": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert "DSML" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_tool_calls_stream_piece_by_piece_and_add_up_to_the_reply(server, thinking):
+    """As OpenAI streams them: each call opens with its index, id and name, then its arguments come as the model
+    writes them; parallel calls by index, each of `n` choices its own; the reasoning first. The official client's
+    accumulation of the stream is the non-streamed reply, logprobs and usage included."""
+    cl = client(server)
+    ask, mode = "weather in Paris and Rome", {"thinking": {"type": "enabled" if thinking else "disabled"}}
+    kw = {"tools": [WEATHER_TOOL], "n": 2, "logprobs": True, "top_logprobs": 2, "extra_body": mode}
+    whole = chat(cl, ask, **kw)
+    chunks = list(chat(cl, ask, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed, pieces = accumulate_chat(chunks)
+    same_chat_choices(streamed, whole)
+    cities = ("Paris", "Rome")
+    assert list(pieces) == [(i, j) for i in range(2) for j in range(2)]
+    for (i, j), parts in pieces.items():
+        assert "".join(parts) == json.dumps({"location": cities[j]})
+        assert len(parts) > len(cities[j]) + 2  # the city a character a delta, as the fake model writes it
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"] * 2
+        assert len(choice.logprobs.content) == whole.usage.completion_tokens // 2
+        assert (getattr(choice.message, "reasoning_content", None) is not None) == thinking
+    for i in range(2):  # the reasoning streams before the calls
+        kinds = [k for c in chunks for ch in c.choices if ch.index == i for k, v in ch.delta if v and k != "role"]
+        assert kinds == ["reasoning_content"] * kinds.count("reasoning_content") + ["tool_calls"] * kinds.count(
+            "tool_calls"
+        )
+        assert kinds.count("reasoning_content") == (len("Thinking about weather in Paris and Rome.") if thinking else 0)
+
+
+def test_the_openai_stream_helper_reads_each_call_as_it_is_written(server):
+    """`chat.completions.stream()` with strict tools: an arguments delta event per piece, each call done (its
+    arguments parsed) once the next one opens or the reply ends, and the final completion is `create()`'s."""
+    cl = client(server)
+    tool = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
+    kw = {"model": "deepseek-v4-flash", "tools": [tool], "temperature": 0, "extra_body": NO_THINK}
+    kw["messages"] = [{"role": "user", "content": "weather in Paris and Rome"}]
+    whole = cl.chat.completions.create(**kw)
+    with cl.chat.completions.stream(stream_options={"include_usage": True}, **kw) as stream:
+        events = [e for e in stream if e.type.startswith("tool_calls.")]
+        final = stream.get_final_completion()
+    same_chat_choices(final, whole)
+    done = [(e.index, e.name, e.parsed_arguments) for e in events if e.type.endswith(".done")]
+    assert done == [(0, "get_weather", {"location": "Paris"}), (1, "get_weather", {"location": "Rome"})]
+    assert [c.function.parsed_arguments for c in final.choices[0].message.tool_calls] == [d[2] for d in done]
+    deltas = [e for e in events if e.type.endswith(".delta")]
+    assert (
+        len(deltas) > 2 * len("Paris")
+        and deltas[-1].arguments == whole.choices[0].message.tool_calls[1].function.arguments
+    )
+    order = [(e.type.rsplit(".", 1)[1], e.index) for e in events]
+    k = order.index(("done", 0))  # the first call is done when the second opens, before its arguments come
+    assert set(order[: k - 1]) == {("delta", 0)} and order[k - 1] == ("delta", 1) and order[-1] == ("done", 1)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {"response_format": {"type": "json_object"}},
+        {"parallel_tool_calls": False},
+        {"max_tokens": ONE_CALL_TOKENS + 60},  # inside the second call
+        {"stop": ["Rome"]},
+    ],
+)
+def test_a_streamed_tool_call_is_the_one_returned_whatever_shapes_the_reply(server, extra):
+    """Forced calls and a JSON format (their grammars compiled and sent with the job), one call at most, a cut:
+    the accumulated stream is the non-streamed reply."""
+    cl = client(server)
+    kw = {"tools": [WEATHER_TOOL], "extra_body": NO_THINK, **extra}
+    whole = chat(cl, "weather in Paris and Rome", **kw)
+    streamed, pieces = accumulate_chat(
+        chat(cl, "weather in Paris and Rome", stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    same_chat_choices(streamed, whole)
+    assert len(pieces[0, 0]) > 2 and whole.choices[0].message.tool_calls
 
 
 def test_errors_through_the_client(server):

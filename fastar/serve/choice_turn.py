@@ -1,7 +1,8 @@
 """One choice's reply as its chunks arrive: `ChatTurn` (stop strings, then the DSV4 parser splitting reasoning
-from content and collecting DSML tool calls) and `CompletionTurn` (raw text, logprobs, the cumulative logprob
-`best_of` ranks by), each giving deltas and the finish reason; `StopFilter` holds back streamed text that could
-start a stop string, so a partial one never reaches the client, and cuts the text at the first complete one.
+from content, and the DSML tool calls streamed as the model writes them: `fastar.serve.cut_calls`) and
+`CompletionTurn` (raw text, logprobs, the cumulative logprob `best_of` ranks by), each giving deltas and the
+finish reason; `StopFilter` holds back streamed text that could start a stop string, so a partial one never
+reaches the client, and cuts the text at the first complete one.
 
 Does not own: the shapes the deltas go into (`fastar.serve.shapes`), the request (`fastar.serve.openai_request`).
 Pure Python; never imports torch.
@@ -47,7 +48,8 @@ def _finish_reason(engine_finish: str | None, stopped: bool, tokens: int, max_to
 
 class ChatTurn:
     """An assistant turn as it streams: stop strings first, then the DSV4 parser that splits reasoning from
-    content and collects DSML tool calls. `feed()`/`finish()` return `[(delta, logprobs | None)]`."""
+    content, and the tool-call block followed by a `ToolBlock` (each call's name, then its argument JSON piece by
+    piece, as OpenAI streams them). `feed()`/`finish()` return `[(delta, logprobs | None)]`."""
 
     def __init__(self, req: openai_request.ChatRequest, tokenizer: Any, reasoning_field: str) -> None:
         self.req, self.tokenizer, self.reasoning_field = req, tokenizer, reasoning_field
@@ -94,29 +96,45 @@ class ChatTurn:
             self.engine_stop = chunk.stop_string
         # the first `min_tokens` tokens' text cannot end the reply (vLLM's `min_tokens`), as in the engine
         match = len(self.generated) > self.req.sampling.get("min_tokens", 0)
-        return self._deltas(self.parser.feed(self.stops.feed(chunk.text, match)))
+        events = self.parser.feed(self.stops.feed(chunk.text, match))
+        return self._deltas([*events, *self.block.feed(self.parser)])
 
-    def _deltas(self, events: list[tuple[str, str]]) -> list[tuple[dict, list[dict] | None]]:
-        return [
-            ({self.reasoning_field if kind == "reasoning" else "content": text}, self.pending.take())
-            for kind, text in events
-        ]
+    def _deltas(self, events: list[tuple[str, Any]]) -> list[tuple[dict, list[dict] | None]]:
+        """The parser's and the tool block's events as chat deltas, each with the logprobs held until then: text
+        as `content` / the reasoning field; a tool call's start (index, id, type, name, empty arguments), then
+        its argument pieces (one delta per run of pieces of one call)."""
+        out: list[tuple[dict, list[dict] | None]] = []
+        args_of = None  # the call whose argument pieces the last delta holds
+        for kind, value in events:
+            if kind == "tool_args":
+                index, piece = value
+                if index == args_of:
+                    out[-1][0]["tool_calls"][0]["function"]["arguments"] += piece
+                    continue
+                delta, args_of = shapes.chat_tool_call_args(index, piece), index
+            elif kind == "tool_start":
+                delta, args_of = shapes.chat_tool_call_start(value["index"], value["id"], value["name"]), None
+            elif kind == "tool_done":
+                continue
+            else:
+                delta, args_of = {self.reasoning_field if kind == "reasoning" else "content": value}, None
+            out.append((delta, self.pending.take()))
+        return out
 
     def finish(self, max_tokens: int) -> tuple[list[tuple[dict, list[dict] | None]], str]:
-        """The deltas still held back, the tool calls (a call the reply was cut inside is given with the arguments
-        written so far, unclosed: `fastar.serve.cut_calls`), and the finish reason."""
-        deltas = self._deltas(self.parser.feed(self.stops.flush()))
-        for _ in self.block.feed(self.parser):  # (the calls go out whole, below)
-            pass
+        """The deltas still held back, what completes the streamed tool calls (a call the reply was cut inside is
+        given with the arguments written so far, unclosed: `fastar.serve.cut_calls`), and the finish reason."""
+        events = self.parser.feed(self.stops.flush())
+        events += self.block.feed(self.parser)
         released = self.parser.flush()  # a block that does not parse comes back as content
         result = self.parser.finish()
         ended = self.engine_finish == "stop" and self.engine_stop is None and not self.stops.hit
         settled = self.block.settle(result.content, result.tool_calls, released, not ended)
-        if not settled.dropped:
-            deltas += self._deltas(released)
+        if not settled.dropped:  # held-back text, or a block's text that stands for no call
+            events += released
+        events += self.block.close(settled.tool_calls)
         self.content, self.reasoning, self.tool_calls = settled.content, result.reasoning, settled.tool_calls
-        for i, call in enumerate(self.tool_calls):
-            deltas.append(({"tool_calls": [{"index": i, **call}]}, None))
+        deltas = self._deltas(events)
         if settled.parsed:
             return deltas, "tool_calls"
         stopped = self.stops.hit or self.engine_stop is not None

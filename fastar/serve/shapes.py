@@ -78,6 +78,18 @@ def chat_message(content: str, reasoning: str | None, tool_calls: list[dict], re
     return msg
 
 
+def chat_tool_call_start(index: int, call_id: str, name: str) -> dict:
+    """The stream delta that opens a tool call: its index, id, type and name, with empty arguments (OpenAI's
+    shape: later deltas of the call carry only its index and argument pieces, `chat_tool_call_args`)."""
+    call = {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+    return {"tool_calls": [call]}
+
+
+def chat_tool_call_args(index: int, piece: str) -> dict:
+    """A stream delta with the next piece of a tool call's `arguments` (clients concatenate them by `index`)."""
+    return {"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
+
+
 def chat_choice(index: int, message: dict, finish_reason: str, logprobs: list[dict] | None) -> dict:
     return {
         "index": index,

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
@@ -317,8 +318,8 @@ class OpenAIRoutes:
             if done is None:
                 return Response(status_code=499)
             cached, finishes = done
-            if req.n == 1:
-                await self.admission.off_loop(self._record_chat, req, prompt, turns[0])
+            if req.n == 1:  # (not behind the prompts being tokenized: it takes a millisecond)
+                await run_in_threadpool(self._record_chat, req, prompt, turns[0])
             choices = [
                 shapes.chat_choice(i, t.message(), f, t.logprobs if req.logprobs else None)
                 for i, (t, f) in enumerate(zip(turns, finishes))
@@ -349,7 +350,7 @@ class OpenAIRoutes:
                         yield chunk(i, delta, None, lp)
                     self.server.metrics.finished(finish)
                     if req.n == 1:  # before the client has the whole reply (and can send the next turn)
-                        await self.admission.off_loop(self._record_chat, req, prompt, turns[i])
+                        await run_in_threadpool(self._record_chat, req, prompt, turns[i])
                     yield chunk(i, {}, finish, turns[i].pending.take())
                 elif req.include_usage:  # all ended
                     use = shapes.usage(

@@ -306,6 +306,37 @@ def test_keepalive_pings_during_a_long_prefill():
         host.shutdown()
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/messages", {"max_tokens": 50, "messages": [{"role": "user", "content": "hi " * 300}]}),
+        ("/v1/responses", {"max_output_tokens": 50, "input": "hi " * 300}),
+    ],
+)
+def test_a_stream_left_during_a_long_prefill_is_cancelled_at_once(path, body):
+    """A client (Claude Code's Esc) that closes its stream while the prompt is still prefilling: the generation is
+    cancelled when the server hears of it, not when the next keep-alive (5 s) or the first token comes back."""
+    srv = start_server(AgentEngine(prefill_delay=6.0))  # ~0.4 s per 64 tokens
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        conn.request(
+            "POST",
+            path,
+            json.dumps({"model": "deepseek-v4-flash", "stream": True, **body}),
+            {"Content-Type": "application/json", "X-Api-Key": "unused"},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline()  # the stream has started; the prompt is prefilling
+        assert srv.host.num_running() == 1
+        left = time.monotonic()
+        conn.close()
+        while srv.host.num_running() and time.monotonic() - left < 10:
+            time.sleep(0.02)
+        assert time.monotonic() - left < 2.5, "the prefill ran on after the client left"
+    finally:
+        srv.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Exact replay at the rendering level, in all three API shapes
 # ---------------------------------------------------------------------------------------------------------

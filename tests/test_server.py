@@ -210,7 +210,10 @@ class FakeEngine(SchedulesSerially):
             while common < min(len(session.tokens), len(prompt_ids)) and session.tokens[common] == prompt_ids[common]:
                 common += 1
         todo = len(prompt_ids) - common
-        for done in range(0, todo, 64):
+        for done in range(0, todo, 64):  # cancelled between chunks, as the scheduler's prefill steps are
+            if cancel is not None and cancel.is_set():
+                yield GenerationChunk("", finish_reason="cancelled")
+                return
             if on_prefill_progress:
                 on_prefill_progress(common + done, len(prompt_ids))
             time.sleep(self.prefill_delay * 64 / max(todo, 1))

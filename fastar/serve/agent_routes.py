@@ -6,13 +6,14 @@ or Anthropic's `x-api-key`).
 Owns: the Starlette glue only. The translation, validation, streaming event sequences and the response store
 live in `fastar.serve.anthropic`, `fastar.serve.responses` (`fastar.serve.response_items`) and `fastar.serve.turn`;
 both submit jobs to the one engine worker through `EngineHost.submit`, like every other route. Their calls block
-(they wait on the worker), so they run in the thread pool; a stream's iterator is closed when the client goes, which
-cancels its generation, and a non-streamed call asks the event loop from its thread whether the client is still
-there (`disconnected`), so a client that leaves cancels its generation too.
+(they wait on the worker), so they run in the thread pool; when a stream's client goes, its jobs are cancelled at
+once and its iterator is closed, and a non-streamed call asks the event loop from its thread whether the client is
+still there (`disconnected`), so a client that leaves cancels its generation too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -21,26 +22,36 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive
 
 from fastar.serve import anthropic as A
 from fastar.serve import response_items
 from fastar.serve import responses as R
 from fastar.serve.app import ErrorShape, JSONResponse, read_json
 from fastar.serve.turn import Backend, ClientDisconnected
+from fastar.serve.worker import Job
 
 ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": A.error_body}  # Responses errors are OpenAI-shaped
 
 
 class _ClosingStream(StreamingResponse):
-    """SSE from a blocking iterator run in the thread pool; closing it (done or client gone) cancels the job."""
+    """SSE from a blocking iterator run in the thread pool; closing it (done or client gone) cancels the job. A
+    client that leaves cancels `jobs` at once: the iterator's thread may be waiting on the worker for seconds (a
+    long prefill sends nothing but a keep-alive every few seconds), and it is closed only once that wait ends."""
 
-    def __init__(self, it: Generator[bytes, None, None]) -> None:  # the APIs' `_stream`s: close() cancels
+    def __init__(self, it: Generator[bytes, None, None], jobs: list[Job]) -> None:  # `_stream`s: close() cancels
         super().__init__(
             iterate_in_threadpool(it),
             media_type="text/event-stream; charset=utf-8",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._it = it
+        self._jobs = jobs
+
+    async def listen_for_disconnect(self, receive: Receive) -> None:
+        await super().listen_for_disconnect(receive)
+        for job in self._jobs:
+            job.cancel.set()
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -83,26 +94,32 @@ class AgentRoutes:
             Route("/v1/responses/{rid}/input_items", self.input_items, methods=["GET"]),
         ]
 
-    async def _run(self, request: Request, fn: Callable[[Any, Callable[[], bool]], Any]) -> Response:
+    async def _run(self, request: Request, fn: Callable[[Any, Backend, Callable[[], bool]], Any]) -> Response:
         body = await read_json(request, self.server.settings)
+        jobs: list[Job] = []  # what this request submits, for the stream to cancel when its client leaves
+        shared = self.backend()
+
+        def submit(job: Job) -> None:
+            shared.submit(job)
+            jobs.append(job)
 
         def disconnected() -> bool:  # asked from the thread pool; the event loop reads the connection
             return anyio.from_thread.run(request.is_disconnected)
 
         try:
-            out = await run_in_threadpool(fn, body, disconnected)
+            out = await run_in_threadpool(fn, body, dataclasses.replace(shared, submit=submit), disconnected)
         except ClientDisconnected:  # its generation was cancelled; nobody reads an answer
             return Response(status_code=499)
-        return JSONResponse(out) if isinstance(out, dict) else _ClosingStream(out)
+        return JSONResponse(out) if isinstance(out, dict) else _ClosingStream(out, jobs)
 
     async def messages(self, request: Request) -> Response:
-        return await self._run(request, lambda b, gone: A.messages(b, self.backend(), gone))
+        return await self._run(request, A.messages)
 
     async def count_tokens(self, request: Request) -> Response:
-        return await self._run(request, lambda b, gone: A.count_tokens(b, self.backend()))
+        return await self._run(request, lambda b, backend, gone: A.count_tokens(b, backend))
 
     async def create(self, request: Request) -> Response:
-        return await self._run(request, lambda b, gone: R.create(b, self.backend(), self.store, gone))
+        return await self._run(request, lambda b, backend, gone: R.create(b, backend, self.store, gone))
 
     async def retrieve(self, request: Request) -> Response:
         return JSONResponse(R.retrieve(request.path_params["rid"], self.store))

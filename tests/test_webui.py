@@ -12,6 +12,7 @@ Skips only when Chromium or Playwright is missing; `.ci/install-browser` install
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def test_chat_streams_stops_and_starts_new_chats(browser_page, tmp_path):
 
     # Settings: thinking off -> no thinking block.
     page.click("#settings-toggle")
-    page.uncheck("#thinking")
+    page.select_option("#thinking", "none")
     page.click("#settings-toggle")
     send(page, "no thoughts")
     reply = page.locator(".msg.assistant").last
@@ -149,14 +150,134 @@ def test_chat_streams_stops_and_starts_new_chats(browser_page, tmp_path):
     assert not errors, errors
 
 
+def greedy(page) -> None:
+    """Temperature 0 in the settings: the fake's reply is then the scripted echo."""
+    page.click("#settings-toggle")
+    page.fill("#temperature", "0")
+    page.click("#settings-toggle")
+
+
 def test_ui_reports_a_loading_model_and_server_errors(browser_page):
     page, server, engine, errors = browser_page
     page.goto(server.url + "/")
     expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
     send(page, "x" * 5000)  # longer than the fake's 4096-token context: the server's 400 is shown
     expect(page.locator(".msg.assistant .meta").last).to_contain_text("4096")
     expect(page.locator("#send")).to_be_visible()
+    # The text is back in the message box, and the turn that failed is not sent again: the next message works.
+    expect(page.locator("#input")).to_have_value("x" * 5000)
+    expect(page.locator(".msg.user .meta").last).to_contain_text("not sent")
+    send(page, "shorter")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: shorter")
+    expect(page.locator(".msg.assistant .meta").last).not_to_contain_text("4096")
     assert not [e for e in errors if "400" not in e], errors  # the browser logs the failed fetch itself
+
+
+def test_ui_reports_a_lost_connection(browser_page):
+    """A stream cut before its end (the server's own body, truncated on the way) and a server that cannot be
+    reached: each says so in the reply, never passes for a complete answer, and gives the text back."""
+    page, server, engine, errors = browser_page
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+
+    def truncated(route):
+        events = route.fetch().text().split("\n\n")
+        assert "data: [DONE]" in events
+        cut = next(i for i, event in enumerate(events) if re.search(r'"finish_reason": ?"', event))
+        route.fulfill(
+            status=200, headers={"Content-Type": "text/event-stream"}, body="\n\n".join(events[:cut]) + "\n\n"
+        )
+
+    page.route("**/v1/chat/completions", truncated)
+    send(page, "cut short")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".meta")).to_contain_text("connection to the server was lost")
+    expect(reply.locator(".meta")).to_have_class("meta error")
+    expect(reply.locator(".content")).to_contain_text("Echo: cut")
+    page.unroute("**/v1/chat/completions")
+
+    page.route("**/v1/chat/completions", lambda route: route.abort("connectionrefused"))
+    send(page, "nobody there")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".meta")).to_contain_text("Could not reach the server")
+    expect(page.locator("#input")).to_have_value("nobody there")
+    expect(page.locator("#send")).to_be_visible()
+    assert not [e for e in errors if "ERR_CONNECTION_REFUSED" not in e], errors
+
+
+def test_thinking_setting_sends_the_reasoning_effort(browser_page):
+    """The Thinking setting is the API's reasoning effort; an answer cut by the token limit while the model still
+    thinks says there is no answer."""
+    page, server, engine, errors = browser_page
+    bodies: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    send(page, "default")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: default")
+    assert "reasoning_effort" not in bodies[-1] and "thinking" not in bodies[-1]  # the server's default
+
+    page.click("#settings-toggle")
+    page.select_option("#thinking", "max")
+    page.click("#settings-toggle")
+    send(page, "think hard")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: think hard")
+    assert bodies[-1]["reasoning_effort"] == "max"
+    expect(page.locator(".msg.assistant .thinking-body").last).to_have_text("Thinking about think hard.")
+
+    page.click("#settings-toggle")
+    page.select_option("#thinking", "none")
+    page.click("#settings-toggle")
+    send(page, "no thinking")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: no thinking")
+    assert bodies[-1]["reasoning_effort"] == "none"
+    expect(page.locator(".msg.assistant details.thinking").last).to_be_hidden()
+
+    page.click("#settings-toggle")
+    page.select_option("#thinking", "high")
+    page.fill("#max-tokens", "3")
+    page.click("#settings-toggle")
+    page.reload()  # the settings are kept
+    expect(page.locator("#thinking")).to_have_value("high")
+    send(page, "a long thought")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".meta")).to_contain_text("while thinking: no answer")
+    expect(reply.locator(".thinking-body")).not_to_be_empty()
+    assert bodies[-1]["reasoning_effort"] == "high" and bodies[-1]["max_tokens"] == 3
+    assert not errors, errors
+
+
+def test_keyboard_and_labels(browser_page):
+    """The conversation list works from the keyboard; the message box has a name; Shift+Enter is a newline and
+    Enter during an IME composition does not send."""
+    page, server, engine, errors = browser_page
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    page.get_by_label("Message").fill("first chat")
+    page.press("#input", "Enter")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: first chat")
+    page.click("#new-chat")
+    page.fill("#input", "line one")
+    page.press("#input", "Shift+Enter")
+    page.keyboard.type("line two")
+    expect(page.locator("#input")).to_have_value("line one\nline two")
+    page.dispatch_event("#input", "keydown", {"key": "Enter", "isComposing": True})
+    expect(page.locator(".msg")).to_have_count(0)
+    page.press("#input", "Enter")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: line one\nline two")
+    expect(page.locator("#send")).to_be_visible()
+
+    page.get_by_role("button", name="first chat", exact=True).focus()
+    page.keyboard.press("Enter")
+    expect(page.locator(".msg.user .bubble")).to_have_text(["first chat"])
+    expect(page.get_by_role("button", name="first chat", exact=True)).to_have_attribute("aria-current", "true")
+    page.keyboard.press("Tab")
+    expect(page.get_by_role("button", name="Delete conversation: first chat")).to_be_focused()
+    assert not errors, errors
 
 
 def test_ui_behind_an_api_key():

@@ -8,7 +8,10 @@ import { renderMarkdown } from "/static/markdown.js";
 const STORE = "fastar.conversations.v1";
 const SETTINGS = "fastar.settings.v1";
 const CURRENT = "fastar.current.v1";
-const DEFAULTS = { temperature: 1.0, top_p: 1.0, max_tokens: 0, thinking: true, system: "" };
+// thinking: a reasoning effort sent as `reasoning_effort` ("none" turns thinking off), or "" for the server's
+// --reasoning-default.
+const DEFAULTS = { temperature: 1.0, top_p: 1.0, max_tokens: 0, thinking: "", system: "" };
+const EFFORTS = ["", "none", "low", "medium", "high", "max"];
 
 const $ = (id) => document.getElementById(id);
 const el = (tag, cls, text) => {
@@ -28,6 +31,8 @@ function load(key, fallback) {
 
 let conversations = load(STORE, []).filter((c) => c && Array.isArray(c.messages));
 let settings = { ...DEFAULTS, ...load(SETTINGS, {}) };
+if (typeof settings.thinking === "boolean") settings.thinking = settings.thinking ? "" : "none"; // the old checkbox
+if (!EFFORTS.includes(settings.thinking)) settings.thinking = DEFAULTS.thinking;
 let currentId = localStorage.getItem(CURRENT) || null;
 let controller = null; // the AbortController of the running request; Stop aborts it
 let modelId = "deepseek-v4-flash";
@@ -63,10 +68,15 @@ function renderList() {
   for (const c of [...conversations].sort((a, b) => b.updated - a.updated)) {
     const li = el("li", c.id === currentId ? "active" : "");
     li.dataset.id = c.id;
+    // Buttons, so the list works from the keyboard (Tab, Enter) and reads as actions to a screen reader.
+    const open = el("button", "title", c.title || "New chat");
+    open.type = "button";
+    if (c.id === currentId) open.setAttribute("aria-current", "true");
     const del = el("button", "delete icon", "×");
     del.type = "button";
     del.title = "Delete conversation";
-    li.append(el("span", "title", c.title || "New chat"), del);
+    del.setAttribute("aria-label", `Delete conversation: ${c.title || "New chat"}`);
+    li.append(open, del);
     ul.append(li);
   }
 }
@@ -83,6 +93,9 @@ $("conversations").addEventListener("click", (ev) => {
   save();
   renderAll();
   document.body.classList.remove("show-sidebar");
+  // The list was redrawn: keep the keyboard's place in it (the opened chat, or after a delete the first one).
+  ($("conversations").querySelector("li.active .title") || $("conversations").querySelector(".title")
+    || $("new-chat")).focus();
 });
 
 function newChat() {
@@ -110,6 +123,7 @@ function messageView(m) {
   const view = el("div", `msg ${m.role}`);
   if (m.role === "user") {
     view.append(el("div", "bubble", m.content));
+    if (m.failed) view.append(el("div", "meta", "not sent: its text is back in the message box"));
     return view;
   }
   const think = el("details", "thinking");
@@ -151,7 +165,10 @@ function updateAssistant(view, m) {
   if (m.usage) parts.push(`${m.usage.completion_tokens} tokens`);
   else if (m.tokens) parts.push(`${m.tokens} tokens`);
   if (m.tps) parts.push(`${m.tps.toFixed(1)} tok/s`);
-  if (m.finish === "length") parts.push("stopped at the token limit");
+  if (m.finish === "length") {
+    parts.push(m.content || m.tool_calls?.length || !m.reasoning ? "stopped at the token limit"
+      : "the token limit was reached while thinking: no answer (raise Max tokens in Settings)");
+  }
   if (m.finish === "stopped") parts.push("stopped");
   meta.textContent = parts.join(" · ");
   meta.classList.toggle("error", !!m.error);
@@ -247,7 +264,7 @@ function requestBody(conv) {
   const messages = [];
   if (settings.system.trim()) messages.push({ role: "system", content: settings.system });
   for (const m of conv.messages) {
-    if (m.pending) continue;
+    if (m.pending || m.failed) continue;
     if (m.role === "assistant" && !m.content && !m.tool_calls?.length) continue; // nothing to resend
     const msg = { role: m.role, content: m.content };
     if (m.tool_calls?.length) {  // resent as generated, so the server reuses the conversation's state
@@ -259,8 +276,8 @@ function requestBody(conv) {
   const body = {
     model: modelId, messages, stream: true, stream_options: { include_usage: true },
     temperature: Number(settings.temperature), top_p: Number(settings.top_p),
-    thinking: { type: settings.thinking ? "enabled" : "disabled" },
   };
+  if (settings.thinking) body.reasoning_effort = settings.thinking;
   if (Number(settings.max_tokens) > 0) body.max_tokens = Number(settings.max_tokens);
   return body;
 }
@@ -278,7 +295,8 @@ async function send(text) {
     conversations.push(conv);
     currentId = conv.id;
   }
-  conv.messages.push({ role: "user", content: text });
+  const asked = { role: "user", content: text };
+  conv.messages.push(asked);
   if (!conv.title) conv.title = text.replace(/\s+/g, " ").trim().slice(0, 48);
   const reply = { role: "assistant", content: "", reasoning: "", pending: true };
   conv.messages.push(reply);
@@ -291,6 +309,8 @@ async function send(text) {
   setStatus("Waiting for the model…");
   let firstToken = null;
   let frame = 0;
+  let finished = false; // [DONE] or a finish_reason came: the stream ended as the server meant it to
+  let connected = false;
   const redraw = () => {
     frame = 0;
     const stick = nearBottom();
@@ -303,6 +323,7 @@ async function send(text) {
       body: JSON.stringify(requestBody(conv)), signal: controller.signal,
     });
     if (!response.ok) throw new Error(await errorText(response));
+    connected = true;
     for await (const ev of sseEvents(response)) {
       if (ev.comment !== undefined) {
         const m = ev.comment.match(/prefill (\d+)\/(\d+)/);
@@ -313,7 +334,10 @@ async function send(text) {
         }
         continue;
       }
-      if (ev.data === "[DONE]") break;
+      if (ev.data === "[DONE]") {
+        finished = true;
+        break;
+      }
       const obj = JSON.parse(ev.data);
       if (obj.error) throw new Error(obj.error.message);
       if (obj.usage) reply.usage = obj.usage;
@@ -330,7 +354,10 @@ async function send(text) {
         if (tc.function?.name) call.name += tc.function.name;
         if (tc.function?.arguments) call.arguments += tc.function.arguments;
       }
-      if (choice.finish_reason) reply.finish = choice.finish_reason;
+      if (choice.finish_reason) {
+        reply.finish = choice.finish_reason;
+        finished = true;
+      }
       if (thought || delta.content) {
         reply.tokens = (reply.tokens || 0) + 1; // about one chunk per token: the live count and rate
         if (firstToken === null) {
@@ -343,9 +370,24 @@ async function send(text) {
       }
       if (!frame) frame = requestAnimationFrame(redraw);
     }
+    if (!finished) throw new TypeError("closed");
   } catch (err) {
     if (err.name === "AbortError") reply.finish = "stopped";
-    else reply.error = err.message || String(err);
+    else if (err.name === "TypeError") {
+      // fetch and the body reader fail with a TypeError when the connection fails or drops
+      reply.error = connected ? "The connection to the server was lost: this reply is incomplete."
+        : "Could not reach the server: is fastar serve still running?";
+      if (!$("health-dot").classList.contains("error")) pollHealth(); // it keeps polling while unreachable
+    } else reply.error = err.message || String(err);
+    if (reply.error && !reply.content && !reply.reasoning && !reply.tool_calls?.length) {
+      // Nothing came back: the turn is left out of later requests (a prompt over the context length would
+      // otherwise fail every message after it), and its text goes back into the composer to edit or resend.
+      asked.failed = reply.failed = true;
+      if (!$("input").value.trim()) {
+        $("input").value = text;
+        autosize();
+      }
+    }
   } finally {
     if (frame) cancelAnimationFrame(frame);
     const seconds = firstToken === null ? 0 : (performance.now() - firstToken) / 1000;
@@ -356,6 +398,7 @@ async function send(text) {
     conv.updated = Date.now();
     save();
     updateAssistant(view, reply);
+    if (asked.failed && view.previousElementSibling) view.previousElementSibling.replaceWith(messageView(asked));
     setBusy(false);
     setStatus("");
     renderList();
@@ -411,9 +454,9 @@ function bindSettings() {
       show();
     });
   }
-  $("thinking").checked = !!settings.thinking;
+  $("thinking").value = settings.thinking;
   $("thinking").addEventListener("change", () => {
-    settings.thinking = $("thinking").checked;
+    settings.thinking = $("thinking").value;
     localStorage.setItem(SETTINGS, JSON.stringify(settings));
   });
   show();

@@ -506,3 +506,92 @@ def test_ui_shows_tool_calls_speed_prefill_progress_and_copies_code(tmp_path):
     finally:
         server.shutdown()
     assert not errors, errors
+
+
+class LongEngine(FakeEngine):
+    """FakeEngine that answers "write at length" with many short paragraphs and a code block."""
+
+    def reply(self, prompt, params):
+        user = prompt.rsplit(USER, 1)[-1]
+        if "write at length" in user:
+            paragraphs = [f"Paragraph {i} with **bold**." for i in range(100)]
+            paragraphs.insert(3, "```python\ndef f():\n\nreturn 1\n```")
+            return "\n\n".join(paragraphs)
+        return super().reply(prompt, params)
+
+
+def test_a_long_reply_redraws_only_its_end():
+    """While a reply streams, the paragraphs already complete are drawn once and kept (a redraw renders only the
+    text after them), so a long reply does not cost more per token as it grows; the finished reply is the full
+    render of its text."""
+    engine = LongEngine(token_delay=0.001)
+    server = start_server(engine)
+    errors: list[str] = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_page()
+                page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                page.set_default_timeout(30_000)
+                page.goto(server.url + "/")
+                expect(page.locator("#health-dot")).to_have_class("dot ok")
+                page.click("#settings-toggle")
+                page.select_option("#thinking", "none")
+                page.click("#settings-toggle")
+                send(page, "write at length")
+                content = page.locator(".msg.assistant .content").last
+                expect(content.locator("p", has_text="Paragraph 8 ")).to_have_count(1)
+                first = content.locator("p").first.element_handle()
+                code = content.locator("pre code").element_handle()
+                expect(content.locator("p", has_text="Paragraph 60 ")).to_have_count(1)
+                assert first.evaluate("(p) => p.isConnected && p.parentNode.querySelector('p') === p")
+                assert code.evaluate("(c) => c.isConnected") and code.text_content() == "def f():\n\nreturn 1\n"
+                expect(page.locator("#send")).to_be_visible()
+                expect(content.locator("p")).to_have_count(100)
+                same = page.evaluate(
+                    """async () => {
+                    const { renderMarkdown } = await import("/static/markdown.js");
+                    const content = [...document.querySelectorAll(".msg.assistant .content")].pop();
+                    const box = document.createElement("div");
+                    box.innerHTML = renderMarkdown(JSON.parse(localStorage.getItem("fastar.conversations.v1"))[0]
+                        .messages[1].content);
+                    return box.innerHTML === content.innerHTML;
+                }"""
+                )
+                assert same
+            finally:
+                browser.close()
+    finally:
+        server.shutdown()
+    assert not errors, errors
+
+
+STABLE_CUTS = {  # text -> what stableCut leaves after its cut (redrawn while the reply streams)
+    "abc": "abc",
+    "a\n\nb": "b",
+    "a\n\nb\n\nc": "c",
+    "a\n\n": "a\n\n",  # no cut before the next line's first character is known
+    "a\n\n ": "a\n\n ",
+    "- a\n\n  more": "- a\n\n  more",
+    "```\nx\n\ny\n": "```\nx\n\ny\n",
+    "x\n\n```\ny\n\nz\n```\n": "```\ny\n\nz\n```\n",
+    "```\nx\n\ny\n```\n\nz": "z",
+    "~~~\n```\n\nq\n~~~\n\nz": "z",
+    "````\n```\n\nq": "````\n```\n\nq",
+}
+
+
+def test_stable_cut_never_splits_a_block(browser_page):
+    page, server, _, errors = browser_page
+    page.goto(server.url + "/")
+    got = page.evaluate(
+        """async (cases) => {
+        const { stableCut } = await import("/static/markdown.js");
+        return Object.keys(cases).map((text) => text.slice(stableCut(text, 0)));
+    }""",
+        STABLE_CUTS,
+    )
+    assert dict(zip(STABLE_CUTS, got, strict=True)) == STABLE_CUTS
+    assert not errors, errors

@@ -3,7 +3,7 @@
 // highlight.js, sanitised by DOMPurify). Model text only ever reaches the page through textContent or
 // renderMarkdown. Shows thinking in a collapsible block, tool calls, tokens/s and the prompt's progress.
 
-import { renderMarkdown } from "/static/markdown.js";
+import { renderMarkdown, stableCut } from "/static/markdown.js";
 
 const STORE = "fastar.conversations.v1";
 const SETTINGS = "fastar.settings.v1";
@@ -133,7 +133,30 @@ function messageView(m) {
   return view;
 }
 
-function updateAssistant(view, m) {
+// The reply's markdown as HTML. While it streams (`live` given), the text up to stableCut is rendered once and
+// its nodes kept; each redraw renders only the rest, so a long reply does not slow every frame down.
+function drawContent(content, text, live) {
+  if (!live) {
+    content.innerHTML = renderMarkdown(text);
+    return;
+  }
+  const cut = stableCut(text, live.cut);
+  const nodes = (html) => {
+    const template = document.createElement("template");
+    template.innerHTML = html;
+    return template.content;
+  };
+  content.querySelector(".cursor")?.remove();
+  while (content.childNodes.length > live.kept) content.lastChild.remove();
+  if (cut > live.cut) {
+    content.append(nodes(renderMarkdown(text.slice(live.cut, cut))));
+    live.cut = cut;
+    live.kept = content.childNodes.length;
+  }
+  content.append(nodes(renderMarkdown(text.slice(cut))));
+}
+
+function updateAssistant(view, m, live = null) {
   const think = view.querySelector(".thinking");
   think.hidden = !m.reasoning;
   if (m.reasoning) {
@@ -148,7 +171,7 @@ function updateAssistant(view, m) {
     }
   }
   const content = view.querySelector(".content");
-  content.innerHTML = renderMarkdown(m.content || "");
+  drawContent(content, m.content || "", m.pending ? live : null);
   if (m.pending && (m.content || !m.reasoning)) {
     // The cursor goes at the end of the text, inside the last paragraph or list item, not below it.
     let host = content;
@@ -309,12 +332,13 @@ async function send(text) {
   setStatus("Waiting for the model…");
   let firstToken = null;
   let frame = 0;
+  const live = { cut: 0, kept: 0 }; // the part of the reply already drawn for good (drawContent)
   let finished = false; // [DONE] or a finish_reason came: the stream ended as the server meant it to
   let connected = false;
   const redraw = () => {
     frame = 0;
     const stick = nearBottom();
-    updateAssistant(view, reply);
+    updateAssistant(view, reply, live);
     if (stick) scrollToBottom();
   };
   try {

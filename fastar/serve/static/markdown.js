@@ -71,3 +71,29 @@ const PURIFY = { ALLOWED_TAGS, ALLOWED_ATTR, ALLOWED_URI_REGEXP: SAFE_URL, ADD_U
 export function renderMarkdown(source) {
   return DOMPurify.sanitize(md.render(String(source ?? "")), PURIFY);
 }
+
+// Where a streaming reply's text can be cut so that the part before renders the same whatever comes after:
+// the last blank line outside a code fence that is followed by an unindented line (a new top-level block).
+// `from` is an earlier such cut (outside any fence) to scan on from.
+export function stableCut(text, from) {
+  let cut = from;
+  let fence = null;
+  let blank = false;
+  let at = from;
+  // The last line may still grow, but its first character, which is all a cut before it depends on, is known.
+  for (const line of text.slice(from).split("\n")) {
+    const marker = /^ {0,3}(`{3,}|~{3,})/.exec(line);
+    if (fence) {
+      const close = /^ {0,3}(`{3,}|~{3,})\s*$/.exec(line);
+      if (close && close[1][0] === fence[0] && close[1].length >= fence.length) fence = null;
+    } else if (marker) {
+      if (blank) cut = at;
+      fence = marker[1];
+    } else if (blank && /^\S/.test(line)) {
+      cut = at;
+    }
+    blank = !fence && !line.trim();
+    at += line.length + 1;
+  }
+  return cut;
+}

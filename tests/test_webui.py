@@ -595,3 +595,38 @@ def test_stable_cut_never_splits_a_block(browser_page):
     )
     assert dict(zip(STABLE_CUTS, got, strict=True)) == STABLE_CUTS
     assert not errors, errors
+
+
+MATH_CASES = {  # model text -> (the math spans' text, the rendered text)
+    "Euler: $e^{i\\pi} + 1 = 0$ and $a*b*c$.": (["$e^{i\\pi} + 1 = 0$", "$a*b*c$"], None),
+    "\\[ \\frac{a}{b} \\] and \\( x_1^2 \\)": (["\\[ \\frac{a}{b} \\]", "\\( x_1^2 \\)"], None),
+    "$$\n\\sum_{i=1}^n i = \\frac{n(n+1)}{2}\n$$": (["$$\n\\sum_{i=1}^n i = \\frac{n(n+1)}{2}\n$$"], None),
+    "costs $5 and $10, **bold**": ([], "costs $5 and $10, bold"),
+    "a $ b $ c and `$x$`": ([], "a $ b $ c and $x$"),
+    "$x<script>alert(1)</script>$": (["$x<script>alert(1)</script>$"], None),
+}
+
+
+def test_math_is_kept_as_written(browser_page):
+    """TeX in model text is shown as written (no TeX renderer is vendored), not mangled as markdown; prices are
+    not math."""
+    page, server, _, errors = browser_page
+    page.goto(server.url + "/")
+    got = page.evaluate(
+        """async (cases) => {
+        const { renderMarkdown } = await import("/static/markdown.js");
+        return Object.keys(cases).map((src) => {
+            const box = document.createElement("div");
+            box.innerHTML = renderMarkdown(src);
+            return [[...box.querySelectorAll("span.math")].map((n) => n.textContent), box.textContent.trim(),
+                    box.querySelectorAll("script, em").length];
+        });
+    }""",
+        MATH_CASES,
+    )
+    for (src, (spans, text)), (got_spans, got_text, unsafe) in zip(MATH_CASES.items(), got, strict=True):
+        assert got_spans == spans, src
+        if text is not None:
+            assert got_text == text, src
+        assert unsafe == 0, src
+    assert not errors, errors

@@ -57,6 +57,32 @@ for (const rule of ["th_open", "td_open"]) {
   };
 }
 
+// Math as the model wrote it: $…$, $$…$$, \(…\) and \[…\] stay verbatim in a span.math (no TeX renderer is
+// vendored) instead of being read as markdown, where `$a*b*c$` lost its stars and `\[x\]` its backslashes. A
+// price is no math: a single `$` opens before a non-space and closes after a non-space, not before a digit,
+// on the same line.
+const MATH = [["$$", "$$"], ["\\[", "\\]"], ["\\(", "\\)"], ["$", "$"]];
+function math(state, silent) {
+  const src = state.src;
+  const start = state.pos;
+  const pair = MATH.find(([open]) => src.startsWith(open, start));
+  if (!pair) return false;
+  const [open, close] = pair;
+  const from = start + open.length;
+  let end = src.indexOf(close, from);
+  if (open === "$") {
+    if (/\s/.test(src[from] || " ")) return false;
+    while (end > 0 && (/\s|\\/.test(src[end - 1]) || /\d/.test(src[end + 1] || ""))) end = src.indexOf("$", end + 1);
+    if (end > 0 && src.slice(from, end).includes("\n")) return false;
+  }
+  if (end <= from) return false;
+  if (!silent) state.push("math", "span", 0).content = src.slice(start, end + close.length);
+  state.pos = end + close.length;
+  return true;
+}
+md.inline.ruler.before("escape", "math", math);
+md.renderer.rules.math = (tokens, i) => `<span class="math">${escapeHtml(tokens[i].content)}</span>`;
+
 const defaultLinkOpen = md.renderer.rules.link_open || ((tokens, i, opts, env, self) => self.renderToken(tokens, i, opts));
 md.renderer.rules.link_open = (tokens, i, opts, env, self) => {
   tokens[i].attrSet("target", "_blank");

@@ -630,3 +630,39 @@ def test_math_is_kept_as_written(browser_page):
             assert got_text == text, src
         assert unsafe == 0, src
     assert not errors, errors
+
+
+def test_narrow_screen_sidebar_and_wide_tables(browser_page):
+    """On a phone-sized screen the open sidebar covers its own toggle: a tap beside it or Escape closes it. A wide
+    table scrolls in its own box; the page never scrolls sideways."""
+    page, server, _, errors = browser_page
+    page.set_viewport_size({"width": 380, "height": 740})
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    page.click("#sidebar-toggle")
+    expect(page.locator("body")).to_have_class("show-sidebar")
+    page.mouse.click(340, 400)  # beside the 260-pixel sidebar
+    expect(page.locator("body")).not_to_have_class("show-sidebar")
+    page.click("#sidebar-toggle")
+    expect(page.locator("body")).to_have_class("show-sidebar")
+    page.keyboard.press("Escape")
+    expect(page.locator("body")).not_to_have_class("show-sidebar")
+    expect(page.locator("#sidebar-toggle")).to_be_focused()
+
+    widths = page.evaluate(
+        """async () => {
+        const { renderMarkdown } = await import("/static/markdown.js");
+        const box = document.createElement("div");
+        box.className = "content markdown";
+        const wide = "| name | b | c | d |\\n|---|---|---|---|\\n| " + "w".repeat(80) + " | 2 | 3 | 4 |";
+        box.innerHTML = renderMarkdown(wide);
+        document.getElementById("messages").append(box);
+        const wrap = box.querySelector(".tablewrap");
+        return { page: document.documentElement.scrollWidth, wrap: wrap.clientWidth, table: wrap.scrollWidth,
+                 header: box.querySelector("th").getBoundingClientRect().height,
+                 line: parseFloat(getComputedStyle(box.querySelector("th")).lineHeight) };
+    }"""
+    )
+    assert widths["page"] == 380 and widths["table"] > widths["wrap"], widths
+    assert widths["header"] < 2 * widths["line"], widths  # "name" on one line, not broken letter by letter
+    assert not errors, errors

@@ -457,6 +457,16 @@ $("input").addEventListener("input", autosize);
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("new-chat").addEventListener("click", newChat);
 $("sidebar-toggle").addEventListener("click", () => document.body.classList.toggle("show-sidebar"));
+// On a narrow screen the open sidebar covers its own toggle: a tap beside it or Escape closes it.
+document.querySelector("main").addEventListener("click", (ev) => {
+  if (!ev.target.closest("#sidebar-toggle")) document.body.classList.remove("show-sidebar");
+});
+document.addEventListener("keydown", (ev) => {
+  if (ev.key === "Escape" && document.body.classList.contains("show-sidebar")) {
+    document.body.classList.remove("show-sidebar");
+    $("sidebar-toggle").focus();
+  }
+});
 $("settings-toggle").addEventListener("click", () => {
   const panel = $("settings");
   panel.hidden = !panel.hidden;

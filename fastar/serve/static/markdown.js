@@ -57,6 +57,10 @@ for (const rule of ["th_open", "td_open"]) {
   };
 }
 
+// A table scrolls sideways in its own box instead of squeezing its columns to the page's width.
+md.renderer.rules.table_open = (tokens, i, opts, env, self) => `<div class="tablewrap">${self.renderToken(tokens, i, opts)}`;
+md.renderer.rules.table_close = (tokens, i, opts, env, self) => `${self.renderToken(tokens, i, opts)}</div>`;
+
 // Math as the model wrote it: $…$, $$…$$, \(…\) and \[…\] stay verbatim in a span.math (no TeX renderer is
 // vendored) instead of being read as markdown, where `$a*b*c$` lost its stars and `\[x\]` its backslashes. A
 // price is no math: a single `$` opens before a non-space and closes after a non-space, not before a digit,

@@ -666,3 +666,21 @@ def test_narrow_screen_sidebar_and_wide_tables(browser_page):
     assert widths["page"] == 380 and widths["table"] > widths["wrap"], widths
     assert widths["header"] < 2 * widths["line"], widths  # "name" on one line, not broken letter by letter
     assert not errors, errors
+
+
+def test_copy_without_the_clipboard_api(browser_page):
+    """Opened as http:// on another machine's address the page is no secure context and has no navigator.clipboard:
+    Copy still copies the code (as a selection)."""
+    page, server, _, errors = browser_page
+    page.add_init_script("Object.defineProperty(Navigator.prototype, 'clipboard', { get: () => undefined });")
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    page.evaluate("document.addEventListener('copy', () => { window.copied = String(document.getSelection()); })")
+    send(page, "some markdown please")
+    reply = page.locator(".msg.assistant").last
+    reply.locator("button.copy").click()
+    expect(reply.locator("button.copy")).to_have_text("Copied")
+    assert page.evaluate("window.copied").startswith("def f(x):\n    return x < 3")
+    assert page.evaluate("String(document.getSelection())") == ""  # no selection is left behind
+    assert not errors, errors

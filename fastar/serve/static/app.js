@@ -232,12 +232,29 @@ function renderAll() {
   renderMessages();
 }
 
+// A page opened as http:// on another machine's address is no secure context and has no Clipboard API; there a
+// selection of the code is copied instead.
+async function copyText(node) {
+  if (navigator.clipboard) {
+    await navigator.clipboard.writeText(node.textContent);
+    return;
+  }
+  const selection = document.getSelection();
+  const range = document.createRange();
+  range.selectNodeContents(node);
+  selection.removeAllRanges();
+  selection.addRange(range);
+  const copied = document.execCommand("copy");
+  selection.removeAllRanges();
+  if (!copied) throw new Error("the browser refused to copy");
+}
+
 $("messages").addEventListener("click", async (ev) => {
   const button = ev.target.closest("button.copy");
   if (!button) return;
-  const code = button.closest(".codeblock").querySelector("code").textContent;
+  const code = button.closest(".codeblock").querySelector("code");
   try {
-    await navigator.clipboard.writeText(code);
+    await copyText(code);
     button.textContent = "Copied";
   } catch {
     button.textContent = "Copy failed";

@@ -684,3 +684,23 @@ def test_copy_without_the_clipboard_api(browser_page):
     assert page.evaluate("window.copied").startswith("def f(x):\n    return x < 3")
     assert page.evaluate("String(document.getSelection())") == ""  # no selection is left behind
     assert not errors, errors
+
+
+def test_a_reload_mid_reply_keeps_what_streamed(browser_page):
+    """A page reloaded while a reply streams keeps the reply's text so far, marked as cut short (before, the
+    conversation kept an empty reply)."""
+    page, server, _, errors = browser_page
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    send(page, "count to a lot")
+    expect(page.locator(".msg.assistant .content").last).to_contain_text("1 2 3 4 5")
+    page.reload()
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".content")).to_contain_text("1 2 3 4 5")
+    expect(reply.locator(".meta")).to_contain_text("cut short")
+    expect(page.locator("#send")).to_be_visible()
+    deadline = time.monotonic() + 5
+    while server.host.num_running() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not server.host.num_running(), "the server kept generating for a page that went away"
+    assert not errors, errors

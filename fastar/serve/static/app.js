@@ -38,7 +38,21 @@ let controller = null; // the AbortController of the running request; Stop abort
 let modelId = "deepseek-v4-flash";
 let emptyState = null;
 
-for (const c of conversations) for (const m of c.messages) delete m.pending; // a reload cut them short
+// A reply still streaming when the page went away (saved on pagehide) keeps its text and says it was cut short.
+for (const c of conversations) {
+  for (const m of c.messages) {
+    if (!m.pending) continue;
+    delete m.pending;
+    m.finish = "interrupted";
+  }
+}
+// Leaving the page ends its request too: that reads as the page going away, not as a lost connection.
+let leaving = false;
+window.addEventListener("beforeunload", () => (leaving = true));
+window.addEventListener("pagehide", () => {
+  leaving = true;
+  save();
+});
 
 function save() {
   try {
@@ -193,6 +207,7 @@ function updateAssistant(view, m, live = null) {
       : "the token limit was reached while thinking: no answer (raise Max tokens in Settings)");
   }
   if (m.finish === "stopped") parts.push("stopped");
+  if (m.finish === "interrupted") parts.push("cut short: the page was closed or reloaded while it streamed");
   meta.textContent = parts.join(" · ");
   meta.classList.toggle("error", !!m.error);
 }
@@ -413,7 +428,8 @@ async function send(text) {
     }
     if (!finished) throw new TypeError("closed");
   } catch (err) {
-    if (err.name === "AbortError") reply.finish = "stopped";
+    if (leaving) reply.finish = "interrupted";
+    else if (err.name === "AbortError") reply.finish = "stopped";
     else if (err.name === "TypeError") {
       // fetch and the body reader fail with a TypeError when the connection fails or drops
       reply.error = connected ? "The connection to the server was lost: this reply is incomplete."

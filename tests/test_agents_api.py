@@ -1384,6 +1384,17 @@ def test_responses_metadata_is_string_pairs_or_a_400(backend):
     assert out["metadata"] == {"run": "7"}
 
 
+def test_a_responses_conversation_is_a_400_not_ignored(backend):
+    """`conversation` asks the server to prepend a stored Conversation's items; this server keeps none, and
+    ignoring the field answered the new input alone as if it were the whole conversation."""
+    for conversation in ("conv_123", {"id": "conv_123"}):
+        with pytest.raises(APIError) as err:
+            R.parse_request({"input": "and then?", "conversation": conversation}, backend, R.ResponseStore())
+        assert (err.value.status, err.value.param) == (400, "conversation")
+        assert "previous_response_id" in err.value.message
+    assert R.parse_request({"input": "hi", "conversation": None}, backend, R.ResponseStore())
+
+
 def test_responses_delete_and_input_items_on_the_server():
     """`GET /v1/responses/{id}/input_items` lists a stored response's own input items (ids given to those without,
     a string input as one user message, an item_reference as the item it names) as OpenAI's list object, newest first

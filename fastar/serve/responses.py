@@ -312,6 +312,12 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = fields.check_model(body, backend.model_names)
+    if body.get("conversation") is not None:  # ignored, the reply would be to the new input alone
+        raise bad_request(
+            "'conversation' is not supported: this server keeps no Conversations; send the earlier items in "
+            "'input', or continue a stored response with 'previous_response_id'",
+            "conversation",
+        )
     history: list[dict] = []
     prev = body.get("previous_response_id")
     if prev is not None:

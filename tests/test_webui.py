@@ -704,3 +704,37 @@ def test_a_reload_mid_reply_keeps_what_streamed(browser_page):
         time.sleep(0.02)
     assert not server.host.num_running(), "the server kept generating for a page that went away"
     assert not errors, errors
+
+
+def test_regenerate_and_edit_the_last_turn(browser_page):
+    """Regenerate asks the last question again with the same messages before it (so the server can reuse their
+    state); Edit takes the last question back into the message box."""
+    page, server, _, errors = browser_page
+    bodies: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    send(page, "first question")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: first question")
+    send(page, "second question")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: second question")
+    expect(page.locator(".actions")).to_have_count(1)  # on the last turn only
+    page.get_by_role("button", name="Regenerate").click()
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator(".msg")).to_have_count(4)
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: second question")
+    assert len(bodies) == 3 and bodies[2]["messages"] == bodies[1]["messages"]
+
+    page.get_by_role("button", name="Edit").click()
+    expect(page.locator(".msg")).to_have_count(2)
+    expect(page.locator("#input")).to_have_value("second question")
+    expect(page.locator("#input")).to_be_focused()
+    page.fill("#input", "second question, edited")
+    page.press("#input", "Enter")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: second question, edited")
+    assert bodies[3]["messages"][:-1] == bodies[1]["messages"][:-1]
+    page.reload()
+    expect(page.locator(".msg")).to_have_count(4)
+    expect(page.locator(".actions")).to_have_count(1)
+    assert not errors, errors

@@ -239,7 +239,38 @@ function renderMessages() {
     return;
   }
   for (const m of conv.messages) box.append(messageView(m));
+  lastTurnActions();
   scrollToBottom();
+}
+
+// The last turn can be asked again (Regenerate: the same messages, so the server reuses the conversation's
+// state up to them) or taken back to edit (Edit: its text returns to the message box, the turn is removed).
+function lastTurnActions() {
+  for (const old of $("messages").querySelectorAll(".actions")) old.remove();
+  const conv = current();
+  const n = conv ? conv.messages.length : 0;
+  const [asked, reply] = conv ? conv.messages.slice(-2) : [];
+  if (controller || n < 2 || reply.role !== "assistant" || reply.pending || asked.role !== "user") return;
+  const views = $("messages").querySelectorAll(".msg");
+  const button = (label, action) => {
+    const b = el("button", "", label);
+    b.type = "button";
+    b.addEventListener("click", action);
+    return b;
+  };
+  const actions = el("div", "actions");
+  actions.append(button("Regenerate", () => {
+    conv.messages.splice(n - 2, 2);
+    send(asked.content);
+  }), button("Edit", () => {
+    conv.messages.splice(n - 2, 2);
+    save();
+    renderAll();
+    $("input").value = asked.content;
+    autosize();
+    $("input").focus();
+  }));
+  views[views.length - 1].append(actions);
 }
 
 function renderAll() {
@@ -459,6 +490,7 @@ async function send(text) {
     setBusy(false);
     setStatus("");
     renderList();
+    lastTurnActions();
     $("input").focus();
   }
 }

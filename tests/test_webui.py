@@ -291,6 +291,10 @@ def test_ui_behind_an_api_key():
                 context = browser.new_context(http_credentials={"username": "me", "password": "sekrit"})
                 page = context.new_page()
                 page.set_default_timeout(15_000)
+                # Without the key (the browser's password prompt cancelled) the page says what to do.
+                bare = browser.new_context().request.get(server.url + "/")
+                assert bare.status == 401 and "Basic" in bare.headers["www-authenticate"]
+                assert "give the key as the password" in bare.json()["error"]["message"]
                 assert page.goto(server.url + "/").status == 200
                 expect(page.locator("#health-dot")).to_have_class("dot ok")
                 expect(page.locator("#model-name")).to_contain_text("deepseek-v4-flash")

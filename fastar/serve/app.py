@@ -306,10 +306,15 @@ class Guard:
         if path.rstrip("/") not in PUBLIC_PATHS and not self._authorized(headers):
             scheme = 'Basic realm="fastar", charset="UTF-8"' if ui_page else "Bearer"
             # "Connection: close": the body stays unread, so it must not be taken for the next request.
+            how = (
+                "reload the page and give the key as the password (any user name)"
+                if ui_page  # what a browser shows when its password prompt is cancelled
+                else "send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            )
             resp = refuse(
                 APIError(
                     401,
-                    "Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                    f"Invalid or missing API key ({how})",
                     "invalid_request_error",
                     None,
                     "invalid_api_key",

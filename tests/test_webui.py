@@ -97,6 +97,13 @@ def test_chat_streams_stops_and_starts_new_chats(browser_page, tmp_path):
     seen = len(reply.locator(".content").inner_text())
     page.wait_for_timeout(300)
     assert len(reply.locator(".content").inner_text()) > seen, "text did not stream in"
+    # Enter while it streams sends nothing and says why; the typed text stays.
+    page.fill("#input", "meanwhile")
+    page.press("#input", "Enter")
+    expect(page.locator("#status")).to_contain_text("still answering")
+    expect(page.locator("#input")).to_have_value("meanwhile")
+    expect(page.locator(".msg")).to_have_count(4)
+    page.fill("#input", "")
     page.click("#stop")
     expect(page.locator("#send")).to_be_visible()
     expect(page.locator("#stop")).to_be_hidden()

@@ -506,6 +506,10 @@ function autosize() {
 $("composer").addEventListener("submit", (ev) => {
   ev.preventDefault();
   const text = $("input").value;
+  if (controller && text.trim()) {
+    setStatus("The model is still answering: Stop it or wait, then send. Your message is kept.");
+    return;
+  }
   if (!text.trim() || controller) return;
   $("input").value = "";
   autosize();

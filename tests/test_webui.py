@@ -103,6 +103,9 @@ def test_chat_streams_stops_and_starts_new_chats(browser_page, tmp_path):
     expect(page.locator("#status")).to_contain_text("still answering")
     expect(page.locator("#input")).to_have_value("meanwhile")
     expect(page.locator(".msg")).to_have_count(4)
+    page.locator("#conversations .delete").click(force=True)  # so is a click in the list: nothing is lost
+    expect(page.locator("#status")).to_contain_text("Stop it or wait before opening or deleting")
+    expect(page.locator("#conversations li")).to_have_count(1)
     page.fill("#input", "")
     page.click("#stop")
     expect(page.locator("#send")).to_be_visible()

@@ -97,7 +97,11 @@ function renderList() {
 
 $("conversations").addEventListener("click", (ev) => {
   const li = ev.target.closest("li");
-  if (!li || controller) return;
+  if (!li) return;
+  if (controller) {
+    setStatus("The model is still answering: Stop it or wait before opening or deleting a conversation.");
+    return;
+  }
   if (ev.target.closest(".delete")) {
     conversations = conversations.filter((c) => c.id !== li.dataset.id);
     if (currentId === li.dataset.id) currentId = null;

@@ -97,6 +97,7 @@ def test_chat_streams_stops_and_starts_new_chats(browser_page, tmp_path):
     seen = len(reply.locator(".content").inner_text())
     page.wait_for_timeout(300)
     assert len(reply.locator(".content").inner_text()) > seen, "text did not stream in"
+    expect(page.locator("#messages")).to_have_attribute("aria-busy", "true")  # read out when done, not per token
     # Enter while it streams sends nothing and says why; the typed text stays.
     page.fill("#input", "meanwhile")
     page.press("#input", "Enter")
@@ -111,6 +112,7 @@ def test_chat_streams_stops_and_starts_new_chats(browser_page, tmp_path):
     expect(page.locator("#send")).to_be_visible()
     expect(page.locator("#stop")).to_be_hidden()
     expect(reply.locator(".meta")).to_contain_text("stopped")
+    expect(page.locator("#messages")).to_have_attribute("aria-busy", "false")
     deadline = time.monotonic() + 5
     while server.host.num_running() and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -376,6 +376,9 @@ function setBusy(busy) {
   $("send").hidden = busy;
   $("stop").hidden = !busy;
   document.body.classList.toggle("busy", busy);
+  // The list is a live region: busy while a reply streams, so a screen reader reads the reply once it is done
+  // instead of every redraw of it.
+  $("messages").setAttribute("aria-busy", String(busy));
 }
 
 async function send(text) {

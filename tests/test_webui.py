@@ -210,13 +210,23 @@ def test_ui_reports_a_lost_connection(browser_page):
     expect(reply.locator(".content")).to_contain_text("Echo: cut")
     page.unroute("**/v1/chat/completions")
 
+    # An error page that is not the server's own JSON (a proxy in front, a crash) still reads as a server failure.
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(status=502, body="<html>Bad Gateway</html>"))
+    send(page, "behind a proxy")
+    expect(page.locator(".msg.assistant .meta").last).to_have_text(
+        "The server failed (HTTP 502 Bad Gateway): its log says why."
+    )
+    expect(page.locator("#input")).to_have_value("behind a proxy")
+    page.fill("#input", "")
+    page.unroute("**/v1/chat/completions")
+
     page.route("**/v1/chat/completions", lambda route: route.abort("connectionrefused"))
     send(page, "nobody there")
     reply = page.locator(".msg.assistant").last
     expect(reply.locator(".meta")).to_contain_text("Could not reach the server")
     expect(page.locator("#input")).to_have_value("nobody there")
     expect(page.locator("#send")).to_be_visible()
-    assert not [e for e in errors if "ERR_CONNECTION_REFUSED" not in e], errors
+    assert not [e for e in errors if "ERR_CONNECTION_REFUSED" not in e and "502" not in e], errors
 
 
 def test_thinking_setting_sends_the_reasoning_effort(browser_page):

@@ -342,11 +342,15 @@ async function* sseEvents(response) {
 
 async function errorText(response) {
   if (response.status === 401) return "The server needs an API key: reload the page and enter it as the password.";
+  // Without the server's own message (a proxy's page, a crash) the status alone, said as what it means.
+  const status = `HTTP ${response.status}${response.statusText ? " " + response.statusText : ""}`;
+  const bare = response.status >= 500 ? `The server failed (${status}): its log says why.`
+    : `The server refused the request (${status}).`;
   try {
     const body = await response.json();
-    return body.error?.message || `HTTP ${response.status}`;
+    return body.error?.message || bare;
   } catch {
-    return `HTTP ${response.status} ${response.statusText}`;
+    return bare;
   }
 }
 

@@ -88,6 +88,11 @@ class WeightSource(Protocol):
         """Checkpoint dtype string of a resident tensor: F8_E4M3, F8_E8M0, BF16, F32, I64."""
         ...
 
+    def nbytes(self, name: str) -> int:
+        """Bytes of a resident tensor, without handing it out (a `.fst` that checks what it hands out reads it
+        then): here from `tensor`, which a source with a header answers from that instead."""
+        return self.tensor(name).nbytes
+
     def tensor(self, name: str) -> np.ndarray:
         """A resident (non-routed-expert) tensor in storage precision, as described above."""
         ...

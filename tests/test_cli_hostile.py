@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -356,6 +357,88 @@ def test_c1_corrupt_resident_tensor_fails_the_load(tiny_fst_path, tmp_path):
         line = one_line_error(_cli("run", "-m", path, "-p", "hi"), 1)
         assert name in line and "checksum" in line
         fastar.load(path, verify=False)  # the flag to skip it
+
+
+def _handed_out(monkeypatch) -> list[tuple[str, str]]:
+    """(method, name) of each resident tensor `FstFile` hands out (`tensor`, `read_tensor`), in order, from now on."""
+    order: list[tuple[str, str]] = []
+    for method in ("tensor", "read_tensor"):
+        real = getattr(FstFile, method)
+
+        def spy(self, name, real=real, method=method):
+            order.append((method, name))
+            return real(self, name)
+
+        monkeypatch.setattr(FstFile, method, spy)
+    return order
+
+
+def test_c1_corruption_the_build_reads_last_or_never_fails_the_load(tiny_fst_path, tmp_path, monkeypatch):
+    """A load checks each resident tensor as the build reads it, and the regions it never reads (the tokenizer's
+    blob) after: corruption in the last tensor the build reads, or in the blob, is the same one-line error naming it
+    before anything is served, and --no-verify still loads."""
+    order = _handed_out(monkeypatch)
+    fastar.load(tiny_fst_path).close()
+    monkeypatch.undo()
+    last = order[-1][1]
+    with FstFile(tiny_fst_path) as f:
+        at = {t["name"]: t for t in f.header["tensors"] + f.header["blobs"]}
+    assert last in at and "tokenizer.json" not in {name for _, name in order}
+    for name in (last, "tokenizer.json"):
+        t = at[name]
+        bad = _corrupt(tiny_fst_path, tmp_path / "bad.fst", t["offset"] + t["nbytes"] - 1, b"\x01")
+        with pytest.raises(FormatError, match=f"tensor '{name}' fails its checksum.*--no-verify"):
+            fastar.load(bad)
+        line = one_line_error(_cli("run", "-m", bad, "-p", "hi"), 1)
+        assert name in line and "checksum" in line
+        fastar.load(bad, verify=False).close()
+
+
+def test_c1_corrupt_tensor_read_into_its_own_memory_fails_the_load(tiny_fst_path, tmp_path, monkeypatch):
+    """The weights read into memory of their own (`read_tensor`: every product weight once the threshold is 0) are
+    checked from that memory: a corrupt one fails the load naming it."""
+    from fastar.quant.linear import Weights
+
+    monkeypatch.setattr(Weights, "OWN_MEMORY_BYTES", 0)
+    name = "layers.1.attn.wo_b.weight"
+    order = _handed_out(monkeypatch)
+    fastar.load(tiny_fst_path).close()
+    assert ("read_tensor", name) in order and ("tensor", name) not in order
+    with FstFile(tiny_fst_path) as f:
+        t = next(t for t in f.header["tensors"] if t["name"] == name)
+    bad = _corrupt(tiny_fst_path, tmp_path / "bad.fst", t["offset"] + 7, b"\xee")
+    with pytest.raises(FormatError, match=f"tensor '{name}' fails its checksum"):
+        fastar.load(bad)
+
+
+def test_c1_a_verified_load_reads_the_resident_region_once(tiny_fst_path, monkeypatch):
+    """A verified load reads each resident region from the file once: a weight read into memory of its own
+    (`read_tensor`) is checked from that memory, not read a second time to be checked (nor once more to learn its
+    size); one handed out as a view of the mapping, or never handed out, is read once, to be checked. (A weight the
+    build itself asks for twice, in a stacked copy of two products, is read twice, both times by the build.)"""
+    from fastar.quant.linear import Weights
+
+    monkeypatch.setattr(Weights, "OWN_MEMORY_BYTES", 0)  # the big weights' path, taken by every product here
+    ino = os.stat(tiny_fst_path).st_ino
+    preads: list[int] = []
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset, *rest):
+        if os.fstat(fd).st_ino == ino:
+            preads.append(offset)
+        return real_preadv(fd, buffers, offset, *rest)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    order = _handed_out(monkeypatch)
+    fastar.load(tiny_fst_path).close()
+    monkeypatch.undo()
+    with FstFile(tiny_fst_path) as f:
+        regions = f.header["tensors"] + f.header["blobs"]
+    reads = Counter(t["name"] for off in preads for t in regions if t["offset"] <= off < t["offset"] + t["nbytes"])
+    own = Counter(name for method, name in order if method == "read_tensor")
+    assert own and {name for method, name in order if method == "tensor"} - set(own)  # both paths taken
+    for t in regions:
+        assert reads[t["name"]] == (own[t["name"]] or 1), t["name"]
 
 
 def test_c1_corrupt_expert_fails_at_its_first_read(tiny_fst_path, tmp_path):

@@ -4,6 +4,7 @@ reporting it (loading with progress, then ready) while requests are already serv
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -197,13 +198,15 @@ def test_load_warms_the_experts_while_the_resident_weights_load(fst, monkeypatch
     import fastar.engine.engine as engine_module
 
     gate, seen = _gated_warmup(monkeypatch), []
-    real_verify = engine_module.verify_resident
+    real_checked = engine_module.checked_reads
 
-    def verify(source):
+    @contextlib.contextmanager
+    def checked(source):
         seen.append(any(t.name == "fastar-expert-warmup" for t in threading.enumerate()))
-        return real_verify(source)
+        with real_checked(source):
+            yield
 
-    monkeypatch.setattr(engine_module, "verify_resident", verify)
+    monkeypatch.setattr(engine_module, "checked_reads", checked)
     engine = load(fst, ram_budget=str(FstFile(fst).expert_stride * 12), warm_experts=True)
     try:
         assert seen == [True]  # the warm-up was running when the resident weights were read and checked

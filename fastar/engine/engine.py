@@ -11,6 +11,7 @@ forward pass (`fastar.model`), the prompt scorer (`prompt_logprobs.py`), perplex
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -38,7 +39,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .session import IDS_ONLY, PromptError, Session, Stats
 from .session import token_ids as token_ids_of
-from .source import open_source, verify_resident
+from .source import checked_reads, open_source
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("fastar.engine")
@@ -156,18 +157,19 @@ class Engine:
                 # (buffered, and checksummed): the load waits on the file, not on the disk, so the two overlap and the
                 # first request finds the experts in RAM (docs/SERVING.md, start-up).
                 self._warming.start(None if warm_experts is True else warm_experts)
-            if verify:
-                verify_resident(source)
-            self.backend, self.model = build.build_model(
-                source, self.device, numerics, kernels, experts, max_rollback, lookahead, gpu_budget, head_screen
-            )
+            # each resident tensor checked as it is read to be built (the drafter's too), the rest after: one read
+            with checked_reads(source) if verify else contextlib.nullcontext():
+                self.backend, self.model = build.build_model(
+                    source, self.device, numerics, kernels, experts, max_rollback, lookahead, gpu_budget, head_screen
+                )
+                drafting = speculative.resolve(draft, self.model, source, kernels)
         except BaseException:
             self._warming.close(save=False)  # a failed load leaves no thread reading and no profile written
             if self.expert_cache is not None:
                 self.expert_cache.close()
             raise
         self.prefill_chunk = prefill_chunk
-        self.use_draft(*speculative.resolve(draft, self.model, source, kernels))
+        self.use_draft(*drafting)
         build.keep_freed_memory(kernels)
 
     def use_draft(

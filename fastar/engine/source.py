@@ -1,13 +1,16 @@
 """The weight source a model path names, opened and checked before an engine is built on it.
 
 Owns: `open_source` (a `.fst` v3 or FaStar v2 file, or an official checkpoint directory checked against the
-manifest) and `verify_resident` (a `.fst`'s resident tensors against their checksums, at load).
+manifest) and `checked_reads` (a `.fst`'s resident tensors checked against their checksums as the engine is built on
+them).
 Does not own: the formats themselves (`fastar.format`, `fastar.convert`), what is built on the source (`engine`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..contracts import WeightSource
@@ -36,16 +39,20 @@ def open_source(path: str | os.PathLike) -> WeightSource:
     return open_model_file(p)
 
 
-def verify_resident(source: WeightSource) -> None:
-    """A `.fst` v3's resident tensors and blobs against their checksums (the expert bank is checked record by
-    record as the cache first reads it). Other sources carry no checksums to check."""
+@contextlib.contextmanager
+def checked_reads(source: WeightSource) -> Iterator[None]:
+    """Around building an engine on `source`: a `.fst` v3's resident tensors and blobs checked against their
+    checksums as they are read to be built (`FstFile.check_reads`, so the file is read once, not once to check and
+    again to build), and at the end those the build did not read (the expert bank is checked record by record as
+    the cache first reads it). A mismatch is a FormatError naming the tensor before anything is served. Other
+    sources carry no checksums to check."""
     from ..format.reader import FstFile
 
-    if isinstance(source, FstFile):
-        bad = source.verify(experts=False)
-        if bad:
-            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-            raise FormatError(
-                f"{source.path}: tensor {bad[0]!r}{more} fails its checksum: the file is corrupt "
-                f"(run `fastar verify {source.path}`; load with --no-verify to skip this check)"
-            )
+    if not isinstance(source, FstFile):
+        yield
+        return
+    source.check_reads(
+        f" (run `fastar verify {source.path}`; load with --no-verify to skip this check)",
+    )
+    yield
+    source.check_unread()

@@ -2,7 +2,8 @@
 
 Owns: parsing and structural validation (header size cap, checksum of the header, no duplicate names, no holes
 or overlaps, every extent inside the file), `WeightSource` over the file, `pread` of one expert record into a
-caller's buffer (optionally through O_DIRECT), and full checksum verification. Imports no torch.
+caller's buffer (optionally through O_DIRECT), full checksum verification, and checked reads (each resident tensor
+checked the first time it is handed out, from the bytes handed out: `check_reads`, `check_unread`). Imports no torch.
 Does not own: caching experts (`fastar.weights.expert_cache`).
 """
 
@@ -12,7 +13,7 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -169,6 +170,9 @@ class FstFile(MappedFile, PagedSource):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._fd = -1
+        # checked reads (`check_reads`): the resident regions not yet checked, by name; None: reads are not checked
+        self._unchecked: dict[str, dict] | None = None
+        self._check_note = ""
         if self.path.is_dir():
             raise FormatError(f"{self.path}: is a directory, not a .fst file")
         if self.path.exists() and not self.path.is_file():  # a FIFO would block the open forever
@@ -239,6 +243,9 @@ class FstFile(MappedFile, PagedSource):
     def dtype(self, name: str) -> str:
         return self._entry(name)["dtype"]
 
+    def nbytes(self, name: str) -> int:
+        return self._entry(name)["nbytes"]
+
     def _entry(self, name: str) -> dict:
         try:
             return self._tensors[name]
@@ -247,6 +254,8 @@ class FstFile(MappedFile, PagedSource):
 
     def tensor(self, name: str) -> np.ndarray:
         t = self._entry(name)
+        if self._unchecked and name in self._unchecked:
+            self._check_mapped(t)
         a = np.frombuffer(
             self._mm,
             dtype=spec.NUMPY_DTYPES[t["dtype"]],
@@ -269,11 +278,16 @@ class FstFile(MappedFile, PagedSource):
             done += got
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, t["offset"], t["nbytes"], os.POSIX_FADV_DONTNEED)
+        self._check(t, out)  # the bytes just read, which the caller keeps
         return out.reshape(t["shape"])
 
     def blob(self, name: str) -> bytes | None:
         b = self._blobs.get(name)
-        return None if b is None else bytes(self._mm[b["offset"] : b["offset"] + b["nbytes"]])
+        if b is None:
+            return None
+        out = bytes(self._mm[b["offset"] : b["offset"] + b["nbytes"]])
+        self._check(b, out)
+        return out
 
     def tokenizer_json(self) -> bytes | None:
         return self.blob("tokenizer.json")
@@ -323,6 +337,53 @@ class FstFile(MappedFile, PagedSource):
         except OSError:
             return None
 
+    # --- checked reads -------------------------------------------------------------------------------------
+
+    def check_reads(self, note: str = "") -> None:
+        """From now on each resident tensor and blob is checked against its xxh64 the first time `tensor`,
+        `read_tensor` or `blob` hands it out, from the bytes handed out (the memory `read_tensor` read into, the
+        page cache's pages a view maps): what is built on them is checked, and the file is read once, not once to
+        check and again to build. A mismatch is a FormatError naming the region (`note` appended: what the caller's user
+        can do); `check_unread` then checks those never handed out."""
+        self._unchecked = {t["name"]: t for t in self.header["tensors"] + self.header["blobs"]}
+        self._check_note = note
+
+    def check_unread(self, progress: Callable[[int], None] | None = None) -> None:
+        """Check the resident regions `check_reads` has not yet seen handed out (read as `verify` reads), so that
+        with those handed out every resident byte has been checked once; raises FormatError naming the first bad
+        one (and how many more)."""
+        if self._unchecked is None:
+            raise RuntimeError("check_unread without check_reads")
+        rest = list(self._unchecked.values())
+        bad = self._verify_regions([(t["name"], t["offset"], t["nbytes"], t["xxh64"]) for t in rest], progress)
+        if bad:
+            raise self._corrupt(bad)
+        for t in rest:
+            self._unchecked.pop(t["name"], None)
+
+    def _corrupt(self, bad: list[str]) -> FormatError:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        note = self._check_note
+        return FormatError(f"{self.path}: tensor {bad[0]!r}{more} fails its checksum: the file is corrupt{note}")
+
+    def _check(self, t: dict, buf) -> None:
+        """`buf` (the bytes of region `t` about to be handed out) against its checksum, where reads are checked and
+        it has not been yet. Several threads may check one region at once: each hashes its own bytes."""
+        if self._unchecked and t["name"] in self._unchecked:
+            if xxhash.xxh64_hexdigest(buf) != t["xxh64"]:
+                raise self._corrupt([t["name"]])
+            self._unchecked.pop(t["name"], None)
+
+    def _check_mapped(self, t: dict) -> None:
+        """`_check` of a region about to be handed out as a view of the mapping: read with `pread` (as `verify`
+        reads, through the page cache whose pages the view then maps), not hashed through the mapping itself, which
+        would map every page into this process (+1.3 GB of RSS on the 4-layer Flash-width model, the embedding's
+        rows included, which a lookup reads a few at a time)."""
+        if self._unchecked and t["name"] in self._unchecked:
+            if self._verify_regions([(t["name"], t["offset"], t["nbytes"], t["xxh64"])], None):
+                raise self._corrupt([t["name"]])
+            self._unchecked.pop(t["name"], None)
+
     # --- verification --------------------------------------------------------------------------------------
 
     def regions(self, experts: bool = True) -> Iterator[tuple[str, int, int, str]]:
@@ -339,18 +400,25 @@ class FstFile(MappedFile, PagedSource):
 
     def verify(self, progress: Callable[[int], None] | None = None, experts: bool = True) -> list[str]:
         """Check every checksum (`experts=False`: all but the expert bank's). Returns the labels of bad regions
-        (empty when the file is intact).
+        (empty when the file is intact)."""
+        return self._verify_regions(self.regions(experts), progress)
 
-        Reads with `pread` into two reusable 64 MiB buffers, the next chunk read on a helper thread while
+    def _verify_regions(
+        self, regions: Iterable[tuple[str, int, int, str]], progress: Callable[[int], None] | None
+    ) -> list[str]:
+        """The labels of `regions` (label, offset, nbytes, xxh64) whose bytes fail their checksum.
+
+        Reads with `pread` into two reusable buffers of up to 64 MiB, the next chunk read on a helper thread while
         this one hashes (both release the GIL), so verification runs near the disk's sequential speed.
         """
         from concurrent.futures import ThreadPoolExecutor
 
-        chunk = 64 << 20
+        regions = list(regions)
+        chunk = max(1, min(64 << 20, max((n for _, _, n, _ in regions), default=0)))  # one region: its size
         bufs = [bytearray(chunk), bytearray(chunk)]
         jobs = [
             (label, digest, pos, min(chunk, off + n - pos))
-            for label, off, n, digest in self.regions(experts)
+            for label, off, n, digest in regions
             for pos in range(off, off + max(n, 1), chunk)
         ]
         bad: list[str] = []

@@ -231,7 +231,7 @@ class Weights:
         dtype = self.source.dtype(name)
         scale = self.source.tensor(prefix + ".scale") if dtype == "F8_E4M3" else None
         read = self.source.read_tensor
-        own = streamed and read is not None and self.source.tensor(name).nbytes >= self.OWN_MEMORY_BYTES
+        own = streamed and read is not None and self.source.nbytes(name) >= self.OWN_MEMORY_BYTES
         return Linear(prefix, read(name) if own else self.source.tensor(name), dtype, scale, kernels=self.kernels)
 
     def stacked(self, prefixes: list[str]) -> Linear | None:

@@ -437,15 +437,20 @@ class FstFile(MappedFile, PagedSource):
 
         if hasattr(os, "posix_fadvise"):  # doubles kernel readahead on a cold file
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        with ThreadPoolExecutor(1) as pool:
-            nxt = pool.submit(read, 0) if jobs else None
+        # one chunk (a tensor checked as the engine reads it, most of them): read here, no thread to start for it
+        pool = ThreadPoolExecutor(1) if len(jobs) > 1 else None
+        try:
+            nxt = pool.submit(read, 0) if pool is not None else None
             for i, (label, digest, _pos, size) in enumerate(jobs):
-                mv = nxt.result()
-                nxt = pool.submit(read, i + 1) if i + 1 < len(jobs) else None
+                mv = nxt.result() if pool is not None else read(i)
+                nxt = pool.submit(read, i + 1) if pool is not None and i + 1 < len(jobs) else None
                 h = hashers.setdefault(label, xxhash.xxh64())
                 h.update(mv)
                 if progress:
                     progress(size)
                 if ends[label] == i and hashers.pop(label).hexdigest() != digest:
                     bad.append(label)
+        finally:
+            if pool is not None:
+                pool.shutdown()
         return bad

@@ -415,12 +415,12 @@ class FstFile(MappedFile, PagedSource):
 
         regions = list(regions)
         chunk = max(1, min(64 << 20, max((n for _, _, n, _ in regions), default=0)))  # one region: its size
-        bufs = [bytearray(chunk), bytearray(chunk)]
         jobs = [
             (label, digest, pos, min(chunk, off + n - pos))
             for label, off, n, digest in regions
             for pos in range(off, off + max(n, 1), chunk)
         ]
+        bufs = [bytearray(chunk) for _ in jobs[:2]]  # one for a region of one chunk, read on this thread below
         bad: list[str] = []
         hashers: dict[str, xxhash.xxh64] = {}
         ends = {}

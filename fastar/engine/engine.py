@@ -432,13 +432,14 @@ class Engine:
             session = self._session
         steps = None
         # a constrained request decodes plainly, and so do one whose thinking budget may force a token and one with a
-        # logit bias or a penalty (drafting verifies against the model's own logits), or with `min_tokens` (drafts are
-        # not checked against its ban)
+        # logit bias or a penalty (drafting verifies against the model's own logits), or with `min_tokens` or
+        # `banned_token_ids` (drafts are not checked against a ban)
         plain = (
             params.grammar is not None
             or params.thinking_budget is not None
             or params.adjusts_logits
             or params.min_tokens > 0
+            or bool(params.banned_token_ids)
         )
         if self.drafter is not None and not plain:
             steps = functools.partial(

@@ -17,9 +17,11 @@ the processed logits plus Gumbel noise, one uniform per vocabulary entry and tok
 `fastar.engine.nucleus`'s (found among the largest probabilities); `apply_top_p` here is the nucleus by a sort of the
 whole vocabulary, the reference its tests compare with. `min_tokens` (vLLM's): until that many tokens are generated, the
 tokens that would end the generation (`ending_ids`: EOS and the request's stop token ids) are set to -inf with the
-logit adjustments, before the grammar mask (a grammar that allows nothing else keeps them: it must end); those steps
-take the full LM head (`Sampler.head_request`: False), so a screened request gives the same tokens with or without
-it. A request sampled at a temperature, perhaps with a top-k, and
+logit adjustments, before the grammar mask (a grammar that allows nothing else keeps them: it must end).
+`banned_token_ids` are set to -inf for every token of the reply, before the grammar mask and whatever it allows. A
+screenable request with tokens banned keeps the LM head screen (`Sampler.head_request` gives a
+`fastar.model.head_screen.Ban`: a row whose banned tokens could win takes the full head), so its tokens are the
+same with or without it. A request sampled at a temperature, perhaps with a top-k, and
 no top-p or min-p draws each token's noise before the step that computes its logits (`Sampler.head_request`), so the
 model may screen its LM head for the rows that can win the race (`fastar.model.head_screen.Race`); the generator
 gives the same numbers to the same tokens either way, so a seed's tokens do not depend on it.
@@ -36,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import FastarError
-from ..model.head_screen import MAX_RACE_TEMPERATURE, MAX_RACE_TOP_K, MIN_RACE_TEMPERATURE, Race
+from ..model.head_screen import MAX_RACE_TEMPERATURE, MAX_RACE_TOP_K, MIN_RACE_TEMPERATURE, Ban, Race
 from .constraint import CompiledGrammar
 from .draw import gumbel, race
 from .logit_adjust import LogitAdjust
@@ -89,6 +91,9 @@ class SamplingParams:
     # vLLM's: until this many tokens are generated, EOS and the stop token ids are not drawn and stop strings do not
     # end the generation (`ending_ids`; `fastar.engine.generate.ChunkMaker`)
     min_tokens: int = 0
+    # tokens never drawn in this reply, thinking included (the server's `tool_choice` "none" bans the DSML marker
+    # every tool call starts with); the LM head screen keeps serving such a request (`head_screen.Ban`)
+    banned_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI's `stop` is a string or a list
@@ -97,12 +102,14 @@ class SamplingParams:
             ("stop", (list, tuple), "a non-empty string or a list of non-empty strings"),
             ("stop_token_ids", (list, tuple), "a list of token ids"),
             ("logit_bias", (dict,), "a dict of token id -> finite number"),
+            ("banned_token_ids", (list, tuple), "a list of token ids"),
         ):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), kinds):
                 raise SamplingError(f"{name} must be {want}, got {getattr(self, name)!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        self.banned_token_ids = list(self.banned_token_ids or [])
 
         def bad(name: str, want: str) -> None:
             raise SamplingError(f"{name} must be {want}, got {getattr(self, name)!r}")
@@ -131,6 +138,9 @@ class SamplingParams:
             bad("stop", "a non-empty string or a list of non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "a list of token ids")
+        if not all(is_int(t) and t >= 0 for t in self.banned_token_ids):
+            bad("banned_token_ids", "a list of token ids")
+        self.banned_token_ids = sorted(set(self.banned_token_ids))
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             bad("logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.thinking_budget is not None and (not is_int(self.thinking_budget) or self.thinking_budget < 0):
@@ -253,7 +263,8 @@ class Sampler:
         logits too (`head_request`), else from the second token on."""
         self.params = params
         self.taken = 0  # tokens drawn or forced so far
-        self._banned = np.array(sorted(ending_ids(params, eos_token_id)) if params.min_tokens else [], np.int64)
+        self._ending = np.array(sorted(ending_ids(params, eos_token_id)) if params.min_tokens else [], np.int64)
+        self._always = np.array(params.banned_token_ids, np.int64)  # `banned_token_ids`, sorted
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator(device="cpu").manual_seed(seed)  # this generation's random stream
         self.constraint = params.grammar.start() if params.grammar is not None else None
@@ -269,24 +280,27 @@ class Sampler:
                 repetition_penalty=params.repetition_penalty,
             )
 
-    def head_request(self) -> bool | Race:
+    def head_request(self) -> bool | Race | Ban:
         """What the next token needs of the step that computes its logits (`DeepseekV4.forward`'s `argmax_only`):
         False, every logit; True, their argmax alone (greedy, `screenable`); a `Race` (sampled at a temperature,
         perhaps among the top k, once the vocabulary's size is known: given, or from the second token on), the argmax
         of its race,
-        whose noise this draws now and the next call uses. The model may then screen its LM head. The noise comes
-        from the generator where the call would have drawn it (no other number is drawn between), so the tokens are
-        the same whether or not the step asks."""
+        whose noise this draws now and the next call uses; a `Ban` of either where tokens are banned now
+        (`banned_token_ids`, and `min_tokens`' ending tokens until it is reached): the argmax or race over the others.
+        The model may then screen its LM head. The noise comes from the generator where the call would have drawn it
+        (no other number is drawn between), so the tokens are the same whether or not the step asks."""
         p = self.params
-        if not screenable(p) or self.banning:
+        if not screenable(p):
             return False
-        if p.is_greedy:
-            return True
-        if self._vocab is None:
-            return False
-        if self._noise is None:
-            self._noise = gumbel(self._vocab, self.generator)
-        return Race(p.temperature, self._noise, p.top_k)
+        want: bool | Race = True
+        if not p.is_greedy:
+            if self._vocab is None:
+                return False
+            if self._noise is None:
+                self._noise = gumbel(self._vocab, self.generator)
+            want = Race(p.temperature, self._noise, p.top_k)
+        banned = self._banned_now()
+        return Ban(banned, want if isinstance(want, Race) else None) if banned.size else want
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, float | None, list[tuple[int, float]]]:
         """Raises `ConstraintError` when the request's grammar parser fails (it ran out of its per-token fuel), and
@@ -301,9 +315,11 @@ class Sampler:
                     "vocabulary"
                 )
             drawn = self.adjust.apply(logits)  # a new tensor: `logits` stays the model's
+        if self._always.size:  # before the grammar's fallback below: these stay banned whatever it allows
+            drawn = self._ban(drawn, self._always)
         free = drawn
         if self.banning:
-            drawn = self._ban(drawn)
+            drawn = self._ban(drawn, self._ending)
         if self.constraint is not None:
             # np.where: the same values as masked_fill, measured several times faster on the 129k vocabulary
             allowed = self.constraint.allowed()
@@ -321,12 +337,17 @@ class Sampler:
     @property
     def banning(self) -> bool:
         """`min_tokens` not reached yet: the tokens that would end the generation may not be drawn."""
-        return self.taken < self.params.min_tokens and self._banned.size > 0
+        return self.taken < self.params.min_tokens and self._ending.size > 0
 
-    def _ban(self, drawn: torch.Tensor) -> torch.Tensor:
-        """A copy of `drawn` with the banned tokens (those within the vocabulary) at -inf."""
+    def _banned_now(self) -> np.ndarray:
+        """The token ids the next draw may not take, sorted: `banned_token_ids`, and the ending ones while `banning`."""
+        return np.union1d(self._always, self._ending) if self.banning else self._always
+
+    @staticmethod
+    def _ban(drawn: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
+        """A copy of `drawn` with the tokens `ids` (those within the vocabulary) at -inf."""
         out = drawn.clone()
-        out[torch.from_numpy(self._banned[self._banned < out.numel()])] = float("-inf")
+        out[torch.from_numpy(ids[ids < out.numel()])] = float("-inf")
         return out
 
     def _take_noise(self, n: int) -> np.ndarray:

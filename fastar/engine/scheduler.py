@@ -552,12 +552,13 @@ class Scheduler:
         """Greedy, or sampled without a seed: drafting keeps its tokens (greedy) or their distribution (sampled); never
         under a grammar (drafts are not checked against its mask), nor while a thinking budget may still force a token
         (a draft pass would not ask it), nor with a logit bias or a penalty (the drafts and their verification see the
-        model's own logits, not the adjusted ones), nor with `min_tokens` (the drafts are not checked against its
-        ban, as `Engine.stream` decodes it plainly)."""
+        model's own logits, not the adjusted ones), nor with `min_tokens` or `banned_token_ids` (the drafts are not
+        checked against a ban, as `Engine.stream` decodes them plainly)."""
         if req.budget is not None and req.budget.open:
             return False
         p = req.params
-        return (p.is_greedy or p.seed is None) and p.grammar is None and not p.adjusts_logits and not p.min_tokens
+        free = p.grammar is None and not p.adjusts_logits and not p.min_tokens and not p.banned_token_ids
+        return (p.is_greedy or p.seed is None) and free
 
     def _can_draft(self, decoding: list[_Request]) -> bool:
         """A draft/verify step only for a lone sequence that may draft (see the module docstring)."""

@@ -43,7 +43,7 @@ from .compress_fused import FusedCompressors
 from .fused import FusedAttention, FusedIndexer
 from .hc_chain import HCChain
 from .hc_fused import FusedHC
-from .head_screen import HeadScreen, Race
+from .head_screen import Ban, HeadScreen, Race
 from .state import LayerState, ModelState, RowBuffer, StateFormat
 
 SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
@@ -1062,7 +1062,7 @@ class DeepseekV4:
     def _logits(self, y: torch.Tensor, argmax_only: list[bool | Race] | None = None) -> torch.Tensor:
         """`_head` from the final norm's output y [T, d] on: the LM head, or the screen (see `_head`)."""
         if self.screen is not None and argmax_only and all(argmax_only) and len(argmax_only) <= HeadScreen.MAX_ROWS:
-            return self.screen.logits(y, [a if isinstance(a, Race) else None for a in argmax_only])
+            return self.screen.logits(y, [a if isinstance(a, (Race, Ban)) else None for a in argmax_only])
         return self.head(y)
 
     @_on_device

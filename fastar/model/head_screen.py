@@ -37,6 +37,10 @@ most the k-th largest logit, and every row whose upper bound reaches L (widened 
 rounding) is computed too: that holds every row the top-k keeps, so the k-th value, the rows kept and the race are
 the full head's.
 
+A row with banned tokens (`Ban`: the sampler sets them to -inf) is screened as without them; where one of them is
+among the rows computed (it could be the argmax or win), that row takes the full head, else the rows computed hold
+every row that can win over the tokens not banned (a token rarely banned and rarely a candidate costs nothing).
+
 Owns: the int8 copy (built once from the BF16 rows), the screen of a step's rows, and the logits it returns:
 exact at the rows it computed (every row that can be the argmax, or win the race), -inf elsewhere. Rows whose y is
 not finite, or so large that a logit could overflow, take the full head.
@@ -97,6 +101,22 @@ class Race:
     def offsets(self) -> np.ndarray:
         """o = fl32(temperature * noise) [V]: the shift of each head row's bounds (module docstring)."""
         return (self.temperature * self.noise).astype(np.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class Ban:
+    """A decode row whose token is the argmax of its logits, or the winner of its `race`, with the tokens `ids` (int64,
+    sorted) excluded: set to -inf before the draw (a request's banned tokens). The screen computes the row as it
+    would without the ban and, where a banned row is among the rows it computed (one could win), takes the full head
+    for it: otherwise the rows that can win over the whole vocabulary, none of them banned, are the ones that can
+    win over the rest, so the token is the full head's with the ban applied."""
+
+    ids: np.ndarray
+    race: Race | None = None
+
+    def __post_init__(self) -> None:
+        if self.ids.dtype != np.int64 or self.ids.ndim != 1:
+            raise ValueError(f"a ban's ids are int64 [n], not {self.ids.dtype} {list(self.ids.shape)}")
 
 
 class HeadScreen:
@@ -163,10 +183,20 @@ class HeadScreen:
         before the candidate rows it computes exactly (2 K bytes each)."""
         return self.q.nbytes - self.head.nbytes
 
-    def logits(self, y: torch.Tensor, races: list[Race | None] | None = None) -> torch.Tensor:
+    def logits(self, y: torch.Tensor, races: list[Race | Ban | None] | None = None) -> torch.Tensor:
         """y [T, K] float32 (the head's input rows) -> logits [T, V] float32: the full head's values at every row
         that can hold a row's largest logit, or win its race where races[t] is one (and at the other rows'
-        candidates), -inf elsewhere. races: per row a `Race` or None (the argmax); None: every row's argmax."""
+        candidates), -inf elsewhere. races: per row a `Race` or None (the argmax), or a `Ban` of either (a row
+        whose banned tokens could win takes the full head: every logit); None: every row's argmax."""
+        bans = [r.ids if isinstance(r, Ban) else None for r in races or ()]
+        out = self._screened(y, None if races is None else [r.race if isinstance(r, Ban) else r for r in races])
+        for t, ids in enumerate(bans):
+            if ids is not None and ids.size and np.isfinite(out[t, ids[ids < self.V]].numpy()).any():
+                out[t] = self.head(y[t : t + 1].detach().float())[0]
+        return out
+
+    def _screened(self, y: torch.Tensor, races: list[Race | None] | None) -> torch.Tensor:
+        """`logits` without bans."""
         yn = ops.buffer_array(y)  # a decode step's registered rows (`hc_chain`): the array itself, no conversion
         if yn is None:
             yn = y.detach().contiguous().float().numpy()

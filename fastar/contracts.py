@@ -212,6 +212,11 @@ class ServedTokenizer(Protocol):
         """The vocabulary's string of one token (/tokenize's `return_token_strs`), None for an id it lacks."""
         ...
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token given as the vocabulary's string (the DSML marker `tool_choice` "none" bans), None
+        where the vocabulary lacks it."""
+        ...
+
 
 class ServedEngine(Protocol):
     """What the server reads of the engine it serves besides its scheduler (`fastar.serve.worker`)."""

@@ -11,7 +11,7 @@ import json
 
 import pytest
 from test_agents_api import AgentEngine, sse_events
-from test_server import _sse_events, accumulate_chat, raw, same_chat_choices, start_server
+from test_server import FakeTokenizer, _sse_events, accumulate_chat, raw, same_chat_choices, start_server
 
 from fastar.encoding import StreamParser
 from fastar.serve.cut_calls import ToolBlock
@@ -37,8 +37,9 @@ TOOL = {
 
 
 def at(marker: str, extra: int = 0) -> int:
-    """max_tokens that cuts the script right after `marker` (+ extra characters): one token per character."""
-    return SCRIPT.index(marker) + len(marker) + extra
+    """max_tokens that cuts the script right after `marker` (+ extra tokens): one token per character, the DSML
+    marker one (`FakeTokenizer`, as the V4 tokenizer has it)."""
+    return len(FakeTokenizer().encode(SCRIPT[: SCRIPT.index(marker) + len(marker)])) + extra
 
 
 # (case, max_tokens, stop, the tool call's input as the client ends up with it, or None for no call)

@@ -6,7 +6,9 @@ FakeEngine implements the Engine contract the server programs against (tokenizer
 prefill progress) with a character-level tokenizer and scripted replies:
   * "Echo: <last user text>" at temperature 0; seeded random words at temperature > 0;
   * "count..." -> "1 2 3 ... 1999" (long: stop strings, max_tokens, disconnects);
-  * "weather" with tools -> a DSML get_weather call ("weather in Paris and Rome": two calls in one block);
+  * "weather" with tools -> a DSML get_weather call ("weather in Paris and Rome": two calls in one block); where
+    the request bans a token the script holds (`tool_choice` "none" bans the DSML marker), the reply goes on from
+    there with BANNED_ALTERNATIVE;
   * "explode" -> the engine raises mid-stream;
   * thinking mode (prompt ends with <think>) -> "Thinking about <text>.</think>" before the reply; then EOS.
 """
@@ -30,6 +32,7 @@ from serial_scheduler import SchedulesSerially
 from fastar.encoding import (
     ASSISTANT,
     BOS,
+    DSML,
     EOS,
     LATEST_REMINDER,
     THINK_END,
@@ -65,8 +68,6 @@ WEATHER_TOOL = {
 TWO_CALLS = render_tool_calls(
     [{"name": "get_weather", "arguments": {"location": city}, "raw": ""} for city in ("Paris", "Rome")]
 )
-# with parallel tool calls disabled the reply ends here: the tokens (characters) up to the first call's end
-ONE_CALL_TOKENS = TWO_CALLS.index("</｜DSML｜invoke>") + len("</｜DSML｜invoke>")
 MARKDOWN_REPLY = (
     "# Title\n\nSome **bold** and *italic* text with `code` and <b>raw html</b>.\n\n"
     "```python\ndef f(x):\n    return x < 3 and '<script>alert(1)</script>'\n```\n\n"
@@ -77,7 +78,7 @@ MARKDOWN_REPLY = (
 class FakeTokenizer:
     """One token per character (id = code point); DeepSeek's special strings are single ids above Unicode."""
 
-    SPECIALS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, LATEST_REMINDER)
+    SPECIALS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, LATEST_REMINDER, DSML)
     BASE = 0x110000
     _split = re.compile("(" + "|".join(map(re.escape, SPECIALS)) + ")")
 
@@ -105,11 +106,22 @@ class FakeTokenizer:
     def id_to_token(self, token: int) -> str:
         return self.decode([token])
 
+    def token_to_id(self, token: str) -> int | None:
+        return self.BASE + self.SPECIALS.index(token) if token in self.SPECIALS else None
+
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         return self.encode(encode_messages(messages, **kwargs))
 
     def max_token_bytes(self) -> int:
         return max(4, *(len(s.encode()) for s in self.SPECIALS))
+
+
+# with parallel tool calls disabled the reply ends here: the tokens (characters, a DSML marker one) up to the first
+# call's end
+FIRST_CALL_END = TWO_CALLS.index("</｜DSML｜invoke>") + len("</｜DSML｜invoke>")
+ONE_CALL_TOKENS = len(FakeTokenizer().encode(TWO_CALLS[:FIRST_CALL_END]))
+# what the fake model writes where its script would write a banned token (`tool_choice` "none" bans the DSML marker)
+BANNED_ALTERNATIVE = "No tool then: Paris is sunny."
 
 
 class ScriptedGrammar(CompiledGrammar):
@@ -226,7 +238,11 @@ class FakeEngine(SchedulesSerially):
         if "explode" in prompt.rsplit(USER, 1)[-1]:
             yield GenerationChunk("Boo", ord("B"))
             raise RuntimeError("the fake engine exploded")
-        ids = self.tokenizer.encode(self.reply(prompt, params)) + [self.tokenizer.eos_id]
+        ids = self.tokenizer.encode(self.reply(prompt, params))
+        banned = [i for i, tid in enumerate(ids) if tid in params.banned_token_ids]
+        if banned:  # the model's next choice where its script would write a banned token
+            ids = ids[: banned[0]] + self.tokenizer.encode(BANNED_ALTERNATIVE)
+        ids.append(self.tokenizer.eos_id)
         for i, tid in enumerate(ids):
             if cancel is not None and cancel.is_set():
                 yield GenerationChunk("", finish_reason="cancelled")
@@ -648,9 +664,10 @@ def test_tool_calls(server):
     assert calls[0].function.name == "get_weather" and calls[0].index == 0
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert "DSML" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    # tool_choice "none": the model is not told of the tools, so it answers in text
+    # tool_choice "none": the DSML marker is banned, so where the script would call it answers in text
     r = chat(cl, "weather in Paris?", tools=[WEATHER_TOOL], tool_choice="none", extra_body=NO_THINK)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    assert BANNED_ALTERNATIVE in r.choices[0].message.content
 
 
 def test_parallel_tool_calls_false_ends_the_reply_after_its_first_call(server):

@@ -42,7 +42,9 @@ the SDK offers) selects V4's maximum reasoning effort. `budget_tokens` is enforc
 `</think>` is forced and the answer follows (`fastar.engine.thinking_budget`); it must be below `max_tokens` (a 400
 otherwise, as Anthropic answers); `output_config.effort` "low"/"medium" set the same budgets as OpenAI's
 `reasoning_effort`.
-`tool_choice` "none" hides the tools; "any" and "tool" are enforced with a grammar (`fastar.engine.constraint`): the
+`tool_choice` "none" keeps the tools in the prompt (it renders as under "auto", so the prefix cache keeps it) and
+bans the DSML marker every tool call starts with, for the whole reply (`grammar_fields.compiled_sampling`): no call
+can be written; "any" and "tool" are enforced with a grammar (`fastar.engine.constraint`): the
 reply is one call of the named tool, or one or more calls (one with `disable_parallel_tool_use`), each input valid
 against its `input_schema`. Under "auto", `disable_parallel_tool_use` ends the reply once its first tool call is
 complete (`stop_reason` "tool_use"). Tool
@@ -233,7 +235,7 @@ def _tools(body: dict) -> list[dict] | None:
             fn["description"] = description
         fn["parameters"] = schema or {"type": "object", "properties": {}}
         out.append(fn)
-    return None if choice is not None and choice["type"] == "none" else out
+    return out
 
 
 def _output_format(body: dict) -> tuple[dict | None, str]:
@@ -349,7 +351,10 @@ def parse_request(
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")} | {"stop": stops}
     )
     thinking, effort = _thinking(body, backend.default_thinking, backend.default_effort)
-    sampling["grammar"] = _grammar(body, tools, thinking)
+    no_calls = isinstance(body.get("tool_choice"), dict) and body["tool_choice"]["type"] == "none"
+    sampling["grammar"] = _grammar(body, None if no_calls else tools, thinking)
+    if no_calls and tools:  # the tools stay in the prompt (as under "auto": the prefix cache keeps it)
+        sampling[grammar_fields.NO_TOOL_CALLS] = True  # and the DSML marker every call starts with is banned
     # budget_tokens enforced (below max_tokens, as Anthropic requires); output_config.effort low/medium: a budget too
     sampling["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
     # With tools the encoder keeps earlier reasoning anyway; without, an agent's multi-turn history drops it.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fastar.encoding import DSML
 from fastar.engine import constraint as C
 from fastar.serve.api_error import bad_request
 
@@ -163,9 +164,24 @@ def output_grammar(
         raise bad_request(str(err), err.param) from None
 
 
+NO_TOOL_CALLS = "no_tool_calls"  # a sampling dict's key for `tool_choice` "none", until `compiled_sampling`
+
+
 def compiled_sampling(engine: Any, sampling: dict[str, Any]) -> dict[str, Any]:
     """`sampling` with its grammar compiled for the engine (`Engine.compile_grammar`; off the event loop: the
-    first one builds the tokenizer's tables, ~1 s)."""
+    first one builds the tokenizer's tables, ~1 s), and `tool_choice` "none" (`NO_TOOL_CALLS`, set by the request
+    parsers) made a ban of the DSML marker, the one token every tool-call block starts with: the tools stay in the
+    prompt (which renders as under "auto", so the prefix cache keeps it) and no call can be written."""
+    if NO_TOOL_CALLS in sampling:
+        banned = set(sampling.get("banned_token_ids", ()))
+        if sampling[NO_TOOL_CALLS]:
+            dsml = engine.tokenizer.token_to_id(DSML)
+            if dsml is None:  # every DeepSeek-V4 tokenizer has it, as one token
+                raise bad_request(
+                    f"this model's tokenizer has no {DSML} token to ban for tool_choice none", "tool_choice"
+                )
+            banned.add(dsml)
+        sampling = {k: v for k, v in sampling.items() if k != NO_TOOL_CALLS} | {"banned_token_ids": sorted(banned)}
     if sampling.get("grammar") is None:
         return sampling
     try:

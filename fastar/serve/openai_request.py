@@ -101,11 +101,11 @@ def parse_chat_request(
     grammar_fields.check_messages(messages)
     tools = grammar_fields.check_tools(body.get("tools"))
     tool_choice = grammar_fields.check_tool_choice(body.get("tool_choice"))
-    if tool_choice == "none":
-        tools = None  # the model is told of no tools, so it cannot call one
+    if tool_choice == "none" and tools:  # the tools stay in the prompt (as under "auto": the prefix cache keeps it)
+        params[grammar_fields.NO_TOOL_CALLS] = True  # and the DSML marker every call starts with is banned
     response_format = grammar_fields.check_response_format(body.get("response_format"))
     choice = f"function:{tool_choice['function']['name']}" if isinstance(tool_choice, dict) else tool_choice
-    functions = [t["function"] for t in tools or []]
+    functions = [t["function"] for t in tools or []] if tool_choice != "none" else []
     parallel = fields.boolean(body, "parallel_tool_calls", True)
     params["grammar"] = grammar_fields.output_grammar(
         thinking, functions, choice, parallel, response_format, "response_format"

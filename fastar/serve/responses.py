@@ -265,7 +265,7 @@ def _tools(body: dict) -> list[dict] | None:
             fn["description"] = description
         fn["parameters"] = schema or {"type": "object", "properties": {}}
         out.append(fn)
-    return None if body.get("tool_choice") == "none" else out
+    return out
 
 
 @dataclass(slots=True)
@@ -376,8 +376,10 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     parallel = fields.boolean(body, "parallel_tool_calls", True)
     _check_metadata(body.get("metadata"))
     sampling["grammar"] = grammar_fields.output_grammar(
-        thinking, tools, choice, parallel, response_format, "text.format"
+        thinking, None if choice == "none" else tools, choice, parallel, response_format, "text.format"
     )
+    if choice == "none" and tools:  # the tools stay in the prompt (as under "auto": the prefix cache keeps it)
+        sampling[grammar_fields.NO_TOOL_CALLS] = True  # and the DSML marker every call starts with is banned
     sampling["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
     include = body.get("include") or []
     stored = fields.boolean(body, "store", True)

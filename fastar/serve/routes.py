@@ -310,6 +310,8 @@ class OpenAIRoutes:
         sampling = req.sampling
         if sampling.get("grammar") is not None:  # compiling is blocking work (the first one ~1 s); none: no hop
             sampling = await self.admission.off_loop(grammar_fields.compiled_sampling, engine, sampling)
+        else:  # (tool_choice "none": a token ban, a dict lookup)
+            sampling = grammar_fields.compiled_sampling(engine, sampling)
         jobs, (limit,), shared = self._submit(engine, [prompt_ids], sampling, req.max_tokens, "messages", req.n)
         turns = [choice_turn.ChatTurn(req, engine.tokenizer, self.server.reasoning_field) for _ in jobs]
         rid, created, n_prompt = shapes.new_id("chatcmpl"), int(time.time()), len(prompt_ids)

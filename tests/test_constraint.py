@@ -21,10 +21,10 @@ anthropic = pytest.importorskip("anthropic", reason="the anthropic client is a t
 from test_server import accumulate_chat  # noqa: E402
 
 from fastar.convert.hf import convert  # noqa: E402 (after the importorskip guards)
-from fastar.encoding import THINK_END, encode_messages, parse_completion  # noqa: E402
+from fastar.encoding import DSML, THINK_END, encode_messages, parse_completion  # noqa: E402
 from fastar.engine import constraint as C  # noqa: E402
 from fastar.engine.engine import load  # noqa: E402
-from fastar.engine.sampling import SamplingParams  # noqa: E402
+from fastar.engine.sampling import SamplingError, SamplingParams  # noqa: E402
 from fastar.engine.tokenizer import Tokenizer  # noqa: E402
 from fastar.errors import FastarError  # noqa: E402
 from fastar.serve.server import Server  # noqa: E402
@@ -128,6 +128,24 @@ def test_json_schema_reply_validates_where_the_free_reply_is_not_json(engine, te
     text, tokens, finish = run(engine, ids, grammar, temperature=temperature, seed=3)
     assert finish == "stop" and tokens[-1] == engine.tokenizer.eos_id  # the grammar closed, then EOS
     jsonschema.validate(json.loads(text), REPLY)
+
+
+def test_banned_tokens_hold_under_a_grammar(engine):
+    """`banned_token_ids` (the server's tool_choice "none" bans the DSML marker) hold under a grammar: a JSON reply
+    with a token it wrote banned is another valid reply without it. Where the grammar allows only banned tokens (JSON
+    or calls, the DSML marker banned, once the model wrote the block's opening newlines and "<") the request fails
+    with a clear error, never a token outside the grammar."""
+    ids = prompt(engine, tools=[WEATHER, SUM])
+    grammar = engine.compile_grammar(C.output_grammar(thinking=False, schema=REPLY))
+    _, free, _ = run(engine, ids, grammar, max_tokens=200)
+    text, tokens, finish = run(engine, ids, grammar, max_tokens=200, banned_token_ids=[free[3]])
+    assert finish == "stop" and free[3] not in tokens and tokens[:3] == free[:3]
+    jsonschema.validate(json.loads(text), REPLY)
+    either = engine.compile_grammar(C.output_grammar(thinking=False, functions=[WEATHER, SUM], schema=REPLY))
+    dsml = engine.tokenizer.token_to_id(DSML)
+    assert dsml in run(engine, ids, either, temperature=1.0, seed=0, max_tokens=200)[1]  # it writes calls
+    with pytest.raises(SamplingError, match="the grammar allows only tokens this request bans"):
+        run(engine, ids, either, temperature=1.0, seed=0, max_tokens=200, banned_token_ids=[dsml])
 
 
 def test_ignore_eos_under_a_grammar_ends_at_the_completed_grammars_eos(engine):

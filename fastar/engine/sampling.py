@@ -18,7 +18,8 @@ the processed logits plus Gumbel noise, one uniform per vocabulary entry and tok
 whole vocabulary, the reference its tests compare with. `min_tokens` (vLLM's): until that many tokens are generated, the
 tokens that would end the generation (`ending_ids`: EOS and the request's stop token ids) are set to -inf with the
 logit adjustments, before the grammar mask (a grammar that allows nothing else keeps them: it must end).
-`banned_token_ids` are set to -inf for every token of the reply, before the grammar mask and whatever it allows. A
+`banned_token_ids` are set to -inf for every token of the reply, before the grammar mask and whatever it allows
+(a grammar that allows only banned tokens is a `SamplingError`, not a token outside it). A
 screenable request with tokens banned keeps the LM head screen (`Sampler.head_request` gives a
 `fastar.model.head_screen.Ban`: a row whose banned tokens could win takes the full head), so its tokens are the
 same with or without it. A request sampled at a temperature, perhaps with a top-k, and
@@ -304,7 +305,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, float | None, list[tuple[int, float]]]:
         """Raises `ConstraintError` when the request's grammar parser fails (it ran out of its per-token fuel), and
-        `SamplingError` when `logit_bias` names a token beyond the vocabulary."""
+        `SamplingError` when `logit_bias` names a token beyond the vocabulary or the grammar allows only banned
+        tokens (`banned_token_ids`)."""
         logits = logits.reshape(-1).float().cpu()  # [V]; one host copy per token, needed for the text anyway
         p = self.params
         drawn = logits
@@ -326,6 +328,10 @@ class Sampler:
             masked = np.where(allowed, drawn.numpy(), np.float32(-np.inf))
             if drawn is not free and masked.max() == -np.inf:  # the grammar allows only what min_tokens bans
                 masked = np.where(allowed, free.numpy(), np.float32(-np.inf))
+            if self._always.size and masked.max() == -np.inf:  # not a token outside the grammar: a clear error
+                raise SamplingError(
+                    f"token {self.taken + 1}: the grammar allows only tokens this request bans (banned_token_ids)"
+                )
             drawn = torch.from_numpy(masked)
         if p.is_greedy:
             token = argmax(drawn)

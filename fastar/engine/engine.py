@@ -26,7 +26,7 @@ import torch
 from ..contracts import ExpertProvider, WeightSource
 from ..errors import ConfigError, EngineClosed, FastarError
 from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, Numerics, span_bytes_per_token
-from ..model.head_screen import Race
+from ..model.head_screen import HeadRequest
 from ..model.state import ModelState
 from . import arguments, build, speculative
 from .constraint import CompiledGrammar, Grammar, GrammarCompiler
@@ -207,7 +207,7 @@ class Engine:
         return chunk * max(1, PREFILL_SPAN_BYTES // (chunk * span_bytes_per_token(self.config)))
 
     def prefill(
-        self, token_ids: list[int], state: ModelState, argmax_only: bool | Race = False, all_logits: bool = False
+        self, token_ids: list[int], state: ModelState, argmax_only: HeadRequest = False, all_logits: bool = False
     ) -> torch.Tensor:
         """Run `token_ids` in spans of `prefill_span` (chunks of `prefill_chunk`); returns logits [T, V] (or
         [1, V] for the last; `argmax_only`: the caller reads the last one's argmax, or a race's, alone, see

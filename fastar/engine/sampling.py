@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..errors import FastarError
-from ..model.head_screen import MAX_RACE_TEMPERATURE, MAX_RACE_TOP_K, MIN_RACE_TEMPERATURE, Ban, Race
+from ..model.head_screen import MAX_RACE_TEMPERATURE, MAX_RACE_TOP_K, MIN_RACE_TEMPERATURE, Ban, HeadRequest, Race
 from .constraint import CompiledGrammar
 from .draw import gumbel, race
 from .logit_adjust import LogitAdjust
@@ -281,12 +281,11 @@ class Sampler:
                 repetition_penalty=params.repetition_penalty,
             )
 
-    def head_request(self) -> bool | Race | Ban:
+    def head_request(self) -> HeadRequest:
         """What the next token needs of the step that computes its logits (`DeepseekV4.forward`'s `argmax_only`):
         False, every logit; True, their argmax alone (greedy, `screenable`); a `Race` (sampled at a temperature,
         perhaps among the top k, once the vocabulary's size is known: given, or from the second token on), the argmax
-        of its race,
-        whose noise this draws now and the next call uses; a `Ban` of either where tokens are banned now
+        of its race, whose noise this draws now and the next call uses; a `Ban` of either where tokens are banned now
         (`banned_token_ids`, and `min_tokens`' ending tokens until it is reached): the argmax or race over the others.
         The model may then screen its LM head. The noise comes from the generator where the call would have drawn it
         (no other number is drawn between), so the tokens are the same whether or not the step asks."""

@@ -41,7 +41,7 @@ import torch
 from ..errors import FastarError
 
 if TYPE_CHECKING:
-    from ..model.head_screen import Race
+    from ..model.head_screen import HeadRequest
     from ..model.state import ModelState
 
 MAGIC = b"FSTSESS\0"
@@ -137,7 +137,7 @@ class Runner(Protocol):
 
     def new_state(self) -> ModelState: ...
 
-    def prefill(self, token_ids: list[int], state: ModelState, argmax_only: bool | Race = False) -> torch.Tensor: ...
+    def prefill(self, token_ids: list[int], state: ModelState, argmax_only: HeadRequest = False) -> torch.Tensor: ...
 
 
 class Session:
@@ -351,7 +351,7 @@ class Session:
         prompt_ids: list[int],
         cancel: threading.Event | None = None,
         on_progress: Callable[[int, int], None] | None = None,
-        argmax_only: bool | Race = False,
+        argmax_only: HeadRequest = False,
     ) -> torch.Tensor | None:
         """Make the timeline equal `prompt_ids` and return the logits [V] after its last token.
 
@@ -425,7 +425,7 @@ class Session:
             raise PromptError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
         self._tokens.append(token)
 
-    def decode(self, argmax_only: bool | Race = False) -> torch.Tensor:
+    def decode(self, argmax_only: HeadRequest = False) -> torch.Tensor:
         """Run the pending tokens (normally the one just sampled); returns the logits [V] after the last
         (`argmax_only`: the caller reads their argmax, or a race's, alone, see `DeepseekV4.forward`)."""
         n = self.num_processed
@@ -438,7 +438,7 @@ class Session:
         self.stats.decode_tokens_computed += len(part)
         return logits
 
-    def _forward(self, ids: list[int], argmax_only: bool | Race = False) -> torch.Tensor:
+    def _forward(self, ids: list[int], argmax_only: HeadRequest = False) -> torch.Tensor:
         """Run `ids` at the state's position. An exception or Ctrl-C inside may leave the layers at different
         lengths, so the state is marked dirty until the pass completes (and dropped by the next prefill)."""
         self._dirty = True

@@ -43,7 +43,7 @@ from .compress_fused import FusedCompressors
 from .fused import FusedAttention, FusedIndexer
 from .hc_chain import HCChain
 from .hc_fused import FusedHC
-from .head_screen import Ban, HeadScreen, Race
+from .head_screen import Ban, HeadRequest, HeadScreen, Race
 from .state import LayerState, ModelState, RowBuffer, StateFormat
 
 SCORE_BLOCK = 1 << 24  # indexer score elements (query x head x entry) computed at once
@@ -990,7 +990,7 @@ class DeepseekV4:
         collect: list | None = None,
         capture: dict | None = None,
         chunk: int | None = None,
-        argmax_only: bool | Race = False,
+        argmax_only: HeadRequest = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Process tokens `ids` [T] at positions state.length.. and advance `state`.
 
@@ -1003,8 +1003,9 @@ class DeepseekV4:
         block (for `fastar audit`). `capture`, when a dict, gets `capture[i]` = the streams [T, n, d] entering
         block i for each key i (DSpark reads the target's state entering its target layers).
         `argmax_only` (with `all_logits` False): the caller takes the last position's argmax and nothing else from
-        the logits (True), or the argmax of a `Race` over them (a sampled token); with the head screen, only the rows
-        that can hold it (win the race) are exact, the others -inf.
+        the logits (True), or the argmax of a `Race` over them (a sampled token), or a `Ban` of either (the same over
+        the tokens not banned: `HeadRequest`); with the head screen, only the rows that can hold it (win the race) are
+        exact, the others -inf.
         """
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         self._place(state)
@@ -1030,7 +1031,7 @@ class DeepseekV4:
         return self._head(X if all_logits else X[-1:]), X
 
     def _span(
-        self, ids: torch.Tensor, state: ModelState, all_logits: bool, chunk: int, argmax_only: bool | Race = False
+        self, ids: torch.Tensor, state: ModelState, all_logits: bool, chunk: int, argmax_only: HeadRequest = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` of ids [T] as pieces of `chunk` tokens taken layer by layer: each block's attention piece after
         piece, then its MoE over the whole span (`Block.span`), so a paged expert is read once per span instead of
@@ -1053,13 +1054,13 @@ class DeepseekV4:
         heads = Xs if all_logits else [Xs[-1][-1:]]  # per piece: the head's rows as the pieces' calls give them
         return torch.cat([self._head(h) for h in heads]), torch.cat(Xs)
 
-    def _head(self, X: torch.Tensor, argmax_only: list[bool | Race] | None = None) -> torch.Tensor:
+    def _head(self, X: torch.Tensor, argmax_only: list[HeadRequest] | None = None) -> torch.Tensor:
         """Final streams X [T, n, d] -> logits [T, V] float32: HC head, final norm, LM head. When every row is
         argmax_only and there are few enough for the head screen to pay (`HeadScreen.MAX_ROWS`), the screen:
         exact where the rows can hold their argmax, -inf elsewhere."""
         return self._logits(self.hc_head(X, self.norm), argmax_only)
 
-    def _logits(self, y: torch.Tensor, argmax_only: list[bool | Race] | None = None) -> torch.Tensor:
+    def _logits(self, y: torch.Tensor, argmax_only: list[HeadRequest] | None = None) -> torch.Tensor:
         """`_head` from the final norm's output y [T, d] on: the LM head, or the screen (see `_head`)."""
         if self.screen is not None and argmax_only and all(argmax_only) and len(argmax_only) <= HeadScreen.MAX_ROWS:
             return self.screen.logits(y, [a if isinstance(a, (Race, Ban)) else None for a in argmax_only])
@@ -1082,7 +1083,7 @@ class DeepseekV4:
         return self.backend is None and _kernels_built() and _kernels_isa() != "scalar"
 
     def forward_rows(
-        self, ids: list[int], states: list[ModelState], argmax_only: list[bool | Race] | None = None
+        self, ids: list[int], states: list[ModelState], argmax_only: list[HeadRequest] | None = None
     ) -> torch.Tensor:
         """One decode step of B sequences at once: token ids[b] at position states[b].length, advancing each
         state. -> logits [B, V] float32, row b bit-identical to `forward([ids[b]], states[b], all_logits=False,

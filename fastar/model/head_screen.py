@@ -119,6 +119,11 @@ class Ban:
             raise ValueError(f"a ban's ids are int64 [n], not {self.ids.dtype} {list(self.ids.shape)}")
 
 
+# What a step asks of the head for one row (`DeepseekV4.forward`'s `argmax_only`, `Sampler.head_request`): False,
+# every logit; True, the argmax alone; a `Race`, its winner; a `Ban` of either, the same over the tokens not banned.
+HeadRequest = bool | Race | Ban
+
+
 class HeadScreen:
     """The int8 copy of a BF16 head and the screened logits of decode rows (see the module docstring)."""
 

@@ -269,6 +269,40 @@ def test_chunked_prefill_interleaves_with_decoding(eng):
         eng.prefill_chunk = before
 
 
+def test_a_short_prompt_goes_before_a_long_prompts_remaining_chunks(eng):
+    """A 6-token prompt submitted while a 200-token one prefills 16 tokens a step is prefilled next (the prompt with
+    the fewest tokens left goes first): its first token comes one step later, long before the long prompt's, which
+    then goes on; both still equal their solo runs."""
+    needs_invariant_kernels()
+    before = eng.prefill_chunk
+    eng.prefill_chunk = 16
+    try:
+        long_, short = (
+            (prompt(3, 200), SamplingParams(max_tokens=6, ignore_eos=True)),
+            (prompt(4, 6), SamplingParams(max_tokens=30, ignore_eos=True)),
+        )
+        sched = Scheduler(eng)
+        log = []
+        a = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
+        for _ in range(3):
+            sched.step()  # 48 of the long prompt's 200 tokens
+        b = sched.submit(*short, on_chunk=lambda c: log.append(("short", c)))
+        sched.step()  # the short prompt's only chunk, and its first token
+        assert [who for who, _ in log] == ["short"]
+        steps = 0
+        while not any(who == "long" for who, _ in log):
+            sched.step()
+            steps += 1
+        assert steps == 10  # the long prompt's 152 tokens left: 10 more chunks of 16, one a step
+        assert sum(who == "short" for who, _ in log) == 11  # the short one decoded a token each of those steps
+        sched.run_until_idle()
+        assert a.done.is_set() and b.done.is_set()
+        same_chunks([c for who, c in log if who == "short"], solo(eng, *short))
+        same_chunks([c for who, c in log if who == "long"], solo(eng, *long_))
+    finally:
+        eng.prefill_chunk = before
+
+
 def test_queue_is_bounded(eng):
     sched = Scheduler(eng, max_batch=1, max_queue=1)
     p = SamplingParams(max_tokens=3)

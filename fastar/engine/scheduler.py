@@ -349,9 +349,9 @@ class Scheduler:
     def step(self) -> bool:
         """One step: drop cancelled requests, admit waiting ones, adopt the prefix states loaded from disk, decode
         one token of every decoding sequence (groups of 8 per model call; a lone greedy one: a draft/verify step),
-        then one prefill chunk of the oldest prefilling one. Returns whether work remains. The calling thread is
-        the scheduler's worker while the step lasts, not after it (`Stepper`): a handle iterated on another
-        thread once it returned steps the scheduler itself."""
+        then one prefill chunk of the prefilling prompt with the fewest tokens left (the oldest of those). Returns
+        whether work remains. The calling thread is the scheduler's worker while the step lasts, not after it
+        (`Stepper`): a handle iterated on another thread once it returned steps the scheduler itself."""
         return self._stepper.step()
 
     def _step(self) -> bool:
@@ -366,10 +366,12 @@ class Scheduler:
         else:
             for a in range(0, len(decoding), ops.SMALL_CHUNK):
                 self._decode(decoding[a : a + ops.SMALL_CHUNK])
-        prefilling = next((r for r in self._active if r.pending is None and r.loading is None), None)
-        if prefilling is not None:
-            self._prefill_chunk(prefilling)
-        if decoding or prefilling is not None:
+        prefilling = [r for r in self._active if r.pending is None and r.loading is None]
+        if prefilling:
+            # the prompt with the fewest tokens left (the oldest of those): a short request that arrives while a long
+            # prompt prefills waits for one of its chunks, not for all of them (the prompts' numbers do not change)
+            self._prefill_chunk(min(prefilling, key=lambda r: len(r.ids) - r.done))
+        if decoding or prefilling:
             dt = time.perf_counter() - t0
             self._metrics.stepped(dt)
         with self._lock:

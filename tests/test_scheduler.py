@@ -23,6 +23,15 @@ def eng(tiny_ckpt):
     return load(tiny_ckpt)  # official numerics
 
 
+@pytest.fixture
+def chunk16(eng):
+    """The engine prefills 16 tokens a chunk for the test (a few steps for a 200-token prompt), as before after it."""
+    before = eng.prefill_chunk
+    eng.prefill_chunk = 16
+    yield
+    eng.prefill_chunk = before
+
+
 # (prompt length, sampling): prompts across the indexer's scoring start (17 positions) and the ratio-128
 # compressor's first entry (128), greedy and seeded sampling, logprobs, a stop token, EOS honoured
 REQUESTS = [
@@ -238,69 +247,59 @@ def test_min_tokens_batched(eng):
             assert cut not in [c.token for c in chunks[: p.min_tokens]]
 
 
-def test_chunked_prefill_interleaves_with_decoding(eng):
+def test_chunked_prefill_interleaves_with_decoding(eng, chunk16):
     """A 200-token prompt prefilled 16 tokens a step while another request decodes: the decoding one gets a
     token every step meanwhile, and both still equal their solo runs at that chunk size."""
     needs_invariant_kernels()
-    before = eng.prefill_chunk
-    eng.prefill_chunk = 16
-    try:
-        short, long_ = (
-            (prompt(1, 6), SamplingParams(max_tokens=40, ignore_eos=True)),
-            (prompt(2, 200), SamplingParams(max_tokens=8, ignore_eos=True)),
-        )
-        sched = Scheduler(eng)
-        got = {"short": 0}
-        log = []
-        a = sched.submit(*short, on_chunk=lambda c: log.append(("short", c)))
-        sched.step()  # the short prompt: one chunk, first token
-        b = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
-        for _ in range(13):  # 200 tokens = 13 chunks of 16
-            n = len(log)
-            sched.step()
-            got["short"] += sum(1 for who, _ in log[n:] if who == "short")
-        assert got["short"] == 13  # one token per step while the long prompt prefilled
-        assert not any(who == "long" for who, _ in log[:-1])  # its first token comes with its last chunk
-        sched.run_until_idle()
-        assert a.done.is_set() and b.done.is_set()
-        same_chunks([c for who, c in log if who == "short"], solo(eng, *short))
-        same_chunks([c for who, c in log if who == "long"], solo(eng, *long_))
-    finally:
-        eng.prefill_chunk = before
+    short, long_ = (
+        (prompt(1, 6), SamplingParams(max_tokens=40, ignore_eos=True)),
+        (prompt(2, 200), SamplingParams(max_tokens=8, ignore_eos=True)),
+    )
+    sched = Scheduler(eng)
+    got = {"short": 0}
+    log = []
+    a = sched.submit(*short, on_chunk=lambda c: log.append(("short", c)))
+    sched.step()  # the short prompt: one chunk, first token
+    b = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
+    for _ in range(13):  # 200 tokens = 13 chunks of 16
+        n = len(log)
+        sched.step()
+        got["short"] += sum(1 for who, _ in log[n:] if who == "short")
+    assert got["short"] == 13  # one token per step while the long prompt prefilled
+    assert not any(who == "long" for who, _ in log[:-1])  # its first token comes with its last chunk
+    sched.run_until_idle()
+    assert a.done.is_set() and b.done.is_set()
+    same_chunks([c for who, c in log if who == "short"], solo(eng, *short))
+    same_chunks([c for who, c in log if who == "long"], solo(eng, *long_))
 
 
-def test_a_short_prompt_goes_before_a_long_prompts_remaining_chunks(eng):
+def test_a_short_prompt_goes_before_a_long_prompts_remaining_chunks(eng, chunk16):
     """A 6-token prompt submitted while a 200-token one prefills 16 tokens a step is prefilled next (the prompt with
     the fewest tokens left goes first): its first token comes one step later, long before the long prompt's, which
     then goes on; both still equal their solo runs."""
     needs_invariant_kernels()
-    before = eng.prefill_chunk
-    eng.prefill_chunk = 16
-    try:
-        long_, short = (
-            (prompt(3, 200), SamplingParams(max_tokens=6, ignore_eos=True)),
-            (prompt(4, 6), SamplingParams(max_tokens=30, ignore_eos=True)),
-        )
-        sched = Scheduler(eng)
-        log = []
-        a = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
-        for _ in range(3):
-            sched.step()  # 48 of the long prompt's 200 tokens
-        b = sched.submit(*short, on_chunk=lambda c: log.append(("short", c)))
-        sched.step()  # the short prompt's only chunk, and its first token
-        assert [who for who, _ in log] == ["short"]
-        steps = 0
-        while not any(who == "long" for who, _ in log):
-            sched.step()
-            steps += 1
-        assert steps == 10  # the long prompt's 152 tokens left: 10 more chunks of 16, one a step
-        assert sum(who == "short" for who, _ in log) == 11  # the short one decoded a token each of those steps
-        sched.run_until_idle()
-        assert a.done.is_set() and b.done.is_set()
-        same_chunks([c for who, c in log if who == "short"], solo(eng, *short))
-        same_chunks([c for who, c in log if who == "long"], solo(eng, *long_))
-    finally:
-        eng.prefill_chunk = before
+    long_, short = (
+        (prompt(3, 200), SamplingParams(max_tokens=6, ignore_eos=True)),
+        (prompt(4, 6), SamplingParams(max_tokens=30, ignore_eos=True)),
+    )
+    sched = Scheduler(eng)
+    log = []
+    a = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
+    for _ in range(3):
+        sched.step()  # 48 of the long prompt's 200 tokens
+    b = sched.submit(*short, on_chunk=lambda c: log.append(("short", c)))
+    sched.step()  # the short prompt's only chunk, and its first token
+    assert [who for who, _ in log] == ["short"]
+    steps = 0
+    while not any(who == "long" for who, _ in log):
+        sched.step()
+        steps += 1
+    assert steps == 10  # the long prompt's 152 tokens left: 10 more chunks of 16, one a step
+    assert sum(who == "short" for who, _ in log) == 11  # the short one decoded a token each of those steps
+    sched.run_until_idle()
+    assert a.done.is_set() and b.done.is_set()
+    same_chunks([c for who, c in log if who == "short"], solo(eng, *short))
+    same_chunks([c for who, c in log if who == "long"], solo(eng, *long_))
 
 
 def test_queue_is_bounded(eng):
@@ -498,20 +497,15 @@ def test_on_chunk_callers_hear_of_a_failing_step(eng, monkeypatch):
     assert sched.idle
 
 
-def test_prefill_progress_is_reported_per_chunk_and_in_metrics(eng):
-    before = eng.prefill_chunk
-    eng.prefill_chunk = 16
-    try:
-        sched = Scheduler(eng)
-        progress = []
-        sched.submit(prompt(7, 40), SamplingParams(max_tokens=2), on_progress=lambda d, t: progress.append((d, t)))
-        sched.step()
-        assert sched.metrics()["prefill_progress"] == [(16, 40)]
-        sched.run_until_idle()
-        assert progress == [(0, 40), (16, 40), (32, 40), (40, 40)]
-        assert sched.metrics()["prefill_progress"] == []
-    finally:
-        eng.prefill_chunk = before
+def test_prefill_progress_is_reported_per_chunk_and_in_metrics(eng, chunk16):
+    sched = Scheduler(eng)
+    progress = []
+    sched.submit(prompt(7, 40), SamplingParams(max_tokens=2), on_progress=lambda d, t: progress.append((d, t)))
+    sched.step()
+    assert sched.metrics()["prefill_progress"] == [(16, 40)]
+    sched.run_until_idle()
+    assert progress == [(0, 40), (16, 40), (32, 40), (40, 40)]
+    assert sched.metrics()["prefill_progress"] == []
 
 
 def test_kept_states_let_a_continued_conversation_prefill_only_its_tail(eng):

@@ -51,6 +51,10 @@ THINKING_MODES = ("thinking", "chat")
 # The reference starts the block with "\n\n<｜DSML｜tool_calls>"; parsing looks for it without the ">".
 TOOL_CALLS_START = f"\n\n<{DSML}tool_calls"
 TOOL_CALLS_END = f"</{DSML}tool_calls>"
+INVOKE_END = f"</{DSML}invoke>"
+# What follows a call's `</｜DSML｜invoke>` where the block ends there, as the encoder renders it (and as the
+# parser closes a block cut after its first call)
+BLOCK_CLOSE = f"\n{TOOL_CALLS_END}"
 
 REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
@@ -365,8 +369,8 @@ def _tool_calls_block(calls: list[dict]) -> list[Segment]:
             kind = "true" if isinstance(value, str) else "false"
             out += _t("\n" if j else "") + _t(f'<{DSML}parameter name="') + _c(key) + _t(f'" string="{kind}">')
             out += _c(value if isinstance(value, str) else _json(value)) + _t(f"</{DSML}parameter>")
-        out += _t(f"\n</{DSML}invoke>")
-    return out + _t(f"\n{TOOL_CALLS_END}")
+        out += _t(f"\n{INVOKE_END}")
+    return out + _t(BLOCK_CLOSE)
 
 
 def _tool_result(content: str | list[dict]) -> list[Segment]:
@@ -581,7 +585,6 @@ def parse_tool_block(body: str) -> list[dict] | None:
     return calls
 
 
-_INVOKE_END = f"</{DSML}invoke>"
 _STOPS = {"reasoning": (THINK_END, TOOL_CALLS_START, EOS), "content": (EOS, TOOL_CALLS_START)}
 
 
@@ -655,11 +658,11 @@ class StreamParser:
             self._pending = self._pending[pos + len(stop) :]
             self._state = {THINK_END: "content", EOS: "done", TOOL_CALLS_START: "tool"}[stop]
         if self._state == "tool":
-            start = max(0, len(self._tool_body) - len(_INVOKE_END))
+            start = max(0, len(self._tool_body) - len(INVOKE_END))
             self._tool_body += self._pending
-            end = self._tool_body.find(_INVOKE_END, start) if self.single_call else -1
+            end = self._tool_body.find(INVOKE_END, start) if self.single_call else -1
             if end >= 0:
-                self._tool_body = self._tool_body[: end + len(_INVOKE_END)] + "\n" + TOOL_CALLS_END
+                self._tool_body = self._tool_body[: end + len(INVOKE_END)] + BLOCK_CLOSE
                 self.cut = True
         self._pending = ""
         return events

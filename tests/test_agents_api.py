@@ -65,13 +65,23 @@ RAW_SUM_CALL = (
 )
 
 
+# Two such calls in one block ("add 1 and 2, then 3 and 4"): with parallel tool calls disabled the reply is cut
+# after the first `</｜DSML｜invoke>`.
+RAW_TWO_SUMS = RAW_SUM_CALL.replace(
+    "</｜DSML｜invoke>\n",
+    '</｜DSML｜invoke>\n<｜DSML｜invoke name="sum">\n'
+    '<｜DSML｜parameter name="xs" string="false">[3,4]</｜DSML｜parameter>\n</｜DSML｜invoke>\n',
+)
+FIRST_SUM_END = RAW_TWO_SUMS.index("</｜DSML｜invoke>") + len("</｜DSML｜invoke>")
+
+
 class AgentEngine(FakeEngine):
-    """FakeEngine plus a tool call whose DSML differs from the encoder's canonical rendering."""
+    """FakeEngine plus tool calls whose DSML differs from the encoder's canonical rendering."""
 
     def reply(self, prompt: str, params) -> str:
         user = prompt.rsplit(USER, 1)[-1]
         if "add" in user and "## Tools" in prompt:
-            body = RAW_SUM_CALL
+            body = RAW_TWO_SUMS if "3 and 4" in user else RAW_SUM_CALL
             return f"Thinking about sums.</think>{body}" if prompt.endswith("<think>") else body
         return super().reply(prompt, params)
 
@@ -489,6 +499,95 @@ def test_a_chat_completions_agent_loop_reuses_the_whole_previous_turn_when_the_m
         assert len(srv.replay) == kept
     finally:
         srv.shutdown()
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_a_reply_cut_after_its_first_call_replays_exactly(api):
+    """A reply that `parallel_tool_calls: false` (Messages: `disable_parallel_tool_use`) ended after its first call
+    is recorded like any other: the model wrote two calls compactly (`[1,2]`, `[3,4]`) and was cut after the first;
+    the client resends the parsed call (re-rendered `[1, 2]`) with its result, and the follow-up's ids start with
+    the first prompt's and the ids generated up to the cut, so the whole prefix is reused (re-tokenized, the
+    canonical rendering parts from them at the call's arguments)."""
+    ask = "please add 1 and 2, then 3 and 4"
+    generated = FakeTokenizer().encode(RAW_TWO_SUMS[:FIRST_SUM_END])
+    srv = start_server(AgentEngine())
+    backend = Backend(engine=srv.host.require_engine, submit=srv.host.submit, replay=srv.replay)
+    try:
+        if api == "chat":
+            tools = [{"type": "function", "function": {"name": "sum", "parameters": SUM["input_schema"]}}]
+            first = {"messages": [{"role": "user", "content": ask}], "tools": tools, "thinking": {"type": "disabled"}}
+            prompt = json.loads(raw(srv, "POST", "/tokenize", first)[2])["tokens"]
+            status, _, body = raw(srv, "POST", "/v1/chat/completions", {**first, "parallel_tool_calls": False})
+            reply = json.loads(body)
+            calls = reply["choices"][0]["message"]["tool_calls"]
+            usage = (reply["usage"]["prompt_tokens"], reply["usage"]["completion_tokens"])
+            follow = {
+                **first,
+                "messages": first["messages"]
+                + [
+                    {"role": "assistant", "content": None, "tool_calls": calls},
+                    {"role": "tool", "tool_call_id": calls[0]["id"], "content": "3"},
+                ],
+            }
+            ids = json.loads(raw(srv, "POST", "/tokenize", follow)[2])["tokens"]
+        elif api == "responses":
+            store = R.ResponseStore()
+            tool = {"type": "function", "name": "sum", "parameters": SUM["input_schema"]}
+            first = {"input": ask, "tools": [tool], "reasoning": {"effort": "none"}, "parallel_tool_calls": False}
+            prompt = prompt_ids(backend, R.parse_request(first, backend, store).conv)[1]
+            out = R.create(first, backend, store)
+            calls = [o for o in out["output"] if o["type"] == "function_call"]
+            usage = (out["usage"]["input_tokens"], out["usage"]["output_tokens"])
+            follow = {
+                **first,
+                "previous_response_id": out["id"],
+                "input": [{"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "3"}],
+            }
+            ids = prompt_ids(backend, R.parse_request(follow, backend, store).conv)[1]
+        else:
+            first = {
+                "max_tokens": 300,
+                "messages": [{"role": "user", "content": ask}],
+                "tools": [SUM],
+                "thinking": {"type": "disabled"},
+                "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+            }
+            prompt = prompt_ids(backend, A.parse_request(first, backend)[1])[1]
+            msg = A.messages(first, backend)
+            calls = [b for b in msg["content"] if b["type"] == "tool_use"]
+            usage = (msg["usage"]["input_tokens"], msg["usage"]["output_tokens"])
+            result = {"type": "tool_result", "tool_use_id": calls[0]["id"], "content": "3"}
+            follow = {
+                **first,
+                "messages": first["messages"]
+                + [{"role": "assistant", "content": msg["content"]}, {"role": "user", "content": [result]}],
+            }
+            ids = prompt_ids(backend, A.parse_request(follow, backend)[1])[1]
+        assert len(calls) == 1 and usage == (len(prompt), len(generated))  # cut after the first call
+        assert ids[: len(prompt) + len(generated)] == prompt + generated
+        assert len(ids) > len(prompt) + len(generated)
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("past, stored", [("", True), ("\n", True), ("\n</", True), ("\n\n", False)])
+def test_a_reply_cut_after_a_call_records_the_closing_markup_the_model_did_not_write(backend, past, stored):
+    """The token that ended the first call may hold more (`>\n`, say): what it holds of the block's closing markup
+    is the model's, the rest of it is added; a token holding anything else is not recorded."""
+    tok = backend.engine().tokenizer
+    tool_fn = {"name": "sum", "parameters": SUM["input_schema"]}
+    ask = [{"role": "system", "content": "", "tools": [tool_fn]}, {"role": "user", "content": "add 1 and 2, 3 and 4"}]
+    conv, fresh = Conversation(ask, thinking=False), Backend(engine=backend.engine, submit=backend.submit)
+    text, ids = prompt_ids(fresh, conv)
+    call = {"id": "call_1", "type": "function", "function": {"name": "sum", "arguments": '{"xs": [1, 2]}'}}
+    message = {"role": "assistant", "content": "", "tool_calls": [call]}
+    generated = tok.encode(RAW_TWO_SUMS[:FIRST_SUM_END] + past)
+    record_reply(fresh.replay, tok, conv, text, ids, generated, message, cut_after_call=True)
+    follow = Conversation([*ask, message, {"role": "tool", "tool_call_id": "call_1", "content": "3"}], thinking=False)
+    got = prompt_ids(fresh, follow)[1]
+    assert (got[: len(ids) + len(generated)] == ids + generated) is stored
+    if stored:  # then the rest of the canonical rendering: the call's end is one character on (`[1, 2]`)
+        assert got == ids + generated + tok.encode(follow.render()[len(text) + FIRST_SUM_END + 1 + len(past) :])
 
 
 def test_replay_cache_is_bounded_and_only_cuts_at_eos():

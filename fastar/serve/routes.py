@@ -247,7 +247,16 @@ class OpenAIRoutes:
         conversations' replies out of the cache."""
         conv = Conversation(req.messages, req.thinking, req.reasoning_effort, req.drop_thinking)
         tokenizer = self.server.host.require_engine().tokenizer
-        record_reply(self.server.replay, tokenizer, conv, *prompt, turn.generated, turn.message(), stopped=turn.stopped)
+        record_reply(
+            self.server.replay,
+            tokenizer,
+            conv,
+            *prompt,
+            turn.generated,
+            turn.message(),
+            stopped=turn.stops.hit,
+            cut_after_call=turn.parser.cut,
+        )
 
     def _submit(
         self,

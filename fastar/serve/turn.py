@@ -34,7 +34,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastar.encoding import EOS, THINK_END, ChatPrompt, StreamParser, encode_messages
+from fastar.encoding import (
+    BLOCK_CLOSE,
+    EOS,
+    INVOKE_END,
+    THINK_END,
+    TOOL_CALLS_START,
+    ChatPrompt,
+    StreamParser,
+    encode_messages,
+)
 from fastar.serve import choice_turn, fields, grammar_fields
 from fastar.serve.admission import Admission
 from fastar.serve.api_error import APIError, bad_request
@@ -346,7 +355,8 @@ class AssistantTurn:
             self.prompt_ids,
             self.generated,
             self.message(),
-            stopped=self.stopped,
+            stopped=self.stops.hit,
+            cut_after_call=self.parser.cut,
         )
 
 
@@ -359,6 +369,7 @@ def record_reply(
     generated: list[int],
     message: dict,
     stopped: bool = False,
+    cut_after_call: bool = False,
 ) -> None:
     """Remember the real ids of a finished reply under the text its conversation's next request will render.
 
@@ -371,7 +382,10 @@ def record_reply(
     the generated text itself (a cut thinking block or tool call renders differently from what the model
     holds), with or without the special tokens a reply skips (`skip_special_tokens`: the model holds them where
     the client saw no text, as it holds the canonical DSML). A stop-string cut is not stored: the model holds
-    tokens the client never saw."""
+    tokens the client never saw. A turn `cut_after_call` (parallel tool calls disabled: the reply ended with its
+    first call's `</｜DSML｜invoke>`, the block closed there) is stored under its canonical rendering with the ids
+    the model holds, then those of the block's closing markup and EOS, which it never wrote (less what the token
+    that ended the call already held of it; a token that held anything else is not stored)."""
     if stopped or not generated:
         return
     try:
@@ -381,6 +395,15 @@ def record_reply(
     if not text.startswith(prompt_text) or not text.endswith(EOS):
         return
     ids = prompt_ids + generated
+    if cut_after_call:
+        held = tokenizer.decode(generated)
+        block = held.find(TOOL_CALLS_START)
+        end = held.find(INVOKE_END, block) if block >= 0 else -1
+        past = held[end + len(INVOKE_END) :]  # what the call's last token held beyond it
+        if end >= 0 and text.endswith(BLOCK_CLOSE + EOS) and BLOCK_CLOSE.startswith(past):
+            rest = text[len(text) - len(EOS) - len(BLOCK_CLOSE) + len(past) :]  # template parts: their tokens
+            replay.record(text, ids + list(tokenizer.encode(rest)))
+        return
     if generated[-1] == tokenizer.eos_id:
         replay.record(text, ids)
     else:  # the reply as the client got it: with its special tokens' text, or without (skip_special_tokens)

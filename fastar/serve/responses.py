@@ -20,7 +20,8 @@ Owns: request validation and translation (`input` as a string or items: messages
 `function_call_output`, `reasoning`; `instructions`; function `tools`; `tool_choice`; `reasoning.effort`;
 `max_output_tokens`; `text.format` (rendered as chat completions' `response_format`, and enforced: a JSON schema or
 object, `fastar.engine.constraint`; `tool_choice` "required" or a named function forces a tool call); sampling;
-DeepSeek's `thinking` and `chat_template_kwargs` as on chat completions), the `response` object, and the SSE events
+DeepSeek's `thinking` and `chat_template_kwargs` as on chat completions; `truncation`, whose "auto" drops the
+conversation's earliest exchanges until it fits, `fastar.serve.truncation`), the `response` object, and the SSE events
 (`response.created`, `response.in_progress`, `response.output_item.added` / `.done`, `response.reasoning_text.delta`
 / `.done`, `response.content_part.added` / `.done`, `response.output_text.delta` / `.done`,
 `response.function_call_arguments.delta` / `.done`, `response.completed` (`response.incomplete` when cut at
@@ -47,7 +48,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastar.serve import fields, grammar_fields, response_items, shapes, thinking_mode
+from fastar.serve import fields, grammar_fields, response_items, shapes, thinking_mode, truncation
 from fastar.serve.api_error import APIError, bad_request
 from fastar.serve.turn import AssistantTurn, Backend, Conversation, GenerationFailed
 
@@ -281,6 +282,34 @@ class ResponsesRequest:
     encrypted: bool  # include the reasoning as `encrypted_content`
     parallel_tool_calls: bool = True  # False: the reply ends after its first tool call
     input_items: list[dict] = field(default_factory=list)  # this request's `input` as items (`response_items`)
+    instructions: str | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None  # `text.format` as chat completions' `response_format`
+    truncation: str = "disabled"  # or "auto": `fastar.serve.truncation`
+
+    def conv_of(self, conversation: list[dict]) -> Conversation:
+        """What `conversation` renders as in this request: its instructions, tools and mode put on."""
+        messages = _with_system(conversation, self.instructions, self.tools, self.response_format)
+        return Conversation(messages, self.conv.thinking, self.conv.reasoning_effort, self.conv.drop_thinking, "input")
+
+
+def _with_system(
+    conversation: list[dict], instructions: str | None, tools: list[dict] | None, response_format: dict | None
+) -> list[dict]:
+    """The encoder's messages: the instructions as the first system message, the tools and the response format on
+    the first system message (the encoder reads both there, as on chat completions)."""
+    messages = list(conversation)
+    if instructions is not None:
+        messages.insert(0, {"role": "system", "content": instructions})
+    if tools or response_format:
+        if not messages or messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": ""})
+        messages[0] = {
+            **messages[0],
+            **({"tools": tools} if tools else {}),
+            **({"response_format": response_format} if response_format else {}),
+        }
+    return messages
 
 
 def _response_format(body: dict) -> dict | None:
@@ -337,21 +366,11 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     if not conversation:  # (the encoder would say it of "messages", a field this API does not have)
         raise bad_request("'input' is an empty list: send a string or at least one input item", "input")
     grammar_fields.check_last_turn(conversation, "input")
-    messages = list(conversation)
     instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise bad_request("'instructions' must be a string", "instructions")
-        messages.insert(0, {"role": "system", "content": instructions})
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("'instructions' must be a string", "instructions")
     tools, response_format = _tools(body), _response_format(body)
-    if tools or response_format:  # the encoder reads both from the system message, as on chat completions
-        if not messages or messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": ""})
-        messages[0] = {
-            **messages[0],
-            **({"tools": tools} if tools else {}),
-            **({"response_format": response_format} if response_format else {}),
-        }
+    messages = _with_system(conversation, instructions, tools, response_format)
     reasoning = body.get("reasoning") or {}
     if not isinstance(reasoning, dict):
         raise bad_request("'reasoning' must be an object", "reasoning")
@@ -395,6 +414,10 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         encrypted=isinstance(include, list) and "reasoning.encrypted_content" in include,
         parallel_tool_calls=parallel,
         input_items=response_items.input_items(body["input"], store) if stored else [],
+        instructions=instructions,
+        tools=tools,
+        response_format=response_format,
+        truncation=truncation.mode(body),
     )
 
 
@@ -468,7 +491,7 @@ class _Reply:
             "tool_choice": body.get("tool_choice", "auto"),
             "tools": body.get("tools") or [],
             "top_p": req.sampling["top_p"],
-            "truncation": "disabled",
+            "truncation": req.truncation,
             "usage": None,
             "metadata": body.get("metadata") or {},
         }
@@ -508,6 +531,9 @@ def create(
     `disconnected` (optional, non-streaming only): says the client has gone; the generation is then cancelled
     and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
     req = parse_request(body, backend, store)
+    prompt = None
+    if req.truncation == "auto":  # the earliest exchanges dropped until the reply has room (the store keeps all)
+        req.conv, prompt = truncation.fit(backend, req.conversation, req.conv_of, req.max_tokens or 1)
     turn = AssistantTurn(
         backend,
         req.conv,
@@ -515,6 +541,7 @@ def create(
         req.max_tokens,
         parallel_tool_calls=req.parallel_tool_calls,
         max_tokens_param="max_output_tokens",
+        prompt=prompt,
     )
     reply = _Reply(body, req)
     if req.stream:

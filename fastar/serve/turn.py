@@ -189,14 +189,16 @@ class AssistantTurn:
         fit_context: bool = False,
         parallel_tool_calls: bool = True,
         max_tokens_param: str = "max_tokens",
+        prompt: tuple[str, list[int]] | None = None,
     ) -> None:
         """`fit_context`: a `max_tokens` beyond the room the prompt leaves is cut to that room (the API then says
         the context ended the reply); otherwise it is a 400. A prompt that does not fit is a 400 either way.
         `parallel_tool_calls` False: the reply ends once its first tool call is complete (at most one call).
-        `max_tokens_param`: the request's name for `max_tokens` (Responses: `max_output_tokens`), for errors."""
+        `max_tokens_param`: the request's name for `max_tokens` (Responses: `max_output_tokens`), for errors.
+        `prompt`: `conv`'s rendered text and ids where the caller has them (`prompt_ids`), else they are made here."""
         engine = backend.engine()
         self.backend, self.conv, self.tokenizer = backend, conv, engine.tokenizer
-        self.prompt_text, self.prompt_ids = prompt_ids(backend, conv)
+        self.prompt_text, self.prompt_ids = prompt if prompt is not None else prompt_ids(backend, conv)
         room = engine.context_length - len(self.prompt_ids)
         self.cut_to_context = fit_context and max_tokens is not None and 0 < room < max_tokens
         if self.cut_to_context:

@@ -764,3 +764,41 @@ def test_regenerate_and_edit_the_last_turn(browser_page):
     expect(page.locator(".msg")).to_have_count(4)
     expect(page.locator(".actions")).to_have_count(1)
     assert not errors, errors
+
+
+# A keydown dispatched on an element (bubbling and cancelable, as the browser's own); returns whether the page let its
+# default happen, the box's text after it, and how many messages the list then shows.
+DISPATCH_ENTER = """([selector, init]) => {
+    const box = document.querySelector(selector);
+    const ev = new KeyboardEvent("keydown", { key: "Enter", code: "Enter", bubbles: true, cancelable: true, ...init });
+    const allowed = box.dispatchEvent(ev);
+    return [allowed, box.value, document.querySelectorAll(".msg").length];
+}"""
+
+
+def test_enter_during_an_ime_composition_does_not_send(browser_page):
+    """The Enter that commits a Japanese or Chinese composition is the input method's: it neither sends nor is
+    cancelled, whether the browser marks it isComposing (Chromium, Firefox) or gives it keyCode 229 after
+    compositionend (Safari). Enter outside a composition sends; Shift+Enter starts a new line."""
+    page, server, _, errors = browser_page
+    bodies: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    page.fill("#input", "日本語")
+    for init in ({"isComposing": True, "keyCode": 229}, {"isComposing": True}, {"keyCode": 229}):
+        assert page.evaluate(DISPATCH_ENTER, ["#input", init]) == [True, "日本語", 0], init
+    assert page.evaluate(DISPATCH_ENTER, ["#input", {"keyCode": 13}]) == [False, "", 2]  # the same Enter, composed
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: 日本語")
+
+    page.fill("#input", "two")
+    page.press("#input", "End")
+    page.press("#input", "Shift+Enter")
+    page.keyboard.type("lines")
+    expect(page.locator("#input")).to_have_value("two\nlines")
+    expect(page.locator(".msg")).to_have_count(2)
+    page.press("#input", "Enter")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: two\nlines")
+    assert [b["messages"][-1]["content"] for b in bodies] == ["日本語", "two\nlines"]
+    assert not errors, errors

@@ -527,8 +527,15 @@ $("composer").addEventListener("submit", (ev) => {
   send(text);
 });
 
+// Enter sends and Shift+Enter starts a new line, except while an input method (Japanese, Chinese) composes: that
+// Enter commits the composition and is the IME's. Chromium and Firefox mark it isComposing; Safari fires it after
+// compositionend, with isComposing false but keyCode 229 (the key an IME is processing), so both are checked.
+function sendsOnEnter(ev) {
+  return ev.key === "Enter" && !ev.shiftKey && !ev.isComposing && ev.keyCode !== 229;
+}
+
 $("input").addEventListener("keydown", (ev) => {
-  if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
+  if (sendsOnEnter(ev)) {
     ev.preventDefault();
     $("composer").requestSubmit();
   }

@@ -802,3 +802,83 @@ def test_enter_during_an_ime_composition_does_not_send(browser_page):
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: two\nlines")
     assert [b["messages"][-1]["content"] for b in bodies] == ["日本語", "two\nlines"]
     assert not errors, errors
+
+
+def saved_and_shown(page) -> tuple[list, list]:
+    """The open conversation as saved in localStorage and as the page shows it: [role, text] per message (the text
+    without the whitespace at its ends, which the page does not show)."""
+    saved, shown = page.evaluate(
+        """() => {
+        const id = localStorage.getItem("fastar.current.v1");
+        const conv = JSON.parse(localStorage.getItem("fastar.conversations.v1")).find((c) => c.id === id);
+        const saved = conv ? conv.messages.map((m) => [m.role, m.content.trim()]) : [];
+        const shown = [...document.querySelectorAll("#messages .msg")].map((v) => [
+            v.classList.contains("user") ? "user" : "assistant",
+            v.querySelector(".bubble, .content").innerText]);
+        return [saved, shown];
+    }"""
+    )
+    return saved, shown
+
+
+def test_stop_before_the_reply_takes_the_question_back(browser_page):
+    """Stop before any of the reply has come (the fake holds the request at its start) takes the question back: the
+    turn leaves the conversation, saved and shown, and its text returns to the message box, before what was typed
+    there meanwhile; a conversation left empty leaves the list. Stop once text has come keeps the partial reply."""
+    page, server, engine, errors = browser_page
+    bodies: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    engine.gate.clear()
+    send(page, "never answered")
+    expect(page.locator("#stop")).to_be_visible()
+    expect(page.locator(".msg")).to_have_count(2)
+    expect(page.locator("#conversations li")).to_have_count(1)
+    page.click("#stop")
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator(".msg")).to_have_count(0)
+    expect(page.locator("#empty")).to_be_visible()
+    expect(page.locator("#conversations li")).to_have_count(0)
+    expect(page.locator("#input")).to_have_value("never answered")
+    expect(page.locator("#input")).to_be_focused()
+    assert page.evaluate("localStorage.getItem('fastar.conversations.v1')") == "[]"
+
+    engine.gate.set()
+    page.fill("#input", "first question")
+    page.press("#input", "Enter")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: first question")
+    engine.gate.clear()
+    send(page, "second question")
+    expect(page.locator("#stop")).to_be_visible()
+    page.fill("#input", "typed meanwhile")
+    page.click("#stop")
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator("#input")).to_have_value("second question\n\ntyped meanwhile")
+    first_turn = [["user", "first question"], ["assistant", "Echo: first question"]]
+    assert saved_and_shown(page) == (first_turn, first_turn)
+    expect(page.locator("#conversations li .title")).to_have_text("first question")
+    expect(page.locator(".msg.assistant .actions")).to_have_count(1)  # the turn before is answerable again
+
+    engine.gate.set()
+    page.fill("#input", "second question")
+    page.press("#input", "Enter")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: second question")
+    assert bodies[-1]["messages"] == [
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "Echo: first question"},
+        {"role": "user", "content": "second question"},
+    ]
+
+    send(page, "count to a lot")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".content")).to_contain_text("1 2 3")
+    page.click("#stop")
+    expect(page.locator("#send")).to_be_visible()
+    expect(reply.locator(".meta")).to_contain_text("stopped")
+    expect(reply.locator(".content")).to_contain_text("1 2 3")
+    expect(page.locator("#input")).to_have_value("")
+    saved, shown = saved_and_shown(page)
+    assert len(saved) == 6 and saved == shown and saved[-1][1].startswith("1 2 3")
+    assert not errors, errors

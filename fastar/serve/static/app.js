@@ -494,16 +494,37 @@ async function send(text) {
     delete reply.pending;
     if (reply.usage) delete reply.tokens; // the server's count wins; a stopped reply keeps the live one
     controller = null;
-    conv.updated = Date.now();
+    // (Stopped by New chat, the turn stays in its conversation, which is no longer shown: its text is kept there.)
+    const takenBack = reply.finish === "stopped" && conv.id === currentId && !reply.content && !reply.reasoning
+      && !reply.tool_calls?.length;
+    if (takenBack) takeBack(conv, asked, reply);
+    else conv.updated = Date.now();
     save();
-    updateAssistant(view, reply);
-    if (asked.failed && view.previousElementSibling) view.previousElementSibling.replaceWith(messageView(asked));
     setBusy(false);
     setStatus("");
-    renderList();
-    lastTurnActions();
+    if (takenBack) renderAll();
+    else {
+      updateAssistant(view, reply);
+      if (asked.failed && view.previousElementSibling) view.previousElementSibling.replaceWith(messageView(asked));
+      renderList();
+      lastTurnActions();
+    }
     $("input").focus();
   }
+}
+
+// Stopped before any of the reply came: the question is taken back as if it had not been sent (as claude.ai does).
+// The turn leaves the conversation (a conversation left empty leaves the list) and its text returns to the message
+// box to edit or send again, before whatever was typed there meanwhile, so nothing is lost.
+function takeBack(conv, asked, reply) {
+  conv.messages = conv.messages.filter((m) => m !== asked && m !== reply);
+  if (!conv.messages.length) {
+    conversations = conversations.filter((c) => c !== conv);
+    currentId = null;
+  }
+  const typed = $("input").value;
+  $("input").value = typed.trim() ? `${asked.content}\n\n${typed}` : asked.content;
+  autosize();
 }
 
 // ---- composer and settings -------------------------------------------------------------------------------

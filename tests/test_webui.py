@@ -2,8 +2,10 @@
 against a live server over the FakeEngine of test_server.py.
 
 It loads the UI, sends a message and watches the reply stream in (thinking block included), stops a long
-answer mid-stream (the server's generation stops too), checks that model markdown is rendered and model HTML is
-escaped, starts a new chat, and checks the conversation list survives a reload. No console error or CSP
+answer mid-stream (the server's generation stops too) and one that has not begun (the question is taken back),
+checks that model markdown is rendered and model HTML is escaped, edits and regenerates earlier turns (checking the
+messages the server gets), keeps Enter from sending during an IME composition, starts a new chat, and checks the
+conversation list survives a reload. No console error or CSP
 violation is allowed. A screenshot is saved under the test's tmp dir.
 
 Skips only when Chromium or Playwright is missing; `.ci/install-browser` installs both.
@@ -734,7 +736,7 @@ def test_a_reload_mid_reply_keeps_what_streamed(browser_page):
 
 def test_regenerate_and_edit_the_last_turn(browser_page):
     """Regenerate asks the last question again with the same messages before it (so the server can reuse their
-    state); Edit takes the last question back into the message box."""
+    state); Edit opens the last question in place and sending it replaces the turn."""
     page, server, _, errors = browser_page
     bodies: list[dict] = []
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
@@ -745,24 +747,27 @@ def test_regenerate_and_edit_the_last_turn(browser_page):
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: first question")
     send(page, "second question")
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: second question")
-    expect(page.locator(".actions")).to_have_count(1)  # on the last turn only
-    page.get_by_role("button", name="Regenerate").click()
+    expect(page.locator(".actions")).to_have_count(4)  # Edit on each question, Regenerate on each reply
+    page.locator(".msg.assistant").last.get_by_role("button", name="Regenerate").click()
     expect(page.locator("#send")).to_be_visible()
     expect(page.locator(".msg")).to_have_count(4)
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: second question")
     assert len(bodies) == 3 and bodies[2]["messages"] == bodies[1]["messages"]
 
-    page.get_by_role("button", name="Edit").click()
-    expect(page.locator(".msg")).to_have_count(2)
-    expect(page.locator("#input")).to_have_value("second question")
-    expect(page.locator("#input")).to_be_focused()
-    page.fill("#input", "second question, edited")
-    page.press("#input", "Enter")
+    page.locator(".msg.user").last.get_by_role("button", name="Edit").click()
+    editor = page.get_by_role("textbox", name="Edit message")
+    expect(editor).to_have_value("second question")
+    expect(editor).to_be_focused()
+    expect(page.locator(".msg")).to_have_count(4)  # nothing is dropped before the edit is sent
+    editor.fill("second question, edited")
+    page.locator(".edit").get_by_role("button", name="Send").click()
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: second question, edited")
+    expect(page.locator(".msg")).to_have_count(4)
     assert bodies[3]["messages"][:-1] == bodies[1]["messages"][:-1]
+    assert bodies[3]["messages"][-1] == {"role": "user", "content": "second question, edited"}
     page.reload()
     expect(page.locator(".msg")).to_have_count(4)
-    expect(page.locator(".actions")).to_have_count(1)
+    expect(page.locator(".actions")).to_have_count(4)
     assert not errors, errors
 
 
@@ -852,6 +857,8 @@ def test_stop_before_the_reply_takes_the_question_back(browser_page):
     engine.gate.clear()
     send(page, "second question")
     expect(page.locator("#stop")).to_be_visible()
+    expect(page.locator(".msg")).to_have_count(4)
+    expect(page.locator(".actions")).to_have_count(0)  # no turn is edited or asked again while one is awaited
     page.fill("#input", "typed meanwhile")
     page.click("#stop")
     expect(page.locator("#send")).to_be_visible()
@@ -881,4 +888,63 @@ def test_stop_before_the_reply_takes_the_question_back(browser_page):
     expect(page.locator("#input")).to_have_value("")
     saved, shown = saved_and_shown(page)
     assert len(saved) == 6 and saved == shown and saved[-1][1].startswith("1 2 3")
+    assert not errors, errors
+
+
+def test_regenerate_and_edit_an_earlier_turn(browser_page, tmp_path):
+    """On a three-turn conversation: Regenerate on the first reply drops it and the turns after it and asks the
+    first question again with exactly the messages before it; Edit on the second question (Escape first leaves it
+    as it was) drops that turn and the one after it and asks the edited question after exactly the first turn. What
+    is saved is what is shown, before and after a reload."""
+    page, server, _, errors = browser_page
+    bodies: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+
+    def ask(*questions: str) -> None:
+        for question in questions:
+            send(page, question)
+            expect(page.locator(".msg.assistant .content").last).to_have_text(f"Echo: {question}")
+
+    def turns(*questions: str) -> list:
+        return [x for q in questions for x in (["user", q], ["assistant", f"Echo: {q}"])]
+
+    def sent(*questions: str) -> list:
+        return [{"role": r, "content": c} for r, c in turns(*questions)][:-1]
+
+    ask("first question", "second question", "third question")
+    page.locator(".msg.assistant").first.hover()
+    page.screenshot(path=str(tmp_path / "webui-turn-actions.png"), full_page=True)
+    page.locator(".msg.assistant").first.get_by_role("button", name="Regenerate").click()
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator(".msg")).to_have_count(2)
+    assert len(bodies) == 4 and bodies[3]["messages"] == sent("first question") == bodies[0]["messages"]
+    assert saved_and_shown(page) == (turns("first question"),) * 2
+
+    ask("second question", "third question")
+    assert bodies[-1]["messages"] == sent("first question", "second question", "third question")
+    second = page.locator(".msg.user").nth(1)
+    second.get_by_role("button", name="Edit").click()
+    editor = page.get_by_role("textbox", name="Edit message")
+    expect(editor).to_have_value("second question")
+    editor.press("Escape")
+    expect(editor).to_have_count(0)
+    expect(second.locator(".bubble")).to_have_text("second question")
+    expect(second.get_by_role("button", name="Edit")).to_be_focused()
+    assert saved_and_shown(page) == (turns("first question", "second question", "third question"),) * 2
+
+    second.get_by_role("button", name="Edit").click()
+    editor.fill("second, edited")
+    page.screenshot(path=str(tmp_path / "webui-edit.png"), full_page=True)
+    assert page.evaluate(DISPATCH_ENTER, [".edit textarea", {"keyCode": 229}]) == [True, "second, edited", 6]  # IME
+    editor.press("Enter")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: second, edited")
+    expect(page.locator("#send")).to_be_visible()
+    assert len(bodies) == 7 and bodies[-1]["messages"] == sent("first question", "second, edited")
+    assert saved_and_shown(page) == (turns("first question", "second, edited"),) * 2
+    page.reload()
+    expect(page.locator(".msg")).to_have_count(4)
+    assert saved_and_shown(page) == (turns("first question", "second, edited"),) * 2
     assert not errors, errors

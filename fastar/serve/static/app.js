@@ -243,38 +243,88 @@ function renderMessages() {
     return;
   }
   for (const m of conv.messages) box.append(messageView(m));
-  lastTurnActions();
+  turnActions();
   scrollToBottom();
 }
 
-// The last turn can be asked again (Regenerate: the same messages, so the server reuses the conversation's
-// state up to them) or taken back to edit (Edit: its text returns to the message box, the turn is removed).
-function lastTurnActions() {
+// Every answered turn can be asked again or edited, as ChatGPT does without branches. Regenerate on a reply drops
+// it and every turn after it and asks its question again with the same messages before it (so the server reuses
+// the conversation's state up to them). Edit on a question opens it in place; sending the edit drops that turn and
+// every one after it and asks the edited question, Escape or Cancel leaves the conversation as it was.
+function turnActions() {
   for (const old of $("messages").querySelectorAll(".actions")) old.remove();
   const conv = current();
-  const n = conv ? conv.messages.length : 0;
-  const [asked, reply] = conv ? conv.messages.slice(-2) : [];
-  if (controller || n < 2 || reply.role !== "assistant" || reply.pending || asked.role !== "user") return;
+  if (controller || !conv || conv.messages.some((m) => m.pending)) return; // none while a reply streams
   const views = $("messages").querySelectorAll(".msg");
-  const button = (label, action) => {
-    const b = el("button", "", label);
-    b.type = "button";
-    b.addEventListener("click", action);
-    return b;
-  };
-  const actions = el("div", "actions");
-  actions.append(button("Regenerate", () => {
-    conv.messages.splice(n - 2, 2);
-    send(asked.content);
-  }), button("Edit", () => {
-    conv.messages.splice(n - 2, 2);
-    save();
-    renderAll();
-    $("input").value = asked.content;
-    autosize();
-    $("input").focus();
-  }));
-  views[views.length - 1].append(actions);
+  conv.messages.forEach((m, i) => {
+    const view = views[i];
+    const asked = conv.messages[i - 1];
+    if (!view || view.classList.contains("editing") || m.failed || m.pending) return;
+    const actions = el("div", "actions");
+    if (m.role === "user") {
+      actions.append(actionButton("Edit", "Edit this message: sending it replaces this turn and the ones after it",
+        () => editTurn(conv, m, view)));
+    } else if (asked?.role === "user" && !asked.failed) {
+      actions.append(actionButton("Regenerate", "Answer again: replaces this reply and the turns after it",
+        () => resend(conv, asked, asked.content)));
+    } else return;
+    view.append(actions);
+  });
+}
+
+function actionButton(label, title, action) {
+  const b = el("button", "", label);
+  b.type = "button";
+  b.title = title;
+  b.addEventListener("click", action);
+  return b;
+}
+
+// The conversation up to (not including) the question `asked`, then `text` asked in its place.
+function resend(conv, asked, text) {
+  const at = conv.messages.indexOf(asked);
+  if (controller || at < 0 || conv !== current()) return;
+  conv.messages.splice(at);
+  send(text);
+}
+
+function editTurn(conv, asked, view) {
+  const form = el("form", "edit");
+  const box = el("textarea");
+  box.value = asked.content;
+  box.rows = 1;
+  box.setAttribute("aria-label", "Edit message");
+  const buttons = el("div", "edit-buttons");
+  const cancel = actionButton("Cancel", "Keep the message as it was", () => {
+    const shown = messageView(asked);
+    view.replaceWith(shown);
+    turnActions();
+    shown.querySelector(".actions button")?.focus(); // the keyboard stays where it was, not back at the page's top
+  });
+  const submit = el("button", "primary", "Send");
+  submit.type = "submit";
+  buttons.append(cancel, submit);
+  form.append(box, buttons);
+  form.addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    if (box.value.trim()) resend(conv, asked, box.value);
+  });
+  box.addEventListener("keydown", (ev) => {
+    if (sendsOnEnter(ev)) {
+      ev.preventDefault();
+      form.requestSubmit();
+    } else if (ev.key === "Escape") {
+      ev.stopPropagation();
+      cancel.click();
+    }
+  });
+  box.addEventListener("input", () => autosize(box));
+  view.classList.add("editing");
+  view.querySelector(".actions")?.remove();
+  view.querySelector(".bubble").replaceWith(form);
+  autosize(box);
+  box.focus();
+  box.setSelectionRange(box.value.length, box.value.length);
 }
 
 function renderAll() {
@@ -507,7 +557,7 @@ async function send(text) {
       updateAssistant(view, reply);
       if (asked.failed && view.previousElementSibling) view.previousElementSibling.replaceWith(messageView(asked));
       renderList();
-      lastTurnActions();
+      turnActions();
     }
     $("input").focus();
   }
@@ -529,8 +579,7 @@ function takeBack(conv, asked, reply) {
 
 // ---- composer and settings -------------------------------------------------------------------------------
 
-function autosize() {
-  const input = $("input");
+function autosize(input = $("input")) {
   input.style.height = "auto";
   input.style.height = Math.min(input.scrollHeight, 240) + "px";
 }
@@ -561,7 +610,7 @@ $("input").addEventListener("keydown", (ev) => {
     $("composer").requestSubmit();
   }
 });
-$("input").addEventListener("input", autosize);
+$("input").addEventListener("input", () => autosize());
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("new-chat").addEventListener("click", newChat);
 $("sidebar-toggle").addEventListener("click", () => document.body.classList.toggle("show-sidebar"));

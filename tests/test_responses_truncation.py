@@ -1,18 +1,22 @@
 """The Responses API's `truncation` (fastar/serve/truncation.py) over the FakeEngine of test_server.py, through the
-real worker: with "auto" a conversation too long for the context loses its earliest exchanges, and no more of them
-than it must, until the reply has room (the prompt the engine receives is the kept conversation's rendering); a
-function call and its output go together; the instructions, developer messages and the last user turn stay; with
-"disabled" (the default), or where the last turn alone does not fit, the 400 context error; a bad value is a 400."""
+real worker: with "auto" a conversation too long for the context loses its earliest exchanges, then (an agent run:
+one user message and many call rounds) the oldest tool rounds after its last user message, and no more of them
+than it must, until the reply has room (the prompt the engine receives is the kept conversation's rendering, and
+the kept items render as they did in the whole one); a function call and its output go together, reasoning with
+its turn; the instructions, developer messages, the last user message and the latest round stay; with "disabled"
+(the default), or where what stays does not fit, the 400 context error; a bad value is a 400."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from test_agents_api import make_backend, sse_events
 from test_server import WEATHER_TOOL, FakeEngine
 
 from fastar.serve import responses as R
+from fastar.serve import truncation
 from fastar.serve.api_error import APIError
-from fastar.serve.truncation import exchanges
 
 NO_THINK = {"reasoning": {"effort": "none"}, "temperature": 0}  # no thinking; the reply "Echo: <question>"
 INSTRUCTIONS = "Answer briefly."
@@ -59,9 +63,9 @@ CONVERSATION = [
 ]
 
 
-def prompt_of(backend, items: list[dict], tools: list[dict] | None = None) -> tuple[str, int]:
+def prompt_of(backend, items: list[dict], tools: list[dict] | None = None, mode: dict = NO_THINK) -> tuple[str, int]:
     """The rendering and token count of a request of these items (as the engine would receive it)."""
-    body = {"input": items, "instructions": INSTRUCTIONS, "tools": tools, **NO_THINK}
+    body = {"input": items, "instructions": INSTRUCTIONS, "tools": tools, **mode}
     text = R.parse_request(body, backend, R.ResponseStore()).conv.render()
     return text, len(backend.engine().tokenizer.encode(text))
 
@@ -136,8 +140,9 @@ def test_exchanges_group_calls_with_their_outputs_and_skip_system_messages():
         {"role": "assistant", "content": "", "tool_calls": [{"id": "d"}]},
         {"role": "tool", "tool_call_id": "d", "content": "out"},
     ]
-    assert exchanges(conversation) == [[1], [2, 3, 5], [6, 7]]
-    assert exchanges(conversation[8:]) == [] and exchanges([{"role": "tool", "content": "x"}]) == []
+    assert truncation.exchanges(conversation) == [[1], [2, 3, 5], [6, 7]]
+    assert truncation.exchanges(conversation[8:]) == []
+    assert truncation.exchanges([{"role": "tool", "content": "x"}]) == []
 
 
 def test_when_the_last_turn_alone_does_not_fit_it_is_the_usual_400(setup):
@@ -192,3 +197,185 @@ def test_truncation_is_echoed_as_given(setup):
     for given, echoed in ((None, "disabled"), ("disabled", "disabled"), ("auto", "auto")):
         assert R.create(ask(input="hi", truncation=given), backend, R.ResponseStore())["truncation"] == echoed
     assert R.create(ask(input="hi"), backend, R.ResponseStore())["truncation"] == "disabled"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# An agent run: one user message, then round after round of function calls
+# ---------------------------------------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}]
+MODES = {"chat": NO_THINK, "thinking": {"reasoning": {"effort": "high"}, "temperature": 0}}
+ROOM = 200  # max_output_tokens: the reply echoes the last tool outputs (and thinks first) without being cut
+
+
+def round_of(n: int, calls: int = 1, text: str = "") -> list[dict]:
+    """One turn of the model (its reasoning, any text, `calls` function calls) and the outputs of its calls."""
+    ids = [f"call_{n}_{k}" for k in range(calls)]
+    turn = [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": f"thought {n}"}]}]
+    turn += [said(text)] if text else []
+    turn += [
+        {
+            "type": "function_call",
+            "call_id": i,
+            "name": "get_weather",
+            "arguments": json.dumps({"location": f"city {n}.{k}"}),
+        }
+        for k, i in enumerate(ids)
+    ]
+    return turn + [
+        {"type": "function_call_output", "call_id": i, "output": f"report {n}.{k}: " + "mild " * 15}
+        for k, i in enumerate(ids)
+    ]
+
+
+TASK = [{"type": "message", "role": "developer", "content": "Use metric units."}, user("Plan a trip. " * 8)]
+ROUNDS = [round_of(1), round_of(2, text="Checking the next city."), round_of(3, calls=2), round_of(4), round_of(5)]
+
+
+def agent_run(dropped: int, rounds: list[list[dict]] = ROUNDS) -> list[dict]:
+    """The task and its rounds less the `dropped` oldest."""
+    return TASK + [item for r in rounds[dropped:] for item in r]
+
+
+def agent_body(items: list[dict], tools: list[dict] | None, mode: dict, **kw) -> dict:
+    return {"input": items, "instructions": INSTRUCTIONS, "tools": tools, **mode, "max_output_tokens": ROOM, **kw}
+
+
+def assert_cut_from(whole: str, kept: str) -> None:
+    """`kept` is `whole` with one stretch taken out: the items kept render as they did in the whole conversation."""
+
+    def common(a: str, b: str) -> int:  # the length of their common start
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    head, tail = common(whole, kept), common(whole[::-1], kept[::-1])
+    assert len(kept) < len(whole) and head + tail >= len(kept), (whole, kept)
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no-tools"])
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("dropped", [1, 2, 4])
+def test_an_agent_run_drops_its_fewest_oldest_tool_rounds_that_leave_room(setup, dropped, mode, tools):
+    engine, backend = setup
+    text, tokens = prompt_of(backend, agent_run(dropped), tools, mode)
+    engine.context_length = tokens + ROOM  # one round fewer dropped would not leave it
+    assert prompt_of(backend, agent_run(dropped - 1), tools, mode)[1] + ROOM > engine.context_length
+    body = agent_body(agent_run(0), tools, mode)
+    with pytest.raises(APIError) as err:
+        R.create(body, backend, R.ResponseStore())
+    assert err.value.code == "context_length_exceeded"
+    out = R.create({**body, "truncation": "auto"}, backend, R.ResponseStore())
+    assert out["status"] == "completed" and engine.prompts[-1] == text and out["usage"]["input_tokens"] == tokens
+    assert_cut_from(prompt_of(backend, agent_run(0), tools, mode)[0], text)
+    assert "Use metric units." in text and "Plan a trip." in text and "city 5.0" in text and "report 5.0" in text
+    assert all(f"city {n}." not in text and f"report {n}." not in text for n in range(1, dropped + 1))
+    assert ("thought 5" in text) == (mode is MODES["thinking"] and tools is not None)  # the encoder's rule, kept
+    events = sse_events(R.create({**body, "truncation": "auto", "stream": True}, backend, R.ResponseStore()))
+    assert events[-1][0] == "response.completed" and engine.prompts[-1] == text
+
+
+# encoder messages: an exchange, then the last user message, an orphan tool output and three rounds
+MESSAGES = [
+    {"role": "user", "content": "u1"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "a"}]},
+    {"role": "tool", "tool_call_id": "a", "content": "out"},
+    {"role": "user", "content": "u2"},
+    {"role": "tool", "tool_call_id": "x", "content": "out"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "b"}]},
+    {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [{"id": "c"}]},
+    {"role": "tool", "tool_call_id": "b", "content": "out"},
+    {"role": "system", "content": "mid"},
+    {"role": "tool", "tool_call_id": "c", "content": "out"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "d"}]},
+    {"role": "tool", "tool_call_id": "d", "content": "out"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "e"}]},
+    {"role": "tool", "tool_call_id": "e", "content": "out"},
+]
+
+
+def test_a_turn_s_reasoning_calls_and_outputs_are_one_round():
+    conversation = R.input_messages(agent_run(0))  # system, user, then rounds of 2, 2, 3, 2 and 2 messages
+    assert [m["role"] for m in conversation[:2]] == ["system", "user"]
+    assert truncation.rounds(conversation) == [[2, 3], [4, 5], [6, 7, 8], [9, 10], [11, 12]]
+    assert truncation.droppable(conversation) == [[2, 3], [4, 5], [6, 7, 8], [9, 10]]  # the latest round stays
+    assert conversation[4]["reasoning_content"] == "thought 2" and conversation[4]["content"]  # reasoning, text, call
+    # Calls the model interleaved with reasoning (two assistant messages in a row) and a system message among the
+    # outputs: still one round; a tool output right after the user message joins the user turn, in no round.
+    assert truncation.rounds(MESSAGES) == [[5, 6, 7, 9], [10, 11], [12, 13]]
+    assert truncation.droppable(MESSAGES) == [[0, 1, 2], [5, 6, 7, 9], [10, 11]]
+    assert truncation.rounds(MESSAGES[:4]) == [] and truncation.droppable(MESSAGES[:4]) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize(
+    ("where", "answers", "expected"),
+    [
+        (11, "b", [[0, 1, 2], [5, 6, 7, 9, 10, 11]]),  # round 2 answers round 1: the two go together
+        (13, "d", [[0, 1, 2], [5, 6, 7, 9]]),  # the latest round answers round 2: round 2 stays with it
+        (13, "a", []),  # the latest round answers the first exchange: nothing before it may go
+        (4, "a", []),  # so does the tool output joined to the last user turn
+    ],
+)
+def test_no_output_is_kept_whose_call_is_dropped(where, answers, expected):
+    messages = [dict(m) for m in MESSAGES]
+    messages[where] = {**messages[where], "tool_call_id": answers}
+    assert truncation.droppable(messages) == expected
+
+
+def test_an_output_of_an_earlier_round_s_call_keeps_that_round(setup):
+    """An output in the latest round answering round 2's call: round 1 may go, round 2 may not."""
+    engine, backend = setup
+    late = {"type": "function_call_output", "call_id": "call_2_0", "output": "late report"}
+    rounds = [*ROUNDS[:2], [*ROUNDS[2], late]]
+    text, tokens = prompt_of(backend, agent_run(1, rounds), TOOLS)
+    engine.context_length = tokens + ROOM
+    out = R.create(agent_body(agent_run(0, rounds), TOOLS, NO_THINK, truncation="auto"), backend, R.ResponseStore())
+    assert engine.prompts[-1] == text and out["usage"]["input_tokens"] == tokens and "city 2.0" in text
+    engine.context_length = prompt_of(backend, agent_run(2, rounds), TOOLS)[1] + ROOM  # fits only without round 2
+    with pytest.raises(APIError) as err:
+        R.create(agent_body(agent_run(0, rounds), TOOLS, NO_THINK, truncation="auto"), backend, R.ResponseStore())
+    assert err.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_user_message_and_the_latest_round_always_stay(setup, stream):
+    """Where the user message and the latest round fit with the reply's room, that is the prompt; one token less of
+    context and it is the 400 "disabled" gives, streaming or not."""
+    engine, backend = setup
+    text, tokens = prompt_of(backend, agent_run(len(ROUNDS) - 1), TOOLS)
+    body = agent_body(agent_run(0), TOOLS, NO_THINK, stream=stream)
+    engine.context_length = tokens + ROOM - 1
+    with pytest.raises(APIError) as disabled:
+        R.create(body, backend, R.ResponseStore())
+    with pytest.raises(APIError) as auto:
+        R.create({**body, "truncation": "auto"}, backend, R.ResponseStore())
+    assert auto.value.status == 400 and auto.value.code == "context_length_exceeded"
+    assert auto.value.message == disabled.value.message
+    engine.context_length = tokens + ROOM
+    out = R.create({**body, "truncation": "auto"}, backend, R.ResponseStore())
+    final = sse_events(out)[-1][1]["response"] if stream else out
+    assert final["status"] == "completed" and engine.prompts[-1] == text
+    assert "Plan a trip." in text and "report 5.0" in text and "city 4." not in text
+
+
+def test_an_agent_loop_over_previous_response_id_drops_its_oldest_rounds(setup):
+    """The model calls a tool, the client answers it, round after round (each reply's reasoning and call stored):
+    a conversation grown too long keeps the task and the rounds that fit, rendered as the model saw them."""
+    engine, backend = setup
+    store, mode = R.ResponseStore(), MODES["thinking"]
+    items = [user("What is the weather like?")]
+    out = R.create(agent_body(items, TOOLS, mode), backend, store)
+    rounds = []
+    for n in range(4):
+        call = out["output"][-1]
+        assert call["type"] == "function_call"
+        answer = {"type": "function_call_output", "call_id": call["call_id"], "output": f"weather {n}: " + "fair " * 9}
+        rounds.append([*out["output"], answer])
+        last = out
+        out = R.create(agent_body([answer], TOOLS, mode, previous_response_id=out["id"]), backend, store)
+    assert out["output"][-1]["type"] == "function_call" and "weather 3" in engine.prompts[-1]
+    text, tokens = prompt_of(backend, items + rounds[2] + rounds[3], TOOLS, mode)
+    assert "Thinking about" in text  # the kept rounds' reasoning is rendered (tools: earlier thinking is kept)
+    engine.context_length = tokens + ROOM
+    body = agent_body([rounds[3][-1]], TOOLS, mode, previous_response_id=last["id"], truncation="auto")
+    R.create(body, backend, store)
+    assert engine.prompts[-1] == text and "What is the weather like?" in text
+    assert "weather 1: fair fair" not in text and "weather 2: fair fair" in text

@@ -21,7 +21,8 @@ Owns: request validation and translation (`input` as a string or items: messages
 `max_output_tokens`; `text.format` (rendered as chat completions' `response_format`, and enforced: a JSON schema or
 object, `fastar.engine.constraint`; `tool_choice` "required" or a named function forces a tool call); sampling;
 DeepSeek's `thinking` and `chat_template_kwargs` as on chat completions; `truncation`, whose "auto" drops the
-conversation's earliest exchanges until it fits, `fastar.serve.truncation`), the `response` object, and the SSE events
+conversation's earliest exchanges, then its oldest tool rounds, until it fits, `fastar.serve.truncation`), the
+`response` object, and the SSE events
 (`response.created`, `response.in_progress`, `response.output_item.added` / `.done`, `response.reasoning_text.delta`
 / `.done`, `response.content_part.added` / `.done`, `response.output_text.delta` / `.done`,
 `response.function_call_arguments.delta` / `.done`, `response.completed` (`response.incomplete` when cut at
@@ -532,7 +533,7 @@ def create(
     and `ClientDisconnected` raised. A stream is cancelled by closing its iterator."""
     req = parse_request(body, backend, store)
     prompt = None
-    if req.truncation == "auto":  # the earliest exchanges dropped until the reply has room (the store keeps all)
+    if req.truncation == "auto":  # the earliest items dropped until the reply has room (the store keeps all)
         req.conv, prompt = truncation.fit(backend, req.conversation, req.conv_of, req.max_tokens or 1)
     turn = AssistantTurn(
         backend,

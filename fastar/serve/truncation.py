@@ -1,15 +1,23 @@
-"""The Responses API's `truncation`: a conversation too long for the context, its earliest exchanges dropped.
+"""The Responses API's `truncation`: a conversation too long for the context, its earliest items dropped.
 
 `truncation: "disabled"` (the default) answers a prompt that does not fit with the usual 400
 (`context_length_exceeded`). With `"auto"` the conversation (the stored one of `previous_response_id` and the new
-`input`) loses whole exchanges from its start until the prompt fits with room for the reply: `max_output_tokens`
-tokens where the request gives it, else at least one. An exchange is a user message and what follows it up to the
-next one (the assistant's reasoning, text, function calls and their outputs), so a function call is never kept
-without its output nor its output without it, and reasoning stays with its message. Never dropped: the instructions
-and every system or developer message, and the last user message with everything after it (the turn being
-answered, its calls and outputs so far). If that alone does not fit, the answer is the 400 `"disabled"` gives.
+`input`) loses items from its start until the prompt fits with room for the reply: `max_output_tokens` tokens where
+the request gives it, else at least one. First whole exchanges go, oldest first: an exchange is a user message and
+what follows it up to the next one (the assistant's reasoning, text, function calls and their outputs). Once only
+the last exchange is left (an agent run: one user message, then round after round of calls), its oldest tool
+rounds go: a round is one turn of the model (its reasoning, text and function calls) with the function call
+outputs after it. So a function call is never kept without its output nor its output without it, and reasoning
+stays with its turn. Never dropped: the instructions and every system or developer message, the last user
+message, and the latest round (the calls and outputs the reply continues from). If those alone do not fit, the
+answer is the 400 `"disabled"` gives.
 
-The fewest exchanges are dropped: the whole conversation is tokenized first (a prompt that fits costs nothing more),
+The kept items render as they did in the whole conversation: the V4 format opens an assistant turn after a user or
+tool turn, so the user message followed by a later round opens it as it was opened after the dropped round's
+outputs, and whether earlier turns' reasoning is rendered depends only on the last user or tool turn, which is
+kept. The prompt is the rendering of the shortened conversation itself (what the model would see had it been sent).
+
+The fewest steps are dropped: the whole conversation is tokenized first (a prompt that fits costs nothing more),
 then the number to drop is bisected, each try admitted and tokenized as any prompt (`fastar.serve.turn.prompt_ids`,
 through the replay cache, so a conversation truncated at the same place as its previous turn reuses its ids).
 
@@ -55,15 +63,66 @@ def exchanges(conversation: list[dict]) -> list[list[int]]:
     return out
 
 
+def rounds(conversation: list[dict]) -> list[list[int]]:
+    """The indices of the messages after the last user message (all of them where there is none), one list per tool
+    round, oldest first: a run of assistant messages (one turn of the model: its reasoning, text and function calls)
+    with the tool messages after it up to the next assistant message. System messages are in none, nor tool
+    messages before the first assistant message (the encoder folds them into the user turn)."""
+    users = [i for i, m in enumerate(conversation) if m.get("role") == "user"]
+    out: list[list[int]] = []
+    previous = "user"
+    for i in range(users[-1] + 1 if users else 0, len(conversation)):
+        role = conversation[i].get("role")
+        if role == "system":
+            continue
+        if role == "assistant" and previous != "assistant":
+            out.append([i])
+        elif out:
+            out[-1].append(i)
+        previous = role
+    return out
+
+
+def droppable(conversation: list[dict]) -> list[list[int]]:
+    """What `auto` may drop, one list of message indices per step, in the order it drops them: the exchanges
+    before the last user message, then the tool rounds after it but the latest. Where a tool message answers a call
+    of an earlier step (a conversation the API's items can spell, not one the model wrote), the steps from the
+    call's to the output's go as one; where the output is never dropped, neither is anything from the call's step
+    on, so no output is kept whose call is gone."""
+    groups = exchanges(conversation) + rounds(conversation)[:-1]
+    owner = {i: g for g, group in enumerate(groups) for i in group}
+    kept = len(groups)  # the step of what is never dropped
+    forbidden = [0] * (kept + 2)  # forbidden[n] > 0 (as a running sum): dropping exactly n steps would part a pair
+    calls: dict[str, int] = {}
+    for i, msg in enumerate(conversation):
+        step = owner.get(i, kept)
+        if msg.get("role") == "assistant":
+            calls.update((call.get("id"), step) for call in msg.get("tool_calls") or [])
+        elif msg.get("role") == "tool":
+            call = calls.get(msg.get("tool_call_id"), step)
+            if call < step:  # dropping n steps with call < n <= step keeps the output without its call
+                forbidden[call + 1] += 1
+                forbidden[step + 1] -= 1
+    out: list[list[int]] = []
+    parting, pending = 0, []
+    for n in range(1, kept + 1):  # may `n` steps be dropped?
+        pending += groups[n - 1]
+        parting += forbidden[n]
+        if not parting:
+            out.append(pending)
+            pending = []
+    return out
+
+
 def fit(
     backend: Backend, conversation: list[dict], render: Callable[[list[dict]], Conversation], room: int
 ) -> tuple[Conversation, tuple[str, list[int]]]:
-    """The prompt of `conversation` with the fewest earliest exchanges dropped that leaves `room` tokens of the
+    """The prompt of `conversation` with the fewest of its `droppable` steps dropped that leaves `room` tokens of the
     context: the `Conversation` (`render` of the kept messages: instructions and tools put on) and its rendered text
     and ids. Where even dropping all of them leaves no room, the whole conversation's, for the usual 400 (raised
     here where its characters alone refuse it)."""
     context = backend.engine().context_length
-    groups = exchanges(conversation)
+    groups = droppable(conversation)
 
     def attempt(drop: int) -> tuple[Conversation, tuple[str, list[int]] | ContextOverflow]:
         gone = {i for group in groups[:drop] for i in group}
@@ -78,7 +137,7 @@ def fit(
 
     chosen = whole = attempt(0)
     if not fits(whole) and groups and fits(least := attempt(len(groups))):
-        chosen, low, high = least, 0, len(groups)  # dropping `low` exchanges does not fit, dropping `high` does
+        chosen, low, high = least, 0, len(groups)  # dropping `low` steps does not fit, dropping `high` does
         while high - low > 1:
             mid = (low + high) // 2
             tried = attempt(mid)

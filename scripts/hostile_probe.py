@@ -12,6 +12,8 @@ the server as written, in these categories:
   huge_nested       deep nesting in every field, huge arrays, bodies just under and over the 32 MiB cap
   bad_unicode       raw invalid UTF-8 (lone surrogate bytes ED A0 80, FF FE, overlong, truncated) in JSON strings
   over_context      prompts over the context (20 MB text; --quick: 2 MB) on every route, 3 concurrent count_tokens
+                    (and a Responses agent run whose old tool round alone is over it: `truncation` "auto"
+                    must drop it and answer)
   static_files      long file names (/static/ + 256 characters), traversal, odd bytes: all 404
   framing           request lines and headers just under and over 64 KiB, one 100,000-byte header, bad
                     Content-Length / chunking, other HTTP versions
@@ -432,6 +434,7 @@ def rich_bodies(model: str) -> dict[str, dict]:
             "stream": False,
             "store": True,
             "metadata": {"k": "v"},
+            "truncation": "auto",
         },
         "messages": {
             "model": model,
@@ -752,6 +755,7 @@ def cases_over_context(t: Target, quick: bool) -> list[Case]:
         "responses": s["responses"],
         "responses (items)": {**s["responses"], "input": [{"role": "user", "content": text}]},
         "responses (instructions)": {**simple_bodies(t.model)["responses"], "instructions": text},
+        "responses (truncation auto)": {**s["responses"], "truncation": "auto"},
         "messages": s["messages"],
         "messages (system)": {**simple_bodies(t.model)["messages"], "system": text},
         "count_tokens": s["count_tokens"],
@@ -770,6 +774,22 @@ def cases_over_context(t: Target, quick: bool) -> list[Case]:
                 timeout=180,
             )
         )
+    agent_run = [  # an agent run whose old tool round is too long: "auto" drops it, the rest fits
+        {"type": "function_call", "call_id": "f1", "name": "read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "f1", "output": text},
+        {"type": "function_call", "call_id": "f2", "name": "read", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "f2", "output": "short"},
+    ]
+    auto = {**simple_bodies(t.model)["responses"], "input": [{"role": "user", "content": "hi"}, *agent_run]}
+    out.append(
+        Case(
+            "over_context",
+            f"responses (truncation auto): a {len(text) / 1e6:.0f} MB old tool round",
+            t.post(ROUTES["responses"], {**auto, "truncation": "auto"}),
+            status_in("2xx"),
+            timeout=180,
+        )
+    )
     out.append(
         Case(
             "over_context",

@@ -412,12 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(fn=cmd_export)
 
     v = sub.add_parser("verify", help="check a .fst file's structure and every checksum")
-    v.add_argument("file", type=_path)
+    v.add_argument("file", type=_path, help="the .fst file to check")
     v.add_argument("--quick", action="store_true", help="structure only, no checksums")
     v.set_defaults(fn=cmd_verify)
 
     i = sub.add_parser("inspect", help="print a .fst file's config, tensors and expert-bank geometry")
-    i.add_argument("file", type=_path)
+    i.add_argument("file", type=_path, help="the .fst file to describe")
     i.add_argument("--all", action="store_true", help="list every tensor")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(fn=cmd_inspect)
@@ -431,9 +431,16 @@ def build_parser() -> argparse.ArgumentParser:
     au.set_defaults(fn=cmd_audit)
 
     f = sub.add_parser("fixture", help="write a small random checkpoint in the official on-disk format")
-    f.add_argument("-o", "--output", type=_path, required=True)
-    f.add_argument("--preset", default="tiny", choices=["tiny", "tiny-dspark", "vocab", "flash"])
-    f.add_argument("--seed", type=_seed, default=0)
+    f.add_argument("-o", "--output", type=_path, required=True, help="the new checkpoint directory")
+    f.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "tiny-dspark", "vocab", "flash"],
+        help="tiny (default): hidden 256, 5 layers, 8 experts and a 1,024-token vocabulary (token ids only, no "
+        "text); tiny-dspark: tiny with DSpark draft stages; vocab: tiny with the real 129,280-token vocabulary (runs "
+        "text); flash: the real Flash widths, 2 layers of 16 experts (several GB)",
+    )
+    f.add_argument("--seed", type=_seed, default=0, help="random seed of the weights (default 0)")
     f.set_defaults(fn=cmd_fixture)
 
     sy = sub.add_parser(
@@ -449,13 +456,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="write an official-format checkpoint directory instead (safetensors shards, config.json), the same "
         "weights transformers can load: for bench --compare-transformers",
     )
-    sy.add_argument("--layers", type=int, default=4)
-    sy.add_argument("--experts", type=int, default=256, help="routed experts per layer")
-    sy.add_argument("--vocab", type=int, default=129280)
-    sy.add_argument("--hidden", type=int, default=4096)
-    sy.add_argument("--inter", type=int, default=2048, help="routed expert width")
-    sy.add_argument("--mtp", type=int, default=1, help="MTP blocks")
-    sy.add_argument("--seed", type=_seed, default=0)
+    sy.add_argument("--layers", type=int, default=4, help="layers (default 4; Flash has 43)")
+    sy.add_argument(
+        "--experts",
+        type=int,
+        default=256,
+        help="routed experts per layer (default 256, as Flash: ~3.4 GB of experts a layer; 16 makes a small file)",
+    )
+    sy.add_argument(
+        "--vocab", type=int, default=129280, help="vocabulary size (default 129280, the real one: runs text)"
+    )
+    sy.add_argument("--hidden", type=int, default=4096, help="hidden size (default 4096, as Flash)")
+    sy.add_argument("--inter", type=int, default=2048, help="routed expert width (default 2048, as Flash)")
+    sy.add_argument("--mtp", type=int, default=1, help="MTP blocks (default 1)")
+    sy.add_argument("--seed", type=_seed, default=0, help="random seed of the weights (default 0)")
     sy.add_argument(
         "--router-bias",
         type=float,
@@ -484,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=".fst file or official checkpoint directory (default: the built-in demo model)",
     )
-    sv.add_argument("--numerics", default="official", choices=["official", "reference"])
+    console.add_numerics_argument(sv)
     sv.add_argument(
         "-c",
         "--ctx-size",
@@ -492,12 +506,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="ctx_size",
         type=console.non_negative_int,
         default=0,
-        help="context length in tokens (default: the model's, capped)",
+        help=console.CONTEXT_HELP,
     )
-    sv.add_argument("--threads", type=console.thread_count, default=0, help="CPU threads (default: torch's choice)")
+    sv.add_argument("--threads", type=console.thread_count, default=0, help=console.THREADS_HELP)
     console.add_draft_argument(sv)
     console.add_memory_arguments(sv)
-    sv.add_argument("--verbose", action="store_true")
+    sv.add_argument("--verbose", action="store_true", help=console.VERBOSE_LOAD_HELP)
     serve_mod.add_arguments(sv)
     sv.set_defaults(fn=cmd_serve, serve_mod=serve_mod)
 

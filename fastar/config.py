@@ -17,6 +17,9 @@ from typing import Any
 from .errors import ConfigError
 
 ALLOWED_RATIOS = (0, 4, 128)
+# The context a session gets unless -c/--ctx-size (`Engine.context_length`) asks for more: the model allows 1M
+# positions, whose compressed KV alone would take many GB; this fits a workstation.
+MAX_DEFAULT_CONTEXT = 32768
 
 # Fields an official config.json must carry; everything else has the Flash default.
 REQUIRED = (

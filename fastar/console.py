@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from .config import int_flag, parse_size
+from .config import MAX_DEFAULT_CONTEXT, int_flag, parse_size
 from .encoding import StreamParser
 from .engine.outputs import model_files, refuse_inputs_as_output
 from .engine.tokenizer import InvalidText, check_text
@@ -69,6 +69,10 @@ positive_int = int_flag(1, None, "a positive count")
 MAX_THREADS = 256  # the kernels' thread pool holds at most this many (bindings.c's set_num_threads)
 thread_count = int_flag(0, MAX_THREADS, "a thread count")
 seed_value = int_flag(-(2**63), 2**64 - 1, "a seed")
+CONTEXT_HELP = f"context length in tokens (default: the model's, at most {MAX_DEFAULT_CONTEXT:,})"
+THREADS_HELP = "CPU threads of the kernels (default: every CPU this process may use)"
+VERBOSE_HELP = "more detail on stderr (model, token counts, stats)"
+VERBOSE_LOAD_HELP = "one more line on stderr: the loaded model's layers, widths, experts, vocabulary and context"
 
 
 def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -84,9 +88,19 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument(
         "--temp", "--temperature", dest="temp", type=_float_in(0, 100, "a temperature"), default=0.0, help="0 = greedy"
     )
-    p.add_argument("--top-p", type=_float_in(0, 1, "top-p"), default=1.0)
-    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=_float_in(0, 1, "min-p"), default=0.0)
+    p.add_argument(
+        "--top-p",
+        type=_float_in(0, 1, "top-p"),
+        default=1.0,
+        help="sample from the most likely tokens that together hold this probability (1 = off)",
+    )
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument(
+        "--min-p",
+        type=_float_in(0, 1, "min-p"),
+        default=0.0,
+        help="drop tokens less likely than this fraction of the most likely one (0 = off)",
+    )
     p.add_argument("--seed", type=seed_value, default=None, help="random seed (same seed, same text)")
     p.add_argument(
         "-c",
@@ -95,7 +109,7 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
         dest="ctx_size",
         type=non_negative_int,
         default=0,
-        help="context length in tokens (default: the model's, capped)",
+        help=CONTEXT_HELP,
     )
     p.add_argument(
         "--thinking",
@@ -108,11 +122,11 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "--threads",
         type=thread_count,
         default=0,
-        help="CPU threads of the kernels (default: every CPU this process may use)",
+        help=THREADS_HELP,
     )
     add_draft_argument(p)
     add_memory_arguments(p)
-    p.add_argument("--verbose", action="store_true", help="more detail on stderr (model, token counts, stats)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(numerics="official")  # `open_engine` reads it; run and chat have no --numerics flag
 
 
@@ -187,6 +201,16 @@ def memory_options(args: argparse.Namespace) -> dict:
         "device": args.device,
         "gpu_budget": args.gpu_budget,
     }
+
+
+def add_numerics_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--numerics",
+        default="official",
+        choices=["official", "reference"],
+        help="official (default): DeepSeek's inference rounding (FP8 activations and KV, FP4 index keys); "
+        "reference: transformers' float32 arithmetic on the same weights (docs/MODEL.md, Numerics)",
+    )
 
 
 def add_draft_argument(p: argparse.ArgumentParser) -> None:
@@ -319,14 +343,21 @@ def sampling_params(args: argparse.Namespace, stop: list[str] | None = None):
 
 
 def timings_line(before: dict, after: dict) -> str:
-    """One line: this request's prefill and decode speeds, and the expert cache hit rate when there is one."""
+    """One line: this request's prefill and decode speeds, and the expert cache hit rate when there is one. The
+    decode speed counts the tokens the decode steps wrote, not the rejected drafts their verify passes ran."""
     d = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
     pre_n, pre_s = d.get("prefill_tokens_computed", 0), d.get("prefill_seconds", 0.0)
     dec_n, dec_s = d.get("decode_tokens_computed", 0), d.get("decode_seconds", 0.0)
+    # a verify pass runs its drafts' positions too; the rejected ones wrote no token, so the rate counts the
+    # tokens written (each pass writes its accepted drafts and one token of its own)
+    rejected = d.get("draft_tokens_verified", 0) - d.get("draft_tokens_accepted", 0)
+    written = dec_n - rejected
+    decode = f"decode {written} tokens in {dec_s:.2f} s ({written / dec_s if dec_s else 0:.1f} tok/s"
+    decode += f"; {dec_n} positions run, {rejected} rejected drafts among them)" if rejected else ")"
     parts = [
         f"prompt {d.get('prompt_tokens', 0)} tokens ({d.get('cached_tokens', 0)} reused)",
         f"prefill {pre_n} tokens in {pre_s:.2f} s ({pre_n / pre_s if pre_s else 0:.1f} tok/s)",
-        f"decode {dec_n} tokens in {dec_s:.2f} s ({dec_n / dec_s if dec_s else 0:.1f} tok/s)",
+        decode,
     ]
     hits, misses = d.get("expert_cache_hits"), d.get("expert_cache_misses")
     if hits is not None and misses is not None and hits + misses:
@@ -463,6 +494,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .engine.generate import chat_prompt
 
     out, err = sys.stdout, sys.stderr
+    if args.raw and (args.system is not None or args.thinking):
+        # they shape the chat encoding, which --raw skips: taken without a word, they changed nothing
+        flag = "--system" if args.system is not None else "--thinking"
+        raise FastarError(f"{flag} has no effect with --raw (the prompt is sent as-is, without the chat encoding)")
     prompt = _read_prompt(args)
     params = sampling_params(args, [args.stop] if args.stop else None)  # bad values fail before the load
     engine = open_engine(args, err)

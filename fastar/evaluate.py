@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens a window moves by (default ctx/2): only tokens no earlier window scored are scored, so each "
         "has at least ctx - stride tokens of context after the first window",
     )
-    p.add_argument("--numerics", default="official", choices=["official", "reference"])
-    p.add_argument("--threads", type=console.thread_count, default=0, help="CPU threads of the kernels")
+    console.add_numerics_argument(p)
+    p.add_argument("--threads", type=console.thread_count, default=0, help=console.THREADS_HELP)
     console.add_memory_arguments(p)
     p.add_argument(
         "--save-logits", metavar="OUT", default=None, help="save every scored token's distribution (float16) to OUT"
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)"
     )
-    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--verbose", action="store_true", help=console.VERBOSE_LOAD_HELP)
     # the engine options open_engine reads that perplexity has no flag for: the window sets the context (-c),
     # and every window is one forward pass, so no draft
     p.set_defaults(ctx_size=0, draft="none")

@@ -154,3 +154,20 @@ def test_serve_loads_warm(vocab_ckpt, tmp_path, monkeypatch):
     finally:
         engine.close()
     assert len(list(tmp_path.glob("hot-experts-*.json"))) == 1
+
+
+def test_every_option_says_what_it_does():
+    """`fastar COMMAND --help` explains every option and argument: `serve --numerics`, `run --top-p`, `synth
+    --layers`, `fixture --preset` and others were listed without a word (a user could not tell what
+    `reference` numerics are, or that the default fixture runs no text)."""
+    import argparse
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    silent = [
+        f"{name} {action.option_strings[-1] if action.option_strings else action.dest}"
+        for name, sub in commands.items()
+        for action in sub._actions
+        if not isinstance(action, argparse._HelpAction) and not (action.help or "").strip()
+    ]
+    assert len(commands) >= 12 and silent == []

@@ -181,6 +181,30 @@ def test_run_min_tokens_keeps_a_stop_string_in_its_first_tokens(capsys, demo_cac
     assert capsys.readouterr().out.strip() == text
 
 
+def test_run_with_drafts_times_the_tokens_it_wrote(capsys, demo_cache: Path) -> None:
+    """`fastar run --draft mtp`: the timings line's decode count is the tokens written after the prefill's first
+    (it counted every position the verify passes ran, rejected drafts too: `-n 12` showed 13)."""
+    model = str(demo_cache / demo.DEMO_NAME)
+    args = ["run", "-m", model, "--draft", "mtp", "-n", "12", "--temp", "0", "--raw", "-p", "Once upon a time"]
+    code, err = run_main(capsys, *args, "--verbose")
+    drafts = re.search(r"draft mtp: ([\d.]+)% of (\d+) drafts accepted", err)
+    assert code == 0 and drafts and int(drafts[2]) > 0 and float(drafts[1]) < 100, err  # some drafts were rejected
+    completion = int(re.search(r"'completion_tokens': (\d+)", err)[1])
+    assert int(re.search(r"decode (\d+) tokens in", err)[1]) == completion - 1, err
+    assert re.search(r"\d+ positions run, \d+ rejected drafts among them", err), err
+
+
+def test_run_raw_refuses_the_chat_encoding_flags(capsys, demo_cache: Path) -> None:
+    """`--system` and `--thinking` shape the chat encoding that `--raw` skips: they were taken without a word and
+    changed nothing; now each is one line, before the model loads."""
+    model = str(demo_cache / demo.DEMO_NAME)
+    code, err = run_main(capsys, "run", "-m", model, "--raw", "--system", "be brief", "-p", "hi")
+    assert code == 1 and "--system has no effect with --raw" in one_line_error(err)
+    code, err = run_main(capsys, "run", "-m", model, "--raw", "--thinking", "-p", "hi")
+    assert code == 1 and "--thinking has no effect with --raw" in one_line_error(err)
+    assert run_main(capsys, "run", "-m", model, "--raw", "--no-thinking", "-n", "2", "-p", "hi")[0] == 0
+
+
 def test_a_reply_the_context_cut_short_says_so(capsys, monkeypatch, demo_cache: Path) -> None:
     """`-n 100` with `-c 16`: the reply stops when the context is full. It used to stop there without a word, like
     a reply of -n tokens; now one line on stderr says the context ended it and how to raise it (run and chat)."""

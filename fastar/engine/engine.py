@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from ..config import MAX_DEFAULT_CONTEXT
 from ..contracts import ExpertProvider, WeightSource
 from ..errors import ConfigError, EngineClosed, FastarError
 from ..model.deepseek_v4 import PREFILL_SPAN_BYTES, Numerics, span_bytes_per_token
@@ -307,9 +308,8 @@ class Engine:
     # engine and its sessions.
 
     model_name_default = "deepseek-v4-flash"
-    # The model allows 1M positions, whose compressed KV alone would take many GB: a default that fits a
-    # workstation; -c/--ctx-size (the `context_length` setter) raises it up to max_position_embeddings.
-    MAX_DEFAULT_CONTEXT = 32768
+    # -c/--ctx-size (the `context_length` setter) raises it up to max_position_embeddings
+    MAX_DEFAULT_CONTEXT = MAX_DEFAULT_CONTEXT
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -118,9 +118,20 @@ class ModelConfig:
             "num_experts_per_tok",
             "sliding_window",
             "hc_mult",
+            "max_position_embeddings",
+            "original_max_position_embeddings",
+            "rope_theta",
+            "compress_rope_theta",
+            "rope_factor",
         ):
             if getattr(self, name) <= 0:
                 bad(f"{name} must be positive, got {getattr(self, name)}")
+        for f in dataclasses.fields(self):  # NaN passes every comparison above; JSON readers take NaN and Infinity
+            if f.type == "float" and not math.isfinite(getattr(self, f.name)):
+                bad(f"{f.name} must be a finite number, got {getattr(self, f.name)}")
+        for name in ("rms_norm_eps", "hc_eps"):
+            if getattr(self, name) < 0:
+                bad(f"{name} must not be negative, got {getattr(self, name)}")
         if self.num_key_value_heads != 1:
             bad(f"num_key_value_heads must be 1 (one shared KV latent), got {self.num_key_value_heads}")
         if self.n_shared_experts != 1:
@@ -205,29 +216,39 @@ class ModelConfig:
             raise ConfigError(f"config.json is missing required field(s): {', '.join(missing)}")
         names = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {k: v for k, v in d.items() if k in names}
+        # each value read here is checked before it is used: a wrong type in config.json is one line naming the
+        # field, never a TypeError from the arithmetic below (the dataclass checks the fields taken as they are)
         if "qk_rope_head_dim" not in d and "partial_rotary_factor" in d:
-            kw["qk_rope_head_dim"] = int(d["head_dim"] * d["partial_rotary_factor"])
-        rs = d.get("rope_scaling") or {}
+            share = _hf_number(d["partial_rotary_factor"], "partial_rotary_factor")
+            kw["qk_rope_head_dim"] = int(_hf_integer(d["head_dim"], "head_dim") * share)
+        rs = _hf_object(d, "rope_scaling")
         if rs:
             kw.update(
-                rope_factor=float(rs.get("factor", 16.0)),
-                beta_fast=float(rs.get("beta_fast", 32.0)),
-                beta_slow=float(rs.get("beta_slow", 1.0)),
-                original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 65536)),
+                rope_factor=_hf_number(rs.get("factor", 16.0), "rope_scaling.factor"),
+                beta_fast=_hf_number(rs.get("beta_fast", 32.0), "rope_scaling.beta_fast"),
+                beta_slow=_hf_number(rs.get("beta_slow", 1.0), "rope_scaling.beta_slow"),
+                original_max_position_embeddings=_hf_integer(
+                    rs.get("original_max_position_embeddings", 65536), "rope_scaling.original_max_position_embeddings"
+                ),
             )
-        q = d.get("quantization_config") or {}
+        q = _hf_object(d, "quantization_config")
         kw["expert_dtype"] = d.get("expert_dtype", q.get("expert_dtype", "fp4"))
         eos = d.get("eos_token_id", 1)
+        if isinstance(eos, list) and not eos:
+            raise ConfigError("invalid model config: eos_token_id is an empty list")
         kw["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
-        n_cfg = int(d.get("num_nextn_predict_layers", 1))
+        n_cfg = _hf_integer(d.get("num_nextn_predict_layers", 1), "num_nextn_predict_layers")
         kw["num_mtp_layers"] = n_cfg if num_mtp_layers is None else num_mtp_layers
-        ratios = list(d["compress_ratios"])
-        # DSpark stages are ratio-0 blocks that the config's single MTP entry does not list
-        while len(ratios) < kw["num_hidden_layers"] + kw["num_mtp_layers"]:
-            ratios.append(0)
-        kw["compress_ratios"] = tuple(ratios)
-        if "dspark_target_layer_ids" in kw:
-            kw["dspark_target_layer_ids"] = tuple(kw["dspark_target_layer_ids"])
+        for k in ("compress_ratios", "dspark_target_layer_ids"):
+            if k in kw:
+                if not isinstance(kw[k], list):
+                    raise ConfigError(f"invalid model config: {k} must be a list, got {kw[k]!r}"[:300])
+                kw[k] = tuple(kw[k])
+        # DSpark stages are ratio-0 blocks that the config's single MTP entry does not list (only those: padding
+        # up to a layer count read from the file would also fill main layers, or memory, from one bad number)
+        layers = _hf_integer(kw["num_hidden_layers"], "num_hidden_layers")
+        extra = max(0, layers + kw["num_mtp_layers"] - max(len(kw["compress_ratios"]), layers))
+        kw["compress_ratios"] += (0,) * extra
         for k in (
             "rope_theta",
             "compress_rope_theta",
@@ -237,8 +258,32 @@ class ModelConfig:
             "rms_norm_eps",
         ):
             if k in kw:
-                kw[k] = float(kw[k])
+                kw[k] = _hf_number(kw[k], k)
         return cls(**kw)
+
+
+def _hf_number(v: Any, where: str) -> float:
+    """A finite number of config.json (a JSON number, not a string, a bool, NaN or Infinity) as a float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"invalid model config: {where} must be a finite number, got {v!r}"[:300])
+    return float(v)
+
+
+def _hf_integer(v: Any, where: str) -> int:
+    """An integer of config.json (a JSON integer; 65536.0 is read as 65536)."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"invalid model config: {where} must be an integer, got {v!r}"[:300])
+    return v
+
+
+def _hf_object(d: dict[str, Any], key: str) -> dict[str, Any]:
+    """A nested object of config.json ({} when absent or null)."""
+    v = d.get(key) or {}
+    if not isinstance(v, dict):
+        raise ConfigError(f"invalid model config: {key} must be an object, got {v!r}"[:300])
+    return v
 
 
 def parse_size(v: int | str | None) -> int | None:

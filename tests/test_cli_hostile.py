@@ -730,3 +730,63 @@ def test_serve_on_a_port_it_cannot_take_says_why_in_one_plain_line(tiny_fst_path
         assert one_line_error(r, 1) == f"fastar: error: cannot listen on 127.0.0.1:{port}: Address already in use"
     line = one_line_error(_cli("serve", "-m", tiny_fst_path, "--host", "999.1.1.1", "--no-prompt-cache"), 1)
     assert line.startswith("fastar: error: cannot listen on 999.1.1.1:") and "while attempting" not in line, line
+
+
+# ---- config.json of the wrong kind ---------------------------------------------------------------------------
+
+
+def test_a_config_json_of_wrong_types_is_one_line_naming_the_field():
+    """A config.json field of the wrong type that `from_hf` computes with (rope_scaling a string, an empty
+    eos_token_id list, compress_ratios a number, NaN in a float) was a TypeError, AttributeError, IndexError or
+    ValueError traceback from `convert` and `run -m DIR`: now a ConfigError naming the field."""
+    from fastar.config import ModelConfig
+    from fastar.errors import ConfigError
+    from fastar.fixtures import preset_config
+
+    nan = float("nan")
+    for change, words in (
+        ({"compress_ratios": 5}, "compress_ratios must be a list, got 5"),
+        ({"dspark_target_layer_ids": 5}, "dspark_target_layer_ids must be a list"),
+        ({"rope_scaling": "yarn"}, "rope_scaling must be an object, got 'yarn'"),
+        ({"rope_scaling": {"factor": "x"}}, "rope_scaling.factor must be a finite number, got 'x'"),
+        ({"rope_scaling": {"original_max_position_embeddings": 1.5}}, "original_max_position_embeddings must be an"),
+        ({"quantization_config": [1]}, "quantization_config must be an object"),
+        ({"eos_token_id": []}, "eos_token_id is an empty list"),
+        ({"num_nextn_predict_layers": "x"}, "num_nextn_predict_layers must be an integer, got 'x'"),
+        ({"num_hidden_layers": "5"}, "num_hidden_layers must be an integer, got '5'"),
+        ({"qk_rope_head_dim": None, "partial_rotary_factor": "x"}, "partial_rotary_factor must be a finite number"),
+        ({"qk_rope_head_dim": None, "partial_rotary_factor": nan}, "partial_rotary_factor must be a finite number"),
+        ({"rope_theta": "abc"}, "rope_theta must be a finite number, got 'abc'"),
+        ({"rope_theta": nan}, "rope_theta must be a finite number, got nan"),
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps must be a finite number"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps must not be negative"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be positive"),
+        # a layer count padded up to from one bad number filled memory; only MTP entries are padded now
+        ({"num_hidden_layers": 10**15}, "compress_ratios has 7 entries, need 1000000000000000 layers"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            ModelConfig.from_hf(preset_config("tiny", **change))
+        assert str(err.value).startswith("invalid model config: ") and words in str(err.value), (change, err.value)
+    assert ModelConfig.from_hf(preset_config("tiny", rope_scaling={"original_max_position_embeddings": 256.0}))
+
+
+def test_a_config_claiming_more_layers_or_experts_than_the_checkpoint_holds(tiny_ckpt, tmp_path):
+    """config.json saying a million layers (or ten million experts) built the manifest of that model before
+    finding its first tensor missing: minutes and gigabytes for `convert` or `run -m DIR`. One line at once now,
+    naming the field and what the index holds."""
+    import json
+
+    from fastar.convert.checkpoint import Checkpoint
+    from fastar.errors import CheckpointError
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    shutil.copy(tiny_ckpt / "model.safetensors.index.json", ck)
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    for field, value, held in (("num_hidden_layers", 2000, "ids 0..4"), ("n_routed_experts", 2000, "ids 0..7")):
+        (ck / "config.json").write_text(json.dumps({**config, field: value, "compress_ratios": [0] * 2001}))
+        with pytest.raises(CheckpointError, match=f"says {field} = {value}, but the checkpoint's tensors name {held}"):
+            Checkpoint(ck).validate()
+    (ck / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**6}))
+    line = one_line_error(_cli("convert", ck, "-o", tmp_path / "o.fst"), 1)
+    assert "config.json says num_hidden_layers = 1000000" in line or "need 1000000 layers" in line, line

@@ -29,7 +29,15 @@ from ..contracts import Closing, ExpertWeights, PagedSource
 from ..errors import CheckpointError
 from ..format import spec
 from ..format.reader import expert_views
-from .names import DTYPE_SIZES, expected_tensors, expert_tensor_names, is_routed_expert, mtp_blocks_in, tensor_nbytes
+from .names import (
+    DTYPE_SIZES,
+    expected_tensors,
+    expert_tensor_names,
+    highest_layer_and_expert,
+    is_routed_expert,
+    mtp_blocks_in,
+    tensor_nbytes,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -232,8 +240,21 @@ class Checkpoint(Closing, PagedSource):
 
     @cached_property
     def config(self) -> ModelConfig:
-        """ModelConfig from config.json; the MTP/DSpark block count is taken from the tensors present."""
-        return ModelConfig.from_hf(self.hf_config, num_mtp_layers=mtp_blocks_in(self._weight_map))
+        """ModelConfig from config.json; the MTP/DSpark block count is taken from the tensors present. A config
+        claiming more layers or routed experts than the index names any tensor of is refused here, before a
+        manifest of that size is built (a million layers took minutes and gigabytes to be found missing)."""
+        cfg = ModelConfig.from_hf(self.hf_config, num_mtp_layers=mtp_blocks_in(self._weight_map))
+        layers, experts = highest_layer_and_expert(self._weight_map)
+        for field, said, top in (
+            ("num_hidden_layers", cfg.num_hidden_layers, layers),
+            ("n_routed_experts", cfg.n_routed_experts, experts),
+        ):
+            if said > top + 1:
+                held = f"ids 0..{top}" if top >= 0 else "none"
+                raise CheckpointError(
+                    f"{self.path / 'config.json'} says {field} = {said}, but the checkpoint's tensors name {held}"
+                )
+        return cfg
 
     def tokenizer_json(self) -> bytes | None:
         """The checkpoint's tokenizer.json (None without one). One that is no regular file (a FIFO would block the

@@ -23,6 +23,8 @@ Manifest = dict[str, tuple[str, tuple[int, ...]]]
 
 _EXPERT_RE = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.")
 _MTP_RE = re.compile(r"^mtp\.(\d+)\.")
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(?:ffn\.experts\.(\d+)\.)?")
+_MTP_EXPERT_RE = re.compile(r"^mtp\.\d+\.ffn\.experts\.(\d+)\.")
 
 # ExpertWeights field -> (projection, suffix)
 _EXPERT_FIELDS = {
@@ -60,6 +62,23 @@ def mtp_blocks_in(names: Iterable[str]) -> int:
         if m:
             top = max(top, int(m.group(1)))
     return top + 1
+
+
+def highest_layer_and_expert(names: Iterable[str]) -> tuple[int, int]:
+    """The highest main-layer index (`layers.N.`) and routed-expert id (`.ffn.experts.E.`) among tensor names;
+    -1 for none."""
+    layer = expert = -1
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if m:
+            layer = max(layer, int(m.group(1)))
+            if m.group(2) is not None:
+                expert = max(expert, int(m.group(2)))
+        else:
+            m = _MTP_EXPERT_RE.match(name)
+            if m:
+                expert = max(expert, int(m.group(1)))
+    return layer, expert
 
 
 def expert_tensor_names(layer_slot: int, e: int, cfg: ModelConfig) -> dict[str, str]:

@@ -170,6 +170,22 @@ def test_consecutive_users_merge_and_content_parts() -> None:
     assert encode_messages(msgs, "chat") == BOS + USER + "one\n\ntwo\nthree" + ASSISTANT + THINK_END
 
 
+def test_an_empty_assistant_message_is_a_closed_empty_turn() -> None:
+    """A reply with no answer (the web UI's stopped or length-cut thinking) sent back as content "" keeps the
+    questions around it two turns: an empty reply closed by EOS, whatever its reasoning was (dropped before the
+    last user turn, as any earlier turn's)."""
+    empty = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "b"},
+    ]
+    turn = BOS + USER + "a" + ASSISTANT + THINK_END + EOS + USER + "b" + ASSISTANT
+    assert encode_messages(empty) == turn + THINK_START
+    assert encode_messages(empty, "chat") == turn + THINK_END
+    thought = [empty[0], {**empty[1], "reasoning_content": "hm"}, empty[2]]
+    assert encode_messages(thought) == turn + THINK_START
+
+
 def test_tool_results_sorted_by_call_order_and_list_content() -> None:
     call = lambda i, n: {"id": i, "type": "function", "function": {"name": n, "arguments": "{}"}}  # noqa: E731
     msgs = [

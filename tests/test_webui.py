@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_server import FakeEngine, start_server
 
-from fastar.encoding import THINK_END, THINK_START, USER, render_tool_calls
+from fastar.encoding import ASSISTANT, THINK_END, THINK_START, USER, render_tool_calls
 
 CHROMIUM = os.environ.get("FASTAR_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -47,8 +47,10 @@ pytestmark = [
 
 
 @pytest.fixture
-def browser_page():
-    engine = FakeEngine(token_delay=0.02)
+def browser_page(request):
+    """A page in headless Chromium, the server, its engine (FakeEngine, or the subclass a test names with
+    `@pytest.mark.parametrize("browser_page", [SomeEngine], indirect=True)`) and the page's console errors."""
+    engine = getattr(request, "param", FakeEngine)(token_delay=0.02)
     server = start_server(engine)
     errors: list[str] = []
     with sync_playwright() as pw:
@@ -947,4 +949,64 @@ def test_regenerate_and_edit_an_earlier_turn(browser_page, tmp_path):
     page.reload()
     expect(page.locator(".msg")).to_have_count(4)
     assert saved_and_shown(page) == (turns("first question", "second, edited"),) * 2
+    assert not errors, errors
+
+
+class PonderingEngine(FakeEngine):
+    """FakeEngine that thinks at length (two thousand numbers) before it answers a question starting "ponder"."""
+
+    def reply(self, prompt, params):
+        user = prompt.rsplit(USER, 1)[-1].split(ASSISTANT, 1)[0]
+        if user.startswith("ponder") and prompt.endswith(THINK_START):
+            return " ".join(str(i) for i in range(1, 2000)) + f"{THINK_END}Pondered."
+        return super().reply(prompt, params)
+
+
+@pytest.mark.parametrize("browser_page", [PonderingEngine], indirect=True)
+def test_a_reply_without_an_answer_keeps_its_turn(browser_page):
+    """A reply stopped while the model still thought, or cut there by the token limit, has no answer but is a turn:
+    the next request carries it as an empty assistant message (which the server renders as a closed, empty reply),
+    so the questions around it stay two turns, as shown, instead of reaching the model as one user message."""
+    page, server, _, errors = browser_page
+    bodies: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    send(page, "ponder this")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".thinking-body")).to_contain_text("1 2 3")
+    page.click("#stop")
+    expect(page.locator("#send")).to_be_visible()
+    expect(reply.locator(".meta")).to_contain_text("stopped")
+    expect(reply.locator(".content")).to_have_text("")
+    send(page, "next question")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: next question")  # what the model read
+    assert bodies[-1]["messages"] == [
+        {"role": "user", "content": "ponder this"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "next question"},
+    ]
+
+    page.click("#settings-toggle")
+    page.fill("#max-tokens", "3")
+    page.click("#settings-toggle")
+    send(page, "a long thought")
+    expect(page.locator(".msg.assistant .meta").last).to_contain_text("while thinking: no answer")
+    page.click("#settings-toggle")
+    page.fill("#max-tokens", "")
+    page.click("#settings-toggle")
+    send(page, "after the limit")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: after the limit")
+    assert bodies[-1]["messages"] == [
+        {"role": "user", "content": "ponder this"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "next question"},
+        {"role": "assistant", "content": "Echo: next question"},
+        {"role": "user", "content": "a long thought"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "after the limit"},
+    ]
+    saved, shown = saved_and_shown(page)
+    assert saved == shown and len(saved) == 8
     assert not errors, errors

@@ -409,8 +409,10 @@ function requestBody(conv) {
   if (settings.system.trim()) messages.push({ role: "system", content: settings.system });
   for (const m of conv.messages) {
     if (m.pending || m.failed) continue;
-    if (m.role === "assistant" && !m.content && !m.tool_calls?.length) continue; // nothing to resend
-    const msg = { role: m.role, content: m.content };
+    // A reply with no answer (stopped or cut by the token limit while the model still thought) is still a turn:
+    // sent as an empty assistant message, which the server renders as a closed, empty reply. Left out, the
+    // questions around it would reach the server as two user messages in a row, which it joins into one.
+    const msg = { role: m.role, content: m.content || "" };
     if (m.tool_calls?.length) {  // resent as generated, so the server reuses the conversation's state
       msg.tool_calls = m.tool_calls.map((c) => ({ id: c.id, type: "function",
         function: { name: c.name, arguments: c.arguments } }));

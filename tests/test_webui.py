@@ -1010,3 +1010,45 @@ def test_a_reply_without_an_answer_keeps_its_turn(browser_page):
     saved, shown = saved_and_shown(page)
     assert saved == shown and len(saved) == 8
     assert not errors, errors
+
+
+def expect_turn_buttons(page, names: list[str]) -> None:
+    """The Edit and Regenerate buttons of the conversation shown, top to bottom, have these accessible names."""
+    buttons = page.locator("#messages .actions button")
+    expect(buttons).to_have_count(len(names))
+    for i, name in enumerate(names):
+        expect(buttons.nth(i)).to_have_accessible_name(name)
+
+
+def test_turn_buttons_say_which_turn(browser_page):
+    """Each Edit and Regenerate button's accessible name says which turn it acts on (numbered as shown, a turn
+    that was not sent included), and the numbers follow the turns when some are dropped; the edit box and its
+    buttons say which message they edit."""
+    page, server, _, errors = browser_page
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    for question in ("first question", "second question", "third question"):
+        send(page, question)
+        expect(page.locator(".msg.assistant .content").last).to_have_text(f"Echo: {question}")
+    turns = lambda *ns: [f"{kind} {n}" for n in ns for kind in ("Edit message", "Regenerate reply")]  # noqa: E731
+    expect_turn_buttons(page, turns(1, 2, 3))
+
+    page.get_by_role("button", name="Regenerate reply 2", exact=True).click()
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: second question")
+    expect(page.locator(".msg")).to_have_count(4)
+    expect_turn_buttons(page, turns(1, 2))
+
+    page.get_by_role("button", name="Edit message 2", exact=True).click()
+    expect(page.get_by_role("textbox", name="Edit message 2", exact=True)).to_be_focused()
+    expect(page.get_by_role("button", name="Send edited message 2", exact=True)).to_be_visible()
+    page.get_by_role("button", name="Cancel editing message 2", exact=True).click()
+    expect_turn_buttons(page, turns(1, 2))
+
+    send(page, "x" * 5000)  # over the fake's context: shown, not sent, and without buttons
+    expect(page.locator(".msg.user .meta").last).to_contain_text("not sent")
+    page.fill("#input", "")
+    send(page, "fourth question")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: fourth question")
+    expect_turn_buttons(page, turns(1, 2, 4))
+    assert not [e for e in errors if "400" not in e], errors  # the browser logs the failed fetch itself

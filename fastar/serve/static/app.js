@@ -256,26 +256,31 @@ function turnActions() {
   const conv = current();
   if (controller || !conv || conv.messages.some((m) => m.pending)) return; // none while a reply streams
   const views = $("messages").querySelectorAll(".msg");
+  let turn = 0; // the turn's number as shown, counted from the top: a screen reader tells the buttons apart by it
   conv.messages.forEach((m, i) => {
     const view = views[i];
     const asked = conv.messages[i - 1];
+    if (m.role === "user") turn += 1;
     if (!view || view.classList.contains("editing") || m.failed || m.pending) return;
     const actions = el("div", "actions");
     if (m.role === "user") {
-      actions.append(actionButton("Edit", "Edit this message: sending it replaces this turn and the ones after it",
-        () => editTurn(conv, m, view)));
+      const n = turn;
+      actions.append(actionButton("Edit", `Edit message ${n}`,
+        "Edit this message: sending it replaces this turn and the ones after it", () => editTurn(conv, m, view, n)));
     } else if (asked?.role === "user" && !asked.failed) {
-      actions.append(actionButton("Regenerate", "Answer again: replaces this reply and the turns after it",
-        () => resend(conv, asked, asked.content)));
+      actions.append(actionButton("Regenerate", `Regenerate reply ${turn}`,
+        "Answer again: replaces this reply and the turns after it", () => resend(conv, asked, asked.content)));
     } else return;
     view.append(actions);
   });
 }
 
-function actionButton(label, title, action) {
+// A button whose accessible name (`name`) starts with its visible label and says which turn it acts on.
+function actionButton(label, name, title, action) {
   const b = el("button", "", label);
   b.type = "button";
   b.title = title;
+  b.setAttribute("aria-label", name);
   b.addEventListener("click", action);
   return b;
 }
@@ -288,14 +293,14 @@ function resend(conv, asked, text) {
   send(text);
 }
 
-function editTurn(conv, asked, view) {
+function editTurn(conv, asked, view, n) {
   const form = el("form", "edit");
   const box = el("textarea");
   box.value = asked.content;
   box.rows = 1;
-  box.setAttribute("aria-label", "Edit message");
+  box.setAttribute("aria-label", `Edit message ${n}`);
   const buttons = el("div", "edit-buttons");
-  const cancel = actionButton("Cancel", "Keep the message as it was", () => {
+  const cancel = actionButton("Cancel", `Cancel editing message ${n}`, "Keep the message as it was", () => {
     const shown = messageView(asked);
     view.replaceWith(shown);
     turnActions();
@@ -303,6 +308,7 @@ function editTurn(conv, asked, view) {
   });
   const submit = el("button", "primary", "Send");
   submit.type = "submit";
+  submit.setAttribute("aria-label", `Send edited message ${n}`);
   buttons.append(cancel, submit);
   form.append(box, buttons);
   form.addEventListener("submit", (ev) => {

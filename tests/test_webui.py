@@ -1052,3 +1052,46 @@ def test_turn_buttons_say_which_turn(browser_page):
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: fourth question")
     expect_turn_buttons(page, turns(1, 2, 4))
     assert not [e for e in errors if "400" not in e], errors  # the browser logs the failed fetch itself
+
+
+def test_a_send_from_the_message_box_keeps_an_open_edit(browser_page):
+    """While a question is open for editing, a message sent from the message box (Enter or Send) is refused with a
+    status naming the open edit, and both texts are kept: sending it would drop the edited turn. The other turns
+    offer no Edit or Regenerate meanwhile (one edit at a time); once the edit is cancelled the message sends."""
+    page, server, _, errors = browser_page
+    bodies: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    for question in ("first question", "second question"):
+        send(page, question)
+        expect(page.locator(".msg.assistant .content").last).to_have_text(f"Echo: {question}")
+    page.get_by_role("button", name="Edit message 1", exact=True).click()
+    editor = page.get_by_role("textbox", name="Edit message 1", exact=True)
+    editor.fill("first, half edited")
+    expect_turn_buttons(page, [])
+    page.fill("#input", "a new question")
+    page.press("#input", "Enter")
+    expect(page.locator("#status")).to_have_text(
+        "Message 1 is open for editing: send or cancel that edit first. Your message is kept."
+    )
+    page.click("#send")
+    expect(page.locator("#input")).to_have_value("a new question")
+    expect(editor).to_have_value("first, half edited")
+    expect(page.locator(".msg")).to_have_count(4)
+    assert len(bodies) == 2
+
+    editor.press("Escape")
+    expect(page.locator("#status")).to_have_text("")
+    expect_turn_buttons(page, ["Edit message 1", "Regenerate reply 1", "Edit message 2", "Regenerate reply 2"])
+    page.press("#input", "Enter")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: a new question")
+    assert [m["content"] for m in bodies[-1]["messages"]] == [
+        "first question",
+        "Echo: first question",
+        "second question",
+        "Echo: second question",
+        "a new question",
+    ]
+    assert not errors, errors

@@ -255,6 +255,7 @@ function turnActions() {
   for (const old of $("messages").querySelectorAll(".actions")) old.remove();
   const conv = current();
   if (controller || !conv || conv.messages.some((m) => m.pending)) return; // none while a reply streams
+  if (openEdit()) return; // nor while a question is edited: one edit at a time, and nothing else sent over it
   const views = $("messages").querySelectorAll(".msg");
   let turn = 0; // the turn's number as shown, counted from the top: a screen reader tells the buttons apart by it
   conv.messages.forEach((m, i) => {
@@ -285,6 +286,9 @@ function actionButton(label, name, title, action) {
   return b;
 }
 
+// The question being edited in place, if any (its view).
+const openEdit = () => $("messages").querySelector(".msg.editing");
+
 // The conversation up to (not including) the question `asked`, then `text` asked in its place.
 function resend(conv, asked, text) {
   const at = conv.messages.indexOf(asked);
@@ -304,6 +308,7 @@ function editTurn(conv, asked, view, n) {
     const shown = messageView(asked);
     view.replaceWith(shown);
     turnActions();
+    setStatus(""); // (a send refused while the edit was open said why; that no longer holds)
     shown.querySelector(".actions button")?.focus(); // the keyboard stays where it was, not back at the page's top
   });
   const submit = el("button", "primary", "Send");
@@ -326,8 +331,9 @@ function editTurn(conv, asked, view, n) {
   });
   box.addEventListener("input", () => autosize(box));
   view.classList.add("editing");
-  view.querySelector(".actions")?.remove();
+  view.dataset.turn = n;
   view.querySelector(".bubble").replaceWith(form);
+  turnActions();
   autosize(box);
   box.focus();
   box.setSelectionRange(box.value.length, box.value.length);
@@ -597,6 +603,15 @@ $("composer").addEventListener("submit", (ev) => {
   const text = $("input").value;
   if (controller && text.trim()) {
     setStatus("The model is still answering: Stop it or wait, then send. Your message is kept.");
+    return;
+  }
+  // A question open for editing would be dropped by this send (as it would by Regenerate, hidden meanwhile):
+  // nothing is sent and nothing is lost until that edit is sent or cancelled.
+  const editing = openEdit();
+  if (editing && text.trim()) {
+    setStatus(`Message ${editing.dataset.turn} is open for editing: send or cancel that edit first. Your message `
+      + "is kept.");
+    editing.scrollIntoView({ block: "nearest" });
     return;
   }
   if (!text.trim() || controller) return;

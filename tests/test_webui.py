@@ -4,9 +4,10 @@ against a live server over the FakeEngine of test_server.py.
 It loads the UI, sends a message and watches the reply stream in (thinking block included), stops a long
 answer mid-stream (the server's generation stops too) and one that has not begun (the question is taken back),
 checks that model markdown is rendered and model HTML is escaped, edits and regenerates earlier turns (checking the
-messages the server gets), keeps Enter from sending during an IME composition, starts a new chat, and checks the
-conversation list survives a reload. No console error or CSP
-violation is allowed. A screenshot is saved under the test's tmp dir.
+messages the server gets, the buttons' accessible names, and that an open edit is not dropped by a send), keeps a
+reply with no answer as a turn, keeps Enter from sending during an IME composition, walks the flow from the keyboard,
+starts a new chat, and checks the conversation list survives a reload. No console error or CSP violation is
+allowed. A screenshot is saved under the test's tmp dir.
 
 Skips only when Chromium or Playwright is missing; `.ci/install-browser` installs both.
 """
@@ -1094,4 +1095,105 @@ def test_a_send_from_the_message_box_keeps_an_open_edit(browser_page):
         "Echo: second question",
         "a new question",
     ]
+    assert not errors, errors
+
+
+def test_the_whole_flow_from_the_keyboard(browser_page):
+    """Keyboard only: after a send the focus is in the message box and the next Tab is Stop; Stop (Enter) gives the
+    focus back to the message box; Regenerate and an edit sent with Enter leave it there too, not on the page (the
+    button or box they were sent from is gone); Escape in an edit goes back to its Edit button, and the Enter that
+    opened the edit does not reach the edit box. A reply finishing never takes the focus from where the user moved
+    it meanwhile. (The fake holds each request at its start while the gate is clear.)"""
+    page, server, engine, errors = browser_page
+    bodies: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    message_box = page.locator("#input")
+    message_box.focus()
+    page.keyboard.type("first question")
+    page.keyboard.press("Enter")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: first question")
+    expect(message_box).to_be_focused()
+
+    engine.gate.clear()
+    page.keyboard.type("never answered")
+    page.keyboard.press("Enter")
+    expect(message_box).to_be_focused()
+    page.keyboard.press("Tab")
+    expect(page.locator("#stop")).to_be_focused()
+    page.keyboard.press("Enter")
+    expect(page.locator("#send")).to_be_visible()
+    expect(message_box).to_be_focused()
+    expect(message_box).to_have_value("never answered")  # taken back: nothing had come
+    page.keyboard.press("Control+A")
+    page.keyboard.press("Delete")
+
+    page.get_by_role("button", name="Regenerate reply 1", exact=True).focus()
+    page.keyboard.press("Enter")
+    expect(page.locator("#stop")).to_be_visible()
+    expect(message_box).to_be_focused()
+    page.keyboard.press("Tab")
+    expect(page.locator("#stop")).to_be_focused()
+    page.locator("#settings-toggle").focus()  # the user moves on while the reply comes
+    engine.gate.set()
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: first question")
+    expect(page.locator("#send")).to_be_visible()
+    expect(page.locator("#settings-toggle")).to_be_focused()
+    assert len(bodies) == 3 and bodies[2]["messages"] == bodies[0]["messages"]
+
+    edit = page.get_by_role("button", name="Edit message 1", exact=True)
+    edit.focus()
+    page.keyboard.press("Enter")
+    editor = page.get_by_role("textbox", name="Edit message 1", exact=True)
+    expect(editor).to_be_focused()
+    expect(editor).to_have_value("first question")
+    page.keyboard.press("Tab")
+    expect(page.get_by_role("button", name="Cancel editing message 1", exact=True)).to_be_focused()
+    page.keyboard.press("Tab")
+    expect(page.get_by_role("button", name="Send edited message 1", exact=True)).to_be_focused()
+    page.keyboard.press("Shift+Tab")
+    page.keyboard.press("Shift+Tab")
+    expect(editor).to_be_focused()
+    page.keyboard.press("Escape")
+    expect(edit).to_be_focused()
+    page.keyboard.press("Enter")
+    expect(editor).to_be_focused()
+    page.keyboard.type(", edited")
+    engine.gate.clear()
+    page.keyboard.press("Enter")
+    expect(page.locator("#stop")).to_be_visible()
+    expect(message_box).to_be_focused()
+    engine.gate.set()
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: first question, edited")
+    expect(message_box).to_be_focused()
+    assert bodies[-1]["messages"] == [{"role": "user", "content": "first question, edited"}]
+    assert not errors, errors
+
+
+def test_the_narrow_sidebar_from_the_keyboard(browser_page):
+    """On a narrow screen the closed sidebar is off screen and out of the Tab order; ☰ (Enter) opens it with the
+    focus on the open conversation, and Tab past its end closes it again, the focus on ☰."""
+    page, server, _, errors = browser_page
+    page.set_viewport_size({"width": 380, "height": 740})
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    send(page, "a question")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: a question")
+    in_sidebar = "() => document.getElementById('sidebar').contains(document.activeElement)"
+    page.locator("#input").focus()
+    for _ in range(12):  # round the page more than once: nothing in the sidebar is reached
+        page.keyboard.press("Tab")
+        assert not page.evaluate(in_sidebar)
+    page.locator("#sidebar-toggle").focus()
+    page.keyboard.press("Enter")
+    expect(page.locator("body")).to_have_class("show-sidebar")
+    expect(page.get_by_role("button", name="a question", exact=True)).to_be_focused()
+    page.keyboard.press("Tab")
+    expect(page.get_by_role("button", name="Delete conversation: a question")).to_be_focused()
+    page.keyboard.press("Tab")
+    expect(page.locator("body")).not_to_have_class("show-sidebar")
+    expect(page.locator("#sidebar-toggle")).to_be_focused()
     assert not errors, errors

@@ -467,6 +467,9 @@ async function send(text) {
   const view = $("messages").lastElementChild;
   controller = new AbortController();
   setBusy(true);
+  // Sent with Send (now hidden), a turn's Regenerate or its edit box (taken away by the redraw): the keyboard goes
+  // to the message box, as after Enter there, whose next Tab stop is Stop, not back to the page's top.
+  if (focusLost()) $("input").focus();
   setStatus("Waiting for the model…");
   let firstToken = null;
   let frame = 0;
@@ -573,8 +576,16 @@ async function send(text) {
       renderList();
       turnActions();
     }
-    $("input").focus();
+    // Back to the message box if the focus was on Stop (now hidden) or on something the redraw replaced; a
+    // keyboard user who moved elsewhere while the reply streamed (a setting, an earlier reply's code) stays there.
+    if (focusLost()) $("input").focus();
   }
+}
+
+// Whether the keyboard's place is gone: nothing focused, or the focused element hidden or no longer in the page.
+function focusLost() {
+  const at = document.activeElement;
+  return !at || at === document.body || !at.isConnected || at.closest("[hidden]") !== null;
 }
 
 // Stopped before any of the reply came: the question is taken back as if it had not been sent (as claude.ai does).
@@ -636,7 +647,15 @@ $("input").addEventListener("keydown", (ev) => {
 $("input").addEventListener("input", () => autosize());
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("new-chat").addEventListener("click", newChat);
-$("sidebar-toggle").addEventListener("click", () => document.body.classList.toggle("show-sidebar"));
+// The narrow screen's sidebar: opened, the keyboard goes into it (it comes before the toggle in the page, and is
+// out of the Tab order while closed, see style.css); Tab or Shift+Tab out of it closes it.
+$("sidebar-toggle").addEventListener("click", () => {
+  if (!document.body.classList.toggle("show-sidebar")) return;
+  ($("conversations").querySelector("li.active .title") || $("new-chat")).focus();
+});
+$("sidebar").addEventListener("focusout", (ev) => {
+  if (ev.relatedTarget && !$("sidebar").contains(ev.relatedTarget)) document.body.classList.remove("show-sidebar");
+});
 // On a narrow screen the open sidebar covers its own toggle: a tap beside it or Escape closes it.
 document.querySelector("main").addEventListener("click", (ev) => {
   if (!ev.target.closest("#sidebar-toggle")) document.body.classList.remove("show-sidebar");

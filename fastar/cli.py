@@ -558,11 +558,14 @@ def main(argv: list[str] | None = None) -> int:
     if sys.stderr is None:  # nowhere to report anything: say it in the exit status only
         return 1
     try:
-        parser = build_parser()
+        parser = build_parser()  # imports the subcommands' modules: half a second, more on a busy machine
+        a = parser.parse_args(argv)
     except UsageError as e:
         print(f"fastar: error: {e}", file=sys.stderr)
         return 2
-    a = parser.parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the command started: nothing was done, nothing to clean up
+        print("fastar: interrupted", file=sys.stderr)
+        return 130
     if a.fn is None:
         parser.print_help()
         return 2

@@ -255,6 +255,21 @@ def test_ctrl_c_while_the_program_exits_is_quiet(tiny_fst_path):
     assert "structure OK" in r.stdout and r.stderr == "" and r.returncode == 130, (r.returncode, r.stderr[-2000:])
 
 
+def test_ctrl_c_while_the_command_line_is_read_is_quiet(tiny_fst_path):
+    """A Ctrl-C in the first second, while the parser imports the subcommands' modules (here sent from inside
+    `build_parser`, deterministically), printed a KeyboardInterrupt traceback from an import; now the line every
+    other Ctrl-C gets, status 130, and nothing ran."""
+    code = (
+        "import os, signal, sys; import fastar.cli as cli; real = cli.build_parser; "
+        "cli.build_parser = lambda: (os.kill(os.getpid(), signal.SIGINT), sum(range(10**6)), real())[-1]; "
+        "sys.argv[0] = 'fastar'; raise SystemExit(cli.main())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "verify", str(tiny_fst_path)], capture_output=True, text=True, timeout=120
+    )
+    assert (r.returncode, r.stdout, r.stderr) == (130, "", "fastar: interrupted\n"), (r.returncode, r.stderr[-2000:])
+
+
 def test_an_endless_prompt_on_stdin_is_one_line(tiny_fst_path):
     """`fastar run < /dev/zero` (or `yes | fastar run`) reads the prompt up to a bound and says so; it read to the
     end of memory (a MemoryError traceback, or the OOM killer)."""

@@ -34,7 +34,7 @@ from test_server import (
 
 from fastar.encoding import EOS, ChatPrompt, encode_messages
 from fastar.serve import anthropic as A
-from fastar.serve import openai_request
+from fastar.serve import openai_request, response_items
 from fastar.serve import responses as R
 from fastar.serve.api_error import APIError
 from fastar.serve.metrics import Metrics
@@ -1551,3 +1551,93 @@ def test_responses_delete_and_input_items_on_the_server():
         assert raw(server, "GET", f"/v1/responses/{second.id}")[0] == 404
     finally:
         server.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Found by tests/test_fuzz_server.py's long runs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_anthropic_metadata_of_the_wrong_shape_is_a_400(backend):
+    """`metadata` is `{"user_id": string}`: `0`, `"x"`, `[]` or a numeric `user_id` were answered 200, ignored."""
+    msgs = [{"role": "user", "content": "hello"}]
+    for metadata in (0, "x", [], True, {"user_id": 5}, {"user_id": ["u"]}):
+        with pytest.raises(APIError) as err:
+            A.messages({"max_tokens": 5, "messages": msgs, "metadata": metadata}, backend)
+        assert (err.value.status, err.value.param) == (400, "metadata") and "'metadata" in err.value.message
+    for metadata in ({"user_id": "u-1"}, {}, {"user_id": None}, None):
+        assert A.messages({"max_tokens": 5, "messages": msgs, "metadata": metadata}, backend)["type"] == "message"
+
+
+def test_a_falsy_output_config_or_reasoning_of_the_wrong_type_is_a_400(backend):
+    """`0`, `false`, `""` and `[]` are not objects: they were taken for an absent `output_config` (Messages) or
+    `reasoning` (Responses) and answered 200; only `null` means absent."""
+    msgs = [{"role": "user", "content": "hello"}]
+    for value in (0, False, "", []):
+        with pytest.raises(APIError) as err:
+            A.messages({"max_tokens": 5, "messages": msgs, "output_config": value}, backend)
+        assert (err.value.status, err.value.param) == (400, "output_config")
+        with pytest.raises(APIError) as err:
+            R.parse_request({"input": "hi", "reasoning": value}, backend, R.ResponseStore())
+        assert (err.value.status, err.value.param) == (400, "reasoning")
+    assert A.messages({"max_tokens": 5, "messages": msgs, "output_config": None}, backend)["type"] == "message"
+    assert R.parse_request({"input": "hi", "reasoning": None}, backend, R.ResponseStore())
+
+
+def test_responses_include_must_be_a_list_of_strings(backend):
+    """`include` of another type (`"reasoning.encrypted_content"` as a bare string, `{}`, `[1]`) was ignored and
+    answered 200, the encrypted reasoning silently left out; now a 400 naming `include`."""
+    for include in ("reasoning.encrypted_content", {}, [1], 0, "", True):
+        with pytest.raises(APIError) as err:
+            R.parse_request({"input": "hi", "include": include}, backend, R.ResponseStore())
+        assert (err.value.status, err.value.param) == (400, "include") and "'include'" in err.value.message
+    req = R.parse_request({"input": "hi", "include": ["reasoning.encrypted_content"]}, backend, R.ResponseStore())
+    assert req.encrypted
+
+
+def test_a_previous_response_id_that_is_not_a_string_is_a_400_not_a_404(backend):
+    """`previous_response_id: 141` is the client's mistake, not an id the store let go: it was a 404
+    `previous_response_not_found` saying "id '141' not found"."""
+    for prev in (141, ["resp_1"], {"id": "resp_1"}, True):
+        with pytest.raises(APIError) as err:
+            R.parse_request({"input": "hi", "previous_response_id": prev}, backend, R.ResponseStore())
+        assert (err.value.status, err.value.param) == (400, "previous_response_id")
+
+
+def test_a_reasoning_item_whose_text_is_not_a_string_is_a_400_naming_it(backend):
+    """A reasoning item's `reasoning_text` part with a numeric `text` raised a TypeError joining the parts: a 500.
+    Now a 400 naming the part, as are `content` / `summary` that are not lists and a non-string
+    `encrypted_content`."""
+    cases = (
+        ({"content": [{"type": "reasoning_text", "text": 5}]}, "input[0].content[0].text"),
+        ({"summary": [{"type": "summary_text", "text": "ok"}, {"type": "summary_text", "text": None}]}, "summary[1]"),
+        ({"content": "thought"}, "input[0].content must be a list"),
+        ({"summary": 3}, "input[0].summary must be a list"),
+        ({"encrypted_content": 7}, "input[0].encrypted_content"),
+    )
+    for fields_, words in cases:
+        item = {"type": "reasoning", **fields_}
+        with pytest.raises(APIError) as err:
+            R.parse_request({"input": [item, {"role": "user", "content": "hi"}]}, backend, R.ResponseStore())
+        assert (err.value.status, err.value.param) == (400, "input") and words in err.value.message, err.value.message
+    ok = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "thought"}]}
+    req = R.parse_request({"input": [ok, {"role": "user", "content": "hi"}]}, backend, R.ResponseStore())
+    assert req.conversation[0]["reasoning_content"] == "thought"
+
+
+def test_ids_a_client_sent_are_quoted_on_one_line_in_errors(backend):
+    """An id holding a newline (a response id in the path, `previous_response_id`, `after`) made the 404's message
+    two lines; the ids are quoted with their control characters escaped, and long ones cut."""
+    store = R.ResponseStore()
+    for rid in ("a\nb", "x" * 5000):
+        for call in (
+            lambda: R.retrieve(rid, store),
+            lambda: R.parse_request({"input": "hi", "previous_response_id": rid}, backend, store),
+        ):
+            with pytest.raises(APIError) as err:
+                call()
+            assert err.value.status == 404 and "\n" not in err.value.message and len(err.value.message) < 300
+    obj = R.create({"input": "hi", "max_output_tokens": 2}, backend, store)
+    with pytest.raises(APIError) as err:
+        response_items.list_input_items(obj["id"], store, {"after": "x\ny"})
+    assert err.value.status == 404 and "'x\\ny'" in err.value.message

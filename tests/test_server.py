@@ -48,6 +48,7 @@ from fastar.engine.prompt_logprobs import PromptLogprobs
 from fastar.serve import choice_turn, fields, openai_request, thinking_mode
 from fastar.serve import server as S
 from fastar.serve.api_error import APIError
+from fastar.serve.app import parse_json
 from fastar.serve.server import Server
 
 try:
@@ -1600,3 +1601,38 @@ def test_top_logprobs_without_logprobs_is_a_400(server):
     assert status == 200 and json.loads(data)["choices"][0]["logprobs"] is None
     status, _, data = raw(server, "POST", "/v1/chat/completions", {**body, "top_logprobs": 2, "logprobs": True})
     assert status == 200 and len(json.loads(data)["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+
+
+def test_values_and_names_a_client_sent_are_quoted_short_and_on_one_line_in_errors():
+    """Found by tests/test_fuzz_server.py: an error quoted the client's value whole (a 1 MB list came back in the
+    message) and a model name or an object key holding a newline made a message of two lines."""
+    for call in (
+        lambda: fields.integer({"max_tokens": ["x" * 100] * 10_000}, "max_tokens", 1, None, None),
+        lambda: fields.number({"temperature": "9" * 100_000}, "temperature", 0, 2, 1.0),
+        lambda: fields.boolean({"stream": {"k": "v" * 100_000}}, "stream", False),
+        lambda: thinking_mode.choose({"reasoning_effort": "x" * 100_000}, False),
+    ):
+        with pytest.raises(APIError) as err:
+            call()
+        assert err.value.status == 400 and len(err.value.message) < 200 and "..." in err.value.message
+    with pytest.raises(APIError) as err:
+        fields.check_model({"model": "evil\nmodel"}, ("deepseek-v4-flash",))
+    assert err.value.status == 404 and "'evil\\nmodel'" in err.value.message
+    with pytest.raises(APIError) as err:
+        parse_json(b'{"a\\nb": "\\ud800"}')
+    assert err.value.status == 400 and "\n" not in err.value.message and "'a\\nb'" in err.value.message
+
+
+def test_a_chat_template_kwargs_flag_of_the_wrong_type_is_named_in_full():
+    """`chat_template_kwargs: {"thinking": "yes"}` was a 400 blaming a top-level `'thinking'` (param `thinking`), a
+    field the request did not send; it names `chat_template_kwargs.thinking` now (found by the fuzz tests)."""
+    for key in ("thinking", "enable_thinking", "drop_thinking"):
+        with pytest.raises(APIError) as err:
+            thinking_mode.choose({"chat_template_kwargs": {key: "yes"}}, True)
+        assert (err.value.status, err.value.param) == (400, f"chat_template_kwargs.{key}")
+        assert f"'chat_template_kwargs.{key}' must be true or false" in err.value.message
+    assert thinking_mode.choose({"chat_template_kwargs": {"thinking": False, "drop_thinking": None}}, True) == (
+        False,
+        None,
+        True,
+    )

@@ -221,7 +221,7 @@ def _tools(body: dict) -> list[dict] | None:
             raise bad_request(f"tools[{j}].name must not hold '\"' (the model writes it in a DSML attribute)", "tools")
         if tool.get("type") not in (None, "custom"):  # web search, bash, text editor...: run or described by Anthropic
             raise bad_request(
-                f"tools[{j}]: tool type {json.dumps(tool['type'])} is not supported "
+                f"tools[{j}]: tool type {fields.shown(tool['type'])} is not supported "
                 "(only custom tools, with a 'name' and an 'input_schema')",
                 "tools",
             )
@@ -288,15 +288,30 @@ def _thinking(body: dict, default: bool, default_effort: str | None = None) -> t
                 '\'thinking\' must be {"type": "enabled" | "adaptive" | "between_tools" | "disabled"}', "thinking"
             )
         thinking = kind != "disabled"
-    config = body.get("output_config") or {}
-    if not isinstance(config, dict):
+    config = body.get("output_config")
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):  # (0, false, "" and [] too: not an absent field)
         raise bad_request("'output_config' must be an object ('effort', 'format')", "output_config")
     effort = config.get("effort")
     if effort is not None and effort not in EFFORTS:
         raise bad_request(
-            f"'output_config.effort' must be one of {', '.join(EFFORTS)}, got {json.dumps(effort)}", "output_config"
+            f"'output_config.effort' must be one of {', '.join(EFFORTS)}, got {fields.shown(effort)}", "output_config"
         )
     return thinking, (effort or default_effort) if thinking else None
+
+
+def _check_metadata(metadata: Any) -> None:
+    """`metadata` is `{"user_id": string}` (Anthropic's only key; null allowed): anything else is a 400, not ignored."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise bad_request(
+            f'\'metadata\' must be an object such as {{"user_id": "..."}}, got {fields.shown(metadata)}', "metadata"
+        )
+    user = metadata.get("user_id")
+    if user is not None and not isinstance(user, str):
+        raise bad_request(f"'metadata.user_id' must be a string, got {fields.shown(user)}", "metadata")
 
 
 def parse_request(
@@ -310,7 +325,7 @@ def parse_request(
         raise bad_request("'max_tokens' is required (the most tokens to generate, at least 1)", "max_tokens")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise bad_request(f"'model' must be a string, got {json.dumps(model)}", "model")
+        raise bad_request(f"'model' must be a string, got {fields.shown(model)}", "model")
     model = backend.model_names[0]  # any name is served: agents send their own ids for side tasks
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
@@ -327,7 +342,7 @@ def parse_request(
             messages.append(_assistant_message(msg.get("content"), where))
         else:
             raise bad_request(
-                f"{where}.role must be 'user' or 'assistant', got {json.dumps(msg.get('role'))}", "messages"
+                f"{where}.role must be 'user' or 'assistant', got {fields.shown(msg.get('role'))}", "messages"
             )
     if not counting and msgs[-1].get("role") == "assistant":  # the encoder would close it: a reply after EOS
         raise bad_request(
@@ -351,6 +366,7 @@ def parse_request(
         {k: body.get(k) for k in ("temperature", "top_p", "top_k", "max_tokens")} | {"stop": stops}
     )
     thinking, effort = _thinking(body, backend.default_thinking, backend.default_effort)
+    _check_metadata(body.get("metadata"))
     no_calls = isinstance(body.get("tool_choice"), dict) and body["tool_choice"]["type"] == "none"
     sampling["grammar"] = _grammar(body, None if no_calls else tools, thinking)
     if no_calls and tools:  # the tools stay in the prompt (as under "auto": the prefix cache keeps it)

@@ -228,7 +228,7 @@ def check_json(body: Any, surrogates: bool = True) -> None:
             except UnicodeEncodeError as err:
                 bad = value[err.start]
                 raise bad_request(
-                    f"'{where or 'body'}' holds an unpaired UTF-16 surrogate (\\u{ord(bad):04x}) "
+                    f"{where or 'body'!r} holds an unpaired UTF-16 surrogate (\\u{ord(bad):04x}) "
                     f"at character {err.start}: text must be valid Unicode",
                     where or None,
                     "invalid_unicode",

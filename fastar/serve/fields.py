@@ -22,6 +22,12 @@ MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 128  # choices of one request (n, or best_of, times the prompts), as OpenAI caps n
 
 
+def shown(value: Any) -> str:
+    """A client's value as an error message quotes it: its JSON, cut at 80 characters (a value can be megabytes)."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 # bool is an int subclass in Python, so numbers reject it explicitly: `"temperature": true` is a client bug that
 # must not become 1.0.
 
@@ -31,7 +37,7 @@ def number(body: dict, key: str, lo: float, hi: float, default: float | None) ->
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(f"'{key}' must be a number, got {json.dumps(value)}", key)
+        raise bad_request(f"'{key}' must be a number, got {shown(value)}", key)
     if not lo <= value <= hi:
         raise bad_request(f"'{key}' must be between {lo} and {hi}, got {value}", key)
     return float(value)
@@ -44,7 +50,7 @@ def integer(body: dict, key: str, lo: int, hi: int | None, default: int | None) 
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{key}' must be an integer, got {json.dumps(value)}", key)
+        raise bad_request(f"'{key}' must be an integer, got {shown(value)}", key)
     if value < lo or (hi is not None and value > hi):
         bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
         raise bad_request(f"'{key}' must be {bound}, got {value}", key)
@@ -56,7 +62,7 @@ def boolean(body: dict, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{key}' must be true or false, got {json.dumps(value)}", key)
+        raise bad_request(f"'{key}' must be true or false, got {shown(value)}", key)
     return value
 
 
@@ -103,11 +109,11 @@ def check_model(body: dict, model_names: tuple[str, ...]) -> str:
     if model is None:
         return model_names[0]
     if not isinstance(model, str):
-        raise bad_request(f"'model' must be a string, got {json.dumps(model)}", "model")
+        raise bad_request(f"'model' must be a string, got {shown(model)}", "model")
     if model not in model_names:
         raise APIError(
             404,
-            f"The model '{model}' does not exist; this server serves '{model_names[0]}'",
+            f"The model {model[:80]!r} does not exist; this server serves '{model_names[0]}'",
             "invalid_request_error",
             "model",
             "model_not_found",

@@ -48,7 +48,7 @@ def not_found(response_id: str) -> APIError:
     """The 404 of an id not stored (retrieve, delete, input_items)."""
     return APIError(
         404,
-        f"No response with id '{response_id}' is stored on this server",
+        f"No response with id {response_id[:80]!r} is stored on this server",
         param="response_id",
         code="response_not_found",
     )
@@ -89,7 +89,7 @@ def list_input_items(response_id: str, store: Any, query: Mapping[str, str]) -> 
         if after not in ids:
             raise APIError(
                 404,
-                f"No input item with id '{after[:80]}' in response '{response_id}'",
+                f"No input item with id {after[:80]!r} in response {response_id[:80]!r}",
                 param="after",
                 code="not_found",
             )

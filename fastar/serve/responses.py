@@ -126,13 +126,24 @@ def _content_text(content: Any, where: str) -> str:
     return "".join(parts) if content and all(p.get("type") == "output_text" for p in content) else "\n".join(parts)
 
 
-def _reasoning_text(item: dict) -> str:
-    for key, kinds in (("content", ("reasoning_text",)), ("summary", ("summary_text",))):
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its `reasoning_text` parts, else its `summary_text` parts, else its
+    `encrypted_content` (ours is the text itself). A part's text that is not a string is a 400 naming it."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
         parts = item.get(key)
-        if isinstance(parts, list) and parts:
-            return "".join(p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") in kinds)
+        if parts is not None and not isinstance(parts, list):
+            raise bad_request(f"{where}.{key} must be a list of {kind} parts, got {fields.shown(parts)}", "input")
+        for j, part in enumerate(parts or ()):
+            if isinstance(part, dict) and part.get("type") == kind and not isinstance(part.get("text", ""), str):
+                raise bad_request(
+                    f"{where}.{key}[{j}].text must be a string, got {fields.shown(part['text'])}", "input"
+                )
+        if parts:
+            return "".join(p.get("text", "") for p in parts if isinstance(p, dict) and p.get("type") == kind)
     enc = item.get("encrypted_content")
-    return enc if isinstance(enc, str) else ""
+    if enc is not None and not isinstance(enc, str):
+        raise bad_request(f"{where}.encrypted_content must be a string, got {fields.shown(enc)}", "input")
+    return enc or ""
 
 
 def input_messages(items: Any, store: ResponseStore | None = None) -> list[dict]:
@@ -161,7 +172,7 @@ def input_messages(items: Any, store: ResponseStore | None = None) -> list[dict]
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad_request(
-                    f"{where}.role must be user, assistant, system or developer, got {json.dumps(role)}", "input"
+                    f"{where}.role must be user, assistant, system or developer, got {fields.shown(role)}", "input"
                 )
             text = _content_text(item.get("content"), where)
             if role == "assistant":
@@ -177,7 +188,7 @@ def input_messages(items: Any, store: ResponseStore | None = None) -> list[dict]
             if msg["content"] or msg.get("tool_calls"):
                 msg = {"role": "assistant", "content": ""}
                 out.append(msg)
-            msg["reasoning_content"] = msg.get("reasoning_content", "") + _reasoning_text(item)
+            msg["reasoning_content"] = msg.get("reasoning_content", "") + _reasoning_text(item, where)
         elif kind == "function_call":
             name, args = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not name or not isinstance(args, str):
@@ -351,11 +362,15 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     history: list[dict] = []
     prev = body.get("previous_response_id")
     if prev is not None:
-        found = store.get(prev) if isinstance(prev, str) else None
+        if not isinstance(prev, str):  # a client's mistake, not an id the store let go (a 404)
+            raise bad_request(
+                f"'previous_response_id' must be a string, got {fields.shown(prev)}", "previous_response_id"
+            )
+        found = store.get(prev)
         if found is None:
             raise APIError(
                 404,
-                f"Previous response with id '{prev}' not found (this server keeps its last "
+                f"Previous response with id {prev[:80]!r} not found (this server keeps its last "
                 f"{store.size} stored responses)",
                 param="previous_response_id",
                 code="previous_response_not_found",
@@ -372,8 +387,8 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
         raise bad_request("'instructions' must be a string", "instructions")
     tools, response_format = _tools(body), _response_format(body)
     messages = _with_system(conversation, instructions, tools, response_format)
-    reasoning = body.get("reasoning") or {}
-    if not isinstance(reasoning, dict):
+    reasoning = {} if body.get("reasoning") is None else body["reasoning"]
+    if not isinstance(reasoning, dict):  # (0, false, "" and [] too: not an absent field)
         raise bad_request("'reasoning' must be an object", "reasoning")
     thinking, effort, drop = thinking_mode.choose(
         {
@@ -401,7 +416,9 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     if choice == "none" and tools:  # the tools stay in the prompt (as under "auto": the prefix cache keeps it)
         sampling[grammar_fields.NO_TOOL_CALLS] = True  # and the DSML marker every call starts with is banned
     sampling["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
-    include = body.get("include") or []
+    include = [] if body.get("include") is None else body["include"]
+    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+        raise bad_request(f"'include' must be a list of strings, got {fields.shown(include)}", "include")
     stored = fields.boolean(body, "store", True)
     return ResponsesRequest(
         model=model,

@@ -9,8 +9,6 @@ Does not own: forcing `</think>` (`fastar.engine.thinking_budget`), the template
 
 from __future__ import annotations
 
-import json
-
 from fastar.serve import fields
 from fastar.serve.api_error import bad_request
 
@@ -44,7 +42,7 @@ def choose(
     effort = body.get("reasoning_effort", kwargs.get("reasoning_effort"))
     if effort is not None and effort not in REASONING_EFFORTS:
         raise bad_request(
-            f"'{effort_param}' must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)}",
+            f"'{effort_param}' must be one of {', '.join(REASONING_EFFORTS)}, got {fields.shown(effort)}",
             effort_param,
         )
     thinking = default if effort is None else effort != "none"  # an effort asked for turns thinking on
@@ -53,8 +51,7 @@ def choose(
     elif effort == "minimal":
         effort = "low"
     for key in ("thinking", "enable_thinking"):  # vLLM/SGLang spell it both ways
-        if key in kwargs:
-            thinking = fields.boolean(kwargs, key, thinking)
+        thinking = _template_flag(kwargs, key, thinking)
     obj = body.get("thinking")
     if obj is not None:
         kind = obj.get("type") if isinstance(obj, dict) else None
@@ -64,10 +61,21 @@ def choose(
             thinking = kind == "enabled"
         else:
             raise bad_request('\'thinking\' must be {"type": "enabled"} or {"type": "disabled"}', "thinking")
-    drop = fields.boolean(kwargs, "drop_thinking", True)
+    drop = _template_flag(kwargs, "drop_thinking", True)
     if effort is None:
         effort = default_effort
     return thinking, effort if thinking else None, drop
+
+
+def _template_flag(kwargs: dict, key: str, default: bool) -> bool:
+    """A boolean of `chat_template_kwargs`, named in full when it is not one (not as a top-level `key`)."""
+    value = kwargs.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        name = f"chat_template_kwargs.{key}"
+        raise bad_request(f"'{name}' must be true or false, got {fields.shown(value)}", name)
+    return value
 
 
 def thinking_budget(body: dict, thinking: bool, effort: str | None, max_tokens: int | None) -> int | None:
@@ -81,7 +89,7 @@ def thinking_budget(body: dict, thinking: bool, effort: str | None, max_tokens: 
         return EFFORT_BUDGETS.get(effort)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise bad_request(
-            f"'thinking.budget_tokens' must be a non-negative integer, got {json.dumps(budget)}",
+            f"'thinking.budget_tokens' must be a non-negative integer, got {fields.shown(budget)}",
             "thinking.budget_tokens",
         )
     if max_tokens is not None and budget >= max_tokens:

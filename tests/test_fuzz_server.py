@@ -627,6 +627,7 @@ responses_fields = {
     "metadata": st.one_of(st.dictionaries(st.text(max_size=8), agent_text, max_size=3), json_values),
     "include": st.one_of(st.lists(st.sampled_from(["reasoning.encrypted_content", "bogus"]), max_size=2), json_values),
     "previous_response_id": right_or_wrong(st.sampled_from(["@resp", "@resp", "resp_nope", ""])),
+    "truncation": right_or_wrong(st.sampled_from(["auto", "disabled"])),
     "user": right_or_wrong(agent_text),
 }
 r_input = st.one_of(agent_text, st.lists(r_item, min_size=1, max_size=4), st.lists(r_item, max_size=4), json_values)
@@ -663,6 +664,7 @@ r_valid = st.fixed_dictionaries(
         "metadata": st.dictionaries(st.text(max_size=8), agent_text, max_size=3),
         "include": st.just(["reasoning.encrypted_content"]),
         "previous_response_id": st.just("@resp"),
+        "truncation": st.sampled_from(["auto", "disabled"]),
     },
 )
 responses_bodies = st.one_of(
@@ -781,6 +783,7 @@ RESPONSES_WRONG = {
     "metadata": st.one_of(not_object, st.fixed_dictionaries({"k": not_str})),
     "include": st.one_of(not_list, st.lists(not_str, min_size=1, max_size=2)),
     "previous_response_id": not_str,
+    "truncation": st.one_of(not_str, st.just("bogus")),
 }
 
 

@@ -4,7 +4,7 @@ Owns: their flags (`add_run_arguments`, `add_chat_arguments`; `fastar.cli` mirro
 variable), opening the model (the built-in demo when no `-m` is given, with its banner), progress bars for load
 and long prefills (on a terminal only), streaming output (answer to stdout; reasoning dimmed, and for `run` on
 stderr so a pipe gets the answer alone), the timings line, and the chat REPL (`ChatREPL`: history, `/reset`,
-`/thinking`, `/save`, `/load`, Ctrl-C stops a reply and keeps the chat; from a pipe, a failed turn is a
+`/thinking`, `/save`, `/load`, Ctrl-C stops a reply and keeps the chat; from a pipe, a failed turn or command is a
 `fastar: error:` line on stderr and the exit status 1). Does not own: any tensor code
 (everything goes through `Engine` and `Session`), the chat format (`fastar.encoding`), argument parsing
 mechanics and the one-line error convention (`fastar.cli`).
@@ -597,14 +597,16 @@ class ChatREPL:
             self.messages = self._start()
             self.say("(conversation reset)")
         elif cmd == "/thinking":
-            if arg not in ("on", "off"):
+            if arg and arg not in ("on", "off"):
+                self.fail(f"/thinking {arg}: use /thinking on|off")
+            elif not arg:
                 self.say(f"(thinking is {'on' if self.thinking else 'off'}; use /thinking on|off)")
             else:
                 self.thinking = arg == "on"
                 self.say(f"(thinking {arg})")
         elif cmd == "/save":
-            if not arg:
-                self.say("(usage: /save FILE)")
+            if not arg:  # from a pipe a command that did nothing fails the chat as a failed turn does
+                self.fail("usage: /save FILE")
             else:
                 self.session.meta = {"messages": self.messages, "thinking": self.thinking}
                 target = _path_argument(arg)
@@ -620,7 +622,7 @@ class ChatREPL:
                 self.say(f"(saved {len(self.messages)} messages, {self.session.num_tokens} tokens to {path})")
         elif cmd == "/load":
             if not arg:
-                self.say("(usage: /load FILE)")
+                self.fail("usage: /load FILE")
             else:
                 try:
                     self.session.load(_path_argument(arg))
@@ -639,7 +641,7 @@ class ChatREPL:
                 )
             )
         else:
-            self.say(f"(unknown command {cmd}; /help lists them)")
+            self.fail(f"unknown command {cmd}; /help lists them")
         return True
 
     def _resume_from_cache(self, prompt: str) -> int:

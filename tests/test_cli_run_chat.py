@@ -401,6 +401,26 @@ def test_a_piped_chat_exits_1_when_a_turn_failed(monkeypatch) -> None:
     assert repl.run(lambda prompt: next(lines)) == 0 and "(error: too long)" in out.getvalue()
 
 
+def test_a_piped_chat_exits_1_on_a_command_it_cannot_run(monkeypatch) -> None:
+    """From a pipe, `/sav x` (no such command), `/save` or `/load` without a file and `/thinking maybe` printed a
+    hint on stdout among the replies and the chat exited 0: a script never learnt its command did nothing. Each is a
+    `fastar: error:` line on stderr now, the chat goes on, and it exits 1; on a terminal they are said in the chat."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/sav x\n/save\n/load\n/thinking maybe\n/thinking\nHi\n"))
+    repl, eng, out = make_repl(["Fine."])
+    assert repl.run() == 1
+    assert repl.err.getvalue().splitlines() == [
+        "fastar: error: unknown command /sav; /help lists them",
+        "fastar: error: usage: /save FILE",
+        "fastar: error: usage: /load FILE",
+        "fastar: error: /thinking maybe: use /thinking on|off",
+    ]
+    assert "(thinking is off" in out.getvalue() and repl.messages[-1]["content"] == "Fine."
+    monkeypatch.setattr(sys, "stdin", TTY())
+    repl, eng, out = make_repl([])
+    lines = iter(["/sav x", "/exit"])
+    assert repl.run(lambda prompt: next(lines)) == 0 and "(error: unknown command /sav;" in out.getvalue()
+
+
 def test_an_endless_line_on_stdin_ends_the_chat(monkeypatch) -> None:
     """From a pipe (`fastar chat < /dev/zero`), a line is read up to a bound: a longer one ends the chat with one
     error line, where it was read to the end of memory (a MemoryError traceback)."""

@@ -519,3 +519,35 @@ def full_filesystem(mnt: Path) -> None:
 
 if __name__ == "__main__":
     child(sys.argv[1:])
+
+
+# --- a state's name taken by something that is no file ----------------------------------------------------------
+
+
+def test_a_folder_or_fifo_under_a_states_name_is_a_miss_not_an_error(tmp_path, caplog):
+    """A folder under a state's file name ended `fastar chat --prompt-cache DIR` at its first turn ("fastar: error:
+    ...fpc: Is a directory"), and a FIFO there blocked the lookup forever (the open waits for a writer). Both are
+    now a miss logged once; eviction passes them by, and a state stored over the cap still evicts a real one."""
+    ids_a, ids_b = list(range(10, 30)), list(range(40, 60))
+    old = PrefixCache(tmp_path, FP, 1 << 30).store(ids_a, synthetic_state(ids_a))
+    cache = PrefixCache(tmp_path, FP, int(1.5 * old.stat().st_size))  # room for one state of this length
+    for name, make in (("folder", os.mkdir), ("fifo", os.mkfifo)):
+        ids = list(range(100, 110)) if name == "folder" else list(range(200, 212))
+        make(cache._path(ids))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fastar.prefix_cache"):
+            result: list = []
+            t = threading.Thread(
+                target=lambda ids=ids: result.append(cache.lookup(ids + [1], limit=len(ids))), daemon=True
+            )
+            t.start()
+            t.join(30)
+            assert not t.is_alive(), f"a {name} under a state's name blocked the lookup"
+            assert result == [None] and cache.lookup(ids + [1], limit=len(ids)) is None
+        lines = [r.getMessage() for r in caplog.records]
+        why = "Is a directory" if name == "folder" else "not a regular file"
+        assert len(lines) == 1 and f"cannot read ({why})" in lines[0], lines
+        assert cache._path(ids).exists()  # not ours to remove
+    new = cache.store(ids_b, synthetic_state(ids_b))  # over the cap: the real state goes, not the folder
+    assert new is not None and new.exists() and not old.exists()
+    assert cache.lookup(ids_b + [1], limit=len(ids_b))[1] == len(ids_b)

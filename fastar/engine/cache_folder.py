@@ -30,6 +30,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import tempfile
 import threading
 import weakref
@@ -132,7 +133,8 @@ class CacheFolder:
                 st = p.stat()
             except FileNotFoundError:  # evicted meanwhile
                 continue
-            out.append((st.st_mtime_ns, st.st_size, p))
+            if stat.S_ISREG(st.st_mode):  # no folder to count, nor to evict
+                out.append((st.st_mtime_ns, st.st_size, p))
         return out
 
     def size(self) -> int:
@@ -141,12 +143,14 @@ class CacheFolder:
     @contextmanager
     def opened(self, path: Path) -> Iterator[BinaryIO | None]:
         """`path` open for reading, or None when it is gone (evicted by a peer since it was listed)."""
-        try:
-            f = open(path, "rb")  # noqa: SIM115 (closed below, after the caller's checks)
+        try:  # O_NONBLOCK: a FIFO under a state's name must not block the open (and the loader) forever
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             yield None
             return
-        with f:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder or a device under a state's name: no state
+                raise OSError(errno.EINVAL, "not a regular file", str(path))
             yield f
 
     @staticmethod

@@ -157,21 +157,21 @@ class PrefixCache:
     def _read(self, path: Path, ids: list[int]) -> ModelState | None:
         """The state in `path` if it passes every check (its recency is then refreshed); else None, the file
         rejected. A file a peer evicted since it was listed is a plain miss."""
-        with self.disk.opened(path) as f:
-            if f is None:
-                return None
-            try:
+        try:  # a file that cannot be opened or read (a folder, a FIFO under its name, an I/O error): a miss
+            with self.disk.opened(path) as f:
+                if f is None:
+                    return None
                 raw = f.read()
-            except OSError as e:
-                if path.name not in self._skipped:
-                    self._skipped.add(path.name)
-                    log.warning("prefix cache: skipping %s: cannot read (%s)", path, e.strerror or e)
-                return None
-            state, why = self._parse(raw, ids)
-            if state is None:
-                return self._reject(path, f, why)
-            self.disk.touch(f)
-            return state
+                state, why = self._parse(raw, ids)
+                if state is None:
+                    return self._reject(path, f, why)
+                self.disk.touch(f)
+                return state
+        except OSError as e:
+            if path.name not in self._skipped:
+                self._skipped.add(path.name)
+                log.warning("prefix cache: skipping %s: cannot read (%s)", path, e.strerror or e)
+            return None
 
     def _parse(self, raw: bytes, ids: list[int]) -> tuple[ModelState | None, str]:
         """(the state, "") when `raw` is a whole, intact file of this cache holding the state of `ids`, else

@@ -1641,3 +1641,166 @@ def test_ids_a_client_sent_are_quoted_on_one_line_in_errors(backend):
     with pytest.raises(APIError) as err:
         response_items.list_input_items(obj["id"], store, {"after": "x\ny"})
     assert err.value.status == 404 and "'x\\ny'" in err.value.message
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain-text documents (fastar.serve.documents)
+# ---------------------------------------------------------------------------------------------------------
+
+NOTES = (
+    "<document>\n<title>notes.txt</title>\n<context>From Monday</context>\n"
+    "<content>\nline one\nline two\n</content>\n</document>"
+)
+
+
+def _doc(source: dict, **kw) -> dict:
+    return {"type": "document", "source": source, **kw}
+
+
+def test_anthropic_text_documents_reach_the_engine_rendered_and_count_tokens_agrees(backend):
+    """A plain-text `document` block (a `text` source, a `content` source as a string or as text blocks, in a user
+    turn or a `tool_result`) reaches the engine as its rendered text in the turn; `count_tokens` counts the prompt
+    the generating route runs, and the route's prompt equals the one of the same turn sent as plain text."""
+    text_source = {"type": "text", "media_type": "text/plain", "data": "line one\nline two"}
+    untitled = "<document>\n<content>\nline one\nline two\n</content>\n</document>"
+    ask = {"type": "text", "text": "Summarize it."}
+    cases = [
+        ([_doc(text_source, title="notes.txt", context="From Monday"), ask], NOTES + "\nSummarize it."),
+        ([_doc(text_source, citations={"enabled": False}, title="", context=None), ask], untitled + "\nSummarize it."),
+        ([ask, _doc({"type": "content", "content": "line one\nline two"})], "Summarize it.\n" + untitled),
+        (
+            [
+                _doc(
+                    {
+                        "type": "content",
+                        "content": [{"type": "text", "text": "line one"}, {"type": "text", "text": "line two"}],
+                    }
+                )
+            ],
+            untitled,
+        ),
+    ]
+    for content, expected in cases:
+        body = {
+            "max_tokens": 500,
+            "temperature": 0,
+            "thinking": {"type": "disabled"},
+            "messages": [{"role": "user", "content": content}],
+        }
+        msg = A.messages(body, backend)
+        assert msg["content"] == [{"type": "text", "text": f"Echo: {expected}"}], content
+        usage = msg["usage"]
+        counted = A.count_tokens(body, backend)["input_tokens"]
+        assert counted == usage["input_tokens"] + usage["cache_read_input_tokens"]
+        plain = {**body, "messages": [{"role": "user", "content": expected}]}
+        assert prompt_ids(backend, A.parse_request(body, backend)[1]) == prompt_ids(
+            backend, A.parse_request(plain, backend)[1]
+        )
+    # in a tool_result's content, where the Messages API allows documents too
+    call = {"type": "tool_use", "id": "t1", "name": "sum", "input": {}}
+    result = [{"type": "text", "text": "read:"}, _doc(text_source, title="notes.txt", context="From Monday")]
+
+    def turns(result_content) -> dict:
+        return {
+            "max_tokens": 500,
+            "tools": [SUM],
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [call]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": result_content}]},
+            ],
+        }
+
+    with_doc, as_text = turns(result), turns("read:\n" + NOTES)
+    assert prompt_ids(backend, A.parse_request(with_doc, backend)[1]) == prompt_ids(
+        backend, A.parse_request(as_text, backend)[1]
+    )
+    assert A.count_tokens(with_doc, backend) == A.count_tokens(as_text, backend)
+
+
+def test_anthropic_documents_the_model_cannot_read_are_a_400_naming_the_block(backend):
+    """PDFs (base64), URL and Files API sources, another media type, an image in a `content` source, requested
+    citations (never returned here), malformed fields, and a document where only text is taken (`system`): each a
+    one-line 400 naming the block."""
+    pdf = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK"}
+    only_text = "only plain-text documents are"
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0K"}}
+    cases = [
+        (_doc(pdf), 'messages[0].content[0]: a base64 document ("application/pdf") is not read', only_text),
+        (
+            _doc({"type": "url", "url": "https://example.com/a.pdf"}),
+            "messages[0].content[0]: a document by URL",
+            only_text,
+        ),
+        (_doc({"type": "file", "file_id": "file_1"}), "messages[0].content[0]: a document by file_id", only_text),
+        (
+            _doc({"type": "text", "media_type": "text/html", "data": "<p>"}),
+            "messages[0].content[0].source.media_type",
+            '"text/html"',
+        ),
+        (
+            _doc({"type": "text", "media_type": "text/plain"}),
+            "messages[0].content[0].source: a text source needs",
+            "'data'",
+        ),
+        (
+            _doc({"type": "content", "content": [{"type": "text", "text": "a"}, image]}),
+            "messages[0].content[0].source.content[1]",
+            '"image"',
+        ),
+        (_doc({"type": "content", "content": 5}), "messages[0].content[0].source.content must be", "text blocks"),
+        (
+            _doc({"type": "text", "media_type": "text/plain", "data": "a"}, citations={"enabled": True}),
+            "messages[0].content[0].citations",
+            "never returns citation blocks",
+        ),
+        (
+            _doc({"type": "text", "media_type": "text/plain", "data": "a"}, citations=True),
+            "messages[0].content[0].citations must be",
+            "enabled",
+        ),
+        (
+            _doc({"type": "text", "media_type": "text/plain", "data": "a"}, title=5),
+            "messages[0].content[0].title must be a string",
+            "5",
+        ),
+        ({"type": "document"}, "messages[0].content[0]: a document block needs a 'source' object", ""),
+    ]
+    for block, start, words in cases:
+        body = {"max_tokens": 5, "messages": [{"role": "user", "content": [block, {"type": "text", "text": "hi"}]}]}
+        for call in (A.messages, A.count_tokens):
+            with pytest.raises(APIError) as err:
+                call(body, backend)
+            message = err.value.message
+            assert err.value.status == 400 and message.startswith(start) and words in message, message
+            assert "\n" not in message
+    doc = _doc({"type": "text", "media_type": "text/plain", "data": "a"})
+    with pytest.raises(APIError) as err:
+        A.messages({"max_tokens": 5, "system": [doc], "messages": [{"role": "user", "content": "hi"}]}, backend)
+    assert err.value.status == 400 and err.value.message.startswith("system[0]: only text blocks are supported here")
+
+
+def test_the_anthropic_client_sends_a_text_document_the_route_reads(app):
+    """The `anthropic` SDK's own document block shapes reach the engine rendered, and its count_tokens agrees."""
+    cl = anthropic.Anthropic(base_url=app.url, api_key=API_KEY, max_retries=0)
+    content = [
+        {
+            "type": "document",
+            "source": {"type": "text", "media_type": "text/plain", "data": "line one\nline two"},
+            "title": "notes.txt",
+            "context": "From Monday",
+        },
+        {"type": "text", "text": "Summarize it."},
+    ]
+    msg = cl.messages.create(
+        model="x",
+        max_tokens=500,
+        extra_body={"temperature": 0},
+        thinking={"type": "disabled"},
+        messages=[{"role": "user", "content": content}],
+    )
+    assert msg.content[0].text == f"Echo: {NOTES}\nSummarize it."
+    count = cl.messages.count_tokens(
+        model="x", thinking={"type": "disabled"}, messages=[{"role": "user", "content": content}]
+    )
+    assert count.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens

@@ -18,12 +18,13 @@ Mounting (the server's routes call these; any HTTP framework will do):
 Auth: Anthropic clients send the key as `x-api-key`; `api_key_from_headers()` reads it (or a Bearer token).
 
 Owns: request validation and translation into the encoder's conversation (system, text, `tool_use` /
-`tool_result`, `thinking` blocks, tools, `tool_choice`, `stop_sequences`, sampling, the V4 thinking modes),
-and the reply: the `message` object, or the SSE event sequence (`message_start`, `ping`,
-`content_block_start` / `content_block_delta` (`thinking_delta`, `signature_delta`, `text_delta`,
-`input_json_delta`) / `content_block_stop`, `message_delta` with `stop_reason` and usage, `message_stop`;
-`event: error` if generation fails mid-stream; `ping` fills a long prefill). Errors use Anthropic's shape
-`{"type": "error", "error": {"type", "message"}}`.
+`tool_result`, `thinking` blocks, plain-text `document` blocks in a user turn or a `tool_result`, rendered by
+`fastar.serve.documents`, tools, `tool_choice`, `stop_sequences`, sampling, the V4 thinking modes), and the reply:
+the `message` object, or the SSE event sequence (`message_start`, `ping`, `content_block_start` /
+`content_block_delta` (`thinking_delta`, `signature_delta`, `text_delta`, `input_json_delta`) /
+`content_block_stop`, `message_delta` with `stop_reason` and usage, `message_stop`; `event: error` if generation
+fails mid-stream; `ping` fills a long prefill). Errors use Anthropic's shape `{"type": "error", "error": {"type",
+"message"}}`.
 
 `max_tokens` is required (a 400 without it, as Anthropic answers); one beyond the room the prompt leaves runs until
 the context is full, with `stop_reason: "model_context_window_exceeded"`. A prompt over the context is a 400 in
@@ -69,7 +70,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from fastar.serve import fields, grammar_fields, shapes, thinking_mode
+from fastar.serve import documents, fields, grammar_fields, shapes, thinking_mode
 from fastar.serve.api_error import APIError, ContextOverflow, bad_request
 from fastar.serve.turn import AssistantTurn, Backend, Conversation, GenerationFailed, prompt_ids
 
@@ -125,10 +126,14 @@ def _string(block: dict, key: str, at: str) -> str:
     return block[key]
 
 
-def _text_of(content: Any, field: str) -> str:
+def _text_of(content: Any, field: str, with_documents: bool = False) -> str:
+    """Text blocks joined with newlines; `with_documents` (a `tool_result`'s content): plain-text documents too."""
     parts = []
     for j, block in enumerate(_blocks(content, field)):
         at = f"{field}[{j}]" if isinstance(content, list) else field
+        if with_documents and block.get("type") == "document":
+            parts.append(documents.anthropic_document(block, at))
+            continue
         if block.get("type") != "text":
             raise bad_request(
                 f"{at}: only text blocks are supported here, got {block.get('type')!r} (the model reads text only)",
@@ -150,6 +155,8 @@ def _user_messages(content: Any, where: str) -> list[dict]:
         kind = block.get("type")
         if kind == "text":
             texts.append(_string(block, "text", f"{where}.content[{j}]"))
+        elif kind == "document":  # a plain-text document, rendered into the turn's text
+            texts.append(documents.anthropic_document(block, f"{where}.content[{j}]"))
         elif kind == "tool_result":
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
@@ -161,14 +168,14 @@ def _user_messages(content: Any, where: str) -> list[dict]:
                     "messages",
                 )
             result = block.get("content", "")
-            text = result if isinstance(result, str) else _text_of(result, f"{where}.content[{j}].content")
+            text = result if isinstance(result, str) else _text_of(result, f"{where}.content[{j}].content", True)
             if fields.boolean(block, "is_error", False):
                 text = f"Error: {text}"
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         else:
             raise bad_request(
                 f"{where}.content[{j}]: unsupported block type {kind!r} in a user turn "
-                "(text and tool_result are supported)",
+                "(text, document and tool_result are supported)",
                 "messages",
             )
     if texts:

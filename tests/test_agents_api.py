@@ -12,6 +12,7 @@ FakeEngine of test_server.py, through the real worker (EngineHost).
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import re
@@ -28,6 +29,7 @@ from test_server import (
     FakeTokenizer,
     accumulate_chat,
     client,
+    data_url,
     raw,
     start_server,
 )
@@ -1804,3 +1806,62 @@ def test_the_anthropic_client_sends_a_text_document_the_route_reads(app):
         model="x", thinking={"type": "disabled"}, messages=[{"role": "user", "content": content}]
     )
     assert count.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+
+
+def test_responses_text_input_files_reach_the_engine_rendered_as_documents(backend):
+    """An `input_file` whose `file_data` is a data URL of a text type (the filename as its title) reaches the engine
+    as the same rendered document a Messages `document` block gives, in a message or a `function_call_output`."""
+    notes = "<document>\n<title>notes.txt</title>\n<content>\nline one\nline two\n</content>\n</document>"
+    untitled = '<document>\n<content>\n{"a": 1}\n</content>\n</document>'
+    file = {"type": "input_file", "filename": "notes.txt", "file_data": data_url("line one\nline two")}
+    ask = {"type": "input_text", "text": "Summarize it."}
+    cases = [
+        ([file, ask], notes + "\nSummarize it."),
+        ([{"type": "input_file", "file_data": data_url('{"a": 1}', "application/json")}], untitled),
+        ([{**file, "file_data": "data:text/markdown;charset=utf-8,line%20one%0Aline%20two", "file_id": None}], notes),
+    ]
+    for content, expected in cases:
+        body = {
+            "input": [{"role": "user", "content": content}],
+            "temperature": 0,
+            "reasoning": {"effort": "none"},
+            "max_output_tokens": 500,
+        }
+        out = R.create(body, backend, R.ResponseStore())
+        assert out["output"][-1]["content"][0]["text"] == f"Echo: {expected}", content
+    ask = {"role": "user", "content": "please add 1 and 2"}
+    call = {"type": "function_call", "call_id": "c1", "name": "sum", "arguments": "{}"}
+    output = {
+        "type": "function_call_output",
+        "call_id": "c1",
+        "output": [{"type": "input_text", "text": "read:"}, file],
+    }
+    assert R.input_messages([ask, call, output])[-1]["content"] == "read:\n" + notes
+
+
+def test_responses_input_files_the_model_cannot_read_are_a_400_naming_the_part(backend):
+    """By `file_id` (no Files API here), by `file_url` (nothing is fetched), of a type that is not text, not a
+    data URL, not base64, not UTF-8, or of another charset: each a one-line 400 naming the part and why."""
+    cases = [
+        ({"file_id": "file-abc"}, "no Files API"),
+        ({"file_url": "https://example.com/a.txt"}, "fetches nothing"),
+        ({"file_data": data_url("%PDF-1.4", "application/pdf"), "filename": "a.pdf"}, '"application/pdf" is not read'),
+        ({"file_data": data_url("x", "image/png")}, "only text files are"),
+        ({"file_data": base64.b64encode(b"hello").decode()}, "must be a data URL"),
+        ({"file_data": "data:text/plain;base64,not base64!"}, "not valid base64"),
+        (
+            {"file_data": "data:text/plain;base64," + base64.b64encode(b"caf\xe9").decode()},
+            "not UTF-8 text (byte 0xe9 at offset 3)",
+        ),
+        ({"file_data": "data:text/plain;charset=latin-1;base64,YQ=="}, 'charset "latin-1"'),
+        ({"filename": "a.txt"}, "needs 'file_data'"),
+        ({"file_data": data_url("a"), "filename": 5}, "filename must be a string"),
+    ]
+    for fields_, words in cases:
+        content = [{"type": "input_text", "text": "hi"}, {"type": "input_file", **fields_}]
+        body = {"input": [{"role": "user", "content": content}], "max_output_tokens": 5}
+        with pytest.raises(APIError) as err:
+            R.create(body, backend, R.ResponseStore())
+        message = err.value.message
+        assert (err.value.status, err.value.param) == (400, "input") and message.startswith("input[0].content[1]")
+        assert words in message and "\n" not in message, message

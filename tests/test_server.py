@@ -1636,3 +1636,70 @@ def test_a_chat_template_kwargs_flag_of_the_wrong_type_is_named_in_full():
         None,
         True,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Text files as content parts (fastar.serve.documents)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def data_url(text: str, media: str = "text/plain") -> str:
+    """`text` as the base64 data URL an OpenAI client puts in a file part's `file_data`."""
+    return f"data:{media};base64," + base64.b64encode(text.encode()).decode()
+
+
+def test_chat_text_file_parts_reach_the_engine_rendered_and_tokenize_counts_them(server):
+    """A user message's `file` part holding a text data URL reaches the engine as the rendered document (the
+    filename as its title), joined to the message's text parts with a newline; `/tokenize` counts the prompt the
+    route runs, the same as the message sent as plain text."""
+    file = {"type": "file", "file": {"filename": "notes.txt", "file_data": data_url("line one\nline two")}}
+    expected = "<document>\n<title>notes.txt</title>\n<content>\nline one\nline two\n</content>\n</document>"
+    messages = [{"role": "user", "content": [file, {"type": "text", "text": "Summarize it."}]}]
+    reply = client(server).chat.completions.create(
+        model="deepseek-v4-flash", messages=messages, temperature=0, extra_body=NO_THINK
+    )
+    assert reply.choices[0].message.content == f"Echo: {expected}\nSummarize it."
+    plain = [{"role": "user", "content": f"{expected}\nSummarize it."}]
+    counts = [json.loads(raw(server, "POST", "/tokenize", {"messages": m, **NO_THINK})[2]) for m in (messages, plain)]
+    assert counts[0]["tokens"] == counts[1]["tokens"] and counts[0]["count"] == reply.usage.prompt_tokens
+
+
+def test_chat_file_parts_the_model_cannot_read_are_a_400_naming_the_part(server):
+    """By `file_id`, of a type that is not text, not a data URL, not UTF-8, or no `file` object: a one-line 400
+    naming `messages[i].content[j]`, on the generating route and on `/tokenize` alike."""
+    cases = [
+        ({"file": {"file_id": "file-abc"}}, "no Files API"),
+        ({"file": {"file_data": data_url("%PDF-1.4", "application/pdf")}}, '"application/pdf" is not read'),
+        ({"file": {"file_data": "aGVsbG8="}}, "must be a data URL"),
+        ({"file": {"file_data": "data:text/plain;base64,/w=="}}, "not UTF-8 text (byte 0xff at offset 0)"),
+        ({"file": "notes.txt"}, "must be an object"),
+    ]
+    for part, words in cases:
+        messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "file", **part}]}]
+        for path in ("/v1/chat/completions", "/tokenize"):
+            status, _, data = raw(server, "POST", path, {"model": "deepseek-v4-flash", "messages": messages})
+            error = json.loads(data)["error"]
+            assert status == 400 and error["message"].startswith("messages[0].content[1].file"), (path, error)
+            assert words in error["message"] and "\n" not in error["message"], error
+
+
+def test_a_file_is_measured_decoded_by_the_prompt_guard_and_its_encoding_by_the_body_limit():
+    """The prompt-length guard (context x longest token, before tokenizing) counts a file's decoded text, as it
+    counts the rest of the rendered prompt; the data URL itself is bounded by the body limit, and its decoded
+    text is never longer than it (base64 decodes to 3/4 of its length, a percent-encoded URL to at most its own)."""
+    engine = FakeEngine(context_length=64)
+    srv = start_server(engine, max_body_bytes=4000)
+    try:
+        over = 64 * engine.tokenizer.max_token_bytes() + 1
+        assert over < 2000
+        fits = {"type": "file", "file": {"file_data": data_url("a" * 2000)}}  # 2,668 base64 characters: in the body
+        status, _, data = raw(srv, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [fits]}]})
+        error = json.loads(data)["error"]
+        assert status == 400 and error["code"] == "context_length_exceeded" and "characters" in error["message"]
+        encoded = {"type": "file", "file": {"file_data": data_url("a" * 3000)}}  # 4,000 base64 characters
+        status, _, data = raw(
+            srv, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [encoded]}]}
+        )
+        assert status == 413 and json.loads(data)["error"]["code"] == "request_too_large"
+    finally:
+        srv.shutdown()

@@ -1,6 +1,7 @@
 """The OpenAI request bodies: `parse_chat_request()` / `parse_completion_request()` turn JSON into a validated
 `ChatRequest` / `CompletionRequest` (sampling as `SamplingParams` keyword arguments, `n` for both, `best_of` and a
-list of prompts for completions, thinking, tools and the grammar). Unknown fields are ignored (clients send many);
+list of prompts for completions, thinking, tools and the grammar; a user message's `file` parts holding text
+become text parts, `fastar.serve.documents`). Unknown fields are ignored (clients send many);
 known fields of the wrong type are a 400 naming the field.
 
 Does not own: the field validators (`fastar.serve.fields`), thinking (`fastar.serve.thinking_mode`), tools and
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastar.serve import fields, grammar_fields, thinking_mode
+from fastar.serve import documents, fields, grammar_fields, thinking_mode
 from fastar.serve.api_error import bad_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (vLLM's too); chat fills the context
@@ -98,6 +99,7 @@ def parse_chat_request(
     thinking, effort, drop = thinking_mode.choose(body, default_thinking, default_effort)
     params["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
 
+    messages = documents.inline_chat_files(messages)  # a user's text `file` parts, rendered as documents
     grammar_fields.check_messages(messages)
     tools = grammar_fields.check_tools(body.get("tools"))
     tool_choice = grammar_fields.check_tool_choice(body.get("tool_choice"))

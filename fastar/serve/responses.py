@@ -17,11 +17,12 @@ Mounting (the server's routes call these; any HTTP framework will do):
     responses.retrieve(response_id, store) -> dict       (404 APIError when unknown or evicted)
 
 Owns: request validation and translation (`input` as a string or items: messages, `function_call`,
-`function_call_output`, `reasoning`; `instructions`; function `tools`; `tool_choice`; `reasoning.effort`;
-`max_output_tokens`; `text.format` (rendered as chat completions' `response_format`, and enforced: a JSON schema or
-object, `fastar.engine.constraint`; `tool_choice` "required" or a named function forces a tool call); sampling;
-DeepSeek's `thinking` and `chat_template_kwargs` as on chat completions; `truncation`, whose "auto" drops the
-conversation's earliest exchanges, then its oldest tool rounds, until it fits, `fastar.serve.truncation`), the
+`function_call_output`, `reasoning`; `input_file` parts holding text, rendered by `fastar.serve.documents`;
+`instructions`; function `tools`; `tool_choice`; `reasoning.effort`; `max_output_tokens`; `text.format` (rendered as
+chat completions' `response_format`, and enforced: a JSON schema or object, `fastar.engine.constraint`; `tool_choice`
+"required" or a named function forces a tool call); sampling; DeepSeek's `thinking` and `chat_template_kwargs` as on
+chat completions; `truncation`, whose "auto" drops the conversation's earliest exchanges, then its oldest tool rounds,
+until it fits, `fastar.serve.truncation`), the
 `response` object, and the SSE events
 (`response.created`, `response.in_progress`, `response.output_item.added` / `.done`, `response.reasoning_text.delta`
 / `.done`, `response.content_part.added` / `.done`, `response.output_text.delta` / `.done`,
@@ -49,7 +50,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastar.serve import fields, grammar_fields, response_items, shapes, thinking_mode, truncation
+from fastar.serve import documents, fields, grammar_fields, response_items, shapes, thinking_mode, truncation
 from fastar.serve.api_error import APIError, bad_request
 from fastar.serve.turn import AssistantTurn, Backend, Conversation, GenerationFailed
 
@@ -115,6 +116,9 @@ def _content_text(content: Any, where: str) -> str:
         raise bad_request(f"{where}.content must be a string or a list of content parts", "input")
     parts = []
     for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_file":  # a text file, rendered as a document
+            parts.append(documents.openai_file(part, f"{where}.content[{j}]", "input"))
+            continue
         if not (
             isinstance(part, dict)
             and part.get("type") in ("input_text", "output_text", "text")

@@ -67,6 +67,33 @@ json_values = st.recursive(
     max_leaves=12,
 )
 text = st.one_of(st.text(max_size=40), st.sampled_from(["count", "hi", "weather", "", "<｜User｜>", "\u2028"]))
+# An OpenAI file part's fields (chat completions' `file` object, Responses' `input_file` part): text data URLs,
+# other types, what is not a data URL, undecodable bytes, file ids and URLs.
+file_fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "file_data": st.one_of(
+            st.sampled_from(
+                [
+                    "data:text/plain;base64,aGk=",
+                    "data:text/markdown;charset=utf-8,%23%20hi",
+                    "data:application/json;base64,eyJhIjogMX0=",
+                    "data:application/pdf;base64,JVBERi0=",
+                    "data:text/plain;base64,/w==",
+                    "data:text/plain;base64,@@",
+                    "data:text/plain;charset=latin-1,a",
+                    "data:,",
+                    "aGk=",
+                ]
+            ),
+            json_values,
+        ),
+        "filename": st.one_of(text, json_values),
+        "file_id": st.one_of(st.none(), st.just("file-1"), json_values),
+        "file_url": st.one_of(st.just("https://example.com/a.txt"), json_values),
+    },
+)
+
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(ROLES)},
     optional={
@@ -74,7 +101,11 @@ message = st.fixed_dictionaries(
             text,
             json_values,
             st.lists(
-                st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", 3]), "text": text}), max_size=3
+                st.one_of(
+                    st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", 3]), "text": text}),
+                    st.fixed_dictionaries({"type": st.just("file"), "file": st.one_of(file_fields, json_values)}),
+                ),
+                max_size=3,
             ),
         ),
         "tool_call_id": st.one_of(st.text(max_size=5), json_scalars),
@@ -357,10 +388,37 @@ def right_or_wrong(good: st.SearchStrategy) -> st.SearchStrategy:
 a_text_block = st.fixed_dictionaries(
     {"type": st.just("text"), "text": right_or_wrong(agent_text)}, optional={"cache_control": json_values}
 )
+a_document = st.fixed_dictionaries(
+    {
+        "type": st.just("document"),
+        "source": st.one_of(
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("text"),
+                    "media_type": right_or_wrong(st.just("text/plain")),
+                    "data": right_or_wrong(agent_text),
+                }
+            ),
+            st.fixed_dictionaries(
+                {"type": st.just("content"), "content": st.one_of(agent_text, st.lists(a_text_block, max_size=2))}
+            ),
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["base64", "url", "file", "bogus"])},
+                optional={"media_type": json_values, "data": json_values, "url": json_values, "file_id": json_values},
+            ),
+            json_values,
+        ),
+    },
+    optional={
+        "title": right_or_wrong(agent_text),
+        "context": right_or_wrong(agent_text),
+        "citations": st.one_of(st.fixed_dictionaries({"enabled": st.booleans()}), json_values),
+    },
+)
 a_tool_result = st.fixed_dictionaries(
     {"type": st.just("tool_result"), "tool_use_id": right_or_wrong(st.sampled_from(["toolu_1", "x", ""]))},
     optional={
-        "content": st.one_of(agent_text, st.lists(a_text_block, max_size=2), json_values),
+        "content": st.one_of(agent_text, st.lists(st.one_of(a_text_block, a_document), max_size=2), json_values),
         "is_error": right_or_wrong(st.booleans()),
     },
 )
@@ -389,7 +447,7 @@ a_user = st.fixed_dictionaries(
         "content": st.one_of(
             agent_text,
             agent_text,
-            st.lists(st.one_of(a_text_block, a_text_block, a_tool_result, a_other_block), max_size=3),
+            st.lists(st.one_of(a_text_block, a_text_block, a_tool_result, a_document, a_other_block), max_size=3),
             json_values,
         ),
     }
@@ -531,6 +589,7 @@ r_part = st.one_of(
         {"type": st.sampled_from(["input_text", "output_text", "text"]), "text": right_or_wrong(agent_text)}
     ),
     st.fixed_dictionaries({"type": st.sampled_from(["input_image", "input_file", "refusal", None])}),
+    st.builds(lambda spec: {"type": "input_file", **spec}, file_fields),
     json_values,
 )
 r_content = st.one_of(agent_text, agent_text, st.lists(r_part, max_size=3), json_values)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from . import console
-from .engine.outputs import model_files, refuse_inputs_as_output
+from .engine.outputs import model_files, refuse_inputs_as_output, refuse_unwritable_output
 from .errors import FastarError
 
 
@@ -124,6 +124,13 @@ def cmd_perplexity(a) -> int:
         raise FastarError("no text file: give it as `fastar perplexity FILE` or with -f FILE")
     text = read_text(a.file)
     _check_save_target(a)
+    # the outputs and the base are checked before the model loads (minutes on Flash) and the windows run (hours):
+    # a base path mistyped, or a --save-logits folder that does not exist, was said only then
+    refuse_unwritable_output(a.save_logits, "--save-logits", "the logits file")
+    if a.kl_divergence is not None:
+        from .engine.logits_file import LogitsFile
+
+        LogitsFile(a.kl_divergence)  # missing, a folder, another kind of file, truncated: one line now
     if a.stride is not None and a.stride > a.ctx:
         raise FastarError(f"--stride {a.stride} is larger than --ctx {a.ctx}: tokens between windows would be skipped")
     if a.ctx < 2:

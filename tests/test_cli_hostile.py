@@ -805,3 +805,23 @@ def test_a_config_claiming_more_layers_or_experts_than_the_checkpoint_holds(tiny
     (ck / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**6}))
     line = one_line_error(_cli("convert", ck, "-o", tmp_path / "o.fst"), 1)
     assert "config.json says num_hidden_layers = 1000000" in line or "need 1000000 layers" in line, line
+
+
+def test_perplexity_says_a_bad_base_or_output_before_the_model_loads(tmp_path):
+    """`perplexity --kl-divergence BASE` with BASE missing, a folder or no logits file, and `--save-logits` into a
+    folder that does not exist or naming a folder, were said only once the model had loaded (minutes on Flash) or
+    the windows had run (hours). Now first: here the model does not exist, and the line is still about the base or
+    the output."""
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat " * 20)
+    model = tmp_path / "no-model.fst"
+    for flag, value, words in (
+        ("--kl-divergence", tmp_path / "missing.lg", "missing.lg: no such file"),
+        ("--kl-divergence", tmp_path, f"{tmp_path}: Is a directory"),
+        ("--kl-divergence", text, "not a `fastar perplexity --save-logits` file"),
+        ("--save-logits", tmp_path / "nowhere" / "x.lg", f"no such directory {tmp_path / 'nowhere'}"),
+        ("--save-logits", tmp_path, "it is a directory; give a file name for the logits file"),
+    ):
+        line = one_line_error(_cli("perplexity", "-m", model, text, flag, value), 1)
+        assert words in line and "no-model.fst" not in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]

@@ -153,13 +153,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
 def _check_plot_target(plot: str) -> None:
     """The PNG is written after the whole benchmark (and before its table is printed): a name that cannot be
     written, or no matplotlib, is said now, not after minutes of work whose numbers would then be lost."""
-    folder = os.path.dirname(os.path.abspath(plot))
-    if os.path.isdir(plot):
-        raise FastarError(f"--plot {plot}: it is a directory; give a file name for the PNG")
-    if not os.path.isdir(folder):
-        raise FastarError(f"--plot {plot}: no such directory {folder}")
-    if not os.access(folder, os.W_OK):
-        raise FastarError(f"--plot {plot}: the directory {folder} is not writable")
+    from ..engine.outputs import refuse_unwritable_output
+
+    refuse_unwritable_output(plot, "--plot", "the PNG")
     if importlib.util.find_spec("matplotlib") is None:
         raise FastarError("--plot needs matplotlib: pip install 'fastar[plot]' (or matplotlib)")
 

@@ -1,6 +1,7 @@
 """An output path checked against the files a command reads, before anything is written to it.
 
-Owns: `refuse_inputs_as_output` (a one-line `FastarError` when an output is the same file as one of the command's
+Owns: `refuse_unwritable_output` (an output that cannot be written, said before the work that makes it) and
+`refuse_inputs_as_output` (a one-line `FastarError` when an output is the same file as one of the command's
 inputs: chat's `/save`, `perplexity --save-logits` and `bench --plot` would otherwise rename or write over the
 model, the text or the base they read) and `model_files` (the files a model path names). Does not own: writing the
 outputs (`session.Session.save`, `logits_file.LogitsWriter`, the benchmark's plot), nor `convert -o`'s own check,
@@ -51,3 +52,19 @@ def refuse_inputs_as_output(
         if same:
             prefix = f"{flag} " if flag else ""
             raise FastarError(f"{prefix}{out}: it is {what} ({path}); give the output another name")
+
+
+def refuse_unwritable_output(out: str | os.PathLike | None, flag: str, what: str) -> None:
+    """Raise a one-line FastarError when `out` (after `~`) cannot be written as a new file: it is a directory, its
+    folder does not exist or is not writable. For outputs written after long work (`bench --plot`, `perplexity
+    --save-logits`): said before the work, not after it, when its numbers would be lost. `what`: the file's kind."""
+    if out is None:
+        return
+    target = os.path.expanduser(os.fspath(out))
+    folder = os.path.dirname(os.path.abspath(target))
+    if os.path.isdir(target):
+        raise FastarError(f"{flag} {out}: it is a directory; give a file name for {what}")
+    if not os.path.isdir(folder):
+        raise FastarError(f"{flag} {out}: no such directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise FastarError(f"{flag} {out}: the directory {folder} is not writable")

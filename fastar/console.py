@@ -80,7 +80,8 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "-m",
         "--model",
         default=None,
-        help="model .fst file (default: the built-in demo model, random weights, built once)",
+        help=".fst file or official checkpoint directory (default: the built-in demo model, random weights, "
+        "built once)",
     )
     p.add_argument(
         "-n", "--max-tokens", type=positive_int, default=max_tokens, help="most tokens to generate per reply"

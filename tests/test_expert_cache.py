@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import shutil
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 from synth_widths import SMALL
 
 from fastar.bench.cache import simulate
+from fastar.config import parse_size
 from fastar.errors import FastarError, FormatError
 from fastar.format.reader import FstFile
 from fastar.synth import routing_trace, synth
@@ -551,8 +553,13 @@ def test_close_wakes_waiters(fst):
 
 
 def test_bad_arguments(fst):
-    with pytest.raises(ValueError, match="smaller than one expert"):
+    with pytest.raises(ValueError, match="smaller than one expert") as err:
         ExpertCache(fst, 100)
+    # the size it suggests is one a user can type, and enough
+    suggested = re.search(r"give at least (\d+M) \(\d+ bytes\)", str(err.value))
+    assert suggested, err.value
+    with ExpertCache(fst, parse_size(suggested[1])) as c:
+        assert c.n_slots >= 1
     with pytest.raises(ValueError, match="unknown expert cache policy"):
         ExpertCache(fst, 4 * fst.expert_stride, policy="fifo")
     with ExpertCache(fst, 4 * fst.expert_stride) as c, pytest.raises(ValueError, match=r"no expert \(layer 9, id 0\)"):

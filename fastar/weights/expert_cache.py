@@ -154,9 +154,10 @@ class ExpertCache(ResidentBatches):
         budget = store.default_budget(fst) if ram_budget_bytes is None else int(ram_budget_bytes)
         n_slots = min(budget // self.stride, self.num_layers * self.num_experts)
         if n_slots < 1:
-            raise ConfigError(
+            need = (fst.config.num_experts_per_tok + 2) * self.stride
+            raise ConfigError(  # the size as one would type it (a MiB count, rounded up), and the exact bytes
                 f"--ram-budget {budget} B is smaller than one expert ({self.stride} B); give at least "
-                f"{(fst.config.num_experts_per_tok + 2) * self.stride} bytes, or 'none'"
+                f"{-(-need // (1 << 20))}M ({need} bytes), or 'none'"
             )
         self.n_slots, self.budget_bytes = n_slots, n_slots * self.stride
         hl, self.policy_window = store.lrfu_params(n_slots, self.num_layers, fst.config.num_experts_per_tok)

@@ -251,14 +251,26 @@ def assert_cut_from(whole: str, kept: str) -> None:
     assert len(kept) < len(whole) and head + tail >= len(kept), (whole, kept)
 
 
+def candidates(backend, items: list[dict], tools: list[dict] | None, mode: dict) -> list[int]:
+    """The cuts "auto" may choose for these items (numbers of droppable steps), at the engine's context now."""
+    req = R.parse_request(agent_body(items, tools, mode), backend, R.ResponseStore())
+    groups = truncation.droppable(req.conversation)
+    step = backend.engine().context_length // truncation.GRID_PARTS
+    return truncation.grid(truncation.sizes(backend, req.conv, req.conversation, groups), step)
+
+
 @pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no-tools"])
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
-@pytest.mark.parametrize("dropped", [1, 2, 4])
-def test_an_agent_run_drops_its_fewest_oldest_tool_rounds_that_leave_room(setup, dropped, mode, tools):
+@pytest.mark.parametrize("fewest", [1, 2, 4])
+def test_an_agent_run_drops_its_oldest_tool_rounds_at_the_first_cut_that_leaves_room(setup, fewest, mode, tools):
+    """The context leaves room once `fewest` rounds are dropped; the prompt drops the rounds up to the first
+    candidate cut at or after that (a quarter of the context apart, so the cut stays put over turns)."""
     engine, backend = setup
-    text, tokens = prompt_of(backend, agent_run(dropped), tools, mode)
+    tokens = prompt_of(backend, agent_run(fewest), tools, mode)[1]
     engine.context_length = tokens + ROOM  # one round fewer dropped would not leave it
-    assert prompt_of(backend, agent_run(dropped - 1), tools, mode)[1] + ROOM > engine.context_length
+    assert prompt_of(backend, agent_run(fewest - 1), tools, mode)[1] + ROOM > engine.context_length
+    cut = next(c for c in candidates(backend, agent_run(0), tools, mode) if c >= fewest)
+    text, tokens = prompt_of(backend, agent_run(cut), tools, mode)
     body = agent_body(agent_run(0), tools, mode)
     with pytest.raises(APIError) as err:
         R.create(body, backend, R.ResponseStore())
@@ -267,7 +279,8 @@ def test_an_agent_run_drops_its_fewest_oldest_tool_rounds_that_leave_room(setup,
     assert out["status"] == "completed" and engine.prompts[-1] == text and out["usage"]["input_tokens"] == tokens
     assert_cut_from(prompt_of(backend, agent_run(0), tools, mode)[0], text)
     assert "Use metric units." in text and "Plan a trip." in text and "city 5.0" in text and "report 5.0" in text
-    assert all(f"city {n}." not in text and f"report {n}." not in text for n in range(1, dropped + 1))
+    assert all(f"city {n}." not in text and f"report {n}." not in text for n in range(1, cut + 1))
+    assert all(f"city {n}." in text for n in range(cut + 1, len(ROUNDS) + 1))
     assert ("thought 5" in text) == (mode is MODES["thinking"] and tools is not None)  # the encoder's rule, kept
     events = sse_events(R.create({**body, "truncation": "auto", "stream": True}, backend, R.ResponseStore()))
     assert events[-1][0] == "response.completed" and engine.prompts[-1] == text
@@ -379,3 +392,103 @@ def test_an_agent_loop_over_previous_response_id_drops_its_oldest_rounds(setup):
     R.create(body, backend, store)
     assert engine.prompts[-1] == text and "What is the weather like?" in text
     assert "weather 1: fair fair" not in text and "weather 2: fair fair" in text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Where the cut falls: candidate cuts fixed by the conversation's beginning, so it stays put over turns
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_grid_cuts_at_the_first_step_reaching_each_multiple_of_the_step():
+    assert truncation.grid([3, 3, 3, 3, 3, 3], 5) == [2, 4, 5]  # totals 6 >= 5, 12 >= 10, 15 >= 15
+    assert truncation.grid([1, 12, 1, 1, 9], 5) == [2, 4, 5]  # 13 passes 5 and 10 at once; then 15, then 24 >= 20
+    assert truncation.grid([4, 4], 10) == [] and truncation.grid([], 3) == []
+    sizes = [7, 1, 30, 2, 2, 9, 14, 3, 3, 3, 40, 1]
+    for n in range(len(sizes)):  # steps added at the end never move a cut: a prefix's cuts start the whole's
+        cuts = truncation.grid(sizes[:n], 10)
+        assert truncation.grid(sizes, 10)[: len(cuts)] == cuts
+    with pytest.raises(ValueError, match="at least 1"):
+        truncation.grid([1], 0)
+
+
+def test_a_step_s_size_is_its_own_tokens_whatever_follows(setup):
+    """A round's size is about what dropping it takes off the prompt, and neither later rounds nor a later user
+    message change it; a message of more characters than the context could hold counts as the context."""
+    engine, backend = setup
+
+    def sizes(items: list[dict]) -> list[int]:
+        req = R.parse_request(agent_body(items, TOOLS, NO_THINK), backend, R.ResponseStore())
+        return truncation.sizes(backend, req.conv, req.conversation, truncation.droppable(req.conversation))
+
+    first = sizes(agent_run(0))
+    groups = truncation.droppable(R.input_messages(agent_run(0)))
+    assert len(first) == len(groups) == len(ROUNDS) - 1
+    for dropped, (size, group) in enumerate(zip(first, groups)):  # each message alone: its BOS, a turn's opening
+        shrinks = (
+            prompt_of(backend, agent_run(dropped), TOOLS)[1] - prompt_of(backend, agent_run(dropped + 1), TOOLS)[1]
+        )
+        assert 0 <= size - shrinks <= 2 * len(group), (dropped, size, shrinks)
+    later = [*ROUNDS, round_of(6), round_of(7, calls=3)]
+    assert sizes(agent_run(0, later))[: len(first)] == first
+    # A new user message: the task and all its rounds become one exchange, whose size is theirs added up.
+    step = sizes([*TASK, user("next task")]) + sizes(agent_run(0, [*later, round_of(8)]))
+    assert sizes([*agent_run(0, later), user("next task")]) == [sum(step)]
+    huge = [user("x" * engine.context_length * 40), said("ok"), *agent_run(0)]
+    assert sizes(huge)[0] == engine.context_length + sizes([said("ok"), user("q")])[0]
+
+
+def test_where_no_candidate_cut_fits_the_fewest_rounds_that_do_are_dropped(setup):
+    """What must stay is within a quarter of the context of the limit: the candidate cuts all stop short of the
+    fewest rounds that leave room, and those are dropped (the kept minimum fitting is enough to be answered)."""
+    engine, backend = setup
+    last = len(ROUNDS) - 1
+    engine.context_length = prompt_of(backend, agent_run(last - 1), TOOLS)[1] + ROOM - 1  # one round too many
+    assert candidates(backend, agent_run(0), TOOLS, NO_THINK)[-1] < last  # no candidate cut drops enough
+    text, tokens = prompt_of(backend, agent_run(last), TOOLS)
+    out = R.create(agent_body(agent_run(0), TOOLS, NO_THINK, truncation="auto"), backend, R.ResponseStore())
+    assert out["status"] == "completed" and engine.prompts[-1] == text and out["usage"]["input_tokens"] == tokens
+
+
+def fewest_fitting(backend, turns: list[list[dict]], tools, mode) -> list[int]:
+    """Per turn (its items, then the task and rounds), the fewest leading rounds whose dropping leaves the reply its
+    room: what "auto" dropped before its cuts were fixed (a round at a time, nearly every turn)."""
+    out, drop, context = [], 0, backend.engine().context_length
+    for rounds in turns:
+        while prompt_of(backend, agent_run(drop, rounds), tools, mode)[1] + ROOM > context:
+            drop += 1
+        out.append(drop)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_a_long_agent_run_keeps_its_prompt_s_prefix_for_many_turns(setup, mode):
+    """Each turn resends the conversation with one more round (one to three calls each). Once it no longer fits,
+    the prompt drops its oldest rounds at a cut that stays put while it fits: each turn's prompt is the previous
+    one with the model's turn and the new outputs appended (so the previous prompt's state covers all of it), and
+    only a few turns cut again, each dropping about a quarter of the context at once. Dropping the fewest rounds
+    instead would cut anew nearly every turn, and every kept round would be prefilled again."""
+    engine, backend = setup
+    engine.context_length = 6000  # the task and tools ~1,150 tokens, a round ~250-480: a quarter is 3-6 rounds
+    rounds = [round_of(n, calls=1 + (n % 4 == 0) + (n % 7 == 0)) for n in range(1, 41)]
+    turns = [rounds[:n] for n in range(1, len(rounds) + 1)]
+    prompts, first_kept = [], []
+    for n, kept in enumerate(turns):
+        out = R.create(agent_body(agent_run(0, kept), TOOLS, mode, truncation="auto"), backend, R.ResponseStore())
+        prompt = engine.prompts[-1]
+        assert out["usage"]["input_tokens"] + ROOM <= engine.context_length  # (a long echo may be cut: "incomplete")
+        assert "Plan a trip." in prompt and f"report {n + 1}.0" in prompt  # the task and the latest round stay
+        whole = prompt_of(backend, agent_run(0, kept), TOOLS, mode)[0]
+        assert prompt == whole or assert_cut_from(whole, prompt) is None
+        first_kept.append(next(m for m in range(1, n + 2) if f"city {m}.0" in prompt))
+        prompts.append(prompt)
+    cut_turns = [n for n in range(1, len(turns)) if first_kept[n] != first_kept[n - 1]]
+    truncated = [n for n in range(len(turns)) if first_kept[n] > 1]
+    assert len(truncated) >= 20  # the run went on long past the limit
+    for n in range(1, len(turns)):  # between cuts each prompt starts with the whole previous one
+        assert prompts[n].startswith(prompts[n - 1]) == (n not in cut_turns), n
+    assert 2 <= len(cut_turns) <= len(truncated) // 3, (cut_turns, truncated)  # each cut drops 3 rounds or more
+    assert all(first_kept[n] - first_kept[n - 1] >= 3 for n in cut_turns)  # a quarter of the context at once
+    fewest = fewest_fitting(backend, turns, TOOLS, mode)
+    assert all(f + 1 <= first for f, first in zip(fewest, first_kept))  # never fewer dropped than must be
+    moves = [n for n in range(1, len(turns)) if fewest[n] != fewest[n - 1]]
+    assert len(moves) >= 3 * len(truncated) // 4  # where dropping the fewest would cut anew on most turns

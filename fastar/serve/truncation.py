@@ -17,9 +17,24 @@ tool turn, so the user message followed by a later round opens it as it was open
 outputs, and whether earlier turns' reasoning is rendered depends only on the last user or tool turn, which is
 kept. The prompt is the rendering of the shortened conversation itself (what the model would see had it been sent).
 
-The fewest steps are dropped: the whole conversation is tokenized first (a prompt that fits costs nothing more),
-then the number to drop is bisected, each try admitted and tokenized as any prompt (`fastar.serve.turn.prompt_ids`,
-through the replay cache, so a conversation truncated at the same place as its previous turn reuses its ids).
+Where the cut falls: at one of a few cut points fixed by the conversation's own beginning, so that it stays put
+for many turns. In a long agent run near the context each turn adds a round; dropping the fewest steps that fit
+would move the cut by about a round every turn, every kept item would then shift in the prompt, and the prefix
+reuse (the KV state of the previous prompt, in RAM or on disk) would cover only the instructions: everything kept
+prefilled again, minutes a turn on a CPU near a long context. So the droppable steps, in the order they go, are
+sized by their own tokens (`sizes`: each message rendered as a conversation of its own and tokenized), and the
+candidate cuts (`grid`) are the first step boundary at or after each multiple of a quarter of the context in those
+sizes, counted from the start. A cut depends only on what it drops, so items added at the end never move it. The
+cut is the smallest candidate that fits; it stays the same from turn to turn while it still fits (a smaller one did
+not fit, and each turn only adds), then moves by about a quarter of the context at once, after which the prompt
+again grows by what each turn adds. Where no candidate fits but dropping more does (what must stay is within a
+quarter of the context of the limit), the fewest steps that fit are dropped, as before.
+
+The whole conversation is tokenized first (a prompt that fits costs nothing more); then each droppable message
+once for the sizes, and the candidates are bisected (a cut that drops more never lengthens the prompt), each try
+admitted and tokenized as any prompt (`fastar.serve.turn.prompt_ids`, through the replay cache, so a
+conversation truncated at the same place as its previous turn reuses its ids), then the finer cuts past the last
+candidate where none fits.
 
 Does not own: the request's other fields, rendering (`fastar.serve.responses`, `fastar.encoding`), the context
 check itself (`fastar.serve.fields.resolve_max_tokens`). Never imports torch.
@@ -28,12 +43,13 @@ check itself (`fastar.serve.fields.resolve_max_tokens`). Never imports torch.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from fastar.serve.api_error import ContextOverflow, bad_request
 from fastar.serve.turn import Backend, Conversation, prompt_ids
 
 MODES = ("disabled", "auto")
+GRID_PARTS = 4  # the candidate cuts are about a quarter of the context apart (the step of `grid`)
 
 
 def mode(body: dict) -> str:
@@ -114,13 +130,46 @@ def droppable(conversation: list[dict]) -> list[list[int]]:
     return out
 
 
+def grid(sizes: list[int], step: int) -> list[int]:
+    """The candidate cuts, as numbers of steps to drop (increasing, each at least 1): for each multiple of `step` up
+    to the sizes' total, the fewest steps from the start whose sizes add up to at least it. A cut depends only on the
+    sizes up to it, so steps added at the end never move one."""
+    if step < 1:
+        raise ValueError(f"grid step must be at least 1, got {step}")
+    cuts, total, target = [], 0, step
+    for n, size in enumerate(sizes, 1):
+        total += size
+        if total >= target:
+            cuts.append(n)
+            target = (total // step + 1) * step
+    return cuts
+
+
+def sizes(backend: Backend, conv: Conversation, conversation: list[dict], groups: list[list[int]]) -> list[int]:
+    """Each step's size for `grid`: the tokens of its messages, each rendered as a conversation of its own (in
+    `conv`'s mode) and tokenized as any prompt (a message of more characters than the context could hold counts as
+    the context), so a step's size depends on nothing around it. Every message is tokenized once."""
+    context = backend.engine().context_length
+    assert backend.admission is not None  # set in __post_init__
+
+    def tokens(message: dict) -> int:
+        alone = Conversation([message], conv.thinking, None, conv.drop_thinking, conv.param).render()
+        try:
+            return len(backend.admission.encode(alone, conv.param))
+        except ContextOverflow:
+            return context
+
+    return [sum(tokens(conversation[i]) for i in group) for group in groups]
+
+
 def fit(
     backend: Backend, conversation: list[dict], render: Callable[[list[dict]], Conversation], room: int
 ) -> tuple[Conversation, tuple[str, list[int]]]:
-    """The prompt of `conversation` with the fewest of its `droppable` steps dropped that leaves `room` tokens of the
-    context: the `Conversation` (`render` of the kept messages: instructions and tools put on) and its rendered text
-    and ids. Where even dropping all of them leaves no room, the whole conversation's, for the usual 400 (raised
-    here where its characters alone refuse it)."""
+    """The prompt of `conversation` with its earliest `droppable` steps dropped that leaves `room` tokens of the
+    context: the smallest of the `grid` cuts (a `GRID_PARTS`th of the context apart in `sizes`) that does, else the
+    fewest steps that do. The `Conversation` (`render` of the kept messages: instructions and tools put on) and its
+    rendered text and ids. Where even dropping all of them leaves no room, the whole conversation's, for the usual
+    400 (raised here where its characters alone refuse it)."""
     context = backend.engine().context_length
     groups = droppable(conversation)
 
@@ -135,16 +184,25 @@ def fit(
     def fits(tried: tuple[Conversation, tuple[str, list[int]] | ContextOverflow]) -> bool:
         return isinstance(tried[1], tuple) and len(tried[1][1]) + room <= context
 
-    chosen = whole = attempt(0)
-    if not fits(whole) and groups and fits(least := attempt(len(groups))):
-        chosen, low, high = least, 0, len(groups)  # dropping `low` steps does not fit, dropping `high` does
+    def first_fitting(cuts: Sequence[int]) -> tuple[Conversation, tuple[str, list[int]] | ContextOverflow] | None:
+        """The try of the first of `cuts` (increasing) that fits, bisected; None where the last does not."""
+        if not cuts or not fits(last := attempt(cuts[-1])):
+            return None
+        chosen, low, high = last, -1, len(cuts) - 1  # cuts[low] does not fit (-1: none dropped), cuts[high] does
         while high - low > 1:
             mid = (low + high) // 2
-            tried = attempt(mid)
+            tried = attempt(cuts[mid])
             if fits(tried):
                 chosen, high = tried, mid
             else:
                 low = mid
+        return chosen
+
+    chosen = whole = attempt(0)
+    if not fits(whole) and groups:
+        cuts = grid(sizes(backend, whole[0], conversation, groups), max(context // GRID_PARTS, 1))
+        finer = range(cuts[-1] + 1 if cuts else 1, len(groups) + 1)  # past the last candidate, which did not fit
+        chosen = first_fitting(cuts) or first_fitting(finer) or whole
     conv, prompt = chosen
     if isinstance(prompt, ContextOverflow):
         raise prompt

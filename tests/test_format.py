@@ -233,6 +233,9 @@ def _rewrite_header(p, mutate):
         (lambda h: h["experts"].update(stride=h["experts"]["stride"] * 2), "end at"),
         (lambda h: h["config"].update(hidden_size=-1), "hidden_size"),
         (lambda h: h.update(version=4), "v3"),
+        # `fastar inspect` read `converter` as a dict: a list was an AttributeError traceback, none a KeyError
+        (lambda h: h.update(converter=[]), "'converter' missing or not a dict"),
+        (lambda h: h.pop("converter"), "'converter' missing or not a dict"),
     ],
 )
 def test_structural_rules(tmp_path, mutate, msg):

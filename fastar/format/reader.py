@@ -65,7 +65,7 @@ def parse_header(path, hb: bytes, data_offset: int, file_size: int) -> dict:
         raise _fail(path, f"header is not valid JSON ({e})") from None
     if not isinstance(h, dict) or h.get("format") != spec.FORMAT_NAME or h.get("version") != spec.VERSION:
         raise _fail(path, "header does not describe a fastar.fst v3 file")
-    for key, typ in (("config", dict), ("tensors", list), ("blobs", list), ("source", dict)):
+    for key, typ in (("config", dict), ("tensors", list), ("blobs", list), ("source", dict), ("converter", dict)):
         if not isinstance(h.get(key), typ):
             raise _fail(path, f"header field {key!r} missing or not a {typ.__name__}")
     names: set[str] = set()

@@ -148,3 +148,29 @@ def test_a_folder_it_cannot_write_is_named_as_given(exported, tmp_path, monkeypa
     with pytest.raises(FastarError, match=f"^writing {tmp_path / 'd'} failed: No space left on device$"):
         X.export(fst, tmp_path / "d")
     assert not list(tmp_path.glob(".d.partial-*"))
+
+
+def test_a_corrupt_expert_or_tensor_is_not_exported(tiny_fst_path, tmp_path, capsys):
+    """`export` of a .fst with a flipped byte in an expert record (or a resident tensor, or the tokenizer) wrote it
+    into the checkpoint and said nothing: the corruption, past every checksum the .fst had, was in shards no tool
+    checks again. The checksums are checked as the file is read now: one line naming the record, nothing left."""
+    import shutil
+
+    from fastar.format.reader import FstFile
+
+    with FstFile(tiny_fst_path) as f:
+        at = {t["name"]: t["offset"] for t in f.header["tensors"] + f.header["blobs"]}
+        at["expert (layer 2, id 3)"] = f.expert_offset(2, 3)
+    for label in ("expert (layer 2, id 3)", "layers.1.attn.wkv.weight", "tokenizer.json"):
+        bad = tmp_path / "bad.fst"
+        shutil.copy(tiny_fst_path, bad)
+        with open(bad, "r+b") as fh:
+            fh.seek(at[label] + 100)
+            byte = fh.read(1)
+            fh.seek(at[label] + 100)
+            fh.write(bytes([byte[0] ^ 0x40]))
+        assert main(["export", str(bad), "-o", str(tmp_path / "out")]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "fails its checksum: the file is corrupt; nothing was exported" in err, err
+        assert (label if label.startswith("expert") else repr(label)) in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.fst"]

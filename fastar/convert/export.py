@@ -19,6 +19,7 @@ The safetensors files are written here (8-byte header length, JSON header, conti
 the `safetensors` package, whose numpy API has no FP8 dtypes; `fastar.convert.checkpoint` reads them back.
 Everything goes to `DIR.partial-<pid>` first and is renamed to DIR only when complete; the shards go through
 O_DIRECT where the filesystem has it (`fastar.format.write_behind.DirectStream`).
+A v3 source's checksums are checked as it is read: a corrupt tensor or expert stops the export (nothing is left).
 Does not own: reading the sources (`fastar.format`), the manifest (`names`). Imports no torch.
 """
 
@@ -36,6 +37,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import FastarError, FormatError
+from ..format.reader import FstFile
 from ..format.write_behind import DirectStream
 from ..quant import reference as ref
 from .hf import _progress
@@ -136,6 +138,11 @@ class _Tensors:
 
     def __init__(self, src: Any, manifest: dict[str, tuple[str, tuple[int, ...]]]) -> None:
         self.src, self.manifest = src, manifest
+        # a v3 file's checksums are checked as it is read (each expert record here, the resident regions by the
+        # reader's `check_reads`): a corrupt byte stops the export, never reaches the checkpoint written
+        self.checked = isinstance(src, FstFile)
+        if self.checked:
+            src.check_reads("; nothing was exported")
         cfg = src.config
         self.expert_of = {
             n: (slot, e, f)
@@ -151,6 +158,8 @@ class _Tensors:
         if is_routed_expert(name):
             slot, e, field = self.expert_of[name]
             if self._expert is None or self._expert[0] != (slot, e):
+                if self.checked:
+                    self.src.check_expert(slot, e)
                 self._expert = ((slot, e), self.src.expert(slot, e))
             a = getattr(self._expert[1], field)
         elif name in self._scales:

@@ -361,6 +361,15 @@ class FstFile(MappedFile, PagedSource):
         for t in rest:
             self._unchecked.pop(t["name"], None)
 
+    def check_expert(self, slot: int, e: int) -> None:
+        """Raise a FormatError naming record (slot, e) when its bytes fail its xxh64 (read with `pread`, as `verify`
+        reads: through the page cache a following `expert` view maps). For whole-file readers such as `export`."""
+        b = self.bank
+        label = f"expert (layer {slot}, id {e})"
+        digest = b["xxh64"][slot * b["experts"] + e] if b is not None else ""
+        if self._verify_regions([(label, self.expert_offset(slot, e), b["stride"], digest)], None):
+            raise FormatError(f"{self.path}: {label} fails its checksum: the file is corrupt{self._check_note}")
+
     def _corrupt(self, bad: list[str]) -> FormatError:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         note = self._check_note

@@ -350,3 +350,34 @@ def test_special_tokens_give_no_text_unless_skip_special_tokens_is_false(server)
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=0, logit_bias={2: 12})
     chunks = list(engine.stream(ids, params, session=engine.open_session()))
     assert 2 in [ch.token for ch in chunks] and PAD not in "".join(ch.text for ch in chunks)
+
+
+def test_a_corrupt_expert_fails_its_request_in_one_log_line(vocab_fst, tmp_path, caplog):
+    """An expert failing its checksum at its first read ends the request with a 500 naming it, and the log says so
+    in one line: it logged a traceback through the scheduler, as for a bug."""
+    import shutil
+
+    from fastar.format.reader import FstFile
+
+    bad = tmp_path / "bad.fst"
+    shutil.copy(vocab_fst, bad)
+    with FstFile(bad) as f:
+        first, stride, records = f.bank["offset"], f.expert_stride, f.bank["slots"] * f.bank["experts"]
+    with open(bad, "r+b") as out:  # one flipped byte in every expert: whichever the router picks is corrupt
+        for i in range(records):
+            out.seek(first + i * stride + 100)
+            byte = out.read(1)[0]
+            out.seek(first + i * stride + 100)
+            out.write(bytes([byte ^ 1]))
+    s = Server(lambda: load(bad), port=0).start()
+    try:
+        assert s.wait_ready(120)
+        with pytest.raises(openai.InternalServerError, match=r"expert \(layer \d+, id \d+\) fails its checksum"):
+            _client(s).chat.completions.create(
+                model="deepseek-v4-flash", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        failed = [r for r in caplog.records if "a generation step failed" in r.getMessage()]
+        assert failed and "fails its checksum" in failed[0].getMessage(), [r.getMessage() for r in caplog.records]
+        assert all(r.exc_info is None for r in failed)
+    finally:
+        s.shutdown()

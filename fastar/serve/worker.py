@@ -291,6 +291,8 @@ class EngineHost:
         while not self._halt.is_set():
             try:
                 self.scheduler.run(self._halt, after_step=self.heap.after_step)
+            except FastarError as err:  # a known failure (an expert failing its checksum): its one line says it
+                log.error("a generation step failed: %s", err)
             except Exception:  # its requests got the error; the worker goes on, or every later request would hang
                 log.exception("a generation step failed")
 

@@ -1703,3 +1703,16 @@ def test_a_file_is_measured_decoded_by_the_prompt_guard_and_its_encoding_by_the_
         assert status == 413 and json.loads(data)["error"]["code"] == "request_too_large"
     finally:
         srv.shutdown()
+
+
+def test_serve_logs_the_prompt_cache_cap_in_gib(tmp_path, caplog):
+    """`fastar serve` names its prompt cache's size cap as a size (it logged `up to 21474836480`)."""
+
+    def broken_factory():
+        raise OSError("model.fst: no such file")
+
+    caplog.set_level("INFO")
+    with pytest.raises(S.FastarError, match="no such file"):
+        S.serve(broken_factory, port=0, prompt_cache=str(tmp_path), prompt_cache_size=20 << 30)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prompt cache: ")]
+    assert lines == [f"prompt cache: {tmp_path} (up to 20.0 GiB)"]

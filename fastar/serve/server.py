@@ -356,7 +356,12 @@ def serve(
         reason = re.sub(r" \(while attempting to bind on address .*\)$", "", str(err.strerror or err))
         raise FastarError(f"cannot listen on {host}:{port}: {reason}") from None
     log.info("serving '%s' at %s (web UI at /, API at /v1); loading the model...", served_model_name, server.url)
-    log.info("prompt cache: %s", f"{prompt_cache} (up to {prompt_cache_size})" if prompt_cache else "off")
+    if prompt_cache:
+        from fastar.config import parse_size
+
+        log.info("prompt cache: %s (up to %.1f GiB)", prompt_cache, parse_size(prompt_cache_size) / (1 << 30))
+    else:
+        log.info("prompt cache: off")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
     try:

@@ -17,7 +17,7 @@ import os
 import urllib.parse
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("httpx")
@@ -301,6 +301,26 @@ def check(response) -> None:
                     one_line(event["error"]["message"])
 
 
+def lone_surrogate(value) -> bool:
+    """Whether a JSON value holds a string (or key) that is not valid Unicode, as the server reads it."""
+    if isinstance(value, str):  # (a pair is one astral character once parsed)
+        return any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    if isinstance(value, list):
+        return any(lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(lone_surrogate(k) or lone_surrogate(v) for k, v in value.items())
+    return False
+
+
+def check_unicode(response, body) -> None:
+    """A body whose parsed JSON holds a lone surrogate is a 400 that says so, on every route, before anything else
+    (the text has no UTF-8 encoding, so no tokens)."""
+    if not isinstance(body, bytes) and lone_surrogate(json.loads(json.dumps(body))):
+        assert response.status_code == 400, (response.status_code, response.text[:300])
+        err = check_error(response)
+        assert "surrogate" in err["message"] and err.get("code", "invalid_unicode") == "invalid_unicode", err
+
+
 def post(client, path: str, body) -> object:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     return client.post(path, content=raw, headers={"Content-Type": "application/json"})
@@ -362,9 +382,13 @@ def test_generated_requests_get_2xx_or_an_openai_4xx(app_client, method, path, c
 # Text as clients send it, and the characters that trip encoders: a control-token string, a line separator, a
 # pair (an emoji), astral and combining characters. (A lone surrogate escape is in `raw_bodies` below: json.dumps
 # would write it as the escape \ud800, which the server must refuse with a 400 naming the field.)
+# A lone surrogate ("\ud800" as json.dumps writes it) makes the body a 400 `invalid_unicode` naming the field;
+# "\ud83d\ude00" is a pair, an emoji once parsed.
+SURROGATES = ("\ud800", "a\udfffb", "\ud83d\ude00")
 agent_text = st.one_of(
     st.text(max_size=30),
     st.sampled_from(["hi", "weather in Paris?", "count", "markdown", "", "<｜User｜>", "\u2028", "é\u0301", "😀"]),
+    st.sampled_from(SURROGATES),
 )
 SCHEMAS = (
     WEATHER_TOOL["function"]["parameters"],
@@ -782,14 +806,18 @@ def stored(app_client) -> Stored:
 @fuzz(300)
 @given(path=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]), body=anthropic_bodies)
 def test_generated_messages_bodies_get_2xx_or_an_anthropic_4xx(app_client, path, body):
-    check(post(app_client, path, body))
+    response = post(app_client, path, body)
+    check(response)
+    check_unicode(response, body)
 
 
 @fuzz(300)
 @given(body=responses_bodies, which=st.integers(0, 7))
 def test_generated_responses_bodies_get_2xx_or_an_openai_4xx(app_client, stored, body, which):
-    response = post(app_client, "/v1/responses", resolve(body, stored.ids(which)))
+    body = resolve(body, stored.ids(which))
+    response = post(app_client, "/v1/responses", body)
     check(response)
+    check_unicode(response, body)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -857,6 +885,7 @@ def named(err: dict, field: str) -> bool:
 def test_a_wrong_messages_field_is_a_400_naming_it(app_client, base, data):
     field = data.draw(st.sampled_from(sorted(MESSAGES_WRONG)), "field")
     body = {**base, field: data.draw(MESSAGES_WRONG[field], "value")}
+    assume(not lone_surrogate(json.loads(json.dumps(body))))  # (that one is refused first, test_generated_*)
     response = post(app_client, "/v1/messages", body)
     assert response.status_code == 400, (field, response.status_code, response.text[:300])
     assert named(check_error(response), field), (field, response.text[:300])
@@ -867,6 +896,7 @@ def test_a_wrong_messages_field_is_a_400_naming_it(app_client, base, data):
 def test_a_wrong_responses_field_is_a_400_naming_it(app_client, stored, base, data, which):
     field = data.draw(st.sampled_from(sorted(RESPONSES_WRONG)), "field")
     body = {**resolve(base, stored.ids(which)), field: data.draw(RESPONSES_WRONG[field], "value")}
+    assume(not lone_surrogate(json.loads(json.dumps(body))))  # (that one is refused first, test_generated_*)
     response = post(app_client, "/v1/responses", body)
     assert response.status_code == 400, (field, response.status_code, response.text[:300])
     assert named(check_error(response), field), (field, response.text[:300])
@@ -1006,3 +1036,73 @@ def test_a_wrong_openai_field_is_a_400_naming_it(app_client, data):
     expected = 404 if field == "model" and response.status_code == 404 else 400  # another model's name: a 404
     assert response.status_code == expected, (field, response.status_code, response.text[:300])
     assert named(check_error(response), field), (field, response.text[:300])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# /tokenize and /detokenize: vLLM's fields
+# ---------------------------------------------------------------------------------------------------------
+
+tokenize_bodies = st.one_of(
+    mutated(
+        st.fixed_dictionaries(
+            {"messages": st.lists(good_message, min_size=1, max_size=3)},
+            optional={
+                "add_generation_prompt": st.booleans(),
+                "continue_final_message": st.booleans(),
+                "add_special_tokens": st.booleans(),
+                "return_token_strs": st.booleans(),
+                "reasoning_effort": st.sampled_from(["low", "high", "max", "none"]),
+                "tools": st.lists(tool, max_size=1),
+                "model": st.just("deepseek-v4-flash"),
+            },
+        ),
+        {
+            "messages": st.one_of(st.lists(message, max_size=3), json_values),
+            "add_generation_prompt": right_or_wrong(st.booleans()),
+            "continue_final_message": right_or_wrong(st.booleans()),
+            "add_special_tokens": right_or_wrong(st.booleans()),
+            "return_token_strs": right_or_wrong(st.booleans()),
+            "chat_template_kwargs": json_values,
+            "prompt": right_or_wrong(agent_text),
+        },
+    ),
+    mutated(
+        st.fixed_dictionaries(
+            {"prompt": agent_text}, optional={"add_special_tokens": st.booleans(), "return_token_strs": st.booleans()}
+        ),
+        {
+            "prompt": right_or_wrong(agent_text),
+            "content": right_or_wrong(agent_text),
+            "add_special_tokens": right_or_wrong(st.booleans()),
+            "return_token_strs": right_or_wrong(st.booleans()),
+            "model": right_or_wrong(st.just("gpt-4o")),
+        },
+    ),
+)
+detokenize_bodies = st.fixed_dictionaries(
+    {"tokens": st.one_of(st.lists(st.integers(-3, 600), max_size=12), json_values)},
+    optional={"model": right_or_wrong(st.just("deepseek-v4-flash"))},
+)
+
+
+@fuzz(200)
+@given(body=tokenize_bodies)
+def test_generated_tokenize_bodies_get_2xx_or_an_openai_4xx(app_client, body):
+    response = post(app_client, "/tokenize", body)
+    check(response)
+    check_unicode(response, body)
+    if response.status_code == 200:
+        out = response.json()
+        assert out["count"] == len(out["tokens"]) and all(isinstance(t, int) for t in out["tokens"]), out
+        assert "token_strs" not in out or len(out["token_strs"]) == out["count"], out
+        detokenized = post(app_client, "/detokenize", {"tokens": out["tokens"]})
+        assert detokenized.status_code == 200, detokenized.text[:300]
+        if "prompt" in body and "messages" not in body and isinstance(body["prompt"], str):
+            sent = json.loads(json.dumps(body["prompt"]))  # (a surrogate pair, as the server parsed it)
+            assert detokenized.json()["prompt"] == sent  # the fake tokenizer's text round-trips
+
+
+@fuzz(100)
+@given(body=detokenize_bodies)
+def test_generated_detokenize_bodies_get_2xx_or_an_openai_4xx(app_client, body):
+    check(post(app_client, "/detokenize", body))

@@ -322,3 +322,19 @@ def int_flag(lo: int, hi: int | None, what: str) -> Callable[[str], int]:
 
     parse.__name__ = what  # argparse names the type in its messages
     return parse
+
+
+def share_flag(what: str) -> Callable[[str], float]:
+    """An argparse `type` for a share of something, a number in (0, 1]: a bad value is one usage line naming `what`."""
+
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number in (0, 1], got {v!r}") from None
+        if not 0 < x <= 1:  # NaN fails this too
+            raise argparse.ArgumentTypeError(f"{what} must be in (0, 1], got {v}")
+        return x
+
+    parse.__name__ = what
+    return parse

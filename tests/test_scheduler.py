@@ -3,7 +3,9 @@ queue, cancellation and counters; chunked prefill interleaved with decoding."""
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -276,13 +278,14 @@ def test_chunked_prefill_interleaves_with_decoding(eng, chunk16):
 def test_a_short_prompt_goes_before_a_long_prompts_remaining_chunks(eng, chunk16):
     """A 6-token prompt submitted while a 200-token one prefills 16 tokens a step is prefilled next (the prompt with
     the fewest tokens left goes first): its first token comes one step later, long before the long prompt's, which
-    then goes on; both still equal their solo runs."""
+    then goes on; both still equal their solo runs. (A chunk every step: `prefill_share` 1; the pacing of the chunks
+    is the next test's.)"""
     needs_invariant_kernels()
     long_, short = (
         (prompt(3, 200), SamplingParams(max_tokens=6, ignore_eos=True)),
         (prompt(4, 6), SamplingParams(max_tokens=30, ignore_eos=True)),
     )
-    sched = Scheduler(eng)
+    sched = Scheduler(eng, prefill_share=1.0)
     log = []
     a = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
     for _ in range(3):
@@ -300,6 +303,71 @@ def test_a_short_prompt_goes_before_a_long_prompts_remaining_chunks(eng, chunk16
     assert a.done.is_set() and b.done.is_set()
     same_chunks([c for who, c in log if who == "short"], solo(eng, *short))
     same_chunks([c for who, c in log if who == "long"], solo(eng, *long_))
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_a_long_prompts_chunks_keep_to_their_share_while_another_decodes(eng, chunk16, monkeypatch, share):
+    """A 200-token prompt submitted while another request decodes: at prefill_share 0.5, after each of its chunks
+    (each made to take 50 ms more) the decoding request gets at least as long in decode steps before the next one
+    (several tokens, not one); at 1 a chunk every step, one token between chunks. A short prompt submitted while
+    the chunks wait is prefilled at once (its only chunk is never held back). Every request equals its solo run."""
+    needs_invariant_kernels()
+    reader = (prompt(5, 6), SamplingParams(max_tokens=400, ignore_eos=True))
+    long_ = (prompt(6, 200), SamplingParams(max_tokens=3, ignore_eos=True))
+    late = (prompt(7, 5), SamplingParams(max_tokens=3, ignore_eos=True))
+    events = []  # ("chunk", tokens, start, end) / ("decode", rows)
+    forward, forward_rows = eng.model.forward, eng.model.forward_rows
+
+    def slow_chunk(ids, *args, **kw):
+        t = time.perf_counter()
+        time.sleep(0.05)
+        out = forward(ids, *args, **kw)
+        events.append(("chunk", len(ids), t, time.perf_counter()))
+        return out
+
+    def rows(ids, *args, **kw):
+        events.append(("decode", len(ids)))
+        return forward_rows(ids, *args, **kw)
+
+    monkeypatch.setattr(eng.model, "forward", slow_chunk)
+    monkeypatch.setattr(eng.model, "forward_rows", rows)
+    sched = Scheduler(eng, prefill_share=share)
+    log = []
+    a = sched.submit(*reader, on_chunk=lambda c: log.append(("reader", c)))
+    sched.step()  # its only chunk and first token
+    b = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
+    while sum(e[0] == "chunk" for e in events) < 5:  # the reader's chunk and four of the long prompt's
+        sched.step()
+    c = sched.submit(*late, on_chunk=lambda c: log.append(("late", c)))
+    sched.step()
+    assert events[-1][:2] == ("chunk", 5)  # the late prompt's one chunk, in the step after it came
+    while not any(who == "long" for who, _ in log):
+        sched.step()
+    chunks = [i for i, e in enumerate(events) if e[0] == "chunk" and e[1] == 16]
+    assert len(chunks) == 200 // 16 + 1 - 1  # the long prompt's chunks of 16 (its last one has 8)
+    for i, j in itertools.pairwise(chunks):
+        between = [e for e in events[i + 1 : j] if e[0] == "decode"]
+        if any(e[0] == "chunk" for e in events[i + 1 : j]):  # the late prompt's chunk came between
+            continue
+        if share == 1.0:
+            assert len(between) == 1  # a chunk every step
+        else:
+            assert events[j][2] - events[i][3] >= events[i][3] - events[i][2]  # decoding at least as long
+            assert len(between) >= 2
+    sched.run_until_idle()
+    assert a.done.is_set() and b.done.is_set() and c.done.is_set()
+    monkeypatch.undo()
+    for who, req in (("reader", reader), ("long", long_), ("late", late)):
+        same_chunks([c for w, c in log if w == who], solo(eng, *req))
+
+
+@pytest.mark.parametrize(
+    "share, error",
+    [(0, ValueError), (1.5, ValueError), (float("nan"), TypeError), ("0.5", TypeError), (True, TypeError)],
+)
+def test_a_bad_prefill_share_is_refused(eng, share, error):
+    with pytest.raises(error, match="prefill_share"):
+        Scheduler(eng, prefill_share=share)
 
 
 def test_queue_is_bounded(eng):

@@ -201,6 +201,14 @@ def test_n_wider_than_max_batch_equals_solo_requests_with_bounded_forks(engine):
         srv.shutdown()
 
 
+def test_the_prefill_share_reaches_the_scheduler(engine):
+    srv = start(engine, prefill_share=0.25)
+    try:
+        assert srv.host.scheduler.prefill_share == 0.25
+    finally:
+        srv.shutdown()
+
+
 def test_full_queue_is_503_with_retry_after(engine):
     srv = start(engine, max_batch=1, max_queue=1)
     try:

@@ -1433,14 +1433,16 @@ def test_batching_and_prompt_cache_flags(monkeypatch, capsys, tmp_path):
     seen = {}
     monkeypatch.setattr(S, "serve", lambda factory, **kw: seen.update(kw) or 0)
     pc = str(tmp_path / "pc")  # made before the server starts
-    args = ["--max-batch", "4", "--prompt-cache", pc, "--prompt-cache-size", "1.5G"]
+    args = ["--max-batch", "4", "--prompt-cache", pc, "--prompt-cache-size", "1.5G", "--prefill-share", "0.25"]
     S.run_from_args(parser.parse_args(args), lambda: None)
     assert (seen["max_batch"], seen["prompt_cache"], seen["prompt_cache_size"]) == (4, pc, 3 << 29)
+    assert seen["prefill_share"] == 0.25
     assert (tmp_path / "pc").is_dir()
     S.run_from_args(parser.parse_args(["--no-prompt-cache"]), lambda: None)
-    assert seen["prompt_cache"] is None
+    assert seen["prompt_cache"] is None and seen["prefill_share"] == 0.5
     assert S.default_prompt_cache().endswith("prompt-cache")
-    for bad in (["--prompt-cache-size", "lots"], ["--prompt-cache-size", "0"], ["--max-batch", "0"]):
+    bad_shares = [["--prefill-share", v] for v in ("0", "1.5", "nan", "-1", "half")]
+    for bad in (["--prompt-cache-size", "lots"], ["--prompt-cache-size", "0"], ["--max-batch", "0"], *bad_shares):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
         err = capsys.readouterr().err

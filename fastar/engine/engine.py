@@ -568,12 +568,14 @@ class Engine:
         prefix_cache_size: int | str = "20G",
         keep_states: int = 0,
         draft: bool = True,
+        prefill_share: float = 0.5,
     ) -> Scheduler:
         """A `Scheduler` serving many requests at once on this engine, each bit-identical to `stream` alone:
         `submit(prompt, params)` from any thread -> a `Handle` (iterate its chunks, `cancel()`); the one worker
         thread calls `step()` or `run(stop_event)`. `prefix_cache`: a folder of prefix states on disk (see
         `open_prefix_cache`); `keep_states`: finished requests' states kept in RAM for prefix reuse; `draft`: a lone
-        greedy sequence decodes with the engine's drafter (when it has one), the same tokens as without."""
+        greedy sequence decodes with the engine's drafter (when it has one), the same tokens as without;
+        `prefill_share`: the part of the time prompts' prefill chunks may take while others decode (`PrefillPacer`)."""
         self._check_open()
         cache = self.open_prefix_cache(prefix_cache, prefix_cache_size, True) if prefix_cache is not None else None
         return Scheduler(
@@ -584,6 +586,7 @@ class Engine:
             prefix_cache=cache,
             keep_states=keep_states,
             draft=draft,
+            prefill_share=prefill_share,
         )
 
     def serve_batch(

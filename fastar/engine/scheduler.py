@@ -1,7 +1,8 @@
 """Continuous batching: a step scheduler that serves many requests at once, each bit-identical to serving it alone.
 
 Owns: `Scheduler` (admission, the bounded wait queue, one step = one decode token of every active sequence plus
-one prefill chunk of a waiting prompt, cancellation, prefix reuse from RAM and disk); what `submit` returns is a
+one prefill chunk of a waiting prompt, when the chunks have not used up their share of the time while others
+decode (`pacing.PrefillPacer`), cancellation, prefix reuse from RAM and disk); what `submit` returns is a
 `handle.Handle` (a submitted request: its chunks and its cancel switch); a full queue raises
 `fastar.errors.QueueFull`.
 Does not own: the forward pass (`DeepseekV4.forward` for prefill chunks, `DeepseekV4.forward_rows` for the batched
@@ -85,6 +86,7 @@ from .constraint import ConstraintError
 from .draft_step import draft_step
 from .generate import ChunkMaker, GenerationChunk
 from .handle import Handle  # (importable from here too)
+from .pacing import PrefillPacer
 from .prefix_cache import PrefixMemory
 from .prompt_logprobs import PromptLogprobs, PromptScorer
 from .sampling import Sampler, SamplingError, SamplingParams, report
@@ -145,6 +147,8 @@ class Scheduler:
             rest; states are saved at the end of each prompt and of each reply.
         keep_states: states of finished requests kept in RAM for prefix reuse (`PrefixMemory`; 0: none).
         draft: draft a lone greedy sequence with the engine's drafter, if it has one (False: never draft).
+        prefill_share: the part of the time prompts' prefill chunks may take while other sequences decode, in
+            (0, 1] (`PrefillPacer`; 1: a chunk every step). No token depends on it.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class Scheduler:
         prefix_cache=None,
         keep_states: int = 0,
         draft: bool = True,
+        prefill_share: float = 0.5,
     ) -> None:
         sizes = {
             "max_batch": max_batch,
@@ -187,6 +192,8 @@ class Scheduler:
         self._active: list[_Request] = []  # admission order: prefilling ones, then decoding
         self._groups = ChoiceGroups(max_batch)  # choices of groups: forked states, held choices
         self._metrics = BatchMetrics()
+        self._pacer = PrefillPacer(prefill_share)
+        self.prefill_share = self._pacer.share
         self._stepper = Stepper(self._step, self._fail_all)  # who steps: the worker, or a handle's iterator
 
     # --- any thread ---------------------------------------------------------------------------------------
@@ -366,11 +373,18 @@ class Scheduler:
         else:
             for a in range(0, len(decoding), ops.SMALL_CHUNK):
                 self._decode(decoding[a : a + ops.SMALL_CHUNK])
+        t1 = time.perf_counter()
+        if decoding:
+            self._pacer.decoded(t1 - t0)
         prefilling = [r for r in self._active if r.pending is None and r.loading is None]
         if prefilling:
             # the prompt with the fewest tokens left (the oldest of those): a short request that arrives while a long
             # prompt prefills waits for one of its chunks, not for all of them (the prompts' numbers do not change)
-            self._prefill_chunk(min(prefilling, key=lambda r: len(r.ids) - r.done))
+            req = min(prefilling, key=lambda r: len(r.ids) - r.done)
+            # while others decode, the chunks keep to their share of the time (`PrefillPacer`)
+            if self._pacer.may_prefill(bool(decoding), len(req.ids) - req.done <= self.engine.prefill_chunk):
+                self._prefill_chunk(req)
+                self._pacer.prefilled(time.perf_counter() - t1, bool(decoding))
         if decoding or prefilling:
             dt = time.perf_counter() - t0
             self._metrics.stepped(dt)

@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from fastar.config import int_flag
+from fastar.config import int_flag, share_flag
 from fastar.contracts import ServedEngine
 from fastar.errors import FastarError
 from fastar.serve import thinking_mode
@@ -171,6 +171,7 @@ class Server:
         max_batch: int = 8,
         prompt_cache: str | None = None,
         prompt_cache_size: int | str = "20G",
+        prefill_share: float = 0.5,
         max_body_bytes: int | None = None,
         allowed_hosts: str | Sequence[str] | None = None,
         limits: Limits | None = None,
@@ -211,7 +212,7 @@ class Server:
         )
         self.keepalive_interval = keepalive_interval
         self.metrics = Metrics()
-        batching = Batching(max_batch, max_queue, max_sessions, prompt_cache, prompt_cache_size)
+        batching = Batching(max_batch, max_queue, max_sessions, prompt_cache, prompt_cache_size, prefill_share)
         self.heap = HeapTrimmer()  # freed heap back to the OS: between worker steps, after a long prompt
         self.host = EngineHost(engine_factory, batching, self.metrics, self.heap)
         self.model_names: tuple[str, ...] = (served_model_name,)
@@ -328,6 +329,7 @@ def serve(
     max_batch: int = 8,
     prompt_cache: str | None = None,
     prompt_cache_size: int | str = "20G",
+    prefill_share: float = 0.5,
 ) -> int:
     """Run the server until Ctrl-C. Returns 0; raises FastarError if the port is taken or the model fails to load."""
     if not logging.getLogger().handlers:
@@ -349,6 +351,7 @@ def serve(
         max_batch=max_batch,
         prompt_cache=prompt_cache,
         prompt_cache_size=prompt_cache_size,
+        prefill_share=prefill_share,
     )
     try:
         server.start()
@@ -417,6 +420,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8,
         help="requests generated together, one token each per step (default 8)",
     )
+    parser.add_argument(
+        "--prefill-share",
+        type=share_flag("--prefill-share"),
+        default=0.5,
+        help="the part of the time a prompt's prefill may take while other requests generate, in (0, 1]: after "
+        "each prefill chunk (seconds on a CPU) they generate for as long before the next, so a long prompt does not "
+        "stall their replies; a prompt's last chunk is never held back; 1: a chunk every step (default 0.5)",
+    )
     add_prompt_cache_arguments(parser)
     parser.add_argument(
         "--reasoning-field",
@@ -463,6 +474,7 @@ def run_from_args(args: argparse.Namespace, engine_factory: Callable[..., Any]) 
         max_batch=args.max_batch,
         prompt_cache=prompt_cache_dir(args),
         prompt_cache_size=args.prompt_cache_size,
+        prefill_share=args.prefill_share,
     )
 
 

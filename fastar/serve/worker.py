@@ -7,14 +7,14 @@ Owns:
     queues it (a full queue is a 503 with Retry-After) and the worker streams its chunks back on the job's
     own event queue. Nothing else ever calls the engine's generation (ds4 and mlx-lm keep one worker too).
 
-The engine contract used here: `scheduler(max_batch=, max_queue=, keep_states=, prefix_cache=,
-prefix_cache_size=)` -> an object with `submit_choices(ids, [params], on_chunk=[...], on_error=[...], on_progress=,
+The engine contract used here: `scheduler(max_batch=, max_queue=, keep_states=, prefix_cache=, prefix_cache_size=,
+prefill_share=)` -> an object with `submit_choices(ids, [params], on_chunk=[...], on_error=[...], on_progress=,
 cancel=[...])` (one prompt, one or more choices; raising `QueueFull` with `retry_after`, or a ValueError for a bad
-prompt), `run(stop_event, after_step=)` (`after_step(idle)`: called between steps, where the worker hands freed
-heap memory back to the OS: `fastar.serve.heap`), `idle`,
-`metrics()` and `flush()` (pending prompt-cache writes, at shutdown); plus `stats()`, `tokenizer`,
-`context_length`, `load_progress()`, `warm_experts(profile_dir)` (started once the engine is loaded; /health
-reports `warm_status()`), `compile_grammar(grammar)` (the routes, for constrained decoding) and `close()`.
+prompt), `run(stop_event, after_step=)` (`after_step(idle)`: called between steps, where the worker hands freed heap
+memory back to the OS: `fastar.serve.heap`), `idle`, `metrics()` and `flush()` (pending prompt-cache writes, at
+shutdown); plus `stats()`, `tokenizer`, `context_length`, `load_progress()`, `warm_experts(profile_dir)` (started
+once the engine is loaded; /health reports `warm_status()`), `compile_grammar(grammar)` (the routes, for constrained
+decoding) and `close()`.
 
 Does not own: HTTP or the OpenAI shapes (`fastar.serve.server`, `fastar.serve.shapes`), what /metrics renders
 (`fastar.serve.metrics`). Never imports torch.
@@ -73,13 +73,15 @@ class GenerationMetrics(Protocol):
 
 @dataclass(frozen=True)
 class Batching:
-    """How the worker batches: `fastar serve`'s --max-batch, --max-queue, --max-sessions and --prompt-cache*."""
+    """How the worker batches: `fastar serve`'s --max-batch, --max-queue, --max-sessions, --prompt-cache* and
+    --prefill-share."""
 
     max_batch: int = 8  # sequences decoded together in one step
     max_queue: int = 16  # requests waiting beyond those; more get 503
     keep_states: int = 4  # finished requests' states kept in RAM for prefix reuse
     prompt_cache: str | None = None  # folder of prefix states on disk (None: off)
     prompt_cache_size: int | str = "20G"
+    prefill_share: float = 0.5  # the part of the time prefill chunks may take while others decode
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 1 or self.keep_states < 0:
@@ -152,6 +154,7 @@ class EngineHost:
                 keep_states=b.keep_states,
                 prefix_cache=b.prompt_cache,
                 prefix_cache_size=b.prompt_cache_size,
+                prefill_share=b.prefill_share,
             )
             self.engine = engine
             on_ready(engine)

@@ -1865,3 +1865,16 @@ def test_responses_input_files_the_model_cannot_read_are_a_400_naming_the_part(b
         message = err.value.message
         assert (err.value.status, err.value.param) == (400, "input") and message.startswith("input[0].content[1]")
         assert words in message and "\n" not in message, message
+
+
+def test_a_responses_input_file_in_an_assistant_message_is_a_400_naming_the_part(backend):
+    """OpenAI allows only output text (and refusals) in an assistant message: an `input_file` there, even a readable
+    text file, is a one-line 400 naming the part, not a document rendered into the assistant's reply."""
+    file = {"type": "input_file", "filename": "notes.txt", "file_data": data_url("line one")}
+    said = {"role": "assistant", "content": [{"type": "output_text", "text": "ok"}, file]}
+    body = {"input": [{"role": "user", "content": "hi"}, said, {"role": "user", "content": "go on"}]}
+    with pytest.raises(APIError) as err:
+        R.create({**body, "max_output_tokens": 5}, backend, R.ResponseStore())
+    message = err.value.message
+    assert (err.value.status, err.value.param) == (400, "input") and message.startswith("input[1].content[1]")
+    assert "assistant message" in message and "\n" not in message, message

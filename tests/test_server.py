@@ -1685,6 +1685,23 @@ def test_chat_file_parts_the_model_cannot_read_are_a_400_naming_the_part(server)
             assert words in error["message"] and "\n" not in error["message"], error
 
 
+def test_a_chat_file_part_outside_a_user_message_is_a_400_saying_files_are_read_in_user_messages(server):
+    """A `file` part in a system or assistant message (a readable text file) is a one-line 400 naming the message
+    and part and saying files are read only in user messages, not the encoder's generic "reads text only"."""
+    file = {"type": "file", "file": {"filename": "notes.txt", "file_data": data_url("line one")}}
+    for k, role in enumerate(("system", "assistant")):
+        messages = [{"role": "user", "content": "hi"}] * (k + 1) + [
+            {"role": role, "content": [{"type": "text", "text": "x"}, file]},
+            {"role": "user", "content": "go on"},
+        ]
+        for path in ("/v1/chat/completions", "/tokenize"):
+            status, _, data = raw(server, "POST", path, {"model": "deepseek-v4-flash", "messages": messages})
+            message = json.loads(data)["error"]["message"]
+            assert status == 400 and message.startswith(f"messages[{k + 1}].content[1]"), (path, message)
+            assert f'"{role}" message' in message and "only in user messages" in message, message
+            assert "reads text only" not in message and "\n" not in message, message
+
+
 def test_a_file_is_measured_decoded_by_the_prompt_guard_and_its_encoding_by_the_body_limit():
     """The prompt-length guard (context x longest token, before tokenizing) counts a file's decoded text, as it
     counts the rest of the rendered prompt; the data URL itself is bounded by the body limit, and its decoded

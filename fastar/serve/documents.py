@@ -239,11 +239,22 @@ def _data_url_text(url: str, at: str, param: str) -> str:
 
 def inline_chat_files(messages: list[dict]) -> list[dict]:
     """Chat completions `messages` with each user message's `file` parts replaced by text parts holding the
-    rendered document (the encoder joins a message's parts with newlines). Other messages are left as they are."""
+    rendered document (the encoder joins a message's parts with newlines). A `file` part in another role's message
+    is a 400 naming the message and part (files are read only in user messages, as OpenAI allows them)."""
     out = []
     for i, msg in enumerate(messages):
         content = msg.get("content")
-        if msg.get("role") != "user" or not isinstance(content, list):
+        if not isinstance(content, list):
+            out.append(msg)
+            continue
+        if msg.get("role") != "user":
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "file":
+                    raise bad_request(
+                        f"messages[{i}].content[{j}]: a file part in a {fields.shown(msg.get('role'))} message is "
+                        "not read: files are read only in user messages",
+                        "messages",
+                    )
             out.append(msg)
             continue
         parts = [

@@ -109,13 +109,22 @@ def retrieve(response_id: str, store: ResponseStore) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, assistant: bool = False) -> str:
+    """A message's (or a `function_call_output`'s) text. In an assistant message an `input_file` is a 400 naming
+    the part: OpenAI allows only output text (and refusals) there, so the file would be put in the model's mouth."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of content parts", "input")
     parts = []
     for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_file" and assistant:
+            raise bad_request(
+                f"{where}.content[{j}]: an input_file part in an assistant message is not read: files are read "
+                "only in user, system and developer messages and function_call_output (an assistant message holds "
+                "output_text)",
+                "input",
+            )
         if isinstance(part, dict) and part.get("type") == "input_file":  # a text file, rendered as a document
             parts.append(documents.openai_file(part, f"{where}.content[{j}]", "input"))
             continue
@@ -178,7 +187,7 @@ def input_messages(items: Any, store: ResponseStore | None = None) -> list[dict]
                 raise bad_request(
                     f"{where}.role must be user, assistant, system or developer, got {fields.shown(role)}", "input"
                 )
-            text = _content_text(item.get("content"), where)
+            text = _content_text(item.get("content"), where, assistant=role == "assistant")
             if role == "assistant":
                 msg = assistant()
                 if msg.get("tool_calls"):  # text after a call starts a new turn

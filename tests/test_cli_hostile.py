@@ -825,3 +825,17 @@ def test_perplexity_says_a_bad_base_or_output_before_the_model_loads(tmp_path):
         line = one_line_error(_cli("perplexity", "-m", model, text, flag, value), 1)
         assert words in line and "no-model.fst" not in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]
+
+
+def test_bench_refuses_a_prompt_longer_than_the_model_before_loading_it(tiny_fst_path):
+    """`bench` prefills with the forward directly, past the session's context check: `--prompt-tokens 100000` or
+    `--profile-prefill 100000000` on a 4,096-position model ran for hours (or until memory gave out). One line
+    naming the flags and the model's positions now, before the model loads."""
+    for extra, what, need in (
+        (["--prompt-tokens", "5000"], "--prompt-tokens + --warmup-tokens + --decode-tokens x --repeats", "5,024"),
+        (["--prompt-tokens", "4000", "--decode-tokens", "50", "--repeats", "2"], "x --repeats", "4,108"),
+        (["--streams", "2", "--prompt-tokens", "5000"], "--prompt-tokens + --decode-tokens", "5,016"),
+        (["--profile-prefill", "8,100000000"], "--profile-prefill", "100,000,000"),
+    ):
+        line = one_line_error(_cli("bench", "-m", tiny_fst_path, *extra), 1)
+        assert f"{what} is {need} positions, more than the model's 4,096" in line, line

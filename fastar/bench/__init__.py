@@ -160,6 +160,26 @@ def _check_plot_target(plot: str) -> None:
         raise FastarError("--plot needs matplotlib: pip install 'fastar[plot]' (or matplotlib)")
 
 
+def _check_context(a: argparse.Namespace) -> None:
+    """A benchmark prefills and decodes with the engine's forward directly, past the session's context check: a
+    prompt longer than the model's positions (`--prompt-tokens 100000` on a 4,096-position model, `--profile-prefill
+    100000000`) ran for hours or until memory gave out. Said before anything loads, naming the flags."""
+    from ..engine.source import open_source
+
+    if a.profile_prefill:
+        parts = [p.strip() for p in a.profile_prefill.split(",")]
+        need, what = max((int(p) for p in parts if p.isdigit()), default=0), "--profile-prefill"
+    elif a.profile or a.streams:
+        need, what = a.prompt_tokens + a.decode_tokens, "--prompt-tokens + --decode-tokens"
+    else:  # the decode goes on from one state through the warm-up and every repeat
+        need = a.prompt_tokens + a.warmup_tokens + a.decode_tokens * max(a.repeats, 1)
+        what = "--prompt-tokens + --warmup-tokens + --decode-tokens x --repeats"
+    with open_source(a.model) as src:
+        limit = src.config.max_position_embeddings
+    if need > limit:
+        raise FastarError(f"{what} is {need:,} positions, more than the model's {limit:,}")
+
+
 def main(a: argparse.Namespace) -> int:
     """Run the benchmark `a.what` names with the parsed arguments."""
     if a.what == "draft":
@@ -205,6 +225,7 @@ def main(a: argparse.Namespace) -> int:
         ]
         refuse_inputs_as_output(a.plot, inputs, "--plot")
         _check_plot_target(a.plot)
+    _check_context(a)
     if a.profile:
         from . import profile
 

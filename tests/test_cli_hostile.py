@@ -839,3 +839,13 @@ def test_bench_refuses_a_prompt_longer_than_the_model_before_loading_it(tiny_fst
     ):
         line = one_line_error(_cli("bench", "-m", tiny_fst_path, *extra), 1)
         assert f"{what} is {need} positions, more than the model's 4,096" in line, line
+
+
+def test_synth_of_an_absurd_expert_count_is_one_line_at_once(tmp_path):
+    """`synth --experts 1000000000` built the names of every routed expert (to drop them) and then a list of five
+    billion checksums: minutes, then a MemoryError traceback. The expert names are not built now, and a bank whose
+    checksums cannot fit the header is one line naming both counts, before anything is written."""
+    r = _cli("synth", "-o", tmp_path / "s.fst", "--experts", "1000000000")
+    line = one_line_error(r, 1)
+    assert "an expert bank of 5,000,000,000 records (5 layers x 1000000000 experts) needs more checksums" in line
+    assert list(tmp_path.iterdir()) == []

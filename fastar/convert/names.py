@@ -125,8 +125,9 @@ def hc_head(prefix: str, cfg: ModelConfig) -> Manifest:
     }
 
 
-def block_tensors(slot: int, cfg: ModelConfig) -> Manifest:
-    """Tensors of one V4 block (mHC, attention with its compressor/indexer, MoE) at layer slot `slot`."""
+def block_tensors(slot: int, cfg: ModelConfig, routed: bool = True) -> Manifest:
+    """Tensors of one V4 block (mHC, attention with its compressor/indexer, MoE) at layer slot `slot`; without the
+    routed experts' with `routed=False`."""
     p = layer_prefix(slot, cfg) + "."
     d, h, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     qr, og, olr = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
@@ -169,7 +170,7 @@ def block_tensors(slot: int, cfg: ModelConfig) -> Manifest:
     out.update(fp8_pair(f"{p}ffn.shared_experts.w1", inter, d))
     out.update(fp8_pair(f"{p}ffn.shared_experts.w3", inter, d))
     out.update(fp8_pair(f"{p}ffn.shared_experts.w2", d, inter))
-    for e in range(n_exp):
+    for e in range(n_exp if routed else 0):
         ep = f"{p}ffn.experts.{e}."
         out.update(fp4_pair(ep + "w1", inter, d))
         out.update(fp4_pair(ep + "w3", inter, d))
@@ -207,8 +208,10 @@ def _dspark_extras(k: int, cfg: ModelConfig) -> Manifest:
     return out
 
 
-def expected_tensors(cfg: ModelConfig) -> Manifest:
-    """Every tensor of the official checkpoint described by `cfg`, in checkpoint order (globals, layers, mtp)."""
+def expected_tensors(cfg: ModelConfig, routed: bool = True) -> Manifest:
+    """Every tensor of the official checkpoint described by `cfg`, in checkpoint order (globals, layers, mtp);
+    `routed=False`: all but the routed experts' (six per expert: most of the names, built for nothing by a caller
+    that drops them)."""
     d, v = cfg.hidden_size, cfg.vocab_size
     out: Manifest = {
         "embed.weight": ("BF16", (v, d)),
@@ -217,9 +220,9 @@ def expected_tensors(cfg: ModelConfig) -> Manifest:
     }
     out.update(hc_head("", cfg))
     for i in range(cfg.num_hidden_layers):
-        out.update(block_tensors(i, cfg))
+        out.update(block_tensors(i, cfg, routed))
     for k in range(cfg.num_mtp_layers):
-        out.update(block_tensors(cfg.num_hidden_layers + k, cfg))
+        out.update(block_tensors(cfg.num_hidden_layers + k, cfg, routed))
         out.update(_dspark_extras(k, cfg) if cfg.has_dspark else _mtp_extras(k, cfg))
     return out
 

@@ -112,6 +112,12 @@ class FstWriter:
 
     def set_expert_bank(self, slots: int, experts: int, hidden: int, inter: int) -> None:
         self._expect(WriterState.PLAN)
+        records = slots * experts
+        if records * (len(_ZERO_DIGEST) + 4) > spec.MAX_HEADER_SIZE:  # each digest is `"…", ` in the JSON header
+            raise FormatError(  # (said before a list of that many digests is built: a MemoryError, or minutes)
+                f"{self.path}: an expert bank of {records:,} records ({slots} layers x {experts} experts) needs more "
+                f"checksums than the header's {spec.MAX_HEADER_SIZE:,}-byte cap holds"
+            )
         sections = spec.expert_sections(hidden, inter)
         self._header["experts"] = {
             "offset": 0,

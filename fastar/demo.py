@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .errors import FastarError
+
 # Bump when the fixture or the container changes in a way that makes an old cached demo unusable.
 DEMO_VERSION = 1
 DEMO_SEED = 0
@@ -60,9 +62,19 @@ def ensure_demo_model(log=None) -> Path:
         if p.exists():
             break
         created = p
-    d.mkdir(parents=True, exist_ok=True)
     try:
+        d.mkdir(parents=True, exist_ok=True)
         return _build_locked(d, final, log)
+    except OSError as e:
+        if created is not None and not final.is_file():
+            shutil.rmtree(created, ignore_errors=True)
+        if e.filename is None or not str(e.filename).startswith(str(d)):
+            raise  # not about the folder itself (a full disk while writing: said as such)
+        # "FOLDER: Read-only file system" alone did not say what the folder was for, nor how to choose another
+        raise FastarError(
+            f"cannot build the demo model in {d} ({e.strerror or e}); set FASTAR_CACHE_DIR to a writable folder, "
+            "or give -m MODEL"
+        ) from None
     except BaseException:
         if created is not None and not final.is_file():  # a failed first build (a full disk) leaves no folder
             shutil.rmtree(created, ignore_errors=True)

@@ -553,6 +553,25 @@ def test_a_failed_demo_build_leaves_no_folder(tmp_path, monkeypatch):
     assert (tmp_path / "kept").is_dir() and not list((tmp_path / "kept").glob(".demo-build-*"))
 
 
+def test_a_demo_cache_folder_that_cannot_be_made_says_what_it_is_for(tmp_path, monkeypatch):
+    """`fastar run` without -m and FASTAR_CACHE_DIR (or the user cache folder) unwritable said only "FOLDER: Not a
+    directory" (or "Read-only file system"): not that it was the demo model's cache, nor how to choose another. The
+    line says both now, and the file in the way is untouched."""
+    from fastar import demo
+    from fastar.errors import FastarError
+
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    monkeypatch.setenv("FASTAR_CACHE_DIR", str(taken / "cache"))
+    with pytest.raises(FastarError) as err:
+        demo.ensure_demo_model()
+    assert str(err.value) == (
+        f"cannot build the demo model in {taken / 'cache'} (Not a directory); set FASTAR_CACHE_DIR to a writable "
+        "folder, or give -m MODEL"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"] and taken.read_text() == "x"
+
+
 # ---- issue 32: text that is not valid Unicode ------------------------------------------------------------------
 
 

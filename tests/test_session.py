@@ -291,6 +291,19 @@ def test_a_damaged_or_truncated_session_file_is_refused_by_its_checksum(tmp_path
         assert t.tokens == [7]
 
 
+def test_a_session_file_cut_inside_its_preamble_says_so(tmp_path: Path) -> None:
+    """A file cut after the magic (10 bytes of 20) said "session file is corrupt (unpack_from requires a buffer of
+    at least 20 bytes for unpacking 12 bytes at offset 8 ...)": struct's words. It says truncated, with the sizes."""
+    s, _ = make(fingerprint="model-a")
+    s.prefill([1, 2, 3])
+    raw = s.save(tmp_path / "a.session").read_bytes()
+    (tmp_path / "cut").write_bytes(raw[:10])
+    t, _ = make(fingerprint="model-a")
+    with pytest.raises(SessionError) as err:
+        t.load(tmp_path / "cut")
+    assert str(err.value) == f"{tmp_path / 'cut'}: session file is truncated (10 bytes, its preamble is 20)"
+
+
 def test_a_version_1_session_file_without_a_checksum_still_loads(tmp_path: Path) -> None:
     s, _ = make(fingerprint="model-a")
     s.prefill([1, 2, 3])

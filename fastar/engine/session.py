@@ -505,10 +505,9 @@ class Session:
             raise SessionError(f"{path}: cannot read ({e.strerror})") from None
         if raw[:8] != MAGIC:
             raise SessionError(f"{path}: not a fastar session file")
-        try:
-            version, hlen = struct.unpack_from("<IQ", raw, 8)
-        except struct.error as e:
-            raise SessionError(f"{path}: session file is corrupt ({e})") from None
+        if len(raw) < 20:  # (struct's own words named buffer sizes and offsets, not the file)
+            raise SessionError(f"{path}: session file is truncated ({len(raw)} bytes, its preamble is 20)")
+        version, hlen = struct.unpack_from("<IQ", raw, 8)
         if version not in (1, VERSION):
             raise SessionError(f"{path}: session version {version} is not supported (expected {VERSION})")
         end = len(raw)

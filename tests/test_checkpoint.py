@@ -261,6 +261,18 @@ def test_missing_shard_file(tiny_ckpt, tmp_path):
         Checkpoint(d).validate()
 
 
+def test_a_shard_the_index_names_but_that_is_gone_is_the_error(tiny_ckpt, tmp_path):
+    """The index moving one tensor to a shard that is not there said "unexpected tensor X in shard A (present in the
+    shard but not in the index)", of a shard that is fine, when the index names another: the missing shard is named."""
+    d = clone(tiny_ckpt, tmp_path / "c")
+    index = d / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["embed.weight"] = "model-00009-of-00009.safetensors"
+    index.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"shard model-00009-of-00009\.safetensors is missing"):
+        Checkpoint(d).validate()
+
+
 def test_truncated_shard(tiny_ckpt, tmp_path):
     d = clone(tiny_ckpt, tmp_path / "c")
     shard = d / sorted(set(index_of(d)["weight_map"].values()))[1]

@@ -389,6 +389,8 @@ class Checkpoint(Closing, PagedSource):
         for name, shard in self._weight_map.items():
             by_shard.setdefault(shard, []).append(name)
         found: dict[str, TensorInfo] = {}
+        for shard in sorted(by_shard):  # every shard the index names is there first: a missing one is the error
+            self._header(shard)  # (it was "unexpected tensor X in shard A" when the index moved X to a lost shard B)
         for shard in sorted(by_shard):
             header = self._header(shard)
             for name in by_shard[shard]:

@@ -584,7 +584,12 @@ def test_a_long_reply_redraws_only_its_end():
                 same = page.evaluate(
                     """async () => {
                     const { renderMarkdown } = await import("/static/markdown.js");
-                    const content = [...document.querySelectorAll(".msg.assistant .content")].pop();
+                    const content = [...document.querySelectorAll(".msg.assistant .content")].pop().cloneNode(true);
+                    // (the page names each Copy button for its block, test_copy_buttons_say_which_code_block...)
+                    for (const b of content.querySelectorAll("button.copy[aria-label]")) {
+                        b.removeAttribute("aria-label");
+                        b.removeAttribute("data-which");
+                    }
                     const box = document.createElement("div");
                     box.innerHTML = renderMarkdown(JSON.parse(localStorage.getItem("fastar.conversations.v1"))[0]
                         .messages[1].content);
@@ -1053,6 +1058,42 @@ def test_turn_buttons_say_which_turn(browser_page):
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: fourth question")
     expect_turn_buttons(page, turns(1, 2, 4))
     assert not [e for e in errors if "400" not in e], errors  # the browser logs the failed fetch itself
+
+
+def expect_copy_buttons(page, names: list[str]) -> None:
+    """The code blocks' Copy buttons of the conversation shown, top to bottom, have these accessible names."""
+    buttons = page.locator("#messages button.copy")
+    expect(buttons).to_have_count(len(names))
+    for i, name in enumerate(names):
+        expect(buttons.nth(i)).to_have_accessible_name(name)
+
+
+def test_copy_buttons_say_which_code_block_of_which_reply(browser_page):
+    """Each code block's Copy button is named for its block and reply ("Copy code block 2 of reply 1"), with the
+    block's language when it has one, so a screen reader tells them apart; the names follow a dropped turn, stay
+    the same after a reload, and say "Copied" of the same block once it is copied."""
+    page, server, _, errors = browser_page
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    for question in ("first", "second", "third"):  # the fake echoes the question: two code blocks in each reply
+        send(page, f"{question}\n```python\nx = 1\n```\nthen\n```\nplain\n```")
+        expect(page.locator(".msg.assistant").last.locator("button.copy")).to_have_count(2)
+    expect(page.locator("#send")).to_be_visible()
+    blocks = lambda *ns: [  # noqa: E731
+        f"Copy code block {k} of reply {n}{lang}" for n in ns for k, lang in ((1, ", python"), (2, ""))
+    ]
+    expect_copy_buttons(page, blocks(1, 2, 3))
+    page.get_by_role("button", name="Regenerate reply 2", exact=True).click()
+    expect(page.locator(".msg")).to_have_count(4)
+    expect(page.locator("#send")).to_be_visible()
+    expect_copy_buttons(page, blocks(1, 2))
+    page.reload()
+    expect_copy_buttons(page, blocks(1, 2))
+    page.get_by_role("button", name="Copy code block 2 of reply 2", exact=True).click()
+    expect(page.locator("#messages button.copy").nth(3)).to_have_accessible_name("Copied code block 2 of reply 2")
+    expect(page.locator("#messages button.copy").nth(3)).to_have_accessible_name("Copy code block 2 of reply 2")
+    assert not errors, errors
 
 
 def test_a_send_from_the_message_box_keeps_an_open_edit(browser_page):

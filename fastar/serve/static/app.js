@@ -198,6 +198,7 @@ function updateAssistant(view, m, live = null) {
     }
     host.append(el("span", "cursor"));
   }
+  nameCopyButtons(view);
   renderToolCalls(view.querySelector(".toolcalls"), m.tool_calls || []);
   view.classList.toggle("pending", !!m.pending);
   const meta = view.querySelector(".meta");
@@ -214,6 +215,29 @@ function updateAssistant(view, m, live = null) {
   if (m.finish === "interrupted") parts.push("cut short: the page was closed or reloaded while it streamed");
   meta.textContent = parts.join(" · ");
   meta.classList.toggle("error", !!m.error);
+}
+
+// Each code block's Copy button says which block of which reply it copies ("Copy code block 2 of reply 3, python"),
+// so a screen reader tells them apart: the reply numbered as its turn's Regenerate is (the questions shown above it,
+// counted), the block from the reply's top. Recomputed from the page whenever a reply is drawn, so the names
+// follow turns that are dropped and stay the same after a redraw or a reload. (A view not yet in the page is named
+// once renderMessages has put it there.)
+function nameCopyButtons(view) {
+  if (!view.isConnected) return;
+  let reply = 0;
+  for (let at = view; at; at = at.previousElementSibling) if (at.classList.contains("user")) reply += 1;
+  view.querySelectorAll(".content .codeblock").forEach((block, k) => {
+    const lang = block.querySelector(".lang")?.textContent;
+    const button = block.querySelector("button.copy");
+    button.dataset.which = `code block ${k + 1} of reply ${reply}${lang ? `, ${lang}` : ""}`;
+    copyLabel(button, button.textContent);
+  });
+}
+
+// The Copy button's text ("Copy", "Copied", "Copy failed") and its accessible name, which says the same of its block.
+function copyLabel(button, text) {
+  button.textContent = text;
+  button.setAttribute("aria-label", `${text} ${button.dataset.which}`);
 }
 
 // A tool call the model made: its name and arguments (pretty-printed when they are JSON), as text.
@@ -243,6 +267,7 @@ function renderMessages() {
     return;
   }
   for (const m of conv.messages) box.append(messageView(m));
+  for (const view of box.querySelectorAll(".msg.assistant")) nameCopyButtons(view);
   turnActions();
   scrollToBottom();
 }
@@ -367,11 +392,11 @@ $("messages").addEventListener("click", async (ev) => {
   const code = button.closest(".codeblock").querySelector("code");
   try {
     await copyText(code);
-    button.textContent = "Copied";
+    copyLabel(button, "Copied");
   } catch {
-    button.textContent = "Copy failed";
+    copyLabel(button, "Copy failed");
   }
-  setTimeout(() => (button.textContent = "Copy"), 1500);
+  setTimeout(() => copyLabel(button, "Copy"), 1500);
 });
 
 // ---- streaming -------------------------------------------------------------------------------------------

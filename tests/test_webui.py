@@ -1139,6 +1139,61 @@ def test_a_send_from_the_message_box_keeps_an_open_edit(browser_page):
     assert not errors, errors
 
 
+def test_an_open_edit_is_never_dropped_without_a_word(browser_page):
+    """An edit sent empty (or only whitespace) is not sent and the status says why, the edit left open; opening
+    another conversation or New chat while an edit holds changes is refused the same way, the edit kept open with
+    its text, as a send from the message box is. Cancelled, or left unchanged, nothing is lost and they go ahead."""
+    page, server, _, errors = browser_page
+    bodies: list[dict] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    send(page, "other chat")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: other chat")
+    page.click("#new-chat")
+    for question in ("first question", "second question"):
+        send(page, question)
+        expect(page.locator(".msg.assistant .content").last).to_have_text(f"Echo: {question}")
+
+    page.get_by_role("button", name="Edit message 1", exact=True).click()
+    editor = page.get_by_role("textbox", name="Edit message 1", exact=True)
+    for empty in ("", "  \n "):
+        editor.fill(empty)
+        editor.press("Enter") if empty else page.get_by_role("button", name="Send edited message 1").click()
+        expect(page.locator("#status")).to_have_text(
+            "Message 1 is empty: write the question, or Cancel (Escape) to keep it as it was."
+        )
+        expect(editor).to_have_value(empty)
+        page.evaluate("document.getElementById('status-text').textContent = ''")
+    assert len(bodies) == 3
+
+    editor.fill("first, half edited")
+    for click, doing in (("#conversations li:has-text('other chat') .title", "opening or deleting a conversation"),
+                         ("#conversations li:has-text('other chat') .delete", "opening or deleting a conversation"),
+                         ("#new-chat", "starting a new chat")):  # fmt: skip
+        page.click(click)
+        expect(page.locator("#status")).to_have_text(
+            f"Message 1 is open for editing: send or cancel that edit before {doing}. Its text is kept."
+        )
+        page.evaluate("document.getElementById('status-text').textContent = ''")
+    expect(editor).to_have_value("first, half edited")
+    expect(page.locator("#chat-title")).to_have_text("first question")
+    expect(page.locator("#conversations li")).to_have_count(2)
+
+    editor.fill("first question")  # back as it was: nothing to lose, so the edit is closed and the chat opened
+    page.click("#conversations li:has-text('other chat') .title")
+    expect(page.locator("#chat-title")).to_have_text("other chat")
+    expect(page.locator(".msg.editing")).to_have_count(0)
+    page.click("#conversations li:has-text('first question') .title")
+    page.get_by_role("button", name="Edit message 1", exact=True).click()
+    editor.fill("changed")
+    editor.press("Escape")  # cancelled: New chat goes ahead
+    page.click("#new-chat")
+    expect(page.locator("#chat-title")).to_have_text("New chat")
+    assert len(bodies) == 3 and not errors, errors
+
+
 def test_the_whole_flow_from_the_keyboard(browser_page):
     """Keyboard only: after a send the focus is in the message box and the next Tab is Stop; Stop (Enter) gives the
     focus back to the message box; Regenerate and an edit sent with Enter leave it there too, not on the page (the

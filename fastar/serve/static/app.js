@@ -102,6 +102,7 @@ $("conversations").addEventListener("click", (ev) => {
     setStatus("The model is still answering: Stop it or wait before opening or deleting a conversation.");
     return;
   }
+  if (editKept("opening or deleting a conversation")) return;
   if (ev.target.closest(".delete")) {
     conversations = conversations.filter((c) => c.id !== li.dataset.id);
     if (currentId === li.dataset.id) currentId = null;
@@ -117,6 +118,7 @@ $("conversations").addEventListener("click", (ev) => {
 });
 
 function newChat() {
+  if (editKept("starting a new chat")) return;
   if (controller) controller.abort();
   currentId = null;
   save();
@@ -314,6 +316,19 @@ function actionButton(label, name, title, action) {
 // The question being edited in place, if any (its view).
 const openEdit = () => $("messages").querySelector(".msg.editing");
 
+// Whether an open edit holds changes that `doing` (opening another conversation, New chat) would drop with the
+// redraw: then, as a send from the message box is refused while an edit is open, nothing is done and the status
+// says why, the edit kept open with its text. An edit left unchanged loses nothing and is simply closed.
+function editKept(doing) {
+  const editing = openEdit();
+  const box = editing?.querySelector("textarea");
+  if (!box || box.value === box.defaultValue) return false;
+  setStatus(`Message ${editing.dataset.turn} is open for editing: send or cancel that edit before ${doing}. `
+    + "Its text is kept.");
+  editing.scrollIntoView({ block: "nearest" });
+  return true;
+}
+
 // The conversation up to (not including) the question `asked`, then `text` asked in its place.
 function resend(conv, asked, text) {
   const at = conv.messages.indexOf(asked);
@@ -325,6 +340,7 @@ function resend(conv, asked, text) {
 function editTurn(conv, asked, view, n) {
   const form = el("form", "edit");
   const box = el("textarea");
+  box.defaultValue = asked.content; // what it held when opened: an edit still equal to it has nothing to lose
   box.value = asked.content;
   box.rows = 1;
   box.setAttribute("aria-label", `Edit message ${n}`);
@@ -344,6 +360,9 @@ function editTurn(conv, asked, view, n) {
   form.addEventListener("submit", (ev) => {
     ev.preventDefault();
     if (box.value.trim()) resend(conv, asked, box.value);
+    else {  // as a refused send from the message box says why; the edit stays open to be written or cancelled
+      setStatus(`Message ${n} is empty: write the question, or Cancel (Escape) to keep it as it was.`);
+    }
   });
   box.addEventListener("keydown", (ev) => {
     if (sendsOnEnter(ev)) {

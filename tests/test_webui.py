@@ -4,8 +4,10 @@ against a live server over the FakeEngine of test_server.py.
 It loads the UI, sends a message and watches the reply stream in (thinking block included), stops a long
 answer mid-stream (the server's generation stops too) and one that has not begun (the question is taken back),
 checks that model markdown is rendered and model HTML is escaped, edits and regenerates earlier turns (checking the
-messages the server gets, the buttons' accessible names, and that an open edit is not dropped by a send), keeps a
-reply with no answer as a turn, keeps Enter from sending during an IME composition, walks the flow from the keyboard,
+messages the server gets, the buttons' accessible names, and that an open edit is not dropped by a send, another
+conversation or New chat, nor sent empty without a word), names each code block's Copy button, keeps a
+reply with no answer as a turn, keeps Enter from sending during an IME composition, walks the flow from the keyboard
+(a finishing reply leaves the focus on the conversation list's entry it was on),
 starts a new chat, and checks the conversation list survives a reload. No console error or CSP violation is
 allowed. A screenshot is saved under the test's tmp dir.
 
@@ -1192,6 +1194,33 @@ def test_an_open_edit_is_never_dropped_without_a_word(browser_page):
     page.click("#new-chat")
     expect(page.locator("#chat-title")).to_have_text("New chat")
     assert len(bodies) == 3 and not errors, errors
+
+
+def test_a_reply_finishing_keeps_the_focus_on_a_conversation_in_the_list(browser_page):
+    """The conversation list is redrawn when a reply finishes; a keyboard user whose focus is on a conversation
+    there (its open or delete button) keeps it on the same button of the same conversation. (The fake holds each
+    request at its start while the gate is clear.)"""
+    page, server, engine, errors = browser_page
+    page.goto(server.url + "/")
+    expect(page.locator("#health-dot")).to_have_class("dot ok")
+    greedy(page)
+    send(page, "other chat")
+    expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: other chat")
+    page.click("#new-chat")
+    for title, delete in (("other chat", False), ("other chat", True), ("a question", False)):
+        engine.gate.clear()
+        send(page, "a question")
+        expect(page.locator("#stop")).to_be_visible()
+        page.get_by_role("button", name=title, exact=True).focus()
+        if delete:  # shown once its entry holds the focus
+            page.keyboard.press("Tab")
+        entry = page.get_by_role("button", name=f"Delete conversation: {title}" if delete else title, exact=True)
+        expect(entry).to_be_focused()
+        engine.gate.set()
+        expect(page.locator("#send")).to_be_visible()
+        expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: a question")
+        expect(entry).to_be_focused()
+    assert not errors, errors
 
 
 def test_the_whole_flow_from_the_keyboard(browser_page):

@@ -78,6 +78,10 @@ function setStatus(text, kind = "", progress = null) {
 
 function renderList() {
   const ul = $("conversations");
+  // The keyboard's place in the list (a conversation's open or delete button) survives the redraw: the same button
+  // of the same conversation gets the focus back, so a reply finishing does not move it away.
+  const focused = ul.contains(document.activeElement) ? document.activeElement : null;
+  const keep = focused && { id: focused.closest("li")?.dataset.id, delete: focused.classList.contains("delete") };
   ul.replaceChildren();
   for (const c of [...conversations].sort((a, b) => b.updated - a.updated)) {
     const li = el("li", c.id === currentId ? "active" : "");
@@ -92,6 +96,11 @@ function renderList() {
     del.setAttribute("aria-label", `Delete conversation: ${c.title || "New chat"}`);
     li.append(open, del);
     ul.append(li);
+    if (keep && keep.id === c.id) {
+      open.focus({ preventScroll: true });
+      // (the delete button is hidden until its entry holds the focus, style.css: focused from there)
+      if (keep.delete) del.focus({ preventScroll: true });
+    }
   }
 }
 

@@ -135,6 +135,12 @@ def cmd_verify(a) -> int:
     with FstFile(a.file) as f:
         n_t = len(f.header["tensors"])
         n_e = 0 if f.bank is None else f.bank["slots"] * f.bank["experts"]
+        if f.bank is not None:  # a model file (not a sidecar): its tensors are its config's, or it cannot load
+            from .convert.names import resident_mismatch
+
+            why = resident_mismatch(f.header["tensors"], f.config)
+            if why is not None:
+                raise FastarError(f"{a.file}: {why}")
         if a.quick:
             print(f"{a.file}: structure OK ({n_t} tensors, {n_e} expert records; checksums not checked)")
             return 0

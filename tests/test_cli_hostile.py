@@ -868,3 +868,24 @@ def test_synth_of_an_absurd_expert_count_is_one_line_at_once(tmp_path):
     line = one_line_error(r, 1)
     assert "an expert bank of 5,000,000,000 records (5 layers x 1000000000 experts) needs more checksums" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_refuses_a_file_whose_tensors_are_not_its_models(tiny_ckpt, tiny_fst_path, tmp_path):
+    """A .fst whose header (checksum recomputed) names a tensor the model does not have in place of one it needs
+    passed `verify` ("OK") and then failed every load ("no tensor named 'hc_head_fn'"). `verify` (and --quick)
+    compare the tensor table with the config's manifest now; a file converted from FaStar v2 (BF16 weights without
+    their scales) still passes."""
+    from fst_v2_writer import write_v2
+    from test_format import _rewrite_header
+
+    from fastar.convert.hf import convert
+
+    bad = tmp_path / "renamed.fst"
+    shutil.copy(tiny_fst_path, bad)
+    _rewrite_header(bad, lambda h: next(t for t in h["tensors"] if t["name"] == "hc_head_fn").update(name="bogus"))
+    for quick in ([], ["--quick"]):
+        line = one_line_error(_cli("verify", *quick, bad), 1)
+        assert line == f"fastar: error: {bad}: tensor hc_head_fn is missing (the model's config names it)", line
+    v3 = convert(write_v2(tiny_ckpt, tmp_path / "v2.fst"), tmp_path / "from-v2.fst", progress=False)
+    r = _cli("verify", v3)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr

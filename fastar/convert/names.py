@@ -227,6 +227,25 @@ def expected_tensors(cfg: ModelConfig, routed: bool = True) -> Manifest:
     return out
 
 
+def resident_mismatch(tensors: list[dict], cfg: ModelConfig) -> str | None:
+    """The first way a `.fst` file's resident tensor table (its header's `tensors`) differs from the manifest of `cfg`
+    less the routed experts in names or shapes, or None. (Not in dtypes: a file converted from FaStar v2 keeps
+    v2's BF16 where the checkpoint has FP8 or F32, and the engine takes either.)"""
+    want = expected_tensors(cfg, routed=False)
+    have = {t["name"]: t for t in tensors}
+    for name, (_, shape) in want.items():
+        t = have.get(name)
+        if t is None:
+            weight = have.get(name.removesuffix(".scale") + ".weight") if name.endswith(".scale") else None
+            if weight is not None and weight["dtype"] == "BF16":  # a v2 weight kept dequantized needs no scale
+                continue
+            return f"tensor {name} is missing (the model's config names it)"
+        if tuple(t["shape"]) != shape:
+            return f"tensor {name} has shape {list(t['shape'])}, the model's config gives {list(shape)}"
+    extra = [n for n in have if n not in want]
+    return f"tensor {extra[0]} is not one of the model's ({len(extra)} such)" if extra else None
+
+
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor of safetensors dtype `dtype` and `shape`."""
     n = DTYPE_SIZES[dtype]

@@ -43,14 +43,17 @@ CHAT_HELP = """commands:
 # --- flags -------------------------------------------------------------------------------------------------
 
 
-def _float_in(lo: float, hi: float, what: str):
+def float_in(lo: float, hi: float, what: str, open_lo: bool = False):
+    """A float flag in [lo, hi], or (lo, hi] with `open_lo` (the bounds `SamplingParams` checks, said as usage)."""
+
     def parse(v: str) -> float:
         try:
             x = float(v)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what} must be a number, got {v!r}") from None
-        if not lo <= x <= hi:
-            raise argparse.ArgumentTypeError(f"{what} must be between {lo:g} and {hi:g}, got {v}")
+        if not (lo < x if open_lo else lo <= x) or not x <= hi:
+            more = f"above {lo:g} and at most {hi:g}" if open_lo else f"between {lo:g} and {hi:g}"
+            raise argparse.ArgumentTypeError(f"{what} must be {more}, got {v}")
         return x
 
     parse.__name__ = what
@@ -87,18 +90,18 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "-n", "--max-tokens", type=positive_int, default=max_tokens, help="most tokens to generate per reply"
     )
     p.add_argument(
-        "--temp", "--temperature", dest="temp", type=_float_in(0, 100, "a temperature"), default=0.0, help="0 = greedy"
+        "--temp", "--temperature", dest="temp", type=float_in(0, 100, "a temperature"), default=0.0, help="0 = greedy"
     )
     p.add_argument(
         "--top-p",
-        type=_float_in(0, 1, "top-p"),
+        type=float_in(0, 1, "top-p", open_lo=True),
         default=1.0,
         help="sample from the most likely tokens that together hold this probability (1 = off)",
     )
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (0 = off)")
     p.add_argument(
         "--min-p",
-        type=_float_in(0, 1, "min-p"),
+        type=float_in(0, 1, "min-p"),
         default=0.0,
         help="drop tokens less likely than this fraction of the most likely one (0 = off)",
     )
@@ -231,7 +234,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", type=_stop_string, default=None, help="stop string (not included in the output)")
     p.add_argument(
         "--min-tokens",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="generate at least this many tokens: EOS is not drawn and --stop does not end the output before (vLLM's "
         "min_tokens; at most --max-tokens)",

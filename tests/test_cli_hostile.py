@@ -67,6 +67,13 @@ def test_bad_arguments_table(tiny_fst_path, tiny_ckpt, tmp_path):
         (["run", "-m", m, "-p", "hi", "-n", "0"], {}, usage, "max-tokens"),
         (["run", "-m", m, "-p", "hi", "--temp", "x"], {}, usage, "temp"),
         (["run", "-m", m, "-p", "hi", "--top-p", "7"], {}, usage, "top-p"),
+        # top-p 0 (the engine's (0, 1]) and a negative --min-tokens were the engine's exit 1, after the load
+        (["run", "-m", m, "-p", "hi", "--top-p", "0"], {}, usage, "argument --top-p: top-p must be above 0"),
+        (["chat", "-m", m, "--top-p", "0"], {}, usage, "argument --top-p: top-p must be above 0"),
+        (["run", "-m", m, "-p", "hi", "--min-p", "1.5"], {}, usage, "argument --min-p"),
+        (["run", "-m", m, "-p", "hi", "--min-tokens", "-1"], {}, usage, "argument --min-tokens"),
+        (["bench", "-m", m, "--temperature", "1", "--top-p", "0"], {}, usage, "argument --top-p"),
+        (["bench", "-m", m, "--temperature", "nan"], {}, usage, "argument --temperature"),
         (["run", "-m", m, "-p", "hi", "--stop", ""], {}, usage, "the stop string is empty"),  # was dropped silently
         (["run", "-m", m, "-p", "hi", "-c", "-5"], {}, usage, "ctx-size"),
         (["run", "-m", m, "-p", "hi", "--ram-budget", "0"], {}, fail, "ram-budget"),

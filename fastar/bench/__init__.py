@@ -82,13 +82,18 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--temperature",
-        type=float,
+        type=console.float_in(0, 100, "a temperature"),
         default=0.0,
         help="model: sample the timed decode at this temperature (0, the default: greedy). Without --top-p "
         "the steps screen the LM head for the rows that can win the draw, as greedy ones do; with --top-p below 1 "
         "they read the full head, and the ceiling counts it",
     )
-    b.add_argument("--top-p", type=float, default=1.0, help="model: with --temperature, the nucleus to sample from")
+    b.add_argument(
+        "--top-p",
+        type=console.float_in(0, 1, "top-p", open_lo=True),
+        default=1.0,
+        help="model: with --temperature, the nucleus to sample from",
+    )
     b.add_argument(
         "--replay",
         type=float,

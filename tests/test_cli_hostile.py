@@ -896,3 +896,23 @@ def test_verify_refuses_a_file_whose_tensors_are_not_its_models(tiny_ckpt, tiny_
     v3 = convert(write_v2(tiny_ckpt, tmp_path / "v2.fst"), tmp_path / "from-v2.fst", progress=False)
     r = _cli("verify", v3)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+def test_an_output_in_a_read_only_folder_names_the_output(tmp_path):
+    """`synth -o` into a read-only folder said 'DIR/s.fst.partial: Read-only file system': the writer's cleanup
+    unlinked a temporary file it never made, and that error replaced its own. Now one line names the output and
+    says the folder is not writable. (Root writes through a chmod, so a read-only tmpfs in a mount namespace.)"""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    cmd = [sys.executable, "-m", "fastar", "synth", "-o", str(ro / "s.fst"), "--layers", "1"]
+    if os.geteuid() == 0:
+        probe = subprocess.run(["unshare", "-m", "mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(ro)], check=False)
+        if probe.returncode != 0:
+            pytest.skip("running as root without a mount namespace: no folder this process cannot write")
+        cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o ro tmpfs "{ro}" && exec "$@"', "sh", *cmd]
+    else:
+        ro.chmod(0o555)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    line = one_line_error(r, 1)
+    assert f"{ro / 's.fst'}: cannot write (the folder {ro} is not writable" in line, line
+    assert ".partial" not in line, line

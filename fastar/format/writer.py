@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
 import os
 import shutil
@@ -187,6 +188,8 @@ class FstWriter:
             self._f = open(self.tmp_path, "wb")  # noqa: SIM115 (the writer state machine owns it until close)
         except OSError as e:  # a file where a folder should be, a read-only folder: say so of the path asked for
             why = f"{self.path.parent} is not a folder" if isinstance(e, FileExistsError) else e.strerror or e
+            if isinstance(e, PermissionError) or e.errno == errno.EROFS:
+                why = f"the folder {self.path.parent} is not writable: {e.strerror}"
             raise FormatError(f"{self.path}: cannot write ({why})") from None
         self.state = WriterState.DATA
         try:
@@ -347,10 +350,10 @@ class FstWriter:
                 self._f.close()
             except OSError:
                 pass
-        try:
+        if self._f is None:  # never made: on a read-only filesystem the unlink would say EROFS of the .partial
+            return  # name, in place of the error that stopped the write
+        with contextlib.suppress(OSError):  # a cleanup that fails must not hide the error that called it
             os.unlink(self.tmp_path)
-        except (FileNotFoundError, NotADirectoryError):  # never made
-            pass
 
     def __enter__(self) -> FstWriter:
         return self

@@ -616,9 +616,8 @@ class ChatREPL:
                 target = _path_argument(arg)
                 model = self.engine.source.path
                 try:  # never renamed over the model in use; an unwritable path: said, and the chat goes on
-                    refuse_inputs_as_output(
-                        target, [(f, "a file of the model in use") for f in model_files(model)], "/save"
-                    )
+                    # (no flag: `cannot save: PATH: ...` names the command, as the session's own errors read)
+                    refuse_inputs_as_output(target, [(f, "a file of the model in use") for f in model_files(model)])
                     path = self.session.save(target)
                 except FastarError as e:
                     self.fail(e, "cannot save")

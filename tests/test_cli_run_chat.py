@@ -480,7 +480,8 @@ def test_save_and_load_paths_read_as_a_shell_would(tmp_path: Path, monkeypatch) 
 
 def test_save_refuses_to_write_over_the_model_in_use(tmp_path: Path) -> None:
     """`/save model.fst` renamed the session over the model the chat was running on and said "saved": the 154 MB
-    model became a 68 KB session file. Refused, the model untouched; also for a file of a checkpoint folder."""
+    model became a 68 KB session file. Refused, the model untouched; also for a file of a checkpoint folder. The
+    refusal is one clean line (it read "cannot save: /save PATH: ...", the command named twice)."""
     model = tmp_path / "model.fst"
     model.write_bytes(b"the model")
     folder = tmp_path / "ckpt"
@@ -490,8 +491,10 @@ def test_save_refuses_to_write_over_the_model_in_use(tmp_path: Path) -> None:
         repl, eng, out = make_repl(["Hi."])
         eng.source = SimpleNamespace(path=source)
         repl.handle("Hello")
-        repl.handle(f"/save {tmp_path / '.' / target.relative_to(tmp_path)}")
-        assert "it is a file of the model in use" in out.getvalue() and repl.failures == 1
+        asked = tmp_path / "." / target.relative_to(tmp_path)
+        repl.handle(f"/save {asked}")
+        assert f"(cannot save: {asked}: it is a file of the model in use (" in out.getvalue(), out.getvalue()
+        assert "/save" not in out.getvalue() and repl.failures == 1
     assert model.read_bytes() == b"the model" and (folder / "config.json").read_text() == "{}"
     repl.handle(f"/save {tmp_path / 'chat.session'}")
     assert (tmp_path / "chat.session").is_file()

@@ -334,6 +334,11 @@ def open_engine(args: argparse.Namespace, err: TextIO | None = None, warm: bool 
 def sampling_params(args: argparse.Namespace, stop: list[str] | None = None):
     from .engine.sampling import SamplingParams
 
+    if args.min_tokens > args.max_tokens:  # said of the flags, not of the API's min_tokens field
+        raise FastarError(
+            f"--min-tokens {args.min_tokens} is larger than --max-tokens {args.max_tokens}: the output cannot be "
+            "that long"
+        )
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temp,

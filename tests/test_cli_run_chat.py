@@ -164,7 +164,23 @@ def test_bad_input_is_one_line_and_exit_1(capsys, tmp_path: Path, demo_cache: Pa
     code, err = run_main(capsys, "chat", "-m", model, "-c", "999999999")
     assert code == 1 and "context length" in one_line_error(err)
     code, err = run_main(capsys, "run", "-m", model, "-n", "4", "--min-tokens", "5", "-p", "hi")
-    assert code == 1 and "min_tokens" in one_line_error(err)
+    assert code == 1 and "--min-tokens 5 is larger than --max-tokens 4" in one_line_error(err)
+
+
+def test_min_tokens_errors_name_the_flag(capsys) -> None:
+    """`run --min-tokens -1` said "min_tokens must be an integer in [0, max_tokens (256)]", the API's field: the
+    flag is named, as the other flags' errors name theirs (-1 a usage error, as `--top-k -1` is), before the model
+    is opened."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "-m", "x.fst", "-p", "hi", "--min-tokens", "-1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --min-tokens: a count must be at least 0, got -1" in err, err
+    assert "min_tokens" not in err
+    code, err = run_main(capsys, "run", "-m", "x.fst", "-n", "2", "--min-tokens", "5", "-p", "hi")
+    assert (code, err) == (
+        1,
+        "fastar: error: --min-tokens 5 is larger than --max-tokens 2: the output cannot be that long\n",
+    )
 
 
 def test_run_min_tokens_keeps_a_stop_string_in_its_first_tokens(capsys, demo_cache: Path) -> None:

@@ -92,14 +92,32 @@ def _human(n: float) -> str:
 # --- commands ----------------------------------------------------------------------------------------------
 
 
+def _refuse_existing(a, path: str, flag: str = "-o", folder: bool = False) -> None:
+    """An output that exists is refused before any work unless --force (fastar.engine.outputs)."""
+    from .engine.outputs import refuse_existing_output
+
+    refuse_existing_output(path, a.force, flag, folder=folder)
+
+
+def _add_force(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help=f"replace an existing {what} (without it, one is refused before any work; the old one stays until the "
+        "new one is complete)",
+    )
+
+
 def cmd_convert(a) -> int:
-    from .convert.hf import convert, convert_indexer
+    from .convert.hf import check_output, convert, convert_indexer, local_files
 
     if a.indexer_sidecar and not a.output.endswith(".fst.indexer"):  # where FstV2File looks; never over a model
         raise FastarError(
             f"--indexer-sidecar: name the output MODEL.fst.indexer, next to the FaStar v2 MODEL.fst "
             f"it completes (got {a.output})"
         )
+    check_output(a.output, local_files(a.src))  # -o naming a file of the source: said as that, --force or not
+    _refuse_existing(a, a.output)  # before the checkpoint is read (or downloaded): ~160 GB on Flash
     t = time.perf_counter()
     out = (convert_indexer if a.indexer_sidecar else convert)(a.src, a.output, progress=a.progress)
     dt = time.perf_counter() - t
@@ -116,7 +134,11 @@ def cmd_export(a) -> int:
     shard = parse_size(a.shard_size)
     if not shard:
         raise FastarError(f"--shard-size: give a positive size such as 4G, got {a.shard_size!r}")
-    out = export(a.file, a.output, progress=a.progress, shard_size=shard)
+    _refuse_existing(a, a.output, folder=True)
+    inside = os.path.realpath(a.file), os.path.realpath(a.output)
+    if a.force and os.path.isdir(a.output) and os.path.commonpath(inside) == inside[1]:  # replaced, it would go too
+        raise FastarError(f"-o {a.output}: it holds {a.file}, the model being exported; give the output another name")
+    out = export(a.file, a.output, progress=a.progress, shard_size=shard, replace=a.force)
     print(f"wrote {out} in {time.perf_counter() - t:.1f} s")
     return 0
 
@@ -272,18 +294,36 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"give comma-separated token ids such as 1,2,3, got {text!r}") from None
 
 
+def _write_folder(out: str, write) -> str:
+    """`write(folder)` makes a checkpoint folder at `out`: straight into it when it is new or empty (removed again,
+    when this made it, if the write fails: no half-written checkpoint that looks complete), or over an existing
+    checkpoint (--force, checked before) into a folder beside it, renamed over it only when complete."""
+    from .convert.replace import aside, put_in_place
+
+    if os.path.isdir(out) and os.listdir(out):
+        tmp = aside(out)
+        try:
+            write(str(tmp))
+            put_in_place(tmp, out)
+        except BaseException:  # a full disk, Ctrl-C: the old checkpoint is left as it was
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
+    created = not os.path.lexists(out)
+    try:
+        write(out)
+    except BaseException:  # a full disk, Ctrl-C: leave no half-written checkpoint that looks complete
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    return out
+
+
 def cmd_fixture(a) -> int:
     from .fixtures import write_checkpoint
 
-    if os.path.lexists(a.output) and not (os.path.isdir(a.output) and not os.listdir(a.output)):
-        raise FastarError(f"{a.output}: already exists; give a new directory")
-    created = not os.path.lexists(a.output)
-    try:
-        p = write_checkpoint(a.output, preset=a.preset, seed=a.seed)
-    except BaseException:  # a full disk, Ctrl-C: leave no half-written checkpoint that looks complete
-        if created:
-            shutil.rmtree(a.output, ignore_errors=True)
-        raise
+    _refuse_existing(a, a.output, folder=True)
+    p = _write_folder(a.output, lambda d: write_checkpoint(d, preset=a.preset, seed=a.seed))
     print(f"wrote an official-format {a.preset} checkpoint to {p}")
     return 0
 
@@ -303,12 +343,11 @@ def cmd_synth(a) -> int:
 
         if a.mtp != 1 or a.router_bias != 0.05:
             raise FastarError("synth: --hf-dir writes the official layout: one MTP block and the default --router-bias")
-        if os.path.lexists(a.hf_dir) and not (os.path.isdir(a.hf_dir) and not os.listdir(a.hf_dir)):
-            raise FastarError(f"{a.hf_dir}: already exists; give a new directory")
-        created = not os.path.lexists(a.hf_dir)
-        try:
-            p = write_checkpoint(
-                a.hf_dir,
+        _refuse_existing(a, a.hf_dir, "--hf-dir", folder=True)
+        p = _write_folder(
+            a.hf_dir,
+            lambda d: write_checkpoint(
+                d,
                 "flash",
                 a.seed,
                 num_hidden_layers=a.layers,
@@ -317,13 +356,11 @@ def cmd_synth(a) -> int:
                 vocab_size=a.vocab,
                 hidden_size=a.hidden,
                 moe_intermediate_size=a.inter,
-            )
-        except BaseException:  # a full disk, Ctrl-C: leave no half-written checkpoint that looks complete
-            if created:
-                shutil.rmtree(a.hf_dir, ignore_errors=True)
-            raise
+            ),
+        )
         print(f"wrote an official-format checkpoint ({a.layers} layers x {a.experts} experts) to {p}")
         return 0
+    _refuse_existing(a, a.output)
     p = synth(
         a.output,
         a.layers,
@@ -402,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)"
     )
+    _add_force(c, "output file")
     c.set_defaults(fn=cmd_convert)
 
     ex = sub.add_parser(
@@ -415,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)"
     )
+    _add_force(ex, "checkpoint directory")
     ex.set_defaults(fn=cmd_export)
 
     v = sub.add_parser("verify", help="check a .fst file's structure and every checksum")
@@ -447,6 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
         "text); flash: the real Flash widths, 2 layers of 16 experts (several GB)",
     )
     f.add_argument("--seed", type=_seed, default=0, help="random seed of the weights (default 0)")
+    _add_force(f, "checkpoint directory")
     f.set_defaults(fn=cmd_fixture)
 
     sy = sub.add_parser(
@@ -483,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="spread of the routers' selection bias: 0.05 uses the experts almost evenly, 0.2 unevenly "
         "(the most used fifth of the experts then gets ~70%% of the traffic, as real routing is skewed)",
     )
+    _add_force(sy, "output (-o file or --hf-dir checkpoint)")
     sy.set_defaults(fn=cmd_synth)
 
     from . import console  # light: torch is imported only when run/chat actually run

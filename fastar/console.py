@@ -24,7 +24,7 @@ from typing import TextIO
 
 from .config import MAX_DEFAULT_CONTEXT, int_flag, parse_size
 from .encoding import StreamParser
-from .engine.outputs import model_files, refuse_inputs_as_output
+from .engine.outputs import model_files, refuse_existing_output, refuse_inputs_as_output
 from .engine.tokenizer import InvalidText, check_text
 from .errors import ConfigError, FastarError
 
@@ -33,7 +33,7 @@ MAX_STDIN_PROMPT = 64 << 20  # characters: 16x a 1M-token context's text, and a 
 CHAT_HELP = """commands:
   /reset              forget the conversation (the system prompt stays)
   /thinking on|off    think before answering (reasoning is shown dimmed)
-  /save FILE          save the conversation and its model state
+  /save FILE          save the conversation and its model state (/save --force FILE: over an existing file)
   /load FILE          load a saved conversation (continues without recomputing it)
   /stats              token counts and speeds so far
   /help               this text
@@ -614,8 +614,10 @@ class ChatREPL:
                 self.thinking = arg == "on"
                 self.say(f"(thinking {arg})")
         elif cmd == "/save":
+            force = arg == "--force" or arg.startswith("--force ")
+            arg = arg.removeprefix("--force").strip() if force else arg
             if not arg:  # from a pipe a command that did nothing fails the chat as a failed turn does
-                self.fail("usage: /save FILE")
+                self.fail("usage: /save [--force] FILE")
             else:
                 self.session.meta = {"messages": self.messages, "thinking": self.thinking}
                 target = _path_argument(arg)
@@ -623,6 +625,7 @@ class ChatREPL:
                 try:  # never renamed over the model in use; an unwritable path: said, and the chat goes on
                     # (no flag: `cannot save: PATH: ...` names the command, as the session's own errors read)
                     refuse_inputs_as_output(target, [(f, "a file of the model in use") for f in model_files(model)])
+                    refuse_existing_output(target, force, "", hint=f"/save --force {arg} replaces it")
                     path = self.session.save(target)
                 except FastarError as e:
                     self.fail(e, "cannot save")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from . import console
-from .engine.outputs import model_files, refuse_inputs_as_output, refuse_unwritable_output
+from .engine.outputs import model_files, refuse_existing_output, refuse_inputs_as_output, refuse_unwritable_output
 from .errors import FastarError
 
 
@@ -46,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     console.add_memory_arguments(p)
     p.add_argument(
         "--save-logits", metavar="OUT", default=None, help="save every scored token's distribution (float16) to OUT"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing --save-logits file (without it, one is refused before the model loads; the old "
+        "one stays until the run is complete)",
     )
     p.add_argument(
         "--kl-divergence",
@@ -127,6 +133,7 @@ def cmd_perplexity(a) -> int:
     # the outputs and the base are checked before the model loads (minutes on Flash) and the windows run (hours):
     # a base path mistyped, or a --save-logits folder that does not exist, was said only then
     refuse_unwritable_output(a.save_logits, "--save-logits", "the logits file")
+    refuse_existing_output(a.save_logits, a.force, "--save-logits")  # the run it holds took hours to make
     if a.kl_divergence is not None:
         from .engine.logits_file import LogitsFile
 

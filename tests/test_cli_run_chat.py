@@ -424,7 +424,7 @@ def test_a_piped_chat_exits_1_on_a_command_it_cannot_run(monkeypatch) -> None:
     assert repl.run() == 1
     assert repl.err.getvalue().splitlines() == [
         "fastar: error: unknown command /sav; /help lists them",
-        "fastar: error: usage: /save FILE",
+        "fastar: error: usage: /save [--force] FILE",
         "fastar: error: usage: /load FILE",
         "fastar: error: /thinking maybe: use /thinking on|off",
     ]

@@ -17,7 +17,8 @@ from the original release (and v2's own losses, see `fastar.convert.v2`, stay lo
 
 The safetensors files are written here (8-byte header length, JSON header, contiguous data) rather than with
 the `safetensors` package, whose numpy API has no FP8 dtypes; `fastar.convert.checkpoint` reads them back.
-Everything goes to `DIR.partial-<pid>` first and is renamed to DIR only when complete; the shards go through
+Everything goes to `.DIR.partial-<pid>` first and is renamed to DIR only when complete (over an existing
+checkpoint only with `replace`, which stays as it was until then); the shards go through
 O_DIRECT where the filesystem has it (`fastar.format.write_behind.DirectStream`).
 A v3 source's checksums are checked as it is read: a corrupt tensor or expert stops the export (nothing is left).
 Does not own: reading the sources (`fastar.format`), the manifest (`names`). Imports no torch.
@@ -42,6 +43,7 @@ from ..format.write_behind import DirectStream
 from ..quant import reference as ref
 from .hf import _progress
 from .names import expected_tensors, expert_tensor_names, is_routed_expert, tensor_nbytes
+from .replace import aside, put_in_place
 
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 INDEX_FILE = "model.safetensors.index.json"
@@ -259,17 +261,22 @@ def _open(src: Path) -> Any:
 
 
 def export(
-    src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None, shard_size: int = DEFAULT_SHARD_BYTES
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    progress: bool | None = None,
+    shard_size: int = DEFAULT_SHARD_BYTES,
+    replace: bool = False,
 ) -> Path:
     """Write the model in `src` (`.fst` v3, or FaStar v2 with its sidecars) to the checkpoint directory `out`.
 
     Raises FormatError/ExportError with one clear line; `out` appears only when complete and must not exist
-    (or be an empty directory)."""
+    (or be an empty directory) unless `replace`: then a checkpoint directory there is replaced once the new one is
+    complete (`replace.put_in_place`), and left as it was if the export fails."""
     src, out = Path(src), Path(out)
     if shard_size <= 0:
         raise ExportError(f"shard size must be positive, got {shard_size}")
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise ExportError(f"{out} already exists; export writes a new checkpoint directory")
+    if out.exists() and not (out.is_dir() and (replace or not any(out.iterdir()))):
+        raise ExportError(f"{out}: already exists; export writes a new checkpoint directory (replace=True replaces it)")
     if not out.parent.is_dir():
         raise ExportError(f"{out.parent}: no such directory")
     with _open(src) as f:
@@ -280,10 +287,8 @@ def export(
         manifest = expected_tensors(cfg)
         read = _Tensors(f, manifest)
         groups = _shards(manifest, shard_size)
-        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
-            tmp.mkdir()
+            tmp = aside(out)
         except OSError as e:  # (it would name the temporary folder, which the user never gave)
             raise ExportError(f"{out}: cannot write ({e.strerror or e})") from None
         total = sum(tensor_nbytes(*v) for v in manifest.values())
@@ -305,9 +310,7 @@ def export(
                 tok_cfg = _tokenizer_config()
                 if tok_cfg is not None:
                     (tmp / "tokenizer_config.json").write_bytes(tok_cfg)
-            if out.exists():
-                out.rmdir()
-            os.rename(tmp, out)
+            put_in_place(tmp, out)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             # a failed write names no file (a full disk) or one in the temporary folder: say it of `out`

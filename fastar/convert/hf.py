@@ -70,6 +70,16 @@ def checkpoint_files(ck: Checkpoint) -> list[Path]:
     return [ck.path / name for name in ck.shard_names] + sorted(ck.path.glob("*.json"))
 
 
+def local_files(src: str | os.PathLike) -> list[Path]:
+    """The files a local source names, without reading any: a directory's entries, or a FaStar v2 file and its
+    sidecars; none for a hub id. For `check_output` before the source is opened (the command line asks it before
+    refusing an existing output, so the output named as one of these is said as what it is)."""
+    p = Path(src)
+    if p.is_dir():
+        return sorted(p.iterdir())
+    return [p, *(Path(f"{src}.{kind}") for kind in ("hc", "norm", "tid2eid", "indexer"))] if p.exists() else []
+
+
 def check_output(out: str | os.PathLike, inputs: Iterable[Path]) -> None:
     """Refuse an output that is one of the files being converted: renamed into place once written, it would replace
     that file (a shard, the config, a v2 model; or the blob a hub snapshot's link points to), and with it the source
@@ -117,7 +127,7 @@ def convert_v2(src: str | os.PathLike, out: str | os.PathLike, progress: bool | 
     """
     from .v2 import FstV2File
 
-    check_output(out, [Path(src), *(Path(f"{src}.{kind}") for kind in ("hc", "norm", "tid2eid", "indexer"))])
+    check_output(out, local_files(src))
     with FstV2File(src) as v2:
         if v2.context_note is not None:
             raise FormatError(f"cannot convert: {v2.context_note}; then convert again (or run {src} as it is)")

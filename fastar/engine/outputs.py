@@ -6,6 +6,12 @@ inputs: chat's `/save`, `perplexity --save-logits` and `bench --plot` would othe
 model, the text or the base they read) and `model_files` (the files a model path names). Does not own: writing the
 outputs (`session.Session.save`, `logits_file.LogitsWriter`, the benchmark's plot), nor `convert -o`'s own check,
 which sits below this layer (`fastar.convert.hf.check_output`).
+
+Also `refuse_existing_output`: every command that writes a model or data file (`convert`, `synth`, `export`,
+`fixture`, `perplexity --save-logits`, chat's `/save`) refuses an output that exists unless told `--force`, before
+any work: a converted model takes an hour to make, and a mistyped `-o` must not replace one. With `--force` the old
+output is still replaced only once the new one is complete (each writer renames a temporary file or folder into
+place at its end), so a failed or interrupted forced run leaves it as it was.
 """
 
 from __future__ import annotations
@@ -68,3 +74,39 @@ def refuse_unwritable_output(out: str | os.PathLike | None, flag: str, what: str
         raise FastarError(f"{flag} {out}: no such directory {folder}")
     if not os.access(folder, os.W_OK):
         raise FastarError(f"{flag} {out}: the directory {folder} is not writable")
+
+
+FORCE_HINT = "add --force to replace it, or remove it first"
+
+
+def refuse_existing_output(
+    out: str | os.PathLike | None, force: bool, flag: str, folder: bool = False, hint: str = FORCE_HINT
+) -> None:
+    """Raise a one-line FastarError when `out` (after `~`) exists and `force` is false: `FLAG OUT: already exists;
+    HINT` (`OUT: ...` without a flag: chat's `/save`, whose errors read `cannot save: OUT: ...`). `folder`: the
+    output is a checkpoint folder, where an empty folder is no output yet (it is written into), and `force` replaces
+    only a folder holding a checkpoint's `config.json`, never any other folder (`-o ~`). What is neither a regular
+    file nor a folder is left to the writer, which refuses it (a FIFO, a device)."""
+    if out is None:
+        return
+    target = os.path.expanduser(os.fspath(out))
+    if not os.path.lexists(target):
+        return
+    if folder and os.path.isdir(target):
+        try:
+            entries = os.listdir(target)
+        except OSError:  # unreadable: writing there says why
+            return
+        if not entries:
+            return
+        if force and "config.json" not in entries:
+            raise FastarError(
+                f"{flag} {out}: already exists and holds no checkpoint (no config.json): --force replaces only a "
+                "checkpoint folder; remove it first or give a new folder"
+            )
+    elif folder:
+        raise FastarError(f"{flag} {out}: not a folder; give a new folder for the checkpoint")
+    elif not os.path.isfile(target):
+        return
+    if not force:
+        raise FastarError(f"{flag} {out}: already exists; {hint}" if flag else f"{out}: already exists; {hint}")

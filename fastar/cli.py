@@ -338,6 +338,15 @@ def cmd_synth(a) -> int:
         raise FastarError("synth: --hidden and --inter must be multiples of 128 (the FP8 and FP4 block sizes)")
     if not 0 <= a.router_bias < float("inf"):  # NaN too: it would route every token nowhere in particular
         raise FastarError(f"synth: --router-bias is a standard deviation, got {a.router_bias}")
+    from .format.spec import MAX_HEADER_SIZE
+    from .format.writer import MAX_EXPERT_RECORDS
+
+    records = (a.layers + a.mtp) * a.experts  # the writer's own check, said before minutes of building names
+    if records > MAX_EXPERT_RECORDS:  # (a checkpoint directory is for the .fst converted from it: the same cap)
+        raise FastarError(
+            f"synth: --layers {a.layers} (+ --mtp {a.mtp}) x --experts {a.experts} is {records:,} expert records; a "
+            f".fst header holds checksums for at most {MAX_EXPERT_RECORDS:,} (its {MAX_HEADER_SIZE >> 20} MiB cap)"
+        )
     if a.hf_dir:  # the official layout: safetensors shards, config.json (one MTP block, fixed router recipe)
         from .fixtures import write_checkpoint
 

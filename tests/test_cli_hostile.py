@@ -18,6 +18,7 @@ import pytest
 import fastar
 from fastar.errors import FormatError
 from fastar.format.reader import FstFile
+from fastar.format.writer import FstWriter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -869,12 +870,22 @@ def test_bench_refuses_a_prompt_longer_than_the_model_before_loading_it(tiny_fst
 
 def test_synth_of_an_absurd_expert_count_is_one_line_at_once(tmp_path):
     """`synth --experts 1000000000` built the names of every routed expert (to drop them) and then a list of five
-    billion checksums: minutes, then a MemoryError traceback. The expert names are not built now, and a bank whose
-    checksums cannot fit the header is one line naming both counts, before anything is written."""
-    r = _cli("synth", "-o", tmp_path / "s.fst", "--experts", "1000000000")
-    line = one_line_error(r, 1)
-    assert "an expert bank of 5,000,000,000 records (5 layers x 1000000000 experts) needs more checksums" in line
+    billion checksums: minutes, then a MemoryError traceback; with --hf-dir it built all thirty billion names (a
+    hang), and `--layers 100000` planned 3.6 million tensors (~50 s) before 'header exceeds'. An expert bank whose
+    checksums cannot fit the header is one line naming the flags and the cap, before anything is built or written;
+    the writer refuses such a bank itself too."""
+    cap = "a .fst header holds checksums for at most 3,355,443 (its 64 MiB cap)"
+    for args, records in (
+        (["-o", tmp_path / "s.fst", "--experts", "1000000000"], "--layers 4 (+ --mtp 1) x --experts 1000000000 is 5,"),
+        (["--hf-dir", tmp_path / "h", "--experts", "1000000000"], "x --experts 1000000000 is 5,000,000,000 expert"),
+        (["-o", tmp_path / "s.fst", "--layers", "100000"], "--layers 100000 (+ --mtp 1) x --experts 256 is 25,"),
+    ):
+        line = one_line_error(_cli("synth", *args), 1)  # (the --hf-dir case ran past _cli's timeout)
+        assert records in line and cap in line, line
     assert list(tmp_path.iterdir()) == []
+    w = FstWriter(tmp_path / "w.fst", {})
+    with pytest.raises(FormatError, match=r"an expert bank of 5,000,000,000 records \(5 layers x 1000000000 experts"):
+        w.set_expert_bank(5, 1000000000, 4096, 2048)
 
 
 def test_verify_refuses_a_file_whose_tensors_are_not_its_models(tiny_ckpt, tiny_fst_path, tmp_path):

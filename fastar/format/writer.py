@@ -35,6 +35,8 @@ from . import spec, write_behind
 from .write_behind import WriteBehind
 
 _ZERO_DIGEST = "0" * 16
+# the most expert records whose checksums fit the header's cap (each digest is `"…", ` in the JSON header)
+MAX_EXPERT_RECORDS = spec.MAX_HEADER_SIZE // (len(_ZERO_DIGEST) + 4)
 DIRECT_MIN = 64 << 10  # bytes from which a write goes through O_DIRECT
 
 
@@ -114,7 +116,7 @@ class FstWriter:
     def set_expert_bank(self, slots: int, experts: int, hidden: int, inter: int) -> None:
         self._expect(WriterState.PLAN)
         records = slots * experts
-        if records * (len(_ZERO_DIGEST) + 4) > spec.MAX_HEADER_SIZE:  # each digest is `"…", ` in the JSON header
+        if records > MAX_EXPERT_RECORDS:
             raise FormatError(  # (said before a list of that many digests is built: a MemoryError, or minutes)
                 f"{self.path}: an expert bank of {records:,} records ({slots} layers x {experts} experts) needs more "
                 f"checksums than the header's {spec.MAX_HEADER_SIZE:,}-byte cap holds"

@@ -74,6 +74,16 @@ def ask(**kw) -> dict:
     return {"instructions": INSTRUCTIONS, **NO_THINK, **kw}
 
 
+def refused_as_when_disabled(body: dict, backend) -> None:
+    """`truncation: "auto"` on `body` is the 400 the request gets without it, word for word."""
+    with pytest.raises(APIError) as disabled:
+        R.create(body, backend, R.ResponseStore())
+    with pytest.raises(APIError) as auto:
+        R.create({**body, "truncation": "auto"}, backend, R.ResponseStore())
+    assert auto.value.status == 400 and auto.value.code == "context_length_exceeded"
+    assert auto.value.message == disabled.value.message
+
+
 @pytest.mark.parametrize("dropped", [1, 2, 3])
 def test_auto_drops_the_fewest_earliest_exchanges_that_leave_room_for_the_reply(setup, dropped):
     engine, backend = setup
@@ -150,12 +160,7 @@ def test_when_the_last_turn_alone_does_not_fit_it_is_the_usual_400(setup):
     tokens = prompt_of(backend, CONVERSATION[:1] + CONVERSATION[-1:])[1]
     engine.context_length = tokens + 19
     body = ask(input=CONVERSATION, max_output_tokens=20)
-    with pytest.raises(APIError) as disabled:
-        R.create(body, backend, R.ResponseStore())
-    with pytest.raises(APIError) as auto:
-        R.create({**body, "truncation": "auto"}, backend, R.ResponseStore())
-    assert auto.value.status == 400 and auto.value.code == "context_length_exceeded"
-    assert auto.value.message == disabled.value.message
+    refused_as_when_disabled(body, backend)
 
 
 def test_a_conversation_refused_by_its_characters_is_truncated_too(setup):
@@ -356,12 +361,7 @@ def test_the_user_message_and_the_latest_round_always_stay(setup, stream):
     text, tokens = prompt_of(backend, agent_run(len(ROUNDS) - 1), TOOLS)
     body = agent_body(agent_run(0), TOOLS, NO_THINK, stream=stream)
     engine.context_length = tokens + ROOM - 1
-    with pytest.raises(APIError) as disabled:
-        R.create(body, backend, R.ResponseStore())
-    with pytest.raises(APIError) as auto:
-        R.create({**body, "truncation": "auto"}, backend, R.ResponseStore())
-    assert auto.value.status == 400 and auto.value.code == "context_length_exceeded"
-    assert auto.value.message == disabled.value.message
+    refused_as_when_disabled(body, backend)
     engine.context_length = tokens + ROOM
     out = R.create({**body, "truncation": "auto"}, backend, R.ResponseStore())
     final = sse_events(out)[-1][1]["response"] if stream else out

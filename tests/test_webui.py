@@ -176,11 +176,23 @@ def greedy(page) -> None:
     page.click("#settings-toggle")
 
 
-def test_ui_reports_a_loading_model_and_server_errors(browser_page):
-    page, server, engine, errors = browser_page
+def open_chat(page, server) -> None:
+    """The page loaded, the model ready, temperature 0 (`greedy`)."""
     page.goto(server.url + "/")
     expect(page.locator("#health-dot")).to_have_class("dot ok")
     greedy(page)
+
+
+def ask(page, *questions: str) -> None:
+    """Send each question in turn and wait for its echoed reply."""
+    for question in questions:
+        send(page, question)
+        expect(page.locator(".msg.assistant .content").last).to_have_text(f"Echo: {question}")
+
+
+def test_ui_reports_a_loading_model_and_server_errors(browser_page):
+    page, server, engine, errors = browser_page
+    open_chat(page, server)
     send(page, "x" * 5000)  # longer than the fake's 4096-token context: the server's 400 is shown
     expect(page.locator(".msg.assistant .meta").last).to_contain_text("4096")
     expect(page.locator("#send")).to_be_visible()
@@ -197,9 +209,7 @@ def test_ui_reports_a_lost_connection(browser_page):
     """A stream cut before its end (the server's own body, truncated on the way) and a server that cannot be
     reached: each says so in the reply, never passes for a complete answer, and gives the text back."""
     page, server, engine, errors = browser_page
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
 
     def truncated(route):
         events = route.fetch().text().split("\n\n")
@@ -242,9 +252,7 @@ def test_thinking_setting_sends_the_reasoning_effort(browser_page):
     page, server, engine, errors = browser_page
     bodies: list[dict] = []
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     send(page, "default")
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: default")
     assert "reasoning_effort" not in bodies[-1] and "thinking" not in bodies[-1]  # the server's default
@@ -283,9 +291,7 @@ def test_keyboard_and_labels(browser_page):
     """The conversation list works from the keyboard; the message box has a name; Shift+Enter is a newline and
     Enter during an IME composition does not send."""
     page, server, engine, errors = browser_page
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     page.get_by_label("Message").fill("first chat")
     page.press("#input", "Enter")
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: first chat")
@@ -711,9 +717,7 @@ def test_copy_without_the_clipboard_api(browser_page):
     Copy still copies the code (as a selection)."""
     page, server, _, errors = browser_page
     page.add_init_script("Object.defineProperty(Navigator.prototype, 'clipboard', { get: () => undefined });")
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     page.evaluate("document.addEventListener('copy', () => { window.copied = String(document.getSelection()); })")
     send(page, "some markdown please")
     reply = page.locator(".msg.assistant").last
@@ -750,9 +754,7 @@ def test_regenerate_and_edit_the_last_turn(browser_page):
     page, server, _, errors = browser_page
     bodies: list[dict] = []
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     send(page, "first question")
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: first question")
     send(page, "second question")
@@ -798,9 +800,7 @@ def test_enter_during_an_ime_composition_does_not_send(browser_page):
     page, server, _, errors = browser_page
     bodies: list[dict] = []
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     page.fill("#input", "日本語")
     for init in ({"isComposing": True, "keyCode": 229}, {"isComposing": True}, {"keyCode": 229}):
         assert page.evaluate(DISPATCH_ENTER, ["#input", init]) == [True, "日本語", 0], init
@@ -843,9 +843,7 @@ def test_stop_before_the_reply_takes_the_question_back(browser_page):
     page, server, engine, errors = browser_page
     bodies: list[dict] = []
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     engine.gate.clear()
     send(page, "never answered")
     expect(page.locator("#stop")).to_be_visible()
@@ -909,14 +907,7 @@ def test_regenerate_and_edit_an_earlier_turn(browser_page, tmp_path):
     page, server, _, errors = browser_page
     bodies: list[dict] = []
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
-
-    def ask(*questions: str) -> None:
-        for question in questions:
-            send(page, question)
-            expect(page.locator(".msg.assistant .content").last).to_have_text(f"Echo: {question}")
+    open_chat(page, server)
 
     def turns(*questions: str) -> list:
         return [x for q in questions for x in (["user", q], ["assistant", f"Echo: {q}"])]
@@ -924,7 +915,7 @@ def test_regenerate_and_edit_an_earlier_turn(browser_page, tmp_path):
     def sent(*questions: str) -> list:
         return [{"role": r, "content": c} for r, c in turns(*questions)][:-1]
 
-    ask("first question", "second question", "third question")
+    ask(page, "first question", "second question", "third question")
     page.locator(".msg.assistant").first.hover()
     page.screenshot(path=str(tmp_path / "webui-turn-actions.png"), full_page=True)
     page.locator(".msg.assistant").first.get_by_role("button", name="Regenerate").click()
@@ -933,7 +924,7 @@ def test_regenerate_and_edit_an_earlier_turn(browser_page, tmp_path):
     assert len(bodies) == 4 and bodies[3]["messages"] == sent("first question") == bodies[0]["messages"]
     assert saved_and_shown(page) == (turns("first question"),) * 2
 
-    ask("second question", "third question")
+    ask(page, "second question", "third question")
     assert bodies[-1]["messages"] == sent("first question", "second question", "third question")
     second = page.locator(".msg.user").nth(1)
     second.get_by_role("button", name="Edit").click()
@@ -978,9 +969,7 @@ def test_a_reply_without_an_answer_keeps_its_turn(browser_page):
     page, server, _, errors = browser_page
     bodies: list[dict] = []
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     send(page, "ponder this")
     reply = page.locator(".msg.assistant").last
     expect(reply.locator(".thinking-body")).to_contain_text("1 2 3")
@@ -1033,12 +1022,8 @@ def test_turn_buttons_say_which_turn(browser_page):
     that was not sent included), and the numbers follow the turns when some are dropped; the edit box and its
     buttons say which message they edit."""
     page, server, _, errors = browser_page
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
-    for question in ("first question", "second question", "third question"):
-        send(page, question)
-        expect(page.locator(".msg.assistant .content").last).to_have_text(f"Echo: {question}")
+    open_chat(page, server)
+    ask(page, "first question", "second question", "third question")
     turns = lambda *ns: [f"{kind} {n}" for n in ns for kind in ("Edit message", "Regenerate reply")]  # noqa: E731
     expect_turn_buttons(page, turns(1, 2, 3))
 
@@ -1075,9 +1060,7 @@ def test_copy_buttons_say_which_code_block_of_which_reply(browser_page):
     block's language when it has one, so a screen reader tells them apart; the names follow a dropped turn, stay
     the same after a reload, and say "Copied" of the same block once it is copied."""
     page, server, _, errors = browser_page
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     for question in ("first", "second", "third"):  # the fake echoes the question: two code blocks in each reply
         send(page, f"{question}\n```python\nx = 1\n```\nthen\n```\nplain\n```")
         expect(page.locator(".msg.assistant").last.locator("button.copy")).to_have_count(2)
@@ -1105,12 +1088,8 @@ def test_a_send_from_the_message_box_keeps_an_open_edit(browser_page):
     page, server, _, errors = browser_page
     bodies: list[dict] = []
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
-    for question in ("first question", "second question"):
-        send(page, question)
-        expect(page.locator(".msg.assistant .content").last).to_have_text(f"Echo: {question}")
+    open_chat(page, server)
+    ask(page, "first question", "second question")
     page.get_by_role("button", name="Edit message 1", exact=True).click()
     editor = page.get_by_role("textbox", name="Edit message 1", exact=True)
     editor.fill("first, half edited")
@@ -1148,15 +1127,11 @@ def test_an_open_edit_is_never_dropped_without_a_word(browser_page):
     page, server, _, errors = browser_page
     bodies: list[dict] = []
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     send(page, "other chat")
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: other chat")
     page.click("#new-chat")
-    for question in ("first question", "second question"):
-        send(page, question)
-        expect(page.locator(".msg.assistant .content").last).to_have_text(f"Echo: {question}")
+    ask(page, "first question", "second question")
 
     page.get_by_role("button", name="Edit message 1", exact=True).click()
     editor = page.get_by_role("textbox", name="Edit message 1", exact=True)
@@ -1201,9 +1176,7 @@ def test_a_reply_finishing_keeps_the_focus_on_a_conversation_in_the_list(browser
     there (its open or delete button) keeps it on the same button of the same conversation. (The fake holds each
     request at its start while the gate is clear.)"""
     page, server, engine, errors = browser_page
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     send(page, "other chat")
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: other chat")
     page.click("#new-chat")
@@ -1232,9 +1205,7 @@ def test_the_whole_flow_from_the_keyboard(browser_page):
     page, server, engine, errors = browser_page
     bodies: list[dict] = []
     page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and bodies.append(r.post_data_json))
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     message_box = page.locator("#input")
     message_box.focus()
     page.keyboard.type("first question")
@@ -1302,9 +1273,7 @@ def test_the_narrow_sidebar_from_the_keyboard(browser_page):
     focus on the open conversation, and Tab past its end closes it again, the focus on ☰."""
     page, server, _, errors = browser_page
     page.set_viewport_size({"width": 380, "height": 740})
-    page.goto(server.url + "/")
-    expect(page.locator("#health-dot")).to_have_class("dot ok")
-    greedy(page)
+    open_chat(page, server)
     send(page, "a question")
     expect(page.locator(".msg.assistant .content").last).to_have_text("Echo: a question")
     in_sidebar = "() => document.getElementById('sidebar').contains(document.activeElement)"

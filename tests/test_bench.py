@@ -74,9 +74,9 @@ def test_bench_times_sampled_steps_against_the_full_heads_ceiling(tiny_ckpt, tmp
     table = _bench(*args, "--temperature", "0.8")
     assert table.returncode == 0 and "(sampled: temperature 0.8, top_p 1)" in table.stdout
     for bad, says in (
-        (["--temperature", "-1"], "--temperature: a finite number >= 0"),
-        (["--temperature", "nan"], "--temperature: a finite number >= 0"),
-        (["--top-p", "0"], "--top-p: a number in (0, 1]"),
+        (["--temperature", "-1"], "argument --temperature: a temperature must be between 0 and 100, got -1"),
+        (["--temperature", "nan"], "argument --temperature: a temperature must be between 0 and 100, got nan"),
+        (["--top-p", "0"], "argument --top-p: top-p must be above 0 and at most 1, got 0"),
         (["--temperature", "1", "--replay", "0.5"], "drop --draft and --replay"),
     ):
         r = _bench(*args, *bad)

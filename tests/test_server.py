@@ -1422,6 +1422,7 @@ def test_cli_arguments_delegate_to_serve(monkeypatch):
         "max_batch": 8,
         "prompt_cache": S.default_prompt_cache(),
         "prompt_cache_size": 20 << 30,
+        "prefill_share": 0.5,
     }
 
 

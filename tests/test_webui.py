@@ -1009,12 +1009,17 @@ def test_a_reply_without_an_answer_keeps_its_turn(browser_page):
     assert not errors, errors
 
 
-def expect_turn_buttons(page, names: list[str]) -> None:
-    """The Edit and Regenerate buttons of the conversation shown, top to bottom, have these accessible names."""
-    buttons = page.locator("#messages .actions button")
+def expect_names(page, selector: str, names: list[str]) -> None:
+    """The buttons `selector` finds in the conversation shown, top to bottom, have these accessible names."""
+    buttons = page.locator(selector)
     expect(buttons).to_have_count(len(names))
     for i, name in enumerate(names):
         expect(buttons.nth(i)).to_have_accessible_name(name)
+
+
+def expect_turn_buttons(page, names: list[str]) -> None:
+    """The Edit and Regenerate buttons, top to bottom."""
+    expect_names(page, "#messages .actions button", names)
 
 
 def test_turn_buttons_say_which_turn(browser_page):
@@ -1048,11 +1053,8 @@ def test_turn_buttons_say_which_turn(browser_page):
 
 
 def expect_copy_buttons(page, names: list[str]) -> None:
-    """The code blocks' Copy buttons of the conversation shown, top to bottom, have these accessible names."""
-    buttons = page.locator("#messages button.copy")
-    expect(buttons).to_have_count(len(names))
-    for i, name in enumerate(names):
-        expect(buttons.nth(i)).to_have_accessible_name(name)
+    """The code blocks' Copy buttons, top to bottom."""
+    expect_names(page, "#messages button.copy", names)
 
 
 def test_copy_buttons_say_which_code_block_of_which_reply(browser_page):

@@ -193,8 +193,12 @@ class Scheduler:
         self._groups = ChoiceGroups(max_batch)  # choices of groups: forked states, held choices
         self._metrics = BatchMetrics()
         self._pacer = PrefillPacer(prefill_share)
-        self.prefill_share = self._pacer.share
         self._stepper = Stepper(self._step, self._fail_all)  # who steps: the worker, or a handle's iterator
+
+    @property
+    def prefill_share(self) -> float:
+        """The part of the time prompts' prefill chunks may take while others decode (`PrefillPacer.share`)."""
+        return self._pacer.share
 
     # --- any thread ---------------------------------------------------------------------------------------
 

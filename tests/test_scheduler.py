@@ -16,6 +16,7 @@ from fastar.encoding import THINK_START
 from fastar.engine.engine import load
 from fastar.engine.sampling import SamplingParams
 from fastar.engine.scheduler import QueueFull, Scheduler
+from fastar.model.deepseek_v4 import Block
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -251,13 +252,14 @@ def test_min_tokens_batched(eng):
 
 def test_chunked_prefill_interleaves_with_decoding(eng, chunk16):
     """A 200-token prompt prefilled 16 tokens a step while another request decodes: the decoding one gets a
-    token every step meanwhile, and both still equal their solo runs at that chunk size."""
+    token every step meanwhile, and both still equal their solo runs at that chunk size. (A chunk every step:
+    `prefill_share` 1; the pacing of the chunks, and of their layers, is the tests' below.)"""
     needs_invariant_kernels()
     short, long_ = (
         (prompt(1, 6), SamplingParams(max_tokens=40, ignore_eos=True)),
         (prompt(2, 200), SamplingParams(max_tokens=8, ignore_eos=True)),
     )
-    sched = Scheduler(eng)
+    sched = Scheduler(eng, prefill_share=1.0)
     got = {"short": 0}
     log = []
     a = sched.submit(*short, on_chunk=lambda c: log.append(("short", c)))
@@ -307,58 +309,108 @@ def test_a_short_prompt_goes_before_a_long_prompts_remaining_chunks(eng, chunk16
 
 @pytest.mark.parametrize("share", [0.5, 1.0])
 def test_a_long_prompts_chunks_keep_to_their_share_while_another_decodes(eng, chunk16, monkeypatch, share):
-    """A 200-token prompt submitted while another request decodes: at prefill_share 0.5, after each of its chunks
-    (each made to take 50 ms more) the decoding request gets at least as long in decode steps before the next one
-    (several tokens, not one); at 1 a chunk every step, one token between chunks. A short prompt submitted while
-    the chunks wait is prefilled at once (its only chunk is never held back). Every request equals its solo run."""
+    """A 200-token prompt submitted while another request decodes, each layer of a prefill made to take 10 ms more:
+    at prefill_share 0.5 its chunks give way between their layers, and after each layer (but a chunk's last) the
+    decoding request gets at least as long in decode steps before the next layer; at 1 a chunk every step, unbroken,
+    one token between chunks. A short prompt submitted meanwhile is prefilled at once, its one chunk unbroken. Every
+    request equals its solo run."""
     needs_invariant_kernels()
     reader = (prompt(5, 6), SamplingParams(max_tokens=400, ignore_eos=True))
     long_ = (prompt(6, 200), SamplingParams(max_tokens=3, ignore_eos=True))
     late = (prompt(7, 5), SamplingParams(max_tokens=3, ignore_eos=True))
-    events = []  # ("chunk", tokens, start, end) / ("decode", rows)
-    forward, forward_rows = eng.model.forward, eng.model.forward_rows
+    events = []  # ("layer", tokens, start, end) / ("decode", rows, start, end)
+    forward_rows, block_call = eng.model.forward_rows, Block.__call__
 
-    def slow_chunk(ids, *args, **kw):
+    def slow_layer(self, X, *args, **kw):
         t = time.perf_counter()
-        time.sleep(0.05)
-        out = forward(ids, *args, **kw)
-        events.append(("chunk", len(ids), t, time.perf_counter()))
+        time.sleep(0.01)
+        out = block_call(self, X, *args, **kw)
+        events.append(("layer", X.shape[0], t, time.perf_counter()))
+        return out
+
+    def rows(ids, *args, **kw):
+        t = time.perf_counter()
+        out = forward_rows(ids, *args, **kw)
+        events.append(("decode", len(ids), t, time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(Block, "__call__", slow_layer)
+    monkeypatch.setattr(eng.model, "forward_rows", rows)
+    layers = len(eng.model.layers)
+    sched = Scheduler(eng, prefill_share=share)
+    log = []
+    a = sched.submit(*reader, on_chunk=lambda c: log.append(("reader", c)))
+    sched.step()  # its only chunk and first token
+    b = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
+    while sum(e[:2] == ("layer", 16) for e in events) < 4 * layers:  # four of the long prompt's chunks
+        sched.step()
+    c = sched.submit(*late, on_chunk=lambda c: log.append(("late", c)))
+    n = len(events)
+    sched.step()
+    late_layers = [i for i, e in enumerate(events) if e[:2] == ("layer", 5)]
+    assert late_layers and late_layers[0] >= n  # the late prompt's chunk, in the step after it came
+    assert late_layers == list(range(late_layers[0], late_layers[0] + layers))  # unbroken
+    while not any(who == "long" for who, _ in log):
+        sched.step()
+    long_layers = [i for i, e in enumerate(events) if e[0] == "layer" and e[1] in (16, 8)]
+    assert len(long_layers) == (200 // 16 + 1) * layers  # the long prompt's chunks of 16 (its last one has 8)
+    for k, (i, j) in enumerate(itertools.pairwise(long_layers)):
+        between = [e for e in events[i + 1 : j] if e[0] == "decode"]
+        if any(e[0] == "layer" for e in events[i + 1 : j]):  # the late prompt's chunk came between
+            continue
+        last_layer = (k + 1) % layers == 0  # layer i ends a chunk
+        if share == 1.0:
+            assert len(between) == (1 if last_layer else 0)  # a chunk every step, unbroken
+        elif not last_layer:
+            assert events[j][2] - events[i][3] >= events[i][3] - events[i][2]  # decoding at least as long
+            assert between
+    sched.run_until_idle()
+    assert a.done.is_set() and b.done.is_set() and c.done.is_set()
+    monkeypatch.undo()
+    for who, req in (("reader", reader), ("long", long_), ("late", late)):
+        same_chunks([c for w, c in log if w == who], solo(eng, *req))
+
+
+def test_a_paged_prefill_gives_way_between_its_layers_bit_for_bit(tiny_fst_path, monkeypatch):
+    """Over paged experts (the bank larger than the budget: each chunk a span whose layers read their experts behind
+    one another) a long prompt's chunks still give way between their layers while another request decodes, and both
+    requests equal their solo runs on the mapped model."""
+    needs_invariant_kernels()
+    stride = load(tiny_fst_path, ram_budget=None).source.expert_stride
+    paged = load(tiny_fst_path, ram_budget=3 * stride, prefill_chunk=16)
+    assert paged.paged_chunk == 16
+    reader = (prompt(8, 6), SamplingParams(max_tokens=300, ignore_eos=True))
+    long_ = (prompt(9, 90), SamplingParams(max_tokens=4, ignore_eos=True))
+    events = []
+    span, forward_rows = Block.span, paged.model.forward_rows
+
+    def layer(self, Xs, *args, **kw):
+        out = span(self, Xs, *args, **kw)
+        events.append(("layer", sum(x.shape[0] for x in Xs)))
         return out
 
     def rows(ids, *args, **kw):
         events.append(("decode", len(ids)))
         return forward_rows(ids, *args, **kw)
 
-    monkeypatch.setattr(eng.model, "forward", slow_chunk)
-    monkeypatch.setattr(eng.model, "forward_rows", rows)
-    sched = Scheduler(eng, prefill_share=share)
+    monkeypatch.setattr(Block, "span", layer)
+    monkeypatch.setattr(paged.model, "forward_rows", rows)
+    sched = Scheduler(paged, prefill_share=0.2)
     log = []
     a = sched.submit(*reader, on_chunk=lambda c: log.append(("reader", c)))
-    sched.step()  # its only chunk and first token
-    b = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
-    while sum(e[0] == "chunk" for e in events) < 5:  # the reader's chunk and four of the long prompt's
-        sched.step()
-    c = sched.submit(*late, on_chunk=lambda c: log.append(("late", c)))
     sched.step()
-    assert events[-1][:2] == ("chunk", 5)  # the late prompt's one chunk, in the step after it came
-    while not any(who == "long" for who, _ in log):
-        sched.step()
-    chunks = [i for i, e in enumerate(events) if e[0] == "chunk" and e[1] == 16]
-    assert len(chunks) == 200 // 16 + 1 - 1  # the long prompt's chunks of 16 (its last one has 8)
-    for i, j in itertools.pairwise(chunks):
-        between = [e for e in events[i + 1 : j] if e[0] == "decode"]
-        if any(e[0] == "chunk" for e in events[i + 1 : j]):  # the late prompt's chunk came between
-            continue
-        if share == 1.0:
-            assert len(between) == 1  # a chunk every step
-        else:
-            assert events[j][2] - events[i][3] >= events[i][3] - events[i][2]  # decoding at least as long
-            assert len(between) >= 2
+    b = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
     sched.run_until_idle()
-    assert a.done.is_set() and b.done.is_set() and c.done.is_set()
+    assert a.done.is_set() and b.done.is_set()
+    layers = len(paged.model.layers)
+    marks = "".join(e[0][0] for e in events if e[0] == "decode" or e[1] > 6)  # decode steps, the long prompt's layers
+    assert marks.count("l") == (90 // 16 + 1) * layers
+    while_read = marks[: marks.rindex("d")].replace("d", " ").split()  # runs of layers while the reader decoded
+    assert sum(map(len, while_read)) >= 3 * layers and max(map(len, while_read)) == 1  # every layer gave way
     monkeypatch.undo()
-    for who, req in (("reader", reader), ("long", long_), ("late", late)):
-        same_chunks([c for w, c in log if w == who], solo(eng, *req))
+    mapped = load(tiny_fst_path, ram_budget=None, prefill_chunk=16)
+    for who, req in (("reader", reader), ("long", long_)):
+        same_chunks([c for w, c in log if w == who], solo(mapped, *req))
 
 
 @pytest.mark.parametrize(

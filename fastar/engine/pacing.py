@@ -13,13 +13,24 @@ token comes as soon as it can, as shortest-remaining-first scheduling intends; i
 same. Only when a chunk runs changes; the chunks themselves do not, so no token changes (a prompt is prefilled in
 the chunks `Session.prefill` uses, and decode steps are batch-invariant).
 
-Owns: the time owed and the decision. Does not own: timing the steps or choosing which prompt's chunk (the
-`Scheduler`).
+A chunk is itself one model call, seconds long on a CPU (tens at full depth), so paced chunks alone would still
+freeze the others' replies for a whole chunk at a time. A chunk of a prompt longer than one chunk, run while others
+decode, gives way between its layers instead (`SlicedChunk`, called by the model after each layer through
+`ModelState.on_layer`): each layer's time is owed as a chunk's is, and the decode steps owed run there, before the
+next layer. The reader's longest wait becomes one layer of one chunk rather than a chunk. The chunk computes what it
+computes anyway (its layers run in order on its own state; the decode steps between them touch only the decoding
+sequences' states), so no token changes either. A prompt that fits in one chunk runs its chunk unbroken, as a short
+request should.
+
+Owns: the time owed and the decision; the decode steps owed between a sliced chunk's layers. Does not own: timing
+the steps, running them, or choosing which prompt's chunk (the `Scheduler`).
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 
 class PrefillPacer:
@@ -49,3 +60,32 @@ class PrefillPacer:
     def decoded(self, seconds: float) -> None:
         """Decode steps took `seconds` of what is owed."""
         self.owed = max(0.0, self.owed - seconds)
+
+
+class SlicedChunk:
+    """One prefill chunk that gives way between its layers: the model calls it after each of its layers
+    (`ModelState.on_layer(done, layers)`); it books that layer's time with `pacer` as a chunk's and runs the decode
+    steps owed before the next layer. `decode()` runs one step of every decoding sequence and returns its seconds,
+    or None when none decodes any more. `gave`: the seconds spent in those steps, which are not the chunk's."""
+
+    def __init__(self, pacer: PrefillPacer, decode: Callable[[], float | None]) -> None:
+        self.pacer, self.decode = pacer, decode
+        self.gave = 0.0
+        self._at = time.perf_counter()  # when the layer running now began
+
+    def __call__(self, done: int, layers: int) -> None:
+        if done == layers:  # the chunk's last layer: its head comes next, then the step ends
+            return
+        now = time.perf_counter()
+        self.pacer.prefilled(now - self._at, True)
+        while not self.pacer.may_prefill(True, False):
+            seconds = self.decode()
+            if seconds is None:
+                break
+            self.pacer.decoded(seconds)
+        self._at = time.perf_counter()
+        self.gave += self._at - now
+
+    def end(self) -> None:
+        """The chunk is done: its last layer's time (and its head's) is owed too."""
+        self.pacer.prefilled(time.perf_counter() - self._at, True)

@@ -2,9 +2,9 @@
 
 Owns: `Scheduler` (admission, the bounded wait queue, one step = one decode token of every active sequence plus
 one prefill chunk of a waiting prompt, when the chunks have not used up their share of the time while others
-decode (`pacing.PrefillPacer`), cancellation, prefix reuse from RAM and disk); what `submit` returns is a
-`handle.Handle` (a submitted request: its chunks and its cancel switch); a full queue raises
-`fastar.errors.QueueFull`.
+decode (`pacing.PrefillPacer`; a long prompt's chunk gives way between its layers, `pacing.SlicedChunk`),
+cancellation, prefix reuse from RAM and disk); what `submit` returns is a `handle.Handle` (a submitted request:
+its chunks and its cancel switch); a full queue raises `fastar.errors.QueueFull`.
 Does not own: the forward pass (`DeepseekV4.forward` for prefill chunks, `DeepseekV4.forward_rows` for the batched
 decode step), sampling (`Sampler`), turning tokens into chunks (`generate.ChunkMaker`, the same code `Engine.stream`
 uses), the prefix caches themselves (`prefix_cache`), the bookkeeping of several choices of one prompt (`choices`:
@@ -17,7 +17,8 @@ iterates) is stepped by the threads iterating its handles (`stepper.Stepper`: st
 
 Exactness. A request's tokens do not depend on what else runs:
   * its prompt is prefilled alone, in chunks of the engine's `prefill_chunk` tokens from its first uncached
-    position, one `forward` call per chunk: the calls `Session.prefill` makes for it alone;
+    position, one `forward` call per chunk: the calls `Session.prefill` makes for it alone (decode steps of
+    others run between a chunk's layers touch only their own states);
   * each decode step runs the next token of up to `ops.SMALL_CHUNK` (8) sequences in one `forward_rows` call
     (more in groups of 8), which gives every row the logits a one-token `forward` on its own state gives
     (batch-invariant kernels; tests/test_scheduler.py compares whole generations);
@@ -86,7 +87,7 @@ from .constraint import ConstraintError
 from .draft_step import draft_step
 from .generate import ChunkMaker, GenerationChunk
 from .handle import Handle  # (importable from here too)
-from .pacing import PrefillPacer
+from .pacing import PrefillPacer, SlicedChunk
 from .prefix_cache import PrefixMemory
 from .prompt_logprobs import PromptLogprobs, PromptScorer
 from .sampling import Sampler, SamplingError, SamplingParams, report
@@ -375,23 +376,20 @@ class Scheduler:
         if self._can_draft(decoding):
             self._draft(decoding[0])
         else:
-            for a in range(0, len(decoding), ops.SMALL_CHUNK):
-                self._decode(decoding[a : a + ops.SMALL_CHUNK])
-        t1 = time.perf_counter()
+            self._decode_all(decoding)
         if decoding:
-            self._pacer.decoded(t1 - t0)
+            self._pacer.decoded(time.perf_counter() - t0)
         prefilling = [r for r in self._active if r.pending is None and r.loading is None]
+        gave = 0.0  # seconds of decode steps run between a sliced chunk's layers (counted as steps of their own)
         if prefilling:
             # the prompt with the fewest tokens left (the oldest of those): a short request that arrives while a long
             # prompt prefills waits for one of its chunks, not for all of them (the prompts' numbers do not change)
             req = min(prefilling, key=lambda r: len(r.ids) - r.done)
             # while others decode, the chunks keep to their share of the time (`PrefillPacer`)
             if self._pacer.may_prefill(bool(decoding), len(req.ids) - req.done <= self.engine.prefill_chunk):
-                self._prefill_chunk(req)
-                self._pacer.prefilled(time.perf_counter() - t1, bool(decoding))
+                gave = self._prefill_chunk(req)
         if decoding or prefilling:
-            dt = time.perf_counter() - t0
-            self._metrics.stepped(dt)
+            self._metrics.stepped(time.perf_counter() - t0 - gave)
         with self._lock:
             return bool(self._waiting or self._active or self._groups.held)
 
@@ -500,34 +498,48 @@ class Scheduler:
         if req.on_progress is not None:
             req.on_progress(req.done, len(req.ids))
 
-    def _prefill_chunk(self, req: _Request) -> None:
+    def _prefill_chunk(self, req: _Request) -> float:
         """The next `prefill_span` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
         first token is sampled. While other sequences decode, one `prefill_chunk` only, so a paged span (several
-        chunks, the same numbers) does not hold their next tokens back."""
+        chunks, the same numbers) does not hold their next tokens back, and a chunk of a prompt longer than one
+        chunk gives way between its layers to the decode steps the pacer owes them (`SlicedChunk`). Returns the
+        seconds spent in those decode steps."""
         decoding = any(r.pending is not None for r in self._active)
         size = self.engine.prefill_chunk if decoding else self.engine.prefill_span
         part = req.ids[req.done : req.done + size]
         stats = self.engine.counters
         t = time.perf_counter()
-        if self._drafter is not None and self._may_draft(req):  # it may draft later: keep the draft's context
-            logits, X = self._drafter.forward(part, req.state, all_logits=False)
+        long_ = len(req.ids) - req.cached > size  # more than one chunk to prefill (a short one's runs unbroken)
+        sliced = SlicedChunk(self._pacer, self._decode_owed) if decoding and long_ else None
+        before, req.state.on_layer = req.state.on_layer, sliced
+        try:
+            if self._drafter is not None and self._may_draft(req):  # it may draft later: keep the draft's context
+                logits, X = self._drafter.forward(part, req.state, all_logits=False)
+            else:
+                # the prompt's last chunk: a lone choice reads its first token's argmax (or race) alone, so the head
+                # may be screened; held and forked choices draw from the same logits with their own samplers
+                lone = req.done + len(part) == len(req.ids) and not req.forks and not req.held
+                want = req.sampler.head_request() if lone else False
+                logits, X = self.model.forward(
+                    part, req.state, all_logits=False, chunk=self.engine.paged_chunk, argmax_only=want
+                )
+        finally:
+            req.state.on_layer = before
+        gave = 0.0
+        if sliced is not None:
+            sliced.end()
+            gave = sliced.gave
         else:
-            # the prompt's last chunk: a lone choice reads its first token's argmax (or race) alone, so the head may
-            # be screened; held and forked choices draw from the same logits with their own samplers, which need them
-            lone = req.done + len(part) == len(req.ids) and not req.forks and not req.held
-            want = req.sampler.head_request() if lone else False
-            logits, X = self.model.forward(
-                part, req.state, all_logits=False, chunk=self.engine.paged_chunk, argmax_only=want
-            )
+            self._pacer.prefilled(time.perf_counter() - t, decoding)
         if req.scorer is not None:
             req.scorer.feed(X)
-        stats.prefill_seconds += time.perf_counter() - t
+        stats.prefill_seconds += time.perf_counter() - t - gave
         stats.prefill_tokens_computed += len(part)
         req.done += len(part)
         if req.on_progress is not None:
             req.on_progress(req.done, len(req.ids))
         if req.done < len(req.ids):
-            return
+            return gave
         if self.prefix_cache is not None:
             # An identical prompt gains nothing from its last token either: that token must run again.
             resent = self._resent(req.ids)
@@ -542,7 +554,7 @@ class Scheduler:
                 last.prompt_logprobs = r.scores
                 self._finish(r, last, active=r is req)
             req.forks, req.held = [], []
-            return
+            return gave
         self._groups.hold(req, logits[-1])  # held choices' copy, kept before req decodes
         forked = self._groups.fork(req, self._cancel_choice)
         with self._lock:
@@ -550,6 +562,24 @@ class Scheduler:
         self._sampled(req, logits[-1])
         for f in forked:  # each samples the same last logits with its own sampler, as it would alone
             self._sampled(f, logits[-1])
+        return gave
+
+    def _decode_all(self, decoding: list[_Request]) -> None:
+        """The next token of every sequence in `decoding`, `ops.SMALL_CHUNK` rows a model call."""
+        for a in range(0, len(decoding), ops.SMALL_CHUNK):
+            self._decode(decoding[a : a + ops.SMALL_CHUNK])
+
+    def _decode_owed(self) -> float | None:
+        """A decode step of every decoding sequence, run between the layers of a sliced prefill chunk (none of them
+        may draft: the prefilling prompt is active too); its seconds, or None when none decodes."""
+        decoding = [r for r in self._active if r.pending is not None]
+        if not decoding:
+            return None
+        t = time.perf_counter()
+        self._decode_all(decoding)
+        seconds = time.perf_counter() - t
+        self._metrics.stepped(seconds)
+        return seconds
 
     def _decode(self, group: list[_Request]) -> None:
         stats = self.engine.counters

@@ -463,7 +463,8 @@ class ModelState:
     mtp: list[LayerState] = field(default_factory=list)
     max_rollback: int | None = None
     # Called as on_layer(blocks done, blocks) after each main block of a forward pass (prefill progress within
-    # a chunk); not part of the state's contents (snapshots do not copy it).
+    # a chunk; the scheduler's decode steps between a chunk's layers, `pacing.SlicedChunk`); not part of the
+    # state's contents (snapshots do not copy it).
     on_layer: Callable[[int, int], None] | None = field(default=None, repr=False, compare=False)
 
     @property

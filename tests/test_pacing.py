@@ -1,5 +1,5 @@
-"""The prefill pacer's decode steps between the layers of a sliced chunk (`pacing.SlicedChunk`); the pacing of
-whole chunks, and the scheduler that uses both, are tests/test_scheduler.py's."""
+"""The prefill pacer's work between the layers of a sliced chunk (`pacing.SlicedChunk`); the pacing of whole
+chunks, and the scheduler that uses both, are tests/test_scheduler.py's."""
 
 from __future__ import annotations
 
@@ -8,36 +8,43 @@ import time
 from fastar.engine.pacing import PrefillPacer, SlicedChunk
 
 
-def test_after_a_layer_the_decode_steps_owed_run_before_the_next():
+def test_after_a_layer_short_prompts_start_and_the_decode_steps_owed_run_before_the_next():
     pacer = PrefillPacer(0.5)
-    steps = []
+    calls = []
 
     def decode():
-        steps.append(1)
+        calls.append("decode")
         return 0.002
 
-    chunk = SlicedChunk(pacer, decode)
+    chunk = SlicedChunk(pacer, decode, lambda: calls.append("short"), lambda: True)
     t = time.perf_counter()
     time.sleep(0.01)  # the first layer
     layer = time.perf_counter() - t
     chunk(1, 3)
-    assert layer <= len(steps) * 0.002 < layer + 0.02  # decode steps for as long as the layer took, no more
-    assert pacer.owed == 0.0 and chunk.gave >= 0.0
-    n = len(steps)
-    chunk(3, 3)  # the last layer: the chunk's head comes next, no step
-    assert len(steps) == n
+    assert calls[0] == "short"  # the prompts that came, before the steps owed
+    steps = calls.count("decode")
+    assert layer <= steps * 0.002 < layer + 0.02  # decode steps for as long as the layer took, no more
+    assert pacer.owed == 0.0 and chunk.gave > 0.0
+    n = len(calls)
+    chunk(3, 3)  # the last layer: the chunk's head comes next, then the step (which admits and decodes)
+    assert len(calls) == n
     chunk.end()
     assert pacer.owed > 0.0  # the last layer's time is owed after the chunk
 
 
-def test_no_decode_steps_at_share_one_and_none_once_nothing_decodes():
+def test_nothing_owed_at_share_one_nor_while_nothing_decodes():
     steps = []
-    at_one = SlicedChunk(PrefillPacer(1.0), lambda: steps.append(1) or 0.001)
+    at_one = SlicedChunk(PrefillPacer(1.0), lambda: steps.append(1) or 0.001, lambda: None, lambda: True)
     time.sleep(0.002)
     at_one(1, 2)
     assert steps == []  # nothing is ever owed: the chunk runs unbroken
     pacer = PrefillPacer(0.25)
-    gone = SlicedChunk(pacer, lambda: None)  # the decoding sequences finished
+    alone = SlicedChunk(pacer, lambda: steps.append(1) or 0.001, lambda: None, lambda: False)
+    time.sleep(0.002)
+    alone(1, 2)
+    alone.end()
+    assert steps == [] and pacer.owed == 0.0  # nobody decodes: nothing owed, no step asked for
+    gone = SlicedChunk(pacer, lambda: None, lambda: None, lambda: True)  # they finished in their last step
     time.sleep(0.002)
     gone(1, 2)  # returns: nothing to wait for
     assert pacer.owed > 0.0

@@ -371,6 +371,51 @@ def test_a_long_prompts_chunks_keep_to_their_share_while_another_decodes(eng, ch
         same_chunks([c for w, c in log if w == who], solo(eng, *req))
 
 
+def test_a_short_prompt_that_comes_during_a_long_chunk_starts_between_its_layers(eng, chunk16, monkeypatch):
+    """A 6-token prompt submitted while the first chunk of a 200-token one runs its second layer (nothing else
+    decoding) is prefilled before that chunk's third layer, its first token then, not a chunk later; it then decodes
+    between the long prompt's layers, and both equal their solo runs."""
+    needs_invariant_kernels()
+    long_ = (prompt(10, 200), SamplingParams(max_tokens=3, ignore_eos=True))
+    short = (prompt(11, 6), SamplingParams(max_tokens=40, ignore_eos=True))
+    events = []  # ("layer", tokens) / ("token", who)
+    block_call = Block.__call__
+    log = []
+
+    def layer(self, X, *args, **kw):
+        out = block_call(self, X, *args, **kw)
+        events.append(("layer", X.shape[0]))
+        if events.count(("layer", 16)) == 2 and not log:
+            log.append(("submitted", sched.submit(*short, on_chunk=on_chunk("short"))))
+        return out
+
+    def on_chunk(who):
+        def add(c):
+            events.append(("token", who))
+            log.append((who, c))
+
+        return add
+
+    monkeypatch.setattr(Block, "__call__", layer)
+    sched = Scheduler(eng, prefill_share=0.5)
+    a = sched.submit(*long_, on_chunk=on_chunk("long"))
+    sched.run_until_idle()
+    layers = len(eng.model.layers)
+    second = [i for i, e in enumerate(events) if e == ("layer", 16)][1]
+    assert events[second + 1 : second + 1 + layers] == [("layer", 6)] * layers  # the short prompt's chunk, unbroken
+    assert events[second + 1 + layers] == ("token", "short")  # and its first token, before the long chunk's third
+    assert events[second + 2 + layers] == ("layer", 16)
+    last_short = len(events) - 1 - events[::-1].index(("token", "short"))
+    long_layers = [i for i, e in enumerate(events[:last_short]) if e[0] == "layer" and e[1] in (16, 8) and i >= second]
+    assert len(long_layers) > layers  # the short one decoded while the long prompt's chunks went on
+    for i, j in itertools.pairwise(long_layers):
+        assert ("token", "short") in events[i:j]  # between every two of their layers
+    assert a.done.is_set() and log[0][1].done.is_set()
+    monkeypatch.undo()
+    same_chunks([c for w, c in log if w == "short"], solo(eng, *short))
+    same_chunks([c for w, c in log if w == "long"], solo(eng, *long_))
+
+
 def test_a_paged_prefill_gives_way_between_its_layers_bit_for_bit(tiny_fst_path, monkeypatch):
     """Over paged experts (the bank larger than the budget: each chunk a span whose layers read their experts behind
     one another) a long prompt's chunks still give way between their layers while another request decodes, and both

@@ -14,13 +14,14 @@ same. Only when a chunk runs changes; the chunks themselves do not, so no token 
 the chunks `Session.prefill` uses, and decode steps are batch-invariant).
 
 A chunk is itself one model call, seconds long on a CPU (tens at full depth), so paced chunks alone would still
-freeze the others' replies for a whole chunk at a time. A chunk of a prompt longer than one chunk, run while others
-decode, gives way between its layers instead (`SlicedChunk`, called by the model after each layer through
-`ModelState.on_layer`): each layer's time is owed as a chunk's is, and the decode steps owed run there, before the
-next layer. The reader's longest wait becomes one layer of one chunk rather than a chunk. The chunk computes what it
-computes anyway (its layers run in order on its own state; the decode steps between them touch only the decoding
-sequences' states), so no token changes either. A prompt that fits in one chunk runs its chunk unbroken, as a short
-request should.
+freeze the others' replies for a whole chunk at a time, and a short request that came meanwhile would wait for the
+whole chunk too. A chunk of a prompt longer than one chunk gives way between its layers instead (`SlicedChunk`,
+called by the model after each layer through `ModelState.on_layer`): there the requests that came are admitted and
+those whose prompt fits in one chunk are prefilled at once (shortest first, as between chunks), each layer's time is
+owed as a chunk's is, and the decode steps owed run, all before the next layer. The reader's longest wait, and a
+short request's, become one layer of one chunk rather than a chunk. The chunk computes what it computes anyway (its
+layers run in order on its own state; the work between them touches only the other requests' states), so no token
+changes either. A prompt that fits in one chunk runs its chunk unbroken, as a short request should.
 
 Owns: the time owed and the decision; the decode steps owed between a sliced chunk's layers. Does not own: timing
 the steps, running them, or choosing which prompt's chunk (the `Scheduler`).
@@ -63,13 +64,21 @@ class PrefillPacer:
 
 
 class SlicedChunk:
-    """One prefill chunk that gives way between its layers: the model calls it after each of its layers
-    (`ModelState.on_layer(done, layers)`); it books that layer's time with `pacer` as a chunk's and runs the decode
-    steps owed before the next layer. `decode()` runs one step of every decoding sequence and returns its seconds,
-    or None when none decodes any more. `gave`: the seconds spent in those steps, which are not the chunk's."""
+    """One prefill chunk of a long prompt, giving way between its layers: the model calls it after each of its
+    layers (`ModelState.on_layer(done, layers)`). There it lets `start_short()` admit the requests that came and
+    prefill those whose prompt fits in one chunk (their first tokens then come a layer later, not a chunk later),
+    books the layer's time with `pacer` as a chunk's (owed only while `decoding()`), and runs the decode steps owed
+    before the next layer: `decode()` runs one step of every decoding sequence and returns its seconds, or None when
+    none decodes. `gave`: the seconds spent in that work, which are not the chunk's."""
 
-    def __init__(self, pacer: PrefillPacer, decode: Callable[[], float | None]) -> None:
-        self.pacer, self.decode = pacer, decode
+    def __init__(
+        self,
+        pacer: PrefillPacer,
+        decode: Callable[[], float | None],
+        start_short: Callable[[], None],
+        decoding: Callable[[], bool],
+    ) -> None:
+        self.pacer, self.decode, self.start_short, self.decoding = pacer, decode, start_short, decoding
         self.gave = 0.0
         self._at = time.perf_counter()  # when the layer running now began
 
@@ -77,8 +86,9 @@ class SlicedChunk:
         if done == layers:  # the chunk's last layer: its head comes next, then the step ends
             return
         now = time.perf_counter()
-        self.pacer.prefilled(now - self._at, True)
-        while not self.pacer.may_prefill(True, False):
+        self.pacer.prefilled(now - self._at, self.decoding())
+        self.start_short()
+        while not self.pacer.may_prefill(self.decoding(), False):
             seconds = self.decode()
             if seconds is None:
                 break
@@ -87,5 +97,5 @@ class SlicedChunk:
         self.gave += self._at - now
 
     def end(self) -> None:
-        """The chunk is done: its last layer's time (and its head's) is owed too."""
-        self.pacer.prefilled(time.perf_counter() - self._at, True)
+        """The chunk is done: its last layer's time (and its head's) is owed too while others decode."""
+        self.pacer.prefilled(time.perf_counter() - self._at, self.decoding())

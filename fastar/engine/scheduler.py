@@ -501,16 +501,16 @@ class Scheduler:
     def _prefill_chunk(self, req: _Request) -> float:
         """The next `prefill_span` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
         first token is sampled. While other sequences decode, one `prefill_chunk` only, so a paged span (several
-        chunks, the same numbers) does not hold their next tokens back, and a chunk of a prompt longer than one
-        chunk gives way between its layers to the decode steps the pacer owes them (`SlicedChunk`). Returns the
-        seconds spent in those decode steps."""
+        chunks, the same numbers) does not hold their next tokens back. A chunk of a prompt longer than one chunk
+        gives way between its layers (`SlicedChunk`): the short prompts that came are prefilled there, and the decode
+        steps the pacer owes run. Returns the seconds spent in that work."""
         decoding = any(r.pending is not None for r in self._active)
         size = self.engine.prefill_chunk if decoding else self.engine.prefill_span
         part = req.ids[req.done : req.done + size]
         stats = self.engine.counters
         t = time.perf_counter()
-        long_ = len(req.ids) - req.cached > size  # more than one chunk to prefill (a short one's runs unbroken)
-        sliced = SlicedChunk(self._pacer, self._decode_owed) if decoding and long_ else None
+        long_ = len(req.ids) - req.cached > self.engine.prefill_chunk  # a short prompt's one chunk runs unbroken
+        sliced = SlicedChunk(self._pacer, self._decode_owed, self._start_short, self._decoding) if long_ else None
         before, req.state.on_layer = req.state.on_layer, sliced
         try:
             if self._drafter is not None and self._may_draft(req):  # it may draft later: keep the draft's context
@@ -568,6 +568,20 @@ class Scheduler:
         """The next token of every sequence in `decoding`, `ops.SMALL_CHUNK` rows a model call."""
         for a in range(0, len(decoding), ops.SMALL_CHUNK):
             self._decode(decoding[a : a + ops.SMALL_CHUNK])
+
+    def _decoding(self) -> bool:
+        return any(r.pending is not None for r in self._active)
+
+    def _start_short(self) -> None:
+        """Between a sliced chunk's layers: the waiting requests admitted and the prefix states loaded adopted (as a
+        step does), and the prompts that fit in one chunk prefilled now, their first token sampled (each of those
+        chunks runs unbroken)."""
+        self._admit()
+        self._adopt_loaded()
+        chunk = self.engine.prefill_chunk
+        for r in [r for r in self._active if r.pending is None and r.loading is None]:
+            if r.done == r.cached and len(r.ids) - r.done <= chunk:
+                self._prefill_chunk(r)
 
     def _decode_owed(self) -> float | None:
         """A decode step of every decoding sequence, run between the layers of a sliced prefill chunk (none of them

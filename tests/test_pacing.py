@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import time
 
-from fastar.engine.pacing import PrefillPacer, SlicedChunk
+import pytest
+
+from fastar.engine.pacing import ChunkCancelled, PrefillPacer, SlicedChunk
+
+
+def sliced(pacer, **kw):
+    """A `SlicedChunk` whose callables do nothing (decoding: yes, cancelled: no) unless given."""
+    calls = dict(decode=lambda: None, start_short=lambda: None, decoding=lambda: True, cancelled=lambda: False)
+    return SlicedChunk(pacer, **{**calls, **kw})
 
 
 def test_after_a_layer_short_prompts_start_and_the_decode_steps_owed_run_before_the_next():
@@ -16,7 +24,7 @@ def test_after_a_layer_short_prompts_start_and_the_decode_steps_owed_run_before_
         calls.append("decode")
         return 0.002
 
-    chunk = SlicedChunk(pacer, decode, lambda: calls.append("short"), lambda: True)
+    chunk = sliced(pacer, decode=decode, start_short=lambda: calls.append("short"))
     t = time.perf_counter()
     time.sleep(0.01)  # the first layer
     layer = time.perf_counter() - t
@@ -34,18 +42,32 @@ def test_after_a_layer_short_prompts_start_and_the_decode_steps_owed_run_before_
 
 def test_nothing_owed_at_share_one_nor_while_nothing_decodes():
     steps = []
-    at_one = SlicedChunk(PrefillPacer(1.0), lambda: steps.append(1) or 0.001, lambda: None, lambda: True)
+    at_one = sliced(PrefillPacer(1.0), decode=lambda: steps.append(1) or 0.001)
     time.sleep(0.002)
     at_one(1, 2)
     assert steps == []  # nothing is ever owed: the chunk runs unbroken
     pacer = PrefillPacer(0.25)
-    alone = SlicedChunk(pacer, lambda: steps.append(1) or 0.001, lambda: None, lambda: False)
+    alone = sliced(pacer, decode=lambda: steps.append(1) or 0.001, decoding=lambda: False)
     time.sleep(0.002)
     alone(1, 2)
     alone.end()
     assert steps == [] and pacer.owed == 0.0  # nobody decodes: nothing owed, no step asked for
-    gone = SlicedChunk(pacer, lambda: None, lambda: None, lambda: True)  # they finished in their last step
+    gone = sliced(pacer, decode=lambda: None)  # they finished in their last step
     time.sleep(0.002)
     gone(1, 2)  # returns: nothing to wait for
     assert pacer.owed > 0.0
     assert pacer.may_prefill(False, False) and pacer.owed == 0.0  # the next step, with nothing decoding, forgets it
+
+
+def test_a_cancelled_prompts_chunk_stops_after_the_layer_it_ran():
+    cancel = []
+    steps = []
+    chunk = sliced(PrefillPacer(0.5), decode=lambda: steps.append(1) or 0.001, cancelled=lambda: bool(cancel))
+    time.sleep(0.002)
+    chunk(1, 4)
+    assert steps
+    cancel.append(True)
+    n = len(steps)
+    with pytest.raises(ChunkCancelled):
+        chunk(2, 4)
+    assert len(steps) == n  # no step: the chunk stops at once

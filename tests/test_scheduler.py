@@ -416,6 +416,42 @@ def test_a_short_prompt_that_comes_during_a_long_chunk_starts_between_its_layers
     same_chunks([c for w, c in log if w == "long"], solo(eng, *long_))
 
 
+def test_a_long_prompt_cancelled_mid_chunk_stops_after_the_layer_it_ran(eng, chunk16, monkeypatch):
+    """A 200-token prompt cancelled during the second layer of its second chunk (another request decoding) stops
+    there: no layer of it runs after, its request ends cancelled at once, the other goes on equal to its solo run,
+    and its half-advanced state is kept for no one (the same prompt again equals its solo run)."""
+    needs_invariant_kernels()
+    reader = (prompt(12, 6), SamplingParams(max_tokens=60, ignore_eos=True))
+    long_ = (prompt(13, 200), SamplingParams(max_tokens=3, ignore_eos=True))
+    events = []
+    block_call = Block.__call__
+    handles = {}
+
+    def layer(self, X, *args, **kw):
+        out = block_call(self, X, *args, **kw)
+        events.append(("layer", X.shape[0]))
+        if events.count(("layer", 16)) == len(eng.model.layers) + 2:
+            handles["long"].cancel()
+        return out
+
+    monkeypatch.setattr(Block, "__call__", layer)
+    sched = Scheduler(eng, prefill_share=0.5)
+    log = []
+    handles["reader"] = sched.submit(*reader, on_chunk=lambda c: log.append(("reader", c)))
+    sched.step()
+    handles["long"] = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
+    while not handles["long"].done.is_set():
+        sched.step()
+    assert events.count(("layer", 16)) == len(eng.model.layers) + 2  # not one layer more
+    assert [c.finish_reason for w, c in log if w == "long"] == ["cancelled"]
+    sched.run_until_idle()
+    assert events.count(("layer", 16)) == len(eng.model.layers) + 2
+    monkeypatch.undo()
+    same_chunks([c for w, c in log if w == "reader"], solo(eng, *reader))
+    again = list(sched.submit(*long_))
+    same_chunks(again, solo(eng, *long_))
+
+
 def test_a_paged_prefill_gives_way_between_its_layers_bit_for_bit(tiny_fst_path, monkeypatch):
     """Over paged experts (the bank larger than the budget: each chunk a span whose layers read their experts behind
     one another) a long prompt's chunks still give way between their layers while another request decodes, and both

@@ -21,7 +21,9 @@ those whose prompt fits in one chunk are prefilled at once (shortest first, as b
 owed as a chunk's is, and the decode steps owed run, all before the next layer. The reader's longest wait, and a
 short request's, become one layer of one chunk rather than a chunk. The chunk computes what it computes anyway (its
 layers run in order on its own state; the work between them touches only the other requests' states), so no token
-changes either. A prompt that fits in one chunk runs its chunk unbroken, as a short request should.
+changes either. A prompt that fits in one chunk runs its chunk unbroken, as a short request should. A
+long prompt cancelled meanwhile (its client gone, Stop pressed) stops there too, a layer later rather than a chunk
+later, its half-advanced state dropped.
 
 Owns: the time owed and the decision; the decode steps owed between a sliced chunk's layers. Does not own: timing
 the steps, running them, or choosing which prompt's chunk (the `Scheduler`).
@@ -63,26 +65,37 @@ class PrefillPacer:
         self.owed = max(0.0, self.owed - seconds)
 
 
+class ChunkCancelled(Exception):
+    """Raised out of the model's forward by `SlicedChunk` when its prompt's request was cancelled: the chunk stops
+    after the layer it ran, its state half advanced (to be dropped, not kept)."""
+
+
 class SlicedChunk:
     """One prefill chunk of a long prompt, giving way between its layers: the model calls it after each of its
-    layers (`ModelState.on_layer(done, layers)`). There it lets `start_short()` admit the requests that came and
-    prefill those whose prompt fits in one chunk (their first tokens then come a layer later, not a chunk later),
-    books the layer's time with `pacer` as a chunk's (owed only while `decoding()`), and runs the decode steps owed
-    before the next layer: `decode()` runs one step of every decoding sequence and returns its seconds, or None when
-    none decodes. `gave`: the seconds spent in that work, which are not the chunk's."""
+    layers (`ModelState.on_layer(done, layers)`). There it stops the chunk if `cancelled()` (raising
+    `ChunkCancelled`), lets `start_short()` admit the requests that came and prefill those whose prompt fits in one
+    chunk (their first tokens then come a layer later, not a chunk later), books the layer's time with `pacer` as a
+    chunk's (owed only while `decoding()`), and runs the decode steps owed before the next layer: `decode()` runs
+    one step of every decoding sequence and returns its seconds, or None when none decodes. `gave`: the seconds
+    spent in that work, which are not the chunk's."""
 
     def __init__(
         self,
         pacer: PrefillPacer,
+        *,
         decode: Callable[[], float | None],
         start_short: Callable[[], None],
         decoding: Callable[[], bool],
+        cancelled: Callable[[], bool],
     ) -> None:
         self.pacer, self.decode, self.start_short, self.decoding = pacer, decode, start_short, decoding
+        self.cancelled = cancelled
         self.gave = 0.0
         self._at = time.perf_counter()  # when the layer running now began
 
     def __call__(self, done: int, layers: int) -> None:
+        if self.cancelled():
+            raise ChunkCancelled
         if done == layers:  # the chunk's last layer: its head comes next, then the step ends
             return
         now = time.perf_counter()

@@ -87,7 +87,7 @@ from .constraint import ConstraintError
 from .draft_step import draft_step
 from .generate import ChunkMaker, GenerationChunk
 from .handle import Handle  # (importable from here too)
-from .pacing import PrefillPacer, SlicedChunk
+from .pacing import ChunkCancelled, PrefillPacer, SlicedChunk
 from .prefix_cache import PrefixMemory
 from .prompt_logprobs import PromptLogprobs, PromptScorer
 from .sampling import Sampler, SamplingError, SamplingParams, report
@@ -404,11 +404,15 @@ class Scheduler:
                 self._finish(f, f.chunks.cancelled(0), count="cancelled", active=False)
             self._finish(r, r.chunks.cancelled(0), count="cancelled", active=False)
         for r in [r for r in self._active if r.all_cancelled]:
-            for f in [*r.forks, *r.held]:
-                self._finish(f, f.chunks.cancelled(r.cached), count="cancelled", active=False)
-            r.forks, r.held = [], []
-            last = r.chunks.cancelled(r.cached) if not r.generated else r.chunks.finish_cancelled(r.cached)
-            self._finish(r, last, count="cancelled")
+            self._drop_active(r)
+
+    def _drop_active(self, r: _Request) -> None:
+        """Finish the active request r, cancelled (every choice of its prompt is)."""
+        for f in [*r.forks, *r.held]:
+            self._finish(f, f.chunks.cancelled(r.cached), count="cancelled", active=False)
+        r.forks, r.held = [], []
+        last = r.chunks.cancelled(r.cached) if not r.generated else r.chunks.finish_cancelled(r.cached)
+        self._finish(r, last, count="cancelled")
 
     def _unhold(self) -> None:
         """Give held choices the rows that are free (as `_admit` counts rows and the token budget), oldest first."""
@@ -510,8 +514,17 @@ class Scheduler:
         stats = self.engine.counters
         t = time.perf_counter()
         long_ = len(req.ids) - req.cached > self.engine.prefill_chunk  # a short prompt's one chunk runs unbroken
-        sliced = SlicedChunk(self._pacer, self._decode_owed, self._start_short, self._decoding) if long_ else None
-        before, req.state.on_layer = req.state.on_layer, sliced
+        sliced = None
+        if long_:
+            sliced = SlicedChunk(
+                self._pacer,
+                decode=self._decode_owed,
+                start_short=self._start_short,
+                decoding=self._decoding,
+                cancelled=lambda: req.all_cancelled,
+            )
+        state = req.state
+        before, state.on_layer = state.on_layer, sliced
         try:
             if self._drafter is not None and self._may_draft(req):  # it may draft later: keep the draft's context
                 logits, X = self._drafter.forward(part, req.state, all_logits=False)
@@ -523,8 +536,12 @@ class Scheduler:
                 logits, X = self.model.forward(
                     part, req.state, all_logits=False, chunk=self.engine.paged_chunk, argmax_only=want
                 )
+        except ChunkCancelled:  # its layers part advanced: the state is of no use to anyone (not kept for reuse)
+            req.state = None
+            self._drop_active(req)
+            return sliced.gave
         finally:
-            req.state.on_layer = before
+            state.on_layer = before
         gave = 0.0
         if sliced is not None:
             sliced.end()

@@ -698,15 +698,23 @@ def test_on_chunk_callers_hear_of_a_failing_step(eng, monkeypatch):
     assert sched.idle
 
 
-def test_prefill_progress_is_reported_per_chunk_and_in_metrics(eng, chunk16):
+def test_prefill_progress_is_reported_per_layer_and_per_chunk_in_metrics(eng, chunk16):
+    """A prompt longer than a chunk reports its progress after each layer of each chunk (the keep-alive comments of
+    a long prefill show it); the metrics give the chunks done."""
     sched = Scheduler(eng)
     progress = []
     sched.submit(prompt(7, 40), SamplingParams(max_tokens=2), on_progress=lambda d, t: progress.append((d, t)))
     sched.step()
     assert sched.metrics()["prefill_progress"] == [(16, 40)]
     sched.run_until_idle()
-    assert progress == [(0, 40), (16, 40), (32, 40), (40, 40)]
+    n = len(eng.model.layers)
+    want = [0] + [base + size * i // n for base, size in ((0, 16), (16, 16), (32, 8)) for i in range(1, n + 1)]
+    assert progress == [(d, 40) for d in want]
     assert sched.metrics()["prefill_progress"] == []
+    short = []
+    sched.submit(prompt(8, 12), SamplingParams(max_tokens=2), on_progress=lambda d, t: short.append((d, t)))
+    sched.run_until_idle()
+    assert short == [(0, 12), (12, 12)]  # within one chunk: unbroken, reported once done
 
 
 def test_kept_states_let_a_continued_conversation_prefill_only_its_tail(eng):

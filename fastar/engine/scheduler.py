@@ -514,17 +514,9 @@ class Scheduler:
         stats = self.engine.counters
         t = time.perf_counter()
         long_ = len(req.ids) - req.cached > self.engine.prefill_chunk  # a short prompt's one chunk runs unbroken
-        sliced = None
-        if long_:
-            sliced = SlicedChunk(
-                self._pacer,
-                decode=self._decode_owed,
-                start_short=self._start_short,
-                decoding=self._decoding,
-                cancelled=lambda: req.all_cancelled,
-            )
+        sliced = self._sliced(req) if long_ else None
         state = req.state
-        before, state.on_layer = state.on_layer, sliced
+        before, state.on_layer = state.on_layer, self._on_layer(req, len(part), sliced)
         try:
             if self._drafter is not None and self._may_draft(req):  # it may draft later: keep the draft's context
                 logits, X = self._drafter.forward(part, req.state, all_logits=False)
@@ -580,6 +572,31 @@ class Scheduler:
         for f in forked:  # each samples the same last logits with its own sampler, as it would alone
             self._sampled(f, logits[-1])
         return gave
+
+    def _sliced(self, req: _Request) -> SlicedChunk:
+        """req's next chunk, giving way between its layers to this scheduler's other requests."""
+        return SlicedChunk(
+            self._pacer,
+            decode=self._decode_owed,
+            start_short=self._start_short,
+            decoding=self._decoding,
+            cancelled=lambda: req.all_cancelled,
+        )
+
+    @staticmethod
+    def _on_layer(req: _Request, tokens: int, sliced: SlicedChunk | None) -> Callable[[int, int], None] | None:
+        """What the model calls after each layer of req's chunk of `tokens`: `sliced`, after reporting the prompt's
+        progress layer by layer (as a session does) where req asks for progress."""
+        if sliced is None or req.on_progress is None:
+            return sliced
+        base, report = req.done, req.on_progress
+
+        def on_layer(i: int, n: int) -> None:
+            if i < n:  # (the chunk's end is reported once it is done)
+                report(base + tokens * i // n, len(req.ids))
+            sliced(i, n)
+
+        return on_layer
 
     def _decode_all(self, decoding: list[_Request]) -> None:
         """The next token of every sequence in `decoding`, `ops.SMALL_CHUNK` rows a model call."""

@@ -409,3 +409,53 @@ def test_server_drafts_a_lone_greedy_request(plain, tiny_ckpt):
         assert values["engine_draft_tokens_verified"] >= values["engine_draft_tokens_accepted"]
     finally:
         srv.shutdown()
+
+
+def test_a_long_prompt_prefilled_through_the_drafter_gives_way_between_its_layers(plain, drafted):
+    """A greedy request drafting alone, then a 120-token prompt (chunks of 16) that may draft too, so its chunks go
+    through the drafter's target pass: they give way between their layers to the first request's decode steps
+    (plain batched steps meanwhile), and both equal their plain solo runs; alone again, the first drafts again."""
+    needs_invariant_kernels()
+    eng = drafted
+    reader = (prompt(20, 7), SamplingParams(max_tokens=90, ignore_eos=True))
+    long_ = (prompt(21, 120), SamplingParams(max_tokens=4, ignore_eos=True))
+    expect = {"reader": solo(plain, *reader), "long": solo(plain, *long_)}
+    eng.drafter.transcripts = [transcript(reader[0], expect["reader"]), transcript(long_[0], expect["long"])]
+    before, eng.prefill_chunk = eng.prefill_chunk, 16
+    try:
+        sched = Scheduler(eng, prefill_share=0.5)
+        log = []
+        inside = []  # per decode step: whether a chunk's target pass was in progress
+        passes = []
+        forward_rows, target = eng.model.forward_rows, eng.drafter.forward
+
+        def counted(ids, *args, **kw):
+            inside.append(bool(passes))
+            return forward_rows(ids, *args, **kw)
+
+        def chunk(ids, *args, **kw):
+            passes.append(len(ids))
+            try:
+                return target(ids, *args, **kw)
+            finally:
+                passes.pop()
+
+        a = sched.submit(*reader, on_chunk=lambda c: log.append(("reader", c)))
+        for _ in range(3):
+            sched.step()
+        b = sched.submit(*long_, on_chunk=lambda c: log.append(("long", c)))
+        eng.model.forward_rows, eng.drafter.forward = counted, chunk
+        try:
+            while not b.done.is_set():
+                sched.step()
+        finally:
+            del eng.model.forward_rows, eng.drafter.forward
+        drafts = sched.metrics()["draft_steps"]
+        sched.run_until_idle()
+    finally:
+        eng.prefill_chunk = before
+    assert a.done.is_set()
+    assert sum(inside) >= 120 // 16  # the reader decoded inside the chunks' passes, between their layers
+    assert sched.metrics()["draft_steps"] > drafts  # alone again, it drafts
+    for who in ("reader", "long"):
+        same_chunks([c for w, c in log if w == who], expect[who])

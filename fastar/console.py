@@ -231,7 +231,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     _add_common(p, max_tokens=256)
     p.add_argument("-p", "--prompt", default=None, help="the prompt ('-' or omitted with a pipe: read stdin)")
     p.add_argument("--raw", action="store_true", help="use the prompt as-is, without the chat encoding")
-    p.add_argument("--stop", type=_stop_string, default=None, help="stop string (not included in the output)")
+    p.add_argument(
+        "--stop",
+        type=_stop_string,
+        default=None,
+        help="stop string (not included in the output; with --thinking, matched in the answer only, not the reasoning)",
+    )
     p.add_argument(
         "--min-tokens",
         type=non_negative_int,
@@ -331,7 +336,8 @@ def open_engine(args: argparse.Namespace, err: TextIO | None = None, warm: bool 
     return engine
 
 
-def sampling_params(args: argparse.Namespace, stop: list[str] | None = None):
+def sampling_params(args: argparse.Namespace, stop: list[str] | None = None, thinking: bool = False):
+    """`thinking`: the reply opens with reasoning, which the stop strings do not match (only the answer)."""
     from .engine.sampling import SamplingParams
 
     if args.min_tokens > args.max_tokens:  # said of the flags, not of the API's min_tokens field
@@ -348,6 +354,7 @@ def sampling_params(args: argparse.Namespace, stop: list[str] | None = None):
         seed=args.seed,
         stop=stop or [],
         min_tokens=args.min_tokens,
+        thinking=thinking,
     )
 
 
@@ -508,7 +515,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         flag = "--system" if args.system is not None else "--thinking"
         raise FastarError(f"{flag} has no effect with --raw (the prompt is sent as-is, without the chat encoding)")
     prompt = _read_prompt(args)
-    params = sampling_params(args, [args.stop] if args.stop else None)  # bad values fail before the load
+    # bad values fail before the load; --stop matches the answer only, after the reasoning (--thinking)
+    params = sampling_params(args, [args.stop] if args.stop else None, bool(args.thinking))
     engine = open_engine(args, err)
     if args.raw:
         text, thinking = prompt, None

@@ -299,7 +299,8 @@ def test_a_malformed_block_the_model_ended_is_its_calls_or_else_its_text():
 
 
 THOUGHT, ANSWER = "Let me ponder it.", "The answer is 42."
-# (case, max_tokens, stop): cuts around the thinking, in the thinking mode; the tokens are characters, `</think>` one
+# (case, max_tokens, stop): cuts around the thinking, in the thinking mode; the tokens are characters, `</think>` one.
+# Stop strings match the answer only: the first three are no stop (the reply ends with its EOS), the fourth is.
 AROUND_THINKING = [
     ("stop inside the thinking", 100, ["ponder"]),
     ("stop spanning the thinking's end", 100, ["it.</think>The"]),
@@ -309,13 +310,16 @@ AROUND_THINKING = [
     ("max_tokens before the marker", len(THOUGHT), None),
     ("max_tokens in the answer", len(THOUGHT) + 5, None),
 ]
+ANSWER_STOPS = {"stop in the answer"}
 
 
 @pytest.mark.parametrize("case, limit, stop", AROUND_THINKING, ids=[c[0] for c in AROUND_THINKING])
 def test_every_shape_streams_what_it_returns_around_the_thinking(server, case, limit, stop):
     """Stop strings and max_tokens around the thinking's end: each API's stream, reassembled, is its non-streamed
-    reply (text, reasoning, reason, usage), legacy completions included; and the shapes agree with each other."""
+    reply (text, reasoning, reason, usage), legacy completions included; and the shapes agree with each other. A stop
+    string of the reasoning, or across its end, is none: the whole reply comes, ended by its EOS."""
     engine = server.engine
+    cut = case in ANSWER_STOPS
     engine.script, engine.thought = ANSWER, THOUGHT
     try:
         ask = [{"role": "user", "content": "q"}]
@@ -331,7 +335,9 @@ def test_every_shape_streams_what_it_returns_around_the_thinking(server, case, l
         assert (streamed["message"]["reasoning_content"], streamed["message"]["content"]) == (reasoning, content)
         assert streamed["finish_reason"] == choice["finish_reason"] == ("stop" if stop else "length")
         assert same_usage(streamed["usage"], whole["usage"])
-        assert not any(s in reasoning + content for s in stop or [])
+        assert not any(s in content for s in stop or [])
+        if stop and not cut:
+            assert (reasoning, content) == (THOUGHT, ANSWER)
 
         msg = post(server, "/v1/messages", {**body, "stop_sequences": stop}, False)
         streamed = anthropic_stream(post(server, "/v1/messages", {**body, "stop_sequences": stop}, True))
@@ -339,7 +345,7 @@ def test_every_shape_streams_what_it_returns_around_the_thinking(server, case, l
         blocks = {b["type"]: b.get("thinking", b.get("text")) for b in msg["content"]}
         assert (blocks.get("thinking", ""), blocks.get("text", "")) == (reasoning, content)  # as chat's
         assert (streamed["stop_reason"], streamed["stop_sequence"]) == (msg["stop_reason"], msg["stop_sequence"])
-        assert msg["stop_reason"] == ("stop_sequence" if stop else "max_tokens")
+        assert msg["stop_reason"] == ("stop_sequence" if cut else "end_turn" if stop else "max_tokens")
         assert same_usage(streamed["usage"], msg["usage"])
         assert msg["usage"]["output_tokens"] == whole["usage"]["completion_tokens"]
 

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastar.encoding import THINK_END, TOOL_CALLS_START
 from fastar.engine.generate import (
     ChatResult,
     GenerationChunk,
@@ -119,6 +120,60 @@ def test_stops_after_min_tokens_match_vllms_answer(text: str, stops: list[str], 
     assert "".join(out) == expect and hit == (first is not None)
     acc = ""
     for piece in out:
+        acc += piece
+        assert expect.startswith(acc)
+
+
+def run_thinking_stops(pieces: list[str], stops: list[str]) -> tuple[list[str], bool]:
+    s = StopStrings(stops, thinking=True)
+    out = []
+    for p in pieces:
+        text, hit = s.feed(p)
+        out.append(text)
+        if hit:
+            return out, True
+    out.append(s.flush())
+    return out, s.hit
+
+
+def test_in_thinking_mode_stop_strings_match_the_answer_only() -> None:
+    """A thinking-mode reply: a stop string in the reasoning does not end it, one in the answer does, and one across
+    the end of the reasoning (`</think>` included) is no match; the reasoning streams as it comes, but for a tail
+    that could begin `</think>`. Without thinking, the same stop string cuts the reasoning, as before."""
+    pieces = ["Let me th", "ink about it.<", "/think>The ans", "wer is ink."]
+    out, hit = run_thinking_stops(pieces, ["ink"])
+    assert hit and "".join(out) == "Let me think about it.</think>The answer is "
+    assert out[:2] == ["Let me th", "ink about it."]  # "<" held: it could begin `</think>`
+    assert run_stops(pieces, ["ink"]) == (["Let me th", ""], True)  # thinking off: cut in the reasoning
+    for across in ("it.</think>The", "k>The", "</think>"):
+        out, hit = run_thinking_stops(pieces, [across])
+        assert not hit and "".join(out) == "".join(pieces), across
+    # the answer starts at a tool-call opener written before any `</think>` (the chat parser's tool block)
+    opener = f"{TOOL_CALLS_START}>"
+    out, hit = run_thinking_stops(["plan: call", opener[:3], opener[3:] + "x"], ["call", "DSML"])
+    assert hit and "".join(out) == "plan: call" + opener[: opener.index("DSML")]
+    assert run_thinking_stops(["no stop here"], []) == (["no stop here", ""], False)  # nothing held without stops
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(["a", "b", "<", "/", "think>", "</think>", "k>"]), max_size=14),
+    st.lists(st.text("ab<>/k", min_size=1, max_size=4), min_size=1, max_size=3),
+    st.lists(st.integers(0, 40), max_size=6),
+)
+def test_thinking_stops_match_the_one_shot_answer(parts: list[str], stops: list[str], cuts: list[int]) -> None:
+    """However the text is cut into pieces: the reasoning (up to the first `</think>`) is never cut, and the text
+    is cut at the earliest stop string in what follows it, as a search of the answer alone would cut it."""
+    text = "".join(parts)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    out, hit = run_thinking_stops([text[a:b] for a, b in itertools.pairwise(bounds)], stops)
+    end = text.find(THINK_END)
+    answer = len(text) if end < 0 else end + len(THINK_END)
+    first = min((i for i in (text.find(s, answer) for s in stops) if i >= 0), default=None)
+    expect = text if first is None else text[:first]
+    assert "".join(out) == expect and hit == (first is not None)
+    acc = ""
+    for piece in out:  # nothing released is taken back
         acc += piece
         assert expect.startswith(acc)
 

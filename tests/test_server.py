@@ -1541,9 +1541,10 @@ def test_a_stop_string_spanning_the_min_tokens_boundary_cuts_the_reply_and_never
     cl = client(server)
     for thinking, reasoning, content in (
         (False, "", "Echo: stop "),  # "me" is tokens 12-13 of "Echo: stop me here"
-        (True, "Thinking about stop ", ""),  # tokens 21-22 of the reasoning
+        (True, "Thinking about stop me here.", "Echo: stop "),  # the reasoning's "me" is no match (the answer's only)
     ):
-        least = len(reasoning or content) + 1  # the "m" is the last of the first min_tokens tokens
+        # the "m" is the last of the first min_tokens tokens (after the reasoning and its `</think>`, one token)
+        least = (len(reasoning) + 1 if thinking else 0) + len(content) + 1
         kw = dict(stop=["me"], n=2, max_tokens=60, extra_body={"min_tokens": least})
         if not thinking:
             kw["extra_body"] |= NO_THINK
@@ -1574,6 +1575,51 @@ def test_a_stop_string_spanning_the_min_tokens_boundary_cuts_the_reply_and_never
         },
     )
     assert json.loads(text[2])["choices"][0]["text"] == "Ec"  # "ho" of "Echo: Hello" is tokens 3-4: cut
+
+
+def test_stop_strings_match_the_answer_not_the_reasoning(server):
+    """With thinking on, stop strings apply to the answer: one the reasoning holds ("about") does not end the reply,
+    nor one across the end of the reasoning ("k>Echo", `</think>` included), and one in both ("stop me") cuts the
+    answer, not the reasoning; streamed or not, each of several choices, chat completions and Messages alike.
+    (The scripted thinking reply: "Thinking about stop me here.</think>Echo: stop me here".)"""
+    cl = client(server)
+    reasoning = "Thinking about stop me here."
+    for stops in (["about"], ["k>Echo"]):
+        whole = chat(cl, "stop me here", stop=stops, n=2, max_tokens=80)
+        assert [(c.message.content, c.finish_reason) for c in whole.choices] == [("Echo: stop me here", "stop")] * 2
+        assert [c.message.reasoning_content for c in whole.choices] == [reasoning] * 2
+    whole = chat(cl, "stop me here", stop=["stop me"], n=2, max_tokens=80)
+    assert [(c.message.content, c.finish_reason) for c in whole.choices] == [("Echo: ", "stop")] * 2
+    assert [c.message.reasoning_content for c in whole.choices] == [reasoning] * 2
+    chunks = list(chat(cl, "stop me here", stop=["stop me"], n=2, max_tokens=80, stream=True))
+    for i in range(2):
+        deltas = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(d.delta.content or "" for d in deltas) == "Echo: "
+        assert "".join(getattr(d.delta, "reasoning_content", None) or "" for d in deltas) == reasoning
+        assert deltas[-1].finish_reason == "stop"
+    body = {
+        "model": "x",
+        "max_tokens": 80,
+        "temperature": 0,
+        "thinking": {"type": "enabled", "budget_tokens": 64},
+        "messages": [{"role": "user", "content": "stop me here"}],
+    }
+    for stops, text, reason, hit in (
+        (["about"], "Echo: stop me here", "end_turn", None),
+        (["stop me"], "Echo: ", "stop_sequence", "stop me"),
+    ):
+        status, _, data = raw(server, "POST", "/v1/messages", {**body, "stop_sequences": stops})
+        msg = json.loads(data)
+        assert status == 200 and [b["type"] for b in msg["content"]] == ["thinking", "text"], data
+        assert msg["content"][0]["thinking"] == reasoning and msg["content"][1]["text"] == text
+        assert (msg["stop_reason"], msg["stop_sequence"]) == (reason, hit)
+        status, _, data = raw(server, "POST", "/v1/messages", {**body, "stop_sequences": stops, "stream": True})
+        events = [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: ")]
+        deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+        assert "".join(d.get("thinking", "") for d in deltas) == reasoning
+        assert "".join(d.get("text", "") for d in deltas) == text
+        end = next(e for e in events if e["type"] == "message_delta")["delta"]
+        assert (end["stop_reason"], end["stop_sequence"]) == (reason, hit)
 
 
 def test_stream_options_without_stream_is_a_400(server):

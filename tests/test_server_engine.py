@@ -298,6 +298,69 @@ def test_thinking_budget_forces_the_end_of_thinking_on_the_real_engine(server):
         c.chat.completions.create(extra_body={"thinking": {"type": "enabled", "budget_tokens": 12}}, **kw)
 
 
+def test_stop_strings_match_the_answer_not_the_reasoning_on_the_real_engine(server):
+    """A stop string the reasoning holds does not end a thinking-mode reply: the engine matches stops from the end of
+    the reasoning on (the random model never writes `</think>`: a budget of 4 forces it). Chat completions (streamed,
+    not, n=2) and Messages give the reply without the stop, with the same reasoning and answer; a stop string of the
+    answer still cuts the answer (`stop`, `stop_sequence`), never the reasoning."""
+    anthropic = pytest.importorskip("anthropic")
+    s, _ = server
+    c = _client(s)
+    kw = dict(
+        model="deepseek-v4-flash",
+        messages=[{"role": "user", "content": "Think about colours."}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"thinking": {"type": "enabled", "budget_tokens": 4}},
+    )
+    free = c.chat.completions.create(**kw).choices[0]
+    reasoning, content = free.message.model_dump()["reasoning_content"], free.message.content
+    assert free.finish_reason == "length" and reasoning and content
+    inside = next(reasoning[i : i + 2] for i in range(len(reasoning) - 1) if reasoning[i : i + 2] not in content)
+    answer_stop = content[len(content) // 2 : len(content) // 2 + 2]
+    assert answer_stop not in reasoning  # (the seed's reply has such a stop string; else it would cut the reasoning)
+
+    def replies(stop: str, **extra) -> list[tuple[str, str, str]]:
+        r = c.chat.completions.create(stop=[stop], n=2, **kw, **extra)
+        return [
+            (ch.message.model_dump()["reasoning_content"], ch.message.content, ch.finish_reason) for ch in r.choices
+        ]
+
+    def streamed(stop: str) -> tuple[str, str, str | None]:
+        parts, finish = ["", ""], None
+        for chunk in c.chat.completions.create(stop=[stop], stream=True, **kw):
+            for ch in chunk.choices:
+                parts[0] += ch.delta.model_dump().get("reasoning_content") or ""
+                parts[1] += ch.delta.content or ""
+                finish = ch.finish_reason or finish
+        return parts[0], parts[1], finish
+
+    assert replies(inside) == [(reasoning, content, "length")] * 2
+    assert streamed(inside) == (reasoning, content, "length")
+    cut = content[: content.find(answer_stop)]
+    assert replies(answer_stop) == [(reasoning, cut, "stop")] * 2
+    assert streamed(answer_stop) == (reasoning, cut, "stop")
+    m = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0)
+    mkw = dict(
+        model="x",
+        max_tokens=12,
+        messages=kw["messages"],
+        thinking={"type": "enabled", "budget_tokens": 4},
+        extra_body={"temperature": 0},
+    )
+    for stop, text, reason, hit in (
+        (inside, content, "max_tokens", None),
+        (answer_stop, cut, "stop_sequence", answer_stop),
+    ):
+        msg = m.messages.create(stop_sequences=[stop], **mkw)
+        assert [b.type for b in msg.content] == ["thinking", "text"] and msg.content[0].thinking == reasoning
+        assert (msg.content[1].text, msg.stop_reason, msg.stop_sequence) == (text, reason, hit)
+        with m.messages.stream(stop_sequences=[stop], **mkw) as st:
+            assert "".join(st.text_stream) == text
+            final = st.get_final_message()
+        assert (final.content[0].thinking, final.stop_reason, final.stop_sequence) == (reasoning, reason, hit)
+
+
 PAD = "<｜▁pad▁｜>"  # token 2, marked special in tokenizer.json
 
 

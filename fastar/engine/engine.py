@@ -494,7 +494,7 @@ class Engine:
         if not isinstance(thinking, bool):
             raise TypeError(f"thinking must be True or False, got {thinking!r}")
         return chat(
-            lambda text: self.stream(text, session=session, **sampling),
+            lambda text: self.stream(text, session=session, thinking=thinking, **sampling),
             messages,
             thinking,
             reasoning_effort,

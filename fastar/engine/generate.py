@@ -141,7 +141,7 @@ class ChunkMaker:
     ) -> None:
         self.params, self.prompt_tokens, self.context_length = params, prompt_tokens, context_length
         self.decoder = tokenizer.stream_decoder(params.skip_special_tokens) if tokenizer is not None else None
-        self.stops = StopStrings(params.stop)
+        self.stops = StopStrings(params.stop, params.thinking)  # in thinking mode, the answer's only
         self.stop_ids = ending_ids(params, eos_token_id)
         self.n = 0  # tokens fed
 

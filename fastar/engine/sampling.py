@@ -95,6 +95,9 @@ class SamplingParams:
     # tokens never drawn in this reply, thinking included (the server's `tool_choice` "none" bans the DSML marker
     # every tool call starts with); the LM head screen keeps serving such a request (`head_screen.Ban`)
     banned_token_ids: list[int] = field(default_factory=list)
+    # the reply opens with reasoning (its prompt ends in thinking mode's `<think>`): stop strings are matched in the
+    # answer only, from the end of the reasoning on (`fastar.engine.stops.StopStrings`); the reasoning is never cut
+    thinking: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI's `stop` is a string or a list
@@ -155,7 +158,7 @@ class SamplingParams:
             bad("repetition_penalty", "a number > 0 (1 = off)")
         if self.grammar is not None and not isinstance(self.grammar, CompiledGrammar):
             bad("grammar", "None or a compiled grammar (Engine.compile_grammar)")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "thinking"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "true or false")
         if self.prompt_logprobs is not None and (

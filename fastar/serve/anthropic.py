@@ -380,6 +380,7 @@ def parse_request(
         sampling[grammar_fields.NO_TOOL_CALLS] = True  # and the DSML marker every call starts with is banned
     # budget_tokens enforced (below max_tokens, as Anthropic requires); output_config.effort low/medium: a budget too
     sampling["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
+    sampling["thinking"] = thinking  # stop strings match the answer, not the reasoning
     # With tools the encoder keeps earlier reasoning anyway; without, an agent's multi-turn history drops it.
     conv = Conversation(messages, thinking, effort)
     return model, conv, sampling, max_tokens, fields.boolean(body, "stream", False)

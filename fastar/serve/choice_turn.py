@@ -53,7 +53,7 @@ class ChatTurn:
 
     def __init__(self, req: openai_request.ChatRequest, tokenizer: Any, reasoning_field: str) -> None:
         self.req, self.tokenizer, self.reasoning_field = req, tokenizer, reasoning_field
-        self.stops = StopFilter(req.sampling["stop"])
+        self.stops = StopFilter(req.sampling["stop"], req.thinking)  # the answer's, as the engine matches them
         self.parser = StreamParser(req.thinking, single_call=not req.parallel_tool_calls)
         self.pending = PendingLogprobs()
         self.logprobs: list[dict] = []

@@ -98,6 +98,7 @@ def parse_chat_request(
     params["prompt_logprobs"] = fields.prompt_logprobs(body, stream)
     thinking, effort, drop = thinking_mode.choose(body, default_thinking, default_effort)
     params["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
+    params["thinking"] = thinking  # stop strings match the answer, not the reasoning
 
     messages = documents.inline_chat_files(messages)  # a user's text `file` parts, rendered as documents
     grammar_fields.check_messages(messages)

@@ -429,6 +429,7 @@ def parse_request(body: Any, backend: Backend, store: ResponseStore) -> Response
     if choice == "none" and tools:  # the tools stay in the prompt (as under "auto": the prefix cache keeps it)
         sampling[grammar_fields.NO_TOOL_CALLS] = True  # and the DSML marker every call starts with is banned
     sampling["thinking_budget"] = thinking_mode.thinking_budget(body, thinking, effort, max_tokens)
+    sampling["thinking"] = thinking  # stop strings match the answer, not the reasoning
     include = [] if body.get("include") is None else body["include"]
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise bad_request(f"'include' must be a list of strings, got {fields.shown(include)}", "include")

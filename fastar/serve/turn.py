@@ -212,7 +212,7 @@ class AssistantTurn:
             budget_param=max_tokens_param,
         )
         self.stop_strings = list(sampling.get("stop") or [])
-        self.stops = choice_turn.StopFilter(self.stop_strings)
+        self.stops = choice_turn.StopFilter(self.stop_strings, conv.thinking)  # the answer's, as the engine's
         self.parser = StreamParser(conv.thinking, single_call=not parallel_tool_calls)
         self.block = ToolBlock()
         self.generated: list[int] = []

@@ -1867,14 +1867,57 @@ def test_responses_input_files_the_model_cannot_read_are_a_400_naming_the_part(b
         assert words in message and "\n" not in message, message
 
 
-def test_a_responses_input_file_in_an_assistant_message_is_a_400_naming_the_part(backend):
-    """OpenAI allows only output text (and refusals) in an assistant message: an `input_file` there, even a readable
-    text file, is a one-line 400 naming the part, not a document rendered into the assistant's reply."""
-    file = {"type": "input_file", "filename": "notes.txt", "file_data": data_url("line one")}
-    said = {"role": "assistant", "content": [{"type": "output_text", "text": "ok"}, file]}
-    body = {"input": [{"role": "user", "content": "hi"}, said, {"role": "user", "content": "go on"}]}
-    with pytest.raises(APIError) as err:
-        R.create({**body, "max_output_tokens": 5}, backend, R.ResponseStore())
-    message = err.value.message
-    assert (err.value.status, err.value.param) == (400, "input") and message.startswith("input[1].content[1]")
-    assert "assistant message" in message and "\n" not in message, message
+def test_a_responses_input_part_of_the_other_sides_kind_is_a_400_naming_the_part():
+    """OpenAI's Responses API takes only `output_text` and `refusal` parts in an assistant message, and only input
+    parts (`input_text`, `input_image`, `input_file`) in a user, system or developer message or a tool's output;
+    another is a 400 `invalid_value` whose `param` is the part's path. Over HTTP, in OpenAI's error shape; a
+    readable file in an assistant message too (it would be put in the model's mouth). The right kinds, a refusal
+    and the server's own replay (`previous_response_id`, an `item_reference`) still run."""
+    server = start_server()
+    try:
+        file = {"type": "input_file", "filename": "notes.txt", "file_data": data_url("line one")}
+        cases = [
+            (1, "assistant", [{"type": "input_text", "text": "I said"}], "input[1].content[0]", "'input_text'"),
+            (1, "assistant", [{"type": "output_text", "text": "ok"}, file], "input[1].content[1]", "'input_file'"),
+            (1, "assistant", [{"type": "input_image", "image_url": "x"}], "input[1].content[0]", "'input_image'"),
+            (0, "user", [{"type": "output_text", "text": "hi"}], "input[0].content[0]", "'output_text'"),
+            (0, "developer", [{"type": "refusal", "refusal": "no"}], "input[0].content[0]", "'refusal'"),
+        ]
+        for at, role, content, param, kind in cases:
+            items = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+            items[at] = {"type": "message", "role": role, "content": content}
+            body = {"model": "deepseek-v4-flash", "input": [*items, {"role": "user", "content": "go on"}]}
+            status, _, data = raw(server, "POST", "/v1/responses", {**body, "max_output_tokens": 4})
+            err = json.loads(data)["error"]
+            assert status == 400, data
+            assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, "invalid_value"), data
+            assert err["message"].startswith(f"{param}: invalid value {kind} in a") and "\n" not in err["message"]
+            assert ("'output_text' and 'refusal'" in err["message"]) == (role == "assistant"), err["message"]
+        call = {"type": "function_call", "call_id": "c1", "name": "sum", "arguments": "{}"}
+        output = {"type": "function_call_output", "call_id": "c1", "output": [{"type": "output_text", "text": "3"}]}
+        body = {"model": "deepseek-v4-flash", "input": [{"role": "user", "content": "add"}, call, output]}
+        status, _, data = raw(server, "POST", "/v1/responses", {**body, "max_output_tokens": 4})
+        assert status == 400 and json.loads(data)["error"]["param"] == "input[2].output[0]", data
+
+        cl = client(server)
+        said = [{"type": "output_text", "text": "I said "}, {"type": "refusal", "refusal": "no."}]
+        ok = cl.responses.create(
+            model="deepseek-v4-flash",
+            input=[
+                {"role": "user", "content": [{"type": "input_text", "text": "hi"}, file]},
+                {"type": "message", "role": "assistant", "content": said},
+                {"role": "user", "content": [{"type": "input_text", "text": "go on"}]},
+            ],
+            max_output_tokens=40,
+            temperature=0,
+            reasoning={"effort": "none"},
+        )
+        assert ok.output_text == "Echo: go on"
+        again = dict(max_output_tokens=40, temperature=0, reasoning={"effort": "none"})
+        follow = cl.responses.create(model="deepseek-v4-flash", previous_response_id=ok.id, input="more", **again)
+        assert follow.output_text == "Echo: more"
+        reference = {"type": "item_reference", "id": follow.output[-1].id}
+        resent = [{"role": "user", "content": "more"}, reference, {"role": "user", "content": "again"}]
+        assert cl.responses.create(model="deepseek-v4-flash", input=resent, **again).output_text == "Echo: again"
+    finally:
+        server.shutdown()

@@ -109,32 +109,47 @@ def retrieve(response_id: str, store: ResponseStore) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _content_text(content: Any, where: str, assistant: bool = False) -> str:
-    """A message's (or a `function_call_output`'s) text. In an assistant message an `input_file` is a 400 naming
-    the part: OpenAI allows only output text (and refusals) there, so the file would be put in the model's mouth."""
+# The content parts OpenAI takes in each place of `input` (its Responses API reference; the API answers another with a
+# 400 `invalid_value` naming the part): what the model wrote (an assistant message) is output text or a refusal,
+# what it is given (a user, system or developer message, a tool's output) is input text, images and files.
+ASSISTANT_PARTS = ("output_text", "refusal")
+INPUT_PARTS = ("input_text", "input_image", "input_file")
+
+
+def _content_text(content: Any, where: str, role: str = "user") -> str:
+    """A message's (or a `function_call_output`'s) text; `where` names the list ("input[1].content"). A part of the
+    other side's kind (`input_text`, `input_image`, `input_file` in an assistant message; `output_text` or `refusal`
+    in a user, system or developer message or a tool's output) is a 400 `invalid_value` naming the part, as OpenAI
+    answers it: an input part in an assistant message would put words in the model's mouth."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of content parts", "input")
+        raise bad_request(f"{where} must be a string or a list of content parts", "input")
+    allowed, other = (ASSISTANT_PARTS, INPUT_PARTS) if role == "assistant" else (INPUT_PARTS, ASSISTANT_PARTS)
     parts = []
     for j, part in enumerate(content):
-        if isinstance(part, dict) and part.get("type") == "input_file" and assistant:
-            raise bad_request(
-                f"{where}.content[{j}]: an input_file part in an assistant message is not read: files are read "
-                "only in user, system and developer messages and function_call_output (an assistant message holds "
-                "output_text)",
-                "input",
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in other:
+            place = {"assistant": "an assistant message", "tool": "a function_call_output"}.get(
+                role, f"a {role} message"
             )
-        if isinstance(part, dict) and part.get("type") == "input_file":  # a text file, rendered as a document
-            parts.append(documents.openai_file(part, f"{where}.content[{j}]", "input"))
+            named = ", ".join(repr(k) for k in allowed[:-1]) + f" and {allowed[-1]!r}"
+            owner = "user, system and developer messages" if role == "assistant" else "assistant messages"
+            raise APIError(
+                400,
+                f"{where}[{j}]: invalid value {kind!r} in {place}: supported values are {named} ({kind} parts are "
+                f"for {owner})",
+                param=f"{where}[{j}]",
+                code="invalid_value",
+            )
+        if kind == "input_file":  # a text file, rendered as a document
+            parts.append(documents.openai_file(part, f"{where}[{j}]", "input"))
             continue
-        if not (
-            isinstance(part, dict)
-            and part.get("type") in ("input_text", "output_text", "text")
-            and isinstance(part.get("text"), str)
-        ):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"{where}.content[{j}]: unsupported part {kind!r} (the model reads text only)", "input")
+        if kind == "refusal" and isinstance(part.get("refusal"), str):  # what the model said instead of an answer
+            parts.append(part["refusal"])
+            continue
+        if not (kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str)):
+            raise bad_request(f"{where}[{j}]: unsupported part {kind!r} (the model reads text only)", "input")
         parts.append(part["text"])
     return "".join(parts) if content and all(p.get("type") == "output_text" for p in content) else "\n".join(parts)
 
@@ -187,7 +202,7 @@ def input_messages(items: Any, store: ResponseStore | None = None) -> list[dict]
                 raise bad_request(
                     f"{where}.role must be user, assistant, system or developer, got {fields.shown(role)}", "input"
                 )
-            text = _content_text(item.get("content"), where, assistant=role == "assistant")
+            text = _content_text(item.get("content"), f"{where}.content", role)
             if role == "assistant":
                 msg = assistant()
                 if msg.get("tool_calls"):  # text after a call starts a new turn
@@ -215,7 +230,7 @@ def input_messages(items: Any, store: ResponseStore | None = None) -> list[dict]
             assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output", "")
-            text = output if isinstance(output, str) else _content_text(output, where)
+            text = output if isinstance(output, str) else _content_text(output, f"{where}.output", "tool")
             out.append({"role": "tool", "tool_call_id": _call_id(item, where), "content": text})
         else:
             raise bad_request(f"{where}: unsupported input item type {kind!r}", "input")

@@ -492,3 +492,45 @@ def test_a_long_agent_run_keeps_its_prompt_s_prefix_for_many_turns(setup, mode):
     assert all(f + 1 <= first for f, first in zip(fewest, first_kept))  # never fewer dropped than must be
     moves = [n for n in range(1, len(turns)) if fewest[n] != fewest[n - 1]]
     assert len(moves) >= 3 * len(truncated) // 4  # where dropping the fewest would cut anew on most turns
+
+
+def test_auto_s_cut_and_counts_are_the_same_with_and_without_the_tokenizer_s_run_cache():
+    """The real tokenizer keeps the ids of the runs it tokenized (`fastar.engine.tokenizer.RunCache`), so an agent's
+    resent history costs only its new messages: over an agent's turns (a reply and a question added each), `auto`
+    keeps the same messages, the steps have the same sizes and the prompt the same ids as with the uncached
+    tokenizer, whether or not the cache already holds the history (each turn asked twice)."""
+    import random
+    from types import SimpleNamespace
+
+    import tokenizers
+
+    from fastar.engine.tokenizer import Tokenizer, default_tokenizer_path
+    from fastar.serve.turn import Backend, Conversation
+
+    hf = tokenizers.Tokenizer.from_file(str(default_tokenizer_path()))
+    rng = random.Random(2)
+    words = ["the", " value", " of", "\n", "def f(x):", " 42", "日本語", "<｜User｜>", " kernel", " buffer"]
+    say = lambda n: "".join(rng.choice(words) for _ in range(n))  # noqa: E731
+    conversation = [{"role": "system", "content": "Be brief."}]
+    for i in range(30):
+        conversation.append({"role": "user" if i % 2 == 0 else "assistant", "content": say(rng.randrange(40, 120))})
+    conversation.append({"role": "user", "content": "and now?"})
+
+    def backend_of(tok: Tokenizer) -> Backend:
+        eng = SimpleNamespace(tokenizer=tok, context_length=900, context_note=None)
+        return Backend(engine=lambda: eng, submit=lambda job: None)
+
+    cached, uncached = backend_of(Tokenizer(hf)), backend_of(Tokenizer(hf, run_cache_chars=0))
+    render = lambda messages: Conversation(list(messages), True, None, True, "input")  # noqa: E731
+    cuts = set()
+    for _ in range(4):
+        seen = []
+        for backend in (cached, uncached, cached):
+            conv, (_, ids) = truncation.fit(backend, conversation, render, 64)
+            groups = truncation.droppable(conversation)
+            seen.append((conv.messages, ids, truncation.sizes(backend, render(conversation), conversation, groups)))
+        assert seen[0] == seen[1] == seen[2]
+        assert len(seen[0][1]) + 64 <= 900 and len(seen[0][0]) < len(conversation)  # it was cut, and fits
+        cuts.add(len(conversation) - len(seen[0][0]))
+        conversation = [*conversation, {"role": "assistant", "content": say(60)}, {"role": "user", "content": say(9)}]
+    assert cached.engine().tokenizer.runs and len(cuts) > 1  # runs were kept; the cut moved over the turns

@@ -258,3 +258,66 @@ def test_the_tokenizer_adds_no_special_tokens_around_a_text(tok: Tokenizer) -> N
     tokenizer.json (no BOS template), so a prompt's ids are the same either way and a completion is fed them."""
     for text in ("hi", "", "The capital of France is", "<｜User｜>x"):
         assert tok.hf.encode(text, add_special_tokens=True).ids == tok.encode(text)
+
+
+# ------------------------------------------------------------------------------------------- run cache
+
+
+def _conversation(rng: random.Random, n: int) -> list[dict]:
+    """Messages of ~60-160 words (text, code, CJK, emoji, a control-token string as content), reasoning on the
+    assistant's."""
+    words = ["hello", " world", "\n\n", "  ", "<｜User｜>", "日本語", "😀", "def f(x):", "\treturn x", "Paris", "3.14"]
+    say = lambda: "".join(rng.choice(words) for _ in range(rng.randrange(60, 160)))  # noqa: E731
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append({"role": "assistant", "content": say(), "reasoning_content": say()})
+        else:
+            out.append({"role": "user", "content": say()})
+    return out
+
+
+def test_a_resent_conversation_tokenizes_only_its_new_runs_and_gives_the_same_ids(monkeypatch) -> None:
+    """The run cache: a conversation sent again with two more messages tokenizes the runs of those messages only
+    (not the 21 before them), and its ids are those of the uncached tokenizer (`run_cache_chars=0`), thinking
+    mode or not; the first encode of it gives the same ids too."""
+    import tokenizers
+
+    from fastar.encoding import encode_messages
+
+    hf = tokenizers.Tokenizer.from_file(str(default_tokenizer_path()))
+    cached, reference = Tokenizer(hf), Tokenizer(hf, run_cache_chars=0)
+    tokenized: list[str] = []
+    run = Tokenizer._run
+    monkeypatch.setattr(Tokenizer, "_run", staticmethod(lambda hf, text: tokenized.append(text) or run(hf, text)))
+    rng = random.Random(1)
+    history = _conversation(rng, 21)
+    for mode in ("thinking", "chat"):
+        reply = _conversation(rng, 2)[1]
+        for messages in (history, [*history, reply, {"role": "user", "content": "and?"}]):
+            prompt = encode_messages(messages, mode, True)
+            tokenized.clear()
+            ids = cached.encode(prompt)
+            fresh = sum(map(len, tokenized))
+            assert ids == reference.encode(prompt)
+            if messages is not history:  # the 21 messages before were cached by the encode before
+                new = encode_messages(messages[21:], mode, True)
+                assert 0 < fresh <= len(new), (fresh, len(new), len(prompt))
+    assert cached.runs is not None and reference.runs is None
+
+
+def test_the_run_cache_stays_within_its_bound_dropping_the_least_recently_used() -> None:
+    from fastar.engine.tokenizer import RUN_CACHE_MIN, RunCache
+
+    cache = RunCache(max_chars=1000)
+    runs = [f"{i:03d}" + "x" * 297 for i in range(10)]  # 300 characters each
+    for i, text in enumerate(runs):
+        cache.put(text, [i])
+        assert cache.chars <= 1000 and cache.chars == sum(len(t) for t in runs[: i + 1] if cache.get(t) is not None)
+    assert len(cache) == 3 and [cache.get(t) is not None for t in runs[-4:]] == [False, True, True, True]
+    assert cache.get(runs[7]) is not None  # used now: the least recently used is runs[8], which goes next
+    cache.put("y" * 300, [1])
+    assert cache.get(runs[8]) is None and cache.get(runs[7]) is not None and cache.chars == 900
+    cache.put("z" * (RUN_CACHE_MIN - 1), [1])  # too short to keep
+    cache.put("w" * 1001, [1])  # longer than the bound: not kept (and nothing dropped for it)
+    assert len(cache) == 3 and cache.chars == 900

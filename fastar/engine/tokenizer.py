@@ -8,6 +8,11 @@ Owns:
     the template's parts: the conversation's content is tokenized as plain text (a second HF tokenizer, the
     same file without its added tokens), so a message holding `<｜end▁of▁sentence｜><｜User｜>` cannot end the
     prompt or fake a turn. Where the content holds no such string the ids are those of the whole text.
+  * `RunCache`: the ids of a chat prompt's plain runs (the text between two control tokens: mostly one message's
+    content) by their text, least recently used dropped past a bound in characters. A conversation is tokenized
+    again on every request that carries it (the context checks, the Responses `truncation`'s tries and sizes):
+    with the cache a resent history costs only its new runs, and the ids are the same (a run's ids depend on
+    its text alone; `Tokenizer(hf, run_cache_chars=0)` is the uncached reference the tests compare with).
   * `check_text()` / `InvalidText`: the text boundary. Every text the tokenizer takes, from any front-end (the
     server's routes, `fastar run -p`, stdin, `fastar chat`), must be valid Unicode: a lone UTF-16 surrogate (a
     JSON body holding the UTF-8 bytes of one, or an undecodable byte that Python read with `surrogateescape`)
@@ -32,6 +37,8 @@ import json
 import os
 import re
 import threading
+from array import array
+from collections import OrderedDict
 from pathlib import Path
 
 import tokenizers
@@ -41,6 +48,8 @@ from fastar.encoding import BOS, EOS, ChatPrompt, encode_messages
 from fastar.errors import FastarError
 
 _GIL_FREE_FROM = 1 << 16  # characters
+RUN_CACHE_CHARS = 1 << 22  # characters of plain runs whose ids a tokenizer keeps (~1M tokens, ~20 MB at most)
+RUN_CACHE_MIN = 64  # shorter runs are tokenized again: cheap, and they would only churn the cache
 
 
 class InvalidText(FastarError, ValueError):
@@ -84,11 +93,45 @@ def _byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
-class Tokenizer:
-    """DeepSeek-V4 tokenizer over HF `tokenizers`."""
+class RunCache:
+    """Token ids of plain runs by their text, thread-safe; the least recently used go once the runs kept hold more
+    than `max_chars` characters. Runs under `RUN_CACHE_MIN` characters or over `max_chars` are not kept."""
 
-    def __init__(self, hf: tokenizers.Tokenizer) -> None:
+    def __init__(self, max_chars: int = RUN_CACHE_CHARS) -> None:
+        self.max_chars = max_chars
+        self.chars = 0  # characters of the runs kept
+        self._runs: OrderedDict[str, array] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> array | None:
+        with self._lock:
+            ids = self._runs.get(text)
+            if ids is not None:
+                self._runs.move_to_end(text)
+            return ids
+
+    def put(self, text: str, ids: list[int]) -> None:
+        if not RUN_CACHE_MIN <= len(text) <= self.max_chars:
+            return
+        with self._lock:
+            if text in self._runs:
+                return
+            self._runs[text] = array("I", ids)
+            self.chars += len(text)
+            while self.chars > self.max_chars:
+                old, _ = self._runs.popitem(last=False)
+                self.chars -= len(old)
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+
+class Tokenizer:
+    """DeepSeek-V4 tokenizer over HF `tokenizers`. `run_cache_chars`: the bound of its `RunCache` (0: none)."""
+
+    def __init__(self, hf: tokenizers.Tokenizer, run_cache_chars: int = RUN_CACHE_CHARS) -> None:
         self._hf = hf
+        self.runs = RunCache(run_cache_chars) if run_cache_chars > 0 else None
         bos, eos = hf.token_to_id(BOS), hf.token_to_id(EOS)
         if bos is None or eos is None:
             raise ValueError("tokenizer has no DeepSeek BOS/EOS tokens; is this the DeepSeek-V4 tokenizer.json?")
@@ -153,13 +196,23 @@ class Tokenizer:
             pos = 0
             for m in added.finditer(text):
                 run.append(text[pos : m.start()])
-                ids += self._run(plain, "".join(run)) if any(run) else []
+                ids += self._plain_run(plain, "".join(run)) if any(run) else []
                 run = []
                 ids.append(self._added[m.group()])
                 pos = m.end()
             run.append(text[pos:])
         if any(run):
-            ids += self._run(plain, "".join(run))
+            ids += self._plain_run(plain, "".join(run))
+        return ids
+
+    def _plain_run(self, plain: tokenizers.Tokenizer, text: str) -> list[int] | array:
+        """The ids of one plain run: from the `RunCache` where it holds them, else tokenized (and kept)."""
+        if self.runs is None:
+            return self._run(plain, text)
+        ids = self.runs.get(text)
+        if ids is None:
+            ids = self._run(plain, text)
+            self.runs.put(text, ids)
         return ids
 
     def _plain_parts(self) -> tuple[tokenizers.Tokenizer, re.Pattern]:

@@ -34,7 +34,8 @@ The whole conversation is tokenized first (a prompt that fits costs nothing more
 once for the sizes, and the candidates are bisected (a cut that drops more never lengthens the prompt), each try
 admitted and tokenized as any prompt (`fastar.serve.turn.prompt_ids`, through the replay cache, so a
 conversation truncated at the same place as its previous turn reuses its ids), then the finer cuts past the last
-candidate where none fits.
+candidate where none fits. The tokenizer keeps the ids of the runs it tokenized (`fastar.engine.tokenizer.RunCache`),
+so of a resent history only its new messages are tokenized again, whichever of these asks.
 
 Does not own: the request's other fields, rendering (`fastar.serve.responses`, `fastar.encoding`), the context
 check itself (`fastar.serve.fields.resolve_max_tokens`). Never imports torch.

@@ -8,7 +8,8 @@ messages the server gets, the buttons' accessible names, and that an open edit i
 conversation or New chat, nor sent empty without a word), names each code block's Copy button, keeps a
 reply with no answer as a turn, keeps Enter from sending during an IME composition, walks the flow from the keyboard
 (a finishing reply leaves the focus on the conversation list's entry it was on),
-starts a new chat, and checks the conversation list survives a reload. No console error or CSP violation is
+starts a new chat, shows a refusal from the narrow sidebar (it closes), and checks the conversation list survives
+a reload. No console error or CSP violation is
 allowed. A screenshot is saved under the test's tmp dir.
 
 Skips only when Chromium or Playwright is missing; `.ci/install-browser` installs both.
@@ -709,6 +710,65 @@ def test_narrow_screen_sidebar_and_wide_tables(browser_page):
     )
     assert widths["page"] == 380 and widths["table"] > widths["wrap"], widths
     assert widths["header"] < 2 * widths["line"], widths  # "name" on one line, not broken letter by letter
+    assert not errors, errors
+
+
+SIDEBAR_OPEN = re.compile(r"(^|\s)show-sidebar(\s|$)")  # among the body's classes (`busy` while a reply streams)
+
+
+def status_shown(page) -> bool:
+    """Whether the status line's text is what the page shows at the middle of each of its lines (not covered, by
+    the sidebar say). Waits for the sidebar to have slid away first."""
+    expect(page.locator("#sidebar")).to_be_hidden()
+    return page.evaluate(
+        """() => {
+        const text = document.getElementById("status-text"), lines = [...text.getClientRects()];
+        const status = document.getElementById("status");
+        return text.textContent !== "" && lines.length > 0 && lines.every((r) =>
+            status.contains(document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2)));
+    }"""
+    )
+
+
+def test_a_refusal_from_the_narrow_sidebar_closes_it_to_show_why(browser_page):
+    """At 400 pixels the open sidebar covers the status line: a click in it that is refused (a conversation opened
+    while a reply streams; a conversation or New chat while an open edit holds changes) closes it, so the refusal
+    is seen, with the focus on ☰; nothing else happens. Allowed, a conversation opens and the sidebar closes too."""
+    page, server, _, errors = browser_page
+    page.set_viewport_size({"width": 400, "height": 740})
+    open_chat(page, server)
+    ask(page, "other chat")
+    page.click("#sidebar-toggle")
+    page.click("#new-chat")
+    send(page, "count to a lot")
+    expect(page.locator(".msg.assistant .content").last).to_contain_text("1 2 3")
+    page.click("#sidebar-toggle")
+    expect(page.locator("body")).to_have_class(SIDEBAR_OPEN)
+    page.click("#conversations li:has-text('other chat') .title")
+    expect(page.locator("#status")).to_contain_text("Stop it or wait before opening or deleting a conversation")
+    expect(page.locator("body")).not_to_have_class(SIDEBAR_OPEN)
+    expect(page.locator("#sidebar-toggle")).to_be_focused()
+    assert status_shown(page)
+    expect(page.locator("#chat-title")).to_have_text("count to a lot")  # not opened
+    page.click("#stop")
+    expect(page.locator("#send")).to_be_visible()
+
+    page.get_by_role("button", name="Edit message 1", exact=True).click()
+    page.get_by_role("textbox", name="Edit message 1", exact=True).fill("count, edited")
+    for click, doing in (("#conversations li:has-text('other chat') .title", "opening or deleting a conversation"),
+                         ("#new-chat", "starting a new chat")):  # fmt: skip
+        page.click("#sidebar-toggle")
+        expect(page.locator("body")).to_have_class(SIDEBAR_OPEN)
+        page.click(click)
+        expect(page.locator("#status")).to_contain_text(f"send or cancel that edit before {doing}")
+        expect(page.locator("body")).not_to_have_class(SIDEBAR_OPEN)
+        assert status_shown(page), doing
+    expect(page.get_by_role("textbox", name="Edit message 1", exact=True)).to_have_value("count, edited")
+    page.get_by_role("textbox", name="Edit message 1", exact=True).press("Escape")
+    page.click("#sidebar-toggle")
+    page.click("#conversations li:has-text('other chat') .title")  # allowed now
+    expect(page.locator("#chat-title")).to_have_text("other chat")
+    expect(page.locator("body")).not_to_have_class(SIDEBAR_OPEN)
     assert not errors, errors
 
 

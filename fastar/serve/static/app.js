@@ -76,6 +76,15 @@ function setStatus(text, kind = "", progress = null) {
 
 // ---- sidebar ---------------------------------------------------------------------------------------------
 
+// A click in the sidebar that is refused (a reply streaming, an open edit holding changes) says why in the status
+// line; on a narrow screen the open sidebar covers that line, so it closes to show it (the focus to ☰, as Escape
+// leaves it). On a wide screen the sidebar is not over anything and nothing changes.
+function refusedFromSidebar() {
+  if (!document.body.classList.contains("show-sidebar")) return;
+  document.body.classList.remove("show-sidebar");
+  $("sidebar-toggle").focus();
+}
+
 function renderList() {
   const ul = $("conversations");
   // The keyboard's place in the list (a conversation's open or delete button) survives the redraw: the same button
@@ -109,9 +118,13 @@ $("conversations").addEventListener("click", (ev) => {
   if (!li) return;
   if (controller) {
     setStatus("The model is still answering: Stop it or wait before opening or deleting a conversation.");
+    refusedFromSidebar();
     return;
   }
-  if (editKept("opening or deleting a conversation")) return;
+  if (editKept("opening or deleting a conversation")) {
+    refusedFromSidebar();
+    return;
+  }
   if (ev.target.closest(".delete")) {
     conversations = conversations.filter((c) => c.id !== li.dataset.id);
     if (currentId === li.dataset.id) currentId = null;
@@ -127,7 +140,10 @@ $("conversations").addEventListener("click", (ev) => {
 });
 
 function newChat() {
-  if (editKept("starting a new chat")) return;
+  if (editKept("starting a new chat")) {
+    refusedFromSidebar();  // (New chat is in the sidebar)
+    return;
+  }
   if (controller) controller.abort();
   currentId = null;
   save();

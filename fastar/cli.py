@@ -8,17 +8,18 @@ and `fastar inspect` start fast and never import torch).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 from . import __version__
 from .config import int_flag
-from .errors import FastarError
+from .errors import FastarError, OutputError
 
 
 class UsageError(Exception):
@@ -92,11 +93,15 @@ def _human(n: float) -> str:
 # --- commands ----------------------------------------------------------------------------------------------
 
 
-def _refuse_existing(a, path: str, flag: str = "-o", folder: bool = False) -> None:
-    """An output that exists is refused before any work unless --force (fastar.engine.outputs)."""
-    from .engine.outputs import refuse_existing_output
-
-    refuse_existing_output(path, a.force, flag, folder=folder)
+@contextlib.contextmanager
+def _output_flag(flag: str) -> Iterator[None]:
+    """The library's writers refuse an existing output (unless --force, passed on as `force`) or one they cannot
+    write before any work, with an OutputError naming the path (`fastar.outputs`): the flag that gave it goes in
+    front, `-o out.fst: already exists; ...`. One check, the library's."""
+    try:
+        yield
+    except OutputError as e:
+        raise e.named(flag) from None
 
 
 def _add_force(p: argparse.ArgumentParser, what: str) -> None:
@@ -109,17 +114,16 @@ def _add_force(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def cmd_convert(a) -> int:
-    from .convert.hf import check_output, convert, convert_indexer, local_files
+    from .convert.hf import convert, convert_indexer
 
     if a.indexer_sidecar and not a.output.endswith(".fst.indexer"):  # where FstV2File looks; never over a model
         raise FastarError(
             f"--indexer-sidecar: name the output MODEL.fst.indexer, next to the FaStar v2 MODEL.fst "
             f"it completes (got {a.output})"
         )
-    check_output(a.output, local_files(a.src))  # -o naming a file of the source: said as that, --force or not
-    _refuse_existing(a, a.output)  # before the checkpoint is read (or downloaded): ~160 GB on Flash
     t = time.perf_counter()
-    out = (convert_indexer if a.indexer_sidecar else convert)(a.src, a.output, progress=a.progress)
+    with _output_flag("-o"):  # refused before the checkpoint is read (or downloaded): ~160 GB on Flash
+        out = (convert_indexer if a.indexer_sidecar else convert)(a.src, a.output, progress=a.progress, force=a.force)
     dt = time.perf_counter() - t
     size = os.path.getsize(out)
     print(f"wrote {out} ({_human(size)}) in {dt:.1f} s ({size / dt / 1e6:.0f} MB/s)")
@@ -134,11 +138,8 @@ def cmd_export(a) -> int:
     shard = parse_size(a.shard_size)
     if not shard:
         raise FastarError(f"--shard-size: give a positive size such as 4G, got {a.shard_size!r}")
-    _refuse_existing(a, a.output, folder=True)
-    inside = os.path.realpath(a.file), os.path.realpath(a.output)
-    if a.force and os.path.isdir(a.output) and os.path.commonpath(inside) == inside[1]:  # replaced, it would go too
-        raise FastarError(f"-o {a.output}: it holds {a.file}, the model being exported; give the output another name")
-    out = export(a.file, a.output, progress=a.progress, shard_size=shard, replace=a.force)
+    with _output_flag("-o"):
+        out = export(a.file, a.output, progress=a.progress, shard_size=shard, force=a.force)
     print(f"wrote {out} in {time.perf_counter() - t:.1f} s")
     return 0
 
@@ -294,36 +295,11 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"give comma-separated token ids such as 1,2,3, got {text!r}") from None
 
 
-def _write_folder(out: str, write) -> str:
-    """`write(folder)` makes a checkpoint folder at `out`: straight into it when it is new or empty (removed again,
-    when this made it, if the write fails: no half-written checkpoint that looks complete), or over an existing
-    checkpoint (--force, checked before) into a folder beside it, renamed over it only when complete."""
-    from .convert.replace import aside, put_in_place
-
-    if os.path.isdir(out) and os.listdir(out):
-        tmp = aside(out)
-        try:
-            write(str(tmp))
-            put_in_place(tmp, out)
-        except BaseException:  # a full disk, Ctrl-C: the old checkpoint is left as it was
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return out
-    created = not os.path.lexists(out)
-    try:
-        write(out)
-    except BaseException:  # a full disk, Ctrl-C: leave no half-written checkpoint that looks complete
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    return out
-
-
 def cmd_fixture(a) -> int:
     from .fixtures import write_checkpoint
 
-    _refuse_existing(a, a.output, folder=True)
-    p = _write_folder(a.output, lambda d: write_checkpoint(d, preset=a.preset, seed=a.seed))
+    with _output_flag("-o"):
+        p = write_checkpoint(a.output, preset=a.preset, seed=a.seed, force=a.force)
     print(f"wrote an official-format {a.preset} checkpoint to {p}")
     return 0
 
@@ -352,36 +328,35 @@ def cmd_synth(a) -> int:
 
         if a.mtp != 1 or a.router_bias != 0.05:
             raise FastarError("synth: --hf-dir writes the official layout: one MTP block and the default --router-bias")
-        _refuse_existing(a, a.hf_dir, "--hf-dir", folder=True)
-        p = _write_folder(
-            a.hf_dir,
-            lambda d: write_checkpoint(
-                d,
+        with _output_flag("--hf-dir"):
+            p = write_checkpoint(
+                a.hf_dir,
                 "flash",
                 a.seed,
+                force=a.force,
                 num_hidden_layers=a.layers,
                 n_routed_experts=a.experts,
                 num_experts_per_tok=min(6, a.experts),  # as synth's .fst: V4's top-6, or every expert when fewer
                 vocab_size=a.vocab,
                 hidden_size=a.hidden,
                 moe_intermediate_size=a.inter,
-            ),
-        )
+            )
         print(f"wrote an official-format checkpoint ({a.layers} layers x {a.experts} experts) to {p}")
         return 0
-    _refuse_existing(a, a.output)
-    p = synth(
-        a.output,
-        a.layers,
-        a.experts,
-        a.vocab,
-        a.hidden,
-        a.inter,
-        a.seed,
-        mtp=a.mtp,
-        progress=True,
-        router_bias=a.router_bias,
-    )
+    with _output_flag("-o"):
+        p = synth(
+            a.output,
+            a.layers,
+            a.experts,
+            a.vocab,
+            a.hidden,
+            a.inter,
+            a.seed,
+            mtp=a.mtp,
+            progress=True,
+            router_bias=a.router_bias,
+            force=a.force,
+        )
     print(
         f"wrote a random-weight model ({a.layers} layers x {a.experts} experts, hidden {a.hidden}, expert width "
         f"{a.inter}) to {p}"

@@ -24,9 +24,9 @@ from typing import TextIO
 
 from .config import MAX_DEFAULT_CONTEXT, int_flag, parse_size
 from .encoding import StreamParser
-from .engine.outputs import model_files, refuse_existing_output, refuse_inputs_as_output
 from .engine.tokenizer import InvalidText, check_text
 from .errors import ConfigError, FastarError
+from .outputs import model_files, refuse_existing_output, refuse_inputs_as_output
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 MAX_STDIN_PROMPT = 64 << 20  # characters: 16x a 1M-token context's text, and a bound for an endless stream

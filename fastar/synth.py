@@ -37,6 +37,7 @@ from .config import ModelConfig
 from .convert.names import expected_tensors
 from .format import spec
 from .format.writer import FstWriter
+from .outputs import refuse_existing_output
 from .quant.reference import FP4_VALUES, bf16_encode, fp8_encode
 
 CHUNK = 64 << 20  # bytes generated per step for big tensors (bounds the temporaries)
@@ -212,9 +213,12 @@ def synth(
     tokenizer: bool = True,
     progress: bool = False,
     router_bias: float = 0.05,
+    force: bool = False,
     **config: Any,
 ) -> Path:
-    """Write a random-weight `.fst` with the given geometry and return its path.
+    """Write a random-weight `.fst` with the given geometry and return its path. An existing `out_path` is an
+    OutputExists (a FileExistsError) before any work unless `force`; with it the old file is replaced only once the
+    new one is complete.
 
     Args:
         layers, experts, vocab, hidden, inter: the geometry (Flash: 43, 256, 129280, 4096, 2048).
@@ -226,6 +230,7 @@ def synth(
             gets ~32% of the traffic), 0.2 unevenly (~70%, like the skewed traces of `routing_trace`).
         config: other `ModelConfig` fields (head counts, ranks) for small test models.
     """
+    refuse_existing_output(out_path, force)
     cfg = synth_config(layers, experts, vocab, hidden, inter, mtp=mtp, **config)
     manifest = expected_tensors(cfg, routed=False)  # (with them: minutes for --experts 1000000000, before any check)
     tok = _tokenizer_json() if tokenizer and vocab == 129280 else None
@@ -366,8 +371,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--inter", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--router-bias", type=float, default=0.05)
+    ap.add_argument("--force", action="store_true", help="replace an existing OUT")
     a = ap.parse_args(argv)
-    synth(a.out, a.layers, a.experts, a.vocab, a.hidden, a.inter, a.seed, progress=True, router_bias=a.router_bias)
+    synth(
+        a.out,
+        a.layers,
+        a.experts,
+        a.vocab,
+        a.hidden,
+        a.inter,
+        a.seed,
+        progress=True,
+        router_bias=a.router_bias,
+        force=a.force,
+    )
 
 
 if __name__ == "__main__":

@@ -55,13 +55,13 @@ def _commands(tiny_ckpt: Path, tiny_fst_path: Path, vocab_ckpt: Path, tmp: Path)
             False,
             hub,
         ),
-        (["synth", "-o", tmp / "s.fst", *SMALL_SYNTH], tmp / "s.fst", "-o", False, "fastar.synth.synth"),
+        (["synth", "-o", tmp / "s.fst", *SMALL_SYNTH], tmp / "s.fst", "-o", False, "fastar.synth.synth_config"),
         (
             ["synth", "--hf-dir", tmp / "hf", *SMALL_SYNTH],
             tmp / "hf",
             "--hf-dir",
             True,
-            "fastar.fixtures.write_checkpoint",
+            "fastar.fixtures._write_checkpoint",
         ),
         (
             ["export", tiny_fst_path, "-o", tmp / "ex", "--shard-size", "4M"],
@@ -70,7 +70,7 @@ def _commands(tiny_ckpt: Path, tiny_fst_path: Path, vocab_ckpt: Path, tmp: Path)
             True,
             "fastar.convert.export._open",
         ),
-        (["fixture", "-o", tmp / "fx"], tmp / "fx", "-o", True, "fastar.fixtures.write_checkpoint"),
+        (["fixture", "-o", tmp / "fx"], tmp / "fx", "-o", True, "fastar.fixtures._write_checkpoint"),
         (
             ["perplexity", text, "-m", vocab_ckpt, "--ctx", "32", "--save-logits", tmp / "run.logits"],
             tmp / "run.logits",
@@ -220,3 +220,42 @@ def test_export_force_never_replaces_the_folder_holding_its_source(tiny_fst_path
     line = one_line_error(_cli("export", ck / "m.fst", "-o", ck, "--force"), 1)
     assert f"-o {ck}: it holds {ck / 'm.fst'}, the model being exported" in line
     assert _contents(ck) == before
+
+
+def test_the_library_writers_refuse_an_existing_output_unless_forced(tiny_ckpt, tiny_fst_path, tmp_path):
+    """The functions the command line calls (`convert`, `convert_indexer`, `synth`, `export`, `write_checkpoint`)
+    replaced an existing output silently (the command line checked first, the library did not): each refuses one
+    now with a FileExistsError (the project's OutputExists, a FastarError) saying what the command line says, the
+    old output byte for byte; an empty folder is no output yet; `force=True` replaces it."""
+    from synth_widths import SMALL
+
+    from fastar.convert.export import export
+    from fastar.convert.hf import convert, convert_indexer
+    from fastar.errors import FastarError, OutputExists
+    from fastar.fixtures import write_checkpoint
+    from fastar.synth import synth
+
+    small = dict(layers=1, experts=2, vocab=1024, hidden=256, inter=256, **SMALL)
+    writers = [  # (write(out, force), the output, whether it is a folder)
+        (lambda o, f: convert(tiny_ckpt, o, progress=False, force=f), tmp_path / "m.fst", False),
+        (lambda o, f: convert_indexer(tiny_ckpt, o, progress=False, force=f), tmp_path / "m.fst.indexer", False),
+        (lambda o, f: synth(o, force=f, **small), tmp_path / "s.fst", False),
+        (lambda o, f: export(tiny_fst_path, o, progress=False, force=f), tmp_path / "ex", True),
+        (lambda o, f: write_checkpoint(o, "tiny", tokenizer=False, force=f), tmp_path / "fx", True),
+    ]
+    for write, out, folder in writers:
+        before = _old_output(out, folder)
+        with pytest.raises(FileExistsError) as err:
+            write(out, False)
+        assert isinstance(err.value, OutputExists) and isinstance(err.value, FastarError)
+        assert str(err.value) == f"{out}: {HINT}"
+        assert _contents(out) == before, out
+        assert write(out, True) == out
+        after = _contents(out)
+        assert after != before and OLD not in after.values(), out
+        assert not _temporaries(tmp_path), out
+    for write, out, folder in writers:
+        if folder:  # an empty folder: written into without force
+            empty = out.with_name(out.name + "-empty")
+            empty.mkdir()
+            assert write(empty, False) == empty and (empty / "config.json").is_file()

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "fastar"
 
 TIERS: list[set[str]] = [
     {"errors"},
-    {"config", "encoding"},
+    {"config", "encoding", "outputs"},
     {"contracts"},
     {"format", "quant"},
     {"convert"},
@@ -31,7 +31,7 @@ TIERS: list[set[str]] = [
     {"__main__"},
 ]
 RANK = {part: i for i, tier in enumerate(TIERS) for part in tier}
-TORCH_FREE = ("errors", "config", "contracts", "encoding", "format", "serve", "cli")  # at import time
+TORCH_FREE = ("errors", "config", "contracts", "encoding", "outputs", "format", "serve", "cli")  # at import time
 
 
 def _module(path: Path) -> str:

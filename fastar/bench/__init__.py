@@ -158,7 +158,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
 def _check_plot_target(plot: str) -> None:
     """The PNG is written after the whole benchmark (and before its table is printed): a name that cannot be
     written, or no matplotlib, is said now, not after minutes of work whose numbers would then be lost."""
-    from ..engine.outputs import refuse_unwritable_output
+    from ..outputs import refuse_unwritable_output
 
     refuse_unwritable_output(plot, "--plot", "the PNG")
     if importlib.util.find_spec("matplotlib") is None:
@@ -215,7 +215,7 @@ def main(a: argparse.Namespace) -> int:
         raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
     if a.plot:  # written after minutes of benchmark: never over what it reads
         a.plot = os.path.expanduser(a.plot)  # (written where it is checked: `~/curve.png` quoted is the home's)
-        from ..engine.outputs import model_files, refuse_inputs_as_output
+        from ..outputs import model_files, refuse_inputs_as_output
 
         sources = {
             "-m": a.model,

@@ -18,7 +18,8 @@ from the original release (and v2's own losses, see `fastar.convert.v2`, stay lo
 The safetensors files are written here (8-byte header length, JSON header, contiguous data) rather than with
 the `safetensors` package, whose numpy API has no FP8 dtypes; `fastar.convert.checkpoint` reads them back.
 Everything goes to `.DIR.partial-<pid>` first and is renamed to DIR only when complete (over an existing
-checkpoint only with `replace`, which stays as it was until then); the shards go through
+checkpoint only with `force`, which stays as it was until then; never over the folder holding the source); the
+shards go through
 O_DIRECT where the filesystem has it (`fastar.format.write_behind.DirectStream`).
 A v3 source's checksums are checked as it is read: a corrupt tensor or expert stops the export (nothing is left).
 Does not own: reading the sources (`fastar.format`), the manifest (`names`). Imports no torch.
@@ -37,9 +38,10 @@ from typing import Any
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import FastarError, FormatError
+from ..errors import FastarError, FormatError, OutputError
 from ..format.reader import FstFile
 from ..format.write_behind import DirectStream
+from ..outputs import refuse_existing_output
 from ..quant import reference as ref
 from .hf import _progress
 from .names import expected_tensors, expert_tensor_names, is_routed_expert, tensor_nbytes
@@ -265,18 +267,23 @@ def export(
     out: str | os.PathLike,
     progress: bool | None = None,
     shard_size: int = DEFAULT_SHARD_BYTES,
-    replace: bool = False,
+    *,
+    force: bool = False,
 ) -> Path:
     """Write the model in `src` (`.fst` v3, or FaStar v2 with its sidecars) to the checkpoint directory `out`.
 
     Raises FormatError/ExportError with one clear line; `out` appears only when complete and must not exist
-    (or be an empty directory) unless `replace`: then a checkpoint directory there is replaced once the new one is
-    complete (`replace.put_in_place`), and left as it was if the export fails."""
+    (or be an empty directory) unless `force`: then a checkpoint directory there (one holding `config.json`, never
+    the folder holding `src`) is replaced once the new one is complete (`replace.put_in_place`), and left as it was
+    if the export fails. An existing `out` without `force` is an OutputExists (a FileExistsError), a folder that
+    cannot be written an OutputError, both before the source is opened."""
     src, out = Path(src), Path(out)
     if shard_size <= 0:
         raise ExportError(f"shard size must be positive, got {shard_size}")
-    if out.exists() and not (out.is_dir() and (replace or not any(out.iterdir()))):
-        raise ExportError(f"{out}: already exists; export writes a new checkpoint directory (replace=True replaces it)")
+    refuse_existing_output(out, force, folder=True)
+    inside = os.path.realpath(src), os.path.realpath(out)
+    if force and out.is_dir() and os.path.commonpath(inside) == inside[1]:  # replaced, it would go too
+        raise OutputError(f"{out}: it holds {src}, the model being exported; give the output another name")
     if not out.parent.is_dir():
         raise ExportError(f"{out.parent}: no such directory")
     with _open(src) as f:

@@ -9,7 +9,8 @@ container layout (`fastar.format`).
 
 Memory: tensors are streamed one at a time, the next one read on another thread while this one is written (the
 largest, the embedding, is ~1 GB on Flash); experts one record (13 MB) at a time, likewise. The output is
-written to `OUT.partial` and renamed only when complete.
+written to `OUT.partial` and renamed only when complete. An existing output is refused before the source is read
+(or downloaded) unless `force=True` (`fastar.outputs.refuse_existing_output`, the command line's `--force`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..contracts import ExpertWeights
 from ..errors import CheckpointError, FormatError
 from ..format import spec
 from ..format.writer import FstWriter
+from ..outputs import refuse_existing_output
 from .checkpoint import INDEX_FILE, Checkpoint
 from .names import expected_tensors, is_routed_expert
 
@@ -96,14 +98,26 @@ def check_output(out: str | os.PathLike, inputs: Iterable[Path]) -> None:
             )
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None) -> Path:
-    """Convert `src` into `out` and return the path. Raises CheckpointError/FormatError with a clear message.
+def _refuse_output(src: str | os.PathLike, out: str | os.PathLike, force: bool) -> None:
+    """Before anything of `src` is read: `out` naming one of its local files is said as that (with `force` too),
+    then an existing `out` is refused unless `force` (OutputExists)."""
+    check_output(out, local_files(src))
+    refuse_existing_output(out, force)
+
+
+def convert(
+    src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None, *, force: bool = False
+) -> Path:
+    """Convert `src` into `out` and return the path. Raises CheckpointError/FormatError with a clear message, and
+    OutputExists (a FileExistsError) when `out` exists and not `force` (with it, the old file is replaced only once
+    the new one is complete).
 
     `src` may also be a FaStar v2 `.fst` (with its sidecars next to it): see `convert_v2`."""
     from .v2 import read_version
 
+    _refuse_output(src, out, force)  # before the checkpoint is read (or downloaded): ~160 GB on Flash
     if Path(src).is_file() and read_version(src) == 2:
-        return convert_v2(src, out, progress)
+        return convert_v2(src, out, progress, force=True)  # (checked just now)
     ck = Checkpoint(resolve_source(src))
     check_output(out, checkpoint_files(ck))
     ck.validate()
@@ -117,17 +131,20 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, progress: bool | Non
     return _write(out, cfg, ck.identity(), resident, ck.read, ck.tokenizer_json(), ck.expert, progress)
 
 
-def convert_v2(src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None) -> Path:
+def convert_v2(
+    src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None, *, force: bool = False
+) -> Path:
     """A FaStar v2 model (`src` + `.hc`, `.norm`, `.tid2eid` sidecars, and `.indexer` when present) -> one `.fst`
     v3 file.
 
     Every tensor is copied as `FstV2File` presents it (dense weights BF16 as v2 stored them, sidecar norms, HC,
     the hash table as I64, the indexer sidecar's FP8 + scales), the 17-byte MXFP4 expert blocks repacked
     losslessly, and the V4 tokenizer embedded. A v2 model without the indexer is refused: a v3 file is complete.
+    An existing `out` is refused unless `force`, as `convert` does.
     """
     from .v2 import FstV2File
 
-    check_output(out, local_files(src))
+    _refuse_output(src, out, force)
     with FstV2File(src) as v2:
         if v2.context_note is not None:
             raise FormatError(f"cannot convert: {v2.context_note}; then convert again (or run {src} as it is)")
@@ -139,13 +156,17 @@ def _is_indexer(name: str) -> bool:
     return ".attn.indexer." in name
 
 
-def convert_indexer(src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None) -> Path:
+def convert_indexer(
+    src: str | os.PathLike, out: str | os.PathLike, progress: bool | None = None, *, force: bool = False
+) -> Path:
     """The lightning-indexer tensors (`layers.*.attn.indexer.*`, FP8 + scales as stored) of an official checkpoint
     -> a small `.fst` v3 file without experts: the `X.fst.indexer` sidecar that FaStar v2 models lack.
 
     Reads config.json, the index and only the shards that hold those tensors (other shards may be absent; a
-    hub id downloads just those). Raises CheckpointError naming the missing shards or the wrong tensor.
+    hub id downloads just those). Raises CheckpointError naming the missing shards or the wrong tensor, and
+    OutputExists when `out` exists and not `force`, as `convert` does.
     """
+    _refuse_output(src, out, force)
     ck = Checkpoint(resolve_source(src, only=_is_indexer))
     check_output(out, checkpoint_files(ck))
     cfg = ck.config

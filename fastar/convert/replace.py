@@ -1,16 +1,18 @@
-"""A checkpoint folder written aside and put in place at the end: what `export`, `fixture` and `synth --hf-dir` do
-with `--force` over an existing checkpoint.
+"""A checkpoint folder written aside and put in place at the end: what `export` and `write_checkpoint` (`fixture`,
+`synth --hf-dir`) do with `force` over an existing checkpoint.
 
-Owns: `aside` (the temporary folder next to the output) and `put_in_place` (the new folder renamed to the output's
-name, the old one moved out of the way first and removed only once the new one is there). Until that last step the
-old checkpoint is untouched, so a failed or interrupted run leaves it as it was. Does not own: whether an existing
-output may be replaced (`fastar.engine.outputs.refuse_existing_output`, asked by the command line first).
+Owns: `aside` (the temporary folder next to the output), `put_in_place` (the new folder renamed to the output's
+name, the old one moved out of the way first and removed only once the new one is there) and `write_folder` (a
+writer of a folder run into a new or empty one, or aside and put in place over an old one). Until that last step
+the old checkpoint is untouched, so a failed or interrupted run leaves it as it was. Does not own: whether an
+existing output may be replaced (`fastar.outputs.refuse_existing_output`, asked by each writer first).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -44,4 +46,28 @@ def put_in_place(tmp: str | os.PathLike, out: str | os.PathLike) -> Path:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def write_folder(out: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """`write(folder)` makes a checkpoint folder at `out`: straight into it when it is new or empty (removed again,
+    when this made it, if the write fails: no half-written checkpoint that looks complete), or over an existing
+    checkpoint (the caller checked it may be replaced) into a folder beside it, renamed over it only when complete."""
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()):
+        tmp = aside(out)
+        try:
+            write(tmp)
+            put_in_place(tmp, out)
+        except BaseException:  # a full disk, Ctrl-C: the old checkpoint is left as it was
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
+    created = not os.path.lexists(out)
+    try:
+        write(out)
+    except BaseException:  # a full disk, Ctrl-C: leave no half-written checkpoint that looks complete
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     return out

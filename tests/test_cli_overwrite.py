@@ -259,3 +259,19 @@ def test_the_library_writers_refuse_an_existing_output_unless_forced(tiny_ckpt, 
             empty = out.with_name(out.name + "-empty")
             empty.mkdir()
             assert write(empty, False) == empty and (empty / "config.json").is_file()
+
+
+def test_bench_plot_refuses_an_existing_file_unless_forced(tiny_fst_path, tmp_path):
+    """`bench --plot curve.png` saved the PNG over an existing curve.png (an earlier run's figure) without a word.
+    Refused now like every other output, one line naming the flag and --force, before the benchmark runs (nothing
+    printed), the old file byte for byte; `--force` replaces it with the new PNG, written whole and renamed."""
+    png = tmp_path / "curve.png"
+    png.write_bytes(OLD)
+    small = ("--prompt-tokens", "2", "--decode-tokens", "1", "--ram-budget", "none")
+    r = _cli("bench", "-m", tiny_fst_path, *small, "--plot", png)
+    assert one_line_error(r, 1) == f"fastar: error: --plot {png}: {HINT}" and r.stdout == ""
+    assert png.read_bytes() == OLD
+    r = _cli("bench", "-m", tiny_fst_path, *small, "--plot", png, "--force")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]  # no temporary file left

@@ -151,7 +151,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--plot",
         default=None,
-        help="model: PNG of tokens/s and hit rate against --ram-budget A,B,C",
+        help="model: PNG of tokens/s and hit rate against --ram-budget A,B,C (an existing file is refused before the "
+        "benchmark starts unless --force)",
+    )
+    b.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing --plot file (the old one stays until the new one is written whole)",
     )
 
 
@@ -215,7 +221,7 @@ def main(a: argparse.Namespace) -> int:
         raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
     if a.plot:  # written after minutes of benchmark: never over what it reads
         a.plot = os.path.expanduser(a.plot)  # (written where it is checked: `~/curve.png` quoted is the home's)
-        from ..outputs import model_files, refuse_inputs_as_output
+        from ..outputs import model_files, refuse_existing_output, refuse_inputs_as_output
 
         sources = {
             "-m": a.model,
@@ -229,6 +235,7 @@ def main(a: argparse.Namespace) -> int:
             for i, f in enumerate(model_files(path))
         ]
         refuse_inputs_as_output(a.plot, inputs, "--plot")
+        refuse_existing_output(a.plot, a.force, "--plot")  # an earlier run's curve: not replaced unless --force
         _check_plot_target(a.plot)
     _check_context(a)
     if a.profile:

@@ -18,6 +18,7 @@ the cache's trace replay (`bench.cache`).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -726,7 +727,16 @@ def plot(r: dict, path: str) -> None:
     ax2.set_ylabel("hit rate (%)")
     fig.legend(loc="upper left")
     fig.tight_layout()
-    fig.savefig(path)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.partial")
+    try:  # written whole, then renamed over the name: an old plot (--force) is never left half replaced
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)
 
 
 def _refuse_v2(path: str, flag: str) -> None:

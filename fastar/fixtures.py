@@ -41,7 +41,7 @@ from .config import ModelConfig
 from .convert.names import expected_tensors, tensor_nbytes
 from .convert.replace import write_folder
 from .errors import FastarError
-from .outputs import refuse_existing_output
+from .outputs import refuse_existing_output, refuse_unwritable_output
 from .quant.reference import FP4_GROUP, FP4_VALUES, FP8_BLOCK, bf16_encode, fp8_block_quant, ue8m0_encode
 
 PRESETS = ("tiny", "tiny-dspark", "vocab", "flash")
@@ -358,6 +358,7 @@ def write_checkpoint(
     before anything is made.
     """
     refuse_existing_output(out_dir, force, folder=True)
+    refuse_unwritable_output(out_dir, folder=True)
     return write_folder(
         out_dir,
         lambda d: _write_checkpoint(

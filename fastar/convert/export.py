@@ -41,7 +41,7 @@ from ..config import ModelConfig
 from ..errors import FastarError, FormatError, OutputError
 from ..format.reader import FstFile
 from ..format.write_behind import DirectStream
-from ..outputs import refuse_existing_output
+from ..outputs import refuse_existing_output, refuse_unwritable_output
 from ..quant import reference as ref
 from .hf import _progress
 from .names import expected_tensors, expert_tensor_names, is_routed_expert, tensor_nbytes
@@ -286,6 +286,7 @@ def export(
         raise OutputError(f"{out}: it holds {src}, the model being exported; give the output another name")
     if not out.parent.is_dir():
         raise ExportError(f"{out.parent}: no such directory")
+    refuse_unwritable_output(out, folder=True)
     with _open(src) as f:
         note = f.context_note
         if note is not None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ..errors import FastarError
+from ..outputs import unwritable
 
 if TYPE_CHECKING:
     from ..model.head_screen import HeadRequest
@@ -467,6 +468,9 @@ class Session:
             raise SessionError(f"{path}: cannot save: the session's meta is not JSON ({e})") from None
         if path.exists() and not path.is_file():  # `/save /dev/null` as root: the rename would replace the device
             raise SessionError(f"{path}: not a regular file (a session is renamed into place over it)")
+        why = unwritable(path, parents=True)  # a read-only folder: said as that, not as the OS's word for it
+        if why is not None:
+            raise SessionError(f"{path}: cannot write ({why})")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)

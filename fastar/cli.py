@@ -314,15 +314,17 @@ def cmd_synth(a) -> int:
         raise FastarError("synth: --hidden and --inter must be multiples of 128 (the FP8 and FP4 block sizes)")
     if not 0 <= a.router_bias < float("inf"):  # NaN too: it would route every token nowhere in particular
         raise FastarError(f"synth: --router-bias is a standard deviation, got {a.router_bias}")
-    from .format.spec import MAX_HEADER_SIZE
-    from .format.writer import MAX_EXPERT_RECORDS
+    from .synth import plan, refuse_too_large
 
-    records = (a.layers + a.mtp) * a.experts  # the writer's own check, said before minutes of building names
-    if records > MAX_EXPERT_RECORDS:  # (a checkpoint directory is for the .fst converted from it: the same cap)
-        raise FastarError(
-            f"synth: --layers {a.layers} (+ --mtp {a.mtp}) x --experts {a.experts} is {records:,} expert records; a "
-            f".fst header holds checksums for at most {MAX_EXPERT_RECORDS:,} (its {MAX_HEADER_SIZE >> 20} MiB cap)"
-        )
+    # said at once, naming the flags, for both outputs: an expert bank or tensor table over the .fst header's cap (a
+    # checkpoint directory is for the .fst converted from it: the same caps), or more bytes than the disk has free;
+    # `--layers 100000` planned 3.6 million tensors for ~45 s before 'header exceeds'
+    flag, out = ("--hf-dir", a.hf_dir) if a.hf_dir else ("-o", a.output)
+    with _output_flag(flag):
+        shape = f"synth: --layers {a.layers} (+ --mtp {a.mtp}) x --experts {a.experts}"
+        if a.vocab != 129280 or a.hidden != 4096 or a.inter != 2048:
+            shape += f" at --vocab {a.vocab} --hidden {a.hidden} --inter {a.inter}"
+        refuse_too_large(out, plan(a.layers, a.experts, a.vocab, a.hidden, a.inter, a.mtp), shape)
     if a.hf_dir:  # the official layout: safetensors shards, config.json (one MTP block, fixed router recipe)
         from .fixtures import write_checkpoint
 
@@ -486,7 +488,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write an official-format checkpoint directory instead (safetensors shards, config.json), the same "
         "weights transformers can load: for bench --compare-transformers",
     )
-    sy.add_argument("--layers", type=int, default=4, help="layers (default 4; Flash has 43)")
+    sy.add_argument(
+        "--layers",
+        type=int,
+        default=4,
+        help="layers (default 4; Flash has 43). A shape over the .fst header's caps, or larger than the output "
+        "folder's free space (~3.6 GB a layer at the defaults), is refused before anything is written",
+    )
     sy.add_argument(
         "--experts",
         type=int,

@@ -9,6 +9,10 @@ Owns:
   writer puts large regions on disk through O_DIRECT, behind the generation (`FstWriter`).
 - `synth_config`: the `ModelConfig` of such a model (Flash's compress-ratio pattern truncated to `layers`,
   min(3, layers) hash layers, one MTP block).
+- `plan` / `refuse_too_large`: the tensors, expert records, header and data bytes such a model takes (lower
+  bounds, from its shape in milliseconds), and a shape over the header's caps or the output folder's free space
+  refused in one line before anything is built (`synth` asks; the command line first, naming its flags, for
+  `-o` and `--hf-dir` alike).
 - `routing_trace` / `lookahead_trace`: expert-routing traces with Zipf-like per-layer popularity, temporal
   locality and hash-routed first layers, for cache policy and prefetch measurements.
 Does not own: the official tensor manifest (`fastar.convert.names`), the container (`fastar.format`), the
@@ -23,20 +27,23 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
+import shutil
 import statistics
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .config import ModelConfig
 from .convert.names import expected_tensors
+from .errors import FastarError, OutputError
 from .format import spec
-from .format.writer import FstWriter
+from .format.writer import MAX_EXPERT_RECORDS, FstWriter
 from .outputs import refuse_existing_output
 from .quant.reference import FP4_VALUES, bf16_encode, fp8_encode
 
@@ -72,6 +79,86 @@ def synth_config(
     )
     kw.update(overrides)
     return ModelConfig(**kw)
+
+
+# --- size, before any work -------------------------------------------------------------------------------------
+
+_SAMPLE_LAYERS = 6  # layers 3..5 are score-routed, of both compressed kinds (ratio 4 and 128): each later one is one
+_SAMPLE_MTP = 2
+
+
+class Plan(NamedTuple):
+    """Lower bounds of what a synthetic model takes, from its shape alone (`plan`)."""
+
+    tensors: int  # resident tensors in the header
+    records: int  # expert records: (layers + MTP blocks) x experts
+    header_bytes: int  # the .fst header's JSON
+    data_bytes: int  # the tensors' and experts' bytes (a .fst file, or an official checkpoint's shards)
+
+
+def plan(
+    layers: int,
+    experts: int = 256,
+    vocab: int = 129280,
+    hidden: int = 4096,
+    inter: int = 2048,
+    mtp: int = 1,
+    **config: Any,
+) -> Plan:
+    """The size of the model `synth` (or `fixtures.write_checkpoint` at the same widths) would write, in
+    milliseconds for any shape: the manifest of at most `_SAMPLE_LAYERS` layers and `_SAMPLE_MTP` MTP blocks is
+    measured, and each further layer (block) counted as the smallest score-routed layer (block) of the sample: a
+    lower bound, so a shape refused by it is too large for certain. `config` as for `synth`."""
+    n, k = min(layers, max(_SAMPLE_LAYERS, config.get("num_hash_layers", 0) + 3)), min(mtp, _SAMPLE_MTP)
+    cfg = synth_config(n, experts, vocab, hidden, inter, mtp=k, **config)
+    groups: dict[str, list[int]] = {}  # "layers.i" / "mtp.k" / "" (the rest) -> [tensors, header bytes, bytes]
+    for name, (dtype, shape) in expected_tensors(cfg, routed=False).items():
+        parts = name.split(".")
+        g = groups.setdefault(".".join(parts[:2]) if parts[0] in ("layers", "mtp") else "", [0, 0, 0])
+        nbytes = spec.nbytes_of(spec.FROM_SAFETENSORS[dtype], shape)
+        entry = {"name": name, "dtype": dtype, "shape": list(shape), "nbytes": nbytes, "offset": 0, "xxh64": "0" * 16}
+        g[0] += 1
+        g[1] += len(json.dumps(entry, separators=(",", ":"))) + 1
+        g[2] += nbytes
+    total = [sum(g[i] for g in groups.values()) for i in range(3)]
+    for more, kind, first in ((layers - n, "layers", cfg.num_hash_layers), (mtp - k, "mtp", 0)):
+        sample = [g for key, g in groups.items() if key.startswith(f"{kind}.") and int(key.split(".")[1]) >= first]
+        if more > 0 and sample:
+            total = [t + more * min(g[i] for g in sample) for i, t in enumerate(total)]
+    records = (layers + mtp) * experts
+    record = sum(sec["nbytes"] for sec in spec.expert_sections(hidden, inter))
+    fixed = {k: v for k, v in cfg.to_dict().items() if k != "compress_ratios"}  # (counted apart: one per layer)
+    header = total[1] + len(json.dumps(fixed, separators=(",", ":")))
+    header += records * (len('"",') + 16) + 2 * (layers + mtp)  # the expert checksums, compress_ratios
+    return Plan(total[0], records, header, total[2] + records * record)
+
+
+def refuse_too_large(out: str | os.PathLike, p: Plan, shape: str = "") -> None:
+    """Raise one line, before any work, when the model `p` plans cannot be written at `out`: more expert records
+    or tensors than a `.fst` header holds (a checkpoint folder is for the `.fst` converted from it: the same caps),
+    or more bytes than the free space of the folder it goes in (an OutputError naming `out`). `shape`: how the
+    message names the shape (the command line names its flags)."""
+    shape = shape or "the model"
+    cap = spec.MAX_HEADER_SIZE
+    if p.records > MAX_EXPERT_RECORDS:
+        raise FastarError(
+            f"{shape} is {p.records:,} expert records; a .fst header holds checksums for at most "
+            f"{MAX_EXPERT_RECORDS:,} (its {cap >> 20} MiB cap)"
+        )
+    if p.header_bytes > cap:
+        raise FastarError(
+            f"{shape} is at least {p.tensors:,} tensors and {p.records:,} expert checksums, a header of at least "
+            f"{p.header_bytes / 2**20:,.0f} MiB; a .fst header holds at most {cap >> 20} MiB"
+        )
+    folder = os.path.dirname(os.path.abspath(os.path.expanduser(os.fspath(out))))
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # the writer makes the missing folders in the nearest one
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:  # a filesystem that does not say: the writes will tell
+        return
+    if p.data_bytes > free:
+        raise OutputError(f"{out}: needs at least {p.data_bytes / 1e9:,.2f} GB, {folder} has {free / 1e9:,.2f} GB free")
 
 
 # --- random values ---------------------------------------------------------------------------------------------
@@ -231,6 +318,7 @@ def synth(
         config: other `ModelConfig` fields (head counts, ranks) for small test models.
     """
     refuse_existing_output(out_path, force)
+    refuse_too_large(out_path, plan(layers, experts, vocab, hidden, inter, mtp, **config))
     cfg = synth_config(layers, experts, vocab, hidden, inter, mtp=mtp, **config)
     manifest = expected_tensors(cfg, routed=False)  # (with them: minutes for --experts 1000000000, before any check)
     tok = _tokenizer_json() if tokenizer and vocab == 129280 else None

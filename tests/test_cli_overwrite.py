@@ -55,7 +55,7 @@ def _commands(tiny_ckpt: Path, tiny_fst_path: Path, vocab_ckpt: Path, tmp: Path)
             False,
             hub,
         ),
-        (["synth", "-o", tmp / "s.fst", *SMALL_SYNTH], tmp / "s.fst", "-o", False, "fastar.synth.synth_config"),
+        (["synth", "-o", tmp / "s.fst", *SMALL_SYNTH], tmp / "s.fst", "-o", False, "fastar.synth.FstWriter"),
         (
             ["synth", "--hf-dir", tmp / "hf", *SMALL_SYNTH],
             tmp / "hf",

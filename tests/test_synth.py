@@ -286,3 +286,73 @@ def test_stacked_products_give_the_same_logits(tmp_path, monkeypatch):
         assert plain.layers[0].attn.wq_a_kv is None
         want = run(plain)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# --- the size, said before any work ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape, config",
+    [
+        ((4, 256, 129280, 4096, 2048, 1), {}),
+        ((43, 256, 129280, 4096, 2048, 1), {}),
+        ((200, 1, 1024, 256, 256, 3), {}),
+        ((7, 8, 1000, 256, 128, 1), SMALL),
+        ((1, 2, 1024, 256, 256, 0), SMALL),
+    ],
+)
+def test_the_plan_is_a_lower_bound_of_what_the_writer_plans(shape, config, tmp_path):
+    """`plan` measures a few layers and counts the rest as the smallest: never more tensors, header bytes or data
+    bytes than the writer lays out for the whole model (or a refusal could be wrong), and not far below (or it
+    would refuse nothing)."""
+    from fastar.format.writer import FstWriter
+    from fastar.synth import plan
+
+    layers, experts, vocab, hidden, inter, mtp = shape
+    cfg = synth_config(layers, experts, vocab, hidden, inter, mtp=mtp, **config)
+    w = FstWriter(tmp_path / "never.fst", cfg.to_dict(), source={"synthetic": True, "seed": 0})
+    manifest = expected_tensors(cfg, routed=False)
+    for name, (dtype, dims) in manifest.items():
+        w.add_tensor(name, spec.FROM_SAFETENSORS[dtype], dims)
+    w.set_expert_bank(cfg.num_layer_slots, experts, hidden, inter)
+    w._layout()
+    p = plan(layers, experts, vocab, hidden, inter, mtp, **config)
+    header = len(w._header_bytes())
+    assert p.records == cfg.num_layer_slots * experts
+    assert 0.85 * len(manifest) <= p.tensors <= len(manifest)
+    assert 0.75 * header <= p.header_bytes <= header
+    assert 0.85 * w.file_size <= p.data_bytes <= w.file_size
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_absurd_size_is_refused_at_once(tmp_path, monkeypatch, capsys):
+    """`synth -o big.fst --layers 100000 --experts 1` planned 3.6 million tensors (~45 s) before 'header exceeds
+    67108864 bytes'; a model larger than the disk's free space was found only by the .fst writer after planning, and
+    `--hf-dir` wrote until the disk was full. Both are one line before anything is built: the tensor table over the
+    header's cap naming the flags, the bytes against the folder's free space in GB (the library's `synth` too)."""
+    from fastar.cli import main
+    from fastar.errors import OutputError
+    from fastar.synth import plan
+
+    line = "at least 3,300,051 tensors and 100,001 expert checksums, a header of at least 394 MiB; a .fst header "
+    code = main(["synth", "-o", str(tmp_path / "big.fst"), "--layers", "100000", "--experts", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("fastar: error: synth: --layers 100000 (+ --mtp 1) x --experts 1 is ")
+    assert line + "holds at most 64 MiB\n" in err, err
+    small = ["--layers", "2", "--experts", "2", "--vocab", "1024", "--hidden", "256", "--inter", "256"]
+    real = __import__("shutil").disk_usage
+
+    def nearly_full(path):
+        assert os.path.samefile(path, tmp_path), path  # the nearest folder there of the output's
+        return real(path)._replace(free=50 * 10**6)
+
+    monkeypatch.setattr("shutil.disk_usage", nearly_full)
+    need = f"needs at least {plan(2, 2, 1024, 256, 256).data_bytes / 1e9:.2f} GB, {tmp_path} has 0.05 GB free"
+    assert plan(2, 2, 1024, 256, 256).data_bytes > 10**8  # (0.1 GB or more: twice the free space said)
+    for flag, out in (("-o", tmp_path / "new" / "s.fst"), ("--hf-dir", tmp_path / "new" / "hf")):
+        code = main(["synth", flag, str(out), *small])
+        assert (code, capsys.readouterr().err) == (1, f"fastar: error: {flag} {out}: {need}\n")
+    with pytest.raises(OutputError) as err:
+        synth(tmp_path / "s.fst", layers=2, experts=2, vocab=1024, hidden=256, inter=256)
+    assert str(err.value) == f"{tmp_path / 's.fst'}: {need}"
+    assert list(tmp_path.iterdir()) == []

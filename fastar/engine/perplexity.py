@@ -181,7 +181,7 @@ def perplexity(
                     writer.add(rows16, targets.numpy())
                 if divergence is not None:
                     P = logp.shape[0]
-                    divergence.add(base.rows[k : k + P], rows16, base.targets[k : k + P], targets.numpy())
+                    divergence.add(base.rows_at(k, P), rows16, base.targets[k : k + P], targets.numpy())
 
             scorer = PromptScorer(engine.model, window, first=first - b, on_rows=rows if writer or divergence else None)
             run_prefill(engine, window, scorer)

@@ -126,11 +126,11 @@ class LogitsWriter:
             raise ValueError(f"rows {rows.shape} do not fit the file ({self._num_scored} x {self._vocab})")
         rows = np.ascontiguousarray(rows, dtype="<f2")
         with self._writing():
-            self._f.write(rows.tobytes())
+            self._f.write(rows)  # (the array's own buffer: no copy, as for the checksum below)
         done = 0
         while done < rows.shape[0]:  # the checksums of the blocks these rows fill
             take = min(rows.shape[0] - done, self._block_rows - (self._rows + done) % self._block_rows)
-            self._block.update(rows[done : done + take].tobytes())
+            self._block.update(rows[done : done + take])
             done += take
             if (self._rows + done) % self._block_rows == 0:
                 self._digests.append(self._block.intdigest())
@@ -238,7 +238,7 @@ class LogitsFile:
 
     def _check_block(self, b: int) -> None:
         lo, hi = b * self.block_rows, min((b + 1) * self.block_rows, len(self.rows))
-        if xxhash.xxh64_intdigest(np.ascontiguousarray(self.rows[lo:hi]).data) != int(self._digests[b]):
+        if xxhash.xxh64_intdigest(self.rows[lo:hi]) != int(self._digests[b]):  # (contiguous rows of the map)
             raise FastarError(
                 f"{self.path}: the logits file is corrupt: rows {lo:,} to {hi - 1:,} (block {b + 1:,} of "
                 f"{len(self._digests):,}; token positions {int(self.positions[lo]):,} to "

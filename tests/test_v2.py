@@ -604,7 +604,7 @@ def test_bad_indexer_sidecar_names_it(ck, tiny_ckpt, with_sidecar, ck_v3, tmp_pa
         other = write_checkpoint(
             tmp_path / "other", "tiny", seed=0, tokenizer=False, compress_ratios=[0, 0, 4, 128, 4, 0]
         )
-        convert_indexer(other, side, progress=False)
+        convert_indexer(other, side, progress=False, force=True)  # over the copy made above
     elif how == "a whole model":
         shutil.copyfile(ck_v3.path, side)
     else:

@@ -281,6 +281,12 @@ TARGET_VNNI static inline __attribute__((always_inline)) void dot_rows_block_vnn
         PREFETCH_STEP(pf, pfs, j)
         __m512i w[4];
         UNROLL for (int i = 0; i < R; i++) w[i] = _mm512_loadu_si512((const void *)(q + i * rs + j * cs));
+        /* 3 tokens: the step's weights held in registers (an empty asm that claims to change them), where the
+         * compiler would fold a load into every vpdpbusd (15 loads a step for 12 products, not 7): from L3 3.1 against
+         * 1.7 G products/s; head_i8_screen at 3 and 7 rows (4 + 3 tokens) 0.81-0.92x and 0.85-0.97x the CPU time
+         * (docs/PERFORMANCE.md). At 2 tokens (the passes of 4 and 6) the same doubled the rate from L3 but took
+         * 1.15x the time from DRAM; at 1 each weight feeds one product. */
+        if (T == 3) UNROLL for (int i = 0; i < R; i++) __asm__("" : "+v"(w[i]));
         UNROLL for (int t = 0; t < T; t++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(xu + c * T + 64 * t));
             UNROLL for (int i = 0; i < R; i++) acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], xv, w[i]);

@@ -17,6 +17,20 @@
  * row, so results do not depend on the thread count (they are exact integers anyway).
  * Does not own: argument checks and the GIL (bind_head_i8.c), the exact products of the candidates (bf16_matmul),
  * the screen's bounds and the quantization of x (head_screen.py).
+ *
+ * What binds the VNNI screen at 4-8 tokens (Zen 4, 2 shared vCPUs, docs/PERFORMANCE.md): vpdpbusd runs at 3.4-3.6 G a
+ * second on a core (a register loop), the 4 x 4 block at 3.1-3.2 G from L3, the 4 x 2 passes of 4 tokens at 1.7 G; from
+ * DRAM at 8 tokens the 66 M products take ~20 ms of one core against ~17 ms for the 0.53 GB, and the bounds' work
+ * beside them ~11 % of the products' time. Tried for 4-8 tokens and dropped (scripts/head_screen_kernels_ab.py and
+ * copies of head_i8_dot, weights from DRAM, CPU time per call, alternated in one process): one pass of 4 x 4 at 4
+ * tokens and of 4 x 5 / 4 x 6 at 5-6 (24 accumulators), though 1.9x and 1.2-1.3x the rate from L3: 1.24x and 1.68x the
+ * time (probably x of 4-6 tokens and a tile's 16 KB outgrowing the 32 KB L1; and one pass has no sub-block prefetch),
+ * 1.13x and 1.25x with that prefetch; the weights in registers at 2 tokens (the passes of 4 and 6: 1.5x the rate from
+ * L3, 1.15x the time from DRAM: probably the prefetch, spread over faster passes, outruns the memory); 2 rows x 4
+ * tokens in one pass (1.07x with the prefetch, 1.8x without); passes of 3 + 3 at 6 tokens (1.06x) and 3 + 1 at 4
+ * (1.28x); the 16 sums of a 4 x 4 block in a transpose-add tree (1.4x the time from L3: the compiler spilled around
+ * it); the tile prefetched into L1 4-16 steps ahead (no gain), the sub-block prefetch into L1 or non-temporal
+ * (1.8-2.1x) or unrolled by two (no change).
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -602,21 +616,22 @@ static int32_t dot_row_plain(const int8_t *q, int64_t cs, const int8_t *x, int64
 }
 
 #if FASTAR_X86
-/* The same with vpdpbusd on xu = x + 128 (two chains), less 128 sum q (dot_rows_block_vnni's arithmetic). */
+/* The same with vpdpbusd on xu = x + 128 (four chains, from L2: 64 products at K = 4096 bound by their latency in
+ * two), less 128 sum q (dot_rows_block_vnni's arithmetic). */
 TARGET_VNNI static int32_t dot_row_vnni(const int8_t *q, int64_t cs, const uint8_t *xu, int64_t K, int32_t rowsum) {
-    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     const int64_t steps = K / HEAD_I8_K_ALIGN;
     int64_t j = 0;
-    for (; j + 1 < steps; j += 2) {
-        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512((const void *)(xu + 64 * j)),
-                                _mm512_loadu_si512((const void *)(q + j * cs)));
-        b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512((const void *)(xu + 64 * j + 64)),
-                                _mm512_loadu_si512((const void *)(q + (j + 1) * cs)));
-    }
-    if (j < steps)
-        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512((const void *)(xu + 64 * j)),
-                                _mm512_loadu_si512((const void *)(q + j * cs)));
-    return (int32_t)((uint32_t)_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)) - 128u * (uint32_t)rowsum);
+    for (; j + 3 < steps; j += 4)
+        UNROLL for (int u = 0; u < 4; u++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xu + 64 * (j + u)));
+            a[u] = _mm512_dpbusd_epi32(a[u], xv, _mm512_loadu_si512((const void *)(q + (j + u) * cs)));
+        }
+    for (; j < steps; j++)
+        a[0] = _mm512_dpbusd_epi32(a[0], _mm512_loadu_si512((const void *)(xu + 64 * j)),
+                                   _mm512_loadu_si512((const void *)(q + j * cs)));
+    const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+    return (int32_t)((uint32_t)_mm512_reduce_add_epi32(sum) - 128u * (uint32_t)rowsum);
 }
 #endif
 
@@ -652,9 +667,60 @@ static inline __attribute__((always_inline)) void second_term(const screen_ctx *
 
 #define SCREEN_LANES 16
 
+/* A float that is not NaN as an int32 in the same order (-0 below +0), and back: the floor's maximum as an integer
+ * maximum, a reduction the compiler vectorizes (a float maximum it keeps in order). */
+static inline __attribute__((always_inline)) int32_t float_key(float v) {
+    int32_t i;
+    memcpy(&i, &v, sizeof i);
+    return i ^ (int32_t)((uint32_t)(i >> 31) >> 1);
+}
+static inline __attribute__((always_inline)) float key_float(int32_t k) {
+    const int32_t i = k ^ (int32_t)((uint32_t)(k >> 31) >> 1);
+    float v;
+    memcpy(&v, &i, sizeof v);
+    return v;
+}
+
+/* One group of N rows from i0 (screen_core's loop): the first term's bounds into ub, the second term's where the upper
+ * bound reaches the floor as of the group's start, and the floor raised to the group's largest lower bound. That
+ * largest is the first terms' (a NaN read as -inf: the maximum ignores it, as `lo > fl` does) in one vector pass,
+ * then each second term's in turn: the same value as over the rows' final lower bounds one by one (a sign of zero
+ * apart, which no comparison sees). The float maximum row by row, the two-chain second terms and the keep loop a byte
+ * at a time had taken ~11 % of the products' time at 8 tokens; with this group, dot_row_vnni's four chains and
+ * keep_core: head_i8_screen at 2, 4, 6, 8 rows 0.99, 0.99, 0.98, 0.97x the CPU time on one thread (0.98-0.99x on
+ * two; scripts/head_screen_kernels_ab.py's shape). */
+#define SCREEN_GROUP(N)                                                                                              \
+    {                                                                                                                \
+        const int n = (N);                                                                                           \
+        float a1[SCREEN_LANES], hi[SCREEN_LANES], lo[SCREEN_LANES];                                                  \
+        int open = 0;                                                                                                \
+        int32_t top = float_key(-INFINITY);                                                                          \
+        for (int j = 0; j < n; j++) {                                                                                \
+            const int64_t i = i0 + j;                                                                                \
+            a1[j] = (float)d1s[i] * (s1 * scale[i]);                                                                 \
+            float b1 = ca1 * wnorm[i] + ca2 * dnorm[i], e1 = a1[j], mag = fabsf(a1[j]);                              \
+            if (has_off) e1 += offt[i], mag += fabsf(offt[i]);                                                       \
+            b1 += mag * margin;                                                                                      \
+            hi[j] = e1 + b1, lo[j] = e1 - b1;                                                                        \
+            open |= hi[j] >= fl;                                                                                     \
+            const int32_t k = float_key(lo[j] > -INFINITY ? lo[j] : -INFINITY);                                      \
+            top = k > top ? k : top;                                                                                 \
+            ub[i] = hi[j];                                                                                           \
+        }                                                                                                            \
+        float best = key_float(top);                                                                                 \
+        if (open)                                                                                                    \
+            for (int j = 0; j < n; j++)                                                                              \
+                if (hi[j] >= fl) {                                                                                   \
+                    second_term(sc, t, i0 + j, a1[j], has_off ? offt[i0 + j] : 0.0f, &hi[j], &lo[j]);                \
+                    ub[i0 + j] = hi[j];                                                                              \
+                    best = lo[j] > best ? lo[j] : best;                                                              \
+                }                                                                                                    \
+        fl = best > fl ? best : fl;                                                                                  \
+    }
+
 /* Rows [r0, r1) once their first terms' products are in ub (as int32): each row's bounds (head_i8.h), the second
  * term's product only where ub1 reaches the floor so far; ub gets min(ub1, ub2) there, ub1 elsewhere. The first
- * term's bounds of SCREEN_LANES rows at a time in loops the compiler vectorizes, the floor as of the group's start
+ * term's bounds of SCREEN_LANES rows at a time in a loop the compiler vectorizes, the floor as of the group's start
  * (any floor reached so far is sound: a stale one only takes more second terms). */
 static inline __attribute__((always_inline)) void screen_core(const screen_ctx *sc, int64_t r0, int64_t r1,
                                                                const int has_off) {
@@ -666,45 +732,45 @@ static inline __attribute__((always_inline)) void screen_core(const screen_ctx *
         float fl = atomic_load_explicit(&sc->floor[t], memory_order_relaxed);
         const float s1 = s->sx[t], ca1 = s->c[4 * t], ca2 = s->c[4 * t + 1];
         float *ub = s->ub + t * V;
-        const int32_t *d1s = (const int32_t *)ub; /* the products, overwritten group by group by the bounds */
+        const int32_t *d1s = (const int32_t *)ub; /* the products, overwritten row by row by the bounds */
         const float *restrict offt = has_off ? s->off + t * V : NULL;
         for (int64_t i0 = r0; i0 < r1; i0 += SCREEN_LANES) {
-            const int n = r1 - i0 < SCREEN_LANES ? (int)(r1 - i0) : SCREEN_LANES;
-            float a1[SCREEN_LANES], hi[SCREEN_LANES], lo[SCREEN_LANES];
-            int open = 0;
-            for (int j = 0; j < n; j++) {
-                const int64_t i = i0 + j;
-                a1[j] = (float)d1s[i] * (s1 * scale[i]);
-                float b1 = ca1 * wnorm[i] + ca2 * dnorm[i], e1 = a1[j], mag = fabsf(a1[j]);
-                if (has_off) e1 += offt[i], mag += fabsf(offt[i]);
-                b1 += mag * margin;
-                hi[j] = e1 + b1, lo[j] = e1 - b1;
-                open |= hi[j] >= fl;
-            }
-            if (open)
-                for (int j = 0; j < n; j++)
-                    if (hi[j] >= fl) second_term(sc, t, i0 + j, a1[j], has_off ? offt[i0 + j] : 0.0f, &hi[j], &lo[j]);
-            for (int j = 0; j < n; j++) {
-                fl = lo[j] > fl ? lo[j] : fl;
-                ub[i0 + j] = hi[j];
-            }
+            if (r1 - i0 >= SCREEN_LANES)
+                SCREEN_GROUP(SCREEN_LANES)
+            else
+                SCREEN_GROUP((int)(r1 - i0))
         }
         floor_raise(&sc->floor[t], fl);
     }
 }
 
-/* screen_core for the ISA, in a copy without offsets (the greedy rows' loop as before) and one with them */
-#define SCREEN_ROWS(name, target)                                                                                   \
+/* keep[i] = 1 where ub[t, i] >= floor[t] for some t (with restrict pointers of its own: a loop the compiler
+ * vectorizes, where through the struct's pointers it stored a byte at a time) */
+static inline __attribute__((always_inline)) void keep_core(const head_screen *s, const float *floors) {
+    const int64_t T = s->T, V = s->V;
+    uint8_t *restrict keep = s->keep;
+    memset(keep, 0, (size_t)V);
+    for (int64_t t = 0; t < T; t++) {
+        const float fl = floors[t];
+        const float *restrict ub = s->ub + t * V;
+        for (int64_t i = 0; i < V; i++) keep[i] |= (uint8_t)(ub[i] >= fl);
+    }
+}
+
+/* screen_core and keep_core for the ISA, screen_core in a copy without offsets (the greedy rows' loop as before) and
+ * one with them */
+#define SCREEN_ROWS(name, keep_name, target)                                                                        \
     target static void name(const screen_ctx *sc, int64_t r0, int64_t r1) {                                        \
         if (sc->s->off)                                                                                             \
             screen_core(sc, r0, r1, 1);                                                                             \
         else                                                                                                        \
             screen_core(sc, r0, r1, 0);                                                                             \
-    }
-SCREEN_ROWS(screen_rows_plain, )
+    }                                                                                                               \
+    target static void keep_name(const head_screen *s, const float *floors) { keep_core(s, floors); }
+SCREEN_ROWS(screen_rows_plain, keep_plain, )
 #if FASTAR_X86
-SCREEN_ROWS(screen_rows_avx2, TARGET_AVX2)
-SCREEN_ROWS(screen_rows_avx512, TARGET_AVX512)
+SCREEN_ROWS(screen_rows_avx2, keep_avx2, TARGET_AVX2)
+SCREEN_ROWS(screen_rows_avx512, keep_avx512, TARGET_AVX512)
 #endif
 
 static void screen_rows(const screen_ctx *sc, int64_t r0, int64_t r1) { sc->rows_fn(sc, r0, r1); }
@@ -713,11 +779,12 @@ int64_t head_i8_screen_run(const isa_ops *isa, const head_screen *s) {
     const int64_t T = s->T, V = s->V, K = s->K;
     if (T <= 0 || V <= 0) return 0;
     screen_ctx sc = {.s = s, .vnni = head_i8_path(isa) == HEAD_PATH_VNNI, .rows_fn = screen_rows_plain};
+    void (*keep_fn)(const head_screen *, const float *) = keep_plain;
 #if FASTAR_X86
-    if (isa->vec == VEC_AVX512) sc.rows_fn = screen_rows_avx512;
-    if (isa->vec == VEC_AVX2) sc.rows_fn = screen_rows_avx2;
+    if (isa->vec == VEC_AVX512) sc.rows_fn = screen_rows_avx512, keep_fn = keep_avx512;
+    if (isa->vec == VEC_AVX2) sc.rows_fn = screen_rows_avx2, keep_fn = keep_avx2;
 #endif
-    sc.floor = malloc((size_t)T * sizeof *sc.floor);
+    sc.floor = malloc((size_t)T * (sizeof *sc.floor + sizeof(float)));
     uint8_t *x2u = sc.vnni ? aligned_alloc(64, (size_t)(T * K) + 64) : NULL;
     if (!sc.floor || (sc.vnni && !x2u)) {
         free(sc.floor), free(x2u);
@@ -734,12 +801,9 @@ int64_t head_i8_screen_run(const isa_ops *isa, const head_screen *s) {
         free(sc.floor);
         return -1;
     }
-    memset(s->keep, 0, (size_t)V);
-    for (int64_t t = 0; t < T; t++) {
-        const float fl = atomic_load(&sc.floor[t]);
-        const float *ub = s->ub + t * V;
-        for (int64_t i = 0; i < V; i++) s->keep[i] |= (uint8_t)(ub[i] >= fl);
-    }
+    float *floors = (float *)(sc.floor + T); /* every thread is done: the floors as plain floats */
+    for (int64_t t = 0; t < T; t++) floors[t] = atomic_load(&sc.floor[t]);
+    keep_fn(s, floors);
     free(sc.floor);
     int64_t n = 0;
     for (int64_t i = 0; i < V; i++)

@@ -14,6 +14,10 @@ class FormatError(FastarError):
     """A `.fst` file is malformed, truncated, corrupt or of an unsupported version."""
 
 
+class ModelNotFound(FormatError, FileNotFoundError):
+    """A model path that names no file or directory: a FileNotFoundError too, as `open()` of it raises."""
+
+
 class CheckpointError(FastarError):
     """A source checkpoint is incomplete or does not match its config (missing shard, wrong dtype/shape)."""
 

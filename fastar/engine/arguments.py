@@ -1,7 +1,8 @@
 """The library API's arguments of the wrong kind, named in one line before anything runs.
 
 Owns: the checks `load` makes of its model (`check_model`: a path or a `WeightSource`) and option names
-(`check_option_names`), those `Engine` makes of its options (`check_load_options`, `check_warm_experts`), of its
+(`check_option_names`), those `Engine` makes of its options (`check_load_options`, `check_load_names`: a draft,
+numerics or cache policy misspelt, `check_warm_experts`), of its
 folders (`check_path`: the usage profile's, the prefix cache's; a session file's is `session.file_path`), of
 `stream`'s params, session, cancel event and progress callback (`check_stream`), of a perplexity window
 (`check_window`) and of `serve_batch`'s requests (`check_pairs`): a string "no" for a switch, a session of another
@@ -18,7 +19,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..config import parse_size
 from ..contracts import WeightSource
+from ..errors import ConfigError
+from ..model.deepseek_v4 import Numerics
+from ..weights.expert_store import POLICIES
+from . import speculative
 from .sampling import SamplingParams
 from .session import Session
 
@@ -68,9 +74,28 @@ def check_load_options(switches: dict, direct_io: object, counts: dict, sizes: d
             raise TypeError(
                 f"{name} must be a number of bytes (int), a size such as '24G', 'auto' or None, got {value!r}"
             )
+        if isinstance(value, int) and value < 0:  # was "--ram-budget -1 B is smaller than one expert"
+            raise ValueError(
+                f"{name} must be a number of bytes >= 0, a size such as '24G', 'auto' or None, got {value}"
+            )
+        if isinstance(value, str):  # "cannot read 'lots' as a size" named no option
+            try:
+                parse_size(value)
+            except ConfigError as e:
+                raise ConfigError(f"{name}: {e}") from None
     for name, value in names.items():
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{name} must be a string or None, got {value!r}")
+
+
+def check_load_names(numerics: Any, draft: Any, cache_policy: Any) -> None:
+    """`load`'s named choices, before anything is read: a draft (`speculative.draft_kind`) or numerics
+    (`Numerics.named`) misspelt was refused only once every resident weight was read and the model built, a cache
+    policy once the expert slab was allocated."""
+    Numerics.named(numerics)
+    speculative.draft_kind(draft)
+    if cache_policy not in POLICIES:
+        raise ValueError(f"unknown expert cache policy {cache_policy!r}; choose from {POLICIES}")
 
 
 def check_warm_experts(value: Any) -> None:

@@ -132,6 +132,7 @@ class Engine:
             {"draft": draft, "cache_policy": cache_policy},
         )
         arguments.check_warm_experts(warm_experts)
+        arguments.check_load_names(numerics, draft, cache_policy)
         self.device = build.resolve_device(device, gpu_budget, draft)
         build.set_threads(kernels, threads)
         self.source = source

@@ -14,14 +14,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..contracts import WeightSource
-from ..errors import FormatError
+from ..errors import FormatError, ModelNotFound
 
 
 def open_source(path: str | os.PathLike) -> WeightSource:
-    """A `.fst` file -> FstFile (v3) or FstV2File (FaStar v2 + sidecars); a checkpoint directory -> Checkpoint,
+    """A `.fst` file -> FstFile (v3) or FstV2File (FaStar v2 + sidecars); a checkpoint directory -> Checkpoint; a path
+    to nothing -> `ModelNotFound` (a FormatError and a FileNotFoundError). A checkpoint directory is
     checked against the manifest first (headers only: every tensor present with its dtype and shape, as `convert`
     checks), so a wrong tensor is one line naming it, not a shape error deep in a forward or a model run as is."""
     p = Path(path)
+    if not p.exists():
+        hint = ""
+        if str(path).startswith("~") and p.expanduser().exists():  # the shell expands "~", Python's open() does not
+            hint = f" (a path starting with ~ is not expanded: give {str(p.expanduser())!r}, or os.path.expanduser)"
+        raise ModelNotFound(f"{path}: no such file or directory{hint}")
     if p.is_dir():
         from ..convert.checkpoint import Checkpoint
 

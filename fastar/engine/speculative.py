@@ -683,6 +683,15 @@ def available(model) -> list[str]:
     return ["mtp"] if model.mtp else []
 
 
+def draft_kind(kind: str | None) -> str:
+    """A `--draft` name, lower-cased (None: "none"); one not in `DRAFT_KINDS` is a ValueError naming them (`load`
+    checks it before anything is read, `resolve` once the model is built)."""
+    kind = "none" if kind is None else str(kind).lower()
+    if kind not in DRAFT_KINDS:
+        raise ValueError(f"draft must be one of {', '.join(DRAFT_KINDS)}; got {kind!r}")
+    return kind
+
+
 def resolve(kind: str | None, model, source, kernels: bool = True) -> tuple[Drafter | None, Schedule, str]:
     """`--draft` name -> (drafter or None, schedule, the mode actually used).
 
@@ -691,9 +700,7 @@ def resolve(kind: str | None, model, source, kernels: bool = True) -> tuple[Draf
     of passes and drafts and decodes plainly while drafting would not pay (probing every 16 steps). `none` or an
     `auto` with no draft weights: plain decoding. Naming a draft the checkpoint lacks is an error.
     """
-    kind = "none" if kind is None else str(kind).lower()
-    if kind not in DRAFT_KINDS:
-        raise ValueError(f"draft must be one of {', '.join(DRAFT_KINDS)}; got {kind!r}")
+    kind = draft_kind(kind)
     have = available(model)
     if kind == "none" or (kind == "auto" and not have):
         return None, Schedule(), "none"

@@ -139,7 +139,19 @@ def check_window(ctx: Any, stride: Any) -> None:
 
 
 def check_pairs(requests: Any) -> None:
-    """`serve_batch`'s requests are (prompt, params or a dict of sampling keywords) pairs."""
-    bad = next((r for r in requests if not (isinstance(r, tuple | list) and len(r) == 2)), None)
+    """`serve_batch`'s requests are a list of (prompt, params or a dict of sampling keywords) pairs."""
+    if not isinstance(requests, list | tuple):
+        raise TypeError(
+            f"serve_batch takes a list of (prompt, params or a dict of sampling keywords) pairs, got "
+            f"{type(requests).__name__}"
+        )
+    bad = next(
+        (
+            r
+            for r in requests
+            if not (isinstance(r, tuple | list) and len(r) == 2 and isinstance(r[1], dict | SamplingParams))
+        ),
+        None,
+    )
     if bad is not None:
         raise TypeError(f"serve_batch takes (prompt, params or a dict of sampling keywords) pairs, got {bad!r}")

@@ -35,7 +35,7 @@ from .generate import ChatResult, GenerationChunk, chat, generate_text, generate
 from .pager import ExpertWarming
 from .perplexity import Perplexity, perplexity
 from .prefix_cache import PrefixCache
-from .prompt_logprobs import PromptLogprobs, score_prompt
+from .prompt_logprobs import PromptLogprobs, check_prompt, score_prompt
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .session import IDS_ONLY, PromptError, Session, Stats
@@ -262,12 +262,12 @@ class Engine:
     # --- public API ---------------------------------------------------------------------------------------
 
     def logits(self, token_ids: list[int]) -> np.ndarray:
-        """Logits at every position of `token_ids` from a fresh state: float32 [len, vocab]."""
-        return (
-            self.prefill(token_ids_of(token_ids, f"logits {IDS_ONLY}"), self.new_state(), all_logits=True)
-            .float()
-            .numpy()
-        )
+        """Logits at every position of `token_ids` from a fresh state: float32 [len, vocab]. Raises `PromptError` for
+        an empty prompt, one longer than `context_length` or an id outside the vocabulary."""
+        self._check_open()
+        ids = token_ids_of(token_ids, f"logits {IDS_ONLY}")
+        check_prompt(self, ids)  # (positions past the context ran, to numbers no generation would compute)
+        return self.prefill(ids, self.new_state(), all_logits=True).float().numpy()
 
     def prompt_logprobs(self, prompt: str | list[int], top: int = 0) -> PromptLogprobs:
         """Every prompt token's logprob given the tokens before it (None for the first), its rank and the `top` most
@@ -293,15 +293,25 @@ class Engine:
         seed: int | None = None,
         ignore_eos: bool = False,
     ) -> list[int]:
-        """Greedy (temperature 0) or sampled continuation of `prompt_ids`; stops after `max_tokens` or at EOS
-        (included in the output) unless `ignore_eos`. Raises `SamplingError` (a ValueError) for a value of the wrong
-        kind or range, as `stream` does."""
+        """Greedy (temperature 0) or sampled continuation of `prompt_ids`; stops after `max_tokens`, at EOS
+        (included in the output) unless `ignore_eos`, or at `context_length` as `stream` does. Raises `SamplingError`
+        (a ValueError) for a value of the wrong kind or range and `PromptError` for an empty prompt, one not shorter
+        than the context or an id outside the vocabulary, as `stream` does."""
+        self._check_open()
         # checked as `stream`'s are (a NaN temperature or a str seed failed inside torch; ignore_eos="no" was true)
         SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
         prompt_ids = token_ids_of(prompt_ids, f"generate_tokens {IDS_ONLY}")
+        check_prompt(self, prompt_ids, reply=True)  # (a longer one ran past the context, and so did its tokens)
         cfg = self.config
         return generate_token_ids(
-            self, prompt_ids, max_tokens, temperature, seed, cfg.eos_token_id, ignore_eos, cfg.vocab_size
+            self,
+            prompt_ids,
+            min(max_tokens, self.context_length - len(prompt_ids)),
+            temperature,
+            seed,
+            cfg.eos_token_id,
+            ignore_eos,
+            cfg.vocab_size,
         )
 
     # --- sessions and generation: the API the front-ends use (fastar.engine.session / generate) -------------
@@ -492,8 +502,9 @@ class Engine:
         """Reply to an OpenAI-style conversation with the DeepSeek-V4 chat encoding. Returns a `ChatResult`:
         a str (the content) that also has `.reasoning`, `.tool_calls`, `.finish_reason` and `.usage`. Raises
         `EncodingError` (a ValueError) for a conversation that does not end with a user or tool message."""
-        if not isinstance(thinking, bool):
-            raise TypeError(f"thinking must be True or False, got {thinking!r}")
+        for name, value in (("thinking", thinking), ("drop_thinking", drop_thinking)):
+            if not isinstance(value, bool):  # "no" is true
+                raise TypeError(f"{name} must be True or False, got {value!r}")
         return chat(
             lambda text: self.stream(text, session=session, thinking=thinking, **sampling),
             messages,
@@ -596,8 +607,10 @@ class Engine:
         """Run `requests` ((prompt, params or a dict of sampling keywords) pairs) together on this thread;
         returns each one's chunks, in order. `options`: as `scheduler`."""
         arguments.check_pairs(requests)
+        # a dict as `stream`'s keywords: the aliases taken, a typo an `UnknownParameter` (was SamplingParams' own)
+        params = [kw if isinstance(kw, SamplingParams) else SamplingParams.from_kwargs(**kw) for _, kw in requests]
         sched = self.scheduler(**{"max_queue": max(64, len(requests)), **options})
-        handles = [sched.submit(p, SamplingParams(**kw) if isinstance(kw, dict) else kw) for p, kw in requests]
+        handles = [sched.submit(prompt, p) for (prompt, _), p in zip(requests, params, strict=True)]
         sched.run_until_idle()
         return [list(h) for h in handles]
 

@@ -83,9 +83,11 @@ def stream_generate(
     """Stream the continuation of `prompt` (text or ids) as chunks; the last chunk has `finish_reason` and
     `usage`. The prompt is checked when this is called, not at the first chunk: `PromptError` (empty, longer
     than the context, ids outside the vocabulary) comes before anything is sent. `steps` replaces
-    `generate_step` (same signature and yields; `speculative.speculative_generate_step` with its drafter bound)."""
+    `generate_step` (same signature and yields; `speculative.speculative_generate_step` with its drafter bound).
+    A `SamplingError` for a token id beyond the vocabulary in `params` comes at the call as well."""
     ids = session.encode_prompt(prompt)
     session.check_prompt(ids)
+    params.check_vocabulary(session.vocab_size)  # at the call too, as the prompt is (the `Sampler` checks it again)
     steps = steps or functools.partial(generate_step, eos_token_id=eos_token_id)
     return _stream(session, ids, params, eos_token_id, cancel, on_prefill_progress, steps)
 

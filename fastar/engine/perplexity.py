@@ -27,6 +27,7 @@ import torch
 from ..errors import FastarError
 from .logits_file import LogitsFile, LogitsWriter
 from .prompt_logprobs import PromptScorer, check_prompt, run_prefill
+from .session import PromptError
 
 PERCENTILES = (50, 90, 95, 99, 99.9)
 
@@ -155,7 +156,7 @@ def perplexity(
     stride = max(1, ctx // 2) if stride is None else stride
     spans = windows(len(ids), ctx, stride)
     if not spans:
-        raise FastarError(f"nothing to score: the text is {len(ids)} token(s), it needs at least 2")
+        raise PromptError(f"nothing to score: the text is {len(ids)} token(s), it needs at least 2")
     for b, e, _ in spans[:1]:
         check_prompt(engine, ids[b:e])  # the longest window: ids, and the window against the context
     positions = [p for _, e, first in spans for p in range(first, e)]

@@ -130,15 +130,17 @@ class PromptScorer:
         )
 
 
-def check_prompt(engine, ids: list[int]) -> None:
-    """What a prompt to score must be: non-empty, within the context (all of it: no room is left for a reply),
-    ids in the vocabulary. Raises `PromptError`."""
+def check_prompt(engine, ids: list[int], reply: bool = False) -> None:
+    """What a prompt run from a fresh state must be: non-empty, within the context (all of it to score it, or
+    `Engine.logits`; shorter, with `reply`, to leave room for one: `Engine.generate_tokens`, as a session's
+    prompt), ids in the vocabulary. Raises `PromptError`."""
     if not ids:
         raise PromptError("the prompt is empty")
-    if len(ids) > engine.context_length:
+    if len(ids) > engine.context_length - reply:
         note = f"; {engine.context_note}" if engine.context_note else ""
+        room = " (it must be shorter, to leave room for the reply)" if reply else ""
         raise PromptError(
-            f"the prompt is {len(ids)} tokens, but the context length is {engine.context_length} tokens{note}"
+            f"the prompt is {len(ids)} tokens, but the context length is {engine.context_length} tokens{room}{note}"
         )
     v = engine.config.vocab_size
     bad = next((t for t in ids if not 0 <= t < v), None)

@@ -30,6 +30,7 @@ gives the same numbers to the same tokens either way, so a seed's tokens do not 
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Sequence
@@ -59,6 +60,11 @@ def argmax(logits: torch.Tensor) -> int:
 
 class SamplingError(FastarError, ValueError):
     """A sampling parameter has a value no generation can run with (names the field and the value)."""
+
+
+class UnknownParameter(SamplingError, TypeError):
+    """A sampling keyword that is no parameter (a typo such as `max_token=`): a TypeError, as Python's own for an
+    unexpected keyword argument (and mlx-lm's and llama-cpp-python's), and still a `SamplingError`."""
 
 
 @dataclass(slots=True)
@@ -202,9 +208,24 @@ class SamplingParams:
         for k, v in kw.items():
             k = aliases.get(k, k)
             if k not in names:
-                raise SamplingError(f"unknown sampling parameter {k!r} (known: {', '.join(sorted(names))})")
+                near = difflib.get_close_matches(k, [*names, *aliases], n=1, cutoff=0.8)
+                hint = f"did you mean {aliases.get(near[0], near[0])!r}? " if near else ""
+                raise UnknownParameter(f"unknown sampling parameter {k!r} ({hint}known: {', '.join(sorted(names))})")
             args[k] = v
         return cls(**args)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The token ids this request names (`logit_bias`, `stop_token_ids`, `banned_token_ids`) lie in the model's
+        vocabulary [0, vocab_size): checked when the request is made, before its prompt runs (a `logit_bias` id
+        beyond it was found only at the first token's draw, after the prefill; a stop or banned id was ignored)."""
+        for name, ids in (
+            ("logit_bias", self.logit_bias),
+            ("stop_token_ids", self.stop_token_ids),
+            ("banned_token_ids", self.banned_token_ids),
+        ):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise SamplingError(f"{name} names token {bad}, beyond the {vocab_size} of the vocabulary")
 
 
 # --- logits processors: [V] float32 -> [V] float32 with -inf where a token may not be drawn ---------------
@@ -264,7 +285,10 @@ class Sampler:
         """`prompt_ids`: the prompt's tokens, which a repetition penalty counts as seen; `eos_token_id`: the model's
         EOS, which `min_tokens` bans with the stop token ids (`ending_ids`); `vocab_size`: the logits' length, where
         the caller knows it (the model's vocabulary): a race's noise can then be drawn before the first token's
-        logits too (`head_request`), else from the second token on."""
+        logits too (`head_request`), else from the second token on; the request's token ids are checked against
+        it (`SamplingParams.check_vocabulary`)."""
+        if vocab_size is not None:
+            params.check_vocabulary(vocab_size)
         self.params = params
         self.taken = 0  # tokens drawn or forced so far
         self._ending = np.array(sorted(ending_ids(params, eos_token_id)) if params.min_tokens else [], np.int64)

@@ -695,8 +695,8 @@ class Scheduler:
     def _sampled(self, req: _Request, logits: torch.Tensor) -> None:
         try:
             picked = next_token(req.budget, req.sampler, logits)
-        except (ConstraintError, SamplingError) as err:  # its grammar's parser failed, or a logit_bias token is
-            # beyond the vocabulary: this request ends, the others go on
+        except (ConstraintError, SamplingError) as err:  # its grammar's parser failed, or its grammar allows only
+            # tokens it bans: this request ends, the others go on
             with self._lock:
                 self._active.remove(req)
             self._metrics.counts["finished"] += 1

@@ -31,7 +31,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -95,9 +95,11 @@ IDS_ONLY = "takes token ids (a list of int; encode text with the engine's tokeni
 
 def token_ids(prompt: Any, what: str = "a prompt is text (str) or token ids (a list of int)") -> list[int]:
     """A prompt given as token ids (a list, tuple or array of integers) as a list of ints. Raises TypeError naming
-    what it got instead (None, a number, bytes, floats, strings): a float id is never rounded into a token.
+    what it got instead (None, a number, bytes, a dict or set, floats, strings): a float id is never rounded into a
+    token.
     `what`: the message's start (`IDS_ONLY` after the caller's name where text is not taken)."""
-    if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Iterable):
+    # a dict iterated as its keys and a set in no order: neither is a sequence of tokens
+    if isinstance(prompt, (str, bytes, bytearray, Mapping, Set)) or not isinstance(prompt, Iterable):
         raise TypeError(f"{what}, got {type(prompt).__name__}")
     ids = []
     for t in prompt:

@@ -424,7 +424,9 @@ class Engine:
             on_prefill_progress: called as (done, total) with the prompt tokens computed so far.
         Raises:
             PromptError (a ValueError), from this call itself: empty prompt, longer than the context, bad ids.
-            SamplingError (a ValueError): a bad sampling value.
+            SamplingError (a ValueError): a bad sampling value, or a token id in `logit_bias`, `stop_token_ids` or
+                `banned_token_ids` outside the vocabulary; `UnknownParameter` (also a TypeError): a keyword that is
+                no sampling parameter.
             TypeError / ValueError: a prompt that is neither text nor int ids, an argument of the wrong kind, a
                 session of another engine (`fastar.engine.arguments`); EngineClosed after `close()`.
             SessionInUse, from the iterator when it is resumed after another generation ran on its session.

@@ -344,6 +344,18 @@ def test_load_of_a_missing_path_is_a_file_not_found_error(tmp_path, monkeypatch,
         load("~/m.fst")
 
 
+def test_loading_a_missing_session_file_is_a_file_not_found_error(engine, tmp_path) -> None:
+    """It was a SessionError only; the session is unchanged and usable."""
+    from fastar.engine.session import SessionError
+
+    session = engine.open_session()
+    missing = tmp_path / "missing.bin"
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(str(missing))}: no such file$") as info:
+        session.load(missing)
+    assert isinstance(info.value, SessionError)
+    assert [c.token for c in engine.stream(PROMPT, max_tokens=4, ignore_eos=True, session=session)] == greedy(engine)
+
+
 @pytest.mark.parametrize(
     "content,says",
     [

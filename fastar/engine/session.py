@@ -58,6 +58,11 @@ class SessionError(FastarError):
     """A saved session cannot be restored (missing, corrupt, or saved from another model)."""
 
 
+class SessionNotFound(SessionError, FileNotFoundError):
+    """`Session.load` of a path that names no file: a FileNotFoundError too, as `open()` of it raises (as a missing
+    model is `fastar.errors.ModelNotFound`)."""
+
+
 class SessionInUse(FastarError, RuntimeError):
     """A generation was resumed after another one ran on its session (their tokens would mix)."""
 
@@ -506,7 +511,7 @@ class Session:
                 raise SessionError(f"{path}: not a regular file")
             raw = path.read_bytes()
         except FileNotFoundError:
-            raise SessionError(f"{path}: no such file") from None
+            raise SessionNotFound(f"{path}: no such file") from None
         except OSError as e:
             raise SessionError(f"{path}: cannot read ({e.strerror})") from None
         if raw[:8] != MAGIC:

@@ -32,10 +32,11 @@ def test_after_a_layer_short_prompts_start_and_the_decode_steps_owed_run_before_
     assert calls[0] == "short"  # the prompts that came, before the steps owed
     steps = calls.count("decode")
     assert layer <= steps * 0.002 < layer + 0.02  # decode steps for as long as the layer took, no more
-    assert pacer.owed == 0.0 and chunk.gave > 0.0
+    assert -0.002 <= pacer.owed <= 0.0 and chunk.gave > 0.0  # a step past the debt: credit for the next layer
     n = len(calls)
     chunk(3, 3)  # the last layer: the chunk's head comes next, then the step (which admits and decodes)
     assert len(calls) == n
+    time.sleep(0.005)  # the last layer
     chunk.end()
     assert pacer.owed > 0.0  # the last layer's time is owed after the chunk
 
@@ -71,3 +72,16 @@ def test_a_cancelled_prompts_chunk_stops_after_the_layer_it_ran():
     with pytest.raises(ChunkCancelled):
         chunk(2, 4)
     assert len(steps) == n  # no step: the chunk stops at once
+
+
+def test_a_step_past_the_debt_is_credit_for_the_next_layer_but_decoding_alone_banks_no_more():
+    pacer = PrefillPacer(0.5)
+    pacer.prefilled(1.0, True)  # a layer of 1 s: 1 s of decoding owed
+    pacer.decoded(0.7)
+    pacer.decoded(0.7)  # 0.4 s past it
+    assert pacer.owed == pytest.approx(-0.4)
+    pacer.prefilled(1.0, True)
+    assert pacer.owed == pytest.approx(0.6)  # the next layer's debt, less the credit
+    for _ in range(50):
+        pacer.decoded(0.7)  # decoding alone, nothing to prefill
+    assert pacer.owed == pytest.approx(-0.7)  # one step's credit, not 35 s of it

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from fastar.engine.engine import load
 from fastar.engine.prefix_cache import PrefixCache
 from fastar.engine.sampling import SamplingParams
 from fastar.engine.scheduler import Scheduler
+from fastar.model.deepseek_v4 import Block
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -411,13 +413,13 @@ def test_server_drafts_a_lone_greedy_request(plain, tiny_ckpt):
         srv.shutdown()
 
 
-def test_a_long_prompt_prefilled_through_the_drafter_gives_way_between_its_layers(plain, drafted):
+def test_a_long_prompt_prefilled_through_the_drafter_gives_way_between_its_layers(plain, drafted, monkeypatch):
     """A greedy request drafting alone, then a 120-token prompt (chunks of 16) that may draft too, so its chunks go
     through the drafter's target pass: they give way between their layers to the first request's decode steps
     (plain batched steps meanwhile), and both equal their plain solo runs; alone again, the first drafts again."""
     needs_invariant_kernels()
     eng = drafted
-    reader = (prompt(20, 7), SamplingParams(max_tokens=90, ignore_eos=True))
+    reader = (prompt(20, 7), SamplingParams(max_tokens=300, ignore_eos=True))
     long_ = (prompt(21, 120), SamplingParams(max_tokens=4, ignore_eos=True))
     expect = {"reader": solo(plain, *reader), "long": solo(plain, *long_)}
     eng.drafter.transcripts = [transcript(reader[0], expect["reader"]), transcript(long_[0], expect["long"])]
@@ -440,6 +442,13 @@ def test_a_long_prompt_prefilled_through_the_drafter_gives_way_between_its_layer
             finally:
                 passes.pop()
 
+        block_call = Block.__call__
+
+        def slow(self, *args, **kw):  # a layer longer than a decode step, whose credit then never covers one
+            time.sleep(0.005)
+            return block_call(self, *args, **kw)
+
+        monkeypatch.setattr(Block, "__call__", slow)
         a = sched.submit(*reader, on_chunk=lambda c: log.append(("reader", c)))
         for _ in range(3):
             sched.step()
@@ -451,11 +460,12 @@ def test_a_long_prompt_prefilled_through_the_drafter_gives_way_between_its_layer
         finally:
             del eng.model.forward_rows, eng.drafter.forward
         drafts = sched.metrics()["draft_steps"]
+        monkeypatch.undo()
         sched.run_until_idle()
     finally:
         eng.prefill_chunk = before
     assert a.done.is_set()
-    assert sum(inside) >= 120 // 16  # the reader decoded inside the chunks' passes, between their layers
+    assert sum(inside) >= (120 // 16) * (len(eng.model.layers) - 1)  # between every two layers of each chunk
     assert sched.metrics()["draft_steps"] > drafts  # alone again, it drafts
     for who in ("reader", "long"):
         same_chunks([c for w, c in log if w == who], expect[who])

@@ -61,8 +61,11 @@ class PrefillPacer:
             self.owed += seconds * (1.0 - self.share) / self.share
 
     def decoded(self, seconds: float) -> None:
-        """Decode steps took `seconds` of what is owed."""
-        self.owed = max(0.0, self.owed - seconds)
+        """A decode step took `seconds` of what is owed. What it ran past the debt is credit for the next chunk or
+        layer, up to that one step (decoding alone banks no more): a step can take as long as a layer of a sliced
+        chunk at full depth, and without the credit the decoding sequences got about a step more than their share
+        after every layer."""
+        self.owed = max(-seconds, self.owed - seconds)
 
 
 class ChunkCancelled(Exception):

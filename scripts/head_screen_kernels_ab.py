@@ -16,26 +16,15 @@ prints per round the read-bandwidth probe, then per row count the median and bes
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import sys
 import time
 
 import numpy as np
+from kernels_ab import load  # (scripts/: two builds side by side)
 
 import fastar
 from fastar.engine.sampling import argmax
 from fastar.model.head_screen import MARGIN
-
-
-def load(path: str):
-    """The extension at path as a module of its own (two builds side by side)."""
-    loader = importlib.machinery.ExtensionFileLoader("_kernels", path)
-    spec = importlib.util.spec_from_file_location("_kernels", path, loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    sys.modules.pop("_kernels", None)
-    return module
 
 
 def decode_rows(engine, n: int, steps: int = 4, prompt: int = 64) -> list[np.ndarray]:

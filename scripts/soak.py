@@ -4,8 +4,10 @@ Starts `fastar serve` on a free port (the built-in demo model, or `-m PATH`; its
 folder), then N client threads each loop over a seeded random mix of requests until the duration is over:
 chat completions (streamed and not, with tools, with logprobs, n > 1, a JSON schema, a growing multi-turn
 conversation), completions (streamed and not, logprobs, n > 1, echo), Anthropic `/v1/messages` (streamed and
-not), Responses (stored, chained by `previous_response_id`, streamed) and streams the client cuts after their
-first event (a disconnect). Prompts are random words, so the prompt caches keep meeting new prefixes.
+not), Responses (stored, chained by `previous_response_id`, streamed), streams the client cuts after their
+first event (a disconnect), and long prompts (700-1,600 words: several prefill chunks, which give way to the other
+requests between their layers), half of them cut after their first event, while they prefill. Prompts are random
+words, so the prompt caches keep meeting new prefixes.
 
 Every `--interval` seconds it samples the server's RSS (and its anonymous and file-backed parts) and prints a
 row; at the end a summary: RSS at the start (after `--warmup`) and at the end, and the least-squares slope (MB/min)
@@ -241,6 +243,9 @@ class Client:
                 )
             )
             return kind, self.post(path, body, cut=True)
+        if kind == "long":  # a prompt of several prefill chunks, given way between its layers; half cut mid-prefill
+            body = {**base, "messages": [{"role": "user", "content": self.words(700, 1600)}], "stream": True}
+            return kind, self.post("/v1/chat/completions", body, cut=self.rng.random() < 0.5)
         if kind == "anthropic":
             body = {**base, "messages": msg, "stream": stream, "system": self.words(2, 10)}
             if self.rng.random() < 0.3:
@@ -265,7 +270,7 @@ class Client:
 
 
 KINDS = ("chat", "chat", "conversation", "tools", "json", "completion", "completion", "disconnect")
-KINDS += ("anthropic", "responses")
+KINDS += ("anthropic", "responses", "long")
 
 
 def start_server(args, log_dir: Path) -> ServerProcess:

@@ -25,8 +25,9 @@ changes either. A prompt that fits in one chunk runs its chunk unbroken, as a sh
 long prompt cancelled meanwhile (its client gone, Stop pressed) stops there too, a layer later rather than a chunk
 later, its half-advanced state dropped.
 
-Owns: the time owed and the decision; the decode steps owed between a sliced chunk's layers. Does not own: timing
-the steps, running them, or choosing which prompt's chunk (the `Scheduler`).
+Owns: the time owed and the decision; what a sliced chunk does between its layers (timing them, asking for the work
+owed). Does not own: running decode steps or prefills, timing whole steps, or choosing which prompt's chunk (the
+`Scheduler`).
 """
 
 from __future__ import annotations

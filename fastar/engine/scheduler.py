@@ -613,8 +613,9 @@ class Scheduler:
         self._admit()
         self._adopt_loaded()
         chunk = self.engine.prefill_chunk
-        for r in [r for r in self._active if r.pending is None and r.loading is None]:
-            if r.done == r.cached and len(r.ids) - r.done <= chunk:
+        waiting = [r for r in self._active if r.pending is None and r.loading is None and r.done == r.cached]
+        for r in sorted(waiting, key=lambda r: len(r.ids) - r.done):  # the shortest first, as between chunks
+            if len(r.ids) - r.done <= chunk and not r.all_cancelled:
                 self._prefill_chunk(r)
 
     def _decode_owed(self) -> float | None:

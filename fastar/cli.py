@@ -314,7 +314,7 @@ def cmd_synth(a) -> int:
         raise FastarError("synth: --hidden and --inter must be multiples of 128 (the FP8 and FP4 block sizes)")
     if not 0 <= a.router_bias < float("inf"):  # NaN too: it would route every token nowhere in particular
         raise FastarError(f"synth: --router-bias is a standard deviation, got {a.router_bias}")
-    from .synth import plan, refuse_too_large
+    from .synth import plan, refuse_too_large, synth_config
 
     # said at once, naming the flags, for both outputs: an expert bank or tensor table over the .fst header's cap (a
     # checkpoint directory is for the .fst converted from it: the same caps), or more bytes than the disk has free;
@@ -324,7 +324,8 @@ def cmd_synth(a) -> int:
         shape = f"synth: --layers {a.layers} (+ --mtp {a.mtp}) x --experts {a.experts}"
         if a.vocab != 129280 or a.hidden != 4096 or a.inter != 2048:
             shape += f" at --vocab {a.vocab} --hidden {a.hidden} --inter {a.inter}"
-        refuse_too_large(out, plan(a.layers, a.experts, a.vocab, a.hidden, a.inter, a.mtp), shape)
+        cfg = synth_config(a.layers, a.experts, a.vocab, a.hidden, a.inter, mtp=a.mtp)
+        refuse_too_large(out, plan(cfg), shape)
     if a.hf_dir:  # the official layout: safetensors shards, config.json (one MTP block, fixed router recipe)
         from .fixtures import write_checkpoint
 

@@ -25,7 +25,7 @@ power-of-two 128x128 block scales jittered by 2^{-1,0,1}; FP4 experts uniform co
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -96,21 +96,21 @@ class Plan(NamedTuple):
     data_bytes: int  # the tensors' and experts' bytes (a .fst file, or an official checkpoint's shards)
 
 
-def plan(
-    layers: int,
-    experts: int = 256,
-    vocab: int = 129280,
-    hidden: int = 4096,
-    inter: int = 2048,
-    mtp: int = 1,
-    **config: Any,
-) -> Plan:
-    """The size of the model `synth` (or `fixtures.write_checkpoint` at the same widths) would write, in
-    milliseconds for any shape: the manifest of at most `_SAMPLE_LAYERS` layers and `_SAMPLE_MTP` MTP blocks is
-    measured, and each further layer (block) counted as the smallest score-routed layer (block) of the sample: a
-    lower bound, so a shape refused by it is too large for certain. `config` as for `synth`."""
-    n, k = min(layers, max(_SAMPLE_LAYERS, config.get("num_hash_layers", 0) + 3)), min(mtp, _SAMPLE_MTP)
-    cfg = synth_config(n, experts, vocab, hidden, inter, mtp=k, **config)
+def plan(cfg: ModelConfig) -> Plan:
+    """The size of the model `synth` (or `fixtures.write_checkpoint` at the same widths) would write for config `cfg`
+    (`synth_config`'s), in milliseconds for any shape: the manifest of at most `_SAMPLE_LAYERS` layers and
+    `_SAMPLE_MTP` MTP blocks is measured, and each further layer (block) counted as the smallest score-routed layer
+    (block) of the sample: a lower bound, so a shape refused by it is too large for certain."""
+    layers, mtp, experts = cfg.num_hidden_layers, cfg.num_mtp_layers, cfg.n_routed_experts
+    hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    n, k = min(layers, max(_SAMPLE_LAYERS, cfg.num_hash_layers + 3)), min(mtp, _SAMPLE_MTP)
+    ratios = cfg.compress_ratios[:n] + cfg.compress_ratios[layers : layers + k]
+    full, cfg = (
+        cfg,
+        dataclasses.replace(
+            cfg, num_hidden_layers=n, num_mtp_layers=k, num_nextn_predict_layers=max(1, k), compress_ratios=ratios
+        ),
+    )
     groups: dict[str, list[int]] = {}  # "layers.i" / "mtp.k" / "" (the rest) -> [tensors, header bytes, bytes]
     for name, (dtype, shape) in expected_tensors(cfg, routed=False).items():
         parts = name.split(".")
@@ -127,7 +127,7 @@ def plan(
             total = [t + more * min(g[i] for g in sample) for i, t in enumerate(total)]
     records = (layers + mtp) * experts
     record = sum(sec["nbytes"] for sec in spec.expert_sections(hidden, inter))
-    fixed = {k: v for k, v in cfg.to_dict().items() if k != "compress_ratios"}  # (counted apart: one per layer)
+    fixed = {k: v for k, v in full.to_dict().items() if k != "compress_ratios"}  # (counted apart: one per layer)
     header = total[1] + len(json.dumps(fixed, separators=(",", ":")))
     header += records * (len('"",') + 16) + 2 * (layers + mtp)  # the expert checksums, compress_ratios
     return Plan(total[0], records, header, total[2] + records * record)
@@ -318,8 +318,8 @@ def synth(
         config: other `ModelConfig` fields (head counts, ranks) for small test models.
     """
     refuse_existing_output(out_path, force)
-    refuse_too_large(out_path, plan(layers, experts, vocab, hidden, inter, mtp, **config))
     cfg = synth_config(layers, experts, vocab, hidden, inter, mtp=mtp, **config)
+    refuse_too_large(out_path, plan(cfg))
     manifest = expected_tensors(cfg, routed=False)  # (with them: minutes for --experts 1000000000, before any check)
     tok = _tokenizer_json() if tokenizer and vocab == 129280 else None
     w = FstWriter(out_path, cfg.to_dict(), source={"synthetic": True, "seed": seed, "generator": "fastar.synth"})
@@ -447,33 +447,3 @@ def lookahead_trace(
             ids = right + wrong[:n_wrong]
             pred[t, layer, : len(ids)] = ids
     return pred
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m fastar.synth", description="write a random-weight .fst")
-    ap.add_argument("out")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=129280)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--router-bias", type=float, default=0.05)
-    ap.add_argument("--force", action="store_true", help="replace an existing OUT")
-    a = ap.parse_args(argv)
-    synth(
-        a.out,
-        a.layers,
-        a.experts,
-        a.vocab,
-        a.hidden,
-        a.inter,
-        a.seed,
-        progress=True,
-        router_bias=a.router_bias,
-        force=a.force,
-    )
-
-
-if __name__ == "__main__":
-    main()

@@ -421,7 +421,8 @@ def test_a_short_prompt_that_comes_during_a_long_chunk_starts_between_its_layers
 def test_a_long_prompt_cancelled_mid_chunk_stops_after_the_layer_it_ran(eng, chunk16, monkeypatch):
     """A 200-token prompt cancelled during the second layer of its second chunk (another request decoding) stops
     there: no layer of it runs after, its request ends cancelled at once, the other goes on equal to its solo run,
-    and its half-advanced state is kept for no one (the same prompt again equals its solo run)."""
+    and its half-advanced state is kept for no one (not among the states kept for reuse; the same prompt again
+    equals its solo run)."""
     needs_invariant_kernels()
     reader = (prompt(12, 6), SamplingParams(max_tokens=60, ignore_eos=True))
     long_ = (prompt(13, 200), SamplingParams(max_tokens=3, ignore_eos=True))
@@ -437,7 +438,7 @@ def test_a_long_prompt_cancelled_mid_chunk_stops_after_the_layer_it_ran(eng, chu
         return out
 
     monkeypatch.setattr(Block, "__call__", layer)
-    sched = Scheduler(eng, prefill_share=0.5)
+    sched = Scheduler(eng, prefill_share=0.5, keep_states=4)
     log = []
     handles["reader"] = sched.submit(*reader, on_chunk=lambda c: log.append(("reader", c)))
     sched.step()
@@ -450,6 +451,7 @@ def test_a_long_prompt_cancelled_mid_chunk_stops_after_the_layer_it_ran(eng, chu
     assert events.count(("layer", 16)) == len(eng.model.layers) + 2
     monkeypatch.undo()
     same_chunks([c for w, c in log if w == "reader"], solo(eng, *reader))
+    assert [k.tokens[:6] for k in sched.memory._kept] == [reader[0]]  # the reader's state only
     again = list(sched.submit(*long_))
     same_chunks(again, solo(eng, *long_))
 

@@ -316,7 +316,7 @@ def test_the_plan_is_a_lower_bound_of_what_the_writer_plans(shape, config, tmp_p
         w.add_tensor(name, spec.FROM_SAFETENSORS[dtype], dims)
     w.set_expert_bank(cfg.num_layer_slots, experts, hidden, inter)
     w._layout()
-    p = plan(layers, experts, vocab, hidden, inter, mtp, **config)
+    p = plan(cfg)
     header = len(w._header_bytes())
     assert p.records == cfg.num_layer_slots * experts
     assert 0.85 * len(manifest) <= p.tensors <= len(manifest)
@@ -347,8 +347,9 @@ def test_an_absurd_size_is_refused_at_once(tmp_path, monkeypatch, capsys):
         return real(path)._replace(free=50 * 10**6)
 
     monkeypatch.setattr("shutil.disk_usage", nearly_full)
-    need = f"needs at least {plan(2, 2, 1024, 256, 256).data_bytes / 1e9:.2f} GB, {tmp_path} has 0.05 GB free"
-    assert plan(2, 2, 1024, 256, 256).data_bytes > 10**8  # (0.1 GB or more: twice the free space said)
+    size = plan(synth_config(2, 2, 1024, 256, 256)).data_bytes
+    need = f"needs at least {size / 1e9:.2f} GB, {tmp_path} has 0.05 GB free"
+    assert size > 10**8  # (0.1 GB or more: twice the free space said)
     for flag, out in (("-o", tmp_path / "new" / "s.fst"), ("--hf-dir", tmp_path / "new" / "hf")):
         code = main(["synth", flag, str(out), *small])
         assert (code, capsys.readouterr().err) == (1, f"fastar: error: {flag} {out}: {need}\n")

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import __version__
 from .config import ModelConfig
 from .convert.names import expected_tensors
 from .errors import FastarError, OutputError
@@ -322,7 +323,12 @@ def synth(
     refuse_too_large(out_path, plan(cfg))
     manifest = expected_tensors(cfg, routed=False)  # (with them: minutes for --experts 1000000000, before any check)
     tok = _tokenizer_json() if tokenizer and vocab == 129280 else None
-    w = FstWriter(out_path, cfg.to_dict(), source={"synthetic": True, "seed": seed, "generator": "fastar.synth"})
+    w = FstWriter(
+        out_path,
+        cfg.to_dict(),
+        source={"synthetic": True, "seed": seed, "generator": "fastar.synth"},
+        converter_version=__version__,
+    )
     t0 = time.perf_counter()
     with w:
         for name, (dtype, shape) in manifest.items():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from synth_widths import SMALL
 
+import fastar
 from fastar.convert.names import expected_tensors, is_routed_expert
 from fastar.format import spec
 from fastar.format.reader import FstFile
@@ -57,6 +58,7 @@ def test_geometry_and_verify(small):
         for n, (dt, shape) in want.items():
             assert f.dtype(n) == spec.FROM_SAFETENSORS[dt] and f.tensor(n).shape == shape
         assert f.tokenizer_json() is None  # only with the real vocabulary
+        assert f.header["converter"] == {"name": "fastar", "version": fastar.__version__}  # `fastar inspect` shows it
 
 
 def test_records_differ_and_are_sane(small):

@@ -87,10 +87,19 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "built once)",
     )
     p.add_argument(
-        "-n", "--max-tokens", type=positive_int, default=max_tokens, help="most tokens to generate per reply"
+        "-n",
+        "--max-tokens",
+        type=positive_int,
+        default=max_tokens,
+        help="most tokens to generate per reply (default %(default)s)",
     )
     p.add_argument(
-        "--temp", "--temperature", dest="temp", type=float_in(0, 100, "a temperature"), default=0.0, help="0 = greedy"
+        "--temp",
+        "--temperature",
+        dest="temp",
+        type=float_in(0, 100, "a temperature"),
+        default=0.0,
+        help="0 = greedy (default %(default)s)",
     )
     p.add_argument(
         "--top-p",
@@ -105,7 +114,9 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
         default=0.0,
         help="drop tokens less likely than this fraction of the most likely one (0 = off)",
     )
-    p.add_argument("--seed", type=seed_value, default=None, help="random seed (same seed, same text)")
+    p.add_argument(
+        "--seed", type=seed_value, default=None, help="random seed (same seed, same text; default: a new one each run)"
+    )
     p.add_argument(
         "-c",
         "--ctx-size",
@@ -119,7 +130,7 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "--thinking",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="let the model think before answering (DeepSeek-V4 thinking mode)",
+        help="let the model think before answering (DeepSeek-V4 thinking mode; default: off)",
     )
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument(
@@ -143,7 +154,12 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
         help="RAM for routed experts paged from the .fst, e.g. 24G (auto: available memory less the "
         "resident weights and a margin; 'none': map the whole file)",
     )
-    p.add_argument("--cache-policy", default="lrfu", choices=["lrfu", "lru"], help="expert eviction policy")
+    p.add_argument(
+        "--cache-policy",
+        default="lrfu",
+        choices=["lrfu", "lru"],
+        help="expert eviction policy: lrfu (default; recency and frequency) or lru (recency only)",
+    )
     p.add_argument(
         "--direct-io",
         action=argparse.BooleanOptionalAction,

@@ -171,3 +171,25 @@ def test_every_option_says_what_it_does():
         if not isinstance(action, argparse._HelpAction) and not (action.help or "").strip()
     ]
     assert len(commands) >= 12 and silent == []
+
+
+def test_generation_options_state_their_defaults(monkeypatch):
+    """`run --help` and `chat --help` say what an option does when left out, as llama.cpp's help does: -n was
+    "most tokens to generate per reply" with no word of run's 256 or chat's 1024, and --temp, --seed, --thinking
+    and --cache-policy were as silent. A FASTAR_* mirror changes the default, and the help says so."""
+    import argparse
+
+    def helps(command: str) -> dict[str, str]:
+        commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+        sub = commands[command]
+        return {o: sub._get_formatter()._expand_help(a) for a in sub._actions for o in a.option_strings}
+
+    for command, n in (("run", 256), ("chat", 1024)):
+        h = helps(command)
+        assert h["-n"].endswith(f"(default {n})"), h["-n"]
+        assert h["--temp"].endswith("(default 0.0)")
+        assert "default: a new one each run" in h["--seed"]
+        assert "default: off" in h["--thinking"]
+        assert "lrfu (default" in h["--cache-policy"]
+    monkeypatch.setenv("FASTAR_MAX_TOKENS", "64")
+    assert helps("run")["-n"].endswith("(default 64)")

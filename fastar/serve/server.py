@@ -389,7 +389,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         type=api_key_flag,
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health",
+        help="require the key on every route but /health: 'Authorization: Bearer KEY', 'x-api-key: KEY' or, from a "
+        "browser (the web UI), Basic with KEY as the password",
     )
     parser.add_argument(
         "--cors-origin", default=None, help="allow browser pages from this origin (comma-separated list, or '*')"

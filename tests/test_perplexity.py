@@ -153,7 +153,10 @@ def test_one_line_errors(vocab_ckpt, text_file, tmp_path, capsys):
         ((short, "-m", vocab_ckpt), "nothing to score"),
         ((text_file, "-m", vocab_ckpt, "--ctx", 10**9), "larger than the model's context"),
         ((text_file, "--ctx", 32, "--stride", 40), "--stride 40 is larger than --ctx 32"),
-        ((text_file, "-m", vocab_ckpt, "--ctx", 48, "--kl-divergence", base), "saved with other windows"),
+        (
+            (text_file, "-m", vocab_ckpt, "--ctx", 48, "--kl-divergence", base),
+            "(ctx 40, stride 20; this run's: ctx 48, stride 24): score with the same",
+        ),
         ((text_file, "-m", vocab_ckpt, "--kl-divergence", text_file), "not a `fastar perplexity --save-logits` file"),
     ]
     for args, message in cases:

@@ -210,5 +210,8 @@ def _open_base(path: str, ids: list[int], positions: list[int], vocab: int, ctx:
         raise FastarError(f"{path}: saved from other tokens (another text or tokenizer)")
     h = base.header
     if (h.get("ctx"), h.get("stride")) != (ctx, stride) or not np.array_equal(base.positions, np.asarray(positions)):
-        raise FastarError(f"{path}: saved with other windows (ctx {h.get('ctx')}, stride {h.get('stride')})")
+        raise FastarError(
+            f"{path}: saved with other windows (ctx {h.get('ctx')}, stride {h.get('stride')}; this run's: ctx {ctx}, "
+            f"stride {stride}): score with the same ctx and stride"
+        )
     return base

@@ -59,6 +59,21 @@ def test_bench_json(tiny_ckpt, tmp_path):
     assert small["prefill_fraction_of_io_ceiling"] > 0 and "prefill_io_ceiling_tok_s" not in auto
 
 
+def test_bench_model_runs_with_the_thread_count_asked(tiny_ckpt, tmp_path):
+    """`bench -m --threads N` sizes the kernels' pool as `run --threads` does (it was ignored: the run used every
+    CPU); a list, which `bench kernels` takes, is one line for a model benchmark. The plot's file is named."""
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    png = tmp_path / "curve.png"
+    args = ("-m", str(fst), "--json", "--prompt-tokens", "4", "--decode-tokens", "2", "--warmup-tokens", "0")
+    r = _bench(*args, "--threads", "1", "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["threads"] == 1
+    assert f"written to {png}" in r.stderr and png.exists()
+    r = _bench(*args, "--threads", "1,2")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.endswith("(a list is for `fastar bench kernels`)\n") and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_bench_times_sampled_steps_against_the_full_heads_ceiling(tiny_ckpt, tmp_path):
     """--temperature times sampled steps: the full LM head (the screen's bytes not in the ceiling), the settings in
     the JSON and the table; bad values and a draft with it are usage errors."""

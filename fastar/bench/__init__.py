@@ -52,7 +52,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         help=".fst file or checkpoint directory to benchmark end to end",
     )
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--threads", default=None, type=_thread_list, help="kernels: comma-separated thread counts")
+    b.add_argument(
+        "--threads",
+        default=None,
+        type=_thread_list,
+        help="CPU threads of the kernels: one count for a model benchmark (default: every CPU this process may use); "
+        "kernels: comma-separated counts, each timed",
+    )
     console.add_draft_argument(b)
     console.add_memory_arguments(b)
     b.add_argument(
@@ -191,8 +197,25 @@ def _check_context(a: argparse.Namespace) -> None:
         raise FastarError(f"{what} is {need:,} positions, more than the model's {limit:,}")
 
 
+def _model_threads(a: argparse.Namespace) -> None:
+    """--threads of a model benchmark (`bench -m`, `bench draft`): one count, the kernels' pool for the whole run, as
+    `run --threads` sets it (it was taken and ignored: the run used every CPU and said so). `bench kernels` takes a
+    list and times each count."""
+    if a.what == "kernels" or not a.threads:
+        return
+    if "," in a.threads:
+        raise FastarError(
+            f"--threads: a model benchmark runs with one thread count, got {a.threads!r} "
+            "(a list is for `fastar bench kernels`)"
+        )
+    from ..engine.build import set_threads
+
+    set_threads(True, int(a.threads))
+
+
 def main(a: argparse.Namespace) -> int:
     """Run the benchmark `a.what` names with the parsed arguments."""
+    _model_threads(a)
     if a.what == "draft":
         if not a.model:
             raise FastarError("bench draft: give -m CHECKPOINT (a .fst file or checkpoint directory)")

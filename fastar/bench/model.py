@@ -823,6 +823,7 @@ def main(a) -> int:
         r["decode_ratio_vs_compare"] = r["decode_tok_s"] / r["compare"]["decode_tok_s"]
     if a.plot:
         plot(r, a.plot)
+        print(f"plot of tokens/s and hit rate against the RAM budget written to {a.plot}", file=sys.stderr)
     if a.json:
         print(json.dumps(r, default=float))
     else:

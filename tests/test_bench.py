@@ -72,6 +72,8 @@ def test_bench_model_runs_with_the_thread_count_asked(tiny_ckpt, tmp_path):
     r = _bench(*args, "--threads", "1,2")
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.endswith("(a list is for `fastar bench kernels`)\n") and r.stderr.count("\n") == 1, r.stderr
+    r = _bench(*args, "--ram-budget", "1G,12X")  # a typo in the list names its flag, as run's --ram-budget does
+    assert r.returncode == 1 and r.stderr.startswith("fastar: error: --ram-budget: cannot read '12X' as a size")
 
 
 def test_bench_times_sampled_steps_against_the_full_heads_ceiling(tiny_ckpt, tmp_path):

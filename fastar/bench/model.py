@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import parse_size
-from ..errors import FastarError
+from ..errors import ConfigError, FastarError
 
 
 class _PeakRSS:
@@ -763,7 +763,10 @@ def main(a) -> int:
     budgets = [
         None if s.strip().lower() == "none" else s.strip() for s in str(opts.pop("ram_budget") or "none").split(",")
     ]
-    budgets = [b if b in (None, "auto") else parse_size(b) for b in budgets]
+    try:
+        budgets = [b if b in (None, "auto") else parse_size(b) for b in budgets]
+    except ConfigError as e:  # one line naming the flag, as run's --ram-budget
+        raise ConfigError(f"--ram-budget: {e}") from None
     opts["draft"] = a.draft
     policies = [p.strip() for p in a.policies.split(",")] if a.policies else None
     bad = [p for p in policies or [] if p not in ("lrfu", "lru")]

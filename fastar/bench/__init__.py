@@ -43,7 +43,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         nargs="?",
         default="model",
         choices=["model", "kernels", "draft"],
-        help="draft: decode speed with and without speculative decoding against expert-cache size",
+        help="model (the default; needs -m): prefill/decode tokens/s, hit rate and peak RSS against the ceiling "
+        "measured in the same run; kernels: the quantized products' GB/s against this machine's memory bandwidth; "
+        "draft: decode speed with and without speculative decoding against expert-cache size",
     )
     b.add_argument(
         "-m",
@@ -65,26 +67,26 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "--prompt-tokens",
         type=int_flag(1, None, "--prompt-tokens"),
         default=64,
-        help="model: prompt length to prefill",
+        help="model: prompt length to prefill (default %(default)s)",
     )
     b.add_argument(
         "--decode-tokens",
         type=int_flag(1, None, "--decode-tokens"),
         default=16,
-        help="model: tokens to decode (timed)",
+        help="model: tokens to decode, timed (default %(default)s)",
     )
     b.add_argument(
         "--repeats",
         type=int,
         default=1,
-        help="model: time the decode this many times in a row, each against the memory bandwidth "
-        "measured around it (the host's memory speed moves); --profile-prefill: the runs profiled",
+        help="model: time the decode this many times in a row, each against the memory bandwidth measured around it "
+        "(the host's memory speed moves); --profile-prefill: the runs profiled (default %(default)s)",
     )
     b.add_argument(
         "--warmup-tokens",
         type=int_flag(0, None, "--warmup-tokens"),
         default=8,
-        help="model: untimed decode steps after the prompt, so the expert cache settles first",
+        help="model: untimed decode steps after the prompt, so the expert cache settles first (default %(default)s)",
     )
     b.add_argument(
         "--temperature",

@@ -2,8 +2,8 @@
 
 Owns: their flags (`add_run_arguments`, `add_chat_arguments`; `fastar.cli` mirrors each in a `FASTAR_*`
 variable), opening the model (the built-in demo when no `-m` is given, with its banner), progress bars for load
-and long prefills (on a terminal only), streaming output (answer to stdout; reasoning dimmed, and for `run` on
-stderr so a pipe gets the answer alone), the timings line, and the chat REPL (`ChatREPL`: history, `/reset`,
+and long prefills (on a terminal only), streaming output (answer to stdout; reasoning dimmed, `styled`, and for
+`run` on stderr so a pipe gets the answer alone), the timings line, and the chat REPL (`ChatREPL`: history, `/reset`,
 `/thinking`, `/save`, `/load`, Ctrl-C stops a reply and keeps the chat; from a pipe, a failed turn or command is a
 `fastar: error:` line on stderr and the exit status 1). Does not own: any tensor code
 (everything goes through `Engine` and `Session`), the chat format (`fastar.encoding`), argument parsing
@@ -29,10 +29,18 @@ from .errors import ConfigError, FastarError
 from .outputs import model_files, refuse_existing_output, refuse_inputs_as_output
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+def styled(f: TextIO) -> bool:
+    """Whether `f` gets terminal styling (the dimmed reasoning): a terminal, unless NO_COLOR is set (non-empty, as
+    no-color.org asks) or TERM is `dumb`, where an escape shows as `^[[2m` garbage."""
+    return f.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
 MAX_STDIN_PROMPT = 64 << 20  # characters: 16x a 1M-token context's text, and a bound for an endless stream
 CHAT_HELP = """commands:
   /reset              forget the conversation (the system prompt stays)
-  /thinking on|off    think before answering (reasoning is shown dimmed)
+  /thinking on|off    think before answering (reasoning is shown dimmed unless NO_COLOR is set)
   /save FILE          save the conversation and its model state (/save --force FILE: over an existing file)
   /load FILE          load a saved conversation (continues without recomputing it)
   /stats              token counts and speeds so far
@@ -426,7 +434,7 @@ class _Writer:
 
     def __init__(self, out: TextIO, reasoning_out: TextIO) -> None:
         self.out, self.rout = out, reasoning_out
-        self.dim = reasoning_out.isatty()
+        self.dim = styled(reasoning_out)
         self.last = {id(out): "\n", id(reasoning_out): "\n"}
         self.kind = "content"
 

@@ -357,7 +357,9 @@ def test_history_and_chat_encoding() -> None:
     ]
 
 
-def test_thinking_is_dimmed_and_kept_in_history() -> None:
+def test_thinking_is_dimmed_and_kept_in_history(monkeypatch) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)  # a terminal that takes styling
+    monkeypatch.setenv("TERM", "xterm")
     repl, eng, out = make_repl(["Let me see.</think>Yes."])
     repl.handle("/thinking on")
     repl.handle("Well?")
@@ -365,6 +367,19 @@ def test_thinking_is_dimmed_and_kept_in_history() -> None:
     text = out.getvalue()
     assert f"{DIM}Let" in text and "Yes." in text
     assert repl.messages[-1] == {"role": "assistant", "content": "Yes.", "reasoning_content": "Let me see."}
+
+
+@pytest.mark.parametrize("env", [{"NO_COLOR": "1"}, {"TERM": "dumb"}])
+def test_no_color_or_a_dumb_terminal_gets_no_escapes(monkeypatch, env) -> None:
+    """NO_COLOR (no-color.org) and TERM=dumb turn the dimming off: the reasoning comes as plain text."""
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    repl, eng, out = make_repl(["Let me see.</think>Yes."])
+    repl.handle("/thinking on")
+    repl.handle("Well?")
+    assert "Let me see." in out.getvalue() and "\x1b" not in out.getvalue()
 
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_chat() -> None:

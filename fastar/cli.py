@@ -76,7 +76,7 @@ def _path(text: str) -> str:
     traceback from convert), so it is a usage error."""
     if not text.strip():
         raise argparse.ArgumentTypeError("the path is empty")
-    return text
+    return os.path.expanduser(text)  # `--output=~/x.fst` and a FASTAR_* mirror get no shell to expand `~`
 
 
 _seed = int_flag(0, None, "a seed")  # numpy's generators take non-negative seeds only
@@ -535,6 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "-m",
         "--model",
+        type=console.model_path,
         default=None,
         help=".fst file or official checkpoint directory (default: the built-in demo model)",
     )

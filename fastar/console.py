@@ -86,10 +86,17 @@ VERBOSE_HELP = "more detail on stderr (model, token counts, stats)"
 VERBOSE_LOAD_HELP = "one more line on stderr: the loaded model's layers, widths, experts, vocabulary and context"
 
 
+def model_path(text: str) -> str:
+    """-m/--model: a leading `~` is the home folder, as the shell reads `-m ~/x.fst`; `--model=~/x.fst` and
+    `FASTAR_MODEL=~/x.fst` (a service's environment file) reach fastar as written, and failed as "no such file"."""
+    return os.path.expanduser(text)
+
+
 def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument(
         "-m",
         "--model",
+        type=model_path,
         default=None,
         help=".fst file or official checkpoint directory (default: the built-in demo model, random weights, "
         "built once)",

@@ -30,7 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the text file, as llama-perplexity takes it",
     )
-    p.add_argument("-m", "--model", default=None, help=".fst file or checkpoint directory (default: the demo model)")
+    p.add_argument(
+        "-m",
+        "--model",
+        type=console.model_path,
+        default=None,
+        help=".fst file or checkpoint directory (default: the demo model)",
+    )
     p.add_argument(
         "-c", "--ctx", type=console.positive_int, default=512, help="tokens per window (default 512, as llama.cpp)"
     )

@@ -705,6 +705,22 @@ def test_bench_plot_refuses_to_write_over_what_the_benchmark_reads(tiny_fst_path
     assert (model.read_bytes(), (ck / "config.json").read_bytes()) == before
 
 
+def test_a_path_starting_with_tilde_is_the_home_folders(tiny_fst_path, vocab_ckpt, tmp_path):
+    """`--model=~/m.fst`, `FASTAR_MODEL=~/m.fst` (a service's environment file) and `verify '~/m.fst'` reach fastar
+    with no shell to expand `~`: they were "no such file", while `-o ~/x` (outputs) and `bench --plot` expanded it.
+    Read as the shell reads `-m ~/m.fst`."""
+    shutil.copy(tiny_fst_path, tmp_path / "m.fst")
+    (tmp_path / "ck").symlink_to(vocab_ckpt)
+    home = {"HOME": str(tmp_path)}
+    for args, env in (
+        (("run", "--model=~/ck", "-p", "hi", "-n", "1"), home),
+        (("run", "-p", "hi", "-n", "1"), {**home, "FASTAR_MODEL": "~/ck"}),
+        (("verify", "--quick", "~/m.fst"), home),
+    ):
+        r = _cli(*args, env=env)
+        assert r.returncode == 0, (args, r.stderr[-2000:])
+
+
 def test_serve_says_what_run_says_of_a_file_that_is_no_model(tiny_fst_path, tmp_path):
     """`serve -m` a truncated, garbage or corrupt .fst (or no file) ended in 'loading the model failed: FormatError:
     ...' after binding its port: the class name, where `run` says one line. The same line now, exit 1; a file whose

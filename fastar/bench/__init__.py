@@ -50,6 +50,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "-m",
         "--model",
+        type=console.model_path,
         default=None,
         help=".fst file or checkpoint directory to benchmark end to end",
     )

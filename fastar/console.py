@@ -774,7 +774,8 @@ class ChatREPL:
         prompt = ">>> " if self.interactive else ""
         if read is None:
             read = input if self.interactive else stdin_line
-        self.say("fastar chat: /help for commands, Ctrl-C stops a reply, Ctrl-D or /exit quits.")
+        if self.interactive:  # from a pipe stdout keeps the replies (and what commands report) alone
+            self.say("fastar chat: /help for commands, Ctrl-C stops a reply, Ctrl-D or /exit quits.")
         while True:
             try:
                 line = read(prompt)
@@ -782,7 +783,8 @@ class ChatREPL:
                 self.fail(f"the input is not UTF-8 text: {e.reason}")
                 continue
             except EOFError:
-                self.say("")
+                if self.interactive:  # Ctrl-D: off the prompt's line
+                    self.say("")
                 return self._status()
             except KeyboardInterrupt:
                 self.say("\n(Ctrl-D or /exit to quit)")

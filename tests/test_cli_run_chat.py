@@ -423,6 +423,7 @@ def test_a_piped_chat_exits_1_when_a_turn_failed(monkeypatch) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nAgain\n"))
     repl, eng, out = make_repl(["Fine.", "Ok."])
     assert repl.run() == 0 and repl.err.getvalue() == "" and repl.messages[-1]["content"] == "Ok."
+    assert out.getvalue() == "Fine.\nOk.\n"  # the replies alone: no banner about Ctrl-C and /help before them
     monkeypatch.setattr(sys, "stdin", TTY())  # a terminal: unchanged
     repl, eng, out = make_repl([])
     eng.raise_error = FastarError("too long")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -52,10 +54,35 @@ def _env_default(dest: str, default, convert=None, switch: bool = False):
     return v
 
 
+def _did_you_mean(word: str, known) -> str:
+    """` (did you mean X?)` for a misspelt flag or command, else nothing."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """A usage error in one line (argparse's own prints the whole usage first), exit 2."""
+        bad = re.match(r"argument COMMAND: invalid choice: '([^']*)'", message)
+        if bad and self._subparsers is not None:
+            commands = next(a for a in self._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
+            message += _did_you_mean(bad.group(1), commands.choices)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """Flags no parser knows are said by the command's parser, which argparse leaves to the top one: `fastar run
+        --tmp 0` said `fastar: error: unrecognized arguments: --tmp 0 (see fastar --help)`, a help without --temp;
+        now `fastar run: error: ... (did you mean --temp?) (see fastar run --help)`."""
+        a, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = self
+            if self._subparsers is not None and a.command is not None:
+                commands = next(x for x in self._subparsers._group_actions if isinstance(x, argparse._SubParsersAction))
+                parser = commands.choices[a.command]
+            flags = [x.split("=", 1)[0] for x in extra if x.startswith("-")]
+            hint = _did_you_mean(flags[0], parser._option_string_actions) if flags else ""
+            parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        return a
 
     def add_argument(self, *args, **kw):
         act = super().add_argument(*args, **kw)

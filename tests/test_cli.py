@@ -45,6 +45,32 @@ def test_env_mirror_and_flag_precedence(monkeypatch):
     assert a.model == "from-env.fst"
 
 
+def test_a_misspelt_flag_or_command_is_said_by_its_parser_with_a_guess(capsys):
+    """`fastar run --tmp 0` said `fastar: error: unrecognized arguments: --tmp 0 (see fastar --help)`: the top
+    parser's words and a help that lists no run flag. The command's parser says it, with the closest flag or
+    command (as git and cargo do), and a word close to none gets no guess."""
+    from fastar.cli import main
+
+    for argv, want in (
+        (
+            ["run", "--tmp", "0", "-p", "x"],
+            "fastar run: error: unrecognized arguments: --tmp 0 (did you mean --temp?) (see fastar run --help)",
+        ),
+        (["serve", "--prot=8080"], "fastar serve: error: unrecognized arguments: --prot=8080 (did you mean --port?)"),
+        (["rn", "-p", "x"], "(did you mean run?) (see fastar --help)"),
+        (["run", "--xyzzy", "-p", "x"], "fastar run: error: unrecognized arguments: --xyzzy (see fastar run --help)"),
+        (["--bogus"], "fastar: error: unrecognized arguments: --bogus (see fastar --help)"),
+    ):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert e.code == 2, argv
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and want in err, (argv, err)
+
+
 def test_env_mirror_of_a_switch_reads_a_boolean(monkeypatch, capsys):
     """A switch's mirror is a boolean, also for the on/off pairs whose default is None (auto): FASTAR_DIRECT_IO=0
     turns O_DIRECT off (it was the string "0", a true value, so it forced O_DIRECT on), and a word that is no

@@ -81,6 +81,8 @@ class _Parser(argparse.ArgumentParser):
                 parser = commands.choices[a.command]
             flags = [x.split("=", 1)[0] for x in extra if x.startswith("-")]
             hint = _did_you_mean(flags[0], parser._option_string_actions) if flags else ""
+            if not flags and "-p" in parser._option_string_actions:  # `fastar run "Hello"`, as `ollama run` takes it
+                hint = " (give the prompt with -p, quoted: -p 'TEXT')"
             parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
         return a
 

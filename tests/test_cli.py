@@ -60,6 +60,7 @@ def test_a_misspelt_flag_or_command_is_said_by_its_parser_with_a_guess(capsys):
         (["rn", "-p", "x"], "(did you mean run?) (see fastar --help)"),
         (["run", "--xyzzy", "-p", "x"], "fastar run: error: unrecognized arguments: --xyzzy (see fastar run --help)"),
         (["--bogus"], "fastar: error: unrecognized arguments: --bogus (see fastar --help)"),
+        (["run", "Hello", "world"], "unrecognized arguments: Hello world (give the prompt with -p, quoted: -p 'TEXT')"),
     ):
         try:
             main(argv)

@@ -85,3 +85,22 @@ def test_a_step_past_the_debt_is_credit_for_the_next_layer_but_decoding_alone_ba
     for _ in range(50):
         pacer.decoded(0.7)  # decoding alone, nothing to prefill
     assert pacer.owed == pytest.approx(-0.7)  # one step's credit, not 35 s of it
+
+
+def test_a_short_prompts_chunk_gives_one_step_only_once_the_others_have_waited_the_stall():
+    """A short prompt's chunk (`stall` given) is not held to the pacer's share: after a layer it runs one decode step
+    where the decoding sequences have waited `stall` seconds since their last, none before, whatever is owed."""
+    pacer = PrefillPacer(0.1)  # much owed after every layer
+    steps = []
+    waited = [0.2]
+    chunk = sliced(pacer, decode=lambda: steps.append(1) or 0.001, stall=0.5, stalled=lambda: waited[0])
+    time.sleep(0.005)
+    chunk(1, 4)
+    assert steps == [] and pacer.owed > 0.0  # owed, but they waited 0.2 s only: no step
+    waited[0] = 0.5
+    chunk(2, 4)
+    assert steps == [1]  # one step, not the many owed
+    chunk(3, 4)
+    assert steps == [1, 1]  # (they wait 0.5 s still: `stalled` is the scheduler's clock since their last step)
+    gone = sliced(pacer, decode=lambda: None, stall=0.5, stalled=lambda: 9.0)  # they finished in their last step
+    gone(1, 2)  # asks for a step, gets none, goes on

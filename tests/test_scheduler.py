@@ -418,6 +418,97 @@ def test_a_short_prompt_that_comes_during_a_long_chunk_starts_between_its_layers
     same_chunks([c for w, c in log if w == "long"], solo(eng, *long_))
 
 
+@pytest.mark.parametrize("share", [0.2, 1.0])
+def test_a_short_prompts_chunk_gives_the_reader_a_step_once_it_waited_the_stall(eng, chunk16, monkeypatch, share):
+    """A 14-token prompt (one chunk) submitted while another request decodes, each layer made to take 20 ms and
+    `max_stall` 15 ms: its chunk starts in the next step (the pacer does not hold a short prompt back) and after each
+    of its layers but the last the reader gets one decode step, not more (not the pacer's share); at share 1 none
+    (a chunk every step, unbroken). Both equal their solo runs."""
+    needs_invariant_kernels()
+    reader = (prompt(30, 6), SamplingParams(max_tokens=200, ignore_eos=True))
+    short = (prompt(31, 14), SamplingParams(max_tokens=3, ignore_eos=True))
+    events = []
+    forward_rows, block_call = eng.model.forward_rows, Block.__call__
+
+    def slow_layer(self, X, *args, **kw):
+        time.sleep(0.02)
+        out = block_call(self, X, *args, **kw)
+        events.append(("layer", X.shape[0]))
+        return out
+
+    def rows(ids, *args, **kw):
+        events.append(("decode", len(ids)))
+        return forward_rows(ids, *args, **kw)
+
+    monkeypatch.setattr(Block, "__call__", slow_layer)
+    monkeypatch.setattr(eng.model, "forward_rows", rows)
+    sched = Scheduler(eng, prefill_share=share)
+    sched.max_stall = 0.015
+    log = []
+    a = sched.submit(*reader, on_chunk=lambda c: log.append(("reader", c)))
+    sched.step()
+    b = sched.submit(*short, on_chunk=lambda c: log.append(("short", c)))
+    n = len(events)
+    sched.step()
+    layers = len(eng.model.layers)
+    got = [e[0] if e[0] == "decode" else e[1] for e in events[n:] if e[0] == "decode" or e[1] == 14]
+    if share == 1.0:
+        assert got == ["decode"] + [14] * layers
+    else:
+        assert got == ["decode"] + [14, "decode"] * (layers - 1) + [14]  # the step's, then one after each layer
+    sched.run_until_idle()
+    assert a.done.is_set() and b.done.is_set()
+    monkeypatch.undo()
+    for who, req in (("reader", reader), ("short", short)):
+        same_chunks([c for w, c in log if w == who], solo(eng, *req))
+
+
+def test_a_shorter_prompt_starts_between_a_short_prompts_layers_and_a_third_waits_a_layer(eng, chunk16, monkeypatch):
+    """Nothing else running: a 14-token prompt prefills; during its second layer a 5-token and a 15-token prompt come.
+    The 5-token one is prefilled before the 14-token one's third layer, its first token then; the 15-token one
+    (longer) waits for the 14-token one to end. During the 5-token one's first layer a 4-token one comes: it is not
+    started between the 5-token one's layers (no third level) but before the 14-token one's next layer. All equal
+    their solo runs."""
+    needs_invariant_kernels()
+    reqs = {n: (prompt(40 + n, n), SamplingParams(max_tokens=3, ignore_eos=True)) for n in (14, 5, 15, 4)}
+    events = []
+    block_call = Block.__call__
+    handles = {}
+
+    def submit(n):
+        def on_chunk(c):
+            if all(w != n for w, _ in log):
+                events.append(("first", n))
+            log.append((n, c))
+
+        handles[n] = sched.submit(*reqs[n], on_chunk=on_chunk)
+
+    def layer(self, X, *args, **kw):
+        out = block_call(self, X, *args, **kw)
+        events.append(("layer", X.shape[0]))
+        if events.count(("layer", 14)) == 2 and 5 not in handles:
+            submit(5)
+            submit(15)
+        if events.count(("layer", 5)) == 1 and 4 not in handles:
+            submit(4)
+        return out
+
+    log = []
+    monkeypatch.setattr(Block, "__call__", layer)
+    sched = Scheduler(eng)
+    submit(14)
+    sched.run_until_idle()
+    layers = len(eng.model.layers)
+    order = [e if e[0] == "first" else e[1] for e in events if e[0] == "first" or e[1] >= 4]  # (decode rows: < 4)
+    first = [("first", n) for n in (5, 4, 14, 15)]
+    want = [14] * 2 + [5] * layers + first[:1] + [14] + [4] * layers + first[1:2] + [14] * (layers - 3) + first[2:3]
+    assert order == want + [15] * layers + first[3:]
+    assert all(handles[n].done.is_set() for n in reqs)
+    monkeypatch.undo()
+    for n, req in reqs.items():
+        same_chunks([c for w, c in log if w == n], solo(eng, *req))
+
+
 def test_a_long_prompt_cancelled_mid_chunk_stops_after_the_layer_it_ran(eng, chunk16, monkeypatch):
     """A 200-token prompt cancelled during the second layer of its second chunk (another request decoding) stops
     there: no layer of it runs after, its request ends cancelled at once, the other goes on equal to its solo run,
@@ -704,8 +795,8 @@ def test_on_chunk_callers_hear_of_a_failing_step(eng, monkeypatch):
 
 
 def test_prefill_progress_is_reported_per_layer_and_per_chunk_in_metrics(eng, chunk16):
-    """A prompt longer than a chunk reports its progress after each layer of each chunk (the keep-alive comments of
-    a long prefill show it); the metrics give the chunks done."""
+    """A prompt reports its progress after each layer of each chunk (the keep-alive comments of a long prefill show
+    it), one within one chunk too (at full depth its chunk takes seconds); the metrics give the chunks done."""
     sched = Scheduler(eng)
     progress = []
     sched.submit(prompt(7, 40), SamplingParams(max_tokens=2), on_progress=lambda d, t: progress.append((d, t)))
@@ -719,7 +810,7 @@ def test_prefill_progress_is_reported_per_layer_and_per_chunk_in_metrics(eng, ch
     short = []
     sched.submit(prompt(8, 12), SamplingParams(max_tokens=2), on_progress=lambda d, t: short.append((d, t)))
     sched.run_until_idle()
-    assert short == [(0, 12), (12, 12)]  # within one chunk: unbroken, reported once done
+    assert short == [(0, 12)] + [(12 * i // n, 12) for i in range(1, n + 1)]
 
 
 def test_kept_states_let_a_continued_conversation_prefill_only_its_tail(eng):

@@ -21,8 +21,12 @@ those whose prompt fits in one chunk are prefilled at once (shortest first, as b
 owed as a chunk's is, and the decode steps owed run, all before the next layer. The reader's longest wait, and a
 short request's, become one layer of one chunk rather than a chunk. The chunk computes what it computes anyway (its
 layers run in order on its own state; the work between them touches only the other requests' states), so no token
-changes either. A prompt that fits in one chunk runs its chunk unbroken, as a short request should. A
-long prompt cancelled meanwhile (its client gone, Stop pressed) stops there too, a layer later rather than a chunk
+changes either. A prompt that fits in one chunk is not held back within its chunk either (its first token as soon
+as it can), yet its chunk gives way too: at full depth a few hundred tokens take tens of seconds, and the replies
+being read would stop that long. Between its layers a decode step runs once the decoding sequences have waited
+`MAX_STALL` (1 s) since their last, and a still shorter prompt that came meanwhile is prefilled there (its layers
+giving way to the decode steps the same way, but to no third prompt: it waits for the next layer). A prompt
+cancelled meanwhile (its client gone, Stop pressed) stops there too, a layer later rather than a chunk
 later, its half-advanced state dropped.
 
 Owns: the time owed and the decision; what a sliced chunk does between its layers (timing them, asking for the work
@@ -74,14 +78,20 @@ class ChunkCancelled(Exception):
     after the layer it ran, its state half advanced (to be dropped, not kept)."""
 
 
+MAX_STALL = 1.0  # seconds the decoding sequences wait at most for a step while a short prompt prefills (a layer more)
+
+
 class SlicedChunk:
-    """One prefill chunk of a long prompt, giving way between its layers: the model calls it after each of its
-    layers (`ModelState.on_layer(done, layers)`). There it stops the chunk if `cancelled()` (raising
-    `ChunkCancelled`), lets `start_short()` admit the requests that came and prefill those whose prompt fits in one
-    chunk (their first tokens then come a layer later, not a chunk later), books the layer's time with `pacer` as a
-    chunk's (owed only while `decoding()`), and runs the decode steps owed before the next layer: `decode()` runs
-    one step of every decoding sequence and returns its seconds, or None when none decodes. `gave`: the seconds
-    spent in that work, which are not the chunk's."""
+    """One prefill chunk, giving way between its layers: the model calls it after each of its layers
+    (`ModelState.on_layer(done, layers)`). There it stops the chunk if `cancelled()` (raising `ChunkCancelled`),
+    lets `start_short()` admit the requests that came and prefill the shorter prompts that fit in one chunk (their
+    first tokens then come a layer later, not a chunk later), books the layer's time with `pacer` as a chunk's (owed
+    only while `decoding()`), and runs decode steps before the next layer: `decode()` runs one step of every
+    decoding sequence and returns its seconds, or None when none decodes. With `stall` None (a long prompt's chunk)
+    the steps the pacer owes; with a number of seconds (a short prompt's: its first token as soon as it can) one
+    step where the decoding sequences have waited that long since their last (`stalled()`, seconds), so a reader
+    waits about that long at most, not a whole chunk. `gave`: the seconds spent in that work, which are not the
+    chunk's."""
 
     def __init__(
         self,
@@ -91,9 +101,11 @@ class SlicedChunk:
         start_short: Callable[[], None],
         decoding: Callable[[], bool],
         cancelled: Callable[[], bool],
+        stall: float | None = None,
+        stalled: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.pacer, self.decode, self.start_short, self.decoding = pacer, decode, start_short, decoding
-        self.cancelled = cancelled
+        self.cancelled, self.stall, self.stalled = cancelled, stall, stalled
         self.gave = 0.0
         self._at = time.perf_counter()  # when the layer running now began
 
@@ -105,7 +117,11 @@ class SlicedChunk:
         now = time.perf_counter()
         self.pacer.prefilled(now - self._at, self.decoding())
         self.start_short()
-        while not self.pacer.may_prefill(self.decoding(), False):
+        if self.stall is not None:
+            seconds = self.decode() if self.stalled() >= self.stall else None
+            if seconds is not None:
+                self.pacer.decoded(seconds)
+        while self.stall is None and not self.pacer.may_prefill(self.decoding(), False):
             seconds = self.decode()
             if seconds is None:
                 break

@@ -2,7 +2,7 @@
 
 Owns: `Scheduler` (admission, the bounded wait queue, one step = one decode token of every active sequence plus
 one prefill chunk of a waiting prompt, when the chunks have not used up their share of the time while others
-decode (`pacing.PrefillPacer`; a long prompt's chunk gives way between its layers, `pacing.SlicedChunk`),
+decode (`pacing.PrefillPacer`; a prompt's chunk gives way between its layers, `pacing.SlicedChunk`),
 cancellation, prefix reuse from RAM and disk); what `submit` returns is a `handle.Handle` (a submitted request:
 its chunks and its cancel switch); a full queue raises `fastar.errors.QueueFull`.
 Does not own: the forward pass (`DeepseekV4.forward` for prefill chunks, `DeepseekV4.forward_rows` for the batched
@@ -87,7 +87,7 @@ from .constraint import ConstraintError
 from .draft_step import draft_step
 from .generate import ChunkMaker, GenerationChunk
 from .handle import Handle  # (importable from here too)
-from .pacing import ChunkCancelled, PrefillPacer, SlicedChunk
+from .pacing import MAX_STALL, ChunkCancelled, PrefillPacer, SlicedChunk
 from .prefix_cache import PrefixMemory
 from .prompt_logprobs import PromptLogprobs, PromptScorer
 from .sampling import Sampler, SamplingError, SamplingParams, report
@@ -194,6 +194,7 @@ class Scheduler:
         self._groups = ChoiceGroups(max_batch)  # choices of groups: forked states, held choices
         self._metrics = BatchMetrics()
         self._pacer = PrefillPacer(prefill_share)
+        self.max_stall = MAX_STALL  # seconds decoding sequences wait at most for a step while a short prompt prefills
         self._stepper = Stepper(self._step, self._fail_all)  # who steps: the worker, or a handle's iterator
 
     @property
@@ -502,19 +503,19 @@ class Scheduler:
         if req.on_progress is not None:
             req.on_progress(req.done, len(req.ids))
 
-    def _prefill_chunk(self, req: _Request) -> float:
+    def _prefill_chunk(self, req: _Request, nested: bool = False) -> float:
         """The next `prefill_span` tokens of req's prompt (as `Session.prefill` runs them); after the last, the
         first token is sampled. While other sequences decode, one `prefill_chunk` only, so a paged span (several
-        chunks, the same numbers) does not hold their next tokens back. A chunk of a prompt longer than one chunk
-        gives way between its layers (`SlicedChunk`): the short prompts that came are prefilled there, and the decode
-        steps the pacer owes run. Returns the seconds spent in that work."""
+        chunks, the same numbers) does not hold their next tokens back. Every chunk gives way between its layers
+        (`SlicedChunk`): to the decode steps the pacer owes where the prompt is longer than one chunk, else to a step
+        once the decoding sequences have waited `max_stall`; and to the shorter prompts that came, prefilled there
+        (`_start_short`), unless this chunk is one of those (`nested`). Returns the seconds spent in that work."""
         decoding = any(r.pending is not None for r in self._active)
         size = self.engine.prefill_chunk if decoding else self.engine.prefill_span
         part = req.ids[req.done : req.done + size]
         stats = self.engine.counters
         t = time.perf_counter()
-        long_ = len(req.ids) - req.cached > self.engine.prefill_chunk  # a short prompt's one chunk runs unbroken
-        sliced = self._sliced(req) if long_ else None
+        sliced = self._sliced(req, nested)
         state = req.state
         before, state.on_layer = state.on_layer, self._on_layer(req, len(part), sliced)
         try:
@@ -534,12 +535,8 @@ class Scheduler:
             return sliced.gave
         finally:
             state.on_layer = before
-        gave = 0.0
-        if sliced is not None:
-            sliced.end()
-            gave = sliced.gave
-        else:
-            self._pacer.prefilled(time.perf_counter() - t, decoding)
+        sliced.end()
+        gave = sliced.gave
         if req.scorer is not None:
             req.scorer.feed(X)
         stats.prefill_seconds += time.perf_counter() - t - gave
@@ -573,21 +570,28 @@ class Scheduler:
             self._sampled(f, logits[-1])
         return gave
 
-    def _sliced(self, req: _Request) -> SlicedChunk:
-        """req's next chunk, giving way between its layers to this scheduler's other requests."""
+    def _sliced(self, req: _Request, nested: bool) -> SlicedChunk:
+        """req's next chunk, giving way between its layers to this scheduler's other requests: a long prompt's
+        (longer than one chunk) at the pacer's share, a short one's to a decode step where they have waited
+        `max_stall` (at share 1 to none: a chunk every step, unbroken); to shorter prompts unless `nested` (itself
+        one of those)."""
+        left = len(req.ids) - req.done
+        paced = len(req.ids) - req.cached > self.engine.prefill_chunk or self._pacer.share == 1.0
         return SlicedChunk(
             self._pacer,
             decode=self._decode_owed,
-            start_short=self._start_short,
+            start_short=(lambda: None) if nested else (lambda: self._start_short(left)),
             decoding=self._decoding,
             cancelled=lambda: req.all_cancelled,
+            stall=None if paced else self.max_stall,
+            stalled=self._stalled,
         )
 
     @staticmethod
-    def _on_layer(req: _Request, tokens: int, sliced: SlicedChunk | None) -> Callable[[int, int], None] | None:
+    def _on_layer(req: _Request, tokens: int, sliced: SlicedChunk) -> Callable[[int, int], None]:
         """What the model calls after each layer of req's chunk of `tokens`: `sliced`, after reporting the prompt's
         progress layer by layer (as a session does) where req asks for progress."""
-        if sliced is None or req.on_progress is None:
+        if req.on_progress is None:
             return sliced
         base, report = req.done, req.on_progress
 
@@ -606,17 +610,23 @@ class Scheduler:
     def _decoding(self) -> bool:
         return any(r.pending is not None for r in self._active)
 
-    def _start_short(self) -> None:
-        """Between a sliced chunk's layers: the waiting requests admitted and the prefix states loaded adopted (as a
-        step does), and the prompts that fit in one chunk prefilled now, their first token sampled (each of those
-        chunks runs unbroken)."""
+    def _stalled(self) -> float:
+        """Seconds the decoding sequence that waits longest has waited since its last token (0 when none decodes)."""
+        last = [r.last_token_at for r in self._active if r.pending is not None]
+        return time.perf_counter() - min(last) if last else 0.0
+
+    def _start_short(self, left: int) -> None:
+        """Between the layers of a chunk of a prompt with `left` tokens to prefill: the waiting requests admitted
+        and the prefix states loaded adopted (as a step does), and the prompts that fit in one chunk and are shorter
+        than `left` prefilled now, the shortest first (as between chunks), their first token sampled; each of those
+        chunks gives way between its layers to decode steps only (`nested`)."""
         self._admit()
         self._adopt_loaded()
         chunk = self.engine.prefill_chunk
         waiting = [r for r in self._active if r.pending is None and r.loading is None and r.done == r.cached]
-        for r in sorted(waiting, key=lambda r: len(r.ids) - r.done):  # the shortest first, as between chunks
-            if len(r.ids) - r.done <= chunk and not r.all_cancelled:
-                self._prefill_chunk(r)
+        for r in sorted(waiting, key=lambda r: len(r.ids) - r.done):
+            if len(r.ids) - r.done <= chunk and len(r.ids) - r.done < left and not r.all_cancelled:
+                self._prefill_chunk(r, nested=True)
 
     def _decode_owed(self) -> float | None:
         """A decode step of every decoding sequence, run between the layers of a sliced prefill chunk (none of them

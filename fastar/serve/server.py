@@ -428,7 +428,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the part of the time a prompt's prefill may take while other requests generate, in (0, 1]: after "
         "each layer of a long prompt's prefill chunk (a chunk takes seconds on a CPU) they generate for as long "
         "before the next, so a long prompt does not stall their replies; a prompt's last chunk is never held back, "
-        "and a prompt within one chunk runs unbroken; 1: a chunk every step, unbroken (default 0.5)",
+        "and a prompt within one chunk gives them a step only once they have waited a second; 1: a chunk every "
+        "step, unbroken (default 0.5)",
     )
     add_prompt_cache_arguments(parser)
     parser.add_argument(

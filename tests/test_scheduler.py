@@ -35,6 +35,32 @@ def chunk16(eng):
     eng.prefill_chunk = before
 
 
+def record_layers_and_steps(monkeypatch, model, sleep: float, span: bool = False) -> list:
+    """Patch the model's blocks (`Block.span` for a paged model's spans, else `Block.__call__`) to sleep `sleep` s
+    before each layer, and its `forward_rows`; returns the list they log into: ("layer", tokens, start, end) and
+    ("decode", rows, start, end)."""
+    events = []
+    name = "span" if span else "__call__"
+    block, forward_rows = getattr(Block, name), model.forward_rows
+
+    def layer(self, X, *args, **kw):
+        t = time.perf_counter()
+        time.sleep(sleep)
+        out = block(self, X, *args, **kw)
+        events.append(("layer", sum(x.shape[0] for x in X) if span else X.shape[0], t, time.perf_counter()))
+        return out
+
+    def rows(ids, *args, **kw):
+        t = time.perf_counter()
+        out = forward_rows(ids, *args, **kw)
+        events.append(("decode", len(ids), t, time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(Block, name, layer)
+    monkeypatch.setattr(model, "forward_rows", rows)
+    return events
+
+
 # (prompt length, sampling): prompts across the indexer's scoring start (17 positions) and the ratio-128
 # compressor's first entry (128), greedy and seeded sampling, logprobs, a stop token, EOS honoured
 REQUESTS = [
@@ -318,24 +344,7 @@ def test_a_long_prompts_chunks_keep_to_their_share_while_another_decodes(eng, ch
     reader = (prompt(5, 6), SamplingParams(max_tokens=400, ignore_eos=True))
     long_ = (prompt(6, 200), SamplingParams(max_tokens=3, ignore_eos=True))
     late = (prompt(7, 5), SamplingParams(max_tokens=3, ignore_eos=True))
-    events = []  # ("layer", tokens, start, end) / ("decode", rows, start, end)
-    forward_rows, block_call = eng.model.forward_rows, Block.__call__
-
-    def slow_layer(self, X, *args, **kw):
-        t = time.perf_counter()
-        time.sleep(0.01)
-        out = block_call(self, X, *args, **kw)
-        events.append(("layer", X.shape[0], t, time.perf_counter()))
-        return out
-
-    def rows(ids, *args, **kw):
-        t = time.perf_counter()
-        out = forward_rows(ids, *args, **kw)
-        events.append(("decode", len(ids), t, time.perf_counter()))
-        return out
-
-    monkeypatch.setattr(Block, "__call__", slow_layer)
-    monkeypatch.setattr(eng.model, "forward_rows", rows)
+    events = record_layers_and_steps(monkeypatch, eng.model, 0.01)
     layers = len(eng.model.layers)
     sched = Scheduler(eng, prefill_share=share)
     log = []
@@ -427,21 +436,7 @@ def test_a_short_prompts_chunk_gives_the_reader_a_step_once_it_waited_the_stall(
     needs_invariant_kernels()
     reader = (prompt(30, 6), SamplingParams(max_tokens=200, ignore_eos=True))
     short = (prompt(31, 14), SamplingParams(max_tokens=3, ignore_eos=True))
-    events = []
-    forward_rows, block_call = eng.model.forward_rows, Block.__call__
-
-    def slow_layer(self, X, *args, **kw):
-        time.sleep(0.02)
-        out = block_call(self, X, *args, **kw)
-        events.append(("layer", X.shape[0]))
-        return out
-
-    def rows(ids, *args, **kw):
-        events.append(("decode", len(ids)))
-        return forward_rows(ids, *args, **kw)
-
-    monkeypatch.setattr(Block, "__call__", slow_layer)
-    monkeypatch.setattr(eng.model, "forward_rows", rows)
+    events = record_layers_and_steps(monkeypatch, eng.model, 0.02)
     sched = Scheduler(eng, prefill_share=share)
     sched.max_stall = 0.015
     log = []
@@ -557,21 +552,8 @@ def test_a_paged_prefill_gives_way_between_its_layers_bit_for_bit(tiny_fst_path,
     assert paged.paged_chunk == 16
     reader = (prompt(8, 6), SamplingParams(max_tokens=300, ignore_eos=True))
     long_ = (prompt(9, 90), SamplingParams(max_tokens=4, ignore_eos=True))
-    events = []
-    span, forward_rows = Block.span, paged.model.forward_rows
-
-    def layer(self, Xs, *args, **kw):
-        time.sleep(0.005)  # longer than a decode step, whose credit then never covers a layer
-        out = span(self, Xs, *args, **kw)
-        events.append(("layer", sum(x.shape[0] for x in Xs)))
-        return out
-
-    def rows(ids, *args, **kw):
-        events.append(("decode", len(ids)))
-        return forward_rows(ids, *args, **kw)
-
-    monkeypatch.setattr(Block, "span", layer)
-    monkeypatch.setattr(paged.model, "forward_rows", rows)
+    # a layer longer than a decode step, whose credit then never covers one
+    events = record_layers_and_steps(monkeypatch, paged.model, 0.005, span=True)
     sched = Scheduler(paged, prefill_share=0.2)
     log = []
     a = sched.submit(*reader, on_chunk=lambda c: log.append(("reader", c)))

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from . import __version__
 from .config import int_flag
-from .errors import FastarError, OutputError
+from .errors import ConfigError, FastarError, OutputError
 
 
 class UsageError(Exception):
@@ -164,7 +164,10 @@ def cmd_export(a) -> int:
     from .convert.export import export
 
     t = time.perf_counter()
-    shard = parse_size(a.shard_size)
+    try:
+        shard = parse_size(a.shard_size)
+    except ConfigError as e:  # one line naming the flag
+        raise ConfigError(f"--shard-size: {e}") from None
     if not shard:
         raise FastarError(f"--shard-size: give a positive size such as 4G, got {a.shard_size!r}")
     with _output_flag("-o"):

@@ -128,6 +128,11 @@ def test_bad_input_fails_in_one_line_and_leaves_nothing(exported, tmp_path, monk
     assert main(["export", str(tmp_path / "missing.fst"), "-o", str(tmp_path / "c")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("fastar: error:") and err.count("\n") == 1
+    assert main(["export", str(fst), "-o", str(tmp_path / "c"), "--shard-size", "4X"]) == 1  # names its flag
+    assert (
+        capsys.readouterr().err
+        == "fastar: error: --shard-size: cannot read '4X' as a size (examples: 24G, 512M, 1000000)\n"
+    )
     assert main(["export", str(fst), "-o", str(tmp_path / "c"), "--shard-size", "16M", "--no-progress"]) == 0
     assert (tmp_path / "c" / "config.json").is_file()
 

@@ -427,7 +427,13 @@ def cmd_serve(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fastar", description="DeepSeek-V4-Flash on one machine, experts paged from SSD.")
+    p = _Parser(
+        prog="fastar",
+        description="DeepSeek-V4-Flash on one machine, experts paged from SSD.",
+        epilog="Every flag can also be set by a FASTAR_<FLAG> environment variable (FASTAR_MODEL, FASTAR_RAM_BUDGET, "
+        "FASTAR_API_KEY, ...; a switch takes 1/true/yes/on or 0/false/no/off); the flag wins. `fastar COMMAND --help` "
+        "lists a command's flags.",
+    )
     p.add_argument("--version", action="version", version=f"fastar {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     p.set_defaults(fn=None)  # no command given: `main` prints the help (each command sets its own)

@@ -198,6 +198,7 @@ def test_every_option_says_what_it_does():
         if not isinstance(action, argparse._HelpAction) and not (action.help or "").strip()
     ]
     assert len(commands) >= 12 and silent == []
+    assert "FASTAR_<FLAG> environment variable" in parser.format_help()  # the mirrors are said where flags are
 
 
 def test_generation_options_state_their_defaults(monkeypatch):

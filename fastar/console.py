@@ -556,7 +556,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         text, thinking = chat_prompt(messages + [{"role": "user", "content": prompt}], args.thinking), args.thinking
     writer = _Writer(out, err)
     before = engine.stats()
-    _, last = _stream_reply(engine, text, params, thinking, writer, err)
+    try:
+        _, last = _stream_reply(engine, text, params, thinking, writer, err)
+    except KeyboardInterrupt:  # Ctrl-C: what ran so far is timed too (as llama.cpp prints its timings), then 130
+        writer.end_line(err)
+        writer.end_line(out)
+        print(timings_line(before, engine.stats()), file=err)
+        raise
     writer.end_line(err)
     writer.end_line(out)
     after = engine.stats()

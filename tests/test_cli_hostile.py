@@ -278,6 +278,29 @@ def test_ctrl_c_while_the_command_line_is_read_is_quiet(tiny_fst_path):
     assert (r.returncode, r.stdout, r.stderr) == (130, "", "fastar: interrupted\n"), (r.returncode, r.stderr[-2000:])
 
 
+def test_ctrl_c_during_a_reply_prints_its_timings(vocab_ckpt):
+    """`fastar run` stopped by Ctrl-C mid-reply (here sent by the third piece written, deterministically) ends the
+    reply's line and prints the timings of what ran, as llama.cpp does, then the usual line and status 130; it
+    printed only `fastar: interrupted`."""
+    code = (
+        "import os, signal, sys; import fastar.console as c; real = c._Writer.write; n = [0]\n"
+        "def write(self, kind, text):\n"
+        "    n[0] += 1; real(self, kind, text)\n"
+        "    if n[0] == 3: os.kill(os.getpid(), signal.SIGINT); sum(range(10**6))\n"
+        "c._Writer.write = write; from fastar.cli import main; sys.argv[0] = 'fastar'; raise SystemExit(main())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "run", "-m", str(vocab_ckpt), "-p", "hi", "-n", "50"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 130 and r.stdout.endswith("\n") and r.stdout.strip(), (r.returncode, r.stderr[-2000:])
+    lines = r.stderr.splitlines()
+    assert lines[-1] == "fastar: interrupted" and lines[-2].startswith("timings: prompt "), r.stderr[-2000:]
+    assert "decode 2 tokens" in lines[-2] and "Traceback" not in r.stderr, lines[-2]
+
+
 def test_an_endless_prompt_on_stdin_is_one_line(tiny_fst_path):
     """`fastar run < /dev/zero` (or `yes | fastar run`) reads the prompt up to a bound and says so; it read to the
     end of memory (a MemoryError traceback, or the OOM killer)."""

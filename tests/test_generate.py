@@ -207,6 +207,9 @@ class ScriptRunner:
         self.vocab, self.prompt_len, self.script, self.filler = vocab, prompt_len, script, filler
         self.runs = 0
 
+    def check_open(self) -> None:  # never closed
+        pass
+
     def new_state(self) -> ScriptState:
         return ScriptState()
 
@@ -641,31 +644,140 @@ def test_load_of_a_fifo_or_device_is_refused_instead_of_blocking(tmp_path) -> No
         assert isinstance(err, FormatError) and str(err) == f"{path}: not a regular file or checkpoint directory"
 
 
-def test_a_closed_engine_says_so_at_every_entry_point(tiny_ckpt) -> None:
-    """After `close()` every call is a one-line `EngineClosed` (a RuntimeError), where some said the expert cache
-    was closed, and opening a session or a scheduler still worked."""
-    from fastar.engine.engine import load
-    from fastar.errors import EngineClosed
+# After `Engine.close()`, every public name of Engine and Session: a call that runs the model, opens, changes, reads
+# out or saves a session, or sets the engine up raises `EngineClosed`; what the engine reports stays readable (the
+# server's /metrics reads `stats()` while it shuts down; a stream closed after the engine releases its session).
+CLOSED_CALLS = {
+    "Engine": {
+        "check_open": lambda c: c.engine.check_open(),
+        "use_draft": lambda c: c.engine.use_draft(None),
+        "new_state": lambda c: c.engine.new_state(),
+        "prefill": lambda c: c.engine.prefill(PROMPT, c.state),
+        "logits": lambda c: c.engine.logits(PROMPT),
+        "prompt_logprobs": lambda c: c.engine.prompt_logprobs(PROMPT),
+        "perplexity": lambda c: c.engine.perplexity(PROMPT, ctx=4),
+        "generate_tokens": lambda c: c.engine.generate_tokens(PROMPT, 1),
+        "compile_grammar": lambda c: c.engine.compile_grammar(c.grammar),
+        "context_length": lambda c: setattr(c.engine, "context_length", 64),
+        "open_session": lambda c: c.engine.open_session(),
+        "stream": lambda c: c.engine.stream(PROMPT, max_tokens=1),
+        "generate": lambda c: c.engine.generate(PROMPT, max_tokens=1, session=c.session),
+        "chat": lambda c: c.engine.chat([{"role": "user", "content": "hi"}], max_tokens=1),
+        "warm_experts": lambda c: c.engine.warm_experts(),
+        "scheduler": lambda c: c.engine.scheduler(),
+        "serve_batch": lambda c: c.engine.serve_batch([(PROMPT, {"max_tokens": 1})]),
+        "open_prefix_cache": lambda c: c.engine.open_prefix_cache(c.tmp / "prefixes"),
+    },
+    "Session": {
+        "claim": lambda c: c.session.claim(),
+        "resume": lambda c: c.session.resume(PROMPT, c.state),
+        "processed": lambda c: c.session.processed(),
+        "reset": lambda c: c.session.reset(),
+        "rewind": lambda c: c.session.rewind(1),
+        "roll_back": lambda c: c.session.roll_back(1),
+        "encode_prompt": lambda c: c.session.encode_prompt(PROMPT),
+        "check_prompt": lambda c: c.session.check_prompt(PROMPT),
+        "prefill": lambda c: c.session.prefill(PROMPT),
+        "append": lambda c: c.session.append(1),
+        "decode": lambda c: c.session.decode(),
+        "save": lambda c: c.session.save(c.tmp / "saved.session"),
+        "load": lambda c: c.session.load(c.saved),
+    },
+}
+READABLE_AFTER_CLOSE = {
+    "Engine": {
+        "close": lambda c: c.engine.close(),  # idempotent
+        "stats": lambda c: c.engine.stats(),
+        "counters": lambda c: c.engine.counters,
+        "warm_status": lambda c: c.engine.warm_status(),
+        "load_progress": lambda c: c.engine.load_progress(),
+        "context_length": lambda c: c.engine.context_length,
+        "context_note": lambda c: c.engine.context_note,
+        "tokenizer": lambda c: c.engine.tokenizer,
+        "paged_chunk": lambda c: c.engine.paged_chunk,
+        "prefill_span": lambda c: c.engine.prefill_span,
+        "model_name_default": lambda c: c.engine.model_name_default,
+        "MAX_DEFAULT_CONTEXT": lambda c: c.engine.MAX_DEFAULT_CONTEXT,
+    },
+    "Session": {
+        "runner": lambda c: c.session.runner,
+        "tokens": lambda c: c.session.tokens,
+        "num_tokens": lambda c: c.session.num_tokens,
+        "num_processed": lambda c: c.session.num_processed,
+        "generation": lambda c: c.session.generation,
+        "holds": lambda c: c.session.holds(object()),
+        "check_claim": lambda c: c.session.check_claim(c.session.generation),  # a stream's own check
+        "release": lambda c: c.session.release(object()),  # a stream closed after the engine frees its session
+    },
+}
 
+
+@pytest.fixture(scope="module")
+def closed_engine(tiny_ckpt, tmp_path_factory):
+    """A closed engine, a session of it that held a prompt (saved before the close) and a state made before."""
+    from types import SimpleNamespace
+
+    from fastar.engine.constraint import output_grammar
+    from fastar.engine.engine import load
+
+    tmp = tmp_path_factory.mktemp("closed")
     eng = load(tiny_ckpt)
     session = eng.open_session()
+    session.prefill(PROMPT)
+    session.append(1)
+    saved = session.save(tmp / "before.session")
+    state = eng.new_state()
     eng.close()
-    for call in (
-        lambda: eng.generate(PROMPT, max_tokens=1),
-        lambda: eng.generate(PROMPT, max_tokens=1, session=session),
-        lambda: eng.stream(PROMPT, max_tokens=1),
-        lambda: eng.chat([{"role": "user", "content": "hi"}], max_tokens=1),
-        lambda: eng.prompt_logprobs(PROMPT),
-        lambda: eng.perplexity(PROMPT, ctx=4),
-        lambda: eng.logits(PROMPT),
-        lambda: eng.generate_tokens(PROMPT, 1),
-        eng.open_session,
-        eng.scheduler,
-        lambda: session.prefill(PROMPT),
+    return SimpleNamespace(
+        engine=eng,
+        session=session,
+        state=state,
+        saved=saved,
+        tmp=tmp,
+        grammar=output_grammar(thinking=False, json_object=True),
+    )
+
+
+def test_every_public_name_of_engine_and_session_is_checked_after_close() -> None:
+    """A method added to Engine or Session must say here whether it raises after close() or stays readable."""
+    from fastar.engine.engine import Engine
+
+    for cls in (Engine, Session):
+        public = {name for name in dir(cls) if not name.startswith("_")}
+        named = set(CLOSED_CALLS[cls.__name__]) | set(READABLE_AFTER_CLOSE[cls.__name__])
+        assert public == named, f"{cls.__name__}: unlisted {sorted(public - named)}, gone {sorted(named - public)}"
+
+
+@pytest.mark.parametrize(
+    "owner, name",
+    [pytest.param(owner, name, id=f"{owner}.{name}") for owner, calls in CLOSED_CALLS.items() for name in calls],
+)
+def test_a_closed_engine_says_so_at_every_entry_point(closed_engine, owner, name) -> None:
+    """After `close()` every call of Engine and Session is a one-line `EngineClosed` (a RuntimeError), where some said
+    the expert cache was closed, and opening a session or a scheduler, or saving a session, still worked. Nothing is
+    written and the session is left as it was."""
+    from fastar.errors import EngineClosed
+
+    c = closed_engine
+    before = (c.session.tokens, c.session.num_processed, sorted(p.name for p in c.tmp.iterdir()))
+    with pytest.raises(
+        EngineClosed, match=r"^this engine is closed \(Engine.close\(\) was called\): load the model again$"
     ):
-        with pytest.raises(EngineClosed, match=r"^this engine is closed \(Engine.close\(\) was called\)"):
-            call()
+        CLOSED_CALLS[owner][name](c)
+    assert (c.session.tokens, c.session.num_processed, sorted(p.name for p in c.tmp.iterdir())) == before
     assert issubclass(EngineClosed, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    "owner, name",
+    [
+        pytest.param(owner, name, id=f"{owner}.{name}")
+        for owner, calls in READABLE_AFTER_CLOSE.items()
+        for name in calls
+    ],
+)
+def test_what_a_closed_engine_reports_stays_readable(closed_engine, owner, name) -> None:
+    READABLE_AFTER_CLOSE[owner][name](closed_engine)
 
 
 def test_greedy_is_deterministic_and_matches_the_reference_loop(engine) -> None:

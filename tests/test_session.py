@@ -68,6 +68,9 @@ class FakeRunner:
         self.calls: list[list[int]] = []
         self.fail_on: int | None = None  # raise KeyboardInterrupt when this token is run
 
+    def check_open(self) -> None:  # never closed
+        pass
+
     def new_state(self) -> FakeState:
         return FakeState(max_rollback=self.max_rollback)
 

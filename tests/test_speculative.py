@@ -157,6 +157,9 @@ class Runner:
     def __init__(self, drafter: sp.Drafter) -> None:
         self.drafter = drafter
 
+    def check_open(self) -> None:  # never closed
+        pass
+
     def new_state(self):
         return self.drafter.new_state()
 

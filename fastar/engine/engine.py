@@ -179,6 +179,7 @@ class Engine:
     ) -> None:
         """Install a drafter (`speculative.resolve` makes the standard ones; tests and benchmarks pass their own);
         None turns drafting off. With a drafter, every target pass goes through it and `stream` speculates."""
+        self.check_open()
         self.drafter = drafter
         self.draft_schedule = schedule or speculative.Schedule()
         self.draft_stats = speculative.SpeculativeStats(mode=mode or (drafter.kind if drafter else "none"))
@@ -186,6 +187,7 @@ class Engine:
     # --- state-level primitives ---------------------------------------------------------------------------
 
     def new_state(self) -> ModelState:
+        self.check_open()
         return self.drafter.new_state() if self.drafter is not None else self.model.new_state()
 
     @property
@@ -215,7 +217,7 @@ class Engine:
         [1, V] for the last; `argmax_only`: the caller reads the last one's argmax, or a race's, alone, see
         `DeepseekV4.forward`). One token (a decode step: `Session.decode`, `generate_tokens`) takes the scheduler's
         one-row step, `DeepseekV4.forward_rows`, where it gives `forward`'s bits (`rows_match_forward`)."""
-        self._check_open()
+        self.check_open()
         if not token_ids:
             raise ValueError("prefill needs at least one token")
         self._check_ids(token_ids)
@@ -249,7 +251,10 @@ class Engine:
         why = self.source.context_note or "the model has no lightning-indexer weights"
         return f"the context is capped at {self.model.max_positions} tokens: {why}"
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise `EngineClosed` after `close()`: every call that runs the model, opens, changes or saves a session
+        or sets the engine up checks it first (its sessions too, through their `Runner`). What the engine reports
+        (`stats()`, `counters`, `warm_status()`, `load_progress()`, `context_length`, `tokenizer`) stays readable."""
         if self._closed:
             raise EngineClosed("this engine is closed (Engine.close() was called): load the model again")
 
@@ -264,7 +269,7 @@ class Engine:
     def logits(self, token_ids: list[int]) -> np.ndarray:
         """Logits at every position of `token_ids` from a fresh state: float32 [len, vocab]. Raises `PromptError` for
         an empty prompt, one longer than `context_length` or an id outside the vocabulary."""
-        self._check_open()
+        self.check_open()
         ids = token_ids_of(token_ids, f"logits {IDS_ONLY}")
         check_prompt(self, ids)  # (positions past the context ran, to numbers no generation would compute)
         return self.prefill(ids, self.new_state(), all_logits=True).float().numpy()
@@ -273,14 +278,14 @@ class Engine:
         """Every prompt token's logprob given the tokens before it (None for the first), its rank and the `top` most
         likely alternatives at its position, from a fresh state (`fastar.engine.prompt_logprobs`: the prefill's
         streams, the LM head a few positions at a time). Raises `PromptError` for an empty or too long prompt."""
-        self._check_open()
+        self.check_open()
         return score_prompt(self, prompt, top)
 
     def perplexity(self, text: str | list[int], ctx: int = 512, stride: int | None = None, **options) -> Perplexity:
         """Perplexity of a text (or token ids) over windows of `ctx` tokens moved by `stride` (default ctx // 2),
         each token scored once, in the first window that holds it after at least one token (`fastar.engine.
         perplexity`; `options`: save_logits, compare, on_window). `.ppl`, `.nll`, `.summary()`."""
-        self._check_open()
+        self.check_open()
         arguments.check_window(ctx, stride)
         ids = self.tokenizer.encode(text) if isinstance(text, str) else token_ids_of(text)
         return perplexity(self, ids, ctx, stride, **options)
@@ -297,7 +302,7 @@ class Engine:
         (included in the output) unless `ignore_eos`, or at `context_length` as `stream` does. Raises `SamplingError`
         (a ValueError) for a value of the wrong kind or range and `PromptError` for an empty prompt, one not shorter
         than the context or an id outside the vocabulary, as `stream` does."""
-        self._check_open()
+        self.check_open()
         # checked as `stream`'s are (a NaN temperature or a str seed failed inside torch; ignore_eos="no" was true)
         SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos)
         prompt_ids = token_ids_of(prompt_ids, f"generate_tokens {IDS_ONLY}")
@@ -339,6 +344,7 @@ class Engine:
         Raises `ConstraintError` (a ValueError) for a grammar that cannot be enforced within the parser limits."""
         if not isinstance(grammar, Grammar):
             raise TypeError(f"compile_grammar takes a constraint.Grammar (constraint.output_grammar), got {grammar!r}")
+        self.check_open()
         with self._grammars_lock:
             if self._grammars is None:
                 tok = self.tokenizer
@@ -362,6 +368,7 @@ class Engine:
 
     @context_length.setter
     def context_length(self, n: int) -> None:
+        self.check_open()
         limit = self.config.max_position_embeddings
         if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= limit:
             raise ConfigError(f"context length must be between 2 and the model's {limit} positions, got {n}")
@@ -389,7 +396,7 @@ class Engine:
 
     def open_session(self, anchor: bool = True) -> Session:
         """A new, empty `Session` (one conversation's tokens + model state; `anchor`: see `session.py`)."""
-        self._check_open()
+        self.check_open()
         if not isinstance(anchor, bool):  # "no" is true
             raise TypeError(f"anchor must be True or False, got {anchor!r}")
         return Session(
@@ -431,7 +438,7 @@ class Engine:
                 session of another engine (`fastar.engine.arguments`); EngineClosed after `close()`.
             SessionInUse, from the iterator when it is resumed after another generation ran on its session.
         """
-        self._check_open()
+        self.check_open()
         if params is None:
             params = SamplingParams.from_kwargs(**sampling)
         elif sampling:
@@ -543,10 +550,10 @@ class Engine:
         first requests find them in RAM; requests run meanwhile. With `profile_dir`, the experts the cache held
         when this model's engine last closed come first (saved there by `close`), then the file order. Nothing
         to do without an expert cache (every expert is mapped from the file, or on a device)."""
+        self.check_open()
         if profile_dir is not None:
             arguments.check_path(profile_dir, "the usage profile folder (profile_dir)")
-        if not self._closed:
-            self._warming.start(profile_dir)
+        self._warming.start(profile_dir)
 
     def warm_status(self) -> dict:
         """The warm-up's state: {"status": "off"} without one, else `ExpertWarmup.status()` (loading / ready,
@@ -590,7 +597,7 @@ class Engine:
         `open_prefix_cache`); `keep_states`: finished requests' states kept in RAM for prefix reuse; `draft`: a lone
         greedy sequence decodes with the engine's drafter (when it has one), the same tokens as without;
         `prefill_share`: the part of the time prompts' prefill chunks may take while others decode (`PrefillPacer`)."""
-        self._check_open()
+        self.check_open()
         cache = self.open_prefix_cache(prefix_cache, prefix_cache_size, True) if prefix_cache is not None else None
         return Scheduler(
             self,
@@ -608,6 +615,7 @@ class Engine:
     ) -> list[list[GenerationChunk]]:
         """Run `requests` ((prompt, params or a dict of sampling keywords) pairs) together on this thread;
         returns each one's chunks, in order. `options`: as `scheduler`."""
+        self.check_open()
         arguments.check_pairs(requests)
         # a dict as `stream`'s keywords: the aliases taken, a typo an `UnknownParameter` (was SamplingParams' own)
         params = [kw if isinstance(kw, SamplingParams) else SamplingParams.from_kwargs(**kw) for _, kw in requests]
@@ -623,6 +631,7 @@ class Engine:
         `background`: files are written on a writer thread (the scheduler's)."""
         from ..config import parse_size
 
+        self.check_open()
         arguments.check_path(folder, "the prefix cache folder")
         fingerprint = f"{self._fingerprint()}/{self.model.numerics}/{self.model.max_rollback}"
         return PrefixCache(folder, fingerprint, parse_size(size), background=background)

@@ -17,8 +17,10 @@ keeps a snapshot of the state at the end of the prompt (the anchor) and rolls ba
 live state fails. It costs one state copy per request in time and memory; `anchor=False` turns it off.
 
 The session talks to its runner (the `Engine`) through the `Runner` protocol: `new_state()`,
-`prefill(ids, state) -> logits [1, V]` and `prefill_chunk`; and to the state (`ModelState`) through `length`,
-`max_rollback`, `truncate`, `snapshot`, `to_bytes`/`from_bytes`. Tests drive it with fakes on those names.
+`prefill(ids, state) -> logits [1, V]`, `prefill_chunk` and `check_open()` (after `Engine.close()` every session
+call that runs, changes, reads out or saves the timeline raises `EngineClosed`, as the engine's own calls do); and
+to the state (`ModelState`) through `length`, `max_rollback`, `truncate`, `snapshot`, `to_bytes`/`from_bytes`.
+Tests drive it with fakes on those names.
 """
 
 from __future__ import annotations
@@ -138,10 +140,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Runner(Protocol):
     """What a session needs of its engine: a fresh state, and a prefill of `token_ids` that advances a state and
     returns the last position's logits [1, V], run in chunks of at most `prefill_chunk` tokens; a session hands it
-    `prefill_span` tokens at a time (a multiple of `prefill_chunk`: see `Engine.prefill_span`)."""
+    `prefill_span` tokens at a time (a multiple of `prefill_chunk`: see `Engine.prefill_span`). `check_open()`
+    raises once the runner is closed (`EngineClosed`), before any session call that needs it."""
 
     prefill_chunk: int
     prefill_span: int
+
+    def check_open(self) -> None: ...
 
     def new_state(self) -> ModelState: ...
 
@@ -198,6 +203,7 @@ class Session:
     def claim(self) -> object:
         """Make a new generation this session's user; returns its token for `check_claim`. A generation still
         suspended (an unfinished stream, one a loop broken out of) loses the session to it."""
+        self._runner.check_open()
         self._generation = object()
         return self._generation
 
@@ -250,6 +256,7 @@ class Session:
         """Take over a model state that has processed tokens[:state.length] (the rest are pending), e.g. to
         continue from the exact state a benchmark or another loop reached. Raises `SessionInUse` while a generation
         on it is unfinished."""
+        self._runner.check_open()
         if not 0 <= state.length <= len(tokens):
             raise ValueError(f"a state of {state.length} positions cannot hold a timeline of {len(tokens)} tokens")
         self.reset()
@@ -258,24 +265,28 @@ class Session:
     def processed(self) -> tuple[list[int], ModelState] | None:
         """(the tokens the state has processed, the state itself), e.g. to save it in a prefix cache; None when
         there is no usable state."""
+        self._runner.check_open()
         if self._state is None or self._dirty or self._state.length == 0:
             return None
         return self._tokens[: self._state.length], self._state
 
     def reset(self) -> None:
         """Forget everything (tokens, state and meta). Raises `SessionInUse` while a generation on it is unfinished."""
+        self._runner.check_open()
         self._check_idle("reset")
         self._tokens, self._state, self._dirty, self.meta, self._anchor = [], None, False, {}, None
 
     def rewind(self, n: int) -> None:
         """Keep only the first `n` tokens (the state rolls back with them; if it cannot, it is dropped and the
         next prefill starts over). Raises `SessionInUse` while a generation on it is unfinished."""
+        self._runner.check_open()
         self._check_idle("rewind")
         self.roll_back(n)
 
     def roll_back(self, n: int) -> None:
         """`rewind` for the generation that holds the session (speculative decoding drops its rejected drafts with
         it, mid-generation), without the guard."""
+        self._runner.check_open()
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(self._tokens):
             raise ValueError(f"cannot rewind a session of {len(self._tokens)} tokens to {n!r}")
         del self._tokens[n:]
@@ -301,6 +312,7 @@ class Session:
         as it would inside the whole text. Special tokens of a reply that are missing from the text (its shown
         text skips them, so the conversation resent has none) are kept too: the rest of the reply still matches.
         """
+        self._runner.check_open()
         if not isinstance(prompt, str):
             return token_ids(prompt)
         if self.tokenizer is None:
@@ -340,6 +352,7 @@ class Session:
 
     def check_prompt(self, ids: list[int]) -> None:
         """Raise `PromptError` for a prompt no generation can start from. Never truncates."""
+        self._runner.check_open()
         if not ids:
             raise PromptError("the prompt is empty")
         if len(ids) >= self.context_length:
@@ -369,6 +382,7 @@ class Session:
         `argmax_only`: the caller reads the logits' argmax, or a race's, alone (the last chunk's head may be
         screened, see `DeepseekV4.forward`).
         """
+        self._runner.check_open()
         prompt_ids = token_ids(prompt_ids, f"Session.prefill {IDS_ONLY}")
         self.check_prompt(prompt_ids)
         if self._dirty:
@@ -428,6 +442,7 @@ class Session:
 
     def append(self, token: int) -> None:
         """Add a sampled token to the timeline (pending: `decode` runs it)."""
+        self._runner.check_open()
         (token,) = token_ids([token], f"Session.append {IDS_ONLY}")
         if not 0 <= token < self.vocab_size:
             raise PromptError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
@@ -436,6 +451,7 @@ class Session:
     def decode(self, argmax_only: HeadRequest = False) -> torch.Tensor:
         """Run the pending tokens (normally the one just sampled); returns the logits [V] after the last
         (`argmax_only`: the caller reads their argmax, or a race's, alone, see `DeepseekV4.forward`)."""
+        self._runner.check_open()
         n = self.num_processed
         if self._state is None or self._dirty or n >= len(self._tokens):
             raise RuntimeError("decode() needs a prefilled session with a pending token")
@@ -462,7 +478,9 @@ class Session:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write tokens, meta and model state to `path` (atomically: a temp file renamed into place). Raises
-        `SessionError` naming `path` when it cannot be written (what was there before is left as it was)."""
+        `SessionError` naming `path` when it cannot be written (what was there before is left as it was), and
+        `EngineClosed` after `Engine.close()`."""
+        self._runner.check_open()
         path = file_path(path, "Session.save")
         state = b"" if self._state is None or self._dirty else self._state.to_bytes()
         tokens = self._tokens if state else []  # without a state, pending tokens would be recomputed anyway
@@ -503,7 +521,8 @@ class Session:
 
     def load(self, path: str | os.PathLike) -> None:
         """Replace this session's contents with a saved one. Raises `SessionError` with the reason, `SessionInUse`
-        while a generation on it is unfinished."""
+        while a generation on it is unfinished, `EngineClosed` after `Engine.close()`."""
+        self._runner.check_open()
         path = file_path(path, "Session.load")
         self._check_idle("load into")
         try:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from . import __version__
 from .config import int_flag
-from .errors import ConfigError, FastarError, OutputError
+from .errors import ConfigError, FastarError, OptionError, OutputError
 
 
 class UsageError(Exception):
@@ -661,6 +661,10 @@ def main(argv: list[str] | None = None) -> int:
         _stdout_to_devnull()
         return 0
     except FastarError as e:
+        if isinstance(e, OptionError):  # a load option checked outside `open_engine` (serve's --device, at start)
+            from .console import LOAD_FLAGS
+
+            e = e.as_flags(LOAD_FLAGS)
         print(f"fastar: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # the file system's answer to a path the user gave: one line, not a traceback

@@ -25,7 +25,7 @@ from typing import TextIO
 from .config import MAX_DEFAULT_CONTEXT, int_flag, parse_size
 from .encoding import StreamParser
 from .engine.tokenizer import InvalidText, check_text
-from .errors import ConfigError, FastarError
+from .errors import ConfigError, FastarError, OptionError
 from .outputs import model_files, refuse_existing_output, refuse_inputs_as_output
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -158,6 +158,21 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
     add_memory_arguments(p)
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(numerics="official")  # `open_engine` reads it; run and chat have no --numerics flag
+
+
+# `load`'s keywords as the command line spells them: an `OptionError` from `load` names the flag the user typed
+# (`--ram-budget 1000: ...`, where the Python API says `ram_budget=1000: ...`); a switch's flag is the one that turns
+# it the way the message suggests (`{verify=False}`: --no-verify)
+LOAD_FLAGS = {
+    "ram_budget": "--ram-budget",
+    "gpu_budget": "--gpu-budget",
+    "cache_policy": "--cache-policy",
+    "device": "--device",
+    "draft": "--draft",
+    "numerics": "--numerics",
+    "threads": "--threads",
+    "verify": "--no-verify",
+}
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
@@ -340,6 +355,8 @@ def open_engine(args: argparse.Namespace, err: TextIO | None = None, warm: bool 
             warm_experts=(args.prompt_cache or True) if warm else False,
             **memory_options(args),
         )
+    except OptionError as e:  # in the words of the flags given, not of load()'s keywords
+        raise e.as_flags(LOAD_FLAGS) from None
     finally:
         if bar is not None:
             del source.tensor

@@ -331,6 +331,32 @@ def test_load_refuses_a_bad_choice_before_any_model_work(tiny_fst_path, no_model
         load(tiny_fst_path, **options)
 
 
+# load options refused once checked against the model or the machine: (options, the option named, the problem)
+REFUSED_AT_LOAD = [
+    ({"ram_budget": 0}, "ram_budget=0", "0 B is smaller than one expert"),
+    ({"ram_budget": 1000}, "ram_budget=1000", "1000 B is smaller than one expert"),
+    ({"draft": "dspark"}, "draft='dspark'", "this checkpoint has no dspark weights (it has: mtp)"),
+    ({"device": "tpu"}, "device='tpu'", "expected cpu, torch:cpu, cuda or cuda:N"),
+    ({"device": "cuda:x"}, "device='cuda:x'", "expected cpu, torch:cpu, cuda or cuda:N"),
+    ({"device": "torch:cpu", "draft": "mtp"}, "draft='mtp'", "speculative decoding runs on device='cpu' only"),
+]
+
+
+@pytest.mark.parametrize("options,named,problem", REFUSED_AT_LOAD)
+def test_a_load_option_refused_by_the_model_names_the_keyword_not_the_flag(
+    tiny_fst_path, options, named, problem
+) -> None:
+    """`load(ram_budget=0)` said "--ram-budget 0 B is smaller than one expert ...; or 'none'", the command line's
+    words (as did a `draft` the checkpoint lacks and a `device` there is none of): the Python API names its keyword
+    and its values (`ram_budget='1M'`, `None`); the CLI names its flags (tests/test_cli_hostile.py)."""
+    with pytest.raises(ConfigError) as err:
+        load(tiny_fst_path, **options)
+    message = str(err.value)
+    assert message.startswith(f"{named}: {problem}") and "--" not in message and "\n" not in message, message
+    if "ram_budget" in options:
+        assert re.search(r"give at least ram_budget='\d+M' \(\d+ bytes\), or ram_budget=None$", message), message
+
+
 def test_load_of_a_missing_path_is_a_file_not_found_error(tmp_path, monkeypatch, tiny_fst_path) -> None:
     """It was a FormatError only ("no such file"), where `open()` of the path is a FileNotFoundError; a path
     starting with "~" (which Python does not expand) says so when the expanded one exists."""

@@ -4,6 +4,7 @@ arguments answers one line on stderr, no traceback, exit 1 (2 for usage); corrup
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -210,7 +211,27 @@ def test_a_size_flag_is_read_before_the_model(tiny_fst_path, tmp_path):
     r = _cli("serve", "-m", tiny_fst_path, "--port", "0", "--gpu-budget", "12Q", "--no-prompt-cache")
     assert "--gpu-budget: cannot read '12Q' as a size" in one_line_error(r, 1)
     r = _cli("serve", "-m", tiny_fst_path, "--port", "0", "--device", "tpu", "--no-prompt-cache")
-    assert "--device 'tpu': expected" in one_line_error(r, 1)
+    assert "--device tpu: expected" in one_line_error(r, 1)
+
+
+@pytest.mark.parametrize(
+    "flags,named,problem",
+    [
+        (["--ram-budget", "0"], "--ram-budget 0", "0 B is smaller than one expert"),
+        (["--ram-budget", "1000"], "--ram-budget 1000", "1000 B is smaller than one expert"),
+        (["--draft", "dspark"], "--draft dspark", "this checkpoint has no dspark weights (it has: mtp)"),
+        (["--device", "cuda:x"], "--device cuda:x", "expected cpu, torch:cpu, cuda or cuda:N"),
+        (["--device", "torch:cpu", "--draft", "mtp"], "--draft mtp", "speculative decoding runs on --device cpu only"),
+    ],
+)
+def test_a_load_option_refused_by_the_model_names_the_flag_not_the_keyword(tiny_fst_path, flags, named, problem):
+    """The library names `load`'s keywords (`ram_budget=0: ...`, tests/test_api_hostile.py); the command line the
+    flags given (`--ram-budget 0: ...; give at least --ram-budget 1M (...), or --ram-budget none`)."""
+    line = one_line_error(_cli("run", "-m", tiny_fst_path, "-p", "hi", "-n", "1", *flags), 1)
+    assert line.startswith(f"fastar: error: {named}: {problem}"), line
+    assert not re.search(r"\b(ram_budget|draft|device)=", line), line
+    if "--ram-budget" in flags:
+        assert re.search(r"give at least --ram-budget \d+M \(\d+ bytes\), or --ram-budget none$", line), line
 
 
 def test_a_prompt_cache_that_cannot_be_a_folder(tiny_fst_path, tmp_path):

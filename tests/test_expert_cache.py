@@ -556,7 +556,7 @@ def test_bad_arguments(fst):
     with pytest.raises(ValueError, match="smaller than one expert") as err:
         ExpertCache(fst, 100)
     # the size it suggests is one a user can type, and enough
-    suggested = re.search(r"give at least (\d+M) \(\d+ bytes\)", str(err.value))
+    suggested = re.search(r"give at least ram_budget='(\d+M)' \(\d+ bytes\)", str(err.value))
     assert suggested, err.value
     with ExpertCache(fst, parse_size(suggested[1])) as c:
         assert c.n_slots >= 1

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..contracts import ExpertProvider, WeightSource
-from ..errors import ConfigError
+from ..errors import OptionError
 from ..model.deepseek_v4 import DeepseekV4, Numerics
 from ..model.head_screen import HeadScreen
 from ..quant import kernels as K
@@ -39,7 +39,7 @@ def resolve_device(device: str | None, gpu_budget: int | str | None, draft: str 
 
         parse_size(gpu_budget)
     if resolved != "cpu" and draft not in (None, "none"):
-        raise ConfigError(f"--draft {draft}: speculative decoding runs on --device cpu only (not {resolved})")
+        raise OptionError("draft", draft, f"speculative decoding runs on {{device=cpu}} only (not {resolved})")
     return resolved
 
 

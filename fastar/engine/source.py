@@ -58,7 +58,7 @@ def checked_reads(source: WeightSource) -> Iterator[None]:
         yield
         return
     source.check_reads(
-        f" (run `fastar verify {source.path}`; load with --no-verify to skip this check)",
+        f" (run `fastar verify {source.path}`; load with verify=False, or --no-verify, to skip this check)",
     )
     yield
     source.check_unread()

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import OptionError
 from ..model import ops
 from ..model.state import LayerState, ModelState, RowBuffer, StateError
 from .draw import draw
@@ -706,8 +706,8 @@ def resolve(kind: str | None, model, source, kernels: bool = True) -> tuple[Draf
         return None, Schedule(), "none"
     use = have[0] if kind == "auto" else kind
     if use not in have:
-        raise ConfigError(
-            f"--draft {use}: this checkpoint has no {use} weights (it has: {', '.join(have) or 'no draft weights'})"
+        raise OptionError(
+            "draft", kind, f"this checkpoint has no {use} weights (it has: {', '.join(have) or 'no draft weights'})"
         )
     drafter = MTPDrafter(model) if use == "mtp" else DSparkDrafter(model, source, kernels)
     r, q = PRIOR_COST[use]

@@ -36,7 +36,7 @@ import torch
 
 from ..config import ModelConfig, parse_size
 from ..contracts import ExpertProvider, WeightSource
-from ..errors import ConfigError
+from ..errors import OptionError
 from ..quant.linear import Linear, Weights, expert_ffn, ue8m0
 from ..quant.reference import FP8_BLOCK
 from ..weights.device_cache import DeviceExpertCache, slot_bytes
@@ -73,17 +73,18 @@ def resolve_device(name: str | None) -> str:
     if name == "cuda" or name.startswith("cuda:"):
         index = name[5:] or None
         if index is not None and not index.isdigit():
-            raise ConfigError(f"--device {name}: expected {DEVICE_CHOICES}")
+            raise OptionError("device", name, f"expected {DEVICE_CHOICES}")
         if not cuda_available():
-            raise ConfigError(
-                f"--device {name}: CUDA is not available here (torch {torch.__version__} sees no CUDA device); "
-                f"use --device cpu"
+            raise OptionError(
+                "device",
+                name,
+                f"CUDA is not available here (torch {torch.__version__} sees no CUDA device); use {{device=cpu}}",
             )
         i = torch.cuda.current_device() if index is None else int(index)
         if i >= torch.cuda.device_count():
-            raise ConfigError(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s)")
+            raise OptionError("device", name, f"there are {torch.cuda.device_count()} CUDA device(s)")
         return f"cuda:{i}"
-    raise ConfigError(f"--device {name!r}: expected {DEVICE_CHOICES}")
+    raise OptionError("device", name, f"expected {DEVICE_CHOICES}")
 
 
 # --- resident weights ----------------------------------------------------------------------------------------

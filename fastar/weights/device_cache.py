@@ -188,7 +188,7 @@ class DeviceExpertCache:
                 return s
         raise CacheFullError(
             f"device expert budget ({self.n_slots} slots of {self.stride} B) is full with layer "
-            f"{self._layer}'s experts; raise --gpu-budget"
+            f"{self._layer}'s experts; raise the budget (load(gpu_budget=...), or --gpu-budget)"
         )
 
     def _stage(self, buf: np.ndarray, ew: ExpertWeights) -> None:

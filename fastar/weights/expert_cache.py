@@ -36,7 +36,7 @@ import numpy as np
 import xxhash
 
 from ..contracts import ExpertWeights
-from ..errors import ConfigError, FastarError, FormatError
+from ..errors import FastarError, FormatError, OptionError
 from ..format.reader import FstFile
 from . import expert_store as store
 from .expert_store import CacheFullError
@@ -155,9 +155,11 @@ class ExpertCache(ResidentBatches):
         n_slots = min(budget // self.stride, self.num_layers * self.num_experts)
         if n_slots < 1:
             need = (fst.config.num_experts_per_tok + 2) * self.stride
-            raise ConfigError(  # the size as one would type it (a MiB count, rounded up), and the exact bytes
-                f"--ram-budget {budget} B is smaller than one expert ({self.stride} B); give at least "
-                f"{-(-need // (1 << 20))}M ({need} bytes), or 'none'"
+            raise OptionError(  # the size as one would type it (a MiB count, rounded up), and the exact bytes
+                "ram_budget",
+                budget,
+                f"{budget} B is smaller than one expert ({self.stride} B); give at least "
+                f"{{ram_budget={-(-need // (1 << 20))}M}} ({need} bytes), or {{ram_budget=None}}",
             )
         self.n_slots, self.budget_bytes = n_slots, n_slots * self.stride
         hl, self.policy_window = store.lrfu_params(n_slots, self.num_layers, fst.config.num_experts_per_tok)
@@ -827,7 +829,7 @@ class ExpertCache(ResidentBatches):
         if xxhash.xxh64_hexdigest(data) != self._digests[key]:
             raise FormatError(
                 f"{self.fst.path}: expert (layer {layer}, id {e}) fails its checksum "
-                f"(file corrupt or changed under the engine; --no-verify skips this check)"
+                f"(file corrupt or changed under the engine; load(verify=False), or --no-verify, skips this check)"
             )
         self._verified[key] = True
 

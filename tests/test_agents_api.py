@@ -1891,7 +1891,7 @@ def test_a_responses_input_part_of_the_other_sides_kind_is_a_400_naming_the_part
             err = json.loads(data)["error"]
             assert status == 400, data
             assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, "invalid_value"), data
-            assert err["message"].startswith(f"{param}: invalid value {kind} in a") and "\n" not in err["message"]
+            assert err["message"].startswith(f"{param}.type: invalid value {kind} in a") and "\n" not in err["message"]
             assert ("'output_text' and 'refusal'" in err["message"]) == (role == "assistant"), err["message"]
         call = {"type": "function_call", "call_id": "c1", "name": "sum", "arguments": "{}"}
         output = {"type": "function_call_output", "call_id": "c1", "output": [{"type": "output_text", "text": "3"}]}
@@ -1921,3 +1921,52 @@ def test_a_responses_input_part_of_the_other_sides_kind_is_a_400_naming_the_part
         assert cl.responses.create(model="deepseek-v4-flash", input=resent, **again).output_text == "Echo: again"
     finally:
         server.shutdown()
+
+
+def test_a_responses_input_part_of_an_unknown_type_is_a_400_naming_its_type_and_the_allowed_ones():
+    """A part whose `type` OpenAI's Responses API does not take there (Chat Completions' bare `text`, a typo, none) was
+    read as text (`text`) or a 400 without a code: it is answered as OpenAI answers it, a 400 `invalid_value`
+    whose `param` is the part's path and whose message names the `type` field and the types allowed in that role.
+    A part that is no object, or whose text is no string, names itself too."""
+    server = start_server()
+    try:
+        user_types, assistant_types = "'input_text', 'input_image' and 'input_file'", "'output_text' and 'refusal'"
+        cases = [
+            (0, "user", {"type": "text", "text": "hi"}, "invalid value 'text'", user_types),
+            (1, "assistant", {"type": "text", "text": "ok"}, "invalid value 'text'", assistant_types),
+            (0, "system", {"type": "input_txt", "text": "hi"}, "invalid value 'input_txt'", user_types),
+            (0, "developer", {"text": "hi"}, "missing", user_types),
+            (1, "assistant", {"type": 5, "text": "ok"}, "invalid value 5", assistant_types),
+        ]
+        for at, role, part, said, allowed in cases:
+            items = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+            items[at] = {"type": "message", "role": role, "content": [part]}
+            body = {"model": "deepseek-v4-flash", "input": [*items, {"role": "user", "content": "go on"}]}
+            status, _, data = raw(server, "POST", "/v1/responses", {**body, "max_output_tokens": 4})
+            err = json.loads(data)["error"]
+            param = f"input[{at}].content[0]"
+            assert status == 400, data
+            assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, "invalid_value"), data
+            message = err["message"]
+            assert message.startswith(f"{param}.type: {said} in a") and "\n" not in message, message
+            assert f"supported values are {allowed}" in message, message
+        output = {"type": "function_call_output", "call_id": "c1", "output": [{"type": "text", "text": "3"}]}
+        call = {"type": "function_call", "call_id": "c1", "name": "sum", "arguments": "{}"}
+        body = {"model": "deepseek-v4-flash", "input": [{"role": "user", "content": "add"}, call, output]}
+        status, _, data = raw(server, "POST", "/v1/responses", {**body, "max_output_tokens": 4})
+        err = json.loads(data)["error"]
+        assert status == 400 and (err["param"], err["code"]) == ("input[2].output[0]", "invalid_value"), data
+        assert err["message"].startswith("input[2].output[0].type: invalid value 'text' in a function_call_output")
+    finally:
+        server.shutdown()
+    for part, says in [
+        ("hi", 'input[0].content[0] must be a content part (an object), got "hi"'),
+        ({"type": "input_text", "text": 5}, "input[0].content[0].text must be a string, got 5"),
+        ({"type": "refusal", "refusal": None}, None),  # a refusal is the assistant's: checked by role first
+    ]:
+        with pytest.raises(APIError) as info:
+            R.input_messages([{"role": "user", "content": [part]}])
+        if says is not None:
+            assert (info.value.status, info.value.message) == (400, says)
+    with pytest.raises(APIError, match=r"^input\[0\]\.content\[0\]\.refusal must be a string, got null$"):
+        R.input_messages([{"role": "assistant", "content": [{"type": "refusal", "refusal": None}]}])

@@ -111,16 +111,18 @@ def retrieve(response_id: str, store: ResponseStore) -> dict:
 
 # The content parts OpenAI takes in each place of `input` (its Responses API reference; the API answers another with a
 # 400 `invalid_value` naming the part): what the model wrote (an assistant message) is output text or a refusal,
-# what it is given (a user, system or developer message, a tool's output) is input text, images and files.
+# what it is given (a user, system or developer message, a tool's output) is input text, images and files. A part
+# of any other type (Chat Completions' bare `text`, a typo) is answered the same way.
 ASSISTANT_PARTS = ("output_text", "refusal")
 INPUT_PARTS = ("input_text", "input_image", "input_file")
 
 
 def _content_text(content: Any, where: str, role: str = "user") -> str:
-    """A message's (or a `function_call_output`'s) text; `where` names the list ("input[1].content"). A part of the
-    other side's kind (`input_text`, `input_image`, `input_file` in an assistant message; `output_text` or `refusal`
-    in a user, system or developer message or a tool's output) is a 400 `invalid_value` naming the part, as OpenAI
-    answers it: an input part in an assistant message would put words in the model's mouth."""
+    """A message's (or a `function_call_output`'s) text; `where` names the list ("input[1].content"). A part whose
+    `type` is not one OpenAI takes there is a 400 `invalid_value` naming the part and the types allowed, as OpenAI
+    answers it: the other side's kind (`input_text`, `input_image`, `input_file` in an assistant message, which would
+    put words in the model's mouth; `output_text` or `refusal` in a user, system or developer message or a tool's
+    output), and any other type (Chat Completions' `text`, a typo, none at all)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -128,29 +130,38 @@ def _content_text(content: Any, where: str, role: str = "user") -> str:
     allowed, other = (ASSISTANT_PARTS, INPUT_PARTS) if role == "assistant" else (INPUT_PARTS, ASSISTANT_PARTS)
     parts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind in other:
+        if not isinstance(part, dict):
+            raise bad_request(f"{where}[{j}] must be a content part (an object), got {fields.shown(part)}", "input")
+        kind = part.get("type")
+        if kind not in allowed:
             place = {"assistant": "an assistant message", "tool": "a function_call_output"}.get(
                 role, f"a {role} message"
             )
             named = ", ".join(repr(k) for k in allowed[:-1]) + f" and {allowed[-1]!r}"
-            owner = "user, system and developer messages" if role == "assistant" else "assistant messages"
+            if kind in other:
+                owner = "user, system and developer messages" if role == "assistant" else "assistant messages"
+                why = f" ({kind} parts are for {owner})"
+            elif kind == "text":
+                why = " ('text' is a Chat Completions part type)"
+            else:
+                why = ""
+            value = repr(kind) if isinstance(kind, str) and len(kind) <= 80 else fields.shown(kind)
+            said = "missing" if kind is None else f"invalid value {value}"
             raise APIError(
                 400,
-                f"{where}[{j}]: invalid value {kind!r} in {place}: supported values are {named} ({kind} parts are "
-                f"for {owner})",
+                f"{where}[{j}].type: {said} in {place}: supported values are {named}{why}",
                 param=f"{where}[{j}]",
                 code="invalid_value",
             )
         if kind == "input_file":  # a text file, rendered as a document
             parts.append(documents.openai_file(part, f"{where}[{j}]", "input"))
             continue
-        if kind == "refusal" and isinstance(part.get("refusal"), str):  # what the model said instead of an answer
-            parts.append(part["refusal"])
-            continue
-        if not (kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str)):
-            raise bad_request(f"{where}[{j}]: unsupported part {kind!r} (the model reads text only)", "input")
-        parts.append(part["text"])
+        if kind == "input_image":
+            raise bad_request(f"{where}[{j}]: unsupported part 'input_image' (the model reads text only)", "input")
+        key = "refusal" if kind == "refusal" else "text"  # a refusal: what the model said instead of an answer
+        if not isinstance(part.get(key), str):
+            raise bad_request(f"{where}[{j}].{key} must be a string, got {fields.shown(part.get(key))}", "input")
+        parts.append(part[key])
     return "".join(parts) if content and all(p.get("type") == "output_text" for p in content) else "\n".join(parts)
 
 

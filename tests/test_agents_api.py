@@ -1970,3 +1970,50 @@ def test_a_responses_input_part_of_an_unknown_type_is_a_400_naming_its_type_and_
             assert (info.value.status, info.value.message) == (400, says)
     with pytest.raises(APIError, match=r"^input\[0\]\.content\[0\]\.refusal must be a string, got null$"):
         R.input_messages([{"role": "assistant", "content": [{"type": "refusal", "refusal": None}]}])
+
+
+def test_a_past_calls_arguments_render_alike_from_every_api_and_the_library(backend):
+    """A past call's arguments render as DeepSeek's encoder renders them, whichever API carried them: JSON text
+    (chat completions' `function.arguments`, a Responses `function_call`'s `arguments`), the object itself (an
+    Anthropic `tool_use`'s `input`, or the library's `engine.chat`, whose encoder takes both) give the same
+    prompt; text that is not JSON is taken by chat completions, Responses and the library alike, and rendered as
+    the reference renders it, one string parameter `arguments` holding the text (not refused: OpenAI takes it too)."""
+    from fastar.encoding import DSML
+
+    def chat_of(arguments) -> list[dict]:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return [
+            {"role": "user", "content": "w"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "x"},
+        ]
+
+    def responses_of(arguments: str) -> list[dict]:
+        call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments}
+        return [
+            {"role": "user", "content": "w"},
+            call,
+            {"type": "function_call_output", "call_id": "c1", "output": "x"},
+        ]
+
+    text = '{"q": "h", "n": 2}'
+    prompt = encode_messages(chat_of(text), "chat")
+    assert f'<{DSML}parameter name="n" string="false">2</{DSML}parameter>' in prompt
+    assert encode_messages(chat_of(json.loads(text)), "chat") == prompt  # the library's object
+    assert encode_messages(R.input_messages(responses_of(text)), "chat") == prompt
+    use = {"type": "tool_use", "id": "c1", "name": "f", "input": json.loads(text)}
+    anthropic = {
+        "max_tokens": 5,
+        "thinking": {"type": "disabled"},
+        "messages": [
+            {"role": "user", "content": "w"},
+            {"role": "assistant", "content": [use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "x"}]},
+        ],
+    }
+    assert A.parse_request(anthropic, backend)[1].render() == prompt
+
+    raw_prompt = encode_messages(chat_of("{not json"), "chat")
+    assert f'<{DSML}parameter name="arguments" string="true">{{not json</{DSML}parameter>' in raw_prompt
+    assert encode_messages(R.input_messages(responses_of("{not json")), "chat") == raw_prompt
+    assert raw_prompt == encode_messages(chat_of({"arguments": "{not json"}), "chat")

@@ -122,6 +122,79 @@ def test_tool_call_arguments_nested_deeper_than_json_recurses_are_a_400(server):
         assert "'arguments' nests deeper than" in err["message"], path
 
 
+def _tool_round(arguments) -> tuple[list[dict], list[dict]]:
+    """A past call with these `arguments` and its result, as chat completions messages and as Responses items."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "w"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"},
+    ]
+    items = [
+        {"role": "user", "content": "w"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "c1", "output": "x"},
+    ]
+    return messages, items
+
+
+@pytest.mark.parametrize(
+    "arguments,got", [({"q": "h"}, "an object"), ([1], "an array"), (5, "an integer"), (None, "null")]
+)
+def test_tool_call_arguments_that_are_not_a_string_are_a_400_naming_their_path(server, arguments, got):
+    """OpenAI's `function.arguments` is a string (the call's arguments as JSON text): an object there was rendered
+    as if it had been sent as its JSON, `null` or a number was an encoder error without its field. Each is the
+    400 `invalid_type` OpenAI answers ("expected a string, but got an object instead"), naming the field, on chat
+    completions, /tokenize and a Responses `function_call`. An Anthropic `tool_use` carries its arguments as an
+    object `input`: anything else there (their JSON text included) is a 400 in Anthropic's shape naming it."""
+    messages, items = _tool_round(arguments)
+    for path, body, param in (
+        (CHAT, body_of("", messages=messages), "messages[1].tool_calls[0].function.arguments"),
+        ("/tokenize", {"messages": messages}, "messages[1].tool_calls[0].function.arguments"),
+        ("/v1/responses", {"model": "deepseek-v4-flash", "input": items}, "input[1].arguments"),
+    ):
+        status, _, data = raw(server, "POST", path, body)
+        err = assert_openai_error(status, data, 400, "invalid_type", param)
+        assert err["message"] == (
+            f"{param}: expected a string (the call's arguments as JSON text), but got {got} instead"
+        ), (path, err)
+    for bad in ('{"q": "h"}', [1], None):
+        use = {"type": "tool_use", "id": "c1", "name": "f", "input": bad}
+        result = {"type": "tool_result", "tool_use_id": "c1", "content": "x"}
+        turns = [{"role": "user", "content": "w"}, {"role": "assistant", "content": [use]}]
+        body = {"model": "m", "max_tokens": 5, "messages": [*turns, {"role": "user", "content": [result]}]}
+        status, _, data = raw(server, "POST", "/v1/messages", body)
+        message = _error_of("/v1/messages", status, data, 400)
+        assert message == (
+            f"messages[1].content[0].input must be an object (the call's arguments), got {json.dumps(bad)}"
+        ), message
+
+
+def test_tool_call_arguments_that_are_not_json_are_taken_as_deepseeks_encoder_renders_them(server):
+    """A string that is not JSON is taken, as OpenAI takes it (a model's own arguments are not always valid JSON, and
+    a client sends them back as they came): the encoder renders it as DeepSeek's reference encoder does, as one
+    string parameter `arguments` holding the text (tests/test_encoding.py), the same from chat completions,
+    /tokenize and a Responses `function_call`. Text that is JSON but not an object is refused, naming the call."""
+    messages, items = _tool_round("{not json")
+    counts = []
+    for path, body in (
+        (CHAT, body_of("", messages=messages, max_tokens=3)),
+        ("/tokenize", {"messages": messages}),
+        ("/v1/responses", {"model": "deepseek-v4-flash", "input": items, "max_output_tokens": 3}),
+    ):
+        status, _, data = raw(server, "POST", path, body)
+        assert status == 200, (path, data[:300])
+        if path == "/tokenize":
+            counts.append(json.loads(data)["tokens"])
+    status, _, data = raw(server, "POST", "/tokenize", {"messages": _tool_round('{"arguments": "{not json"}')[0]})
+    assert status == 200 and json.loads(data)["tokens"] == counts[0], "not the reference's one raw parameter"
+    messages, items = _tool_round("[1]")
+    for path, body in ((CHAT, body_of("", messages=messages)), ("/v1/responses", {"input": items})):
+        status, _, data = raw(server, "POST", path, {"model": "deepseek-v4-flash", **body})
+        err = assert_openai_error(status, data, 400)
+        assert "tool_calls[0]: 'arguments' must encode a JSON object, got '[1]'" in err["message"], (path, err)
+
+
 # ---- S2: many clients at once -----------------------------------------------------------------------------
 
 

@@ -196,9 +196,14 @@ def _assistant_message(content: Any, where: str) -> dict:
             continue
         elif kind == "tool_use":
             name, args = block.get("name"), block.get("input", {})
-            if not isinstance(name, str) or not name or not isinstance(args, dict):
+            if not isinstance(name, str) or not name:
                 raise bad_request(
                     f"{where}.content[{j}]: a tool_use block needs a 'name' and an object 'input'", "messages"
+                )
+            if not isinstance(args, dict):  # a JSON string too: `input` is the arguments themselves, not their text
+                raise bad_request(
+                    f"{where}.content[{j}].input must be an object (the call's arguments), got {fields.shown(args)}",
+                    "messages",
                 )
             calls.append(
                 {"id": str(block.get("id") or ""), "type": "function", "function": {"name": name, "arguments": args}}

@@ -39,10 +39,27 @@ TOOL_CHOICES = ("none", "auto", "required")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
+JSON_TYPES = {dict: "an object", list: "an array", bool: "a boolean", int: "an integer", float: "a number"}
+
+
 def check_messages(messages: list[dict]) -> None:
     """What the encoder would take silently but the OpenAI API refuses: a tool result must say which call it
-    answers."""
+    answers, and a past call's `function.arguments` is a string (the encoder renders an object too, as the Python
+    API passes it; OpenAI answers one with a 400 `invalid_type`: "expected a string, but got an object instead").
+    A string that is not JSON is taken, as OpenAI takes it (a model's arguments are not always valid JSON): the
+    encoder renders it as DeepSeek's does, one string parameter `arguments` holding it (`fastar.encoding`)."""
     for i, msg in enumerate(messages):
+        calls = msg.get("tool_calls") if msg.get("role") == "assistant" else None
+        for j, call in enumerate(calls if isinstance(calls, list) else ()):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and "arguments" in fn and not isinstance(fn["arguments"], str):
+                got = "null" if fn["arguments"] is None else JSON_TYPES.get(type(fn["arguments"]), "another type")
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                raise bad_request(
+                    f"{where}: expected a string (the call's arguments as JSON text), but got {got} instead",
+                    where,
+                    "invalid_type",
+                )
         if msg.get("role") == "tool":
             call_id = msg.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:

@@ -399,7 +399,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         type=model_name_flag,
         default="deepseek-v4-flash",
-        help="model id the API reports and accepts",
+        help="model id the API reports and accepts (default deepseek-v4-flash, which stays accepted beside another)",
     )
     parser.add_argument(
         "--max-queue",

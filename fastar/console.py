@@ -43,7 +43,7 @@ CHAT_HELP = """commands:
   /thinking on|off    think before answering (reasoning is shown dimmed unless NO_COLOR is set)
   /save FILE          save the conversation and its model state (/save --force FILE: over an existing file)
   /load FILE          load a saved conversation (continues without recomputing it)
-  /stats              token counts and speeds so far
+  /stats              token counts and speeds so far (then every counter of the engine)
   /help               this text
   /exit               quit (also Ctrl-D); Ctrl-C stops the current reply"""
 
@@ -705,11 +705,14 @@ class ChatREPL:
                 self.messages = list(self.session.meta.get("messages", []))
                 self.thinking = bool(self.session.meta.get("thinking", self.thinking))
                 self.say(f"(loaded {len(self.messages)} messages, {self.session.num_tokens} tokens)")
-        elif cmd == "/stats":
+        elif cmd == "/stats":  # the timings line's words first, then every counter (seconds and rates unrounded
+            stats = self.engine.stats()  # to a tenth: 0.004 s of prefill said 0.0)
+            self.say(timings_line({}, stats).replace("timings:", "so far:"))
             self.say(
-                " ".join(
-                    f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in self.engine.stats().items()
+                "details: "
+                + " ".join(
+                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in stats.items()
                     if isinstance(v, (int, float))
                 )
             )

@@ -382,6 +382,17 @@ def test_no_color_or_a_dumb_terminal_gets_no_escapes(monkeypatch, env) -> None:
     assert "Let me see." in out.getvalue() and "\x1b" not in out.getvalue()
 
 
+def test_stats_says_the_timings_then_every_counter() -> None:
+    """/stats printed only `key=value` pairs with seconds rounded to a tenth (a 4 ms prefill: `prefill_seconds=0.0`);
+    now the timings line's words first, then the counters unrounded."""
+    repl, eng, out = make_repl([])
+    eng.stats = lambda: {"prompt_tokens": 9, "cached_tokens": 4, "prefill_tokens_computed": 5, "prefill_seconds": 0.004}
+    repl.handle("/stats")
+    first, second = out.getvalue().splitlines()
+    assert first.startswith("so far: prompt 9 tokens (4 reused); prefill 5 tokens in 0.00 s (1250.0 tok/s)"), first
+    assert second == "details: prompt_tokens=9 cached_tokens=4 prefill_tokens_computed=5 prefill_seconds=0.004"
+
+
 def test_ctrl_c_stops_the_reply_and_keeps_the_chat() -> None:
     repl, eng, out = make_repl(["one two three four five", "ok"])
     eng.on_chunk = lambda i: i == 2 and repl.cancel.set()  # what the SIGINT handler does

@@ -826,7 +826,6 @@ def main(a) -> int:
         r["decode_ratio_vs_compare"] = r["decode_tok_s"] / r["compare"]["decode_tok_s"]
     if a.plot:
         plot(r, a.plot)
-        print(f"plot of tokens/s and hit rate against the RAM budget written to {a.plot}", file=sys.stderr)
     if a.json:
         print(json.dumps(r, default=float))
     else:
@@ -836,4 +835,7 @@ def main(a) -> int:
             print(f"\n{a.compare}:")
             print_table(r["compare"])
             print(f"\ndecode speed {a.model} / {a.compare} = {r['decode_ratio_vs_compare']:.2f}x")
+    if a.plot:  # after the table (stdout, flushed first), where a reader of both streams looks last
+        sys.stdout.flush()
+        print(f"plot of tokens/s and hit rate against the RAM budget written to {a.plot}", file=sys.stderr)
     return 0

@@ -362,7 +362,11 @@ def open_engine(args: argparse.Namespace, err: TextIO | None = None, warm: bool 
             del source.tensor
             bar.close()
     if args.ctx_size:
-        engine.context_length = args.ctx_size
+        try:
+            engine.context_length = args.ctx_size
+        except ConfigError as e:  # in the words of the flag given
+            engine.close()
+            raise ConfigError(f"-c/--ctx-size: {e}") from None
     tok_vocab, model_vocab = engine.tokenizer.vocab_size, engine.config.vocab_size
     if tok_vocab > model_vocab:
         engine.close()  # its warm-up stops reading

@@ -78,6 +78,7 @@ def test_bad_arguments_table(tiny_fst_path, tiny_ckpt, tmp_path):
         (["bench", "-m", m, "--temperature", "nan"], {}, usage, "argument --temperature"),
         (["run", "-m", m, "-p", "hi", "--stop", ""], {}, usage, "the stop string is empty"),  # was dropped silently
         (["run", "-m", m, "-p", "hi", "-c", "-5"], {}, usage, "ctx-size"),
+        (["run", "-m", m, "-p", "hi", "-c", "99999"], {}, fail, "-c/--ctx-size: context length must be between 2 and"),
         (["run", "-m", m, "-p", "hi", "--ram-budget", "0"], {}, fail, "ram-budget"),
         (["run", "-m", m, "-p", "hi", "--ram-budget", "1"], {}, fail, "ram-budget"),
         (["run", "-m", m, "-p", "hi", "--ram-budget", "lots"], {}, fail, "size"),

@@ -453,13 +453,18 @@ def test_hash_prefetch_is_exact(fst):
 
 def test_stats_and_reset(fst):
     with ExpertCache(fst, 4 * fst.expert_stride) as c:
+        t0 = time.perf_counter()
         c.acquire(0, [1, 2]).release()
         c.acquire(0, [1]).release()
+        wall = time.perf_counter() - t0
         st = c.stats()
         assert (st["hits"], st["misses"], st["reads"]) == (1, 2, 2)
         assert st["bytes_read"] == 2 * fst.expert_stride and st["hit_rate"] == pytest.approx(1 / 3)
+        # the time any read was in flight (the loaders together): within the wall time, unlike read_s's sum
+        assert 0 < st["read_busy_s"] <= wall
+        assert st["served_GBps"] == pytest.approx(st["bytes_read"] / st["read_busy_s"] / 1e9)
         c.reset_stats()
-        assert c.stats()["hits"] == 0 and c.stats()["resident"] == 2
+        assert c.stats()["hits"] == 0 and c.stats()["resident"] == 2 and c.stats()["read_busy_s"] == 0
 
 
 def test_default_budget_from_available_memory(fst):

@@ -201,6 +201,7 @@ class ExpertCache(ResidentBatches):
         self._cond = threading.Condition(threading.RLock())  # RLock: a thread-exit release may nest
         self._tls = threading.local()
         self._closed, self._fatal = False, None
+        self._reading, self._busy_since = 0, 0.0  # loads being read now; since when at least one has been
         self.reset_stats()
         self._threads = [
             threading.Thread(target=self._worker, name=f"fastar-expert-io-{i}", daemon=True)
@@ -459,6 +460,8 @@ class ExpertCache(ResidentBatches):
         """Counters since the last `reset_stats`, with derived rates (see docs/EXPERT_MEMORY.md)."""
         with self._cond:
             s = dict(self._stats)
+            if self._reading:  # the stretch in flight, so far: a difference of two snapshots is exact
+                s["read_busy_s"] += time.perf_counter() - self._busy_since
             s["sources"] = {SOURCES[i]: dict(d) for i, d in enumerate(self._src)}
             resident = int(np.count_nonzero(self._state == _READY))
             s.update(
@@ -474,6 +477,8 @@ class ExpertCache(ResidentBatches):
         n = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / n if n else 0.0
         s["read_GBps"] = s["bytes_read"] / s["read_s"] / 1e9 if s["read_s"] else 0.0
+        # the rate the reads were served at, all loaders together: bytes over the time any read was in flight
+        s["served_GBps"] = s["bytes_read"] / s["read_busy_s"] / 1e9 if s["read_busy_s"] else 0.0
         pf = s["sources"]
         s["prefetch_issued"] = sum(d["issued"] for d in pf.values())
         s["prefetch_used"] = sum(d["used"] for d in pf.values())
@@ -488,12 +493,14 @@ class ExpertCache(ResidentBatches):
                 reads=0,
                 bytes_read=0,
                 read_s=0.0,
+                read_busy_s=0.0,
                 stall_s=0.0,
                 evictions=0,
                 transient_reads=0,
                 read_errors=0,
             )
             self._src = [dict(issued=0, used=0, late=0, dropped=0, wasted_bytes=0) for _ in SOURCES]
+            self._busy_since = time.perf_counter()  # a read in flight now counts from here
 
     def _commit(self) -> None:
         t0 = time.perf_counter()
@@ -801,6 +808,9 @@ class ExpertCache(ResidentBatches):
                         self._cond.wait()
                     if load is None:
                         return
+                    if self._reading == 0:  # the loaders' busy time (`read_busy_s`) starts
+                        self._busy_since = time.perf_counter()
+                    self._reading += 1
                 t0 = time.perf_counter()
                 err: BaseException | None = None
                 try:  # lock released: this is the part that overlaps compute
@@ -836,6 +846,9 @@ class ExpertCache(ResidentBatches):
     def _finish(self, load: _Load, err: BaseException | None, dt: float) -> None:
         s = load.slot
         del self._inflight[load.key]
+        self._reading -= 1
+        if self._reading == 0:  # no read in flight: the busy stretch ends
+            self._stats["read_busy_s"] += time.perf_counter() - self._busy_since
         load.done, load.error = True, err
         if err is not None:  # the slot goes back empty: a failed read is never served
             del self._key_slot[load.key]

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from fastar.bench.model import COLD_PROBES
 from fastar.convert.hf import convert
 from fastar.engine.engine import open_source
 from fastar.format.reader import FstFile
@@ -54,9 +55,84 @@ def test_bench_json(tiny_ckpt, tmp_path):
     assert small["prefill_reads"] > 0 and small["prefill_bytes_read"] == small["prefill_reads"] * stride
     own = small["prefill_s"] - small["prefill_stall_s"]
     assert small["prefill_compute_s"] == min(auto["prefill_s"], auto_lru["prefill_s"], own)
-    io = small["prefill_bytes_read"] / (out["disk_gbps"] * 1e9)
+    # the disk's rate: the fastest cold probe, or the rate the prefill's reads were served at where faster
+    served = small["prefill_bytes_read"] / small["prefill_read_busy_s"] / 1e9
+    assert small["prefill_disk_gbps"] == pytest.approx(max(out["disk_gbps"], served))
+    assert out["disk_gbps"] == max(v for k, v in out["disk"].items() if k in COLD_PROBES)
+    io = small["prefill_bytes_read"] / (small["prefill_disk_gbps"] * 1e9)
     assert small["prefill_io_ceiling_tok_s"] == pytest.approx(6 / max(io, small["prefill_compute_s"]))
     assert small["prefill_fraction_of_io_ceiling"] > 0 and "prefill_io_ceiling_tok_s" not in auto
+    # decode: the larger of the memory and the disk times, the disk's at the faster of the probe and the served rate
+    for x in (small, small_lru):
+        assert x["disk_served_gbps"] > 0 and x["ceiling_disk_gbps"] == max(out["disk_gbps"], x["disk_served_gbps"])
+        assert x["ceiling_disk_s_per_token"] == pytest.approx(x["bytes_read_per_token"] / x["ceiling_disk_gbps"] / 1e9)
+        worst = max(x["ceiling_memory_s_per_token"], x["ceiling_disk_s_per_token"])
+        assert x["ceiling_tok_s"] == pytest.approx(1 / worst) and x["serial_ceiling_tok_s"] < x["ceiling_tok_s"]
+    assert auto["ceiling_disk_s_per_token"] == 0 and auto["ceiling_bound"] == "memory"
+    # a ceiling is a bound: no run above it (the tiny model's steps are far from it; 5 % for the bandwidth's drift)
+    assert all(x["fraction_of_ceiling"] <= 1.05 for x in out["runs"])
+    # the budget asked beside what the cache holds: whole experts, at most the bank
+    assert small["ram_budget_asked"] == 400 * 1024 and auto["ram_budget_asked"] == "auto"
+    assert small["ram_budget_bytes"] == small["ram_budget_bytes"] // stride * stride <= 400 * 1024
+    assert auto["ram_budget_bytes"] == auto["expert_bank_bytes"] == small["expert_bank_bytes"]
+
+
+def test_decode_ceiling_overlaps_the_disk_with_memory():
+    """The parts of a paged run on flash4.fst (--ram-budget 500M, lru, 8 tokens): 1.11 GB resident (head screened)
+    and 0.32 GB of experts a token at a 67 % hit rate, 0.15 GB a token read from disk; memory 22.0 GB/s, the disk
+    1.09 GB/s (its fastest probe). It decoded 6.67 tok/s: the additive model (misses' bytes at the disk's rate on
+    top of the memory time) said 5.79 tok/s, 115 %. The reads overlap compute: a token takes at least the larger
+    time, 7.24 tok/s."""
+    from fastar.bench.model import decode_ceiling, fastest_disk_gbps
+
+    resident, experts, hit, read = 1_110_490_292, 320_864_256, 0.671875, 150_405_120
+    probes = {"direct_GBps": 0.936, "direct_2threads_GBps": 1.088, "pagecache_GBps": 4.8}
+    membw, disk = 22.046, fastest_disk_gbps(probes)
+    assert disk == 1.088  # the cold probes only: a page-cache re-read is not the disk
+    c = decode_ceiling(resident, experts, hit, read, membw, disk)
+    memory_s, disk_s = (resident + hit * experts) / (membw * 1e9), read / (disk * 1e9)
+    assert c["memory_s"] == pytest.approx(memory_s) and c["disk_s"] == pytest.approx(disk_s)
+    assert c["seconds"] == pytest.approx(max(memory_s, disk_s)) and c["bound"] == "disk"
+    assert c["serial_seconds"] == pytest.approx(memory_s + disk_s)
+    assert 1 / c["seconds"] >= 6.668  # what the run did: under its ceiling
+    # every expert in RAM: nothing read, the memory time alone (the model before this one, unchanged there)
+    warm = decode_ceiling(resident, experts, 1.0, 0, membw, disk)
+    assert warm["seconds"] == warm["serial_seconds"] == pytest.approx((resident + experts) / (membw * 1e9))
+
+
+def test_batched_ceiling_counts_each_calls_experts_and_overlaps_the_disk():
+    """flash4.fst, `--streams 1,4` with every expert in RAM: a 1-row call routes 24 experts, a 4-row one 55 (their
+    union), 1.11 GB resident each, memory 18.6 and 18.3 GB/s. The probe missed the C router's experts, so the byte
+    ceilings were the resident bytes alone: 4 streams 4.6x 1 stream. A call of N rows reads at least one row's
+    bytes, so at one bandwidth N rows get at most N x the tokens per second."""
+    from fastar.bench.streams import _call_seconds, window_seconds
+
+    resident, stride = 1_110_490_292, 13_369_344
+    one = _call_seconds(resident, stride, (0.0, 1, 24, 0, 0), 18.56)
+    four = _call_seconds(resident, stride, (0.0, 4, 55, 0, 0), 18.29)
+    assert one == pytest.approx((resident + 24 * stride) / 18.56e9)
+    ratio = (4 / four) / (1 / one)
+    assert ratio == pytest.approx(3.06, abs=0.01) and ratio * 18.56 / 18.29 <= 4  # at one bandwidth: at most 4x
+    # a miss's bytes go to the disk's time, which overlaps the calls' memory time: the larger of the two
+    miss = _call_seconds(resident, stride, (0.0, 1, 24, 3, 0), 18.56)
+    assert miss == pytest.approx((resident + 21 * stride) / 18.56e9)
+    assert window_seconds([miss] * 10, 30 * stride, 1.0) == pytest.approx(max(10 * miss, 30 * stride / 1e9))
+    assert window_seconds([miss] * 10, 30 * stride, 0.0) == pytest.approx(10 * miss)  # disk unknown: not counted
+
+
+def test_budget_line_says_what_was_asked_and_what_the_cache_holds():
+    from fastar.bench.model import budget_asked, budget_line
+
+    stride, bank = 13_369_344, 80 * 13_369_344
+    run = {"ram_budget_asked": 2 << 30, "ram_budget_bytes": bank, "expert_bank_bytes": bank, "expert_bytes": stride}
+    assert budget_asked(run) == "2G"
+    assert budget_line(run) == "budget 2G (2.15 GB) asked: 1.07 GB, every expert (the bank is 1.07 GB)"
+    run.update(ram_budget_asked=500 << 20, ram_budget_bytes=39 * stride)
+    assert budget_line(run) == "budget 500M (0.52 GB) asked: 0.52 GB, 39 of 80 experts (the bank is 1.07 GB)"
+    run.update(ram_budget_asked="auto", ram_budget_bytes=bank)
+    assert budget_asked(run) == "auto" and budget_line(run).startswith("budget auto: 1.07 GB, every expert")
+    run.update(ram_budget_asked="none", ram_budget_bytes=0)
+    assert budget_line(run) == "budget none: the file mapped, no expert cache"
 
 
 def test_bench_model_runs_with_the_thread_count_asked(tiny_ckpt, tmp_path):
@@ -176,6 +252,7 @@ def test_repeats_each_against_their_own_bandwidth(tiny_ckpt, tmp_path, monkeypat
     )
     assert r.returncode == 0, r.stderr
     assert "2 repeats: % of ceiling median" in r.stdout
+    assert "budget auto: " in r.stdout and ", every expert (the bank is " in r.stdout
     r = subprocess.run(
         [sys.executable, "-m", "fastar", "bench", "-m", str(fst), "--repeats", "0"],
         capture_output=True,

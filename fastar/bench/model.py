@@ -2,10 +2,16 @@
 
 Owns: the model benchmark. For each RAM budget it loads the engine over the expert pager, prefills a random
 prompt, decodes greedily, and reports tokens/s beside the ceiling that this machine's memory and disk bandwidth
-(both measured in the same run) allow for the bytes a token touches at the measured hit rate:
+(both measured in the same run) allow for the bytes a token touches at the measured hit rate and the expert bytes
+the run read from disk (`decode_ceiling`):
 
-    t_token >= resident_bytes_per_token / membw + hit * expert_bytes_per_token / membw
-                                                + (1 - hit) * expert_bytes_per_token / disk_bw
+    t_token >= max((resident_bytes_per_token + hit * expert_bytes_per_token) / membw,
+                   expert_bytes_read_per_token / disk_bw)
+
+The loader threads read while the kernels compute, so the two terms overlap: their sum (`serial_ceiling_tok_s`,
+printed beside) is what a token would take with no overlap, not a bound. disk_bw is the fastest of the cold probes
+(O_DIRECT with one and two readers, buffered, mapped) and the rate the run's own reads were served at (bytes read
+over the time any read was in flight: a read the OS or the host serves from a cache is faster than the disk).
 
 membw is measured twice per timed decode, streaming the model's LM head just before and just after it (the shared
 machine's bandwidth moves between minutes); the mean sets that decode's ceiling (`membw_gbps`; the header's
@@ -161,6 +167,35 @@ def _disk_bw(path: str, nbytes: int = 256 << 20) -> float:
     return done / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
+COLD_PROBES = ("direct_GBps", "direct_2threads_GBps", "buffered_cold_GBps", "mmap_cold_GBps", "sequential_GBps")
+
+
+def fastest_disk_gbps(disk: dict) -> float:
+    """The fastest rate any cold probe of `measure_disk` (or `_disk_bw`'s "sequential_GBps") read the file at: the
+    disk's rate in the ceilings, a bound rather than one way of reading it."""
+    return max((disk[k] for k in COLD_PROBES if disk.get(k)), default=0.0)
+
+
+def decode_ceiling(
+    resident: float, experts: float, hit: float, read: float, membw_gbps: float, disk_gbps: float
+) -> dict:
+    """The least time one decode token can take (seconds), from its bytes: `resident` bytes and the `hit` part of
+    its `experts` bytes from RAM at `membw_gbps`, and the `read` bytes of experts the run read from disk per token
+    at `disk_gbps`. The loader threads read while the kernels compute, so the bound is the larger of the two
+    times ("seconds"); "serial_seconds" is their sum, a token's time with no overlap (not a bound). A miss's
+    record is charged to the disk only, though the kernels then read it from RAM as well: the bound stays a bound
+    where a just-read record is still in the CPU's caches."""
+    memory_s = (resident + hit * experts) / (membw_gbps * 1e9)
+    disk_s = read / (disk_gbps * 1e9) if read else 0.0
+    return {
+        "seconds": max(memory_s, disk_s),
+        "serial_seconds": memory_s + disk_s,
+        "memory_s": memory_s,
+        "disk_s": disk_s,
+        "bound": "disk" if disk_s > memory_s else "memory",
+    }
+
+
 PROBE_MIN_BYTES = 256 << 20  # a resident weight at least this big is streamed for the bandwidth beside each run
 
 
@@ -236,7 +271,8 @@ def _start(path: str, budget, options: dict, prompt: list[int], warmup: int, dra
     info["prefill_s"] = time.perf_counter() - t0
     after = cache.stats() if cache else {}
     info["prefill_span"] = engine.prefill_span
-    for k in ("bytes_read", "reads", "stall_s"):  # what the prefill read from disk, and how long it waited for it
+    # what the prefill read from disk, how long a read was in flight, and how long it waited for them
+    for k in ("bytes_read", "reads", "stall_s", "read_busy_s"):
         info["prefill_" + k] = after.get(k, 0) - before.get(k, 0)
     seq = list(prompt) + [argmax(logits[-1])]
     for _ in range(warmup):
@@ -320,6 +356,8 @@ def run_one(
         device_info = {k: v for k, v in engine.stats().items() if k.startswith("device")}
         after = cache.stats() if cache else {}
         budget_bytes = cache.budget_bytes if cache else 0
+        bank, engine_stride = engine.source.bank, engine.source.expert_stride
+        bank_bytes = bank["slots"] * bank["experts"] * engine_stride
         del state, logits
         _close(engine)
         del engine
@@ -350,8 +388,13 @@ def run_one(
     hits = after.get("hits", 0) - before.get("hits", 0)
     misses = after.get("misses", 0) - before.get("misses", 0)
     read = after.get("bytes_read", 0) - before.get("bytes_read", 0)
+    busy = after.get("read_busy_s", 0) - before.get("read_busy_s", 0)
     out = {
-        "ram_budget_bytes": budget_bytes,
+        "ram_budget_asked": "none" if budget is None else budget,  # as given: bytes, "auto" or "none"
+        "ram_budget_bytes": budget_bytes,  # what the cache holds: at most the bank, whole experts
+        "expert_bank_bytes": bank_bytes,
+        "expert_bytes": engine_stride,
+        "direct_io": bool(after.get("direct", False)),  # the expert reads bypass the OS page cache (O_DIRECT)
         "cache_policy": options.get("cache_policy", "lrfu"),
         "load_s": info["load_s"],
         "preloaded": info["preloaded"],
@@ -364,6 +407,7 @@ def run_one(
         "prefill_bytes_read": info["prefill_bytes_read"],
         "prefill_reads": info["prefill_reads"],
         "prefill_stall_s": info["prefill_stall_s"],
+        "prefill_read_busy_s": info["prefill_read_busy_s"],
         **({"prefill_first_tok_s": len(prompt) / info["prefill_first_s"]} if "prefill_first_s" in info else {}),
         "warmup_tokens": warmup,
         "decode_tokens": decode * repeats,
@@ -371,6 +415,8 @@ def run_one(
         "head_screen_bytes_per_token": screen_bytes,  # added to the resident bytes (negative: fewer)
         "hit_rate": hits / max(hits + misses, 1) if cache else 1.0,
         "bytes_read_per_token": read / (decode * repeats),
+        # the rate the decode's expert reads were served at: their bytes over the time any was in flight
+        "disk_served_gbps": read / busy / 1e9 if read and busy > 0 else 0.0,
         "stall_s_per_token": (after.get("stall_s", 0) - before.get("stall_s", 0)) / (decode * repeats),
         "peak_rss_bytes": rss.peak,
         "repeats": [
@@ -433,11 +479,10 @@ def run(
     vocab = src.config.vocab_size
     if isinstance(src, FstFile):
         disk = measure_disk(src, records=min(16, src.bank["slots"] * src.bank["experts"] // 4 or 1))
-        disk_bw = (disk.get("direct_GBps") or disk["buffered_cold_GBps"]) * 1e9
     else:
         shard = max(Path(path).glob("*.safetensors"), key=lambda p: p.stat().st_size)
         disk = {"sequential_GBps": _disk_bw(str(shard))}
-        disk_bw = disk["sequential_GBps"] * 1e9
+    disk_bw = fastest_disk_gbps(disk) * 1e9
     n = kernels.get_num_threads()
     limits = machine_limits([n])
     membw, peak_flops = limits["membw"][n] * 1e9, limits["peak"][n] * 1e9
@@ -459,13 +504,14 @@ def run(
                 sampling=sampling,
             )
             r["sampling"] = {"temperature": sampling[0], "top_p": sampling[1]}
-            h = r["hit_rate"]
-
+            h, read_tok = r["hit_rate"], r["bytes_read_per_token"]
             rt = resident_tok + r["head_screen_bytes_per_token"]
+            # the disk's rate: the fastest probe, or the rate this run's reads were served at where faster (a
+            # read served from the OS's or the host's cache)
+            r["ceiling_disk_gbps"] = max(disk_bw / 1e9, r["disk_served_gbps"])
 
             def ceiling(gbps: float) -> float:
-                bw = gbps * 1e9
-                return 1 / (rt / bw + h * expert_tok / bw + (1 - h) * expert_tok / disk_bw)
+                return 1 / decode_ceiling(rt, expert_tok, h, read_tok, gbps, r["ceiling_disk_gbps"])["seconds"]
 
             for x in r["repeats"]:  # each repeat against the bandwidth measured around it, else the machine's
                 around = x["membw_before_after_gbps"]
@@ -475,6 +521,10 @@ def run(
             r["membw_gbps"] = sum(x["membw_gbps"] for x in r["repeats"]) / repeats
             r["ceiling_tok_s"] = ceiling(r["membw_gbps"])
             r["fraction_of_ceiling"] = r["decode_tok_s"] / r["ceiling_tok_s"]
+            parts = decode_ceiling(rt, expert_tok, h, read_tok, r["membw_gbps"], r["ceiling_disk_gbps"])
+            r["ceiling_memory_s_per_token"], r["ceiling_disk_s_per_token"] = parts["memory_s"], parts["disk_s"]
+            r["ceiling_bound"] = parts["bound"]
+            r["serial_ceiling_tok_s"] = 1 / parts["serial_seconds"]  # no overlap of reads and compute: not a bound
             r["achieved_gbps"] = (rt + expert_tok) * r["decode_tok_s"] / 1e9
             r["prefill_ceiling_tok_s"] = peak_flops / (2 * macs)  # FP32 FMA peak over the products' FLOPs
             r["prefill_fraction_of_flops"] = r["prefill_tok_s"] / r["prefill_ceiling_tok_s"]
@@ -507,7 +557,8 @@ def run(
 
 def _prefill_io_ceiling(runs: list[dict], disk_bw: float) -> None:
     """Prefill against the I/O ceiling, for each run whose prefill read experts from disk: io_s = the bytes it
-    read / the disk bandwidth probed in this run; compute_s = the shorter of the prefill time of this run's
+    read / the disk's rate (the fastest cold probe of this run, or the rate the prefill's reads were served at
+    where faster: bytes over the time any read was in flight); compute_s = the shorter of the prefill time of this run's
     all-in-RAM budget where there is one (same prompt, no reads) and its own time less the time it waited for reads
     (on a shared machine either can be the slower: the shorter gives the stricter ceiling). Overlapped,
     a prefill cannot beat max(io_s, compute_s): that is the ceiling (`prefill_io_ceiling_tok_s`); the serial sum
@@ -516,7 +567,10 @@ def _prefill_io_ceiling(runs: list[dict], disk_bw: float) -> None:
     for r in runs:
         if r["preloaded"] or not r["prefill_bytes_read"]:
             continue
-        io_s = r["prefill_bytes_read"] / disk_bw
+        busy = r["prefill_read_busy_s"]
+        served = r["prefill_bytes_read"] / busy if busy > 0 else 0.0
+        r["prefill_disk_gbps"] = max(disk_bw, served) / 1e9
+        io_s = r["prefill_bytes_read"] / (r["prefill_disk_gbps"] * 1e9)
         own = r["prefill_s"] - r["prefill_stall_s"]
         compute_s = min(in_ram + [own])
         n = r["prefill_tokens"]
@@ -587,9 +641,37 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def _typed(n: int) -> str:
+    """Bytes as --ram-budget takes them (binary units, as `parse_size` reads them): 2147483648 -> "2G"."""
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def budget_asked(x: dict) -> str:
+    """A run's --ram-budget as given: "2G", "auto", "none" (the table's budget column)."""
+    asked = x["ram_budget_asked"]
+    return _typed(asked) if isinstance(asked, int) else str(asked)
+
+
+def budget_line(x: dict) -> str:
+    """What a run's budget asked for and what the expert cache holds: "budget 2G (2.15 GB) asked: 1.07 GB, every
+    expert (the bank is 1.07 GB)" (the cache keeps whole experts, at most the bank)."""
+    asked, held, bank = x["ram_budget_asked"], x["ram_budget_bytes"], x["expert_bank_bytes"]
+    if asked == "none":
+        return "budget none: the file mapped, no expert cache"
+    head = f"budget {budget_asked(x)} ({_gb(asked)}) asked" if isinstance(asked, int) else f"budget {asked}"
+    stride = x.get("expert_bytes") or 0
+    held_experts = (
+        "every expert" if held >= bank else f"{held // stride} of {bank // stride} experts" if stride else "part"
+    )
+    return f"{head}: {_gb(held)}, {held_experts} (the bank is {_gb(bank)})"
+
+
 def print_table(r: dict, out=sys.stdout) -> None:
     print(
-        f"machine: memory {r['membw_gbps']:.1f} GB/s, disk {r['disk_gbps']:.2f} GB/s (O_DIRECT), FP32 FMA "
+        f"machine: memory {r['membw_gbps']:.1f} GB/s, disk {r['disk_gbps']:.2f} GB/s (fastest cold probe), FP32 FMA "
         f"{r['peak_gflops']:.0f} GFLOP/s, {r['threads']} threads; per token: resident "
         f"{_gb(r['resident_bytes_per_token'])}, experts {_gb(r['expert_bytes_per_token'])}, prefill "
         f"{2 * r['prefill_macs_per_token'] / 1e9:.2f} GFLOP",
@@ -602,11 +684,11 @@ def print_table(r: dict, out=sys.stdout) -> None:
     )
     for x in r["runs"]:
         print(
-            f"{_gb(x['ram_budget_bytes']):>10} {x['cache_policy']:>6} {x['prefill_tok_s']:11.1f} "
+            f"{budget_asked(x):>10} {x['cache_policy']:>6} {x['prefill_tok_s']:11.1f} "
             f"{x['decode_tok_s']:10.2f} {x['ceiling_tok_s']:8.2f} {100 * x['fraction_of_ceiling']:5.0f}% "
             f"{100 * x['hit_rate']:5.1f}% {_gb(x['bytes_read_per_token']):>10} {x['achieved_gbps']:6.1f} "
             f"{x['membw_gbps']:8.1f} {_gb(x['peak_rss_bytes']):>10}"
-            + ("  (all experts preloaded)" if x["preloaded"] else "")
+            + f"  ({budget_line(x)}{'; all experts preloaded' if x['preloaded'] else ''})"
             + (
                 f"  (sampled: temperature {x['sampling']['temperature']:g}, top_p {x['sampling']['top_p']:g})"
                 if x.get("sampling", {}).get("temperature")
@@ -635,10 +717,21 @@ def print_table(r: dict, out=sys.stdout) -> None:
         if "prefill_io_ceiling_tok_s" in x:
             print(
                 f"{'':>10} prefill read {_gb(x['prefill_bytes_read'])} ({x['prefill_reads']} records, spans of "
-                f"{x['prefill_span']} tokens): I/O {x['prefill_io_s']:.2f} s at the disk's rate, compute "
+                f"{x['prefill_span']} tokens): I/O {x['prefill_io_s']:.2f} s at {x['prefill_disk_gbps']:.2f} GB/s, "
+                f"compute "
                 f"{x['prefill_compute_s']:.2f} s ({x['prefill_compute_from']}); ceiling "
                 f"{x['prefill_io_ceiling_tok_s']:.1f} t/s overlapped ({x['prefill_serial_ceiling_tok_s']:.1f} serial): "
                 f"prefill = {100 * x['prefill_fraction_of_io_ceiling']:.0f}% of it",
+                file=out,
+            )
+        if x["bytes_read_per_token"]:
+            print(
+                f"{'':>10} decode ceiling {x['ceiling_tok_s']:.2f} t/s: the larger of memory "
+                f"{1e3 * x['ceiling_memory_s_per_token']:.1f} ms and disk {1e3 * x['ceiling_disk_s_per_token']:.1f} ms "
+                f"a token ({_gb(x['bytes_read_per_token'])} read at {x['ceiling_disk_gbps']:.2f} GB/s; the reads were "
+                f"served at {x['disk_served_gbps']:.2f} GB/s, "
+                f"{'O_DIRECT' if x['direct_io'] else 'through the page cache'}): reads overlap compute; with no "
+                f"overlap {x['serial_ceiling_tok_s']:.2f} t/s",
                 file=out,
             )
         print(

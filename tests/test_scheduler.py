@@ -691,6 +691,7 @@ def test_bench_streams_cli(tiny_ckpt, tmp_path):
     import sys
 
     from fastar.convert.hf import convert
+    from fastar.format.reader import FstFile
 
     needs_invariant_kernels()
     fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
@@ -732,6 +733,13 @@ def test_bench_streams_cli(tiny_ckpt, tmp_path):
         assert row["fraction_of_roofline"] >= row["fraction_of_ceiling"]
     assert out["decode_macs_fp32_path"] > 0 and out["decode_macs_quant_path"] > 0
     assert out["rows"][1]["expert_reads_per_call"] >= out["rows"][0]["expert_reads_per_call"]
+    # every call's experts counted, by whichever router the layer takes (the C one where it applies): at least k
+    # distinct a layer
+    with FstFile(fst) as f:
+        least = f.config.num_hidden_layers * f.config.num_experts_per_tok
+    assert all(row["window_experts_per_call"] >= least for row in out["rows"])
+    # the misses read over the window, at the faster of the probe and the rate they were served at
+    assert all(row["ceiling_disk_gbps"] >= max(out["disk_gbps"], row["disk_served_gbps"]) for row in out["rows"])
     # the tiny head stays in the caches, so the hits' bandwidth is the start-of-run probe's, never 0 (unknown)
     assert out["membw_gbps"] > 0 and all(row["membw_gbps"] == out["membw_gbps"] for row in out["rows"])
 

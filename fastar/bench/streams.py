@@ -4,12 +4,15 @@ Per N: aggregate decode tokens/s (tokens emitted while all N streams decode / th
 stream's first token to the first stream's last, so every decode call in it carries N rows), per-stream
 tokens/s, p50/p95 inter-token latency, whether every stream's tokens equal its solo run (`identical_to_solo`),
 and the batched ceiling over the same decode calls: each reads the resident bytes once plus the bytes of the
-union of its rows' experts (hits at the memory bandwidth measured in the run, misses at the disk bandwidth),
-the additive model of `fastar.bench`'s decode ceiling. Beside it, the arithmetic floor of the same calls: each
-call's multiply-adds (rows x the per-token products, `decode_macs`) at the FP32 FMA peak (BF16/F32 weights: the
-LM head, routers, compressors) and at the bf16 dot peak (FP8/FP4 weights and the routed experts, whose inputs the
-official numerics quantize), both measured in the run. With several rows a call can be bound by arithmetic rather
-than bytes (the LM head is 2 x 529 M FLOP per row in float32); the roofline is, per call, the larger of the two.
+union of its rows' experts (all but its misses, at the memory bandwidth measured around that N's run), and the
+expert bytes read from disk over those calls go at the disk's rate (the fastest of the start's probe and the rate
+the reads were served at); the loader threads read while the kernels compute, so the calls take at least the
+larger of the two times (`window_seconds`, the overlapped model of `fastar.bench`'s decode ceiling). Beside it,
+the arithmetic floor of the same calls: each call's multiply-adds (rows x the per-token products, `decode_macs`) at
+the FP32 FMA peak (BF16/F32 weights: the LM head, routers, compressors) and at the bf16 dot peak (FP8/FP4 weights
+and the routed experts, whose inputs the official numerics quantize), both measured in the run. With several rows a
+call can be bound by arithmetic rather than bytes (the LM head is 2 x 529 M FLOP per row in float32); the roofline
+is, per call, the larger of its memory and arithmetic times, summed, or the disk's time where larger.
 Owns only the measuring; the scheduler is `fastar.engine.scheduler`.
 """
 
@@ -34,31 +37,39 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 class _UnionProbe:
     """Records, per decode call (`forward_rows`): when it returned, its rows, the distinct experts each layer
-    routed to (summed over layers) and the expert cache's misses during it (wraps the MoE routers of this
-    engine's model; `close` restores them)."""
+    routed to (summed over layers), the expert cache's misses during it and the head rows the screen computed
+    exactly (`log`); and the cache's bytes read and read-busy seconds so far at its start and its end (`io`).
+    Wraps both routers of this engine's MoE layers (`MoE.route`, and `MoE.route_c`, the C router a fused layer
+    takes, which returns None where it does not apply and `route` then runs); `close` restores them."""
 
     def __init__(self, model, cache=None) -> None:
         self.model, self.cache, self.calls, self.experts = model, cache, 0, 0
-        self.log: list[tuple[float, int, int, int]] = []  # (end time, rows, experts, misses) per call
+        self.log: list[tuple[float, int, int, int, int]] = []  # (end time, rows, experts, misses, exact) per call
+        self.io: list[tuple[tuple[int, float], tuple[int, float]]] = []  # ((bytes read, busy s) at start, at end)
         self._in_rows = False
         self._orig_rows = model.forward_rows
-        self._orig_route = {}
         for b in model.layers:
-            self._orig_route[b.layer] = b.ffn.route
-            b.ffn.route = self._route(b.ffn.route)
+            b.ffn.route, b.ffn.route_c = self._route(b.ffn.route), self._route(b.ffn.route_c)
         model.forward_rows = self._rows
 
     def _route(self, route):
-        def wrapped(x, ids):
-            idx, wts = route(x, ids)
-            if self._in_rows:
-                self.experts += len(set(idx.reshape(-1).tolist()))
-            return idx, wts
+        def wrapped(x, ids, *args):
+            got = route(x, ids, *args)
+            if self._in_rows and got is not None:
+                self.experts += len(set(got[0].reshape(-1).tolist()))
+            return got
 
         return wrapped
 
+    def _stats(self) -> dict:
+        return self.cache.stats() if self.cache else {}
+
     def _misses(self) -> int:
-        return self.cache.stats().get("misses", 0) if self.cache else 0
+        return self._stats().get("misses", 0)
+
+    def _io(self) -> tuple[int, float]:
+        st = self._stats()
+        return st.get("bytes_read", 0), st.get("read_busy_s", 0.0)
 
     def _exact_rows(self) -> int:
         screen = self.model.screen
@@ -66,7 +77,7 @@ class _UnionProbe:
 
     def _rows(self, ids, states, argmax_only=None):
         self._in_rows, self.calls = True, self.calls + 1
-        experts, misses, exact = self.experts, self._misses(), self._exact_rows()
+        experts, misses, exact, io = self.experts, self._misses(), self._exact_rows(), self._io()
         try:
             return self._orig_rows(ids, states, argmax_only)
         finally:
@@ -80,22 +91,31 @@ class _UnionProbe:
                     self._exact_rows() - exact,
                 )
             )
+            self.io.append((io, self._io()))
 
     def close(self) -> None:
         for b in self.model.layers:
-            b.ffn.route = self._orig_route[b.layer]
+            del b.ffn.route, b.ffn.route_c  # the wrappers: the class's methods show through again
         self.model.forward_rows = self._orig_rows
 
 
-def _call_seconds(resident: int, stride: int, call: tuple, membw: float, disk: float, row_bytes: int = 0) -> float:
-    """The ceiling of one decode call (end, rows, experts, misses, head rows computed exactly by the head screen):
-    the resident bytes once (the caller's: with the screen, the int8 head in place of the BF16 one; plus the rows
-    it computed)
-    and its experts' bytes, hits at the memory bandwidth and misses at the disk bandwidth (GB/s; 0 = unknown, that
-    part not counted)."""
+def _call_seconds(resident: int, stride: int, call: tuple, membw: float, row_bytes: int = 0) -> float:
+    """The memory time of one decode call (end, rows, experts, misses, head rows computed exactly by the head
+    screen): the resident bytes once (the caller's: with the screen, the int8 head in place of the BF16 one; plus
+    the rows it computed) and its experts' bytes but the misses' (those go to the disk's time, `window_seconds`),
+    at the memory bandwidth (GB/s; 0 = unknown, 0 s)."""
     _, _, experts, misses, exact = call
     hit_bytes = resident + exact * row_bytes + (experts - misses) * stride
-    return (hit_bytes / (membw * 1e9) if membw else 0.0) + (misses * stride / (disk * 1e9) if disk and misses else 0.0)
+    return hit_bytes / (membw * 1e9) if membw else 0.0
+
+
+def window_seconds(call_s: list[float], read_bytes: int, disk: float) -> float:
+    """The least time a run of decode calls can take: each call's own least time (`call_s`: its memory time, or
+    the larger of that and its arithmetic for the roofline), one after another, or the time the disk takes to
+    read `read_bytes` at `disk` GB/s (0 = unknown, not counted) where that is longer: the loader threads read
+    while the calls compute, so the two overlap rather than add."""
+    disk_s = read_bytes / (disk * 1e9) if disk and read_bytes else 0.0
+    return max(sum(call_s), disk_s)
 
 
 def _machine_rates(engine) -> tuple[float, float, float]:
@@ -157,7 +177,14 @@ def _run(engine, prompts: list[list[int]], tokens: int) -> dict:
         sched.run_until_idle()
     finally:
         probe.close()
-    return {"times": times, "tokens": out, "calls": probe.calls, "experts": probe.experts, "log": probe.log}
+    return {
+        "times": times,
+        "tokens": out,
+        "calls": probe.calls,
+        "experts": probe.experts,
+        "log": probe.log,
+        "io": probe.io,
+    }
 
 
 def bench(
@@ -220,18 +247,29 @@ def bench(
         gaps = sorted(b - a for t in times for a, b in itertools.pairwise(t))
         pct = (lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3) if gaps else (lambda q: 0.0)
         # the ceiling of the decode calls whose tokens are in the window (a call's rows are emitted right after it)
-        window = [c for c in r["log"] if start < c[0] <= end]
+        inside = [i for i, c in enumerate(r["log"]) if start < c[0] <= end]
+        window = [r["log"][i] for i in inside]
+        # the expert bytes read from disk from the first such call's start to the last one's end, and the rate they
+        # were served at (over the time any read was in flight) where faster than the start's probe
+        (read0, busy0), (read1, busy1) = (r["io"][inside[0]][0], r["io"][inside[-1]][1]) if inside else ((0, 0), (0, 0))
+        read_bytes = read1 - read0
+        served = read_bytes / (busy1 - busy0) / 1e9 if read_bytes and busy1 > busy0 else 0.0
+        disk_n = max(disk, served)
         bytes_s = [
-            _call_seconds(resident_tok + (delta if screened(c) else 0), stride, c, membw, disk, row_bytes)
-            for c in window
+            _call_seconds(resident_tok + (delta if screened(c) else 0), stride, c, membw, row_bytes) for c in window
         ]
-        ceil_s = sum(bytes_s)
-        roof_s = sum(max(b, c[1] * (call_row_s(c) + c[4] * exact_s)) for b, c in zip(bytes_s, window))
+        ceil_s = window_seconds(bytes_s, read_bytes, disk_n)
+        roof_s = window_seconds(
+            [max(b, c[1] * (call_row_s(c) + c[4] * exact_s)) for b, c in zip(bytes_s, window)], read_bytes, disk_n
+        )
         window_tokens = sum(c[1] for c in window)
         rows.append(
             {
                 "streams": n,
-                "membw_gbps": membw,
+                "membw_gbps": membw,  # the mean of the probes just before and just after this N's run
+                "window_read_bytes": read_bytes,  # expert bytes read from disk over the window's calls
+                "disk_served_gbps": served,
+                "ceiling_disk_gbps": disk_n,
                 "aggregate_decode_tok_s": in_window / (end - start) if end > start else 0.0,
                 "per_stream_tok_s": [
                     (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else 0.0 for t in times
@@ -241,6 +279,7 @@ def bench(
                 "identical_to_solo": all(o == s[: len(o)] and len(o) == len(s) for o, s in zip(out, solo)),
                 "decode_calls": r["calls"],
                 "expert_reads_per_call": r["experts"] / max(1, r["calls"]),
+                "window_experts_per_call": sum(c[2] for c in window) / len(window) if window else 0.0,
                 "window_calls": len(window),
                 "window_rows_per_call": window_tokens / len(window) if window else 0.0,
                 "window_all_streams": full,
@@ -298,7 +337,10 @@ def main(a) -> int:
             )
             if row[key]
         ]
-        return f" ({'; '.join(parts)})" if parts else ""
+        if not parts:
+            return ""
+        disk = f", reads at {row['ceiling_disk_gbps']:.2f} GB/s" if row["window_read_bytes"] else ""
+        return f" ({'; '.join(parts)}; at {row['membw_gbps']:.1f} GB/s measured around this run{disk})"
 
     for row in r["rows"]:
         print(

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from . import __version__
 from .config import int_flag
 from .errors import ConfigError, FastarError, OptionError, OutputError
+from .words import counted
 
 
 class UsageError(Exception):
@@ -197,7 +198,8 @@ def cmd_verify(a) -> int:
             if why is not None:
                 raise FastarError(f"{a.file}: {why}")
         if a.quick:
-            print(f"{a.file}: structure OK ({n_t} tensors, {n_e} expert records; checksums not checked)")
+            records = counted(n_e, "expert record")
+            print(f"{a.file}: structure OK ({counted(n_t, 'tensor')}, {records}; checksums not checked)")
             return 0
         bar = None
         if sys.stderr.isatty():
@@ -222,7 +224,8 @@ def cmd_verify(a) -> int:
         return 1
     size = os.path.getsize(a.file)
     print(
-        f"{a.file}: OK ({n_t} tensors, {n_e} expert records, {_human(size)} checked in {dt:.1f} s, "
+        f"{a.file}: OK ({counted(n_t, 'tensor')}, {counted(n_e, 'expert record')}, {_human(size)} checked in "
+        f"{dt:.1f} s, "
         f"{size / max(dt, 1e-9) / 1e6:.0f} MB/s)"
     )
     return 0
@@ -274,8 +277,9 @@ def cmd_inspect(a) -> int:
         if bank is not None:
             n = bank["slots"] * bank["experts"]
             print(
-                f"\nexpert bank: {bank['slots']} layers x {bank['experts']} experts = {n} records, stride "
-                f"{bank['stride']} B ({bank['stride'] // 4096} pages) at offset {bank['offset']}, "
+                f"\nexpert bank: {counted(bank['slots'], 'layer')} x {counted(bank['experts'], 'expert')} = "
+                f"{counted(n, 'record')}, stride {bank['stride']} B ({counted(bank['stride'] // 4096, 'page')}) at "
+                f"offset {bank['offset']}, "
                 f"{_human(n * bank['stride'])} in all"
             )
             for s in bank["sections"]:
@@ -376,7 +380,8 @@ def cmd_synth(a) -> int:
                 hidden_size=a.hidden,
                 moe_intermediate_size=a.inter,
             )
-        print(f"wrote an official-format checkpoint ({a.layers} layers x {a.experts} experts) to {p}")
+        shape = f"{counted(a.layers, 'layer')} x {counted(a.experts, 'expert')}"
+        print(f"wrote an official-format checkpoint ({shape}) to {p}")
         return 0
     with _output_flag("-o"):
         p = synth(
@@ -393,8 +398,8 @@ def cmd_synth(a) -> int:
             force=a.force,
         )
     print(
-        f"wrote a random-weight model ({a.layers} layers x {a.experts} experts, hidden {a.hidden}, expert width "
-        f"{a.inter}) to {p}"
+        f"wrote a random-weight model ({counted(a.layers, 'layer')} x {counted(a.experts, 'expert')}, hidden "
+        f"{a.hidden}, expert width {a.inter}) to {p}"
     )
     return 0
 

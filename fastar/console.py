@@ -27,6 +27,7 @@ from .encoding import StreamParser
 from .engine.tokenizer import InvalidText, check_text
 from .errors import ConfigError, FastarError, OptionError
 from .outputs import model_files, refuse_existing_output, refuse_inputs_as_output
+from .words import counted
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -420,11 +421,14 @@ def timings_line(before: dict, after: dict) -> str:
     # tokens written (each pass writes its accepted drafts and one token of its own)
     rejected = d.get("draft_tokens_verified", 0) - d.get("draft_tokens_accepted", 0)
     written = dec_n - rejected
-    decode = f"decode {written} tokens in {dec_s:.2f} s ({written / dec_s if dec_s else 0:.1f} tok/s"
-    decode += f"; {dec_n} positions run, {rejected} rejected drafts among them)" if rejected else ")"
+    decode = f"decode {counted(written, 'token')} in {dec_s:.2f} s ({written / dec_s if dec_s else 0:.1f} tok/s"
+    if rejected:
+        decode += f"; {counted(dec_n, 'position')} run, {counted(rejected, 'rejected draft')} among them)"
+    else:
+        decode += ")"
     parts = [
-        f"prompt {d.get('prompt_tokens', 0)} tokens ({d.get('cached_tokens', 0)} reused)",
-        f"prefill {pre_n} tokens in {pre_s:.2f} s ({pre_n / pre_s if pre_s else 0:.1f} tok/s)",
+        f"prompt {counted(d.get('prompt_tokens', 0), 'token')} ({d.get('cached_tokens', 0)} reused)",
+        f"prefill {counted(pre_n, 'token')} in {pre_s:.2f} s ({pre_n / pre_s if pre_s else 0:.1f} tok/s)",
         decode,
     ]
     hits, misses = d.get("expert_cache_hits"), d.get("expert_cache_misses")
@@ -448,9 +452,9 @@ def draft_line(before: dict, after: dict) -> str | None:
         d.get("draft_verify_passes", 0),
     )
     parts = [
-        f"{100 * accepted / drafted if drafted else 0:.1f}% of {drafted} drafts accepted",
+        f"{100 * accepted / drafted if drafted else 0:.1f}% of {counted(drafted, 'draft')} accepted",
         f"{(accepted + passes) / passes if passes else 0:.2f} tokens per verify pass",
-        f"{d.get('draft_plain_steps', 0)} plain steps",
+        counted(d.get("draft_plain_steps", 0), "plain step"),
     ]
     if "draft_est_speedup" in after:  # a ratio: the running value, not a difference
         parts.append(f"est. speedup {after['draft_est_speedup']:.2f}x")
@@ -696,7 +700,8 @@ class ChatREPL:
                 except FastarError as e:
                     self.fail(e, "cannot save")
                     return True
-                self.say(f"(saved {len(self.messages)} messages, {self.session.num_tokens} tokens to {path})")
+                held = f"{counted(len(self.messages), 'message')}, {counted(self.session.num_tokens, 'token')}"
+                self.say(f"(saved {held} to {path})")
         elif cmd == "/load":
             if not arg:
                 self.fail("usage: /load FILE")
@@ -708,7 +713,8 @@ class ChatREPL:
                     return True
                 self.messages = list(self.session.meta.get("messages", []))
                 self.thinking = bool(self.session.meta.get("thinking", self.thinking))
-                self.say(f"(loaded {len(self.messages)} messages, {self.session.num_tokens} tokens)")
+                held = f"{counted(len(self.messages), 'message')}, {counted(self.session.num_tokens, 'token')}"
+                self.say(f"(loaded {held})")
         elif cmd == "/stats":  # the timings line's words first, then every counter (seconds and rates unrounded
             stats = self.engine.stats()  # to a tenth: 0.004 s of prefill said 0.0)
             self.say(timings_line({}, stats).replace("timings:", "so far:"))
@@ -871,8 +877,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(timings_line({}, engine.stats()).replace("timings:", "session totals:"), file=sys.stderr)
         if code:  # the last line says why the status is 1, as every failing command's does
             n = repl.failures
-            lines = "line" if n == 1 else "lines"
-            print(f"fastar: error: {n} {lines} of the input failed (see above)", file=sys.stderr)
+            print(f"fastar: error: {counted(n, 'line')} of the input failed (see above)", file=sys.stderr)
     finally:
         engine.close()  # stops the warm-up and saves the usage profile for the next start
     return code

@@ -18,6 +18,7 @@ from pathlib import Path
 from . import console
 from .errors import FastarError
 from .outputs import model_files, refuse_existing_output, refuse_inputs_as_output, refuse_unwritable_output
+from .words import counted
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -190,8 +191,8 @@ def cmd_perplexity(a) -> int:
 
 def report(s: dict) -> str:
     lines = [
-        f"{s['file']}: {s['tokens']} tokens, {s['windows']} window(s) of {s['ctx']} moved by {s['stride']}, "
-        f"{s['scored']} tokens scored",
+        f"{s['file']}: {counted(s['tokens'], 'token')}, {counted(s['windows'], 'window')} of {s['ctx']} moved by "
+        f"{s['stride']}, {counted(s['scored'], 'token')} scored",
         f"Final estimate: PPL = {s['ppl']:.4f} +/- {s['ppl_stderr']:.4f}",
         f"mean NLL {s['nll']:.6f} +/- {s['nll_stderr']:.6f} nats/token; {s['tokens_per_s']:.1f} tokens/s "
         f"({s['evaluated_tokens']} run through the model in {s['seconds']:.1f} s)",
@@ -199,7 +200,7 @@ def report(s: dict) -> str:
     kl = s.get("kl_divergence")
     if kl:
         lines += [
-            f"against the base run ({kl['tokens']} tokens): PPL(base) = {kl['base_ppl']:.4f}, "
+            f"against the base run ({counted(kl['tokens'], 'token')}): PPL(base) = {kl['base_ppl']:.4f}, "
             f"PPL(this) / PPL(base) = {s['ppl'] / kl['base_ppl']:.6f}",
             f"  mean KLD      {kl['kl_mean']:.6f} +/- {kl['kl_mean_stderr']:.6f}",
             f"  max KLD       {kl['kl_max']:.6f}",

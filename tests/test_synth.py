@@ -204,7 +204,7 @@ def test_cli_writes_a_file_that_verifies(tmp_path):
     args = ["--layers", "1", "--experts", "8", "--vocab", "1000", "--hidden", "256", "--inter", "256"]
     r = subprocess.run([sys.executable, "-m", "fastar", "synth", "-o", str(out), *args], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "1 layers x 8 experts" in r.stdout
+    assert "1 layer x 8 experts" in r.stdout
     r = subprocess.run([sys.executable, "-m", "fastar", "verify", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     r = subprocess.run(

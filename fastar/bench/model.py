@@ -38,6 +38,7 @@ import numpy as np
 
 from ..config import parse_size
 from ..errors import ConfigError, FastarError
+from ..words import counted
 
 
 class _PeakRSS:
@@ -794,7 +795,8 @@ def device_line(x: dict) -> str:
         f"device {x['device']}: experts {100 * x['device_experts_device'] / n:.0f}% on the device "
         f"({x['device_experts_streamed']} streamed), {100 * x['device_experts_cpu'] / n:.0f}% on the CPU "
         f"(CPU {x['device_cpu_seconds']:.2f} s, waited {x['device_wait_seconds']:.2f} s); pool "
-        f"{x['device_pool_n_slots']} slots, {x['device_pool_hits']} hits, {x['device_pool_admitted']} admitted, "
+        f"{counted(x['device_pool_n_slots'], 'slot')}, {counted(x['device_pool_hits'], 'hit')}, "
+        f"{x['device_pool_admitted']} admitted, "
         f"{_gb(x['device_pool_bytes_copied'])} copied{peak}"
     )
 

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from ..words import counted
 from .model import _settle, bf16_dot_peak_gflops, one_engine_options
 from .profile import C_CATEGORIES, OUTSIDE, PRODUCTS, _Clock, _Instrumented
 
@@ -122,8 +123,9 @@ def format_profile(r: dict) -> str:
     for p in r["profiles"]:
         run = p["run_ms"]
         lines.append(
-            f"  {p['tokens']} tokens: {run:.1f} ms profiled, {p['plain_run_ms_median']:.1f} ms plain (median of "
-            f"{p['repeats']}, {p['tok_s']:.1f} tok/s); outside any kernel {100 * p['outside_kernels_fraction']:.1f}%"
+            f"  {counted(p['tokens'], 'token')}: {run:.1f} ms profiled, {p['plain_run_ms_median']:.1f} ms plain "
+            f"(median of {p['repeats']}, {p['tok_s']:.1f} tok/s); outside any kernel "
+            f"{100 * p['outside_kernels_fraction']:.1f}%"
         )
         for k, v in p["categories_ms"].items():
             rate = p["product_gflops"].get(k)

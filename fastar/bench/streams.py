@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..model.head_screen import HeadScreen
+from ..words import counted
 from .model import _disk_bw, _settle, _stream_gbps, bf16_dot_peak_gflops, decode_macs, one_engine_options, token_bytes
 
 
@@ -319,7 +320,7 @@ def main(a) -> int:
         f"{r['model']}: memory {r['membw_gbps']:.1f} GB/s, FP32 FMA {r['fma_peak_gflops']:.0f} GFLOP/s, FP8/FP4 "
         f"products {r['quant_path_gflops']:.0f} GFLOP/s; per row {r['decode_macs_fp32_path'] / 1e9:.2f} G "
         f"multiply-adds on FP32 + {r['decode_macs_quant_path'] / 1e9:.2f} G on the quantized path; "
-        f"{r['tokens']} tokens per stream; "
+        f"{counted(r['tokens'], 'token')} per stream; "
         + (
             f"LM head screened (int8 products {2 * r['head_screen_macs_per_s'] / 1e9:.0f} GOP/s)"
             if r["head_screen"]
@@ -344,9 +345,9 @@ def main(a) -> int:
 
     for row in r["rows"]:
         print(
-            f"  {row['streams']} streams: {row['aggregate_decode_tok_s']:.1f} tok/s aggregate"
+            f"  {counted(row['streams'], 'stream')}: {row['aggregate_decode_tok_s']:.1f} tok/s aggregate"
             + bounds(row)
-            + f" over {row['window_calls']} calls of {row['window_rows_per_call']:.1f} rows",
+            + f" over {counted(row['window_calls'], 'call')} of {row['window_rows_per_call']:.1f} rows",
             end="",
         )
         print(

@@ -874,7 +874,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     )
     try:
         code = repl.run()
-        print(timings_line({}, engine.stats()).replace("timings:", "session totals:"), file=sys.stderr)
+        stats = engine.stats()
+        if stats.get("prompt_tokens"):  # no totals of zeros where no turn ran (empty input, commands alone)
+            print(timings_line({}, stats).replace("timings:", "session totals:"), file=sys.stderr)
         if code:  # the last line says why the status is 1, as every failing command's does
             n = repl.failures
             print(f"fastar: error: {counted(n, 'line')} of the input failed (see above)", file=sys.stderr)

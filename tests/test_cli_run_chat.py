@@ -244,6 +244,17 @@ def test_piped_chat_whose_every_turn_fails_exits_1(capsys, monkeypatch, demo_cac
     assert "Traceback" not in err
 
 
+def test_a_chat_that_ran_no_turn_prints_no_session_totals(capsys, monkeypatch, demo_cache: Path) -> None:
+    """`fastar chat < /dev/null` printed "session totals: prompt 0 tokens ... (0.0 tok/s)": nothing now; a chat
+    that replied still ends in its totals."""
+    model = str(demo_cache / demo.DEMO_NAME)
+    for text, totals in (("", False), ("/help\n", False), ("hi\n", True)):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+        code, err = run_main(capsys, "chat", "-m", model, "-n", "2", "--no-prompt-cache")
+        assert code == 0 and ("session totals: prompt " in err) == totals, (text, err)
+        assert "0.0 tok/s" not in err, err
+
+
 def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
     r = fastar("run", "-m", str(tmp_path / "missing.fst"), "-p", "hi")
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr

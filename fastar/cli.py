@@ -112,6 +112,17 @@ def _path(text: str) -> str:
 _seed = int_flag(0, None, "a seed")  # numpy's generators take non-negative seeds only
 
 
+def _decimal(n: float) -> str:
+    """A byte count in decimal units (kB, MB, GB, TB), the units of the rates beside it (MB/s, GB/s) in `verify`,
+    `convert`, `synth` and `bench`; `_human` says sizes in memory (`inspect`) in binary units, as `--ram-budget`
+    reads them."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -156,7 +167,7 @@ def cmd_convert(a) -> int:
         out = (convert_indexer if a.indexer_sidecar else convert)(a.src, a.output, progress=a.progress, force=a.force)
     dt = time.perf_counter() - t
     size = os.path.getsize(out)
-    print(f"wrote {out} ({_human(size)}) in {dt:.1f} s ({size / dt / 1e6:.0f} MB/s)")
+    print(f"wrote {out} ({_decimal(size)}) in {dt:.1f} s ({size / dt / 1e6:.0f} MB/s)")
     return 0
 
 
@@ -209,7 +220,7 @@ def cmd_verify(a) -> int:
                 total=f.file_size,
                 unit="B",
                 unit_scale=True,
-                unit_divisor=1024,
+                unit_divisor=1000,  # decimal, as the MB/s of the line after it
                 desc="verifying",
                 file=sys.stderr,
                 mininterval=0.5,
@@ -224,9 +235,8 @@ def cmd_verify(a) -> int:
         return 1
     size = os.path.getsize(a.file)
     print(
-        f"{a.file}: OK ({counted(n_t, 'tensor')}, {counted(n_e, 'expert record')}, {_human(size)} checked in "
-        f"{dt:.1f} s, "
-        f"{size / max(dt, 1e-9) / 1e6:.0f} MB/s)"
+        f"{a.file}: OK ({counted(n_t, 'tensor')}, {counted(n_e, 'expert record')}, {_decimal(size)} checked in "
+        f"{dt:.1f} s, {size / max(dt, 1e-9) / 1e6:.0f} MB/s)"
     )
     return 0
 

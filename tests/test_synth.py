@@ -4,6 +4,7 @@ manifest at sane value scales, records all differ; traces have the shape, skew a
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -207,6 +208,10 @@ def test_cli_writes_a_file_that_verifies(tmp_path):
     assert "1 layer x 8 experts" in r.stdout
     r = subprocess.run([sys.executable, "-m", "fastar", "verify", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    # one convention in the line: the size in decimal units as its MB/s (it said MiB beside MB/s)
+    size = re.escape(f"{out.stat().st_size / 1e6:.1f} MB")
+    line = rf"\S+: OK \(\d+ tensors, \d+ expert records, {size} checked in [\d.]+ s, \d+ MB/s\)\n"
+    assert re.fullmatch(line, r.stdout), r.stdout
     r = subprocess.run(
         [sys.executable, "-m", "fastar", "synth", "-o", str(tmp_path / "bad.fst"), "--hidden", "100"],
         capture_output=True,

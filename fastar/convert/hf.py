@@ -278,7 +278,7 @@ def _progress(total: int, desc: str, enabled: bool | None):
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, mininterval=0.5)
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc, file=sys.stderr, mininterval=0.5)
 
 
 def timed_convert(src, out) -> tuple[Path, float]:

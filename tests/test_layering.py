@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "fastar"
 
 TIERS: list[set[str]] = [
-    {"errors"},
+    {"errors", "words"},
     {"config", "encoding", "outputs"},
     {"contracts"},
     {"format", "quant"},
@@ -31,7 +31,8 @@ TIERS: list[set[str]] = [
     {"__main__"},
 ]
 RANK = {part: i for i, tier in enumerate(TIERS) for part in tier}
-TORCH_FREE = ("errors", "config", "contracts", "encoding", "outputs", "format", "serve", "cli")  # at import time
+# torch-free at import time
+TORCH_FREE = ("errors", "words", "config", "contracts", "encoding", "outputs", "format", "serve", "cli")
 
 
 def _module(path: Path) -> str:

@@ -62,13 +62,42 @@ def _did_you_mean(word: str, known) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._given: list[str] = []  # the arguments of the last parse, for `error`
+
     def error(self, message: str):
-        """A usage error in one line (argparse's own prints the whole usage first), exit 2."""
+        """A usage error in one line (argparse's own prints the whole usage first), exit 2. A command's error about
+        its positionals or its required flags gives way to a `--flag` it does not know: `bench --ram-budgt 1G` took
+        1G for its positional and said `argument what: invalid choice: '1G'`; the misspelt flag is the mistake."""
         bad = re.match(r"argument COMMAND: invalid choice: '([^']*)'", message)
         if bad and self._subparsers is not None:
             commands = next(a for a in self._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
             message += _did_you_mean(bad.group(1), commands.choices)
+        elif self._subparsers is None and not message.startswith(("argument -", "unrecognized arguments")):
+            flag = self._unknown_flag()
+            if flag is not None:
+                message = f"unrecognized arguments: {flag}{_did_you_mean(flag, self._option_string_actions)}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def _unknown_flag(self) -> str | None:
+        """The first `--flag` given to this parser (before a `--`) that none of its flags is or begins with (argparse
+        takes an unambiguous abbreviation), None when there is none."""
+        for x in self._given:
+            if x == "--":
+                break
+            name = x.split("=", 1)[0]
+            if (
+                name.startswith("--")
+                and len(name) > 2
+                and not any(o.startswith(name) for o in self._option_string_actions)
+            ):
+                return name
+        return None
 
     def parse_args(self, args=None, namespace=None):
         """Flags no parser knows are said by the command's parser, which argparse leaves to the top one: `fastar run

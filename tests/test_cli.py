@@ -72,6 +72,37 @@ def test_a_misspelt_flag_or_command_is_said_by_its_parser_with_a_guess(capsys):
         assert err.count("\n") == 1 and want in err, (argv, err)
 
 
+def test_a_misspelt_flag_is_said_before_the_positional_that_took_its_value(capsys):
+    """`fastar bench --ram-budgt 1G` said `argument what: invalid choice: '1G'`: argparse gave the misspelt flag's
+    value to the positional. The unknown flag is said first, with its guess, as for any misspelt flag; so for
+    `convert`, whose misspelt -o left `the following arguments are required: -o/--output`. A positional that is
+    wrong by itself is still said as such."""
+    from fastar.cli import main
+
+    for argv, want in (
+        (
+            ["bench", "--ram-budgt", "1G"],
+            "fastar bench: error: unrecognized arguments: --ram-budgt (did you mean --ram-budget?)",
+        ),
+        (["bench", "-m", "x.fst", "--polices", "lru"], "unrecognized arguments: --polices (did you mean --policies?)"),
+        (
+            ["convert", "--ouptut", "x.fst", "ckpt"],
+            "fastar convert: error: unrecognized arguments: --ouptut (did you mean --output?)",
+        ),
+        (["convert", "ckpt", "--ouptut", "x.fst"], "unrecognized arguments: --ouptut (did you mean --output?)"),
+        (["bench", "--ram-budget", "1G", "modle"], "fastar bench: error: argument what: invalid choice: 'modle'"),
+        (["convert", "ckpt"], "the following arguments are required: -o/--output"),
+    ):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert e.code == 2, argv
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and want in err, (argv, err)
+
+
 def test_env_mirror_of_a_switch_reads_a_boolean(monkeypatch, capsys):
     """A switch's mirror is a boolean, also for the on/off pairs whose default is None (auto): FASTAR_DIRECT_IO=0
     turns O_DIRECT off (it was the string "0", a true value, so it forced O_DIRECT on), and a word that is no

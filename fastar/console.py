@@ -379,8 +379,8 @@ def open_engine(args: argparse.Namespace, err: TextIO | None = None, warm: bool 
     if args.verbose:
         cfg = engine.config
         print(
-            f"fastar: loaded {path} in {time.perf_counter() - t:.1f} s: {cfg.num_hidden_layers} layers, hidden "
-            f"{cfg.hidden_size}, {cfg.n_routed_experts} experts, vocab {cfg.vocab_size}, context "
+            f"fastar: loaded {path} in {time.perf_counter() - t:.1f} s: {counted(cfg.num_hidden_layers, 'layer')}, "
+            f"hidden {cfg.hidden_size}, {counted(cfg.n_routed_experts, 'expert')}, vocab {cfg.vocab_size}, context "
             f"{engine.context_length}",
             file=err,
         )

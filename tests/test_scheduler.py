@@ -340,9 +340,10 @@ def test_a_long_prompts_chunks_keep_to_their_share_while_another_decodes(eng, ch
     at prefill_share 0.5 its chunks give way between their layers, and after each layer (but a chunk's last) the
     decoding request gets as long in decode steps before the next layer (less a step's credit); at 1 a chunk every
     step, unbroken, one token between chunks. A short prompt submitted meanwhile is prefilled at once, its one chunk
-    unbroken. Every request equals its solo run."""
+    unbroken. Every request equals its solo run. (The reader decodes until the long prompt is done, then is
+    cancelled: with a fixed number of tokens it could run out before, on a machine busy with other work.)"""
     needs_invariant_kernels()
-    reader = (prompt(5, 6), SamplingParams(max_tokens=400, ignore_eos=True))
+    reader = (prompt(5, 6), SamplingParams(max_tokens=eng.context_length - 8, ignore_eos=True))
     long_ = (prompt(6, 200), SamplingParams(max_tokens=3, ignore_eos=True))
     late = (prompt(7, 5), SamplingParams(max_tokens=3, ignore_eos=True))
     events = record_layers_and_steps(monkeypatch, eng.model, 0.03)
@@ -375,11 +376,14 @@ def test_a_long_prompts_chunks_keep_to_their_share_while_another_decodes(eng, ch
         elif not last_layer:  # decoding at least as long, less the credit of a step that ran past the last debt
             assert events[j][2] - events[i][3] >= events[i][3] - events[i][2] - 2 * step
             assert between
+    a.cancel()
     sched.run_until_idle()
     assert a.done.is_set() and b.done.is_set() and c.done.is_set()
     monkeypatch.undo()
-    for who, req in (("reader", reader), ("long", long_), ("late", late)):
+    for who, req in (("long", long_), ("late", late)):
         same_chunks([c for w, c in log if w == who], solo(eng, *req))
+    read = [c.token for w, c in log if w == "reader" and c.token is not None]
+    assert read == [c.token for c in solo(eng, reader[0], SamplingParams(max_tokens=len(read), ignore_eos=True))]
 
 
 def test_a_short_prompt_that_comes_during_a_long_chunk_starts_between_its_layers(eng, chunk16, monkeypatch):

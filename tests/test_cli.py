@@ -49,7 +49,6 @@ def test_a_misspelt_flag_or_command_is_said_by_its_parser_with_a_guess(capsys):
     """`fastar run --tmp 0` said `fastar: error: unrecognized arguments: --tmp 0 (see fastar --help)`: the top
     parser's words and a help that lists no run flag. The command's parser says it, with the closest flag or
     command (as git and cargo do), and a word close to none gets no guess."""
-    from fastar.cli import main
 
     for argv, want in (
         (
@@ -62,14 +61,21 @@ def test_a_misspelt_flag_or_command_is_said_by_its_parser_with_a_guess(capsys):
         (["--bogus"], "fastar: error: unrecognized arguments: --bogus (see fastar --help)"),
         (["run", "Hello", "world"], "unrecognized arguments: Hello world (give the prompt with -p, quoted: -p 'TEXT')"),
     ):
-        try:
-            main(argv)
-        except SystemExit as e:
-            assert e.code == 2, argv
-        else:
-            raise AssertionError(f"{argv} was accepted")
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and want in err, (argv, err)
+        assert_usage_error(capsys, argv, want)
+
+
+def assert_usage_error(capsys, argv: list[str], want: str) -> None:
+    """`fastar ARGV` exits 2 with one line on stderr holding `want`."""
+    from fastar.cli import main
+
+    try:
+        main(argv)
+    except SystemExit as e:
+        assert e.code == 2, argv
+    else:
+        raise AssertionError(f"{argv} was accepted")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and want in err, (argv, err)
 
 
 def test_a_misspelt_flag_is_said_before_the_positional_that_took_its_value(capsys):
@@ -77,7 +83,6 @@ def test_a_misspelt_flag_is_said_before_the_positional_that_took_its_value(capsy
     value to the positional. The unknown flag is said first, with its guess, as for any misspelt flag; so for
     `convert`, whose misspelt -o left `the following arguments are required: -o/--output`. A positional that is
     wrong by itself is still said as such."""
-    from fastar.cli import main
 
     for argv, want in (
         (
@@ -93,14 +98,7 @@ def test_a_misspelt_flag_is_said_before_the_positional_that_took_its_value(capsy
         (["bench", "--ram-budget", "1G", "modle"], "fastar bench: error: argument what: invalid choice: 'modle'"),
         (["convert", "ckpt"], "the following arguments are required: -o/--output"),
     ):
-        try:
-            main(argv)
-        except SystemExit as e:
-            assert e.code == 2, argv
-        else:
-            raise AssertionError(f"{argv} was accepted")
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and want in err, (argv, err)
+        assert_usage_error(capsys, argv, want)
 
 
 def test_env_mirror_of_a_switch_reads_a_boolean(monkeypatch, capsys):

@@ -100,18 +100,7 @@ def test_tool_call_arguments_nested_deeper_than_json_recurses_are_a_400(server):
     """`arguments` is a string, so the body's nesting bound does not see inside it: a string nesting thousands deep
     reached the chat encoder's json.loads and came back as a 500 (a RecursionError) on chat completions, /tokenize
     and Responses input."""
-    deep = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
-    messages = [
-        {"role": "user", "content": "w"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c1", "content": "x"},
-    ]
-    items = [
-        {"role": "user", "content": "w"},
-        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
-        {"type": "function_call_output", "call_id": "c1", "output": "x"},
-    ]
+    messages, items = _tool_round('{"a": ' + "[" * 5000 + "]" * 5000 + "}")
     for path, body in (
         (CHAT, body_of("", messages=messages)),
         ("/tokenize", {"messages": messages}),

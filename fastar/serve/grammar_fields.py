@@ -42,6 +42,19 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 JSON_TYPES = {dict: "an object", list: "an array", bool: "a boolean", int: "an integer", float: "a number"}
 
 
+def check_arguments(arguments: Any, where: str) -> None:
+    """A past call's `arguments` (`where` names them) must be a string, as OpenAI requires on chat completions and
+    Responses alike: anything else is a 400 `invalid_type`. A string that is not JSON is taken (the encoder renders
+    it as DeepSeek's does)."""
+    if not isinstance(arguments, str):
+        got = "null" if arguments is None else JSON_TYPES.get(type(arguments), "another type")
+        raise bad_request(
+            f"{where}: expected a string (the call's arguments as JSON text), but got {got} instead",
+            where,
+            "invalid_type",
+        )
+
+
 def check_messages(messages: list[dict]) -> None:
     """What the encoder would take silently but the OpenAI API refuses: a tool result must say which call it
     answers, and a past call's `function.arguments` is a string (the encoder renders an object too, as the Python
@@ -52,14 +65,8 @@ def check_messages(messages: list[dict]) -> None:
         calls = msg.get("tool_calls") if msg.get("role") == "assistant" else None
         for j, call in enumerate(calls if isinstance(calls, list) else ()):
             fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict) and "arguments" in fn and not isinstance(fn["arguments"], str):
-                got = "null" if fn["arguments"] is None else JSON_TYPES.get(type(fn["arguments"]), "another type")
-                where = f"messages[{i}].tool_calls[{j}].function.arguments"
-                raise bad_request(
-                    f"{where}: expected a string (the call's arguments as JSON text), but got {got} instead",
-                    where,
-                    "invalid_type",
-                )
+            if isinstance(fn, dict) and "arguments" in fn:
+                check_arguments(fn["arguments"], f"messages[{i}].tool_calls[{j}].function.arguments")
         if msg.get("role") == "tool":
             call_id = msg.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:

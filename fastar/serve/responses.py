@@ -232,13 +232,7 @@ def input_messages(items: Any, store: ResponseStore | None = None) -> list[dict]
             name, args = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not name:
                 raise bad_request(f"{where}: a function_call needs a 'name' and string 'arguments'", "input")
-            if not isinstance(args, str):  # as on chat completions (`grammar_fields.check_messages`); a string that is
-                got = "null" if args is None else grammar_fields.JSON_TYPES.get(type(args), "another type")
-                raise bad_request(  # not JSON is rendered as DeepSeek's encoder renders it
-                    f"{where}.arguments: expected a string (the call's arguments as JSON text), but got {got} instead",
-                    f"{where}.arguments",
-                    "invalid_type",
-                )
+            grammar_fields.check_arguments(args, f"{where}.arguments")  # as on chat completions
             _call_id(item, where)
             call = {
                 "id": item["call_id"],

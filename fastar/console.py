@@ -411,26 +411,41 @@ def sampling_params(args: argparse.Namespace, stop: list[str] | None = None, thi
     )
 
 
+def _timed(what: str, n: int, seconds: float, more: str = "") -> str:
+    """`what N tokens in S s (R tok/s[; more])`; without the time and rate when nothing ran (no rate over zero)."""
+    if not n or seconds <= 0:
+        return f"{what} {counted(n, 'token')}"
+    return f"{what} {counted(n, 'token')} in {seconds:.2f} s ({n / seconds:.1f} tok/s{more})"
+
+
 def timings_line(before: dict, after: dict) -> str:
-    """One line: this request's prefill and decode speeds, and the expert cache hit rate when there is one. The
-    decode speed counts the tokens the decode steps wrote, not the rejected drafts their verify passes ran."""
+    """One line: this request's (or, over many, these requests') prompt, prefill speed, the tokens generated and the
+    decode speed, and the expert cache hit rate when there is one. A reply's first token comes out of its prefill,
+    so `-n 1` (or a reply that ends at once) runs no decode step: the line then says so instead of a rate over
+    zero tokens. The decode speed counts the tokens the decode steps wrote, not the rejected drafts their verify
+    passes ran."""
     d = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
     pre_n, pre_s = d.get("prefill_tokens_computed", 0), d.get("prefill_seconds", 0.0)
     dec_n, dec_s = d.get("decode_tokens_computed", 0), d.get("decode_seconds", 0.0)
+    generated, many = d.get("generated_tokens", 0), d.get("requests", 1) > 1
     # a verify pass runs its drafts' positions too; the rejected ones wrote no token, so the rate counts the
     # tokens written (each pass writes its accepted drafts and one token of its own)
     rejected = d.get("draft_tokens_verified", 0) - d.get("draft_tokens_accepted", 0)
     written = dec_n - rejected
-    decode = f"decode {counted(written, 'token')} in {dec_s:.2f} s ({written / dec_s if dec_s else 0:.1f} tok/s"
-    if rejected:
-        decode += f"; {counted(dec_n, 'position')} run, {counted(rejected, 'rejected draft')} among them)"
-    else:
-        decode += ")"
     parts = [
         f"prompt {counted(d.get('prompt_tokens', 0), 'token')} ({d.get('cached_tokens', 0)} reused)",
-        f"prefill {counted(pre_n, 'token')} in {pre_s:.2f} s ({pre_n / pre_s if pre_s else 0:.1f} tok/s)",
-        decode,
+        _timed("prefill", pre_n, pre_s),
     ]
+    if written > 0:
+        first = "the first of each reply by its prefill" if many else "the first by the prefill"
+        more = (
+            f"; {counted(dec_n, 'position')} run, {counted(rejected, 'rejected draft')} among them" if rejected else ""
+        )
+        parts += [f"generated {counted(generated, 'token')} ({first})", _timed("decode", written, dec_s, more)]
+    elif generated:
+        parts.append(f"generated {counted(generated, 'token')} (by the prefill{'s' if many else ''}; no decode step)")
+    else:
+        parts.append("generated 0 tokens")
     hits, misses = d.get("expert_cache_hits"), d.get("expert_cache_misses")
     if hits is not None and misses is not None and hits + misses:
         parts.append(f"expert cache hit rate {100 * hits / (hits + misses):.1f}%")

@@ -268,6 +268,7 @@ def test_timings_line() -> None:
         "cached_tokens": 4,
         "prefill_tokens_computed": 6,
         "prefill_seconds": 0.5,
+        "generated_tokens": 10,
         "decode_tokens_computed": 9,
         "decode_seconds": 3.0,
         "expert_cache_hits": 3,
@@ -275,7 +276,43 @@ def test_timings_line() -> None:
     }
     line = timings_line(before, after)
     assert "prompt 10 tokens (4 reused)" in line and "12.0 tok/s" in line and "3.0 tok/s" in line
-    assert "hit rate 75.0%" in line
+    assert "hit rate 75.0%" in line and "generated 10 tokens (the first by the prefill); decode 9 tokens" in line
+
+
+def test_timings_line_of_a_reply_without_a_decode_step() -> None:
+    """`-n 1`, or a reply whose first token is the end of sequence: that token comes out of the prefill and no
+    decode step runs. The line said "decode 0 tokens in 0.00 s (0.0 tok/s)"; now it says what was generated and
+    that no decode step ran, and prints no rate over zero tokens (nor divides by zero seconds)."""
+    one = {"requests": 1, "prompt_tokens": 5, "prefill_tokens_computed": 5, "prefill_seconds": 0.02}
+    one |= {"generated_tokens": 1, "decode_tokens_computed": 0, "decode_seconds": 0.0}
+    line = timings_line({}, one)
+    assert "; generated 1 token (by the prefill; no decode step);" in line, line
+    assert "decode 0" not in line and "(0.0 tok/s" not in line and line.count("tok/s") == 1, line
+    # many such replies (chat's session totals), and a request stopped during its prefill
+    line = timings_line({}, {k: 3 * v for k, v in one.items()})
+    assert "generated 3 tokens (by the prefills; no decode step)" in line and "decode 0" not in line, line
+    line = timings_line({}, one | {"generated_tokens": 0})
+    assert "; generated 0 tokens;" in line and "decode" not in line, line
+    # nothing at all yet (/stats before a turn): no rate of any kind
+    assert "tok/s" not in timings_line({}, {"prompt_tokens": 0})
+
+
+def test_run_and_chat_of_one_token_say_no_decode_step(capsys, monkeypatch, demo_cache: Path) -> None:
+    """`fastar run -n 1` printed "decode 0 tokens in 0.00 s (0.0 tok/s)"; chat --verbose's per-turn line and its
+    session totals did too."""
+    model = str(demo_cache / demo.DEMO_NAME)
+    code, err = run_main(capsys, "run", "-m", model, "-n", "1", "--temp", "0", "--raw", "-p", "Hello")
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("timings: ")]
+    assert code == 0 and "; generated 1 token (by the prefill; no decode step);" in line, err
+    assert "decode 0" not in err and "(0.0 tok/s" not in err, err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nagain\n"))
+    code, err = run_main(capsys, "chat", "-m", model, "-n", "1", "--no-prompt-cache", "--no-thinking", "--verbose")
+    turns = [ln for ln in err.splitlines() if ln.startswith("timings: ")]
+    (totals,) = [ln for ln in err.splitlines() if ln.startswith("session totals: ")]
+    assert code == 0 and len(turns) == 2, err
+    assert all("; generated 1 token (by the prefill; no decode step);" in ln for ln in turns), turns
+    assert "; generated 2 tokens (by the prefills; no decode step);" in totals, totals
+    assert "decode 0" not in err and "(0.0 tok/s" not in err, err
 
 
 # --- the chat REPL against a fake engine ------------------------------------------------------------------

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 from . import __version__
 from .config import int_flag
+from .console import home_path
 from .errors import ConfigError, FastarError, OptionError, OutputError
 from .words import counted
 
@@ -135,7 +136,7 @@ def _path(text: str) -> str:
     traceback from convert), so it is a usage error."""
     if not text.strip():
         raise argparse.ArgumentTypeError("the path is empty")
-    return os.path.expanduser(text)  # `--output=~/x.fst` and a FASTAR_* mirror get no shell to expand `~`
+    return home_path(text)  # `--output=~/x.fst` and a FASTAR_* mirror get no shell to expand `~`
 
 
 _seed = int_flag(0, None, "a seed")  # numpy's generators take non-negative seeds only
@@ -617,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "-m",
         "--model",
-        type=console.model_path,
+        type=console.home_path,
         default=None,
         help=".fst file or official checkpoint directory (default: the built-in demo model)",
     )

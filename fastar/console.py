@@ -87,9 +87,11 @@ VERBOSE_HELP = "more detail on stderr (model, token counts, stats)"
 VERBOSE_LOAD_HELP = "one more line on stderr: the loaded model's layers, widths, experts, vocabulary and context"
 
 
-def model_path(text: str) -> str:
-    """-m/--model: a leading `~` is the home folder, as the shell reads `-m ~/x.fst`; `--model=~/x.fst` and
-    `FASTAR_MODEL=~/x.fst` (a service's environment file) reach fastar as written, and failed as "no such file"."""
+def home_path(text: str) -> str:
+    """A path the user gave, with a leading `~` as the home folder, as a shell reads `-m ~/x.fst`: what no shell
+    expands reaches fastar as written and failed as "no such file" (`--model=~/x.fst`, `-o=~/x.fst`, a
+    `FASTAR_*` mirror such as `FASTAR_MODEL=~/x.fst` in a service's environment file, chat's `/save ~/c.json`).
+    The one place every path flag (`fastar.cli`'s file arguments, each `-m/--model`) and chat command expands it."""
     return os.path.expanduser(text)
 
 
@@ -97,7 +99,7 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument(
         "-m",
         "--model",
-        type=model_path,
+        type=home_path,
         default=None,
         help=".fst file or official checkpoint directory (default: the built-in demo model, random weights, "
         "built once)",
@@ -622,7 +624,7 @@ def _path_argument(arg: str) -> str:
     a leading `~` the home folder."""
     if len(arg) >= 2 and arg[0] == arg[-1] and arg[0] in "'\"":
         arg = arg[1:-1]
-    return os.path.expanduser(arg)
+    return home_path(arg)
 
 
 class ChatREPL:

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-m",
         "--model",
-        type=console.model_path,
+        type=console.home_path,
         default=None,
         help=".fst file or checkpoint directory (default: the demo model)",
     )
@@ -125,7 +125,7 @@ def _check_save_target(a) -> None:
 
         model = demo_path()
     inputs = [(a.file, "the text file being scored"), (a.kl_divergence, "the --kl-divergence base")]
-    what = "a file of the model" if os.path.isdir(os.path.expanduser(model)) else "the model file"
+    what = "a file of the model" if os.path.isdir(console.home_path(model)) else "the model file"
     refuse_inputs_as_output(a.save_logits, [*inputs, *((f, what) for f in model_files(model))], "--save-logits")
 
 

@@ -3,6 +3,7 @@ arguments answers one line on stderr, no traceback, exit 1 (2 for usage); corrup
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -765,6 +766,32 @@ def test_a_path_starting_with_tilde_is_the_home_folders(tiny_fst_path, vocab_ckp
     ):
         r = _cli(*args, env=env)
         assert r.returncode == 0, (args, r.stderr[-2000:])
+
+
+def test_every_path_flag_expands_tilde_through_one_function(tmp_path, monkeypatch):
+    """The `~` of path arguments was read by three one-line copies (`-m`'s, the file arguments', chat's `/save` and
+    `/load`): every `-m/--model` of every command, every file argument and chat's paths go through
+    `console.home_path` now, so they cannot drift apart."""
+    from fastar import cli, console
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    parser = cli.build_parser()
+    commands = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
+    models = {
+        n: p._option_string_actions["--model"].type
+        for n, p in commands.choices.items()
+        if "--model" in p._option_string_actions
+    }
+    assert {"run", "chat", "serve", "bench", "perplexity"} <= set(models), models
+    assert all(t is console.home_path for t in models.values()), models
+    assert console.home_path("~/m.fst") == str(tmp_path / "m.fst") and console.home_path("a/~b") == "a/~b"
+    assert cli.home_path is console.home_path  # imported from the lower module, not a copy
+    calls = []
+    spy = lambda text: calls.append(text) or text  # noqa: E731
+    monkeypatch.setattr(console, "home_path", spy)
+    monkeypatch.setattr(cli, "home_path", spy)
+    assert cli._path("~/x.fst") == "~/x.fst" and console._path_argument("'~/a b.json'") == "~/a b.json"
+    assert calls == ["~/x.fst", "~/a b.json"]
 
 
 def test_serve_says_what_run_says_of_a_file_that_is_no_model(tiny_fst_path, tmp_path):

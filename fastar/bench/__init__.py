@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 
 from .. import console
 from ..config import int_flag
@@ -50,7 +49,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "-m",
         "--model",
-        type=console.model_path,
+        type=console.home_path,
         default=None,
         help=".fst file or checkpoint directory to benchmark end to end",
     )
@@ -246,7 +245,7 @@ def main(a: argparse.Namespace) -> int:
     if not a.model:
         raise FastarError("bench: give -m FILE (or `fastar bench kernels`)")
     if a.plot:  # written after minutes of benchmark: never over what it reads
-        a.plot = os.path.expanduser(a.plot)  # (written where it is checked: `~/curve.png` quoted is the home's)
+        a.plot = console.home_path(a.plot)  # (written where it is checked: `~/curve.png` quoted is the home's)
         from ..outputs import model_files, refuse_existing_output, refuse_inputs_as_output
 
         sources = {

@@ -338,3 +338,20 @@ def share_flag(what: str) -> Callable[[str], float]:
 
     parse.__name__ = what
     return parse
+
+
+def seconds_flag(what: str) -> Callable[[str], float]:
+    """An argparse `type` for a positive, finite number of seconds: a bad value (0, negative, nan, inf, not a
+    number) is one usage line naming `what`."""
+
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number of seconds, got {v!r}") from None
+        if not (0 < x < math.inf):  # NaN fails this too
+            raise argparse.ArgumentTypeError(f"{what} must be a positive, finite number of seconds, got {v}")
+        return x
+
+    parse.__name__ = what
+    return parse

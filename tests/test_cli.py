@@ -101,6 +101,23 @@ def test_a_misspelt_flag_is_said_before_the_positional_that_took_its_value(capsy
         assert_usage_error(capsys, argv, want)
 
 
+def test_a_bad_max_stall_is_one_usage_line_naming_the_flag(capsys, monkeypatch):
+    """`fastar serve --max-stall S`: a positive, finite number of seconds; anything else exits 2 with one line naming
+    the flag (its FASTAR_MAX_STALL mirror too), before any model loads."""
+    for value, want in (
+        ("0", "--max-stall must be a positive, finite number of seconds, got 0"),
+        ("-1", "--max-stall must be a positive, finite number of seconds, got -1"),
+        ("nan", "--max-stall must be a positive, finite number of seconds, got nan"),
+        ("abc", "--max-stall must be a number of seconds, got 'abc'"),
+    ):
+        assert_usage_error(
+            capsys, ["serve", "--max-stall", value], f"fastar serve: error: argument --max-stall: {want}"
+        )
+    assert build_parser().parse_args(["serve", "--max-stall", "0.25"]).max_stall == 0.25
+    monkeypatch.setenv("FASTAR_MAX_STALL", "2.5")
+    assert build_parser().parse_args(["serve"]).max_stall == 2.5
+
+
 def test_env_mirror_of_a_switch_reads_a_boolean(monkeypatch, capsys):
     """A switch's mirror is a boolean, also for the on/off pairs whose default is None (auto): FASTAR_DIRECT_IO=0
     turns O_DIRECT off (it was the string "0", a true value, so it forced O_DIRECT on), and a word that is no

@@ -14,6 +14,7 @@ from polling import wait_until
 
 from fastar.encoding import THINK_START
 from fastar.engine.engine import load
+from fastar.engine.pacing import MAX_STALL
 from fastar.engine.sampling import SamplingParams
 from fastar.engine.scheduler import QueueFull, Scheduler
 from fastar.model.deepseek_v4 import Block
@@ -442,8 +443,7 @@ def test_a_short_prompts_chunk_gives_the_reader_a_step_once_it_waited_the_stall(
     reader = (prompt(30, 6), SamplingParams(max_tokens=200, ignore_eos=True))
     short = (prompt(31, 14), SamplingParams(max_tokens=3, ignore_eos=True))
     events = record_layers_and_steps(monkeypatch, eng.model, 0.02)
-    sched = Scheduler(eng, prefill_share=share)
-    sched.max_stall = 0.015
+    sched = Scheduler(eng, prefill_share=share, max_stall=0.015)
     log = []
     a = sched.submit(*reader, on_chunk=lambda c: log.append(("reader", c)))
     sched.step()
@@ -591,6 +591,22 @@ def test_a_paged_prefill_gives_way_between_its_layers_bit_for_bit(tiny_fst_path,
 def test_a_bad_prefill_share_is_refused(eng, share, error):
     with pytest.raises(error, match="prefill_share"):
         Scheduler(eng, prefill_share=share)
+
+
+@pytest.mark.parametrize(
+    "stall, error",
+    [(0, ValueError), (-1, ValueError), (float("nan"), TypeError), (float("inf"), TypeError), ("1", TypeError)],
+)
+def test_a_bad_max_stall_is_refused(eng, stall, error):
+    with pytest.raises(error, match="max_stall must be a positive number of seconds"):
+        Scheduler(eng, max_stall=stall)
+
+
+def test_max_stall_is_the_constructors_option(eng):
+    """The stall limit was the constant `pacing.MAX_STALL`, settable only as an attribute after construction."""
+    assert Scheduler(eng).max_stall == MAX_STALL == 1.0
+    assert Scheduler(eng, max_stall=0.25).max_stall == 0.25
+    assert eng.scheduler(max_stall=2).max_stall == 2.0
 
 
 def test_queue_is_bounded(eng):

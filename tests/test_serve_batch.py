@@ -201,10 +201,10 @@ def test_n_wider_than_max_batch_equals_solo_requests_with_bounded_forks(engine):
         srv.shutdown()
 
 
-def test_the_prefill_share_reaches_the_scheduler(engine):
-    srv = start(engine, prefill_share=0.25)
+def test_the_prefill_share_and_max_stall_reach_the_scheduler(engine):
+    srv = start(engine, prefill_share=0.25, max_stall=0.125)
     try:
-        assert srv.host.scheduler.prefill_share == 0.25
+        assert srv.host.scheduler.prefill_share == 0.25 and srv.host.scheduler.max_stall == 0.125
     finally:
         srv.shutdown()
 

@@ -1423,6 +1423,7 @@ def test_cli_arguments_delegate_to_serve(monkeypatch):
         "prompt_cache": S.default_prompt_cache(),
         "prompt_cache_size": 20 << 30,
         "prefill_share": 0.5,
+        "max_stall": 1.0,
     }
 
 
@@ -1435,15 +1436,22 @@ def test_batching_and_prompt_cache_flags(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(S, "serve", lambda factory, **kw: seen.update(kw) or 0)
     pc = str(tmp_path / "pc")  # made before the server starts
     args = ["--max-batch", "4", "--prompt-cache", pc, "--prompt-cache-size", "1.5G", "--prefill-share", "0.25"]
-    S.run_from_args(parser.parse_args(args), lambda: None)
+    S.run_from_args(parser.parse_args([*args, "--max-stall", "0.3"]), lambda: None)
     assert (seen["max_batch"], seen["prompt_cache"], seen["prompt_cache_size"]) == (4, pc, 3 << 29)
-    assert seen["prefill_share"] == 0.25
+    assert seen["prefill_share"] == 0.25 and seen["max_stall"] == 0.3
     assert (tmp_path / "pc").is_dir()
     S.run_from_args(parser.parse_args(["--no-prompt-cache"]), lambda: None)
-    assert seen["prompt_cache"] is None and seen["prefill_share"] == 0.5
+    assert seen["prompt_cache"] is None and seen["prefill_share"] == 0.5 and seen["max_stall"] == 1.0
     assert S.default_prompt_cache().endswith("prompt-cache")
     bad_shares = [["--prefill-share", v] for v in ("0", "1.5", "nan", "-1", "half")]
-    for bad in (["--prompt-cache-size", "lots"], ["--prompt-cache-size", "0"], ["--max-batch", "0"], *bad_shares):
+    bad_stalls = [["--max-stall", v] for v in ("0", "-1", "nan", "inf", "abc")]
+    for bad in (
+        ["--prompt-cache-size", "lots"],
+        ["--prompt-cache-size", "0"],
+        ["--max-batch", "0"],
+        *bad_shares,
+        *bad_stalls,
+    ):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
         err = capsys.readouterr().err

@@ -32,6 +32,7 @@ from ..model.state import ModelState
 from . import arguments, build, speculative
 from .constraint import CompiledGrammar, Grammar, GrammarCompiler
 from .generate import ChatResult, GenerationChunk, chat, generate_text, generate_token_ids, stream_generate
+from .pacing import MAX_STALL
 from .pager import ExpertWarming
 from .perplexity import Perplexity, perplexity
 from .prefix_cache import PrefixCache
@@ -590,13 +591,16 @@ class Engine:
         keep_states: int = 0,
         draft: bool = True,
         prefill_share: float = 0.5,
+        max_stall: float = MAX_STALL,
     ) -> Scheduler:
         """A `Scheduler` serving many requests at once on this engine, each bit-identical to `stream` alone:
         `submit(prompt, params)` from any thread -> a `Handle` (iterate its chunks, `cancel()`); the one worker
         thread calls `step()` or `run(stop_event)`. `prefix_cache`: a folder of prefix states on disk (see
         `open_prefix_cache`); `keep_states`: finished requests' states kept in RAM for prefix reuse; `draft`: a lone
         greedy sequence decodes with the engine's drafter (when it has one), the same tokens as without;
-        `prefill_share`: the part of the time prompts' prefill chunks may take while others decode (`PrefillPacer`)."""
+        `prefill_share`: the part of the time prompts' prefill chunks may take while others decode (`PrefillPacer`);
+        `max_stall`: seconds the decoding sequences wait at most for a step while a prompt within one chunk
+        prefills (`Scheduler`)."""
         self.check_open()
         cache = self.open_prefix_cache(prefix_cache, prefix_cache_size, True) if prefix_cache is not None else None
         return Scheduler(
@@ -608,6 +612,7 @@ class Engine:
             keep_states=keep_states,
             draft=draft,
             prefill_share=prefill_share,
+            max_stall=max_stall,
         )
 
     def serve_batch(

@@ -24,8 +24,9 @@ layers run in order on its own state; the work between them touches only the oth
 changes either. A prompt that fits in one chunk is not held back within its chunk either (its first token as soon
 as it can), yet its chunk gives way too: at full depth a few hundred tokens take tens of seconds, and the replies
 being read would stop that long. Between its layers a decode step runs once the decoding sequences have waited
-`MAX_STALL` (1 s) since their last, and a still shorter prompt that came meanwhile is prefilled there (its layers
-giving way to the decode steps the same way, but to no third prompt: it waits for the next layer). A prompt
+the scheduler's `max_stall` since their last (`MAX_STALL`, 1 s, unless given another: `fastar serve --max-stall`),
+and a still shorter prompt that came meanwhile is prefilled there (its layers giving way to the decode steps the
+same way, but to no third prompt: it waits for the next layer). A prompt
 cancelled meanwhile (its client gone, Stop pressed) stops there too, a layer later rather than a chunk
 later, its half-advanced state dropped.
 
@@ -79,6 +80,17 @@ class ChunkCancelled(Exception):
 
 
 MAX_STALL = 1.0  # seconds the decoding sequences wait at most for a step while a short prompt prefills (a layer more)
+
+
+def stall_limit(seconds: float) -> float:
+    """`max_stall` checked: seconds the decoding sequences wait at most for a step while a prompt within one chunk
+    prefills (`SlicedChunk`'s `stall`), a positive finite number. Lower: the replies being read stream more
+    smoothly; higher: that prompt's first token comes sooner (fewer decode steps between its layers)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds):
+        raise TypeError(f"max_stall must be a positive number of seconds, got {seconds!r}")
+    if seconds <= 0:
+        raise ValueError(f"max_stall must be a positive number of seconds, got {seconds}")
+    return float(seconds)
 
 
 class SlicedChunk:

@@ -87,7 +87,7 @@ from .constraint import ConstraintError
 from .draft_step import draft_step
 from .generate import ChunkMaker, GenerationChunk
 from .handle import Handle  # (importable from here too)
-from .pacing import MAX_STALL, ChunkCancelled, PrefillPacer, SlicedChunk
+from .pacing import MAX_STALL, ChunkCancelled, PrefillPacer, SlicedChunk, stall_limit
 from .prefix_cache import PrefixMemory
 from .prompt_logprobs import PromptLogprobs, PromptScorer
 from .sampling import Sampler, SamplingError, SamplingParams, report
@@ -150,6 +150,9 @@ class Scheduler:
         draft: draft a lone greedy sequence with the engine's drafter, if it has one (False: never draft).
         prefill_share: the part of the time prompts' prefill chunks may take while other sequences decode, in
             (0, 1] (`PrefillPacer`; 1: a chunk every step). No token depends on it.
+        max_stall: seconds the decoding sequences wait at most for a step while a prompt within one chunk prefills
+            (a decode step then runs between two of its layers; `SlicedChunk`), a positive number. Lower: smoother
+            streaming for the others; higher: that prompt's first token sooner. No token depends on it.
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class Scheduler:
         keep_states: int = 0,
         draft: bool = True,
         prefill_share: float = 0.5,
+        max_stall: float = MAX_STALL,
     ) -> None:
         sizes = {
             "max_batch": max_batch,
@@ -175,6 +179,7 @@ class Scheduler:
             raise TypeError(f"{bad} must be an integer, got {sizes[bad]!r}")
         if not isinstance(draft, bool):  # "no" is true
             raise TypeError(f"draft must be True or False, got {draft!r}")
+        max_stall = stall_limit(max_stall)
         if max_batch < 1 or max_queue < 0 or (token_budget is not None and token_budget < 1):
             raise ValueError(
                 f"max_batch must be >= 1, max_queue >= 0 and token_budget >= 1 or None "
@@ -194,7 +199,7 @@ class Scheduler:
         self._groups = ChoiceGroups(max_batch)  # choices of groups: forked states, held choices
         self._metrics = BatchMetrics()
         self._pacer = PrefillPacer(prefill_share)
-        self.max_stall = MAX_STALL  # seconds decoding sequences wait at most for a step while a short prompt prefills
+        self.max_stall = max_stall  # seconds decoding sequences wait at most for a step while a short prompt prefills
         self._stepper = Stepper(self._step, self._fail_all)  # who steps: the worker, or a handle's iterator
 
     @property

@@ -42,8 +42,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from fastar.config import int_flag, share_flag
+from fastar.config import int_flag, seconds_flag, share_flag
 from fastar.contracts import ServedEngine
+from fastar.engine.pacing import MAX_STALL
 from fastar.errors import FastarError
 from fastar.serve import thinking_mode
 from fastar.serve.admission import Admission
@@ -172,6 +173,7 @@ class Server:
         prompt_cache: str | None = None,
         prompt_cache_size: int | str = "20G",
         prefill_share: float = 0.5,
+        max_stall: float = MAX_STALL,
         max_body_bytes: int | None = None,
         allowed_hosts: str | Sequence[str] | None = None,
         limits: Limits | None = None,
@@ -212,7 +214,9 @@ class Server:
         )
         self.keepalive_interval = keepalive_interval
         self.metrics = Metrics()
-        batching = Batching(max_batch, max_queue, max_sessions, prompt_cache, prompt_cache_size, prefill_share)
+        batching = Batching(
+            max_batch, max_queue, max_sessions, prompt_cache, prompt_cache_size, prefill_share, max_stall
+        )
         self.heap = HeapTrimmer()  # freed heap back to the OS: between worker steps, after a long prompt
         self.host = EngineHost(engine_factory, batching, self.metrics, self.heap)
         self.model_names: tuple[str, ...] = (served_model_name,)
@@ -330,6 +334,7 @@ def serve(
     prompt_cache: str | None = None,
     prompt_cache_size: int | str = "20G",
     prefill_share: float = 0.5,
+    max_stall: float = MAX_STALL,
 ) -> int:
     """Run the server until Ctrl-C. Returns 0; raises FastarError if the port is taken or the model fails to load."""
     if not logging.getLogger().handlers:
@@ -352,6 +357,7 @@ def serve(
         prompt_cache=prompt_cache,
         prompt_cache_size=prompt_cache_size,
         prefill_share=prefill_share,
+        max_stall=max_stall,
     )
     try:
         server.start()
@@ -428,8 +434,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the part of the time a prompt's prefill may take while other requests generate, in (0, 1]: after "
         "each layer of a long prompt's prefill chunk (a chunk takes seconds on a CPU) they generate for as long "
         "before the next, so a long prompt does not stall their replies; a prompt's last chunk is never held back, "
-        "and a prompt within one chunk gives them a step only once they have waited a second; 1: a chunk every "
-        "step, unbroken (default 0.5)",
+        "and a prompt within one chunk gives them a step only once they have waited --max-stall seconds; 1: a "
+        "chunk every step, unbroken (default 0.5)",
+    )
+    parser.add_argument(
+        "--max-stall",
+        type=seconds_flag("--max-stall"),
+        default=MAX_STALL,
+        metavar="SECONDS",
+        help="while a prompt within one prefill chunk runs (a short request; a chunk takes seconds on a CPU), "
+        "the requests generating meanwhile get a decode step between two of its layers once they have waited this "
+        "long since their last token: lower streams their replies more smoothly, higher gives the short prompt "
+        f"its first token sooner (default {MAX_STALL:g})",
     )
     add_prompt_cache_arguments(parser)
     parser.add_argument(
@@ -478,6 +494,7 @@ def run_from_args(args: argparse.Namespace, engine_factory: Callable[..., Any]) 
         prompt_cache=prompt_cache_dir(args),
         prompt_cache_size=args.prompt_cache_size,
         prefill_share=args.prefill_share,
+        max_stall=args.max_stall,
     )
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from fastar.engine.pacing import MAX_STALL
 from fastar.errors import FastarError, QueueFull
 from fastar.serve.api_error import APIError
 from fastar.serve.heap import HeapTrimmer
@@ -73,8 +74,8 @@ class GenerationMetrics(Protocol):
 
 @dataclass(frozen=True)
 class Batching:
-    """How the worker batches: `fastar serve`'s --max-batch, --max-queue, --max-sessions, --prompt-cache* and
-    --prefill-share."""
+    """How the worker batches: `fastar serve`'s --max-batch, --max-queue, --max-sessions, --prompt-cache*,
+    --prefill-share and --max-stall."""
 
     max_batch: int = 8  # sequences decoded together in one step
     max_queue: int = 16  # requests waiting beyond those; more get 503
@@ -82,6 +83,7 @@ class Batching:
     prompt_cache: str | None = None  # folder of prefix states on disk (None: off)
     prompt_cache_size: int | str = "20G"
     prefill_share: float = 0.5  # the part of the time prefill chunks may take while others decode
+    max_stall: float = MAX_STALL  # seconds the others wait at most for a step while a short prompt prefills
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 1 or self.keep_states < 0:
@@ -155,6 +157,7 @@ class EngineHost:
                 prefix_cache=b.prompt_cache,
                 prefix_cache_size=b.prompt_cache_size,
                 prefill_share=b.prefill_share,
+                max_stall=b.max_stall,
             )
             self.engine = engine
             on_ready(engine)

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from . import __version__
 from .config import int_flag
@@ -66,6 +66,12 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._given: list[str] = []  # the arguments of the last parse, for `error`
+        self._checks: list[Callable[[argparse.Namespace], str | None]] = []
+
+    def add_check(self, check: Callable[[argparse.Namespace], str | None]) -> None:
+        """A check of this command's flags together, run once they are parsed (environment mirrors included): the
+        message it returns is a usage error, one line and exit 2 as a bad flag value is; None passes."""
+        self._checks.append(check)
 
     def error(self, message: str):
         """A usage error in one line (argparse's own prints the whole usage first), exit 2. A command's error about
@@ -83,7 +89,11 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         self._given = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
+        a, extra = super().parse_known_args(args, namespace)
+        for check in self._checks:
+            if (message := check(a)) is not None:
+                self.error(message)
+        return a, extra
 
     def _unknown_flag(self) -> str | None:
         """The first `--flag` given to this parser (before a `--`) that none of its flags is or begins with (argparse
@@ -653,6 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: `bench kernels` (quantized products) or `bench -m FILE`")
     bench.add_arguments(b)
+    b.add_check(bench.check_arguments)
     b.set_defaults(fn=bench.main)
     return p
 

@@ -120,6 +120,44 @@ def test_batched_ceiling_counts_each_calls_experts_and_overlaps_the_disk():
     assert window_seconds([miss] * 10, 30 * stride, 0.0) == pytest.approx(10 * miss)  # disk unknown: not counted
 
 
+def test_streams_line_prints_no_rate_over_no_call_and_says_a_partial_window(monkeypatch, capsys):
+    """A row whose window holds no decode call (the flags that lead there are refused, `check_arguments`) prints no
+    rate: it said "0.0 tok/s aggregate over 0 calls"; one where no call carried all N streams (prompts longer than
+    a chunk) says so beside its rate."""
+    import argparse
+
+    from fastar.bench import streams
+
+    row = {
+        "streams": 2,
+        "aggregate_decode_tok_s": 0.0,
+        "batched_ceiling_tok_s": None,
+        "roofline_tok_s": None,
+        "fraction_of_ceiling": None,
+        "fraction_of_roofline": None,
+        "window_calls": 0,
+        "window_rows_per_call": 0.0,
+        "window_all_streams": False,
+        "window_read_bytes": 0,
+        "per_stream_tok_s": [0.0, 0.0],
+        "itl_p50_ms": 0.0,
+        "itl_p95_ms": 0.0,
+        "identical_to_solo": True,
+    }
+    partial = row | {"streams": 4, "aggregate_decode_tok_s": 50.0, "window_calls": 2, "window_rows_per_call": 1.5}
+    partial |= {"per_stream_tok_s": [40.0, 60.0, 50.0, 45.0], "itl_p50_ms": 20.0, "itl_p95_ms": 25.0}
+    head = {"model": "m.fst", "membw_gbps": 10.0, "fma_peak_gflops": 100.0, "quant_path_gflops": 100.0}
+    head |= {"decode_macs_fp32_path": 1e9, "decode_macs_quant_path": 1e9, "tokens": 3, "head_screen": False}
+    monkeypatch.setattr(streams, "bench", lambda *a, **k: head | {"rows": [row, partial]})
+    a = argparse.Namespace(streams="2,4", model="m.fst", decode_tokens=3, prompt_tokens=8, json=False)
+    a.ram_budget, a.head_screen = "auto", True
+    assert streams.main(a) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "  2 streams: no decode call timed; raise --decode-tokens", lines
+    assert "4 streams: 50.0 tok/s aggregate" in lines[2] and "no call carried all 4 streams" in lines[2], lines
+    assert " 0.0 tok/s" not in "\n".join(lines) and "over 0 calls" not in "\n".join(lines)
+
+
 def test_budget_line_says_what_was_asked_and_what_the_cache_holds():
     from fastar.bench.model import budget_asked, budget_line
 
@@ -423,9 +461,13 @@ def test_bench_profile_prefill_splits_a_prefill(tiny_ckpt, tmp_path):
     text = profile_prefill.format_profile(out)
     assert "40 tokens" in text and "GFLOP/s" in text
     assert ops._C is kernels._C is state._C is kernels.extension and type(ops._C).__name__ == "module"
-    for bad in (["--profile-prefill", "0"], ["--profile-prefill", "5,x"], ["--profile-prefill", "5", "--repeats", "0"]):
+    for bad, flag in (
+        (["--profile-prefill", "0"], "--profile-prefill"),
+        (["--profile-prefill", "5,x"], "--profile-prefill"),
+        (["--profile-prefill", "5", "--repeats", "0"], "--repeats"),  # the flag at fault
+    ):
         got = _bench("-m", str(fst), *bad)
-        assert got.returncode != 0 and "--profile-prefill" in got.stderr and "Traceback" not in got.stderr
+        assert got.returncode == 2 and f"argument {flag}: " in got.stderr and got.stderr.count("\n") == 1
 
 
 def test_prefill_flops_count_each_products_multiply_adds():

@@ -118,6 +118,40 @@ def test_a_bad_max_stall_is_one_usage_line_naming_the_flag(capsys, monkeypatch):
     assert build_parser().parse_args(["serve"]).max_stall == 2.5
 
 
+def test_bench_refuses_what_it_would_time_over_no_decode_call(capsys, monkeypatch, tmp_path):
+    """`bench --streams 2 --decode-tokens 1` printed "0.0 tok/s aggregate over 0 calls" (each stream's one token
+    comes out of its prefill) and `--decode-tokens 2` timed calls of one row as the rate of 2 streams; `--replay`
+    or `--draft` with one token timed the speculative run over none; `--repeats 0`, `--profile 0` and
+    `--profile-prefill x` were errors only once the command ran. Each is one usage line naming the flag and the least
+    value that works, exit 2, before anything loads (the model named here does not exist)."""
+    m = ["bench", "-m", str(tmp_path / "none.fst")]
+    for extra, want in (
+        (["--streams", "2", "--decode-tokens", "1"], "argument --decode-tokens: at least 3 with --streams 2, got 1"),
+        (
+            ["--streams", "1,4", "--decode-tokens", "4"],
+            "argument --decode-tokens: at least 5 with --streams 1,4, got 4",
+        ),
+        (["--streams", "1", "--decode-tokens", "1"], "argument --decode-tokens: at least 2 with --streams 1, got 1"),
+        (["--replay", "0.5", "--decode-tokens", "1"], "argument --decode-tokens: at least 2 with --replay, got 1"),
+        (["--draft", "mtp", "--decode-tokens", "1"], "argument --decode-tokens: at least 2 with --draft mtp, got 1"),
+        (["--decode-tokens", "0"], "argument --decode-tokens: --decode-tokens must be at least 1, got 0"),
+        (["--prompt-tokens", "0"], "argument --prompt-tokens: --prompt-tokens must be at least 1, got 0"),
+        (["--repeats", "0"], "argument --repeats: --repeats must be at least 1, got 0"),
+        (["--profile", "0"], "argument --profile: comma-separated row counts 1..8, got '0'"),
+        (["--profile", "1,9"], "argument --profile: comma-separated row counts 1..8, got '1,9'"),
+        (["--profile", "1", "--decode-tokens", "0"], "argument --decode-tokens"),
+        (["--profile-prefill", "x"], "argument --profile-prefill: comma-separated prompt lengths"),
+        (["--profile-prefill", "0"], "argument --profile-prefill: comma-separated prompt lengths"),
+    ):
+        assert_usage_error(capsys, [*m, *extra], f"fastar bench: error: {want}")
+    monkeypatch.setenv("FASTAR_DECODE_TOKENS", "2")  # a mirror is checked with the flags
+    assert_usage_error(capsys, [*m, "--streams", "2"], "at least 3 with --streams 2, got 2")
+    # what does work: --decode-tokens 1 where a decode step is what is timed (the plain model bench, --profile)
+    for extra in (["--decode-tokens", "1"], ["--profile", "1,4", "--decode-tokens", "1"], ["--streams", "2"]):
+        monkeypatch.setenv("FASTAR_DECODE_TOKENS", "3")
+        assert build_parser().parse_args([*m, *extra]).fn is not None
+
+
 def test_env_mirror_of_a_switch_reads_a_boolean(monkeypatch, capsys):
     """A switch's mirror is a boolean, also for the on/off pairs whose default is None (auto): FASTAR_DIRECT_IO=0
     turns O_DIRECT off (it was the string "0", a true value, so it forced O_DIRECT on), and a word that is no

@@ -73,11 +73,13 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         "--decode-tokens",
         type=int_flag(1, None, "--decode-tokens"),
         default=16,
-        help="model: tokens to decode, timed (default %(default)s)",
+        help="model: tokens to decode, timed (default %(default)s; with --draft or --replay at least 2, with "
+        "--streams N,M at least the largest N + 1: a reply's first token comes out of its prefill, the decode steps "
+        "after it are timed); --profile: the steps profiled",
     )
     b.add_argument(
         "--repeats",
-        type=int,
+        type=int_flag(1, None, "--repeats"),
         default=1,
         help="model: time the decode this many times in a row, each against the memory bandwidth measured around it "
         "(the host's memory speed moves); --profile-prefill: the runs profiled (default %(default)s)",
@@ -167,6 +169,48 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replace an existing --plot file (the old one stays until the new one is written whole)",
     )
+
+
+def check_arguments(a: argparse.Namespace) -> str | None:
+    """The flags together, after parsing: a message for the first combination no benchmark can measure (the CLI
+    says it as a usage error: one line naming the flag, exit 2), else None. A decode rate over zero tokens or calls
+    was printed as 0.0 tok/s: `--streams 2 --decode-tokens 1` (each stream's one token comes out of its prefill, so
+    no decode call ran) said "0.0 tok/s aggregate over 0 calls", and with 2 tokens it timed calls of one row as the
+    rate of 2 streams; `--replay`/`--draft` with one token timed its speculative decode over no token."""
+    if a.what != "model":
+        return None
+    if a.profile is not None:
+        from ..model.ops import SMALL_CHUNK  # the rows a decode step takes (torch: only when --profile is given)
+
+        parts = a.profile.split(",")
+        if not all(p.strip().isdigit() and 1 <= int(p) <= SMALL_CHUNK for p in parts):
+            return f"argument --profile: comma-separated row counts 1..{SMALL_CHUNK}, got {a.profile!r}"
+        return None
+    if a.profile_prefill is not None:
+        parts = a.profile_prefill.split(",")
+        if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+            return (
+                "argument --profile-prefill: comma-separated prompt lengths (tokens, at least 1), "
+                f"got {a.profile_prefill!r}"
+            )
+        return None
+    if a.streams:
+        # the scheduler prefills one prompt (within one chunk) a step, and a stream's first token comes out of its
+        # prefill: the first stream has N tokens when the Nth gets its first, so all N decode together from its N+1th
+        n = max(int(s) for s in a.streams.split(","))
+        if a.decode_tokens < n + 1:
+            return (
+                f"argument --decode-tokens: at least {n + 1} with --streams {a.streams}, got {a.decode_tokens} (each "
+                "stream's first token comes out of its prefill, one prompt a step: with fewer, no decode call "
+                f"carries {'the stream' if n == 1 else f'all {n} streams'})"
+            )
+    elif (a.replay is not None or a.draft != "none") and a.decode_tokens < 2:
+        what = "--replay" if a.replay is not None else f"--draft {a.draft}"
+        return (
+            f"argument --decode-tokens: at least 2 with {what}, got {a.decode_tokens} (the speculative run's first "
+            "token comes out of the prefill: the decode steps after it are what is timed)"
+        )
+    return None
 
 
 def _check_plot_target(plot: str) -> None:

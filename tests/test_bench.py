@@ -105,19 +105,25 @@ def test_batched_ceiling_counts_each_calls_experts_and_overlaps_the_disk():
     union), 1.11 GB resident each, memory 18.6 and 18.3 GB/s. The probe missed the C router's experts, so the byte
     ceilings were the resident bytes alone: 4 streams 4.6x 1 stream. A call of N rows reads at least one row's
     bytes, so at one bandwidth N rows get at most N x the tokens per second."""
+    from fastar.bench.model import StepBytes
     from fastar.bench.streams import _call_seconds, window_seconds
 
     resident, stride = 1_110_490_292, 13_369_344
-    one = _call_seconds(resident, stride, (0.0, 1, 24, 0, 0), 18.56)
-    four = _call_seconds(resident, stride, (0.0, 4, 55, 0, 0), 18.29)
+    step = StepBytes(resident, stride)  # (no head screen)
+    one = _call_seconds(step, (0.0, 1, 24, 0, 0), 18.56)
+    four = _call_seconds(step, (0.0, 4, 55, 0, 0), 18.29)
     assert one == pytest.approx((resident + 24 * stride) / 18.56e9)
     ratio = (4 / four) / (1 / one)
     assert ratio == pytest.approx(3.06, abs=0.01) and ratio * 18.56 / 18.29 <= 4  # at one bandwidth: at most 4x
     # a miss's bytes go to the disk's time, which overlaps the calls' memory time: the larger of the two
-    miss = _call_seconds(resident, stride, (0.0, 1, 24, 3, 0), 18.56)
+    miss = _call_seconds(step, (0.0, 1, 24, 3, 0), 18.56)
     assert miss == pytest.approx((resident + 21 * stride) / 18.56e9)
     assert window_seconds([miss] * 10, 30 * stride, 1.0) == pytest.approx(max(10 * miss, 30 * stride / 1e9))
     assert window_seconds([miss] * 10, 30 * stride, 0.0) == pytest.approx(10 * miss)  # disk unknown: not counted
+    # with the head screen (calls of up to 8 rows): its int8 head in place of the BF16 one, and the rows computed
+    screened = StepBytes(1000, 10, screen_delta=-400, row_bytes=2, screen_rows=8)
+    assert screened(4, 3, exact=5) == 1000 - 400 + 5 * 2 + 3 * 10 and screened(9, 3) == 1000 + 3 * 10
+    assert screened(4, 3, exact=5, misses=1) == screened(4, 2, exact=5)
 
 
 def test_streams_line_prints_no_rate_over_no_call_and_says_a_partial_window(monkeypatch, capsys):
@@ -436,6 +442,46 @@ def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
     assert HyperConnection.post is ops_post and MoE.__call__ is moe_call
     bad = _bench("-m", str(fst), "--profile", "9")
     assert bad.returncode != 0 and "--profile" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_profile_byte_floor_counts_the_experts_each_step_routed_to(vocab_ckpt, monkeypatch):
+    """--profile's byte floor: a step's bytes are counted by `StepBytes`, the count `--streams`' ceiling takes (it
+    left out every routed expert once the C router took over routing, `route_c`): the resident bytes, the head
+    screen's, and the distinct experts the step's rows routed to, here counted apart from the experts the fused MoE
+    sums were handed in each profiled step (the demo model's widths: the `vocab` preset)."""
+    import numpy as np
+
+    from fastar.bench import profile
+    from fastar.bench.model import StepBytes
+    from fastar.engine.engine import load
+    from fastar.model import moe_fused
+
+    steps: list[list[int]] = []  # per profiled (wall-clock) step: the distinct experts of each MoE call
+    summed, timed_step = moe_fused.routed_sum, profile._step
+
+    def routed_sum(xa, routed, *args, **kw):
+        if steps and steps[-1] is not None:
+            steps[-1].append(len(np.unique(np.asarray(routed))))
+        return summed(xa, routed, *args, **kw)
+
+    def step(model, samplers, pending, states, clock):
+        steps.append([] if clock is not None and not clock.cpu else None)
+        return timed_step(model, samplers, pending, states, clock)
+
+    monkeypatch.setattr(moe_fused, "routed_sum", routed_sum)
+    monkeypatch.setattr(profile, "_step", step)
+    out = profile.bench(str(vocab_ckpt), [1, 4], steps=2, prompt_tokens=4)
+    with load(vocab_ckpt) as engine:
+        count, cfg = StepBytes.of(engine), engine.config
+    profiled = [s for s in steps if s is not None]
+    assert len(profiled) == 4 and all(len(s) == cfg.num_hidden_layers for s in profiled)  # one MoE call a layer
+    for p, used in zip(out["profiles"], (profiled[:2], profiled[2:])):
+        experts = sum(map(sum, used)) / len(used)
+        assert p["experts_per_step"] == experts >= cfg.num_hidden_layers * cfg.num_experts_per_tok
+        assert p["step_bytes"] == count(p["rows"], experts, p["exact_head_rows_per_step"])
+        assert p["step_bytes"] - count(p["rows"], 0, p["exact_head_rows_per_step"]) == experts * count.stride > 0
+    # a row routes to exactly k experts a layer
+    assert out["profiles"][0]["experts_per_step"] == cfg.num_hidden_layers * cfg.num_experts_per_tok
 
 
 def test_bench_profile_prefill_splits_a_prefill(tiny_ckpt, tmp_path):

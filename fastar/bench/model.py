@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,43 @@ def token_bytes(src) -> tuple[int, int, int]:
         touched += n // cfg.vocab_size if name == "embed.weight" else n
     experts = cfg.num_hidden_layers * cfg.num_experts_per_tok * src.expert_stride
     return touched, experts, sum(sizes.values())
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """The bytes one decode step (a `forward_rows` call) reads from memory: the one count behind `--profile`'s byte
+    floor and `--streams`' byte ceiling and roofline. `resident`: the weights every step reads once (`token_bytes`);
+    with the head screen (`screen_rows` > 0), a step of at most that many rows reads the screen's int8 head in place
+    of the BF16 one (`screen_delta`, negative) plus the BF16 head rows it computed exactly (`row_bytes` each); and
+    the distinct experts its rows routed to, each layer's counted apart (`stride` bytes each; those read from disk,
+    the caller's `misses`, left to the disk's time)."""
+
+    resident: int
+    stride: int
+    screen_delta: int = 0
+    row_bytes: int = 0
+    screen_rows: int = 0
+
+    @classmethod
+    def of(cls, engine) -> StepBytes:
+        """The counts of a loaded engine: its source's resident bytes and expert stride, its screen's."""
+        from ..model.head_screen import HeadScreen
+
+        resident, _, _ = token_bytes(engine.source)
+        stride, screen = engine.source.expert_stride, engine.model.screen
+        if screen is None:
+            return cls(resident, stride)
+        return cls(resident, stride, screen.read_delta, 2 * screen.K, HeadScreen.MAX_ROWS)
+
+    def screened(self, rows: int) -> bool:
+        """Whether a greedy step of `rows` rows takes the head screen."""
+        return rows <= self.screen_rows
+
+    def __call__(self, rows: int, experts: float, exact: float = 0, misses: float = 0) -> float:
+        """A step of `rows` rows that routed to `experts` distinct experts (summed over layers; `misses` of them read
+        from disk) and computed `exact` head rows in full."""
+        head = self.screen_delta + exact * self.row_bytes if self.screened(rows) else 0
+        return self.resident + head + (experts - misses) * self.stride
 
 
 def _matrices(src):

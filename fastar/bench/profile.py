@@ -31,8 +31,10 @@ nested in it, so the categories and the remainder add up to the step exactly:
 Beside them: the calling thread's CPU time in the glue (wall time outside kernels also counts the time it waited for
 a core on a loaded machine; its CPU time counts only the work), the plain steps' median (what profiling costs
 shows as the difference), the memory bandwidth measured
-around the run, the bytes a step reads (resident weights once, plus the distinct experts the rows routed to) and
-the step's byte floor at that bandwidth, and each product category's achieved weight GB/s.
+around the run, the bytes a step reads (`model.StepBytes`, the count `--streams`' ceiling uses too: resident weights
+once, with the head screen its int8 head and the head rows it computed exactly, plus the distinct experts the rows
+routed to, by whichever router the layer takes) and the step's byte floor at that bandwidth, and each product
+category's achieved weight GB/s.
 Each plain step is followed by two profiled ones: one for the times, whose timers read the wall clock only (a C
 call's: two clock reads and a note, its weight bytes and the routed experts counted after the step), and one for
 the CPU figures, whose timers also read the thread's CPU clock (a system call: from the cold caches a
@@ -60,8 +62,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..model.head_screen import HeadScreen
-from .model import _settle, _stream_gbps, one_engine_options, token_bytes
+from .model import StepBytes, _settle, _stream_gbps, one_engine_options
 
 # the attention block's fused decode calls (`fastar.model.fused`): its four FP8 products with their row ops
 FUSED_ATTENTION = "attention products (fused)"
@@ -438,7 +439,11 @@ def profile_rows(
         pending = _step(model, samplers, pending, states, None)
     clock = _Clock()
     inst = _Instrumented(engine, clock)
-    plain, profiled, stall = [], [], 0.0
+    plain, profiled, stall, exact = [], [], 0.0, 0
+
+    def exact_rows() -> int:  # the head rows the screen computed in full so far (their bytes are the step's too)
+        return model.screen.exact_rows if model.screen is not None else 0
+
     try:
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -446,7 +451,7 @@ def profile_rows(
             plain.append(time.perf_counter() - t0)
             for cpu in (False, True):  # a step for the times, then one for the CPU figures
                 if not cpu:
-                    waited = _stall_s(engine)
+                    waited, exact0 = _stall_s(engine), exact_rows()
                 clock.on, clock.cpu = True, cpu
                 clock.enter(OUTSIDE + "step")
                 try:
@@ -458,6 +463,7 @@ def profile_rows(
                 if not cpu:
                     profiled.append(took)
                     stall += _stall_s(engine) - waited
+                    exact += exact_rows() - exact0
                     inst.count_experts()
     finally:
         inst.close()
@@ -517,6 +523,7 @@ def profile_rows(
         "outside_c_kernels_fraction": (outside + torch_ops) / step_s,
         "product_gbps": {k: clock.bytes[k] / steps / per_step[k] / 1e9 for k in PRODUCTS if per_step.get(k)},
         "experts_per_step": sum(inst.experts) / steps,
+        "exact_head_rows_per_step": exact / steps,
     }
 
 
@@ -528,23 +535,18 @@ def bench(
     engine = load(path, ram_budget=ram_budget, head_screen=head_screen)
     try:
         settled = _settle(engine)
-        resident_tok, _, _ = token_bytes(engine.source)
-        # steps of at most HeadScreen.MAX_ROWS greedy rows read the screen's int8 head instead of the BF16 one (and
-        # ~0.1 % of the BF16 rows again, the candidates, not counted here)
-        screen = engine.model.screen
-        delta = screen.read_delta if screen is not None else 0
-        stride = engine.source.expert_stride
+        step = StepBytes.of(engine)  # as --streams counts a call's bytes
         out = []
         for n in rows:
             before = _stream_gbps(engine)
             r = profile_rows(engine, n, steps, prompt_tokens, flush=_flusher(engine))
             after = _stream_gbps(engine)
             r["membw_gbps"] = (before + after) / 2 if before and after else None
-            r["step_bytes"] = resident_tok + (delta if n <= HeadScreen.MAX_ROWS else 0) + r["experts_per_step"] * stride
+            r["step_bytes"] = step(n, r["experts_per_step"], r["exact_head_rows_per_step"])
             if r["membw_gbps"]:
                 r["byte_floor_ms"] = 1e3 * r["step_bytes"] / (r["membw_gbps"] * 1e9)
             out.append(r)
-        head = screen is not None
+        head = engine.model.screen is not None
         return {"model": str(path), "preloaded": settled["preloaded"], "head_screen": head, "profiles": out}
     finally:
         engine.close()

@@ -26,9 +26,17 @@ from pathlib import Path
 
 import torch
 
-from ..model.head_screen import HeadScreen
 from ..words import counted
-from .model import _disk_bw, _settle, _stream_gbps, bf16_dot_peak_gflops, decode_macs, one_engine_options, token_bytes
+from .model import (
+    StepBytes,
+    _disk_bw,
+    _settle,
+    _stream_gbps,
+    bf16_dot_peak_gflops,
+    decode_macs,
+    one_engine_options,
+    token_bytes,
+)
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -100,14 +108,13 @@ class _UnionProbe:
         self.model.forward_rows = self._orig_rows
 
 
-def _call_seconds(resident: int, stride: int, call: tuple, membw: float, row_bytes: int = 0) -> float:
+def _call_seconds(step: StepBytes, call: tuple, membw: float) -> float:
     """The memory time of one decode call (end, rows, experts, misses, head rows computed exactly by the head
-    screen): the resident bytes once (the caller's: with the screen, the int8 head in place of the BF16 one; plus
-    the rows it computed) and its experts' bytes but the misses' (those go to the disk's time, `window_seconds`),
-    at the memory bandwidth (GB/s; 0 = unknown, 0 s)."""
-    _, _, experts, misses, exact = call
-    hit_bytes = resident + exact * row_bytes + (experts - misses) * stride
-    return hit_bytes / (membw * 1e9) if membw else 0.0
+    screen): its bytes (`StepBytes`, as `--profile`'s byte floor counts them: the resident bytes once, with the
+    screen the int8 head in place of the BF16 one plus the rows it computed, and its experts' bytes) but the
+    misses' (those go to the disk's time, `window_seconds`), at the memory bandwidth (GB/s; 0 = unknown, 0 s)."""
+    _, rows, experts, misses, exact = call
+    return step(rows, experts, exact, misses) / (membw * 1e9) if membw else 0.0
 
 
 def window_seconds(call_s: list[float], read_bytes: int, disk: float) -> float:
@@ -203,6 +210,7 @@ def bench(
     _settle(engine)  # the slab's pages in, every expert preloaded where the budget holds them: before the probes
     resident_tok, _, _ = token_bytes(src)
     stride = src.expert_stride
+    step = StepBytes.of(engine)
     prompts = _prompts(max(streams), prompt_tokens, engine.config.vocab_size)
     wide_macs, quant_macs = decode_macs(src)
     fma_rate, quant_rate, probe_gbps = _machine_rates(engine)
@@ -211,15 +219,15 @@ def bench(
     # calls of at most HeadScreen.MAX_ROWS greedy rows take the head screen: its int8 head in place of the BF16 one
     # (two int8 terms of y per row in place of the FP32 head's products; from HeadScreen.ONE_TERM_ROWS rows one, the
     # second terms of the ~1 % of head rows the first leaves open not counted), and exactly only the candidate rows
-    screen, row_bytes, exact_s, i8_rate, delta, head, head_s = engine.model.screen, 0, 0.0, None, 0, 0, 0.0
+    screen, exact_s, i8_rate, head, head_s = engine.model.screen, 0.0, None, 0, 0.0
     if screen is not None:
         head = screen.V * screen.K
-        delta, row_bytes, i8_rate = screen.read_delta, 2 * screen.K, _i8_rate(screen.K)
+        i8_rate = _i8_rate(screen.K)
         head_s = head / fma_rate  # the FP32 head's products of one row, in row_s
         exact_s = screen.K / fma_rate  # per candidate row and decode row
 
     def screened(call) -> bool:
-        return screen is not None and call[1] <= HeadScreen.MAX_ROWS
+        return step.screened(call[1])
 
     def call_row_s(call) -> float:
         """One row's arithmetic at the peaks in this call."""
@@ -256,9 +264,7 @@ def bench(
         read_bytes = read1 - read0
         served = read_bytes / (busy1 - busy0) / 1e9 if read_bytes and busy1 > busy0 else 0.0
         disk_n = max(disk, served)
-        bytes_s = [
-            _call_seconds(resident_tok + (delta if screened(c) else 0), stride, c, membw, row_bytes) for c in window
-        ]
+        bytes_s = [_call_seconds(step, c, membw) for c in window]
         ceil_s = window_seconds(bytes_s, read_bytes, disk_n)
         roof_s = window_seconds(
             [max(b, c[1] * (call_row_s(c) + c[4] * exact_s)) for b, c in zip(bytes_s, window)], read_bytes, disk_n

@@ -458,7 +458,8 @@ def timings_line(before: dict, after: dict) -> str:
 
 def draft_line(before: dict, after: dict) -> str | None:
     """One line on speculative decoding since `before` (None without a draft): acceptance, tokens per verify
-    pass, and the speedup estimated against one plain pass per token."""
+    pass, and the speedup estimated against one plain pass per token; no rate over no draft or pass (`-n 1`: the
+    one token comes out of the prefill, nothing was drafted)."""
     mode = after.get("draft_mode", "none")
     if mode == "none":
         return None
@@ -468,12 +469,12 @@ def draft_line(before: dict, after: dict) -> str | None:
         d.get("draft_tokens_accepted", 0),
         d.get("draft_verify_passes", 0),
     )
-    parts = [
-        f"{100 * accepted / drafted if drafted else 0:.1f}% of {counted(drafted, 'draft')} accepted",
-        f"{(accepted + passes) / passes if passes else 0:.2f} tokens per verify pass",
-        counted(d.get("draft_plain_steps", 0), "plain step"),
-    ]
-    if "draft_est_speedup" in after:  # a ratio: the running value, not a difference
+    plain = d.get("draft_plain_steps", 0)
+    parts = [f"{100 * accepted / drafted:.1f}% of {counted(drafted, 'draft')} accepted" if drafted else "no draft"]
+    if passes:
+        parts.append(f"{(accepted + passes) / passes:.2f} tokens per verify pass")
+    parts.append(counted(plain, "plain step"))
+    if "draft_est_speedup" in after and (passes or plain):  # a ratio: the running value, not a difference
         parts.append(f"est. speedup {after['draft_est_speedup']:.2f}x")
     return f"draft {mode}: " + "; ".join(parts)
 

@@ -627,6 +627,10 @@ def test_verbose_line_reports_the_draft():
     line = draft_line({}, {**st.as_dict(0.01), "generated_tokens": 20})
     assert "mtp" in line and "40.0%" in line and "1.40 tokens per verify pass" in line
     assert draft_line({}, {"draft_mode": "none"}) is None
+    # `run --draft mtp -n 1`: its token came out of the prefill, nothing was drafted or verified: no rate over none
+    # (it said "0.0% of 0 drafts accepted; 0.00 tokens per verify pass")
+    idle = sp.SpeculativeStats(mode="mtp").as_dict(0.01)
+    assert draft_line({}, idle) == "draft mtp: no draft; 0 plain steps"
 
 
 def test_bench_draft_honours_the_ram_budget_and_head_screen(tiny_ckpt, monkeypatch, capsys):

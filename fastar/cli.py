@@ -66,12 +66,23 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._given: list[str] = []  # the arguments of the last parse, for `error`
-        self._checks: list[Callable[[argparse.Namespace], str | None]] = []
+        self._checks: list[Callable[[argparse.Namespace, frozenset[str]], str | None]] = []
 
-    def add_check(self, check: Callable[[argparse.Namespace], str | None]) -> None:
-        """A check of this command's flags together, run once they are parsed (environment mirrors included): the
-        message it returns is a usage error, one line and exit 2 as a bad flag value is; None passes."""
+    def add_check(self, check: Callable[[argparse.Namespace, frozenset[str]], str | None]) -> None:
+        """A check of this command's flags together, run once they are parsed: `check(args, given)`, `args` with the
+        environment mirrors included, `given` the dests of the flags given on the command line (a mirror is a
+        setting, not a flag given to this command). The message it returns is a usage error, one line and exit 2 as
+        a bad flag value is; None passes."""
         self._checks.append(check)
+
+    def _given_dests(self) -> frozenset[str]:
+        """The dests of the flags the last parse's arguments gave (abbreviations, `--flag=value` and `--no-flag`
+        included, as argparse reads them): they are parsed again into a namespace whose every flag holds a marker,
+        which argparse leaves where no flag set it (its defaults fill only absent names)."""
+        unset = object()
+        flags = {x.dest for x in self._actions if x.option_strings}
+        seen, _ = super().parse_known_args(self._given, argparse.Namespace(**dict.fromkeys(flags, unset)))
+        return frozenset(d for d in flags if getattr(seen, d) is not unset)
 
     def error(self, message: str):
         """A usage error in one line (argparse's own prints the whole usage first), exit 2. A command's error about
@@ -90,8 +101,9 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         self._given = list(sys.argv[1:] if args is None else args)
         a, extra = super().parse_known_args(args, namespace)
+        given = self._given_dests() if self._checks else frozenset()
         for check in self._checks:
-            if (message := check(a)) is not None:
+            if (message := check(a, given)) is not None:
                 self.error(message)
         return a, extra
 

@@ -130,9 +130,8 @@ def test_streams_line_prints_no_rate_over_no_call_and_says_a_partial_window(monk
     """A row whose window holds no decode call (the flags that lead there are refused, `check_arguments`) prints no
     rate: it said "0.0 tok/s aggregate over 0 calls"; one where no call carried all N streams (prompts longer than
     a chunk) says so beside its rate."""
-    import argparse
-
     from fastar.bench import streams
+    from fastar.cli import build_parser
 
     row = {
         "streams": 2,
@@ -155,8 +154,7 @@ def test_streams_line_prints_no_rate_over_no_call_and_says_a_partial_window(monk
     head = {"model": "m.fst", "membw_gbps": 10.0, "fma_peak_gflops": 100.0, "quant_path_gflops": 100.0}
     head |= {"decode_macs_fp32_path": 1e9, "decode_macs_quant_path": 1e9, "tokens": 3, "head_screen": False}
     monkeypatch.setattr(streams, "bench", lambda *a, **k: head | {"rows": [row, partial]})
-    a = argparse.Namespace(streams="2,4", model="m.fst", decode_tokens=3, prompt_tokens=8, json=False)
-    a.ram_budget, a.head_screen = "auto", True
+    a = build_parser().parse_args(["bench", "-m", "m.fst", "--streams", "2,4", "--decode-tokens", "5"])
     assert streams.main(a) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "  2 streams: no decode call timed; raise --decode-tokens", lines

@@ -152,6 +152,70 @@ def test_bench_refuses_what_it_would_time_over_no_decode_call(capsys, monkeypatc
         assert build_parser().parse_args([*m, *extra]).fn is not None
 
 
+def test_bench_refuses_a_flag_its_benchmark_does_not_read(capsys, monkeypatch, tmp_path):
+    """Every bench mode read some flags and took the others silently: `bench draft --decode-tokens 8` decoded 64
+    tokens, `bench kernels --streams 4` timed the kernels, `--profile 1 --streams 4` ran the profile alone,
+    `--profile 1 --replay 0.5` profiled plain steps. Each flag a mode does not read is one usage line naming the
+    flag (and the mode, where the mode is a flag too), exit 2, before anything loads; a flag given with its default
+    value counts as given, an environment mirror (a setting) does not."""
+    m = ["-m", str(tmp_path / "none.fst")]
+    for argv, want in (
+        (["bench", "kernels", "--streams", "4"], "argument --streams: bench kernels does not read it"),
+        (["bench", "kernels", *m], "argument -m: bench kernels does not read it"),
+        (["bench", "kernels", "--cache-policy", "lrfu"], "argument --cache-policy: bench kernels does not read it"),
+        (["bench", "draft", *m, "--warmup-tokens", "2"], "argument --warmup-tokens: bench draft does not read it"),
+        (["bench", "draft", *m, "--threads", "2"], "argument --threads: bench draft does not read it (it runs on one"),
+        (["bench", "draft", *m, "--replay", "0.5"], "argument --replay: bench draft does not read it (it runs replay"),
+        (["bench", "draft", *m, "--temp", "1"], "argument --temperature: bench draft does not read it (it decodes"),
+        (["bench", "draft", *m, "--no-verify"], "argument --no-verify: bench draft does not read it"),
+        (["bench", "draft", *m, "--decode-tokens", "1"], "argument --decode-tokens: at least 2 with bench draft"),
+        (["bench", *m, "--profile", "1", "--streams", "4"], "argument --streams: not with --profile (one benchmark"),
+        (["bench", *m, "--profile-prefill", "8", "--profile", "1"], "argument --profile-prefill: not with --profile"),
+        (["bench", *m, "--streams", "2", "--profile-prefill", "8"], "argument --streams: not with --profile-prefill"),
+        (["bench", *m, "--profile", "1", "--replay", "0.5"], "argument --replay: not with --profile (the decode-step"),
+        (["bench", *m, "--profile", "1", "--repeats", "2"], "argument --repeats: not with --profile"),
+        (["bench", *m, "--profile", "1", "--compare", "x.fst"], "argument --compare: not with --profile"),
+        (["bench", *m, "--profile-prefill", "8", "--decode-tokens", "3"], "argument --decode-tokens: not with --pro"),
+        (["bench", *m, "--streams", "2", "--compare-transformers", "d"], "argument --compare-transformers: not with"),
+        (
+            ["bench", *m, "--streams", "2", "--temperature", "0.5"],
+            "argument --temperature: not with --streams (the streams",
+        ),
+        (["bench", *m, "--streams", "2", "--device", "cuda"], "argument --device: not with --streams"),
+        (["bench", *m, "--streams", "2", "--draft", "mtp"], "argument --draft: not with --streams"),
+        (["bench", *m, "--profile", "1", "--plot", "p.png"], "argument --plot: not with --profile"),
+        (["bench", *m, "--force"], "argument --force: it replaces an existing --plot file"),
+    ):
+        assert_usage_error(capsys, argv, f"fastar bench: error: {want}")
+    monkeypatch.setenv("FASTAR_CACHE_POLICY", "lru")  # a setting of every command that loads a model
+    monkeypatch.setenv("FASTAR_WARMUP_TOKENS", "4")
+    for argv in (
+        ["bench", "kernels", "--threads", "1,2", "--json"],
+        ["bench", "draft", *m, "--decode-tokens", "8", "--prompt-tokens", "4", "--repeats", "2", "--ram-budget", "1G"],
+        ["bench", "draft", *m, "--draft", "mtp", "--no-head-screen", "--json"],
+        ["bench", *m, "--profile", "1,4", "--decode-tokens", "4", "--prompt-tokens", "8", "--no-verify", "--lookahead"],
+        ["bench", *m, "--profile-prefill", "64", "--repeats", "2", "--ram-budget", "none", "--threads", "2"],
+        ["bench", *m, "--streams", "1,4", "--decode-tokens", "5", "--prompt-tokens", "8", "--cache-policy", "lru"],
+        ["bench", *m, "--replay", "0.8", "--compare", "x.fst", "--plot", "p.png", "--force", "--repeats", "2"],
+    ):
+        assert build_parser().parse_args(argv).fn is not None, argv
+
+
+def test_bench_draft_reads_its_counts(monkeypatch, tiny_fst_path):
+    """`bench draft` decoded 64 tokens after 24-token prompts, 3 times, whatever --decode-tokens, --prompt-tokens and
+    --repeats said; now they set them, and without them it keeps its own counts (not the model bench's 16, 64, 1)."""
+    from fastar import bench
+    from fastar.bench import speculative
+
+    seen = []
+    monkeypatch.setattr(speculative, "bench", lambda path, **kw: seen.append(kw) or [])
+    m = ["bench", "draft", "-m", str(tiny_fst_path)]
+    for extra in (["--decode-tokens", "8", "--prompt-tokens", "5", "--repeats", "2"], []):
+        a = build_parser().parse_args([*m, *extra, "--json"])
+        assert bench.main(a) == 0
+    assert [(k["tokens"], k["prompt_tokens"], k["reps"]) for k in seen] == [(8, 5, 2), (64, 24, 3)]
+
+
 def test_env_mirror_of_a_switch_reads_a_boolean(monkeypatch, capsys):
     """A switch's mirror is a boolean, also for the on/off pairs whose default is None (auto): FASTAR_DIRECT_IO=0
     turns O_DIRECT off (it was the string "0", a true value, so it forced O_DIRECT on), and a word that is no

@@ -952,6 +952,11 @@ def test_bench_refuses_a_prompt_longer_than_the_model_before_loading_it(tiny_fst
         (["--prompt-tokens", "4000", "--decode-tokens", "50", "--repeats", "2"], "x --repeats", "4,108"),
         (["--streams", "2", "--prompt-tokens", "5000"], "--prompt-tokens + --decode-tokens", "5,016"),
         (["--profile-prefill", "8,100000000"], "--profile-prefill", "100,000,000"),
+        (
+            ["draft", "--decode-tokens", "5000"],
+            "--prompt-tokens + --decode-tokens",
+            "5,024",
+        ),  # its own 24-token prompts
     ):
         line = one_line_error(_cli("bench", "-m", tiny_fst_path, *extra), 1)
         assert f"{what} is {need} positions, more than the model's 4,096" in line, line

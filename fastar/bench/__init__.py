@@ -59,30 +59,31 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
         default=None,
         type=_thread_list,
         help="CPU threads of the kernels: one count for a model benchmark (default: every CPU this process may use); "
-        "kernels: comma-separated counts, each timed",
+        "kernels: comma-separated counts, each timed; bench draft runs on one thread and takes none",
     )
     console.add_draft_argument(b)
     console.add_memory_arguments(b)
     b.add_argument(
         "--prompt-tokens",
         type=int_flag(1, None, "--prompt-tokens"),
-        default=64,
-        help="model: prompt length to prefill (default %(default)s)",
+        default=None,
+        help="model, --streams, --profile and draft: prompt length to prefill (default 64; bench draft: 24)",
     )
     b.add_argument(
         "--decode-tokens",
         type=int_flag(1, None, "--decode-tokens"),
-        default=16,
-        help="model: tokens to decode, timed (default %(default)s; with --draft or --replay at least 2, with "
+        default=None,
+        help="model: tokens to decode, timed (default 16; with --draft or --replay at least 2, with "
         "--streams N,M at least the largest N + 1: a reply's first token comes out of its prefill, the decode steps "
-        "after it are timed); --profile: the steps profiled",
+        "after it are timed); --profile: the steps profiled; bench draft: tokens per prompt (default 64, at least 2)",
     )
     b.add_argument(
         "--repeats",
         type=int_flag(1, None, "--repeats"),
-        default=1,
+        default=None,
         help="model: time the decode this many times in a row, each against the memory bandwidth measured around it "
-        "(the host's memory speed moves); --profile-prefill: the runs profiled (default %(default)s)",
+        "(the host's memory speed moves; default 1); --profile-prefill: the runs profiled (default 1); bench draft: "
+        "the runs of every mode, interleaved, of which the median is printed (default 3)",
     )
     b.add_argument(
         "--warmup-tokens",
@@ -171,12 +172,97 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     )
 
 
-def check_arguments(a: argparse.Namespace) -> str | None:
-    """The flags together, after parsing: a message for the first combination no benchmark can measure (the CLI
-    says it as a usage error: one line naming the flag, exit 2), else None. A decode rate over zero tokens or calls
+# The flags each benchmark reads, besides `what`, --json and --threads (`bench kernels` reads those two alone): a
+# flag given to a benchmark that does not read it is a usage error naming both (it was taken and ignored: `bench
+# draft --decode-tokens 8` decoded 64 tokens, `--profile 1 --streams 4` ran the profile alone). `model` is the
+# plain model bench, which reads every other flag; a dest here names a flag as `_FLAG_NAMES` spells it.
+_ENGINE = frozenset({"model", "ram_budget", "head_screen", "cache_policy", "direct_io", "lookahead", "verify"})
+_READS = {
+    "kernels": frozenset(),
+    "draft": frozenset({"model", "ram_budget", "head_screen", "draft", "prompt_tokens", "decode_tokens", "repeats"}),
+    "--profile": _ENGINE | {"profile", "prompt_tokens", "decode_tokens"},
+    "--profile-prefill": _ENGINE | {"profile_prefill", "repeats"},
+    "--streams": _ENGINE | {"streams", "prompt_tokens", "decode_tokens"},
+}
+_WHY = {  # why a benchmark does not read a flag, where it is not plain from the benchmark's name
+    ("draft", "threads"): "it runs on one thread and times CPU time",
+    ("draft", "replay"): "it runs replay:0.5 and replay:0.8 itself",
+    ("draft", "temperature"): "it decodes greedily",
+    ("draft", "top_p"): "it decodes greedily",
+    ("--streams", "temperature"): "the streams decode greedily",
+    ("--streams", "top_p"): "the streams decode greedily",
+}
+_FLAG_NAMES = {"model": "-m", "verify": "--no-verify"}
+_NAMES = {
+    "--profile": "the decode-step profile",
+    "--profile-prefill": "the prefill profile",
+    "--streams": "the streams bench",
+}
+# bench draft's own counts where its flags are not given: two prompts of 24 tokens, 64 decoded, 3 repeats (the
+# draft modes' acceptance needs more tokens than the model bench's 16)
+DRAFT_COUNTS = {"prompt_tokens": 24, "decode_tokens": 64, "repeats": 3}
+
+
+def _flag(dest: str) -> str:
+    return _FLAG_NAMES.get(dest, "--" + dest.replace("_", "-"))
+
+
+def bench_mode(a: argparse.Namespace) -> str:
+    """Which benchmark the flags select: `kernels`, `draft`, `--profile`, `--profile-prefill`, `--streams` or
+    `model` (the plain model bench)."""
+    if a.what != "model":
+        return a.what
+    for flag in ("--profile", "--profile-prefill", "--streams"):
+        if getattr(a, flag[2:].replace("-", "_")) is not None:
+            return flag
+    return "model"
+
+
+def counts(a: argparse.Namespace) -> tuple[int, int, int]:
+    """(--prompt-tokens, --decode-tokens, --repeats) as the benchmark reads them: given, or its default (`bench
+    draft`'s own, `DRAFT_COUNTS`; the flags' defaults are None so that a count given is told from one not)."""
+    own = DRAFT_COUNTS if a.what == "draft" else {"prompt_tokens": 64, "decode_tokens": 16, "repeats": 1}
+    prompt, decode, repeats = (own[k] if getattr(a, k) is None else getattr(a, k) for k in own)
+    return prompt, decode, repeats
+
+
+def _unread_flag(a: argparse.Namespace, given: frozenset[str]) -> str | None:
+    """A usage message for the first flag given that the selected benchmark does not read, else None."""
+    mode = bench_mode(a)
+    if mode == "model":
+        if "force" in given and a.plot is None:
+            return "argument --force: it replaces an existing --plot file: give --plot too, or drop --force"
+        return None
+    modes = [f for f in ("--profile", "--profile-prefill", "--streams") if f[2:].replace("-", "_") in given]
+    if mode not in ("kernels", "draft") and len(modes) > 1:
+        return f"argument {modes[1]}: not with {modes[0]} (one benchmark a run: run them one after the other)"
+    reads = _READS[mode] | {"json", "threads"} - ({"threads"} if mode == "draft" else set())
+    for dest in vars(a):  # in the parser's order
+        if dest in given and dest not in reads:
+            why = _WHY.get((mode, dest))
+            if mode in ("kernels", "draft"):
+                return f"argument {_flag(dest)}: bench {mode} does not read it" + (f" ({why})" if why else "")
+            return f"argument {_flag(dest)}: not with {mode} ({why or _NAMES[mode] + ' does not read it'})"
+    return None
+
+
+def check_arguments(a: argparse.Namespace, given: frozenset[str]) -> str | None:
+    """The flags together, after parsing (`given`: the dests given on the command line): a message for the first
+    flag the selected benchmark would not read (`_READS`) or combination no benchmark can measure (the CLI says it
+    as a usage error: one line naming the flag, exit 2), else None. A decode rate over zero tokens or calls
     was printed as 0.0 tok/s: `--streams 2 --decode-tokens 1` (each stream's one token comes out of its prefill, so
     no decode call ran) said "0.0 tok/s aggregate over 0 calls", and with 2 tokens it timed calls of one row as the
     rate of 2 streams; `--replay`/`--draft` with one token timed its speculative decode over no token."""
+    if (message := _unread_flag(a, given)) is not None:
+        return message
+    _, decode_tokens, _ = counts(a)
+    if a.what == "draft":
+        if decode_tokens < 2:
+            return (
+                f"argument --decode-tokens: at least 2 with bench draft, got {decode_tokens} (each prompt's first "
+                "token comes out of the prefill: the decode steps after it are what is timed)"
+            )
+        return None
     if a.what != "model":
         return None
     if a.profile is not None:
@@ -198,16 +284,16 @@ def check_arguments(a: argparse.Namespace) -> str | None:
         # the scheduler prefills one prompt (within one chunk) a step, and a stream's first token comes out of its
         # prefill: the first stream has N tokens when the Nth gets its first, so all N decode together from its N+1th
         n = max(int(s) for s in a.streams.split(","))
-        if a.decode_tokens < n + 1:
+        if decode_tokens < n + 1:
             return (
-                f"argument --decode-tokens: at least {n + 1} with --streams {a.streams}, got {a.decode_tokens} (each "
+                f"argument --decode-tokens: at least {n + 1} with --streams {a.streams}, got {decode_tokens} (each "
                 "stream's first token comes out of its prefill, one prompt a step: with fewer, no decode call "
                 f"carries {'the stream' if n == 1 else f'all {n} streams'})"
             )
-    elif (a.replay is not None or a.draft != "none") and a.decode_tokens < 2:
+    elif (a.replay is not None or a.draft != "none") and decode_tokens < 2:
         what = "--replay" if a.replay is not None else f"--draft {a.draft}"
         return (
-            f"argument --decode-tokens: at least 2 with {what}, got {a.decode_tokens} (the speculative run's first "
+            f"argument --decode-tokens: at least 2 with {what}, got {decode_tokens} (the speculative run's first "
             "token comes out of the prefill: the decode steps after it are what is timed)"
         )
     return None
@@ -232,7 +318,7 @@ def _check_context(a: argparse.Namespace) -> None:
     if a.profile_prefill:
         parts = [p.strip() for p in a.profile_prefill.split(",")]
         need, what = max((int(p) for p in parts if p.isdigit()), default=0), "--profile-prefill"
-    elif a.profile or a.streams:
+    elif a.profile or a.streams or a.what == "draft":
         need, what = a.prompt_tokens + a.decode_tokens, "--prompt-tokens + --decode-tokens"
     else:  # the decode goes on from one state through the warm-up and every repeat
         need = a.prompt_tokens + a.warmup_tokens + a.decode_tokens * max(a.repeats, 1)
@@ -260,11 +346,13 @@ def _model_threads(a: argparse.Namespace) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    """Run the benchmark `a.what` names with the parsed arguments."""
+    """Run the benchmark `a.what` names with the parsed arguments (`check_arguments` passed them)."""
+    a.prompt_tokens, a.decode_tokens, a.repeats = counts(a)  # the benchmark's own defaults where none was given
     _model_threads(a)
     if a.what == "draft":
         if not a.model:
             raise FastarError("bench draft: give -m CHECKPOINT (a .fst file or checkpoint directory)")
+        _check_context(a)
         from . import speculative
 
         modes = (
@@ -274,7 +362,13 @@ def main(a: argparse.Namespace) -> int:
             "replay:0.8",
         )
         rows = speculative.bench(
-            a.model, drafts=modes, ram_budgets=speculative.ram_budgets(a.ram_budget), head_screen=a.head_screen
+            a.model,
+            drafts=modes,
+            ram_budgets=speculative.ram_budgets(a.ram_budget),
+            head_screen=a.head_screen,
+            tokens=a.decode_tokens,
+            prompt_tokens=a.prompt_tokens,
+            reps=a.repeats,
         )
         print(json.dumps(rows) if a.json else speculative.format_bench(rows))
         return 0

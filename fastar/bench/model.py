@@ -67,10 +67,19 @@ class _PeakRSS:
 
 
 def one_engine_options(a) -> dict:
-    """The engine options of a bench that loads one engine (`--streams`, `--profile`): the first of the budgets
-    `--ram-budget` lists, and `--head-screen`."""
+    """The engine options of a bench that loads one engine (`--streams`, `--profile`, `--profile-prefill`): the
+    first of the budgets `--ram-budget` lists, `--head-screen`, `--cache-policy`, `--direct-io`, `--lookahead` and
+    `--no-verify` (`fastar.bench.check_arguments` refuses the memory flags these do not read: `--device`,
+    `--gpu-budget`)."""
     budget = a.ram_budget.split(",")[0] if isinstance(a.ram_budget, str) else a.ram_budget
-    return {"ram_budget": "auto" if budget is None else budget, "head_screen": a.head_screen}
+    return {
+        "ram_budget": "auto" if budget is None else None if budget.strip().lower() == "none" else budget.strip(),
+        "head_screen": a.head_screen,
+        "cache_policy": a.cache_policy,
+        "direct_io": a.direct_io,
+        "lookahead": a.lookahead,
+        "verify": a.verify,
+    }
 
 
 def token_bytes(src) -> tuple[int, int, int]:

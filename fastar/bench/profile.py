@@ -527,12 +527,11 @@ def profile_rows(
     }
 
 
-def bench(
-    path: str, rows: list[int], steps: int = 16, prompt_tokens: int = 16, ram_budget="auto", head_screen: bool = True
-) -> dict:
+def bench(path: str, rows: list[int], steps: int = 16, prompt_tokens: int = 16, **options) -> dict:
+    """`options`: the engine's (`load`'s; `model.one_engine_options`)."""
     from ..engine.engine import load
 
-    engine = load(path, ram_budget=ram_budget, head_screen=head_screen)
+    engine = load(path, **options)
     try:
         settled = _settle(engine)
         step = StepBytes.of(engine)  # as --streams counts a call's bytes

@@ -99,11 +99,12 @@ def profile_prefill(engine, tokens: int, repeats: int = 2, seed: int = 0) -> dic
     }
 
 
-def bench(path: str, tokens: list[int], repeats: int = 2, ram_budget="auto", head_screen: bool = True) -> dict:
+def bench(path: str, tokens: list[int], repeats: int = 2, **options) -> dict:
+    """`options`: the engine's (`load`'s; `model.one_engine_options`)."""
     from ..engine.engine import load
     from ..quant import kernels
 
-    engine = load(path, ram_budget=ram_budget, head_screen=head_screen)
+    engine = load(path, **options)
     try:
         settled = _settle(engine)
         threads = kernels.get_num_threads() if kernels.available() else 1

@@ -76,6 +76,7 @@ def bench(
     capacities: tuple[float, ...] = (1.0, 0.5, 0.25),
     miss_ms: float = 2.0,
     tokens: int = 64,
+    prompt_tokens: int = 24,
     prompts: int = 2,
     reps: int = 3,
     numerics: str = "reference",
@@ -84,16 +85,16 @@ def bench(
     head_screen: bool = True,
 ) -> list[dict]:
     """Greedy decode tok/s for each draft mode and expert-cache size (a fraction of all experts, LRU; or, given
-    `ram_budgets`, the experts that fit each budget in bytes, None: all of them), each miss costing `miss_ms`
-    more. `head_screen` is the engine option of that name. Modes: `none`, `mtp`, `dspark`, `auto`, `replay:<a>`
-    (4 drafts per pass read from the plain greedy transcript, each right with probability a, at no draft cost: what
-    a well-trained draft could give, so the table shows where drafting pays although the fixtures' random drafts
-    are never right), and
-    `auto-replay:<a>` (the same drafts under `auto`'s schedule). `none` must come first: it writes the transcripts
-    and is the baseline. Modes run interleaved, `reps` times, each from a cold cache; tok/s is the median.
-    Time is this process's CPU time plus the simulated read time (`wall=True`: wall-clock), so other load on a
-    shared machine does not enter; everything runs on one thread. (`auto` itself still decides from wall time.) One
-    row per (mode, capacity)."""
+    `ram_budgets`, the experts that fit each budget in bytes, None: all of them), each miss costing `miss_ms` more, over
+    `prompts` random prompts of `prompt_tokens` tokens with `tokens` generated each (the first out of the prefill,
+    untimed). `head_screen` is the engine option of that name. Modes: `none`, `mtp`, `dspark`, `auto`, `replay:<a>` (4
+    drafts per pass read from the plain greedy transcript, each right with probability a, at no draft cost: what a
+    well-trained draft could give, so the table shows where drafting pays although the fixtures' random drafts are never
+    right), and `auto-replay:<a>` (the same drafts under `auto`'s schedule). `none` must come first: it writes the
+    transcripts and is the baseline. Modes run interleaved, `reps` times, each from a cold cache; tok/s is the median.
+    Time is this process's CPU time plus the simulated read time (`wall=True`: wall-clock), so other load on a shared
+    machine does not enter; everything runs on one thread. (`auto` itself still decides from wall time.) One row per
+    (mode, capacity)."""
     from ..engine.engine import load
     from ..engine.source import open_source
     from ..quant.linear import SourceExperts
@@ -107,7 +108,7 @@ def bench(
     else:
         sizes = [n_exp if b is None else max(1, min(n_exp, b // stride)) for b in ram_budgets]
     g = torch.Generator().manual_seed(0)
-    prompt_ids = [torch.randint(2, cfg.vocab_size, (24,), generator=g).tolist() for _ in range(prompts)]
+    prompt_ids = [torch.randint(2, cfg.vocab_size, (prompt_tokens,), generator=g).tolist() for _ in range(prompts)]
     transcripts: list[list[int]] = []
     rows = []
     clock = time.perf_counter if wall else time.process_time

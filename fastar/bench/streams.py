@@ -200,12 +200,12 @@ def bench(
     streams: list[int],
     tokens: int = 32,
     prompt_tokens: int = 16,
-    ram_budget="auto",
-    head_screen: bool = True,
+    **options,
 ) -> dict:
+    """`options`: the engine's (`load`'s; `model.one_engine_options`)."""
     from ..engine.engine import load
 
-    engine = load(path, ram_budget=ram_budget, head_screen=head_screen)
+    engine = load(path, **options)
     src = engine.source
     _settle(engine)  # the slab's pages in, every expert preloaded where the budget holds them: before the probes
     resident_tok, _, _ = token_bytes(src)

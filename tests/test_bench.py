@@ -442,6 +442,27 @@ def test_bench_profile_splits_a_decode_step(tiny_ckpt, tmp_path):
     assert bad.returncode != 0 and "--profile" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_bench_profile_byte_floor_falls_back_on_the_machine_probe(tiny_ckpt, tmp_path, monkeypatch):
+    """A model whose LM head is too small to measure the memory bandwidth with (the fixtures', the demo model's)
+    printed no byte floor under --profile, while --streams fell back on the machine's 1 GiB probe: both take it now
+    (`model.MemoryBandwidth`), measured once a run, and the line says the GB/s is the probe's."""
+    from fastar.bench import kernels as bench_kernels
+    from fastar.bench import profile
+
+    probes = []
+    monkeypatch.setattr(bench_kernels, "read_gbps", lambda: probes.append(1) or 12.5, raising=False)  # 1 call: below
+    fst = convert(tiny_ckpt, tmp_path / "t.fst", progress=False)
+    r = profile.bench(str(fst), [1, 2], steps=1, prompt_tokens=4)
+    assert len(probes) == 1
+    for p in r["profiles"]:
+        assert p["membw_gbps"] == 12.5 and p["membw_source"] == "probe"
+        assert p["byte_floor_ms"] == pytest.approx(1e3 * p["step_bytes"] / 12.5e9) and p["step_bytes"] > 0
+    lines = [x for x in profile.format_profile(r).splitlines() if "row(s) at position" in x]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert "byte floor" in line and "at 12.5 GB/s" in line and "% of it); the GB/s is this machine's 1 GiB" in line
+
+
 def test_bench_profile_byte_floor_counts_the_experts_each_step_routed_to(vocab_ckpt, monkeypatch):
     """--profile's byte floor: a step's bytes are counted by `StepBytes`, the count `--streams`' ceiling takes (it
     left out every routed expert once the C router took over routing, `route_c`): the resident bytes, the head

@@ -61,15 +61,32 @@ def _fp4(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return w, s
 
 
-def machine_limits(threads: list[int]) -> dict:
-    """Streaming read GB/s over 1 GiB and FP32 FMA GFLOP/s, per thread count (best of 5 / of 3)."""
+def _probe_buffer() -> np.ndarray:
     buf = np.empty(GIB, np.uint8)
     buf.view(np.uint64)[:] = np.arange(GIB // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # not zeros
+    return buf
+
+
+def _read_gbps(buf: np.ndarray) -> float:
+    """Streaming read GB/s over `buf` with the kernels' threads now, best of 5 (after one read that faults it in)."""
+    K._C.read_bandwidth(buf)  # fault in, warm the pool
+    return max(buf.nbytes / K._C.read_bandwidth(buf) for _ in range(5)) / 1e9
+
+
+def read_gbps() -> float:
+    """This machine's streaming read GB/s over 1 GiB at the kernels' thread count (`machine_limits`' bandwidth
+    alone): the probe the benches fall back on where the model's LM head is too small to measure it
+    (`model.MemoryBandwidth`)."""
+    return _read_gbps(_probe_buffer())
+
+
+def machine_limits(threads: list[int]) -> dict:
+    """Streaming read GB/s over 1 GiB and FP32 FMA GFLOP/s, per thread count (best of 5 / of 3)."""
+    buf = _probe_buffer()
     bw, peak = {}, {}
     for n in threads:
         K.set_num_threads(n)
-        K._C.read_bandwidth(buf)  # fault in, warm the pool
-        bw[n] = max(GIB / K._C.read_bandwidth(buf) for _ in range(5)) / 1e9
+        bw[n] = _read_gbps(buf)
         s, _ = K._C.fma_peak(100_000)
         iters = max(100_000, int(100_000 * 0.15 / max(s, 1e-6)))  # ~0.15 s per measurement
         peak[n] = max(f / s for s, f in (K._C.fma_peak(iters) for _ in range(3))) / 1e9

@@ -264,6 +264,36 @@ def _stream_gbps(engine) -> float | None:
     return max(buf.nbytes / kernels._C.read_bandwidth(buf) for _ in range(3)) / 1e9
 
 
+class MemoryBandwidth:
+    """The memory bandwidth a bench sets a byte floor or ceiling at (`--profile`, `--streams`): the model's LM head
+    streamed now (`_stream_gbps`), or where the head is too small to leave the caches (small models, the demo's)
+    this machine's streaming probe over 1 GiB (`kernels.read_gbps`), taken once, at the first call that needs it
+    (or given: `probe_gbps`, where the bench measured it already). `source`: what the last `gbps()` read, "head"
+    (measured around the run) or "probe"; `PROBE_NOTE` says the latter in the benches' lines."""
+
+    PROBE_NOTE = "this machine's 1 GiB probe (the LM head is too small to measure the bandwidth around the run)"
+
+    def __init__(self, engine, probe_gbps: float | None = None) -> None:
+        self.engine, self._probe, self.source = engine, probe_gbps, "head"
+
+    def gbps(self) -> float | None:
+        """GB/s now; None only without the C kernels (which both measures need)."""
+        from ..quant import kernels
+
+        now = _stream_gbps(self.engine)
+        if now is not None:
+            self.source = "head"
+            return now
+        if kernels._C is None:
+            return None
+        if self._probe is None:
+            from .kernels import read_gbps
+
+            self._probe = read_gbps()
+        self.source = "probe"
+        return self._probe
+
+
 def _preload(cache) -> float:
     """Reads every expert into the slab (the budget holds them all): the "experts all in RAM" case, timed warm."""
     t0 = time.perf_counter()

@@ -30,11 +30,11 @@ nested in it, so the categories and the remainder add up to the step exactly:
 
 Beside them: the calling thread's CPU time in the glue (wall time outside kernels also counts the time it waited for
 a core on a loaded machine; its CPU time counts only the work), the plain steps' median (what profiling costs
-shows as the difference), the memory bandwidth measured
-around the run, the bytes a step reads (`model.StepBytes`, the count `--streams`' ceiling uses too: resident weights
-once, with the head screen its int8 head and the head rows it computed exactly, plus the distinct experts the rows
-routed to, by whichever router the layer takes) and the step's byte floor at that bandwidth, and each product
-category's achieved weight GB/s.
+shows as the difference), the memory bandwidth measured around the run (this machine's 1 GiB probe where the
+model's LM head is too small to measure it: `model.MemoryBandwidth`, as `--streams`), the bytes a step reads
+(`model.StepBytes`, the count `--streams`' ceiling uses too: resident weights once, with the head screen its int8
+head and the head rows it computed exactly, plus the distinct experts the rows routed to, by whichever router the
+layer takes) and the step's byte floor at that bandwidth, and each product category's achieved weight GB/s.
 Each plain step is followed by two profiled ones: one for the times, whose timers read the wall clock only (a C
 call's: two clock reads and a note, its weight bytes and the routed experts counted after the step), and one for
 the CPU figures, whose timers also read the thread's CPU clock (a system call: from the cold caches a
@@ -62,7 +62,7 @@ from collections.abc import Callable
 
 import torch
 
-from .model import StepBytes, _settle, _stream_gbps, one_engine_options
+from .model import MemoryBandwidth, StepBytes, _settle, one_engine_options
 
 # the attention block's fused decode calls (`fastar.model.fused`): its four FP8 products with their row ops
 FUSED_ATTENTION = "attention products (fused)"
@@ -535,12 +535,13 @@ def bench(path: str, rows: list[int], steps: int = 16, prompt_tokens: int = 16, 
     try:
         settled = _settle(engine)
         step = StepBytes.of(engine)  # as --streams counts a call's bytes
-        out = []
+        out, bandwidth = [], MemoryBandwidth(engine)
         for n in rows:
-            before = _stream_gbps(engine)
+            before = bandwidth.gbps()
             r = profile_rows(engine, n, steps, prompt_tokens, flush=_flusher(engine))
-            after = _stream_gbps(engine)
+            after = bandwidth.gbps()
             r["membw_gbps"] = (before + after) / 2 if before and after else None
+            r["membw_source"] = bandwidth.source  # "head": measured around the run; "probe": the machine's
             r["step_bytes"] = step(n, r["experts_per_step"], r["exact_head_rows_per_step"])
             if r["membw_gbps"]:
                 r["byte_floor_ms"] = 1e3 * r["step_bytes"] / (r["membw_gbps"] * 1e9)
@@ -556,9 +557,10 @@ def format_profile(r: dict) -> str:
     lines = [f"{r['model']}: decode-step profile (forward_rows + sampling, as the scheduler steps; {head})"]
     for p in r["profiles"]:
         step = p["step_ms"]
+        probe = f"; the GB/s is {MemoryBandwidth.PROBE_NOTE}" if p.get("membw_source") == "probe" else ""
         floor = (
             f"; byte floor {p['byte_floor_ms']:.1f} ms at {p['membw_gbps']:.1f} GB/s ({p['step_bytes'] / 1e9:.2f} GB"
-            f", step at {100 * p['byte_floor_ms'] / step:.0f}% of it)"
+            f", step at {100 * p['byte_floor_ms'] / step:.0f}% of it){probe}"
             if p.get("byte_floor_ms")
             else ""
         )

@@ -28,10 +28,10 @@ import torch
 
 from ..words import counted
 from .model import (
+    MemoryBandwidth,
     StepBytes,
     _disk_bw,
     _settle,
-    _stream_gbps,
     bf16_dot_peak_gflops,
     decode_macs,
     one_engine_options,
@@ -130,7 +130,7 @@ def _machine_rates(engine) -> tuple[float, float, float]:
     """(multiply-adds per second of the FP32 FMA path, of the path the FP8/FP4 products take, streaming read GB/s),
     measured now: the second is the bf16 dot peak under the official numerics on a CPU with one (reference numerics
     split each input into three bfloat16s there: a third of it), else the FP32 FMA peak; the bandwidth is the
-    start-of-run probe over 1 GiB, used where the model's head is too small to stream (`_stream_gbps`)."""
+    start-of-run probe over 1 GiB, used where the model's head is too small to stream (`MemoryBandwidth`)."""
     from ..quant import kernels
     from .kernels import machine_limits
 
@@ -214,7 +214,8 @@ def bench(
     prompts = _prompts(max(streams), prompt_tokens, engine.config.vocab_size)
     wide_macs, quant_macs = decode_macs(src)
     fma_rate, quant_rate, probe_gbps = _machine_rates(engine)
-    membw0 = _stream_gbps(engine) or probe_gbps
+    bandwidth = MemoryBandwidth(engine, probe_gbps)
+    membw0 = bandwidth.gbps()
     row_s = wide_macs / fma_rate + quant_macs / quant_rate  # one row's arithmetic at the peaks
     # calls of at most HeadScreen.MAX_ROWS greedy rows take the head screen: its int8 head in place of the BF16 one
     # (two int8 terms of y per row in place of the FP32 head's products; from HeadScreen.ONE_TERM_ROWS rows one, the
@@ -242,9 +243,9 @@ def bench(
         solo.append(r["tokens"][0])
     rows = []
     for n in streams:
-        before = _stream_gbps(engine) or membw0
+        before = bandwidth.gbps()
         r = _run(engine, prompts[:n], tokens)
-        membw = ((_stream_gbps(engine) or membw0) + before) / 2  # the bandwidth drifts: measured around the run
+        membw = (bandwidth.gbps() + before) / 2  # the bandwidth drifts: measured around the run
         out = r["tokens"]
         times = r["times"]
         start = max(t[0] for t in times)  # every stream decoding from here ...
@@ -301,6 +302,7 @@ def bench(
     return {
         "model": str(path),
         "membw_gbps": membw0,
+        "membw_source": bandwidth.source,  # "head": measured around each run; "probe": the machine's (small heads)
         "disk_gbps": disk,
         "resident_bytes_per_step": resident_tok,
         "expert_bytes": stride,
@@ -347,7 +349,8 @@ def main(a) -> int:
         if not parts:
             return ""
         disk = f", reads at {row['ceiling_disk_gbps']:.2f} GB/s" if row["window_read_bytes"] else ""
-        return f" ({'; '.join(parts)}; at {row['membw_gbps']:.1f} GB/s measured around this run{disk})"
+        where = MemoryBandwidth.PROBE_NOTE if r.get("membw_source") == "probe" else "measured around this run"
+        return f" ({'; '.join(parts)}; at {row['membw_gbps']:.1f} GB/s, {where}{disk})"
 
     for row in r["rows"]:
         if not row["window_calls"]:  # no rate over zero calls (`check_arguments` asks for the tokens that avoid it)

@@ -340,3 +340,77 @@ def test_cached_prompt_shared_by_n_choices_counts_once_in_metrics(engine):
         assert metric(srv, "prompt_tokens_cached_total") - cached_before == len(first)
     finally:
         srv.shutdown()
+
+
+def test_metrics_have_no_rate_before_there_is_one(engine):
+    """/metrics on a fresh server said 0.000 for every rate (the last and average decode speed, the finished
+    sequences' mean, the last step's seconds, the engine's prefill and decode tok/s, draft acceptance and tokens per
+    pass): a measured standstill to a dashboard. After a one-token request (its token comes out of the prefill) the
+    decode rates were still 0. A rate over nothing has no sample now (the gauge's HELP and TYPE stay, as for a
+    labelled counter with no label yet); each appears once it is measured, and every sample is a finite number."""
+    rates = (
+        "generation_tokens_per_second",
+        "avg_generation_tokens_per_second",
+        "sequence_tokens_per_second_finished_mean",
+        "engine_decode_tokens_per_s",
+        "engine_draft_acceptance_rate",
+        "engine_draft_tokens_per_pass",
+    )
+
+    def samples(srv) -> dict[str, float]:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        out = {}
+        for line in text.splitlines():
+            if not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name.removeprefix("fastar:")] = float(value)
+        assert all(v == v and abs(v) != float("inf") for v in out.values()), out
+        assert "# TYPE fastar:generation_tokens_per_second gauge" in text  # declared, with no sample
+        return out
+
+    srv = start(engine)
+    try:
+        fresh = samples(srv)
+        for name in (*rates, "step_seconds_last", "engine_prefill_tokens_per_s"):
+            assert name not in fresh, name
+        assert fresh["generation_tokens_total"] == 0
+        cl = client(srv)
+        one = dict(max_tokens=1, temperature=0, extra_body={"ignore_eos": True})
+        assert cl.completions.create(model=MODEL, prompt=prompt(1, 8, 11), **one).usage.completion_tokens == 1
+        after_one = samples(srv)
+        assert after_one["generation_tokens_total"] == 1 and after_one["step_seconds_last"] > 0
+        assert after_one["engine_prefill_tokens_per_s"] > 0
+        for name in rates:  # one token, out of the prefill: no decode step, no decode speed
+            assert name not in after_one, name
+        three = dict(max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+        assert cl.completions.create(model=MODEL, prompt=prompt(2, 8, 12), **three).usage.completion_tokens == 3
+        decoded = samples(srv)
+        for name in rates[:4]:
+            assert decoded[name] > 0, name
+        assert "engine_draft_acceptance_rate" not in decoded  # no draft: still nothing to rate
+    finally:
+        srv.shutdown()
+
+
+def test_a_live_sequences_rate_counts_its_decoded_tokens():
+    """The decode speed of an active sequence counted every generated token over the time since its first, which
+    came out of the prefill: 3 tokens a second after the first said 3 tok/s for 2 decoded (a finished one's counts
+    n - 1). Now both count the tokens after the first; a sequence with one token has no rate."""
+    from types import SimpleNamespace
+
+    from fastar.engine.batch_metrics import BatchMetrics
+
+    now = time.perf_counter()
+    seq = dict(pending=0, done=0, ids=[1], state=None, loading=None)
+    active = [
+        SimpleNamespace(generated=[5, 6, 7], first_token_at=now - 1.0, **seq),
+        SimpleNamespace(generated=[5], first_token_at=now - 1.0, **seq),
+    ]
+    memory = type("Memory", (), {"hits": 0, "misses": 0, "__len__": lambda self: 0})()
+    report = BatchMetrics().report(active, 0, memory, None, SimpleNamespace(forked_states=0, forked_states_peak=0))
+    (rate,) = report["tokens_per_s_per_sequence"]
+    assert 1.9 < rate <= 2.0, rate
+    assert report["tokens_per_s_per_sequence_finished_mean"] is None and report["step_seconds_last"] is None

@@ -46,8 +46,8 @@ class BatchMetrics:
         ones' count, `memory` its `PrefixMemory`, `prefix_cache` its `PrefixCache` or None, `groups` its
         `ChoiceGroups`."""
         now = time.perf_counter()
-        live = [
-            len(r.generated) / (now - r.first_token_at)
+        live = [  # the tokens after the first (which came out of the prefill) over the time since it
+            (len(r.generated) - 1) / (now - r.first_token_at)
             for r in active
             if r.first_token_at is not None and now > r.first_token_at and len(r.generated) > 1
         ]
@@ -60,10 +60,11 @@ class BatchMetrics:
             "batch_size_histogram": dict(sorted(self.batch_sizes.items())),
             "steps": steps,
             "step_seconds_total": self.step_seconds,
-            "step_seconds_mean": self.step_seconds / steps if steps else 0.0,
-            "step_seconds_last": self.last_step_seconds,
+            # None where there is nothing to average or no step yet (/metrics then has no sample: 0 read as measured)
+            "step_seconds_mean": self.step_seconds / steps if steps else None,
+            "step_seconds_last": self.last_step_seconds if steps else None,
             "tokens_per_s_per_sequence": live,
-            "tokens_per_s_per_sequence_finished_mean": sum(self.rates) / len(self.rates) if self.rates else 0.0,
+            "tokens_per_s_per_sequence_finished_mean": sum(self.rates) / len(self.rates) if self.rates else None,
             "requests_submitted": self.counts["submitted"],
             "requests_finished": self.counts["finished"],
             "requests_cancelled": self.counts["cancelled"],

@@ -98,8 +98,12 @@ def _batch_lines(metric: Callable[[str, str, str, list[str]], None], b: dict) ->
         "Time spent in scheduler steps.",
         [f"step_seconds_total {b['step_seconds_total']:.6f}"],
     )
+    last = b["step_seconds_last"]
     metric(
-        "step_seconds_last", "gauge", "Duration of the last step.", [f"step_seconds_last {b['step_seconds_last']:.6f}"]
+        "step_seconds_last",
+        "gauge",
+        "Duration of the last step (no sample before the first).",
+        [] if last is None else [f"step_seconds_last {last:.6f}"],
     )
     rates = b["tokens_per_s_per_sequence"]
     metric(
@@ -108,11 +112,12 @@ def _batch_lines(metric: Callable[[str, str, str, list[str]], None], b: dict) ->
         "Decode speed of each active sequence (by its place in the batch).",
         [f'sequence_tokens_per_second{{slot="{i}"}} {r:.3f}' for i, r in enumerate(rates)],
     )
+    mean = b["tokens_per_s_per_sequence_finished_mean"]
     metric(
         "sequence_tokens_per_second_finished_mean",
         "gauge",
-        "Mean decode speed of recently finished sequences.",
-        [f"sequence_tokens_per_second_finished_mean {b['tokens_per_s_per_sequence_finished_mean']:.3f}"],
+        "Mean decode speed of recently finished sequences that decoded (more than one token; no sample before one).",
+        [] if mean is None else [f"sequence_tokens_per_second_finished_mean {mean:.3f}"],
     )
     progress = b["prefill_progress"]
     metric(
@@ -175,6 +180,19 @@ def _batch_lines(metric: Callable[[str, str, str, list[str]], None], b: dict) ->
     )
 
 
+# engine.stats()' rates (as /metrics names them) and the counts they divide by: a rate is exported only once one of
+# its counts is above 0. Before (no request yet, or only prefills for the decode rate, no draft for the draft's) the
+# stats say 0.0, which reads as a measured standstill; with no sample the gauge is absent, as Prometheus has it.
+ENGINE_RATES = {
+    "prefill_tokens_per_s": ("prefill_seconds",),
+    "decode_tokens_per_s": ("decode_seconds",),
+    "draft_acceptance_rate": ("draft_tokens_verified",),
+    "draft_tokens_per_pass": ("draft_verify_passes",),
+    "expert_cache_hit_rate": ("expert_cache_hits", "expert_cache_misses"),
+    "device_pool_hit_rate": ("device_pool_hits", "device_pool_misses"),
+}
+
+
 def _metric_name(key: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_")
 
@@ -187,7 +205,7 @@ class Metrics:
         self.cached_tokens = 0
         self.decode_tokens = 0
         self.decode_seconds = 0.0
-        self.last_tps = 0.0
+        self.last_tps: float | None = None  # None until a request decodes (a one-token reply has no decode speed)
         self.finish_reasons: dict[str, int] = {}
         self.errors: dict[int, int] = {}
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -256,18 +274,19 @@ class Metrics:
                 "Error responses by HTTP status.",
                 [f'request_errors_total{{status="{s}"}} {n}' for s, n in sorted(self.errors.items())],
             )
-            metric(
+            metric(  # the rates have no sample before a request decoded: a 0 would read as a measured standstill
                 "generation_tokens_per_second",
                 "gauge",
-                "Decode speed of the last request.",
-                [f"generation_tokens_per_second {self.last_tps:.3f}"],
+                "Decode speed of the last request that decoded (more than one token; no sample before one).",
+                [] if self.last_tps is None else [f"generation_tokens_per_second {self.last_tps:.3f}"],
             )
-            avg = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
             metric(
                 "avg_generation_tokens_per_second",
                 "gauge",
-                "Decode speed over all requests.",
-                [f"avg_generation_tokens_per_second {avg:.3f}"],
+                "Decode speed over all requests that decoded (no sample before one).",
+                [f"avg_generation_tokens_per_second {self.decode_tokens / self.decode_seconds:.3f}"]
+                if self.decode_seconds
+                else [],
             )
             metric(
                 "time_to_first_token_seconds",
@@ -327,6 +346,8 @@ class Metrics:
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
                         flat[_metric_name(f"{key}_{sub}" if sub else key)] = v
             for key, value in sorted(flat.items()):
+                if key in ENGINE_RATES and not any(flat.get(count, 0) > 0 for count in ENGINE_RATES[key]):
+                    continue  # a rate over nothing yet: absent (`ENGINE_RATES`)
                 metric(
                     f"engine_{key}",
                     "gauge",

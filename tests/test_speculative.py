@@ -674,4 +674,10 @@ def test_bench_runs(tiny_ckpt):
     assert len(rows) == 6 and all(r["tok_per_s"] > 0 for r in rows)
     replay = [r for r in rows if r["mode"] == "replay:0.9"]
     assert all(r["acceptance"] > 0.5 for r in replay)
-    assert "speedup" in sb.format_bench(rows)
+    # no draft verified: no acceptance, tokens per pass or plain share (they said 0.00), "-" in the table
+    plain = [r for r in rows if r["mode"] == "none"]
+    assert all(r["acceptance"] is r["tokens_per_pass"] is r["plain_share"] is None for r in plain)
+    table = sb.format_bench(rows)
+    assert "speedup" in table
+    for line in table.splitlines()[1:]:
+        assert (line.split()[-3:] == ["-", "-", "-"]) == (line.split()[0] == "none"), line

@@ -149,6 +149,9 @@ def bench(
         for mode, (eng, slow, speeds) in engines.items():
             st = eng.stats()
             plain, passes = st.get("draft_plain_steps", 0), st.get("draft_verify_passes", 0)
+            drafted = st.get("draft_tokens_verified", 0)
+            # a mode that verified no draft (`none`, or `auto` while drafting does not pay) has no acceptance or
+            # tokens per pass: None (`-` in the table), not 0.0
             rows.append(
                 {
                     "mode": mode,
@@ -156,9 +159,9 @@ def bench(
                     "cache_bytes": size * stride,
                     "tok_per_s": statistics.median(speeds),
                     "speedup": statistics.median(speeds) / base,
-                    "acceptance": st.get("draft_acceptance_rate", 0.0),
-                    "tokens_per_pass": st.get("draft_tokens_per_pass", 0.0),
-                    "plain_share": plain / max(1, plain + passes),
+                    "acceptance": st["draft_acceptance_rate"] if drafted else None,
+                    "tokens_per_pass": st["draft_tokens_per_pass"] if passes else None,
+                    "plain_share": plain / (plain + passes) if plain + passes else None,
                     "hit_rate": slow.hits / max(1, slow.hits + slow.misses),
                 }
             )
@@ -197,7 +200,7 @@ def format_bench(rows: list[dict]) -> str:
     lines = [f"{head[0]:>16} " + " ".join(f"{h:>8}" for h in head[1:])]
     for r in rows:
         values = [r["capacity"], r["cache_bytes"] / 1e6, *(r[k] for k in keys[1:])]
-        lines.append(f"{r['mode']:>16} " + " ".join(f"{v:>8.2f}" for v in values))
+        lines.append(f"{r['mode']:>16} " + " ".join("       -" if v is None else f"{v:>8.2f}" for v in values))
     return "\n".join(lines)
 
 

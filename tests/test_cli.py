@@ -185,6 +185,8 @@ def test_bench_refuses_a_flag_its_benchmark_does_not_read(capsys, monkeypatch, t
         (["bench", *m, "--streams", "2", "--draft", "mtp"], "argument --draft: not with --streams"),
         (["bench", *m, "--profile", "1", "--plot", "p.png"], "argument --plot: not with --profile"),
         (["bench", *m, "--force"], "argument --force: it replaces an existing --plot file"),
+        (["bench", *m, "--profile", "1", "--ram-budget", "1G,2G"], "argument --ram-budget: one budget with --profile"),
+        (["bench", *m, "--streams", "2", "--ram-budget", "1G,2G"], "argument --ram-budget: one budget with --streams"),
     ):
         assert_usage_error(capsys, argv, f"fastar bench: error: {want}")
     monkeypatch.setenv("FASTAR_CACHE_POLICY", "lru")  # a setting of every command that loads a model

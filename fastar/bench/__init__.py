@@ -237,6 +237,11 @@ def _unread_flag(a: argparse.Namespace, given: frozenset[str]) -> str | None:
     if mode not in ("kernels", "draft") and len(modes) > 1:
         return f"argument {modes[1]}: not with {modes[0]} (one benchmark a run: run them one after the other)"
     reads = _READS[mode] | {"json", "threads"} - ({"threads"} if mode == "draft" else set())
+    if mode in _NAMES and "ram_budget" in given and "," in str(a.ram_budget):  # a budget list is the model bench's
+        return (
+            f"argument --ram-budget: one budget with {mode} (it loads one engine; a list is for the model bench), "
+            f"got {a.ram_budget!r}"
+        )
     for dest in vars(a):  # in the parser's order
         if dest in given and dest not in reads:
             why = _WHY.get((mode, dest))

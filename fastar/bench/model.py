@@ -68,7 +68,8 @@ class _PeakRSS:
 
 def one_engine_options(a) -> dict:
     """The engine options of a bench that loads one engine (`--streams`, `--profile`, `--profile-prefill`): the
-    first of the budgets `--ram-budget` lists, `--head-screen`, `--cache-policy`, `--direct-io`, `--lookahead` and
+    budget `--ram-budget` gives (a list as a flag is refused, `fastar.bench.check_arguments`; of a list in its
+    environment mirror, the first), `--head-screen`, `--cache-policy`, `--direct-io`, `--lookahead` and
     `--no-verify` (`fastar.bench.check_arguments` refuses the memory flags these do not read: `--device`,
     `--gpu-budget`)."""
     budget = a.ram_budget.split(",")[0] if isinstance(a.ram_budget, str) else a.ram_budget

@@ -395,6 +395,34 @@ def test_metrics_have_no_rate_before_there_is_one(engine):
         srv.shutdown()
 
 
+def test_every_engine_rate_waits_for_its_counts(tiny_fst_path):
+    """Every rate `engine.stats()` gives (a name ending in _per_s, _rate, _per_pass or GBps, as /metrics names it)
+    is declared in `ENGINE_RATES` with the counts it divides by, so /metrics leaves it out until they are above 0:
+    the expert cache's read_GBps and served_GBps were not, and said 0.0 on a fresh server. On a paged model: no
+    rate before a request, the read rates once experts were read."""
+    from fastar.serve.metrics import ENGINE_RATES, engine_gauges
+
+    def names(stats: dict) -> set[str]:  # every number's name as /metrics flattens it, rates over nothing included
+        return {f"{k}_{sub}" for k, v in stats.items() if isinstance(v, dict) for sub in v} | set(stats)
+
+    def rates(keys) -> set[str]:
+        return {k for k in keys if k.endswith(("_per_s", "_rate", "_per_pass", "GBps"))}
+
+    eng = load(tiny_fst_path, ram_budget="1M")
+    try:
+        stats = eng.stats()
+        assert "expert_cache_read_GBps" in names(stats)  # paged: the cache's stats are there
+        assert rates(names(stats)) <= set(ENGINE_RATES)
+        assert all(c in names(stats) for key in rates(names(stats)) for c in ENGINE_RATES[key])
+        assert rates(engine_gauges(stats)) == set()
+        eng.generate(random_prompt(3, 8), max_tokens=3, temperature=0)
+        after = engine_gauges(eng.stats())
+        assert {"expert_cache_read_GBps", "expert_cache_served_GBps", "decode_tokens_per_s"} <= rates(after)
+        assert all(after[k] > 0 for k in rates(after) - {"expert_cache_hit_rate"})
+    finally:
+        eng.close()
+
+
 def test_a_live_sequences_rate_counts_its_decoded_tokens():
     """The decode speed of an active sequence counted every generated token over the time since its first, which
     came out of the prefill: 3 tokens a second after the first said 3 tok/s for 2 decoded (a finished one's counts

@@ -190,11 +190,25 @@ ENGINE_RATES = {
     "draft_tokens_per_pass": ("draft_verify_passes",),
     "expert_cache_hit_rate": ("expert_cache_hits", "expert_cache_misses"),
     "device_pool_hit_rate": ("device_pool_hits", "device_pool_misses"),
+    "expert_cache_read_GBps": ("expert_cache_read_s",),
+    "expert_cache_served_GBps": ("expert_cache_read_busy_s",),
 }
 
 
 def _metric_name(key: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_")
+
+
+def engine_gauges(stats: dict) -> dict[str, float]:
+    """`engine.stats()` as /metrics exports it: its numbers by metric name (a nested dict's as `key_sub`), less a
+    rate over nothing yet (`ENGINE_RATES`)."""
+    flat: dict[str, float] = {}
+    for key, value in stats.items():
+        items = value.items() if isinstance(value, dict) else [("", value)]
+        for sub, v in items:
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                flat[_metric_name(f"{key}_{sub}" if sub else key)] = v
+    return {k: v for k, v in flat.items() if k not in ENGINE_RATES or any(flat.get(c, 0) > 0 for c in ENGINE_RATES[k])}
 
 
 class Metrics:
@@ -339,15 +353,7 @@ class Metrics:
             except Exception:
                 log.exception("engine.stats() failed")
                 stats = {}
-            flat: dict[str, float] = {}
-            for key, value in stats.items():
-                items = value.items() if isinstance(value, dict) else [("", value)]
-                for sub, v in items:
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        flat[_metric_name(f"{key}_{sub}" if sub else key)] = v
-            for key, value in sorted(flat.items()):
-                if key in ENGINE_RATES and not any(flat.get(count, 0) > 0 for count in ENGINE_RATES[key]):
-                    continue  # a rate over nothing yet: absent (`ENGINE_RATES`)
+            for key, value in sorted(engine_gauges(stats).items()):
                 metric(
                     f"engine_{key}",
                     "gauge",

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-README = Path(__file__).resolve().parent.parent / "README.md"
+from doc_examples import README, fenced_blocks
 
 
 def test_the_readme_scheduler_example_runs_and_its_cancel_ends_b(vocab_ckpt, tmp_path, capsys):
@@ -13,7 +10,7 @@ def test_the_readme_scheduler_example_runs_and_its_cancel_ends_b(vocab_ckpt, tmp
     Run as written (the prefix cache in a temporary folder), `b` ends "cancelled" and `a` runs to its 32 tokens."""
     from fastar import load
 
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "engine.scheduler(" in b]
+    (block,) = [b.text for b in fenced_blocks(README, "python") if "engine.scheduler(" in b.text]
     assert '"~/.cache/fastar/prefixes"' in block
     engine = load(vocab_ckpt)
     try:

@@ -1,23 +1,35 @@
-"""The command lines users copy out of the docs parse as written.
+"""The examples users copy out of the docs work as written.
 
-Every `fastar ...` command line of README.md, docs/*.md and CONTRIBUTING.md (fenced, indented, or an inline code
+- Every `fastar ...` command line of README.md, docs/*.md and CONTRIBUTING.md (fenced, indented, or an inline code
   span) parses with fastar's own parser, its `add_check` checks included, without running: a misspelt, renamed or
   removed flag in a doc fails here. A line that names a command or a flag in prose rather than a whole command is
   in FRAGMENTS with its reason; its command and every `--flag` it names must still exist.
+- docs/SERVING.md's curl, openai, anthropic and Responses-stream examples, and docs/SCALING.md's client, run
+  against a live server on the small model with the real vocabulary (its host and port put in) and give what the
+  docs say. (README.md's scheduler example: tests/test_readme.py.)
+- The other ```python examples of docs/EXPERT_MEMORY.md and docs/PERPLEXITY.md run (the model path put in), or are
+  in NOT_RUN with the concrete reason.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import http.client
 import io
 import itertools
+import json
 import os
 import re
+import shutil
+import subprocess
 
 import pytest
-from doc_examples import DOCS, README, ROOT, Command, argv, commands
+from doc_examples import DOCS, README, ROOT, Command, argv, commands, fenced_blocks
 
 from fastar.cli import build_parser
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the small models: torch's threads only add overhead
 
 # Spans that name a command or a flag in running text, not a command to copy; the reason says which.
 FRAGMENTS = {
@@ -130,3 +142,157 @@ def test_a_misspelt_flag_in_a_doc_line_fails_the_check(no_fastar_env, tmp_path):
         m.setitem(FRAGMENTS, "fastar run --thinking --stopp", "a fragment")
         (failure,) = _failures(commands(doc))
     assert "not in fastar: --stopp" in failure, failure
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The code examples
+
+SERVING, SCALING = ROOT / "docs" / "SERVING.md", ROOT / "docs" / "SCALING.md"
+EXPERT_MEMORY, PERPLEXITY = ROOT / "docs" / "EXPERT_MEMORY.md", ROOT / "docs" / "PERPLEXITY.md"
+
+# The ```python blocks no test here runs, by the text that identifies each, with the reason.
+NOT_RUN = {
+    (EXPERT_MEMORY, "cache = ExpertCache(fst: FstFile"): (
+        "an API synopsis (annotated parameters and `-> result`s), not code; its import lines run below"
+    ),
+    (EXPERT_MEMORY, "res = bench_cache("): (
+        "reads the 20 GB Flash-width synthetic /tmp/fb/flash4.fst (its budgets are counts of Flash's 13.4 MB "
+        "records) and sleeps 15 ms a layer for 100 tokens: a benchmark of minutes"
+    ),
+}
+
+
+def run_block(code: str, scope: dict) -> list:
+    """Run an example as written, in `scope`; the values of its top-level expression statements (the lines a
+    reader would see printed at a prompt), each computed once."""
+    values = []
+    for stmt in ast.parse(code).body:
+        if isinstance(stmt, ast.Expr):
+            values.append(eval(compile(ast.Expression(stmt.value), "<doc>", "eval"), scope))
+        else:
+            exec(compile(ast.Module([stmt], []), "<doc>", "exec"), scope)
+    return values
+
+
+def python_block(path, marker: str) -> str:
+    (block,) = [b.text for b in fenced_blocks(path, "python") if marker in b.text]
+    return block
+
+
+def test_every_python_block_of_these_docs_is_run_or_listed():
+    """A new ```python example in these docs is run by a test here or listed in NOT_RUN with its reason."""
+    run_here = {
+        (SERVING, "client.chat.completions.create("),
+        (SERVING, "client.messages.create("),
+        (SERVING, "client.responses.stream("),
+        (SCALING, "gpu-box:8080"),
+        (EXPERT_MEMORY, "simulate(tr, 256, n"),
+        (PERPLEXITY, "engine.prompt_logprobs("),
+    }
+    markers = run_here | set(NOT_RUN)
+    for path in (SERVING, SCALING, EXPERT_MEMORY, PERPLEXITY):
+        for b in fenced_blocks(path, "python"):
+            assert sum(m in b.text for p, m in markers if p == path) == 1, f"{path.name}:{b.line} run or listed?"
+
+
+@pytest.fixture(scope="module")
+def server(vocab_ckpt):
+    """The small model with the real vocabulary, served on a free port. Its context is 192 tokens: a request
+    without max_tokens (docs/SCALING.md's) fills the room left and no more."""
+    from fastar.engine.engine import load
+    from fastar.serve.server import Server
+
+    engine = load(vocab_ckpt)
+    engine.context_length = 192
+    srv = Server(lambda: engine, port=0).start()
+    try:
+        assert srv.wait_ready(120)
+        yield srv
+    finally:
+        srv.shutdown()
+
+
+def _at(text: str, srv, where: str = "127.0.0.1:8080") -> str:
+    assert where in text
+    return text.replace(where, f"127.0.0.1:{srv.port}")
+
+
+def test_serving_curl_example_gets_a_chat_reply(server):
+    """The curl line as written (curl when installed, else the same request through http.client): the reply's
+    `choices[0].message` holds `content` and, in thinking mode (the default), `reasoning_content`."""
+    (block,) = [b.text for b in fenced_blocks(SERVING, "sh") if b.text.startswith("curl ")]
+    block = _at(block, server)
+    if shutil.which("curl"):
+        done = subprocess.run(["bash", "-c", block], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        reply = json.loads(done.stdout)
+    else:
+        (body,) = re.findall(r"-d '(.*)'", block)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        reply = json.loads(conn.getresponse().read())
+        conn.close()
+    message = reply["choices"][0]["message"]
+    assert message["role"] == "assistant" and "content" in message, reply
+    assert message["reasoning_content"], reply
+    assert reply["usage"]["completion_tokens"] <= 64
+
+
+def test_serving_openai_anthropic_and_responses_stream_examples_run(server, capsys):
+    """Run as written against the server: the openai reply answers at once (content printed, no reasoning), the
+    anthropic reply has no thinking block, and the Responses stream (with the openai example's `client`) ends
+    with a response whose status is completed or incomplete."""
+    scope: dict = {}
+    block = python_block(SERVING, "client.chat.completions.create(")
+    assert 'base_url="http://127.0.0.1:8080/v1"' in block
+    exec(_at(block, server), scope)
+    assert scope["reply"].choices[0].message.content, scope["reply"]
+    assert not getattr(scope["reply"].choices[0].message, "reasoning_content", None)
+    assert capsys.readouterr().out.strip() == scope["reply"].choices[0].message.content.strip()
+
+    exec(python_block(SERVING, "client.responses.stream("), scope)  # the client above
+    assert scope["response"].status in ("completed", "incomplete"), scope["response"]
+    if scope["response"].status == "incomplete":
+        assert scope["response"].incomplete_details.reason == "max_output_tokens"
+
+    a_scope: dict = {}
+    exec(_at(python_block(SERVING, "client.messages.create("), server), a_scope)
+    message = a_scope["message"]
+    assert message.content and [b.type for b in message.content] == ["text"], message
+    assert capsys.readouterr().out.startswith("[TextBlock(")
+
+
+def test_scaling_client_example_runs_against_fastar(server):
+    """docs/SCALING.md's client, pointed back at fastar: the same fields are accepted (thinking on, effort high)."""
+    (reply,) = run_block(_at(python_block(SCALING, "gpu-box:8080"), server, "gpu-box:8080"), {})
+    assert reply.choices[0].message.reasoning_content, reply  # thinking, as chat_template_kwargs asked
+
+
+def test_expert_memory_api_imports_and_sweep_run():
+    """The API synopsis's imports exist; the sweep cell gives three hit rates in [0, 1], the prefetched one
+    no lower than LRFU alone (the doc's table: prefetch adds hits)."""
+    synopsis = python_block(EXPERT_MEMORY, "cache = ExpertCache(fst: FstFile")
+    exec("\n".join(line for line in synopsis.split("\n") if line.startswith("from fastar")), {})
+
+    before, after = run_block(python_block(EXPERT_MEMORY, "simulate(tr, 256, n"), {})
+    assert all(0 <= r <= 1 for r in (*before, after)), (before, after)
+    assert after >= before[1], (before, after)
+
+
+def test_perplexity_prompt_logprobs_example_runs(vocab_ckpt):
+    """With the small model's path for flash.fst: one logprob, rank and top list per token, as the comments say."""
+    block = python_block(PERPLEXITY, "engine.prompt_logprobs(")
+    assert '"flash.fst"' in block
+    scope: dict = {}
+    logprobs, ranks, top, total = run_block(block.replace('"flash.fst"', repr(str(vocab_ckpt))), scope)
+    s, engine = scope["scores"], scope["engine"]
+    try:
+        assert (logprobs, ranks, top, total) == (s.logprobs, s.ranks, s.top, s.total())
+        n = len(engine.tokenizer.encode("The capital of France is Paris."))
+        assert len(s.logprobs) == len(s.ranks) == len(s.top) == n > 1
+        assert s.logprobs[0] is None and s.ranks[0] is None and s.top[0] == []
+        assert all(lp <= 0 for lp in s.logprobs[1:]) and all(r >= 1 for r in s.ranks[1:])
+        assert all(len(t) == 5 for t in s.top[1:])
+        assert s.total() == pytest.approx(sum(s.logprobs[1:]))
+    finally:
+        engine.close()

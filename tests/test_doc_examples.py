@@ -16,6 +16,8 @@ from __future__ import annotations
 import ast
 import contextlib
 import http.client
+import importlib
+import inspect
 import io
 import itertools
 import json
@@ -153,7 +155,8 @@ EXPERT_MEMORY, PERPLEXITY = ROOT / "docs" / "EXPERT_MEMORY.md", ROOT / "docs" / 
 # The ```python blocks no test here runs, by the text that identifies each, with the reason.
 NOT_RUN = {
     (EXPERT_MEMORY, "cache = ExpertCache(fst: FstFile"): (
-        "an API synopsis (annotated parameters and `-> result`s), not code; its import lines run below"
+        "an API synopsis (annotated parameters and `-> result`s), not code: its imports run and its calls' "
+        "parameters are compared with the code's signatures below"
     ),
     (EXPERT_MEMORY, "res = bench_cache("): (
         "reads the 20 GB Flash-width synthetic /tmp/fb/flash4.fst (its budgets are counts of Flash's 13.4 MB "
@@ -268,11 +271,60 @@ def test_scaling_client_example_runs_against_fastar(server):
     assert reply.choices[0].message.reasoning_content, reply  # thinking, as chat_template_kwargs asked
 
 
-def test_expert_memory_api_imports_and_sweep_run():
-    """The API synopsis's imports exist; the sweep cell gives three hit rates in [0, 1], the prefetched one
-    no lower than LRFU alone (the doc's table: prefetch adds hits)."""
+def _synopsis_calls(synopsis: str, scope: dict) -> list[tuple[object, str, list[str], int]]:
+    """Each `name(params)` of the API synopsis: what it names (a line `fastar.x.y:` makes the module the owner of
+    the bare names after it, a line starting `cache` the ExpertCache, `Name(` or `Name:` that class for the `.name(`
+    lines after it), the documented parameter names, and the line."""
+    lines = [line.split("#")[0] for line in synopsis.split("\n")]
+    owners, owner = [], None
+    for line in lines:
+        if m := re.match(r"(fastar(?:\.\w+)+):$", line.strip()):
+            owner = importlib.import_module(m.group(1))
+        elif m := re.match(r"(cache\b|[A-Z]\w*[(:])", line):
+            owner = scope["ExpertCache" if m.group(1) == "cache" else m.group(1)[:-1]]
+        owners.append(owner)
+    text, calls = "\n".join(lines), []
+    for m in re.finditer(r"\b(\w+)\(", text):
+        depth, end = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            end += 1
+        pieces, depth, start = [], 0, m.end()
+        for i in range(m.end(), end - 1):
+            depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(text[i], 0)
+            if text[i] == "," and depth == 0:
+                pieces.append(text[start:i])
+                start = i + 1
+        pieces.append(text[start : end - 1])
+        names = [re.match(r"\w*", p.strip().lstrip("*")).group(0) for p in pieces]
+        line = text.count("\n", 0, m.start())
+        calls.append((owners[line], m.group(1), [n for n in names if n], line + 1))
+    return calls
+
+
+def test_expert_memory_api_synopsis_matches_the_code_and_the_sweep_runs():
+    """The API synopsis's imports exist and each call it shows names a function or method with those parameters,
+    in that order, every required one shown (a renamed, moved or removed parameter fails). The sweep cell gives
+    three hit rates in [0, 1], the prefetched one no lower than LRFU alone (the doc's table: prefetch adds hits)."""
     synopsis = python_block(EXPERT_MEMORY, "cache = ExpertCache(fst: FstFile")
-    exec("\n".join(line for line in synopsis.split("\n") if line.startswith("from fastar")), {})
+    scope: dict = {}
+    exec("\n".join(line for line in synopsis.split("\n") if line.startswith("from fastar")), scope)
+    calls = _synopsis_calls(synopsis, scope)
+    assert len(calls) > 30, calls
+    wrong = []
+    for owner, name, documented, line in calls:
+        fn = owner if getattr(owner, "__name__", None) == name else getattr(owner, name, None)
+        if fn is None:
+            wrong.append(f"synopsis line {line}: {name} is not in {owner}")
+            continue
+        params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+        real = [p.name for p in params]
+        required = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not set(required) <= set(documented) or [n for n in real if n in documented] != documented:
+            wrong.append(
+                f"synopsis line {line}: {name}({', '.join(documented)}) but the code has {name}{inspect.signature(fn)}"
+            )
+    assert not wrong, "\n".join(wrong)
 
     before, after = run_block(python_block(EXPERT_MEMORY, "simulate(tr, 256, n"), {})
     assert all(0 <= r <= 1 for r in (*before, after)), (before, after)

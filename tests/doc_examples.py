@@ -43,14 +43,14 @@ def fenced_blocks(path: Path, lang: str | None = None) -> list[Block]:
     return blocks
 
 
-def _is_command(text: str) -> bool:
-    return re.match(r"fastar\s+[a-z-]", text) is not None
+FASTAR = r"fastar\s+[a-z-]"  # a command of the `fastar` program
+SCRIPT = r"python3?\s+scripts/\w+\.py\b"  # one of the repository's scripts
 
 
-def commands(path: Path) -> list[Command]:
-    """Every `fastar ...` command line of a Markdown file: the lines of its fenced blocks (a
-    trailing `\\` joins the next line), its indented lines outside fences, and its inline code spans that start
-    with `fastar ` and a word (a span may break across lines; `\\|`, a table's escaped bar, is read as `|`)."""
+def commands(path: Path, program: str = FASTAR) -> list[Command]:
+    """Every `fastar ...` command line of a Markdown file (or whatever `program` matches at a line's start): the
+    lines of its fenced blocks (a trailing `\\` joins the next line), its indented lines outside fences, and its
+    inline code spans that match (a span may break across lines; `\\|`, a table's escaped bar, is read as `|`)."""
     doc = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
     text = path.read_text()
     found: list[Command] = []
@@ -63,26 +63,27 @@ def commands(path: Path) -> list[Command]:
                 i += 1
                 line = line.rstrip()[:-1] + " " + lines[i].strip()
             i += 1
-            if _is_command(line.strip()):
+            if re.match(program, line.strip()):
                 found.append(Command(" ".join(line.split()), doc, block.line + start))
     # outside the fences (blanked, keeping the line count): indented lines, then inline code spans
     rest = _FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
     for n, line in enumerate(rest.split("\n"), 1):
-        if line.startswith("    ") and _is_command(line.strip()):
+        if line.startswith("    ") and re.match(program, line.strip()):
             found.append(Command(" ".join(line.split()), doc, n))
     for m in re.finditer(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", rest, re.S):
         span = m.group(2)
         if "\n\n" in span:
             continue
         span = " ".join(span.replace("\\|", "|").split())
-        if _is_command(span):
+        if re.match(program, span):
             found.append(Command(span, doc, rest.count("\n", 0, m.start()) + 1))
     found.sort(key=lambda c: c.line)
     return found
 
 
 def argv(command: str) -> list[str]:
-    """A command line's arguments after `fastar`, as a shell splits them (a `#` comment dropped)."""
+    """A command line's arguments after `fastar` (after `python`, its script first), as a shell splits them (a
+    `#` comment dropped)."""
     words = shlex.split(command, comments=True)
-    assert words[0] == "fastar", command
+    assert words[0] in ("fastar", "python", "python3"), command
     return words[1:]

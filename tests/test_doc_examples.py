@@ -4,6 +4,8 @@
   span) parses with fastar's own parser, its `add_check` checks included, without running: a misspelt, renamed or
   removed flag in a doc fails here. A line that names a command or a flag in prose rather than a whole command is
   in FRAGMENTS with its reason; its command and every `--flag` it names must still exist.
+- Every `python scripts/X.py ...` line of the same docs parses with the script's own argparse parser (the script
+  run up to its `parse_args`).
 - docs/SERVING.md's curl, openai, anthropic and Responses-stream examples, and docs/SCALING.md's client, run
   against a live server on the small model with the real vocabulary (its host and port put in) and give what the
   docs say. (README.md's scheduler example: tests/test_readme.py.)
@@ -13,6 +15,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import http.client
@@ -23,11 +26,13 @@ import itertools
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
+import sys
 
 import pytest
-from doc_examples import DOCS, README, ROOT, Command, argv, commands, fenced_blocks
+from doc_examples import DOCS, README, ROOT, SCRIPT, Command, argv, commands, fenced_blocks
 
 from fastar.cli import build_parser
 
@@ -144,6 +149,47 @@ def test_a_misspelt_flag_in_a_doc_line_fails_the_check(no_fastar_env, tmp_path):
         m.setitem(FRAGMENTS, "fastar run --thinking --stopp", "a fragment")
         (failure,) = _failures(commands(doc))
     assert "not in fastar: --stopp" in failure, failure
+
+
+class _Parsed(Exception):
+    """Raised in place of running a script once its arguments parsed."""
+
+
+def _parse_script(words: list[str], monkeypatch) -> str | None:
+    """None when the script's own argparse parser takes its arguments (run up to that point: its imports and
+    `main` until `parse_args` returns), else the script's one-line error."""
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        parse(self, args, namespace)
+        raise _Parsed
+
+    err = io.StringIO()
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+        m.setattr(sys, "argv", [str(ROOT / words[0]), *words[1:]])
+        m.syspath_prepend(str((ROOT / words[0]).parent))  # as python puts a script's folder first
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                runpy.run_path(str(ROOT / words[0]), run_name="__main__")
+        except _Parsed:
+            return None
+        except SystemExit as e:
+            return err.getvalue().strip() or f"exit {e.code}"
+    return "ran without parsing its arguments with argparse"
+
+
+def test_every_documented_script_command_line_parses(monkeypatch):
+    """`python scripts/X.py ...` lines (placeholders and alternatives as for fastar's) parse with the script's
+    parser: a flag a script renamed or dropped fails here."""
+    found = [c for path in (README, *DOCS) for c in commands(path, SCRIPT)]
+    assert len(found) >= 10, found
+    failures = []
+    for c in found:
+        for args in _variants(c.text):
+            if (error := _parse_script(args, monkeypatch)) is not None:
+                failures.append(f"{c}\n    python {' '.join(args)}\n    {error}")
+    assert not failures, "documented script lines that do not parse:\n" + "\n".join(failures)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import runpy
+import shlex
 import shutil
 import subprocess
 import sys
@@ -192,6 +193,34 @@ def test_every_documented_script_command_line_parses(monkeypatch):
     assert not failures, "documented script lines that do not parse:\n" + "\n".join(failures)
 
 
+def test_the_shell_lines_of_contributing_and_device_name_files_and_tests_that_exist():
+    """CONTRIBUTING.md's `bash X` set-up lines and `python -m pytest` lines (a file, a `file::test`, `-k WORD`),
+    and docs/DEVICE.md's GPU check: the files, the test and a test matching the word exist."""
+    checked = 0
+    for path in (ROOT / "CONTRIBUTING.md", ROOT / "docs" / "DEVICE.md"):
+        for block in fenced_blocks(path):
+            if block.lang not in ("", "sh"):
+                continue
+            for line in block.text.split("\n"):
+                words = [w for w in shlex.split(line, comments=True) if "=" not in w]  # DRY=1: an environment
+                if words[:1] == ["bash"]:
+                    assert (ROOT / words[1]).is_file(), line
+                    checked += 1
+                if words[:3] != ["python", "-m", "pytest"]:
+                    continue
+                files = [w for w in words if w.startswith("tests/")]
+                for w in files:
+                    file, _, test = w.partition("::")
+                    assert (ROOT / file).is_file(), line
+                    assert not test or f"def {test}(" in (ROOT / file).read_text(), line
+                    checked += 1
+                if "-k" in words:
+                    word = words[words.index("-k") + 1]
+                    (file,) = files
+                    assert re.search(rf"def test\w*{word}\w*\(", (ROOT / file).read_text()), line
+    assert checked >= 6, checked
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The code examples
 
@@ -290,7 +319,8 @@ def test_serving_curl_example_gets_a_chat_reply(server):
 def test_serving_openai_anthropic_and_responses_stream_examples_run(server, capsys):
     """Run as written against the server: the openai reply answers at once (content printed, no reasoning), the
     anthropic reply has no thinking block, and the Responses stream (with the openai example's `client`) ends
-    with a response whose status is completed or incomplete."""
+    with its response, completed or incomplete; cut short, the SDK's `get_final_response()` raises
+    the error the doc quotes."""
     scope: dict = {}
     block = python_block(SERVING, "client.chat.completions.create(")
     assert 'base_url="http://127.0.0.1:8080/v1"' in block
@@ -301,8 +331,16 @@ def test_serving_openai_anthropic_and_responses_stream_examples_run(server, caps
 
     exec(python_block(SERVING, "client.responses.stream("), scope)  # the client above
     assert scope["response"].status in ("completed", "incomplete"), scope["response"]
-    if scope["response"].status == "incomplete":
+    if scope["response"].status == "incomplete":  # sampled at temperature 1: nearly always 16 tokens of thinking
         assert scope["response"].incomplete_details.reason == "max_output_tokens"
+    # what the doc says the SDK's helper does with a stream cut short (greedy: the same tokens every run), verbatim
+    (said,) = re.findall(r"``RuntimeError: (.*?)``", SERVING.read_text())
+    cut_short = scope["client"].responses.stream(
+        model="deepseek-v4-flash", input="Hello", max_output_tokens=16, temperature=0
+    )
+    with pytest.raises(RuntimeError) as raised, cut_short as stream:
+        stream.get_final_response()
+    assert str(raised.value) == said
 
     a_scope: dict = {}
     exec(_at(python_block(SERVING, "client.messages.create("), server), a_scope)

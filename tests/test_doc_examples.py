@@ -11,6 +11,8 @@
   docs say. (README.md's scheduler example: tests/test_readme.py.)
 - The other ```python examples of docs/EXPERT_MEMORY.md and docs/PERPLEXITY.md run (the model path put in), or are
   in NOT_RUN with the concrete reason.
+- docs/EXPERT_MEMORY.md's API synopsis shows the code's parameters; docs/FORMAT.md's header example the keys of a
+  header fastar writes; CONTRIBUTING.md's and docs/DEVICE.md's shell lines name files and tests that exist.
 """
 
 from __future__ import annotations
@@ -432,3 +434,27 @@ def test_perplexity_prompt_logprobs_example_runs(vocab_ckpt):
         assert s.total() == pytest.approx(sum(s.logprobs[1:]))
     finally:
         engine.close()
+
+
+def _lenient_json(text: str):
+    """A documented JSON example with `...` for what it leaves out: `[...]` an empty list, `, ...` dropped, a
+    `...` value null."""
+    text = re.sub(r"\[\s*\.\.\.\s*\]", "[]", text)
+    text = re.sub(r",\s*\.\.\.\s*(?=[\]}])", "", text)
+    return json.loads(re.sub(r":\s*\.\.\.", ": null", text))
+
+
+def test_format_header_example_has_the_fields_a_written_header_has(tiny_fst_file):
+    """docs/FORMAT.md's header: the same keys as the header fastar writes, at every level it shows (its `config`
+    lists a few of the fields, each a real one); the first tensor's, blob's and expert section's keys likewise."""
+    (block,) = fenced_blocks(ROOT / "docs" / "FORMAT.md", "json")
+    doc, real = _lenient_json(block.text), tiny_fst_file.header
+    assert doc.keys() == real.keys()
+    assert doc["format"] == real["format"] and doc["version"] == real["version"]
+    for key in ("converter", "source", "experts"):
+        assert doc[key].keys() == real[key].keys(), key
+    assert doc["config"].keys() <= real["config"].keys()
+    for key in ("tensors", "blobs"):
+        assert doc[key][0].keys() == real[key][0].keys(), key
+    assert doc["experts"]["sections"][0].keys() == real["experts"]["sections"][0].keys()
+    assert doc["tensors"][0]["name"] in {t["name"] for t in real["tensors"]}

@@ -324,33 +324,21 @@ def int_flag(lo: int, hi: int | None, what: str) -> Callable[[str], int]:
     return parse
 
 
-def share_flag(what: str) -> Callable[[str], float]:
-    """An argparse `type` for a share of something, a number in (0, 1]: a bad value is one usage line naming `what`."""
+def float_flag(lo: float, hi: float, what: str, open_lo: bool = False) -> Callable[[str], float]:
+    """An argparse `type` for a number in [lo, hi], or (lo, hi] with `open_lo`; with `hi` infinite, any finite
+    number above (or from) lo. A bad value (out of range, nan, not a number) is one usage line naming `what`."""
 
     def parse(v: str) -> float:
         try:
             x = float(v)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a number in (0, 1], got {v!r}") from None
-        if not 0 < x <= 1:  # NaN fails this too
-            raise argparse.ArgumentTypeError(f"{what} must be in (0, 1], got {v}")
-        return x
-
-    parse.__name__ = what
-    return parse
-
-
-def seconds_flag(what: str) -> Callable[[str], float]:
-    """An argparse `type` for a positive, finite number of seconds: a bad value (0, negative, nan, inf, not a
-    number) is one usage line naming `what`."""
-
-    def parse(v: str) -> float:
-        try:
-            x = float(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a number of seconds, got {v!r}") from None
-        if not (0 < x < math.inf):  # NaN fails this too
-            raise argparse.ArgumentTypeError(f"{what} must be a positive, finite number of seconds, got {v}")
+            raise argparse.ArgumentTypeError(f"{what} must be a number, got {v!r}") from None
+        if not (lo < x if open_lo else lo <= x) or not (x < hi if hi == math.inf else x <= hi):  # NaN fails too
+            if hi == math.inf:
+                more = f"a finite number {'above' if open_lo else 'of at least'} {lo:g}"
+            else:
+                more = f"above {lo:g} and at most {hi:g}" if open_lo else f"between {lo:g} and {hi:g}"
+            raise argparse.ArgumentTypeError(f"{what} must be {more}, got {v}")
         return x
 
     parse.__name__ = what

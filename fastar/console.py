@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from .config import MAX_DEFAULT_CONTEXT, int_flag, parse_size
+from .config import MAX_DEFAULT_CONTEXT, float_flag, int_flag, parse_size
 from .encoding import StreamParser
 from .engine.tokenizer import InvalidText, check_text
 from .errors import ConfigError, FastarError, OptionError
@@ -50,23 +50,6 @@ CHAT_HELP = """commands:
 
 
 # --- flags -------------------------------------------------------------------------------------------------
-
-
-def float_in(lo: float, hi: float, what: str, open_lo: bool = False):
-    """A float flag in [lo, hi], or (lo, hi] with `open_lo` (the bounds `SamplingParams` checks, said as usage)."""
-
-    def parse(v: str) -> float:
-        try:
-            x = float(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a number, got {v!r}") from None
-        if not (lo < x if open_lo else lo <= x) or not x <= hi:
-            more = f"above {lo:g} and at most {hi:g}" if open_lo else f"between {lo:g} and {hi:g}"
-            raise argparse.ArgumentTypeError(f"{what} must be {more}, got {v}")
-        return x
-
-    parse.__name__ = what
-    return parse
 
 
 def _stop_string(text: str) -> str:
@@ -115,20 +98,20 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "--temp",
         "--temperature",
         dest="temp",
-        type=float_in(0, 100, "a temperature"),
+        type=float_flag(0, 100, "a temperature"),
         default=0.0,
         help="0 = greedy (default %(default)s)",
     )
     p.add_argument(
         "--top-p",
-        type=float_in(0, 1, "top-p", open_lo=True),
+        type=float_flag(0, 1, "top-p", open_lo=True),
         default=1.0,
         help="sample from the most likely tokens that together hold this probability (1 = off)",
     )
     p.add_argument("--top-k", type=non_negative_int, default=0, help="sample from the k most likely tokens (0 = off)")
     p.add_argument(
         "--min-p",
-        type=float_in(0, 1, "min-p"),
+        type=float_flag(0, 1, "min-p"),
         default=0.0,
         help="drop tokens less likely than this fraction of the most likely one (0 = off)",
     )

@@ -101,14 +101,23 @@ def test_a_misspelt_flag_is_said_before_the_positional_that_took_its_value(capsy
         assert_usage_error(capsys, argv, want)
 
 
+def test_a_bad_prefill_share_is_one_usage_line_naming_the_flag(capsys):
+    """`fastar serve --prefill-share S`: a number in (0, 1] (the same range flag type as --max-stall and --top-p)."""
+    for value in ("0", "1.5", "nan"):
+        want = f"argument --prefill-share: --prefill-share must be above 0 and at most 1, got {value}"
+        assert_usage_error(capsys, ["serve", "--prefill-share", value], f"fastar serve: error: {want}")
+    assert build_parser().parse_args(["serve", "--prefill-share", "1"]).prefill_share == 1.0
+
+
 def test_a_bad_max_stall_is_one_usage_line_naming_the_flag(capsys, monkeypatch):
     """`fastar serve --max-stall S`: a positive, finite number of seconds; anything else exits 2 with one line naming
     the flag (its FASTAR_MAX_STALL mirror too), before any model loads."""
     for value, want in (
-        ("0", "--max-stall must be a positive, finite number of seconds, got 0"),
-        ("-1", "--max-stall must be a positive, finite number of seconds, got -1"),
-        ("nan", "--max-stall must be a positive, finite number of seconds, got nan"),
-        ("abc", "--max-stall must be a number of seconds, got 'abc'"),
+        ("0", "--max-stall must be a finite number above 0, got 0"),
+        ("-1", "--max-stall must be a finite number above 0, got -1"),
+        ("nan", "--max-stall must be a finite number above 0, got nan"),
+        ("inf", "--max-stall must be a finite number above 0, got inf"),
+        ("abc", "--max-stall must be a number, got 'abc'"),
     ):
         assert_usage_error(
             capsys, ["serve", "--max-stall", value], f"fastar serve: error: argument --max-stall: {want}"

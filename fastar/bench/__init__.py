@@ -18,7 +18,7 @@ import importlib.util
 import json
 
 from .. import console
-from ..config import int_flag
+from ..config import float_flag, int_flag
 from ..errors import FastarError
 
 
@@ -93,7 +93,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--temperature",
-        type=console.float_in(0, 100, "a temperature"),
+        type=float_flag(0, 100, "a temperature"),
         default=0.0,
         help="model: sample the timed decode at this temperature (0, the default: greedy). Without --top-p "
         "the steps screen the LM head for the rows that can win the draw, as greedy ones do; with --top-p below 1 "
@@ -101,7 +101,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--top-p",
-        type=console.float_in(0, 1, "top-p", open_lo=True),
+        type=float_flag(0, 1, "top-p", open_lo=True),
         default=1.0,
         help="model: with --temperature, the nucleus to sample from",
     )

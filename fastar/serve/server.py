@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import re
 import socket
 import threading
@@ -42,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from fastar.config import int_flag, seconds_flag, share_flag
+from fastar.config import float_flag, int_flag
 from fastar.contracts import ServedEngine
 from fastar.engine.pacing import MAX_STALL
 from fastar.errors import FastarError
@@ -429,7 +430,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefill-share",
-        type=share_flag("--prefill-share"),
+        type=float_flag(0, 1, "--prefill-share", open_lo=True),
         default=0.5,
         help="the part of the time a prompt's prefill may take while other requests generate, in (0, 1]: after "
         "each layer of a long prompt's prefill chunk (a chunk takes seconds on a CPU) they generate for as long "
@@ -439,7 +440,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-stall",
-        type=seconds_flag("--max-stall"),
+        type=float_flag(0, math.inf, "--max-stall", open_lo=True),
         default=MAX_STALL,
         metavar="SECONDS",
         help="while a prompt within one prefill chunk runs (a short request; a chunk takes seconds on a CPU), "
